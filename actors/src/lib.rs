@@ -1,0 +1,1 @@
+//! Actor runtime (in progress).
