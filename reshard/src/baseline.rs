@@ -1,0 +1,152 @@
+//! The gather-and-broadcast baseline, as RL frameworks do it today: per
+//! tensor, gather the whole tensor on one source rank (the first rank of its
+//! mesh), broadcast it whole to every destination rank holding any of it
+//! (one copy per destination node, relayed node to node by doubling, then
+//! fanned out inside the node), and let each rank keep its slices.
+//!
+//! Same pieces, transfers and figures as the reshard, so the two compare on
+//! equal terms.
+
+use crate::block::Block;
+use crate::dtype::wire_dtype;
+use crate::layout::{Layout, Placement, Rank};
+use crate::overlap::{atomize, SourceIndex};
+use crate::plan::{fingerprint, finish, Endpoint, Figures, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer};
+use crate::planner::{add_node_needs, match_tensors, receivers_of};
+
+/// Plans the gather-broadcast baseline from `src` to `dst`.
+pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Plan, PlanError> {
+    let matched = match_tensors(src, dst)?;
+    let mut pieces: Vec<Piece> = Vec::new();
+    let mut transfers: Vec<Transfer> = Vec::new();
+    let mut needs = vec![0u64; dst.nodes() as usize];
+    let mut unique_bytes = 0u64;
+    let rpn = dst.ranks_per_node();
+    // Local copies out of scratch happen after every broadcast stage.
+    let mut finals: Vec<Transfer> = Vec::new();
+    let mut last_stage = 0u16;
+    for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
+        let tensor = &src.tensors()[ts as usize];
+        let hs = src.holdings(ts);
+        let hd = dst.holdings(td as u32);
+        if hd.is_empty() {
+            continue;
+        }
+        let wire = wire_dtype(sd, dd);
+        // Lower-bound bookkeeping, identical to the reshard's.
+        for atom in atomize(&hd) {
+            let bytes = atom.block.numel() * wire.size();
+            unique_bytes += bytes;
+            add_node_needs(&mut needs, &receivers_of(&hd, &atom.holdings), rpn, bytes);
+        }
+        let full = Block::full(&tensor.shape);
+        let root = match &tensor.placement {
+            Placement::Mesh(m) => m.ranks[0],
+            Placement::Shards(_) => hs.iter().flat_map(|h| h.holders.iter().map(|l| l.rank)).min().unwrap_or(0),
+        };
+        // Gather onto the root's scratch buffer.
+        let index = SourceIndex::new(&hs);
+        let covers = index.cover(&full).map_err(|region| PlanError::NotCovered {
+            tensor: tensor.name.clone(),
+            rank: receivers_of(&hd, &[0])[0],
+            region,
+        })?;
+        let gather_elems = (options.max_staging_bytes / sd.size()).max(1);
+        for c in covers {
+            let sender = if c.candidates.contains(&root) { root } else { c.candidates[0] };
+            for block in c.block.split_to_fit(gather_elems) {
+                let piece = pieces.len() as u32;
+                pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block });
+                transfers.push(Transfer {
+                    piece,
+                    from: Endpoint::src(sender),
+                    to: Endpoint::src(root),
+                    stage: 0,
+                    from_scratch: false,
+                    to_scratch: true,
+                    round: 0,
+                });
+            }
+        }
+        // Broadcast the whole tensor: root -> first node, doubling across
+        // nodes, then fan-out inside each node.
+        let all: Vec<u32> = (0..hd.len() as u32).collect();
+        let receivers = receivers_of(&hd, &all);
+        let mut groups: Vec<&[Rank]> = Vec::new();
+        let mut start = 0;
+        for i in 1..=receivers.len() {
+            if i == receivers.len() || receivers[i] / rpn != receivers[start] / rpn {
+                groups.push(&receivers[start..i]);
+                start = i;
+            }
+        }
+        let elems = (options.max_staging_bytes / wire.size()).max(1);
+        for block in full.split_to_fit(elems) {
+            let piece = pieces.len() as u32;
+            pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block });
+            let mut push = |from: Endpoint, to: Endpoint, stage: u16| {
+                transfers.push(Transfer { piece, from, to, stage, from_scratch: true, to_scratch: true, round: 0 });
+            };
+            push(Endpoint::src(root), Endpoint::dst(groups[0][0]), 1);
+            let mut arrival = vec![1u16; groups.len()];
+            let (mut have, mut stage) = (1usize, 2u16);
+            while have < groups.len() {
+                for i in 0..have {
+                    if have >= groups.len() {
+                        break;
+                    }
+                    push(Endpoint::dst(groups[i][0]), Endpoint::dst(groups[have][0]), stage);
+                    arrival[have] = stage;
+                    have += 1;
+                }
+                stage += 1;
+            }
+            for (g, &a) in groups.iter().zip(&arrival) {
+                for &r in &g[1..] {
+                    push(Endpoint::dst(g[0]), Endpoint::dst(r), a + 1);
+                    last_stage = last_stage.max(a + 1);
+                }
+                last_stage = last_stage.max(a);
+            }
+        }
+        // Each rank keeps its slices.
+        for h in &hd {
+            let piece = pieces.len() as u32;
+            pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block: h.block });
+            let mut ranks: Vec<Rank> = h.holders.iter().map(|l| l.rank).collect();
+            ranks.dedup();
+            for r in ranks {
+                finals.push(Transfer {
+                    piece,
+                    from: Endpoint::dst(r),
+                    to: Endpoint::dst(r),
+                    stage: 0,
+                    from_scratch: true,
+                    to_scratch: false,
+                    round: 0,
+                });
+            }
+        }
+    }
+    for mut t in finals {
+        t.stage = last_stage + 1;
+        transfers.push(t);
+    }
+    let mut plan = Plan {
+        strategy: Strategy::Baseline,
+        fingerprint: fingerprint(src, dst, options, Strategy::Baseline),
+        options: *options,
+        src_ranks: src.ranks(),
+        dst_ranks: dst.ranks(),
+        src_rpn: src.ranks_per_node(),
+        dst_rpn: rpn,
+        pieces,
+        transfers,
+        wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
+        figures: Figures::default(),
+        needed_node_bytes: needs,
+        unique_bytes,
+    };
+    finish(&mut plan);
+    Ok(plan)
+}

@@ -1,0 +1,326 @@
+//! Element types and the conversions allowed between them.
+//!
+//! Floating-point types `f64`, `f32`, `bf16` and `f16` convert among
+//! themselves with round-to-nearest-even; every other pair must match
+//! exactly. Values travel in the narrower of the two types ([`wire_dtype`]).
+
+use std::fmt;
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DType {
+    /// IEEE 754 binary64.
+    F64,
+    /// IEEE 754 binary32.
+    F32,
+    /// bfloat16 (8-bit exponent, 7-bit mantissa).
+    BF16,
+    /// IEEE 754 binary16.
+    F16,
+    /// 8-bit float, 4-bit exponent, 3-bit mantissa (copied bit for bit).
+    F8E4M3,
+    /// 8-bit float, 5-bit exponent, 2-bit mantissa (copied bit for bit).
+    F8E5M2,
+    /// 64-bit signed integer.
+    I64,
+    /// 32-bit signed integer.
+    I32,
+    /// 8-bit signed integer.
+    I8,
+    /// 8-bit unsigned integer.
+    U8,
+}
+
+/// All element types, in the order the file format lists them.
+pub const ALL_DTYPES: [DType; 10] =
+    [DType::F64, DType::F32, DType::BF16, DType::F16, DType::F8E4M3, DType::F8E5M2, DType::I64, DType::I32, DType::I8, DType::U8];
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> u64 {
+        match self {
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::BF16 | DType::F16 => 2,
+            DType::F8E4M3 | DType::F8E5M2 | DType::I8 | DType::U8 => 1,
+        }
+    }
+
+    /// The name used in layout files (`"bf16"`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F64 => "f64",
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
+            DType::I64 => "i64",
+            DType::I32 => "i32",
+            DType::I8 => "i8",
+            DType::U8 => "u8",
+        }
+    }
+
+    /// Parses a layout-file name; `None` if unknown.
+    pub fn from_name(name: &str) -> Option<DType> {
+        ALL_DTYPES.into_iter().find(|d| d.name() == name)
+    }
+
+    /// Whether this is one of the convertible floating-point types.
+    pub const fn is_convertible_float(self) -> bool {
+        matches!(self, DType::F64 | DType::F32 | DType::BF16 | DType::F16)
+    }
+
+    /// Rank by precision among convertible floats (wider is larger).
+    const fn width_rank(self) -> u8 {
+        match self {
+            DType::F64 => 3,
+            DType::F32 => 2,
+            // bf16 and f16 both have 16 bits; neither holds the other, so a
+            // bf16 <-> f16 pair converts on the sender to the destination type.
+            DType::BF16 | DType::F16 => 1,
+            _ => 0,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether elements of `from` may be converted to `to`.
+pub fn can_convert(from: DType, to: DType) -> bool {
+    from == to || (from.is_convertible_float() && to.is_convertible_float())
+}
+
+/// The type values travel in between `src` and `dst`: the narrower one, or
+/// `dst` when neither is narrower (so conversion happens on the sender).
+/// Callers must check [`can_convert`] first.
+pub fn wire_dtype(src: DType, dst: DType) -> DType {
+    if src.width_rank() < dst.width_rank() {
+        src
+    } else {
+        dst
+    }
+}
+
+/// Converts `n` elements from `src` (type `from`, little-endian bytes) into
+/// `dst` (type `to`). Both slices must hold exactly `n` elements and the pair
+/// must satisfy [`can_convert`].
+pub fn convert_slice(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
+    debug_assert_eq!(src.len() as u64 / from.size(), dst.len() as u64 / to.size());
+    if from == to {
+        dst.copy_from_slice(src);
+        return;
+    }
+    match (from, to) {
+        (DType::F32, DType::BF16) => {
+            for (s, d) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
+                let v = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+                d.copy_from_slice(&f32_bits_to_bf16(v).to_le_bytes());
+            }
+        }
+        (DType::BF16, DType::F32) => {
+            for (s, d) in src.chunks_exact(2).zip(dst.chunks_exact_mut(4)) {
+                let v = (u16::from_le_bytes([s[0], s[1]]) as u32) << 16;
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        _ => {
+            let (fs, ts) = (from.size() as usize, to.size() as usize);
+            for (s, d) in src.chunks_exact(fs).zip(dst.chunks_exact_mut(ts)) {
+                let v = read_as_f64(from, s);
+                write_from_f64(to, v, d);
+            }
+        }
+    }
+}
+
+/// Reads one float element as `f64` (exact for all convertible types).
+fn read_as_f64(t: DType, b: &[u8]) -> f64 {
+    match t {
+        DType::F64 => f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
+        DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64,
+        DType::BF16 => f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64,
+        DType::F16 => f16_bits_to_f64(u16::from_le_bytes([b[0], b[1]])),
+        _ => unreachable!("read_as_f64 called on non-float {t}"),
+    }
+}
+
+/// Writes one `f64` as type `t`, rounding to nearest even.
+fn write_from_f64(t: DType, v: f64, out: &mut [u8]) {
+    match t {
+        DType::F64 => out.copy_from_slice(&v.to_le_bytes()),
+        // `as f32` rounds to nearest, ties to even.
+        DType::F32 => out.copy_from_slice(&(v as f32).to_le_bytes()),
+        DType::BF16 => out.copy_from_slice(&(round_f64(v.to_bits(), 8, 7) as u16).to_le_bytes()),
+        DType::F16 => out.copy_from_slice(&(round_f64(v.to_bits(), 5, 10) as u16).to_le_bytes()),
+        _ => unreachable!("write_from_f64 called on non-float {t}"),
+    }
+}
+
+/// f32 bits to bf16 bits, round to nearest even, NaN stays NaN.
+pub fn f32_bits_to_bf16(v: u32) -> u16 {
+    if (v & 0x7fff_ffff) > 0x7f80_0000 {
+        return ((v >> 16) | 0x0040) as u16; // quiet NaN, sign kept
+    }
+    let round = 0x7fff + ((v >> 16) & 1);
+    (v.wrapping_add(round) >> 16) as u16
+}
+
+/// f16 bits to f64 (exact).
+pub fn f16_bits_to_f64(h: u16) -> f64 {
+    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let exp = ((h >> 10) & 0x1f) as i32;
+    let man = (h & 0x3ff) as f64;
+    match exp {
+        0 => sign * man * 2f64.powi(-24),
+        31 if man == 0.0 => sign * f64::INFINITY,
+        31 => f64::NAN.copysign(sign),
+        _ => sign * (1.0 + man / 1024.0) * 2f64.powi(exp - 15),
+    }
+}
+
+/// Rounds an f64 (given as bits) to a binary format with `eb` exponent bits
+/// and `mb` mantissa bits, round to nearest even; returns the format's bits.
+/// Handles subnormals, overflow to infinity and NaN.
+fn round_f64(bits: u64, eb: u32, mb: u32) -> u64 {
+    let sign = (bits >> 63) << (eb + mb);
+    let exp = ((bits >> 52) & 0x7ff) as i64;
+    let man = bits & ((1u64 << 52) - 1);
+    let max_exp = (1i64 << eb) - 1;
+    if exp == 0x7ff {
+        let nan = if man != 0 { 1u64 << (mb - 1) } else { 0 };
+        return sign | ((max_exp as u64) << mb) | nan;
+    }
+    if exp == 0 && man == 0 {
+        return sign;
+    }
+    let bias = (1i64 << (eb - 1)) - 1;
+    // Unbiased exponent; f64 subnormals are far below any target range.
+    let e = exp - 1023;
+    // Full significand with implicit bit: 53 bits.
+    let sig = man | (1u64 << 52);
+    let mut target_exp = e + bias;
+    // Number of low bits to drop from the 53-bit significand.
+    let mut shift = 52 - mb as i64;
+    if target_exp <= 0 {
+        // Subnormal in the target: shift further.
+        shift += 1 - target_exp;
+        target_exp = 0;
+    }
+    if shift > 63 {
+        return sign; // rounds to zero
+    }
+    let shift = shift as u32;
+    let half = 1u64 << (shift - 1);
+    let rem = sig & ((1u64 << shift) - 1);
+    let mut q = sig >> shift;
+    if rem > half || (rem == half && (q & 1) == 1) {
+        q += 1;
+    }
+    // q now holds the (implicit-bit-included) significand; fix up carries.
+    let result = if target_exp == 0 {
+        // Subnormal; if rounding carried into the implicit bit, q encodes
+        // the smallest normal naturally (exp field 1, mantissa 0).
+        q
+    } else {
+        let mut te = target_exp as u64;
+        let mut m = q;
+        if m >> (mb + 1) != 0 {
+            m >>= 1;
+            te += 1;
+        }
+        if te as i64 >= max_exp {
+            return sign | ((max_exp as u64) << mb); // infinity
+        }
+        (te << mb) | (m & ((1u64 << mb) - 1))
+    };
+    sign | result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32_to(t: DType, v: f32) -> Vec<u8> {
+        let mut out = vec![0u8; t.size() as usize];
+        convert_slice(DType::F32, &v.to_le_bytes(), t, &mut out);
+        out
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for d in ALL_DTYPES {
+            assert_eq!(DType::from_name(d.name()), Some(d));
+        }
+        assert_eq!(DType::from_name("fp32"), None);
+    }
+
+    #[test]
+    fn wire_is_narrower() {
+        assert_eq!(wire_dtype(DType::F32, DType::BF16), DType::BF16);
+        assert_eq!(wire_dtype(DType::BF16, DType::F32), DType::BF16);
+        assert_eq!(wire_dtype(DType::BF16, DType::F16), DType::F16);
+        assert_eq!(wire_dtype(DType::I32, DType::I32), DType::I32);
+        assert!(!can_convert(DType::BF16, DType::I32));
+        assert!(can_convert(DType::F64, DType::F16));
+    }
+
+    #[test]
+    fn bf16_rounding_matches_generic_path() {
+        // The fast f32->bf16 path and the generic f64 path must agree.
+        let mut x: u32 = 0x1234_5678;
+        for _ in 0..200_000 {
+            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let f = f32::from_bits(x);
+            if f.is_nan() {
+                continue;
+            }
+            let fast = f32_bits_to_bf16(x);
+            let generic = round_f64((f as f64).to_bits(), 8, 7) as u16;
+            assert_eq!(fast, generic, "x={x:#x}");
+        }
+    }
+
+    #[test]
+    fn f16_known_values() {
+        let check = |v: f32, bits: u16| {
+            assert_eq!(f32_to(DType::F16, v), bits.to_le_bytes(), "{v}");
+        };
+        check(1.0, 0x3c00);
+        check(-2.0, 0xc000);
+        check(65504.0, 0x7bff);
+        check(65520.0, 0x7c00); // rounds up to infinity
+        check(5.960_464_5e-8, 0x0001); // smallest subnormal
+        check(2.980_232_2e-8, 0x0000); // exactly half of it: ties to even (0)
+        check(6.103_515_6e-5, 0x0400); // smallest normal
+        check(1.000_976_6, 0x3c01);
+        check(1.000_488_3, 0x3c00); // halfway 1 and next: ties to even
+        check(1.001_464_8, 0x3c02); // halfway 0x3c01 and 0x3c02: to even
+        check(f32::INFINITY, 0x7c00);
+    }
+
+    #[test]
+    fn f16_round_trips_exactly() {
+        for h in 0u16..=0xffff {
+            let v = f16_bits_to_f64(h);
+            if v.is_nan() {
+                continue;
+            }
+            let mut out = [0u8; 2];
+            write_from_f64(DType::F16, v, &mut out);
+            assert_eq!(u16::from_le_bytes(out), h);
+        }
+    }
+
+    #[test]
+    fn bf16_widening_is_exact() {
+        let mut out = [0u8; 4];
+        convert_slice(DType::BF16, &0x3f81u16.to_le_bytes(), DType::F32, &mut out);
+        assert_eq!(f32::from_le_bytes(out), f32::from_bits(0x3f81_0000));
+    }
+}

@@ -1,0 +1,264 @@
+//! The layout file format (JSON): the edge type that converts into the IR.
+//!
+//! Parsing walks the JSON by hand so that every error names the field path
+//! (`tensors[3].shards[0].extent[1]`) and the tensor. See
+//! `docs/layout-format.md` for the format itself.
+
+use crate::dtype::DType;
+use crate::layout::{Layout, LayoutError, MeshDim, MeshPlacement, Placement, Region, ShardSpec, Storage, TensorLayout};
+use serde_json::{Map, Value};
+
+/// Parses a layout file's text into a validated [`Layout`].
+pub fn parse_layout(text: &str) -> Result<Layout, LayoutError> {
+    let v: Value = serde_json::from_str(text).map_err(|e| err("(file)", format!("invalid JSON: {e}")))?;
+    let obj = as_object(&v, "(top level)")?;
+    known_fields(obj, "(top level)", &["ranks", "ranks_per_node", "tensors"])?;
+    let ranks = get_u32(obj, "ranks", "")?;
+    let ranks_per_node = match obj.get("ranks_per_node") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(to_u32(v, "ranks_per_node")?),
+    };
+    let tensors_v = obj.get("tensors").ok_or_else(|| err("tensors", "missing field"))?;
+    let arr = tensors_v.as_array().ok_or_else(|| err("tensors", format!("expected an array, got {}", kind(tensors_v))))?;
+    let mut tensors = Vec::with_capacity(arr.len());
+    for (i, t) in arr.iter().enumerate() {
+        tensors.push(parse_tensor(t, &format!("tensors[{i}]"))?);
+    }
+    Layout::new(ranks, ranks_per_node, tensors)
+}
+
+fn parse_tensor(v: &Value, path: &str) -> Result<TensorLayout, LayoutError> {
+    let obj = as_object(v, path)?;
+    known_fields(obj, path, &["name", "dtype", "shape", "mesh", "placements", "shards"])?;
+    let name = match obj.get("name") {
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => return Err(err(format!("{path}.name"), format!("expected a string, got {}", kind(other)))),
+        None => return Err(err(format!("{path}.name"), "missing field")),
+    };
+    let path = format!("{path} ('{name}')");
+    let dtype = match obj.get("dtype") {
+        Some(Value::String(s)) => DType::from_name(s).ok_or_else(|| {
+            err(format!("{path}.dtype"), format!("unknown dtype '{s}' (expected one of f64 f32 bf16 f16 f8e4m3 f8e5m2 i64 i32 i8 u8)"))
+        })?,
+        Some(other) => return Err(err(format!("{path}.dtype"), format!("expected a string, got {}", kind(other)))),
+        None => return Err(err(format!("{path}.dtype"), "missing field")),
+    };
+    let shape = get_u64_list(obj, "shape", &path)?;
+    let has_mesh = obj.contains_key("mesh") || obj.contains_key("placements");
+    let has_shards = obj.contains_key("shards");
+    let placement = match (has_mesh, has_shards) {
+        (true, true) => return Err(err(&path, "has both 'shards' and 'mesh'/'placements'; give exactly one form")),
+        (false, false) => return Err(err(&path, "has neither 'shards' nor 'mesh'+'placements'; give exactly one form")),
+        (true, false) => Placement::Mesh(parse_mesh(obj, &path)?),
+        (false, true) => {
+            let sv = &obj["shards"];
+            let arr = sv.as_array().ok_or_else(|| err(format!("{path}.shards"), format!("expected an array, got {}", kind(sv))))?;
+            let mut shards = Vec::with_capacity(arr.len());
+            for (i, s) in arr.iter().enumerate() {
+                shards.push(parse_shard(s, &format!("{path}.shards[{i}]"))?);
+            }
+            Placement::Shards(shards)
+        }
+    };
+    Ok(TensorLayout { name, dtype, shape, placement })
+}
+
+fn parse_mesh(obj: &Map<String, Value>, path: &str) -> Result<MeshPlacement, LayoutError> {
+    let mv = obj.get("mesh").ok_or_else(|| err(format!("{path}.mesh"), "missing field (required with 'placements')"))?;
+    let mesh = as_object(mv, &format!("{path}.mesh"))?;
+    known_fields(mesh, &format!("{path}.mesh"), &["shape", "ranks"])?;
+    let mpath = format!("{path}.mesh");
+    let shape: Vec<u32> = get_u64_list(mesh, "shape", &mpath)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| u32::try_from(s).map_err(|_| err(format!("{mpath}.shape[{i}]"), format!("{s} is too large"))))
+        .collect::<Result<_, _>>()?;
+    let size = shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b as u64)).unwrap_or(u64::MAX);
+    let ranks = match mesh.get("ranks") {
+        None | Some(Value::Null) => {
+            if size > u32::MAX as u64 {
+                return Err(err(format!("{mpath}.shape"), "mesh is too large"));
+            }
+            (0..size as u32).collect()
+        }
+        Some(_) => get_u64_list(mesh, "ranks", &mpath)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| u32::try_from(r).map_err(|_| err(format!("{mpath}.ranks[{i}]"), format!("rank {r} is too large"))))
+            .collect::<Result<_, _>>()?,
+    };
+    let pv = obj.get("placements").ok_or_else(|| err(format!("{path}.placements"), "missing field (required with 'mesh')"))?;
+    let parr = pv.as_array().ok_or_else(|| err(format!("{path}.placements"), format!("expected an array, got {}", kind(pv))))?;
+    let mut dims = Vec::with_capacity(parr.len());
+    for (i, p) in parr.iter().enumerate() {
+        let ppath = format!("{path}.placements[{i}]");
+        let s = p.as_str().ok_or_else(|| err(&ppath, format!("expected a string, got {}", kind(p))))?;
+        dims.push(
+            parse_mesh_dim(s).ok_or_else(|| err(&ppath, format!("unknown placement '{s}' (expected \"replicate\" or \"shard(D)\")")))?,
+        );
+    }
+    Ok(MeshPlacement { shape, ranks, dims })
+}
+
+/// Parses `replicate` or `shard(D)`.
+pub fn parse_mesh_dim(s: &str) -> Option<MeshDim> {
+    let s = s.trim();
+    if s == "replicate" {
+        return Some(MeshDim::Replicate);
+    }
+    let inner = s.strip_prefix("shard(")?.strip_suffix(')')?;
+    inner.trim().parse::<usize>().ok().map(MeshDim::Shard)
+}
+
+fn parse_shard(v: &Value, path: &str) -> Result<ShardSpec, LayoutError> {
+    let obj = as_object(v, path)?;
+    known_fields(obj, path, &["rank", "offset", "extent", "flat", "buffer", "at"])?;
+    let rank = get_u32(obj, "rank", path)?;
+    let has_box = obj.contains_key("offset") || obj.contains_key("extent");
+    let region = match (has_box, obj.contains_key("flat")) {
+        (true, true) => return Err(err(path, "has both 'offset'/'extent' and 'flat'; give one")),
+        (false, false) => return Err(err(path, "needs 'offset'+'extent' or 'flat'")),
+        (true, false) => Region::Block { offset: get_u64_list(obj, "offset", path)?, extent: get_u64_list(obj, "extent", path)? },
+        (false, true) => {
+            let f = get_u64_list(obj, "flat", path)?;
+            if f.len() != 2 {
+                return Err(err(format!("{path}.flat"), format!("expected [start, len], got {} numbers", f.len())));
+            }
+            Region::Flat { start: f[0], len: f[1] }
+        }
+    };
+    let storage = match (obj.get("buffer"), obj.get("at")) {
+        (None, None) => Storage::Own,
+        (Some(Value::String(b)), at) => {
+            let at = match at {
+                None => 0,
+                Some(v) => to_u64(v, &format!("{path}.at"))?,
+            };
+            Storage::InBuffer { buffer: b.clone(), at }
+        }
+        (Some(other), _) => return Err(err(format!("{path}.buffer"), format!("expected a string, got {}", kind(other)))),
+        (None, Some(_)) => return Err(err(format!("{path}.at"), "given without 'buffer'")),
+    };
+    Ok(ShardSpec { rank, region, storage })
+}
+
+fn err(field: impl Into<String>, problem: impl Into<String>) -> LayoutError {
+    LayoutError::Field { field: field.into(), problem: problem.into() }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn as_object<'a>(v: &'a Value, path: &str) -> Result<&'a Map<String, Value>, LayoutError> {
+    v.as_object().ok_or_else(|| err(path, format!("expected an object, got {}", kind(v))))
+}
+
+fn known_fields(obj: &Map<String, Value>, path: &str, known: &[&str]) -> Result<(), LayoutError> {
+    for k in obj.keys() {
+        if !known.contains(&k.as_str()) {
+            return Err(err(path, format!("unknown field '{k}' (expected one of: {})", known.join(", "))));
+        }
+    }
+    Ok(())
+}
+
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+fn to_u64(v: &Value, path: &str) -> Result<u64, LayoutError> {
+    match v {
+        Value::Number(n) => n.as_u64().ok_or_else(|| err(path, format!("expected a non-negative integer, got {n}"))),
+        other => Err(err(path, format!("expected a non-negative integer, got {}", kind(other)))),
+    }
+}
+
+fn to_u32(v: &Value, path: &str) -> Result<u32, LayoutError> {
+    let n = to_u64(v, path)?;
+    u32::try_from(n).map_err(|_| err(path, format!("{n} is too large (at most {})", u32::MAX)))
+}
+
+fn get_u32(obj: &Map<String, Value>, key: &str, path: &str) -> Result<u32, LayoutError> {
+    let p = join(path, key);
+    to_u32(obj.get(key).ok_or_else(|| err(&p, "missing field"))?, &p)
+}
+
+fn get_u64_list(obj: &Map<String, Value>, key: &str, path: &str) -> Result<Vec<u64>, LayoutError> {
+    let p = join(path, key);
+    let v = obj.get(key).ok_or_else(|| err(&p, "missing field"))?;
+    let arr = v.as_array().ok_or_else(|| err(&p, format!("expected an array of integers, got {}", kind(v))))?;
+    arr.iter().enumerate().map(|(i, x)| to_u64(x, &format!("{p}[{i}]"))).collect()
+}
+
+/// Writes a layout back in the file format (mesh placements stay compact).
+pub fn layout_to_json(layout: &Layout) -> Value {
+    let tensors: Vec<Value> = layout
+        .tensors()
+        .iter()
+        .map(|t| {
+            let mut o = Map::new();
+            o.insert("name".into(), Value::from(t.name.clone()));
+            o.insert("dtype".into(), Value::from(t.dtype.name()));
+            o.insert("shape".into(), Value::from(t.shape.clone()));
+            match &t.placement {
+                Placement::Mesh(m) => {
+                    let mut mesh = Map::new();
+                    mesh.insert("shape".into(), Value::from(m.shape.clone()));
+                    mesh.insert("ranks".into(), Value::from(m.ranks.clone()));
+                    o.insert("mesh".into(), Value::Object(mesh));
+                    let p: Vec<Value> = m
+                        .dims
+                        .iter()
+                        .map(|d| match d {
+                            MeshDim::Replicate => Value::from("replicate"),
+                            MeshDim::Shard(d) => Value::from(format!("shard({d})")),
+                        })
+                        .collect();
+                    o.insert("placements".into(), Value::Array(p));
+                }
+                Placement::Shards(shards) => {
+                    let s: Vec<Value> = shards
+                        .iter()
+                        .map(|s| {
+                            let mut so = Map::new();
+                            so.insert("rank".into(), Value::from(s.rank));
+                            match &s.region {
+                                Region::Block { offset, extent } => {
+                                    so.insert("offset".into(), Value::from(offset.clone()));
+                                    so.insert("extent".into(), Value::from(extent.clone()));
+                                }
+                                Region::Flat { start, len } => {
+                                    so.insert("flat".into(), Value::from(vec![*start, *len]));
+                                }
+                            }
+                            if let Storage::InBuffer { buffer, at } = &s.storage {
+                                so.insert("buffer".into(), Value::from(buffer.clone()));
+                                so.insert("at".into(), Value::from(*at));
+                            }
+                            Value::Object(so)
+                        })
+                        .collect();
+                    o.insert("shards".into(), Value::Array(s));
+                }
+            }
+            Value::Object(o)
+        })
+        .collect();
+    let mut top = Map::new();
+    top.insert("ranks".into(), Value::from(layout.ranks()));
+    top.insert("ranks_per_node".into(), Value::from(layout.ranks_per_node()));
+    top.insert("tensors".into(), Value::Array(tensors));
+    Value::Object(top)
+}

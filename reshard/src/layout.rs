@@ -1,0 +1,670 @@
+//! The layout IR: which blocks of each tensor every rank holds, and where in
+//! that rank's memory each block lives.
+//!
+//! A [`Layout`] is always valid: [`Layout::new`] checks every rule and is the
+//! only way to make one. Mesh placements stay in their compact form; the
+//! planner expands them per tensor with [`Layout::holdings`].
+
+use crate::block::{flat_blocks, Block, MAX_DIMS};
+use crate::dtype::DType;
+use std::collections::HashMap;
+use thiserror::Error;
+
+/// Index of a rank within its group.
+pub type Rank = u32;
+
+/// How a mesh dimension places a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MeshDim {
+    /// Every coordinate along this mesh dim holds the same data.
+    Replicate,
+    /// Tensor dim `d` is split along this mesh dim (`torch.chunk` semantics).
+    Shard(usize),
+}
+
+/// A tensor placed on a (sub-)mesh of ranks, DTensor style.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MeshPlacement {
+    /// Size of each mesh dimension.
+    pub shape: Vec<u32>,
+    /// Ranks in row-major order of mesh coordinates (`len == product(shape)`).
+    pub ranks: Vec<Rank>,
+    /// One placement per mesh dimension.
+    pub dims: Vec<MeshDim>,
+}
+
+/// Which part of a tensor a shard holds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Region {
+    /// A box: offset and extent per dimension.
+    Block {
+        /// Start index per dimension.
+        offset: Vec<u64>,
+        /// Length per dimension.
+        extent: Vec<u64>,
+    },
+    /// A range `[start, start + len)` of the row-major flattened tensor.
+    Flat {
+        /// First flat index.
+        start: u64,
+        /// Number of elements.
+        len: u64,
+    },
+}
+
+/// Where a shard is stored in its rank's memory.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Storage {
+    /// A buffer of its own, holding exactly this shard.
+    Own,
+    /// Row-major from element `at` of the rank's buffer named `buffer`
+    /// (shared with other shards: fused QKV, gate_up, flat FSDP buffers).
+    InBuffer {
+        /// Buffer name, unique per rank.
+        buffer: String,
+        /// Element offset within the buffer.
+        at: u64,
+    },
+}
+
+/// One shard of an explicitly placed tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ShardSpec {
+    /// Holding rank.
+    pub rank: Rank,
+    /// Part of the tensor held.
+    pub region: Region,
+    /// Where it lives.
+    pub storage: Storage,
+}
+
+/// How a tensor is spread over ranks.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Placement {
+    /// Mesh plus one placement per mesh dim; each shard in its own buffer.
+    Mesh(MeshPlacement),
+    /// An explicit list of shards.
+    Shards(Vec<ShardSpec>),
+}
+
+/// One logical tensor of a layout.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorLayout {
+    /// Unique name (e.g. `layers.0.attn.q_proj.weight`).
+    pub name: String,
+    /// Element type on this side.
+    pub dtype: DType,
+    /// Global shape; empty for a scalar.
+    pub shape: Vec<u64>,
+    /// Where the pieces are.
+    pub placement: Placement,
+}
+
+/// Identifies one buffer of a rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum BufferKey {
+    /// The own buffer of shard `shard` of tensor `tensor` (indices into the layout).
+    Own {
+        /// Tensor index.
+        tensor: u32,
+        /// Shard index within the tensor's shard list (0 for mesh placements).
+        shard: u32,
+    },
+    /// A named buffer (index into [`Layout::buffer_names`]).
+    Named(u32),
+    /// A planner-owned scratch buffer holding the whole of tensor `tensor`
+    /// (used by the gather-broadcast baseline).
+    Scratch {
+        /// Tensor index.
+        tensor: u32,
+    },
+}
+
+/// A place where a block is stored: rank, buffer and element offset of the
+/// block's first element (the block is stored row-major from there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Loc {
+    /// Holding rank.
+    pub rank: Rank,
+    /// Buffer on that rank.
+    pub buffer: BufferKey,
+    /// Element offset in the buffer.
+    pub at: u64,
+}
+
+/// A distinct block of a tensor and every place that holds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holding {
+    /// The block.
+    pub block: Block,
+    /// All holders, in rank order (a rank may appear more than once).
+    pub holders: Vec<Loc>,
+}
+
+/// One buffer a rank must allocate.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferSpec {
+    /// Which buffer.
+    pub key: BufferKey,
+    /// Human name (`qkv`, `w#0`, ...).
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Size in elements.
+    pub elems: u64,
+}
+
+/// Why a layout was rejected. Messages name the tensor, rank or field.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum LayoutError {
+    /// A field has a bad value.
+    #[error("{field}: {problem}")]
+    Field {
+        /// Path of the field (e.g. `tensors[2].mesh.ranks`).
+        field: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A tensor-level rule is broken.
+    #[error("tensor '{tensor}': {problem}")]
+    Tensor {
+        /// Tensor name.
+        tensor: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// Two shards overlap in one buffer.
+    #[error(
+        "rank {rank}: buffer '{buffer}': elements {a_start}..{a_end} of tensor '{a}' overlap elements {b_start}..{b_end} of tensor '{b}'"
+    )]
+    BufferOverlap {
+        /// Rank.
+        rank: Rank,
+        /// Buffer name.
+        buffer: String,
+        /// First tensor.
+        a: String,
+        /// Its buffer range start.
+        a_start: u64,
+        /// Its buffer range end.
+        a_end: u64,
+        /// Second tensor.
+        b: String,
+        /// Its buffer range start.
+        b_start: u64,
+        /// Its buffer range end.
+        b_end: u64,
+    },
+}
+
+fn field(field: impl Into<String>, problem: impl Into<String>) -> LayoutError {
+    LayoutError::Field { field: field.into(), problem: problem.into() }
+}
+
+fn tensor_err(t: &str, problem: impl Into<String>) -> LayoutError {
+    LayoutError::Tensor { tensor: t.to_string(), problem: problem.into() }
+}
+
+/// A validated layout of one group of ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    ranks: u32,
+    ranks_per_node: u32,
+    tensors: Vec<TensorLayout>,
+    buffer_names: Vec<String>,
+    buffer_ids: HashMap<String, u32>,
+    named_dtypes: Vec<DType>,
+    by_name: HashMap<String, u32>,
+}
+
+impl Layout {
+    /// Validates and builds a layout. `ranks_per_node: None` puts all ranks
+    /// on one node.
+    pub fn new(ranks: u32, ranks_per_node: Option<u32>, tensors: Vec<TensorLayout>) -> Result<Layout, LayoutError> {
+        if ranks == 0 {
+            return Err(field("ranks", "must be at least 1"));
+        }
+        let ranks_per_node = match ranks_per_node {
+            Some(0) => return Err(field("ranks_per_node", "must be at least 1")),
+            Some(n) => n,
+            None => ranks,
+        };
+        let mut by_name = HashMap::with_capacity(tensors.len());
+        let mut buffer_names: Vec<String> = Vec::new();
+        let mut buffer_ids: HashMap<String, u32> = HashMap::new();
+        let mut named_dtypes: Vec<DType> = Vec::new();
+        for (i, t) in tensors.iter().enumerate() {
+            if by_name.insert(t.name.clone(), i as u32).is_some() {
+                return Err(field(format!("tensors[{i}].name"), format!("duplicate tensor name '{}'", t.name)));
+            }
+            validate_tensor(t, ranks)?;
+            if let Placement::Shards(shards) = &t.placement {
+                for s in shards {
+                    if let Storage::InBuffer { buffer, .. } = &s.storage {
+                        if !buffer_ids.contains_key(buffer) {
+                            buffer_ids.insert(buffer.clone(), buffer_names.len() as u32);
+                            buffer_names.push(buffer.clone());
+                            named_dtypes.push(t.dtype);
+                        }
+                    }
+                }
+            }
+        }
+        let layout = Layout { ranks, ranks_per_node, tensors, buffer_names, buffer_ids, named_dtypes, by_name };
+        layout.check_named_buffers()?;
+        Ok(layout)
+    }
+
+    /// Number of ranks in the group.
+    pub fn ranks(&self) -> u32 {
+        self.ranks
+    }
+
+    /// Ranks per node (the last node may be partly filled).
+    pub fn ranks_per_node(&self) -> u32 {
+        self.ranks_per_node
+    }
+
+    /// Node of a rank.
+    pub fn node_of(&self, rank: Rank) -> u32 {
+        rank / self.ranks_per_node
+    }
+
+    /// Number of nodes.
+    pub fn nodes(&self) -> u32 {
+        self.ranks.div_ceil(self.ranks_per_node)
+    }
+
+    /// All tensors, in file order.
+    pub fn tensors(&self) -> &[TensorLayout] {
+        &self.tensors
+    }
+
+    /// Index of the tensor named `name`.
+    pub fn tensor_index(&self, name: &str) -> Option<u32> {
+        self.by_name.get(name).copied()
+    }
+
+    /// Names of the named buffers ([`BufferKey::Named`] indexes this).
+    pub fn buffer_names(&self) -> &[String] {
+        &self.buffer_names
+    }
+
+    /// Human name of a buffer.
+    pub fn buffer_name(&self, key: BufferKey) -> String {
+        match key {
+            BufferKey::Own { tensor, shard } => format!("{}#{shard}", self.tensors[tensor as usize].name),
+            BufferKey::Named(i) => self.buffer_names[i as usize].clone(),
+            BufferKey::Scratch { tensor } => format!("scratch:{}", self.tensors[tensor as usize].name),
+        }
+    }
+
+    /// Element type of a buffer.
+    pub fn buffer_dtype(&self, key: BufferKey) -> DType {
+        match key {
+            BufferKey::Own { tensor, .. } | BufferKey::Scratch { tensor } => self.tensors[tensor as usize].dtype,
+            BufferKey::Named(i) => self.named_dtypes[i as usize],
+        }
+    }
+
+    /// The distinct blocks of tensor `t` and their holders; empty shards are
+    /// skipped. Deterministic; holders within a holding are in rank order.
+    pub fn holdings(&self, t: u32) -> Vec<Holding> {
+        let tensor = &self.tensors[t as usize];
+        match &tensor.placement {
+            Placement::Mesh(m) => mesh_holdings(t, &tensor.shape, m),
+            Placement::Shards(shards) => {
+                let mut out: Vec<Holding> = Vec::new();
+                let mut index: HashMap<Block, usize> = HashMap::new();
+                for (i, s) in shards.iter().enumerate() {
+                    for (block, at) in shard_blocks(&tensor.shape, s) {
+                        if block.is_empty() {
+                            continue;
+                        }
+                        let buffer = match &s.storage {
+                            Storage::Own => BufferKey::Own { tensor: t, shard: i as u32 },
+                            Storage::InBuffer { buffer, .. } => BufferKey::Named(self.buffer_ids.get(buffer).copied().unwrap_or(0)),
+                        };
+                        let loc = Loc { rank: s.rank, buffer, at };
+                        match index.get(&block) {
+                            Some(&h) => out[h].holders.push(loc),
+                            None => {
+                                index.insert(block, out.len());
+                                out.push(Holding { block, holders: vec![loc] });
+                            }
+                        }
+                    }
+                }
+                for h in &mut out {
+                    h.holders.sort_by_key(|l| l.rank);
+                }
+                out
+            }
+        }
+    }
+
+    /// The buffers every rank must allocate, indexed by rank. Buffer order
+    /// is deterministic (tensor order, then first appearance).
+    pub fn buffers(&self) -> Vec<Vec<BufferSpec>> {
+        let mut out: Vec<Vec<BufferSpec>> = vec![Vec::new(); self.ranks as usize];
+        let mut index: HashMap<(Rank, BufferKey), usize> = HashMap::new();
+        for (ti, t) in self.tensors.iter().enumerate() {
+            for h in self.holdings(ti as u32) {
+                for loc in &h.holders {
+                    let end = loc.at + h.block.numel();
+                    let list = &mut out[loc.rank as usize];
+                    match index.get(&(loc.rank, loc.buffer)) {
+                        Some(&i) => list[i].elems = list[i].elems.max(end),
+                        None => {
+                            index.insert((loc.rank, loc.buffer), list.len());
+                            list.push(BufferSpec { key: loc.buffer, name: self.buffer_name(loc.buffer), dtype: t.dtype, elems: end });
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn check_named_buffers(&self) -> Result<(), LayoutError> {
+        let ids = &self.buffer_ids;
+        // (rank, buffer) -> list of (start, end, tensor index, dtype)
+        let mut uses: HashMap<(Rank, u32), Vec<(u64, u64, u32)>> = HashMap::new();
+        let mut dtypes: HashMap<u32, (DType, u32)> = HashMap::new();
+        for (ti, t) in self.tensors.iter().enumerate() {
+            let Placement::Shards(shards) = &t.placement else { continue };
+            for s in shards {
+                let Storage::InBuffer { buffer, at } = &s.storage else { continue };
+                let id = ids[buffer];
+                match dtypes.get(&id) {
+                    Some(&(d, other)) if d != t.dtype => {
+                        return Err(tensor_err(
+                            &t.name,
+                            format!(
+                                "buffer '{buffer}' holds {} elements, but tensor '{}' put {d} elements in it; one buffer has one dtype",
+                                t.dtype, self.tensors[other as usize].name
+                            ),
+                        ))
+                    }
+                    Some(_) => {}
+                    None => {
+                        dtypes.insert(id, (t.dtype, ti as u32));
+                    }
+                }
+                let len = region_len(&s.region);
+                if len == 0 {
+                    continue;
+                }
+                let end = at
+                    .checked_add(len)
+                    .ok_or_else(|| tensor_err(&t.name, format!("rank {}: buffer '{buffer}': at + size overflows", s.rank)))?;
+                uses.entry((s.rank, id)).or_default().push((*at, end, ti as u32));
+            }
+        }
+        let mut keys: Vec<_> = uses.keys().copied().collect();
+        keys.sort_unstable();
+        for key in keys {
+            let list = uses.get_mut(&key).expect("key from the map");
+            list.sort_unstable();
+            for w in list.windows(2) {
+                let (a, b) = (w[0], w[1]);
+                if b.0 < a.1 {
+                    return Err(LayoutError::BufferOverlap {
+                        rank: key.0,
+                        buffer: self.buffer_names[key.1 as usize].clone(),
+                        a: self.tensors[a.2 as usize].name.clone(),
+                        a_start: a.0,
+                        a_end: a.1,
+                        b: self.tensors[b.2 as usize].name.clone(),
+                        b_start: b.0,
+                        b_end: b.1,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn region_len(r: &Region) -> u64 {
+    match r {
+        Region::Block { extent, .. } => extent.iter().product(),
+        Region::Flat { len, .. } => *len,
+    }
+}
+
+/// The blocks of one explicit shard with the element offset each is stored at.
+fn shard_blocks(shape: &[u64], s: &ShardSpec) -> Vec<(Block, u64)> {
+    let at = match &s.storage {
+        Storage::Own => 0,
+        Storage::InBuffer { at, .. } => *at,
+    };
+    match &s.region {
+        Region::Block { offset, extent } => vec![(Block::new(offset, extent), at)],
+        Region::Flat { start, len } => {
+            let mut pos = at;
+            flat_blocks(shape, *start, *len)
+                .into_iter()
+                .map(|b| {
+                    let here = pos;
+                    pos += b.numel();
+                    (b, here)
+                })
+                .collect()
+        }
+    }
+}
+
+/// `torch.chunk` split of `n` into `k` parts: part `i` is
+/// `[min(i*c, n), min((i+1)*c, n))` with `c = ceil(n / k)`.
+pub fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
+    let c = n.div_ceil(k);
+    ((i * c).min(n), ((i + 1) * c).min(n))
+}
+
+/// Expands a mesh placement: one holding per combination of coordinates on
+/// the sharding mesh dims; ranks differing only on replicate dims share it.
+fn mesh_holdings(t: u32, shape: &[u64], m: &MeshPlacement) -> Vec<Holding> {
+    let nd = m.shape.len();
+    let mut by_coords: HashMap<Vec<u32>, usize> = HashMap::new();
+    let mut out: Vec<Holding> = Vec::new();
+    let mut coord = vec![0u32; nd];
+    let sharded: Vec<usize> = (0..nd).filter(|&i| matches!(m.dims[i], MeshDim::Shard(_))).collect();
+    for &rank in &m.ranks {
+        let key: Vec<u32> = sharded.iter().map(|&i| coord[i]).collect();
+        let h = match by_coords.get(&key) {
+            Some(&h) => h,
+            None => {
+                let mut off = vec![0u64; shape.len()];
+                let mut ext = shape.to_vec();
+                // Lower mesh dims split first, then each piece by the next.
+                for &i in &sharded {
+                    let MeshDim::Shard(d) = m.dims[i] else { continue };
+                    let (lo, hi) = chunk_range(ext[d], m.shape[i] as u64, coord[i] as u64);
+                    off[d] += lo;
+                    ext[d] = hi - lo;
+                }
+                by_coords.insert(key, out.len());
+                out.push(Holding { block: Block::new(&off, &ext), holders: Vec::new() });
+                out.len() - 1
+            }
+        };
+        out[h].holders.push(Loc { rank, buffer: BufferKey::Own { tensor: t, shard: 0 }, at: 0 });
+        // advance row-major coordinate
+        for i in (0..nd).rev() {
+            coord[i] += 1;
+            if coord[i] < m.shape[i] {
+                break;
+            }
+            coord[i] = 0;
+        }
+    }
+    out.retain(|h| !h.block.is_empty());
+    for h in &mut out {
+        h.holders.sort_by_key(|l| l.rank);
+    }
+    out
+}
+
+fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
+    let name = t.name.as_str();
+    if name.is_empty() {
+        return Err(tensor_err(name, "name must not be empty"));
+    }
+    if t.shape.len() > MAX_DIMS {
+        return Err(tensor_err(name, format!("{} dims; at most {MAX_DIMS} are supported", t.shape.len())));
+    }
+    let numel = t.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
+    match numel.and_then(|n| n.checked_mul(t.dtype.size())) {
+        Some(_) => {}
+        None => return Err(tensor_err(name, format!("shape {:?}: element count overflows 64 bits", t.shape))),
+    }
+    let numel = numel.unwrap_or(0);
+    match &t.placement {
+        Placement::Mesh(m) => {
+            if m.shape.is_empty() {
+                return Err(tensor_err(name, "mesh.shape must have at least one dimension"));
+            }
+            if let Some(i) = m.shape.iter().position(|&s| s == 0) {
+                return Err(tensor_err(name, format!("mesh.shape[{i}] is 0")));
+            }
+            let size = m.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64)).unwrap_or(u64::MAX);
+            if m.ranks.len() as u64 != size {
+                return Err(tensor_err(
+                    name,
+                    format!("mesh.ranks has {} entries but mesh.shape {:?} has {size} positions", m.ranks.len(), m.shape),
+                ));
+            }
+            if m.dims.len() != m.shape.len() {
+                return Err(tensor_err(name, format!("{} placements for a {}-d mesh; need one per mesh dim", m.dims.len(), m.shape.len())));
+            }
+            let mut seen = std::collections::HashSet::new();
+            for &r in &m.ranks {
+                if r >= ranks {
+                    return Err(tensor_err(name, format!("mesh.ranks: rank {r} >= ranks ({ranks})")));
+                }
+                if !seen.insert(r) {
+                    return Err(tensor_err(name, format!("mesh.ranks: rank {r} appears twice")));
+                }
+            }
+            for (i, p) in m.dims.iter().enumerate() {
+                if let MeshDim::Shard(d) = p {
+                    if *d >= t.shape.len() {
+                        return Err(tensor_err(name, format!("placements[{i}]: shard({d}) but the tensor has {} dims", t.shape.len())));
+                    }
+                }
+            }
+        }
+        Placement::Shards(shards) => {
+            for (i, s) in shards.iter().enumerate() {
+                let at = format!("shards[{i}]");
+                if s.rank >= ranks {
+                    return Err(tensor_err(name, format!("{at}: rank {} >= ranks ({ranks})", s.rank)));
+                }
+                match &s.region {
+                    Region::Block { offset, extent } => {
+                        if offset.len() != t.shape.len() || extent.len() != t.shape.len() {
+                            return Err(tensor_err(
+                                name,
+                                format!(
+                                    "{at} (rank {}): offset has {} and extent {} dims, tensor has {}",
+                                    s.rank,
+                                    offset.len(),
+                                    extent.len(),
+                                    t.shape.len()
+                                ),
+                            ));
+                        }
+                        for d in 0..t.shape.len() {
+                            let end = offset[d].checked_add(extent[d]);
+                            if end.is_none_or(|e| e > t.shape[d]) {
+                                return Err(tensor_err(
+                                    name,
+                                    format!(
+                                        "{at} (rank {}): dim {d}: {}..{} is outside 0..{}",
+                                        s.rank,
+                                        offset[d],
+                                        offset[d].saturating_add(extent[d]),
+                                        t.shape[d]
+                                    ),
+                                ));
+                            }
+                        }
+                    }
+                    Region::Flat { start, len } => {
+                        if start.checked_add(*len).is_none_or(|e| e > numel) {
+                            return Err(tensor_err(
+                                name,
+                                format!("{at} (rank {}): flat {start}..{} is outside 0..{numel}", s.rank, start.saturating_add(*len)),
+                            ));
+                        }
+                    }
+                }
+                if let Storage::InBuffer { buffer, at: off } = &s.storage {
+                    if buffer.is_empty() {
+                        return Err(tensor_err(name, format!("{at}: buffer name must not be empty")));
+                    }
+                    if off.checked_add(region_len(&s.region)).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
+                        return Err(tensor_err(name, format!("{at}: at {off} + size overflows")));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mesh_tensor(shape: Vec<u64>, mesh: Vec<u32>, dims: Vec<MeshDim>) -> TensorLayout {
+        let n: u32 = mesh.iter().product();
+        TensorLayout {
+            name: "w".into(),
+            dtype: DType::F32,
+            shape,
+            placement: Placement::Mesh(MeshPlacement { shape: mesh, ranks: (0..n).collect(), dims }),
+        }
+    }
+
+    #[test]
+    fn chunk_is_torch_chunk() {
+        // torch.chunk(range(5), 4) -> sizes [2, 2, 1, 0]
+        let sizes: Vec<u64> = (0..4)
+            .map(|i| {
+                let (a, b) = chunk_range(5, 4, i);
+                b - a
+            })
+            .collect();
+        assert_eq!(sizes, vec![2, 2, 1, 0]);
+        // torch.chunk(range(6), 4) -> [2, 2, 2, 0]
+        let sizes: Vec<u64> = (0..4)
+            .map(|i| {
+                let (a, b) = chunk_range(6, 4, i);
+                b - a
+            })
+            .collect();
+        assert_eq!(sizes, vec![2, 2, 2, 0]);
+    }
+
+    #[test]
+    fn mesh_same_dim_twice_splits_lower_first() {
+        // shape [8], mesh [2, 2], both shard(0): rank (i, j) holds chunk j of chunk i.
+        let t = mesh_tensor(vec![8], vec![2, 2], vec![MeshDim::Shard(0), MeshDim::Shard(0)]);
+        let l = Layout::new(4, None, vec![t]).unwrap();
+        let hs = l.holdings(0);
+        let got: Vec<(u32, u64, u64)> = hs.iter().map(|h| (h.holders[0].rank, h.block.offset()[0], h.block.extent()[0])).collect();
+        assert_eq!(got, vec![(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2)]);
+    }
+
+    #[test]
+    fn replicas_share_a_holding() {
+        let t = mesh_tensor(vec![6, 4], vec![2, 3], vec![MeshDim::Replicate, MeshDim::Shard(0)]);
+        let l = Layout::new(6, Some(3), vec![t]).unwrap();
+        let hs = l.holdings(0);
+        assert_eq!(hs.len(), 3);
+        assert_eq!(hs[0].holders.iter().map(|h| h.rank).collect::<Vec<_>>(), vec![0, 3]);
+        assert_eq!(l.nodes(), 2);
+    }
+}

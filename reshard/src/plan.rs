@@ -1,0 +1,494 @@
+//! A plan: the pieces of tensors to move, the transfers that move them
+//! (who sends, who receives, in which round), and the figures that describe
+//! the traffic. Produced by [`plan_reshard`](crate::plan_reshard) or
+//! [`plan_baseline`](crate::plan_baseline); turned into per-rank programs by
+//! [`Plan::programs`].
+
+use crate::block::Block;
+use crate::cost::LinkModel;
+use crate::dtype::{wire_dtype, DType};
+use crate::fingerprint::{fnv64, Fingerprint, Fnv64};
+use crate::layout::{Layout, Rank};
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use thiserror::Error;
+
+/// Which group a rank belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Group {
+    /// The training (source) group.
+    Src,
+    /// The inference (destination) group.
+    Dst,
+}
+
+/// A rank of one group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Endpoint {
+    /// Its group.
+    pub group: Group,
+    /// Its rank within the group.
+    pub rank: Rank,
+}
+
+impl Endpoint {
+    /// A source rank.
+    pub const fn src(rank: Rank) -> Endpoint {
+        Endpoint { group: Group::Src, rank }
+    }
+
+    /// A destination rank.
+    pub const fn dst(rank: Rank) -> Endpoint {
+        Endpoint { group: Group::Dst, rank }
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.group {
+            Group::Src => write!(f, "src rank {}", self.rank),
+            Group::Dst => write!(f, "dst rank {}", self.rank),
+        }
+    }
+}
+
+/// Which planner made a plan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Strategy {
+    /// Intersect both layouts; send each destination node exactly what it needs.
+    Reshard,
+    /// Gather each tensor on one source rank, broadcast it whole.
+    Baseline,
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Strategy::Reshard => "reshard",
+            Strategy::Baseline => "baseline",
+        })
+    }
+}
+
+/// Planner options.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PlanOptions {
+    /// Most bytes a rank stages (sends plus receives) in one round.
+    pub max_staging_bytes: u64,
+    /// Link bandwidths used to choose senders and relays.
+    pub links: LinkModel,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { max_staging_bytes: 256 << 20, links: LinkModel::default() }
+    }
+}
+
+impl Hash for PlanOptions {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.max_staging_bytes.hash(h);
+        self.links.net_bytes_per_s.to_bits().hash(h);
+        self.links.intra_bytes_per_s.to_bits().hash(h);
+        self.links.message_latency_s.to_bits().hash(h);
+    }
+}
+
+/// A block of one tensor that moves as a unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    /// Tensor index in the source layout.
+    pub src_tensor: u32,
+    /// Tensor index in the destination layout.
+    pub dst_tensor: u32,
+    /// The elements, in global tensor coordinates.
+    pub block: Block,
+}
+
+/// One piece moving from one rank to another (or copied locally when
+/// `from == to`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    /// Index into [`Plan::pieces`].
+    pub piece: u32,
+    /// Sender.
+    pub from: Endpoint,
+    /// Receiver.
+    pub to: Endpoint,
+    /// Dependency stage: data a rank forwards arrived in an earlier stage.
+    pub stage: u16,
+    /// Sender reads from the tensor's scratch buffer, not its shards.
+    pub from_scratch: bool,
+    /// Receiver writes into the tensor's scratch buffer, not its shards.
+    pub to_scratch: bool,
+    /// Execution round (rounds of one stage follow those of the previous).
+    pub round: u32,
+}
+
+/// Traffic figures of a plan. Local copies (`from == to`) are not traffic.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Figures {
+    /// Bytes leaving source ranks.
+    pub src_egress_bytes: u64,
+    /// Bytes entering each destination node from outside it.
+    pub dst_node_ingress_bytes: Vec<u64>,
+    /// Bytes crossing a node boundary (every source-to-destination byte does).
+    pub cross_node_bytes: u64,
+    /// Most bytes one rank sends.
+    pub max_rank_send_bytes: u64,
+    /// Most bytes one rank receives.
+    pub max_rank_recv_bytes: u64,
+    /// Number of messages (one per sender, receiver and round).
+    pub messages: u64,
+    /// Total bytes moved between ranks.
+    pub total_bytes: u64,
+    /// Number of rounds.
+    pub rounds: u32,
+    /// Number of dependency stages.
+    pub stages: u32,
+    /// Number of pieces.
+    pub pieces: u64,
+    /// Number of transfers, local copies included.
+    pub transfers: u64,
+}
+
+/// Estimated refit time under a [`LinkModel`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Estimate {
+    /// Predicted time of this plan: per round, the busiest link, summed.
+    pub seconds: f64,
+    /// Lower bound for any plan between these layouts: the busiest link's
+    /// unavoidable bytes over its bandwidth.
+    pub lower_bound_seconds: f64,
+}
+
+/// Why planning failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum PlanError {
+    /// A destination tensor does not exist in the source layout.
+    #[error("destination tensor '{tensor}' is absent from the source layout")]
+    MissingTensor {
+        /// Tensor name.
+        tensor: String,
+    },
+    /// Shapes differ between the two layouts.
+    #[error("tensor '{tensor}': source shape {src:?} differs from destination shape {dst:?}")]
+    ShapeMismatch {
+        /// Tensor name.
+        tensor: String,
+        /// Source shape.
+        src: Vec<u64>,
+        /// Destination shape.
+        dst: Vec<u64>,
+    },
+    /// The dtypes cannot be converted.
+    #[error("tensor '{tensor}': cannot convert {from} to {to} (only f64/f32/bf16/f16 convert among themselves)")]
+    Conversion {
+        /// Tensor name.
+        tensor: String,
+        /// Source dtype.
+        from: DType,
+        /// Destination dtype.
+        to: DType,
+    },
+    /// Part of what a destination rank needs is held by no source rank.
+    #[error("tensor '{tensor}': region {region} needed by dst rank {rank} is not covered by any source shard")]
+    NotCovered {
+        /// Tensor name.
+        tensor: String,
+        /// A destination rank that needs it.
+        rank: Rank,
+        /// The uncovered region.
+        region: Block,
+    },
+    /// The plan was made for other layouts or options.
+    #[error("plan fingerprint {plan} does not match these layouts ({layouts})")]
+    FingerprintMismatch {
+        /// The plan's fingerprint.
+        plan: Fingerprint,
+        /// The fingerprint of the layouts given.
+        layouts: Fingerprint,
+    },
+}
+
+/// A complete plan for one refit.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub(crate) strategy: Strategy,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) options: PlanOptions,
+    pub(crate) src_ranks: u32,
+    pub(crate) dst_ranks: u32,
+    pub(crate) src_rpn: u32,
+    pub(crate) dst_rpn: u32,
+    pub(crate) pieces: Vec<Piece>,
+    pub(crate) transfers: Vec<Transfer>,
+    pub(crate) wire: Vec<(DType, DType)>,
+    pub(crate) figures: Figures,
+    /// Per destination node: bytes of the union of its ranks' needs.
+    pub(crate) needed_node_bytes: Vec<u64>,
+    /// Bytes of the union of all destination needs.
+    pub(crate) unique_bytes: u64,
+}
+
+impl Plan {
+    /// Which planner made it.
+    pub fn strategy(&self) -> Strategy {
+        self.strategy
+    }
+
+    /// Fingerprint of both layouts, the options and the strategy.
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// The options used.
+    pub fn options(&self) -> &PlanOptions {
+        &self.options
+    }
+
+    /// All pieces.
+    pub fn pieces(&self) -> &[Piece] {
+        &self.pieces
+    }
+
+    /// All transfers, in stage order.
+    pub fn transfers(&self) -> &[Transfer] {
+        &self.transfers
+    }
+
+    /// Traffic figures.
+    pub fn figures(&self) -> &Figures {
+        &self.figures
+    }
+
+    /// Number of source ranks.
+    pub fn src_ranks(&self) -> u32 {
+        self.src_ranks
+    }
+
+    /// Number of destination ranks.
+    pub fn dst_ranks(&self) -> u32 {
+        self.dst_ranks
+    }
+
+    /// Node of an endpoint (source and destination nodes are distinct
+    /// machines; both are numbered from 0 within their group).
+    pub fn node_of(&self, e: Endpoint) -> (Group, u32) {
+        match e.group {
+            Group::Src => (Group::Src, e.rank / self.src_rpn),
+            Group::Dst => (Group::Dst, e.rank / self.dst_rpn),
+        }
+    }
+
+    /// Bytes a transfer puts on the wire.
+    pub fn wire_bytes(&self, t: &Transfer) -> u64 {
+        let p = &self.pieces[t.piece as usize];
+        p.block.numel() * self.transfer_wire_dtype(t).size()
+    }
+
+    /// The dtype a transfer travels in: the source dtype inside the source
+    /// group, else the narrower of source and destination dtypes.
+    pub fn transfer_wire_dtype(&self, t: &Transfer) -> DType {
+        let (s, d) = self.wire[self.pieces[t.piece as usize].dst_tensor as usize];
+        if t.to.group == Group::Src {
+            s
+        } else {
+            wire_dtype(s, d)
+        }
+    }
+
+    /// Estimated time under `links`: for every round, the busiest link
+    /// (bytes over bandwidth, plus message latency), summed over rounds.
+    pub fn estimate(&self, links: &LinkModel) -> Estimate {
+        let rounds = self.figures.rounds as usize;
+        let n = (self.src_ranks + self.dst_ranks) as usize;
+        let idx = |e: Endpoint| match e.group {
+            Group::Src => e.rank as usize,
+            Group::Dst => self.src_ranks as usize + e.rank as usize,
+        };
+        // per round: net out, net in, intra out, intra in (bytes) and messages
+        let mut per_round: Vec<Vec<[u64; 4]>> = vec![Vec::new(); rounds];
+        let mut msgs: Vec<Vec<(Endpoint, Endpoint)>> = vec![Vec::new(); rounds];
+        for t in &self.transfers {
+            if t.from == t.to {
+                continue;
+            }
+            let r = t.round as usize;
+            if per_round[r].is_empty() {
+                per_round[r] = vec![[0; 4]; n];
+            }
+            let b = self.wire_bytes(t);
+            let cross = self.node_of(t.from) != self.node_of(t.to);
+            let (o, i) = if cross { (0, 1) } else { (2, 3) };
+            per_round[r][idx(t.from)][o] += b;
+            per_round[r][idx(t.to)][i] += b;
+            msgs[r].push((t.from, t.to));
+        }
+        let mut seconds = 0.0;
+        for (r, loads) in per_round.iter().enumerate() {
+            let mut m = msgs[r].clone();
+            m.sort_unstable();
+            m.dedup();
+            let mut per_rank_msgs = vec![0u64; n];
+            for (f, _) in &m {
+                per_rank_msgs[idx(*f)] += 1;
+            }
+            let worst = loads
+                .iter()
+                .enumerate()
+                .map(|(k, l)| {
+                    let net = l[0].max(l[1]) as f64 / links.net_bytes_per_s;
+                    let intra = l[2].max(l[3]) as f64 / links.intra_bytes_per_s;
+                    net.max(intra) + per_rank_msgs[k] as f64 * links.message_latency_s
+                })
+                .fold(0.0, f64::max);
+            seconds += worst;
+        }
+        Estimate { seconds, lower_bound_seconds: self.lower_bound(links) }
+    }
+
+    /// Lower bound on refit time for any plan between these layouts: each
+    /// destination node must take in the union of its ranks' needs through
+    /// its ranks' network links, and the source group must send every needed
+    /// element at least once through its ranks' network links.
+    pub fn lower_bound(&self, links: &LinkModel) -> f64 {
+        let mut worst: f64 = 0.0;
+        for (node, &bytes) in self.needed_node_bytes.iter().enumerate() {
+            let ranks_on_node = (self.dst_ranks - node as u32 * self.dst_rpn).min(self.dst_rpn) as f64;
+            worst = worst.max(bytes as f64 / (ranks_on_node * links.net_bytes_per_s));
+        }
+        worst.max(self.unique_bytes as f64 / (self.src_ranks as f64 * links.net_bytes_per_s))
+    }
+
+    /// Per destination node, bytes of the union of what its ranks need (in
+    /// wire dtype): the least that must enter the node.
+    pub fn needed_node_bytes(&self) -> &[u64] {
+        &self.needed_node_bytes
+    }
+}
+
+/// The fingerprint of a planning problem.
+pub fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: Strategy) -> Fingerprint {
+    let mut h = Fnv64::default();
+    src.ranks().hash(&mut h);
+    src.ranks_per_node().hash(&mut h);
+    src.tensors().hash(&mut h);
+    dst.ranks().hash(&mut h);
+    dst.ranks_per_node().hash(&mut h);
+    dst.tensors().hash(&mut h);
+    options.hash(&mut h);
+    strategy.hash(&mut h);
+    Fingerprint(h.finish() ^ fnv64("refit-plan-v1"))
+}
+
+/// Assigns rounds to transfers, stage by stage, so that no rank stages more
+/// than `cap` bytes in one round (every transfer already fits on its own),
+/// then computes the figures. Returns the number of rounds.
+pub(crate) fn finish(plan: &mut Plan) {
+    let cap = plan.options.max_staging_bytes.max(1);
+    let n_src = plan.src_ranks as usize;
+    let n = n_src + plan.dst_ranks as usize;
+    let idx = |e: Endpoint| match e.group {
+        Group::Src => e.rank as usize,
+        Group::Dst => n_src + e.rank as usize,
+    };
+    let stages = plan.transfers.iter().map(|t| t.stage as u32 + 1).max().unwrap_or(0);
+    // Bucket transfer indices by stage, keeping order.
+    let mut by_stage: Vec<Vec<u32>> = vec![Vec::new(); stages as usize];
+    for (i, t) in plan.transfers.iter().enumerate() {
+        by_stage[t.stage as usize].push(i as u32);
+    }
+    let mut base = 0u32;
+    let mut loads: Vec<Vec<u64>> = vec![Vec::new(); n];
+    let mut cursor: Vec<u32> = vec![0; n];
+    for list in &by_stage {
+        for l in loads.iter_mut() {
+            l.clear();
+        }
+        cursor.iter_mut().for_each(|c| *c = 0);
+        let mut stage_rounds = 0u32;
+        for &ti in list {
+            let t = plan.transfers[ti as usize];
+            if t.from == t.to {
+                plan.transfers[ti as usize].round = base;
+                stage_rounds = stage_rounds.max(1);
+                continue;
+            }
+            let b = plan.wire_bytes(&t);
+            let (a, z) = (idx(t.from), idx(t.to));
+            let mut r = cursor[a].max(cursor[z]);
+            loop {
+                let la = loads[a].get(r as usize).copied().unwrap_or(0);
+                let lz = loads[z].get(r as usize).copied().unwrap_or(0);
+                if (la == 0 || la + b <= cap) && (lz == 0 || lz + b <= cap) {
+                    break;
+                }
+                r += 1;
+            }
+            for e in [a, z] {
+                if loads[e].len() <= r as usize {
+                    loads[e].resize(r as usize + 1, 0);
+                }
+                loads[e][r as usize] += b;
+                while loads[e].get(cursor[e] as usize).is_some_and(|&l| l >= cap) {
+                    cursor[e] += 1;
+                }
+            }
+            plan.transfers[ti as usize].round = base + r;
+            stage_rounds = stage_rounds.max(r + 1);
+        }
+        base += stage_rounds;
+    }
+    // Figures.
+    let mut f = Figures {
+        dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],
+        rounds: base,
+        stages,
+        pieces: plan.pieces.len() as u64,
+        transfers: plan.transfers.len() as u64,
+        ..Figures::default()
+    };
+    let mut sent = vec![0u64; n];
+    let mut recv = vec![0u64; n];
+    // Count messages round by round with a last-seen matrix keyed by pair.
+    let mut by_round: Vec<Vec<u32>> = vec![Vec::new(); base as usize];
+    for (i, t) in plan.transfers.iter().enumerate() {
+        if t.from == t.to {
+            continue;
+        }
+        by_round[t.round as usize].push(i as u32);
+        let b = plan.wire_bytes(t);
+        f.total_bytes += b;
+        sent[idx(t.from)] += b;
+        recv[idx(t.to)] += b;
+        if t.from.group == Group::Src {
+            f.src_egress_bytes += b;
+        }
+        let (from_node, to_node) = (plan.node_of(t.from), plan.node_of(t.to));
+        if from_node != to_node {
+            f.cross_node_bytes += b;
+            if t.to.group == Group::Dst {
+                f.dst_node_ingress_bytes[to_node.1 as usize] += b;
+            }
+        }
+    }
+    // Last round (plus one) each sender/receiver pair was seen in.
+    let mut seen: std::collections::HashMap<(usize, usize), u32> = std::collections::HashMap::new();
+    let mut dense: Vec<u32> = if n * n <= 1 << 24 { vec![0; n * n] } else { Vec::new() };
+    for (r, list) in by_round.iter().enumerate() {
+        let mark = r as u32 + 1;
+        for &ti in list {
+            let t = &plan.transfers[ti as usize];
+            let (a, z) = (idx(t.from), idx(t.to));
+            let slot = if dense.is_empty() { seen.entry((a, z)).or_insert(0) } else { &mut dense[a * n + z] };
+            if *slot != mark {
+                *slot = mark;
+                f.messages += 1;
+            }
+        }
+    }
+    f.max_rank_send_bytes = sent.into_iter().max().unwrap_or(0);
+    f.max_rank_recv_bytes = recv.into_iter().max().unwrap_or(0);
+    plan.figures = f;
+}
