@@ -1,1 +1,211 @@
-fn main(){}
+//! The `refit` command line.
+
+use clap::{Parser, Subcommand};
+use refit::runner::prepare;
+use reshard::{parse_layout, plan_baseline, plan_reshard, Figures, Layout, PlanOptions, Strategy};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+use transport::ExecOptions;
+
+#[derive(Parser)]
+#[command(name = "refit", version, about = "Reshard training weights into inference layouts")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args)]
+struct Pair {
+    /// Source (training) layout file.
+    #[arg(long)]
+    src: PathBuf,
+    /// Destination (inference) layout file.
+    #[arg(long)]
+    dst: PathBuf,
+    /// Most bytes one rank stages per round, in MiB.
+    #[arg(long, default_value_t = 256)]
+    max_staging_mib: u64,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate both layouts, plan reshard and baseline, print the figures.
+    Plan {
+        #[command(flatten)]
+        pair: Pair,
+        /// Print one JSON object {"reshard": {...}, "baseline": {...}}.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Fill sources with a pattern, run one refit, optionally verify.
+    Run {
+        #[command(flatten)]
+        pair: Pair,
+        /// Run the gather-broadcast baseline instead of the reshard.
+        #[arg(long)]
+        baseline: bool,
+        /// Check every destination element.
+        #[arg(long)]
+        verify: bool,
+        /// Data plane: only `local` (in-process) for now.
+        #[arg(long, default_value = "local")]
+        transport: String,
+        /// Fail if the refit takes longer than this many seconds.
+        #[arg(long, default_value_t = 600)]
+        deadline_s: u64,
+    },
+}
+
+/// A failure to report: one line, and the exit code.
+struct Failure {
+    line: String,
+    code: u8,
+}
+
+fn invalid(line: String) -> Failure {
+    Failure { line, code: 2 }
+}
+
+fn load(path: &Path) -> Result<Layout, Failure> {
+    let text = std::fs::read_to_string(path).map_err(|e| invalid(format!("{}: cannot read: {e}", path.display())))?;
+    parse_layout(&text).map_err(|e| invalid(format!("{}: {e}", path.display())))
+}
+
+fn options(pair: &Pair) -> Result<PlanOptions, Failure> {
+    let bytes = pair
+        .max_staging_mib
+        .checked_mul(1 << 20)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| invalid("--max-staging-mib must be between 1 and 2^44".into()))?;
+    Ok(PlanOptions { max_staging_bytes: bytes, ..PlanOptions::default() })
+}
+
+fn figures_json(f: &Figures) -> serde_json::Value {
+    json!({
+        "src_egress_bytes": f.src_egress_bytes,
+        "dst_node_ingress_bytes": f.dst_node_ingress_bytes,
+        "cross_node_bytes": f.cross_node_bytes,
+        "max_rank_send_bytes": f.max_rank_send_bytes,
+        "max_rank_recv_bytes": f.max_rank_recv_bytes,
+        "messages": f.messages,
+        "total_bytes": f.total_bytes,
+        "rounds": f.rounds,
+        "stages": f.stages,
+        "pieces": f.pieces,
+    })
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+fn print_figures(name: &str, f: &Figures) {
+    let ingress: Vec<String> = f.dst_node_ingress_bytes.iter().map(|&b| human(b)).collect();
+    println!("{name}:");
+    println!("  src egress          {}", human(f.src_egress_bytes));
+    println!("  dst node ingress    [{}]", ingress.join(", "));
+    println!("  cross-node          {}", human(f.cross_node_bytes));
+    println!("  max rank send/recv  {} / {}", human(f.max_rank_send_bytes), human(f.max_rank_recv_bytes));
+    println!("  messages            {} in {} rounds ({} stages)", f.messages, f.rounds, f.stages);
+}
+
+fn cmd_plan(pair: &Pair, as_json: bool) -> Result<(), Failure> {
+    let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
+    let opts = options(pair)?;
+    let ctx = |e: reshard::PlanError| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display()));
+    let reshard = plan_reshard(&src, &dst, &opts).map_err(ctx)?;
+    let baseline = plan_baseline(&src, &dst, &opts).map_err(ctx)?;
+    if as_json {
+        println!("{}", json!({"reshard": figures_json(reshard.figures()), "baseline": figures_json(baseline.figures())}));
+    } else {
+        println!(
+            "{} src ranks ({} nodes) -> {} dst ranks ({} nodes), {} tensors, fingerprint {}",
+            src.ranks(),
+            src.nodes(),
+            dst.ranks(),
+            dst.nodes(),
+            dst.tensors().len(),
+            reshard.fingerprint()
+        );
+        print_figures("reshard", reshard.figures());
+        print_figures("baseline", baseline.figures());
+        let (r, b) = (reshard.estimate(&opts.links), baseline.estimate(&opts.links));
+        println!(
+            "estimate (DGX H100 links): reshard {:.3} ms, baseline {:.3} ms, lower bound {:.3} ms",
+            r.seconds * 1e3,
+            b.seconds * 1e3,
+            r.lower_bound_seconds * 1e3
+        );
+    }
+    Ok(())
+}
+
+fn cmd_run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_s: u64) -> Result<(), Failure> {
+    if transport != "local" {
+        return Err(invalid(format!("--transport {transport}: unknown transport (available: local)")));
+    }
+    let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
+    let opts = options(pair)?;
+    let strategy = if baseline { Strategy::Baseline } else { Strategy::Reshard };
+    let mut prepared =
+        prepare(&src, &dst, strategy, &opts).map_err(|e| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display())))?;
+    let exec = ExecOptions { deadline: Duration::from_secs(deadline_s) };
+    let report = prepared.execute(&exec).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+    let secs = report.elapsed.as_secs_f64();
+    let f = prepared.plan.figures();
+    println!(
+        "{strategy}: {} src ranks -> {} dst ranks, {} tensors, {} moved in {} messages, {} rounds",
+        src.ranks(),
+        dst.ranks(),
+        dst.tensors().len(),
+        human(report.bytes),
+        report.messages,
+        f.rounds
+    );
+    println!(
+        "time {:.3} ms, {:.2} GiB/s (plan {:.3} ms)",
+        secs * 1e3,
+        report.bytes as f64 / secs.max(1e-12) / (1u64 << 30) as f64,
+        prepared.plan_time.as_secs_f64() * 1e3
+    );
+    if verify {
+        let n = prepared.verify(&src, &dst).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+        println!("verify: all {n} destination elements match");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() { 2 } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
+    let result = match &cli.command {
+        Command::Plan { pair, json } => cmd_plan(pair, *json),
+        Command::Run { pair, baseline, verify, transport, deadline_s } => cmd_run(pair, *baseline, *verify, transport, *deadline_s),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("error: {}", f.line);
+            ExitCode::from(f.code)
+        }
+    }
+}

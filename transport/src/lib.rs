@@ -1,1 +1,20 @@
-//! x
+//! The data plane of refit: runs the per-rank programs of a
+//! [`reshard::Plan`] (pack, transfer, unpack) over a [`Transport`].
+//!
+//! The in-process transport ([`run_local`]) runs every rank as a thread of
+//! one process with buffers in host memory; receivers copy straight out of
+//! senders' buffers, so each byte is copied once (twice when the sender
+//! narrows its dtype). Other transports implement the same trait.
+
+pub mod copy;
+pub mod exec;
+pub mod local;
+pub mod memory;
+pub mod pattern;
+pub mod transport;
+
+pub use exec::{run_local, run_rank, ExecError, ExecOptions, ExecReport, RankStats};
+pub use local::{local_fabric, LocalTransport};
+pub use memory::RankMemory;
+pub use pattern::{fill_sources, verify_destinations, Mismatch};
+pub use transport::{Payload, Segment, Transport, TransportError};

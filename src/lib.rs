@@ -1,0 +1,8 @@
+//! refit: weight refit for RL post-training. Reshards training weights
+//! straight into inference layouts instead of gathering and broadcasting.
+//!
+//! This crate is the command-line front end and the glue that runs a refit
+//! on the embedded in-process data plane; the planner lives in [`reshard`]
+//! and the data plane in [`transport`].
+
+pub mod runner;

@@ -1,0 +1,70 @@
+//! One refit on the embedded in-process data plane: plan, build programs,
+//! allocate and fill buffers, execute, verify.
+
+use reshard::{plan_baseline, plan_reshard, Layout, Plan, PlanError, PlanOptions, RankProgram, Strategy};
+use std::time::{Duration, Instant};
+use thiserror::Error;
+use transport::{fill_sources, run_local, verify_destinations, ExecError, ExecOptions, ExecReport, Mismatch, RankMemory};
+
+/// Why a run failed.
+#[derive(Debug, Error)]
+pub enum RunError {
+    /// Planning failed (bad layout pair).
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// Execution failed.
+    #[error("execution failed: {0}")]
+    Exec(#[from] ExecError),
+    /// Verification found wrong bytes.
+    #[error("verification failed: {0}")]
+    Verify(#[from] Mismatch),
+}
+
+/// A prepared refit: plan, programs and memory, ready to execute repeatedly.
+pub struct Prepared {
+    /// The plan.
+    pub plan: Plan,
+    /// Per-rank programs (source ranks, then destination ranks).
+    pub programs: Vec<RankProgram>,
+    /// Per-rank memory, same order.
+    pub memory: Vec<RankMemory>,
+    /// Time to plan.
+    pub plan_time: Duration,
+    src_ranks: usize,
+}
+
+/// Plans with `strategy`, builds programs, allocates memory and fills the
+/// source buffers with the verification pattern.
+pub fn prepare(src: &Layout, dst: &Layout, strategy: Strategy, options: &PlanOptions) -> Result<Prepared, RunError> {
+    let t = Instant::now();
+    let plan = match strategy {
+        Strategy::Reshard => plan_reshard(src, dst, options)?,
+        Strategy::Baseline => plan_baseline(src, dst, options)?,
+    };
+    let plan_time = t.elapsed();
+    let programs = plan.programs(src, dst)?;
+    let mut memory = RankMemory::for_programs(&programs);
+    fill_sources(src, &mut memory[..src.ranks() as usize]);
+    Ok(Prepared { plan, programs, memory, plan_time, src_ranks: src.ranks() as usize })
+}
+
+impl Prepared {
+    /// Executes every rank's program on the in-process transport.
+    pub fn execute(&mut self, options: &ExecOptions) -> Result<ExecReport, RunError> {
+        Ok(run_local(&self.programs, &mut self.memory, options)?)
+    }
+
+    /// Checks every destination element; returns how many were checked.
+    pub fn verify(&self, src: &Layout, dst: &Layout) -> Result<u64, RunError> {
+        Ok(verify_destinations(src, dst, &self.memory[self.src_ranks..])?)
+    }
+
+    /// Zeroes destination memory (between repeated runs).
+    pub fn clear_destinations(&mut self) {
+        for m in &mut self.memory[self.src_ranks..] {
+            for b in &mut m.buffers {
+                b.fill(0);
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! The copy kernel: strided pieces between buffers, with dtype conversion.
+
+use reshard::dtype::convert_slice;
+use reshard::{DType, MAX_DIMS};
+
+/// A strided view of elements inside a byte region.
+#[derive(Clone, Copy, Debug)]
+pub struct StridedRef {
+    /// Start of the region (a whole buffer or staging area).
+    pub ptr: *const u8,
+    /// Region length in bytes, for bounds checks.
+    pub len: usize,
+    /// Element offset of the first element.
+    pub base: u64,
+    /// Element stride per dimension (same dims as the counts).
+    pub strides: [u64; MAX_DIMS],
+    /// Element type.
+    pub dtype: DType,
+}
+
+/// Bytes one element of `counts` touches at most: the end (exclusive, in
+/// elements) of a strided view.
+fn extent_elems(counts: &[u64], base: u64, strides: &[u64]) -> Option<u64> {
+    if counts.contains(&0) {
+        return Some(base);
+    }
+    let mut last = base;
+    for (c, s) in counts.iter().zip(strides) {
+        last = last.checked_add((c - 1).checked_mul(*s)?)?;
+    }
+    last.checked_add(1)
+}
+
+/// Whether a strided view of `counts` stays inside its region.
+pub fn in_bounds(counts: &[u64], r: &StridedRef) -> bool {
+    extent_elems(counts, r.base, &r.strides[..counts.len()])
+        .and_then(|e| e.checked_mul(r.dtype.size()))
+        .is_some_and(|bytes| bytes <= r.len as u64)
+}
+
+/// Row-major strides for `counts` (a packed, contiguous piece).
+pub fn packed_strides(counts: &[u64]) -> [u64; MAX_DIMS] {
+    let mut s = [0u64; MAX_DIMS];
+    let mut acc = 1;
+    for d in (0..counts.len()).rev() {
+        s[d] = acc;
+        acc *= counts[d];
+    }
+    s
+}
+
+/// Copies every element of a piece with element counts `counts` from `src`
+/// to `dst`, converting dtype.
+///
+/// # Safety
+/// Both views must be in bounds ([`in_bounds`]); `dst.ptr` must be valid
+/// for writes of that region, and no other thread may access the written
+/// elements, or write the read elements, during the call.
+pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
+    // Joint dims with count > 1, outermost first, merging dims that are
+    // contiguous on both sides.
+    let mut dims: Vec<(u64, u64, u64)> = Vec::with_capacity(counts.len());
+    for d in 0..counts.len() {
+        if counts[d] == 0 {
+            return;
+        }
+        if counts[d] > 1 {
+            dims.push((counts[d], src.strides[d], dst.strides[d]));
+        }
+    }
+    let mut i = dims.len();
+    while i >= 2 {
+        let (c_in, s_in, d_in) = dims[i - 1];
+        let (c_out, s_out, d_out) = dims[i - 2];
+        if s_out == c_in * s_in && d_out == c_in * d_in {
+            dims[i - 2] = (c_out * c_in, s_in, d_in);
+            dims.remove(i - 1);
+        }
+        i -= 1;
+    }
+    let (run, outer) = match dims.last() {
+        Some(&(c, 1, 1)) => (c, &dims[..dims.len() - 1]),
+        _ => (1, &dims[..]),
+    };
+    let (fs, ts) = (src.dtype.size() as usize, dst.dtype.size() as usize);
+    let mut idx = vec![0u64; outer.len()];
+    let (mut so, mut doff) = (src.base, dst.base);
+    loop {
+        // SAFETY: in bounds by the caller's contract; regions disjoint.
+        unsafe {
+            let s = std::slice::from_raw_parts(src.ptr.add(so as usize * fs), run as usize * fs);
+            let d = std::slice::from_raw_parts_mut((dst.ptr as *mut u8).add(doff as usize * ts), run as usize * ts);
+            if src.dtype == dst.dtype {
+                d.copy_from_slice(s);
+            } else {
+                convert_slice(src.dtype, s, dst.dtype, d);
+            }
+        }
+        // Odometer over the outer dims.
+        let mut k = outer.len();
+        loop {
+            if k == 0 {
+                return;
+            }
+            k -= 1;
+            idx[k] += 1;
+            so += outer[k].1;
+            doff += outer[k].2;
+            if idx[k] < outer[k].0 {
+                break;
+            }
+            so -= outer[k].0 * outer[k].1;
+            doff -= outer[k].0 * outer[k].2;
+            idx[k] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strided_to_packed_and_back() {
+        // A 4x6 f32 buffer; copy the [1:3, 2:5] sub-block out and back in.
+        let buf: Vec<u8> = (0..24u32).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        let counts = [2u64, 3];
+        let src = StridedRef { ptr: buf.as_ptr(), len: buf.len(), base: 6 + 2, strides: [6, 1, 0, 0, 0, 0, 0, 0], dtype: DType::F32 };
+        let mut packed = vec![0u8; 6 * 2];
+        let dst = StridedRef { ptr: packed.as_mut_ptr(), len: packed.len(), base: 0, strides: packed_strides(&counts), dtype: DType::BF16 };
+        assert!(in_bounds(&counts, &src) && in_bounds(&counts, &dst));
+        unsafe { copy_strided(&counts, &src, &dst) };
+        let got: Vec<f32> = packed.chunks(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)).collect();
+        assert_eq!(got, vec![8.0, 9.0, 10.0, 14.0, 15.0, 16.0]);
+        let oob = StridedRef { base: 6 * 3 + 4, ..src };
+        assert!(!in_bounds(&counts, &oob));
+    }
+}

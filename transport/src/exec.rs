@@ -1,0 +1,316 @@
+//! Runs per-rank programs: for every round, local copies, then pack and
+//! post sends, then receive and unpack. [`run_rank`] is transport-agnostic;
+//! [`run_local`] runs every rank as a thread of this process.
+
+use crate::copy::{copy_strided, in_bounds, packed_strides, StridedRef};
+use crate::local::local_fabric;
+use crate::memory::{MemView, RankMemory};
+use crate::transport::{Payload, Segment, Transport, TransportError};
+use reshard::{Block, DType, Endpoint, RankProgram, RecvPiece, Span};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// Executor options.
+#[derive(Clone, Copy, Debug)]
+pub struct ExecOptions {
+    /// The whole refit must finish within this time.
+    pub deadline: Duration,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions { deadline: Duration::from_secs(600) }
+    }
+}
+
+/// Why a rank's program failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ExecError {
+    /// The transport failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A message did not match what the program expects.
+    #[error("{me}: round {round}: bad message from {peer}: {problem}")]
+    BadMessage {
+        /// Receiving rank.
+        me: Endpoint,
+        /// Round.
+        round: u32,
+        /// Sender.
+        peer: Endpoint,
+        /// What was wrong.
+        problem: String,
+    },
+    /// A span falls outside its buffer.
+    #[error("{me}: piece {block} does not fit buffer {buffer}")]
+    OutOfBounds {
+        /// Rank.
+        me: Endpoint,
+        /// Piece.
+        block: Block,
+        /// Buffer index.
+        buffer: u32,
+    },
+    /// The memory given does not match the program's buffers.
+    #[error("{me}: memory has {got} buffers, program needs {want}")]
+    MemoryMismatch {
+        /// Rank.
+        me: Endpoint,
+        /// Buffers given.
+        got: usize,
+        /// Buffers needed.
+        want: usize,
+    },
+    /// A rank thread panicked.
+    #[error("{me}: rank thread panicked")]
+    Panicked {
+        /// Rank.
+        me: Endpoint,
+    },
+}
+
+/// What one rank did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankStats {
+    /// Bytes sent (wire dtype).
+    pub sent_bytes: u64,
+    /// Bytes received (wire dtype).
+    pub recv_bytes: u64,
+    /// Messages sent.
+    pub messages: u64,
+}
+
+/// What a whole run did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ExecReport {
+    /// Wall time of the data movement (threads started to all done).
+    pub elapsed: Duration,
+    /// Bytes moved between ranks.
+    pub bytes: u64,
+    /// Messages.
+    pub messages: u64,
+}
+
+fn view(me: Endpoint, mem: &MemView, span: &Span, dtype: DType, block: &Block) -> Result<StridedRef, ExecError> {
+    let buf = mem.bufs.get(span.buffer as usize).ok_or(ExecError::OutOfBounds { me, block: *block, buffer: span.buffer })?;
+    let r = StridedRef { ptr: buf.ptr, len: buf.len, base: span.base, strides: span.strides, dtype };
+    if in_bounds(block.extent(), &r) {
+        Ok(r)
+    } else {
+        Err(ExecError::OutOfBounds { me, block: *block, buffer: span.buffer })
+    }
+}
+
+/// Runs one rank's program over `transport`. On failure it tells every peer
+/// (so none waits in vain) and returns the error.
+pub fn run_rank<T: Transport>(
+    program: &RankProgram,
+    memory: &mut RankMemory,
+    transport: &mut T,
+    options: &ExecOptions,
+) -> Result<RankStats, ExecError> {
+    let deadline = Instant::now() + options.deadline;
+    let mem = memory.view();
+    run_rank_view(program, &mem, transport, deadline)
+}
+
+pub(crate) fn run_rank_view<T: Transport>(
+    program: &RankProgram,
+    mem: &MemView,
+    transport: &mut T,
+    deadline: Instant,
+) -> Result<RankStats, ExecError> {
+    let result = run_rounds(program, mem, transport, deadline);
+    if let Err(e) = &result {
+        if !matches!(e, ExecError::Transport(TransportError::PeerAborted { .. })) {
+            transport.abort(&e.to_string());
+        }
+    }
+    result
+}
+
+fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mut T, deadline: Instant) -> Result<RankStats, ExecError> {
+    let me = program.endpoint;
+    if mem.bufs.len() != program.buffers.len() {
+        return Err(ExecError::MemoryMismatch { me, got: mem.bufs.len(), want: program.buffers.len() });
+    }
+    let mut stats = RankStats::default();
+    for (r, round) in program.rounds.iter().enumerate() {
+        let r = r as u32;
+        for l in &round.locals {
+            let from = view(me, mem, &l.from, l.from_dtype, &l.block)?;
+            for to in &l.to {
+                let to = view(me, mem, to, l.to_dtype, &l.block)?;
+                // SAFETY: both in bounds; scratch and shard buffers are
+                // distinct; only this thread writes this rank's buffers.
+                unsafe { copy_strided(l.block.extent(), &from, &to) };
+            }
+        }
+        for msg in &round.sends {
+            let mut segments = Vec::with_capacity(msg.pieces.len());
+            // Pieces whose wire type differs are converted into one staging area.
+            let staged: u64 = msg.pieces.iter().filter(|p| p.dtype != p.wire).map(|p| p.block.numel() * p.wire.size()).sum();
+            let mut staging = vec![0u8; staged as usize];
+            let mut pos = 0u64;
+            for p in &msg.pieces {
+                let src = view(me, mem, &p.span, p.dtype, &p.block)?;
+                if p.dtype == p.wire {
+                    segments.push(Segment { view: src, numel: p.block.numel() });
+                } else {
+                    let elem = p.wire.size();
+                    let dst = StridedRef {
+                        ptr: staging.as_mut_ptr(),
+                        len: staging.len(),
+                        base: pos / elem,
+                        strides: packed_strides(p.block.extent()),
+                        dtype: p.wire,
+                    };
+                    // SAFETY: staging is ours and sized for every staged piece.
+                    unsafe { copy_strided(p.block.extent(), &src, &dst) };
+                    segments.push(Segment { view: dst, numel: p.block.numel() });
+                    pos += p.block.numel() * elem;
+                }
+            }
+            // Moving the Vec into the Arc keeps its heap buffer where the
+            // segments point.
+            let keep_alive = if staged > 0 { vec![Arc::new(staging)] } else { Vec::new() };
+            stats.sent_bytes += msg.wire_bytes();
+            stats.messages += 1;
+            transport.send(r, msg.peer, Payload::Segments { segments, keep_alive })?;
+        }
+        let mut done = vec![false; round.recvs.len()];
+        for _ in 0..round.recvs.len() {
+            let (peer, payload) = transport.recv(r, deadline)?;
+            let bad = |problem: String| ExecError::BadMessage { me, round: r, peer, problem };
+            let i = round.recvs.iter().position(|m| m.peer == peer).ok_or_else(|| bad("no message expected from this peer".into()))?;
+            if std::mem::replace(&mut done[i], true) {
+                return Err(bad("second message in one round".into()));
+            }
+            let msg = &round.recvs[i];
+            unpack(me, mem, &msg.pieces, payload).map_err(|e| match e {
+                Unpack::Bad(p) => bad(p),
+                Unpack::Exec(e) => e,
+            })?;
+            stats.recv_bytes += msg.wire_bytes();
+        }
+    }
+    Ok(stats)
+}
+
+enum Unpack {
+    Bad(String),
+    Exec(ExecError),
+}
+
+fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -> Result<(), Unpack> {
+    match payload {
+        Payload::Segments { segments, keep_alive } => {
+            if segments.len() != pieces.len() {
+                return Err(Unpack::Bad(format!("{} segments for {} pieces", segments.len(), pieces.len())));
+            }
+            for (seg, p) in segments.iter().zip(pieces) {
+                if seg.numel != p.block.numel() || seg.view.dtype != p.wire || !in_bounds(p.block.extent(), &seg.view) {
+                    return Err(Unpack::Bad(format!("segment for piece {} does not match it", p.block)));
+                }
+                for span in &p.spans {
+                    let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
+                    // SAFETY: the segment is in bounds of memory the sender
+                    // keeps alive (buffers outlive all rank threads; staging
+                    // is in `keep_alive`) and nobody writes it now; `to` is
+                    // this rank's own buffer.
+                    unsafe { copy_strided(p.block.extent(), &seg.view, &to) };
+                }
+            }
+            drop(keep_alive);
+        }
+        Payload::Bytes(bytes) => {
+            let want: u64 = pieces.iter().map(|p| p.block.numel() * p.wire.size()).sum();
+            if bytes.len() as u64 != want {
+                return Err(Unpack::Bad(format!("{} bytes, expected {want}", bytes.len())));
+            }
+            let mut pos = 0u64;
+            for p in pieces {
+                let elem = p.wire.size();
+                let src = StridedRef {
+                    ptr: bytes.as_ptr(),
+                    len: bytes.len(),
+                    base: pos / elem,
+                    strides: packed_strides(p.block.extent()),
+                    dtype: p.wire,
+                };
+                if pos % elem != 0 {
+                    // Keep element alignment of offsets: copy to an aligned temporary.
+                    let n = (p.block.numel() * elem) as usize;
+                    let tmp = bytes[pos as usize..pos as usize + n].to_vec();
+                    let src = StridedRef { ptr: tmp.as_ptr(), len: tmp.len(), base: 0, ..src };
+                    for span in &p.spans {
+                        let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
+                        // SAFETY: tmp is ours and exactly sized; `to` is ours.
+                        unsafe { copy_strided(p.block.extent(), &src, &to) };
+                    }
+                } else {
+                    for span in &p.spans {
+                        let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
+                        // SAFETY: src in bounds (total size checked); `to` is ours.
+                        unsafe { copy_strided(p.block.extent(), &src, &to) };
+                    }
+                }
+                pos += p.block.numel() * elem;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs all programs, one thread per rank with work, over the in-process
+/// transport. `memory[i]` belongs to `programs[i]`. Returns the first root
+/// cause if any rank fails (other ranks then stop on the abort).
+pub fn run_local(programs: &[RankProgram], memory: &mut [RankMemory], options: &ExecOptions) -> Result<ExecReport, ExecError> {
+    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+    let transports = local_fabric(&endpoints);
+    let views: Vec<MemView> = memory.iter_mut().map(|m| m.view()).collect();
+    let start = Instant::now();
+    let deadline = start + options.deadline;
+    let results: Vec<Result<RankStats, ExecError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = programs
+            .iter()
+            .zip(transports)
+            .zip(&views)
+            .map(|((p, mut t), v)| {
+                let idle = p.rounds.iter().all(|r| r.sends.is_empty() && r.recvs.is_empty() && r.locals.is_empty());
+                (p.endpoint, (!idle).then(|| scope.spawn(move || run_rank_view(p, v, &mut t, deadline))))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|(me, h)| match h {
+                None => Ok(RankStats::default()),
+                Some(h) => h.join().unwrap_or(Err(ExecError::Panicked { me })),
+            })
+            .collect()
+    });
+    let elapsed = start.elapsed();
+    let mut first_err = None;
+    let mut report = ExecReport { elapsed, ..ExecReport::default() };
+    for r in results {
+        match r {
+            Ok(s) => {
+                report.bytes += s.sent_bytes;
+                report.messages += s.messages;
+            }
+            Err(e) => {
+                let secondary = matches!(e, ExecError::Transport(TransportError::PeerAborted { .. }));
+                match &first_err {
+                    None => first_err = Some(e),
+                    Some(ExecError::Transport(TransportError::PeerAborted { .. })) if !secondary => first_err = Some(e),
+                    _ => {}
+                }
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(report),
+    }
+}

@@ -1,0 +1,79 @@
+//! The transport trait: how one rank's messages reach its peers.
+//!
+//! A message is the pieces one rank sends one peer in one round, as strided
+//! segments. A transport either hands the segments to the receiver as they
+//! are (in-process, shared memory: the receiver copies straight out of the
+//! sender's buffers, one copy per byte) or streams them as bytes (TCP).
+
+use crate::copy::StridedRef;
+use reshard::Endpoint;
+use std::sync::Arc;
+use std::time::Instant;
+use thiserror::Error;
+
+/// One piece of a message as the sender holds it.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    /// Where the elements are (a buffer of the sender, or its staging).
+    pub view: StridedRef,
+    /// Number of elements.
+    pub numel: u64,
+}
+
+/// What travels in one message.
+#[derive(Debug)]
+pub enum Payload {
+    /// Segments in the sender's memory, one per piece; the `Arc`s keep any
+    /// staging they point into alive until the receiver drops the payload.
+    Segments {
+        /// One per piece, in wire order.
+        segments: Vec<Segment>,
+        /// Staging areas that segments point into.
+        keep_alive: Vec<Arc<Vec<u8>>>,
+    },
+    /// The pieces packed back to back in wire dtype.
+    Bytes(Vec<u8>),
+}
+
+// SAFETY: segments point into memory that outlives the executor's threads
+// (see `memory::MemView`) or into the `Arc`ed staging carried alongside.
+unsafe impl Send for Payload {}
+
+/// Why a transport operation failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum TransportError {
+    /// Nothing arrived before the deadline.
+    #[error("{me}: timed out waiting for round {round} messages")]
+    Timeout {
+        /// The waiting rank.
+        me: Endpoint,
+        /// Round awaited.
+        round: u32,
+    },
+    /// A peer gave up and told us.
+    #[error("{peer} aborted: {reason}")]
+    PeerAborted {
+        /// Who aborted.
+        peer: Endpoint,
+        /// Why.
+        reason: String,
+    },
+    /// The peer is gone (its end of the channel or connection closed).
+    #[error("{peer} is unreachable")]
+    Disconnected {
+        /// The peer.
+        peer: Endpoint,
+    },
+}
+
+/// Moves one rank's messages. One instance per rank.
+pub trait Transport: Send {
+    /// This rank.
+    fn me(&self) -> Endpoint;
+    /// Posts a message for `to` in `round`; does not wait for delivery.
+    fn send(&mut self, round: u32, to: Endpoint, payload: Payload) -> Result<(), TransportError>;
+    /// Waits until `deadline` for the next message of `round` from any peer.
+    fn recv(&mut self, round: u32, deadline: Instant) -> Result<(Endpoint, Payload), TransportError>;
+    /// Tells every peer this rank failed, so none waits for it in vain.
+    fn abort(&mut self, reason: &str);
+}
