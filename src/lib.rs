@@ -5,4 +5,6 @@
 //! on the embedded in-process data plane; the planner lives in [`reshard`]
 //! and the data plane in [`transport`].
 
+pub mod bench;
+pub mod presets;
 pub mod runner;

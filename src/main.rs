@@ -1,12 +1,14 @@
 //! The `refit` command line.
 
 use clap::{Parser, Subcommand};
+use refit::bench::{exec_bench, peak_rss_bytes};
+use refit::presets::{layouts, Model};
 use refit::runner::prepare;
 use reshard::{parse_layout, plan_baseline, plan_reshard, Figures, Layout, PlanOptions, Strategy};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use transport::ExecOptions;
 
 #[derive(Parser)]
@@ -55,6 +57,56 @@ enum Command {
         /// Fail if the refit takes longer than this many seconds.
         #[arg(long, default_value_t = 600)]
         deadline_s: u64,
+    },
+    /// Measure reshard, baseline and a plain memcpy of the same bytes side
+    /// by side (in-process), medians over repetitions.
+    Bench {
+        /// Source layout file (or use --model).
+        #[arg(long, requires = "dst", conflicts_with = "model")]
+        src: Option<PathBuf>,
+        /// Destination layout file.
+        #[arg(long, requires = "src")]
+        dst: Option<PathBuf>,
+        /// A model preset instead of files.
+        #[arg(long, value_enum)]
+        model: Option<Model>,
+        /// Divide hidden sizes by this (presets only).
+        #[arg(long, default_value_t = 8)]
+        scale: u64,
+        /// Repetitions after one warm-up.
+        #[arg(long, default_value_t = 5)]
+        reps: usize,
+        /// Most bytes one rank stages per round, in MiB.
+        #[arg(long, default_value_t = 256)]
+        max_staging_mib: u64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Time planning (reshard and baseline) on a model preset and report
+    /// peak memory.
+    PlanBench {
+        /// The model preset.
+        #[arg(long, value_enum, default_value = "deepseek-v3")]
+        model: Model,
+        /// Divide hidden sizes by this (1 = full size).
+        #[arg(long, default_value_t = 1)]
+        scale: u64,
+        /// Repetitions (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+    },
+    /// Write a model preset's layouts as layout files.
+    Emit {
+        /// The model preset.
+        #[arg(long, value_enum)]
+        model: Model,
+        /// Divide hidden sizes by this.
+        #[arg(long, default_value_t = 1)]
+        scale: u64,
+        /// Directory to write src.json and dst.json into.
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -188,6 +240,139 @@ fn cmd_run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_
     Ok(())
 }
 
+fn preset(model: Model, scale: u64) -> Result<(Layout, Layout), Failure> {
+    layouts(model, scale).map_err(|e| invalid(format!("preset {model:?} at scale {scale}: {e}")))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cmd_bench(
+    src: &Option<PathBuf>,
+    dst: &Option<PathBuf>,
+    model: Option<Model>,
+    scale: u64,
+    reps: usize,
+    mib: u64,
+    as_json: bool,
+) -> Result<(), Failure> {
+    let (s, d, what) = match (src, dst, model) {
+        (Some(s), Some(d), _) => (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display())),
+        (_, _, Some(m)) => {
+            let (s, d) = preset(m, scale)?;
+            (s, d, format!("{m:?} scale {scale}"))
+        }
+        _ => return Err(invalid("give --src and --dst, or --model".into())),
+    };
+    let opts = PlanOptions { max_staging_bytes: mib.max(1) << 20, ..PlanOptions::default() };
+    let b = exec_bench(&s, &d, &opts, reps).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+    let gib = |bytes: u64, t: Duration| bytes as f64 / t.as_secs_f64().max(1e-12) / (1u64 << 30) as f64;
+    if as_json {
+        println!(
+            "{}",
+            json!({
+                "workload": what, "reps": b.reps,
+                "reshard": {"bytes": b.reshard_bytes, "median_s": b.reshard.as_secs_f64()},
+                "baseline": {"bytes": b.baseline_bytes, "median_s": b.baseline.as_secs_f64()},
+                "memcpy": {"bytes": b.reshard_bytes, "threads": b.memcpy_threads, "median_s": b.memcpy.as_secs_f64()},
+                "reshard_vs_memcpy": b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
+                "baseline_over_reshard": b.baseline.as_secs_f64() / b.reshard.as_secs_f64(),
+            })
+        );
+    } else {
+        println!(
+            "workload: {what}; {} src ranks -> {} dst ranks, {} tensors; medians of {} reps",
+            s.ranks(),
+            d.ranks(),
+            d.tensors().len(),
+            b.reps
+        );
+        println!(
+            "  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
+            human(b.reshard_bytes),
+            b.reshard.as_secs_f64() * 1e3,
+            gib(b.reshard_bytes, b.reshard)
+        );
+        println!(
+            "  baseline  {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
+            human(b.baseline_bytes),
+            b.baseline.as_secs_f64() * 1e3,
+            gib(b.baseline_bytes, b.baseline)
+        );
+        println!(
+            "  memcpy    {:>10}  {:>9.3} ms  {:>7.2} GiB/s  ({} threads)",
+            human(b.reshard_bytes),
+            b.memcpy.as_secs_f64() * 1e3,
+            gib(b.reshard_bytes, b.memcpy),
+            b.memcpy_threads
+        );
+        println!(
+            "  reshard throughput / memcpy throughput = {:.2}; baseline time / reshard time = {:.2}",
+            b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
+            b.baseline.as_secs_f64() / b.reshard.as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+fn cmd_plan_bench(model: Model, scale: u64, reps: usize) -> Result<(), Failure> {
+    let t = Instant::now();
+    let (src, dst) = preset(model, scale)?;
+    let build = t.elapsed();
+    let opts = PlanOptions::default();
+    let mut times = Vec::new();
+    let mut figures = None;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let plan = plan_reshard(&src, &dst, &opts).map_err(|e| invalid(e.to_string()))?;
+        times.push(t.elapsed());
+        figures = Some(plan.figures().clone());
+        drop(plan);
+    }
+    times.sort();
+    let t = Instant::now();
+    let base = plan_baseline(&src, &dst, &opts).map_err(|e| invalid(e.to_string()))?;
+    let base_time = t.elapsed();
+    let f = figures.unwrap_or_default();
+    println!(
+        "{model:?} scale {scale}: {} tensors, {} src ranks -> {} dst ranks (layouts built in {:.3} s)",
+        dst.tensors().len(),
+        src.ranks(),
+        dst.ranks(),
+        build.as_secs_f64()
+    );
+    println!(
+        "  reshard plan: median {:.3} s over {} reps; {} pieces, {} transfers, {} messages, {} rounds",
+        times[times.len() / 2].as_secs_f64(),
+        times.len(),
+        f.pieces,
+        f.transfers,
+        f.messages,
+        f.rounds
+    );
+    println!("  baseline plan: {:.3} s; {} transfers", base_time.as_secs_f64(), base.figures().transfers);
+    println!(
+        "  reshard moves {} ({} per dst node max), baseline {}",
+        human(f.total_bytes),
+        human(f.dst_node_ingress_bytes.iter().copied().max().unwrap_or(0)),
+        human(base.figures().total_bytes)
+    );
+    if let Some(peak) = peak_rss_bytes() {
+        println!("  peak resident memory: {}", human(peak));
+    }
+    Ok(())
+}
+
+fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
+    let (src, dst) = preset(model, scale)?;
+    std::fs::create_dir_all(out).map_err(|e| invalid(format!("{}: cannot create: {e}", out.display())))?;
+    for (name, l) in [("src.json", &src), ("dst.json", &dst)] {
+        let path = out.join(name);
+        std::fs::write(&path, reshard::layout_to_json(l).to_string())
+            .map_err(|e| invalid(format!("{}: cannot write: {e}", path.display())))?;
+    }
+    println!("wrote {}/src.json and dst.json ({} tensors)", out.display(), dst.tensors().len());
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -200,6 +385,11 @@ fn main() -> ExitCode {
     let result = match &cli.command {
         Command::Plan { pair, json } => cmd_plan(pair, *json),
         Command::Run { pair, baseline, verify, transport, deadline_s } => cmd_run(pair, *baseline, *verify, transport, *deadline_s),
+        Command::Bench { src, dst, model, scale, reps, max_staging_mib, json } => {
+            cmd_bench(src, dst, *model, *scale, *reps, *max_staging_mib, *json)
+        }
+        Command::PlanBench { model, scale, reps } => cmd_plan_bench(*model, *scale, *reps),
+        Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

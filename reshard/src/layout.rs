@@ -466,30 +466,28 @@ pub fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
 /// the sharding mesh dims; ranks differing only on replicate dims share it.
 fn mesh_holdings(t: u32, shape: &[u64], m: &MeshPlacement) -> Vec<Holding> {
     let nd = m.shape.len();
-    let mut by_coords: HashMap<Vec<u32>, usize> = HashMap::new();
+    let sharded: Vec<usize> = (0..nd).filter(|&i| matches!(m.dims[i], MeshDim::Shard(_))).collect();
+    // Holding slot per combination of sharded coordinates (mixed radix).
+    let slots: usize = sharded.iter().map(|&i| m.shape[i] as usize).product();
+    let mut slot_of: Vec<u32> = vec![u32::MAX; slots];
     let mut out: Vec<Holding> = Vec::new();
     let mut coord = vec![0u32; nd];
-    let sharded: Vec<usize> = (0..nd).filter(|&i| matches!(m.dims[i], MeshDim::Shard(_))).collect();
     for &rank in &m.ranks {
-        let key: Vec<u32> = sharded.iter().map(|&i| coord[i]).collect();
-        let h = match by_coords.get(&key) {
-            Some(&h) => h,
-            None => {
-                let mut off = vec![0u64; shape.len()];
-                let mut ext = shape.to_vec();
-                // Lower mesh dims split first, then each piece by the next.
-                for &i in &sharded {
-                    let MeshDim::Shard(d) = m.dims[i] else { continue };
-                    let (lo, hi) = chunk_range(ext[d], m.shape[i] as u64, coord[i] as u64);
-                    off[d] += lo;
-                    ext[d] = hi - lo;
-                }
-                by_coords.insert(key, out.len());
-                out.push(Holding { block: Block::new(&off, &ext), holders: Vec::new() });
-                out.len() - 1
+        let key = sharded.iter().fold(0usize, |k, &i| k * m.shape[i] as usize + coord[i] as usize);
+        if slot_of[key] == u32::MAX {
+            let mut off = vec![0u64; shape.len()];
+            let mut ext = shape.to_vec();
+            // Lower mesh dims split first, then each piece by the next.
+            for &i in &sharded {
+                let MeshDim::Shard(d) = m.dims[i] else { continue };
+                let (lo, hi) = chunk_range(ext[d], m.shape[i] as u64, coord[i] as u64);
+                off[d] += lo;
+                ext[d] = hi - lo;
             }
-        };
-        out[h].holders.push(Loc { rank, buffer: BufferKey::Own { tensor: t, shard: 0 }, at: 0 });
+            slot_of[key] = out.len() as u32;
+            out.push(Holding { block: Block::new(&off, &ext), holders: Vec::new() });
+        }
+        out[slot_of[key] as usize].holders.push(Loc { rank, buffer: BufferKey::Own { tensor: t, shard: 0 }, at: 0 });
         // advance row-major coordinate
         for i in (0..nd).rev() {
             coord[i] += 1;
@@ -538,12 +536,12 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
             if m.dims.len() != m.shape.len() {
                 return Err(tensor_err(name, format!("{} placements for a {}-d mesh; need one per mesh dim", m.dims.len(), m.shape.len())));
             }
-            let mut seen = std::collections::HashSet::new();
+            let mut seen = vec![false; ranks as usize];
             for &r in &m.ranks {
                 if r >= ranks {
                     return Err(tensor_err(name, format!("mesh.ranks: rank {r} >= ranks ({ranks})")));
                 }
-                if !seen.insert(r) {
+                if std::mem::replace(&mut seen[r as usize], true) {
                     return Err(tensor_err(name, format!("mesh.ranks: rank {r} appears twice")));
                 }
             }

@@ -399,14 +399,17 @@ pub(crate) fn finish(plan: &mut Plan) {
     for (i, t) in plan.transfers.iter().enumerate() {
         by_stage[t.stage as usize].push(i as u32);
     }
+    // First-fit round assignment. Per endpoint: bytes per round of this
+    // stage, and a skip list (union-find with path halving) over rounds that
+    // are nearly full, so a search jumps over them instead of scanning.
     let mut base = 0u32;
     let mut loads: Vec<Vec<u64>> = vec![Vec::new(); n];
-    let mut cursor: Vec<u32> = vec![0; n];
+    let mut skip: Vec<Vec<u32>> = vec![Vec::new(); n];
+    // A round counts as full once less than 1/16 of the cap is left.
+    let nearly_full = cap - cap / 16;
     for list in &by_stage {
-        for l in loads.iter_mut() {
-            l.clear();
-        }
-        cursor.iter_mut().for_each(|c| *c = 0);
+        loads.iter_mut().for_each(Vec::clear);
+        skip.iter_mut().for_each(Vec::clear);
         let mut stage_rounds = 0u32;
         for &ti in list {
             let t = plan.transfers[ti as usize];
@@ -417,22 +420,36 @@ pub(crate) fn finish(plan: &mut Plan) {
             }
             let b = plan.wire_bytes(&t);
             let (a, z) = (idx(t.from), idx(t.to));
-            let mut r = cursor[a].max(cursor[z]);
+            let fits = |loads: &Vec<Vec<u64>>, e: usize, r: u32| {
+                let l = loads[e].get(r as usize).copied().unwrap_or(0);
+                l == 0 || l + b <= cap
+            };
+            let mut r = 0u32;
             loop {
-                let la = loads[a].get(r as usize).copied().unwrap_or(0);
-                let lz = loads[z].get(r as usize).copied().unwrap_or(0);
-                if (la == 0 || la + b <= cap) && (lz == 0 || lz + b <= cap) {
+                let ra = open_round(&mut skip[a], r);
+                let rz = open_round(&mut skip[z], ra);
+                if rz != ra {
+                    r = rz;
+                    continue;
+                }
+                if fits(&loads, a, ra) && fits(&loads, z, ra) {
+                    r = ra;
                     break;
                 }
-                r += 1;
+                r = ra + 1;
             }
             for e in [a, z] {
                 if loads[e].len() <= r as usize {
                     loads[e].resize(r as usize + 1, 0);
                 }
                 loads[e][r as usize] += b;
-                while loads[e].get(cursor[e] as usize).is_some_and(|&l| l >= cap) {
-                    cursor[e] += 1;
+                if loads[e][r as usize] >= nearly_full {
+                    let s = &mut skip[e];
+                    if s.len() <= r as usize + 1 {
+                        let from = s.len() as u32;
+                        s.extend(from..r + 2);
+                    }
+                    s[r as usize] = r + 1;
                 }
             }
             plan.transfers[ti as usize].round = base + r;
@@ -491,4 +508,17 @@ pub(crate) fn finish(plan: &mut Plan) {
     f.max_rank_send_bytes = sent.into_iter().max().unwrap_or(0);
     f.max_rank_recv_bytes = recv.into_iter().max().unwrap_or(0);
     plan.figures = f;
+}
+
+/// The first round at or after `r` not marked full in `skip` (where
+/// `skip[x] != x` means round `x` is full); path halving keeps it near O(1).
+fn open_round(skip: &mut [u32], mut r: u32) -> u32 {
+    while (r as usize) < skip.len() && skip[r as usize] != r {
+        let next = skip[r as usize];
+        if (next as usize) < skip.len() {
+            skip[r as usize] = skip[next as usize];
+        }
+        r = next;
+    }
+    r
 }

@@ -1,0 +1,178 @@
+//! Model-shaped layout pairs generated in code: real tensor names, counts
+//! and parallel structure, hidden sizes divided by `scale` to fit in RAM.
+//!
+//! - `llama3-8b`: training TP4 x PP2 on 8 ranks (4 per node) -> inference
+//!   TP2 x DP2 on 4 ranks (2 per node).
+//! - `deepseek-v3`: training PP4 x EP16 x DP4 on 256 ranks (8 per node;
+//!   dense weights replicated over EP x DP within a stage, each expert on one
+//!   EP rank, replicated over DP) -> inference TP8 x DP16 on 128 ranks
+//!   (8 per node; every weight, experts included, TP-sharded).
+
+use reshard::{DType, Layout, LayoutError, MeshDim, MeshPlacement, Placement, TensorLayout};
+
+/// A model preset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Model {
+    /// Llama 3 8B.
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+    /// DeepSeek-V3 671B.
+    #[value(name = "deepseek-v3")]
+    DeepseekV3,
+}
+
+/// How one weight is split by tensor parallelism.
+#[derive(Clone, Copy)]
+enum Tp {
+    /// Column-parallel: output dim (0) split.
+    Col,
+    /// Row-parallel: input dim (1) split.
+    Row,
+    /// Not split (norms, small vectors).
+    None,
+}
+
+struct Weight {
+    name: String,
+    shape: Vec<u64>,
+    tp: Tp,
+    /// Pipeline stage (training) it belongs to.
+    stage: u32,
+    /// Expert index, for routed experts.
+    expert: Option<u32>,
+}
+
+fn mesh(shape: Vec<u32>, ranks: Vec<u32>, dims: Vec<MeshDim>) -> Placement {
+    Placement::Mesh(MeshPlacement { shape, ranks, dims })
+}
+
+fn tp_dim(tp: Tp) -> MeshDim {
+    match tp {
+        Tp::Col => MeshDim::Shard(0),
+        Tp::Row => MeshDim::Shard(1),
+        Tp::None => MeshDim::Replicate,
+    }
+}
+
+fn div(x: u64, scale: u64) -> u64 {
+    (x / scale).max(1)
+}
+
+fn llama_weights(scale: u64) -> Vec<Weight> {
+    let (h, ffn, vocab, layers, kv) = (div(4096, scale), div(14336, scale), div(128_256, scale), 32u32, div(1024, scale));
+    let mut w = vec![Weight { name: "model.embed_tokens.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 0, expert: None }];
+    for l in 0..layers {
+        let stage = l / 16;
+        let p = |n: &str| format!("model.layers.{l}.{n}");
+        w.push(Weight { name: p("input_layernorm.weight"), shape: vec![h], tp: Tp::None, stage, expert: None });
+        w.push(Weight { name: p("self_attn.q_proj.weight"), shape: vec![h, h], tp: Tp::Col, stage, expert: None });
+        w.push(Weight { name: p("self_attn.k_proj.weight"), shape: vec![kv, h], tp: Tp::Col, stage, expert: None });
+        w.push(Weight { name: p("self_attn.v_proj.weight"), shape: vec![kv, h], tp: Tp::Col, stage, expert: None });
+        w.push(Weight { name: p("self_attn.o_proj.weight"), shape: vec![h, h], tp: Tp::Row, stage, expert: None });
+        w.push(Weight { name: p("post_attention_layernorm.weight"), shape: vec![h], tp: Tp::None, stage, expert: None });
+        w.push(Weight { name: p("mlp.gate_proj.weight"), shape: vec![ffn, h], tp: Tp::Col, stage, expert: None });
+        w.push(Weight { name: p("mlp.up_proj.weight"), shape: vec![ffn, h], tp: Tp::Col, stage, expert: None });
+        w.push(Weight { name: p("mlp.down_proj.weight"), shape: vec![h, ffn], tp: Tp::Row, stage, expert: None });
+    }
+    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 1, expert: None });
+    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 1, expert: None });
+    w
+}
+
+fn deepseek_weights(scale: u64) -> Vec<Weight> {
+    let h = div(7168, scale);
+    let (q_lora, kv_lora, heads) = (div(1536, scale), div(512, scale), 128u64);
+    let (nope, rope, vdim) = (div(128, scale), div(64, scale), div(128, scale));
+    let (ffn, moe_ffn, vocab) = (div(18432, scale), div(2048, scale), div(129_280, scale));
+    let (layers, dense_layers, experts) = (61u32, 3u32, 256u32);
+    // 61 layers over 4 stages: 16, 15, 15, 15.
+    let stage_of = |l: u32| if l < 16 { 0 } else { 1 + (l - 16) / 15 };
+    let mut w = vec![Weight { name: "model.embed_tokens.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 0, expert: None }];
+    for l in 0..layers {
+        let stage = stage_of(l);
+        let p = |n: &str| format!("model.layers.{l}.{n}");
+        let mut add = |name: String, shape: Vec<u64>, tp: Tp, expert: Option<u32>| w.push(Weight { name, shape, tp, stage, expert });
+        add(p("input_layernorm.weight"), vec![h], Tp::None, None);
+        add(p("self_attn.q_a_proj.weight"), vec![q_lora, h], Tp::None, None);
+        add(p("self_attn.q_a_layernorm.weight"), vec![q_lora], Tp::None, None);
+        add(p("self_attn.q_b_proj.weight"), vec![heads * (nope + rope), q_lora], Tp::Col, None);
+        add(p("self_attn.kv_a_proj_with_mqa.weight"), vec![kv_lora + rope, h], Tp::None, None);
+        add(p("self_attn.kv_a_layernorm.weight"), vec![kv_lora], Tp::None, None);
+        add(p("self_attn.kv_b_proj.weight"), vec![heads * (nope + vdim), kv_lora], Tp::Col, None);
+        add(p("self_attn.o_proj.weight"), vec![h, heads * vdim], Tp::Row, None);
+        add(p("post_attention_layernorm.weight"), vec![h], Tp::None, None);
+        if l < dense_layers {
+            add(p("mlp.gate_proj.weight"), vec![ffn, h], Tp::Col, None);
+            add(p("mlp.up_proj.weight"), vec![ffn, h], Tp::Col, None);
+            add(p("mlp.down_proj.weight"), vec![h, ffn], Tp::Row, None);
+        } else {
+            add(p("mlp.gate.weight"), vec![experts as u64, h], Tp::None, None);
+            add(p("mlp.gate.e_score_correction_bias"), vec![experts as u64], Tp::None, None);
+            add(p("mlp.shared_experts.gate_proj.weight"), vec![moe_ffn, h], Tp::Col, None);
+            add(p("mlp.shared_experts.up_proj.weight"), vec![moe_ffn, h], Tp::Col, None);
+            add(p("mlp.shared_experts.down_proj.weight"), vec![h, moe_ffn], Tp::Row, None);
+            for e in 0..experts {
+                add(p(&format!("mlp.experts.{e}.gate_proj.weight")), vec![moe_ffn, h], Tp::Col, Some(e));
+                add(p(&format!("mlp.experts.{e}.up_proj.weight")), vec![moe_ffn, h], Tp::Col, Some(e));
+                add(p(&format!("mlp.experts.{e}.down_proj.weight")), vec![h, moe_ffn], Tp::Row, Some(e));
+            }
+        }
+    }
+    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 3, expert: None });
+    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 3, expert: None });
+    w
+}
+
+/// Source and destination layouts of a preset at `scale` (1 = full size).
+pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError> {
+    let scale = scale.max(1);
+    match model {
+        Model::Llama3_8b => {
+            let ws = llama_weights(scale);
+            // Training: rank = stage * 4 + tp.
+            let src = ws
+                .iter()
+                .map(|w| TensorLayout {
+                    name: w.name.clone(),
+                    dtype: DType::BF16,
+                    shape: w.shape.clone(),
+                    placement: mesh(vec![4], (0..4).map(|t| w.stage * 4 + t).collect(), vec![tp_dim(w.tp)]),
+                })
+                .collect();
+            let dst = ws
+                .iter()
+                .map(|w| TensorLayout {
+                    name: w.name.clone(),
+                    dtype: DType::BF16,
+                    shape: w.shape.clone(),
+                    placement: mesh(vec![2, 2], (0..4).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
+                })
+                .collect();
+            Ok((Layout::new(8, Some(4), src)?, Layout::new(4, Some(2), dst)?))
+        }
+        Model::DeepseekV3 => {
+            let ws = deepseek_weights(scale);
+            // Training: rank = stage * 64 + ep * 4 + dp.
+            let src = ws
+                .iter()
+                .map(|w| {
+                    let placement = match w.expert {
+                        Some(e) => mesh(vec![4], (0..4).map(|d| w.stage * 64 + (e / 16) * 4 + d).collect(), vec![MeshDim::Replicate]),
+                        None => mesh(vec![64], (0..64).map(|r| w.stage * 64 + r).collect(), vec![MeshDim::Replicate]),
+                    };
+                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
+                })
+                .collect();
+            let dst = ws
+                .iter()
+                .map(|w| TensorLayout {
+                    name: w.name.clone(),
+                    dtype: DType::BF16,
+                    shape: w.shape.clone(),
+                    placement: mesh(vec![16, 8], (0..128).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
+                })
+                .collect();
+            Ok((Layout::new(256, Some(8), src)?, Layout::new(128, Some(8), dst)?))
+        }
+    }
+}
