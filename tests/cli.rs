@@ -1,0 +1,489 @@
+//! The `refit` binary: valid pairs plan and run, every example verifies with
+//! both strategies, and every bad input ends with exit code 2 and exactly one
+//! `error:` line on stderr naming the file (never a panic, exit code 101).
+//!
+//! Tests marked `#[ignore = "known defect: ..."]` state the behaviour the
+//! contract asks for and currently fail; run them with `--ignored`.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+const BIN: &str = env!("CARGO_BIN_EXE_refit");
+
+/// A scratch directory under the system temp dir, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("refit-cli-{}-{n}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create scratch dir");
+        Scratch(dir)
+    }
+
+    fn write(&self, name: &str, bytes: impl AsRef<[u8]>) -> PathBuf {
+        let p = self.0.join(name);
+        std::fs::write(&p, bytes).expect("write scratch file");
+        p
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn refit(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("spawn refit")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn describe(args: &[&str], out: &Output) -> String {
+    format!(
+        "refit {}\n  exit: {:?}\n  stdout: {}\n  stderr: {}",
+        args.join(" "),
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Exit code 2, nothing on stdout, and stderr exactly one line that starts
+/// with `error:` and contains every fragment of `names`.
+fn rejection_failure(args: &[&str], out: &Output, names: &[&str]) -> Option<String> {
+    let err = String::from_utf8_lossy(&out.stderr);
+    let problem = if out.status.code() != Some(2) {
+        format!("exit code {:?}, want 2", out.status.code())
+    } else if !out.stdout.is_empty() {
+        "wrote to stdout".to_string()
+    } else if !err.starts_with("error:") {
+        "stderr does not start with 'error:'".to_string()
+    } else if !err.ends_with('\n') || err.trim_end_matches('\n').contains('\n') || err.matches('\n').count() != 1 {
+        "stderr is not exactly one line".to_string()
+    } else if let Some(n) = names.iter().find(|n| !err.contains(**n)) {
+        format!("stderr does not name {n:?}")
+    } else {
+        return None;
+    };
+    Some(format!("{problem}\n{}", describe(args, out)))
+}
+
+fn assert_ok(args: &[&str]) -> Output {
+    let out = refit(args);
+    assert_eq!(out.status.code(), Some(0), "{}", describe(args, &out));
+    out
+}
+
+/// Every `examples/*/` directory with a `src.json` and a `dst.json`.
+fn example_pairs() -> Vec<(PathBuf, PathBuf)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let mut pairs: Vec<(PathBuf, PathBuf)> = std::fs::read_dir(&root)
+        .expect("read examples/")
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| p.join("src.json").is_file() && p.join("dst.json").is_file())
+        .map(|p| (p.join("src.json"), p.join("dst.json")))
+        .collect();
+    pairs.sort();
+    assert!(!pairs.is_empty(), "no example pairs under {}", root.display());
+    pairs
+}
+
+const GOOD_SRC: &str = r#"{"ranks": 2, "ranks_per_node": 1, "tensors": [
+    {"name": "w", "dtype": "f32", "shape": [4, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#;
+const GOOD_DST: &str = r#"{"ranks": 2, "tensors": [
+    {"name": "w", "dtype": "bf16", "shape": [4, 4], "mesh": {"shape": [2]}, "placements": ["shard(1)"]}]}"#;
+
+// ---------------------------------------------------------------------------
+// Valid input.
+
+#[test]
+fn plan_accepts_a_valid_pair() {
+    let dir = Scratch::new("plan");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let out = assert_ok(&["plan", "--src", s(&src), "--dst", s(&dst)]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("reshard") && text.contains("baseline"), "{text}");
+}
+
+const FIGURE_KEYS: [&str; 6] =
+    ["src_egress_bytes", "dst_node_ingress_bytes", "cross_node_bytes", "max_rank_send_bytes", "max_rank_recv_bytes", "messages"];
+
+/// Parses `refit plan --json` output: one JSON object with `reshard` and
+/// `baseline`, each holding every figure with the right type.
+fn plan_json(src: &Path, dst: &Path) -> Value {
+    let args = ["plan", "--json", "--src", s(src), "--dst", s(dst)];
+    let out = assert_ok(&args);
+    let text = String::from_utf8(out.stdout).expect("utf-8 stdout");
+    assert_eq!(text.trim_end().lines().count(), 1, "one line of JSON expected:\n{text}");
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}"));
+    let obj = v.as_object().unwrap_or_else(|| panic!("not an object: {v}"));
+    for strategy in ["reshard", "baseline"] {
+        let f = obj.get(strategy).and_then(Value::as_object).unwrap_or_else(|| panic!("no '{strategy}' object in {v}"));
+        for key in FIGURE_KEYS {
+            let x = f.get(key).unwrap_or_else(|| panic!("{strategy} lacks '{key}': {v}"));
+            if key == "dst_node_ingress_bytes" {
+                let a = x.as_array().unwrap_or_else(|| panic!("{strategy}.{key} is not an array: {v}"));
+                assert!(a.iter().all(|n| n.as_u64().is_some()), "{strategy}.{key}: {v}");
+            } else {
+                assert!(x.as_u64().is_some(), "{strategy}.{key} is not a non-negative integer: {v}");
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn plan_json_has_every_figure() {
+    let dir = Scratch::new("json");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let v = plan_json(&src, &dst);
+    // 16 elements, narrowed to bf16 on the sender; every dst rank needs half
+    // of every src rank's rows.
+    assert_eq!(v["reshard"]["src_egress_bytes"], 32, "{v}");
+    assert_eq!(v["reshard"]["dst_node_ingress_bytes"], serde_json::json!([32]), "{v}");
+    assert_eq!(v["reshard"]["messages"], 4, "{v}");
+    assert_eq!(v["baseline"]["dst_node_ingress_bytes"].as_array().map(Vec::len), Some(1), "{v}");
+}
+
+#[test]
+fn plan_json_on_every_example() {
+    for (src, dst) in example_pairs() {
+        let v = plan_json(&src, &dst);
+        let dst_layout: Value = serde_json::from_str(&std::fs::read_to_string(&dst).unwrap()).unwrap();
+        let ranks = dst_layout["ranks"].as_u64().unwrap();
+        let rpn = dst_layout.get("ranks_per_node").and_then(Value::as_u64).unwrap_or(ranks);
+        let nodes = ranks.div_ceil(rpn) as usize;
+        for strategy in ["reshard", "baseline"] {
+            let got = v[strategy]["dst_node_ingress_bytes"].as_array().unwrap().len();
+            assert_eq!(got, nodes, "{}: {strategy}: one ingress figure per destination node", dst.display());
+        }
+    }
+}
+
+fn run_examples(extra: &[&str]) {
+    for (src, dst) in example_pairs() {
+        let mut args = vec!["run"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--verify", "--src", s(&src), "--dst", s(&dst)]);
+        let out = assert_ok(&args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("match"), "{}", describe(&args, &out));
+    }
+}
+
+#[test]
+fn run_verifies_every_example() {
+    run_examples(&[]);
+}
+
+#[test]
+fn run_baseline_verifies_every_example() {
+    run_examples(&["--baseline"]);
+}
+
+#[test]
+fn run_with_explicit_local_transport() {
+    let dir = Scratch::new("local");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let out = assert_ok(&["run", "--transport", "local", "--verify", "--src", s(&src), "--dst", s(&dst)]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("match"));
+}
+
+// ---------------------------------------------------------------------------
+// Invalid input.
+
+#[test]
+fn unknown_transport_is_rejected() {
+    let dir = Scratch::new("transport");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let args = ["run", "--transport", "tcp", "--verify", "--src", s(&src), "--dst", s(&dst)];
+    let out = refit(&args);
+    if let Some(f) = rejection_failure(&args, &out, &["tcp"]) {
+        panic!("{f}");
+    }
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    for args in
+        [&["plan", "--src", "a.json"][..], &["run", "--dst", "b.json"], &["plan", "--src", "a", "--dst", "b", "--bogus"], &["frobnicate"]]
+    {
+        let out = refit(args);
+        assert_eq!(out.status.code(), Some(2), "{}", describe(args, &out));
+    }
+}
+
+#[test]
+fn bad_staging_limit_is_rejected() {
+    let dir = Scratch::new("staging");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    for mib in ["0", "18446744073709551615"] {
+        let args = ["plan", "--max-staging-mib", mib, "--src", s(&src), "--dst", s(&dst)];
+        let out = refit(&args);
+        if let Some(f) = rejection_failure(&args, &out, &["--max-staging-mib"]) {
+            panic!("{f}");
+        }
+    }
+}
+
+/// One bad layout file: its name and its bytes (`None`: the file is missing).
+fn bad_single_files() -> Vec<(&'static str, Option<Vec<u8>>)> {
+    let t = |tensor: &str| Some(format!(r#"{{"ranks": 2, "tensors": [{tensor}]}}"#).into_bytes());
+    let b = |text: &str| Some(text.as_bytes().to_vec());
+    let truncated = GOOD_SRC.as_bytes()[..GOOD_SRC.len() / 2].to_vec();
+    vec![
+        ("bad-json", b(r#"{"ranks": 2, "tensors": [}"#)),
+        ("truncated", Some(truncated)),
+        ("empty", b("")),
+        ("missing", None),
+        ("not-utf8", Some(vec![0xff, 0xfe, b'{', 0x80, b'}'])),
+        ("binary-garbage", Some(vec![0, 1, 2, 3, b'{', 0, b'}'])),
+        ("byte-order-mark", Some([&[0xef, 0xbb, 0xbf][..], GOOD_SRC.as_bytes()].concat())),
+        ("top-level-array", b("[1, 2, 3]")),
+        ("tensor-null", b(r#"{"ranks": 2, "tensors": [null]}"#)),
+        ("ranks-string", b(r#"{"ranks": "two", "tensors": []}"#)),
+        ("ranks-1e30", b(r#"{"ranks": 1e30, "tensors": []}"#)),
+        ("ranks-2-64", b(r#"{"ranks": 18446744073709551616, "tensors": []}"#)),
+        ("ranks-negative", b(r#"{"ranks": -4, "tensors": []}"#)),
+        ("ranks-zero", b(r#"{"ranks": 0, "tensors": []}"#)),
+        ("ranks-per-node-zero", b(r#"{"ranks": 2, "ranks_per_node": 0, "tensors": []}"#)),
+        ("shape-1e30", t(r#"{"name": "w", "dtype": "f32", "shape": [1e30], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}"#)),
+        (
+            "shape-2-64",
+            t(r#"{"name": "w", "dtype": "f32", "shape": [18446744073709551616], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}"#),
+        ),
+        (
+            "numel-overflow",
+            t(r#"{"name": "w", "dtype": "f32", "shape": [4294967296, 4294967296], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}"#),
+        ),
+        ("offset-negative", t(r#"{"name": "w", "dtype": "f32", "shape": [4], "shards": [{"rank": 0, "offset": [-1], "extent": [4]}]}"#)),
+        ("deeply-nested", Some(("[".repeat(100_000) + &"]".repeat(100_000)).into_bytes())),
+        (
+            "nested-garbage",
+            t(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": {"a": [[{"b": null}]]}}, "placements": ["shard(0)"]}"#),
+        ),
+        ("unknown-dtype", t(r#"{"name": "w", "dtype": "float32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}"#)),
+        (
+            "unknown-field",
+            t(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "stride": [1]}"#),
+        ),
+        ("missing-dtype", t(r#"{"name": "w", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}"#)),
+        (
+            "both-forms",
+            t(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "shards": []}"#),
+        ),
+        ("neither-form", t(r#"{"name": "w", "dtype": "f32", "shape": [4]}"#)),
+        ("placements-length", t(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [1, 2]}, "placements": ["shard(0)"]}"#)),
+        ("shard-dim", t(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(1)"]}"#)),
+        (
+            "mesh-ranks-length",
+            t(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2], "ranks": [0]}, "placements": ["shard(0)"]}"#),
+        ),
+        ("rank-out-of-range", t(r#"{"name": "w", "dtype": "f32", "shape": [4], "shards": [{"rank": 2, "flat": [0, 4]}]}"#)),
+        ("box-out-of-bounds", t(r#"{"name": "w", "dtype": "f32", "shape": [4], "shards": [{"rank": 0, "offset": [2], "extent": [4]}]}"#)),
+        (
+            "duplicate-tensor",
+            b(r#"{"ranks": 2, "tensors": [
+                {"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]},
+                {"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#),
+        ),
+        (
+            "buffer-overlap",
+            b(r#"{"ranks": 2, "tensors": [
+                {"name": "q", "dtype": "f32", "shape": [4], "shards": [{"rank": 0, "flat": [0, 4], "buffer": "qkv", "at": 0}]},
+                {"name": "k", "dtype": "f32", "shape": [4], "shards": [{"rank": 0, "flat": [0, 4], "buffer": "qkv", "at": 2}]}]}"#),
+        ),
+    ]
+}
+
+#[test]
+fn bad_files_exit_2_with_one_line() {
+    let dir = Scratch::new("bad");
+    let good_src = dir.write("good-src.json", GOOD_SRC);
+    let good_dst = dir.write("good-dst.json", GOOD_DST);
+    let corpus = bad_single_files();
+    assert!(corpus.len() >= 25);
+    let mut failures = Vec::new();
+    let mut runs = 0;
+    for (name, bytes) in &corpus {
+        let file = format!("bad-{name}.json");
+        let path = match bytes {
+            Some(b) => dir.write(&file, b),
+            None => dir.0.join(&file),
+        };
+        for (src, dst) in [(&path, &good_dst), (&good_src, &path)] {
+            for cmd in [&["plan"][..], &["plan", "--json"], &["run", "--verify"], &["run", "--baseline", "--verify"]] {
+                let mut args: Vec<&str> = cmd.to_vec();
+                args.extend_from_slice(&["--src", s(src), "--dst", s(dst)]);
+                let out = refit(&args);
+                runs += 1;
+                if let Some(f) = rejection_failure(&args, &out, &[&file]) {
+                    failures.push(format!("[{name}] {f}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} of {runs} invocations failed:\n{}", failures.len(), failures.join("\n\n"));
+}
+
+#[test]
+fn a_directory_is_not_a_layout_file() {
+    let dir = Scratch::new("dir");
+    let good_dst = dir.write("good-dst.json", GOOD_DST);
+    let sub = dir.0.join("layout.json");
+    std::fs::create_dir_all(&sub).unwrap();
+    let args = ["plan", "--src", s(&sub), "--dst", s(&good_dst)];
+    if let Some(f) = rejection_failure(&args, &refit(&args), &["layout.json"]) {
+        panic!("{f}");
+    }
+}
+
+/// Each file is valid on its own; the pair is not.
+#[test]
+fn bad_pairs_exit_2_with_one_line() {
+    let dir = Scratch::new("pairs");
+    let src = dir.write("pair-src.json", GOOD_SRC);
+    let cases: [(&str, &str, &[&str]); 5] = [
+        (
+            "absent",
+            r#"{"ranks": 2, "tensors": [{"name": "lm_head", "dtype": "f32", "shape": [4, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#,
+            &["lm_head", "absent"],
+        ),
+        (
+            "shape",
+            r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [4, 5], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#,
+            &["'w'", "[4, 5]"],
+        ),
+        (
+            "convert",
+            r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "i32", "shape": [4, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#,
+            &["'w'", "cannot convert f32 to i32"],
+        ),
+        (
+            "convert-f8",
+            r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f8e4m3", "shape": [4, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#,
+            &["'w'", "cannot convert f32 to f8e4m3"],
+        ),
+        (
+            "scalar",
+            r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [], "mesh": {"shape": [2]}, "placements": ["replicate"]}]}"#,
+            &["'w'", "differs"],
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (name, dst_text, names) in cases {
+        let file = format!("pair-dst-{name}.json");
+        let dst = dir.write(&file, dst_text);
+        let mut want: Vec<&str> = names.to_vec();
+        want.extend_from_slice(&["pair-src.json", &file]);
+        for cmd in [&["plan"][..], &["run", "--verify"], &["run", "--baseline", "--verify"]] {
+            let mut args: Vec<&str> = cmd.to_vec();
+            args.extend_from_slice(&["--src", s(&src), "--dst", s(&dst)]);
+            if let Some(f) = rejection_failure(&args, &refit(&args), &want) {
+                failures.push(format!("[{name}] {f}"));
+            }
+        }
+    }
+    // Not covered: the source holds rows 0..2 only; both strategies refuse.
+    let partial = dir.write(
+        "pair-src-partial.json",
+        r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [4, 4], "shards": [{"rank": 0, "offset": [0, 0], "extent": [2, 4]}]}]}"#,
+    );
+    let dst = dir.write("pair-dst-full.json", GOOD_DST);
+    for cmd in [&["plan"][..], &["run", "--verify"], &["run", "--baseline", "--verify"]] {
+        let mut args: Vec<&str> = cmd.to_vec();
+        args.extend_from_slice(&["--src", s(&partial), "--dst", s(&dst)]);
+        if let Some(f) = rejection_failure(&args, &refit(&args), &["'w'", "not covered", "pair-src-partial.json"]) {
+            failures.push(format!("[not covered] {f}"));
+        }
+    }
+    assert!(failures.is_empty(), "{} failed:\n{}", failures.len(), failures.join("\n\n"));
+}
+
+// ---------------------------------------------------------------------------
+// Known defects: the contract's behaviour, currently not met.
+
+/// Runs refit under a 4 GiB address-space limit, so that a runaway
+/// allocation fails fast instead of exhausting the machine.
+#[cfg(unix)]
+fn refit_limited(args: &[&str]) -> Output {
+    Command::new("sh").arg("-c").arg("ulimit -v 4194304; exec \"$@\"").arg("sh").arg(BIN).args(args).output().expect("spawn sh")
+}
+
+/// Valid-looking sizes that parse but make planning allocate without bound
+/// (abort, exit 134) or overflow (panic, exit 101 in debug builds).
+#[cfg(unix)]
+#[test]
+#[ignore = "known defect: huge rank counts, default meshes and extents abort or panic instead of exiting 2"]
+fn huge_sizes_are_rejected_not_aborted() {
+    let dir = Scratch::new("huge");
+    let cases = [
+        (
+            "ranks",
+            r#"{"ranks": 4000000000, "tensors": [{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#,
+        ),
+        (
+            "mesh",
+            r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [50000, 50000]}, "placements": ["shard(0)", "replicate"]}]}"#,
+        ),
+        (
+            "extent",
+            r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "u8", "shape": [18446744073709551615], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#,
+        ),
+        (
+            "numel",
+            r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "u8", "shape": [9223372036854775807, 2], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}"#,
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (name, text) in cases {
+        let file = format!("huge-{name}.json");
+        let path = dir.write(&file, text);
+        let args = ["plan", "--src", s(&path), "--dst", s(&path)];
+        if let Some(f) = rejection_failure(&args, &refit_limited(&args), &[&file]) {
+            failures.push(format!("[{name}] {f}"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// A tensor name with a line break makes the error two lines.
+#[test]
+#[ignore = "known defect: names are not escaped in error messages"]
+fn error_is_one_line_whatever_the_names() {
+    let dir = Scratch::new("newline");
+    let good_dst = dir.write("good-dst.json", GOOD_DST);
+    let bad = dir.write(
+        "bad-name.json",
+        r#"{"ranks": 2, "tensors": [{"name": "w\nx", "dtype": "zz", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#,
+    );
+    let args = ["plan", "--src", s(&bad), "--dst", s(&good_dst)];
+    if let Some(f) = rejection_failure(&args, &refit(&args), &["bad-name.json"]) {
+        panic!("{f}");
+    }
+}
+
+/// The reshard handles a destination that needs only what the source holds;
+/// `refit plan` must not fail because the baseline cannot gather the rest.
+#[test]
+#[ignore = "known defect: plan_baseline rejects a pair whose destination regions are all covered"]
+fn plan_accepts_partially_held_tensor() {
+    let dir = Scratch::new("partial");
+    let src = dir.write(
+        "src.json",
+        r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [4, 4], "shards": [{"rank": 0, "offset": [0, 0], "extent": [2, 4]}]}]}"#,
+    );
+    let dst = dir.write(
+        "dst.json",
+        r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [4, 4], "shards": [{"rank": 1, "offset": [0, 0], "extent": [2, 4]}]}]}"#,
+    );
+    assert_ok(&["run", "--verify", "--src", s(&src), "--dst", s(&dst)]);
+    assert_ok(&["plan", "--src", s(&src), "--dst", s(&dst)]);
+}
