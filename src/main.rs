@@ -116,6 +116,17 @@ struct Failure {
     code: u8,
 }
 
+/// Prints a line to stdout; a closed pipe (`refit plan | head -1`) ends the
+/// program quietly instead of panicking.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout().lock(), $($arg)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
 fn invalid(line: String) -> Failure {
     Failure { line, code: 2 }
 }
@@ -166,12 +177,12 @@ fn human(bytes: u64) -> String {
 
 fn print_figures(name: &str, f: &Figures) {
     let ingress: Vec<String> = f.dst_node_ingress_bytes.iter().map(|&b| human(b)).collect();
-    println!("{name}:");
-    println!("  src egress          {}", human(f.src_egress_bytes));
-    println!("  dst node ingress    [{}]", ingress.join(", "));
-    println!("  cross-node          {}", human(f.cross_node_bytes));
-    println!("  max rank send/recv  {} / {}", human(f.max_rank_send_bytes), human(f.max_rank_recv_bytes));
-    println!("  messages            {} in {} rounds ({} stages)", f.messages, f.rounds, f.stages);
+    say!("{name}:");
+    say!("  src egress          {}", human(f.src_egress_bytes));
+    say!("  dst node ingress    [{}]", ingress.join(", "));
+    say!("  cross-node          {}", human(f.cross_node_bytes));
+    say!("  max rank send/recv  {} / {}", human(f.max_rank_send_bytes), human(f.max_rank_recv_bytes));
+    say!("  messages            {} in {} rounds ({} stages)", f.messages, f.rounds, f.stages);
 }
 
 fn cmd_plan(pair: &Pair, as_json: bool) -> Result<(), Failure> {
@@ -179,11 +190,19 @@ fn cmd_plan(pair: &Pair, as_json: bool) -> Result<(), Failure> {
     let opts = options(pair)?;
     let ctx = |e: reshard::PlanError| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display()));
     let reshard = plan_reshard(&src, &dst, &opts).map_err(ctx)?;
-    let baseline = plan_baseline(&src, &dst, &opts).map_err(ctx)?;
+    // The baseline may be impossible where the reshard is not (it gathers
+    // whole tensors); that is reported, not fatal.
+    let baseline = plan_baseline(&src, &dst, &opts);
     if as_json {
-        println!("{}", json!({"reshard": figures_json(reshard.figures()), "baseline": figures_json(baseline.figures())}));
-    } else {
-        println!(
+        let (b, err) = match &baseline {
+            Ok(b) => (figures_json(b.figures()), serde_json::Value::Null),
+            Err(e) => (serde_json::Value::Null, json!(e.to_string())),
+        };
+        say!("{}", json!({"reshard": figures_json(reshard.figures()), "baseline": b, "baseline_error": err}));
+        return Ok(());
+    }
+    {
+        say!(
             "{} src ranks ({} nodes) -> {} dst ranks ({} nodes), {} tensors, fingerprint {}",
             src.ranks(),
             src.nodes(),
@@ -193,14 +212,23 @@ fn cmd_plan(pair: &Pair, as_json: bool) -> Result<(), Failure> {
             reshard.fingerprint()
         );
         print_figures("reshard", reshard.figures());
-        print_figures("baseline", baseline.figures());
-        let (r, b) = (reshard.estimate(&opts.links), baseline.estimate(&opts.links));
-        println!(
-            "estimate (DGX H100 links): reshard {:.3} ms, baseline {:.3} ms, lower bound {:.3} ms",
-            r.seconds * 1e3,
-            b.seconds * 1e3,
-            r.lower_bound_seconds * 1e3
-        );
+        let r = reshard.estimate(&opts.links);
+        match &baseline {
+            Ok(baseline) => {
+                print_figures("baseline", baseline.figures());
+                let b = baseline.estimate(&opts.links);
+                say!(
+                    "estimate (DGX H100 links): reshard {:.3} ms, baseline {:.3} ms, lower bound {:.3} ms",
+                    r.seconds * 1e3,
+                    b.seconds * 1e3,
+                    r.lower_bound_seconds * 1e3
+                );
+            }
+            Err(e) => {
+                say!("baseline: unavailable: {e}");
+                say!("estimate (DGX H100 links): reshard {:.3} ms, lower bound {:.3} ms", r.seconds * 1e3, r.lower_bound_seconds * 1e3);
+            }
+        }
     }
     Ok(())
 }
@@ -218,7 +246,7 @@ fn cmd_run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_
     let report = prepared.execute(&exec).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
     let secs = report.elapsed.as_secs_f64();
     let f = prepared.plan.figures();
-    println!(
+    say!(
         "{strategy}: {} src ranks -> {} dst ranks, {} tensors, {} moved in {} messages, {} rounds",
         src.ranks(),
         dst.ranks(),
@@ -227,7 +255,7 @@ fn cmd_run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_
         report.messages,
         f.rounds
     );
-    println!(
+    say!(
         "time {:.3} ms, {:.2} GiB/s (plan {:.3} ms)",
         secs * 1e3,
         report.bytes as f64 / secs.max(1e-12) / (1u64 << 30) as f64,
@@ -235,7 +263,7 @@ fn cmd_run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_
     );
     if verify {
         let n = prepared.verify(&src, &dst).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
-        println!("verify: all {n} destination elements match");
+        say!("verify: all {n} destination elements match");
     }
     Ok(())
 }
@@ -266,7 +294,7 @@ fn cmd_bench(
     let b = exec_bench(&s, &d, &opts, reps).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
     let gib = |bytes: u64, t: Duration| bytes as f64 / t.as_secs_f64().max(1e-12) / (1u64 << 30) as f64;
     if as_json {
-        println!(
+        say!(
             "{}",
             json!({
                 "workload": what, "reps": b.reps,
@@ -278,33 +306,33 @@ fn cmd_bench(
             })
         );
     } else {
-        println!(
+        say!(
             "workload: {what}; {} src ranks -> {} dst ranks, {} tensors; medians of {} reps",
             s.ranks(),
             d.ranks(),
             d.tensors().len(),
             b.reps
         );
-        println!(
+        say!(
             "  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
             human(b.reshard_bytes),
             b.reshard.as_secs_f64() * 1e3,
             gib(b.reshard_bytes, b.reshard)
         );
-        println!(
+        say!(
             "  baseline  {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
             human(b.baseline_bytes),
             b.baseline.as_secs_f64() * 1e3,
             gib(b.baseline_bytes, b.baseline)
         );
-        println!(
+        say!(
             "  memcpy    {:>10}  {:>9.3} ms  {:>7.2} GiB/s  ({} threads)",
             human(b.reshard_bytes),
             b.memcpy.as_secs_f64() * 1e3,
             gib(b.reshard_bytes, b.memcpy),
             b.memcpy_threads
         );
-        println!(
+        say!(
             "  reshard throughput / memcpy throughput = {:.2}; baseline time / reshard time = {:.2}",
             b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
             b.baseline.as_secs_f64() / b.reshard.as_secs_f64()
@@ -332,14 +360,14 @@ fn cmd_plan_bench(model: Model, scale: u64, reps: usize) -> Result<(), Failure> 
     let base = plan_baseline(&src, &dst, &opts).map_err(|e| invalid(e.to_string()))?;
     let base_time = t.elapsed();
     let f = figures.unwrap_or_default();
-    println!(
+    say!(
         "{model:?} scale {scale}: {} tensors, {} src ranks -> {} dst ranks (layouts built in {:.3} s)",
         dst.tensors().len(),
         src.ranks(),
         dst.ranks(),
         build.as_secs_f64()
     );
-    println!(
+    say!(
         "  reshard plan: median {:.3} s over {} reps; {} pieces, {} transfers, {} messages, {} rounds",
         times[times.len() / 2].as_secs_f64(),
         times.len(),
@@ -348,15 +376,15 @@ fn cmd_plan_bench(model: Model, scale: u64, reps: usize) -> Result<(), Failure> 
         f.messages,
         f.rounds
     );
-    println!("  baseline plan: {:.3} s; {} transfers", base_time.as_secs_f64(), base.figures().transfers);
-    println!(
+    say!("  baseline plan: {:.3} s; {} transfers", base_time.as_secs_f64(), base.figures().transfers);
+    say!(
         "  reshard moves {} ({} per dst node max), baseline {}",
         human(f.total_bytes),
         human(f.dst_node_ingress_bytes.iter().copied().max().unwrap_or(0)),
         human(base.figures().total_bytes)
     );
     if let Some(peak) = peak_rss_bytes() {
-        println!("  peak resident memory: {}", human(peak));
+        say!("  peak resident memory: {}", human(peak));
     }
     Ok(())
 }
@@ -369,7 +397,7 @@ fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
         std::fs::write(&path, reshard::layout_to_json(l).to_string())
             .map_err(|e| invalid(format!("{}: cannot write: {e}", path.display())))?;
     }
-    println!("wrote {}/src.json and dst.json ({} tensors)", out.display(), dst.tensors().len());
+    say!("wrote {}/src.json and dst.json ({} tensors)", out.display(), dst.tensors().len());
     Ok(())
 }
 
@@ -394,7 +422,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
-            eprintln!("error: {}", f.line);
+            let line: String =
+                f.line.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect();
+            eprintln!("error: {line}");
             ExitCode::from(f.code)
         }
     }

@@ -15,6 +15,14 @@ pub enum RunError {
     /// Execution failed.
     #[error("execution failed: {0}")]
     Exec(#[from] ExecError),
+    /// The buffers would not fit in this machine's memory.
+    #[error("the buffers need {needed} bytes but only {available} bytes of memory are available")]
+    Memory {
+        /// Bytes the buffers need.
+        needed: u64,
+        /// Bytes available (Linux `MemAvailable`).
+        available: u64,
+    },
     /// Verification found wrong bytes.
     #[error("verification failed: {0}")]
     Verify(#[from] Mismatch),
@@ -43,6 +51,12 @@ pub fn prepare(src: &Layout, dst: &Layout, strategy: Strategy, options: &PlanOpt
     };
     let plan_time = t.elapsed();
     let programs = plan.programs(src, dst)?;
+    let needed: u64 = programs.iter().flat_map(|p| &p.buffers).map(|b| b.elems.saturating_mul(b.dtype.size())).fold(0, u64::saturating_add);
+    if let Some(available) = available_memory() {
+        if needed > available {
+            return Err(RunError::Memory { needed, available });
+        }
+    }
     let mut memory = RankMemory::for_programs(&programs);
     fill_sources(src, &mut memory[..src.ranks() as usize]);
     Ok(Prepared { plan, programs, memory, plan_time, src_ranks: src.ranks() as usize })
@@ -67,4 +81,12 @@ impl Prepared {
             }
         }
     }
+}
+
+/// Memory the kernel says is available (Linux `MemAvailable`), if known.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -8,10 +8,10 @@
 //! equal terms.
 
 use crate::block::Block;
-use crate::dtype::wire_dtype;
+use crate::dtype::{wire_dtype, DType};
 use crate::layout::{Layout, Placement, Rank};
 use crate::overlap::{atomize, SourceIndex};
-use crate::plan::{fingerprint, finish, Endpoint, Figures, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer};
+use crate::plan::{fingerprint, finish, Endpoint, Figures, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer, MAX_PIECES};
 use crate::planner::{add_node_needs, match_tensors, receivers_of};
 
 /// Plans the gather-broadcast baseline from `src` to `dst`.
@@ -25,6 +25,7 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
     // Local copies out of scratch happen after every broadcast stage.
     let mut finals: Vec<Transfer> = Vec::new();
     let mut last_stage = 0u16;
+    let mut scratch_blocks: Vec<Block> = dst.tensors().iter().map(|t| Block::full(&t.shape)).collect();
     for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
         let tensor = &src.tensors()[ts as usize];
         let hs = src.holdings(ts);
@@ -39,18 +40,21 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
             unique_bytes += bytes;
             add_node_needs(&mut needs, &receivers_of(&hd, &atom.holdings), rpn, bytes);
         }
-        let full = Block::full(&tensor.shape);
+        // The whole needed extent: the bounding box of every destination
+        // block (the whole tensor, whenever the destination holds all of it).
+        let full = bounding_box(hd.iter().map(|h| h.block));
+        if pieces.len() as u64 + 2 * full.numel().div_ceil(max_elems_for(options, sd)) > MAX_PIECES {
+            return Err(PlanError::TooManyPieces { tensor: tensor.name.clone(), limit: MAX_PIECES });
+        }
+        scratch_blocks[td] = full;
         let root = match &tensor.placement {
             Placement::Mesh(m) => m.ranks[0],
             Placement::Shards(_) => hs.iter().flat_map(|h| h.holders.iter().map(|l| l.rank)).min().unwrap_or(0),
         };
         // Gather onto the root's scratch buffer.
         let index = SourceIndex::new(&hs);
-        let covers = index.cover(&full).map_err(|region| PlanError::NotCovered {
-            tensor: tensor.name.clone(),
-            rank: receivers_of(&hd, &[0])[0],
-            region,
-        })?;
+        let covers =
+            index.cover(&full).map_err(|region| PlanError::BaselineNotCovered { tensor: tensor.name.clone(), extent: full, region })?;
         let gather_elems = (options.max_staging_bytes / sd.size()).max(1);
         for c in covers {
             let sender = if c.candidates.contains(&root) { root } else { c.candidates[0] };
@@ -146,7 +150,28 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
         figures: Figures::default(),
         needed_node_bytes: needs,
         unique_bytes,
+        scratch_blocks,
     };
     finish(&mut plan);
     Ok(plan)
+}
+
+fn max_elems_for(options: &PlanOptions, dtype: DType) -> u64 {
+    (options.max_staging_bytes / dtype.size()).max(1)
+}
+
+/// The smallest block containing all `blocks` (at least one).
+fn bounding_box(mut blocks: impl Iterator<Item = Block>) -> Block {
+    let first = blocks.next().unwrap_or_else(|| Block::new(&[], &[]));
+    let nd = first.ndim();
+    let mut lo: Vec<u64> = first.offset().to_vec();
+    let mut hi: Vec<u64> = (0..nd).map(|d| first.end(d)).collect();
+    for b in blocks {
+        for d in 0..nd {
+            lo[d] = lo[d].min(b.offset()[d]);
+            hi[d] = hi[d].max(b.end(d));
+        }
+    }
+    let ext: Vec<u64> = (0..nd).map(|d| hi[d] - lo[d]).collect();
+    Block::new(&lo, &ext)
 }

@@ -5,15 +5,18 @@
 //! `docs/layout-format.md` for the format itself.
 
 use crate::dtype::DType;
-use crate::layout::{Layout, LayoutError, MeshDim, MeshPlacement, Placement, Region, ShardSpec, Storage, TensorLayout};
+use crate::layout::{Layout, LayoutError, MeshDim, MeshPlacement, Placement, Region, ShardSpec, Storage, TensorLayout, MAX_RANKS};
 use serde_json::{Map, Value};
 
 /// Parses a layout file's text into a validated [`Layout`].
 pub fn parse_layout(text: &str) -> Result<Layout, LayoutError> {
-    let v: Value = serde_json::from_str(text).map_err(|e| err("(file)", format!("invalid JSON: {e}")))?;
+    let v: Value = strict_json(text).map_err(|e| err("(file)", format!("invalid JSON: {}", escape(&e.to_string()))))?;
     let obj = as_object(&v, "(top level)")?;
     known_fields(obj, "(top level)", &["ranks", "ranks_per_node", "tensors"])?;
     let ranks = get_u32(obj, "ranks", "")?;
+    if ranks > MAX_RANKS {
+        return Err(err("ranks", format!("{ranks} ranks; at most {MAX_RANKS} are supported")));
+    }
     let ranks_per_node = match obj.get("ranks_per_node") {
         None | Some(Value::Null) => None,
         Some(v) => Some(to_u32(v, "ranks_per_node")?),
@@ -22,23 +25,26 @@ pub fn parse_layout(text: &str) -> Result<Layout, LayoutError> {
     let arr = tensors_v.as_array().ok_or_else(|| err("tensors", format!("expected an array, got {}", kind(tensors_v))))?;
     let mut tensors = Vec::with_capacity(arr.len());
     for (i, t) in arr.iter().enumerate() {
-        tensors.push(parse_tensor(t, &format!("tensors[{i}]"))?);
+        tensors.push(parse_tensor(t, &format!("tensors[{i}]"), ranks)?);
     }
     Layout::new(ranks, ranks_per_node, tensors)
 }
 
-fn parse_tensor(v: &Value, path: &str) -> Result<TensorLayout, LayoutError> {
+fn parse_tensor(v: &Value, path: &str, layout_ranks: u32) -> Result<TensorLayout, LayoutError> {
     let obj = as_object(v, path)?;
-    known_fields(obj, path, &["name", "dtype", "shape", "mesh", "placements", "shards"])?;
     let name = match obj.get("name") {
         Some(Value::String(s)) => s.clone(),
         Some(other) => return Err(err(format!("{path}.name"), format!("expected a string, got {}", kind(other)))),
         None => return Err(err(format!("{path}.name"), "missing field")),
     };
-    let path = format!("{path} ('{name}')");
+    let path = format!("{path} ('{}')", escape(&name));
+    known_fields(obj, &path, &["name", "dtype", "shape", "mesh", "placements", "shards"])?;
     let dtype = match obj.get("dtype") {
         Some(Value::String(s)) => DType::from_name(s).ok_or_else(|| {
-            err(format!("{path}.dtype"), format!("unknown dtype '{s}' (expected one of f64 f32 bf16 f16 f8e4m3 f8e5m2 i64 i32 i8 u8)"))
+            err(
+                format!("{path}.dtype"),
+                format!("unknown dtype '{}' (expected one of f64 f32 bf16 f16 f8e4m3 f8e5m2 i64 i32 i8 u8)", escape(s)),
+            )
         })?,
         Some(other) => return Err(err(format!("{path}.dtype"), format!("expected a string, got {}", kind(other)))),
         None => return Err(err(format!("{path}.dtype"), "missing field")),
@@ -49,7 +55,7 @@ fn parse_tensor(v: &Value, path: &str) -> Result<TensorLayout, LayoutError> {
     let placement = match (has_mesh, has_shards) {
         (true, true) => return Err(err(&path, "has both 'shards' and 'mesh'/'placements'; give exactly one form")),
         (false, false) => return Err(err(&path, "has neither 'shards' nor 'mesh'+'placements'; give exactly one form")),
-        (true, false) => Placement::Mesh(parse_mesh(obj, &path)?),
+        (true, false) => Placement::Mesh(parse_mesh(obj, &path, layout_ranks)?),
         (false, true) => {
             let sv = &obj["shards"];
             let arr = sv.as_array().ok_or_else(|| err(format!("{path}.shards"), format!("expected an array, got {}", kind(sv))))?;
@@ -63,7 +69,7 @@ fn parse_tensor(v: &Value, path: &str) -> Result<TensorLayout, LayoutError> {
     Ok(TensorLayout { name, dtype, shape, placement })
 }
 
-fn parse_mesh(obj: &Map<String, Value>, path: &str) -> Result<MeshPlacement, LayoutError> {
+fn parse_mesh(obj: &Map<String, Value>, path: &str, layout_ranks: u32) -> Result<MeshPlacement, LayoutError> {
     let mv = obj.get("mesh").ok_or_else(|| err(format!("{path}.mesh"), "missing field (required with 'placements')"))?;
     let mesh = as_object(mv, &format!("{path}.mesh"))?;
     known_fields(mesh, &format!("{path}.mesh"), &["shape", "ranks"])?;
@@ -76,8 +82,11 @@ fn parse_mesh(obj: &Map<String, Value>, path: &str) -> Result<MeshPlacement, Lay
     let size = shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b as u64)).unwrap_or(u64::MAX);
     let ranks = match mesh.get("ranks") {
         None | Some(Value::Null) => {
-            if size > u32::MAX as u64 {
-                return Err(err(format!("{mpath}.shape"), "mesh is too large"));
+            if size > layout_ranks as u64 {
+                return Err(err(
+                    format!("{mpath}.shape"),
+                    format!("mesh {shape:?} has {size} positions but the layout has {layout_ranks} ranks (and no mesh.ranks is given)"),
+                ));
             }
             (0..size as u32).collect()
         }
@@ -94,7 +103,8 @@ fn parse_mesh(obj: &Map<String, Value>, path: &str) -> Result<MeshPlacement, Lay
         let ppath = format!("{path}.placements[{i}]");
         let s = p.as_str().ok_or_else(|| err(&ppath, format!("expected a string, got {}", kind(p))))?;
         dims.push(
-            parse_mesh_dim(s).ok_or_else(|| err(&ppath, format!("unknown placement '{s}' (expected \"replicate\" or \"shard(D)\")")))?,
+            parse_mesh_dim(s)
+                .ok_or_else(|| err(&ppath, format!("unknown placement '{}' (expected \"replicate\" or \"shard(D)\")", escape(s))))?,
         );
     }
     Ok(MeshPlacement { shape, ranks, dims })
@@ -142,6 +152,11 @@ fn parse_shard(v: &Value, path: &str) -> Result<ShardSpec, LayoutError> {
     Ok(ShardSpec { rank, region, storage })
 }
 
+/// `s` with control characters escaped, so messages stay on one line.
+pub fn escape(s: &str) -> String {
+    s.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect()
+}
+
 fn err(field: impl Into<String>, problem: impl Into<String>) -> LayoutError {
     LayoutError::Field { field: field.into(), problem: problem.into() }
 }
@@ -164,7 +179,7 @@ fn as_object<'a>(v: &'a Value, path: &str) -> Result<&'a Map<String, Value>, Lay
 fn known_fields(obj: &Map<String, Value>, path: &str, known: &[&str]) -> Result<(), LayoutError> {
     for k in obj.keys() {
         if !known.contains(&k.as_str()) {
-            return Err(err(path, format!("unknown field '{k}' (expected one of: {})", known.join(", "))));
+            return Err(err(path, format!("unknown field '{}' (expected one of: {})", escape(k), known.join(", "))));
         }
     }
     Ok(())
@@ -261,4 +276,65 @@ pub fn layout_to_json(layout: &Layout) -> Value {
     top.insert("ranks_per_node".into(), Value::from(layout.ranks_per_node()));
     top.insert("tensors".into(), Value::Array(tensors));
     Value::Object(top)
+}
+
+/// Parses JSON like `serde_json::from_str`, but rejects an object that
+/// names the same key twice (serde_json would silently keep the last).
+fn strict_json(text: &str) -> Result<Value, serde_json::Error> {
+    use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+    struct Strict;
+    impl<'de> DeserializeSeed<'de> for Strict {
+        type Value = Value;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Strict {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+            Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+            Ok(Value::String(v.to_string()))
+        }
+        fn visit_string<E>(self, v: String) -> Result<Value, E> {
+            Ok(Value::String(v))
+        }
+        fn visit_unit<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(v) = seq.next_element_seed(Strict)? {
+                out.push(v);
+            }
+            Ok(Value::Array(out))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let mut out = Map::new();
+            while let Some(k) = map.next_key::<String>()? {
+                let v = map.next_value_seed(Strict)?;
+                if out.insert(k.clone(), v).is_some() {
+                    return Err(A::Error::custom(format!("duplicate key '{}'", escape(&k))));
+                }
+            }
+            Ok(Value::Object(out))
+        }
+    }
+    let mut de = serde_json::Deserializer::from_str(text);
+    let v = Strict.deserialize(&mut de)?;
+    de.end()?;
+    Ok(v)
 }

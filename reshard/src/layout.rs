@@ -7,11 +7,15 @@
 
 use crate::block::{flat_blocks, Block, MAX_DIMS};
 use crate::dtype::DType;
+use crate::file::escape;
 use std::collections::HashMap;
 use thiserror::Error;
 
 /// Index of a rank within its group.
 pub type Rank = u32;
+
+/// Most ranks one group may have.
+pub const MAX_RANKS: u32 = 1 << 20;
 
 /// How a mesh dimension places a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -224,6 +228,9 @@ impl Layout {
         if ranks == 0 {
             return Err(field("ranks", "must be at least 1"));
         }
+        if ranks > MAX_RANKS {
+            return Err(field("ranks", format!("{ranks} ranks; at most {MAX_RANKS} are supported")));
+        }
         let ranks_per_node = match ranks_per_node {
             Some(0) => return Err(field("ranks_per_node", "must be at least 1")),
             Some(n) => n,
@@ -234,6 +241,12 @@ impl Layout {
         let mut buffer_ids: HashMap<String, u32> = HashMap::new();
         let mut named_dtypes: Vec<DType> = Vec::new();
         for (i, t) in tensors.iter().enumerate() {
+            if t.name.is_empty() {
+                return Err(field(format!("tensors[{i}].name"), "must not be empty"));
+            }
+            if t.name.chars().any(char::is_control) {
+                return Err(field(format!("tensors[{i}].name"), format!("'{}' contains control characters", escape(&t.name))));
+            }
             if by_name.insert(t.name.clone(), i as u32).is_some() {
                 return Err(field(format!("tensors[{i}].name"), format!("duplicate tensor name '{}'", t.name)));
             }
@@ -381,8 +394,8 @@ impl Layout {
                         return Err(tensor_err(
                             &t.name,
                             format!(
-                                "buffer '{buffer}' holds {} elements, but tensor '{}' put {d} elements in it; one buffer has one dtype",
-                                t.dtype, self.tensors[other as usize].name
+                                "rank {}: buffer '{buffer}' already holds {d} elements of tensor '{}', so it cannot take {} elements; one buffer has one dtype",
+                                s.rank, self.tensors[other as usize].name, t.dtype
                             ),
                         ))
                     }
@@ -458,8 +471,10 @@ fn shard_blocks(shape: &[u64], s: &ShardSpec) -> Vec<(Block, u64)> {
 /// `torch.chunk` split of `n` into `k` parts: part `i` is
 /// `[min(i*c, n), min((i+1)*c, n))` with `c = ceil(n / k)`.
 pub fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
-    let c = n.div_ceil(k);
-    ((i * c).min(n), ((i + 1) * c).min(n))
+    // In u128: (i + 1) * c may exceed u64 for extents near 2^64.
+    let c = n.div_ceil(k) as u128;
+    let at = |j: u64| (j as u128 * c).min(n as u128) as u64;
+    (at(i), at(i + 1))
 }
 
 /// Expands a mesh placement: one holding per combination of coordinates on
@@ -506,9 +521,6 @@ fn mesh_holdings(t: u32, shape: &[u64], m: &MeshPlacement) -> Vec<Holding> {
 
 fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
     let name = t.name.as_str();
-    if name.is_empty() {
-        return Err(tensor_err(name, "name must not be empty"));
-    }
     if t.shape.len() > MAX_DIMS {
         return Err(tensor_err(name, format!("{} dims; at most {MAX_DIMS} are supported", t.shape.len())));
     }
@@ -601,6 +613,9 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
                 if let Storage::InBuffer { buffer, at: off } = &s.storage {
                     if buffer.is_empty() {
                         return Err(tensor_err(name, format!("{at}: buffer name must not be empty")));
+                    }
+                    if buffer.chars().any(char::is_control) {
+                        return Err(tensor_err(name, format!("{at}: buffer name '{}' contains control characters", escape(buffer))));
                     }
                     if off.checked_add(region_len(&s.region)).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
                         return Err(tensor_err(name, format!("{at}: at {off} + size overflows")));

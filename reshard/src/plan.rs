@@ -201,6 +201,25 @@ pub enum PlanError {
         /// The uncovered region.
         region: Block,
     },
+    /// The baseline gathers the whole needed extent of a tensor on one
+    /// source rank, but no source shard holds part of it.
+    #[error("tensor '{tensor}': the baseline gathers {extent} on one source rank, but region {region} is not covered by any source shard")]
+    BaselineNotCovered {
+        /// Tensor name.
+        tensor: String,
+        /// The extent the baseline gathers.
+        extent: Block,
+        /// The part no source holds.
+        region: Block,
+    },
+    /// The plan would need more pieces than supported.
+    #[error("tensor '{tensor}': the plan would need more than {limit} pieces; raise the staging limit (--max-staging-mib)")]
+    TooManyPieces {
+        /// Tensor being planned when the limit was hit.
+        tensor: String,
+        /// The limit.
+        limit: u64,
+    },
     /// The plan was made for other layouts or options.
     #[error("plan fingerprint {plan} does not match these layouts ({layouts})")]
     FingerprintMismatch {
@@ -229,6 +248,9 @@ pub struct Plan {
     pub(crate) needed_node_bytes: Vec<u64>,
     /// Bytes of the union of all destination needs.
     pub(crate) unique_bytes: u64,
+    /// Per destination tensor, the block a scratch buffer holds (baseline
+    /// only: the bounding box of the destination's needs).
+    pub(crate) scratch_blocks: Vec<Block>,
 }
 
 impl Plan {
@@ -252,7 +274,7 @@ impl Plan {
         &self.pieces
     }
 
-    /// All transfers, in stage order.
+    /// All transfers, in round order.
     pub fn transfers(&self) -> &[Transfer] {
         &self.transfers
     }
@@ -361,12 +383,21 @@ impl Plan {
         worst.max(self.unique_bytes as f64 / (self.src_ranks as f64 * links.net_bytes_per_s))
     }
 
+    /// The block held by the scratch buffer of destination tensor `t`
+    /// (baseline plans only).
+    pub fn scratch_block(&self, t: u32) -> Option<&Block> {
+        self.scratch_blocks.get(t as usize)
+    }
+
     /// Per destination node, bytes of the union of what its ranks need (in
     /// wire dtype): the least that must enter the node.
     pub fn needed_node_bytes(&self) -> &[u64] {
         &self.needed_node_bytes
     }
 }
+
+/// Most pieces one plan may have.
+pub const MAX_PIECES: u64 = 1 << 28;
 
 /// The fingerprint of a planning problem.
 pub fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: Strategy) -> Fingerprint {
@@ -382,9 +413,31 @@ pub fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: 
     Fingerprint(h.finish() ^ fnv64("refit-plan-v1"))
 }
 
+/// Stable counting sort of transfers by `key` (small integer keys).
+fn sort_by_small_key(transfers: &mut Vec<Transfer>, keys: usize, key: impl Fn(&Transfer) -> usize) {
+    let mut start = vec![0usize; keys + 1];
+    for t in transfers.iter() {
+        start[key(t) + 1] += 1;
+    }
+    for k in 0..keys {
+        start[k + 1] += start[k];
+    }
+    let mut out: Vec<Transfer> = Vec::with_capacity(transfers.len());
+    let spare = out.spare_capacity_mut();
+    for t in transfers.iter() {
+        let k = key(t);
+        spare[start[k]].write(*t);
+        start[k] += 1;
+    }
+    // SAFETY: every slot 0..len was written exactly once (the counts add up
+    // to len and each key's slots are disjoint).
+    unsafe { out.set_len(transfers.len()) };
+    *transfers = out;
+}
+
 /// Assigns rounds to transfers, stage by stage, so that no rank stages more
-/// than `cap` bytes in one round (every transfer already fits on its own),
-/// then computes the figures. Returns the number of rounds.
+/// than the cap in one round (every transfer fits on its own), orders the
+/// transfers by round, and computes the figures.
 pub(crate) fn finish(plan: &mut Plan) {
     let cap = plan.options.max_staging_bytes.max(1);
     let n_src = plan.src_ranks as usize;
@@ -393,12 +446,26 @@ pub(crate) fn finish(plan: &mut Plan) {
         Group::Src => e.rank as usize,
         Group::Dst => n_src + e.rank as usize,
     };
-    let stages = plan.transfers.iter().map(|t| t.stage as u32 + 1).max().unwrap_or(0);
-    // Bucket transfer indices by stage, keeping order.
-    let mut by_stage: Vec<Vec<u32>> = vec![Vec::new(); stages as usize];
-    for (i, t) in plan.transfers.iter().enumerate() {
-        by_stage[t.stage as usize].push(i as u32);
-    }
+    let stages = plan.transfers.iter().map(|t| t.stage as usize + 1).max().unwrap_or(0);
+    sort_by_small_key(&mut plan.transfers, stages, |t| t.stage as usize);
+    // Wire bytes per piece, for destination and for source receivers.
+    let piece_bytes: Vec<(u64, u64)> = plan
+        .pieces
+        .iter()
+        .map(|p| {
+            let (s, d) = plan.wire[p.dst_tensor as usize];
+            let numel = p.block.numel();
+            (numel * wire_dtype(s, d).size(), numel * s.size())
+        })
+        .collect();
+    let bytes_of = |t: &Transfer| {
+        let b = piece_bytes[t.piece as usize];
+        if t.to.group == Group::Src {
+            b.1
+        } else {
+            b.0
+        }
+    };
     // First-fit round assignment. Per endpoint: bytes per round of this
     // stage, and a skip list (union-find with path halving) over rounds that
     // are nearly full, so a search jumps over them instead of scanning.
@@ -407,18 +474,21 @@ pub(crate) fn finish(plan: &mut Plan) {
     let mut skip: Vec<Vec<u32>> = vec![Vec::new(); n];
     // A round counts as full once less than 1/16 of the cap is left.
     let nearly_full = cap - cap / 16;
-    for list in &by_stage {
+    let mut i = 0;
+    while i < plan.transfers.len() {
+        let stage = plan.transfers[i].stage;
         loads.iter_mut().for_each(Vec::clear);
         skip.iter_mut().for_each(Vec::clear);
         let mut stage_rounds = 0u32;
-        for &ti in list {
-            let t = plan.transfers[ti as usize];
+        while i < plan.transfers.len() && plan.transfers[i].stage == stage {
+            let t = plan.transfers[i];
             if t.from == t.to {
-                plan.transfers[ti as usize].round = base;
+                plan.transfers[i].round = base;
                 stage_rounds = stage_rounds.max(1);
+                i += 1;
                 continue;
             }
-            let b = plan.wire_bytes(&t);
+            let b = bytes_of(&t);
             let (a, z) = (idx(t.from), idx(t.to));
             let fits = |loads: &Vec<Vec<u64>>, e: usize, r: u32| {
                 let l = loads[e].get(r as usize).copied().unwrap_or(0);
@@ -452,33 +522,38 @@ pub(crate) fn finish(plan: &mut Plan) {
                     s[r as usize] = r + 1;
                 }
             }
-            plan.transfers[ti as usize].round = base + r;
+            plan.transfers[i].round = base + r;
             stage_rounds = stage_rounds.max(r + 1);
+            i += 1;
         }
         base += stage_rounds;
     }
+    drop((loads, skip));
+    sort_by_small_key(&mut plan.transfers, base as usize, |t| t.round as usize);
     // Figures.
     let mut f = Figures {
         dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],
         rounds: base,
-        stages,
+        stages: stages as u32,
         pieces: plan.pieces.len() as u64,
         transfers: plan.transfers.len() as u64,
         ..Figures::default()
     };
     let mut sent = vec![0u64; n];
     let mut recv = vec![0u64; n];
-    // Count messages round by round with a last-seen matrix keyed by pair.
-    let mut by_round: Vec<Vec<u32>> = vec![Vec::new(); base as usize];
-    for (i, t) in plan.transfers.iter().enumerate() {
+    // Messages: distinct (sender, receiver) pairs per round, counted with a
+    // last-seen mark per pair (transfers are in round order now).
+    let mut seen: std::collections::HashMap<(usize, usize), u32> = std::collections::HashMap::new();
+    let mut dense: Vec<u32> = if n * n <= 1 << 24 { vec![0; n * n] } else { Vec::new() };
+    for t in &plan.transfers {
         if t.from == t.to {
             continue;
         }
-        by_round[t.round as usize].push(i as u32);
-        let b = plan.wire_bytes(t);
+        let b = bytes_of(t);
+        let (a, z) = (idx(t.from), idx(t.to));
         f.total_bytes += b;
-        sent[idx(t.from)] += b;
-        recv[idx(t.to)] += b;
+        sent[a] += b;
+        recv[z] += b;
         if t.from.group == Group::Src {
             f.src_egress_bytes += b;
         }
@@ -489,20 +564,11 @@ pub(crate) fn finish(plan: &mut Plan) {
                 f.dst_node_ingress_bytes[to_node.1 as usize] += b;
             }
         }
-    }
-    // Last round (plus one) each sender/receiver pair was seen in.
-    let mut seen: std::collections::HashMap<(usize, usize), u32> = std::collections::HashMap::new();
-    let mut dense: Vec<u32> = if n * n <= 1 << 24 { vec![0; n * n] } else { Vec::new() };
-    for (r, list) in by_round.iter().enumerate() {
-        let mark = r as u32 + 1;
-        for &ti in list {
-            let t = &plan.transfers[ti as usize];
-            let (a, z) = (idx(t.from), idx(t.to));
-            let slot = if dense.is_empty() { seen.entry((a, z)).or_insert(0) } else { &mut dense[a * n + z] };
-            if *slot != mark {
-                *slot = mark;
-                f.messages += 1;
-            }
+        let mark = t.round + 1;
+        let slot = if dense.is_empty() { seen.entry((a, z)).or_insert(0) } else { &mut dense[a * n + z] };
+        if *slot != mark {
+            *slot = mark;
+            f.messages += 1;
         }
     }
     f.max_rank_send_bytes = sent.into_iter().max().unwrap_or(0);

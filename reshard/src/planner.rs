@@ -6,7 +6,7 @@ use crate::cost::LinkModel;
 use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::layout::{Holding, Layout, Rank};
 use crate::overlap::{atomize, SourceIndex};
-use crate::plan::{fingerprint, finish, Endpoint, Figures, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer};
+use crate::plan::{fingerprint, finish, Endpoint, Figures, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer, MAX_PIECES};
 
 /// Matches destination tensors to source tensors and checks shapes and
 /// dtypes; returns, per destination tensor, the source index and dtypes.
@@ -83,10 +83,15 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
             pool.extend_from_slice(&receivers);
             let rlen = receivers.len() as u32;
             for c in covers {
+                let chunks = (c.block.numel() * wire.size()).div_ceil(options.max_staging_bytes.max(1)).max(1);
+                if pieces.len() as u64 + chunks > MAX_PIECES {
+                    return Err(PlanError::TooManyPieces { tensor: dst.tensors()[td].name.clone(), limit: MAX_PIECES });
+                }
                 let c0 = pool.len() as u32;
                 pool.extend_from_slice(&c.candidates);
                 let clen = c.candidates.len() as u32;
-                for block in c.block.split_to_fit(max_elems) {
+                let split = if c.block.numel() > max_elems { c.block.split_to_fit(max_elems) } else { vec![c.block] };
+                for block in split {
                     work.push(Work {
                         piece: pieces.len() as u32,
                         bytes: block.numel() * wire.size(),
@@ -121,10 +126,15 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         figures: Figures::default(),
         needed_node_bytes: needs,
         unique_bytes,
+        scratch_blocks: Vec::new(),
     };
     finish(&mut plan);
     Ok(plan)
 }
+
+/// Most stages a reshard can use: one source send, doubling relays across
+/// up to 2^30 nodes, one intra-node fan-out.
+const MAX_STAGES: usize = 33;
 
 /// Greedy sender/relay choice against per-stage link loads.
 ///
@@ -137,16 +147,25 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
 struct Assigner {
     n_src: usize,
     n_dst: usize,
+    n_links: usize,
     dst_rpn: u32,
-    links: LinkModel,
-    /// Per stage, per link: bytes.
-    loads: Vec<Vec<u64>>,
+    net_bw: f64,
+    intra_bw: f64,
+    /// Bytes per (stage, link), stage-major; grown a stage at a time.
+    loads: Vec<u64>,
     /// Per stage: busiest link time.
-    max_time: Vec<f64>,
+    max_time: [f64; MAX_STAGES],
     /// Total ingress per destination rank (leader choice).
     dst_in_total: Vec<u64>,
+    /// Link additions of the option being evaluated: (stage, link, bytes).
     log: Vec<(u16, u32, u64)>,
+    /// Transfers of the option being evaluated.
     emitted: Vec<(Endpoint, Endpoint, u16)>,
+    /// Scratch for the direct option while the relay is evaluated.
+    direct: Vec<(Endpoint, Endpoint, u16)>,
+    groups: Vec<(u32, u32)>,
+    leaders: Vec<Rank>,
+    arrival: Vec<u16>,
 }
 
 const SRC_OUT: usize = 0;
@@ -157,72 +176,84 @@ const DST_OUT_NV: usize = 4;
 
 impl Assigner {
     fn new(src: &Layout, dst: &Layout, links: LinkModel) -> Assigner {
+        let (n_src, n_dst) = (src.ranks() as usize, dst.ranks() as usize);
         Assigner {
-            n_src: src.ranks() as usize,
-            n_dst: dst.ranks() as usize,
+            n_src,
+            n_dst,
+            n_links: n_src + 4 * n_dst,
             dst_rpn: dst.ranks_per_node(),
-            links,
+            net_bw: links.net_bytes_per_s,
+            intra_bw: links.intra_bytes_per_s,
             loads: Vec::new(),
-            max_time: Vec::new(),
-            dst_in_total: vec![0; dst.ranks() as usize],
+            max_time: [0.0; MAX_STAGES],
+            dst_in_total: vec![0; n_dst],
             log: Vec::new(),
             emitted: Vec::new(),
+            direct: Vec::new(),
+            groups: Vec::new(),
+            leaders: Vec::new(),
+            arrival: Vec::new(),
         }
     }
 
-    fn link(&self, kind: usize, rank: Rank) -> u32 {
+    #[inline]
+    fn link(&self, kind: usize, rank: Rank) -> usize {
         match kind {
-            SRC_OUT => rank,
-            k => (self.n_src + (k - 1) * self.n_dst) as u32 + rank,
+            SRC_OUT => rank as usize,
+            k => self.n_src + (k - 1) * self.n_dst + rank as usize,
         }
     }
 
+    #[inline]
     fn bw(&self, link: u32) -> f64 {
         if (link as usize) < self.n_src + 3 * self.n_dst {
-            self.links.net_bytes_per_s
+            self.net_bw
         } else {
-            self.links.intra_bytes_per_s
+            self.intra_bw
         }
     }
 
+    #[inline]
     fn add(&mut self, stage: u16, kind: usize, rank: Rank, bytes: u64) {
-        let s = stage as usize;
-        while self.loads.len() <= s {
-            self.loads.push(vec![0; self.n_src + 4 * self.n_dst]);
-            self.max_time.push(0.0);
+        let need = (stage as usize + 1) * self.n_links;
+        if self.loads.len() < need {
+            self.loads.resize(need, 0);
         }
         let link = self.link(kind, rank);
-        self.loads[s][link as usize] += bytes;
-        self.log.push((stage, link, bytes));
+        self.loads[stage as usize * self.n_links + link] += bytes;
+        self.log.push((stage, link as u32, bytes));
     }
 
+    #[inline]
     fn load(&self, stage: u16, kind: usize, rank: Rank) -> u64 {
-        self.loads.get(stage as usize).map_or(0, |l| l[self.link(kind, rank) as usize])
+        self.loads.get(stage as usize * self.n_links + self.link(kind, rank)).copied().unwrap_or(0)
     }
 
     /// Cost increase of the logged additions.
     fn delta(&self) -> f64 {
-        let mut new_max: Vec<(u16, f64)> = Vec::new();
+        let mut new_max = self.max_time;
+        let mut top = 0usize;
         for &(s, link, _) in &self.log {
-            let t = self.loads[s as usize][link as usize] as f64 / self.bw(link);
-            match new_max.iter_mut().find(|(st, _)| *st == s) {
-                Some((_, m)) => *m = m.max(t),
-                None => new_max.push((s, t)),
+            let t = self.loads[s as usize * self.n_links + link as usize] as f64 / self.bw(link);
+            let s = s as usize;
+            if t > new_max[s] {
+                new_max[s] = t;
             }
+            top = top.max(s + 1);
         }
-        new_max.iter().map(|&(s, m)| (m - self.max_time[s as usize]).max(0.0)).sum()
+        (0..top).map(|s| new_max[s] - self.max_time[s]).sum()
     }
 
     fn rollback(&mut self) {
         for (s, link, b) in self.log.drain(..) {
-            self.loads[s as usize][link as usize] -= b;
+            self.loads[s as usize * self.n_links + link as usize] -= b;
         }
         self.emitted.clear();
     }
 
     fn commit(&mut self, piece: u32, out: &mut Vec<Transfer>) {
         for &(s, link, _) in &self.log {
-            let t = self.loads[s as usize][link as usize] as f64 / self.bw(link);
+            let t = self.loads[s as usize * self.n_links + link as usize] as f64 / self.bw(link);
             if t > self.max_time[s as usize] {
                 self.max_time[s as usize] = t;
             }
@@ -276,67 +307,68 @@ impl Assigner {
 
     fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut Vec<Transfer>) {
         // Receivers grouped by node (they are sorted, so groups are runs).
-        let mut groups: Vec<&[Rank]> = Vec::new();
+        self.groups.clear();
+        self.leaders.clear();
         let mut start = 0;
         for i in 1..=receivers.len() {
             if i == receivers.len() || receivers[i] / self.dst_rpn != receivers[start] / self.dst_rpn {
-                groups.push(&receivers[start..i]);
+                let g = &receivers[start..i];
+                let leader = g.iter().copied().min_by_key(|&r| (self.dst_in_total[r as usize], r)).unwrap_or(g[0]);
+                self.groups.push((start as u32, i as u32));
+                self.leaders.push(leader);
                 start = i;
             }
         }
-        let leaders: Vec<Rank> =
-            groups.iter().map(|g| *g.iter().min_by_key(|&&r| (self.dst_in_total[r as usize], r)).unwrap_or(&g[0])).collect();
+        let k = self.groups.len();
+        let group = |g: (u32, u32)| &receivers[g.0 as usize..g.1 as usize];
 
         // Option A: direct from sources to every node.
-        for (g, &l) in groups.iter().zip(&leaders) {
+        for j in 0..k {
+            let (g, l) = (self.groups[j], self.leaders[j]);
             let s = self.best_source(candidates);
             self.send(Endpoint::src(s), Endpoint::dst(l), 0, bytes);
-            self.fan_out(l, g, 1, bytes);
+            self.fan_out(l, group(g), 1, bytes);
         }
-        if groups.len() < 2 {
-            self.finish_assign(piece, bytes, &leaders, out);
-            return;
-        }
-        let direct_cost = self.delta();
-        let direct: Vec<(Endpoint, Endpoint, u16)> = self.emitted.clone();
-        self.rollback();
-
-        // Option B: one source send, then node-to-node doubling.
-        let s = self.best_source(candidates);
-        self.send(Endpoint::src(s), Endpoint::dst(leaders[0]), 0, bytes);
-        let mut arrival = vec![0u16; groups.len()];
-        let mut have = 1usize;
-        let mut stage = 1u16;
-        while have < groups.len() {
-            let senders = have;
-            for i in 0..senders {
-                if have >= groups.len() {
-                    break;
-                }
-                self.send(Endpoint::dst(leaders[i]), Endpoint::dst(leaders[have]), stage, bytes);
-                arrival[have] = stage;
-                have += 1;
-            }
-            stage += 1;
-        }
-        for (i, g) in groups.iter().enumerate() {
-            self.fan_out(leaders[i], g, arrival[i] + 1, bytes);
-        }
-        let relay_cost = self.delta();
-        if relay_cost + 1e-15 < direct_cost {
-            self.finish_assign(piece, bytes, &leaders, out);
-        } else {
+        if k >= 2 {
+            let direct_cost = self.delta();
+            std::mem::swap(&mut self.direct, &mut self.emitted);
             self.rollback();
-            for (from, to, st) in direct {
-                self.send(from, to, st, bytes);
-            }
-            self.finish_assign(piece, bytes, &leaders, out);
-        }
-    }
 
-    fn finish_assign(&mut self, piece: u32, bytes: u64, leaders: &[Rank], out: &mut Vec<Transfer>) {
-        for &l in leaders {
-            self.dst_in_total[l as usize] += bytes;
+            // Option B: one source send, then node-to-node doubling.
+            let s = self.best_source(candidates);
+            let l0 = self.leaders[0];
+            self.send(Endpoint::src(s), Endpoint::dst(l0), 0, bytes);
+            self.arrival.clear();
+            self.arrival.resize(k, 0);
+            let (mut have, mut stage) = (1usize, 1u16);
+            while have < k {
+                for i in 0..have {
+                    if have >= k {
+                        break;
+                    }
+                    let (from, to) = (self.leaders[i], self.leaders[have]);
+                    self.send(Endpoint::dst(from), Endpoint::dst(to), stage, bytes);
+                    self.arrival[have] = stage;
+                    have += 1;
+                }
+                stage += 1;
+            }
+            for j in 0..k {
+                let (g, l, a) = (self.groups[j], self.leaders[j], self.arrival[j]);
+                self.fan_out(l, group(g), a + 1, bytes);
+            }
+            if self.delta() + 1e-15 >= direct_cost {
+                self.rollback();
+                let direct = std::mem::take(&mut self.direct);
+                for &(from, to, st) in &direct {
+                    self.send(from, to, st, bytes);
+                }
+                self.direct = direct;
+            }
+            self.direct.clear();
+        }
+        for j in 0..k {
+            self.dst_in_total[self.leaders[j] as usize] += bytes;
         }
         self.commit(piece, out);
     }

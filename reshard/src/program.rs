@@ -141,7 +141,7 @@ impl<'a> Side<'a> {
         Side { layout, buffers, index }
     }
 
-    fn scratch(&mut self, rank: Rank, tensor: u32) -> u32 {
+    fn scratch(&mut self, rank: Rank, tensor: u32, block: &Block) -> u32 {
         let key = BufferKey::Scratch { tensor };
         let r = rank as usize;
         if let Some(&i) = self.index[r].get(&key) {
@@ -149,7 +149,7 @@ impl<'a> Side<'a> {
         }
         let t = &self.layout.tensors()[tensor as usize];
         let i = self.buffers[r].len() as u32;
-        self.buffers[r].push(BufferSpec { key, name: self.layout.buffer_name(key), dtype: t.dtype, elems: t.shape.iter().product() });
+        self.buffers[r].push(BufferSpec { key, name: self.layout.buffer_name(key), dtype: t.dtype, elems: block.numel() });
         self.index[r].insert(key, i);
         i
     }
@@ -207,11 +207,10 @@ impl Plan {
                 let (fs, tsd) = (side(t.from.group), side(t.to.group));
                 let from_dtype = sides[fs].layout.tensors()[tensor_of(t.from.group) as usize].dtype;
                 let to_dtype = sides[tsd].layout.tensors()[tensor_of(t.to.group) as usize].dtype;
+                let scratch = self.scratch_blocks.get(td).copied().unwrap_or(piece);
                 let from_span = if t.from_scratch {
-                    let tensor = tensor_of(t.from.group);
-                    let b = sides[fs].scratch(t.from.rank, tensor);
-                    let full = Block::full(&sides[fs].layout.tensors()[tensor as usize].shape);
-                    span_in(b, &full, 0, &piece)
+                    let b = sides[fs].scratch(t.from.rank, tensor_of(t.from.group), &scratch);
+                    span_in(b, &scratch, 0, &piece)
                 } else {
                     match sides[fs].spans(&holdings[fs], t.from.rank, &piece).first() {
                         Some(s) => *s,
@@ -219,10 +218,8 @@ impl Plan {
                     }
                 };
                 let to_spans = if t.to_scratch {
-                    let tensor = tensor_of(t.to.group);
-                    let b = sides[tsd].scratch(t.to.rank, tensor);
-                    let full = Block::full(&sides[tsd].layout.tensors()[tensor as usize].shape);
-                    vec![span_in(b, &full, 0, &piece)]
+                    let b = sides[tsd].scratch(t.to.rank, tensor_of(t.to.group), &scratch);
+                    vec![span_in(b, &scratch, 0, &piece)]
                 } else {
                     sides[tsd].spans(&holdings[tsd], t.to.rank, &piece)
                 };

@@ -149,8 +149,12 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
         }
         for msg in &round.sends {
             let mut segments = Vec::with_capacity(msg.pieces.len());
-            // Pieces whose wire type differs are converted into one staging area.
-            let staged: u64 = msg.pieces.iter().filter(|p| p.dtype != p.wire).map(|p| p.block.numel() * p.wire.size()).sum();
+            // Pieces whose wire type differs are converted into one staging
+            // area, each at an offset aligned to its wire element size.
+            let mut staged = 0u64;
+            for p in msg.pieces.iter().filter(|p| p.dtype != p.wire) {
+                staged = staged.next_multiple_of(p.wire.size()) + p.block.numel() * p.wire.size();
+            }
             let mut staging = vec![0u8; staged as usize];
             let mut pos = 0u64;
             for p in &msg.pieces {
@@ -159,6 +163,7 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
                     segments.push(Segment { view: src, numel: p.block.numel() });
                 } else {
                     let elem = p.wire.size();
+                    pos = pos.next_multiple_of(elem);
                     let dst = StridedRef {
                         ptr: staging.as_mut_ptr(),
                         len: staging.len(),
