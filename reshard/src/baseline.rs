@@ -18,7 +18,8 @@ use crate::planner::{add_node_needs, match_tensors, receivers_of};
 pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Plan, PlanError> {
     let matched = match_tensors(src, dst)?;
     let mut pieces: Vec<Piece> = Vec::new();
-    let mut transfers: Vec<Transfer> = Vec::new();
+    let mut by_stage: Vec<Vec<Transfer>> = Vec::new();
+    let mut transfers = StageLists(&mut by_stage);
     let mut needs = vec![0u64; dst.nodes() as usize];
     let mut unique_bytes = 0u64;
     let rpn = dst.ranks_per_node();
@@ -145,14 +146,14 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
         src_rpn: src.ranks_per_node(),
         dst_rpn: rpn,
         pieces,
-        transfers,
+        transfers: Vec::new(),
         wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
         figures: Figures::default(),
         needed_node_bytes: needs,
         unique_bytes,
         scratch_blocks,
     };
-    finish(&mut plan);
+    finish(&mut plan, by_stage);
     Ok(plan)
 }
 
@@ -174,4 +175,17 @@ fn bounding_box(mut blocks: impl Iterator<Item = Block>) -> Block {
     }
     let ext: Vec<u64> = (0..nd).map(|d| hi[d] - lo[d]).collect();
     Block::new(&lo, &ext)
+}
+
+/// Transfers bucketed by stage as they are made.
+struct StageLists<'a>(&'a mut Vec<Vec<Transfer>>);
+
+impl StageLists<'_> {
+    fn push(&mut self, t: Transfer) {
+        let s = t.stage as usize;
+        if self.0.len() <= s {
+            self.0.resize_with(s + 1, Vec::new);
+        }
+        self.0[s].push(t);
+    }
 }

@@ -413,32 +413,10 @@ pub fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: 
     Fingerprint(h.finish() ^ fnv64("refit-plan-v1"))
 }
 
-/// Stable counting sort of transfers by `key` (small integer keys).
-fn sort_by_small_key(transfers: &mut Vec<Transfer>, keys: usize, key: impl Fn(&Transfer) -> usize) {
-    let mut start = vec![0usize; keys + 1];
-    for t in transfers.iter() {
-        start[key(t) + 1] += 1;
-    }
-    for k in 0..keys {
-        start[k + 1] += start[k];
-    }
-    let mut out: Vec<Transfer> = Vec::with_capacity(transfers.len());
-    let spare = out.spare_capacity_mut();
-    for t in transfers.iter() {
-        let k = key(t);
-        spare[start[k]].write(*t);
-        start[k] += 1;
-    }
-    // SAFETY: every slot 0..len was written exactly once (the counts add up
-    // to len and each key's slots are disjoint).
-    unsafe { out.set_len(transfers.len()) };
-    *transfers = out;
-}
-
 /// Assigns rounds to transfers, stage by stage, so that no rank stages more
 /// than the cap in one round (every transfer fits on its own), orders the
 /// transfers by round, and computes the figures.
-pub(crate) fn finish(plan: &mut Plan) {
+pub(crate) fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
     let cap = plan.options.max_staging_bytes.max(1);
     let n_src = plan.src_ranks as usize;
     let n = n_src + plan.dst_ranks as usize;
@@ -446,8 +424,10 @@ pub(crate) fn finish(plan: &mut Plan) {
         Group::Src => e.rank as usize,
         Group::Dst => n_src + e.rank as usize,
     };
-    let stages = plan.transfers.iter().map(|t| t.stage as usize + 1).max().unwrap_or(0);
-    sort_by_small_key(&mut plan.transfers, stages, |t| t.stage as usize);
+    while by_stage.last().is_some_and(Vec::is_empty) {
+        by_stage.pop();
+    }
+    let stages = by_stage.len();
     // Wire bytes per piece, for destination and for source receivers.
     let piece_bytes: Vec<(u64, u64)> = plan
         .pieces
@@ -474,21 +454,18 @@ pub(crate) fn finish(plan: &mut Plan) {
     let mut skip: Vec<Vec<u32>> = vec![Vec::new(); n];
     // A round counts as full once less than 1/16 of the cap is left.
     let nearly_full = cap - cap / 16;
-    let mut i = 0;
-    while i < plan.transfers.len() {
-        let stage = plan.transfers[i].stage;
+    let mut round_counts: Vec<usize> = Vec::new();
+    for list in by_stage.iter_mut() {
         loads.iter_mut().for_each(Vec::clear);
         skip.iter_mut().for_each(Vec::clear);
         let mut stage_rounds = 0u32;
-        while i < plan.transfers.len() && plan.transfers[i].stage == stage {
-            let t = plan.transfers[i];
+        for t in list.iter_mut() {
             if t.from == t.to {
-                plan.transfers[i].round = base;
+                t.round = base;
                 stage_rounds = stage_rounds.max(1);
-                i += 1;
                 continue;
             }
-            let b = bytes_of(&t);
+            let b = bytes_of(t);
             let (a, z) = (idx(t.from), idx(t.to));
             let fits = |loads: &Vec<Vec<u64>>, e: usize, r: u32| {
                 let l = loads[e].get(r as usize).copied().unwrap_or(0);
@@ -522,14 +499,32 @@ pub(crate) fn finish(plan: &mut Plan) {
                     s[r as usize] = r + 1;
                 }
             }
-            plan.transfers[i].round = base + r;
+            t.round = base + r;
             stage_rounds = stage_rounds.max(r + 1);
-            i += 1;
         }
         base += stage_rounds;
     }
     drop((loads, skip));
-    sort_by_small_key(&mut plan.transfers, base as usize, |t| t.round as usize);
+    // Counting sort by round into one exactly sized vector.
+    round_counts.resize(base as usize + 1, 0);
+    for t in by_stage.iter().flatten() {
+        round_counts[t.round as usize + 1] += 1;
+    }
+    for r in 0..base as usize {
+        round_counts[r + 1] += round_counts[r];
+    }
+    let total = round_counts[base as usize];
+    let mut sorted: Vec<Transfer> = Vec::with_capacity(total);
+    let spare = sorted.spare_capacity_mut();
+    for t in by_stage.iter().flatten() {
+        spare[round_counts[t.round as usize]].write(*t);
+        round_counts[t.round as usize] += 1;
+    }
+    // SAFETY: each of the `total` slots was written exactly once: the
+    // per-round counts add up to `total` and give disjoint slot ranges.
+    unsafe { sorted.set_len(total) };
+    drop(by_stage);
+    plan.transfers = sorted;
     // Figures.
     let mut f = Figures {
         dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],

@@ -2,11 +2,14 @@
 //! exactly the union of what its ranks need, choose senders and relays with
 //! the link model, fan out inside nodes.
 
+use crate::block::Block;
 use crate::cost::LinkModel;
 use crate::dtype::{can_convert, wire_dtype, DType};
+use crate::fingerprint::fnv64;
 use crate::layout::{Holding, Layout, Rank};
 use crate::overlap::{atomize, SourceIndex};
 use crate::plan::{fingerprint, finish, Endpoint, Figures, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer, MAX_PIECES};
+use std::collections::HashMap;
 
 /// Matches destination tensors to source tensors and checks shapes and
 /// dtypes; returns, per destination tensor, the source index and dtypes.
@@ -47,6 +50,63 @@ pub(crate) fn add_node_needs(needs: &mut [u64], ranks: &[Rank], rpn: u32, bytes:
     }
 }
 
+/// The overlap of one tensor's placements: pieces (already split to fit the
+/// staging cap) with ranges of receivers and candidate senders in the pool.
+struct Template {
+    src_tensor: u32,
+    dst_tensor: u32,
+    wire: DType,
+    pieces: Vec<(Block, (u32, u32), (u32, u32))>,
+    unique_bytes: u64,
+    needs: Vec<(u32, u64)>,
+}
+
+/// Computes the overlap of tensor `ts` of `src` with tensor `td` of `dst`.
+fn overlap_template(
+    src: &Layout,
+    dst: &Layout,
+    ts: u32,
+    td: u32,
+    wire: DType,
+    options: &PlanOptions,
+    pool: &mut Vec<Rank>,
+) -> Result<Template, PlanError> {
+    let hs = src.holdings(ts);
+    let hd = dst.holdings(td);
+    let index = SourceIndex::new(&hs);
+    let max_elems = (options.max_staging_bytes / wire.size()).max(1);
+    let mut t = Template { src_tensor: ts, dst_tensor: td, wire, pieces: Vec::new(), unique_bytes: 0, needs: Vec::new() };
+    let mut needs = vec![0u64; dst.nodes() as usize];
+    for atom in atomize(&hd) {
+        let receivers = receivers_of(&hd, &atom.holdings);
+        let covers = index.cover(&atom.block).map_err(|region| PlanError::NotCovered {
+            tensor: dst.tensors()[td as usize].name.clone(),
+            rank: receivers[0],
+            region,
+        })?;
+        let bytes = atom.block.numel() * wire.size();
+        t.unique_bytes += bytes;
+        add_node_needs(&mut needs, &receivers, dst.ranks_per_node(), bytes);
+        let r = (pool.len() as u32, receivers.len() as u32);
+        pool.extend_from_slice(&receivers);
+        for c in covers {
+            let chunks = (c.block.numel() * wire.size()).div_ceil(options.max_staging_bytes.max(1));
+            if chunks > MAX_PIECES {
+                return Err(PlanError::TooManyPieces { tensor: dst.tensors()[td as usize].name.clone(), limit: MAX_PIECES });
+            }
+            let cand = (pool.len() as u32, c.candidates.len() as u32);
+            pool.extend_from_slice(&c.candidates);
+            if c.block.numel() > max_elems {
+                t.pieces.extend(c.block.split_to_fit(max_elems).into_iter().map(|b| (b, r, cand)));
+            } else {
+                t.pieces.push((c.block, r, cand));
+            }
+        }
+    }
+    t.needs = needs.into_iter().enumerate().filter(|&(_, b)| b > 0).map(|(n, b)| (n as u32, b)).collect();
+    Ok(t)
+}
+
 /// One piece still to be assigned senders.
 struct Work {
     piece: u32,
@@ -63,54 +123,50 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     let mut pool: Vec<Rank> = Vec::new();
     let mut needs = vec![0u64; dst.nodes() as usize];
     let mut unique_bytes = 0u64;
+    // Tensors placed alike on both sides (same shape, placements and wire
+    // dtype: e.g. every expert of one EP rank) share one overlap
+    // computation, a template of pieces with receiver and candidate ranges.
+    let mut templates: Vec<Template> = Vec::new();
+    let mut by_key: HashMap<u64, Vec<u32>> = HashMap::new();
     for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
         let wire = wire_dtype(sd, dd);
-        let hs = src.holdings(ts);
-        let hd = dst.holdings(td as u32);
-        let index = SourceIndex::new(&hs);
-        let max_elems = (options.max_staging_bytes / wire.size()).max(1);
-        for atom in atomize(&hd) {
-            let receivers = receivers_of(&hd, &atom.holdings);
-            let covers = index.cover(&atom.block).map_err(|region| PlanError::NotCovered {
-                tensor: dst.tensors()[td].name.clone(),
-                rank: receivers[0],
-                region,
-            })?;
-            let bytes = atom.block.numel() * wire.size();
-            unique_bytes += bytes;
-            add_node_needs(&mut needs, &receivers, dst.ranks_per_node(), bytes);
-            let r0 = pool.len() as u32;
-            pool.extend_from_slice(&receivers);
-            let rlen = receivers.len() as u32;
-            for c in covers {
-                let chunks = (c.block.numel() * wire.size()).div_ceil(options.max_staging_bytes.max(1)).max(1);
-                if pieces.len() as u64 + chunks > MAX_PIECES {
-                    return Err(PlanError::TooManyPieces { tensor: dst.tensors()[td].name.clone(), limit: MAX_PIECES });
-                }
-                let c0 = pool.len() as u32;
-                pool.extend_from_slice(&c.candidates);
-                let clen = c.candidates.len() as u32;
-                let split = if c.block.numel() > max_elems { c.block.split_to_fit(max_elems) } else { vec![c.block] };
-                for block in split {
-                    work.push(Work {
-                        piece: pieces.len() as u32,
-                        bytes: block.numel() * wire.size(),
-                        receivers: (r0, rlen),
-                        candidates: (c0, clen),
-                    });
-                    pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block });
-                }
+        let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
+        let key = fnv64(&(&dt.shape, &st.placement, &dt.placement, wire));
+        let same = |t: &Template| {
+            let (rs, rd) = (&src.tensors()[t.src_tensor as usize], &dst.tensors()[t.dst_tensor as usize]);
+            t.wire == wire && rd.shape == dt.shape && rs.placement == st.placement && rd.placement == dt.placement
+        };
+        let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&templates[i as usize])));
+        let template = match found {
+            Some(i) => i as usize,
+            None => {
+                let t = overlap_template(src, dst, ts, td as u32, wire, options, &mut pool)?;
+                by_key.entry(key).or_default().push(templates.len() as u32);
+                templates.push(t);
+                templates.len() - 1
             }
+        };
+        let t = &templates[template];
+        if pieces.len() as u64 + t.pieces.len() as u64 > MAX_PIECES {
+            return Err(PlanError::TooManyPieces { tensor: dt.name.clone(), limit: MAX_PIECES });
+        }
+        unique_bytes += t.unique_bytes;
+        for &(node, bytes) in &t.needs {
+            needs[node as usize] += bytes;
+        }
+        for &(block, receivers, candidates) in &t.pieces {
+            work.push(Work { piece: pieces.len() as u32, bytes: block.numel() * wire.size(), receivers, candidates });
+            pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block });
         }
     }
     // Largest first; ties by piece order, so the result is deterministic.
     work.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.piece.cmp(&b.piece)));
     let mut assigner = Assigner::new(src, dst, options.links);
-    let mut transfers = Vec::with_capacity(work.len() * 2);
+    let mut by_stage: Vec<Vec<Transfer>> = Vec::new();
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
-        assigner.assign(w.piece, w.bytes, receivers, candidates, &mut transfers);
+        assigner.assign(w.piece, w.bytes, receivers, candidates, &mut by_stage);
     }
     let mut plan = Plan {
         strategy: Strategy::Reshard,
@@ -121,14 +177,14 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         src_rpn: src.ranks_per_node(),
         dst_rpn: dst.ranks_per_node(),
         pieces,
-        transfers,
+        transfers: Vec::new(),
         wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
         figures: Figures::default(),
         needed_node_bytes: needs,
         unique_bytes,
         scratch_blocks: Vec::new(),
     };
-    finish(&mut plan);
+    finish(&mut plan, by_stage);
     Ok(plan)
 }
 
@@ -251,7 +307,7 @@ impl Assigner {
         self.emitted.clear();
     }
 
-    fn commit(&mut self, piece: u32, out: &mut Vec<Transfer>) {
+    fn commit(&mut self, piece: u32, out: &mut Vec<Vec<Transfer>>) {
         for &(s, link, _) in &self.log {
             let t = self.loads[s as usize * self.n_links + link as usize] as f64 / self.bw(link);
             if t > self.max_time[s as usize] {
@@ -260,8 +316,24 @@ impl Assigner {
         }
         self.log.clear();
         for (from, to, stage) in self.emitted.drain(..) {
-            out.push(Transfer { piece, from, to, stage, from_scratch: false, to_scratch: false, round: 0 });
+            if out.len() <= stage as usize {
+                out.resize_with(stage as usize + 1, Vec::new);
+            }
+            out[stage as usize].push(Transfer { piece, from, to, stage, from_scratch: false, to_scratch: false, round: 0 });
         }
+    }
+
+    /// A lower bound on the relay option's cost, computed while the direct
+    /// option's additions are still applied: the growth of the stage-0
+    /// maximum from the relay's one source send (the source's load before
+    /// the direct option was at least its load now minus `k` sends) and its
+    /// first leader's ingress (direct added exactly this piece to it).
+    fn relay_first_hop_cost(&self, candidates: &[Rank], bytes: u64) -> f64 {
+        let k = self.leaders.len() as u64;
+        let least = candidates.iter().map(|&c| self.load(0, SRC_OUT, c)).min().unwrap_or(0);
+        let src = (least.saturating_sub(k * bytes) + bytes) as f64 / self.net_bw;
+        let dst = self.load(0, DST_IN_NET, self.leaders[0]) as f64 / self.net_bw;
+        (src.max(dst) - self.max_time[0]).max(0.0)
     }
 
     fn best_source(&self, candidates: &[Rank]) -> Rank {
@@ -305,7 +377,7 @@ impl Assigner {
         }
     }
 
-    fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut Vec<Transfer>) {
+    fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut Vec<Vec<Transfer>>) {
         // Receivers grouped by node (they are sorted, so groups are runs).
         self.groups.clear();
         self.leaders.clear();
@@ -329,8 +401,10 @@ impl Assigner {
             self.send(Endpoint::src(s), Endpoint::dst(l), 0, bytes);
             self.fan_out(l, group(g), 1, bytes);
         }
-        if k >= 2 {
-            let direct_cost = self.delta();
+        let direct_cost = if k >= 2 { self.delta() } else { 0.0 };
+        // The relay costs at least its first hop's growth of the stage-0
+        // maximum; skip evaluating it when that alone is no better.
+        if k >= 2 && self.relay_first_hop_cost(candidates, bytes) < direct_cost {
             std::mem::swap(&mut self.direct, &mut self.emitted);
             self.rollback();
 
