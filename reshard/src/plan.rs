@@ -274,7 +274,7 @@ impl Plan {
         &self.pieces
     }
 
-    /// All transfers, in round order.
+    /// All transfers, in stage order.
     pub fn transfers(&self) -> &[Transfer] {
         &self.transfers
     }
@@ -414,8 +414,8 @@ pub fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: 
 }
 
 /// Assigns rounds to transfers, stage by stage, so that no rank stages more
-/// than the cap in one round (every transfer fits on its own), orders the
-/// transfers by round, and computes the figures.
+/// than the cap in one round (every transfer fits on its own), puts the
+/// stages' transfers in one list, and computes the figures.
 pub(crate) fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
     let cap = plan.options.max_staging_bytes.max(1);
     let n_src = plan.src_ranks as usize;
@@ -454,7 +454,6 @@ pub(crate) fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
     let mut skip: Vec<Vec<u32>> = vec![Vec::new(); n];
     // A round counts as full once less than 1/16 of the cap is left.
     let nearly_full = cap - cap / 16;
-    let mut round_counts: Vec<usize> = Vec::new();
     for list in by_stage.iter_mut() {
         loads.iter_mut().for_each(Vec::clear);
         skip.iter_mut().for_each(Vec::clear);
@@ -505,26 +504,14 @@ pub(crate) fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
         base += stage_rounds;
     }
     drop((loads, skip));
-    // Counting sort by round into one exactly sized vector.
-    round_counts.resize(base as usize + 1, 0);
-    for t in by_stage.iter().flatten() {
-        round_counts[t.round as usize + 1] += 1;
+    // Stages in order, in one vector (the first stage's, usually the
+    // largest, is extended in place).
+    let mut all = by_stage.first_mut().map(std::mem::take).unwrap_or_default();
+    for rest in by_stage.iter_mut().skip(1) {
+        all.append(rest);
     }
-    for r in 0..base as usize {
-        round_counts[r + 1] += round_counts[r];
-    }
-    let total = round_counts[base as usize];
-    let mut sorted: Vec<Transfer> = Vec::with_capacity(total);
-    let spare = sorted.spare_capacity_mut();
-    for t in by_stage.iter().flatten() {
-        spare[round_counts[t.round as usize]].write(*t);
-        round_counts[t.round as usize] += 1;
-    }
-    // SAFETY: each of the `total` slots was written exactly once: the
-    // per-round counts add up to `total` and give disjoint slot ranges.
-    unsafe { sorted.set_len(total) };
     drop(by_stage);
-    plan.transfers = sorted;
+    plan.transfers = all;
     // Figures.
     let mut f = Figures {
         dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],
@@ -536,10 +523,15 @@ pub(crate) fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
     };
     let mut sent = vec![0u64; n];
     let mut recv = vec![0u64; n];
-    // Messages: distinct (sender, receiver) pairs per round, counted with a
-    // last-seen mark per pair (transfers are in round order now).
-    let mut seen: std::collections::HashMap<(usize, usize), u32> = std::collections::HashMap::new();
-    let mut dense: Vec<u32> = if n * n <= 1 << 24 { vec![0; n * n] } else { Vec::new() };
+    // Node of every endpoint; source and destination nodes are distinct.
+    let node: Vec<(Group, u32)> = (0..n)
+        .map(|i| if i < n_src { plan.node_of(Endpoint::src(i as u32)) } else { plan.node_of(Endpoint::dst((i - n_src) as u32)) })
+        .collect();
+    // Messages: distinct (sender, receiver, round) triples, counted with a
+    // bitmap over them (a hash set where the bitmap would be too large).
+    let bits = (n * n) as u64 * base as u64;
+    let mut bitmap: Vec<u64> = if bits <= 1 << 31 { vec![0; bits.div_ceil(64) as usize] } else { Vec::new() };
+    let mut seen: std::collections::HashSet<(usize, usize, u32)> = std::collections::HashSet::new();
     for t in &plan.transfers {
         if t.from == t.to {
             continue;
@@ -552,19 +544,23 @@ pub(crate) fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
         if t.from.group == Group::Src {
             f.src_egress_bytes += b;
         }
-        let (from_node, to_node) = (plan.node_of(t.from), plan.node_of(t.to));
+        let (from_node, to_node) = (node[a], node[z]);
         if from_node != to_node {
             f.cross_node_bytes += b;
             if t.to.group == Group::Dst {
                 f.dst_node_ingress_bytes[to_node.1 as usize] += b;
             }
         }
-        let mark = t.round + 1;
-        let slot = if dense.is_empty() { seen.entry((a, z)).or_insert(0) } else { &mut dense[a * n + z] };
-        if *slot != mark {
-            *slot = mark;
-            f.messages += 1;
-        }
+        let new = if bitmap.is_empty() {
+            seen.insert((a, z, t.round))
+        } else {
+            let bit = ((a * n + z) as u64 * base as u64 + t.round as u64) as usize;
+            let (word, mask) = (bit / 64, 1u64 << (bit % 64));
+            let new = bitmap[word] & mask == 0;
+            bitmap[word] |= mask;
+            new
+        };
+        f.messages += new as u64;
     }
     f.max_rank_send_bytes = sent.into_iter().max().unwrap_or(0);
     f.max_rank_recv_bytes = recv.into_iter().max().unwrap_or(0);

@@ -8,7 +8,7 @@ use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::fingerprint::fnv64;
 use crate::layout::{Holding, Layout, Rank};
 use crate::overlap::{atomize, SourceIndex};
-use crate::plan::{fingerprint, finish, Endpoint, Figures, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer, MAX_PIECES};
+use crate::plan::{fingerprint, finish, Endpoint, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer, MAX_PIECES};
 use std::collections::HashMap;
 
 /// Matches destination tensors to source tensors and checks shapes and
@@ -162,7 +162,10 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     // Largest first; ties by piece order, so the result is deterministic.
     work.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.piece.cmp(&b.piece)));
     let mut assigner = Assigner::new(src, dst, options.links);
-    let mut by_stage: Vec<Vec<Transfer>> = Vec::new();
+    // Every receiver of a piece gets exactly one transfer of it, and almost
+    // all are in stage 0: reserve that much up front.
+    let expected: usize = work.iter().map(|w| w.receivers.1 as usize).sum();
+    let mut by_stage: Vec<Vec<Transfer>> = vec![Vec::with_capacity(expected)];
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
@@ -204,9 +207,11 @@ struct Assigner {
     n_src: usize,
     n_dst: usize,
     n_links: usize,
-    dst_rpn: u32,
     net_bw: f64,
-    intra_bw: f64,
+    /// Seconds per byte: network, then intra-node.
+    inv_bw: [f64; 2],
+    /// Node of each destination rank.
+    dst_node: Vec<u32>,
     /// Bytes per (stage, link), stage-major; grown a stage at a time.
     loads: Vec<u64>,
     /// Per stage: busiest link time.
@@ -237,9 +242,9 @@ impl Assigner {
             n_src,
             n_dst,
             n_links: n_src + 4 * n_dst,
-            dst_rpn: dst.ranks_per_node(),
             net_bw: links.net_bytes_per_s,
-            intra_bw: links.intra_bytes_per_s,
+            inv_bw: [1.0 / links.net_bytes_per_s, 1.0 / links.intra_bytes_per_s],
+            dst_node: (0..dst.ranks()).map(|r| dst.node_of(r)).collect(),
             loads: Vec::new(),
             max_time: [0.0; MAX_STAGES],
             dst_in_total: vec![0; n_dst],
@@ -260,13 +265,10 @@ impl Assigner {
         }
     }
 
+    /// Time of `bytes` on `link`.
     #[inline]
-    fn bw(&self, link: u32) -> f64 {
-        if (link as usize) < self.n_src + 3 * self.n_dst {
-            self.net_bw
-        } else {
-            self.intra_bw
-        }
+    fn time(&self, link: u32, bytes: u64) -> f64 {
+        bytes as f64 * self.inv_bw[((link as usize) >= self.n_src + 3 * self.n_dst) as usize]
     }
 
     #[inline]
@@ -290,7 +292,7 @@ impl Assigner {
         let mut new_max = self.max_time;
         let mut top = 0usize;
         for &(s, link, _) in &self.log {
-            let t = self.loads[s as usize * self.n_links + link as usize] as f64 / self.bw(link);
+            let t = self.time(link, self.loads[s as usize * self.n_links + link as usize]);
             let s = s as usize;
             if t > new_max[s] {
                 new_max[s] = t;
@@ -309,7 +311,7 @@ impl Assigner {
 
     fn commit(&mut self, piece: u32, out: &mut Vec<Vec<Transfer>>) {
         for &(s, link, _) in &self.log {
-            let t = self.loads[s as usize * self.n_links + link as usize] as f64 / self.bw(link);
+            let t = self.time(link, self.loads[s as usize * self.n_links + link as usize]);
             if t > self.max_time[s as usize] {
                 self.max_time[s as usize] = t;
             }
@@ -350,8 +352,7 @@ impl Assigner {
     }
 
     fn send(&mut self, from: Endpoint, to: Endpoint, stage: u16, bytes: u64) {
-        use crate::plan::Group;
-        match (from.group, from.rank / self.dst_rpn == to.rank / self.dst_rpn) {
+        match (from.group, from.group == Group::Dst && self.dst_node[from.rank as usize] == self.dst_node[to.rank as usize]) {
             (Group::Src, _) => {
                 self.add(stage, SRC_OUT, from.rank, bytes);
                 self.add(stage, DST_IN_NET, to.rank, bytes);
@@ -383,7 +384,7 @@ impl Assigner {
         self.leaders.clear();
         let mut start = 0;
         for i in 1..=receivers.len() {
-            if i == receivers.len() || receivers[i] / self.dst_rpn != receivers[start] / self.dst_rpn {
+            if i == receivers.len() || self.dst_node[receivers[i] as usize] != self.dst_node[receivers[start] as usize] {
                 let g = &receivers[start..i];
                 let leader = g.iter().copied().min_by_key(|&r| (self.dst_in_total[r as usize], r)).unwrap_or(g[0]);
                 self.groups.push((start as u32, i as u32));
