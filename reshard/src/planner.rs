@@ -216,6 +216,10 @@ struct Assigner {
     loads: Vec<u64>,
     /// Per stage: busiest link time.
     max_time: [f64; MAX_STAGES],
+    /// Per stage: busiest link time including the option being evaluated
+    /// (equal to `max_time` outside an evaluation), up to stage `top`.
+    pending: [f64; MAX_STAGES],
+    top: usize,
     /// Total ingress per destination rank (leader choice).
     dst_in_total: Vec<u64>,
     /// Link additions of the option being evaluated: (stage, link, bytes).
@@ -247,6 +251,8 @@ impl Assigner {
             dst_node: (0..dst.ranks()).map(|r| dst.node_of(r)).collect(),
             loads: Vec::new(),
             max_time: [0.0; MAX_STAGES],
+            pending: [0.0; MAX_STAGES],
+            top: 0,
             dst_in_total: vec![0; n_dst],
             log: Vec::new(),
             emitted: Vec::new(),
@@ -273,12 +279,19 @@ impl Assigner {
 
     #[inline]
     fn add(&mut self, stage: u16, kind: usize, rank: Rank, bytes: u64) {
-        let need = (stage as usize + 1) * self.n_links;
+        let s = stage as usize;
+        let need = (s + 1) * self.n_links;
         if self.loads.len() < need {
             self.loads.resize(need, 0);
         }
         let link = self.link(kind, rank);
-        self.loads[stage as usize * self.n_links + link] += bytes;
+        let i = s * self.n_links + link;
+        self.loads[i] += bytes;
+        let t = self.time(link as u32, self.loads[i]);
+        if t > self.pending[s] {
+            self.pending[s] = t;
+        }
+        self.top = self.top.max(s + 1);
         self.log.push((stage, link as u32, bytes));
     }
 
@@ -287,35 +300,23 @@ impl Assigner {
         self.loads.get(stage as usize * self.n_links + self.link(kind, rank)).copied().unwrap_or(0)
     }
 
-    /// Cost increase of the logged additions.
+    /// Cost increase of the option being evaluated.
     fn delta(&self) -> f64 {
-        let mut new_max = self.max_time;
-        let mut top = 0usize;
-        for &(s, link, _) in &self.log {
-            let t = self.time(link, self.loads[s as usize * self.n_links + link as usize]);
-            let s = s as usize;
-            if t > new_max[s] {
-                new_max[s] = t;
-            }
-            top = top.max(s + 1);
-        }
-        (0..top).map(|s| new_max[s] - self.max_time[s]).sum()
+        (0..self.top).map(|s| self.pending[s] - self.max_time[s]).sum()
     }
 
     fn rollback(&mut self) {
         for (s, link, b) in self.log.drain(..) {
             self.loads[s as usize * self.n_links + link as usize] -= b;
         }
+        self.pending[..self.top].copy_from_slice(&self.max_time[..self.top]);
+        self.top = 0;
         self.emitted.clear();
     }
 
     fn commit(&mut self, piece: u32, out: &mut Vec<Vec<Transfer>>) {
-        for &(s, link, _) in &self.log {
-            let t = self.time(link, self.loads[s as usize * self.n_links + link as usize]);
-            if t > self.max_time[s as usize] {
-                self.max_time[s as usize] = t;
-            }
-        }
+        self.max_time[..self.top].copy_from_slice(&self.pending[..self.top]);
+        self.top = 0;
         self.log.clear();
         for (from, to, stage) in self.emitted.drain(..) {
             if out.len() <= stage as usize {
