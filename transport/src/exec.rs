@@ -3,7 +3,7 @@
 //! [`run_local`] runs every rank as a thread of this process.
 
 use crate::copy::{copy_strided, in_bounds, packed_strides, StridedRef};
-use crate::local::local_fabric;
+use crate::local::{local_fabric, LocalTransport};
 use crate::memory::{MemView, RankMemory};
 use crate::transport::{Payload, Segment, Transport, TransportError};
 use reshard::{Block, DType, Endpoint, RankProgram, RecvPiece, Span};
@@ -277,24 +277,31 @@ pub fn run_local(programs: &[RankProgram], memory: &mut [RankMemory], options: &
     let views: Vec<MemView> = memory.iter_mut().map(|m| m.view()).collect();
     let start = Instant::now();
     let deadline = start + options.deadline;
-    let results: Vec<Result<RankStats, ExecError>> = std::thread::scope(|scope| {
+    // Ranks that only send never block (channels are unbounded and
+    // receivers copy out of the senders' memory), so they run first on this
+    // thread; every other rank gets a thread of its own.
+    let send_only = |p: &RankProgram| p.rounds.iter().all(|r| r.recvs.is_empty() && r.locals.is_empty());
+    let mut transports: Vec<Option<LocalTransport>> = transports.into_iter().map(Some).collect();
+    let mut results: Vec<Option<Result<RankStats, ExecError>>> = vec![None; programs.len()];
+    for (i, p) in programs.iter().enumerate() {
+        if send_only(p) {
+            if let Some(mut t) = transports[i].take() {
+                results[i] = Some(run_rank_view(p, &views[i], &mut t, deadline));
+            }
+        }
+    }
+    std::thread::scope(|scope| {
         let handles: Vec<_> = programs
             .iter()
-            .zip(transports)
-            .zip(&views)
-            .map(|((p, mut t), v)| {
-                let idle = p.rounds.iter().all(|r| r.sends.is_empty() && r.recvs.is_empty() && r.locals.is_empty());
-                (p.endpoint, (!idle).then(|| scope.spawn(move || run_rank_view(p, v, &mut t, deadline))))
-            })
+            .enumerate()
+            .filter_map(|(i, p)| transports[i].take().map(|t| (i, p, t.me(), &views[i], t)))
+            .map(|(i, p, me, v, mut t)| (i, me, scope.spawn(move || run_rank_view(p, v, &mut t, deadline))))
             .collect();
-        handles
-            .into_iter()
-            .map(|(me, h)| match h {
-                None => Ok(RankStats::default()),
-                Some(h) => h.join().unwrap_or(Err(ExecError::Panicked { me })),
-            })
-            .collect()
+        for (i, me, h) in handles {
+            results[i] = Some(h.join().unwrap_or(Err(ExecError::Panicked { me })));
+        }
     });
+    let results: Vec<Result<RankStats, ExecError>> = results.into_iter().map(|r| r.unwrap_or(Ok(RankStats::default()))).collect();
     let elapsed = start.elapsed();
     let mut first_err = None;
     let mut report = ExecReport { elapsed, ..ExecReport::default() };
