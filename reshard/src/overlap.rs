@@ -98,7 +98,7 @@ impl<'a> SourceIndex<'a> {
         }
         let off0 = |i: &u32| self.holdings[*i as usize].block.offset()[0];
         let (lo, hi) = (b.offset()[0], b.end(0));
-        let start = self.order.partition_point(|i| off0(i) + self.max_ext0 <= lo);
+        let start = self.order.partition_point(|i| off0(i).saturating_add(self.max_ext0) <= lo);
         let end = self.order.partition_point(|i| off0(i) < hi);
         self.order[start..end.max(start)].iter().copied().filter(|&i| self.holdings[i as usize].block.intersect(b).is_some()).collect()
     }
