@@ -25,7 +25,7 @@ pub enum RunError {
     },
     /// Verification found wrong bytes.
     #[error("verification failed: {0}")]
-    Verify(#[from] Mismatch),
+    Verify(#[from] Box<Mismatch>),
 }
 
 /// A prepared refit: plan, programs and memory, ready to execute repeatedly.

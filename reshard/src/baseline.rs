@@ -54,8 +54,11 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
         };
         // Gather onto the root's scratch buffer.
         let index = SourceIndex::new(&hs);
-        let covers =
-            index.cover(&full).map_err(|region| PlanError::BaselineNotCovered { tensor: tensor.name.clone(), extent: full, region })?;
+        let covers = index.cover(&full).map_err(|region| PlanError::BaselineNotCovered {
+            tensor: tensor.name.clone(),
+            extent: Box::new(full),
+            region,
+        })?;
         let gather_elems = (options.max_staging_bytes / sd.size()).max(1);
         for c in covers {
             let sender = if c.candidates.contains(&root) { root } else { c.candidates[0] };
@@ -96,7 +99,8 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
             let mut arrival = vec![1u16; groups.len()];
             let (mut have, mut stage) = (1usize, 2u16);
             while have < groups.len() {
-                for i in 0..have {
+                let senders = have;
+                for i in 0..senders {
                     if have >= groups.len() {
                         break;
                     }

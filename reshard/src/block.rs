@@ -111,6 +111,7 @@ impl Block {
 
     /// Row-major flat index (in a tensor of `shape`) of this block's first
     /// element.
+    #[allow(clippy::needless_range_loop)] // parallel arrays indexed by dim
     pub fn flat_start(&self, shape: &[u64]) -> u64 {
         let mut idx = 0;
         for d in 0..self.ndim() {
@@ -240,7 +241,7 @@ fn flat_rec(shape: &[u64], dim: usize, s: u64, e: u64, prefix: &mut Vec<u64>, ou
         return;
     }
     let mut row = rs;
-    if s % inner != 0 {
+    if !s.is_multiple_of(inner) {
         prefix.push(rs);
         flat_rec(shape, dim + 1, s % inner, inner, prefix, out);
         prefix.pop();
@@ -249,7 +250,7 @@ fn flat_rec(shape: &[u64], dim: usize, s: u64, e: u64, prefix: &mut Vec<u64>, ou
     if re > row {
         out.push(make(prefix, row, re));
     }
-    if e % inner != 0 {
+    if !e.is_multiple_of(inner) {
         prefix.push(re);
         flat_rec(shape, dim + 1, 0, e % inner, prefix, out);
         prefix.pop();

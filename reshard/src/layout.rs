@@ -382,7 +382,8 @@ impl Layout {
     fn check_named_buffers(&self) -> Result<(), LayoutError> {
         let ids = &self.buffer_ids;
         // (rank, buffer) -> list of (start, end, tensor index, dtype)
-        let mut uses: HashMap<(Rank, u32), Vec<(u64, u64, u32)>> = HashMap::new();
+        type Uses = HashMap<(Rank, u32), Vec<(u64, u64, u32)>>;
+        let mut uses: Uses = HashMap::new();
         let mut dtypes: HashMap<u32, (DType, u32)> = HashMap::new();
         for (ti, t) in self.tensors.iter().enumerate() {
             let Placement::Shards(shards) = &t.placement else { continue };

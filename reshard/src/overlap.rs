@@ -105,7 +105,7 @@ impl<'a> SourceIndex<'a> {
 
     /// Covers `atom` with source holdings. Returns the covered parts and,
     /// if some part is held by no source, that part.
-    pub fn cover(&self, atom: &Block) -> Result<Vec<Cover>, Block> {
+    pub fn cover(&self, atom: &Block) -> Result<Vec<Cover>, Box<Block>> {
         let over = self.overlapping(atom);
         let candidates_of = |piece: &Block| {
             let mut c: Vec<Rank> = Vec::new();
@@ -143,7 +143,7 @@ impl<'a> SourceIndex<'a> {
             uncovered = next;
         }
         if let Some(u) = uncovered.first() {
-            return Err(*u);
+            return Err(Box::new(*u));
         }
         Ok(parts.into_iter().map(|p| Cover { block: p, candidates: candidates_of(&p) }).collect())
     }
@@ -181,6 +181,6 @@ mod tests {
         assert_eq!(c[0].candidates, vec![3]);
         let src2 = vec![h(&[0, 0], &[2, 4], &[0]), h(&[3, 0], &[1, 4], &[1])];
         let idx2 = SourceIndex::new(&src2);
-        assert_eq!(idx2.cover(&Block::new(&[0, 0], &[4, 4])), Err(Block::new(&[2, 0], &[1, 4])));
+        assert_eq!(idx2.cover(&Block::new(&[0, 0], &[4, 4])), Err(Box::new(Block::new(&[2, 0], &[1, 4]))));
     }
 }

@@ -199,7 +199,7 @@ pub enum PlanError {
         /// A destination rank that needs it.
         rank: Rank,
         /// The uncovered region.
-        region: Block,
+        region: Box<Block>,
     },
     /// The baseline gathers the whole needed extent of a tensor on one
     /// source rank, but no source shard holds part of it.
@@ -208,9 +208,9 @@ pub enum PlanError {
         /// Tensor name.
         tensor: String,
         /// The extent the baseline gathers.
-        extent: Block,
+        extent: Box<Block>,
         /// The part no source holds.
-        region: Block,
+        region: Box<Block>,
     },
     /// The plan would need more pieces than supported.
     #[error("tensor '{tensor}': the plan would need more than {limit} pieces; raise the staging limit (--max-staging-mib)")]

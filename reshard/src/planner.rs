@@ -56,7 +56,7 @@ struct Template {
     src_tensor: u32,
     dst_tensor: u32,
     wire: DType,
-    pieces: Vec<(Block, (u32, u32), (u32, u32))>,
+    pieces: Vec<TemplatePiece>,
     unique_bytes: u64,
     needs: Vec<(u32, u64)>,
 }
@@ -106,6 +106,10 @@ fn overlap_template(
     t.needs = needs.into_iter().enumerate().filter(|&(_, b)| b > 0).map(|(n, b)| (n as u32, b)).collect();
     Ok(t)
 }
+
+/// A piece of a template: its block, and its receivers and candidate
+/// senders as (start, len) ranges of the rank pool.
+type TemplatePiece = (Block, (u32, u32), (u32, u32));
 
 /// One piece still to be assigned senders.
 struct Work {
@@ -418,7 +422,8 @@ impl Assigner {
             self.arrival.resize(k, 0);
             let (mut have, mut stage) = (1usize, 1u16);
             while have < k {
-                for i in 0..have {
+                let senders = have;
+                for i in 0..senders {
                     if have >= k {
                         break;
                     }

@@ -113,6 +113,7 @@ pub struct RankProgram {
 
 /// Row-major strides of a stored block, as element strides of `piece`
 /// inside it, plus the element offset of the piece's first element.
+#[allow(clippy::needless_range_loop)] // parallel arrays indexed by dim
 pub fn span_in(buffer: u32, stored: &Block, at: u64, piece: &Block) -> Span {
     let nd = stored.ndim();
     let mut strides = [0u64; MAX_DIMS];

@@ -56,6 +56,7 @@ pub fn packed_strides(counts: &[u64]) -> [u64; MAX_DIMS] {
 /// Both views must be in bounds ([`in_bounds`]); `dst.ptr` must be valid
 /// for writes of that region, and no other thread may access the written
 /// elements, or write the read elements, during the call.
+#[allow(clippy::needless_range_loop)] // parallel arrays indexed by dim
 pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
     // Joint dims with count > 1, outermost first, merging dims that are
     // contiguous on both sides.

@@ -48,7 +48,7 @@ pub enum ExecError {
         /// Rank.
         me: Endpoint,
         /// Piece.
-        block: Block,
+        block: Box<Block>,
         /// Buffer index.
         buffer: u32,
     },
@@ -93,12 +93,12 @@ pub struct ExecReport {
 }
 
 fn view(me: Endpoint, mem: &MemView, span: &Span, dtype: DType, block: &Block) -> Result<StridedRef, ExecError> {
-    let buf = mem.bufs.get(span.buffer as usize).ok_or(ExecError::OutOfBounds { me, block: *block, buffer: span.buffer })?;
+    let buf = mem.bufs.get(span.buffer as usize).ok_or(ExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer })?;
     let r = StridedRef { ptr: buf.ptr, len: buf.len, base: span.base, strides: span.strides, dtype };
     if in_bounds(block.extent(), &r) {
         Ok(r)
     } else {
-        Err(ExecError::OutOfBounds { me, block: *block, buffer: span.buffer })
+        Err(ExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer })
     }
 }
 
@@ -244,7 +244,7 @@ fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -
                     strides: packed_strides(p.block.extent()),
                     dtype: p.wire,
                 };
-                if pos % elem != 0 {
+                if !pos.is_multiple_of(elem) {
                     // Keep element alignment of offsets: copy to an aligned temporary.
                     let n = (p.block.numel() * elem) as usize;
                     let tmp = bytes[pos as usize..pos as usize + n].to_vec();

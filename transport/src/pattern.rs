@@ -119,7 +119,7 @@ pub fn fill_sources(src: &Layout, memory: &mut [RankMemory]) {
 /// Checks every destination element against the pattern converted from the
 /// source dtype. `memory[r]` is destination rank `r`'s memory. Returns the
 /// number of elements checked.
-pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) -> Result<u64, Mismatch> {
+pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) -> Result<u64, Box<Mismatch>> {
     let index = buffer_index(dst);
     let mut checked = 0u64;
     for (ti, t) in dst.tensors().iter().enumerate() {
@@ -154,7 +154,7 @@ pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) ->
                         index[d] = rem % t.shape[d];
                         rem /= t.shape[d];
                     }
-                    return Err(Mismatch {
+                    return Err(Box::new(Mismatch {
                         tensor: t.name.clone(),
                         rank: loc.rank,
                         buffer: dst.buffer_name(loc.buffer),
@@ -162,7 +162,7 @@ pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) ->
                         got,
                         expected,
                         mismatches: bad,
-                    });
+                    }));
                 }
             }
         }
