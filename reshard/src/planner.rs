@@ -216,6 +216,9 @@ struct Assigner {
     inv_bw: [f64; 2],
     /// Node of each destination rank.
     dst_node: Vec<u32>,
+    /// Node of each source rank, and bytes each source node sends.
+    src_node: Vec<u32>,
+    src_node_load: Vec<u64>,
     /// Bytes per (stage, link), stage-major; grown a stage at a time.
     loads: Vec<u64>,
     /// Per stage: busiest link time.
@@ -253,6 +256,8 @@ impl Assigner {
             net_bw: links.net_bytes_per_s,
             inv_bw: [1.0 / links.net_bytes_per_s, 1.0 / links.intra_bytes_per_s],
             dst_node: (0..dst.ranks()).map(|r| dst.node_of(r)).collect(),
+            src_node: (0..src.ranks()).map(|r| src.node_of(r)).collect(),
+            src_node_load: vec![0; src.nodes() as usize],
             loads: Vec::new(),
             max_time: [0.0; MAX_STAGES],
             pending: [0.0; MAX_STAGES],
@@ -318,11 +323,14 @@ impl Assigner {
         self.emitted.clear();
     }
 
-    fn commit(&mut self, piece: u32, out: &mut Vec<Vec<Transfer>>) {
+    fn commit(&mut self, piece: u32, bytes: u64, out: &mut Vec<Vec<Transfer>>) {
         self.max_time[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
         self.log.clear();
         for (from, to, stage) in self.emitted.drain(..) {
+            if from.group == Group::Src {
+                self.src_node_load[self.src_node[from.rank as usize] as usize] += bytes;
+            }
             if out.len() <= stage as usize {
                 out.resize_with(stage as usize + 1, Vec::new);
             }
@@ -343,11 +351,13 @@ impl Assigner {
         (src.max(dst) - self.max_time[0]).max(0.0)
     }
 
+    /// The candidate with the least stage-0 egress; ties go to the one on
+    /// the least loaded source node, then to the lowest rank.
     fn best_source(&self, candidates: &[Rank]) -> Rank {
         let mut best = candidates[0];
-        let mut best_load = u64::MAX;
+        let mut best_load = (u64::MAX, u64::MAX);
         for &c in candidates {
-            let l = self.load(0, SRC_OUT, c);
+            let l = (self.load(0, SRC_OUT, c), self.src_node_load[self.src_node[c as usize] as usize]);
             if l < best_load {
                 best = c;
                 best_load = l;
@@ -451,6 +461,6 @@ impl Assigner {
         for j in 0..k {
             self.dst_in_total[self.leaders[j] as usize] += bytes;
         }
-        self.commit(piece, out);
+        self.commit(piece, bytes, out);
     }
 }
