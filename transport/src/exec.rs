@@ -3,9 +3,9 @@
 //! [`run_local`] runs every rank as a thread of this process.
 
 use crate::copy::{copy_strided, in_bounds, packed_strides, StridedRef};
-use crate::local::{local_fabric, LocalTransport};
+use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
-use crate::transport::{Payload, Segment, Transport, TransportError};
+use crate::transport::{Payload, Release, Segment, Transport, TransportError};
 use reshard::{Block, DType, Endpoint, RankProgram, RecvPiece, Span};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -182,7 +182,7 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
             let keep_alive = if staged > 0 { vec![Arc::new(staging)] } else { Vec::new() };
             stats.sent_bytes += msg.wire_bytes();
             stats.messages += 1;
-            transport.send(r, msg.peer, Payload::Segments { segments, keep_alive })?;
+            transport.send(r, msg.peer, Payload::Segments { segments, keep_alive, release: Release::default() })?;
         }
         let mut done = vec![false; round.recvs.len()];
         for _ in 0..round.recvs.len() {
@@ -199,6 +199,10 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
             })?;
             stats.recv_bytes += msg.wire_bytes();
         }
+        // Receivers may still read what this rank sent: wait for them.
+        if !round.sends.is_empty() {
+            transport.flush(r, deadline)?;
+        }
     }
     Ok(stats)
 }
@@ -210,7 +214,7 @@ enum Unpack {
 
 fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -> Result<(), Unpack> {
     match payload {
-        Payload::Segments { segments, keep_alive } => {
+        Payload::Segments { segments, keep_alive, release } => {
             if segments.len() != pieces.len() {
                 return Err(Unpack::Bad(format!("{} segments for {} pieces", segments.len(), pieces.len())));
             }
@@ -228,6 +232,7 @@ fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -
                 }
             }
             drop(keep_alive);
+            drop(release);
         }
         Payload::Bytes(bytes) => {
             let want: u64 = pieces.iter().map(|p| p.block.numel() * p.wire.size()).sum();
@@ -277,25 +282,18 @@ pub fn run_local(programs: &[RankProgram], memory: &mut [RankMemory], options: &
     let views: Vec<MemView> = memory.iter_mut().map(|m| m.view()).collect();
     let start = Instant::now();
     let deadline = start + options.deadline;
-    // Ranks that only send never block (channels are unbounded and
-    // receivers copy out of the senders' memory), so they run first on this
-    // thread; every other rank gets a thread of its own.
-    let send_only = |p: &RankProgram| p.rounds.iter().all(|r| r.recvs.is_empty() && r.locals.is_empty());
-    let mut transports: Vec<Option<LocalTransport>> = transports.into_iter().map(Some).collect();
+    // One thread per rank with work. (Running send-only ranks on this
+    // thread instead would deadlock: a sender waits in `flush` for a
+    // receiver that waits for a sender not yet started.)
     let mut results: Vec<Option<Result<RankStats, ExecError>>> = vec![None; programs.len()];
-    for (i, p) in programs.iter().enumerate() {
-        if send_only(p) {
-            if let Some(mut t) = transports[i].take() {
-                results[i] = Some(run_rank_view(p, &views[i], &mut t, deadline));
-            }
-        }
-    }
     std::thread::scope(|scope| {
         let handles: Vec<_> = programs
             .iter()
+            .zip(transports)
+            .zip(&views)
             .enumerate()
-            .filter_map(|(i, p)| transports[i].take().map(|t| (i, p, t.me(), &views[i], t)))
-            .map(|(i, p, me, v, mut t)| (i, me, scope.spawn(move || run_rank_view(p, v, &mut t, deadline))))
+            .filter(|(_, ((p, _), _))| p.rounds.iter().any(|r| !(r.sends.is_empty() && r.recvs.is_empty() && r.locals.is_empty())))
+            .map(|(i, ((p, mut t), v))| (i, p.endpoint, scope.spawn(move || run_rank_view(p, v, &mut t, deadline))))
             .collect();
         for (i, me, h) in handles {
             results[i] = Some(h.join().unwrap_or(Err(ExecError::Panicked { me })));

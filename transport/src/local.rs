@@ -1,11 +1,15 @@
 //! The in-process transport: every rank is a thread of this process, and
 //! messages are channel sends of segment lists (no payload copy; the
-//! receiver copies straight from the sender's buffers).
+//! receiver copies straight from the sender's buffers). A sender's `flush`
+//! waits until its receivers have dropped every payload it posted (a
+//! payload still queued when its receiver goes away is dropped with the
+//! channel), so a sender never changes memory a receiver may still read.
 
-use crate::transport::{Payload, Transport, TransportError};
+use crate::transport::{Outstanding, Payload, Transport, TransportError};
 use reshard::Endpoint;
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::time::Instant;
 
 enum Envelope {
@@ -19,13 +23,18 @@ pub struct LocalTransport {
     peers: HashMap<Endpoint, Sender<Envelope>>,
     inbox: Receiver<Envelope>,
     stash: Vec<(u32, Endpoint, Payload)>,
+    outstanding: Arc<Outstanding>,
 }
 
 /// Connects `endpoints` all-to-all; returns their transports in order.
 pub fn local_fabric(endpoints: &[Endpoint]) -> Vec<LocalTransport> {
     let (senders, receivers): (Vec<_>, Vec<_>) = endpoints.iter().map(|_| channel::<Envelope>()).unzip();
     let peers: HashMap<Endpoint, Sender<Envelope>> = endpoints.iter().copied().zip(senders).collect();
-    endpoints.iter().zip(receivers).map(|(&me, inbox)| LocalTransport { me, peers: peers.clone(), inbox, stash: Vec::new() }).collect()
+    endpoints
+        .iter()
+        .zip(receivers)
+        .map(|(&me, inbox)| LocalTransport { me, peers: peers.clone(), inbox, stash: Vec::new(), outstanding: Arc::default() })
+        .collect()
 }
 
 impl Transport for LocalTransport {
@@ -33,8 +42,11 @@ impl Transport for LocalTransport {
         self.me
     }
 
-    fn send(&mut self, round: u32, to: Endpoint, payload: Payload) -> Result<(), TransportError> {
+    fn send(&mut self, round: u32, to: Endpoint, mut payload: Payload) -> Result<(), TransportError> {
         let tx = self.peers.get(&to).ok_or(TransportError::Disconnected { peer: to })?;
+        if let Payload::Segments { release, .. } = &mut payload {
+            *release = self.outstanding.post();
+        }
         tx.send(Envelope::Data { round, from: self.me, payload }).map_err(|_| TransportError::Disconnected { peer: to })
     }
 
@@ -53,6 +65,14 @@ impl Transport for LocalTransport {
                 // Every sender is gone: nothing can arrive any more.
                 Err(RecvTimeoutError::Disconnected) => return Err(TransportError::Timeout { me: self.me, round }),
             }
+        }
+    }
+
+    fn flush(&mut self, round: u32, deadline: Instant) -> Result<(), TransportError> {
+        if self.outstanding.wait_idle(deadline) {
+            Ok(())
+        } else {
+            Err(TransportError::Timeout { me: self.me, round })
         }
     }
 

@@ -7,7 +7,7 @@
 
 use crate::copy::StridedRef;
 use reshard::Endpoint;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 use thiserror::Error;
 
@@ -30,6 +30,8 @@ pub enum Payload {
         segments: Vec<Segment>,
         /// Staging areas that segments point into.
         keep_alive: Vec<Arc<Vec<u8>>>,
+        /// Tells the sender, when dropped, that its memory is free again.
+        release: Release,
     },
     /// The pieces packed back to back in wire dtype.
     Bytes(Vec<u8>),
@@ -38,6 +40,49 @@ pub enum Payload {
 // SAFETY: segments point into memory that outlives the executor's threads
 // (see `memory::MemView`) or into the `Arc`ed staging carried alongside.
 unsafe impl Send for Payload {}
+
+/// Messages a sender has posted and its receivers have not finished with.
+#[derive(Debug, Default)]
+pub struct Outstanding {
+    count: Mutex<usize>,
+    done: Condvar,
+}
+
+impl Outstanding {
+    /// Counts one more message in flight and returns its release token.
+    pub fn post(self: &Arc<Self>) -> Release {
+        *self.count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        Release(Some(self.clone()))
+    }
+
+    /// Waits until no message is in flight; false if `deadline` passed first.
+    pub fn wait_idle(&self, deadline: Instant) -> bool {
+        let mut n = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        while *n > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            n = self.done.wait_timeout(n, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
+    }
+}
+
+/// Dropped by the receiver once it is done with a payload (or by whoever
+/// discards it), so the sender may touch the memory the payload points into.
+#[derive(Debug, Default)]
+pub struct Release(Option<Arc<Outstanding>>);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        if let Some(o) = self.0.take() {
+            let mut n = o.count.lock().unwrap_or_else(|e| e.into_inner());
+            *n = n.saturating_sub(1);
+            o.done.notify_all();
+        }
+    }
+}
 
 /// Why a transport operation failed.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
@@ -74,6 +119,9 @@ pub trait Transport: Send {
     fn send(&mut self, round: u32, to: Endpoint, payload: Payload) -> Result<(), TransportError>;
     /// Waits until `deadline` for the next message of `round` from any peer.
     fn recv(&mut self, round: u32, deadline: Instant) -> Result<(Endpoint, Payload), TransportError>;
+    /// Waits until `deadline` for every message sent so far to be consumed
+    /// by its receiver, so the memory it pointed into may change again.
+    fn flush(&mut self, round: u32, deadline: Instant) -> Result<(), TransportError>;
     /// Tells every peer this rank failed, so none waits for it in vain.
     fn abort(&mut self, reason: &str);
 }
