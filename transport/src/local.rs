@@ -26,6 +26,12 @@ pub struct LocalTransport {
     outstanding: Arc<Outstanding>,
 }
 
+impl std::fmt::Debug for LocalTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalTransport").field("me", &self.me).field("peers", &self.peers.len()).finish()
+    }
+}
+
 /// Connects `endpoints` all-to-all; returns their transports in order.
 pub fn local_fabric(endpoints: &[Endpoint]) -> Vec<LocalTransport> {
     let (senders, receivers): (Vec<_>, Vec<_>) = endpoints.iter().map(|_| channel::<Envelope>()).unzip();

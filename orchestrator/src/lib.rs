@@ -1,0 +1,127 @@
+//! Refit roles and the orchestrator.
+//!
+//! A training group and an inference group are each a group of
+//! [`Member`] actors, one per rank, that share their rank's weights with the
+//! user's own actors through a store:
+//!
+//! - [`SourceStore`] (training rank): the optimizer writes it with
+//!   [`SourceStore::update`]; a refit reads it under the same lock, so no
+//!   refit ever reads half an optimizer step (the version fence).
+//! - [`SinkStore`] (inference rank): a refit writes a staging copy; the new
+//!   version becomes visible to [`SinkStore::snapshot`] only when every sink
+//!   has received all of it (atomic commit); snapshots taken earlier keep
+//!   serving the previous version.
+//!
+//! The [`Orchestrator`] actor collects both layouts from the members by
+//! message, validates them, plans once (cached while neither layout
+//! changes), installs each member's program, and on every
+//! [`Refit`](OrchestratorMsg::Refit) runs the data plane on every member,
+//! then commits the version on every sink — or, on any failure, discards it
+//! everywhere. Refits are serialised by the actor's mailbox.
+//!
+//! [`spawn_refit`] wires all of it for two layouts.
+
+mod member;
+mod orchestrator;
+mod store;
+
+pub use member::{LayoutInfo, Member, MemberMsg, MemberReply, Refusal, Role};
+pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, RefitReport};
+pub use store::{Buffers, SinkStore, Snapshot, SourceStore};
+
+use actors::{spawn, spawn_group, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};
+use reshard::{Layout, Strategy};
+use std::sync::Arc;
+use thiserror::Error;
+
+/// Why a call to the orchestrator failed.
+#[derive(Debug, Clone, Error)]
+pub enum RefitError {
+    /// The refit itself failed.
+    #[error(transparent)]
+    Refit(#[from] OrchestratorError),
+    /// The orchestrator could not be reached.
+    #[error("orchestrator: {0}")]
+    Call(#[from] CallError),
+}
+
+/// A typed handle to the orchestrator actor.
+#[derive(Clone)]
+pub struct OrchestratorHandle {
+    actor: ActorRef<Orchestrator>,
+}
+
+impl OrchestratorHandle {
+    /// Wraps an orchestrator actor.
+    pub fn new(actor: ActorRef<Orchestrator>) -> OrchestratorHandle {
+        OrchestratorHandle { actor }
+    }
+
+    /// The actor.
+    pub fn actor(&self) -> &ActorRef<Orchestrator> {
+        &self.actor
+    }
+
+    /// Refits `version` into every sink; waits for any refit in progress.
+    pub async fn refit(&self, version: u64) -> Result<RefitReport, RefitError> {
+        match self.actor.call(OrchestratorMsg::Refit { version }).await? {
+            OrchestratorReply::Refit(r) => Ok(r?),
+            other => unreachable!("Refit answered with {other:?}"),
+        }
+    }
+
+    /// Switches between reshard and baseline.
+    pub async fn set_mode(&self, mode: Strategy) -> Result<(), RefitError> {
+        self.actor.call(OrchestratorMsg::SetMode(mode)).await?;
+        Ok(())
+    }
+
+    /// Replaces both groups (a resize or re-shard); the next refit replans.
+    pub async fn attach(&self, sources: ActorGroup<Member>, sinks: ActorGroup<Member>) -> Result<(), RefitError> {
+        self.actor.call(OrchestratorMsg::Attach { sources, sinks }).await?;
+        Ok(())
+    }
+
+    /// Number of plans made so far.
+    pub async fn plans_made(&self) -> Result<u64, RefitError> {
+        match self.actor.call(OrchestratorMsg::PlansMade).await? {
+            OrchestratorReply::PlansMade(n) => Ok(n),
+            other => unreachable!("PlansMade answered with {other:?}"),
+        }
+    }
+}
+
+/// Everything [`spawn_refit`] made.
+pub struct RefitSystem {
+    /// The orchestrator.
+    pub orchestrator: OrchestratorHandle,
+    /// One store per training rank.
+    pub sources: Vec<Arc<SourceStore>>,
+    /// One store per inference rank.
+    pub sinks: Vec<Arc<SinkStore>>,
+    /// The training group's members.
+    pub source_members: ActorGroup<Member>,
+    /// The inference group's members.
+    pub sink_members: ActorGroup<Member>,
+    /// Termination events of every member.
+    pub events: SupervisorEvents,
+}
+
+/// Spawns stores and members for both layouts and an orchestrator over them.
+/// Must be called inside a tokio runtime.
+pub fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig) -> RefitSystem {
+    let sources: Vec<Arc<SourceStore>> = (0..src.ranks()).map(|r| Arc::new(SourceStore::new(src, r))).collect();
+    let sinks: Vec<Arc<SinkStore>> = (0..dst.ranks()).map(|r| Arc::new(SinkStore::new(dst, r))).collect();
+    let (supervisor, events) = Supervisor::channel();
+    let member_config = |name: &str| SpawnConfig::default().name(name).call_timeout(config.deadline + config.control_timeout);
+    let source_members =
+        spawn_group(sources.len(), member_config("source"), |r| Member::new(src, r as u32, Role::Source(sources[r].clone())));
+    let sink_members = spawn_group(sinks.len(), member_config("sink"), |r| Member::new(dst, r as u32, Role::Sink(sinks[r].clone())));
+    source_members.link(&supervisor);
+    sink_members.link(&supervisor);
+    let actor = spawn(
+        Orchestrator::new(source_members.clone(), sink_members.clone(), config),
+        SpawnConfig::default().name("orchestrator").call_timeout(config.deadline + 4 * config.control_timeout),
+    );
+    RefitSystem { orchestrator: OrchestratorHandle::new(actor), sources, sinks, source_members, sink_members, events }
+}
