@@ -142,6 +142,37 @@ async fn call_returns_reply_and_keeps_state() {
     assert_eq!(actor.stop_reason(), None);
 }
 
+/// Messages from one sender are handled in the order it sent them, even
+/// when several senders interleave and the mailbox is small.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_from_one_sender_keep_their_order() {
+    let log = new_log();
+    let actor = worker(&log, SpawnConfig::default().mailbox_capacity(2));
+    let senders: Vec<_> = (0..3u64)
+        .map(|s| {
+            let actor = actor.clone();
+            tokio::spawn(async move {
+                for i in 0..50u64 {
+                    actor.tell(Msg::Record(s * 1000 + i)).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for s in senders {
+        s.await.unwrap();
+    }
+    actor.call(Msg::Echo(0)).await.unwrap();
+    let entries = log_entries(&log);
+    for s in 0..3u64 {
+        let mine: Vec<u64> = entries
+            .iter()
+            .filter_map(|e| e.strip_prefix("record:").and_then(|x| x.parse::<u64>().ok()))
+            .filter(|x| x / 1000 == s)
+            .collect();
+        assert_eq!(mine, (0..50).map(|i| s * 1000 + i).collect::<Vec<_>>(), "sender {s}");
+    }
+}
+
 #[tokio::test]
 async fn default_name_is_the_type_name_and_ids_are_unique() {
     let log = new_log();
