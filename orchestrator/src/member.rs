@@ -175,20 +175,7 @@ impl Member {
                     transport.abort("version mismatch");
                     return MemberReply::Refused(Refusal::VersionMismatch { held, asked: version });
                 }
-                let result = tokio::task::spawn_blocking(move || {
-                    let memory = guard.memory_mut();
-                    let base = match with_scratch(memory, &program) {
-                        Ok(b) => b,
-                        Err(e) => {
-                            transport.abort(&e);
-                            return Err(Refusal::ProgramMismatch(e));
-                        }
-                    };
-                    let r = run_rank(&program, memory, &mut transport, &options).map_err(|e| Refusal::Exec(e.to_string()));
-                    drop_scratch(memory, base);
-                    r
-                })
-                .await;
+                let result = tokio::task::spawn_blocking(move || execute(&program, guard.memory_mut(), &mut transport, &options)).await;
                 finish(result)
             }
             Role::Sink(store) => {
@@ -196,16 +183,7 @@ impl Member {
                 let mut guard = staging.lock_owned().await;
                 guard.complete = None;
                 let result = tokio::task::spawn_blocking(move || {
-                    let memory = guard.buffers.memory_mut();
-                    let base = match with_scratch(memory, &program) {
-                        Ok(b) => b,
-                        Err(e) => {
-                            transport.abort(&e);
-                            return Err(Refusal::ProgramMismatch(e));
-                        }
-                    };
-                    let r = run_rank(&program, memory, &mut transport, &options).map_err(|e| Refusal::Exec(e.to_string()));
-                    drop_scratch(memory, base);
+                    let r = execute(&program, guard.buffers.memory_mut(), &mut transport, &options);
                     if r.is_ok() {
                         guard.complete = Some(version);
                     }
@@ -216,6 +194,23 @@ impl Member {
             }
         }
     }
+}
+
+/// Runs `program` on `memory` (plus any scratch it needs) over `transport`.
+fn execute(
+    program: &RankProgram,
+    memory: &mut RankMemory,
+    transport: &mut LocalTransport,
+    options: &ExecOptions,
+) -> Result<RankStats, Refusal> {
+    use transport::Transport as _;
+    let base = with_scratch(memory, program).map_err(|e| {
+        transport.abort(&e);
+        Refusal::ProgramMismatch(e)
+    })?;
+    let r = run_rank(program, memory, transport, options).map_err(|e| Refusal::Exec(e.to_string()));
+    drop_scratch(memory, base);
+    r
 }
 
 fn finish(result: Result<Result<RankStats, Refusal>, tokio::task::JoinError>) -> MemberReply {

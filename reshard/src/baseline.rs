@@ -11,7 +11,7 @@ use crate::block::Block;
 use crate::dtype::{wire_dtype, DType};
 use crate::layout::{Layout, Placement, Rank};
 use crate::overlap::{atomize, SourceIndex};
-use crate::plan::{fingerprint, finish, Endpoint, Figures, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer, MAX_PIECES};
+use crate::plan::{Endpoint, Piece, Plan, PlanError, PlanOptions, PlanParts, Strategy, Transfer, MAX_PIECES};
 use crate::planner::{add_node_needs, match_tensors, receivers_of};
 
 /// Plans the gather-broadcast baseline from `src` to `dst`.
@@ -141,24 +141,14 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
         t.stage = last_stage + 1;
         transfers.push(t);
     }
-    let mut plan = Plan {
-        strategy: Strategy::Baseline,
-        fingerprint: fingerprint(src, dst, options, Strategy::Baseline),
-        options: *options,
-        src_ranks: src.ranks(),
-        dst_ranks: dst.ranks(),
-        src_rpn: src.ranks_per_node(),
-        dst_rpn: rpn,
+    let parts = PlanParts {
         pieces,
-        transfers: Vec::new(),
         wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
-        figures: Figures::default(),
         needed_node_bytes: needs,
         unique_bytes,
-        scratch_blocks,
+        scratch_blocks: scratch_blocks,
     };
-    finish(&mut plan, by_stage);
-    Ok(plan)
+    Ok(Plan::assemble(Strategy::Baseline, src, dst, options, parts, by_stage))
 }
 
 fn max_elems_for(options: &PlanOptions, dtype: DType) -> u64 {

@@ -396,6 +396,47 @@ impl Plan {
     }
 }
 
+/// What a planner produced, before rounds and figures.
+pub(crate) struct PlanParts {
+    pub(crate) pieces: Vec<Piece>,
+    pub(crate) wire: Vec<(DType, DType)>,
+    pub(crate) needed_node_bytes: Vec<u64>,
+    pub(crate) unique_bytes: u64,
+    pub(crate) scratch_blocks: Vec<Block>,
+}
+
+impl Plan {
+    /// Builds a plan from a planner's parts and its transfers by stage:
+    /// assigns rounds and computes the figures.
+    pub(crate) fn assemble(
+        strategy: Strategy,
+        src: &Layout,
+        dst: &Layout,
+        options: &PlanOptions,
+        parts: PlanParts,
+        by_stage: Vec<Vec<Transfer>>,
+    ) -> Plan {
+        let mut plan = Plan {
+            strategy,
+            fingerprint: fingerprint(src, dst, options, strategy),
+            options: *options,
+            src_ranks: src.ranks(),
+            dst_ranks: dst.ranks(),
+            src_rpn: src.ranks_per_node(),
+            dst_rpn: dst.ranks_per_node(),
+            pieces: parts.pieces,
+            transfers: Vec::new(),
+            wire: parts.wire,
+            figures: Figures::default(),
+            needed_node_bytes: parts.needed_node_bytes,
+            unique_bytes: parts.unique_bytes,
+            scratch_blocks: parts.scratch_blocks,
+        };
+        finish(&mut plan, by_stage);
+        plan
+    }
+}
+
 /// Most pieces one plan may have.
 pub const MAX_PIECES: u64 = 1 << 28;
 
@@ -416,7 +457,7 @@ pub fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: 
 /// Assigns rounds to transfers, stage by stage, so that no rank stages more
 /// than the cap in one round (every transfer fits on its own), puts the
 /// stages' transfers in one list, and computes the figures.
-pub(crate) fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
+fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
     let cap = plan.options.max_staging_bytes.max(1);
     let n_src = plan.src_ranks as usize;
     let n = n_src + plan.dst_ranks as usize;

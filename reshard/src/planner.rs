@@ -8,7 +8,7 @@ use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::fingerprint::fnv64;
 use crate::layout::{Holding, Layout, Rank};
 use crate::overlap::{atomize, SourceIndex};
-use crate::plan::{fingerprint, finish, Endpoint, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer, MAX_PIECES};
+use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Strategy, Transfer, MAX_PIECES};
 use std::collections::HashMap;
 
 /// Matches destination tensors to source tensors and checks shapes and
@@ -175,24 +175,14 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
         assigner.assign(w.piece, w.bytes, receivers, candidates, &mut by_stage);
     }
-    let mut plan = Plan {
-        strategy: Strategy::Reshard,
-        fingerprint: fingerprint(src, dst, options, Strategy::Reshard),
-        options: *options,
-        src_ranks: src.ranks(),
-        dst_ranks: dst.ranks(),
-        src_rpn: src.ranks_per_node(),
-        dst_rpn: dst.ranks_per_node(),
+    let parts = PlanParts {
         pieces,
-        transfers: Vec::new(),
         wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
-        figures: Figures::default(),
         needed_node_bytes: needs,
         unique_bytes,
         scratch_blocks: Vec::new(),
     };
-    finish(&mut plan, by_stage);
-    Ok(plan)
+    Ok(Plan::assemble(Strategy::Reshard, src, dst, options, parts, by_stage))
 }
 
 /// Most stages a reshard can use: one source send, doubling relays across
