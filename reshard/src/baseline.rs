@@ -146,7 +146,7 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
         wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
         needed_node_bytes: needs,
         unique_bytes,
-        scratch_blocks: scratch_blocks,
+        scratch_blocks,
     };
     Ok(Plan::assemble(Strategy::Baseline, src, dst, options, parts, by_stage))
 }
