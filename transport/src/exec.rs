@@ -62,6 +62,14 @@ pub enum ExecError {
         /// Buffers needed.
         want: usize,
     },
+    /// A rank's thread could not be started.
+    #[error("{me}: cannot start a thread: {error}")]
+    Spawn {
+        /// Rank.
+        me: Endpoint,
+        /// The system's reason.
+        error: String,
+    },
     /// A rank thread panicked.
     #[error("{me}: rank thread panicked")]
     Panicked {
@@ -293,10 +301,20 @@ pub fn run_local(programs: &[RankProgram], memory: &mut [RankMemory], options: &
             .zip(&views)
             .enumerate()
             .filter(|(_, ((p, _), _))| p.rounds.iter().any(|r| !(r.sends.is_empty() && r.recvs.is_empty() && r.locals.is_empty())))
-            .map(|(i, ((p, mut t), v))| (i, p.endpoint, scope.spawn(move || run_rank_view(p, v, &mut t, deadline))))
+            .map(|(i, ((p, mut t), v))| {
+                let abort = t.abort_handle();
+                let spawned = std::thread::Builder::new().spawn_scoped(scope, move || run_rank_view(p, v, &mut t, deadline));
+                if let Err(e) = &spawned {
+                    abort.abort(&format!("could not start a thread: {e}"));
+                }
+                (i, p.endpoint, spawned)
+            })
             .collect();
         for (i, me, h) in handles {
-            results[i] = Some(h.join().unwrap_or(Err(ExecError::Panicked { me })));
+            results[i] = Some(match h {
+                Ok(h) => h.join().unwrap_or(Err(ExecError::Panicked { me })),
+                Err(e) => Err(ExecError::Spawn { me, error: e.to_string() }),
+            });
         }
     });
     let results: Vec<Result<RankStats, ExecError>> = results.into_iter().map(|r| r.unwrap_or(Ok(RankStats::default()))).collect();

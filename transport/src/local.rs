@@ -32,6 +32,32 @@ impl std::fmt::Debug for LocalTransport {
     }
 }
 
+/// Tells every rank of a fabric to give up, on behalf of one of them (for
+/// when that rank's thread could not even start).
+#[derive(Clone)]
+pub struct AbortHandle {
+    me: Endpoint,
+    peers: HashMap<Endpoint, Sender<Envelope>>,
+}
+
+impl AbortHandle {
+    /// Sends an abort to every other rank.
+    pub fn abort(&self, reason: &str) {
+        for (peer, tx) in &self.peers {
+            if *peer != self.me {
+                let _ = tx.send(Envelope::Abort { from: self.me, reason: reason.to_string() });
+            }
+        }
+    }
+}
+
+impl LocalTransport {
+    /// A handle that aborts on this rank's behalf.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle { me: self.me, peers: self.peers.clone() }
+    }
+}
+
 /// Connects `endpoints` all-to-all; returns their transports in order.
 pub fn local_fabric(endpoints: &[Endpoint]) -> Vec<LocalTransport> {
     let (senders, receivers): (Vec<_>, Vec<_>) = endpoints.iter().map(|_| channel::<Envelope>()).unzip();
@@ -83,10 +109,6 @@ impl Transport for LocalTransport {
     }
 
     fn abort(&mut self, reason: &str) {
-        for (peer, tx) in &self.peers {
-            if *peer != self.me {
-                let _ = tx.send(Envelope::Abort { from: self.me, reason: reason.to_string() });
-            }
-        }
+        self.abort_handle().abort(reason);
     }
 }
