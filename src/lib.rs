@@ -3,8 +3,10 @@
 //!
 //! This crate is the command-line front end and the glue that runs a refit
 //! on the embedded in-process data plane; the planner lives in [`reshard`]
-//! and the data plane in [`transport`].
+//! and the data plane in [`transport`]. [`demo`] is a small RL loop on the
+//! [`orchestrator`] that learns only because refit delivers fresh weights.
 
 pub mod bench;
+pub mod demo;
 pub mod presets;
 pub mod runner;

@@ -2,10 +2,12 @@
 
 use clap::{Parser, Subcommand};
 use refit::bench::{exec_bench, peak_rss_bytes};
+use refit::demo::{run_demo, DemoConfig, DemoError, DemoMode, DemoReport};
 use refit::presets::{layouts, Model};
 use refit::runner::prepare;
 use reshard::{parse_layout, plan_baseline, plan_reshard, Figures, Layout, PlanOptions, Strategy};
 use serde_json::json;
+use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -98,6 +100,33 @@ enum Command {
         /// Skip planning the baseline.
         #[arg(long)]
         no_baseline: bool,
+    },
+    /// A small RL loop (contextual bandit, policy MLP) whose rollout ranks
+    /// learn only because refit delivers fresh weights after every step:
+    /// training TP4 f32 (fused buffer) -> rollout TP2 x DP2 bf16.
+    Demo {
+        /// Optimizer steps.
+        #[arg(long, default_value_t = DemoConfig::default().steps)]
+        steps: usize,
+        /// Samples per step (a multiple of 2: each rollout replica does half).
+        #[arg(long, default_value_t = DemoConfig::default().batch)]
+        batch: usize,
+        /// SGD learning rate.
+        #[arg(long, default_value_t = DemoConfig::default().lr)]
+        lr: f32,
+        /// Seed of the task, the initial weights and the sampling.
+        #[arg(long, default_value_t = DemoConfig::default().seed)]
+        seed: u64,
+        /// Refit strategy; `both` runs the loop twice from the same seed.
+        #[arg(long, value_enum, default_value = "both")]
+        mode: DemoMode,
+        /// Refit only once, before step 0: rollouts keep the initial policy
+        /// (the control: the reward stays flat).
+        #[arg(long)]
+        no_refit: bool,
+        /// Print one JSON object (no progress bar).
+        #[arg(long)]
+        json: bool,
     },
     /// Write a model preset's layouts as layout files.
     Emit {
@@ -409,6 +438,91 @@ fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
+fn print_demo(report: &DemoReport) {
+    let c = &report.config;
+    say!(
+        "refit demo: contextual bandit ({} contexts, {} actions), policy MLP {}-{}-{}",
+        refit::demo::CONTEXTS,
+        refit::demo::ACTIONS,
+        refit::demo::DIM,
+        refit::demo::HIDDEN,
+        refit::demo::ACTIONS
+    );
+    say!("  training: TP4 f32 on 4 ranks (2 nodes), fused buffer 'params' -> rollout: TP2 x DP2 bf16 on 4 ranks (2 nodes)");
+    say!(
+        "  {} steps, batch {}, lr {}, seed {}, {}",
+        c.steps,
+        c.batch,
+        c.lr,
+        c.seed,
+        if c.refit { "refit after every step" } else { "NO refit after the initial one (control)" }
+    );
+    say!("");
+    say!(
+        "  {:<9} {:>12} {:>11} {:>14} {:>13} {:>14}",
+        "mode",
+        "reward start",
+        "reward end",
+        "refit median",
+        "bytes/refit",
+        "served at end"
+    );
+    for run in &report.runs {
+        let s = &run.summary;
+        let served = run.steps.last().map_or(0, |r| r.version_served);
+        let (ms, bytes) = if c.refit {
+            (format!("{:.3} ms", s.median_refit_ms), human(s.median_refit_bytes))
+        } else {
+            ("-".to_string(), "-".to_string())
+        };
+        say!(
+            "  {:<9} {:>12.3} {:>11.3} {:>14} {:>13} {:>14}",
+            run.mode.to_string(),
+            s.reward_start,
+            s.reward_end,
+            ms,
+            bytes,
+            format!("v{served}")
+        );
+    }
+    say!("");
+    say!(
+        "  reward start/end: mean of the first/last {} steps; chance is {:.3}",
+        refit::demo::SUMMARY_WINDOW,
+        1.0 / refit::demo::ACTIONS as f64
+    );
+    if let (true, Some(r), Some(b)) = (c.refit, report.run(Strategy::Reshard), report.run(Strategy::Baseline)) {
+        let same = if report.identical_rewards() { "identical" } else { "DIFFERENT" };
+        say!("  rewards step by step, reshard vs baseline: {same} (the same weights are delivered)");
+        if r.summary.median_refit_bytes > 0 && r.summary.median_refit_ms > 0.0 {
+            say!(
+                "  baseline / reshard: {:.2}x the bytes, {:.2}x the time per refit",
+                b.summary.median_refit_bytes as f64 / r.summary.median_refit_bytes as f64,
+                b.summary.median_refit_ms / r.summary.median_refit_ms
+            );
+        }
+    }
+    if !c.refit {
+        say!("  without refit the rollout ranks keep serving version 1: the policy they sample from never changes");
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cmd_demo(steps: usize, batch: usize, lr: f32, seed: u64, mode: DemoMode, no_refit: bool, as_json: bool) -> Result<(), Failure> {
+    let config = DemoConfig { steps, batch, lr, seed, mode, refit: !no_refit };
+    let progress = !as_json && std::io::stdout().is_terminal();
+    let report = run_demo(config, progress).map_err(|e| match e {
+        DemoError::Config(_) => invalid(e.to_string()),
+        other => Failure { line: other.to_string(), code: 1 },
+    })?;
+    if as_json {
+        say!("{}", report.to_json());
+    } else {
+        print_demo(&report);
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -426,6 +540,7 @@ fn main() -> ExitCode {
         }
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
+        Command::Demo { steps, batch, lr, seed, mode, no_refit, json } => cmd_demo(*steps, *batch, *lr, *seed, *mode, *no_refit, *json),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
