@@ -96,6 +96,16 @@ pub enum OrchestratorError {
         /// What is wrong.
         problem: String,
     },
+    /// A source holds another weight version than the refit asked for.
+    #[error("{member}: holds version {held}, the refit asked for {asked}")]
+    VersionMismatch {
+        /// The member.
+        member: String,
+        /// The version it holds.
+        held: u64,
+        /// The version asked for.
+        asked: u64,
+    },
     /// The two layouts cannot be planned.
     #[error("planning failed: {0}")]
     Plan(#[from] PlanError),
@@ -192,6 +202,7 @@ fn refused(member: &str, r: Refusal) -> OrchestratorError {
         Refusal::FingerprintMismatch { installed, asked } => {
             OrchestratorError::FingerprintMismatch { member: member.to_string(), installed, asked }
         }
+        Refusal::VersionMismatch { held, asked } => OrchestratorError::VersionMismatch { member: member.to_string(), held, asked },
         other => OrchestratorError::Member { member: member.to_string(), problem: format!("{other:?}") },
     }
 }
