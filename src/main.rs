@@ -5,7 +5,7 @@ use refit::bench::{exec_bench, peak_rss_bytes};
 use refit::demo::{run_demo, DemoConfig, DemoError, DemoMode, DemoReport};
 use refit::presets::{layouts, Model};
 use refit::runner::prepare;
-use reshard::{parse_layout, plan_baseline, plan_reshard, Figures, Layout, PlanOptions, Strategy};
+use reshard::{parse_layout, plan_baseline, plan_reshard, Figures, Layout, LinkModel, PlanOptions, Strategy};
 use serde_json::json;
 use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
@@ -37,8 +37,28 @@ struct Pair {
 enum Command {
     /// Validate both layouts, plan reshard and baseline, print the figures.
     Plan {
-        #[command(flatten)]
-        pair: Pair,
+        /// Source (training) layout file (or use --model).
+        #[arg(long, requires = "dst", conflicts_with = "model")]
+        src: Option<PathBuf>,
+        /// Destination (inference) layout file.
+        #[arg(long, requires = "src")]
+        dst: Option<PathBuf>,
+        /// A model preset instead of files.
+        #[arg(long, value_enum)]
+        model: Option<Model>,
+        /// Divide hidden sizes by this (presets only; 1 = full size).
+        #[arg(long, default_value_t = 1)]
+        scale: u64,
+        /// Most bytes one rank stages per round, in MiB.
+        #[arg(long, default_value_t = 256)]
+        max_staging_mib: u64,
+        /// Link model: dgx-h100, gb200, or a JSON file
+        /// {"net_bytes_per_s": .., "intra_bytes_per_s": .., "message_latency_s": ..}.
+        #[arg(long, default_value = "dgx-h100")]
+        topology: String,
+        /// Also print the estimated refit time of both plans and the lower bound.
+        #[arg(long)]
+        estimate: bool,
         /// Print one JSON object {"reshard": {...}, "baseline": {...}}.
         #[arg(long)]
         json: bool,
@@ -217,50 +237,115 @@ fn print_figures(name: &str, f: &Figures) {
     say!("  messages            {} in {} rounds ({} stages)", f.messages, f.rounds, f.stages);
 }
 
-fn cmd_plan(pair: &Pair, as_json: bool) -> Result<(), Failure> {
-    let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
-    let opts = options(pair)?;
-    let ctx = |e: reshard::PlanError| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display()));
+/// Arguments of `refit plan`.
+struct PlanArgs<'a> {
+    src: &'a Option<PathBuf>,
+    dst: &'a Option<PathBuf>,
+    model: Option<Model>,
+    scale: u64,
+    max_staging_mib: u64,
+    topology: &'a str,
+    estimate: bool,
+    json: bool,
+}
+
+/// A named link model, or one read from a JSON file.
+fn topology(name: &str) -> Result<LinkModel, Failure> {
+    match name {
+        "dgx-h100" => return Ok(LinkModel::DGX_H100),
+        "gb200" => return Ok(LinkModel::GB200),
+        _ => {}
+    }
+    let text = std::fs::read_to_string(name)
+        .map_err(|e| invalid(format!("--topology {name}: not dgx-h100 or gb200, and cannot read it as a file: {e}")))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| invalid(format!("{name}: invalid JSON: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| invalid(format!("{name}: expected an object")))?;
+    let mut links = LinkModel::DGX_H100;
+    for (k, val) in obj {
+        let x = val
+            .as_f64()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .ok_or_else(|| invalid(format!("{name}: {k}: expected a non-negative number")))?;
+        match k.as_str() {
+            "net_bytes_per_s" if x > 0.0 => links.net_bytes_per_s = x,
+            "intra_bytes_per_s" if x > 0.0 => links.intra_bytes_per_s = x,
+            "message_latency_s" => links.message_latency_s = x,
+            "net_bytes_per_s" | "intra_bytes_per_s" => return Err(invalid(format!("{name}: {k}: must be positive"))),
+            other => {
+                return Err(invalid(format!(
+                    "{name}: unknown field '{other}' (expected net_bytes_per_s, intra_bytes_per_s, message_latency_s)"
+                )))
+            }
+        }
+    }
+    Ok(links)
+}
+
+fn cmd_plan(args: &PlanArgs<'_>) -> Result<(), Failure> {
+    let (src, dst, what) = match (args.src, args.dst, args.model) {
+        (Some(s), Some(d), _) => (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display())),
+        (_, _, Some(m)) => {
+            let (s, d) = preset(m, args.scale)?;
+            (s, d, format!("{m:?} scale {}", args.scale))
+        }
+        _ => return Err(invalid("give --src and --dst, or --model".into())),
+    };
+    let links = topology(args.topology)?;
+    let bytes = args
+        .max_staging_mib
+        .checked_mul(1 << 20)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| invalid("--max-staging-mib must be between 1 and 2^44".into()))?;
+    let opts = PlanOptions { max_staging_bytes: bytes, links };
+    let ctx = |e: reshard::PlanError| invalid(format!("{what}: {e}"));
     let reshard = plan_reshard(&src, &dst, &opts).map_err(ctx)?;
     // The baseline may be impossible where the reshard is not (it gathers
     // whole tensors); that is reported, not fatal.
     let baseline = plan_baseline(&src, &dst, &opts);
-    if as_json {
+    let r_est = reshard.estimate(&links);
+    let b_est = baseline.as_ref().ok().map(|b| b.estimate(&links));
+    if args.json {
         let (b, err) = match &baseline {
             Ok(b) => (figures_json(b.figures()), serde_json::Value::Null),
             Err(e) => (serde_json::Value::Null, json!(e.to_string())),
         };
-        say!("{}", json!({"reshard": figures_json(reshard.figures()), "baseline": b, "baseline_error": err}));
+        let mut out = json!({"reshard": figures_json(reshard.figures()), "baseline": b, "baseline_error": err});
+        if args.estimate {
+            out["estimate"] = json!({
+                "topology": args.topology,
+                "reshard_s": r_est.seconds,
+                "baseline_s": b_est.map(|e| e.seconds),
+                "lower_bound_s": r_est.lower_bound_seconds,
+            });
+        }
+        say!("{out}");
         return Ok(());
     }
-    {
-        say!(
-            "{} src ranks ({} nodes) -> {} dst ranks ({} nodes), {} tensors, fingerprint {}",
-            src.ranks(),
-            src.nodes(),
-            dst.ranks(),
-            dst.nodes(),
-            dst.tensors().len(),
-            reshard.fingerprint()
-        );
-        print_figures("reshard", reshard.figures());
-        let r = reshard.estimate(&opts.links);
-        match &baseline {
-            Ok(baseline) => {
-                print_figures("baseline", baseline.figures());
-                let b = baseline.estimate(&opts.links);
-                say!(
-                    "estimate (DGX H100 links): reshard {:.3} ms, baseline {:.3} ms, lower bound {:.3} ms",
-                    r.seconds * 1e3,
-                    b.seconds * 1e3,
-                    r.lower_bound_seconds * 1e3
-                );
-            }
-            Err(e) => {
-                say!("baseline: unavailable: {e}");
-                say!("estimate (DGX H100 links): reshard {:.3} ms, lower bound {:.3} ms", r.seconds * 1e3, r.lower_bound_seconds * 1e3);
-            }
+    say!(
+        "{} src ranks ({} nodes) -> {} dst ranks ({} nodes), {} tensors, fingerprint {}",
+        src.ranks(),
+        src.nodes(),
+        dst.ranks(),
+        dst.nodes(),
+        dst.tensors().len(),
+        reshard.fingerprint()
+    );
+    print_figures("reshard", reshard.figures());
+    match &baseline {
+        Ok(b) => print_figures("baseline", b.figures()),
+        Err(e) => say!("baseline: unavailable: {e}"),
+    }
+    if args.estimate {
+        say!("estimate ({} links, model):", args.topology);
+        say!("  reshard      {:>10.3} ms", r_est.seconds * 1e3);
+        if let Some(b) = b_est {
+            say!("  baseline     {:>10.3} ms  ({:.2}x the reshard)", b.seconds * 1e3, b.seconds / r_est.seconds.max(1e-12));
         }
+        say!(
+            "  lower bound  {:>10.3} ms  (reshard efficiency {:.2})",
+            r_est.lower_bound_seconds * 1e3,
+            r_est.lower_bound_seconds / r_est.seconds.max(1e-12)
+        );
     }
     Ok(())
 }
@@ -533,7 +618,16 @@ fn main() -> ExitCode {
         }
     };
     let result = match &cli.command {
-        Command::Plan { pair, json } => cmd_plan(pair, *json),
+        Command::Plan { src, dst, model, scale, max_staging_mib, topology, estimate, json } => cmd_plan(&PlanArgs {
+            src,
+            dst,
+            model: *model,
+            scale: *scale,
+            max_staging_mib: *max_staging_mib,
+            topology,
+            estimate: *estimate,
+            json: *json,
+        }),
         Command::Run { pair, baseline, verify, transport, deadline_s } => cmd_run(pair, *baseline, *verify, transport, *deadline_s),
         Command::Bench { src, dst, model, scale, reps, max_staging_mib, json } => {
             cmd_bench(src, dst, *model, *scale, *reps, *max_staging_mib, *json)

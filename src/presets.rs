@@ -3,6 +3,9 @@
 //!
 //! - `llama3-8b`: training TP4 x PP2 on 8 ranks (4 per node) -> inference
 //!   TP2 x DP2 on 4 ranks (2 per node).
+//! - `qwen3-235b`: training PP4 x (TP2 x CP2 x DP8) on 128 ranks (8 per
+//!   node; dense weights TP2-sharded and replicated over CP x DP, experts
+//!   EP16 within a stage, each on 2 ranks) -> inference TP8 x DP8 on 64 ranks.
 //! - `deepseek-v3`: training PP4 x EP16 x DP4 on 256 ranks (8 per node;
 //!   dense weights replicated over EP x DP within a stage, each expert on one
 //!   EP rank, replicated over DP) -> inference TP8 x DP16 on 128 ranks
@@ -19,6 +22,9 @@ pub enum Model {
     /// DeepSeek-V3 671B.
     #[value(name = "deepseek-v3")]
     DeepseekV3,
+    /// Qwen3-235B-A22B.
+    #[value(name = "qwen3-235b")]
+    Qwen3_235b,
 }
 
 /// How one weight is split by tensor parallelism.
@@ -123,6 +129,37 @@ fn deepseek_weights(scale: u64) -> Vec<Weight> {
     w
 }
 
+fn qwen3_weights(scale: u64) -> Vec<Weight> {
+    let h = div(4096, scale);
+    let (heads, kv_heads, head_dim) = (64u64, 4u64, div(128, scale));
+    let (moe_ffn, vocab, layers, experts) = (div(1536, scale), div(151_936, scale), 94u32, 128u32);
+    // 94 layers over 4 stages: 24, 24, 23, 23.
+    let stage_of = |l: u32| if l < 48 { l / 24 } else { 2 + (l - 48) / 23 };
+    let mut w = vec![Weight { name: "model.embed_tokens.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 0, expert: None }];
+    for l in 0..layers {
+        let stage = stage_of(l);
+        let p = |n: &str| format!("model.layers.{l}.{n}");
+        let mut add = |name: String, shape: Vec<u64>, tp: Tp, expert: Option<u32>| w.push(Weight { name, shape, tp, stage, expert });
+        add(p("input_layernorm.weight"), vec![h], Tp::None, None);
+        add(p("self_attn.q_proj.weight"), vec![heads * head_dim, h], Tp::Col, None);
+        add(p("self_attn.k_proj.weight"), vec![kv_heads * head_dim, h], Tp::Col, None);
+        add(p("self_attn.v_proj.weight"), vec![kv_heads * head_dim, h], Tp::Col, None);
+        add(p("self_attn.o_proj.weight"), vec![h, heads * head_dim], Tp::Row, None);
+        add(p("self_attn.q_norm.weight"), vec![head_dim], Tp::None, None);
+        add(p("self_attn.k_norm.weight"), vec![head_dim], Tp::None, None);
+        add(p("post_attention_layernorm.weight"), vec![h], Tp::None, None);
+        add(p("mlp.gate.weight"), vec![experts as u64, h], Tp::None, None);
+        for e in 0..experts {
+            add(p(&format!("mlp.experts.{e}.gate_proj.weight")), vec![moe_ffn, h], Tp::Col, Some(e));
+            add(p(&format!("mlp.experts.{e}.up_proj.weight")), vec![moe_ffn, h], Tp::Col, Some(e));
+            add(p(&format!("mlp.experts.{e}.down_proj.weight")), vec![h, moe_ffn], Tp::Row, Some(e));
+        }
+    }
+    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 3, expert: None });
+    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 3, expert: None });
+    w
+}
+
 /// Source and destination layouts of a preset at `scale` (1 = full size).
 pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError> {
     let scale = scale.max(1);
@@ -149,6 +186,33 @@ pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError
                 })
                 .collect();
             Ok((Layout::new(8, Some(4), src)?, Layout::new(4, Some(2), dst)?))
+        }
+        Model::Qwen3_235b => {
+            let ws = qwen3_weights(scale);
+            // Training: rank = stage * 32 + dp * 4 + cp * 2 + tp.
+            let src = ws
+                .iter()
+                .map(|w| {
+                    let placement = match w.expert {
+                        // 128 experts over EP16: 8 per EP rank; EP rank k is the
+                        // pair of ranks 2k, 2k + 1 of the stage.
+                        Some(e) => mesh(vec![2], (0..2).map(|i| w.stage * 32 + (e / 8) * 2 + i).collect(), vec![MeshDim::Replicate]),
+                        // Dense: mesh [DP x CP = 16, TP = 2].
+                        None => mesh(vec![16, 2], (0..32).map(|r| w.stage * 32 + r).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
+                    };
+                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
+                })
+                .collect();
+            let dst = ws
+                .iter()
+                .map(|w| TensorLayout {
+                    name: w.name.clone(),
+                    dtype: DType::BF16,
+                    shape: w.shape.clone(),
+                    placement: mesh(vec![8, 8], (0..64).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
+                })
+                .collect();
+            Ok((Layout::new(128, Some(8), src)?, Layout::new(64, Some(8), dst)?))
         }
         Model::DeepseekV3 => {
             let ws = deepseek_weights(scale);
