@@ -33,6 +33,8 @@ pub struct LayoutInfo {
 pub enum MemberMsg {
     /// Report the group layout this member holds weights for.
     Describe,
+    /// Report only a fingerprint of that layout (cheap; asked every refit).
+    LayoutFingerprint,
     /// Keep this program for the plan with this fingerprint.
     Install {
         /// This rank's program.
@@ -95,6 +97,8 @@ pub enum Refusal {
 pub enum MemberReply {
     /// Answer to `Describe`.
     Layout(LayoutInfo),
+    /// Answer to `LayoutFingerprint`.
+    LayoutFingerprint(u64),
     /// The request was done.
     Done,
     /// Answer to `Run`.
@@ -229,6 +233,7 @@ impl Actor for Member {
     async fn handle(&mut self, msg: MemberMsg, _ctx: &mut Context<Self>) -> Result<MemberReply, ActorError> {
         Ok(match msg {
             MemberMsg::Describe => MemberReply::Layout(LayoutInfo { rank: self.rank, layout_json: self.layout_json.clone() }),
+            MemberMsg::LayoutFingerprint => MemberReply::LayoutFingerprint(reshard::fingerprint::fnv64(&self.layout_json)),
             MemberMsg::Install { program, fingerprint } => {
                 if program.fingerprint != fingerprint {
                     MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint })

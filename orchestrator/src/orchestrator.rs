@@ -154,6 +154,8 @@ pub enum OrchestratorReply {
 
 struct CachedPlan {
     key: (String, String, Strategy),
+    /// Layout fingerprints every member of each group reported.
+    layout_fingerprints: (u64, u64),
     fingerprint: Fingerprint,
     bytes: u64,
 }
@@ -207,6 +209,18 @@ fn refused(member: &str, r: Refusal) -> OrchestratorError {
     }
 }
 
+/// The layout fingerprint all members of `group` report, or `None` if they
+/// disagree (a full `describe` then says who differs).
+async fn layout_fingerprint(group: &ActorGroup<Member>, timeout: Duration) -> Result<Option<u64>, OrchestratorError> {
+    let replies = group.call_all_timeout(|_| MemberMsg::LayoutFingerprint, timeout).await.map_err(|e| group_error(group, e, timeout))?;
+    let mut fps = replies.into_iter().map(|r| match r {
+        MemberReply::LayoutFingerprint(f) => Some(f),
+        _ => None,
+    });
+    let first = fps.next().flatten();
+    Ok(if fps.all(|f| f == first) { first } else { None })
+}
+
 /// Asks every member of `group` for its layout; all must agree.
 async fn describe(group: &ActorGroup<Member>, name: &'static str, timeout: Duration) -> Result<String, OrchestratorError> {
     let replies = group.call_all_timeout(|_| MemberMsg::Describe, timeout).await.map_err(|e| group_error(group, e, timeout))?;
@@ -247,6 +261,14 @@ impl Orchestrator {
     /// Makes sure the cached plan matches both groups' current layouts.
     async fn ensure_plan(&mut self) -> Result<bool, OrchestratorError> {
         let t = self.config.control_timeout;
+        // Cheap check first: if every member reports the layout fingerprint
+        // the cached plan was made for, nothing changed.
+        let fps = (layout_fingerprint(&self.sources, t).await?, layout_fingerprint(&self.sinks, t).await?);
+        if let Some(c) = &self.cache {
+            if Some(c.layout_fingerprints) == fps.0.zip(fps.1) && c.key.2 == self.config.mode {
+                return Ok(false);
+            }
+        }
         let src_json = describe(&self.sources, "source", t).await?;
         let dst_json = describe(&self.sinks, "sink", t).await?;
         let key = (src_json, dst_json, self.config.mode);
@@ -275,7 +297,8 @@ impl Orchestrator {
             }
         }
         self.plans_made += 1;
-        self.cache = Some(CachedPlan { key, fingerprint, bytes: plan.figures().total_bytes });
+        let layout_fingerprints = (reshard::fingerprint::fnv64(&key.0), reshard::fingerprint::fnv64(&key.1));
+        self.cache = Some(CachedPlan { key, layout_fingerprints, fingerprint, bytes: plan.figures().total_bytes });
         Ok(true)
     }
 
