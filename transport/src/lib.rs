@@ -7,13 +7,16 @@
 //! narrows its dtype). Other transports implement the same trait.
 
 pub mod copy;
+pub mod cuda;
 pub mod exec;
+pub mod gpu_probe;
 pub mod local;
 pub mod memory;
 pub mod pattern;
 pub mod transport;
 
 pub use exec::{run_local, run_rank, ExecError, ExecOptions, ExecReport, RankStats};
+pub use gpu_probe::cuda_available;
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;
 pub use pattern::{fill_sources, verify_destinations, Mismatch};

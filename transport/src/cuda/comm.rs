@@ -1,0 +1,869 @@
+//! The communicator thread: one OS thread per communicator, driven over a
+//! command channel, with every wait bounded by a deadline.
+//!
+//! NCCL communicators are not `Send` (cudarc's `Comm` is not), and NCCL's
+//! teardown (`ncclCommAbort`) has been seen never to return when a peer
+//! process died. So each communicator lives on a thread of its own that
+//! owns it for its whole life; callers talk to it through a
+//! [`CommHandle`], and no call on the handle waits past its deadline:
+//!
+//! * creation is non-blocking (`ncclCommInitRankConfig` with
+//!   `blocking = 0`) and the thread polls it until ready or the deadline;
+//! * a round of the plan is one group (`ncclGroupStart`, the round's sends
+//!   and receives, `ncclGroupEnd`), polled until its work is done on the
+//!   device, checking the communicator's asynchronous error on every poll;
+//! * abort asks the thread to abort and waits at most the abort timeout;
+//!   if the thread does not answer, it is **abandoned**: left running,
+//!   counted by [`abandoned_comm_threads`], and reported as
+//!   [`AbortOutcome::Abandoned`]. The member should then ask for a process
+//!   restart (the stuck thread may hold the GPU), and meanwhile a new
+//!   communicator with a new id replaces the old one.
+//!
+//! The thread works through the small [`CommBackend`] trait: the NCCL
+//! backend (with the `cuda` feature) implements it with cudarc's `sys` and
+//! `result` layers, and tests implement it with a fake, so the channel and
+//! deadline logic here is tested without a GPU.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// Whether polled work is done.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Still running.
+    Pending,
+    /// Done.
+    Ready,
+}
+
+/// One point-to-point operation of a group: device memory sent to or
+/// received from a peer rank of the communicator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum P2p {
+    /// Send `bytes` bytes at device address `addr` to `peer`.
+    Send {
+        /// Peer rank in the communicator.
+        peer: u32,
+        /// Device address.
+        addr: u64,
+        /// Length in bytes.
+        bytes: u64,
+    },
+    /// Receive `bytes` bytes from `peer` into device address `addr`.
+    Recv {
+        /// Peer rank in the communicator.
+        peer: u32,
+        /// Device address.
+        addr: u64,
+        /// Length in bytes.
+        bytes: u64,
+    },
+}
+
+impl P2p {
+    /// The peer rank.
+    pub fn peer(&self) -> u32 {
+        match *self {
+            P2p::Send { peer, .. } | P2p::Recv { peer, .. } => peer,
+        }
+    }
+}
+
+/// What the communicator thread needs from a communicator. Every method
+/// but [`CommBackend::abort`] must return promptly (non-blocking NCCL
+/// calls); `abort` may hang, and the thread is abandoned if it does.
+pub trait CommBackend {
+    /// Progress of a non-blocking creation (`ncclCommGetAsyncError`).
+    fn poll_init(&mut self) -> Result<Progress, String>;
+    /// Issues one group of send/recv operations (`ncclGroupStart` … `ncclGroupEnd`).
+    fn start_group(&mut self, ops: &[P2p]) -> Result<(), String>;
+    /// Progress of the last group: its calls accepted and its work done on
+    /// the device; fails on an asynchronous communicator error.
+    fn poll_group(&mut self) -> Result<Progress, String>;
+    /// Checks the communicator for an asynchronous error while idle.
+    fn check(&mut self) -> Result<(), String>;
+    /// Tears the communicator down (`ncclCommAbort`). May never return.
+    fn abort(&mut self) -> Result<(), String>;
+}
+
+/// Ranks, deadlines and polling of one communicator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommConfig {
+    /// This member's rank in the communicator.
+    pub rank: u32,
+    /// Ranks in the communicator.
+    pub nranks: u32,
+    /// Creation must complete within this time.
+    pub init_timeout: Duration,
+    /// Abort must return within this time, or the thread is abandoned.
+    pub abort_timeout: Duration,
+    /// Longest sleep between polls (polling starts faster and backs off).
+    pub poll_interval: Duration,
+}
+
+impl CommConfig {
+    /// Defaults for `rank` of `nranks`: 60 s to create, 10 s to abort, 1 ms polls.
+    pub fn new(rank: u32, nranks: u32) -> CommConfig {
+        CommConfig {
+            rank,
+            nranks,
+            init_timeout: Duration::from_secs(60),
+            abort_timeout: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(1),
+        }
+    }
+}
+
+/// Why a communicator operation failed. Every variant names this rank (and
+/// the peers involved where there are any) and the communicator's tag.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum CommError {
+    /// Creation did not complete before the deadline.
+    #[error("rank {rank}/{nranks} comm {comm}: creation did not complete within {waited:?}{}", cleanup_note(*.abandoned))]
+    InitTimeout {
+        /// This rank.
+        rank: u32,
+        /// Ranks in the communicator.
+        nranks: u32,
+        /// Communicator tag.
+        comm: String,
+        /// How long it waited.
+        waited: Duration,
+        /// Whether the cleanup abort hung and the thread was abandoned.
+        abandoned: bool,
+    },
+    /// Creation failed.
+    #[error("rank {rank}/{nranks} comm {comm}: creation failed: {reason}{}", cleanup_note(*.abandoned))]
+    InitFailed {
+        /// This rank.
+        rank: u32,
+        /// Ranks in the communicator.
+        nranks: u32,
+        /// Communicator tag.
+        comm: String,
+        /// What failed.
+        reason: String,
+        /// Whether the cleanup abort hung and the thread was abandoned.
+        abandoned: bool,
+    },
+    /// A group did not complete before the deadline.
+    #[error("rank {rank} comm {comm}: round {round}: group with peers {peers:?} did not complete within {waited:?}")]
+    GroupTimeout {
+        /// This rank.
+        rank: u32,
+        /// Communicator tag.
+        comm: String,
+        /// Plan round.
+        round: u32,
+        /// Peers of the group's operations.
+        peers: Vec<u32>,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// A group failed (an NCCL call or an asynchronous error).
+    #[error("rank {rank} comm {comm}: round {round}: group with peers {peers:?} failed: {reason}")]
+    GroupFailed {
+        /// This rank.
+        rank: u32,
+        /// Communicator tag.
+        comm: String,
+        /// Plan round.
+        round: u32,
+        /// Peers of the group's operations.
+        peers: Vec<u32>,
+        /// What failed.
+        reason: String,
+    },
+    /// The communicator reported an asynchronous error while idle.
+    #[error("rank {rank} comm {comm}: asynchronous error: {reason}")]
+    Async {
+        /// This rank.
+        rank: u32,
+        /// Communicator tag.
+        comm: String,
+        /// The error.
+        reason: String,
+    },
+    /// An operation names a peer outside the communicator.
+    #[error("rank {rank} comm {comm}: peer {peer} is not one of the {nranks} ranks")]
+    BadPeer {
+        /// This rank.
+        rank: u32,
+        /// Communicator tag.
+        comm: String,
+        /// The peer named.
+        peer: u32,
+        /// Ranks in the communicator.
+        nranks: u32,
+    },
+    /// The communicator failed earlier, or was aborted; abort it (if not
+    /// yet) and create a new one with a new id.
+    #[error("rank {rank} comm {comm}: communicator is unusable ({state})")]
+    Unusable {
+        /// This rank.
+        rank: u32,
+        /// Communicator tag.
+        comm: String,
+        /// Why.
+        state: String,
+    },
+    /// The communicator thread ended unexpectedly (it panicked).
+    #[error("rank {rank} comm {comm}: communicator thread ended unexpectedly")]
+    ThreadGone {
+        /// This rank.
+        rank: u32,
+        /// Communicator tag.
+        comm: String,
+    },
+}
+
+fn cleanup_note(abandoned: bool) -> &'static str {
+    if abandoned {
+        "; its abort hung and the thread was abandoned (restart the process)"
+    } else {
+        ""
+    }
+}
+
+/// How an abort ended.
+#[derive(Clone, Debug)]
+pub enum AbortOutcome {
+    /// The communicator was torn down.
+    Aborted {
+        /// Time the abort took.
+        elapsed: Duration,
+    },
+    /// The abort call returned an error; the thread has ended.
+    Failed {
+        /// Time the abort took.
+        elapsed: Duration,
+        /// The error.
+        reason: String,
+    },
+    /// The thread did not answer within the abort timeout: it is left
+    /// running and counted by [`abandoned_comm_threads`]. Escalate to a
+    /// process restart; create a new communicator with a new id meanwhile.
+    Abandoned {
+        /// How long the caller waited.
+        waited: Duration,
+        /// Whether the abandoned thread has ended since.
+        watch: ThreadWatch,
+    },
+    /// Abort had already been done (or the thread abandoned) before.
+    AlreadyClosed,
+}
+
+impl AbortOutcome {
+    /// Whether the member should escalate to a process restart.
+    pub fn needs_restart(&self) -> bool {
+        matches!(self, AbortOutcome::Abandoned { .. })
+    }
+}
+
+#[derive(Debug, Default)]
+struct Mark {
+    state: Mutex<MarkState>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum MarkState {
+    #[default]
+    Running,
+    Abandoned,
+    Done,
+}
+
+static ABANDONED: AtomicUsize = AtomicUsize::new(0);
+
+/// Communicator threads that callers stopped waiting for and that have not
+/// ended yet (a hung `ncclCommAbort`, typically). Non-zero for longer than
+/// an abort timeout means the process should be restarted.
+pub fn abandoned_comm_threads() -> usize {
+    ABANDONED.load(Ordering::SeqCst)
+}
+
+impl Mark {
+    fn abandon(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if *s == MarkState::Running {
+            *s = MarkState::Abandoned;
+            ABANDONED.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn done(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if *s == MarkState::Abandoned {
+            ABANDONED.fetch_sub(1, Ordering::SeqCst);
+        }
+        *s = MarkState::Done;
+    }
+}
+
+/// Tells whether an abandoned communicator thread has ended since.
+#[derive(Clone, Debug)]
+pub struct ThreadWatch(Arc<Mark>);
+
+impl ThreadWatch {
+    /// Whether the thread has ended.
+    pub fn is_finished(&self) -> bool {
+        *self.0.state.lock().unwrap_or_else(|e| e.into_inner()) == MarkState::Done
+    }
+}
+
+/// Marks the thread done however it ends (return or panic).
+struct DoneOnDrop(Arc<Mark>);
+
+impl Drop for DoneOnDrop {
+    fn drop(&mut self) {
+        self.0.done();
+    }
+}
+
+enum Command {
+    Group { ops: Vec<P2p>, deadline: Instant, reply: Sender<Result<(), Option<String>>> },
+    Check { reply: Sender<Result<(), String>> },
+    Abort,
+}
+
+/// What the thread reports, in order: creation, then (after a failed
+/// creation or an abort command) the abort's result.
+enum Report {
+    Init(Result<(), InitFail>),
+    Aborted(Result<(), String>),
+}
+
+enum InitFail {
+    Timeout,
+    Failed(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum State {
+    Ready,
+    Failed(String),
+    Closed,
+}
+
+/// The caller's end of a communicator thread. Never blocks past a
+/// deadline; dropping it asks the thread to abort without waiting.
+pub struct CommHandle {
+    config: CommConfig,
+    tag: String,
+    commands: Sender<Command>,
+    reports: Receiver<Report>,
+    stop: Arc<AtomicBool>,
+    mark: Arc<Mark>,
+    thread: Option<JoinHandle<()>>,
+    state: State,
+}
+
+impl std::fmt::Debug for CommHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommHandle").field("rank", &self.config.rank).field("comm", &self.tag).field("state", &self.state).finish()
+    }
+}
+
+/// Slack on top of a deadline for the thread's own answer to arrive.
+fn grace(config: &CommConfig) -> Duration {
+    config.poll_interval * 4 + Duration::from_millis(50)
+}
+
+fn poll_until(
+    stop: &AtomicBool,
+    deadline: Instant,
+    max_sleep: Duration,
+    mut poll: impl FnMut() -> Result<Progress, String>,
+) -> Result<(), Option<String>> {
+    let mut sleep = Duration::from_micros(20).min(max_sleep);
+    loop {
+        match poll() {
+            Ok(Progress::Ready) => return Ok(()),
+            Ok(Progress::Pending) => {}
+            Err(e) => return Err(Some(e)),
+        }
+        if stop.load(Ordering::SeqCst) {
+            return Err(Some("stopped: abort requested".into()));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(None);
+        }
+        std::thread::sleep(sleep.min(deadline - now));
+        sleep = (sleep * 2).min(max_sleep);
+    }
+}
+
+fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "panic".into())
+}
+
+/// Calls a backend method, turning a panic into an error.
+fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(format!("panicked: {}", panic_text(p))))
+}
+
+fn comm_thread<B: CommBackend>(
+    make: impl FnOnce() -> Result<B, String>,
+    config: CommConfig,
+    init_deadline: Instant,
+    stop: Arc<AtomicBool>,
+    commands: Receiver<Command>,
+    reports: Sender<Report>,
+) {
+    let mut backend = match guarded(make) {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = reports.send(Report::Init(Err(InitFail::Failed(e))));
+            // Nothing was created, so there is nothing to abort.
+            let _ = reports.send(Report::Aborted(Ok(())));
+            return;
+        }
+    };
+    let init = poll_until(&stop, init_deadline, config.poll_interval, || guarded(|| backend.poll_init()));
+    if let Err(e) = init {
+        let _ = reports.send(Report::Init(Err(e.map_or(InitFail::Timeout, InitFail::Failed))));
+        let r = guarded(|| backend.abort());
+        let _ = reports.send(Report::Aborted(r));
+        return;
+    }
+    let _ = reports.send(Report::Init(Ok(())));
+    // Serve commands until abort or until the handle is gone.
+    while let Ok(cmd) = commands.recv() {
+        match cmd {
+            Command::Group { ops, deadline, reply } => {
+                // Err(None): the deadline passed.
+                let r = guarded(|| backend.start_group(&ops))
+                    .map_err(Some)
+                    .and_then(|()| poll_until(&stop, deadline, config.poll_interval, || guarded(|| backend.poll_group())));
+                let _ = reply.send(r);
+            }
+            Command::Check { reply } => {
+                let _ = reply.send(guarded(|| backend.check()));
+            }
+            Command::Abort => break,
+        }
+    }
+    let r = guarded(|| backend.abort());
+    let _ = reports.send(Report::Aborted(r));
+}
+
+impl CommHandle {
+    /// Starts a communicator thread: `make` runs on it and creates the
+    /// communicator without blocking (the backend is never moved between
+    /// threads), then the thread polls creation until it completes or
+    /// `config.init_timeout` passes. Returns once the communicator is ready,
+    /// or with an error within `init_timeout + abort_timeout` (plus slack).
+    pub fn spawn<B, F>(config: CommConfig, tag: &str, make: F) -> Result<CommHandle, CommError>
+    where
+        B: CommBackend,
+        F: FnOnce() -> Result<B, String> + Send + 'static,
+    {
+        let start = Instant::now();
+        let init_deadline = start + config.init_timeout;
+        let (commands, command_rx) = channel();
+        let (report_tx, reports) = channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mark = Arc::new(Mark::default());
+        let (stop2, mark2) = (stop.clone(), mark.clone());
+        let spawned = std::thread::Builder::new().name(format!("nccl-r{}-{}", config.rank, tag)).spawn(move || {
+            let _done = DoneOnDrop(mark2);
+            comm_thread(make, config, init_deadline, stop2, command_rx, report_tx);
+        });
+        let (rank, nranks, comm) = (config.rank, config.nranks, tag.to_string());
+        let thread = spawned.map_err(|e| CommError::InitFailed {
+            rank,
+            nranks,
+            comm: comm.clone(),
+            reason: format!("cannot start thread: {e}"),
+            abandoned: false,
+        })?;
+        let mut handle = CommHandle { config, tag: comm.clone(), commands, reports, stop, mark, thread: Some(thread), state: State::Ready };
+        let wait = (init_deadline + grace(&config)).saturating_duration_since(Instant::now());
+        let fail = match handle.reports.recv_timeout(wait) {
+            Ok(Report::Init(Ok(()))) => return Ok(handle),
+            Ok(Report::Init(Err(InitFail::Timeout))) | Err(RecvTimeoutError::Timeout) => None,
+            Ok(Report::Init(Err(InitFail::Failed(reason)))) => Some(reason),
+            Ok(Report::Aborted(_)) | Err(RecvTimeoutError::Disconnected) => Some("communicator thread ended unexpectedly".into()),
+        };
+        // Creation failed: the thread aborts what it created; wait for that
+        // at most the abort timeout.
+        handle.stop.store(true, Ordering::SeqCst);
+        let abandoned = handle.finish_abort().needs_restart();
+        handle.state = State::Closed;
+        Err(match fail {
+            None => CommError::InitTimeout { rank, nranks, comm, waited: start.elapsed(), abandoned },
+            Some(reason) => CommError::InitFailed { rank, nranks, comm, reason, abandoned },
+        })
+    }
+
+    /// This member's rank.
+    pub fn rank(&self) -> u32 {
+        self.config.rank
+    }
+
+    /// Ranks in the communicator.
+    pub fn nranks(&self) -> u32 {
+        self.config.nranks
+    }
+
+    /// The communicator's tag (from its id).
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// Whether the communicator can run groups.
+    pub fn is_ready(&self) -> bool {
+        self.state == State::Ready
+    }
+
+    fn usable(&self) -> Result<(), CommError> {
+        match &self.state {
+            State::Ready => Ok(()),
+            State::Failed(why) => {
+                Err(CommError::Unusable { rank: self.config.rank, comm: self.tag.clone(), state: format!("failed: {why}") })
+            }
+            State::Closed => Err(CommError::Unusable { rank: self.config.rank, comm: self.tag.clone(), state: "aborted".into() }),
+        }
+    }
+
+    /// Runs one round's group of operations and waits, until `deadline`,
+    /// for its work to finish on the device. The memory the operations name
+    /// must stay valid and untouched by other work until this returns (also
+    /// when it returns an error: abort the communicator before reusing it).
+    /// On any error the communicator becomes unusable: abort it and create
+    /// a new one with a new id.
+    pub fn group(&mut self, round: u32, ops: Vec<P2p>, deadline: Instant) -> Result<(), CommError> {
+        self.usable()?;
+        let (rank, comm) = (self.config.rank, self.tag.clone());
+        if let Some(op) = ops.iter().find(|op| op.peer() >= self.config.nranks) {
+            return Err(CommError::BadPeer { rank, comm, peer: op.peer(), nranks: self.config.nranks });
+        }
+        let mut peers: Vec<u32> = ops.iter().map(P2p::peer).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        let start = Instant::now();
+        let (reply, answer) = channel();
+        if self.commands.send(Command::Group { ops, deadline, reply }).is_err() {
+            self.state = State::Failed("thread gone".into());
+            return Err(CommError::ThreadGone { rank, comm });
+        }
+        let wait = (deadline + grace(&self.config)).saturating_duration_since(Instant::now());
+        let result = match answer.recv_timeout(wait) {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(None)) => CommError::GroupTimeout { rank, comm, round, peers, waited: start.elapsed() },
+            Ok(Err(Some(reason))) => CommError::GroupFailed { rank, comm, round, peers, reason },
+            Err(RecvTimeoutError::Timeout) => {
+                // The thread is stuck inside a call: stop its polling.
+                self.stop.store(true, Ordering::SeqCst);
+                CommError::GroupTimeout { rank, comm, round, peers, waited: start.elapsed() }
+            }
+            Err(RecvTimeoutError::Disconnected) => CommError::ThreadGone { rank, comm },
+        };
+        self.state = State::Failed(result.to_string());
+        Err(result)
+    }
+
+    /// Asks the communicator for an asynchronous error (a peer that died,
+    /// a network failure) while no group runs; waits at most `timeout`.
+    pub fn check(&mut self, timeout: Duration) -> Result<(), CommError> {
+        self.usable()?;
+        let (rank, comm) = (self.config.rank, self.tag.clone());
+        let (reply, answer) = channel();
+        if self.commands.send(Command::Check { reply }).is_err() {
+            self.state = State::Failed("thread gone".into());
+            return Err(CommError::ThreadGone { rank, comm });
+        }
+        let err = match answer.recv_timeout(timeout) {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(reason)) => CommError::Async { rank, comm, reason },
+            Err(RecvTimeoutError::Timeout) => CommError::Async { rank, comm, reason: format!("no answer within {timeout:?}") },
+            Err(RecvTimeoutError::Disconnected) => CommError::ThreadGone { rank, comm },
+        };
+        self.state = State::Failed(err.to_string());
+        Err(err)
+    }
+
+    /// Tears the communicator down, waiting at most the abort timeout. If
+    /// the thread does not answer in time it is abandoned (left running and
+    /// counted by [`abandoned_comm_threads`]) and the outcome says so: the
+    /// caller is never blocked by a hung abort.
+    pub fn abort(&mut self) -> AbortOutcome {
+        if self.state == State::Closed {
+            return AbortOutcome::AlreadyClosed;
+        }
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.commands.send(Command::Abort);
+        self.state = State::Closed;
+        self.finish_abort()
+    }
+
+    /// Waits for the thread's abort report, then joins it or abandons it.
+    fn finish_abort(&mut self) -> AbortOutcome {
+        let start = Instant::now();
+        let deadline = start + self.config.abort_timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.reports.recv_timeout(left) {
+                Ok(Report::Init(_)) => continue,
+                Ok(Report::Aborted(r)) => {
+                    // The thread returns right after this report.
+                    if let Some(t) = self.thread.take() {
+                        let _ = t.join();
+                    }
+                    return match r {
+                        Ok(()) => AbortOutcome::Aborted { elapsed: start.elapsed() },
+                        Err(reason) => AbortOutcome::Failed { elapsed: start.elapsed(), reason },
+                    };
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    if let Some(t) = self.thread.take() {
+                        let _ = t.join();
+                    }
+                    return AbortOutcome::Failed { elapsed: start.elapsed(), reason: "communicator thread ended unexpectedly".into() };
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    self.mark.abandon();
+                    self.thread.take(); // detach
+                    return AbortOutcome::Abandoned { waited: start.elapsed(), watch: ThreadWatch(self.mark.clone()) };
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CommHandle {
+    fn drop(&mut self) {
+        if self.state != State::Closed {
+            // Ask for an abort but never wait for it here.
+            self.stop.store(true, Ordering::SeqCst);
+            let _ = self.commands.send(Command::Abort);
+            self.mark.abandon();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::SyncSender;
+
+    /// A fake communicator: counts polls, logs calls, and can be told to
+    /// never finish creation or groups, to fail, or to hang in abort.
+    #[derive(Default)]
+    struct Fake {
+        /// Polls until creation completes (None: never).
+        init_after: Option<u32>,
+        init_polls: u32,
+        /// Polls until a group completes (None: never).
+        group_after: Option<u32>,
+        group_polls: u32,
+        /// Error reported by group polls and checks from this poll on.
+        async_error_at: Option<(u32, String)>,
+        /// Abort blocks on this until the test lets it go.
+        abort_hang: Option<Receiver<()>>,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl CommBackend for Fake {
+        fn poll_init(&mut self) -> Result<Progress, String> {
+            self.init_polls += 1;
+            match self.init_after {
+                Some(n) if self.init_polls >= n => Ok(Progress::Ready),
+                _ => Ok(Progress::Pending),
+            }
+        }
+        fn start_group(&mut self, ops: &[P2p]) -> Result<(), String> {
+            self.group_polls = 0;
+            self.log.lock().unwrap().push(format!("group {ops:?}"));
+            Ok(())
+        }
+        fn poll_group(&mut self) -> Result<Progress, String> {
+            self.group_polls += 1;
+            if let Some((at, e)) = &self.async_error_at {
+                if self.group_polls >= *at {
+                    return Err(e.clone());
+                }
+            }
+            match self.group_after {
+                Some(n) if self.group_polls >= n => Ok(Progress::Ready),
+                _ => Ok(Progress::Pending),
+            }
+        }
+        fn check(&mut self) -> Result<(), String> {
+            self.log.lock().unwrap().push("check".into());
+            match &self.async_error_at {
+                Some((_, e)) => Err(e.clone()),
+                None => Ok(()),
+            }
+        }
+        fn abort(&mut self) -> Result<(), String> {
+            self.log.lock().unwrap().push("abort".into());
+            if let Some(rx) = &self.abort_hang {
+                let _ = rx.recv();
+            }
+            Ok(())
+        }
+    }
+
+    fn config() -> CommConfig {
+        CommConfig {
+            rank: 1,
+            nranks: 4,
+            init_timeout: Duration::from_millis(300),
+            abort_timeout: Duration::from_millis(300),
+            poll_interval: Duration::from_millis(1),
+        }
+    }
+
+    fn ready_fake(log: &Arc<Mutex<Vec<String>>>) -> Fake {
+        Fake { init_after: Some(3), group_after: Some(2), log: log.clone(), ..Fake::default() }
+    }
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(5)
+    }
+
+    #[test]
+    fn handle_can_move_between_threads() {
+        fn send<T: Send>() {}
+        send::<CommHandle>();
+        send::<CommError>();
+        send::<AbortOutcome>();
+    }
+
+    #[test]
+    fn commands_round_trip() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = ready_fake(&log);
+        let mut h = CommHandle::spawn(config(), "t0", move || Ok(fake)).unwrap();
+        assert!(h.is_ready() && h.rank() == 1 && h.nranks() == 4 && h.tag() == "t0");
+        let ops = vec![P2p::Send { peer: 0, addr: 0x1000, bytes: 64 }, P2p::Recv { peer: 2, addr: 0x2000, bytes: 32 }];
+        h.group(0, ops.clone(), soon()).unwrap();
+        h.group(1, Vec::new(), soon()).unwrap();
+        h.check(Duration::from_secs(5)).unwrap();
+        assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
+        assert!(matches!(h.abort(), AbortOutcome::AlreadyClosed));
+        let log = log.lock().unwrap().clone();
+        assert_eq!(log, vec![format!("group {ops:?}"), "group []".into(), "check".into(), "abort".into()]);
+        assert!(matches!(h.group(2, Vec::new(), soon()), Err(CommError::Unusable { rank: 1, .. })));
+    }
+
+    #[test]
+    fn init_polled_to_completion() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake { init_after: Some(20), ..ready_fake(&log) };
+        let mut h = CommHandle::spawn(config(), "t1", move || Ok(fake)).unwrap();
+        assert!(h.is_ready());
+        assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
+    }
+
+    #[test]
+    fn init_that_never_completes_times_out_within_deadline() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake { init_after: None, ..ready_fake(&log) };
+        let start = Instant::now();
+        let err = CommHandle::spawn(config(), "t2", move || Ok(fake)).unwrap_err();
+        let took = start.elapsed();
+        assert!(took >= Duration::from_millis(300) && took < Duration::from_millis(1500), "{took:?}");
+        match &err {
+            CommError::InitTimeout { rank: 1, nranks: 4, comm, abandoned: false, .. } => assert_eq!(comm, "t2"),
+            e => panic!("unexpected {e}"),
+        }
+        assert!(err.to_string().contains("rank 1/4 comm t2: creation did not complete"), "{err}");
+        // The half-created communicator was aborted.
+        assert_eq!(log.lock().unwrap().last().map(String::as_str), Some("abort"));
+    }
+
+    #[test]
+    fn init_failure_and_panic_are_errors() {
+        let err = CommHandle::spawn(config(), "t3", || Err::<Fake, _>("libnccl.so not found".to_string())).unwrap_err();
+        assert!(matches!(&err, CommError::InitFailed { reason, .. } if reason.contains("libnccl")), "{err}");
+        let err = CommHandle::spawn(config(), "t4", || -> Result<Fake, String> { panic!("symbol missing") }).unwrap_err();
+        assert!(matches!(&err, CommError::InitFailed { reason, .. } if reason.contains("symbol missing")), "{err}");
+    }
+
+    #[test]
+    fn hanging_abort_returns_within_deadline_and_is_reported_abandoned() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (release, hang): (SyncSender<()>, Receiver<()>) = std::sync::mpsc::sync_channel(1);
+        let fake = Fake { abort_hang: Some(hang), ..ready_fake(&log) };
+        let mut h = CommHandle::spawn(config(), "t5", move || Ok(fake)).unwrap();
+        h.group(0, vec![P2p::Send { peer: 3, addr: 8, bytes: 8 }], soon()).unwrap();
+        let start = Instant::now();
+        let outcome = h.abort();
+        let took = start.elapsed();
+        assert!(took >= Duration::from_millis(300) && took < Duration::from_millis(1500), "{took:?}");
+        let AbortOutcome::Abandoned { watch, .. } = &outcome else { panic!("expected abandoned, got {outcome:?}") };
+        assert!(outcome.needs_restart());
+        assert!(!watch.is_finished());
+        assert!(abandoned_comm_threads() >= 1);
+        // A new communicator with a new id replaces it meanwhile.
+        let log2 = Arc::new(Mutex::new(Vec::new()));
+        let fake2 = ready_fake(&log2);
+        let mut h2 = CommHandle::spawn(config(), "t5b", move || Ok(fake2)).unwrap();
+        h2.group(0, Vec::new(), soon()).unwrap();
+        assert!(matches!(h2.abort(), AbortOutcome::Aborted { .. }));
+        // Once the stuck call returns, the thread ends and is no longer counted.
+        release.send(()).unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        while !watch.is_finished() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(watch.is_finished());
+    }
+
+    #[test]
+    fn async_error_is_surfaced() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake { group_after: None, async_error_at: Some((3, "remote process exited".into())), ..ready_fake(&log) };
+        let mut h = CommHandle::spawn(config(), "t6", move || Ok(fake)).unwrap();
+        let ops = vec![P2p::Recv { peer: 0, addr: 16, bytes: 16 }, P2p::Send { peer: 2, addr: 32, bytes: 16 }];
+        let err = h.group(7, ops, soon()).unwrap_err();
+        match &err {
+            CommError::GroupFailed { rank: 1, round: 7, peers, reason, .. } => {
+                assert_eq!(peers, &vec![0, 2]);
+                assert!(reason.contains("remote process exited"));
+            }
+            e => panic!("unexpected {e}"),
+        }
+        assert!(!h.is_ready());
+        assert!(matches!(h.group(8, Vec::new(), soon()), Err(CommError::Unusable { .. })));
+        assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
+
+        // The same error while idle, through check().
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake { async_error_at: Some((1, "peer 3 unreachable".into())), ..ready_fake(&log) };
+        let mut h = CommHandle::spawn(config(), "t7", move || Ok(fake)).unwrap();
+        let err = h.check(Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(&err, CommError::Async { rank: 1, reason, .. } if reason.contains("peer 3")), "{err}");
+    }
+
+    #[test]
+    fn group_that_never_completes_times_out() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake { group_after: None, ..ready_fake(&log) };
+        let mut h = CommHandle::spawn(config(), "t8", move || Ok(fake)).unwrap();
+        let start = Instant::now();
+        let err = h.group(2, vec![P2p::Send { peer: 0, addr: 1, bytes: 1 }], Instant::now() + Duration::from_millis(100)).unwrap_err();
+        assert!(start.elapsed() < Duration::from_millis(1000));
+        assert!(matches!(&err, CommError::GroupTimeout { rank: 1, round: 2, .. }), "{err}");
+        assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
+    }
+
+    #[test]
+    fn bad_peer_rejected_before_sending() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = ready_fake(&log);
+        let mut h = CommHandle::spawn(config(), "t9", move || Ok(fake)).unwrap();
+        let err = h.group(0, vec![P2p::Recv { peer: 4, addr: 0, bytes: 4 }], soon()).unwrap_err();
+        assert_eq!(err, CommError::BadPeer { rank: 1, comm: "t9".into(), peer: 4, nranks: 4 });
+        assert!(h.is_ready());
+        drop(h); // asks for an abort without waiting
+    }
+}

@@ -1,0 +1,561 @@
+//! Device buffers and copies (`cuda` feature): a device with its stream,
+//! a rank's buffers in device memory, strided piece copies on the device
+//! as 1-D/2-D/3-D `cuMemcpy*Async` calls, and pinned host staging.
+//!
+//! cudarc loads `libcuda` at run time and panics if it is missing, so
+//! every entry point checks presence first ([`probe_driver`]) and catches
+//! a panic as a second line of defence.
+
+use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
+use crate::memory::RankMemory;
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use reshard::{Block, BufferSpec, DType, Endpoint, RankProgram, Span};
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+
+/// Why a device operation failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum GpuError {
+    /// CUDA cannot be used in this process.
+    #[error("CUDA unavailable: {0}")]
+    Unavailable(String),
+    /// A CUDA call failed; `what` names the rank, buffer or piece.
+    #[error("{what}: {error}")]
+    Driver {
+        /// What was being done, naming the rank or buffer.
+        what: String,
+        /// The CUDA error.
+        error: String,
+    },
+    /// The request does not fit the memory it names.
+    #[error("{what}: {problem}")]
+    Invalid {
+        /// What was being done.
+        what: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+fn driver(what: impl Into<String>) -> impl FnOnce(result::DriverError) -> GpuError {
+    let what = what.into();
+    move |e| GpuError::Driver { what, error: e.to_string() }
+}
+
+fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "panic".into())
+}
+
+/// Runs `f`, turning a panic (cudarc's reaction to a missing library or
+/// symbol) into an error.
+pub(crate) fn no_panic<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(format!("{what} panicked: {}", panic_text(p))))
+}
+
+/// Checks that the CUDA driver library loads, initialises and sees a
+/// device. Never panics.
+pub fn probe_driver() -> Result<(), String> {
+    no_panic("CUDA driver probe", || {
+        // SAFETY: only tries to open the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("the CUDA driver library (libcuda.so.1) is not loadable: install the NVIDIA driver, or add the directory \
+                        holding libcuda.so.1 to LD_LIBRARY_PATH"
+                .into());
+        }
+        result::init().map_err(|e| format!("cuInit failed: {e}"))?;
+        let n = result::device::get_count().map_err(|e| format!("cuDeviceGetCount failed: {e}"))?;
+        if n < 1 {
+            return Err("no CUDA device is visible (check CUDA_VISIBLE_DEVICES)".into());
+        }
+        Ok(())
+    })
+}
+
+/// Oldest NCCL with non-blocking communicator creation (`ncclConfig_t`).
+pub const MIN_NCCL_VERSION: i32 = 21400;
+
+/// Checks that NCCL loads and is recent enough; returns its version code
+/// (e.g. 22304 for 2.23.4). Never panics.
+pub fn probe_nccl() -> Result<i32, String> {
+    no_panic("NCCL probe", || {
+        // SAFETY: only tries to open the library.
+        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+            // cudarc looks for libnccl.so (and a few versioned names, not
+            // libnccl.so.2); say so when only libnccl.so.2 is there.
+            // SAFETY: loading NCCL runs no code of ours; it is unloaded at once.
+            let only_so2 = unsafe { libloading::Library::new("libnccl.so.2") }.is_ok();
+            return Err(if only_so2 {
+                "NCCL is installed as libnccl.so.2 only, and the loader looks for libnccl.so: create a symlink libnccl.so -> \
+                 libnccl.so.2 in a directory on LD_LIBRARY_PATH (see docs/gpu.md)"
+                    .into()
+            } else {
+                "the NCCL library (libnccl.so) is not loadable: install NCCL (e.g. the nvidia-nccl-cu12 wheel), then put a \
+                 libnccl.so -> libnccl.so.2 symlink in a directory on LD_LIBRARY_PATH (see docs/gpu.md)"
+                    .into()
+            });
+        }
+        let v = cudarc::nccl::result::get_nccl_version().map_err(|e| format!("ncclGetVersion failed: {:?}", e.0))?;
+        if v < MIN_NCCL_VERSION {
+            return Err(format!("NCCL {} is too old: non-blocking communicators need NCCL 2.14 or later", nccl_version_text(v)));
+        }
+        Ok(v)
+    })
+}
+
+/// `22304` → `2.23.4`.
+pub fn nccl_version_text(code: i32) -> String {
+    format!("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100)
+}
+
+/// Both libraries usable (see [`crate::gpu_probe::cuda_available`]).
+pub(crate) fn probe() -> Result<(), String> {
+    probe_driver()?;
+    probe_nccl().map(|_| ())
+}
+
+/// One GPU, its primary context, and the stream all copies run on.
+#[derive(Debug)]
+pub struct GpuDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+    max_pitch: u64,
+}
+
+impl GpuDevice {
+    /// Opens device `ordinal` (checking the driver library first).
+    pub fn open(ordinal: usize) -> Result<GpuDevice, GpuError> {
+        probe_driver().map_err(GpuError::Unavailable)?;
+        let what = format!("opening CUDA device {ordinal}");
+        no_panic(&what, || {
+            let ctx = CudaContext::new(ordinal).map_err(|e| e.to_string())?;
+            let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+            let max_pitch =
+                ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH).map(|p| p.max(1) as u64).unwrap_or(i32::MAX as u64);
+            Ok(GpuDevice { ctx, stream, ordinal, max_pitch })
+        })
+        .map_err(|error| GpuError::Driver { what, error })
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Device name (e.g. "NVIDIA H200").
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown".into())
+    }
+
+    /// The device's (primary) context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream copies run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Largest row pitch a 2-D/3-D copy may use.
+    pub fn max_pitch(&self) -> u64 {
+        self.max_pitch
+    }
+
+    /// Waits for everything queued on the stream.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.stream.synchronize().map_err(driver(format!("synchronizing device {}", self.ordinal)))
+    }
+
+    /// `bytes` of device memory (at least one byte is allocated).
+    pub fn alloc(&self, bytes: usize, what: &str) -> Result<CudaSlice<u8>, GpuError> {
+        // SAFETY: the memory is written before it is read by every user here.
+        unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(driver(format!("{what}: allocating {bytes} bytes")))
+    }
+
+    /// An event that records time, recorded now on the stream.
+    pub fn mark(&self) -> Result<CudaEvent, GpuError> {
+        self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver("recording an event"))
+    }
+
+    /// Time between two events from [`GpuDevice::mark`] (waits for the second).
+    pub fn elapsed(&self, start: &CudaEvent, end: &CudaEvent) -> Result<Duration, GpuError> {
+        let ms = start.elapsed_ms(end).map_err(driver("timing"))?;
+        Ok(Duration::from_secs_f64(ms as f64 / 1e3))
+    }
+
+    /// Makes the device's context current on this thread (raw driver
+    /// calls need it; cudarc's own calls do it themselves).
+    pub fn bind(&self) -> Result<(), GpuError> {
+        self.ctx.bind_to_thread().map_err(driver(format!("binding device {} to this thread", self.ordinal)))
+    }
+
+    /// A device address usable in raw copies (the slice must outlive its use).
+    pub(crate) fn addr(&self, slice: &CudaSlice<u8>) -> u64 {
+        let (ptr, _sync) = slice.device_ptr(&self.stream);
+        ptr
+    }
+}
+
+/// Where one side of a copy is.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Loc {
+    /// Device address.
+    Device(u64),
+    /// Host address (pinned for asynchronous copies).
+    Host(*mut u8),
+}
+
+impl Loc {
+    fn at(self, off: u64) -> Loc {
+        match self {
+            Loc::Device(a) => Loc::Device(a + off),
+            // SAFETY-free: only address arithmetic; dereferenced by CUDA.
+            Loc::Host(p) => Loc::Host(p.wrapping_add(off as usize)),
+        }
+    }
+
+    fn kind(self) -> sys::CUmemorytype {
+        match self {
+            Loc::Device(_) => sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            Loc::Host(_) => sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+        }
+    }
+
+    fn device(self) -> sys::CUdeviceptr {
+        match self {
+            Loc::Device(a) => a,
+            Loc::Host(_) => 0,
+        }
+    }
+
+    fn host(self) -> *mut c_void {
+        match self {
+            Loc::Device(_) => std::ptr::null_mut(),
+            Loc::Host(p) => p as *mut c_void,
+        }
+    }
+}
+
+/// Queues one copy op on `stream`.
+///
+/// # Safety
+/// Both sides must be valid for the bytes the op touches until the stream
+/// has run it; host sides must be pinned or outlive a synchronisation.
+pub(crate) unsafe fn issue(op: &CopyOp, src: Loc, dst: Loc, stream: sys::CUstream) -> Result<(), result::DriverError> {
+    let (s, d) = (src.at(op.src), dst.at(op.dst));
+    if op.bytes() == 0 {
+        return Ok(());
+    }
+    // SAFETY (all calls): by the caller's contract.
+    unsafe {
+        if op.height == 1 && op.depth == 1 {
+            let n = op.width as usize;
+            return match (s, d) {
+                (Loc::Device(a), Loc::Device(b)) => sys::cuMemcpyDtoDAsync_v2(b, a, n, stream).result(),
+                (Loc::Host(a), Loc::Device(b)) => sys::cuMemcpyHtoDAsync_v2(b, a as *const c_void, n, stream).result(),
+                (Loc::Device(a), Loc::Host(b)) => sys::cuMemcpyDtoHAsync_v2(b as *mut c_void, a, n, stream).result(),
+                (Loc::Host(_), Loc::Host(_)) => Err(result::DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE)),
+            };
+        }
+        if op.depth == 1 {
+            let p = sys::CUDA_MEMCPY2D_st {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: s.kind(),
+                srcHost: s.host() as *const c_void,
+                srcDevice: s.device(),
+                srcArray: std::ptr::null_mut(),
+                srcPitch: op.src_pitch as usize,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: d.kind(),
+                dstHost: d.host(),
+                dstDevice: d.device(),
+                dstArray: std::ptr::null_mut(),
+                dstPitch: op.dst_pitch as usize,
+                WidthInBytes: op.width as usize,
+                Height: op.height as usize,
+            };
+            return sys::cuMemcpy2DAsync_v2(&p, stream).result();
+        }
+        let p = sys::CUDA_MEMCPY3D_st {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcZ: 0,
+            srcLOD: 0,
+            srcMemoryType: s.kind(),
+            srcHost: s.host() as *const c_void,
+            srcDevice: s.device(),
+            srcArray: std::ptr::null_mut(),
+            reserved0: std::ptr::null_mut(),
+            srcPitch: op.src_pitch as usize,
+            srcHeight: op.src_height as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstZ: 0,
+            dstLOD: 0,
+            dstMemoryType: d.kind(),
+            dstHost: d.host(),
+            dstDevice: d.device(),
+            dstArray: std::ptr::null_mut(),
+            reserved1: std::ptr::null_mut(),
+            dstPitch: op.dst_pitch as usize,
+            dstHeight: op.dst_height as usize,
+            WidthInBytes: op.width as usize,
+            Height: op.height as usize,
+            Depth: op.depth as usize,
+        };
+        sys::cuMemcpy3DAsync_v2(&p, stream).result()
+    }
+}
+
+/// Page-locked host memory for staging device data (dtype conversion, or
+/// a transport that moves host bytes). Grows on demand; not
+/// write-combined, since the host reads it.
+#[derive(Debug)]
+pub struct PinnedStaging {
+    ctx: Arc<CudaContext>,
+    buf: Option<PinnedHostSlice<u8>>,
+}
+
+// SAFETY: the pinned allocation is plain memory owned by this value; it is
+// only touched through `&mut self`.
+unsafe impl Send for PinnedStaging {}
+
+impl PinnedStaging {
+    /// Empty staging for `dev`.
+    pub fn new(dev: &GpuDevice) -> PinnedStaging {
+        PinnedStaging { ctx: dev.ctx.clone(), buf: None }
+    }
+
+    /// A host pointer to at least `len` bytes; waits for earlier copies
+    /// that used the staging.
+    pub(crate) fn ensure(&mut self, len: usize) -> Result<*mut u8, GpuError> {
+        let too_small = match &self.buf {
+            Some(b) => b.len() < len,
+            None => true,
+        };
+        if too_small {
+            self.buf = None;
+            let want = len.max(1).next_power_of_two();
+            // SAFETY: bytes are written (by a copy) before they are read.
+            let b = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(want, 0) }.map_err(driver(format!("pinning {want} host bytes")))?;
+            self.buf = Some(b);
+        }
+        let b = self.buf.as_mut().ok_or_else(|| GpuError::Invalid { what: "staging".into(), problem: "no buffer".into() })?;
+        b.as_mut_ptr().map_err(driver("waiting for staging"))
+    }
+}
+
+/// One rank's buffers in device memory, in its program's buffer order.
+#[derive(Debug)]
+pub struct DeviceMemory {
+    owner: Endpoint,
+    buffers: Vec<CudaSlice<u8>>,
+    lens: Vec<usize>,
+    dtypes: Vec<DType>,
+}
+
+impl DeviceMemory {
+    /// Device buffers (contents undefined) for a rank's buffer list.
+    pub fn for_buffers(dev: &GpuDevice, owner: Endpoint, specs: &[BufferSpec]) -> Result<DeviceMemory, GpuError> {
+        let mut m = DeviceMemory { owner, buffers: Vec::new(), lens: Vec::new(), dtypes: Vec::new() };
+        for (i, b) in specs.iter().enumerate() {
+            let len = (b.elems * b.dtype.size()) as usize;
+            m.buffers.push(dev.alloc(len, &format!("{owner} buffer {i} '{}'", b.name))?);
+            m.lens.push(len);
+            m.dtypes.push(b.dtype);
+        }
+        Ok(m)
+    }
+
+    /// Device buffers for every program (contents undefined).
+    pub fn for_programs(dev: &GpuDevice, programs: &[RankProgram]) -> Result<Vec<DeviceMemory>, GpuError> {
+        programs.iter().map(|p| DeviceMemory::for_buffers(dev, p.endpoint, &p.buffers)).collect()
+    }
+
+    /// The rank these buffers belong to.
+    pub fn owner(&self) -> Endpoint {
+        self.owner
+    }
+
+    /// Bytes per buffer.
+    pub fn buffer_lens(&self) -> &[usize] {
+        &self.lens
+    }
+
+    /// Element type per buffer.
+    pub fn dtypes(&self) -> &[DType] {
+        &self.dtypes
+    }
+
+    /// Total bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.lens.iter().map(|&l| l as u64).sum()
+    }
+
+    /// Copies host buffers of the same sizes to the device (waits).
+    pub fn upload(&mut self, dev: &GpuDevice, host: &RankMemory) -> Result<(), GpuError> {
+        self.check_host(host)?;
+        for (i, (b, h)) in self.buffers.iter_mut().zip(&host.buffers).enumerate() {
+            if !h.is_empty() {
+                let mut view = b.slice_mut(..h.len());
+                dev.stream.memcpy_htod(h.as_slice(), &mut view).map_err(driver(format!("{} buffer {i}: upload", self.owner)))?;
+            }
+        }
+        dev.synchronize()
+    }
+
+    /// Copies the buffers back to the host (waits).
+    pub fn download(&self, dev: &GpuDevice) -> Result<RankMemory, GpuError> {
+        let mut host = RankMemory { buffers: Vec::new(), dtypes: self.dtypes.clone() };
+        for (i, (b, &len)) in self.buffers.iter().zip(&self.lens).enumerate() {
+            let mut h = vec![0u8; len];
+            if len > 0 {
+                dev.stream
+                    .memcpy_dtoh(&b.slice(..len), h.as_mut_slice())
+                    .map_err(driver(format!("{} buffer {i}: download", self.owner)))?;
+            }
+            host.buffers.push(h);
+        }
+        dev.synchronize()?;
+        Ok(host)
+    }
+
+    /// Sets every byte to zero (waits).
+    pub fn zero(&mut self, dev: &GpuDevice) -> Result<(), GpuError> {
+        for (i, b) in self.buffers.iter_mut().enumerate() {
+            dev.stream.memset_zeros(b).map_err(driver(format!("{} buffer {i}: zero", self.owner)))?;
+        }
+        dev.synchronize()
+    }
+
+    fn check_host(&self, host: &RankMemory) -> Result<(), GpuError> {
+        let lens: Vec<usize> = host.buffers.iter().map(Vec::len).collect();
+        if lens != self.lens {
+            return Err(GpuError::Invalid {
+                what: format!("{}: upload", self.owner),
+                problem: format!("host buffers of {lens:?} bytes for device buffers of {:?}", self.lens),
+            });
+        }
+        Ok(())
+    }
+
+    /// Device addresses of the buffers (valid while `self` lives).
+    pub(crate) fn addrs(&self, dev: &GpuDevice) -> Vec<u64> {
+        self.buffers.iter().map(|b| dev.addr(b)).collect()
+    }
+
+    fn piece_ops(&self, dev: &GpuDevice, span: &Span, dtype: DType, block: &Block, to_device: bool) -> Result<Vec<CopyOp>, GpuError> {
+        let what = || format!("{}: piece {block} in buffer {}", self.owner, span.buffer);
+        let len =
+            *self.lens.get(span.buffer as usize).ok_or_else(|| GpuError::Invalid { what: what(), problem: "no such buffer".into() })?;
+        if self.dtypes[span.buffer as usize] != dtype {
+            return Err(GpuError::Invalid {
+                what: what(),
+                problem: format!("buffer holds {}, not {dtype}", self.dtypes[span.buffer as usize]),
+            });
+        }
+        let elem = dtype.size();
+        let counts = block.extent();
+        let side = Side { base: span.base, strides: span.strides };
+        let packed = Side { base: 0, strides: crate::copy::packed_strides(counts) };
+        let ops = if to_device {
+            plan_copies(counts, &packed, &side, elem, dev.max_pitch)
+        } else {
+            plan_copies(counts, &side, &packed, elem, dev.max_pitch)
+        };
+        let end = ops.iter().map(|o| if to_device { o.dst_end() } else { o.src_end() }).max().unwrap_or(0);
+        if end > len as u64 {
+            return Err(GpuError::Invalid { what: what(), problem: format!("reaches byte {end} of {len}") });
+        }
+        Ok(ops)
+    }
+
+    /// Packs one piece (a strided span of one buffer) into pinned host
+    /// staging, back to back in the buffer's dtype, and returns the bytes
+    /// (waits for the copies). For transports that move host bytes.
+    pub fn read_piece<'s>(
+        &self,
+        dev: &GpuDevice,
+        staging: &'s mut PinnedStaging,
+        span: &Span,
+        dtype: DType,
+        block: &Block,
+    ) -> Result<&'s [u8], GpuError> {
+        dev.bind()?;
+        let ops = self.piece_ops(dev, span, dtype, block, false)?;
+        let n = (block.numel() * dtype.size()) as usize;
+        let host = staging.ensure(n)?;
+        let base = dev.addr(&self.buffers[span.buffer as usize]);
+        for op in &ops {
+            // SAFETY: ops are in bounds of the buffer (checked) and of the
+            // n staging bytes (packed); we wait before returning.
+            unsafe { issue(op, Loc::Device(base), Loc::Host(host), dev.stream.cu_stream()) }
+                .map_err(driver(format!("{}: reading piece {block}", self.owner)))?;
+        }
+        dev.synchronize()?;
+        // SAFETY: n bytes of the staging were just written and the stream is idle.
+        Ok(unsafe { std::slice::from_raw_parts(host, n) })
+    }
+
+    /// Writes one piece, given packed in the buffer's dtype, into a strided
+    /// span of one buffer through pinned staging (waits).
+    pub fn write_piece(
+        &mut self,
+        dev: &GpuDevice,
+        staging: &mut PinnedStaging,
+        span: &Span,
+        dtype: DType,
+        block: &Block,
+        bytes: &[u8],
+    ) -> Result<(), GpuError> {
+        let n = (block.numel() * dtype.size()) as usize;
+        if bytes.len() != n {
+            return Err(GpuError::Invalid {
+                what: format!("{}: writing piece {block}", self.owner),
+                problem: format!("{} bytes for {n}", bytes.len()),
+            });
+        }
+        dev.bind()?;
+        let ops = self.piece_ops(dev, span, dtype, block, true)?;
+        let host = staging.ensure(n)?;
+        // SAFETY: the staging holds at least n bytes and no copy uses it now.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host, n) };
+        let base = dev.addr(&self.buffers[span.buffer as usize]);
+        for op in &ops {
+            // SAFETY: as in read_piece.
+            unsafe { issue(op, Loc::Host(host), Loc::Device(base), dev.stream.cu_stream()) }
+                .map_err(driver(format!("{}: writing piece {block}", self.owner)))?;
+        }
+        dev.synchronize()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a machine without CUDA (CI), every entry point reports an error
+    /// instead of panicking; with CUDA, they work.
+    #[test]
+    fn missing_libraries_are_errors_not_panics() {
+        let probe = crate::gpu_probe::cuda_available();
+        match GpuDevice::open(0) {
+            Ok(dev) => assert!(probe_driver().is_ok() && !dev.name().is_empty()),
+            Err(GpuError::Unavailable(why)) => {
+                assert!(probe.is_err());
+                assert!(why.contains("libcuda") || why.contains("device") || why.contains("cuInit"), "{why}");
+            }
+            Err(e) => panic!("unexpected {e}"),
+        }
+        if let Err(why) = probe_nccl() {
+            assert!(why.contains("NCCL") || why.contains("nccl"), "{why}");
+        }
+        assert_eq!(nccl_version_text(22304), "2.23.4");
+    }
+}

@@ -1,0 +1,309 @@
+//! Runs a whole plan on one GPU (`cuda` feature): every rank's buffers are
+//! separate device allocations on the same device, and every transfer is a
+//! device-to-device copy straight from the sender's buffer into the
+//! receiver's (one copy per byte, as the in-process host transport does).
+//! Steps run in [`schedule`](crate::cuda::schedule) order on the device's
+//! stream, so rounds keep their meaning without any host synchronisation.
+//!
+//! Pieces that change dtype have no device kernel here: they go through
+//! pinned host staging (device → host, convert on the host, host →
+//! device), which is correct but slow; the report counts them.
+
+use crate::copy::{copy_strided, packed_strides, StridedRef};
+use crate::cuda::copyplan::{packed_offsets, plan_copies, CopyOp, Side};
+use crate::cuda::device::{issue, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
+use crate::cuda::schedule::{same_device_schedule, ScheduleError, Step};
+use reshard::{Block, DType, Endpoint, RankProgram};
+use std::marker::PhantomData;
+use std::time::Duration;
+use thiserror::Error;
+
+/// Why a device run failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum DeviceExecError {
+    /// The programs do not form a consistent schedule.
+    #[error(transparent)]
+    Schedule(#[from] ScheduleError),
+    /// The device memory given does not match a program's buffers.
+    #[error("{me}: device memory has {got} buffers of {got_bytes:?} bytes, program needs {want} of {want_bytes:?}")]
+    MemoryMismatch {
+        /// Rank.
+        me: Endpoint,
+        /// Buffers given.
+        got: usize,
+        /// Their sizes.
+        got_bytes: Vec<usize>,
+        /// Buffers needed.
+        want: usize,
+        /// Their sizes.
+        want_bytes: Vec<usize>,
+    },
+    /// A copy could not be queued or failed on the device.
+    #[error("{from} -> {to}: round {round}: piece {block}: {error}")]
+    Copy {
+        /// Sending rank.
+        from: Endpoint,
+        /// Receiving rank.
+        to: Endpoint,
+        /// Round.
+        round: u32,
+        /// The piece.
+        block: Box<Block>,
+        /// The CUDA error.
+        error: String,
+    },
+    /// A device operation failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+/// What a device run did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DeviceReport {
+    /// Device time from the first copy to the last (CUDA events).
+    pub elapsed: Duration,
+    /// Bytes between ranks (wire dtype), as the host executors count them.
+    pub wire_bytes: u64,
+    /// Messages between ranks.
+    pub messages: u64,
+    /// Copy calls queued (1-D, 2-D and 3-D).
+    pub copy_calls: u64,
+    /// Pieces converted through host staging (dtype changes).
+    pub staged_pieces: u64,
+}
+
+struct Meta {
+    round: u32,
+    from: Endpoint,
+    to: Endpoint,
+    block: Block,
+}
+
+enum Item {
+    /// A device-to-device copy.
+    Copy { op: CopyOp, src: u64, dst: u64, meta: usize },
+    /// A piece converted on the host: pack, convert, unpack.
+    Convert { step: Box<Step>, src: u64, dsts: Vec<u64>, meta: usize },
+}
+
+/// A plan prepared to run on one device: copies resolved to device
+/// addresses, so runs (for timing) pay no planning. Borrows the memory it
+/// names for as long as it lives.
+pub struct DeviceRun<'m> {
+    dev: &'m GpuDevice,
+    items: Vec<Item>,
+    meta: Vec<Meta>,
+    staging: [PinnedStaging; 2],
+    wire_bytes: u64,
+    messages: u64,
+    copy_calls: u64,
+    staged: u64,
+    _memory: PhantomData<&'m mut [DeviceMemory]>,
+}
+
+impl std::fmt::Debug for DeviceRun<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceRun").field("items", &self.items.len()).field("wire_bytes", &self.wire_bytes).finish()
+    }
+}
+
+impl<'m> DeviceRun<'m> {
+    /// Checks the programs against each other and against the memory
+    /// (`memory[i]` belongs to `programs[i]`), and resolves every copy.
+    pub fn prepare(dev: &'m GpuDevice, programs: &[RankProgram], memory: &'m mut [DeviceMemory]) -> Result<DeviceRun<'m>, DeviceExecError> {
+        let schedule = same_device_schedule(programs)?;
+        if memory.len() != programs.len() {
+            let me = programs.get(memory.len()).or(programs.last()).map_or(Endpoint::src(0), |p| p.endpoint);
+            return Err(DeviceExecError::MemoryMismatch {
+                me,
+                got: memory.len(),
+                got_bytes: Vec::new(),
+                want: programs.len(),
+                want_bytes: Vec::new(),
+            });
+        }
+        for (p, m) in programs.iter().zip(memory.iter()) {
+            let want: Vec<usize> = p.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
+            if m.buffer_lens() != want.as_slice() {
+                return Err(DeviceExecError::MemoryMismatch {
+                    me: p.endpoint,
+                    got: m.buffer_lens().len(),
+                    got_bytes: m.buffer_lens().to_vec(),
+                    want: want.len(),
+                    want_bytes: want,
+                });
+            }
+        }
+        let addrs: Vec<Vec<u64>> = memory.iter().map(|m| m.addrs(dev)).collect();
+        let mut run = DeviceRun {
+            dev,
+            items: Vec::new(),
+            meta: Vec::new(),
+            staging: [PinnedStaging::new(dev), PinnedStaging::new(dev)],
+            wire_bytes: schedule.wire_bytes,
+            messages: schedule.messages,
+            copy_calls: 0,
+            staged: 0,
+            _memory: PhantomData,
+        };
+        for step in schedule.steps {
+            let src = addrs[step.from.rank][step.from.span.buffer as usize];
+            let dsts: Vec<u64> = step.to.iter().map(|t| addrs[t.rank][t.span.buffer as usize]).collect();
+            let to_rank = step.to.first().map_or(step.from.rank, |t| t.rank);
+            let meta = run.meta.len();
+            run.meta.push(Meta {
+                round: step.round,
+                from: programs[step.from.rank].endpoint,
+                to: programs[to_rank].endpoint,
+                block: step.block,
+            });
+            if step.is_direct() {
+                let elem = step.wire.size();
+                let from = Side { base: step.from.span.base, strides: step.from.span.strides };
+                for (t, &dst) in step.to.iter().zip(&dsts) {
+                    let to = Side { base: t.span.base, strides: t.span.strides };
+                    for op in plan_copies(step.block.extent(), &from, &to, elem, dev.max_pitch()) {
+                        run.items.push(Item::Copy { op, src, dst, meta });
+                    }
+                }
+            } else {
+                run.staged += 1;
+                run.items.push(Item::Convert { step: Box::new(step), src, dsts, meta });
+            }
+        }
+        run.copy_calls = run.items.iter().filter(|i| matches!(i, Item::Copy { .. })).count() as u64;
+        Ok(run)
+    }
+
+    /// Runs every copy once, in order, and waits for the device.
+    pub fn execute(&mut self) -> Result<DeviceReport, DeviceExecError> {
+        let dev = self.dev;
+        dev.bind()?;
+        let stream = dev.stream().cu_stream();
+        let start = dev.mark()?;
+        let mut calls = 0u64;
+        for item in &self.items {
+            match item {
+                Item::Copy { op, src, dst, meta } => {
+                    // SAFETY: addresses come from live allocations borrowed
+                    // for 'm; ops were bounds-checked by the schedule.
+                    unsafe { issue(op, Loc::Device(*src), Loc::Device(*dst), stream) }
+                        .map_err(|e| self.copy_error(*meta, e.to_string()))?;
+                    calls += 1;
+                }
+                Item::Convert { step, src, dsts, meta } => {
+                    calls += convert_on_host(dev, &mut self.staging, step, *src, dsts).map_err(|e| self.copy_error(*meta, e))?;
+                }
+            }
+        }
+        let end = dev.mark()?;
+        dev.synchronize()?;
+        let elapsed = dev.elapsed(&start, &end)?;
+        Ok(DeviceReport { elapsed, wire_bytes: self.wire_bytes, messages: self.messages, copy_calls: calls, staged_pieces: self.staged })
+    }
+
+    fn copy_error(&self, meta: usize, error: String) -> DeviceExecError {
+        let m = &self.meta[meta];
+        DeviceExecError::Copy { from: m.from, to: m.to, round: m.round, block: Box::new(m.block), error }
+    }
+}
+
+/// Converts one step's piece through pinned host staging; returns the
+/// number of copy calls. Waits for the device twice.
+pub(crate) fn convert_on_host(
+    dev: &GpuDevice,
+    staging: &mut [PinnedStaging; 2],
+    step: &Step,
+    src: u64,
+    dsts: &[u64],
+) -> Result<u64, String> {
+    let counts = step.block.extent();
+    let n = step.block.numel();
+    let packed = Side { base: 0, strides: packed_strides(counts) };
+    let from = Side { base: step.from.span.base, strides: step.from.span.strides };
+    let stream = dev.stream().cu_stream();
+    let [a, b] = staging;
+    let from_bytes = (n * step.from.dtype.size()) as usize;
+    let pa = a.ensure(from_bytes).map_err(|e| e.to_string())?;
+    let mut calls = 0;
+    for op in plan_copies(counts, &from, &packed, step.from.dtype.size(), dev.max_pitch()) {
+        // SAFETY: device side in bounds (schedule), host side is the
+        // packed piece inside the staging; we wait below.
+        unsafe { issue(&op, Loc::Device(src), Loc::Host(pa), stream) }.map_err(|e| e.to_string())?;
+        calls += 1;
+    }
+    dev.synchronize().map_err(|e| e.to_string())?;
+    // Host conversion: from → wire → destination dtype, as sender and
+    // receiver would.
+    let to_dtype = step.to.first().map_or(step.wire, |t| t.dtype);
+    let mut wire = vec![0u8; (n * step.wire.size()) as usize];
+    let to_bytes = (n * to_dtype.size()) as usize;
+    let pb = b.ensure(to_bytes).map_err(|e| e.to_string())?;
+    let strides = packed_strides(counts);
+    let r = |ptr: *const u8, len: usize, dtype: DType| StridedRef { ptr, len, base: 0, strides, dtype };
+    // SAFETY: each region holds n packed elements of its dtype; nothing
+    // else touches the staging now (the stream is idle).
+    unsafe {
+        copy_strided(counts, &r(pa, from_bytes, step.from.dtype), &r(wire.as_mut_ptr(), wire.len(), step.wire));
+        copy_strided(counts, &r(wire.as_ptr(), wire.len(), step.wire), &r(pb, to_bytes, to_dtype));
+    }
+    for (t, &dst) in step.to.iter().zip(dsts) {
+        let to = Side { base: t.span.base, strides: t.span.strides };
+        for op in plan_copies(counts, &packed, &to, to_dtype.size(), dev.max_pitch()) {
+            // SAFETY: as above, host → device.
+            unsafe { issue(&op, Loc::Host(pb), Loc::Device(dst), stream) }.map_err(|e| e.to_string())?;
+            calls += 1;
+        }
+    }
+    dev.synchronize().map_err(|e| e.to_string())?;
+    Ok(calls)
+}
+
+/// Prepares and runs all programs once on `dev`.
+pub fn run_device(dev: &GpuDevice, programs: &[RankProgram], memory: &mut [DeviceMemory]) -> Result<DeviceReport, DeviceExecError> {
+    DeviceRun::prepare(dev, programs, memory)?.execute()
+}
+
+/// Device time of one plain device-to-device copy of `bytes` bytes
+/// (`cuMemcpyDtoDAsync`, best of `reps` after a warm-up): the yardstick for
+/// reshard throughput on the same device.
+pub fn time_plain_copy(dev: &GpuDevice, bytes: usize, reps: u32) -> Result<Duration, GpuError> {
+    dev.bind()?;
+    let a = dev.alloc(bytes, "plain copy source")?;
+    let b = dev.alloc(bytes, "plain copy destination")?;
+    let (pa, pb) = (dev.addr(&a), dev.addr(&b));
+    let op = CopyOp {
+        src: 0,
+        dst: 0,
+        width: bytes as u64,
+        height: 1,
+        depth: 1,
+        src_pitch: bytes as u64,
+        src_height: 1,
+        dst_pitch: bytes as u64,
+        dst_height: 1,
+    };
+    let mut best = Duration::MAX;
+    for i in 0..=reps.max(1) {
+        let start = dev.mark()?;
+        // SAFETY: both allocations hold `bytes` bytes and live until the end.
+        unsafe { issue(&op, Loc::Device(pa), Loc::Device(pb), dev.stream().cu_stream()) }
+            .map_err(|e| GpuError::Driver { what: "plain copy".into(), error: e.to_string() })?;
+        let end = dev.mark()?;
+        let t = dev.elapsed(&start, &end)?;
+        if i > 0 {
+            best = best.min(t);
+        }
+    }
+    dev.synchronize()?;
+    drop((a, b));
+    Ok(best)
+}
+
+/// Byte layout of one message in a contiguous staging buffer: pieces back
+/// to back in wire dtype, each at a 256-byte boundary. Both ends of a
+/// transfer compute the same layout from the same plan.
+pub fn message_layout(pieces: impl IntoIterator<Item = (u64, DType)>) -> (Vec<u64>, u64) {
+    let bytes: Vec<u64> = pieces.into_iter().map(|(numel, wire)| numel * wire.size()).collect();
+    packed_offsets(&bytes, 256)
+}

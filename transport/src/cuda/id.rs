@@ -1,0 +1,138 @@
+//! The NCCL unique id as plain bytes, so it can travel in actor messages.
+//!
+//! One member creates the id (`ncclGetUniqueId`: `CommId::generate` with
+//! the `cuda` feature), the orchestrator hands it to every member, and each member creates its
+//! communicator from it. A replaced communicator always gets a new id: an id
+//! is never reused after its communicator failed or was aborted.
+
+use std::fmt;
+use thiserror::Error;
+
+/// Bytes in an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
+pub const COMM_ID_BYTES: usize = 128;
+
+/// An NCCL unique id: opaque bytes made by one rank and shared with all.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CommId([u8; COMM_ID_BYTES]);
+
+/// Why bytes do not decode to a [`CommId`].
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum CommIdError {
+    /// The encoding is not exactly [`COMM_ID_BYTES`] bytes long.
+    #[error("NCCL unique id must be {COMM_ID_BYTES} bytes, got {got}")]
+    Length {
+        /// Bytes given.
+        got: usize,
+    },
+    /// Every byte is zero: an id that was never filled in.
+    #[error("NCCL unique id is all zeros (never generated)")]
+    Zero,
+    /// The hex text has a character that is not a hex digit.
+    #[error("NCCL unique id hex has a non-hex character at {at}")]
+    Hex {
+        /// Character position.
+        at: usize,
+    },
+}
+
+impl CommId {
+    /// The id from its bytes; rejects a wrong length and an all-zero id.
+    pub fn from_bytes(bytes: &[u8]) -> Result<CommId, CommIdError> {
+        let raw: [u8; COMM_ID_BYTES] = bytes.try_into().map_err(|_| CommIdError::Length { got: bytes.len() })?;
+        if raw.iter().all(|&b| b == 0) {
+            return Err(CommIdError::Zero);
+        }
+        Ok(CommId(raw))
+    }
+
+    /// The id's bytes, exactly as NCCL made them.
+    pub fn as_bytes(&self) -> &[u8; COMM_ID_BYTES] {
+        &self.0
+    }
+
+    /// The bytes to put in a message (decode with [`CommId::from_bytes`]).
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.0.to_vec()
+    }
+
+    /// Lower-case hex (256 characters), for text messages and logs.
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Decodes [`CommId::to_hex`] output.
+    pub fn from_hex(text: &str) -> Result<CommId, CommIdError> {
+        let text = text.trim();
+        if text.len() != 2 * COMM_ID_BYTES {
+            return Err(CommIdError::Length { got: text.len() / 2 });
+        }
+        let digit = |i: usize| -> Result<u8, CommIdError> {
+            let c = text.as_bytes()[i];
+            (c as char).to_digit(16).map(|d| d as u8).ok_or(CommIdError::Hex { at: i })
+        };
+        let mut raw = [0u8; COMM_ID_BYTES];
+        for (i, b) in raw.iter_mut().enumerate() {
+            *b = (digit(2 * i)? << 4) | digit(2 * i + 1)?;
+        }
+        CommId::from_bytes(&raw)
+    }
+
+    /// A short tag for logs and errors (first 8 bytes, hex).
+    pub fn tag(&self) -> String {
+        self.0[..8].iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl fmt::Debug for CommId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CommId({}…)", self.tag())
+    }
+}
+
+impl fmt::Display for CommId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.tag())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> CommId {
+        let raw: Vec<u8> = (0..COMM_ID_BYTES).map(|i| (i * 37 + 1) as u8).collect();
+        CommId::from_bytes(&raw).unwrap()
+    }
+
+    #[test]
+    fn bytes_round_trip() {
+        let id = sample();
+        let wire = id.to_vec();
+        assert_eq!(wire.len(), COMM_ID_BYTES);
+        assert_eq!(CommId::from_bytes(&wire).unwrap(), id);
+        assert_eq!(CommId::from_hex(&id.to_hex()).unwrap(), id);
+        assert_eq!(id.to_hex().len(), 256);
+        assert!(format!("{id:?}").starts_with("CommId("));
+    }
+
+    #[test]
+    fn wrong_length_rejected() {
+        let wire = sample().to_vec();
+        assert_eq!(CommId::from_bytes(&wire[..127]), Err(CommIdError::Length { got: 127 }));
+        let mut long = wire.clone();
+        long.push(0);
+        assert_eq!(CommId::from_bytes(&long), Err(CommIdError::Length { got: 129 }));
+        assert_eq!(CommId::from_bytes(&[]), Err(CommIdError::Length { got: 0 }));
+        assert!(CommId::from_hex("abcd").is_err());
+    }
+
+    #[test]
+    fn zero_and_bad_hex_rejected() {
+        assert_eq!(CommId::from_bytes(&[0u8; COMM_ID_BYTES]), Err(CommIdError::Zero));
+        let mut hex = sample().to_hex();
+        hex.replace_range(10..11, "g");
+        assert_eq!(CommId::from_hex(&hex), Err(CommIdError::Hex { at: 10 }));
+        let e = CommId::from_bytes(&[1u8; 3]).unwrap_err().to_string();
+        assert!(e.contains("128 bytes, got 3"), "{e}");
+    }
+}

@@ -1,0 +1,509 @@
+//! NCCL communicators and the NCCL executor (`cuda` feature).
+//!
+//! [`NcclBackend`] is the real [`CommBackend`]: it lives on its
+//! communicator thread (see [`comm`](crate::cuda::comm)), creates the
+//! communicator with `ncclCommInitRankConfig` and `blocking = 0`, runs a
+//! round as one `ncclGroupStart`/`ncclGroupEnd` group of `ncclSend`/
+//! `ncclRecv` on its own stream, polls `ncclCommGetAsyncError` and a CUDA
+//! event for completion, and tears down with `ncclCommAbort`. Everything
+//! goes through cudarc's `result`/`sys` layers, because cudarc's safe
+//! `Comm` creates blocking communicators and panics in `Drop` if abort fails.
+//!
+//! [`run_rank_nccl`] runs one rank's program with its buffers on the device:
+//! per round, local copies, pack every outgoing message into a contiguous
+//! device staging buffer (pieces in wire dtype, 256-byte aligned), one NCCL
+//! group with all the round's sends and receives, then unpack.
+
+use crate::copy::{in_bounds, packed_strides, StridedRef};
+use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, P2p, Progress};
+use crate::cuda::copyplan::{plan_copies, Side};
+use crate::cuda::device::{issue, no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
+use crate::cuda::exec::{convert_on_host, message_layout};
+use crate::cuda::id::CommId;
+use crate::cuda::schedule::{Place, Step};
+use crate::exec::RankStats;
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
+use cudarc::nccl::{result, sys};
+use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::Arc;
+use std::time::Instant;
+use thiserror::Error;
+
+/// `NCCL_API_MAGIC`: marks an initialised `ncclConfig_t`.
+const CONFIG_MAGIC: u32 = 0xcafe_beef;
+/// `NCCL_CONFIG_UNDEF_INT`: "use NCCL's default".
+const UNDEF_INT: c_int = c_int::MIN;
+/// Version of the `ncclConfig_t` layout in cudarc's bindings (NCCL 2.30).
+const CONFIG_VERSION: u32 = 23000;
+
+impl CommId {
+    /// A new id from `ncclGetUniqueId` (on the member that hosts rank 0).
+    /// Checks that NCCL is loadable first; never panics.
+    pub fn generate() -> Result<CommId, String> {
+        probe_nccl()?;
+        let raw = no_panic("ncclGetUniqueId", || result::get_uniqueid().map_err(|e| nccl_text(e.0, std::ptr::null_mut())))?;
+        let bytes: Vec<u8> = raw.internal.iter().map(|&c| c as u8).collect();
+        CommId::from_bytes(&bytes).map_err(|e| e.to_string())
+    }
+
+    fn to_nccl(self) -> sys::ncclUniqueId {
+        let mut internal = [0 as c_char; 128];
+        for (d, &s) in internal.iter_mut().zip(self.as_bytes()) {
+            *d = s as c_char;
+        }
+        sys::ncclUniqueId { internal }
+    }
+}
+
+/// An NCCL result code with NCCL's text and, given a communicator, its
+/// last error message.
+fn nccl_text(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
+    // SAFETY: NCCL returns static strings (or null).
+    let s = unsafe { sys::ncclGetErrorString(code) };
+    let mut out = if s.is_null() { format!("{code:?}") } else { format!("{code:?}: {}", unsafe { CStr::from_ptr(s) }.to_string_lossy()) };
+    if !comm.is_null() {
+        // SAFETY: comm is a live communicator; NCCL owns the string.
+        let last = unsafe { sys::ncclGetLastError(comm) };
+        if !last.is_null() {
+            let last = unsafe { CStr::from_ptr(last) }.to_string_lossy();
+            if !last.is_empty() {
+                out.push_str(&format!(" ({last})"));
+            }
+        }
+    }
+    out
+}
+
+/// The real communicator behind a [`CommHandle`]. Created and used only
+/// on its communicator thread (it is not `Send`).
+pub struct NcclBackend {
+    /// Boxed so its address stays put while NCCL's creation job runs.
+    comm: Box<sys::ncclComm_t>,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    done: Option<CudaEvent>,
+    enqueued: bool,
+}
+
+impl std::fmt::Debug for NcclBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclBackend").field("comm", &*self.comm).field("enqueued", &self.enqueued).finish()
+    }
+}
+
+impl NcclBackend {
+    /// Starts creating `rank` of an `nranks` communicator on device
+    /// `ordinal` from `id`, without blocking. Call on the thread that will
+    /// own it (see [`create_comm`]).
+    pub fn create(ordinal: usize, id: CommId, rank: u32, nranks: u32) -> Result<NcclBackend, String> {
+        probe_driver()?;
+        probe_nccl()?;
+        // Binds the device's primary context to this thread: NCCL uses the
+        // current device.
+        let ctx = CudaContext::new(ordinal).map_err(|e| format!("opening CUDA device {ordinal}: {e}"))?;
+        let stream = ctx.new_stream().map_err(|e| format!("creating a stream on device {ordinal}: {e}"))?;
+        let mut config = sys::ncclConfig_t {
+            size: std::mem::size_of::<sys::ncclConfig_t>(),
+            magic: CONFIG_MAGIC,
+            version: CONFIG_VERSION,
+            blocking: 0,
+            cgaClusterSize: UNDEF_INT,
+            minCTAs: UNDEF_INT,
+            maxCTAs: UNDEF_INT,
+            netName: std::ptr::null(),
+            splitShare: UNDEF_INT,
+            trafficClass: UNDEF_INT,
+            commName: std::ptr::null(),
+            collnetEnable: UNDEF_INT,
+            CTAPolicy: UNDEF_INT,
+            shrinkShare: UNDEF_INT,
+            nvlsCTAs: UNDEF_INT,
+            nChannelsPerNetPeer: UNDEF_INT,
+            nvlinkCentricSched: UNDEF_INT,
+            graphUsageMode: UNDEF_INT,
+            numRmaCtx: UNDEF_INT,
+            maxP2pPeers: UNDEF_INT,
+        };
+        let mut comm: Box<sys::ncclComm_t> = Box::new(std::ptr::null_mut());
+        // SAFETY: `comm` and `config` are valid for the call (NCCL copies
+        // the config; the comm slot is boxed and outlives the communicator).
+        let r = unsafe { result::comm_init_rank_config(&mut *comm, nranks as c_int, id.to_nccl(), rank as c_int, &mut config) };
+        match r {
+            Ok(_) => {}
+            // A communicator that exists carries the error; polling reports
+            // it and the thread aborts it.
+            Err(_) if !comm.is_null() => {}
+            Err(e) => return Err(format!("ncclCommInitRankConfig(rank {rank} of {nranks}): {}", nccl_text(e.0, std::ptr::null_mut()))),
+        }
+        Ok(NcclBackend { comm, ctx, stream, done: None, enqueued: false })
+    }
+
+    fn async_state(&self) -> Result<sys::ncclResult_t, String> {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: live communicator; state is a valid out-pointer.
+        let r = unsafe { sys::ncclCommGetAsyncError(*self.comm, &mut state) };
+        if r != sys::ncclResult_t::ncclSuccess {
+            return Err(format!("ncclCommGetAsyncError: {}", nccl_text(r, *self.comm)));
+        }
+        Ok(state)
+    }
+
+    fn progress(&self) -> Result<Progress, String> {
+        match self.async_state()? {
+            sys::ncclResult_t::ncclSuccess => Ok(Progress::Ready),
+            sys::ncclResult_t::ncclInProgress => Ok(Progress::Pending),
+            e => Err(nccl_text(e, *self.comm)),
+        }
+    }
+}
+
+impl CommBackend for NcclBackend {
+    fn poll_init(&mut self) -> Result<Progress, String> {
+        self.progress()
+    }
+
+    fn start_group(&mut self, ops: &[P2p]) -> Result<(), String> {
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        self.done = None;
+        self.enqueued = false;
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        let comm = *self.comm;
+        result::group_start().map_err(|e| format!("ncclGroupStart: {}", nccl_text(e.0, comm)))?;
+        let mut first_err = None;
+        for op in ops {
+            // SAFETY: the caller keeps the memory valid until the group is done.
+            let r = unsafe {
+                match *op {
+                    P2p::Send { peer, addr, bytes } => {
+                        result::send(addr as *const c_void, bytes as usize, sys::ncclDataType_t::ncclUint8, peer as c_int, comm, stream)
+                    }
+                    P2p::Recv { peer, addr, bytes } => {
+                        result::recv(addr as *mut c_void, bytes as usize, sys::ncclDataType_t::ncclUint8, peer as c_int, comm, stream)
+                    }
+                }
+            };
+            if let Err(e) = r {
+                first_err.get_or_insert(format!("{op:?}: {}", nccl_text(e.0, comm)));
+            }
+        }
+        // Always close the group, even after a failed call.
+        let end = result::group_end();
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        match end {
+            Ok(result::NcclStatus::InProgress) => Ok(()),
+            Ok(_) => {
+                self.done = Some(self.stream.record_event(None).map_err(|e| e.to_string())?);
+                self.enqueued = true;
+                Ok(())
+            }
+            Err(e) => Err(format!("ncclGroupEnd: {}", nccl_text(e.0, comm))),
+        }
+    }
+
+    fn poll_group(&mut self) -> Result<Progress, String> {
+        // Enqueueing: the communicator reports in-progress until the calls
+        // are on the stream; then wait for the stream's work.
+        if !self.enqueued {
+            if self.progress()? == Progress::Pending {
+                return Ok(Progress::Pending);
+            }
+            self.done = Some(self.stream.record_event(None).map_err(|e| e.to_string())?);
+            self.enqueued = true;
+        }
+        if let e @ Err(_) = self.progress() {
+            return e;
+        }
+        match &self.done {
+            Some(ev) => match ev.try_is_complete() {
+                Ok(true) => Ok(Progress::Ready),
+                Ok(false) => Ok(Progress::Pending),
+                Err(e) => Err(format!("waiting for the group on the device: {e}")),
+            },
+            None => Ok(Progress::Ready),
+        }
+    }
+
+    fn check(&mut self) -> Result<(), String> {
+        match self.async_state()? {
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
+            e => Err(nccl_text(e, *self.comm)),
+        }
+    }
+
+    fn abort(&mut self) -> Result<(), String> {
+        let comm = std::mem::replace(&mut *self.comm, std::ptr::null_mut());
+        if comm.is_null() {
+            return Ok(());
+        }
+        self.done = None;
+        // SAFETY: a communicator we created and nobody uses any more.
+        match unsafe { result::comm_abort(comm) } {
+            Ok(_) => Ok(()),
+            Err(e) => Err(format!("ncclCommAbort: {}", nccl_text(e.0, std::ptr::null_mut()))),
+        }
+    }
+}
+
+impl Drop for NcclBackend {
+    fn drop(&mut self) {
+        // Normally aborted already by the thread; this covers unwinding.
+        let _ = self.abort();
+    }
+}
+
+/// Creates this member's communicator on its own thread (device
+/// `ordinal`, `config.rank` of `config.nranks`) and waits until it is ready
+/// or `config.init_timeout` passes. Every member passes the same `id`.
+pub fn create_comm(ordinal: usize, id: CommId, config: CommConfig) -> Result<CommHandle, CommError> {
+    CommHandle::spawn(config, &id.tag(), move || NcclBackend::create(ordinal, id, config.rank, config.nranks))
+}
+
+/// The usual rank numbering of one communicator over both groups: source
+/// ranks first, then destination ranks.
+pub fn comm_rank(endpoint: Endpoint, src_ranks: u32) -> u32 {
+    match endpoint.group {
+        Group::Src => endpoint.rank,
+        Group::Dst => src_ranks + endpoint.rank,
+    }
+}
+
+/// Why an NCCL run of a rank's program failed. On any error, abort the
+/// communicator (peers then fail instead of waiting) and create a new one
+/// with a new id before the next refit.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum NcclExecError {
+    /// The communicator failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// A device operation failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// A peer has no rank in the communicator.
+    #[error("{me}: round {round}: peer {peer} has no rank in the communicator")]
+    UnknownPeer {
+        /// This rank.
+        me: Endpoint,
+        /// The peer.
+        peer: Endpoint,
+        /// Round.
+        round: u32,
+    },
+    /// A piece does not fit this rank's device memory.
+    #[error("{me}: piece {block} does not fit buffer {buffer}")]
+    OutOfBounds {
+        /// This rank.
+        me: Endpoint,
+        /// Piece.
+        block: Box<Block>,
+        /// Buffer index.
+        buffer: u32,
+    },
+    /// Packing or unpacking a piece failed.
+    #[error("{me}: round {round}: piece {block} with {peer}: {error}")]
+    Copy {
+        /// This rank.
+        me: Endpoint,
+        /// The other rank.
+        peer: Endpoint,
+        /// Round.
+        round: u32,
+        /// Piece.
+        block: Box<Block>,
+        /// The CUDA error.
+        error: String,
+    },
+}
+
+fn check(me: Endpoint, memory: &DeviceMemory, span: &Span, dtype: DType, block: &Block) -> Result<(), NcclExecError> {
+    let oob = || NcclExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer };
+    let len = *memory.buffer_lens().get(span.buffer as usize).ok_or_else(oob)?;
+    let r = StridedRef { ptr: std::ptr::null(), len, base: span.base, strides: span.strides, dtype };
+    if memory.dtypes()[span.buffer as usize] != dtype || !in_bounds(block.extent(), &r) {
+        return Err(oob());
+    }
+    Ok(())
+}
+
+/// A device staging buffer that grows on demand.
+struct Staging {
+    buf: Option<CudaSlice<u8>>,
+    len: usize,
+}
+
+impl Staging {
+    fn addr(&mut self, dev: &GpuDevice, len: usize, what: &str) -> Result<u64, GpuError> {
+        if self.buf.is_none() || self.len < len {
+            self.buf = None;
+            self.buf = Some(dev.alloc(len, what)?);
+            self.len = len;
+        }
+        Ok(self.buf.as_ref().map_or(0, |b| dev.addr(b)))
+    }
+}
+
+/// Copies one piece between a strided place and a packed place (both on
+/// the device), converting through host staging when dtypes differ.
+#[allow(clippy::too_many_arguments)]
+fn move_piece(
+    dev: &GpuDevice,
+    host: &mut [PinnedStaging; 2],
+    block: &Block,
+    from: (u64, Span, DType),
+    wire: DType,
+    to: &[(u64, Span, DType)],
+) -> Result<(), String> {
+    let direct = from.2 == wire && to.iter().all(|t| t.2 == wire);
+    if direct {
+        let src = Side { base: from.1.base, strides: from.1.strides };
+        for t in to {
+            for op in plan_copies(block.extent(), &src, &Side { base: t.1.base, strides: t.1.strides }, wire.size(), dev.max_pitch()) {
+                // SAFETY: both sides were bounds-checked against live
+                // allocations; the stream orders the copies.
+                unsafe { issue(&op, Loc::Device(from.0), Loc::Device(t.0), dev.stream().cu_stream()) }.map_err(|e| e.to_string())?;
+            }
+        }
+        return Ok(());
+    }
+    let step = Step {
+        round: 0,
+        block: *block,
+        from: Place { rank: 0, span: from.1, dtype: from.2 },
+        wire,
+        to: to.iter().map(|t| Place { rank: 0, span: t.1, dtype: t.2 }).collect(),
+        local: false,
+    };
+    let dsts: Vec<u64> = to.iter().map(|t| t.0).collect();
+    convert_on_host(dev, host, &step, from.0, &dsts).map(|_| ())
+}
+
+/// Runs one rank's program with its buffers in device memory over an NCCL
+/// communicator: each round is one group of the round's sends and
+/// receives. `rank_of` maps an endpoint to its communicator rank (e.g.
+/// [`comm_rank`]); every wait ends by `deadline`. The communicator must be
+/// on the same device as `memory`.
+pub fn run_rank_nccl(
+    dev: &GpuDevice,
+    program: &RankProgram,
+    memory: &mut DeviceMemory,
+    comm: &mut CommHandle,
+    rank_of: &dyn Fn(Endpoint) -> Option<u32>,
+    deadline: Instant,
+) -> Result<RankStats, NcclExecError> {
+    let me = program.endpoint;
+    let want: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
+    if memory.buffer_lens() != want.as_slice() {
+        return Err(GpuError::Invalid {
+            what: format!("{me}: device memory"),
+            problem: format!("buffers of {:?} bytes, program needs {want:?}", memory.buffer_lens()),
+        }
+        .into());
+    }
+    dev.bind()?;
+    let addrs = memory.addrs(dev);
+    let mut host = [PinnedStaging::new(dev), PinnedStaging::new(dev)];
+    let (mut send_buf, mut recv_buf) = (Staging { buf: None, len: 0 }, Staging { buf: None, len: 0 });
+    let mut stats = RankStats::default();
+    for (r, round) in program.rounds.iter().enumerate() {
+        let r = r as u32;
+        let copy_err = |peer: Endpoint, block: &Block| {
+            let block = Box::new(*block);
+            move |error: String| NcclExecError::Copy { me, peer, round: r, block, error }
+        };
+        for l in &round.locals {
+            check(me, memory, &l.from, l.from_dtype, &l.block)?;
+            let mut to = Vec::new();
+            for s in &l.to {
+                check(me, memory, s, l.to_dtype, &l.block)?;
+                to.push((addrs[s.buffer as usize], *s, l.to_dtype));
+            }
+            move_piece(dev, &mut host, &l.block, (addrs[l.from.buffer as usize], l.from, l.from_dtype), l.to_dtype, &to)
+                .map_err(copy_err(me, &l.block))?;
+        }
+        if round.sends.is_empty() && round.recvs.is_empty() {
+            continue;
+        }
+        // Lay out every message of the round in one staging buffer per direction.
+        let sends: Vec<(Vec<u64>, u64)> =
+            round.sends.iter().map(|m| message_layout(m.pieces.iter().map(|p| (p.block.numel(), p.wire)))).collect();
+        let recvs: Vec<(Vec<u64>, u64)> =
+            round.recvs.iter().map(|m| message_layout(m.pieces.iter().map(|p| (p.block.numel(), p.wire)))).collect();
+        let (send_at, send_total) = message_layout(sends.iter().map(|(_, len)| (*len, DType::U8)));
+        let (recv_at, recv_total) = message_layout(recvs.iter().map(|(_, len)| (*len, DType::U8)));
+        let sbase = send_buf.addr(dev, send_total as usize, &format!("{me}: send staging"))?;
+        let rbase = recv_buf.addr(dev, recv_total as usize, &format!("{me}: receive staging"))?;
+        let mut ops = Vec::new();
+        for (i, m) in round.sends.iter().enumerate() {
+            let peer = rank_of(m.peer).ok_or(NcclExecError::UnknownPeer { me, peer: m.peer, round: r })?;
+            for (p, &off) in m.pieces.iter().zip(&sends[i].0) {
+                check(me, memory, &p.span, p.dtype, &p.block)?;
+                let at = send_at[i] + off;
+                let packed = Span { buffer: 0, base: at / p.wire.size(), strides: packed_strides(p.block.extent()) };
+                move_piece(dev, &mut host, &p.block, (addrs[p.span.buffer as usize], p.span, p.dtype), p.wire, &[(sbase, packed, p.wire)])
+                    .map_err(copy_err(m.peer, &p.block))?;
+            }
+            ops.push(P2p::Send { peer, addr: sbase + send_at[i], bytes: sends[i].1 });
+            stats.sent_bytes += m.wire_bytes();
+            stats.messages += 1;
+        }
+        for (i, m) in round.recvs.iter().enumerate() {
+            let peer = rank_of(m.peer).ok_or(NcclExecError::UnknownPeer { me, peer: m.peer, round: r })?;
+            ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: recvs[i].1 });
+        }
+        // Packing (this stream) must finish before NCCL (its own stream) reads.
+        dev.synchronize()?;
+        if let Err(e) = comm.group(r, ops, deadline) {
+            // NCCL may still be reading or writing the staging buffers until
+            // the communicator is aborted (or forever, if abort hangs): never
+            // free them. The rank's own buffers are never named in a group.
+            std::mem::forget(send_buf.buf.take());
+            std::mem::forget(recv_buf.buf.take());
+            return Err(e.into());
+        }
+        for (i, m) in round.recvs.iter().enumerate() {
+            for (p, &off) in m.pieces.iter().zip(&recvs[i].0) {
+                let at = recv_at[i] + off;
+                let packed = Span { buffer: 0, base: at / p.wire.size(), strides: packed_strides(p.block.extent()) };
+                let mut to = Vec::new();
+                for s in &p.spans {
+                    check(me, memory, s, p.dtype, &p.block)?;
+                    to.push((addrs[s.buffer as usize], *s, p.dtype));
+                }
+                move_piece(dev, &mut host, &p.block, (rbase, packed, p.wire), p.wire, &to).map_err(copy_err(m.peer, &p.block))?;
+            }
+            stats.recv_bytes += m.wire_bytes();
+        }
+    }
+    dev.synchronize()?;
+    Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn without_nccl_creation_fails_cleanly() {
+        if crate::gpu_probe::cuda_available().is_ok() {
+            return; // covered by scripts/gpu-check.sh on a GPU machine
+        }
+        assert!(CommId::generate().is_err());
+        let id = CommId::from_bytes(&[7u8; 128]).unwrap();
+        let config = CommConfig { init_timeout: Duration::from_secs(5), ..CommConfig::new(0, 1) };
+        let start = Instant::now();
+        let err = create_comm(0, id, config).unwrap_err();
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert!(matches!(&err, CommError::InitFailed { rank: 0, nranks: 1, abandoned: false, .. }), "{err}");
+    }
+
+    #[test]
+    fn ranks_number_sources_first() {
+        assert_eq!(comm_rank(Endpoint::src(2), 4), 2);
+        assert_eq!(comm_rank(Endpoint::dst(1), 4), 5);
+        let id = CommId::from_bytes(&[1u8; 128]).unwrap().to_nccl();
+        assert!(id.internal.iter().all(|&c| c == 1));
+    }
+}

@@ -1,0 +1,328 @@
+//! The schedule of a reshard whose ranks all live on one device: every
+//! rank's program flattened into one ordered list of copies, each from one
+//! rank's buffer to one or more places in another's (or its own). Order
+//! keeps the programs' round semantics: a round's local copies, then its
+//! transfers, then the next round. Running the steps in order on one stream
+//! is then equivalent to running every program over a transport.
+//!
+//! Pure, compiled and tested without a GPU; the device executor (`exec`,
+//! `cuda` feature) runs the steps with device copies.
+
+use crate::copy::{in_bounds, StridedRef};
+use reshard::{Block, DType, Endpoint, RankProgram, Span};
+use std::collections::HashMap;
+use thiserror::Error;
+
+/// Where a piece is: a rank (index into the programs), a span of one of its
+/// buffers, and that buffer's element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    /// Index of the rank's program.
+    pub rank: usize,
+    /// The elements in the rank's buffer.
+    pub span: Span,
+    /// Element type of the buffer.
+    pub dtype: DType,
+}
+
+/// One copy of a piece. Values go `from.dtype` → `wire` → each `to` dtype,
+/// exactly as a sender narrows to the wire type and a receiver widens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    /// Plan round.
+    pub round: u32,
+    /// The piece.
+    pub block: Block,
+    /// Where it is read.
+    pub from: Place,
+    /// Type it travels in (the destination type for a local copy).
+    pub wire: DType,
+    /// Where it is written.
+    pub to: Vec<Place>,
+    /// Whether it is a copy inside one rank (no bytes between ranks).
+    pub local: bool,
+}
+
+impl Step {
+    /// Whether no dtype conversion is needed (a plain byte copy).
+    pub fn is_direct(&self) -> bool {
+        self.from.dtype == self.wire && self.to.iter().all(|t| t.dtype == self.wire)
+    }
+
+    /// Bytes this step moves between ranks (in the wire type).
+    pub fn wire_bytes(&self) -> u64 {
+        if self.local {
+            0
+        } else {
+            self.block.numel() * self.wire.size()
+        }
+    }
+}
+
+/// Every rank's program as one ordered list of copies.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Schedule {
+    /// Copies, in the order to run them.
+    pub steps: Vec<Step>,
+    /// Bytes between ranks (wire type), as an executor over a transport reports.
+    pub wire_bytes: u64,
+    /// Messages between ranks.
+    pub messages: u64,
+}
+
+/// Why programs do not form a consistent same-device schedule.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum ScheduleError {
+    /// A rank expects a message its peer does not send.
+    #[error("{me}: round {round}: expects a message from {peer}, which sends none")]
+    Unmatched {
+        /// Receiving rank.
+        me: Endpoint,
+        /// Expected sender.
+        peer: Endpoint,
+        /// Round.
+        round: u32,
+    },
+    /// Sender and receiver disagree on a message's pieces.
+    #[error("{me}: round {round}: message from {peer} does not match: {problem}")]
+    Mismatch {
+        /// Receiving rank.
+        me: Endpoint,
+        /// Sender.
+        peer: Endpoint,
+        /// Round.
+        round: u32,
+        /// What differs.
+        problem: String,
+    },
+    /// A message is sent and never received.
+    #[error("{me}: round {round}: message to {peer} is never received")]
+    Unreceived {
+        /// Sending rank.
+        me: Endpoint,
+        /// Intended receiver.
+        peer: Endpoint,
+        /// Round.
+        round: u32,
+    },
+    /// A message names a rank with no program.
+    #[error("{me}: round {round}: peer {peer} has no program")]
+    UnknownPeer {
+        /// The rank naming it.
+        me: Endpoint,
+        /// The unknown peer.
+        peer: Endpoint,
+        /// Round.
+        round: u32,
+    },
+    /// A span falls outside its buffer.
+    #[error("{me}: piece {block} does not fit buffer {buffer}")]
+    OutOfBounds {
+        /// Rank.
+        me: Endpoint,
+        /// Piece.
+        block: Box<Block>,
+        /// Buffer index.
+        buffer: u32,
+    },
+}
+
+fn place(programs: &[RankProgram], rank: usize, span: &Span, dtype: DType, block: &Block) -> Result<Place, ScheduleError> {
+    let p = &programs[rank];
+    let oob = || ScheduleError::OutOfBounds { me: p.endpoint, block: Box::new(*block), buffer: span.buffer };
+    let spec = p.buffers.get(span.buffer as usize).ok_or_else(oob)?;
+    let len = spec.elems.checked_mul(spec.dtype.size()).ok_or_else(oob)?;
+    let r = StridedRef { ptr: std::ptr::null(), len: len as usize, base: span.base, strides: span.strides, dtype };
+    if spec.dtype != dtype || !in_bounds(block.extent(), &r) {
+        return Err(oob());
+    }
+    Ok(Place { rank, span: *span, dtype })
+}
+
+/// Flattens `programs` (all ranks of one plan) into one ordered schedule,
+/// checking that every message is sent and received with the same pieces.
+pub fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, ScheduleError> {
+    let index: HashMap<Endpoint, usize> = programs.iter().enumerate().map(|(i, p)| (p.endpoint, i)).collect();
+    let rounds = programs.iter().map(|p| p.rounds.len()).max().unwrap_or(0);
+    let mut out = Schedule::default();
+    for r in 0..rounds {
+        let round = r as u32;
+        for (i, p) in programs.iter().enumerate() {
+            let Some(rd) = p.rounds.get(r) else { continue };
+            for l in &rd.locals {
+                let from = place(programs, i, &l.from, l.from_dtype, &l.block)?;
+                let to = l.to.iter().map(|s| place(programs, i, s, l.to_dtype, &l.block)).collect::<Result<Vec<_>, _>>()?;
+                out.steps.push(Step { round, block: l.block, from, wire: l.to_dtype, to, local: true });
+            }
+        }
+        let mut received = 0usize;
+        for (i, p) in programs.iter().enumerate() {
+            let Some(rd) = p.rounds.get(r) else { continue };
+            for msg in &rd.recvs {
+                let (me, peer) = (p.endpoint, msg.peer);
+                let &j = index.get(&peer).ok_or(ScheduleError::UnknownPeer { me, peer, round })?;
+                let sent = programs[j]
+                    .rounds
+                    .get(r)
+                    .and_then(|sr| sr.sends.iter().find(|m| m.peer == me))
+                    .ok_or(ScheduleError::Unmatched { me, peer, round })?;
+                let bad = |problem: String| ScheduleError::Mismatch { me, peer, round, problem };
+                if sent.pieces.len() != msg.pieces.len() {
+                    return Err(bad(format!("{} pieces sent, {} expected", sent.pieces.len(), msg.pieces.len())));
+                }
+                for (sp, rp) in sent.pieces.iter().zip(&msg.pieces) {
+                    if sp.block != rp.block || sp.wire != rp.wire {
+                        return Err(bad(format!("piece {} as {} sent where {} as {} expected", sp.block, sp.wire, rp.block, rp.wire)));
+                    }
+                    let from = place(programs, j, &sp.span, sp.dtype, &sp.block)?;
+                    let to = rp.spans.iter().map(|s| place(programs, i, s, rp.dtype, &rp.block)).collect::<Result<Vec<_>, _>>()?;
+                    out.steps.push(Step { round, block: rp.block, from, wire: rp.wire, to, local: false });
+                }
+                out.wire_bytes += msg.wire_bytes();
+                out.messages += 1;
+                received += 1;
+            }
+        }
+        let sent: usize = programs.iter().filter_map(|p| p.rounds.get(r)).map(|rd| rd.sends.len()).sum();
+        if sent != received {
+            // Find a send nobody receives, to name it.
+            for p in programs {
+                for m in p.rounds.get(r).map_or(&[][..], |rd| &rd.sends[..]) {
+                    let peer_expects = index
+                        .get(&m.peer)
+                        .and_then(|&k| programs[k].rounds.get(r))
+                        .is_some_and(|rd| rd.recvs.iter().any(|x| x.peer == p.endpoint));
+                    if !peer_expects {
+                        return Err(ScheduleError::Unreceived { me: p.endpoint, peer: m.peer, round });
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::copy::copy_strided;
+    use crate::cuda::copyplan::{plan_copies, Side};
+    use crate::memory::RankMemory;
+    use crate::pattern::{fill_sources, verify_destinations};
+    use reshard::{parse_layout, plan_baseline, plan_reshard, Layout, PlanOptions};
+
+    const SRC: &str = r#"{"ranks": 4, "tensors": [
+        {"name": "a", "dtype": "f32", "shape": [12, 10], "mesh": {"shape": [2, 2]}, "placements": ["shard(0)", "shard(1)"]},
+        {"name": "b", "dtype": "bf16", "shape": [6, 7, 5], "mesh": {"shape": [4]}, "placements": ["shard(1)"]},
+        {"name": "c", "dtype": "f64", "shape": [9], "mesh": {"shape": [4]}, "placements": ["replicate"]},
+        {"name": "d", "dtype": "i32", "shape": [8, 3], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"]}]}"#;
+    const DST: &str = r#"{"ranks": 3, "tensors": [
+        {"name": "a", "dtype": "bf16", "shape": [12, 10], "mesh": {"shape": [3]}, "placements": ["shard(1)"]},
+        {"name": "b", "dtype": "f32", "shape": [6, 7, 5], "mesh": {"shape": [3]}, "placements": ["shard(2)"]},
+        {"name": "c", "dtype": "f64", "shape": [9], "mesh": {"shape": [3]}, "placements": ["shard(0)"]},
+        {"name": "d", "dtype": "i32", "shape": [8, 3], "mesh": {"shape": [3]}, "placements": ["replicate"]}]}"#;
+
+    fn layouts() -> (Layout, Layout) {
+        (parse_layout(SRC).unwrap(), parse_layout(DST).unwrap())
+    }
+
+    /// Runs a schedule on host memory the way the device executor does:
+    /// direct steps through the copy plans, others converted on the host.
+    fn run_host(steps: &[Step], memory: &mut [RankMemory]) {
+        for s in steps {
+            let counts = s.block.extent();
+            if s.is_direct() {
+                let elem = s.wire.size();
+                for t in &s.to {
+                    let src = memory[s.from.rank].buffers[s.from.span.buffer as usize].clone();
+                    let ops = plan_copies(
+                        counts,
+                        &Side { base: s.from.span.base, strides: s.from.span.strides },
+                        &Side { base: t.span.base, strides: t.span.strides },
+                        elem,
+                        1 << 31,
+                    );
+                    let dst = &mut memory[t.rank].buffers[t.span.buffer as usize];
+                    for op in ops {
+                        assert!(op.apply(&src, dst));
+                    }
+                }
+            } else {
+                let src = &memory[s.from.rank].buffers[s.from.span.buffer as usize];
+                let n = s.block.numel();
+                let mut wire = vec![0u8; (n * s.wire.size()) as usize];
+                let packed = crate::copy::packed_strides(counts);
+                let sr = StridedRef {
+                    ptr: src.as_ptr(),
+                    len: src.len(),
+                    base: s.from.span.base,
+                    strides: s.from.span.strides,
+                    dtype: s.from.dtype,
+                };
+                let wr = StridedRef { ptr: wire.as_mut_ptr(), len: wire.len(), base: 0, strides: packed, dtype: s.wire };
+                unsafe { copy_strided(counts, &sr, &wr) };
+                for t in &s.to {
+                    let dst = &mut memory[t.rank].buffers[t.span.buffer as usize];
+                    let dr =
+                        StridedRef { ptr: dst.as_mut_ptr(), len: dst.len(), base: t.span.base, strides: t.span.strides, dtype: t.dtype };
+                    unsafe { copy_strided(counts, &wr, &dr) };
+                }
+            }
+        }
+    }
+
+    fn run_and_verify(src: &Layout, dst: &Layout, plan: &reshard::Plan) -> Schedule {
+        let programs = plan.programs(src, dst).unwrap();
+        let schedule = same_device_schedule(&programs).unwrap();
+        let mut memory = RankMemory::for_programs(&programs);
+        let n_src = src.ranks() as usize;
+        fill_sources(src, &mut memory[..n_src]);
+        run_host(&schedule.steps, &mut memory);
+        verify_destinations(src, dst, &memory[n_src..]).unwrap();
+        // Same byte and message counts as the in-process executor.
+        let mut again = RankMemory::for_programs(&programs);
+        fill_sources(src, &mut again[..n_src]);
+        let report = crate::run_local(&programs, &mut again, &crate::ExecOptions::default()).unwrap();
+        assert_eq!((schedule.wire_bytes, schedule.messages), (report.bytes, report.messages));
+        schedule
+    }
+
+    #[test]
+    fn planned_reshard_runs_bit_exact_through_copy_plans() {
+        let (src, dst) = layouts();
+        let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
+        let s = run_and_verify(&src, &dst, &plan);
+        assert!(s.steps.iter().any(|s| !s.is_direct()) && s.steps.iter().any(Step::is_direct));
+    }
+
+    #[test]
+    fn baseline_runs_bit_exact_through_copy_plans() {
+        let (src, dst) = layouts();
+        let plan = plan_baseline(&src, &dst, &PlanOptions::default()).unwrap();
+        let s = run_and_verify(&src, &dst, &plan);
+        assert!(s.steps.iter().any(|s| s.local));
+    }
+
+    #[test]
+    fn inconsistent_programs_rejected() {
+        let (src, dst) = layouts();
+        let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
+        let programs = plan.programs(&src, &dst).unwrap();
+        // Drop one receive: its send is never received.
+        let mut p = programs.clone();
+        let (ri, r) =
+            p.iter().enumerate().find_map(|(i, pr)| pr.rounds.iter().position(|rd| !rd.recvs.is_empty()).map(|r| (i, r))).unwrap();
+        let gone = p[ri].rounds[r].recvs.remove(0);
+        let err = same_device_schedule(&p).unwrap_err();
+        assert_eq!(err, ScheduleError::Unreceived { me: gone.peer, peer: p[ri].endpoint, round: r as u32 });
+        // Change a received piece's wire type.
+        let mut p = programs.clone();
+        let piece = &mut p[ri].rounds[r].recvs[0].pieces[0];
+        piece.wire = if piece.wire == DType::U8 { DType::I8 } else { DType::U8 };
+        assert!(matches!(same_device_schedule(&p), Err(ScheduleError::Mismatch { .. })));
+        // A span past its buffer's end.
+        let mut p = programs;
+        p[ri].rounds[r].recvs[0].pieces[0].spans[0].base += 1 << 40;
+        assert!(matches!(same_device_schedule(&p), Err(ScheduleError::OutOfBounds { .. })));
+    }
+}
