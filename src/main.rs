@@ -73,7 +73,8 @@ enum Command {
         /// Check every destination element.
         #[arg(long)]
         verify: bool,
-        /// Data plane: only `local` (in-process) for now.
+        /// Data plane: `local` (in-process, host memory) or `cuda` (GPU 0;
+        /// needs a build with `--features cuda`).
         #[arg(long, default_value = "local")]
         transport: String,
         /// Fail if the refit takes longer than this many seconds.
@@ -237,6 +238,17 @@ fn print_figures(name: &str, f: &Figures) {
     say!("  messages            {} in {} rounds ({} stages)", f.messages, f.rounds, f.stages);
 }
 
+#[cfg(feature = "cuda")]
+fn execute_cuda(prepared: &mut refit::runner::Prepared) -> Result<transport::ExecReport, refit::runner::RunError> {
+    prepared.execute_cuda()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn execute_cuda(_: &mut refit::runner::Prepared) -> Result<transport::ExecReport, refit::runner::RunError> {
+    // cuda_available() already refused: this build has no GPU data plane.
+    Err(refit::runner::RunError::Gpu("built without the cuda feature".into()))
+}
+
 /// Arguments of `refit plan`.
 struct PlanArgs<'a> {
     src: &'a Option<PathBuf>,
@@ -351,8 +363,10 @@ fn cmd_plan(args: &PlanArgs<'_>) -> Result<(), Failure> {
 }
 
 fn cmd_run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_s: u64) -> Result<(), Failure> {
-    if transport != "local" {
-        return Err(invalid(format!("--transport {transport}: unknown transport (available: local)")));
+    match transport {
+        "local" => {}
+        "cuda" => transport::cuda_available().map_err(|e| invalid(format!("CUDA transport unavailable: {e}")))?,
+        other => return Err(invalid(format!("--transport {other}: unknown transport (available: local, cuda)"))),
     }
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
     let opts = options(pair)?;
@@ -360,7 +374,8 @@ fn cmd_run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_
     let mut prepared =
         prepare(&src, &dst, strategy, &opts).map_err(|e| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display())))?;
     let exec = ExecOptions { deadline: Duration::from_secs(deadline_s) };
-    let report = prepared.execute(&exec).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+    let report = if transport == "cuda" { execute_cuda(&mut prepared) } else { prepared.execute(&exec) }
+        .map_err(|e| Failure { line: e.to_string(), code: 1 })?;
     let secs = report.elapsed.as_secs_f64();
     let f = prepared.plan.figures();
     say!(

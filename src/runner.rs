@@ -23,6 +23,9 @@ pub enum RunError {
         /// Bytes available (Linux `MemAvailable`).
         available: u64,
     },
+    /// The GPU data plane failed.
+    #[error("GPU data plane: {0}")]
+    Gpu(String),
     /// Verification found wrong bytes.
     #[error("verification failed: {0}")]
     Verify(#[from] Box<Mismatch>),
@@ -71,6 +74,26 @@ impl Prepared {
     /// Checks every destination element; returns how many were checked.
     pub fn verify(&self, src: &Layout, dst: &Layout) -> Result<u64, RunError> {
         Ok(verify_destinations(src, dst, &self.memory[self.src_ranks..])?)
+    }
+
+    /// Executes every rank's program on GPU 0, each rank's buffers in its
+    /// own device memory, then copies the results back to host memory (so
+    /// [`verify`](Self::verify) checks them).
+    #[cfg(feature = "cuda")]
+    pub fn execute_cuda(&mut self) -> Result<ExecReport, RunError> {
+        use transport::cuda::device::{DeviceMemory, GpuDevice};
+        use transport::cuda::exec::run_device;
+        let gpu = |e: String| RunError::Gpu(e);
+        let dev = GpuDevice::open(0).map_err(|e| gpu(e.to_string()))?;
+        let mut device = DeviceMemory::for_programs(&dev, &self.programs).map_err(|e| gpu(e.to_string()))?;
+        for (d, h) in device.iter_mut().zip(&self.memory) {
+            d.upload(&dev, h).map_err(|e| gpu(e.to_string()))?;
+        }
+        let report = run_device(&dev, &self.programs, &mut device).map_err(|e| gpu(e.to_string()))?;
+        for (d, h) in device.iter().zip(self.memory.iter_mut()).skip(self.src_ranks) {
+            *h = d.download(&dev).map_err(|e| gpu(e.to_string()))?;
+        }
+        Ok(ExecReport { elapsed: report.elapsed, bytes: report.wire_bytes, messages: report.messages })
     }
 
     /// Zeroes destination memory (between repeated runs).
