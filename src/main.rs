@@ -73,7 +73,8 @@ enum Command {
         /// Check every destination element.
         #[arg(long)]
         verify: bool,
-        /// Data plane: `local` (in-process, host memory) or `cuda` (GPU 0;
+        /// Data plane: `local` (in-process, host memory), `tcp` (every rank
+        /// a thread, talking over loopback TCP streams) or `cuda` (GPU 0;
         /// needs a build with `--features cuda`).
         #[arg(long, default_value = "local")]
         transport: String,
@@ -364,9 +365,9 @@ fn cmd_plan(args: &PlanArgs<'_>) -> Result<(), Failure> {
 
 fn cmd_run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_s: u64) -> Result<(), Failure> {
     match transport {
-        "local" => {}
+        "local" | "tcp" => {}
         "cuda" => transport::cuda_available().map_err(|e| invalid(format!("CUDA transport unavailable: {e}")))?,
-        other => return Err(invalid(format!("--transport {other}: unknown transport (available: local, cuda)"))),
+        other => return Err(invalid(format!("--transport {other}: unknown transport (available: local, tcp, cuda)"))),
     }
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
     let opts = options(pair)?;
@@ -374,8 +375,12 @@ fn cmd_run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_
     let mut prepared =
         prepare(&src, &dst, strategy, &opts).map_err(|e| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display())))?;
     let exec = ExecOptions { deadline: Duration::from_secs(deadline_s) };
-    let report = if transport == "cuda" { execute_cuda(&mut prepared) } else { prepared.execute(&exec) }
-        .map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+    let report = match transport {
+        "cuda" => execute_cuda(&mut prepared),
+        "tcp" => prepared.execute_tcp(&exec),
+        _ => prepared.execute(&exec),
+    }
+    .map_err(|e| Failure { line: e.to_string(), code: 1 })?;
     let secs = report.elapsed.as_secs_f64();
     let f = prepared.plan.figures();
     say!(

@@ -71,6 +71,12 @@ impl Prepared {
         Ok(run_local(&self.programs, &mut self.memory, options)?)
     }
 
+    /// Executes every rank's program as a thread of this process, talking
+    /// over loopback TCP streams.
+    pub fn execute_tcp(&mut self, options: &ExecOptions) -> Result<ExecReport, RunError> {
+        Ok(transport::run_tcp(&self.programs, &mut self.memory, options, &transport::tcp::TcpConfig::default())?)
+    }
+
     /// Checks every destination element; returns how many were checked.
     pub fn verify(&self, src: &Layout, dst: &Layout) -> Result<u64, RunError> {
         Ok(verify_destinations(src, dst, &self.memory[self.src_ranks..])?)

@@ -120,6 +120,60 @@ pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
     }
 }
 
+/// Calls `f` with every maximal contiguous byte run of a strided view of
+/// `counts` elements, in element order (for writing a piece to a stream).
+///
+/// # Safety
+/// The view must be in bounds ([`in_bounds`]) and its memory valid for
+/// reads, not written concurrently, for the duration of the call.
+#[allow(clippy::needless_range_loop)] // parallel arrays indexed by dim
+pub unsafe fn for_each_run(counts: &[u64], view: &StridedRef, mut f: impl FnMut(&[u8])) {
+    let size = view.dtype.size();
+    let mut dims: Vec<(u64, u64)> = Vec::with_capacity(counts.len());
+    for d in 0..counts.len() {
+        if counts[d] == 0 {
+            return;
+        }
+        if counts[d] > 1 {
+            dims.push((counts[d], view.strides[d]));
+        }
+    }
+    let mut i = dims.len();
+    while i >= 2 {
+        let (c_in, s_in) = dims[i - 1];
+        let (c_out, s_out) = dims[i - 2];
+        if s_out == c_in * s_in {
+            dims[i - 2] = (c_out * c_in, s_in);
+            dims.remove(i - 1);
+        }
+        i -= 1;
+    }
+    let (run, outer) = match dims.last() {
+        Some(&(c, 1)) => (c, &dims[..dims.len() - 1]),
+        _ => (1, &dims[..]),
+    };
+    let mut idx = vec![0u64; outer.len()];
+    let mut off = view.base;
+    loop {
+        // SAFETY: in bounds by the caller's contract.
+        f(unsafe { std::slice::from_raw_parts(view.ptr.add((off * size) as usize), (run * size) as usize) });
+        let mut k = outer.len();
+        loop {
+            if k == 0 {
+                return;
+            }
+            k -= 1;
+            idx[k] += 1;
+            off += outer[k].1;
+            if idx[k] < outer[k].0 {
+                break;
+            }
+            off -= outer[k].0 * outer[k].1;
+            idx[k] = 0;
+        }
+    }
+}
+
 /// Runs at least this long are written with non-temporal stores.
 const STREAM_MIN: usize = 256;
 

@@ -5,6 +5,7 @@
 use crate::copy::{copy_strided, in_bounds, packed_strides, StridedRef};
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
+use crate::tcp::{tcp_fabric, TcpConfig, TcpTransport};
 use crate::transport::{Payload, Release, Segment, Transport, TransportError};
 use reshard::{Block, DType, Endpoint, RankProgram, RecvPiece, Span};
 use std::sync::Arc;
@@ -62,6 +63,9 @@ pub enum ExecError {
         /// Buffers needed.
         want: usize,
     },
+    /// The data plane could not be set up.
+    #[error("data plane setup failed: {0}")]
+    Setup(String),
     /// A rank's thread could not be started.
     #[error("{me}: cannot start a thread: {error}")]
     Spawn {
@@ -168,7 +172,7 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
             for p in &msg.pieces {
                 let src = view(me, mem, &p.span, p.dtype, &p.block)?;
                 if p.dtype == p.wire {
-                    segments.push(Segment { view: src, numel: p.block.numel() });
+                    segments.push(Segment::new(src, p.block.extent()));
                 } else {
                     let elem = p.wire.size();
                     pos = pos.next_multiple_of(elem);
@@ -181,7 +185,7 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
                     };
                     // SAFETY: staging is ours and sized for every staged piece.
                     unsafe { copy_strided(p.block.extent(), &src, &dst) };
-                    segments.push(Segment { view: dst, numel: p.block.numel() });
+                    segments.push(Segment::new(dst, p.block.extent()));
                     pos += p.block.numel() * elem;
                 }
             }
@@ -286,7 +290,31 @@ fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -
 /// cause if any rank fails (other ranks then stop on the abort).
 pub fn run_local(programs: &[RankProgram], memory: &mut [RankMemory], options: &ExecOptions) -> Result<ExecReport, ExecError> {
     let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
-    let transports = local_fabric(&endpoints);
+    run_threads(programs, memory, options, local_fabric(&endpoints))
+}
+
+/// Runs all programs as threads of this process over loopback TCP streams
+/// (one per ordered pair of ranks): the TCP data plane end to end, without
+/// separate processes.
+pub fn run_tcp(
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    options: &ExecOptions,
+    config: &TcpConfig,
+) -> Result<ExecReport, ExecError> {
+    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+    let transports = tcp_fabric(&endpoints, config).map_err(|e| ExecError::Setup(e.to_string()))?;
+    run_threads(programs, memory, options, transports)
+}
+
+/// Runs `programs[i]` on `memory[i]` over `transports[i]`, a thread per rank
+/// with work; returns the first root cause if any rank fails.
+pub fn run_threads<T: Transport + WithAbort>(
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    options: &ExecOptions,
+    transports: Vec<T>,
+) -> Result<ExecReport, ExecError> {
     let views: Vec<MemView> = memory.iter_mut().map(|m| m.view()).collect();
     let start = Instant::now();
     let deadline = start + options.deadline;
@@ -302,10 +330,10 @@ pub fn run_local(programs: &[RankProgram], memory: &mut [RankMemory], options: &
             .enumerate()
             .filter(|(_, ((p, _), _))| p.rounds.iter().any(|r| !(r.sends.is_empty() && r.recvs.is_empty() && r.locals.is_empty())))
             .map(|(i, ((p, mut t), v))| {
-                let abort = t.abort_handle();
+                let abort = t.abort_all();
                 let spawned = std::thread::Builder::new().spawn_scoped(scope, move || run_rank_view(p, v, &mut t, deadline));
                 if let Err(e) = &spawned {
-                    abort.abort(&format!("could not start a thread: {e}"));
+                    abort(&format!("could not start a thread: {e}"));
                 }
                 (i, p.endpoint, spawned)
             })
@@ -340,5 +368,27 @@ pub fn run_local(programs: &[RankProgram], memory: &mut [RankMemory], options: &
     match first_err {
         Some(e) => Err(e),
         None => Ok(report),
+    }
+}
+
+/// A transport that can hand out a way to abort all its peers, for when
+/// its rank's thread cannot even start.
+pub trait WithAbort {
+    /// A function that tells every peer this rank gave up.
+    fn abort_all(&self) -> Box<dyn Fn(&str) + Send>;
+}
+
+impl WithAbort for crate::local::LocalTransport {
+    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
+        let h = self.abort_handle();
+        Box::new(move |reason| h.abort(reason))
+    }
+}
+
+impl WithAbort for TcpTransport {
+    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
+        // Streams belong to the transport; a rank that never starts closes
+        // them when its transport is dropped, which its peers see.
+        Box::new(|_| {})
     }
 }

@@ -13,9 +13,10 @@ pub mod gpu_probe;
 pub mod local;
 pub mod memory;
 pub mod pattern;
+pub mod tcp;
 pub mod transport;
 
-pub use exec::{run_local, run_rank, ExecError, ExecOptions, ExecReport, RankStats};
+pub use exec::{run_local, run_rank, run_tcp, run_threads, ExecError, ExecOptions, ExecReport, RankStats, WithAbort};
 pub use gpu_probe::cuda_available;
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;

@@ -7,6 +7,7 @@
 
 use crate::copy::StridedRef;
 use reshard::Endpoint;
+use reshard::MAX_DIMS;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 use thiserror::Error;
@@ -18,6 +19,25 @@ pub struct Segment {
     pub view: StridedRef,
     /// Number of elements.
     pub numel: u64,
+    /// Element count per dimension (the piece's extent; `view.strides`
+    /// has one stride per entry).
+    pub extent: [u64; MAX_DIMS],
+    /// Number of dimensions in `extent`.
+    pub ndim: u8,
+}
+
+impl Segment {
+    /// A segment for a piece of extent `extent` at `view`.
+    pub fn new(view: StridedRef, extent: &[u64]) -> Segment {
+        let mut e = [0u64; MAX_DIMS];
+        e[..extent.len()].copy_from_slice(extent);
+        Segment { view, numel: extent.iter().product(), extent: e, ndim: extent.len() as u8 }
+    }
+
+    /// The piece's extent.
+    pub fn extent(&self) -> &[u64] {
+        &self.extent[..self.ndim as usize]
+    }
 }
 
 /// What travels in one message.
