@@ -201,10 +201,32 @@ fn run_with_explicit_local_transport() {
 fn unknown_transport_is_rejected() {
     let dir = Scratch::new("transport");
     let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
-    let args = ["run", "--transport", "tcp", "--verify", "--src", s(&src), "--dst", s(&dst)];
+    let args = ["run", "--transport", "rdma", "--verify", "--src", s(&src), "--dst", s(&dst)];
     let out = refit(&args);
-    if let Some(f) = rejection_failure(&args, &out, &["tcp"]) {
+    if let Some(f) = rejection_failure(&args, &out, &["rdma"]) {
         panic!("{f}");
+    }
+}
+
+/// The TCP data plane is bit-exact end to end; the CUDA one, on a machine
+/// without CUDA (or a build without the feature), is refused cleanly.
+#[test]
+fn tcp_transport_runs_and_cuda_is_refused_cleanly() {
+    let dir = Scratch::new("transports");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    for mode in [&[][..], &["--baseline"][..]] {
+        let mut args = vec!["run", "--transport", "tcp", "--verify", "--src", s(&src), "--dst", s(&dst)];
+        args.extend_from_slice(mode);
+        let out = refit(&args);
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("match"));
+    }
+    let args = ["run", "--transport", "cuda", "--src", s(&src), "--dst", s(&dst)];
+    let out = refit(&args);
+    if std::env::var_os("REFIT_HAS_GPU").is_none() {
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.starts_with("error: CUDA transport unavailable: ") && err.lines().count() == 1, "{err}");
     }
 }
 
