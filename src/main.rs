@@ -1,7 +1,7 @@
 //! The `refit` command line.
 
 use clap::{Parser, Subcommand};
-use refit::bench::{exec_bench, peak_rss_bytes};
+use refit::bench::{exec_bench, peak_rss_bytes, BenchTransport};
 use refit::demo::{run_demo, DemoConfig, DemoError, DemoMode, DemoReport};
 use refit::presets::{layouts, Model};
 use refit::runner::prepare;
@@ -103,6 +103,9 @@ enum Command {
         /// Most bytes one rank stages per round, in MiB.
         #[arg(long, default_value_t = 256)]
         max_staging_mib: u64,
+        /// Data plane: local (vs a plain memcpy) or tcp (vs a raw socket copy).
+        #[arg(long, value_enum, default_value = "local")]
+        transport: BenchTransport,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -417,6 +420,7 @@ fn cmd_bench(
     scale: u64,
     reps: usize,
     mib: u64,
+    transport: BenchTransport,
     as_json: bool,
 ) -> Result<(), Failure> {
     let (s, d, what) = match (src, dst, model) {
@@ -428,7 +432,11 @@ fn cmd_bench(
         _ => return Err(invalid("give --src and --dst, or --model".into())),
     };
     let opts = PlanOptions { max_staging_bytes: mib.max(1) << 20, ..PlanOptions::default() };
-    let b = exec_bench(&s, &d, &opts, reps).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+    let b = exec_bench(&s, &d, &opts, reps, transport).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+    let reference = match transport {
+        BenchTransport::Local => "memcpy",
+        BenchTransport::Tcp => "socket copy",
+    };
     let gib = |bytes: u64, t: Duration| bytes as f64 / t.as_secs_f64().max(1e-12) / (1u64 << 30) as f64;
     if as_json {
         say!(
@@ -437,8 +445,9 @@ fn cmd_bench(
                 "workload": what, "reps": b.reps,
                 "reshard": {"bytes": b.reshard_bytes, "median_s": b.reshard.as_secs_f64()},
                 "baseline": {"bytes": b.baseline_bytes, "median_s": b.baseline.as_secs_f64()},
-                "memcpy": {"bytes": b.reshard_bytes, "threads": b.memcpy_threads, "median_s": b.memcpy.as_secs_f64()},
-                "reshard_vs_memcpy": b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
+                "transport": format!("{transport:?}").to_lowercase(),
+                "reference": {"kind": reference, "bytes": b.reshard_bytes, "threads": b.memcpy_threads, "median_s": b.memcpy.as_secs_f64()},
+                "reshard_vs_reference": b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
                 "baseline_over_reshard": b.baseline.as_secs_f64() / b.reshard.as_secs_f64(),
             })
         );
@@ -463,14 +472,16 @@ fn cmd_bench(
             gib(b.baseline_bytes, b.baseline)
         );
         say!(
-            "  memcpy    {:>10}  {:>9.3} ms  {:>7.2} GiB/s  ({} threads)",
+            "  {reference:<11} {:>8}  {:>9.3} ms  {:>7.2} GiB/s  ({} {})",
             human(b.reshard_bytes),
             b.memcpy.as_secs_f64() * 1e3,
             gib(b.reshard_bytes, b.memcpy),
-            b.memcpy_threads
+            b.memcpy_threads,
+            if transport == BenchTransport::Local { "threads" } else { "streams" }
         );
         say!(
-            "  reshard throughput / memcpy throughput = {:.2}; baseline time / reshard time = {:.2}",
+            "  transport {}: reshard throughput / {reference} throughput = {:.2}; baseline time / reshard time = {:.2}",
+            format!("{transport:?}").to_lowercase(),
             b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
             b.baseline.as_secs_f64() / b.reshard.as_secs_f64()
         );
@@ -649,8 +660,8 @@ fn main() -> ExitCode {
             json: *json,
         }),
         Command::Run { pair, baseline, verify, transport, deadline_s } => cmd_run(pair, *baseline, *verify, transport, *deadline_s),
-        Command::Bench { src, dst, model, scale, reps, max_staging_mib, json } => {
-            cmd_bench(src, dst, *model, *scale, *reps, *max_staging_mib, *json)
+        Command::Bench { src, dst, model, scale, reps, max_staging_mib, transport, json } => {
+            cmd_bench(src, dst, *model, *scale, *reps, *max_staging_mib, *transport, *json)
         }
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
