@@ -8,5 +8,6 @@
 
 pub mod bench;
 pub mod demo;
+pub mod launch;
 pub mod presets;
 pub mod runner;

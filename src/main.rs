@@ -153,6 +153,45 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Start one worker process per rank on this machine (meeting through a
+    /// rendezvous socket, moving bytes over TCP) and run one refit.
+    Launch {
+        #[command(flatten)]
+        pair: Pair,
+        /// Run the gather-broadcast baseline instead of the reshard.
+        #[arg(long)]
+        baseline: bool,
+        /// Each destination worker checks every element it holds.
+        #[arg(long)]
+        verify: bool,
+        /// Fail if the rendezvous or the refit takes longer than this.
+        #[arg(long, default_value_t = 120)]
+        deadline_s: u64,
+    },
+    /// One rank of a multi-process refit (started by `refit launch`, or by
+    /// a cluster launcher such as srun with the same rendezvous address).
+    Worker {
+        #[command(flatten)]
+        pair: Pair,
+        /// `src` or `dst`.
+        #[arg(long)]
+        group: String,
+        /// Rank within the group.
+        #[arg(long)]
+        rank: u32,
+        /// The launcher's rendezvous address (host:port).
+        #[arg(long)]
+        rendezvous: String,
+        /// Run the gather-broadcast baseline instead of the reshard.
+        #[arg(long)]
+        baseline: bool,
+        /// Check every element this rank holds (destination ranks).
+        #[arg(long)]
+        verify: bool,
+        /// Data-plane deadline in seconds.
+        #[arg(long, default_value_t = 120)]
+        deadline_s: u64,
+    },
     /// Write a model preset's layouts as layout files.
     Emit {
         /// The model preset.
@@ -542,6 +581,50 @@ fn cmd_plan_bench(model: Model, scale: u64, reps: usize, no_baseline: bool) -> R
     Ok(())
 }
 
+fn cmd_launch(pair: &Pair, baseline: bool, verify: bool, deadline_s: u64) -> Result<(), Failure> {
+    let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
+    options(pair)?;
+    let exe = std::env::current_exe().map_err(|e| Failure { line: format!("cannot find this program: {e}"), code: 1 })?;
+    let strategy = if baseline { Strategy::Baseline } else { Strategy::Reshard };
+    let deadline = Duration::from_secs(deadline_s.max(1));
+    let t = Instant::now();
+    let r = refit::launch::launch(&exe, &pair.src, &pair.dst, &src, &dst, strategy, pair.max_staging_mib, verify, deadline)
+        .map_err(|e| Failure { line: e, code: 1 })?;
+    say!("{strategy}: {} worker processes, {} moved over TCP", r.workers, human(r.bytes));
+    say!(
+        "slowest rank's data plane {:.3} ms ({:.2} GiB/s); whole launch {:.3} s",
+        r.max_rank_time.as_secs_f64() * 1e3,
+        r.bytes as f64 / r.max_rank_time.as_secs_f64().max(1e-12) / (1u64 << 30) as f64,
+        t.elapsed().as_secs_f64()
+    );
+    if let Some(n) = r.verified {
+        say!("verify: all {n} destination elements match");
+    }
+    Ok(())
+}
+
+fn cmd_worker(pair: &Pair, group: &str, rank: u32, rendezvous: &str, baseline: bool, verify: bool, deadline_s: u64) -> Result<(), Failure> {
+    let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
+    let opts = options(pair)?;
+    let endpoint = match group {
+        "src" => reshard::Endpoint::src(rank),
+        "dst" => reshard::Endpoint::dst(rank),
+        other => return Err(invalid(format!("--group {other}: expected src or dst"))),
+    };
+    let rendezvous = rendezvous.parse().map_err(|e| invalid(format!("--rendezvous {rendezvous}: {e}")))?;
+    let config = refit::launch::WorkerConfig {
+        src: pair.src.clone(),
+        dst: pair.dst.clone(),
+        endpoint,
+        rendezvous,
+        strategy: if baseline { Strategy::Baseline } else { Strategy::Reshard },
+        options: opts,
+        verify,
+        deadline: Duration::from_secs(deadline_s.max(1)),
+    };
+    refit::launch::run_worker(&config, &src, &dst).map_err(|e| Failure { line: e, code: 1 })
+}
+
 fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
     let (src, dst) = preset(model, scale)?;
     std::fs::create_dir_all(out).map_err(|e| invalid(format!("{}: cannot create: {e}", out.display())))?;
@@ -665,6 +748,10 @@ fn main() -> ExitCode {
         }
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
+        Command::Launch { pair, baseline, verify, deadline_s } => cmd_launch(pair, *baseline, *verify, *deadline_s),
+        Command::Worker { pair, group, rank, rendezvous, baseline, verify, deadline_s } => {
+            cmd_worker(pair, group, *rank, rendezvous, *baseline, *verify, *deadline_s)
+        }
         Command::Demo { steps, batch, lr, seed, mode, no_refit, json } => cmd_demo(*steps, *batch, *lr, *seed, *mode, *no_refit, *json),
     };
     match result {

@@ -208,6 +208,26 @@ fn unknown_transport_is_rejected() {
     }
 }
 
+/// `refit launch` runs one process per rank, meeting at a rendezvous and
+/// moving bytes over TCP, bit-exact in both modes.
+#[test]
+fn launch_runs_one_process_per_rank_bit_exact() {
+    let dir = Scratch::new("launch");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    for mode in [&[][..], &["--baseline"][..]] {
+        let mut args = vec!["launch", "--verify", "--deadline-s", "60", "--src", s(&src), "--dst", s(&dst)];
+        args.extend_from_slice(mode);
+        let out = refit(&args);
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("worker processes") && stdout.contains("match"), "{stdout}");
+    }
+    // A worker that cannot reach its rendezvous fails cleanly.
+    let out = refit(&["worker", "--src", s(&src), "--dst", s(&dst), "--group", "src", "--rank", "0", "--rendezvous", "127.0.0.1:1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rendezvous"));
+}
+
 /// The TCP data plane is bit-exact end to end; the CUDA one, on a machine
 /// without CUDA (or a build without the feature), is refused cleanly.
 #[test]

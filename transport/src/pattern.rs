@@ -99,14 +99,21 @@ fn buffer_index(layout: &Layout) -> Vec<HashMap<reshard::BufferKey, usize>> {
 /// Fills every source shard with the pattern. `memory[r]` is source rank
 /// `r`'s memory, laid out as its program's buffers (layout buffers first).
 pub fn fill_sources(src: &Layout, memory: &mut [RankMemory]) {
+    for (r, m) in memory.iter_mut().enumerate() {
+        fill_source_rank(src, r as u32, m);
+    }
+}
+
+/// Fills the shards of source rank `rank` with the pattern.
+pub fn fill_source_rank(src: &Layout, rank: u32, memory: &mut RankMemory) {
     let index = buffer_index(src);
     for (ti, t) in src.tensors().iter().enumerate() {
         let seed = tensor_seed(&t.name);
         let size = t.dtype.size() as usize;
         for h in src.holdings(ti as u32) {
-            for loc in &h.holders {
+            for loc in h.holders.iter().filter(|l| l.rank == rank) {
                 let b = index[loc.rank as usize][&loc.buffer];
-                let buf = &mut memory[loc.rank as usize].buffers[b];
+                let buf = &mut memory.buffers[b];
                 for_each_element(&t.shape, &h.block, loc.at, &h.block, |flat, off| {
                     let o = off as usize * size;
                     pattern_value(seed, flat, t.dtype, &mut buf[o..o + size]);
@@ -120,6 +127,20 @@ pub fn fill_sources(src: &Layout, memory: &mut [RankMemory]) {
 /// source dtype. `memory[r]` is destination rank `r`'s memory. Returns the
 /// number of elements checked.
 pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) -> Result<u64, Box<Mismatch>> {
+    verify_impl(src, dst, None, &|r| memory.get(r as usize))
+}
+
+/// Checks the elements of destination rank `rank` only; `memory` is its.
+pub fn verify_destination_rank(src: &Layout, dst: &Layout, rank: u32, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
+    verify_impl(src, dst, Some(rank), &|r| (r == rank).then_some(memory))
+}
+
+fn verify_impl<'m>(
+    src: &Layout,
+    dst: &Layout,
+    only: Option<u32>,
+    memory: &dyn Fn(u32) -> Option<&'m RankMemory>,
+) -> Result<u64, Box<Mismatch>> {
     let index = buffer_index(dst);
     let mut checked = 0u64;
     for (ti, t) in dst.tensors().iter().enumerate() {
@@ -129,9 +150,10 @@ pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) ->
         let mut raw = vec![0u8; fs];
         let mut want = vec![0u8; ts];
         for h in dst.holdings(ti as u32) {
-            for loc in &h.holders {
+            for loc in h.holders.iter().filter(|l| only.is_none_or(|r| l.rank == r)) {
                 let b = index[loc.rank as usize][&loc.buffer];
-                let buf = &memory[loc.rank as usize].buffers[b];
+                let Some(mem) = memory(loc.rank) else { continue };
+                let buf = &mem.buffers[b];
                 let mut first: Option<(u64, Vec<u8>, Vec<u8>)> = None;
                 let mut bad = 0u64;
                 for_each_element(&t.shape, &h.block, loc.at, &h.block, |flat, off| {
