@@ -119,10 +119,13 @@ pub fn run_worker(config: &WorkerConfig, src: &Layout, dst: &Layout) -> Result<(
     if me.group == Group::Src {
         fill_source_rank(src, me.rank, &mut memory);
     }
-    let listener = TcpListener::bind((config.rendezvous.ip(), 0)).map_err(|e| format!("{me}: cannot listen: {e}"))?;
-    let data_addr = listener.local_addr().map_err(|e| e.to_string())?;
     let mut control =
         TcpStream::connect(config.rendezvous).map_err(|e| format!("{me}: cannot reach the rendezvous {}: {e}", config.rendezvous))?;
+    // Listen on the interface that reaches the rendezvous (loopback for a
+    // local launch, the node's address on a cluster), and advertise it.
+    let local_ip = control.local_addr().map_err(|e| e.to_string())?.ip();
+    let listener = TcpListener::bind((local_ip, 0)).map_err(|e| format!("{me}: cannot listen on {local_ip}: {e}"))?;
+    let data_addr = listener.local_addr().map_err(|e| e.to_string())?;
     let hello = ToLauncher::Hello {
         group: group_code(me.group),
         rank: me.rank,
