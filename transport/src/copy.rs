@@ -49,24 +49,18 @@ pub fn packed_strides(counts: &[u64]) -> [u64; MAX_DIMS] {
     s
 }
 
-/// Copies every element of a piece with element counts `counts` from `src`
-/// to `dst`, converting dtype.
-///
-/// # Safety
-/// Both views must be in bounds ([`in_bounds`]); `dst.ptr` must be valid
-/// for writes of that region, and no other thread may access the written
-/// elements, or write the read elements, during the call.
-#[allow(clippy::needless_range_loop)] // parallel arrays indexed by dim
-pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
-    // Joint dims with count > 1, outermost first, merging dims that are
-    // contiguous on both sides.
+/// The dimensions of a copy between two strided views of `counts`
+/// elements: dims with a count of 1 dropped, and dims that are contiguous
+/// on both sides merged; `(count, src stride, dst stride)`, outermost
+/// first. `None` if the piece is empty.
+pub fn joint_dims(counts: &[u64], src_strides: &[u64], dst_strides: &[u64]) -> Option<Vec<(u64, u64, u64)>> {
     let mut dims: Vec<(u64, u64, u64)> = Vec::with_capacity(counts.len());
-    for d in 0..counts.len() {
-        if counts[d] == 0 {
-            return;
+    for (d, &c) in counts.iter().enumerate() {
+        if c == 0 {
+            return None;
         }
-        if counts[d] > 1 {
-            dims.push((counts[d], src.strides[d], dst.strides[d]));
+        if c > 1 {
+            dims.push((c, src_strides[d], dst_strides[d]));
         }
     }
     let mut i = dims.len();
@@ -79,14 +73,50 @@ pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
         }
         i -= 1;
     }
+    Some(dims)
+}
+
+/// Calls `f(src_offset, dst_offset)` for every index of `dims` (as from
+/// [`joint_dims`]), in row-major order, starting from the two bases.
+pub fn for_each_offset(dims: &[(u64, u64, u64)], src_base: u64, dst_base: u64, mut f: impl FnMut(u64, u64)) {
+    let mut idx = vec![0u64; dims.len()];
+    let (mut so, mut doff) = (src_base, dst_base);
+    loop {
+        f(so, doff);
+        let mut k = dims.len();
+        loop {
+            if k == 0 {
+                return;
+            }
+            k -= 1;
+            idx[k] += 1;
+            so += dims[k].1;
+            doff += dims[k].2;
+            if idx[k] < dims[k].0 {
+                break;
+            }
+            so -= dims[k].0 * dims[k].1;
+            doff -= dims[k].0 * dims[k].2;
+            idx[k] = 0;
+        }
+    }
+}
+
+/// Copies every element of a piece with element counts `counts` from `src`
+/// to `dst`, converting dtype.
+///
+/// # Safety
+/// Both views must be in bounds ([`in_bounds`]); `dst.ptr` must be valid
+/// for writes of that region, and no other thread may access the written
+/// elements, or write the read elements, during the call.
+pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
+    let Some(dims) = joint_dims(counts, &src.strides[..counts.len()], &dst.strides[..counts.len()]) else { return };
     let (run, outer) = match dims.last() {
         Some(&(c, 1, 1)) => (c, &dims[..dims.len() - 1]),
         _ => (1, &dims[..]),
     };
     let (fs, ts) = (src.dtype.size() as usize, dst.dtype.size() as usize);
-    let mut idx = vec![0u64; outer.len()];
-    let (mut so, mut doff) = (src.base, dst.base);
-    loop {
+    for_each_offset(outer, src.base, dst.base, |so, doff| {
         // SAFETY: in bounds by the caller's contract; regions disjoint.
         unsafe {
             let s = src.ptr.add(so as usize * fs);
@@ -99,25 +129,8 @@ pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
                 convert_slice(src.dtype, s, dst.dtype, d);
             }
         }
-        // Odometer over the outer dims.
-        let mut k = outer.len();
-        loop {
-            if k == 0 {
-                store_fence();
-                return;
-            }
-            k -= 1;
-            idx[k] += 1;
-            so += outer[k].1;
-            doff += outer[k].2;
-            if idx[k] < outer[k].0 {
-                break;
-            }
-            so -= outer[k].0 * outer[k].1;
-            doff -= outer[k].0 * outer[k].2;
-            idx[k] = 0;
-        }
-    }
+    });
+    store_fence();
 }
 
 /// Calls `f` with every maximal contiguous byte run of a strided view of
@@ -126,52 +139,18 @@ pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
 /// # Safety
 /// The view must be in bounds ([`in_bounds`]) and its memory valid for
 /// reads, not written concurrently, for the duration of the call.
-#[allow(clippy::needless_range_loop)] // parallel arrays indexed by dim
 pub unsafe fn for_each_run(counts: &[u64], view: &StridedRef, mut f: impl FnMut(&[u8])) {
-    let size = view.dtype.size();
-    let mut dims: Vec<(u64, u64)> = Vec::with_capacity(counts.len());
-    for d in 0..counts.len() {
-        if counts[d] == 0 {
-            return;
-        }
-        if counts[d] > 1 {
-            dims.push((counts[d], view.strides[d]));
-        }
-    }
-    let mut i = dims.len();
-    while i >= 2 {
-        let (c_in, s_in) = dims[i - 1];
-        let (c_out, s_out) = dims[i - 2];
-        if s_out == c_in * s_in {
-            dims[i - 2] = (c_out * c_in, s_in);
-            dims.remove(i - 1);
-        }
-        i -= 1;
-    }
+    let strides = &view.strides[..counts.len()];
+    let Some(dims) = joint_dims(counts, strides, strides) else { return };
     let (run, outer) = match dims.last() {
-        Some(&(c, 1)) => (c, &dims[..dims.len() - 1]),
+        Some(&(c, 1, _)) => (c, &dims[..dims.len() - 1]),
         _ => (1, &dims[..]),
     };
-    let mut idx = vec![0u64; outer.len()];
-    let mut off = view.base;
-    loop {
-        // SAFETY: in bounds by the caller's contract.
-        f(unsafe { std::slice::from_raw_parts(view.ptr.add((off * size) as usize), (run * size) as usize) });
-        let mut k = outer.len();
-        loop {
-            if k == 0 {
-                return;
-            }
-            k -= 1;
-            idx[k] += 1;
-            off += outer[k].1;
-            if idx[k] < outer[k].0 {
-                break;
-            }
-            off -= outer[k].0 * outer[k].1;
-            idx[k] = 0;
-        }
-    }
+    let size = view.dtype.size();
+    // SAFETY: in bounds by the caller's contract.
+    for_each_offset(outer, view.base, view.base, |off, _| {
+        f(unsafe { std::slice::from_raw_parts(view.ptr.add((off * size) as usize), (run * size) as usize) })
+    });
 }
 
 /// Runs at least this long are written with non-temporal stores.

@@ -117,25 +117,9 @@ pub struct Side {
 pub fn plan_copies(counts: &[u64], src: &Side, dst: &Side, elem: u64, max_pitch: u64) -> Vec<CopyOp> {
     // Dimensions with more than one element, outermost first, merging
     // neighbours that are contiguous on both sides.
-    let mut dims: Vec<(u64, u64, u64)> = Vec::with_capacity(counts.len());
-    for (d, &c) in counts.iter().enumerate() {
-        if c == 0 {
-            return Vec::new();
-        }
-        if c > 1 {
-            dims.push((c, src.strides[d], dst.strides[d]));
-        }
-    }
-    let mut i = dims.len();
-    while i >= 2 {
-        let (c_in, s_in, d_in) = dims[i - 1];
-        let (c_out, s_out, d_out) = dims[i - 2];
-        if s_out == c_in * s_in && d_out == c_in * d_in {
-            dims[i - 2] = (c_out * c_in, s_in, d_in);
-            dims.remove(i - 1);
-        }
-        i -= 1;
-    }
+    let Some(mut dims) = crate::copy::joint_dims(counts, &src.strides[..counts.len()], &dst.strides[..counts.len()]) else {
+        return Vec::new();
+    };
     // The row: the innermost dimension if contiguous on both sides, else
     // one element.
     let width = match dims.last() {
@@ -171,27 +155,8 @@ pub fn plan_copies(counts: &[u64], src: &Side, dst: &Side, elem: u64, max_pitch:
     }
     // Loop over what is left.
     let mut ops = Vec::new();
-    let mut idx = vec![0u64; dims.len()];
-    let (mut so, mut doff) = (src.base, dst.base);
-    loop {
-        ops.push(CopyOp { src: so * elem, dst: doff * elem, ..template });
-        let mut k = dims.len();
-        loop {
-            if k == 0 {
-                return ops;
-            }
-            k -= 1;
-            idx[k] += 1;
-            so += dims[k].1;
-            doff += dims[k].2;
-            if idx[k] < dims[k].0 {
-                break;
-            }
-            so -= dims[k].0 * dims[k].1;
-            doff -= dims[k].0 * dims[k].2;
-            idx[k] = 0;
-        }
-    }
+    crate::copy::for_each_offset(&dims, src.base, dst.base, |so, doff| ops.push(CopyOp { src: so * elem, dst: doff * elem, ..template }));
+    ops
 }
 
 /// Byte offset of each piece of a message packed back to back, each piece
