@@ -5,10 +5,10 @@
 //! payload still queued when its receiver goes away is dropped with the
 //! channel), so a sender never changes memory a receiver may still read.
 
-use crate::transport::{Outstanding, Payload, Transport, TransportError};
+use crate::transport::{Outstanding, Payload, RoundInbox, Transport, TransportError};
 use reshard::Endpoint;
 use std::collections::HashMap;
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,8 +21,7 @@ enum Envelope {
 pub struct LocalTransport {
     me: Endpoint,
     peers: HashMap<Endpoint, Sender<Envelope>>,
-    inbox: Receiver<Envelope>,
-    stash: Vec<(u32, Endpoint, Payload)>,
+    inbox: RoundInbox<Envelope>,
     outstanding: Arc<Outstanding>,
 }
 
@@ -65,7 +64,7 @@ pub fn local_fabric(endpoints: &[Endpoint]) -> Vec<LocalTransport> {
     endpoints
         .iter()
         .zip(receivers)
-        .map(|(&me, inbox)| LocalTransport { me, peers: peers.clone(), inbox, stash: Vec::new(), outstanding: Arc::default() })
+        .map(|(&me, inbox)| LocalTransport { me, peers: peers.clone(), inbox: RoundInbox::new(inbox), outstanding: Arc::default() })
         .collect()
 }
 
@@ -83,21 +82,10 @@ impl Transport for LocalTransport {
     }
 
     fn recv(&mut self, round: u32, deadline: Instant) -> Result<(Endpoint, Payload), TransportError> {
-        if let Some(i) = self.stash.iter().position(|(r, _, _)| *r == round) {
-            let (_, from, payload) = self.stash.swap_remove(i);
-            return Ok((from, payload));
-        }
-        loop {
-            let wait = deadline.saturating_duration_since(Instant::now());
-            match self.inbox.recv_timeout(wait) {
-                Ok(Envelope::Data { round: r, from, payload }) if r == round => return Ok((from, payload)),
-                Ok(Envelope::Data { round: r, from, payload }) => self.stash.push((r, from, payload)),
-                Ok(Envelope::Abort { from, reason }) => return Err(TransportError::PeerAborted { peer: from, reason }),
-                Err(RecvTimeoutError::Timeout) => return Err(TransportError::Timeout { me: self.me, round }),
-                // Every sender is gone: nothing can arrive any more.
-                Err(RecvTimeoutError::Disconnected) => return Err(TransportError::Timeout { me: self.me, round }),
-            }
-        }
+        self.inbox.recv(self.me, round, deadline, |e| match e {
+            Envelope::Data { round, from, payload } => Ok((round, from, payload)),
+            Envelope::Abort { from, reason } => Err(TransportError::PeerAborted { peer: from, reason }),
+        })
     }
 
     fn flush(&mut self, round: u32, deadline: Instant) -> Result<(), TransportError> {

@@ -10,12 +10,12 @@
 //! magic, then the sender's group (u8) and rank (u32 LE).
 
 use crate::copy::{for_each_run, in_bounds};
-use crate::transport::{Payload, Transport, TransportError};
+use crate::transport::{Payload, RoundInbox, Transport, TransportError};
 use reshard::{Endpoint, Group};
 use std::collections::HashMap;
 use std::io::{self, BufWriter, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Sender};
 use std::time::{Duration, Instant};
 
 const MAGIC: u32 = 0x5449_4652; // "RFIT" little-endian
@@ -51,8 +51,7 @@ enum Incoming {
 pub struct TcpTransport {
     me: Endpoint,
     writers: HashMap<Endpoint, BufWriter<TcpStream>>,
-    inbox: Receiver<Incoming>,
-    stash: Vec<(u32, Endpoint, Payload)>,
+    inbox: RoundInbox<Incoming>,
 }
 
 impl std::fmt::Debug for TcpTransport {
@@ -193,7 +192,7 @@ impl TcpTransport {
             writers.insert(peer, w);
         }
         acceptor.join().map_err(|_| io::Error::other("accept thread panicked"))??;
-        Ok(TcpTransport { me, writers, inbox, stash: Vec::new() })
+        Ok(TcpTransport { me, writers, inbox: RoundInbox::new(inbox) })
     }
 
     fn write_message(&mut self, round: u32, to: Endpoint, payload: &Payload) -> io::Result<()> {
@@ -250,25 +249,11 @@ impl Transport for TcpTransport {
     }
 
     fn recv(&mut self, round: u32, deadline: Instant) -> Result<(Endpoint, Payload), TransportError> {
-        if let Some(i) = self.stash.iter().position(|(r, _, _)| *r == round) {
-            let (_, from, payload) = self.stash.swap_remove(i);
-            return Ok((from, payload));
-        }
-        loop {
-            let wait = deadline.saturating_duration_since(Instant::now());
-            match self.inbox.recv_timeout(wait) {
-                Ok(Incoming::Data { round: r, from, bytes }) if r == round => return Ok((from, Payload::Bytes(bytes))),
-                Ok(Incoming::Data { round: r, from, bytes }) => self.stash.push((r, from, Payload::Bytes(bytes))),
-                Ok(Incoming::Abort { from, reason }) => return Err(TransportError::PeerAborted { peer: from, reason }),
-                Ok(Incoming::Broken { from, problem }) => {
-                    let _ = problem;
-                    return Err(TransportError::Disconnected { peer: from });
-                }
-                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {
-                    return Err(TransportError::Timeout { me: self.me, round })
-                }
-            }
-        }
+        self.inbox.recv(self.me, round, deadline, |e| match e {
+            Incoming::Data { round, from, bytes } => Ok((round, from, Payload::Bytes(bytes))),
+            Incoming::Abort { from, reason } => Err(TransportError::PeerAborted { peer: from, reason }),
+            Incoming::Broken { from, problem } => Err(TransportError::Broken { peer: from, problem }),
+        })
     }
 
     fn flush(&mut self, _round: u32, _deadline: Instant) -> Result<(), TransportError> {

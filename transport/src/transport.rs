@@ -123,6 +123,15 @@ pub enum TransportError {
         /// Why.
         reason: String,
     },
+    /// The stream from a peer broke (closed without a goodbye, or sent
+    /// something that is not a valid frame).
+    #[error("stream from {peer} broke: {problem}")]
+    Broken {
+        /// The peer.
+        peer: Endpoint,
+        /// What went wrong.
+        problem: String,
+    },
     /// The peer is gone (its end of the channel or connection closed).
     #[error("{peer} is unreachable")]
     Disconnected {
@@ -144,4 +153,42 @@ pub trait Transport: Send {
     fn flush(&mut self, round: u32, deadline: Instant) -> Result<(), TransportError>;
     /// Tells every peer this rank failed, so none waits for it in vain.
     fn abort(&mut self, reason: &str);
+}
+
+/// Messages arriving on a channel, some for later rounds: the receive loop
+/// both channel transports share.
+pub(crate) struct RoundInbox<E> {
+    rx: std::sync::mpsc::Receiver<E>,
+    later: Vec<(u32, Endpoint, Payload)>,
+}
+
+impl<E> RoundInbox<E> {
+    pub(crate) fn new(rx: std::sync::mpsc::Receiver<E>) -> RoundInbox<E> {
+        RoundInbox { rx, later: Vec::new() }
+    }
+
+    /// The next message of `round`, keeping those of other rounds for
+    /// later; `open` turns an event into a message (`round`, sender,
+    /// payload) or an error.
+    pub(crate) fn recv(
+        &mut self,
+        me: Endpoint,
+        round: u32,
+        deadline: Instant,
+        open: impl Fn(E) -> Result<(u32, Endpoint, Payload), TransportError>,
+    ) -> Result<(Endpoint, Payload), TransportError> {
+        if let Some(i) = self.later.iter().position(|(r, _, _)| *r == round) {
+            let (_, from, payload) = self.later.swap_remove(i);
+            return Ok((from, payload));
+        }
+        loop {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            // A timeout, or every sender gone: nothing more will arrive.
+            let event = self.rx.recv_timeout(wait).map_err(|_| TransportError::Timeout { me, round })?;
+            match open(event)? {
+                (r, from, payload) if r == round => return Ok((from, payload)),
+                other => self.later.push(other),
+            }
+        }
+    }
 }

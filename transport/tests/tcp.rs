@@ -67,7 +67,7 @@ fn garbage_frames_are_reported_not_trusted() {
         let config = TcpConfig { max_frame_bytes: 1 << 20, ..TcpConfig::default() };
         let mut t = TcpTransport::connect(me, listener, &[(me, my_addr), (fake, fake_addr)], &config).unwrap();
         let got = t.recv(0, Instant::now() + Duration::from_secs(5));
-        assert!(matches!(got, Err(TransportError::Disconnected { peer }) if peer == fake), "{got:?}");
+        assert!(matches!(got, Err(TransportError::Broken { peer, .. }) if peer == fake), "{got:?}");
         peer.join().unwrap();
     }
 }
