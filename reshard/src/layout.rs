@@ -415,10 +415,9 @@ impl Layout {
                 uses.entry((s.rank, id)).or_default().push((*at, end, ti as u32));
             }
         }
-        let mut keys: Vec<_> = uses.keys().copied().collect();
-        keys.sort_unstable();
-        for key in keys {
-            let list = uses.get_mut(&key).expect("key from the map");
+        let mut uses: Vec<_> = uses.into_iter().collect();
+        uses.sort_unstable_by_key(|(key, _)| *key);
+        for (key, mut list) in uses {
             list.sort_unstable();
             for w in list.windows(2) {
                 let (a, b) = (w[0], w[1]);
