@@ -11,3 +11,4 @@ pub mod demo;
 pub mod launch;
 pub mod presets;
 pub mod runner;
+pub mod svg;

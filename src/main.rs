@@ -59,6 +59,10 @@ enum Command {
         /// Also print the estimated refit time of both plans and the lower bound.
         #[arg(long)]
         estimate: bool,
+        /// Draw the reshard's traffic matrix (ranks and nodes) as an SVG
+        /// heat map into this file (and the baseline's next to it, `.baseline.svg`).
+        #[arg(long)]
+        svg: Option<PathBuf>,
         /// Print one JSON object {"reshard": {...}, "baseline": {...}}.
         #[arg(long)]
         json: bool,
@@ -301,6 +305,7 @@ struct PlanArgs<'a> {
     max_staging_mib: u64,
     topology: &'a str,
     estimate: bool,
+    svg: &'a Option<PathBuf>,
     json: bool,
 }
 
@@ -357,6 +362,15 @@ fn cmd_plan(args: &PlanArgs<'_>) -> Result<(), Failure> {
     // The baseline may be impossible where the reshard is not (it gathers
     // whole tensors); that is reported, not fatal.
     let baseline = plan_baseline(&src, &dst, &opts);
+    if let Some(path) = args.svg {
+        let write = |p: &Path, plan: &reshard::Plan| {
+            std::fs::write(p, refit::svg::traffic_svg(plan, &what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))
+        };
+        write(path, &reshard)?;
+        if let Ok(b) = &baseline {
+            write(&path.with_extension("baseline.svg"), b)?;
+        }
+    }
     let r_est = reshard.estimate(&links);
     let b_est = baseline.as_ref().ok().map(|b| b.estimate(&links));
     if args.json {
@@ -732,7 +746,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match &cli.command {
-        Command::Plan { src, dst, model, scale, max_staging_mib, topology, estimate, json } => cmd_plan(&PlanArgs {
+        Command::Plan { src, dst, model, scale, max_staging_mib, topology, estimate, svg, json } => cmd_plan(&PlanArgs {
             src,
             dst,
             model: *model,
@@ -740,6 +754,7 @@ fn main() -> ExitCode {
             max_staging_mib: *max_staging_mib,
             topology,
             estimate: *estimate,
+            svg,
             json: *json,
         }),
         Command::Run { pair, baseline, verify, transport, deadline_s } => cmd_run(pair, *baseline, *verify, transport, *deadline_s),

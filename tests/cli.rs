@@ -22,6 +22,10 @@ impl Scratch {
         Scratch(dir)
     }
 
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+
     fn write(&self, name: &str, bytes: impl AsRef<[u8]>) -> PathBuf {
         let p = self.0.join(name);
         std::fs::write(&p, bytes).expect("write scratch file");
@@ -206,6 +210,24 @@ fn unknown_transport_is_rejected() {
     if let Some(f) = rejection_failure(&args, &out, &["rdma"]) {
         panic!("{f}");
     }
+}
+
+/// `refit plan --svg` draws both traffic matrices, and `--estimate` adds the
+/// modelled times.
+#[test]
+fn plan_draws_traffic_and_estimates() {
+    let dir = Scratch::new("svg");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let svg = dir.path("traffic.svg");
+    let out = refit(&["plan", "--estimate", "--svg", s(&svg), "--src", s(&src), "--dst", s(&dst)]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("lower bound"));
+    for p in [svg.clone(), svg.with_extension("baseline.svg")] {
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(text.starts_with("<svg") && text.contains("<rect") && text.trim_end().ends_with("</svg>"), "{}", p.display());
+    }
+    let out = refit(&["plan", "--topology", "nope.json", "--src", s(&src), "--dst", s(&dst)]);
+    assert_eq!(out.status.code(), Some(2));
 }
 
 /// `refit launch` runs one process per rank, meeting at a rendezvous and
