@@ -48,7 +48,10 @@ fn shade(bytes: u64, max: u64) -> String {
     format!("rgb({light},{},{})", (light as f64 * 0.9) as u8, 255u8.saturating_sub((40.0 * x) as u8))
 }
 
-fn panel(out: &mut String, title: &str, m: &[Vec<u64>], labels_r: &[String], labels_c: &[String], x0: f64, y0: f64, cell: f64) {
+/// Draws one heat map with its top-left corner at `origin`.
+fn panel(out: &mut String, title: &str, m: &[Vec<u64>], labels: (&[String], &[String]), origin: (f64, f64), cell: f64) {
+    let (labels_r, labels_c) = labels;
+    let (x0, y0) = origin;
     let max = m.iter().flatten().copied().max().unwrap_or(0);
     let _ = writeln!(out, r#"<text x="{x0}" y="{}" font-size="14" font-weight="bold">{title}</text>"#, y0 - 28.0);
     for (j, l) in labels_c.iter().enumerate() {
@@ -131,8 +134,8 @@ pub fn traffic_svg(plan: &Plan, title: &str) -> String {
         human(f.total_bytes),
         f.messages
     );
-    panel(&mut out, "ranks: sender (row) to receiver", &rm, &lr, &lc, 20.0, 90.0, cell);
-    panel(&mut out, "nodes: sender to receiver", &nmm, &nlr, &nlc, x2, 90.0, ncell);
+    panel(&mut out, "ranks: sender (row) to receiver", &rm, (&lr, &lc), (20.0, 90.0), cell);
+    panel(&mut out, "nodes: sender to receiver", &nmm, (&nlr, &nlc), (x2, 90.0), ncell);
     out.push_str("</svg>\n");
     out
 }
