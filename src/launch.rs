@@ -13,7 +13,7 @@ use reshard::{plan_baseline, plan_reshard, Endpoint, Group, Layout, PlanOptions,
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use transport::tcp::{TcpConfig, TcpTransport};
@@ -203,27 +203,43 @@ impl Drop for Children {
     }
 }
 
-/// Starts one worker process per rank of both layouts on this machine and
-/// runs one refit among them.
-#[allow(clippy::too_many_arguments)]
-pub fn launch(
-    exe: &Path,
-    src_path: &Path,
-    dst_path: &Path,
-    src: &Layout,
-    dst: &Layout,
-    strategy: Strategy,
-    max_staging_mib: u64,
-    verify: bool,
-    deadline: Duration,
-) -> Result<LaunchReport, String> {
+/// How to run a launch.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// Source layout file (passed to spawned workers).
+    pub src_path: PathBuf,
+    /// Destination layout file.
+    pub dst_path: PathBuf,
+    /// Reshard or baseline.
+    pub strategy: Strategy,
+    /// Staging cap per rank and round, MiB.
+    pub max_staging_mib: u64,
+    /// Destination workers check every element they hold.
+    pub verify: bool,
+    /// Time allowed for the rendezvous and for the refit.
+    pub deadline: Duration,
+    /// Where the rendezvous listens (`127.0.0.1:0` for a local launch).
+    pub bind: SocketAddr,
+    /// Start the workers as child processes of this program (`Some(exe)`),
+    /// or wait for workers started by someone else (`None`: a cluster
+    /// launcher runs `refit worker --rendezvous ADDR` on every task).
+    pub spawn: Option<PathBuf>,
+}
+
+/// Opens the rendezvous, starts the workers (if asked), runs one refit
+/// among them. `listening` is told the rendezvous address first.
+pub fn launch(config: &LaunchConfig, src: &Layout, dst: &Layout, listening: impl FnOnce(SocketAddr)) -> Result<LaunchReport, String> {
+    let (strategy, deadline, verify, max_staging_mib) = (config.strategy, config.deadline, config.verify, config.max_staging_mib);
     let options = PlanOptions { max_staging_bytes: max_staging_mib << 20, ..PlanOptions::default() };
     let fingerprint = plan_for(src, dst, strategy, &options).map_err(|e| e.to_string())?.fingerprint().0;
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("cannot open the rendezvous: {e}"))?;
+    let listener = TcpListener::bind(config.bind).map_err(|e| format!("cannot open the rendezvous on {}: {e}", config.bind))?;
     let rendezvous = listener.local_addr().map_err(|e| e.to_string())?;
+    listening(rendezvous);
     let endpoints: Vec<Endpoint> = (0..src.ranks()).map(Endpoint::src).chain((0..dst.ranks()).map(Endpoint::dst)).collect();
     let mut children = Children(Vec::new());
-    for e in &endpoints {
+    let (src_path, dst_path) = (&config.src_path, &config.dst_path);
+    for e in endpoints.iter().filter(|_| config.spawn.is_some()) {
+        let Some(exe) = &config.spawn else { break };
         let mut cmd = Command::new(exe);
         cmd.arg("worker")
             .arg("--src")

@@ -171,6 +171,13 @@ enum Command {
         /// Fail if the rendezvous or the refit takes longer than this.
         #[arg(long, default_value_t = 120)]
         deadline_s: u64,
+        /// Address the rendezvous listens on.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        bind: String,
+        /// Start no workers: wait for `refit worker --rendezvous ADDR`
+        /// processes started elsewhere (e.g. by srun), one per rank.
+        #[arg(long)]
+        no_spawn: bool,
     },
     /// One rank of a multi-process refit (started by `refit launch`, or by
     /// a cluster launcher such as srun with the same rendezvous address).
@@ -595,15 +602,34 @@ fn cmd_plan_bench(model: Model, scale: u64, reps: usize, no_baseline: bool) -> R
     Ok(())
 }
 
-fn cmd_launch(pair: &Pair, baseline: bool, verify: bool, deadline_s: u64) -> Result<(), Failure> {
+fn cmd_launch(pair: &Pair, baseline: bool, verify: bool, deadline_s: u64, bind: &str, no_spawn: bool) -> Result<(), Failure> {
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
     options(pair)?;
-    let exe = std::env::current_exe().map_err(|e| Failure { line: format!("cannot find this program: {e}"), code: 1 })?;
+    let bind = bind.parse().map_err(|e| invalid(format!("--bind {bind}: {e}")))?;
+    let spawn = if no_spawn {
+        None
+    } else {
+        Some(std::env::current_exe().map_err(|e| Failure { line: format!("cannot find this program: {e}"), code: 1 })?)
+    };
     let strategy = if baseline { Strategy::Baseline } else { Strategy::Reshard };
-    let deadline = Duration::from_secs(deadline_s.max(1));
+    let config = refit::launch::LaunchConfig {
+        src_path: pair.src.clone(),
+        dst_path: pair.dst.clone(),
+        strategy,
+        max_staging_mib: pair.max_staging_mib,
+        verify,
+        deadline: Duration::from_secs(deadline_s.max(1)),
+        bind,
+        spawn,
+    };
     let t = Instant::now();
-    let r = refit::launch::launch(&exe, &pair.src, &pair.dst, &src, &dst, strategy, pair.max_staging_mib, verify, deadline)
-        .map_err(|e| Failure { line: e, code: 1 })?;
+    let ranks = src.ranks() + dst.ranks();
+    let r = refit::launch::launch(&config, &src, &dst, |addr| {
+        if no_spawn {
+            say!("rendezvous listening on {addr}: start {ranks} workers with `refit worker --rendezvous {addr} ...`");
+        }
+    })
+    .map_err(|e| Failure { line: e, code: 1 })?;
     say!("{strategy}: {} worker processes, {} moved over TCP", r.workers, human(r.bytes));
     say!(
         "slowest rank's data plane {:.3} ms ({:.2} GiB/s); whole launch {:.3} s",
@@ -763,7 +789,9 @@ fn main() -> ExitCode {
         }
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
-        Command::Launch { pair, baseline, verify, deadline_s } => cmd_launch(pair, *baseline, *verify, *deadline_s),
+        Command::Launch { pair, baseline, verify, deadline_s, bind, no_spawn } => {
+            cmd_launch(pair, *baseline, *verify, *deadline_s, bind, *no_spawn)
+        }
         Command::Worker { pair, group, rank, rendezvous, baseline, verify, deadline_s } => {
             cmd_worker(pair, group, *rank, rendezvous, *baseline, *verify, *deadline_s)
         }

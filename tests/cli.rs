@@ -250,6 +250,60 @@ fn launch_runs_one_process_per_rank_bit_exact() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("rendezvous"));
 }
 
+/// The cluster path: `refit launch --no-spawn` only runs the rendezvous;
+/// workers started by someone else (here: this test, as a cluster launcher
+/// would) join it with `refit worker --rendezvous ADDR`.
+#[test]
+fn launch_without_spawning_waits_for_external_workers() {
+    use std::io::{BufRead, BufReader};
+    let dir = Scratch::new("nospawn");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let mut launcher = Command::new(BIN)
+        .args(["launch", "--no-spawn", "--verify", "--deadline-s", "60", "--src", s(&src), "--dst", s(&dst)])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start launcher");
+    let mut out = BufReader::new(launcher.stdout.take().expect("piped stdout"));
+    let mut first = String::new();
+    out.read_line(&mut first).expect("rendezvous line");
+    let addr = first.split_whitespace().nth(3).expect("address in the first line").trim_end_matches(':').to_string();
+    let (s_ranks, d_ranks) = (parse_layout_ranks(GOOD_SRC), parse_layout_ranks(GOOD_DST));
+    let workers: Vec<_> = (0..s_ranks)
+        .map(|r| ("src", r))
+        .chain((0..d_ranks).map(|r| ("dst", r)))
+        .map(|(g, r)| {
+            Command::new(BIN)
+                .args([
+                    "worker",
+                    "--verify",
+                    "--src",
+                    s(&src),
+                    "--dst",
+                    s(&dst),
+                    "--group",
+                    g,
+                    "--rank",
+                    &r.to_string(),
+                    "--rendezvous",
+                    &addr,
+                ])
+                .spawn()
+                .expect("start worker")
+        })
+        .collect();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    assert!(launcher.wait().unwrap().success(), "{first}{rest}");
+    assert!(rest.contains("match"), "{rest}");
+    for mut w in workers {
+        assert!(w.wait().unwrap().success());
+    }
+}
+
+fn parse_layout_ranks(json: &str) -> u32 {
+    serde_json::from_str::<serde_json::Value>(json).unwrap()["ranks"].as_u64().unwrap() as u32
+}
+
 /// The TCP data plane is bit-exact end to end; the CUDA one, on a machine
 /// without CUDA (or a build without the feature), is refused cleanly.
 #[test]
