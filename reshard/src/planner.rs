@@ -227,6 +227,9 @@ struct Assigner {
     direct: Vec<(Endpoint, Endpoint, u16)>,
     groups: Vec<(u32, u32)>,
     leaders: Vec<Rank>,
+    /// Scratch: candidates' (egress, node egress, rank), and the senders picked.
+    cand: Vec<(u64, u64, Rank)>,
+    picks: Vec<Rank>,
     arrival: Vec<u16>,
 }
 
@@ -258,6 +261,8 @@ impl Assigner {
             direct: Vec::new(),
             groups: Vec::new(),
             leaders: Vec::new(),
+            cand: Vec::new(),
+            picks: Vec::new(),
             arrival: Vec::new(),
         }
     }
@@ -343,6 +348,26 @@ impl Assigner {
 
     /// The candidate with the least stage-0 egress; ties go to the one on
     /// the least loaded source node, then to the lowest rank.
+    /// Chooses `k` senders in turn, each the least loaded (as
+    /// [`best_source`](Self::best_source)) after the earlier choices' bytes.
+    fn pick_sources(&mut self, candidates: &[Rank], k: usize, bytes: u64) {
+        let mut cand = std::mem::take(&mut self.cand);
+        cand.clear();
+        cand.extend(candidates.iter().map(|&c| (self.load(0, SRC_OUT, c), self.src_node_load[self.src_node[c as usize] as usize], c)));
+        self.picks.clear();
+        for _ in 0..k {
+            let mut best = 0;
+            for i in 1..cand.len() {
+                if (cand[i].0, cand[i].1) < (cand[best].0, cand[best].1) {
+                    best = i;
+                }
+            }
+            cand[best].0 += bytes;
+            self.picks.push(cand[best].2);
+        }
+        self.cand = cand;
+    }
+
     fn best_source(&self, candidates: &[Rank]) -> Rank {
         let mut best = candidates[0];
         let mut best_load = (u64::MAX, u64::MAX);
@@ -400,10 +425,12 @@ impl Assigner {
         let k = self.groups.len();
         let group = |g: (u32, u32)| &receivers[g.0 as usize..g.1 as usize];
 
-        // Option A: direct from sources to every node.
+        // Option A: direct from sources to every node; senders chosen as
+        // `best_source` would, one after another, on a local copy of the
+        // candidates' loads.
+        self.pick_sources(candidates, k, bytes);
         for j in 0..k {
-            let (g, l) = (self.groups[j], self.leaders[j]);
-            let s = self.best_source(candidates);
+            let (g, l, s) = (self.groups[j], self.leaders[j], self.picks[j]);
             self.send(Endpoint::src(s), Endpoint::dst(l), 0, bytes);
             self.fan_out(l, group(g), 1, bytes);
         }
