@@ -160,6 +160,19 @@ fn qwen3_weights(scale: u64) -> Vec<Weight> {
     w
 }
 
+/// The inference side of every preset: DP replicas of a TP group, ranks
+/// in row-major order of (dp, tp), every weight split by its TP kind.
+fn inference_dp_tp(ws: &[Weight], dp: u32, tp: u32) -> Vec<TensorLayout> {
+    ws.iter()
+        .map(|w| TensorLayout {
+            name: w.name.clone(),
+            dtype: DType::BF16,
+            shape: w.shape.clone(),
+            placement: mesh(vec![dp, tp], (0..dp * tp).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
+        })
+        .collect()
+}
+
 /// Source and destination layouts of a preset at `scale` (1 = full size).
 pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError> {
     let scale = scale.max(1);
@@ -176,15 +189,7 @@ pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError
                     placement: mesh(vec![4], (0..4).map(|t| w.stage * 4 + t).collect(), vec![tp_dim(w.tp)]),
                 })
                 .collect();
-            let dst = ws
-                .iter()
-                .map(|w| TensorLayout {
-                    name: w.name.clone(),
-                    dtype: DType::BF16,
-                    shape: w.shape.clone(),
-                    placement: mesh(vec![2, 2], (0..4).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
-                })
-                .collect();
+            let dst = inference_dp_tp(&ws, 2, 2);
             Ok((Layout::new(8, Some(4), src)?, Layout::new(4, Some(2), dst)?))
         }
         Model::Qwen3_235b => {
@@ -203,15 +208,7 @@ pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError
                     TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
                 })
                 .collect();
-            let dst = ws
-                .iter()
-                .map(|w| TensorLayout {
-                    name: w.name.clone(),
-                    dtype: DType::BF16,
-                    shape: w.shape.clone(),
-                    placement: mesh(vec![8, 8], (0..64).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
-                })
-                .collect();
+            let dst = inference_dp_tp(&ws, 8, 8);
             Ok((Layout::new(128, Some(8), src)?, Layout::new(64, Some(8), dst)?))
         }
         Model::DeepseekV3 => {
@@ -227,15 +224,7 @@ pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError
                     TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
                 })
                 .collect();
-            let dst = ws
-                .iter()
-                .map(|w| TensorLayout {
-                    name: w.name.clone(),
-                    dtype: DType::BF16,
-                    shape: w.shape.clone(),
-                    placement: mesh(vec![16, 8], (0..128).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
-                })
-                .collect();
+            let dst = inference_dp_tp(&ws, 16, 8);
             Ok((Layout::new(256, Some(8), src)?, Layout::new(128, Some(8), dst)?))
         }
     }
