@@ -7,8 +7,8 @@
 //! [`orchestrator`] that learns only because refit delivers fresh weights.
 
 pub mod bench;
+pub mod cluster;
 pub mod demo;
-pub mod launch;
 pub mod presets;
 pub mod runner;
 pub mod svg;

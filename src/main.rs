@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use refit::bench::{exec_bench, peak_rss_bytes, BenchTransport};
+use refit::cluster::{run_worker, Cluster, ClusterConfig, ClusterError, Hosted, PerProcess, RefitOutcome, WorkerConfig};
 use refit::demo::{run_demo, DemoConfig, DemoError, DemoMode, DemoReport};
 use refit::presets::{layouts, Model};
 use refit::runner::prepare;
@@ -157,18 +158,26 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Start one worker process per rank on this machine (meeting through a
-    /// rendezvous socket, moving bytes over TCP) and run one refit.
+    /// Start worker processes on this machine (one per rank, or one per
+    /// node), meeting through a rendezvous socket and moving bytes over TCP,
+    /// and run refits among them.
     Launch {
         #[command(flatten)]
         pair: Pair,
         /// Run the gather-broadcast baseline instead of the reshard.
         #[arg(long)]
         baseline: bool,
-        /// Each destination worker checks every element it holds.
+        /// Destination ranks check every element before each commit, and
+        /// the committed weights are checked after the last refit.
         #[arg(long)]
         verify: bool,
-        /// Fail if the rendezvous or the refit takes longer than this.
+        /// Consecutive refits (weights version 1, 2, ...).
+        #[arg(long, default_value_t = 1)]
+        refits: u64,
+        /// One worker process per rank or per node.
+        #[arg(long, value_enum, default_value = "rank")]
+        per_process: PerProcess,
+        /// Fail if the rendezvous or a step of a refit takes longer than this.
         #[arg(long, default_value_t = 120)]
         deadline_s: u64,
         /// Address the rendezvous listens on.
@@ -179,8 +188,9 @@ enum Command {
         #[arg(long)]
         no_spawn: bool,
     },
-    /// One rank of a multi-process refit (started by `refit launch`, or by
-    /// a cluster launcher such as srun with the same rendezvous address).
+    /// One worker of a multi-process refit (started by `refit launch`, or by
+    /// a cluster launcher such as srun with the same rendezvous address):
+    /// hosts one rank (`--rank`) or every rank of one node (`--node`).
     Worker {
         #[command(flatten)]
         pair: Pair,
@@ -188,18 +198,15 @@ enum Command {
         #[arg(long)]
         group: String,
         /// Rank within the group.
+        #[arg(long, required_unless_present = "node", conflicts_with = "node")]
+        rank: Option<u32>,
+        /// Node within the group (its `ranks_per_node` ranks).
         #[arg(long)]
-        rank: u32,
+        node: Option<u32>,
         /// The launcher's rendezvous address (host:port).
         #[arg(long)]
         rendezvous: String,
-        /// Run the gather-broadcast baseline instead of the reshard.
-        #[arg(long)]
-        baseline: bool,
-        /// Check every element this rank holds (destination ranks).
-        #[arg(long)]
-        verify: bool,
-        /// Data-plane deadline in seconds.
+        /// Data-plane deadline of one refit, in seconds.
         #[arg(long, default_value_t = 120)]
         deadline_s: u64,
     },
@@ -602,9 +609,19 @@ fn cmd_plan_bench(model: Model, scale: u64, reps: usize, no_baseline: bool) -> R
     Ok(())
 }
 
-fn cmd_launch(pair: &Pair, baseline: bool, verify: bool, deadline_s: u64, bind: &str, no_spawn: bool) -> Result<(), Failure> {
+#[allow(clippy::too_many_arguments)]
+fn cmd_launch(
+    pair: &Pair,
+    baseline: bool,
+    verify: bool,
+    refits: u64,
+    per_process: PerProcess,
+    deadline_s: u64,
+    bind: &str,
+    no_spawn: bool,
+) -> Result<(), Failure> {
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
-    options(pair)?;
+    let opts = options(pair)?;
     let bind = bind.parse().map_err(|e| invalid(format!("--bind {bind}: {e}")))?;
     let spawn = if no_spawn {
         None
@@ -612,57 +629,74 @@ fn cmd_launch(pair: &Pair, baseline: bool, verify: bool, deadline_s: u64, bind: 
         Some(std::env::current_exe().map_err(|e| Failure { line: format!("cannot find this program: {e}"), code: 1 })?)
     };
     let strategy = if baseline { Strategy::Baseline } else { Strategy::Reshard };
-    let config = refit::launch::LaunchConfig {
+    let config = ClusterConfig {
         src_path: pair.src.clone(),
         dst_path: pair.dst.clone(),
-        strategy,
-        max_staging_mib: pair.max_staging_mib,
-        verify,
-        deadline: Duration::from_secs(deadline_s.max(1)),
+        options: opts,
         bind,
         spawn,
+        per_process,
+        deadline: Duration::from_secs(deadline_s.max(1)),
+        worker_args: Vec::new(),
     };
     let t = Instant::now();
     let ranks = src.ranks() + dst.ranks();
-    let r = refit::launch::launch(&config, &src, &dst, |addr| {
+    let failed = |e: ClusterError| Failure { line: e.to_string(), code: 1 };
+    let mut cluster = Cluster::start(config, &src, &dst, |addr| {
         if no_spawn {
             say!("rendezvous listening on {addr}: start {ranks} workers with `refit worker --rendezvous {addr} ...`");
         }
     })
-    .map_err(|e| Failure { line: e, code: 1 })?;
-    say!("{strategy}: {} worker processes, {} moved over TCP", r.workers, human(r.bytes));
+    .map_err(failed)?;
+    let mut walls = Vec::new();
+    let mut last = RefitOutcome::default();
+    for version in 1..=refits.max(1) {
+        last = cluster.refit(strategy, version, verify).map_err(failed)?;
+        walls.push(last.wall);
+    }
+    let checked = if verify { Some(cluster.check(refits.max(1)).map_err(failed)?) } else { None };
+    let workers = cluster.workers().len();
+    cluster.shutdown();
+    walls.sort();
+    let median = walls[walls.len() / 2];
+    say!("{strategy}: {workers} worker processes ({ranks} ranks), {} moved over TCP per refit", human(last.bytes));
     say!(
-        "slowest rank's data plane {:.3} ms ({:.2} GiB/s); whole launch {:.3} s",
-        r.max_rank_time.as_secs_f64() * 1e3,
-        r.bytes as f64 / r.max_rank_time.as_secs_f64().max(1e-12) / (1u64 << 30) as f64,
+        "{} refit(s): median {:.3} ms ({:.2} GiB/s), slowest {:.3} ms; whole launch {:.3} s",
+        walls.len(),
+        median.as_secs_f64() * 1e3,
+        last.bytes as f64 / median.as_secs_f64().max(1e-12) / (1u64 << 30) as f64,
+        walls[walls.len() - 1].as_secs_f64() * 1e3,
         t.elapsed().as_secs_f64()
     );
-    if let Some(n) = r.verified {
-        say!("verify: all {n} destination elements match");
+    if let (Some(n), Some(c)) = (last.verified, checked) {
+        say!("verify: all {n} destination elements match before every commit; committed weights of version {refits} match ({c} elements)");
     }
     Ok(())
 }
 
-fn cmd_worker(pair: &Pair, group: &str, rank: u32, rendezvous: &str, baseline: bool, verify: bool, deadline_s: u64) -> Result<(), Failure> {
+fn cmd_worker(pair: &Pair, group: &str, rank: Option<u32>, node: Option<u32>, rendezvous: &str, deadline_s: u64) -> Result<(), Failure> {
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
     let opts = options(pair)?;
-    let endpoint = match group {
-        "src" => reshard::Endpoint::src(rank),
-        "dst" => reshard::Endpoint::dst(rank),
+    let group = match group {
+        "src" => reshard::Group::Src,
+        "dst" => reshard::Group::Dst,
         other => return Err(invalid(format!("--group {other}: expected src or dst"))),
     };
-    let rendezvous = rendezvous.parse().map_err(|e| invalid(format!("--rendezvous {rendezvous}: {e}")))?;
-    let config = refit::launch::WorkerConfig {
-        src: pair.src.clone(),
-        dst: pair.dst.clone(),
-        endpoint,
-        rendezvous,
-        strategy: if baseline { Strategy::Baseline } else { Strategy::Reshard },
-        options: opts,
-        verify,
-        deadline: Duration::from_secs(deadline_s.max(1)),
+    let hosted = match (rank, node) {
+        (Some(r), _) => Hosted::Rank(reshard::Endpoint { group, rank: r }),
+        (None, Some(n)) => Hosted::Node(group, n),
+        (None, None) => return Err(invalid("give --rank or --node".into())),
     };
-    refit::launch::run_worker(&config, &src, &dst).map_err(|e| Failure { line: e, code: 1 })
+    hosted.endpoints(&src, &dst).map_err(invalid)?;
+    let rendezvous = rendezvous.parse().map_err(|e| invalid(format!("--rendezvous {rendezvous}: {e}")))?;
+    let config = WorkerConfig {
+        hosted,
+        rendezvous,
+        options: opts,
+        deadline: Duration::from_secs(deadline_s.max(1)),
+        tcp: transport::tcp::TcpConfig::default(),
+    };
+    run_worker(&config, &src, &dst).map_err(|e| Failure { line: e, code: 1 })
 }
 
 fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
@@ -789,12 +823,10 @@ fn main() -> ExitCode {
         }
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
-        Command::Launch { pair, baseline, verify, deadline_s, bind, no_spawn } => {
-            cmd_launch(pair, *baseline, *verify, *deadline_s, bind, *no_spawn)
+        Command::Launch { pair, baseline, verify, refits, per_process, deadline_s, bind, no_spawn } => {
+            cmd_launch(pair, *baseline, *verify, *refits, *per_process, *deadline_s, bind, *no_spawn)
         }
-        Command::Worker { pair, group, rank, rendezvous, baseline, verify, deadline_s } => {
-            cmd_worker(pair, group, *rank, rendezvous, *baseline, *verify, *deadline_s)
-        }
+        Command::Worker { pair, group, rank, node, rendezvous, deadline_s } => cmd_worker(pair, group, *rank, *node, rendezvous, *deadline_s),
         Command::Demo { steps, batch, lr, seed, mode, no_refit, json } => cmd_demo(*steps, *batch, *lr, *seed, *mode, *no_refit, *json),
     };
     match result {

@@ -275,7 +275,6 @@ fn launch_without_spawning_waits_for_external_workers() {
             Command::new(BIN)
                 .args([
                     "worker",
-                    "--verify",
                     "--src",
                     s(&src),
                     "--dst",

@@ -9,11 +9,41 @@ pub const MAX_DIMS: usize = 8;
 /// `extent` per dimension. A 0-d block is the single element of a scalar.
 ///
 /// Stored inline (no heap) so millions of them stay cheap.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(into = "BlockWire", try_from = "BlockWire")]
 pub struct Block {
     ndim: u8,
     offset: [u64; MAX_DIMS],
     extent: [u64; MAX_DIMS],
+}
+
+/// A [`Block`] as it crosses a process boundary: offsets and extents as
+/// lists, checked on the way in (at most [`MAX_DIMS`] dimensions, equal
+/// lengths, no index past `u64::MAX`).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct BlockWire {
+    offset: Vec<u64>,
+    extent: Vec<u64>,
+}
+
+impl From<Block> for BlockWire {
+    fn from(b: Block) -> BlockWire {
+        BlockWire { offset: b.offset().to_vec(), extent: b.extent().to_vec() }
+    }
+}
+
+impl TryFrom<BlockWire> for Block {
+    type Error = String;
+
+    fn try_from(w: BlockWire) -> Result<Block, String> {
+        if w.offset.len() != w.extent.len() || w.offset.len() > MAX_DIMS {
+            return Err(format!("block with {} offsets and {} extents (at most {MAX_DIMS} each, equal)", w.offset.len(), w.extent.len()));
+        }
+        if w.offset.iter().zip(&w.extent).any(|(o, e)| o.checked_add(*e).is_none()) {
+            return Err("block ends past the largest index".into());
+        }
+        Ok(Block::new(&w.offset, &w.extent))
+    }
 }
 
 impl Block {

@@ -7,7 +7,7 @@
 use std::fmt;
 
 /// Element type of a tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum DType {
     /// IEEE 754 binary64.
     F64,

@@ -105,7 +105,7 @@ pub struct TensorLayout {
 }
 
 /// Identifies one buffer of a rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum BufferKey {
     /// The own buffer of shard `shard` of tensor `tensor` (indices into the layout).
     Own {
@@ -146,7 +146,7 @@ pub struct Holding {
 }
 
 /// One buffer a rank must allocate.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BufferSpec {
     /// Which buffer.
     pub key: BufferKey,

@@ -14,7 +14,7 @@ use std::hash::{Hash, Hasher};
 use thiserror::Error;
 
 /// Which group a rank belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Group {
     /// The training (source) group.
     Src,
@@ -23,7 +23,7 @@ pub enum Group {
 }
 
 /// A rank of one group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct Endpoint {
     /// Its group.
     pub group: Group,
@@ -53,7 +53,7 @@ impl fmt::Display for Endpoint {
 }
 
 /// Which planner made a plan.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Strategy {
     /// Intersect both layouts; send each destination node exactly what it needs.
     Reshard,

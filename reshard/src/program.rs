@@ -8,11 +8,12 @@ use crate::dtype::DType;
 use crate::fingerprint::Fingerprint;
 use crate::layout::{BufferKey, BufferSpec, Holding, Layout, Rank};
 use crate::plan::{fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
 /// A piece's elements inside one buffer: element `i` of the piece (in the
 /// piece's row-major order) is at `base + sum(index[d] * strides[d])`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Span {
     /// Index into [`RankProgram::buffers`].
     pub buffer: u32,
@@ -23,7 +24,7 @@ pub struct Span {
 }
 
 /// One piece of an outgoing message.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SendPiece {
     /// The piece (its extent gives the element counts).
     pub block: Block,
@@ -36,7 +37,7 @@ pub struct SendPiece {
 }
 
 /// One piece of an incoming message.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RecvPiece {
     /// The piece.
     pub block: Block,
@@ -50,7 +51,7 @@ pub struct RecvPiece {
 
 /// A copy inside one rank (baseline gather onto the root, or keeping a
 /// slice of a broadcast tensor).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LocalCopy {
     /// The piece.
     pub block: Block,
@@ -65,7 +66,7 @@ pub struct LocalCopy {
 }
 
 /// All pieces exchanged with one peer in one round, in wire order.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message<P> {
     /// The other rank.
     pub peer: Endpoint,
@@ -88,7 +89,7 @@ impl Message<RecvPiece> {
 }
 
 /// One round of a rank's program: local copies, then sends, then receives.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Round {
     /// Copies within the rank, done first.
     pub locals: Vec<LocalCopy>,
@@ -99,7 +100,7 @@ pub struct Round {
 }
 
 /// Everything one rank does in a refit.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankProgram {
     /// Which rank.
     pub endpoint: Endpoint,

@@ -20,5 +20,7 @@ pub use exec::{run_local, run_rank, run_tcp, run_threads, ExecError, ExecOptions
 pub use gpu_probe::cuda_available;
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;
-pub use pattern::{fill_source_rank, fill_sources, verify_destination_rank, verify_destinations, Mismatch};
+pub use pattern::{
+    fill_source_rank, fill_source_rank_at, fill_sources, verify_destination_rank, verify_destination_rank_at, verify_destinations, Mismatch,
+};
 pub use transport::{Payload, Segment, Transport, TransportError};

@@ -60,6 +60,17 @@ pub fn tensor_seed(name: &str) -> u64 {
     fnv64(name)
 }
 
+/// Seed of a tensor's pattern at weights version `version` (version 0 is
+/// [`tensor_seed`]), so that every version has different values and a
+/// destination left on an older version shows up as a mismatch.
+pub fn tensor_seed_at(name: &str, version: u64) -> u64 {
+    if version == 0 {
+        tensor_seed(name)
+    } else {
+        tensor_seed(name) ^ splitmix(version)
+    }
+}
+
 /// Calls `f(global_flat_index, element_offset_in_buffer)` for every element
 /// of `piece`, stored as part of `stored` from element `at`.
 fn for_each_element(shape: &[u64], stored: &Block, at: u64, piece: &Block, mut f: impl FnMut(u64, u64)) {
@@ -106,9 +117,15 @@ pub fn fill_sources(src: &Layout, memory: &mut [RankMemory]) {
 
 /// Fills the shards of source rank `rank` with the pattern.
 pub fn fill_source_rank(src: &Layout, rank: u32, memory: &mut RankMemory) {
+    fill_source_rank_at(src, rank, 0, memory)
+}
+
+/// Fills the shards of source rank `rank` with the pattern of weights
+/// version `version`.
+pub fn fill_source_rank_at(src: &Layout, rank: u32, version: u64, memory: &mut RankMemory) {
     let index = buffer_index(src);
     for (ti, t) in src.tensors().iter().enumerate() {
-        let seed = tensor_seed(&t.name);
+        let seed = tensor_seed_at(&t.name, version);
         let size = t.dtype.size() as usize;
         for h in src.holdings(ti as u32) {
             for loc in h.holders.iter().filter(|l| l.rank == rank) {
@@ -127,24 +144,31 @@ pub fn fill_source_rank(src: &Layout, rank: u32, memory: &mut RankMemory) {
 /// source dtype. `memory[r]` is destination rank `r`'s memory. Returns the
 /// number of elements checked.
 pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) -> Result<u64, Box<Mismatch>> {
-    verify_impl(src, dst, None, &|r| memory.get(r as usize))
+    verify_impl(src, dst, None, 0, &|r| memory.get(r as usize))
 }
 
 /// Checks the elements of destination rank `rank` only; `memory` is its.
 pub fn verify_destination_rank(src: &Layout, dst: &Layout, rank: u32, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
-    verify_impl(src, dst, Some(rank), &|r| (r == rank).then_some(memory))
+    verify_impl(src, dst, Some(rank), 0, &|r| (r == rank).then_some(memory))
+}
+
+/// Checks the elements of destination rank `rank` against the pattern of
+/// weights version `version`.
+pub fn verify_destination_rank_at(src: &Layout, dst: &Layout, rank: u32, version: u64, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
+    verify_impl(src, dst, Some(rank), version, &|r| (r == rank).then_some(memory))
 }
 
 fn verify_impl<'m>(
     src: &Layout,
     dst: &Layout,
     only: Option<u32>,
+    version: u64,
     memory: &dyn Fn(u32) -> Option<&'m RankMemory>,
 ) -> Result<u64, Box<Mismatch>> {
     let index = buffer_index(dst);
     let mut checked = 0u64;
     for (ti, t) in dst.tensors().iter().enumerate() {
-        let seed = tensor_seed(&t.name);
+        let seed = tensor_seed_at(&t.name, version);
         let from = src.tensor_index(&t.name).map_or(t.dtype, |i| src.tensors()[i as usize].dtype);
         let (fs, ts) = (from.size() as usize, t.dtype.size() as usize);
         let mut raw = vec![0u8; fs];
