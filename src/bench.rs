@@ -42,6 +42,9 @@ pub enum BenchTransport {
     /// Every rank a thread, over loopback TCP; compared with a raw socket
     /// copy of the same bytes over as many streams as there are cores.
     Tcp,
+    /// Worker processes, as `refit launch` starts them (see
+    /// [`cluster_bench`]).
+    Process,
 }
 
 /// Sends `src` over loopback TCP, one stream per destination buffer (each
@@ -100,7 +103,7 @@ pub fn exec_bench(
     // destination rank (socket copy, like the reshard's receivers).
     let threads = match transport {
         BenchTransport::Local => std::thread::available_parallelism().map_or(2, |n| n.get()),
-        BenchTransport::Tcp => dst.ranks().max(1) as usize,
+        BenchTransport::Tcp | BenchTransport::Process => dst.ranks().max(1) as usize,
     };
     let bytes = reshard.plan.figures().total_bytes as usize;
     let per = bytes.div_ceil(threads);
@@ -110,7 +113,7 @@ pub fn exec_bench(
     for i in 0..=reps {
         let run = |p: &mut crate::runner::Prepared| match transport {
             BenchTransport::Local => p.execute(&exec),
-            BenchTransport::Tcp => p.execute_tcp(&exec),
+            BenchTransport::Tcp | BenchTransport::Process => p.execute_tcp(&exec),
         };
         reshard.clear_destinations();
         let r = run(&mut reshard)?;
@@ -118,7 +121,7 @@ pub fn exec_bench(
         let b = run(&mut baseline)?;
         let m = match transport {
             BenchTransport::Local => memcpy_once(&msrc, &mut mdst),
-            BenchTransport::Tcp => {
+            BenchTransport::Tcp | BenchTransport::Process => {
                 socket_copy_once(&msrc[0], &mut mdst).map_err(|e| RunError::Exec(transport::ExecError::Setup(e.to_string())))?
             }
         };
@@ -149,4 +152,114 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// Bytes a plan puts on each kind of link: between nodes (network) and
+/// inside a node (the NVLink analogue), in total and on the busiest rank.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LinkLoads {
+    /// Bytes crossing between nodes.
+    pub inter_node_bytes: u64,
+    /// Bytes moved between ranks of one node.
+    pub intra_node_bytes: u64,
+    /// Most network bytes one rank sends.
+    pub max_nic_out: u64,
+    /// Most network bytes one rank receives.
+    pub max_nic_in: u64,
+    /// Most intra-node bytes one rank sends.
+    pub max_intra_out: u64,
+    /// Bytes per node pair (sender node, receiver node) with traffic,
+    /// nodes named `sN<i>` / `dN<i>`.
+    pub node_pairs: Vec<(String, String, u64)>,
+}
+
+/// The link loads of `plan`.
+pub fn link_loads(plan: &reshard::Plan) -> LinkLoads {
+    use reshard::Group;
+    use std::collections::BTreeMap;
+    let ns = plan.src_ranks() as usize;
+    let n = ns + plan.dst_ranks() as usize;
+    let idx = |e: reshard::Endpoint| if e.group == Group::Src { e.rank as usize } else { ns + e.rank as usize };
+    let (mut out, mut inn, mut intra) = (vec![0u64; n], vec![0u64; n], vec![0u64; n]);
+    let mut pairs: BTreeMap<((Group, u32), (Group, u32)), u64> = BTreeMap::new();
+    let mut l = LinkLoads::default();
+    for t in plan.transfers().iter().filter(|t| t.from != t.to) {
+        let b = plan.wire_bytes(t);
+        let (a, z) = (plan.node_of(t.from), plan.node_of(t.to));
+        if a == z {
+            l.intra_node_bytes += b;
+            intra[idx(t.from)] += b;
+        } else {
+            l.inter_node_bytes += b;
+            out[idx(t.from)] += b;
+            inn[idx(t.to)] += b;
+        }
+        *pairs.entry((a, z)).or_default() += b;
+    }
+    l.max_nic_out = out.into_iter().max().unwrap_or(0);
+    l.max_nic_in = inn.into_iter().max().unwrap_or(0);
+    l.max_intra_out = intra.into_iter().max().unwrap_or(0);
+    let name = |(g, i): (Group, u32)| format!("{}N{i}", if g == Group::Src { "s" } else { "d" });
+    l.node_pairs = pairs.into_iter().map(|((a, z), b)| (name(a), name(z), b)).collect();
+    l
+}
+
+/// Medians of one side-by-side multi-process benchmark.
+#[derive(Clone, Debug)]
+pub struct ClusterBench {
+    /// Worker processes.
+    pub workers: usize,
+    /// Repetitions measured (after one verified warm-up of each).
+    pub reps: usize,
+    /// Median wall time of a reshard refit (start to last report).
+    pub reshard: Duration,
+    /// Median wall time of a baseline refit.
+    pub baseline: Duration,
+    /// Every reshard time, in run order.
+    pub reshard_times: Vec<Duration>,
+    /// Every baseline time, in run order.
+    pub baseline_times: Vec<Duration>,
+    /// Bytes the reshard moves between ranks (measured by the workers).
+    pub reshard_bytes: u64,
+    /// Bytes the baseline moves.
+    pub baseline_bytes: u64,
+}
+
+/// Runs reshard and baseline refits alternately on `cluster`, `reps` times
+/// after one warm-up of each that is verified element by element (and
+/// committed); every refit is a new weights version.
+pub fn cluster_bench(cluster: &mut crate::cluster::Cluster<'_>, reps: usize) -> Result<ClusterBench, crate::cluster::ClusterError> {
+    let reps = reps.max(1);
+    let (mut tr, mut tb) = (Vec::new(), Vec::new());
+    let (mut rb, mut bb) = (0, 0);
+    let mut version = 0;
+    for i in 0..=reps {
+        for strategy in [Strategy::Reshard, Strategy::Baseline] {
+            version += 1;
+            let o = cluster.refit(strategy, version, i == 0)?;
+            if i == 0 {
+                continue;
+            }
+            match strategy {
+                Strategy::Reshard => {
+                    tr.push(o.wall);
+                    rb = o.bytes;
+                }
+                Strategy::Baseline => {
+                    tb.push(o.wall);
+                    bb = o.bytes;
+                }
+            }
+        }
+    }
+    Ok(ClusterBench {
+        workers: cluster.workers().len(),
+        reps,
+        reshard: median(tr.clone()),
+        baseline: median(tb.clone()),
+        reshard_times: tr,
+        baseline_times: tb,
+        reshard_bytes: rb,
+        baseline_bytes: bb,
+    })
 }

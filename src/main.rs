@@ -1,7 +1,7 @@
 //! The `refit` command line.
 
 use clap::{Parser, Subcommand};
-use refit::bench::{exec_bench, peak_rss_bytes, BenchTransport};
+use refit::bench::{exec_bench, link_loads, peak_rss_bytes, BenchTransport, LinkLoads};
 use refit::cluster::{run_worker, Cluster, ClusterConfig, ClusterError, Hosted, PerProcess, RefitOutcome, WorkerConfig};
 use refit::demo::{run_demo, DemoConfig, DemoError, DemoMode, DemoReport};
 use refit::presets::{layouts, Model};
@@ -32,6 +32,44 @@ struct Pair {
     /// Most bytes one rank stages per round, in MiB.
     #[arg(long, default_value_t = 256)]
     max_staging_mib: u64,
+}
+
+/// Arguments of `refit bench`.
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Source layout file (or use --model).
+    #[arg(long, requires = "dst", conflicts_with = "model")]
+    src: Option<PathBuf>,
+    /// Destination layout file.
+    #[arg(long, requires = "src")]
+    dst: Option<PathBuf>,
+    /// A model preset instead of files.
+    #[arg(long, value_enum)]
+    model: Option<Model>,
+    /// Divide hidden sizes by this (presets only).
+    #[arg(long, default_value_t = 8)]
+    scale: u64,
+    /// Repetitions after one warm-up.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Most bytes one rank stages per round, in MiB.
+    #[arg(long, default_value_t = 256)]
+    max_staging_mib: u64,
+    /// Data plane: local (in-process, vs a plain memcpy), tcp (every rank a
+    /// thread over loopback TCP, vs a raw socket copy) or process (worker
+    /// processes, as `refit launch` starts them).
+    #[arg(long, value_enum, default_value = "local")]
+    transport: BenchTransport,
+    /// With `--transport process`: one worker process per rank or per node.
+    #[arg(long, value_enum, default_value = "node")]
+    per_process: PerProcess,
+    /// Draw both plans' traffic matrices (rank and node level) as SVG heat
+    /// maps: FILE (reshard) and FILE with `.baseline.svg` (baseline).
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -87,34 +125,11 @@ enum Command {
         #[arg(long, default_value_t = 600)]
         deadline_s: u64,
     },
-    /// Measure reshard, baseline and a plain memcpy of the same bytes side
-    /// by side (in-process), medians over repetitions.
-    Bench {
-        /// Source layout file (or use --model).
-        #[arg(long, requires = "dst", conflicts_with = "model")]
-        src: Option<PathBuf>,
-        /// Destination layout file.
-        #[arg(long, requires = "src")]
-        dst: Option<PathBuf>,
-        /// A model preset instead of files.
-        #[arg(long, value_enum)]
-        model: Option<Model>,
-        /// Divide hidden sizes by this (presets only).
-        #[arg(long, default_value_t = 8)]
-        scale: u64,
-        /// Repetitions after one warm-up.
-        #[arg(long, default_value_t = 5)]
-        reps: usize,
-        /// Most bytes one rank stages per round, in MiB.
-        #[arg(long, default_value_t = 256)]
-        max_staging_mib: u64,
-        /// Data plane: local (vs a plain memcpy) or tcp (vs a raw socket copy).
-        #[arg(long, value_enum, default_value = "local")]
-        transport: BenchTransport,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
-    },
+    /// Measure reshard and the gather-broadcast baseline side by side
+    /// (alternating, medians over repetitions) on one data plane, with a
+    /// reference copy of the same bytes (local, tcp) or the link lower bound
+    /// (process with --emulate).
+    Bench(BenchArgs),
     /// Time planning (reshard and baseline) on a model preset and report
     /// peak memory.
     PlanBench {
@@ -479,59 +494,144 @@ fn preset(model: Model, scale: u64) -> Result<(Layout, Layout), Failure> {
     layouts(model, scale).map_err(|e| invalid(format!("preset {model:?} at scale {scale}: {e}")))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn cmd_bench(
-    src: &Option<PathBuf>,
-    dst: &Option<PathBuf>,
-    model: Option<Model>,
-    scale: u64,
-    reps: usize,
-    mib: u64,
-    transport: BenchTransport,
-    as_json: bool,
-) -> Result<(), Failure> {
-    let (s, d, what) = match (src, dst, model) {
+fn loads_json(l: &LinkLoads) -> serde_json::Value {
+    json!({
+        "inter_node_bytes": l.inter_node_bytes,
+        "intra_node_bytes": l.intra_node_bytes,
+        "max_nic_out_bytes": l.max_nic_out,
+        "max_nic_in_bytes": l.max_nic_in,
+        "max_intra_out_bytes": l.max_intra_out,
+        "node_pairs": l.node_pairs.iter().map(|(a, z, b)| json!({"from": a, "to": z, "bytes": b})).collect::<Vec<_>>(),
+    })
+}
+
+fn say_loads(name: &str, l: &LinkLoads) {
+    say!(
+        "  links {name:<9} network {:>10} (busiest NIC out {}, in {}); intra-node {:>10} (busiest rank out {})",
+        human(l.inter_node_bytes),
+        human(l.max_nic_out),
+        human(l.max_nic_in),
+        human(l.intra_node_bytes),
+        human(l.max_intra_out)
+    );
+}
+
+/// Temporary layout files for worker processes, removed when dropped.
+struct TempLayouts(PathBuf);
+
+impl Drop for TempLayouts {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
+    let (s, d, what) = match (&a.src, &a.dst, a.model) {
         (Some(s), Some(d), _) => (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display())),
         (_, _, Some(m)) => {
-            let (s, d) = preset(m, scale)?;
-            (s, d, format!("{m:?} scale {scale}"))
+            let (s, d) = preset(m, a.scale)?;
+            (s, d, format!("{m:?} scale {}", a.scale))
         }
         _ => return Err(invalid("give --src and --dst, or --model".into())),
     };
-    let opts = PlanOptions { max_staging_bytes: mib.max(1) << 20, ..PlanOptions::default() };
-    let b = exec_bench(&s, &d, &opts, reps, transport).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
-    let reference = match transport {
-        BenchTransport::Local => "memcpy",
-        BenchTransport::Tcp => "socket copy",
-    };
+    let opts = PlanOptions { max_staging_bytes: a.max_staging_mib.max(1) << 20, ..PlanOptions::default() };
+    let fail = |e: String| Failure { line: e, code: 1 };
+    let rplan = plan_reshard(&s, &d, &opts).map_err(|e| fail(e.to_string()))?;
+    let bplan = plan_baseline(&s, &d, &opts).map_err(|e| fail(e.to_string()))?;
+    let (rl, bl) = (link_loads(&rplan), link_loads(&bplan));
+    if let Some(path) = &a.svg {
+        for (plan, p) in [(&rplan, path.clone()), (&bplan, path.with_extension("baseline.svg"))] {
+            std::fs::write(&p, refit::svg::traffic_svg(plan, &what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))?;
+        }
+    }
+    drop((rplan, bplan));
+    let links = json!({"reshard": loads_json(&rl), "baseline": loads_json(&bl)});
     let gib = |bytes: u64, t: Duration| bytes as f64 / t.as_secs_f64().max(1e-12) / (1u64 << 30) as f64;
-    if as_json {
+    let header = |reps: usize| {
+        say!("workload: {what}; {} src ranks -> {} dst ranks, {} tensors; medians of {reps} reps", s.ranks(), d.ranks(), d.tensors().len())
+    };
+    if a.transport == BenchTransport::Process {
+        // Workers read layout files: write the preset's, if that is what we have.
+        let (paths, _temp) = match (&a.src, &a.dst) {
+            (Some(sp), Some(dp)) => ((sp.clone(), dp.clone()), None),
+            _ => {
+                let dir = std::env::temp_dir().join(format!("refit-bench-{}", std::process::id()));
+                std::fs::create_dir_all(&dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+                let temp = TempLayouts(dir.clone());
+                for (name, l) in [("src.json", &s), ("dst.json", &d)] {
+                    std::fs::write(dir.join(name), reshard::layout_to_json(l).to_string()).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+                }
+                ((dir.join("src.json"), dir.join("dst.json")), Some(temp))
+            }
+        };
+        let config = ClusterConfig {
+            src_path: paths.0,
+            dst_path: paths.1,
+            options: opts,
+            bind: "127.0.0.1:0".parse().map_err(|e| fail(format!("{e}")))?,
+            spawn: Some(std::env::current_exe().map_err(|e| fail(format!("cannot find this program: {e}")))?),
+            per_process: a.per_process,
+            deadline: Duration::from_secs(600),
+            worker_args: Vec::new(),
+        };
+        let mut cluster = Cluster::start(config, &s, &d, |_| {}).map_err(|e| fail(e.to_string()))?;
+        let b = refit::bench::cluster_bench(&mut cluster, a.reps);
+        cluster.shutdown();
+        let b = b.map_err(|e| fail(e.to_string()))?;
+        let ratio = b.baseline.as_secs_f64() / b.reshard.as_secs_f64();
+        if a.json {
+            say!(
+                "{}",
+                json!({
+                    "workload": what, "reps": b.reps, "transport": "process", "workers": b.workers,
+                    "per_process": format!("{:?}", a.per_process).to_lowercase(),
+                    "reshard": {"bytes": b.reshard_bytes, "median_s": b.reshard.as_secs_f64(),
+                                "times_s": b.reshard_times.iter().map(|t| t.as_secs_f64()).collect::<Vec<_>>()},
+                    "baseline": {"bytes": b.baseline_bytes, "median_s": b.baseline.as_secs_f64(),
+                                 "times_s": b.baseline_times.iter().map(|t| t.as_secs_f64()).collect::<Vec<_>>()},
+                    "baseline_over_reshard": ratio,
+                    "links": links,
+                })
+            );
+        } else {
+            header(b.reps);
+            say!("  {} worker processes ({:?} per process), bit-exact warm-up of each", b.workers, a.per_process);
+            say!("  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s", human(b.reshard_bytes), b.reshard.as_secs_f64() * 1e3, gib(b.reshard_bytes, b.reshard));
+            say!(
+                "  baseline  {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
+                human(b.baseline_bytes),
+                b.baseline.as_secs_f64() * 1e3,
+                gib(b.baseline_bytes, b.baseline)
+            );
+            say_loads("reshard", &rl);
+            say_loads("baseline", &bl);
+            say!("  baseline time / reshard time = {ratio:.2}");
+        }
+        return Ok(());
+    }
+    let b = exec_bench(&s, &d, &opts, a.reps, a.transport).map_err(|e| fail(e.to_string()))?;
+    let reference = match a.transport {
+        BenchTransport::Local => "memcpy",
+        _ => "socket copy",
+    };
+    let transport = format!("{:?}", a.transport).to_lowercase();
+    if a.json {
         say!(
             "{}",
             json!({
                 "workload": what, "reps": b.reps,
                 "reshard": {"bytes": b.reshard_bytes, "median_s": b.reshard.as_secs_f64()},
                 "baseline": {"bytes": b.baseline_bytes, "median_s": b.baseline.as_secs_f64()},
-                "transport": format!("{transport:?}").to_lowercase(),
+                "transport": transport,
                 "reference": {"kind": reference, "bytes": b.reshard_bytes, "threads": b.memcpy_threads, "median_s": b.memcpy.as_secs_f64()},
                 "reshard_vs_reference": b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
                 "baseline_over_reshard": b.baseline.as_secs_f64() / b.reshard.as_secs_f64(),
+                "links": links,
             })
         );
     } else {
-        say!(
-            "workload: {what}; {} src ranks -> {} dst ranks, {} tensors; medians of {} reps",
-            s.ranks(),
-            d.ranks(),
-            d.tensors().len(),
-            b.reps
-        );
-        say!(
-            "  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
-            human(b.reshard_bytes),
-            b.reshard.as_secs_f64() * 1e3,
-            gib(b.reshard_bytes, b.reshard)
-        );
+        header(b.reps);
+        say!("  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s", human(b.reshard_bytes), b.reshard.as_secs_f64() * 1e3, gib(b.reshard_bytes, b.reshard));
         say!(
             "  baseline  {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
             human(b.baseline_bytes),
@@ -544,11 +644,12 @@ fn cmd_bench(
             b.memcpy.as_secs_f64() * 1e3,
             gib(b.reshard_bytes, b.memcpy),
             b.memcpy_threads,
-            if transport == BenchTransport::Local { "threads" } else { "streams" }
+            if a.transport == BenchTransport::Local { "threads" } else { "streams" }
         );
+        say_loads("reshard", &rl);
+        say_loads("baseline", &bl);
         say!(
-            "  transport {}: reshard throughput / {reference} throughput = {:.2}; baseline time / reshard time = {:.2}",
-            format!("{transport:?}").to_lowercase(),
+            "  transport {transport}: reshard throughput / {reference} throughput = {:.2}; baseline time / reshard time = {:.2}",
             b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
             b.baseline.as_secs_f64() / b.reshard.as_secs_f64()
         );
@@ -818,9 +919,7 @@ fn main() -> ExitCode {
             json: *json,
         }),
         Command::Run { pair, baseline, verify, transport, deadline_s } => cmd_run(pair, *baseline, *verify, transport, *deadline_s),
-        Command::Bench { src, dst, model, scale, reps, max_staging_mib, transport, json } => {
-            cmd_bench(src, dst, *model, *scale, *reps, *max_staging_mib, *transport, *json)
-        }
+        Command::Bench(args) => cmd_bench(args),
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
         Command::Launch { pair, baseline, verify, refits, per_process, deadline_s, bind, no_spawn } => {
