@@ -181,7 +181,8 @@ pub fn link_loads(plan: &reshard::Plan) -> LinkLoads {
     let n = ns + plan.dst_ranks() as usize;
     let idx = |e: reshard::Endpoint| if e.group == Group::Src { e.rank as usize } else { ns + e.rank as usize };
     let (mut out, mut inn, mut intra) = (vec![0u64; n], vec![0u64; n], vec![0u64; n]);
-    let mut pairs: BTreeMap<((Group, u32), (Group, u32)), u64> = BTreeMap::new();
+    type Node = (Group, u32);
+    let mut pairs: BTreeMap<(Node, Node), u64> = BTreeMap::new();
     let mut l = LinkLoads::default();
     for t in plan.transfers().iter().filter(|t| t.from != t.to) {
         let b = plan.wire_bytes(t);

@@ -294,7 +294,7 @@ impl<'l> Cluster<'l> {
         let mut table = Vec::new();
         for r in ready {
             if let ToLauncher::Ready { addrs, .. } = r {
-                table.extend(addrs.into_iter());
+                table.extend(addrs);
             }
         }
         self.exchange(|_| ToWorker::Connect { seq, table: table.clone() })?;
