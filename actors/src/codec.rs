@@ -143,12 +143,25 @@ fn decode_limited<T: DeserializeOwned>(bytes: &[u8]) -> Result<(T, usize), Codec
     }
 }
 
+/// bincode's own `Display` is its `Debug` output; the common malformed-input
+/// cases get a plain sentence instead.
 fn decode_error(err: DecodeError, limit: usize) -> CodecError {
-    match err {
-        DecodeError::LimitExceeded => CodecError::LimitExceeded { limit },
-        DecodeError::UnexpectedEnd { .. } => CodecError::Decode("unexpected end of input".to_owned()),
-        other => CodecError::Decode(other.to_string()),
-    }
+    let text = match err {
+        DecodeError::LimitExceeded => return CodecError::LimitExceeded { limit },
+        DecodeError::UnexpectedEnd { .. } => "unexpected end of input".to_owned(),
+        DecodeError::OtherString(text) => text,
+        DecodeError::Other(text) => text.to_owned(),
+        DecodeError::Utf8 { inner } => format!("invalid UTF-8 in a string: {inner}"),
+        DecodeError::UnexpectedVariant { type_name, found, .. } => format!("invalid variant index {found} for {type_name}"),
+        DecodeError::InvalidIntegerType { expected, found } => {
+            format!("integer encoded as {found:?} where {expected:?} was expected (out of range or invalid varint marker)")
+        }
+        DecodeError::InvalidBooleanValue(v) => format!("invalid boolean value {v} (expected 0 or 1)"),
+        DecodeError::InvalidCharEncoding(bytes) => format!("invalid char encoding {bytes:?}"),
+        DecodeError::OutsideUsizeRange(n) => format!("length {n} does not fit in usize"),
+        other => other.to_string(),
+    };
+    CodecError::Decode(text)
 }
 
 /// Appends one frame (length prefix + `payload`) to `out`. Fails if the

@@ -10,6 +10,9 @@ use serde_json::{Map, Value};
 
 /// Parses a layout file's text into a validated [`Layout`].
 pub fn parse_layout(text: &str) -> Result<Layout, LayoutError> {
+    if text.starts_with('\u{feff}') {
+        return Err(err("(file)", "invalid JSON: the file starts with a byte-order mark (U+FEFF); save it as UTF-8 without one"));
+    }
     let v: Value = strict_json(text).map_err(|e| err("(file)", format!("invalid JSON: {}", escape(&e.to_string()))))?;
     let obj = as_object(&v, "(top level)")?;
     known_fields(obj, "(top level)", &["ranks", "ranks_per_node", "tensors"])?;
@@ -79,13 +82,17 @@ fn parse_mesh(obj: &Map<String, Value>, path: &str, layout_ranks: u32) -> Result
         .enumerate()
         .map(|(i, s)| u32::try_from(s).map_err(|_| err(format!("{mpath}.shape[{i}]"), format!("{s} is too large"))))
         .collect::<Result<_, _>>()?;
-    let size = shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b as u64)).unwrap_or(u64::MAX);
+    let size = shape.iter().try_fold(1u64, |a, &b| a.checked_mul(b as u64));
+    let size_text = size.map_or_else(|| format!("more than {}", u64::MAX), |s| s.to_string());
+    let size = size.unwrap_or(u64::MAX);
     let ranks = match mesh.get("ranks") {
         None | Some(Value::Null) => {
             if size > layout_ranks as u64 {
                 return Err(err(
                     format!("{mpath}.shape"),
-                    format!("mesh {shape:?} has {size} positions but the layout has {layout_ranks} ranks (and no mesh.ranks is given)"),
+                    format!(
+                        "mesh {shape:?} has {size_text} positions but the layout has {layout_ranks} ranks (and no mesh.ranks is given)"
+                    ),
                 ));
             }
             (0..size as u32).collect()

@@ -538,8 +538,9 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
             if let Some(i) = m.shape.iter().position(|&s| s == 0) {
                 return Err(tensor_err(name, format!("mesh.shape[{i}] is 0")));
             }
-            let size = m.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64)).unwrap_or(u64::MAX);
-            if m.ranks.len() as u64 != size {
+            let size = m.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+            if size != Some(m.ranks.len() as u64) {
+                let size = size.map_or_else(|| format!("more than {}", u64::MAX), |s| s.to_string());
                 return Err(tensor_err(
                     name,
                     format!("mesh.ranks has {} entries but mesh.shape {:?} has {size} positions", m.ranks.len(), m.shape),
