@@ -218,16 +218,13 @@ fn hostile_layouts_through_the_cli() {
     assert!(failures.is_empty(), "{} of {runs} invocations failed:\n{}", failures.len(), failures.join("\n\n"));
 }
 
-/// Known defect (not fixed here: it needs the IR to keep default mesh ranks
-/// implicit). A mesh without `mesh.ranks` is expanded to `0..product` when
-/// parsed, so a ~100-byte tensor on a `[1048576]` mesh costs 4 MiB (plus a
-/// 1 MiB scratch vector in validation): a 33 KB file of 300 such tensors
-/// takes 1.2 GiB and 11 s (debug) to parse, a 230 KB file of 2000 would take
-/// 8 GiB. Such a file is valid, so the contract is only that `refit` does not
-/// abort: it must plan it or reject it with exit code 2, within 2 GiB.
+/// A mesh without `mesh.ranks` is expanded to `0..product` when parsed, so
+/// a ~100-byte tensor on a `[1048576]` mesh costs 4 MiB: a 230 KB file of
+/// 2000 such tensors would take 8 GiB. The parser caps the implied
+/// positions of a file (`reshard::file::MAX_IMPLIED_POSITIONS`), so `refit`
+/// rejects it with exit code 2 (naming the field), within 2 GiB.
 #[cfg(unix)]
 #[test]
-#[ignore = "known defect: default mesh.ranks are expanded eagerly (memory amplification)"]
 fn default_mesh_ranks_do_not_amplify_memory() {
     let tensor = |i: usize| {
         format!(r#"{{"name": "w{i}", "dtype": "u8", "shape": [1048576], "mesh": {{"shape": [1048576]}}, "placements": ["shard(0)"]}}"#)
@@ -245,5 +242,7 @@ fn default_mesh_ranks_do_not_amplify_memory() {
         .output()
         .expect("spawn sh");
     let _ = std::fs::remove_file(&path);
-    assert!(matches!(out.status.code(), Some(0 | 2)), "exit {:?}: {}", out.status.code(), String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("mesh.shape") && stderr.contains("mesh.ranks"), "{stderr}");
 }

@@ -27,13 +27,19 @@ pub fn parse_layout(text: &str) -> Result<Layout, LayoutError> {
     let tensors_v = obj.get("tensors").ok_or_else(|| err("tensors", "missing field"))?;
     let arr = tensors_v.as_array().ok_or_else(|| err("tensors", format!("expected an array, got {}", kind(tensors_v))))?;
     let mut tensors = Vec::with_capacity(arr.len());
+    let mut budget = MAX_IMPLIED_POSITIONS;
     for (i, t) in arr.iter().enumerate() {
-        tensors.push(parse_tensor(t, &format!("tensors[{i}]"), ranks)?);
+        tensors.push(parse_tensor(t, &format!("tensors[{i}]"), ranks, &mut budget)?);
     }
     Layout::new(ranks, ranks_per_node, tensors)
 }
 
-fn parse_tensor(v: &Value, path: &str, layout_ranks: u32) -> Result<TensorLayout, LayoutError> {
+/// Most mesh positions a file may leave implied (meshes without
+/// `mesh.ranks`, whose rank lists the parser writes out): 2^26 in all, so
+/// that a small file cannot make the parser allocate gigabytes.
+pub const MAX_IMPLIED_POSITIONS: u64 = 1 << 26;
+
+fn parse_tensor(v: &Value, path: &str, layout_ranks: u32, budget: &mut u64) -> Result<TensorLayout, LayoutError> {
     let obj = as_object(v, path)?;
     let name = match obj.get("name") {
         Some(Value::String(s)) => s.clone(),
@@ -58,7 +64,7 @@ fn parse_tensor(v: &Value, path: &str, layout_ranks: u32) -> Result<TensorLayout
     let placement = match (has_mesh, has_shards) {
         (true, true) => return Err(err(&path, "has both 'shards' and 'mesh'/'placements'; give exactly one form")),
         (false, false) => return Err(err(&path, "has neither 'shards' nor 'mesh'+'placements'; give exactly one form")),
-        (true, false) => Placement::Mesh(parse_mesh(obj, &path, layout_ranks)?),
+        (true, false) => Placement::Mesh(parse_mesh(obj, &path, layout_ranks, budget)?),
         (false, true) => {
             let sv = &obj["shards"];
             let arr = sv.as_array().ok_or_else(|| err(format!("{path}.shards"), format!("expected an array, got {}", kind(sv))))?;
@@ -72,7 +78,7 @@ fn parse_tensor(v: &Value, path: &str, layout_ranks: u32) -> Result<TensorLayout
     Ok(TensorLayout { name, dtype, shape, placement })
 }
 
-fn parse_mesh(obj: &Map<String, Value>, path: &str, layout_ranks: u32) -> Result<MeshPlacement, LayoutError> {
+fn parse_mesh(obj: &Map<String, Value>, path: &str, layout_ranks: u32, budget: &mut u64) -> Result<MeshPlacement, LayoutError> {
     let mv = obj.get("mesh").ok_or_else(|| err(format!("{path}.mesh"), "missing field (required with 'placements')"))?;
     let mesh = as_object(mv, &format!("{path}.mesh"))?;
     known_fields(mesh, &format!("{path}.mesh"), &["shape", "ranks"])?;
@@ -95,6 +101,15 @@ fn parse_mesh(obj: &Map<String, Value>, path: &str, layout_ranks: u32) -> Result
                     ),
                 ));
             }
+            *budget = budget.checked_sub(size).ok_or_else(|| {
+                err(
+                    format!("{mpath}.shape"),
+                    format!(
+                        "meshes without mesh.ranks imply more than {MAX_IMPLIED_POSITIONS} positions in all; \
+                         give mesh.ranks explicitly (or fewer, smaller meshes)"
+                    ),
+                )
+            })?;
             (0..size as u32).collect()
         }
         Some(_) => get_u64_list(mesh, "ranks", &mpath)?
