@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use actors::codec;
@@ -101,7 +101,7 @@ async fn exercise(calc: &ActorRef<Calc>) {
     assert_eq!(err.actor(), calc.info());
     assert!(calc.is_alive(), "a recoverable error keeps the actor running");
 
-    let err = calc.call_timeout(Msg::SleepMs(5_000), Duration::from_millis(100)).await.unwrap_err();
+    let err = calc.call_timeout(Msg::SleepMs(500), Duration::from_millis(100)).await.unwrap_err();
     assert!(err.is_timeout(), "{err:?}");
     assert_eq!(calc.call(Msg::Echo(8)).await.unwrap(), 8);
 }
@@ -156,6 +156,31 @@ async fn fatal_remote_error_stops_the_handle_with_the_same_reason() {
     assert!(!remote.is_alive());
     let err = remote.call(Msg::Echo(1)).await.unwrap_err();
     assert_eq!(err.stop_reason(), Some(&StopReason::Fatal("boom".into())));
+}
+
+#[tokio::test]
+async fn a_handle_to_an_already_stopped_actor_is_stopped_with_its_reason() {
+    let (server, served) = calc_server().await;
+    let (_client, peer) = client_of(&server).await;
+    served.stop();
+    assert_eq!(served.terminated().await, StopReason::Requested);
+    for _ in 0..2 {
+        let remote = peer.lookup::<Calc>("calc").await.unwrap();
+        let reason = tokio::time::timeout(PROMPTLY, remote.terminated()).await.unwrap();
+        assert_eq!(reason, StopReason::Requested);
+    }
+}
+
+#[tokio::test]
+async fn stopping_a_remote_handle_stops_only_the_handle() {
+    let (server, served) = calc_server().await;
+    let (_client, peer) = client_of(&server).await;
+    let remote = peer.lookup::<Calc>("calc").await.unwrap();
+    remote.stop();
+    assert_eq!(tokio::time::timeout(PROMPTLY, remote.terminated()).await.unwrap(), StopReason::Requested);
+    assert!(served.is_alive());
+    let again = peer.lookup::<Calc>("calc").await.unwrap();
+    assert_eq!(again.call(Msg::Echo(4)).await.unwrap(), 4);
 }
 
 #[tokio::test]
@@ -434,6 +459,55 @@ async fn a_killed_child_process_is_reported_dead() {
 // ---------------------------------------------------------------------------
 // Hostile peers.
 
+/// Collects the warnings and errors of every test in this binary (a
+/// global subscriber: per-thread ones can miss events when other threads
+/// hit the same call sites first).
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<String>>>);
+
+impl Logs {
+    fn global() -> &'static Logs {
+        static LOGS: OnceLock<Logs> = OnceLock::new();
+        LOGS.get_or_init(|| {
+            let logs = Logs::default();
+            tracing::subscriber::set_global_default(logs.clone()).expect("another global subscriber");
+            logs
+        })
+    }
+
+    /// The lines mentioning `needle`.
+    fn lines_with(&self, needle: &str) -> Vec<String> {
+        self.0.lock().unwrap().iter().filter(|line| line.contains(needle)).cloned().collect()
+    }
+}
+
+struct Fields(String);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        use std::fmt::Write;
+        let _ = write!(self.0, "{}={:?} ", field.name(), value);
+    }
+}
+
+impl tracing::Subscriber for Logs {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>) -> bool {
+        *metadata.level() <= tracing::Level::WARN
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let mut fields = Fields(format!("{} ", event.metadata().level()));
+        event.record(&mut fields);
+        self.0.lock().unwrap().push(fields.0);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
 /// One step of a hostile script.
 enum Step {
     /// Raw bytes.
@@ -460,8 +534,8 @@ enum Start {
 
 /// What the server must do.
 enum Expect {
-    /// Drop the connection.
-    Dropped,
+    /// Drop the connection, logging a warning containing this text.
+    Dropped(&'static str),
     /// Answer with an error reply containing this text and keep the connection.
     ErrorReply(&'static str),
 }
@@ -480,28 +554,64 @@ fn cases() -> Vec<(&'static str, Start, Vec<Step>, Expect)> {
     let ping = FrameKind::Ping as u8;
     let forged = codec::encode(&(0u64, ping, RawPeer::ping_body(), [0u8; 32])).unwrap();
     vec![
-        ("wrong secret", WrongSecret, vec![], Dropped),
-        ("no handshake (silence)", Unauthenticated, vec![], Dropped),
-        ("oversized length prefix before auth", Unauthenticated, vec![Bytes(vec![0xFF; 4])], Dropped),
-        ("truncated frame before auth", Unauthenticated, vec![Bytes(vec![100, 0, 0, 0, 1, 2, 3]), Finish], Dropped),
-        ("garbage before auth", Unauthenticated, vec![Bytes(b"GET / HTTP/1.1\r\n\r\n".to_vec())], Dropped),
-        ("undecodable handshake frame", Unauthenticated, vec![Bytes(frame(&[0xde, 0xad, 0xbe, 0xef]))], Dropped),
-        ("data frame without handshake", Unauthenticated, vec![Bytes(frame(&forged))], Dropped),
-        ("oversized length prefix", Authenticated, vec![Bytes(vec![0xFF; 4])], Dropped),
-        ("truncated frame", Authenticated, vec![Bytes(vec![100, 0, 0, 0, 1, 2, 3]), Finish], Dropped),
-        ("garbage bytes", Authenticated, vec![Bytes(vec![8, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 0xde, 0xad, 0xbe, 0xef])], Dropped),
-        ("valid-length frame of the wrong type", Authenticated, vec![Bytes(frame(&codec::encode("not a frame").unwrap()))], Dropped),
-        ("forged tag", Authenticated, vec![Bytes(frame(&forged))], Dropped),
-        ("unknown frame kind", Authenticated, vec![Sealed(None, 0xEE, vec![])], Dropped),
-        ("known kind, undecodable body", Authenticated, vec![Sealed(None, lookup, vec![0xFF; 3])], Dropped),
-        ("replayed frame (same seq twice)", Authenticated, vec![Ping, Sealed(Some(0), ping, RawPeer::ping_body())], Dropped),
-        ("reordered frame (seq skipped)", Authenticated, vec![Sealed(Some(5), ping, RawPeer::ping_body())], Dropped),
+        ("wrong secret", WrongSecret, vec![], Dropped("wrong secret")),
+        ("no handshake (silence)", Unauthenticated, vec![], Dropped("no handshake in time")),
+        ("oversized length prefix before auth", Unauthenticated, vec![Bytes(vec![0xFF; 4])], Dropped("exceeds the limit of 256 bytes")),
+        (
+            "truncated frame before auth",
+            Unauthenticated,
+            vec![Bytes(vec![100, 0, 0, 0, 1, 2, 3]), Finish],
+            Dropped("in the middle of a frame"),
+        ),
+        (
+            "garbage before auth",
+            Unauthenticated,
+            vec![Bytes(b"GET / HTTP/1.1\r\n\r\n".to_vec())],
+            Dropped("exceeds the limit of 256 bytes"),
+        ),
+        (
+            "undecodable handshake frame",
+            Unauthenticated,
+            vec![Bytes(frame(&[0xde, 0xad, 0xbe, 0xef]))],
+            Dropped("undecodable handshake frame"),
+        ),
+        ("data frame without handshake", Unauthenticated, vec![Bytes(frame(&forged))], Dropped("undecodable handshake frame")),
+        ("oversized length prefix", Authenticated, vec![Bytes(vec![0xFF; 4])], Dropped("exceeds the limit of 16777216 bytes")),
+        ("truncated frame", Authenticated, vec![Bytes(vec![100, 0, 0, 0, 1, 2, 3]), Finish], Dropped("in the middle of a frame")),
+        (
+            "garbage bytes",
+            Authenticated,
+            vec![Bytes(vec![8, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 0xde, 0xad, 0xbe, 0xef])],
+            Dropped("malformed frame"),
+        ),
+        (
+            "valid-length frame of the wrong type",
+            Authenticated,
+            vec![Bytes(frame(&codec::encode("not a frame").unwrap()))],
+            Dropped("malformed frame"),
+        ),
+        ("forged tag", Authenticated, vec![Bytes(frame(&forged))], Dropped("authentication tag does not verify")),
+        ("unknown frame kind", Authenticated, vec![Sealed(None, 0xEE, vec![])], Dropped("unknown frame kind 238")),
+        (
+            "known kind, undecodable body",
+            Authenticated,
+            vec![Sealed(None, lookup, vec![0xFF; 3])],
+            Dropped("undecodable Lookup frame body"),
+        ),
+        (
+            "replayed frame (same seq twice)",
+            Authenticated,
+            vec![Ping, Sealed(Some(0), ping, RawPeer::ping_body())],
+            Dropped("expected #1, got #0"),
+        ),
+        ("reordered frame (seq skipped)", Authenticated, vec![Sealed(Some(5), ping, RawPeer::ping_body())], Dropped("expected #0, got #5")),
         ("request for an unknown actor", Authenticated, vec![Ping, Call("nobody")], ErrorReply("nobody")),
     ]
 }
 
-async fn check(server: &Node, name: &str, start: Start, steps: Vec<Step>, expect: Expect) {
+async fn check(server: &Node, logs: &Logs, name: &str, start: Start, steps: Vec<Step>, expect: Expect) {
     let mut raw = RawPeer::connect(server.local_addr()).await.unwrap();
+    let me = raw.local_addr().unwrap();
     match start {
         Start::Authenticated => raw.handshake(&secret()).await.unwrap(),
         Start::Unauthenticated => {}
@@ -528,7 +638,20 @@ async fn check(server: &Node, name: &str, start: Start, steps: Vec<Step>, expect
         }
     }
     match expect {
-        Expect::Dropped => assert!(raw.closed_within(PROMPTLY).await, "{name}: the server did not drop the connection"),
+        Expect::Dropped(why) => {
+            assert!(raw.closed_within(PROMPTLY).await, "{name}: the server did not drop the connection");
+            // The warning is logged before the socket closes, but give the
+            // server task a moment to be scheduled.
+            let mut logged = Vec::new();
+            for _ in 0..100 {
+                logged = logs.lines_with(&format!("peer={me} "));
+                if logged.iter().any(|line| line.contains(why)) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(logged.iter().any(|line| line.contains(why)), "{name}: no warning containing {why:?} in {logged:#?}");
+        }
         Expect::ErrorReply(text) => {
             let (req, reply) = raw.recv_reply(PROMPTLY).await.unwrap_or_else(|err| panic!("{name}: no reply: {err}"));
             assert_eq!(req, 99, "{name}");
@@ -552,11 +675,15 @@ async fn assert_serving(server: &Node) {
 
 #[tokio::test]
 async fn hostile_frames_drop_only_that_connection() {
+    // No line anywhere shows the secret.
+    let secret_text = "refit-remote-test-secret";
+    let logs = Logs::global();
     let (server, _served) = calc_server().await;
     for (name, start, steps, expect) in cases() {
-        check(&server, name, start, steps, expect).await;
+        check(&server, logs, name, start, steps, expect).await;
     }
     assert!(!server.is_shut_down());
+    assert_eq!(logs.lines_with(secret_text), Vec::<String>::new());
 }
 
 // ---------------------------------------------------------------------------

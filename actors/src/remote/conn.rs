@@ -69,6 +69,10 @@ struct Tables {
     proxies: HashMap<u64, ProxyEntry>,
     /// Served actors whose stop is reported to the peer.
     watched: HashSet<Uuid>,
+    /// Remote actors this side looked up, with their stop reason once the
+    /// peer reported it (a proxy registering late still learns it). Bounded
+    /// by this side's own lookups: reports about other ids are ignored.
+    looked_up: HashMap<Uuid, Option<StopReason>>,
 }
 
 /// An authenticated connection to a peer (either direction).
@@ -178,6 +182,9 @@ impl Conn {
         if let Some(problem) = &tables.closed {
             return Err(self.lost(problem));
         }
+        if let Some(Some(reason)) = tables.looked_up.get(&actor) {
+            return Err(reason.clone());
+        }
         tables.proxies.insert(id, ProxyEntry { actor, stop });
         Ok((id, stop_rx))
     }
@@ -273,7 +280,14 @@ impl Conn {
                 self.send_or_closed(Message::Found { req, result }).await?;
             }
             Message::Found { req, result } => {
-                let waiting = self.tables().lookups.remove(&req);
+                let waiting = {
+                    let mut tables = self.tables();
+                    let waiting = tables.lookups.remove(&req);
+                    if let (Some(_), Ok(info)) = (&waiting, &result) {
+                        tables.looked_up.entry(info.id).or_insert(None);
+                    }
+                    waiting
+                };
                 if let Some(tx) = waiting {
                     let _ = tx.send(result);
                 }
@@ -311,6 +325,10 @@ impl Conn {
             Message::Stopped { actor, reason } => {
                 let stopped: Vec<ProxyEntry> = {
                     let mut tables = self.tables();
+                    match tables.looked_up.get_mut(&actor) {
+                        Some(known) => *known = Some(reason.clone()),
+                        None => return Ok(()),
+                    }
                     let ids: Vec<u64> = tables.proxies.iter().filter(|(_, p)| p.actor == actor).map(|(id, _)| *id).collect();
                     ids.iter().filter_map(|id| tables.proxies.remove(id)).collect()
                 };

@@ -105,7 +105,7 @@ pub enum RemoteError {
         /// The registry's address.
         registry: String,
         /// The call's error.
-        source: CallError,
+        source: Box<CallError>,
     },
     /// The node was shut down.
     #[error("the node is shut down")]

@@ -45,6 +45,11 @@ impl RawPeer {
         Ok(Self { stream, peer, session: None })
     }
 
+    /// This end's address (the peer address the node sees and logs).
+    pub fn local_addr(&self) -> Result<std::net::SocketAddr, RemoteError> {
+        self.stream.local_addr().map_err(|e| self.io_error(e))
+    }
+
     /// Runs the client side of the handshake with `secret`.
     pub async fn handshake(&mut self, secret: &Secret) -> Result<(), RemoteError> {
         let keys = auth::client(&mut self.stream, secret, &self.peer).await?;

@@ -132,7 +132,7 @@ impl RegistryClient {
     }
 
     async fn call(&self, msg: RegistryMsg) -> Result<RegistryReply, RemoteError> {
-        self.registry.call(msg).await.map_err(|source| RemoteError::Registry { registry: self.addr.to_string(), source })
+        self.registry.call(msg).await.map_err(|source| RemoteError::Registry { registry: self.addr.to_string(), source: Box::new(source) })
     }
 
     /// Announces that this node serves `name` (which it must already serve),
