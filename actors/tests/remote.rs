@@ -732,6 +732,18 @@ fn default_config_is_loopback_with_bounded_heartbeats_and_frames() {
     assert_eq!(config.max_frame_bytes, 16 * 1024 * 1024);
 }
 
+#[tokio::test]
+async fn unusable_configs_are_refused() {
+    for (what, config) in [
+        ("interval >= timeout", NodeConfig { heartbeat_interval: Duration::from_secs(2), ..NodeConfig::default() }),
+        ("zero interval", NodeConfig { heartbeat_interval: Duration::ZERO, ..NodeConfig::default() }),
+        ("tiny frames", NodeConfig { max_frame_bytes: 100, ..NodeConfig::default() }),
+    ] {
+        let err = Node::bind(secret(), config).await.unwrap_err();
+        assert!(matches!(err, RemoteError::InvalidConfig { .. }), "{what}: {err:?}");
+    }
+}
+
 #[test]
 fn secrets_never_show_their_content() {
     let text = "super-secret-value-do-not-print";

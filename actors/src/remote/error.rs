@@ -107,6 +107,12 @@ pub enum RemoteError {
         /// The call's error.
         source: Box<CallError>,
     },
+    /// The [`NodeConfig`](super::NodeConfig) is unusable.
+    #[error("invalid node configuration: {problem}")]
+    InvalidConfig {
+        /// What is wrong.
+        problem: String,
+    },
     /// The node was shut down.
     #[error("the node is shut down")]
     NodeShutDown,
@@ -128,7 +134,7 @@ impl RemoteError {
             | Self::UnknownActor { peer, .. }
             | Self::Encode { peer, .. } => Some(peer),
             Self::NotRegistered { registry, .. } | Self::Registry { registry, .. } => Some(registry),
-            Self::Bind { .. } | Self::NameTaken { .. } | Self::InvalidName { .. } | Self::NodeShutDown => None,
+            Self::Bind { .. } | Self::NameTaken { .. } | Self::InvalidName { .. } | Self::InvalidConfig { .. } | Self::NodeShutDown => None,
         }
     }
 

@@ -12,6 +12,39 @@
 //! [`StopReason`](crate::StopReason). A [`Registry`] lets nodes find each
 //! other by actor name.
 //!
+//! ```
+//! use actors::{async_trait, spawn, Actor, ActorError, Context, Node, NodeConfig, Secret, SpawnConfig};
+//!
+//! struct Doubler;
+//!
+//! #[async_trait]
+//! impl Actor for Doubler {
+//!     type Msg = u64;
+//!     type Reply = u64;
+//!
+//!     async fn handle(&mut self, x: u64, _ctx: &mut Context<Self>) -> Result<u64, ActorError> {
+//!         Ok(2 * x)
+//!     }
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let secret = Secret::from_bytes(*b"a shared secret of 16+ bytes")?;
+//! // Process A serves an actor...
+//! let server = Node::bind(secret.clone(), NodeConfig::default()).await?;
+//! server.serve("doubler", &spawn(Doubler, SpawnConfig::default()))?;
+//! // ...process B uses it through an ordinary `ActorRef<Doubler>`.
+//! let client = Node::bind(secret, NodeConfig::default()).await?;
+//! let peer = client.connect(server.local_addr()).await?;
+//! let doubler = peer.lookup::<Doubler>("doubler").await?;
+//! assert_eq!(doubler.call(21).await?, 42);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! A connection lives while its [`RemotePeer`] or a handle obtained through
+//! it exists, and while both [`Node`]s are up.
+//!
 //! # Protocol
 //!
 //! **Frames.** Every frame is a `u32` little-endian payload length followed

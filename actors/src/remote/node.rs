@@ -66,6 +66,38 @@ pub struct NodeConfig {
     pub lookup_timeout: Duration,
 }
 
+impl NodeConfig {
+    /// Checks that the settings can work: non-zero durations, a heartbeat
+    /// interval below the timeout, frames with room for a message.
+    pub fn validate(&self) -> Result<(), RemoteError> {
+        let invalid = |problem: String| Err(RemoteError::InvalidConfig { problem });
+        for (name, value) in [
+            ("heartbeat_interval", self.heartbeat_interval),
+            ("heartbeat_timeout", self.heartbeat_timeout),
+            ("handshake_timeout", self.handshake_timeout),
+            ("write_timeout", self.write_timeout),
+            ("lookup_timeout", self.lookup_timeout),
+        ] {
+            if value.is_zero() {
+                return invalid(format!("{name} must not be zero"));
+            }
+        }
+        if self.heartbeat_interval >= self.heartbeat_timeout {
+            return invalid(format!(
+                "heartbeat_interval ({:?}) must be below heartbeat_timeout ({:?})",
+                self.heartbeat_interval, self.heartbeat_timeout
+            ));
+        }
+        if self.max_frame_bytes <= 2 * FRAME_OVERHEAD {
+            return invalid(format!("max_frame_bytes ({}) must exceed {} bytes", self.max_frame_bytes, 2 * FRAME_OVERHEAD));
+        }
+        if self.max_connections == 0 {
+            return invalid("max_connections must not be zero".to_owned());
+        }
+        Ok(())
+    }
+}
+
 impl Default for NodeConfig {
     fn default() -> Self {
         Self {
@@ -141,12 +173,14 @@ pub struct Node {
 
 impl Node {
     /// Binds a listener (see [`NodeConfig::bind`]) and starts accepting
-    /// connections authenticated with `secret`.
+    /// connections authenticated with `secret`. Fails on an invalid config
+    /// (see [`NodeConfig::validate`]).
     ///
     /// # Panics
     ///
     /// Like [`tokio::spawn`], panics when called outside a tokio runtime.
     pub async fn bind(secret: Secret, config: NodeConfig) -> Result<Node, RemoteError> {
+        config.validate()?;
         let listener =
             TcpListener::bind(config.bind).await.map_err(|source| RemoteError::Bind { addr: config.bind.to_string(), source })?;
         let addr = listener.local_addr().map_err(|source| RemoteError::Bind { addr: config.bind.to_string(), source })?;
@@ -264,7 +298,7 @@ fn valid_name(name: String) -> Result<String, RemoteError> {
 
 async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
     let mut shutdown = inner.shutdown_signal();
-    let slots = Arc::new(Semaphore::new(inner.config.max_connections.max(1)));
+    let slots = Arc::new(Semaphore::new(inner.config.max_connections));
     loop {
         let accepted = tokio::select! {
             () = wait_true(&mut shutdown) => break,
