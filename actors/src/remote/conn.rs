@@ -209,16 +209,14 @@ impl Conn {
         let lost = {
             let mut tables = self.tables();
             match &tables.closed {
-                Some(problem) => Some(self.lost(problem)),
+                Some(problem) => self.lost(problem),
                 None => {
                     tables.pending.insert(id, Pending { proxy, complete });
                     return Some(id);
                 }
             }
         };
-        if let Some(reason) = lost {
-            complete(Outcome::Lost(reason));
-        }
+        complete(Outcome::Lost(lost));
         None
     }
 

@@ -138,11 +138,10 @@ impl RegistryClient {
     /// Announces that this node serves `name` (which it must already serve),
     /// at [`Node::advertised_addr`].
     pub async fn announce(&self, name: &str) -> Result<(), RemoteError> {
-        // Served names are looked up through our own node's table.
-        let info = {
-            let peer_view = self.node.served_info(name);
-            peer_view.ok_or_else(|| RemoteError::UnknownActor { peer: self.node.local_addr().to_string(), name: name.to_owned() })?
-        };
+        let info = self
+            .node
+            .served_info(name)
+            .ok_or_else(|| RemoteError::UnknownActor { peer: self.node.local_addr().to_string(), name: name.to_owned() })?;
         let registration = Registration { name: name.to_owned(), addr: self.node.advertised_addr(), info };
         self.call(RegistryMsg::Register(registration)).await.map(|_| ())
     }
