@@ -33,6 +33,16 @@ impl<A: Actor> ActorRef<A> {
         Self { tx, shared, call_timeout }
     }
 
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Queues an envelope, waiting for mailbox space; fails with the stop
+    /// reason if the actor no longer accepts messages.
+    pub(crate) async fn send_envelope(&self, envelope: Envelope<A>) -> Result<(), StopReason> {
+        self.tx.send(envelope).await.map_err(|_| self.shared.closed_reason())
+    }
+
     /// The actor's identity.
     pub fn info(&self) -> &ActorInfo {
         &self.shared.info

@@ -19,6 +19,8 @@
 //!   is linked to receives a [`Terminated`] event. Dropping the last
 //!   [`ActorRef`] stops an actor cleanly after it has drained its mailbox.
 //! - [`codec`]: the one module in the project that calls bincode.
+//! - [`remote`]: location-transparent remote actors over authenticated TCP
+//!   connections with heartbeats: a remote actor is an ordinary [`ActorRef`].
 //!
 //! ```
 //! use actors::{async_trait, spawn, Actor, ActorError, Context, SpawnConfig};
@@ -51,6 +53,7 @@ mod error;
 mod group;
 mod join;
 mod panic;
+pub mod remote;
 mod runtime;
 mod supervision;
 
@@ -58,6 +61,7 @@ pub use actor::{Actor, ActorInfo, Context};
 pub use actor_ref::{ActorRef, WeakActorRef};
 pub use error::{ActorError, BroadcastError, CallError, GroupError, TellError};
 pub use group::{spawn_group, ActorGroup};
+pub use remote::{Node, NodeConfig, RemoteError, RemotePeer, Secret};
 pub use runtime::{spawn, SpawnConfig, DEFAULT_CALL_TIMEOUT, DEFAULT_MAILBOX_CAPACITY};
 pub use supervision::{StopReason, Supervisor, SupervisorEvents, Terminated};
 

@@ -74,6 +74,21 @@ impl SpawnConfig {
         self
     }
 
+    /// The mailbox capacity.
+    pub(crate) fn capacity(&self) -> usize {
+        self.mailbox_capacity
+    }
+
+    /// The default call timeout.
+    pub(crate) fn default_call_timeout(&self) -> Duration {
+        self.call_timeout
+    }
+
+    /// The supervisors to link from the start.
+    pub(crate) fn supervisors(&self) -> &[Supervisor] {
+        &self.supervisors
+    }
+
     pub(crate) fn base_name<A>(&self) -> String {
         match &self.name {
             Some(name) => name.clone(),
@@ -103,14 +118,7 @@ pub fn spawn<A: Actor>(actor: A, config: SpawnConfig) -> ActorRef<A> {
 /// Spawns with a final name and rank (groups name their members).
 pub(crate) fn spawn_named<A: Actor>(actor: A, config: &SpawnConfig, name: String, rank: Option<usize>) -> ActorRef<A> {
     let info = ActorInfo { id: Uuid::new_v4(), name, rank };
-    let (lifecycle, _) = watch::channel(Lifecycle::Running);
-    let shared = Arc::new(Shared {
-        info,
-        lifecycle,
-        stop_requested: AtomicBool::new(false),
-        stop_notify: Notify::new(),
-        supervisors: Mutex::new(config.supervisors.clone()),
-    });
+    let shared = Arc::new(Shared::new(info, config.supervisors.clone()));
     let (tx, rx) = mpsc::channel(config.mailbox_capacity.max(1));
     let actor_ref = ActorRef::new(tx, Arc::clone(&shared), config.call_timeout);
     let ctx = Context::new(actor_ref.downgrade());
@@ -159,6 +167,23 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// State of a new, running actor linked to `supervisors`.
+    pub(crate) fn new(info: ActorInfo, supervisors: Vec<Supervisor>) -> Self {
+        let (lifecycle, _) = watch::channel(Lifecycle::Running);
+        Self { info, lifecycle, stop_requested: AtomicBool::new(false), stop_notify: Notify::new(), supervisors: Mutex::new(supervisors) }
+    }
+
+    /// `true` once a stop was requested (see [`Shared::stop_requested_notified`]).
+    pub(crate) fn is_stop_requested(&self) -> bool {
+        self.stop_requested.load(Ordering::SeqCst)
+    }
+
+    /// Completes when a stop is requested after (or a permit was stored
+    /// before) the call; check [`Shared::is_stop_requested`] first.
+    pub(crate) async fn stop_requested_notified(&self) {
+        self.stop_notify.notified().await;
+    }
+
     /// Asks the actor to stop after its current message.
     pub(crate) fn request_stop(&self) {
         self.stop_requested.store(true, Ordering::SeqCst);
@@ -227,7 +252,7 @@ impl Shared {
     }
 
     /// Publishes the stop reason (first one wins).
-    fn begin_stop(&self, reason: &StopReason) {
+    pub(crate) fn begin_stop(&self, reason: &StopReason) {
         self.lifecycle.send_if_modified(|lifecycle| {
             if matches!(lifecycle, Lifecycle::Running) {
                 *lifecycle = Lifecycle::Stopping(reason.clone());
@@ -239,7 +264,7 @@ impl Shared {
     }
 
     /// Marks the actor fully stopped and notifies its supervisors.
-    fn finish(&self, reason: &StopReason) {
+    pub(crate) fn finish(&self, reason: &StopReason) {
         let supervisors = {
             let mut supervisors = self.supervisors();
             self.lifecycle.send_replace(Lifecycle::Stopped(reason.clone()));

@@ -28,12 +28,27 @@ pub enum StopReason {
     /// The actor's task was dropped before it could stop on its own, e.g.
     /// because the tokio runtime shut down. The `stopped` hook did not run.
     Aborted,
+    /// Only for handles to remote actors: the connection to the node hosting
+    /// the actor was lost (closed, broken, protocol violation or heartbeat
+    /// timeout), so the actor is unreachable and treated as dead.
+    ConnectionLost {
+        /// The peer's address.
+        peer: String,
+        /// What went wrong.
+        problem: String,
+    },
 }
 
 impl StopReason {
-    /// `true` for [`StopReason::Panicked`] and [`StopReason::Fatal`].
+    /// `true` for [`StopReason::Panicked`], [`StopReason::Fatal`] and
+    /// [`StopReason::ConnectionLost`].
     pub fn is_failure(&self) -> bool {
-        matches!(self, Self::Panicked(_) | Self::Fatal(_))
+        matches!(self, Self::Panicked(_) | Self::Fatal(_) | Self::ConnectionLost { .. })
+    }
+
+    /// `true` for [`StopReason::ConnectionLost`].
+    pub fn is_connection_lost(&self) -> bool {
+        matches!(self, Self::ConnectionLost { .. })
     }
 }
 
@@ -45,6 +60,7 @@ impl fmt::Display for StopReason {
             Self::Panicked(msg) => write!(f, "panicked: {msg}"),
             Self::Fatal(msg) => write!(f, "fatal error: {msg}"),
             Self::Aborted => f.write_str("aborted (task dropped)"),
+            Self::ConnectionLost { peer, problem } => write!(f, "connection to {peer} lost: {problem}"),
         }
     }
 }
