@@ -2,7 +2,9 @@
 
 use clap::{Parser, Subcommand};
 use refit::bench::{exec_bench, link_loads, peak_rss_bytes, BenchTransport, LinkLoads};
-use refit::cluster::{run_worker, Cluster, ClusterConfig, ClusterError, Hosted, PerProcess, RefitOutcome, WorkerConfig};
+use refit::cluster::{
+    run_worker, Cluster, ClusterConfig, ClusterError, ControlSecret, DataPlane, FaultSpec, Hosted, PerProcess, RefitOutcome, WorkerConfig, SECRET_ENV,
+};
 use refit::demo::{run_demo, DemoConfig, DemoError, DemoMode, DemoReport};
 use refit::presets::{layouts, Model};
 use refit::runner::prepare;
@@ -60,9 +62,9 @@ struct BenchArgs {
     /// processes, as `refit launch` starts them).
     #[arg(long, value_enum, default_value = "local")]
     transport: BenchTransport,
-    /// With `--transport process`: one worker process per rank or per node.
-    #[arg(long, value_enum, default_value = "node")]
-    per_process: PerProcess,
+    /// With `--transport process`: how workers run.
+    #[command(flatten)]
+    cluster: ClusterArgs,
     /// Draw both plans' traffic matrices (rank and node level) as SVG heat
     /// maps: FILE (reshard) and FILE with `.baseline.svg` (baseline).
     #[arg(long)]
@@ -70,6 +72,70 @@ struct BenchArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// How `refit launch` and `refit bench --transport process` run workers.
+#[derive(clap::Args, Clone)]
+struct ClusterArgs {
+    /// One worker process per rank or per node.
+    #[arg(long, value_enum, default_value = "rank")]
+    per_process: PerProcess,
+    /// Fail a refit whose data plane takes longer than this, in seconds
+    /// (the rendezvous and each control step get the same).
+    #[arg(long, default_value_t = 120)]
+    deadline_s: u64,
+    /// How long an aborted data plane may take to stop, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    abort_grace_ms: u64,
+    /// A CRC-32C on every data frame, checked before the bytes land.
+    #[arg(long)]
+    checksum: bool,
+    /// Emulate DGX H100 links at this per-rank network rate, in MB/s:
+    /// each rank's egress to other nodes is capped at it, and to ranks of
+    /// its own node at 18 times it (900 GB/s NVLink vs a 400 Gb/s NIC).
+    #[arg(long)]
+    emulate_nic_mbps: Option<u64>,
+    /// File holding the control-plane secret (default: REFIT_SECRET, or a
+    /// fresh random one for workers this launcher starts).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+}
+
+impl ClusterArgs {
+    /// The per-rank (inter-node, intra-node) egress caps, bytes/s.
+    fn emulation(&self) -> Option<(u64, u64)> {
+        self.emulate_nic_mbps.map(|m| (m * 1_000_000, m * 18_000_000))
+    }
+
+    fn config(&self, src: &Path, dst: &Path, options: PlanOptions, bind: &str, spawn: bool) -> Result<ClusterConfig, Failure> {
+        let bind = bind.parse().map_err(|e| invalid(format!("--bind {bind}: {e}")))?;
+        let spawn = if spawn {
+            Some(std::env::current_exe().map_err(|e| Failure { line: format!("cannot find this program: {e}"), code: 1 })?)
+        } else {
+            None
+        };
+        let secret = match (&self.secret_file, std::env::var_os(SECRET_ENV)) {
+            (Some(f), _) => ControlSecret::from_file(f).map_err(invalid)?,
+            (None, Some(_)) => ControlSecret::from_env(SECRET_ENV).map_err(invalid)?,
+            (None, None) if spawn.is_some() => ControlSecret::random(),
+            (None, None) => return Err(invalid(format!("--no-spawn needs the control-plane secret: give --secret-file or set {SECRET_ENV}"))),
+        };
+        secret.secret().map_err(|e| invalid(format!("control-plane secret: {e}")))?;
+        let deadline = Duration::from_secs(self.deadline_s.max(1));
+        Ok(ClusterConfig {
+            src_path: src.to_path_buf(),
+            dst_path: dst.to_path_buf(),
+            options,
+            bind,
+            spawn,
+            per_process: self.per_process,
+            secret,
+            setup_timeout: deadline,
+            refit_deadline: deadline,
+            abort_grace: Duration::from_millis(self.abort_grace_ms.max(1)),
+            data: DataPlane { checksum: self.checksum, emulation: self.emulation(), faults: FaultSpec::default() },
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -189,23 +255,21 @@ enum Command {
         /// Consecutive refits (weights version 1, 2, ...).
         #[arg(long, default_value_t = 1)]
         refits: u64,
-        /// One worker process per rank or per node.
-        #[arg(long, value_enum, default_value = "rank")]
-        per_process: PerProcess,
-        /// Fail if the rendezvous or a step of a refit takes longer than this.
-        #[arg(long, default_value_t = 120)]
-        deadline_s: u64,
-        /// Address the rendezvous listens on.
+        #[command(flatten)]
+        cluster: ClusterArgs,
+        /// Address the control node (rendezvous) listens on.
         #[arg(long, default_value = "127.0.0.1:0")]
         bind: String,
         /// Start no workers: wait for `refit worker --rendezvous ADDR`
-        /// processes started elsewhere (e.g. by srun), one per rank.
+        /// processes started elsewhere (e.g. by srun). The secret must then
+        /// come from --secret-file or REFIT_SECRET, on both sides.
         #[arg(long)]
         no_spawn: bool,
     },
     /// One worker of a multi-process refit (started by `refit launch`, or by
     /// a cluster launcher such as srun with the same rendezvous address):
-    /// hosts one rank (`--rank`) or every rank of one node (`--node`).
+    /// hosts one rank (`--rank`) or every rank of one node (`--node`). The
+    /// control-plane secret comes from --secret-file or REFIT_SECRET.
     Worker {
         #[command(flatten)]
         pair: Pair,
@@ -218,12 +282,16 @@ enum Command {
         /// Node within the group (its `ranks_per_node` ranks).
         #[arg(long)]
         node: Option<u32>,
-        /// The launcher's rendezvous address (host:port).
+        /// The launcher's control address (host:port).
         #[arg(long)]
         rendezvous: String,
-        /// Data-plane deadline of one refit, in seconds.
-        #[arg(long, default_value_t = 120)]
-        deadline_s: u64,
+        /// How long an aborted data plane may take to stop before this
+        /// worker abandons it, in milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        abort_grace_ms: u64,
+        /// File holding the control-plane secret (default: REFIT_SECRET).
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
     },
     /// Write a model preset's layouts as layout files.
     Emit {
@@ -564,16 +632,7 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
                 ((dir.join("src.json"), dir.join("dst.json")), Some(temp))
             }
         };
-        let config = ClusterConfig {
-            src_path: paths.0,
-            dst_path: paths.1,
-            options: opts,
-            bind: "127.0.0.1:0".parse().map_err(|e| fail(format!("{e}")))?,
-            spawn: Some(std::env::current_exe().map_err(|e| fail(format!("cannot find this program: {e}")))?),
-            per_process: a.per_process,
-            deadline: Duration::from_secs(600),
-            worker_args: Vec::new(),
-        };
+        let config = a.cluster.config(&paths.0, &paths.1, opts, "127.0.0.1:0", true)?;
         let mut cluster = Cluster::start(config, &s, &d, |_| {}).map_err(|e| fail(e.to_string()))?;
         let b = refit::bench::cluster_bench(&mut cluster, a.reps);
         cluster.shutdown();
@@ -584,7 +643,8 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
                 "{}",
                 json!({
                     "workload": what, "reps": b.reps, "transport": "process", "workers": b.workers,
-                    "per_process": format!("{:?}", a.per_process).to_lowercase(),
+                    "per_process": format!("{:?}", a.cluster.per_process).to_lowercase(),
+                    "emulated_nic_bytes_per_s": a.cluster.emulation().map(|e| e.0),
                     "reshard": {"bytes": b.reshard_bytes, "median_s": b.reshard.as_secs_f64(),
                                 "times_s": b.reshard_times.iter().map(|t| t.as_secs_f64()).collect::<Vec<_>>()},
                     "baseline": {"bytes": b.baseline_bytes, "median_s": b.baseline.as_secs_f64(),
@@ -595,7 +655,7 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
             );
         } else {
             header(b.reps);
-            say!("  {} worker processes ({:?} per process), bit-exact warm-up of each", b.workers, a.per_process);
+            say!("  {} worker processes ({:?} per process), bit-exact warm-up of each", b.workers, a.cluster.per_process);
             say!("  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s", human(b.reshard_bytes), b.reshard.as_secs_f64() * 1e3, gib(b.reshard_bytes, b.reshard));
             say!(
                 "  baseline  {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
@@ -710,57 +770,43 @@ fn cmd_plan_bench(model: Model, scale: u64, reps: usize, no_baseline: bool) -> R
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn cmd_launch(
-    pair: &Pair,
-    baseline: bool,
-    verify: bool,
-    refits: u64,
-    per_process: PerProcess,
-    deadline_s: u64,
-    bind: &str,
-    no_spawn: bool,
-) -> Result<(), Failure> {
+fn cmd_launch(pair: &Pair, baseline: bool, verify: bool, refits: u64, cluster: &ClusterArgs, bind: &str, no_spawn: bool) -> Result<(), Failure> {
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
-    let opts = options(pair)?;
-    let bind = bind.parse().map_err(|e| invalid(format!("--bind {bind}: {e}")))?;
-    let spawn = if no_spawn {
-        None
-    } else {
-        Some(std::env::current_exe().map_err(|e| Failure { line: format!("cannot find this program: {e}"), code: 1 })?)
-    };
+    let config = cluster.config(&pair.src, &pair.dst, options(pair)?, bind, !no_spawn)?;
     let strategy = if baseline { Strategy::Baseline } else { Strategy::Reshard };
-    let config = ClusterConfig {
-        src_path: pair.src.clone(),
-        dst_path: pair.dst.clone(),
-        options: opts,
-        bind,
-        spawn,
-        per_process,
-        deadline: Duration::from_secs(deadline_s.max(1)),
-        worker_args: Vec::new(),
-    };
     let t = Instant::now();
     let ranks = src.ranks() + dst.ranks();
     let failed = |e: ClusterError| Failure { line: e.to_string(), code: 1 };
     let mut cluster = Cluster::start(config, &src, &dst, |addr| {
         if no_spawn {
-            say!("rendezvous listening on {addr}: start {ranks} workers with `refit worker --rendezvous {addr} ...`");
+            say!("rendezvous listening on {addr}: start workers covering all {ranks} ranks with `refit worker --rendezvous {addr} ...`");
         }
     })
     .map_err(failed)?;
     let mut walls = Vec::new();
     let mut last = RefitOutcome::default();
-    for version in 1..=refits.max(1) {
-        last = cluster.refit(strategy, version, verify).map_err(failed)?;
-        walls.push(last.wall);
-    }
-    let checked = if verify { Some(cluster.check(refits.max(1)).map_err(failed)?) } else { None };
+    let refits = refits.max(1);
+    let result = (|| {
+        for version in 1..=refits {
+            last = cluster.refit(strategy, version, verify)?;
+            walls.push(last.wall);
+        }
+        if verify {
+            let checked = cluster.check()?;
+            let elements: u64 = checked.iter().map(|c| c.1).sum();
+            if let Some(bad) = checked.iter().find(|c| c.1 > 0 && c.0 != Some(refits)) {
+                return Err(ClusterError::Setup(format!("a destination worker committed version {:?}, not {refits}", bad.0)));
+            }
+            return Ok(Some(elements));
+        }
+        Ok(None)
+    })();
     let workers = cluster.workers().len();
     cluster.shutdown();
+    let checked = result.map_err(failed)?;
     walls.sort();
     let median = walls[walls.len() / 2];
-    say!("{strategy}: {workers} worker processes ({ranks} ranks), {} moved over TCP per refit", human(last.bytes));
+    say!("{strategy}: {workers} worker processes ({ranks} ranks), {} moved per refit", human(last.bytes));
     say!(
         "{} refit(s): median {:.3} ms ({:.2} GiB/s), slowest {:.3} ms; whole launch {:.3} s",
         walls.len(),
@@ -775,7 +821,15 @@ fn cmd_launch(
     Ok(())
 }
 
-fn cmd_worker(pair: &Pair, group: &str, rank: Option<u32>, node: Option<u32>, rendezvous: &str, deadline_s: u64) -> Result<(), Failure> {
+fn cmd_worker(
+    pair: &Pair,
+    group: &str,
+    rank: Option<u32>,
+    node: Option<u32>,
+    rendezvous: &str,
+    abort_grace_ms: u64,
+    secret_file: &Option<PathBuf>,
+) -> Result<(), Failure> {
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
     let opts = options(pair)?;
     let group = match group {
@@ -790,14 +844,14 @@ fn cmd_worker(pair: &Pair, group: &str, rank: Option<u32>, node: Option<u32>, re
     };
     hosted.endpoints(&src, &dst).map_err(invalid)?;
     let rendezvous = rendezvous.parse().map_err(|e| invalid(format!("--rendezvous {rendezvous}: {e}")))?;
-    let config = WorkerConfig {
-        hosted,
-        rendezvous,
-        options: opts,
-        deadline: Duration::from_secs(deadline_s.max(1)),
-        tcp: transport::tcp::TcpConfig::default(),
-    };
-    run_worker(&config, &src, &dst).map_err(|e| Failure { line: e, code: 1 })
+    let secret = match secret_file {
+        Some(f) => ControlSecret::from_file(f),
+        None => ControlSecret::from_env(SECRET_ENV),
+    }
+    .and_then(|s| s.secret())
+    .map_err(|e| invalid(format!("control-plane secret: {e}")))?;
+    let config = WorkerConfig { hosted, rendezvous, options: opts, secret, abort_grace: Duration::from_millis(abort_grace_ms.max(1)) };
+    run_worker(config, src, dst).map_err(|e| Failure { line: e, code: 1 })
 }
 
 fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
@@ -922,10 +976,12 @@ fn main() -> ExitCode {
         Command::Bench(args) => cmd_bench(args),
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
-        Command::Launch { pair, baseline, verify, refits, per_process, deadline_s, bind, no_spawn } => {
-            cmd_launch(pair, *baseline, *verify, *refits, *per_process, *deadline_s, bind, *no_spawn)
+        Command::Launch { pair, baseline, verify, refits, cluster, bind, no_spawn } => {
+            cmd_launch(pair, *baseline, *verify, *refits, cluster, bind, *no_spawn)
         }
-        Command::Worker { pair, group, rank, node, rendezvous, deadline_s } => cmd_worker(pair, group, *rank, *node, rendezvous, *deadline_s),
+        Command::Worker { pair, group, rank, node, rendezvous, abort_grace_ms, secret_file } => {
+            cmd_worker(pair, group, *rank, *node, rendezvous, *abort_grace_ms, secret_file)
+        }
         Command::Demo { steps, batch, lr, seed, mode, no_refit, json } => cmd_demo(*steps, *batch, *lr, *seed, *mode, *no_refit, *json),
     };
     match result {

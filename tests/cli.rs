@@ -244,10 +244,15 @@ fn launch_runs_one_process_per_rank_bit_exact() {
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(stdout.contains("worker processes") && stdout.contains("match"), "{stdout}");
     }
-    // A worker that cannot reach its rendezvous fails cleanly.
-    let out = refit(&["worker", "--src", s(&src), "--dst", s(&dst), "--group", "src", "--rank", "0", "--rendezvous", "127.0.0.1:1"]);
-    assert_eq!(out.status.code(), Some(1));
+    // A worker that cannot reach its rendezvous fails cleanly; one without
+    // the control-plane secret refuses to start.
+    let worker = ["worker", "--src", s(&src), "--dst", s(&dst), "--group", "src", "--rank", "0", "--rendezvous", "127.0.0.1:1"];
+    let out = Command::new(BIN).args(worker).env("REFIT_SECRET", "a secret of at least sixteen bytes").output().expect("spawn refit");
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("rendezvous"));
+    let out = Command::new(BIN).args(worker).env_remove("REFIT_SECRET").output().expect("spawn refit");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("REFIT_SECRET"));
 }
 
 /// The cluster path: `refit launch --no-spawn` only runs the rendezvous;
@@ -258,8 +263,10 @@ fn launch_without_spawning_waits_for_external_workers() {
     use std::io::{BufRead, BufReader};
     let dir = Scratch::new("nospawn");
     let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    const SECRET: &str = "shared by the launcher and its workers";
     let mut launcher = Command::new(BIN)
         .args(["launch", "--no-spawn", "--verify", "--deadline-s", "60", "--src", s(&src), "--dst", s(&dst)])
+        .env("REFIT_SECRET", SECRET)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("start launcher");
@@ -286,6 +293,7 @@ fn launch_without_spawning_waits_for_external_workers() {
                     "--rendezvous",
                     &addr,
                 ])
+                .env("REFIT_SECRET", SECRET)
                 .spawn()
                 .expect("start worker")
         })

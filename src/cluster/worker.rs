@@ -1,21 +1,37 @@
-//! One worker process: hosts one rank, or every rank of one node, for as
-//! many refits as the launcher asks.
+//! One worker process: hosts one rank, or every rank of one node, as a
+//! *member* actor served to the launcher over the authenticated remote-actor
+//! control plane, for as many refits as the launcher asks.
 //!
-//! Per refit the worker fills its source shards with the asked weights
+//! Per refit the member fills its source shards with the asked weights
 //! version, opens fresh data-plane listeners (a new epoch: nothing of a
-//! failed refit can leak into the next), connects to exactly the peers its
-//! programs exchange with, runs its ranks as threads and reports. A
-//! destination rank writes into staging memory; `Commit` swaps staging and
-//! the committed copy, so a failed refit never touches what was committed.
+//! failed refit leaks into the next), connects to exactly the peers its
+//! programs exchange with (shared memory within its node, TCP otherwise),
+//! and runs its ranks as threads. Destination ranks write into *staging*
+//! memory; `Commit` checks it (if asked) and swaps it with the committed
+//! copy, so a failed refit never touches the committed weights, which the
+//! rank keeps serving.
+//!
+//! The data plane runs on a thread of its own that owns the staging memory.
+//! A separate *abort* actor can tear the refit down while the member waits
+//! for it (shutting the data-plane sockets); if the data plane does not stop
+//! within the grace period even then (an abort that hangs), the member
+//! abandons that thread with its staging (allocating fresh staging) and
+//! reports it: the caller is never blocked by a stuck transport.
 
-use super::wire::{recv, send, ToLauncher, ToWorker, WorkerReport};
+use super::wire::{abort_name, member_name, AbortMsg, DataPlane, MemberMsg, MemberReply, WorkerReport};
+use actors::remote::{Node, NodeConfig, Registration, Registry, RegistryMsg, Secret, REGISTRY_NAME};
+use actors::{async_trait, spawn, Actor, ActorError, Context, SpawnConfig};
 use reshard::{plan_fingerprint, Endpoint, Group, Layout, PlanOptions, RankProgram, Strategy};
 use std::collections::{BTreeSet, HashMap};
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use transport::tcp::{TcpConfig, TcpTransport};
-use transport::{fill_source_rank_at, run_threads, verify_destination_rank_at, ExecOptions, RankMemory};
+use transport::tcp::TcpConfig;
+use transport::{
+    fill_source_rank_at, run_threads, verify_destination_rank_at, ExecOptions, LinkEmulation, NodeConfig as DataConfig, NodeTransport,
+    RankMemory, WithAbort,
+};
 
 /// Which ranks a worker hosts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,25 +63,26 @@ impl Hosted {
     }
 }
 
-/// What one worker is: which files, which ranks, where to meet.
+/// What one worker is: which ranks, where to meet, how to authenticate.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
     /// Which ranks it hosts.
     pub hosted: Hosted,
-    /// The rendezvous (launcher control) address.
+    /// The launcher's control address (its node, which hosts the registry).
     pub rendezvous: SocketAddr,
     /// Planner options (must match the launcher's; checked by fingerprint).
     pub options: PlanOptions,
-    /// Data-plane deadline of one refit.
-    pub deadline: Duration,
-    /// Data-plane settings.
-    pub tcp: TcpConfig,
+    /// The shared secret of the control plane.
+    pub secret: Secret,
+    /// How long a data plane may take to stop after an abort before it is
+    /// abandoned.
+    pub abort_grace: Duration,
 }
 
-/// The programs and memory of the worker's ranks under one strategy.
-struct Installed {
-    programs: Vec<RankProgram>,
-    /// Staging memory (what the data plane writes), per rank.
+/// The programs and staging memory of the worker's ranks under one strategy.
+struct Staging {
+    programs: Arc<Vec<RankProgram>>,
+    /// What the data plane writes, per rank (same order as the programs).
     memory: Vec<RankMemory>,
     /// Weights version in the source shards.
     filled: Option<u64>,
@@ -77,142 +94,204 @@ struct Pending {
     strategy: Strategy,
     version: u64,
     verify: bool,
+    data: DataPlane,
+    session: String,
     listeners: Vec<TcpListener>,
-    transports: Vec<TcpTransport>,
+    transports: Vec<NodeTransport>,
 }
 
-struct Worker<'l> {
-    config: &'l WorkerConfig,
-    src: &'l Layout,
-    dst: &'l Layout,
+/// Aborts the data plane of the refit running now, if any.
+#[derive(Default)]
+struct AbortSwitch {
+    running: Option<(u64, Vec<Box<dyn Fn(&str) + Send>>)>,
+}
+
+type SharedSwitch = Arc<Mutex<AbortSwitch>>;
+
+fn lock(s: &SharedSwitch) -> std::sync::MutexGuard<'_, AbortSwitch> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The member actor: the worker's ranks, their programs and memory.
+pub(crate) struct Member {
+    src: Arc<Layout>,
+    dst: Arc<Layout>,
+    options: PlanOptions,
     ranks: Vec<Endpoint>,
-    installed: HashMap<Strategy, Installed>,
+    local_ip: IpAddr,
+    programs: HashMap<Strategy, HashMap<Endpoint, RankProgram>>,
+    staging: HashMap<Strategy, Staging>,
     pending: Option<Pending>,
     /// Committed destination memory per rank (same order as `ranks`; empty
     /// for source ranks) and its version.
     committed: Vec<RankMemory>,
     committed_version: Option<u64>,
-    local_ip: std::net::IpAddr,
+    switch: SharedSwitch,
+    abort_grace: Duration,
+    shutdown: tokio::sync::watch::Sender<bool>,
 }
 
-/// How long a worker waits for its launcher's next message before it
-/// concludes the launcher is gone.
-const IDLE: Duration = Duration::from_secs(3600);
+fn failed(e: impl std::fmt::Display) -> ActorError {
+    ActorError::Failed(e.to_string())
+}
 
-/// Runs one worker until the launcher says `Shutdown` or goes away.
-pub fn run_worker(config: &WorkerConfig, src: &Layout, dst: &Layout) -> Result<(), String> {
-    let ranks = config.hosted.endpoints(src, dst)?;
-    let mut control =
-        TcpStream::connect(config.rendezvous).map_err(|e| format!("cannot reach the rendezvous {}: {e}", config.rendezvous))?;
-    control.set_nodelay(true).map_err(|e| e.to_string())?;
-    // Listen on the interface that reaches the rendezvous (loopback for a
-    // local launch, the node's address on a cluster).
-    let local_ip = control.local_addr().map_err(|e| e.to_string())?.ip();
-    let fp = |s| plan_fingerprint(src, dst, &config.options, s).0;
-    let hello = ToLauncher::Hello { ranks: ranks.clone(), pid: std::process::id(), reshard: fp(Strategy::Reshard), baseline: fp(Strategy::Baseline) };
-    send(&mut control, &hello).map_err(|e| format!("rendezvous {}: {e}", config.rendezvous))?;
-    let mut worker = Worker {
-        config,
-        src,
-        dst,
-        committed: vec![RankMemory::default(); ranks.len()],
-        ranks,
-        installed: HashMap::new(),
-        pending: None,
-        committed_version: None,
-        local_ip,
-    };
-    loop {
-        let msg = match recv::<ToWorker>(&mut control, IDLE) {
-            Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err("the launcher went away".into()),
-            Err(e) => return Err(format!("control stream: {e}")),
-        };
-        let reply = match msg {
-            ToWorker::Shutdown => return Ok(()),
-            ToWorker::Install { strategy, programs } => {
-                worker.install(strategy, programs).map(|()| ToLauncher::Ready { seq: 0, addrs: Vec::new() })
+#[async_trait]
+impl Actor for Member {
+    type Msg = MemberMsg;
+    type Reply = MemberReply;
+
+    async fn handle(&mut self, msg: MemberMsg, _ctx: &mut Context<Self>) -> Result<MemberReply, ActorError> {
+        match msg {
+            MemberMsg::Describe => {
+                let fp = |s| plan_fingerprint(&self.src, &self.dst, &self.options, s).0;
+                Ok(MemberReply::Hello {
+                    ranks: self.ranks.clone(),
+                    pid: std::process::id(),
+                    reshard: fp(Strategy::Reshard),
+                    baseline: fp(Strategy::Baseline),
+                })
             }
-            ToWorker::Prepare { seq, strategy, version, verify } => worker.prepare(seq, strategy, version, verify),
-            ToWorker::Connect { seq, table } => worker.connect(seq, &table),
-            ToWorker::Start { seq } => worker.start(seq),
-            ToWorker::Commit { seq } => worker.commit(seq),
-            ToWorker::Check { version } => worker.check(version),
-        };
-        let reply = reply.unwrap_or_else(|(seq, error)| {
-            worker.pending = None;
-            ToLauncher::Failed { seq, error }
-        });
-        send(&mut control, &reply).map_err(|e| format!("control stream: {e}"))?;
+            MemberMsg::Install { strategy, program } => self.install(strategy, *program),
+            MemberMsg::Prepare { seq, strategy, version, verify, data, session } => {
+                let r = tokio::task::block_in_place(|| self.prepare(seq, strategy, version, verify, data, session));
+                self.forget_on_error(r)
+            }
+            MemberMsg::Connect { seq, table } => {
+                let r = tokio::task::block_in_place(|| self.connect(seq, &table));
+                self.forget_on_error(r)
+            }
+            MemberMsg::Start { seq, deadline } => {
+                let r = self.start(seq, deadline).await;
+                self.forget_on_error(r)
+            }
+            MemberMsg::Commit { seq } => {
+                let r = tokio::task::block_in_place(|| self.commit(seq));
+                self.forget_on_error(r)
+            }
+            MemberMsg::Check => tokio::task::block_in_place(|| self.check()),
+            MemberMsg::Shutdown => {
+                self.shutdown.send_replace(true);
+                Ok(MemberReply::Ready { addrs: Vec::new() })
+            }
+        }
     }
 }
 
-type Step = Result<ToLauncher, (u64, String)>;
-
-impl Worker<'_> {
-    fn install(&mut self, strategy: Strategy, programs: Vec<RankProgram>) -> Result<(), (u64, String)> {
-        let fail = |e: String| (0, e);
-        let want = plan_fingerprint(self.src, self.dst, &self.config.options, strategy);
-        let got: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
-        if got != self.ranks {
-            return Err(fail(format!("programs for {got:?}, but this worker hosts {:?}", self.ranks)));
+impl Member {
+    /// A failed step ends the refit in progress on this worker.
+    fn forget_on_error(&mut self, r: Result<MemberReply, ActorError>) -> Result<MemberReply, ActorError> {
+        if r.is_err() {
+            self.pending = None;
         }
-        if let Some(p) = programs.iter().find(|p| p.fingerprint != want) {
-            return Err(fail(format!("{}: program fingerprint {} differs from this worker's layouts ({want})", p.endpoint, p.fingerprint)));
-        }
-        let memory = programs.iter().map(|p| RankMemory::for_buffers(&p.buffers)).collect();
-        self.installed.insert(strategy, Installed { programs, memory, filled: None });
-        Ok(())
+        r
     }
 
-    fn prepare(&mut self, seq: u64, strategy: Strategy, version: u64, verify: bool) -> Step {
-        let fail = |e: String| (seq, e);
-        let (src, ranks) = (self.src, &self.ranks);
-        let inst = self.installed.get_mut(&strategy).ok_or_else(|| fail(format!("no {strategy} programs installed")))?;
-        if inst.filled != Some(version) {
-            for (e, m) in ranks.iter().zip(&mut inst.memory).filter(|(e, _)| e.group == Group::Src) {
-                fill_source_rank_at(src, e.rank, version, m);
+    fn install(&mut self, strategy: Strategy, program: RankProgram) -> Result<MemberReply, ActorError> {
+        let want = plan_fingerprint(&self.src, &self.dst, &self.options, strategy);
+        if !self.ranks.contains(&program.endpoint) {
+            return Err(failed(format!("a program for {}, which this worker does not host ({:?})", program.endpoint, self.ranks)));
+        }
+        if program.fingerprint != want {
+            return Err(failed(format!(
+                "{}: program fingerprint {} differs from this worker's layouts ({want})",
+                program.endpoint, program.fingerprint
+            )));
+        }
+        self.programs.entry(strategy).or_default().insert(program.endpoint, program);
+        // A new program set replaces the staging built from the old one.
+        self.staging.remove(&strategy);
+        Ok(MemberReply::Ready { addrs: Vec::new() })
+    }
+
+    fn staging(&mut self, strategy: Strategy) -> Result<&mut Staging, ActorError> {
+        if !self.staging.contains_key(&strategy) {
+            let set = self.programs.get(&strategy).ok_or_else(|| failed(format!("no {strategy} programs installed")))?;
+            let programs: Vec<RankProgram> = self
+                .ranks
+                .iter()
+                .map(|e| set.get(e).cloned().ok_or_else(|| failed(format!("no {strategy} program installed for {e}"))))
+                .collect::<Result<_, _>>()?;
+            let memory = programs.iter().map(|p| RankMemory::for_buffers(&p.buffers)).collect();
+            self.staging.insert(strategy, Staging { programs: Arc::new(programs), memory, filled: None });
+        }
+        Ok(self.staging.get_mut(&strategy).expect("inserted above"))
+    }
+
+    fn prepare(
+        &mut self,
+        seq: u64,
+        strategy: Strategy,
+        version: u64,
+        verify: bool,
+        data: DataPlane,
+        session: String,
+    ) -> Result<MemberReply, ActorError> {
+        let (src, ranks) = (Arc::clone(&self.src), self.ranks.clone());
+        let st = self.staging(strategy)?;
+        if st.filled != Some(version) {
+            for (e, m) in ranks.iter().zip(&mut st.memory).filter(|(e, _)| e.group == Group::Src) {
+                fill_source_rank_at(&src, e.rank, version, m);
             }
-            inst.filled = Some(version);
+            st.filled = Some(version);
         }
         if verify {
             // Nothing of an earlier refit may pass for this one's result.
-            for (_, m) in ranks.iter().zip(&mut inst.memory).filter(|(e, _)| e.group == Group::Dst) {
+            for (_, m) in ranks.iter().zip(&mut st.memory).filter(|(e, _)| e.group == Group::Dst) {
                 m.buffers.iter_mut().for_each(|b| b.fill(0));
             }
         }
         let mut listeners = Vec::new();
         let mut addrs = Vec::new();
-        for &e in ranks {
-            let l = TcpListener::bind((self.local_ip, 0)).map_err(|err| fail(format!("{e}: cannot listen on {}: {err}", self.local_ip)))?;
-            addrs.push((e, l.local_addr().map_err(|err| fail(err.to_string()))?.to_string()));
+        for &e in &ranks {
+            let l = TcpListener::bind((self.local_ip, 0)).map_err(|err| failed(format!("{e}: cannot listen on {}: {err}", self.local_ip)))?;
+            addrs.push((e, l.local_addr().map_err(failed)?.to_string()));
             listeners.push(l);
         }
-        self.pending = Some(Pending { seq, strategy, version, verify, listeners, transports: Vec::new() });
-        Ok(ToLauncher::Ready { seq, addrs })
+        self.pending = Some(Pending { seq, strategy, version, verify, data, session, listeners, transports: Vec::new() });
+        Ok(MemberReply::Ready { addrs })
     }
 
-    fn pending(&mut self, seq: u64) -> Result<&mut Pending, (u64, String)> {
+    fn pending(&mut self, seq: u64) -> Result<&mut Pending, ActorError> {
         match &mut self.pending {
             Some(p) if p.seq == seq => Ok(p),
-            _ => Err((seq, format!("refit {seq} was not prepared"))),
+            _ => Err(failed(format!("refit {seq} was not prepared on this worker"))),
         }
     }
 
-    fn connect(&mut self, seq: u64, table: &[(Endpoint, String)]) -> Step {
-        let fail = |e: String| (seq, e);
+    fn data_config(p: &Pending) -> DataConfig {
+        let f = &p.data.faults;
+        let tcp = TcpConfig {
+            checksum: p.data.checksum,
+            emulation: match p.data.emulation {
+                Some((inter, intra)) => {
+                    LinkEmulation { inter_node_bytes_per_s: Some(inter.max(1)), intra_node_bytes_per_s: Some(intra.max(1)), burst_bytes: 0 }
+                }
+                None => LinkEmulation::default(),
+            },
+            faults: transport::Faults {
+                corrupt_frame: f.corrupt_frame,
+                stall_at_frame: f.stall_at_frame,
+                cut_at_frame: f.cut_at_frame,
+                abort_hang: f.abort_hang,
+            },
+            ..TcpConfig::default()
+        };
+        DataConfig { session: p.session.clone(), tcp, ..DataConfig::default() }
+    }
+
+    fn connect(&mut self, seq: u64, table: &[(Endpoint, String)]) -> Result<MemberReply, ActorError> {
         let mut addrs = HashMap::new();
         for (e, a) in table {
-            addrs.insert(*e, a.parse::<SocketAddr>().map_err(|err| fail(format!("{e}: bad data address {a}: {err}")))?);
+            addrs.insert(*e, a.parse::<SocketAddr>().map_err(|err| failed(format!("{e}: bad data address {a}: {err}")))?);
         }
         let pending = self.pending(seq)?;
-        let strategy = pending.strategy;
+        let (strategy, config) = (pending.strategy, Self::data_config(pending));
         let listeners = std::mem::take(&mut pending.listeners);
-        let programs = &self.installed[&strategy].programs;
+        let programs = Arc::clone(&self.staging(strategy)?.programs);
         // Each rank connects to exactly the peers its program exchanges
         // with, all ranks at once (they may be each other's peers).
         let mut wanted = Vec::new();
-        for p in programs {
+        for p in programs.iter() {
             let mut peers = BTreeSet::new();
             for r in &p.rounds {
                 peers.extend(r.sends.iter().map(|m| m.peer));
@@ -220,59 +299,106 @@ impl Worker<'_> {
             }
             let list: Vec<(Endpoint, SocketAddr)> = peers
                 .into_iter()
-                .map(|e| addrs.get(&e).map(|a| (e, *a)).ok_or_else(|| fail(format!("{}: no data address for its peer {e}", p.endpoint))))
+                .map(|e| addrs.get(&e).map(|a| (e, *a)).ok_or_else(|| failed(format!("{}: no data address for its peer {e}", p.endpoint))))
                 .collect::<Result<_, _>>()?;
             wanted.push(list);
         }
-        let tcp = self.config.tcp;
-        let results: Vec<io::Result<TcpTransport>> = std::thread::scope(|s| {
+        let (src, dst) = (&self.src, &self.dst);
+        let node_of = |e: Endpoint| match e.group {
+            Group::Src => (Group::Src, src.node_of(e.rank)),
+            Group::Dst => (Group::Dst, dst.node_of(e.rank)),
+        };
+        let results: Vec<io::Result<NodeTransport>> = std::thread::scope(|s| {
             let handles: Vec<_> = programs
                 .iter()
                 .zip(listeners)
                 .zip(&wanted)
-                .map(|((p, l), peers)| s.spawn(move || TcpTransport::connect(p.endpoint, l, peers, &tcp)))
+                .map(|((p, l), peers)| {
+                    let config = &config;
+                    s.spawn(move || NodeTransport::connect(p.endpoint, l, peers, node_of, config))
+                })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(io::Error::other("connect thread panicked")))).collect()
         });
-        let transports = results.into_iter().collect::<io::Result<Vec<_>>>().map_err(|e| fail(format!("data plane: {e}")))?;
+        let transports = results.into_iter().collect::<io::Result<Vec<_>>>().map_err(|e| failed(format!("data plane: {e}")))?;
         self.pending(seq)?.transports = transports;
-        Ok(ToLauncher::Ready { seq, addrs: Vec::new() })
+        Ok(MemberReply::Ready { addrs: Vec::new() })
     }
 
-    fn start(&mut self, seq: u64) -> Step {
-        let fail = |e: String| (seq, e);
+    async fn start(&mut self, seq: u64, deadline: Duration) -> Result<MemberReply, ActorError> {
         let p = self.pending(seq)?;
         let strategy = p.strategy;
         let transports = std::mem::take(&mut p.transports);
-        let inst = self.installed.get_mut(&strategy).ok_or_else(|| fail("not installed".into()))?;
-        let t = Instant::now();
-        let report = run_threads(&inst.programs, &mut inst.memory, &ExecOptions { deadline: self.config.deadline }, transports)
-            .map_err(|e| fail(e.to_string()))?;
-        let elapsed = t.elapsed();
-        Ok(ToLauncher::Done(Box::new(WorkerReport { seq, sent_bytes: report.bytes, elapsed_ns: elapsed.as_nanos() as u64, verified: None })))
+        let aborts: Vec<Box<dyn Fn(&str) + Send>> = transports.iter().map(|t| t.abort_all()).collect();
+        let st = self.staging.remove(&strategy).ok_or_else(|| failed("no staging memory"))?;
+        let (programs, mut memory, filled) = (st.programs, st.memory, st.filled);
+        lock(&self.switch).running = Some((seq, aborts));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let progs = Arc::clone(&programs);
+        let spawned = std::thread::Builder::new().name(format!("refit-{seq}")).spawn(move || {
+            let t = Instant::now();
+            let r = run_threads(&progs, &mut memory, &ExecOptions { deadline }, transports);
+            let _ = tx.send((r, t.elapsed(), memory));
+        });
+        if let Err(e) = spawned {
+            lock(&self.switch).running = None;
+            self.staging.insert(strategy, Staging { memory: fresh(&programs), programs, filled: None });
+            return Err(failed(format!("cannot start the data plane: {e}")));
+        }
+        // The data plane stops by itself at its deadline; wait a grace
+        // period beyond it, then abort it, then abandon it.
+        let rx = Box::pin(rx);
+        let outcome = match tokio::time::timeout(deadline + self.abort_grace, rx).await {
+            Ok(r) => r.ok(),
+            Err(_) => None,
+        };
+        let running = lock(&self.switch).running.take();
+        match outcome {
+            Some((result, elapsed, memory)) => {
+                self.staging.insert(strategy, Staging { programs, memory, filled });
+                let report = result.map_err(failed)?;
+                Ok(MemberReply::Done(WorkerReport {
+                    sent_bytes: report.bytes,
+                    elapsed_ns: elapsed.as_nanos() as u64,
+                    verified: None,
+                }))
+            }
+            None => {
+                if let Some((_, aborts)) = running {
+                    // Abort from a thread of its own: an abort may hang.
+                    let _ = std::thread::Builder::new().name("refit-abort".into()).spawn(move || aborts.iter().for_each(|a| a("deadline")));
+                }
+                self.staging.insert(strategy, Staging { memory: fresh(&programs), programs, filled: None });
+                Err(failed(format!(
+                    "the data plane of refit {seq} did not stop within {:?} of its deadline even after an abort; \
+                     it was abandoned with its staging memory (the committed weights are untouched)",
+                    self.abort_grace
+                )))
+            }
+        }
     }
 
     /// Makes refit `seq`'s destination memory the committed version (after
     /// checking every element, if the refit was prepared with `verify`):
     /// the staging buffers and the committed ones swap (the old committed
     /// buffers become staging, fully rewritten by the next refit).
-    fn commit(&mut self, seq: u64) -> Step {
-        let fail = |e: String| (seq, e);
-        let p = self.pending.take().filter(|p| p.seq == seq).ok_or_else(|| fail(format!("refit {seq} is not the one in progress")))?;
-        let inst = self.installed.get_mut(&p.strategy).ok_or_else(|| fail("not installed".to_string()))?;
+    fn commit(&mut self, seq: u64) -> Result<MemberReply, ActorError> {
+        let p = self.pending.take().filter(|p| p.seq == seq).ok_or_else(|| failed(format!("refit {seq} is not the one in progress")))?;
+        let (src, dst) = (Arc::clone(&self.src), Arc::clone(&self.dst));
+        let st = self.staging.get_mut(&p.strategy).ok_or_else(|| failed("no staging memory"))?;
         let mut verified = None;
         if p.verify {
             let mut n = 0;
-            for (e, m) in self.ranks.iter().zip(&inst.memory).filter(|(e, _)| e.group == Group::Dst) {
-                n += verify_destination_rank_at(self.src, self.dst, e.rank, p.version, m).map_err(|err| fail(err.to_string()))?;
+            for (e, m) in self.ranks.iter().zip(&st.memory).filter(|(e, _)| e.group == Group::Dst) {
+                n += verify_destination_rank_at(&src, &dst, e.rank, p.version, m).map_err(failed)?;
             }
             verified = Some(n);
         }
-        for ((e, staging), committed) in self.ranks.iter().zip(&mut inst.memory).zip(&mut self.committed) {
+        for ((e, staging), committed) in self.ranks.iter().zip(&mut st.memory).zip(&mut self.committed) {
             if e.group == Group::Dst {
                 // Layout buffers come first and are the same under every
                 // strategy; scratch buffers (baseline) are not weights.
-                let n = self.dst.buffers()[e.rank as usize].len();
+                let n = dst.buffers()[e.rank as usize].len();
                 if committed.buffers.len() != n {
                     *committed = RankMemory { buffers: staging.buffers[..n].to_vec(), dtypes: staging.dtypes[..n].to_vec() };
                 } else {
@@ -283,20 +409,109 @@ impl Worker<'_> {
             }
         }
         self.committed_version = Some(p.version);
-        Ok(ToLauncher::Done(Box::new(WorkerReport { seq, verified, ..WorkerReport::default() })))
+        Ok(MemberReply::Done(WorkerReport { verified, ..WorkerReport::default() }))
     }
 
     /// Checks that every committed destination element is exactly that of
-    /// weights version `version`.
-    fn check(&mut self, version: u64) -> Step {
-        let fail = |e: String| (0, e);
-        if self.ranks.iter().any(|e| e.group == Group::Dst) && self.committed_version != Some(version) {
-            return Err(fail(format!("committed version is {:?}, not {version}", self.committed_version)));
-        }
+    /// the committed version.
+    fn check(&mut self) -> Result<MemberReply, ActorError> {
+        let Some(version) = self.committed_version else {
+            return Ok(MemberReply::Checked { version: None, elements: 0 });
+        };
         let mut n = 0;
         for (e, m) in self.ranks.iter().zip(&self.committed).filter(|(e, _)| e.group == Group::Dst) {
-            n += verify_destination_rank_at(self.src, self.dst, e.rank, version, m).map_err(|err| fail(err.to_string()))?;
+            n += verify_destination_rank_at(&self.src, &self.dst, e.rank, version, m).map_err(failed)?;
         }
-        Ok(ToLauncher::Done(Box::new(WorkerReport { verified: Some(n), ..WorkerReport::default() })))
+        Ok(MemberReply::Checked { version: Some(version), elements: n })
     }
+}
+
+fn fresh(programs: &[RankProgram]) -> Vec<RankMemory> {
+    programs.iter().map(|p| RankMemory::for_buffers(&p.buffers)).collect()
+}
+
+/// The abort actor: aborts the running refit's data plane.
+pub(crate) struct Aborter {
+    switch: SharedSwitch,
+}
+
+#[async_trait]
+impl Actor for Aborter {
+    type Msg = AbortMsg;
+    type Reply = bool;
+
+    async fn handle(&mut self, msg: AbortMsg, _ctx: &mut Context<Self>) -> Result<bool, ActorError> {
+        let AbortMsg::Abort { seq, reason } = msg;
+        let mut s = lock(&self.switch);
+        match s.running.take() {
+            Some((running, aborts)) if running == seq => {
+                drop(s);
+                // Shutting the sockets down returns at once, but a faulty
+                // transport's abort may hang: never on this task's thread.
+                let _ = std::thread::Builder::new().name("refit-abort".into()).spawn(move || aborts.iter().for_each(|a| a(&reason)));
+                Ok(true)
+            }
+            other => {
+                s.running = other;
+                Ok(false)
+            }
+        }
+    }
+}
+
+/// The address of this machine's interface that reaches `to` (no packet is
+/// sent).
+fn local_ip_towards(to: SocketAddr) -> io::Result<IpAddr> {
+    let any: SocketAddr = if to.is_ipv4() { "0.0.0.0:0".parse().expect("literal") } else { "[::]:0".parse().expect("literal") };
+    let probe = std::net::UdpSocket::bind(any)?;
+    probe.connect(to)?;
+    Ok(probe.local_addr()?.ip())
+}
+
+/// Runs one worker until the launcher says `Shutdown` or goes away.
+pub fn run_worker(config: WorkerConfig, src: Layout, dst: Layout) -> Result<(), String> {
+    let ranks = config.hosted.endpoints(&src, &dst)?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| format!("cannot start tokio: {e}"))?;
+    runtime.block_on(async move {
+        let ip = local_ip_towards(config.rendezvous).map_err(|e| format!("no route to the rendezvous {}: {e}", config.rendezvous))?;
+        let node = Node::bind(config.secret.clone(), NodeConfig { bind: SocketAddr::new(ip, 0), ..NodeConfig::default() })
+            .await
+            .map_err(|e| e.to_string())?;
+        let switch = SharedSwitch::default();
+        let (shutdown, mut stop) = tokio::sync::watch::channel(false);
+        let name = member_name(&ranks);
+        let member = Member {
+            committed: vec![RankMemory::default(); ranks.len()],
+            src: Arc::new(src),
+            dst: Arc::new(dst),
+            options: config.options,
+            ranks,
+            local_ip: ip,
+            programs: HashMap::new(),
+            staging: HashMap::new(),
+            pending: None,
+            committed_version: None,
+            switch: Arc::clone(&switch),
+            abort_grace: config.abort_grace,
+            shutdown,
+        };
+        let member = spawn(member, SpawnConfig::default().name(name.clone()));
+        let aborter = spawn(Aborter { switch }, SpawnConfig::default().name(abort_name(&name)));
+        node.serve(name.clone(), &member).map_err(|e| e.to_string())?;
+        node.serve(abort_name(&name), &aborter).map_err(|e| e.to_string())?;
+        let peer = node.connect(config.rendezvous).await.map_err(|e| format!("rendezvous {}: {e}", config.rendezvous))?;
+        let registry = peer.lookup::<Registry>(REGISTRY_NAME).await.map_err(|e| format!("rendezvous {}: {e}", config.rendezvous))?;
+        let registration = Registration { name: name.clone(), addr: node.advertised_addr(), info: member.info().clone() };
+        registry.call(RegistryMsg::Register(registration)).await.map_err(|e| format!("rendezvous {}: {e}", config.rendezvous))?;
+        // Serve until told to stop, or until the launcher goes away.
+        let result = tokio::select! {
+            _ = stop.wait_for(|s| *s) => Ok(()),
+            why = peer.closed() => Err(format!("lost the launcher at {}: {why}", config.rendezvous)),
+        };
+        // Let the answer to `Shutdown` leave before the node closes.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        node.shutdown();
+        result
+    })
 }

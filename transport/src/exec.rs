@@ -246,41 +246,46 @@ fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -
             drop(keep_alive);
             drop(release);
         }
-        Payload::Bytes(bytes) => {
-            let want: u64 = pieces.iter().map(|p| p.block.numel() * p.wire.size()).sum();
-            if bytes.len() as u64 != want {
-                return Err(Unpack::Bad(format!("{} bytes, expected {want}", bytes.len())));
+        Payload::Bytes(bytes) => unpack_bytes(me, mem, pieces, &bytes)?,
+        Payload::Lent(lent) => unpack_bytes(me, mem, pieces, lent.as_slice())?,
+    }
+    Ok(())
+}
+
+/// Unpacks pieces packed back to back in wire dtype.
+fn unpack_bytes(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], bytes: &[u8]) -> Result<(), Unpack> {
+    let want: u64 = pieces.iter().map(|p| p.block.numel() * p.wire.size()).sum();
+    if bytes.len() as u64 != want {
+        return Err(Unpack::Bad(format!("{} bytes, expected {want}", bytes.len())));
+    }
+    let mut pos = 0u64;
+    for p in pieces {
+        let elem = p.wire.size();
+        let src = StridedRef {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+            base: pos / elem,
+            strides: packed_strides(p.block.extent()),
+            dtype: p.wire,
+        };
+        if !pos.is_multiple_of(elem) {
+            // Keep element alignment of offsets: copy to an aligned temporary.
+            let n = (p.block.numel() * elem) as usize;
+            let tmp = bytes[pos as usize..pos as usize + n].to_vec();
+            let src = StridedRef { ptr: tmp.as_ptr(), len: tmp.len(), base: 0, ..src };
+            for span in &p.spans {
+                let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
+                // SAFETY: tmp is ours and exactly sized; `to` is ours.
+                unsafe { copy_strided(p.block.extent(), &src, &to) };
             }
-            let mut pos = 0u64;
-            for p in pieces {
-                let elem = p.wire.size();
-                let src = StridedRef {
-                    ptr: bytes.as_ptr(),
-                    len: bytes.len(),
-                    base: pos / elem,
-                    strides: packed_strides(p.block.extent()),
-                    dtype: p.wire,
-                };
-                if !pos.is_multiple_of(elem) {
-                    // Keep element alignment of offsets: copy to an aligned temporary.
-                    let n = (p.block.numel() * elem) as usize;
-                    let tmp = bytes[pos as usize..pos as usize + n].to_vec();
-                    let src = StridedRef { ptr: tmp.as_ptr(), len: tmp.len(), base: 0, ..src };
-                    for span in &p.spans {
-                        let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
-                        // SAFETY: tmp is ours and exactly sized; `to` is ours.
-                        unsafe { copy_strided(p.block.extent(), &src, &to) };
-                    }
-                } else {
-                    for span in &p.spans {
-                        let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
-                        // SAFETY: src in bounds (total size checked); `to` is ours.
-                        unsafe { copy_strided(p.block.extent(), &src, &to) };
-                    }
-                }
-                pos += p.block.numel() * elem;
+        } else {
+            for span in &p.spans {
+                let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
+                // SAFETY: src in bounds (total size checked); `to` is ours.
+                unsafe { copy_strided(p.block.extent(), &src, &to) };
             }
         }
+        pos += p.block.numel() * elem;
     }
     Ok(())
 }

@@ -4,23 +4,32 @@
 //! The in-process transport ([`run_local`]) runs every rank as a thread of
 //! one process with buffers in host memory; receivers copy straight out of
 //! senders' buffers, so each byte is copied once (twice when the sender
-//! narrows its dtype). Other transports implement the same trait.
+//! narrows its dtype). Other transports implement the same trait: TCP
+//! ([`run_tcp`]) and the node transport ([`run_node`]: shared memory
+//! between ranks of one node, TCP between nodes), with optional link
+//! emulation, checksums and fault injection.
 
 pub mod copy;
 pub mod cuda;
 pub mod exec;
 pub mod gpu_probe;
+pub mod link;
 pub mod local;
 pub mod memory;
+pub mod node;
 pub mod pattern;
+pub mod shm;
 pub mod tcp;
 pub mod transport;
 
 pub use exec::{run_local, run_rank, run_tcp, run_threads, ExecError, ExecOptions, ExecReport, RankStats, WithAbort};
 pub use gpu_probe::cuda_available;
+pub use link::{Faults, LinkEmulation, TokenBucket};
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;
+pub use node::{node_fabric, run_node, NodeConfig, NodeTransport};
 pub use pattern::{
     fill_source_rank, fill_source_rank_at, fill_sources, verify_destination_rank, verify_destination_rank_at, verify_destinations, Mismatch,
 };
-pub use transport::{Payload, Segment, Transport, TransportError};
+pub use shm::ShmConfig;
+pub use transport::{Lent, Payload, Release, Segment, Transport, TransportError};

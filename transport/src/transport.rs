@@ -55,6 +55,39 @@ pub enum Payload {
     },
     /// The pieces packed back to back in wire dtype.
     Bytes(Vec<u8>),
+    /// The pieces packed back to back in wire dtype, in memory the
+    /// transport lends (a shared-memory area, a pooled frame buffer) until
+    /// the payload is dropped.
+    Lent(Lent),
+}
+
+/// Packed bytes lent by a transport: readable until dropped, then handed
+/// back through its [`Release`].
+#[derive(Debug)]
+pub struct Lent {
+    ptr: *const u8,
+    len: usize,
+    _release: Release,
+}
+
+impl Lent {
+    /// Lends `len` bytes at `ptr`; `release` runs when the payload is done.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads of `len` bytes, and those bytes must not
+    /// be written, until `release` is dropped.
+    pub unsafe fn new(ptr: *const u8, len: usize, release: Release) -> Lent {
+        Lent { ptr, len, _release: release }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: valid and unchanging while `self` lives (`Lent::new`).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
 }
 
 // SAFETY: segments point into memory that outlives the executor's threads
@@ -72,7 +105,7 @@ impl Outstanding {
     /// Counts one more message in flight and returns its release token.
     pub fn post(self: &Arc<Self>) -> Release {
         *self.count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        Release(Some(self.clone()))
+        Release(Some(self.clone()), None)
     }
 
     /// Waits until no message is in flight; false if `deadline` passed first.
@@ -91,8 +124,22 @@ impl Outstanding {
 
 /// Dropped by the receiver once it is done with a payload (or by whoever
 /// discards it), so the sender may touch the memory the payload points into.
-#[derive(Debug, Default)]
-pub struct Release(Option<Arc<Outstanding>>);
+#[derive(Default)]
+pub struct Release(Option<Arc<Outstanding>>, Option<Box<dyn FnOnce() + Send>>);
+
+impl Release {
+    /// A token that runs `done` when dropped (for transports whose memory
+    /// is handed back some other way than through an [`Outstanding`]).
+    pub fn on_drop(done: impl FnOnce() + Send + 'static) -> Release {
+        Release(None, Some(Box::new(done)))
+    }
+}
+
+impl std::fmt::Debug for Release {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Release").field("outstanding", &self.0).field("callback", &self.1.is_some()).finish()
+    }
+}
 
 impl Drop for Release {
     fn drop(&mut self) {
@@ -100,6 +147,9 @@ impl Drop for Release {
             let mut n = o.count.lock().unwrap_or_else(|e| e.into_inner());
             *n = n.saturating_sub(1);
             o.done.notify_all();
+        }
+        if let Some(f) = self.1.take() {
+            f();
         }
     }
 }
@@ -131,6 +181,14 @@ pub enum TransportError {
         peer: Endpoint,
         /// What went wrong.
         problem: String,
+    },
+    /// A frame from a peer failed its checksum; its bytes were dropped.
+    #[error("frame from {peer} for round {round} failed its checksum")]
+    Corrupt {
+        /// The peer.
+        peer: Endpoint,
+        /// Round of the frame.
+        round: u32,
     },
     /// The peer is gone (its end of the channel or connection closed).
     #[error("{peer} is unreachable")]

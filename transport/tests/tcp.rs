@@ -2,7 +2,7 @@
 //! results bit-exact, and bad frames an error rather than a panic.
 
 use reshard::{parse_layout, plan_baseline, plan_reshard, Endpoint, PlanOptions};
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 use transport::tcp::{TcpConfig, TcpTransport};
@@ -56,11 +56,18 @@ fn garbage_frames_are_reported_not_trusted() {
         let fake_addr = fake_listener.local_addr().unwrap();
         let garbage = garbage.to_vec();
         let peer = std::thread::spawn(move || {
-            // Accept the real transport's stream, then send ours.
-            let (_incoming, _) = fake_listener.accept().unwrap();
+            // Accept the real transport's stream and answer its handshake
+            // (magic, endpoint, version, flags), then send ours.
+            let (mut incoming, _) = fake_listener.accept().unwrap();
+            let mut hello = [0u8; 11];
+            incoming.read_exact(&mut hello).unwrap();
+            incoming.write_all(&[0]).unwrap();
             let mut s = TcpStream::connect(my_addr).unwrap();
             s.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
-            s.write_all(&[0, 0, 0, 0, 0]).unwrap();
+            s.write_all(&[0, 0, 0, 0, 0, 2, 0]).unwrap();
+            let mut answer = [0u8; 1];
+            s.read_exact(&mut answer).unwrap();
+            assert_eq!(answer, [0]);
             s.write_all(&garbage).unwrap();
             std::thread::sleep(Duration::from_millis(200));
         });

@@ -1,0 +1,215 @@
+//! Link emulation (token buckets on a rank's egress) and fault injection
+//! hooks for tests.
+
+use std::time::{Duration, Instant};
+
+/// Bandwidth caps on each rank's egress, to run a plan on one machine at
+/// the speed ratios of a real cluster. Off by default (`None` rates).
+///
+/// Inter-node traffic (TCP peers) and intra-node traffic (shared-memory
+/// peers) each go through their own bucket per rank: a DGX H100 has one
+/// 400 Gb/s NIC per GPU (so one NIC bucket per rank is faithful) and
+/// 900 GB/s of NVLink per GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkEmulation {
+    /// Egress cap per rank towards other nodes (bytes/s); `None`: no cap.
+    pub inter_node_bytes_per_s: Option<u64>,
+    /// Egress cap per rank towards ranks of its own node (bytes/s).
+    pub intra_node_bytes_per_s: Option<u64>,
+    /// Bytes a bucket may send at once after being idle (bucket depth);
+    /// 0 means one pacing chunk ([`PACE_CHUNK`]).
+    pub burst_bytes: u64,
+}
+
+/// Largest piece of a message sent in one go when a rate cap is on, so
+/// pacing is smooth.
+pub const PACE_CHUNK: u64 = 1 << 20;
+
+impl LinkEmulation {
+    /// DGX H100 links slowed down by `scale` (1.0: real speed): a 400 Gb/s
+    /// NIC per GPU, i.e. 50 GB/s / `scale` to other nodes, and 900 GB/s /
+    /// `scale` of NVLink per GPU inside the node (ratio 18:1). A `scale`
+    /// that is not positive and finite is taken as 1.
+    pub fn dgx_h100(scale: f64) -> LinkEmulation {
+        let scale = if scale.is_finite() && scale > 0.0 { scale } else { 1.0 };
+        let rate = |bps: f64| Some(((bps / scale) as u64).max(1));
+        LinkEmulation { inter_node_bytes_per_s: rate(50e9), intra_node_bytes_per_s: rate(900e9), burst_bytes: 0 }
+    }
+
+    /// The egress bucket towards other nodes, if capped.
+    pub(crate) fn inter_node(&self) -> Option<TokenBucket> {
+        self.inter_node_bytes_per_s.map(|r| TokenBucket::new(r, self.burst()))
+    }
+
+    /// The egress bucket towards the rank's own node, if capped.
+    pub(crate) fn intra_node(&self) -> Option<TokenBucket> {
+        self.intra_node_bytes_per_s.map(|r| TokenBucket::new(r, self.burst()))
+    }
+
+    fn burst(&self) -> u64 {
+        if self.burst_bytes == 0 {
+            PACE_CHUNK
+        } else {
+            self.burst_bytes
+        }
+    }
+}
+
+/// A token bucket: `rate` bytes/s refill up to `burst` bytes. Sending more
+/// than the bucket holds goes into debt, which the sender sleeps off.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenBucket {
+    rate: u64,
+    burst: u64,
+    /// Tokens (bytes) available; negative: debt.
+    tokens: f64,
+    last: Option<Instant>,
+}
+
+impl TokenBucket {
+    /// A full bucket of `burst` bytes refilled at `rate` bytes/s (a rate of
+    /// 0 is taken as 1).
+    pub fn new(rate: u64, burst: u64) -> TokenBucket {
+        TokenBucket { rate: rate.max(1), burst, tokens: burst as f64, last: None }
+    }
+
+    /// Takes `bytes` at time `now`; returns how long to wait before they
+    /// may go (zero when the bucket held enough).
+    pub fn take(&mut self, bytes: u64, now: Instant) -> Duration {
+        if let Some(last) = self.last {
+            let dt = now.saturating_duration_since(last).as_secs_f64();
+            self.tokens = (self.tokens + dt * self.rate as f64).min(self.burst as f64);
+        }
+        self.last = Some(now.max(self.last.unwrap_or(now)));
+        self.tokens -= bytes as f64;
+        if self.tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.tokens / self.rate as f64)
+        }
+    }
+
+    /// Takes `bytes` now and sleeps until they may go.
+    pub fn pace(&mut self, bytes: u64) {
+        let wait = self.take(bytes, Instant::now());
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+    }
+}
+
+/// Faults to inject, for tests of failure handling (a chaos suite). Every
+/// count is of data frames this rank sends, over all its peers, from 0.
+/// Default: none; when none is set each send costs one comparison.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Flip one byte of the payload of this data frame after its checksum
+    /// was computed (so a receiver checking sums sees it).
+    pub corrupt_frame: Option<u64>,
+    /// From this data frame on, send nothing: frames are dropped silently
+    /// while connections stay up, as if the rank froze.
+    pub stall_at_frame: Option<u64>,
+    /// At this data frame, shut the connection to its peer down (both
+    /// directions, no goodbye) and fail the send.
+    pub cut_at_frame: Option<u64>,
+    /// Sleep this long in `abort` before telling the peers.
+    pub abort_hang: Option<Duration>,
+}
+
+/// What to do with one data frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FrameFault {
+    /// Send it as it is.
+    None,
+    /// Flip a byte after the checksum.
+    Corrupt,
+    /// Drop it.
+    Stall,
+    /// Shut the connection down.
+    Cut,
+}
+
+impl Faults {
+    /// Whether any frame fault is set.
+    pub(crate) fn any(&self) -> bool {
+        self.corrupt_frame.is_some() || self.stall_at_frame.is_some() || self.cut_at_frame.is_some()
+    }
+
+    /// The fault for data frame number `n`.
+    pub(crate) fn frame(&self, n: u64) -> FrameFault {
+        if self.stall_at_frame.is_some_and(|s| n >= s) {
+            FrameFault::Stall
+        } else if self.cut_at_frame == Some(n) {
+            FrameFault::Cut
+        } else if self.corrupt_frame == Some(n) {
+            FrameFault::Corrupt
+        } else {
+            FrameFault::None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bucket_lets_a_burst_through_then_paces_at_the_rate() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new(1000, 500);
+        // The first 500 bytes go at once.
+        assert_eq!(b.take(500, t0), Duration::ZERO);
+        // 250 more are 250 bytes of debt: a quarter second at 1000 B/s.
+        assert_eq!(b.take(250, t0), Duration::from_millis(250));
+        // After the debt is slept off and 100 ms more, 100 bytes are there.
+        let t1 = t0 + Duration::from_millis(350);
+        assert_eq!(b.take(100, t1), Duration::ZERO);
+        // Idle for long: the bucket refills to its depth, not beyond.
+        let t2 = t1 + Duration::from_secs(60);
+        assert_eq!(b.take(500, t2), Duration::ZERO);
+        assert_eq!(b.take(1, t2), Duration::from_millis(1));
+    }
+
+    #[test]
+    fn bucket_average_rate_matches_over_many_sends() {
+        // Send 10 MB in 64 KiB pieces, sleeping what the bucket says on an
+        // injected clock: the total time is bytes / rate, less the burst.
+        let rate = 1_000_000u64;
+        let mut b = TokenBucket::new(rate, 65536);
+        let mut now = Instant::now();
+        let start = now;
+        let mut sent = 0u64;
+        while sent < 10_000_000 {
+            now += b.take(65536, now);
+            sent += 65536;
+        }
+        let want = (sent - 65536) as f64 / rate as f64;
+        let got = (now - start).as_secs_f64();
+        assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+    }
+
+    #[test]
+    fn a_clock_going_backwards_does_not_mint_tokens() {
+        let t0 = Instant::now() + Duration::from_secs(10);
+        let mut b = TokenBucket::new(100, 100);
+        assert_eq!(b.take(100, t0), Duration::ZERO);
+        assert_eq!(b.take(100, t0 - Duration::from_secs(5)), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn dgx_numbers() {
+        let e = LinkEmulation::dgx_h100(10.0);
+        assert_eq!(e.inter_node_bytes_per_s, Some(5_000_000_000));
+        assert_eq!(e.intra_node_bytes_per_s, Some(90_000_000_000));
+        assert!(LinkEmulation::default().inter_node().is_none() && LinkEmulation::default().intra_node().is_none());
+    }
+
+    #[test]
+    fn faults_pick_frames() {
+        let f = Faults { corrupt_frame: Some(1), stall_at_frame: Some(5), cut_at_frame: Some(3), abort_hang: None };
+        let got: Vec<FrameFault> = (0..7).map(|n| f.frame(n)).collect();
+        use FrameFault as F;
+        assert_eq!(got, vec![F::None, F::Corrupt, F::None, F::Cut, F::None, F::Stall, F::Stall]);
+        assert!(!Faults::default().any());
+    }
+}

@@ -1,0 +1,145 @@
+//! The node transport: shared memory to peers on this rank's node, TCP to
+//! the others, behind one [`Transport`].
+//!
+//! Every pair of ranks has a TCP stream per direction. For a pair on one
+//! node the stream only carries small control frames, and the message
+//! bytes go through a shared-memory region (see [`crate::shm`]); for other
+//! pairs the bytes go on the stream. Link emulation ([`TcpConfig::emulation`])
+//! caps each rank's egress with two token buckets: the inter-node one for
+//! TCP peers, the intra-node one for shared-memory peers. Checksums and
+//! fault injection ([`TcpConfig::checksum`], [`TcpConfig::faults`]) apply to
+//! both kinds of link.
+
+use crate::exec::{run_threads, ExecError, ExecOptions, ExecReport, WithAbort};
+use crate::memory::RankMemory;
+use crate::shm::ShmConfig;
+use crate::tcp::{fabric, ShmSetup, TcpConfig, TcpTransport};
+use crate::transport::{Payload, Transport, TransportError};
+use reshard::{Endpoint, RankProgram};
+use std::collections::HashSet;
+use std::io;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Node transport settings.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// Names this fabric's shared-memory regions; every rank of one run
+    /// must use the same id, and concurrent runs on a node different ones
+    /// (1-128 characters of `[A-Za-z0-9_-]`). Default: `refit`.
+    pub session: String,
+    /// The TCP side, plus checksums, link emulation and faults for both
+    /// kinds of link.
+    pub tcp: TcpConfig,
+    /// The shared-memory side.
+    pub shm: ShmConfig,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig { session: "refit".into(), tcp: TcpConfig::default(), shm: ShmConfig::default() }
+    }
+}
+
+/// One rank's end of a node fabric.
+#[derive(Debug)]
+pub struct NodeTransport {
+    inner: TcpTransport,
+}
+
+fn same_node<N: PartialEq>(me: Endpoint, peers: impl Iterator<Item = Endpoint>, node_of: &impl Fn(Endpoint) -> N) -> HashSet<Endpoint> {
+    let mine = node_of(me);
+    peers.filter(|p| *p != me && node_of(*p) == mine).collect()
+}
+
+impl NodeTransport {
+    /// Joins a fabric from a separate process: accepts a stream from every
+    /// other peer on `listener`, opens one to every other peer's address in
+    /// `peers`, and maps shared memory with every peer `node_of` puts on
+    /// this rank's node. All ranks must pass the same `peers`, `node_of`
+    /// and `config.session` (exchanged through the caller's rendezvous).
+    pub fn connect<N: PartialEq>(
+        me: Endpoint,
+        listener: TcpListener,
+        peers: &[(Endpoint, SocketAddr)],
+        node_of: impl Fn(Endpoint) -> N,
+        config: &NodeConfig,
+    ) -> io::Result<NodeTransport> {
+        let setup = ShmSetup {
+            session: config.session.clone(),
+            same_node: same_node(me, peers.iter().map(|p| p.0), &node_of),
+            config: config.shm.clone(),
+        };
+        Ok(NodeTransport { inner: TcpTransport::connect_with(me, listener, peers, &config.tcp, Some(setup))? })
+    }
+
+    /// The peers reached through shared memory.
+    pub fn shm_peers(&self) -> Vec<Endpoint> {
+        self.inner.shm_peers()
+    }
+}
+
+/// Connects `endpoints` all-to-all as threads of this process: loopback
+/// TCP between nodes, shared memory within (as `node_of` says). The
+/// regions are named after `config.session`, this process and a counter,
+/// so fabrics of concurrent tests do not collide.
+pub fn node_fabric<N: PartialEq>(
+    endpoints: &[Endpoint],
+    node_of: impl Fn(Endpoint) -> N + Sync,
+    config: &NodeConfig,
+) -> io::Result<Vec<NodeTransport>> {
+    static FABRICS: AtomicU64 = AtomicU64::new(0);
+    let session = format!("{}-{}-{}", config.session, std::process::id(), FABRICS.fetch_add(1, Ordering::Relaxed));
+    let transports = fabric(endpoints, &config.tcp, |me| {
+        Some(ShmSetup {
+            session: session.clone(),
+            same_node: same_node(me, endpoints.iter().copied(), &node_of),
+            config: config.shm.clone(),
+        })
+    })?;
+    Ok(transports.into_iter().map(|inner| NodeTransport { inner }).collect())
+}
+
+/// Runs all programs as threads of this process over a node fabric
+/// (shared memory within a node, loopback TCP between nodes, as `node_of`
+/// says; e.g. `|e| plan.node_of(e)`).
+pub fn run_node<N: PartialEq>(
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    options: &ExecOptions,
+    node_of: impl Fn(Endpoint) -> N + Sync,
+    config: &NodeConfig,
+) -> Result<ExecReport, ExecError> {
+    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+    let transports = node_fabric(&endpoints, node_of, config).map_err(|e| ExecError::Setup(e.to_string()))?;
+    run_threads(programs, memory, options, transports)
+}
+
+impl Transport for NodeTransport {
+    fn me(&self) -> Endpoint {
+        self.inner.me()
+    }
+
+    fn send(&mut self, round: u32, to: Endpoint, payload: Payload) -> Result<(), TransportError> {
+        self.inner.send(round, to, payload)
+    }
+
+    fn recv(&mut self, round: u32, deadline: Instant) -> Result<(Endpoint, Payload), TransportError> {
+        self.inner.recv(round, deadline)
+    }
+
+    fn flush(&mut self, round: u32, deadline: Instant) -> Result<(), TransportError> {
+        self.inner.flush(round, deadline)
+    }
+
+    fn abort(&mut self, reason: &str) {
+        self.inner.abort(reason)
+    }
+}
+
+impl WithAbort for NodeTransport {
+    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
+        self.inner.abort_all()
+    }
+}

@@ -1,0 +1,427 @@
+//! Shared-memory links between ranks of one node that are separate
+//! processes (the NVLink analogue on a host).
+//!
+//! Per ordered pair of same-node ranks, the sender creates a file under
+//! `/dev/shm` (named after a session id the caller gives, both ranks, and
+//! the direction), sizes and maps it; the receiver maps it while the pair's
+//! control stream (a TCP stream, the same one other-node peers carry data
+//! on) is set up, and the sender unlinks it as soon as the receiver has it
+//! mapped, so a crash later leaves no file behind.
+//!
+//! Region layout: a 4 KiB control page (magic, sizes, two counters the
+//! receiver advances), the *lend area*, the *stream area*.
+//!
+//! * A message that fits the free part of the lend area is packed there in
+//!   one gather copy and announced by a `lent` frame (round, sequence
+//!   number, offset, length, checksum) on the control stream. The receiver
+//!   hands those bytes to the executor in place ([`Payload::Lent`]), which
+//!   unpacks straight out of the region: one copy on each side. When the
+//!   payload is dropped, the receiver advances the region's released
+//!   counter (in order of sequence numbers); the sender reclaims space from
+//!   it on its next send. The sender never waits for lend space.
+//! * Any other message is streamed through the stream area in chunks, each
+//!   announced by a `chunk` frame. The receiver's reader thread copies each
+//!   chunk out at once (into the message's buffer) and advances the
+//!   consumed counter, which the sender polls (spin, then sleep) before it
+//!   reuses space. The reader thread drains whatever its rank thread is
+//!   doing, so two ranks sending each other large messages cannot deadlock.
+//!
+//! A dead or departed peer is seen on the control stream (end of stream,
+//! goodbye, abort): the stream reader marks the peer, and a sender waiting
+//! for space gives up with an error instead of waiting; a sender waits at
+//! most [`ShmConfig::wait_timeout`] in all.
+
+use crate::copy::store_fence;
+use std::collections::{BTreeSet, VecDeque};
+use std::fs::OpenOptions;
+use std::io;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Shared-memory link settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShmConfig {
+    /// Where region files are created (a tmpfs).
+    pub dir: PathBuf,
+    /// Bytes per pair for messages handed over in place (default 64 MiB;
+    /// only pages actually used take memory).
+    pub lend_bytes: u64,
+    /// Bytes per pair for streaming messages that do not fit (default 8 MiB).
+    pub stream_bytes: u64,
+    /// Longest a send waits for stream space before giving up (a live but
+    /// stuck receiver; a dead one is noticed at once).
+    pub wait_timeout: Duration,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig { dir: PathBuf::from("/dev/shm"), lend_bytes: 64 << 20, stream_bytes: 8 << 20, wait_timeout: Duration::from_secs(600) }
+    }
+}
+
+const REGION_MAGIC: u64 = 0x314d_4853_5449_4652; // "RFITSHM1"
+const CONTROL: u64 = 4096;
+const OFF_CONSUMED: usize = 64;
+const OFF_RELEASED: usize = 128;
+/// Largest area accepted from a peer's handshake.
+pub(crate) const MAX_AREA: u64 = 1 << 40;
+/// Lent messages start at multiples of this.
+const ALIGN: u64 = 64;
+
+/// A mapped region file.
+#[derive(Debug)]
+pub(crate) struct Region {
+    ptr: *mut u8,
+    len: usize,
+    /// Set while the file still has a name this side should remove.
+    path: Option<PathBuf>,
+}
+
+// SAFETY: the mapping is plain shared memory; every access goes through
+// raw pointers under the protocol above or through atomics.
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+impl Region {
+    fn map(file: &std::fs::File, len: u64) -> io::Result<*mut u8> {
+        use std::os::fd::AsRawFd;
+        let len = usize::try_from(len).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "region too large"))?;
+        // SAFETY: a fresh shared mapping of a file we hold open; the kernel
+        // checks the arguments.
+        let ptr =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(ptr as *mut u8)
+    }
+
+    /// Creates and maps a new region file of `lend + stream` bytes of areas.
+    pub(crate) fn create(path: &Path, lend: u64, stream: u64) -> io::Result<Region> {
+        let len = CONTROL + lend + stream;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot create {} (a session id used twice?): {e}", path.display())))?;
+        let region = (|| {
+            file.set_len(len)?;
+            let ptr = Region::map(&file, len)?;
+            Ok(Region { ptr, len: len as usize, path: Some(path.to_path_buf()) })
+        })();
+        let region = match region {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                return Err(e);
+            }
+        };
+        region.word(8).store(lend, Ordering::Relaxed);
+        region.word(16).store(stream, Ordering::Relaxed);
+        region.word(0).store(REGION_MAGIC, Ordering::Release);
+        Ok(region)
+    }
+
+    /// Maps an existing region file that should hold areas of these sizes.
+    pub(crate) fn open(path: &Path, lend: u64, stream: u64) -> io::Result<Region> {
+        let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+        if lend > MAX_AREA || stream > MAX_AREA {
+            return Err(bad(format!("region areas of {lend} and {stream} bytes are too large")));
+        }
+        let len = CONTROL + lend + stream;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display())))?;
+        let size = file.metadata()?.len();
+        if size != len {
+            return Err(bad(format!("{} has {size} bytes, expected {len}", path.display())));
+        }
+        let ptr = Region::map(&file, len)?;
+        let region = Region { ptr, len: len as usize, path: None };
+        if region.word(0).load(Ordering::Acquire) != REGION_MAGIC
+            || region.word(8).load(Ordering::Relaxed) != lend
+            || region.word(16).load(Ordering::Relaxed) != stream
+        {
+            return Err(bad(format!("{} is not a region of this session", path.display())));
+        }
+        Ok(region)
+    }
+
+    /// Removes the file's name (both sides keep their mappings).
+    pub(crate) fn unlink(&mut self) {
+        if let Some(p) = self.path.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        debug_assert!(offset + 8 <= CONTROL as usize && offset.is_multiple_of(8));
+        // SAFETY: within the control page of a live, page-aligned mapping;
+        // 8-byte aligned; only ever accessed atomically.
+        unsafe { &*(self.ptr.add(offset) as *const AtomicU64) }
+    }
+
+    /// Raw pointer to byte `offset` of the region.
+    fn at(&self, offset: u64) -> *mut u8 {
+        debug_assert!(offset <= self.len as u64);
+        // SAFETY: within the mapping (callers check offsets).
+        unsafe { self.ptr.add(offset as usize) }
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        self.unlink();
+        // SAFETY: our own mapping, unmapped once; nothing borrows it any
+        // more (lent payloads hold an `Arc` of the region).
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// The file name of the region for messages `from` → `to` in `session`.
+pub(crate) fn region_path(dir: &Path, session: &str, from: reshard::Endpoint, to: reshard::Endpoint) -> PathBuf {
+    let tag = |e: reshard::Endpoint| match e.group {
+        reshard::Group::Src => format!("s{}", e.rank),
+        reshard::Group::Dst => format!("d{}", e.rank),
+    };
+    dir.join(format!("refit-{session}-{}-{}", tag(from), tag(to)))
+}
+
+/// Whether a session id is safe in a file name.
+pub(crate) fn valid_session(session: &str) -> bool {
+    !session.is_empty() && session.len() <= 128 && session.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// The sender's side of a pair's region.
+#[derive(Debug)]
+pub(crate) struct ShmOut {
+    pub(crate) region: Region,
+    lend: u64,
+    stream: u64,
+    /// Lend area: next free position (monotonic), live messages.
+    head: u64,
+    live: VecDeque<(u64, u64)>, // (seq, start position)
+    next_seq: u64,
+    /// Stream area: bytes written so far (monotonic).
+    written: u64,
+}
+
+/// Where a message goes.
+pub(crate) enum Placement {
+    /// In the lend area: sequence number and region offset.
+    Lent { seq: u64, offset: u64 },
+    /// Through the stream area.
+    Stream,
+}
+
+impl ShmOut {
+    pub(crate) fn new(region: Region, lend: u64, stream: u64) -> ShmOut {
+        ShmOut { region, lend, stream, head: 0, live: VecDeque::new(), next_seq: 0, written: 0 }
+    }
+
+    /// Chooses where a message of `len` bytes goes, reserving lend space.
+    pub(crate) fn place(&mut self, len: u64) -> Placement {
+        let released = self.region.word(OFF_RELEASED).load(Ordering::Acquire);
+        while self.live.front().is_some_and(|&(seq, _)| seq < released) {
+            self.live.pop_front();
+        }
+        if len == 0 || len > self.lend {
+            return Placement::Stream;
+        }
+        let tail = self.live.front().map_or(self.head, |&(_, start)| start);
+        let mut start = self.head.next_multiple_of(ALIGN);
+        if start % self.lend + len > self.lend {
+            start = start.next_multiple_of(self.lend);
+        }
+        if start + len - tail > self.lend {
+            return Placement::Stream;
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.live.push_back((seq, start));
+        self.head = start + len;
+        Placement::Lent { seq, offset: CONTROL + start % self.lend }
+    }
+
+    /// Pointer to region offset `offset`.
+    pub(crate) fn at(&self, offset: u64) -> *mut u8 {
+        self.region.at(offset)
+    }
+
+    /// Free stream space: (region offset, contiguous bytes) where the next
+    /// chunk may go, at most `max` bytes; 0 bytes when the area is full.
+    pub(crate) fn stream_space(&self, max: u64) -> (u64, u64) {
+        let consumed = self.region.word(OFF_CONSUMED).load(Ordering::Acquire);
+        let free = self.stream - (self.written - consumed).min(self.stream);
+        let off = self.written % self.stream;
+        (CONTROL + self.lend + off, free.min(self.stream - off).min(max))
+    }
+
+    /// Records a chunk of `n` bytes written at the stream position.
+    pub(crate) fn streamed(&mut self, n: u64) {
+        self.written += n;
+    }
+
+    /// The stream area size.
+    pub(crate) fn stream_bytes(&self) -> u64 {
+        self.stream
+    }
+}
+
+/// Which lent messages the receiver is done with.
+#[derive(Debug, Default)]
+struct Releases {
+    /// Every sequence number below this is released.
+    next: u64,
+    /// Released above `next`.
+    done: BTreeSet<u64>,
+}
+
+/// The receiver's side of a pair's region.
+#[derive(Debug)]
+pub(crate) struct ShmIn {
+    region: Arc<Region>,
+    lend: u64,
+    stream: u64,
+    releases: Arc<Mutex<Releases>>,
+    /// Next lent sequence number expected.
+    next_seq: u64,
+    /// Stream area: bytes consumed so far (monotonic).
+    consumed: u64,
+}
+
+impl ShmIn {
+    pub(crate) fn new(region: Region, lend: u64, stream: u64) -> ShmIn {
+        ShmIn { region: Arc::new(region), lend, stream, releases: Arc::default(), next_seq: 0, consumed: 0 }
+    }
+
+    /// Checks a lent frame and returns the bytes' address and a token that
+    /// releases them when dropped.
+    pub(crate) fn lent(&mut self, seq: u64, offset: u64, len: u64) -> Result<(*const u8, crate::transport::Release), String> {
+        if seq != self.next_seq {
+            return Err(format!("lent message {seq}, expected {}", self.next_seq));
+        }
+        if offset < CONTROL || offset.checked_add(len).is_none_or(|end| end > CONTROL + self.lend) {
+            return Err(format!("lent message of {len} bytes at {offset} is outside the lend area"));
+        }
+        self.next_seq += 1;
+        std::sync::atomic::fence(Ordering::Acquire);
+        let region = self.region.clone();
+        let releases = self.releases.clone();
+        let release = crate::transport::Release::on_drop(move || {
+            let mut r = releases.lock().unwrap_or_else(|e| e.into_inner());
+            r.done.insert(seq);
+            let mut advanced = false;
+            loop {
+                let next = r.next;
+                if !r.done.remove(&next) {
+                    break;
+                }
+                r.next += 1;
+                advanced = true;
+            }
+            if advanced {
+                region.word(OFF_RELEASED).store(r.next, Ordering::Release);
+            }
+        });
+        Ok((self.region.at(offset) as *const u8, release))
+    }
+
+    /// Copies a chunk of the stream area out into `into`, then frees it.
+    pub(crate) fn chunk(&mut self, offset: u64, len: u64, into: &mut Vec<u8>) -> Result<(), String> {
+        let want = CONTROL + self.lend + self.consumed % self.stream;
+        if offset != want || len > self.stream - self.consumed % self.stream {
+            return Err(format!("chunk of {len} bytes at {offset}, expected one at {want}"));
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        // SAFETY: inside the stream area (checked); the sender does not
+        // write this chunk until `consumed` passes it.
+        into.extend_from_slice(unsafe { std::slice::from_raw_parts(self.region.at(offset), len as usize) });
+        self.consumed += len;
+        self.region.word(OFF_CONSUMED).store(self.consumed, Ordering::Release);
+        Ok(())
+    }
+}
+
+/// Orders the sender's writes to a region before the frame announcing them.
+pub(crate) fn publish() {
+    store_fence();
+    std::sync::atomic::fence(Ordering::Release);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("refit-unit-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn lend_area_wraps_and_reclaims_in_order() {
+        let path = temp("lend");
+        let region = Region::create(&path, 1024, 256).unwrap();
+        let mut inbound = ShmIn::new(Region::open(&path, 1024, 256).unwrap(), 1024, 256);
+        let mut out = ShmOut::new(region, 1024, 256);
+        let Placement::Lent { seq: 0, offset: a } = out.place(600) else { panic!() };
+        assert_eq!(a, CONTROL);
+        // 600 + 600 > 1024: no room until the first is released.
+        assert!(matches!(out.place(600), Placement::Stream));
+        assert!(matches!(out.place(2000), Placement::Stream));
+        let (_, r0) = inbound.lent(0, a, 600).unwrap();
+        let Placement::Lent { seq: 1, offset: b } = out.place(300) else { panic!() };
+        assert_eq!(b, CONTROL + 640);
+        let (_, r1) = inbound.lent(1, b, 300).unwrap();
+        // Releasing out of order frees nothing until the older one goes.
+        drop(r1);
+        assert!(matches!(out.place(600), Placement::Stream));
+        drop(r0);
+        // Everything is free; 600 bytes do not fit before the end (at 960),
+        // so they wrap to the start.
+        let Placement::Lent { seq: 2, offset: c } = out.place(600) else { panic!() };
+        assert_eq!(c, CONTROL);
+        assert!(inbound.lent(5, c, 600).is_err());
+        assert!(inbound.lent(2, CONTROL + 1000, 600).is_err());
+    }
+
+    #[test]
+    fn stream_area_flows() {
+        let path = temp("stream");
+        let region = Region::create(&path, 64, 100).unwrap();
+        let mut inbound = ShmIn::new(Region::open(&path, 64, 100).unwrap(), 64, 100);
+        let mut out = ShmOut::new(region, 64, 100);
+        let (off, n) = out.stream_space(70);
+        assert_eq!((off, n), (CONTROL + 64, 70));
+        // SAFETY: inside the stream area.
+        unsafe { std::ptr::write_bytes(out.at(off), 7, 70) };
+        out.streamed(70);
+        assert_eq!(out.stream_space(70).1, 30);
+        let mut got = Vec::new();
+        inbound.chunk(off, 70, &mut got).unwrap();
+        assert_eq!(got, vec![7; 70]);
+        // The next chunk stops at the end of the area, then wraps.
+        assert_eq!(out.stream_space(1000), (CONTROL + 64 + 70, 30));
+        out.streamed(30);
+        assert!(inbound.chunk(CONTROL + 64, 10, &mut got).is_err());
+        inbound.chunk(CONTROL + 64 + 70, 30, &mut got).unwrap();
+        assert_eq!(out.stream_space(1000), (CONTROL + 64, 100));
+    }
+
+    #[test]
+    fn opening_a_wrong_region_fails_cleanly() {
+        let path = temp("wrong");
+        let _region = Region::create(&path, 64, 64).unwrap();
+        assert!(Region::open(&path, 128, 64).is_err());
+        assert!(Region::open(&temp("missing"), 64, 64).is_err());
+        assert!(Region::create(&path, 64, 64).is_err());
+        assert!(valid_session("abc-1_2") && !valid_session("../x") && !valid_session(""));
+    }
+}
