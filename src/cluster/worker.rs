@@ -100,10 +100,13 @@ struct Pending {
     transports: Vec<NodeTransport>,
 }
 
+/// Tells one rank's peers it gave up and stops its transport.
+type AbortFn = Box<dyn Fn(&str) + Send>;
+
 /// Aborts the data plane of the refit running now, if any.
 #[derive(Default)]
 struct AbortSwitch {
-    running: Option<(u64, Vec<Box<dyn Fn(&str) + Send>>)>,
+    running: Option<(u64, Vec<AbortFn>)>,
 }
 
 type SharedSwitch = Arc<Mutex<AbortSwitch>>;
@@ -329,7 +332,7 @@ impl Member {
         let p = self.pending(seq)?;
         let strategy = p.strategy;
         let transports = std::mem::take(&mut p.transports);
-        let aborts: Vec<Box<dyn Fn(&str) + Send>> = transports.iter().map(|t| t.abort_all()).collect();
+        let aborts: Vec<AbortFn> = transports.iter().map(|t| t.abort_all()).collect();
         let st = self.staging.remove(&strategy).ok_or_else(|| failed("no staging memory"))?;
         let (programs, mut memory, filled) = (st.programs, st.memory, st.filled);
         lock(&self.switch).running = Some((seq, aborts));
