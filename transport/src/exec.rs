@@ -392,8 +392,9 @@ impl WithAbort for crate::local::LocalTransport {
 
 impl WithAbort for TcpTransport {
     fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
-        // Streams belong to the transport; a rank that never starts closes
-        // them when its transport is dropped, which its peers see.
-        Box::new(|_| {})
+        // Shutting every stream down fails whatever this rank is blocked
+        // on, and its peers see the links break (no goodbye).
+        let kill = self.kill_switch();
+        Box::new(move |_| kill())
     }
 }

@@ -19,7 +19,7 @@ use std::io::{self, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const MAGIC: u32 = 0x5449_4652; // "RFIT" little-endian
@@ -116,6 +116,8 @@ pub(crate) struct ShmSetup {
 pub struct TcpTransport {
     me: Endpoint,
     links: HashMap<Endpoint, Link>,
+    /// Every stream of this rank (both directions), for [`WithAbort`].
+    streams: Arc<Mutex<Vec<TcpStream>>>,
     inbox: RoundInbox<Incoming>,
     checksum: bool,
     faults: Faults,
@@ -474,16 +476,18 @@ impl TcpTransport {
             }
         }
         let statuses: HashMap<Endpoint, Arc<PeerStatus>> = others.iter().map(|(e, _)| (*e, Arc::default())).collect();
+        let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let (tx, inbox) = channel();
         let (max, checksum) = (config.max_frame_bytes, config.checksum);
         let shm = shm.map(Arc::new);
         // Accept in the background while this thread connects out.
         let acceptor = {
-            let (statuses, shm) = (statuses.clone(), shm.clone());
+            let (statuses, shm, streams) = (statuses.clone(), shm.clone(), Arc::clone(&streams));
             let expected: HashSet<Endpoint> = statuses.keys().copied().collect();
             std::thread::spawn(move || -> io::Result<()> {
                 for _ in 0..expected.len() {
                     let (peer, stream, inbound) = accept_one(me, &listener, deadline, &expected, checksum, shm.as_deref())?;
+                    streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
                     let status = statuses.get(&peer).cloned().unwrap_or_default();
                     let reader = Reader { peer, max, checksum, shm: inbound, status, tx: tx.clone() };
                     std::thread::Builder::new().name(format!("refit-read-{peer}")).spawn(move || read_loop(stream, reader))?;
@@ -504,6 +508,7 @@ impl TcpTransport {
                 }
             };
             stream.set_nodelay(true)?;
+            streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
             let shared = shm.as_deref().filter(|s| s.same_node.contains(&peer));
             let mut out = match shared {
                 None => None,
@@ -541,6 +546,7 @@ impl TcpTransport {
         Ok(TcpTransport {
             me,
             links,
+            streams,
             inbox: RoundInbox::new(inbox),
             checksum,
             faults: config.faults,
@@ -549,6 +555,18 @@ impl TcpTransport {
             intra: config.emulation.intra_node(),
             wait_timeout: shm.as_ref().map_or(Duration::from_secs(600), |s| s.config.wait_timeout),
         })
+    }
+
+    /// A switch that tears this rank's data plane down from any thread:
+    /// every stream (both directions) is shut down, so a send or receive
+    /// blocked on it fails at once and the peers see the links break.
+    pub fn kill_switch(&self) -> impl Fn() + Send + Sync + 'static {
+        let streams = Arc::clone(&self.streams);
+        move || {
+            for s in streams.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
     }
 
     /// The peers reached through shared memory.
