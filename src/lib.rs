@@ -7,6 +7,7 @@
 //! [`orchestrator`] that learns only because refit delivers fresh weights.
 
 pub mod bench;
+pub mod chaos;
 pub mod cluster;
 pub mod demo;
 pub mod presets;

@@ -133,7 +133,12 @@ impl ClusterArgs {
             setup_timeout: deadline,
             refit_deadline: deadline,
             abort_grace: Duration::from_millis(self.abort_grace_ms.max(1)),
-            data: DataPlane { checksum: self.checksum, emulation: self.emulation(), faults: FaultSpec::default() },
+            data: DataPlane {
+                checksum: self.checksum,
+                emulation: self.emulation(),
+                faults: FaultSpec::default(),
+                connect_timeout: deadline.min(Duration::from_secs(5)),
+            },
         })
     }
 }
@@ -292,6 +297,23 @@ enum Command {
         /// File holding the control-plane secret (default: REFIT_SECRET).
         #[arg(long)]
         secret_file: Option<PathBuf>,
+    },
+    /// The chaos suite: kill worker processes at each phase of a refit and
+    /// inject data-plane faults (stall, hanging abort, cut, corrupt frame,
+    /// a member back with another layout); check every refit fails within
+    /// its deadline, no destination holds a torn version, and the next
+    /// refit recovers. Exit code 1 if any case breaks the promise.
+    Chaos {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Per-rank network rate of the emulated links, MB/s (slow enough
+        /// that a refit can be killed in the middle).
+        #[arg(long, default_value_t = 2)]
+        emulate_nic_mbps: u64,
+        /// Data-plane deadline of each refit, in seconds.
+        #[arg(long, default_value_t = 5)]
+        deadline_s: u64,
     },
     /// Write a model preset's layouts as layout files.
     Emit {
@@ -854,6 +876,78 @@ fn cmd_worker(
     run_worker(config, src, dst).map_err(|e| Failure { line: e, code: 1 })
 }
 
+fn cmd_chaos(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), Failure> {
+    // The suite's own layouts: TP2xDP... on 8 training ranks (2 nodes) to 4
+    // inference ranks; the "different layout" is another pair.
+    const SRC: &str = include_str!("../examples/tp-to-tp/src.json");
+    const DST: &str = include_str!("../examples/tp-to-tp/dst.json");
+    const WRONG: &str = include_str!("../examples/mixed-2d/dst.json");
+    let fail = |e: String| Failure { line: e, code: 1 };
+    let dir = std::env::temp_dir().join(format!("refit-chaos-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+    let _temp = TempLayouts(dir.clone());
+    for (name, text) in [("src.json", SRC), ("dst.json", DST), ("wrong.json", WRONG)] {
+        std::fs::write(dir.join(name), text).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+    }
+    let (src, dst) = (load(&dir.join("src.json"))?, load(&dir.join("dst.json"))?);
+    let args = ClusterArgs {
+        per_process: PerProcess::Rank,
+        deadline_s: deadline_s.max(1),
+        abort_grace_ms: 1000,
+        checksum: true,
+        emulate_nic_mbps: Some(nic_mbps.max(1)),
+        secret_file: None,
+    };
+    let mut cluster = args.config(&dir.join("src.json"), &dir.join("dst.json"), PlanOptions::default(), "127.0.0.1:0", true)?;
+    cluster.setup_timeout = Duration::from_secs(10);
+    let config = refit::chaos::ChaosConfig {
+        cluster,
+        mid_transfer: Duration::from_millis(200),
+        wrong_layouts: (dir.join("src.json"), dir.join("wrong.json")),
+    };
+    if !as_json {
+        say!("{:<40} {:>7} {:>9} {:>6} {:>5} {:>9}  detail", "case", "failed", "elapsed", "hang", "torn", "recovered");
+    }
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let rows = refit::chaos::run_chaos(config, &src, &dst, |r| {
+        if !as_json {
+            say!(
+                "{:<40} {:>7} {:>7.0}ms {:>6} {:>5} {:>9}  {}",
+                r.case,
+                r.refit_failed.map_or("-", yes),
+                r.elapsed.as_secs_f64() * 1e3,
+                yes(!r.within_deadline),
+                yes(r.torn),
+                yes(r.recovered),
+                r.detail
+            );
+        }
+    })
+    .map_err(|e| fail(e.to_string()))?;
+    let good = |r: &refit::chaos::ChaosRow| r.within_deadline && !r.torn && r.recovered;
+    let ok = rows.iter().filter(|r| good(r)).count();
+    if as_json {
+        let list: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                json!({
+                    "case": r.case, "refit_failed": r.refit_failed, "elapsed_s": r.elapsed.as_secs_f64(),
+                    "hang": !r.within_deadline, "torn": r.torn, "recovered": r.recovered,
+                    "versions": r.versions, "detail": r.detail,
+                })
+            })
+            .collect();
+        say!("{}", json!({"cases": list, "passed": ok, "total": rows.len()}));
+    } else {
+        say!("{ok} of {} cases kept the promise (no hang, no torn version, recovered)", rows.len());
+    }
+    if ok == rows.len() {
+        Ok(())
+    } else {
+        Err(Failure { line: format!("{} chaos case(s) broke the promise", rows.len() - ok), code: 1 })
+    }
+}
+
 fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
     let (src, dst) = preset(model, scale)?;
     std::fs::create_dir_all(out).map_err(|e| invalid(format!("{}: cannot create: {e}", out.display())))?;
@@ -974,6 +1068,7 @@ fn main() -> ExitCode {
         }),
         Command::Run { pair, baseline, verify, transport, deadline_s } => cmd_run(pair, *baseline, *verify, transport, *deadline_s),
         Command::Bench(args) => cmd_bench(args),
+        Command::Chaos { json, emulate_nic_mbps, deadline_s } => cmd_chaos(*json, *emulate_nic_mbps, *deadline_s),
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
         Command::Launch { pair, baseline, verify, refits, cluster, bind, no_spawn } => {

@@ -150,6 +150,10 @@ struct Link {
     child: Option<Child>,
     dead: Option<String>,
     installed: HashSet<Strategy>,
+    /// Layout files the next replacement of this worker starts with,
+    /// instead of the cluster's (chaos tests: a member that comes back with
+    /// a different layout).
+    files: Option<(PathBuf, PathBuf)>,
 }
 
 impl Link {
@@ -255,7 +259,7 @@ impl<'l> Cluster<'l> {
                     };
                     let name = super::wire::member_name(&hosted.endpoints(src, dst).map_err(setup)?);
                     let args = vec![group_name(g).to_string(), flag.to_string(), n.to_string()];
-                    let child = cluster.spawn_worker(&args)?;
+                    let child = cluster.spawn_worker(&args, None)?;
                     spawned.insert(name, (args, child));
                 }
             }
@@ -300,16 +304,17 @@ impl<'l> Cluster<'l> {
         Ok(cluster)
     }
 
-    fn spawn_worker(&self, args: &[String]) -> Result<Child, ClusterError> {
+    fn spawn_worker(&self, args: &[String], files: Option<&(PathBuf, PathBuf)>) -> Result<Child, ClusterError> {
         let Some(exe) = &self.config.spawn else {
             return Err(ClusterError::Setup("this launcher does not start workers".into()));
         };
+        let (src, dst) = files.map_or((&self.config.src_path, &self.config.dst_path), |(s, d)| (s, d));
         let mut cmd = Command::new(exe);
         cmd.arg("worker")
             .arg("--src")
-            .arg(&self.config.src_path)
+            .arg(src)
             .arg("--dst")
-            .arg(&self.config.dst_path)
+            .arg(dst)
             .args(["--group", &args[0], &args[1], &args[2], "--rendezvous", &self.rendezvous.to_string()])
             .args(["--max-staging-mib", &(self.config.options.max_staging_bytes >> 20).to_string()])
             .args(["--abort-grace-ms", &self.config.abort_grace.as_millis().to_string()])
@@ -355,7 +360,18 @@ impl<'l> Cluster<'l> {
                 }
             }
             member.link(&self.supervisor);
-            Ok(Link { name: name.to_string(), ranks, pid, member, aborter, args: None, child: None, dead: None, installed: HashSet::new() })
+            Ok(Link {
+                name: name.to_string(),
+                ranks,
+                pid,
+                member,
+                aborter,
+                args: None,
+                child: None,
+                dead: None,
+                installed: HashSet::new(),
+                files: None,
+            })
         })
     }
 
@@ -424,17 +440,17 @@ impl<'l> Cluster<'l> {
         self.notice_deaths();
         let dead: Vec<usize> = (0..self.links.len()).filter(|&i| self.links[i].dead.is_some()).collect();
         for &i in &dead {
-            let (name, args, old_id) = {
+            let (name, args, old_id, files) = {
                 let l = &mut self.links[i];
                 if let Some(c) = &mut l.child {
                     let _ = c.kill();
                     let _ = c.wait();
                 }
                 l.child = None;
-                (l.name.clone(), l.args.clone(), l.member.id())
+                (l.name.clone(), l.args.clone(), l.member.id(), l.files.clone())
             };
             let child = match &args {
-                Some(a) => Some(self.spawn_worker(a)?),
+                Some(a) => Some(self.spawn_worker(a, files.as_ref())?),
                 None => None,
             };
             // Wait for a registration of this name by a new actor.
@@ -474,12 +490,24 @@ impl<'l> Cluster<'l> {
             let mut link = link;
             link.args = args;
             link.child = child;
+            link.files = files;
             if link.ranks != self.links[i].ranks {
                 return Err(ClusterError::Setup(format!("the replacement for {name} hosts {:?}", link.ranks)));
             }
             self.links[i] = link;
         }
         Ok(dead.len())
+    }
+
+    /// Kills worker `index` (SIGKILL, by its process id) so the next refit
+    /// replaces it; the replacement starts with `files` (source, destination
+    /// layout files) if given, else with the cluster's. For chaos tests.
+    pub fn restart_worker(&mut self, index: usize, files: Option<(PathBuf, PathBuf)>) -> Result<(), ClusterError> {
+        let l = self.links.get_mut(index).ok_or_else(|| ClusterError::Setup(format!("no worker {index}")))?;
+        kill_pid(l.pid);
+        l.files = files;
+        l.dead.get_or_insert_with(|| "restarted on request".into());
+        Ok(())
     }
 
     /// Calls every live member concurrently; answers in link order.
@@ -702,6 +730,11 @@ impl<'l> Cluster<'l> {
 }
 
 type Answer = Result<MemberReply, String>;
+
+/// Sends SIGKILL to process `pid` (through `kill -9`, no libc binding).
+pub fn kill_pid(pid: u32) {
+    let _ = Command::new("kill").arg("-9").arg(pid.to_string()).stdout(Stdio::null()).stderr(Stdio::null()).status();
+}
 
 async fn collect(mut set: JoinSet<(usize, Result<MemberReply, CallError>)>, n: usize) -> Vec<Answer> {
     let mut out: Vec<Option<Answer>> = (0..n).map(|_| None).collect();

@@ -16,7 +16,7 @@ mod launcher;
 mod wire;
 mod worker;
 
-pub use launcher::{Cluster, ClusterConfig, ClusterError, PerProcess, Phase, RefitOutcome, RefitRequest, WorkerInfo, SECRET_ENV};
+pub use launcher::{kill_pid, Cluster, ClusterConfig, ClusterError, PerProcess, Phase, RefitOutcome, RefitRequest, WorkerInfo, SECRET_ENV};
 pub use wire::{DataPlane, FaultSpec};
 pub use worker::{run_worker, Hosted, WorkerConfig};
 

@@ -36,6 +36,9 @@ pub struct DataPlane {
     pub emulation: Option<(u64, u64)>,
     /// Fault injection for this refit on this worker (chaos testing).
     pub faults: FaultSpec,
+    /// Time to connect the data plane (a peer that is gone fails the
+    /// connect step after this; zero: 5 s).
+    pub connect_timeout: Duration,
 }
 
 /// Faults a worker injects into its own data plane for one refit.

@@ -277,6 +277,7 @@ impl Member {
                 cut_at_frame: f.cut_at_frame,
                 abort_hang: f.abort_hang,
             },
+            connect_timeout: if p.data.connect_timeout.is_zero() { Duration::from_secs(5) } else { p.data.connect_timeout },
             ..TcpConfig::default()
         };
         DataConfig { session: p.session.clone(), tcp, ..DataConfig::default() }

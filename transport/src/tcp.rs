@@ -394,6 +394,28 @@ fn hello_problem(code: u8) -> &'static str {
     }
 }
 
+/// Accepts one connection, waiting until `deadline` at most (a peer that
+/// died before connecting must not block the rank forever).
+fn accept_until(me: Endpoint, listener: &TcpListener, deadline: Instant) -> io::Result<TcpStream> {
+    listener.set_nonblocking(true)?;
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false)?;
+                return Ok(stream);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, format!("{me}: a peer did not connect in time")));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Accepts one stream and checks its handshake; returns the peer, the
 /// stream and the peer's region (for shared-memory peers).
 fn accept_one(
@@ -404,7 +426,7 @@ fn accept_one(
     checksum: bool,
     shm: Option<&ShmSetup>,
 ) -> io::Result<(Endpoint, TcpStream, Option<ShmIn>)> {
-    let (mut stream, _) = listener.accept()?;
+    let mut stream = accept_until(me, listener, deadline)?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
     let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);

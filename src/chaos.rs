@@ -1,0 +1,175 @@
+//! The chaos suite: real worker processes, real faults. Each case breaks
+//! one refit on purpose (killing a worker by its pid at a given phase, or
+//! injecting a fault into one worker's data plane) and then checks the
+//! promise: the refit fails within its deadline (no hang), every live
+//! destination rank holds exactly one committed weights version (no torn
+//! version), and the next refit, after automatic recovery, succeeds.
+
+use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, FaultSpec, Phase, RefitRequest};
+use reshard::{Group, Layout, Strategy};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// One chaos case and what it showed.
+#[derive(Clone, Debug)]
+pub struct ChaosRow {
+    /// What was done.
+    pub case: String,
+    /// The broken refit failed (`Some(true)`), or succeeded anyway
+    /// (`Some(false)`: the fault came too late to matter); `None` when the
+    /// case breaks nothing but the idle cluster.
+    pub refit_failed: Option<bool>,
+    /// How long the broken refit took to return (or, for the idle case, to
+    /// notice the death).
+    pub elapsed: Duration,
+    /// The broken refit returned within its bound (deadline + abort grace +
+    /// control timeout), i.e. it did not hang.
+    pub within_deadline: bool,
+    /// Some live destination rank held bytes matching no committed version.
+    pub torn: bool,
+    /// Committed versions seen on live destination workers after the case.
+    pub versions: Vec<Option<u64>>,
+    /// The next refit (after recovery) succeeded and verified.
+    pub recovered: bool,
+    /// The error the broken refit reported (or the recovery's).
+    pub detail: String,
+}
+
+/// Settings of a chaos run.
+#[derive(Clone, Debug)]
+pub struct ChaosConfig {
+    /// The cluster (spawned workers, link emulation slow enough that a
+    /// refit lasts long enough to be killed in the middle).
+    pub cluster: ClusterConfig,
+    /// Delay after the start of a refit before a "mid-transfer" kill.
+    pub mid_transfer: Duration,
+    /// Layout files a worker wrongly restarts with (different layouts).
+    pub wrong_layouts: (PathBuf, PathBuf),
+}
+
+/// The cases, in the order they run.
+pub const CASES: [&str; 11] = [
+    "kill idle sink (detection time)",
+    "kill source during attach",
+    "kill sink during attach",
+    "kill source mid-transfer",
+    "kill sink mid-transfer",
+    "kill sink during commit",
+    "stalled peer (stops sending)",
+    "abort that hangs",
+    "cut connection",
+    "corrupt frame (checksums on)",
+    "member restarts with a different layout",
+];
+
+/// Runs every case on one cluster (so recovery is exercised case after
+/// case); `progress` is told of each row as it is done.
+pub fn run_chaos(config: ChaosConfig, src: &Layout, dst: &Layout, mut progress: impl FnMut(&ChaosRow)) -> Result<Vec<ChaosRow>, ClusterError> {
+    let bound = config.cluster.refit_deadline + config.cluster.abort_grace + config.cluster.setup_timeout;
+    let mid = config.mid_transfer;
+    let wrong = config.wrong_layouts.clone();
+    let mut cluster = Cluster::start(config.cluster, src, dst, |_| {})?;
+    let mut version = 1;
+    cluster.refit(Strategy::Reshard, version, true)?;
+    let workers = cluster.workers();
+    let first = |g: Group| workers.iter().position(|w| w.ranks.iter().any(|e| e.group == g)).unwrap_or(0);
+    let (a_src, a_dst) = (first(Group::Src), first(Group::Dst));
+    let pid = |c: &mut Cluster<'_>, i: usize| c.workers()[i].pid;
+    let mut rows = Vec::new();
+    for case in CASES {
+        version += 1;
+        let mut req = RefitRequest::new(Strategy::Reshard, version, true);
+        let t = Instant::now();
+        let (failed, detail) = match case {
+            "kill idle sink (detection time)" => {
+                kill_pid(pid(&mut cluster, a_dst));
+                let seen = cluster.wait_for_death(Duration::from_secs(10));
+                version -= 1;
+                (None, seen.map_or("not noticed within 10 s".into(), |d| format!("noticed dead after {} ms", d.as_millis())))
+            }
+            _ => {
+                let (victim, phase) = match case {
+                    "kill source during attach" => (Some(a_src), Phase::Prepared),
+                    "kill sink during attach" => (Some(a_dst), Phase::Connected),
+                    "kill source mid-transfer" => (Some(a_src), Phase::Started),
+                    "kill sink mid-transfer" => (Some(a_dst), Phase::Started),
+                    "kill sink during commit" => (Some(a_dst), Phase::Committing),
+                    _ => (None, Phase::Started),
+                };
+                match case {
+                    "stalled peer (stops sending)" => {
+                        req.faults.insert(a_src, FaultSpec { stall_at_frame: Some(0), ..FaultSpec::default() });
+                    }
+                    "abort that hangs" => {
+                        // A source stalls; the sink waiting for it times out
+                        // at the deadline and its transport's abort hangs
+                        // (as NCCL's has been seen to): its worker must
+                        // abandon that data plane and answer anyway.
+                        req.faults.insert(a_src, FaultSpec { stall_at_frame: Some(0), ..FaultSpec::default() });
+                        req.faults.insert(a_dst, FaultSpec { abort_hang: Some(bound * 4), ..FaultSpec::default() });
+                    }
+                    "cut connection" => {
+                        req.faults.insert(a_src, FaultSpec { cut_at_frame: Some(1), ..FaultSpec::default() });
+                    }
+                    "corrupt frame (checksums on)" => {
+                        req.faults.insert(a_src, FaultSpec { corrupt_frame: Some(0), ..FaultSpec::default() });
+                    }
+                    "member restarts with a different layout" => {
+                        cluster.restart_worker(a_dst, Some(wrong.clone()))?;
+                    }
+                    _ => {}
+                }
+                let result = cluster.refit_with(&req, |p, pids| {
+                    if let Some(v) = victim.filter(|_| p == phase) {
+                        if p == Phase::Started {
+                            std::thread::sleep(mid);
+                        }
+                        kill_pid(pids[v]);
+                    }
+                });
+                match result {
+                    Ok(_) => (Some(false), "the refit completed before the fault mattered".to_string()),
+                    Err(e) => (Some(true), e.to_string()),
+                }
+            }
+        };
+        let elapsed = t.elapsed();
+        // Torn? Every live destination worker's committed bytes must be
+        // exactly one version (the check verifies every element).
+        let (torn, versions) = match cluster.check() {
+            Ok(v) => (false, v.into_iter().map(|(ver, _)| ver).collect()),
+            Err(e) => {
+                let torn = e.to_string().contains("element");
+                (torn, Vec::new())
+            }
+        };
+        if case == "member restarts with a different layout" {
+            cluster.restart_worker(a_dst, None)?;
+        }
+        // Recovery: the next refit replaces dead workers and must succeed.
+        version += 1;
+        let recovery = cluster.refit(Strategy::Reshard, version, true);
+        let recovered = match &recovery {
+            Ok(o) => o.verified.is_some() && cluster.check().is_ok_and(|v| v.iter().all(|(ver, n)| *n == 0 || *ver == Some(version))),
+            Err(_) => false,
+        };
+        let detail = match recovery {
+            Ok(_) => detail,
+            Err(e) => format!("{detail}; recovery failed: {e}"),
+        };
+        let row = ChaosRow {
+            case: case.to_string(),
+            refit_failed: failed,
+            within_deadline: elapsed <= bound,
+            elapsed,
+            torn,
+            versions,
+            recovered,
+            detail,
+        };
+        progress(&row);
+        rows.push(row);
+    }
+    cluster.shutdown();
+    Ok(rows)
+}

@@ -1,0 +1,29 @@
+//! The chaos suite in reduced form (the same cases as `refit chaos`, on the
+//! suite's small layouts): real worker processes killed by pid at each
+//! phase, and data-plane faults. Every case must fail within its deadline,
+//! leave no destination on a torn version, and recover on the next refit.
+
+use serde_json::Value;
+use std::process::Command;
+
+#[test]
+fn chaos_cases_keep_the_promise() {
+    let out = Command::new(env!("CARGO_BIN_EXE_refit")).args(["chaos", "--json"]).output().expect("spawn refit");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
+    let cases = v["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 11, "{v}");
+    for c in cases {
+        assert_eq!(c["hang"], false, "{c}");
+        assert_eq!(c["torn"], false, "{c}");
+        assert_eq!(c["recovered"], true, "{c}");
+        // Every case that breaks a refit must make it fail (none slips
+        // through as a success with wrong bytes: each refit verifies).
+        if !c["refit_failed"].is_null() && c["case"] != "kill sink during commit" {
+            assert_eq!(c["refit_failed"], true, "{c}");
+        }
+    }
+    let idle = &cases[0];
+    assert!(idle["detail"].as_str().is_some_and(|d| d.starts_with("noticed dead")), "{idle}");
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+}
