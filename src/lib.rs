@@ -12,4 +12,5 @@ pub mod cluster;
 pub mod demo;
 pub mod presets;
 pub mod runner;
+pub mod soak;
 pub mod svg;

@@ -315,6 +315,26 @@ enum Command {
         #[arg(long, default_value_t = 5)]
         deadline_s: u64,
     },
+    /// Many consecutive refits on the multi-process path, each verified
+    /// before it commits; reports resident memory, file descriptors and
+    /// threads of the launcher and its workers after the first refit and
+    /// after the last.
+    Soak {
+        /// Layout files (default: the chaos suite's small pair).
+        #[arg(long, requires = "dst")]
+        src: Option<PathBuf>,
+        /// Destination layout file.
+        #[arg(long, requires = "src")]
+        dst: Option<PathBuf>,
+        /// Number of refits.
+        #[arg(long, default_value_t = 1000)]
+        refits: u64,
+        #[command(flatten)]
+        cluster: ClusterArgs,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write a model preset's layouts as layout files.
     Emit {
         /// The model preset.
@@ -948,6 +968,57 @@ fn cmd_chaos(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), Failur
     }
 }
 
+/// A progress bar on stderr when it is a terminal and no JSON is asked for.
+fn progress_bar(len: u64, quiet: bool) -> indicatif::ProgressBar {
+    if quiet || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    if let Ok(style) = indicatif::ProgressStyle::with_template("[{bar:32.cyan/blue}] {pos}/{len} refits {elapsed}") {
+        bar.set_style(style);
+    }
+    bar
+}
+
+fn cmd_soak(src: &Option<PathBuf>, dst: &Option<PathBuf>, refits: u64, args: &ClusterArgs, as_json: bool) -> Result<(), Failure> {
+    let fail = |e: String| Failure { line: e, code: 1 };
+    let dir = std::env::temp_dir().join(format!("refit-soak-{}", std::process::id()));
+    let _temp = TempLayouts(dir.clone());
+    let (sp, dp) = match (src, dst) {
+        (Some(s), Some(d)) => (s.clone(), d.clone()),
+        _ => {
+            std::fs::create_dir_all(&dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+            std::fs::write(dir.join("src.json"), include_str!("../examples/tp-to-tp/src.json")).map_err(|e| fail(e.to_string()))?;
+            std::fs::write(dir.join("dst.json"), include_str!("../examples/tp-to-tp/dst.json")).map_err(|e| fail(e.to_string()))?;
+            (dir.join("src.json"), dir.join("dst.json"))
+        }
+    };
+    let (s, d) = (load(&sp)?, load(&dp)?);
+    let config = args.config(&sp, &dp, PlanOptions::default(), "127.0.0.1:0", true)?;
+    let bar = progress_bar(refits, as_json);
+    let r = refit::soak::run_soak(config, &s, &d, refits, |n| bar.set_position(n)).map_err(|e| fail(e.to_string()));
+    bar.finish_and_clear();
+    let r = r?;
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    if as_json {
+        let res = |x: &refit::soak::Resources| json!({"rss_bytes": x.rss_bytes, "fds": x.fds, "threads": x.threads});
+        say!(
+            "{}",
+            json!({
+                "refits": r.refits, "workers": r.workers, "verified_elements": r.verified,
+                "first": res(&r.first), "last": res(&r.last),
+                "median_s": r.median.as_secs_f64(), "slowest_s": r.slowest.as_secs_f64(), "elapsed_s": r.elapsed.as_secs_f64(),
+            })
+        );
+    } else {
+        say!("soak: {} refits on {} worker processes, every one verified before commit ({} elements in all)", r.refits, r.workers, r.verified);
+        say!("  refit time: median {:.1} ms, slowest {:.1} ms; whole soak {:.1} s", r.median.as_secs_f64() * 1e3, r.slowest.as_secs_f64() * 1e3, r.elapsed.as_secs_f64());
+        say!("  after refit 1:    RSS {:>8.1} MiB  fds {:>5}  threads {:>5}  (launcher + workers)", mib(r.first.rss_bytes), r.first.fds, r.first.threads);
+        say!("  after refit {:<5} RSS {:>8.1} MiB  fds {:>5}  threads {:>5}", r.refits, mib(r.last.rss_bytes), r.last.fds, r.last.threads);
+    }
+    Ok(())
+}
+
 fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
     let (src, dst) = preset(model, scale)?;
     std::fs::create_dir_all(out).map_err(|e| invalid(format!("{}: cannot create: {e}", out.display())))?;
@@ -1069,6 +1140,7 @@ fn main() -> ExitCode {
         Command::Run { pair, baseline, verify, transport, deadline_s } => cmd_run(pair, *baseline, *verify, transport, *deadline_s),
         Command::Bench(args) => cmd_bench(args),
         Command::Chaos { json, emulate_nic_mbps, deadline_s } => cmd_chaos(*json, *emulate_nic_mbps, *deadline_s),
+        Command::Soak { src, dst, refits, cluster, json } => cmd_soak(src, dst, *refits, cluster, *json),
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
         Command::Launch { pair, baseline, verify, refits, cluster, bind, no_spawn } => {

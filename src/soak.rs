@@ -1,0 +1,113 @@
+//! The soak: many consecutive refits on the multi-process path, every one
+//! verified element by element before it commits, watching the launcher's
+//! and every worker's resident memory, open file descriptors and threads
+//! for growth.
+
+use crate::cluster::{Cluster, ClusterConfig, ClusterError};
+use reshard::{Layout, Strategy};
+use std::time::{Duration, Instant};
+
+/// Resources of the launcher and its workers, summed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Resources {
+    /// Resident memory, bytes.
+    pub rss_bytes: u64,
+    /// Open file descriptors.
+    pub fds: u64,
+    /// Threads.
+    pub threads: u64,
+}
+
+/// What a soak showed.
+#[derive(Clone, Debug)]
+pub struct SoakReport {
+    /// Refits run (all verified and committed).
+    pub refits: u64,
+    /// Worker processes.
+    pub workers: usize,
+    /// Resources after the first refit.
+    pub first: Resources,
+    /// Resources after the last refit.
+    pub last: Resources,
+    /// Median refit time.
+    pub median: Duration,
+    /// Slowest refit.
+    pub slowest: Duration,
+    /// Whole soak.
+    pub elapsed: Duration,
+    /// Destination elements verified over the whole soak.
+    pub verified: u64,
+}
+
+fn status_field(pid: u32, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = text.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Resources of process `pid` (Linux `/proc`; zeros elsewhere).
+pub fn process_resources(pid: u32) -> Resources {
+    Resources {
+        rss_bytes: status_field(pid, "VmRSS:").unwrap_or(0) * 1024,
+        fds: std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64),
+        threads: status_field(pid, "Threads:").unwrap_or(0),
+    }
+}
+
+fn total(cluster: &mut Cluster<'_>) -> Resources {
+    // Let the threads and sockets of the refit just finished wind down.
+    std::thread::sleep(Duration::from_millis(200));
+    let mut r = process_resources(std::process::id());
+    for w in cluster.workers() {
+        let p = process_resources(w.pid);
+        r.rss_bytes += p.rss_bytes;
+        r.fds += p.fds;
+        r.threads += p.threads;
+    }
+    r
+}
+
+/// Runs `refits` consecutive refits (weights versions 1..=refits), each
+/// verified before it commits; the committed weights are checked at the
+/// end. `progress` is told after each refit.
+pub fn run_soak(
+    config: ClusterConfig,
+    src: &Layout,
+    dst: &Layout,
+    refits: u64,
+    mut progress: impl FnMut(u64),
+) -> Result<SoakReport, ClusterError> {
+    let t = Instant::now();
+    let mut cluster = Cluster::start(config, src, dst, |_| {})?;
+    let refits = refits.max(2);
+    let mut times = Vec::new();
+    let mut verified = 0;
+    let mut first = Resources::default();
+    for version in 1..=refits {
+        let o = cluster.refit(Strategy::Reshard, version, true)?;
+        verified += o.verified.unwrap_or(0);
+        times.push(o.wall);
+        if version == 1 {
+            first = total(&mut cluster);
+        }
+        progress(version);
+    }
+    let last = total(&mut cluster);
+    let checked = cluster.check()?;
+    if let Some(bad) = checked.iter().find(|(v, n)| *n > 0 && *v != Some(refits)) {
+        return Err(ClusterError::Setup(format!("a destination committed version {:?} instead of {refits}", bad.0)));
+    }
+    let workers = cluster.workers().len();
+    cluster.shutdown();
+    times.sort();
+    Ok(SoakReport {
+        refits,
+        workers,
+        first,
+        last,
+        median: times[times.len() / 2],
+        slowest: times[times.len() - 1],
+        elapsed: t.elapsed(),
+        verified,
+    })
+}
