@@ -92,7 +92,8 @@ struct ClusterArgs {
     checksum: bool,
     /// Emulate DGX H100 links at this per-rank network rate, in MB/s:
     /// each rank's egress to other nodes is capped at it, and to ranks of
-    /// its own node at 18 times it (900 GB/s NVLink vs a 400 Gb/s NIC).
+    /// its own node at 9 times it (per direction: NVLink 4's 450 GB/s vs a
+    /// 400 Gb/s = 50 GB/s NIC per GPU).
     #[arg(long)]
     emulate_nic_mbps: Option<u64>,
     /// File holding the control-plane secret (default: REFIT_SECRET, or a
@@ -104,7 +105,7 @@ struct ClusterArgs {
 impl ClusterArgs {
     /// The per-rank (inter-node, intra-node) egress caps, bytes/s.
     fn emulation(&self) -> Option<(u64, u64)> {
-        self.emulate_nic_mbps.map(|m| (m * 1_000_000, m * 18_000_000))
+        self.emulate_nic_mbps.map(|m| (m * 1_000_000, m * 9_000_000))
     }
 
     fn config(&self, src: &Path, dst: &Path, options: PlanOptions, bind: &str, spawn: bool) -> Result<ClusterConfig, Failure> {
@@ -677,9 +678,16 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
         let config = a.cluster.config(&paths.0, &paths.1, opts, "127.0.0.1:0", true)?;
         let mut cluster = Cluster::start(config, &s, &d, |_| {}).map_err(|e| fail(e.to_string()))?;
         let b = refit::bench::cluster_bench(&mut cluster, a.reps);
+        // The lower bound under the emulated links (no bound without them:
+        // loopback and a shared CPU have no link model).
+        let bound = a.cluster.emulation().map(|(net, intra)| {
+            let links = LinkModel { net_bytes_per_s: net as f64, intra_bytes_per_s: intra as f64, message_latency_s: 0.0 };
+            cluster.plan(Strategy::Reshard).map(|p| p.lower_bound(&links)).unwrap_or(0.0)
+        });
         cluster.shutdown();
         let b = b.map_err(|e| fail(e.to_string()))?;
         let ratio = b.baseline.as_secs_f64() / b.reshard.as_secs_f64();
+        let efficiency = bound.map(|lb| lb / b.reshard.as_secs_f64());
         if a.json {
             say!(
                 "{}",
@@ -692,6 +700,8 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
                     "baseline": {"bytes": b.baseline_bytes, "median_s": b.baseline.as_secs_f64(),
                                  "times_s": b.baseline_times.iter().map(|t| t.as_secs_f64()).collect::<Vec<_>>()},
                     "baseline_over_reshard": ratio,
+                    "lower_bound_s": bound,
+                    "efficiency": efficiency,
                     "links": links,
                 })
             );
@@ -708,6 +718,13 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
             say_loads("reshard", &rl);
             say_loads("baseline", &bl);
             say!("  baseline time / reshard time = {ratio:.2}");
+            match (bound, efficiency) {
+                (Some(lb), Some(e)) => say!(
+                    "  lower bound on the emulated links {:.3} ms; efficiency (lower bound / reshard time) = {e:.2}",
+                    lb * 1e3
+                ),
+                _ => say!("  efficiency: needs --emulate-nic-mbps (a link model to bound against)"),
+            }
         }
         return Ok(());
     }
