@@ -335,16 +335,17 @@ impl ShmIn {
         Ok((self.region.at(offset) as *const u8, release))
     }
 
-    /// Copies a chunk of the stream area out into `into`, then frees it.
-    pub(crate) fn chunk(&mut self, offset: u64, len: u64, into: &mut Vec<u8>) -> Result<(), String> {
+    /// Copies a chunk of the stream area out into `into` (of its length),
+    /// then frees it.
+    pub(crate) fn chunk(&mut self, offset: u64, len: u64, into: &mut [u8]) -> Result<(), String> {
         let want = CONTROL + self.lend + self.consumed % self.stream;
-        if offset != want || len > self.stream - self.consumed % self.stream {
+        if offset != want || len > self.stream - self.consumed % self.stream || len != into.len() as u64 {
             return Err(format!("chunk of {len} bytes at {offset}, expected one at {want}"));
         }
         std::sync::atomic::fence(Ordering::Acquire);
         // SAFETY: inside the stream area (checked); the sender does not
         // write this chunk until `consumed` passes it.
-        into.extend_from_slice(unsafe { std::slice::from_raw_parts(self.region.at(offset), len as usize) });
+        into.copy_from_slice(unsafe { std::slice::from_raw_parts(self.region.at(offset), len as usize) });
         self.consumed += len;
         self.region.word(OFF_CONSUMED).store(self.consumed, Ordering::Release);
         Ok(())
@@ -404,14 +405,14 @@ mod tests {
         unsafe { std::ptr::write_bytes(out.at(off), 7, 70) };
         out.streamed(70);
         assert_eq!(out.stream_space(70).1, 30);
-        let mut got = Vec::new();
-        inbound.chunk(off, 70, &mut got).unwrap();
-        assert_eq!(got, vec![7; 70]);
+        let mut got = [0u8; 100];
+        inbound.chunk(off, 70, &mut got[..70]).unwrap();
+        assert_eq!(got[..70], [7; 70]);
         // The next chunk stops at the end of the area, then wraps.
         assert_eq!(out.stream_space(1000), (CONTROL + 64 + 70, 30));
         out.streamed(30);
-        assert!(inbound.chunk(CONTROL + 64, 10, &mut got).is_err());
-        inbound.chunk(CONTROL + 64 + 70, 30, &mut got).unwrap();
+        assert!(inbound.chunk(CONTROL + 64, 10, &mut got[70..80]).is_err());
+        inbound.chunk(CONTROL + 64 + 70, 30, &mut got[70..]).unwrap();
         assert_eq!(out.stream_space(1000), (CONTROL + 64, 100));
     }
 

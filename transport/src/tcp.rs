@@ -12,14 +12,14 @@
 use crate::copy::{for_each_run, in_bounds};
 use crate::link::{Faults, FrameFault, LinkEmulation, TokenBucket, PACE_CHUNK};
 use crate::shm::{self, Placement, Region, ShmConfig, ShmIn, ShmOut};
-use crate::transport::{Lent, Payload, RoundInbox, Transport, TransportError};
+use crate::transport::{Lent, Payload, Release, RoundInbox, Transport, TransportError};
 use reshard::{Endpoint, Group};
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const MAGIC: u32 = 0x5449_4652; // "RFIT" little-endian
@@ -56,6 +56,11 @@ pub struct TcpConfig {
     pub emulation: LinkEmulation,
     /// Faults to inject, for tests (default none).
     pub faults: Faults,
+    /// Received frame buffers (of 64 KiB or more) a rank keeps for reuse
+    /// once unpacked, in bytes (default 512 MiB; 0: none). Reused buffers
+    /// are already mapped, so a fabric kept from one refit to the next
+    /// receives without page faults.
+    pub frame_pool_bytes: u64,
 }
 
 impl Default for TcpConfig {
@@ -67,6 +72,7 @@ impl Default for TcpConfig {
             checksum: false,
             emulation: LinkEmulation::default(),
             faults: Faults::default(),
+            frame_pool_bytes: 512 << 20,
         }
     }
 }
@@ -94,6 +100,59 @@ impl PeerStatus {
 
     fn get(&self) -> u8 {
         self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Frame buffers a rank's readers reuse: a frame is handed to the executor
+/// in place ([`Payload::Lent`]) and its buffer comes back here when the
+/// payload is dropped.
+struct FramePool {
+    kept: Mutex<(Vec<Vec<u8>>, u64)>,
+    limit: u64,
+}
+
+/// Frames smaller than this are plain allocations.
+const POOL_MIN: usize = 64 << 10;
+
+impl FramePool {
+    /// A buffer of at least `len` initialized bytes.
+    fn take(&self, len: usize) -> Result<Vec<u8>, String> {
+        if len >= POOL_MIN && self.limit > 0 {
+            let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+            let best = kept.0.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len()).map(|(i, _)| i);
+            if let Some(i) = best {
+                let b = kept.0.swap_remove(i);
+                kept.1 -= b.len() as u64;
+                return Ok(b);
+            }
+        }
+        let mut b = Vec::new();
+        b.try_reserve_exact(len).map_err(|_| format!("cannot allocate a frame of {len} bytes"))?;
+        b.resize(len, 0);
+        Ok(b)
+    }
+
+    /// The first `len` bytes of `buf` as a payload.
+    fn payload(self: &Arc<Self>, mut buf: Vec<u8>, len: usize) -> Payload {
+        if buf.len() < POOL_MIN || self.limit == 0 {
+            buf.truncate(len);
+            return Payload::Bytes(buf);
+        }
+        let ptr = buf.as_ptr();
+        let pool = self.clone();
+        let release = Release::on_drop(move || pool.give(buf));
+        // SAFETY: `ptr` is the heap block of `buf` (moving a `Vec` does
+        // not move its block), which the release owns and nobody writes
+        // until the release runs; `len` <= its length.
+        Payload::Lent(unsafe { Lent::new(ptr, len, release) })
+    }
+
+    fn give(&self, buf: Vec<u8>) {
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.1 + buf.len() as u64 <= self.limit {
+            kept.1 += buf.len() as u64;
+            kept.0.push(buf);
+        }
     }
 }
 
@@ -181,6 +240,7 @@ struct Reader {
     checksum: bool,
     shm: Option<ShmIn>,
     status: Arc<PeerStatus>,
+    pool: Arc<FramePool>,
     tx: Sender<Incoming>,
 }
 
@@ -189,6 +249,7 @@ struct Partial {
     round: u32,
     total: u64,
     bytes: Vec<u8>,
+    filled: usize,
 }
 
 /// Why a reader stopped.
@@ -245,12 +306,11 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
         }
         let msg = match kind {
             DATA => {
-                let mut bytes = Vec::new();
-                if bytes.try_reserve_exact(len as usize).is_err() {
-                    return Stop::Broken(format!("cannot allocate a frame of {len} bytes"));
-                }
-                bytes.resize(len as usize, 0);
-                if let Err(e) = stream.read_exact(&mut bytes) {
+                let mut bytes = match r.pool.take(len as usize) {
+                    Ok(b) => b,
+                    Err(e) => return Stop::Broken(e),
+                };
+                if let Err(e) = stream.read_exact(&mut bytes[..len as usize]) {
                     return Stop::Broken(format!("truncated frame: {e}"));
                 }
                 if r.checksum {
@@ -258,11 +318,11 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
                     if let Err(e) = stream.read_exact(&mut sum) {
                         return Stop::Broken(format!("truncated frame: {e}"));
                     }
-                    if crc32c::crc32c(&bytes) != u32::from_le_bytes(sum) {
+                    if crc32c::crc32c(&bytes[..len as usize]) != u32::from_le_bytes(sum) {
                         return Stop::Corrupt(round);
                     }
                 }
-                Incoming::Data { round, from: r.peer, payload: Payload::Bytes(bytes) }
+                Incoming::Data { round, from: r.peer, payload: r.pool.payload(bytes, len as usize) }
             }
             ABORT => {
                 if len > MAX_REASON {
@@ -311,32 +371,33 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
                             if a > r.max {
                                 return Stop::Broken(format!("message of {a} bytes exceeds the limit of {}", r.max));
                             }
-                            let mut bytes = Vec::new();
-                            if bytes.try_reserve_exact(a as usize).is_err() {
-                                return Stop::Broken(format!("cannot allocate a message of {a} bytes"));
-                            }
+                            let bytes = match r.pool.take(a as usize) {
+                                Ok(b) => b,
+                                Err(e) => return Stop::Broken(e),
+                            };
                             crc = 0;
-                            partial.insert(Partial { round, total: a, bytes })
+                            partial.insert(Partial { round, total: a, bytes, filled: 0 })
                         }
                     };
-                    if p.bytes.len() as u64 + n > p.total {
+                    if p.filled as u64 + n > p.total {
                         return Stop::Broken("chunks overrun their message".into());
                     }
-                    let at = p.bytes.len();
-                    if let Err(e) = shm.chunk(offset, n, &mut p.bytes) {
+                    let at = p.filled;
+                    if let Err(e) = shm.chunk(offset, n, &mut p.bytes[at..at + n as usize]) {
                         return Stop::Broken(e);
                     }
+                    p.filled += n as usize;
                     if r.checksum {
-                        crc = crc32c::crc32c_append(crc, &p.bytes[at..]);
+                        crc = crc32c::crc32c_append(crc, &p.bytes[at..p.filled]);
                     }
-                    if (p.bytes.len() as u64) < p.total {
+                    if (p.filled as u64) < p.total {
                         continue;
                     }
                     let Some(p) = partial.take() else { continue };
                     if r.checksum && crc != sum {
                         return Stop::Corrupt(round);
                     }
-                    Incoming::Data { round, from: r.peer, payload: Payload::Bytes(p.bytes) }
+                    Incoming::Data { round, from: r.peer, payload: r.pool.payload(p.bytes, p.filled) }
                 }
             }
         };
@@ -477,15 +538,16 @@ impl TcpTransport {
         let (tx, inbox) = channel();
         let (max, checksum) = (config.max_frame_bytes, config.checksum);
         let shm = shm.map(Arc::new);
+        let pool = Arc::new(FramePool { kept: Mutex::default(), limit: config.frame_pool_bytes });
         // Accept in the background while this thread connects out.
         let acceptor = {
-            let (statuses, shm) = (statuses.clone(), shm.clone());
+            let (statuses, shm, pool) = (statuses.clone(), shm.clone(), pool.clone());
             let expected: HashSet<Endpoint> = statuses.keys().copied().collect();
             std::thread::spawn(move || -> io::Result<()> {
                 for _ in 0..expected.len() {
                     let (peer, stream, inbound) = accept_one(me, &listener, deadline, &expected, checksum, shm.as_deref())?;
                     let status = statuses.get(&peer).cloned().unwrap_or_default();
-                    let reader = Reader { peer, max, checksum, shm: inbound, status, tx: tx.clone() };
+                    let reader = Reader { peer, max, checksum, shm: inbound, status, pool: pool.clone(), tx: tx.clone() };
                     std::thread::Builder::new().name(format!("refit-read-{peer}")).spawn(move || read_loop(stream, reader))?;
                 }
                 Ok(())
