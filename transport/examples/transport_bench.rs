@@ -38,10 +38,10 @@ fn layouts(mib: usize) -> (Layout, Layout) {
     (parse_layout(&src).unwrap(), parse_layout(&dst).unwrap())
 }
 
-fn socket_copy(bytes: usize, streams: usize) -> Duration {
-    let per = bytes.div_ceil(streams);
-    let src = vec![7u8; per];
-    let mut dst: Vec<Vec<u8>> = (0..streams).map(|_| vec![0u8; per]).collect();
+/// One raw copy of `src` to every buffer of `dst` (allocated once by the
+/// caller and reused, like the refit's memory).
+fn socket_copy(src: &[u8], dst: &mut [Vec<u8>]) -> Duration {
+    let streams = dst.len();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let pairs: Vec<_> = (0..streams)
@@ -55,7 +55,6 @@ fn socket_copy(bytes: usize, streams: usize) -> Duration {
     let t = Instant::now();
     std::thread::scope(|s| {
         for ((mut out, mut inc), buf) in pairs.into_iter().zip(dst.iter_mut()) {
-            let src = &src;
             s.spawn(move || src.chunks(4 << 20).for_each(|c| out.write_all(c).unwrap()));
             s.spawn(move || inc.read_exact(buf).unwrap());
         }
@@ -79,16 +78,21 @@ fn main() {
     fill_sources(&src, &mut memory[..8]);
     let bytes = plan.figures().total_bytes as usize;
     let opts = ExecOptions::default();
+    let per = bytes.div_ceil(dst.ranks() as usize);
+    let copy_src = vec![7u8; per];
+    let mut copy_dst: Vec<Vec<u8>> = (0..dst.ranks()).map(|_| vec![0u8; per]).collect();
     let tcp_sum = TcpConfig { checksum: true, ..TcpConfig::default() };
     let node = NodeConfig::default();
     let node_sum = NodeConfig { tcp: tcp_sum, ..NodeConfig::default() };
-    let names = ["socket copy", "tcp", "tcp + crc32c", "node (shm+tcp)", "node + crc32c", "tcp, warm", "node, warm"];
+    let names = ["socket copy", "tcp", "tcp + crc32c", "node (shm+tcp)", "node + crc32c", "tcp, warm", "node, warm", "tcp, warm, no pool"];
     // Fabrics kept from one refit to the next (as a trainer would).
     let mut warm_tcp = tcp_fabric(&endpoints, &TcpConfig::default()).unwrap();
     let mut warm_node = node_fabric(&endpoints, |e| plan.node_of(e), &node).unwrap();
+    // Without reusable frame buffers: what the TCP receiver did before.
+    let mut warm_nopool = tcp_fabric(&endpoints, &TcpConfig { frame_pool_bytes: 0, ..TcpConfig::default() }).unwrap();
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); names.len()];
     for rep in 0..=reps {
-        let mut t = vec![socket_copy(bytes, dst.ranks() as usize)];
+        let mut t = vec![socket_copy(&copy_src, &mut copy_dst)];
         for config in [&TcpConfig::default(), &tcp_sum] {
             let fabric = tcp_fabric(&endpoints, config).unwrap();
             t.push(run_threads(&programs, &mut memory, &opts, fabric).unwrap().elapsed);
@@ -99,6 +103,7 @@ fn main() {
         }
         t.push(run_threads(&programs, &mut memory, &opts, warm_tcp.iter_mut().collect()).unwrap().elapsed);
         t.push(run_threads(&programs, &mut memory, &opts, warm_node.iter_mut().collect()).unwrap().elapsed);
+        t.push(run_threads(&programs, &mut memory, &opts, warm_nopool.iter_mut().collect()).unwrap().elapsed);
         verify_destinations(&src, &dst, &memory[8..]).unwrap();
         if rep > 0 {
             // The first round warms up.
