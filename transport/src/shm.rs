@@ -112,6 +112,15 @@ impl Region {
             .map_err(|e| io::Error::new(e.kind(), format!("cannot create {} (a session id used twice?): {e}", path.display())))?;
         let region = (|| {
             file.set_len(len)?;
+            reserve(&file, len).map_err(|e| {
+                io::Error::new(
+                    e.kind(),
+                    format!(
+                        "cannot reserve {len} bytes in {} ({e}): make ShmConfig::lend_bytes/stream_bytes smaller or the tmpfs larger",
+                        path.parent().unwrap_or(path).display()
+                    ),
+                )
+            })?;
             let ptr = Region::map(&file, len)?;
             Ok(Region { ptr, len: len as usize, path: Some(path.to_path_buf()) })
         })();
@@ -183,6 +192,19 @@ impl Drop for Region {
         // SAFETY: our own mapping, unmapped once; nothing borrows it any
         // more (lent payloads hold an `Arc` of the region).
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// Allocates every page of the file now, so that a full tmpfs (a small
+/// `/dev/shm` in a container) fails here with an error instead of killing
+/// the process with SIGBUS on first touch later.
+fn reserve(file: &std::fs::File, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "region too large"))?;
+    // SAFETY: plain system call on a file descriptor we own.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(e)),
     }
 }
 
