@@ -3,7 +3,7 @@
 //! rank, 4 MiB writes, a reader thread each, as `refit bench` does):
 //!
 //! ```sh
-//! cargo run --release -p transport --example transport_bench -- [MiB] [reps]
+//! cargo run --release -p transport --example transport_bench -- [MiB] [reps] [emulation scale]
 //! ```
 //!
 //! The workload: `MiB` of bf16 weights (default 256) in 2048 x 2048
@@ -13,7 +13,9 @@
 //! thread of this process; connection setup is not timed. Fresh fabrics
 //! are connected for every run, except the `warm` rows, which reuse one
 //! fabric for every run (as a trainer refitting every step would). Prints
-//! the median of `reps` runs (default 5) of each, interleaved.
+//! the median of `reps` runs (default 5) of each, interleaved. With a third
+//! argument, first times a warm node fabric under
+//! `LinkEmulation::dgx_h100(scale)` against the bound the caps imply.
 
 use reshard::{parse_layout, plan_reshard, Endpoint, Layout, PlanOptions};
 use std::io::{Read, Write};
@@ -111,6 +113,35 @@ fn main() {
                 all.push(d);
             }
         }
+    }
+    if let Some(&scale) = args.get(2) {
+        // Link emulation: DGX H100 links slowed `scale` times. The bound:
+        // the busiest rank's egress over each of its two buckets.
+        let emu = transport::LinkEmulation::dgx_h100(scale as f64);
+        let config = NodeConfig { tcp: TcpConfig { emulation: emu, ..TcpConfig::default() }, ..NodeConfig::default() };
+        let mut fabric = node_fabric(&endpoints, |e| plan.node_of(e), &config).unwrap();
+        let bound = programs
+            .iter()
+            .map(|p| {
+                let (mut inter, mut intra) = (0u64, 0u64);
+                for m in p.rounds.iter().flat_map(|r| &r.sends) {
+                    if plan.node_of(m.peer) == plan.node_of(p.endpoint) {
+                        intra += m.wire_bytes();
+                    } else {
+                        inter += m.wire_bytes();
+                    }
+                }
+                inter as f64 / emu.inter_node_bytes_per_s.unwrap_or(u64::MAX) as f64
+                    + intra as f64 / emu.intra_node_bytes_per_s.unwrap_or(u64::MAX) as f64
+            })
+            .fold(0.0, f64::max);
+        let runs: Vec<Duration> =
+            (0..reps).map(|_| run_threads(&programs, &mut memory, &opts, fabric.iter_mut().collect()).unwrap().elapsed).collect();
+        println!(
+            "emulated DGX H100 / {scale}: median {:.1} ms; busiest rank's egress at the capped rates: {:.1} ms",
+            median(runs).as_secs_f64() * 1e3,
+            bound * 1e3
+        );
     }
     println!("{} MiB moved per refit, {} runs each (median):", bytes >> 20, reps);
     let socket = median(times[0].clone());
