@@ -126,10 +126,7 @@ impl FramePool {
                 return Ok(b);
             }
         }
-        let mut b = Vec::new();
-        b.try_reserve_exact(len).map_err(|_| format!("cannot allocate a frame of {len} bytes"))?;
-        b.resize(len, 0);
-        Ok(b)
+        zeroed(len).ok_or_else(|| format!("cannot allocate a frame of {len} bytes"))
     }
 
     /// The first `len` bytes of `buf` as a payload.
@@ -154,6 +151,25 @@ impl FramePool {
             kept.0.push(buf);
         }
     }
+}
+
+/// `len` zero bytes, or `None` if they cannot be allocated. Zeroed
+/// allocation (calloc) gets large blocks as fresh zero pages from the
+/// system without writing them, where `resize` would write every byte
+/// once before the socket read writes it again.
+fn zeroed(len: usize) -> Option<Vec<u8>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+    // SAFETY: the layout has a non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: allocated by the global allocator with exactly this layout
+    // (capacity `len`), and all `len` bytes are initialized (zero).
+    Some(unsafe { Vec::from_raw_parts(p, len, len) })
 }
 
 /// The outgoing side of one peer.
