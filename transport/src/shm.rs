@@ -14,7 +14,7 @@
 //! * A message that fits the free part of the lend area is packed there in
 //!   one gather copy and announced by a `lent` frame (round, sequence
 //!   number, offset, length, checksum) on the control stream. The receiver
-//!   hands those bytes to the executor in place ([`Payload::Lent`]), which
+//!   hands those bytes to the executor in place ([`Payload::Lent`](crate::Payload::Lent)), which
 //!   unpacks straight out of the region: one copy on each side. When the
 //!   payload is dropped, the receiver advances the region's released
 //!   counter (in order of sequence numbers); the sender reclaims space from

@@ -2,12 +2,25 @@
 //! frames, payload bytes written straight from the sender's buffers (each
 //! contiguous run of a piece goes to the socket as it is; no serialisation
 //! of payloads). A reader thread per incoming stream turns frames into
-//! messages for [`Transport::recv`].
+//! messages for [`Transport::recv`], in reusable frame buffers lent to the
+//! executor ([`Payload::Lent`]; see [`TcpConfig::frame_pool_bytes`]).
 //!
 //! Frame: magic `RFIT` (u32 LE), kind (u8: 0 data, 1 abort, 2 bye: the
-//! sender is done and closes cleanly), round (u32 LE),
-//! payload length (u64 LE), payload. A stream starts with a handshake:
-//! magic, then the sender's group (u8) and rank (u32 LE).
+//! sender is done and closes cleanly, 3 lent and 4 chunk: a message in
+//! shared memory, see [`crate::shm`]), round (u32 LE), payload length
+//! (u64 LE), payload; with checksums on, a data frame ends with the
+//! CRC-32C of its payload (u32 LE). A stream starts with a handshake: magic,
+//! the sender's group (u8) and rank (u32 LE), protocol version (u8, 2),
+//! flags (u8: 1 checksums, 2 shared memory; then the region's lend and
+//! stream sizes, u64 LE each); the receiver answers one byte, 0 for
+//! accepted or the reason it refuses (other version, other checksum
+//! setting, disagreement on sharing a node, region not mappable, unexpected
+//! peer), so mismatched configurations fail at connect time on both ends.
+//!
+//! Link emulation paces data frames through the rank's inter-node token
+//! bucket (shared-memory links use the intra-node one) in pieces of
+//! [`crate::link::PACE_CHUNK`]; fault hooks ([`TcpConfig::faults`]) act on
+//! data frames, counted over all of a rank's links.
 
 use crate::copy::{for_each_run, in_bounds};
 use crate::link::{Faults, FrameFault, LinkEmulation, TokenBucket, PACE_CHUNK};
