@@ -374,9 +374,11 @@ fn child_process_entry() {
                 println!("\nREFIT@sent");
             }
         }
-        "idle" => {
-            // Connect, say so, then wait to be killed.
-            let _t = child_connect(me, &process_config(), |_| 0);
+        "idle" | "idle-tcp" => {
+            // Connect (on the parent's node, or on another one), say so,
+            // then wait to be killed.
+            let one_node = kind == "idle";
+            let _t = child_connect(me, &process_config(), move |e| if one_node { 0 } else { e.rank });
             println!("\nREFIT@ready");
             std::thread::sleep(Duration::from_secs(60));
         }
@@ -464,49 +466,35 @@ fn one_process_per_rank_is_bit_exact() {
     assert!(left.is_empty(), "{left:?}");
 }
 
-/// A same-node peer process is killed: a sender waiting for its stream
-/// space, and a receiver waiting for its message, both fail fast.
+/// A peer process is killed (on this node, then on another): a sender
+/// waiting for its stream space or writing to its socket, and a receiver
+/// waiting for its message, all fail fast.
 #[test]
 fn a_killed_peer_process_is_an_error_not_a_hang() {
-    let session = format!("kill-{}", std::process::id());
-    let (me, peer) = (Endpoint::dst(0), Endpoint::dst(1));
-    let mut child = Child::spawn(&format!("idle/{}", endpoint_name(peer)), &session);
-    let peer_addr = child.line("addr");
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let table = vec![(me, l.local_addr().unwrap().to_string()), (peer, peer_addr)];
-    child.send_table(&table);
-    let peers: Vec<(Endpoint, SocketAddr)> = table.iter().map(|(e, a)| (*e, a.parse().unwrap())).collect();
-    let config = NodeConfig { session, ..process_config() };
-    let mut t = NodeTransport::connect(me, l, &peers, |_| 0, &config).unwrap();
-    assert_eq!(t.shm_peers(), vec![peer]);
-    child.line("ready");
-    child.child.kill().unwrap();
-    let start = Instant::now();
-    // 4 MiB through an 8 KiB stream area nobody drains any more.
-    let buf = pattern(4 << 20, 5);
-    let sent = t.send(0, peer, contiguous(&buf));
-    assert!(matches!(sent, Err(TransportError::Broken { .. } | TransportError::Disconnected { .. })), "{sent:?}");
-    let got = t.recv(0, start + Duration::from_secs(20));
-    assert!(matches!(&got, Err(TransportError::Broken { peer: p, .. }) if *p == peer), "{got:?}");
-    assert!(start.elapsed() < Duration::from_secs(10));
-}
-
-/// One fabric kept for several refits (frame buffers and shared-memory
-/// space reused): every refit bit-exact.
-#[test]
-fn a_fabric_serves_many_refits() {
-    let (src, dst) = layouts();
-    let plan = plans(4096).remove(0);
-    let programs = plan.programs(&src, &dst).unwrap();
-    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
-    let mut config = with_checksum();
-    config.tcp.frame_pool_bytes = 1 << 20;
-    config.shm = ShmConfig { lend_bytes: 48 << 10, stream_bytes: 8 << 10, ..ShmConfig::default() };
-    let mut fabric = node_fabric(&endpoints, |e| plan.node_of(e), &config).unwrap();
-    for _ in 0..3 {
-        let mut memory = RankMemory::for_programs(&programs);
-        fill_sources(&src, &mut memory[..4]);
-        transport::run_threads(&programs, &mut memory, &deadline(30), fabric.iter_mut().collect()).unwrap();
-        verify_destinations(&src, &dst, &memory[4..]).unwrap();
+    for one_node in [true, false] {
+        let session = format!("kill-{}-{one_node}", std::process::id());
+        let (me, peer) = (Endpoint::dst(0), Endpoint::dst(1));
+        let kind = if one_node { "idle" } else { "idle-tcp" };
+        let mut child = Child::spawn(&format!("{kind}/{}", endpoint_name(peer)), &session);
+        let peer_addr = child.line("addr");
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let table = vec![(me, l.local_addr().unwrap().to_string()), (peer, peer_addr)];
+        child.send_table(&table);
+        let peers: Vec<(Endpoint, SocketAddr)> = table.iter().map(|(e, a)| (*e, a.parse().unwrap())).collect();
+        let config = NodeConfig { session, ..process_config() };
+        let mut t = NodeTransport::connect(me, l, &peers, move |e| if one_node { 0 } else { e.rank }, &config).unwrap();
+        assert_eq!(t.shm_peers(), if one_node { vec![peer] } else { vec![] });
+        child.line("ready");
+        child.child.kill().unwrap();
+        let _ = child.child.wait();
+        let start = Instant::now();
+        // 4 MiB: through an 8 KiB stream area nobody drains any more, or
+        // into a socket whose other end is gone.
+        let buf = pattern(4 << 20, 5);
+        let sent = t.send(0, peer, contiguous(&buf));
+        assert!(matches!(sent, Err(TransportError::Broken { .. } | TransportError::Disconnected { .. })), "{sent:?}");
+        let got = t.recv(0, start + Duration::from_secs(20));
+        assert!(matches!(&got, Err(TransportError::Broken { peer: p, .. }) if *p == peer), "{got:?}");
+        assert!(start.elapsed() < Duration::from_secs(10));
     }
 }
