@@ -46,10 +46,13 @@ use std::time::Duration;
 pub struct ShmConfig {
     /// Where region files are created (a tmpfs).
     pub dir: PathBuf,
-    /// Bytes per pair for messages handed over in place (default 64 MiB;
-    /// only pages actually used take memory).
+    /// Bytes per ordered pair of same-node ranks for messages handed over
+    /// in place (default 64 MiB). Regions are reserved in full when the
+    /// fabric connects (so a full tmpfs fails then, not with SIGBUS later):
+    /// a node of `n` ranks holds `n (n - 1)` regions.
     pub lend_bytes: u64,
-    /// Bytes per pair for streaming messages that do not fit (default 8 MiB).
+    /// Bytes per pair for streaming messages that do not fit the free lend
+    /// space, in chunks of a quarter of it (default 8 MiB).
     pub stream_bytes: u64,
     /// Longest a send waits for stream space before giving up (a live but
     /// stuck receiver; a dead one is noticed at once).

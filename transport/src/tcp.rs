@@ -132,7 +132,14 @@ impl FramePool {
     fn take(&self, len: usize) -> Result<Vec<u8>, String> {
         if len >= POOL_MIN && self.limit > 0 {
             let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
-            let best = kept.0.iter().enumerate().filter(|(_, b)| b.len() >= len).min_by_key(|(_, b)| b.len()).map(|(i, _)| i);
+            // The smallest that fits, if not more than twice too large.
+            let best = kept
+                .0
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.len() >= len && b.len() / 2 <= len)
+                .min_by_key(|(_, b)| b.len())
+                .map(|(i, _)| i);
             if let Some(i) = best {
                 let b = kept.0.swap_remove(i);
                 kept.1 -= b.len() as u64;

@@ -498,3 +498,23 @@ fn a_killed_peer_process_is_an_error_not_a_hang() {
         assert!(start.elapsed() < Duration::from_secs(10));
     }
 }
+
+/// One fabric kept for several refits (frame buffers and shared-memory
+/// space reused): every refit bit-exact.
+#[test]
+fn a_fabric_serves_many_refits() {
+    let (src, dst) = layouts();
+    let plan = plans(4096).remove(0);
+    let programs = plan.programs(&src, &dst).unwrap();
+    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+    let mut config = with_checksum();
+    config.tcp.frame_pool_bytes = 1 << 20;
+    config.shm = ShmConfig { lend_bytes: 48 << 10, stream_bytes: 8 << 10, ..ShmConfig::default() };
+    let mut fabric = node_fabric(&endpoints, |e| plan.node_of(e), &config).unwrap();
+    for _ in 0..3 {
+        let mut memory = RankMemory::for_programs(&programs);
+        fill_sources(&src, &mut memory[..4]);
+        transport::run_threads(&programs, &mut memory, &deadline(30), fabric.iter_mut().collect()).unwrap();
+        verify_destinations(&src, &dst, &memory[4..]).unwrap();
+    }
+}
