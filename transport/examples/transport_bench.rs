@@ -86,11 +86,24 @@ fn main() {
     let tcp_sum = TcpConfig { checksum: true, ..TcpConfig::default() };
     let node = NodeConfig::default();
     let node_sum = NodeConfig { tcp: tcp_sum, ..NodeConfig::default() };
-    let names = ["socket copy", "tcp", "tcp + crc32c", "node (shm+tcp)", "node + crc32c", "tcp, warm", "node, warm", "tcp, warm, no pool"];
+    let names = [
+        "socket copy",
+        "tcp",
+        "tcp + crc32c",
+        "node (shm+tcp)",
+        "node + crc32c",
+        "tcp, warm",
+        "node, warm",
+        "tcp, warm, no pool",
+        "tcp + crc32c, warm",
+        "node + crc32c, warm",
+    ];
     // Fabrics kept from one refit to the next (as a trainer would).
     let mut warm_tcp = tcp_fabric(&endpoints, &TcpConfig::default()).unwrap();
     let mut warm_node = node_fabric(&endpoints, |e| plan.node_of(e), &node).unwrap();
     // Without reusable frame buffers: what the TCP receiver did before.
+    let mut warm_tcp_sum = tcp_fabric(&endpoints, &tcp_sum).unwrap();
+    let mut warm_node_sum = node_fabric(&endpoints, |e| plan.node_of(e), &node_sum).unwrap();
     let mut warm_nopool = tcp_fabric(&endpoints, &TcpConfig { frame_pool_bytes: 0, ..TcpConfig::default() }).unwrap();
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); names.len()];
     for rep in 0..=reps {
@@ -106,6 +119,8 @@ fn main() {
         t.push(run_threads(&programs, &mut memory, &opts, warm_tcp.iter_mut().collect()).unwrap().elapsed);
         t.push(run_threads(&programs, &mut memory, &opts, warm_node.iter_mut().collect()).unwrap().elapsed);
         t.push(run_threads(&programs, &mut memory, &opts, warm_nopool.iter_mut().collect()).unwrap().elapsed);
+        t.push(run_threads(&programs, &mut memory, &opts, warm_tcp_sum.iter_mut().collect()).unwrap().elapsed);
+        t.push(run_threads(&programs, &mut memory, &opts, warm_node_sum.iter_mut().collect()).unwrap().elapsed);
         verify_destinations(&src, &dst, &memory[8..]).unwrap();
         if rep > 0 {
             // The first round warms up.
@@ -148,7 +163,7 @@ fn main() {
     for (name, t) in names.iter().zip(times) {
         let m = median(t);
         println!(
-            "  {name:16} {:8.1} ms  {:6.2} GiB/s  socket copy / this = {:.2}",
+            "  {name:20} {:8.1} ms  {:6.2} GiB/s  socket copy / this = {:.2}",
             m.as_secs_f64() * 1e3,
             bytes as f64 / m.as_secs_f64() / (1u64 << 30) as f64,
             socket.as_secs_f64() / m.as_secs_f64()
