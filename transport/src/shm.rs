@@ -8,6 +8,11 @@
 //! on) is set up, and the sender unlinks it as soon as the receiver has it
 //! mapped, so a crash later leaves no file behind.
 //!
+//! The sender allocates the region's pages before its first message
+//! (`posix_fallocate`), so a tmpfs too small for it (a container's
+//! `/dev/shm`) is an error on that send rather than SIGBUS on first touch,
+//! and pairs that never talk cost one page.
+//!
 //! Region layout: a 4 KiB control page (magic, sizes, two counters the
 //! receiver advances), the *lend area*, the *stream area*.
 //!
@@ -47,9 +52,9 @@ pub struct ShmConfig {
     /// Where region files are created (a tmpfs).
     pub dir: PathBuf,
     /// Bytes per ordered pair of same-node ranks for messages handed over
-    /// in place (default 64 MiB). Regions are reserved in full when the
-    /// fabric connects (so a full tmpfs fails then, not with SIGBUS later):
-    /// a node of `n` ranks holds `n (n - 1)` regions.
+    /// in place (default 64 MiB). A pair's region is reserved in full the
+    /// first time its sender sends (so a full tmpfs is an error then, not
+    /// SIGBUS later); pairs that never talk cost a page.
     pub lend_bytes: u64,
     /// Bytes per pair for streaming messages that do not fit the free lend
     /// space, in chunks of a quarter of it (default 8 MiB).
@@ -81,6 +86,9 @@ pub(crate) struct Region {
     len: usize,
     /// Set while the file still has a name this side should remove.
     path: Option<PathBuf>,
+    /// The creator's open file (and its name, for errors), until its
+    /// pages are reserved.
+    unreserved: Option<(std::fs::File, PathBuf)>,
 }
 
 // SAFETY: the mapping is plain shared memory; every access goes through
@@ -115,17 +123,11 @@ impl Region {
             .map_err(|e| io::Error::new(e.kind(), format!("cannot create {} (a session id used twice?): {e}", path.display())))?;
         let region = (|| {
             file.set_len(len)?;
-            reserve(&file, len).map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!(
-                        "cannot reserve {len} bytes in {} ({e}): make ShmConfig::lend_bytes/stream_bytes smaller or the tmpfs larger",
-                        path.parent().unwrap_or(path).display()
-                    ),
-                )
-            })?;
+            // The control page now (it is written below), the areas on
+            // first use (`reserve_all`).
+            reserve(&file, CONTROL).map_err(|e| Region::full(path, CONTROL, e))?;
             let ptr = Region::map(&file, len)?;
-            Ok(Region { ptr, len: len as usize, path: Some(path.to_path_buf()) })
+            Ok(Region { ptr, len: len as usize, path: Some(path.to_path_buf()), unreserved: Some((file, path.to_path_buf())) })
         })();
         let region = match region {
             Ok(r) => r,
@@ -157,7 +159,7 @@ impl Region {
             return Err(bad(format!("{} has {size} bytes, expected {len}", path.display())));
         }
         let ptr = Region::map(&file, len)?;
-        let region = Region { ptr, len: len as usize, path: None };
+        let region = Region { ptr, len: len as usize, path: None, unreserved: None };
         if region.word(0).load(Ordering::Acquire) != REGION_MAGIC
             || region.word(8).load(Ordering::Relaxed) != lend
             || region.word(16).load(Ordering::Relaxed) != stream
@@ -165,6 +167,24 @@ impl Region {
             return Err(bad(format!("{} is not a region of this session", path.display())));
         }
         Ok(region)
+    }
+
+    fn full(path: &Path, len: u64, e: io::Error) -> io::Error {
+        let dir = path.parent().unwrap_or(path).display();
+        io::Error::new(
+            e.kind(),
+            format!("cannot reserve {len} bytes in {dir} ({e}): make ShmConfig::lend_bytes/stream_bytes smaller or the tmpfs larger"),
+        )
+    }
+
+    /// Allocates every page of the creator's region (once), so that a full
+    /// tmpfs is an error here rather than SIGBUS on first touch.
+    pub(crate) fn reserve_all(&mut self) -> io::Result<()> {
+        if let Some((file, path)) = &self.unreserved {
+            reserve(file, self.len as u64).map_err(|e| Region::full(path, self.len as u64, e))?;
+            self.unreserved = None;
+        }
+        Ok(())
     }
 
     /// Removes the file's name (both sides keep their mappings).
@@ -250,6 +270,11 @@ pub(crate) enum Placement {
 impl ShmOut {
     pub(crate) fn new(region: Region, lend: u64, stream: u64) -> ShmOut {
         ShmOut { region, lend, stream, head: 0, live: VecDeque::new(), next_seq: 0, written: 0 }
+    }
+
+    /// Allocates the region's pages before its first message.
+    pub(crate) fn ready(&mut self) -> io::Result<()> {
+        self.region.reserve_all()
     }
 
     /// Chooses where a message of `len` bytes goes, reserving lend space.

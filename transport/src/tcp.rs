@@ -916,6 +916,7 @@ impl TcpTransport {
         let mut bucket = self.intra.as_mut();
         let disconnected = |_| TransportError::Disconnected { peer: to };
         let len = payload_len(payload);
+        out.ready().map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
         match out.place(len) {
             Placement::Lent { seq, offset } => {
                 let dst = out.at(offset);
