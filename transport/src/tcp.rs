@@ -446,25 +446,42 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
 /// Connects every endpoint to every other over loopback TCP (for running
 /// all ranks of a plan as threads of one process over real sockets).
 pub fn tcp_fabric(endpoints: &[Endpoint], config: &TcpConfig) -> io::Result<Vec<TcpTransport>> {
-    fabric(endpoints, config, |_| None)
+    fabric(endpoints, config, |_| Faults::default(), |_| None)
+}
+
+/// As [`tcp_fabric`], with the faults `faults_of(rank)` injected at each
+/// rank instead of `config.faults` (for tests: one failing rank).
+pub fn tcp_fabric_with_faults(
+    endpoints: &[Endpoint],
+    config: &TcpConfig,
+    faults_of: impl Fn(Endpoint) -> Faults + Sync,
+) -> io::Result<Vec<TcpTransport>> {
+    fabric(endpoints, &TcpConfig { faults: Faults::default(), ..*config }, faults_of, |_| None)
 }
 
 /// Connects every endpoint to every other over loopback TCP, with the
-/// shared-memory setup `shm(rank)` gives each.
+/// shared-memory setup `shm(rank)` gives each; a rank's faults are
+/// `config.faults` if any is set, else `faults_of(rank)`.
 pub(crate) fn fabric(
     endpoints: &[Endpoint],
     config: &TcpConfig,
+    faults_of: impl Fn(Endpoint) -> Faults + Sync,
     shm: impl Fn(Endpoint) -> Option<ShmSetup> + Sync,
 ) -> io::Result<Vec<TcpTransport>> {
     let listeners: Vec<TcpListener> = endpoints.iter().map(|_| TcpListener::bind("127.0.0.1:0")).collect::<io::Result<_>>()?;
     let addrs: Vec<(Endpoint, SocketAddr)> =
         endpoints.iter().zip(&listeners).map(|(e, l)| l.local_addr().map(|a| (*e, a))).collect::<io::Result<_>>()?;
     std::thread::scope(|s| {
-        let (addrs, shm) = (&addrs, &shm);
+        let (addrs, shm, faults_of) = (&addrs, &shm, &faults_of);
         let handles: Vec<_> = endpoints
             .iter()
             .zip(listeners)
-            .map(|(&me, l)| s.spawn(move || TcpTransport::connect_with(me, l, addrs, config, shm(me))))
+            .map(|(&me, l)| {
+                s.spawn(move || {
+                    let faults = if config.faults == Faults::default() { faults_of(me) } else { config.faults };
+                    TcpTransport::connect_with(me, l, addrs, &TcpConfig { faults, ..*config }, shm(me))
+                })
+            })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(io::Error::other("connect thread panicked")))).collect()
     })

@@ -527,3 +527,29 @@ fn a_fabric_serves_many_refits() {
         verify_destinations(&src, &dst, &memory[4..]).unwrap();
     }
 }
+
+/// One source rank sends a corrupt frame in the middle of a plan: the
+/// refit fails with that root cause (the others stop on the abort).
+#[test]
+fn one_corrupting_rank_fails_the_refit_with_its_name() {
+    let (src, dst) = layouts();
+    for plan in plans(256 << 20) {
+        let programs = plan.programs(&src, &dst).unwrap();
+        let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+        // A source that sends, and a destination leader that forwards (its
+        // first frame goes over shared memory or TCP).
+        for bad in [Endpoint::src(1), Endpoint::dst(0)] {
+            let faults = move |e| if e == bad { Faults { corrupt_frame: Some(0), ..Faults::default() } } else { Faults::default() };
+            let fabric = transport::node_fabric_with_faults(&endpoints, |e| plan.node_of(e), &with_checksum(), faults).unwrap();
+            let mut memory = RankMemory::for_programs(&programs);
+            fill_sources(&src, &mut memory[..4]);
+            let got = transport::run_threads(&programs, &mut memory, &deadline(20), fabric);
+            let sends = programs.iter().find(|p| p.endpoint == bad).unwrap().rounds.iter().any(|r| !r.sends.is_empty());
+            if sends {
+                assert!(matches!(&got, Err(ExecError::Transport(TransportError::Corrupt { peer, .. })) if *peer == bad), "{got:?}");
+            } else {
+                got.unwrap();
+            }
+        }
+    }
+}
