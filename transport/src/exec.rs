@@ -383,6 +383,12 @@ pub trait WithAbort {
     fn abort_all(&self) -> Box<dyn Fn(&str) + Send>;
 }
 
+impl<T: WithAbort + ?Sized> WithAbort for &mut T {
+    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
+        (**self).abort_all()
+    }
+}
+
 impl WithAbort for crate::local::LocalTransport {
     fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
         let h = self.abort_handle();

@@ -11,6 +11,7 @@
 //! both kinds of link.
 
 use crate::exec::{run_threads, ExecError, ExecOptions, ExecReport, WithAbort};
+use crate::link::Faults;
 use crate::memory::RankMemory;
 use crate::shm::ShmConfig;
 use crate::tcp::{fabric, ShmSetup, TcpConfig, TcpTransport};
@@ -89,9 +90,22 @@ pub fn node_fabric<N: PartialEq>(
     node_of: impl Fn(Endpoint) -> N + Sync,
     config: &NodeConfig,
 ) -> io::Result<Vec<NodeTransport>> {
+    node_fabric_with_faults(endpoints, node_of, config, |_| Faults::default())
+}
+
+/// As [`node_fabric`], with the faults `faults_of(rank)` injected at each
+/// rank instead of `config.tcp.faults` (for tests: one failing rank).
+pub fn node_fabric_with_faults<N: PartialEq>(
+    endpoints: &[Endpoint],
+    node_of: impl Fn(Endpoint) -> N + Sync,
+    config: &NodeConfig,
+    faults_of: impl Fn(Endpoint) -> Faults + Sync,
+) -> io::Result<Vec<NodeTransport>> {
     static FABRICS: AtomicU64 = AtomicU64::new(0);
     let session = format!("{}-{}-{}", config.session, std::process::id(), FABRICS.fetch_add(1, Ordering::Relaxed));
-    let transports = fabric(endpoints, &config.tcp, |me| {
+    let tcp = TcpConfig { faults: Faults::default(), ..config.tcp };
+    let faults_of = |me| if config.tcp.faults == Faults::default() { faults_of(me) } else { config.tcp.faults };
+    let transports = fabric(endpoints, &tcp, faults_of, |me| {
         Some(ShmSetup {
             session: session.clone(),
             same_node: same_node(me, endpoints.iter().copied(), &node_of),

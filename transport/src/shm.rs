@@ -8,13 +8,18 @@
 //! on) is set up, and the sender unlinks it as soon as the receiver has it
 //! mapped, so a crash later leaves no file behind.
 //!
+//! The sender allocates the region's pages before its first message
+//! (`posix_fallocate`), so a tmpfs too small for it (a container's
+//! `/dev/shm`) is an error on that send rather than SIGBUS on first touch,
+//! and pairs that never talk cost one page.
+//!
 //! Region layout: a 4 KiB control page (magic, sizes, two counters the
 //! receiver advances), the *lend area*, the *stream area*.
 //!
 //! * A message that fits the free part of the lend area is packed there in
 //!   one gather copy and announced by a `lent` frame (round, sequence
 //!   number, offset, length, checksum) on the control stream. The receiver
-//!   hands those bytes to the executor in place ([`Payload::Lent`]), which
+//!   hands those bytes to the executor in place ([`Payload::Lent`](crate::Payload::Lent)), which
 //!   unpacks straight out of the region: one copy on each side. When the
 //!   payload is dropped, the receiver advances the region's released
 //!   counter (in order of sequence numbers); the sender reclaims space from
@@ -46,10 +51,13 @@ use std::time::Duration;
 pub struct ShmConfig {
     /// Where region files are created (a tmpfs).
     pub dir: PathBuf,
-    /// Bytes per pair for messages handed over in place (default 64 MiB;
-    /// only pages actually used take memory).
+    /// Bytes per ordered pair of same-node ranks for messages handed over
+    /// in place (default 64 MiB). A pair's region is reserved in full the
+    /// first time its sender sends (so a full tmpfs is an error then, not
+    /// SIGBUS later); pairs that never talk cost a page.
     pub lend_bytes: u64,
-    /// Bytes per pair for streaming messages that do not fit (default 8 MiB).
+    /// Bytes per pair for streaming messages that do not fit the free lend
+    /// space, in chunks of a quarter of it (default 8 MiB).
     pub stream_bytes: u64,
     /// Longest a send waits for stream space before giving up (a live but
     /// stuck receiver; a dead one is noticed at once).
@@ -78,6 +86,9 @@ pub(crate) struct Region {
     len: usize,
     /// Set while the file still has a name this side should remove.
     path: Option<PathBuf>,
+    /// The creator's open file (and its name, for errors), until its
+    /// pages are reserved.
+    unreserved: Option<(std::fs::File, PathBuf)>,
 }
 
 // SAFETY: the mapping is plain shared memory; every access goes through
@@ -112,8 +123,11 @@ impl Region {
             .map_err(|e| io::Error::new(e.kind(), format!("cannot create {} (a session id used twice?): {e}", path.display())))?;
         let region = (|| {
             file.set_len(len)?;
+            // The control page now (it is written below), the areas on
+            // first use (`reserve_all`).
+            reserve(&file, CONTROL).map_err(|e| Region::full(path, CONTROL, e))?;
             let ptr = Region::map(&file, len)?;
-            Ok(Region { ptr, len: len as usize, path: Some(path.to_path_buf()) })
+            Ok(Region { ptr, len: len as usize, path: Some(path.to_path_buf()), unreserved: Some((file, path.to_path_buf())) })
         })();
         let region = match region {
             Ok(r) => r,
@@ -145,7 +159,7 @@ impl Region {
             return Err(bad(format!("{} has {size} bytes, expected {len}", path.display())));
         }
         let ptr = Region::map(&file, len)?;
-        let region = Region { ptr, len: len as usize, path: None };
+        let region = Region { ptr, len: len as usize, path: None, unreserved: None };
         if region.word(0).load(Ordering::Acquire) != REGION_MAGIC
             || region.word(8).load(Ordering::Relaxed) != lend
             || region.word(16).load(Ordering::Relaxed) != stream
@@ -153,6 +167,24 @@ impl Region {
             return Err(bad(format!("{} is not a region of this session", path.display())));
         }
         Ok(region)
+    }
+
+    fn full(path: &Path, len: u64, e: io::Error) -> io::Error {
+        let dir = path.parent().unwrap_or(path).display();
+        io::Error::new(
+            e.kind(),
+            format!("cannot reserve {len} bytes in {dir} ({e}): make ShmConfig::lend_bytes/stream_bytes smaller or the tmpfs larger"),
+        )
+    }
+
+    /// Allocates every page of the creator's region (once), so that a full
+    /// tmpfs is an error here rather than SIGBUS on first touch.
+    pub(crate) fn reserve_all(&mut self) -> io::Result<()> {
+        if let Some((file, path)) = &self.unreserved {
+            reserve(file, self.len as u64).map_err(|e| Region::full(path, self.len as u64, e))?;
+            self.unreserved = None;
+        }
+        Ok(())
     }
 
     /// Removes the file's name (both sides keep their mappings).
@@ -183,6 +215,19 @@ impl Drop for Region {
         // SAFETY: our own mapping, unmapped once; nothing borrows it any
         // more (lent payloads hold an `Arc` of the region).
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// Allocates every page of the file now, so that a full tmpfs (a small
+/// `/dev/shm` in a container) fails here with an error instead of killing
+/// the process with SIGBUS on first touch later.
+fn reserve(file: &std::fs::File, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "region too large"))?;
+    // SAFETY: plain system call on a file descriptor we own.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(e)),
     }
 }
 
@@ -225,6 +270,11 @@ pub(crate) enum Placement {
 impl ShmOut {
     pub(crate) fn new(region: Region, lend: u64, stream: u64) -> ShmOut {
         ShmOut { region, lend, stream, head: 0, live: VecDeque::new(), next_seq: 0, written: 0 }
+    }
+
+    /// Allocates the region's pages before its first message.
+    pub(crate) fn ready(&mut self) -> io::Result<()> {
+        self.region.reserve_all()
     }
 
     /// Chooses where a message of `len` bytes goes, reserving lend space.
@@ -335,16 +385,17 @@ impl ShmIn {
         Ok((self.region.at(offset) as *const u8, release))
     }
 
-    /// Copies a chunk of the stream area out into `into`, then frees it.
-    pub(crate) fn chunk(&mut self, offset: u64, len: u64, into: &mut Vec<u8>) -> Result<(), String> {
+    /// Copies a chunk of the stream area out into `into` (of its length),
+    /// then frees it.
+    pub(crate) fn chunk(&mut self, offset: u64, len: u64, into: &mut [u8]) -> Result<(), String> {
         let want = CONTROL + self.lend + self.consumed % self.stream;
-        if offset != want || len > self.stream - self.consumed % self.stream {
+        if offset != want || len > self.stream - self.consumed % self.stream || len != into.len() as u64 {
             return Err(format!("chunk of {len} bytes at {offset}, expected one at {want}"));
         }
         std::sync::atomic::fence(Ordering::Acquire);
         // SAFETY: inside the stream area (checked); the sender does not
         // write this chunk until `consumed` passes it.
-        into.extend_from_slice(unsafe { std::slice::from_raw_parts(self.region.at(offset), len as usize) });
+        into.copy_from_slice(unsafe { std::slice::from_raw_parts(self.region.at(offset), len as usize) });
         self.consumed += len;
         self.region.word(OFF_CONSUMED).store(self.consumed, Ordering::Release);
         Ok(())
@@ -404,14 +455,14 @@ mod tests {
         unsafe { std::ptr::write_bytes(out.at(off), 7, 70) };
         out.streamed(70);
         assert_eq!(out.stream_space(70).1, 30);
-        let mut got = Vec::new();
-        inbound.chunk(off, 70, &mut got).unwrap();
-        assert_eq!(got, vec![7; 70]);
+        let mut got = [0u8; 100];
+        inbound.chunk(off, 70, &mut got[..70]).unwrap();
+        assert_eq!(got[..70], [7; 70]);
         // The next chunk stops at the end of the area, then wraps.
         assert_eq!(out.stream_space(1000), (CONTROL + 64 + 70, 30));
         out.streamed(30);
-        assert!(inbound.chunk(CONTROL + 64, 10, &mut got).is_err());
-        inbound.chunk(CONTROL + 64 + 70, 30, &mut got).unwrap();
+        assert!(inbound.chunk(CONTROL + 64, 10, &mut got[70..80]).is_err());
+        inbound.chunk(CONTROL + 64 + 70, 30, &mut got[70..]).unwrap();
         assert_eq!(out.stream_space(1000), (CONTROL + 64, 100));
     }
 

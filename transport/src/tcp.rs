@@ -2,17 +2,30 @@
 //! frames, payload bytes written straight from the sender's buffers (each
 //! contiguous run of a piece goes to the socket as it is; no serialisation
 //! of payloads). A reader thread per incoming stream turns frames into
-//! messages for [`Transport::recv`].
+//! messages for [`Transport::recv`], in reusable frame buffers lent to the
+//! executor ([`Payload::Lent`]; see [`TcpConfig::frame_pool_bytes`]).
 //!
 //! Frame: magic `RFIT` (u32 LE), kind (u8: 0 data, 1 abort, 2 bye: the
-//! sender is done and closes cleanly), round (u32 LE),
-//! payload length (u64 LE), payload. A stream starts with a handshake:
-//! magic, then the sender's group (u8) and rank (u32 LE).
+//! sender is done and closes cleanly, 3 lent and 4 chunk: a message in
+//! shared memory, see [`crate::shm`]), round (u32 LE), payload length
+//! (u64 LE), payload; with checksums on, a data frame ends with the
+//! CRC-32C of its payload (u32 LE). A stream starts with a handshake: magic,
+//! the sender's group (u8) and rank (u32 LE), protocol version (u8, 2),
+//! flags (u8: 1 checksums, 2 shared memory; then the region's lend and
+//! stream sizes, u64 LE each); the receiver answers one byte, 0 for
+//! accepted or the reason it refuses (other version, other checksum
+//! setting, disagreement on sharing a node, region not mappable, unexpected
+//! peer), so mismatched configurations fail at connect time on both ends.
+//!
+//! Link emulation paces data frames through the rank's inter-node token
+//! bucket (shared-memory links use the intra-node one) in pieces of
+//! [`crate::link::PACE_CHUNK`]; fault hooks ([`TcpConfig::faults`]) act on
+//! data frames, counted over all of a rank's links.
 
 use crate::copy::{for_each_run, in_bounds};
 use crate::link::{Faults, FrameFault, LinkEmulation, TokenBucket, PACE_CHUNK};
 use crate::shm::{self, Placement, Region, ShmConfig, ShmIn, ShmOut};
-use crate::transport::{Lent, Payload, RoundInbox, Transport, TransportError};
+use crate::transport::{Lent, Payload, Release, RoundInbox, Transport, TransportError};
 use reshard::{Endpoint, Group};
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufWriter, Read, Write};
@@ -56,6 +69,11 @@ pub struct TcpConfig {
     pub emulation: LinkEmulation,
     /// Faults to inject, for tests (default none).
     pub faults: Faults,
+    /// Received frame buffers (of 64 KiB or more) a rank keeps for reuse
+    /// once unpacked, in bytes (default 512 MiB; 0: none). Reused buffers
+    /// are already mapped, so a fabric kept from one refit to the next
+    /// receives without page faults.
+    pub frame_pool_bytes: u64,
 }
 
 impl Default for TcpConfig {
@@ -67,6 +85,7 @@ impl Default for TcpConfig {
             checksum: false,
             emulation: LinkEmulation::default(),
             faults: Faults::default(),
+            frame_pool_bytes: 512 << 20,
         }
     }
 }
@@ -95,6 +114,82 @@ impl PeerStatus {
     fn get(&self) -> u8 {
         self.0.load(Ordering::Acquire)
     }
+}
+
+/// Frame buffers a rank's readers reuse: a frame is handed to the executor
+/// in place ([`Payload::Lent`]) and its buffer comes back here when the
+/// payload is dropped.
+struct FramePool {
+    kept: Mutex<(Vec<Vec<u8>>, u64)>,
+    limit: u64,
+}
+
+/// Frames smaller than this are plain allocations.
+const POOL_MIN: usize = 64 << 10;
+
+impl FramePool {
+    /// A buffer of at least `len` initialized bytes.
+    fn take(&self, len: usize) -> Result<Vec<u8>, String> {
+        if len >= POOL_MIN && self.limit > 0 {
+            let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+            // The smallest that fits, if not more than twice too large.
+            let best = kept
+                .0
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.len() >= len && b.len() / 2 <= len)
+                .min_by_key(|(_, b)| b.len())
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                let b = kept.0.swap_remove(i);
+                kept.1 -= b.len() as u64;
+                return Ok(b);
+            }
+        }
+        zeroed(len).ok_or_else(|| format!("cannot allocate a frame of {len} bytes"))
+    }
+
+    /// The first `len` bytes of `buf` as a payload.
+    fn payload(self: &Arc<Self>, mut buf: Vec<u8>, len: usize) -> Payload {
+        if buf.len() < POOL_MIN || self.limit == 0 {
+            buf.truncate(len);
+            return Payload::Bytes(buf);
+        }
+        let ptr = buf.as_ptr();
+        let pool = self.clone();
+        let release = Release::on_drop(move || pool.give(buf));
+        // SAFETY: `ptr` is the heap block of `buf` (moving a `Vec` does
+        // not move its block), which the release owns and nobody writes
+        // until the release runs; `len` <= its length.
+        Payload::Lent(unsafe { Lent::new(ptr, len, release) })
+    }
+
+    fn give(&self, buf: Vec<u8>) {
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        if kept.1 + buf.len() as u64 <= self.limit {
+            kept.1 += buf.len() as u64;
+            kept.0.push(buf);
+        }
+    }
+}
+
+/// `len` zero bytes, or `None` if they cannot be allocated. Zeroed
+/// allocation (calloc) gets large blocks as fresh zero pages from the
+/// system without writing them, where `resize` would write every byte
+/// once before the socket read writes it again.
+fn zeroed(len: usize) -> Option<Vec<u8>> {
+    if len == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<u8>(len).ok()?;
+    // SAFETY: the layout has a non-zero size.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: allocated by the global allocator with exactly this layout
+    // (capacity `len`), and all `len` bytes are initialized (zero).
+    Some(unsafe { Vec::from_raw_parts(p, len, len) })
 }
 
 /// The outgoing side of one peer.
@@ -183,6 +278,7 @@ struct Reader {
     checksum: bool,
     shm: Option<ShmIn>,
     status: Arc<PeerStatus>,
+    pool: Arc<FramePool>,
     tx: Sender<Incoming>,
 }
 
@@ -191,6 +287,7 @@ struct Partial {
     round: u32,
     total: u64,
     bytes: Vec<u8>,
+    filled: usize,
 }
 
 /// Why a reader stopped.
@@ -247,12 +344,11 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
         }
         let msg = match kind {
             DATA => {
-                let mut bytes = Vec::new();
-                if bytes.try_reserve_exact(len as usize).is_err() {
-                    return Stop::Broken(format!("cannot allocate a frame of {len} bytes"));
-                }
-                bytes.resize(len as usize, 0);
-                if let Err(e) = stream.read_exact(&mut bytes) {
+                let mut bytes = match r.pool.take(len as usize) {
+                    Ok(b) => b,
+                    Err(e) => return Stop::Broken(e),
+                };
+                if let Err(e) = stream.read_exact(&mut bytes[..len as usize]) {
                     return Stop::Broken(format!("truncated frame: {e}"));
                 }
                 if r.checksum {
@@ -260,11 +356,11 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
                     if let Err(e) = stream.read_exact(&mut sum) {
                         return Stop::Broken(format!("truncated frame: {e}"));
                     }
-                    if crc32c::crc32c(&bytes) != u32::from_le_bytes(sum) {
+                    if crc32c::crc32c(&bytes[..len as usize]) != u32::from_le_bytes(sum) {
                         return Stop::Corrupt(round);
                     }
                 }
-                Incoming::Data { round, from: r.peer, payload: Payload::Bytes(bytes) }
+                Incoming::Data { round, from: r.peer, payload: r.pool.payload(bytes, len as usize) }
             }
             ABORT => {
                 if len > MAX_REASON {
@@ -313,32 +409,33 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
                             if a > r.max {
                                 return Stop::Broken(format!("message of {a} bytes exceeds the limit of {}", r.max));
                             }
-                            let mut bytes = Vec::new();
-                            if bytes.try_reserve_exact(a as usize).is_err() {
-                                return Stop::Broken(format!("cannot allocate a message of {a} bytes"));
-                            }
+                            let bytes = match r.pool.take(a as usize) {
+                                Ok(b) => b,
+                                Err(e) => return Stop::Broken(e),
+                            };
                             crc = 0;
-                            partial.insert(Partial { round, total: a, bytes })
+                            partial.insert(Partial { round, total: a, bytes, filled: 0 })
                         }
                     };
-                    if p.bytes.len() as u64 + n > p.total {
+                    if p.filled as u64 + n > p.total {
                         return Stop::Broken("chunks overrun their message".into());
                     }
-                    let at = p.bytes.len();
-                    if let Err(e) = shm.chunk(offset, n, &mut p.bytes) {
+                    let at = p.filled;
+                    if let Err(e) = shm.chunk(offset, n, &mut p.bytes[at..at + n as usize]) {
                         return Stop::Broken(e);
                     }
+                    p.filled += n as usize;
                     if r.checksum {
-                        crc = crc32c::crc32c_append(crc, &p.bytes[at..]);
+                        crc = crc32c::crc32c_append(crc, &p.bytes[at..p.filled]);
                     }
-                    if (p.bytes.len() as u64) < p.total {
+                    if (p.filled as u64) < p.total {
                         continue;
                     }
                     let Some(p) = partial.take() else { continue };
                     if r.checksum && crc != sum {
                         return Stop::Corrupt(round);
                     }
-                    Incoming::Data { round, from: r.peer, payload: Payload::Bytes(p.bytes) }
+                    Incoming::Data { round, from: r.peer, payload: r.pool.payload(p.bytes, p.filled) }
                 }
             }
         };
@@ -351,25 +448,42 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
 /// Connects every endpoint to every other over loopback TCP (for running
 /// all ranks of a plan as threads of one process over real sockets).
 pub fn tcp_fabric(endpoints: &[Endpoint], config: &TcpConfig) -> io::Result<Vec<TcpTransport>> {
-    fabric(endpoints, config, |_| None)
+    fabric(endpoints, config, |_| Faults::default(), |_| None)
+}
+
+/// As [`tcp_fabric`], with the faults `faults_of(rank)` injected at each
+/// rank instead of `config.faults` (for tests: one failing rank).
+pub fn tcp_fabric_with_faults(
+    endpoints: &[Endpoint],
+    config: &TcpConfig,
+    faults_of: impl Fn(Endpoint) -> Faults + Sync,
+) -> io::Result<Vec<TcpTransport>> {
+    fabric(endpoints, &TcpConfig { faults: Faults::default(), ..*config }, faults_of, |_| None)
 }
 
 /// Connects every endpoint to every other over loopback TCP, with the
-/// shared-memory setup `shm(rank)` gives each.
+/// shared-memory setup `shm(rank)` gives each; a rank's faults are
+/// `config.faults` if any is set, else `faults_of(rank)`.
 pub(crate) fn fabric(
     endpoints: &[Endpoint],
     config: &TcpConfig,
+    faults_of: impl Fn(Endpoint) -> Faults + Sync,
     shm: impl Fn(Endpoint) -> Option<ShmSetup> + Sync,
 ) -> io::Result<Vec<TcpTransport>> {
     let listeners: Vec<TcpListener> = endpoints.iter().map(|_| TcpListener::bind("127.0.0.1:0")).collect::<io::Result<_>>()?;
     let addrs: Vec<(Endpoint, SocketAddr)> =
         endpoints.iter().zip(&listeners).map(|(e, l)| l.local_addr().map(|a| (*e, a))).collect::<io::Result<_>>()?;
     std::thread::scope(|s| {
-        let (addrs, shm) = (&addrs, &shm);
+        let (addrs, shm, faults_of) = (&addrs, &shm, &faults_of);
         let handles: Vec<_> = endpoints
             .iter()
             .zip(listeners)
-            .map(|(&me, l)| s.spawn(move || TcpTransport::connect_with(me, l, addrs, config, shm(me))))
+            .map(|(&me, l)| {
+                s.spawn(move || {
+                    let faults = if config.faults == Faults::default() { faults_of(me) } else { config.faults };
+                    TcpTransport::connect_with(me, l, addrs, &TcpConfig { faults, ..*config }, shm(me))
+                })
+            })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(io::Error::other("connect thread panicked")))).collect()
     })
@@ -502,16 +616,17 @@ impl TcpTransport {
         let (tx, inbox) = channel();
         let (max, checksum) = (config.max_frame_bytes, config.checksum);
         let shm = shm.map(Arc::new);
+        let pool = Arc::new(FramePool { kept: Mutex::default(), limit: config.frame_pool_bytes });
         // Accept in the background while this thread connects out.
         let acceptor = {
-            let (statuses, shm, streams) = (statuses.clone(), shm.clone(), Arc::clone(&streams));
+            let (statuses, shm, streams, pool) = (statuses.clone(), shm.clone(), Arc::clone(&streams), pool.clone());
             let expected: HashSet<Endpoint> = statuses.keys().copied().collect();
             std::thread::spawn(move || -> io::Result<()> {
                 for _ in 0..expected.len() {
                     let (peer, stream, inbound) = accept_one(me, &listener, deadline, &expected, checksum, shm.as_deref())?;
                     streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
                     let status = statuses.get(&peer).cloned().unwrap_or_default();
-                    let reader = Reader { peer, max, checksum, shm: inbound, status, tx: tx.clone() };
+                    let reader = Reader { peer, max, checksum, shm: inbound, status, pool: pool.clone(), tx: tx.clone() };
                     std::thread::Builder::new().name(format!("refit-read-{peer}")).spawn(move || read_loop(stream, reader))?;
                 }
                 Ok(())
@@ -858,6 +973,7 @@ impl TcpTransport {
         let mut bucket = self.intra.as_mut();
         let disconnected = |_| TransportError::Disconnected { peer: to };
         let len = payload_len(payload);
+        out.ready().map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
         match out.place(len) {
             Placement::Lent { seq, offset } => {
                 let dst = out.at(offset);

@@ -213,6 +213,29 @@ pub trait Transport: Send {
     fn abort(&mut self, reason: &str);
 }
 
+/// A transport borrowed for one run, so one fabric can serve many refits.
+impl<T: Transport + ?Sized> Transport for &mut T {
+    fn me(&self) -> Endpoint {
+        (**self).me()
+    }
+
+    fn send(&mut self, round: u32, to: Endpoint, payload: Payload) -> Result<(), TransportError> {
+        (**self).send(round, to, payload)
+    }
+
+    fn recv(&mut self, round: u32, deadline: Instant) -> Result<(Endpoint, Payload), TransportError> {
+        (**self).recv(round, deadline)
+    }
+
+    fn flush(&mut self, round: u32, deadline: Instant) -> Result<(), TransportError> {
+        (**self).flush(round, deadline)
+    }
+
+    fn abort(&mut self, reason: &str) {
+        (**self).abort(reason)
+    }
+}
+
 /// Messages arriving on a channel, some for later rounds: the receive loop
 /// both channel transports share.
 pub(crate) struct RoundInbox<E> {
