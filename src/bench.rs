@@ -5,6 +5,7 @@
 use crate::runner::{prepare, RunError};
 use reshard::{Layout, PlanOptions, Strategy};
 use std::time::{Duration, Instant};
+use transport::tcp::{tcp_fabric, TcpConfig, TcpTransport};
 use transport::ExecOptions;
 
 /// Medians of one side-by-side benchmark.
@@ -110,15 +111,26 @@ pub fn exec_bench(
     let msrc: Vec<Vec<u8>> = (0..threads).map(|i| vec![(i + 1) as u8; per]).collect();
     let mut mdst: Vec<Vec<u8>> = (0..threads).map(|_| vec![0u8; per]).collect();
     let (mut tr, mut tb, mut tm) = (Vec::new(), Vec::new(), Vec::new());
+    // Over TCP, each strategy keeps one fabric across repetitions (as a
+    // training job keeps its connections between steps); connecting is not
+    // timed, as for the raw socket copy.
+    let fabric = |p: &crate::runner::Prepared| -> Result<Vec<TcpTransport>, RunError> {
+        let endpoints: Vec<reshard::Endpoint> = p.programs.iter().map(|q| q.endpoint).collect();
+        tcp_fabric(&endpoints, &TcpConfig::default()).map_err(|e| RunError::Exec(transport::ExecError::Setup(e.to_string())))
+    };
+    let mut fabrics = match transport {
+        BenchTransport::Local => None,
+        BenchTransport::Tcp | BenchTransport::Process => Some((fabric(&reshard)?, fabric(&baseline)?)),
+    };
     for i in 0..=reps {
-        let run = |p: &mut crate::runner::Prepared| match transport {
-            BenchTransport::Local => p.execute(&exec),
-            BenchTransport::Tcp | BenchTransport::Process => p.execute_tcp(&exec),
+        let run = |p: &mut crate::runner::Prepared, f: Option<&mut Vec<TcpTransport>>| match f {
+            None => p.execute(&exec),
+            Some(f) => p.execute_over(&exec, f.iter_mut().collect()),
         };
         reshard.clear_destinations();
-        let r = run(&mut reshard)?;
+        let r = run(&mut reshard, fabrics.as_mut().map(|f| &mut f.0))?;
         baseline.clear_destinations();
-        let b = run(&mut baseline)?;
+        let b = run(&mut baseline, fabrics.as_mut().map(|f| &mut f.1))?;
         let m = match transport {
             BenchTransport::Local => memcpy_once(&msrc, &mut mdst),
             BenchTransport::Tcp | BenchTransport::Process => {

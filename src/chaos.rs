@@ -64,7 +64,12 @@ pub const CASES: [&str; 11] = [
 
 /// Runs every case on one cluster (so recovery is exercised case after
 /// case); `progress` is told of each row as it is done.
-pub fn run_chaos(config: ChaosConfig, src: &Layout, dst: &Layout, mut progress: impl FnMut(&ChaosRow)) -> Result<Vec<ChaosRow>, ClusterError> {
+pub fn run_chaos(
+    config: ChaosConfig,
+    src: &Layout,
+    dst: &Layout,
+    mut progress: impl FnMut(&ChaosRow),
+) -> Result<Vec<ChaosRow>, ClusterError> {
     let bound = config.cluster.refit_deadline + config.cluster.abort_grace + config.cluster.setup_timeout;
     let mid = config.mid_transfer;
     let wrong = config.wrong_layouts.clone();

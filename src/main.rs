@@ -3,7 +3,8 @@
 use clap::{Parser, Subcommand};
 use refit::bench::{exec_bench, link_loads, peak_rss_bytes, BenchTransport, LinkLoads};
 use refit::cluster::{
-    run_worker, Cluster, ClusterConfig, ClusterError, ControlSecret, DataPlane, FaultSpec, Hosted, PerProcess, RefitOutcome, WorkerConfig, SECRET_ENV,
+    run_worker, Cluster, ClusterConfig, ClusterError, ControlSecret, DataPlane, FaultSpec, Hosted, PerProcess, RefitOutcome, WorkerConfig,
+    SECRET_ENV,
 };
 use refit::demo::{run_demo, DemoConfig, DemoError, DemoMode, DemoReport};
 use refit::presets::{layouts, Model};
@@ -119,7 +120,9 @@ impl ClusterArgs {
             (Some(f), _) => ControlSecret::from_file(f).map_err(invalid)?,
             (None, Some(_)) => ControlSecret::from_env(SECRET_ENV).map_err(invalid)?,
             (None, None) if spawn.is_some() => ControlSecret::random(),
-            (None, None) => return Err(invalid(format!("--no-spawn needs the control-plane secret: give --secret-file or set {SECRET_ENV}"))),
+            (None, None) => {
+                return Err(invalid(format!("--no-spawn needs the control-plane secret: give --secret-file or set {SECRET_ENV}")))
+            }
         };
         secret.secret().map_err(|e| invalid(format!("control-plane secret: {e}")))?;
         let deadline = Duration::from_secs(self.deadline_s.max(1));
@@ -670,7 +673,8 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
                 std::fs::create_dir_all(&dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
                 let temp = TempLayouts(dir.clone());
                 for (name, l) in [("src.json", &s), ("dst.json", &d)] {
-                    std::fs::write(dir.join(name), reshard::layout_to_json(l).to_string()).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+                    std::fs::write(dir.join(name), reshard::layout_to_json(l).to_string())
+                        .map_err(|e| fail(format!("{}: {e}", dir.display())))?;
                 }
                 ((dir.join("src.json"), dir.join("dst.json")), Some(temp))
             }
@@ -708,7 +712,12 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
         } else {
             header(b.reps);
             say!("  {} worker processes ({:?} per process), bit-exact warm-up of each", b.workers, a.cluster.per_process);
-            say!("  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s", human(b.reshard_bytes), b.reshard.as_secs_f64() * 1e3, gib(b.reshard_bytes, b.reshard));
+            say!(
+                "  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
+                human(b.reshard_bytes),
+                b.reshard.as_secs_f64() * 1e3,
+                gib(b.reshard_bytes, b.reshard)
+            );
             say!(
                 "  baseline  {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
                 human(b.baseline_bytes),
@@ -719,10 +728,9 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
             say_loads("baseline", &bl);
             say!("  baseline time / reshard time = {ratio:.2}");
             match (bound, efficiency) {
-                (Some(lb), Some(e)) => say!(
-                    "  lower bound on the emulated links {:.3} ms; efficiency (lower bound / reshard time) = {e:.2}",
-                    lb * 1e3
-                ),
+                (Some(lb), Some(e)) => {
+                    say!("  lower bound on the emulated links {:.3} ms; efficiency (lower bound / reshard time) = {e:.2}", lb * 1e3)
+                }
                 _ => say!("  efficiency: needs --emulate-nic-mbps (a link model to bound against)"),
             }
         }
@@ -750,7 +758,12 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
         );
     } else {
         header(b.reps);
-        say!("  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s", human(b.reshard_bytes), b.reshard.as_secs_f64() * 1e3, gib(b.reshard_bytes, b.reshard));
+        say!(
+            "  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
+            human(b.reshard_bytes),
+            b.reshard.as_secs_f64() * 1e3,
+            gib(b.reshard_bytes, b.reshard)
+        );
         say!(
             "  baseline  {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
             human(b.baseline_bytes),
@@ -829,7 +842,15 @@ fn cmd_plan_bench(model: Model, scale: u64, reps: usize, no_baseline: bool) -> R
     Ok(())
 }
 
-fn cmd_launch(pair: &Pair, baseline: bool, verify: bool, refits: u64, cluster: &ClusterArgs, bind: &str, no_spawn: bool) -> Result<(), Failure> {
+fn cmd_launch(
+    pair: &Pair,
+    baseline: bool,
+    verify: bool,
+    refits: u64,
+    cluster: &ClusterArgs,
+    bind: &str,
+    no_spawn: bool,
+) -> Result<(), Failure> {
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
     let config = cluster.config(&pair.src, &pair.dst, options(pair)?, bind, !no_spawn)?;
     let strategy = if baseline { Strategy::Baseline } else { Strategy::Reshard };
@@ -1028,9 +1049,24 @@ fn cmd_soak(src: &Option<PathBuf>, dst: &Option<PathBuf>, refits: u64, args: &Cl
             })
         );
     } else {
-        say!("soak: {} refits on {} worker processes, every one verified before commit ({} elements in all)", r.refits, r.workers, r.verified);
-        say!("  refit time: median {:.1} ms, slowest {:.1} ms; whole soak {:.1} s", r.median.as_secs_f64() * 1e3, r.slowest.as_secs_f64() * 1e3, r.elapsed.as_secs_f64());
-        say!("  after refit 1:    RSS {:>8.1} MiB  fds {:>5}  threads {:>5}  (launcher + workers)", mib(r.first.rss_bytes), r.first.fds, r.first.threads);
+        say!(
+            "soak: {} refits on {} worker processes, every one verified before commit ({} elements in all)",
+            r.refits,
+            r.workers,
+            r.verified
+        );
+        say!(
+            "  refit time: median {:.1} ms, slowest {:.1} ms; whole soak {:.1} s",
+            r.median.as_secs_f64() * 1e3,
+            r.slowest.as_secs_f64() * 1e3,
+            r.elapsed.as_secs_f64()
+        );
+        say!(
+            "  after refit 1:    RSS {:>8.1} MiB  fds {:>5}  threads {:>5}  (launcher + workers)",
+            mib(r.first.rss_bytes),
+            r.first.fds,
+            r.first.threads
+        );
         say!("  after refit {:<5} RSS {:>8.1} MiB  fds {:>5}  threads {:>5}", r.refits, mib(r.last.rss_bytes), r.last.fds, r.last.threads);
     }
     Ok(())

@@ -77,6 +77,17 @@ impl Prepared {
         Ok(transport::run_tcp(&self.programs, &mut self.memory, options, &transport::tcp::TcpConfig::default())?)
     }
 
+    /// Executes every rank's program as a thread of this process over
+    /// `transports` (one per rank, same order), e.g. a fabric kept across
+    /// refits.
+    pub fn execute_over<T: transport::Transport + transport::WithAbort>(
+        &mut self,
+        options: &ExecOptions,
+        transports: Vec<T>,
+    ) -> Result<ExecReport, RunError> {
+        Ok(transport::run_threads(&self.programs, &mut self.memory, options, transports)?)
+    }
+
     /// Checks every destination element; returns how many were checked.
     pub fn verify(&self, src: &Layout, dst: &Layout) -> Result<u64, RunError> {
         Ok(verify_destinations(src, dst, &self.memory[self.src_ranks..])?)

@@ -280,19 +280,7 @@ fn launch_without_spawning_waits_for_external_workers() {
         .chain((0..d_ranks).map(|r| ("dst", r)))
         .map(|(g, r)| {
             Command::new(BIN)
-                .args([
-                    "worker",
-                    "--src",
-                    s(&src),
-                    "--dst",
-                    s(&dst),
-                    "--group",
-                    g,
-                    "--rank",
-                    &r.to_string(),
-                    "--rendezvous",
-                    &addr,
-                ])
+                .args(["worker", "--src", s(&src), "--dst", s(&dst), "--group", g, "--rank", &r.to_string(), "--rendezvous", &addr])
                 .env("REFIT_SECRET", SECRET)
                 .spawn()
                 .expect("start worker")

@@ -23,8 +23,12 @@
 //! (`model.layers.61`, ~14 B parameters: 671 B without it, 685 B with it).
 
 use refit::presets::{layouts, Model};
-use reshard::{DType, Holding, Layout};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use reshard::layout::Holding;
+use reshard::{DType, Layout, Placement};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+/// Tensors placed alike split alike: (TP split kind, shape, placement) already checked.
+type Checked<'a> = HashSet<(Option<usize>, &'a [u64], &'a Placement)>;
 
 /// The attention block of a model.
 #[derive(Clone, Copy)]
@@ -317,7 +321,13 @@ fn check_split(layout: &Layout, name: &str, shape: &[u64], hs: &[Holding], tp: u
     }
     assert_eq!(&held, group, "{side} {name}: held by the wrong ranks");
     for (node, blocks) in blocks_per_node {
-        assert_eq!(blocks.len(), hs.len(), "{side} {name}: node {node} holds {} of {} blocks (TP group across nodes)", blocks.len(), hs.len());
+        assert_eq!(
+            blocks.len(),
+            hs.len(),
+            "{side} {name}: node {node} holds {} of {} blocks (TP group across nodes)",
+            blocks.len(),
+            hs.len()
+        );
     }
 }
 
@@ -330,6 +340,7 @@ fn check_train(case: &Case, layout: &Layout) {
     let mut layer_stage: BTreeMap<u32, u32> = BTreeMap::new();
     // (layer, rank) -> routed-expert tensors held.
     let mut expert_load: HashMap<(u32, u32), usize> = HashMap::new();
+    let mut checked = Checked::new();
     for (i, tensor) in layout.tensors().iter().enumerate() {
         let name = tensor.name.as_str();
         let hs = layout.holdings(i as u32);
@@ -351,7 +362,7 @@ fn check_train(case: &Case, layout: &Layout) {
             for loc in &hs[0].holders {
                 *expert_load.entry((l, loc.rank)).or_default() += 1;
             }
-        } else {
+        } else if checked.insert((tp_split(name), &tensor.shape, &tensor.placement)) {
             check_split(layout, name, &tensor.shape, &hs, t.tp, &stage_ranks(stage), "training");
         }
     }
@@ -381,7 +392,11 @@ fn check_infer(case: &Case, layout: &Layout) {
     assert_eq!((layout.ranks(), layout.ranks_per_node()), (t.ranks, t.per_node), "inference ranks, ranks per node");
     assert_eq!(t.tp * t.dp, t.ranks);
     let all: BTreeSet<u32> = (0..t.ranks).collect();
+    let mut checked = Checked::new();
     for (i, tensor) in layout.tensors().iter().enumerate() {
+        if !checked.insert((tp_split(&tensor.name), &tensor.shape, &tensor.placement)) {
+            continue;
+        }
         let hs = layout.holdings(i as u32);
         check_split(layout, &tensor.name, &tensor.shape, &hs, t.tp, &all, "inference");
         let copies = hs.len() * hs[0].holders.len();
@@ -500,7 +515,13 @@ fn qwen3_235b_inference_keeps_kv_heads_whole() {
         let name = format!("model.layers.0.self_attn.{proj}.weight");
         let hs = dst.holdings(dst.tensor_index(&name).unwrap());
         for h in &hs {
-            assert_eq!(h.block.extent()[0] % head_dim, 0, "{name}: a rank holds rows {:?}+{:?}, not whole heads", h.block.offset(), h.block.extent());
+            assert_eq!(
+                h.block.extent()[0] % head_dim,
+                0,
+                "{name}: a rank holds rows {:?}+{:?}, not whole heads",
+                h.block.offset(),
+                h.block.extent()
+            );
         }
         assert_eq!(hs.len() as u64, kv_heads, "{name}: one distinct block per KV head");
     }

@@ -39,7 +39,7 @@ pub use fingerprint::Fingerprint;
 pub use layout::{
     BufferKey, BufferSpec, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage, TensorLayout,
 };
-pub use plan::{Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer};
 pub use plan::fingerprint as plan_fingerprint;
+pub use plan::{Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer};
 pub use planner::plan_reshard;
 pub use program::{LocalCopy, Message, RankProgram, RecvPiece, Round, SendPiece, Span};

@@ -328,7 +328,11 @@ impl<'l> Cluster<'l> {
     fn registrations(&self) -> Result<Vec<(String, SocketAddr)>, ClusterError> {
         let reply = self.runtime.block_on(self.registry.call(RegistryMsg::List)).map_err(|e| ClusterError::Setup(e.to_string()))?;
         let RegistryReply::Listed(list) = reply else { return Ok(Vec::new()) };
-        Ok(list.into_iter().filter(|r| r.name.starts_with("refit.member.") && !r.name.ends_with(".abort")).map(|r| (r.name, r.addr)).collect())
+        Ok(list
+            .into_iter()
+            .filter(|r| r.name.starts_with("refit.member.") && !r.name.ends_with(".abort"))
+            .map(|r| (r.name, r.addr))
+            .collect())
     }
 
     /// Connects to a registered worker, checks who it is and its plan
@@ -601,7 +605,8 @@ impl<'l> Cluster<'l> {
         let setup = self.config.setup_timeout;
         let (strategy, version, verify) = (req.strategy, req.version, req.verify);
         let data = |i: usize| DataPlane { faults: req.faults.get(&i).cloned().unwrap_or_default(), ..self.config.data.clone() };
-        let ready = self.call_all(|i| MemberMsg::Prepare { seq, strategy, version, verify, data: data(i), session: session.clone() }, setup);
+        let ready =
+            self.call_all(|i| MemberMsg::Prepare { seq, strategy, version, verify, data: data(i), session: session.clone() }, setup);
         if let Some(e) = self.first_error(&ready) {
             return Err(e);
         }

@@ -52,7 +52,9 @@ impl ControlSecret {
 
     /// The secret in the file at `path` (surrounding whitespace trimmed).
     pub fn from_file(path: &Path) -> Result<ControlSecret, String> {
-        std::fs::read_to_string(path).map(|t| ControlSecret(t.trim().to_string())).map_err(|e| format!("{}: cannot read the secret: {e}", path.display()))
+        std::fs::read_to_string(path)
+            .map(|t| ControlSecret(t.trim().to_string()))
+            .map_err(|e| format!("{}: cannot read the secret: {e}", path.display()))
     }
 
     /// The secret for the control node (at least 16 bytes).

@@ -246,7 +246,8 @@ impl Member {
         let mut listeners = Vec::new();
         let mut addrs = Vec::new();
         for &e in &ranks {
-            let l = TcpListener::bind((self.local_ip, 0)).map_err(|err| failed(format!("{e}: cannot listen on {}: {err}", self.local_ip)))?;
+            let l =
+                TcpListener::bind((self.local_ip, 0)).map_err(|err| failed(format!("{e}: cannot listen on {}: {err}", self.local_ip)))?;
             addrs.push((e, l.local_addr().map_err(failed)?.to_string()));
             listeners.push(l);
         }
@@ -361,11 +362,7 @@ impl Member {
             Some((result, elapsed, memory)) => {
                 self.staging.insert(strategy, Staging { programs, memory, filled });
                 let report = result.map_err(failed)?;
-                Ok(MemberReply::Done(WorkerReport {
-                    sent_bytes: report.bytes,
-                    elapsed_ns: elapsed.as_nanos() as u64,
-                    verified: None,
-                }))
+                Ok(MemberReply::Done(WorkerReport { sent_bytes: report.bytes, elapsed_ns: elapsed.as_nanos() as u64, verified: None }))
             }
             None => {
                 if let Some((_, aborts)) = running {
@@ -475,8 +472,11 @@ fn local_ip_towards(to: SocketAddr) -> io::Result<IpAddr> {
 /// Runs one worker until the launcher says `Shutdown` or goes away.
 pub fn run_worker(config: WorkerConfig, src: Layout, dst: Layout) -> Result<(), String> {
     let ranks = config.hosted.endpoints(&src, &dst)?;
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| format!("cannot start tokio: {e}"))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start tokio: {e}"))?;
     runtime.block_on(async move {
         let ip = local_ip_towards(config.rendezvous).map_err(|e| format!("no route to the rendezvous {}: {e}", config.rendezvous))?;
         let node = Node::bind(config.secret.clone(), NodeConfig { bind: SocketAddr::new(ip, 0), ..NodeConfig::default() })
