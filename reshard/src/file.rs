@@ -253,7 +253,11 @@ pub fn layout_to_json(layout: &Layout) -> Value {
                 Placement::Mesh(m) => {
                     let mut mesh = Map::new();
                     mesh.insert("shape".into(), Value::from(m.shape.clone()));
-                    mesh.insert("ranks".into(), Value::from(m.ranks.clone()));
+                    // Ranks 0, 1, 2, ... in mesh order are the default: leave
+                    // them out (model layouts shrink several-fold).
+                    if !m.ranks.iter().enumerate().all(|(i, &r)| r as usize == i) {
+                        mesh.insert("ranks".into(), Value::from(m.ranks.clone()));
+                    }
                     o.insert("mesh".into(), Value::Object(mesh));
                     let p: Vec<Value> = m
                         .dims
