@@ -630,6 +630,11 @@ fn say_loads(name: &str, l: &LinkLoads) {
     );
 }
 
+fn say_time(name: &str, bytes: u64, t: Duration) {
+    let gib = bytes as f64 / t.as_secs_f64().max(1e-12) / (1u64 << 30) as f64;
+    say!("  {name:<9} {:>10}  {:>9.3} ms  {gib:>7.2} GiB/s", human(bytes), t.as_secs_f64() * 1e3);
+}
+
 /// Temporary layout files for worker processes, removed when dropped.
 struct TempLayouts(PathBuf);
 
@@ -712,18 +717,8 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
         } else {
             header(b.reps);
             say!("  {} worker processes ({:?} per process), bit-exact warm-up of each", b.workers, a.cluster.per_process);
-            say!(
-                "  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
-                human(b.reshard_bytes),
-                b.reshard.as_secs_f64() * 1e3,
-                gib(b.reshard_bytes, b.reshard)
-            );
-            say!(
-                "  baseline  {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
-                human(b.baseline_bytes),
-                b.baseline.as_secs_f64() * 1e3,
-                gib(b.baseline_bytes, b.baseline)
-            );
+            say_time("reshard", b.reshard_bytes, b.reshard);
+            say_time("baseline", b.baseline_bytes, b.baseline);
             say_loads("reshard", &rl);
             say_loads("baseline", &bl);
             say!("  baseline time / reshard time = {ratio:.2}");
@@ -758,18 +753,8 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
         );
     } else {
         header(b.reps);
-        say!(
-            "  reshard   {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
-            human(b.reshard_bytes),
-            b.reshard.as_secs_f64() * 1e3,
-            gib(b.reshard_bytes, b.reshard)
-        );
-        say!(
-            "  baseline  {:>10}  {:>9.3} ms  {:>7.2} GiB/s",
-            human(b.baseline_bytes),
-            b.baseline.as_secs_f64() * 1e3,
-            gib(b.baseline_bytes, b.baseline)
-        );
+        say_time("reshard", b.reshard_bytes, b.reshard);
+        say_time("baseline", b.baseline_bytes, b.baseline);
         say!(
             "  {reference:<11} {:>8}  {:>9.3} ms  {:>7.2} GiB/s  ({} {})",
             human(b.reshard_bytes),

@@ -5,7 +5,7 @@
 //! runs each refit step by step under a deadline, aborts a failing refit on
 //! every member, and recovers (respawning dead workers) before the next.
 
-use super::wire::{abort_name, AbortMsg, DataPlane, FaultSpec, MemberMsg, MemberReply};
+use super::wire::{abort_name, AbortMsg, DataPlane, FaultSpec, MemberMsg, MemberReply, Prepare};
 use super::worker::{Aborter, Member};
 use super::ControlSecret;
 use actors::remote::{Node, NodeConfig, Registry, RegistryMsg, RegistryReply};
@@ -606,7 +606,7 @@ impl<'l> Cluster<'l> {
         let (strategy, version, verify) = (req.strategy, req.version, req.verify);
         let data = |i: usize| DataPlane { faults: req.faults.get(&i).cloned().unwrap_or_default(), ..self.config.data.clone() };
         let ready =
-            self.call_all(|i| MemberMsg::Prepare { seq, strategy, version, verify, data: data(i), session: session.clone() }, setup);
+            self.call_all(|i| MemberMsg::Prepare(Prepare { seq, strategy, version, verify, data: data(i), session: session.clone() }), setup);
         if let Some(e) = self.first_error(&ready) {
             return Err(e);
         }

@@ -62,9 +62,9 @@ pub(crate) enum MemberMsg {
     Describe,
     /// The program of one of this worker's ranks under `strategy`.
     Install { strategy: Strategy, program: Box<RankProgram> },
-    /// Get ready for refit `seq`: weights version `version` in the sources,
-    /// fresh data-plane listeners; answered with `Ready` and their addresses.
-    Prepare { seq: u64, strategy: Strategy, version: u64, verify: bool, data: DataPlane, session: String },
+    /// Get ready for a refit: the weights version in the sources, fresh
+    /// data-plane listeners; answered with `Ready` and their addresses.
+    Prepare(Prepare),
     /// Connect the data plane of refit `seq` to these peers.
     Connect { seq: u64, table: Vec<(Endpoint, String)> },
     /// Run refit `seq`, within `deadline`; answered with `Done`.
@@ -77,6 +77,23 @@ pub(crate) enum MemberMsg {
     Check,
     /// Exit the process.
     Shutdown,
+}
+
+/// What a member needs to know of one refit.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Prepare {
+    /// The refit's sequence number.
+    pub(crate) seq: u64,
+    /// Reshard or baseline.
+    pub(crate) strategy: Strategy,
+    /// Weights version the sources hold.
+    pub(crate) version: u64,
+    /// Destinations check every element before they commit.
+    pub(crate) verify: bool,
+    /// Data-plane settings for this worker.
+    pub(crate) data: DataPlane,
+    /// Names this refit's shared-memory regions (a new epoch).
+    pub(crate) session: String,
 }
 
 /// Answers of a member actor.

@@ -18,7 +18,7 @@
 //! abandons that thread with its staging (allocating fresh staging) and
 //! reports it: the caller is never blocked by a stuck transport.
 
-use super::wire::{abort_name, member_name, AbortMsg, DataPlane, MemberMsg, MemberReply, WorkerReport};
+use super::wire::{abort_name, member_name, AbortMsg, MemberMsg, MemberReply, Prepare, WorkerReport};
 use actors::remote::{Node, NodeConfig, Registration, Registry, RegistryMsg, Secret, REGISTRY_NAME};
 use actors::{async_trait, spawn, Actor, ActorError, Context, SpawnConfig};
 use reshard::{plan_fingerprint, Endpoint, Group, Layout, PlanOptions, RankProgram, Strategy};
@@ -90,12 +90,7 @@ struct Staging {
 
 /// A refit in progress.
 struct Pending {
-    seq: u64,
-    strategy: Strategy,
-    version: u64,
-    verify: bool,
-    data: DataPlane,
-    session: String,
+    req: Prepare,
     listeners: Vec<TcpListener>,
     transports: Vec<NodeTransport>,
 }
@@ -155,8 +150,8 @@ impl Actor for Member {
                 })
             }
             MemberMsg::Install { strategy, program } => self.install(strategy, *program),
-            MemberMsg::Prepare { seq, strategy, version, verify, data, session } => {
-                let r = tokio::task::block_in_place(|| self.prepare(seq, strategy, version, verify, data, session));
+            MemberMsg::Prepare(req) => {
+                let r = tokio::task::block_in_place(|| self.prepare(req));
                 self.forget_on_error(r)
             }
             MemberMsg::Connect { seq, table } => {
@@ -220,15 +215,8 @@ impl Member {
         Ok(self.staging.get_mut(&strategy).expect("inserted above"))
     }
 
-    fn prepare(
-        &mut self,
-        seq: u64,
-        strategy: Strategy,
-        version: u64,
-        verify: bool,
-        data: DataPlane,
-        session: String,
-    ) -> Result<MemberReply, ActorError> {
+    fn prepare(&mut self, req: Prepare) -> Result<MemberReply, ActorError> {
+        let (strategy, version, verify) = (req.strategy, req.version, req.verify);
         let (src, ranks) = (Arc::clone(&self.src), self.ranks.clone());
         let st = self.staging(strategy)?;
         if st.filled != Some(version) {
@@ -251,22 +239,22 @@ impl Member {
             addrs.push((e, l.local_addr().map_err(failed)?.to_string()));
             listeners.push(l);
         }
-        self.pending = Some(Pending { seq, strategy, version, verify, data, session, listeners, transports: Vec::new() });
+        self.pending = Some(Pending { req, listeners, transports: Vec::new() });
         Ok(MemberReply::Ready { addrs })
     }
 
     fn pending(&mut self, seq: u64) -> Result<&mut Pending, ActorError> {
         match &mut self.pending {
-            Some(p) if p.seq == seq => Ok(p),
+            Some(p) if p.req.seq == seq => Ok(p),
             _ => Err(failed(format!("refit {seq} was not prepared on this worker"))),
         }
     }
 
     fn data_config(p: &Pending) -> DataConfig {
-        let f = &p.data.faults;
+        let (data, f) = (&p.req.data, &p.req.data.faults);
         let tcp = TcpConfig {
-            checksum: p.data.checksum,
-            emulation: match p.data.emulation {
+            checksum: data.checksum,
+            emulation: match data.emulation {
                 Some((inter, intra)) => {
                     LinkEmulation { inter_node_bytes_per_s: Some(inter.max(1)), intra_node_bytes_per_s: Some(intra.max(1)), burst_bytes: 0 }
                 }
@@ -278,10 +266,10 @@ impl Member {
                 cut_at_frame: f.cut_at_frame,
                 abort_hang: f.abort_hang,
             },
-            connect_timeout: if p.data.connect_timeout.is_zero() { Duration::from_secs(5) } else { p.data.connect_timeout },
+            connect_timeout: if data.connect_timeout.is_zero() { Duration::from_secs(5) } else { data.connect_timeout },
             ..TcpConfig::default()
         };
-        DataConfig { session: p.session.clone(), tcp, ..DataConfig::default() }
+        DataConfig { session: p.req.session.clone(), tcp, ..DataConfig::default() }
     }
 
     fn connect(&mut self, seq: u64, table: &[(Endpoint, String)]) -> Result<MemberReply, ActorError> {
@@ -290,7 +278,7 @@ impl Member {
             addrs.insert(*e, a.parse::<SocketAddr>().map_err(|err| failed(format!("{e}: bad data address {a}: {err}")))?);
         }
         let pending = self.pending(seq)?;
-        let (strategy, config) = (pending.strategy, Self::data_config(pending));
+        let (strategy, config) = (pending.req.strategy, Self::data_config(pending));
         let listeners = std::mem::take(&mut pending.listeners);
         let programs = Arc::clone(&self.staging(strategy)?.programs);
         // Each rank connects to exactly the peers its program exchanges
@@ -332,7 +320,7 @@ impl Member {
 
     async fn start(&mut self, seq: u64, deadline: Duration) -> Result<MemberReply, ActorError> {
         let p = self.pending(seq)?;
-        let strategy = p.strategy;
+        let strategy = p.req.strategy;
         let transports = std::mem::take(&mut p.transports);
         let aborts: Vec<AbortFn> = transports.iter().map(|t| t.abort_all()).collect();
         let st = self.staging.remove(&strategy).ok_or_else(|| failed("no staging memory"))?;
@@ -384,7 +372,7 @@ impl Member {
     /// the staging buffers and the committed ones swap (the old committed
     /// buffers become staging, fully rewritten by the next refit).
     fn commit(&mut self, seq: u64) -> Result<MemberReply, ActorError> {
-        let p = self.pending.take().filter(|p| p.seq == seq).ok_or_else(|| failed(format!("refit {seq} is not the one in progress")))?;
+        let p = self.pending.take().filter(|p| p.req.seq == seq).ok_or_else(|| failed(format!("refit {seq} is not the one in progress")))?.req;
         let (src, dst) = (Arc::clone(&self.src), Arc::clone(&self.dst));
         let st = self.staging.get_mut(&p.strategy).ok_or_else(|| failed("no staging memory"))?;
         let mut verified = None;
