@@ -7,7 +7,7 @@
 
 use super::wire::{abort_name, AbortMsg, DataPlane, FaultSpec, MemberMsg, MemberReply, Prepare};
 use super::worker::{Aborter, Member};
-use super::ControlSecret;
+use super::{ControlSecret, HEARTBEAT_TIMEOUT};
 use actors::remote::{Node, NodeConfig, Registry, RegistryMsg, RegistryReply};
 use actors::{ActorRef, CallError, Supervisor, SupervisorEvents};
 use reshard::{plan_baseline, plan_reshard, Endpoint, Group, Layout, Plan, PlanError, PlanOptions, RankProgram, Strategy};
@@ -221,9 +221,12 @@ impl<'l> Cluster<'l> {
             .map_err(|e| setup(format!("cannot start tokio: {e}")))?;
         let (node, registry) = runtime.block_on(async {
             let secret = config.secret.secret().map_err(setup)?;
-            let node = Node::bind(secret, NodeConfig { bind: config.bind, max_frame_bytes: 128 << 20, ..NodeConfig::default() })
-                .await
-                .map_err(|e| setup(format!("cannot open the rendezvous on {}: {e}", config.bind)))?;
+            let node = Node::bind(
+                secret,
+                NodeConfig { bind: config.bind, max_frame_bytes: 128 << 20, heartbeat_timeout: HEARTBEAT_TIMEOUT, ..NodeConfig::default() },
+            )
+            .await
+            .map_err(|e| setup(format!("cannot open the rendezvous on {}: {e}", config.bind)))?;
             let registry = node.host_registry().map_err(|e| setup(e.to_string()))?;
             Ok::<_, ClusterError>((node, registry))
         })?;
@@ -605,8 +608,8 @@ impl<'l> Cluster<'l> {
         let setup = self.config.setup_timeout;
         let (strategy, version, verify) = (req.strategy, req.version, req.verify);
         let data = |i: usize| DataPlane { faults: req.faults.get(&i).cloned().unwrap_or_default(), ..self.config.data.clone() };
-        let ready =
-            self.call_all(|i| MemberMsg::Prepare(Prepare { seq, strategy, version, verify, data: data(i), session: session.clone() }), setup);
+        let ready = self
+            .call_all(|i| MemberMsg::Prepare(Prepare { seq, strategy, version, verify, data: data(i), session: session.clone() }), setup);
         if let Some(e) = self.first_error(&ready) {
             return Err(e);
         }

@@ -22,6 +22,14 @@ pub use worker::{run_worker, Hosted, WorkerConfig};
 
 use actors::remote::Secret;
 use std::fmt;
+use std::time::Duration;
+
+/// A control connection with no byte from the peer for this long is dead
+/// (pings go every 250 ms). Two seconds, not the remote-actor default of
+/// one, because a launcher and dozens of workers share two cores in the
+/// benchmarks; a killed worker is noticed at once anyway (its sockets close,
+/// its process exits).
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 use std::path::Path;
 
 /// The control plane's shared secret as text, so that a launcher can hand

@@ -372,7 +372,8 @@ impl Member {
     /// the staging buffers and the committed ones swap (the old committed
     /// buffers become staging, fully rewritten by the next refit).
     fn commit(&mut self, seq: u64) -> Result<MemberReply, ActorError> {
-        let p = self.pending.take().filter(|p| p.req.seq == seq).ok_or_else(|| failed(format!("refit {seq} is not the one in progress")))?.req;
+        let p =
+            self.pending.take().filter(|p| p.req.seq == seq).ok_or_else(|| failed(format!("refit {seq} is not the one in progress")))?.req;
         let (src, dst) = (Arc::clone(&self.src), Arc::clone(&self.dst));
         let st = self.staging.get_mut(&p.strategy).ok_or_else(|| failed("no staging memory"))?;
         let mut verified = None;
@@ -467,9 +468,17 @@ pub fn run_worker(config: WorkerConfig, src: Layout, dst: Layout) -> Result<(), 
         .map_err(|e| format!("cannot start tokio: {e}"))?;
     runtime.block_on(async move {
         let ip = local_ip_towards(config.rendezvous).map_err(|e| format!("no route to the rendezvous {}: {e}", config.rendezvous))?;
-        let node = Node::bind(config.secret.clone(), NodeConfig { bind: SocketAddr::new(ip, 0), ..NodeConfig::default() })
-            .await
-            .map_err(|e| e.to_string())?;
+        let node = Node::bind(
+            config.secret.clone(),
+            NodeConfig {
+                bind: SocketAddr::new(ip, 0),
+                max_frame_bytes: 128 << 20,
+                heartbeat_timeout: super::HEARTBEAT_TIMEOUT,
+                ..NodeConfig::default()
+            },
+        )
+        .await
+        .map_err(|e| e.to_string())?;
         let switch = SharedSwitch::default();
         let (shutdown, mut stop) = tokio::sync::watch::channel(false);
         let name = member_name(&ranks);

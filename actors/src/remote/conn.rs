@@ -16,7 +16,7 @@ use super::auth::SessionKeys;
 use super::error::RemoteError;
 use super::node::NodeInner;
 use super::served::{Delivery, Served};
-use super::wire::{read_frame, Failure, Message, Opener, ReadError, Sealer};
+use super::wire::{read_frame_live, Failure, Message, Opener, ReadError, Sealer};
 use crate::actor::ActorInfo;
 use crate::supervision::StopReason;
 
@@ -358,13 +358,12 @@ async fn read_loop(conn: Arc<Conn>, mut rd: OwnedReadHalf, mut opener: Opener) {
     let max = config.max_frame_bytes;
     loop {
         let step = async {
-            let payload = match tokio::time::timeout(config.heartbeat_timeout, read_frame(&mut rd, max)).await {
-                Err(_) => {
-                    return Err((format!("no frame for {:?} (heartbeat timeout)", config.heartbeat_timeout), CloseKind::Fault));
-                }
-                Ok(Err(ReadError::Eof)) => return Err((ReadError::Eof.to_string(), CloseKind::ByPeer)),
-                Ok(Err(err)) => return Err((err.to_string(), CloseKind::Fault)),
-                Ok(Ok(payload)) => payload,
+            // The heartbeat deadline runs while no byte arrives: a large
+            // frame still arriving is a live peer.
+            let payload = match read_frame_live(&mut rd, max, config.heartbeat_timeout).await {
+                Err(ReadError::Eof) => return Err((ReadError::Eof.to_string(), CloseKind::ByPeer)),
+                Err(err) => return Err((err.to_string(), CloseKind::Fault)),
+                Ok(payload) => payload,
             };
             let msg = opener.open(&payload, max).map_err(|err| (err.to_string(), CloseKind::Fault))?;
             conn.dispatch(msg).await

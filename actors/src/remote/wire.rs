@@ -240,6 +240,50 @@ pub(crate) enum ReadError {
     TooLarge { len: usize, max: usize },
     #[error("read failed: {0}")]
     Io(std::io::Error),
+    #[error("no byte for {0:?} (heartbeat timeout)")]
+    Idle(std::time::Duration),
+}
+
+/// As [`read_frame`], but fails with [`ReadError::Idle`] only when no byte
+/// at all arrives for `idle`: a large frame that keeps arriving is progress,
+/// not a dead peer.
+pub(crate) async fn read_frame_live<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    max: usize,
+    idle: std::time::Duration,
+) -> Result<Vec<u8>, ReadError> {
+    let mut header = [0u8; FRAME_HEADER_LEN];
+    read_live(reader, &mut header, idle, true).await?;
+    let len = usize::try_from(u32::from_le_bytes(header)).unwrap_or(usize::MAX);
+    if len > max {
+        return Err(ReadError::TooLarge { len, max });
+    }
+    let mut payload = vec![0; len];
+    read_live(reader, &mut payload, idle, false).await?;
+    Ok(payload)
+}
+
+/// Fills `buf`, allowing at most `idle` between two reads that make
+/// progress. `at_start`: an end of stream before the first byte is a clean
+/// close, not a truncation.
+async fn read_live<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    buf: &mut [u8],
+    idle: std::time::Duration,
+    at_start: bool,
+) -> Result<(), ReadError> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let n = match tokio::time::timeout(idle, reader.read(&mut buf[filled..])).await {
+            Err(_) => return Err(ReadError::Idle(idle)),
+            Ok(r) => r.map_err(ReadError::Io)?,
+        };
+        if n == 0 {
+            return Err(if at_start && filled == 0 { ReadError::Eof } else { ReadError::Truncated });
+        }
+        filled += n;
+    }
+    Ok(())
 }
 
 /// Reads one frame's payload, checking the length prefix against `max`
