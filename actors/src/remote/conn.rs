@@ -344,6 +344,24 @@ impl Conn {
     }
 }
 
+/// Frames at least this large are authenticated and decoded off the
+/// runtime's reactor threads (see [`off_the_reactor`]).
+pub(crate) const LARGE: usize = 256 * 1024;
+
+/// Runs CPU-heavy `work` (sealing or opening a frame of `size` bytes) so
+/// that it does not hold up the other connections' heartbeats: on a
+/// multi-threaded runtime a large frame's work moves the thread's other
+/// tasks elsewhere first (`block_in_place`); small frames, and current-thread
+/// runtimes, run it inline.
+pub(crate) fn off_the_reactor<T>(size: usize, work: impl FnOnce() -> T) -> T {
+    let multi = tokio::runtime::Handle::try_current().is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi && size >= LARGE {
+        tokio::task::block_in_place(work)
+    } else {
+        work()
+    }
+}
+
 /// Completes once the flag is `true` (or its sender is gone).
 pub(crate) async fn wait_true(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|flag| *flag).await;
@@ -365,7 +383,7 @@ async fn read_loop(conn: Arc<Conn>, mut rd: OwnedReadHalf, mut opener: Opener) {
                 Err(err) => return Err((err.to_string(), CloseKind::Fault)),
                 Ok(payload) => payload,
             };
-            let msg = opener.open(&payload, max).map_err(|err| (err.to_string(), CloseKind::Fault))?;
+            let msg = off_the_reactor(payload.len(), || opener.open(&payload, max)).map_err(|err| (err.to_string(), CloseKind::Fault))?;
             conn.dispatch(msg).await
         };
         tokio::select! {
@@ -412,7 +430,7 @@ async fn write_loop(conn: Arc<Conn>, mut wr: OwnedWriteHalf, mut sealer: Sealer,
 
 async fn write_one(conn: &Conn, wr: &mut OwnedWriteHalf, sealer: &mut Sealer, msg: &Message, after: Duration) -> Result<(), String> {
     let max = conn.node.config().max_frame_bytes;
-    let frame = match sealer.seal(msg, max) {
+    let frame = match off_the_reactor(msg.size_hint(), || sealer.seal(msg, max)) {
         Ok(frame) => frame,
         Err(err) => {
             tracing::warn!(peer = %conn.peer, error = %err, "frame not sent: cannot encode it");

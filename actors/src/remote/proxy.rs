@@ -111,7 +111,9 @@ where
         };
         let Envelope { msg, reply } = envelope;
         let info = &shared.info;
-        let msg = match codec::encode_with_max(&msg, max) {
+        // Encoding may be heavy (a large message): keep it off the threads
+        // that carry every connection's heartbeats.
+        let msg = match super::conn::off_the_reactor(super::conn::LARGE, || codec::encode_with_max(&msg, max)) {
             Ok(msg) => msg,
             Err(err) => {
                 let error = ActorError::failed(format!("cannot send the message to {} on {}: {err}", info, conn.peer()));

@@ -52,7 +52,7 @@ where
 
     fn deliver(&self, msg: Vec<u8>, want_reply: bool, max: usize) -> BoxFuture<'_, Delivery> {
         Box::pin(async move {
-            let msg: A::Msg = match codec::decode_with_max(&msg, max) {
+            let msg: A::Msg = match super::conn::off_the_reactor(msg.len(), || codec::decode_with_max(&msg, max)) {
                 Ok(msg) => msg,
                 Err(err) => return Delivery::Failed(Failure::BadMessage(err.to_string())),
             };

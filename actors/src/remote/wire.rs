@@ -100,6 +100,15 @@ pub(crate) enum Message {
 }
 
 impl Message {
+    /// Roughly how many bytes the frame will have.
+    pub(crate) fn size_hint(&self) -> usize {
+        match self {
+            Self::Request { msg, .. } => msg.len(),
+            Self::Reply { result: Ok(bytes), .. } => bytes.len(),
+            _ => 0,
+        }
+    }
+
     /// The kind byte and encoded body.
     pub(crate) fn encode(&self, max: usize) -> Result<(FrameKind, Vec<u8>), CodecError> {
         Ok(match self {
