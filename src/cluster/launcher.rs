@@ -190,6 +190,8 @@ pub struct Cluster<'l> {
     plans: HashMap<Strategy, Plan>,
     programs: HashMap<Strategy, Vec<RankProgram>>,
     seq: u64,
+    /// Plan fingerprints (reshard, baseline) of the launcher's layouts.
+    fingerprints: (u64, u64),
 }
 
 fn group_name(g: Group) -> &'static str {
@@ -247,7 +249,10 @@ impl<'l> Cluster<'l> {
             plans: HashMap::new(),
             programs: HashMap::new(),
             seq: 0,
+            fingerprints: (0, 0),
         };
+        let fp = |s| reshard::plan_fingerprint(src, dst, &cluster.config.options, s).0;
+        cluster.fingerprints = (fp(Strategy::Reshard), fp(Strategy::Baseline));
         let mut spawned: HashMap<String, (Vec<String>, Child)> = HashMap::new();
         if cluster.config.spawn.is_some() {
             for (g, l) in [(Group::Src, src), (Group::Dst, dst)] {
@@ -342,9 +347,8 @@ impl<'l> Cluster<'l> {
     /// fingerprints.
     fn attach(&self, name: &str, addr: SocketAddr) -> Result<Link, ClusterError> {
         let setup = ClusterError::Setup;
-        let (src, dst, options) = (self.src, self.dst, self.config.options);
-        let fp = |s| reshard::plan_fingerprint(src, dst, &options, s).0;
-        let (want_r, want_b) = (fp(Strategy::Reshard), fp(Strategy::Baseline));
+        let (src, dst) = (self.src, self.dst);
+        let (want_r, want_b) = self.fingerprints;
         let timeout = self.config.setup_timeout;
         self.runtime.block_on(async {
             let peer = self.node.connect(addr).await.map_err(|e| setup(format!("worker {name} at {addr}: {e}")))?;

@@ -21,7 +21,7 @@
 use super::wire::{abort_name, member_name, AbortMsg, MemberMsg, MemberReply, Prepare, WorkerReport};
 use actors::remote::{Node, NodeConfig, Registration, Registry, RegistryMsg, Secret, REGISTRY_NAME};
 use actors::{async_trait, spawn, Actor, ActorError, Context, SpawnConfig};
-use reshard::{plan_fingerprint, Endpoint, Group, Layout, PlanOptions, RankProgram, Strategy};
+use reshard::{plan_fingerprint, Endpoint, Fingerprint, Group, Layout, PlanOptions, RankProgram, Strategy};
 use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -114,7 +114,8 @@ fn lock(s: &SharedSwitch) -> std::sync::MutexGuard<'_, AbortSwitch> {
 pub(crate) struct Member {
     src: Arc<Layout>,
     dst: Arc<Layout>,
-    options: PlanOptions,
+    /// Plan fingerprints of these layouts (reshard, baseline), computed once.
+    fingerprints: [Fingerprint; 2],
     ranks: Vec<Endpoint>,
     local_ip: IpAddr,
     programs: HashMap<Strategy, HashMap<Endpoint, RankProgram>>,
@@ -140,15 +141,12 @@ impl Actor for Member {
 
     async fn handle(&mut self, msg: MemberMsg, _ctx: &mut Context<Self>) -> Result<MemberReply, ActorError> {
         match msg {
-            MemberMsg::Describe => {
-                let fp = |s| plan_fingerprint(&self.src, &self.dst, &self.options, s).0;
-                Ok(MemberReply::Hello {
-                    ranks: self.ranks.clone(),
-                    pid: std::process::id(),
-                    reshard: fp(Strategy::Reshard),
-                    baseline: fp(Strategy::Baseline),
-                })
-            }
+            MemberMsg::Describe => Ok(MemberReply::Hello {
+                ranks: self.ranks.clone(),
+                pid: std::process::id(),
+                reshard: self.fingerprint(Strategy::Reshard).0,
+                baseline: self.fingerprint(Strategy::Baseline).0,
+            }),
             MemberMsg::Install { strategy, program } => self.install(strategy, *program),
             MemberMsg::Prepare(req) => {
                 let r = tokio::task::block_in_place(|| self.prepare(req));
@@ -184,8 +182,15 @@ impl Member {
         r
     }
 
+    fn fingerprint(&self, strategy: Strategy) -> Fingerprint {
+        match strategy {
+            Strategy::Reshard => self.fingerprints[0],
+            Strategy::Baseline => self.fingerprints[1],
+        }
+    }
+
     fn install(&mut self, strategy: Strategy, program: RankProgram) -> Result<MemberReply, ActorError> {
-        let want = plan_fingerprint(&self.src, &self.dst, &self.options, strategy);
+        let want = self.fingerprint(strategy);
         if !self.ranks.contains(&program.endpoint) {
             return Err(failed(format!("a program for {}, which this worker does not host ({:?})", program.endpoint, self.ranks)));
         }
@@ -482,11 +487,13 @@ pub fn run_worker(config: WorkerConfig, src: Layout, dst: Layout) -> Result<(), 
         let switch = SharedSwitch::default();
         let (shutdown, mut stop) = tokio::sync::watch::channel(false);
         let name = member_name(&ranks);
+        let fp = |s| plan_fingerprint(&src, &dst, &config.options, s);
+        let fingerprints = [fp(Strategy::Reshard), fp(Strategy::Baseline)];
         let member = Member {
+            fingerprints,
             committed: vec![RankMemory::default(); ranks.len()],
             src: Arc::new(src),
             dst: Arc::new(dst),
-            options: config.options,
             ranks,
             local_ip: ip,
             programs: HashMap::new(),
