@@ -101,6 +101,10 @@ struct ClusterArgs {
     /// fresh random one for workers this launcher starts).
     #[arg(long)]
     secret_file: Option<PathBuf>,
+    /// A control connection with no byte for this long is dead, in
+    /// milliseconds (raise it when dozens of processes share few cores).
+    #[arg(long, default_value_t = 2000)]
+    heartbeat_timeout_ms: u64,
 }
 
 impl ClusterArgs {
@@ -137,11 +141,12 @@ impl ClusterArgs {
             setup_timeout: deadline,
             refit_deadline: deadline,
             abort_grace: Duration::from_millis(self.abort_grace_ms.max(1)),
+            heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms.max(500)),
             data: DataPlane {
                 checksum: self.checksum,
                 emulation: self.emulation(),
                 faults: FaultSpec::default(),
-                connect_timeout: deadline.min(Duration::from_secs(5)),
+                connect_timeout: deadline.min(Duration::from_secs(60)),
             },
         })
     }
@@ -301,6 +306,10 @@ enum Command {
         /// File holding the control-plane secret (default: REFIT_SECRET).
         #[arg(long)]
         secret_file: Option<PathBuf>,
+        /// A control connection with no byte for this long is dead, in
+        /// milliseconds.
+        #[arg(long, default_value_t = 2000)]
+        heartbeat_timeout_ms: u64,
     },
     /// The chaos suite: kill worker processes at each phase of a refit and
     /// inject data-plane faults (stall, hanging abort, cut, corrupt frame,
@@ -892,7 +901,7 @@ fn cmd_worker(
     rank: Option<u32>,
     node: Option<u32>,
     rendezvous: &str,
-    abort_grace_ms: u64,
+    (abort_grace, heartbeat_timeout): (Duration, Duration),
     secret_file: &Option<PathBuf>,
 ) -> Result<(), Failure> {
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
@@ -915,7 +924,14 @@ fn cmd_worker(
     }
     .and_then(|s| s.secret())
     .map_err(|e| invalid(format!("control-plane secret: {e}")))?;
-    let config = WorkerConfig { hosted, rendezvous, options: opts, secret, abort_grace: Duration::from_millis(abort_grace_ms.max(1)) };
+    let config = WorkerConfig {
+        hosted,
+        rendezvous,
+        options: opts,
+        secret,
+        abort_grace: abort_grace.max(Duration::from_millis(1)),
+        heartbeat_timeout: heartbeat_timeout.max(Duration::from_millis(500)),
+    };
     run_worker(config, src, dst).map_err(|e| Failure { line: e, code: 1 })
 }
 
@@ -940,9 +956,12 @@ fn cmd_chaos(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), Failur
         checksum: true,
         emulate_nic_mbps: Some(nic_mbps.max(1)),
         secret_file: None,
+        heartbeat_timeout_ms: 2000,
     };
     let mut cluster = args.config(&dir.join("src.json"), &dir.join("dst.json"), PlanOptions::default(), "127.0.0.1:0", true)?;
     cluster.setup_timeout = Duration::from_secs(10);
+    // A peer killed before it connects fails the connect step after this.
+    cluster.data.connect_timeout = Duration::from_secs(5);
     let config = refit::chaos::ChaosConfig {
         cluster,
         mid_transfer: Duration::from_millis(200),
@@ -1184,8 +1203,9 @@ fn main() -> ExitCode {
         Command::Launch { pair, baseline, verify, refits, cluster, bind, no_spawn } => {
             cmd_launch(pair, *baseline, *verify, *refits, cluster, bind, *no_spawn)
         }
-        Command::Worker { pair, group, rank, node, rendezvous, abort_grace_ms, secret_file } => {
-            cmd_worker(pair, group, *rank, *node, rendezvous, *abort_grace_ms, secret_file)
+        Command::Worker { pair, group, rank, node, rendezvous, abort_grace_ms, secret_file, heartbeat_timeout_ms } => {
+            let timeouts = (Duration::from_millis(*abort_grace_ms), Duration::from_millis(*heartbeat_timeout_ms));
+            cmd_worker(pair, group, *rank, *node, rendezvous, timeouts, secret_file)
         }
         Command::Demo { steps, batch, lr, seed, mode, no_refit, json } => cmd_demo(*steps, *batch, *lr, *seed, *mode, *no_refit, *json),
     };

@@ -7,7 +7,7 @@
 
 use super::wire::{abort_name, AbortMsg, DataPlane, FaultSpec, MemberMsg, MemberReply, Prepare};
 use super::worker::{Aborter, Member};
-use super::{ControlSecret, HEARTBEAT_TIMEOUT};
+use super::ControlSecret;
 use actors::remote::{Node, NodeConfig, Registry, RegistryMsg, RegistryReply};
 use actors::{ActorRef, CallError, Supervisor, SupervisorEvents};
 use reshard::{plan_baseline, plan_reshard, Endpoint, Group, Layout, Plan, PlanError, PlanOptions, RankProgram, Strategy};
@@ -59,6 +59,9 @@ pub struct ClusterConfig {
     pub abort_grace: Duration,
     /// Data-plane settings (checksums, link emulation).
     pub data: DataPlane,
+    /// A control connection silent for this long is dead (launcher and
+    /// workers; see [`super::HEARTBEAT_TIMEOUT`]).
+    pub heartbeat_timeout: Duration,
 }
 
 /// Why a cluster operation failed.
@@ -225,7 +228,7 @@ impl<'l> Cluster<'l> {
             let secret = config.secret.secret().map_err(setup)?;
             let node = Node::bind(
                 secret,
-                NodeConfig { bind: config.bind, max_frame_bytes: 128 << 20, heartbeat_timeout: HEARTBEAT_TIMEOUT, ..NodeConfig::default() },
+                NodeConfig { bind: config.bind, max_frame_bytes: 128 << 20, heartbeat_timeout: config.heartbeat_timeout, ..NodeConfig::default() },
             )
             .await
             .map_err(|e| setup(format!("cannot open the rendezvous on {}: {e}", config.bind)))?;
@@ -326,6 +329,7 @@ impl<'l> Cluster<'l> {
             .args(["--group", &args[0], &args[1], &args[2], "--rendezvous", &self.rendezvous.to_string()])
             .args(["--max-staging-mib", &(self.config.options.max_staging_bytes >> 20).to_string()])
             .args(["--abort-grace-ms", &self.config.abort_grace.as_millis().to_string()])
+            .args(["--heartbeat-timeout-ms", &self.config.heartbeat_timeout.as_millis().to_string()])
             .env(SECRET_ENV, self.config.secret.text())
             .stdin(Stdio::null())
             .stdout(Stdio::null());
@@ -567,15 +571,12 @@ impl<'l> Cluster<'l> {
             .flat_map(|(i, l)| l.ranks.iter().map(move |e| (i, Box::new(programs[index(e)].clone()))))
             .collect();
         let refs: Vec<ActorRef<Member>> = self.links.iter().map(|l| l.member.clone()).collect();
+        // One program at a time: programs of large models are megabytes
+        // each, and encoding hundreds at once would crowd out heartbeats.
         let results = self.runtime.block_on(async {
-            let mut set = JoinSet::new();
-            for (k, (i, program)) in jobs.into_iter().enumerate() {
-                let r = refs[i].clone();
-                set.spawn(async move { (k, (i, r.call_timeout(MemberMsg::Install { strategy, program }, timeout).await)) });
-            }
             let mut out = Vec::new();
-            while let Some(Ok((_, r))) = set.join_next().await {
-                out.push(r);
+            for (i, program) in jobs {
+                out.push((i, refs[i].call_timeout(MemberMsg::Install { strategy, program }, timeout).await));
             }
             out
         });

@@ -24,11 +24,11 @@ use actors::remote::Secret;
 use std::fmt;
 use std::time::Duration;
 
-/// A control connection with no byte from the peer for this long is dead
-/// (pings go every 250 ms). Two seconds, not the remote-actor default of
-/// one, because a launcher and dozens of workers share two cores in the
-/// benchmarks; a killed worker is noticed at once anyway (its sockets close,
-/// its process exits).
+/// Default heartbeat timeout of the control plane: a connection with no byte
+/// from the peer for this long is dead (pings go every 250 ms). A killed
+/// worker is noticed sooner anyway (its sockets close, its process exits).
+/// Raise it (`--heartbeat-timeout-ms`) when dozens of processes share a few
+/// cores, where a healthy peer may not be scheduled for seconds.
 pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 use std::path::Path;
 

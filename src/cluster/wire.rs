@@ -37,7 +37,8 @@ pub struct DataPlane {
     /// Fault injection for this refit on this worker (chaos testing).
     pub faults: FaultSpec,
     /// Time to connect the data plane (a peer that is gone fails the
-    /// connect step after this; zero: 5 s).
+    /// connect step after this; zero: 5 s). Hundreds of ranks on a few
+    /// cores need tens of seconds.
     pub connect_timeout: Duration,
 }
 

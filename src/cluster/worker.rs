@@ -77,6 +77,8 @@ pub struct WorkerConfig {
     /// How long a data plane may take to stop after an abort before it is
     /// abandoned.
     pub abort_grace: Duration,
+    /// A control connection silent for this long is dead.
+    pub heartbeat_timeout: Duration,
 }
 
 /// The programs and staging memory of the worker's ranks under one strategy.
@@ -306,6 +308,22 @@ impl Member {
             Group::Src => (Group::Src, src.node_of(e.rank)),
             Group::Dst => (Group::Dst, dst.node_of(e.rank)),
         };
+        // A shared-memory region's lend area is reserved in memory as soon
+        // as its pair talks: size it to the largest message this worker
+        // sends inside its node (bigger ones stream through), not to the
+        // default, or a node of 8 ranks would pin gigabytes.
+        let largest = programs
+            .iter()
+            .flat_map(|p| {
+                let home = node_of(p.endpoint);
+                p.rounds.iter().flat_map(move |r| r.sends.iter().filter(move |m| node_of(m.peer) == home))
+            })
+            .map(|m| m.wire_bytes())
+            .max()
+            .unwrap_or(0);
+        let mut config = config;
+        config.shm.lend_bytes = largest.next_power_of_two().clamp(1 << 20, config.shm.lend_bytes);
+        config.shm.stream_bytes = config.shm.stream_bytes.min(1 << 20);
         let results: Vec<io::Result<NodeTransport>> = std::thread::scope(|s| {
             let handles: Vec<_> = programs
                 .iter()
@@ -478,7 +496,7 @@ pub fn run_worker(config: WorkerConfig, src: Layout, dst: Layout) -> Result<(), 
             NodeConfig {
                 bind: SocketAddr::new(ip, 0),
                 max_frame_bytes: 128 << 20,
-                heartbeat_timeout: super::HEARTBEAT_TIMEOUT,
+                heartbeat_timeout: config.heartbeat_timeout,
                 ..NodeConfig::default()
             },
         )
@@ -504,7 +522,10 @@ pub fn run_worker(config: WorkerConfig, src: Layout, dst: Layout) -> Result<(), 
             abort_grace: config.abort_grace,
             shutdown,
         };
-        let member = spawn(member, SpawnConfig::default().name(name.clone()));
+        // Remote calls to a served actor wait for the reply at most its
+        // default call timeout: the launcher bounds every call itself (a
+        // refit may run for minutes), so this side must not cut it short.
+        let member = spawn(member, SpawnConfig::default().name(name.clone()).call_timeout(Duration::from_secs(7 * 24 * 3600)));
         let aborter = spawn(Aborter { switch }, SpawnConfig::default().name(abort_name(&name)));
         node.serve(name.clone(), &member).map_err(|e| e.to_string())?;
         node.serve(abort_name(&name), &aborter).map_err(|e| e.to_string())?;
