@@ -35,6 +35,10 @@ pub struct MeshPlacement {
     pub ranks: Vec<Rank>,
     /// One placement per mesh dimension.
     pub dims: Vec<MeshDim>,
+    /// Where every rank stores its local block: a buffer of its own, or
+    /// row-major from element `at` of the rank's named buffer (the same name
+    /// and offset on every rank of the mesh; local blocks may differ in size).
+    pub storage: Storage,
 }
 
 /// Which part of a tensor a shard holds.
@@ -85,7 +89,8 @@ pub struct ShardSpec {
 /// How a tensor is spread over ranks.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Placement {
-    /// Mesh plus one placement per mesh dim; each shard in its own buffer.
+    /// Mesh plus one placement per mesh dim; each rank's block in its own
+    /// buffer or at one offset of a named buffer.
     Mesh(MeshPlacement),
     /// An explicit list of shards.
     Shards(Vec<ShardSpec>),
@@ -251,14 +256,16 @@ impl Layout {
                 return Err(field(format!("tensors[{i}].name"), format!("duplicate tensor name '{}'", t.name)));
             }
             validate_tensor(t, ranks)?;
-            if let Placement::Shards(shards) = &t.placement {
-                for s in shards {
-                    if let Storage::InBuffer { buffer, .. } = &s.storage {
-                        if !buffer_ids.contains_key(buffer) {
-                            buffer_ids.insert(buffer.clone(), buffer_names.len() as u32);
-                            buffer_names.push(buffer.clone());
-                            named_dtypes.push(t.dtype);
-                        }
+            let storages: Vec<&Storage> = match &t.placement {
+                Placement::Mesh(m) => vec![&m.storage],
+                Placement::Shards(shards) => shards.iter().map(|s| &s.storage).collect(),
+            };
+            for storage in storages {
+                if let Storage::InBuffer { buffer, .. } = storage {
+                    if !buffer_ids.contains_key(buffer) {
+                        buffer_ids.insert(buffer.clone(), buffer_names.len() as u32);
+                        buffer_names.push(buffer.clone());
+                        named_dtypes.push(t.dtype);
                     }
                 }
             }
@@ -325,7 +332,13 @@ impl Layout {
     pub fn holdings(&self, t: u32) -> Vec<Holding> {
         let tensor = &self.tensors[t as usize];
         match &tensor.placement {
-            Placement::Mesh(m) => mesh_holdings(t, &tensor.shape, m),
+            Placement::Mesh(m) => {
+                let (buffer, at) = match &m.storage {
+                    Storage::Own => (BufferKey::Own { tensor: t, shard: 0 }, 0),
+                    Storage::InBuffer { buffer, at } => (BufferKey::Named(self.buffer_ids.get(buffer).copied().unwrap_or(0)), *at),
+                };
+                mesh_holdings(&tensor.shape, m, buffer, at)
+            }
             Placement::Shards(shards) => {
                 let mut out: Vec<Holding> = Vec::new();
                 let mut index: HashMap<Block, usize> = HashMap::new();
@@ -381,22 +394,45 @@ impl Layout {
 
     fn check_named_buffers(&self) -> Result<(), LayoutError> {
         let ids = &self.buffer_ids;
-        // (rank, buffer) -> list of (start, end, tensor index, dtype)
+        // (rank, buffer) -> list of (start, end, tensor index)
         type Uses = HashMap<(Rank, u32), Vec<(u64, u64, u32)>>;
         let mut uses: Uses = HashMap::new();
         let mut dtypes: HashMap<u32, (DType, u32)> = HashMap::new();
         for (ti, t) in self.tensors.iter().enumerate() {
-            let Placement::Shards(shards) = &t.placement else { continue };
-            for s in shards {
-                let Storage::InBuffer { buffer, at } = &s.storage else { continue };
+            // (rank, buffer, at, elements) of every stored region.
+            let regions: Vec<(Rank, &str, u64, u64)> = match &t.placement {
+                Placement::Shards(shards) => shards
+                    .iter()
+                    .filter_map(|s| match &s.storage {
+                        Storage::InBuffer { buffer, at } => Some((s.rank, buffer.as_str(), *at, region_len(&s.region))),
+                        Storage::Own => None,
+                    })
+                    .collect(),
+                Placement::Mesh(m) => match &m.storage {
+                    Storage::Own => Vec::new(),
+                    Storage::InBuffer { buffer, at } => {
+                        let mut out = Vec::with_capacity(m.ranks.len());
+                        for h in mesh_holdings(&t.shape, m, BufferKey::Named(0), *at) {
+                            let len = h.block.numel();
+                            out.extend(h.holders.iter().map(|l| (l.rank, buffer.as_str(), *at, len)));
+                        }
+                        if out.is_empty() {
+                            // Every local block is empty: still one dtype per buffer.
+                            out.push((m.ranks[0], buffer.as_str(), *at, 0));
+                        }
+                        out
+                    }
+                },
+            };
+            for (rank, buffer, at, len) in regions {
                 let id = ids[buffer];
                 match dtypes.get(&id) {
                     Some(&(d, other)) if d != t.dtype => {
                         return Err(tensor_err(
                             &t.name,
                             format!(
-                                "rank {}: buffer '{buffer}' already holds {d} elements of tensor '{}', so it cannot take {} elements; one buffer has one dtype",
-                                s.rank, self.tensors[other as usize].name, t.dtype
+                                "rank {rank}: buffer '{buffer}' already holds {d} elements of tensor '{}', so it cannot take {} elements; one buffer has one dtype",
+                                self.tensors[other as usize].name, t.dtype
                             ),
                         ))
                     }
@@ -405,14 +441,13 @@ impl Layout {
                         dtypes.insert(id, (t.dtype, ti as u32));
                     }
                 }
-                let len = region_len(&s.region);
                 if len == 0 {
                     continue;
                 }
                 let end = at
                     .checked_add(len)
-                    .ok_or_else(|| tensor_err(&t.name, format!("rank {}: buffer '{buffer}': at + size overflows", s.rank)))?;
-                uses.entry((s.rank, id)).or_default().push((*at, end, ti as u32));
+                    .ok_or_else(|| tensor_err(&t.name, format!("rank {rank}: buffer '{buffer}': at + size overflows")))?;
+                uses.entry((rank, id)).or_default().push((at, end, ti as u32));
             }
         }
         let mut uses: Vec<_> = uses.into_iter().collect();
@@ -479,7 +514,8 @@ pub fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
 
 /// Expands a mesh placement: one holding per combination of coordinates on
 /// the sharding mesh dims; ranks differing only on replicate dims share it.
-fn mesh_holdings(t: u32, shape: &[u64], m: &MeshPlacement) -> Vec<Holding> {
+/// Every holder stores its block at element `at` of `buffer`.
+fn mesh_holdings(shape: &[u64], m: &MeshPlacement, buffer: BufferKey, at: u64) -> Vec<Holding> {
     let nd = m.shape.len();
     let sharded: Vec<usize> = (0..nd).filter(|&i| matches!(m.dims[i], MeshDim::Shard(_))).collect();
     // Holding slot per combination of sharded coordinates (mixed radix).
@@ -502,7 +538,7 @@ fn mesh_holdings(t: u32, shape: &[u64], m: &MeshPlacement) -> Vec<Holding> {
             slot_of[key] = out.len() as u32;
             out.push(Holding { block: Block::new(&off, &ext), holders: Vec::new() });
         }
-        out[slot_of[key] as usize].holders.push(Loc { rank, buffer: BufferKey::Own { tensor: t, shard: 0 }, at: 0 });
+        out[slot_of[key] as usize].holders.push(Loc { rank, buffer, at });
         // advance row-major coordinate
         for i in (0..nd).rev() {
             coord[i] += 1;
@@ -517,6 +553,18 @@ fn mesh_holdings(t: u32, shape: &[u64], m: &MeshPlacement) -> Vec<Holding> {
         h.holders.sort_by_key(|l| l.rank);
     }
     out
+}
+
+/// A buffer name must be non-empty and free of control characters;
+/// `prefix` locates it in the tensor (`shards[2]: `, or nothing for a mesh).
+fn check_buffer_name(tensor: &str, prefix: &str, buffer: &str) -> Result<(), LayoutError> {
+    if buffer.is_empty() {
+        return Err(tensor_err(tensor, format!("{prefix}buffer name must not be empty")));
+    }
+    if buffer.chars().any(char::is_control) {
+        return Err(tensor_err(tensor, format!("{prefix}buffer name '{}' contains control characters", escape(buffer))));
+    }
+    Ok(())
 }
 
 fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
@@ -563,6 +611,20 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
                     if *d >= t.shape.len() {
                         return Err(tensor_err(name, format!("placements[{i}]: shard({d}) but the tensor has {} dims", t.shape.len())));
                     }
+                }
+            }
+            if let Storage::InBuffer { buffer, at } = &m.storage {
+                check_buffer_name(name, "", buffer)?;
+                // The largest local block is the first chunk of every split.
+                let mut ext = t.shape.clone();
+                for (i, p) in m.dims.iter().enumerate() {
+                    if let MeshDim::Shard(d) = p {
+                        ext[*d] = ext[*d].div_ceil(m.shape[i] as u64);
+                    }
+                }
+                let len: u64 = ext.iter().product();
+                if at.checked_add(len).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
+                    return Err(tensor_err(name, format!("at {at} + local block size overflows")));
                 }
             }
         }
@@ -612,12 +674,7 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
                     }
                 }
                 if let Storage::InBuffer { buffer, at: off } = &s.storage {
-                    if buffer.is_empty() {
-                        return Err(tensor_err(name, format!("{at}: buffer name must not be empty")));
-                    }
-                    if buffer.chars().any(char::is_control) {
-                        return Err(tensor_err(name, format!("{at}: buffer name '{}' contains control characters", escape(buffer))));
-                    }
+                    check_buffer_name(name, &format!("{at}: "), buffer)?;
                     if off.checked_add(region_len(&s.region)).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
                         return Err(tensor_err(name, format!("{at}: at {off} + size overflows")));
                     }
@@ -638,7 +695,7 @@ mod tests {
             name: "w".into(),
             dtype: DType::F32,
             shape,
-            placement: Placement::Mesh(MeshPlacement { shape: mesh, ranks: (0..n).collect(), dims }),
+            placement: Placement::Mesh(MeshPlacement { shape: mesh, ranks: (0..n).collect(), dims, storage: Storage::Own }),
         }
     }
 
