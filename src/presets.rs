@@ -80,7 +80,7 @@ fn mesh(shape: Vec<u32>, ranks: Vec<u32>, dims: Vec<MeshDim>) -> Placement {
 /// each head replicated over consecutive TP ranks.
 fn tp_placement(w: &Weight, outer: u32, tp: u32, ranks: Vec<u32>) -> Placement {
     match w.kv_heads {
-        Some(kv) if kv < tp as u64 && tp as u64 % kv == 0 => {
+        Some(kv) if kv < tp as u64 && (tp as u64).is_multiple_of(kv) => {
             let kv = kv as u32;
             mesh(vec![outer, kv, tp / kv], ranks, vec![MeshDim::Replicate, MeshDim::Shard(0), MeshDim::Replicate])
         }

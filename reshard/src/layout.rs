@@ -96,6 +96,42 @@ pub enum Placement {
     Shards(Vec<ShardSpec>),
 }
 
+impl Placement {
+    /// Hashes where the blocks are (mesh, ranks and placements, or the
+    /// shards' ranks and regions), not where they are stored.
+    pub(crate) fn hash_geometry<H: std::hash::Hasher>(&self, h: &mut H) {
+        use std::hash::Hash;
+        match self {
+            Placement::Mesh(m) => {
+                0u8.hash(h);
+                m.shape.hash(h);
+                m.ranks.hash(h);
+                m.dims.hash(h);
+            }
+            Placement::Shards(shards) => {
+                1u8.hash(h);
+                shards.len().hash(h);
+                for s in shards {
+                    s.rank.hash(h);
+                    s.region.hash(h);
+                }
+            }
+        }
+    }
+
+    /// Whether both place the same blocks on the same ranks, wherever each
+    /// stores them.
+    pub(crate) fn same_geometry(&self, other: &Placement) -> bool {
+        match (self, other) {
+            (Placement::Mesh(a), Placement::Mesh(b)) => a.shape == b.shape && a.ranks == b.ranks && a.dims == b.dims,
+            (Placement::Shards(a), Placement::Shards(b)) => {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.rank == y.rank && x.region == y.region)
+            }
+            _ => false,
+        }
+    }
+}
+
 /// One logical tensor of a layout.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TensorLayout {
@@ -392,86 +428,142 @@ impl Layout {
         out
     }
 
+    /// Checks the named-buffer rules: one dtype per buffer name, and no two
+    /// stored regions overlapping in one buffer of one rank. Mesh-form
+    /// tensors are expanded per rank one buffer name at a time, so that the
+    /// check needs memory for the largest buffer only.
     fn check_named_buffers(&self) -> Result<(), LayoutError> {
-        let ids = &self.buffer_ids;
-        // (rank, buffer) -> list of (start, end, tensor index)
-        type Uses = HashMap<(Rank, u32), Vec<(u64, u64, u32)>>;
-        let mut uses: Uses = HashMap::new();
-        let mut dtypes: HashMap<u32, (DType, u32)> = HashMap::new();
+        /// A tensor's mesh placement (rather than one of its shards).
+        const MESH: u32 = u32::MAX;
+        // Per buffer id: (tensor, shard index or MESH) stored in it.
+        let mut members: Vec<Vec<(u32, u32)>> = vec![Vec::new(); self.buffer_names.len()];
+        let mut first: Vec<u32> = vec![u32::MAX; self.buffer_names.len()];
         for (ti, t) in self.tensors.iter().enumerate() {
-            // (rank, buffer, at, elements) of every stored region.
-            let regions: Vec<(Rank, &str, u64, u64)> = match &t.placement {
+            let stored: Vec<(u32, Rank, &str)> = match &t.placement {
+                Placement::Mesh(m) => match &m.storage {
+                    Storage::InBuffer { buffer, .. } => vec![(MESH, m.ranks[0], buffer.as_str())],
+                    Storage::Own => Vec::new(),
+                },
                 Placement::Shards(shards) => shards
                     .iter()
-                    .filter_map(|s| match &s.storage {
-                        Storage::InBuffer { buffer, at } => Some((s.rank, buffer.as_str(), *at, region_len(&s.region))),
+                    .enumerate()
+                    .filter_map(|(i, s)| match &s.storage {
+                        Storage::InBuffer { buffer, .. } => Some((i as u32, s.rank, buffer.as_str())),
                         Storage::Own => None,
                     })
                     .collect(),
-                Placement::Mesh(m) => match &m.storage {
-                    Storage::Own => Vec::new(),
-                    Storage::InBuffer { buffer, at } => {
-                        let mut out = Vec::with_capacity(m.ranks.len());
-                        for h in mesh_holdings(&t.shape, m, BufferKey::Named(0), *at) {
-                            let len = h.block.numel();
-                            out.extend(h.holders.iter().map(|l| (l.rank, buffer.as_str(), *at, len)));
-                        }
-                        if out.is_empty() {
-                            // Every local block is empty: still one dtype per buffer.
-                            out.push((m.ranks[0], buffer.as_str(), *at, 0));
-                        }
-                        out
-                    }
-                },
             };
-            for (rank, buffer, at, len) in regions {
-                let id = ids[buffer];
-                match dtypes.get(&id) {
-                    Some(&(d, other)) if d != t.dtype => {
-                        return Err(tensor_err(
-                            &t.name,
-                            format!(
-                                "rank {rank}: buffer '{buffer}' already holds {d} elements of tensor '{}', so it cannot take {} elements; one buffer has one dtype",
-                                self.tensors[other as usize].name, t.dtype
-                            ),
-                        ))
-                    }
-                    Some(_) => {}
-                    None => {
-                        dtypes.insert(id, (t.dtype, ti as u32));
-                    }
+            for (which, rank, buffer) in stored {
+                let id = self.buffer_ids[buffer] as usize;
+                if first[id] == u32::MAX {
+                    first[id] = ti as u32;
                 }
-                if len == 0 {
-                    continue;
+                let other = &self.tensors[first[id] as usize];
+                if other.dtype != t.dtype {
+                    return Err(tensor_err(
+                        &t.name,
+                        format!(
+                            "rank {rank}: buffer '{buffer}' already holds {} elements of tensor '{}', so it cannot take {} elements; one buffer has one dtype",
+                            other.dtype, other.name, t.dtype
+                        ),
+                    ));
                 }
-                let end = at
-                    .checked_add(len)
-                    .ok_or_else(|| tensor_err(&t.name, format!("rank {rank}: buffer '{buffer}': at + size overflows")))?;
-                uses.entry((rank, id)).or_default().push((at, end, ti as u32));
+                members[id].push((ti as u32, which));
             }
         }
-        let mut uses: Vec<_> = uses.into_iter().collect();
-        uses.sort_unstable_by_key(|(key, _)| *key);
-        for (key, mut list) in uses {
-            list.sort_unstable();
-            for w in list.windows(2) {
-                let (a, b) = (w[0], w[1]);
-                if b.0 < a.1 {
-                    return Err(LayoutError::BufferOverlap {
-                        rank: key.0,
-                        buffer: self.buffer_names[key.1 as usize].clone(),
-                        a: self.tensors[a.2 as usize].name.clone(),
-                        a_start: a.0,
-                        a_end: a.1,
-                        b: self.tensors[b.2 as usize].name.clone(),
-                        b_start: b.0,
-                        b_end: b.1,
-                    });
+        // Per buffer, a sweep in order of `at` (the same on every rank of a
+        // mesh): on each rank, a region overlaps an earlier one exactly when
+        // it starts before the furthest end so far. Per rank: (buffer id + 1
+        // when last written, start, end, tensor) of the furthest-reaching region.
+        let mut state: Vec<(u32, u64, u64, u32)> = vec![(0, 0, 0, 0); self.ranks as usize];
+        let overlap = |rank: Rank, id: usize, a: (u64, u64, u32), b: (u64, u64, u32)| LayoutError::BufferOverlap {
+            rank,
+            buffer: self.buffer_names[id].clone(),
+            a: self.tensors[a.2 as usize].name.clone(),
+            a_start: a.0,
+            a_end: a.1,
+            b: self.tensors[b.2 as usize].name.clone(),
+            b_start: b.0,
+            b_end: b.1,
+        };
+        for (id, list) in members.iter_mut().enumerate() {
+            let gen = id as u32 + 1;
+            let at_of = |&(ti, which): &(u32, u32)| {
+                let storage = match &self.tensors[ti as usize].placement {
+                    Placement::Mesh(m) => &m.storage,
+                    Placement::Shards(shards) => &shards[which as usize].storage,
+                };
+                match storage {
+                    Storage::InBuffer { at, .. } => *at,
+                    Storage::Own => 0,
+                }
+            };
+            list.sort_by_key(|m| (at_of(m), m.0, m.1));
+            let mut visit = |rank: Rank, region: (u64, u64, u32)| -> Result<(), LayoutError> {
+                let st = &mut state[rank as usize];
+                if st.0 == gen && region.0 < st.2 {
+                    return Err(overlap(rank, id, (st.1, st.2, st.3), region));
+                }
+                if st.0 != gen || region.1 > st.2 {
+                    *st = (gen, region.0, region.1, region.2);
+                }
+                Ok(())
+            };
+            for m @ &(ti, which) in list.iter() {
+                let t = &self.tensors[ti as usize];
+                let at = at_of(m);
+                match &t.placement {
+                    Placement::Mesh(mesh) => {
+                        if let Some(len) = uniform_local_elems(&t.shape, mesh) {
+                            // Every rank holds a block of `len` elements (the common case, no expansion).
+                            if len > 0 {
+                                let end = at.saturating_add(len);
+                                for &rank in &mesh.ranks {
+                                    visit(rank, (at, end, ti))?;
+                                }
+                            }
+                            continue;
+                        }
+                        for h in mesh_holdings(&t.shape, mesh, BufferKey::Named(id as u32), at) {
+                            // `at` + the largest local block was checked to fit.
+                            let end = at.saturating_add(h.block.numel());
+                            for l in &h.holders {
+                                visit(l.rank, (at, end, ti))?;
+                            }
+                        }
+                    }
+                    Placement::Shards(shards) => {
+                        let s = &shards[which as usize];
+                        let len = region_len(&s.region);
+                        if len == 0 {
+                            continue;
+                        }
+                        let end = at.checked_add(len).ok_or_else(|| {
+                            tensor_err(&t.name, format!("rank {}: buffer '{}': at + size overflows", s.rank, self.buffer_names[id]))
+                        })?;
+                        visit(s.rank, (at, end, ti))?;
+                    }
                 }
             }
         }
         Ok(())
     }
+}
+
+/// The element count of every rank's local block of a mesh placement, when
+/// every split is exact (all local blocks equally large).
+fn uniform_local_elems(shape: &[u64], m: &MeshPlacement) -> Option<u64> {
+    let mut ext = shape.to_vec();
+    for (i, p) in m.dims.iter().enumerate() {
+        if let MeshDim::Shard(d) = p {
+            let k = m.shape[i] as u64;
+            if !ext[*d].is_multiple_of(k) {
+                return None;
+            }
+            ext[*d] /= k;
+        }
+    }
+    Some(ext.iter().product())
 }
 
 fn region_len(r: &Region) -> u64 {
