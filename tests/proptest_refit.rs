@@ -653,8 +653,41 @@ fn check_deterministic(c: &Case) -> Result<(), TestCaseError> {
         prop_assert_eq!(a.figures(), b.figures(), "{}: figures", strategy);
         prop_assert_eq!(a.pieces(), b.pieces(), "{}: pieces", strategy);
         prop_assert_eq!(a.transfers(), b.transfers(), "{}: transfers", strategy);
+        // Where blocks are stored (own or named buffers, offsets) plays no
+        // part in what moves where.
+        let (src, dst) = (without_storage(&c.src), without_storage(&c.dst));
+        let own = match strategy {
+            Planner::Reshard => plan_reshard(&src, &dst, &c.options),
+            Planner::Baseline => plan_baseline(&src, &dst, &c.options),
+        }
+        .map_err(|e| TestCaseError::fail(format!("{strategy} without named buffers: {e}")))?;
+        prop_assert_eq!(a.figures(), own.figures(), "{}: figures without named buffers", strategy);
+        prop_assert_eq!(a.pieces(), own.pieces(), "{}: pieces without named buffers", strategy);
+        prop_assert_eq!(a.transfers(), own.transfers(), "{}: transfers without named buffers", strategy);
+    }
+    // The file format round-trips, named buffers of mesh-form tensors included.
+    for (side, layout) in [("src", &c.src), ("dst", &c.dst)] {
+        let back = parse_layout(&layout_to_json(layout).to_string()).map_err(|e| TestCaseError::fail(format!("{side}: {e}")))?;
+        prop_assert!(&back == layout, "{}: layout_to_json does not round-trip", side);
     }
     Ok(())
+}
+
+/// The same layout with every block in a buffer of its own.
+fn without_storage(layout: &Layout) -> Layout {
+    let tensors = layout
+        .tensors()
+        .iter()
+        .map(|t| {
+            let mut t = t.clone();
+            match &mut t.placement {
+                Placement::Mesh(m) => m.storage = Storage::Own,
+                Placement::Shards(shards) => shards.iter_mut().for_each(|s| s.storage = Storage::Own),
+            }
+            t
+        })
+        .collect();
+    Layout::new(layout.ranks(), Some(layout.ranks_per_node()), tensors).expect("a layout without named buffers is valid")
 }
 
 /// `PROPTEST_CASES` overrides the number of cases (for longer soak runs).
