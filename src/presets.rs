@@ -10,8 +10,28 @@
 //!   dense weights replicated over EP x DP within a stage, each expert on one
 //!   EP rank, replicated over DP) -> inference TP8 x DP16 on 128 ranks
 //!   (8 per node; every weight, experts included, TP-sharded).
+//!
+//! Fused buffers, as the frameworks store them (buffer names are per rank;
+//! members lie back to back, each rank's local block after the previous
+//! member's local block):
+//! - training (Megatron): `layers.{l}.linear_qkv` = [q; k; v],
+//!   `layers.{l}.linear_fc1` = [gate; up] of a dense MLP,
+//!   `layers.{l}.shared_experts.linear_fc1` and
+//!   `layers.{l}.experts.{e}.linear_fc1` likewise (one per expert, as
+//!   Megatron's grouped-GEMM experts keep them);
+//! - inference (vLLM): `layers.{l}.qkv_proj` = [q; k; v],
+//!   `layers.{l}.gate_up_proj` = [gate; up] of the dense MLP or of the shared
+//!   experts, `layers.{l}.fused_qkv_a_proj` = [q_a_proj; kv_a_proj_with_mqa]
+//!   (MLA, replicated), and FusedMoE's `layers.{l}.experts.w13_weight` =
+//!   [gate_0; up_0; gate_1; up_1; ...] and `layers.{l}.experts.w2_weight` =
+//!   [down_0; down_1; ...].
+//!
+//! With more TP ranks than KV heads, k_proj and v_proj are not split below a
+//! head: each rank holds one whole KV head, replicated over `tp / kv_heads`
+//! ranks (vLLM's `QKVParallelLinear`).
 
-use reshard::{DType, Layout, LayoutError, MeshDim, MeshPlacement, Placement, TensorLayout};
+use reshard::{DType, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Storage, TensorLayout};
+use std::collections::HashMap;
 
 /// A model preset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -46,10 +66,88 @@ struct Weight {
     stage: u32,
     /// Expert index, for routed experts.
     expert: Option<u32>,
+    /// Number of KV heads making up dim 0 (GQA k_proj and v_proj).
+    kv_heads: Option<u64>,
 }
 
 fn mesh(shape: Vec<u32>, ranks: Vec<u32>, dims: Vec<MeshDim>) -> Placement {
-    Placement::Mesh(MeshPlacement { shape, ranks, dims })
+    Placement::Mesh(MeshPlacement { shape, ranks, dims, storage: Storage::Own })
+}
+
+/// A weight split `tp` ways by its kind over `ranks` (row-major (outer,
+/// tp), the outer dim replicated). A KV projection with fewer heads than
+/// `tp` is split by heads instead: mesh (outer, kv_heads, tp / kv_heads),
+/// each head replicated over consecutive TP ranks.
+fn tp_placement(w: &Weight, outer: u32, tp: u32, ranks: Vec<u32>) -> Placement {
+    match w.kv_heads {
+        Some(kv) if kv < tp as u64 && (tp as u64).is_multiple_of(kv) => {
+            let kv = kv as u32;
+            mesh(vec![outer, kv, tp / kv], ranks, vec![MeshDim::Replicate, MeshDim::Shard(0), MeshDim::Replicate])
+        }
+        _ => mesh(vec![outer, tp], ranks, vec![MeshDim::Replicate, tp_dim(w.tp)]),
+    }
+}
+
+/// Which side of a refit a fused buffer belongs to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// Megatron-style training.
+    Train,
+    /// vLLM-style inference.
+    Infer,
+}
+
+/// The fused buffer a tensor lives in on one side, if any.
+fn fused_buffer(name: &str, side: Side) -> Option<String> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (l, leaf) = rest.split_once('.')?;
+    let leaf = leaf.strip_suffix(".weight")?;
+    let train = side == Side::Train;
+    if let Some(e) = leaf.strip_prefix("mlp.experts.") {
+        let (e, proj) = e.split_once('.')?;
+        return match (proj, train) {
+            ("gate_proj" | "up_proj", true) => Some(format!("layers.{l}.experts.{e}.linear_fc1")),
+            ("gate_proj" | "up_proj", false) => Some(format!("layers.{l}.experts.w13_weight")),
+            ("down_proj", false) => Some(format!("layers.{l}.experts.w2_weight")),
+            _ => None,
+        };
+    }
+    match (leaf, train) {
+        ("self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj", true) => Some(format!("layers.{l}.linear_qkv")),
+        ("self_attn.q_proj" | "self_attn.k_proj" | "self_attn.v_proj", false) => Some(format!("layers.{l}.qkv_proj")),
+        ("mlp.gate_proj" | "mlp.up_proj", true) => Some(format!("layers.{l}.linear_fc1")),
+        ("mlp.shared_experts.gate_proj" | "mlp.shared_experts.up_proj", true) => Some(format!("layers.{l}.shared_experts.linear_fc1")),
+        ("mlp.gate_proj" | "mlp.up_proj" | "mlp.shared_experts.gate_proj" | "mlp.shared_experts.up_proj", false) => {
+            Some(format!("layers.{l}.gate_up_proj"))
+        }
+        ("self_attn.q_a_proj" | "self_attn.kv_a_proj_with_mqa", false) => Some(format!("layers.{l}.fused_qkv_a_proj")),
+        _ => None,
+    }
+}
+
+/// Elements of the largest local block of a mesh placement (the first
+/// chunk of every split).
+fn max_local_elems(shape: &[u64], m: &MeshPlacement) -> u64 {
+    let mut ext = shape.to_vec();
+    for (i, d) in m.dims.iter().enumerate() {
+        if let MeshDim::Shard(d) = d {
+            ext[*d] = ext[*d].div_ceil(m.shape[i] as u64);
+        }
+    }
+    ext.iter().product()
+}
+
+/// Stores the tensors of each fused buffer back to back, in tensor order:
+/// every rank's local block of a member starts after the largest local
+/// block of the members before it.
+fn fuse(tensors: &mut [TensorLayout], side: Side) {
+    let mut next: HashMap<String, u64> = HashMap::new();
+    for t in tensors {
+        let (Some(buffer), Placement::Mesh(m)) = (fused_buffer(&t.name, side), &mut t.placement) else { continue };
+        let at = next.entry(buffer.clone()).or_insert(0);
+        m.storage = Storage::InBuffer { buffer, at: *at };
+        *at += max_local_elems(&t.shape, m);
+    }
 }
 
 fn tp_dim(tp: Tp) -> MeshDim {
@@ -66,22 +164,29 @@ fn div(x: u64, scale: u64) -> u64 {
 
 fn llama_weights(scale: u64) -> Vec<Weight> {
     let (h, ffn, vocab, layers, kv) = (div(4096, scale), div(14336, scale), div(128_256, scale), 32u32, div(1024, scale));
-    let mut w = vec![Weight { name: "model.embed_tokens.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 0, expert: None }];
+    let mut w = vec![Weight {
+        name: "model.embed_tokens.weight".into(),
+        shape: vec![vocab, h],
+        tp: Tp::Col,
+        stage: 0,
+        expert: None,
+        kv_heads: None,
+    }];
     for l in 0..layers {
         let stage = l / 16;
         let p = |n: &str| format!("model.layers.{l}.{n}");
-        w.push(Weight { name: p("input_layernorm.weight"), shape: vec![h], tp: Tp::None, stage, expert: None });
-        w.push(Weight { name: p("self_attn.q_proj.weight"), shape: vec![h, h], tp: Tp::Col, stage, expert: None });
-        w.push(Weight { name: p("self_attn.k_proj.weight"), shape: vec![kv, h], tp: Tp::Col, stage, expert: None });
-        w.push(Weight { name: p("self_attn.v_proj.weight"), shape: vec![kv, h], tp: Tp::Col, stage, expert: None });
-        w.push(Weight { name: p("self_attn.o_proj.weight"), shape: vec![h, h], tp: Tp::Row, stage, expert: None });
-        w.push(Weight { name: p("post_attention_layernorm.weight"), shape: vec![h], tp: Tp::None, stage, expert: None });
-        w.push(Weight { name: p("mlp.gate_proj.weight"), shape: vec![ffn, h], tp: Tp::Col, stage, expert: None });
-        w.push(Weight { name: p("mlp.up_proj.weight"), shape: vec![ffn, h], tp: Tp::Col, stage, expert: None });
-        w.push(Weight { name: p("mlp.down_proj.weight"), shape: vec![h, ffn], tp: Tp::Row, stage, expert: None });
+        w.push(Weight { name: p("input_layernorm.weight"), shape: vec![h], tp: Tp::None, stage, expert: None, kv_heads: None });
+        w.push(Weight { name: p("self_attn.q_proj.weight"), shape: vec![h, h], tp: Tp::Col, stage, expert: None, kv_heads: None });
+        w.push(Weight { name: p("self_attn.k_proj.weight"), shape: vec![kv, h], tp: Tp::Col, stage, expert: None, kv_heads: Some(8) });
+        w.push(Weight { name: p("self_attn.v_proj.weight"), shape: vec![kv, h], tp: Tp::Col, stage, expert: None, kv_heads: Some(8) });
+        w.push(Weight { name: p("self_attn.o_proj.weight"), shape: vec![h, h], tp: Tp::Row, stage, expert: None, kv_heads: None });
+        w.push(Weight { name: p("post_attention_layernorm.weight"), shape: vec![h], tp: Tp::None, stage, expert: None, kv_heads: None });
+        w.push(Weight { name: p("mlp.gate_proj.weight"), shape: vec![ffn, h], tp: Tp::Col, stage, expert: None, kv_heads: None });
+        w.push(Weight { name: p("mlp.up_proj.weight"), shape: vec![ffn, h], tp: Tp::Col, stage, expert: None, kv_heads: None });
+        w.push(Weight { name: p("mlp.down_proj.weight"), shape: vec![h, ffn], tp: Tp::Row, stage, expert: None, kv_heads: None });
     }
-    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 1, expert: None });
-    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 1, expert: None });
+    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 1, expert: None, kv_heads: None });
+    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 1, expert: None, kv_heads: None });
     w
 }
 
@@ -93,11 +198,19 @@ fn deepseek_weights(scale: u64) -> Vec<Weight> {
     let (layers, dense_layers, experts) = (61u32, 3u32, 256u32);
     // 61 layers over 4 stages: 16, 15, 15, 15.
     let stage_of = |l: u32| if l < 16 { 0 } else { 1 + (l - 16) / 15 };
-    let mut w = vec![Weight { name: "model.embed_tokens.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 0, expert: None }];
+    let mut w = vec![Weight {
+        name: "model.embed_tokens.weight".into(),
+        shape: vec![vocab, h],
+        tp: Tp::Col,
+        stage: 0,
+        expert: None,
+        kv_heads: None,
+    }];
     for l in 0..layers {
         let stage = stage_of(l);
         let p = |n: &str| format!("model.layers.{l}.{n}");
-        let mut add = |name: String, shape: Vec<u64>, tp: Tp, expert: Option<u32>| w.push(Weight { name, shape, tp, stage, expert });
+        let mut add =
+            |name: String, shape: Vec<u64>, tp: Tp, expert: Option<u32>| w.push(Weight { name, shape, tp, stage, expert, kv_heads: None });
         add(p("input_layernorm.weight"), vec![h], Tp::None, None);
         add(p("self_attn.q_a_proj.weight"), vec![q_lora, h], Tp::None, None);
         add(p("self_attn.q_a_layernorm.weight"), vec![q_lora], Tp::None, None);
@@ -124,8 +237,8 @@ fn deepseek_weights(scale: u64) -> Vec<Weight> {
             }
         }
     }
-    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 3, expert: None });
-    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 3, expert: None });
+    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 3, expert: None, kv_heads: None });
+    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 3, expert: None, kv_heads: None });
     w
 }
 
@@ -135,11 +248,19 @@ fn qwen3_weights(scale: u64) -> Vec<Weight> {
     let (moe_ffn, vocab, layers, experts) = (div(1536, scale), div(151_936, scale), 94u32, 128u32);
     // 94 layers over 4 stages: 24, 24, 23, 23.
     let stage_of = |l: u32| if l < 48 { l / 24 } else { 2 + (l - 48) / 23 };
-    let mut w = vec![Weight { name: "model.embed_tokens.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 0, expert: None }];
+    let mut w = vec![Weight {
+        name: "model.embed_tokens.weight".into(),
+        shape: vec![vocab, h],
+        tp: Tp::Col,
+        stage: 0,
+        expert: None,
+        kv_heads: None,
+    }];
     for l in 0..layers {
         let stage = stage_of(l);
         let p = |n: &str| format!("model.layers.{l}.{n}");
-        let mut add = |name: String, shape: Vec<u64>, tp: Tp, expert: Option<u32>| w.push(Weight { name, shape, tp, stage, expert });
+        let mut add =
+            |name: String, shape: Vec<u64>, tp: Tp, expert: Option<u32>| w.push(Weight { name, shape, tp, stage, expert, kv_heads: None });
         add(p("input_layernorm.weight"), vec![h], Tp::None, None);
         add(p("self_attn.q_proj.weight"), vec![heads * head_dim, h], Tp::Col, None);
         add(p("self_attn.k_proj.weight"), vec![kv_heads * head_dim, h], Tp::Col, None);
@@ -155,22 +276,31 @@ fn qwen3_weights(scale: u64) -> Vec<Weight> {
             add(p(&format!("mlp.experts.{e}.down_proj.weight")), vec![h, moe_ffn], Tp::Row, Some(e));
         }
     }
-    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 3, expert: None });
-    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 3, expert: None });
+    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 3, expert: None, kv_heads: None });
+    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 3, expert: None, kv_heads: None });
+    for x in &mut w {
+        if x.name.ends_with(".k_proj.weight") || x.name.ends_with(".v_proj.weight") {
+            x.kv_heads = Some(kv_heads);
+        }
+    }
     w
 }
 
 /// The inference side of every preset: DP replicas of a TP group, ranks
-/// in row-major order of (dp, tp), every weight split by its TP kind.
+/// in row-major order of (dp, tp), every weight split by its TP kind, the
+/// vLLM fused buffers.
 fn inference_dp_tp(ws: &[Weight], dp: u32, tp: u32) -> Vec<TensorLayout> {
-    ws.iter()
+    let mut out: Vec<TensorLayout> = ws
+        .iter()
         .map(|w| TensorLayout {
             name: w.name.clone(),
             dtype: DType::BF16,
             shape: w.shape.clone(),
-            placement: mesh(vec![dp, tp], (0..dp * tp).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
+            placement: tp_placement(w, dp, tp, (0..dp * tp).collect()),
         })
-        .collect()
+        .collect();
+    fuse(&mut out, Side::Infer);
+    out
 }
 
 /// Source and destination layouts of a preset at `scale` (1 = full size).
@@ -180,22 +310,23 @@ pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError
         Model::Llama3_8b => {
             let ws = llama_weights(scale);
             // Training: rank = stage * 4 + tp.
-            let src = ws
+            let mut src: Vec<TensorLayout> = ws
                 .iter()
                 .map(|w| TensorLayout {
                     name: w.name.clone(),
                     dtype: DType::BF16,
                     shape: w.shape.clone(),
-                    placement: mesh(vec![4], (0..4).map(|t| w.stage * 4 + t).collect(), vec![tp_dim(w.tp)]),
+                    placement: tp_placement(w, 1, 4, (0..4).map(|t| w.stage * 4 + t).collect()),
                 })
                 .collect();
+            fuse(&mut src, Side::Train);
             let dst = inference_dp_tp(&ws, 2, 2);
             Ok((Layout::new(8, Some(4), src)?, Layout::new(4, Some(2), dst)?))
         }
         Model::Qwen3_235b => {
             let ws = qwen3_weights(scale);
             // Training: rank = stage * 32 + dp * 4 + cp * 2 + tp.
-            let src = ws
+            let mut src: Vec<TensorLayout> = ws
                 .iter()
                 .map(|w| {
                     let placement = match w.expert {
@@ -203,18 +334,19 @@ pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError
                         // pair of ranks 2k, 2k + 1 of the stage.
                         Some(e) => mesh(vec![2], (0..2).map(|i| w.stage * 32 + (e / 8) * 2 + i).collect(), vec![MeshDim::Replicate]),
                         // Dense: mesh [DP x CP = 16, TP = 2].
-                        None => mesh(vec![16, 2], (0..32).map(|r| w.stage * 32 + r).collect(), vec![MeshDim::Replicate, tp_dim(w.tp)]),
+                        None => tp_placement(w, 16, 2, (0..32).map(|r| w.stage * 32 + r).collect()),
                     };
                     TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
                 })
                 .collect();
+            fuse(&mut src, Side::Train);
             let dst = inference_dp_tp(&ws, 8, 8);
             Ok((Layout::new(128, Some(8), src)?, Layout::new(64, Some(8), dst)?))
         }
         Model::DeepseekV3 => {
             let ws = deepseek_weights(scale);
             // Training: rank = stage * 64 + ep * 4 + dp.
-            let src = ws
+            let mut src: Vec<TensorLayout> = ws
                 .iter()
                 .map(|w| {
                     let placement = match w.expert {
@@ -224,6 +356,7 @@ pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError
                     TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
                 })
                 .collect();
+            fuse(&mut src, Side::Train);
             let dst = inference_dp_tp(&ws, 16, 8);
             Ok((Layout::new(256, Some(8), src)?, Layout::new(128, Some(8), dst)?))
         }

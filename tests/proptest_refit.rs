@@ -160,8 +160,9 @@ fn random_box(d: &mut Draw, shape: &[u64]) -> (Vec<u64>, Vec<u64>) {
 
 /// (a) A mesh on a random sub-mesh of the group (a pipeline stage, or any
 /// subset in any order), mixing replicate and shard, the same tensor dim
-/// possibly sharded by several mesh dims.
-fn gen_mesh(d: &mut Draw, shape: &[u64], ranks: u32) -> Placement {
+/// possibly sharded by several mesh dims; sometimes fused into a named
+/// buffer at one offset free on every rank of the mesh.
+fn gen_mesh(d: &mut Draw, alloc: &mut Alloc, shape: &[u64], dtype: DType, ranks: u32) -> Placement {
     let mnd = 1 + d.below(3) as usize;
     let mut mshape: Vec<u32> = (0..mnd).map(|_| 1 + d.below(3) as u32).collect();
     while mshape.iter().product::<u32>() > ranks {
@@ -192,7 +193,18 @@ fn gen_mesh(d: &mut Draw, shape: &[u64], ranks: u32) -> Placement {
             MeshDim::Shard(t)
         })
         .collect();
-    Placement::Mesh(MeshPlacement { shape: mshape, ranks: mranks, dims })
+    let mut m = MeshPlacement { shape: mshape, ranks: mranks, dims, storage: Storage::Own };
+    if d.one_in(2) {
+        let name = if d.one_in(3) { format!("flat.{dtype}") } else { format!("qkv.{dtype}") };
+        let gap = if d.one_in(4) { 1 + d.below(3) } else { 0 };
+        let at = m.ranks.iter().map(|&r| alloc.get(&(name.clone(), r)).copied().unwrap_or(0)).max().unwrap_or(0) + gap;
+        for (pos, &r) in m.ranks.iter().enumerate() {
+            let (_, ext) = mesh_box(shape, &m, pos);
+            alloc.insert((name.clone(), r), at + ext.iter().product::<u64>());
+        }
+        m.storage = Storage::InBuffer { buffer: name, at };
+    }
+    Placement::Mesh(m)
 }
 
 /// Storage of a box- or flat-shaped shard: own buffer, or a named buffer
@@ -216,7 +228,7 @@ fn gen_placement(d: &mut Draw, alloc: &mut Alloc, side: Side, shape: &[u64], dty
     let numel: u64 = shape.iter().product();
     let drop = |d: &mut Draw| side == Side::Dst && d.one_in(4);
     match d.below(4) {
-        0 => gen_mesh(d, shape, ranks),
+        0 => gen_mesh(d, alloc, shape, dtype, ranks),
         1 => {
             // (b) explicit block shards: a grid partition with uneven cuts,
             // each block on one or two ranks (maybe the same rank twice);
@@ -438,7 +450,11 @@ fn stored(t: &TensorLayout) -> Vec<Stored> {
             .enumerate()
             .map(|(pos, &rank)| {
                 let (off, ext) = mesh_box(&t.shape, m, pos);
-                Stored { rank, buf: Buf::Own(0), at: 0, flats: box_flats(&t.shape, &off, &ext) }
+                let (buf, at) = match &m.storage {
+                    Storage::Own => (Buf::Own(0), 0),
+                    Storage::InBuffer { buffer, at } => (Buf::Named(buffer.clone()), *at),
+                };
+                Stored { rank, buf, at, flats: box_flats(&t.shape, &off, &ext) }
             })
             .collect(),
         Placement::Shards(shards) => shards
@@ -637,8 +653,41 @@ fn check_deterministic(c: &Case) -> Result<(), TestCaseError> {
         prop_assert_eq!(a.figures(), b.figures(), "{}: figures", strategy);
         prop_assert_eq!(a.pieces(), b.pieces(), "{}: pieces", strategy);
         prop_assert_eq!(a.transfers(), b.transfers(), "{}: transfers", strategy);
+        // Where blocks are stored (own or named buffers, offsets) plays no
+        // part in what moves where.
+        let (src, dst) = (without_storage(&c.src), without_storage(&c.dst));
+        let own = match strategy {
+            Planner::Reshard => plan_reshard(&src, &dst, &c.options),
+            Planner::Baseline => plan_baseline(&src, &dst, &c.options),
+        }
+        .map_err(|e| TestCaseError::fail(format!("{strategy} without named buffers: {e}")))?;
+        prop_assert_eq!(a.figures(), own.figures(), "{}: figures without named buffers", strategy);
+        prop_assert_eq!(a.pieces(), own.pieces(), "{}: pieces without named buffers", strategy);
+        prop_assert_eq!(a.transfers(), own.transfers(), "{}: transfers without named buffers", strategy);
+    }
+    // The file format round-trips, named buffers of mesh-form tensors included.
+    for (side, layout) in [("src", &c.src), ("dst", &c.dst)] {
+        let back = parse_layout(&layout_to_json(layout).to_string()).map_err(|e| TestCaseError::fail(format!("{side}: {e}")))?;
+        prop_assert!(&back == layout, "{}: layout_to_json does not round-trip", side);
     }
     Ok(())
+}
+
+/// The same layout with every block in a buffer of its own.
+fn without_storage(layout: &Layout) -> Layout {
+    let tensors = layout
+        .tensors()
+        .iter()
+        .map(|t| {
+            let mut t = t.clone();
+            match &mut t.placement {
+                Placement::Mesh(m) => m.storage = Storage::Own,
+                Placement::Shards(shards) => shards.iter_mut().for_each(|s| s.storage = Storage::Own),
+            }
+            t
+        })
+        .collect();
+    Layout::new(layout.ranks(), Some(layout.ranks_per_node()), tensors).expect("a layout without named buffers is valid")
 }
 
 /// `PROPTEST_CASES` overrides the number of cases (for longer soak runs).
@@ -757,6 +806,38 @@ fn fused_qkv_to_separate_shards() {
             {"name": "v", "dtype": "bf16", "shape": [2, 3], "shards": [
                 {"rank": 3, "offset": [0, 1], "extent": [2, 2]},
                 {"rank": 0, "flat": [0, 4]}]}]}"#,
+    );
+}
+
+#[test]
+fn fused_mesh_qkv_tp2_to_tp4_with_whole_kv_heads() {
+    // Megatron-style training TP2 x DP2: q, k, v of each rank back to back in
+    // its buffer "linear_qkv" (q's local block 4x3 at 0, k's 1x3 at 12, v's
+    // at 15), gate and up in "linear_fc1". vLLM-style inference TP4: q split
+    // 4 ways, the 2 KV heads (1 row each) each whole on 2 ranks (mesh [2, 2],
+    // shard(0) then replicate), all in "qkv_proj"; gate/up in "gate_up_proj"
+    // with uneven chunks (5 rows over 4 ranks: 2, 2, 1, 0) at a gap.
+    check(
+        r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
+            {"name": "q", "dtype": "bf16", "shape": [8, 3], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"],
+             "buffer": "linear_qkv", "at": 0},
+            {"name": "k", "dtype": "bf16", "shape": [2, 3], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"],
+             "buffer": "linear_qkv", "at": 12},
+            {"name": "v", "dtype": "bf16", "shape": [2, 3], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"],
+             "buffer": "linear_qkv", "at": 15},
+            {"name": "gate", "dtype": "f32", "shape": [5, 2], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"],
+             "buffer": "linear_fc1"},
+            {"name": "up", "dtype": "f32", "shape": [5, 2], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"],
+             "buffer": "linear_fc1", "at": 6}]}"#,
+        r#"{"ranks": 4, "ranks_per_node": 4, "tensors": [
+            {"name": "q", "dtype": "bf16", "shape": [8, 3], "mesh": {"shape": [4]}, "placements": ["shard(0)"],
+             "buffer": "qkv_proj", "at": 0},
+            {"name": "k", "dtype": "bf16", "shape": [2, 3], "mesh": {"shape": [2, 2]}, "placements": ["shard(0)", "replicate"],
+             "buffer": "qkv_proj", "at": 6},
+            {"name": "v", "dtype": "bf16", "shape": [2, 3], "mesh": {"shape": [2, 2], "ranks": [0, 1, 2, 3]},
+             "placements": ["shard(0)", "replicate"], "buffer": "qkv_proj", "at": 9},
+            {"name": "gate", "dtype": "f32", "shape": [5, 2], "mesh": {"shape": [4]}, "placements": ["shard(0)"], "buffer": "gate_up_proj", "at": 1},
+            {"name": "up", "dtype": "f16", "shape": [5, 2], "mesh": {"shape": [4]}, "placements": ["shard(0)"], "buffer": "up_alone", "at": 3}]}"#,
     );
 }
 

@@ -577,6 +577,89 @@ fn rejects_bad_named_buffers() {
     run_single_table(&cases);
 }
 
+/// Named buffers on mesh-form tensors: `buffer` and `at` next to `mesh` and
+/// `placements`, every rank's local block at `at` of its buffer. The rules of
+/// named buffers apply to them as to shards.
+#[test]
+fn rejects_bad_mesh_named_buffers() {
+    let cases: Vec<(&str, String, &[&str])> = vec![
+        (
+            "mesh block overlaps another tensor in one buffer",
+            // q: [8, 4] split 2 ways, 16 elements per rank at 0; k at 12 overlaps on both ranks, rank 0 first.
+            r#"{"ranks": 2, "tensors": [
+                {"name": "q", "dtype": "bf16", "shape": [8, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": "qkv", "at": 0},
+                {"name": "k", "dtype": "bf16", "shape": [4, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": "qkv", "at": 12}]}"#
+                .to_string(),
+            &["rank 0", "buffer 'qkv'", "elements 0..16 of tensor 'q'", "elements 12..20 of tensor 'k'", "overlap"],
+        ),
+        (
+            "mesh block overlaps an explicit shard in one buffer",
+            r#"{"ranks": 2, "tensors": [
+                {"name": "q", "dtype": "f32", "shape": [4, 4], "shards": [{"rank": 1, "flat": [0, 16], "buffer": "qkv", "at": 0}]},
+                {"name": "k", "dtype": "f32", "shape": [4, 2], "mesh": {"shape": [2]}, "placements": ["shard(1)"], "buffer": "qkv", "at": 15}]}"#
+                .to_string(),
+            &["rank 1", "buffer 'qkv'", "elements 0..16 of tensor 'q'", "elements 15..19 of tensor 'k'", "overlap"],
+        ),
+        (
+            "uneven mesh blocks: the largest one overlaps",
+            // [5] over 2 ranks: 3 and 2 elements; b at 2 overlaps rank 0's 0..3 only.
+            r#"{"ranks": 2, "tensors": [
+                {"name": "a", "dtype": "u8", "shape": [5], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": "b"},
+                {"name": "c", "dtype": "u8", "shape": [2], "mesh": {"shape": [2]}, "placements": ["replicate"], "buffer": "b", "at": 2}]}"#
+                .to_string(),
+            &["rank 0", "buffer 'b'", "elements 0..3 of tensor 'a'", "elements 2..4 of tensor 'c'", "overlap"],
+        ),
+        (
+            "mesh at without buffer",
+            one(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "at": 4}"#),
+            &["tensors[0] ('w').at", "given without 'buffer'"],
+        ),
+        (
+            "mesh empty buffer name",
+            one(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": "", "at": 0}"#),
+            &["tensor 'w'", "buffer name must not be empty"],
+        ),
+        (
+            "mesh buffer not a string",
+            one(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": ["qkv"]}"#),
+            &["tensors[0] ('w').buffer", "expected a string, got an array"],
+        ),
+        (
+            "mesh negative at",
+            one(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": "b", "at": -2}"#),
+            &["tensors[0] ('w').at", "expected a non-negative integer"],
+        ),
+        (
+            "mesh at + local block overflows",
+            one(r#"{"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": "b",
+                   "at": 4611686018427387903}"#),
+            &["tensor 'w'", "at 4611686018427387903 + local block size overflows"],
+        ),
+        (
+            "mesh buffer dtype clash with another mesh tensor",
+            r#"{"ranks": 2, "tensors": [
+                {"name": "gate", "dtype": "bf16", "shape": [4, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": "gate_up"},
+                {"name": "up", "dtype": "f32", "shape": [4, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": "gate_up", "at": 8}]}"#
+                .to_string(),
+            &["tensor 'up'", "buffer 'gate_up'", "tensor 'gate'", "bf16", "f32", "one buffer has one dtype"],
+        ),
+        (
+            "mesh buffer dtype clash with a shard, on other ranks, every block empty",
+            r#"{"ranks": 4, "tensors": [
+                {"name": "q", "dtype": "bf16", "shape": [4], "shards": [{"rank": 0, "flat": [0, 4], "buffer": "b"}]},
+                {"name": "e", "dtype": "i32", "shape": [0, 3], "mesh": {"shape": [2], "ranks": [2, 3]}, "placements": ["shard(0)"], "buffer": "b"}]}"#
+                .to_string(),
+            &["tensor 'e'", "rank 2", "buffer 'b'", "tensor 'q'", "one buffer has one dtype"],
+        ),
+        (
+            "tensor-level buffer with the shards form",
+            one(r#"{"name": "w", "dtype": "f32", "shape": [4], "shards": [{"rank": 0, "flat": [0, 4]}], "buffer": "b"}"#),
+            &["tensors[0] ('w').buffer", "belongs to the mesh form", "per shard"],
+        ),
+    ];
+    run_single_table(&cases);
+}
+
 /// Every error of one file names where it is: at least one of a field path
 /// (`tensors[..]`, a top-level key), a tensor (`tensor '..'`) or a rank.
 #[test]
@@ -749,6 +832,19 @@ fn accepts_valid_edge_cases() {
                 {"name": "w", "dtype": "f32", "shape": [4], "mesh": {"shape": [1]}, "placements": ["replicate"]},
                 {"name": "optimizer.step", "dtype": "i64", "shape": [], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}"#),
             s(r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [4], "shards": []}]}"#),
+        ),
+        (
+            "mesh tensors in named buffers: fused, uneven local blocks, a gap, shared with a shard",
+            s(r#"{"ranks": 3, "ranks_per_node": 2, "tensors": [
+                {"name": "q", "dtype": "f32", "shape": [5, 3], "mesh": {"shape": [3]}, "placements": ["shard(0)"], "buffer": "qkv"},
+                {"name": "k", "dtype": "f32", "shape": [2, 3], "mesh": {"shape": [3]}, "placements": ["replicate"], "buffer": "qkv", "at": 7},
+                {"name": "v", "dtype": "f32", "shape": [2, 3], "shards": [
+                    {"rank": 0, "flat": [0, 6], "buffer": "qkv", "at": 13},
+                    {"rank": 2, "offset": [0, 0], "extent": [2, 3], "buffer": "qkv", "at": 13}]}]}"#),
+            s(r#"{"ranks": 2, "tensors": [
+                {"name": "q", "dtype": "bf16", "shape": [5, 3], "mesh": {"shape": [2]}, "placements": ["shard(1)"], "buffer": "qkv_proj", "at": 4},
+                {"name": "k", "dtype": "bf16", "shape": [2, 3], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "buffer": "qkv_proj", "at": 0},
+                {"name": "v", "dtype": "f64", "shape": [2, 3], "mesh": {"shape": [1, 2]}, "placements": ["replicate", "shard(0)"], "buffer": "v"}]}"#),
         ),
         (
             "sub-meshes (pipeline stages)",

@@ -47,7 +47,7 @@ fn parse_tensor(v: &Value, path: &str, layout_ranks: u32, budget: &mut u64) -> R
         None => return Err(err(format!("{path}.name"), "missing field")),
     };
     let path = format!("{path} ('{}')", escape(&name));
-    known_fields(obj, &path, &["name", "dtype", "shape", "mesh", "placements", "shards"])?;
+    known_fields(obj, &path, &["name", "dtype", "shape", "mesh", "placements", "shards", "buffer", "at"])?;
     let dtype = match obj.get("dtype") {
         Some(Value::String(s)) => DType::from_name(s).ok_or_else(|| {
             err(
@@ -66,6 +66,12 @@ fn parse_tensor(v: &Value, path: &str, layout_ranks: u32, budget: &mut u64) -> R
         (false, false) => return Err(err(&path, "has neither 'shards' nor 'mesh'+'placements'; give exactly one form")),
         (true, false) => Placement::Mesh(parse_mesh(obj, &path, layout_ranks, budget)?),
         (false, true) => {
+            if let Some(k) = ["buffer", "at"].into_iter().find(|k| obj.contains_key(*k)) {
+                return Err(err(
+                    format!("{path}.{k}"),
+                    "a tensor-level 'buffer'/'at' belongs to the mesh form; with 'shards', give them per shard",
+                ));
+            }
             let sv = &obj["shards"];
             let arr = sv.as_array().ok_or_else(|| err(format!("{path}.shards"), format!("expected an array, got {}", kind(sv))))?;
             let mut shards = Vec::with_capacity(arr.len());
@@ -129,7 +135,25 @@ fn parse_mesh(obj: &Map<String, Value>, path: &str, layout_ranks: u32, budget: &
                 .ok_or_else(|| err(&ppath, format!("unknown placement '{}' (expected \"replicate\" or \"shard(D)\")", escape(s))))?,
         );
     }
-    Ok(MeshPlacement { shape, ranks, dims })
+    let storage = parse_storage(obj, path)?;
+    Ok(MeshPlacement { shape, ranks, dims, storage })
+}
+
+/// The optional `buffer` (a string) and `at` (default 0) of a mesh-form
+/// tensor or of a shard.
+fn parse_storage(obj: &Map<String, Value>, path: &str) -> Result<Storage, LayoutError> {
+    match (obj.get("buffer"), obj.get("at")) {
+        (None, None) => Ok(Storage::Own),
+        (Some(Value::String(b)), at) => {
+            let at = match at {
+                None => 0,
+                Some(v) => to_u64(v, &format!("{path}.at"))?,
+            };
+            Ok(Storage::InBuffer { buffer: b.clone(), at })
+        }
+        (Some(other), _) => Err(err(format!("{path}.buffer"), format!("expected a string, got {}", kind(other)))),
+        (None, Some(_)) => Err(err(format!("{path}.at"), "given without 'buffer'")),
+    }
 }
 
 /// Parses `replicate` or `shard(D)`.
@@ -159,18 +183,7 @@ fn parse_shard(v: &Value, path: &str) -> Result<ShardSpec, LayoutError> {
             Region::Flat { start: f[0], len: f[1] }
         }
     };
-    let storage = match (obj.get("buffer"), obj.get("at")) {
-        (None, None) => Storage::Own,
-        (Some(Value::String(b)), at) => {
-            let at = match at {
-                None => 0,
-                Some(v) => to_u64(v, &format!("{path}.at"))?,
-            };
-            Storage::InBuffer { buffer: b.clone(), at }
-        }
-        (Some(other), _) => return Err(err(format!("{path}.buffer"), format!("expected a string, got {}", kind(other)))),
-        (None, Some(_)) => return Err(err(format!("{path}.at"), "given without 'buffer'")),
-    };
+    let storage = parse_storage(obj, path)?;
     Ok(ShardSpec { rank, region, storage })
 }
 
@@ -268,6 +281,10 @@ pub fn layout_to_json(layout: &Layout) -> Value {
                         })
                         .collect();
                     o.insert("placements".into(), Value::Array(p));
+                    if let Storage::InBuffer { buffer, at } = &m.storage {
+                        o.insert("buffer".into(), Value::from(buffer.clone()));
+                        o.insert("at".into(), Value::from(*at));
+                    }
                 }
                 Placement::Shards(shards) => {
                     let s: Vec<Value> = shards

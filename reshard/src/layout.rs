@@ -35,6 +35,10 @@ pub struct MeshPlacement {
     pub ranks: Vec<Rank>,
     /// One placement per mesh dimension.
     pub dims: Vec<MeshDim>,
+    /// Where every rank stores its local block: a buffer of its own, or
+    /// row-major from element `at` of the rank's named buffer (the same name
+    /// and offset on every rank of the mesh; local blocks may differ in size).
+    pub storage: Storage,
 }
 
 /// Which part of a tensor a shard holds.
@@ -85,10 +89,47 @@ pub struct ShardSpec {
 /// How a tensor is spread over ranks.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Placement {
-    /// Mesh plus one placement per mesh dim; each shard in its own buffer.
+    /// Mesh plus one placement per mesh dim; each rank's block in its own
+    /// buffer or at one offset of a named buffer.
     Mesh(MeshPlacement),
     /// An explicit list of shards.
     Shards(Vec<ShardSpec>),
+}
+
+impl Placement {
+    /// Hashes where the blocks are (mesh, ranks and placements, or the
+    /// shards' ranks and regions), not where they are stored.
+    pub(crate) fn hash_geometry<H: std::hash::Hasher>(&self, h: &mut H) {
+        use std::hash::Hash;
+        match self {
+            Placement::Mesh(m) => {
+                0u8.hash(h);
+                m.shape.hash(h);
+                m.ranks.hash(h);
+                m.dims.hash(h);
+            }
+            Placement::Shards(shards) => {
+                1u8.hash(h);
+                shards.len().hash(h);
+                for s in shards {
+                    s.rank.hash(h);
+                    s.region.hash(h);
+                }
+            }
+        }
+    }
+
+    /// Whether both place the same blocks on the same ranks, wherever each
+    /// stores them.
+    pub(crate) fn same_geometry(&self, other: &Placement) -> bool {
+        match (self, other) {
+            (Placement::Mesh(a), Placement::Mesh(b)) => a.shape == b.shape && a.ranks == b.ranks && a.dims == b.dims,
+            (Placement::Shards(a), Placement::Shards(b)) => {
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.rank == y.rank && x.region == y.region)
+            }
+            _ => false,
+        }
+    }
 }
 
 /// One logical tensor of a layout.
@@ -251,14 +292,16 @@ impl Layout {
                 return Err(field(format!("tensors[{i}].name"), format!("duplicate tensor name '{}'", t.name)));
             }
             validate_tensor(t, ranks)?;
-            if let Placement::Shards(shards) = &t.placement {
-                for s in shards {
-                    if let Storage::InBuffer { buffer, .. } = &s.storage {
-                        if !buffer_ids.contains_key(buffer) {
-                            buffer_ids.insert(buffer.clone(), buffer_names.len() as u32);
-                            buffer_names.push(buffer.clone());
-                            named_dtypes.push(t.dtype);
-                        }
+            let storages: Vec<&Storage> = match &t.placement {
+                Placement::Mesh(m) => vec![&m.storage],
+                Placement::Shards(shards) => shards.iter().map(|s| &s.storage).collect(),
+            };
+            for storage in storages {
+                if let Storage::InBuffer { buffer, .. } = storage {
+                    if !buffer_ids.contains_key(buffer) {
+                        buffer_ids.insert(buffer.clone(), buffer_names.len() as u32);
+                        buffer_names.push(buffer.clone());
+                        named_dtypes.push(t.dtype);
                     }
                 }
             }
@@ -325,7 +368,13 @@ impl Layout {
     pub fn holdings(&self, t: u32) -> Vec<Holding> {
         let tensor = &self.tensors[t as usize];
         match &tensor.placement {
-            Placement::Mesh(m) => mesh_holdings(t, &tensor.shape, m),
+            Placement::Mesh(m) => {
+                let (buffer, at) = match &m.storage {
+                    Storage::Own => (BufferKey::Own { tensor: t, shard: 0 }, 0),
+                    Storage::InBuffer { buffer, at } => (BufferKey::Named(self.buffer_ids.get(buffer).copied().unwrap_or(0)), *at),
+                };
+                mesh_holdings(&tensor.shape, m, buffer, at)
+            }
             Placement::Shards(shards) => {
                 let mut out: Vec<Holding> = Vec::new();
                 let mut index: HashMap<Block, usize> = HashMap::new();
@@ -379,64 +428,142 @@ impl Layout {
         out
     }
 
+    /// Checks the named-buffer rules: one dtype per buffer name, and no two
+    /// stored regions overlapping in one buffer of one rank. Mesh-form
+    /// tensors are expanded per rank one buffer name at a time, so that the
+    /// check needs memory for the largest buffer only.
     fn check_named_buffers(&self) -> Result<(), LayoutError> {
-        let ids = &self.buffer_ids;
-        // (rank, buffer) -> list of (start, end, tensor index, dtype)
-        type Uses = HashMap<(Rank, u32), Vec<(u64, u64, u32)>>;
-        let mut uses: Uses = HashMap::new();
-        let mut dtypes: HashMap<u32, (DType, u32)> = HashMap::new();
+        /// A tensor's mesh placement (rather than one of its shards).
+        const MESH: u32 = u32::MAX;
+        // Per buffer id: (tensor, shard index or MESH) stored in it.
+        let mut members: Vec<Vec<(u32, u32)>> = vec![Vec::new(); self.buffer_names.len()];
+        let mut first: Vec<u32> = vec![u32::MAX; self.buffer_names.len()];
         for (ti, t) in self.tensors.iter().enumerate() {
-            let Placement::Shards(shards) = &t.placement else { continue };
-            for s in shards {
-                let Storage::InBuffer { buffer, at } = &s.storage else { continue };
-                let id = ids[buffer];
-                match dtypes.get(&id) {
-                    Some(&(d, other)) if d != t.dtype => {
-                        return Err(tensor_err(
-                            &t.name,
-                            format!(
-                                "rank {}: buffer '{buffer}' already holds {d} elements of tensor '{}', so it cannot take {} elements; one buffer has one dtype",
-                                s.rank, self.tensors[other as usize].name, t.dtype
-                            ),
-                        ))
-                    }
-                    Some(_) => {}
-                    None => {
-                        dtypes.insert(id, (t.dtype, ti as u32));
-                    }
+            let stored: Vec<(u32, Rank, &str)> = match &t.placement {
+                Placement::Mesh(m) => match &m.storage {
+                    Storage::InBuffer { buffer, .. } => vec![(MESH, m.ranks[0], buffer.as_str())],
+                    Storage::Own => Vec::new(),
+                },
+                Placement::Shards(shards) => shards
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, s)| match &s.storage {
+                        Storage::InBuffer { buffer, .. } => Some((i as u32, s.rank, buffer.as_str())),
+                        Storage::Own => None,
+                    })
+                    .collect(),
+            };
+            for (which, rank, buffer) in stored {
+                let id = self.buffer_ids[buffer] as usize;
+                if first[id] == u32::MAX {
+                    first[id] = ti as u32;
                 }
-                let len = region_len(&s.region);
-                if len == 0 {
-                    continue;
+                let other = &self.tensors[first[id] as usize];
+                if other.dtype != t.dtype {
+                    return Err(tensor_err(
+                        &t.name,
+                        format!(
+                            "rank {rank}: buffer '{buffer}' already holds {} elements of tensor '{}', so it cannot take {} elements; one buffer has one dtype",
+                            other.dtype, other.name, t.dtype
+                        ),
+                    ));
                 }
-                let end = at
-                    .checked_add(len)
-                    .ok_or_else(|| tensor_err(&t.name, format!("rank {}: buffer '{buffer}': at + size overflows", s.rank)))?;
-                uses.entry((s.rank, id)).or_default().push((*at, end, ti as u32));
+                members[id].push((ti as u32, which));
             }
         }
-        let mut uses: Vec<_> = uses.into_iter().collect();
-        uses.sort_unstable_by_key(|(key, _)| *key);
-        for (key, mut list) in uses {
-            list.sort_unstable();
-            for w in list.windows(2) {
-                let (a, b) = (w[0], w[1]);
-                if b.0 < a.1 {
-                    return Err(LayoutError::BufferOverlap {
-                        rank: key.0,
-                        buffer: self.buffer_names[key.1 as usize].clone(),
-                        a: self.tensors[a.2 as usize].name.clone(),
-                        a_start: a.0,
-                        a_end: a.1,
-                        b: self.tensors[b.2 as usize].name.clone(),
-                        b_start: b.0,
-                        b_end: b.1,
-                    });
+        // Per buffer, a sweep in order of `at` (the same on every rank of a
+        // mesh): on each rank, a region overlaps an earlier one exactly when
+        // it starts before the furthest end so far. Per rank: (buffer id + 1
+        // when last written, start, end, tensor) of the furthest-reaching region.
+        let mut state: Vec<(u32, u64, u64, u32)> = vec![(0, 0, 0, 0); self.ranks as usize];
+        let overlap = |rank: Rank, id: usize, a: (u64, u64, u32), b: (u64, u64, u32)| LayoutError::BufferOverlap {
+            rank,
+            buffer: self.buffer_names[id].clone(),
+            a: self.tensors[a.2 as usize].name.clone(),
+            a_start: a.0,
+            a_end: a.1,
+            b: self.tensors[b.2 as usize].name.clone(),
+            b_start: b.0,
+            b_end: b.1,
+        };
+        for (id, list) in members.iter_mut().enumerate() {
+            let gen = id as u32 + 1;
+            let at_of = |&(ti, which): &(u32, u32)| {
+                let storage = match &self.tensors[ti as usize].placement {
+                    Placement::Mesh(m) => &m.storage,
+                    Placement::Shards(shards) => &shards[which as usize].storage,
+                };
+                match storage {
+                    Storage::InBuffer { at, .. } => *at,
+                    Storage::Own => 0,
+                }
+            };
+            list.sort_by_key(|m| (at_of(m), m.0, m.1));
+            let mut visit = |rank: Rank, region: (u64, u64, u32)| -> Result<(), LayoutError> {
+                let st = &mut state[rank as usize];
+                if st.0 == gen && region.0 < st.2 {
+                    return Err(overlap(rank, id, (st.1, st.2, st.3), region));
+                }
+                if st.0 != gen || region.1 > st.2 {
+                    *st = (gen, region.0, region.1, region.2);
+                }
+                Ok(())
+            };
+            for m @ &(ti, which) in list.iter() {
+                let t = &self.tensors[ti as usize];
+                let at = at_of(m);
+                match &t.placement {
+                    Placement::Mesh(mesh) => {
+                        if let Some(len) = uniform_local_elems(&t.shape, mesh) {
+                            // Every rank holds a block of `len` elements (the common case, no expansion).
+                            if len > 0 {
+                                let end = at.saturating_add(len);
+                                for &rank in &mesh.ranks {
+                                    visit(rank, (at, end, ti))?;
+                                }
+                            }
+                            continue;
+                        }
+                        for h in mesh_holdings(&t.shape, mesh, BufferKey::Named(id as u32), at) {
+                            // `at` + the largest local block was checked to fit.
+                            let end = at.saturating_add(h.block.numel());
+                            for l in &h.holders {
+                                visit(l.rank, (at, end, ti))?;
+                            }
+                        }
+                    }
+                    Placement::Shards(shards) => {
+                        let s = &shards[which as usize];
+                        let len = region_len(&s.region);
+                        if len == 0 {
+                            continue;
+                        }
+                        let end = at.checked_add(len).ok_or_else(|| {
+                            tensor_err(&t.name, format!("rank {}: buffer '{}': at + size overflows", s.rank, self.buffer_names[id]))
+                        })?;
+                        visit(s.rank, (at, end, ti))?;
+                    }
                 }
             }
         }
         Ok(())
     }
+}
+
+/// The element count of every rank's local block of a mesh placement, when
+/// every split is exact (all local blocks equally large).
+fn uniform_local_elems(shape: &[u64], m: &MeshPlacement) -> Option<u64> {
+    let mut ext = shape.to_vec();
+    for (i, p) in m.dims.iter().enumerate() {
+        if let MeshDim::Shard(d) = p {
+            let k = m.shape[i] as u64;
+            if !ext[*d].is_multiple_of(k) {
+                return None;
+            }
+            ext[*d] /= k;
+        }
+    }
+    Some(ext.iter().product())
 }
 
 fn region_len(r: &Region) -> u64 {
@@ -479,7 +606,8 @@ pub fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
 
 /// Expands a mesh placement: one holding per combination of coordinates on
 /// the sharding mesh dims; ranks differing only on replicate dims share it.
-fn mesh_holdings(t: u32, shape: &[u64], m: &MeshPlacement) -> Vec<Holding> {
+/// Every holder stores its block at element `at` of `buffer`.
+fn mesh_holdings(shape: &[u64], m: &MeshPlacement, buffer: BufferKey, at: u64) -> Vec<Holding> {
     let nd = m.shape.len();
     let sharded: Vec<usize> = (0..nd).filter(|&i| matches!(m.dims[i], MeshDim::Shard(_))).collect();
     // Holding slot per combination of sharded coordinates (mixed radix).
@@ -502,7 +630,7 @@ fn mesh_holdings(t: u32, shape: &[u64], m: &MeshPlacement) -> Vec<Holding> {
             slot_of[key] = out.len() as u32;
             out.push(Holding { block: Block::new(&off, &ext), holders: Vec::new() });
         }
-        out[slot_of[key] as usize].holders.push(Loc { rank, buffer: BufferKey::Own { tensor: t, shard: 0 }, at: 0 });
+        out[slot_of[key] as usize].holders.push(Loc { rank, buffer, at });
         // advance row-major coordinate
         for i in (0..nd).rev() {
             coord[i] += 1;
@@ -517,6 +645,18 @@ fn mesh_holdings(t: u32, shape: &[u64], m: &MeshPlacement) -> Vec<Holding> {
         h.holders.sort_by_key(|l| l.rank);
     }
     out
+}
+
+/// A buffer name must be non-empty and free of control characters;
+/// `prefix` locates it in the tensor (`shards[2]: `, or nothing for a mesh).
+fn check_buffer_name(tensor: &str, prefix: &str, buffer: &str) -> Result<(), LayoutError> {
+    if buffer.is_empty() {
+        return Err(tensor_err(tensor, format!("{prefix}buffer name must not be empty")));
+    }
+    if buffer.chars().any(char::is_control) {
+        return Err(tensor_err(tensor, format!("{prefix}buffer name '{}' contains control characters", escape(buffer))));
+    }
+    Ok(())
 }
 
 fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
@@ -563,6 +703,20 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
                     if *d >= t.shape.len() {
                         return Err(tensor_err(name, format!("placements[{i}]: shard({d}) but the tensor has {} dims", t.shape.len())));
                     }
+                }
+            }
+            if let Storage::InBuffer { buffer, at } = &m.storage {
+                check_buffer_name(name, "", buffer)?;
+                // The largest local block is the first chunk of every split.
+                let mut ext = t.shape.clone();
+                for (i, p) in m.dims.iter().enumerate() {
+                    if let MeshDim::Shard(d) = p {
+                        ext[*d] = ext[*d].div_ceil(m.shape[i] as u64);
+                    }
+                }
+                let len: u64 = ext.iter().product();
+                if at.checked_add(len).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
+                    return Err(tensor_err(name, format!("at {at} + local block size overflows")));
                 }
             }
         }
@@ -612,12 +766,7 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
                     }
                 }
                 if let Storage::InBuffer { buffer, at: off } = &s.storage {
-                    if buffer.is_empty() {
-                        return Err(tensor_err(name, format!("{at}: buffer name must not be empty")));
-                    }
-                    if buffer.chars().any(char::is_control) {
-                        return Err(tensor_err(name, format!("{at}: buffer name '{}' contains control characters", escape(buffer))));
-                    }
+                    check_buffer_name(name, &format!("{at}: "), buffer)?;
                     if off.checked_add(region_len(&s.region)).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
                         return Err(tensor_err(name, format!("{at}: at {off} + size overflows")));
                     }
@@ -638,7 +787,7 @@ mod tests {
             name: "w".into(),
             dtype: DType::F32,
             shape,
-            placement: Placement::Mesh(MeshPlacement { shape: mesh, ranks: (0..n).collect(), dims }),
+            placement: Placement::Mesh(MeshPlacement { shape: mesh, ranks: (0..n).collect(), dims, storage: Storage::Own }),
         }
     }
 

@@ -5,11 +5,12 @@
 use crate::block::Block;
 use crate::cost::LinkModel;
 use crate::dtype::{can_convert, wire_dtype, DType};
-use crate::fingerprint::fnv64;
+use crate::fingerprint::Fnv64;
 use crate::layout::{Holding, Layout, Rank};
 use crate::overlap::{atomize, SourceIndex};
 use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Strategy, Transfer, MAX_PIECES};
 use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
 
 /// Matches destination tensors to source tensors and checks shapes and
 /// dtypes; returns, per destination tensor, the source index and dtypes.
@@ -135,10 +136,19 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
         let wire = wire_dtype(sd, dd);
         let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
-        let key = fnv64(&(&dt.shape, &st.placement, &dt.placement, wire));
+        // Storage (own or named buffers, offsets) plays no part in the
+        // overlap: fused tensors placed alike share a template too.
+        let key = {
+            let mut h = Fnv64::default();
+            dt.shape.hash(&mut h);
+            st.placement.hash_geometry(&mut h);
+            dt.placement.hash_geometry(&mut h);
+            wire.hash(&mut h);
+            h.finish()
+        };
         let same = |t: &Template| {
             let (rs, rd) = (&src.tensors()[t.src_tensor as usize], &dst.tensors()[t.dst_tensor as usize]);
-            t.wire == wire && rd.shape == dt.shape && rs.placement == st.placement && rd.placement == dt.placement
+            t.wire == wire && rd.shape == dt.shape && rs.placement.same_geometry(&st.placement) && rd.placement.same_geometry(&dt.placement)
         };
         let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&templates[i as usize])));
         let template = match found {
