@@ -697,10 +697,12 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
         let mut cluster = Cluster::start(config, &s, &d, |_| {}).map_err(|e| fail(e.to_string()))?;
         let b = refit::bench::cluster_bench(&mut cluster, a.reps);
         // The lower bound under the emulated links (no bound without them:
-        // loopback and a shared CPU have no link model).
+        // loopback and a shared CPU have no link model). The emulation caps
+        // each rank's egress only, so the bound is the source group's
+        // egress term (`Plan::egress_lower_bound`).
         let bound = a.cluster.emulation().map(|(net, intra)| {
             let links = LinkModel { net_bytes_per_s: net as f64, intra_bytes_per_s: intra as f64, message_latency_s: 0.0 };
-            cluster.plan(Strategy::Reshard).map(|p| p.lower_bound(&links)).unwrap_or(0.0)
+            cluster.plan(Strategy::Reshard).map(|p| p.egress_lower_bound(&links)).unwrap_or(0.0)
         });
         cluster.shutdown();
         let b = b.map_err(|e| fail(e.to_string()))?;
@@ -733,7 +735,7 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
             say!("  baseline time / reshard time = {ratio:.2}");
             match (bound, efficiency) {
                 (Some(lb), Some(e)) => {
-                    say!("  lower bound on the emulated links {:.3} ms; efficiency (lower bound / reshard time) = {e:.2}", lb * 1e3)
+                    say!("  lower bound on the emulated (egress-capped) links {:.3} ms; efficiency (lower bound / reshard time) = {e:.2}", lb * 1e3)
                 }
                 _ => say!("  efficiency: needs --emulate-nic-mbps (a link model to bound against)"),
             }

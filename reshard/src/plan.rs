@@ -383,6 +383,13 @@ impl Plan {
         worst.max(self.unique_bytes as f64 / (self.src_ranks as f64 * links.net_bytes_per_s))
     }
 
+    /// Lower bound on refit time when only each rank's network *egress* is
+    /// capped (as by link emulation on one machine): every needed element
+    /// must leave the source group at least once, through its ranks' links.
+    pub fn egress_lower_bound(&self, links: &LinkModel) -> f64 {
+        self.unique_bytes as f64 / (self.src_ranks as f64 * links.net_bytes_per_s)
+    }
+
     /// The block held by the scratch buffer of destination tensor `t`
     /// (baseline plans only).
     pub fn scratch_block(&self, t: u32) -> Option<&Block> {

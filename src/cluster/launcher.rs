@@ -191,7 +191,6 @@ pub struct Cluster<'l> {
     events: SupervisorEvents,
     links: Vec<Link>,
     plans: HashMap<Strategy, Plan>,
-    programs: HashMap<Strategy, Vec<RankProgram>>,
     seq: u64,
     /// Plan fingerprints (reshard, baseline) of the launcher's layouts.
     fingerprints: (u64, u64),
@@ -250,7 +249,6 @@ impl<'l> Cluster<'l> {
             events,
             links: Vec::new(),
             plans: HashMap::new(),
-            programs: HashMap::new(),
             seq: 0,
             fingerprints: (0, 0),
         };
@@ -554,15 +552,17 @@ impl<'l> Cluster<'l> {
     /// Plans `strategy` if needed and ships every worker that lacks them its
     /// ranks' programs.
     pub fn install(&mut self, strategy: Strategy) -> Result<(), ClusterError> {
-        if !self.programs.contains_key(&strategy) {
-            self.plan(strategy)?;
-            let programs = self.plans[&strategy].programs(self.src, self.dst)?;
-            self.programs.insert(strategy, programs);
+        if self.links.iter().all(|l| l.installed.contains(&strategy)) {
+            return Ok(());
         }
+        // Programs of large models take gigabytes: build them when a worker
+        // needs them and drop them once shipped.
+        self.plan(strategy)?;
+        let all = self.plans[&strategy].programs(self.src, self.dst)?;
         let ns = self.src.ranks() as usize;
         let index = |e: &Endpoint| if e.group == Group::Src { e.rank as usize } else { ns + e.rank as usize };
         let timeout = self.config.setup_timeout;
-        let programs = &self.programs[&strategy];
+        let programs = &all;
         let jobs: Vec<(usize, Box<RankProgram>)> = self
             .links
             .iter()
