@@ -735,7 +735,10 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
             say!("  baseline time / reshard time = {ratio:.2}");
             match (bound, efficiency) {
                 (Some(lb), Some(e)) => {
-                    say!("  lower bound on the emulated (egress-capped) links {:.3} ms; efficiency (lower bound / reshard time) = {e:.2}", lb * 1e3)
+                    say!(
+                        "  lower bound on the emulated (egress-capped) links {:.3} ms; efficiency (lower bound / reshard time) = {e:.2}",
+                        lb * 1e3
+                    )
                 }
                 _ => say!("  efficiency: needs --emulate-nic-mbps (a link model to bound against)"),
             }

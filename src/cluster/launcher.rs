@@ -227,7 +227,12 @@ impl<'l> Cluster<'l> {
             let secret = config.secret.secret().map_err(setup)?;
             let node = Node::bind(
                 secret,
-                NodeConfig { bind: config.bind, max_frame_bytes: 128 << 20, heartbeat_timeout: config.heartbeat_timeout, ..NodeConfig::default() },
+                NodeConfig {
+                    bind: config.bind,
+                    max_frame_bytes: 128 << 20,
+                    heartbeat_timeout: config.heartbeat_timeout,
+                    ..NodeConfig::default()
+                },
             )
             .await
             .map_err(|e| setup(format!("cannot open the rendezvous on {}: {e}", config.bind)))?;
