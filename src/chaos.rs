@@ -48,12 +48,13 @@ pub struct ChaosConfig {
 }
 
 /// The cases, in the order they run.
-pub const CASES: [&str; 11] = [
+pub const CASES: [&str; 12] = [
     "kill idle sink (detection time)",
     "kill source during attach",
     "kill sink during attach",
     "kill source mid-transfer",
     "kill sink mid-transfer",
+    "kill source during commit",
     "kill sink during commit",
     "stalled peer (stops sending)",
     "abort that hangs",
@@ -98,6 +99,7 @@ pub fn run_chaos(
                     "kill sink during attach" => (Some(a_dst), Phase::Connected),
                     "kill source mid-transfer" => (Some(a_src), Phase::Started),
                     "kill sink mid-transfer" => (Some(a_dst), Phase::Started),
+                    "kill source during commit" => (Some(a_src), Phase::Committing),
                     "kill sink during commit" => (Some(a_dst), Phase::Committing),
                     _ => (None, Phase::Started),
                 };

@@ -185,6 +185,10 @@ enum Command {
         /// Print one JSON object {"reshard": {...}, "baseline": {...}}.
         #[arg(long)]
         json: bool,
+        /// Also write both layouts (e.g. a preset's) as layout files
+        /// DIR/src.json and DIR/dst.json.
+        #[arg(long, value_name = "DIR")]
+        emit_layouts: Option<PathBuf>,
     },
     /// Fill sources with a pattern, run one refit, optionally verify.
     Run {
@@ -459,6 +463,7 @@ struct PlanArgs<'a> {
     estimate: bool,
     svg: &'a Option<PathBuf>,
     json: bool,
+    emit_layouts: &'a Option<PathBuf>,
 }
 
 /// A named link model, or one read from a JSON file.
@@ -502,6 +507,12 @@ fn cmd_plan(args: &PlanArgs<'_>) -> Result<(), Failure> {
         }
         _ => return Err(invalid("give --src and --dst, or --model".into())),
     };
+    if let Some(dir) = args.emit_layouts {
+        write_layouts(&src, &dst, dir)?;
+        if !args.json {
+            say!("wrote {}/src.json and dst.json", dir.display());
+        }
+    }
     let links = topology(args.topology)?;
     let bytes = args
         .max_staging_mib
@@ -1081,14 +1092,20 @@ fn cmd_soak(src: &Option<PathBuf>, dst: &Option<PathBuf>, refits: u64, args: &Cl
     Ok(())
 }
 
-fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
-    let (src, dst) = preset(model, scale)?;
+/// Writes `out/src.json` and `out/dst.json`.
+fn write_layouts(src: &Layout, dst: &Layout, out: &Path) -> Result<(), Failure> {
     std::fs::create_dir_all(out).map_err(|e| invalid(format!("{}: cannot create: {e}", out.display())))?;
-    for (name, l) in [("src.json", &src), ("dst.json", &dst)] {
+    for (name, l) in [("src.json", src), ("dst.json", dst)] {
         let path = out.join(name);
         std::fs::write(&path, reshard::layout_to_json(l).to_string())
             .map_err(|e| invalid(format!("{}: cannot write: {e}", path.display())))?;
     }
+    Ok(())
+}
+
+fn cmd_emit(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
+    let (src, dst) = preset(model, scale)?;
+    write_layouts(&src, &dst, out)?;
     say!("wrote {}/src.json and dst.json ({} tensors)", out.display(), dst.tensors().len());
     Ok(())
 }
@@ -1188,7 +1205,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match &cli.command {
-        Command::Plan { src, dst, model, scale, max_staging_mib, topology, estimate, svg, json } => cmd_plan(&PlanArgs {
+        Command::Plan { src, dst, model, scale, max_staging_mib, topology, estimate, svg, json, emit_layouts } => cmd_plan(&PlanArgs {
             src,
             dst,
             model: *model,
@@ -1198,6 +1215,7 @@ fn main() -> ExitCode {
             estimate: *estimate,
             svg,
             json: *json,
+            emit_layouts,
         }),
         Command::Run { pair, baseline, verify, transport, deadline_s } => cmd_run(pair, *baseline, *verify, transport, *deadline_s),
         Command::Bench(args) => cmd_bench(args),

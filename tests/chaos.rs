@@ -12,14 +12,16 @@ fn chaos_cases_keep_the_promise() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));
     let cases = v["cases"].as_array().expect("cases");
-    assert_eq!(cases.len(), 11, "{v}");
+    assert_eq!(cases.len(), 12, "{v}");
     for c in cases {
         assert_eq!(c["hang"], false, "{c}");
         assert_eq!(c["torn"], false, "{c}");
         assert_eq!(c["recovered"], true, "{c}");
         // Every case that breaks a refit must make it fail (none slips
         // through as a success with wrong bytes: each refit verifies).
-        if !c["refit_failed"].is_null() && c["case"] != "kill sink during commit" {
+        // (A kill during commit may land after the commits it races.)
+        let commit = c["case"].as_str().is_some_and(|n| n.ends_with("during commit"));
+        if !c["refit_failed"].is_null() && !commit {
             assert_eq!(c["refit_failed"], true, "{c}");
         }
     }

@@ -598,3 +598,15 @@ fn plan_accepts_partially_held_tensor() {
     assert_ok(&["run", "--verify", "--src", s(&src), "--dst", s(&dst)]);
     assert_ok(&["plan", "--src", s(&src), "--dst", s(&dst)]);
 }
+
+/// `--emit-layouts` writes a preset's layouts as files that plan to the same
+/// fingerprint as the preset itself.
+#[test]
+fn emitted_preset_layouts_plan_the_same() {
+    let dir = Scratch::new("emit");
+    let out = assert_ok(&["plan", "--model", "llama3-8b", "--scale", "16", "--emit-layouts", s(&dir.0)]);
+    let fingerprint = |text: &str| text.lines().find_map(|l| l.split("fingerprint ").nth(1).map(str::to_string));
+    let preset = fingerprint(&String::from_utf8_lossy(&out.stdout)).expect("fingerprint line");
+    let again = assert_ok(&["plan", "--src", s(&dir.path("src.json")), "--dst", s(&dir.path("dst.json"))]);
+    assert_eq!(fingerprint(&String::from_utf8_lossy(&again.stdout)), Some(preset));
+}
