@@ -209,17 +209,18 @@ impl Member {
     }
 
     fn staging(&mut self, strategy: Strategy) -> Result<&mut Staging, ActorError> {
-        if !self.staging.contains_key(&strategy) {
-            let set = self.programs.get(&strategy).ok_or_else(|| failed(format!("no {strategy} programs installed")))?;
-            let programs: Vec<RankProgram> = self
-                .ranks
-                .iter()
-                .map(|e| set.get(e).cloned().ok_or_else(|| failed(format!("no {strategy} program installed for {e}"))))
-                .collect::<Result<_, _>>()?;
-            let memory = programs.iter().map(|p| RankMemory::for_buffers(&p.buffers)).collect();
-            self.staging.insert(strategy, Staging { programs: Arc::new(programs), memory, filled: None });
+        match self.staging.entry(strategy) {
+            std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                let set = self.programs.get(&strategy).ok_or_else(|| failed(format!("no {strategy} programs installed")))?;
+                let programs: Vec<RankProgram> = self
+                    .ranks
+                    .iter()
+                    .map(|e| set.get(e).cloned().ok_or_else(|| failed(format!("no {strategy} program installed for {e}"))))
+                    .collect::<Result<_, _>>()?;
+                Ok(slot.insert(Staging { memory: fresh(&programs), programs: Arc::new(programs), filled: None }))
+            }
         }
-        Ok(self.staging.get_mut(&strategy).expect("inserted above"))
     }
 
     fn prepare(&mut self, req: Prepare) -> Result<MemberReply, ActorError> {
@@ -475,7 +476,8 @@ impl Actor for Aborter {
 /// The address of this machine's interface that reaches `to` (no packet is
 /// sent).
 fn local_ip_towards(to: SocketAddr) -> io::Result<IpAddr> {
-    let any: SocketAddr = if to.is_ipv4() { "0.0.0.0:0".parse().expect("literal") } else { "[::]:0".parse().expect("literal") };
+    let any = if to.is_ipv4() { IpAddr::from([0u8; 4]) } else { IpAddr::from([0u16; 8]) };
+    let any = SocketAddr::new(any, 0);
     let probe = std::net::UdpSocket::bind(any)?;
     probe.connect(to)?;
     Ok(probe.local_addr()?.ip())

@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 use transport::tcp::{tcp_fabric, TcpConfig};
 use transport::{fill_sources, node_fabric, run_threads, verify_destinations, ExecOptions, NodeConfig, RankMemory};
 
-fn layouts(mib: usize) -> (Layout, Layout) {
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn layouts(mib: usize) -> Res<(Layout, Layout)> {
     let n = (mib / 8).max(1); // 8 MiB per tensor
     let tensors = |mesh: &str, placements: &str| {
         (0..n)
@@ -37,31 +39,32 @@ fn layouts(mib: usize) -> (Layout, Layout) {
     };
     let src = format!(r#"{{"ranks": 8, "ranks_per_node": 4, "tensors": [{}]}}"#, tensors("[8]", r#"["shard(0)"]"#));
     let dst = format!(r#"{{"ranks": 4, "ranks_per_node": 2, "tensors": [{}]}}"#, tensors("[2, 2]", r#"["shard(1)", "replicate"]"#));
-    (parse_layout(&src).unwrap(), parse_layout(&dst).unwrap())
+    Ok((parse_layout(&src)?, parse_layout(&dst)?))
 }
 
 /// One raw copy of `src` to every buffer of `dst` (allocated once by the
 /// caller and reused, like the refit's memory).
-fn socket_copy(src: &[u8], dst: &mut [Vec<u8>]) -> Duration {
-    let streams = dst.len();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let pairs: Vec<_> = (0..streams)
-        .map(|_| {
-            let out = std::net::TcpStream::connect(addr).unwrap();
-            let (inc, _) = listener.accept().unwrap();
-            out.set_nodelay(true).unwrap();
-            (out, inc)
-        })
-        .collect();
+fn socket_copy(src: &[u8], dst: &mut [Vec<u8>]) -> std::io::Result<Duration> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let mut pairs = Vec::new();
+    for _ in 0..dst.len() {
+        let out = std::net::TcpStream::connect(addr)?;
+        let (inc, _) = listener.accept()?;
+        out.set_nodelay(true)?;
+        pairs.push((out, inc));
+    }
     let t = Instant::now();
-    std::thread::scope(|s| {
+    let results: Vec<std::io::Result<()>> = std::thread::scope(|s| {
+        let mut handles = Vec::new();
         for ((mut out, mut inc), buf) in pairs.into_iter().zip(dst.iter_mut()) {
-            s.spawn(move || src.chunks(4 << 20).for_each(|c| out.write_all(c).unwrap()));
-            s.spawn(move || inc.read_exact(buf).unwrap());
+            handles.push(s.spawn(move || src.chunks(4 << 20).try_for_each(|c| out.write_all(c))));
+            handles.push(s.spawn(move || inc.read_exact(buf)));
         }
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(std::io::Error::other("copy thread panicked")))).collect()
     });
-    t.elapsed()
+    results.into_iter().collect::<std::io::Result<()>>()?;
+    Ok(t.elapsed())
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -69,12 +72,16 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
-    let (mib, reps) = (args.first().copied().unwrap_or(256), args.get(1).copied().unwrap_or(5));
-    let (src, dst) = layouts(mib);
-    let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
-    let programs = plan.programs(&src, &dst).unwrap();
+fn main() -> Res<()> {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .enumerate()
+        .map(|(i, a)| a.parse().map_err(|e| format!("argument {} ({a:?}): expected a whole number: {e}", i + 1)))
+        .collect::<Result<_, _>>()?;
+    let (mib, reps) = (args.first().copied().unwrap_or(256).max(1), args.get(1).copied().unwrap_or(5).max(1));
+    let (src, dst) = layouts(mib)?;
+    let plan = plan_reshard(&src, &dst, &PlanOptions::default())?;
+    let programs = plan.programs(&src, &dst)?;
     let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
     let mut memory = RankMemory::for_programs(&programs);
     fill_sources(&src, &mut memory[..8]);
@@ -99,29 +106,29 @@ fn main() {
         "node + crc32c, warm",
     ];
     // Fabrics kept from one refit to the next (as a trainer would).
-    let mut warm_tcp = tcp_fabric(&endpoints, &TcpConfig::default()).unwrap();
-    let mut warm_node = node_fabric(&endpoints, |e| plan.node_of(e), &node).unwrap();
+    let mut warm_tcp = tcp_fabric(&endpoints, &TcpConfig::default())?;
+    let mut warm_node = node_fabric(&endpoints, |e| plan.node_of(e), &node)?;
+    let mut warm_tcp_sum = tcp_fabric(&endpoints, &tcp_sum)?;
+    let mut warm_node_sum = node_fabric(&endpoints, |e| plan.node_of(e), &node_sum)?;
     // Without reusable frame buffers: what the TCP receiver did before.
-    let mut warm_tcp_sum = tcp_fabric(&endpoints, &tcp_sum).unwrap();
-    let mut warm_node_sum = node_fabric(&endpoints, |e| plan.node_of(e), &node_sum).unwrap();
-    let mut warm_nopool = tcp_fabric(&endpoints, &TcpConfig { frame_pool_bytes: 0, ..TcpConfig::default() }).unwrap();
+    let mut warm_nopool = tcp_fabric(&endpoints, &TcpConfig { frame_pool_bytes: 0, ..TcpConfig::default() })?;
     let mut times: Vec<Vec<Duration>> = vec![Vec::new(); names.len()];
     for rep in 0..=reps {
-        let mut t = vec![socket_copy(&copy_src, &mut copy_dst)];
+        let mut t = vec![socket_copy(&copy_src, &mut copy_dst)?];
         for config in [&TcpConfig::default(), &tcp_sum] {
-            let fabric = tcp_fabric(&endpoints, config).unwrap();
-            t.push(run_threads(&programs, &mut memory, &opts, fabric).unwrap().elapsed);
+            let fabric = tcp_fabric(&endpoints, config)?;
+            t.push(run_threads(&programs, &mut memory, &opts, fabric)?.elapsed);
         }
         for config in [&node, &node_sum] {
-            let fabric = node_fabric(&endpoints, |e| plan.node_of(e), config).unwrap();
-            t.push(run_threads(&programs, &mut memory, &opts, fabric).unwrap().elapsed);
+            let fabric = node_fabric(&endpoints, |e| plan.node_of(e), config)?;
+            t.push(run_threads(&programs, &mut memory, &opts, fabric)?.elapsed);
         }
-        t.push(run_threads(&programs, &mut memory, &opts, warm_tcp.iter_mut().collect()).unwrap().elapsed);
-        t.push(run_threads(&programs, &mut memory, &opts, warm_node.iter_mut().collect()).unwrap().elapsed);
-        t.push(run_threads(&programs, &mut memory, &opts, warm_nopool.iter_mut().collect()).unwrap().elapsed);
-        t.push(run_threads(&programs, &mut memory, &opts, warm_tcp_sum.iter_mut().collect()).unwrap().elapsed);
-        t.push(run_threads(&programs, &mut memory, &opts, warm_node_sum.iter_mut().collect()).unwrap().elapsed);
-        verify_destinations(&src, &dst, &memory[8..]).unwrap();
+        t.push(run_threads(&programs, &mut memory, &opts, warm_tcp.iter_mut().collect())?.elapsed);
+        t.push(run_threads(&programs, &mut memory, &opts, warm_node.iter_mut().collect())?.elapsed);
+        t.push(run_threads(&programs, &mut memory, &opts, warm_nopool.iter_mut().collect())?.elapsed);
+        t.push(run_threads(&programs, &mut memory, &opts, warm_tcp_sum.iter_mut().collect())?.elapsed);
+        t.push(run_threads(&programs, &mut memory, &opts, warm_node_sum.iter_mut().collect())?.elapsed);
+        verify_destinations(&src, &dst, &memory[8..])?;
         if rep > 0 {
             // The first round warms up.
             for (all, d) in times.iter_mut().zip(t) {
@@ -134,7 +141,7 @@ fn main() {
         // the busiest rank's egress over each of its two buckets.
         let emu = transport::LinkEmulation::dgx_h100(scale as f64);
         let config = NodeConfig { tcp: TcpConfig { emulation: emu, ..TcpConfig::default() }, ..NodeConfig::default() };
-        let mut fabric = node_fabric(&endpoints, |e| plan.node_of(e), &config).unwrap();
+        let mut fabric = node_fabric(&endpoints, |e| plan.node_of(e), &config)?;
         let bound = programs
             .iter()
             .map(|p| {
@@ -150,8 +157,9 @@ fn main() {
                     + intra as f64 / emu.intra_node_bytes_per_s.unwrap_or(u64::MAX) as f64
             })
             .fold(0.0, f64::max);
-        let runs: Vec<Duration> =
-            (0..reps).map(|_| run_threads(&programs, &mut memory, &opts, fabric.iter_mut().collect()).unwrap().elapsed).collect();
+        let runs: Vec<Duration> = (0..reps)
+            .map(|_| run_threads(&programs, &mut memory, &opts, fabric.iter_mut().collect()).map(|r| r.elapsed))
+            .collect::<Result<_, _>>()?;
         println!(
             "emulated DGX H100 / {scale}: median {:.1} ms; busiest rank's egress at the capped rates: {:.1} ms",
             median(runs).as_secs_f64() * 1e3,
@@ -169,4 +177,5 @@ fn main() {
             socket.as_secs_f64() / m.as_secs_f64()
         );
     }
+    Ok(())
 }
