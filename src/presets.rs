@@ -162,31 +162,54 @@ fn div(x: u64, scale: u64) -> u64 {
     (x / scale).max(1)
 }
 
+impl Weight {
+    /// A dense weight of pipeline stage `stage`.
+    fn new(name: impl Into<String>, shape: Vec<u64>, tp: Tp, stage: u32) -> Weight {
+        Weight { name: name.into(), shape, tp, stage, expert: None, kv_heads: None }
+    }
+
+    /// A GQA k/v projection made of `kv_heads` heads along dim 0.
+    fn kv(name: String, shape: Vec<u64>, stage: u32, kv_heads: u64) -> Weight {
+        Weight { kv_heads: Some(kv_heads), ..Weight::new(name, shape, Tp::Col, stage) }
+    }
+}
+
+/// The token embedding (stage 0).
+fn embedding(vocab: u64, h: u64) -> Weight {
+    Weight::new("model.embed_tokens.weight", vec![vocab, h], Tp::Col, 0)
+}
+
+/// The final norm and the output head, on the last stage.
+fn norm_and_head(w: &mut Vec<Weight>, vocab: u64, h: u64, last: u32) {
+    w.push(Weight::new("model.norm.weight", vec![h], Tp::None, last));
+    w.push(Weight::new("lm_head.weight", vec![vocab, h], Tp::Col, last));
+}
+
+/// The gate/up/down projections of an MLP whose weights are named
+/// `{prefix}.{gate,up,down}_proj.weight`, of routed expert `expert` if any.
+fn mlp(w: &mut Vec<Weight>, prefix: &str, (ffn, h): (u64, u64), stage: u32, expert: Option<u32>) {
+    for (proj, shape, tp) in
+        [("gate_proj", vec![ffn, h], Tp::Col), ("up_proj", vec![ffn, h], Tp::Col), ("down_proj", vec![h, ffn], Tp::Row)]
+    {
+        w.push(Weight { expert, ..Weight::new(format!("{prefix}.{proj}.weight"), shape, tp, stage) });
+    }
+}
+
 fn llama_weights(scale: u64) -> Vec<Weight> {
     let (h, ffn, vocab, layers, kv) = (div(4096, scale), div(14336, scale), div(128_256, scale), 32u32, div(1024, scale));
-    let mut w = vec![Weight {
-        name: "model.embed_tokens.weight".into(),
-        shape: vec![vocab, h],
-        tp: Tp::Col,
-        stage: 0,
-        expert: None,
-        kv_heads: None,
-    }];
+    let mut w = vec![embedding(vocab, h)];
     for l in 0..layers {
         let stage = l / 16;
         let p = |n: &str| format!("model.layers.{l}.{n}");
-        w.push(Weight { name: p("input_layernorm.weight"), shape: vec![h], tp: Tp::None, stage, expert: None, kv_heads: None });
-        w.push(Weight { name: p("self_attn.q_proj.weight"), shape: vec![h, h], tp: Tp::Col, stage, expert: None, kv_heads: None });
-        w.push(Weight { name: p("self_attn.k_proj.weight"), shape: vec![kv, h], tp: Tp::Col, stage, expert: None, kv_heads: Some(8) });
-        w.push(Weight { name: p("self_attn.v_proj.weight"), shape: vec![kv, h], tp: Tp::Col, stage, expert: None, kv_heads: Some(8) });
-        w.push(Weight { name: p("self_attn.o_proj.weight"), shape: vec![h, h], tp: Tp::Row, stage, expert: None, kv_heads: None });
-        w.push(Weight { name: p("post_attention_layernorm.weight"), shape: vec![h], tp: Tp::None, stage, expert: None, kv_heads: None });
-        w.push(Weight { name: p("mlp.gate_proj.weight"), shape: vec![ffn, h], tp: Tp::Col, stage, expert: None, kv_heads: None });
-        w.push(Weight { name: p("mlp.up_proj.weight"), shape: vec![ffn, h], tp: Tp::Col, stage, expert: None, kv_heads: None });
-        w.push(Weight { name: p("mlp.down_proj.weight"), shape: vec![h, ffn], tp: Tp::Row, stage, expert: None, kv_heads: None });
+        w.push(Weight::new(p("input_layernorm.weight"), vec![h], Tp::None, stage));
+        w.push(Weight::new(p("self_attn.q_proj.weight"), vec![h, h], Tp::Col, stage));
+        w.push(Weight::kv(p("self_attn.k_proj.weight"), vec![kv, h], stage, 8));
+        w.push(Weight::kv(p("self_attn.v_proj.weight"), vec![kv, h], stage, 8));
+        w.push(Weight::new(p("self_attn.o_proj.weight"), vec![h, h], Tp::Row, stage));
+        w.push(Weight::new(p("post_attention_layernorm.weight"), vec![h], Tp::None, stage));
+        mlp(&mut w, &p("mlp"), (ffn, h), stage, None);
     }
-    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 1, expert: None, kv_heads: None });
-    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 1, expert: None, kv_heads: None });
+    norm_and_head(&mut w, vocab, h, 1);
     w
 }
 
@@ -198,47 +221,32 @@ fn deepseek_weights(scale: u64) -> Vec<Weight> {
     let (layers, dense_layers, experts) = (61u32, 3u32, 256u32);
     // 61 layers over 4 stages: 16, 15, 15, 15.
     let stage_of = |l: u32| if l < 16 { 0 } else { 1 + (l - 16) / 15 };
-    let mut w = vec![Weight {
-        name: "model.embed_tokens.weight".into(),
-        shape: vec![vocab, h],
-        tp: Tp::Col,
-        stage: 0,
-        expert: None,
-        kv_heads: None,
-    }];
+    let mut w = vec![embedding(vocab, h)];
     for l in 0..layers {
         let stage = stage_of(l);
         let p = |n: &str| format!("model.layers.{l}.{n}");
-        let mut add =
-            |name: String, shape: Vec<u64>, tp: Tp, expert: Option<u32>| w.push(Weight { name, shape, tp, stage, expert, kv_heads: None });
-        add(p("input_layernorm.weight"), vec![h], Tp::None, None);
-        add(p("self_attn.q_a_proj.weight"), vec![q_lora, h], Tp::None, None);
-        add(p("self_attn.q_a_layernorm.weight"), vec![q_lora], Tp::None, None);
-        add(p("self_attn.q_b_proj.weight"), vec![heads * (nope + rope), q_lora], Tp::Col, None);
-        add(p("self_attn.kv_a_proj_with_mqa.weight"), vec![kv_lora + rope, h], Tp::None, None);
-        add(p("self_attn.kv_a_layernorm.weight"), vec![kv_lora], Tp::None, None);
-        add(p("self_attn.kv_b_proj.weight"), vec![heads * (nope + vdim), kv_lora], Tp::Col, None);
-        add(p("self_attn.o_proj.weight"), vec![h, heads * vdim], Tp::Row, None);
-        add(p("post_attention_layernorm.weight"), vec![h], Tp::None, None);
+        let mut add = |name: String, shape: Vec<u64>, tp: Tp| w.push(Weight::new(name, shape, tp, stage));
+        add(p("input_layernorm.weight"), vec![h], Tp::None);
+        add(p("self_attn.q_a_proj.weight"), vec![q_lora, h], Tp::None);
+        add(p("self_attn.q_a_layernorm.weight"), vec![q_lora], Tp::None);
+        add(p("self_attn.q_b_proj.weight"), vec![heads * (nope + rope), q_lora], Tp::Col);
+        add(p("self_attn.kv_a_proj_with_mqa.weight"), vec![kv_lora + rope, h], Tp::None);
+        add(p("self_attn.kv_a_layernorm.weight"), vec![kv_lora], Tp::None);
+        add(p("self_attn.kv_b_proj.weight"), vec![heads * (nope + vdim), kv_lora], Tp::Col);
+        add(p("self_attn.o_proj.weight"), vec![h, heads * vdim], Tp::Row);
+        add(p("post_attention_layernorm.weight"), vec![h], Tp::None);
         if l < dense_layers {
-            add(p("mlp.gate_proj.weight"), vec![ffn, h], Tp::Col, None);
-            add(p("mlp.up_proj.weight"), vec![ffn, h], Tp::Col, None);
-            add(p("mlp.down_proj.weight"), vec![h, ffn], Tp::Row, None);
+            mlp(&mut w, &p("mlp"), (ffn, h), stage, None);
         } else {
-            add(p("mlp.gate.weight"), vec![experts as u64, h], Tp::None, None);
-            add(p("mlp.gate.e_score_correction_bias"), vec![experts as u64], Tp::None, None);
-            add(p("mlp.shared_experts.gate_proj.weight"), vec![moe_ffn, h], Tp::Col, None);
-            add(p("mlp.shared_experts.up_proj.weight"), vec![moe_ffn, h], Tp::Col, None);
-            add(p("mlp.shared_experts.down_proj.weight"), vec![h, moe_ffn], Tp::Row, None);
+            add(p("mlp.gate.weight"), vec![experts as u64, h], Tp::None);
+            add(p("mlp.gate.e_score_correction_bias"), vec![experts as u64], Tp::None);
+            mlp(&mut w, &p("mlp.shared_experts"), (moe_ffn, h), stage, None);
             for e in 0..experts {
-                add(p(&format!("mlp.experts.{e}.gate_proj.weight")), vec![moe_ffn, h], Tp::Col, Some(e));
-                add(p(&format!("mlp.experts.{e}.up_proj.weight")), vec![moe_ffn, h], Tp::Col, Some(e));
-                add(p(&format!("mlp.experts.{e}.down_proj.weight")), vec![h, moe_ffn], Tp::Row, Some(e));
+                mlp(&mut w, &p(&format!("mlp.experts.{e}")), (moe_ffn, h), stage, Some(e));
             }
         }
     }
-    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 3, expert: None, kv_heads: None });
-    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 3, expert: None, kv_heads: None });
+    norm_and_head(&mut w, vocab, h, 3);
     w
 }
 
@@ -248,41 +256,24 @@ fn qwen3_weights(scale: u64) -> Vec<Weight> {
     let (moe_ffn, vocab, layers, experts) = (div(1536, scale), div(151_936, scale), 94u32, 128u32);
     // 94 layers over 4 stages: 24, 24, 23, 23.
     let stage_of = |l: u32| if l < 48 { l / 24 } else { 2 + (l - 48) / 23 };
-    let mut w = vec![Weight {
-        name: "model.embed_tokens.weight".into(),
-        shape: vec![vocab, h],
-        tp: Tp::Col,
-        stage: 0,
-        expert: None,
-        kv_heads: None,
-    }];
+    let mut w = vec![embedding(vocab, h)];
     for l in 0..layers {
         let stage = stage_of(l);
         let p = |n: &str| format!("model.layers.{l}.{n}");
-        let mut add =
-            |name: String, shape: Vec<u64>, tp: Tp, expert: Option<u32>| w.push(Weight { name, shape, tp, stage, expert, kv_heads: None });
-        add(p("input_layernorm.weight"), vec![h], Tp::None, None);
-        add(p("self_attn.q_proj.weight"), vec![heads * head_dim, h], Tp::Col, None);
-        add(p("self_attn.k_proj.weight"), vec![kv_heads * head_dim, h], Tp::Col, None);
-        add(p("self_attn.v_proj.weight"), vec![kv_heads * head_dim, h], Tp::Col, None);
-        add(p("self_attn.o_proj.weight"), vec![h, heads * head_dim], Tp::Row, None);
-        add(p("self_attn.q_norm.weight"), vec![head_dim], Tp::None, None);
-        add(p("self_attn.k_norm.weight"), vec![head_dim], Tp::None, None);
-        add(p("post_attention_layernorm.weight"), vec![h], Tp::None, None);
-        add(p("mlp.gate.weight"), vec![experts as u64, h], Tp::None, None);
+        w.push(Weight::new(p("input_layernorm.weight"), vec![h], Tp::None, stage));
+        w.push(Weight::new(p("self_attn.q_proj.weight"), vec![heads * head_dim, h], Tp::Col, stage));
+        w.push(Weight::kv(p("self_attn.k_proj.weight"), vec![kv_heads * head_dim, h], stage, kv_heads));
+        w.push(Weight::kv(p("self_attn.v_proj.weight"), vec![kv_heads * head_dim, h], stage, kv_heads));
+        w.push(Weight::new(p("self_attn.o_proj.weight"), vec![h, heads * head_dim], Tp::Row, stage));
+        w.push(Weight::new(p("self_attn.q_norm.weight"), vec![head_dim], Tp::None, stage));
+        w.push(Weight::new(p("self_attn.k_norm.weight"), vec![head_dim], Tp::None, stage));
+        w.push(Weight::new(p("post_attention_layernorm.weight"), vec![h], Tp::None, stage));
+        w.push(Weight::new(p("mlp.gate.weight"), vec![experts as u64, h], Tp::None, stage));
         for e in 0..experts {
-            add(p(&format!("mlp.experts.{e}.gate_proj.weight")), vec![moe_ffn, h], Tp::Col, Some(e));
-            add(p(&format!("mlp.experts.{e}.up_proj.weight")), vec![moe_ffn, h], Tp::Col, Some(e));
-            add(p(&format!("mlp.experts.{e}.down_proj.weight")), vec![h, moe_ffn], Tp::Row, Some(e));
+            mlp(&mut w, &p(&format!("mlp.experts.{e}")), (moe_ffn, h), stage, Some(e));
         }
     }
-    w.push(Weight { name: "model.norm.weight".into(), shape: vec![h], tp: Tp::None, stage: 3, expert: None, kv_heads: None });
-    w.push(Weight { name: "lm_head.weight".into(), shape: vec![vocab, h], tp: Tp::Col, stage: 3, expert: None, kv_heads: None });
-    for x in &mut w {
-        if x.name.ends_with(".k_proj.weight") || x.name.ends_with(".v_proj.weight") {
-            x.kv_heads = Some(kv_heads);
-        }
-    }
+    norm_and_head(&mut w, vocab, h, 3);
     w
 }
 
