@@ -2,8 +2,8 @@
 //! baseline and a plain multi-threaded memcpy of the same bytes; and plan
 //! time and peak memory on model-sized layouts.
 
-use crate::runner::{prepare, RunError};
-use reshard::{Layout, PlanOptions, Strategy};
+use crate::runner::{prepare_plan, RunError};
+use reshard::{Layout, Plan, Strategy};
 use std::time::{Duration, Instant};
 use transport::tcp::{tcp_fabric, TcpConfig, TcpTransport};
 use transport::ExecOptions;
@@ -89,22 +89,19 @@ fn memcpy_once(src: &[Vec<u8>], dst: &mut [Vec<u8>]) -> Duration {
 
 /// Runs reshard, baseline and memcpy alternately, `reps` times after a
 /// warm-up, verifying the first reshard and baseline runs bit-exact.
-pub fn exec_bench(
-    src: &Layout,
-    dst: &Layout,
-    options: &PlanOptions,
-    reps: usize,
-    transport: BenchTransport,
-) -> Result<ExecBench, RunError> {
+pub fn exec_bench(src: &Layout, dst: &Layout, plans: (Plan, Plan), reps: usize, transport: BenchTransport) -> Result<ExecBench, RunError> {
     let reps = reps.max(1);
     let exec = ExecOptions::default();
-    let mut reshard = prepare(src, dst, Strategy::Reshard, options)?;
-    let mut baseline = prepare(src, dst, Strategy::Baseline, options)?;
+    let mut reshard = prepare_plan(src, dst, plans.0)?;
+    let mut baseline = prepare_plan(src, dst, plans.1)?;
     // Reference copy: as many threads as cores (memcpy), or one stream per
     // destination rank (socket copy, like the reshard's receivers).
     let threads = match transport {
         BenchTransport::Local => std::thread::available_parallelism().map_or(2, |n| n.get()),
-        BenchTransport::Tcp | BenchTransport::Process => dst.ranks().max(1) as usize,
+        BenchTransport::Tcp => dst.ranks().max(1) as usize,
+        BenchTransport::Process => {
+            return Err(RunError::Exec(transport::ExecError::Setup("worker processes are benchmarked by cluster_bench".into())))
+        }
     };
     let bytes = reshard.plan.figures().total_bytes as usize;
     let per = bytes.div_ceil(threads);
@@ -120,7 +117,7 @@ pub fn exec_bench(
     };
     let mut fabrics = match transport {
         BenchTransport::Local => None,
-        BenchTransport::Tcp | BenchTransport::Process => Some((fabric(&reshard)?, fabric(&baseline)?)),
+        _ => Some((fabric(&reshard)?, fabric(&baseline)?)),
     };
     for i in 0..=reps {
         let run = |p: &mut crate::runner::Prepared, f: Option<&mut Vec<TcpTransport>>| match f {
@@ -133,9 +130,7 @@ pub fn exec_bench(
         let b = run(&mut baseline, fabrics.as_mut().map(|f| &mut f.1))?;
         let m = match transport {
             BenchTransport::Local => memcpy_once(&msrc, &mut mdst),
-            BenchTransport::Tcp | BenchTransport::Process => {
-                socket_copy_once(&msrc[0], &mut mdst).map_err(|e| RunError::Exec(transport::ExecError::Setup(e.to_string())))?
-            }
+            _ => socket_copy_once(&msrc[0], &mut mdst).map_err(|e| RunError::Exec(transport::ExecError::Setup(e.to_string())))?,
         };
         if i == 0 {
             reshard.verify(src, dst)?;

@@ -212,7 +212,7 @@ enum Command {
     /// Measure reshard and the gather-broadcast baseline side by side
     /// (alternating, medians over repetitions) on one data plane, with a
     /// reference copy of the same bytes (local, tcp) or the link lower bound
-    /// (process with --emulate).
+    /// (process with --emulate-nic-mbps).
     Bench(BenchArgs),
     /// Time planning (reshard and baseline) on a model preset and report
     /// peak memory.
@@ -258,8 +258,9 @@ enum Command {
         json: bool,
     },
     /// Start worker processes on this machine (one per rank, or one per
-    /// node), meeting through a rendezvous socket and moving bytes over TCP,
-    /// and run refits among them.
+    /// node), meeting at an authenticated control node, moving bytes over
+    /// shared memory inside a node and TCP between nodes, and run refits
+    /// among them.
     Launch {
         #[command(flatten)]
         pair: Pair,
@@ -683,7 +684,6 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
             std::fs::write(&p, refit::svg::traffic_svg(plan, &what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))?;
         }
     }
-    drop((rplan, bplan));
     let links = json!({"reshard": loads_json(&rl), "baseline": loads_json(&bl)});
     let gib = |bytes: u64, t: Duration| bytes as f64 / t.as_secs_f64().max(1e-12) / (1u64 << 30) as f64;
     let header = |reps: usize| {
@@ -706,6 +706,9 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
         };
         let config = a.cluster.config(&paths.0, &paths.1, opts, "127.0.0.1:0", true)?;
         let mut cluster = Cluster::start(config, &s, &d, |_| {}).map_err(|e| fail(e.to_string()))?;
+        for plan in [rplan, bplan] {
+            cluster.adopt_plan(plan).map_err(|e| fail(e.to_string()))?;
+        }
         let b = refit::bench::cluster_bench(&mut cluster, a.reps);
         // The lower bound under the emulated links (no bound without them:
         // loopback and a shared CPU have no link model). The emulation caps
@@ -756,7 +759,7 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
         }
         return Ok(());
     }
-    let b = exec_bench(&s, &d, &opts, a.reps, a.transport).map_err(|e| fail(e.to_string()))?;
+    let b = exec_bench(&s, &d, (rplan, bplan), a.reps, a.transport).map_err(|e| fail(e.to_string()))?;
     let reference = match a.transport {
         BenchTransport::Local => "memcpy",
         _ => "socket copy",

@@ -52,7 +52,15 @@ pub fn prepare(src: &Layout, dst: &Layout, strategy: Strategy, options: &PlanOpt
         Strategy::Reshard => plan_reshard(src, dst, options)?,
         Strategy::Baseline => plan_baseline(src, dst, options)?,
     };
-    let plan_time = t.elapsed();
+    let mut prepared = prepare_plan(src, dst, plan)?;
+    prepared.plan_time = t.elapsed();
+    Ok(prepared)
+}
+
+/// As [`prepare`], with a plan already made for these layouts (`plan_time`
+/// is then zero).
+pub fn prepare_plan(src: &Layout, dst: &Layout, plan: Plan) -> Result<Prepared, RunError> {
+    let plan_time = Duration::ZERO;
     let programs = plan.programs(src, dst)?;
     let needed: u64 = programs.iter().flat_map(|p| &p.buffers).map(|b| b.elems.saturating_mul(b.dtype.size())).fold(0, u64::saturating_add);
     if let Some(available) = available_memory() {

@@ -405,6 +405,24 @@ impl<'l> Cluster<'l> {
         Ok(&self.plans[&strategy])
     }
 
+    /// Uses `plan`, made elsewhere for this cluster's layouts and options,
+    /// instead of planning again.
+    pub fn adopt_plan(&mut self, plan: Plan) -> Result<(), ClusterError> {
+        let strategy = plan.strategy();
+        let want = match strategy {
+            Strategy::Reshard => self.fingerprints.0,
+            Strategy::Baseline => self.fingerprints.1,
+        };
+        if plan.fingerprint().0 != want {
+            return Err(ClusterError::Setup(format!(
+                "a {strategy} plan with fingerprint {} was made for other layouts",
+                plan.fingerprint()
+            )));
+        }
+        self.plans.insert(strategy, plan);
+        Ok(())
+    }
+
     /// The workers, in rank order, with what is known of their health.
     pub fn workers(&mut self) -> Vec<WorkerInfo> {
         self.notice_deaths();
