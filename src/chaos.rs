@@ -143,13 +143,9 @@ pub fn run_chaos(
         let elapsed = t.elapsed();
         // Torn? Every live destination worker's committed bytes must be
         // exactly one version (the check verifies every element).
-        let (torn, versions) = match cluster.check() {
-            Ok(v) => (false, v.into_iter().map(|(ver, _)| ver).collect()),
-            Err(e) => {
-                let torn = e.to_string().contains("element");
-                (torn, Vec::new())
-            }
-        };
+        let checked = cluster.check()?;
+        let torn = checked.iter().any(|c| c.torn.is_some());
+        let versions = checked.iter().map(|c| c.version).collect();
         if case == "member restarts with a different layout" {
             cluster.restart_worker(a_dst, None)?;
         }
@@ -157,7 +153,7 @@ pub fn run_chaos(
         version += 1;
         let recovery = cluster.refit(Strategy::Reshard, version, true);
         let recovered = match &recovery {
-            Ok(o) => o.verified.is_some() && cluster.check().is_ok_and(|v| v.iter().all(|(ver, n)| *n == 0 || *ver == Some(version))),
+            Ok(o) => o.verified.is_some() && cluster.expect_committed(version).is_ok(),
             Err(_) => false,
         };
         let detail = match recovery {

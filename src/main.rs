@@ -885,12 +885,7 @@ fn cmd_launch(
             walls.push(last.wall);
         }
         if verify {
-            let checked = cluster.check()?;
-            let elements: u64 = checked.iter().map(|c| c.1).sum();
-            if let Some(bad) = checked.iter().find(|c| c.1 > 0 && c.0 != Some(refits)) {
-                return Err(ClusterError::Setup(format!("a destination worker committed version {:?}, not {refits}", bad.0)));
-            }
-            return Ok(Some(elements));
+            return Ok(Some(cluster.expect_committed(refits)?));
         }
         Ok(None)
     })();

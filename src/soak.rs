@@ -93,10 +93,7 @@ pub fn run_soak(
         progress(version);
     }
     let last = total(&mut cluster);
-    let checked = cluster.check()?;
-    if let Some(bad) = checked.iter().find(|(v, n)| *n > 0 && *v != Some(refits)) {
-        return Err(ClusterError::Setup(format!("a destination committed version {:?} instead of {refits}", bad.0)));
-    }
+    cluster.expect_committed(refits)?;
     let workers = cluster.workers().len();
     cluster.shutdown();
     times.sort();

@@ -70,6 +70,9 @@ pub enum ClusterError {
     /// The cluster could not be set up (or a worker could not be replaced).
     #[error("{0}")]
     Setup(String),
+    /// A worker runs with other layouts or options than the launcher.
+    #[error("{0}")]
+    Mismatch(String),
     /// Planning failed.
     #[error(transparent)]
     Plan(#[from] PlanError),
@@ -109,6 +112,18 @@ pub enum Phase {
     Started,
     /// Every worker has been told to commit.
     Committing,
+}
+
+/// What one worker has committed, as checked element by element.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Committed {
+    /// The committed weights version (`None`: nothing committed, a source
+    /// worker, or a dead one).
+    pub version: Option<u64>,
+    /// Destination elements checked.
+    pub elements: u64,
+    /// The first element that does not match `version`: a torn version.
+    pub torn: Option<String>,
 }
 
 /// One refit's request.
@@ -366,7 +381,7 @@ impl<'l> Cluster<'l> {
                 return Err(setup(format!("worker {name}: unexpected answer {hello:?}")));
             };
             if (reshard, baseline) != (want_r, want_b) {
-                return Err(setup(format!(
+                return Err(ClusterError::Mismatch(format!(
                     "worker {name} (pid {pid}): plan fingerprints {reshard:016x}/{baseline:016x} differ from the launcher's \
                      {want_r:016x}/{want_b:016x}: different layout files or --max-staging-mib"
                 )));
@@ -511,7 +526,7 @@ impl<'l> Cluster<'l> {
                         Ok(l) if l.member.id() != old_id => break l,
                         Ok(_) => {}
                         // A stale entry (the dead worker's) fails to connect.
-                        Err(e) if e.to_string().contains("fingerprint") => {
+                        Err(e @ ClusterError::Mismatch(_)) => {
                             if let Some(c) = &mut child {
                                 let _ = c.kill();
                                 let _ = c.wait();
@@ -726,24 +741,39 @@ impl<'l> Cluster<'l> {
         }
     }
 
-    /// Checks every live destination worker's committed weights: each must
-    /// equal exactly one weights version. Returns, per worker, the version
-    /// (`None`: nothing committed yet, or a source worker) and the elements
-    /// checked; a worker whose bytes match no version is an error.
-    pub fn check(&mut self) -> Result<Vec<(Option<u64>, u64)>, ClusterError> {
+    /// Checks every worker's committed weights, element by element, against
+    /// the version each says it committed (source workers and dead workers
+    /// report nothing committed).
+    pub fn check(&mut self) -> Result<Vec<Committed>, ClusterError> {
         self.notice_deaths();
         let results = self.call_all(|_| MemberMsg::Check, self.config.setup_timeout);
         let mut out = Vec::new();
         for (r, l) in results.into_iter().zip(&self.links) {
             match r {
-                Ok(MemberReply::Checked { version, elements }) => out.push((version, elements)),
+                Ok(MemberReply::Checked { version, elements, mismatch }) => out.push(Committed { version, elements, torn: mismatch }),
                 Ok(other) => return Err(ClusterError::Worker { who: l.who(), error: format!("unexpected answer {other:?}") }),
                 // A dead worker serves nothing, torn or not.
-                Err(_) if l.dead.is_some() => out.push((None, 0)),
+                Err(_) if l.dead.is_some() => out.push(Committed::default()),
                 Err(e) => return Err(ClusterError::Worker { who: l.who(), error: e }),
             }
         }
         Ok(out)
+    }
+
+    /// Checks that every destination holds exactly weights version
+    /// `version`; returns the elements checked.
+    pub fn expect_committed(&mut self, version: u64) -> Result<u64, ClusterError> {
+        let checked = self.check()?;
+        for (c, l) in checked.iter().zip(&self.links) {
+            let holds_weights = l.ranks.iter().any(|e| e.group == Group::Dst);
+            if let Some(torn) = &c.torn {
+                return Err(ClusterError::Worker { who: l.who(), error: format!("committed weights are torn: {torn}") });
+            }
+            if holds_weights && c.version != Some(version) {
+                return Err(ClusterError::Worker { who: l.who(), error: format!("committed version {:?}, not {version}", c.version) });
+            }
+        }
+        Ok(checked.iter().map(|c| c.elements).sum())
     }
 
     /// Tells every worker to exit and waits for the spawned ones.

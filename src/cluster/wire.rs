@@ -107,9 +107,10 @@ pub(crate) enum MemberReply {
     Ready { addrs: Vec<(Endpoint, String)> },
     /// What the worker's ranks did in a refit (`Start`, `Commit`).
     Done(WorkerReport),
-    /// The committed version (`None` before the first commit) and the
-    /// destination elements checked against it.
-    Checked { version: Option<u64>, elements: u64 },
+    /// The committed version (`None` before the first commit), the
+    /// destination elements checked against it, and the first element that
+    /// does not match it, if any (a torn version).
+    Checked { version: Option<u64>, elements: u64, mismatch: Option<String> },
 }
 
 /// What one worker did in one refit.

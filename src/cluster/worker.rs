@@ -430,13 +430,16 @@ impl Member {
     /// the committed version.
     fn check(&mut self) -> Result<MemberReply, ActorError> {
         let Some(version) = self.committed_version else {
-            return Ok(MemberReply::Checked { version: None, elements: 0 });
+            return Ok(MemberReply::Checked { version: None, elements: 0, mismatch: None });
         };
-        let mut n = 0;
+        let mut elements = 0;
         for (e, m) in self.ranks.iter().zip(&self.committed).filter(|(e, _)| e.group == Group::Dst) {
-            n += verify_destination_rank_at(&self.src, &self.dst, e.rank, version, m).map_err(failed)?;
+            match verify_destination_rank_at(&self.src, &self.dst, e.rank, version, m) {
+                Ok(n) => elements += n,
+                Err(bad) => return Ok(MemberReply::Checked { version: Some(version), elements, mismatch: Some(bad.to_string()) }),
+            }
         }
-        Ok(MemberReply::Checked { version: Some(version), elements: n })
+        Ok(MemberReply::Checked { version: Some(version), elements, mismatch: None })
     }
 }
 
