@@ -88,10 +88,20 @@ fn run_plan(dev: &GpuDevice, src: &Layout, dst: &Layout, plan: &Plan, reps: u32)
     Ok((best, first.wire_bytes, first.staged_pieces, checked))
 }
 
+/// Parses a built-in layout pair.
+fn layouts(src: &str, dst: &str) -> Result<(Layout, Layout), String> {
+    Ok((
+        parse_layout(src).map_err(|e| format!("built-in source layout: {e}"))?,
+        parse_layout(dst).map_err(|e| format!("built-in destination layout: {e}"))?,
+    ))
+}
+
 fn reshard_checks(dev: &GpuDevice, s: &mut Summary) {
     let opts = PlanOptions::default();
-    let (src, dst) = (parse_layout(BIG_SRC).unwrap(), parse_layout(BIG_DST).unwrap());
-    match plan_reshard(&src, &dst, &opts).map_err(|e| e.to_string()).and_then(|p| run_plan(dev, &src, &dst, &p, REPS)) {
+    let big = layouts(BIG_SRC, BIG_DST);
+    match big
+        .and_then(|(src, dst)| plan_reshard(&src, &dst, &opts).map_err(|e| e.to_string()).and_then(|p| run_plan(dev, &src, &dst, &p, REPS)))
+    {
         Ok((t, bytes, _, checked)) => {
             s.record(true, format!("reshard 4->2 ranks on one GPU: {checked} elements bit-exact"));
             match time_plain_copy(dev, bytes as usize, REPS) {
@@ -111,8 +121,10 @@ fn reshard_checks(dev: &GpuDevice, s: &mut Summary) {
         }
         Err(e) => s.record(false, format!("reshard 4->2 ranks on one GPU: {e}")),
     }
-    let (src, dst) = (parse_layout(MIXED_SRC).unwrap(), parse_layout(MIXED_DST).unwrap());
-    match plan_reshard(&src, &dst, &opts).map_err(|e| e.to_string()).and_then(|p| run_plan(dev, &src, &dst, &p, 1)) {
+    let mixed = layouts(MIXED_SRC, MIXED_DST);
+    match mixed
+        .and_then(|(src, dst)| plan_reshard(&src, &dst, &opts).map_err(|e| e.to_string()).and_then(|p| run_plan(dev, &src, &dst, &p, 1)))
+    {
         Ok((_, _, staged, checked)) => {
             s.record(true, format!("reshard mixed dtypes/3-D pieces: {checked} elements bit-exact ({staged} pieces converted via host)"))
         }
@@ -123,8 +135,10 @@ fn reshard_checks(dev: &GpuDevice, s: &mut Summary) {
 fn baseline_checks(dev: &GpuDevice, s: &mut Summary) {
     let opts = PlanOptions::default();
     for (name, a, b, reps) in [("big", BIG_SRC, BIG_DST, 2), ("mixed", MIXED_SRC, MIXED_DST, 1)] {
-        let (src, dst) = (parse_layout(a).unwrap(), parse_layout(b).unwrap());
-        match plan_baseline(&src, &dst, &opts).map_err(|e| e.to_string()).and_then(|p| run_plan(dev, &src, &dst, &p, reps)) {
+        let pair = layouts(a, b);
+        match pair.and_then(|(src, dst)| {
+            plan_baseline(&src, &dst, &opts).map_err(|e| e.to_string()).and_then(|p| run_plan(dev, &src, &dst, &p, reps))
+        }) {
             Ok((t, bytes, _, checked)) => {
                 s.record(true, format!("baseline (gather-broadcast) {name}: {checked} elements bit-exact; {:.1} GB/s", gbps(bytes, t)))
             }
