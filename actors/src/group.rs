@@ -54,6 +54,14 @@ impl<A: Actor> ActorGroup<A> {
         Self { members, ranks: 0..n }
     }
 
+    /// A group of actors obtained elsewhere (looked up on remote nodes, say):
+    /// `refs[i]` is rank `i`. Unlike [`spawn`](Self::spawn), nothing is
+    /// linked to a supervisor; link the group if you want its events.
+    pub fn from_refs(refs: Vec<ActorRef<A>>) -> Self {
+        let n = refs.len();
+        Self { members: refs.into(), ranks: 0..n }
+    }
+
     /// Number of ranks in this view.
     pub fn len(&self) -> usize {
         self.ranks.len()

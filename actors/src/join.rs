@@ -39,7 +39,7 @@ where
 }
 
 /// Awaits all futures concurrently; outputs are in input order.
-pub(crate) async fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+pub async fn join_all<F: Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
     let infallible = futures.into_iter().map(|f| async move { Ok::<_, Infallible>(f.await) });
     match try_join_all(infallible).await {
         Ok(outputs) => outputs,

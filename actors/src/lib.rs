@@ -52,6 +52,7 @@ pub mod codec;
 mod error;
 mod group;
 mod join;
+pub use join::join_all;
 mod panic;
 pub mod remote;
 mod runtime;

@@ -1,32 +1,42 @@
 //! Refit roles and the orchestrator.
 //!
-//! A training group and an inference group are each a group of
-//! [`Member`] actors, one per rank, that share their rank's weights with the
-//! user's own actors through a store:
+//! **Data model.** A training group and an inference group are each a group
+//! of [`Member`] actors, one per rank, that share their rank's weights with
+//! the user's own actors through a store:
 //!
 //! - [`SourceStore`] (training rank): the optimizer writes it with
 //!   [`SourceStore::update`]; a refit reads it under the same lock, so no
 //!   refit ever reads half an optimizer step (the version fence).
 //! - [`SinkStore`] (inference rank): a refit writes a staging copy; the new
-//!   version becomes visible to [`SinkStore::snapshot`] only when every sink
-//!   has received all of it (atomic commit); snapshots taken earlier keep
-//!   serving the previous version.
+//!   version becomes visible only when every sink of the group has staged
+//!   all of it (two-phase: stage everywhere, then flip everywhere), by a
+//!   swap, not a copy. The previous version stays readable
+//!   ([`SinkStore::snapshot_at`]) so a tensor-parallel group reads one
+//!   agreed version while a commit sweeps over it.
 //!
-//! The [`Orchestrator`] actor collects both layouts from the members by
-//! message, validates them, plans once (cached while neither layout
-//! changes), installs each member's program, and on every
-//! [`Refit`](OrchestratorMsg::Refit) runs the data plane on every member,
-//! then commits the version on every sink — or, on any failure, discards it
-//! everywhere. Refits are serialised by the actor's mailbox.
+//! The [`Orchestrator`] actor speaks the member protocol ([`protocol`]):
+//! it asks the members for their layouts by message, validates them, plans
+//! once (cached while neither layout changes), installs each member's own
+//! program, and on every [`Refit`](OrchestratorMsg::Refit) has every member
+//! open its end of a fresh data plane ([`Fabric`]), connect, run, and then
+//! commits on every sink — or, on any failure, discards everywhere.
 //!
-//! [`spawn_refit`] wires all of it for two layouts.
+//! Members are ordinary [`ActorRef`]s: in this process ([`spawn_refit`],
+//! the in-process fabric), or in other processes and hosts that joined a
+//! [`Rendezvous`] ([`rendezvous`], the node fabric). The orchestrator is
+//! the same either way.
 
+mod fabric;
 mod member;
 mod orchestrator;
+pub mod protocol;
+pub mod rendezvous;
 mod store;
 
-pub use member::{LayoutInfo, Member, MemberMsg, MemberReply, Refusal, Role};
+pub use member::{Member, MemberConfig, Role};
 pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, RefitReport};
+pub use protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, NodeFabric, Refusal};
+pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use store::{Buffers, SinkStore, Snapshot, SourceStore};
 
 use actors::{spawn, spawn_group, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};
@@ -91,6 +101,23 @@ impl OrchestratorHandle {
     }
 }
 
+/// How long a caller waits for the orchestrator's answer to one refit: the
+/// data plane's deadline plus every control step's.
+pub fn orchestrator_call_timeout(config: &OrchestratorConfig) -> std::time::Duration {
+    let connect = match &config.fabric {
+        Fabric::Node(n) => n.connect_timeout,
+        Fabric::InProcess => std::time::Duration::ZERO,
+    };
+    config.deadline + connect + 8 * config.control_timeout
+}
+
+/// Spawns an orchestrator over groups of members found elsewhere (a
+/// [`Rendezvous`]). Must be called inside a tokio runtime.
+pub fn spawn_orchestrator(sources: ActorGroup<Member>, sinks: ActorGroup<Member>, config: OrchestratorConfig) -> OrchestratorHandle {
+    let timeout = orchestrator_call_timeout(&config);
+    OrchestratorHandle::new(spawn(Orchestrator::new(sources, sinks, config), SpawnConfig::default().name("orchestrator").call_timeout(timeout)))
+}
+
 /// Everything [`spawn_refit`] made.
 pub struct RefitSystem {
     /// The orchestrator.
@@ -107,8 +134,8 @@ pub struct RefitSystem {
     pub events: SupervisorEvents,
 }
 
-/// Spawns stores and members for both layouts and an orchestrator over them.
-/// Must be called inside a tokio runtime.
+/// Spawns stores and members for both layouts, all in this process, and an
+/// orchestrator over them. Must be called inside a tokio runtime.
 pub fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig) -> RefitSystem {
     let sources: Vec<Arc<SourceStore>> = (0..src.ranks()).map(|r| Arc::new(SourceStore::new(src, r))).collect();
     let sinks: Vec<Arc<SinkStore>> = (0..dst.ranks()).map(|r| Arc::new(SinkStore::new(dst, r))).collect();
@@ -120,8 +147,8 @@ pub fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig) -> Re
     source_members.link(&supervisor);
     sink_members.link(&supervisor);
     let actor = spawn(
-        Orchestrator::new(source_members.clone(), sink_members.clone(), config),
-        SpawnConfig::default().name("orchestrator").call_timeout(config.deadline + 4 * config.control_timeout),
+        Orchestrator::new(source_members.clone(), sink_members.clone(), config.clone()),
+        SpawnConfig::default().name("orchestrator").call_timeout(orchestrator_call_timeout(&config)),
     );
     RefitSystem { orchestrator: OrchestratorHandle::new(actor), sources, sinks, source_members, sink_members, events }
 }

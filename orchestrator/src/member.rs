@@ -1,14 +1,17 @@
 //! The refit member actor: one per rank of each group, owning that rank's
-//! part of the refit protocol. It shares its rank's store with the user's
-//! training or rollout actor and talks to the orchestrator only by message.
+//! part of the refit protocol ([`crate::protocol`]). It shares its rank's
+//! store with the user's training or rollout actor and talks to the
+//! orchestrator only by message, so it may live in any process.
 
+use crate::fabric::Endpointed;
+use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats};
 use crate::store::{SinkStore, SourceStore};
 use actors::{async_trait, Actor, ActorError, Context};
-use reshard::{layout_to_json, Fingerprint, Layout, RankProgram};
-use serde::{Deserialize, Serialize};
+use reshard::{layout_to_json, Endpoint, Fingerprint, Group, Layout, RankProgram};
+use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
-use transport::{run_rank, ExecOptions, LocalTransport, RankMemory, RankStats};
+use transport::{run_rank, ExecOptions, RankMemory, Transport};
 
 /// Which side of the refit a member is on.
 #[derive(Debug, Clone)]
@@ -19,108 +22,68 @@ pub enum Role {
     Sink(Arc<SinkStore>),
 }
 
-/// What a member says about itself when asked ([`MemberMsg::Describe`]).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LayoutInfo {
-    /// The member's rank in its group.
-    pub rank: u32,
-    /// The whole group's layout, in the layout file format.
-    pub layout_json: String,
+impl Role {
+    fn group(&self) -> Group {
+        match self {
+            Role::Source(_) => Group::Src,
+            Role::Sink(_) => Group::Dst,
+        }
+    }
 }
 
-/// Messages a member handles.
-#[derive(Debug)]
-pub enum MemberMsg {
-    /// Report the group layout this member holds weights for.
-    Describe,
-    /// Report only a fingerprint of that layout (cheap; asked every refit).
-    LayoutFingerprint,
-    /// Keep this program for the plan with this fingerprint.
-    Install {
-        /// This rank's program.
-        program: Arc<RankProgram>,
-        /// The plan's fingerprint.
-        fingerprint: Fingerprint,
-    },
-    /// Run the installed program for `version` over `transport`.
-    Run {
-        /// The weight version being moved.
-        version: u64,
-        /// The plan the orchestrator believes is installed.
-        fingerprint: Fingerprint,
-        /// This rank's end of the data plane for this refit.
-        transport: LocalTransport,
-        /// Time the data movement may take.
-        deadline: Duration,
-    },
-    /// Make staged `version` visible (sinks).
-    Commit {
-        /// The version.
-        version: u64,
-    },
-    /// Drop whatever was staged (sinks); a failed refit.
-    Discard,
-    /// Report the version this member serves (sinks) or holds (sources).
-    Version,
+/// Where a member's data plane listens.
+#[derive(Debug, Clone, Copy)]
+pub struct MemberConfig {
+    /// The address peers reach this member's node-fabric endpoint at
+    /// (default loopback; [`crate::join`] uses the interface that reaches
+    /// the rendezvous).
+    pub data_ip: IpAddr,
 }
 
-/// Why a member refused a request (a normal reply, not a failure of the actor).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refusal {
-    /// The fingerprint does not match the installed program's.
-    FingerprintMismatch {
-        /// What the member has installed (if anything).
-        installed: Option<Fingerprint>,
-        /// What it was asked to run.
-        asked: Fingerprint,
-    },
-    /// The program's buffers do not match this rank's weights.
-    ProgramMismatch(String),
-    /// The source holds another version than the one asked for.
-    VersionMismatch {
-        /// Held.
-        held: u64,
-        /// Asked.
-        asked: u64,
-    },
-    /// The data plane failed.
-    Exec(String),
-    /// Commit without the whole version staged.
-    NotStaged {
-        /// What is staged completely, if anything.
-        staged: Option<u64>,
-    },
+impl Default for MemberConfig {
+    fn default() -> Self {
+        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST) }
+    }
 }
 
-/// Replies of a member.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum MemberReply {
-    /// Answer to `Describe`.
-    Layout(LayoutInfo),
-    /// Answer to `LayoutFingerprint`.
-    LayoutFingerprint(u64),
-    /// The request was done.
-    Done,
-    /// Answer to `Run`.
-    Ran(RankStats),
-    /// Answer to `Version`.
-    Version(u64),
-    /// The request was refused.
-    Refused(Refusal),
+/// The data-plane endpoint of the refit in progress.
+struct Pending {
+    refit: u64,
+    end: Endpointed,
 }
 
 /// The refit member of one rank.
 pub struct Member {
-    rank: u32,
+    endpoint: Endpoint,
+    node: u32,
     layout_json: String,
+    layout_fingerprint: u64,
     role: Role,
+    config: MemberConfig,
     installed: Option<(Arc<RankProgram>, Fingerprint)>,
+    pending: Option<Pending>,
 }
 
 impl Member {
-    /// A member for rank `rank` of a group laid out as `layout`.
+    /// A member for rank `rank` of a group laid out as `layout`, with the
+    /// default [`MemberConfig`].
     pub fn new(layout: &Layout, rank: u32, role: Role) -> Member {
-        Member { rank, layout_json: layout_to_json(layout).to_string(), role, installed: None }
+        Member::with_config(layout, rank, role, MemberConfig::default())
+    }
+
+    /// A member with explicit settings.
+    pub fn with_config(layout: &Layout, rank: u32, role: Role, config: MemberConfig) -> Member {
+        let layout_json = layout_to_json(layout).to_string();
+        Member {
+            endpoint: Endpoint { group: role.group(), rank },
+            node: layout.node_of(rank),
+            layout_fingerprint: reshard::fingerprint::fnv64(&layout_json),
+            layout_json,
+            role,
+            config,
+            installed: None,
+            pending: None,
+        }
     }
 }
 
@@ -155,21 +118,91 @@ fn drop_scratch(memory: &mut RankMemory, base: usize) {
     memory.dtypes.truncate(base);
 }
 
+/// Runs `program` on `memory` (plus any scratch it needs) over `transport`.
+fn execute(program: &RankProgram, memory: &mut RankMemory, mut transport: Box<dyn Transport>, deadline: Duration) -> Result<RunStats, Refusal> {
+    let base = with_scratch(memory, program).map_err(|e| {
+        transport.abort(&e);
+        Refusal::ProgramMismatch(e)
+    })?;
+    let mut t: &mut dyn Transport = &mut *transport;
+    let r = run_rank(program, memory, &mut t, &ExecOptions { deadline })
+        .map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages })
+        .map_err(|e| Refusal::Exec(e.to_string()));
+    drop_scratch(memory, base);
+    r
+}
+
+fn finish(result: Result<Result<RunStats, Refusal>, tokio::task::JoinError>) -> MemberReply {
+    match result {
+        Ok(Ok(stats)) => MemberReply::Ran(stats),
+        Ok(Err(refusal)) => MemberReply::Refused(refusal),
+        Err(e) => MemberReply::Refused(Refusal::Exec(format!("data plane task failed: {e}"))),
+    }
+}
+
 impl Member {
-    async fn run(&mut self, version: u64, fingerprint: Fingerprint, mut transport: LocalTransport, deadline: Duration) -> MemberReply {
-        use transport::Transport as _;
+    fn prepare(&mut self, refit: u64, session: String, fabric: Fabric) -> MemberReply {
+        self.pending = None;
+        let opened = match fabric {
+            Fabric::InProcess => Endpointed::take_local(&session, self.endpoint).map(|e| (e, String::new())),
+            Fabric::Node(settings) => Endpointed::listen(self.config.data_ip, settings, session),
+        };
+        match opened {
+            Ok((end, addr)) => {
+                self.pending = Some(Pending { refit, end });
+                MemberReply::Prepared { endpoint: self.endpoint, node: self.node, addr }
+            }
+            Err(e) => MemberReply::Refused(Refusal::Fabric(e)),
+        }
+    }
+
+    fn take_pending(&mut self, refit: u64) -> Result<Endpointed, Refusal> {
+        match self.pending.take() {
+            Some(p) if p.refit == refit => Ok(p.end),
+            _ => Err(Refusal::NotPrepared { refit }),
+        }
+    }
+
+    async fn connect(&mut self, refit: u64, peers: Vec<PeerAddr>) -> MemberReply {
+        let end = match self.take_pending(refit) {
+            Ok(end) => end,
+            Err(r) => return MemberReply::Refused(r),
+        };
+        let Some((program, _)) = self.installed.clone() else {
+            return MemberReply::Refused(Refusal::ProgramMismatch("no program installed".into()));
+        };
+        match tokio::task::spawn_blocking(move || end.connect(&program, &peers)).await {
+            Ok(Ok(end)) => {
+                self.pending = Some(Pending { refit, end });
+                MemberReply::Done
+            }
+            Ok(Err(e)) => MemberReply::Refused(Refusal::Fabric(e)),
+            Err(e) => MemberReply::Refused(Refusal::Fabric(format!("connect task failed: {e}"))),
+        }
+    }
+
+    async fn run(&mut self, refit: u64, version: u64, fingerprint: Fingerprint, deadline: Duration) -> MemberReply {
+        let end = match self.take_pending(refit) {
+            Ok(end) => end,
+            Err(r) => return MemberReply::Refused(r),
+        };
         let program = match &self.installed {
             Some((p, f)) if *f == fingerprint => p.clone(),
             other => {
                 // Peers must not wait for this rank.
-                transport.abort("fingerprint mismatch");
+                if let Ok(mut t) = end.into_transport() {
+                    t.abort("fingerprint mismatch");
+                }
                 return MemberReply::Refused(Refusal::FingerprintMismatch {
                     installed: other.as_ref().map(|(_, f)| *f),
                     asked: fingerprint,
                 });
             }
         };
-        let options = ExecOptions { deadline };
+        let mut transport = match end.into_transport() {
+            Ok(t) => t,
+            Err(e) => return MemberReply::Refused(Refusal::Fabric(e)),
+        };
         match &self.role {
             Role::Source(store) => {
                 // The fence: hold the write lock while peers read our weights.
@@ -179,7 +212,8 @@ impl Member {
                     transport.abort("version mismatch");
                     return MemberReply::Refused(Refusal::VersionMismatch { held, asked: version });
                 }
-                let result = tokio::task::spawn_blocking(move || execute(&program, guard.memory_mut(), &mut transport, &options)).await;
+                let result =
+                    tokio::task::spawn_blocking(move || execute(&program, guard.memory_mut(), transport, deadline)).await;
                 finish(result)
             }
             Role::Sink(store) => {
@@ -187,7 +221,7 @@ impl Member {
                 let mut guard = staging.lock_owned().await;
                 guard.complete = None;
                 let result = tokio::task::spawn_blocking(move || {
-                    let r = execute(&program, guard.buffers.memory_mut(), &mut transport, &options);
+                    let r = execute(&program, guard.buffers.memory_mut(), transport, deadline);
                     if r.is_ok() {
                         guard.complete = Some(version);
                     }
@@ -198,30 +232,16 @@ impl Member {
             }
         }
     }
-}
 
-/// Runs `program` on `memory` (plus any scratch it needs) over `transport`.
-fn execute(
-    program: &RankProgram,
-    memory: &mut RankMemory,
-    transport: &mut LocalTransport,
-    options: &ExecOptions,
-) -> Result<RankStats, Refusal> {
-    use transport::Transport as _;
-    let base = with_scratch(memory, program).map_err(|e| {
-        transport.abort(&e);
-        Refusal::ProgramMismatch(e)
-    })?;
-    let r = run_rank(program, memory, transport, options).map_err(|e| Refusal::Exec(e.to_string()));
-    drop_scratch(memory, base);
-    r
-}
-
-fn finish(result: Result<Result<RankStats, Refusal>, tokio::task::JoinError>) -> MemberReply {
-    match result {
-        Ok(Ok(stats)) => MemberReply::Ran(stats),
-        Ok(Err(refusal)) => MemberReply::Refused(refusal),
-        Err(e) => MemberReply::Refused(Refusal::Exec(format!("data plane task failed: {e}"))),
+    fn install(&mut self, program: Box<RankProgram>, fingerprint: Fingerprint) -> MemberReply {
+        if program.fingerprint != fingerprint {
+            MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint })
+        } else if program.endpoint != self.endpoint {
+            MemberReply::Refused(Refusal::ProgramMismatch(format!("program for {} sent to {}", program.endpoint, self.endpoint)))
+        } else {
+            self.installed = Some((Arc::from(program), fingerprint));
+            MemberReply::Done
+        }
     }
 }
 
@@ -232,19 +252,18 @@ impl Actor for Member {
 
     async fn handle(&mut self, msg: MemberMsg, _ctx: &mut Context<Self>) -> Result<MemberReply, ActorError> {
         Ok(match msg {
-            MemberMsg::Describe => MemberReply::Layout(LayoutInfo { rank: self.rank, layout_json: self.layout_json.clone() }),
-            MemberMsg::LayoutFingerprint => MemberReply::LayoutFingerprint(reshard::fingerprint::fnv64(&self.layout_json)),
-            MemberMsg::Install { program, fingerprint } => {
-                if program.fingerprint != fingerprint {
-                    MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint })
-                } else if program.endpoint.rank != self.rank {
-                    MemberReply::Refused(Refusal::ProgramMismatch(format!("program for {} sent to rank {}", program.endpoint, self.rank)))
-                } else {
-                    self.installed = Some((program, fingerprint));
-                    MemberReply::Done
-                }
+            MemberMsg::Describe => MemberReply::Layout(LayoutInfo {
+                rank: self.endpoint.rank,
+                layout_json: self.layout_json.clone(),
+                pid: std::process::id(),
+            }),
+            MemberMsg::Status => {
+                MemberReply::Status { layout: self.layout_fingerprint, installed: self.installed.as_ref().map(|(_, f)| *f) }
             }
-            MemberMsg::Run { version, fingerprint, transport, deadline } => self.run(version, fingerprint, transport, deadline).await,
+            MemberMsg::Install { program, fingerprint } => self.install(program, fingerprint),
+            MemberMsg::Prepare { refit, session, fabric } => self.prepare(refit, session, fabric),
+            MemberMsg::Connect { refit, peers } => self.connect(refit, peers).await,
+            MemberMsg::Run { refit, version, fingerprint, deadline } => self.run(refit, version, fingerprint, deadline).await,
             MemberMsg::Commit { version } => match &self.role {
                 Role::Sink(store) => match store.commit(version).await {
                     Ok(()) => MemberReply::Done,
@@ -253,6 +272,7 @@ impl Actor for Member {
                 Role::Source(_) => MemberReply::Done,
             },
             MemberMsg::Discard => {
+                self.pending = None;
                 if let Role::Sink(store) = &self.role {
                     store.discard().await;
                 }

@@ -1,19 +1,21 @@
 //! The orchestrator actor: attaches to a source group and a sink group,
 //! plans once per pair of layouts, and refits after every optimizer step.
 
-use crate::member::{Member, MemberMsg, MemberReply, Refusal};
+use crate::fabric::hub;
+use crate::member::Member;
+use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal};
 use actors::{async_trait, Actor, ActorError, ActorGroup, CallError, Context, GroupError};
-use reshard::{
-    parse_layout, plan_baseline, plan_reshard, Endpoint, Fingerprint, Layout, LayoutError, PlanError, PlanOptions, RankProgram, Strategy,
-};
-use std::sync::Arc;
+use reshard::{parse_layout, plan_baseline, plan_reshard, Endpoint, Fingerprint, Layout, LayoutError, PlanError, PlanOptions, RankProgram, Strategy};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 use transport::local_fabric;
 
 /// Orchestrator settings.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct OrchestratorConfig {
+    /// How members reach each other: in process (every member in the
+    /// orchestrator's process), or the node fabric (members anywhere).
+    pub fabric: Fabric,
     /// Reshard, or the gather-broadcast baseline.
     pub mode: Strategy,
     /// Planner options.
@@ -27,6 +29,7 @@ pub struct OrchestratorConfig {
 impl Default for OrchestratorConfig {
     fn default() -> Self {
         OrchestratorConfig {
+            fabric: Fabric::InProcess,
             mode: Strategy::Reshard,
             plan: PlanOptions::default(),
             deadline: Duration::from_secs(60),
@@ -110,12 +113,30 @@ pub enum OrchestratorError {
     #[error("planning failed: {0}")]
     Plan(#[from] PlanError),
     /// A member refused or failed its part.
+    #[error("{member}: {refusal}")]
+    Refused {
+        /// The member.
+        member: String,
+        /// Why.
+        refusal: Refusal,
+    },
+    /// A member's handler failed (not a refusal of the protocol).
     #[error("{member}: {problem}")]
-    Member {
+    Failed {
         /// The member.
         member: String,
         /// What happened.
         problem: String,
+    },
+    /// A member answered with a reply that does not belong to the request.
+    #[error("{member}: answered {reply} to {request}")]
+    Protocol {
+        /// The member.
+        member: String,
+        /// The request.
+        request: &'static str,
+        /// The reply, as debug text.
+        reply: String,
     },
 }
 
@@ -158,6 +179,9 @@ struct CachedPlan {
     layout_fingerprints: (u64, u64),
     fingerprint: Fingerprint,
     bytes: u64,
+    /// Every rank's program (sources, then sinks), for members that join
+    /// later (a replaced process).
+    programs: Vec<RankProgram>,
 }
 
 /// The orchestrator actor.
@@ -167,12 +191,14 @@ pub struct Orchestrator {
     config: OrchestratorConfig,
     cache: Option<CachedPlan>,
     plans_made: u64,
+    /// Refits started, the data-plane epoch.
+    refits: u64,
 }
 
 impl Orchestrator {
     /// An orchestrator for these groups.
     pub fn new(sources: ActorGroup<Member>, sinks: ActorGroup<Member>, config: OrchestratorConfig) -> Orchestrator {
-        Orchestrator { sources, sinks, config, cache: None, plans_made: 0 }
+        Orchestrator { sources, sinks, config, cache: None, plans_made: 0, refits: 0 }
     }
 
     /// How many times this orchestrator has planned.
@@ -185,7 +211,7 @@ fn call_error(member: String, e: CallError, after: Duration) -> OrchestratorErro
     match e {
         CallError::Timeout { .. } => OrchestratorError::Timeout { member, after },
         CallError::Stopped { reason, .. } => OrchestratorError::MemberDied { member, reason: reason.to_string() },
-        CallError::Handler { error, .. } => OrchestratorError::Member { member, problem: error.to_string() },
+        CallError::Handler { error, .. } => OrchestratorError::Failed { member, problem: error.to_string() },
     }
 }
 
@@ -195,7 +221,7 @@ fn group_error(group: &ActorGroup<Member>, e: GroupError, after: Duration) -> Or
             let member = group.get(rank).map_or_else(|| format!("rank {rank}"), |m| m.name().to_string());
             call_error(member, error, after)
         }
-        other => OrchestratorError::Member { member: "group".into(), problem: other.to_string() },
+        other => OrchestratorError::Failed { member: "group".into(), problem: other.to_string() },
     }
 }
 
@@ -205,20 +231,8 @@ fn refused(member: &str, r: Refusal) -> OrchestratorError {
             OrchestratorError::FingerprintMismatch { member: member.to_string(), installed, asked }
         }
         Refusal::VersionMismatch { held, asked } => OrchestratorError::VersionMismatch { member: member.to_string(), held, asked },
-        other => OrchestratorError::Member { member: member.to_string(), problem: format!("{other:?}") },
+        refusal => OrchestratorError::Refused { member: member.to_string(), refusal },
     }
-}
-
-/// The layout fingerprint all members of `group` report, or `None` if they
-/// disagree (a full `describe` then says who differs).
-async fn layout_fingerprint(group: &ActorGroup<Member>, timeout: Duration) -> Result<Option<u64>, OrchestratorError> {
-    let replies = group.call_all_timeout(|_| MemberMsg::LayoutFingerprint, timeout).await.map_err(|e| group_error(group, e, timeout))?;
-    let mut fps = replies.into_iter().map(|r| match r {
-        MemberReply::LayoutFingerprint(f) => Some(f),
-        _ => None,
-    });
-    let first = fps.next().flatten();
-    Ok(if fps.all(|f| f == first) { first } else { None })
 }
 
 /// Asks every member of `group` for its layout; all must agree.
@@ -257,24 +271,83 @@ fn parse(group: &'static str, json: &str, members: usize) -> Result<Layout, Orch
     Ok(layout)
 }
 
+/// Every member's reply to `msg(group, rank)`, or the first failure.
+async fn call_both(
+    sources: &ActorGroup<Member>,
+    sinks: &ActorGroup<Member>,
+    msg: impl Fn(reshard::Group, usize) -> Option<MemberMsg>,
+    after: Duration,
+) -> Result<Vec<(String, MemberReply)>, OrchestratorError> {
+    let mut calls = Vec::new();
+    for (g, group) in [(reshard::Group::Src, sources), (reshard::Group::Dst, sinks)] {
+        for (rank, member) in group.iter() {
+            if let Some(m) = msg(g, rank) {
+                let member = member.clone();
+                calls.push(async move {
+                    let name = member.name().to_string();
+                    match member.call_timeout(m, after).await {
+                        Ok(r) => Ok((name, r)),
+                        Err(e) => Err(call_error(name, e, after)),
+                    }
+                });
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(calls.len());
+    for r in actors::join_all(calls).await {
+        out.push(r?);
+    }
+    Ok(out)
+}
+
+/// Turns the first refusal among `replies` into an error.
+fn no_refusal(replies: &[(String, MemberReply)]) -> Result<(), OrchestratorError> {
+    for (member, reply) in replies {
+        if let MemberReply::Refused(r) = reply {
+            return Err(refused(member, r.clone()));
+        }
+    }
+    Ok(())
+}
+
 impl Orchestrator {
-    /// Makes sure the cached plan matches both groups' current layouts.
+    fn endpoints(&self) -> Vec<Endpoint> {
+        (0..self.sources.len() as u32).map(Endpoint::src).chain((0..self.sinks.len() as u32).map(Endpoint::dst)).collect()
+    }
+
+    /// Makes sure every member has the plan for both groups' current
+    /// layouts installed: plans when a layout changed, installs on members
+    /// that lack it (new or replaced ones).
     async fn ensure_plan(&mut self) -> Result<bool, OrchestratorError> {
         let t = self.config.control_timeout;
-        // Cheap check first: if every member reports the layout fingerprint
-        // the cached plan was made for, nothing changed.
-        let fps = (layout_fingerprint(&self.sources, t).await?, layout_fingerprint(&self.sinks, t).await?);
+        // Cheap check first: every member's layout fingerprint and plan.
+        let status = call_both(&self.sources, &self.sinks, |_, _| Some(MemberMsg::Status), t).await?;
+        let mut layouts: [Option<u64>; 2] = [None, None];
+        let mut agree = true;
+        let mut lacking = Vec::new();
+        for (i, (member, reply)) in status.iter().enumerate() {
+            let MemberReply::Status { layout, installed } = reply else {
+                return Err(OrchestratorError::Protocol { member: member.clone(), request: "Status", reply: format!("{reply:?}") });
+            };
+            let g = usize::from(i >= self.sources.len());
+            agree &= *layouts[g].get_or_insert(*layout) == *layout;
+            lacking.push((i, *installed));
+        }
         if let Some(c) = &self.cache {
-            if Some(c.layout_fingerprints) == fps.0.zip(fps.1) && c.key.2 == self.config.mode {
+            if agree && Some(c.layout_fingerprints) == layouts[0].zip(layouts[1]) && c.key.2 == self.config.mode {
+                let fingerprint = c.fingerprint;
+                lacking.retain(|(_, installed)| *installed != Some(fingerprint));
+                if lacking.is_empty() {
+                    return Ok(false);
+                }
+                let todo: Vec<usize> = lacking.iter().map(|(i, _)| *i).collect();
+                self.install(&todo).await?;
                 return Ok(false);
             }
         }
         let src_json = describe(&self.sources, "source", t).await?;
         let dst_json = describe(&self.sinks, "sink", t).await?;
         let key = (src_json, dst_json, self.config.mode);
-        if self.cache.as_ref().is_some_and(|c| c.key == key) {
-            return Ok(false);
-        }
         self.cache = None;
         let src = parse("source", &key.0, self.sources.len())?;
         let dst = parse("sink", &key.1, self.sinks.len())?;
@@ -282,24 +355,32 @@ impl Orchestrator {
             Strategy::Reshard => plan_reshard(&src, &dst, &self.config.plan)?,
             Strategy::Baseline => plan_baseline(&src, &dst, &self.config.plan)?,
         };
-        let programs: Vec<Arc<RankProgram>> = plan.programs(&src, &dst)?.into_iter().map(Arc::new).collect();
-        let fingerprint = plan.fingerprint();
-        let n_src = self.sources.len();
-        let (a, b) = tokio::join!(
-            self.sources.call_all_timeout(|r| MemberMsg::Install { program: programs[r].clone(), fingerprint }, t),
-            self.sinks.call_all_timeout(|r| MemberMsg::Install { program: programs[n_src + r].clone(), fingerprint }, t),
-        );
-        for (group, replies) in [(&self.sources, a), (&self.sinks, b)] {
-            for (rank, reply) in replies.map_err(|e| group_error(group, e, t))?.into_iter().enumerate() {
-                if let MemberReply::Refused(r) = reply {
-                    return Err(refused(group.get(rank).map_or("?", |m| m.name()), r));
-                }
-            }
-        }
+        let programs = plan.programs(&src, &dst)?;
         self.plans_made += 1;
         let layout_fingerprints = (reshard::fingerprint::fnv64(&key.0), reshard::fingerprint::fnv64(&key.1));
-        self.cache = Some(CachedPlan { key, layout_fingerprints, fingerprint, bytes: plan.figures().total_bytes });
+        self.cache =
+            Some(CachedPlan { key, layout_fingerprints, fingerprint: plan.fingerprint(), bytes: plan.figures().total_bytes, programs });
+        let all: Vec<usize> = (0..self.sources.len() + self.sinks.len()).collect();
+        if let Err(e) = self.install(&all).await {
+            // Installed nowhere for sure: plan again next time.
+            self.cache = None;
+            return Err(e);
+        }
         Ok(true)
+    }
+
+    /// Installs the cached plan's programs on members `which` (indices into
+    /// sources then sinks).
+    async fn install(&self, which: &[usize]) -> Result<(), OrchestratorError> {
+        let Some(c) = &self.cache else { return Ok(()) };
+        let n_src = self.sources.len();
+        let fingerprint = c.fingerprint;
+        let msg = |g: reshard::Group, rank: usize| {
+            let i = if g == reshard::Group::Src { rank } else { n_src + rank };
+            which.contains(&i).then(|| MemberMsg::Install { program: Box::new(c.programs[i].clone()), fingerprint })
+        };
+        let replies = call_both(&self.sources, &self.sinks, msg, self.config.control_timeout).await?;
+        no_refusal(&replies)
     }
 
     async fn refit(&mut self, version: u64) -> Result<RefitReport, OrchestratorError> {
@@ -310,40 +391,24 @@ impl Orchestrator {
             Some(c) => (c.fingerprint, c.bytes),
             None => unreachable!("ensure_plan leaves a plan cached"),
         };
+        self.refits += 1;
+        let refit = self.refits;
         // A fresh data-plane epoch for every refit.
-        let endpoints: Vec<Endpoint> =
-            (0..self.sources.len() as u32).map(Endpoint::src).chain((0..self.sinks.len() as u32).map(Endpoint::dst)).collect();
-        let mut transports: Vec<Option<_>> = local_fabric(&endpoints).into_iter().map(Some).collect();
-        let (src_t, dst_t) = transports.split_at_mut(self.sources.len());
-        let deadline = self.config.deadline;
-        let after = deadline + self.config.control_timeout;
+        let session = uuid::Uuid::new_v4().simple().to_string();
+        if self.config.fabric == Fabric::InProcess {
+            hub::deposit(&session, local_fabric(&self.endpoints()));
+        }
         let t = Instant::now();
-        let run = |slot: &mut Option<transport::LocalTransport>| MemberMsg::Run {
-            version,
-            fingerprint,
-            transport: slot.take().unwrap_or_else(|| unreachable!("one transport per member")),
-            deadline,
-        };
-        let (a, b) = tokio::join!(
-            self.sources.call_all_timeout(|r| run(&mut src_t[r]), after),
-            self.sinks.call_all_timeout(|r| run(&mut dst_t[r]), after),
-        );
-        let outcome = (|| {
-            for (group, replies) in [(&self.sources, a), (&self.sinks, b)] {
-                for (rank, reply) in replies.map_err(|e| group_error(group, e, after))?.into_iter().enumerate() {
-                    if let MemberReply::Refused(r) = reply {
-                        return Err(refused(group.get(rank).map_or("?", |m| m.name()), r));
-                    }
-                }
-            }
-            Ok(())
-        })();
+        let moved = self.transfer(refit, &session, version, fingerprint).await;
+        hub::close(&session);
         let transfer_time = t.elapsed();
-        if let Err(e) = outcome {
-            // Every sink keeps serving its last committed version.
-            let _ = self.sinks.call_all_timeout(|_| MemberMsg::Discard, self.config.control_timeout).await;
+        if let Err(e) = moved {
+            // Every sink keeps serving its last committed version; every
+            // member drops what it prepared for this refit.
+            let _ = call_both(&self.sources, &self.sinks, |_, _| Some(MemberMsg::Discard), self.config.control_timeout).await;
             return Err(e);
         }
+        // The second phase: every sink has staged the whole version; flip.
         let t = Instant::now();
         let timeout = self.config.control_timeout;
         let replies = self
@@ -367,6 +432,31 @@ impl Orchestrator {
             commit_time: t.elapsed(),
             bytes,
         })
+    }
+
+    /// Prepare, connect and run on every member: the first phase.
+    async fn transfer(&self, refit: u64, session: &str, version: u64, fingerprint: Fingerprint) -> Result<(), OrchestratorError> {
+        let control = self.config.control_timeout;
+        let fabric = self.config.fabric.clone();
+        let prepare = |_, _| Some(MemberMsg::Prepare { refit, session: session.to_string(), fabric: fabric.clone() });
+        let prepared = call_both(&self.sources, &self.sinks, prepare, control).await?;
+        no_refusal(&prepared)?;
+        let mut peers = Vec::with_capacity(prepared.len());
+        for (member, reply) in prepared {
+            let MemberReply::Prepared { endpoint, node, addr } = reply else {
+                return Err(OrchestratorError::Protocol { member, request: "Prepare", reply: format!("{reply:?}") });
+            };
+            peers.push(PeerAddr { endpoint, node, addr });
+        }
+        if let Fabric::Node(settings) = &fabric {
+            let connect = |_, _| Some(MemberMsg::Connect { refit, peers: peers.clone() });
+            let connected = call_both(&self.sources, &self.sinks, connect, settings.connect_timeout + control).await?;
+            no_refusal(&connected)?;
+        }
+        let deadline = self.config.deadline;
+        let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline });
+        let ran = call_both(&self.sources, &self.sinks, run, deadline + control).await?;
+        no_refusal(&ran)
     }
 }
 

@@ -119,6 +119,16 @@ impl SourceStore {
         (v, r)
     }
 
+    /// Replaces the weights with a known `version` (a trainer restarted from
+    /// a checkpoint of that step): `f` writes them under the write lock, then
+    /// the store holds `version`.
+    pub async fn restore<R>(&self, version: u64, f: impl FnOnce(&mut Buffers) -> R) -> R {
+        let mut guard = self.buffers.write().await;
+        let r = f(&mut guard);
+        self.version.store(version, Ordering::Release);
+        r
+    }
+
     /// Reads the weights (shared with other readers, excluded from updates).
     pub async fn read<R>(&self, f: impl FnOnce(&Buffers) -> R) -> R {
         f(&*self.buffers.read().await)
@@ -139,13 +149,22 @@ pub struct Snapshot {
     pub buffers: Buffers,
 }
 
-/// The weights of one inference rank: a committed snapshot that readers
-/// use, and a staging copy that refits write.
+/// The weights of one inference rank: the committed version readers use,
+/// the one before it (so a tensor-parallel group can agree on a version
+/// while a commit sweeps over its ranks), and a staging copy that refits
+/// write.
 #[derive(Debug)]
 pub struct SinkStore {
     rank: Rank,
-    live: RwLock<Arc<Snapshot>>,
+    live: RwLock<Live>,
     staging: Arc<tokio::sync::Mutex<Staging>>,
+}
+
+/// The current and the previous committed version.
+#[derive(Debug)]
+struct Live {
+    current: Arc<Snapshot>,
+    previous: Option<Arc<Snapshot>>,
 }
 
 /// The staging copy and which version it holds completely, if any.
@@ -161,7 +180,7 @@ impl SinkStore {
         let buffers = Buffers::new(layout, rank);
         SinkStore {
             rank,
-            live: RwLock::new(Arc::new(Snapshot { version: 0, buffers: buffers.clone() })),
+            live: RwLock::new(Live { current: Arc::new(Snapshot { version: 0, buffers: buffers.clone() }), previous: None }),
             staging: Arc::new(tokio::sync::Mutex::new(Staging { buffers, complete: None })),
         }
     }
@@ -171,30 +190,65 @@ impl SinkStore {
         self.rank
     }
 
+    fn live(&self) -> std::sync::RwLockReadGuard<'_, Live> {
+        self.live.read().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The committed weights. Keep the `Arc` for as long as one rollout
     /// needs consistent weights; later commits do not change it.
     pub fn snapshot(&self) -> Arc<Snapshot> {
-        self.live.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.live().current.clone()
+    }
+
+    /// The committed weights of `version`, if it is the current or the
+    /// previous committed version. The ranks of a tensor-parallel group
+    /// agree on a version (the orchestrator's last committed one, say) and
+    /// each reads it here: a commit in progress across the group, which
+    /// flips ranks one after another, cannot make them read different
+    /// versions.
+    pub fn snapshot_at(&self, version: u64) -> Option<Arc<Snapshot>> {
+        let live = self.live();
+        if live.current.version == version {
+            return Some(live.current.clone());
+        }
+        live.previous.as_ref().filter(|p| p.version == version).cloned()
     }
 
     /// The version readers currently get.
     pub fn version(&self) -> u64 {
-        self.snapshot().version
+        self.live().current.version
     }
 
     pub(crate) fn staging(&self) -> Arc<tokio::sync::Mutex<Staging>> {
         self.staging.clone()
     }
 
-    /// Makes the staged version `version` the committed one, atomically.
-    /// Fails (changing nothing) unless staging holds all of `version`.
+    /// Makes the staged version `version` the committed one, atomically,
+    /// by moving the staging buffers in (no copy). The version before the
+    /// previous one becomes the next staging copy if no reader holds it any
+    /// more (a refit rewrites every element), else staging is allocated
+    /// afresh. Fails (changing nothing) unless staging holds all of
+    /// `version`.
     pub(crate) async fn commit(&self, version: u64) -> Result<(), Option<u64>> {
         let mut staging = self.staging.lock().await;
         if staging.complete != Some(version) {
             return Err(staging.complete);
         }
-        let next = Arc::new(Snapshot { version, buffers: staging.buffers.clone() });
-        *self.live.write().unwrap_or_else(|e| e.into_inner()) = next;
+        let blank = Buffers { specs: staging.buffers.specs.clone(), memory: RankMemory::default() };
+        let buffers = std::mem::replace(&mut staging.buffers, blank);
+        let next = Arc::new(Snapshot { version, buffers });
+        let retired = {
+            let mut live = self.live.write().unwrap_or_else(|e| e.into_inner());
+            let current = std::mem::replace(&mut live.current, next);
+            live.previous.replace(current)
+        };
+        staging.buffers = match retired.map(Arc::try_unwrap) {
+            Some(Ok(old)) => old.buffers,
+            _ => {
+                let specs = staging.buffers.specs.clone();
+                Buffers { memory: RankMemory::for_buffers(&specs), specs }
+            }
+        };
         staging.complete = None;
         Ok(())
     }

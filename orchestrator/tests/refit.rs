@@ -3,7 +3,7 @@
 //! version fence and atomic commit hold under concurrency, and a failed refit
 //! leaves every sink on its last committed version.
 
-use orchestrator::{spawn_refit, MemberMsg, MemberReply, OrchestratorConfig, OrchestratorError, RefitError, RefitSystem, Refusal};
+use orchestrator::{spawn_refit, Fabric, MemberMsg, MemberReply, NodeFabric, OrchestratorConfig, OrchestratorError, RefitError, RefitSystem, Refusal};
 use reshard::{parse_layout, Fingerprint, Layout, Strategy};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -115,16 +115,23 @@ async fn wrong_fingerprint_is_refused() {
     let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
     let v = step(&sys, 1.0).await;
     let report = sys.orchestrator.refit(v).await.unwrap();
-    let endpoints = [reshard::Endpoint::src(0)];
-    let transport = transport::local_fabric(&endpoints).pop().unwrap();
     let bogus = Fingerprint(report.fingerprint.0 ^ 1);
-    let reply = sys
-        .source_members
-        .call_rank(0, MemberMsg::Run { version: v, fingerprint: bogus, transport, deadline: Duration::from_secs(1) })
-        .await
-        .unwrap();
+    let member = &sys.source_members;
+    // A step of a refit that was never prepared here.
+    let reply = member.call_rank(0, MemberMsg::Run { refit: 77, version: v, fingerprint: bogus, deadline: SECOND }).await.unwrap();
+    assert_eq!(reply, MemberReply::Refused(Refusal::NotPrepared { refit: 77 }));
+    // Prepared (node fabric: a loopback listener), but another plan.
+    let prepare = MemberMsg::Prepare { refit: 78, session: "t".into(), fabric: Fabric::Node(NodeFabric::default()) };
+    assert!(matches!(member.call_rank(0, prepare).await.unwrap(), MemberReply::Prepared { .. }));
+    let reply = member.call_rank(0, MemberMsg::Run { refit: 78, version: v, fingerprint: bogus, deadline: SECOND }).await.unwrap();
     assert_eq!(reply, MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(report.fingerprint), asked: bogus }));
+    // The next refit is not disturbed.
+    let v = step(&sys, 2.0).await;
+    sys.orchestrator.refit(v).await.unwrap();
+    assert!(served(&sys).iter().all(|(ver, vals)| *ver == v && vals.iter().all(|&x| x == 2.0)));
 }
+
+const SECOND: Duration = Duration::from_secs(1);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn members_that_disagree_on_their_layout_are_rejected() {

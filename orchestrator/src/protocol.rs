@@ -1,0 +1,230 @@
+//! The member protocol: the messages between the [`Orchestrator`] and the
+//! [`Member`] of every rank, wherever that member runs.
+//!
+//! Every message is serde, so a member is an ordinary
+//! [`ActorRef`](actors::ActorRef) whether it lives in this process or is
+//! served by another over the authenticated control plane
+//! ([`actors::remote`]); the orchestrator cannot tell and does not care.
+//! Nothing here carries a pointer or a live transport: the data plane of
+//! every refit is opened by the members themselves, from the
+//! [`Fabric`] and the peer addresses the orchestrator hands them.
+//!
+//! One refit is, for every member at once and step by step:
+//! `Prepare` (open this refit's data-plane endpoint) → `Connect` (to the
+//! peers in its program) → `Run` (the program; sinks write staging) →
+//! `Commit` on every sink once every member ran (the flip), or `Discard`.
+//!
+//! [`Orchestrator`]: crate::Orchestrator
+//! [`Member`]: crate::Member
+
+use reshard::{Endpoint, Fingerprint, RankProgram};
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// How the members of a refit reach each other.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Fabric {
+    /// Channels between members of this process; a receiver copies straight
+    /// out of the sender's buffers. Only for members that all live in the
+    /// orchestrator's process.
+    InProcess,
+    /// Shared memory between ranks of one node, TCP between nodes: members
+    /// in any process, on any host.
+    Node(NodeFabric),
+}
+
+impl Default for Fabric {
+    fn default() -> Self {
+        Fabric::InProcess
+    }
+}
+
+/// Settings of the node fabric.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeFabric {
+    /// A CRC-32C on every data frame.
+    pub checksum: bool,
+    /// Per-rank egress caps in bytes/s (between nodes, inside a node), for
+    /// emulating a cluster's links on one machine.
+    pub emulation: Option<(u64, u64)>,
+    /// Time every member has to connect to its peers.
+    pub connect_timeout: Duration,
+}
+
+impl Default for NodeFabric {
+    fn default() -> Self {
+        NodeFabric { checksum: false, emulation: None, connect_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// A peer's data-plane address for one refit (`Connect`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerAddr {
+    /// The peer.
+    pub endpoint: Endpoint,
+    /// Its node within its group (ranks of one node share memory).
+    pub node: u32,
+    /// Where it listens (`ip:port`; empty for the in-process fabric).
+    pub addr: String,
+}
+
+/// Messages a member handles.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum MemberMsg {
+    /// Report the group layout this member holds weights for.
+    Describe,
+    /// Report a fingerprint of that layout and the plan installed (cheap;
+    /// asked before every refit).
+    Status,
+    /// Keep this program for the plan with this fingerprint.
+    Install {
+        /// This rank's program.
+        program: Box<RankProgram>,
+        /// The plan's fingerprint.
+        fingerprint: Fingerprint,
+    },
+    /// Open this member's data-plane endpoint for refit `refit`: answered
+    /// with [`MemberReply::Prepared`].
+    Prepare {
+        /// The refit's sequence number (one data-plane epoch).
+        refit: u64,
+        /// Names this epoch's shared state (shared-memory regions,
+        /// in-process channels); fresh for every refit.
+        session: String,
+        /// The fabric.
+        fabric: Fabric,
+    },
+    /// Connect the prepared endpoint to every peer of this member's
+    /// program (the table holds every member's address).
+    Connect {
+        /// The refit.
+        refit: u64,
+        /// Every member's data-plane address.
+        peers: Vec<PeerAddr>,
+    },
+    /// Run the installed program for weights `version` on the connected
+    /// endpoint (sinks write their staging copy).
+    Run {
+        /// The refit.
+        refit: u64,
+        /// The weight version being moved.
+        version: u64,
+        /// The plan the orchestrator believes is installed.
+        fingerprint: Fingerprint,
+        /// Time the data movement may take.
+        deadline: Duration,
+    },
+    /// Make staged `version` the one readers get (sinks); the second phase.
+    Commit {
+        /// The version.
+        version: u64,
+    },
+    /// Drop whatever was staged or prepared; a failed refit.
+    Discard,
+    /// Report the version this member serves (sinks) or holds (sources).
+    Version,
+}
+
+/// Why a member refused a request (a normal reply, not a failure of the actor).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Refusal {
+    /// The fingerprint does not match the installed program's.
+    FingerprintMismatch {
+        /// What the member has installed (if anything).
+        installed: Option<Fingerprint>,
+        /// What it was asked to run.
+        asked: Fingerprint,
+    },
+    /// The program does not fit this rank (other rank, other buffers).
+    ProgramMismatch(String),
+    /// The source holds another version than the one asked for.
+    VersionMismatch {
+        /// Held.
+        held: u64,
+        /// Asked.
+        asked: u64,
+    },
+    /// The data plane could not be opened or connected.
+    Fabric(String),
+    /// A step came for another refit than the one prepared.
+    NotPrepared {
+        /// The refit asked for.
+        refit: u64,
+    },
+    /// The data plane failed while moving bytes.
+    Exec(String),
+    /// Commit without the whole version staged.
+    NotStaged {
+        /// What is staged completely, if anything.
+        staged: Option<u64>,
+    },
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::FingerprintMismatch { installed: Some(i), asked } => write!(f, "plan {asked} asked, {i} installed"),
+            Refusal::FingerprintMismatch { installed: None, asked } => write!(f, "plan {asked} asked, none installed"),
+            Refusal::ProgramMismatch(why) => write!(f, "program does not fit this rank: {why}"),
+            Refusal::VersionMismatch { held, asked } => write!(f, "holds version {held}, the refit asked for {asked}"),
+            Refusal::Fabric(why) => write!(f, "data plane: {why}"),
+            Refusal::NotPrepared { refit } => write!(f, "refit {refit} was not prepared here"),
+            Refusal::Exec(why) => write!(f, "{why}"),
+            Refusal::NotStaged { staged: Some(v) } => write!(f, "commit refused: version {v} is staged"),
+            Refusal::NotStaged { staged: None } => write!(f, "commit refused: nothing is staged"),
+        }
+    }
+}
+
+/// What a member says about itself when asked ([`MemberMsg::Describe`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayoutInfo {
+    /// The member's rank in its group.
+    pub rank: u32,
+    /// The whole group's layout, in the layout file format.
+    pub layout_json: String,
+    /// The process the member runs in.
+    pub pid: u32,
+}
+
+/// What one rank's data plane did in one refit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunStats {
+    /// Bytes sent to other ranks (wire dtype).
+    pub sent_bytes: u64,
+    /// Bytes received.
+    pub recv_bytes: u64,
+    /// Messages sent.
+    pub messages: u64,
+}
+
+/// Replies of a member.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemberReply {
+    /// Answer to `Describe`.
+    Layout(LayoutInfo),
+    /// Answer to `Status`.
+    Status {
+        /// Fingerprint of the layout the member holds.
+        layout: u64,
+        /// The plan installed, if any.
+        installed: Option<Fingerprint>,
+    },
+    /// Answer to `Prepare`: where this member's endpoint listens.
+    Prepared {
+        /// The endpoint.
+        endpoint: Endpoint,
+        /// Its node within its group.
+        node: u32,
+        /// `ip:port` (empty for the in-process fabric).
+        addr: String,
+    },
+    /// The request was done.
+    Done,
+    /// Answer to `Run`.
+    Ran(RunStats),
+    /// Answer to `Version`.
+    Version(u64),
+    /// The request was refused.
+    Refused(Refusal),
+}

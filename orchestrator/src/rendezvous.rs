@@ -1,0 +1,291 @@
+//! Groups whose members live in other processes or on other hosts.
+//!
+//! The orchestrator's process opens a [`Rendezvous`]: an authenticated
+//! control node ([`actors::remote`]) hosting a name registry. Every member
+//! process [`join`]s it with the same shared secret, spawns the
+//! [`Member`] of each rank it holds weights for next to its own actors
+//! ([`Joined::serve_member`]), and serves them under well-known names
+//! ([`member_name`]). The rendezvous then hands the orchestrator ordinary
+//! [`ActorGroup`]s of those members ([`Rendezvous::members`]); the user's
+//! own actors (trainers, rollout engines) are looked up the same way
+//! ([`Rendezvous::lookup`]).
+//!
+//! A member process keeps serving until the rendezvous goes away
+//! ([`Joined::closed`]); a process that dies is seen by the orchestrator as
+//! a member that died ([`crate::OrchestratorError::MemberDied`]), and its
+//! replacement joins under the same name.
+
+use crate::member::{Member, MemberConfig, Role};
+use actors::remote::{Node, NodeConfig, Registration, Registry, RegistryMsg, RegistryReply, RemotePeer, Secret, REGISTRY_NAME};
+use actors::{spawn, Actor, ActorGroup, ActorRef, SpawnConfig};
+use reshard::{Group, Layout};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// Environment variable with the rendezvous address (`host:port`).
+pub const RENDEZVOUS_ENV: &str = "REFIT_RENDEZVOUS";
+/// Environment variable with the shared secret (16 bytes or more).
+pub const SECRET_ENV: &str = "REFIT_SECRET";
+
+/// Largest control-plane frame: programs of big models travel in one.
+const MAX_FRAME_BYTES: usize = 256 << 20;
+
+/// The name a group's rank's member is served under.
+pub fn member_name(group: Group, rank: u32) -> String {
+    match group {
+        Group::Src => format!("refit.member.src.{rank}"),
+        Group::Dst => format!("refit.member.dst.{rank}"),
+    }
+}
+
+/// Why joining failed.
+#[derive(Debug, Error)]
+pub enum JoinError {
+    /// A setting is missing or malformed.
+    #[error("{0}")]
+    Config(String),
+    /// The control plane failed.
+    #[error("{what}: {error}")]
+    Remote {
+        /// What was being done.
+        what: String,
+        /// The control plane's error.
+        error: actors::RemoteError,
+    },
+    /// A name did not appear in the registry in time.
+    #[error("'{name}' did not join within {within:?}")]
+    Missing {
+        /// The name.
+        name: String,
+        /// The time waited.
+        within: Duration,
+    },
+    /// The registry could not be reached.
+    #[error("registry: {0}")]
+    Registry(String),
+}
+
+fn remote(what: impl Into<String>) -> impl FnOnce(actors::RemoteError) -> JoinError {
+    let what = what.into();
+    move |error| JoinError::Remote { what, error }
+}
+
+/// Control-plane settings both sides share.
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    /// A control connection silent this long is dead (pings every 250 ms).
+    pub heartbeat_timeout: Duration,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        ControlConfig { heartbeat_timeout: Duration::from_secs(2) }
+    }
+}
+
+fn node_config(bind: SocketAddr, control: &ControlConfig) -> NodeConfig {
+    NodeConfig { bind, max_frame_bytes: MAX_FRAME_BYTES, heartbeat_timeout: control.heartbeat_timeout, ..NodeConfig::default() }
+}
+
+/// The orchestrator's side: where member processes meet.
+pub struct Rendezvous {
+    node: Node,
+    registry: ActorRef<Registry>,
+    peers: tokio::sync::Mutex<HashMap<SocketAddr, RemotePeer>>,
+}
+
+impl Rendezvous {
+    /// Listens at `bind` (use port 0 for any) and hosts the registry.
+    pub async fn bind(secret: Secret, bind: SocketAddr, control: &ControlConfig) -> Result<Rendezvous, JoinError> {
+        let node = Node::bind(secret, node_config(bind, control)).await.map_err(remote(format!("listen on {bind}")))?;
+        let registry = node.host_registry().map_err(remote("host the registry"))?;
+        Ok(Rendezvous { node, registry, peers: Default::default() })
+    }
+
+    /// The address member processes join (`REFIT_RENDEZVOUS`).
+    pub fn addr(&self) -> SocketAddr {
+        self.node.advertised_addr()
+    }
+
+    /// The control node (to serve actors of the orchestrator's own).
+    pub fn node(&self) -> &Node {
+        &self.node
+    }
+
+    async fn resolve(&self, name: &str) -> Result<Option<Registration>, JoinError> {
+        match self.registry.call(RegistryMsg::Resolve(name.to_string())).await {
+            Ok(RegistryReply::Resolved(r)) => Ok(r),
+            Ok(other) => Err(JoinError::Registry(format!("answered {other:?} to Resolve"))),
+            Err(e) => Err(JoinError::Registry(e.to_string())),
+        }
+    }
+
+    /// Forgets `name`'s registration (before a replacement joins, so that
+    /// the dead one is not looked up again).
+    pub async fn forget(&self, name: &str) -> Result<(), JoinError> {
+        if let Some(r) = self.resolve(name).await? {
+            let _ = self.registry.call(RegistryMsg::Unregister { name: name.to_string(), addr: r.addr }).await;
+        }
+        Ok(())
+    }
+
+    /// Waits up to `within` for `name` to join, then looks it up.
+    pub async fn lookup<A>(&self, name: &str, within: Duration) -> Result<ActorRef<A>, JoinError>
+    where
+        A: Actor,
+        A::Msg: Serialize,
+        A::Reply: DeserializeOwned,
+    {
+        let until = Instant::now() + within;
+        let registration = loop {
+            if let Some(r) = self.resolve(name).await? {
+                break r;
+            }
+            if Instant::now() >= until {
+                return Err(JoinError::Missing { name: name.to_string(), within });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let mut peers = self.peers.lock().await;
+        let peer = match peers.get(&registration.addr) {
+            Some(p) if p.is_connected() => p.clone(),
+            _ => {
+                let p = self.node.connect(registration.addr).await.map_err(remote(format!("connect to '{name}'")))?;
+                peers.insert(registration.addr, p.clone());
+                p
+            }
+        };
+        drop(peers);
+        // The orchestrator bounds every call itself.
+        let config = SpawnConfig::default().name(name).call_timeout(Duration::from_secs(7 * 24 * 3600));
+        peer.lookup_with::<A>(name, config).await.map_err(remote(format!("look up '{name}'")))
+    }
+
+    /// The members of ranks `0..ranks` of `group`, once all have joined
+    /// (waiting up to `within` in all).
+    pub async fn members(&self, group: Group, ranks: u32, within: Duration) -> Result<ActorGroup<Member>, JoinError> {
+        let until = Instant::now() + within;
+        let mut refs = Vec::with_capacity(ranks as usize);
+        for r in 0..ranks {
+            let left = until.saturating_duration_since(Instant::now());
+            refs.push(self.lookup::<Member>(&member_name(group, r), left).await?);
+        }
+        Ok(ActorGroup::from_refs(refs))
+    }
+}
+
+/// How a member process finds the rendezvous.
+#[derive(Debug, Clone)]
+pub struct JoinConfig {
+    /// The rendezvous address.
+    pub rendezvous: SocketAddr,
+    /// The shared secret.
+    pub secret: Secret,
+    /// Control-plane settings.
+    pub control: ControlConfig,
+}
+
+impl JoinConfig {
+    /// From the environment: `REFIT_RENDEZVOUS` (`host:port`; else
+    /// torchrun's `MASTER_ADDR` with `REFIT_PORT`) and `REFIT_SECRET`.
+    pub fn from_env() -> Result<JoinConfig, JoinError> {
+        let var = |k: &str| std::env::var(k).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let text = match (var(RENDEZVOUS_ENV), var("MASTER_ADDR"), var("REFIT_PORT")) {
+            (Some(a), _, _) => a,
+            (None, Some(host), Some(port)) => format!("{host}:{port}"),
+            _ => return Err(JoinError::Config(format!("set {RENDEZVOUS_ENV}=host:port (or MASTER_ADDR and REFIT_PORT)"))),
+        };
+        let rendezvous = resolve_addr(&text).map_err(|e| JoinError::Config(format!("{RENDEZVOUS_ENV}={text}: {e}")))?;
+        let secret = Secret::from_env(SECRET_ENV).map_err(|e| JoinError::Config(format!("{SECRET_ENV}: {e}")))?;
+        Ok(JoinConfig { rendezvous, secret, control: ControlConfig::default() })
+    }
+}
+
+fn resolve_addr(text: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    text.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or_else(|| "no address".to_string())
+}
+
+/// A member process's membership: its control node, connected to the
+/// rendezvous.
+pub struct Joined {
+    node: Node,
+    peer: RemotePeer,
+    registry: ActorRef<Registry>,
+    ip: IpAddr,
+}
+
+/// Joins the rendezvous: binds a control node on the interface that
+/// reaches it and connects.
+pub async fn join(config: &JoinConfig) -> Result<Joined, JoinError> {
+    let to = config.rendezvous;
+    let ip = local_ip_towards(to).map_err(|e| JoinError::Config(format!("no route to the rendezvous {to}: {e}")))?;
+    let node = Node::bind(config.secret.clone(), node_config(SocketAddr::new(ip, 0), &config.control))
+        .await
+        .map_err(remote(format!("listen on {ip}")))?;
+    let peer = node.connect(to).await.map_err(remote(format!("rendezvous {to}")))?;
+    let registry = peer.lookup::<Registry>(REGISTRY_NAME).await.map_err(remote(format!("rendezvous {to}")))?;
+    Ok(Joined { node, peer, registry, ip })
+}
+
+impl Joined {
+    /// This process's control node.
+    pub fn node(&self) -> &Node {
+        &self.node
+    }
+
+    /// Serves `actor` under `name` and registers it with the rendezvous.
+    pub async fn serve<A>(&self, name: &str, actor: &ActorRef<A>) -> Result<(), JoinError>
+    where
+        A: Actor,
+        A::Msg: DeserializeOwned,
+        A::Reply: Serialize,
+    {
+        self.node.serve(name, actor).map_err(remote(format!("serve '{name}'")))?;
+        let registration = Registration { name: name.to_string(), addr: self.node.advertised_addr(), info: actor.info().clone() };
+        self.registry.call(RegistryMsg::Register(registration)).await.map_err(|e| JoinError::Registry(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Spawns the member of rank `rank` of the group laid out as `layout`
+    /// on this process's store, serves it and registers it; its data plane
+    /// listens on the interface that reaches the rendezvous.
+    pub async fn serve_member(&self, layout: &Layout, rank: u32, role: Role) -> Result<ActorRef<Member>, JoinError> {
+        if rank >= layout.ranks() {
+            return Err(JoinError::Config(format!("rank {rank}: the layout has {} ranks", layout.ranks())));
+        }
+        let group = match role {
+            Role::Source(_) => Group::Src,
+            Role::Sink(_) => Group::Dst,
+        };
+        let name = member_name(group, rank);
+        let member = Member::with_config(layout, rank, role, MemberConfig { data_ip: self.ip });
+        // Calls are bounded by the orchestrator (a refit may take minutes).
+        let member = spawn(member, SpawnConfig::default().name(name.clone()).call_timeout(Duration::from_secs(7 * 24 * 3600)));
+        self.serve(&name, &member).await?;
+        Ok(member)
+    }
+
+    /// Waits until the rendezvous goes away; says why.
+    pub async fn closed(&self) -> String {
+        self.peer.closed().await
+    }
+
+    /// Closes this process's control node.
+    pub fn shutdown(&self) {
+        self.node.shutdown();
+    }
+}
+
+/// The address of this machine's interface that reaches `to` (no packet is
+/// sent).
+fn local_ip_towards(to: SocketAddr) -> std::io::Result<IpAddr> {
+    let any = if to.is_ipv4() { IpAddr::from([0u8; 4]) } else { IpAddr::from([0u16; 8]) };
+    let probe = std::net::UdpSocket::bind(SocketAddr::new(any, 0))?;
+    probe.connect(to)?;
+    Ok(probe.local_addr()?.ip())
+}
