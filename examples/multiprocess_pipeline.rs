@@ -19,7 +19,9 @@
 
 use actors::{async_trait, spawn, Actor, ActorError, ActorGroup, Context, Secret, SpawnConfig};
 use orchestrator::rendezvous::{ControlConfig, RENDEZVOUS_ENV, SECRET_ENV};
-use orchestrator::{join, spawn_orchestrator, Fabric, JoinConfig, NodeFabric, OrchestratorConfig, Rendezvous, Role, SinkStore, SourceStore};
+use orchestrator::{
+    join, spawn_orchestrator, Fabric, JoinConfig, NodeFabric, OrchestratorConfig, Rendezvous, Role, SinkStore, SourceStore,
+};
 use reshard::{parse_layout, DType, Group, Layout};
 use serde::{Deserialize, Serialize};
 use std::process::{Child, Command, ExitCode};
@@ -171,8 +173,9 @@ async fn driver() -> Result<(), String> {
     let (training, rollout) = layouts()?;
     let secret_text = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
     let secret = Secret::from_bytes(secret_text.as_bytes().to_vec()).map_err(|e| e.to_string())?;
-    let rendezvous =
-        Rendezvous::bind(secret, "127.0.0.1:0".parse().map_err(|_| "address")?, &ControlConfig::default()).await.map_err(|e| e.to_string())?;
+    let rendezvous = Rendezvous::bind(secret, "127.0.0.1:0".parse().map_err(|_| "address")?, &ControlConfig::default())
+        .await
+        .map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut children = Children(Vec::new());
     for (role, n) in [("trainer", training.ranks()), ("rollout", rollout.ranks())] {

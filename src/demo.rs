@@ -34,13 +34,18 @@
 //! Without refit, the rollout ranks keep serving the initial weights and the
 //! reward stays flat: the learning is carried by refit alone.
 
-use actors::{async_trait, spawn_group, Actor, ActorError, ActorGroup, Context, GroupError, SpawnConfig};
+use actors::{async_trait, spawn, spawn_group, Actor, ActorError, ActorGroup, Context, GroupError, Secret, SpawnConfig};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use orchestrator::{spawn_refit, OrchestratorConfig, RefitError, SinkStore, SourceStore};
-use reshard::{parse_layout, Layout, Strategy};
-use serde::Serialize;
+use orchestrator::rendezvous::ControlConfig;
+use orchestrator::{
+    join, spawn_orchestrator, spawn_refit, Fabric, JoinConfig, NodeFabric, OrchestratorConfig, OrchestratorHandle, RefitError, Rendezvous,
+    Role, SinkStore, SourceStore,
+};
+use reshard::{parse_layout, Group, Layout, Strategy};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::sync::Arc;
+use std::time::Duration;
 use std::time::Instant;
 use thiserror::Error;
 
@@ -112,11 +117,15 @@ pub struct DemoConfig {
     pub mode: DemoMode,
     /// Refit after every step (false: only the initial refit happens).
     pub refit: bool,
+    /// Every training and rollout rank in an OS process of its own (actors
+    /// over the authenticated control plane, weights over the node fabric),
+    /// instead of all in this process.
+    pub processes: bool,
 }
 
 impl Default for DemoConfig {
     fn default() -> Self {
-        DemoConfig { steps: 200, batch: 128, lr: 2.0, seed: 1, mode: DemoMode::Both, refit: true }
+        DemoConfig { steps: 200, batch: 128, lr: 2.0, seed: 1, mode: DemoMode::Both, refit: true, processes: false }
     }
 }
 
@@ -167,6 +176,8 @@ pub struct RunReport {
     pub steps: Vec<StepRecord>,
     /// Figures.
     pub summary: RunSummary,
+    /// The worker processes that held the ranks (empty in process).
+    pub processes: Vec<u32>,
 }
 
 /// What [`run_demo`] did: one run per strategy, in order.
@@ -219,7 +230,7 @@ impl RunReport {
 
     /// This run as JSON: `{"mode", "steps": [...], "summary": {...}}`.
     pub fn to_json(&self) -> Value {
-        json!({"mode": self.mode.to_string(), "steps": self.steps, "summary": self.summary})
+        json!({"mode": self.mode.to_string(), "steps": self.steps, "summary": self.summary, "processes": self.processes})
     }
 }
 
@@ -247,13 +258,14 @@ impl DemoReport {
         let p = self.primary();
         json!({
             "config": {"steps": c.steps, "batch": c.batch, "lr": c.lr, "seed": c.seed, "refit": c.refit,
-                       "mode": format!("{:?}", c.mode).to_lowercase()},
+                       "processes": c.processes, "mode": format!("{:?}", c.mode).to_lowercase()},
             "task": {"contexts": CONTEXTS, "actions": ACTIONS, "dim": DIM, "hidden": HIDDEN,
                      "train": format!("TP{TRAIN_TP} f32, fused buffer 'params'"),
                      "rollout": format!("TP{ROLLOUT_TP} x DP{ROLLOUT_DP} bf16")},
             "mode": p.mode.to_string(),
             "steps": p.steps,
             "summary": p.summary,
+            "processes": self.runs.iter().flat_map(|r| r.processes.iter().copied()).collect::<Vec<_>>(),
             "identical_rewards": self.identical_rewards(),
             "runs": self.runs.iter().map(RunReport::to_json).collect::<Vec<_>>(),
         })
@@ -436,7 +448,7 @@ fn add_into(acc: &mut [f32], part: &[f32]) -> Result<(), DemoError> {
 }
 
 /// Messages of a [`Trainer`].
-#[derive(Debug)]
+#[derive(Debug, Serialize, Deserialize)]
 pub enum TrainerMsg {
     /// Write the initial weights (one optimizer "step" from zero).
     Init(Arc<Vec<f32>>),
@@ -456,7 +468,7 @@ pub enum TrainerMsg {
 }
 
 /// Replies of a [`Trainer`].
-#[derive(Debug)]
+#[derive(Debug, Serialize, Deserialize)]
 pub enum TrainerReply {
     /// The weights' new version.
     Version(u64),
@@ -563,14 +575,16 @@ impl Actor for Trainer {
 }
 
 /// Messages of a [`Rollout`] actor.
-#[derive(Debug)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct RolloutMsg {
+    /// The committed version the whole inference group agreed to serve.
+    pub version: u64,
     /// Contexts of this replica's samples, `n × DIM`.
     pub xs: Arc<Vec<f32>>,
 }
 
 /// Reply of a [`Rollout`] actor.
-#[derive(Debug)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct RolloutReply {
     /// The committed version the logits were computed with.
     pub version: u64,
@@ -579,7 +593,8 @@ pub struct RolloutReply {
 }
 
 /// An inference rank at mesh position `(dp, tp)`: reads its weights only
-/// through [`SinkStore::snapshot`], one snapshot per batch.
+/// through [`SinkStore::snapshot_at`], one snapshot of the agreed version
+/// per batch.
 pub struct Rollout {
     tp: usize,
     store: Arc<SinkStore>,
@@ -598,8 +613,12 @@ impl Actor for Rollout {
     type Reply = RolloutReply;
 
     async fn handle(&mut self, msg: RolloutMsg, _ctx: &mut Context<Self>) -> Result<RolloutReply, ActorError> {
-        // One consistent version for the whole batch, whatever commits meanwhile.
-        let snap = self.store.snapshot();
+        // The version the group agreed on, for the whole batch, whatever
+        // commits meanwhile.
+        let snap = self
+            .store
+            .snapshot_at(msg.version)
+            .ok_or_else(|| ActorError::failed(format!("rollout: version {} is not served here", msg.version)))?;
         let read = |name: &str, len: usize| -> Result<Vec<f32>, ActorError> {
             let key = format!("{name}#0");
             match snap.buffers.read_f32(&key) {
@@ -686,28 +705,138 @@ async fn run_once(config: &DemoConfig, mode: Strategy, bar: Option<&ProgressBar>
     let started = Instant::now();
     let (src, dst) = layouts()?;
     let task = Task::new(config.seed);
-    let system = spawn_refit(&src, &dst, OrchestratorConfig { mode, ..OrchestratorConfig::default() });
-    let trainers: ActorGroup<Trainer> =
-        spawn_group(TRAIN_TP, SpawnConfig::default().name("trainer"), |r| Trainer::new(r, system.sources[r].clone()));
-    let rollouts: ActorGroup<Rollout> =
-        spawn_group(ROLLOUT_DP * ROLLOUT_TP, SpawnConfig::default().name("rollout"), |r| Rollout::new(r, system.sinks[r].clone()));
-    let result = drive(config, mode, &task, &system.orchestrator, &trainers, &rollouts, bar).await;
-    trainers.stop();
-    rollouts.stop();
-    system.source_members.stop();
-    system.sink_members.stop();
-    let (steps, mut summary) = result?;
-    summary.plans_made = system.orchestrator.plans_made().await.map_err(|e| DemoError::Actor(e.to_string()))?;
-    system.orchestrator.actor().stop();
+    let (steps, mut summary, orchestrator, processes) = if config.processes {
+        let cast = ProcessCast::start(&src, &dst, mode).await?;
+        let result = drive(config, mode, &task, &cast.orchestrator, &cast.trainers, &cast.rollouts, bar).await;
+        let (steps, summary) = result?;
+        let plans = cast.orchestrator.plans_made().await.map_err(|e| DemoError::Actor(e.to_string()))?;
+        (steps, RunSummary { plans_made: plans, ..summary }, None, cast.children.pids())
+    } else {
+        let system = spawn_refit(&src, &dst, OrchestratorConfig { mode, ..OrchestratorConfig::default() });
+        let trainers: ActorGroup<Trainer> =
+            spawn_group(TRAIN_TP, SpawnConfig::default().name("trainer"), |r| Trainer::new(r, system.sources[r].clone()));
+        let rollouts: ActorGroup<Rollout> =
+            spawn_group(ROLLOUT_DP * ROLLOUT_TP, SpawnConfig::default().name("rollout"), |r| Rollout::new(r, system.sinks[r].clone()));
+        let result = drive(config, mode, &task, &system.orchestrator, &trainers, &rollouts, bar).await;
+        trainers.stop();
+        rollouts.stop();
+        system.source_members.stop();
+        system.sink_members.stop();
+        let (steps, summary) = result?;
+        (steps, summary, Some(system.orchestrator), Vec::new())
+    };
+    if let Some(o) = orchestrator {
+        summary.plans_made = o.plans_made().await.map_err(|e| DemoError::Actor(e.to_string()))?;
+        o.actor().stop();
+    }
     summary.wall_s = started.elapsed().as_secs_f64();
-    Ok(RunReport { mode, steps, summary })
+    Ok(RunReport { mode, steps, summary, processes })
+}
+
+/// Which part a demo member process plays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoRole {
+    /// A training rank: a [`Trainer`] and its source member.
+    Trainer,
+    /// An inference rank: a [`Rollout`] and its sink member.
+    Rollout,
+}
+
+impl DemoRole {
+    fn name(self, rank: usize) -> String {
+        match self {
+            DemoRole::Trainer => format!("demo.trainer.{rank}"),
+            DemoRole::Rollout => format!("demo.rollout.{rank}"),
+        }
+    }
+}
+
+const JOIN_WITHIN: Duration = Duration::from_secs(60);
+
+/// The demo with every rank in a process of its own.
+struct ProcessCast {
+    // Dropped last: the processes outlive nothing that talks to them.
+    orchestrator: OrchestratorHandle,
+    trainers: ActorGroup<Trainer>,
+    rollouts: ActorGroup<Rollout>,
+    _rendezvous: Rendezvous,
+    children: crate::procs::Children,
+}
+
+impl ProcessCast {
+    async fn start(src: &Layout, dst: &Layout, mode: Strategy) -> Result<ProcessCast, DemoError> {
+        let actor = |e: orchestrator::JoinError| DemoError::Actor(e.to_string());
+        let secret_text = crate::procs::random_secret();
+        let secret = Secret::from_bytes(secret_text.as_bytes().to_vec()).map_err(|e| DemoError::Actor(e.to_string()))?;
+        let bind = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+        let rendezvous = Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(actor)?;
+        let exe = std::env::current_exe()?;
+        let mut children = crate::procs::Children::new(&exe, rendezvous.addr(), &secret_text, false);
+        for (role, n) in [(DemoRole::Trainer, TRAIN_TP), (DemoRole::Rollout, ROLLOUT_DP * ROLLOUT_TP)] {
+            for rank in 0..n {
+                let role = format!("{role:?}").to_lowercase();
+                children
+                    .spawn(vec!["demo-member".into(), "--role".into(), role, "--rank".into(), rank.to_string()])
+                    .map_err(DemoError::Actor)?;
+            }
+        }
+        let sources = rendezvous.members(Group::Src, src.ranks(), JOIN_WITHIN).await.map_err(actor)?;
+        let sinks = rendezvous.members(Group::Dst, dst.ranks(), JOIN_WITHIN).await.map_err(actor)?;
+        let mut trainers = Vec::new();
+        for r in 0..TRAIN_TP {
+            trainers.push(rendezvous.lookup::<Trainer>(&DemoRole::Trainer.name(r), JOIN_WITHIN).await.map_err(actor)?);
+        }
+        let mut rollouts = Vec::new();
+        for r in 0..ROLLOUT_DP * ROLLOUT_TP {
+            rollouts.push(rendezvous.lookup::<Rollout>(&DemoRole::Rollout.name(r), JOIN_WITHIN).await.map_err(actor)?);
+        }
+        let config = OrchestratorConfig { mode, fabric: Fabric::Node(NodeFabric::default()), ..OrchestratorConfig::default() };
+        Ok(ProcessCast {
+            orchestrator: spawn_orchestrator(sources, sinks, config),
+            trainers: ActorGroup::from_refs(trainers),
+            rollouts: ActorGroup::from_refs(rollouts),
+            _rendezvous: rendezvous,
+            children,
+        })
+    }
+}
+
+/// A demo member process (`refit demo-member`): joins the rendezvous in
+/// `REFIT_RENDEZVOUS` with the secret in `REFIT_SECRET`, holds one rank's
+/// weights, serves that rank's refit member and its trainer or rollout
+/// actor, until the demo's driver goes away.
+pub fn run_demo_member(role: DemoRole, rank: u32) -> Result<(), DemoError> {
+    let (src, dst) = layouts()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(async move {
+        let actor = |e: orchestrator::JoinError| DemoError::Actor(e.to_string());
+        let joined = join(&JoinConfig::from_env().map_err(actor)?).await.map_err(actor)?;
+        let name = role.name(rank as usize);
+        match role {
+            DemoRole::Trainer => {
+                let store = Arc::new(SourceStore::new(&src, rank));
+                joined.serve_member(&src, rank, Role::Source(store.clone())).await.map_err(actor)?;
+                let trainer = spawn(Trainer::new(rank as usize, store), SpawnConfig::default().name(name.clone()));
+                joined.serve(&name, &trainer).await.map_err(actor)?;
+            }
+            DemoRole::Rollout => {
+                let store = Arc::new(SinkStore::new(&dst, rank));
+                joined.serve_member(&dst, rank, Role::Sink(store.clone())).await.map_err(actor)?;
+                let rollout = spawn(Rollout::new(rank as usize, store), SpawnConfig::default().name(name.clone()));
+                joined.serve(&name, &rollout).await.map_err(actor)?;
+            }
+        }
+        joined.closed().await;
+        joined.shutdown();
+        Ok(())
+    })
 }
 
 async fn drive(
     config: &DemoConfig,
     mode: Strategy,
     task: &Task,
-    orchestrator: &orchestrator::OrchestratorHandle,
+    orchestrator: &OrchestratorHandle,
     trainers: &ActorGroup<Trainer>,
     rollouts: &ActorGroup<Rollout>,
     bar: Option<&ProgressBar>,
@@ -719,6 +848,8 @@ async fn drive(
     let replies = trainers.call_all(|r| TrainerMsg::Init(fused[r].clone())).await.map_err(|e| actor_error("init", e))?;
     let mut version = same_version("init", trainer_versions(replies)?)?;
     let first = orchestrator.refit(version).await.map_err(|source| DemoError::Refit { version, source })?;
+    // The version every rollout rank reads: the last one committed.
+    let mut agreed = version;
 
     let mut rng = SplitMix::new(config.seed, 3);
     let batch = config.batch;
@@ -730,8 +861,10 @@ async fn drive(
         let xs: Vec<f32> = picks.iter().flat_map(|&k| task.context(k).iter().copied()).collect();
         let per_replica: Vec<Arc<Vec<f32>>> =
             (0..ROLLOUT_DP).map(|d| Arc::new(xs[d * half * DIM..(d + 1) * half * DIM].to_vec())).collect();
-        let replies =
-            rollouts.call_all(|r| RolloutMsg { xs: per_replica[r / ROLLOUT_TP].clone() }).await.map_err(|e| actor_error("rollout", e))?;
+        let replies = rollouts
+            .call_all(|r| RolloutMsg { version: agreed, xs: per_replica[r / ROLLOUT_TP].clone() })
+            .await
+            .map_err(|e| actor_error("rollout", e))?;
         let served = same_version("rollout", replies.iter().map(|r| r.version))?;
         let mut logits = vec![0.0f32; batch * ACTIONS];
         for (r, reply) in replies.iter().enumerate() {
@@ -788,6 +921,7 @@ async fn drive(
             if report.mode != mode {
                 return Err(DemoError::Inconsistent(format!("refit ran {} instead of {mode}", report.mode)));
             }
+            agreed = report.version;
             (report.wall.as_secs_f64() * 1e3, report.bytes)
         } else {
             (0.0, 0)

@@ -11,6 +11,7 @@ pub mod chaos;
 pub mod cluster;
 pub mod demo;
 pub mod presets;
+pub mod procs;
 pub mod runner;
 pub mod soak;
 pub mod svg;

@@ -256,6 +256,11 @@ enum Command {
         /// Print one JSON object (no progress bar).
         #[arg(long)]
         json: bool,
+        /// Every training and rollout rank in an OS process of its own
+        /// (actors over the authenticated control plane, weights over
+        /// shared memory and TCP).
+        #[arg(long)]
+        processes: bool,
     },
     /// Start worker processes on this machine (one per rank, or one per
     /// node), meeting at an authenticated control node, moving bytes over
@@ -284,6 +289,17 @@ enum Command {
         /// come from --secret-file or REFIT_SECRET, on both sides.
         #[arg(long)]
         no_spawn: bool,
+    },
+    /// One rank of `refit demo --processes` (started by it; joins the
+    /// rendezvous in REFIT_RENDEZVOUS with the secret in REFIT_SECRET).
+    #[command(hide = true)]
+    DemoMember {
+        /// Trainer or rollout.
+        #[arg(long, value_enum)]
+        role: refit::demo::DemoRole,
+        /// The rank.
+        #[arg(long)]
+        rank: u32,
     },
     /// One worker of a multi-process refit (started by `refit launch`, or by
     /// a cluster launcher such as srun with the same rendezvous address):
@@ -1178,8 +1194,7 @@ fn print_demo(report: &DemoReport) {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn cmd_demo(steps: usize, batch: usize, lr: f32, seed: u64, mode: DemoMode, no_refit: bool, as_json: bool) -> Result<(), Failure> {
-    let config = DemoConfig { steps, batch, lr, seed, mode, refit: !no_refit };
+fn cmd_demo(config: DemoConfig, as_json: bool) -> Result<(), Failure> {
     let progress = !as_json && std::io::stdout().is_terminal();
     let report = run_demo(config, progress).map_err(|e| match e {
         DemoError::Config(_) => invalid(e.to_string()),
@@ -1228,7 +1243,13 @@ fn main() -> ExitCode {
             let timeouts = (Duration::from_millis(*abort_grace_ms), Duration::from_millis(*heartbeat_timeout_ms));
             cmd_worker(pair, group, *rank, *node, rendezvous, timeouts, secret_file)
         }
-        Command::Demo { steps, batch, lr, seed, mode, no_refit, json } => cmd_demo(*steps, *batch, *lr, *seed, *mode, *no_refit, *json),
+        Command::Demo { steps, batch, lr, seed, mode, no_refit, json, processes } => cmd_demo(
+            DemoConfig { steps: *steps, batch: *batch, lr: *lr, seed: *seed, mode: *mode, refit: !no_refit, processes: *processes },
+            *json,
+        ),
+        Command::DemoMember { role, rank } => {
+            refit::demo::run_demo_member(*role, *rank).map_err(|e| Failure { line: e.to_string(), code: 1 })
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

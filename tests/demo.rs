@@ -10,7 +10,7 @@ use reshard::Strategy;
 /// Small and fast (debug build, 2 cores), with margins that hold over 40
 /// seeds (end reward ≥ 0.58, start ≤ 0.19, no-refit drift ≤ 0.05).
 fn config(seed: u64, mode: DemoMode, refit: bool) -> DemoConfig {
-    DemoConfig { steps: 60, batch: 128, lr: 2.0, seed, mode, refit }
+    DemoConfig { steps: 60, batch: 128, lr: 2.0, seed, mode, refit, processes: false }
 }
 
 fn check_learns(run: &RunReport) {
@@ -79,5 +79,38 @@ fn invalid_settings_are_rejected() {
     ] {
         let e = run_demo(bad, false).expect_err("rejected");
         assert!(matches!(e, refit::demo::DemoError::Config(_)), "{e}");
+    }
+}
+
+/// `refit demo --processes --json`: every rank in an OS process of its own.
+fn demo_in_processes(extra: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_refit"))
+        .args(["demo", "--processes", "--json", "--mode", "reshard", "--steps", "60"])
+        .args(extra)
+        .output()
+        .expect("refit runs");
+    assert!(out.status.success(), "refit demo --processes failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+#[test]
+fn in_worker_processes_refit_carries_the_learning() {
+    let with = demo_in_processes(&[]);
+    let pids: Vec<u64> = with["processes"].as_array().expect("processes").iter().filter_map(|p| p.as_u64()).collect();
+    // 4 training ranks and 4 rollout ranks, none of them this process.
+    assert_eq!(pids.len(), 8, "{pids:?}");
+    assert!(!pids.contains(&u64::from(std::process::id())));
+    let s = &with["summary"];
+    let (start, end) = (s["reward_start"].as_f64().unwrap(), s["reward_end"].as_f64().unwrap());
+    assert!(start < 0.25 && end >= 0.5 && end - start >= 0.3, "reward {start} -> {end}");
+    for (i, step) in with["steps"].as_array().unwrap().iter().enumerate() {
+        assert_eq!(step["version_served"].as_u64(), Some(i as u64 + 1), "step {i}");
+    }
+    let without = demo_in_processes(&["--no-refit"]);
+    let s = &without["summary"];
+    let chance = 1.0 / ACTIONS as f64;
+    for k in ["reward_start", "reward_end"] {
+        let r = s[k].as_f64().unwrap();
+        assert!((r - chance).abs() <= 0.1, "--no-refit: {k} {r} is not chance {chance}");
     }
 }

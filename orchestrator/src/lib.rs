@@ -115,7 +115,10 @@ pub fn orchestrator_call_timeout(config: &OrchestratorConfig) -> std::time::Dura
 /// [`Rendezvous`]). Must be called inside a tokio runtime.
 pub fn spawn_orchestrator(sources: ActorGroup<Member>, sinks: ActorGroup<Member>, config: OrchestratorConfig) -> OrchestratorHandle {
     let timeout = orchestrator_call_timeout(&config);
-    OrchestratorHandle::new(spawn(Orchestrator::new(sources, sinks, config), SpawnConfig::default().name("orchestrator").call_timeout(timeout)))
+    OrchestratorHandle::new(spawn(
+        Orchestrator::new(sources, sinks, config),
+        SpawnConfig::default().name("orchestrator").call_timeout(timeout),
+    ))
 }
 
 /// Everything [`spawn_refit`] made.

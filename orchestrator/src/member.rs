@@ -119,7 +119,12 @@ fn drop_scratch(memory: &mut RankMemory, base: usize) {
 }
 
 /// Runs `program` on `memory` (plus any scratch it needs) over `transport`.
-fn execute(program: &RankProgram, memory: &mut RankMemory, mut transport: Box<dyn Transport>, deadline: Duration) -> Result<RunStats, Refusal> {
+fn execute(
+    program: &RankProgram,
+    memory: &mut RankMemory,
+    mut transport: Box<dyn Transport>,
+    deadline: Duration,
+) -> Result<RunStats, Refusal> {
     let base = with_scratch(memory, program).map_err(|e| {
         transport.abort(&e);
         Refusal::ProgramMismatch(e)
@@ -212,8 +217,7 @@ impl Member {
                     transport.abort("version mismatch");
                     return MemberReply::Refused(Refusal::VersionMismatch { held, asked: version });
                 }
-                let result =
-                    tokio::task::spawn_blocking(move || execute(&program, guard.memory_mut(), transport, deadline)).await;
+                let result = tokio::task::spawn_blocking(move || execute(&program, guard.memory_mut(), transport, deadline)).await;
                 finish(result)
             }
             Role::Sink(store) => {
@@ -252,11 +256,9 @@ impl Actor for Member {
 
     async fn handle(&mut self, msg: MemberMsg, _ctx: &mut Context<Self>) -> Result<MemberReply, ActorError> {
         Ok(match msg {
-            MemberMsg::Describe => MemberReply::Layout(LayoutInfo {
-                rank: self.endpoint.rank,
-                layout_json: self.layout_json.clone(),
-                pid: std::process::id(),
-            }),
+            MemberMsg::Describe => {
+                MemberReply::Layout(LayoutInfo { rank: self.endpoint.rank, layout_json: self.layout_json.clone(), pid: std::process::id() })
+            }
             MemberMsg::Status => {
                 MemberReply::Status { layout: self.layout_fingerprint, installed: self.installed.as_ref().map(|(_, f)| *f) }
             }

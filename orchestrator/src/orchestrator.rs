@@ -5,7 +5,9 @@ use crate::fabric::hub;
 use crate::member::Member;
 use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal};
 use actors::{async_trait, Actor, ActorError, ActorGroup, CallError, Context, GroupError};
-use reshard::{parse_layout, plan_baseline, plan_reshard, Endpoint, Fingerprint, Layout, LayoutError, PlanError, PlanOptions, RankProgram, Strategy};
+use reshard::{
+    parse_layout, plan_baseline, plan_reshard, Endpoint, Fingerprint, Layout, LayoutError, PlanError, PlanOptions, RankProgram, Strategy,
+};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 use transport::local_fabric;

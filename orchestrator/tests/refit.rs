@@ -3,7 +3,9 @@
 //! version fence and atomic commit hold under concurrency, and a failed refit
 //! leaves every sink on its last committed version.
 
-use orchestrator::{spawn_refit, Fabric, MemberMsg, MemberReply, NodeFabric, OrchestratorConfig, OrchestratorError, RefitError, RefitSystem, Refusal};
+use orchestrator::{
+    spawn_refit, Fabric, MemberMsg, MemberReply, NodeFabric, OrchestratorConfig, OrchestratorError, RefitError, RefitSystem, Refusal,
+};
 use reshard::{parse_layout, Fingerprint, Layout, Strategy};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

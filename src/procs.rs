@@ -1,0 +1,106 @@
+//! Member processes this process started: started with the rendezvous
+//! address and secret in their environment (never on the command line),
+//! replaced when they die, and killed whenever their owner ends, on every
+//! exit path.
+
+use orchestrator::rendezvous::{RENDEZVOUS_ENV, SECRET_ENV};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// A random shared secret for a control plane whose processes are all
+/// started here (256 bits, hex).
+pub fn random_secret() -> String {
+    format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple())
+}
+
+/// One started process and how to start it again.
+struct Slot {
+    args: Vec<String>,
+    child: Option<Child>,
+}
+
+/// Processes running `exe`, each joining the rendezvous at `rendezvous`.
+pub struct Children {
+    exe: PathBuf,
+    rendezvous: SocketAddr,
+    secret: String,
+    slots: Vec<Slot>,
+    quiet: bool,
+}
+
+impl Children {
+    /// No process yet. With `quiet`, their stderr is discarded.
+    pub fn new(exe: &Path, rendezvous: SocketAddr, secret: &str, quiet: bool) -> Children {
+        Children { exe: exe.to_path_buf(), rendezvous, secret: secret.to_string(), slots: Vec::new(), quiet }
+    }
+
+    fn start(&self, args: &[String]) -> Result<Child, String> {
+        Command::new(&self.exe)
+            .args(args)
+            .env(RENDEZVOUS_ENV, self.rendezvous.to_string())
+            .env(SECRET_ENV, &self.secret)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(if self.quiet { Stdio::null() } else { Stdio::inherit() })
+            .spawn()
+            .map_err(|e| format!("cannot start {} {}: {e}", self.exe.display(), args.join(" ")))
+    }
+
+    /// Starts a process with `args`; returns its index.
+    pub fn spawn(&mut self, args: Vec<String>) -> Result<usize, String> {
+        let child = self.start(&args)?;
+        self.slots.push(Slot { args, child: Some(child) });
+        Ok(self.slots.len() - 1)
+    }
+
+    /// Process ids, by index (0 for one that is not running).
+    pub fn pids(&self) -> Vec<u32> {
+        self.slots.iter().map(|s| s.child.as_ref().map_or(0, Child::id)).collect()
+    }
+
+    /// The arguments of process `index`.
+    pub fn args(&self, index: usize) -> &[String] {
+        self.slots.get(index).map_or(&[], |s| &s.args)
+    }
+
+    /// Indices of processes that have exited (reaped here).
+    pub fn exited(&mut self) -> Vec<usize> {
+        let mut out = Vec::new();
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            let gone = match &mut s.child {
+                Some(c) => !matches!(c.try_wait(), Ok(None)),
+                None => true,
+            };
+            if gone {
+                s.child = None;
+                out.push(i);
+            }
+        }
+        out
+    }
+
+    /// Kills process `index` (if running) and starts it again.
+    pub fn restart(&mut self, index: usize) -> Result<u32, String> {
+        let args = self.slots.get(index).map(|s| s.args.clone()).ok_or_else(|| format!("no process {index}"))?;
+        if let Some(mut c) = self.slots[index].child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let child = self.start(&args)?;
+        let pid = child.id();
+        self.slots[index].child = Some(child);
+        Ok(pid)
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for s in &mut self.slots {
+            if let Some(c) = &mut s.child {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
