@@ -236,7 +236,7 @@ pub struct ClusterBench {
 /// Runs reshard and baseline refits alternately on `cluster`, `reps` times
 /// after one warm-up of each that is verified element by element (and
 /// committed); every refit is a new weights version.
-pub fn cluster_bench(cluster: &mut crate::cluster::Cluster<'_>, reps: usize) -> Result<ClusterBench, crate::cluster::ClusterError> {
+pub fn cluster_bench(cluster: &mut crate::cluster::Cluster, reps: usize) -> Result<ClusterBench, crate::cluster::ClusterError> {
     let reps = reps.max(1);
     let (mut tr, mut tb) = (Vec::new(), Vec::new());
     let (mut rb, mut bb) = (0, 0);
@@ -244,18 +244,21 @@ pub fn cluster_bench(cluster: &mut crate::cluster::Cluster<'_>, reps: usize) -> 
     for i in 0..=reps {
         for strategy in [Strategy::Reshard, Strategy::Baseline] {
             version += 1;
-            let o = cluster.refit(strategy, version, i == 0)?;
+            cluster.set_strategy(strategy)?;
+            let o = cluster.refit(version, i == 0)?;
             if i == 0 {
                 continue;
             }
+            // The data plane's epoch: open, connect, move (plans are cached).
+            let (t, bytes) = (o.report.transfer_time, o.report.bytes);
             match strategy {
                 Strategy::Reshard => {
-                    tr.push(o.wall);
-                    rb = o.bytes;
+                    tr.push(t);
+                    rb = bytes;
                 }
                 Strategy::Baseline => {
-                    tb.push(o.wall);
-                    bb = o.bytes;
+                    tb.push(t);
+                    bb = bytes;
                 }
             }
         }

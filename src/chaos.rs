@@ -5,8 +5,9 @@
 //! destination rank holds exactly one committed weights version (no torn
 //! version), and the next refit, after automatic recovery, succeeds.
 
-use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, FaultSpec, Phase, RefitRequest};
-use reshard::{Group, Layout, Strategy};
+use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, FaultSpec, KillAt};
+use orchestrator::RefitStep;
+use reshard::{Endpoint, Group, Layout};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -27,7 +28,8 @@ pub struct ChaosRow {
     pub within_deadline: bool,
     /// Some live destination rank held bytes matching no committed version.
     pub torn: bool,
-    /// Committed versions seen on live destination workers after the case.
+    /// Committed versions seen on destination ranks after the case (`None`:
+    /// a dead one).
     pub versions: Vec<Option<u64>>,
     /// The next refit (after recovery) succeeded and verified.
     pub recovered: bool,
@@ -67,95 +69,83 @@ pub const CASES: [&str; 12] = [
 /// case); `progress` is told of each row as it is done.
 pub fn run_chaos(
     config: ChaosConfig,
-    src: &Layout,
-    dst: &Layout,
+    src: Layout,
+    dst: Layout,
     mut progress: impl FnMut(&ChaosRow),
 ) -> Result<Vec<ChaosRow>, ClusterError> {
-    let bound = config.cluster.refit_deadline + config.cluster.abort_grace + config.cluster.setup_timeout;
+    // A broken refit returns by the data plane's deadline, plus the control
+    // step that waits for a member whose abort hangs.
+    let bound = config.cluster.refit_deadline + config.cluster.setup_timeout + Duration::from_secs(2);
     let mid = config.mid_transfer;
     let wrong = config.wrong_layouts.clone();
     let mut cluster = Cluster::start(config.cluster, src, dst, |_| {})?;
     let mut version = 1;
-    cluster.refit(Strategy::Reshard, version, true)?;
+    cluster.refit(version, true)?;
     let workers = cluster.workers();
     let first = |g: Group| workers.iter().position(|w| w.ranks.iter().any(|e| e.group == g)).unwrap_or(0);
     let (a_src, a_dst) = (first(Group::Src), first(Group::Dst));
-    let pid = |c: &mut Cluster<'_>, i: usize| c.workers()[i].pid;
+    let rank = |i: usize| workers[i].ranks.first().copied().unwrap_or(Endpoint::src(0));
     let mut rows = Vec::new();
     for case in CASES {
         version += 1;
-        let mut req = RefitRequest::new(Strategy::Reshard, version, true);
         let t = Instant::now();
         let (failed, detail) = match case {
             "kill idle sink (detection time)" => {
-                kill_pid(pid(&mut cluster, a_dst));
+                let pid = cluster.workers()[a_dst].pid;
+                kill_pid(pid);
                 let seen = cluster.wait_for_death(Duration::from_secs(10));
                 version -= 1;
                 (None, seen.map_or("not noticed within 10 s".into(), |d| format!("noticed dead after {} ms", d.as_millis())))
             }
             _ => {
-                let (victim, phase) = match case {
-                    "kill source during attach" => (Some(a_src), Phase::Prepared),
-                    "kill sink during attach" => (Some(a_dst), Phase::Connected),
-                    "kill source mid-transfer" => (Some(a_src), Phase::Started),
-                    "kill sink mid-transfer" => (Some(a_dst), Phase::Started),
-                    "kill source during commit" => (Some(a_src), Phase::Committing),
-                    "kill sink during commit" => (Some(a_dst), Phase::Committing),
-                    _ => (None, Phase::Started),
+                let kill = |worker, step, after| Some(KillAt { worker, step, after });
+                let at = Duration::ZERO;
+                let kill = match case {
+                    "kill source during attach" => kill(a_src, RefitStep::Preparing, at),
+                    "kill sink during attach" => kill(a_dst, RefitStep::Connecting, at),
+                    "kill source mid-transfer" => kill(a_src, RefitStep::Running, mid),
+                    "kill sink mid-transfer" => kill(a_dst, RefitStep::Running, mid),
+                    "kill source during commit" => kill(a_src, RefitStep::Committing, at),
+                    "kill sink during commit" => kill(a_dst, RefitStep::Committing, at),
+                    _ => None,
                 };
-                match case {
-                    "stalled peer (stops sending)" => {
-                        req.faults.insert(a_src, FaultSpec { stall_at_frame: Some(0), ..FaultSpec::default() });
-                    }
+                let stall = FaultSpec { stall_at_frame: Some(0), ..FaultSpec::default() };
+                let faults = match case {
+                    "stalled peer (stops sending)" => vec![(rank(a_src), stall)],
+                    // A source stalls; the sink waiting for it times out at
+                    // the deadline and its transport's abort hangs (as
+                    // NCCL's has been seen to): the refit still returns, and
+                    // the stuck worker is replaced.
                     "abort that hangs" => {
-                        // A source stalls; the sink waiting for it times out
-                        // at the deadline and its transport's abort hangs
-                        // (as NCCL's has been seen to): its worker must
-                        // abandon that data plane and answer anyway.
-                        req.faults.insert(a_src, FaultSpec { stall_at_frame: Some(0), ..FaultSpec::default() });
-                        req.faults.insert(a_dst, FaultSpec { abort_hang: Some(bound * 4), ..FaultSpec::default() });
+                        vec![(rank(a_src), stall), (rank(a_dst), FaultSpec { abort_hang: Some(bound * 4), ..FaultSpec::default() })]
                     }
-                    "cut connection" => {
-                        req.faults.insert(a_src, FaultSpec { cut_at_frame: Some(1), ..FaultSpec::default() });
-                    }
-                    "corrupt frame (checksums on)" => {
-                        req.faults.insert(a_src, FaultSpec { corrupt_frame: Some(0), ..FaultSpec::default() });
-                    }
-                    "member restarts with a different layout" => {
-                        cluster.restart_worker(a_dst, Some(wrong.clone()))?;
-                    }
-                    _ => {}
+                    "cut connection" => vec![(rank(a_src), FaultSpec { cut_at_frame: Some(1), ..FaultSpec::default() })],
+                    "corrupt frame (checksums on)" => vec![(rank(a_src), FaultSpec { corrupt_frame: Some(0), ..FaultSpec::default() })],
+                    _ => Vec::new(),
+                };
+                if case == "member restarts with a different layout" {
+                    cluster.restart_worker(a_dst, Some(wrong.clone()))?;
                 }
-                let result = cluster.refit_with(&req, |p, pids| {
-                    if let Some(v) = victim.filter(|_| p == phase) {
-                        if p == Phase::Started {
-                            std::thread::sleep(mid);
-                        }
-                        kill_pid(pids[v]);
-                    }
-                });
-                match result {
+                match cluster.refit_with(version, true, &faults, kill) {
                     Ok(_) => (Some(false), "the refit completed before the fault mattered".to_string()),
                     Err(e) => (Some(true), e.to_string()),
                 }
             }
         };
         let elapsed = t.elapsed();
-        // Torn? Every live destination worker's committed bytes must be
-        // exactly one version (the check verifies every element).
-        let checked = cluster.check()?;
+        // Torn? Every live destination's committed bytes must be exactly
+        // one version (the check verifies every element).
+        let checked = cluster.check();
         let torn = checked.iter().any(|c| c.torn.is_some());
         let versions = checked.iter().map(|c| c.version).collect();
         if case == "member restarts with a different layout" {
             cluster.restart_worker(a_dst, None)?;
         }
-        // Recovery: the next refit replaces dead workers and must succeed.
+        // Recovery: dead or stuck workers are replaced, and the next refit
+        // must succeed and verify.
         version += 1;
-        let recovery = cluster.refit(Strategy::Reshard, version, true);
-        let recovered = match &recovery {
-            Ok(o) => o.verified.is_some() && cluster.expect_committed(version).is_ok(),
-            Err(_) => false,
-        };
+        let recovery = cluster.recover().and_then(|_| cluster.refit(version, true));
+        let recovered = matches!(&recovery, Ok(o) if o.verified.is_some());
         let detail = match recovery {
             Ok(_) => detail,
             Err(e) => format!("{detail}; recovery failed: {e}"),

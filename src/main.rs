@@ -2,10 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use refit::bench::{exec_bench, link_loads, peak_rss_bytes, BenchTransport, LinkLoads};
-use refit::cluster::{
-    run_worker, Cluster, ClusterConfig, ClusterError, ControlSecret, DataPlane, FaultSpec, Hosted, PerProcess, RefitOutcome, WorkerConfig,
-    SECRET_ENV,
-};
+use refit::cluster::{run_worker, Cluster, ClusterConfig, ControlSecret, Hosted, PerProcess, WorkerConfig, SECRET_ENV};
 use refit::demo::{run_demo, DemoConfig, DemoError, DemoMode, DemoReport};
 use refit::presets::{layouts, Model};
 use refit::runner::prepare;
@@ -85,9 +82,6 @@ struct ClusterArgs {
     /// (the rendezvous and each control step get the same).
     #[arg(long, default_value_t = 120)]
     deadline_s: u64,
-    /// How long an aborted data plane may take to stop, in milliseconds.
-    #[arg(long, default_value_t = 2000)]
-    abort_grace_ms: u64,
     /// A CRC-32C on every data frame, checked before the bytes land.
     #[arg(long)]
     checksum: bool,
@@ -140,14 +134,13 @@ impl ClusterArgs {
             secret,
             setup_timeout: deadline,
             refit_deadline: deadline,
-            abort_grace: Duration::from_millis(self.abort_grace_ms.max(1)),
             heartbeat_timeout: Duration::from_millis(self.heartbeat_timeout_ms.max(500)),
-            data: DataPlane {
+            fabric: orchestrator::NodeFabric {
                 checksum: self.checksum,
                 emulation: self.emulation(),
-                faults: FaultSpec::default(),
                 connect_timeout: deadline.min(Duration::from_secs(60)),
             },
+            strategy: Strategy::Reshard,
         })
     }
 }
@@ -272,13 +265,20 @@ enum Command {
         /// Run the gather-broadcast baseline instead of the reshard.
         #[arg(long)]
         baseline: bool,
-        /// Destination ranks check every element before each commit, and
-        /// the committed weights are checked after the last refit.
+        /// After each refit, every destination rank checks every element it
+        /// serves against the version just committed.
         #[arg(long)]
         verify: bool,
-        /// Consecutive refits (weights version 1, 2, ...).
+        /// Consecutive refits (weights version 1, 2, ...). A failed refit
+        /// is reported, dead workers are replaced, and the next one runs.
         #[arg(long, default_value_t = 1)]
         refits: u64,
+        /// Stop at the first failed refit (exit code 1).
+        #[arg(long)]
+        fail_fast: bool,
+        /// Print one JSON object: every refit's outcome.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         cluster: ClusterArgs,
         /// Address the control node (rendezvous) listens on.
@@ -317,13 +317,10 @@ enum Command {
         /// Node within the group (its `ranks_per_node` ranks).
         #[arg(long)]
         node: Option<u32>,
-        /// The launcher's control address (host:port).
+        /// The launcher's rendezvous address (host:port; default:
+        /// REFIT_RENDEZVOUS).
         #[arg(long)]
-        rendezvous: String,
-        /// How long an aborted data plane may take to stop before this
-        /// worker abandons it, in milliseconds.
-        #[arg(long, default_value_t = 2000)]
-        abort_grace_ms: u64,
+        rendezvous: Option<String>,
         /// File holding the control-plane secret (default: REFIT_SECRET).
         #[arg(long)]
         secret_file: Option<PathBuf>,
@@ -721,10 +718,7 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
             }
         };
         let config = a.cluster.config(&paths.0, &paths.1, opts, "127.0.0.1:0", true)?;
-        let mut cluster = Cluster::start(config, &s, &d, |_| {}).map_err(|e| fail(e.to_string()))?;
-        for plan in [rplan, bplan] {
-            cluster.adopt_plan(plan).map_err(|e| fail(e.to_string()))?;
-        }
+        let mut cluster = Cluster::start(config, s.clone(), d.clone(), |_| {}).map_err(|e| fail(e.to_string()))?;
         let b = refit::bench::cluster_bench(&mut cluster, a.reps);
         // The lower bound under the emulated links (no bound without them:
         // loopback and a shared CPU have no link model). The emulation caps
@@ -732,7 +726,7 @@ fn cmd_bench(a: &BenchArgs) -> Result<(), Failure> {
         // egress term (`Plan::egress_lower_bound`).
         let bound = a.cluster.emulation().map(|(net, intra)| {
             let links = LinkModel { net_bytes_per_s: net as f64, intra_bytes_per_s: intra as f64, message_latency_s: 0.0 };
-            cluster.plan(Strategy::Reshard).map(|p| p.egress_lower_bound(&links)).unwrap_or(0.0)
+            rplan.egress_lower_bound(&links)
         });
         cluster.shutdown();
         let b = b.map_err(|e| fail(e.to_string()))?;
@@ -871,58 +865,90 @@ fn cmd_plan_bench(model: Model, scale: u64, reps: usize, no_baseline: bool) -> R
     Ok(())
 }
 
-fn cmd_launch(
-    pair: &Pair,
-    baseline: bool,
+struct LaunchArgs<'a> {
+    pair: &'a Pair,
+    strategy: Strategy,
     verify: bool,
     refits: u64,
-    cluster: &ClusterArgs,
-    bind: &str,
+    fail_fast: bool,
+    json: bool,
+    cluster: &'a ClusterArgs,
+    bind: &'a str,
     no_spawn: bool,
-) -> Result<(), Failure> {
-    let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
-    let config = cluster.config(&pair.src, &pair.dst, options(pair)?, bind, !no_spawn)?;
-    let strategy = if baseline { Strategy::Baseline } else { Strategy::Reshard };
+}
+
+fn cmd_launch(a: &LaunchArgs<'_>) -> Result<(), Failure> {
+    let (src, dst) = (load(&a.pair.src)?, load(&a.pair.dst)?);
+    let mut config = a.cluster.config(&a.pair.src, &a.pair.dst, options(a.pair)?, a.bind, !a.no_spawn)?;
+    config.strategy = a.strategy;
     let t = Instant::now();
     let ranks = src.ranks() + dst.ranks();
-    let failed = |e: ClusterError| Failure { line: e.to_string(), code: 1 };
-    let mut cluster = Cluster::start(config, &src, &dst, |addr| {
-        if no_spawn {
+    let (quiet, no_spawn) = (a.json, a.no_spawn);
+    let mut cluster = Cluster::start(config, src, dst, |addr| {
+        if no_spawn && !quiet {
             say!("rendezvous listening on {addr}: start workers covering all {ranks} ranks with `refit worker --rendezvous {addr} ...`");
         }
     })
-    .map_err(failed)?;
-    let mut walls = Vec::new();
-    let mut last = RefitOutcome::default();
-    let refits = refits.max(1);
-    let result = (|| {
-        for version in 1..=refits {
-            last = cluster.refit(strategy, version, verify)?;
-            walls.push(last.wall);
-        }
-        if verify {
-            return Ok(Some(cluster.expect_committed(refits)?));
-        }
-        Ok(None)
-    })();
+    .map_err(|e| Failure { line: e.to_string(), code: 1 })?;
     let workers = cluster.workers().len();
-    cluster.shutdown();
-    let checked = result.map_err(failed)?;
-    walls.sort();
-    let median = walls[walls.len() / 2];
-    say!("{strategy}: {workers} worker processes ({ranks} ranks), {} moved per refit", human(last.bytes));
-    say!(
-        "{} refit(s): median {:.3} ms ({:.2} GiB/s), slowest {:.3} ms; whole launch {:.3} s",
-        walls.len(),
-        median.as_secs_f64() * 1e3,
-        last.bytes as f64 / median.as_secs_f64().max(1e-12) / (1u64 << 30) as f64,
-        walls[walls.len() - 1].as_secs_f64() * 1e3,
-        t.elapsed().as_secs_f64()
-    );
-    if let (Some(n), Some(c)) = (last.verified, checked) {
-        say!("verify: all {n} destination elements match before every commit; committed weights of version {refits} match ({c} elements)");
+    let mut outcomes = Vec::new();
+    let mut walls = Vec::new();
+    let mut bytes = 0;
+    for version in 1..=a.refits.max(1) {
+        let t = Instant::now();
+        // Replace workers that died since the last refit (a failure here is
+        // this refit's failure) — unless the first failure ends the launch.
+        let r =
+            if a.fail_fast { cluster.refit(version, a.verify) } else { cluster.recover().and_then(|_| cluster.refit(version, a.verify)) };
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        let error = r.as_ref().err().map(|e| e.to_string());
+        if let Ok(o) = &r {
+            walls.push(o.report.wall);
+            bytes = o.report.bytes;
+        }
+        if !a.json {
+            match &r {
+                Ok(o) => say!(
+                    "refit {version}: ok in {ms:.1} ms{}",
+                    o.verified.map_or(String::new(), |n| format!(", {n} destination elements verified"))
+                ),
+                Err(e) => say!("refit {version}: FAILED in {ms:.1} ms: {e}"),
+            }
+        }
+        outcomes.push(json!({"version": version, "ok": r.is_ok(), "error": error, "ms": ms}));
+        if r.is_err() && a.fail_fast {
+            break;
+        }
     }
-    Ok(())
+    cluster.shutdown();
+    let last_ok = outcomes.last().is_some_and(|o| o["ok"] == true) && outcomes.len() as u64 == a.refits.max(1);
+    let verified = a.verify && last_ok;
+    let failed = outcomes.iter().filter(|o| o["ok"] == false).count();
+    if a.json {
+        say!("{}", json!({"refits": outcomes, "verified": verified}));
+    } else {
+        say!("{}: {workers} worker processes ({ranks} ranks), {} moved per refit", a.strategy, human(bytes));
+        if !walls.is_empty() {
+            walls.sort();
+            let median = walls[walls.len() / 2];
+            say!(
+                "{} refit(s), {failed} failed: median {:.3} ms ({:.2} GiB/s), slowest {:.3} ms; whole launch {:.3} s",
+                outcomes.len(),
+                median.as_secs_f64() * 1e3,
+                bytes as f64 / median.as_secs_f64().max(1e-12) / (1u64 << 30) as f64,
+                walls[walls.len() - 1].as_secs_f64() * 1e3,
+                t.elapsed().as_secs_f64()
+            );
+        }
+        if verified {
+            say!("verify: the committed weights of version {} match on every destination rank", a.refits.max(1));
+        }
+    }
+    if last_ok {
+        Ok(())
+    } else {
+        Err(Failure { line: format!("{failed} of {} refit(s) failed, the last one among them", outcomes.len()), code: 1 })
+    }
 }
 
 fn cmd_worker(
@@ -930,12 +956,11 @@ fn cmd_worker(
     group: &str,
     rank: Option<u32>,
     node: Option<u32>,
-    rendezvous: &str,
-    (abort_grace, heartbeat_timeout): (Duration, Duration),
+    rendezvous: Option<&str>,
+    heartbeat_timeout: Duration,
     secret_file: &Option<PathBuf>,
 ) -> Result<(), Failure> {
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
-    let opts = options(pair)?;
     let group = match group {
         "src" => reshard::Group::Src,
         "dst" => reshard::Group::Dst,
@@ -947,6 +972,11 @@ fn cmd_worker(
         (None, None) => return Err(invalid("give --rank or --node".into())),
     };
     hosted.endpoints(&src, &dst).map_err(invalid)?;
+    let rendezvous = match rendezvous {
+        Some(r) => r.to_string(),
+        None => std::env::var(orchestrator::rendezvous::RENDEZVOUS_ENV)
+            .map_err(|_| invalid(format!("give --rendezvous or set {}", orchestrator::rendezvous::RENDEZVOUS_ENV)))?,
+    };
     let rendezvous = rendezvous.parse().map_err(|e| invalid(format!("--rendezvous {rendezvous}: {e}")))?;
     let secret = match secret_file {
         Some(f) => ControlSecret::from_file(f),
@@ -954,14 +984,8 @@ fn cmd_worker(
     }
     .and_then(|s| s.secret())
     .map_err(|e| invalid(format!("control-plane secret: {e}")))?;
-    let config = WorkerConfig {
-        hosted,
-        rendezvous,
-        options: opts,
-        secret,
-        abort_grace: abort_grace.max(Duration::from_millis(1)),
-        heartbeat_timeout: heartbeat_timeout.max(Duration::from_millis(500)),
-    };
+    let control = orchestrator::rendezvous::ControlConfig { heartbeat_timeout: heartbeat_timeout.max(Duration::from_millis(500)) };
+    let config = WorkerConfig { hosted, join: orchestrator::JoinConfig { rendezvous, secret, control } };
     run_worker(config, src, dst).map_err(|e| Failure { line: e, code: 1 })
 }
 
@@ -982,7 +1006,6 @@ fn cmd_chaos(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), Failur
     let args = ClusterArgs {
         per_process: PerProcess::Rank,
         deadline_s: deadline_s.max(1),
-        abort_grace_ms: 1000,
         checksum: true,
         emulate_nic_mbps: Some(nic_mbps.max(1)),
         secret_file: None,
@@ -991,7 +1014,7 @@ fn cmd_chaos(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), Failur
     let mut cluster = args.config(&dir.join("src.json"), &dir.join("dst.json"), PlanOptions::default(), "127.0.0.1:0", true)?;
     cluster.setup_timeout = Duration::from_secs(10);
     // A peer killed before it connects fails the connect step after this.
-    cluster.data.connect_timeout = Duration::from_secs(5);
+    cluster.fabric.connect_timeout = Duration::from_secs(5);
     let config = refit::chaos::ChaosConfig {
         cluster,
         mid_transfer: Duration::from_millis(200),
@@ -1001,7 +1024,7 @@ fn cmd_chaos(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), Failur
         say!("{:<40} {:>7} {:>9} {:>6} {:>5} {:>9}  detail", "case", "failed", "elapsed", "hang", "torn", "recovered");
     }
     let yes = |b: bool| if b { "yes" } else { "no" };
-    let rows = refit::chaos::run_chaos(config, &src, &dst, |r| {
+    let rows = refit::chaos::run_chaos(config, src, dst, |r| {
         if !as_json {
             say!(
                 "{:<40} {:>7} {:>7.0}ms {:>6} {:>5} {:>9}  {}",
@@ -1068,7 +1091,7 @@ fn cmd_soak(src: &Option<PathBuf>, dst: &Option<PathBuf>, refits: u64, args: &Cl
     let (s, d) = (load(&sp)?, load(&dp)?);
     let config = args.config(&sp, &dp, PlanOptions::default(), "127.0.0.1:0", true)?;
     let bar = progress_bar(refits, as_json);
-    let r = refit::soak::run_soak(config, &s, &d, refits, |n| bar.set_position(n)).map_err(|e| fail(e.to_string()));
+    let r = refit::soak::run_soak(config, s, d, refits, |n| bar.set_position(n)).map_err(|e| fail(e.to_string()));
     bar.finish_and_clear();
     let r = r?;
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
@@ -1236,12 +1259,19 @@ fn main() -> ExitCode {
         Command::Soak { src, dst, refits, cluster, json } => cmd_soak(src, dst, *refits, cluster, *json),
         Command::PlanBench { model, scale, reps, no_baseline } => cmd_plan_bench(*model, *scale, *reps, *no_baseline),
         Command::Emit { model, scale, out } => cmd_emit(*model, *scale, out),
-        Command::Launch { pair, baseline, verify, refits, cluster, bind, no_spawn } => {
-            cmd_launch(pair, *baseline, *verify, *refits, cluster, bind, *no_spawn)
-        }
-        Command::Worker { pair, group, rank, node, rendezvous, abort_grace_ms, secret_file, heartbeat_timeout_ms } => {
-            let timeouts = (Duration::from_millis(*abort_grace_ms), Duration::from_millis(*heartbeat_timeout_ms));
-            cmd_worker(pair, group, *rank, *node, rendezvous, timeouts, secret_file)
+        Command::Launch { pair, baseline, verify, refits, fail_fast, json, cluster, bind, no_spawn } => cmd_launch(&LaunchArgs {
+            pair,
+            strategy: if *baseline { Strategy::Baseline } else { Strategy::Reshard },
+            verify: *verify,
+            refits: *refits,
+            fail_fast: *fail_fast,
+            json: *json,
+            cluster,
+            bind,
+            no_spawn: *no_spawn,
+        }),
+        Command::Worker { pair, group, rank, node, rendezvous, secret_file, heartbeat_timeout_ms } => {
+            cmd_worker(pair, group, *rank, *node, rendezvous.as_deref(), Duration::from_millis(*heartbeat_timeout_ms), secret_file)
         }
         Command::Demo { steps, batch, lr, seed, mode, no_refit, json, processes } => cmd_demo(
             DemoConfig { steps: *steps, batch: *batch, lr: *lr, seed: *seed, mode: *mode, refit: !no_refit, processes: *processes },

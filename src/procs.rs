@@ -83,6 +83,15 @@ impl Children {
     /// Kills process `index` (if running) and starts it again.
     pub fn restart(&mut self, index: usize) -> Result<u32, String> {
         let args = self.slots.get(index).map(|s| s.args.clone()).ok_or_else(|| format!("no process {index}"))?;
+        self.restart_with(index, args)
+    }
+
+    /// Kills process `index` (if running) and starts it with `args` from now on.
+    pub fn restart_with(&mut self, index: usize, args: Vec<String>) -> Result<u32, String> {
+        if index >= self.slots.len() {
+            return Err(format!("no process {index}"));
+        }
+        self.slots[index].args = args.clone();
         if let Some(mut c) = self.slots[index].child.take() {
             let _ = c.kill();
             let _ = c.wait();

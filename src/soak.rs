@@ -4,7 +4,7 @@
 //! for growth.
 
 use crate::cluster::{Cluster, ClusterConfig, ClusterError};
-use reshard::{Layout, Strategy};
+use reshard::Layout;
 use std::time::{Duration, Instant};
 
 /// Resources of the launcher and its workers, summed.
@@ -54,7 +54,7 @@ pub fn process_resources(pid: u32) -> Resources {
     }
 }
 
-fn total(cluster: &mut Cluster<'_>) -> Resources {
+fn total(cluster: &Cluster) -> Resources {
     // Let the threads and sockets of the refit just finished wind down.
     std::thread::sleep(Duration::from_millis(200));
     let mut r = process_resources(std::process::id());
@@ -72,8 +72,8 @@ fn total(cluster: &mut Cluster<'_>) -> Resources {
 /// end. `progress` is told after each refit.
 pub fn run_soak(
     config: ClusterConfig,
-    src: &Layout,
-    dst: &Layout,
+    src: Layout,
+    dst: Layout,
     refits: u64,
     mut progress: impl FnMut(u64),
 ) -> Result<SoakReport, ClusterError> {
@@ -84,16 +84,15 @@ pub fn run_soak(
     let mut verified = 0;
     let mut first = Resources::default();
     for version in 1..=refits {
-        let o = cluster.refit(Strategy::Reshard, version, true)?;
+        let o = cluster.refit(version, true)?;
         verified += o.verified.unwrap_or(0);
-        times.push(o.wall);
+        times.push(o.report.wall);
         if version == 1 {
-            first = total(&mut cluster);
+            first = total(&cluster);
         }
         progress(version);
     }
-    let last = total(&mut cluster);
-    cluster.expect_committed(refits)?;
+    let last = total(&cluster);
     let workers = cluster.workers().len();
     cluster.shutdown();
     times.sort();

@@ -70,3 +70,76 @@ fn process_bench_reports_both_strategies_and_links() {
         let _ = std::fs::remove_file(&p);
     }
 }
+
+/// Process ids of `parent`'s children.
+fn children_of(parent: u32) -> Vec<u32> {
+    let out = Command::new("pgrep").args(["-P", &parent.to_string()]).output().expect("pgrep runs");
+    String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect()
+}
+
+/// `refit launch --refits N --verify --json` keeps the job alive while
+/// workers are killed with SIGKILL: it reports each refit, replaces the
+/// dead workers, and ends with a committed, verified refit (exit 0).
+#[test]
+fn launch_survives_killed_workers() {
+    let (src, dst) = example("tp-to-tp");
+    // Emulated links slow each refit to most of a second, so the kills land
+    // while refits run.
+    let args = ["launch", "--verify", "--json", "--refits", "12", "--emulate-nic-mbps", "2", "--src", &src, "--dst", &dst];
+    let launcher = Command::new(BIN).args(args).stdout(std::process::Stdio::piped()).spawn().expect("start launcher");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut workers = Vec::new();
+    while workers.len() < 12 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        workers = children_of(launcher.id());
+    }
+    assert_eq!(workers.len(), 12, "{workers:?}");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let killed = [workers[2], workers[9]];
+    for pid in killed {
+        Command::new("kill").args(["-9", &pid.to_string()]).status().expect("kill runs");
+        std::thread::sleep(std::time::Duration::from_millis(900));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let now = children_of(launcher.id());
+    let out = launcher.wait_with_output().expect("launcher ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    // The killed workers were replaced while the job went on.
+    assert_eq!(now.len(), 12, "{now:?}");
+    assert!(killed.iter().all(|k| !now.contains(k)), "killed {killed:?}, running {now:?}");
+    let v: Value = serde_json::from_str(&stdout).expect("one JSON object");
+    let refits = v["refits"].as_array().expect("refits");
+    assert_eq!(refits.len(), 12, "{v}");
+    for (i, r) in refits.iter().enumerate() {
+        assert_eq!(r["version"].as_u64(), Some(i as u64 + 1), "{v}");
+        assert!(r["ms"].as_f64().is_some_and(|ms| ms > 0.0), "{v}");
+        assert_eq!(r["ok"].as_bool(), Some(r["error"].is_null()), "{v}");
+    }
+    assert_eq!(refits[11]["ok"], true, "{v}");
+    assert_eq!(v["verified"], true, "{v}");
+}
+
+/// With `--fail-fast` the first failed refit ends the launch (exit 1).
+#[test]
+fn launch_fail_fast_stops_at_the_first_failure() {
+    let (src, dst) = example("tp-to-tp");
+    let args = ["launch", "--verify", "--json", "--fail-fast", "--refits", "50", "--emulate-nic-mbps", "2", "--src", &src, "--dst", &dst];
+    let launcher = Command::new(BIN).args(args).stdout(std::process::Stdio::piped()).spawn().expect("start launcher");
+    let mut workers = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while workers.len() < 12 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        workers = children_of(launcher.id());
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    Command::new("kill").args(["-9", &workers[0].to_string()]).status().expect("kill runs");
+    let out = launcher.wait_with_output().expect("launcher ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    let v: Value = serde_json::from_str(&stdout).expect("one JSON object");
+    let refits = v["refits"].as_array().expect("refits");
+    assert!(refits.len() < 50, "{v}");
+    assert_eq!(refits.last().expect("a refit")["ok"], false, "{v}");
+    assert_eq!(v["verified"], false, "{v}");
+}

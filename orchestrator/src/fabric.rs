@@ -55,7 +55,12 @@ impl Endpointed {
     }
 
     /// Connects to the peers of `program` (blocking: run off the reactor).
-    pub(crate) fn connect(self, program: &RankProgram, table: &[PeerAddr]) -> Result<Endpointed, String> {
+    pub(crate) fn connect(
+        self,
+        program: &RankProgram,
+        table: &[PeerAddr],
+        tweak: impl FnOnce(&mut NodeConfig),
+    ) -> Result<Endpointed, String> {
         let (listener, settings, session) = match self {
             Endpointed::Listening { listener, settings, session } => (listener, settings, session),
             done => return Ok(done),
@@ -108,6 +113,7 @@ impl Endpointed {
         };
         config.shm.lend_bytes = largest.next_power_of_two().clamp(1 << 20, config.shm.lend_bytes);
         config.shm.stream_bytes = config.shm.stream_bytes.min(1 << 20);
+        tweak(&mut config);
         let t = NodeTransport::connect(me, listener, &peers, node_of, &config).map_err(|e| format!("{me}: connect: {e}"))?;
         Ok(Endpointed::Connected(t))
     }

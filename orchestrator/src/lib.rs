@@ -33,8 +33,10 @@ pub mod protocol;
 pub mod rendezvous;
 mod store;
 
-pub use member::{Member, MemberConfig, Role};
-pub use orchestrator::{Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, RefitReport};
+pub use member::{FabricTweak, Member, MemberConfig, Role};
+pub use orchestrator::{
+    Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, RefitPhase, RefitReport, RefitStep,
+};
 pub use protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, NodeFabric, Refusal};
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use store::{Buffers, SinkStore, Snapshot, SourceStore};
@@ -59,12 +61,20 @@ pub enum RefitError {
 #[derive(Clone)]
 pub struct OrchestratorHandle {
     actor: ActorRef<Orchestrator>,
+    phases: tokio::sync::watch::Receiver<RefitPhase>,
 }
 
 impl OrchestratorHandle {
-    /// Wraps an orchestrator actor.
-    pub fn new(actor: ActorRef<Orchestrator>) -> OrchestratorHandle {
-        OrchestratorHandle { actor }
+    /// Spawns `orchestrator` and wraps it. Must be called inside a tokio
+    /// runtime.
+    pub fn spawn(orchestrator: Orchestrator, config: SpawnConfig) -> OrchestratorHandle {
+        let phases = orchestrator.subscribe();
+        OrchestratorHandle { actor: spawn(orchestrator, config), phases }
+    }
+
+    /// The refit in progress and its step, as it changes.
+    pub fn phases(&self) -> tokio::sync::watch::Receiver<RefitPhase> {
+        self.phases.clone()
     }
 
     /// The actor.
@@ -115,10 +125,7 @@ pub fn orchestrator_call_timeout(config: &OrchestratorConfig) -> std::time::Dura
 /// [`Rendezvous`]). Must be called inside a tokio runtime.
 pub fn spawn_orchestrator(sources: ActorGroup<Member>, sinks: ActorGroup<Member>, config: OrchestratorConfig) -> OrchestratorHandle {
     let timeout = orchestrator_call_timeout(&config);
-    OrchestratorHandle::new(spawn(
-        Orchestrator::new(sources, sinks, config),
-        SpawnConfig::default().name("orchestrator").call_timeout(timeout),
-    ))
+    OrchestratorHandle::spawn(Orchestrator::new(sources, sinks, config), SpawnConfig::default().name("orchestrator").call_timeout(timeout))
 }
 
 /// Everything [`spawn_refit`] made.
@@ -149,9 +156,9 @@ pub fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig) -> Re
     let sink_members = spawn_group(sinks.len(), member_config("sink"), |r| Member::new(dst, r as u32, Role::Sink(sinks[r].clone())));
     source_members.link(&supervisor);
     sink_members.link(&supervisor);
-    let actor = spawn(
+    let orchestrator = OrchestratorHandle::spawn(
         Orchestrator::new(source_members.clone(), sink_members.clone(), config.clone()),
         SpawnConfig::default().name("orchestrator").call_timeout(orchestrator_call_timeout(&config)),
     );
-    RefitSystem { orchestrator: OrchestratorHandle::new(actor), sources, sinks, source_members, sink_members, events }
+    RefitSystem { orchestrator, sources, sinks, source_members, sink_members, events }
 }

@@ -4,7 +4,7 @@
 //! orchestrator only by message, so it may live in any process.
 
 use crate::fabric::Endpointed;
-use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats};
+use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, INSTALLED_PLANS};
 use crate::store::{SinkStore, SourceStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{layout_to_json, Endpoint, Fingerprint, Group, Layout, RankProgram};
@@ -31,24 +31,39 @@ impl Role {
     }
 }
 
-/// Where a member's data plane listens.
-#[derive(Debug, Clone, Copy)]
+/// Adjusts a member's node-fabric settings for one refit (its sequence
+/// number) just before the endpoint connects: for tools that emulate
+/// links per member or inject faults in tests. Production members have
+/// none.
+pub type FabricTweak = Arc<dyn Fn(u64, &mut transport::NodeConfig) + Send + Sync>;
+
+/// Where a member's data plane listens, and how it may be adjusted.
+#[derive(Clone)]
 pub struct MemberConfig {
     /// The address peers reach this member's node-fabric endpoint at
     /// (default loopback; [`crate::join`] uses the interface that reaches
     /// the rendezvous).
     pub data_ip: IpAddr,
+    /// See [`FabricTweak`].
+    pub tweak: Option<FabricTweak>,
 }
 
 impl Default for MemberConfig {
     fn default() -> Self {
-        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST) }
+        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), tweak: None }
+    }
+}
+
+impl std::fmt::Debug for MemberConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemberConfig").field("data_ip", &self.data_ip).field("tweak", &self.tweak.is_some()).finish()
     }
 }
 
 /// The data-plane endpoint of the refit in progress.
 struct Pending {
     refit: u64,
+    program: Arc<RankProgram>,
     end: Endpointed,
 }
 
@@ -60,7 +75,8 @@ pub struct Member {
     layout_fingerprint: u64,
     role: Role,
     config: MemberConfig,
-    installed: Option<(Arc<RankProgram>, Fingerprint)>,
+    /// The latest installed programs, newest last.
+    installed: Vec<(Arc<RankProgram>, Fingerprint)>,
     pending: Option<Pending>,
 }
 
@@ -81,7 +97,7 @@ impl Member {
             layout_json,
             role,
             config,
-            installed: None,
+            installed: Vec::new(),
             pending: None,
         }
     }
@@ -146,39 +162,54 @@ fn finish(result: Result<Result<RunStats, Refusal>, tokio::task::JoinError>) -> 
 }
 
 impl Member {
-    fn prepare(&mut self, refit: u64, session: String, fabric: Fabric) -> MemberReply {
+    fn program(&self, fingerprint: Fingerprint) -> Result<Arc<RankProgram>, Refusal> {
+        match self.installed.iter().find(|(_, f)| *f == fingerprint) {
+            Some((p, _)) => Ok(p.clone()),
+            None => Err(Refusal::FingerprintMismatch { installed: self.installed.last().map(|(_, f)| *f), asked: fingerprint }),
+        }
+    }
+
+    fn prepare(&mut self, refit: u64, fingerprint: Fingerprint, session: String, fabric: Fabric) -> MemberReply {
         self.pending = None;
+        let program = match self.program(fingerprint) {
+            Ok(p) => p,
+            Err(r) => return MemberReply::Refused(r),
+        };
         let opened = match fabric {
             Fabric::InProcess => Endpointed::take_local(&session, self.endpoint).map(|e| (e, String::new())),
             Fabric::Node(settings) => Endpointed::listen(self.config.data_ip, settings, session),
         };
         match opened {
             Ok((end, addr)) => {
-                self.pending = Some(Pending { refit, end });
+                self.pending = Some(Pending { refit, program, end });
                 MemberReply::Prepared { endpoint: self.endpoint, node: self.node, addr }
             }
             Err(e) => MemberReply::Refused(Refusal::Fabric(e)),
         }
     }
 
-    fn take_pending(&mut self, refit: u64) -> Result<Endpointed, Refusal> {
+    fn take_pending(&mut self, refit: u64) -> Result<Pending, Refusal> {
         match self.pending.take() {
-            Some(p) if p.refit == refit => Ok(p.end),
+            Some(p) if p.refit == refit => Ok(p),
             _ => Err(Refusal::NotPrepared { refit }),
         }
     }
 
     async fn connect(&mut self, refit: u64, peers: Vec<PeerAddr>) -> MemberReply {
-        let end = match self.take_pending(refit) {
-            Ok(end) => end,
+        let Pending { program, end, .. } = match self.take_pending(refit) {
+            Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
         };
-        let Some((program, _)) = self.installed.clone() else {
-            return MemberReply::Refused(Refusal::ProgramMismatch("no program installed".into()));
+        let p = program.clone();
+        let tweak = self.config.tweak.clone();
+        let tweak = move |config: &mut transport::NodeConfig| {
+            if let Some(t) = &tweak {
+                t(refit, config);
+            }
         };
-        match tokio::task::spawn_blocking(move || end.connect(&program, &peers)).await {
+        match tokio::task::spawn_blocking(move || end.connect(&p, &peers, tweak)).await {
             Ok(Ok(end)) => {
-                self.pending = Some(Pending { refit, end });
+                self.pending = Some(Pending { refit, program, end });
                 MemberReply::Done
             }
             Ok(Err(e)) => MemberReply::Refused(Refusal::Fabric(e)),
@@ -187,23 +218,17 @@ impl Member {
     }
 
     async fn run(&mut self, refit: u64, version: u64, fingerprint: Fingerprint, deadline: Duration) -> MemberReply {
-        let end = match self.take_pending(refit) {
-            Ok(end) => end,
+        let Pending { program, end, .. } = match self.take_pending(refit) {
+            Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
         };
-        let program = match &self.installed {
-            Some((p, f)) if *f == fingerprint => p.clone(),
-            other => {
-                // Peers must not wait for this rank.
-                if let Ok(mut t) = end.into_transport() {
-                    t.abort("fingerprint mismatch");
-                }
-                return MemberReply::Refused(Refusal::FingerprintMismatch {
-                    installed: other.as_ref().map(|(_, f)| *f),
-                    asked: fingerprint,
-                });
+        if program.fingerprint != fingerprint {
+            // Peers must not wait for this rank.
+            if let Ok(mut t) = end.into_transport() {
+                t.abort("fingerprint mismatch");
             }
-        };
+            return MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint });
+        }
         let mut transport = match end.into_transport() {
             Ok(t) => t,
             Err(e) => return MemberReply::Refused(Refusal::Fabric(e)),
@@ -243,7 +268,11 @@ impl Member {
         } else if program.endpoint != self.endpoint {
             MemberReply::Refused(Refusal::ProgramMismatch(format!("program for {} sent to {}", program.endpoint, self.endpoint)))
         } else {
-            self.installed = Some((Arc::from(program), fingerprint));
+            self.installed.retain(|(_, f)| *f != fingerprint);
+            if self.installed.len() == INSTALLED_PLANS {
+                self.installed.remove(0);
+            }
+            self.installed.push((Arc::from(program), fingerprint));
             MemberReply::Done
         }
     }
@@ -260,10 +289,10 @@ impl Actor for Member {
                 MemberReply::Layout(LayoutInfo { rank: self.endpoint.rank, layout_json: self.layout_json.clone(), pid: std::process::id() })
             }
             MemberMsg::Status => {
-                MemberReply::Status { layout: self.layout_fingerprint, installed: self.installed.as_ref().map(|(_, f)| *f) }
+                MemberReply::Status { layout: self.layout_fingerprint, installed: self.installed.iter().map(|(_, f)| *f).collect() }
             }
             MemberMsg::Install { program, fingerprint } => self.install(program, fingerprint),
-            MemberMsg::Prepare { refit, session, fabric } => self.prepare(refit, session, fabric),
+            MemberMsg::Prepare { refit, fingerprint, session, fabric } => self.prepare(refit, fingerprint, session, fabric),
             MemberMsg::Connect { refit, peers } => self.connect(refit, peers).await,
             MemberMsg::Run { refit, version, fingerprint, deadline } => self.run(refit, version, fingerprint, deadline).await,
             MemberMsg::Commit { version } => match &self.role {

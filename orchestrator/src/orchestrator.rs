@@ -142,6 +142,37 @@ pub enum OrchestratorError {
     },
 }
 
+/// Where the refit in progress is, as the orchestrator publishes it
+/// ([`Orchestrator::subscribe`]): for progress displays, metrics, and tools
+/// that act at a given step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RefitStep {
+    /// No refit in progress.
+    #[default]
+    Idle,
+    /// Asking members for their layouts and plans; planning, installing.
+    Planning,
+    /// Members open their data-plane endpoints.
+    Preparing,
+    /// Members connect to their peers.
+    Connecting,
+    /// Members move the bytes; sinks stage.
+    Running,
+    /// Every sink staged the whole version; sinks flip.
+    Committing,
+    /// The refit failed; members drop what they staged.
+    Discarding,
+}
+
+/// The refit in progress and its step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct RefitPhase {
+    /// The refit's sequence number (counted from 1 by this orchestrator).
+    pub refit: u64,
+    /// Its step.
+    pub step: RefitStep,
+}
+
 /// Messages the orchestrator handles.
 pub enum OrchestratorMsg {
     /// Refit `version` (the sources' current version) into every sink.
@@ -149,9 +180,12 @@ pub enum OrchestratorMsg {
         /// The version.
         version: u64,
     },
-    /// Switch between reshard and baseline (replans on the next refit).
+    /// Switch between reshard and baseline (plans the other strategy on the
+    /// next refit, once).
     SetMode(Strategy),
-    /// Replace the groups (e.g. after a resize); replans on the next refit.
+    /// Replace the groups (a resize, or replaced members); the next refit
+    /// replans if their layouts changed and installs on members that lack
+    /// the plan.
     Attach {
         /// Training ranks.
         sources: ActorGroup<Member>,
@@ -176,7 +210,6 @@ pub enum OrchestratorReply {
 }
 
 struct CachedPlan {
-    key: (String, String, Strategy),
     /// Layout fingerprints every member of each group reported.
     layout_fingerprints: (u64, u64),
     fingerprint: Fingerprint,
@@ -191,16 +224,35 @@ pub struct Orchestrator {
     sources: ActorGroup<Member>,
     sinks: ActorGroup<Member>,
     config: OrchestratorConfig,
-    cache: Option<CachedPlan>,
+    /// One plan per strategy, while both layouts stay the same.
+    cache: std::collections::HashMap<Strategy, CachedPlan>,
     plans_made: u64,
     /// Refits started, the data-plane epoch.
     refits: u64,
+    phase: tokio::sync::watch::Sender<RefitPhase>,
 }
 
 impl Orchestrator {
     /// An orchestrator for these groups.
     pub fn new(sources: ActorGroup<Member>, sinks: ActorGroup<Member>, config: OrchestratorConfig) -> Orchestrator {
-        Orchestrator { sources, sinks, config, cache: None, plans_made: 0, refits: 0 }
+        Orchestrator {
+            sources,
+            sinks,
+            config,
+            cache: Default::default(),
+            plans_made: 0,
+            refits: 0,
+            phase: tokio::sync::watch::Sender::default(),
+        }
+    }
+
+    /// Follows the refit in progress, step by step.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<RefitPhase> {
+        self.phase.subscribe()
+    }
+
+    fn enter(&self, step: RefitStep) {
+        self.phase.send_replace(RefitPhase { refit: self.refits, step });
     }
 
     /// How many times this orchestrator has planned.
@@ -317,83 +369,92 @@ impl Orchestrator {
         (0..self.sources.len() as u32).map(Endpoint::src).chain((0..self.sinks.len() as u32).map(Endpoint::dst)).collect()
     }
 
-    /// Makes sure every member has the plan for both groups' current
-    /// layouts installed: plans when a layout changed, installs on members
-    /// that lack it (new or replaced ones).
+    /// Makes sure every member has the plan of the current strategy for
+    /// both groups' current layouts installed: plans when a layout changed,
+    /// installs on members that lack it (new or replaced ones). Returns
+    /// whether it planned.
     async fn ensure_plan(&mut self) -> Result<bool, OrchestratorError> {
         let t = self.config.control_timeout;
-        // Cheap check first: every member's layout fingerprint and plan.
+        let mode = self.config.mode;
+        // Cheap check first: every member's layout fingerprint and plans.
         let status = call_both(&self.sources, &self.sinks, |_, _| Some(MemberMsg::Status), t).await?;
         let mut layouts: [Option<u64>; 2] = [None, None];
         let mut agree = true;
-        let mut lacking = Vec::new();
-        for (i, (member, reply)) in status.iter().enumerate() {
-            let MemberReply::Status { layout, installed } = reply else {
-                return Err(OrchestratorError::Protocol { member: member.clone(), request: "Status", reply: format!("{reply:?}") });
+        let mut installed = Vec::with_capacity(status.len());
+        for (i, (member, reply)) in status.into_iter().enumerate() {
+            let MemberReply::Status { layout, installed: plans } = reply else {
+                return Err(OrchestratorError::Protocol { member, request: "Status", reply: format!("{reply:?}") });
             };
             let g = usize::from(i >= self.sources.len());
-            agree &= *layouts[g].get_or_insert(*layout) == *layout;
-            lacking.push((i, *installed));
+            agree &= *layouts[g].get_or_insert(layout) == layout;
+            installed.push(plans);
         }
-        if let Some(c) = &self.cache {
-            if agree && Some(c.layout_fingerprints) == layouts[0].zip(layouts[1]) && c.key.2 == self.config.mode {
-                let fingerprint = c.fingerprint;
-                lacking.retain(|(_, installed)| *installed != Some(fingerprint));
-                if lacking.is_empty() {
-                    return Ok(false);
-                }
-                let todo: Vec<usize> = lacking.iter().map(|(i, _)| *i).collect();
-                self.install(&todo).await?;
-                return Ok(false);
+        let current = layouts[0].zip(layouts[1]).filter(|_| agree);
+        if current.is_none() || self.cache.values().any(|c| Some(c.layout_fingerprints) != current) {
+            self.cache.clear();
+        }
+        let replanned = match self.cache.get(&mode) {
+            Some(_) => false,
+            None => {
+                let src_json = describe(&self.sources, "source", t).await?;
+                let dst_json = describe(&self.sinks, "sink", t).await?;
+                let src = parse("source", &src_json, self.sources.len())?;
+                let dst = parse("sink", &dst_json, self.sinks.len())?;
+                let plan = match mode {
+                    Strategy::Reshard => plan_reshard(&src, &dst, &self.config.plan)?,
+                    Strategy::Baseline => plan_baseline(&src, &dst, &self.config.plan)?,
+                };
+                let programs = plan.programs(&src, &dst)?;
+                self.plans_made += 1;
+                let layout_fingerprints = (reshard::fingerprint::fnv64(&src_json), reshard::fingerprint::fnv64(&dst_json));
+                // Plans of the other strategy were made for these layouts too,
+                // or are gone.
+                self.cache.retain(|_, c| c.layout_fingerprints == layout_fingerprints);
+                let cached =
+                    CachedPlan { layout_fingerprints, fingerprint: plan.fingerprint(), bytes: plan.figures().total_bytes, programs };
+                self.cache.insert(mode, cached);
+                true
             }
-        }
-        let src_json = describe(&self.sources, "source", t).await?;
-        let dst_json = describe(&self.sinks, "sink", t).await?;
-        let key = (src_json, dst_json, self.config.mode);
-        self.cache = None;
-        let src = parse("source", &key.0, self.sources.len())?;
-        let dst = parse("sink", &key.1, self.sinks.len())?;
-        let plan = match self.config.mode {
-            Strategy::Reshard => plan_reshard(&src, &dst, &self.config.plan)?,
-            Strategy::Baseline => plan_baseline(&src, &dst, &self.config.plan)?,
         };
-        let programs = plan.programs(&src, &dst)?;
-        self.plans_made += 1;
-        let layout_fingerprints = (reshard::fingerprint::fnv64(&key.0), reshard::fingerprint::fnv64(&key.1));
-        self.cache =
-            Some(CachedPlan { key, layout_fingerprints, fingerprint: plan.fingerprint(), bytes: plan.figures().total_bytes, programs });
-        let all: Vec<usize> = (0..self.sources.len() + self.sinks.len()).collect();
-        if let Err(e) = self.install(&all).await {
-            // Installed nowhere for sure: plan again next time.
-            self.cache = None;
-            return Err(e);
+        let fingerprint = self.cache.get(&mode).map(|c| c.fingerprint);
+        let lacking: Vec<usize> =
+            installed.iter().enumerate().filter(|(_, plans)| !plans.iter().any(|f| Some(*f) == fingerprint)).map(|(i, _)| i).collect();
+        if !lacking.is_empty() {
+            self.install(&lacking).await?;
         }
-        Ok(true)
+        Ok(replanned)
     }
 
-    /// Installs the cached plan's programs on members `which` (indices into
-    /// sources then sinks).
+    /// Installs the current strategy's programs on members `which`
+    /// (indices into sources then sinks).
     async fn install(&self, which: &[usize]) -> Result<(), OrchestratorError> {
-        let Some(c) = &self.cache else { return Ok(()) };
+        let Some(c) = self.cache.get(&self.config.mode) else { return Ok(()) };
         let n_src = self.sources.len();
         let fingerprint = c.fingerprint;
         let msg = |g: reshard::Group, rank: usize| {
             let i = if g == reshard::Group::Src { rank } else { n_src + rank };
-            which.contains(&i).then(|| MemberMsg::Install { program: Box::new(c.programs[i].clone()), fingerprint })
+            which.binary_search(&i).is_ok().then(|| MemberMsg::Install { program: Box::new(c.programs[i].clone()), fingerprint })
         };
         let replies = call_both(&self.sources, &self.sinks, msg, self.config.control_timeout).await?;
         no_refusal(&replies)
     }
 
     async fn refit(&mut self, version: u64) -> Result<RefitReport, OrchestratorError> {
+        let r = self.refit_steps(version).await;
+        self.enter(RefitStep::Idle);
+        r
+    }
+
+    async fn refit_steps(&mut self, version: u64) -> Result<RefitReport, OrchestratorError> {
+        self.refits += 1;
+        self.enter(RefitStep::Planning);
         let start = Instant::now();
         let replanned = self.ensure_plan().await?;
         let plan_time = start.elapsed();
-        let (fingerprint, bytes) = match &self.cache {
+        let (fingerprint, bytes) = match self.cache.get(&self.config.mode) {
             Some(c) => (c.fingerprint, c.bytes),
             None => unreachable!("ensure_plan leaves a plan cached"),
         };
-        self.refits += 1;
         let refit = self.refits;
         // A fresh data-plane epoch for every refit.
         let session = uuid::Uuid::new_v4().simple().to_string();
@@ -407,10 +468,17 @@ impl Orchestrator {
         if let Err(e) = moved {
             // Every sink keeps serving its last committed version; every
             // member drops what it prepared for this refit.
-            let _ = call_both(&self.sources, &self.sinks, |_, _| Some(MemberMsg::Discard), self.config.control_timeout).await;
+            // A member that is stuck (an abort that hangs) must not hold up
+            // the report: the discard is queued, not awaited; each member
+            // handles it before anything the next refit asks.
+            self.enter(RefitStep::Discarding);
+            for (_, m) in self.sources.iter().chain(self.sinks.iter()) {
+                let _ = m.try_tell(MemberMsg::Discard);
+            }
             return Err(e);
         }
         // The second phase: every sink has staged the whole version; flip.
+        self.enter(RefitStep::Committing);
         let t = Instant::now();
         let timeout = self.config.control_timeout;
         let replies = self
@@ -440,7 +508,8 @@ impl Orchestrator {
     async fn transfer(&self, refit: u64, session: &str, version: u64, fingerprint: Fingerprint) -> Result<(), OrchestratorError> {
         let control = self.config.control_timeout;
         let fabric = self.config.fabric.clone();
-        let prepare = |_, _| Some(MemberMsg::Prepare { refit, session: session.to_string(), fabric: fabric.clone() });
+        let prepare = |_, _| Some(MemberMsg::Prepare { refit, fingerprint, session: session.to_string(), fabric: fabric.clone() });
+        self.enter(RefitStep::Preparing);
         let prepared = call_both(&self.sources, &self.sinks, prepare, control).await?;
         no_refusal(&prepared)?;
         let mut peers = Vec::with_capacity(prepared.len());
@@ -452,11 +521,13 @@ impl Orchestrator {
         }
         if let Fabric::Node(settings) = &fabric {
             let connect = |_, _| Some(MemberMsg::Connect { refit, peers: peers.clone() });
+            self.enter(RefitStep::Connecting);
             let connected = call_both(&self.sources, &self.sinks, connect, settings.connect_timeout + control).await?;
             no_refusal(&connected)?;
         }
         let deadline = self.config.deadline;
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline });
+        self.enter(RefitStep::Running);
         let ran = call_both(&self.sources, &self.sinks, run, deadline + control).await?;
         no_refusal(&ran)
     }
@@ -472,18 +543,19 @@ impl Actor for Orchestrator {
             OrchestratorMsg::Refit { version } => Ok(OrchestratorReply::Refit(self.refit(version).await)),
             OrchestratorMsg::PlansMade => Ok(OrchestratorReply::PlansMade(self.plans_made)),
             OrchestratorMsg::SetMode(mode) => {
+                // Plans are kept per strategy: switching back is free.
                 self.config.mode = mode;
-                self.cache = None;
                 Ok(OrchestratorReply::Done)
             }
             OrchestratorMsg::Attach { sources, sinks } => {
+                // Cached plans stay valid while the members report the same
+                // layouts; members that lack the plan get it installed.
                 self.sources = sources;
                 self.sinks = sinks;
-                self.cache = None;
                 Ok(OrchestratorReply::Done)
             }
             OrchestratorMsg::Invalidate => {
-                self.cache = None;
+                self.cache.clear();
                 Ok(OrchestratorReply::Done)
             }
         }

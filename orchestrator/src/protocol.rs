@@ -21,6 +21,9 @@ use reshard::{Endpoint, Fingerprint, RankProgram};
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
+/// How many installed plans a member keeps (reshard and baseline, say).
+pub const INSTALLED_PLANS: usize = 2;
+
 /// How the members of a refit reach each other.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Fabric {
@@ -76,18 +79,21 @@ pub enum MemberMsg {
     /// Report a fingerprint of that layout and the plan installed (cheap;
     /// asked before every refit).
     Status,
-    /// Keep this program for the plan with this fingerprint.
+    /// Keep this program for the plan with this fingerprint (a member keeps
+    /// the latest [`INSTALLED_PLANS`]).
     Install {
         /// This rank's program.
         program: Box<RankProgram>,
         /// The plan's fingerprint.
         fingerprint: Fingerprint,
     },
-    /// Open this member's data-plane endpoint for refit `refit`: answered
-    /// with [`MemberReply::Prepared`].
+    /// Open this member's data-plane endpoint for refit `refit` of the plan
+    /// `fingerprint`: answered with [`MemberReply::Prepared`].
     Prepare {
         /// The refit's sequence number (one data-plane epoch).
         refit: u64,
+        /// The plan (installed earlier) this refit runs.
+        fingerprint: Fingerprint,
         /// Names this epoch's shared state (shared-memory regions,
         /// in-process channels); fresh for every refit.
         session: String,
@@ -207,8 +213,8 @@ pub enum MemberReply {
     Status {
         /// Fingerprint of the layout the member holds.
         layout: u64,
-        /// The plan installed, if any.
-        installed: Option<Fingerprint>,
+        /// The plans installed (the latest few, e.g. reshard and baseline).
+        installed: Vec<Fingerprint>,
     },
     /// Answer to `Prepare`: where this member's endpoint listens.
     Prepared {

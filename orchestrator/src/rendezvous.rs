@@ -255,6 +255,23 @@ impl Joined {
     /// on this process's store, serves it and registers it; its data plane
     /// listens on the interface that reaches the rendezvous.
     pub async fn serve_member(&self, layout: &Layout, rank: u32, role: Role) -> Result<ActorRef<Member>, JoinError> {
+        self.serve_member_with(layout, rank, role, self.member_config()).await
+    }
+
+    /// The member settings [`serve_member`](Self::serve_member) uses: the
+    /// data plane on the interface that reaches the rendezvous.
+    pub fn member_config(&self) -> MemberConfig {
+        MemberConfig { data_ip: self.ip, ..MemberConfig::default() }
+    }
+
+    /// [`serve_member`](Self::serve_member) with explicit settings.
+    pub async fn serve_member_with(
+        &self,
+        layout: &Layout,
+        rank: u32,
+        role: Role,
+        config: MemberConfig,
+    ) -> Result<ActorRef<Member>, JoinError> {
         if rank >= layout.ranks() {
             return Err(JoinError::Config(format!("rank {rank}: the layout has {} ranks", layout.ranks())));
         }
@@ -263,7 +280,7 @@ impl Joined {
             Role::Sink(_) => Group::Dst,
         };
         let name = member_name(group, rank);
-        let member = Member::with_config(layout, rank, role, MemberConfig { data_ip: self.ip });
+        let member = Member::with_config(layout, rank, role, config);
         // Calls are bounded by the orchestrator (a refit may take minutes).
         let member = spawn(member, SpawnConfig::default().name(name.clone()).call_timeout(Duration::from_secs(7 * 24 * 3600)));
         self.serve(&name, &member).await?;

@@ -122,11 +122,16 @@ async fn wrong_fingerprint_is_refused() {
     // A step of a refit that was never prepared here.
     let reply = member.call_rank(0, MemberMsg::Run { refit: 77, version: v, fingerprint: bogus, deadline: SECOND }).await.unwrap();
     assert_eq!(reply, MemberReply::Refused(Refusal::NotPrepared { refit: 77 }));
-    // Prepared (node fabric: a loopback listener), but another plan.
-    let prepare = MemberMsg::Prepare { refit: 78, session: "t".into(), fabric: Fabric::Node(NodeFabric::default()) };
-    assert!(matches!(member.call_rank(0, prepare).await.unwrap(), MemberReply::Prepared { .. }));
+    let mismatch = MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(report.fingerprint), asked: bogus });
+    // A plan that is not installed cannot be prepared...
+    let prepare =
+        |fingerprint| MemberMsg::Prepare { refit: 78, fingerprint, session: "t".into(), fabric: Fabric::Node(NodeFabric::default()) };
+    assert_eq!(member.call_rank(0, prepare(bogus)).await.unwrap(), mismatch);
+    // ...nor run under another plan than the one prepared (node fabric: a
+    // loopback listener).
+    assert!(matches!(member.call_rank(0, prepare(report.fingerprint)).await.unwrap(), MemberReply::Prepared { .. }));
     let reply = member.call_rank(0, MemberMsg::Run { refit: 78, version: v, fingerprint: bogus, deadline: SECOND }).await.unwrap();
-    assert_eq!(reply, MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(report.fingerprint), asked: bogus }));
+    assert_eq!(reply, mismatch);
     // The next refit is not disturbed.
     let v = step(&sys, 2.0).await;
     sys.orchestrator.refit(v).await.unwrap();

@@ -1,24 +1,31 @@
-//! Multi-process refits. A launcher ([`Cluster`], the orchestrator of this
-//! path) opens an authenticated control node with a registry; worker
-//! processes ([`run_worker`], `refit worker`) join it, each hosting one rank
-//! or every rank of one node as a *member* actor. The launcher plans once,
-//! ships each member its ranks' programs, then drives refits step by step
-//! (prepare, connect, start, commit) through remote-actor calls, each refit
-//! over a fresh data plane (shared memory within a node, TCP between nodes)
-//! among exactly the ranks that exchange data. Heartbeats and connection
-//! loss tell it of dead workers; a failing refit is aborted everywhere,
-//! nothing is committed, and dead workers are respawned before the next.
-//! On a cluster the user's launcher (srun, a Kubernetes job) starts
-//! `refit worker` with the same rendezvous address; see
-//! `docs/multiprocess.md` and `docs/reliability.md`.
+//! Multi-process refits of the verification pattern: the tooling behind
+//! `refit launch`, `refit worker`, `refit chaos`, `refit soak` and
+//! `refit bench --transport process`.
+//!
+//! A [`Cluster`] opens a rendezvous, starts worker processes (or waits for
+//! ones a cluster launcher started), and drives refits through the one
+//! orchestrator ([`orchestrator::Orchestrator`]) over the node fabric.
+//! Each worker ([`run_worker`]) hosts one rank or every rank of a node:
+//! per rank a store, the orchestrator's member, and a pattern actor that
+//! steps the sources to a weights version and checks what the sinks serve.
+//! Dead workers are replaced ([`Cluster::recover`]) and the job goes on.
+//! See `docs/multiprocess.md` and `docs/reliability.md`.
 
 mod launcher;
-mod wire;
 mod worker;
 
-pub use launcher::{kill_pid, Cluster, ClusterConfig, ClusterError, PerProcess, Phase, RefitOutcome, RefitRequest, WorkerInfo, SECRET_ENV};
-pub use wire::{DataPlane, FaultSpec};
-pub use worker::{run_worker, Hosted, WorkerConfig};
+pub use launcher::{kill_pid, Cluster, ClusterConfig, ClusterError, Committed, KillAt, RefitOutcome, WorkerInfo};
+pub use orchestrator::rendezvous::SECRET_ENV;
+pub use worker::{run_worker, FaultSpec, Hosted, WorkerConfig};
+
+/// How ranks map onto worker processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PerProcess {
+    /// One process per rank; ranks of a node share memory across processes.
+    Rank,
+    /// One process per node, its ranks side by side.
+    Node,
+}
 
 use actors::remote::Secret;
 use std::fmt;
