@@ -25,21 +25,16 @@ use std::time::Duration;
 pub const INSTALLED_PLANS: usize = 2;
 
 /// How the members of a refit reach each other.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Fabric {
     /// Channels between members of this process; a receiver copies straight
     /// out of the sender's buffers. Only for members that all live in the
     /// orchestrator's process.
+    #[default]
     InProcess,
     /// Shared memory between ranks of one node, TCP between nodes: members
     /// in any process, on any host.
     Node(NodeFabric),
-}
-
-impl Default for Fabric {
-    fn default() -> Self {
-        Fabric::InProcess
-    }
 }
 
 /// Settings of the node fabric.

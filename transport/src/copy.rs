@@ -4,18 +4,58 @@ use reshard::dtype::convert_slice;
 use reshard::{DType, MAX_DIMS};
 
 /// A strided view of elements inside a byte region.
+///
+/// Its region (pointer and length) is fixed at construction, which is
+/// `unsafe` ([`StridedRef::new`]): whoever makes one promises the region is
+/// valid for as long as the view or a copy of it is used. Every reader
+/// checks the element offsets against the region ([`in_bounds`]) before it
+/// touches memory, so the offsets may be anything.
 #[derive(Clone, Copy, Debug)]
 pub struct StridedRef {
     /// Start of the region (a whole buffer or staging area).
-    pub ptr: *const u8,
+    ptr: *const u8,
     /// Region length in bytes, for bounds checks.
-    pub len: usize,
+    len: usize,
     /// Element offset of the first element.
     pub base: u64,
     /// Element stride per dimension (same dims as the counts).
     pub strides: [u64; MAX_DIMS],
     /// Element type.
     pub dtype: DType,
+}
+
+impl StridedRef {
+    /// A view into the `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads (and, for a view that is written
+    /// through, writes) of `len` bytes for as long as this view or any copy
+    /// of it, or any [`Segment`](crate::Segment) or payload made from it,
+    /// is used; concurrent writes to the bytes it is read from must not
+    /// happen while it is read.
+    pub unsafe fn new(ptr: *const u8, len: usize, base: u64, strides: [u64; MAX_DIMS], dtype: DType) -> StridedRef {
+        StridedRef { ptr, len, base, strides, dtype }
+    }
+
+    /// The same region with other offsets (safe: readers check bounds).
+    pub fn at(self, base: u64, strides: [u64; MAX_DIMS], dtype: DType) -> StridedRef {
+        StridedRef { base, strides, dtype, ..self }
+    }
+
+    /// Start of the region.
+    pub fn ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// Length of the region in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 /// Bytes one element of `counts` touches at most: the end (exclusive, in
@@ -33,9 +73,13 @@ fn extent_elems(counts: &[u64], base: u64, strides: &[u64]) -> Option<u64> {
 
 /// Whether a strided view of `counts` stays inside its region.
 pub fn in_bounds(counts: &[u64], r: &StridedRef) -> bool {
-    extent_elems(counts, r.base, &r.strides[..counts.len()])
-        .and_then(|e| e.checked_mul(r.dtype.size()))
-        .is_some_and(|bytes| bytes <= r.len as u64)
+    fits(counts, r.len, r.base, &r.strides, r.dtype)
+}
+
+/// Whether `counts` elements of `dtype` at element offset `base` with
+/// `strides` stay inside a region of `len` bytes (no memory is involved).
+pub fn fits(counts: &[u64], len: usize, base: u64, strides: &[u64; MAX_DIMS], dtype: DType) -> bool {
+    extent_elems(counts, base, &strides[..counts.len()]).and_then(|e| e.checked_mul(dtype.size())).is_some_and(|bytes| bytes <= len as u64)
 }
 
 /// Row-major strides for `counts` (a packed, contiguous piece).

@@ -106,7 +106,9 @@ pub struct ExecReport {
 
 fn view(me: Endpoint, mem: &MemView, span: &Span, dtype: DType, block: &Block) -> Result<StridedRef, ExecError> {
     let buf = mem.bufs.get(span.buffer as usize).ok_or(ExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer })?;
-    let r = StridedRef { ptr: buf.ptr, len: buf.len, base: span.base, strides: span.strides, dtype };
+    // SAFETY: `mem` views a rank's buffers, which outlive every rank thread
+    // and every payload of the run (`MemView`'s contract).
+    let r = unsafe { StridedRef::new(buf.ptr, buf.len, span.base, span.strides, dtype) };
     if in_bounds(block.extent(), &r) {
         Ok(r)
     } else {
@@ -138,9 +140,18 @@ pub(crate) fn run_rank_view<T: Transport>(
         if !matches!(e, ExecError::Transport(TransportError::PeerAborted { .. })) {
             transport.abort(&e.to_string());
         }
+        // Receivers may still read what this rank lent them (in process, a
+        // payload points into this rank's buffers): the buffers must not be
+        // handed back to their owner, who may write them, until every
+        // receiver let go. Aborted receivers drop what they hold at once.
+        let _ = transport.flush(u32::MAX, deadline.max(Instant::now() + RELEASE_GRACE));
     }
     result
 }
+
+/// How long a failed rank waits, beyond its deadline if need be, for its
+/// receivers to release what it lent them.
+const RELEASE_GRACE: Duration = Duration::from_secs(10);
 
 fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mut T, deadline: Instant) -> Result<RankStats, ExecError> {
     let me = program.endpoint;
@@ -176,12 +187,11 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
                 } else {
                     let elem = p.wire.size();
                     pos = pos.next_multiple_of(elem);
-                    let dst = StridedRef {
-                        ptr: staging.as_mut_ptr(),
-                        len: staging.len(),
-                        base: pos / elem,
-                        strides: packed_strides(p.block.extent()),
-                        dtype: p.wire,
+                    // SAFETY: the staging vector moves into the payload's
+                    // `keep_alive` below (its heap buffer does not move), so
+                    // it lives as long as the segments pointing into it.
+                    let dst = unsafe {
+                        StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(p.block.extent()), p.wire)
                     };
                     // SAFETY: staging is ours and sized for every staged piece.
                     unsafe { copy_strided(p.block.extent(), &src, &dst) };
@@ -231,7 +241,7 @@ fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -
                 return Err(Unpack::Bad(format!("{} segments for {} pieces", segments.len(), pieces.len())));
             }
             for (seg, p) in segments.iter().zip(pieces) {
-                if seg.numel != p.block.numel() || seg.view.dtype != p.wire || !in_bounds(p.block.extent(), &seg.view) {
+                if seg.numel() != p.block.numel() || seg.view().dtype != p.wire || !in_bounds(p.block.extent(), seg.view()) {
                     return Err(Unpack::Bad(format!("segment for piece {} does not match it", p.block)));
                 }
                 for span in &p.spans {
@@ -240,7 +250,7 @@ fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -
                     // keeps alive (buffers outlive all rank threads; staging
                     // is in `keep_alive`) and nobody writes it now; `to` is
                     // this rank's own buffer.
-                    unsafe { copy_strided(p.block.extent(), &seg.view, &to) };
+                    unsafe { copy_strided(p.block.extent(), seg.view(), &to) };
                 }
             }
             drop(keep_alive);
@@ -261,18 +271,15 @@ fn unpack_bytes(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], bytes: &[u8])
     let mut pos = 0u64;
     for p in pieces {
         let elem = p.wire.size();
-        let src = StridedRef {
-            ptr: bytes.as_ptr(),
-            len: bytes.len(),
-            base: pos / elem,
-            strides: packed_strides(p.block.extent()),
-            dtype: p.wire,
-        };
+        // SAFETY: `bytes` is borrowed for this whole function; the view does
+        // not leave it.
+        let src = unsafe { StridedRef::new(bytes.as_ptr(), bytes.len(), pos / elem, packed_strides(p.block.extent()), p.wire) };
         if !pos.is_multiple_of(elem) {
             // Keep element alignment of offsets: copy to an aligned temporary.
             let n = (p.block.numel() * elem) as usize;
             let tmp = bytes[pos as usize..pos as usize + n].to_vec();
-            let src = StridedRef { ptr: tmp.as_ptr(), len: tmp.len(), base: 0, ..src };
+            // SAFETY: `tmp` lives until the end of this block, the view's scope.
+            let src = unsafe { StridedRef::new(tmp.as_ptr(), tmp.len(), 0, src.strides, src.dtype) };
             for span in &p.spans {
                 let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
                 // SAFETY: tmp is ours and exactly sized; `to` is ours.

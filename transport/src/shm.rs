@@ -76,6 +76,18 @@ const OFF_CONSUMED: usize = 64;
 const OFF_RELEASED: usize = 128;
 /// Largest area accepted from a peer's handshake.
 pub(crate) const MAX_AREA: u64 = 1 << 40;
+
+/// Both areas of a region must hold something (a reader divides by their
+/// sizes) and stay within [`MAX_AREA`].
+fn check_areas(lend: u64, stream: u64) -> io::Result<()> {
+    if lend == 0 || stream == 0 || lend > MAX_AREA || stream > MAX_AREA {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("region areas of {lend} and {stream} bytes: each must be 1 to {MAX_AREA} bytes"),
+        ));
+    }
+    Ok(())
+}
 /// Lent messages start at multiples of this.
 const ALIGN: u64 = 64;
 
@@ -113,6 +125,7 @@ impl Region {
 
     /// Creates and maps a new region file of `lend + stream` bytes of areas.
     pub(crate) fn create(path: &Path, lend: u64, stream: u64) -> io::Result<Region> {
+        check_areas(lend, stream)?;
         let len = CONTROL + lend + stream;
         let file = OpenOptions::new()
             .read(true)
@@ -142,12 +155,12 @@ impl Region {
         Ok(region)
     }
 
-    /// Maps an existing region file that should hold areas of these sizes.
+    /// Maps an existing region file that should hold areas of these sizes
+    /// (as a peer announced them: checked, an empty or huge area is an
+    /// error, not a division by zero later).
     pub(crate) fn open(path: &Path, lend: u64, stream: u64) -> io::Result<Region> {
         let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
-        if lend > MAX_AREA || stream > MAX_AREA {
-            return Err(bad(format!("region areas of {lend} and {stream} bytes are too large")));
-        }
+        check_areas(lend, stream)?;
         let len = CONTROL + lend + stream;
         let file = OpenOptions::new()
             .read(true)
@@ -464,6 +477,17 @@ mod tests {
         assert!(inbound.chunk(CONTROL + 64, 10, &mut got[70..80]).is_err());
         inbound.chunk(CONTROL + 64 + 70, 30, &mut got[70..]).unwrap();
         assert_eq!(out.stream_space(1000), (CONTROL + 64, 100));
+    }
+
+    #[test]
+    fn empty_or_huge_areas_are_refused() {
+        let path = temp("empty");
+        for (lend, stream) in [(0, 64), (64, 0), (0, 0), (MAX_AREA + 1, 64)] {
+            let Err(e) = Region::open(&path, lend, stream) else { panic!("{lend} {stream}: opened") };
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{lend} {stream}: {e}");
+            assert!(Region::create(&path, lend, stream).is_err(), "{lend} {stream}");
+        }
+        assert!(!path.exists());
     }
 
     #[test]

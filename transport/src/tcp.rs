@@ -725,14 +725,14 @@ unsafe fn for_payload_runs<'a>(payload: &'a Payload, mut f: impl FnMut(&'a [u8])
         Payload::Lent(l) => f(l.as_slice()),
         Payload::Segments { segments, .. } => {
             for s in segments {
-                if !in_bounds(s.extent(), &s.view) {
+                if !in_bounds(s.extent(), s.view()) {
                     return Err(io::Error::new(io::ErrorKind::InvalidInput, "segment out of bounds"));
                 }
             }
             for s in segments {
                 // SAFETY: in bounds (checked); valid while the payload
                 // lives (the caller's contract), so the runs may borrow it.
-                unsafe { for_each_run(s.extent(), &s.view, |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))) };
+                unsafe { for_each_run(s.extent(), s.view(), |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))) };
             }
         }
     }
@@ -744,7 +744,7 @@ fn payload_len(payload: &Payload) -> u64 {
     match payload {
         Payload::Bytes(b) => b.len() as u64,
         Payload::Lent(l) => l.as_slice().len() as u64,
-        Payload::Segments { segments, .. } => segments.iter().map(|s| s.numel * s.view.dtype.size()).sum(),
+        Payload::Segments { segments, .. } => segments.iter().map(|s| s.numel() * s.view().dtype.size()).sum(),
     }
 }
 

@@ -12,26 +12,36 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 use thiserror::Error;
 
-/// One piece of a message as the sender holds it.
+/// One piece of a message as the sender holds it: a strided view (whose
+/// region only `unsafe` code can name, [`StridedRef::new`]) and the
+/// piece's extent. Readers check the extent against the view's region
+/// before they touch memory.
 #[derive(Clone, Copy, Debug)]
 pub struct Segment {
-    /// Where the elements are (a buffer of the sender, or its staging).
-    pub view: StridedRef,
-    /// Number of elements.
-    pub numel: u64,
-    /// Element count per dimension (the piece's extent; `view.strides`
-    /// has one stride per entry).
-    pub extent: [u64; MAX_DIMS],
-    /// Number of dimensions in `extent`.
-    pub ndim: u8,
+    view: StridedRef,
+    numel: u64,
+    extent: [u64; MAX_DIMS],
+    ndim: u8,
 }
 
 impl Segment {
-    /// A segment for a piece of extent `extent` at `view`.
+    /// A segment for a piece of extent `extent` at `view` (at most
+    /// [`MAX_DIMS`] dimensions; more are cut off).
     pub fn new(view: StridedRef, extent: &[u64]) -> Segment {
+        let n = extent.len().min(MAX_DIMS);
         let mut e = [0u64; MAX_DIMS];
-        e[..extent.len()].copy_from_slice(extent);
-        Segment { view, numel: extent.iter().product(), extent: e, ndim: extent.len() as u8 }
+        e[..n].copy_from_slice(&extent[..n]);
+        Segment { view, numel: e[..n].iter().product(), extent: e, ndim: n as u8 }
+    }
+
+    /// Where the elements are (a buffer of the sender, or its staging).
+    pub fn view(&self) -> &StridedRef {
+        &self.view
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.numel
     }
 
     /// The piece's extent.

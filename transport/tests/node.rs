@@ -94,13 +94,16 @@ fn link_emulation_keeps_results_exact() {
 
 fn segments(buf: &[u8], rows: u64, cols: u64, stride: u64) -> Payload {
     // A `rows` x `cols` block of bytes with row stride `stride`.
-    let view = StridedRef { ptr: buf.as_ptr(), len: buf.len(), base: 0, strides: [stride, 1, 0, 0, 0, 0, 0, 0], dtype: DType::U8 };
+    // SAFETY: the caller keeps `buf` alive and unwritten until the payload
+    // is consumed.
+    let view = unsafe { StridedRef::new(buf.as_ptr(), buf.len(), 0, [stride, 1, 0, 0, 0, 0, 0, 0], DType::U8) };
     Payload::Segments { segments: vec![Segment::new(view, &[rows, cols])], keep_alive: Vec::new(), release: Release::default() }
 }
 
 fn contiguous(buf: &[u8]) -> Payload {
     let n = buf.len() as u64;
-    let view = StridedRef { ptr: buf.as_ptr(), len: buf.len(), base: 0, strides: packed_strides(&[n]), dtype: DType::U8 };
+    // SAFETY: as above.
+    let view = unsafe { StridedRef::new(buf.as_ptr(), buf.len(), 0, packed_strides(&[n]), DType::U8) };
     Payload::Segments { segments: vec![Segment::new(view, &[n])], keep_alive: Vec::new(), release: Release::default() }
 }
 

@@ -195,8 +195,9 @@ mod tests {
         let src: Vec<u8> = (0..stored_a.numel() * elem).map(|i| (i * 131 + 7) as u8).collect();
         let mut want = vec![0u8; (stored_b.numel() * elem) as usize];
         let mut got = want.clone();
-        let sr = StridedRef { ptr: src.as_ptr(), len: src.len(), base: a.base, strides: a.strides, dtype };
-        let dr = StridedRef { ptr: want.as_mut_ptr(), len: want.len(), base: b.base, strides: b.strides, dtype };
+        // SAFETY: `src` and `want` live to the end of the test.
+        let sr = unsafe { StridedRef::new(src.as_ptr(), src.len(), a.base, a.strides, dtype) };
+        let dr = unsafe { StridedRef::new(want.as_mut_ptr(), want.len(), b.base, b.strides, dtype) };
         unsafe { copy_strided(piece.extent(), &sr, &dr) };
         let ops = plan_copies(piece.extent(), &side(a), &side(b), elem, max_pitch);
         for op in &ops {

@@ -240,7 +240,10 @@ pub(crate) fn convert_on_host(
     let to_bytes = (n * to_dtype.size()) as usize;
     let pb = b.ensure(to_bytes).map_err(|e| e.to_string())?;
     let strides = packed_strides(counts);
-    let r = |ptr: *const u8, len: usize, dtype: DType| StridedRef { ptr, len, base: 0, strides, dtype };
+    // SAFETY (of each view made here): the regions are `pa`/`pb` (pinned
+    // staging of `from_bytes`/`to_bytes`, held by `b` for this call) and
+    // `wire` (owned here), all alive while the views are used below.
+    let r = |ptr: *const u8, len: usize, dtype: DType| unsafe { StridedRef::new(ptr, len, 0, strides, dtype) };
     // SAFETY: each region holds n packed elements of its dtype; nothing
     // else touches the staging now (the stream is idle).
     unsafe {

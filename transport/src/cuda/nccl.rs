@@ -14,7 +14,7 @@
 //! device staging buffer (pieces in wire dtype, 256-byte aligned), one NCCL
 //! group with all the round's sends and receives, then unpack.
 
-use crate::copy::{in_bounds, packed_strides, StridedRef};
+use crate::copy::{fits, packed_strides};
 use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, P2p, Progress};
 use crate::cuda::copyplan::{plan_copies, Side};
 use crate::cuda::device::{issue, no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
@@ -320,8 +320,7 @@ pub enum NcclExecError {
 fn check(me: Endpoint, memory: &DeviceMemory, span: &Span, dtype: DType, block: &Block) -> Result<(), NcclExecError> {
     let oob = || NcclExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer };
     let len = *memory.buffer_lens().get(span.buffer as usize).ok_or_else(oob)?;
-    let r = StridedRef { ptr: std::ptr::null(), len, base: span.base, strides: span.strides, dtype };
-    if memory.dtypes()[span.buffer as usize] != dtype || !in_bounds(block.extent(), &r) {
+    if memory.dtypes()[span.buffer as usize] != dtype || !fits(block.extent(), len, span.base, &span.strides, dtype) {
         return Err(oob());
     }
     Ok(())

@@ -8,7 +8,7 @@
 //! Pure, compiled and tested without a GPU; the device executor (`exec`,
 //! `cuda` feature) runs the steps with device copies.
 
-use crate::copy::{in_bounds, StridedRef};
+use crate::copy::fits;
 use reshard::{Block, DType, Endpoint, RankProgram, Span};
 use std::collections::HashMap;
 use thiserror::Error;
@@ -132,8 +132,7 @@ fn place(programs: &[RankProgram], rank: usize, span: &Span, dtype: DType, block
     let oob = || ScheduleError::OutOfBounds { me: p.endpoint, block: Box::new(*block), buffer: span.buffer };
     let spec = p.buffers.get(span.buffer as usize).ok_or_else(oob)?;
     let len = spec.elems.checked_mul(spec.dtype.size()).ok_or_else(oob)?;
-    let r = StridedRef { ptr: std::ptr::null(), len: len as usize, base: span.base, strides: span.strides, dtype };
-    if spec.dtype != dtype || !in_bounds(block.extent(), &r) {
+    if spec.dtype != dtype || !fits(block.extent(), len as usize, span.base, &span.strides, dtype) {
         return Err(oob());
     }
     Ok(Place { rank, span: *span, dtype })
@@ -205,7 +204,7 @@ pub fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, Schedu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::copy::copy_strided;
+    use crate::copy::{copy_strided, StridedRef};
     use crate::cuda::copyplan::{plan_copies, Side};
     use crate::memory::RankMemory;
     use crate::pattern::{fill_sources, verify_destinations};
@@ -252,19 +251,15 @@ mod tests {
                 let n = s.block.numel();
                 let mut wire = vec![0u8; (n * s.wire.size()) as usize];
                 let packed = crate::copy::packed_strides(counts);
-                let sr = StridedRef {
-                    ptr: src.as_ptr(),
-                    len: src.len(),
-                    base: s.from.span.base,
-                    strides: s.from.span.strides,
-                    dtype: s.from.dtype,
-                };
-                let wr = StridedRef { ptr: wire.as_mut_ptr(), len: wire.len(), base: 0, strides: packed, dtype: s.wire };
+                // SAFETY: `src` and `wire` are borrowed or owned here and
+                // outlive both views.
+                let sr = unsafe { StridedRef::new(src.as_ptr(), src.len(), s.from.span.base, s.from.span.strides, s.from.dtype) };
+                let wr = unsafe { StridedRef::new(wire.as_mut_ptr(), wire.len(), 0, packed, s.wire) };
                 unsafe { copy_strided(counts, &sr, &wr) };
                 for t in &s.to {
                     let dst = &mut memory[t.rank].buffers[t.span.buffer as usize];
-                    let dr =
-                        StridedRef { ptr: dst.as_mut_ptr(), len: dst.len(), base: t.span.base, strides: t.span.strides, dtype: t.dtype };
+                    // SAFETY: `dst` is borrowed mutably for this iteration.
+                    let dr = unsafe { StridedRef::new(dst.as_mut_ptr(), dst.len(), t.span.base, t.span.strides, t.dtype) };
                     unsafe { copy_strided(counts, &wr, &dr) };
                 }
             }
