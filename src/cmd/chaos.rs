@@ -1,0 +1,82 @@
+//! `refit chaos`: kill workers and inject data-plane faults, check every refit keeps the promise.
+
+use super::report::{load, say, Failure, TempLayouts};
+use crate::ClusterArgs;
+use refit::cluster::PerProcess;
+use reshard::PlanOptions;
+use serde_json::json;
+use std::time::Duration;
+
+pub(crate) fn run(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), Failure> {
+    // The suite's own layouts: TP2xDP... on 8 training ranks (2 nodes) to 4
+    // inference ranks; the "different layout" is another pair.
+    const SRC: &str = include_str!("../../examples/tp-to-tp/src.json");
+    const DST: &str = include_str!("../../examples/tp-to-tp/dst.json");
+    const WRONG: &str = include_str!("../../examples/mixed-2d/dst.json");
+    let fail = |e: String| Failure { line: e, code: 1 };
+    let dir = std::env::temp_dir().join(format!("refit-chaos-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+    let _temp = TempLayouts(dir.clone());
+    for (name, text) in [("src.json", SRC), ("dst.json", DST), ("wrong.json", WRONG)] {
+        std::fs::write(dir.join(name), text).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
+    }
+    let (src, dst) = (load(&dir.join("src.json"))?, load(&dir.join("dst.json"))?);
+    let args = ClusterArgs {
+        per_process: PerProcess::Rank,
+        deadline_s: deadline_s.max(1),
+        checksum: true,
+        emulate_nic_mbps: Some(nic_mbps.max(1)),
+        secret_file: None,
+        heartbeat_timeout_ms: 2000,
+    };
+    let mut cluster = args.config(&dir.join("src.json"), &dir.join("dst.json"), PlanOptions::default(), "127.0.0.1:0", true)?;
+    cluster.setup_timeout = Duration::from_secs(10);
+    // A peer killed before it connects fails the connect step after this.
+    cluster.fabric.connect_timeout = Duration::from_secs(5);
+    let config = refit::chaos::ChaosConfig {
+        cluster,
+        mid_transfer: Duration::from_millis(200),
+        wrong_layouts: (dir.join("src.json"), dir.join("wrong.json")),
+    };
+    if !as_json {
+        say!("{:<40} {:>7} {:>9} {:>6} {:>5} {:>9}  detail", "case", "failed", "elapsed", "hang", "torn", "recovered");
+    }
+    let yes = |b: bool| if b { "yes" } else { "no" };
+    let rows = refit::chaos::run_chaos(config, src, dst, |r| {
+        if !as_json {
+            say!(
+                "{:<40} {:>7} {:>7.0}ms {:>6} {:>5} {:>9}  {}",
+                r.case,
+                r.refit_failed.map_or("-", yes),
+                r.elapsed.as_secs_f64() * 1e3,
+                yes(!r.within_deadline),
+                yes(r.torn),
+                yes(r.recovered),
+                r.detail
+            );
+        }
+    })
+    .map_err(|e| fail(e.to_string()))?;
+    let good = |r: &refit::chaos::ChaosRow| r.within_deadline && !r.torn && r.recovered;
+    let ok = rows.iter().filter(|r| good(r)).count();
+    if as_json {
+        let list: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                json!({
+                    "case": r.case, "refit_failed": r.refit_failed, "elapsed_s": r.elapsed.as_secs_f64(),
+                    "hang": !r.within_deadline, "torn": r.torn, "recovered": r.recovered,
+                    "versions": r.versions, "detail": r.detail,
+                })
+            })
+            .collect();
+        say!("{}", json!({"cases": list, "passed": ok, "total": rows.len()}));
+    } else {
+        say!("{ok} of {} cases kept the promise (no hang, no torn version, recovered)", rows.len());
+    }
+    if ok == rows.len() {
+        Ok(())
+    } else {
+        Err(Failure { line: format!("{} chaos case(s) broke the promise", rows.len() - ok), code: 1 })
+    }
+}

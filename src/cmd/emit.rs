@@ -1,0 +1,12 @@
+//! `refit emit`: write a model preset's layouts as layout files.
+
+use super::report::{preset, say, write_layouts, Failure};
+use refit::presets::Model;
+use std::path::Path;
+
+pub(crate) fn run(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
+    let (src, dst) = preset(model, scale)?;
+    write_layouts(&src, &dst, out)?;
+    say!("wrote {}/src.json and dst.json ({} tensors)", out.display(), dst.tensors().len());
+    Ok(())
+}

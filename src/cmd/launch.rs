@@ -1,0 +1,133 @@
+//! `refit launch` (worker processes running refits among them) and `refit worker` (one of them).
+
+use super::report::{human, invalid, load, options, say, Failure};
+use crate::{ClusterArgs, Pair};
+use refit::cluster::{run_worker, Cluster, ControlSecret, Hosted, WorkerConfig, SECRET_ENV};
+use reshard::Strategy;
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+pub(crate) struct LaunchArgs<'a> {
+    pub(crate) pair: &'a Pair,
+    pub(crate) strategy: Strategy,
+    pub(crate) verify: bool,
+    pub(crate) refits: u64,
+    pub(crate) fail_fast: bool,
+    pub(crate) json: bool,
+    pub(crate) cluster: &'a ClusterArgs,
+    pub(crate) bind: &'a str,
+    pub(crate) no_spawn: bool,
+}
+
+pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
+    let (src, dst) = (load(&a.pair.src)?, load(&a.pair.dst)?);
+    let mut config = a.cluster.config(&a.pair.src, &a.pair.dst, options(a.pair)?, a.bind, !a.no_spawn)?;
+    config.strategy = a.strategy;
+    let t = Instant::now();
+    let ranks = src.ranks() + dst.ranks();
+    let (quiet, no_spawn) = (a.json, a.no_spawn);
+    let mut cluster = Cluster::start(config, src, dst, |addr| {
+        if no_spawn && !quiet {
+            say!("rendezvous listening on {addr}: start workers covering all {ranks} ranks with `refit worker --rendezvous {addr} ...`");
+        }
+    })
+    .map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+    let workers = cluster.workers().len();
+    let mut outcomes = Vec::new();
+    let mut walls = Vec::new();
+    let mut bytes = 0;
+    for version in 1..=a.refits.max(1) {
+        let t = Instant::now();
+        // Replace workers that died since the last refit (a failure here is
+        // this refit's failure) — unless the first failure ends the launch.
+        let r =
+            if a.fail_fast { cluster.refit(version, a.verify) } else { cluster.recover().and_then(|_| cluster.refit(version, a.verify)) };
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        let error = r.as_ref().err().map(|e| e.to_string());
+        if let Ok(o) = &r {
+            walls.push(o.report.wall);
+            bytes = o.report.bytes;
+        }
+        if !a.json {
+            match &r {
+                Ok(o) => say!(
+                    "refit {version}: ok in {ms:.1} ms{}",
+                    o.verified.map_or(String::new(), |n| format!(", {n} destination elements verified"))
+                ),
+                Err(e) => say!("refit {version}: FAILED in {ms:.1} ms: {e}"),
+            }
+        }
+        outcomes.push(json!({"version": version, "ok": r.is_ok(), "error": error, "ms": ms}));
+        if r.is_err() && a.fail_fast {
+            break;
+        }
+    }
+    cluster.shutdown();
+    let last_ok = outcomes.last().is_some_and(|o| o["ok"] == true) && outcomes.len() as u64 == a.refits.max(1);
+    let verified = a.verify && last_ok;
+    let failed = outcomes.iter().filter(|o| o["ok"] == false).count();
+    if a.json {
+        say!("{}", json!({"refits": outcomes, "verified": verified}));
+    } else {
+        say!("{}: {workers} worker processes ({ranks} ranks), {} moved per refit", a.strategy, human(bytes));
+        if !walls.is_empty() {
+            walls.sort();
+            let median = walls[walls.len() / 2];
+            say!(
+                "{} refit(s), {failed} failed: median {:.3} ms ({:.2} GiB/s), slowest {:.3} ms; whole launch {:.3} s",
+                outcomes.len(),
+                median.as_secs_f64() * 1e3,
+                bytes as f64 / median.as_secs_f64().max(1e-12) / (1u64 << 30) as f64,
+                walls[walls.len() - 1].as_secs_f64() * 1e3,
+                t.elapsed().as_secs_f64()
+            );
+        }
+        if verified {
+            say!("verify: the committed weights of version {} match on every destination rank", a.refits.max(1));
+        }
+    }
+    if last_ok {
+        Ok(())
+    } else {
+        Err(Failure { line: format!("{failed} of {} refit(s) failed, the last one among them", outcomes.len()), code: 1 })
+    }
+}
+
+pub(crate) fn worker(
+    pair: &Pair,
+    group: &str,
+    rank: Option<u32>,
+    node: Option<u32>,
+    rendezvous: Option<&str>,
+    heartbeat_timeout: Duration,
+    secret_file: &Option<PathBuf>,
+) -> Result<(), Failure> {
+    let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
+    let group = match group {
+        "src" => reshard::Group::Src,
+        "dst" => reshard::Group::Dst,
+        other => return Err(invalid(format!("--group {other}: expected src or dst"))),
+    };
+    let hosted = match (rank, node) {
+        (Some(r), _) => Hosted::Rank(reshard::Endpoint { group, rank: r }),
+        (None, Some(n)) => Hosted::Node(group, n),
+        (None, None) => return Err(invalid("give --rank or --node".into())),
+    };
+    hosted.endpoints(&src, &dst).map_err(invalid)?;
+    let rendezvous = match rendezvous {
+        Some(r) => r.to_string(),
+        None => std::env::var(orchestrator::rendezvous::RENDEZVOUS_ENV)
+            .map_err(|_| invalid(format!("give --rendezvous or set {}", orchestrator::rendezvous::RENDEZVOUS_ENV)))?,
+    };
+    let rendezvous = rendezvous.parse().map_err(|e| invalid(format!("--rendezvous {rendezvous}: {e}")))?;
+    let secret = match secret_file {
+        Some(f) => ControlSecret::from_file(f),
+        None => ControlSecret::from_env(SECRET_ENV),
+    }
+    .and_then(|s| s.secret())
+    .map_err(|e| invalid(format!("control-plane secret: {e}")))?;
+    let control = orchestrator::rendezvous::ControlConfig { heartbeat_timeout: heartbeat_timeout.max(Duration::from_millis(500)) };
+    let config = WorkerConfig { hosted, join: orchestrator::JoinConfig { rendezvous, secret, control } };
+    run_worker(config, src, dst).map_err(|e| Failure { line: e, code: 1 })
+}

@@ -1,0 +1,137 @@
+//! `refit plan`: validate both layouts, plan reshard and baseline, print the figures.
+
+use super::report::{figures_json, invalid, load, preset, print_figures, say, write_layouts, Failure};
+use refit::presets::Model;
+use reshard::{plan_baseline, plan_reshard, LinkModel, PlanOptions};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+/// Arguments of `refit plan`.
+pub(crate) struct PlanArgs<'a> {
+    pub(crate) src: &'a Option<PathBuf>,
+    pub(crate) dst: &'a Option<PathBuf>,
+    pub(crate) model: Option<Model>,
+    pub(crate) scale: u64,
+    pub(crate) max_staging_mib: u64,
+    pub(crate) topology: &'a str,
+    pub(crate) estimate: bool,
+    pub(crate) svg: &'a Option<PathBuf>,
+    pub(crate) json: bool,
+    pub(crate) emit_layouts: &'a Option<PathBuf>,
+}
+
+/// A named link model, or one read from a JSON file.
+fn topology(name: &str) -> Result<LinkModel, Failure> {
+    match name {
+        "dgx-h100" => return Ok(LinkModel::DGX_H100),
+        "gb200" => return Ok(LinkModel::GB200),
+        _ => {}
+    }
+    let text = std::fs::read_to_string(name)
+        .map_err(|e| invalid(format!("--topology {name}: not dgx-h100 or gb200, and cannot read it as a file: {e}")))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| invalid(format!("{name}: invalid JSON: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| invalid(format!("{name}: expected an object")))?;
+    let mut links = LinkModel::DGX_H100;
+    for (k, val) in obj {
+        let x = val
+            .as_f64()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .ok_or_else(|| invalid(format!("{name}: {k}: expected a non-negative number")))?;
+        match k.as_str() {
+            "net_bytes_per_s" if x > 0.0 => links.net_bytes_per_s = x,
+            "intra_bytes_per_s" if x > 0.0 => links.intra_bytes_per_s = x,
+            "message_latency_s" => links.message_latency_s = x,
+            "net_bytes_per_s" | "intra_bytes_per_s" => return Err(invalid(format!("{name}: {k}: must be positive"))),
+            other => {
+                return Err(invalid(format!(
+                    "{name}: unknown field '{other}' (expected net_bytes_per_s, intra_bytes_per_s, message_latency_s)"
+                )))
+            }
+        }
+    }
+    Ok(links)
+}
+
+pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
+    let (src, dst, what) = match (args.src, args.dst, args.model) {
+        (Some(s), Some(d), _) => (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display())),
+        (_, _, Some(m)) => {
+            let (s, d) = preset(m, args.scale)?;
+            (s, d, format!("{m:?} scale {}", args.scale))
+        }
+        _ => return Err(invalid("give --src and --dst, or --model".into())),
+    };
+    if let Some(dir) = args.emit_layouts {
+        write_layouts(&src, &dst, dir)?;
+        if !args.json {
+            say!("wrote {}/src.json and dst.json", dir.display());
+        }
+    }
+    let links = topology(args.topology)?;
+    let bytes = args
+        .max_staging_mib
+        .checked_mul(1 << 20)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| invalid("--max-staging-mib must be between 1 and 2^44".into()))?;
+    let opts = PlanOptions { max_staging_bytes: bytes, links };
+    let ctx = |e: reshard::PlanError| invalid(format!("{what}: {e}"));
+    let reshard = plan_reshard(&src, &dst, &opts).map_err(ctx)?;
+    // The baseline may be impossible where the reshard is not (it gathers
+    // whole tensors); that is reported, not fatal.
+    let baseline = plan_baseline(&src, &dst, &opts);
+    if let Some(path) = args.svg {
+        let write = |p: &Path, plan: &reshard::Plan| {
+            std::fs::write(p, refit::svg::traffic_svg(plan, &what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))
+        };
+        write(path, &reshard)?;
+        if let Ok(b) = &baseline {
+            write(&path.with_extension("baseline.svg"), b)?;
+        }
+    }
+    let r_est = reshard.estimate(&links);
+    let b_est = baseline.as_ref().ok().map(|b| b.estimate(&links));
+    if args.json {
+        let (b, err) = match &baseline {
+            Ok(b) => (figures_json(b.figures()), serde_json::Value::Null),
+            Err(e) => (serde_json::Value::Null, json!(e.to_string())),
+        };
+        let mut out = json!({"reshard": figures_json(reshard.figures()), "baseline": b, "baseline_error": err});
+        if args.estimate {
+            out["estimate"] = json!({
+                "topology": args.topology,
+                "reshard_s": r_est.seconds,
+                "baseline_s": b_est.map(|e| e.seconds),
+                "lower_bound_s": r_est.lower_bound_seconds,
+            });
+        }
+        say!("{out}");
+        return Ok(());
+    }
+    say!(
+        "{} src ranks ({} nodes) -> {} dst ranks ({} nodes), {} tensors, fingerprint {}",
+        src.ranks(),
+        src.nodes(),
+        dst.ranks(),
+        dst.nodes(),
+        dst.tensors().len(),
+        reshard.fingerprint()
+    );
+    print_figures("reshard", reshard.figures());
+    match &baseline {
+        Ok(b) => print_figures("baseline", b.figures()),
+        Err(e) => say!("baseline: unavailable: {e}"),
+    }
+    if args.estimate {
+        say!("estimate ({} links, model):", args.topology);
+        say!("  reshard      {:>10.3} ms", r_est.seconds * 1e3);
+        if let Some(b) = b_est {
+            say!("  baseline     {:>10.3} ms  ({:.2}x the reshard)", b.seconds * 1e3, b.seconds / r_est.seconds.max(1e-12));
+        }
+        say!(
+            "  lower bound  {:>10.3} ms  (reshard efficiency {:.2})",
+            r_est.lower_bound_seconds * 1e3,
+            r_est.lower_bound_seconds / r_est.seconds.max(1e-12)
+        );
+    }
+    Ok(())
+}
