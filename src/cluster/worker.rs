@@ -186,12 +186,13 @@ async fn serve(joined: &Joined, src: &Arc<Layout>, dst: &Arc<Layout>, e: Endpoin
     let mut config = joined.member_config();
     config.tweak = Some(Arc::new(move |_refit, data: &mut transport::NodeConfig| {
         if let Some(f) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            data.tcp.faults = transport::Faults {
+            data.tcp.hook = transport::Faults {
                 corrupt_frame: f.corrupt_frame,
                 stall_at_frame: f.stall_at_frame,
                 cut_at_frame: f.cut_at_frame,
                 abort_hang: f.abort_hang,
-            };
+            }
+            .hook();
         }
     }));
     joined.serve_member_with(layout, e.rank, role.clone(), config).await.map_err(|err| err.to_string())?;

@@ -92,7 +92,7 @@ fn main() -> Res<()> {
     let mut copy_dst: Vec<Vec<u8>> = (0..dst.ranks()).map(|_| vec![0u8; per]).collect();
     let tcp_sum = TcpConfig { checksum: true, ..TcpConfig::default() };
     let node = NodeConfig::default();
-    let node_sum = NodeConfig { tcp: tcp_sum, ..NodeConfig::default() };
+    let node_sum = NodeConfig { tcp: tcp_sum.clone(), ..NodeConfig::default() };
     let names = [
         "socket copy",
         "tcp",

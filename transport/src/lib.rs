@@ -12,6 +12,8 @@
 pub mod copy;
 pub mod cuda;
 pub mod exec;
+pub mod faults;
+pub mod frame;
 pub mod gpu_probe;
 pub mod link;
 pub mod local;
@@ -19,12 +21,14 @@ pub mod memory;
 pub mod node;
 pub mod pattern;
 pub mod shm;
+pub mod shm_link;
 pub mod tcp;
 pub mod transport;
 
 pub use exec::{run_local, run_rank, run_tcp, run_threads, ExecError, ExecOptions, ExecReport, RankStats, WithAbort};
+pub use faults::Faults;
 pub use gpu_probe::cuda_available;
-pub use link::{Faults, LinkEmulation, TokenBucket};
+pub use link::{FrameAction, FrameHook, LinkEmulation, TokenBucket};
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;
 pub use node::{node_fabric, node_fabric_with_faults, run_node, NodeConfig, NodeTransport};

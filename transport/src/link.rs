@@ -1,5 +1,5 @@
-//! Link emulation (token buckets on a rank's egress) and fault injection
-//! hooks for tests.
+//! Link emulation (token buckets on a rank's egress) and the frame hook
+//! through which tests and tooling act on a rank's data frames.
 
 use std::time::{Duration, Instant};
 
@@ -98,56 +98,37 @@ impl TokenBucket {
     }
 }
 
-/// Faults to inject, for tests of failure handling (a chaos suite). Every
-/// count is of data frames this rank sends, over all its peers, from 0.
-/// Default: none; when none is set each send costs one comparison.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults {
-    /// Flip one byte of the payload of this data frame after its checksum
-    /// was computed (so a receiver checking sums sees it).
-    pub corrupt_frame: Option<u64>,
-    /// From this data frame on, send nothing: frames are dropped silently
-    /// while connections stay up, as if the rank froze.
-    pub stall_at_frame: Option<u64>,
-    /// At this data frame, shut the connection to its peer down (both
-    /// directions, no goodbye) and fail the send.
-    pub cut_at_frame: Option<u64>,
-    /// Sleep this long in `abort` before telling the peers.
-    pub abort_hang: Option<Duration>,
-}
-
-/// What to do with one data frame.
+/// What a link does with one data frame (see [`FrameHook`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum FrameFault {
+pub enum FrameAction {
     /// Send it as it is.
-    None,
-    /// Flip a byte after the checksum.
+    Pass,
+    /// Send it with one payload byte flipped after its checksum was
+    /// computed, so a receiver checking sums sees it.
     Corrupt,
-    /// Drop it.
+    /// Drop it silently: the send succeeds and the connection stays up.
     Stall,
-    /// Shut the connection down.
+    /// Shut the connection to its peer down (both directions, no goodbye)
+    /// and fail the send.
     Cut,
 }
 
-impl Faults {
-    /// Whether any frame fault is set.
-    pub(crate) fn any(&self) -> bool {
-        self.corrupt_frame.is_some() || self.stall_at_frame.is_some() || self.cut_at_frame.is_some()
-    }
+/// A hook on a rank's data links ([`crate::tcp::TcpConfig::hook`]): asked
+/// about every data frame the rank sends, on TCP and shared-memory links
+/// alike, and told when the rank aborts. Tests and tooling use it to
+/// inject faults ([`crate::faults::Faults`] is one); a link without a hook
+/// (the default) does no extra work per frame.
+pub trait FrameHook: Send + Sync + std::fmt::Debug {
+    /// What to do with data frame number `index` of this rank, counted from
+    /// 0 over all of the rank's links.
+    fn data_frame(&self, index: u64) -> FrameAction;
 
-    /// The fault for data frame number `n`.
-    pub(crate) fn frame(&self, n: u64) -> FrameFault {
-        if self.stall_at_frame.is_some_and(|s| n >= s) {
-            FrameFault::Stall
-        } else if self.cut_at_frame == Some(n) {
-            FrameFault::Cut
-        } else if self.corrupt_frame == Some(n) {
-            FrameFault::Corrupt
-        } else {
-            FrameFault::None
-        }
-    }
+    /// Called in `abort` before the peers are told (default: nothing).
+    fn before_abort(&self) {}
 }
+
+/// Fault injection, at its old path (see [`crate::faults`]).
+pub use crate::faults::Faults;
 
 #[cfg(test)]
 mod tests {
@@ -202,14 +183,5 @@ mod tests {
         assert_eq!(e.inter_node_bytes_per_s, Some(5_000_000_000));
         assert_eq!(e.intra_node_bytes_per_s, Some(90_000_000_000));
         assert!(LinkEmulation::default().inter_node().is_none() && LinkEmulation::default().intra_node().is_none());
-    }
-
-    #[test]
-    fn faults_pick_frames() {
-        let f = Faults { corrupt_frame: Some(1), stall_at_frame: Some(5), cut_at_frame: Some(3), abort_hang: None };
-        let got: Vec<FrameFault> = (0..7).map(|n| f.frame(n)).collect();
-        use FrameFault as F;
-        assert_eq!(got, vec![F::None, F::Corrupt, F::None, F::Cut, F::None, F::Stall, F::Stall]);
-        assert!(!Faults::default().any());
     }
 }

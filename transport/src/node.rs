@@ -7,14 +7,15 @@
 //! pairs the bytes go on the stream. Link emulation ([`TcpConfig::emulation`])
 //! caps each rank's egress with two token buckets: the inter-node one for
 //! TCP peers, the intra-node one for shared-memory peers. Checksums and
-//! fault injection ([`TcpConfig::checksum`], [`TcpConfig::faults`]) apply to
-//! both kinds of link.
+//! the frame hook, e.g. fault injection ([`TcpConfig::checksum`],
+//! [`TcpConfig::hook`]), apply to both kinds of link.
 
 use crate::exec::{run_threads, ExecError, ExecOptions, ExecReport, WithAbort};
-use crate::link::Faults;
+use crate::faults::Faults;
 use crate::memory::RankMemory;
 use crate::shm::ShmConfig;
-use crate::tcp::{fabric, ShmSetup, TcpConfig, TcpTransport};
+use crate::shm_link::ShmSetup;
+use crate::tcp::{fabric, TcpConfig, TcpTransport};
 use crate::transport::{Payload, Transport, TransportError};
 use reshard::{Endpoint, RankProgram};
 use std::collections::HashSet;
@@ -30,8 +31,8 @@ pub struct NodeConfig {
     /// must use the same id, and concurrent runs on a node different ones
     /// (1-128 characters of `[A-Za-z0-9_-]`). Default: `refit`.
     pub session: String,
-    /// The TCP side, plus checksums, link emulation and faults for both
-    /// kinds of link.
+    /// The TCP side, plus checksums, link emulation and the frame hook
+    /// (e.g. faults) for both kinds of link.
     pub tcp: TcpConfig,
     /// The shared-memory side.
     pub shm: ShmConfig,
@@ -94,7 +95,7 @@ pub fn node_fabric<N: PartialEq>(
 }
 
 /// As [`node_fabric`], with the faults `faults_of(rank)` injected at each
-/// rank instead of `config.tcp.faults` (for tests: one failing rank).
+/// rank unless `config.tcp.hook` is set (for tests: one failing rank).
 pub fn node_fabric_with_faults<N: PartialEq>(
     endpoints: &[Endpoint],
     node_of: impl Fn(Endpoint) -> N + Sync,
@@ -103,15 +104,18 @@ pub fn node_fabric_with_faults<N: PartialEq>(
 ) -> io::Result<Vec<NodeTransport>> {
     static FABRICS: AtomicU64 = AtomicU64::new(0);
     let session = format!("{}-{}-{}", config.session, std::process::id(), FABRICS.fetch_add(1, Ordering::Relaxed));
-    let tcp = TcpConfig { faults: Faults::default(), ..config.tcp };
-    let faults_of = |me| if config.tcp.faults == Faults::default() { faults_of(me) } else { config.tcp.faults };
-    let transports = fabric(endpoints, &tcp, faults_of, |me| {
-        Some(ShmSetup {
-            session: session.clone(),
-            same_node: same_node(me, endpoints.iter().copied(), &node_of),
-            config: config.shm.clone(),
-        })
-    })?;
+    let transports = fabric(
+        endpoints,
+        &config.tcp,
+        |me| faults_of(me).hook(),
+        |me| {
+            Some(ShmSetup {
+                session: session.clone(),
+                same_node: same_node(me, endpoints.iter().copied(), &node_of),
+                config: config.shm.clone(),
+            })
+        },
+    )?;
     Ok(transports.into_iter().map(|inner| NodeTransport { inner }).collect())
 }
 

@@ -1,32 +1,30 @@
 //! The TCP transport: one stream per ordered pair of ranks, length-prefixed
-//! frames, payload bytes written straight from the sender's buffers (each
-//! contiguous run of a piece goes to the socket as it is; no serialisation
-//! of payloads). A reader thread per incoming stream turns frames into
-//! messages for [`Transport::recv`], in reusable frame buffers lent to the
-//! executor ([`Payload::Lent`]; see [`TcpConfig::frame_pool_bytes`]).
-//!
-//! Frame: magic `RFIT` (u32 LE), kind (u8: 0 data, 1 abort, 2 bye: the
-//! sender is done and closes cleanly, 3 lent and 4 chunk: a message in
-//! shared memory, see [`crate::shm`]), round (u32 LE), payload length
-//! (u64 LE), payload; with checksums on, a data frame ends with the
-//! CRC-32C of its payload (u32 LE). A stream starts with a handshake: magic,
-//! the sender's group (u8) and rank (u32 LE), protocol version (u8, 2),
-//! flags (u8: 1 checksums, 2 shared memory; then the region's lend and
-//! stream sizes, u64 LE each); the receiver answers one byte, 0 for
-//! accepted or the reason it refuses (other version, other checksum
-//! setting, disagreement on sharing a node, region not mappable, unexpected
-//! peer), so mismatched configurations fail at connect time on both ends.
+//! frames ([`crate::frame`]), payload bytes written straight from the
+//! sender's buffers (each contiguous run of a piece goes to the socket as
+//! it is; no serialisation of payloads). A reader thread per incoming
+//! stream turns frames into messages for [`Transport::recv`], in reusable
+//! frame buffers lent to the executor ([`Payload::Lent`]; see
+//! [`TcpConfig::frame_pool_bytes`]). A pair of ranks on one node moves the
+//! bytes through shared memory instead and uses its stream for
+//! notifications only ([`crate::shm_link`]).
 //!
 //! Link emulation paces data frames through the rank's inter-node token
 //! bucket (shared-memory links use the intra-node one) in pieces of
-//! [`crate::link::PACE_CHUNK`]; fault hooks ([`TcpConfig::faults`]) act on
-//! data frames, counted over all of a rank's links.
+//! [`crate::link::PACE_CHUNK`]; a frame hook ([`TcpConfig::hook`], e.g.
+//! fault injection for tests) is asked about every data frame, counted
+//! over all of a rank's links.
 
-use crate::copy::{for_each_run, in_bounds};
-use crate::link::{Faults, FrameFault, LinkEmulation, TokenBucket, PACE_CHUNK};
-use crate::shm::{self, Placement, Region, ShmConfig, ShmIn, ShmOut};
+use crate::faults::Faults;
+use crate::frame::{
+    decode_header, decode_hello, for_payload_runs, header, hello, hello_problem, payload_len, u64_at, ABORT, BYE, CHUNK, DATA,
+    FLAG_CHECKSUM, FLAG_SHM, HEADER, HELLO, HELLO_CHECKSUM, HELLO_OK, HELLO_PEER, HELLO_REGION, HELLO_SHM, HELLO_VERSION, MAX_REASON,
+    SHM_INFO, VERSION,
+};
+use crate::link::{FrameAction, FrameHook, LinkEmulation, TokenBucket, PACE_CHUNK};
+use crate::shm::ShmOut;
+use crate::shm_link::{self, ShmMessage, ShmReceiver, ShmSetup};
 use crate::transport::{Lent, Payload, Release, RoundInbox, Transport, TransportError};
-use reshard::{Endpoint, Group};
+use reshard::Endpoint;
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -35,24 +33,8 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const MAGIC: u32 = 0x5449_4652; // "RFIT" little-endian
-const DATA: u8 = 0;
-const ABORT: u8 = 1;
-const BYE: u8 = 2;
-const LENT: u8 = 3;
-const CHUNK: u8 = 4;
-const HEADER: usize = 4 + 1 + 4 + 8;
-/// Handshake version: 2 added the flags byte, checksums and shared memory.
-const VERSION: u8 = 2;
-const FLAG_CHECKSUM: u8 = 1;
-const FLAG_SHM: u8 = 2;
-/// Payload of a `lent` or `chunk` frame: four u64 (LE).
-const SHM_INFO: usize = 32;
-/// Longest abort reason read.
-const MAX_REASON: u64 = 1 << 16;
-
 /// TCP transport settings.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct TcpConfig {
     /// Largest payload a reader accepts (a bigger length is a protocol error).
     pub max_frame_bytes: u64,
@@ -67,8 +49,10 @@ pub struct TcpConfig {
     /// Egress rate caps (default off). A plain TCP transport treats every
     /// peer as on another node; see [`crate::node`] for mixed fabrics.
     pub emulation: LinkEmulation,
-    /// Faults to inject, for tests (default none).
-    pub faults: Faults,
+    /// Asked about every data frame a rank sends and told when it aborts,
+    /// for tests and tooling: e.g. [`Faults::hook`] injects faults (default
+    /// none, which costs nothing per frame).
+    pub hook: Option<Arc<dyn FrameHook>>,
     /// Received frame buffers (of 64 KiB or more) a rank keeps for reuse
     /// once unpacked, in bytes (default 512 MiB; 0: none). Reused buffers
     /// are already mapped, so a fabric kept from one refit to the next
@@ -84,7 +68,7 @@ impl Default for TcpConfig {
             connect_timeout: Duration::from_secs(30),
             checksum: false,
             emulation: LinkEmulation::default(),
-            faults: Faults::default(),
+            hook: None,
             frame_pool_bytes: 512 << 20,
         }
     }
@@ -99,11 +83,15 @@ enum Incoming {
 
 /// What a rank's reader for a peer's stream last saw of that peer.
 #[derive(Debug, Default)]
-struct PeerStatus(AtomicU8);
+pub(crate) struct PeerStatus(AtomicU8);
 
-const ALIVE: u8 = 0;
+/// The peer is there.
+pub(crate) const ALIVE: u8 = 0;
+/// The peer said goodbye.
 const GONE: u8 = 1;
-const BROKEN: u8 = 2;
+/// The peer's stream broke.
+pub(crate) const BROKEN: u8 = 2;
+/// The peer aborted.
 const ABORTED: u8 = 3;
 
 impl PeerStatus {
@@ -111,7 +99,7 @@ impl PeerStatus {
         self.0.store(s, Ordering::Release);
     }
 
-    fn get(&self) -> u8 {
+    pub(crate) fn get(&self) -> u8 {
         self.0.load(Ordering::Acquire)
     }
 }
@@ -119,7 +107,7 @@ impl PeerStatus {
 /// Frame buffers a rank's readers reuse: a frame is handed to the executor
 /// in place ([`Payload::Lent`]) and its buffer comes back here when the
 /// payload is dropped.
-struct FramePool {
+pub(crate) struct FramePool {
     kept: Mutex<(Vec<Vec<u8>>, u64)>,
     limit: u64,
 }
@@ -129,7 +117,7 @@ const POOL_MIN: usize = 64 << 10;
 
 impl FramePool {
     /// A buffer of at least `len` initialized bytes.
-    fn take(&self, len: usize) -> Result<Vec<u8>, String> {
+    pub(crate) fn take(&self, len: usize) -> Result<Vec<u8>, String> {
         if len >= POOL_MIN && self.limit > 0 {
             let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
             // The smallest that fits, if not more than twice too large.
@@ -150,7 +138,7 @@ impl FramePool {
     }
 
     /// The first `len` bytes of `buf` as a payload.
-    fn payload(self: &Arc<Self>, mut buf: Vec<u8>, len: usize) -> Payload {
+    pub(crate) fn payload(self: &Arc<Self>, mut buf: Vec<u8>, len: usize) -> Payload {
         if buf.len() < POOL_MIN || self.limit == 0 {
             buf.truncate(len);
             return Payload::Bytes(buf);
@@ -199,23 +187,17 @@ struct Link {
     status: Arc<PeerStatus>,
 }
 
-/// Same-node peers and how to reach them through shared memory.
-pub(crate) struct ShmSetup {
-    pub(crate) session: String,
-    pub(crate) same_node: HashSet<Endpoint>,
-    pub(crate) config: ShmConfig,
-}
-
 /// One rank's end of a TCP fabric (and, built through
 /// [`crate::node::NodeTransport`], of shared-memory links to same-node peers).
 pub struct TcpTransport {
     me: Endpoint,
     links: HashMap<Endpoint, Link>,
-    /// Every stream of this rank (both directions), for [`WithAbort`].
+    /// Every stream of this rank (both directions), for [`WithAbort`](crate::WithAbort).
     streams: Arc<Mutex<Vec<TcpStream>>>,
     inbox: RoundInbox<Incoming>,
     checksum: bool,
-    faults: Faults,
+    hook: Option<Arc<dyn FrameHook>>,
+    /// Data frames sent so far (counted only with a hook).
     frames: u64,
     inter: Option<TokenBucket>,
     intra: Option<TokenBucket>,
@@ -229,69 +211,19 @@ impl std::fmt::Debug for TcpTransport {
     }
 }
 
-fn encode_endpoint(e: Endpoint) -> [u8; 5] {
-    let mut b = [0u8; 5];
-    b[0] = match e.group {
-        Group::Src => 0,
-        Group::Dst => 1,
-    };
-    b[1..].copy_from_slice(&e.rank.to_le_bytes());
-    b
-}
-
-fn decode_endpoint(b: &[u8; 5]) -> io::Result<Endpoint> {
-    let rank = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
-    match b[0] {
-        0 => Ok(Endpoint::src(rank)),
-        1 => Ok(Endpoint::dst(rank)),
-        g => Err(io::Error::new(io::ErrorKind::InvalidData, format!("unknown group {g} in handshake"))),
-    }
-}
-
-fn header(kind: u8, round: u32, len: u64) -> [u8; HEADER] {
-    let mut h = [0u8; HEADER];
-    h[..4].copy_from_slice(&MAGIC.to_le_bytes());
-    h[4] = kind;
-    h[5..9].copy_from_slice(&round.to_le_bytes());
-    h[9..].copy_from_slice(&len.to_le_bytes());
-    h
-}
-
-fn shm_info(a: u64, b: u64, c: u64, d: u64) -> [u8; SHM_INFO] {
-    let mut i = [0u8; SHM_INFO];
-    for (k, v) in [a, b, c, d].into_iter().enumerate() {
-        i[k * 8..k * 8 + 8].copy_from_slice(&v.to_le_bytes());
-    }
-    i
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    let mut w = [0u8; 8];
-    w.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(w)
-}
-
 /// How a reader treats one incoming stream.
 struct Reader {
     peer: Endpoint,
     max: u64,
     checksum: bool,
-    shm: Option<ShmIn>,
+    shm: Option<ShmReceiver>,
     status: Arc<PeerStatus>,
     pool: Arc<FramePool>,
     tx: Sender<Incoming>,
 }
 
-/// A message streamed through shared memory, partly arrived.
-struct Partial {
-    round: u32,
-    total: u64,
-    bytes: Vec<u8>,
-    filled: usize,
-}
-
 /// Why a reader stopped.
-enum Stop {
+pub(crate) enum Stop {
     /// A clean goodbye, or our transport is gone.
     Quiet,
     /// The stream is unusable.
@@ -322,24 +254,18 @@ fn read_loop(mut stream: TcpStream, mut r: Reader) {
 }
 
 fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
-    let mut partial: Option<Partial> = None;
-    let mut crc = 0u32;
     loop {
         let mut h = [0u8; HEADER];
         if let Err(e) = stream.read_exact(&mut h) {
             return Stop::Broken(if e.kind() == io::ErrorKind::UnexpectedEof { "connection closed".into() } else { e.to_string() });
         }
-        let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
-        let kind = h[4];
-        let round = u32::from_le_bytes([h[5], h[6], h[7], h[8]]);
-        let len = u64::from_le_bytes([h[9], h[10], h[11], h[12], h[13], h[14], h[15], h[16]]);
-        if magic != MAGIC || kind > CHUNK {
+        let Some(crate::frame::Header { kind, round, len }) = decode_header(&h) else {
             return Stop::Broken(format!("bad frame header {h:02x?}"));
-        }
+        };
         if len > r.max {
             return Stop::Broken(format!("frame of {len} bytes exceeds the limit of {}", r.max));
         }
-        if partial.is_some() && kind != CHUNK && kind != ABORT {
+        if r.shm.as_ref().is_some_and(|s| s.mid_message()) && kind != CHUNK && kind != ABORT {
             return Stop::Broken("frame in the middle of a streamed message".into());
         }
         let msg = match kind {
@@ -375,6 +301,7 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
             }
             // A clean end: nothing more will come, and that is no error.
             BYE => return Stop::Quiet,
+            // `lent` or `chunk`: a message in shared memory.
             _ => {
                 let Some(shm) = r.shm.as_mut() else {
                     return Stop::Broken("shared-memory frame on a plain TCP stream".into());
@@ -386,56 +313,10 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
                 if let Err(e) = stream.read_exact(&mut info) {
                     return Stop::Broken(format!("truncated frame: {e}"));
                 }
-                let (a, offset, n, sum) = (u64_at(&info, 0), u64_at(&info, 8), u64_at(&info, 16), u64_at(&info, 24) as u32);
-                if kind == LENT {
-                    let (ptr, release) = match shm.lent(a, offset, n) {
-                        Ok(x) => x,
-                        Err(p) => return Stop::Broken(p),
-                    };
-                    // SAFETY: `ShmIn::lent` checked the range lies in the
-                    // mapped lend area, which the sender leaves alone
-                    // until `release` is dropped.
-                    let lent = unsafe { Lent::new(ptr, n as usize, release) };
-                    if r.checksum && crc32c::crc32c(lent.as_slice()) != sum {
-                        return Stop::Corrupt(round);
-                    }
-                    Incoming::Data { round, from: r.peer, payload: Payload::Lent(lent) }
-                } else {
-                    // A chunk of a message of `a` bytes.
-                    let p = match &mut partial {
-                        Some(p) if p.round == round && p.total == a => p,
-                        Some(_) => return Stop::Broken("chunk of another message in the middle of one".into()),
-                        None => {
-                            if a > r.max {
-                                return Stop::Broken(format!("message of {a} bytes exceeds the limit of {}", r.max));
-                            }
-                            let bytes = match r.pool.take(a as usize) {
-                                Ok(b) => b,
-                                Err(e) => return Stop::Broken(e),
-                            };
-                            crc = 0;
-                            partial.insert(Partial { round, total: a, bytes, filled: 0 })
-                        }
-                    };
-                    if p.filled as u64 + n > p.total {
-                        return Stop::Broken("chunks overrun their message".into());
-                    }
-                    let at = p.filled;
-                    if let Err(e) = shm.chunk(offset, n, &mut p.bytes[at..at + n as usize]) {
-                        return Stop::Broken(e);
-                    }
-                    p.filled += n as usize;
-                    if r.checksum {
-                        crc = crc32c::crc32c_append(crc, &p.bytes[at..p.filled]);
-                    }
-                    if (p.filled as u64) < p.total {
-                        continue;
-                    }
-                    let Some(p) = partial.take() else { continue };
-                    if r.checksum && crc != sum {
-                        return Stop::Corrupt(round);
-                    }
-                    Incoming::Data { round, from: r.peer, payload: r.pool.payload(p.bytes, p.filled) }
+                match shm.frame(kind, round, &info, r.checksum, r.max, &r.pool) {
+                    Ok(Some(payload)) => Incoming::Data { round, from: r.peer, payload },
+                    Ok(None) => continue,
+                    Err(stop) => return stop,
                 }
             }
         };
@@ -448,64 +329,45 @@ fn read_frames(stream: &mut TcpStream, r: &mut Reader) -> Stop {
 /// Connects every endpoint to every other over loopback TCP (for running
 /// all ranks of a plan as threads of one process over real sockets).
 pub fn tcp_fabric(endpoints: &[Endpoint], config: &TcpConfig) -> io::Result<Vec<TcpTransport>> {
-    fabric(endpoints, config, |_| Faults::default(), |_| None)
+    fabric(endpoints, config, |_| None, |_| None)
 }
 
 /// As [`tcp_fabric`], with the faults `faults_of(rank)` injected at each
-/// rank instead of `config.faults` (for tests: one failing rank).
+/// rank instead of `config.hook` (for tests: one failing rank).
 pub fn tcp_fabric_with_faults(
     endpoints: &[Endpoint],
     config: &TcpConfig,
     faults_of: impl Fn(Endpoint) -> Faults + Sync,
 ) -> io::Result<Vec<TcpTransport>> {
-    fabric(endpoints, &TcpConfig { faults: Faults::default(), ..*config }, faults_of, |_| None)
+    fabric(endpoints, &TcpConfig { hook: None, ..config.clone() }, |e| faults_of(e).hook(), |_| None)
 }
 
 /// Connects every endpoint to every other over loopback TCP, with the
-/// shared-memory setup `shm(rank)` gives each; a rank's faults are
-/// `config.faults` if any is set, else `faults_of(rank)`.
+/// shared-memory setup `shm(rank)` gives each; a rank's frame hook is
+/// `config.hook` if set, else `hook_of(rank)`.
 pub(crate) fn fabric(
     endpoints: &[Endpoint],
     config: &TcpConfig,
-    faults_of: impl Fn(Endpoint) -> Faults + Sync,
+    hook_of: impl Fn(Endpoint) -> Option<Arc<dyn FrameHook>> + Sync,
     shm: impl Fn(Endpoint) -> Option<ShmSetup> + Sync,
 ) -> io::Result<Vec<TcpTransport>> {
     let listeners: Vec<TcpListener> = endpoints.iter().map(|_| TcpListener::bind("127.0.0.1:0")).collect::<io::Result<_>>()?;
     let addrs: Vec<(Endpoint, SocketAddr)> =
         endpoints.iter().zip(&listeners).map(|(e, l)| l.local_addr().map(|a| (*e, a))).collect::<io::Result<_>>()?;
     std::thread::scope(|s| {
-        let (addrs, shm, faults_of) = (&addrs, &shm, &faults_of);
+        let (addrs, shm, hook_of) = (&addrs, &shm, &hook_of);
         let handles: Vec<_> = endpoints
             .iter()
             .zip(listeners)
             .map(|(&me, l)| {
                 s.spawn(move || {
-                    let faults = if config.faults == Faults::default() { faults_of(me) } else { config.faults };
-                    TcpTransport::connect_with(me, l, addrs, &TcpConfig { faults, ..*config }, shm(me))
+                    let hook = config.hook.clone().or_else(|| hook_of(me));
+                    TcpTransport::connect_with(me, l, addrs, &TcpConfig { hook, ..config.clone() }, shm(me))
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(io::Error::other("connect thread panicked")))).collect()
     })
-}
-
-/// Handshake answers.
-const HELLO_OK: u8 = 0;
-const HELLO_VERSION: u8 = 1;
-const HELLO_CHECKSUM: u8 = 2;
-const HELLO_SHM: u8 = 3;
-const HELLO_REGION: u8 = 4;
-const HELLO_PEER: u8 = 5;
-
-fn hello_problem(code: u8) -> &'static str {
-    match code {
-        HELLO_VERSION => "speaks another protocol version",
-        HELLO_CHECKSUM => "has the other checksum setting (TcpConfig::checksum must match on all ranks)",
-        HELLO_SHM => "disagrees on whether we share a node (shared memory on one side only)",
-        HELLO_REGION => "could not map our shared-memory region",
-        HELLO_PEER => "is not (or no longer) expected",
-        _ => "refused the handshake",
-    }
 }
 
 /// Accepts one connection, waiting until `deadline` at most (a peer that
@@ -531,7 +393,8 @@ fn accept_until(me: Endpoint, listener: &TcpListener, deadline: Instant) -> io::
 }
 
 /// Accepts one stream and checks its handshake; returns the peer, the
-/// stream and the peer's region (for shared-memory peers).
+/// stream and the receiving end of the peer's region (for shared-memory
+/// peers).
 fn accept_one(
     me: Endpoint,
     listener: &TcpListener,
@@ -539,22 +402,18 @@ fn accept_one(
     expected: &HashSet<Endpoint>,
     checksum: bool,
     shm: Option<&ShmSetup>,
-) -> io::Result<(Endpoint, TcpStream, Option<ShmIn>)> {
+) -> io::Result<(Endpoint, TcpStream, Option<ShmReceiver>)> {
     let mut stream = accept_until(me, listener, deadline)?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
     let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
-    let mut hello = [0u8; 11];
-    stream.read_exact(&mut hello)?;
-    if u32::from_le_bytes([hello[0], hello[1], hello[2], hello[3]]) != MAGIC {
-        return Err(bad("bad handshake".into()));
-    }
-    let peer = decode_endpoint(&[hello[4], hello[5], hello[6], hello[7], hello[8]])?;
+    let mut fixed = [0u8; HELLO];
+    stream.read_exact(&mut fixed)?;
+    let (peer, version, flags) = decode_hello(&fixed)?;
     let refuse = |mut stream: TcpStream, code: u8| {
         let _ = stream.write_all(&[code]);
         Err(bad(format!("{me}: refused the handshake of {peer}: it {}", hello_problem(code))))
     };
-    let (version, flags) = (hello[9], hello[10]);
     if version != VERSION {
         return refuse(stream, HELLO_VERSION);
     }
@@ -564,7 +423,7 @@ fn accept_one(
     if (flags & FLAG_CHECKSUM != 0) != checksum {
         return refuse(stream, HELLO_CHECKSUM);
     }
-    let shared = shm.filter(|s| s.same_node.contains(&peer));
+    let shared = shm.filter(|s| s.shares(peer));
     if (flags & FLAG_SHM != 0) != shared.is_some() {
         return refuse(stream, HELLO_SHM);
     }
@@ -574,8 +433,8 @@ fn accept_one(
             let mut sizes = [0u8; 16];
             stream.read_exact(&mut sizes)?;
             let (lend, streamed) = (u64_at(&sizes, 0), u64_at(&sizes, 8));
-            match Region::open(&shm::region_path(&s.config.dir, &s.session, peer, me), lend, streamed) {
-                Ok(region) => Some(ShmIn::new(region, lend, streamed)),
+            match s.open(me, peer, lend, streamed) {
+                Ok(receiver) => Some(receiver),
                 Err(e) => {
                     let _ = stream.write_all(&[HELLO_REGION]);
                     return Err(io::Error::new(e.kind(), format!("{me}: shared memory from {peer}: {e}")));
@@ -607,9 +466,7 @@ impl TcpTransport {
         let deadline = Instant::now() + config.connect_timeout;
         let others: Vec<(Endpoint, SocketAddr)> = peers.iter().copied().filter(|(e, _)| *e != me).collect();
         if let Some(s) = &shm {
-            if !shm::valid_session(&s.session) {
-                return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("session id {:?}: use 1-128 of [A-Za-z0-9_-]", s.session)));
-            }
+            s.check()?;
         }
         let statuses: HashMap<Endpoint, Arc<PeerStatus>> = others.iter().map(|(e, _)| (*e, Arc::default())).collect();
         let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
@@ -646,25 +503,9 @@ impl TcpTransport {
             };
             stream.set_nodelay(true)?;
             streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
-            let shared = shm.as_deref().filter(|s| s.same_node.contains(&peer));
-            let mut out = match shared {
-                None => None,
-                Some(s) => {
-                    let (lend, streamed) = (s.config.lend_bytes, s.config.stream_bytes.max(1));
-                    let region = Region::create(&shm::region_path(&s.config.dir, &s.session, me, peer), lend, streamed)?;
-                    Some(ShmOut::new(region, lend, streamed))
-                }
-            };
-            let mut hello = Vec::with_capacity(27);
-            hello.extend_from_slice(&MAGIC.to_le_bytes());
-            hello.extend_from_slice(&encode_endpoint(me));
-            hello.push(VERSION);
-            hello.push(if checksum { FLAG_CHECKSUM } else { 0 } | if out.is_some() { FLAG_SHM } else { 0 });
-            if let Some(s) = shared {
-                hello.extend_from_slice(&s.config.lend_bytes.to_le_bytes());
-                hello.extend_from_slice(&s.config.stream_bytes.max(1).to_le_bytes());
-            }
-            stream.write_all(&hello)?;
+            let shared = shm.as_deref().filter(|s| s.shares(peer));
+            let mut out = shared.map(|s| s.create(me, peer)).transpose()?;
+            stream.write_all(&hello(me, checksum, shared.map(ShmSetup::sizes)))?;
             stream.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
             let mut answer = [0u8; 1];
             stream.read_exact(&mut answer).map_err(|e| io::Error::new(e.kind(), format!("{me}: no handshake answer from {peer}: {e}")))?;
@@ -672,9 +513,8 @@ impl TcpTransport {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{me}: {peer} {}", hello_problem(answer[0]))));
             }
             stream.set_read_timeout(None)?;
-            // The receiver has it mapped: the name can go.
             if let Some(o) = &mut out {
-                o.region.unlink();
+                shm_link::mapped_by_peer(o);
             }
             let status = statuses.get(&peer).cloned().unwrap_or_default();
             links.insert(peer, Link { w: BufWriter::with_capacity(config.write_buffer_bytes, stream), shm: out, status });
@@ -686,7 +526,7 @@ impl TcpTransport {
             streams,
             inbox: RoundInbox::new(inbox),
             checksum,
-            faults: config.faults,
+            hook: config.hook.clone(),
             frames: 0,
             inter: config.emulation.inter_node(),
             intra: config.emulation.intra_node(),
@@ -711,40 +551,6 @@ impl TcpTransport {
         let mut v: Vec<Endpoint> = self.links.iter().filter(|(_, l)| l.shm.is_some()).map(|(e, _)| *e).collect();
         v.sort();
         v
-    }
-}
-
-/// Calls `f` with every contiguous byte run of a payload, in wire order.
-///
-/// # Safety
-/// The memory the payload's segments point into must stay valid and
-/// unwritten while the payload lives (the executor's contract).
-unsafe fn for_payload_runs<'a>(payload: &'a Payload, mut f: impl FnMut(&'a [u8])) -> io::Result<()> {
-    match payload {
-        Payload::Bytes(b) => f(b),
-        Payload::Lent(l) => f(l.as_slice()),
-        Payload::Segments { segments, .. } => {
-            for s in segments {
-                if !in_bounds(s.extent(), s.view()) {
-                    return Err(io::Error::new(io::ErrorKind::InvalidInput, "segment out of bounds"));
-                }
-            }
-            for s in segments {
-                // SAFETY: in bounds (checked); valid while the payload
-                // lives (the caller's contract), so the runs may borrow it.
-                unsafe { for_each_run(s.extent(), s.view(), |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))) };
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Bytes a payload puts on the wire.
-fn payload_len(payload: &Payload) -> u64 {
-    match payload {
-        Payload::Bytes(b) => b.len() as u64,
-        Payload::Lent(l) => l.as_slice().len() as u64,
-        Payload::Segments { segments, .. } => segments.iter().map(|s| s.numel() * s.view().dtype.size()).sum(),
     }
 }
 
@@ -839,201 +645,6 @@ fn write_all_vectored(stream: &mut TcpStream, bufs: &mut [io::IoSlice<'_>]) -> i
     Ok(())
 }
 
-/// Writes a `lent` or `chunk` frame and pushes it out.
-fn write_shm_frame(w: &mut BufWriter<TcpStream>, kind: u8, round: u32, info: [u8; SHM_INFO]) -> io::Result<()> {
-    w.write_all(&header(kind, round, SHM_INFO as u64))?;
-    w.write_all(&info)?;
-    w.flush()
-}
-
-/// Copies `src` to `dst`, pacing every [`PACE_CHUNK`] bytes.
-///
-/// # Safety
-/// `dst` valid for writes of `src.len()` bytes, not overlapping `src`.
-unsafe fn copy_paced(src: &[u8], dst: *mut u8, bucket: &mut Option<&mut TokenBucket>) {
-    match bucket {
-        None => {
-            // SAFETY: by the caller's contract.
-            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
-        }
-        Some(b) => {
-            for (i, part) in src.chunks(PACE_CHUNK as usize).enumerate() {
-                b.pace(part.len() as u64);
-                // SAFETY: by the caller's contract.
-                unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), dst.add(i * PACE_CHUNK as usize), part.len()) }
-            }
-        }
-    }
-}
-
-/// Streams one message through a stream area, chunk by chunk.
-struct StreamSink<'a> {
-    out: &'a mut ShmOut,
-    w: &'a mut BufWriter<TcpStream>,
-    status: &'a PeerStatus,
-    bucket: Option<&'a mut TokenBucket>,
-    me: Endpoint,
-    to: Endpoint,
-    round: u32,
-    total: u64,
-    checksum: bool,
-    corrupt: bool,
-    sum: u32,
-    /// Bytes announced so far.
-    sent: u64,
-    /// The chunk being filled: region offset, capacity, bytes in it.
-    chunk: (u64, u64, u64),
-    deadline: Instant,
-    err: Option<TransportError>,
-}
-
-impl StreamSink<'_> {
-    fn put(&mut self, mut bytes: &[u8]) {
-        while !bytes.is_empty() && self.err.is_none() {
-            if self.chunk.2 == self.chunk.1 {
-                if let Err(e) = self.next_chunk() {
-                    self.err = Some(e);
-                    return;
-                }
-            }
-            let (off, cap, fill) = self.chunk;
-            let n = (bytes.len() as u64).min(cap - fill) as usize;
-            // SAFETY: inside the chunk the sender owns in the stream area.
-            unsafe { copy_paced(&bytes[..n], self.out.at(off + fill), &mut self.bucket) };
-            self.chunk.2 += n as u64;
-            bytes = &bytes[n..];
-            if self.chunk.2 == cap {
-                if let Err(e) = self.emit() {
-                    self.err = Some(e);
-                }
-            }
-        }
-    }
-
-    /// Waits for stream space for the next chunk.
-    fn next_chunk(&mut self) -> Result<(), TransportError> {
-        let want = (self.out.stream_bytes() / 4).clamp(1, 4 << 20).min(self.total - self.sent);
-        let mut tries = 0u32;
-        loop {
-            let (off, n) = self.out.stream_space(want);
-            if n > 0 || want == 0 {
-                self.chunk = (off, n, 0);
-                return Ok(());
-            }
-            match self.status.get() {
-                ALIVE => {}
-                BROKEN => return Err(TransportError::Broken { peer: self.to, problem: "peer went away while we streamed to it".into() }),
-                _ => return Err(TransportError::Disconnected { peer: self.to }),
-            }
-            if Instant::now() >= self.deadline {
-                return Err(TransportError::Timeout { me: self.me, round: self.round });
-            }
-            tries += 1;
-            if tries < 64 {
-                std::hint::spin_loop();
-            } else if tries < 128 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros((20u64 << ((tries - 128) / 16).min(6)).min(1000)));
-            }
-        }
-    }
-
-    /// Announces the chunk filled so far.
-    fn emit(&mut self) -> Result<(), TransportError> {
-        let (off, _, fill) = self.chunk;
-        let last = self.sent + fill == self.total;
-        // SAFETY: the chunk lies in the stream area and holds `fill`
-        // bytes written by this sender.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(self.out.at(off), fill as usize) };
-        if self.checksum {
-            self.sum = crc32c::crc32c_append(self.sum, bytes);
-        }
-        if self.corrupt && last {
-            match bytes.last_mut() {
-                Some(b) => *b ^= 0x40,
-                None => self.sum ^= 1,
-            }
-        }
-        shm::publish();
-        self.out.streamed(fill);
-        self.sent += fill;
-        self.chunk = (0, 0, 0);
-        write_shm_frame(self.w, CHUNK, self.round, shm_info(self.total, off, fill, if last { self.sum as u64 } else { 0 }))
-            .map_err(|_| TransportError::Disconnected { peer: self.to })
-    }
-}
-
-impl TcpTransport {
-    /// Sends a message through the shared-memory link to `to`.
-    fn send_shm(&mut self, round: u32, to: Endpoint, payload: &Payload, corrupt: bool) -> Result<(), TransportError> {
-        let (me, checksum, wait) = (self.me, self.checksum, self.wait_timeout);
-        let Some(link) = self.links.get_mut(&to) else { return Err(TransportError::Disconnected { peer: to }) };
-        let Link { w, shm: Some(out), status } = link else { return Err(TransportError::Disconnected { peer: to }) };
-        let mut bucket = self.intra.as_mut();
-        let disconnected = |_| TransportError::Disconnected { peer: to };
-        let len = payload_len(payload);
-        out.ready().map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
-        match out.place(len) {
-            Placement::Lent { seq, offset } => {
-                let dst = out.at(offset);
-                let mut pos = 0usize;
-                // SAFETY: the placement reserved `len` bytes at `dst` for
-                // this sender; the executor's contract for the payload.
-                unsafe {
-                    for_payload_runs(payload, |run| {
-                        if pos + run.len() <= len as usize {
-                            copy_paced(run, dst.add(pos), &mut bucket);
-                        }
-                        pos += run.len();
-                    })
-                }
-                .map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
-                // SAFETY: as above; `len` bytes, now written.
-                let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len as usize) };
-                let sum = if checksum { crc32c::crc32c(bytes) } else { 0 };
-                if corrupt {
-                    if let Some(b) = bytes.get_mut(len as usize / 2) {
-                        *b ^= 0x40;
-                    }
-                }
-                shm::publish();
-                write_shm_frame(w, LENT, round, shm_info(seq, offset, len, sum as u64)).map_err(disconnected)
-            }
-            Placement::Stream => {
-                let mut sink = StreamSink {
-                    out,
-                    w,
-                    status,
-                    bucket,
-                    me,
-                    to,
-                    round,
-                    total: len,
-                    checksum,
-                    corrupt,
-                    sum: 0,
-                    sent: 0,
-                    chunk: (0, 0, 0),
-                    deadline: Instant::now() + wait,
-                    err: None,
-                };
-                // SAFETY: the executor's contract for the payload.
-                unsafe { for_payload_runs(payload, |run| sink.put(run)) }
-                    .map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
-                if let Some(e) = sink.err.take() {
-                    return Err(e);
-                }
-                if len == 0 {
-                    sink.next_chunk()?;
-                    sink.emit()?;
-                }
-                Ok(())
-            }
-        }
-    }
-}
-
 impl Drop for TcpTransport {
     /// Says goodbye on every stream, so peers can tell a finished rank from
     /// a crashed one (whose streams just end).
@@ -1050,25 +661,33 @@ impl Transport for TcpTransport {
     }
 
     fn send(&mut self, round: u32, to: Endpoint, payload: Payload) -> Result<(), TransportError> {
-        let fault = if self.faults.any() { self.faults.frame(self.frames) } else { FrameFault::None };
-        self.frames += 1;
+        let action = match &self.hook {
+            None => FrameAction::Pass,
+            Some(hook) => {
+                let index = self.frames;
+                self.frames += 1;
+                hook.data_frame(index)
+            }
+        };
         let Some(link) = self.links.get_mut(&to) else { return Err(TransportError::Disconnected { peer: to }) };
-        match fault {
-            FrameFault::Stall => return Ok(()),
-            FrameFault::Cut => {
+        match action {
+            FrameAction::Stall => return Ok(()),
+            FrameAction::Cut => {
                 let _ = link.w.get_ref().shutdown(Shutdown::Both);
                 return Err(TransportError::Disconnected { peer: to });
             }
-            _ => {}
+            FrameAction::Pass | FrameAction::Corrupt => {}
         }
-        let corrupt = fault == FrameFault::Corrupt;
+        let corrupt = action == FrameAction::Corrupt;
         // Once written (to the socket or the region), the bytes are out of
         // the sender's memory: the payload (and its release token) can go.
-        if link.shm.is_some() {
-            self.send_shm(round, to, &payload, corrupt)
-        } else {
-            write_tcp(&mut link.w, round, &payload, self.checksum, corrupt, self.inter.as_mut())
-                .map_err(|_| TransportError::Disconnected { peer: to })
+        match &mut link.shm {
+            Some(out) => {
+                let m = ShmMessage { me: self.me, to, round, payload: &payload, checksum: self.checksum, corrupt, wait: self.wait_timeout };
+                shm_link::send(out, &mut link.w, &link.status, self.intra.as_mut(), m)
+            }
+            None => write_tcp(&mut link.w, round, &payload, self.checksum, corrupt, self.inter.as_mut())
+                .map_err(|_| TransportError::Disconnected { peer: to }),
         }
     }
 
@@ -1087,8 +706,8 @@ impl Transport for TcpTransport {
     }
 
     fn abort(&mut self, reason: &str) {
-        if let Some(d) = self.faults.abort_hang {
-            std::thread::sleep(d);
+        if let Some(hook) = &self.hook {
+            hook.before_abort();
         }
         let reason = &reason.as_bytes()[..reason.len().min(MAX_REASON as usize)];
         for l in self.links.values_mut() {

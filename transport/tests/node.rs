@@ -179,7 +179,7 @@ fn messages_of_every_size_cross_shared_memory_exactly() {
 #[test]
 fn corrupt_frames_are_caught_on_both_kinds_of_link() {
     let mut config = with_checksum();
-    config.tcp.faults = Faults { corrupt_frame: Some(0), ..Faults::default() };
+    config.tcp.hook = Faults { corrupt_frame: Some(0), ..Faults::default() }.hook();
     for (big, tiny) in [(false, false), (true, false), (true, true)] {
         if tiny {
             config.shm = ShmConfig { lend_bytes: 4096, stream_bytes: 1024, ..ShmConfig::default() };
@@ -212,7 +212,7 @@ fn a_corrupt_message_never_reaches_destination_memory() {
     let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
     let programs = plan.programs(&src, &dst).unwrap();
     let mut config = with_checksum();
-    config.tcp.faults = Faults { corrupt_frame: Some(0), ..Faults::default() };
+    config.tcp.hook = Faults { corrupt_frame: Some(0), ..Faults::default() }.hook();
     // Over TCP (different nodes), then over shared memory (one node).
     for one_node in [false, true] {
         let mut memory = RankMemory::for_programs(&programs);
@@ -235,7 +235,7 @@ fn a_corrupt_message_never_reaches_destination_memory() {
 #[test]
 fn a_stalled_sender_makes_its_receiver_time_out_at_the_deadline() {
     let mut config = NodeConfig::default();
-    config.tcp.faults = Faults { stall_at_frame: Some(1), ..Faults::default() };
+    config.tcp.hook = Faults { stall_at_frame: Some(1), ..Faults::default() }.hook();
     let mut t = trio(&config);
     let buf = pattern(5000, 1);
     // dst 0 -> dst 1 over shared memory, src 0 -> dst 1 over TCP.
@@ -257,7 +257,7 @@ fn a_stalled_sender_makes_its_receiver_time_out_at_the_deadline() {
 #[test]
 fn a_cut_connection_is_reported_broken() {
     let mut config = NodeConfig::default();
-    config.tcp.faults = Faults { cut_at_frame: Some(0), ..Faults::default() };
+    config.tcp.hook = Faults { cut_at_frame: Some(0), ..Faults::default() }.hook();
     let buf = pattern(5000, 1);
     // Over TCP and over shared memory.
     for (from, i) in [(Endpoint::src(0), 0), (Endpoint::dst(1), 2)] {
@@ -271,7 +271,7 @@ fn a_cut_connection_is_reported_broken() {
 #[test]
 fn aborts_reach_every_peer_even_after_a_hang() {
     let mut config = NodeConfig::default();
-    config.tcp.faults = Faults { abort_hang: Some(Duration::from_millis(100)), ..Faults::default() };
+    config.tcp.hook = Faults { abort_hang: Some(Duration::from_millis(100)), ..Faults::default() }.hook();
     let mut t = trio(&config);
     let start = Instant::now();
     t[1].abort("giving up");
@@ -288,7 +288,7 @@ fn mismatched_checksum_settings_fail_the_handshake_clearly() {
     let (la, lb) = (TcpListener::bind("127.0.0.1:0").unwrap(), TcpListener::bind("127.0.0.1:0").unwrap());
     let peers = [(a, la.local_addr().unwrap()), (b, lb.local_addr().unwrap())];
     let on = TcpConfig { checksum: true, connect_timeout: Duration::from_secs(5), ..TcpConfig::default() };
-    let off = TcpConfig { checksum: false, ..on };
+    let off = TcpConfig { checksum: false, ..on.clone() };
     let h = std::thread::spawn(move || TcpTransport::connect(a, la, &peers, &on).map(|_| ()));
     let got = TcpTransport::connect(b, lb, &peers, &off).map(|_| ());
     let other = h.join().unwrap();

@@ -1,0 +1,257 @@
+//! The wire format of the TCP and shared-memory links ([`crate::tcp`],
+//! [`crate::shm_link`]): frames, the handshake, and the order of a
+//! payload's bytes on the wire.
+//!
+//! Frame: magic `RFIT` (u32 LE), kind (u8: 0 data, 1 abort, 2 bye: the
+//! sender is done and closes cleanly, 3 lent and 4 chunk: a message in
+//! shared memory, see [`crate::shm`]), round (u32 LE), payload length
+//! (u64 LE), payload; with checksums on, a data frame ends with the
+//! CRC-32C of its payload (u32 LE). The payload of a data frame is the
+//! message's pieces back to back in wire order; that of an abort frame
+//! the reason (UTF-8, at most 64 KiB); that of a lent or chunk frame four
+//! u64 (LE): for lent the sequence number, region offset, length and
+//! checksum of a message lent in place; for chunk the message's total
+//! length, the chunk's region offset and length, and (on the last chunk)
+//! the message's checksum.
+//!
+//! A stream starts with a handshake: magic, the sender's group (u8) and
+//! rank (u32 LE), protocol version (u8, 2), flags (u8: 1 checksums, 2
+//! shared memory; then the region's lend and stream sizes, u64 LE each);
+//! the receiver answers one byte, 0 for accepted or the reason it refuses
+//! (other version, other checksum setting, disagreement on sharing a node,
+//! region not mappable, unexpected peer), so mismatched configurations
+//! fail at connect time on both ends.
+
+use crate::copy::{for_each_run, in_bounds};
+use crate::transport::Payload;
+use reshard::{Endpoint, Group};
+use std::io;
+
+/// Frame magic: "RFIT" little-endian.
+pub(crate) const MAGIC: u32 = 0x5449_4652;
+/// Frame kind: a message's bytes.
+pub(crate) const DATA: u8 = 0;
+/// Frame kind: the sender gave up (payload: the reason).
+pub(crate) const ABORT: u8 = 1;
+/// Frame kind: the sender is done and closes cleanly.
+pub(crate) const BYE: u8 = 2;
+/// Frame kind: a message lent in place in the shared-memory lend area.
+pub(crate) const LENT: u8 = 3;
+/// Frame kind: a chunk of a message in the shared-memory stream area.
+pub(crate) const CHUNK: u8 = 4;
+/// Frame header: magic, kind, round, payload length.
+pub(crate) const HEADER: usize = 4 + 1 + 4 + 8;
+/// Handshake version: 2 added the flags byte, checksums and shared memory.
+pub(crate) const VERSION: u8 = 2;
+/// Handshake flag: data frames carry a CRC-32C.
+pub(crate) const FLAG_CHECKSUM: u8 = 1;
+/// Handshake flag: the pair talks through shared memory (the region sizes
+/// follow).
+pub(crate) const FLAG_SHM: u8 = 2;
+/// Payload of a `lent` or `chunk` frame: four u64 (LE).
+pub(crate) const SHM_INFO: usize = 32;
+/// Longest abort reason read.
+pub(crate) const MAX_REASON: u64 = 1 << 16;
+/// Handshake before the region sizes: magic, endpoint, version, flags.
+pub(crate) const HELLO: usize = 4 + 5 + 1 + 1;
+
+/// Handshake answer: accepted.
+pub(crate) const HELLO_OK: u8 = 0;
+/// Handshake answer: other protocol version.
+pub(crate) const HELLO_VERSION: u8 = 1;
+/// Handshake answer: other checksum setting.
+pub(crate) const HELLO_CHECKSUM: u8 = 2;
+/// Handshake answer: shared memory on one side only.
+pub(crate) const HELLO_SHM: u8 = 3;
+/// Handshake answer: the region could not be mapped.
+pub(crate) const HELLO_REGION: u8 = 4;
+/// Handshake answer: the peer is not expected.
+pub(crate) const HELLO_PEER: u8 = 5;
+
+/// Why a peer refused a handshake, from its answer.
+pub(crate) fn hello_problem(code: u8) -> &'static str {
+    match code {
+        HELLO_VERSION => "speaks another protocol version",
+        HELLO_CHECKSUM => "has the other checksum setting (TcpConfig::checksum must match on all ranks)",
+        HELLO_SHM => "disagrees on whether we share a node (shared memory on one side only)",
+        HELLO_REGION => "could not map our shared-memory region",
+        HELLO_PEER => "is not (or no longer) expected",
+        _ => "refused the handshake",
+    }
+}
+
+/// An endpoint on the wire: group (u8), rank (u32 LE).
+pub(crate) fn encode_endpoint(e: Endpoint) -> [u8; 5] {
+    let mut b = [0u8; 5];
+    b[0] = match e.group {
+        Group::Src => 0,
+        Group::Dst => 1,
+    };
+    b[1..].copy_from_slice(&e.rank.to_le_bytes());
+    b
+}
+
+/// The endpoint [`encode_endpoint`] wrote.
+pub(crate) fn decode_endpoint(b: &[u8; 5]) -> io::Result<Endpoint> {
+    let rank = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
+    match b[0] {
+        0 => Ok(Endpoint::src(rank)),
+        1 => Ok(Endpoint::dst(rank)),
+        g => Err(io::Error::new(io::ErrorKind::InvalidData, format!("unknown group {g} in handshake"))),
+    }
+}
+
+/// The handshake a connecting rank sends: the fixed part, then the region
+/// sizes `(lend, stream)` when it talks to the peer through shared memory.
+pub(crate) fn hello(me: Endpoint, checksum: bool, shm_sizes: Option<(u64, u64)>) -> Vec<u8> {
+    let mut hello = Vec::with_capacity(HELLO + 16);
+    hello.extend_from_slice(&MAGIC.to_le_bytes());
+    hello.extend_from_slice(&encode_endpoint(me));
+    hello.push(VERSION);
+    hello.push(if checksum { FLAG_CHECKSUM } else { 0 } | if shm_sizes.is_some() { FLAG_SHM } else { 0 });
+    if let Some((lend, stream)) = shm_sizes {
+        hello.extend_from_slice(&lend.to_le_bytes());
+        hello.extend_from_slice(&stream.to_le_bytes());
+    }
+    hello
+}
+
+/// The fixed part of a handshake: the peer, its version and flags.
+pub(crate) fn decode_hello(hello: &[u8; HELLO]) -> io::Result<(Endpoint, u8, u8)> {
+    if u32::from_le_bytes([hello[0], hello[1], hello[2], hello[3]]) != MAGIC {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "bad handshake"));
+    }
+    let peer = decode_endpoint(&[hello[4], hello[5], hello[6], hello[7], hello[8]])?;
+    Ok((peer, hello[9], hello[10]))
+}
+
+/// A frame header.
+pub(crate) fn header(kind: u8, round: u32, len: u64) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[..4].copy_from_slice(&MAGIC.to_le_bytes());
+    h[4] = kind;
+    h[5..9].copy_from_slice(&round.to_le_bytes());
+    h[9..].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// A frame header as read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Header {
+    /// [`DATA`], [`ABORT`], [`BYE`], [`LENT`] or [`CHUNK`].
+    pub(crate) kind: u8,
+    pub(crate) round: u32,
+    /// Payload length.
+    pub(crate) len: u64,
+}
+
+/// The header [`header`] wrote, or `None` for a bad magic or an unknown
+/// kind.
+pub(crate) fn decode_header(h: &[u8; HEADER]) -> Option<Header> {
+    let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    let kind = h[4];
+    let round = u32::from_le_bytes([h[5], h[6], h[7], h[8]]);
+    let len = u64::from_le_bytes([h[9], h[10], h[11], h[12], h[13], h[14], h[15], h[16]]);
+    if magic != MAGIC || kind > CHUNK {
+        return None;
+    }
+    Some(Header { kind, round, len })
+}
+
+/// The payload of a `lent` or `chunk` frame.
+pub(crate) fn shm_info(a: u64, b: u64, c: u64, d: u64) -> [u8; SHM_INFO] {
+    let mut i = [0u8; SHM_INFO];
+    for (k, v) in [a, b, c, d].into_iter().enumerate() {
+        i[k * 8..k * 8 + 8].copy_from_slice(&v.to_le_bytes());
+    }
+    i
+}
+
+/// The four values [`shm_info`] wrote.
+pub(crate) fn decode_shm_info(info: &[u8; SHM_INFO]) -> [u64; 4] {
+    [u64_at(info, 0), u64_at(info, 8), u64_at(info, 16), u64_at(info, 24)]
+}
+
+/// The u64 (LE) at `at` in `b`.
+pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(w)
+}
+
+/// Calls `f` with every contiguous byte run of a payload, in wire order.
+///
+/// # Safety
+/// The memory the payload's segments point into must stay valid and
+/// unwritten while the payload lives (the executor's contract).
+pub(crate) unsafe fn for_payload_runs<'a>(payload: &'a Payload, mut f: impl FnMut(&'a [u8])) -> io::Result<()> {
+    match payload {
+        Payload::Bytes(b) => f(b),
+        Payload::Lent(l) => f(l.as_slice()),
+        Payload::Segments { segments, .. } => {
+            for s in segments {
+                if !in_bounds(s.extent(), s.view()) {
+                    return Err(io::Error::new(io::ErrorKind::InvalidInput, "segment out of bounds"));
+                }
+            }
+            for s in segments {
+                // SAFETY: in bounds (checked above, before any run is
+                // handed out); valid while the payload lives (the caller's
+                // contract), so the runs may borrow it.
+                unsafe { for_each_run(s.extent(), s.view(), |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))) };
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Bytes a payload puts on the wire.
+pub(crate) fn payload_len(payload: &Payload) -> u64 {
+    match payload {
+        Payload::Bytes(b) => b.len() as u64,
+        Payload::Lent(l) => l.as_slice().len() as u64,
+        Payload::Segments { segments, .. } => segments.iter().map(|s| s.numel() * s.view().dtype.size()).sum(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips() {
+        let h = header(CHUNK, 7, 1 << 40);
+        assert_eq!(&h[..4], b"RFIT");
+        assert_eq!(decode_header(&h), Some(Header { kind: CHUNK, round: 7, len: 1 << 40 }));
+        let mut bad = h;
+        bad[4] = CHUNK + 1;
+        assert_eq!(decode_header(&bad), None);
+        bad = h;
+        bad[0] ^= 1;
+        assert_eq!(decode_header(&bad), None);
+    }
+
+    #[test]
+    fn hello_round_trips() {
+        let plain = hello(Endpoint::dst(3), true, None);
+        assert_eq!(plain.len(), HELLO);
+        let fixed: [u8; HELLO] = plain[..].try_into().unwrap();
+        assert_eq!(decode_hello(&fixed).unwrap(), (Endpoint::dst(3), VERSION, FLAG_CHECKSUM));
+        let shared = hello(Endpoint::src(9), false, Some((5, 6)));
+        assert_eq!(shared.len(), HELLO + 16);
+        let fixed: [u8; HELLO] = shared[..HELLO].try_into().unwrap();
+        assert_eq!(decode_hello(&fixed).unwrap(), (Endpoint::src(9), VERSION, FLAG_SHM));
+        assert_eq!((u64_at(&shared, HELLO), u64_at(&shared, HELLO + 8)), (5, 6));
+        let mut bad = fixed;
+        bad[4] = 2;
+        assert!(decode_hello(&bad).unwrap_err().to_string().contains("unknown group 2"));
+        bad = fixed;
+        bad[1] = 0;
+        assert_eq!(decode_hello(&bad).unwrap_err().to_string(), "bad handshake");
+    }
+
+    #[test]
+    fn shm_info_round_trips() {
+        assert_eq!(decode_shm_info(&shm_info(1, 2, u64::MAX, 4)), [1, 2, u64::MAX, 4]);
+    }
+}
