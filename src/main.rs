@@ -78,7 +78,7 @@ struct ClusterArgs {
     per_process: PerProcess,
     /// Fail a refit whose data plane takes longer than this, in seconds
     /// (the rendezvous and each control step get the same).
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = orchestrator::DEFAULT_DEADLINE.as_secs())]
     deadline_s: u64,
     /// A CRC-32C on every data frame, checked before the bytes land.
     #[arg(long)]
@@ -153,7 +153,7 @@ enum Command {
         #[arg(long, default_value = "local")]
         transport: String,
         /// Fail if the refit takes longer than this many seconds.
-        #[arg(long, default_value_t = 600)]
+        #[arg(long, default_value_t = orchestrator::DEFAULT_DEADLINE.as_secs())]
         deadline_s: u64,
     },
     /// Measure reshard and the gather-broadcast baseline side by side

@@ -40,6 +40,7 @@ pub use orchestrator::{
 pub use protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, NodeFabric, Refusal};
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use store::{Buffers, SinkStore, Snapshot, SourceStore};
+pub use transport::DEFAULT_DEADLINE;
 
 use actors::{spawn, spawn_group, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};
 use reshard::{Layout, Strategy};

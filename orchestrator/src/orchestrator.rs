@@ -34,7 +34,7 @@ impl Default for OrchestratorConfig {
             fabric: Fabric::InProcess,
             mode: Strategy::Reshard,
             plan: PlanOptions::default(),
-            deadline: Duration::from_secs(60),
+            deadline: transport::DEFAULT_DEADLINE,
             control_timeout: Duration::from_secs(10),
         }
     }

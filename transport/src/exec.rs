@@ -3,14 +3,19 @@
 //! [`run_local`] runs every rank as a thread of this process.
 
 use crate::copy::{copy_strided, in_bounds, packed_strides, StridedRef};
+use crate::cursor::{Action, RankCursor};
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
 use crate::tcp::{tcp_fabric, TcpConfig, TcpTransport};
 use crate::transport::{Payload, Release, Segment, Transport, TransportError};
-use reshard::{Block, DType, Endpoint, RankProgram, RecvPiece, Span};
+use reshard::{Block, DType, Endpoint, Message, RankProgram, RecvPiece, SendPiece, Span};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
+
+/// The time one refit's data movement may take unless told otherwise: the
+/// one default of the executor, the orchestrator and the command line.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(120);
 
 /// Executor options.
 #[derive(Clone, Copy, Debug)]
@@ -21,7 +26,7 @@ pub struct ExecOptions {
 
 impl Default for ExecOptions {
     fn default() -> Self {
-        ExecOptions { deadline: Duration::from_secs(600) }
+        ExecOptions { deadline: DEFAULT_DEADLINE }
     }
 }
 
@@ -158,75 +163,72 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
     if mem.bufs.len() != program.buffers.len() {
         return Err(ExecError::MemoryMismatch { me, got: mem.bufs.len(), want: program.buffers.len() });
     }
-    let mut stats = RankStats::default();
-    for (r, round) in program.rounds.iter().enumerate() {
-        let r = r as u32;
-        for l in &round.locals {
-            let from = view(me, mem, &l.from, l.from_dtype, &l.block)?;
-            for to in &l.to {
-                let to = view(me, mem, to, l.to_dtype, &l.block)?;
-                // SAFETY: both in bounds; scratch and shard buffers are
-                // distinct; only this thread writes this rank's buffers.
-                unsafe { copy_strided(l.block.extent(), &from, &to) };
-            }
-        }
-        for msg in &round.sends {
-            let mut segments = Vec::with_capacity(msg.pieces.len());
-            // Pieces whose wire type differs are converted into one staging
-            // area, each at an offset aligned to its wire element size.
-            let mut staged = 0u64;
-            for p in msg.pieces.iter().filter(|p| p.dtype != p.wire) {
-                staged = staged.next_multiple_of(p.wire.size()) + p.block.numel() * p.wire.size();
-            }
-            let mut staging = vec![0u8; staged as usize];
-            let mut pos = 0u64;
-            for p in &msg.pieces {
-                let src = view(me, mem, &p.span, p.dtype, &p.block)?;
-                if p.dtype == p.wire {
-                    segments.push(Segment::new(src, p.block.extent()));
-                } else {
-                    let elem = p.wire.size();
-                    pos = pos.next_multiple_of(elem);
-                    // SAFETY: the staging vector moves into the payload's
-                    // `keep_alive` below (its heap buffer does not move), so
-                    // it lives as long as the segments pointing into it.
-                    let dst = unsafe {
-                        StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(p.block.extent()), p.wire)
-                    };
-                    // SAFETY: staging is ours and sized for every staged piece.
-                    unsafe { copy_strided(p.block.extent(), &src, &dst) };
-                    segments.push(Segment::new(dst, p.block.extent()));
-                    pos += p.block.numel() * elem;
+    let mut cursor = RankCursor::new(program);
+    loop {
+        match cursor.next_action() {
+            Action::Locals { copies, .. } => {
+                for l in copies {
+                    let from = view(me, mem, &l.from, l.from_dtype, &l.block)?;
+                    for to in &l.to {
+                        let to = view(me, mem, to, l.to_dtype, &l.block)?;
+                        // SAFETY: both in bounds; scratch and shard buffers are
+                        // distinct; only this thread writes this rank's buffers.
+                        unsafe { copy_strided(l.block.extent(), &from, &to) };
+                    }
                 }
             }
-            // Moving the Vec into the Arc keeps its heap buffer where the
-            // segments point.
-            let keep_alive = if staged > 0 { vec![Arc::new(staging)] } else { Vec::new() };
-            stats.sent_bytes += msg.wire_bytes();
-            stats.messages += 1;
-            transport.send(r, msg.peer, Payload::Segments { segments, keep_alive, release: Release::default() })?;
-        }
-        let mut done = vec![false; round.recvs.len()];
-        for _ in 0..round.recvs.len() {
-            let (peer, payload) = transport.recv(r, deadline)?;
-            let bad = |problem: String| ExecError::BadMessage { me, round: r, peer, problem };
-            let i = round.recvs.iter().position(|m| m.peer == peer).ok_or_else(|| bad("no message expected from this peer".into()))?;
-            if std::mem::replace(&mut done[i], true) {
-                return Err(bad("second message in one round".into()));
+            Action::Send { round, message } => {
+                let payload = pack(me, mem, message)?;
+                transport.send(round, message.peer, payload)?;
             }
-            let msg = &round.recvs[i];
-            unpack(me, mem, &msg.pieces, payload).map_err(|e| match e {
-                Unpack::Bad(p) => bad(p),
-                Unpack::Exec(e) => e,
-            })?;
-            stats.recv_bytes += msg.wire_bytes();
-        }
-        // Receivers may still read what this rank sent: wait for them.
-        if !round.sends.is_empty() {
-            transport.flush(r, deadline)?;
+            Action::Recv { round } => {
+                let (peer, payload) = transport.recv(round, deadline)?;
+                let bad = |problem: String| ExecError::BadMessage { me, round, peer, problem };
+                let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
+                unpack(me, mem, &msg.pieces, payload).map_err(|e| match e {
+                    Unpack::Bad(p) => bad(p),
+                    Unpack::Exec(e) => e,
+                })?;
+            }
+            // Receivers may still read what this rank sent: wait for them.
+            Action::Flush { round } => transport.flush(round, deadline)?,
+            Action::Done(stats) => return Ok(stats),
         }
     }
-    Ok(stats)
+}
+
+/// A message's pieces as segments of this rank's memory; pieces whose wire
+/// type differs are converted into one staging area (carried with the
+/// payload), each at an offset aligned to its wire element size.
+fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload, ExecError> {
+    let mut segments = Vec::with_capacity(msg.pieces.len());
+    let mut staged = 0u64;
+    for p in msg.pieces.iter().filter(|p| p.dtype != p.wire) {
+        staged = staged.next_multiple_of(p.wire.size()) + p.block.numel() * p.wire.size();
+    }
+    let mut staging = vec![0u8; staged as usize];
+    let mut pos = 0u64;
+    for p in &msg.pieces {
+        let src = view(me, mem, &p.span, p.dtype, &p.block)?;
+        if p.dtype == p.wire {
+            segments.push(Segment::new(src, p.block.extent()));
+        } else {
+            let elem = p.wire.size();
+            pos = pos.next_multiple_of(elem);
+            // SAFETY: the staging vector moves into the payload's
+            // `keep_alive` below (its heap buffer does not move), so it lives
+            // as long as the segments pointing into it.
+            let dst = unsafe { StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(p.block.extent()), p.wire) };
+            // SAFETY: staging is ours and sized for every staged piece.
+            unsafe { copy_strided(p.block.extent(), &src, &dst) };
+            segments.push(Segment::new(dst, p.block.extent()));
+            pos += p.block.numel() * elem;
+        }
+    }
+    // Moving the Vec into the Arc keeps its heap buffer where the segments
+    // point.
+    let keep_alive = if staged > 0 { vec![Arc::new(staging)] } else { Vec::new() };
+    Ok(Payload::Segments { segments, keep_alive, release: Release::default() })
 }
 
 enum Unpack {

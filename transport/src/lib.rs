@@ -11,6 +11,7 @@
 
 pub mod copy;
 pub mod cuda;
+pub mod cursor;
 pub mod exec;
 pub mod faults;
 pub mod frame;
@@ -25,7 +26,7 @@ pub mod shm_link;
 pub mod tcp;
 pub mod transport;
 
-pub use exec::{run_local, run_rank, run_tcp, run_threads, ExecError, ExecOptions, ExecReport, RankStats, WithAbort};
+pub use exec::{run_local, run_rank, run_tcp, run_threads, ExecError, ExecOptions, ExecReport, RankStats, WithAbort, DEFAULT_DEADLINE};
 pub use faults::Faults;
 pub use gpu_probe::cuda_available;
 pub use link::{FrameAction, FrameHook, LinkEmulation, TokenBucket};
