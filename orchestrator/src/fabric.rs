@@ -17,7 +17,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::time::Duration;
 use transport::tcp::TcpConfig;
-use transport::{LinkEmulation, LocalTransport, NodeConfig, NodeTransport, Transport};
+use transport::{LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, Transport};
 
 /// One member's data-plane endpoint in the making.
 pub(crate) enum Endpointed {
@@ -59,7 +59,7 @@ impl Endpointed {
         self,
         program: &RankProgram,
         table: &[PeerAddr],
-        tweak: impl FnOnce(&mut NodeConfig),
+        tweak: impl FnOnce(&mut NodeTransportConfig),
     ) -> Result<Endpointed, String> {
         let (listener, settings, session) = match self {
             Endpointed::Listening { listener, settings, session } => (listener, settings, session),
@@ -94,7 +94,7 @@ impl Endpointed {
             .map(|m| m.wire_bytes())
             .max()
             .unwrap_or(0);
-        let mut config = NodeConfig {
+        let mut config = NodeTransportConfig {
             session,
             tcp: TcpConfig {
                 checksum: settings.checksum,
@@ -109,7 +109,7 @@ impl Endpointed {
                 },
                 ..TcpConfig::default()
             },
-            ..NodeConfig::default()
+            ..NodeTransportConfig::default()
         };
         config.shm.lend_bytes = largest.next_power_of_two().clamp(1 << 20, config.shm.lend_bytes);
         config.shm.stream_bytes = config.shm.stream_bytes.min(1 << 20);

@@ -35,7 +35,7 @@ impl Role {
 /// number) just before the endpoint connects: for tools that emulate
 /// links per member or inject faults in tests. Production members have
 /// none.
-pub type FabricTweak = Arc<dyn Fn(u64, &mut transport::NodeConfig) + Send + Sync>;
+pub type FabricTweak = Arc<dyn Fn(u64, &mut transport::NodeTransportConfig) + Send + Sync>;
 
 /// Where a member's data plane listens, and how it may be adjusted.
 #[derive(Clone)]
@@ -202,7 +202,7 @@ impl Member {
         };
         let p = program.clone();
         let tweak = self.config.tweak.clone();
-        let tweak = move |config: &mut transport::NodeConfig| {
+        let tweak = move |config: &mut transport::NodeTransportConfig| {
             if let Some(t) = &tweak {
                 t(refit, config);
             }

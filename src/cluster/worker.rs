@@ -184,7 +184,7 @@ async fn serve(joined: &Joined, src: &Arc<Layout>, dst: &Arc<Layout>, e: Endpoin
     let faults = FaultSlot::default();
     let slot = Arc::clone(&faults);
     let mut config = joined.member_config();
-    config.tweak = Some(Arc::new(move |_refit, data: &mut transport::NodeConfig| {
+    config.tweak = Some(Arc::new(move |_refit, data: &mut transport::NodeTransportConfig| {
         if let Some(f) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
             data.tcp.hook = transport::Faults {
                 corrupt_frame: f.corrupt_frame,

@@ -21,7 +21,7 @@ use reshard::{parse_layout, plan_reshard, Endpoint, Layout, PlanOptions};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 use transport::tcp::{tcp_fabric, TcpConfig};
-use transport::{fill_sources, node_fabric, run_threads, verify_destinations, ExecOptions, NodeConfig, RankMemory};
+use transport::{fill_sources, node_fabric, run_threads, verify_destinations, ExecOptions, NodeTransportConfig, RankMemory};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -91,8 +91,8 @@ fn main() -> Res<()> {
     let copy_src = vec![7u8; per];
     let mut copy_dst: Vec<Vec<u8>> = (0..dst.ranks()).map(|_| vec![0u8; per]).collect();
     let tcp_sum = TcpConfig { checksum: true, ..TcpConfig::default() };
-    let node = NodeConfig::default();
-    let node_sum = NodeConfig { tcp: tcp_sum.clone(), ..NodeConfig::default() };
+    let node = NodeTransportConfig::default();
+    let node_sum = NodeTransportConfig { tcp: tcp_sum.clone(), ..NodeTransportConfig::default() };
     let names = [
         "socket copy",
         "tcp",
@@ -140,7 +140,7 @@ fn main() -> Res<()> {
         // Link emulation: DGX H100 links slowed `scale` times. The bound:
         // the busiest rank's egress over each of its two buckets.
         let emu = transport::LinkEmulation::dgx_h100(scale as f64);
-        let config = NodeConfig { tcp: TcpConfig { emulation: emu, ..TcpConfig::default() }, ..NodeConfig::default() };
+        let config = NodeTransportConfig { tcp: TcpConfig { emulation: emu, ..TcpConfig::default() }, ..NodeTransportConfig::default() };
         let mut fabric = node_fabric(&endpoints, |e| plan.node_of(e), &config)?;
         let bound = programs
             .iter()

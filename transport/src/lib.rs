@@ -32,7 +32,7 @@ pub use gpu_probe::cuda_available;
 pub use link::{FrameAction, FrameHook, LinkEmulation, TokenBucket};
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;
-pub use node::{node_fabric, node_fabric_with_faults, run_node, NodeConfig, NodeTransport};
+pub use node::{node_fabric, node_fabric_with_faults, run_node, NodeTransport, NodeTransportConfig};
 pub use pattern::{
     fill_source_rank, fill_source_rank_at, fill_sources, verify_destination_rank, verify_destination_rank_at, verify_destinations, Mismatch,
 };

@@ -26,7 +26,7 @@ use std::time::Instant;
 
 /// Node transport settings.
 #[derive(Clone, Debug)]
-pub struct NodeConfig {
+pub struct NodeTransportConfig {
     /// Names this fabric's shared-memory regions; every rank of one run
     /// must use the same id, and concurrent runs on a node different ones
     /// (1-128 characters of `[A-Za-z0-9_-]`). Default: `refit`.
@@ -38,9 +38,9 @@ pub struct NodeConfig {
     pub shm: ShmConfig,
 }
 
-impl Default for NodeConfig {
+impl Default for NodeTransportConfig {
     fn default() -> Self {
-        NodeConfig { session: "refit".into(), tcp: TcpConfig::default(), shm: ShmConfig::default() }
+        NodeTransportConfig { session: "refit".into(), tcp: TcpConfig::default(), shm: ShmConfig::default() }
     }
 }
 
@@ -66,7 +66,7 @@ impl NodeTransport {
         listener: TcpListener,
         peers: &[(Endpoint, SocketAddr)],
         node_of: impl Fn(Endpoint) -> N,
-        config: &NodeConfig,
+        config: &NodeTransportConfig,
     ) -> io::Result<NodeTransport> {
         let setup = ShmSetup {
             session: config.session.clone(),
@@ -89,7 +89,7 @@ impl NodeTransport {
 pub fn node_fabric<N: PartialEq>(
     endpoints: &[Endpoint],
     node_of: impl Fn(Endpoint) -> N + Sync,
-    config: &NodeConfig,
+    config: &NodeTransportConfig,
 ) -> io::Result<Vec<NodeTransport>> {
     node_fabric_with_faults(endpoints, node_of, config, |_| Faults::default())
 }
@@ -99,7 +99,7 @@ pub fn node_fabric<N: PartialEq>(
 pub fn node_fabric_with_faults<N: PartialEq>(
     endpoints: &[Endpoint],
     node_of: impl Fn(Endpoint) -> N + Sync,
-    config: &NodeConfig,
+    config: &NodeTransportConfig,
     faults_of: impl Fn(Endpoint) -> Faults + Sync,
 ) -> io::Result<Vec<NodeTransport>> {
     static FABRICS: AtomicU64 = AtomicU64::new(0);
@@ -127,7 +127,7 @@ pub fn run_node<N: PartialEq>(
     memory: &mut [RankMemory],
     options: &ExecOptions,
     node_of: impl Fn(Endpoint) -> N + Sync,
-    config: &NodeConfig,
+    config: &NodeTransportConfig,
 ) -> Result<ExecReport, ExecError> {
     let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
     let transports = node_fabric(&endpoints, node_of, config).map_err(|e| ExecError::Setup(e.to_string()))?;

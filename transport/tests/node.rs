@@ -10,8 +10,8 @@ use transport::copy::{packed_strides, StridedRef};
 use transport::link::{Faults, LinkEmulation};
 use transport::tcp::{TcpConfig, TcpTransport};
 use transport::{
-    fill_sources, node_fabric, run_node, verify_destinations, ExecError, ExecOptions, NodeConfig, NodeTransport, Payload, RankMemory,
-    Release, Segment, ShmConfig, Transport, TransportError,
+    fill_sources, node_fabric, run_node, verify_destinations, ExecError, ExecOptions, NodeTransport, NodeTransportConfig, Payload,
+    RankMemory, Release, Segment, ShmConfig, Transport, TransportError,
 };
 
 const SRC: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
@@ -40,7 +40,7 @@ fn deadline(s: u64) -> ExecOptions {
 }
 
 /// Runs both plans over a node fabric and checks every destination element.
-fn check(max_staging_bytes: u64, config: &NodeConfig) {
+fn check(max_staging_bytes: u64, config: &NodeTransportConfig) {
     let (src, dst) = layouts();
     for plan in plans(max_staging_bytes) {
         let programs = plan.programs(&src, &dst).unwrap();
@@ -60,8 +60,8 @@ fn check(max_staging_bytes: u64, config: &NodeConfig) {
     }
 }
 
-fn with_checksum() -> NodeConfig {
-    NodeConfig { tcp: TcpConfig { checksum: true, ..TcpConfig::default() }, ..NodeConfig::default() }
+fn with_checksum() -> NodeTransportConfig {
+    NodeTransportConfig { tcp: TcpConfig { checksum: true, ..TcpConfig::default() }, ..NodeTransportConfig::default() }
 }
 
 #[test]
@@ -71,7 +71,7 @@ fn reshard_and_baseline_are_bit_exact_over_the_node_transport_with_checksums() {
 
 #[test]
 fn without_checksums_and_in_many_small_rounds() {
-    check(64, &NodeConfig::default());
+    check(64, &NodeTransportConfig::default());
 }
 
 /// Regions far smaller than the messages: every intra-node message is
@@ -120,14 +120,14 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 }
 
 /// Three ranks: src 0 alone, dst 0 and dst 1 on one node.
-fn trio(config: &NodeConfig) -> Vec<NodeTransport> {
+fn trio(config: &NodeTransportConfig) -> Vec<NodeTransport> {
     let eps = [Endpoint::src(0), Endpoint::dst(0), Endpoint::dst(1)];
     node_fabric(&eps, |e| e.group, config).unwrap()
 }
 
 #[test]
 fn same_node_peers_use_shared_memory_and_others_tcp() {
-    let t = trio(&NodeConfig::default());
+    let t = trio(&NodeTransportConfig::default());
     assert!(t[0].shm_peers().is_empty());
     assert_eq!(t[1].shm_peers(), vec![Endpoint::dst(1)]);
     assert_eq!(t[2].shm_peers(), vec![Endpoint::dst(0)]);
@@ -234,7 +234,7 @@ fn a_corrupt_message_never_reaches_destination_memory() {
 
 #[test]
 fn a_stalled_sender_makes_its_receiver_time_out_at_the_deadline() {
-    let mut config = NodeConfig::default();
+    let mut config = NodeTransportConfig::default();
     config.tcp.hook = Faults { stall_at_frame: Some(1), ..Faults::default() }.hook();
     let mut t = trio(&config);
     let buf = pattern(5000, 1);
@@ -256,7 +256,7 @@ fn a_stalled_sender_makes_its_receiver_time_out_at_the_deadline() {
 
 #[test]
 fn a_cut_connection_is_reported_broken() {
-    let mut config = NodeConfig::default();
+    let mut config = NodeTransportConfig::default();
     config.tcp.hook = Faults { cut_at_frame: Some(0), ..Faults::default() }.hook();
     let buf = pattern(5000, 1);
     // Over TCP and over shared memory.
@@ -270,7 +270,7 @@ fn a_cut_connection_is_reported_broken() {
 
 #[test]
 fn aborts_reach_every_peer_even_after_a_hang() {
-    let mut config = NodeConfig::default();
+    let mut config = NodeTransportConfig::default();
     config.tcp.hook = Faults { abort_hang: Some(Duration::from_millis(100)), ..Faults::default() }.hook();
     let mut t = trio(&config);
     let start = Instant::now();
@@ -298,7 +298,7 @@ fn mismatched_checksum_settings_fail_the_handshake_clearly() {
 
 #[test]
 fn a_bad_session_id_is_refused() {
-    let config = NodeConfig { session: "../etc".into(), ..NodeConfig::default() };
+    let config = NodeTransportConfig { session: "../etc".into(), ..NodeTransportConfig::default() };
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let me = Endpoint::dst(0);
     let peers = [(me, l.local_addr().unwrap())];
@@ -326,7 +326,7 @@ fn endpoint_name(e: Endpoint) -> String {
 
 /// Child side: listen, print the address, read the peer table from stdin,
 /// then do what the role says.
-fn child_connect(me: Endpoint, config: &NodeConfig, node_of: impl Fn(Endpoint) -> u32) -> NodeTransport {
+fn child_connect(me: Endpoint, config: &NodeTransportConfig, node_of: impl Fn(Endpoint) -> u32) -> NodeTransport {
     use std::io::BufRead;
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     println!("\nREFIT@addr {}", l.local_addr().unwrap());
@@ -342,7 +342,7 @@ fn child_connect(me: Endpoint, config: &NodeConfig, node_of: impl Fn(Endpoint) -
     NodeTransport::connect(me, l, &table, node_of, config).unwrap()
 }
 
-fn process_config() -> NodeConfig {
+fn process_config() -> NodeTransportConfig {
     let mut c = with_checksum();
     c.session = std::env::var(SESSION).unwrap_or_else(|_| "x".into());
     // Small areas, so both the lend and the stream paths are taken.
@@ -484,7 +484,7 @@ fn a_killed_peer_process_is_an_error_not_a_hang() {
         let table = vec![(me, l.local_addr().unwrap().to_string()), (peer, peer_addr)];
         child.send_table(&table);
         let peers: Vec<(Endpoint, SocketAddr)> = table.iter().map(|(e, a)| (*e, a.parse().unwrap())).collect();
-        let config = NodeConfig { session, ..process_config() };
+        let config = NodeTransportConfig { session, ..process_config() };
         let mut t = NodeTransport::connect(me, l, &peers, move |e| if one_node { 0 } else { e.rank }, &config).unwrap();
         assert_eq!(t.shm_peers(), if one_node { vec![peer] } else { vec![] });
         child.line("ready");

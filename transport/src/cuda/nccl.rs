@@ -327,12 +327,12 @@ fn check(me: Endpoint, memory: &DeviceMemory, span: &Span, dtype: DType, block: 
 }
 
 /// A device staging buffer that grows on demand.
-struct Staging {
+struct DeviceStaging {
     buf: Option<CudaSlice<u8>>,
     len: usize,
 }
 
-impl Staging {
+impl DeviceStaging {
     fn addr(&mut self, dev: &GpuDevice, len: usize, what: &str) -> Result<u64, GpuError> {
         if self.buf.is_none() || self.len < len {
             self.buf = None;
@@ -403,7 +403,7 @@ pub fn run_rank_nccl(
     dev.bind()?;
     let addrs = memory.addrs(dev);
     let mut host = [PinnedStaging::new(dev), PinnedStaging::new(dev)];
-    let (mut send_buf, mut recv_buf) = (Staging { buf: None, len: 0 }, Staging { buf: None, len: 0 });
+    let (mut send_buf, mut recv_buf) = (DeviceStaging { buf: None, len: 0 }, DeviceStaging { buf: None, len: 0 });
     let mut stats = RankStats::default();
     for (r, round) in program.rounds.iter().enumerate() {
         let r = r as u32;
