@@ -55,8 +55,9 @@ pub fn process_resources(pid: u32) -> Resources {
 }
 
 fn total(cluster: &Cluster) -> Resources {
-    // Let the threads and sockets of the refit just finished wind down.
-    std::thread::sleep(Duration::from_millis(200));
+    // Let the threads and sockets of the refit just finished wind down
+    // (idle blocking threads leave after `IDLE_THREAD`).
+    std::thread::sleep(crate::cluster::IDLE_THREAD + Duration::from_millis(500));
     let mut r = process_resources(std::process::id());
     for w in cluster.workers() {
         let p = process_resources(w.pid);

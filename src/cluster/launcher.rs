@@ -5,7 +5,7 @@
 //! sinks, and replaces processes that died.
 
 use super::worker::{group_name, pattern_name, FaultSpec, PatternMsg, PatternRank, PatternReply};
-use super::{ControlSecret, PerProcess};
+use super::{ControlSecret, PerProcess, IDLE_THREAD};
 use crate::procs::Children;
 use actors::{ActorGroup, ActorRef, CallError};
 use orchestrator::rendezvous::ControlConfig;
@@ -192,7 +192,12 @@ impl Cluster {
     /// orchestrator over their members.
     pub fn start(config: ClusterConfig, src: Layout, dst: Layout, listening: impl FnOnce(SocketAddr)) -> Result<Cluster, ClusterError> {
         let runtime =
-            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(|e| setup(format!("tokio: {e}")))?;
+            tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_keep_alive(IDLE_THREAD)
+            .enable_all()
+            .build()
+            .map_err(|e| setup(format!("tokio: {e}")))?;
         let secret = config.secret.secret().map_err(setup)?;
         let control = ControlConfig { heartbeat_timeout: config.heartbeat_timeout };
         let rendezvous = runtime.block_on(Rendezvous::bind(secret, config.bind, &control)).map_err(setup)?;

@@ -18,6 +18,11 @@ pub use launcher::{kill_pid, Cluster, ClusterConfig, ClusterError, Committed, Ki
 pub use orchestrator::rendezvous::SECRET_ENV;
 pub use worker::{run_worker, FaultSpec, Hosted, WorkerConfig};
 
+/// How long an idle blocking thread of a launcher's or worker's runtime
+/// lives (tokio's default is 10 s): the data plane of each refit runs on
+/// one, and between refits they should not pile up.
+pub const IDLE_THREAD: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How ranks map onto worker processes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum PerProcess {

@@ -207,6 +207,7 @@ pub fn run_worker(config: WorkerConfig, src: Layout, dst: Layout) -> Result<(), 
     let ranks = config.hosted.endpoints(&src, &dst)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .thread_keep_alive(super::IDLE_THREAD)
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start tokio: {e}"))?;
