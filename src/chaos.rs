@@ -112,12 +112,15 @@ pub fn run_chaos(
                 let stall = FaultSpec { stall_at_frame: Some(0), ..FaultSpec::default() };
                 let faults = match case {
                     "stalled peer (stops sending)" => vec![(rank(a_src), stall)],
-                    // A source stalls; the sink waiting for it times out at
-                    // the deadline and its transport's abort hangs (as
-                    // NCCL's has been seen to): the refit still returns, and
-                    // the stuck worker is replaced.
+                    // A source stalls; the sinks waiting for it time out at
+                    // the deadline, and the abort of whichever times out
+                    // first hangs (as NCCL's has been seen to; every sink's
+                    // would): the refit still returns, and the stuck worker
+                    // is replaced.
                     "abort that hangs" => {
-                        vec![(rank(a_src), stall), (rank(a_dst), FaultSpec { abort_hang: Some(bound * 4), ..FaultSpec::default() })]
+                        let hang = FaultSpec { abort_hang: Some(bound * 4), ..FaultSpec::default() };
+                        let sinks = workers.iter().flat_map(|w| w.ranks.iter().copied()).filter(|e| e.group == Group::Dst);
+                        std::iter::once((rank(a_src), stall)).chain(sinks.map(|e| (e, hang.clone()))).collect()
                     }
                     "cut connection" => vec![(rank(a_src), FaultSpec { cut_at_frame: Some(1), ..FaultSpec::default() })],
                     "corrupt frame (checksums on)" => vec![(rank(a_src), FaultSpec { corrupt_frame: Some(0), ..FaultSpec::default() })],

@@ -53,9 +53,14 @@ pub struct RefitReport {
     pub replanned: bool,
     /// Wall time of the whole refit.
     pub wall: Duration,
-    /// Asking members for their layouts, and (re)planning if needed.
+    /// Asking members for their status (and layouts), and (re)planning and
+    /// installing if needed.
     pub plan_time: Duration,
-    /// Moving the bytes.
+    /// Opening this refit's data plane on every member (prepare, and
+    /// connect for the node fabric).
+    pub connect_time: Duration,
+    /// Moving the bytes: from asking every member to run until the last
+    /// one finished.
     pub transfer_time: Duration,
     /// Committing on every sink.
     pub commit_time: Duration,
@@ -209,14 +214,15 @@ pub enum OrchestratorReply {
     Done,
 }
 
+/// What the orchestrator keeps of a plan: not the plan or its programs
+/// (for a large model they are gigabytes), only what identifies it. Members
+/// keep their own program; a member that joins later (a replaced process)
+/// makes the orchestrator plan again to build its program.
 struct CachedPlan {
     /// Layout fingerprints every member of each group reported.
     layout_fingerprints: (u64, u64),
     fingerprint: Fingerprint,
     bytes: u64,
-    /// Every rank's program (sources, then sinks), for members that join
-    /// later (a replaced process).
-    programs: Vec<RankProgram>,
 }
 
 /// The orchestrator actor.
@@ -393,47 +399,52 @@ impl Orchestrator {
         if current.is_none() || self.cache.values().any(|c| Some(c.layout_fingerprints) != current) {
             self.cache.clear();
         }
-        let replanned = match self.cache.get(&mode) {
-            Some(_) => false,
-            None => {
-                let src_json = describe(&self.sources, "source", t).await?;
-                let dst_json = describe(&self.sinks, "sink", t).await?;
-                let src = parse("source", &src_json, self.sources.len())?;
-                let dst = parse("sink", &dst_json, self.sinks.len())?;
-                let plan = match mode {
-                    Strategy::Reshard => plan_reshard(&src, &dst, &self.config.plan)?,
-                    Strategy::Baseline => plan_baseline(&src, &dst, &self.config.plan)?,
-                };
-                let programs = plan.programs(&src, &dst)?;
-                self.plans_made += 1;
-                let layout_fingerprints = (reshard::fingerprint::fnv64(&src_json), reshard::fingerprint::fnv64(&dst_json));
-                // Plans of the other strategy were made for these layouts too,
-                // or are gone.
-                self.cache.retain(|_, c| c.layout_fingerprints == layout_fingerprints);
-                let cached =
-                    CachedPlan { layout_fingerprints, fingerprint: plan.fingerprint(), bytes: plan.figures().total_bytes, programs };
-                self.cache.insert(mode, cached);
-                true
-            }
-        };
-        let fingerprint = self.cache.get(&mode).map(|c| c.fingerprint);
+        let cached = self.cache.get(&mode).map(|c| c.fingerprint);
         let lacking: Vec<usize> =
-            installed.iter().enumerate().filter(|(_, plans)| !plans.iter().any(|f| Some(*f) == fingerprint)).map(|(i, _)| i).collect();
-        if !lacking.is_empty() {
-            self.install(&lacking).await?;
+            installed.iter().enumerate().filter(|(_, plans)| !matches!(cached, Some(f) if plans.contains(&f))).map(|(i, _)| i).collect();
+        if lacking.is_empty() {
+            return Ok(false);
         }
-        Ok(replanned)
+        // Plan (again, for members that lack a cached plan), build the
+        // programs, hand each member that needs it its own, drop the rest.
+        let src_json = describe(&self.sources, "source", t).await?;
+        let dst_json = describe(&self.sinks, "sink", t).await?;
+        let src = parse("source", &src_json, self.sources.len())?;
+        let dst = parse("sink", &dst_json, self.sinks.len())?;
+        let plan = match mode {
+            Strategy::Reshard => plan_reshard(&src, &dst, &self.config.plan)?,
+            Strategy::Baseline => plan_baseline(&src, &dst, &self.config.plan)?,
+        };
+        let (fingerprint, bytes) = (plan.fingerprint(), plan.figures().total_bytes);
+        let programs = plan.programs(&src, &dst)?;
+        drop(plan);
+        self.plans_made += 1;
+        let layout_fingerprints = (reshard::fingerprint::fnv64(&src_json), reshard::fingerprint::fnv64(&dst_json));
+        // Plans of the other strategy were made for these layouts too, or
+        // are gone.
+        self.cache.retain(|_, c| c.layout_fingerprints == layout_fingerprints);
+        if cached != Some(fingerprint) {
+            // Not installed anywhere yet (or the layouts changed under it).
+            self.cache.remove(&mode);
+        }
+        let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..programs.len()).collect() };
+        self.install(programs, &which, fingerprint).await?;
+        self.cache.insert(mode, CachedPlan { layout_fingerprints, fingerprint, bytes });
+        Ok(true)
     }
 
-    /// Installs the current strategy's programs on members `which`
-    /// (indices into sources then sinks).
-    async fn install(&self, which: &[usize]) -> Result<(), OrchestratorError> {
-        let Some(c) = self.cache.get(&self.config.mode) else { return Ok(()) };
+    /// Hands members `which` (indices into sources then sinks) their
+    /// programs (moved, not copied).
+    async fn install(&self, programs: Vec<RankProgram>, which: &[usize], fingerprint: Fingerprint) -> Result<(), OrchestratorError> {
         let n_src = self.sources.len();
-        let fingerprint = c.fingerprint;
+        let slots: std::sync::Mutex<Vec<Option<RankProgram>>> = std::sync::Mutex::new(programs.into_iter().map(Some).collect());
         let msg = |g: reshard::Group, rank: usize| {
             let i = if g == reshard::Group::Src { rank } else { n_src + rank };
-            which.binary_search(&i).is_ok().then(|| MemberMsg::Install { program: Box::new(c.programs[i].clone()), fingerprint })
+            if which.binary_search(&i).is_err() {
+                return None;
+            }
+            let program = slots.lock().unwrap_or_else(|e| e.into_inner()).get_mut(i)?.take()?;
+            Some(MemberMsg::Install { program: Box::new(program), fingerprint })
         };
         let replies = call_both(&self.sources, &self.sinks, msg, self.config.control_timeout).await?;
         no_refusal(&replies)
@@ -462,9 +473,10 @@ impl Orchestrator {
             hub::deposit(&session, local_fabric(&self.endpoints()));
         }
         let t = Instant::now();
-        let moved = self.transfer(refit, &session, version, fingerprint).await;
+        let mut connect_time = Duration::ZERO;
+        let moved = self.transfer(refit, &session, version, fingerprint, &mut connect_time).await;
         hub::close(&session);
-        let transfer_time = t.elapsed();
+        let transfer_time = t.elapsed().saturating_sub(connect_time);
         if let Err(e) = moved {
             // Every sink keeps serving its last committed version; every
             // member drops what it prepared for this refit.
@@ -498,6 +510,7 @@ impl Orchestrator {
             replanned,
             wall: start.elapsed(),
             plan_time,
+            connect_time,
             transfer_time,
             commit_time: t.elapsed(),
             bytes,
@@ -505,7 +518,15 @@ impl Orchestrator {
     }
 
     /// Prepare, connect and run on every member: the first phase.
-    async fn transfer(&self, refit: u64, session: &str, version: u64, fingerprint: Fingerprint) -> Result<(), OrchestratorError> {
+    async fn transfer(
+        &self,
+        refit: u64,
+        session: &str,
+        version: u64,
+        fingerprint: Fingerprint,
+        connect_time: &mut Duration,
+    ) -> Result<(), OrchestratorError> {
+        let t = Instant::now();
         let control = self.config.control_timeout;
         let fabric = self.config.fabric.clone();
         let prepare = |_, _| Some(MemberMsg::Prepare { refit, fingerprint, session: session.to_string(), fabric: fabric.clone() });
@@ -525,6 +546,7 @@ impl Orchestrator {
             let connected = call_both(&self.sources, &self.sinks, connect, settings.connect_timeout + control).await?;
             no_refusal(&connected)?;
         }
+        *connect_time = t.elapsed();
         let deadline = self.config.deadline;
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline });
         self.enter(RefitStep::Running);

@@ -159,6 +159,34 @@ async fn members_that_disagree_on_their_layout_are_rejected() {
     }
 }
 
+/// A member replaced by a new one (a restarted process) gets the plan
+/// installed on the next refit, and the group serves the new version; the
+/// others keep theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replaced_member_gets_its_program_and_the_refit_goes_on() {
+    let (src, dst) = layouts();
+    let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
+    let v = step(&sys, 1.0).await;
+    let first = sys.orchestrator.refit(v).await.unwrap();
+    // Rank 2's member is replaced by a new one with nothing installed (as
+    // fresh as a restarted process); the others are the same actors.
+    let fresh =
+        actors::spawn(orchestrator::Member::new(&dst, 2, orchestrator::Role::Sink(sys.sinks[2].clone())), actors::SpawnConfig::default());
+    let refs: Vec<_> = (0..4).map(|r| if r == 2 { fresh.clone() } else { sys.sink_members.get(r).unwrap().clone() }).collect();
+    let sinks = actors::ActorGroup::from_refs(refs);
+    sys.orchestrator.attach(sys.source_members.clone(), sinks).await.unwrap();
+    let v = step(&sys, 2.0).await;
+    let report = sys.orchestrator.refit(v).await.unwrap();
+    // Planned again to build the newcomer's program; the same plan.
+    assert!(report.replanned);
+    assert_eq!(report.fingerprint, first.fingerprint);
+    assert!(served(&sys).iter().all(|(ver, vals)| *ver == v && vals.iter().all(|&x| x == 2.0)));
+    // Everyone has it now: the next refit plans nothing.
+    let v = step(&sys, 3.0).await;
+    assert!(!sys.orchestrator.refit(v).await.unwrap().replanned);
+    assert_eq!(sys.orchestrator.plans_made().await.unwrap(), 2);
+}
+
 /// A refit never reads half an optimizer step: the step holds the fence
 /// while it writes, so the refit waits and then sees all of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

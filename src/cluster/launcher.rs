@@ -191,8 +191,7 @@ impl Cluster {
     /// workers if asked, waits until every rank has joined, and starts the
     /// orchestrator over their members.
     pub fn start(config: ClusterConfig, src: Layout, dst: Layout, listening: impl FnOnce(SocketAddr)) -> Result<Cluster, ClusterError> {
-        let runtime =
-            tokio::runtime::Builder::new_multi_thread()
+        let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_keep_alive(IDLE_THREAD)
             .enable_all()
