@@ -155,6 +155,9 @@ fn hosts(config: &ClusterConfig, src: &Layout, dst: &Layout) -> Vec<Host> {
         if config.options.max_staging_bytes != PlanOptions::default().max_staging_bytes {
             args.extend(["--max-staging-mib".into(), (config.options.max_staging_bytes >> 20).to_string()]);
         }
+        // Both ends of a control connection must wait as long for a silent
+        // peer (dozens of processes on a few cores starve heartbeats).
+        args.extend(["--heartbeat-timeout-ms".into(), config.heartbeat_timeout.as_millis().to_string()]);
     };
     let mut out = Vec::new();
     for (g, l) in [(Group::Src, src), (Group::Dst, dst)] {
