@@ -155,10 +155,7 @@ pub fn exec_bench(src: &Layout, dst: &Layout, plans: (Plan, Plan), reps: usize, 
 
 /// Peak resident memory of this process so far (Linux `VmHWM`), in bytes.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    crate::procs::peak_rss_of("self")
 }
 
 /// Bytes a plan puts on each kind of link: between nodes (network) and

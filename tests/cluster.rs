@@ -64,6 +64,9 @@ fn process_bench_reports_both_strategies_and_links() {
         assert!(v["links"][k]["inter_node_bytes"].as_u64().is_some(), "{v}");
     }
     assert!(v["baseline_over_reshard"].as_f64().is_some_and(|r| r > 0.0), "{v}");
+    for who in ["launcher", "worker_max"] {
+        assert!(v["peak_rss_bytes"][who].as_u64().is_some_and(|b| b > 1 << 20), "{who}: {v}");
+    }
     for p in [svg.clone(), svg.with_extension("baseline.svg")] {
         let text = std::fs::read_to_string(&p).expect("svg written");
         assert!(text.starts_with("<svg") && text.contains("<rect"), "{}", p.display());
@@ -118,6 +121,10 @@ fn launch_survives_killed_workers() {
     }
     assert_eq!(refits[11]["ok"], true, "{v}");
     assert_eq!(v["verified"], true, "{v}");
+    // Both ends report their peak memory.
+    for who in ["launcher", "worker_max"] {
+        assert!(v["peak_rss_bytes"][who].as_u64().is_some_and(|b| b > 1 << 20), "{who}: {v}");
+    }
 }
 
 /// With `--fail-fast` the first failed refit ends the launch (exit 1).

@@ -265,6 +265,12 @@ impl Cluster {
         self.hosts.iter().enumerate().map(|(i, h)| WorkerInfo { ranks: h.ranks.clone(), pid: pids.get(i).copied().unwrap_or(0) }).collect()
     }
 
+    /// The largest peak resident memory among the running workers started
+    /// here (`None` if there are none, or `/proc` does not tell).
+    pub fn worker_peak_rss(&self) -> Option<u64> {
+        self.workers().iter().filter(|w| w.pid != 0).filter_map(|w| crate::procs::peak_rss_of(&w.pid.to_string())).max()
+    }
+
     /// Steps every source to the pattern of `version` (an optimizer step),
     /// refits it, and with `verify` checks every destination element of
     /// every sink afterwards.

@@ -85,6 +85,7 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
             let links = LinkModel { net_bytes_per_s: net as f64, intra_bytes_per_s: intra as f64, message_latency_s: 0.0 };
             rplan.egress_lower_bound(&links)
         });
+        let peak = json!({"launcher": refit::bench::peak_rss_bytes(), "worker_max": cluster.worker_peak_rss()});
         cluster.shutdown();
         let b = b.map_err(|e| fail(e.to_string()))?;
         let ratio = b.baseline.as_secs_f64() / b.reshard.as_secs_f64();
@@ -93,7 +94,7 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
             say!(
                 "{}",
                 json!({
-                    "workload": what, "reps": b.reps, "transport": "process", "workers": b.workers,
+                    "workload": what, "reps": b.reps, "transport": "process", "workers": b.workers, "peak_rss_bytes": peak,
                     "per_process": format!("{:?}", a.cluster.per_process).to_lowercase(),
                     "emulated_nic_bytes_per_s": a.cluster.emulation().map(|e| e.0),
                     "reshard": {"bytes": b.reshard_bytes, "median_s": b.reshard.as_secs_f64(),

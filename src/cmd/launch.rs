@@ -63,12 +63,13 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
             break;
         }
     }
+    let peak = json!({"launcher": refit::bench::peak_rss_bytes(), "worker_max": cluster.worker_peak_rss()});
     cluster.shutdown();
     let last_ok = outcomes.last().is_some_and(|o| o["ok"] == true) && outcomes.len() as u64 == a.refits.max(1);
     let verified = a.verify && last_ok;
     let failed = outcomes.iter().filter(|o| o["ok"] == false).count();
     if a.json {
-        say!("{}", json!({"refits": outcomes, "verified": verified}));
+        say!("{}", json!({"refits": outcomes, "verified": verified, "peak_rss_bytes": peak}));
     } else {
         say!("{}: {workers} worker processes ({ranks} ranks), {} moved per refit", a.strategy, human(bytes));
         if !walls.is_empty() {
