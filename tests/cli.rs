@@ -114,8 +114,16 @@ fn plan_accepts_a_valid_pair() {
     assert!(text.contains("reshard") && text.contains("baseline"), "{text}");
 }
 
-const FIGURE_KEYS: [&str; 6] =
-    ["src_egress_bytes", "dst_node_ingress_bytes", "cross_node_bytes", "max_rank_send_bytes", "max_rank_recv_bytes", "messages"];
+const FIGURE_KEYS: [&str; 8] = [
+    "src_egress_bytes",
+    "dst_node_ingress_bytes",
+    "cross_node_bytes",
+    "max_rank_send_bytes",
+    "max_rank_recv_bytes",
+    "messages",
+    "max_rank_send_messages",
+    "max_rank_recv_messages",
+];
 
 /// Parses `refit plan --json` output: one JSON object with `reshard` and
 /// `baseline`, each holding every figure with the right type.
@@ -151,6 +159,12 @@ fn plan_json_has_every_figure() {
     assert_eq!(v["reshard"]["src_egress_bytes"], 32, "{v}");
     assert_eq!(v["reshard"]["dst_node_ingress_bytes"], serde_json::json!([32]), "{v}");
     assert_eq!(v["reshard"]["messages"], 4, "{v}");
+    // Two senders, two receivers: each sends two messages and takes two.
+    assert_eq!(
+        (v["reshard"]["max_rank_send_messages"].as_u64(), v["reshard"]["max_rank_recv_messages"].as_u64()),
+        (Some(2), Some(2)),
+        "{v}"
+    );
     assert_eq!(v["baseline"]["dst_node_ingress_bytes"].as_array().map(Vec::len), Some(1), "{v}");
 }
 

@@ -140,6 +140,10 @@ pub struct Figures {
     pub max_rank_recv_bytes: u64,
     /// Number of messages (one per sender, receiver and round).
     pub messages: u64,
+    /// Most messages one rank sends in a refit.
+    pub max_rank_send_messages: u64,
+    /// Most messages one rank receives in a refit.
+    pub max_rank_recv_messages: u64,
     /// Total bytes moved between ranks.
     pub total_bytes: u64,
     /// Number of rounds.
@@ -571,6 +575,7 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
     };
     let mut sent = vec![0u64; n];
     let mut recv = vec![0u64; n];
+    let (mut sent_msgs, mut recv_msgs) = (vec![0u64; n], vec![0u64; n]);
     // Node of every endpoint; source and destination nodes are distinct.
     let node: Vec<(Group, u32)> = (0..n)
         .map(|i| if i < n_src { plan.node_of(Endpoint::src(i as u32)) } else { plan.node_of(Endpoint::dst((i - n_src) as u32)) })
@@ -609,7 +614,11 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
             new
         };
         f.messages += new as u64;
+        sent_msgs[a] += new as u64;
+        recv_msgs[z] += new as u64;
     }
+    f.max_rank_send_messages = sent_msgs.into_iter().max().unwrap_or(0);
+    f.max_rank_recv_messages = recv_msgs.into_iter().max().unwrap_or(0);
     f.max_rank_send_bytes = sent.into_iter().max().unwrap_or(0);
     f.max_rank_recv_bytes = recv.into_iter().max().unwrap_or(0);
     plan.figures = f;

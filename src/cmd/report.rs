@@ -69,6 +69,8 @@ pub(crate) fn figures_json(f: &Figures) -> serde_json::Value {
         "max_rank_send_bytes": f.max_rank_send_bytes,
         "max_rank_recv_bytes": f.max_rank_recv_bytes,
         "messages": f.messages,
+        "max_rank_send_messages": f.max_rank_send_messages,
+        "max_rank_recv_messages": f.max_rank_recv_messages,
         "total_bytes": f.total_bytes,
         "rounds": f.rounds,
         "stages": f.stages,
@@ -98,7 +100,14 @@ pub(crate) fn print_figures(name: &str, f: &Figures) {
     say!("  dst node ingress    [{}]", ingress.join(", "));
     say!("  cross-node          {}", human(f.cross_node_bytes));
     say!("  max rank send/recv  {} / {}", human(f.max_rank_send_bytes), human(f.max_rank_recv_bytes));
-    say!("  messages            {} in {} rounds ({} stages)", f.messages, f.rounds, f.stages);
+    say!(
+        "  messages            {} in {} rounds ({} stages); most per rank: {} sent, {} received",
+        f.messages,
+        f.rounds,
+        f.stages,
+        f.max_rank_send_messages,
+        f.max_rank_recv_messages
+    );
 }
 
 /// A progress bar on stderr when it is a terminal and no JSON is asked for.
