@@ -99,6 +99,9 @@ impl Endpointed {
             tcp: TcpConfig {
                 checksum: settings.checksum,
                 connect_timeout: if settings.connect_timeout.is_zero() { Duration::from_secs(30) } else { settings.connect_timeout },
+                // Every member opened its listener in `Prepare`, before any
+                // `Connect`: a refused connection is a dead peer.
+                peers_listening: true,
                 emulation: match settings.emulation {
                     Some((inter, intra)) => LinkEmulation {
                         inter_node_bytes_per_s: Some(inter.max(1)),

@@ -42,6 +42,12 @@ pub struct TcpConfig {
     pub write_buffer_bytes: usize,
     /// Time to set up all streams.
     pub connect_timeout: Duration,
+    /// Every peer's listener was open before this rank started to connect
+    /// (an orchestrator opens all endpoints in one step, then connects
+    /// them in the next), so a refused connection means the peer is gone:
+    /// fail at once instead of retrying until `connect_timeout` (default
+    /// off: peers may still be starting).
+    pub peers_listening: bool,
     /// A CRC-32C of every data frame's payload travels with it and is
     /// checked before the bytes are handed on (default off). Both ends must
     /// agree: the handshake refuses a peer with the other setting.
@@ -66,6 +72,7 @@ impl Default for TcpConfig {
             max_frame_bytes: 1 << 34,
             write_buffer_bytes: 4 << 20,
             connect_timeout: Duration::from_secs(30),
+            peers_listening: false,
             checksum: false,
             emulation: LinkEmulation::default(),
             hook: None,
@@ -494,6 +501,9 @@ impl TcpTransport {
             let mut stream = loop {
                 match TcpStream::connect(addr) {
                     Ok(s) => break s,
+                    Err(e) if config.peers_listening && e.kind() == io::ErrorKind::ConnectionRefused => {
+                        return Err(io::Error::new(e.kind(), format!("{me}: {peer} at {addr} refused the connection: it is gone")));
+                    }
                     Err(e) if Instant::now() < deadline => {
                         let _ = e;
                         std::thread::sleep(Duration::from_millis(20));

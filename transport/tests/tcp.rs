@@ -78,3 +78,28 @@ fn garbage_frames_are_reported_not_trusted() {
         peer.join().unwrap();
     }
 }
+
+/// A peer whose listener is gone refuses the connection. Where every peer
+/// is known to be listening already (`peers_listening`), that fails the
+/// connect at once; otherwise the rank keeps retrying (the peer may still
+/// be starting) until the connect timeout.
+#[test]
+fn a_refused_peer_fails_the_connect_at_once_when_peers_are_known_to_listen() {
+    let gone = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let try_connect = |peers_listening: bool| {
+        let me = TcpListener::bind("127.0.0.1:0").unwrap();
+        let config = TcpConfig { connect_timeout: Duration::from_secs(2), peers_listening, ..TcpConfig::default() };
+        let t = Instant::now();
+        let r = TcpTransport::connect(Endpoint::src(0), me, &[(Endpoint::dst(0), gone)], &config);
+        (r.err().map(|e| e.to_string()), t.elapsed())
+    };
+    let (err, took) = try_connect(true);
+    assert!(err.as_deref().is_some_and(|e| e.contains("refused")), "{err:?}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    let (err, took) = try_connect(false);
+    assert!(err.is_some());
+    assert!(took >= Duration::from_secs(2), "retried only {took:?}");
+}
