@@ -411,13 +411,21 @@ impl Orchestrator {
         let dst_json = describe(&self.sinks, "sink", t).await?;
         let src = parse("source", &src_json, self.sources.len())?;
         let dst = parse("sink", &dst_json, self.sinks.len())?;
-        let plan = match mode {
-            Strategy::Reshard => plan_reshard(&src, &dst, &self.config.plan)?,
-            Strategy::Baseline => plan_baseline(&src, &dst, &self.config.plan)?,
+        // Planning a large model is seconds of CPU: off the reactor, so the
+        // control plane's heartbeats keep flowing meanwhile.
+        let options = self.config.plan;
+        let planned = tokio::task::spawn_blocking(move || -> Result<_, OrchestratorError> {
+            let plan = match mode {
+                Strategy::Reshard => plan_reshard(&src, &dst, &options)?,
+                Strategy::Baseline => plan_baseline(&src, &dst, &options)?,
+            };
+            Ok((plan.fingerprint(), plan.figures().total_bytes, plan.programs(&src, &dst)?))
+        })
+        .await;
+        let (fingerprint, bytes, programs) = match planned {
+            Ok(r) => r?,
+            Err(e) => return Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("planning task: {e}") }),
         };
-        let (fingerprint, bytes) = (plan.fingerprint(), plan.figures().total_bytes);
-        let programs = plan.programs(&src, &dst)?;
-        drop(plan);
         self.plans_made += 1;
         let layout_fingerprints = (reshard::fingerprint::fnv64(&src_json), reshard::fingerprint::fnv64(&dst_json));
         // Plans of the other strategy were made for these layouts too, or

@@ -142,7 +142,11 @@ impl Actor for PatternRank {
             (PatternMsg::Fill { version }, Role::Source(store)) => {
                 if store.version() != version {
                     let (src, rank) = (Arc::clone(&self.src), self.rank);
-                    store.restore(version, |b| fill_source_rank_at(&src, rank, version, b.memory_mut())).await;
+                    // Filling is long CPU work: off the reactor, or the
+                    // control connection's heartbeats starve.
+                    store
+                        .restore(version, |b| tokio::task::block_in_place(|| fill_source_rank_at(&src, rank, version, b.memory_mut())))
+                        .await;
                 }
                 Ok(PatternReply::Filled { version })
             }
