@@ -409,12 +409,13 @@ impl Orchestrator {
         // programs, hand each member that needs it its own, drop the rest.
         let src_json = describe(&self.sources, "source", t).await?;
         let dst_json = describe(&self.sinks, "sink", t).await?;
-        let src = parse("source", &src_json, self.sources.len())?;
-        let dst = parse("sink", &dst_json, self.sinks.len())?;
-        // Planning a large model is seconds of CPU: off the reactor, so the
-        // control plane's heartbeats keep flowing meanwhile.
-        let options = self.config.plan;
+        // Parsing and planning a large model is seconds of CPU: off the
+        // reactor, so the control plane's heartbeats keep flowing meanwhile.
+        let (options, n_src, n_dst) = (self.config.plan, self.sources.len(), self.sinks.len());
+        let (src_fp, dst_fp) = (reshard::fingerprint::fnv64(&src_json), reshard::fingerprint::fnv64(&dst_json));
         let planned = tokio::task::spawn_blocking(move || -> Result<_, OrchestratorError> {
+            let src = parse("source", &src_json, n_src)?;
+            let dst = parse("sink", &dst_json, n_dst)?;
             let plan = match mode {
                 Strategy::Reshard => plan_reshard(&src, &dst, &options)?,
                 Strategy::Baseline => plan_baseline(&src, &dst, &options)?,
@@ -427,7 +428,7 @@ impl Orchestrator {
             Err(e) => return Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("planning task: {e}") }),
         };
         self.plans_made += 1;
-        let layout_fingerprints = (reshard::fingerprint::fnv64(&src_json), reshard::fingerprint::fnv64(&dst_json));
+        let layout_fingerprints = (src_fp, dst_fp);
         // Plans of the other strategy were made for these layouts too, or
         // are gone.
         self.cache.retain(|_, c| c.layout_fingerprints == layout_fingerprints);
