@@ -34,7 +34,7 @@
 //! Without refit, the rollout ranks keep serving the initial weights and the
 //! reward stays flat: the learning is carried by refit alone.
 
-use actors::{async_trait, spawn, spawn_group, Actor, ActorError, ActorGroup, Context, GroupError, Secret, SpawnConfig};
+use actors::{async_trait, spawn, spawn_group, Actor, ActorError, ActorGroup, Context, GroupError, SpawnConfig};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use orchestrator::rendezvous::ControlConfig;
 use orchestrator::{
@@ -766,12 +766,13 @@ struct ProcessCast {
 impl ProcessCast {
     async fn start(src: &Layout, dst: &Layout, mode: Strategy) -> Result<ProcessCast, DemoError> {
         let actor = |e: orchestrator::JoinError| DemoError::Actor(e.to_string());
-        let secret_text = crate::procs::random_secret();
-        let secret = Secret::from_bytes(secret_text.as_bytes().to_vec()).map_err(|e| DemoError::Actor(e.to_string()))?;
+        let control_secret = crate::cluster::ControlSecret::random();
+        let secret = control_secret.secret().map_err(DemoError::Actor)?;
+        let secret_text = control_secret.text();
         let bind = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
         let rendezvous = Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(actor)?;
         let exe = std::env::current_exe()?;
-        let mut children = crate::procs::Children::new(&exe, rendezvous.addr(), &secret_text, false);
+        let mut children = crate::procs::Children::new(&exe, rendezvous.addr(), secret_text, false);
         for (role, n) in [(DemoRole::Trainer, TRAIN_TP), (DemoRole::Rollout, ROLLOUT_DP * ROLLOUT_TP)] {
             for rank in 0..n {
                 let role = format!("{role:?}").to_lowercase();

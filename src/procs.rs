@@ -8,19 +8,19 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-/// Peak resident memory (Linux `VmHWM`) of process `pid` (a number, or
-/// `self`), in bytes; `None` where `/proc` does not tell.
-pub fn peak_rss_of(pid: &str) -> Option<u64> {
+/// The number after `field` (e.g. `VmHWM:`) in Linux's `/proc/PID/status`
+/// of process `pid` (a number, or `self`); `None` where `/proc` does not
+/// tell.
+pub fn status_number(pid: &str, field: &str) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
 }
 
-/// A random shared secret for a control plane whose processes are all
-/// started here (256 bits, hex).
-pub fn random_secret() -> String {
-    format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple())
+/// Peak resident memory (Linux `VmHWM`) of process `pid` (a number, or
+/// `self`), in bytes.
+pub fn peak_rss_of(pid: &str) -> Option<u64> {
+    status_number(pid, "VmHWM:").map(|kib| kib * 1024)
 }
 
 /// One started process and how to start it again.

@@ -4,6 +4,7 @@
 //! for growth.
 
 use crate::cluster::{Cluster, ClusterConfig, ClusterError};
+use crate::procs::status_number;
 use reshard::Layout;
 use std::time::{Duration, Instant};
 
@@ -39,18 +40,12 @@ pub struct SoakReport {
     pub verified: u64,
 }
 
-fn status_field(pid: u32, field: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = text.lines().find(|l| l.starts_with(field))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
 /// Resources of process `pid` (Linux `/proc`; zeros elsewhere).
 pub fn process_resources(pid: u32) -> Resources {
     Resources {
-        rss_bytes: status_field(pid, "VmRSS:").unwrap_or(0) * 1024,
+        rss_bytes: status_number(&pid.to_string(), "VmRSS:").unwrap_or(0) * 1024,
         fds: std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64),
-        threads: status_field(pid, "Threads:").unwrap_or(0),
+        threads: status_number(&pid.to_string(), "Threads:").unwrap_or(0),
     }
 }
 

@@ -23,7 +23,7 @@ pub enum Role {
 }
 
 impl Role {
-    fn group(&self) -> Group {
+    pub(crate) fn group(&self) -> Group {
         match self {
             Role::Source(_) => Group::Src,
             Role::Sink(_) => Group::Dst,

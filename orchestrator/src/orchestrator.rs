@@ -382,6 +382,11 @@ impl Orchestrator {
     async fn ensure_plan(&mut self) -> Result<bool, OrchestratorError> {
         let t = self.config.control_timeout;
         let mode = self.config.mode;
+        for (group, members) in [("source", &self.sources), ("sink", &self.sinks)] {
+            if members.is_empty() {
+                return Err(OrchestratorError::Layout { group, problem: "the group has no members".into() });
+            }
+        }
         // Cheap check first: every member's layout fingerprint and plans.
         let status = call_both(&self.sources, &self.sinks, |_, _| Some(MemberMsg::Status), t).await?;
         let mut layouts: [Option<u64>; 2] = [None, None];
@@ -471,9 +476,10 @@ impl Orchestrator {
         let start = Instant::now();
         let replanned = self.ensure_plan().await?;
         let plan_time = start.elapsed();
-        let (fingerprint, bytes) = match self.cache.get(&self.config.mode) {
-            Some(c) => (c.fingerprint, c.bytes),
-            None => unreachable!("ensure_plan leaves a plan cached"),
+        let Some(&CachedPlan { fingerprint, bytes, .. }) = self.cache.get(&self.config.mode) else {
+            // `ensure_plan` caches a plan whenever it returns Ok with members
+            // in both groups; it refuses empty groups.
+            return Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: "no plan after planning".into() });
         };
         let refit = self.refits;
         // A fresh data-plane epoch for every refit.
@@ -501,17 +507,8 @@ impl Orchestrator {
         // The second phase: every sink has staged the whole version; flip.
         self.enter(RefitStep::Committing);
         let t = Instant::now();
-        let timeout = self.config.control_timeout;
-        let replies = self
-            .sinks
-            .call_all_timeout(|_| MemberMsg::Commit { version }, timeout)
-            .await
-            .map_err(|e| group_error(&self.sinks, e, timeout))?;
-        for (rank, reply) in replies.into_iter().enumerate() {
-            if let MemberReply::Refused(r) = reply {
-                return Err(refused(self.sinks.get(rank).map_or("?", |m| m.name()), r));
-            }
-        }
+        let commit = |g, _| (g == reshard::Group::Dst).then_some(MemberMsg::Commit { version });
+        no_refusal(&call_both(&self.sources, &self.sinks, commit, self.config.control_timeout).await?)?;
         Ok(RefitReport {
             version,
             mode: self.config.mode,

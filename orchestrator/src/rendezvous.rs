@@ -275,11 +275,7 @@ impl Joined {
         if rank >= layout.ranks() {
             return Err(JoinError::Config(format!("rank {rank}: the layout has {} ranks", layout.ranks())));
         }
-        let group = match role {
-            Role::Source(_) => Group::Src,
-            Role::Sink(_) => Group::Dst,
-        };
-        let name = member_name(group, rank);
+        let name = member_name(role.group(), rank);
         let member = Member::with_config(layout, rank, role, config);
         // Calls are bounded by the orchestrator (a refit may take minutes).
         let member = spawn(member, SpawnConfig::default().name(name.clone()).call_timeout(Duration::from_secs(7 * 24 * 3600)));

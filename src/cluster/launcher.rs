@@ -395,13 +395,7 @@ impl Cluster {
             return Ok(0);
         }
         let ranks: Vec<Endpoint> = dead.iter().flat_map(|&i| self.hosts[i].ranks.iter().copied()).collect();
-        self.runtime.block_on(async {
-            for e in &ranks {
-                self.rendezvous.forget(&member_name(e.group, e.rank)).await.map_err(setup)?;
-                self.rendezvous.forget(&pattern_name(*e)).await.map_err(setup)?;
-            }
-            Ok::<_, ClusterError>(())
-        })?;
+        self.forget(&ranks)?;
         if let Some(children) = &mut self.children {
             for &i in &dead {
                 children.restart(i).map_err(setup)?;
@@ -437,16 +431,26 @@ impl Cluster {
                 }
             }
         }
-        let children = self.children.as_mut().ok_or_else(|| setup("workers not started here cannot be restarted"))?;
+        if self.children.is_none() {
+            return Err(setup("workers not started here cannot be restarted"));
+        }
+        self.forget(&host.ranks)?;
+        if let Some(children) = &mut self.children {
+            children.restart_with(index, args).map_err(setup)?;
+        }
+        self.rejoin(&host.ranks)
+    }
+
+    /// Drops the registrations of `ranks`, so that only their replacements
+    /// are looked up.
+    fn forget(&self, ranks: &[Endpoint]) -> Result<(), ClusterError> {
         self.runtime.block_on(async {
-            for e in &host.ranks {
+            for e in ranks {
                 self.rendezvous.forget(&member_name(e.group, e.rank)).await.map_err(setup)?;
                 self.rendezvous.forget(&pattern_name(*e)).await.map_err(setup)?;
             }
-            Ok::<_, ClusterError>(())
-        })?;
-        children.restart_with(index, args).map_err(setup)?;
-        self.rejoin(&host.ranks)
+            Ok(())
+        })
     }
 
     /// Looks up the members of `ranks` again and hands the orchestrator the
