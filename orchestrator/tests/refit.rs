@@ -282,3 +282,18 @@ async fn failed_refit_leaves_sinks_on_their_last_version() {
         assert!(values.iter().all(|&x| x == 5.0), "sink {i}: {values:?}");
     }
 }
+
+/// An orchestrator over an empty group refuses to refit (no panic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_group_is_a_layout_error() {
+    let (src, dst) = layouts();
+    let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
+    let empty = actors::ActorGroup::from_refs(Vec::new());
+    let o = orchestrator::spawn_orchestrator(sys.source_members.clone(), empty, config(Strategy::Reshard));
+    match o.refit(0).await {
+        Err(RefitError::Refit(OrchestratorError::Layout { group: "sink", problem })) => {
+            assert!(problem.contains("no members"), "{problem}")
+        }
+        other => panic!("expected a layout error, got {other:?}"),
+    }
+}
