@@ -141,13 +141,13 @@ async fn member_process(role: &str, rank: u32) -> Result<(), String> {
     match role {
         "trainer" => {
             let store = Arc::new(SourceStore::new(&training, rank));
-            joined.serve_member(&training, rank, Role::Source(store.clone())).await.map_err(|e| e.to_string())?;
+            joined.serve_member(Arc::new(training), rank, Role::Source(store.clone())).await.map_err(|e| e.to_string())?;
             let trainer = spawn(Trainer { rank: rank.into(), store }, SpawnConfig::default());
             joined.serve(&format!("trainer.{rank}"), &trainer).await.map_err(|e| e.to_string())?;
         }
         _ => {
             let store = Arc::new(SinkStore::new(&rollout, rank));
-            joined.serve_member(&rollout, rank, Role::Sink(store.clone())).await.map_err(|e| e.to_string())?;
+            joined.serve_member(Arc::new(rollout), rank, Role::Sink(store.clone())).await.map_err(|e| e.to_string())?;
             let actor = spawn(Rollout { tp: (rank % 2).into(), store }, SpawnConfig::default());
             joined.serve(&format!("rollout.{rank}"), &actor).await.map_err(|e| e.to_string())?;
         }

@@ -816,13 +816,13 @@ pub fn run_demo_member(role: DemoRole, rank: u32) -> Result<(), DemoError> {
         match role {
             DemoRole::Trainer => {
                 let store = Arc::new(SourceStore::new(&src, rank));
-                joined.serve_member(&src, rank, Role::Source(store.clone())).await.map_err(actor)?;
+                joined.serve_member(Arc::new(src), rank, Role::Source(store.clone())).await.map_err(actor)?;
                 let trainer = spawn(Trainer::new(rank as usize, store), SpawnConfig::default().name(name.clone()));
                 joined.serve(&name, &trainer).await.map_err(actor)?;
             }
             DemoRole::Rollout => {
                 let store = Arc::new(SinkStore::new(&dst, rank));
-                joined.serve_member(&dst, rank, Role::Sink(store.clone())).await.map_err(actor)?;
+                joined.serve_member(Arc::new(dst), rank, Role::Sink(store.clone())).await.map_err(actor)?;
                 let rollout = spawn(Rollout::new(rank as usize, store), SpawnConfig::default().name(name.clone()));
                 joined.serve(&name, &rollout).await.map_err(actor)?;
             }

@@ -537,6 +537,20 @@ fn check_holdings(layout: &Layout) -> Result<(), TestCaseError> {
         want.sort_unstable();
         got.sort_unstable();
         prop_assert!(want == got, "tensor '{}': holdings differ from the reference expansion", t.name);
+        // One rank's view is the whole expansion filtered to that rank, in
+        // the same order.
+        for rank in 0..layout.ranks() {
+            let whole: Vec<_> = layout
+                .holdings(ti as u32)
+                .iter()
+                .flat_map(|h| h.holders.iter().filter(|l| l.rank == rank).map(|l| (h.block, *l)).collect::<Vec<_>>())
+                .collect();
+            prop_assert!(layout.rank_holdings(ti as u32, rank) == whole, "tensor '{}': rank {rank}'s holdings differ", t.name);
+        }
+    }
+    let all = layout.buffers();
+    for rank in 0..layout.ranks() {
+        prop_assert!(layout.rank_buffers(rank) == all[rank as usize], "rank {rank}: its buffers differ from the whole layout's");
     }
     Ok(())
 }

@@ -152,9 +152,12 @@ pub fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig) -> Re
     let sinks: Vec<Arc<SinkStore>> = (0..dst.ranks()).map(|r| Arc::new(SinkStore::new(dst, r))).collect();
     let (supervisor, events) = Supervisor::channel();
     let member_config = |name: &str| SpawnConfig::default().name(name).call_timeout(config.deadline + config.control_timeout);
-    let source_members =
-        spawn_group(sources.len(), member_config("source"), |r| Member::new(src, r as u32, Role::Source(sources[r].clone())));
-    let sink_members = spawn_group(sinks.len(), member_config("sink"), |r| Member::new(dst, r as u32, Role::Sink(sinks[r].clone())));
+    let (src_layout, dst_layout) = (Arc::new(src.clone()), Arc::new(dst.clone()));
+    let source_members = spawn_group(sources.len(), member_config("source"), |r| {
+        Member::new(src_layout.clone(), r as u32, Role::Source(sources[r].clone()))
+    });
+    let sink_members =
+        spawn_group(sinks.len(), member_config("sink"), |r| Member::new(dst_layout.clone(), r as u32, Role::Sink(sinks[r].clone())));
     source_members.link(&supervisor);
     sink_members.link(&supervisor);
     let orchestrator = OrchestratorHandle::spawn(

@@ -7,7 +7,7 @@ use crate::fabric::Endpointed;
 use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, INSTALLED_PLANS};
 use crate::store::{SinkStore, SourceStore};
 use actors::{async_trait, Actor, ActorError, Context};
-use reshard::{layout_to_json, Endpoint, Fingerprint, Group, Layout, RankProgram};
+use reshard::{Endpoint, Fingerprint, Group, Layout, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
@@ -71,7 +71,8 @@ struct Pending {
 pub struct Member {
     endpoint: Endpoint,
     node: u32,
-    layout_json: String,
+    /// The group's layout, shared by the members of one process.
+    layout: Arc<Layout>,
     layout_fingerprint: u64,
     role: Role,
     config: MemberConfig,
@@ -82,19 +83,18 @@ pub struct Member {
 
 impl Member {
     /// A member for rank `rank` of a group laid out as `layout`, with the
-    /// default [`MemberConfig`].
-    pub fn new(layout: &Layout, rank: u32, role: Role) -> Member {
+    /// default [`MemberConfig`]. Members of one process share the layout.
+    pub fn new(layout: Arc<Layout>, rank: u32, role: Role) -> Member {
         Member::with_config(layout, rank, role, MemberConfig::default())
     }
 
     /// A member with explicit settings.
-    pub fn with_config(layout: &Layout, rank: u32, role: Role, config: MemberConfig) -> Member {
-        let layout_json = layout_to_json(layout).to_string();
+    pub fn with_config(layout: Arc<Layout>, rank: u32, role: Role, config: MemberConfig) -> Member {
         Member {
             endpoint: Endpoint { group: role.group(), rank },
             node: layout.node_of(rank),
-            layout_fingerprint: reshard::fingerprint::fnv64(&layout_json),
-            layout_json,
+            layout_fingerprint: layout.fingerprint(),
+            layout,
             role,
             config,
             installed: Vec::new(),
@@ -286,7 +286,7 @@ impl Actor for Member {
     async fn handle(&mut self, msg: MemberMsg, _ctx: &mut Context<Self>) -> Result<MemberReply, ActorError> {
         Ok(match msg {
             MemberMsg::Describe => {
-                MemberReply::Layout(LayoutInfo { rank: self.endpoint.rank, layout_json: self.layout_json.clone(), pid: std::process::id() })
+                MemberReply::Layout(LayoutInfo { rank: self.endpoint.rank, layout: self.layout.clone(), pid: std::process::id() })
             }
             MemberMsg::Status => {
                 MemberReply::Status { layout: self.layout_fingerprint, installed: self.installed.iter().map(|(_, f)| *f).collect() }

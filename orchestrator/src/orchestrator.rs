@@ -4,10 +4,9 @@
 use crate::fabric::hub;
 use crate::member::Member;
 use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal};
-use actors::{async_trait, Actor, ActorError, ActorGroup, CallError, Context, GroupError};
-use reshard::{
-    parse_layout, plan_baseline, plan_reshard, Endpoint, Fingerprint, Layout, LayoutError, PlanError, PlanOptions, RankProgram, Strategy,
-};
+use actors::{async_trait, Actor, ActorError, ActorGroup, CallError, Context};
+use reshard::{plan_baseline, plan_reshard, Endpoint, Fingerprint, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram, Strategy};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 use transport::local_fabric;
@@ -225,6 +224,21 @@ struct CachedPlan {
     bytes: u64,
 }
 
+/// Programs derived ahead of, or being sent to, members while installing.
+const INSTALL_WINDOW: usize = 8;
+
+/// An install call's outcome, whether or not its task ran to the end.
+fn flatten(done: Result<Result<(), OrchestratorError>, tokio::task::JoinError>) -> Result<(), OrchestratorError> {
+    done.unwrap_or_else(|e| Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("install task: {e}") }))
+}
+
+/// The layouts both groups hold, as last described, by fingerprint.
+struct KnownLayouts {
+    fingerprints: (u64, u64),
+    src: Arc<Layout>,
+    dst: Arc<Layout>,
+}
+
 /// The orchestrator actor.
 pub struct Orchestrator {
     sources: ActorGroup<Member>,
@@ -232,6 +246,9 @@ pub struct Orchestrator {
     config: OrchestratorConfig,
     /// One plan per strategy, while both layouts stay the same.
     cache: std::collections::HashMap<Strategy, CachedPlan>,
+    /// The layouts, kept while members report the same fingerprints (a
+    /// replaced member then costs a plan, not a describe).
+    layouts: Option<KnownLayouts>,
     plans_made: u64,
     /// Refits started, the data-plane epoch.
     refits: u64,
@@ -246,6 +263,7 @@ impl Orchestrator {
             sinks,
             config,
             cache: Default::default(),
+            layouts: None,
             plans_made: 0,
             refits: 0,
             phase: tokio::sync::watch::Sender::default(),
@@ -275,16 +293,6 @@ fn call_error(member: String, e: CallError, after: Duration) -> OrchestratorErro
     }
 }
 
-fn group_error(group: &ActorGroup<Member>, e: GroupError, after: Duration) -> OrchestratorError {
-    match e {
-        GroupError::Rank { rank, error } => {
-            let member = group.get(rank).map_or_else(|| format!("rank {rank}"), |m| m.name().to_string());
-            call_error(member, error, after)
-        }
-        other => OrchestratorError::Failed { member: "group".into(), problem: other.to_string() },
-    }
-}
-
 fn refused(member: &str, r: Refusal) -> OrchestratorError {
     match r {
         Refusal::FingerprintMismatch { installed, asked } => {
@@ -295,40 +303,36 @@ fn refused(member: &str, r: Refusal) -> OrchestratorError {
     }
 }
 
-/// Asks every member of `group` for its layout; all must agree.
-async fn describe(group: &ActorGroup<Member>, name: &'static str, timeout: Duration) -> Result<String, OrchestratorError> {
-    let replies = group.call_all_timeout(|_| MemberMsg::Describe, timeout).await.map_err(|e| group_error(group, e, timeout))?;
-    let mut layout: Option<String> = None;
-    for (rank, reply) in replies.into_iter().enumerate() {
-        let MemberReply::Layout(info) = reply else {
-            return Err(OrchestratorError::Layout { group: name, problem: format!("rank {rank} answered {reply:?} to Describe") });
-        };
-        if info.rank as usize != rank {
-            return Err(OrchestratorError::Layout { group: name, problem: format!("member at rank {rank} says it is rank {}", info.rank) });
-        }
-        match &layout {
-            None => layout = Some(info.layout_json),
-            Some(l) if *l != info.layout_json => {
-                return Err(OrchestratorError::Layout {
-                    group: name,
-                    problem: format!("rank {rank} reports a different layout than rank 0"),
-                });
-            }
-            Some(_) => {}
-        }
+/// Asks one member of `group` (rank 0) for the group's layout, which
+/// every member reported as `fingerprint`.
+async fn describe(
+    group: &ActorGroup<Member>,
+    name: &'static str,
+    fingerprint: u64,
+    timeout: Duration,
+) -> Result<Arc<Layout>, OrchestratorError> {
+    let Some(member) = group.get(0) else {
+        return Err(OrchestratorError::Layout { group: name, problem: "the group has no members".into() });
+    };
+    let who = member.name().to_string();
+    let reply = member.call_timeout(MemberMsg::Describe, timeout).await.map_err(|e| call_error(who.clone(), e, timeout))?;
+    let MemberReply::Layout(info) = reply else {
+        return Err(OrchestratorError::Protocol { member: who, request: "Describe", reply: format!("{reply:?}") });
+    };
+    let layout = info.layout;
+    let problem = if info.rank != 0 {
+        Some(format!("the member at rank 0 says it is rank {}", info.rank))
+    } else if layout.ranks() as usize != group.len() {
+        Some(format!("layout has {} ranks but the group has {} members", layout.ranks(), group.len()))
+    } else if layout.fingerprint() != fingerprint {
+        Some(format!("rank 0 describes a layout with fingerprint {:016x} but reported {fingerprint:016x}", layout.fingerprint()))
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(OrchestratorError::Layout { group: name, problem }),
+        None => Ok(layout),
     }
-    layout.ok_or(OrchestratorError::Layout { group: name, problem: "the group is empty".into() })
-}
-
-fn parse(group: &'static str, json: &str, members: usize) -> Result<Layout, OrchestratorError> {
-    let layout = parse_layout(json).map_err(|e: LayoutError| OrchestratorError::Layout { group, problem: e.to_string() })?;
-    if layout.ranks() as usize != members {
-        return Err(OrchestratorError::Layout {
-            group,
-            problem: format!("layout has {} ranks but the group has {members} members", layout.ranks()),
-        });
-    }
-    Ok(layout)
 }
 
 /// Every member's reply to `msg(group, rank)`, or the first failure.
@@ -382,26 +386,33 @@ impl Orchestrator {
     async fn ensure_plan(&mut self) -> Result<bool, OrchestratorError> {
         let t = self.config.control_timeout;
         let mode = self.config.mode;
-        for (group, members) in [("source", &self.sources), ("sink", &self.sinks)] {
+        let names = ["source", "sink"];
+        for (group, members) in names.into_iter().zip([&self.sources, &self.sinks]) {
             if members.is_empty() {
                 return Err(OrchestratorError::Layout { group, problem: "the group has no members".into() });
             }
         }
         // Cheap check first: every member's layout fingerprint and plans.
         let status = call_both(&self.sources, &self.sinks, |_, _| Some(MemberMsg::Status), t).await?;
+        let n_src = self.sources.len();
         let mut layouts: [Option<u64>; 2] = [None, None];
-        let mut agree = true;
         let mut installed = Vec::with_capacity(status.len());
         for (i, (member, reply)) in status.into_iter().enumerate() {
             let MemberReply::Status { layout, installed: plans } = reply else {
                 return Err(OrchestratorError::Protocol { member, request: "Status", reply: format!("{reply:?}") });
             };
-            let g = usize::from(i >= self.sources.len());
-            agree &= *layouts[g].get_or_insert(layout) == layout;
+            let (g, rank) = if i < n_src { (0, i) } else { (1, i - n_src) };
+            let first = *layouts[g].get_or_insert(layout);
+            if first != layout {
+                return Err(OrchestratorError::Layout {
+                    group: names[g],
+                    problem: format!("{member} (rank {rank}) holds a different layout ({layout:016x}) than rank 0 ({first:016x})"),
+                });
+            }
             installed.push(plans);
         }
-        let current = layouts[0].zip(layouts[1]).filter(|_| agree);
-        if current.is_none() || self.cache.values().any(|c| Some(c.layout_fingerprints) != current) {
+        let current = (layouts[0].unwrap_or_default(), layouts[1].unwrap_or_default());
+        if self.cache.values().any(|c| c.layout_fingerprints != current) {
             self.cache.clear();
         }
         let cached = self.cache.get(&mode).map(|c| c.fingerprint);
@@ -410,58 +421,105 @@ impl Orchestrator {
         if lacking.is_empty() {
             return Ok(false);
         }
-        // Plan (again, for members that lack a cached plan), build the
-        // programs, hand each member that needs it its own, drop the rest.
-        let src_json = describe(&self.sources, "source", t).await?;
-        let dst_json = describe(&self.sinks, "sink", t).await?;
-        // Parsing and planning a large model is seconds of CPU: off the
-        // reactor, so the control plane's heartbeats keep flowing meanwhile.
-        let (options, n_src, n_dst) = (self.config.plan, self.sources.len(), self.sinks.len());
-        let (src_fp, dst_fp) = (reshard::fingerprint::fnv64(&src_json), reshard::fingerprint::fnv64(&dst_json));
-        let planned = tokio::task::spawn_blocking(move || -> Result<_, OrchestratorError> {
-            let src = parse("source", &src_json, n_src)?;
-            let dst = parse("sink", &dst_json, n_dst)?;
-            let plan = match mode {
-                Strategy::Reshard => plan_reshard(&src, &dst, &options)?,
-                Strategy::Baseline => plan_baseline(&src, &dst, &options)?,
-            };
-            Ok((plan.fingerprint(), plan.figures().total_bytes, plan.programs(&src, &dst)?))
+        // The layouts travel once: from one member of each group, and only
+        // when their fingerprints changed.
+        let (src, dst) = match &self.layouts {
+            Some(k) if k.fingerprints == current => (k.src.clone(), k.dst.clone()),
+            _ => {
+                self.layouts = None;
+                let src = describe(&self.sources, "source", current.0, t).await?;
+                let dst = describe(&self.sinks, "sink", current.1, t).await?;
+                self.layouts = Some(KnownLayouts { fingerprints: current, src: src.clone(), dst: dst.clone() });
+                (src, dst)
+            }
+        };
+        // Planning a large model is seconds of CPU: off the reactor, so the
+        // control plane's heartbeats keep flowing meanwhile.
+        let options = self.config.plan;
+        let (s, d) = (src.clone(), dst.clone());
+        let planned = tokio::task::spawn_blocking(move || match mode {
+            Strategy::Reshard => plan_reshard(&s, &d, &options),
+            Strategy::Baseline => plan_baseline(&s, &d, &options),
         })
         .await;
-        let (fingerprint, bytes, programs) = match planned {
-            Ok(r) => r?,
+        let plan = match planned {
+            Ok(r) => Arc::new(r?),
             Err(e) => return Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("planning task: {e}") }),
         };
+        let (fingerprint, bytes) = (plan.fingerprint(), plan.figures().total_bytes);
         self.plans_made += 1;
-        let layout_fingerprints = (src_fp, dst_fp);
         // Plans of the other strategy were made for these layouts too, or
         // are gone.
-        self.cache.retain(|_, c| c.layout_fingerprints == layout_fingerprints);
+        self.cache.retain(|_, c| c.layout_fingerprints == current);
         if cached != Some(fingerprint) {
             // Not installed anywhere yet (or the layouts changed under it).
             self.cache.remove(&mode);
         }
-        let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..programs.len()).collect() };
-        self.install(programs, &which, fingerprint).await?;
-        self.cache.insert(mode, CachedPlan { layout_fingerprints, fingerprint, bytes });
+        let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..installed.len()).collect() };
+        self.install(plan, src, dst, which).await?;
+        self.cache.insert(mode, CachedPlan { layout_fingerprints: current, fingerprint, bytes });
         Ok(true)
     }
 
-    /// Hands members `which` (indices into sources then sinks) their
-    /// programs (moved, not copied).
-    async fn install(&self, programs: Vec<RankProgram>, which: &[usize], fingerprint: Fingerprint) -> Result<(), OrchestratorError> {
+    /// Hands members `which` (indices into sources then sinks) their own
+    /// programs, derived one by one in a blocking task while earlier ones
+    /// are sent: at most [`INSTALL_WINDOW`] programs exist at a time, never
+    /// all of them.
+    async fn install(&self, plan: Arc<Plan>, src: Arc<Layout>, dst: Arc<Layout>, which: Vec<usize>) -> Result<(), OrchestratorError> {
         let n_src = self.sources.len();
-        let slots: std::sync::Mutex<Vec<Option<RankProgram>>> = std::sync::Mutex::new(programs.into_iter().map(Some).collect());
-        let msg = |g: reshard::Group, rank: usize| {
-            let i = if g == reshard::Group::Src { rank } else { n_src + rank };
-            if which.binary_search(&i).is_err() {
-                return None;
+        let fingerprint = plan.fingerprint();
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, RankProgram)>(INSTALL_WINDOW);
+        let producer = tokio::task::spawn_blocking(move || -> Result<(), PlanError> {
+            let programs = Programs::new(&plan, &src, &dst)?;
+            for i in which {
+                let e = if i < n_src { Endpoint::src(i as u32) } else { Endpoint::dst((i - n_src) as u32) };
+                if tx.blocking_send((i, programs.program(e))).is_err() {
+                    // The installer gave up (a member failed).
+                    break;
+                }
             }
-            let program = slots.lock().unwrap_or_else(|e| e.into_inner()).get_mut(i)?.take()?;
-            Some(MemberMsg::Install { program: Box::new(program), fingerprint })
-        };
-        let replies = call_both(&self.sources, &self.sinks, msg, self.config.control_timeout).await?;
-        no_refusal(&replies)
+            Ok(())
+        });
+        let after = self.config.control_timeout;
+        let mut calls = tokio::task::JoinSet::new();
+        let mut result = Ok(());
+        while let Some((i, program)) = rx.recv().await {
+            let member = if i < n_src { self.sources.get(i) } else { self.sinks.get(i - n_src) };
+            let Some(member) = member.cloned() else { continue };
+            calls.spawn(async move {
+                let name = member.name().to_string();
+                match member.call_timeout(MemberMsg::Install { program: Box::new(program), fingerprint }, after).await {
+                    Ok(MemberReply::Refused(r)) => Err(refused(&name, r)),
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(call_error(name, e, after)),
+                }
+            });
+            while calls.len() >= INSTALL_WINDOW {
+                if let Some(done) = calls.join_next().await {
+                    result = flatten(done);
+                }
+                if result.is_err() {
+                    break;
+                }
+            }
+            if result.is_err() {
+                break;
+            }
+        }
+        drop(rx);
+        while result.is_ok() {
+            match calls.join_next().await {
+                Some(done) => result = flatten(done),
+                None => break,
+            }
+        }
+        calls.abort_all();
+        let produced = producer.await;
+        result?;
+        match produced {
+            Ok(r) => Ok(r?),
+            Err(e) => Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("program task: {e}") }),
+        }
     }
 
     async fn refit(&mut self, version: u64) -> Result<RefitReport, OrchestratorError> {
@@ -584,6 +642,7 @@ impl Actor for Orchestrator {
             }
             OrchestratorMsg::Invalidate => {
                 self.cache.clear();
+                self.layouts = None;
                 Ok(OrchestratorReply::Done)
             }
         }

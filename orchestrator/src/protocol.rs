@@ -17,8 +17,9 @@
 //! [`Orchestrator`]: crate::Orchestrator
 //! [`Member`]: crate::Member
 
-use reshard::{Endpoint, Fingerprint, RankProgram};
+use reshard::{Endpoint, Fingerprint, Layout, RankProgram};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How many installed plans a member keeps (reshard and baseline, say).
@@ -71,8 +72,8 @@ pub struct PeerAddr {
 pub enum MemberMsg {
     /// Report the group layout this member holds weights for.
     Describe,
-    /// Report a fingerprint of that layout and the plan installed (cheap;
-    /// asked before every refit).
+    /// Report a fingerprint of that layout ([`Layout::fingerprint`]) and
+    /// the plans installed (cheap; asked before every refit).
     Status,
     /// Keep this program for the plan with this fingerprint (a member keeps
     /// the latest [`INSTALLED_PLANS`]).
@@ -178,12 +179,15 @@ impl std::fmt::Display for Refusal {
 }
 
 /// What a member says about itself when asked ([`MemberMsg::Describe`]).
+/// The orchestrator asks one member per group (every member reports the
+/// layout's fingerprint in `Status`), so the layout travels once, in the
+/// control plane's binary encoding, and is validated again on arrival.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LayoutInfo {
     /// The member's rank in its group.
     pub rank: u32,
-    /// The whole group's layout, in the layout file format.
-    pub layout_json: String,
+    /// The whole group's layout.
+    pub layout: Arc<Layout>,
     /// The process the member runs in.
     pub pid: u32,
 }

@@ -23,6 +23,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -254,7 +255,7 @@ impl Joined {
     /// Spawns the member of rank `rank` of the group laid out as `layout`
     /// on this process's store, serves it and registers it; its data plane
     /// listens on the interface that reaches the rendezvous.
-    pub async fn serve_member(&self, layout: &Layout, rank: u32, role: Role) -> Result<ActorRef<Member>, JoinError> {
+    pub async fn serve_member(&self, layout: Arc<Layout>, rank: u32, role: Role) -> Result<ActorRef<Member>, JoinError> {
         self.serve_member_with(layout, rank, role, self.member_config()).await
     }
 
@@ -267,7 +268,7 @@ impl Joined {
     /// [`serve_member`](Self::serve_member) with explicit settings.
     pub async fn serve_member_with(
         &self,
-        layout: &Layout,
+        layout: Arc<Layout>,
         rank: u32,
         role: Role,
         config: MemberConfig,

@@ -23,7 +23,7 @@ pub struct Buffers {
 impl Buffers {
     /// Zeroed buffers for rank `rank` of `layout`.
     pub fn new(layout: &Layout, rank: Rank) -> Buffers {
-        let specs = layout.buffers().into_iter().nth(rank as usize).unwrap_or_default();
+        let specs = if rank < layout.ranks() { layout.rank_buffers(rank) } else { Vec::new() };
         let memory = RankMemory::for_buffers(&specs);
         Buffers { specs, memory }
     }

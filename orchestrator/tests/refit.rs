@@ -149,7 +149,7 @@ async fn members_that_disagree_on_their_layout_are_rejected() {
     let mixed = spawn_refit(&src, &other, config(Strategy::Reshard));
     let sinks = actors::spawn_group(4, actors::SpawnConfig::default(), |r| {
         let (layout, store) = if r == 1 { (&other, mixed.sinks[1].clone()) } else { (&dst, sys.sinks[r].clone()) };
-        orchestrator::Member::new(layout, r as u32, orchestrator::Role::Sink(store))
+        orchestrator::Member::new(std::sync::Arc::new(layout.clone()), r as u32, orchestrator::Role::Sink(store))
     });
     sys.orchestrator.attach(sys.source_members.clone(), sinks).await.unwrap();
     let v = step(&sys, 1.0).await;
@@ -170,8 +170,10 @@ async fn a_replaced_member_gets_its_program_and_the_refit_goes_on() {
     let first = sys.orchestrator.refit(v).await.unwrap();
     // Rank 2's member is replaced by a new one with nothing installed (as
     // fresh as a restarted process); the others are the same actors.
-    let fresh =
-        actors::spawn(orchestrator::Member::new(&dst, 2, orchestrator::Role::Sink(sys.sinks[2].clone())), actors::SpawnConfig::default());
+    let fresh = actors::spawn(
+        orchestrator::Member::new(std::sync::Arc::new(dst.clone()), 2, orchestrator::Role::Sink(sys.sinks[2].clone())),
+        actors::SpawnConfig::default(),
+    );
     let refs: Vec<_> = (0..4).map(|r| if r == 2 { fresh.clone() } else { sys.sink_members.get(r).unwrap().clone() }).collect();
     let sinks = actors::ActorGroup::from_refs(refs);
     sys.orchestrator.attach(sys.source_members.clone(), sinks).await.unwrap();

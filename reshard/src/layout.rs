@@ -18,7 +18,7 @@ pub type Rank = u32;
 pub const MAX_RANKS: u32 = 1 << 20;
 
 /// How a mesh dimension places a tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum MeshDim {
     /// Every coordinate along this mesh dim holds the same data.
     Replicate,
@@ -27,7 +27,7 @@ pub enum MeshDim {
 }
 
 /// A tensor placed on a (sub-)mesh of ranks, DTensor style.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct MeshPlacement {
     /// Size of each mesh dimension.
     pub shape: Vec<u32>,
@@ -42,7 +42,7 @@ pub struct MeshPlacement {
 }
 
 /// Which part of a tensor a shard holds.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Region {
     /// A box: offset and extent per dimension.
     Block {
@@ -61,7 +61,7 @@ pub enum Region {
 }
 
 /// Where a shard is stored in its rank's memory.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Storage {
     /// A buffer of its own, holding exactly this shard.
     Own,
@@ -76,7 +76,7 @@ pub enum Storage {
 }
 
 /// One shard of an explicitly placed tensor.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct ShardSpec {
     /// Holding rank.
     pub rank: Rank,
@@ -87,7 +87,7 @@ pub struct ShardSpec {
 }
 
 /// How a tensor is spread over ranks.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Placement {
     /// Mesh plus one placement per mesh dim; each rank's block in its own
     /// buffer or at one offset of a named buffer.
@@ -133,7 +133,7 @@ impl Placement {
 }
 
 /// One logical tensor of a layout.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct TensorLayout {
     /// Unique name (e.g. `layers.0.attn.q_proj.weight`).
     pub name: String,
@@ -251,7 +251,12 @@ fn tensor_err(t: &str, problem: impl Into<String>) -> LayoutError {
 }
 
 /// A validated layout of one group of ranks.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// It serializes as its parts (ranks, ranks per node, tensors) and
+/// deserializes through [`Layout::new`], so a layout that arrives in a
+/// message is checked like one read from a file.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(try_from = "LayoutParts")]
 pub struct Layout {
     ranks: u32,
     ranks_per_node: u32,
@@ -260,6 +265,33 @@ pub struct Layout {
     buffer_ids: HashMap<String, u32>,
     named_dtypes: Vec<DType>,
     by_name: HashMap<String, u32>,
+}
+
+/// What a [`Layout`] is made of, as it travels.
+#[derive(serde::Deserialize)]
+struct LayoutParts {
+    ranks: u32,
+    ranks_per_node: u32,
+    tensors: Vec<TensorLayout>,
+}
+
+impl TryFrom<LayoutParts> for Layout {
+    type Error = LayoutError;
+
+    fn try_from(p: LayoutParts) -> Result<Layout, LayoutError> {
+        Layout::new(p.ranks, Some(p.ranks_per_node), p.tensors)
+    }
+}
+
+impl serde::Serialize for Layout {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("LayoutParts", 3)?;
+        st.serialize_field("ranks", &self.ranks)?;
+        st.serialize_field("ranks_per_node", &self.ranks_per_node)?;
+        st.serialize_field("tensors", &self.tensors)?;
+        st.end()
+    }
 }
 
 impl Layout {
@@ -403,6 +435,72 @@ impl Layout {
                 out
             }
         }
+    }
+
+    /// The blocks of tensor `t` that `rank` holds, each with where it is
+    /// stored, in the order of [`holdings`](Self::holdings) (a rank may
+    /// store one block more than once). For mesh placements this costs the
+    /// rank's own block only, not the whole mesh.
+    pub fn rank_holdings(&self, t: u32, rank: Rank) -> Vec<(Block, Loc)> {
+        let tensor = &self.tensors[t as usize];
+        match &tensor.placement {
+            Placement::Mesh(m) => {
+                let Some(pos) = m.ranks.iter().position(|&r| r == rank) else { return Vec::new() };
+                let (buffer, at) = match &m.storage {
+                    Storage::Own => (BufferKey::Own { tensor: t, shard: 0 }, 0),
+                    Storage::InBuffer { buffer, at } => (BufferKey::Named(self.buffer_ids.get(buffer).copied().unwrap_or(0)), *at),
+                };
+                let block = mesh_block(&tensor.shape, m, pos);
+                if block.is_empty() {
+                    return Vec::new();
+                }
+                vec![(block, Loc { rank, buffer, at })]
+            }
+            Placement::Shards(shards) => {
+                if !shards.iter().any(|s| s.rank == rank) {
+                    return Vec::new();
+                }
+                let mut out = Vec::new();
+                for h in self.holdings(t) {
+                    for l in h.holders.iter().filter(|l| l.rank == rank) {
+                        out.push((h.block, *l));
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// The buffers `rank` must allocate: [`buffers`](Self::buffers)`()[rank]`,
+    /// computed from that rank's holdings only.
+    pub fn rank_buffers(&self, rank: Rank) -> Vec<BufferSpec> {
+        let mut out: Vec<BufferSpec> = Vec::new();
+        let mut index: HashMap<BufferKey, usize> = HashMap::new();
+        for (ti, t) in self.tensors.iter().enumerate() {
+            for (block, loc) in self.rank_holdings(ti as u32, rank) {
+                let end = loc.at + block.numel();
+                match index.get(&loc.buffer) {
+                    Some(&i) => out[i].elems = out[i].elems.max(end),
+                    None => {
+                        index.insert(loc.buffer, out.len());
+                        out.push(BufferSpec { key: loc.buffer, name: self.buffer_name(loc.buffer), dtype: t.dtype, elems: end });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// A stable 64-bit hash of the whole layout (ranks, nodes, every
+    /// tensor's name, type, shape and placement): members of one group
+    /// report it so that the layout itself travels once.
+    pub fn fingerprint(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = crate::fingerprint::Fnv64::default();
+        self.ranks.hash(&mut h);
+        self.ranks_per_node.hash(&mut h);
+        self.tensors.hash(&mut h);
+        h.finish() ^ crate::fingerprint::fnv64("refit-layout-v1")
     }
 
     /// The buffers every rank must allocate, indexed by rank. Buffer order
@@ -602,6 +700,26 @@ pub fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
     let c = n.div_ceil(k) as u128;
     let at = |j: u64| (j as u128 * c).min(n as u128) as u64;
     (at(i), at(i + 1))
+}
+
+/// The block held by the rank at position `pos` of a mesh's rank list.
+fn mesh_block(shape: &[u64], m: &MeshPlacement, pos: usize) -> Block {
+    let mut coord = vec![0u32; m.shape.len()];
+    let mut rest = pos;
+    for i in (0..m.shape.len()).rev() {
+        coord[i] = (rest % m.shape[i] as usize) as u32;
+        rest /= m.shape[i] as usize;
+    }
+    let mut off = vec![0u64; shape.len()];
+    let mut ext = shape.to_vec();
+    // Lower mesh dims split first, then each piece by the next.
+    for (i, p) in m.dims.iter().enumerate() {
+        let MeshDim::Shard(d) = *p else { continue };
+        let (lo, hi) = chunk_range(ext[d], m.shape[i] as u64, coord[i] as u64);
+        off[d] += lo;
+        ext[d] = hi - lo;
+    }
+    Block::new(&off, &ext)
 }
 
 /// Expands a mesh placement: one holding per combination of coordinates on

@@ -42,4 +42,4 @@ pub use layout::{
 pub use plan::fingerprint as plan_fingerprint;
 pub use plan::{Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer};
 pub use planner::plan_reshard;
-pub use program::{LocalCopy, Message, RankProgram, RecvPiece, Round, SendPiece, Span};
+pub use program::{LocalCopy, Message, Programs, RankProgram, RecvPiece, Round, SendPiece, Span};

@@ -6,7 +6,7 @@
 use crate::block::{Block, MAX_DIMS};
 use crate::dtype::DType;
 use crate::fingerprint::Fingerprint;
-use crate::layout::{BufferKey, BufferSpec, Holding, Layout, Rank};
+use crate::layout::{BufferKey, BufferSpec, Layout, Loc, Rank};
 use crate::plan::{fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -130,45 +130,161 @@ pub fn span_in(buffer: u32, stored: &Block, at: u64, piece: &Block) -> Span {
     Span { buffer, base, strides }
 }
 
+/// Derives rank programs from one plan, one rank at a time: built once
+/// per plan (it checks the layouts are the plan's and indexes the transfers
+/// by rank), it makes any rank's program from that rank's transfers and
+/// holdings alone, so a coordinator can hand programs out one by one
+/// without ever holding all of them.
+pub struct Programs<'a> {
+    plan: &'a Plan,
+    src: &'a Layout,
+    dst: &'a Layout,
+    /// Per endpoint (sources, then destinations): indices of the transfers
+    /// it sends, receives or copies, ascending.
+    by_endpoint: Vec<Vec<u32>>,
+}
+
+impl<'a> Programs<'a> {
+    /// Prepares to derive `plan`'s programs. Fails if the layouts are not
+    /// the plan's.
+    pub fn new(plan: &'a Plan, src: &'a Layout, dst: &'a Layout) -> Result<Programs<'a>, PlanError> {
+        let fp = fingerprint(src, dst, &plan.options, plan.strategy);
+        if fp != plan.fingerprint {
+            return Err(PlanError::FingerprintMismatch { plan: plan.fingerprint, layouts: fp });
+        }
+        let n_src = src.ranks() as usize;
+        let mut by_endpoint: Vec<Vec<u32>> = vec![Vec::new(); n_src + dst.ranks() as usize];
+        let idx = |e: Endpoint| match e.group {
+            Group::Src => e.rank as usize,
+            Group::Dst => n_src + e.rank as usize,
+        };
+        for (i, t) in plan.transfers.iter().enumerate() {
+            by_endpoint[idx(t.from)].push(i as u32);
+            if t.to != t.from {
+                by_endpoint[idx(t.to)].push(i as u32);
+            }
+        }
+        Ok(Programs { plan, src, dst, by_endpoint })
+    }
+
+    /// Every endpoint of the plan: source ranks by rank, then destination ranks.
+    pub fn endpoints(&self) -> impl Iterator<Item = Endpoint> {
+        (0..self.src.ranks()).map(Endpoint::src).chain((0..self.dst.ranks()).map(Endpoint::dst))
+    }
+
+    /// The program of one rank. Sender and receiver of every message list
+    /// its pieces in the same order (destination tensor, then transfer), so
+    /// they agree without exchanging it.
+    ///
+    /// # Panics
+    /// If `e` is not a rank of the plan's layouts.
+    pub fn program(&self, e: Endpoint) -> RankProgram {
+        let plan = self.plan;
+        let (layout, slot) = match e.group {
+            Group::Src => (self.src, e.rank as usize),
+            Group::Dst => (self.dst, self.src.ranks() as usize + e.rank as usize),
+        };
+        let mut mine = self.by_endpoint[slot].clone();
+        // Stable: transfers of one tensor stay in plan order.
+        mine.sort_by_key(|&i| plan.pieces[plan.transfers[i as usize].piece as usize].dst_tensor);
+        let mut side = Side::new(layout, e.rank);
+        let mut sends: Builder<SendPiece> = BTreeMap::new();
+        let mut recvs: Builder<RecvPiece> = BTreeMap::new();
+        let mut locals: BTreeMap<u32, Vec<LocalCopy>> = BTreeMap::new();
+        let mut k = 0;
+        while k < mine.len() {
+            let td = plan.pieces[plan.transfers[mine[k] as usize].piece as usize].dst_tensor;
+            let end =
+                k + mine[k..].iter().take_while(|&&i| plan.pieces[plan.transfers[i as usize].piece as usize].dst_tensor == td).count();
+            let ts = plan.pieces[plan.transfers[mine[k] as usize].piece as usize].src_tensor;
+            // This rank's tensor, and its holdings of it.
+            let tensor = if e.group == Group::Src { ts } else { td };
+            let held = layout.rank_holdings(tensor, e.rank);
+            let my_dtype = layout.tensors()[tensor as usize].dtype;
+            let (src_dtype, dst_dtype) = (self.src.tensors()[ts as usize].dtype, self.dst.tensors()[td as usize].dtype);
+            let dtype_of = |g: Group| if g == Group::Src { src_dtype } else { dst_dtype };
+            for &ti in &mine[k..end] {
+                let t: &Transfer = &plan.transfers[ti as usize];
+                let piece = plan.pieces[t.piece as usize].block;
+                let scratch = plan.scratch_blocks.get(td as usize).copied().unwrap_or(piece);
+                let span_here = |side: &mut Side<'_>, from_scratch: bool| -> Vec<Span> {
+                    if from_scratch {
+                        let b = side.scratch(tensor, &scratch);
+                        vec![span_in(b, &scratch, 0, &piece)]
+                    } else {
+                        side.spans(&held, &piece)
+                    }
+                };
+                if t.from == e {
+                    let from = match span_here(&mut side, t.from_scratch).first() {
+                        Some(s) => *s,
+                        None => unreachable!("planner chose {} which does not hold {piece}", t.from),
+                    };
+                    if t.to == e {
+                        let to = span_here(&mut side, t.to_scratch);
+                        locals.entry(t.round).or_default().push(LocalCopy {
+                            block: piece,
+                            from,
+                            from_dtype: my_dtype,
+                            to,
+                            to_dtype: my_dtype,
+                        });
+                        continue;
+                    }
+                    let wire = plan.transfer_wire_dtype(t);
+                    sends.entry((t.round, t.to)).or_default().push(SendPiece { block: piece, span: from, dtype: my_dtype, wire });
+                } else {
+                    let spans = span_here(&mut side, t.to_scratch);
+                    let wire = plan.transfer_wire_dtype(t);
+                    recvs.entry((t.round, t.from)).or_default().push(RecvPiece { block: piece, spans, wire, dtype: dtype_of(t.to.group) });
+                }
+            }
+            k = end;
+        }
+        let mut rounds: Vec<Round> = vec![Round::default(); plan.figures.rounds as usize];
+        for ((r, peer), pieces) in sends {
+            rounds[r as usize].sends.push(Message { peer, pieces });
+        }
+        for ((r, peer), pieces) in recvs {
+            rounds[r as usize].recvs.push(Message { peer, pieces });
+        }
+        for (r, l) in locals {
+            rounds[r as usize].locals = l;
+        }
+        RankProgram { endpoint: e, fingerprint: plan.fingerprint, buffers: side.buffers, rounds }
+    }
+}
+
+/// One rank's buffers while its program is derived: the layout's, then
+/// scratch buffers as the program needs them.
 struct Side<'a> {
     layout: &'a Layout,
-    buffers: Vec<Vec<BufferSpec>>,
-    index: Vec<HashMap<BufferKey, u32>>,
+    buffers: Vec<BufferSpec>,
+    index: HashMap<BufferKey, u32>,
 }
 
 impl<'a> Side<'a> {
-    fn new(layout: &'a Layout) -> Side<'a> {
-        let buffers = layout.buffers();
-        let index = buffers.iter().map(|l| l.iter().enumerate().map(|(i, b)| (b.key, i as u32)).collect()).collect();
+    fn new(layout: &'a Layout, rank: Rank) -> Side<'a> {
+        let buffers = layout.rank_buffers(rank);
+        let index = buffers.iter().enumerate().map(|(i, b)| (b.key, i as u32)).collect();
         Side { layout, buffers, index }
     }
 
-    fn scratch(&mut self, rank: Rank, tensor: u32, block: &Block) -> u32 {
+    fn scratch(&mut self, tensor: u32, block: &Block) -> u32 {
         let key = BufferKey::Scratch { tensor };
-        let r = rank as usize;
-        if let Some(&i) = self.index[r].get(&key) {
+        if let Some(&i) = self.index.get(&key) {
             return i;
         }
         let t = &self.layout.tensors()[tensor as usize];
-        let i = self.buffers[r].len() as u32;
-        self.buffers[r].push(BufferSpec { key, name: self.layout.buffer_name(key), dtype: t.dtype, elems: block.numel() });
-        self.index[r].insert(key, i);
+        let i = self.buffers.len() as u32;
+        self.buffers.push(BufferSpec { key, name: self.layout.buffer_name(key), dtype: t.dtype, elems: block.numel() });
+        self.index.insert(key, i);
         i
     }
 
-    /// Spans on `rank` holding all of `piece`.
-    fn spans(&self, holdings: &[Holding], rank: Rank, piece: &Block) -> Vec<Span> {
-        let mut out = Vec::new();
-        for h in holdings {
-            if !h.block.contains(piece) {
-                continue;
-            }
-            for l in h.holders.iter().filter(|l| l.rank == rank) {
-                let b = self.index[rank as usize][&l.buffer];
-                out.push(span_in(b, &h.block, l.at, piece));
-            }
-        }
-        out
+    /// Spans on this rank holding all of `piece`.
+    fn spans(&self, held: &[(Block, Loc)], piece: &Block) -> Vec<Span> {
+        held.iter().filter(|(b, _)| b.contains(piece)).map(|(b, l)| span_in(self.index[&l.buffer], b, l.at, piece)).collect()
     }
 }
 
@@ -176,99 +292,10 @@ type Builder<P> = BTreeMap<(u32, Endpoint), Vec<P>>;
 
 impl Plan {
     /// Builds every rank's program: source ranks first (by rank), then
-    /// destination ranks. Fails if the layouts are not the plan's.
+    /// destination ranks. Fails if the layouts are not the plan's. Holds
+    /// them all at once; see [`Programs`] to derive them one by one.
     pub fn programs(&self, src: &Layout, dst: &Layout) -> Result<Vec<RankProgram>, PlanError> {
-        let fp = fingerprint(src, dst, &self.options, self.strategy);
-        if fp != self.fingerprint {
-            return Err(PlanError::FingerprintMismatch { plan: self.fingerprint, layouts: fp });
-        }
-        let mut sides = [Side::new(src), Side::new(dst)];
-        let n_src = src.ranks() as usize;
-        let n = n_src + dst.ranks() as usize;
-        let idx = |e: Endpoint| match e.group {
-            Group::Src => e.rank as usize,
-            Group::Dst => n_src + e.rank as usize,
-        };
-        let mut sends: Vec<Builder<SendPiece>> = vec![BTreeMap::new(); n];
-        let mut recvs: Vec<Builder<RecvPiece>> = vec![BTreeMap::new(); n];
-        let mut locals: Vec<BTreeMap<u32, Vec<LocalCopy>>> = vec![BTreeMap::new(); n];
-        // Bucket transfers by destination tensor so holdings are built once.
-        let mut by_tensor: Vec<Vec<u32>> = vec![Vec::new(); dst.tensors().len()];
-        for (i, t) in self.transfers.iter().enumerate() {
-            by_tensor[self.pieces[t.piece as usize].dst_tensor as usize].push(i as u32);
-        }
-        for (td, list) in by_tensor.iter().enumerate() {
-            let Some(&first) = list.first() else { continue };
-            let ts = self.pieces[self.transfers[first as usize].piece as usize].src_tensor;
-            let holdings = [src.holdings(ts), dst.holdings(td as u32)];
-            let tensor_of = |g: Group| if g == Group::Src { ts } else { td as u32 };
-            for &ti in list {
-                let t: &Transfer = &self.transfers[ti as usize];
-                let piece = self.pieces[t.piece as usize].block;
-                let side = |g: Group| if g == Group::Src { 0 } else { 1 };
-                let (fs, tsd) = (side(t.from.group), side(t.to.group));
-                let from_dtype = sides[fs].layout.tensors()[tensor_of(t.from.group) as usize].dtype;
-                let to_dtype = sides[tsd].layout.tensors()[tensor_of(t.to.group) as usize].dtype;
-                let scratch = self.scratch_blocks.get(td).copied().unwrap_or(piece);
-                let from_span = if t.from_scratch {
-                    let b = sides[fs].scratch(t.from.rank, tensor_of(t.from.group), &scratch);
-                    span_in(b, &scratch, 0, &piece)
-                } else {
-                    match sides[fs].spans(&holdings[fs], t.from.rank, &piece).first() {
-                        Some(s) => *s,
-                        None => unreachable!("planner chose {} which does not hold {piece}", t.from),
-                    }
-                };
-                let to_spans = if t.to_scratch {
-                    let b = sides[tsd].scratch(t.to.rank, tensor_of(t.to.group), &scratch);
-                    vec![span_in(b, &scratch, 0, &piece)]
-                } else {
-                    sides[tsd].spans(&holdings[tsd], t.to.rank, &piece)
-                };
-                if t.from == t.to {
-                    locals[idx(t.from)].entry(t.round).or_default().push(LocalCopy {
-                        block: piece,
-                        from: from_span,
-                        from_dtype,
-                        to: to_spans,
-                        to_dtype,
-                    });
-                    continue;
-                }
-                let wire = self.transfer_wire_dtype(t);
-                sends[idx(t.from)].entry((t.round, t.to)).or_default().push(SendPiece {
-                    block: piece,
-                    span: from_span,
-                    dtype: from_dtype,
-                    wire,
-                });
-                recvs[idx(t.to)].entry((t.round, t.from)).or_default().push(RecvPiece {
-                    block: piece,
-                    spans: to_spans,
-                    wire,
-                    dtype: to_dtype,
-                });
-            }
-        }
-        let rounds = self.figures.rounds as usize;
-        let [src_side, dst_side] = sides;
-        let mut all_buffers: Vec<Vec<BufferSpec>> = src_side.buffers;
-        all_buffers.extend(dst_side.buffers);
-        let mut out = Vec::with_capacity(n);
-        for (i, buffers) in all_buffers.into_iter().enumerate() {
-            let endpoint = if i < n_src { Endpoint::src(i as Rank) } else { Endpoint::dst((i - n_src) as Rank) };
-            let mut rs: Vec<Round> = vec![Round::default(); rounds];
-            for ((r, peer), pieces) in std::mem::take(&mut sends[i]) {
-                rs[r as usize].sends.push(Message { peer, pieces });
-            }
-            for ((r, peer), pieces) in std::mem::take(&mut recvs[i]) {
-                rs[r as usize].recvs.push(Message { peer, pieces });
-            }
-            for (r, l) in std::mem::take(&mut locals[i]) {
-                rs[r as usize].locals = l;
-            }
-            out.push(RankProgram { endpoint, fingerprint: self.fingerprint, buffers, rounds: rs });
-        }
-        Ok(out)
+        let p = Programs::new(self, src, dst)?;
+        Ok(p.endpoints().map(|e| p.program(e)).collect())
     }
 }

@@ -101,6 +101,8 @@ pub struct Committed {
     pub elements: u64,
     /// The first element that does not match `version`: a torn version.
     pub torn: Option<String>,
+    /// Why the rank could not be asked, when `version` is `None`.
+    pub unreachable: Option<String>,
 }
 
 /// A worker process as the launcher sees it.
@@ -336,8 +338,12 @@ impl Cluster {
                 match (c.version, c.torn) {
                     (_, Some(torn)) => return Err(ClusterError::Check { who: c.endpoint, problem: torn }),
                     (Some(v), None) if v == version => n += c.elements,
-                    (v, None) => {
-                        return Err(ClusterError::Check { who: c.endpoint, problem: format!("serves version {v:?}, not {version}") })
+                    (None, None) => {
+                        let why = c.unreachable.unwrap_or_default();
+                        return Err(ClusterError::Check { who: c.endpoint, problem: format!("could not be checked: {why}") });
+                    }
+                    (Some(v), None) => {
+                        return Err(ClusterError::Check { who: c.endpoint, problem: format!("serves version {v}, not {version}") })
                     }
                 }
             }
@@ -353,9 +359,10 @@ impl Cluster {
             let checks = self.patterns.iter().filter(|(e, _)| e.group == Group::Dst).map(|(e, p)| async move {
                 match p.call_timeout(PatternMsg::Check, timeout).await {
                     Ok(PatternReply::Checked { version, elements, mismatch }) => {
-                        Committed { endpoint: *e, version: Some(version), elements, torn: mismatch }
+                        Committed { endpoint: *e, version: Some(version), elements, torn: mismatch, unreachable: None }
                     }
-                    _ => Committed { endpoint: *e, version: None, elements: 0, torn: None },
+                    Ok(other) => Committed { endpoint: *e, version: None, elements: 0, torn: None, unreachable: Some(format!("answered {other:?}")) },
+                    Err(err) => Committed { endpoint: *e, version: None, elements: 0, torn: None, unreachable: Some(call_error(&err)) },
                 }
             });
             actors::join_all(checks).await

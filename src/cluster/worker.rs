@@ -199,10 +199,11 @@ async fn serve(joined: &Joined, src: &Arc<Layout>, dst: &Arc<Layout>, e: Endpoin
             .hook();
         }
     }));
-    joined.serve_member_with(layout, e.rank, role.clone(), config).await.map_err(|err| err.to_string())?;
+    joined.serve_member_with(layout.clone(), e.rank, role.clone(), config).await.map_err(|err| err.to_string())?;
     let pattern = PatternRank { src: Arc::clone(src), dst: Arc::clone(dst), rank: e.rank, role, faults };
     let name = pattern_name(e);
-    let actor = spawn(pattern, SpawnConfig::default().name(name.clone()));
+    // The launcher bounds every call; a check of a large rank may take minutes.
+    let actor = spawn(pattern, SpawnConfig::default().name(name.clone()).call_timeout(Duration::from_secs(7 * 24 * 3600)));
     joined.serve(&name, &actor).await.map_err(|err| err.to_string())
 }
 

@@ -71,25 +71,32 @@ pub fn tensor_seed_at(name: &str, version: u64) -> u64 {
     }
 }
 
-/// Calls `f(global_flat_index, element_offset_in_buffer)` for every element
-/// of `piece`, stored as part of `stored` from element `at`.
-fn for_each_element(shape: &[u64], stored: &Block, at: u64, piece: &Block, mut f: impl FnMut(u64, u64)) {
+/// Calls `f(global_flat_index, element_offset_in_buffer, len)` for every
+/// run of `len` consecutive elements of `piece` (its innermost dimension),
+/// stored row-major as part of `stored` from element `at`: both the global
+/// flat index and the buffer offset advance by one along a run.
+fn for_each_run(shape: &[u64], stored: &Block, at: u64, piece: &Block, mut f: impl FnMut(u64, u64, u64)) {
     let span = span_in(0, stored, at, piece);
     let nd = piece.ndim();
-    let numel = piece.numel();
-    if numel == 0 {
+    if piece.numel() == 0 {
         return;
     }
+    if nd == 0 {
+        f(0, span.base, 1);
+        return;
+    }
+    let run = piece.extent()[nd - 1];
+    let outer = nd - 1;
     let mut gstride = vec![1u64; nd];
     for d in (0..nd.saturating_sub(1)).rev() {
         gstride[d] = gstride[d + 1] * shape[d + 1];
     }
-    let mut idx = vec![0u64; nd];
+    let mut idx = vec![0u64; outer];
     let mut flat = piece.flat_start(shape);
     let mut local = span.base;
-    for _ in 0..numel {
-        f(flat, local);
-        for d in (0..nd).rev() {
+    for _ in 0..piece.numel() / run {
+        f(flat, local, run);
+        for d in (0..outer).rev() {
             idx[d] += 1;
             flat += gstride[d];
             local += span.strides[d];
@@ -103,8 +110,17 @@ fn for_each_element(shape: &[u64], stored: &Block, at: u64, piece: &Block, mut f
     }
 }
 
-fn buffer_index(layout: &Layout) -> Vec<HashMap<reshard::BufferKey, usize>> {
-    layout.buffers().iter().map(|l| l.iter().enumerate().map(|(i, b)| (b.key, i)).collect()).collect()
+/// Writes the pattern of elements `flat..flat + n` into `out` (`n` elements of `dtype`).
+fn pattern_run(seed: u64, flat: u64, dtype: DType, out: &mut [u8]) {
+    let size = dtype.size() as usize;
+    for (k, o) in out.chunks_exact_mut(size).enumerate() {
+        pattern_value(seed, flat + k as u64, dtype, o);
+    }
+}
+
+/// Position of each of `rank`'s buffers in its memory.
+fn rank_buffer_index(layout: &Layout, rank: u32) -> HashMap<reshard::BufferKey, usize> {
+    layout.rank_buffers(rank).iter().enumerate().map(|(i, b)| (b.key, i)).collect()
 }
 
 /// Fills every source shard with the pattern. `memory[r]` is source rank
@@ -123,19 +139,16 @@ pub fn fill_source_rank(src: &Layout, rank: u32, memory: &mut RankMemory) {
 /// Fills the shards of source rank `rank` with the pattern of weights
 /// version `version`.
 pub fn fill_source_rank_at(src: &Layout, rank: u32, version: u64, memory: &mut RankMemory) {
-    let index = buffer_index(src);
+    let index = rank_buffer_index(src, rank);
     for (ti, t) in src.tensors().iter().enumerate() {
         let seed = tensor_seed_at(&t.name, version);
         let size = t.dtype.size() as usize;
-        for h in src.holdings(ti as u32) {
-            for loc in h.holders.iter().filter(|l| l.rank == rank) {
-                let b = index[loc.rank as usize][&loc.buffer];
-                let buf = &mut memory.buffers[b];
-                for_each_element(&t.shape, &h.block, loc.at, &h.block, |flat, off| {
-                    let o = off as usize * size;
-                    pattern_value(seed, flat, t.dtype, &mut buf[o..o + size]);
-                });
-            }
+        for (block, loc) in src.rank_holdings(ti as u32, rank) {
+            let buf = &mut memory.buffers[index[&loc.buffer]];
+            for_each_run(&t.shape, &block, loc.at, &block, |flat, off, n| {
+                let o = off as usize * size;
+                pattern_run(seed, flat, t.dtype, &mut buf[o..o + n as usize * size]);
+            });
         }
     }
 }
@@ -165,34 +178,44 @@ fn verify_impl<'m>(
     version: u64,
     memory: &dyn Fn(u32) -> Option<&'m RankMemory>,
 ) -> Result<u64, Box<Mismatch>> {
-    let index = buffer_index(dst);
+    let ranks: Vec<u32> = match only {
+        Some(r) => vec![r],
+        None => (0..dst.ranks()).collect(),
+    };
     let mut checked = 0u64;
-    for (ti, t) in dst.tensors().iter().enumerate() {
-        let seed = tensor_seed_at(&t.name, version);
-        let from = src.tensor_index(&t.name).map_or(t.dtype, |i| src.tensors()[i as usize].dtype);
-        let (fs, ts) = (from.size() as usize, t.dtype.size() as usize);
-        let mut raw = vec![0u8; fs];
-        let mut want = vec![0u8; ts];
-        for h in dst.holdings(ti as u32) {
-            for loc in h.holders.iter().filter(|l| only.is_none_or(|r| l.rank == r)) {
-                let b = index[loc.rank as usize][&loc.buffer];
-                let Some(mem) = memory(loc.rank) else { continue };
-                let buf = &mem.buffers[b];
+    for rank in ranks {
+        let Some(mem) = memory(rank) else { continue };
+        let index = rank_buffer_index(dst, rank);
+        for (ti, t) in dst.tensors().iter().enumerate() {
+            let seed = tensor_seed_at(&t.name, version);
+            let from = src.tensor_index(&t.name).map_or(t.dtype, |i| src.tensors()[i as usize].dtype);
+            let (fs, ts) = (from.size() as usize, t.dtype.size() as usize);
+            let (mut raw, mut want) = (Vec::new(), Vec::new());
+            for (block, loc) in dst.rank_holdings(ti as u32, rank) {
+                let buf = &mem.buffers[index[&loc.buffer]];
                 let mut first: Option<(u64, Vec<u8>, Vec<u8>)> = None;
                 let mut bad = 0u64;
-                for_each_element(&t.shape, &h.block, loc.at, &h.block, |flat, off| {
-                    pattern_value(seed, flat, from, &mut raw);
+                for_each_run(&t.shape, &block, loc.at, &block, |flat, off, n| {
+                    let n = n as usize;
+                    raw.resize(n * fs, 0);
+                    want.resize(n * ts, 0);
+                    pattern_run(seed, flat, from, &mut raw);
                     convert_slice(from, &raw, t.dtype, &mut want);
                     let o = off as usize * ts;
-                    let got = &buf[o..o + ts];
-                    if got != want.as_slice() {
-                        bad += 1;
-                        if first.is_none() {
-                            first = Some((flat, got.to_vec(), want.clone()));
+                    let got = &buf[o..o + n * ts];
+                    if got == want.as_slice() {
+                        return;
+                    }
+                    for (k, (g, w)) in got.chunks_exact(ts).zip(want.chunks_exact(ts)).enumerate() {
+                        if g != w {
+                            bad += 1;
+                            if first.is_none() {
+                                first = Some((flat + k as u64, g.to_vec(), w.to_vec()));
+                            }
                         }
                     }
                 });
-                checked += h.block.numel();
+                checked += block.numel();
                 if let Some((flat, got, expected)) = first {
                     let mut index = vec![0u64; t.shape.len()];
                     let mut rem = flat;
@@ -214,4 +237,57 @@ fn verify_impl<'m>(
         }
     }
     Ok(checked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard::parse_layout;
+
+    /// A 6x5 tensor split by rows over 2 ranks (uneven runs of 5 elements),
+    /// f32 at the source and bf16 at the destination.
+    fn layouts() -> (Layout, Layout) {
+        let l = |dtype: &str| {
+            parse_layout(&format!(
+                r#"{{"ranks": 2, "tensors": [{{"name": "w", "dtype": "{dtype}", "shape": [6, 5],
+                    "mesh": {{"shape": [2]}}, "placements": ["shard(0)"]}}]}}"#
+            ))
+            .unwrap()
+        };
+        (l("f32"), l("bf16"))
+    }
+
+    /// What a correct refit leaves on a destination rank: the source
+    /// pattern, converted element by element.
+    fn refitted(src: &Layout, dst: &Layout, rank: u32, version: u64) -> RankMemory {
+        let mut from = RankMemory::for_buffers(&src.rank_buffers(rank));
+        fill_source_rank_at(src, rank, version, &mut from);
+        let mut to = RankMemory::for_buffers(&dst.rank_buffers(rank));
+        convert_slice(DType::F32, &from.buffers[0], DType::BF16, &mut to.buffers[0]);
+        to
+    }
+
+    #[test]
+    fn a_correct_rank_passes_and_every_element_counts() {
+        let (src, dst) = layouts();
+        for rank in 0..2 {
+            let m = refitted(&src, &dst, rank, 3);
+            assert_eq!(verify_destination_rank_at(&src, &dst, rank, 3, &m).unwrap(), 15);
+        }
+    }
+
+    #[test]
+    fn a_wrong_element_or_version_is_found_and_located() {
+        let (src, dst) = layouts();
+        let mut m = refitted(&src, &dst, 1, 3);
+        // Element (4, 2) of the tensor is row 1, column 2 of rank 1's block.
+        m.buffers[0][(5 + 2) * 2] ^= 0x40;
+        let e = verify_destination_rank_at(&src, &dst, 1, 3, &m).unwrap_err();
+        assert_eq!((e.rank, e.index.clone(), e.mismatches), (1, vec![4, 2], 1), "{e}");
+        // Another version's pattern differs almost everywhere.
+        let m = refitted(&src, &dst, 0, 2);
+        let e = verify_destination_rank_at(&src, &dst, 0, 3, &m).unwrap_err();
+        assert_eq!(e.index, vec![0, 0]);
+        assert!(e.mismatches > 10, "{e}");
+    }
 }
