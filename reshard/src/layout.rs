@@ -281,22 +281,20 @@ impl Layout {
         let mut buffer_names: Vec<String> = Vec::new();
         let mut buffer_ids: HashMap<String, u32> = HashMap::new();
         let mut named_dtypes: Vec<DType> = Vec::new();
+        // Per rank: the index + 1 of the last mesh tensor that listed it.
+        let mut seen: Vec<u32> = Vec::new();
         for (i, t) in tensors.iter().enumerate() {
             if t.name.is_empty() {
                 return Err(field(format!("tensors[{i}].name"), "must not be empty"));
             }
-            if t.name.chars().any(char::is_control) {
+            if has_control(&t.name) {
                 return Err(field(format!("tensors[{i}].name"), format!("'{}' contains control characters", escape(&t.name))));
             }
             if by_name.insert(t.name.clone(), i as u32).is_some() {
                 return Err(field(format!("tensors[{i}].name"), format!("duplicate tensor name '{}'", t.name)));
             }
-            validate_tensor(t, ranks)?;
-            let storages: Vec<&Storage> = match &t.placement {
-                Placement::Mesh(m) => vec![&m.storage],
-                Placement::Shards(shards) => shards.iter().map(|s| &s.storage).collect(),
-            };
-            for storage in storages {
+            validate_tensor(t, ranks, i as u32 + 1, &mut seen)?;
+            let mut register = |storage: &Storage| {
                 if let Storage::InBuffer { buffer, .. } = storage {
                     if !buffer_ids.contains_key(buffer) {
                         buffer_ids.insert(buffer.clone(), buffer_names.len() as u32);
@@ -304,6 +302,10 @@ impl Layout {
                         named_dtypes.push(t.dtype);
                     }
                 }
+            };
+            match &t.placement {
+                Placement::Mesh(m) => register(&m.storage),
+                Placement::Shards(shards) => shards.iter().for_each(|s| register(&s.storage)),
             }
         }
         let layout = Layout { ranks, ranks_per_node, tensors, buffer_names, buffer_ids, named_dtypes, by_name };
@@ -435,25 +437,11 @@ impl Layout {
     fn check_named_buffers(&self) -> Result<(), LayoutError> {
         /// A tensor's mesh placement (rather than one of its shards).
         const MESH: u32 = u32::MAX;
-        // Per buffer id: (tensor, shard index or MESH) stored in it.
-        let mut members: Vec<Vec<(u32, u32)>> = vec![Vec::new(); self.buffer_names.len()];
+        // Per buffer id: (at, tensor, shard index or MESH) stored in it.
+        let mut members: Vec<Vec<(u64, u32, u32)>> = vec![Vec::new(); self.buffer_names.len()];
         let mut first: Vec<u32> = vec![u32::MAX; self.buffer_names.len()];
         for (ti, t) in self.tensors.iter().enumerate() {
-            let stored: Vec<(u32, Rank, &str)> = match &t.placement {
-                Placement::Mesh(m) => match &m.storage {
-                    Storage::InBuffer { buffer, .. } => vec![(MESH, m.ranks[0], buffer.as_str())],
-                    Storage::Own => Vec::new(),
-                },
-                Placement::Shards(shards) => shards
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, s)| match &s.storage {
-                        Storage::InBuffer { buffer, .. } => Some((i as u32, s.rank, buffer.as_str())),
-                        Storage::Own => None,
-                    })
-                    .collect(),
-            };
-            for (which, rank, buffer) in stored {
+            let mut add = |which: u32, rank: Rank, buffer: &str, at: u64| -> Result<(), LayoutError> {
                 let id = self.buffer_ids[buffer] as usize;
                 if first[id] == u32::MAX {
                     first[id] = ti as u32;
@@ -468,7 +456,22 @@ impl Layout {
                         ),
                     ));
                 }
-                members[id].push((ti as u32, which));
+                members[id].push((at, ti as u32, which));
+                Ok(())
+            };
+            match &t.placement {
+                Placement::Mesh(m) => {
+                    if let Storage::InBuffer { buffer, at } = &m.storage {
+                        add(MESH, m.ranks[0], buffer, *at)?;
+                    }
+                }
+                Placement::Shards(shards) => {
+                    for (i, s) in shards.iter().enumerate() {
+                        if let Storage::InBuffer { buffer, at } = &s.storage {
+                            add(i as u32, s.rank, buffer, *at)?;
+                        }
+                    }
+                }
             }
         }
         // Per buffer, a sweep in order of `at` (the same on every rank of a
@@ -488,39 +491,27 @@ impl Layout {
         };
         for (id, list) in members.iter_mut().enumerate() {
             let gen = id as u32 + 1;
-            let at_of = |&(ti, which): &(u32, u32)| {
-                let storage = match &self.tensors[ti as usize].placement {
-                    Placement::Mesh(m) => &m.storage,
-                    Placement::Shards(shards) => &shards[which as usize].storage,
-                };
-                match storage {
-                    Storage::InBuffer { at, .. } => *at,
-                    Storage::Own => 0,
-                }
-            };
-            list.sort_by_key(|m| (at_of(m), m.0, m.1));
-            let mut visit = |rank: Rank, region: (u64, u64, u32)| -> Result<(), LayoutError> {
-                let st = &mut state[rank as usize];
-                if st.0 == gen && region.0 < st.2 {
-                    return Err(overlap(rank, id, (st.1, st.2, st.3), region));
-                }
-                if st.0 != gen || region.1 > st.2 {
-                    *st = (gen, region.0, region.1, region.2);
+            // The entries are distinct, so an unstable sort keeps the order
+            // (at, tensor, shard) deterministic.
+            list.sort_unstable();
+            // Adds one region to the sweep of every rank in `ranks` (all the
+            // ranks of a mesh in the common case: the hot loop).
+            let mut visit = |ranks: &[Rank], region: (u64, u64, u32)| -> Result<(), LayoutError> {
+                for &rank in ranks {
+                    if let Some(earlier) = sweep(&mut state[rank as usize], gen, region) {
+                        return Err(overlap(rank, id, earlier, region));
+                    }
                 }
                 Ok(())
             };
-            for m @ &(ti, which) in list.iter() {
+            for &(at, ti, which) in list.iter() {
                 let t = &self.tensors[ti as usize];
-                let at = at_of(m);
                 match &t.placement {
                     Placement::Mesh(mesh) => {
                         if let Some(len) = uniform_local_elems(&t.shape, mesh) {
                             // Every rank holds a block of `len` elements (the common case, no expansion).
                             if len > 0 {
-                                let end = at.saturating_add(len);
-                                for &rank in &mesh.ranks {
-                                    visit(rank, (at, end, ti))?;
-                                }
+                                visit(&mesh.ranks, (at, at.saturating_add(len), ti))?;
                             }
                             continue;
                         }
@@ -528,7 +519,7 @@ impl Layout {
                             // `at` + the largest local block was checked to fit.
                             let end = at.saturating_add(h.block.numel());
                             for l in &h.holders {
-                                visit(l.rank, (at, end, ti))?;
+                                visit(std::slice::from_ref(&l.rank), (at, end, ti))?;
                             }
                         }
                     }
@@ -541,7 +532,7 @@ impl Layout {
                         let end = at.checked_add(len).ok_or_else(|| {
                             tensor_err(&t.name, format!("rank {}: buffer '{}': at + size overflows", s.rank, self.buffer_names[id]))
                         })?;
-                        visit(s.rank, (at, end, ti))?;
+                        visit(std::slice::from_ref(&s.rank), (at, end, ti))?;
                     }
                 }
             }
@@ -550,10 +541,26 @@ impl Layout {
     }
 }
 
+/// One step of the per-rank overlap sweep of `check_named_buffers`: adds
+/// `region` (start, end, tensor) of buffer generation `gen` to the rank's
+/// state `st`, or returns the earlier region it overlaps.
+#[inline]
+fn sweep(st: &mut (u32, u64, u64, u32), gen: u32, region: (u64, u64, u32)) -> Option<(u64, u64, u32)> {
+    if st.0 == gen && region.0 < st.2 {
+        return Some((st.1, st.2, st.3));
+    }
+    if st.0 != gen || region.1 > st.2 {
+        *st = (gen, region.0, region.1, region.2);
+    }
+    None
+}
+
 /// The element count of every rank's local block of a mesh placement, when
 /// every split is exact (all local blocks equally large).
 fn uniform_local_elems(shape: &[u64], m: &MeshPlacement) -> Option<u64> {
-    let mut ext = shape.to_vec();
+    let mut ext = [0u64; MAX_DIMS];
+    let ext = &mut ext[..shape.len()];
+    ext.copy_from_slice(shape);
     for (i, p) in m.dims.iter().enumerate() {
         if let MeshDim::Shard(d) = p {
             let k = m.shape[i] as u64;
@@ -647,19 +654,38 @@ fn mesh_holdings(shape: &[u64], m: &MeshPlacement, buffer: BufferKey, at: u64) -
     out
 }
 
+/// Whether `s` has a control character (`char::is_control`); printable
+/// ASCII (the common case) is checked a byte at a time.
+fn has_control(s: &str) -> bool {
+    !s.bytes().all(|b| (0x20..0x7f).contains(&b)) && s.chars().any(char::is_control)
+}
+
 /// A buffer name must be non-empty and free of control characters;
 /// `prefix` locates it in the tensor (`shards[2]: `, or nothing for a mesh).
 fn check_buffer_name(tensor: &str, prefix: &str, buffer: &str) -> Result<(), LayoutError> {
     if buffer.is_empty() {
         return Err(tensor_err(tensor, format!("{prefix}buffer name must not be empty")));
     }
-    if buffer.chars().any(char::is_control) {
+    if has_control(buffer) {
         return Err(tensor_err(tensor, format!("{prefix}buffer name '{}' contains control characters", escape(buffer))));
     }
     Ok(())
 }
 
-fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
+/// `shards[i]`, written only when a message needs it.
+struct ShardAt(usize);
+
+impl std::fmt::Display for ShardAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "shards[{}]", self.0)
+    }
+}
+
+/// Checks one tensor against the layout's `ranks`. `seen` is scratch shared
+/// by all tensors: per rank, the `stamp` (distinct per tensor, never 0) of
+/// the last mesh that listed the rank, so that no tensor pays for a
+/// `ranks`-long list of its own.
+fn validate_tensor(t: &TensorLayout, ranks: u32, stamp: u32, seen: &mut Vec<u32>) -> Result<(), LayoutError> {
     let name = t.name.as_str();
     if t.shape.len() > MAX_DIMS {
         return Err(tensor_err(name, format!("{} dims; at most {MAX_DIMS} are supported", t.shape.len())));
@@ -689,13 +715,21 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
             if m.dims.len() != m.shape.len() {
                 return Err(tensor_err(name, format!("{} placements for a {}-d mesh; need one per mesh dim", m.dims.len(), m.shape.len())));
             }
-            let mut seen = vec![false; ranks as usize];
-            for &r in &m.ranks {
-                if r >= ranks {
-                    return Err(tensor_err(name, format!("mesh.ranks: rank {r} >= ranks ({ranks})")));
+            // Strictly increasing ranks (`0..n` when implied, and most
+            // explicit lists) are distinct, the last the largest: only
+            // other lists need the per-rank check that names the culprit.
+            let falls = m.ranks.iter().zip(m.ranks.iter().skip(1)).filter(|(a, b)| a >= b).count();
+            if falls > 0 || m.ranks.last().is_some_and(|&r| r >= ranks) {
+                if seen.len() < ranks as usize {
+                    seen.resize(ranks as usize, 0);
                 }
-                if std::mem::replace(&mut seen[r as usize], true) {
-                    return Err(tensor_err(name, format!("mesh.ranks: rank {r} appears twice")));
+                for &r in &m.ranks {
+                    if r >= ranks {
+                        return Err(tensor_err(name, format!("mesh.ranks: rank {r} >= ranks ({ranks})")));
+                    }
+                    if std::mem::replace(&mut seen[r as usize], stamp) == stamp {
+                        return Err(tensor_err(name, format!("mesh.ranks: rank {r} appears twice")));
+                    }
                 }
             }
             for (i, p) in m.dims.iter().enumerate() {
@@ -708,7 +742,9 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
             if let Storage::InBuffer { buffer, at } = &m.storage {
                 check_buffer_name(name, "", buffer)?;
                 // The largest local block is the first chunk of every split.
-                let mut ext = t.shape.clone();
+                let mut ext = [0u64; MAX_DIMS];
+                let ext = &mut ext[..t.shape.len()];
+                ext.copy_from_slice(&t.shape);
                 for (i, p) in m.dims.iter().enumerate() {
                     if let MeshDim::Shard(d) = p {
                         ext[*d] = ext[*d].div_ceil(m.shape[i] as u64);
@@ -722,7 +758,7 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
         }
         Placement::Shards(shards) => {
             for (i, s) in shards.iter().enumerate() {
-                let at = format!("shards[{i}]");
+                let at = ShardAt(i);
                 if s.rank >= ranks {
                     return Err(tensor_err(name, format!("{at}: rank {} >= ranks ({ranks})", s.rank)));
                 }
@@ -766,7 +802,9 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
                     }
                 }
                 if let Storage::InBuffer { buffer, at: off } = &s.storage {
-                    check_buffer_name(name, &format!("{at}: "), buffer)?;
+                    if buffer.is_empty() || has_control(buffer) {
+                        check_buffer_name(name, &format!("{at}: "), buffer)?;
+                    }
                     if off.checked_add(region_len(&s.region)).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
                         return Err(tensor_err(name, format!("{at}: at {off} + size overflows")));
                     }
