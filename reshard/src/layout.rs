@@ -283,6 +283,11 @@ impl Layout {
         let mut named_dtypes: Vec<DType> = Vec::new();
         // Per rank: the index + 1 of the last mesh tensor that listed it.
         let mut seen: Vec<u32> = Vec::new();
+        // The buffer id of every stored region, in the order in which
+        // `check_named_buffers` meets them; the last name looked up (runs of
+        // tensors share a fused buffer).
+        let mut stored_ids: Vec<u32> = Vec::new();
+        let mut last: Option<(&str, u32)> = None;
         for (i, t) in tensors.iter().enumerate() {
             if t.name.is_empty() {
                 return Err(field(format!("tensors[{i}].name"), "must not be empty"));
@@ -294,22 +299,32 @@ impl Layout {
                 return Err(field(format!("tensors[{i}].name"), format!("duplicate tensor name '{}'", t.name)));
             }
             validate_tensor(t, ranks, i as u32 + 1, &mut seen)?;
-            let mut register = |storage: &Storage| {
-                if let Storage::InBuffer { buffer, .. } = storage {
-                    if !buffer_ids.contains_key(buffer) {
-                        buffer_ids.insert(buffer.clone(), buffer_names.len() as u32);
-                        buffer_names.push(buffer.clone());
-                        named_dtypes.push(t.dtype);
-                    }
-                }
+            let (mesh_storage, shards): (Option<&Storage>, &[ShardSpec]) = match &t.placement {
+                Placement::Mesh(m) => (Some(&m.storage), &[]),
+                Placement::Shards(shards) => (None, shards),
             };
-            match &t.placement {
-                Placement::Mesh(m) => register(&m.storage),
-                Placement::Shards(shards) => shards.iter().for_each(|s| register(&s.storage)),
+            for storage in mesh_storage.into_iter().chain(shards.iter().map(|s| &s.storage)) {
+                if let Storage::InBuffer { buffer, .. } = storage {
+                    let id = match last {
+                        Some((name, id)) if name == buffer => id,
+                        _ => match buffer_ids.get(buffer) {
+                            Some(&id) => id,
+                            None => {
+                                let id = buffer_names.len() as u32;
+                                buffer_ids.insert(buffer.clone(), id);
+                                buffer_names.push(buffer.clone());
+                                named_dtypes.push(t.dtype);
+                                id
+                            }
+                        },
+                    };
+                    last = Some((buffer.as_str(), id));
+                    stored_ids.push(id);
+                }
             }
         }
         let layout = Layout { ranks, ranks_per_node, tensors, buffer_names, buffer_ids, named_dtypes, by_name };
-        layout.check_named_buffers()?;
+        layout.check_named_buffers(&stored_ids)?;
         Ok(layout)
     }
 
@@ -433,16 +448,19 @@ impl Layout {
     /// Checks the named-buffer rules: one dtype per buffer name, and no two
     /// stored regions overlapping in one buffer of one rank. Mesh-form
     /// tensors are expanded per rank one buffer name at a time, so that the
-    /// check needs memory for the largest buffer only.
-    fn check_named_buffers(&self) -> Result<(), LayoutError> {
+    /// check needs memory for the largest buffer only. `ids` holds the
+    /// buffer id of every stored region, in tensor and shard order.
+    fn check_named_buffers(&self, ids: &[u32]) -> Result<(), LayoutError> {
         /// A tensor's mesh placement (rather than one of its shards).
         const MESH: u32 = u32::MAX;
         // Per buffer id: (at, tensor, shard index or MESH) stored in it.
         let mut members: Vec<Vec<(u64, u32, u32)>> = vec![Vec::new(); self.buffer_names.len()];
         let mut first: Vec<u32> = vec![u32::MAX; self.buffer_names.len()];
+        let mut ids = ids.iter();
         for (ti, t) in self.tensors.iter().enumerate() {
             let mut add = |which: u32, rank: Rank, buffer: &str, at: u64| -> Result<(), LayoutError> {
-                let id = self.buffer_ids[buffer] as usize;
+                let id = ids.next().map_or_else(|| self.buffer_ids[buffer], |&id| id) as usize;
+                debug_assert_eq!(id, self.buffer_ids[buffer] as usize);
                 if first[id] == u32::MAX {
                     first[id] = ti as u32;
                 }
@@ -497,12 +515,10 @@ impl Layout {
             // Adds one region to the sweep of every rank in `ranks` (all the
             // ranks of a mesh in the common case: the hot loop).
             let mut visit = |ranks: &[Rank], region: (u64, u64, u32)| -> Result<(), LayoutError> {
-                for &rank in ranks {
-                    if let Some(earlier) = sweep(&mut state[rank as usize], gen, region) {
-                        return Err(overlap(rank, id, earlier, region));
-                    }
+                match sweep(&mut state, ranks, gen, region) {
+                    Some((rank, earlier)) => Err(overlap(rank, id, earlier, region)),
+                    None => Ok(()),
                 }
-                Ok(())
             };
             for &(at, ti, which) in list.iter() {
                 let t = &self.tensors[ti as usize];
@@ -542,15 +558,18 @@ impl Layout {
 }
 
 /// One step of the per-rank overlap sweep of `check_named_buffers`: adds
-/// `region` (start, end, tensor) of buffer generation `gen` to the rank's
-/// state `st`, or returns the earlier region it overlaps.
-#[inline]
-fn sweep(st: &mut (u32, u64, u64, u32), gen: u32, region: (u64, u64, u32)) -> Option<(u64, u64, u32)> {
-    if st.0 == gen && region.0 < st.2 {
-        return Some((st.1, st.2, st.3));
-    }
-    if st.0 != gen || region.1 > st.2 {
-        *st = (gen, region.0, region.1, region.2);
+/// `region` (start, end, tensor) of buffer generation `gen` to the state of
+/// every rank in `ranks`, or returns the first rank where it overlaps an
+/// earlier region, and that region.
+fn sweep(state: &mut [(u32, u64, u64, u32)], ranks: &[Rank], gen: u32, region: (u64, u64, u32)) -> Option<(Rank, (u64, u64, u32))> {
+    for &rank in ranks {
+        let st = &mut state[rank as usize];
+        if st.0 == gen && region.0 < st.2 {
+            return Some((rank, (st.1, st.2, st.3)));
+        }
+        if st.0 != gen || region.1 > st.2 {
+            *st = (gen, region.0, region.1, region.2);
+        }
     }
     None
 }
@@ -867,5 +886,51 @@ mod tests {
         assert_eq!(hs.len(), 3);
         assert_eq!(hs[0].holders.iter().map(|h| h.rank).collect::<Vec<_>>(), vec![0, 3]);
         assert_eq!(l.nodes(), 2);
+    }
+
+    /// A mesh tensor `name` of 8 u8 elements sharded over `ranks`, stored
+    /// at `at` of buffer `b` when `at` is given.
+    fn on_ranks(name: &str, ranks: Vec<u32>, at: Option<u64>) -> TensorLayout {
+        let storage = at.map_or(Storage::Own, |at| Storage::InBuffer { buffer: "b".into(), at });
+        TensorLayout {
+            name: name.into(),
+            dtype: DType::U8,
+            shape: vec![8],
+            placement: Placement::Mesh(MeshPlacement { shape: vec![ranks.len() as u32], ranks, dims: vec![MeshDim::Shard(0)], storage }),
+        }
+    }
+
+    #[test]
+    fn mesh_rank_lists_in_any_order() {
+        // Unsorted lists share the per-rank scratch: no tensor sees another's ranks.
+        let ok = vec![on_ranks("a", vec![3, 1, 2, 0], None), on_ranks("b", vec![1, 0, 3, 2], None), on_ranks("c", vec![0, 1, 2, 3], None)];
+        Layout::new(4, None, ok).unwrap();
+        let err = |ranks: Vec<u32>| {
+            let ts = vec![on_ranks("a", vec![3, 1, 2, 0], None), on_ranks("w", ranks, None)];
+            Layout::new(4, None, ts).unwrap_err().to_string()
+        };
+        assert_eq!(err(vec![1, 0, 1, 2]), "tensor 'w': mesh.ranks: rank 1 appears twice");
+        assert_eq!(err(vec![0, 1, 1, 2]), "tensor 'w': mesh.ranks: rank 1 appears twice");
+        assert_eq!(err(vec![0, 1, 2, 4]), "tensor 'w': mesh.ranks: rank 4 >= ranks (4)");
+        assert_eq!(err(vec![5, 1, 1, 2]), "tensor 'w': mesh.ranks: rank 5 >= ranks (4)");
+        assert_eq!(err(vec![2, 2, 1, 7]), "tensor 'w': mesh.ranks: rank 2 appears twice");
+    }
+
+    #[test]
+    fn shared_buffer_overlaps_name_both_tensors() {
+        // 2 elements per rank; "c" starts inside "a" on every rank, first found on rank 0.
+        let ts = vec![on_ranks("a", vec![0, 1, 2, 3], Some(0)), on_ranks("c", vec![0, 1, 2, 3], Some(1))];
+        assert_eq!(
+            Layout::new(4, None, ts).unwrap_err().to_string(),
+            "rank 0: buffer 'b': elements 0..2 of tensor 'a' overlap elements 1..3 of tensor 'c'"
+        );
+        // Back to back, in any file order, with another buffer in between.
+        let mut other = on_ranks("x", vec![3, 2, 1, 0], Some(0));
+        if let Placement::Mesh(m) = &mut other.placement {
+            m.storage = Storage::InBuffer { buffer: "o".into(), at: 0 };
+        }
+        let ts = vec![on_ranks("c", vec![0, 1, 2, 3], Some(2)), other, on_ranks("a", vec![0, 1, 2, 3], Some(0))];
+        let l = Layout::new(4, None, ts).unwrap();
+        assert_eq!(l.buffer_names(), ["b".to_string(), "o".to_string()]);
     }
 }

@@ -73,28 +73,55 @@ fn see<E: serde::de::Error>(seen: &mut u16, k: usize) -> Result<(), E> {
     Ok(())
 }
 
-/// An object key: its index in a list of known field names.
-struct Key(&'static [&'static str]);
-
-impl<'de> DeserializeSeed<'de> for Key {
-    type Value = usize;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<usize, D::Error> {
-        d.deserialize_str(self)
-    }
+/// Index of a top-level field.
+fn top_key(k: &str) -> Option<usize> {
+    Some(match k {
+        "ranks" => 0,
+        "ranks_per_node" => 1,
+        "tensors" => 2,
+        _ => return None,
+    })
 }
 
-impl Visitor<'_> for Key {
-    type Value = usize;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a known field name")
-    }
-    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<usize, E> {
-        self.0.iter().position(|k| *k == v).ok_or_else(|| reject("unknown field"))
-    }
+/// Index of a tensor field.
+fn tensor_key(k: &str) -> Option<usize> {
+    Some(match k {
+        "name" => 0,
+        "dtype" => 1,
+        "shape" => 2,
+        "mesh" => 3,
+        "placements" => 4,
+        "shards" => 5,
+        "buffer" => 6,
+        "at" => 7,
+        _ => return None,
+    })
+}
+
+/// Index of a `mesh` field.
+fn mesh_key(k: &str) -> Option<usize> {
+    Some(match k {
+        "shape" => 0,
+        "ranks" => 1,
+        _ => return None,
+    })
+}
+
+/// Index of a shard field.
+fn shard_key(k: &str) -> Option<usize> {
+    Some(match k {
+        "rank" => 0,
+        "offset" => 1,
+        "extent" => 2,
+        "flat" => 3,
+        "buffer" => 4,
+        "at" => 5,
+        _ => return None,
+    })
 }
 
 /// A string turned into a value by a function that may refuse it, without
-/// allocating (`dtype`, a placement).
+/// allocating (an object key, `dtype`, a placement).
 struct StrWith<F>(F);
 
 impl<'de, T, F: FnOnce(&str) -> Option<T>> DeserializeSeed<'de> for StrWith<F> {
@@ -229,7 +256,6 @@ impl<'de> Visitor<'de> for Top {
         f.write_str("a layout object")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parsed, A::Error> {
-        const KEYS: &[&str] = &["ranks", "ranks_per_node", "tensors"];
         let mut st = State {
             ranks: None,
             budget: MAX_IMPLIED_POSITIONS,
@@ -242,7 +268,7 @@ impl<'de> Visitor<'de> for Top {
         let mut seen = 0u16;
         let mut ranks_per_node = None;
         let mut tensors = None;
-        while let Some(k) = map.next_key_seed(Key(KEYS))? {
+        while let Some(k) = map.next_key_seed(StrWith(top_key))? {
             see(&mut seen, k)?;
             match k {
                 0 => {
@@ -307,7 +333,6 @@ impl<'de> Visitor<'de> for Tensor<'_> {
         f.write_str("a tensor object")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TensorLayout, A::Error> {
-        const KEYS: &[&str] = &["name", "dtype", "shape", "mesh", "placements", "shards", "buffer", "at"];
         let st = self.0;
         let mut seen = 0u16;
         let mut name: Option<String> = None;
@@ -318,7 +343,7 @@ impl<'de> Visitor<'de> for Tensor<'_> {
         let mut shards: Option<Vec<ShardSpec>> = None;
         let mut buffer: Option<String> = None;
         let mut at: Option<u64> = None;
-        while let Some(k) = map.next_key_seed(Key(KEYS))? {
+        while let Some(k) = map.next_key_seed(StrWith(tensor_key))? {
             see(&mut seen, k)?;
             match k {
                 0 => name = Some(map.next_value()?),
@@ -383,11 +408,10 @@ impl<'de> Visitor<'de> for Mesh<'_> {
         f.write_str("a mesh object")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        const KEYS: &[&str] = &["shape", "ranks"];
         let mut seen = 0u16;
         let mut shape = None;
         let mut ranks = None;
-        while let Some(k) = map.next_key_seed(Key(KEYS))? {
+        while let Some(k) = map.next_key_seed(StrWith(mesh_key))? {
             see(&mut seen, k)?;
             match k {
                 0 => shape = Some(map.next_value_seed(U32s(&mut *self.0))?),
@@ -443,7 +467,6 @@ impl<'de> Visitor<'de> for Shard<'_> {
         f.write_str("a shard object")
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ShardSpec, A::Error> {
-        const KEYS: &[&str] = &["rank", "offset", "extent", "flat", "buffer", "at"];
         let mut seen = 0u16;
         let mut rank: Option<u32> = None;
         let mut offset = None;
@@ -451,7 +474,7 @@ impl<'de> Visitor<'de> for Shard<'_> {
         let mut flat = None;
         let mut buffer: Option<String> = None;
         let mut at: Option<u64> = None;
-        while let Some(k) = map.next_key_seed(Key(KEYS))? {
+        while let Some(k) = map.next_key_seed(StrWith(shard_key))? {
             see(&mut seen, k)?;
             match k {
                 0 => rank = Some(map.next_value()?),
