@@ -266,6 +266,12 @@ impl Layout {
     /// Validates and builds a layout. `ranks_per_node: None` puts all ranks
     /// on one node.
     pub fn new(ranks: u32, ranks_per_node: Option<u32>, tensors: Vec<TensorLayout>) -> Result<Layout, LayoutError> {
+        Self::build(ranks, ranks_per_node, tensors, true)
+    }
+
+    /// [`Layout::new`]; `shortcut: false` runs the per-rank overlap sweep
+    /// on every buffer (the tests compare both).
+    fn build(ranks: u32, ranks_per_node: Option<u32>, tensors: Vec<TensorLayout>, shortcut: bool) -> Result<Layout, LayoutError> {
         if ranks == 0 {
             return Err(field("ranks", "must be at least 1"));
         }
@@ -324,7 +330,7 @@ impl Layout {
             }
         }
         let layout = Layout { ranks, ranks_per_node, tensors, buffer_names, buffer_ids, named_dtypes, by_name };
-        layout.check_named_buffers(&stored_ids)?;
+        layout.check_named_buffers(&stored_ids, shortcut)?;
         Ok(layout)
     }
 
@@ -449,8 +455,9 @@ impl Layout {
     /// stored regions overlapping in one buffer of one rank. Mesh-form
     /// tensors are expanded per rank one buffer name at a time, so that the
     /// check needs memory for the largest buffer only. `ids` holds the
-    /// buffer id of every stored region, in tensor and shard order.
-    fn check_named_buffers(&self, ids: &[u32]) -> Result<(), LayoutError> {
+    /// buffer id of every stored region, in tensor and shard order;
+    /// `shortcut` skips the sweep of buffers filled front to back.
+    fn check_named_buffers(&self, ids: &[u32], shortcut: bool) -> Result<(), LayoutError> {
         /// A tensor's mesh placement (rather than one of its shards).
         const MESH: u32 = u32::MAX;
         // Per buffer id: (at, tensor, shard index or MESH) stored in it.
@@ -512,6 +519,11 @@ impl Layout {
             // The entries are distinct, so an unstable sort keeps the order
             // (at, tensor, shard) deterministic.
             list.sort_unstable();
+            if shortcut && in_order_without_overlap(&self.tensors, list) {
+                // The common case (fused buffers filled front to back): no
+                // rank can see an overlap, so skip the per-rank sweep.
+                continue;
+            }
             // Adds one region to the sweep of every rank in `ranks` (all the
             // ranks of a mesh in the common case: the hot loop).
             let mut visit = |ranks: &[Rank], region: (u64, u64, u32)| -> Result<(), LayoutError> {
@@ -555,6 +567,33 @@ impl Layout {
         }
         Ok(())
     }
+}
+
+/// Whether the regions stored in one buffer (`list`: (at, tensor, shard or
+/// mesh), sorted) follow one another: each non-empty region starts at or
+/// after the furthest end of all before it, on any rank. Then the per-rank
+/// sweep of `check_named_buffers` finds nothing. `false` also when a check
+/// needs the sweep (an uneven mesh, an end past `u64::MAX`).
+fn in_order_without_overlap(tensors: &[TensorLayout], list: &[(u64, u32, u32)]) -> bool {
+    let mut furthest = 0u64;
+    for &(at, ti, which) in list {
+        let t = &tensors[ti as usize];
+        let len = match &t.placement {
+            Placement::Mesh(mesh) => match uniform_local_elems(&t.shape, mesh) {
+                Some(len) => len,
+                None => return false,
+            },
+            Placement::Shards(shards) => region_len(&shards[which as usize].region),
+        };
+        if len == 0 {
+            continue;
+        }
+        match at.checked_add(len) {
+            Some(end) if at >= furthest => furthest = end,
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// One step of the per-rank overlap sweep of `check_named_buffers`: adds
@@ -932,5 +971,52 @@ mod tests {
         let ts = vec![on_ranks("c", vec![0, 1, 2, 3], Some(2)), other, on_ranks("a", vec![0, 1, 2, 3], Some(0))];
         let l = Layout::new(4, None, ts).unwrap();
         assert_eq!(l.buffer_names(), ["b".to_string(), "o".to_string()]);
+        // The same offset on disjoint ranks (expert groups): no overlap, but
+        // only the per-rank sweep can tell.
+        let ts = vec![on_ranks("e0", vec![0, 1], Some(0)), on_ranks("e1", vec![2, 3], Some(0)), on_ranks("e2", vec![1, 2], Some(4))];
+        Layout::new(4, None, ts).unwrap();
+        let ts = vec![on_ranks("e0", vec![0, 1], Some(0)), on_ranks("e1", vec![2, 3], Some(0)), on_ranks("e2", vec![1, 2], Some(3))];
+        assert_eq!(
+            Layout::new(4, None, ts).unwrap_err().to_string(),
+            "rank 1: buffer 'b': elements 0..4 of tensor 'e0' overlap elements 3..7 of tensor 'e2'"
+        );
+    }
+
+    use proptest::prelude::*;
+
+    /// A random tensor on 4 ranks in buffer "a" or "b": a mesh over some
+    /// ranks (even or uneven split) or two flat shards.
+    fn stored_tensor(i: usize) -> impl Strategy<Value = TensorLayout> {
+        let mesh = (proptest::sample::subsequence(vec![0u32, 1, 2, 3], 1..=4), any::<bool>(), 0u64..12, 5u64..9, any::<bool>()).prop_map(
+            move |(ranks, even, at, n, in_a)| {
+                let shape = vec![if even { 8 } else { n }];
+                let storage = Storage::InBuffer { buffer: if in_a { "a" } else { "b" }.into(), at };
+                let mesh = MeshPlacement { shape: vec![ranks.len() as u32], ranks, dims: vec![MeshDim::Shard(0)], storage };
+                TensorLayout { name: format!("t{i}"), dtype: DType::U8, shape, placement: Placement::Mesh(mesh) }
+            },
+        );
+        let shards = (0u32..4, 0u32..4, 0u64..5, 0u64..12, 0u64..12).prop_map(move |(r0, r1, cut, at0, at1)| {
+            let shard = |rank, start, len, at| ShardSpec {
+                rank,
+                region: Region::Flat { start, len },
+                storage: Storage::InBuffer { buffer: "a".into(), at },
+            };
+            let shards = vec![shard(r0, 0, cut, at0), shard(r1, cut, 4 - cut, at1)];
+            TensorLayout { name: format!("t{i}"), dtype: DType::U8, shape: vec![4], placement: Placement::Shards(shards) }
+        });
+        prop_oneof![mesh, shards]
+    }
+
+    proptest! {
+        /// Skipping the sweep of buffers filled front to back changes no
+        /// answer.
+        #[test]
+        fn prop_overlap_shortcut_agrees_with_the_sweep(
+            tensors in (1usize..6).prop_flat_map(|n| (0..n).map(stored_tensor).collect::<Vec<_>>())
+        ) {
+            let fast = Layout::build(4, None, tensors.clone(), true);
+            let sweep = Layout::build(4, None, tensors, false);
+            prop_assert_eq!(fast, sweep);
+        }
     }
 }
