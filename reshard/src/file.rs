@@ -6,7 +6,7 @@
 //! reference walker (`walk`) parses the text into a `serde_json::Value`
 //! tree and walks it by hand so that the error names the field path
 //! (`tensors[3].shards[0].extent[1]`) and the tensor. Both accept exactly the
-//! same files and build the same tensors ([`cross_check`] tests this). See
+//! same files and build the same tensors (`cross_check` tests this). See
 //! `docs/layout-format.md` for the format itself.
 
 mod typed;
