@@ -18,8 +18,12 @@ fn one(tensor: &str) -> String {
 }
 
 /// Asserts that `json` is rejected by `parse_layout` with a message holding
-/// every fragment of `expect`; returns a description of what went wrong.
+/// every fragment of `expect` (and that the parser's fast path and its
+/// reference walker agree on it); returns a description of what went wrong.
 fn single_failure(json: &str, expect: &[&str]) -> Option<String> {
+    if let Err(e) = reshard::file::cross_check(json) {
+        return Some(e);
+    }
     match parse_layout(json) {
         Ok(_) => Some("accepted".to_string()),
         Err(e) => {
@@ -52,6 +56,7 @@ fn run_single_table(cases: &[(&str, String, &[&str])]) {
 }
 
 fn parse_ok(what: &str, json: &str) -> Result<Layout, String> {
+    reshard::file::cross_check(json).map_err(|e| format!("{what} layout: {e}"))?;
     parse_layout(json).map_err(|e| format!("{what} layout rejected: {e}"))
 }
 

@@ -1,8 +1,15 @@
 //! The layout file format (JSON): the edge type that converts into the IR.
 //!
-//! Parsing walks the JSON by hand so that every error names the field path
-//! (`tensors[3].shards[0].extent[1]`) and the tensor. See
+//! Parsing has two paths. The fast one (`typed`) deserializes the text
+//! straight into the IR's tensors with serde visitors; when it accepts a
+//! file, [`Layout::new`] validates the result. When it does not, the
+//! reference walker (`walk`) parses the text into a `serde_json::Value`
+//! tree and walks it by hand so that the error names the field path
+//! (`tensors[3].shards[0].extent[1]`) and the tensor. Both accept exactly the
+//! same files and build the same tensors (`cross_check` tests this). See
 //! `docs/layout-format.md` for the format itself.
+
+mod typed;
 
 use crate::dtype::DType;
 use crate::layout::{Layout, LayoutError, MeshDim, MeshPlacement, Placement, Region, ShardSpec, Storage, TensorLayout, MAX_RANKS};
@@ -10,9 +17,45 @@ use serde_json::{Map, Value};
 
 /// Parses a layout file's text into a validated [`Layout`].
 pub fn parse_layout(text: &str) -> Result<Layout, LayoutError> {
+    check_bom(text)?;
+    match typed::parse(text) {
+        // The walker would build the same tensors, so `Layout::new` would
+        // give the same answer: no need to walk.
+        Ok(p) => Layout::new(p.ranks, p.ranks_per_node, p.tensors),
+        // Rare (a bad file): walk it again to name the field at fault.
+        Err(_) => walk(text),
+    }
+}
+
+/// Rejects a UTF-8 byte-order mark with a message that says so (JSON has
+/// none, and serde_json would only say "expected value").
+fn check_bom(text: &str) -> Result<(), LayoutError> {
     if text.starts_with('\u{feff}') {
         return Err(err("(file)", "invalid JSON: the file starts with a byte-order mark (U+FEFF); save it as UTF-8 without one"));
     }
+    Ok(())
+}
+
+/// Runs both parsing paths on `text` and says how they disagree, if they
+/// do: the fast path must accept exactly what the walker accepts and build
+/// the same layout (or fail `Layout::new` with the same error). For tests.
+#[doc(hidden)]
+pub fn cross_check(text: &str) -> Result<(), String> {
+    let slow = check_bom(text).and_then(|()| walk(text));
+    let fast = match check_bom(text).ok().map(|()| typed::parse(text)) {
+        Some(Ok(p)) => Some(Layout::new(p.ranks, p.ranks_per_node, p.tensors)),
+        _ => None,
+    };
+    match (fast, slow) {
+        (Some(f), s) if f != s => Err(format!("fast path gave {f:?}, the walker {s:?}")),
+        (None, Ok(_)) => Err("the fast path rejects a file the walker accepts".to_string()),
+        _ => Ok(()),
+    }
+}
+
+/// The reference parser: parses `text` into a `serde_json::Value` tree and
+/// walks it, naming the field path in every error, then builds the layout.
+fn walk(text: &str) -> Result<Layout, LayoutError> {
     let v: Value = strict_json(text).map_err(|e| err("(file)", format!("invalid JSON: {}", escape(&e.to_string()))))?;
     let obj = as_object(&v, "(top level)")?;
     known_fields(obj, "(top level)", &["ranks", "ranks_per_node", "tensors"])?;
@@ -380,4 +423,260 @@ fn strict_json(text: &str) -> Result<Value, serde_json::Error> {
     let v = Strict.deserialize(&mut de)?;
     de.end()?;
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A one-tensor layout on 4 ranks.
+    fn one(tensor: &str) -> String {
+        format!(r#"{{"ranks": 4, "tensors": [{tensor}]}}"#)
+    }
+
+    /// Hand-written edge cases for the two parsing paths: number forms,
+    /// nulls, key order, repeated and escaped keys, both forms and neither.
+    fn edge_cases() -> Vec<String> {
+        let mut cases: Vec<String> = Vec::new();
+        for ranks in ["4", "4.0", "1e0", "-1", "-0", "0", "\"4\"", "null", "1048576", "1048577", "4294967296", "18446744073709551616"] {
+            cases.push(format!(r#"{{"ranks": {ranks}, "tensors": []}}"#));
+        }
+        for rpn in ["null", "0", "2", "9", "-1", "1.5", "2.0", "\"2\"", "4294967295", "4294967296", "[]"] {
+            cases.push(format!(r#"{{"ranks": 4, "ranks_per_node": {rpn}, "tensors": []}}"#));
+        }
+        for top in [
+            "",
+            " ",
+            "null",
+            "[]",
+            "{}",
+            r#"{"ranks": 4}"#,
+            r#"{"tensors": []}"#,
+            r#"{"ranks": 4, "tensors": null}"#,
+            r#"{"ranks": 4, "tensors": {}}"#,
+            r#"{"ranks": 4, "tensors": [null]}"#,
+            r#"{"ranks": 4, "tensors": [], "x": 1}"#,
+            r#"{"ranks": 4, "ranks": 4, "tensors": []}"#,
+            r#"{"ranks": 4, "tensors": [], "tensors": []}"#,
+            r#"{"ranks": 4, "tensors": []} x"#,
+            r#"{"ranks": 4, "tensors": []} {}"#,
+            "{\"ranks\": 4, \"tensors\": []}\n\t ",
+            "\u{feff}{\"ranks\": 4, \"tensors\": []}",
+            r#"{"ra\u006eks": 4, "tensors": []}"#,
+            r#"{"ranks": 4, "tensors": [], "ranks_per_node": null, "ranks_per_node": null}"#,
+        ] {
+            cases.push(top.to_string());
+        }
+        let mesh = r#""dtype": "f32", "shape": [8], "mesh": {"shape": [4]}, "placements": ["shard(0)"]"#;
+        for t in [
+            format!(r#"{{"name": "w", {mesh}}}"#),
+            format!(r#"{{"name": "w", {mesh}, "name": "v"}}"#),
+            format!(r#"{{"na\u006de": "w", {mesh}}}"#),
+            format!(r#"{{"name": "w\u0000", {mesh}}}"#),
+            format!(r#"{{"name": "", {mesh}}}"#),
+            format!(r#"{{"name": null, {mesh}}}"#),
+            format!(r#"{{"name": 5, {mesh}}}"#),
+            format!(r#"{{{mesh}}}"#),
+            format!(r#"{{"name": "w", {mesh}, "x": null}}"#),
+            format!(r#"{{"name": "w", {mesh}, "buffer": "b"}}"#),
+            format!(r#"{{"name": "w", {mesh}, "buffer": "b", "at": 4}}"#),
+            format!(r#"{{"name": "w", {mesh}, "buffer": "b", "at": null}}"#),
+            format!(r#"{{"name": "w", {mesh}, "buffer": "b", "at": 4.0}}"#),
+            format!(r#"{{"name": "w", {mesh}, "buffer": "b", "at": -1}}"#),
+            format!(r#"{{"name": "w", {mesh}, "buffer": "", "at": 4}}"#),
+            format!(r#"{{"name": "w", {mesh}, "buffer": null}}"#),
+            format!(r#"{{"name": "w", {mesh}, "buffer": 5}}"#),
+            format!(r#"{{"name": "w", {mesh}, "at": 4}}"#),
+            format!(r#"{{"name": "w", {mesh}, "at": null}}"#),
+            format!(r#"{{"name": "w", {mesh}, "shards": []}}"#),
+            format!(r#"{{"name": "w", {mesh}, "shards": null}}"#),
+            r#"{"name": "w", "dtype": "f32", "shape": [8]}"#.to_string(),
+            r#"{"name": "w", "dtype": "f32", "shape": [8], "mesh": {"shape": [4]}}"#.to_string(),
+            r#"{"name": "w", "dtype": "f32", "shape": [8], "placements": ["shard(0)"]}"#.to_string(),
+            r#"{"name": "w", "dtype": "f32", "shape": [8], "mesh": null, "placements": ["shard(0)"]}"#.to_string(),
+            r#"{"name": "w", "dtype": "f32", "shape": [8], "mesh": {"shape": [4]}, "placements": null}"#.to_string(),
+        ] {
+            cases.push(one(&t));
+        }
+        for dtype in ["\"f32\"", "\"bf\\u00316\"", "\"F32\"", "\"f32 \"", "null", "5", "[\"f32\"]"] {
+            cases.push(one(&format!(
+                r#"{{"name": "w", "dtype": {dtype}, "shape": [8], "mesh": {{"shape": [4]}}, "placements": ["shard(0)"]}}"#
+            )));
+        }
+        for shape in [
+            "[8]",
+            "[]",
+            "[8, 0]",
+            "[8.0]",
+            "[-8]",
+            "[-0]",
+            "[1e1]",
+            "null",
+            "8",
+            "[null]",
+            "[18446744073709551615, 2]",
+            "[1,1,1,1,1,1,1,1,1]",
+        ] {
+            cases.push(one(&format!(
+                r#"{{"name": "w", "dtype": "u8", "shape": {shape}, "mesh": {{"shape": [4]}}, "placements": ["replicate"]}}"#
+            )));
+        }
+        for m in [
+            r#"{"shape": [4]}"#,
+            r#"{"shape": [2, 2]}"#,
+            r#"{"shape": [5]}"#,
+            r#"{"shape": [0]}"#,
+            r#"{"shape": []}"#,
+            r#"{"shape": null}"#,
+            r#"{"shape": [4.0]}"#,
+            r#"{"shape": [4294967296]}"#,
+            r#"{"shape": [4294967295, 4294967295, 4294967295]}"#,
+            r#"{"shape": [4], "ranks": null}"#,
+            r#"{"shape": [4], "ranks": [3, 2, 1, 0]}"#,
+            r#"{"shape": [2], "ranks": [3, 1]}"#,
+            r#"{"shape": [4], "ranks": [0, 1, 2]}"#,
+            r#"{"shape": [4], "ranks": [0, 1, 2, 2]}"#,
+            r#"{"shape": [4], "ranks": [0, 1, 2, 4]}"#,
+            r#"{"shape": [4], "ranks": [0, 1, 2, 4294967296]}"#,
+            r#"{"shape": [4], "ranks": [0, 1, 2, -3]}"#,
+            r#"{"shape": [4], "ranks": {}}"#,
+            r#"{"shape": [4], "shape": [4]}"#,
+            r#"{"shape": [4], "ranks": null, "ranks": [0, 1, 2, 3]}"#,
+            r#"{"ranks": [0, 1, 2, 3]}"#,
+            r#"{}"#,
+            r#"{"shape": [4], "x": 1}"#,
+            r#"[]"#,
+        ] {
+            cases.push(one(&format!(r#"{{"name": "w", "dtype": "u8", "shape": [8], "mesh": {m}, "placements": ["replicate"]}}"#)));
+        }
+        for p in [
+            r#"["shard(0)"]"#,
+            r#"[" shard( 0 ) "]"#,
+            r#"["shard(1)"]"#,
+            r#"["shard(-1)"]"#,
+            r#"["shard(+0)"]"#,
+            r#"["Replicate"]"#,
+            r#"["replicate", "replicate"]"#,
+            r#"[]"#,
+            r#"[null]"#,
+            r#"[0]"#,
+            r#""replicate""#,
+        ] {
+            cases.push(one(&format!(r#"{{"name": "w", "dtype": "u8", "shape": [8], "mesh": {{"shape": [4]}}, "placements": {p}}}"#)));
+        }
+        for s in [
+            r#"{"rank": 0, "offset": [0], "extent": [8]}"#,
+            r#"{"rank": 0, "flat": [0, 8]}"#,
+            r#"{"rank": 0, "flat": [0, 8], "buffer": "b"}"#,
+            r#"{"rank": 0, "flat": [0, 8], "buffer": "b", "at": 3}"#,
+            r#"{"rank": 0, "flat": [0, 8], "at": 3}"#,
+            r#"{"rank": 0, "flat": [0, 8], "buffer": null}"#,
+            r#"{"rank": 0, "flat": [0, 8], "buffer": "b", "at": null}"#,
+            r#"{"rank": 0, "flat": [0]}"#,
+            r#"{"rank": 0, "flat": [0, 8, 1]}"#,
+            r#"{"rank": 0, "flat": null}"#,
+            r#"{"rank": 0, "offset": [0]}"#,
+            r#"{"rank": 0, "extent": [8]}"#,
+            r#"{"rank": 0, "offset": [0], "extent": [8], "flat": [0, 8]}"#,
+            r#"{"rank": 0}"#,
+            r#"{"rank": null, "flat": [0, 8]}"#,
+            r#"{"rank": 4, "flat": [0, 8]}"#,
+            r#"{"rank": 1.0, "flat": [0, 8]}"#,
+            r#"{"rank": -0, "flat": [0, 8]}"#,
+            r#"{"flat": [0, 8]}"#,
+            r#"{"rank": 0, "rank": 0, "flat": [0, 8]}"#,
+            r#"{"rank": 0, "flat": [0, 8], "x": {}}"#,
+            r#"{"rank": 0, "offset": [0], "extent": [9]}"#,
+            r#"null"#,
+        ] {
+            cases.push(one(&format!(r#"{{"name": "w", "dtype": "u8", "shape": [8], "shards": [{s}]}}"#)));
+        }
+        for t in [
+            r#"{"name": "w", "dtype": "u8", "shape": [8], "shards": []}"#,
+            r#"{"name": "w", "dtype": "u8", "shape": [8], "shards": {}}"#,
+            r#"{"name": "w", "dtype": "u8", "shape": [8], "shards": [], "buffer": "b"}"#,
+            r#"{"name": "w", "dtype": "u8", "shape": [8], "shards": [], "at": 0}"#,
+            r#"{"name": "w", "dtype": "u8", "shape": [8], "shards": [], "placements": []}"#,
+            r#"{"name": "w", "dtype": "u8", "shape": [8], "shards": [], "shards": []}"#,
+        ] {
+            cases.push(one(t));
+        }
+        // `ranks` after the tensors: implied meshes are checked against it at the end.
+        let implied =
+            |n: u32| format!(r#"{{"name": "w", "dtype": "u8", "shape": [8], "mesh": {{"shape": [{n}]}}, "placements": ["replicate"]}}"#);
+        cases.push(format!(r#"{{"tensors": [{}], "ranks": 4}}"#, implied(4)));
+        cases.push(format!(r#"{{"tensors": [{}], "ranks": 3}}"#, implied(4)));
+        cases.push(format!(r#"{{"tensors": [{}], "ranks": 1048577}}"#, implied(1048577)));
+        cases.push(format!(r#"{{"tensors": [{}]}}"#, implied(4)));
+        // Two tensors sharing a buffer, in order and overlapping.
+        let in_buf = |name: &str, at: u64| {
+            format!(
+                r#"{{"name": "{name}", "dtype": "u8", "shape": [8], "mesh": {{"shape": [4]}}, "placements": ["shard(0)"], "buffer": "b", "at": {at}}}"#
+            )
+        };
+        cases.push(format!(r#"{{"ranks": 4, "tensors": [{}, {}]}}"#, in_buf("a", 0), in_buf("c", 2)));
+        cases.push(format!(r#"{{"ranks": 4, "tensors": [{}, {}]}}"#, in_buf("a", 0), in_buf("c", 1)));
+        cases.push(format!(r#"{{"ranks": 4, "tensors": [{}, {}]}}"#, in_buf("a", 0), in_buf("a", 2)));
+        cases
+    }
+
+    /// Every edge case: both paths agree.
+    #[test]
+    fn paths_agree_on_edge_cases() {
+        let failures: Vec<String> =
+            edge_cases().iter().filter_map(|text| cross_check(text).err().map(|e| format!("{text}\n    {e}"))).collect();
+        assert!(failures.is_empty(), "{} cases:\n{}", failures.len(), failures.join("\n"));
+    }
+
+    /// Both paths agree on the example layouts and the hostile files.
+    #[test]
+    fn paths_agree_on_fixture_files() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut files = Vec::new();
+        for dir in ["examples", "tests/hostile/layouts"] {
+            let Ok(entries) = std::fs::read_dir(root.join(dir)) else { continue };
+            for e in entries.flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    files.extend(std::fs::read_dir(&p).into_iter().flatten().flatten().map(|e| e.path()));
+                } else {
+                    files.push(p);
+                }
+            }
+        }
+        files.retain(|p| p.extension().is_some_and(|e| e == "json"));
+        assert!(files.len() >= 40, "found only {} fixture files", files.len());
+        for p in &files {
+            let bytes = std::fs::read(p).unwrap();
+            let text = String::from_utf8_lossy(&bytes);
+            cross_check(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        }
+    }
+
+    /// The examples are accepted by the fast path itself (no fallback).
+    #[test]
+    fn examples_take_the_fast_path() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        for dir in std::fs::read_dir(root).unwrap().flatten().filter(|e| e.path().is_dir()) {
+            for side in ["src.json", "dst.json"] {
+                let text = std::fs::read_to_string(dir.path().join(side)).unwrap();
+                assert!(typed::parse(&text).is_ok(), "{}/{side}", dir.path().display());
+            }
+        }
+    }
+
+    /// Past `MAX_IMPLIED_POSITIONS`, both paths reject the file.
+    #[test]
+    fn paths_agree_on_the_implied_budget() {
+        let t = |i: usize| {
+            format!(r#"{{"name": "w{i}", "dtype": "u8", "shape": [8], "mesh": {{"shape": [1048576]}}, "placements": ["replicate"]}}"#)
+        };
+        for n in [64, 65] {
+            let text = format!(r#"{{"ranks": 1048576, "tensors": [{}]}}"#, (0..n).map(t).collect::<Vec<_>>().join(","));
+            assert_eq!(typed::parse(&text).is_ok(), n == 64);
+            if n == 65 {
+                cross_check(&text).unwrap();
+            }
+        }
+    }
 }

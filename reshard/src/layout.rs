@@ -298,6 +298,12 @@ impl Layout {
     /// Validates and builds a layout. `ranks_per_node: None` puts all ranks
     /// on one node.
     pub fn new(ranks: u32, ranks_per_node: Option<u32>, tensors: Vec<TensorLayout>) -> Result<Layout, LayoutError> {
+        Self::build(ranks, ranks_per_node, tensors, true)
+    }
+
+    /// [`Layout::new`]; `shortcut: false` runs the per-rank overlap sweep
+    /// on every buffer (the tests compare both).
+    fn build(ranks: u32, ranks_per_node: Option<u32>, tensors: Vec<TensorLayout>, shortcut: bool) -> Result<Layout, LayoutError> {
         if ranks == 0 {
             return Err(field("ranks", "must be at least 1"));
         }
@@ -313,33 +319,50 @@ impl Layout {
         let mut buffer_names: Vec<String> = Vec::new();
         let mut buffer_ids: HashMap<String, u32> = HashMap::new();
         let mut named_dtypes: Vec<DType> = Vec::new();
+        // Per rank: the index + 1 of the last mesh tensor that listed it.
+        let mut seen: Vec<u32> = Vec::new();
+        // The buffer id of every stored region, in the order in which
+        // `check_named_buffers` meets them; the last name looked up (runs of
+        // tensors share a fused buffer).
+        let mut stored_ids: Vec<u32> = Vec::new();
+        let mut last: Option<(&str, u32)> = None;
         for (i, t) in tensors.iter().enumerate() {
             if t.name.is_empty() {
                 return Err(field(format!("tensors[{i}].name"), "must not be empty"));
             }
-            if t.name.chars().any(char::is_control) {
+            if has_control(&t.name) {
                 return Err(field(format!("tensors[{i}].name"), format!("'{}' contains control characters", escape(&t.name))));
             }
             if by_name.insert(t.name.clone(), i as u32).is_some() {
                 return Err(field(format!("tensors[{i}].name"), format!("duplicate tensor name '{}'", t.name)));
             }
-            validate_tensor(t, ranks)?;
-            let storages: Vec<&Storage> = match &t.placement {
-                Placement::Mesh(m) => vec![&m.storage],
-                Placement::Shards(shards) => shards.iter().map(|s| &s.storage).collect(),
+            validate_tensor(t, ranks, i as u32 + 1, &mut seen)?;
+            let (mesh_storage, shards): (Option<&Storage>, &[ShardSpec]) = match &t.placement {
+                Placement::Mesh(m) => (Some(&m.storage), &[]),
+                Placement::Shards(shards) => (None, shards),
             };
-            for storage in storages {
+            for storage in mesh_storage.into_iter().chain(shards.iter().map(|s| &s.storage)) {
                 if let Storage::InBuffer { buffer, .. } = storage {
-                    if !buffer_ids.contains_key(buffer) {
-                        buffer_ids.insert(buffer.clone(), buffer_names.len() as u32);
-                        buffer_names.push(buffer.clone());
-                        named_dtypes.push(t.dtype);
-                    }
+                    let id = match last {
+                        Some((name, id)) if name == buffer => id,
+                        _ => match buffer_ids.get(buffer) {
+                            Some(&id) => id,
+                            None => {
+                                let id = buffer_names.len() as u32;
+                                buffer_ids.insert(buffer.clone(), id);
+                                buffer_names.push(buffer.clone());
+                                named_dtypes.push(t.dtype);
+                                id
+                            }
+                        },
+                    };
+                    last = Some((buffer.as_str(), id));
+                    stored_ids.push(id);
                 }
             }
         }
         let layout = Layout { ranks, ranks_per_node, tensors, buffer_names, buffer_ids, named_dtypes, by_name };
-        layout.check_named_buffers()?;
+        layout.check_named_buffers(&stored_ids, shortcut)?;
         Ok(layout)
     }
 
@@ -529,30 +552,20 @@ impl Layout {
     /// Checks the named-buffer rules: one dtype per buffer name, and no two
     /// stored regions overlapping in one buffer of one rank. Mesh-form
     /// tensors are expanded per rank one buffer name at a time, so that the
-    /// check needs memory for the largest buffer only.
-    fn check_named_buffers(&self) -> Result<(), LayoutError> {
+    /// check needs memory for the largest buffer only. `ids` holds the
+    /// buffer id of every stored region, in tensor and shard order;
+    /// `shortcut` skips the sweep of buffers filled front to back.
+    fn check_named_buffers(&self, ids: &[u32], shortcut: bool) -> Result<(), LayoutError> {
         /// A tensor's mesh placement (rather than one of its shards).
         const MESH: u32 = u32::MAX;
-        // Per buffer id: (tensor, shard index or MESH) stored in it.
-        let mut members: Vec<Vec<(u32, u32)>> = vec![Vec::new(); self.buffer_names.len()];
+        // Per buffer id: (at, tensor, shard index or MESH) stored in it.
+        let mut members: Vec<Vec<(u64, u32, u32)>> = vec![Vec::new(); self.buffer_names.len()];
         let mut first: Vec<u32> = vec![u32::MAX; self.buffer_names.len()];
+        let mut ids = ids.iter();
         for (ti, t) in self.tensors.iter().enumerate() {
-            let stored: Vec<(u32, Rank, &str)> = match &t.placement {
-                Placement::Mesh(m) => match &m.storage {
-                    Storage::InBuffer { buffer, .. } => vec![(MESH, m.ranks[0], buffer.as_str())],
-                    Storage::Own => Vec::new(),
-                },
-                Placement::Shards(shards) => shards
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, s)| match &s.storage {
-                        Storage::InBuffer { buffer, .. } => Some((i as u32, s.rank, buffer.as_str())),
-                        Storage::Own => None,
-                    })
-                    .collect(),
-            };
-            for (which, rank, buffer) in stored {
-                let id = self.buffer_ids[buffer] as usize;
+            let mut add = |which: u32, rank: Rank, buffer: &str, at: u64| -> Result<(), LayoutError> {
+                let id = ids.next().map_or_else(|| self.buffer_ids[buffer], |&id| id) as usize;
+                debug_assert_eq!(id, self.buffer_ids[buffer] as usize);
                 if first[id] == u32::MAX {
                     first[id] = ti as u32;
                 }
@@ -566,7 +579,22 @@ impl Layout {
                         ),
                     ));
                 }
-                members[id].push((ti as u32, which));
+                members[id].push((at, ti as u32, which));
+                Ok(())
+            };
+            match &t.placement {
+                Placement::Mesh(m) => {
+                    if let Storage::InBuffer { buffer, at } = &m.storage {
+                        add(MESH, m.ranks[0], buffer, *at)?;
+                    }
+                }
+                Placement::Shards(shards) => {
+                    for (i, s) in shards.iter().enumerate() {
+                        if let Storage::InBuffer { buffer, at } = &s.storage {
+                            add(i as u32, s.rank, buffer, *at)?;
+                        }
+                    }
+                }
             }
         }
         // Per buffer, a sweep in order of `at` (the same on every rank of a
@@ -586,39 +614,30 @@ impl Layout {
         };
         for (id, list) in members.iter_mut().enumerate() {
             let gen = id as u32 + 1;
-            let at_of = |&(ti, which): &(u32, u32)| {
-                let storage = match &self.tensors[ti as usize].placement {
-                    Placement::Mesh(m) => &m.storage,
-                    Placement::Shards(shards) => &shards[which as usize].storage,
-                };
-                match storage {
-                    Storage::InBuffer { at, .. } => *at,
-                    Storage::Own => 0,
+            // The entries are distinct, so an unstable sort keeps the order
+            // (at, tensor, shard) deterministic.
+            list.sort_unstable();
+            if shortcut && in_order_without_overlap(&self.tensors, list) {
+                // The common case (fused buffers filled front to back): no
+                // rank can see an overlap, so skip the per-rank sweep.
+                continue;
+            }
+            // Adds one region to the sweep of every rank in `ranks` (all the
+            // ranks of a mesh in the common case: the hot loop).
+            let mut visit = |ranks: &[Rank], region: (u64, u64, u32)| -> Result<(), LayoutError> {
+                match sweep(&mut state, ranks, gen, region) {
+                    Some((rank, earlier)) => Err(overlap(rank, id, earlier, region)),
+                    None => Ok(()),
                 }
             };
-            list.sort_by_key(|m| (at_of(m), m.0, m.1));
-            let mut visit = |rank: Rank, region: (u64, u64, u32)| -> Result<(), LayoutError> {
-                let st = &mut state[rank as usize];
-                if st.0 == gen && region.0 < st.2 {
-                    return Err(overlap(rank, id, (st.1, st.2, st.3), region));
-                }
-                if st.0 != gen || region.1 > st.2 {
-                    *st = (gen, region.0, region.1, region.2);
-                }
-                Ok(())
-            };
-            for m @ &(ti, which) in list.iter() {
+            for &(at, ti, which) in list.iter() {
                 let t = &self.tensors[ti as usize];
-                let at = at_of(m);
                 match &t.placement {
                     Placement::Mesh(mesh) => {
                         if let Some(len) = uniform_local_elems(&t.shape, mesh) {
                             // Every rank holds a block of `len` elements (the common case, no expansion).
                             if len > 0 {
-                                let end = at.saturating_add(len);
-                                for &rank in &mesh.ranks {
-                                    visit(rank, (at, end, ti))?;
-                                }
+                                visit(&mesh.ranks, (at, at.saturating_add(len), ti))?;
                             }
                             continue;
                         }
@@ -626,7 +645,7 @@ impl Layout {
                             // `at` + the largest local block was checked to fit.
                             let end = at.saturating_add(h.block.numel());
                             for l in &h.holders {
-                                visit(l.rank, (at, end, ti))?;
+                                visit(std::slice::from_ref(&l.rank), (at, end, ti))?;
                             }
                         }
                     }
@@ -639,7 +658,7 @@ impl Layout {
                         let end = at.checked_add(len).ok_or_else(|| {
                             tensor_err(&t.name, format!("rank {}: buffer '{}': at + size overflows", s.rank, self.buffer_names[id]))
                         })?;
-                        visit(s.rank, (at, end, ti))?;
+                        visit(std::slice::from_ref(&s.rank), (at, end, ti))?;
                     }
                 }
             }
@@ -648,10 +667,56 @@ impl Layout {
     }
 }
 
+/// Whether the regions stored in one buffer (`list`: (at, tensor, shard or
+/// mesh), sorted) follow one another: each non-empty region starts at or
+/// after the furthest end of all before it, on any rank. Then the per-rank
+/// sweep of `check_named_buffers` finds nothing. `false` also when a check
+/// needs the sweep (an uneven mesh, an end past `u64::MAX`).
+fn in_order_without_overlap(tensors: &[TensorLayout], list: &[(u64, u32, u32)]) -> bool {
+    let mut furthest = 0u64;
+    for &(at, ti, which) in list {
+        let t = &tensors[ti as usize];
+        let len = match &t.placement {
+            Placement::Mesh(mesh) => match uniform_local_elems(&t.shape, mesh) {
+                Some(len) => len,
+                None => return false,
+            },
+            Placement::Shards(shards) => region_len(&shards[which as usize].region),
+        };
+        if len == 0 {
+            continue;
+        }
+        match at.checked_add(len) {
+            Some(end) if at >= furthest => furthest = end,
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// One step of the per-rank overlap sweep of `check_named_buffers`: adds
+/// `region` (start, end, tensor) of buffer generation `gen` to the state of
+/// every rank in `ranks`, or returns the first rank where it overlaps an
+/// earlier region, and that region.
+fn sweep(state: &mut [(u32, u64, u64, u32)], ranks: &[Rank], gen: u32, region: (u64, u64, u32)) -> Option<(Rank, (u64, u64, u32))> {
+    for &rank in ranks {
+        let st = &mut state[rank as usize];
+        if st.0 == gen && region.0 < st.2 {
+            return Some((rank, (st.1, st.2, st.3)));
+        }
+        if st.0 != gen || region.1 > st.2 {
+            *st = (gen, region.0, region.1, region.2);
+        }
+    }
+    None
+}
+
 /// The element count of every rank's local block of a mesh placement, when
 /// every split is exact (all local blocks equally large).
 fn uniform_local_elems(shape: &[u64], m: &MeshPlacement) -> Option<u64> {
-    let mut ext = shape.to_vec();
+    let mut ext = [0u64; MAX_DIMS];
+    let ext = &mut ext[..shape.len()];
+    ext.copy_from_slice(shape);
     for (i, p) in m.dims.iter().enumerate() {
         if let MeshDim::Shard(d) = p {
             let k = m.shape[i] as u64;
@@ -765,19 +830,38 @@ fn mesh_holdings(shape: &[u64], m: &MeshPlacement, buffer: BufferKey, at: u64) -
     out
 }
 
+/// Whether `s` has a control character (`char::is_control`); printable
+/// ASCII (the common case) is checked a byte at a time.
+fn has_control(s: &str) -> bool {
+    !s.bytes().all(|b| (0x20..0x7f).contains(&b)) && s.chars().any(char::is_control)
+}
+
 /// A buffer name must be non-empty and free of control characters;
 /// `prefix` locates it in the tensor (`shards[2]: `, or nothing for a mesh).
 fn check_buffer_name(tensor: &str, prefix: &str, buffer: &str) -> Result<(), LayoutError> {
     if buffer.is_empty() {
         return Err(tensor_err(tensor, format!("{prefix}buffer name must not be empty")));
     }
-    if buffer.chars().any(char::is_control) {
+    if has_control(buffer) {
         return Err(tensor_err(tensor, format!("{prefix}buffer name '{}' contains control characters", escape(buffer))));
     }
     Ok(())
 }
 
-fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
+/// `shards[i]`, written only when a message needs it.
+struct ShardAt(usize);
+
+impl std::fmt::Display for ShardAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "shards[{}]", self.0)
+    }
+}
+
+/// Checks one tensor against the layout's `ranks`. `seen` is scratch shared
+/// by all tensors: per rank, the `stamp` (distinct per tensor, never 0) of
+/// the last mesh that listed the rank, so that no tensor pays for a
+/// `ranks`-long list of its own.
+fn validate_tensor(t: &TensorLayout, ranks: u32, stamp: u32, seen: &mut Vec<u32>) -> Result<(), LayoutError> {
     let name = t.name.as_str();
     if t.shape.len() > MAX_DIMS {
         return Err(tensor_err(name, format!("{} dims; at most {MAX_DIMS} are supported", t.shape.len())));
@@ -807,13 +891,21 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
             if m.dims.len() != m.shape.len() {
                 return Err(tensor_err(name, format!("{} placements for a {}-d mesh; need one per mesh dim", m.dims.len(), m.shape.len())));
             }
-            let mut seen = vec![false; ranks as usize];
-            for &r in &m.ranks {
-                if r >= ranks {
-                    return Err(tensor_err(name, format!("mesh.ranks: rank {r} >= ranks ({ranks})")));
+            // Strictly increasing ranks (`0..n` when implied, and most
+            // explicit lists) are distinct, the last the largest: only
+            // other lists need the per-rank check that names the culprit.
+            let falls = m.ranks.iter().zip(m.ranks.iter().skip(1)).filter(|(a, b)| a >= b).count();
+            if falls > 0 || m.ranks.last().is_some_and(|&r| r >= ranks) {
+                if seen.len() < ranks as usize {
+                    seen.resize(ranks as usize, 0);
                 }
-                if std::mem::replace(&mut seen[r as usize], true) {
-                    return Err(tensor_err(name, format!("mesh.ranks: rank {r} appears twice")));
+                for &r in &m.ranks {
+                    if r >= ranks {
+                        return Err(tensor_err(name, format!("mesh.ranks: rank {r} >= ranks ({ranks})")));
+                    }
+                    if std::mem::replace(&mut seen[r as usize], stamp) == stamp {
+                        return Err(tensor_err(name, format!("mesh.ranks: rank {r} appears twice")));
+                    }
                 }
             }
             for (i, p) in m.dims.iter().enumerate() {
@@ -826,7 +918,9 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
             if let Storage::InBuffer { buffer, at } = &m.storage {
                 check_buffer_name(name, "", buffer)?;
                 // The largest local block is the first chunk of every split.
-                let mut ext = t.shape.clone();
+                let mut ext = [0u64; MAX_DIMS];
+                let ext = &mut ext[..t.shape.len()];
+                ext.copy_from_slice(&t.shape);
                 for (i, p) in m.dims.iter().enumerate() {
                     if let MeshDim::Shard(d) = p {
                         ext[*d] = ext[*d].div_ceil(m.shape[i] as u64);
@@ -840,7 +934,7 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
         }
         Placement::Shards(shards) => {
             for (i, s) in shards.iter().enumerate() {
-                let at = format!("shards[{i}]");
+                let at = ShardAt(i);
                 if s.rank >= ranks {
                     return Err(tensor_err(name, format!("{at}: rank {} >= ranks ({ranks})", s.rank)));
                 }
@@ -884,7 +978,9 @@ fn validate_tensor(t: &TensorLayout, ranks: u32) -> Result<(), LayoutError> {
                     }
                 }
                 if let Storage::InBuffer { buffer, at: off } = &s.storage {
-                    check_buffer_name(name, &format!("{at}: "), buffer)?;
+                    if buffer.is_empty() || has_control(buffer) {
+                        check_buffer_name(name, &format!("{at}: "), buffer)?;
+                    }
                     if off.checked_add(region_len(&s.region)).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
                         return Err(tensor_err(name, format!("{at}: at {off} + size overflows")));
                     }
@@ -947,5 +1043,98 @@ mod tests {
         assert_eq!(hs.len(), 3);
         assert_eq!(hs[0].holders.iter().map(|h| h.rank).collect::<Vec<_>>(), vec![0, 3]);
         assert_eq!(l.nodes(), 2);
+    }
+
+    /// A mesh tensor `name` of 8 u8 elements sharded over `ranks`, stored
+    /// at `at` of buffer `b` when `at` is given.
+    fn on_ranks(name: &str, ranks: Vec<u32>, at: Option<u64>) -> TensorLayout {
+        let storage = at.map_or(Storage::Own, |at| Storage::InBuffer { buffer: "b".into(), at });
+        TensorLayout {
+            name: name.into(),
+            dtype: DType::U8,
+            shape: vec![8],
+            placement: Placement::Mesh(MeshPlacement { shape: vec![ranks.len() as u32], ranks, dims: vec![MeshDim::Shard(0)], storage }),
+        }
+    }
+
+    #[test]
+    fn mesh_rank_lists_in_any_order() {
+        // Unsorted lists share the per-rank scratch: no tensor sees another's ranks.
+        let ok = vec![on_ranks("a", vec![3, 1, 2, 0], None), on_ranks("b", vec![1, 0, 3, 2], None), on_ranks("c", vec![0, 1, 2, 3], None)];
+        Layout::new(4, None, ok).unwrap();
+        let err = |ranks: Vec<u32>| {
+            let ts = vec![on_ranks("a", vec![3, 1, 2, 0], None), on_ranks("w", ranks, None)];
+            Layout::new(4, None, ts).unwrap_err().to_string()
+        };
+        assert_eq!(err(vec![1, 0, 1, 2]), "tensor 'w': mesh.ranks: rank 1 appears twice");
+        assert_eq!(err(vec![0, 1, 1, 2]), "tensor 'w': mesh.ranks: rank 1 appears twice");
+        assert_eq!(err(vec![0, 1, 2, 4]), "tensor 'w': mesh.ranks: rank 4 >= ranks (4)");
+        assert_eq!(err(vec![5, 1, 1, 2]), "tensor 'w': mesh.ranks: rank 5 >= ranks (4)");
+        assert_eq!(err(vec![2, 2, 1, 7]), "tensor 'w': mesh.ranks: rank 2 appears twice");
+    }
+
+    #[test]
+    fn shared_buffer_overlaps_name_both_tensors() {
+        // 2 elements per rank; "c" starts inside "a" on every rank, first found on rank 0.
+        let ts = vec![on_ranks("a", vec![0, 1, 2, 3], Some(0)), on_ranks("c", vec![0, 1, 2, 3], Some(1))];
+        assert_eq!(
+            Layout::new(4, None, ts).unwrap_err().to_string(),
+            "rank 0: buffer 'b': elements 0..2 of tensor 'a' overlap elements 1..3 of tensor 'c'"
+        );
+        // Back to back, in any file order, with another buffer in between.
+        let mut other = on_ranks("x", vec![3, 2, 1, 0], Some(0));
+        if let Placement::Mesh(m) = &mut other.placement {
+            m.storage = Storage::InBuffer { buffer: "o".into(), at: 0 };
+        }
+        let ts = vec![on_ranks("c", vec![0, 1, 2, 3], Some(2)), other, on_ranks("a", vec![0, 1, 2, 3], Some(0))];
+        let l = Layout::new(4, None, ts).unwrap();
+        assert_eq!(l.buffer_names(), ["b".to_string(), "o".to_string()]);
+        // The same offset on disjoint ranks (expert groups): no overlap, but
+        // only the per-rank sweep can tell.
+        let ts = vec![on_ranks("e0", vec![0, 1], Some(0)), on_ranks("e1", vec![2, 3], Some(0)), on_ranks("e2", vec![1, 2], Some(4))];
+        Layout::new(4, None, ts).unwrap();
+        let ts = vec![on_ranks("e0", vec![0, 1], Some(0)), on_ranks("e1", vec![2, 3], Some(0)), on_ranks("e2", vec![1, 2], Some(3))];
+        assert_eq!(
+            Layout::new(4, None, ts).unwrap_err().to_string(),
+            "rank 1: buffer 'b': elements 0..4 of tensor 'e0' overlap elements 3..7 of tensor 'e2'"
+        );
+    }
+
+    use proptest::prelude::*;
+
+    /// A random tensor on 4 ranks in buffer "a" or "b": a mesh over some
+    /// ranks (even or uneven split) or two flat shards.
+    fn stored_tensor(i: usize) -> impl Strategy<Value = TensorLayout> {
+        let mesh = (proptest::sample::subsequence(vec![0u32, 1, 2, 3], 1..=4), any::<bool>(), 0u64..12, 5u64..9, any::<bool>()).prop_map(
+            move |(ranks, even, at, n, in_a)| {
+                let shape = vec![if even { 8 } else { n }];
+                let storage = Storage::InBuffer { buffer: if in_a { "a" } else { "b" }.into(), at };
+                let mesh = MeshPlacement { shape: vec![ranks.len() as u32], ranks, dims: vec![MeshDim::Shard(0)], storage };
+                TensorLayout { name: format!("t{i}"), dtype: DType::U8, shape, placement: Placement::Mesh(mesh) }
+            },
+        );
+        let shards = (0u32..4, 0u32..4, 0u64..5, 0u64..12, 0u64..12).prop_map(move |(r0, r1, cut, at0, at1)| {
+            let shard = |rank, start, len, at| ShardSpec {
+                rank,
+                region: Region::Flat { start, len },
+                storage: Storage::InBuffer { buffer: "a".into(), at },
+            };
+            let shards = vec![shard(r0, 0, cut, at0), shard(r1, cut, 4 - cut, at1)];
+            TensorLayout { name: format!("t{i}"), dtype: DType::U8, shape: vec![4], placement: Placement::Shards(shards) }
+        });
+        prop_oneof![mesh, shards]
+    }
+
+    proptest! {
+        /// Skipping the sweep of buffers filled front to back changes no
+        /// answer.
+        #[test]
+        fn prop_overlap_shortcut_agrees_with_the_sweep(
+            tensors in (1usize..6).prop_flat_map(|n| (0..n).map(stored_tensor).collect::<Vec<_>>())
+        ) {
+            let fast = Layout::build(4, None, tensors.clone(), true);
+            let sweep = Layout::build(4, None, tensors, false);
+            prop_assert_eq!(fast, sweep);
+        }
     }
 }

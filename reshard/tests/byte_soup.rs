@@ -1,8 +1,9 @@
 //! Byte soup for the layout-file parser: arbitrary bytes, random JSON built
 //! from the format's own vocabulary, and mutations of the valid example
 //! files all go into `parse_layout`. Whatever comes in, the parser returns
-//! `Ok` or `Err` and never panics; an error is one non-empty line, and an
-//! accepted layout survives a round trip through `layout_to_json`.
+//! `Ok` or `Err` and never panics; an error is one non-empty line, an
+//! accepted layout survives a round trip through `layout_to_json`, and the
+//! parser's fast path and its reference walker agree (`file::cross_check`).
 
 use proptest::prelude::*;
 use reshard::{layout_to_json, parse_layout};
@@ -26,9 +27,24 @@ const EXAMPLES: [&str; 12] = [
 ];
 
 /// Parses `text` under `catch_unwind`; fails the property on a panic, a
-/// multi-line or empty error, or an accepted layout that does not round-trip.
+/// multi-line or empty error, an accepted layout that does not round-trip,
+/// or a disagreement between the two parsing paths.
 fn parse_never_panics(text: &str) -> Result<(), TestCaseError> {
-    let outcome = catch_unwind(AssertUnwindSafe(|| match parse_layout(text) {
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        reshard::file::cross_check(text)?;
+        judge(text)
+    }));
+    match outcome {
+        Err(_) => Err(TestCaseError::fail(format!("parse_layout panicked on {text:?}"))),
+        Ok(Err(why)) => Err(TestCaseError::fail(format!("{why}\n  input: {text:?}"))),
+        Ok(Ok(())) => Ok(()),
+    }
+}
+
+/// Parses `text`: an accepted layout must round-trip through
+/// `layout_to_json`, and an error must be one non-empty line.
+fn judge(text: &str) -> Result<(), String> {
+    match parse_layout(text) {
         Ok(layout) => {
             let written = layout_to_json(&layout).to_string();
             match parse_layout(&written) {
@@ -45,11 +61,6 @@ fn parse_never_panics(text: &str) -> Result<(), TestCaseError> {
                 Ok(())
             }
         }
-    }));
-    match outcome {
-        Err(_) => Err(TestCaseError::fail(format!("parse_layout panicked on {text:?}"))),
-        Ok(Err(why)) => Err(TestCaseError::fail(format!("{why}\n  input: {text:?}"))),
-        Ok(Ok(())) => Ok(()),
     }
 }
 
