@@ -18,14 +18,15 @@
 //!   EP-MoE places the experts the same way): the 128 inference ranks form
 //!   128 / EP independent instances of one EP group each (ranks
 //!   `g * EP .. (g + 1) * EP`). Attention, the dense MLPs, the shared
-//!   experts, routers, embedding and head are TP8-sharded within each node
-//!   exactly as in the TP8 x DP16 layout (replicated over the group's
-//!   nodes); the 256 routed experts of a layer are spread whole over the EP
-//!   group, 256 / EP consecutive experts per rank (vLLM's linear expert
-//!   placement: EP rank k holds experts `k * 256 / EP ..`), each expert
-//!   replicated once per instance. Each node then takes in the dense
-//!   weights plus 8 x 256 / EP experts per MoE layer instead of the whole
-//!   model. The training side is the same.
+//!   experts, routers, embedding and head are placed exactly as in the
+//!   TP8 x DP16 layout (TP8-sharded within each node or replicated, by
+//!   kind; every node holds them once); the 256 routed experts of a layer
+//!   are spread whole over the EP group, 256 / EP consecutive experts per
+//!   rank (vLLM's linear expert placement: EP rank k holds experts
+//!   `k * 256 / EP ..`), each expert replicated once per instance. Each
+//!   node then takes in the non-expert weights plus 8 x 256 / EP experts
+//!   per MoE layer instead of the whole model. The training side is the
+//!   same.
 //!
 //! Fused buffers, as the frameworks store them (buffer names are per rank;
 //! members lie back to back, each rank's local block after the previous
