@@ -47,6 +47,13 @@ struct BenchArgs {
     /// Divide hidden sizes by this (presets only).
     #[arg(long, default_value_t = 8)]
     scale: u64,
+    /// deepseek-v3 only: inference with expert parallelism over EP groups
+    /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
+    /// `--enable-expert-parallel`: 256/N routed experts whole per rank, the
+    /// other weights TP8 within each node. Default: TP8 x DP16, experts
+    /// TP-sharded too.
+    #[arg(long, value_name = "N", requires = "model", conflicts_with = "src")]
+    ep: Option<u32>,
     /// Repetitions after one warm-up.
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -115,6 +122,13 @@ enum Command {
         /// Divide hidden sizes by this (presets only; 1 = full size).
         #[arg(long, default_value_t = 1)]
         scale: u64,
+        /// deepseek-v3 only: inference with expert parallelism over EP groups
+        /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
+        /// `--enable-expert-parallel`: 256/N routed experts whole per rank, the
+        /// other weights TP8 within each node. Default: TP8 x DP16, experts
+        /// TP-sharded too.
+        #[arg(long, value_name = "N", requires = "model", conflicts_with = "src")]
+        ep: Option<u32>,
         /// Most bytes one rank stages per round, in MiB.
         #[arg(long, default_value_t = 256)]
         max_staging_mib: u64,
@@ -170,6 +184,13 @@ enum Command {
         /// Divide hidden sizes by this (1 = full size).
         #[arg(long, default_value_t = 1)]
         scale: u64,
+        /// deepseek-v3 only: inference with expert parallelism over EP groups
+        /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
+        /// `--enable-expert-parallel`: 256/N routed experts whole per rank, the
+        /// other weights TP8 within each node. Default: TP8 x DP16, experts
+        /// TP-sharded too.
+        #[arg(long, value_name = "N")]
+        ep: Option<u32>,
         /// Repetitions (the median is reported).
         #[arg(long, default_value_t = 3)]
         reps: usize,
@@ -328,6 +349,13 @@ enum Command {
         /// Divide hidden sizes by this.
         #[arg(long, default_value_t = 1)]
         scale: u64,
+        /// deepseek-v3 only: inference with expert parallelism over EP groups
+        /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
+        /// `--enable-expert-parallel`: 256/N routed experts whole per rank, the
+        /// other weights TP8 within each node. Default: TP8 x DP16, experts
+        /// TP-sharded too.
+        #[arg(long, value_name = "N")]
+        ep: Option<u32>,
         /// Directory to write src.json and dst.json into.
         #[arg(long)]
         out: PathBuf,
@@ -344,12 +372,13 @@ fn main() -> ExitCode {
         }
     };
     let result = match &cli.command {
-        Command::Plan { src, dst, model, scale, max_staging_mib, topology, estimate, svg, json, emit_layouts } => {
+        Command::Plan { src, dst, model, scale, ep, max_staging_mib, topology, estimate, svg, json, emit_layouts } => {
             cmd::plan::run(&cmd::plan::PlanArgs {
                 src,
                 dst,
                 model: *model,
                 scale: *scale,
+                ep: *ep,
                 max_staging_mib: *max_staging_mib,
                 topology,
                 estimate: *estimate,
@@ -362,8 +391,8 @@ fn main() -> ExitCode {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Chaos { json, emulate_nic_mbps, deadline_s } => cmd::chaos::run(*json, *emulate_nic_mbps, *deadline_s),
         Command::Soak { src, dst, refits, cluster, json } => cmd::soak::run(src, dst, *refits, cluster, *json),
-        Command::PlanBench { model, scale, reps, no_baseline } => cmd::plan_bench::run(*model, *scale, *reps, *no_baseline),
-        Command::Emit { model, scale, out } => cmd::emit::run(*model, *scale, out),
+        Command::PlanBench { model, scale, ep, reps, no_baseline } => cmd::plan_bench::run(*model, *scale, *ep, *reps, *no_baseline),
+        Command::Emit { model, scale, ep, out } => cmd::emit::run(*model, *scale, *ep, out),
         Command::Launch { pair, baseline, verify, refits, fail_fast, json, cluster, bind, no_spawn } => {
             cmd::launch::run(&cmd::launch::LaunchArgs {
                 pair,

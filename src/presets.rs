@@ -9,11 +9,28 @@
 //! - `deepseek-v3`: training PP4 x EP16 x DP4 on 256 ranks (8 per node;
 //!   dense weights replicated over EP x DP within a stage, each expert on one
 //!   EP rank, replicated over DP) -> inference TP8 x DP16 on 128 ranks
-//!   (8 per node; every weight, experts included, TP-sharded).
+//!   (8 per node; every weight, experts included, TP-sharded), so every
+//!   inference node is a full replica that takes in the whole model.
+//! - `deepseek-v3` with inference expert parallelism ([`PresetOptions::ep`]
+//!   = EP, a multiple of 8 dividing 128), as vLLM serves it with
+//!   `--tensor-parallel-size 8 --data-parallel-size EP/8
+//!   --enable-expert-parallel` (EP size = TP x DP; SGLang's DP-attention +
+//!   EP-MoE places the experts the same way): the 128 inference ranks form
+//!   128 / EP independent instances of one EP group each (ranks
+//!   `g * EP .. (g + 1) * EP`). Attention, the dense MLPs, the shared
+//!   experts, routers, embedding and head are placed exactly as in the
+//!   TP8 x DP16 layout (TP8-sharded within each node or replicated, by
+//!   kind; every node holds them once); the 256 routed experts of a layer
+//!   are spread whole over the EP group, 256 / EP consecutive experts per
+//!   rank (vLLM's linear expert placement: EP rank k holds experts
+//!   `k * 256 / EP ..`), each expert replicated once per instance. Each
+//!   node then takes in the non-expert weights plus 8 x 256 / EP experts
+//!   per MoE layer instead of the whole model. The training side is the
+//!   same.
 //!
 //! Fused buffers, as the frameworks store them (buffer names are per rank;
 //! members lie back to back, each rank's local block after the previous
-//! member's local block):
+//! member's local block, among the members that rank holds):
 //! - training (Megatron): `layers.{l}.linear_qkv` = [q; k; v],
 //!   `layers.{l}.linear_fc1` = [gate; up] of a dense MLP,
 //!   `layers.{l}.shared_experts.linear_fc1` and
@@ -24,7 +41,10 @@
 //!   experts, `layers.{l}.fused_qkv_a_proj` = [q_a_proj; kv_a_proj_with_mqa]
 //!   (MLA, replicated), and FusedMoE's `layers.{l}.experts.w13_weight` =
 //!   [gate_0; up_0; gate_1; up_1; ...] and `layers.{l}.experts.w2_weight` =
-//!   [down_0; down_1; ...].
+//!   [down_0; down_1; ...]; with expert parallelism a rank's FusedMoE
+//!   buffers hold only its local experts, whole, in expert order
+//!   ([gate_e; up_e; ...] and [down_e; ...] for its 256 / EP experts,
+//!   starting at offset 0).
 //!
 //! With more TP ranks than KV heads, k_proj and v_proj are not split below a
 //! head: each rank holds one whole KV head, replicated over `tp / kv_heads`
@@ -32,6 +52,7 @@
 
 use reshard::{DType, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Storage, TensorLayout};
 use std::collections::HashMap;
+use thiserror::Error;
 
 /// A model preset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -45,6 +66,69 @@ pub enum Model {
     /// Qwen3-235B-A22B.
     #[value(name = "qwen3-235b")]
     Qwen3_235b,
+}
+
+impl Model {
+    /// The preset's name on the command line (`deepseek-v3`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Model::Llama3_8b => "llama3-8b",
+            Model::DeepseekV3 => "deepseek-v3",
+            Model::Qwen3_235b => "qwen3-235b",
+        }
+    }
+}
+
+/// Inference ranks of the DeepSeek-V3 preset.
+const DEEPSEEK_INFER_RANKS: u32 = 128;
+/// Inference TP degree (and ranks per node) of the DeepSeek-V3 preset.
+const DEEPSEEK_INFER_TP: u32 = 8;
+/// Routed experts per MoE layer of DeepSeek-V3.
+const DEEPSEEK_EXPERTS: u32 = 256;
+
+/// Choices of a preset beyond its scale; the default is the preset as
+/// described in the module docs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PresetOptions {
+    /// Expert parallelism of the inference side (`deepseek-v3` only): the
+    /// routed experts spread whole over EP groups of this many ranks, the
+    /// other weights TP8-sharded within each node. `None`: every weight
+    /// TP8-sharded (TP8 x DP16). Must be a multiple of 8 that divides 128.
+    pub ep: Option<u32>,
+}
+
+/// Why a preset cannot be built.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum PresetError {
+    /// Expert parallelism was asked of a preset that does not model it.
+    #[error("the {} preset has no expert-parallel inference layout (only deepseek-v3 has)", model.name())]
+    EpUnsupported {
+        /// The preset.
+        model: Model,
+    },
+    /// The EP degree does not fit the inference ranks.
+    #[error(
+        "EP {ep} does not fit the deepseek-v3 inference side (128 ranks, 8 per node, TP8 within a node): \
+         EP must be a multiple of 8 that divides 128 (8, 16, 32, 64 or 128)"
+    )]
+    EpDegree {
+        /// The EP degree asked for.
+        ep: u32,
+    },
+    /// The generated layouts are invalid (a bug in the preset).
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+}
+
+/// Checks an inference EP degree for `model`.
+fn check_ep(model: Model, ep: u32) -> Result<(), PresetError> {
+    if model != Model::DeepseekV3 {
+        return Err(PresetError::EpUnsupported { model });
+    }
+    if ep == 0 || !ep.is_multiple_of(DEEPSEEK_INFER_TP) || !DEEPSEEK_INFER_RANKS.is_multiple_of(ep) {
+        return Err(PresetError::EpDegree { ep });
+    }
+    Ok(())
 }
 
 /// How one weight is split by tensor parallelism.
@@ -139,12 +223,16 @@ fn max_local_elems(shape: &[u64], m: &MeshPlacement) -> u64 {
 
 /// Stores the tensors of each fused buffer back to back, in tensor order:
 /// every rank's local block of a member starts after the largest local
-/// block of the members before it.
+/// block of the members before it on the same ranks. Members are grouped
+/// by the ranks holding them: with expert parallelism each rank's
+/// `experts.w13_weight` holds only its own experts, from offset 0 (the
+/// members of one buffer on one rank always share the rank list, so every
+/// rank sees its members back to back).
 fn fuse(tensors: &mut [TensorLayout], side: Side) {
-    let mut next: HashMap<String, u64> = HashMap::new();
+    let mut next: HashMap<(String, Vec<u32>), u64> = HashMap::new();
     for t in tensors {
         let (Some(buffer), Placement::Mesh(m)) = (fused_buffer(&t.name, side), &mut t.placement) else { continue };
-        let at = next.entry(buffer.clone()).or_insert(0);
+        let at = next.entry((buffer.clone(), m.ranks.clone())).or_insert(0);
         m.storage = Storage::InBuffer { buffer, at: *at };
         *at += max_local_elems(&t.shape, m);
     }
@@ -218,7 +306,7 @@ fn deepseek_weights(scale: u64) -> Vec<Weight> {
     let (q_lora, kv_lora, heads) = (div(1536, scale), div(512, scale), 128u64);
     let (nope, rope, vdim) = (div(128, scale), div(64, scale), div(128, scale));
     let (ffn, moe_ffn, vocab) = (div(18432, scale), div(2048, scale), div(129_280, scale));
-    let (layers, dense_layers, experts) = (61u32, 3u32, 256u32);
+    let (layers, dense_layers, experts) = (61u32, 3u32, DEEPSEEK_EXPERTS);
     // 61 layers over 4 stages: 16, 15, 15, 15.
     let stage_of = |l: u32| if l < 16 { 0 } else { 1 + (l - 16) / 15 };
     let mut w = vec![embedding(vocab, h)];
@@ -294,8 +382,44 @@ fn inference_dp_tp(ws: &[Weight], dp: u32, tp: u32) -> Vec<TensorLayout> {
     out
 }
 
-/// Source and destination layouts of a preset at `scale` (1 = full size).
+/// DeepSeek-V3 inference with expert parallelism `ep` over `ranks` ranks
+/// (row-major (dp, tp) within a node as [`inference_dp_tp`]): every weight
+/// but the routed experts split TP`tp` as there; routed expert `e` whole on
+/// rank `g * ep + e / (experts / ep)` of every EP group `g`, in the
+/// FusedMoE buffers of that rank.
+fn inference_ep(ws: &[Weight], ranks: u32, tp: u32, ep: u32, experts: u32) -> Vec<TensorLayout> {
+    let (per_rank, groups) = (experts / ep, ranks / ep);
+    let mut out: Vec<TensorLayout> = ws
+        .iter()
+        .map(|w| {
+            let placement = match w.expert {
+                Some(e) => mesh(vec![groups], (0..groups).map(|g| g * ep + e / per_rank).collect(), vec![MeshDim::Replicate]),
+                None => tp_placement(w, ranks / tp, tp, (0..ranks).collect()),
+            };
+            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
+        })
+        .collect();
+    fuse(&mut out, Side::Infer);
+    out
+}
+
+/// Source and destination layouts of a preset at `scale` (1 = full size),
+/// with the default options.
 pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError> {
+    build(model, scale, None)
+}
+
+/// Source and destination layouts of a preset at `scale` (1 = full size)
+/// with `options`; an option the preset does not model is an error.
+pub fn layouts_with(model: Model, scale: u64, options: PresetOptions) -> Result<(Layout, Layout), PresetError> {
+    if let Some(ep) = options.ep {
+        check_ep(model, ep)?;
+    }
+    Ok(build(model, scale, options.ep)?)
+}
+
+/// The layouts; `ep` (already checked) only for DeepSeek-V3.
+fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), LayoutError> {
     let scale = scale.max(1);
     match model {
         Model::Llama3_8b => {
@@ -348,8 +472,12 @@ pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError
                 })
                 .collect();
             fuse(&mut src, Side::Train);
-            let dst = inference_dp_tp(&ws, 16, 8);
-            Ok((Layout::new(256, Some(8), src)?, Layout::new(128, Some(8), dst)?))
+            let (ranks, tp) = (DEEPSEEK_INFER_RANKS, DEEPSEEK_INFER_TP);
+            let dst = match ep {
+                Some(ep) => inference_ep(&ws, ranks, tp, ep, DEEPSEEK_EXPERTS),
+                None => inference_dp_tp(&ws, ranks / tp, tp),
+            };
+            Ok((Layout::new(256, Some(8), src)?, Layout::new(ranks, Some(tp), dst)?))
         }
     }
 }

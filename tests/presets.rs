@@ -21,6 +21,15 @@
 //! - KV heads are never split: with more TP ranks than KV heads each rank
 //!   holds one whole head.
 //!
+//! - DeepSeek-V3 served with expert parallelism (`PresetOptions::ep`, the
+//!   CLI's `--ep`): the training side unchanged, every non-expert weight
+//!   placed as in TP8 x DP16, each routed expert whole on its EP rank of
+//!   every EP group, FusedMoE buffers holding a rank's local experts only;
+//!   the elements each rank and node hold against closed forms from the
+//!   config; plans whose node ingress is what the nodes hold, refits that
+//!   verify bit-exact at small scale; bad EP degrees rejected (library and
+//!   CLI) with a message.
+//!
 //! What the presets model: bf16 weights (DeepSeek-V3's checkpoint is fp8
 //! with `weight_scale_inv` tensors; those are left out, as after a bf16
 //! conversion), one logical tensor per routed expert and projection (stored
@@ -28,10 +37,12 @@
 //! them), and no DeepSeek-V3 multi-token-prediction layer
 //! (`model.layers.61`, ~14 B parameters: 671 B without it, 685 B with it).
 
-use refit::presets::{layouts, Model};
+use refit::presets::{layouts, layouts_with, Model, PresetError, PresetOptions};
+use refit::runner::prepare;
 use reshard::layout::Holding;
-use reshard::{BufferKey, DType, Layout, Placement, Storage};
+use reshard::{plan_reshard, BufferKey, DType, Layout, Placement, PlanOptions, Storage, Strategy};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use transport::ExecOptions;
 
 /// Tensors placed alike split alike: (TP split kind, shape, placement with
 /// its storage left out) already checked.
@@ -688,4 +699,298 @@ fn qwen3_235b_inference_keeps_kv_heads_whole() {
             assert_eq!(ranks, want, "{name}: holders of KV head {head}");
         }
     }
+}
+
+// ---------------------------------------------------------------------------
+// DeepSeek-V3 inference with expert parallelism.
+
+/// The EP degrees the DeepSeek-V3 inference side takes: multiples of 8 (a
+/// node's TP8 group) dividing its 128 ranks.
+const DEEPSEEK_EP: [u32; 5] = [8, 16, 32, 64, 128];
+
+fn deepseek_ep(scale: u64, ep: u32) -> (Layout, Layout) {
+    layouts_with(Model::DeepseekV3, scale, PresetOptions { ep: Some(ep) }).unwrap_or_else(|e| panic!("EP{ep} at scale {scale}: {e}"))
+}
+
+/// Expert index of a routed-expert tensor name.
+fn expert_of(name: &str) -> Option<u32> {
+    name.split(".mlp.experts.").nth(1)?.split('.').next()?.parse().ok()
+}
+
+/// The DeepSeek-V3 config with every hidden size divided by `k` (the
+/// expert count stays).
+fn deepseek_scaled(k: u64) -> Config {
+    let Attn::Mla { heads, q_lora, kv_lora, nope, rope, v } = DEEPSEEK_V3.attn else { unreachable!() };
+    Config {
+        hidden: DEEPSEEK_V3.hidden / k,
+        intermediate: DEEPSEEK_V3.intermediate / k,
+        vocab: DEEPSEEK_V3.vocab / k,
+        moe_intermediate: DEEPSEEK_V3.moe_intermediate / k,
+        attn: Attn::Mla { heads, q_lora: q_lora / k, kv_lora: kv_lora / k, nope: nope / k, rope: rope / k, v: v / k },
+        ..DEEPSEEK_V3
+    }
+}
+
+/// Closed forms from the config, in elements: (what one inference rank
+/// holds, what one inference node holds) under EP `ep`. Every node is a
+/// TP8 group holding the non-expert weights once (a rank 1/8 of each
+/// TP-split one and all of each replicated one) plus its 8 ranks' experts:
+/// 256 / ep whole experts per rank and MoE layer.
+fn deepseek_ep_expected(c: &Config, ep: u32) -> (u64, u64) {
+    let (tp, per_node) = (8u64, 8u64);
+    let mut rank = 0;
+    let mut node = 0;
+    for (name, shape) in hf_tensors(c) {
+        if is_expert(&name) {
+            continue;
+        }
+        rank += numel(&shape) / if tp_split(&name).is_some() { tp } else { 1 };
+        node += numel(&shape);
+    }
+    let moe_layers = (c.layers - c.dense_layers) as u64;
+    let expert = 3 * c.moe_intermediate * c.hidden;
+    let per_rank = c.experts / ep as u64;
+    (rank + moe_layers * per_rank * expert, node + moe_layers * per_node * per_rank * expert)
+}
+
+/// Checks an EP inference layout against the default TP8 x DP16 one
+/// (`tp8`, itself checked by `deepseek_v3_matches_the_real_model`) and the
+/// EP rules; returns (elements per rank, distinct elements per node) read
+/// back through `Layout::holdings`.
+fn check_infer_ep(dst: &Layout, tp8: &Layout, ep: u32) -> (Vec<u64>, Vec<u64>) {
+    let (ranks, experts) = (128u32, DEEPSEEK_V3.experts as u32);
+    let (per_rank, groups) = (experts / ep, ranks / ep);
+    assert_eq!((dst.ranks(), dst.ranks_per_node()), (128, 8), "EP{ep}: inference ranks, ranks per node");
+    assert_eq!(dst.tensors().len(), tp8.tensors().len(), "EP{ep}: tensor count");
+    let mut rank_elems = vec![0u64; ranks as usize];
+    // node -> distinct (tensor, block offset) it holds, with their sizes.
+    let mut node_blocks: Vec<HashMap<(u32, Vec<u64>), u64>> = vec![HashMap::new(); (ranks / 8) as usize];
+    // (layer, rank) -> expert tensors held.
+    let mut expert_load: HashMap<(u32, u32), u32> = HashMap::new();
+    let mut fused_members = 0usize;
+    for (i, (t, d)) in dst.tensors().iter().zip(tp8.tensors()).enumerate() {
+        assert_eq!((&t.name, t.dtype, &t.shape), (&d.name, d.dtype, &d.shape), "EP{ep}: tensor {i}");
+        let hs = dst.holdings(i as u32);
+        match expert_of(&t.name) {
+            None => assert_eq!(t.placement, d.placement, "EP{ep} {}: a non-expert weight placed unlike TP8 x DP16", t.name),
+            Some(e) => {
+                // Whole, one copy per EP group, on EP rank e / (experts / ep).
+                assert_eq!(hs.len(), 1, "EP{ep} {}: split into {} blocks, want it whole", t.name, hs.len());
+                assert_eq!(hs[0].block.extent(), t.shape.as_slice(), "EP{ep} {}: not whole", t.name);
+                let got: Vec<u32> = hs[0].holders.iter().map(|l| l.rank).collect();
+                let want: Vec<u32> = (0..groups).map(|g| g * ep + e / per_rank).collect();
+                assert_eq!(got, want, "EP{ep} {}: holders", t.name);
+                let l = layer_of(&t.name).unwrap();
+                for &r in &got {
+                    *expert_load.entry((l, r)).or_default() += 1;
+                }
+                fused_members += 1;
+            }
+        }
+        for h in &hs {
+            for loc in &h.holders {
+                rank_elems[loc.rank as usize] += h.block.numel();
+                node_blocks[dst.node_of(loc.rank) as usize].insert((i as u32, h.block.offset().to_vec()), h.block.numel());
+            }
+        }
+    }
+    assert_eq!(fused_members, 58 * 256 * 3, "EP{ep}: routed-expert tensors");
+    for l in DEEPSEEK_V3.dense_layers..DEEPSEEK_V3.layers {
+        for r in 0..ranks {
+            let got = expert_load.get(&(l, r)).copied().unwrap_or(0);
+            assert_eq!(got, 3 * per_rank, "EP{ep}: rank {r} holds {got} expert tensors of layer {l}, want 3 x 256 / EP");
+        }
+    }
+    let node_elems = node_blocks.iter().map(|m| m.values().sum()).collect();
+    (rank_elems, node_elems)
+}
+
+/// FusedMoE with expert parallelism: on every rank, `layers.{l}.experts.w13_weight`
+/// = [gate_e; up_e] and `w2_weight` = [down_e] for its local experts e only,
+/// in expert order, from offset 0, the buffer exactly that large; the other
+/// fused buffers as in TP8 x DP16 (same placements, checked there).
+fn check_fused_ep(dst: &Layout, ep: u32) {
+    let per_rank = 256 / ep;
+    let key = |name: &str| BufferKey::Named(dst.buffer_names().iter().position(|b| b == name).expect("buffer") as u32);
+    let buffers = dst.buffers();
+    for l in DEEPSEEK_V3.dense_layers..DEEPSEEK_V3.layers {
+        let (w13, w2) = (key(&format!("layers.{l}.experts.w13_weight")), key(&format!("layers.{l}.experts.w2_weight")));
+        // rank -> next free element of w13, w2.
+        let mut next: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+        for e in 0..256u32 {
+            for proj in ["gate_proj", "up_proj", "down_proj"] {
+                let name = format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight");
+                let hs = dst.holdings(dst.tensor_index(&name).expect("expert tensor"));
+                for loc in &hs[0].holders {
+                    let k = loc.rank % ep;
+                    assert_eq!(k, e / per_rank, "{name}: on EP rank {k}");
+                    let at = next.entry(loc.rank).or_insert((0, 0));
+                    let (buffer, at) = if proj == "down_proj" { (w2, &mut at.1) } else { (w13, &mut at.0) };
+                    assert_eq!(loc.buffer, buffer, "{name}: rank {} stores it in {}", loc.rank, dst.buffer_name(loc.buffer));
+                    assert_eq!(loc.at, *at, "{name}: rank {}: at {}, want {} (its local experts back to back)", loc.rank, loc.at, *at);
+                    *at += hs[0].block.numel();
+                }
+            }
+        }
+        assert_eq!(next.len(), 128, "layer {l}: every rank holds experts");
+        let expert = 3 * DEEPSEEK_V3.moe_intermediate * DEEPSEEK_V3.hidden;
+        for (&rank, &(end13, end2)) in &next {
+            assert_eq!((end13, end2), (per_rank as u64 * expert * 2 / 3, per_rank as u64 * expert / 3), "layer {l} rank {rank}");
+            for (b, end) in [(w13, end13), (w2, end2)] {
+                let spec = buffers[rank as usize].iter().find(|s| s.key == b).expect("allocated");
+                assert_eq!(spec.elems, end, "rank {rank}: {} is {} elements, its experts {end}", spec.name, spec.elems);
+            }
+        }
+    }
+}
+
+/// The EP layouts at full size: training unchanged, the inference side as
+/// deployed, every rank and node holding exactly what the closed forms say,
+/// each node far less than the whole model once EP spans several nodes.
+#[test]
+fn deepseek_v3_expert_parallel_inference() {
+    let (src0, tp8) = layouts(Model::DeepseekV3, 1).unwrap();
+    let whole: u64 = hf_tensors(&DEEPSEEK_V3).iter().map(|(_, s)| numel(s)).sum();
+    let routed: u64 = hf_tensors(&DEEPSEEK_V3).iter().filter(|(n, _)| is_expert(n)).map(|(_, s)| numel(s)).sum();
+    for ep in DEEPSEEK_EP {
+        let (src, dst) = deepseek_ep(1, ep);
+        assert!(src == src0, "EP{ep}: the training side changed");
+        let (rank_elems, node_elems) = check_infer_ep(&dst, &tp8, ep);
+        check_fused_ep(&dst, ep);
+        let (want_rank, want_node) = deepseek_ep_expected(&DEEPSEEK_V3, ep);
+        for (r, &got) in rank_elems.iter().enumerate() {
+            assert_eq!(got, want_rank, "EP{ep}: rank {r} holds {got} elements, want {want_rank}");
+        }
+        for (n, &got) in node_elems.iter().enumerate() {
+            assert_eq!(got, want_node, "EP{ep}: node {n} holds {got} distinct elements, want {want_node}");
+        }
+        // A node holds the non-expert weights and 8 / EP of the routed experts.
+        assert_eq!(want_node, whole - routed + routed * 8 / ep as u64, "EP{ep}: node share");
+        if ep > 8 {
+            assert!(want_node * 10 < whole * 6, "EP{ep}: a node holds {want_node} of {whole} elements");
+        }
+    }
+    // EP128: about 1/12 of the model per node (2 x 56.4 B of 671 B parameters).
+    let (_, node) = deepseek_ep_expected(&DEEPSEEK_V3, 128);
+    assert!(node * 11 < whole, "EP128: a node holds {node} of {whole} elements");
+}
+
+/// The default layouts are the ones without options.
+#[test]
+fn default_options_are_the_plain_presets() {
+    for model in [Model::Llama3_8b, Model::Qwen3_235b, Model::DeepseekV3] {
+        let plain = layouts(model, 64).unwrap();
+        assert!(layouts_with(model, 64, PresetOptions::default()).unwrap() == plain, "{model:?}");
+    }
+}
+
+/// The tensors of `layout` that `keep` selects, with their placements
+/// (fused buffers stay whole when whole layers are kept).
+fn slice(layout: &Layout, keep: impl Fn(&str) -> bool) -> Layout {
+    let tensors = layout.tensors().iter().filter(|t| keep(&t.name)).cloned().collect();
+    Layout::new(layout.ranks(), Some(layout.ranks_per_node()), tensors).expect("a slice of a valid layout is valid")
+}
+
+/// Planned at scale 64 (which divides every hidden size), the reshard
+/// brings every EP node exactly what it holds (once per node, fanned out
+/// inside it) and no more.
+#[test]
+fn deepseek_v3_expert_parallel_plans_node_ingress() {
+    let k = 64;
+    let c = deepseek_scaled(k);
+    for ep in [16, 128] {
+        let (src, dst) = deepseek_ep(k, ep);
+        let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap_or_else(|e| panic!("EP{ep}: {e}"));
+        let (_, want_node) = deepseek_ep_expected(&c, ep);
+        let f = plan.figures();
+        assert_eq!(f.dst_node_ingress_bytes.len(), 16, "EP{ep}: destination nodes");
+        for (n, &b) in f.dst_node_ingress_bytes.iter().enumerate() {
+            assert_eq!(b, 2 * want_node, "EP{ep}: node {n} takes in {b} bytes, want {} (what it holds, bf16)", 2 * want_node);
+        }
+    }
+}
+
+/// A refit with EP32 (both strategies) and EP128 (the reshard) runs on the
+/// in-process data plane and every destination element verifies bit-exact. On a slice
+/// of the model at scale 512 — the embedding, layer 0 (dense), the first
+/// MoE layer of each training stage (3, 16, 31, 46), the final norm and the
+/// head, with the preset's placements and fused buffers — to keep the debug
+/// build's per-rank pattern fill (ranks x tensors) short; every stage, EP
+/// rank and kind of buffer is in it.
+#[test]
+fn deepseek_v3_expert_parallel_refit_verifies() {
+    let keep = |name: &str| !name.starts_with("model.layers.") || matches!(layer_of(name), Some(0 | 3 | 16 | 31 | 46));
+    for ep in [32, 128] {
+        let (src, dst) = deepseek_ep(512, ep);
+        let (src, dst) = (slice(&src, keep), slice(&dst, keep));
+        assert_eq!(dst.tensors().iter().filter(|t| is_expert(&t.name)).count(), 4 * 256 * 3, "EP{ep}: the slice's experts");
+        let held: u64 =
+            (0..dst.tensors().len() as u32).flat_map(|i| dst.holdings(i)).map(|h| h.block.numel() * h.holders.len() as u64).sum();
+        // The baseline once: it is the slower one to run in a debug build.
+        let strategies: &[Strategy] = if ep == 32 { &[Strategy::Reshard, Strategy::Baseline] } else { &[Strategy::Reshard] };
+        for &strategy in strategies {
+            let mut p = prepare(&src, &dst, strategy, &PlanOptions::default()).unwrap_or_else(|e| panic!("EP{ep} {strategy}: {e}"));
+            p.execute(&ExecOptions::default()).unwrap_or_else(|e| panic!("EP{ep} {strategy}: execute: {e}"));
+            let checked = p.verify(&src, &dst).unwrap_or_else(|e| panic!("EP{ep} {strategy}: verify: {e}"));
+            assert_eq!(checked, held, "EP{ep} {strategy}: every destination element checked");
+        }
+    }
+}
+
+/// Bad EP degrees and models without an EP layout are errors that say why,
+/// from the library and from every command that takes `--ep`.
+#[test]
+fn bad_expert_parallelism_is_rejected() {
+    for ep in [0, 1, 4, 12, 24, 48, 96, 256, 1024, u32::MAX] {
+        let e = layouts_with(Model::DeepseekV3, 512, PresetOptions { ep: Some(ep) }).expect_err("bad EP accepted");
+        assert_eq!(e, PresetError::EpDegree { ep });
+        assert!(e.to_string().contains("multiple of 8 that divides 128"), "{e}");
+    }
+    for model in [Model::Llama3_8b, Model::Qwen3_235b] {
+        let e = layouts_with(model, 512, PresetOptions { ep: Some(8) }).expect_err("EP accepted");
+        assert_eq!(e, PresetError::EpUnsupported { model });
+        assert!(e.to_string().contains(model.name()) && e.to_string().contains("only deepseek-v3"), "{e}");
+    }
+    let bin = env!("CARGO_BIN_EXE_refit");
+    let out_dir = std::env::temp_dir().join(format!("refit-presets-ep-{}", std::process::id()));
+    let out = out_dir.to_str().expect("utf-8 temp dir");
+    let cases: [(&[&str], &str); 6] = [
+        (&["plan", "--model", "deepseek-v3", "--scale", "512", "--ep", "12"], "--ep 12: EP 12 does not fit"),
+        (&["plan", "--model", "llama3-8b", "--ep", "8"], "--ep 8: the llama3-8b preset has no expert-parallel"),
+        (&["plan-bench", "--model", "deepseek-v3", "--scale", "512", "--ep", "0"], "--ep 0: EP 0 does not fit"),
+        (&["plan-bench", "--model", "qwen3-235b", "--scale", "512", "--ep", "16"], "the qwen3-235b preset has no expert-parallel"),
+        (&["emit", "--model", "deepseek-v3", "--scale", "512", "--ep", "256", "--out", out], "--ep 256: EP 256 does not fit"),
+        (&["bench", "--model", "deepseek-v3", "--scale", "512", "--ep", "48"], "--ep 48: EP 48 does not fit"),
+    ];
+    for (args, want) in cases {
+        let o = std::process::Command::new(bin).args(args).output().expect("spawn refit");
+        let err = String::from_utf8_lossy(&o.stderr);
+        let what = format!("refit {}: exit {:?}, stderr {err:?}", args.join(" "), o.status.code());
+        assert_eq!(o.status.code(), Some(2), "{what}");
+        assert!(o.stdout.is_empty(), "{what}");
+        assert!(err.starts_with("error: ") && err.lines().count() == 1 && err.contains(want), "{what}; want {want:?}");
+    }
+    assert!(!out_dir.exists(), "a rejected emit wrote {out}");
+    // With layout files there is no preset to apply it to: a usage error.
+    let o = std::process::Command::new(bin).args(["plan", "--src", "a.json", "--dst", "b.json", "--ep", "8"]).output().expect("spawn");
+    assert_eq!(o.status.code(), Some(2), "--ep with files: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--ep"), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// `refit plan --model deepseek-v3 --ep N` plans the EP layout: every
+/// node takes in what an EP64 node holds, under half the model.
+#[test]
+fn plan_takes_ep() {
+    let bin = env!("CARGO_BIN_EXE_refit");
+    let args = ["plan", "--model", "deepseek-v3", "--scale", "64", "--ep", "64", "--json"];
+    let o = std::process::Command::new(bin).args(args).output().expect("spawn refit");
+    assert!(o.status.success(), "refit {}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    let ingress: Vec<u64> =
+        v["reshard"]["dst_node_ingress_bytes"].as_array().expect("ingress").iter().map(|b| b.as_u64().expect("bytes")).collect();
+    let c = deepseek_scaled(64);
+    let whole: u64 = hf_tensors(&c).iter().map(|(_, s)| numel(s)).sum();
+    let (_, node) = deepseek_ep_expected(&c, 64);
+    assert_eq!(ingress, vec![2 * node; 16], "EP64: every node takes in what it holds");
+    assert!(node * 2 < whole, "EP64: a node holds {node} of {whole} elements");
 }

@@ -1,6 +1,6 @@
 //! `refit bench`: reshard and the gather-broadcast baseline side by side on one data plane.
 
-use super::report::{human, invalid, load, preset, say, Failure, TempLayouts};
+use super::report::{human, invalid, load, preset, preset_label, say, Failure, TempLayouts};
 use crate::BenchArgs;
 use refit::bench::{exec_bench, link_loads, BenchTransport, LinkLoads};
 use refit::cluster::Cluster;
@@ -39,8 +39,8 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
     let (s, d, what) = match (&a.src, &a.dst, a.model) {
         (Some(s), Some(d), _) => (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display())),
         (_, _, Some(m)) => {
-            let (s, d) = preset(m, a.scale)?;
-            (s, d, format!("{m:?} scale {}", a.scale))
+            let (s, d) = preset(m, a.scale, a.ep)?;
+            (s, d, preset_label(m, a.scale, a.ep))
         }
         _ => return Err(invalid("give --src and --dst, or --model".into())),
     };

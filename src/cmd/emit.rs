@@ -4,8 +4,8 @@ use super::report::{preset, say, write_layouts, Failure};
 use refit::presets::Model;
 use std::path::Path;
 
-pub(crate) fn run(model: Model, scale: u64, out: &Path) -> Result<(), Failure> {
-    let (src, dst) = preset(model, scale)?;
+pub(crate) fn run(model: Model, scale: u64, ep: Option<u32>, out: &Path) -> Result<(), Failure> {
+    let (src, dst) = preset(model, scale, ep)?;
     write_layouts(&src, &dst, out)?;
     say!("wrote {}/src.json and dst.json ({} tensors)", out.display(), dst.tensors().len());
     Ok(())

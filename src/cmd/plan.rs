@@ -1,6 +1,6 @@
 //! `refit plan`: validate both layouts, plan reshard and baseline, print the figures.
 
-use super::report::{figures_json, invalid, load, preset, print_figures, say, write_layouts, Failure};
+use super::report::{figures_json, invalid, load, preset, preset_label, print_figures, say, write_layouts, Failure};
 use refit::presets::Model;
 use reshard::{plan_baseline, plan_reshard, LinkModel, PlanOptions};
 use serde_json::json;
@@ -12,6 +12,8 @@ pub(crate) struct PlanArgs<'a> {
     pub(crate) dst: &'a Option<PathBuf>,
     pub(crate) model: Option<Model>,
     pub(crate) scale: u64,
+    /// Inference expert parallelism of the preset (`--ep`).
+    pub(crate) ep: Option<u32>,
     pub(crate) max_staging_mib: u64,
     pub(crate) topology: &'a str,
     pub(crate) estimate: bool,
@@ -56,8 +58,8 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
     let (src, dst, what) = match (args.src, args.dst, args.model) {
         (Some(s), Some(d), _) => (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display())),
         (_, _, Some(m)) => {
-            let (s, d) = preset(m, args.scale)?;
-            (s, d, format!("{m:?} scale {}", args.scale))
+            let (s, d) = preset(m, args.scale, args.ep)?;
+            (s, d, preset_label(m, args.scale, args.ep))
         }
         _ => return Err(invalid("give --src and --dst, or --model".into())),
     };

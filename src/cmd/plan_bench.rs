@@ -1,14 +1,14 @@
 //! `refit plan-bench`: time planning on a model preset and report peak memory.
 
-use super::report::{human, invalid, preset, say, Failure};
+use super::report::{human, invalid, preset, preset_label, say, Failure};
 use refit::bench::peak_rss_bytes;
 use refit::presets::Model;
 use reshard::{plan_baseline, plan_reshard, PlanOptions};
 use std::time::Instant;
 
-pub(crate) fn run(model: Model, scale: u64, reps: usize, no_baseline: bool) -> Result<(), Failure> {
+pub(crate) fn run(model: Model, scale: u64, ep: Option<u32>, reps: usize, no_baseline: bool) -> Result<(), Failure> {
     let t = Instant::now();
-    let (src, dst) = preset(model, scale)?;
+    let (src, dst) = preset(model, scale, ep)?;
     let build = t.elapsed();
     let opts = PlanOptions::default();
     let mut times = Vec::new();
@@ -23,7 +23,8 @@ pub(crate) fn run(model: Model, scale: u64, reps: usize, no_baseline: bool) -> R
     times.sort();
     let f = figures.unwrap_or_default();
     say!(
-        "{model:?} scale {scale}: {} tensors, {} src ranks -> {} dst ranks (layouts built in {:.3} s)",
+        "{}: {} tensors, {} src ranks -> {} dst ranks (layouts built in {:.3} s)",
+        preset_label(model, scale, ep),
         dst.tensors().len(),
         src.ranks(),
         dst.ranks(),

@@ -3,7 +3,7 @@
 
 use crate::{ClusterArgs, Pair};
 use refit::cluster::{ClusterConfig, ControlSecret, SECRET_ENV};
-use refit::presets::{layouts, Model};
+use refit::presets::{layouts_with, Model, PresetError, PresetOptions};
 use reshard::{parse_layout, Figures, Layout, PlanOptions, Strategy};
 use serde_json::json;
 use std::io::IsTerminal as _;
@@ -46,8 +46,22 @@ pub(crate) fn options(pair: &Pair) -> Result<PlanOptions, Failure> {
     Ok(PlanOptions { max_staging_bytes: bytes, ..PlanOptions::default() })
 }
 
-pub(crate) fn preset(model: Model, scale: u64) -> Result<(Layout, Layout), Failure> {
-    layouts(model, scale).map_err(|e| invalid(format!("preset {model:?} at scale {scale}: {e}")))
+/// A preset's layouts at `scale`, with inference expert parallelism `ep`
+/// if given (`--ep`; an EP the preset does not model is an error).
+pub(crate) fn preset(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), Failure> {
+    layouts_with(model, scale, PresetOptions { ep }).map_err(|e| match (e, ep) {
+        (e @ (PresetError::EpUnsupported { .. } | PresetError::EpDegree { .. }), Some(ep)) => invalid(format!("--ep {ep}: {e}")),
+        (e, _) => invalid(format!("preset {model:?} at scale {scale}: {e}")),
+    })
+}
+
+/// How the commands name a preset workload: `DeepseekV3 scale 1`, with
+/// ` EP32` after the model when `ep` is given.
+pub(crate) fn preset_label(model: Model, scale: u64, ep: Option<u32>) -> String {
+    match ep {
+        Some(ep) => format!("{model:?} EP{ep} scale {scale}"),
+        None => format!("{model:?} scale {scale}"),
+    }
 }
 
 /// Writes `out/src.json` and `out/dst.json`.
