@@ -178,9 +178,12 @@ impl SinkStore {
     /// Zeroed weights at version 0 for rank `rank` of `layout`.
     pub fn new(layout: &Layout, rank: Rank) -> SinkStore {
         let buffers = Buffers::new(layout, rank);
+        // Fresh zeroed memory, not a clone: untouched pages cost nothing
+        // until a refit writes them.
+        let current = Buffers { memory: RankMemory::for_buffers(&buffers.specs), specs: buffers.specs.clone() };
         SinkStore {
             rank,
-            live: RwLock::new(Live { current: Arc::new(Snapshot { version: 0, buffers: buffers.clone() }), previous: None }),
+            live: RwLock::new(Live { current: Arc::new(Snapshot { version: 0, buffers: current }), previous: None }),
             staging: Arc::new(tokio::sync::Mutex::new(Staging { buffers, complete: None })),
         }
     }

@@ -361,7 +361,9 @@ impl Cluster {
                     Ok(PatternReply::Checked { version, elements, mismatch }) => {
                         Committed { endpoint: *e, version: Some(version), elements, torn: mismatch, unreachable: None }
                     }
-                    Ok(other) => Committed { endpoint: *e, version: None, elements: 0, torn: None, unreachable: Some(format!("answered {other:?}")) },
+                    Ok(other) => {
+                        Committed { endpoint: *e, version: None, elements: 0, torn: None, unreachable: Some(format!("answered {other:?}")) }
+                    }
                     Err(err) => Committed { endpoint: *e, version: None, elements: 0, torn: None, unreachable: Some(call_error(&err)) },
                 }
             });

@@ -16,7 +16,7 @@ mod worker;
 
 pub use launcher::{kill_pid, Cluster, ClusterConfig, ClusterError, Committed, KillAt, RefitOutcome, WorkerInfo};
 pub use orchestrator::rendezvous::SECRET_ENV;
-pub use worker::{run_worker, FaultSpec, Hosted, WorkerConfig};
+pub use worker::{run_worker, FaultSpec, Hosted, WorkerConfig, WorkerLayouts};
 
 /// How long an idle blocking thread of a launcher's or worker's runtime
 /// lives (tokio's default is 10 s): the data plane of each refit runs on

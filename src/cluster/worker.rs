@@ -13,11 +13,12 @@
 
 use actors::{async_trait, spawn, Actor, ActorError, Context, SpawnConfig};
 use orchestrator::{join, JoinConfig, Joined, Role, SinkStore, SourceStore};
-use reshard::{Endpoint, Group, Layout};
+use reshard::{DType, Endpoint, Group, Layout};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use transport::{fill_source_rank_at, verify_destination_rank_at};
+use transport::{fill_source_rank_at, verify_destination_rank_from};
 
 /// Faults a worker injects into one rank's data plane for its next refit
 /// (chaos testing; through the member's [`orchestrator::FabricTweak`]).
@@ -47,23 +48,41 @@ pub enum Hosted {
 }
 
 impl Hosted {
-    /// The ranks, checked against the layouts.
-    pub fn endpoints(self, src: &Layout, dst: &Layout) -> Result<Vec<Endpoint>, String> {
-        let layout = |g: Group| if g == Group::Src { src } else { dst };
+    /// The hosted group.
+    pub fn group(self) -> Group {
         match self {
-            Hosted::Rank(e) if e.rank < layout(e.group).ranks() => Ok(vec![e]),
-            Hosted::Rank(e) => Err(format!("{e}: the {} layout has {} ranks", group_name(e.group), layout(e.group).ranks())),
-            Hosted::Node(g, n) => {
-                let l = layout(g);
-                if n >= l.nodes() {
-                    return Err(format!("{} node {n}: the {} layout has {} nodes", group_name(g), group_name(g), l.nodes()));
+            Hosted::Rank(e) => e.group,
+            Hosted::Node(g, _) => g,
+        }
+    }
+
+    /// The ranks, checked against the hosted group's layout.
+    pub fn endpoints(self, layout: &Layout) -> Result<Vec<Endpoint>, String> {
+        let g = group_name(self.group());
+        match self {
+            Hosted::Rank(e) if e.rank < layout.ranks() => Ok(vec![e]),
+            Hosted::Rank(e) => Err(format!("{e}: the {g} layout has {} ranks", layout.ranks())),
+            Hosted::Node(group, n) => {
+                if n >= layout.nodes() {
+                    return Err(format!("{g} node {n}: the {g} layout has {} nodes", layout.nodes()));
                 }
-                let first = n * l.ranks_per_node();
-                let last = (first + l.ranks_per_node()).min(l.ranks());
-                Ok((first..last).map(|r| Endpoint { group: g, rank: r }).collect())
+                let first = n * layout.ranks_per_node();
+                let last = (first + layout.ranks_per_node()).min(layout.ranks());
+                Ok((first..last).map(|r| Endpoint { group, rank: r }).collect())
             }
         }
     }
+}
+
+/// What a worker keeps of the layout pair: the layout of the group it
+/// hosts, and (for sinks, whose check converts from the source's values)
+/// the source dtype of every tensor. Never the other group's whole layout.
+#[derive(Debug)]
+pub struct WorkerLayouts {
+    /// The hosted group's layout.
+    pub layout: Layout,
+    /// Source dtype by tensor name (sinks; empty for sources).
+    pub source_dtypes: HashMap<String, DType>,
 }
 
 /// `src` or `dst`.
@@ -121,8 +140,8 @@ pub(crate) enum PatternReply {
 
 /// The pattern's writer (sources) or checker (sinks) of one rank.
 pub(crate) struct PatternRank {
-    src: Arc<Layout>,
-    dst: Arc<Layout>,
+    layout: Arc<Layout>,
+    source_dtypes: Arc<HashMap<String, DType>>,
     rank: u32,
     role: Role,
     faults: FaultSlot,
@@ -141,7 +160,7 @@ impl Actor for PatternRank {
             }
             (PatternMsg::Fill { version }, Role::Source(store)) => {
                 if store.version() != version {
-                    let (src, rank) = (Arc::clone(&self.src), self.rank);
+                    let (src, rank) = (Arc::clone(&self.layout), self.rank);
                     // Filling is long CPU work: off the reactor, or the
                     // control connection's heartbeats starve.
                     store
@@ -155,11 +174,13 @@ impl Actor for PatternRank {
                 if snap.version == 0 {
                     return Ok(PatternReply::Checked { version: 0, elements: 0, mismatch: None });
                 }
-                let (src, dst, rank) = (Arc::clone(&self.src), Arc::clone(&self.dst), self.rank);
+                let (dst, dtypes, rank) = (Arc::clone(&self.layout), Arc::clone(&self.source_dtypes), self.rank);
                 let version = snap.version;
-                let r = tokio::task::spawn_blocking(move || verify_destination_rank_at(&src, &dst, rank, version, snap.buffers.memory()))
-                    .await
-                    .map_err(|e| ActorError::failed(format!("check task: {e}")))?;
+                let from = move |name: &str| dtypes.get(name).copied();
+                let r =
+                    tokio::task::spawn_blocking(move || verify_destination_rank_from(&dst, rank, version, &from, snap.buffers.memory()))
+                        .await
+                        .map_err(|e| ActorError::failed(format!("check task: {e}")))?;
                 Ok(match r {
                     Ok(elements) => PatternReply::Checked { version, elements, mismatch: None },
                     Err(m) => PatternReply::Checked { version, elements: 0, mismatch: Some(m.to_string()) },
@@ -179,12 +200,11 @@ pub struct WorkerConfig {
     pub join: JoinConfig,
 }
 
-async fn serve(joined: &Joined, src: &Arc<Layout>, dst: &Arc<Layout>, e: Endpoint) -> Result<(), String> {
+async fn serve(joined: &Joined, layout: &Arc<Layout>, source_dtypes: &Arc<HashMap<String, DType>>, e: Endpoint) -> Result<(), String> {
     let role = match e.group {
-        Group::Src => Role::Source(Arc::new(SourceStore::new(src, e.rank))),
-        Group::Dst => Role::Sink(Arc::new(SinkStore::new(dst, e.rank))),
+        Group::Src => Role::Source(Arc::new(SourceStore::new(layout, e.rank))),
+        Group::Dst => Role::Sink(Arc::new(SinkStore::new(layout, e.rank))),
     };
-    let layout = if e.group == Group::Src { src } else { dst };
     let faults = FaultSlot::default();
     let slot = Arc::clone(&faults);
     let mut config = joined.member_config();
@@ -200,7 +220,7 @@ async fn serve(joined: &Joined, src: &Arc<Layout>, dst: &Arc<Layout>, e: Endpoin
         }
     }));
     joined.serve_member_with(layout.clone(), e.rank, role.clone(), config).await.map_err(|err| err.to_string())?;
-    let pattern = PatternRank { src: Arc::clone(src), dst: Arc::clone(dst), rank: e.rank, role, faults };
+    let pattern = PatternRank { layout: Arc::clone(layout), source_dtypes: Arc::clone(source_dtypes), rank: e.rank, role, faults };
     let name = pattern_name(e);
     // The launcher bounds every call; a check of a large rank may take minutes.
     let actor = spawn(pattern, SpawnConfig::default().name(name.clone()).call_timeout(Duration::from_secs(7 * 24 * 3600)));
@@ -208,19 +228,19 @@ async fn serve(joined: &Joined, src: &Arc<Layout>, dst: &Arc<Layout>, e: Endpoin
 }
 
 /// Runs one worker until the launcher goes away.
-pub fn run_worker(config: WorkerConfig, src: Layout, dst: Layout) -> Result<(), String> {
-    let ranks = config.hosted.endpoints(&src, &dst)?;
+pub fn run_worker(config: WorkerConfig, layouts: WorkerLayouts) -> Result<(), String> {
+    let ranks = config.hosted.endpoints(&layouts.layout)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_keep_alive(super::IDLE_THREAD)
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start tokio: {e}"))?;
-    let (src, dst) = (Arc::new(src), Arc::new(dst));
+    let (layout, dtypes) = (Arc::new(layouts.layout), Arc::new(layouts.source_dtypes));
     runtime.block_on(async move {
         let joined = join(&config.join).await.map_err(|e| e.to_string())?;
         for &e in &ranks {
-            serve(&joined, &src, &dst, e).await?;
+            serve(&joined, &layout, &dtypes, e).await?;
         }
         // The launcher closing the control plane is how a job ends.
         joined.closed().await;

@@ -2,7 +2,7 @@
 
 use super::report::{human, invalid, load, options, say, Failure};
 use crate::{ClusterArgs, Pair};
-use refit::cluster::{run_worker, Cluster, ControlSecret, Hosted, WorkerConfig, SECRET_ENV};
+use refit::cluster::{run_worker, Cluster, ControlSecret, Hosted, WorkerConfig, WorkerLayouts, SECRET_ENV};
 use reshard::Strategy;
 use serde_json::json;
 use std::path::PathBuf;
@@ -104,18 +104,27 @@ pub(crate) fn worker(
     heartbeat_timeout: Duration,
     secret_file: &Option<PathBuf>,
 ) -> Result<(), Failure> {
-    let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
     let group = match group {
         "src" => reshard::Group::Src,
         "dst" => reshard::Group::Dst,
         other => return Err(invalid(format!("--group {other}: expected src or dst"))),
+    };
+    // Only the hosted group's layout stays; a sink keeps the source's
+    // dtypes for its check (the source layout is dropped before the
+    // destination's is read, so both never live at once).
+    let layouts = match group {
+        reshard::Group::Src => WorkerLayouts { layout: load(&pair.src)?, source_dtypes: Default::default() },
+        reshard::Group::Dst => {
+            let source_dtypes = load(&pair.src)?.tensors().iter().map(|t| (t.name.clone(), t.dtype)).collect();
+            WorkerLayouts { layout: load(&pair.dst)?, source_dtypes }
+        }
     };
     let hosted = match (rank, node) {
         (Some(r), _) => Hosted::Rank(reshard::Endpoint { group, rank: r }),
         (None, Some(n)) => Hosted::Node(group, n),
         (None, None) => return Err(invalid("give --rank or --node".into())),
     };
-    hosted.endpoints(&src, &dst).map_err(invalid)?;
+    hosted.endpoints(&layouts.layout).map_err(invalid)?;
     let rendezvous = match rendezvous {
         Some(r) => r.to_string(),
         None => std::env::var(orchestrator::rendezvous::RENDEZVOUS_ENV)
@@ -130,5 +139,5 @@ pub(crate) fn worker(
     .map_err(|e| invalid(format!("control-plane secret: {e}")))?;
     let control = orchestrator::rendezvous::ControlConfig { heartbeat_timeout: heartbeat_timeout.max(Duration::from_millis(500)) };
     let config = WorkerConfig { hosted, join: orchestrator::JoinConfig { rendezvous, secret, control } };
-    run_worker(config, src, dst).map_err(|e| Failure { line: e, code: 1 })
+    run_worker(config, layouts).map_err(|e| Failure { line: e, code: 1 })
 }

@@ -171,8 +171,32 @@ pub fn verify_destination_rank_at(src: &Layout, dst: &Layout, rank: u32, version
     verify_impl(src, dst, Some(rank), version, &|r| (r == rank).then_some(memory))
 }
 
+/// Checks the elements of destination rank `rank` against the pattern of
+/// weights version `version`, knowing of the source layout only the dtype
+/// of each tensor (`source_dtype(name)`; `None`: the destination's own):
+/// what a process holding only its own group's layout can do.
+pub fn verify_destination_rank_from(
+    dst: &Layout,
+    rank: u32,
+    version: u64,
+    source_dtype: &dyn Fn(&str) -> Option<DType>,
+    memory: &RankMemory,
+) -> Result<u64, Box<Mismatch>> {
+    verify_ranks(source_dtype, dst, Some(rank), version, &|r| (r == rank).then_some(memory))
+}
+
 fn verify_impl<'m>(
     src: &Layout,
+    dst: &Layout,
+    only: Option<u32>,
+    version: u64,
+    memory: &dyn Fn(u32) -> Option<&'m RankMemory>,
+) -> Result<u64, Box<Mismatch>> {
+    verify_ranks(&|name| src.tensor_index(name).map(|i| src.tensors()[i as usize].dtype), dst, only, version, memory)
+}
+
+fn verify_ranks<'m>(
+    source_dtype: &dyn Fn(&str) -> Option<DType>,
     dst: &Layout,
     only: Option<u32>,
     version: u64,
@@ -188,7 +212,7 @@ fn verify_impl<'m>(
         let index = rank_buffer_index(dst, rank);
         for (ti, t) in dst.tensors().iter().enumerate() {
             let seed = tensor_seed_at(&t.name, version);
-            let from = src.tensor_index(&t.name).map_or(t.dtype, |i| src.tensors()[i as usize].dtype);
+            let from = source_dtype(&t.name).unwrap_or(t.dtype);
             let (fs, ts) = (from.size() as usize, t.dtype.size() as usize);
             let (mut raw, mut want) = (Vec::new(), Vec::new());
             for (block, loc) in dst.rank_holdings(ti as u32, rank) {
