@@ -133,9 +133,8 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
 pub struct BaselineSummary {
     /// Exactly `plan_baseline(src, dst, options)?.figures()`.
     pub figures: Figures,
-    /// `plan_baseline(src, dst, options)?.estimate(links)`, computed the
-    /// same way round by round (equal up to floating-point summation, which
-    /// here follows the same order).
+    /// `plan_baseline(src, dst, options)?.estimate(links)`: the same
+    /// per-round maxima, summed in the same order.
     pub estimate: Estimate,
 }
 
