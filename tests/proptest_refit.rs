@@ -11,8 +11,8 @@ use proptest::prelude::*;
 use refit::runner::prepare;
 use reshard::dtype::{convert_slice, wire_dtype};
 use reshard::{
-    layout_to_json, parse_layout, plan_baseline, plan_reshard, BufferKey, DType, Layout, LinkModel, MeshDim, MeshPlacement, Placement,
-    PlanOptions, RankProgram, Region, ShardSpec, Storage, Strategy as Planner, TensorLayout,
+    baseline_summary, layout_to_json, parse_layout, plan_baseline, plan_reshard, BufferKey, DType, Layout, LinkModel, MeshDim,
+    MeshPlacement, Placement, PlanOptions, RankProgram, Region, ShardSpec, Storage, Strategy as Planner, TensorLayout,
 };
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -652,6 +652,21 @@ fn check_figures(c: &Case) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The baseline's summary (figures and estimate without the plan) is what
+/// the plan gives: figures exactly, estimate within 1e-9 relative.
+fn check_baseline_summary(c: &Case) -> Result<(), TestCaseError> {
+    let plan = plan_baseline(&c.src, &c.dst, &c.options).map_err(|e| TestCaseError::fail(format!("baseline: {e}")))?;
+    let links = c.options.links;
+    let summary =
+        baseline_summary(&c.src, &c.dst, &c.options, &links).map_err(|e| TestCaseError::fail(format!("baseline summary: {e}")))?;
+    prop_assert_eq!(&summary.figures, plan.figures(), "summary figures");
+    let (got, want) = (summary.estimate, plan.estimate(&links));
+    for (g, w, what) in [(got.seconds, want.seconds, "estimate"), (got.lower_bound_seconds, want.lower_bound_seconds, "lower bound")] {
+        prop_assert!((g - w).abs() <= 1e-9 * g.abs().max(w.abs()), "{}: summary {} vs plan {}", what, g, w);
+    }
+    Ok(())
+}
+
 /// Planning twice gives the same plan.
 fn check_deterministic(c: &Case) -> Result<(), TestCaseError> {
     for strategy in [Planner::Reshard, Planner::Baseline] {
@@ -723,6 +738,14 @@ proptest! {
     #[test]
     fn prop_reshard_ingress_is_union_of_node_needs(c in cases()) {
         check_figures(&c)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+    #[test]
+    fn prop_baseline_summary_is_the_plans(c in cases()) {
+        check_baseline_summary(&c)?;
     }
 }
 

@@ -30,7 +30,7 @@ pub mod plan;
 pub mod planner;
 pub mod program;
 
-pub use baseline::plan_baseline;
+pub use baseline::{baseline_summary, plan_baseline, BaselineSummary};
 pub use block::{Block, MAX_DIMS};
 pub use cost::LinkModel;
 pub use dtype::DType;

@@ -2,7 +2,7 @@
 
 use super::report::{figures_json, invalid, load, preset, preset_label, print_figures, say, write_layouts, Failure};
 use refit::presets::Model;
-use reshard::{plan_baseline, plan_reshard, LinkModel, PlanOptions};
+use reshard::{baseline_summary, plan_baseline, plan_reshard, LinkModel, PlanOptions};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -77,28 +77,33 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         .ok_or_else(|| invalid("--max-staging-mib must be between 1 and 2^44".into()))?;
     let opts = PlanOptions { max_staging_bytes: bytes, links };
     let ctx = |e: reshard::PlanError| invalid(format!("{what}: {e}"));
+    let write_svg = |p: &Path, plan: &reshard::Plan| {
+        std::fs::write(p, refit::svg::traffic_svg(plan, &what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))
+    };
     let reshard = plan_reshard(&src, &dst, &opts).map_err(ctx)?;
-    // The baseline may be impossible where the reshard is not (it gathers
-    // whole tensors); that is reported, not fatal.
-    let baseline = plan_baseline(&src, &dst, &opts);
+    let r_est = args.estimate.then(|| reshard.estimate(&links));
     if let Some(path) = args.svg {
-        let write = |p: &Path, plan: &reshard::Plan| {
-            std::fs::write(p, refit::svg::traffic_svg(plan, &what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))
-        };
-        write(path, &reshard)?;
-        if let Ok(b) = &baseline {
-            write(&path.with_extension("baseline.svg"), b)?;
-        }
+        write_svg(path, &reshard)?;
     }
-    let r_est = reshard.estimate(&links);
-    let b_est = baseline.as_ref().ok().map(|b| b.estimate(&links));
+    // Only the figures stay: the plan is dropped before the baseline's turn.
+    let (r_figures, fingerprint) = (reshard.figures().clone(), reshard.fingerprint());
+    drop(reshard);
+    // The baseline may be impossible where the reshard is not (it gathers
+    // whole tensors); that is reported, not fatal. Its figures and estimate
+    // come without building its plan (millions of transfers on a large
+    // model); the plan is built only to draw it.
+    let baseline = baseline_summary(&src, &dst, &opts, &links);
+    if let (Some(path), Ok(_)) = (args.svg, &baseline) {
+        write_svg(&path.with_extension("baseline.svg"), &plan_baseline(&src, &dst, &opts).map_err(ctx)?)?;
+    }
+    let b_est = baseline.as_ref().ok().map(|b| b.estimate);
     if args.json {
         let (b, err) = match &baseline {
-            Ok(b) => (figures_json(b.figures()), serde_json::Value::Null),
+            Ok(b) => (figures_json(&b.figures), serde_json::Value::Null),
             Err(e) => (serde_json::Value::Null, json!(e.to_string())),
         };
-        let mut out = json!({"reshard": figures_json(reshard.figures()), "baseline": b, "baseline_error": err});
-        if args.estimate {
+        let mut out = json!({"reshard": figures_json(&r_figures), "baseline": b, "baseline_error": err});
+        if let Some(r_est) = r_est {
             out["estimate"] = json!({
                 "topology": args.topology,
                 "reshard_s": r_est.seconds,
@@ -116,14 +121,14 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         dst.ranks(),
         dst.nodes(),
         dst.tensors().len(),
-        reshard.fingerprint()
+        fingerprint
     );
-    print_figures("reshard", reshard.figures());
+    print_figures("reshard", &r_figures);
     match &baseline {
-        Ok(b) => print_figures("baseline", b.figures()),
+        Ok(b) => print_figures("baseline", &b.figures),
         Err(e) => say!("baseline: unavailable: {e}"),
     }
-    if args.estimate {
+    if let Some(r_est) = r_est {
         say!("estimate ({} links, model):", args.topology);
         say!("  reshard      {:>10.3} ms", r_est.seconds * 1e3);
         if let Some(b) = b_est {

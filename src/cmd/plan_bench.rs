@@ -3,7 +3,7 @@
 use super::report::{human, invalid, preset, preset_label, say, Failure};
 use refit::bench::peak_rss_bytes;
 use refit::presets::Model;
-use reshard::{plan_baseline, plan_reshard, PlanOptions};
+use reshard::{baseline_summary, plan_baseline, plan_reshard, PlanOptions};
 use std::time::Instant;
 
 pub(crate) fn run(model: Model, scale: u64, ep: Option<u32>, reps: usize, no_baseline: bool) -> Result<(), Failure> {
@@ -55,6 +55,17 @@ pub(crate) fn run(model: Model, scale: u64, ep: Option<u32>, reps: usize, no_bas
             t.elapsed().as_secs_f64(),
             base.figures().transfers,
             human(base.figures().total_bytes)
+        );
+        drop(base);
+        // What `refit plan` uses: the baseline's figures and estimate
+        // without its plan.
+        let t = Instant::now();
+        let summary = baseline_summary(&src, &dst, &opts, &opts.links).map_err(|e| invalid(e.to_string()))?;
+        say!(
+            "  baseline summary (figures and estimate, no plan): {:.3} s; {} messages in {} rounds",
+            t.elapsed().as_secs_f64(),
+            summary.figures.messages,
+            summary.figures.rounds
         );
     }
     Ok(())
