@@ -465,17 +465,14 @@ pub fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: 
     Fingerprint(h.finish() ^ fnv64("refit-plan-v1"))
 }
 
-/// Assigns rounds to transfers, stage by stage, so that no rank stages more
-/// than the cap in one round (every transfer fits on its own), puts the
-/// stages' transfers in one list, and computes the figures.
+/// Assigns rounds to transfers, stage by stage (see [`RoundPacker`]), so
+/// that no rank stages more than the cap in one round (a transfer larger than
+/// the cap travels alone), puts the stages' transfers in one list, and
+/// computes the figures.
 fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
     let cap = plan.options.max_staging_bytes.max(1);
     let n_src = plan.src_ranks as usize;
     let n = n_src + plan.dst_ranks as usize;
-    let idx = |e: Endpoint| match e.group {
-        Group::Src => e.rank as usize,
-        Group::Dst => n_src + e.rank as usize,
-    };
     while by_stage.last().is_some_and(Vec::is_empty) {
         by_stage.pop();
     }
@@ -498,64 +495,40 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
             b.0
         }
     };
-    // First-fit round assignment. Per endpoint: bytes per round of this
-    // stage, and a skip list (union-find with path halving) over rounds that
-    // are nearly full, so a search jumps over them instead of scanning.
+    let mut f = Figures {
+        dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],
+        stages: stages as u32,
+        pieces: plan.pieces.len() as u64,
+        ..Figures::default()
+    };
+    // Node of every endpoint; source and destination nodes are distinct.
+    let node: Vec<(Group, u32)> = (0..n)
+        .map(|i| if i < n_src { plan.node_of(Endpoint::src(i as u32)) } else { plan.node_of(Endpoint::dst((i - n_src) as u32)) })
+        .collect();
+    let mut packer = RoundPacker::new(n, n_src, cap);
     let mut base = 0u32;
-    let mut loads: Vec<Vec<u64>> = vec![Vec::new(); n];
-    let mut skip: Vec<Vec<u32>> = vec![Vec::new(); n];
-    // A round counts as full once less than 1/16 of the cap is left.
-    let nearly_full = cap - cap / 16;
     for list in by_stage.iter_mut() {
-        loads.iter_mut().for_each(Vec::clear);
-        skip.iter_mut().for_each(Vec::clear);
-        let mut stage_rounds = 0u32;
-        for t in list.iter_mut() {
-            if t.from == t.to {
-                t.round = base;
-                stage_rounds = stage_rounds.max(1);
-                continue;
+        base += packer.stage(list, base, &bytes_of, |a, z, b| {
+            f.total_bytes += b;
+            if a < n_src {
+                f.src_egress_bytes += b;
             }
-            let b = bytes_of(t);
-            let (a, z) = (idx(t.from), idx(t.to));
-            let fits = |loads: &Vec<Vec<u64>>, e: usize, r: u32| {
-                let l = loads[e].get(r as usize).copied().unwrap_or(0);
-                l == 0 || l + b <= cap
-            };
-            let mut r = 0u32;
-            loop {
-                let ra = open_round(&mut skip[a], r);
-                let rz = open_round(&mut skip[z], ra);
-                if rz != ra {
-                    r = rz;
-                    continue;
-                }
-                if fits(&loads, a, ra) && fits(&loads, z, ra) {
-                    r = ra;
-                    break;
-                }
-                r = ra + 1;
-            }
-            for e in [a, z] {
-                if loads[e].len() <= r as usize {
-                    loads[e].resize(r as usize + 1, 0);
-                }
-                loads[e][r as usize] += b;
-                if loads[e][r as usize] >= nearly_full {
-                    let s = &mut skip[e];
-                    if s.len() <= r as usize + 1 {
-                        let from = s.len() as u32;
-                        s.extend(from..r + 2);
-                    }
-                    s[r as usize] = r + 1;
+            let (from_node, to_node) = (node[a], node[z]);
+            if from_node != to_node {
+                f.cross_node_bytes += b;
+                if to_node.0 == Group::Dst {
+                    f.dst_node_ingress_bytes[to_node.1 as usize] += b;
                 }
             }
-            t.round = base + r;
-            stage_rounds = stage_rounds.max(r + 1);
-        }
-        base += stage_rounds;
+        });
     }
-    drop((loads, skip));
+    f.rounds = base;
+    f.messages = packer.messages;
+    f.max_rank_send_messages = packer.sent_msgs.iter().copied().max().unwrap_or(0);
+    f.max_rank_recv_messages = packer.recv_msgs.iter().copied().max().unwrap_or(0);
+    f.max_rank_send_bytes = packer.sent_bytes.iter().copied().max().unwrap_or(0);
+    f.max_rank_recv_bytes = packer.recv_bytes.iter().copied().max().unwrap_or(0);
+    drop(packer);
     // Stages in order, in one vector (the first stage's, usually the
     // largest, is extended in place).
     let mut all = by_stage.first_mut().map(std::mem::take).unwrap_or_default();
@@ -563,76 +536,428 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
         all.append(rest);
     }
     drop(by_stage);
+    f.transfers = all.len() as u64;
     plan.transfers = all;
-    // Figures.
-    let mut f = Figures {
-        dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],
-        rounds: base,
-        stages: stages as u32,
-        pieces: plan.pieces.len() as u64,
-        transfers: plan.transfers.len() as u64,
-        ..Figures::default()
-    };
-    let mut sent = vec![0u64; n];
-    let mut recv = vec![0u64; n];
-    let (mut sent_msgs, mut recv_msgs) = (vec![0u64; n], vec![0u64; n]);
-    // Node of every endpoint; source and destination nodes are distinct.
-    let node: Vec<(Group, u32)> = (0..n)
-        .map(|i| if i < n_src { plan.node_of(Endpoint::src(i as u32)) } else { plan.node_of(Endpoint::dst((i - n_src) as u32)) })
-        .collect();
-    // Messages: distinct (sender, receiver, round) triples, counted with a
-    // bitmap over them (a hash set where the bitmap would be too large).
-    let bits = (n * n) as u64 * base as u64;
-    let mut bitmap: Vec<u64> = if bits <= 1 << 31 { vec![0; bits.div_ceil(64) as usize] } else { Vec::new() };
-    let mut seen: std::collections::HashSet<(usize, usize, u32)> = std::collections::HashSet::new();
-    for t in &plan.transfers {
-        if t.from == t.to {
-            continue;
-        }
-        let b = bytes_of(t);
-        let (a, z) = (idx(t.from), idx(t.to));
-        f.total_bytes += b;
-        sent[a] += b;
-        recv[z] += b;
-        if t.from.group == Group::Src {
-            f.src_egress_bytes += b;
-        }
-        let (from_node, to_node) = (node[a], node[z]);
-        if from_node != to_node {
-            f.cross_node_bytes += b;
-            if t.to.group == Group::Dst {
-                f.dst_node_ingress_bytes[to_node.1 as usize] += b;
-            }
-        }
-        let new = if bitmap.is_empty() {
-            seen.insert((a, z, t.round))
-        } else {
-            let bit = ((a * n + z) as u64 * base as u64 + t.round as u64) as usize;
-            let (word, mask) = (bit / 64, 1u64 << (bit % 64));
-            let new = bitmap[word] & mask == 0;
-            bitmap[word] |= mask;
-            new
-        };
-        f.messages += new as u64;
-        sent_msgs[a] += new as u64;
-        recv_msgs[z] += new as u64;
-    }
-    f.max_rank_send_messages = sent_msgs.into_iter().max().unwrap_or(0);
-    f.max_rank_recv_messages = recv_msgs.into_iter().max().unwrap_or(0);
-    f.max_rank_send_bytes = sent.into_iter().max().unwrap_or(0);
-    f.max_rank_recv_bytes = recv.into_iter().max().unwrap_or(0);
     plan.figures = f;
 }
 
-/// The first round at or after `r` not marked full in `skip` (where
-/// `skip[x] != x` means round `x` is full); path halving keeps it near O(1).
-fn open_round(skip: &mut [u32], mut r: u32) -> u32 {
-    while (r as usize) < skip.len() && skip[r as usize] != r {
-        let next = skip[r as usize];
-        if (next as usize) < skip.len() {
-            skip[r as usize] = skip[next as usize];
+/// Most entries of the dense (sender, receiver) → pair table; more ranks
+/// than that use a hash map.
+const DENSE_PAIRS: usize = 1 << 22;
+
+/// No run (end of a pair's list of runs).
+const NO_RUN: u32 = u32::MAX;
+
+/// Consecutive transfers of one pair (in plan order) with the same bytes.
+#[derive(Clone, Copy)]
+struct Run {
+    bytes: u64,
+    /// Transfers of the run not yet given a round.
+    count: u32,
+    prev: u32,
+    next: u32,
+}
+
+/// Round assignment of one stage at a time, by pairs of ranks.
+///
+/// All transfers of a stage from one sender to one receiver form a
+/// *pair*; the pieces of a pair that share a round travel as one message,
+/// so a pair should span as few rounds as it can. Rounds are filled one
+/// after another. In each round the ranks are visited busiest first (most
+/// bytes still to stage in this stage), so the ranks that bound the number
+/// of rounds are served every round. A rank with room first continues the
+/// pairs it has already started (oldest first), then starts new ones, each
+/// time the one whose other end has the most bytes left among those that
+/// fit. A pair takes its transfers in plan order (the reshard planner emits
+/// them largest first) while they fit at both ends, then fills what is left
+/// from its other end (the smallest). So a rank streams its pairs one after
+/// another and a pair splits only where a round fills up: a rank sends or
+/// receives about one message per round plus one per peer, not one per
+/// peer and round.
+///
+/// A round never puts more than the cap on a rank, except a transfer larger
+/// than the cap, which travels alone (both its ends empty). Every round
+/// places at least one transfer (the first rank visited has an empty
+/// round), so the assignment ends. Ties go by rank and pair index, so the
+/// result is deterministic.
+///
+/// A pair's transfers are kept as runs of equal bytes (a model has few
+/// distinct piece sizes), and what a pair takes in a round as a segment of
+/// its transfers (by position in plan order), so the work per round is per
+/// pair, not per transfer; rounds are written into the transfers in one
+/// pass at the end of the stage.
+struct RoundPacker {
+    n: usize,
+    n_src: usize,
+    cap: u64,
+    /// Dense (sender * n + receiver) → pair of this stage, or empty (then
+    /// `pair_map`).
+    pair_table: Vec<u32>,
+    pair_map: std::collections::HashMap<(u32, u32), u32>,
+    /// Per pair: sender and receiver (endpoint indices), its transfers,
+    /// how many were taken from the front and from the back, first and last
+    /// run with transfers left, the smaller of their bytes, last round
+    /// visited, whether started.
+    ends: Vec<(u32, u32)>,
+    total: Vec<u32>,
+    front: Vec<u32>,
+    back: Vec<u32>,
+    head: Vec<u32>,
+    tail: Vec<u32>,
+    small: Vec<u64>,
+    visited: Vec<u32>,
+    started: Vec<bool>,
+    runs: Vec<Run>,
+    /// What pairs took: (pair, first position, count, round).
+    segments: Vec<(u32, u32, u32, u32)>,
+    /// Per endpoint: bytes left in the stage, bytes in the current round,
+    /// its smallest transfer, pairs started (oldest first) and not started
+    /// (with the other end).
+    left: Vec<u64>,
+    load: Vec<u64>,
+    smallest: Vec<u64>,
+    open: Vec<Vec<u32>>,
+    waiting: Vec<Vec<(u32, u32)>>,
+    /// Endpoints with load in the current round, and the visiting order.
+    touched: Vec<u32>,
+    order: Vec<u32>,
+    /// Messages, and per endpoint messages and bytes sent and received.
+    messages: u64,
+    sent_msgs: Vec<u64>,
+    recv_msgs: Vec<u64>,
+    sent_bytes: Vec<u64>,
+    recv_bytes: Vec<u64>,
+}
+
+impl RoundPacker {
+    fn new(n: usize, n_src: usize, cap: u64) -> RoundPacker {
+        RoundPacker {
+            n,
+            n_src,
+            cap,
+            pair_table: if n.saturating_mul(n) <= DENSE_PAIRS { vec![u32::MAX; n * n] } else { Vec::new() },
+            pair_map: std::collections::HashMap::new(),
+            ends: Vec::new(),
+            total: Vec::new(),
+            front: Vec::new(),
+            back: Vec::new(),
+            head: Vec::new(),
+            tail: Vec::new(),
+            small: Vec::new(),
+            visited: Vec::new(),
+            started: Vec::new(),
+            runs: Vec::new(),
+            segments: Vec::new(),
+            left: vec![0; n],
+            load: vec![0; n],
+            smallest: vec![u64::MAX; n],
+            open: vec![Vec::new(); n],
+            waiting: vec![Vec::new(); n],
+            touched: Vec::new(),
+            order: Vec::new(),
+            messages: 0,
+            sent_msgs: vec![0; n],
+            recv_msgs: vec![0; n],
+            sent_bytes: vec![0; n],
+            recv_bytes: vec![0; n],
         }
-        r = next;
     }
-    r
+
+    /// Endpoint index: source ranks, then destination ranks.
+    #[inline]
+    fn index(&self, e: Endpoint) -> usize {
+        match e.group {
+            Group::Src => e.rank as usize,
+            Group::Dst => self.n_src + e.rank as usize,
+        }
+    }
+
+    /// The pair of `(a, z)`, if it has one in this stage.
+    #[inline]
+    fn pair(&self, a: usize, z: usize) -> Option<u32> {
+        let p = if self.pair_table.is_empty() {
+            self.pair_map.get(&(a as u32, z as u32)).copied().unwrap_or(u32::MAX)
+        } else {
+            self.pair_table[a * self.n + z]
+        };
+        (p != u32::MAX).then_some(p)
+    }
+
+    /// Room left on endpoint `e` in this round (anything fits an empty one).
+    #[inline]
+    fn room(&self, e: u32) -> u64 {
+        match self.load[e as usize] {
+            0 => u64::MAX,
+            l => self.cap.saturating_sub(l),
+        }
+    }
+
+    /// Assigns rounds `base..` to the transfers of one stage (local copies
+    /// go to `base`), calls `traffic(sender, receiver, bytes)` for every
+    /// transfer between ranks, and returns the number of rounds used.
+    fn stage(
+        &mut self,
+        list: &mut [Transfer],
+        base: u32,
+        bytes_of: &impl Fn(&Transfer) -> u64,
+        mut traffic: impl FnMut(usize, usize, u64),
+    ) -> u32 {
+        let mut locals = false;
+        for t in list.iter_mut() {
+            if t.from == t.to {
+                t.round = base;
+                locals = true;
+                continue;
+            }
+            let (a, z) = (self.index(t.from), self.index(t.to));
+            let p = match self.pair(a, z) {
+                Some(p) => p as usize,
+                None => self.new_pair(a, z),
+            };
+            let b = bytes_of(t);
+            traffic(a, z, b);
+            self.sent_bytes[a] += b;
+            self.recv_bytes[z] += b;
+            for e in [a, z] {
+                self.left[e] += b;
+                self.smallest[e] = self.smallest[e].min(b);
+            }
+            self.total[p] += 1;
+            let tail = self.tail[p];
+            if tail != NO_RUN && self.runs[tail as usize].bytes == b {
+                self.runs[tail as usize].count += 1;
+            } else {
+                let r = self.runs.len() as u32;
+                self.runs.push(Run { bytes: b, count: 1, prev: tail, next: NO_RUN });
+                if tail == NO_RUN {
+                    self.head[p] = r;
+                } else {
+                    self.runs[tail as usize].next = r;
+                }
+                self.tail[p] = r;
+            }
+        }
+        let pairs = self.ends.len();
+        let mut rounds = locals as u32;
+        if pairs > 0 {
+            for p in 0..pairs {
+                self.small[p] = self.runs[self.head[p] as usize].bytes.min(self.runs[self.tail[p] as usize].bytes);
+                let (a, z) = self.ends[p];
+                self.waiting[a as usize].push((z, p as u32));
+                self.waiting[z as usize].push((a, p as u32));
+            }
+            rounds = self.fill_rounds();
+            self.write_rounds(list, base);
+        }
+        // Reset for the next stage.
+        for &(a, z) in &self.ends {
+            if !self.pair_table.is_empty() {
+                self.pair_table[a as usize * self.n + z as usize] = u32::MAX;
+            }
+        }
+        self.pair_map.clear();
+        for v in [&mut self.total, &mut self.front, &mut self.back, &mut self.head, &mut self.tail, &mut self.visited] {
+            v.clear();
+        }
+        self.ends.clear();
+        self.small.clear();
+        self.started.clear();
+        self.runs.clear();
+        self.segments.clear();
+        for e in 0..self.n {
+            self.open[e].clear();
+            self.waiting[e].clear();
+            self.smallest[e] = u64::MAX;
+            self.load[e] = 0;
+        }
+        self.touched.clear();
+        rounds
+    }
+
+    /// Numbers a new pair `(a, z)`.
+    fn new_pair(&mut self, a: usize, z: usize) -> usize {
+        let p = self.ends.len();
+        if self.pair_table.is_empty() {
+            self.pair_map.insert((a as u32, z as u32), p as u32);
+        } else {
+            self.pair_table[a * self.n + z] = p as u32;
+        }
+        self.ends.push((a as u32, z as u32));
+        self.total.push(0);
+        self.front.push(0);
+        self.back.push(0);
+        self.head.push(NO_RUN);
+        self.tail.push(NO_RUN);
+        self.small.push(0);
+        self.visited.push(u32::MAX);
+        self.started.push(false);
+        p
+    }
+
+    /// Fills rounds until every pair is done; returns how many it used.
+    fn fill_rounds(&mut self) -> u32 {
+        let mut active = self.ends.len();
+        self.order.clear();
+        self.order.extend((0..self.n as u32).filter(|&e| self.left[e as usize] > 0));
+        let mut round = 0u32;
+        while active > 0 {
+            for &e in &self.touched {
+                self.load[e as usize] = 0;
+            }
+            self.touched.clear();
+            // Busiest first; the order changes little from round to round.
+            let left = &self.left;
+            self.order.retain(|&e| left[e as usize] > 0);
+            self.order.sort_by_key(|&e| (std::cmp::Reverse(left[e as usize]), e));
+            for i in 0..self.order.len() {
+                let x = self.order[i];
+                active -= self.serve(x, round);
+            }
+            round += 1;
+        }
+        round
+    }
+
+    /// Serves endpoint `x` in `round`: its started pairs, then new ones,
+    /// while it has room. Returns how many pairs it finished.
+    fn serve(&mut self, x: u32, round: u32) -> usize {
+        let xs = x as usize;
+        let mut done = 0;
+        if self.left[xs] == 0 || self.room(x) < self.smallest[xs] {
+            return 0;
+        }
+        // Started pairs, oldest first (finished ones are dropped).
+        let mut open = std::mem::take(&mut self.open[xs]);
+        open.retain(|&p| self.front[p as usize] + self.back[p as usize] < self.total[p as usize]);
+        for &p in &open {
+            if self.room(x) < self.smallest[xs] {
+                break;
+            }
+            if self.visited[p as usize] != round {
+                done += self.visit(p, round);
+            }
+        }
+        self.open[xs] = open;
+        // New pairs: the one whose other end has the most left, among those
+        // where something fits at both ends.
+        while self.left[xs] > 0 && self.room(x) >= self.smallest[xs] {
+            let mut waiting = std::mem::take(&mut self.waiting[xs]);
+            waiting.retain(|&(_, p)| !self.started[p as usize]);
+            let room = self.room(x);
+            let mut best: Option<(u64, u32)> = None;
+            for &(y, p) in &waiting {
+                if room.min(self.room(y)) < self.small[p as usize] {
+                    continue;
+                }
+                let key = self.left[y as usize];
+                if best.map_or(true, |(k, _)| key > k) {
+                    best = Some((key, p));
+                }
+            }
+            self.waiting[xs] = waiting;
+            match best {
+                Some((_, p)) => done += self.visit(p, round),
+                None => break,
+            }
+        }
+        done
+    }
+
+    /// Gives pair `p` as many of its transfers as fit at both ends in
+    /// `round`: from the front, then from the back. Returns 1 if that
+    /// finished the pair.
+    fn visit(&mut self, p: u32, round: u32) -> usize {
+        let pi = p as usize;
+        self.visited[pi] = round;
+        let (a, z) = self.ends[pi];
+        let mut took = false;
+        while self.front[pi] + self.back[pi] < self.total[pi] {
+            let room = self.room(a).min(self.room(z));
+            let (h, t) = (self.head[pi] as usize, self.tail[pi] as usize);
+            let fits = |run: &Run| match room {
+                u64::MAX => 1,
+                _ if run.bytes == 0 => run.count,
+                _ => (room / run.bytes).min(run.count as u64) as u32,
+            };
+            let (k, first, bytes) = match (fits(&self.runs[h]), fits(&self.runs[t])) {
+                (0, 0) => break,
+                (k, _) if k > 0 => {
+                    let first = self.front[pi];
+                    self.front[pi] += k;
+                    let run = &mut self.runs[h];
+                    run.count -= k;
+                    if run.count == 0 {
+                        self.head[pi] = run.next;
+                    }
+                    (k, first, run.bytes)
+                }
+                (_, k) => {
+                    self.back[pi] += k;
+                    let run = &mut self.runs[t];
+                    run.count -= k;
+                    if run.count == 0 {
+                        self.tail[pi] = run.prev;
+                    }
+                    (k, self.total[pi] - self.back[pi], run.bytes)
+                }
+            };
+            self.segments.push((p, first, k, round));
+            let b = bytes * k as u64;
+            for e in [a, z] {
+                let e = e as usize;
+                if self.load[e] == 0 {
+                    self.touched.push(e as u32);
+                }
+                self.load[e] += b;
+                self.left[e] -= b;
+            }
+            took = true;
+        }
+        let finished = self.front[pi] + self.back[pi] == self.total[pi];
+        if !finished {
+            self.small[pi] = self.runs[self.head[pi] as usize].bytes.min(self.runs[self.tail[pi] as usize].bytes);
+        }
+        if took {
+            self.messages += 1;
+            self.sent_msgs[a as usize] += 1;
+            self.recv_msgs[z as usize] += 1;
+            if !self.started[pi] {
+                self.started[pi] = true;
+                self.open[a as usize].push(p);
+                self.open[z as usize].push(p);
+            }
+        }
+        finished as usize
+    }
+
+    /// Writes the rounds of the segments into the stage's transfers: the
+    /// k-th transfer of a pair in plan order is in the segment covering
+    /// position k.
+    fn write_rounds(&mut self, list: &mut [Transfer], base: u32) {
+        self.segments.sort_unstable_by_key(|s| (s.0, s.1));
+        // Per pair: its next segment (reusing `head`) and position (`front`).
+        let mut at = 0u32;
+        for p in 0..self.ends.len() {
+            self.head[p] = at;
+            self.front[p] = 0;
+            while (at as usize) < self.segments.len() && self.segments[at as usize].0 == p as u32 {
+                at += 1;
+            }
+        }
+        for t in list.iter_mut() {
+            if t.from == t.to {
+                continue;
+            }
+            let Some(p) = self.pair(self.index(t.from), self.index(t.to)) else { continue };
+            let p = p as usize;
+            let k = self.front[p];
+            self.front[p] += 1;
+            let mut s = self.head[p] as usize;
+            while self.segments[s].1 + self.segments[s].2 <= k {
+                s += 1;
+            }
+            self.head[p] = s as u32;
+            t.round = base + self.segments[s].3;
+        }
+    }
 }
