@@ -221,17 +221,17 @@ struct Assigner {
     src_node_load: Vec<u64>,
     /// Bytes per (stage, link), stage-major; grown a stage at a time.
     loads: Vec<u64>,
-    /// Per stage: busiest link time.
-    max_time: [f64; MAX_STAGES],
-    /// Per stage: busiest link time including the option being evaluated
-    /// (equal to `max_time` outside an evaluation), up to stage `top`.
-    pending: [f64; MAX_STAGES],
+    /// Per stage: the most bytes on any link timed at network bandwidth
+    /// and on any timed at intra-node bandwidth (see [`Assigner::add`]).
+    max_bytes: [[u64; 2]; MAX_STAGES],
+    /// The same including the option being evaluated (equal to
+    /// `max_bytes` outside an evaluation), up to stage `top`.
+    pending: [[u64; 2]; MAX_STAGES],
     top: usize,
     /// Total ingress per destination rank (leader choice).
     dst_in_total: Vec<u64>,
-    /// Link additions of the option being evaluated: (stage, link, bytes).
-    log: Vec<(u16, u32, u64)>,
-    /// Transfers of the option being evaluated.
+    /// Transfers of the option being evaluated (taken off the links one by
+    /// one on rollback).
     emitted: Vec<(Endpoint, Endpoint, u16)>,
     /// Scratch for the direct option while the relay is evaluated.
     direct: Vec<(Endpoint, Endpoint, u16)>,
@@ -262,11 +262,10 @@ impl Assigner {
             src_node: (0..src.ranks()).map(|r| src.node_of(r)).collect(),
             src_node_load: vec![0; src.nodes() as usize],
             loads: Vec::new(),
-            max_time: [0.0; MAX_STAGES],
-            pending: [0.0; MAX_STAGES],
+            max_bytes: [[0; 2]; MAX_STAGES],
+            pending: [[0; 2]; MAX_STAGES],
             top: 0,
             dst_in_total: vec![0; n_dst],
-            log: Vec::new(),
             emitted: Vec::new(),
             direct: Vec::new(),
             groups: Vec::new(),
@@ -285,12 +284,17 @@ impl Assigner {
         }
     }
 
-    /// Time of `bytes` on `link`.
+    /// Time of a stage's busiest links (bytes per bandwidth class).
     #[inline]
-    fn time(&self, link: u32, bytes: u64) -> f64 {
-        bytes as f64 * self.inv_bw[((link as usize) >= self.n_src + 3 * self.n_dst) as usize]
+    fn time(&self, bytes: [u64; 2]) -> f64 {
+        (bytes[0] as f64 * self.inv_bw[0]).max(bytes[1] as f64 * self.inv_bw[1])
     }
 
+    /// Adds `bytes` to a link in `stage`. Destination egress inside the
+    /// node is timed at the intra-node bandwidth, every other link (the
+    /// ingress side of a transfer inside the node included) at the
+    /// network's, so the busiest time of a stage is the larger of the two
+    /// classes' busiest links.
     #[inline]
     fn add(&mut self, stage: u16, kind: usize, rank: Rank, bytes: u64) {
         let s = stage as usize;
@@ -298,15 +302,21 @@ impl Assigner {
         if self.loads.len() < need {
             self.loads.resize(need, 0);
         }
-        let link = self.link(kind, rank);
-        let i = s * self.n_links + link;
-        self.loads[i] += bytes;
-        let t = self.time(link as u32, self.loads[i]);
-        if t > self.pending[s] {
-            self.pending[s] = t;
+        let i = s * self.n_links + self.link(kind, rank);
+        let load = self.loads[i] + bytes;
+        self.loads[i] = load;
+        let class = &mut self.pending[s][(kind == DST_OUT_NV) as usize];
+        if load > *class {
+            *class = load;
         }
         self.top = self.top.max(s + 1);
-        self.log.push((stage, link as u32, bytes));
+    }
+
+    /// Takes back what [`add`](Self::add) added.
+    #[inline]
+    fn sub(&mut self, stage: u16, kind: usize, rank: Rank, bytes: u64) {
+        let i = stage as usize * self.n_links + self.link(kind, rank);
+        self.loads[i] -= bytes;
     }
 
     #[inline]
@@ -316,22 +326,31 @@ impl Assigner {
 
     /// Cost increase of the option being evaluated.
     fn delta(&self) -> f64 {
-        (0..self.top).map(|s| self.pending[s] - self.max_time[s]).sum()
+        (0..self.top).map(|s| self.time(self.pending[s]) - self.time(self.max_bytes[s])).sum()
     }
 
-    fn rollback(&mut self) {
-        for (s, link, b) in self.log.drain(..) {
-            self.loads[s as usize * self.n_links + link as usize] -= b;
+    /// Takes the option being evaluated off the links (its transfers stay
+    /// in `emitted`).
+    fn undo(&mut self, bytes: u64) {
+        for i in 0..self.emitted.len() {
+            let (from, to, stage) = self.emitted[i];
+            let (out, inn) = self.link_kinds(from, to);
+            self.sub(stage, out, from.rank, bytes);
+            self.sub(stage, inn, to.rank, bytes);
         }
-        self.pending[..self.top].copy_from_slice(&self.max_time[..self.top]);
+        self.pending[..self.top].copy_from_slice(&self.max_bytes[..self.top]);
         self.top = 0;
+    }
+
+    /// Undoes the option being evaluated and forgets its transfers.
+    fn rollback(&mut self, bytes: u64) {
+        self.undo(bytes);
         self.emitted.clear();
     }
 
     fn commit(&mut self, piece: u32, bytes: u64, out: &mut Vec<Vec<Transfer>>) {
-        self.max_time[..self.top].copy_from_slice(&self.pending[..self.top]);
+        self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
-        self.log.clear();
         for (from, to, stage) in self.emitted.drain(..) {
             if from.group == Group::Src {
                 self.src_node_load[self.src_node[from.rank as usize] as usize] += bytes;
@@ -353,7 +372,7 @@ impl Assigner {
         let least = candidates.iter().map(|&c| self.load(0, SRC_OUT, c)).min().unwrap_or(0);
         let src = (least.saturating_sub(k * bytes) + bytes) as f64 / self.net_bw;
         let dst = self.load(0, DST_IN_NET, self.leaders[0]) as f64 / self.net_bw;
-        (src.max(dst) - self.max_time[0]).max(0.0)
+        (src.max(dst) - self.time(self.max_bytes[0])).max(0.0)
     }
 
     /// The candidate with the least stage-0 egress; ties go to the one on
@@ -391,21 +410,20 @@ impl Assigner {
         best
     }
 
-    fn send(&mut self, from: Endpoint, to: Endpoint, stage: u16, bytes: u64) {
+    /// The links a transfer loads: the sender's and the receiver's.
+    #[inline]
+    fn link_kinds(&self, from: Endpoint, to: Endpoint) -> (usize, usize) {
         match (from.group, from.group == Group::Dst && self.dst_node[from.rank as usize] == self.dst_node[to.rank as usize]) {
-            (Group::Src, _) => {
-                self.add(stage, SRC_OUT, from.rank, bytes);
-                self.add(stage, DST_IN_NET, to.rank, bytes);
-            }
-            (Group::Dst, false) => {
-                self.add(stage, DST_OUT_NET, from.rank, bytes);
-                self.add(stage, DST_IN_NET, to.rank, bytes);
-            }
-            (Group::Dst, true) => {
-                self.add(stage, DST_OUT_NV, from.rank, bytes);
-                self.add(stage, DST_IN_NV, to.rank, bytes);
-            }
+            (Group::Src, _) => (SRC_OUT, DST_IN_NET),
+            (Group::Dst, false) => (DST_OUT_NET, DST_IN_NET),
+            (Group::Dst, true) => (DST_OUT_NV, DST_IN_NV),
         }
+    }
+
+    fn send(&mut self, from: Endpoint, to: Endpoint, stage: u16, bytes: u64) {
+        let (out, inn) = self.link_kinds(from, to);
+        self.add(stage, out, from.rank, bytes);
+        self.add(stage, inn, to.rank, bytes);
         self.emitted.push((from, to, stage));
     }
 
@@ -448,8 +466,8 @@ impl Assigner {
         // The relay costs at least its first hop's growth of the stage-0
         // maximum; skip evaluating it when that alone is no better.
         if k >= 2 && self.relay_first_hop_cost(candidates, bytes) < direct_cost {
+            self.undo(bytes);
             std::mem::swap(&mut self.direct, &mut self.emitted);
-            self.rollback();
 
             // Option B: one source send, then node-to-node doubling.
             let s = self.best_source(candidates);
@@ -476,7 +494,7 @@ impl Assigner {
                 self.fan_out(l, group(g), a + 1, bytes);
             }
             if self.delta() + 1e-15 >= direct_cost {
-                self.rollback();
+                self.rollback(bytes);
                 let direct = std::mem::take(&mut self.direct);
                 for &(from, to, st) in &direct {
                     self.send(from, to, st, bytes);
