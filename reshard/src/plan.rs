@@ -604,12 +604,20 @@ struct RoundPacker {
     back: Vec<u32>,
     head: Vec<u32>,
     tail: Vec<u32>,
+    /// While the stage's transfers are read: bytes and length of each
+    /// pair's last run (its length is written into `runs` when it ends).
+    /// While rounds are written: end and round of each pair's current
+    /// segment.
+    tail_bytes: Vec<u64>,
+    tail_count: Vec<u32>,
     small: Vec<u64>,
     visited: Vec<u32>,
     started: Vec<bool>,
     runs: Vec<Run>,
-    /// What pairs took: (pair, first position, count, round).
-    segments: Vec<(u32, u32, u32, u32)>,
+    /// What pairs took: (pair << 32 | first position, count, round).
+    segments: Vec<(u64, u32, u32)>,
+    /// Per transfer of the stage: its pair (`u32::MAX`: a local copy).
+    pair_of: Vec<u32>,
     /// Per endpoint: bytes left in the stage, bytes in the current round,
     /// its smallest transfer, pairs started (oldest first) and not started
     /// (with the other end).
@@ -643,11 +651,14 @@ impl RoundPacker {
             back: Vec::new(),
             head: Vec::new(),
             tail: Vec::new(),
+            tail_bytes: Vec::new(),
+            tail_count: Vec::new(),
             small: Vec::new(),
             visited: Vec::new(),
             started: Vec::new(),
             runs: Vec::new(),
             segments: Vec::new(),
+            pair_of: Vec::new(),
             left: vec![0; n],
             load: vec![0; n],
             smallest: vec![u64::MAX; n],
@@ -703,10 +714,12 @@ impl RoundPacker {
         mut traffic: impl FnMut(usize, usize, u64),
     ) -> u32 {
         let mut locals = false;
+        self.pair_of.clear();
         for t in list.iter_mut() {
             if t.from == t.to {
                 t.round = base;
                 locals = true;
+                self.pair_of.push(u32::MAX);
                 continue;
             }
             let (a, z) = (self.index(t.from), self.index(t.to));
@@ -722,25 +735,30 @@ impl RoundPacker {
                 self.left[e] += b;
                 self.smallest[e] = self.smallest[e].min(b);
             }
+            self.pair_of.push(p as u32);
             self.total[p] += 1;
             let tail = self.tail[p];
-            if tail != NO_RUN && self.runs[tail as usize].bytes == b {
-                self.runs[tail as usize].count += 1;
+            if tail != NO_RUN && self.tail_bytes[p] == b {
+                self.tail_count[p] += 1;
             } else {
                 let r = self.runs.len() as u32;
-                self.runs.push(Run { bytes: b, count: 1, prev: tail, next: NO_RUN });
+                self.runs.push(Run { bytes: b, count: 0, prev: tail, next: NO_RUN });
                 if tail == NO_RUN {
                     self.head[p] = r;
                 } else {
+                    self.runs[tail as usize].count = self.tail_count[p];
                     self.runs[tail as usize].next = r;
                 }
                 self.tail[p] = r;
+                self.tail_bytes[p] = b;
+                self.tail_count[p] = 1;
             }
         }
         let pairs = self.ends.len();
         let mut rounds = locals as u32;
         if pairs > 0 {
             for p in 0..pairs {
+                self.runs[self.tail[p] as usize].count = self.tail_count[p];
                 self.small[p] = self.runs[self.head[p] as usize].bytes.min(self.runs[self.tail[p] as usize].bytes);
                 let (a, z) = self.ends[p];
                 self.waiting[a as usize].push((z, p as u32));
@@ -756,11 +774,13 @@ impl RoundPacker {
             }
         }
         self.pair_map.clear();
-        for v in [&mut self.total, &mut self.front, &mut self.back, &mut self.head, &mut self.tail, &mut self.visited] {
+        for v in [&mut self.total, &mut self.front, &mut self.back, &mut self.head, &mut self.tail, &mut self.tail_count, &mut self.visited]
+        {
             v.clear();
         }
         self.ends.clear();
         self.small.clear();
+        self.tail_bytes.clear();
         self.started.clear();
         self.runs.clear();
         self.segments.clear();
@@ -788,6 +808,8 @@ impl RoundPacker {
         self.back.push(0);
         self.head.push(NO_RUN);
         self.tail.push(NO_RUN);
+        self.tail_bytes.push(0);
+        self.tail_count.push(0);
         self.small.push(0);
         self.visited.push(u32::MAX);
         self.started.push(false);
@@ -901,7 +923,7 @@ impl RoundPacker {
                     (k, self.total[pi] - self.back[pi], run.bytes)
                 }
             };
-            self.segments.push((p, first, k, round));
+            self.segments.push(((p as u64) << 32 | first as u64, k, round));
             let b = bytes * k as u64;
             for e in [a, z] {
                 let e = e as usize;
@@ -934,30 +956,39 @@ impl RoundPacker {
     /// k-th transfer of a pair in plan order is in the segment covering
     /// position k.
     fn write_rounds(&mut self, list: &mut [Transfer], base: u32) {
-        self.segments.sort_unstable_by_key(|s| (s.0, s.1));
-        // Per pair: its next segment (reusing `head`) and position (`front`).
-        let mut at = 0u32;
+        self.segments.sort_unstable_by_key(|s| s.0);
+        // Per pair: its current segment (in `head`), where it ends and its
+        // round (in `tail_count` and `tail_bytes`), and the position of its
+        // next transfer (in `front`).
+        let mut at = 0usize;
         for p in 0..self.ends.len() {
-            self.head[p] = at;
+            let (key, count, round) = self.segments[at];
+            debug_assert_eq!(key, (p as u64) << 32);
+            self.head[p] = at as u32;
+            self.tail_count[p] = count;
+            self.tail_bytes[p] = round as u64;
             self.front[p] = 0;
-            while (at as usize) < self.segments.len() && self.segments[at as usize].0 == p as u32 {
+            while at < self.segments.len() && self.segments[at].0 >> 32 == p as u64 {
                 at += 1;
             }
         }
-        for t in list.iter_mut() {
-            if t.from == t.to {
+        for (t, &p) in list.iter_mut().zip(&self.pair_of) {
+            if p == u32::MAX {
                 continue;
             }
-            let Some(p) = self.pair(self.index(t.from), self.index(t.to)) else { continue };
             let p = p as usize;
             let k = self.front[p];
             self.front[p] += 1;
-            let mut s = self.head[p] as usize;
-            while self.segments[s].1 + self.segments[s].2 <= k {
-                s += 1;
+            if k >= self.tail_count[p] {
+                let mut s = self.head[p] as usize + 1;
+                while (self.segments[s].0 as u32) + self.segments[s].1 <= k {
+                    s += 1;
+                }
+                self.head[p] = s as u32;
+                self.tail_count[p] = self.segments[s].0 as u32 + self.segments[s].1;
+                self.tail_bytes[p] = self.segments[s].2 as u64;
             }
-            self.head[p] = s as u32;
-            t.round = base + self.segments[s].3;
+            t.round = base + self.tail_bytes[p] as u32;
         }
     }
 }
