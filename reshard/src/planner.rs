@@ -17,8 +17,14 @@ use std::hash::{Hash, Hasher};
 pub(crate) fn match_tensors(src: &Layout, dst: &Layout) -> Result<Vec<(u32, DType, DType)>, PlanError> {
     dst.tensors()
         .iter()
-        .map(|t| {
-            let si = src.tensor_index(&t.name).ok_or_else(|| PlanError::MissingTensor { tensor: t.name.clone() })?;
+        .enumerate()
+        .map(|(i, t)| {
+            // Names are unique: layouts listing tensors in the same order
+            // need no lookup.
+            let si = match src.tensors().get(i) {
+                Some(s) if s.name == t.name => i as u32,
+                _ => src.tensor_index(&t.name).ok_or_else(|| PlanError::MissingTensor { tensor: t.name.clone() })?,
+            };
             let s = &src.tensors()[si as usize];
             if s.shape != t.shape {
                 return Err(PlanError::ShapeMismatch { tensor: t.name.clone(), src: s.shape.clone(), dst: t.shape.clone() });
@@ -112,6 +118,10 @@ fn overlap_template(
 /// senders as (start, len) ranges of the rank pool.
 type TemplatePiece = (Block, (u32, u32), (u32, u32));
 
+/// How many recently used templates a tensor is compared with before its
+/// placements are hashed.
+const RECENT_TEMPLATES: usize = 8;
+
 /// One piece still to be assigned senders.
 struct Work {
     piece: u32,
@@ -133,33 +143,49 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     // computation, a template of pieces with receiver and candidate ranges.
     let mut templates: Vec<Template> = Vec::new();
     let mut by_key: HashMap<u64, Vec<u32>> = HashMap::new();
+    // The templates used last, most recent first: neighbouring tensors are
+    // often placed alike (an expert's weights, layer after layer), and
+    // checking a few is cheaper than hashing both placements.
+    let mut recent: Vec<u32> = Vec::with_capacity(RECENT_TEMPLATES);
     for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
         let wire = wire_dtype(sd, dd);
         let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
-        // Storage (own or named buffers, offsets) plays no part in the
-        // overlap: fused tensors placed alike share a template too.
-        let key = {
-            let mut h = Fnv64::default();
-            dt.shape.hash(&mut h);
-            st.placement.hash_geometry(&mut h);
-            dt.placement.hash_geometry(&mut h);
-            wire.hash(&mut h);
-            h.finish()
-        };
         let same = |t: &Template| {
             let (rs, rd) = (&src.tensors()[t.src_tensor as usize], &dst.tensors()[t.dst_tensor as usize]);
             t.wire == wire && rd.shape == dt.shape && rs.placement.same_geometry(&st.placement) && rd.placement.same_geometry(&dt.placement)
         };
-        let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&templates[i as usize])));
-        let template = match found {
-            Some(i) => i as usize,
+        let template = match recent.iter().position(|&i| same(&templates[i as usize])) {
+            Some(at) => {
+                let i = recent.remove(at);
+                i as usize
+            }
             None => {
-                let t = overlap_template(src, dst, ts, td as u32, wire, options, &mut pool)?;
-                by_key.entry(key).or_default().push(templates.len() as u32);
-                templates.push(t);
-                templates.len() - 1
+                // Storage (own or named buffers, offsets) plays no part in
+                // the overlap: fused tensors placed alike share a template too.
+                let key = {
+                    let mut h = Fnv64::default();
+                    dt.shape.hash(&mut h);
+                    st.placement.hash_geometry(&mut h);
+                    dt.placement.hash_geometry(&mut h);
+                    wire.hash(&mut h);
+                    h.finish()
+                };
+                let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&templates[i as usize])));
+                match found {
+                    Some(i) => i as usize,
+                    None => {
+                        let t = overlap_template(src, dst, ts, td as u32, wire, options, &mut pool)?;
+                        by_key.entry(key).or_default().push(templates.len() as u32);
+                        templates.push(t);
+                        templates.len() - 1
+                    }
+                }
             }
         };
+        if recent.len() == RECENT_TEMPLATES {
+            recent.pop();
+        }
+        recent.insert(0, template as u32);
         let t = &templates[template];
         if pieces.len() as u64 + t.pieces.len() as u64 > MAX_PIECES {
             return Err(PlanError::TooManyPieces { tensor: dt.name.clone(), limit: MAX_PIECES });
@@ -173,8 +199,9 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
             pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block });
         }
     }
-    // Largest first; ties by piece order, so the result is deterministic.
-    work.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.piece.cmp(&b.piece)));
+    // Largest first; ties by piece order (pieces are distinct), so the
+    // result is deterministic.
+    work.sort_unstable_by_key(|w| (std::cmp::Reverse(w.bytes), w.piece));
     let mut assigner = Assigner::new(src, dst, options.links);
     // Every receiver of a piece gets exactly one transfer of it, and almost
     // all are in stage 0: reserve that much up front.
