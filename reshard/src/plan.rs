@@ -495,39 +495,46 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
             b.0
         }
     };
+    let mut packer = RoundPacker::new(n, n_src, cap);
+    let mut base = 0u32;
+    for list in by_stage.iter_mut() {
+        base += packer.stage(list, base, &bytes_of);
+    }
+    drop(piece_bytes);
+    // Figures, from the bytes of every pair of ranks.
     let mut f = Figures {
         dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],
         stages: stages as u32,
         pieces: plan.pieces.len() as u64,
+        rounds: base,
+        messages: packer.messages,
         ..Figures::default()
     };
+    let (mut sent, mut recv) = (vec![0u64; n], vec![0u64; n]);
     // Node of every endpoint; source and destination nodes are distinct.
     let node: Vec<(Group, u32)> = (0..n)
         .map(|i| if i < n_src { plan.node_of(Endpoint::src(i as u32)) } else { plan.node_of(Endpoint::dst((i - n_src) as u32)) })
         .collect();
-    let mut packer = RoundPacker::new(n, n_src, cap);
-    let mut base = 0u32;
-    for list in by_stage.iter_mut() {
-        base += packer.stage(list, base, &bytes_of, |a, z, b| {
-            f.total_bytes += b;
-            if a < n_src {
-                f.src_egress_bytes += b;
+    for &(a, z, b) in &packer.traffic {
+        let (a, z) = (a as usize, z as usize);
+        f.total_bytes += b;
+        sent[a] += b;
+        recv[z] += b;
+        if a < n_src {
+            f.src_egress_bytes += b;
+        }
+        let (from_node, to_node) = (node[a], node[z]);
+        if from_node != to_node {
+            f.cross_node_bytes += b;
+            if to_node.0 == Group::Dst {
+                f.dst_node_ingress_bytes[to_node.1 as usize] += b;
             }
-            let (from_node, to_node) = (node[a], node[z]);
-            if from_node != to_node {
-                f.cross_node_bytes += b;
-                if to_node.0 == Group::Dst {
-                    f.dst_node_ingress_bytes[to_node.1 as usize] += b;
-                }
-            }
-        });
+        }
     }
-    f.rounds = base;
-    f.messages = packer.messages;
     f.max_rank_send_messages = packer.sent_msgs.iter().copied().max().unwrap_or(0);
     f.max_rank_recv_messages = packer.recv_msgs.iter().copied().max().unwrap_or(0);
-    f.max_rank_send_bytes = packer.sent_bytes.iter().copied().max().unwrap_or(0);
-    f.max_rank_recv_bytes = packer.recv_bytes.iter().copied().max().unwrap_or(0);
+    f.max_rank_send_bytes = sent.into_iter().max().unwrap_or(0);
+    f.max_rank_recv_bytes = recv.into_iter().max().unwrap_or(0);
     drop(packer);
     // Stages in order, in one vector (the first stage's, usually the
     // largest, is extended in place).
@@ -545,8 +552,8 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
 /// than that use a hash map.
 const DENSE_PAIRS: usize = 1 << 22;
 
-/// No run (end of a pair's list of runs).
-const NO_RUN: u32 = u32::MAX;
+/// No run, or no pair.
+const NONE: u32 = u32::MAX;
 
 /// Consecutive transfers of one pair (in plan order) with the same bytes.
 #[derive(Clone, Copy)]
@@ -558,6 +565,37 @@ struct Run {
     next: u32,
 }
 
+/// One pair of ranks while a stage's rounds are assigned.
+#[derive(Clone, Copy)]
+struct Pair {
+    /// Sender and receiver (endpoint indices).
+    from: u32,
+    to: u32,
+    /// Its transfers, and how many were taken from the front and the back
+    /// (while rounds are written: how many were written).
+    total: u32,
+    front: u32,
+    back: u32,
+    /// First and last run with transfers left (while rounds are written:
+    /// its current segment).
+    head: u32,
+    tail: u32,
+    /// The last round it was visited.
+    visited: u32,
+    /// Bytes of all its transfers.
+    bytes: u64,
+    /// While transfers are read: the bytes of its last run. While rounds
+    /// are filled: the fewer bytes of its first and last transfer left.
+    edge: u64,
+    /// While transfers are read: the length of its last run. While rounds
+    /// are written: the end of its current segment.
+    count: u32,
+    /// While rounds are written: the round of its current segment.
+    round: u32,
+    /// Whether it has taken anything.
+    started: bool,
+}
+
 /// Round assignment of one stage at a time, by pairs of ranks.
 ///
 /// All transfers of a stage from one sender to one receiver form a
@@ -567,13 +605,13 @@ struct Run {
 /// bytes still to stage in this stage), so the ranks that bound the number
 /// of rounds are served every round. A rank with room first continues the
 /// pairs it has already started (oldest first), then starts new ones, each
-/// time the one whose other end has the most bytes left among those that
-/// fit. A pair takes its transfers in plan order (the reshard planner emits
-/// them largest first) while they fit at both ends, then fills what is left
-/// from its other end (the smallest). So a rank streams its pairs one after
-/// another and a pair splits only where a round fills up: a rank sends or
-/// receives about one message per round plus one per peer, not one per
-/// peer and round.
+/// time the one whose other end has the most bytes left among those where
+/// something fits. A pair takes its transfers in plan order (the reshard
+/// planner emits them largest first) while they fit at both ends, then
+/// fills what is left from its other end (the smallest). So a rank streams
+/// its pairs one after another and a pair splits only where a round fills
+/// up: a rank sends or receives about one message per round plus one per
+/// peer, not one per peer and round.
 ///
 /// A round never puts more than the cap on a rank, except a transfer larger
 /// than the cap, which travels alone (both its ends empty). Every round
@@ -594,30 +632,13 @@ struct RoundPacker {
     /// `pair_map`).
     pair_table: Vec<u32>,
     pair_map: std::collections::HashMap<(u32, u32), u32>,
-    /// Per pair: sender and receiver (endpoint indices), its transfers,
-    /// how many were taken from the front and from the back, first and last
-    /// run with transfers left, the smaller of their bytes, last round
-    /// visited, whether started.
-    ends: Vec<(u32, u32)>,
-    total: Vec<u32>,
-    front: Vec<u32>,
-    back: Vec<u32>,
-    head: Vec<u32>,
-    tail: Vec<u32>,
-    /// While the stage's transfers are read: bytes and length of each
-    /// pair's last run (its length is written into `runs` when it ends).
-    /// While rounds are written: end and round of each pair's current
-    /// segment.
-    tail_bytes: Vec<u64>,
-    tail_count: Vec<u32>,
-    small: Vec<u64>,
-    visited: Vec<u32>,
-    started: Vec<bool>,
+    /// The stage's pairs, numbered in order of first appearance.
+    pairs: Vec<Pair>,
+    /// Per transfer of the stage: its pair (`NONE`: a local copy).
+    pair_of: Vec<u32>,
     runs: Vec<Run>,
     /// What pairs took: (pair << 32 | first position, count, round).
     segments: Vec<(u64, u32, u32)>,
-    /// Per transfer of the stage: its pair (`u32::MAX`: a local copy).
-    pair_of: Vec<u32>,
     /// Per endpoint: bytes left in the stage, bytes in the current round,
     /// its smallest transfer, pairs started (oldest first) and not started
     /// (with the other end).
@@ -629,12 +650,12 @@ struct RoundPacker {
     /// Endpoints with load in the current round, and the visiting order.
     touched: Vec<u32>,
     order: Vec<u32>,
-    /// Messages, and per endpoint messages and bytes sent and received.
+    /// Messages, and messages per endpoint sent and received.
     messages: u64,
     sent_msgs: Vec<u64>,
     recv_msgs: Vec<u64>,
-    sent_bytes: Vec<u64>,
-    recv_bytes: Vec<u64>,
+    /// Bytes from sender to receiver, per pair of every stage.
+    traffic: Vec<(u32, u32, u64)>,
 }
 
 impl RoundPacker {
@@ -643,22 +664,12 @@ impl RoundPacker {
             n,
             n_src,
             cap,
-            pair_table: if n.saturating_mul(n) <= DENSE_PAIRS { vec![u32::MAX; n * n] } else { Vec::new() },
+            pair_table: if n.saturating_mul(n) <= DENSE_PAIRS { vec![NONE; n * n] } else { Vec::new() },
             pair_map: std::collections::HashMap::new(),
-            ends: Vec::new(),
-            total: Vec::new(),
-            front: Vec::new(),
-            back: Vec::new(),
-            head: Vec::new(),
-            tail: Vec::new(),
-            tail_bytes: Vec::new(),
-            tail_count: Vec::new(),
-            small: Vec::new(),
-            visited: Vec::new(),
-            started: Vec::new(),
+            pairs: Vec::new(),
+            pair_of: Vec::new(),
             runs: Vec::new(),
             segments: Vec::new(),
-            pair_of: Vec::new(),
             left: vec![0; n],
             load: vec![0; n],
             smallest: vec![u64::MAX; n],
@@ -669,8 +680,7 @@ impl RoundPacker {
             messages: 0,
             sent_msgs: vec![0; n],
             recv_msgs: vec![0; n],
-            sent_bytes: vec![0; n],
-            recv_bytes: vec![0; n],
+            traffic: Vec::new(),
         }
     }
 
@@ -683,15 +693,37 @@ impl RoundPacker {
         }
     }
 
-    /// The pair of `(a, z)`, if it has one in this stage.
+    /// The pair of `(a, z)` in this stage, numbered now if new.
     #[inline]
-    fn pair(&self, a: usize, z: usize) -> Option<u32> {
+    fn pair(&mut self, a: usize, z: usize) -> usize {
+        let next = self.pairs.len() as u32;
         let p = if self.pair_table.is_empty() {
-            self.pair_map.get(&(a as u32, z as u32)).copied().unwrap_or(u32::MAX)
+            *self.pair_map.entry((a as u32, z as u32)).or_insert(next)
         } else {
-            self.pair_table[a * self.n + z]
+            let slot = &mut self.pair_table[a * self.n + z];
+            if *slot == NONE {
+                *slot = next;
+            }
+            *slot
         };
-        (p != u32::MAX).then_some(p)
+        if p == next {
+            self.pairs.push(Pair {
+                from: a as u32,
+                to: z as u32,
+                total: 0,
+                front: 0,
+                back: 0,
+                head: NONE,
+                tail: NONE,
+                visited: NONE,
+                bytes: 0,
+                edge: 0,
+                count: 0,
+                round: 0,
+                started: false,
+            });
+        }
+        p as usize
     }
 
     /// Room left on endpoint `e` in this round (anything fits an empty one).
@@ -704,84 +736,72 @@ impl RoundPacker {
     }
 
     /// Assigns rounds `base..` to the transfers of one stage (local copies
-    /// go to `base`), calls `traffic(sender, receiver, bytes)` for every
-    /// transfer between ranks, and returns the number of rounds used.
-    fn stage(
-        &mut self,
-        list: &mut [Transfer],
-        base: u32,
-        bytes_of: &impl Fn(&Transfer) -> u64,
-        mut traffic: impl FnMut(usize, usize, u64),
-    ) -> u32 {
+    /// go to `base`) and returns the number of rounds used.
+    fn stage(&mut self, list: &mut [Transfer], base: u32, bytes_of: &impl Fn(&Transfer) -> u64) -> u32 {
+        // Pairs and their runs.
         let mut locals = false;
         self.pair_of.clear();
         for t in list.iter_mut() {
             if t.from == t.to {
                 t.round = base;
                 locals = true;
-                self.pair_of.push(u32::MAX);
+                self.pair_of.push(NONE);
                 continue;
             }
-            let (a, z) = (self.index(t.from), self.index(t.to));
-            let p = match self.pair(a, z) {
-                Some(p) => p as usize,
-                None => self.new_pair(a, z),
-            };
-            let b = bytes_of(t);
-            traffic(a, z, b);
-            self.sent_bytes[a] += b;
-            self.recv_bytes[z] += b;
-            for e in [a, z] {
-                self.left[e] += b;
-                self.smallest[e] = self.smallest[e].min(b);
-            }
+            let p = self.pair(self.index(t.from), self.index(t.to));
             self.pair_of.push(p as u32);
-            self.total[p] += 1;
-            let tail = self.tail[p];
-            if tail != NO_RUN && self.tail_bytes[p] == b {
-                self.tail_count[p] += 1;
+            let b = bytes_of(t);
+            let pair = &mut self.pairs[p];
+            pair.total += 1;
+            pair.bytes += b;
+            if pair.tail != NONE && pair.edge == b {
+                pair.count += 1;
             } else {
                 let r = self.runs.len() as u32;
-                self.runs.push(Run { bytes: b, count: 0, prev: tail, next: NO_RUN });
-                if tail == NO_RUN {
-                    self.head[p] = r;
-                } else {
-                    self.runs[tail as usize].count = self.tail_count[p];
+                let tail = pair.tail;
+                if tail == NONE {
+                    pair.head = r;
+                }
+                pair.tail = r;
+                pair.edge = b;
+                let count = std::mem::replace(&mut pair.count, 1);
+                if tail != NONE {
+                    self.runs[tail as usize].count = count;
                     self.runs[tail as usize].next = r;
                 }
-                self.tail[p] = r;
-                self.tail_bytes[p] = b;
-                self.tail_count[p] = 1;
+                self.runs.push(Run { bytes: b, count: 0, prev: tail, next: NONE });
             }
         }
-        let pairs = self.ends.len();
         let mut rounds = locals as u32;
-        if pairs > 0 {
-            for p in 0..pairs {
-                self.runs[self.tail[p] as usize].count = self.tail_count[p];
-                self.small[p] = self.runs[self.head[p] as usize].bytes.min(self.runs[self.tail[p] as usize].bytes);
-                let (a, z) = self.ends[p];
-                self.waiting[a as usize].push((z, p as u32));
-                self.waiting[z as usize].push((a, p as u32));
+        if !self.pairs.is_empty() {
+            for (p, pair) in self.pairs.iter_mut().enumerate() {
+                self.runs[pair.tail as usize].count = pair.count;
+                pair.edge = self.runs[pair.head as usize].bytes.min(pair.edge);
+                let (a, z) = (pair.from as usize, pair.to as usize);
+                self.traffic.push((pair.from, pair.to, pair.bytes));
+                let mut r = pair.head;
+                let mut small = u64::MAX;
+                while r != NONE {
+                    small = small.min(self.runs[r as usize].bytes);
+                    r = self.runs[r as usize].next;
+                }
+                for (e, other) in [(a, z), (z, a)] {
+                    self.left[e] += pair.bytes;
+                    self.smallest[e] = self.smallest[e].min(small);
+                    self.waiting[e].push((other as u32, p as u32));
+                }
             }
             rounds = self.fill_rounds();
             self.write_rounds(list, base);
         }
         // Reset for the next stage.
-        for &(a, z) in &self.ends {
+        for pair in &self.pairs {
             if !self.pair_table.is_empty() {
-                self.pair_table[a as usize * self.n + z as usize] = u32::MAX;
+                self.pair_table[pair.from as usize * self.n + pair.to as usize] = NONE;
             }
         }
         self.pair_map.clear();
-        for v in [&mut self.total, &mut self.front, &mut self.back, &mut self.head, &mut self.tail, &mut self.tail_count, &mut self.visited]
-        {
-            v.clear();
-        }
-        self.ends.clear();
-        self.small.clear();
-        self.tail_bytes.clear();
-        self.started.clear();
+        self.pairs.clear();
         self.runs.clear();
         self.segments.clear();
         for e in 0..self.n {
@@ -794,31 +814,9 @@ impl RoundPacker {
         rounds
     }
 
-    /// Numbers a new pair `(a, z)`.
-    fn new_pair(&mut self, a: usize, z: usize) -> usize {
-        let p = self.ends.len();
-        if self.pair_table.is_empty() {
-            self.pair_map.insert((a as u32, z as u32), p as u32);
-        } else {
-            self.pair_table[a * self.n + z] = p as u32;
-        }
-        self.ends.push((a as u32, z as u32));
-        self.total.push(0);
-        self.front.push(0);
-        self.back.push(0);
-        self.head.push(NO_RUN);
-        self.tail.push(NO_RUN);
-        self.tail_bytes.push(0);
-        self.tail_count.push(0);
-        self.small.push(0);
-        self.visited.push(u32::MAX);
-        self.started.push(false);
-        p
-    }
-
     /// Fills rounds until every pair is done; returns how many it used.
     fn fill_rounds(&mut self) -> u32 {
-        let mut active = self.ends.len();
+        let mut active = self.pairs.len();
         self.order.clear();
         self.order.extend((0..self.n as u32).filter(|&e| self.left[e as usize] > 0));
         let mut round = 0u32;
@@ -850,12 +848,15 @@ impl RoundPacker {
         }
         // Started pairs, oldest first (finished ones are dropped).
         let mut open = std::mem::take(&mut self.open[xs]);
-        open.retain(|&p| self.front[p as usize] + self.back[p as usize] < self.total[p as usize]);
+        open.retain(|&p| {
+            let pair = &self.pairs[p as usize];
+            pair.front + pair.back < pair.total
+        });
         for &p in &open {
             if self.room(x) < self.smallest[xs] {
                 break;
             }
-            if self.visited[p as usize] != round {
+            if self.pairs[p as usize].visited != round {
                 done += self.visit(p, round);
             }
         }
@@ -864,11 +865,11 @@ impl RoundPacker {
         // where something fits at both ends.
         while self.left[xs] > 0 && self.room(x) >= self.smallest[xs] {
             let mut waiting = std::mem::take(&mut self.waiting[xs]);
-            waiting.retain(|&(_, p)| !self.started[p as usize]);
+            waiting.retain(|&(_, p)| !self.pairs[p as usize].started);
             let room = self.room(x);
             let mut best: Option<(u64, u32)> = None;
             for &(y, p) in &waiting {
-                if room.min(self.room(y)) < self.small[p as usize] {
+                if room.min(self.room(y)) < self.pairs[p as usize].edge {
                     continue;
                 }
                 let key = self.left[y as usize];
@@ -889,44 +890,43 @@ impl RoundPacker {
     /// `round`: from the front, then from the back. Returns 1 if that
     /// finished the pair.
     fn visit(&mut self, p: u32, round: u32) -> usize {
-        let pi = p as usize;
-        self.visited[pi] = round;
-        let (a, z) = self.ends[pi];
+        let mut pair = self.pairs[p as usize];
+        pair.visited = round;
+        let (a, z) = (pair.from, pair.to);
         let mut took = false;
-        while self.front[pi] + self.back[pi] < self.total[pi] {
+        while pair.front + pair.back < pair.total {
             let room = self.room(a).min(self.room(z));
-            let (h, t) = (self.head[pi] as usize, self.tail[pi] as usize);
             let fits = |run: &Run| match room {
                 u64::MAX => 1,
                 _ if run.bytes == 0 => run.count,
                 _ => (room / run.bytes).min(run.count as u64) as u32,
             };
+            let (h, t) = (pair.head as usize, pair.tail as usize);
             let (k, first, bytes) = match (fits(&self.runs[h]), fits(&self.runs[t])) {
                 (0, 0) => break,
                 (k, _) if k > 0 => {
-                    let first = self.front[pi];
-                    self.front[pi] += k;
+                    let first = pair.front;
+                    pair.front += k;
                     let run = &mut self.runs[h];
                     run.count -= k;
                     if run.count == 0 {
-                        self.head[pi] = run.next;
+                        pair.head = run.next;
                     }
                     (k, first, run.bytes)
                 }
                 (_, k) => {
-                    self.back[pi] += k;
+                    pair.back += k;
                     let run = &mut self.runs[t];
                     run.count -= k;
                     if run.count == 0 {
-                        self.tail[pi] = run.prev;
+                        pair.tail = run.prev;
                     }
-                    (k, self.total[pi] - self.back[pi], run.bytes)
+                    (k, pair.total - pair.back, run.bytes)
                 }
             };
             self.segments.push(((p as u64) << 32 | first as u64, k, round));
             let b = bytes * k as u64;
-            for e in [a, z] {
-                let e = e as usize;
+            for e in [a as usize, z as usize] {
                 if self.load[e] == 0 {
                     self.touched.push(e as u32);
                 }
@@ -935,20 +935,21 @@ impl RoundPacker {
             }
             took = true;
         }
-        let finished = self.front[pi] + self.back[pi] == self.total[pi];
+        let finished = pair.front + pair.back == pair.total;
         if !finished {
-            self.small[pi] = self.runs[self.head[pi] as usize].bytes.min(self.runs[self.tail[pi] as usize].bytes);
+            pair.edge = self.runs[pair.head as usize].bytes.min(self.runs[pair.tail as usize].bytes);
         }
         if took {
             self.messages += 1;
             self.sent_msgs[a as usize] += 1;
             self.recv_msgs[z as usize] += 1;
-            if !self.started[pi] {
-                self.started[pi] = true;
+            if !pair.started {
+                pair.started = true;
                 self.open[a as usize].push(p);
                 self.open[z as usize].push(p);
             }
         }
+        self.pairs[p as usize] = pair;
         finished as usize
     }
 
@@ -957,38 +958,34 @@ impl RoundPacker {
     /// position k.
     fn write_rounds(&mut self, list: &mut [Transfer], base: u32) {
         self.segments.sort_unstable_by_key(|s| s.0);
-        // Per pair: its current segment (in `head`), where it ends and its
-        // round (in `tail_count` and `tail_bytes`), and the position of its
-        // next transfer (in `front`).
+        // Per pair: transfers written (`front`), current segment (`head`),
+        // where it ends (`count`) and its round.
         let mut at = 0usize;
-        for p in 0..self.ends.len() {
+        for (p, pair) in self.pairs.iter_mut().enumerate() {
             let (key, count, round) = self.segments[at];
             debug_assert_eq!(key, (p as u64) << 32);
-            self.head[p] = at as u32;
-            self.tail_count[p] = count;
-            self.tail_bytes[p] = round as u64;
-            self.front[p] = 0;
+            (pair.front, pair.head, pair.count, pair.round) = (0, at as u32, count, round);
             while at < self.segments.len() && self.segments[at].0 >> 32 == p as u64 {
                 at += 1;
             }
         }
         for (t, &p) in list.iter_mut().zip(&self.pair_of) {
-            if p == u32::MAX {
+            if p == NONE {
                 continue;
             }
-            let p = p as usize;
-            let k = self.front[p];
-            self.front[p] += 1;
-            if k >= self.tail_count[p] {
-                let mut s = self.head[p] as usize + 1;
+            let pair = &mut self.pairs[p as usize];
+            let k = pair.front;
+            pair.front += 1;
+            if k >= pair.count {
+                let mut s = pair.head as usize + 1;
                 while (self.segments[s].0 as u32) + self.segments[s].1 <= k {
                     s += 1;
                 }
-                self.head[p] = s as u32;
-                self.tail_count[p] = self.segments[s].0 as u32 + self.segments[s].1;
-                self.tail_bytes[p] = self.segments[s].2 as u64;
+                pair.head = s as u32;
+                pair.count = self.segments[s].0 as u32 + self.segments[s].1;
+                pair.round = self.segments[s].2;
             }
-            t.round = base + self.tail_bytes[p] as u32;
+            t.round = base + pair.round;
         }
     }
 }
