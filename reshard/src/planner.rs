@@ -123,6 +123,7 @@ type TemplatePiece = (Block, (u32, u32), (u32, u32));
 const RECENT_TEMPLATES: usize = 8;
 
 /// One piece still to be assigned senders.
+#[derive(Clone, Copy)]
 struct Work {
     piece: u32,
     bytes: u64,
@@ -133,8 +134,6 @@ struct Work {
 /// Plans a reshard from `src` to `dst`.
 pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Plan, PlanError> {
     let matched = match_tensors(src, dst)?;
-    let mut pieces: Vec<Piece> = Vec::new();
-    let mut work: Vec<Work> = Vec::new();
     let mut pool: Vec<Rank> = Vec::new();
     let mut needs = vec![0u64; dst.nodes() as usize];
     let mut unique_bytes = 0u64;
@@ -147,6 +146,9 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     // often placed alike (an expert's weights, layer after layer), and
     // checking a few is cheaper than hashing both placements.
     let mut recent: Vec<u32> = Vec::with_capacity(RECENT_TEMPLATES);
+    // Each destination tensor's template, and how many pieces in all.
+    let mut template_of: Vec<u32> = Vec::with_capacity(matched.len());
+    let mut total_pieces = 0u64;
     for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
         let wire = wire_dtype(sd, dd);
         let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
@@ -186,22 +188,48 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
             recent.pop();
         }
         recent.insert(0, template as u32);
+        template_of.push(template as u32);
         let t = &templates[template];
-        if pieces.len() as u64 + t.pieces.len() as u64 > MAX_PIECES {
+        total_pieces += t.pieces.len() as u64;
+        if total_pieces > MAX_PIECES {
             return Err(PlanError::TooManyPieces { tensor: dt.name.clone(), limit: MAX_PIECES });
         }
         unique_bytes += t.unique_bytes;
         for &(node, bytes) in &t.needs {
             needs[node as usize] += bytes;
         }
-        for &(block, receivers, candidates) in &t.pieces {
-            work.push(Work { piece: pieces.len() as u32, bytes: block.numel() * wire.size(), receivers, candidates });
+    }
+    // Pieces in tensor order, and the work on them largest first, ties by
+    // piece order (deterministic): a counting sort over the few distinct
+    // piece sizes, which the templates know.
+    let mut sizes: Vec<u64> = templates.iter().flat_map(|t| t.pieces.iter().map(|p| p.0.numel() * t.wire.size())).collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.dedup();
+    let size_of = |t: &Template| -> Vec<u32> {
+        t.pieces.iter().map(|p| sizes.partition_point(|&s| s > p.0.numel() * t.wire.size()) as u32).collect()
+    };
+    let slots: Vec<Vec<u32>> = templates.iter().map(size_of).collect();
+    let mut starts = vec![0usize; sizes.len() + 1];
+    for &t in &template_of {
+        for &slot in &slots[t as usize] {
+            starts[slot as usize + 1] += 1;
+        }
+    }
+    for i in 1..starts.len() {
+        starts[i] += starts[i - 1];
+    }
+    let mut pieces: Vec<Piece> = Vec::with_capacity(total_pieces as usize);
+    let mut work: Vec<Work> = vec![Work { piece: 0, bytes: 0, receivers: (0, 0), candidates: (0, 0) }; total_pieces as usize];
+    for (td, (&(ts, _, _), &t)) in matched.iter().zip(&template_of).enumerate() {
+        let t = t as usize;
+        for (&(block, receivers, candidates), &slot) in templates[t].pieces.iter().zip(&slots[t]) {
+            let at = &mut starts[slot as usize];
+            work[*at] = Work { piece: pieces.len() as u32, bytes: sizes[slot as usize], receivers, candidates };
+            *at += 1;
             pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block });
         }
     }
-    // Largest first; ties by piece order (pieces are distinct), so the
-    // result is deterministic.
-    work.sort_unstable_by_key(|w| (std::cmp::Reverse(w.bytes), w.piece));
+    drop(slots);
     let mut assigner = Assigner::new(src, dst, options.links);
     // Every receiver of a piece gets exactly one transfer of it, and almost
     // all are in stage 0: reserve that much up front.
