@@ -293,7 +293,7 @@ struct Assigner {
     groups: Vec<(u32, u32)>,
     leaders: Vec<Rank>,
     /// Scratch: candidates' (egress, node egress, rank), and the senders picked.
-    cand: Vec<(u64, u64, Rank)>,
+    cand: Vec<(u128, Rank)>,
     picks: Vec<Rank>,
     arrival: Vec<u16>,
 }
@@ -435,19 +435,27 @@ impl Assigner {
     /// Chooses `k` senders in turn, each the least loaded (as
     /// [`best_source`](Self::best_source)) after the earlier choices' bytes.
     fn pick_sources(&mut self, candidates: &[Rank], k: usize, bytes: u64) {
+        self.picks.clear();
+        if let [only] = candidates {
+            self.picks.resize(k, *only);
+            return;
+        }
+        // (egress, node egress) as one number, compared at once.
         let mut cand = std::mem::take(&mut self.cand);
         cand.clear();
-        cand.extend(candidates.iter().map(|&c| (self.load(0, SRC_OUT, c), self.src_node_load[self.src_node[c as usize] as usize], c)));
-        self.picks.clear();
+        cand.extend(candidates.iter().map(|&c| {
+            let node = self.src_node_load[self.src_node[c as usize] as usize];
+            ((self.load(0, SRC_OUT, c) as u128) << 64 | node as u128, c)
+        }));
         for _ in 0..k {
-            let mut best = 0;
-            for i in 1..cand.len() {
-                if (cand[i].0, cand[i].1) < (cand[best].0, cand[best].1) {
-                    best = i;
+            let (mut best, mut least) = (0, cand[0].0);
+            for (i, &(key, _)) in cand.iter().enumerate().skip(1) {
+                if key < least {
+                    (best, least) = (i, key);
                 }
             }
-            cand[best].0 += bytes;
-            self.picks.push(cand[best].2);
+            cand[best].0 += (bytes as u128) << 64;
+            self.picks.push(cand[best].1);
         }
         self.cand = cand;
     }
