@@ -582,18 +582,30 @@ struct Pair {
     tail: u32,
     /// The last round it was visited.
     visited: u32,
-    /// Bytes of all its transfers.
-    bytes: u64,
-    /// While transfers are read: the bytes of its last run. While rounds
-    /// are filled: the fewer bytes of its first and last transfer left.
+    /// The fewer bytes of its first and last transfer left.
     edge: u64,
-    /// While transfers are read: the length of its last run. While rounds
-    /// are written: the end of its current segment.
-    count: u32,
-    /// While rounds are written: the round of its current segment.
-    round: u32,
     /// Whether it has taken anything.
     started: bool,
+}
+
+/// A pair while the stage's transfers are read: its transfers, its last
+/// run, and that run's bytes and length so far.
+#[derive(Clone, Copy)]
+struct Reading {
+    bytes: u64,
+    total: u32,
+    tail: u32,
+    count: u32,
+}
+
+/// A pair while rounds are written into the stage's transfers: how many
+/// were written, and its current segment, where that ends and its round.
+#[derive(Clone, Copy)]
+struct Writing {
+    written: u32,
+    segment: u32,
+    end: u32,
+    round: u32,
 }
 
 /// Round assignment of one stage at a time, by pairs of ranks.
@@ -632,8 +644,13 @@ struct RoundPacker {
     /// `pair_map`).
     pair_table: Vec<u32>,
     pair_map: std::collections::HashMap<(u32, u32), u32>,
-    /// The stage's pairs, numbered in order of first appearance.
+    /// The stage's pairs, numbered in order of first appearance: their ends,
+    /// then the state of each step (small records, for the passes over
+    /// every transfer).
+    ends: Vec<(u32, u32)>,
+    reading: Vec<Reading>,
     pairs: Vec<Pair>,
+    writing: Vec<Writing>,
     /// Per transfer of the stage: its pair (`NONE`: a local copy).
     pair_of: Vec<u32>,
     runs: Vec<Run>,
@@ -666,7 +683,10 @@ impl RoundPacker {
             cap,
             pair_table: if n.saturating_mul(n) <= DENSE_PAIRS { vec![NONE; n * n] } else { Vec::new() },
             pair_map: std::collections::HashMap::new(),
+            ends: Vec::new(),
+            reading: Vec::new(),
             pairs: Vec::new(),
+            writing: Vec::new(),
             pair_of: Vec::new(),
             runs: Vec::new(),
             segments: Vec::new(),
@@ -696,7 +716,7 @@ impl RoundPacker {
     /// The pair of `(a, z)` in this stage, numbered now if new.
     #[inline]
     fn pair(&mut self, a: usize, z: usize) -> usize {
-        let next = self.pairs.len() as u32;
+        let next = self.ends.len() as u32;
         let p = if self.pair_table.is_empty() {
             *self.pair_map.entry((a as u32, z as u32)).or_insert(next)
         } else {
@@ -707,21 +727,8 @@ impl RoundPacker {
             *slot
         };
         if p == next {
-            self.pairs.push(Pair {
-                from: a as u32,
-                to: z as u32,
-                total: 0,
-                front: 0,
-                back: 0,
-                head: NONE,
-                tail: NONE,
-                visited: NONE,
-                bytes: 0,
-                edge: 0,
-                count: 0,
-                round: 0,
-                started: false,
-            });
+            self.ends.push((a as u32, z as u32));
+            self.reading.push(Reading { bytes: 0, total: 0, tail: NONE, count: 0 });
         }
         p as usize
     }
@@ -751,19 +758,14 @@ impl RoundPacker {
             let p = self.pair(self.index(t.from), self.index(t.to));
             self.pair_of.push(p as u32);
             let b = bytes_of(t);
-            let pair = &mut self.pairs[p];
+            let pair = &mut self.reading[p];
             pair.total += 1;
-            pair.bytes += b;
-            if pair.tail != NONE && pair.edge == b {
+            if pair.tail != NONE && pair.bytes == b {
                 pair.count += 1;
             } else {
                 let r = self.runs.len() as u32;
-                let tail = pair.tail;
-                if tail == NONE {
-                    pair.head = r;
-                }
-                pair.tail = r;
-                pair.edge = b;
+                let tail = std::mem::replace(&mut pair.tail, r);
+                pair.bytes = b;
                 let count = std::mem::replace(&mut pair.count, 1);
                 if tail != NONE {
                     self.runs[tail as usize].count = count;
@@ -773,35 +775,51 @@ impl RoundPacker {
             }
         }
         let mut rounds = locals as u32;
-        if !self.pairs.is_empty() {
-            for (p, pair) in self.pairs.iter_mut().enumerate() {
-                self.runs[pair.tail as usize].count = pair.count;
-                pair.edge = self.runs[pair.head as usize].bytes.min(pair.edge);
-                let (a, z) = (pair.from as usize, pair.to as usize);
-                self.traffic.push((pair.from, pair.to, pair.bytes));
-                let mut r = pair.head;
-                let mut small = u64::MAX;
+        if !self.ends.is_empty() {
+            for (p, (&(a, z), reading)) in self.ends.iter().zip(&self.reading).enumerate() {
+                self.runs[reading.tail as usize].count = reading.count;
+                // Back from its last run to its first: bytes and smallest.
+                let (mut r, mut head, mut bytes, mut small) = (reading.tail, reading.tail, 0u64, u64::MAX);
                 while r != NONE {
-                    small = small.min(self.runs[r as usize].bytes);
-                    r = self.runs[r as usize].next;
+                    let run = &self.runs[r as usize];
+                    bytes += run.bytes * run.count as u64;
+                    small = small.min(run.bytes);
+                    head = r;
+                    r = run.prev;
                 }
+                self.pairs.push(Pair {
+                    from: a,
+                    to: z,
+                    total: reading.total,
+                    front: 0,
+                    back: 0,
+                    head,
+                    tail: reading.tail,
+                    visited: NONE,
+                    edge: self.runs[head as usize].bytes.min(reading.bytes),
+                    started: false,
+                });
+                self.traffic.push((a, z, bytes));
                 for (e, other) in [(a, z), (z, a)] {
-                    self.left[e] += pair.bytes;
-                    self.smallest[e] = self.smallest[e].min(small);
-                    self.waiting[e].push((other as u32, p as u32));
+                    self.left[e as usize] += bytes;
+                    self.smallest[e as usize] = self.smallest[e as usize].min(small);
+                    self.waiting[e as usize].push((other, p as u32));
                 }
             }
             rounds = self.fill_rounds();
             self.write_rounds(list, base);
         }
         // Reset for the next stage.
-        for pair in &self.pairs {
+        for &(a, z) in &self.ends {
             if !self.pair_table.is_empty() {
-                self.pair_table[pair.from as usize * self.n + pair.to as usize] = NONE;
+                self.pair_table[a as usize * self.n + z as usize] = NONE;
             }
         }
         self.pair_map.clear();
+        self.ends.clear();
+        self.reading.clear();
         self.pairs.clear();
+        self.writing.clear();
         self.runs.clear();
         self.segments.clear();
         for e in 0..self.n {
@@ -958,13 +976,11 @@ impl RoundPacker {
     /// position k.
     fn write_rounds(&mut self, list: &mut [Transfer], base: u32) {
         self.segments.sort_unstable_by_key(|s| s.0);
-        // Per pair: transfers written (`front`), current segment (`head`),
-        // where it ends (`count`) and its round.
         let mut at = 0usize;
-        for (p, pair) in self.pairs.iter_mut().enumerate() {
+        for p in 0..self.pairs.len() {
             let (key, count, round) = self.segments[at];
             debug_assert_eq!(key, (p as u64) << 32);
-            (pair.front, pair.head, pair.count, pair.round) = (0, at as u32, count, round);
+            self.writing.push(Writing { written: 0, segment: at as u32, end: count, round });
             while at < self.segments.len() && self.segments[at].0 >> 32 == p as u64 {
                 at += 1;
             }
@@ -973,16 +989,16 @@ impl RoundPacker {
             if p == NONE {
                 continue;
             }
-            let pair = &mut self.pairs[p as usize];
-            let k = pair.front;
-            pair.front += 1;
-            if k >= pair.count {
-                let mut s = pair.head as usize + 1;
+            let pair = &mut self.writing[p as usize];
+            let k = pair.written;
+            pair.written += 1;
+            if k >= pair.end {
+                let mut s = pair.segment as usize + 1;
                 while (self.segments[s].0 as u32) + self.segments[s].1 <= k {
                     s += 1;
                 }
-                pair.head = s as u32;
-                pair.count = self.segments[s].0 as u32 + self.segments[s].1;
+                pair.segment = s as u32;
+                pair.end = self.segments[s].0 as u32 + self.segments[s].1;
                 pair.round = self.segments[s].2;
             }
             t.round = base + pair.round;
