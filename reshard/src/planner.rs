@@ -285,11 +285,10 @@ struct Assigner {
     top: usize,
     /// Total ingress per destination rank (leader choice).
     dst_in_total: Vec<u64>,
-    /// Transfers of the option being evaluated (taken off the links one by
-    /// one on rollback).
+    /// Transfers of the relay option while it is evaluated (taken off the
+    /// links one by one on rollback). The direct option is known from
+    /// `groups`, `leaders` and `picks` alone.
     emitted: Vec<(Endpoint, Endpoint, u16)>,
-    /// Scratch for the direct option while the relay is evaluated.
-    direct: Vec<(Endpoint, Endpoint, u16)>,
     groups: Vec<(u32, u32)>,
     leaders: Vec<Rank>,
     /// Scratch: candidates' (egress, node egress, rank), and the senders picked.
@@ -322,7 +321,6 @@ impl Assigner {
             top: 0,
             dst_in_total: vec![0; n_dst],
             emitted: Vec::new(),
-            direct: Vec::new(),
             groups: Vec::new(),
             leaders: Vec::new(),
             cand: Vec::new(),
@@ -384,25 +382,76 @@ impl Assigner {
         (0..self.top).map(|s| self.time(self.pending[s]) - self.time(self.max_bytes[s])).sum()
     }
 
-    /// Takes the option being evaluated off the links (its transfers stay
-    /// in `emitted`).
-    fn undo(&mut self, bytes: u64) {
+    /// Forgets the evaluated option's maxima.
+    fn forget(&mut self) {
+        self.pending[..self.top].copy_from_slice(&self.max_bytes[..self.top]);
+        self.top = 0;
+    }
+
+    /// Takes the relay option off the links and forgets it.
+    fn rollback(&mut self, bytes: u64) {
         for i in 0..self.emitted.len() {
             let (from, to, stage) = self.emitted[i];
             let (out, inn) = self.link_kinds(from, to);
             self.sub(stage, out, from.rank, bytes);
             self.sub(stage, inn, to.rank, bytes);
         }
-        self.pending[..self.top].copy_from_slice(&self.max_bytes[..self.top]);
-        self.top = 0;
-    }
-
-    /// Undoes the option being evaluated and forgets its transfers.
-    fn rollback(&mut self, bytes: u64) {
-        self.undo(bytes);
         self.emitted.clear();
+        self.forget();
     }
 
+    /// Puts the direct option on the links (`on`) or takes it off: each
+    /// chosen source sends to its node's leader in stage 0, which fans out
+    /// inside its node in stage 1.
+    fn direct_links(&mut self, receivers: &[Rank], bytes: u64, on: bool) {
+        for j in 0..self.groups.len() {
+            let (g, l, s) = (self.groups[j], self.leaders[j], self.picks[j]);
+            let step = |a: &mut Self, stage: u16, kind: usize, rank: Rank| {
+                if on {
+                    a.add(stage, kind, rank, bytes);
+                } else {
+                    a.sub(stage, kind, rank, bytes);
+                }
+            };
+            step(self, 0, SRC_OUT, s);
+            step(self, 0, DST_IN_NET, l);
+            if g.1 - g.0 > 1 {
+                for &r in &receivers[g.0 as usize..g.1 as usize] {
+                    if r != l {
+                        step(self, 1, DST_OUT_NV, l);
+                        step(self, 1, DST_IN_NV, r);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Keeps the direct option: its maxima, and its transfers in `out` (in
+    /// the order the relay's would be: by node, sends then fan-outs).
+    fn commit_direct(&mut self, piece: u32, bytes: u64, receivers: &[Rank], out: &mut Vec<Vec<Transfer>>) {
+        self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
+        self.top = 0;
+        let fan_out = self.groups.iter().any(|g| g.1 - g.0 > 1);
+        if out.len() < 1 + fan_out as usize {
+            out.resize_with(1 + fan_out as usize, Vec::new);
+        }
+        let transfer = |from, to, stage| Transfer { piece, from, to, stage, from_scratch: false, to_scratch: false, round: 0 };
+        for (&s, &l) in self.picks.iter().zip(&self.leaders) {
+            self.src_node_load[self.src_node[s as usize] as usize] += bytes;
+            out[0].push(transfer(Endpoint::src(s), Endpoint::dst(l), 0));
+        }
+        if fan_out {
+            for (&g, &l) in self.groups.iter().zip(&self.leaders) {
+                for &r in &receivers[g.0 as usize..g.1 as usize] {
+                    if r != l {
+                        out[1].push(transfer(Endpoint::dst(l), Endpoint::dst(r), 1));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Keeps the relay option: its maxima, and its transfers in `out`.
     fn commit(&mut self, piece: u32, bytes: u64, out: &mut Vec<Vec<Transfer>>) {
         self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
@@ -520,17 +569,14 @@ impl Assigner {
         // `best_source` would, one after another, on a local copy of the
         // candidates' loads.
         self.pick_sources(candidates, k, bytes);
-        for j in 0..k {
-            let (g, l, s) = (self.groups[j], self.leaders[j], self.picks[j]);
-            self.send(Endpoint::src(s), Endpoint::dst(l), 0, bytes);
-            self.fan_out(l, group(g), 1, bytes);
-        }
+        self.direct_links(receivers, bytes, true);
         let direct_cost = if k >= 2 { self.delta() } else { 0.0 };
+        let mut direct = true;
         // The relay costs at least its first hop's growth of the stage-0
         // maximum; skip evaluating it when that alone is no better.
         if k >= 2 && self.relay_first_hop_cost(candidates, bytes) < direct_cost {
-            self.undo(bytes);
-            std::mem::swap(&mut self.direct, &mut self.emitted);
+            self.direct_links(receivers, bytes, false);
+            self.forget();
 
             // Option B: one source send, then node-to-node doubling.
             let s = self.best_source(candidates);
@@ -558,17 +604,18 @@ impl Assigner {
             }
             if self.delta() + 1e-15 >= direct_cost {
                 self.rollback(bytes);
-                let direct = std::mem::take(&mut self.direct);
-                for &(from, to, st) in &direct {
-                    self.send(from, to, st, bytes);
-                }
-                self.direct = direct;
+                self.direct_links(receivers, bytes, true);
+            } else {
+                direct = false;
             }
-            self.direct.clear();
         }
         for j in 0..k {
             self.dst_in_total[self.leaders[j] as usize] += bytes;
         }
-        self.commit(piece, bytes, out);
+        if direct {
+            self.commit_direct(piece, bytes, receivers, out);
+        } else {
+            self.commit(piece, bytes, out);
+        }
     }
 }
