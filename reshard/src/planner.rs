@@ -404,22 +404,42 @@ impl Assigner {
     /// chosen source sends to its node's leader in stage 0, which fans out
     /// inside its node in stage 1.
     fn direct_links(&mut self, receivers: &[Rank], bytes: u64, on: bool) {
-        for j in 0..self.groups.len() {
-            let (g, l, s) = (self.groups[j], self.leaders[j], self.picks[j]);
-            let step = |a: &mut Self, stage: u16, kind: usize, rank: Rank| {
+        // Stage 0 (source egress and leader ingress, both network links)
+        // in one sweep over that stage's loads.
+        let need = 2 * self.n_links;
+        if self.loads.len() < need {
+            self.loads.resize(need, 0);
+        }
+        let (n_src, loads) = (self.n_src, &mut self.loads[..self.n_links]);
+        let mut most = self.pending[0][0];
+        for (&s, &l) in self.picks.iter().zip(&self.leaders) {
+            for i in [s as usize, n_src + l as usize] {
                 if on {
-                    a.add(stage, kind, rank, bytes);
+                    loads[i] += bytes;
+                    most = most.max(loads[i]);
                 } else {
-                    a.sub(stage, kind, rank, bytes);
+                    loads[i] -= bytes;
                 }
-            };
-            step(self, 0, SRC_OUT, s);
-            step(self, 0, DST_IN_NET, l);
+            }
+        }
+        if on {
+            self.pending[0][0] = most;
+            self.top = self.top.max(1);
+        }
+        // Stage 1: fan-out inside nodes.
+        for j in 0..self.groups.len() {
+            let (g, l) = (self.groups[j], self.leaders[j]);
             if g.1 - g.0 > 1 {
                 for &r in &receivers[g.0 as usize..g.1 as usize] {
-                    if r != l {
-                        step(self, 1, DST_OUT_NV, l);
-                        step(self, 1, DST_IN_NV, r);
+                    if r == l {
+                        continue;
+                    }
+                    if on {
+                        self.add(1, DST_OUT_NV, l, bytes);
+                        self.add(1, DST_IN_NV, r, bytes);
+                    } else {
+                        self.sub(1, DST_OUT_NV, l, bytes);
+                        self.sub(1, DST_IN_NV, r, bytes);
                     }
                 }
             }
