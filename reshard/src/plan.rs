@@ -427,7 +427,30 @@ impl Plan {
         parts: PlanParts,
         by_stage: Vec<Vec<Transfer>>,
     ) -> Plan {
-        let mut plan = Plan {
+        let mut plan = Plan::skeleton(strategy, src, dst, options, parts);
+        finish(&mut plan, by_stage);
+        plan
+    }
+
+    /// Builds a plan from a planner's parts and its transfers grouped by
+    /// stage and pair of ranks: assigns rounds, lays the transfers out by
+    /// stage and pair, and computes the figures.
+    pub(crate) fn assemble_pairs(
+        strategy: Strategy,
+        src: &Layout,
+        dst: &Layout,
+        options: &PlanOptions,
+        parts: PlanParts,
+        lists: PairLists,
+    ) -> Plan {
+        let mut plan = Plan::skeleton(strategy, src, dst, options, parts);
+        finish_pairs(&mut plan, lists);
+        plan
+    }
+
+    /// A plan without transfers or figures yet.
+    fn skeleton(strategy: Strategy, src: &Layout, dst: &Layout, options: &PlanOptions, parts: PlanParts) -> Plan {
+        Plan {
             strategy,
             fingerprint: fingerprint(src, dst, options, strategy),
             options: *options,
@@ -442,9 +465,78 @@ impl Plan {
             needed_node_bytes: parts.needed_node_bytes,
             unique_bytes: parts.unique_bytes,
             scratch_blocks: parts.scratch_blocks,
+        }
+    }
+}
+
+/// A planner's transfers grouped by stage and by pair of ranks (sender,
+/// receiver), each pair's pieces in the order they were added; pairs are
+/// numbered in order of first appearance. Every transfer reads and writes
+/// the ranks' own shards (no scratch buffers).
+pub(crate) struct PairLists {
+    n_src: usize,
+    n: usize,
+    stages: Vec<StagePairs>,
+}
+
+/// One stage of [`PairLists`].
+struct StagePairs {
+    /// Dense (sender * n + receiver) → pair, or empty (then `map`).
+    table: Vec<u32>,
+    map: std::collections::HashMap<(u32, u32), u32>,
+    /// Per pair: sender and receiver (endpoint indices) and its pieces.
+    ends: Vec<(u32, u32)>,
+    pieces: Vec<Vec<u32>>,
+}
+
+/// Most entries of the dense pair table of one stage of [`PairLists`].
+const DENSE_STAGE_PAIRS: usize = 1 << 20;
+
+impl PairLists {
+    /// No transfers yet between `src_ranks` and `dst_ranks` ranks.
+    pub(crate) fn new(src_ranks: u32, dst_ranks: u32) -> PairLists {
+        let n_src = src_ranks as usize;
+        PairLists { n_src, n: n_src + dst_ranks as usize, stages: Vec::new() }
+    }
+
+    /// Adds the transfer of `piece` from `from` to `to` in `stage`.
+    pub(crate) fn push(&mut self, stage: u16, from: Endpoint, to: Endpoint, piece: u32) {
+        let index = |e: Endpoint| match e.group {
+            Group::Src => e.rank as usize,
+            Group::Dst => self.n_src + e.rank as usize,
         };
-        finish(&mut plan, by_stage);
-        plan
+        let (a, z) = (index(from), index(to));
+        let n = self.n;
+        while self.stages.len() <= stage as usize {
+            let dense = n.saturating_mul(n) <= DENSE_STAGE_PAIRS;
+            self.stages.push(StagePairs {
+                table: if dense { vec![NONE; n * n] } else { Vec::new() },
+                map: std::collections::HashMap::new(),
+                ends: Vec::new(),
+                pieces: Vec::new(),
+            });
+        }
+        let st = &mut self.stages[stage as usize];
+        let next = st.ends.len() as u32;
+        let p = if st.table.is_empty() {
+            *st.map.entry((a as u32, z as u32)).or_insert(next)
+        } else {
+            let slot = &mut st.table[a * n + z];
+            if *slot == NONE {
+                *slot = next;
+            }
+            *slot
+        };
+        if p == next {
+            st.ends.push((a as u32, z as u32));
+            st.pieces.push(Vec::new());
+        }
+        st.pieces[p as usize].push(piece);
+    }
+
+    /// Number of transfers.
+    pub(crate) fn len(&self) -> usize {
+        self.stages.iter().flat_map(|s| &s.pieces).map(Vec::len).sum()
     }
 }
 
@@ -470,23 +562,10 @@ pub fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: 
 /// the cap travels alone), puts the stages' transfers in one list, and
 /// computes the figures.
 fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
-    let cap = plan.options.max_staging_bytes.max(1);
-    let n_src = plan.src_ranks as usize;
-    let n = n_src + plan.dst_ranks as usize;
     while by_stage.last().is_some_and(Vec::is_empty) {
         by_stage.pop();
     }
-    let stages = by_stage.len();
-    // Wire bytes per piece, for destination and for source receivers.
-    let piece_bytes: Vec<(u64, u64)> = plan
-        .pieces
-        .iter()
-        .map(|p| {
-            let (s, d) = plan.wire[p.dst_tensor as usize];
-            let numel = p.block.numel();
-            (numel * wire_dtype(s, d).size(), numel * s.size())
-        })
-        .collect();
+    let piece_bytes = piece_bytes(plan);
     let bytes_of = |t: &Transfer| {
         let b = piece_bytes[t.piece as usize];
         if t.to.group == Group::Src {
@@ -495,18 +574,64 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
             b.0
         }
     };
-    let mut packer = RoundPacker::new(n, n_src, cap);
+    let mut packer = RoundPacker::new(plan);
     let mut base = 0u32;
     for list in by_stage.iter_mut() {
         base += packer.stage(list, base, &bytes_of);
     }
     drop(piece_bytes);
-    // Figures, from the bytes of every pair of ranks.
+    // Stages in order, in one vector (the first stage's, usually the
+    // largest, is extended in place).
+    let mut all = by_stage.first_mut().map(std::mem::take).unwrap_or_default();
+    for rest in by_stage.iter_mut().skip(1) {
+        all.append(rest);
+    }
+    let stages = by_stage.len() as u32;
+    drop(by_stage);
+    plan.figures = figures(plan, &packer, stages, base, all.len());
+    plan.transfers = all;
+}
+
+/// [`finish`] for transfers grouped by pair: the same rounds, and the
+/// transfers laid out by stage, then pair (in order of first appearance),
+/// then the order they were added in.
+fn finish_pairs(plan: &mut Plan, mut lists: PairLists) {
+    while lists.stages.last().is_some_and(|s| s.ends.is_empty()) {
+        lists.stages.pop();
+    }
+    let piece_bytes = piece_bytes(plan);
+    let mut packer = RoundPacker::new(plan);
+    let mut all = Vec::with_capacity(lists.len());
+    let mut base = 0u32;
+    for (stage, pairs) in lists.stages.iter().enumerate() {
+        base += packer.stage_pairs(pairs, stage as u16, base, &piece_bytes, &mut all);
+    }
+    drop(piece_bytes);
+    plan.figures = figures(plan, &packer, lists.stages.len() as u32, base, all.len());
+    plan.transfers = all;
+}
+
+/// Wire bytes of every piece: to destination and to source receivers.
+fn piece_bytes(plan: &Plan) -> Vec<(u64, u64)> {
+    plan.pieces
+        .iter()
+        .map(|p| {
+            let (s, d) = plan.wire[p.dst_tensor as usize];
+            let numel = p.block.numel();
+            (numel * wire_dtype(s, d).size(), numel * s.size())
+        })
+        .collect()
+}
+
+/// The figures, from the bytes and messages of every pair of ranks.
+fn figures(plan: &Plan, packer: &RoundPacker, stages: u32, rounds: u32, transfers: usize) -> Figures {
+    let (n_src, n) = (packer.n_src, packer.n);
     let mut f = Figures {
         dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],
-        stages: stages as u32,
+        stages,
         pieces: plan.pieces.len() as u64,
-        rounds: base,
+        transfers: transfers as u64,
+        rounds,
         messages: packer.messages,
         ..Figures::default()
     };
@@ -535,17 +660,7 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
     f.max_rank_recv_messages = packer.recv_msgs.iter().copied().max().unwrap_or(0);
     f.max_rank_send_bytes = sent.into_iter().max().unwrap_or(0);
     f.max_rank_recv_bytes = recv.into_iter().max().unwrap_or(0);
-    drop(packer);
-    // Stages in order, in one vector (the first stage's, usually the
-    // largest, is extended in place).
-    let mut all = by_stage.first_mut().map(std::mem::take).unwrap_or_default();
-    for rest in by_stage.iter_mut().skip(1) {
-        all.append(rest);
-    }
-    drop(by_stage);
-    f.transfers = all.len() as u64;
-    plan.transfers = all;
-    plan.figures = f;
+    f
 }
 
 /// Most entries of the dense (sender, receiver) → pair table; more ranks
@@ -640,8 +755,8 @@ struct RoundPacker {
     n: usize,
     n_src: usize,
     cap: u64,
-    /// Dense (sender * n + receiver) → pair of this stage, or empty (then
-    /// `pair_map`).
+    /// Dense (sender * n + receiver) → pair of this stage (made on first
+    /// use), or empty (then `pair_map`).
     pair_table: Vec<u32>,
     pair_map: std::collections::HashMap<(u32, u32), u32>,
     /// The stage's pairs, numbered in order of first appearance: their ends,
@@ -676,12 +791,15 @@ struct RoundPacker {
 }
 
 impl RoundPacker {
-    fn new(n: usize, n_src: usize, cap: u64) -> RoundPacker {
+    fn new(plan: &Plan) -> RoundPacker {
+        let n_src = plan.src_ranks as usize;
+        let n = n_src + plan.dst_ranks as usize;
+        let cap = plan.options.max_staging_bytes.max(1);
         RoundPacker {
             n,
             n_src,
             cap,
-            pair_table: if n.saturating_mul(n) <= DENSE_PAIRS { vec![NONE; n * n] } else { Vec::new() },
+            pair_table: Vec::new(),
             pair_map: std::collections::HashMap::new(),
             ends: Vec::new(),
             reading: Vec::new(),
@@ -717,6 +835,9 @@ impl RoundPacker {
     #[inline]
     fn pair(&mut self, a: usize, z: usize) -> usize {
         let next = self.ends.len() as u32;
+        if self.pair_table.is_empty() && self.n.saturating_mul(self.n) <= DENSE_PAIRS {
+            self.pair_table = vec![NONE; self.n * self.n];
+        }
         let p = if self.pair_table.is_empty() {
             *self.pair_map.entry((a as u32, z as u32)).or_insert(next)
         } else {
@@ -745,7 +866,6 @@ impl RoundPacker {
     /// Assigns rounds `base..` to the transfers of one stage (local copies
     /// go to `base`) and returns the number of rounds used.
     fn stage(&mut self, list: &mut [Transfer], base: u32, bytes_of: &impl Fn(&Transfer) -> u64) -> u32 {
-        // Pairs and their runs.
         let mut locals = false;
         self.pair_of.clear();
         for t in list.iter_mut() {
@@ -757,61 +877,121 @@ impl RoundPacker {
             }
             let p = self.pair(self.index(t.from), self.index(t.to));
             self.pair_of.push(p as u32);
-            let b = bytes_of(t);
-            let pair = &mut self.reading[p];
-            pair.total += 1;
-            if pair.tail != NONE && pair.bytes == b {
-                pair.count += 1;
-            } else {
-                let r = self.runs.len() as u32;
-                let tail = std::mem::replace(&mut pair.tail, r);
-                pair.bytes = b;
-                let count = std::mem::replace(&mut pair.count, 1);
-                if tail != NONE {
-                    self.runs[tail as usize].count = count;
-                    self.runs[tail as usize].next = r;
-                }
-                self.runs.push(Run { bytes: b, count: 0, prev: tail, next: NONE });
-            }
+            self.read(p, bytes_of(t));
         }
         let mut rounds = locals as u32;
         if !self.ends.is_empty() {
-            for (p, (&(a, z), reading)) in self.ends.iter().zip(&self.reading).enumerate() {
-                self.runs[reading.tail as usize].count = reading.count;
-                // Back from its last run to its first: bytes and smallest.
-                let (mut r, mut head, mut bytes, mut small) = (reading.tail, reading.tail, 0u64, u64::MAX);
-                while r != NONE {
-                    let run = &self.runs[r as usize];
-                    bytes += run.bytes * run.count as u64;
-                    small = small.min(run.bytes);
-                    head = r;
-                    r = run.prev;
-                }
-                self.pairs.push(Pair {
-                    from: a,
-                    to: z,
-                    total: reading.total,
-                    front: 0,
-                    back: 0,
-                    head,
-                    tail: reading.tail,
-                    visited: NONE,
-                    edge: self.runs[head as usize].bytes.min(reading.bytes),
-                    started: false,
-                });
-                self.traffic.push((a, z, bytes));
-                for (e, other) in [(a, z), (z, a)] {
-                    self.left[e as usize] += bytes;
-                    self.smallest[e as usize] = self.smallest[e as usize].min(small);
-                    self.waiting[e as usize].push((other, p as u32));
-                }
-            }
+            self.prepare();
             rounds = self.fill_rounds();
             self.write_rounds(list, base);
         }
-        // Reset for the next stage.
-        for &(a, z) in &self.ends {
-            if !self.pair_table.is_empty() {
+        self.reset();
+        rounds
+    }
+
+    /// [`stage`](Self::stage) for one stage of [`PairLists`]: appends its
+    /// transfers to `out`, pair after pair, with rounds `base..`.
+    fn stage_pairs(&mut self, pairs: &StagePairs, stage: u16, base: u32, piece_bytes: &[(u64, u64)], out: &mut Vec<Transfer>) -> u32 {
+        for (p, (&(a, z), pieces)) in pairs.ends.iter().zip(&pairs.pieces).enumerate() {
+            self.ends.push((a, z));
+            self.reading.push(Reading { bytes: 0, total: 0, tail: NONE, count: 0 });
+            let to_src = (z as usize) < self.n_src;
+            for &piece in pieces {
+                let b = piece_bytes[piece as usize];
+                self.read(p, if to_src { b.1 } else { b.0 });
+            }
+        }
+        let mut rounds = 0;
+        if !self.ends.is_empty() {
+            self.prepare();
+            rounds = self.fill_rounds();
+            self.segments.sort_unstable_by_key(|s| s.0);
+            let endpoint = |e: u32| if (e as usize) < self.n_src { Endpoint::src(e) } else { Endpoint::dst(e - self.n_src as u32) };
+            let mut at = 0;
+            for (p, (&(a, z), pieces)) in pairs.ends.iter().zip(&pairs.pieces).enumerate() {
+                let (from, to) = (endpoint(a), endpoint(z));
+                let mut k = 0u32;
+                while at < self.segments.len() && self.segments[at].0 >> 32 == p as u64 {
+                    let (_, count, round) = self.segments[at];
+                    let round = base + round;
+                    out.extend(pieces[k as usize..(k + count) as usize].iter().map(|&piece| Transfer {
+                        piece,
+                        from,
+                        to,
+                        stage,
+                        from_scratch: false,
+                        to_scratch: false,
+                        round,
+                    }));
+                    k += count;
+                    at += 1;
+                }
+                debug_assert_eq!(k as usize, pieces.len());
+            }
+        }
+        self.reset();
+        rounds
+    }
+
+    /// Adds a transfer of `bytes` to pair `p` (after the earlier ones).
+    #[inline]
+    fn read(&mut self, p: usize, bytes: u64) {
+        let pair = &mut self.reading[p];
+        pair.total += 1;
+        if pair.tail != NONE && pair.bytes == bytes {
+            pair.count += 1;
+        } else {
+            let r = self.runs.len() as u32;
+            let tail = std::mem::replace(&mut pair.tail, r);
+            pair.bytes = bytes;
+            let count = std::mem::replace(&mut pair.count, 1);
+            if tail != NONE {
+                self.runs[tail as usize].count = count;
+                self.runs[tail as usize].next = r;
+            }
+            self.runs.push(Run { bytes, count: 0, prev: tail, next: NONE });
+        }
+    }
+
+    /// Once a stage's transfers are read: the pairs, their traffic, and
+    /// every endpoint's bytes left, smallest transfer and waiting pairs.
+    fn prepare(&mut self) {
+        for (p, (&(a, z), reading)) in self.ends.iter().zip(&self.reading).enumerate() {
+            self.runs[reading.tail as usize].count = reading.count;
+            // Back from its last run to its first: bytes and smallest.
+            let (mut r, mut head, mut bytes, mut small) = (reading.tail, reading.tail, 0u64, u64::MAX);
+            while r != NONE {
+                let run = &self.runs[r as usize];
+                bytes += run.bytes * run.count as u64;
+                small = small.min(run.bytes);
+                head = r;
+                r = run.prev;
+            }
+            self.pairs.push(Pair {
+                from: a,
+                to: z,
+                total: reading.total,
+                front: 0,
+                back: 0,
+                head,
+                tail: reading.tail,
+                visited: NONE,
+                edge: self.runs[head as usize].bytes.min(reading.bytes),
+                started: false,
+            });
+            self.traffic.push((a, z, bytes));
+            for (e, other) in [(a, z), (z, a)] {
+                self.left[e as usize] += bytes;
+                self.smallest[e as usize] = self.smallest[e as usize].min(small);
+                self.waiting[e as usize].push((other, p as u32));
+            }
+        }
+    }
+
+    /// Clears a stage's state for the next.
+    fn reset(&mut self) {
+        if !self.pair_table.is_empty() {
+            for &(a, z) in &self.ends {
                 self.pair_table[a as usize * self.n + z as usize] = NONE;
             }
         }
@@ -829,7 +1009,6 @@ impl RoundPacker {
             self.load[e] = 0;
         }
         self.touched.clear();
-        rounds
     }
 
     /// Fills rounds until every pair is done; returns how many it used.

@@ -8,7 +8,7 @@ use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::fingerprint::Fnv64;
 use crate::layout::{Holding, Layout, Rank};
 use crate::overlap::{atomize, SourceIndex};
-use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Strategy, Transfer, MAX_PIECES};
+use crate::plan::{Endpoint, Group, PairLists, Piece, Plan, PlanError, PlanOptions, PlanParts, Strategy, MAX_PIECES};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
@@ -231,15 +231,13 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     }
     drop(slots);
     let mut assigner = Assigner::new(src, dst, options.links);
-    // Every receiver of a piece gets exactly one transfer of it, and almost
-    // all are in stage 0: reserve that much up front.
-    let expected: usize = work.iter().map(|w| w.receivers.1 as usize).sum();
-    let mut by_stage: Vec<Vec<Transfer>> = vec![Vec::with_capacity(expected)];
+    let mut lists = PairLists::new(src.ranks(), dst.ranks());
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
-        assigner.assign(w.piece, w.bytes, receivers, candidates, &mut by_stage);
+        assigner.assign(w.piece, w.bytes, receivers, candidates, &mut lists);
     }
+    drop(work);
     let parts = PlanParts {
         pieces,
         wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
@@ -247,7 +245,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         unique_bytes,
         scratch_blocks: Vec::new(),
     };
-    Ok(Plan::assemble(Strategy::Reshard, src, dst, options, parts, by_stage))
+    Ok(Plan::assemble_pairs(Strategy::Reshard, src, dst, options, parts, lists))
 }
 
 /// Most stages a reshard can use: one source send, doubling relays across
@@ -446,25 +444,20 @@ impl Assigner {
         }
     }
 
-    /// Keeps the direct option: its maxima, and its transfers in `out` (in
-    /// the order the relay's would be: by node, sends then fan-outs).
-    fn commit_direct(&mut self, piece: u32, bytes: u64, receivers: &[Rank], out: &mut Vec<Vec<Transfer>>) {
+    /// Keeps the direct option: its maxima, and its transfers in `out`:
+    /// the sources' sends to the leaders, then the leaders' fan-outs.
+    fn commit_direct(&mut self, piece: u32, bytes: u64, receivers: &[Rank], out: &mut PairLists) {
         self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
-        let fan_out = self.groups.iter().any(|g| g.1 - g.0 > 1);
-        if out.len() < 1 + fan_out as usize {
-            out.resize_with(1 + fan_out as usize, Vec::new);
-        }
-        let transfer = |from, to, stage| Transfer { piece, from, to, stage, from_scratch: false, to_scratch: false, round: 0 };
         for (&s, &l) in self.picks.iter().zip(&self.leaders) {
             self.src_node_load[self.src_node[s as usize] as usize] += bytes;
-            out[0].push(transfer(Endpoint::src(s), Endpoint::dst(l), 0));
+            out.push(0, Endpoint::src(s), Endpoint::dst(l), piece);
         }
-        if fan_out {
-            for (&g, &l) in self.groups.iter().zip(&self.leaders) {
+        for (&g, &l) in self.groups.iter().zip(&self.leaders) {
+            if g.1 - g.0 > 1 {
                 for &r in &receivers[g.0 as usize..g.1 as usize] {
                     if r != l {
-                        out[1].push(transfer(Endpoint::dst(l), Endpoint::dst(r), 1));
+                        out.push(1, Endpoint::dst(l), Endpoint::dst(r), piece);
                     }
                 }
             }
@@ -472,17 +465,14 @@ impl Assigner {
     }
 
     /// Keeps the relay option: its maxima, and its transfers in `out`.
-    fn commit(&mut self, piece: u32, bytes: u64, out: &mut Vec<Vec<Transfer>>) {
+    fn commit(&mut self, piece: u32, bytes: u64, out: &mut PairLists) {
         self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
         for (from, to, stage) in self.emitted.drain(..) {
             if from.group == Group::Src {
                 self.src_node_load[self.src_node[from.rank as usize] as usize] += bytes;
             }
-            if out.len() <= stage as usize {
-                out.resize_with(stage as usize + 1, Vec::new);
-            }
-            out[stage as usize].push(Transfer { piece, from, to, stage, from_scratch: false, to_scratch: false, round: 0 });
+            out.push(stage, from, to, piece);
         }
     }
 
@@ -568,7 +558,7 @@ impl Assigner {
         }
     }
 
-    fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut Vec<Vec<Transfer>>) {
+    fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut PairLists) {
         // Receivers grouped by node (they are sorted, so groups are runs).
         self.groups.clear();
         self.leaders.clear();
