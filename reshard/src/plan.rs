@@ -469,74 +469,42 @@ impl Plan {
     }
 }
 
-/// A planner's transfers grouped by stage and by pair of ranks (sender,
-/// receiver), each pair's pieces in the order they were added; pairs are
-/// numbered in order of first appearance. Every transfer reads and writes
-/// the ranks' own shards (no scratch buffers).
+/// A planner's transfers grouped by stage and by sender: the receiver
+/// and piece of each, in the order they were added. Every transfer goes to
+/// a destination rank, reads and writes the ranks' own shards (no scratch
+/// buffers) and puts its piece's bytes in the wire dtype on the wire.
 pub(crate) struct PairLists {
     n_src: usize,
     n: usize,
-    stages: Vec<StagePairs>,
+    /// Per stage, per sender (endpoint index): (receiver, piece).
+    stages: Vec<Vec<Vec<(u32, u32)>>>,
+    len: usize,
+    /// Wire bytes of every piece.
+    bytes: Vec<u64>,
 }
-
-/// One stage of [`PairLists`].
-struct StagePairs {
-    /// Dense (sender * n + receiver) → pair, or empty (then `map`).
-    table: Vec<u32>,
-    map: std::collections::HashMap<(u32, u32), u32>,
-    /// Per pair: sender and receiver (endpoint indices) and its pieces.
-    ends: Vec<(u32, u32)>,
-    pieces: Vec<Vec<u32>>,
-}
-
-/// Most entries of the dense pair table of one stage of [`PairLists`].
-const DENSE_STAGE_PAIRS: usize = 1 << 20;
 
 impl PairLists {
-    /// No transfers yet between `src_ranks` and `dst_ranks` ranks.
-    pub(crate) fn new(src_ranks: u32, dst_ranks: u32) -> PairLists {
+    /// No transfers yet between `src_ranks` and `dst_ranks` ranks, of
+    /// pieces of `bytes` each.
+    pub(crate) fn new(src_ranks: u32, dst_ranks: u32, bytes: Vec<u64>) -> PairLists {
         let n_src = src_ranks as usize;
-        PairLists { n_src, n: n_src + dst_ranks as usize, stages: Vec::new() }
+        PairLists { n_src, n: n_src + dst_ranks as usize, stages: Vec::new(), len: 0, bytes }
     }
 
     /// Adds the transfer of `piece` from `from` to `to` in `stage`.
+    #[inline]
     pub(crate) fn push(&mut self, stage: u16, from: Endpoint, to: Endpoint, piece: u32) {
+        debug_assert_eq!(to.group, Group::Dst);
         let index = |e: Endpoint| match e.group {
             Group::Src => e.rank as usize,
             Group::Dst => self.n_src + e.rank as usize,
         };
         let (a, z) = (index(from), index(to));
-        let n = self.n;
         while self.stages.len() <= stage as usize {
-            let dense = n.saturating_mul(n) <= DENSE_STAGE_PAIRS;
-            self.stages.push(StagePairs {
-                table: if dense { vec![NONE; n * n] } else { Vec::new() },
-                map: std::collections::HashMap::new(),
-                ends: Vec::new(),
-                pieces: Vec::new(),
-            });
+            self.stages.push(vec![Vec::new(); self.n]);
         }
-        let st = &mut self.stages[stage as usize];
-        let next = st.ends.len() as u32;
-        let p = if st.table.is_empty() {
-            *st.map.entry((a as u32, z as u32)).or_insert(next)
-        } else {
-            let slot = &mut st.table[a * n + z];
-            if *slot == NONE {
-                *slot = next;
-            }
-            *slot
-        };
-        if p == next {
-            st.ends.push((a as u32, z as u32));
-            st.pieces.push(Vec::new());
-        }
-        st.pieces[p as usize].push(piece);
-    }
-
-    /// Number of transfers.
-    pub(crate) fn len(&self) -> usize {
-        self.stages.iter().flat_map(|s| &s.pieces).map(Vec::len).sum()
+        self.stages[stage as usize][a].push((z as u32, piece));
+        self.len += 1;
     }
 }
 
@@ -592,21 +560,18 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
     plan.transfers = all;
 }
 
-/// [`finish`] for transfers grouped by pair: the same rounds, and the
-/// transfers laid out by stage, then pair (in order of first appearance),
-/// then the order they were added in.
+/// [`finish`] for transfers grouped by sender: the transfers laid out by
+/// stage, sender, then the order they were added in.
 fn finish_pairs(plan: &mut Plan, mut lists: PairLists) {
-    while lists.stages.last().is_some_and(|s| s.ends.is_empty()) {
+    while lists.stages.last().is_some_and(|s| s.iter().all(Vec::is_empty)) {
         lists.stages.pop();
     }
-    let piece_bytes = piece_bytes(plan);
     let mut packer = RoundPacker::new(plan);
-    let mut all = Vec::with_capacity(lists.len());
+    let mut all = Vec::with_capacity(lists.len);
     let mut base = 0u32;
-    for (stage, pairs) in lists.stages.iter().enumerate() {
-        base += packer.stage_pairs(pairs, stage as u16, base, &piece_bytes, &mut all);
+    for (stage, senders) in lists.stages.iter().enumerate() {
+        base += packer.stage_pairs(senders, stage as u16, base, &lists.bytes, &mut all);
     }
-    drop(piece_bytes);
     plan.figures = figures(plan, &packer, lists.stages.len() as u32, base, all.len());
     plan.transfers = all;
 }
@@ -768,6 +733,8 @@ struct RoundPacker {
     writing: Vec<Writing>,
     /// Per transfer of the stage: its pair (`NONE`: a local copy).
     pair_of: Vec<u32>,
+    /// Per endpoint: scratch.
+    count: Vec<u32>,
     runs: Vec<Run>,
     /// What pairs took: (pair << 32 | first position, count, round).
     segments: Vec<(u64, u32, u32)>,
@@ -806,6 +773,7 @@ impl RoundPacker {
             pairs: Vec::new(),
             writing: Vec::new(),
             pair_of: Vec::new(),
+            count: Vec::new(),
             runs: Vec::new(),
             segments: Vec::new(),
             left: vec![0; n],
@@ -890,45 +858,64 @@ impl RoundPacker {
     }
 
     /// [`stage`](Self::stage) for one stage of [`PairLists`]: appends its
-    /// transfers to `out`, pair after pair, with rounds `base..`.
-    fn stage_pairs(&mut self, pairs: &StagePairs, stage: u16, base: u32, piece_bytes: &[(u64, u64)], out: &mut Vec<Transfer>) -> u32 {
-        for (p, (&(a, z), pieces)) in pairs.ends.iter().zip(&pairs.pieces).enumerate() {
-            self.ends.push((a, z));
-            self.reading.push(Reading { bytes: 0, total: 0, tail: NONE, count: 0 });
-            let to_src = (z as usize) < self.n_src;
-            for &piece in pieces {
-                let b = piece_bytes[piece as usize];
-                self.read(p, if to_src { b.1 } else { b.0 });
+    /// transfers to `out` with rounds `base..`, sender after sender, each
+    /// sender's in the order they were added. Pairs are numbered by sender,
+    /// then by first appearance of the receiver.
+    fn stage_pairs(&mut self, senders: &[Vec<(u32, u32)>], stage: u16, base: u32, piece_bytes: &[u64], out: &mut Vec<Transfer>) -> u32 {
+        // Per receiver, its pair with the sender at hand.
+        let mut pair_of = std::mem::take(&mut self.count);
+        pair_of.clear();
+        pair_of.resize(self.n, NONE);
+        // Per sender, its first pair.
+        let mut first = Vec::with_capacity(senders.len() + 1);
+        for (a, list) in senders.iter().enumerate() {
+            first.push(self.ends.len() as u32);
+            for &(z, piece) in list {
+                let p = match pair_of[z as usize] {
+                    NONE => {
+                        let p = self.ends.len() as u32;
+                        pair_of[z as usize] = p;
+                        self.ends.push((a as u32, z));
+                        self.reading.push(Reading { bytes: 0, total: 0, tail: NONE, count: 0 });
+                        p
+                    }
+                    p => p,
+                };
+                self.read(p as usize, piece_bytes[piece as usize]);
+            }
+            for &(_, z) in &self.ends[first[a] as usize..] {
+                pair_of[z as usize] = NONE;
             }
         }
+        first.push(self.ends.len() as u32);
         let mut rounds = 0;
         if !self.ends.is_empty() {
             self.prepare();
             rounds = self.fill_rounds();
-            self.segments.sort_unstable_by_key(|s| s.0);
-            let endpoint = |e: u32| if (e as usize) < self.n_src { Endpoint::src(e) } else { Endpoint::dst(e - self.n_src as u32) };
-            let mut at = 0;
-            for (p, (&(a, z), pieces)) in pairs.ends.iter().zip(&pairs.pieces).enumerate() {
-                let (from, to) = (endpoint(a), endpoint(z));
-                let mut k = 0u32;
-                while at < self.segments.len() && self.segments[at].0 >> 32 == p as u64 {
-                    let (_, count, round) = self.segments[at];
-                    let round = base + round;
-                    out.extend(pieces[k as usize..(k + count) as usize].iter().map(|&piece| Transfer {
-                        piece,
-                        from,
-                        to,
-                        stage,
-                        from_scratch: false,
-                        to_scratch: false,
-                        round,
-                    }));
-                    k += count;
-                    at += 1;
+            self.start_writing();
+            let n_src = self.n_src as u32;
+            let endpoint = |e: u32| if e < n_src { Endpoint::src(e) } else { Endpoint::dst(e - n_src) };
+            for (a, list) in senders.iter().enumerate() {
+                let pairs = first[a]..first[a + 1];
+                for p in pairs.clone() {
+                    pair_of[self.ends[p as usize].1 as usize] = p;
                 }
-                debug_assert_eq!(k as usize, pieces.len());
+                let from = endpoint(a as u32);
+                out.extend(list.iter().map(|&(z, piece)| Transfer {
+                    piece,
+                    from,
+                    to: endpoint(z),
+                    stage,
+                    from_scratch: false,
+                    to_scratch: false,
+                    round: base + self.next_round(pair_of[z as usize]),
+                }));
+                for p in pairs {
+                    pair_of[self.ends[p as usize].1 as usize] = NONE;
+                }
             }
         }
+        self.count = pair_of;
         self.reset();
         rounds
     }
@@ -1154,6 +1141,18 @@ impl RoundPacker {
     /// k-th transfer of a pair in plan order is in the segment covering
     /// position k.
     fn write_rounds(&mut self, list: &mut [Transfer], base: u32) {
+        self.start_writing();
+        let pair_of = std::mem::take(&mut self.pair_of);
+        for (t, &p) in list.iter_mut().zip(&pair_of) {
+            if p != NONE {
+                t.round = base + self.next_round(p);
+            }
+        }
+        self.pair_of = pair_of;
+    }
+
+    /// Sorts the segments and points every pair at its first.
+    fn start_writing(&mut self) {
         self.segments.sort_unstable_by_key(|s| s.0);
         let mut at = 0usize;
         for p in 0..self.pairs.len() {
@@ -1164,23 +1163,23 @@ impl RoundPacker {
                 at += 1;
             }
         }
-        for (t, &p) in list.iter_mut().zip(&self.pair_of) {
-            if p == NONE {
-                continue;
+    }
+
+    /// The round of pair `p`'s next transfer (in the order they were read).
+    #[inline]
+    fn next_round(&mut self, p: u32) -> u32 {
+        let pair = &mut self.writing[p as usize];
+        let k = pair.written;
+        pair.written += 1;
+        if k >= pair.end {
+            let mut s = pair.segment as usize + 1;
+            while (self.segments[s].0 as u32) + self.segments[s].1 <= k {
+                s += 1;
             }
-            let pair = &mut self.writing[p as usize];
-            let k = pair.written;
-            pair.written += 1;
-            if k >= pair.end {
-                let mut s = pair.segment as usize + 1;
-                while (self.segments[s].0 as u32) + self.segments[s].1 <= k {
-                    s += 1;
-                }
-                pair.segment = s as u32;
-                pair.end = self.segments[s].0 as u32 + self.segments[s].1;
-                pair.round = self.segments[s].2;
-            }
-            t.round = base + pair.round;
+            pair.segment = s as u32;
+            pair.end = self.segments[s].0 as u32 + self.segments[s].1;
+            pair.round = self.segments[s].2;
         }
+        pair.round
     }
 }
