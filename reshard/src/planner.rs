@@ -294,7 +294,7 @@ struct Assigner {
     groups: Vec<(u32, u32)>,
     leaders: Vec<Rank>,
     /// Scratch: candidates' (egress, node egress, rank), and the senders picked.
-    cand: Vec<((u128, u32), Rank)>,
+    cand: Vec<(u128, Rank)>,
     picks: Vec<Rank>,
     arrival: Vec<u16>,
 }
@@ -503,35 +503,24 @@ impl Assigner {
             self.picks.resize(k, *only);
             return;
         }
-        // Candidates as a ring sorted by (egress, node egress, position):
-        // the head is the next pick; it goes back in with its egress grown,
-        // usually behind all the others (then the ring just turns).
-        let mut ring = std::mem::take(&mut self.cand);
-        ring.clear();
-        ring.extend(candidates.iter().enumerate().map(|(i, &c)| {
+        // (egress, node egress) as one number, compared at once.
+        let mut cand = std::mem::take(&mut self.cand);
+        cand.clear();
+        cand.extend(candidates.iter().map(|&c| {
             let node = self.src_node_load[self.src_node[c as usize] as usize];
-            (((self.load(0, SRC_OUT, c) as u128) << 64 | node as u128, i as u32), c)
+            ((self.load(0, SRC_OUT, c) as u128) << 64 | node as u128, c)
         }));
-        ring.sort_unstable_by_key(|&(key, _)| key);
-        let (len, step) = (ring.len(), (bytes as u128) << 64);
-        let mut head = 0;
         for _ in 0..k {
-            let ((load, i), c) = ring[head];
-            self.picks.push(c);
-            let grown = ((load + step, i), c);
-            let mut at = head;
-            head = if head + 1 == len { 0 } else { head + 1 };
-            ring[at] = grown;
-            while at != head {
-                let before = if at == 0 { len - 1 } else { at - 1 };
-                if ring[before].0 <= grown.0 {
-                    break;
+            let (mut best, mut least) = (0, cand[0].0);
+            for (i, &(key, _)) in cand.iter().enumerate().skip(1) {
+                if key < least {
+                    (best, least) = (i, key);
                 }
-                ring.swap(before, at);
-                at = before;
             }
+            cand[best].0 += (bytes as u128) << 64;
+            self.picks.push(cand[best].1);
         }
-        self.cand = ring;
+        self.cand = cand;
     }
 
     fn best_source(&self, candidates: &[Rank]) -> Rank {
