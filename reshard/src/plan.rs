@@ -1049,11 +1049,25 @@ impl RoundPacker {
         // where something fits at both ends.
         while self.left[xs] > 0 && self.room(x) >= self.smallest[xs] {
             let mut waiting = std::mem::take(&mut self.waiting[xs]);
-            waiting.retain(|&(_, p)| !self.pairs[p as usize].started);
             let room = self.room(x);
             let mut best: Option<(u64, u32)> = None;
-            for &(y, p) in &waiting {
-                if room.min(self.room(y)) < self.pairs[p as usize].edge {
+            // Started pairs leave the list when met among those that fit
+            // (the others' ends are full: checked first, cheaply).
+            let mut kept = 0;
+            for i in 0..waiting.len() {
+                let (y, p) = waiting[i];
+                waiting[kept] = (y, p);
+                kept += 1;
+                let room = room.min(self.room(y));
+                if room < self.smallest[y as usize] {
+                    continue;
+                }
+                let pair = &self.pairs[p as usize];
+                if pair.started {
+                    kept -= 1;
+                    continue;
+                }
+                if room < pair.edge {
                     continue;
                 }
                 let key = self.left[y as usize];
@@ -1061,6 +1075,7 @@ impl RoundPacker {
                     best = Some((key, p));
                 }
             }
+            waiting.truncate(kept);
             self.waiting[xs] = waiting;
             match best {
                 Some((_, p)) => done += self.visit(p, round),
