@@ -485,10 +485,14 @@ pub(crate) struct PairLists {
 
 impl PairLists {
     /// No transfers yet between `src_ranks` and `dst_ranks` ranks, of
-    /// pieces of `bytes` each.
-    pub(crate) fn new(src_ranks: u32, dst_ranks: u32, bytes: Vec<u64>) -> PairLists {
+    /// pieces of `bytes` each; room for about `expected` source sends in
+    /// stage 0, spread evenly (lists that outgrow it grow as usual).
+    pub(crate) fn new(src_ranks: u32, dst_ranks: u32, bytes: Vec<u64>, expected: usize) -> PairLists {
         let n_src = src_ranks as usize;
-        PairLists { n_src, n: n_src + dst_ranks as usize, stages: Vec::new(), len: 0, bytes }
+        let n = n_src + dst_ranks as usize;
+        let each = expected.div_ceil(n_src.max(1));
+        let stage0 = (0..n).map(|a| if a < n_src { Vec::with_capacity(each + each / 8) } else { Vec::new() }).collect();
+        PairLists { n_src, n, stages: vec![stage0], len: 0, bytes }
     }
 
     /// Adds the transfer of `piece` from `from` to `to` in `stage`.

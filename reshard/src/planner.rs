@@ -235,7 +235,10 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     for w in &work {
         bytes[w.piece as usize] = w.bytes;
     }
-    let mut lists = PairLists::new(src.ranks(), dst.ranks(), bytes);
+    // Every receiver of a piece gets one transfer of it, almost all from a
+    // source in stage 0.
+    let expected = work.iter().map(|w| w.receivers.1 as usize).sum();
+    let mut lists = PairLists::new(src.ranks(), dst.ranks(), bytes, expected);
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
