@@ -294,8 +294,11 @@ struct Assigner {
     /// links one by one on rollback). The direct option is known from
     /// `groups`, `leaders` and `picks` alone.
     emitted: Vec<(Endpoint, Endpoint, u16)>,
+    /// The piece's receivers by node (ranges of its receivers), each
+    /// node's leader, and whether any node has more than one receiver.
     groups: Vec<(u32, u32)>,
     leaders: Vec<Rank>,
+    fans: bool,
     /// Scratch: candidates' (egress, node egress, rank), and the senders picked.
     cand: Vec<(u128, Rank)>,
     picks: Vec<Rank>,
@@ -328,6 +331,7 @@ impl Assigner {
             emitted: Vec::new(),
             groups: Vec::new(),
             leaders: Vec::new(),
+            fans: false,
             cand: Vec::new(),
             picks: Vec::new(),
             arrival: Vec::new(),
@@ -416,20 +420,24 @@ impl Assigner {
             self.loads.resize(need, 0);
         }
         let (n_src, loads) = (self.n_src, &mut self.loads[..self.n_links]);
-        let mut most = self.pending[0][0];
-        for (&s, &l) in self.picks.iter().zip(&self.leaders) {
-            for i in [s as usize, n_src + l as usize] {
-                if on {
-                    loads[i] += bytes;
-                    most = most.max(loads[i]);
-                } else {
-                    loads[i] -= bytes;
-                }
-            }
-        }
+        let (sources, leaders) = (&self.picks, &self.leaders);
         if on {
+            let mut most = self.pending[0][0];
+            for (&s, &l) in sources.iter().zip(leaders) {
+                loads[s as usize] += bytes;
+                loads[n_src + l as usize] += bytes;
+                most = most.max(loads[s as usize]).max(loads[n_src + l as usize]);
+            }
             self.pending[0][0] = most;
             self.top = self.top.max(1);
+        } else {
+            for (&s, &l) in sources.iter().zip(leaders) {
+                loads[s as usize] -= bytes;
+                loads[n_src + l as usize] -= bytes;
+            }
+        }
+        if !self.fans {
+            return;
         }
         // Stage 1: fan-out inside nodes.
         for j in 0..self.groups.len() {
@@ -459,6 +467,9 @@ impl Assigner {
         for (&s, &l) in self.picks.iter().zip(&self.leaders) {
             self.src_node_load[self.src_node[s as usize] as usize] += bytes;
             out.push(0, Endpoint::src(s), Endpoint::dst(l), piece);
+        }
+        if !self.fans {
+            return;
         }
         for (&g, &l) in self.groups.iter().zip(&self.leaders) {
             if g.1 - g.0 > 1 {
@@ -569,14 +580,22 @@ impl Assigner {
         // Receivers grouped by node (they are sorted, so groups are runs).
         self.groups.clear();
         self.leaders.clear();
+        self.fans = false;
         let mut start = 0;
+        let mut node = receivers.first().map_or(0, |&r| self.dst_node[r as usize]);
         for i in 1..=receivers.len() {
-            if i == receivers.len() || self.dst_node[receivers[i] as usize] != self.dst_node[receivers[start] as usize] {
-                let g = &receivers[start..i];
-                let leader = g.iter().copied().min_by_key(|&r| (self.dst_in_total[r as usize], r)).unwrap_or(g[0]);
+            let next = receivers.get(i).map_or(u32::MAX, |&r| self.dst_node[r as usize]);
+            if next != node {
+                let leader = match &receivers[start..i] {
+                    &[only] => only,
+                    g => {
+                        self.fans = true;
+                        g.iter().copied().min_by_key(|&r| (self.dst_in_total[r as usize], r)).unwrap_or(g[0])
+                    }
+                };
                 self.groups.push((start as u32, i as u32));
                 self.leaders.push(leader);
-                start = i;
+                (start, node) = (i, next);
             }
         }
         let k = self.groups.len();
