@@ -896,26 +896,33 @@ impl RoundPacker {
         if !self.ends.is_empty() {
             self.prepare();
             rounds = self.fill_rounds();
-            self.start_writing();
+            self.segments.sort_unstable_by_key(|s| s.0);
+            // Per receiver of the sender at hand: its pair's current
+            // segment, transfers left in it, and its round. A pair's
+            // segments, by position, follow each other.
+            let mut cursor = vec![(0u32, 0u32, 0u32); self.n];
             let n_src = self.n_src as u32;
             let endpoint = |e: u32| if e < n_src { Endpoint::src(e) } else { Endpoint::dst(e - n_src) };
+            let mut at = 0usize;
             for (a, list) in senders.iter().enumerate() {
-                let pairs = first[a]..first[a + 1];
-                for p in pairs.clone() {
-                    pair_of[self.ends[p as usize].1 as usize] = p;
+                for p in first[a]..first[a + 1] {
+                    debug_assert_eq!(self.segments[at].0, (p as u64) << 32);
+                    let (_, count, round) = self.segments[at];
+                    cursor[self.ends[p as usize].1 as usize] = (at as u32, count, round);
+                    while at < self.segments.len() && self.segments[at].0 >> 32 == p as u64 {
+                        at += 1;
+                    }
                 }
                 let from = endpoint(a as u32);
-                out.extend(list.iter().map(|&(z, piece)| Transfer {
-                    piece,
-                    from,
-                    to: endpoint(z),
-                    stage,
-                    from_scratch: false,
-                    to_scratch: false,
-                    round: base + self.next_round(pair_of[z as usize]),
-                }));
-                for p in pairs {
-                    pair_of[self.ends[p as usize].1 as usize] = NONE;
+                out.reserve(list.len());
+                for &(z, piece) in list {
+                    let c = &mut cursor[z as usize];
+                    if c.1 == 0 {
+                        c.0 += 1;
+                        (_, c.1, c.2) = self.segments[c.0 as usize];
+                    }
+                    c.1 -= 1;
+                    out.push(Transfer { piece, from, to: endpoint(z), stage, from_scratch: false, to_scratch: false, round: base + c.2 });
                 }
             }
         }
