@@ -643,8 +643,11 @@ const NONE: u32 = u32::MAX;
 #[derive(Clone, Copy)]
 struct Run {
     bytes: u64,
-    /// Transfers of the run not yet given a round.
+    /// Position (in the pair, in plan order) of its first transfer not yet
+    /// given a round, and how many are left.
+    start: u32,
     count: u32,
+    /// Neighbours in the pair's list of runs (largest bytes first).
     prev: u32,
     next: u32,
 }
@@ -655,18 +658,16 @@ struct Pair {
     /// Sender and receiver (endpoint indices).
     from: u32,
     to: u32,
-    /// Its transfers, and how many were taken from the front and the back
-    /// (while rounds are written: how many were written).
+    /// Its transfers, and how many were given a round.
     total: u32,
-    front: u32,
-    back: u32,
-    /// First and last run with transfers left (while rounds are written:
-    /// its current segment).
+    taken: u32,
+    /// Its runs with transfers left, largest first: the first and the
+    /// last.
     head: u32,
     tail: u32,
     /// The last round it was visited.
     visited: u32,
-    /// The fewer bytes of its first and last transfer left.
+    /// Bytes of its smallest transfer left.
     edge: u64,
     /// Whether it has taken anything.
     started: bool,
@@ -947,34 +948,53 @@ impl RoundPacker {
                 self.runs[tail as usize].count = count;
                 self.runs[tail as usize].next = r;
             }
-            self.runs.push(Run { bytes, count: 0, prev: tail, next: NONE });
+            self.runs.push(Run { bytes, start: pair.total - 1, count: 0, prev: tail, next: NONE });
         }
     }
 
     /// Once a stage's transfers are read: the pairs, their traffic, and
     /// every endpoint's bytes left, smallest transfer and waiting pairs.
     fn prepare(&mut self) {
+        let mut order: Vec<u32> = Vec::new();
         for (p, (&(a, z), reading)) in self.ends.iter().zip(&self.reading).enumerate() {
             self.runs[reading.tail as usize].count = reading.count;
             // Back from its last run to its first: bytes and smallest.
             let (mut r, mut head, mut bytes, mut small) = (reading.tail, reading.tail, 0u64, u64::MAX);
+            let mut sorted = true;
             while r != NONE {
                 let run = &self.runs[r as usize];
                 bytes += run.bytes * run.count as u64;
                 small = small.min(run.bytes);
+                sorted &= run.prev == NONE || self.runs[run.prev as usize].bytes >= run.bytes;
                 head = r;
                 r = run.prev;
+            }
+            let mut tail = reading.tail;
+            if !sorted {
+                // Largest first, then by position.
+                order.clear();
+                let mut r = head;
+                while r != NONE {
+                    order.push(r);
+                    r = self.runs[r as usize].next;
+                }
+                order.sort_by_key(|&r| (std::cmp::Reverse(self.runs[r as usize].bytes), self.runs[r as usize].start));
+                for (i, &r) in order.iter().enumerate() {
+                    let run = &mut self.runs[r as usize];
+                    run.prev = if i == 0 { NONE } else { order[i - 1] };
+                    run.next = order.get(i + 1).copied().unwrap_or(NONE);
+                }
+                (head, tail) = (order[0], order[order.len() - 1]);
             }
             self.pairs.push(Pair {
                 from: a,
                 to: z,
                 total: reading.total,
-                front: 0,
-                back: 0,
+                taken: 0,
                 head,
-                tail: reading.tail,
+                tail,
                 visited: NONE,
-                edge: self.runs[head as usize].bytes.min(reading.bytes),
+                edge: self.runs[tail as usize].bytes,
                 started: false,
             });
             self.traffic.push((a, z, bytes));
@@ -1045,7 +1065,7 @@ impl RoundPacker {
         let mut open = std::mem::take(&mut self.open[xs]);
         open.retain(|&p| {
             let pair = &self.pairs[p as usize];
-            pair.front + pair.back < pair.total
+            pair.taken < pair.total
         });
         for &p in &open {
             if self.room(x) < self.smallest[xs] {
@@ -1097,14 +1117,14 @@ impl RoundPacker {
     }
 
     /// Gives pair `p` as many of its transfers as fit at both ends in
-    /// `round`: from the front, then from the back. Returns 1 if that
-    /// finished the pair.
+    /// `round`: its largest, then its smallest. Returns 1 if that finished
+    /// the pair.
     fn visit(&mut self, p: u32, round: u32) -> usize {
         let mut pair = self.pairs[p as usize];
         pair.visited = round;
         let (a, z) = (pair.from, pair.to);
         let mut took = false;
-        while pair.front + pair.back < pair.total {
+        while pair.taken < pair.total {
             let room = self.room(a).min(self.room(z));
             let fits = |run: &Run| match room {
                 u64::MAX => 1,
@@ -1114,10 +1134,11 @@ impl RoundPacker {
             let (h, t) = (pair.head as usize, pair.tail as usize);
             let (k, first, bytes) = match (fits(&self.runs[h]), fits(&self.runs[t])) {
                 (0, 0) => break,
+                // The largest run's first transfers, or the smallest's last.
                 (k, _) if k > 0 => {
-                    let first = pair.front;
-                    pair.front += k;
                     let run = &mut self.runs[h];
+                    let first = run.start;
+                    run.start += k;
                     run.count -= k;
                     if run.count == 0 {
                         pair.head = run.next;
@@ -1125,15 +1146,15 @@ impl RoundPacker {
                     (k, first, run.bytes)
                 }
                 (_, k) => {
-                    pair.back += k;
                     let run = &mut self.runs[t];
                     run.count -= k;
                     if run.count == 0 {
                         pair.tail = run.prev;
                     }
-                    (k, pair.total - pair.back, run.bytes)
+                    (k, run.start + run.count, run.bytes)
                 }
             };
+            pair.taken += k;
             self.segments.push(((p as u64) << 32 | first as u64, k, round));
             let b = bytes * k as u64;
             for e in [a as usize, z as usize] {
@@ -1145,9 +1166,9 @@ impl RoundPacker {
             }
             took = true;
         }
-        let finished = pair.front + pair.back == pair.total;
+        let finished = pair.taken == pair.total;
         if !finished {
-            pair.edge = self.runs[pair.head as usize].bytes.min(self.runs[pair.tail as usize].bytes);
+            pair.edge = self.runs[pair.tail as usize].bytes;
         }
         if took {
             self.messages += 1;
