@@ -435,16 +435,16 @@ impl Plan {
     /// Builds a plan from a planner's parts and its transfers grouped by
     /// stage and pair of ranks: assigns rounds, lays the transfers out by
     /// stage and pair, and computes the figures.
-    pub(crate) fn assemble_pairs(
+    pub(crate) fn assemble_by_sender(
         strategy: Strategy,
         src: &Layout,
         dst: &Layout,
         options: &PlanOptions,
         parts: PlanParts,
-        lists: PairLists,
+        lists: SenderLists,
     ) -> Plan {
         let mut plan = Plan::skeleton(strategy, src, dst, options, parts);
-        finish_pairs(&mut plan, lists);
+        finish_by_sender(&mut plan, lists);
         plan
     }
 
@@ -473,7 +473,7 @@ impl Plan {
 /// and piece of each, in the order they were added. Every transfer goes to
 /// a destination rank, reads and writes the ranks' own shards (no scratch
 /// buffers) and puts its piece's bytes in the wire dtype on the wire.
-pub(crate) struct PairLists {
+pub(crate) struct SenderLists {
     n_src: usize,
     n: usize,
     /// Per stage, per sender (endpoint index): (receiver, piece).
@@ -483,16 +483,16 @@ pub(crate) struct PairLists {
     bytes: Vec<u64>,
 }
 
-impl PairLists {
+impl SenderLists {
     /// No transfers yet between `src_ranks` and `dst_ranks` ranks, of
     /// pieces of `bytes` each; room for about `expected` source sends in
     /// stage 0, spread evenly (lists that outgrow it grow as usual).
-    pub(crate) fn new(src_ranks: u32, dst_ranks: u32, bytes: Vec<u64>, expected: usize) -> PairLists {
+    pub(crate) fn new(src_ranks: u32, dst_ranks: u32, bytes: Vec<u64>, expected: usize) -> SenderLists {
         let n_src = src_ranks as usize;
         let n = n_src + dst_ranks as usize;
         let each = expected.div_ceil(n_src.max(1));
         let stage0 = (0..n).map(|a| if a < n_src { Vec::with_capacity(each + each / 8) } else { Vec::new() }).collect();
-        PairLists { n_src, n, stages: vec![stage0], len: 0, bytes }
+        SenderLists { n_src, n, stages: vec![stage0], len: 0, bytes }
     }
 
     /// Adds the transfer of `piece` from `from` to `to` in `stage`.
@@ -566,7 +566,7 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
 
 /// [`finish`] for transfers grouped by sender: the transfers laid out by
 /// stage, sender, then the order they were added in.
-fn finish_pairs(plan: &mut Plan, mut lists: PairLists) {
+fn finish_by_sender(plan: &mut Plan, mut lists: SenderLists) {
     while lists.stages.last().is_some_and(|s| s.iter().all(Vec::is_empty)) {
         lists.stages.pop();
     }
@@ -574,7 +574,7 @@ fn finish_pairs(plan: &mut Plan, mut lists: PairLists) {
     let mut all = Vec::with_capacity(lists.len);
     let mut base = 0u32;
     for (stage, senders) in lists.stages.iter().enumerate() {
-        base += packer.stage_pairs(senders, stage as u16, base, &lists.bytes, &mut all);
+        base += packer.stage_by_sender(senders, stage as u16, base, &lists.bytes, &mut all);
     }
     plan.figures = figures(plan, &packer, lists.stages.len() as u32, base, all.len());
     plan.transfers = all;
@@ -639,12 +639,13 @@ const DENSE_PAIRS: usize = 1 << 22;
 /// No run, or no pair.
 const NONE: u32 = u32::MAX;
 
-/// Consecutive transfers of one pair (in plan order) with the same bytes.
+/// Consecutive transfers of one pair (in the order they were read) with the
+/// same bytes.
 #[derive(Clone, Copy)]
 struct Run {
     bytes: u64,
-    /// Position (in the pair, in plan order) of its first transfer not yet
-    /// given a round, and how many are left.
+    /// Position (among the pair's transfers) of its first transfer not yet
+    /// given a round, and how many are left (they follow it).
     start: u32,
     count: u32,
     /// Neighbours in the pair's list of runs (largest bytes first).
@@ -673,8 +674,8 @@ struct Pair {
     started: bool,
 }
 
-/// A pair while the stage's transfers are read: its transfers, its last
-/// run, and that run's bytes and length so far.
+/// A pair while the stage's transfers are read: its transfers so far, its
+/// last run, and that run's bytes and length.
 #[derive(Clone, Copy)]
 struct Reading {
     bytes: u64,
@@ -683,13 +684,13 @@ struct Reading {
     count: u32,
 }
 
-/// A pair while rounds are written into the stage's transfers: how many
-/// were written, and its current segment, where that ends and its round.
+/// A pair while rounds are written into the stage's transfers (in the
+/// order they were read): its current segment, how many of its transfers
+/// are left in it, and its round.
 #[derive(Clone, Copy)]
 struct Writing {
-    written: u32,
     segment: u32,
-    end: u32,
+    left: u32,
     round: u32,
 }
 
@@ -703,12 +704,11 @@ struct Writing {
 /// of rounds are served every round. A rank with room first continues the
 /// pairs it has already started (oldest first), then starts new ones, each
 /// time the one whose other end has the most bytes left among those where
-/// something fits. A pair takes its transfers in plan order (the reshard
-/// planner emits them largest first) while they fit at both ends, then
-/// fills what is left from its other end (the smallest). So a rank streams
-/// its pairs one after another and a pair splits only where a round fills
-/// up: a rank sends or receives about one message per round plus one per
-/// peer, not one per peer and round.
+/// something fits at both ends. A pair takes its largest transfers while
+/// they fit at both ends, then fills what is left with its smallest. So a
+/// rank streams its pairs one after another and a pair splits only where a
+/// round fills up: a rank sends or receives about one message per round
+/// plus one per peer, not one per peer and round.
 ///
 /// A round never puts more than the cap on a rank, except a transfer larger
 /// than the cap, which travels alone (both its ends empty). Every round
@@ -717,10 +717,10 @@ struct Writing {
 /// result is deterministic.
 ///
 /// A pair's transfers are kept as runs of equal bytes (a model has few
-/// distinct piece sizes), and what a pair takes in a round as a segment of
-/// its transfers (by position in plan order), so the work per round is per
-/// pair, not per transfer; rounds are written into the transfers in one
-/// pass at the end of the stage.
+/// distinct piece sizes), largest first, and what a pair takes in a round
+/// as a segment of its transfers (by position in the order they were
+/// read), so the work per round is per pair, not per transfer; rounds are
+/// written into the transfers in one pass at the end of the stage.
 struct RoundPacker {
     n: usize,
     n_src: usize,
@@ -729,17 +729,18 @@ struct RoundPacker {
     /// use), or empty (then `pair_map`).
     pair_table: Vec<u32>,
     pair_map: std::collections::HashMap<(u32, u32), u32>,
-    /// The stage's pairs, numbered in order of first appearance: their ends,
-    /// then the state of each step (small records, for the passes over
-    /// every transfer).
+    /// The stage's pairs: their ends, then their state while transfers are
+    /// read, while rounds are filled and while rounds are written (small
+    /// records for the passes over every transfer).
     ends: Vec<(u32, u32)>,
     reading: Vec<Reading>,
     pairs: Vec<Pair>,
     writing: Vec<Writing>,
-    /// Per transfer of the stage: its pair (`NONE`: a local copy).
+    /// Per transfer of a stage list: its pair (`NONE`: a local copy).
     pair_of: Vec<u32>,
-    /// Per endpoint: scratch.
-    count: Vec<u32>,
+    /// Per endpoint: its pair with the sender at hand (`NONE`: none yet),
+    /// while a stage of [`SenderLists`] is read and written.
+    pair_with: Vec<u32>,
     runs: Vec<Run>,
     /// What pairs took: (pair << 32 | first position, count, round).
     segments: Vec<(u64, u32, u32)>,
@@ -778,7 +779,7 @@ impl RoundPacker {
             pairs: Vec::new(),
             writing: Vec::new(),
             pair_of: Vec::new(),
-            count: Vec::new(),
+            pair_with: Vec::new(),
             runs: Vec::new(),
             segments: Vec::new(),
             left: vec![0; n],
@@ -837,7 +838,8 @@ impl RoundPacker {
     }
 
     /// Assigns rounds `base..` to the transfers of one stage (local copies
-    /// go to `base`) and returns the number of rounds used.
+    /// go to `base`) and returns the number of rounds used. Pairs are
+    /// numbered in order of first appearance.
     fn stage(&mut self, list: &mut [Transfer], base: u32, bytes_of: &impl Fn(&Transfer) -> u64) -> u32 {
         let mut locals = false;
         self.pair_of.clear();
@@ -862,13 +864,13 @@ impl RoundPacker {
         rounds
     }
 
-    /// [`stage`](Self::stage) for one stage of [`PairLists`]: appends its
+    /// [`stage`](Self::stage) for one stage of [`SenderLists`]: appends its
     /// transfers to `out` with rounds `base..`, sender after sender, each
     /// sender's in the order they were added. Pairs are numbered by sender,
     /// then by first appearance of the receiver.
-    fn stage_pairs(&mut self, senders: &[Vec<(u32, u32)>], stage: u16, base: u32, piece_bytes: &[u64], out: &mut Vec<Transfer>) -> u32 {
+    fn stage_by_sender(&mut self, senders: &[Vec<(u32, u32)>], stage: u16, base: u32, piece_bytes: &[u64], out: &mut Vec<Transfer>) -> u32 {
         // Per receiver, its pair with the sender at hand.
-        let mut pair_of = std::mem::take(&mut self.count);
+        let mut pair_of = std::mem::take(&mut self.pair_with);
         pair_of.clear();
         pair_of.resize(self.n, NONE);
         // Per sender, its first pair.
@@ -897,37 +899,26 @@ impl RoundPacker {
         if !self.ends.is_empty() {
             self.prepare();
             rounds = self.fill_rounds();
-            self.segments.sort_unstable_by_key(|s| s.0);
-            // Per receiver of the sender at hand: its pair's current
-            // segment, transfers left in it, and its round. A pair's
-            // segments, by position, follow each other.
-            let mut cursor = vec![(0u32, 0u32, 0u32); self.n];
+            self.start_writing();
             let n_src = self.n_src as u32;
             let endpoint = |e: u32| if e < n_src { Endpoint::src(e) } else { Endpoint::dst(e - n_src) };
-            let mut at = 0usize;
             for (a, list) in senders.iter().enumerate() {
-                for p in first[a]..first[a + 1] {
-                    debug_assert_eq!(self.segments[at].0, (p as u64) << 32);
-                    let (_, count, round) = self.segments[at];
-                    cursor[self.ends[p as usize].1 as usize] = (at as u32, count, round);
-                    while at < self.segments.len() && self.segments[at].0 >> 32 == p as u64 {
-                        at += 1;
-                    }
+                let pairs = first[a]..first[a + 1];
+                for p in pairs.clone() {
+                    pair_of[self.ends[p as usize].1 as usize] = p;
                 }
                 let from = endpoint(a as u32);
                 out.reserve(list.len());
                 for &(z, piece) in list {
-                    let c = &mut cursor[z as usize];
-                    if c.1 == 0 {
-                        c.0 += 1;
-                        (_, c.1, c.2) = self.segments[c.0 as usize];
-                    }
-                    c.1 -= 1;
-                    out.push(Transfer { piece, from, to: endpoint(z), stage, from_scratch: false, to_scratch: false, round: base + c.2 });
+                    let round = base + self.next_round(pair_of[z as usize]);
+                    out.push(Transfer { piece, from, to: endpoint(z), stage, from_scratch: false, to_scratch: false, round });
+                }
+                for p in pairs {
+                    pair_of[self.ends[p as usize].1 as usize] = NONE;
                 }
             }
         }
-        self.count = pair_of;
+        self.pair_with = pair_of;
         self.reset();
         rounds
     }
@@ -1198,14 +1189,15 @@ impl RoundPacker {
         self.pair_of = pair_of;
     }
 
-    /// Sorts the segments and points every pair at its first.
+    /// Sorts the segments by pair and position (a pair's then cover its
+    /// transfers one after another) and points every pair at its first.
     fn start_writing(&mut self) {
         self.segments.sort_unstable_by_key(|s| s.0);
         let mut at = 0usize;
         for p in 0..self.pairs.len() {
-            let (key, count, round) = self.segments[at];
+            let (key, left, round) = self.segments[at];
             debug_assert_eq!(key, (p as u64) << 32);
-            self.writing.push(Writing { written: 0, segment: at as u32, end: count, round });
+            self.writing.push(Writing { segment: at as u32, left, round });
             while at < self.segments.len() && self.segments[at].0 >> 32 == p as u64 {
                 at += 1;
             }
@@ -1216,17 +1208,11 @@ impl RoundPacker {
     #[inline]
     fn next_round(&mut self, p: u32) -> u32 {
         let pair = &mut self.writing[p as usize];
-        let k = pair.written;
-        pair.written += 1;
-        if k >= pair.end {
-            let mut s = pair.segment as usize + 1;
-            while (self.segments[s].0 as u32) + self.segments[s].1 <= k {
-                s += 1;
-            }
-            pair.segment = s as u32;
-            pair.end = self.segments[s].0 as u32 + self.segments[s].1;
-            pair.round = self.segments[s].2;
+        if pair.left == 0 {
+            pair.segment += 1;
+            (_, pair.left, pair.round) = self.segments[pair.segment as usize];
         }
+        pair.left -= 1;
         pair.round
     }
 }

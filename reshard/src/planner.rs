@@ -8,7 +8,7 @@ use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::fingerprint::Fnv64;
 use crate::layout::{Holding, Layout, Rank};
 use crate::overlap::{atomize, SourceIndex};
-use crate::plan::{Endpoint, Group, PairLists, Piece, Plan, PlanError, PlanOptions, PlanParts, Strategy, MAX_PIECES};
+use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
@@ -238,7 +238,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     // Every receiver of a piece gets one transfer of it, almost all from a
     // source in stage 0.
     let expected = work.iter().map(|w| w.receivers.1 as usize).sum();
-    let mut lists = PairLists::new(src.ranks(), dst.ranks(), bytes, expected);
+    let mut lists = SenderLists::new(src.ranks(), dst.ranks(), bytes, expected);
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
@@ -252,7 +252,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         unique_bytes,
         scratch_blocks: Vec::new(),
     };
-    Ok(Plan::assemble_pairs(Strategy::Reshard, src, dst, options, parts, lists))
+    Ok(Plan::assemble_by_sender(Strategy::Reshard, src, dst, options, parts, lists))
 }
 
 /// Most stages a reshard can use: one source send, doubling relays across
@@ -461,7 +461,7 @@ impl Assigner {
 
     /// Keeps the direct option: its maxima, and its transfers in `out`:
     /// the sources' sends to the leaders, then the leaders' fan-outs.
-    fn commit_direct(&mut self, piece: u32, bytes: u64, receivers: &[Rank], out: &mut PairLists) {
+    fn commit_direct(&mut self, piece: u32, bytes: u64, receivers: &[Rank], out: &mut SenderLists) {
         self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
         for (&s, &l) in self.picks.iter().zip(&self.leaders) {
@@ -483,7 +483,7 @@ impl Assigner {
     }
 
     /// Keeps the relay option: its maxima, and its transfers in `out`.
-    fn commit(&mut self, piece: u32, bytes: u64, out: &mut PairLists) {
+    fn commit(&mut self, piece: u32, bytes: u64, out: &mut SenderLists) {
         self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
         for (from, to, stage) in self.emitted.drain(..) {
@@ -576,7 +576,7 @@ impl Assigner {
         }
     }
 
-    fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut PairLists) {
+    fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut SenderLists) {
         // Receivers grouped by node (they are sorted, so groups are runs).
         self.groups.clear();
         self.leaders.clear();
