@@ -299,7 +299,8 @@ struct Assigner {
     groups: Vec<(u32, u32)>,
     leaders: Vec<Rank>,
     fans: bool,
-    /// Scratch: candidates' (egress, node egress, rank), and the senders picked.
+    /// Scratch: candidates' (egress << 64 | node egress, rank), and the
+    /// senders picked.
     cand: Vec<(u128, Rank)>,
     picks: Vec<Rank>,
     arrival: Vec<u16>,
