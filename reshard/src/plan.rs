@@ -1093,8 +1093,9 @@ impl RoundPacker {
                     continue;
                 }
                 let key = self.left[y as usize];
-                if best.map_or(true, |(k, _)| key > k) {
-                    best = Some((key, p));
+                match best {
+                    Some((k, _)) if k >= key => {}
+                    _ => best = Some((key, p)),
                 }
             }
             waiting.truncate(kept);
