@@ -471,33 +471,52 @@ impl Plan {
 
 /// A planner's transfers grouped by stage and by sender: the receiver
 /// and piece of each, in the order they were added. Every transfer goes to
-/// a destination rank, reads and writes the ranks' own shards (no scratch
-/// buffers) and puts its piece's bytes in the wire dtype on the wire.
+/// a destination rank and reads and writes the ranks' own shards (no
+/// scratch buffers).
 pub(crate) struct SenderLists {
     n_src: usize,
     n: usize,
-    /// Per stage, per sender (endpoint index): (receiver, piece).
-    stages: Vec<Vec<Vec<(u32, u32)>>>,
+    /// Per stage, per sender (endpoint index).
+    stages: Vec<Vec<Sends>>,
     len: usize,
-    /// Wire bytes of every piece.
-    bytes: Vec<u64>,
+}
+
+/// One sender's transfers in one stage of [`SenderLists`].
+#[derive(Clone)]
+struct Sends {
+    /// (receiver, piece), in the order added.
+    to: Vec<(u32, u32)>,
+    /// Where the bytes of a transfer change: (position in `to`, bytes from
+    /// there on). A planner that adds pieces by size adds few.
+    bytes: Vec<(u32, u64)>,
+    /// The bytes of the last transfer added (`u64::MAX`: none yet).
+    last: u64,
+}
+
+impl Default for Sends {
+    fn default() -> Self {
+        Sends { to: Vec::new(), bytes: Vec::new(), last: u64::MAX }
+    }
 }
 
 impl SenderLists {
-    /// No transfers yet between `src_ranks` and `dst_ranks` ranks, of
-    /// pieces of `bytes` each; room for about `expected` source sends in
-    /// stage 0, spread evenly (lists that outgrow it grow as usual).
-    pub(crate) fn new(src_ranks: u32, dst_ranks: u32, bytes: Vec<u64>, expected: usize) -> SenderLists {
+    /// No transfers yet between `src_ranks` and `dst_ranks` ranks; room for
+    /// about `expected` source sends in stage 0, spread evenly (lists that
+    /// outgrow it grow as usual).
+    pub(crate) fn new(src_ranks: u32, dst_ranks: u32, expected: usize) -> SenderLists {
         let n_src = src_ranks as usize;
         let n = n_src + dst_ranks as usize;
         let each = expected.div_ceil(n_src.max(1));
-        let stage0 = (0..n).map(|a| if a < n_src { Vec::with_capacity(each + each / 8) } else { Vec::new() }).collect();
-        SenderLists { n_src, n, stages: vec![stage0], len: 0, bytes }
+        let stage0 = (0..n)
+            .map(|a| Sends { to: if a < n_src { Vec::with_capacity(each + each / 8) } else { Vec::new() }, ..Sends::default() })
+            .collect();
+        SenderLists { n_src, n, stages: vec![stage0], len: 0 }
     }
 
-    /// Adds the transfer of `piece` from `from` to `to` in `stage`.
-    #[inline]
-    pub(crate) fn push(&mut self, stage: u16, from: Endpoint, to: Endpoint, piece: u32) {
+    /// Adds the transfer of `piece` (`bytes` on the wire) from `from` to
+    /// `to` in `stage`.
+    #[inline(always)]
+    pub(crate) fn push(&mut self, stage: u16, from: Endpoint, to: Endpoint, piece: u32, bytes: u64) {
         debug_assert_eq!(to.group, Group::Dst);
         let index = |e: Endpoint| match e.group {
             Group::Src => e.rank as usize,
@@ -505,9 +524,14 @@ impl SenderLists {
         };
         let (a, z) = (index(from), index(to));
         while self.stages.len() <= stage as usize {
-            self.stages.push(vec![Vec::new(); self.n]);
+            self.stages.push(vec![Sends::default(); self.n]);
         }
-        self.stages[stage as usize][a].push((z as u32, piece));
+        let sends = &mut self.stages[stage as usize][a];
+        if sends.last != bytes {
+            sends.last = bytes;
+            sends.bytes.push((sends.to.len() as u32, bytes));
+        }
+        sends.to.push((z as u32, piece));
         self.len += 1;
     }
 }
@@ -567,16 +591,17 @@ fn finish(plan: &mut Plan, mut by_stage: Vec<Vec<Transfer>>) {
 /// [`finish`] for transfers grouped by sender: the transfers laid out by
 /// stage, sender, then the order they were added in.
 fn finish_by_sender(plan: &mut Plan, mut lists: SenderLists) {
-    while lists.stages.last().is_some_and(|s| s.iter().all(Vec::is_empty)) {
+    while lists.stages.last().is_some_and(|s| s.iter().all(|sends| sends.to.is_empty())) {
         lists.stages.pop();
     }
     let mut packer = RoundPacker::new(plan);
     let mut all = Vec::with_capacity(lists.len);
     let mut base = 0u32;
-    for (stage, senders) in lists.stages.iter().enumerate() {
-        base += packer.stage_by_sender(senders, stage as u16, base, &lists.bytes, &mut all);
+    let stages = lists.stages.len() as u32;
+    for (stage, senders) in lists.stages.iter_mut().enumerate() {
+        base += packer.stage_by_sender(senders, stage as u16, base, &mut all);
     }
-    plan.figures = figures(plan, &packer, lists.stages.len() as u32, base, all.len());
+    plan.figures = figures(plan, &packer, stages, base, all.len());
     plan.transfers = all;
 }
 
@@ -684,10 +709,44 @@ struct Reading {
     count: u32,
 }
 
+impl Default for Reading {
+    fn default() -> Self {
+        Reading { bytes: 0, total: 0, tail: NONE, count: 0 }
+    }
+}
+
+/// Adds a transfer of `bytes` to a pair being read, after the earlier ones:
+/// its last run grows, or a new run (in `runs`) begins.
+#[inline]
+fn read(pair: &mut Reading, runs: &mut Vec<Run>, bytes: u64) {
+    pair.total += 1;
+    if pair.tail != NONE && pair.bytes == bytes {
+        pair.count += 1;
+    } else {
+        let r = runs.len() as u32;
+        let tail = std::mem::replace(&mut pair.tail, r);
+        pair.bytes = bytes;
+        let count = std::mem::replace(&mut pair.count, 1);
+        if tail != NONE {
+            runs[tail as usize].count = count;
+            runs[tail as usize].next = r;
+        }
+        runs.push(Run { bytes, start: pair.total - 1, count: 0, prev: tail, next: NONE });
+    }
+}
+
+/// A receiver's pair with the sender at hand, while a stage of
+/// [`SenderLists`] is read and then written.
+#[derive(Clone, Copy, Default)]
+struct With {
+    reading: Reading,
+    writing: Writing,
+}
+
 /// A pair while rounds are written into the stage's transfers (in the
 /// order they were read): its current segment, how many of its transfers
 /// are left in it, and its round.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Writing {
     segment: u32,
     left: u32,
@@ -738,9 +797,9 @@ struct RoundPacker {
     writing: Vec<Writing>,
     /// Per transfer of a stage list: its pair (`NONE`: a local copy).
     pair_of: Vec<u32>,
-    /// Per endpoint: its pair with the sender at hand (`NONE`: none yet),
-    /// while a stage of [`SenderLists`] is read and written.
-    pair_with: Vec<u32>,
+    /// Per endpoint: its pair with the sender at hand, while a stage of
+    /// [`SenderLists`] is read and written.
+    with: Vec<With>,
     runs: Vec<Run>,
     /// What pairs took: (pair << 32 | first position, count, round).
     segments: Vec<(u64, u32, u32)>,
@@ -779,7 +838,7 @@ impl RoundPacker {
             pairs: Vec::new(),
             writing: Vec::new(),
             pair_of: Vec::new(),
-            pair_with: Vec::new(),
+            with: Vec::new(),
             runs: Vec::new(),
             segments: Vec::new(),
             left: vec![0; n],
@@ -823,7 +882,7 @@ impl RoundPacker {
         };
         if p == next {
             self.ends.push((a as u32, z as u32));
-            self.reading.push(Reading { bytes: 0, total: 0, tail: NONE, count: 0 });
+            self.reading.push(Reading::default());
         }
         p as usize
     }
@@ -866,32 +925,33 @@ impl RoundPacker {
 
     /// [`stage`](Self::stage) for one stage of [`SenderLists`]: appends its
     /// transfers to `out` with rounds `base..`, sender after sender, each
-    /// sender's in the order they were added. Pairs are numbered by sender,
-    /// then by first appearance of the receiver.
-    fn stage_by_sender(&mut self, senders: &[Vec<(u32, u32)>], stage: u16, base: u32, piece_bytes: &[u64], out: &mut Vec<Transfer>) -> u32 {
-        // Per receiver, its pair with the sender at hand.
-        let mut pair_of = std::mem::take(&mut self.pair_with);
-        pair_of.clear();
-        pair_of.resize(self.n, NONE);
+    /// sender's in the order they were added (and then frees its list).
+    /// Pairs are numbered by sender, then by first appearance of the
+    /// receiver.
+    fn stage_by_sender(&mut self, senders: &mut [Sends], stage: u16, base: u32, out: &mut Vec<Transfer>) -> u32 {
+        // Per receiver: its pair with the sender at hand, read, then
+        // written (one load a transfer, not two).
+        let mut with = std::mem::take(&mut self.with);
+        with.clear();
+        with.resize(self.n, With::default());
         // Per sender, its first pair.
         let mut first = Vec::with_capacity(senders.len() + 1);
-        for (a, list) in senders.iter().enumerate() {
+        for (a, sends) in senders.iter().enumerate() {
             first.push(self.ends.len() as u32);
-            for &(z, piece) in list {
-                let p = match pair_of[z as usize] {
-                    NONE => {
-                        let p = self.ends.len() as u32;
-                        pair_of[z as usize] = p;
-                        self.ends.push((a as u32, z));
-                        self.reading.push(Reading { bytes: 0, total: 0, tail: NONE, count: 0 });
-                        p
-                    }
-                    p => p,
-                };
-                self.read(p as usize, piece_bytes[piece as usize]);
+            let mut sizes = sends.bytes.iter().peekable();
+            let mut bytes = 0;
+            for (k, &(z, _)) in sends.to.iter().enumerate() {
+                if let Some(&(_, b)) = sizes.next_if(|&&(at, _)| at as usize == k) {
+                    bytes = b;
+                }
+                let reading = &mut with[z as usize].reading;
+                if reading.total == 0 {
+                    self.ends.push((a as u32, z));
+                }
+                read(reading, &mut self.runs, bytes);
             }
             for &(_, z) in &self.ends[first[a] as usize..] {
-                pair_of[z as usize] = NONE;
+                self.reading.push(std::mem::take(&mut with[z as usize]).reading);
             }
         }
         first.push(self.ends.len() as u32);
@@ -902,23 +962,33 @@ impl RoundPacker {
             self.start_writing();
             let n_src = self.n_src as u32;
             let endpoint = |e: u32| if e < n_src { Endpoint::src(e) } else { Endpoint::dst(e - n_src) };
-            for (a, list) in senders.iter().enumerate() {
-                let pairs = first[a]..first[a + 1];
-                for p in pairs.clone() {
-                    pair_of[self.ends[p as usize].1 as usize] = p;
+            for (a, sends) in senders.iter_mut().enumerate() {
+                for p in first[a] as usize..first[a + 1] as usize {
+                    with[self.ends[p].1 as usize].writing = self.writing[p];
                 }
                 let from = endpoint(a as u32);
-                out.reserve(list.len());
-                for &(z, piece) in list {
-                    let round = base + self.next_round(pair_of[z as usize]);
-                    out.push(Transfer { piece, from, to: endpoint(z), stage, from_scratch: false, to_scratch: false, round });
+                out.reserve(sends.to.len());
+                for &(z, piece) in &sends.to {
+                    let pair = &mut with[z as usize].writing;
+                    if pair.left == 0 {
+                        pair.segment += 1;
+                        (_, pair.left, pair.round) = self.segments[pair.segment as usize];
+                    }
+                    pair.left -= 1;
+                    out.push(Transfer {
+                        piece,
+                        from,
+                        to: endpoint(z),
+                        stage,
+                        from_scratch: false,
+                        to_scratch: false,
+                        round: base + pair.round,
+                    });
                 }
-                for p in pairs {
-                    pair_of[self.ends[p as usize].1 as usize] = NONE;
-                }
+                *sends = Sends::default();
             }
         }
-        self.pair_with = pair_of;
+        self.with = with;
         self.reset();
         rounds
     }
@@ -926,21 +996,7 @@ impl RoundPacker {
     /// Adds a transfer of `bytes` to pair `p` (after the earlier ones).
     #[inline]
     fn read(&mut self, p: usize, bytes: u64) {
-        let pair = &mut self.reading[p];
-        pair.total += 1;
-        if pair.tail != NONE && pair.bytes == bytes {
-            pair.count += 1;
-        } else {
-            let r = self.runs.len() as u32;
-            let tail = std::mem::replace(&mut pair.tail, r);
-            pair.bytes = bytes;
-            let count = std::mem::replace(&mut pair.count, 1);
-            if tail != NONE {
-                self.runs[tail as usize].count = count;
-                self.runs[tail as usize].next = r;
-            }
-            self.runs.push(Run { bytes, start: pair.total - 1, count: 0, prev: tail, next: NONE });
-        }
+        read(&mut self.reading[p], &mut self.runs, bytes);
     }
 
     /// Once a stage's transfers are read: the pairs, their traffic, and

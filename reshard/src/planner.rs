@@ -231,14 +231,10 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     }
     drop(slots);
     let mut assigner = Assigner::new(src, dst, options.links);
-    let mut bytes = vec![0u64; work.len()];
-    for w in &work {
-        bytes[w.piece as usize] = w.bytes;
-    }
     // Every receiver of a piece gets one transfer of it, almost all from a
     // source in stage 0.
     let expected = work.iter().map(|w| w.receivers.1 as usize).sum();
-    let mut lists = SenderLists::new(src.ranks(), dst.ranks(), bytes, expected);
+    let mut lists = SenderLists::new(src.ranks(), dst.ranks(), expected);
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
@@ -467,7 +463,7 @@ impl Assigner {
         self.top = 0;
         for (&s, &l) in self.picks.iter().zip(&self.leaders) {
             self.src_node_load[self.src_node[s as usize] as usize] += bytes;
-            out.push(0, Endpoint::src(s), Endpoint::dst(l), piece);
+            out.push(0, Endpoint::src(s), Endpoint::dst(l), piece, bytes);
         }
         if !self.fans {
             return;
@@ -476,7 +472,7 @@ impl Assigner {
             if g.1 - g.0 > 1 {
                 for &r in &receivers[g.0 as usize..g.1 as usize] {
                     if r != l {
-                        out.push(1, Endpoint::dst(l), Endpoint::dst(r), piece);
+                        out.push(1, Endpoint::dst(l), Endpoint::dst(r), piece, bytes);
                     }
                 }
             }
@@ -491,7 +487,7 @@ impl Assigner {
             if from.group == Group::Src {
                 self.src_node_load[self.src_node[from.rank as usize] as usize] += bytes;
             }
-            out.push(stage, from, to, piece);
+            out.push(stage, from, to, piece, bytes);
         }
     }
 
