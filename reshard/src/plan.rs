@@ -967,7 +967,6 @@ impl RoundPacker {
                     with[self.ends[p].1 as usize].writing = self.writing[p];
                 }
                 let from = endpoint(a as u32);
-                out.reserve(sends.to.len());
                 for &(z, piece) in &sends.to {
                     let pair = &mut with[z as usize].writing;
                     if pair.left == 0 {
