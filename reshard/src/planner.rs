@@ -8,7 +8,7 @@ use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::fingerprint::Fnv64;
 use crate::layout::{Holding, Layout, Rank};
 use crate::overlap::{atomize, SourceIndex};
-use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Strategy, Transfer, MAX_PIECES};
+use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
@@ -17,8 +17,14 @@ use std::hash::{Hash, Hasher};
 pub(crate) fn match_tensors(src: &Layout, dst: &Layout) -> Result<Vec<(u32, DType, DType)>, PlanError> {
     dst.tensors()
         .iter()
-        .map(|t| {
-            let si = src.tensor_index(&t.name).ok_or_else(|| PlanError::MissingTensor { tensor: t.name.clone() })?;
+        .enumerate()
+        .map(|(i, t)| {
+            // Names are unique: layouts listing tensors in the same order
+            // need no lookup.
+            let si = match src.tensors().get(i) {
+                Some(s) if s.name == t.name => i as u32,
+                _ => src.tensor_index(&t.name).ok_or_else(|| PlanError::MissingTensor { tensor: t.name.clone() })?,
+            };
             let s = &src.tensors()[si as usize];
             if s.shape != t.shape {
                 return Err(PlanError::ShapeMismatch { tensor: t.name.clone(), src: s.shape.clone(), dst: t.shape.clone() });
@@ -112,7 +118,12 @@ fn overlap_template(
 /// senders as (start, len) ranges of the rank pool.
 type TemplatePiece = (Block, (u32, u32), (u32, u32));
 
+/// How many recently used templates a tensor is compared with before its
+/// placements are hashed.
+const RECENT_TEMPLATES: usize = 8;
+
 /// One piece still to be assigned senders.
+#[derive(Clone, Copy)]
 struct Work {
     piece: u32,
     bytes: u64,
@@ -123,8 +134,6 @@ struct Work {
 /// Plans a reshard from `src` to `dst`.
 pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Plan, PlanError> {
     let matched = match_tensors(src, dst)?;
-    let mut pieces: Vec<Piece> = Vec::new();
-    let mut work: Vec<Work> = Vec::new();
     let mut pool: Vec<Rank> = Vec::new();
     let mut needs = vec![0u64; dst.nodes() as usize];
     let mut unique_bytes = 0u64;
@@ -133,58 +142,105 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     // computation, a template of pieces with receiver and candidate ranges.
     let mut templates: Vec<Template> = Vec::new();
     let mut by_key: HashMap<u64, Vec<u32>> = HashMap::new();
+    // The templates used last, most recent first: neighbouring tensors are
+    // often placed alike (an expert's weights, layer after layer), and
+    // checking a few is cheaper than hashing both placements.
+    let mut recent: Vec<u32> = Vec::with_capacity(RECENT_TEMPLATES);
+    // Each destination tensor's template, and how many pieces in all.
+    let mut template_of: Vec<u32> = Vec::with_capacity(matched.len());
+    let mut total_pieces = 0u64;
     for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
         let wire = wire_dtype(sd, dd);
         let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
-        // Storage (own or named buffers, offsets) plays no part in the
-        // overlap: fused tensors placed alike share a template too.
-        let key = {
-            let mut h = Fnv64::default();
-            dt.shape.hash(&mut h);
-            st.placement.hash_geometry(&mut h);
-            dt.placement.hash_geometry(&mut h);
-            wire.hash(&mut h);
-            h.finish()
-        };
         let same = |t: &Template| {
             let (rs, rd) = (&src.tensors()[t.src_tensor as usize], &dst.tensors()[t.dst_tensor as usize]);
             t.wire == wire && rd.shape == dt.shape && rs.placement.same_geometry(&st.placement) && rd.placement.same_geometry(&dt.placement)
         };
-        let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&templates[i as usize])));
-        let template = match found {
-            Some(i) => i as usize,
+        let template = match recent.iter().position(|&i| same(&templates[i as usize])) {
+            Some(at) => {
+                let i = recent.remove(at);
+                i as usize
+            }
             None => {
-                let t = overlap_template(src, dst, ts, td as u32, wire, options, &mut pool)?;
-                by_key.entry(key).or_default().push(templates.len() as u32);
-                templates.push(t);
-                templates.len() - 1
+                // Storage (own or named buffers, offsets) plays no part in
+                // the overlap: fused tensors placed alike share a template too.
+                let key = {
+                    let mut h = Fnv64::default();
+                    dt.shape.hash(&mut h);
+                    st.placement.hash_geometry(&mut h);
+                    dt.placement.hash_geometry(&mut h);
+                    wire.hash(&mut h);
+                    h.finish()
+                };
+                let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&templates[i as usize])));
+                match found {
+                    Some(i) => i as usize,
+                    None => {
+                        let t = overlap_template(src, dst, ts, td as u32, wire, options, &mut pool)?;
+                        by_key.entry(key).or_default().push(templates.len() as u32);
+                        templates.push(t);
+                        templates.len() - 1
+                    }
+                }
             }
         };
+        if recent.len() == RECENT_TEMPLATES {
+            recent.pop();
+        }
+        recent.insert(0, template as u32);
+        template_of.push(template as u32);
         let t = &templates[template];
-        if pieces.len() as u64 + t.pieces.len() as u64 > MAX_PIECES {
+        total_pieces += t.pieces.len() as u64;
+        if total_pieces > MAX_PIECES {
             return Err(PlanError::TooManyPieces { tensor: dt.name.clone(), limit: MAX_PIECES });
         }
         unique_bytes += t.unique_bytes;
         for &(node, bytes) in &t.needs {
             needs[node as usize] += bytes;
         }
-        for &(block, receivers, candidates) in &t.pieces {
-            work.push(Work { piece: pieces.len() as u32, bytes: block.numel() * wire.size(), receivers, candidates });
+    }
+    // Pieces in tensor order, and the work on them largest first, ties by
+    // piece order (deterministic): a counting sort over the few distinct
+    // piece sizes, which the templates know.
+    let mut sizes: Vec<u64> = templates.iter().flat_map(|t| t.pieces.iter().map(|p| p.0.numel() * t.wire.size())).collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.dedup();
+    let size_of = |t: &Template| -> Vec<u32> {
+        t.pieces.iter().map(|p| sizes.partition_point(|&s| s > p.0.numel() * t.wire.size()) as u32).collect()
+    };
+    let slots: Vec<Vec<u32>> = templates.iter().map(size_of).collect();
+    let mut starts = vec![0usize; sizes.len() + 1];
+    for &t in &template_of {
+        for &slot in &slots[t as usize] {
+            starts[slot as usize + 1] += 1;
+        }
+    }
+    for i in 1..starts.len() {
+        starts[i] += starts[i - 1];
+    }
+    let mut pieces: Vec<Piece> = Vec::with_capacity(total_pieces as usize);
+    let mut work: Vec<Work> = vec![Work { piece: 0, bytes: 0, receivers: (0, 0), candidates: (0, 0) }; total_pieces as usize];
+    for (td, (&(ts, _, _), &t)) in matched.iter().zip(&template_of).enumerate() {
+        let t = t as usize;
+        for (&(block, receivers, candidates), &slot) in templates[t].pieces.iter().zip(&slots[t]) {
+            let at = &mut starts[slot as usize];
+            work[*at] = Work { piece: pieces.len() as u32, bytes: sizes[slot as usize], receivers, candidates };
+            *at += 1;
             pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block });
         }
     }
-    // Largest first; ties by piece order, so the result is deterministic.
-    work.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.piece.cmp(&b.piece)));
+    drop(slots);
     let mut assigner = Assigner::new(src, dst, options.links);
-    // Every receiver of a piece gets exactly one transfer of it, and almost
-    // all are in stage 0: reserve that much up front.
-    let expected: usize = work.iter().map(|w| w.receivers.1 as usize).sum();
-    let mut by_stage: Vec<Vec<Transfer>> = vec![Vec::with_capacity(expected)];
+    // Every receiver of a piece gets one transfer of it, almost all from a
+    // source in stage 0.
+    let expected = work.iter().map(|w| w.receivers.1 as usize).sum();
+    let mut lists = SenderLists::new(src.ranks(), dst.ranks(), expected);
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
-        assigner.assign(w.piece, w.bytes, receivers, candidates, &mut by_stage);
+        assigner.assign(w.piece, w.bytes, receivers, candidates, &mut lists);
     }
+    drop(work);
     let parts = PlanParts {
         pieces,
         wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
@@ -192,7 +248,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         unique_bytes,
         scratch_blocks: Vec::new(),
     };
-    Ok(Plan::assemble(Strategy::Reshard, src, dst, options, parts, by_stage))
+    Ok(Plan::assemble_by_sender(Strategy::Reshard, src, dst, options, parts, lists))
 }
 
 /// Most stages a reshard can use: one source send, doubling relays across
@@ -221,24 +277,27 @@ struct Assigner {
     src_node_load: Vec<u64>,
     /// Bytes per (stage, link), stage-major; grown a stage at a time.
     loads: Vec<u64>,
-    /// Per stage: busiest link time.
-    max_time: [f64; MAX_STAGES],
-    /// Per stage: busiest link time including the option being evaluated
-    /// (equal to `max_time` outside an evaluation), up to stage `top`.
-    pending: [f64; MAX_STAGES],
+    /// Per stage: the most bytes on any link timed at network bandwidth
+    /// and on any timed at intra-node bandwidth (see [`Assigner::add`]).
+    max_bytes: [[u64; 2]; MAX_STAGES],
+    /// The same including the option being evaluated (equal to
+    /// `max_bytes` outside an evaluation), up to stage `top`.
+    pending: [[u64; 2]; MAX_STAGES],
     top: usize,
     /// Total ingress per destination rank (leader choice).
     dst_in_total: Vec<u64>,
-    /// Link additions of the option being evaluated: (stage, link, bytes).
-    log: Vec<(u16, u32, u64)>,
-    /// Transfers of the option being evaluated.
+    /// Transfers of the relay option while it is evaluated (taken off the
+    /// links one by one on rollback). The direct option is known from
+    /// `groups`, `leaders` and `picks` alone.
     emitted: Vec<(Endpoint, Endpoint, u16)>,
-    /// Scratch for the direct option while the relay is evaluated.
-    direct: Vec<(Endpoint, Endpoint, u16)>,
+    /// The piece's receivers by node (ranges of its receivers), each
+    /// node's leader, and whether any node has more than one receiver.
     groups: Vec<(u32, u32)>,
     leaders: Vec<Rank>,
-    /// Scratch: candidates' (egress, node egress, rank), and the senders picked.
-    cand: Vec<(u64, u64, Rank)>,
+    fans: bool,
+    /// Scratch: candidates' (egress << 64 | node egress, rank), and the
+    /// senders picked.
+    cand: Vec<(u128, Rank)>,
     picks: Vec<Rank>,
     arrival: Vec<u16>,
 }
@@ -262,15 +321,14 @@ impl Assigner {
             src_node: (0..src.ranks()).map(|r| src.node_of(r)).collect(),
             src_node_load: vec![0; src.nodes() as usize],
             loads: Vec::new(),
-            max_time: [0.0; MAX_STAGES],
-            pending: [0.0; MAX_STAGES],
+            max_bytes: [[0; 2]; MAX_STAGES],
+            pending: [[0; 2]; MAX_STAGES],
             top: 0,
             dst_in_total: vec![0; n_dst],
-            log: Vec::new(),
             emitted: Vec::new(),
-            direct: Vec::new(),
             groups: Vec::new(),
             leaders: Vec::new(),
+            fans: false,
             cand: Vec::new(),
             picks: Vec::new(),
             arrival: Vec::new(),
@@ -285,12 +343,17 @@ impl Assigner {
         }
     }
 
-    /// Time of `bytes` on `link`.
+    /// Time of a stage's busiest links (bytes per bandwidth class).
     #[inline]
-    fn time(&self, link: u32, bytes: u64) -> f64 {
-        bytes as f64 * self.inv_bw[((link as usize) >= self.n_src + 3 * self.n_dst) as usize]
+    fn time(&self, bytes: [u64; 2]) -> f64 {
+        (bytes[0] as f64 * self.inv_bw[0]).max(bytes[1] as f64 * self.inv_bw[1])
     }
 
+    /// Adds `bytes` to a link in `stage`. Destination egress inside the
+    /// node is timed at the intra-node bandwidth, every other link (the
+    /// ingress side of a transfer inside the node included) at the
+    /// network's, so the busiest time of a stage is the larger of the two
+    /// classes' busiest links.
     #[inline]
     fn add(&mut self, stage: u16, kind: usize, rank: Rank, bytes: u64) {
         let s = stage as usize;
@@ -298,15 +361,21 @@ impl Assigner {
         if self.loads.len() < need {
             self.loads.resize(need, 0);
         }
-        let link = self.link(kind, rank);
-        let i = s * self.n_links + link;
-        self.loads[i] += bytes;
-        let t = self.time(link as u32, self.loads[i]);
-        if t > self.pending[s] {
-            self.pending[s] = t;
+        let i = s * self.n_links + self.link(kind, rank);
+        let load = self.loads[i] + bytes;
+        self.loads[i] = load;
+        let class = &mut self.pending[s][(kind == DST_OUT_NV) as usize];
+        if load > *class {
+            *class = load;
         }
         self.top = self.top.max(s + 1);
-        self.log.push((stage, link as u32, bytes));
+    }
+
+    /// Takes back what [`add`](Self::add) added.
+    #[inline]
+    fn sub(&mut self, stage: u16, kind: usize, rank: Rank, bytes: u64) {
+        let i = stage as usize * self.n_links + self.link(kind, rank);
+        self.loads[i] -= bytes;
     }
 
     #[inline]
@@ -316,30 +385,109 @@ impl Assigner {
 
     /// Cost increase of the option being evaluated.
     fn delta(&self) -> f64 {
-        (0..self.top).map(|s| self.pending[s] - self.max_time[s]).sum()
+        (0..self.top).map(|s| self.time(self.pending[s]) - self.time(self.max_bytes[s])).sum()
     }
 
-    fn rollback(&mut self) {
-        for (s, link, b) in self.log.drain(..) {
-            self.loads[s as usize * self.n_links + link as usize] -= b;
+    /// Forgets the evaluated option's maxima.
+    fn forget(&mut self) {
+        self.pending[..self.top].copy_from_slice(&self.max_bytes[..self.top]);
+        self.top = 0;
+    }
+
+    /// Takes the relay option off the links and forgets it.
+    fn rollback(&mut self, bytes: u64) {
+        for i in 0..self.emitted.len() {
+            let (from, to, stage) = self.emitted[i];
+            let (out, inn) = self.link_kinds(from, to);
+            self.sub(stage, out, from.rank, bytes);
+            self.sub(stage, inn, to.rank, bytes);
         }
-        self.pending[..self.top].copy_from_slice(&self.max_time[..self.top]);
-        self.top = 0;
         self.emitted.clear();
+        self.forget();
     }
 
-    fn commit(&mut self, piece: u32, bytes: u64, out: &mut Vec<Vec<Transfer>>) {
-        self.max_time[..self.top].copy_from_slice(&self.pending[..self.top]);
+    /// Puts the direct option on the links (`on`) or takes it off: each
+    /// chosen source sends to its node's leader in stage 0, which fans out
+    /// inside its node in stage 1.
+    fn direct_links(&mut self, receivers: &[Rank], bytes: u64, on: bool) {
+        // Stage 0 (source egress and leader ingress, both network links)
+        // in one sweep over that stage's loads.
+        let need = 2 * self.n_links;
+        if self.loads.len() < need {
+            self.loads.resize(need, 0);
+        }
+        let (n_src, loads) = (self.n_src, &mut self.loads[..self.n_links]);
+        let (sources, leaders) = (&self.picks, &self.leaders);
+        if on {
+            let mut most = self.pending[0][0];
+            for (&s, &l) in sources.iter().zip(leaders) {
+                loads[s as usize] += bytes;
+                loads[n_src + l as usize] += bytes;
+                most = most.max(loads[s as usize]).max(loads[n_src + l as usize]);
+            }
+            self.pending[0][0] = most;
+            self.top = self.top.max(1);
+        } else {
+            for (&s, &l) in sources.iter().zip(leaders) {
+                loads[s as usize] -= bytes;
+                loads[n_src + l as usize] -= bytes;
+            }
+        }
+        if !self.fans {
+            return;
+        }
+        // Stage 1: fan-out inside nodes.
+        for j in 0..self.groups.len() {
+            let (g, l) = (self.groups[j], self.leaders[j]);
+            if g.1 - g.0 > 1 {
+                for &r in &receivers[g.0 as usize..g.1 as usize] {
+                    if r == l {
+                        continue;
+                    }
+                    if on {
+                        self.add(1, DST_OUT_NV, l, bytes);
+                        self.add(1, DST_IN_NV, r, bytes);
+                    } else {
+                        self.sub(1, DST_OUT_NV, l, bytes);
+                        self.sub(1, DST_IN_NV, r, bytes);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Keeps the direct option: its maxima, and its transfers in `out`:
+    /// the sources' sends to the leaders, then the leaders' fan-outs.
+    fn commit_direct(&mut self, piece: u32, bytes: u64, receivers: &[Rank], out: &mut SenderLists) {
+        self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
-        self.log.clear();
+        for (&s, &l) in self.picks.iter().zip(&self.leaders) {
+            self.src_node_load[self.src_node[s as usize] as usize] += bytes;
+            out.push(0, Endpoint::src(s), Endpoint::dst(l), piece, bytes);
+        }
+        if !self.fans {
+            return;
+        }
+        for (&g, &l) in self.groups.iter().zip(&self.leaders) {
+            if g.1 - g.0 > 1 {
+                for &r in &receivers[g.0 as usize..g.1 as usize] {
+                    if r != l {
+                        out.push(1, Endpoint::dst(l), Endpoint::dst(r), piece, bytes);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Keeps the relay option: its maxima, and its transfers in `out`.
+    fn commit(&mut self, piece: u32, bytes: u64, out: &mut SenderLists) {
+        self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
+        self.top = 0;
         for (from, to, stage) in self.emitted.drain(..) {
             if from.group == Group::Src {
                 self.src_node_load[self.src_node[from.rank as usize] as usize] += bytes;
             }
-            if out.len() <= stage as usize {
-                out.resize_with(stage as usize + 1, Vec::new);
-            }
-            out[stage as usize].push(Transfer { piece, from, to, stage, from_scratch: false, to_scratch: false, round: 0 });
+            out.push(stage, from, to, piece, bytes);
         }
     }
 
@@ -353,7 +501,7 @@ impl Assigner {
         let least = candidates.iter().map(|&c| self.load(0, SRC_OUT, c)).min().unwrap_or(0);
         let src = (least.saturating_sub(k * bytes) + bytes) as f64 / self.net_bw;
         let dst = self.load(0, DST_IN_NET, self.leaders[0]) as f64 / self.net_bw;
-        (src.max(dst) - self.max_time[0]).max(0.0)
+        (src.max(dst) - self.time(self.max_bytes[0])).max(0.0)
     }
 
     /// The candidate with the least stage-0 egress; ties go to the one on
@@ -361,19 +509,27 @@ impl Assigner {
     /// Chooses `k` senders in turn, each the least loaded (as
     /// [`best_source`](Self::best_source)) after the earlier choices' bytes.
     fn pick_sources(&mut self, candidates: &[Rank], k: usize, bytes: u64) {
+        self.picks.clear();
+        if let [only] = candidates {
+            self.picks.resize(k, *only);
+            return;
+        }
+        // (egress, node egress) as one number, compared at once.
         let mut cand = std::mem::take(&mut self.cand);
         cand.clear();
-        cand.extend(candidates.iter().map(|&c| (self.load(0, SRC_OUT, c), self.src_node_load[self.src_node[c as usize] as usize], c)));
-        self.picks.clear();
+        cand.extend(candidates.iter().map(|&c| {
+            let node = self.src_node_load[self.src_node[c as usize] as usize];
+            ((self.load(0, SRC_OUT, c) as u128) << 64 | node as u128, c)
+        }));
         for _ in 0..k {
-            let mut best = 0;
-            for i in 1..cand.len() {
-                if (cand[i].0, cand[i].1) < (cand[best].0, cand[best].1) {
-                    best = i;
+            let (mut best, mut least) = (0, cand[0].0);
+            for (i, &(key, _)) in cand.iter().enumerate().skip(1) {
+                if key < least {
+                    (best, least) = (i, key);
                 }
             }
-            cand[best].0 += bytes;
-            self.picks.push(cand[best].2);
+            cand[best].0 += (bytes as u128) << 64;
+            self.picks.push(cand[best].1);
         }
         self.cand = cand;
     }
@@ -391,21 +547,20 @@ impl Assigner {
         best
     }
 
-    fn send(&mut self, from: Endpoint, to: Endpoint, stage: u16, bytes: u64) {
+    /// The links a transfer loads: the sender's and the receiver's.
+    #[inline]
+    fn link_kinds(&self, from: Endpoint, to: Endpoint) -> (usize, usize) {
         match (from.group, from.group == Group::Dst && self.dst_node[from.rank as usize] == self.dst_node[to.rank as usize]) {
-            (Group::Src, _) => {
-                self.add(stage, SRC_OUT, from.rank, bytes);
-                self.add(stage, DST_IN_NET, to.rank, bytes);
-            }
-            (Group::Dst, false) => {
-                self.add(stage, DST_OUT_NET, from.rank, bytes);
-                self.add(stage, DST_IN_NET, to.rank, bytes);
-            }
-            (Group::Dst, true) => {
-                self.add(stage, DST_OUT_NV, from.rank, bytes);
-                self.add(stage, DST_IN_NV, to.rank, bytes);
-            }
+            (Group::Src, _) => (SRC_OUT, DST_IN_NET),
+            (Group::Dst, false) => (DST_OUT_NET, DST_IN_NET),
+            (Group::Dst, true) => (DST_OUT_NV, DST_IN_NV),
         }
+    }
+
+    fn send(&mut self, from: Endpoint, to: Endpoint, stage: u16, bytes: u64) {
+        let (out, inn) = self.link_kinds(from, to);
+        self.add(stage, out, from.rank, bytes);
+        self.add(stage, inn, to.rank, bytes);
         self.emitted.push((from, to, stage));
     }
 
@@ -418,18 +573,26 @@ impl Assigner {
         }
     }
 
-    fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut Vec<Vec<Transfer>>) {
+    fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut SenderLists) {
         // Receivers grouped by node (they are sorted, so groups are runs).
         self.groups.clear();
         self.leaders.clear();
+        self.fans = false;
         let mut start = 0;
+        let mut node = receivers.first().map_or(0, |&r| self.dst_node[r as usize]);
         for i in 1..=receivers.len() {
-            if i == receivers.len() || self.dst_node[receivers[i] as usize] != self.dst_node[receivers[start] as usize] {
-                let g = &receivers[start..i];
-                let leader = g.iter().copied().min_by_key(|&r| (self.dst_in_total[r as usize], r)).unwrap_or(g[0]);
+            let next = receivers.get(i).map_or(u32::MAX, |&r| self.dst_node[r as usize]);
+            if next != node {
+                let leader = match &receivers[start..i] {
+                    &[only] => only,
+                    g => {
+                        self.fans = true;
+                        g.iter().copied().min_by_key(|&r| (self.dst_in_total[r as usize], r)).unwrap_or(g[0])
+                    }
+                };
                 self.groups.push((start as u32, i as u32));
                 self.leaders.push(leader);
-                start = i;
+                (start, node) = (i, next);
             }
         }
         let k = self.groups.len();
@@ -439,17 +602,14 @@ impl Assigner {
         // `best_source` would, one after another, on a local copy of the
         // candidates' loads.
         self.pick_sources(candidates, k, bytes);
-        for j in 0..k {
-            let (g, l, s) = (self.groups[j], self.leaders[j], self.picks[j]);
-            self.send(Endpoint::src(s), Endpoint::dst(l), 0, bytes);
-            self.fan_out(l, group(g), 1, bytes);
-        }
+        self.direct_links(receivers, bytes, true);
         let direct_cost = if k >= 2 { self.delta() } else { 0.0 };
+        let mut direct = true;
         // The relay costs at least its first hop's growth of the stage-0
         // maximum; skip evaluating it when that alone is no better.
         if k >= 2 && self.relay_first_hop_cost(candidates, bytes) < direct_cost {
-            std::mem::swap(&mut self.direct, &mut self.emitted);
-            self.rollback();
+            self.direct_links(receivers, bytes, false);
+            self.forget();
 
             // Option B: one source send, then node-to-node doubling.
             let s = self.best_source(candidates);
@@ -476,18 +636,19 @@ impl Assigner {
                 self.fan_out(l, group(g), a + 1, bytes);
             }
             if self.delta() + 1e-15 >= direct_cost {
-                self.rollback();
-                let direct = std::mem::take(&mut self.direct);
-                for &(from, to, st) in &direct {
-                    self.send(from, to, st, bytes);
-                }
-                self.direct = direct;
+                self.rollback(bytes);
+                self.direct_links(receivers, bytes, true);
+            } else {
+                direct = false;
             }
-            self.direct.clear();
         }
         for j in 0..k {
             self.dst_in_total[self.leaders[j] as usize] += bytes;
         }
-        self.commit(piece, bytes, out);
+        if direct {
+            self.commit_direct(piece, bytes, receivers, out);
+        } else {
+            self.commit(piece, bytes, out);
+        }
     }
 }
