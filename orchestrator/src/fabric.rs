@@ -85,15 +85,11 @@ impl Endpointed {
         };
         // A pair's lend area is reserved as soon as it talks: size it to the
         // largest message this rank sends inside its node (bigger ones
-        // stream), not to the default, or a node of 8 ranks pins gigabytes.
-        let largest = program
-            .rounds
-            .iter()
-            .flat_map(|r| r.sends.iter())
-            .filter(|m| node_of(m.peer) == node_of(me))
-            .map(|m| m.wire_bytes())
-            .max()
-            .unwrap_or(0);
+        // stream), and share the default among the node peers it sends to,
+        // or a node of 8 ranks pins gigabytes of shared memory.
+        let in_node = program.rounds.iter().flat_map(|r| r.sends.iter()).filter(|m| node_of(m.peer) == node_of(me));
+        let largest = in_node.clone().map(|m| m.wire_bytes()).max().unwrap_or(0);
+        let in_node_peers = in_node.map(|m| m.peer).collect::<BTreeSet<_>>().len().max(1) as u64;
         let mut config = NodeTransportConfig {
             session,
             tcp: TcpConfig {
@@ -114,7 +110,8 @@ impl Endpointed {
             },
             ..NodeTransportConfig::default()
         };
-        config.shm.lend_bytes = largest.next_power_of_two().clamp(1 << 20, config.shm.lend_bytes);
+        let share = (config.shm.lend_bytes / in_node_peers).max(1 << 20);
+        config.shm.lend_bytes = largest.next_power_of_two().clamp(1 << 20, share);
         config.shm.stream_bytes = config.shm.stream_bytes.min(1 << 20);
         tweak(&mut config);
         let t = NodeTransport::connect(me, listener, &peers, node_of, &config).map_err(|e| format!("{me}: connect: {e}"))?;

@@ -109,8 +109,10 @@ fn with_scratch(memory: &mut RankMemory, program: &RankProgram) -> Result<usize,
     if program.buffers.len() < base {
         return Err(format!("program has {} buffers, the rank holds {base}", program.buffers.len()));
     }
+    // Scratch the executor bypasses (copies made on receipt) gets no memory.
+    let bypass = transport::Bypass::of(program);
     for (i, spec) in program.buffers.iter().enumerate() {
-        let bytes = (spec.elems * spec.dtype.size()) as usize;
+        let bytes = if bypass.skips(i) { 0 } else { (spec.elems * spec.dtype.size()) as usize };
         if i < base {
             if memory.buffers[i].len() != bytes || memory.dtypes[i] != spec.dtype {
                 return Err(format!(

@@ -2,13 +2,14 @@
 //! post sends, then receive and unpack. [`run_rank`] is transport-agnostic;
 //! [`run_local`] runs every rank as a thread of this process.
 
+use crate::bypass::Bypass;
 use crate::copy::{copy_strided, in_bounds, packed_strides, StridedRef};
 use crate::cursor::{Action, RankCursor};
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
 use crate::tcp::{tcp_fabric, TcpConfig, TcpTransport};
 use crate::transport::{Payload, Release, Segment, Transport, TransportError};
-use reshard::{Block, DType, Endpoint, Message, RankProgram, RecvPiece, SendPiece, Span};
+use reshard::{Block, DType, Endpoint, LocalCopy, Message, RankProgram, RecvPiece, SendPiece, Span};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -163,11 +164,16 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
     if mem.bufs.len() != program.buffers.len() {
         return Err(ExecError::MemoryMismatch { me, got: mem.bufs.len(), want: program.buffers.len() });
     }
+    // Scratch buffers whose copies are made on receipt (see `bypass`).
+    let bypass = Bypass::of(program);
     let mut cursor = RankCursor::new(program);
     loop {
         match cursor.next_action() {
-            Action::Locals { copies, .. } => {
-                for l in copies {
+            Action::Locals { round, copies } => {
+                for (i, l) in copies.iter().enumerate() {
+                    if bypass.done_early(round, i) {
+                        continue;
+                    }
                     let from = view(me, mem, &l.from, l.from_dtype, &l.block)?;
                     for to in &l.to {
                         let to = view(me, mem, to, l.to_dtype, &l.block)?;
@@ -185,7 +191,8 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
                 let (peer, payload) = transport.recv(round, deadline)?;
                 let bad = |problem: String| ExecError::BadMessage { me, round, peer, problem };
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
-                unpack(me, mem, &msg.pieces, payload).map_err(|e| match e {
+                let into = Into { me, mem, bypass: &bypass, routes: bypass.routes(round, peer) };
+                unpack(&into, &msg.pieces, payload).map_err(|e| match e {
                     Unpack::Bad(p) => bad(p),
                     Unpack::Exec(e) => e,
                 })?;
@@ -236,42 +243,79 @@ enum Unpack {
     Exec(ExecError),
 }
 
-fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -> Result<(), Unpack> {
+/// Where a message's pieces go: this rank's memory, less bypassed scratch,
+/// plus the local copies made straight from a piece.
+struct Into<'a> {
+    me: Endpoint,
+    mem: &'a MemView,
+    bypass: &'a Bypass,
+    /// Per piece, copies made from it on receipt.
+    routes: Option<&'a [Vec<LocalCopy>]>,
+}
+
+impl Into<'_> {
+    /// Writes piece `i`, whose elements `src` views, everywhere it goes.
+    fn write(&self, i: usize, p: &RecvPiece, src: &StridedRef) -> Result<(), ExecError> {
+        for span in p.spans.iter().filter(|s| !self.bypass.skips(s.buffer as usize)) {
+            let to = view(self.me, self.mem, span, p.dtype, &p.block)?;
+            // SAFETY: `src` views memory valid for this call (the caller's
+            // contract) that nobody writes now; `to` is this rank's own
+            // buffer.
+            unsafe { copy_strided(p.block.extent(), src, &to) };
+        }
+        for copy in self.routes.and_then(|r| r.get(i)).map_or(&[][..], Vec::as_slice) {
+            // The copy's source inside the piece: `Bypass` checked that it
+            // lies inside, and its source type is the piece's wire type.
+            let mut base = src.base;
+            for d in 0..copy.block.ndim() {
+                base += (copy.block.offset()[d] - p.block.offset()[d]) * src.strides[d];
+            }
+            let from = src.at(base, src.strides, copy.from_dtype);
+            if !in_bounds(copy.block.extent(), &from) {
+                return Err(ExecError::OutOfBounds { me: self.me, block: Box::new(copy.block), buffer: copy.from.buffer });
+            }
+            for span in &copy.to {
+                let to = view(self.me, self.mem, span, copy.to_dtype, &copy.block)?;
+                // SAFETY: as above; `from` is in bounds of `src`'s region.
+                unsafe { copy_strided(copy.block.extent(), &from, &to) };
+            }
+        }
+        Ok(())
+    }
+}
+
+fn unpack(into: &Into<'_>, pieces: &[RecvPiece], payload: Payload) -> Result<(), Unpack> {
     match payload {
         Payload::Segments { segments, keep_alive, release } => {
             if segments.len() != pieces.len() {
                 return Err(Unpack::Bad(format!("{} segments for {} pieces", segments.len(), pieces.len())));
             }
-            for (seg, p) in segments.iter().zip(pieces) {
+            for (i, (seg, p)) in segments.iter().zip(pieces).enumerate() {
                 if seg.numel() != p.block.numel() || seg.view().dtype != p.wire || !in_bounds(p.block.extent(), seg.view()) {
                     return Err(Unpack::Bad(format!("segment for piece {} does not match it", p.block)));
                 }
-                for span in &p.spans {
-                    let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
-                    // SAFETY: the segment is in bounds of memory the sender
-                    // keeps alive (buffers outlive all rank threads; staging
-                    // is in `keep_alive`) and nobody writes it now; `to` is
-                    // this rank's own buffer.
-                    unsafe { copy_strided(p.block.extent(), seg.view(), &to) };
-                }
+                // The segment is in bounds of memory the sender keeps alive
+                // (buffers outlive all rank threads; staging is in
+                // `keep_alive`) and nobody writes it now.
+                into.write(i, p, seg.view()).map_err(Unpack::Exec)?;
             }
             drop(keep_alive);
             drop(release);
         }
-        Payload::Bytes(bytes) => unpack_bytes(me, mem, pieces, &bytes)?,
-        Payload::Lent(lent) => unpack_bytes(me, mem, pieces, lent.as_slice())?,
+        Payload::Bytes(bytes) => unpack_bytes(into, pieces, &bytes)?,
+        Payload::Lent(lent) => unpack_bytes(into, pieces, lent.as_slice())?,
     }
     Ok(())
 }
 
 /// Unpacks pieces packed back to back in wire dtype.
-fn unpack_bytes(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], bytes: &[u8]) -> Result<(), Unpack> {
+fn unpack_bytes(into: &Into<'_>, pieces: &[RecvPiece], bytes: &[u8]) -> Result<(), Unpack> {
     let want: u64 = pieces.iter().map(|p| p.block.numel() * p.wire.size()).sum();
     if bytes.len() as u64 != want {
         return Err(Unpack::Bad(format!("{} bytes, expected {want}", bytes.len())));
     }
     let mut pos = 0u64;
-    for p in pieces {
+    for (i, p) in pieces.iter().enumerate() {
         let elem = p.wire.size();
         // SAFETY: `bytes` is borrowed for this whole function; the view does
         // not leave it.
@@ -282,17 +326,11 @@ fn unpack_bytes(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], bytes: &[u8])
             let tmp = bytes[pos as usize..pos as usize + n].to_vec();
             // SAFETY: `tmp` lives until the end of this block, the view's scope.
             let src = unsafe { StridedRef::new(tmp.as_ptr(), tmp.len(), 0, src.strides, src.dtype) };
-            for span in &p.spans {
-                let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
-                // SAFETY: tmp is ours and exactly sized; `to` is ours.
-                unsafe { copy_strided(p.block.extent(), &src, &to) };
-            }
+            into.write(i, p, &src).map_err(Unpack::Exec)?;
         } else {
-            for span in &p.spans {
-                let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
-                // SAFETY: src in bounds (total size checked); `to` is ours.
-                unsafe { copy_strided(p.block.extent(), &src, &to) };
-            }
+            // `src` is in bounds (total size checked) of `bytes`, borrowed
+            // for this whole function.
+            into.write(i, p, &src).map_err(Unpack::Exec)?;
         }
         pos += p.block.numel() * elem;
     }

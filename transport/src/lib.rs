@@ -9,6 +9,7 @@
 //! between ranks of one node, TCP between nodes), with optional link
 //! emulation, checksums and fault injection.
 
+pub mod bypass;
 pub mod copy;
 pub mod cuda;
 pub mod cursor;
@@ -26,6 +27,7 @@ pub mod shm_link;
 pub mod tcp;
 pub mod transport;
 
+pub use bypass::Bypass;
 pub use exec::{run_local, run_rank, run_tcp, run_threads, ExecError, ExecOptions, ExecReport, RankStats, WithAbort, DEFAULT_DEADLINE};
 pub use faults::Faults;
 pub use gpu_probe::cuda_available;

@@ -1,0 +1,263 @@
+//! Scratch buffers that need not exist.
+//!
+//! The gather-and-broadcast baseline sends a whole tensor to every rank that
+//! holds any of it; each rank receives it into a scratch buffer and, in a
+//! later round, copies its own slices out. On a rank that never sends from
+//! that scratch buffer, the buffer only carries bytes from a receive to
+//! local copies, so the copies can be made straight from the received data
+//! and the buffer never allocated: a rank then holds its shards, not a
+//! whole copy of the model. [`Bypass::of`] finds such buffers in a program;
+//! the executor makes their copies on receipt and skips them in their own
+//! round. The shards end up holding exactly what they would have.
+//!
+//! A scratch buffer is bypassed when all of these hold:
+//! - no send reads it and no local copy writes it;
+//! - every receive into it has one destination (in it);
+//! - no two receives into it overlap;
+//! - every local copy that reads it reads what receives of earlier rounds
+//!   wrote (each part from the receive that wrote it), through the same
+//!   strides, and keeps the buffer's type if the receive converted (so
+//!   converting straight from the wire gives the same values).
+
+use reshard::{Block, BufferKey, DType, Endpoint, LocalCopy, RankProgram, Span};
+use std::collections::HashMap;
+
+/// The local copies a received piece feeds, and which buffers are bypassed.
+#[derive(Debug, Default)]
+pub struct Bypass {
+    /// Per buffer of the program: bypassed (never read or written).
+    skipped: Vec<bool>,
+    /// Per (round, sender): per piece of that message, the copies made
+    /// straight from it.
+    routes: HashMap<(u32, Endpoint), Vec<Vec<LocalCopy>>>,
+    /// Per round: which of its local copies were made on receipt instead.
+    early: HashMap<u32, Vec<bool>>,
+}
+
+/// A receive into a scratch buffer.
+struct Write {
+    round: u32,
+    peer: Endpoint,
+    piece: u32,
+    block: Block,
+    span: Span,
+    /// The piece's type on the wire, and whether it differs from the
+    /// buffer's.
+    wire: DType,
+    converted: bool,
+}
+
+/// A copy made from a receive: (its round, its index), (the receive's
+/// round, sender, piece), the part copied.
+type Feed = ((u32, u32), (u32, Endpoint, u32), LocalCopy);
+
+/// Most receives into one scratch buffer checked for overlaps (pairwise);
+/// a buffer with more is kept.
+const MAX_WRITES: usize = 64;
+
+impl Bypass {
+    /// The scratch buffers of `program` that need not exist, and what to do
+    /// instead.
+    pub fn of(program: &RankProgram) -> Bypass {
+        let n = program.buffers.len();
+        let mut ok: Vec<bool> = program.buffers.iter().map(|b| matches!(b.key, BufferKey::Scratch { .. })).collect();
+        if !ok.contains(&true) {
+            return Bypass { skipped: vec![false; n], ..Bypass::default() };
+        }
+        let scratch = ok.clone();
+        let is_scratch = |b: u32| scratch.get(b as usize).copied().unwrap_or(false);
+        let mut writes: Vec<Vec<Write>> = (0..n).map(|_| Vec::new()).collect();
+        for (r, round) in program.rounds.iter().enumerate() {
+            for m in &round.sends {
+                for p in m.pieces.iter() {
+                    if is_scratch(p.span.buffer) {
+                        ok[p.span.buffer as usize] = false;
+                    }
+                }
+            }
+            for l in round.locals.iter() {
+                for to in &l.to {
+                    if is_scratch(to.buffer) {
+                        ok[to.buffer as usize] = false;
+                    }
+                }
+            }
+            for m in &round.recvs {
+                for (i, p) in m.pieces.iter().enumerate() {
+                    for s in &p.spans {
+                        if !is_scratch(s.buffer) {
+                            continue;
+                        }
+                        if p.spans.len() != 1 {
+                            ok[s.buffer as usize] = false;
+                        } else {
+                            writes[s.buffer as usize].push(Write {
+                                round: r as u32,
+                                peer: m.peer,
+                                piece: i as u32,
+                                block: p.block,
+                                span: *s,
+                                wire: p.wire,
+                                converted: p.wire != p.dtype,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        for (b, w) in writes.iter().enumerate() {
+            if !ok[b] {
+                continue;
+            }
+            let overlap =
+                w.len() > MAX_WRITES || w.iter().enumerate().any(|(i, a)| w[i + 1..].iter().any(|c| a.block.intersect(&c.block).is_some()));
+            if overlap {
+                ok[b] = false;
+            }
+        }
+        // The receives each copy out of a scratch buffer reads from: they
+        // must cover it exactly (they do not overlap, so their numbers of
+        // elements inside it add up to its own), each feeding its part.
+        let mut feeds: Vec<Feed> = Vec::new();
+        for (r, round) in program.rounds.iter().enumerate() {
+            for (li, l) in round.locals.iter().enumerate() {
+                let b = l.from.buffer as usize;
+                if !is_scratch(l.from.buffer) || !ok[b] {
+                    continue;
+                }
+                let mut covered = 0u64;
+                let before = feeds.len();
+                for w in &writes[b] {
+                    let Some(part) = w.block.intersect(&l.block) else { continue };
+                    // A piece converted on receipt feeds only copies that
+                    // keep the buffer's type: converting straight from the
+                    // wire then gives the same values.
+                    if w.round >= r as u32 || !same_place(w, &l.block, &l.from) || (w.converted && l.to_dtype != l.from_dtype) {
+                        covered = u64::MAX;
+                        break;
+                    }
+                    covered += part.numel();
+                    let copy = LocalCopy {
+                        block: part,
+                        from: shifted(&l.from, &l.block, &part),
+                        from_dtype: w.wire,
+                        to: l.to.iter().map(|t| shifted(t, &l.block, &part)).collect(),
+                        to_dtype: l.to_dtype,
+                    };
+                    feeds.push(((r as u32, li as u32), (w.round, w.peer, w.piece), copy));
+                }
+                if covered != l.block.numel() {
+                    feeds.truncate(before);
+                    ok[b] = false;
+                }
+            }
+        }
+        let mut bypass = Bypass { skipped: ok, ..Bypass::default() };
+        for ((round, local), (wround, peer, piece), copy) in feeds {
+            if !bypass.skipped[copy.from.buffer as usize] {
+                continue;
+            }
+            let pieces = program.rounds[wround as usize].recvs.iter().find(|m| m.peer == peer).map_or(0, |m| m.pieces.len());
+            let per_piece = bypass.routes.entry((wround, peer)).or_insert_with(|| vec![Vec::new(); pieces]);
+            per_piece[piece as usize].push(copy);
+            let locals = program.rounds[round as usize].locals.len();
+            bypass.early.entry(round).or_insert_with(|| vec![false; locals])[local as usize] = true;
+        }
+        bypass
+    }
+
+    /// Whether buffer `b` is bypassed: it is never read or written, so it
+    /// needs no memory.
+    pub fn skips(&self, b: usize) -> bool {
+        self.skipped.get(b).copied().unwrap_or(false)
+    }
+
+    /// Whether any buffer is bypassed.
+    pub fn is_empty(&self) -> bool {
+        !self.skipped.contains(&true)
+    }
+
+    /// Per piece of the message from `peer` in `round`: the copies to make
+    /// straight from it, if any piece of it feeds one.
+    pub(crate) fn routes(&self, round: u32, peer: Endpoint) -> Option<&[Vec<LocalCopy>]> {
+        self.routes.get(&(round, peer)).map(Vec::as_slice)
+    }
+
+    /// Whether local copy `index` of `round` was made on receipt.
+    pub(crate) fn done_early(&self, round: u32, index: usize) -> bool {
+        self.early.get(&round).and_then(|v| v.get(index)).copied().unwrap_or(false)
+    }
+}
+
+/// Whether `from` (a view of `block`) and what `w` wrote place the
+/// tensor's elements alike in the buffer: same strides, same origin.
+fn same_place(w: &Write, block: &Block, from: &Span) -> bool {
+    let origin = |span: &Span, b: &Block| {
+        let mut o = span.base as i128;
+        for d in 0..b.ndim() {
+            o -= b.offset()[d] as i128 * span.strides[d] as i128;
+        }
+        o
+    };
+    w.span.buffer == from.buffer && w.span.strides == from.strides && origin(&w.span, &w.block) == origin(from, block)
+}
+
+/// `span` (a view of `outer`) narrowed to `inner`, a block inside `outer`.
+fn shifted(span: &Span, outer: &Block, inner: &Block) -> Span {
+    let mut base = span.base;
+    for d in 0..inner.ndim() {
+        base += (inner.offset()[d] - outer.offset()[d]) * span.strides[d];
+    }
+    Span { base, ..*span }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{fill_sources, run_local, verify_destinations, ExecOptions, RankMemory};
+    use reshard::{parse_layout, plan_baseline, plan_reshard, Group, Plan, PlanOptions};
+
+    /// Runs `plan` with every bypassed buffer given no memory at all (any
+    /// access would fail its bounds check), checks every destination
+    /// element, and returns how many buffers were bypassed.
+    fn run_bypassed(src: &reshard::Layout, dst: &reshard::Layout, plan: &Plan) -> usize {
+        let programs = plan.programs(src, dst).unwrap();
+        let mut memory = RankMemory::for_programs(&programs);
+        let n_src = programs.iter().filter(|p| p.endpoint.group == Group::Src).count();
+        fill_sources(src, &mut memory[..n_src]);
+        let mut bypassed = 0;
+        for (p, m) in programs.iter().zip(memory.iter_mut()) {
+            let b = Bypass::of(p);
+            for i in (0..p.buffers.len()).filter(|&i| b.skips(i)) {
+                assert!(matches!(p.buffers[i].key, BufferKey::Scratch { .. }), "{}: buffer {i} is not scratch", p.endpoint);
+                m.buffers[i] = Vec::new();
+                bypassed += 1;
+            }
+        }
+        run_local(&programs, &mut memory, &ExecOptions::default()).unwrap();
+        verify_destinations(src, dst, &memory[n_src..]).unwrap();
+        bypassed
+    }
+
+    /// Layout pairs of `examples/`, with a few staging caps: the baseline
+    /// bypasses the scratch of ranks that only keep slices (and still
+    /// delivers every element); the reshard has no scratch.
+    #[test]
+    fn bypassed_scratch_is_never_touched() {
+        let check = |name: &str, src: &str, dst: &str, want_some: bool| {
+            let (src, dst) = (parse_layout(src).unwrap(), parse_layout(dst).unwrap());
+            for cap in [1 << 20, 4096, 256] {
+                let options = PlanOptions { max_staging_bytes: cap, ..PlanOptions::default() };
+                let baseline = run_bypassed(&src, &dst, &plan_baseline(&src, &dst, &options).unwrap());
+                assert_eq!(baseline > 0, want_some, "{name}, cap {cap}: {baseline} bypassed");
+                assert_eq!(run_bypassed(&src, &dst, &plan_reshard(&src, &dst, &options).unwrap()), 0, "{name}, cap {cap}: reshard");
+            }
+        };
+        check("mixed-2d", include_str!("../../examples/mixed-2d/src.json"), include_str!("../../examples/mixed-2d/dst.json"), true);
+        check("tp-to-tp", include_str!("../../examples/tp-to-tp/src.json"), include_str!("../../examples/tp-to-tp/dst.json"), true);
+        check("fused-qkv", include_str!("../../examples/fused-qkv/src.json"), include_str!("../../examples/fused-qkv/dst.json"), true);
+        check("pp-to-tp", include_str!("../../examples/pp-to-tp/src.json"), include_str!("../../examples/pp-to-tp/dst.json"), true);
+        check("fsdp-to-tp", include_str!("../../examples/fsdp-to-tp/src.json"), include_str!("../../examples/fsdp-to-tp/dst.json"), true);
+        check("ep-moe", include_str!("../../examples/ep-moe/src.json"), include_str!("../../examples/ep-moe/dst.json"), true);
+    }
+}
