@@ -11,7 +11,7 @@ use reshard::{Endpoint, Fingerprint, Group, Layout, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
-use transport::{run_rank, ExecOptions, RankMemory, Transport};
+use transport::{run_rank_bypassing, Bypass, ExecOptions, RankMemory, Transport};
 
 /// Which side of the refit a member is on.
 #[derive(Debug, Clone)]
@@ -103,14 +103,13 @@ impl Member {
     }
 }
 
-/// Appends scratch buffers a program needs beyond the rank's weights.
-fn with_scratch(memory: &mut RankMemory, program: &RankProgram) -> Result<usize, String> {
+/// Appends scratch buffers a program needs beyond the rank's weights
+/// (none for those `bypass` skips).
+fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass) -> Result<usize, String> {
     let base = memory.buffers.len();
     if program.buffers.len() < base {
         return Err(format!("program has {} buffers, the rank holds {base}", program.buffers.len()));
     }
-    // Scratch the executor bypasses (copies made on receipt) gets no memory.
-    let bypass = transport::Bypass::of(program);
     for (i, spec) in program.buffers.iter().enumerate() {
         let bytes = if bypass.skips(i) { 0 } else { (spec.elems * spec.dtype.size()) as usize };
         if i < base {
@@ -143,12 +142,14 @@ fn execute(
     mut transport: Box<dyn Transport>,
     deadline: Duration,
 ) -> Result<RunStats, Refusal> {
-    let base = with_scratch(memory, program).map_err(|e| {
+    // Scratch whose copies the executor makes on receipt gets no memory.
+    let bypass = Bypass::of(program);
+    let base = with_scratch(memory, program, &bypass).map_err(|e| {
         transport.abort(&e);
         Refusal::ProgramMismatch(e)
     })?;
     let mut t: &mut dyn Transport = &mut *transport;
-    let r = run_rank(program, memory, &mut t, &ExecOptions { deadline })
+    let r = run_rank_bypassing(program, &bypass, memory, &mut t, &ExecOptions { deadline })
         .map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages })
         .map_err(|e| Refusal::Exec(e.to_string()));
     drop_scratch(memory, base);

@@ -19,7 +19,7 @@
 //!   strides, and keeps the buffer's type if the receive converted (so
 //!   converting straight from the wire gives the same values).
 
-use reshard::{Block, BufferKey, DType, Endpoint, LocalCopy, RankProgram, Span};
+use reshard::{Block, BufferKey, Endpoint, LocalCopy, RankProgram, Span};
 use std::collections::HashMap;
 
 /// The local copies a received piece feeds, and which buffers are bypassed.
@@ -27,29 +27,36 @@ use std::collections::HashMap;
 pub struct Bypass {
     /// Per buffer of the program: bypassed (never read or written).
     skipped: Vec<bool>,
-    /// Per (round, sender): per piece of that message, the copies made
-    /// straight from it.
-    routes: HashMap<(u32, Endpoint), Vec<Vec<LocalCopy>>>,
+    /// Per (round, sender): the copies made straight from that message's
+    /// pieces, by piece.
+    routes: HashMap<(u32, Endpoint), Vec<Route>>,
+    /// Parts of copies fed by more than one receive.
+    parts: Vec<LocalCopy>,
     /// Per round: which of its local copies were made on receipt instead.
     early: HashMap<u32, Vec<bool>>,
 }
 
+/// A copy made from a received piece: local copy `local` of round `round`,
+/// or, when several receives feed that copy, the part `parts[part]` of it.
+#[derive(Clone, Copy, Debug)]
+struct Route {
+    piece: u32,
+    round: u32,
+    local: u32,
+    part: u32,
+}
+
 /// A receive into a scratch buffer.
 struct Write {
+    buffer: u32,
     round: u32,
     peer: Endpoint,
     piece: u32,
     block: Block,
     span: Span,
-    /// The piece's type on the wire, and whether it differs from the
-    /// buffer's.
-    wire: DType,
+    /// Whether the piece's type on the wire differs from the buffer's.
     converted: bool,
 }
-
-/// A copy made from a receive: (its round, its index), (the receive's
-/// round, sender, piece), the part copied.
-type Feed = ((u32, u32), (u32, Endpoint, u32), LocalCopy);
 
 /// Most receives into one scratch buffer checked for overlaps (pairwise);
 /// a buffer with more is kept.
@@ -66,7 +73,7 @@ impl Bypass {
         }
         let scratch = ok.clone();
         let is_scratch = |b: u32| scratch.get(b as usize).copied().unwrap_or(false);
-        let mut writes: Vec<Vec<Write>> = (0..n).map(|_| Vec::new()).collect();
+        let mut writes: Vec<Write> = Vec::new();
         for (r, round) in program.rounds.iter().enumerate() {
             for m in &round.sends {
                 for p in m.pieces.iter() {
@@ -84,20 +91,17 @@ impl Bypass {
             }
             for m in &round.recvs {
                 for (i, p) in m.pieces.iter().enumerate() {
-                    for s in &p.spans {
-                        if !is_scratch(s.buffer) {
-                            continue;
-                        }
+                    for s in p.spans.iter().filter(|s| is_scratch(s.buffer)) {
                         if p.spans.len() != 1 {
                             ok[s.buffer as usize] = false;
-                        } else {
-                            writes[s.buffer as usize].push(Write {
+                        } else if ok[s.buffer as usize] {
+                            writes.push(Write {
+                                buffer: s.buffer,
                                 round: r as u32,
                                 peer: m.peer,
                                 piece: i as u32,
                                 block: p.block,
                                 span: *s,
-                                wire: p.wire,
                                 converted: p.wire != p.dtype,
                             });
                         }
@@ -105,20 +109,29 @@ impl Bypass {
                 }
             }
         }
-        for (b, w) in writes.iter().enumerate() {
-            if !ok[b] {
-                continue;
-            }
-            let overlap =
-                w.len() > MAX_WRITES || w.iter().enumerate().any(|(i, a)| w[i + 1..].iter().any(|c| a.block.intersect(&c.block).is_some()));
-            if overlap {
-                ok[b] = false;
+        // By buffer (stable: in program order within one).
+        writes.sort_by_key(|w| w.buffer);
+        let mut first = vec![0u32; n + 1];
+        for w in &writes {
+            first[w.buffer as usize + 1] += 1;
+        }
+        for b in 0..n {
+            first[b + 1] += first[b];
+        }
+        let of_buffer = |b: usize| &writes[first[b] as usize..first[b + 1] as usize];
+        for (b, keep) in ok.iter_mut().enumerate() {
+            let w = of_buffer(b);
+            if *keep
+                && (w.len() > MAX_WRITES
+                    || w.iter().enumerate().any(|(i, a)| w[i + 1..].iter().any(|c| a.block.intersect(&c.block).is_some())))
+            {
+                *keep = false;
             }
         }
         // The receives each copy out of a scratch buffer reads from: they
         // must cover it exactly (they do not overlap, so their numbers of
         // elements inside it add up to its own), each feeding its part.
-        let mut feeds: Vec<Feed> = Vec::new();
+        let mut feeds: Vec<(u32, u32, &Write, Option<LocalCopy>)> = Vec::new();
         for (r, round) in program.rounds.iter().enumerate() {
             for (li, l) in round.locals.iter().enumerate() {
                 let b = l.from.buffer as usize;
@@ -127,7 +140,7 @@ impl Bypass {
                 }
                 let mut covered = 0u64;
                 let before = feeds.len();
-                for w in &writes[b] {
+                for w in of_buffer(b) {
                     let Some(part) = w.block.intersect(&l.block) else { continue };
                     // A piece converted on receipt feeds only copies that
                     // keep the buffer's type: converting straight from the
@@ -137,14 +150,14 @@ impl Bypass {
                         break;
                     }
                     covered += part.numel();
-                    let copy = LocalCopy {
+                    let part = (part != l.block).then(|| LocalCopy {
                         block: part,
                         from: shifted(&l.from, &l.block, &part),
-                        from_dtype: w.wire,
+                        from_dtype: l.from_dtype,
                         to: l.to.iter().map(|t| shifted(t, &l.block, &part)).collect(),
                         to_dtype: l.to_dtype,
-                    };
-                    feeds.push(((r as u32, li as u32), (w.round, w.peer, w.piece), copy));
+                    });
+                    feeds.push((r as u32, li as u32, w, part));
                 }
                 if covered != l.block.numel() {
                     feeds.truncate(before);
@@ -153,15 +166,24 @@ impl Bypass {
             }
         }
         let mut bypass = Bypass { skipped: ok, ..Bypass::default() };
-        for ((round, local), (wround, peer, piece), copy) in feeds {
-            if !bypass.skipped[copy.from.buffer as usize] {
+        for (round, local, w, part) in feeds {
+            if !bypass.skipped[w.buffer as usize] {
                 continue;
             }
-            let pieces = program.rounds[wround as usize].recvs.iter().find(|m| m.peer == peer).map_or(0, |m| m.pieces.len());
-            let per_piece = bypass.routes.entry((wround, peer)).or_insert_with(|| vec![Vec::new(); pieces]);
-            per_piece[piece as usize].push(copy);
+            let part = match part {
+                Some(p) => {
+                    bypass.parts.push(p);
+                    bypass.parts.len() as u32 - 1
+                }
+                None => u32::MAX,
+            };
+            bypass.routes.entry((w.round, w.peer)).or_default().push(Route { piece: w.piece, round, local, part });
             let locals = program.rounds[round as usize].locals.len();
             bypass.early.entry(round).or_insert_with(|| vec![false; locals])[local as usize] = true;
+        }
+        for routes in bypass.routes.values_mut() {
+            routes.sort_by_key(|r| r.piece);
+            routes.shrink_to_fit();
         }
         bypass
     }
@@ -177,10 +199,21 @@ impl Bypass {
         !self.skipped.contains(&true)
     }
 
-    /// Per piece of the message from `peer` in `round`: the copies to make
-    /// straight from it, if any piece of it feeds one.
-    pub(crate) fn routes(&self, round: u32, peer: Endpoint) -> Option<&[Vec<LocalCopy>]> {
-        self.routes.get(&(round, peer)).map(Vec::as_slice)
+    /// The copies to make from the message from `peer` in `round`, as
+    /// (piece, copy), by piece.
+    pub(crate) fn routes<'a>(
+        &'a self,
+        program: &'a RankProgram,
+        round: u32,
+        peer: Endpoint,
+    ) -> impl Iterator<Item = (u32, &'a LocalCopy)> + 'a {
+        self.routes.get(&(round, peer)).into_iter().flatten().map(move |r| {
+            let copy = match r.part {
+                u32::MAX => &program.rounds[r.round as usize].locals[r.local as usize],
+                p => &self.parts[p as usize],
+            };
+            (r.piece, copy)
+        })
     }
 
     /// Whether local copy `index` of `round` was made on receipt.

@@ -130,18 +130,32 @@ pub fn run_rank<T: Transport>(
     transport: &mut T,
     options: &ExecOptions,
 ) -> Result<RankStats, ExecError> {
+    run_rank_bypassing(program, &Bypass::of(program), memory, transport, options)
+}
+
+/// [`run_rank`] with `program`'s [`Bypass`] (`Bypass::of(program)`) at
+/// hand, for a caller that sized `memory` by it: bypassed buffers may be
+/// empty.
+pub fn run_rank_bypassing<T: Transport>(
+    program: &RankProgram,
+    bypass: &Bypass,
+    memory: &mut RankMemory,
+    transport: &mut T,
+    options: &ExecOptions,
+) -> Result<RankStats, ExecError> {
     let deadline = Instant::now() + options.deadline;
     let mem = memory.view();
-    run_rank_view(program, &mem, transport, deadline)
+    run_rank_view(program, bypass, &mem, transport, deadline)
 }
 
 pub(crate) fn run_rank_view<T: Transport>(
     program: &RankProgram,
+    bypass: &Bypass,
     mem: &MemView,
     transport: &mut T,
     deadline: Instant,
 ) -> Result<RankStats, ExecError> {
-    let result = run_rounds(program, mem, transport, deadline);
+    let result = run_rounds(program, bypass, mem, transport, deadline);
     if let Err(e) = &result {
         if !matches!(e, ExecError::Transport(TransportError::PeerAborted { .. })) {
             transport.abort(&e.to_string());
@@ -159,13 +173,17 @@ pub(crate) fn run_rank_view<T: Transport>(
 /// receivers to release what it lent them.
 const RELEASE_GRACE: Duration = Duration::from_secs(10);
 
-fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mut T, deadline: Instant) -> Result<RankStats, ExecError> {
+fn run_rounds<T: Transport>(
+    program: &RankProgram,
+    bypass: &Bypass,
+    mem: &MemView,
+    transport: &mut T,
+    deadline: Instant,
+) -> Result<RankStats, ExecError> {
     let me = program.endpoint;
     if mem.bufs.len() != program.buffers.len() {
         return Err(ExecError::MemoryMismatch { me, got: mem.bufs.len(), want: program.buffers.len() });
     }
-    // Scratch buffers whose copies are made on receipt (see `bypass`).
-    let bypass = Bypass::of(program);
     let mut cursor = RankCursor::new(program);
     loop {
         match cursor.next_action() {
@@ -191,7 +209,8 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
                 let (peer, payload) = transport.recv(round, deadline)?;
                 let bad = |problem: String| ExecError::BadMessage { me, round, peer, problem };
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
-                let into = Into { me, mem, bypass: &bypass, routes: bypass.routes(round, peer) };
+                let routes: Vec<(u32, &LocalCopy)> = bypass.routes(program, round, peer).collect();
+                let into = Into { me, mem, bypass, routes: &routes };
                 unpack(&into, &msg.pieces, payload).map_err(|e| match e {
                     Unpack::Bad(p) => bad(p),
                     Unpack::Exec(e) => e,
@@ -249,8 +268,8 @@ struct Into<'a> {
     me: Endpoint,
     mem: &'a MemView,
     bypass: &'a Bypass,
-    /// Per piece, copies made from it on receipt.
-    routes: Option<&'a [Vec<LocalCopy>]>,
+    /// Copies made on receipt, by piece.
+    routes: &'a [(u32, &'a LocalCopy)],
 }
 
 impl Into<'_> {
@@ -263,14 +282,16 @@ impl Into<'_> {
             // buffer.
             unsafe { copy_strided(p.block.extent(), src, &to) };
         }
-        for copy in self.routes.and_then(|r| r.get(i)).map_or(&[][..], Vec::as_slice) {
+        let first = self.routes.partition_point(|(piece, _)| (*piece as usize) < i);
+        for (_, copy) in self.routes[first..].iter().take_while(|(piece, _)| *piece as usize == i) {
             // The copy's source inside the piece: `Bypass` checked that it
-            // lies inside, and its source type is the piece's wire type.
+            // lies inside, and that the piece's wire type (what `src`
+            // holds) converts to the copy's type as the scratch would have.
             let mut base = src.base;
             for d in 0..copy.block.ndim() {
                 base += (copy.block.offset()[d] - p.block.offset()[d]) * src.strides[d];
             }
-            let from = src.at(base, src.strides, copy.from_dtype);
+            let from = src.at(base, src.strides, src.dtype);
             if !in_bounds(copy.block.extent(), &from) {
                 return Err(ExecError::OutOfBounds { me: self.me, block: Box::new(copy.block), buffer: copy.from.buffer });
             }
@@ -383,7 +404,8 @@ pub fn run_threads<T: Transport + WithAbort>(
             .filter(|(_, ((p, _), _))| p.rounds.iter().any(|r| !(r.sends.is_empty() && r.recvs.is_empty() && r.locals.is_empty())))
             .map(|(i, ((p, mut t), v))| {
                 let abort = t.abort_all();
-                let spawned = std::thread::Builder::new().spawn_scoped(scope, move || run_rank_view(p, v, &mut t, deadline));
+                let spawned =
+                    std::thread::Builder::new().spawn_scoped(scope, move || run_rank_view(p, &Bypass::of(p), v, &mut t, deadline));
                 if let Err(e) = &spawned {
                     abort(&format!("could not start a thread: {e}"));
                 }

@@ -28,7 +28,10 @@ pub mod tcp;
 pub mod transport;
 
 pub use bypass::Bypass;
-pub use exec::{run_local, run_rank, run_tcp, run_threads, ExecError, ExecOptions, ExecReport, RankStats, WithAbort, DEFAULT_DEADLINE};
+pub use exec::{
+    run_local, run_rank, run_rank_bypassing, run_tcp, run_threads, ExecError, ExecOptions, ExecReport, RankStats, WithAbort,
+    DEFAULT_DEADLINE,
+};
 pub use faults::Faults;
 pub use gpu_probe::cuda_available;
 pub use link::{FrameAction, FrameHook, LinkEmulation, TokenBucket};
