@@ -90,6 +90,7 @@ impl Endpointed {
         let in_node = program.rounds.iter().flat_map(|r| r.sends.iter()).filter(|m| node_of(m.peer) == node_of(me));
         let largest = in_node.clone().map(|m| m.wire_bytes()).max().unwrap_or(0);
         let in_node_peers = in_node.map(|m| m.peer).collect::<BTreeSet<_>>().len().max(1) as u64;
+        let largest_recv = program.rounds.iter().flat_map(|r| r.recvs.iter()).map(|m| m.wire_bytes()).max().unwrap_or(0);
         let mut config = NodeTransportConfig {
             session,
             tcp: TcpConfig {
@@ -106,6 +107,12 @@ impl Endpointed {
                     },
                     None => LinkEmulation::default(),
                 },
+                // A fabric lasts one refit: keep received frames only for
+                // reuse within it (one of the largest this rank receives),
+                // and buffer small writes only, or a rank with a hundred
+                // peers holds hundreds of MiB it does not need.
+                frame_pool_bytes: largest_recv,
+                write_buffer_bytes: 256 << 10,
                 ..TcpConfig::default()
             },
             ..NodeTransportConfig::default()
