@@ -8,6 +8,9 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+/// glibc's environment tunable for the number of malloc arenas.
+const MALLOC_ARENA_MAX: &str = "MALLOC_ARENA_MAX";
+
 /// The number after `field` (e.g. `VmHWM:`) in Linux's `/proc/PID/status`
 /// of process `pid` (a number, or `self`); `None` where `/proc` does not
 /// tell.
@@ -45,7 +48,15 @@ impl Children {
     }
 
     fn start(&self, args: &[String]) -> Result<Child, String> {
-        Command::new(&self.exe)
+        let mut command = Command::new(&self.exe);
+        // A worker runs hundreds of short-lived data-plane threads; with
+        // glibc's default of up to 8 malloc arenas per core each keeps its
+        // own free memory (about 10% of a DeepSeek-V3 worker's peak). Two
+        // arenas suffice; a value the user set wins.
+        if std::env::var_os(MALLOC_ARENA_MAX).is_none() {
+            command.env(MALLOC_ARENA_MAX, "2");
+        }
+        command
             .args(args)
             .env(RENDEZVOUS_ENV, self.rendezvous.to_string())
             .env(SECRET_ENV, &self.secret)
