@@ -109,15 +109,25 @@ pub struct ExecReport {
     pub messages: u64,
 }
 
-fn view(me: Endpoint, mem: &MemView, span: &Span, dtype: DType, block: &Block) -> Result<StridedRef, ExecError> {
-    let buf = mem.bufs.get(span.buffer as usize).ok_or(ExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer })?;
+/// The elements of a piece of `extent` at `span`, checked to lie in its
+/// buffer; `block` names the piece if not (decoded only then).
+fn view(
+    me: Endpoint,
+    mem: &MemView,
+    span: &Span,
+    dtype: DType,
+    extent: &[u64],
+    block: impl FnOnce() -> Block,
+) -> Result<StridedRef, ExecError> {
+    let oob = || ExecError::OutOfBounds { me, block: Box::new(block()), buffer: span.buffer };
+    let Some(buf) = mem.bufs.get(span.buffer as usize) else { return Err(oob()) };
     // SAFETY: `mem` views a rank's buffers, which outlive every rank thread
     // and every payload of the run (`MemView`'s contract).
     let r = unsafe { StridedRef::new(buf.ptr, buf.len, span.base, span.strides, dtype) };
-    if in_bounds(block.extent(), &r) {
+    if in_bounds(extent, &r) {
         Ok(r)
     } else {
-        Err(ExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer })
+        Err(oob())
     }
 }
 
@@ -167,13 +177,14 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
     loop {
         match cursor.next_action() {
             Action::Locals { copies, .. } => {
-                for l in copies {
-                    let from = view(me, mem, &l.from, l.from_dtype, &l.block)?;
-                    for to in &l.to {
-                        let to = view(me, mem, to, l.to_dtype, &l.block)?;
+                for l in copies.views() {
+                    let extent = l.extent();
+                    let from = view(me, mem, &l.from(), l.from_dtype(), extent, || l.block())?;
+                    for to in l.to() {
+                        let to = view(me, mem, &to, l.to_dtype(), extent, || l.block())?;
                         // SAFETY: both in bounds; scratch and shard buffers are
                         // distinct; only this thread writes this rank's buffers.
-                        unsafe { copy_strided(l.block.extent(), &from, &to) };
+                        unsafe { copy_strided(extent, &from, &to) };
                     }
                 }
             }
@@ -185,7 +196,7 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
                 let (peer, payload) = transport.recv(round, deadline)?;
                 let bad = |problem: String| ExecError::BadMessage { me, round, peer, problem };
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
-                unpack(me, mem, &msg.pieces, payload).map_err(|e| match e {
+                unpack(me, mem, msg, payload).map_err(|e| match e {
                     Unpack::Bad(p) => bad(p),
                     Unpack::Exec(e) => e,
                 })?;
@@ -203,26 +214,27 @@ fn run_rounds<T: Transport>(program: &RankProgram, mem: &MemView, transport: &mu
 fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload, ExecError> {
     let mut segments = Vec::with_capacity(msg.pieces.len());
     let mut staged = 0u64;
-    for p in msg.pieces.iter().filter(|p| p.dtype != p.wire) {
-        staged = staged.next_multiple_of(p.wire.size()) + p.block.numel() * p.wire.size();
+    for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
+        staged = staged.next_multiple_of(p.wire().size()) + p.numel() * p.wire().size();
     }
     let mut staging = vec![0u8; staged as usize];
     let mut pos = 0u64;
-    for p in &msg.pieces {
-        let src = view(me, mem, &p.span, p.dtype, &p.block)?;
-        if p.dtype == p.wire {
-            segments.push(Segment::new(src, p.block.extent()));
+    for p in msg.pieces.views() {
+        let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
+        let src = view(me, mem, &p.span(), dtype, extent, || p.block())?;
+        if dtype == wire {
+            segments.push(Segment::new(src, extent));
         } else {
-            let elem = p.wire.size();
+            let elem = wire.size();
             pos = pos.next_multiple_of(elem);
             // SAFETY: the staging vector moves into the payload's
             // `keep_alive` below (its heap buffer does not move), so it lives
             // as long as the segments pointing into it.
-            let dst = unsafe { StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(p.block.extent()), p.wire) };
+            let dst = unsafe { StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(extent), wire) };
             // SAFETY: staging is ours and sized for every staged piece.
-            unsafe { copy_strided(p.block.extent(), &src, &dst) };
-            segments.push(Segment::new(dst, p.block.extent()));
-            pos += p.block.numel() * elem;
+            unsafe { copy_strided(extent, &src, &dst) };
+            segments.push(Segment::new(dst, extent));
+            pos += p.numel() * elem;
         }
     }
     // Moving the Vec into the Arc keeps its heap buffer where the segments
@@ -236,65 +248,68 @@ enum Unpack {
     Exec(ExecError),
 }
 
-fn unpack(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], payload: Payload) -> Result<(), Unpack> {
+fn unpack(me: Endpoint, mem: &MemView, msg: &Message<RecvPiece>, payload: Payload) -> Result<(), Unpack> {
+    let pieces = &msg.pieces;
     match payload {
         Payload::Segments { segments, keep_alive, release } => {
             if segments.len() != pieces.len() {
                 return Err(Unpack::Bad(format!("{} segments for {} pieces", segments.len(), pieces.len())));
             }
-            for (seg, p) in segments.iter().zip(pieces) {
-                if seg.numel() != p.block.numel() || seg.view().dtype != p.wire || !in_bounds(p.block.extent(), seg.view()) {
-                    return Err(Unpack::Bad(format!("segment for piece {} does not match it", p.block)));
+            for (seg, p) in segments.iter().zip(pieces.views()) {
+                let extent = p.extent();
+                if seg.numel() != p.numel() || seg.view().dtype != p.wire() || !in_bounds(extent, seg.view()) {
+                    return Err(Unpack::Bad(format!("segment for piece {} does not match it", p.block())));
                 }
-                for span in &p.spans {
-                    let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
+                for span in p.spans() {
+                    let to = view(me, mem, &span, p.dtype(), extent, || p.block()).map_err(Unpack::Exec)?;
                     // SAFETY: the segment is in bounds of memory the sender
                     // keeps alive (buffers outlive all rank threads; staging
                     // is in `keep_alive`) and nobody writes it now; `to` is
                     // this rank's own buffer.
-                    unsafe { copy_strided(p.block.extent(), seg.view(), &to) };
+                    unsafe { copy_strided(extent, seg.view(), &to) };
                 }
             }
             drop(keep_alive);
             drop(release);
         }
-        Payload::Bytes(bytes) => unpack_bytes(me, mem, pieces, &bytes)?,
-        Payload::Lent(lent) => unpack_bytes(me, mem, pieces, lent.as_slice())?,
+        Payload::Bytes(bytes) => unpack_bytes(me, mem, msg, &bytes)?,
+        Payload::Lent(lent) => unpack_bytes(me, mem, msg, lent.as_slice())?,
     }
     Ok(())
 }
 
 /// Unpacks pieces packed back to back in wire dtype.
-fn unpack_bytes(me: Endpoint, mem: &MemView, pieces: &[RecvPiece], bytes: &[u8]) -> Result<(), Unpack> {
-    let want: u64 = pieces.iter().map(|p| p.block.numel() * p.wire.size()).sum();
+fn unpack_bytes(me: Endpoint, mem: &MemView, msg: &Message<RecvPiece>, bytes: &[u8]) -> Result<(), Unpack> {
+    let want = msg.wire_bytes();
     if bytes.len() as u64 != want {
         return Err(Unpack::Bad(format!("{} bytes, expected {want}", bytes.len())));
     }
     let mut pos = 0u64;
-    for p in pieces {
-        let elem = p.wire.size();
+    for p in msg.pieces.views() {
+        let (extent, wire, dtype) = (p.extent(), p.wire(), p.dtype());
+        let elem = wire.size();
         // SAFETY: `bytes` is borrowed for this whole function; the view does
         // not leave it.
-        let src = unsafe { StridedRef::new(bytes.as_ptr(), bytes.len(), pos / elem, packed_strides(p.block.extent()), p.wire) };
+        let src = unsafe { StridedRef::new(bytes.as_ptr(), bytes.len(), pos / elem, packed_strides(extent), wire) };
         if !pos.is_multiple_of(elem) {
             // Keep element alignment of offsets: copy to an aligned temporary.
-            let n = (p.block.numel() * elem) as usize;
+            let n = (p.numel() * elem) as usize;
             let tmp = bytes[pos as usize..pos as usize + n].to_vec();
             // SAFETY: `tmp` lives until the end of this block, the view's scope.
             let src = unsafe { StridedRef::new(tmp.as_ptr(), tmp.len(), 0, src.strides, src.dtype) };
-            for span in &p.spans {
-                let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
+            for span in p.spans() {
+                let to = view(me, mem, &span, dtype, extent, || p.block()).map_err(Unpack::Exec)?;
                 // SAFETY: tmp is ours and exactly sized; `to` is ours.
-                unsafe { copy_strided(p.block.extent(), &src, &to) };
+                unsafe { copy_strided(extent, &src, &to) };
             }
         } else {
-            for span in &p.spans {
-                let to = view(me, mem, span, p.dtype, &p.block).map_err(Unpack::Exec)?;
+            for span in p.spans() {
+                let to = view(me, mem, &span, dtype, extent, || p.block()).map_err(Unpack::Exec)?;
                 // SAFETY: src in bounds (total size checked); `to` is ours.
-                unsafe { copy_strided(p.block.extent(), &src, &to) };
+                unsafe { copy_strided(extent, &src, &to) };
             }
         }
-        pos += p.block.numel() * elem;
+        pos += p.numel() * elem;
     }
     Ok(())
 }
