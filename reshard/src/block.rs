@@ -57,6 +57,21 @@ impl Block {
         b
     }
 
+    /// A block of `ndim` dimensions from `ndim` offsets then `ndim` extents
+    /// in one slice (as [`Pieces`](crate::program::Pieces) packs them).
+    /// Copies a fixed number of words, so it costs no call to `memcpy` in
+    /// the executor's per-piece loops.
+    pub(crate) fn from_packed(ndim: usize, words: &[u64]) -> Block {
+        assert!(ndim <= MAX_DIMS && words.len() == 2 * ndim);
+        let (offset, extent) = words.split_at(ndim);
+        let mut b = Block { ndim: ndim as u8, offset: [0; MAX_DIMS], extent: [0; MAX_DIMS] };
+        for d in 0..MAX_DIMS {
+            b.offset[d] = offset.get(d).copied().unwrap_or(0);
+            b.extent[d] = extent.get(d).copied().unwrap_or(0);
+        }
+        b
+    }
+
     /// The whole of a tensor of this shape.
     pub fn full(shape: &[u64]) -> Block {
         Block::new(&vec![0; shape.len()], shape)

@@ -46,6 +46,23 @@ impl DType {
         }
     }
 
+    /// Position in [`ALL_DTYPES`] (0 to 9): a small code for packed
+    /// encodings (`ALL_DTYPES[d.index() as usize] == d`).
+    pub const fn index(self) -> u8 {
+        match self {
+            DType::F64 => 0,
+            DType::F32 => 1,
+            DType::BF16 => 2,
+            DType::F16 => 3,
+            DType::F8E4M3 => 4,
+            DType::F8E5M2 => 5,
+            DType::I64 => 6,
+            DType::I32 => 7,
+            DType::I8 => 8,
+            DType::U8 => 9,
+        }
+    }
+
     /// The name used in layout files (`"bf16"`, ...).
     pub const fn name(self) -> &'static str {
         match self {
@@ -258,6 +275,13 @@ mod tests {
             assert_eq!(DType::from_name(d.name()), Some(d));
         }
         assert_eq!(DType::from_name("fp32"), None);
+    }
+
+    #[test]
+    fn indices_round_trip() {
+        for (i, d) in ALL_DTYPES.into_iter().enumerate() {
+            assert_eq!(d.index() as usize, i);
+        }
     }
 
     #[test]

@@ -42,4 +42,6 @@ pub use layout::{
 pub use plan::fingerprint as plan_fingerprint;
 pub use plan::{Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer};
 pub use planner::plan_reshard;
-pub use program::{LocalCopy, Message, Programs, RankProgram, RecvPiece, Round, SendPiece, Span};
+pub use program::{
+    LocalCopy, LocalCopyView, Message, Pieces, Programs, RankProgram, RecvPiece, RecvPieceView, Round, SendPiece, Span, Spans,
+};

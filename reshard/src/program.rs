@@ -4,12 +4,15 @@
 //! receiver agree on the order of pieces in each message.
 
 use crate::block::{Block, MAX_DIMS};
-use crate::dtype::DType;
+use crate::dtype::{DType, ALL_DTYPES};
 use crate::fingerprint::Fingerprint;
 use crate::layout::{BufferKey, BufferSpec, Layout, Loc, Rank};
 use crate::plan::{fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
-use serde::{Deserialize, Serialize};
+use serde::de::{SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::marker::PhantomData;
 
 /// A piece's elements inside one buffer: element `i` of the piece (in the
 /// piece's row-major order) is at `base + sum(index[d] * strides[d])`.
@@ -66,25 +69,580 @@ pub struct LocalCopy {
 }
 
 /// All pieces exchanged with one peer in one round, in wire order.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(bound(serialize = "Pieces<P>: Serialize", deserialize = "Pieces<P>: Deserialize<'de>"))]
 pub struct Message<P> {
     /// The other rank.
     pub peer: Endpoint,
     /// Pieces, in the order they travel.
-    pub pieces: Vec<P>,
+    pub pieces: Pieces<P>,
+}
+
+impl<P> fmt::Debug for Message<P>
+where
+    Pieces<P>: fmt::Debug,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Message").field("peer", &self.peer).field("pieces", &self.pieces).finish()
+    }
 }
 
 impl Message<SendPiece> {
     /// Bytes on the wire.
     pub fn wire_bytes(&self) -> u64 {
-        self.pieces.iter().map(|p| p.block.numel() * p.wire.size()).sum()
+        self.pieces.first_dtype_bytes()
     }
 }
 
 impl Message<RecvPiece> {
     /// Bytes on the wire.
     pub fn wire_bytes(&self) -> u64 {
-        self.pieces.iter().map(|p| p.block.numel() * p.wire.size()).sum()
+        self.pieces.first_dtype_bytes()
+    }
+}
+
+/// The pieces of one message, or a round's local copies: a list of `P`
+/// (a [`SendPiece`], [`RecvPiece`] or [`LocalCopy`]) packed into words,
+/// read back piece by piece. A rank's program holds tens of thousands of
+/// pieces, almost all of 1 to 3 dimensions, which `Vec<P>` would store at
+/// [`MAX_DIMS`] dimensions each (over 200 bytes, plus a heap list of spans
+/// for a received piece or a local copy); packed, a 2-D piece with one span
+/// takes 9 words (72 bytes).
+///
+/// # Encoding
+/// Pieces lie back to back in one `Vec<u64>`, each as:
+///
+/// | words | content |
+/// |---|---|
+/// | 1 | header: bits 0-3 the block's `ndim` (0 to [`MAX_DIMS`]); bits 4-7 and 8-11 two dtypes (as [`DType::index`]); bit 12 set when some span has a non-zero stride past `ndim` (every span of the piece then stores all [`MAX_DIMS`] strides, so nothing is lost); bits 16-63 the number of spans |
+/// | `ndim` | the block's offsets |
+/// | `ndim` | the block's extents |
+/// | `2 + s` per span | the span's buffer, its base, then its first `s` strides (`s` is `ndim`, or [`MAX_DIMS`] with bit 12) |
+///
+/// | piece | dtypes | spans |
+/// |---|---|---|
+/// | [`SendPiece`] | `wire`, `dtype` | `span` |
+/// | [`RecvPiece`] | `wire`, `dtype` | `spans` |
+/// | [`LocalCopy`] | `from_dtype`, `to_dtype` | `from`, then `to` |
+///
+/// [`iter`](Pieces::iter) decodes each piece into a `P`; `views` reads
+/// each in place ([`SendPieceView`], [`RecvPieceView`], [`LocalCopyView`]),
+/// decoding only the fields asked for: what the executor's per-piece loops
+/// use.
+///
+/// Reading a piece back gives exactly the piece pushed, and a piece has one
+/// encoding, so two lists are equal when their words are. Serde reads and
+/// writes a plain sequence of `P`, exactly as `Vec<P>` does (a piece read
+/// is checked by `P`'s own deserialization, a [`Block`] by its own).
+pub struct Pieces<P> {
+    words: Vec<u64>,
+    len: usize,
+    piece: PhantomData<fn() -> P>,
+}
+
+/// How one kind of piece packs into the words of [`Pieces`] (sealed: only
+/// the piece types of this module implement it).
+mod packing {
+    /// Packs a piece into words, and unpacks it (see [`Pieces`](super::Pieces)).
+    pub trait Pack: Sized {
+        /// Appends the piece's words to `out`.
+        fn pack(&self, out: &mut Vec<u64>);
+        /// The piece whose words are exactly `words` (as packed).
+        fn unpack(words: &[u64]) -> Self;
+    }
+}
+use packing::Pack;
+
+/// A packed piece's header word (see [`Pieces`]).
+#[derive(Clone, Copy)]
+struct Header {
+    ndim: usize,
+    dtypes: [DType; 2],
+    /// Spans store all [`MAX_DIMS`] strides.
+    wide: bool,
+    spans: usize,
+}
+
+impl Header {
+    const WIDE: u64 = 1 << 12;
+    const SPANS_SHIFT: u32 = 16;
+
+    fn word(self) -> u64 {
+        self.ndim as u64
+            | u64::from(self.dtypes[0].index()) << 4
+            | u64::from(self.dtypes[1].index()) << 8
+            | if self.wide { Header::WIDE } else { 0 }
+            | (self.spans as u64) << Header::SPANS_SHIFT
+    }
+
+    fn read(w: u64) -> Header {
+        // Only `word` writes headers: the codes are those of `DType::index`.
+        let dtype = |code: u64| ALL_DTYPES[(code & 0xf) as usize];
+        Header {
+            ndim: (w & 0xf) as usize,
+            dtypes: [dtype(w >> 4), dtype(w >> 8)],
+            wide: w & Header::WIDE != 0,
+            spans: (w >> Header::SPANS_SHIFT) as usize,
+        }
+    }
+
+    /// Strides stored per span.
+    fn strides(self) -> usize {
+        if self.wide {
+            MAX_DIMS
+        } else {
+            self.ndim
+        }
+    }
+
+    /// Words of the whole piece, header included.
+    fn words(self) -> usize {
+        1 + 2 * self.ndim + self.spans * (2 + self.strides())
+    }
+}
+
+/// Appends one piece: `spans` holds `n` spans.
+fn pack_piece<'s>(out: &mut Vec<u64>, block: &Block, dtypes: [DType; 2], spans: impl Iterator<Item = &'s Span> + Clone, n: usize) {
+    let ndim = block.ndim();
+    // `spans.len()` of a Vec cannot reach 2^48 (each span takes 80 bytes).
+    debug_assert!((n as u64) < 1 << (64 - Header::SPANS_SHIFT));
+    let wide = spans.clone().any(|s| s.strides[ndim..].iter().any(|&x| x != 0));
+    let header = Header { ndim, dtypes, wide, spans: n };
+    out.reserve(header.words());
+    out.push(header.word());
+    out.extend_from_slice(block.offset());
+    out.extend_from_slice(block.extent());
+    let strides = header.strides();
+    for s in spans {
+        out.push(u64::from(s.buffer));
+        out.push(s.base);
+        out.extend_from_slice(&s.strides[..strides]);
+    }
+}
+
+/// One packed piece, read in place: its header, decoded once, and its words.
+#[derive(Clone, Copy)]
+struct Packed<'a> {
+    header: Header,
+    /// The piece's words, header included.
+    words: &'a [u64],
+}
+
+impl<'a> Packed<'a> {
+    fn new(words: &'a [u64]) -> Packed<'a> {
+        Packed { header: Header::read(words[0]), words }
+    }
+
+    fn block(self) -> Block {
+        Block::from_packed(self.header.ndim, &self.words[1..1 + 2 * self.header.ndim])
+    }
+
+    fn extent(self) -> &'a [u64] {
+        let nd = self.header.ndim;
+        &self.words[1 + nd..1 + 2 * nd]
+    }
+
+    fn spans(self) -> Spans<'a> {
+        Spans { words: &self.words[1 + 2 * self.header.ndim..], strides: self.header.strides() }
+    }
+
+    /// The first span (every packed piece of a kind with one has one).
+    fn first_span(self) -> Span {
+        self.spans().next().unwrap_or_else(|| unreachable!("a piece is packed with its span"))
+    }
+}
+
+/// The spans of a packed piece, decoded as they are read (nothing is
+/// allocated).
+#[derive(Clone)]
+pub struct Spans<'a> {
+    /// The piece's span words: `2 + strides` per span.
+    words: &'a [u64],
+    /// Strides stored per span.
+    strides: usize,
+}
+
+impl Iterator for Spans<'_> {
+    type Item = Span;
+
+    fn next(&mut self) -> Option<Span> {
+        let (w, rest) = self.words.split_at_checked(2 + self.strides)?;
+        self.words = rest;
+        // A fixed number of words: no call to `memcpy` per span.
+        let mut strides = [0; MAX_DIMS];
+        for (d, s) in strides.iter_mut().enumerate() {
+            *s = w.get(2 + d).copied().unwrap_or(0);
+        }
+        // The buffer was packed from a `u32`.
+        Some(Span { buffer: w[0] as u32, base: w[1], strides })
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = self.words.len() / (2 + self.strides);
+        (n, Some(n))
+    }
+}
+
+impl ExactSizeIterator for Spans<'_> {}
+
+impl fmt::Debug for Spans<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.clone()).finish()
+    }
+}
+
+/// Declares a view of one kind of packed piece: a few words, its fields
+/// decoded only when asked for, so the executor's per-piece loops neither
+/// allocate nor move whole blocks around.
+macro_rules! view {
+    ($(#[$doc:meta])* $view:ident of $piece:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy)]
+        pub struct $view<'a>(Packed<'a>);
+
+        impl<'a> $view<'a> {
+            /// The piece.
+            pub fn block(&self) -> Block {
+                self.0.block()
+            }
+
+            /// The piece's extent per dimension (no [`Block`] decoded).
+            pub fn extent(&self) -> &'a [u64] {
+                self.0.extent()
+            }
+
+            /// The piece's number of elements.
+            pub fn numel(&self) -> u64 {
+                self.0.extent().iter().product()
+            }
+
+            /// The whole piece, decoded.
+            pub fn get(&self) -> $piece {
+                $piece::unpack(self.0.words)
+            }
+        }
+
+        impl fmt::Debug for $view<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Debug::fmt(&self.get(), f)
+            }
+        }
+    };
+}
+
+view! {
+    /// A [`SendPiece`] read in place from [`Pieces`].
+    SendPieceView of SendPiece
+}
+
+view! {
+    /// A [`RecvPiece`] read in place from [`Pieces`]: its spans are decoded
+    /// as they are iterated, so reading it allocates nothing.
+    RecvPieceView of RecvPiece
+}
+
+view! {
+    /// A [`LocalCopy`] read in place from [`Pieces`]: the places written are
+    /// decoded as they are iterated, so reading it allocates nothing.
+    LocalCopyView of LocalCopy
+}
+
+impl SendPieceView<'_> {
+    /// Where to read it.
+    pub fn span(&self) -> Span {
+        self.0.first_span()
+    }
+
+    /// Type of the buffer read.
+    pub fn dtype(&self) -> DType {
+        self.0.header.dtypes[1]
+    }
+
+    /// Type on the wire.
+    pub fn wire(&self) -> DType {
+        self.0.header.dtypes[0]
+    }
+}
+
+impl<'a> RecvPieceView<'a> {
+    /// Every place on this rank that holds it.
+    pub fn spans(&self) -> Spans<'a> {
+        self.0.spans()
+    }
+
+    /// Type on the wire.
+    pub fn wire(&self) -> DType {
+        self.0.header.dtypes[0]
+    }
+
+    /// Type of the buffers written.
+    pub fn dtype(&self) -> DType {
+        self.0.header.dtypes[1]
+    }
+}
+
+impl<'a> LocalCopyView<'a> {
+    /// Where to read.
+    pub fn from(&self) -> Span {
+        self.0.first_span()
+    }
+
+    /// Type read.
+    pub fn from_dtype(&self) -> DType {
+        self.0.header.dtypes[0]
+    }
+
+    /// Where to write.
+    pub fn to(&self) -> Spans<'a> {
+        let mut spans = self.0.spans();
+        spans.next();
+        spans
+    }
+
+    /// Type written.
+    pub fn to_dtype(&self) -> DType {
+        self.0.header.dtypes[1]
+    }
+}
+
+impl Pack for SendPiece {
+    fn pack(&self, out: &mut Vec<u64>) {
+        pack_piece(out, &self.block, [self.wire, self.dtype], std::iter::once(&self.span), 1);
+    }
+
+    fn unpack(words: &[u64]) -> SendPiece {
+        let p = Packed::new(words);
+        SendPiece { block: p.block(), span: p.first_span(), wire: p.header.dtypes[0], dtype: p.header.dtypes[1] }
+    }
+}
+
+impl Pack for RecvPiece {
+    fn pack(&self, out: &mut Vec<u64>) {
+        pack_piece(out, &self.block, [self.wire, self.dtype], self.spans.iter(), self.spans.len());
+    }
+
+    fn unpack(words: &[u64]) -> RecvPiece {
+        let p = Packed::new(words);
+        RecvPiece { block: p.block(), spans: p.spans().collect(), wire: p.header.dtypes[0], dtype: p.header.dtypes[1] }
+    }
+}
+
+impl Pack for LocalCopy {
+    fn pack(&self, out: &mut Vec<u64>) {
+        let spans = std::iter::once(&self.from).chain(&self.to);
+        pack_piece(out, &self.block, [self.from_dtype, self.to_dtype], spans, 1 + self.to.len());
+    }
+
+    fn unpack(words: &[u64]) -> LocalCopy {
+        let p = Packed::new(words);
+        let mut spans = p.spans();
+        let from = spans.next().unwrap_or_else(|| unreachable!("a local copy is packed with its source span"));
+        LocalCopy { block: p.block(), from, from_dtype: p.header.dtypes[0], to: spans.collect(), to_dtype: p.header.dtypes[1] }
+    }
+}
+
+/// Each packed piece's words, in order.
+#[derive(Clone)]
+struct Raw<'a> {
+    words: &'a [u64],
+    left: usize,
+}
+
+impl<'a> Iterator for Raw<'a> {
+    type Item = &'a [u64];
+
+    fn next(&mut self) -> Option<&'a [u64]> {
+        let &h = self.words.first()?;
+        let (piece, rest) = self.words.split_at(Header::read(h).words());
+        self.words = rest;
+        self.left -= 1;
+        Some(piece)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl ExactSizeIterator for Raw<'_> {}
+
+impl<P> Pieces<P> {
+    /// No pieces.
+    pub const fn new() -> Pieces<P> {
+        Pieces { words: Vec::new(), len: 0, piece: PhantomData }
+    }
+
+    /// Number of pieces.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there is no piece.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Frees memory reserved for pieces not pushed yet.
+    pub fn shrink_to_fit(&mut self) {
+        self.words.shrink_to_fit();
+    }
+
+    fn raw(&self) -> Raw<'_> {
+        Raw { words: &self.words, left: self.len }
+    }
+
+    /// Sum of element counts times the size of each piece's first dtype
+    /// (the wire type of a sent or received piece).
+    fn first_dtype_bytes(&self) -> u64 {
+        self.raw()
+            .map(|w| {
+                let p = Packed::new(w);
+                p.extent().iter().product::<u64>() * p.header.dtypes[0].size()
+            })
+            .sum()
+    }
+}
+
+impl<P: Pack> Pieces<P> {
+    /// Appends a piece.
+    pub fn push(&mut self, piece: &P) {
+        piece.pack(&mut self.words);
+        self.len += 1;
+    }
+
+    /// The pieces in order, each decoded into a `P` as it is read.
+    pub fn iter(&self) -> Iter<'_, P> {
+        Iter { raw: self.raw(), piece: PhantomData }
+    }
+}
+
+impl Pieces<SendPiece> {
+    /// The pieces in order, read in place: each field is decoded only when
+    /// asked for.
+    pub fn views(&self) -> impl ExactSizeIterator<Item = SendPieceView<'_>> + Clone {
+        self.raw().map(|w| SendPieceView(Packed::new(w)))
+    }
+}
+
+impl Pieces<RecvPiece> {
+    /// The pieces in order, read in place: each field is decoded only when
+    /// asked for, and no list of spans is allocated.
+    pub fn views(&self) -> impl ExactSizeIterator<Item = RecvPieceView<'_>> + Clone {
+        self.raw().map(|w| RecvPieceView(Packed::new(w)))
+    }
+}
+
+impl Pieces<LocalCopy> {
+    /// The copies in order, read in place: each field is decoded only when
+    /// asked for, and no list of spans is allocated.
+    pub fn views(&self) -> impl ExactSizeIterator<Item = LocalCopyView<'_>> + Clone {
+        self.raw().map(|w| LocalCopyView(Packed::new(w)))
+    }
+}
+
+/// The pieces of a [`Pieces`], decoded one by one ([`Pieces::iter`]).
+pub struct Iter<'a, P> {
+    raw: Raw<'a>,
+    piece: PhantomData<fn() -> P>,
+}
+
+impl<P: Pack> Iterator for Iter<'_, P> {
+    type Item = P;
+
+    fn next(&mut self) -> Option<P> {
+        self.raw.next().map(P::unpack)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.raw.size_hint()
+    }
+}
+
+impl<P: Pack> ExactSizeIterator for Iter<'_, P> {}
+
+impl<P> Clone for Iter<'_, P> {
+    fn clone(&self) -> Self {
+        Iter { raw: self.raw.clone(), piece: PhantomData }
+    }
+}
+
+impl<'a, P: Pack> IntoIterator for &'a Pieces<P> {
+    type Item = P;
+    type IntoIter = Iter<'a, P>;
+
+    fn into_iter(self) -> Iter<'a, P> {
+        self.iter()
+    }
+}
+
+impl<P> Default for Pieces<P> {
+    fn default() -> Self {
+        Pieces::new()
+    }
+}
+
+impl<P> Clone for Pieces<P> {
+    fn clone(&self) -> Self {
+        Pieces { words: self.words.clone(), len: self.len, piece: PhantomData }
+    }
+}
+
+impl<P> PartialEq for Pieces<P> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.words == other.words
+    }
+}
+
+impl<P> Eq for Pieces<P> {}
+
+impl<P: Pack + fmt::Debug> fmt::Debug for Pieces<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl<P: Pack> Extend<P> for Pieces<P> {
+    fn extend<I: IntoIterator<Item = P>>(&mut self, iter: I) {
+        for p in iter {
+            self.push(&p);
+        }
+    }
+}
+
+impl<P: Pack> FromIterator<P> for Pieces<P> {
+    fn from_iter<I: IntoIterator<Item = P>>(iter: I) -> Self {
+        let mut out = Pieces::new();
+        out.extend(iter);
+        out
+    }
+}
+
+impl<P: Pack + Serialize> Serialize for Pieces<P> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_seq(self.iter())
+    }
+}
+
+impl<'de, P: Pack + Deserialize<'de>> Deserialize<'de> for Pieces<P> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Seq<P>(PhantomData<fn() -> P>);
+        impl<'de, P: Pack + Deserialize<'de>> Visitor<'de> for Seq<P> {
+            type Value = Pieces<P>;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a sequence of pieces")
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Pieces<P>, A::Error> {
+                let mut out = Pieces::new();
+                while let Some(p) = seq.next_element::<P>()? {
+                    out.push(&p);
+                }
+                out.shrink_to_fit();
+                Ok(out)
+            }
+        }
+        deserializer.deserialize_seq(Seq(PhantomData))
     }
 }
 
@@ -92,7 +650,7 @@ impl Message<RecvPiece> {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Round {
     /// Copies within the rank, done first.
-    pub locals: Vec<LocalCopy>,
+    pub locals: Pieces<LocalCopy>,
     /// Outgoing messages, one per peer, by peer.
     pub sends: Vec<Message<SendPiece>>,
     /// Incoming messages, one per peer, by peer.
@@ -190,7 +748,7 @@ impl<'a> Programs<'a> {
         let mut side = Side::new(layout, e.rank);
         let mut sends: Builder<SendPiece> = BTreeMap::new();
         let mut recvs: Builder<RecvPiece> = BTreeMap::new();
-        let mut locals: BTreeMap<u32, Vec<LocalCopy>> = BTreeMap::new();
+        let mut locals: BTreeMap<u32, Pieces<LocalCopy>> = BTreeMap::new();
         let mut k = 0;
         while k < mine.len() {
             let td = plan.pieces[plan.transfers[mine[k] as usize].piece as usize].dst_tensor;
@@ -222,7 +780,7 @@ impl<'a> Programs<'a> {
                     };
                     if t.to == e {
                         let to = span_here(&mut side, t.to_scratch);
-                        locals.entry(t.round).or_default().push(LocalCopy {
+                        locals.entry(t.round).or_default().push(&LocalCopy {
                             block: piece,
                             from,
                             from_dtype: my_dtype,
@@ -232,23 +790,27 @@ impl<'a> Programs<'a> {
                         continue;
                     }
                     let wire = plan.transfer_wire_dtype(t);
-                    sends.entry((t.round, t.to)).or_default().push(SendPiece { block: piece, span: from, dtype: my_dtype, wire });
+                    sends.entry((t.round, t.to)).or_default().push(&SendPiece { block: piece, span: from, dtype: my_dtype, wire });
                 } else {
                     let spans = span_here(&mut side, t.to_scratch);
                     let wire = plan.transfer_wire_dtype(t);
-                    recvs.entry((t.round, t.from)).or_default().push(RecvPiece { block: piece, spans, wire, dtype: dtype_of(t.to.group) });
+                    recvs.entry((t.round, t.from)).or_default().push(&RecvPiece { block: piece, spans, wire, dtype: dtype_of(t.to.group) });
                 }
             }
             k = end;
         }
+        // Pieces were pushed one by one: keep only the words they take.
         let mut rounds: Vec<Round> = vec![Round::default(); plan.figures.rounds as usize];
-        for ((r, peer), pieces) in sends {
+        for ((r, peer), mut pieces) in sends {
+            pieces.shrink_to_fit();
             rounds[r as usize].sends.push(Message { peer, pieces });
         }
-        for ((r, peer), pieces) in recvs {
+        for ((r, peer), mut pieces) in recvs {
+            pieces.shrink_to_fit();
             rounds[r as usize].recvs.push(Message { peer, pieces });
         }
-        for (r, l) in locals {
+        for (r, mut l) in locals {
+            l.shrink_to_fit();
             rounds[r as usize].locals = l;
         }
         RankProgram { endpoint: e, fingerprint: plan.fingerprint, buffers: side.buffers, rounds }
@@ -288,7 +850,7 @@ impl<'a> Side<'a> {
     }
 }
 
-type Builder<P> = BTreeMap<(u32, Endpoint), Vec<P>>;
+type Builder<P> = BTreeMap<(u32, Endpoint), Pieces<P>>;
 
 impl Plan {
     /// Builds every rank's program: source ranks first (by rank), then
@@ -297,5 +859,228 @@ impl Plan {
     pub fn programs(&self, src: &Layout, dst: &Layout) -> Result<Vec<RankProgram>, PlanError> {
         let p = Programs::new(self, src, dst)?;
         Ok(p.endpoints().map(|e| p.program(e)).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic pseudo-random numbers (xorshift64*).
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+
+        /// A value up to `max`: small, near `max`, or anywhere.
+        fn value(&mut self, max: u64) -> u64 {
+            match self.below(4) {
+                0 => self.below(16).min(max),
+                1 => max - self.below(16).min(max),
+                _ => self.next() % max.saturating_add(1).max(1),
+            }
+        }
+    }
+
+    /// Piece number `i`: `i % 9` dimensions, dtypes cycling through all,
+    /// values up to `max` (blocks stay within `u64`, as deserialization
+    /// demands); one span in eight has non-zero strides past its dimensions.
+    struct Gen {
+        rng: Rng,
+        max: u64,
+    }
+
+    impl Gen {
+        fn block(&mut self, i: usize) -> Block {
+            let nd = i % 9;
+            let offset: Vec<u64> = (0..nd).map(|_| self.rng.value(self.max)).collect();
+            let extent: Vec<u64> = offset.iter().map(|&o| self.rng.value(self.max - o)).collect();
+            Block::new(&offset, &extent)
+        }
+
+        fn span(&mut self, nd: usize) -> Span {
+            let stray = self.rng.below(8) == 0;
+            let mut strides = [0; MAX_DIMS];
+            for (d, s) in strides.iter_mut().enumerate() {
+                if d < nd || stray {
+                    *s = self.rng.value(self.max);
+                }
+            }
+            Span { buffer: self.rng.value(u32::MAX.into()) as u32, base: self.rng.value(self.max), strides }
+        }
+
+        fn spans(&mut self, nd: usize, n: usize) -> Vec<Span> {
+            (0..n).map(|_| self.span(nd)).collect()
+        }
+
+        fn dtypes(i: usize) -> (DType, DType) {
+            (ALL_DTYPES[i % ALL_DTYPES.len()], ALL_DTYPES[(i / ALL_DTYPES.len() + 3 * i) % ALL_DTYPES.len()])
+        }
+
+        fn send(&mut self, i: usize) -> SendPiece {
+            let block = self.block(i);
+            let (dtype, wire) = Gen::dtypes(i);
+            SendPiece { block, span: self.span(block.ndim()), dtype, wire }
+        }
+
+        fn recv(&mut self, i: usize) -> RecvPiece {
+            let block = self.block(i);
+            let (wire, dtype) = Gen::dtypes(i);
+            let n = 1 + self.rng.below(3) as usize;
+            RecvPiece { block, spans: self.spans(block.ndim(), n), wire, dtype }
+        }
+
+        fn local(&mut self, i: usize) -> LocalCopy {
+            let block = self.block(i);
+            let (from_dtype, to_dtype) = Gen::dtypes(i);
+            let n = self.rng.below(3) as usize;
+            LocalCopy { block, from: self.span(block.ndim()), from_dtype, to: self.spans(block.ndim(), n), to_dtype }
+        }
+    }
+
+    /// `pieces` packed, pushed one by one and read back (also through
+    /// `views`, which reads a list in place), equal as lists and as serde
+    /// sequences (JSON, both ways) to the `Vec` they came from.
+    fn check<P>(pieces: &[P], views: impl Fn(&Pieces<P>) -> Vec<P>)
+    where
+        P: Pack + Clone + PartialEq + fmt::Debug + Serialize + serde::de::DeserializeOwned,
+    {
+        let packed: Pieces<P> = pieces.iter().cloned().collect();
+        assert_eq!((packed.len(), packed.is_empty()), (pieces.len(), pieces.is_empty()));
+        assert_eq!(packed.iter().collect::<Vec<P>>(), pieces);
+        assert_eq!(views(&packed), pieces);
+        assert_eq!(packed.iter().len(), pieces.len());
+        let mut pushed = Pieces::default();
+        for p in pieces {
+            pushed.push(p);
+        }
+        assert_eq!(pushed, packed);
+        let mut extended = Pieces::new();
+        extended.extend(pieces[..pieces.len() / 2].iter().cloned());
+        extended.extend(pieces[pieces.len() / 2..].iter().cloned());
+        assert_eq!(extended, packed);
+        assert_eq!(packed.clone(), packed);
+        assert_eq!(format!("{packed:?}"), format!("{pieces:?}"));
+        let json = serde_json::to_string(pieces).unwrap();
+        assert_eq!(serde_json::to_string(&packed).unwrap(), json);
+        let back: Pieces<P> = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, packed);
+        if let Some((last, rest)) = pieces.split_last() {
+            assert_ne!(rest.iter().cloned().collect::<Pieces<P>>(), packed);
+            assert_ne!(rest.iter().chain(rest.first()).cloned().collect::<Pieces<P>>(), rest.iter().chain([last]).cloned().collect());
+        }
+    }
+
+    #[test]
+    fn pieces_round_trip() {
+        // (seed, pieces, largest value)
+        let cases = [(1, 0, u64::MAX), (2, 1, u64::MAX), (3, 9, 100), (4, 90, u64::MAX), (5, 270, u64::MAX), (6, 90, 1 << 40)];
+        for (seed, n, max) in cases {
+            let mut g = Gen { rng: Rng(seed), max };
+            // Each view's fields, and the piece it decodes to whole.
+            let sends: Vec<SendPiece> = (0..n).map(|i| g.send(i)).collect();
+            check(&sends, |p| {
+                p.views()
+                    .map(|v| {
+                        let piece = SendPiece { block: v.block(), span: v.span(), dtype: v.dtype(), wire: v.wire() };
+                        assert_eq!((v.get(), v.extent()), (piece.clone(), piece.block.extent()));
+                        piece
+                    })
+                    .collect()
+            });
+            let recvs: Vec<RecvPiece> = (0..n).map(|i| g.recv(i)).collect();
+            check(&recvs, |p| {
+                p.views()
+                    .map(|v| {
+                        let piece = RecvPiece { block: v.block(), spans: v.spans().collect(), wire: v.wire(), dtype: v.dtype() };
+                        assert_eq!((v.get(), v.extent(), v.spans().len()), (piece.clone(), piece.block.extent(), piece.spans.len()));
+                        piece
+                    })
+                    .collect()
+            });
+            let locals: Vec<LocalCopy> = (0..n).map(|i| g.local(i)).collect();
+            check(&locals, |p| {
+                p.views()
+                    .map(|v| {
+                        let piece = LocalCopy {
+                            block: v.block(),
+                            from: v.from(),
+                            from_dtype: v.from_dtype(),
+                            to: v.to().collect(),
+                            to_dtype: v.to_dtype(),
+                        };
+                        assert_eq!((v.get(), v.extent(), v.to().len()), (piece.clone(), piece.block.extent(), piece.to.len()));
+                        piece
+                    })
+                    .collect()
+            });
+            if max <= 100 {
+                // Small enough for element counts not to overflow.
+                let peer = Endpoint::dst(1);
+                let numel: Vec<u64> = sends.iter().map(|p| p.block.numel()).collect();
+                let packed: Pieces<SendPiece> = sends.iter().cloned().collect();
+                assert_eq!(packed.views().map(|v| v.numel()).collect::<Vec<_>>(), numel);
+                let want: u64 = sends.iter().map(|p| p.block.numel() * p.wire.size()).sum();
+                assert_eq!(Message { peer, pieces: sends.iter().cloned().collect() }.wire_bytes(), want);
+                let want: u64 = recvs.iter().map(|p| p.block.numel() * p.wire.size()).sum();
+                assert_eq!(Message { peer, pieces: recvs.iter().cloned().collect() }.wire_bytes(), want);
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_take_few_words() {
+        let span = |strides: [u64; MAX_DIMS]| Span { buffer: 3, base: 1 << 50, strides };
+        let block = Block::new(&[2, 4], &[8, 16]);
+        let (f32_, bf16) = (DType::F32, DType::BF16);
+        // Row-major strides of a 16-wide buffer, nothing past the block's 2-D.
+        let tight = [16, 1, 0, 0, 0, 0, 0, 0];
+        let send = |strides| SendPiece { block, span: span(strides), dtype: f32_, wire: bf16 };
+        let recv = |n| RecvPiece { block, spans: vec![span(tight); n], wire: bf16, dtype: f32_ };
+        let local = LocalCopy { block, from: span(tight), from_dtype: f32_, to: vec![], to_dtype: f32_ };
+        // (pieces of each kind, words of each list): a 2-D piece takes a
+        // header, two offsets, two extents, then per span a buffer, a base
+        // and two strides (all eight when one past the block's is set).
+        let cases = [
+            (vec![send(tight)], vec![recv(1)], vec![local.clone()], [9; 3]),
+            (vec![send([16, 1, 0, 0, 0, 0, 0, 7])], vec![recv(2)], vec![local.clone(), local], [5 + 10, 5 + 2 * 4, 2 * 9]),
+            (vec![], vec![], vec![], [0; 3]),
+        ];
+        for (s, r, l, words) in cases {
+            let (s, r, l): (Pieces<_>, Pieces<_>, Pieces<_>) = (s.into_iter().collect(), r.into_iter().collect(), l.into_iter().collect());
+            assert_eq!([s.words.len(), r.words.len(), l.words.len()], words, "{s:?} {r:?} {l:?}");
+        }
+    }
+
+    #[test]
+    fn invalid_pieces_are_refused() {
+        let span = r#"{"buffer": 0, "base": 0, "strides": [1, 0, 0, 0, 0, 0, 0, 0]}"#;
+        let piece = |block: &str| format!(r#"[{{"block": {block}, "span": {span}, "dtype": "F32", "wire": "BF16"}}]"#);
+        // (JSON, valid)
+        let cases = [
+            (piece(r#"{"offset": [1], "extent": [2]}"#), true),
+            (piece(r#"{"offset": [1, 0], "extent": [2]}"#), false),
+            (piece(r#"{"offset": [0, 0, 0, 0, 0, 0, 0, 0, 0], "extent": [1, 1, 1, 1, 1, 1, 1, 1, 1]}"#), false),
+            (piece(r#"{"offset": [18446744073709551615], "extent": [1]}"#), false),
+            ("[]".to_string(), true),
+            ("{}".to_string(), false),
+        ];
+        for (json, valid) in cases {
+            let packed = serde_json::from_str::<Pieces<SendPiece>>(&json);
+            let listed = serde_json::from_str::<Vec<SendPiece>>(&json);
+            assert_eq!((packed.is_ok(), listed.is_ok()), (valid, valid), "{json}");
+            if let (Ok(p), Ok(l)) = (packed, listed) {
+                assert_eq!(p.iter().collect::<Vec<_>>(), l);
+            }
+        }
     }
 }

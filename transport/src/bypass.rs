@@ -19,7 +19,7 @@
 //!   strides, and keeps the buffer's type if the receive converted (so
 //!   converting straight from the wire gives the same values).
 
-use reshard::{Block, BufferKey, Endpoint, LocalCopy, RankProgram, Span};
+use reshard::{Block, BufferKey, Endpoint, LocalCopy, LocalCopyView, Pieces, RankProgram, Span};
 use std::collections::HashMap;
 
 /// The local copies a received piece feeds, and which buffers are bypassed.
@@ -28,22 +28,10 @@ pub struct Bypass {
     /// Per buffer of the program: bypassed (never read or written).
     skipped: Vec<bool>,
     /// Per (round, sender): the copies made straight from that message's
-    /// pieces, by piece.
-    routes: HashMap<(u32, Endpoint), Vec<Route>>,
-    /// Parts of copies fed by more than one receive.
-    parts: Vec<LocalCopy>,
+    /// pieces, by piece (the piece of each, and the copies, packed).
+    routes: HashMap<(u32, Endpoint), (Vec<u32>, Pieces<LocalCopy>)>,
     /// Per round: which of its local copies were made on receipt instead.
     early: HashMap<u32, Vec<bool>>,
-}
-
-/// A copy made from a received piece: local copy `local` of round `round`,
-/// or, when several receives feed that copy, the part `parts[part]` of it.
-#[derive(Clone, Copy, Debug)]
-struct Route {
-    piece: u32,
-    round: u32,
-    local: u32,
-    part: u32,
 }
 
 /// A receive into a scratch buffer.
@@ -76,23 +64,25 @@ impl Bypass {
         let mut writes: Vec<Write> = Vec::new();
         for (r, round) in program.rounds.iter().enumerate() {
             for m in &round.sends {
-                for p in m.pieces.iter() {
-                    if is_scratch(p.span.buffer) {
-                        ok[p.span.buffer as usize] = false;
+                for p in m.pieces.views() {
+                    let b = p.span().buffer;
+                    if is_scratch(b) {
+                        ok[b as usize] = false;
                     }
                 }
             }
-            for l in round.locals.iter() {
-                for to in &l.to {
+            for l in round.locals.views() {
+                for to in l.to() {
                     if is_scratch(to.buffer) {
                         ok[to.buffer as usize] = false;
                     }
                 }
             }
             for m in &round.recvs {
-                for (i, p) in m.pieces.iter().enumerate() {
-                    for s in p.spans.iter().filter(|s| is_scratch(s.buffer)) {
-                        if p.spans.len() != 1 {
+                for (i, p) in m.pieces.views().enumerate() {
+                    let spans = p.spans().len();
+                    for s in p.spans().filter(|s| is_scratch(s.buffer)) {
+                        if spans != 1 {
                             ok[s.buffer as usize] = false;
                         } else if ok[s.buffer as usize] {
                             writes.push(Write {
@@ -100,9 +90,9 @@ impl Bypass {
                                 round: r as u32,
                                 peer: m.peer,
                                 piece: i as u32,
-                                block: p.block,
-                                span: *s,
-                                converted: p.wire != p.dtype,
+                                block: p.block(),
+                                span: s,
+                                converted: p.wire() != p.dtype(),
                             });
                         }
                     }
@@ -131,9 +121,10 @@ impl Bypass {
         // The receives each copy out of a scratch buffer reads from: they
         // must cover it exactly (they do not overlap, so their numbers of
         // elements inside it add up to its own), each feeding its part.
-        let mut feeds: Vec<(u32, u32, &Write, Option<LocalCopy>)> = Vec::new();
+        let mut feeds: Vec<(u32, u32, &Write, LocalCopy)> = Vec::new();
         for (r, round) in program.rounds.iter().enumerate() {
-            for (li, l) in round.locals.iter().enumerate() {
+            for (li, l) in round.locals.views().enumerate() {
+                let l = l.get();
                 let b = l.from.buffer as usize;
                 if !is_scratch(l.from.buffer) || !ok[b] {
                     continue;
@@ -150,13 +141,13 @@ impl Bypass {
                         break;
                     }
                     covered += part.numel();
-                    let part = (part != l.block).then(|| LocalCopy {
+                    let part = LocalCopy {
                         block: part,
                         from: shifted(&l.from, &l.block, &part),
                         from_dtype: l.from_dtype,
                         to: l.to.iter().map(|t| shifted(t, &l.block, &part)).collect(),
                         to_dtype: l.to_dtype,
-                    });
+                    };
                     feeds.push((r as u32, li as u32, w, part));
                 }
                 if covered != l.block.numel() {
@@ -166,24 +157,19 @@ impl Bypass {
             }
         }
         let mut bypass = Bypass { skipped: ok, ..Bypass::default() };
-        for (round, local, w, part) in feeds {
-            if !bypass.skipped[w.buffer as usize] {
-                continue;
-            }
-            let part = match part {
-                Some(p) => {
-                    bypass.parts.push(p);
-                    bypass.parts.len() as u32 - 1
-                }
-                None => u32::MAX,
-            };
-            bypass.routes.entry((w.round, w.peer)).or_default().push(Route { piece: w.piece, round, local, part });
+        // By message, then piece (stable: in program order within one).
+        feeds.retain(|(_, _, w, _)| bypass.skipped[w.buffer as usize]);
+        feeds.sort_by_key(|(_, _, w, _)| (w.round, w.peer, w.piece));
+        for (round, local, w, copy) in feeds {
+            let (pieces, copies) = bypass.routes.entry((w.round, w.peer)).or_default();
+            pieces.push(w.piece);
+            copies.push(&copy);
             let locals = program.rounds[round as usize].locals.len();
             bypass.early.entry(round).or_insert_with(|| vec![false; locals])[local as usize] = true;
         }
-        for routes in bypass.routes.values_mut() {
-            routes.sort_by_key(|r| r.piece);
-            routes.shrink_to_fit();
+        for (pieces, copies) in bypass.routes.values_mut() {
+            pieces.shrink_to_fit();
+            copies.shrink_to_fit();
         }
         bypass
     }
@@ -201,19 +187,8 @@ impl Bypass {
 
     /// The copies to make from the message from `peer` in `round`, as
     /// (piece, copy), by piece.
-    pub(crate) fn routes<'a>(
-        &'a self,
-        program: &'a RankProgram,
-        round: u32,
-        peer: Endpoint,
-    ) -> impl Iterator<Item = (u32, &'a LocalCopy)> + 'a {
-        self.routes.get(&(round, peer)).into_iter().flatten().map(move |r| {
-            let copy = match r.part {
-                u32::MAX => &program.rounds[r.round as usize].locals[r.local as usize],
-                p => &self.parts[p as usize],
-            };
-            (r.piece, copy)
-        })
+    pub(crate) fn routes(&self, round: u32, peer: Endpoint) -> impl Iterator<Item = (u32, LocalCopyView<'_>)> + '_ {
+        self.routes.get(&(round, peer)).into_iter().flat_map(|(pieces, copies)| pieces.iter().copied().zip(copies.views()))
     }
 
     /// Whether local copy `index` of `round` was made on receipt.

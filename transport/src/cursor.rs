@@ -13,7 +13,7 @@
 //! rank goes on, so nothing it lent is overwritten while read).
 
 use crate::exec::RankStats;
-use reshard::{Endpoint, LocalCopy, Message, RankProgram, RecvPiece, SendPiece};
+use reshard::{Endpoint, LocalCopy, Message, Pieces, RankProgram, RecvPiece, SendPiece};
 
 /// What the rank does next.
 #[derive(Debug)]
@@ -23,7 +23,7 @@ pub enum Action<'p> {
         /// The round.
         round: u32,
         /// The copies.
-        copies: &'p [LocalCopy],
+        copies: &'p Pieces<LocalCopy>,
     },
     /// Pack this message and send it.
     Send {

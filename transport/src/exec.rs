@@ -9,7 +9,7 @@ use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
 use crate::tcp::{tcp_fabric, TcpConfig, TcpTransport};
 use crate::transport::{Payload, Release, Segment, Transport, TransportError};
-use reshard::{Block, DType, Endpoint, LocalCopy, Message, RankProgram, RecvPiece, SendPiece, Span};
+use reshard::{Block, DType, Endpoint, LocalCopyView, Message, RankProgram, RecvPiece, RecvPieceView, SendPiece, Span};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -110,15 +110,25 @@ pub struct ExecReport {
     pub messages: u64,
 }
 
-fn view(me: Endpoint, mem: &MemView, span: &Span, dtype: DType, block: &Block) -> Result<StridedRef, ExecError> {
-    let buf = mem.bufs.get(span.buffer as usize).ok_or(ExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer })?;
+/// The elements of a piece of `extent` at `span`, checked to lie in its
+/// buffer; `block` names the piece if not (decoded only then).
+fn view(
+    me: Endpoint,
+    mem: &MemView,
+    span: &Span,
+    dtype: DType,
+    extent: &[u64],
+    block: impl FnOnce() -> Block,
+) -> Result<StridedRef, ExecError> {
+    let oob = || ExecError::OutOfBounds { me, block: Box::new(block()), buffer: span.buffer };
+    let Some(buf) = mem.bufs.get(span.buffer as usize) else { return Err(oob()) };
     // SAFETY: `mem` views a rank's buffers, which outlive every rank thread
     // and every payload of the run (`MemView`'s contract).
     let r = unsafe { StridedRef::new(buf.ptr, buf.len, span.base, span.strides, dtype) };
-    if in_bounds(block.extent(), &r) {
+    if in_bounds(extent, &r) {
         Ok(r)
     } else {
-        Err(ExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer })
+        Err(oob())
     }
 }
 
@@ -188,16 +198,17 @@ fn run_rounds<T: Transport>(
     loop {
         match cursor.next_action() {
             Action::Locals { round, copies } => {
-                for (i, l) in copies.iter().enumerate() {
+                for (i, l) in copies.views().enumerate() {
                     if bypass.done_early(round, i) {
                         continue;
                     }
-                    let from = view(me, mem, &l.from, l.from_dtype, &l.block)?;
-                    for to in &l.to {
-                        let to = view(me, mem, to, l.to_dtype, &l.block)?;
+                    let extent = l.extent();
+                    let from = view(me, mem, &l.from(), l.from_dtype(), extent, || l.block())?;
+                    for to in l.to() {
+                        let to = view(me, mem, &to, l.to_dtype(), extent, || l.block())?;
                         // SAFETY: both in bounds; scratch and shard buffers are
                         // distinct; only this thread writes this rank's buffers.
-                        unsafe { copy_strided(l.block.extent(), &from, &to) };
+                        unsafe { copy_strided(extent, &from, &to) };
                     }
                 }
             }
@@ -209,9 +220,9 @@ fn run_rounds<T: Transport>(
                 let (peer, payload) = transport.recv(round, deadline)?;
                 let bad = |problem: String| ExecError::BadMessage { me, round, peer, problem };
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
-                let routes: Vec<(u32, &LocalCopy)> = bypass.routes(program, round, peer).collect();
+                let routes: Vec<(u32, LocalCopyView<'_>)> = bypass.routes(round, peer).collect();
                 let into = Into { me, mem, bypass, routes: &routes };
-                unpack(&into, &msg.pieces, payload).map_err(|e| match e {
+                unpack(&into, msg, payload).map_err(|e| match e {
                     Unpack::Bad(p) => bad(p),
                     Unpack::Exec(e) => e,
                 })?;
@@ -229,26 +240,27 @@ fn run_rounds<T: Transport>(
 fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload, ExecError> {
     let mut segments = Vec::with_capacity(msg.pieces.len());
     let mut staged = 0u64;
-    for p in msg.pieces.iter().filter(|p| p.dtype != p.wire) {
-        staged = staged.next_multiple_of(p.wire.size()) + p.block.numel() * p.wire.size();
+    for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
+        staged = staged.next_multiple_of(p.wire().size()) + p.numel() * p.wire().size();
     }
     let mut staging = vec![0u8; staged as usize];
     let mut pos = 0u64;
-    for p in &msg.pieces {
-        let src = view(me, mem, &p.span, p.dtype, &p.block)?;
-        if p.dtype == p.wire {
-            segments.push(Segment::new(src, p.block.extent()));
+    for p in msg.pieces.views() {
+        let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
+        let src = view(me, mem, &p.span(), dtype, extent, || p.block())?;
+        if dtype == wire {
+            segments.push(Segment::new(src, extent));
         } else {
-            let elem = p.wire.size();
+            let elem = wire.size();
             pos = pos.next_multiple_of(elem);
             // SAFETY: the staging vector moves into the payload's
             // `keep_alive` below (its heap buffer does not move), so it lives
             // as long as the segments pointing into it.
-            let dst = unsafe { StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(p.block.extent()), p.wire) };
+            let dst = unsafe { StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(extent), wire) };
             // SAFETY: staging is ours and sized for every staged piece.
-            unsafe { copy_strided(p.block.extent(), &src, &dst) };
-            segments.push(Segment::new(dst, p.block.extent()));
-            pos += p.block.numel() * elem;
+            unsafe { copy_strided(extent, &src, &dst) };
+            segments.push(Segment::new(dst, extent));
+            pos += p.numel() * elem;
         }
     }
     // Moving the Vec into the Arc keeps its heap buffer where the segments
@@ -269,91 +281,96 @@ struct Into<'a> {
     mem: &'a MemView,
     bypass: &'a Bypass,
     /// Copies made on receipt, by piece.
-    routes: &'a [(u32, &'a LocalCopy)],
+    routes: &'a [(u32, LocalCopyView<'a>)],
 }
 
 impl Into<'_> {
     /// Writes piece `i`, whose elements `src` views, everywhere it goes.
-    fn write(&self, i: usize, p: &RecvPiece, src: &StridedRef) -> Result<(), ExecError> {
-        for span in p.spans.iter().filter(|s| !self.bypass.skips(s.buffer as usize)) {
-            let to = view(self.me, self.mem, span, p.dtype, &p.block)?;
+    fn write(&self, i: usize, p: &RecvPieceView<'_>, src: &StridedRef) -> Result<(), ExecError> {
+        let (me, extent) = (self.me, p.extent());
+        for span in p.spans().filter(|s| !self.bypass.skips(s.buffer as usize)) {
+            let to = view(me, self.mem, &span, p.dtype(), extent, || p.block())?;
             // SAFETY: `src` views memory valid for this call (the caller's
             // contract) that nobody writes now; `to` is this rank's own
             // buffer.
-            unsafe { copy_strided(p.block.extent(), src, &to) };
+            unsafe { copy_strided(extent, src, &to) };
         }
         let first = self.routes.partition_point(|(piece, _)| (*piece as usize) < i);
         for (_, copy) in self.routes[first..].iter().take_while(|(piece, _)| *piece as usize == i) {
             // The copy's source inside the piece: `Bypass` checked that it
             // lies inside, and that the piece's wire type (what `src`
             // holds) converts to the copy's type as the scratch would have.
+            let (block, piece) = (copy.block(), p.block());
             let mut base = src.base;
-            for d in 0..copy.block.ndim() {
-                base += (copy.block.offset()[d] - p.block.offset()[d]) * src.strides[d];
+            for d in 0..block.ndim() {
+                base += (block.offset()[d] - piece.offset()[d]) * src.strides[d];
             }
             let from = src.at(base, src.strides, src.dtype);
-            if !in_bounds(copy.block.extent(), &from) {
-                return Err(ExecError::OutOfBounds { me: self.me, block: Box::new(copy.block), buffer: copy.from.buffer });
+            if !in_bounds(block.extent(), &from) {
+                return Err(ExecError::OutOfBounds { me, block: Box::new(block), buffer: copy.from().buffer });
             }
-            for span in &copy.to {
-                let to = view(self.me, self.mem, span, copy.to_dtype, &copy.block)?;
+            for span in copy.to() {
+                let to = view(me, self.mem, &span, copy.to_dtype(), block.extent(), || block)?;
                 // SAFETY: as above; `from` is in bounds of `src`'s region.
-                unsafe { copy_strided(copy.block.extent(), &from, &to) };
+                unsafe { copy_strided(block.extent(), &from, &to) };
             }
         }
         Ok(())
     }
 }
 
-fn unpack(into: &Into<'_>, pieces: &[RecvPiece], payload: Payload) -> Result<(), Unpack> {
+fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload) -> Result<(), Unpack> {
+    let pieces = &msg.pieces;
     match payload {
         Payload::Segments { segments, keep_alive, release } => {
             if segments.len() != pieces.len() {
                 return Err(Unpack::Bad(format!("{} segments for {} pieces", segments.len(), pieces.len())));
             }
-            for (i, (seg, p)) in segments.iter().zip(pieces).enumerate() {
-                if seg.numel() != p.block.numel() || seg.view().dtype != p.wire || !in_bounds(p.block.extent(), seg.view()) {
-                    return Err(Unpack::Bad(format!("segment for piece {} does not match it", p.block)));
+            for (i, (seg, p)) in segments.iter().zip(pieces.views()).enumerate() {
+                let extent = p.extent();
+                if seg.numel() != p.numel() || seg.view().dtype != p.wire() || !in_bounds(extent, seg.view()) {
+                    return Err(Unpack::Bad(format!("segment for piece {} does not match it", p.block())));
                 }
                 // The segment is in bounds of memory the sender keeps alive
                 // (buffers outlive all rank threads; staging is in
                 // `keep_alive`) and nobody writes it now.
-                into.write(i, p, seg.view()).map_err(Unpack::Exec)?;
+                into.write(i, &p, seg.view()).map_err(Unpack::Exec)?;
             }
             drop(keep_alive);
             drop(release);
         }
-        Payload::Bytes(bytes) => unpack_bytes(into, pieces, &bytes)?,
-        Payload::Lent(lent) => unpack_bytes(into, pieces, lent.as_slice())?,
+        Payload::Bytes(bytes) => unpack_bytes(into, msg, &bytes)?,
+        Payload::Lent(lent) => unpack_bytes(into, msg, lent.as_slice())?,
     }
     Ok(())
 }
 
 /// Unpacks pieces packed back to back in wire dtype.
-fn unpack_bytes(into: &Into<'_>, pieces: &[RecvPiece], bytes: &[u8]) -> Result<(), Unpack> {
-    let want: u64 = pieces.iter().map(|p| p.block.numel() * p.wire.size()).sum();
+fn unpack_bytes(into: &Into<'_>, msg: &Message<RecvPiece>, bytes: &[u8]) -> Result<(), Unpack> {
+    let want = msg.wire_bytes();
     if bytes.len() as u64 != want {
         return Err(Unpack::Bad(format!("{} bytes, expected {want}", bytes.len())));
     }
     let mut pos = 0u64;
-    for (i, p) in pieces.iter().enumerate() {
-        let elem = p.wire.size();
+    for (i, p) in msg.pieces.views().enumerate() {
+        let (extent, wire) = (p.extent(), p.wire());
+        let elem = wire.size();
         // SAFETY: `bytes` is borrowed for this whole function; the view does
         // not leave it.
-        let src = unsafe { StridedRef::new(bytes.as_ptr(), bytes.len(), pos / elem, packed_strides(p.block.extent()), p.wire) };
+        let src = unsafe { StridedRef::new(bytes.as_ptr(), bytes.len(), pos / elem, packed_strides(extent), wire) };
         if !pos.is_multiple_of(elem) {
             // Keep element alignment of offsets: copy to an aligned temporary.
-            let n = (p.block.numel() * elem) as usize;
+            let n = (p.numel() * elem) as usize;
             let tmp = bytes[pos as usize..pos as usize + n].to_vec();
             // SAFETY: `tmp` lives until the end of this block, the view's scope.
             let src = unsafe { StridedRef::new(tmp.as_ptr(), tmp.len(), 0, src.strides, src.dtype) };
-            into.write(i, p, &src).map_err(Unpack::Exec)?;
+            into.write(i, &p, &src).map_err(Unpack::Exec)?;
         } else {
             // `src` is in bounds (total size checked) of `bytes`, borrowed
             // for this whole function.
-            into.write(i, p, &src).map_err(Unpack::Exec)?;
+            into.write(i, &p, &src).map_err(Unpack::Exec)?;
         }
-        pos += p.block.numel() * elem;
+        pos += p.numel() * elem;
     }
     Ok(())
 }

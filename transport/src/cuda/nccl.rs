@@ -411,24 +411,25 @@ pub fn run_rank_nccl(
             let block = Box::new(*block);
             move |error: String| NcclExecError::Copy { me, peer, round: r, block, error }
         };
-        for l in &round.locals {
-            check(me, memory, &l.from, l.from_dtype, &l.block)?;
+        for l in round.locals.views() {
+            let (block, from, from_dtype, to_dtype) = (l.block(), l.from(), l.from_dtype(), l.to_dtype());
+            check(me, memory, &from, from_dtype, &block)?;
             let mut to = Vec::new();
-            for s in &l.to {
-                check(me, memory, s, l.to_dtype, &l.block)?;
-                to.push((addrs[s.buffer as usize], *s, l.to_dtype));
+            for s in l.to() {
+                check(me, memory, &s, to_dtype, &block)?;
+                to.push((addrs[s.buffer as usize], s, to_dtype));
             }
-            move_piece(dev, &mut host, &l.block, (addrs[l.from.buffer as usize], l.from, l.from_dtype), l.to_dtype, &to)
-                .map_err(copy_err(me, &l.block))?;
+            move_piece(dev, &mut host, &block, (addrs[from.buffer as usize], from, from_dtype), to_dtype, &to)
+                .map_err(copy_err(me, &block))?;
         }
         if round.sends.is_empty() && round.recvs.is_empty() {
             continue;
         }
         // Lay out every message of the round in one staging buffer per direction.
         let sends: Vec<(Vec<u64>, u64)> =
-            round.sends.iter().map(|m| message_layout(m.pieces.iter().map(|p| (p.block.numel(), p.wire)))).collect();
+            round.sends.iter().map(|m| message_layout(m.pieces.views().map(|p| (p.numel(), p.wire())))).collect();
         let recvs: Vec<(Vec<u64>, u64)> =
-            round.recvs.iter().map(|m| message_layout(m.pieces.iter().map(|p| (p.block.numel(), p.wire)))).collect();
+            round.recvs.iter().map(|m| message_layout(m.pieces.views().map(|p| (p.numel(), p.wire())))).collect();
         let (send_at, send_total) = message_layout(sends.iter().map(|(_, len)| (*len, DType::U8)));
         let (recv_at, recv_total) = message_layout(recvs.iter().map(|(_, len)| (*len, DType::U8)));
         let sbase = send_buf.addr(dev, send_total as usize, &format!("{me}: send staging"))?;
@@ -462,15 +463,16 @@ pub fn run_rank_nccl(
             return Err(e.into());
         }
         for (i, m) in round.recvs.iter().enumerate() {
-            for (p, &off) in m.pieces.iter().zip(&recvs[i].0) {
+            for (p, &off) in m.pieces.views().zip(&recvs[i].0) {
+                let (block, wire, dtype) = (p.block(), p.wire(), p.dtype());
                 let at = recv_at[i] + off;
-                let packed = Span { buffer: 0, base: at / p.wire.size(), strides: packed_strides(p.block.extent()) };
+                let packed = Span { buffer: 0, base: at / wire.size(), strides: packed_strides(block.extent()) };
                 let mut to = Vec::new();
-                for s in &p.spans {
-                    check(me, memory, s, p.dtype, &p.block)?;
-                    to.push((addrs[s.buffer as usize], *s, p.dtype));
+                for s in p.spans() {
+                    check(me, memory, &s, dtype, &block)?;
+                    to.push((addrs[s.buffer as usize], s, dtype));
                 }
-                move_piece(dev, &mut host, &p.block, (rbase, packed, p.wire), p.wire, &to).map_err(copy_err(m.peer, &p.block))?;
+                move_piece(dev, &mut host, &block, (rbase, packed, wire), wire, &to).map_err(copy_err(m.peer, &block))?;
             }
             stats.recv_bytes += m.wire_bytes();
         }

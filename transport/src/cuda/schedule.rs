@@ -148,10 +148,11 @@ pub fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, Schedu
         let round = r as u32;
         for (i, p) in programs.iter().enumerate() {
             let Some(rd) = p.rounds.get(r) else { continue };
-            for l in &rd.locals {
-                let from = place(programs, i, &l.from, l.from_dtype, &l.block)?;
-                let to = l.to.iter().map(|s| place(programs, i, s, l.to_dtype, &l.block)).collect::<Result<Vec<_>, _>>()?;
-                out.steps.push(Step { round, block: l.block, from, wire: l.to_dtype, to, local: true });
+            for l in rd.locals.views() {
+                let block = l.block();
+                let from = place(programs, i, &l.from(), l.from_dtype(), &block)?;
+                let to = l.to().map(|s| place(programs, i, &s, l.to_dtype(), &block)).collect::<Result<Vec<_>, _>>()?;
+                out.steps.push(Step { round, block, from, wire: l.to_dtype(), to, local: true });
             }
         }
         let mut received = 0usize;
@@ -169,13 +170,14 @@ pub fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, Schedu
                 if sent.pieces.len() != msg.pieces.len() {
                     return Err(bad(format!("{} pieces sent, {} expected", sent.pieces.len(), msg.pieces.len())));
                 }
-                for (sp, rp) in sent.pieces.iter().zip(&msg.pieces) {
-                    if sp.block != rp.block || sp.wire != rp.wire {
-                        return Err(bad(format!("piece {} as {} sent where {} as {} expected", sp.block, sp.wire, rp.block, rp.wire)));
+                for (sp, rp) in sent.pieces.views().zip(msg.pieces.views()) {
+                    let block = rp.block();
+                    if sp.block() != block || sp.wire() != rp.wire() {
+                        return Err(bad(format!("piece {} as {} sent where {block} as {} expected", sp.block(), sp.wire(), rp.wire())));
                     }
-                    let from = place(programs, j, &sp.span, sp.dtype, &sp.block)?;
-                    let to = rp.spans.iter().map(|s| place(programs, i, s, rp.dtype, &rp.block)).collect::<Result<Vec<_>, _>>()?;
-                    out.steps.push(Step { round, block: rp.block, from, wire: rp.wire, to, local: false });
+                    let from = place(programs, j, &sp.span(), sp.dtype(), &block)?;
+                    let to = rp.spans().map(|s| place(programs, i, &s, rp.dtype(), &block)).collect::<Result<Vec<_>, _>>()?;
+                    out.steps.push(Step { round, block, from, wire: rp.wire(), to, local: false });
                 }
                 out.wire_bytes += msg.wire_bytes();
                 out.messages += 1;
@@ -208,7 +210,7 @@ mod tests {
     use crate::cuda::copyplan::{plan_copies, Side};
     use crate::memory::RankMemory;
     use crate::pattern::{fill_sources, verify_destinations};
-    use reshard::{parse_layout, plan_baseline, plan_reshard, Layout, PlanOptions};
+    use reshard::{parse_layout, plan_baseline, plan_reshard, Layout, PlanOptions, RecvPiece};
 
     const SRC: &str = r#"{"ranks": 4, "tensors": [
         {"name": "a", "dtype": "f32", "shape": [12, 10], "mesh": {"shape": [2, 2]}, "placements": ["shard(0)", "shard(1)"]},
@@ -310,14 +312,21 @@ mod tests {
         let gone = p[ri].rounds[r].recvs.remove(0);
         let err = same_device_schedule(&p).unwrap_err();
         assert_eq!(err, ScheduleError::Unreceived { me: gone.peer, peer: p[ri].endpoint, round: r as u32 });
+        // Packed pieces are read-only: change the first received piece by
+        // rebuilding the message's list.
+        let with_first = |change: &dyn Fn(&mut RecvPiece)| {
+            let mut p = programs.clone();
+            let msg = &mut p[ri].rounds[r].recvs[0];
+            let mut pieces: Vec<RecvPiece> = msg.pieces.iter().collect();
+            change(&mut pieces[0]);
+            msg.pieces = pieces.into_iter().collect();
+            p
+        };
         // Change a received piece's wire type.
-        let mut p = programs.clone();
-        let piece = &mut p[ri].rounds[r].recvs[0].pieces[0];
-        piece.wire = if piece.wire == DType::U8 { DType::I8 } else { DType::U8 };
+        let p = with_first(&|piece| piece.wire = if piece.wire == DType::U8 { DType::I8 } else { DType::U8 });
         assert!(matches!(same_device_schedule(&p), Err(ScheduleError::Mismatch { .. })));
         // A span past its buffer's end.
-        let mut p = programs;
-        p[ri].rounds[r].recvs[0].pieces[0].spans[0].base += 1 << 40;
+        let p = with_first(&|piece| piece.spans[0].base += 1 << 40);
         assert!(matches!(same_device_schedule(&p), Err(ScheduleError::OutOfBounds { .. })));
     }
 }
