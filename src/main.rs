@@ -102,7 +102,7 @@ struct ClusterArgs {
     secret_file: Option<PathBuf>,
     /// A control connection with no byte for this long is dead, in
     /// milliseconds (raise it when dozens of processes share few cores).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 10000)]
     heartbeat_timeout_ms: u64,
 }
 
@@ -301,7 +301,7 @@ enum Command {
         secret_file: Option<PathBuf>,
         /// A control connection with no byte for this long is dead, in
         /// milliseconds.
-        #[arg(long, default_value_t = 2000)]
+        #[arg(long, default_value_t = 10000)]
         heartbeat_timeout_ms: u64,
     },
     /// The chaos suite: kill worker processes at each phase of a refit and

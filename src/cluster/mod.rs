@@ -38,10 +38,13 @@ use std::time::Duration;
 
 /// Default heartbeat timeout of the control plane: a connection with no byte
 /// from the peer for this long is dead (pings go every 250 ms). A killed
-/// worker is noticed sooner anyway (its sockets close, its process exits).
-/// Raise it (`--heartbeat-timeout-ms`) when dozens of processes share a few
-/// cores, where a healthy peer may not be scheduled for seconds.
-pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
+/// worker is noticed sooner anyway (its sockets close, its process exits),
+/// so this bounds only how long a hung but connected peer goes unnoticed
+/// (a refit's deadline bounds it too). 10 s: with dozens of worker
+/// processes on a few cores (DeepSeek-V3's 48 on this project's 2-core
+/// machines) a healthy peer may not be scheduled for seconds; tests that
+/// want hung peers found fast lower it (`--heartbeat-timeout-ms`).
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 use std::path::Path;
 
 /// The control plane's shared secret as text, so that a launcher can hand
