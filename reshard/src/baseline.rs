@@ -21,14 +21,13 @@
 use crate::block::Block;
 use crate::cost::LinkModel;
 use crate::dtype::{wire_dtype, DType};
-use crate::fingerprint::Fnv64;
 use crate::layout::{Layout, Placement, Rank};
 use crate::overlap::{atomize, SourceIndex};
 use crate::plan::{
     lower_bound, rank_round_seconds, Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Scheduled,
     Strategy, Transfer, MAX_PIECES,
 };
-use crate::planner::{add_node_needs, match_tensors, receivers_of};
+use crate::planner::{add_node_needs, match_tensors, placed_alike, placement_key, receivers_of};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
@@ -792,21 +791,14 @@ impl Outline {
             // Tensors placed alike (storage aside) with the same dtypes
             // share a recipe.
             let key = {
-                let mut h = Fnv64::default();
-                dt.shape.hash(&mut h);
-                st.placement.hash_geometry(&mut h);
-                dt.placement.hash_geometry(&mut h);
+                let mut h = placement_key(st, dt);
                 sd.hash(&mut h);
                 dd.hash(&mut h);
                 h.finish()
             };
             let same = |r: &(u32, u32)| {
                 let (rs, rd) = (&src.tensors()[r.0 as usize], &dst.tensors()[r.1 as usize]);
-                rs.dtype == sd
-                    && rd.dtype == dd
-                    && rd.shape == dt.shape
-                    && rs.placement.same_geometry(&st.placement)
-                    && rd.placement.same_geometry(&dt.placement)
+                rs.dtype == sd && rd.dtype == dd && placed_alike(st, dt, rs, rd)
             };
             let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&made_from[i as usize])));
             let id = match found {

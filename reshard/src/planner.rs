@@ -6,7 +6,7 @@ use crate::block::Block;
 use crate::cost::LinkModel;
 use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::fingerprint::Fnv64;
-use crate::layout::{Holding, Layout, Rank};
+use crate::layout::{Holding, Layout, Rank, TensorLayout};
 use crate::overlap::{atomize, SourceIndex};
 use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
 use std::collections::HashMap;
@@ -38,6 +38,25 @@ pub(crate) fn match_tensors(src: &Layout, dst: &Layout) -> Result<Vec<(u32, DTyp
 }
 
 /// Sorted, deduplicated ranks holding any of `holdings[idx]`.
+/// A hash over what makes a (source, destination) tensor pair placed alike
+/// with another: the destination shape and both placements' geometry
+/// (storage aside: own or fused buffers and offsets play no part in
+/// which ranks exchange which blocks). Callers add what else they need to
+/// agree (the dtypes) and compare with [`placed_alike`].
+pub(crate) fn placement_key(st: &TensorLayout, dt: &TensorLayout) -> Fnv64 {
+    let mut h = Fnv64::default();
+    dt.shape.hash(&mut h);
+    st.placement.hash_geometry(&mut h);
+    dt.placement.hash_geometry(&mut h);
+    h
+}
+
+/// Whether the pair (`rs`, `rd`) is placed like (`st`, `dt`) (see
+/// [`placement_key`]).
+pub(crate) fn placed_alike(st: &TensorLayout, dt: &TensorLayout, rs: &TensorLayout, rd: &TensorLayout) -> bool {
+    rd.shape == dt.shape && rs.placement.same_geometry(&st.placement) && rd.placement.same_geometry(&dt.placement)
+}
+
 pub(crate) fn receivers_of(hd: &[Holding], idx: &[u32]) -> Vec<Rank> {
     let mut r: Vec<Rank> = idx.iter().flat_map(|&h| hd[h as usize].holders.iter().map(|l| l.rank)).collect();
     r.sort_unstable();
@@ -154,7 +173,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
         let same = |t: &Template| {
             let (rs, rd) = (&src.tensors()[t.src_tensor as usize], &dst.tensors()[t.dst_tensor as usize]);
-            t.wire == wire && rd.shape == dt.shape && rs.placement.same_geometry(&st.placement) && rd.placement.same_geometry(&dt.placement)
+            t.wire == wire && placed_alike(st, dt, rs, rd)
         };
         let template = match recent.iter().position(|&i| same(&templates[i as usize])) {
             Some(at) => {
@@ -165,10 +184,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
                 // Storage (own or named buffers, offsets) plays no part in
                 // the overlap: fused tensors placed alike share a template too.
                 let key = {
-                    let mut h = Fnv64::default();
-                    dt.shape.hash(&mut h);
-                    st.placement.hash_geometry(&mut h);
-                    dt.placement.hash_geometry(&mut h);
+                    let mut h = placement_key(st, dt);
                     wire.hash(&mut h);
                     h.finish()
                 };
