@@ -124,11 +124,11 @@ impl Bypass {
         let mut feeds: Vec<(u32, u32, &Write, LocalCopy)> = Vec::new();
         for (r, round) in program.rounds.iter().enumerate() {
             for (li, l) in round.locals.views().enumerate() {
-                let l = l.get();
-                let b = l.from.buffer as usize;
-                if !is_scratch(l.from.buffer) || !ok[b] {
+                let b = l.from().buffer as usize;
+                if !is_scratch(b as u32) || !ok[b] {
                     continue;
                 }
+                let l = l.get();
                 let mut covered = 0u64;
                 let before = feeds.len();
                 for w in of_buffer(b) {
@@ -180,20 +180,16 @@ impl Bypass {
         self.skipped.get(b).copied().unwrap_or(false)
     }
 
-    /// Whether any buffer is bypassed.
-    pub fn is_empty(&self) -> bool {
-        !self.skipped.contains(&true)
-    }
-
     /// The copies to make from the message from `peer` in `round`, as
     /// (piece, copy), by piece.
     pub(crate) fn routes(&self, round: u32, peer: Endpoint) -> impl Iterator<Item = (u32, LocalCopyView<'_>)> + '_ {
         self.routes.get(&(round, peer)).into_iter().flat_map(|(pieces, copies)| pieces.iter().copied().zip(copies.views()))
     }
 
-    /// Whether local copy `index` of `round` was made on receipt.
-    pub(crate) fn done_early(&self, round: u32, index: usize) -> bool {
-        self.early.get(&round).and_then(|v| v.get(index)).copied().unwrap_or(false)
+    /// Per local copy of `round`, whether it was made on receipt (empty:
+    /// none was).
+    pub(crate) fn done_early(&self, round: u32) -> &[bool] {
+        self.early.get(&round).map_or(&[], Vec::as_slice)
     }
 }
 
