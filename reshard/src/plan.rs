@@ -127,9 +127,19 @@ pub struct Transfer {
 }
 
 /// Traffic figures of a plan. Local copies (`from == to`) are not traffic.
+///
+/// **Bytes moved** is [`total_bytes`](Self::total_bytes): the payload of
+/// every message between two ranks, counted once per message in the dtype
+/// it travels in. It is the one figure `refit plan`, `refit run`,
+/// `refit bench` and `orchestrator::RefitReport::bytes` report under that name, and it
+/// splits exactly into bytes sent by source ranks
+/// ([`src_egress_bytes`](Self::src_egress_bytes)) and bytes that
+/// destination ranks forward to other destination ranks
+/// ([`relayed_bytes`](Self::relayed_bytes)).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Figures {
-    /// Bytes leaving source ranks.
+    /// Bytes sent by source ranks (to destination ranks, and, in the
+    /// baseline's gather, to other source ranks).
     pub src_egress_bytes: u64,
     /// Bytes entering each destination node from outside it.
     pub dst_node_ingress_bytes: Vec<u64>,
@@ -145,7 +155,8 @@ pub struct Figures {
     pub max_rank_send_messages: u64,
     /// Most messages one rank receives in a refit.
     pub max_rank_recv_messages: u64,
-    /// Total bytes moved between ranks.
+    /// Bytes moved: every message's payload between two ranks (see the
+    /// type's doc).
     pub total_bytes: u64,
     /// Number of rounds.
     pub rounds: u32,
@@ -155,6 +166,15 @@ pub struct Figures {
     pub pieces: u64,
     /// Number of transfers, local copies included.
     pub transfers: u64,
+}
+
+impl Figures {
+    /// Bytes destination ranks forward to other destination ranks: the
+    /// fan-out inside a destination node (reshard), or the broadcast tree
+    /// among destinations (baseline). `total_bytes - src_egress_bytes`.
+    pub fn relayed_bytes(&self) -> u64 {
+        self.total_bytes.saturating_sub(self.src_egress_bytes)
+    }
 }
 
 /// Estimated refit time under a [`LinkModel`].
