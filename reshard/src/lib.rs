@@ -20,6 +20,7 @@
 
 pub mod baseline;
 pub mod block;
+pub mod builder;
 pub mod cost;
 pub mod dtype;
 pub mod file;
@@ -32,6 +33,7 @@ pub mod program;
 
 pub use baseline::{baseline_summary, plan_baseline, BaselineSummary};
 pub use block::{Block, MAX_DIMS};
+pub use builder::{LayoutBuilder, TensorBuilder};
 pub use cost::LinkModel;
 pub use dtype::DType;
 pub use file::{layout_to_json, parse_layout};
