@@ -1,26 +1,23 @@
 //! Compose your own pipeline (see `docs/pipeline.md`): two training ranks
-//! (TP2, f32) refit one rollout rank (bf16) after every optimizer step.
+//! (TP2, f32) refit one rollout rank (bf16) after every optimizer step; the
+//! trainer and the rollout are actors of the user's own.
 //!
 //! ```sh
 //! cargo run --example compose_pipeline
 //! ```
 
 use actors::{async_trait, spawn, Actor, ActorError, Context, SpawnConfig};
-use orchestrator::{spawn_refit, OrchestratorConfig, SinkStore, SourceStore};
-use reshard::{parse_layout, Strategy};
+use orchestrator::prelude::*;
 use std::sync::Arc;
 
-/// One tensor `w` [4, 8]; training rank `t` holds rows `2t..2t+2`.
-const TRAIN: &str = r#"{"ranks": 2, "tensors": [
-  {"name": "w", "dtype": "f32", "shape": [4, 8], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#;
-/// The rollout rank holds all of `w`, in bf16.
-const ROLLOUT: &str = r#"{"ranks": 1, "tensors": [
-  {"name": "w", "dtype": "bf16", "shape": [4, 8], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}"#;
+/// The value training step `step` gives the element of `w` at `at`.
+fn value(step: u64, at: &[u64]) -> f32 {
+    step as f32 + (at[0] * 8 + at[1]) as f32 / 3.0
+}
 
 /// A training rank: every step writes its shard through its store.
 struct Trainer {
-    rank: usize,
-    store: Arc<SourceStore>,
+    store: Arc<SrcStore>,
 }
 
 #[async_trait]
@@ -31,62 +28,61 @@ impl Actor for Trainer {
     type Reply = u64;
 
     async fn handle(&mut self, step: u64, _ctx: &mut Context<Self>) -> Result<u64, ActorError> {
-        let rank = self.rank as f32;
-        // A stand-in for an optimizer step, under the version fence.
-        let (version, ok) = self
-            .store
-            .update(|b| {
-                let mut w = b.read_f32("w#0").unwrap_or_default();
-                w.iter_mut().enumerate().for_each(|(i, x)| *x = 0.5 * *x + step as f32 + rank + i as f32 / 16.0);
-                b.write_f32("w#0", &w)
-            })
-            .await;
-        if !ok {
-            return Err(ActorError::failed("no buffer 'w#0'"));
-        }
+        // A stand-in for an optimizer step, under the version fence; the
+        // view knows which rows of `w` this rank holds.
+        let update = self.store.try_update(|b| b.tensor_mut("w")?.map_f32(|at, _| value(step, at)));
+        let (version, ()) = update.await.map_err(|e| ActorError::failed(e.to_string()))?;
         Ok(version)
     }
 }
 
 /// A rollout rank: reads one committed snapshot per request.
 struct Rollout {
-    store: Arc<SinkStore>,
+    store: Arc<DstStore>,
 }
 
 #[async_trait]
 impl Actor for Rollout {
-    type Msg = ();
-    /// The version served and a checksum of the weights.
-    type Reply = (u64, f64);
+    /// The step whose weights the rollout should serve.
+    type Msg = u64;
+    /// The version served and how many values match the step bit for bit.
+    type Reply = (u64, usize);
 
-    async fn handle(&mut self, _: (), _ctx: &mut Context<Self>) -> Result<(u64, f64), ActorError> {
-        let snap = self.store.snapshot();
-        let w = snap.buffers.read_f32("w#0").ok_or_else(|| ActorError::failed("no buffer 'w#0'"))?;
-        Ok((snap.version, w.iter().map(|&x| x as f64).sum()))
+    async fn handle(&mut self, step: u64, _ctx: &mut Context<Self>) -> Result<(u64, usize), ActorError> {
+        let snap = self.store.snapshot().ok_or_else(|| ActorError::failed("nothing served yet"))?;
+        let w = snap.buffers.tensor("w").map_err(|e| ActorError::failed(e.to_string()))?;
+        let got = w.to_f32().map_err(|e| ActorError::failed(e.to_string()))?;
+        // The rollout holds bf16: compare with the trainer's f32 value
+        // rounded to bf16 (to nearest, ties to even), bit for bit.
+        let mut exact = 0;
+        w.for_each_index(|i, at| exact += usize::from(got[i].to_bits() == bf16_rounded(value(step, at)).to_bits()));
+        Ok((snap.version, exact))
     }
+}
+
+/// `x` rounded to bf16 and widened back to f32.
+fn bf16_rounded(x: f32) -> f32 {
+    f32::from_bits(u32::from(reshard::dtype::f32_bits_to_bf16(x.to_bits())) << 16)
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (src, dst) = (parse_layout(TRAIN)?, parse_layout(ROLLOUT)?);
-    let system = spawn_refit(&src, &dst, OrchestratorConfig { mode: Strategy::Reshard, ..OrchestratorConfig::default() });
-    let trainers =
-        actors::spawn_group(2, SpawnConfig::default().name("trainer"), |rank| Trainer { rank, store: system.sources[rank].clone() });
-    let rollout = spawn(Rollout { store: system.sinks[0].clone() }, SpawnConfig::default().name("rollout"));
+    // `w` [4, 8]: training rank t holds rows 2t..2t+2 in f32; the rollout
+    // rank holds all of it in bf16.
+    let train = Layout::builder(2).tensor(TensorBuilder::new("w", DType::F32, [4, 8]).mesh([2], [MeshDim::Shard(0)])).build()?;
+    let rollout = Layout::builder(1).tensor(TensorBuilder::new("w", DType::BF16, [4, 8]).mesh([1], [MeshDim::Replicate])).build()?;
+    let system = spawn_refit(&train, &rollout, OrchestratorConfig::default()).await?;
+    let trainers = actors::spawn_group(2, SpawnConfig::default().name("trainer"), |r| Trainer { store: system.src_stores[r].clone() });
+    let rollout = spawn(Rollout { store: system.dst_stores[0].clone() }, SpawnConfig::default().name("rollout"));
 
-    for step in 0..4 {
+    for step in 1..=4 {
         // Every training rank takes exactly one step, so all are at one version.
-        let versions = trainers.call_all(|_| step).await?;
-        let version = versions[0];
-        let report = system.orchestrator.refit(version).await?;
-        let (served, checksum) = rollout.call(()).await?;
-        // The trainers' own view, for comparison (in f32; the rollout is bf16).
-        let mut expected = 0.0;
-        for store in &system.sources {
-            expected += store.read(|b| b.read_f32("w#0").unwrap_or_default().iter().map(|&x| x as f64).sum::<f64>()).await;
-        }
+        trainers.call_all(|_| step).await?;
+        let report = system.orchestrator.refit_latest().await?;
+        let (served, exact) = rollout.call(step).await?;
         println!(
-            "step {step}: trained v{version}, refit {} B in {:.3} ms, rollout serves v{served}, checksum {checksum:.3} (trainers {expected:.3})",
+            "step {step}: refit v{} ({} bytes moved) in {:.2} ms; rollout serves v{served}: {exact}/32 values exact (bf16)",
+            report.version,
             report.bytes,
             report.wall.as_secs_f64() * 1e3
         );

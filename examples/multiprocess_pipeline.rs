@@ -19,9 +19,7 @@
 
 use actors::{async_trait, spawn, Actor, ActorError, ActorGroup, Context, Secret, SpawnConfig};
 use orchestrator::rendezvous::{ControlConfig, RENDEZVOUS_ENV, SECRET_ENV};
-use orchestrator::{
-    join, spawn_orchestrator, Fabric, JoinConfig, NodeFabric, OrchestratorConfig, Rendezvous, Role, SinkStore, SourceStore,
-};
+use orchestrator::{join, spawn_orchestrator, DstStore, Fabric, JoinConfig, NodeFabric, OrchestratorConfig, Rendezvous, Role, SrcStore};
 use reshard::{parse_layout, DType, Group, Layout};
 use serde::{Deserialize, Serialize};
 use std::process::{Child, Command, ExitCode};
@@ -46,9 +44,13 @@ const ROLLOUT: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
 const STEPS: u64 = 5;
 const WAIT: Duration = Duration::from_secs(60);
 
-/// The value of element `index` (flat, global) of tensor `w` (or `b`,
-/// offset by 48) after optimizer step `step`.
-fn value(step: u64, index: u64) -> f32 {
+/// The value of the element at global coordinates `at` of tensor `name`
+/// after optimizer step `step`.
+fn value(step: u64, name: &str, at: &[u64]) -> f32 {
+    let index = match name {
+        "w" => at[0] * 6 + at[1],
+        _ => 48 + at[0],
+    };
     step as f32 * 0.5 - index as f32 / 16.0
 }
 
@@ -65,8 +67,7 @@ struct Step(u64);
 
 /// A training rank: writes its weights only through its store.
 struct Trainer {
-    rank: u64,
-    store: Arc<SourceStore>,
+    store: Arc<SrcStore>,
 }
 
 #[async_trait]
@@ -75,14 +76,14 @@ impl Actor for Trainer {
     type Reply = u64;
 
     async fn handle(&mut self, Step(n): Step, _ctx: &mut Context<Self>) -> Result<u64, ActorError> {
-        // Rows 4·rank .. 4·rank+4 of w, then entries of b.
-        let w = (0..24).map(|k| value(n, self.rank * 24 + k));
-        let b = (0..4).map(|k| value(n, 48 + self.rank * 4 + k));
-        let params: Vec<f32> = w.chain(b).collect();
-        let (version, ok) = self.store.update(|buffers| buffers.write_f32("params", &params)).await;
-        if !ok {
-            return Err(ActorError::failed("trainer: no 28-element float buffer 'params'"));
-        }
+        // Each tensor's block knows where it sits in the global tensor.
+        let step = self.store.try_update(|buffers| {
+            for name in ["w", "b"] {
+                buffers.tensor_mut(name)?.map_f32(|at, _| value(n, name, at))?;
+            }
+            Ok::<(), orchestrator::BufferError>(())
+        });
+        let (version, ()) = step.await.map_err(|e| ActorError::failed(format!("trainer: {e}")))?;
         Ok(version)
     }
 }
@@ -96,8 +97,7 @@ struct Check {
 
 /// An inference rank: reads its weights only through its store.
 struct Rollout {
-    tp: u64,
-    store: Arc<SinkStore>,
+    store: Arc<DstStore>,
 }
 
 #[async_trait]
@@ -112,18 +112,20 @@ impl Actor for Rollout {
             .snapshot_at(check.version)
             .ok_or_else(|| ActorError::failed(format!("version {} is not served here", check.version)))?;
         let mut checked = 0;
-        for (name, first, len) in [("w#0", self.tp * 24, 24), ("b#0", 48 + self.tp * 4, 4)] {
-            let got = snap.buffers.read_f32(name).ok_or_else(|| ActorError::failed(format!("no float buffer '{name}'")))?;
-            if got.len() as u64 != len {
-                return Err(ActorError::failed(format!("buffer '{name}' has {} values, expected {len}", got.len())));
-            }
-            for (k, &x) in got.iter().enumerate() {
-                let want = as_bf16(value(check.step, first + k as u64));
-                if x.to_bits() != want.to_bits() {
-                    return Err(ActorError::failed(format!("{name}[{k}] is {x}, expected {want} (step {})", check.step)));
+        for name in ["w", "b"] {
+            let view = snap.buffers.tensor(name).map_err(|e| ActorError::failed(e.to_string()))?;
+            let got = view.to_f32().map_err(|e| ActorError::failed(e.to_string()))?;
+            let mut wrong = None;
+            view.for_each_index(|k, at| {
+                let want = as_bf16(value(check.step, name, at));
+                if got[k].to_bits() != want.to_bits() && wrong.is_none() {
+                    wrong = Some(format!("{name}{at:?} is {}, expected {want} (step {})", got[k], check.step));
                 }
-                checked += 1;
+            });
+            if let Some(wrong) = wrong {
+                return Err(ActorError::failed(wrong));
             }
+            checked += got.len() as u64;
         }
         Ok(checked)
     }
@@ -140,15 +142,17 @@ async fn member_process(role: &str, rank: u32) -> Result<(), String> {
     let joined = join(&JoinConfig::from_env().map_err(|e| e.to_string())?).await.map_err(|e| e.to_string())?;
     match role {
         "trainer" => {
-            let store = Arc::new(SourceStore::new(&training, rank));
-            joined.serve_member(Arc::new(training), rank, Role::Source(store.clone())).await.map_err(|e| e.to_string())?;
-            let trainer = spawn(Trainer { rank: rank.into(), store }, SpawnConfig::default());
+            let training = Arc::new(training);
+            let store = Arc::new(SrcStore::new(&training, rank));
+            joined.serve_member(training, rank, Role::Src(store.clone())).await.map_err(|e| e.to_string())?;
+            let trainer = spawn(Trainer { store }, SpawnConfig::default());
             joined.serve(&format!("trainer.{rank}"), &trainer).await.map_err(|e| e.to_string())?;
         }
         _ => {
-            let store = Arc::new(SinkStore::new(&rollout, rank));
-            joined.serve_member(Arc::new(rollout), rank, Role::Sink(store.clone())).await.map_err(|e| e.to_string())?;
-            let actor = spawn(Rollout { tp: (rank % 2).into(), store }, SpawnConfig::default());
+            let rollout = Arc::new(rollout);
+            let store = Arc::new(DstStore::new(&rollout, rank));
+            joined.serve_member(rollout, rank, Role::Dst(store.clone())).await.map_err(|e| e.to_string())?;
+            let actor = spawn(Rollout { store }, SpawnConfig::default());
             joined.serve(&format!("rollout.{rank}"), &actor).await.map_err(|e| e.to_string())?;
         }
     }
@@ -189,8 +193,8 @@ async fn driver() -> Result<(), String> {
             children.0.push(child);
         }
     }
-    let sources = rendezvous.members(Group::Src, training.ranks(), WAIT).await.map_err(|e| e.to_string())?;
-    let sinks = rendezvous.members(Group::Dst, rollout.ranks(), WAIT).await.map_err(|e| e.to_string())?;
+    let src_members = rendezvous.members(Group::Src, training.ranks(), WAIT).await.map_err(|e| e.to_string())?;
+    let dst_members = rendezvous.members(Group::Dst, rollout.ranks(), WAIT).await.map_err(|e| e.to_string())?;
     let mut trainers = Vec::new();
     for r in 0..training.ranks() {
         trainers.push(rendezvous.lookup::<Trainer>(&format!("trainer.{r}"), WAIT).await.map_err(|e| e.to_string())?);
@@ -201,9 +205,12 @@ async fn driver() -> Result<(), String> {
     }
     let (trainers, rollouts) = (ActorGroup::from_refs(trainers), ActorGroup::from_refs(rollouts));
     let config = OrchestratorConfig { fabric: Fabric::Node(NodeFabric::default()), ..OrchestratorConfig::default() };
-    let orchestrator = spawn_orchestrator(sources, sinks, config);
+    let orchestrator = spawn_orchestrator(src_members, dst_members, config);
+    // Check both groups' layouts and install every member's program now, so
+    // that a pair that cannot be planned fails before the first step.
+    let plan = orchestrator.plan().await.map_err(|e| format!("plan: {e}"))?;
     let pids: Vec<u32> = children.0.iter().map(Child::id).collect();
-    println!("driver {}: trainers and rollouts in processes {pids:?}", std::process::id());
+    println!("driver {}: trainers and rollouts in processes {pids:?}; plan {} moves {} bytes", std::process::id(), plan.fingerprint, plan.bytes);
     for step in 1..=STEPS {
         let versions = trainers.call_all(|_| Step(step)).await.map_err(|e| format!("step {step}: {e}"))?;
         let version = versions[0];

@@ -22,14 +22,14 @@
 //! `shard(1)` over the TP dim, `b2` replicated). See
 //! [`rollout_layout_json`].
 //!
-//! **One step.** The [`Rollout`] actors take one [`SinkStore::snapshot`] per
+//! **One step.** The [`Rollout`] actors take one [`DstStore::snapshot`] per
 //! batch and compute partial logits for their hidden slice; the driver sums
 //! the two TP ranks of each replica, samples actions (each replica serves
 //! half of the batch) and scores them. The [`Trainer`] actors recompute the
 //! forward pass on those samples with the training weights, the driver sums
 //! their partial logits (the tensor-parallel all-reduce) and sends every
 //! trainer the per-sample logit gradients; each trainer computes its shard
-//! gradients and applies SGD with [`SourceStore::update`] (version `v`).
+//! gradients and applies SGD with [`SrcStore::update`] (version `v`).
 //! Then the orchestrator refits version `v` into the rollout ranks.
 //! Without refit, the rollout ranks keep serving the initial weights and the
 //! reward stays flat: the learning is carried by refit alone.
@@ -39,7 +39,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use orchestrator::rendezvous::ControlConfig;
 use orchestrator::{
     join, spawn_orchestrator, spawn_refit, Fabric, JoinConfig, NodeFabric, OrchestratorConfig, OrchestratorHandle, RefitError, Rendezvous,
-    Role, SinkStore, SourceStore,
+    Role, DstStore, SrcStore,
 };
 use reshard::{parse_layout, Group, Layout, Strategy};
 use serde::{Deserialize, Serialize};
@@ -203,6 +203,10 @@ pub enum DemoError {
         /// Why.
         source: RefitError,
     },
+    /// The refit system could not be set up (its layouts cannot be
+    /// planned, say).
+    #[error("refit setup: {0}")]
+    Setup(#[from] RefitError),
     /// A trainer or rollout actor failed or could not be reached.
     #[error("{0}")]
     Actor(String),
@@ -477,15 +481,15 @@ pub enum TrainerReply {
 }
 
 /// A training rank: owns hidden units `rank*HS..(rank+1)*HS` and writes its
-/// weights only through its [`SourceStore`].
+/// weights only through its [`SrcStore`].
 pub struct Trainer {
     rank: usize,
-    store: Arc<SourceStore>,
+    store: Arc<SrcStore>,
 }
 
 impl Trainer {
     /// The trainer of training rank `rank`.
-    pub fn new(rank: usize, store: Arc<SourceStore>) -> Trainer {
+    pub fn new(rank: usize, store: Arc<SrcStore>) -> Trainer {
         Trainer { rank, store }
     }
 }
@@ -540,34 +544,31 @@ impl Actor for Trainer {
     async fn handle(&mut self, msg: TrainerMsg, _ctx: &mut Context<Self>) -> Result<TrainerReply, ActorError> {
         match msg {
             TrainerMsg::Init(values) => {
-                let (v, ok) = self.store.update(|b| b.write_f32("params", &values)).await;
-                if !ok {
-                    return Err(ActorError::failed(format!("trainer {}: cannot write buffer 'params'", self.rank)));
-                }
+                let (v, ()) = self
+                    .store
+                    .try_update(|b| b.write_buffer_f32("params", &values))
+                    .await
+                    .map_err(|e| ActorError::failed(format!("trainer {}: {e}", self.rank)))?;
                 Ok(TrainerReply::Version(v))
             }
             TrainerMsg::Forward(xs) => {
-                let p = self.store.read(|b| b.read_f32("params")).await;
-                let p = p.ok_or_else(|| ActorError::failed(format!("trainer {}: no buffer 'params'", self.rank)))?;
+                let p = self.store.read(|b| b.buffer_to_f32("params")).await;
+                let p = p.map_err(|e| ActorError::failed(format!("trainer {}: {e}", self.rank)))?;
                 let (w1, b1, w2, b2) = split_params(&p);
                 // The bias b2 is replicated; rank 0 adds it once.
                 let (logits, _) = partial_forward(&xs, w1, b1, w2, (self.rank == 0).then_some(b2), HS);
                 Ok(TrainerReply::Logits(logits))
             }
             TrainerMsg::Step { xs, dlogits, lr } => {
-                let (v, ok) = self
+                let (v, ()) = self
                     .store
-                    .update(|b| match b.read_f32("params") {
-                        Some(mut p) => {
-                            sgd_step(&mut p, &xs, &dlogits, lr);
-                            b.write_f32("params", &p)
-                        }
-                        None => false,
+                    .try_update(|b| {
+                        let mut p = b.buffer_to_f32("params")?;
+                        sgd_step(&mut p, &xs, &dlogits, lr);
+                        b.write_buffer_f32("params", &p)
                     })
-                    .await;
-                if !ok {
-                    return Err(ActorError::failed(format!("trainer {}: buffer 'params' unreadable", self.rank)));
-                }
+                    .await
+                    .map_err(|e| ActorError::failed(format!("trainer {}: {e}", self.rank)))?;
                 Ok(TrainerReply::Version(v))
             }
         }
@@ -593,16 +594,16 @@ pub struct RolloutReply {
 }
 
 /// An inference rank at mesh position `(dp, tp)`: reads its weights only
-/// through [`SinkStore::snapshot_at`], one snapshot of the agreed version
+/// through [`DstStore::snapshot_at`], one snapshot of the agreed version
 /// per batch.
 pub struct Rollout {
     tp: usize,
-    store: Arc<SinkStore>,
+    store: Arc<DstStore>,
 }
 
 impl Rollout {
     /// The rollout actor of inference rank `rank` (`dp = rank / 2`, `tp = rank % 2`).
-    pub fn new(rank: usize, store: Arc<SinkStore>) -> Rollout {
+    pub fn new(rank: usize, store: Arc<DstStore>) -> Rollout {
         Rollout { tp: rank % ROLLOUT_TP, store }
     }
 }
@@ -620,11 +621,10 @@ impl Actor for Rollout {
             .snapshot_at(msg.version)
             .ok_or_else(|| ActorError::failed(format!("rollout: version {} is not served here", msg.version)))?;
         let read = |name: &str, len: usize| -> Result<Vec<f32>, ActorError> {
-            let key = format!("{name}#0");
-            match snap.buffers.read_f32(&key) {
-                Some(v) if v.len() == len => Ok(v),
-                Some(v) => Err(ActorError::failed(format!("rollout buffer '{key}' has {} values, expected {len}", v.len()))),
-                None => Err(ActorError::failed(format!("rollout has no float buffer '{key}'"))),
+            match snap.buffers.tensor(name).and_then(|t| t.to_f32()) {
+                Ok(v) if v.len() == len => Ok(v),
+                Ok(v) => Err(ActorError::failed(format!("rollout tensor '{name}' has {} values here, expected {len}", v.len()))),
+                Err(e) => Err(ActorError::failed(format!("rollout: {e}"))),
             }
         };
         let (w1, b1, w2, b2) = (read("w1", RHS * DIM)?, read("b1", RHS)?, read("w2", ACTIONS * RHS)?, read("b2", ACTIONS)?);
@@ -712,16 +712,17 @@ async fn run_once(config: &DemoConfig, mode: Strategy, bar: Option<&ProgressBar>
         let plans = cast.orchestrator.plans_made().await.map_err(|e| DemoError::Actor(e.to_string()))?;
         (steps, RunSummary { plans_made: plans, ..summary }, None, cast.children.pids())
     } else {
-        let system = spawn_refit(&src, &dst, OrchestratorConfig { mode, ..OrchestratorConfig::default() });
+        let system = spawn_refit(&src, &dst, OrchestratorConfig { mode, ..OrchestratorConfig::default() }).await?;
         let trainers: ActorGroup<Trainer> =
-            spawn_group(TRAIN_TP, SpawnConfig::default().name("trainer"), |r| Trainer::new(r, system.sources[r].clone()));
-        let rollouts: ActorGroup<Rollout> =
-            spawn_group(ROLLOUT_DP * ROLLOUT_TP, SpawnConfig::default().name("rollout"), |r| Rollout::new(r, system.sinks[r].clone()));
+            spawn_group(TRAIN_TP, SpawnConfig::default().name("trainer"), |r| Trainer::new(r, system.src_stores[r].clone()));
+        let rollouts: ActorGroup<Rollout> = spawn_group(ROLLOUT_DP * ROLLOUT_TP, SpawnConfig::default().name("rollout"), |r| {
+            Rollout::new(r, system.dst_stores[r].clone())
+        });
         let result = drive(config, mode, &task, &system.orchestrator, &trainers, &rollouts, bar).await;
         trainers.stop();
         rollouts.stop();
-        system.source_members.stop();
-        system.sink_members.stop();
+        system.src_members.stop();
+        system.dst_members.stop();
         let (steps, summary) = result?;
         (steps, summary, Some(system.orchestrator), Vec::new())
     };
@@ -815,14 +816,16 @@ pub fn run_demo_member(role: DemoRole, rank: u32) -> Result<(), DemoError> {
         let name = role.name(rank as usize);
         match role {
             DemoRole::Trainer => {
-                let store = Arc::new(SourceStore::new(&src, rank));
-                joined.serve_member(Arc::new(src), rank, Role::Source(store.clone())).await.map_err(actor)?;
+                let src = Arc::new(src);
+                let store = Arc::new(SrcStore::new(&src, rank));
+                joined.serve_member(src, rank, Role::Src(store.clone())).await.map_err(actor)?;
                 let trainer = spawn(Trainer::new(rank as usize, store), SpawnConfig::default().name(name.clone()));
                 joined.serve(&name, &trainer).await.map_err(actor)?;
             }
             DemoRole::Rollout => {
-                let store = Arc::new(SinkStore::new(&dst, rank));
-                joined.serve_member(Arc::new(dst), rank, Role::Sink(store.clone())).await.map_err(actor)?;
+                let dst = Arc::new(dst);
+                let store = Arc::new(DstStore::new(&dst, rank));
+                joined.serve_member(dst, rank, Role::Dst(store.clone())).await.map_err(actor)?;
                 let rollout = spawn(Rollout::new(rank as usize, store), SpawnConfig::default().name(name.clone()));
                 joined.serve(&name, &rollout).await.map_err(actor)?;
             }

@@ -97,6 +97,18 @@ impl<A: Actor> ActorGroup<A> {
         self.ranks.clone().zip(self.refs())
     }
 
+    /// This group with the member of (original) rank `rank` replaced by
+    /// `actor` (a replacement for one that stopped; the others are shared,
+    /// and this view is unchanged).
+    pub fn with_member(&self, rank: usize, actor: ActorRef<A>) -> Result<Self, GroupError> {
+        if !self.ranks.contains(&rank) {
+            return Err(GroupError::NoSuchRank { rank, ranks: self.ranks() });
+        }
+        let mut members = self.members.to_vec();
+        members[rank] = actor;
+        Ok(Self { members: members.into(), ranks: self.ranks.clone() })
+    }
+
     /// A view of the (original) ranks `ranks`, which must lie within this
     /// view. An empty range gives an empty view.
     pub fn slice(&self, ranks: Range<usize>) -> Result<Self, GroupError> {

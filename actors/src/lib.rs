@@ -63,7 +63,7 @@ pub use actor_ref::{ActorRef, WeakActorRef};
 pub use error::{ActorError, BroadcastError, CallError, GroupError, TellError};
 pub use group::{spawn_group, ActorGroup};
 pub use remote::{Node, NodeConfig, RemoteError, RemotePeer, Secret};
-pub use runtime::{spawn, SpawnConfig, DEFAULT_CALL_TIMEOUT, DEFAULT_MAILBOX_CAPACITY};
+pub use runtime::{spawn, spawn_rank, SpawnConfig, DEFAULT_CALL_TIMEOUT, DEFAULT_MAILBOX_CAPACITY};
 pub use supervision::{StopReason, Supervisor, SupervisorEvents, Terminated};
 
 /// Re-export of [`macro@async_trait::async_trait`], so implementors of [`Actor`]

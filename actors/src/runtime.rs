@@ -115,6 +115,20 @@ pub fn spawn<A: Actor>(actor: A, config: SpawnConfig) -> ActorRef<A> {
     spawn_named(actor, &config, name, None)
 }
 
+/// Spawns `actor` as rank `rank` of a group named by `config`: named
+/// `name[rank]` and reporting `rank` in its [`Terminated`] event, like the
+/// members [`ActorGroup::spawn`](crate::ActorGroup::spawn) makes (a
+/// replacement for a member that stopped; see
+/// [`ActorGroup::with_member`](crate::ActorGroup::with_member)).
+///
+/// # Panics
+///
+/// Like [`tokio::spawn`], panics when called outside a tokio runtime.
+pub fn spawn_rank<A: Actor>(actor: A, config: SpawnConfig, rank: usize) -> ActorRef<A> {
+    let name = format!("{}[{rank}]", config.base_name::<A>());
+    spawn_named(actor, &config, name, Some(rank))
+}
+
 /// Spawns with a final name and rank (groups name their members).
 pub(crate) fn spawn_named<A: Actor>(actor: A, config: &SpawnConfig, name: String, rank: Option<usize>) -> ActorRef<A> {
     let info = ActorInfo { id: Uuid::new_v4(), name, rank };

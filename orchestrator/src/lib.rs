@@ -1,25 +1,31 @@
 //! Refit roles and the orchestrator.
 //!
-//! **Data model.** A training group and an inference group are each a group
-//! of [`Member`] actors, one per rank, that share their rank's weights with
+//! **Data model.** The two sides of a refit are the **source** group (the
+//! training ranks) and the **destination** group (the inference ranks),
+//! `src` and `dst` for short, each laid out by a [`Layout`]. Every rank of
+//! either group is a [`Member`] actor that shares its rank's weights with
 //! the user's own actors through a store:
 //!
-//! - [`SourceStore`] (training rank): the optimizer writes it with
-//!   [`SourceStore::update`]; a refit reads it under the same lock, so no
-//!   refit ever reads half an optimizer step (the version fence).
-//! - [`SinkStore`] (inference rank): a refit writes a staging copy; the new
-//!   version becomes visible only when every sink of the group has staged
-//!   all of it (two-phase: stage everywhere, then flip everywhere), by a
-//!   swap, not a copy. The previous version stays readable
-//!   ([`SinkStore::snapshot_at`]) so a tensor-parallel group reads one
-//!   agreed version while a commit sweeps over it.
+//! - [`SrcStore`] (source rank): the optimizer writes it with
+//!   [`SrcStore::update`]; a refit reads it under the same lock, so no
+//!   refit ever reads half an optimizer step (the version fence), and a
+//!   failed step keeps the version (and refits refuse weights it changed).
+//! - [`DstStore`] (destination rank): a refit writes a staging copy; the
+//!   new version becomes visible only when every destination of the group
+//!   has staged all of it (two-phase: stage everywhere, then flip
+//!   everywhere), by a swap, not a copy. The previous version stays
+//!   readable ([`DstStore::snapshot_at`]) so a tensor-parallel group reads
+//!   one agreed version while a commit sweeps over it.
+//! - [`Buffers`] are a rank's memory; [`Buffers::tensor`] gives a
+//!   [`TensorView`] of one tensor's block that knows where the block sits
+//!   in the global tensor, with typed reads and writes.
 //!
 //! The [`Orchestrator`] actor speaks the member protocol ([`protocol`]):
 //! it asks the members for their layouts by message, validates them, plans
 //! once (cached while neither layout changes), installs each member's own
 //! program, and on every [`Refit`](OrchestratorMsg::Refit) has every member
 //! open its end of a fresh data plane ([`Fabric`]), connect, run, and then
-//! commits on every sink — or, on any failure, discards everywhere.
+//! commits on every destination — or, on any failure, discards everywhere.
 //!
 //! Members are ordinary [`ActorRef`]s: in this process ([`spawn_refit`],
 //! the in-process fabric), or in other processes and hosts that joined a
@@ -35,15 +41,26 @@ mod store;
 
 pub use member::{FabricTweak, Member, MemberConfig, Role};
 pub use orchestrator::{
-    Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, RefitPhase, RefitReport, RefitStep,
+    Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, PlanReport, RefitPhase, RefitReport,
+    RefitStep, RefitTarget,
 };
-pub use protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, NodeFabric, Refusal};
+pub use protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, NodeFabric, Refusal, Weights};
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
-pub use store::{Buffers, SinkStore, Snapshot, SourceStore};
+pub use store::{BufferError, Buffers, DstStore, Snapshot, SrcStore, TensorView, TensorViewMut};
 pub use transport::DEFAULT_DEADLINE;
 
-use actors::{spawn, spawn_group, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};
-use reshard::{Layout, Strategy};
+use actors::{spawn, spawn_group, spawn_rank, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};
+use reshard::{Endpoint, Group, Layout, Rank, Strategy};
+
+/// What a pipeline needs, in one `use`: layouts and their builder, the
+/// stores and tensor views, the refit system and its errors.
+pub mod prelude {
+    pub use crate::{
+        spawn_refit, BufferError, Buffers, DstStore, OrchestratorConfig, OrchestratorError, OrchestratorHandle, RefitError,
+        RefitReport, RefitSystem, Snapshot, SrcStore, TensorView, TensorViewMut, Weights,
+    };
+    pub use reshard::{parse_layout, DType, Endpoint, Group, Layout, LayoutBuilder, MeshDim, Rank, Strategy, TensorBuilder};
+}
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -83,24 +100,59 @@ impl OrchestratorHandle {
         &self.actor
     }
 
-    /// Refits `version` into every sink; waits for any refit in progress.
-    pub async fn refit(&self, version: u64) -> Result<RefitReport, RefitError> {
-        match self.actor.call(OrchestratorMsg::Refit { version }).await? {
+    async fn ask_refit(&self, target: RefitTarget) -> Result<RefitReport, RefitError> {
+        match self.actor.call(OrchestratorMsg::Refit { target }).await? {
             OrchestratorReply::Refit(r) => Ok(r?),
             other => unreachable!("Refit answered with {other:?}"),
         }
     }
 
+    async fn ask(&self, msg: OrchestratorMsg) -> Result<(), RefitError> {
+        match self.actor.call(msg).await? {
+            OrchestratorReply::Done(r) => Ok(r?),
+            other => unreachable!("answered with {other:?}"),
+        }
+    }
+
+    /// Refits `version` into every destination: every source must hold
+    /// it. Nothing moves if every destination already serves it. Waits
+    /// for any refit in progress.
+    pub async fn refit(&self, version: u64) -> Result<RefitReport, RefitError> {
+        self.ask_refit(RefitTarget::Version(version)).await
+    }
+
+    /// Refits the newest version every source holds (see
+    /// [`RefitTarget::Latest`]): no version to pass, and a step that lands
+    /// during the refit makes it deliver the newer weights rather than
+    /// fail.
+    pub async fn refit_latest(&self) -> Result<RefitReport, RefitError> {
+        self.ask_refit(RefitTarget::Latest).await
+    }
+
+    /// Checks both groups' layouts, plans and installs every member's
+    /// program now: a pair that cannot be planned fails here, not at the
+    /// first refit.
+    pub async fn plan(&self) -> Result<PlanReport, RefitError> {
+        match self.actor.call(OrchestratorMsg::Plan).await? {
+            OrchestratorReply::Planned(r) => Ok(r?),
+            other => unreachable!("Plan answered with {other:?}"),
+        }
+    }
+
     /// Switches between reshard and baseline.
     pub async fn set_mode(&self, mode: Strategy) -> Result<(), RefitError> {
-        self.actor.call(OrchestratorMsg::SetMode(mode)).await?;
-        Ok(())
+        self.ask(OrchestratorMsg::SetMode(mode)).await
     }
 
     /// Replaces both groups (a resize or re-shard); the next refit replans.
-    pub async fn attach(&self, sources: ActorGroup<Member>, sinks: ActorGroup<Member>) -> Result<(), RefitError> {
-        self.actor.call(OrchestratorMsg::Attach { sources, sinks }).await?;
-        Ok(())
+    pub async fn attach(&self, src: ActorGroup<Member>, dst: ActorGroup<Member>) -> Result<(), RefitError> {
+        self.ask(OrchestratorMsg::Attach { src, dst }).await
+    }
+
+    /// Puts `member` in the place of rank `endpoint`'s member (one that
+    /// died); the next refit installs the plan on it alone.
+    pub async fn replace(&self, endpoint: Endpoint, member: ActorRef<Member>) -> Result<(), RefitError> {
+        self.ask(OrchestratorMsg::Replace { endpoint, member }).await
     }
 
     /// Number of plans made so far.
@@ -124,45 +176,85 @@ pub fn orchestrator_call_timeout(config: &OrchestratorConfig) -> std::time::Dura
 
 /// Spawns an orchestrator over groups of members found elsewhere (a
 /// [`Rendezvous`]). Must be called inside a tokio runtime.
-pub fn spawn_orchestrator(sources: ActorGroup<Member>, sinks: ActorGroup<Member>, config: OrchestratorConfig) -> OrchestratorHandle {
+pub fn spawn_orchestrator(src: ActorGroup<Member>, dst: ActorGroup<Member>, config: OrchestratorConfig) -> OrchestratorHandle {
     let timeout = orchestrator_call_timeout(&config);
-    OrchestratorHandle::spawn(Orchestrator::new(sources, sinks, config), SpawnConfig::default().name("orchestrator").call_timeout(timeout))
+    OrchestratorHandle::spawn(Orchestrator::new(src, dst, config), SpawnConfig::default().name("orchestrator").call_timeout(timeout))
 }
 
 /// Everything [`spawn_refit`] made.
 pub struct RefitSystem {
     /// The orchestrator.
     pub orchestrator: OrchestratorHandle,
-    /// One store per training rank.
-    pub sources: Vec<Arc<SourceStore>>,
-    /// One store per inference rank.
-    pub sinks: Vec<Arc<SinkStore>>,
-    /// The training group's members.
-    pub source_members: ActorGroup<Member>,
-    /// The inference group's members.
-    pub sink_members: ActorGroup<Member>,
-    /// Termination events of every member.
+    /// One store per source rank, by rank.
+    pub src_stores: Vec<Arc<SrcStore>>,
+    /// One store per destination rank, by rank.
+    pub dst_stores: Vec<Arc<DstStore>>,
+    /// The source group's members.
+    pub src_members: ActorGroup<Member>,
+    /// The destination group's members.
+    pub dst_members: ActorGroup<Member>,
+    /// Termination events of every member (named `src[rank]` and
+    /// `dst[rank]`).
     pub events: SupervisorEvents,
+    supervisor: Supervisor,
+    layouts: [Arc<Layout>; 2],
+    member_spawn: SpawnConfig,
 }
 
-/// Spawns stores and members for both layouts, all in this process, and an
-/// orchestrator over them. Must be called inside a tokio runtime.
-pub fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig) -> RefitSystem {
-    let sources: Vec<Arc<SourceStore>> = (0..src.ranks()).map(|r| Arc::new(SourceStore::new(src, r))).collect();
-    let sinks: Vec<Arc<SinkStore>> = (0..dst.ranks()).map(|r| Arc::new(SinkStore::new(dst, r))).collect();
+impl RefitSystem {
+    /// Starts a fresh member for one rank, over the same store, in place
+    /// of one that stopped (see [`events`](Self::events)); the other
+    /// members, their stores and the plan stay. The next refit installs
+    /// the plan on the new member alone.
+    pub async fn replace_member(&mut self, endpoint: Endpoint) -> Result<(), RefitError> {
+        let rank = endpoint.rank as usize;
+        let (role, group, ranks) = match endpoint.group {
+            Group::Src => (self.src_stores.get(rank).cloned().map(Role::Src), "src", self.src_stores.len()),
+            Group::Dst => (self.dst_stores.get(rank).cloned().map(Role::Dst), "dst", self.dst_stores.len()),
+        };
+        let role = role.ok_or(OrchestratorError::NoRank { endpoint, ranks })?;
+        let layout = self.layouts[endpoint.group as usize].clone();
+        let config = self.member_spawn.clone().name(group).supervisor(&self.supervisor);
+        let member = spawn_rank(Member::new(layout, endpoint.rank, role), config, rank);
+        self.orchestrator.replace(endpoint, member.clone()).await?;
+        let members = match endpoint.group {
+            Group::Src => &mut self.src_members,
+            Group::Dst => &mut self.dst_members,
+        };
+        *members = members.with_member(rank, member).map_err(|_| OrchestratorError::NoRank { endpoint, ranks })?;
+        Ok(())
+    }
+}
+
+/// Spawns one store and one member per rank of both layouts, all in this
+/// process, and an orchestrator over them; then plans and installs (see
+/// [`OrchestratorHandle::plan`]), so that a pair of layouts that cannot be
+/// planned fails here. Must be called inside a tokio runtime.
+pub async fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig) -> Result<RefitSystem, RefitError> {
+    let (src, dst) = (Arc::new(src.clone()), Arc::new(dst.clone()));
+    let src_stores: Vec<Arc<SrcStore>> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
+    let dst_stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
     let (supervisor, events) = Supervisor::channel();
-    let member_config = |name: &str| SpawnConfig::default().name(name).call_timeout(config.deadline + config.control_timeout);
-    let (src_layout, dst_layout) = (Arc::new(src.clone()), Arc::new(dst.clone()));
-    let source_members = spawn_group(sources.len(), member_config("source"), |r| {
-        Member::new(src_layout.clone(), r as u32, Role::Source(sources[r].clone()))
-    });
-    let sink_members =
-        spawn_group(sinks.len(), member_config("sink"), |r| Member::new(dst_layout.clone(), r as u32, Role::Sink(sinks[r].clone())));
-    source_members.link(&supervisor);
-    sink_members.link(&supervisor);
+    let member_spawn = SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
+    let spawn_config = |name: &str| member_spawn.clone().name(name).supervisor(&supervisor);
+    let src_members =
+        spawn_group(src_stores.len(), spawn_config("src"), |r| Member::new(src.clone(), r as Rank, Role::Src(src_stores[r].clone())));
+    let dst_members =
+        spawn_group(dst_stores.len(), spawn_config("dst"), |r| Member::new(dst.clone(), r as Rank, Role::Dst(dst_stores[r].clone())));
     let orchestrator = OrchestratorHandle::spawn(
-        Orchestrator::new(source_members.clone(), sink_members.clone(), config.clone()),
+        Orchestrator::new(src_members.clone(), dst_members.clone(), config.clone()),
         SpawnConfig::default().name("orchestrator").call_timeout(orchestrator_call_timeout(&config)),
     );
-    RefitSystem { orchestrator, sources, sinks, source_members, sink_members, events }
+    orchestrator.plan().await?;
+    Ok(RefitSystem {
+        orchestrator,
+        src_stores,
+        dst_stores,
+        src_members,
+        dst_members,
+        events,
+        supervisor,
+        layouts: [src, dst],
+        member_spawn,
+    })
 }

@@ -1,32 +1,42 @@
 //! The refit member actor: one per rank of each group, owning that rank's
 //! part of the refit protocol ([`crate::protocol`]). It shares its rank's
-//! store with the user's training or rollout actor and talks to the
+//! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
 use crate::fabric::Endpointed;
-use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, INSTALLED_PLANS};
-use crate::store::{SinkStore, SourceStore};
+use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
+use crate::store::{DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
-use reshard::{Endpoint, Fingerprint, Group, Layout, RankProgram};
+use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
 use transport::{run_rank_bypassing, Bypass, ExecOptions, RankMemory, Transport};
 
-/// Which side of the refit a member is on.
+/// Which side of the refit a member is on, with its rank's store.
 #[derive(Debug, Clone)]
 pub enum Role {
-    /// A training rank: its weights are read.
-    Source(Arc<SourceStore>),
-    /// An inference rank: its weights are written, then committed.
-    Sink(Arc<SinkStore>),
+    /// A source (training) rank: its weights are read.
+    Src(Arc<SrcStore>),
+    /// A destination (inference) rank: its weights are written, then
+    /// committed.
+    Dst(Arc<DstStore>),
 }
 
 impl Role {
-    pub(crate) fn group(&self) -> Group {
+    /// The group of this side.
+    pub fn group(&self) -> Group {
         match self {
-            Role::Source(_) => Group::Src,
-            Role::Sink(_) => Group::Dst,
+            Role::Src(_) => Group::Src,
+            Role::Dst(_) => Group::Dst,
+        }
+    }
+
+    /// The weights held (a source) or served (a destination).
+    fn weights(&self) -> Weights {
+        match self {
+            Role::Src(store) => store.weights(),
+            Role::Dst(store) => store.version().map_or(Weights::Unwritten, Weights::Version),
         }
     }
 }
@@ -84,12 +94,12 @@ pub struct Member {
 impl Member {
     /// A member for rank `rank` of a group laid out as `layout`, with the
     /// default [`MemberConfig`]. Members of one process share the layout.
-    pub fn new(layout: Arc<Layout>, rank: u32, role: Role) -> Member {
+    pub fn new(layout: Arc<Layout>, rank: Rank, role: Role) -> Member {
         Member::with_config(layout, rank, role, MemberConfig::default())
     }
 
     /// A member with explicit settings.
-    pub fn with_config(layout: Arc<Layout>, rank: u32, role: Role, config: MemberConfig) -> Member {
+    pub fn with_config(layout: Arc<Layout>, rank: Rank, role: Role, config: MemberConfig) -> Member {
         Member {
             endpoint: Endpoint { group: role.group(), rank },
             node: layout.node_of(rank),
@@ -237,18 +247,22 @@ impl Member {
             Err(e) => return MemberReply::Refused(Refusal::Fabric(e)),
         };
         match &self.role {
-            Role::Source(store) => {
+            Role::Src(store) => {
                 // The fence: hold the write lock while peers read our weights.
                 let mut guard = store.lock().write_owned().await;
-                let held = store.version();
-                if held != version {
-                    transport.abort("version mismatch");
-                    return MemberReply::Refused(Refusal::VersionMismatch { held, asked: version });
+                let refusal = match store.weights() {
+                    Weights::Version(held) if held == version => None,
+                    Weights::Version(held) => Some(Refusal::VersionMismatch { held, asked: version }),
+                    other => Some(Refusal::NoWeights(other)),
+                };
+                if let Some(refusal) = refusal {
+                    transport.abort(&refusal.to_string());
+                    return MemberReply::Refused(refusal);
                 }
                 let result = tokio::task::spawn_blocking(move || execute(&program, guard.memory_mut(), transport, deadline)).await;
                 finish(result)
             }
-            Role::Sink(store) => {
+            Role::Dst(store) => {
                 let staging = store.staging();
                 let mut guard = staging.lock_owned().await;
                 guard.complete = None;
@@ -291,31 +305,30 @@ impl Actor for Member {
             MemberMsg::Describe => {
                 MemberReply::Layout(LayoutInfo { rank: self.endpoint.rank, layout: self.layout.clone(), pid: std::process::id() })
             }
-            MemberMsg::Status => {
-                MemberReply::Status { layout: self.layout_fingerprint, installed: self.installed.iter().map(|(_, f)| *f).collect() }
-            }
+            MemberMsg::Status => MemberReply::Status {
+                layout: self.layout_fingerprint,
+                installed: self.installed.iter().map(|(_, f)| *f).collect(),
+                weights: self.role.weights(),
+            },
             MemberMsg::Install { program, fingerprint } => self.install(program, fingerprint),
             MemberMsg::Prepare { refit, fingerprint, session, fabric } => self.prepare(refit, fingerprint, session, fabric),
             MemberMsg::Connect { refit, peers } => self.connect(refit, peers).await,
             MemberMsg::Run { refit, version, fingerprint, deadline } => self.run(refit, version, fingerprint, deadline).await,
             MemberMsg::Commit { version } => match &self.role {
-                Role::Sink(store) => match store.commit(version).await {
+                Role::Dst(store) => match store.commit(version).await {
                     Ok(()) => MemberReply::Done,
                     Err(staged) => MemberReply::Refused(Refusal::NotStaged { staged }),
                 },
-                Role::Source(_) => MemberReply::Done,
+                Role::Src(_) => MemberReply::Done,
             },
             MemberMsg::Discard => {
                 self.pending = None;
-                if let Role::Sink(store) = &self.role {
+                if let Role::Dst(store) = &self.role {
                     store.discard().await;
                 }
                 MemberReply::Done
             }
-            MemberMsg::Version => MemberReply::Version(match &self.role {
-                Role::Source(s) => s.version(),
-                Role::Sink(s) => s.version(),
-            }),
+            MemberMsg::Version => MemberReply::Version(self.role.weights()),
         })
     }
 }

@@ -1,11 +1,14 @@
-//! The orchestrator actor: attaches to a source group and a sink group,
-//! plans once per pair of layouts, and refits after every optimizer step.
+//! The orchestrator actor: attaches to a source group and a destination
+//! group, plans once per pair of layouts, and refits after every optimizer
+//! step.
 
 use crate::fabric::hub;
 use crate::member::Member;
-use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal};
-use actors::{async_trait, Actor, ActorError, ActorGroup, CallError, Context};
-use reshard::{plan_baseline, plan_reshard, Endpoint, Fingerprint, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram, Strategy};
+use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal, Weights};
+use actors::{async_trait, Actor, ActorError, ActorGroup, ActorRef, CallError, Context};
+use reshard::{
+    plan_baseline, plan_reshard, Endpoint, Fingerprint, Group, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram, Strategy,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -42,12 +45,15 @@ impl Default for OrchestratorConfig {
 /// What one refit did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RefitReport {
-    /// The version now served by every sink.
+    /// The version now served by every destination.
     pub version: u64,
+    /// Every destination already served `version`: nothing was planned or
+    /// moved (`bytes` is 0).
+    pub already_served: bool,
     /// Reshard or baseline.
     pub mode: Strategy,
-    /// The plan's fingerprint.
-    pub fingerprint: Fingerprint,
+    /// The plan that ran (`None` when nothing ran: already served).
+    pub fingerprint: Option<Fingerprint>,
     /// Whether this refit had to (re)plan.
     pub replanned: bool,
     /// Wall time of the whole refit.
@@ -61,13 +67,43 @@ pub struct RefitReport {
     /// Moving the bytes: from asking every member to run until the last
     /// one finished.
     pub transfer_time: Duration,
-    /// Committing on every sink.
+    /// Committing on every destination.
     pub commit_time: Duration,
-    /// Bytes moved between ranks.
+    /// Bytes moved: the payload of every message between two ranks, in the
+    /// dtype it travels in (the plan's [`Figures::total_bytes`], the same
+    /// figure `refit plan`, `run` and `bench` print as "bytes moved").
+    ///
+    /// [`Figures::total_bytes`]: reshard::Figures::total_bytes
     pub bytes: u64,
 }
 
-/// Why a refit failed. Sinks then still serve their last committed version.
+/// What [`OrchestratorMsg::Plan`] found or made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanReport {
+    /// Reshard or baseline.
+    pub mode: Strategy,
+    /// The plan's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// Whether it planned now (false: the cached plan was installed
+    /// everywhere already).
+    pub replanned: bool,
+    /// Bytes every refit with this plan moves (as [`RefitReport::bytes`]).
+    pub bytes: u64,
+}
+
+/// Which version a refit delivers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefitTarget {
+    /// This version, which every source must hold.
+    Version(u64),
+    /// The newest version every source holds: if a step is under way on
+    /// some sources, wait (up to the control timeout) until all hold the
+    /// same; if a step lands while the refit reads, start again with it.
+    Latest,
+}
+
+/// Why a refit failed. Destinations then still serve their last committed
+/// version.
 #[derive(Debug, Clone, Error)]
 pub enum OrchestratorError {
     /// A member did not answer in time.
@@ -100,10 +136,36 @@ pub enum OrchestratorError {
     /// disagree about their layout.
     #[error("{group} group: {problem}")]
     Layout {
-        /// `source` or `sink`.
-        group: &'static str,
+        /// The group.
+        group: Group,
         /// What is wrong.
         problem: String,
+    },
+    /// A source has no whole version to send: nothing was written yet, or
+    /// its last step failed after changing the weights.
+    #[error("{member}: {weights}; every source must hold a whole version (update or restore its store)")]
+    NoWeights {
+        /// The member.
+        member: String,
+        /// What it holds.
+        weights: Weights,
+    },
+    /// [`RefitTarget::Latest`]: the sources kept holding different versions
+    /// for the whole control timeout.
+    #[error("sources hold different versions ({}) for longer than {after:?}", describe_versions(held))]
+    VersionsDisagree {
+        /// Every source rank's version, by rank.
+        held: Vec<u64>,
+        /// How long the orchestrator waited.
+        after: Duration,
+    },
+    /// A rank that the group does not have.
+    #[error("{endpoint}: the group has {ranks} ranks")]
+    NoRank {
+        /// The rank asked for.
+        endpoint: Endpoint,
+        /// The group's size.
+        ranks: usize,
     },
     /// A source holds another weight version than the refit asked for.
     #[error("{member}: holds version {held}, the refit asked for {asked}")]
@@ -146,6 +208,22 @@ pub enum OrchestratorError {
     },
 }
 
+/// `version 3 (ranks 0-2), version 4 (rank 3)`.
+fn describe_versions(held: &[u64]) -> String {
+    let mut runs: Vec<(u64, usize, usize)> = Vec::new();
+    for (rank, &v) in held.iter().enumerate() {
+        match runs.last_mut() {
+            Some((w, _, end)) if *w == v && *end + 1 == rank => *end = rank,
+            _ => runs.push((v, rank, rank)),
+        }
+    }
+    let runs: Vec<String> = runs
+        .into_iter()
+        .map(|(v, a, z)| if a == z { format!("version {v} (rank {a})") } else { format!("version {v} (ranks {a}-{z})") })
+        .collect();
+    runs.join(", ")
+}
+
 /// Where the refit in progress is, as the orchestrator publishes it
 /// ([`Orchestrator::subscribe`]): for progress displays, metrics, and tools
 /// that act at a given step.
@@ -160,9 +238,9 @@ pub enum RefitStep {
     Preparing,
     /// Members connect to their peers.
     Connecting,
-    /// Members move the bytes; sinks stage.
+    /// Members move the bytes; destinations stage.
     Running,
-    /// Every sink staged the whole version; sinks flip.
+    /// Every destination staged the whole version; destinations flip.
     Committing,
     /// The refit failed; members drop what they staged.
     Discarding,
@@ -179,11 +257,15 @@ pub struct RefitPhase {
 
 /// Messages the orchestrator handles.
 pub enum OrchestratorMsg {
-    /// Refit `version` (the sources' current version) into every sink.
+    /// Refit a version into every destination; nothing moves if every
+    /// destination already serves it.
     Refit {
-        /// The version.
-        version: u64,
+        /// Which version.
+        target: RefitTarget,
     },
+    /// Check both groups' layouts, plan (unless cached) and install every
+    /// member's program now, rather than at the first refit.
+    Plan,
     /// Switch between reshard and baseline (plans the other strategy on the
     /// next refit, once).
     SetMode(Strategy),
@@ -191,10 +273,18 @@ pub enum OrchestratorMsg {
     /// replans if their layouts changed and installs on members that lack
     /// the plan.
     Attach {
-        /// Training ranks.
-        sources: ActorGroup<Member>,
-        /// Inference ranks.
-        sinks: ActorGroup<Member>,
+        /// Source (training) ranks.
+        src: ActorGroup<Member>,
+        /// Destination (inference) ranks.
+        dst: ActorGroup<Member>,
+    },
+    /// Replace the member of one rank (one that died) and keep the others;
+    /// the next refit installs the plan on it.
+    Replace {
+        /// The rank.
+        endpoint: Endpoint,
+        /// Its new member.
+        member: ActorRef<Member>,
     },
     /// Forget the cached plan.
     Invalidate,
@@ -207,10 +297,12 @@ pub enum OrchestratorMsg {
 pub enum OrchestratorReply {
     /// The outcome of a refit.
     Refit(Result<RefitReport, OrchestratorError>),
+    /// The outcome of `Plan`.
+    Planned(Result<PlanReport, OrchestratorError>),
     /// Number of plans made.
     PlansMade(u64),
-    /// Done.
-    Done,
+    /// The outcome of a request that returns nothing.
+    Done(Result<(), OrchestratorError>),
 }
 
 /// What the orchestrator keeps of a plan: not the plan or its programs
@@ -241,8 +333,8 @@ struct KnownLayouts {
 
 /// The orchestrator actor.
 pub struct Orchestrator {
-    sources: ActorGroup<Member>,
-    sinks: ActorGroup<Member>,
+    src: ActorGroup<Member>,
+    dst: ActorGroup<Member>,
     config: OrchestratorConfig,
     /// One plan per strategy, while both layouts stay the same.
     cache: std::collections::HashMap<Strategy, CachedPlan>,
@@ -257,10 +349,10 @@ pub struct Orchestrator {
 
 impl Orchestrator {
     /// An orchestrator for these groups.
-    pub fn new(sources: ActorGroup<Member>, sinks: ActorGroup<Member>, config: OrchestratorConfig) -> Orchestrator {
+    pub fn new(src: ActorGroup<Member>, dst: ActorGroup<Member>, config: OrchestratorConfig) -> Orchestrator {
         Orchestrator {
-            sources,
-            sinks,
+            src,
+            dst,
             config,
             cache: Default::default(),
             layouts: None,
@@ -294,25 +386,25 @@ fn call_error(member: String, e: CallError, after: Duration) -> OrchestratorErro
 }
 
 fn refused(member: &str, r: Refusal) -> OrchestratorError {
+    let member = member.to_string();
     match r {
-        Refusal::FingerprintMismatch { installed, asked } => {
-            OrchestratorError::FingerprintMismatch { member: member.to_string(), installed, asked }
-        }
-        Refusal::VersionMismatch { held, asked } => OrchestratorError::VersionMismatch { member: member.to_string(), held, asked },
-        refusal => OrchestratorError::Refused { member: member.to_string(), refusal },
+        Refusal::FingerprintMismatch { installed, asked } => OrchestratorError::FingerprintMismatch { member, installed, asked },
+        Refusal::VersionMismatch { held, asked } => OrchestratorError::VersionMismatch { member, held, asked },
+        Refusal::NoWeights(weights) => OrchestratorError::NoWeights { member, weights },
+        refusal => OrchestratorError::Refused { member, refusal },
     }
 }
 
 /// Asks one member of `group` (rank 0) for the group's layout, which
 /// every member reported as `fingerprint`.
 async fn describe(
-    group: &ActorGroup<Member>,
-    name: &'static str,
+    members: &ActorGroup<Member>,
+    group: Group,
     fingerprint: u64,
     timeout: Duration,
 ) -> Result<Arc<Layout>, OrchestratorError> {
-    let Some(member) = group.get(0) else {
-        return Err(OrchestratorError::Layout { group: name, problem: "the group has no members".into() });
+    let Some(member) = members.get(0) else {
+        return Err(OrchestratorError::Layout { group, problem: "the group has no members".into() });
     };
     let who = member.name().to_string();
     let reply = member.call_timeout(MemberMsg::Describe, timeout).await.map_err(|e| call_error(who.clone(), e, timeout))?;
@@ -322,28 +414,28 @@ async fn describe(
     let layout = info.layout;
     let problem = if info.rank != 0 {
         Some(format!("the member at rank 0 says it is rank {}", info.rank))
-    } else if layout.ranks() as usize != group.len() {
-        Some(format!("layout has {} ranks but the group has {} members", layout.ranks(), group.len()))
+    } else if layout.ranks() as usize != members.len() {
+        Some(format!("layout has {} ranks but the group has {} members", layout.ranks(), members.len()))
     } else if layout.fingerprint() != fingerprint {
         Some(format!("rank 0 describes a layout with fingerprint {:016x} but reported {fingerprint:016x}", layout.fingerprint()))
     } else {
         None
     };
     match problem {
-        Some(problem) => Err(OrchestratorError::Layout { group: name, problem }),
+        Some(problem) => Err(OrchestratorError::Layout { group, problem }),
         None => Ok(layout),
     }
 }
 
 /// Every member's reply to `msg(group, rank)`, or the first failure.
 async fn call_both(
-    sources: &ActorGroup<Member>,
-    sinks: &ActorGroup<Member>,
-    msg: impl Fn(reshard::Group, usize) -> Option<MemberMsg>,
+    src: &ActorGroup<Member>,
+    dst: &ActorGroup<Member>,
+    msg: impl Fn(Group, usize) -> Option<MemberMsg>,
     after: Duration,
 ) -> Result<Vec<(String, MemberReply)>, OrchestratorError> {
     let mut calls = Vec::new();
-    for (g, group) in [(reshard::Group::Src, sources), (reshard::Group::Dst, sinks)] {
+    for (g, group) in [(Group::Src, src), (Group::Dst, dst)] {
         for (rank, member) in group.iter() {
             if let Some(m) = msg(g, rank) {
                 let member = member.clone();
@@ -374,50 +466,124 @@ fn no_refusal(replies: &[(String, MemberReply)]) -> Result<(), OrchestratorError
     Ok(())
 }
 
+/// What every member reported in `Status`, sources first.
+struct Status {
+    /// Every member's name.
+    names: Vec<String>,
+    /// The layout fingerprint of each group.
+    layouts: (u64, u64),
+    /// The plans each member has installed.
+    installed: Vec<Vec<Fingerprint>>,
+    /// The weights each member holds or serves.
+    weights: Vec<Weights>,
+    /// Members of the source group (the rest are destinations).
+    n_src: usize,
+}
+
+impl Status {
+    fn src_weights(&self) -> &[Weights] {
+        &self.weights[..self.n_src]
+    }
+
+    fn dst_weights(&self) -> &[Weights] {
+        &self.weights[self.n_src..]
+    }
+}
+
+/// How often [`RefitTarget::Latest`] asks the sources again while they
+/// hold different versions.
+const AGREE_POLL: Duration = Duration::from_millis(10);
+
+/// How many times [`RefitTarget::Latest`] starts again when a step lands
+/// while the refit reads.
+const LATEST_ATTEMPTS: usize = 3;
+
 impl Orchestrator {
     fn endpoints(&self) -> Vec<Endpoint> {
-        (0..self.sources.len() as u32).map(Endpoint::src).chain((0..self.sinks.len() as u32).map(Endpoint::dst)).collect()
+        (0..self.src.len() as u32).map(Endpoint::src).chain((0..self.dst.len() as u32).map(Endpoint::dst)).collect()
+    }
+
+    /// Asks every member for its layout fingerprint, installed plans and
+    /// weights; checks that both groups have members and that the members
+    /// of each group hold one layout.
+    async fn status(&self) -> Result<Status, OrchestratorError> {
+        for (group, members) in [(Group::Src, &self.src), (Group::Dst, &self.dst)] {
+            if members.is_empty() {
+                return Err(OrchestratorError::Layout { group, problem: "the group has no members".into() });
+            }
+        }
+        let replies = call_both(&self.src, &self.dst, |_, _| Some(MemberMsg::Status), self.config.control_timeout).await?;
+        let n_src = self.src.len();
+        let mut layouts: [Option<u64>; 2] = [None, None];
+        let mut status = Status {
+            names: Vec::with_capacity(replies.len()),
+            layouts: (0, 0),
+            installed: Vec::with_capacity(replies.len()),
+            weights: Vec::with_capacity(replies.len()),
+            n_src,
+        };
+        for (i, (member, reply)) in replies.into_iter().enumerate() {
+            let MemberReply::Status { layout, installed, weights } = reply else {
+                return Err(OrchestratorError::Protocol { member, request: "Status", reply: format!("{reply:?}") });
+            };
+            let (g, group, rank) = if i < n_src { (0, Group::Src, i) } else { (1, Group::Dst, i - n_src) };
+            let first = *layouts[g].get_or_insert(layout);
+            if first != layout {
+                return Err(OrchestratorError::Layout {
+                    group,
+                    problem: format!("{member} (rank {rank}) holds a different layout ({layout:016x}) than rank 0 ({first:016x})"),
+                });
+            }
+            status.names.push(member);
+            status.installed.push(installed);
+            status.weights.push(weights);
+        }
+        status.layouts = (layouts[0].unwrap_or_default(), layouts[1].unwrap_or_default());
+        Ok(status)
+    }
+
+    /// The version every source holds, asking again while they differ (a
+    /// step under way), for at most the control timeout.
+    async fn agreed_version(&self, mut status: Status) -> Result<(u64, Status), OrchestratorError> {
+        let deadline = tokio::time::Instant::now() + self.config.control_timeout;
+        loop {
+            let mut held = Vec::with_capacity(status.n_src);
+            for (i, w) in status.src_weights().iter().enumerate() {
+                match *w {
+                    Weights::Version(v) => held.push(v),
+                    weights => return Err(OrchestratorError::NoWeights { member: status.names[i].clone(), weights }),
+                }
+            }
+            if held.iter().all(|&v| v == held[0]) {
+                return Ok((held[0], status));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(OrchestratorError::VersionsDisagree { held, after: self.config.control_timeout });
+            }
+            tokio::time::sleep(AGREE_POLL).await;
+            status = self.status().await?;
+        }
     }
 
     /// Makes sure every member has the plan of the current strategy for
     /// both groups' current layouts installed: plans when a layout changed,
     /// installs on members that lack it (new or replaced ones). Returns
     /// whether it planned.
-    async fn ensure_plan(&mut self) -> Result<bool, OrchestratorError> {
+    async fn ensure_plan(&mut self, status: &Status) -> Result<bool, OrchestratorError> {
         let t = self.config.control_timeout;
         let mode = self.config.mode;
-        let names = ["source", "sink"];
-        for (group, members) in names.into_iter().zip([&self.sources, &self.sinks]) {
-            if members.is_empty() {
-                return Err(OrchestratorError::Layout { group, problem: "the group has no members".into() });
-            }
-        }
-        // Cheap check first: every member's layout fingerprint and plans.
-        let status = call_both(&self.sources, &self.sinks, |_, _| Some(MemberMsg::Status), t).await?;
-        let n_src = self.sources.len();
-        let mut layouts: [Option<u64>; 2] = [None, None];
-        let mut installed = Vec::with_capacity(status.len());
-        for (i, (member, reply)) in status.into_iter().enumerate() {
-            let MemberReply::Status { layout, installed: plans } = reply else {
-                return Err(OrchestratorError::Protocol { member, request: "Status", reply: format!("{reply:?}") });
-            };
-            let (g, rank) = if i < n_src { (0, i) } else { (1, i - n_src) };
-            let first = *layouts[g].get_or_insert(layout);
-            if first != layout {
-                return Err(OrchestratorError::Layout {
-                    group: names[g],
-                    problem: format!("{member} (rank {rank}) holds a different layout ({layout:016x}) than rank 0 ({first:016x})"),
-                });
-            }
-            installed.push(plans);
-        }
-        let current = (layouts[0].unwrap_or_default(), layouts[1].unwrap_or_default());
+        let current = status.layouts;
         if self.cache.values().any(|c| c.layout_fingerprints != current) {
             self.cache.clear();
         }
         let cached = self.cache.get(&mode).map(|c| c.fingerprint);
-        let lacking: Vec<usize> =
-            installed.iter().enumerate().filter(|(_, plans)| !matches!(cached, Some(f) if plans.contains(&f))).map(|(i, _)| i).collect();
+        let lacking: Vec<usize> = status
+            .installed
+            .iter()
+            .enumerate()
+            .filter(|(_, plans)| !matches!(cached, Some(f) if plans.contains(&f)))
+            .map(|(i, _)| i)
+            .collect();
         if lacking.is_empty() {
             return Ok(false);
         }
@@ -427,8 +593,8 @@ impl Orchestrator {
             Some(k) if k.fingerprints == current => (k.src.clone(), k.dst.clone()),
             _ => {
                 self.layouts = None;
-                let src = describe(&self.sources, "source", current.0, t).await?;
-                let dst = describe(&self.sinks, "sink", current.1, t).await?;
+                let src = describe(&self.src, Group::Src, current.0, t).await?;
+                let dst = describe(&self.dst, Group::Dst, current.1, t).await?;
                 self.layouts = Some(KnownLayouts { fingerprints: current, src: src.clone(), dst: dst.clone() });
                 (src, dst)
             }
@@ -455,18 +621,18 @@ impl Orchestrator {
             // Not installed anywhere yet (or the layouts changed under it).
             self.cache.remove(&mode);
         }
-        let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..installed.len()).collect() };
+        let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..status.installed.len()).collect() };
         self.install(plan, src, dst, which).await?;
         self.cache.insert(mode, CachedPlan { layout_fingerprints: current, fingerprint, bytes });
         Ok(true)
     }
 
-    /// Hands members `which` (indices into sources then sinks) their own
-    /// programs, derived one by one in a blocking task while earlier ones
-    /// are sent: at most [`INSTALL_WINDOW`] programs exist at a time, never
-    /// all of them.
+    /// Hands members `which` (indices into sources then destinations)
+    /// their own programs, derived one by one in a blocking task while
+    /// earlier ones are sent: at most [`INSTALL_WINDOW`] programs exist at
+    /// a time, never all of them.
     async fn install(&self, plan: Arc<Plan>, src: Arc<Layout>, dst: Arc<Layout>, which: Vec<usize>) -> Result<(), OrchestratorError> {
-        let n_src = self.sources.len();
+        let n_src = self.src.len();
         let fingerprint = plan.fingerprint();
         let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, RankProgram)>(INSTALL_WINDOW);
         let producer = tokio::task::spawn_blocking(move || -> Result<(), PlanError> {
@@ -484,7 +650,7 @@ impl Orchestrator {
         let mut calls = tokio::task::JoinSet::new();
         let mut result = Ok(());
         while let Some((i, program)) = rx.recv().await {
-            let member = if i < n_src { self.sources.get(i) } else { self.sinks.get(i - n_src) };
+            let member = if i < n_src { self.src.get(i) } else { self.dst.get(i - n_src) };
             let Some(member) = member.cloned() else { continue };
             calls.spawn(async move {
                 let name = member.name().to_string();
@@ -522,25 +688,80 @@ impl Orchestrator {
         }
     }
 
-    async fn refit(&mut self, version: u64) -> Result<RefitReport, OrchestratorError> {
-        let r = self.refit_steps(version).await;
+    /// The plan of the current strategy, installed everywhere.
+    fn cached(&self) -> Result<&CachedPlan, OrchestratorError> {
+        // `ensure_plan` caches a plan whenever it returns Ok; `status`
+        // refuses empty groups.
+        self.cache
+            .get(&self.config.mode)
+            .ok_or_else(|| OrchestratorError::Failed { member: "orchestrator".into(), problem: "no plan after planning".into() })
+    }
+
+    async fn plan(&mut self) -> Result<PlanReport, OrchestratorError> {
+        let status = self.status().await?;
+        let replanned = self.ensure_plan(&status).await?;
+        let &CachedPlan { fingerprint, bytes, .. } = self.cached()?;
+        Ok(PlanReport { mode: self.config.mode, fingerprint, replanned, bytes })
+    }
+
+    async fn refit(&mut self, target: RefitTarget) -> Result<RefitReport, OrchestratorError> {
+        self.refits += 1;
+        self.enter(RefitStep::Planning);
+        let start = Instant::now();
+        let mut attempts = 0;
+        let r = loop {
+            attempts += 1;
+            match self.refit_once(target, start).await {
+                Err(OrchestratorError::VersionMismatch { .. }) if target == RefitTarget::Latest && attempts < LATEST_ATTEMPTS => {
+                    // A step landed between the status and the read: refit
+                    // the newer version.
+                    self.enter(RefitStep::Planning);
+                }
+                r => break r,
+            }
+        };
         self.enter(RefitStep::Idle);
         r
     }
 
-    async fn refit_steps(&mut self, version: u64) -> Result<RefitReport, OrchestratorError> {
-        self.refits += 1;
-        self.enter(RefitStep::Planning);
-        let start = Instant::now();
-        let replanned = self.ensure_plan().await?;
-        let plan_time = start.elapsed();
-        let Some(&CachedPlan { fingerprint, bytes, .. }) = self.cache.get(&self.config.mode) else {
-            // `ensure_plan` caches a plan whenever it returns Ok with members
-            // in both groups; it refuses empty groups.
-            return Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: "no plan after planning".into() });
+    async fn refit_once(&mut self, target: RefitTarget, start: Instant) -> Result<RefitReport, OrchestratorError> {
+        let status = self.status().await?;
+        let (version, status) = match target {
+            RefitTarget::Version(v) => (v, status),
+            RefitTarget::Latest => self.agreed_version(status).await?,
         };
+        let mode = self.config.mode;
+        if status.dst_weights().iter().all(|w| *w == Weights::Version(version)) {
+            return Ok(RefitReport {
+                version,
+                already_served: true,
+                mode,
+                fingerprint: None,
+                replanned: false,
+                wall: start.elapsed(),
+                plan_time: start.elapsed(),
+                connect_time: Duration::ZERO,
+                transfer_time: Duration::ZERO,
+                commit_time: Duration::ZERO,
+                bytes: 0,
+            });
+        }
+        // Refused here, before anything is planned or moved; `Run` checks
+        // again under each source's lock.
+        for (i, w) in status.src_weights().iter().enumerate() {
+            match *w {
+                Weights::Version(held) if held == version => {}
+                Weights::Version(held) => {
+                    return Err(OrchestratorError::VersionMismatch { member: status.names[i].clone(), held, asked: version })
+                }
+                weights => return Err(OrchestratorError::NoWeights { member: status.names[i].clone(), weights }),
+            }
+        }
+        let replanned = self.ensure_plan(&status).await?;
+        let plan_time = start.elapsed();
+        let &CachedPlan { fingerprint, bytes, .. } = self.cached()?;
         let refit = self.refits;
-        // A fresh data-plane epoch for every refit.
+        // A fresh data-plane epoch for every attempt.
         let session = uuid::Uuid::new_v4().simple().to_string();
         if self.config.fabric == Fabric::InProcess {
             hub::deposit(&session, local_fabric(&self.endpoints()));
@@ -551,26 +772,28 @@ impl Orchestrator {
         hub::close(&session);
         let transfer_time = t.elapsed().saturating_sub(connect_time);
         if let Err(e) = moved {
-            // Every sink keeps serving its last committed version; every
-            // member drops what it prepared for this refit.
+            // Every destination keeps serving its last committed version;
+            // every member drops what it prepared for this refit.
             // A member that is stuck (an abort that hangs) must not hold up
             // the report: the discard is queued, not awaited; each member
             // handles it before anything the next refit asks.
             self.enter(RefitStep::Discarding);
-            for (_, m) in self.sources.iter().chain(self.sinks.iter()) {
+            for (_, m) in self.src.iter().chain(self.dst.iter()) {
                 let _ = m.try_tell(MemberMsg::Discard);
             }
             return Err(e);
         }
-        // The second phase: every sink has staged the whole version; flip.
+        // The second phase: every destination has staged the whole
+        // version; flip.
         self.enter(RefitStep::Committing);
         let t = Instant::now();
-        let commit = |g, _| (g == reshard::Group::Dst).then_some(MemberMsg::Commit { version });
-        no_refusal(&call_both(&self.sources, &self.sinks, commit, self.config.control_timeout).await?)?;
+        let commit = |g, _| (g == Group::Dst).then_some(MemberMsg::Commit { version });
+        no_refusal(&call_both(&self.src, &self.dst, commit, self.config.control_timeout).await?)?;
         Ok(RefitReport {
             version,
-            mode: self.config.mode,
-            fingerprint,
+            already_served: false,
+            mode,
+            fingerprint: Some(fingerprint),
             replanned,
             wall: start.elapsed(),
             plan_time,
@@ -595,7 +818,7 @@ impl Orchestrator {
         let fabric = self.config.fabric.clone();
         let prepare = |_, _| Some(MemberMsg::Prepare { refit, fingerprint, session: session.to_string(), fabric: fabric.clone() });
         self.enter(RefitStep::Preparing);
-        let prepared = call_both(&self.sources, &self.sinks, prepare, control).await?;
+        let prepared = call_both(&self.src, &self.dst, prepare, control).await?;
         no_refusal(&prepared)?;
         let mut peers = Vec::with_capacity(prepared.len());
         for (member, reply) in prepared {
@@ -607,15 +830,26 @@ impl Orchestrator {
         if let Fabric::Node(settings) = &fabric {
             let connect = |_, _| Some(MemberMsg::Connect { refit, peers: peers.clone() });
             self.enter(RefitStep::Connecting);
-            let connected = call_both(&self.sources, &self.sinks, connect, settings.connect_timeout + control).await?;
+            let connected = call_both(&self.src, &self.dst, connect, settings.connect_timeout + control).await?;
             no_refusal(&connected)?;
         }
         *connect_time = t.elapsed();
         let deadline = self.config.deadline;
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline });
         self.enter(RefitStep::Running);
-        let ran = call_both(&self.sources, &self.sinks, run, deadline + control).await?;
+        let ran = call_both(&self.src, &self.dst, run, deadline + control).await?;
         no_refusal(&ran)
+    }
+
+    /// Puts `member` in place of rank `endpoint`'s.
+    fn replace(&mut self, endpoint: Endpoint, member: ActorRef<Member>) -> Result<(), OrchestratorError> {
+        let group = match endpoint.group {
+            Group::Src => &mut self.src,
+            Group::Dst => &mut self.dst,
+        };
+        let ranks = group.len();
+        *group = group.with_member(endpoint.rank as usize, member).map_err(|_| OrchestratorError::NoRank { endpoint, ranks })?;
+        Ok(())
     }
 }
 
@@ -625,26 +859,28 @@ impl Actor for Orchestrator {
     type Reply = OrchestratorReply;
 
     async fn handle(&mut self, msg: OrchestratorMsg, _ctx: &mut Context<Self>) -> Result<OrchestratorReply, ActorError> {
-        match msg {
-            OrchestratorMsg::Refit { version } => Ok(OrchestratorReply::Refit(self.refit(version).await)),
-            OrchestratorMsg::PlansMade => Ok(OrchestratorReply::PlansMade(self.plans_made)),
+        Ok(match msg {
+            OrchestratorMsg::Refit { target } => OrchestratorReply::Refit(self.refit(target).await),
+            OrchestratorMsg::Plan => OrchestratorReply::Planned(self.plan().await),
+            OrchestratorMsg::PlansMade => OrchestratorReply::PlansMade(self.plans_made),
             OrchestratorMsg::SetMode(mode) => {
                 // Plans are kept per strategy: switching back is free.
                 self.config.mode = mode;
-                Ok(OrchestratorReply::Done)
+                OrchestratorReply::Done(Ok(()))
             }
-            OrchestratorMsg::Attach { sources, sinks } => {
+            OrchestratorMsg::Attach { src, dst } => {
                 // Cached plans stay valid while the members report the same
                 // layouts; members that lack the plan get it installed.
-                self.sources = sources;
-                self.sinks = sinks;
-                Ok(OrchestratorReply::Done)
+                self.src = src;
+                self.dst = dst;
+                OrchestratorReply::Done(Ok(()))
             }
+            OrchestratorMsg::Replace { endpoint, member } => OrchestratorReply::Done(self.replace(endpoint, member)),
             OrchestratorMsg::Invalidate => {
                 self.cache.clear();
                 self.layouts = None;
-                Ok(OrchestratorReply::Done)
+                OrchestratorReply::Done(Ok(()))
             }
-        }
+        })
     }
 }

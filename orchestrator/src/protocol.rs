@@ -11,8 +11,8 @@
 //!
 //! One refit is, for every member at once and step by step:
 //! `Prepare` (open this refit's data-plane endpoint) → `Connect` (to the
-//! peers in its program) → `Run` (the program; sinks write staging) →
-//! `Commit` on every sink once every member ran (the flip), or `Discard`.
+//! peers in its program) → `Run` (the program; destinations write staging) →
+//! `Commit` on every destination once every member ran (the flip), or `Discard`.
 //!
 //! [`Orchestrator`]: crate::Orchestrator
 //! [`Member`]: crate::Member
@@ -72,8 +72,9 @@ pub struct PeerAddr {
 pub enum MemberMsg {
     /// Report the group layout this member holds weights for.
     Describe,
-    /// Report a fingerprint of that layout ([`Layout::fingerprint`]) and
-    /// the plans installed (cheap; asked before every refit).
+    /// Report a fingerprint of that layout ([`Layout::fingerprint`]), the
+    /// plans installed and the weights held (cheap; asked before every
+    /// refit).
     Status,
     /// Keep this program for the plan with this fingerprint (a member keeps
     /// the latest [`INSTALLED_PLANS`]).
@@ -105,7 +106,7 @@ pub enum MemberMsg {
         peers: Vec<PeerAddr>,
     },
     /// Run the installed program for weights `version` on the connected
-    /// endpoint (sinks write their staging copy).
+    /// endpoint (destinations write their staging copy).
     Run {
         /// The refit.
         refit: u64,
@@ -116,15 +117,43 @@ pub enum MemberMsg {
         /// Time the data movement may take.
         deadline: Duration,
     },
-    /// Make staged `version` the one readers get (sinks); the second phase.
+    /// Make staged `version` the one readers get (destinations); the second phase.
     Commit {
         /// The version.
         version: u64,
     },
     /// Drop whatever was staged or prepared; a failed refit.
     Discard,
-    /// Report the version this member serves (sinks) or holds (sources).
+    /// Report the weights this member holds (sources) or serves
+    /// (destinations).
     Version,
+}
+
+/// The weights a member holds (a source) or serves (a destination), as it
+/// reports them in [`MemberReply::Status`] and [`MemberReply::Version`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Weights {
+    /// Nothing written (a source) or committed (a destination) yet.
+    Unwritten,
+    /// This version, whole.
+    Version(u64),
+    /// A source whose last step failed after changing the weights: neither
+    /// the version before it (if any) nor a new one.
+    Torn {
+        /// The last version written whole.
+        after: Option<u64>,
+    },
+}
+
+impl std::fmt::Display for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Weights::Unwritten => f.write_str("nothing written"),
+            Weights::Version(v) => write!(f, "version {v}"),
+            Weights::Torn { after: Some(v) } => write!(f, "weights torn by a failed step after version {v}"),
+            Weights::Torn { after: None } => write!(f, "weights torn by a failed first step"),
+        }
+    }
 }
 
 /// Why a member refused a request (a normal reply, not a failure of the actor).
@@ -146,6 +175,9 @@ pub enum Refusal {
         /// Asked.
         asked: u64,
     },
+    /// The source has nothing whole to send: never written, or torn by a
+    /// failed step.
+    NoWeights(Weights),
     /// The data plane could not be opened or connected.
     Fabric(String),
     /// A step came for another refit than the one prepared.
@@ -169,6 +201,7 @@ impl std::fmt::Display for Refusal {
             Refusal::FingerprintMismatch { installed: None, asked } => write!(f, "plan {asked} asked, none installed"),
             Refusal::ProgramMismatch(why) => write!(f, "program does not fit this rank: {why}"),
             Refusal::VersionMismatch { held, asked } => write!(f, "holds version {held}, the refit asked for {asked}"),
+            Refusal::NoWeights(w) => write!(f, "nothing to send: {w}"),
             Refusal::Fabric(why) => write!(f, "data plane: {why}"),
             Refusal::NotPrepared { refit } => write!(f, "refit {refit} was not prepared here"),
             Refusal::Exec(why) => write!(f, "{why}"),
@@ -214,6 +247,8 @@ pub enum MemberReply {
         layout: u64,
         /// The plans installed (the latest few, e.g. reshard and baseline).
         installed: Vec<Fingerprint>,
+        /// The weights held (a source) or served (a destination).
+        weights: Weights,
     },
     /// Answer to `Prepare`: where this member's endpoint listens.
     Prepared {
@@ -229,7 +264,7 @@ pub enum MemberReply {
     /// Answer to `Run`.
     Ran(RunStats),
     /// Answer to `Version`.
-    Version(u64),
+    Version(Weights),
     /// The request was refused.
     Refused(Refusal),
 }

@@ -1,31 +1,163 @@
-//! Where a rank's weights live: a [`SourceStore`] on a training rank, a
-//! [`SinkStore`] on an inference rank.
+//! Where a rank's weights live: a [`SrcStore`] on a source (training) rank,
+//! a [`DstStore`] on a destination (inference) rank, each holding the
+//! rank's [`Buffers`], read and written tensor by tensor through
+//! [`TensorView`]s.
 //!
 //! The source store is the version fence: the optimizer writes it under a
-//! write lock ([`SourceStore::update`]) and a refit reads it under the same
-//! lock, so a refit never sees half an optimizer step. The sink store is the
-//! atomic commit: a refit writes a staging copy, and [`SinkStore::commit`]
-//! swaps it in whole; readers take an [`Arc`] snapshot ([`SinkStore::snapshot`])
-//! and keep using it however many commits happen meanwhile.
+//! write lock ([`SrcStore::update`]) and a refit reads it under the same
+//! lock, so a refit never sees half an optimizer step, and a step that
+//! fails after writing leaves the store *torn* (refused by refits) rather
+//! than passing off changed weights as the old version. The destination
+//! store is the atomic commit: a refit writes a staging copy, and
+//! [`DstStore::commit`] swaps it in whole; readers take an [`Arc`] snapshot
+//! ([`DstStore::snapshot`]) and keep using it however many commits happen
+//! meanwhile.
 
-use reshard::{BufferSpec, DType, Layout, Rank};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use crate::protocol::Weights;
+use reshard::{Block, BufferSpec, DType, Layout, Rank};
+use std::sync::{Arc, Mutex, RwLock};
+use thiserror::Error;
 use transport::RankMemory;
 
-/// A rank's buffers by name, with typed element access.
-#[derive(Debug, Clone)]
+/// Why a buffer or a tensor of a rank cannot be read or written as asked.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum BufferError {
+    /// No buffer of that name on this rank.
+    #[error("rank {rank}: no buffer '{name}' (this rank's buffers: {known})")]
+    NoBuffer {
+        /// The rank.
+        rank: Rank,
+        /// The name asked for.
+        name: String,
+        /// Some of the rank's buffer names.
+        known: String,
+    },
+    /// The layout has no tensor of that name.
+    #[error("rank {rank}: the layout has no tensor '{name}'{hint}")]
+    NoTensor {
+        /// The rank.
+        rank: Rank,
+        /// The name asked for.
+        name: String,
+        /// A suggestion, if one is close.
+        hint: String,
+    },
+    /// The tensor exists but this rank holds no part of it (another
+    /// pipeline stage or expert group holds it).
+    #[error("rank {rank} holds no part of tensor '{name}'")]
+    NotHeld {
+        /// The rank.
+        rank: Rank,
+        /// The tensor.
+        name: String,
+    },
+    /// The rank holds the tensor in several blocks (a flat shard that
+    /// spans rows, or several explicit shards); address them one by one.
+    #[error("rank {rank} holds tensor '{name}' in {blocks} blocks: use tensor_blocks / tensor_block_mut")]
+    SeveralBlocks {
+        /// The rank.
+        rank: Rank,
+        /// The tensor.
+        name: String,
+        /// How many blocks.
+        blocks: usize,
+    },
+    /// A block index past the rank's blocks of the tensor.
+    #[error("rank {rank} holds {blocks} blocks of tensor '{name}', not block {index}")]
+    NoBlock {
+        /// The rank.
+        rank: Rank,
+        /// The tensor.
+        name: String,
+        /// The index asked for.
+        index: usize,
+        /// How many blocks it holds.
+        blocks: usize,
+    },
+    /// The element type does not allow the access.
+    #[error("{what}: holds {dtype}, which cannot be {access}")]
+    DType {
+        /// The tensor or buffer.
+        what: String,
+        /// Its element type.
+        dtype: DType,
+        /// The access asked for.
+        access: &'static str,
+    },
+    /// A write of the wrong number of elements.
+    #[error("{what}: {given} values given for {expected} elements")]
+    Length {
+        /// The tensor or buffer.
+        what: String,
+        /// Elements it holds.
+        expected: u64,
+        /// Values given.
+        given: u64,
+    },
+}
+
+/// A rank's buffers: the memory the data plane reads and writes, and the
+/// layout that says which block of which tensor lives where in it.
+#[derive(Clone)]
 pub struct Buffers {
+    layout: Arc<Layout>,
+    rank: Rank,
     specs: Vec<BufferSpec>,
     memory: RankMemory,
+    /// Set by every mutable access: whether the weights may have changed
+    /// since the flag was last cleared (a step's start).
+    written: bool,
+}
+
+impl std::fmt::Debug for Buffers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.specs.iter().map(|s| s.name.as_str()).collect();
+        f.debug_struct("Buffers").field("rank", &self.rank).field("buffers", &names).finish_non_exhaustive()
+    }
+}
+
+/// Up to five names and how many more, for error messages.
+fn some_names<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    let all: Vec<&str> = names.collect();
+    let mut text = all.iter().take(5).map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ");
+    if all.len() > 5 {
+        text.push_str(&format!(" and {} more", all.len() - 5));
+    }
+    if all.is_empty() {
+        text.push_str("none");
+    }
+    text
 }
 
 impl Buffers {
-    /// Zeroed buffers for rank `rank` of `layout`.
-    pub fn new(layout: &Layout, rank: Rank) -> Buffers {
+    /// Zeroed buffers for rank `rank` of `layout` (none for a rank past
+    /// the layout's). Pages are untouched, so they cost no memory until
+    /// written.
+    pub fn new(layout: &Arc<Layout>, rank: Rank) -> Buffers {
         let specs = if rank < layout.ranks() { layout.rank_buffers(rank) } else { Vec::new() };
         let memory = RankMemory::for_buffers(&specs);
-        Buffers { specs, memory }
+        Buffers { layout: layout.clone(), rank, specs, memory, written: false }
+    }
+
+    /// The same buffers, zeroed.
+    fn zeroed_like(&self) -> Buffers {
+        Buffers { memory: RankMemory::for_buffers(&self.specs), ..self.emptied() }
+    }
+
+    /// The same buffer list with no memory (a placeholder while the memory
+    /// is moved elsewhere).
+    fn emptied(&self) -> Buffers {
+        Buffers { layout: self.layout.clone(), rank: self.rank, specs: self.specs.clone(), memory: RankMemory::default(), written: false }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The group's layout.
+    pub fn layout(&self) -> &Arc<Layout> {
+        &self.layout
     }
 
     /// The buffer list (order and sizes the data plane expects).
@@ -40,63 +172,366 @@ impl Buffers {
 
     /// Raw memory, mutable.
     pub fn memory_mut(&mut self) -> &mut RankMemory {
+        self.written = true;
         &mut self.memory
     }
 
-    fn index(&self, name: &str) -> Option<usize> {
-        self.specs.iter().position(|b| b.name == name)
+    fn buffer_index(&self, name: &str) -> Result<usize, BufferError> {
+        self.specs.iter().position(|b| b.name == name).ok_or_else(|| BufferError::NoBuffer {
+            rank: self.rank,
+            name: name.to_string(),
+            known: some_names(self.specs.iter().map(|s| s.name.as_str())),
+        })
     }
 
-    /// Bytes of the buffer named `name`.
-    pub fn bytes(&self, name: &str) -> Option<&[u8]> {
-        self.index(name).map(|i| self.memory.buffers[i].as_slice())
+    /// The bytes of the buffer named `name` (a fused buffer's name, or
+    /// `"{tensor}#{shard}"` for a block stored on its own).
+    pub fn buffer(&self, name: &str) -> Result<&[u8], BufferError> {
+        let i = self.buffer_index(name)?;
+        Ok(&self.memory.buffers[i])
     }
 
-    /// Element type of the buffer named `name`.
-    pub fn dtype(&self, name: &str) -> Option<DType> {
-        self.index(name).map(|i| self.specs[i].dtype)
+    /// The bytes of the buffer named `name`, mutable.
+    pub fn buffer_mut(&mut self, name: &str) -> Result<&mut [u8], BufferError> {
+        let i = self.buffer_index(name)?;
+        self.written = true;
+        Ok(&mut self.memory.buffers[i])
     }
 
-    /// The buffer named `name` as `f32` values (converted from its dtype;
-    /// f32, f64, bf16 and f16 buffers only).
-    pub fn read_f32(&self, name: &str) -> Option<Vec<f32>> {
-        let i = self.index(name)?;
-        let dtype = self.specs[i].dtype;
-        if !dtype.is_convertible_float() {
-            return None;
-        }
-        let raw = &self.memory.buffers[i];
-        let mut out = vec![0u8; raw.len() / dtype.size() as usize * 4];
-        reshard::dtype::convert_slice(dtype, raw, DType::F32, &mut out);
-        Some(out.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    /// The buffer named `name` as f32 values (converted from f64, bf16 or
+    /// f16): a fused or flat parameter buffer whole, say.
+    pub fn buffer_to_f32(&self, name: &str) -> Result<Vec<f32>, BufferError> {
+        let i = self.buffer_index(name)?;
+        decode_f32(&|| format!("rank {}: buffer '{name}'", self.rank), self.specs[i].dtype, &self.memory.buffers[i])
     }
 
     /// Overwrites the buffer named `name` with `values` (converted to its
-    /// dtype). False if there is no such float buffer of that length.
-    pub fn write_f32(&mut self, name: &str, values: &[f32]) -> bool {
-        let Some(i) = self.index(name) else { return false };
-        let dtype = self.specs[i].dtype;
-        if !dtype.is_convertible_float() || self.specs[i].elems != values.len() as u64 {
-            return false;
+    /// dtype); `values.len()` must be its length in elements.
+    pub fn write_buffer_f32(&mut self, name: &str, values: &[f32]) -> Result<(), BufferError> {
+        let i = self.buffer_index(name)?;
+        self.written = true;
+        let rank = self.rank;
+        encode_f32(&|| format!("rank {rank}: buffer '{name}'"), self.specs[i].dtype, values, &mut self.memory.buffers[i])
+    }
+
+    /// Every block of tensor `name` this rank holds: (block, buffer index,
+    /// element offset in the buffer).
+    fn locate(&self, name: &str) -> Result<Vec<(Block, usize, u64)>, BufferError> {
+        let Some(t) = self.layout.tensor_index(name) else {
+            let hint = match name.split_once('#') {
+                Some((tensor, _)) if self.layout.tensor_index(tensor).is_some() => {
+                    format!(" (buffers of blocks stored alone are named '{{tensor}}#{{shard}}'; the tensor is '{tensor}')")
+                }
+                _ => String::new(),
+            };
+            return Err(BufferError::NoTensor { rank: self.rank, name: name.to_string(), hint });
+        };
+        let held = self.layout.rank_holdings(t, self.rank);
+        if held.is_empty() {
+            return Err(BufferError::NotHeld { rank: self.rank, name: name.to_string() });
         }
-        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        reshard::dtype::convert_slice(DType::F32, &raw, dtype, &mut self.memory.buffers[i]);
-        true
+        held.into_iter()
+            .map(|(block, loc)| {
+                // `rank_buffers` lists every buffer `rank_holdings` names.
+                let i = self.specs.iter().position(|s| s.key == loc.buffer).ok_or_else(|| BufferError::NoBuffer {
+                    rank: self.rank,
+                    name: self.layout.buffer_name(loc.buffer),
+                    known: some_names(self.specs.iter().map(|s| s.name.as_str())),
+                })?;
+                Ok((block, i, loc.at))
+            })
+            .collect()
+    }
+
+    /// The one block of tensor `name` this rank holds.
+    fn locate_one(&self, name: &str) -> Result<(Block, usize, u64), BufferError> {
+        let mut blocks = self.locate(name)?;
+        match blocks.len() {
+            1 => Ok(blocks.remove(0)),
+            n => Err(BufferError::SeveralBlocks { rank: self.rank, name: name.to_string(), blocks: n }),
+        }
+    }
+
+    fn view(&self, name: &str, (block, i, at): (Block, usize, u64)) -> TensorView<'_> {
+        let t = &self.layout.tensors()[self.layout.tensor_index(name).unwrap_or(0) as usize];
+        let size = t.dtype.size();
+        let start = (at * size) as usize;
+        let bytes = &self.memory.buffers[i][start..start + (block.numel() * size) as usize];
+        TensorView { name: &t.name, shape: &t.shape, dtype: t.dtype, block, bytes }
+    }
+
+    /// The block of tensor `name` this rank holds, with where it sits in
+    /// the global tensor. Fails if the rank holds none of it, or several
+    /// blocks ([`tensor_blocks`](Self::tensor_blocks)).
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, BufferError> {
+        let found = self.locate_one(name)?;
+        Ok(self.view(name, found))
+    }
+
+    /// Every block of tensor `name` this rank holds (one for a mesh
+    /// placement; a flat shard spanning rows is several).
+    pub fn tensor_blocks(&self, name: &str) -> Result<Vec<TensorView<'_>>, BufferError> {
+        Ok(self.locate(name)?.into_iter().map(|found| self.view(name, found)).collect())
+    }
+
+    /// The block of tensor `name` this rank holds, writable.
+    pub fn tensor_mut(&mut self, name: &str) -> Result<TensorViewMut<'_>, BufferError> {
+        let found = self.locate_one(name)?;
+        Ok(self.view_mut(name, found))
+    }
+
+    /// Block `index` of [`tensor_blocks`](Self::tensor_blocks), writable.
+    pub fn tensor_block_mut(&mut self, name: &str, index: usize) -> Result<TensorViewMut<'_>, BufferError> {
+        let mut blocks = self.locate(name)?;
+        if index >= blocks.len() {
+            return Err(BufferError::NoBlock { rank: self.rank, name: name.to_string(), index, blocks: blocks.len() });
+        }
+        let found = blocks.swap_remove(index);
+        Ok(self.view_mut(name, found))
+    }
+
+    fn view_mut(&mut self, name: &str, (block, i, at): (Block, usize, u64)) -> TensorViewMut<'_> {
+        self.written = true;
+        let t = &self.layout.tensors()[self.layout.tensor_index(name).unwrap_or(0) as usize];
+        let size = t.dtype.size();
+        let start = (at * size) as usize;
+        let bytes = &mut self.memory.buffers[i][start..start + (block.numel() * size) as usize];
+        TensorViewMut { name: &t.name, shape: &t.shape, dtype: t.dtype, block, bytes }
+    }
+
+    /// Names of the tensors this rank holds some part of, in layout order.
+    pub fn held_tensors(&self) -> impl Iterator<Item = &str> + '_ {
+        let layout = &self.layout;
+        (0..layout.tensors().len() as u32)
+            .filter(move |&t| !layout.rank_holdings(t, self.rank).is_empty())
+            .map(move |t| layout.tensors()[t as usize].name.as_str())
     }
 }
 
-/// The weights of one training rank, with a version fence.
-#[derive(Debug)]
-pub struct SourceStore {
-    rank: Rank,
-    buffers: Arc<tokio::sync::RwLock<Buffers>>,
-    version: AtomicU64,
+/// `bytes` (elements of `dtype`) as f32 values; `what` names them in errors.
+fn decode_f32(what: &dyn Fn() -> String, dtype: DType, bytes: &[u8]) -> Result<Vec<f32>, BufferError> {
+    if !dtype.is_convertible_float() {
+        return Err(BufferError::DType { what: what(), dtype, access: "read as f32" });
+    }
+    let mut raw = vec![0u8; bytes.len() / dtype.size() as usize * 4];
+    reshard::dtype::convert_slice(dtype, bytes, DType::F32, &mut raw);
+    Ok(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
-impl SourceStore {
-    /// Zeroed weights at version 0 for rank `rank` of `layout`.
-    pub fn new(layout: &Layout, rank: Rank) -> SourceStore {
-        SourceStore { rank, buffers: Arc::new(tokio::sync::RwLock::new(Buffers::new(layout, rank))), version: AtomicU64::new(0) }
+/// Overwrites `bytes` (elements of `dtype`) with `values`, converted
+/// (round-to-nearest-even); `what` names them in errors.
+fn encode_f32(what: &dyn Fn() -> String, dtype: DType, values: &[f32], bytes: &mut [u8]) -> Result<(), BufferError> {
+    if !dtype.is_convertible_float() {
+        return Err(BufferError::DType { what: what(), dtype, access: "written from f32" });
+    }
+    let expected = bytes.len() as u64 / dtype.size();
+    if values.len() as u64 != expected {
+        return Err(BufferError::Length { what: what(), expected, given: values.len() as u64 });
+    }
+    let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    reshard::dtype::convert_slice(DType::F32, &raw, dtype, bytes);
+    Ok(())
+}
+
+/// Calls `f(i, coords)` for every element of `block` in row-major order,
+/// with its global coordinates.
+fn for_each_coord(block: &Block, mut f: impl FnMut(usize, &[u64])) {
+    let n = block.numel();
+    if n == 0 {
+        return;
+    }
+    let (offset, extent) = (block.offset(), block.extent());
+    let mut at: Vec<u64> = offset.to_vec();
+    for i in 0..n as usize {
+        f(i, &at);
+        for d in (0..at.len()).rev() {
+            at[d] += 1;
+            if at[d] < offset[d] + extent[d] {
+                break;
+            }
+            at[d] = offset[d];
+        }
+    }
+}
+
+/// One block of a tensor in a rank's memory: its global position and its
+/// bytes, read in place.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    name: &'a str,
+    shape: &'a [u64],
+    dtype: DType,
+    block: Block,
+    bytes: &'a [u8],
+}
+
+/// Accessors shared by [`TensorView`] and [`TensorViewMut`].
+macro_rules! view_accessors {
+    () => {
+        /// The tensor's name.
+        pub fn name(&self) -> &str {
+            self.name
+        }
+
+        /// The tensor's global shape.
+        pub fn shape(&self) -> &[u64] {
+            self.shape
+        }
+
+        /// The element type on this side.
+        pub fn dtype(&self) -> DType {
+            self.dtype
+        }
+
+        /// Which part of the global tensor this block is.
+        pub fn block(&self) -> &Block {
+            &self.block
+        }
+
+        /// The block's first global index per dimension.
+        pub fn offset(&self) -> &[u64] {
+            self.block.offset()
+        }
+
+        /// The block's length per dimension.
+        pub fn extent(&self) -> &[u64] {
+            self.block.extent()
+        }
+
+        /// Number of elements in the block.
+        pub fn len(&self) -> u64 {
+            self.block.numel()
+        }
+
+        /// Whether the block has no elements.
+        pub fn is_empty(&self) -> bool {
+            self.block.numel() == 0
+        }
+
+        /// The block's bytes, row-major, little-endian.
+        pub fn bytes(&self) -> &[u8] {
+            &*self.bytes
+        }
+
+        /// The block's values as `f32` (converted from f64, bf16 or f16;
+        /// copies this block only).
+        pub fn to_f32(&self) -> Result<Vec<f32>, BufferError> {
+            decode_f32(&|| format!("tensor '{}'", self.name), self.dtype, &self.bytes)
+        }
+
+        /// The block's raw 16-bit patterns (bf16 or f16 only).
+        pub fn to_bits16(&self) -> Result<Vec<u16>, BufferError> {
+            self.bits16("read as 16-bit patterns")?;
+            Ok(self.bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
+        }
+
+        fn bits16(&self, access: &'static str) -> Result<(), BufferError> {
+            if matches!(self.dtype, DType::BF16 | DType::F16) {
+                Ok(())
+            } else {
+                Err(BufferError::DType { what: format!("tensor '{}'", self.name), dtype: self.dtype, access })
+            }
+        }
+
+        /// Calls `f(i, coords)` for every element of the block, in
+        /// row-major order: its index in the block and its global
+        /// coordinates.
+        pub fn for_each_index(&self, f: impl FnMut(usize, &[u64])) {
+            for_each_coord(&self.block, f)
+        }
+    };
+}
+
+impl TensorView<'_> {
+    view_accessors!();
+}
+
+/// One block of a tensor in a rank's memory, writable in place.
+#[derive(Debug)]
+pub struct TensorViewMut<'a> {
+    name: &'a str,
+    shape: &'a [u64],
+    dtype: DType,
+    block: Block,
+    bytes: &'a mut [u8],
+}
+
+impl TensorViewMut<'_> {
+    view_accessors!();
+
+    /// The block's bytes, writable.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.bytes
+    }
+
+    /// Overwrites the block with `values` (converted to its dtype,
+    /// round-to-nearest-even); `values.len()` must be the block's length.
+    pub fn write_f32(&mut self, values: &[f32]) -> Result<(), BufferError> {
+        let name = self.name;
+        encode_f32(&|| format!("tensor '{name}'"), self.dtype, values, self.bytes)
+    }
+
+    /// Overwrites the block with raw 16-bit patterns (bf16 or f16 only).
+    pub fn write_bits16(&mut self, values: &[u16]) -> Result<(), BufferError> {
+        self.bits16("written from 16-bit patterns")?;
+        if values.len() as u64 != self.len() {
+            let what = format!("tensor '{}'", self.name);
+            return Err(BufferError::Length { what, expected: self.len(), given: values.len() as u64 });
+        }
+        for (c, v) in self.bytes.chunks_exact_mut(2).zip(values) {
+            c.copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
+    }
+
+    /// Sets every element to `f(coords, old)`: its global coordinates and
+    /// its value now, as f32 (an optimizer step, or a fill that ignores
+    /// `old`).
+    pub fn map_f32(&mut self, mut f: impl FnMut(&[u64], f32) -> f32) -> Result<(), BufferError> {
+        let mut values = self.to_f32()?;
+        for_each_coord(&self.block, |i, at| values[i] = f(at, values[i]));
+        self.write_f32(&values)
+    }
+}
+
+/// The version state of a source store.
+#[derive(Debug, Clone, Copy, Default)]
+struct SrcState {
+    /// The last version written whole (None: nothing written yet).
+    version: Option<u64>,
+    /// A step failed (or panicked) after writing: the weights are neither
+    /// `version` nor a new one.
+    torn: bool,
+}
+
+/// Marks a store torn if the step it guards unwinds.
+struct TornOnUnwind<'a>(&'a Mutex<SrcState>);
+
+impl Drop for TornOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).torn = true;
+        }
+    }
+}
+
+/// The weights of one source (training) rank, with a version fence.
+///
+/// A step that can fail: [`try_update`](Self::try_update) keeps the version
+/// when it fails, and refits refuse weights a failed step changed.
+#[derive(Debug)]
+pub struct SrcStore {
+    rank: Rank,
+    buffers: Arc<tokio::sync::RwLock<Buffers>>,
+    state: Mutex<SrcState>,
+}
+
+impl SrcStore {
+    /// Zeroed weights for rank `rank` of `layout`, with no version: a refit
+    /// refuses the store until [`update`](Self::update) or
+    /// [`restore`](Self::restore) writes it.
+    pub fn new(layout: &Arc<Layout>, rank: Rank) -> SrcStore {
+        SrcStore { rank, buffers: Arc::new(tokio::sync::RwLock::new(Buffers::new(layout, rank))), state: Mutex::default() }
     }
 
     /// This store's rank.
@@ -104,29 +539,81 @@ impl SourceStore {
         self.rank
     }
 
-    /// The version of the weights (bumped by every [`update`](Self::update)).
-    pub fn version(&self) -> u64 {
-        self.version.load(Ordering::Acquire)
+    fn state(&self) -> std::sync::MutexGuard<'_, SrcState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs an optimizer step: `f` mutates the weights under the write lock
-    /// (waiting for any refit reading them), then the version is bumped.
-    /// Returns the new version and `f`'s result.
-    pub async fn update<R>(&self, f: impl FnOnce(&mut Buffers) -> R) -> (u64, R) {
-        let mut guard = self.buffers.write().await;
-        let r = f(&mut guard);
-        let v = self.version.fetch_add(1, Ordering::AcqRel) + 1;
-        (v, r)
+    /// The version of the weights: the last successful
+    /// [`update`](Self::update) or [`restore`](Self::restore); `None`
+    /// before the first.
+    pub fn version(&self) -> Option<u64> {
+        self.state().version
     }
 
-    /// Replaces the weights with a known `version` (a trainer restarted from
-    /// a checkpoint of that step): `f` writes them under the write lock, then
-    /// the store holds `version`.
-    pub async fn restore<R>(&self, version: u64, f: impl FnOnce(&mut Buffers) -> R) -> R {
+    /// The weights as a refit finds them: unwritten, a version, or torn by
+    /// a failed step (refits refuse this rank until the next successful
+    /// `update` or `restore`).
+    pub fn weights(&self) -> Weights {
+        match *self.state() {
+            SrcState { torn: true, version } => Weights::Torn { after: version },
+            SrcState { version: Some(v), .. } => Weights::Version(v),
+            SrcState { version: None, .. } => Weights::Unwritten,
+        }
+    }
+
+    /// Runs one optimizer step: `step` changes the weights under the write
+    /// lock (waiting for any refit reading them), then the version goes up
+    /// by one (to 1 for the first step). Returns the new version and the
+    /// step's value. A step that can fail: [`try_update`](Self::try_update).
+    pub async fn update<R>(&self, step: impl FnOnce(&mut Buffers) -> R) -> (u64, R) {
+        let done = self.write(|v| v.map_or(1, |v| v + 1), |b| Ok::<R, std::convert::Infallible>(step(b))).await;
+        done.unwrap_or_else(|never| match never {})
+    }
+
+    /// [`update`](Self::update) for a step that can fail. On `Ok` the
+    /// version goes up by one; on `Err` it stays, and if the step had
+    /// already written (any mutable access to the buffers) the store
+    /// becomes torn: refits refuse it until a later step or a restore
+    /// succeeds, so no refit passes changed weights off as the old version.
+    pub async fn try_update<T, E>(&self, step: impl FnOnce(&mut Buffers) -> Result<T, E>) -> Result<(u64, T), E> {
+        self.write(|v| v.map_or(1, |v| v + 1), step).await
+    }
+
+    /// Replaces the weights with a known `version` (initial weights, or a
+    /// trainer restarted from a checkpoint of that step): `write` fills
+    /// them under the write lock, then the store holds `version`.
+    pub async fn restore<R>(&self, version: u64, write: impl FnOnce(&mut Buffers) -> R) -> R {
+        let done = self.write(|_| version, |b| Ok::<R, std::convert::Infallible>(write(b))).await;
+        done.map(|(_, r)| r).unwrap_or_else(|never| match never {})
+    }
+
+    /// [`restore`](Self::restore) for a `write` that can fail; on `Err` as
+    /// for [`try_update`](Self::try_update).
+    pub async fn try_restore<T, E>(&self, version: u64, write: impl FnOnce(&mut Buffers) -> Result<T, E>) -> Result<T, E> {
+        self.write(|_| version, write).await.map(|(_, r)| r)
+    }
+
+    /// Runs `f` under the write lock; on `Ok` the store holds version
+    /// `next(current)`, whole; on `Err` (or a panic) it keeps its version
+    /// and is torn if `f` had written.
+    async fn write<T, E>(&self, next: impl FnOnce(Option<u64>) -> u64, f: impl FnOnce(&mut Buffers) -> Result<T, E>) -> Result<(u64, T), E> {
         let mut guard = self.buffers.write().await;
-        let r = f(&mut guard);
-        self.version.store(version, Ordering::Release);
-        r
+        guard.written = false;
+        let unwinding = TornOnUnwind(&self.state);
+        let result = f(&mut guard);
+        drop(unwinding);
+        let mut state = self.state();
+        match result {
+            Ok(value) => {
+                let v = next(state.version);
+                *state = SrcState { version: Some(v), torn: false };
+                Ok((v, value))
+            }
+            Err(e) => {
+                state.torn |= guard.written;
+                Err(e)
+            }
+        }
     }
 
     /// Reads the weights (shared with other readers, excluded from updates).
@@ -140,7 +627,7 @@ impl SourceStore {
     }
 }
 
-/// One committed version of an inference rank's weights.
+/// One committed version of a destination rank's weights.
 #[derive(Debug)]
 pub struct Snapshot {
     /// The version.
@@ -149,21 +636,22 @@ pub struct Snapshot {
     pub buffers: Buffers,
 }
 
-/// The weights of one inference rank: the committed version readers use,
-/// the one before it (so a tensor-parallel group can agree on a version
-/// while a commit sweeps over its ranks), and a staging copy that refits
-/// write.
+/// The weights of one destination (inference) rank: the committed version
+/// readers use, the one before it (so a tensor-parallel group can agree on
+/// a version while a commit sweeps over its ranks), and a staging copy that
+/// refits write.
 #[derive(Debug)]
-pub struct SinkStore {
+pub struct DstStore {
     rank: Rank,
     live: RwLock<Live>,
     staging: Arc<tokio::sync::Mutex<Staging>>,
 }
 
-/// The current and the previous committed version.
-#[derive(Debug)]
+/// The current and the previous committed version (none before the first
+/// commit).
+#[derive(Debug, Default)]
 struct Live {
-    current: Arc<Snapshot>,
+    current: Option<Arc<Snapshot>>,
     previous: Option<Arc<Snapshot>>,
 }
 
@@ -174,18 +662,12 @@ pub(crate) struct Staging {
     pub(crate) complete: Option<u64>,
 }
 
-impl SinkStore {
-    /// Zeroed weights at version 0 for rank `rank` of `layout`.
-    pub fn new(layout: &Layout, rank: Rank) -> SinkStore {
+impl DstStore {
+    /// A store for rank `rank` of `layout` that serves nothing until the
+    /// first refit commits.
+    pub fn new(layout: &Arc<Layout>, rank: Rank) -> DstStore {
         let buffers = Buffers::new(layout, rank);
-        // Fresh zeroed memory, not a clone: untouched pages cost nothing
-        // until a refit writes them.
-        let current = Buffers { memory: RankMemory::for_buffers(&buffers.specs), specs: buffers.specs.clone() };
-        SinkStore {
-            rank,
-            live: RwLock::new(Live { current: Arc::new(Snapshot { version: 0, buffers: current }), previous: None }),
-            staging: Arc::new(tokio::sync::Mutex::new(Staging { buffers, complete: None })),
-        }
+        DstStore { rank, live: RwLock::default(), staging: Arc::new(tokio::sync::Mutex::new(Staging { buffers, complete: None })) }
     }
 
     /// This store's rank.
@@ -197,9 +679,10 @@ impl SinkStore {
         self.live.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The committed weights. Keep the `Arc` for as long as one rollout
-    /// needs consistent weights; later commits do not change it.
-    pub fn snapshot(&self) -> Arc<Snapshot> {
+    /// The committed weights, `None` before the first refit. Keep the `Arc`
+    /// for as long as one rollout needs consistent weights; later commits
+    /// do not change it.
+    pub fn snapshot(&self) -> Option<Arc<Snapshot>> {
         self.live().current.clone()
     }
 
@@ -211,15 +694,13 @@ impl SinkStore {
     /// versions.
     pub fn snapshot_at(&self, version: u64) -> Option<Arc<Snapshot>> {
         let live = self.live();
-        if live.current.version == version {
-            return Some(live.current.clone());
-        }
-        live.previous.as_ref().filter(|p| p.version == version).cloned()
+        let found = [&live.current, &live.previous].into_iter().flatten().find(|s| s.version == version).cloned();
+        found
     }
 
-    /// The version readers currently get.
-    pub fn version(&self) -> u64 {
-        self.live().current.version
+    /// The version readers currently get; `None` before the first refit.
+    pub fn version(&self) -> Option<u64> {
+        self.live().current.as_ref().map(|s| s.version)
     }
 
     pub(crate) fn staging(&self) -> Arc<tokio::sync::Mutex<Staging>> {
@@ -237,20 +718,17 @@ impl SinkStore {
         if staging.complete != Some(version) {
             return Err(staging.complete);
         }
-        let blank = Buffers { specs: staging.buffers.specs.clone(), memory: RankMemory::default() };
+        let blank = staging.buffers.emptied();
         let buffers = std::mem::replace(&mut staging.buffers, blank);
         let next = Arc::new(Snapshot { version, buffers });
         let retired = {
             let mut live = self.live.write().unwrap_or_else(|e| e.into_inner());
-            let current = std::mem::replace(&mut live.current, next);
-            live.previous.replace(current)
+            let current = live.current.replace(next);
+            std::mem::replace(&mut live.previous, current)
         };
         staging.buffers = match retired.map(Arc::try_unwrap) {
             Some(Ok(old)) => old.buffers,
-            _ => {
-                let specs = staging.buffers.specs.clone();
-                Buffers { memory: RankMemory::for_buffers(&specs), specs }
-            }
+            _ => staging.buffers.zeroed_like(),
         };
         staging.complete = None;
         Ok(())
@@ -259,5 +737,99 @@ impl SinkStore {
     /// Forgets a partly or wholly staged version.
     pub(crate) async fn discard(&self) {
         self.staging.lock().await.complete = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard::{MeshDim::Shard, Region, Storage, TensorBuilder};
+
+    fn layout() -> Arc<Layout> {
+        Arc::new(
+            Layout::builder(2)
+                .tensor(TensorBuilder::new("w", DType::F32, [4, 3]).mesh([2], [Shard(0)]).buffer("params", 0))
+                .tensor(TensorBuilder::new("e", DType::BF16, [2, 2]).mesh([2], [Shard(0)]))
+                .tensor(TensorBuilder::new("b", DType::F32, [3]).mesh([2], [Shard(0)]).buffer("params", 6))
+                .tensor(
+                    TensorBuilder::new("flat", DType::F32, [3, 4]).shard(1, Region::Flat { start: 2, len: 7 }, Storage::Own).shard(
+                        0,
+                        Region::Flat { start: 0, len: 2 },
+                        Storage::Own,
+                    ),
+                )
+                .build()
+                .unwrap(),
+        )
+    }
+
+    #[test]
+    fn views_know_their_global_block() {
+        let mut b = Buffers::new(&layout(), 1);
+        let mut w = b.tensor_mut("w").unwrap();
+        assert_eq!((w.offset(), w.extent(), w.shape()), (&[2, 0][..], &[2, 3][..], &[4, 3][..]));
+        w.map_f32(|at, _| (at[0] * 3 + at[1]) as f32).unwrap();
+        assert_eq!(b.tensor("w").unwrap().to_f32().unwrap(), vec![6.0, 7.0, 8.0, 9.0, 10.0, 11.0]);
+        b.tensor_mut("e").unwrap().write_f32(&[6.0, 1.0 / 3.0]).unwrap();
+        // bf16 bits of 6.0 and of 1/3 rounded to nearest even.
+        assert_eq!(b.tensor("e").unwrap().to_bits16().unwrap(), vec![0x40c0, 0x3eab]);
+        // `b` on rank 1 is element 1..3 of a [3] tensor split in chunks of 2.
+        let mut bias = b.tensor_mut("b").unwrap();
+        assert_eq!((bias.offset(), bias.extent()), (&[2][..], &[1][..]));
+        bias.write_f32(&[5.0]).unwrap();
+        // It lives after w's block in the fused buffer: bytes 24..28.
+        assert_eq!(&b.buffer("params").unwrap()[24..28], &5.0f32.to_le_bytes());
+    }
+
+    #[test]
+    fn mistakes_say_why() {
+        let mut b = Buffers::new(&layout(), 1);
+        let e = |r: Result<(), BufferError>| r.unwrap_err().to_string();
+        assert_eq!(e(b.tensor("v").map(drop)), "rank 1: the layout has no tensor 'v'");
+        assert_eq!(
+            e(b.tensor("w#0").map(drop)),
+            "rank 1: the layout has no tensor 'w#0' (buffers of blocks stored alone are named '{tensor}#{shard}'; the tensor is 'w')"
+        );
+        assert_eq!(e(b.buffer("w#0").map(drop)), "rank 1: no buffer 'w#0' (this rank's buffers: 'params', 'e#0', 'flat#0')");
+        assert_eq!(e(b.tensor("flat").map(drop)), "rank 1 holds tensor 'flat' in 3 blocks: use tensor_blocks / tensor_block_mut");
+        assert_eq!(e(b.tensor_block_mut("flat", 3).map(drop)), "rank 1 holds 3 blocks of tensor 'flat', not block 3");
+        assert_eq!(e(b.tensor_mut("w").unwrap().write_f32(&[1.0])), "tensor 'w': 1 values given for 6 elements");
+        let blocks = b.tensor_blocks("flat").unwrap();
+        assert_eq!(blocks.iter().map(|v| v.len()).sum::<u64>(), 7);
+        assert_eq!(e(blocks[0].to_bits16().map(drop)), "tensor 'flat': holds f32, which cannot be read as 16-bit patterns");
+    }
+
+    #[tokio::test]
+    async fn failed_steps_keep_the_version() {
+        let store = SrcStore::new(&layout(), 0);
+        assert_eq!((store.version(), store.weights()), (None, Weights::Unwritten));
+        let (v, ()) = store.try_update(|b| b.tensor_mut("b")?.write_f32(&[1.0, 2.0])).await.unwrap();
+        assert_eq!((v, store.weights()), (1, Weights::Version(1)));
+        // Fails before writing: nothing changed, the store stays clean.
+        assert!(store.try_update(|b| b.tensor_mut("nope").map(drop)).await.is_err());
+        assert_eq!(store.weights(), Weights::Version(1));
+        // Fails after writing: torn until the next good step.
+        let failed: Result<_, BufferError> = store
+            .try_update(|b| {
+                b.tensor_mut("b")?.write_f32(&[3.0, 4.0])?;
+                b.tensor_mut("w")?.write_f32(&[0.0])
+            })
+            .await;
+        assert!(failed.is_err());
+        assert_eq!((store.version(), store.weights()), (Some(1), Weights::Torn { after: Some(1) }));
+        store.try_restore(7, |b| b.tensor_mut("b")?.write_f32(&[1.0, 2.0])).await.unwrap();
+        assert_eq!(store.weights(), Weights::Version(7));
+        let (v, ()) = store.update(|_| ()).await;
+        assert_eq!(v, 8);
+        store.restore(3, |_| ()).await;
+        assert_eq!(store.weights(), Weights::Version(3));
+        // A panicking step tears the store too.
+        let store = Arc::new(store);
+        let s = store.clone();
+        let panicked = tokio::spawn(async move { s.update(|b| b.tensor_mut("b").map(|_| panic!("step failed"))).await }).await;
+        assert!(panicked.is_err());
+        assert_eq!(store.weights(), Weights::Torn { after: Some(3) });
+        store.restore(7, |_| ()).await;
+        assert_eq!(store.weights(), Weights::Version(7));
     }
 }

@@ -1,12 +1,15 @@
 //! Orchestrator behaviour: refits deliver exactly the sources' version, plans
 //! are cached and replanned on layout change, fingerprints are checked, the
-//! version fence and atomic commit hold under concurrency, and a failed refit
-//! leaves every sink on its last committed version.
+//! version fence and atomic commit hold under concurrency, a failed refit
+//! leaves every destination on its last committed version, and mistakes
+//! (a pair that cannot be planned, unwritten or torn sources, a version
+//! already served, a dead member) are met with typed errors or no-ops.
 
 use orchestrator::{
     spawn_refit, Fabric, MemberMsg, MemberReply, NodeFabric, OrchestratorConfig, OrchestratorError, RefitError, RefitSystem, Refusal,
+    Weights,
 };
-use reshard::{parse_layout, Fingerprint, Layout, Strategy};
+use reshard::{parse_layout, Endpoint, Fingerprint, Group, Layout, PlanError, Strategy};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,39 +36,49 @@ fn config(mode: Strategy) -> OrchestratorConfig {
     OrchestratorConfig { mode, deadline: Duration::from_secs(10), control_timeout: Duration::from_secs(5), ..OrchestratorConfig::default() }
 }
 
+async fn system(mode: Strategy) -> RefitSystem {
+    let (src, dst) = layouts();
+    spawn_refit(&src, &dst, config(mode)).await.unwrap()
+}
+
 /// One optimizer step that sets every weight to `value`.
 async fn step(sys: &RefitSystem, value: f32) -> u64 {
     let mut version = 0;
-    for s in &sys.sources {
-        version = s.update(|b| assert!(b.write_f32("params", &[value; 28]))).await.0;
+    for s in &sys.src_stores {
+        version = s.try_update(|b| b.write_buffer_f32("params", &[value; 28])).await.unwrap().0;
     }
     version
 }
 
-/// Every weight of every sink's committed snapshot, with its version.
+/// Every weight of every destination's committed snapshot, with its
+/// version (0 and no weights before the first commit).
 fn served(sys: &RefitSystem) -> Vec<(u64, Vec<f32>)> {
-    sys.sinks
+    sys.dst_stores
         .iter()
         .map(|s| {
-            let snap = s.snapshot();
+            let Some(snap) = s.snapshot() else { return (0, Vec::new()) };
             let mut all = Vec::new();
-            for spec in snap.buffers.specs() {
-                all.extend(snap.buffers.read_f32(&spec.name).unwrap());
+            for name in ["w", "b"] {
+                all.extend(snap.buffers.tensor(name).unwrap().to_f32().unwrap());
             }
             (snap.version, all)
         })
         .collect()
 }
 
+fn serves(sys: &RefitSystem, version: u64, value: f32) -> bool {
+    served(sys).iter().all(|(v, vals)| *v == version && !vals.is_empty() && vals.iter().all(|&x| x == value))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn refit_delivers_every_version_and_plans_once() {
-    let (src, dst) = layouts();
-    let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
+    let sys = system(Strategy::Reshard).await;
     for k in 1..=3u64 {
         let v = step(&sys, k as f32 * 1.5).await;
         let report = sys.orchestrator.refit(v).await.unwrap();
         assert_eq!(report.version, v);
-        assert_eq!(report.replanned, k == 1);
+        // Planned when the system was made.
+        assert!(!report.replanned && !report.already_served);
         assert!(report.bytes > 0);
         for (version, values) in served(&sys) {
             assert_eq!(version, v);
@@ -77,8 +90,7 @@ async fn refit_delivers_every_version_and_plans_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mode_switch_replans_and_delivers_the_same_bytes() {
-    let (src, dst) = layouts();
-    let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
+    let sys = system(Strategy::Reshard).await;
     let v = step(&sys, 3.0).await;
     let a = sys.orchestrator.refit(v).await.unwrap();
     sys.orchestrator.set_mode(Strategy::Baseline).await.unwrap();
@@ -86,154 +98,259 @@ async fn mode_switch_replans_and_delivers_the_same_bytes() {
     let b = sys.orchestrator.refit(v).await.unwrap();
     assert!(b.replanned && b.mode == Strategy::Baseline && b.fingerprint != a.fingerprint);
     assert!(b.bytes > a.bytes, "baseline {} bytes, reshard {}", b.bytes, a.bytes);
-    assert!(served(&sys).iter().all(|(ver, vals)| *ver == v && vals.iter().all(|&x| x == 4.0)));
+    assert!(serves(&sys, v, 4.0));
     assert_eq!(sys.orchestrator.plans_made().await.unwrap(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn layout_change_replans() {
-    let (src, dst) = layouts();
-    let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
+    let sys = system(Strategy::Reshard).await;
     let v = step(&sys, 1.0).await;
     sys.orchestrator.refit(v).await.unwrap();
     // The inference group is resized: 2 ranks, TP2.
     let dst2 = parse_layout(&DST.replace(r#""ranks": 4"#, r#""ranks": 2"#).replace(r#""shape": [2, 2]"#, r#""shape": [1, 2]"#)).unwrap();
-    let sys2 = spawn_refit(&src, &dst2, config(Strategy::Reshard));
-    sys.orchestrator.attach(sys.source_members.clone(), sys2.sink_members.clone()).await.unwrap();
+    let sys2 = spawn_refit(&layouts().0, &dst2, config(Strategy::Reshard)).await.unwrap();
+    sys.orchestrator.attach(sys.src_members.clone(), sys2.dst_members.clone()).await.unwrap();
     let v = step(&sys, 2.0).await;
     let report = sys.orchestrator.refit(v).await.unwrap();
     assert!(report.replanned);
     assert_eq!(sys.orchestrator.plans_made().await.unwrap(), 2);
-    for s in &sys2.sinks {
-        let snap = s.snapshot();
+    for s in &sys2.dst_stores {
+        let snap = s.snapshot().unwrap();
         assert_eq!(snap.version, v);
-        assert!(snap.buffers.read_f32("w#0").unwrap().iter().all(|&x| x == 2.0));
+        assert!(snap.buffers.tensor("w").unwrap().to_f32().unwrap().iter().all(|&x| x == 2.0));
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn wrong_fingerprint_is_refused() {
-    let (src, dst) = layouts();
-    let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
+    let sys = system(Strategy::Reshard).await;
     let v = step(&sys, 1.0).await;
     let report = sys.orchestrator.refit(v).await.unwrap();
-    let bogus = Fingerprint(report.fingerprint.0 ^ 1);
-    let member = &sys.source_members;
+    let installed = report.fingerprint.unwrap();
+    let bogus = Fingerprint(installed.0 ^ 1);
+    let member = &sys.src_members;
     // A step of a refit that was never prepared here.
     let reply = member.call_rank(0, MemberMsg::Run { refit: 77, version: v, fingerprint: bogus, deadline: SECOND }).await.unwrap();
     assert_eq!(reply, MemberReply::Refused(Refusal::NotPrepared { refit: 77 }));
-    let mismatch = MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(report.fingerprint), asked: bogus });
+    let mismatch = MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(installed), asked: bogus });
     // A plan that is not installed cannot be prepared...
     let prepare =
         |fingerprint| MemberMsg::Prepare { refit: 78, fingerprint, session: "t".into(), fabric: Fabric::Node(NodeFabric::default()) };
     assert_eq!(member.call_rank(0, prepare(bogus)).await.unwrap(), mismatch);
     // ...nor run under another plan than the one prepared (node fabric: a
     // loopback listener).
-    assert!(matches!(member.call_rank(0, prepare(report.fingerprint)).await.unwrap(), MemberReply::Prepared { .. }));
+    assert!(matches!(member.call_rank(0, prepare(installed)).await.unwrap(), MemberReply::Prepared { .. }));
     let reply = member.call_rank(0, MemberMsg::Run { refit: 78, version: v, fingerprint: bogus, deadline: SECOND }).await.unwrap();
     assert_eq!(reply, mismatch);
     // The next refit is not disturbed.
     let v = step(&sys, 2.0).await;
     sys.orchestrator.refit(v).await.unwrap();
-    assert!(served(&sys).iter().all(|(ver, vals)| *ver == v && vals.iter().all(|&x| x == 2.0)));
+    assert!(serves(&sys, v, 2.0));
 }
 
 const SECOND: Duration = Duration::from_secs(1);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn members_that_disagree_on_their_layout_are_rejected() {
+    let sys = system(Strategy::Reshard).await;
     let (src, dst) = layouts();
-    let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
-    // A sink group whose rank 1 was built from another layout.
+    // A destination group whose rank 1 was built from another layout.
     let other = parse_layout(&DST.replace(r#""dtype": "bf16""#, r#""dtype": "f32""#)).unwrap();
-    let mixed = spawn_refit(&src, &other, config(Strategy::Reshard));
-    let sinks = actors::spawn_group(4, actors::SpawnConfig::default(), |r| {
-        let (layout, store) = if r == 1 { (&other, mixed.sinks[1].clone()) } else { (&dst, sys.sinks[r].clone()) };
-        orchestrator::Member::new(std::sync::Arc::new(layout.clone()), r as u32, orchestrator::Role::Sink(store))
+    let mixed = spawn_refit(&src, &other, config(Strategy::Reshard)).await.unwrap();
+    let dsts = actors::spawn_group(4, actors::SpawnConfig::default(), |r| {
+        let (layout, store) = if r == 1 { (&other, mixed.dst_stores[1].clone()) } else { (&dst, sys.dst_stores[r].clone()) };
+        orchestrator::Member::new(Arc::new(layout.clone()), r as u32, orchestrator::Role::Dst(store))
     });
-    sys.orchestrator.attach(sys.source_members.clone(), sinks).await.unwrap();
+    sys.orchestrator.attach(sys.src_members.clone(), dsts).await.unwrap();
     let v = step(&sys, 1.0).await;
     match sys.orchestrator.refit(v).await {
-        Err(RefitError::Refit(OrchestratorError::Layout { group: "sink", problem })) => assert!(problem.contains("rank 1"), "{problem}"),
+        Err(RefitError::Refit(OrchestratorError::Layout { group: Group::Dst, problem })) => assert!(problem.contains("rank 1"), "{problem}"),
         other => panic!("expected a layout error, got {other:?}"),
     }
 }
 
-/// A member replaced by a new one (a restarted process) gets the plan
+/// A dead member replaced alone (a restarted process) gets the plan
 /// installed on the next refit, and the group serves the new version; the
 /// others keep theirs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_replaced_member_gets_its_program_and_the_refit_goes_on() {
-    let (src, dst) = layouts();
-    let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
+async fn a_dead_member_is_replaced_alone_and_the_refit_goes_on() {
+    let mut sys = system(Strategy::Reshard).await;
     let v = step(&sys, 1.0).await;
     let first = sys.orchestrator.refit(v).await.unwrap();
-    // Rank 2's member is replaced by a new one with nothing installed (as
-    // fresh as a restarted process); the others are the same actors.
-    let fresh = actors::spawn(
-        orchestrator::Member::new(std::sync::Arc::new(dst.clone()), 2, orchestrator::Role::Sink(sys.sinks[2].clone())),
-        actors::SpawnConfig::default(),
-    );
-    let refs: Vec<_> = (0..4).map(|r| if r == 2 { fresh.clone() } else { sys.sink_members.get(r).unwrap().clone() }).collect();
-    let sinks = actors::ActorGroup::from_refs(refs);
-    sys.orchestrator.attach(sys.source_members.clone(), sinks).await.unwrap();
+    let others: Vec<_> = [0, 1, 3].iter().map(|&r| sys.dst_members.get(r).unwrap().id()).collect();
+    sys.dst_members.get(2).unwrap().stop();
+    let dead = sys.events.recv().await.unwrap();
+    assert_eq!((dead.rank, dead.name.as_str()), (Some(2), "dst[2]"));
     let v = step(&sys, 2.0).await;
+    assert!(matches!(sys.orchestrator.refit(v).await, Err(RefitError::Refit(OrchestratorError::MemberDied { .. }))));
+    // Rank 2 gets a fresh member with nothing installed (as fresh as a
+    // restarted process); the others are the same actors.
+    sys.replace_member(Endpoint::dst(2)).await.unwrap();
+    assert_eq!([0, 1, 3].map(|r| sys.dst_members.get(r).unwrap().id()).to_vec(), others);
+    assert!(sys.dst_members.get(2).unwrap().is_alive());
     let report = sys.orchestrator.refit(v).await.unwrap();
     // Planned again to build the newcomer's program; the same plan.
     assert!(report.replanned);
     assert_eq!(report.fingerprint, first.fingerprint);
-    assert!(served(&sys).iter().all(|(ver, vals)| *ver == v && vals.iter().all(|&x| x == 2.0)));
+    assert!(serves(&sys, v, 2.0));
+    assert!(matches!(
+        sys.replace_member(Endpoint::dst(4)).await,
+        Err(RefitError::Refit(OrchestratorError::NoRank { ranks: 4, .. }))
+    ));
     // Everyone has it now: the next refit plans nothing.
     let v = step(&sys, 3.0).await;
     assert!(!sys.orchestrator.refit(v).await.unwrap().replanned);
     assert_eq!(sys.orchestrator.plans_made().await.unwrap(), 2);
 }
 
+/// A slow step to the next version on every source: half the weights, a
+/// pause, the other half.
+fn slow_step(sys: &Arc<RefitSystem>, value: f32) -> tokio::task::JoinHandle<u64> {
+    let sys = sys.clone();
+    tokio::spawn(async move {
+        let mut version = 0;
+        for s in &sys.src_stores {
+            let step = s.try_update(|b| {
+                let mut p = b.buffer_to_f32("params")?;
+                p[..14].fill(value);
+                b.write_buffer_f32("params", &p)?;
+                std::thread::sleep(Duration::from_millis(150));
+                p[14..].fill(value);
+                b.write_buffer_f32("params", &p)
+            });
+            version = step.await.unwrap().0;
+        }
+        version
+    })
+}
+
 /// A refit never reads half an optimizer step: the step holds the fence
 /// while it writes, so the refit waits and then sees all of it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn refit_never_reads_a_half_written_step() {
-    let (src, dst) = layouts();
-    let sys = Arc::new(spawn_refit(&src, &dst, config(Strategy::Reshard)));
+    let sys = Arc::new(system(Strategy::Reshard).await);
     let v = step(&sys, 1.0).await;
-    sys.orchestrator.refit(v).await.unwrap();
-    // A slow step to version 2: half the weights, a pause, the other half.
-    let slow = {
-        let sys = sys.clone();
-        tokio::spawn(async move {
-            let mut version = 0;
-            for s in &sys.sources {
-                version = s
-                    .update(|b| {
-                        let mut p = b.read_f32("params").unwrap();
-                        p[..14].fill(2.0);
-                        assert!(b.write_f32("params", &p));
-                        std::thread::sleep(Duration::from_millis(150));
-                        p[14..].fill(2.0);
-                        assert!(b.write_f32("params", &p));
-                    })
-                    .await
-                    .0;
-            }
-            version
-        })
-    };
+    let slow = slow_step(&sys, 2.0);
     tokio::time::sleep(Duration::from_millis(40)).await;
-    // Refitting the old version now must not read the torn buffer: it waits
-    // for the step, then finds the source at another version and fails.
+    // Refitting version 1 now must not read the torn buffer: it waits for
+    // the step, then finds the source at another version and fails.
     let early = sys.orchestrator.refit(v).await;
     assert!(matches!(early, Err(RefitError::Refit(OrchestratorError::VersionMismatch { held: 2, asked: 1, .. }))), "{early:?}");
-    assert!(served(&sys).iter().all(|(ver, vals)| *ver == v && vals.iter().all(|&x| x == 1.0)));
+    assert!(sys.dst_stores.iter().all(|s| s.snapshot().is_none()));
     let v2 = slow.await.unwrap();
     sys.orchestrator.refit(v2).await.unwrap();
-    assert!(served(&sys).iter().all(|(ver, vals)| *ver == v2 && vals.iter().all(|&x| x == 2.0)));
+    assert!(serves(&sys, v2, 2.0));
+}
+
+/// `refit_latest` needs no version, and a step that lands while it reads
+/// makes it deliver the newer weights instead of failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refit_latest_delivers_the_newest_version_through_a_racing_step() {
+    let sys = Arc::new(system(Strategy::Reshard).await);
+    step(&sys, 1.0).await;
+    // Every source holds version 1 when the refit starts, but the step to 2
+    // holds the first source's fence: the refit waits, finds version 2 on
+    // that source, and starts again with 2 once every source has it.
+    let slow = slow_step(&sys, 2.0);
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    let report = sys.orchestrator.refit_latest().await.unwrap();
+    assert_eq!(report.version, 2);
+    assert!(serves(&sys, 2, 2.0));
+    assert_eq!(slow.await.unwrap(), 2);
+    let v = step(&sys, 3.0).await;
+    let report = sys.orchestrator.refit_latest().await.unwrap();
+    assert_eq!(report.version, v);
+    assert!(serves(&sys, v, 3.0));
+}
+
+/// Sources that stay on different versions (a trainer skipped a step) make
+/// `refit_latest` fail after the control timeout, naming the versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refit_latest_refuses_sources_that_disagree() {
+    let (src, dst) = layouts();
+    let config = OrchestratorConfig { control_timeout: Duration::from_millis(300), ..config(Strategy::Reshard) };
+    let sys = spawn_refit(&src, &dst, config).await.unwrap();
+    step(&sys, 1.0).await;
+    sys.src_stores[1].update(|_| ()).await;
+    match sys.orchestrator.refit_latest().await {
+        Err(RefitError::Refit(e @ OrchestratorError::VersionsDisagree { .. })) => {
+            assert!(e.to_string().starts_with("sources hold different versions (version 1 (rank 0), version 2 (rank 1))"), "{e}")
+        }
+        other => panic!("expected VersionsDisagree, got {other:?}"),
+    }
+}
+
+/// A pair that cannot be planned fails when the system is made, with the
+/// planner's error, before any training step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pair_that_cannot_be_planned_fails_at_creation() {
+    let (src, _) = layouts();
+    let dst = parse_layout(&DST.replace(r#""shape": [8, 6]"#, r#""shape": [8, 4]"#)).unwrap();
+    match spawn_refit(&src, &dst, config(Strategy::Reshard)).await {
+        Err(RefitError::Refit(OrchestratorError::Plan(e @ PlanError::ShapeMismatch { .. }))) => {
+            assert!(e.to_string().contains("'w'"), "{e}")
+        }
+        Err(other) => panic!("expected a shape mismatch, got {other:?}"),
+        Ok(_) => panic!("a pair with different shapes was accepted"),
+    }
+}
+
+/// Refits refuse sources with no whole version, before anything moves: a
+/// fresh store, and a store torn by a step that failed after writing. A
+/// step that fails before writing keeps the store clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unwritten_and_torn_sources_are_refused() {
+    let sys = system(Strategy::Reshard).await;
+    let refused = |r: Result<orchestrator::RefitReport, RefitError>| match r {
+        Err(RefitError::Refit(OrchestratorError::NoWeights { member, weights })) => (member, weights),
+        other => panic!("expected NoWeights, got {other:?}"),
+    };
+    assert_eq!(refused(sys.orchestrator.refit(0).await), ("src[0]".into(), Weights::Unwritten));
+    assert_eq!(refused(sys.orchestrator.refit_latest().await).1, Weights::Unwritten);
+    let v = step(&sys, 1.0).await;
+    // Fails before writing: no harm done.
+    let typo = sys.src_stores[0].try_update(|b| b.tensor_mut("W").map(drop)).await;
+    assert_eq!(typo.unwrap_err().to_string(), "rank 0: the layout has no tensor 'W'");
+    assert_eq!(sys.src_stores[0].version(), Some(v));
+    // Fails after writing half: torn, and the version did not move.
+    let half = sys.src_stores[1]
+        .try_update(|b| {
+            b.tensor_mut("w")?.write_f32(&[9.0; 24])?;
+            b.tensor_mut("b")?.write_f32(&[9.0; 3])
+        })
+        .await;
+    assert_eq!(half.unwrap_err().to_string(), "tensor 'b': 3 values given for 4 elements");
+    assert_eq!(sys.src_stores[1].version(), Some(v));
+    assert_eq!(refused(sys.orchestrator.refit(v).await), ("src[1]".into(), Weights::Torn { after: Some(v) }));
+    assert!(served(&sys).iter().all(|(ver, _)| *ver == 0));
+    // The next good step mends it.
+    let v = step(&sys, 2.0).await;
+    sys.orchestrator.refit(v).await.unwrap();
+    assert!(serves(&sys, v, 2.0));
+}
+
+/// A refit of the version every destination already serves moves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refitting_the_served_version_moves_nothing() {
+    let sys = system(Strategy::Reshard).await;
+    let v = step(&sys, 1.0).await;
+    let first = sys.orchestrator.refit(v).await.unwrap();
+    let again = sys.orchestrator.refit(v).await.unwrap();
+    assert!(!first.already_served && first.bytes > 0);
+    assert!(again.already_served && again.bytes == 0 && again.fingerprint.is_none());
+    let latest = sys.orchestrator.refit_latest().await.unwrap();
+    assert!(latest.already_served && latest.version == v);
+    // The snapshots are the very ones the first refit committed.
+    let before: Vec<_> = sys.dst_stores.iter().map(|s| s.snapshot().unwrap()).collect();
+    sys.orchestrator.refit(v).await.unwrap();
+    assert!(sys.dst_stores.iter().zip(&before).all(|(s, b)| Arc::ptr_eq(&s.snapshot().unwrap(), b)));
 }
 
 /// Readers never see a mix of two versions, however refits interleave.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn readers_never_see_two_versions_at_once() {
-    let (src, dst) = layouts();
-    let sys = Arc::new(spawn_refit(&src, &dst, config(Strategy::Reshard)));
+    let sys = Arc::new(system(Strategy::Reshard).await);
     let stop = Arc::new(AtomicBool::new(false));
     let readers: Vec<_> = (0..2)
         .map(|_| {
@@ -242,8 +359,7 @@ async fn readers_never_see_two_versions_at_once() {
                 let mut seen = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     for (version, values) in served(&sys) {
-                        let want = if version == 0 { 0.0 } else { version as f32 };
-                        assert!(values.iter().all(|&x| x == want), "version {version} holds {values:?}");
+                        assert!(values.iter().all(|&x| x == version as f32), "version {version} holds {values:?}");
                         seen += 1;
                     }
                 }
@@ -252,7 +368,7 @@ async fn readers_never_see_two_versions_at_once() {
         })
         .collect();
     for _ in 0..20 {
-        let next = sys.sources[0].version() + 1;
+        let next = sys.src_stores[0].version().map_or(1, |v| v + 1);
         let v = step(&sys, next as f32).await;
         assert_eq!(v, next);
         sys.orchestrator.refit(v).await.unwrap();
@@ -263,37 +379,32 @@ async fn readers_never_see_two_versions_at_once() {
     }
 }
 
-/// A refit with a dead member fails, and every sink keeps serving the last
-/// committed version.
+/// A refit with a dead member fails, and every destination keeps serving
+/// the last committed version.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn failed_refit_leaves_sinks_on_their_last_version() {
-    let (src, dst) = layouts();
-    let mut sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
+async fn failed_refit_leaves_destinations_on_their_last_version() {
+    let mut sys = system(Strategy::Reshard).await;
     let v = step(&sys, 5.0).await;
     sys.orchestrator.refit(v).await.unwrap();
-    sys.sink_members.get(2).unwrap().stop();
+    sys.dst_members.get(2).unwrap().stop();
     let dead = sys.events.recv().await.unwrap();
     assert_eq!(dead.rank, Some(2));
     let v2 = step(&sys, 6.0).await;
     match sys.orchestrator.refit(v2).await {
-        Err(RefitError::Refit(OrchestratorError::MemberDied { member, .. })) => assert!(member.contains("[2]"), "{member}"),
+        Err(RefitError::Refit(OrchestratorError::MemberDied { member, .. })) => assert_eq!(member, "dst[2]"),
         other => panic!("expected MemberDied, got {other:?}"),
     }
-    for (i, (version, values)) in served(&sys).into_iter().enumerate() {
-        assert_eq!(version, v, "sink {i}");
-        assert!(values.iter().all(|&x| x == 5.0), "sink {i}: {values:?}");
-    }
+    assert!(serves(&sys, v, 5.0));
 }
 
 /// An orchestrator over an empty group refuses to refit (no panic).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_group_is_a_layout_error() {
-    let (src, dst) = layouts();
-    let sys = spawn_refit(&src, &dst, config(Strategy::Reshard));
+    let sys = system(Strategy::Reshard).await;
     let empty = actors::ActorGroup::from_refs(Vec::new());
-    let o = orchestrator::spawn_orchestrator(sys.source_members.clone(), empty, config(Strategy::Reshard));
+    let o = orchestrator::spawn_orchestrator(sys.src_members.clone(), empty, config(Strategy::Reshard));
     match o.refit(0).await {
-        Err(RefitError::Refit(OrchestratorError::Layout { group: "sink", problem })) => {
+        Err(RefitError::Refit(OrchestratorError::Layout { group: Group::Dst, problem })) => {
             assert!(problem.contains("no members"), "{problem}")
         }
         other => panic!("expected a layout error, got {other:?}"),

@@ -17,10 +17,19 @@ use thiserror::Error;
 /// Which group a rank belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum Group {
-    /// The training (source) group.
+    /// The source group: the training ranks.
     Src,
-    /// The inference (destination) group.
+    /// The destination group: the inference ranks.
     Dst,
+}
+
+impl std::fmt::Display for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Group::Src => "src",
+            Group::Dst => "dst",
+        })
+    }
 }
 
 /// A rank of one group.

@@ -12,7 +12,7 @@
 //! [`Member`]: orchestrator::Member
 
 use actors::{async_trait, spawn, Actor, ActorError, Context, SpawnConfig};
-use orchestrator::{join, JoinConfig, Joined, Role, SinkStore, SourceStore};
+use orchestrator::{join, JoinConfig, Joined, Role, DstStore, SrcStore};
 use reshard::{DType, Endpoint, Group, Layout};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -158,8 +158,8 @@ impl Actor for PatternRank {
                 *self.faults.lock().unwrap_or_else(|e| e.into_inner()) = Some(spec);
                 Ok(PatternReply::Armed)
             }
-            (PatternMsg::Fill { version }, Role::Source(store)) => {
-                if store.version() != version {
+            (PatternMsg::Fill { version }, Role::Src(store)) => {
+                if store.version() != Some(version) {
                     let (src, rank) = (Arc::clone(&self.layout), self.rank);
                     // Filling is long CPU work: off the reactor, or the
                     // control connection's heartbeats starve.
@@ -169,11 +169,10 @@ impl Actor for PatternRank {
                 }
                 Ok(PatternReply::Filled { version })
             }
-            (PatternMsg::Check, Role::Sink(store)) => {
-                let snap = store.snapshot();
-                if snap.version == 0 {
+            (PatternMsg::Check, Role::Dst(store)) => {
+                let Some(snap) = store.snapshot() else {
                     return Ok(PatternReply::Checked { version: 0, elements: 0, mismatch: None });
-                }
+                };
                 let (dst, dtypes, rank) = (Arc::clone(&self.layout), Arc::clone(&self.source_dtypes), self.rank);
                 let version = snap.version;
                 let from = move |name: &str| dtypes.get(name).copied();
@@ -202,8 +201,8 @@ pub struct WorkerConfig {
 
 async fn serve(joined: &Joined, layout: &Arc<Layout>, source_dtypes: &Arc<HashMap<String, DType>>, e: Endpoint) -> Result<(), String> {
     let role = match e.group {
-        Group::Src => Role::Source(Arc::new(SourceStore::new(layout, e.rank))),
-        Group::Dst => Role::Sink(Arc::new(SinkStore::new(layout, e.rank))),
+        Group::Src => Role::Src(Arc::new(SrcStore::new(layout, e.rank))),
+        Group::Dst => Role::Dst(Arc::new(DstStore::new(layout, e.rank))),
     };
     let faults = FaultSlot::default();
     let slot = Arc::clone(&faults);
