@@ -1,10 +1,30 @@
 //! refit: weight refit for RL post-training. Reshards training weights
 //! straight into inference layouts instead of gathering and broadcasting.
 //!
-//! This crate is the command-line front end and the glue that runs a refit
-//! on the embedded in-process data plane; the planner lives in [`reshard`]
-//! and the data plane in [`transport`]. [`demo`] is a small RL loop on the
-//! [`orchestrator`] that learns only because refit delivers fresh weights.
+//! **As a library**, depend on this crate and `use refit::prelude::*;`: it
+//! brings layouts and their builder ([`reshard`]), the weight stores, tensor
+//! views and the refit system ([`orchestrator`]). The README's quickstart is
+//! a whole pipeline in 30 lines; `docs/pipeline.md` goes further (your own
+//! actors, several processes and hosts).
+//!
+//! The crates behind it, re-exported whole:
+//! - [`reshard`]: layouts, the planner (pure, no I/O);
+//! - [`transport`]: the data plane that runs a plan (in process, shared
+//!   memory and TCP, CUDA);
+//! - [`actors`]: the actor runtime (local and remote actors);
+//! - [`orchestrator`]: the stores, the refit members and the orchestrator.
+//!
+//! The rest of this crate is the `refit` command line's: [`runner`] runs a
+//! refit on the embedded in-process data plane, [`bench`], [`chaos`] and
+//! [`soak`] measure and break it, [`cluster`] starts worker processes, and
+//! [`demo`] is a small RL loop that learns only because refit delivers fresh
+//! weights.
+
+pub use actors;
+pub use orchestrator;
+pub use orchestrator::prelude;
+pub use reshard;
+pub use transport;
 
 pub mod bench;
 pub mod chaos;
