@@ -15,3 +15,4 @@ pub mod procs;
 pub mod runner;
 pub mod soak;
 pub mod svg;
+pub mod units;
