@@ -44,6 +44,15 @@ pub fn duration(d: Duration) -> String {
     }
 }
 
+/// [`duration`] of a modelled or derived number of seconds; `-` where it is
+/// not a time (NaN, infinite, or beyond `Duration`'s range).
+pub fn seconds(s: f64) -> String {
+    match Duration::try_from_secs_f64(s.max(0.0)) {
+        Ok(d) if !s.is_nan() => duration(d),
+        _ => "-".into(),
+    }
+}
+
 /// `1 node`, `2 nodes`.
 pub fn plural(n: impl Into<u64>, word: &str) -> String {
     match n.into() {
@@ -59,7 +68,7 @@ pub fn rate(bytes: u64, d: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{duration, human};
+    use super::{duration, human, seconds};
     use std::time::Duration;
 
     #[test]
@@ -87,7 +96,12 @@ mod tests {
         ];
         for (secs, want) in cases {
             assert_eq!(duration(Duration::from_secs_f64(secs)), want, "{secs} s");
+            assert_eq!(seconds(secs), want, "{secs} s");
         }
+        for bad in [f64::NAN, f64::INFINITY, 1e300] {
+            assert_eq!(seconds(bad), "-", "{bad}");
+        }
+        assert_eq!(seconds(-1.0), "0 ms");
     }
 
     #[test]

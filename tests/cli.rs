@@ -322,6 +322,35 @@ fn preset_names_print_as_typed() {
     }
 }
 
+/// `refit plan`, `run` and `bench` print their figures under a header row
+/// naming the columns, with the rows `bytes moved`, `from sources` and
+/// `relayed`, and the one-line legend of what they mean.
+#[test]
+fn figures_come_as_tables_with_a_header_and_a_legend() {
+    let dir = Scratch::new("tables");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let cases: [(&[&str], &[&str]); 3] = [
+        (&["plan"], &["reshard", "baseline"]),
+        (&["bench", "--reps", "1"], &["bytes moved", "from sources", "relayed", "median time", "rate"]),
+        (&["bench", "--reps", "1", "--transport", "tcp"], &["bytes moved", "from sources", "relayed", "median time", "rate"]),
+    ];
+    for (cmd, header) in cases {
+        let mut args = cmd.to_vec();
+        args.extend_from_slice(&["--src", s(&src), "--dst", s(&dst)]);
+        let out = assert_ok(&args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        let what = describe(&args, &out);
+        assert!(text.lines().any(|l| header.iter().all(|h| l.contains(h))), "no header row {header:?}: {what}");
+        if cmd == ["plan"] {
+            for row in ["bytes moved ", "from sources ", "relayed "] {
+                assert!(text.lines().any(|l| l.trim_start().starts_with(row)), "no row {row:?}: {what}");
+            }
+        }
+        let legend = text.lines().filter(|l| l.starts_with("bytes moved:")).collect::<Vec<_>>();
+        assert!(legend.len() == 1 && ["from sources", "relayed"].iter().all(|w| legend[0].contains(w)), "legend: {what}");
+    }
+}
+
 /// With stderr not a terminal (as here) no progress is drawn: stderr stays
 /// empty, and stdout holds only the output (one JSON line with `--json`).
 #[test]

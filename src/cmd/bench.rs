@@ -1,7 +1,7 @@
 //! `refit bench`: reshard and the gather-broadcast baseline side by side on one data plane.
 
 use super::report::{
-    bytes_json, duration, human, invalid, load, pair_summary, preset, preset_label, rate, say, typed, Failure, Progress, Table,
+    bytes_json, duration, human, invalid, load, pair_summary, preset, preset_label, rate, say, seconds, typed, Failure, Progress, Table,
     TempLayouts, BYTES_LEGEND,
 };
 use crate::BenchArgs;
@@ -159,7 +159,7 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
             match (bound, efficiency) {
                 (Some(lb), Some(e)) => say!(
                     "lower bound on the emulated (egress-capped) links {}; efficiency (lower bound / reshard time) = {e:.2}",
-                    duration(Duration::from_secs_f64(lb.max(0.0)))
+                    seconds(lb)
                 ),
                 _ => say!("efficiency: needs --emulate-nic-mbps (a link model to bound against)"),
             }

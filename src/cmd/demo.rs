@@ -1,10 +1,9 @@
 //! `refit demo` (a small RL loop fed by refit) and the hidden `refit demo-member`.
 
-use super::report::{duration, human, invalid, say, Failure};
+use super::report::{human, invalid, say, seconds, Failure};
 use refit::demo::{run_demo, DemoConfig, DemoError, DemoReport, DemoRole};
 use reshard::Strategy;
 use std::io::IsTerminal as _;
-use std::time::Duration;
 
 fn print_demo(report: &DemoReport) {
     let c = &report.config;
@@ -38,11 +37,8 @@ fn print_demo(report: &DemoReport) {
     for run in &report.runs {
         let s = &run.summary;
         let served = run.steps.last().map_or(0, |r| r.version_served);
-        let (ms, bytes) = if c.refit {
-            (duration(Duration::from_secs_f64(s.median_refit_ms.max(0.0) / 1e3)), human(s.median_refit_bytes))
-        } else {
-            ("-".to_string(), "-".to_string())
-        };
+        let (ms, bytes) =
+            if c.refit { (seconds(s.median_refit_ms / 1e3), human(s.median_refit_bytes)) } else { ("-".to_string(), "-".to_string()) };
         say!(
             "  {:<9} {:>12.3} {:>11.3} {:>14} {:>13} {:>14}",
             run.mode.to_string(),

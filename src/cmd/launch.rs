@@ -81,7 +81,10 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
     let verified = a.verify && last_ok;
     let failed = outcomes.iter().filter(|o| o["ok"] == false).count();
     if a.json {
-        say!("{}", json!({"refits": outcomes, "verified": verified, "peak_rss_bytes": peak}));
+        say!(
+            "{}",
+            json!({"refits": outcomes, "verified": verified, "bytes_moved": (!walls.is_empty()).then_some(bytes), "peak_rss_bytes": peak})
+        );
     } else {
         say!("{}: {workers} worker processes ({ranks} ranks); bytes moved {} per refit", a.strategy, human(bytes));
         if !walls.is_empty() {

@@ -1,13 +1,12 @@
 //! `refit plan`: validate both layouts, plan reshard and baseline, print the figures.
 
 use super::report::{
-    duration, figures_json, invalid, load, pair_summary, preset, preset_label, print_figures, say, write_layouts, Failure, Progress,
+    figures_json, invalid, load, pair_summary, preset, preset_label, print_figures, say, seconds, write_layouts, Failure, Progress,
 };
 use refit::presets::Model;
 use reshard::{baseline_summary, plan_baseline, plan_reshard, LinkModel, PlanOptions};
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 /// Arguments of `refit plan`.
 pub(crate) struct PlanArgs<'a> {
@@ -133,13 +132,11 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
     }
     say!("{what}: {}, fingerprint {fingerprint}", pair_summary(&src, &dst));
     say!("");
-    let seconds = |s: f64| duration(Duration::from_secs_f64(s.max(0.0)));
     let estimate_row = r_est.map(|r| {
-        let label = format!("estimated time ({})", args.topology);
-        (label, [seconds(r.seconds), b_est.map_or_else(|| "-".into(), |b| seconds(b.seconds))])
+        let baseline = b_est.map_or_else(|| "-".into(), |b| seconds(b.seconds));
+        (format!("estimated time ({})", args.topology), [seconds(r.seconds), baseline])
     });
-    let extra: Vec<(&str, [String; 2])> = estimate_row.iter().map(|(l, c)| (l.as_str(), c.clone())).collect();
-    print_figures(&r_figures, baseline.as_ref().map(|b| &b.figures).map_err(|e| e.to_string()), &extra);
+    print_figures(&r_figures, baseline.as_ref().map(|b| &b.figures).map_err(|e| e.to_string()), estimate_row.into_iter().collect());
     if let Some(r_est) = r_est {
         let vs_baseline = b_est
             .map_or_else(String::new, |b| format!("; the baseline takes {:.2}x the reshard's time", b.seconds / r_est.seconds.max(1e-12)));

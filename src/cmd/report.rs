@@ -4,7 +4,7 @@
 use crate::{ClusterArgs, Pair};
 use refit::cluster::{ClusterConfig, ControlSecret, SECRET_ENV};
 use refit::presets::{layouts_with, Model, PresetError, PresetOptions};
-pub(crate) use refit::units::{duration, human, plural, rate};
+pub(crate) use refit::units::{duration, human, plural, rate, seconds};
 use reshard::{parse_layout, Figures, Layout, PlanOptions, Strategy};
 use serde_json::json;
 use std::io::IsTerminal as _;
@@ -194,14 +194,15 @@ fn node_ingress(f: &Figures) -> String {
 
 /// Prints both plans' figures as one table (a column per strategy; a
 /// baseline that cannot be planned shows `-` and why under the table),
-/// then `extra` rows, then the legend.
-pub(crate) fn print_figures(reshard: &Figures, baseline: Result<&Figures, String>, extra: &[(&str, [String; 2])]) {
+/// then `extra` rows (a label, the reshard's cell, the baseline's), then
+/// the legend.
+pub(crate) fn print_figures(reshard: &Figures, baseline: Result<&Figures, String>, extra: Vec<(String, [String; 2])>) {
     let mut table = Table::new(&["", "reshard", "baseline"]);
     for (label, show) in FIGURE_ROWS {
         table.row(label, [show(reshard), baseline.as_ref().map_or_else(|_| "-".into(), |b| show(b))]);
     }
     for (label, cells) in extra {
-        table.row(label, cells.iter().cloned());
+        table.row(&label, cells);
     }
     table.print();
     say!("{BYTES_LEGEND}");
