@@ -87,12 +87,32 @@ fn memcpy_once(src: &[Vec<u8>], dst: &mut [Vec<u8>]) -> Duration {
     t.elapsed()
 }
 
+/// What a repetition of a benchmark is doing, for a progress display:
+/// `warm-up reshard`, `rep 3/9 baseline`.
+fn rep_phase(i: usize, reps: usize, what: &str) -> String {
+    if i == 0 {
+        format!("warm-up {what}")
+    } else {
+        format!("rep {i}/{reps} {what}")
+    }
+}
+
 /// Runs reshard, baseline and memcpy alternately, `reps` times after a
-/// warm-up, verifying the first reshard and baseline runs bit-exact.
-pub fn exec_bench(src: &Layout, dst: &Layout, plans: (Plan, Plan), reps: usize, transport: BenchTransport) -> Result<ExecBench, RunError> {
+/// warm-up, verifying the first reshard and baseline runs bit-exact;
+/// `phase` is told what starts ("rep 3/9 reshard").
+pub fn exec_bench(
+    src: &Layout,
+    dst: &Layout,
+    plans: (Plan, Plan),
+    reps: usize,
+    transport: BenchTransport,
+    mut phase: impl FnMut(&str),
+) -> Result<ExecBench, RunError> {
     let reps = reps.max(1);
     let exec = ExecOptions::default();
+    phase("deriving programs, filling buffers: reshard");
     let mut reshard = prepare_plan(src, dst, plans.0)?;
+    phase("deriving programs, filling buffers: baseline");
     let mut baseline = prepare_plan(src, dst, plans.1)?;
     // Reference copy: as many threads as cores (memcpy), or one stream per
     // destination rank (socket copy, like the reshard's receivers).
@@ -117,22 +137,33 @@ pub fn exec_bench(src: &Layout, dst: &Layout, plans: (Plan, Plan), reps: usize, 
     };
     let mut fabrics = match transport {
         BenchTransport::Local => None,
-        _ => Some((fabric(&reshard)?, fabric(&baseline)?)),
+        _ => {
+            phase("connecting every rank over TCP");
+            Some((fabric(&reshard)?, fabric(&baseline)?))
+        }
+    };
+    let reference = match transport {
+        BenchTransport::Local => "memcpy",
+        _ => "socket copy",
     };
     for i in 0..=reps {
         let run = |p: &mut crate::runner::Prepared, f: Option<&mut Vec<TcpTransport>>| match f {
             None => p.execute(&exec),
             Some(f) => p.execute_over(&exec, f.iter_mut().collect()),
         };
+        phase(&rep_phase(i, reps, "reshard"));
         reshard.clear_destinations();
         let r = run(&mut reshard, fabrics.as_mut().map(|f| &mut f.0))?;
+        phase(&rep_phase(i, reps, "baseline"));
         baseline.clear_destinations();
         let b = run(&mut baseline, fabrics.as_mut().map(|f| &mut f.1))?;
+        phase(&rep_phase(i, reps, reference));
         let m = match transport {
             BenchTransport::Local => memcpy_once(&msrc, &mut mdst),
             _ => socket_copy_once(&msrc[0], &mut mdst).map_err(|e| RunError::Exec(transport::ExecError::Setup(e.to_string())))?,
         };
         if i == 0 {
+            phase("verifying the warm-up");
             reshard.verify(src, dst)?;
             baseline.verify(src, dst)?;
             continue;
@@ -224,7 +255,8 @@ pub struct ClusterBench {
     pub reshard_times: Vec<Duration>,
     /// Every baseline time, in run order.
     pub baseline_times: Vec<Duration>,
-    /// Bytes the reshard moves between ranks (measured by the workers).
+    /// Bytes the reshard moves between ranks (the plan's bytes moved, as
+    /// the orchestrator reports it).
     pub reshard_bytes: u64,
     /// Bytes the baseline moves.
     pub baseline_bytes: u64,
@@ -232,14 +264,20 @@ pub struct ClusterBench {
 
 /// Runs reshard and baseline refits alternately on `cluster`, `reps` times
 /// after one warm-up of each that is verified element by element (and
-/// committed); every refit is a new weights version.
-pub fn cluster_bench(cluster: &mut crate::cluster::Cluster, reps: usize) -> Result<ClusterBench, crate::cluster::ClusterError> {
+/// committed); every refit is a new weights version. `phase` is told what
+/// starts ("rep 3/9 reshard").
+pub fn cluster_bench(
+    cluster: &mut crate::cluster::Cluster,
+    reps: usize,
+    mut phase: impl FnMut(&str),
+) -> Result<ClusterBench, crate::cluster::ClusterError> {
     let reps = reps.max(1);
     let (mut tr, mut tb) = (Vec::new(), Vec::new());
     let (mut rb, mut bb) = (0, 0);
     let mut version = 0;
     for i in 0..=reps {
         for strategy in [Strategy::Reshard, Strategy::Baseline] {
+            phase(&rep_phase(i, reps, &strategy.to_string()));
             version += 1;
             cluster.set_strategy(strategy)?;
             let o = cluster.refit(version, i == 0)?;

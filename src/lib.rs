@@ -35,3 +35,4 @@ pub mod procs;
 pub mod runner;
 pub mod soak;
 pub mod svg;
+pub mod units;

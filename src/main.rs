@@ -169,6 +169,10 @@ enum Command {
         /// Fail if the refit takes longer than this many seconds.
         #[arg(long, default_value_t = orchestrator::DEFAULT_DEADLINE.as_secs())]
         deadline_s: u64,
+        /// Print one JSON object: strategy, ranks, bytes moved (from
+        /// sources, relayed), messages, rounds, times, verified elements.
+        #[arg(long)]
+        json: bool,
     },
     /// Measure reshard and the gather-broadcast baseline side by side
     /// (alternating, medians over repetitions) on one data plane, with a
@@ -387,7 +391,14 @@ fn main() -> ExitCode {
                 emit_layouts,
             })
         }
-        Command::Run { pair, baseline, verify, transport, deadline_s } => cmd::run::run(pair, *baseline, *verify, transport, *deadline_s),
+        Command::Run { pair, baseline, verify, transport, deadline_s, json } => cmd::run::run(&cmd::run::RunArgs {
+            pair,
+            baseline: *baseline,
+            verify: *verify,
+            transport,
+            deadline_s: *deadline_s,
+            json: *json,
+        }),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Chaos { json, emulate_nic_mbps, deadline_s } => cmd::chaos::run(*json, *emulate_nic_mbps, *deadline_s),
         Command::Soak { src, dst, refits, cluster, json } => cmd::soak::run(src, dst, *refits, cluster, *json),

@@ -79,6 +79,14 @@ impl Model {
     }
 }
 
+/// The preset's name as typed on the command line: `deepseek-v3`, not
+/// `DeepseekV3`.
+impl std::fmt::Display for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Inference ranks of the DeepSeek-V3 preset.
 const DEEPSEEK_INFER_RANKS: u32 = 128;
 /// Inference TP degree (and ranks per node) of the DeepSeek-V3 preset.

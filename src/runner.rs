@@ -29,6 +29,21 @@ pub enum RunError {
     /// Verification found wrong bytes.
     #[error("verification failed: {0}")]
     Verify(#[from] Box<Mismatch>),
+    /// The data plane moved other bytes or messages than the plan counts:
+    /// a bug in the data plane's count or in the plan's figures.
+    #[error(
+        "bug: the data plane moved {moved} bytes in {messages} messages, the plan counts {planned} bytes in {planned_messages} messages"
+    )]
+    Accounting {
+        /// Bytes the data plane reports.
+        moved: u64,
+        /// Messages the data plane reports.
+        messages: u64,
+        /// The plan's bytes moved (`Figures::total_bytes`).
+        planned: u64,
+        /// The plan's messages.
+        planned_messages: u64,
+    },
 }
 
 /// A prepared refit: plan, programs and memory, ready to execute repeatedly.
@@ -39,7 +54,9 @@ pub struct Prepared {
     pub programs: Vec<RankProgram>,
     /// Per-rank memory, same order.
     pub memory: Vec<RankMemory>,
-    /// Time to plan.
+    /// Time to plan and to derive every rank's program from the plan (what
+    /// `refit run` reports as "planned in"); allocating and filling the
+    /// buffers is not counted.
     pub plan_time: Duration,
     src_ranks: usize,
 }
@@ -47,21 +64,42 @@ pub struct Prepared {
 /// Plans with `strategy`, builds programs, allocates memory and fills the
 /// source buffers with the verification pattern.
 pub fn prepare(src: &Layout, dst: &Layout, strategy: Strategy, options: &PlanOptions) -> Result<Prepared, RunError> {
+    prepare_with(src, dst, strategy, options, |_| {})
+}
+
+/// As [`prepare`], telling `phase` what it starts on ("planning reshard",
+/// "deriving per-rank programs", "allocating and filling buffers"), for a
+/// progress display.
+pub fn prepare_with(
+    src: &Layout,
+    dst: &Layout,
+    strategy: Strategy,
+    options: &PlanOptions,
+    mut phase: impl FnMut(&str),
+) -> Result<Prepared, RunError> {
     let t = Instant::now();
+    phase(&format!("planning {strategy}"));
     let plan = match strategy {
         Strategy::Reshard => plan_reshard(src, dst, options)?,
         Strategy::Baseline => plan_baseline(src, dst, options)?,
     };
-    let mut prepared = prepare_plan(src, dst, plan)?;
-    prepared.plan_time = t.elapsed();
-    Ok(prepared)
+    phase("deriving per-rank programs");
+    let programs = plan.programs(src, dst)?;
+    let plan_time = t.elapsed();
+    phase("allocating and filling buffers");
+    with_programs(src, plan, programs, plan_time)
 }
 
 /// As [`prepare`], with a plan already made for these layouts (`plan_time`
 /// is then zero).
 pub fn prepare_plan(src: &Layout, dst: &Layout, plan: Plan) -> Result<Prepared, RunError> {
-    let plan_time = Duration::ZERO;
     let programs = plan.programs(src, dst)?;
+    with_programs(src, plan, programs, Duration::ZERO)
+}
+
+/// Allocates every rank's buffers for `programs` (if this machine has the
+/// memory) and fills the sources with the verification pattern.
+fn with_programs(src: &Layout, plan: Plan, programs: Vec<RankProgram>, plan_time: Duration) -> Result<Prepared, RunError> {
     let needed: u64 = programs.iter().flat_map(|p| &p.buffers).map(|b| b.elems.saturating_mul(b.dtype.size())).fold(0, u64::saturating_add);
     if let Some(available) = available_memory() {
         if needed > available {
@@ -76,13 +114,15 @@ pub fn prepare_plan(src: &Layout, dst: &Layout, plan: Plan) -> Result<Prepared, 
 impl Prepared {
     /// Executes every rank's program on the in-process transport.
     pub fn execute(&mut self, options: &ExecOptions) -> Result<ExecReport, RunError> {
-        Ok(run_local(&self.programs, &mut self.memory, options)?)
+        let report = run_local(&self.programs, &mut self.memory, options)?;
+        self.checked(report)
     }
 
     /// Executes every rank's program as a thread of this process, talking
     /// over loopback TCP streams.
     pub fn execute_tcp(&mut self, options: &ExecOptions) -> Result<ExecReport, RunError> {
-        Ok(transport::run_tcp(&self.programs, &mut self.memory, options, &transport::tcp::TcpConfig::default())?)
+        let report = transport::run_tcp(&self.programs, &mut self.memory, options, &transport::tcp::TcpConfig::default())?;
+        self.checked(report)
     }
 
     /// Executes every rank's program as a thread of this process over
@@ -93,7 +133,26 @@ impl Prepared {
         options: &ExecOptions,
         transports: Vec<T>,
     ) -> Result<ExecReport, RunError> {
-        Ok(transport::run_threads(&self.programs, &mut self.memory, options, transports)?)
+        let report = transport::run_threads(&self.programs, &mut self.memory, options, transports)?;
+        self.checked(report)
+    }
+
+    /// `report` if the data plane moved exactly the plan's bytes moved
+    /// (`Figures::total_bytes`) in the plan's messages, else
+    /// [`RunError::Accounting`]: every command reports the plan's figure
+    /// under "bytes moved", so the two must agree.
+    fn checked(&self, report: ExecReport) -> Result<ExecReport, RunError> {
+        let f = self.plan.figures();
+        if (report.bytes, report.messages) == (f.total_bytes, f.messages) {
+            Ok(report)
+        } else {
+            Err(RunError::Accounting {
+                moved: report.bytes,
+                messages: report.messages,
+                planned: f.total_bytes,
+                planned_messages: f.messages,
+            })
+        }
     }
 
     /// Checks every destination element; returns how many were checked.
@@ -118,7 +177,7 @@ impl Prepared {
         for (d, h) in device.iter().zip(self.memory.iter_mut()).skip(self.src_ranks) {
             *h = d.download(&dev).map_err(|e| gpu(e.to_string()))?;
         }
-        Ok(ExecReport { elapsed: report.elapsed, bytes: report.wire_bytes, messages: report.messages })
+        self.checked(ExecReport { elapsed: report.elapsed, bytes: report.wire_bytes, messages: report.messages })
     }
 
     /// Zeroes destination memory (between repeated runs).

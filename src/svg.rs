@@ -3,6 +3,7 @@
 //! fan out) to every destination rank (columns), and the same summed by
 //! node. Darker is more; a legend gives the scale.
 
+use crate::units::human;
 use reshard::{Group, Plan};
 use std::fmt::Write as _;
 
@@ -25,17 +26,6 @@ fn matrix(plan: &Plan) -> (Vec<Vec<u64>>, usize, usize) {
         m[idx(t.from.group, t.from.rank)][idx(t.to.group, t.to.rank)] += plan.wire_bytes(t);
     }
     (m, rows, cols)
-}
-
-fn human(b: u64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < units.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.1} {}", units[u])
 }
 
 fn shade(bytes: u64, max: u64) -> String {
@@ -129,7 +119,7 @@ pub fn traffic_svg(plan: &Plan, title: &str) -> String {
     let f = plan.figures();
     let _ = writeln!(
         out,
-        r#"<text x="20" y="24" font-size="16" font-weight="bold">{title}: {} plan, {} in {} messages</text>"#,
+        r#"<text x="20" y="24" font-size="16" font-weight="bold">{title}: {} plan, bytes moved {} in {} messages</text>"#,
         plan.strategy(),
         human(f.total_bytes),
         f.messages

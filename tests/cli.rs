@@ -114,8 +114,11 @@ fn plan_accepts_a_valid_pair() {
     assert!(text.contains("reshard") && text.contains("baseline"), "{text}");
 }
 
-const FIGURE_KEYS: [&str; 8] = [
+const FIGURE_KEYS: [&str; 11] = [
+    "bytes_moved",
     "src_egress_bytes",
+    "relayed_bytes",
+    "total_bytes",
     "dst_node_ingress_bytes",
     "cross_node_bytes",
     "max_rank_send_bytes",
@@ -210,6 +213,171 @@ fn run_with_explicit_local_transport() {
     let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
     let out = assert_ok(&["run", "--transport", "local", "--verify", "--src", s(&src), "--dst", s(&dst)]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("match"));
+}
+
+// ---------------------------------------------------------------------------
+// One meaning of "bytes moved", units, names, and output without progress.
+
+/// The figure on the first line of `text` that starts with `bytes moved`
+/// (after any indent): the cell in `column` (0 = the first after the label).
+fn bytes_moved_cell(text: &str, column: usize) -> Option<String> {
+    let line = text.lines().find(|l| l.trim_start().starts_with("bytes moved "))?;
+    let cells: Vec<&str> = line.trim_start()["bytes moved".len()..].split_whitespace().collect();
+    // A cell is a number and its unit: `13.50 KiB`, `0 B`.
+    cells.chunks(2).nth(column).map(|c| c.join(" "))
+}
+
+/// `refit run --json` with `extra`, parsed; nothing on stderr.
+fn run_json(src: &Path, dst: &Path, extra: &[&str]) -> Value {
+    let mut args = vec!["run", "--json", "--src", s(src), "--dst", s(dst)];
+    args.extend_from_slice(extra);
+    let out = assert_ok(&args);
+    assert!(out.stderr.is_empty(), "{}", describe(&args, &out));
+    let text = String::from_utf8(out.stdout).expect("utf-8 stdout");
+    assert_eq!(text.trim_end().lines().count(), 1, "one line of JSON expected:\n{text}");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}):\n{text}"))
+}
+
+/// For one example pair and strategy: what `refit plan` and `refit run`
+/// say about the bytes moved, in JSON and in text, and whether they agree.
+fn check_bytes_moved(src: &Path, dst: &Path, strategy: &str) -> Option<String> {
+    let baseline = strategy == "baseline";
+    let plan = plan_json(src, dst);
+    let run = run_json(src, dst, if baseline { &["--baseline"][..] } else { &[] });
+    let planned = &plan[strategy];
+    let plan_text = String::from_utf8_lossy(&assert_ok(&["plan", "--src", s(src), "--dst", s(dst)]).stdout).into_owned();
+    let mut run_args = vec!["run", "--src", s(src), "--dst", s(dst)];
+    if baseline {
+        run_args.push("--baseline");
+    }
+    let run_text = String::from_utf8_lossy(&assert_ok(&run_args).stdout).into_owned();
+    let sum = |v: &Value| v["src_egress_bytes"].as_u64().zip(v["relayed_bytes"].as_u64()).map(|(a, b)| a + b);
+    let problem = if planned["bytes_moved"] != run["bytes_moved"] {
+        format!("plan --json says {}, run --json {}", planned["bytes_moved"], run["bytes_moved"])
+    } else if planned["total_bytes"] != planned["bytes_moved"] {
+        format!("plan --json: total_bytes {} is not bytes_moved {}", planned["total_bytes"], planned["bytes_moved"])
+    } else if sum(planned) != planned["bytes_moved"].as_u64() || sum(&run) != run["bytes_moved"].as_u64() {
+        format!("bytes_moved is not src_egress_bytes + relayed_bytes: plan {planned}, run {run}")
+    } else if (&planned["src_egress_bytes"], &planned["relayed_bytes"]) != (&run["src_egress_bytes"], &run["relayed_bytes"]) {
+        format!("plan and run split the bytes differently: plan {planned}, run {run}")
+    } else if bytes_moved_cell(&plan_text, usize::from(baseline)).is_none()
+        || bytes_moved_cell(&plan_text, usize::from(baseline)) != bytes_moved_cell(&run_text, 0)
+    {
+        format!("the 'bytes moved' lines differ:\nplan:\n{plan_text}\nrun:\n{run_text}")
+    } else {
+        return None;
+    };
+    Some(format!("{} ({strategy}): {problem}", src.parent().unwrap_or(src).display()))
+}
+
+/// `refit plan` and `refit run` report one figure as "bytes moved" for
+/// every example pair and both strategies, in JSON and in text, and it is
+/// what the sources send plus what destinations relay.
+#[test]
+fn bytes_moved_is_the_same_figure_in_plan_and_run() {
+    let failures: Vec<String> = example_pairs()
+        .iter()
+        .flat_map(|(src, dst)| ["reshard", "baseline"].map(|strategy| check_bytes_moved(src, dst, strategy)))
+        .flatten()
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// `refit run --json` is one object with every field; `verified_elements`
+/// is null without `--verify`.
+#[test]
+fn run_json_has_every_field() {
+    let dir = Scratch::new("runjson");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    for (extra, verified) in
+        [(&["--verify"][..], Some(16)), (&[][..], None), (&["--baseline", "--transport", "tcp", "--verify"][..], Some(16))]
+    {
+        let v = run_json(&src, &dst, extra);
+        for key in ["src_ranks", "dst_ranks", "tensors", "bytes_moved", "src_egress_bytes", "relayed_bytes", "messages", "rounds"] {
+            assert!(v[key].as_u64().is_some(), "{extra:?}: {key} is not a count: {v}");
+        }
+        for key in ["transfer_s", "plan_s"] {
+            assert!(v[key].as_f64().is_some_and(|t| t >= 0.0), "{extra:?}: {key} is not seconds: {v}");
+        }
+        let strategy = if extra.contains(&"--baseline") { "baseline" } else { "reshard" };
+        assert_eq!(v["strategy"], strategy, "{v}");
+        assert_eq!(v["verified_elements"].as_u64(), verified, "{extra:?}: {v}");
+        assert_eq!((v["src_ranks"].as_u64(), v["dst_ranks"].as_u64(), v["tensors"].as_u64()), (Some(2), Some(2), Some(1)), "{v}");
+    }
+}
+
+/// Presets print as typed on the command line (`llama3-8b`), never as the
+/// Rust names (`Llama3_8b`), in text and JSON.
+#[test]
+fn preset_names_print_as_typed() {
+    let cases: [&[&str]; 3] = [
+        &["plan", "--model", "llama3-8b", "--scale", "64"],
+        &["plan-bench", "--model", "llama3-8b", "--scale", "64", "--reps", "1", "--no-baseline"],
+        &["bench", "--model", "llama3-8b", "--scale", "64", "--reps", "1", "--json"],
+    ];
+    for args in cases {
+        let out = assert_ok(args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("llama3-8b scale 64") && !text.contains("Llama3"), "{}", describe(args, &out));
+    }
+}
+
+/// `refit plan`, `run` and `bench` print their figures under a header row
+/// naming the columns, with the rows `bytes moved`, `from sources` and
+/// `relayed`, and the one-line legend of what they mean.
+#[test]
+fn figures_come_as_tables_with_a_header_and_a_legend() {
+    let dir = Scratch::new("tables");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let cases: [(&[&str], &[&str]); 3] = [
+        (&["plan"], &["reshard", "baseline"]),
+        (&["bench", "--reps", "1"], &["bytes moved", "from sources", "relayed", "median time", "rate"]),
+        (&["bench", "--reps", "1", "--transport", "tcp"], &["bytes moved", "from sources", "relayed", "median time", "rate"]),
+    ];
+    for (cmd, header) in cases {
+        let mut args = cmd.to_vec();
+        args.extend_from_slice(&["--src", s(&src), "--dst", s(&dst)]);
+        let out = assert_ok(&args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        let what = describe(&args, &out);
+        assert!(text.lines().any(|l| header.iter().all(|h| l.contains(h))), "no header row {header:?}: {what}");
+        if cmd == ["plan"] {
+            for row in ["bytes moved ", "from sources ", "relayed "] {
+                assert!(text.lines().any(|l| l.trim_start().starts_with(row)), "no row {row:?}: {what}");
+            }
+        }
+        let legend = text.lines().filter(|l| l.starts_with("bytes moved:")).collect::<Vec<_>>();
+        assert!(legend.len() == 1 && ["from sources", "relayed"].iter().all(|w| legend[0].contains(w)), "legend: {what}");
+    }
+}
+
+/// With stderr not a terminal (as here) no progress is drawn: stderr stays
+/// empty, and stdout holds only the output (one JSON line with `--json`).
+#[test]
+fn no_progress_when_stderr_is_not_a_terminal() {
+    let dir = Scratch::new("quiet");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let out_dir = dir.path("emitted");
+    let pair = ["--src", s(&src), "--dst", s(&dst)];
+    let with_pair = |cmd: &[&'static str]| -> Vec<String> { cmd.iter().copied().chain(pair).map(str::to_string).collect() };
+    let cases: Vec<(Vec<String>, bool)> = vec![
+        (with_pair(&["plan", "--estimate"]), false),
+        (with_pair(&["plan", "--json"]), true),
+        (with_pair(&["run", "--verify"]), false),
+        (with_pair(&["run", "--json"]), true),
+        (with_pair(&["bench", "--reps", "1"]), false),
+        (with_pair(&["bench", "--reps", "1", "--json"]), true),
+        (["emit", "--model", "llama3-8b", "--scale", "64", "--out", s(&out_dir)].map(str::to_string).to_vec(), false),
+    ];
+    for (args, json) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = assert_ok(&args);
+        assert!(out.stderr.is_empty(), "{}", describe(&args, &out));
+        if json {
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(text.trim_end().lines().count() == 1 && serde_json::from_str::<Value>(&text).is_ok(), "{}", describe(&args, &out));
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 //! `refit bench`: reshard and the gather-broadcast baseline side by side on one data plane.
 
-use super::report::{human, invalid, load, preset, preset_label, say, Failure, TempLayouts};
+use super::report::{
+    bytes_json, duration, human, invalid, load, pair_summary, preset, preset_label, rate, say, seconds, typed, Failure, Progress, Table,
+    TempLayouts, BYTES_LEGEND,
+};
 use crate::BenchArgs;
 use refit::bench::{exec_bench, link_loads, BenchTransport, LinkLoads};
 use refit::cluster::Cluster;
-use reshard::{plan_baseline, plan_reshard, LinkModel, PlanOptions};
+use reshard::{plan_baseline, plan_reshard, Figures, LinkModel, PlanOptions};
 use serde_json::json;
 use std::time::Duration;
 
@@ -19,26 +22,51 @@ fn loads_json(l: &LinkLoads) -> serde_json::Value {
     })
 }
 
-fn say_loads(name: &str, l: &LinkLoads) {
-    say!(
-        "  links {name:<9} network {:>10} (busiest NIC out {}, in {}); intra-node {:>10} (busiest rank out {})",
-        human(l.inter_node_bytes),
-        human(l.max_nic_out),
-        human(l.max_nic_in),
-        human(l.intra_node_bytes),
-        human(l.max_intra_out)
-    );
+/// One strategy's JSON: its bytes (`bytes` kept beside `bytes_moved`) and
+/// median time, then `more`.
+fn strategy_json(f: &Figures, median: Duration, more: serde_json::Value) -> serde_json::Value {
+    let mut m = bytes_json(f);
+    m.insert("bytes".into(), f.total_bytes.into());
+    m.insert("median_s".into(), median.as_secs_f64().into());
+    if let serde_json::Value::Object(more) = more {
+        m.extend(more);
+    }
+    serde_json::Value::Object(m)
 }
 
-fn say_time(name: &str, bytes: u64, t: Duration) {
-    let gib = bytes as f64 / t.as_secs_f64().max(1e-12) / (1u64 << 30) as f64;
-    say!("  {name:<9} {:>10}  {:>9.3} ms  {gib:>7.2} GiB/s", human(bytes), t.as_secs_f64() * 1e3);
+/// The timing table: a row per strategy (bytes moved and its split, median
+/// time, rate), then `reference` (a label, its bytes and time) if any, then
+/// the legend.
+fn print_times(strategies: [(&str, &Figures, Duration); 2], reference: Option<(String, u64, Duration)>) {
+    let mut table = Table::new(&["", "bytes moved", "from sources", "relayed", "median time", "rate"]);
+    for (name, f, t) in strategies {
+        table.row(name, [human(f.total_bytes), human(f.src_egress_bytes), human(f.relayed_bytes()), duration(t), rate(f.total_bytes, t)]);
+    }
+    if let Some((name, bytes, t)) = reference {
+        table.row(&name, [human(bytes), "-".into(), "-".into(), duration(t), rate(bytes, t)]);
+    }
+    table.print();
+    say!("{BYTES_LEGEND}");
+}
+
+/// The link table: bytes each strategy puts on the network and inside nodes.
+fn print_loads(reshard: &LinkLoads, baseline: &LinkLoads) {
+    let mut table = Table::new(&["links", "network", "busiest NIC out", "busiest NIC in", "intra-node", "busiest rank out (intra)"]);
+    for (name, l) in [("reshard", reshard), ("baseline", baseline)] {
+        table.row(name, [l.inter_node_bytes, l.max_nic_out, l.max_nic_in, l.intra_node_bytes, l.max_intra_out].map(human));
+    }
+    table.print();
 }
 
 pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
+    let progress = Progress::spinner(a.json);
     let (s, d, what) = match (&a.src, &a.dst, a.model) {
-        (Some(s), Some(d), _) => (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display())),
+        (Some(s), Some(d), _) => {
+            progress.phase("reading layouts");
+            (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display()))
+        }
         (_, _, Some(m)) => {
+            progress.phase(format!("building the {m} layouts"));
             let (s, d) = preset(m, a.scale, a.ep)?;
             (s, d, preset_label(m, a.scale, a.ep))
         }
@@ -46,24 +74,27 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
     };
     let opts = PlanOptions { max_staging_bytes: a.max_staging_mib.max(1) << 20, ..PlanOptions::default() };
     let fail = |e: String| Failure { line: e, code: 1 };
+    progress.phase("planning reshard");
     let rplan = plan_reshard(&s, &d, &opts).map_err(|e| fail(e.to_string()))?;
+    progress.phase("planning baseline");
     let bplan = plan_baseline(&s, &d, &opts).map_err(|e| fail(e.to_string()))?;
+    let (rf, bf) = (rplan.figures().clone(), bplan.figures().clone());
     let (rl, bl) = (link_loads(&rplan), link_loads(&bplan));
     if let Some(path) = &a.svg {
         for (plan, p) in [(&rplan, path.clone()), (&bplan, path.with_extension("baseline.svg"))] {
+            progress.phase(format!("drawing {}", p.display()));
             std::fs::write(&p, refit::svg::traffic_svg(plan, &what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))?;
         }
     }
     let links = json!({"reshard": loads_json(&rl), "baseline": loads_json(&bl)});
-    let gib = |bytes: u64, t: Duration| bytes as f64 / t.as_secs_f64().max(1e-12) / (1u64 << 30) as f64;
-    let header = |reps: usize| {
-        say!("workload: {what}; {} src ranks -> {} dst ranks, {} tensors; medians of {reps} reps", s.ranks(), d.ranks(), d.tensors().len())
-    };
+    let transport = typed(&a.transport);
+    let header = |reps: usize| say!("workload: {what}; {}; transport {transport}; medians of {reps} reps", pair_summary(&s, &d));
     if a.transport == BenchTransport::Process {
         // Workers read layout files: write the preset's, if that is what we have.
         let (paths, _temp) = match (&a.src, &a.dst) {
             (Some(sp), Some(dp)) => ((sp.clone(), dp.clone()), None),
             _ => {
+                progress.phase("writing layouts for the workers");
                 let dir = std::env::temp_dir().join(format!("refit-bench-{}", std::process::id()));
                 std::fs::create_dir_all(&dir).map_err(|e| fail(format!("{}: {e}", dir.display())))?;
                 let temp = TempLayouts(dir.clone());
@@ -75,8 +106,9 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
             }
         };
         let config = a.cluster.config(&paths.0, &paths.1, opts, "127.0.0.1:0", true)?;
+        progress.phase("starting workers");
         let mut cluster = Cluster::start(config, s.clone(), d.clone(), |_| {}).map_err(|e| fail(e.to_string()))?;
-        let b = refit::bench::cluster_bench(&mut cluster, a.reps);
+        let b = refit::bench::cluster_bench(&mut cluster, a.reps, |p| progress.phase(p.to_string()));
         // The lower bound under the emulated links (no bound without them:
         // loopback and a shared CPU have no link model). The emulation caps
         // each rank's egress only, so the bound is the source group's
@@ -86,21 +118,29 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
             rplan.egress_lower_bound(&links)
         });
         let peak = json!({"launcher": refit::bench::peak_rss_bytes(), "worker_max": cluster.worker_peak_rss()});
+        progress.phase("stopping workers");
         cluster.shutdown();
+        drop(progress);
         let b = b.map_err(|e| fail(e.to_string()))?;
+        if (b.reshard_bytes, b.baseline_bytes) != (rf.total_bytes, bf.total_bytes) {
+            return Err(fail(format!(
+                "bug: the workers report {} and {} bytes moved (reshard, baseline), the plans {} and {}",
+                b.reshard_bytes, b.baseline_bytes, rf.total_bytes, bf.total_bytes
+            )));
+        }
         let ratio = b.baseline.as_secs_f64() / b.reshard.as_secs_f64();
         let efficiency = bound.map(|lb| lb / b.reshard.as_secs_f64());
+        let per_process = typed(&a.cluster.per_process);
         if a.json {
+            let times = |v: &[Duration]| json!({"times_s": v.iter().map(|t| t.as_secs_f64()).collect::<Vec<_>>()});
             say!(
                 "{}",
                 json!({
-                    "workload": what, "reps": b.reps, "transport": "process", "workers": b.workers, "peak_rss_bytes": peak,
-                    "per_process": format!("{:?}", a.cluster.per_process).to_lowercase(),
+                    "workload": what, "reps": b.reps, "transport": transport, "workers": b.workers, "peak_rss_bytes": peak,
+                    "per_process": per_process,
                     "emulated_nic_bytes_per_s": a.cluster.emulation().map(|e| e.0),
-                    "reshard": {"bytes": b.reshard_bytes, "median_s": b.reshard.as_secs_f64(),
-                                "times_s": b.reshard_times.iter().map(|t| t.as_secs_f64()).collect::<Vec<_>>()},
-                    "baseline": {"bytes": b.baseline_bytes, "median_s": b.baseline.as_secs_f64(),
-                                 "times_s": b.baseline_times.iter().map(|t| t.as_secs_f64()).collect::<Vec<_>>()},
+                    "reshard": strategy_json(&rf, b.reshard, times(&b.reshard_times)),
+                    "baseline": strategy_json(&bf, b.baseline, times(&b.baseline_times)),
                     "baseline_over_reshard": ratio,
                     "lower_bound_s": bound,
                     "efficiency": efficiency,
@@ -109,63 +149,54 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
             );
         } else {
             header(b.reps);
-            say!("  {} worker processes ({:?} per process), bit-exact warm-up of each", b.workers, a.cluster.per_process);
-            say_time("reshard", b.reshard_bytes, b.reshard);
-            say_time("baseline", b.baseline_bytes, b.baseline);
-            say_loads("reshard", &rl);
-            say_loads("baseline", &bl);
-            say!("  baseline time / reshard time = {ratio:.2}");
+            say!("{} worker processes (one per {per_process}), a verified warm-up of each strategy", b.workers);
+            say!("");
+            print_times([("reshard", &rf, b.reshard), ("baseline", &bf, b.baseline)], None);
+            say!("");
+            print_loads(&rl, &bl);
+            say!("");
+            say!("baseline time / reshard time = {ratio:.2}");
             match (bound, efficiency) {
-                (Some(lb), Some(e)) => {
-                    say!(
-                        "  lower bound on the emulated (egress-capped) links {:.3} ms; efficiency (lower bound / reshard time) = {e:.2}",
-                        lb * 1e3
-                    )
-                }
-                _ => say!("  efficiency: needs --emulate-nic-mbps (a link model to bound against)"),
+                (Some(lb), Some(e)) => say!(
+                    "lower bound on the emulated (egress-capped) links {}; efficiency (lower bound / reshard time) = {e:.2}",
+                    seconds(lb)
+                ),
+                _ => say!("efficiency: needs --emulate-nic-mbps (a link model to bound against)"),
             }
         }
         return Ok(());
     }
-    let b = exec_bench(&s, &d, (rplan, bplan), a.reps, a.transport).map_err(|e| fail(e.to_string()))?;
-    let reference = match a.transport {
-        BenchTransport::Local => "memcpy",
-        _ => "socket copy",
+    let b = exec_bench(&s, &d, (rplan, bplan), a.reps, a.transport, |p| progress.phase(p.to_string())).map_err(|e| fail(e.to_string()))?;
+    drop(progress);
+    let (reference, copies) = match a.transport {
+        BenchTransport::Local => ("memcpy", "threads"),
+        _ => ("socket copy", "streams"),
     };
-    let transport = format!("{:?}", a.transport).to_lowercase();
+    let vs_reference = b.memcpy.as_secs_f64() / b.reshard.as_secs_f64();
+    let ratio = b.baseline.as_secs_f64() / b.reshard.as_secs_f64();
     if a.json {
         say!(
             "{}",
             json!({
                 "workload": what, "reps": b.reps,
-                "reshard": {"bytes": b.reshard_bytes, "median_s": b.reshard.as_secs_f64()},
-                "baseline": {"bytes": b.baseline_bytes, "median_s": b.baseline.as_secs_f64()},
+                "reshard": strategy_json(&rf, b.reshard, json!({})),
+                "baseline": strategy_json(&bf, b.baseline, json!({})),
                 "transport": transport,
                 "reference": {"kind": reference, "bytes": b.reshard_bytes, "threads": b.memcpy_threads, "median_s": b.memcpy.as_secs_f64()},
-                "reshard_vs_reference": b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
-                "baseline_over_reshard": b.baseline.as_secs_f64() / b.reshard.as_secs_f64(),
+                "reshard_vs_reference": vs_reference,
+                "baseline_over_reshard": ratio,
                 "links": links,
             })
         );
     } else {
         header(b.reps);
-        say_time("reshard", b.reshard_bytes, b.reshard);
-        say_time("baseline", b.baseline_bytes, b.baseline);
-        say!(
-            "  {reference:<11} {:>8}  {:>9.3} ms  {:>7.2} GiB/s  ({} {})",
-            human(b.reshard_bytes),
-            b.memcpy.as_secs_f64() * 1e3,
-            gib(b.reshard_bytes, b.memcpy),
-            b.memcpy_threads,
-            if a.transport == BenchTransport::Local { "threads" } else { "streams" }
-        );
-        say_loads("reshard", &rl);
-        say_loads("baseline", &bl);
-        say!(
-            "  transport {transport}: reshard throughput / {reference} throughput = {:.2}; baseline time / reshard time = {:.2}",
-            b.memcpy.as_secs_f64() / b.reshard.as_secs_f64(),
-            b.baseline.as_secs_f64() / b.reshard.as_secs_f64()
-        );
+        say!("");
+        let reference_row = (format!("{reference} ({} {copies})", b.memcpy_threads), b.reshard_bytes, b.memcpy);
+        print_times([("reshard", &rf, b.reshard), ("baseline", &bf, b.baseline)], Some(reference_row));
+        say!("");
+        print_loads(&rl, &bl);
+        say!("");
+        say!("reshard throughput / {reference} throughput = {vs_reference:.2}; baseline time / reshard time = {ratio:.2}");
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! `refit chaos`: kill workers and inject data-plane faults, check every refit keeps the promise.
 
-use super::report::{load, say, Failure, TempLayouts};
+use super::report::{duration, load, say, Failure, Progress, TempLayouts};
 use crate::ClusterArgs;
 use refit::cluster::PerProcess;
 use reshard::PlanOptions;
@@ -42,21 +42,29 @@ pub(crate) fn run(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), F
         say!("{:<40} {:>7} {:>9} {:>6} {:>5} {:>9}  detail", "case", "failed", "elapsed", "hang", "torn", "recovered");
     }
     let yes = |b: bool| if b { "yes" } else { "no" };
+    let progress = Progress::spinner(as_json);
+    progress.phase("starting workers, then the first case");
+    let mut done = 0;
     let rows = refit::chaos::run_chaos(config, src, dst, |r| {
+        done += 1;
+        progress.phase(format!("{done} cases done"));
         if !as_json {
-            say!(
-                "{:<40} {:>7} {:>7.0}ms {:>6} {:>5} {:>9}  {}",
-                r.case,
-                r.refit_failed.map_or("-", yes),
-                r.elapsed.as_secs_f64() * 1e3,
-                yes(!r.within_deadline),
-                yes(r.torn),
-                yes(r.recovered),
-                r.detail
-            );
+            progress.suspend(|| {
+                say!(
+                    "{:<40} {:>7} {:>9} {:>6} {:>5} {:>9}  {}",
+                    r.case,
+                    r.refit_failed.map_or("-", yes),
+                    duration(r.elapsed),
+                    yes(!r.within_deadline),
+                    yes(r.torn),
+                    yes(r.recovered),
+                    r.detail
+                )
+            });
         }
     })
     .map_err(|e| fail(e.to_string()))?;
+    drop(progress);
     let good = |r: &refit::chaos::ChaosRow| r.within_deadline && !r.torn && r.recovered;
     let ok = rows.iter().filter(|r| good(r)).count();
     if as_json {

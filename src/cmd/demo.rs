@@ -1,6 +1,6 @@
 //! `refit demo` (a small RL loop fed by refit) and the hidden `refit demo-member`.
 
-use super::report::{human, invalid, say, Failure};
+use super::report::{human, invalid, say, seconds, Failure};
 use refit::demo::{run_demo, DemoConfig, DemoError, DemoReport, DemoRole};
 use reshard::Strategy;
 use std::io::IsTerminal as _;
@@ -31,17 +31,14 @@ fn print_demo(report: &DemoReport) {
         "reward start",
         "reward end",
         "refit median",
-        "bytes/refit",
+        "bytes moved",
         "served at end"
     );
     for run in &report.runs {
         let s = &run.summary;
         let served = run.steps.last().map_or(0, |r| r.version_served);
-        let (ms, bytes) = if c.refit {
-            (format!("{:.3} ms", s.median_refit_ms), human(s.median_refit_bytes))
-        } else {
-            ("-".to_string(), "-".to_string())
-        };
+        let (ms, bytes) =
+            if c.refit { (seconds(s.median_refit_ms / 1e3), human(s.median_refit_bytes)) } else { ("-".to_string(), "-".to_string()) };
         say!(
             "  {:<9} {:>12.3} {:>11.3} {:>14} {:>13} {:>14}",
             run.mode.to_string(),
@@ -76,7 +73,8 @@ fn print_demo(report: &DemoReport) {
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(config: DemoConfig, as_json: bool) -> Result<(), Failure> {
-    let progress = !as_json && std::io::stdout().is_terminal();
+    // The demo draws its bar on stderr.
+    let progress = !as_json && std::io::stderr().is_terminal();
     let report = run_demo(config, progress).map_err(|e| match e {
         DemoError::Config(_) => invalid(e.to_string()),
         other => Failure { line: other.to_string(), code: 1 },

@@ -1,6 +1,6 @@
 //! `refit launch` (worker processes running refits among them) and `refit worker` (one of them).
 
-use super::report::{human, invalid, load, options, say, Failure};
+use super::report::{duration, human, invalid, load, options, rate, say, Failure, Progress};
 use crate::{ClusterArgs, Pair};
 use refit::cluster::{run_worker, Cluster, ControlSecret, Hosted, WorkerConfig, WorkerLayouts, SECRET_ENV};
 use reshard::Strategy;
@@ -26,10 +26,15 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
     config.strategy = a.strategy;
     let t = Instant::now();
     let ranks = src.ranks() + dst.ranks();
+    let refits = a.refits.max(1);
     let (quiet, no_spawn) = (a.json, a.no_spawn);
+    let bar = Progress::bar(refits, quiet);
+    bar.phase(if no_spawn { "waiting for workers" } else { "starting workers" });
     let mut cluster = Cluster::start(config, src, dst, |addr| {
         if no_spawn && !quiet {
-            say!("rendezvous listening on {addr}: start workers covering all {ranks} ranks with `refit worker --rendezvous {addr} ...`");
+            bar.suspend(|| {
+                say!("rendezvous listening on {addr}: start workers covering all {ranks} ranks with `refit worker --rendezvous {addr} ...`")
+            });
         }
     })
     .map_err(|e| Failure { line: e.to_string(), code: 1 })?;
@@ -37,55 +42,65 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
     let mut outcomes = Vec::new();
     let mut walls = Vec::new();
     let mut bytes = 0;
-    for version in 1..=a.refits.max(1) {
+    for version in 1..=refits {
+        bar.phase(format!("refit {version}"));
         let t = Instant::now();
         // Replace workers that died since the last refit (a failure here is
         // this refit's failure) — unless the first failure ends the launch.
         let r =
             if a.fail_fast { cluster.refit(version, a.verify) } else { cluster.recover().and_then(|_| cluster.refit(version, a.verify)) };
-        let ms = t.elapsed().as_secs_f64() * 1e3;
+        let took = t.elapsed();
         let error = r.as_ref().err().map(|e| e.to_string());
         if let Ok(o) = &r {
             walls.push(o.report.wall);
             bytes = o.report.bytes;
         }
+        bar.set_position(version);
         if !a.json {
-            match &r {
+            bar.suspend(|| match &r {
                 Ok(o) => say!(
-                    "refit {version}: ok in {ms:.1} ms{}",
+                    "refit {version}: ok in {} ({} with filling the sources{}){}",
+                    duration(o.report.wall),
+                    duration(took),
+                    if a.verify { " and verifying" } else { "" },
                     o.verified.map_or(String::new(), |n| format!(", {n} destination elements verified"))
                 ),
-                Err(e) => say!("refit {version}: FAILED in {ms:.1} ms: {e}"),
-            }
+                Err(e) => say!("refit {version}: FAILED in {}: {e}", duration(took)),
+            });
         }
-        outcomes.push(json!({"version": version, "ok": r.is_ok(), "error": error, "ms": ms}));
+        outcomes.push(json!({"version": version, "ok": r.is_ok(), "error": error, "ms": took.as_secs_f64() * 1e3}));
         if r.is_err() && a.fail_fast {
             break;
         }
     }
+    bar.phase("stopping workers");
     let peak = json!({"launcher": refit::bench::peak_rss_bytes(), "worker_max": cluster.worker_peak_rss()});
     cluster.shutdown();
-    let last_ok = outcomes.last().is_some_and(|o| o["ok"] == true) && outcomes.len() as u64 == a.refits.max(1);
+    drop(bar);
+    let last_ok = outcomes.last().is_some_and(|o| o["ok"] == true) && outcomes.len() as u64 == refits;
     let verified = a.verify && last_ok;
     let failed = outcomes.iter().filter(|o| o["ok"] == false).count();
     if a.json {
-        say!("{}", json!({"refits": outcomes, "verified": verified, "peak_rss_bytes": peak}));
+        say!(
+            "{}",
+            json!({"refits": outcomes, "verified": verified, "bytes_moved": (!walls.is_empty()).then_some(bytes), "peak_rss_bytes": peak})
+        );
     } else {
-        say!("{}: {workers} worker processes ({ranks} ranks), {} moved per refit", a.strategy, human(bytes));
+        say!("{}: {workers} worker processes ({ranks} ranks); bytes moved {} per refit", a.strategy, human(bytes));
         if !walls.is_empty() {
             walls.sort();
             let median = walls[walls.len() / 2];
             say!(
-                "{} refit(s), {failed} failed: median {:.3} ms ({:.2} GiB/s), slowest {:.3} ms; whole launch {:.3} s",
+                "{} refit(s), {failed} failed: median {} ({}), slowest {}; whole launch {}",
                 outcomes.len(),
-                median.as_secs_f64() * 1e3,
-                bytes as f64 / median.as_secs_f64().max(1e-12) / (1u64 << 30) as f64,
-                walls[walls.len() - 1].as_secs_f64() * 1e3,
-                t.elapsed().as_secs_f64()
+                duration(median),
+                rate(bytes, median),
+                duration(walls[walls.len() - 1]),
+                duration(t.elapsed())
             );
         }
         if verified {
-            say!("verify: the committed weights of version {} match on every destination rank", a.refits.max(1));
+            say!("verify: the committed weights of version {refits} match on every destination rank");
         }
     }
     if last_ok {

@@ -1,6 +1,8 @@
 //! `refit plan`: validate both layouts, plan reshard and baseline, print the figures.
 
-use super::report::{figures_json, invalid, load, preset, preset_label, print_figures, say, write_layouts, Failure};
+use super::report::{
+    figures_json, invalid, load, pair_summary, preset, preset_label, print_figures, say, seconds, write_layouts, Failure, Progress,
+};
 use refit::presets::Model;
 use reshard::{baseline_summary, plan_baseline, plan_reshard, LinkModel, PlanOptions};
 use serde_json::json;
@@ -55,18 +57,24 @@ fn topology(name: &str) -> Result<LinkModel, Failure> {
 }
 
 pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
+    let progress = Progress::spinner(args.json);
     let (src, dst, what) = match (args.src, args.dst, args.model) {
-        (Some(s), Some(d), _) => (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display())),
+        (Some(s), Some(d), _) => {
+            progress.phase("reading layouts");
+            (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display()))
+        }
         (_, _, Some(m)) => {
+            progress.phase(format!("building the {m} layouts"));
             let (s, d) = preset(m, args.scale, args.ep)?;
             (s, d, preset_label(m, args.scale, args.ep))
         }
         _ => return Err(invalid("give --src and --dst, or --model".into())),
     };
     if let Some(dir) = args.emit_layouts {
+        progress.phase("writing layouts");
         write_layouts(&src, &dst, dir)?;
         if !args.json {
-            say!("wrote {}/src.json and dst.json", dir.display());
+            progress.suspend(|| say!("wrote {}/src.json and dst.json", dir.display()));
         }
     }
     let links = topology(args.topology)?;
@@ -78,10 +86,15 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
     let opts = PlanOptions { max_staging_bytes: bytes, links };
     let ctx = |e: reshard::PlanError| invalid(format!("{what}: {e}"));
     let write_svg = |p: &Path, plan: &reshard::Plan| {
+        progress.phase(format!("drawing {}", p.display()));
         std::fs::write(p, refit::svg::traffic_svg(plan, &what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))
     };
+    progress.phase("planning reshard");
     let reshard = plan_reshard(&src, &dst, &opts).map_err(ctx)?;
-    let r_est = args.estimate.then(|| reshard.estimate(&links));
+    let r_est = args.estimate.then(|| {
+        progress.phase("estimating the reshard's time");
+        reshard.estimate(&links)
+    });
     if let Some(path) = args.svg {
         write_svg(path, &reshard)?;
     }
@@ -92,10 +105,13 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
     // whole tensors); that is reported, not fatal. Its figures and estimate
     // come without building its plan (millions of transfers on a large
     // model); the plan is built only to draw it.
+    progress.phase("planning baseline (figures only)");
     let baseline = baseline_summary(&src, &dst, &opts, &links);
     if let (Some(path), Ok(_)) = (args.svg, &baseline) {
+        progress.phase("planning baseline (to draw it)");
         write_svg(&path.with_extension("baseline.svg"), &plan_baseline(&src, &dst, &opts).map_err(ctx)?)?;
     }
+    drop(progress);
     let b_est = baseline.as_ref().ok().map(|b| b.estimate);
     if args.json {
         let (b, err) = match &baseline {
@@ -114,29 +130,20 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         say!("{out}");
         return Ok(());
     }
-    say!(
-        "{} src ranks ({} nodes) -> {} dst ranks ({} nodes), {} tensors, fingerprint {}",
-        src.ranks(),
-        src.nodes(),
-        dst.ranks(),
-        dst.nodes(),
-        dst.tensors().len(),
-        fingerprint
-    );
-    print_figures("reshard", &r_figures);
-    match &baseline {
-        Ok(b) => print_figures("baseline", &b.figures),
-        Err(e) => say!("baseline: unavailable: {e}"),
-    }
+    say!("{what}: {}, fingerprint {fingerprint}", pair_summary(&src, &dst));
+    say!("");
+    let estimate_row = r_est.map(|r| {
+        let baseline = b_est.map_or_else(|| "-".into(), |b| seconds(b.seconds));
+        (format!("estimated time ({})", args.topology), [seconds(r.seconds), baseline])
+    });
+    print_figures(&r_figures, baseline.as_ref().map(|b| &b.figures).map_err(|e| e.to_string()), estimate_row.into_iter().collect());
     if let Some(r_est) = r_est {
-        say!("estimate ({} links, model):", args.topology);
-        say!("  reshard      {:>10.3} ms", r_est.seconds * 1e3);
-        if let Some(b) = b_est {
-            say!("  baseline     {:>10.3} ms  ({:.2}x the reshard)", b.seconds * 1e3, b.seconds / r_est.seconds.max(1e-12));
-        }
+        let vs_baseline = b_est
+            .map_or_else(String::new, |b| format!("; the baseline takes {:.2}x the reshard's time", b.seconds / r_est.seconds.max(1e-12)));
         say!(
-            "  lower bound  {:>10.3} ms  (reshard efficiency {:.2})",
-            r_est.lower_bound_seconds * 1e3,
+            "estimate: {} link model; lower bound for any plan {} (reshard efficiency {:.2}){vs_baseline}",
+            args.topology,
+            seconds(r_est.lower_bound_seconds),
             r_est.lower_bound_seconds / r_est.seconds.max(1e-12)
         );
     }

@@ -1,19 +1,23 @@
 //! `refit plan-bench`: time planning on a model preset and report peak memory.
 
-use super::report::{human, invalid, preset, preset_label, say, Failure};
+use super::report::{duration, human, invalid, pair_summary, preset, preset_label, say, Failure, Progress};
 use refit::bench::peak_rss_bytes;
 use refit::presets::Model;
 use reshard::{baseline_summary, plan_baseline, plan_reshard, PlanOptions};
 use std::time::Instant;
 
 pub(crate) fn run(model: Model, scale: u64, ep: Option<u32>, reps: usize, no_baseline: bool) -> Result<(), Failure> {
+    let progress = Progress::spinner(false);
+    progress.phase(format!("building the {model} layouts"));
     let t = Instant::now();
     let (src, dst) = preset(model, scale, ep)?;
     let build = t.elapsed();
     let opts = PlanOptions::default();
+    let reps = reps.max(1);
     let mut times = Vec::new();
     let mut figures = None;
-    for _ in 0..reps.max(1) {
+    for rep in 1..=reps {
+        progress.phase(format!("rep {rep}/{reps}: planning reshard"));
         let t = Instant::now();
         let plan = plan_reshard(&src, &dst, &opts).map_err(|e| invalid(e.to_string()))?;
         times.push(t.elapsed());
@@ -22,17 +26,27 @@ pub(crate) fn run(model: Model, scale: u64, ep: Option<u32>, reps: usize, no_bas
     }
     times.sort();
     let f = figures.unwrap_or_default();
+    let peak = peak_rss_bytes();
+    let baseline = if no_baseline {
+        None
+    } else {
+        progress.phase("planning baseline");
+        let t = Instant::now();
+        let base = plan_baseline(&src, &dst, &opts).map_err(|e| invalid(e.to_string()))?;
+        let (plan_time, figures) = (t.elapsed(), base.figures().clone());
+        drop(base);
+        // What `refit plan` uses: the baseline's figures and estimate
+        // without its plan.
+        progress.phase("summarizing baseline (figures and estimate, no plan)");
+        let t = Instant::now();
+        let summary = baseline_summary(&src, &dst, &opts, &opts.links).map_err(|e| invalid(e.to_string()))?;
+        Some((plan_time, figures, t.elapsed(), summary.figures))
+    };
+    drop(progress);
+    say!("{}: {} (layouts built in {})", preset_label(model, scale, ep), pair_summary(&src, &dst), duration(build));
     say!(
-        "{}: {} tensors, {} src ranks -> {} dst ranks (layouts built in {:.3} s)",
-        preset_label(model, scale, ep),
-        dst.tensors().len(),
-        src.ranks(),
-        dst.ranks(),
-        build.as_secs_f64()
-    );
-    say!(
-        "  reshard plan: median {:.3} s over {} reps; {} pieces, {} transfers, {} messages, {} rounds",
-        times[times.len() / 2].as_secs_f64(),
+        "  reshard planning (the plan only, no per-rank programs): median {} over {} reps; {} pieces, {} transfers, {} messages, {} rounds",
+        duration(times[times.len() / 2]),
         times.len(),
         f.pieces,
         f.transfers,
@@ -40,32 +54,29 @@ pub(crate) fn run(model: Model, scale: u64, ep: Option<u32>, reps: usize, no_bas
         f.rounds
     );
     say!(
-        "  reshard moves {} ({} into the busiest dst node)",
+        "  reshard bytes moved {} (from sources {}, relayed {}); {} into the busiest dst node",
         human(f.total_bytes),
+        human(f.src_egress_bytes),
+        human(f.relayed_bytes()),
         human(f.dst_node_ingress_bytes.iter().copied().max().unwrap_or(0))
     );
-    if let Some(peak) = peak_rss_bytes() {
+    if let Some(peak) = peak {
         say!("  peak resident memory after reshard planning: {}", human(peak));
     }
-    if !no_baseline {
-        let t = Instant::now();
-        let base = plan_baseline(&src, &dst, &opts).map_err(|e| invalid(e.to_string()))?;
+    if let Some((plan_time, b, summary_time, summary)) = baseline {
         say!(
-            "  baseline plan: {:.3} s; {} transfers, moves {}",
-            t.elapsed().as_secs_f64(),
-            base.figures().transfers,
-            human(base.figures().total_bytes)
+            "  baseline planning: {}; {} transfers; bytes moved {} (from sources {}, relayed {})",
+            duration(plan_time),
+            b.transfers,
+            human(b.total_bytes),
+            human(b.src_egress_bytes),
+            human(b.relayed_bytes())
         );
-        drop(base);
-        // What `refit plan` uses: the baseline's figures and estimate
-        // without its plan.
-        let t = Instant::now();
-        let summary = baseline_summary(&src, &dst, &opts, &opts.links).map_err(|e| invalid(e.to_string()))?;
         say!(
-            "  baseline summary (figures and estimate, no plan): {:.3} s; {} messages in {} rounds",
-            t.elapsed().as_secs_f64(),
-            summary.figures.messages,
-            summary.figures.rounds
+            "  baseline summary (figures and estimate, no plan): {}; {} messages in {} rounds",
+            duration(summary_time),
+            summary.messages,
+            summary.rounds
         );
     }
     Ok(())

@@ -4,6 +4,7 @@
 use crate::{ClusterArgs, Pair};
 use refit::cluster::{ClusterConfig, ControlSecret, SECRET_ENV};
 use refit::presets::{layouts_with, Model, PresetError, PresetOptions};
+pub(crate) use refit::units::{duration, human, plural, rate, seconds};
 use reshard::{parse_layout, Figures, Layout, PlanOptions, Strategy};
 use serde_json::json;
 use std::io::IsTerminal as _;
@@ -51,17 +52,35 @@ pub(crate) fn options(pair: &Pair) -> Result<PlanOptions, Failure> {
 pub(crate) fn preset(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), Failure> {
     layouts_with(model, scale, PresetOptions { ep }).map_err(|e| match (e, ep) {
         (e @ (PresetError::EpUnsupported { .. } | PresetError::EpDegree { .. }), Some(ep)) => invalid(format!("--ep {ep}: {e}")),
-        (e, _) => invalid(format!("preset {model:?} at scale {scale}: {e}")),
+        (e, _) => invalid(format!("preset {model} at scale {scale}: {e}")),
     })
 }
 
-/// How the commands name a preset workload: `DeepseekV3 scale 1`, with
-/// ` EP32` after the model when `ep` is given.
+/// How the commands name a preset workload, the model as typed:
+/// `deepseek-v3 scale 1`, with ` EP32` after the model when `ep` is given.
 pub(crate) fn preset_label(model: Model, scale: u64, ep: Option<u32>) -> String {
     match ep {
-        Some(ep) => format!("{model:?} EP{ep} scale {scale}"),
-        None => format!("{model:?} scale {scale}"),
+        Some(ep) => format!("{model} EP{ep} scale {scale}"),
+        None => format!("{model} scale {scale}"),
     }
+}
+
+/// What a layout pair is, in one phrase: `8 src ranks (2 nodes) -> 4 dst
+/// ranks (2 nodes), 2 tensors`.
+pub(crate) fn pair_summary(src: &Layout, dst: &Layout) -> String {
+    format!(
+        "{} src ranks ({}) -> {} dst ranks ({}), {}",
+        src.ranks(),
+        plural(src.nodes(), "node"),
+        dst.ranks(),
+        plural(dst.nodes(), "node"),
+        plural(dst.tensors().len() as u64, "tensor")
+    )
+}
+
+/// A command-line choice as it is typed (`rank`, `tcp`), not its Rust name.
+pub(crate) fn typed(choice: &impl clap::ValueEnum) -> String {
+    choice.to_possible_value().map_or_else(String::new, |v| v.get_name().to_string())
 }
 
 /// Writes `out/src.json` and `out/dst.json`.
@@ -75,9 +94,20 @@ pub(crate) fn write_layouts(src: &Layout, dst: &Layout, out: &Path) -> Result<()
     Ok(())
 }
 
+/// The three byte figures every command reports under the same names:
+/// `bytes_moved` (= `Figures::total_bytes`, also kept under that key where
+/// it was) splits into `src_egress_bytes` and `relayed_bytes`.
+pub(crate) fn bytes_json(f: &Figures) -> serde_json::Map<String, serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    m.insert("bytes_moved".into(), f.total_bytes.into());
+    m.insert("src_egress_bytes".into(), f.src_egress_bytes.into());
+    m.insert("relayed_bytes".into(), f.relayed_bytes().into());
+    m
+}
+
 pub(crate) fn figures_json(f: &Figures) -> serde_json::Value {
-    json!({
-        "src_egress_bytes": f.src_egress_bytes,
+    let mut m = bytes_json(f);
+    let rest = json!({
         "dst_node_ingress_bytes": f.dst_node_ingress_bytes,
         "cross_node_bytes": f.cross_node_bytes,
         "max_rank_send_bytes": f.max_rank_send_bytes,
@@ -89,51 +119,150 @@ pub(crate) fn figures_json(f: &Figures) -> serde_json::Value {
         "rounds": f.rounds,
         "stages": f.stages,
         "pieces": f.pieces,
-    })
+    });
+    if let serde_json::Value::Object(rest) = rest {
+        m.extend(rest);
+    }
+    serde_json::Value::Object(m)
 }
 
-pub(crate) fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
+/// What the byte figures mean, printed under every table that shows them.
+pub(crate) const BYTES_LEGEND: &str = "bytes moved: every message between two ranks, in its wire dtype = from sources (sent by \
+     training ranks) + relayed (forwarded by inference ranks to other inference ranks)";
+
+/// A table for the terminal: a header row, then rows of a label (left
+/// aligned) and figures (right aligned), columns sized to their widest cell.
+pub(crate) struct Table(Vec<Vec<String>>);
+
+impl Table {
+    /// A table with these column names (the first heads the labels).
+    pub(crate) fn new(header: &[&str]) -> Table {
+        Table(vec![header.iter().map(|h| h.to_string()).collect()])
     }
-    if u == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
+
+    /// Adds a row: `label`, then one cell per further column.
+    pub(crate) fn row(&mut self, label: &str, cells: impl IntoIterator<Item = String>) -> &mut Table {
+        self.0.push(std::iter::once(label.to_string()).chain(cells).collect());
+        self
+    }
+
+    /// Prints the table to stdout.
+    pub(crate) fn print(&self) {
+        let columns = self.0.iter().map(Vec::len).max().unwrap_or(0);
+        let width: Vec<usize> =
+            (0..columns).map(|c| self.0.iter().filter_map(|r| r.get(c)).map(|x| x.chars().count()).max().unwrap_or(0)).collect();
+        for row in &self.0 {
+            let mut line = String::new();
+            for (c, cell) in row.iter().enumerate() {
+                if c == 0 {
+                    line.push_str(&format!("{cell:<w$}", w = width[0]));
+                } else {
+                    line.push_str(&format!("   {cell:>w$}", w = width[c]));
+                }
+            }
+            say!("{}", line.trim_end());
+        }
     }
 }
 
-pub(crate) fn print_figures(name: &str, f: &Figures) {
-    let ingress: Vec<String> = f.dst_node_ingress_bytes.iter().map(|&b| human(b)).collect();
-    say!("{name}:");
-    say!("  src egress          {}", human(f.src_egress_bytes));
-    say!("  dst node ingress    [{}]", ingress.join(", "));
-    say!("  cross-node          {}", human(f.cross_node_bytes));
-    say!("  max rank send/recv  {} / {}", human(f.max_rank_send_bytes), human(f.max_rank_recv_bytes));
-    say!(
-        "  messages            {} in {} rounds ({} stages); most per rank: {} sent, {} received",
-        f.messages,
-        f.rounds,
-        f.stages,
-        f.max_rank_send_messages,
-        f.max_rank_recv_messages
-    );
+/// The rows of `refit plan`'s table: a label and how to show it.
+type FigureRow = (&'static str, fn(&Figures) -> String);
+
+const FIGURE_ROWS: [FigureRow; 10] = [
+    ("bytes moved", |f| human(f.total_bytes)),
+    ("  from sources", |f| human(f.src_egress_bytes)),
+    ("  relayed", |f| human(f.relayed_bytes())),
+    ("cross-node", |f| human(f.cross_node_bytes)),
+    ("into each dst node", node_ingress),
+    ("most sent by a rank", |f| human(f.max_rank_send_bytes)),
+    ("most received by a rank", |f| human(f.max_rank_recv_bytes)),
+    ("messages", |f| f.messages.to_string()),
+    ("most messages per rank", |f| format!("{} out, {} in", f.max_rank_send_messages, f.max_rank_recv_messages)),
+    ("rounds (stages)", |f| format!("{} ({})", f.rounds, f.stages)),
+];
+
+/// What each destination node takes in from outside it: one figure when
+/// every node takes the same, else the least and the most.
+fn node_ingress(f: &Figures) -> String {
+    let (lo, hi) = (f.dst_node_ingress_bytes.iter().min(), f.dst_node_ingress_bytes.iter().max());
+    match (lo, hi) {
+        (Some(lo), Some(hi)) if lo != hi => format!("{} to {}", human(*lo), human(*hi)),
+        (_, Some(hi)) => human(*hi),
+        _ => "-".into(),
+    }
 }
 
-/// A progress bar on stderr when it is a terminal and no JSON is asked for.
-pub(crate) fn progress_bar(len: u64, quiet: bool) -> indicatif::ProgressBar {
-    if quiet || !std::io::stderr().is_terminal() {
-        return indicatif::ProgressBar::hidden();
+/// Prints both plans' figures as one table (a column per strategy; a
+/// baseline that cannot be planned shows `-` and why under the table),
+/// then `extra` rows (a label, the reshard's cell, the baseline's), then
+/// the legend.
+pub(crate) fn print_figures(reshard: &Figures, baseline: Result<&Figures, String>, extra: Vec<(String, [String; 2])>) {
+    let mut table = Table::new(&["", "reshard", "baseline"]);
+    for (label, show) in FIGURE_ROWS {
+        table.row(label, [show(reshard), baseline.as_ref().map_or_else(|_| "-".into(), |b| show(b))]);
     }
-    let bar = indicatif::ProgressBar::new(len);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("[{bar:32.cyan/blue}] {pos}/{len} refits {elapsed}") {
-        bar.set_style(style);
+    for (label, cells) in extra {
+        table.row(&label, cells);
     }
-    bar
+    table.print();
+    say!("{BYTES_LEGEND}");
+    if let Err(e) = baseline {
+        say!("baseline unavailable: {e}");
+    }
+}
+
+/// What a command is doing, on stderr while it works: a spinner (or a bar
+/// of refits) with the current phase. Hidden when JSON is asked for or
+/// stderr is not a terminal, so it never mixes with the output; cleared
+/// when dropped.
+pub(crate) struct Progress(indicatif::ProgressBar);
+
+impl Progress {
+    /// A spinner with the phase after it.
+    pub(crate) fn spinner(quiet: bool) -> Progress {
+        Progress::new(None, quiet)
+    }
+
+    /// A bar of `len` refits with the phase after it.
+    pub(crate) fn bar(len: u64, quiet: bool) -> Progress {
+        Progress::new(Some(len), quiet)
+    }
+
+    fn new(len: Option<u64>, quiet: bool) -> Progress {
+        if quiet || !std::io::stderr().is_terminal() {
+            return Progress(indicatif::ProgressBar::hidden());
+        }
+        let (bar, template) = match len {
+            Some(len) => (indicatif::ProgressBar::new(len), "[{bar:32.cyan/blue}] {pos}/{len} refits  {msg} {elapsed}"),
+            None => (indicatif::ProgressBar::new_spinner(), "{spinner} {msg} {elapsed}"),
+        };
+        if let Ok(style) = indicatif::ProgressStyle::with_template(template) {
+            bar.set_style(style);
+        }
+        bar.enable_steady_tick(Duration::from_millis(100));
+        Progress(bar)
+    }
+
+    /// Names what the command does now ("planning reshard", "rep 3/9 reshard").
+    pub(crate) fn phase(&self, what: impl Into<std::borrow::Cow<'static, str>>) {
+        self.0.set_message(what);
+    }
+
+    /// Refits done, on a bar.
+    pub(crate) fn set_position(&self, done: u64) {
+        self.0.set_position(done);
+    }
+
+    /// Runs `f` (which prints to stdout) with the progress line out of the way.
+    pub(crate) fn suspend<R>(&self, f: impl FnOnce() -> R) -> R {
+        self.0.suspend(f)
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
 }
 
 /// Temporary layout files for worker processes, removed when dropped.

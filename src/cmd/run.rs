@@ -1,9 +1,12 @@
 //! `refit run`: fill sources with a pattern, run one refit, optionally verify.
 
-use super::report::{human, invalid, load, options, say, Failure};
+use super::report::{
+    bytes_json, duration, human, invalid, load, options, pair_summary, plural, rate, say, Failure, Progress, BYTES_LEGEND,
+};
 use crate::Pair;
-use refit::runner::prepare;
+use refit::runner::prepare_with;
 use reshard::Strategy;
+use serde_json::json;
 use std::time::Duration;
 use transport::ExecOptions;
 
@@ -18,43 +21,78 @@ fn execute_cuda(_: &mut refit::runner::Prepared) -> Result<transport::ExecReport
     Err(refit::runner::RunError::Gpu("built without the cuda feature".into()))
 }
 
-pub(crate) fn run(pair: &Pair, baseline: bool, verify: bool, transport: &str, deadline_s: u64) -> Result<(), Failure> {
+/// Arguments of `refit run`.
+pub(crate) struct RunArgs<'a> {
+    pub(crate) pair: &'a Pair,
+    pub(crate) baseline: bool,
+    pub(crate) verify: bool,
+    pub(crate) transport: &'a str,
+    pub(crate) deadline_s: u64,
+    pub(crate) json: bool,
+}
+
+pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
+    let transport = a.transport;
     match transport {
         "local" | "tcp" => {}
         "cuda" => transport::cuda_available().map_err(|e| invalid(format!("CUDA transport unavailable: {e}")))?,
         other => return Err(invalid(format!("--transport {other}: unknown transport (available: local, tcp, cuda)"))),
     }
+    let pair = a.pair;
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
     let opts = options(pair)?;
-    let strategy = if baseline { Strategy::Baseline } else { Strategy::Reshard };
-    let mut prepared =
-        prepare(&src, &dst, strategy, &opts).map_err(|e| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display())))?;
-    let exec = ExecOptions { deadline: Duration::from_secs(deadline_s) };
+    let strategy = if a.baseline { Strategy::Baseline } else { Strategy::Reshard };
+    let progress = Progress::spinner(a.json);
+    let mut prepared = prepare_with(&src, &dst, strategy, &opts, |p| progress.phase(p.to_string()))
+        .map_err(|e| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display())))?;
+    let f = prepared.plan.figures().clone();
+    progress.phase(format!("moving {} over the {transport} transport", human(f.total_bytes)));
+    let exec = ExecOptions { deadline: Duration::from_secs(a.deadline_s) };
+    // Each data plane checks that it moved the plan's bytes moved
+    // (`RunError::Accounting`), so the figures below are the plan's.
     let report = match transport {
         "cuda" => execute_cuda(&mut prepared),
         "tcp" => prepared.execute_tcp(&exec),
         _ => prepared.execute(&exec),
     }
     .map_err(|e| Failure { line: e.to_string(), code: 1 })?;
-    let secs = report.elapsed.as_secs_f64();
-    let f = prepared.plan.figures();
-    say!(
-        "{strategy}: {} src ranks -> {} dst ranks, {} tensors, {} moved in {} messages, {} rounds",
-        src.ranks(),
-        dst.ranks(),
-        dst.tensors().len(),
-        human(report.bytes),
-        report.messages,
-        f.rounds
-    );
-    say!(
-        "time {:.3} ms, {:.2} GiB/s (plan {:.3} ms)",
-        secs * 1e3,
-        report.bytes as f64 / secs.max(1e-12) / (1u64 << 30) as f64,
-        prepared.plan_time.as_secs_f64() * 1e3
-    );
-    if verify {
-        let n = prepared.verify(&src, &dst).map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+    let verified = if a.verify {
+        progress.phase("verifying every destination element");
+        Some(prepared.verify(&src, &dst).map_err(|e| Failure { line: e.to_string(), code: 1 })?)
+    } else {
+        None
+    };
+    drop(progress);
+    if a.json {
+        let mut out = json!({
+            "strategy": strategy.to_string(),
+            "transport": transport,
+            "src_ranks": src.ranks(),
+            "dst_ranks": dst.ranks(),
+            "tensors": dst.tensors().len(),
+        });
+        if let serde_json::Value::Object(m) = &mut out {
+            m.extend(bytes_json(&f));
+            m.extend([
+                ("messages".to_string(), json!(f.messages)),
+                ("rounds".to_string(), json!(f.rounds)),
+                ("transfer_s".to_string(), json!(report.elapsed.as_secs_f64())),
+                ("plan_s".to_string(), json!(prepared.plan_time.as_secs_f64())),
+                ("verified_elements".to_string(), json!(verified)),
+            ]);
+        }
+        say!("{out}");
+        return Ok(());
+    }
+    say!("{strategy} over the {transport} transport: {}", pair_summary(&src, &dst));
+    say!("{:<16}{}", "bytes moved", human(f.total_bytes));
+    say!("{:<16}{}", "  from sources", human(f.src_egress_bytes));
+    say!("{:<16}{}", "  relayed", human(f.relayed_bytes()));
+    say!("{:<16}{} in {}", "messages", f.messages, plural(f.rounds, "round"));
+    say!("{:<16}{} ({})", "transfer", duration(report.elapsed), rate(f.total_bytes, report.elapsed));
+    say!("{:<16}{} (the plan and every rank's program, in this process)", "planned in", duration(prepared.plan_time));
+    say!("{BYTES_LEGEND}");
+    if let Some(n) = verified {
         say!("verify: all {n} destination elements match");
     }
     Ok(())

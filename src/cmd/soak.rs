@@ -1,6 +1,6 @@
 //! `refit soak`: many verified refits on the multi-process path, with resource use.
 
-use super::report::{load, progress_bar, say, Failure, TempLayouts};
+use super::report::{duration, human, load, say, Failure, Progress, Table, TempLayouts};
 use crate::ClusterArgs;
 use reshard::PlanOptions;
 use serde_json::json;
@@ -21,11 +21,11 @@ pub(crate) fn run(src: &Option<PathBuf>, dst: &Option<PathBuf>, refits: u64, arg
     };
     let (s, d) = (load(&sp)?, load(&dp)?);
     let config = args.config(&sp, &dp, PlanOptions::default(), "127.0.0.1:0", true)?;
-    let bar = progress_bar(refits, as_json);
+    let bar = Progress::bar(refits, as_json);
+    bar.phase("starting workers, then verified refits");
     let r = refit::soak::run_soak(config, s, d, refits, |n| bar.set_position(n)).map_err(|e| fail(e.to_string()));
-    bar.finish_and_clear();
+    drop(bar);
     let r = r?;
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     if as_json {
         let res = |x: &refit::soak::Resources| json!({"rss_bytes": x.rss_bytes, "fds": x.fds, "threads": x.threads});
         say!(
@@ -43,19 +43,12 @@ pub(crate) fn run(src: &Option<PathBuf>, dst: &Option<PathBuf>, refits: u64, arg
             r.workers,
             r.verified
         );
-        say!(
-            "  refit time: median {:.1} ms, slowest {:.1} ms; whole soak {:.1} s",
-            r.median.as_secs_f64() * 1e3,
-            r.slowest.as_secs_f64() * 1e3,
-            r.elapsed.as_secs_f64()
-        );
-        say!(
-            "  after refit 1:    RSS {:>8.1} MiB  fds {:>5}  threads {:>5}  (launcher + workers)",
-            mib(r.first.rss_bytes),
-            r.first.fds,
-            r.first.threads
-        );
-        say!("  after refit {:<5} RSS {:>8.1} MiB  fds {:>5}  threads {:>5}", r.refits, mib(r.last.rss_bytes), r.last.fds, r.last.threads);
+        say!("  refit time: median {}, slowest {}; whole soak {}", duration(r.median), duration(r.slowest), duration(r.elapsed));
+        let mut table = Table::new(&["launcher + workers", "RSS", "fds", "threads"]);
+        for (when, x) in [("after refit 1".to_string(), &r.first), (format!("after refit {}", r.refits), &r.last)] {
+            table.row(&when, [human(x.rss_bytes), x.fds.to_string(), x.threads.to_string()]);
+        }
+        table.print();
     }
     Ok(())
 }
