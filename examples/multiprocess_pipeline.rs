@@ -210,7 +210,12 @@ async fn driver() -> Result<(), String> {
     // that a pair that cannot be planned fails before the first step.
     let plan = orchestrator.plan().await.map_err(|e| format!("plan: {e}"))?;
     let pids: Vec<u32> = children.0.iter().map(Child::id).collect();
-    println!("driver {}: trainers and rollouts in processes {pids:?}; plan {} moves {} bytes", std::process::id(), plan.fingerprint, plan.bytes);
+    println!(
+        "driver {}: trainers and rollouts in processes {pids:?}; plan {} moves {} bytes",
+        std::process::id(),
+        plan.fingerprint,
+        plan.bytes
+    );
     for step in 1..=STEPS {
         let versions = trainers.call_all(|_| Step(step)).await.map_err(|e| format!("step {step}: {e}"))?;
         let version = versions[0];

@@ -38,8 +38,8 @@ use actors::{async_trait, spawn, spawn_group, Actor, ActorError, ActorGroup, Con
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use orchestrator::rendezvous::ControlConfig;
 use orchestrator::{
-    join, spawn_orchestrator, spawn_refit, Fabric, JoinConfig, NodeFabric, OrchestratorConfig, OrchestratorHandle, RefitError, Rendezvous,
-    Role, DstStore, SrcStore,
+    join, spawn_orchestrator, spawn_refit, DstStore, Fabric, JoinConfig, NodeFabric, OrchestratorConfig, OrchestratorHandle, RefitError,
+    Rendezvous, Role, SrcStore,
 };
 use reshard::{parse_layout, Group, Layout, Strategy};
 use serde::{Deserialize, Serialize};
@@ -715,9 +715,8 @@ async fn run_once(config: &DemoConfig, mode: Strategy, bar: Option<&ProgressBar>
         let system = spawn_refit(&src, &dst, OrchestratorConfig { mode, ..OrchestratorConfig::default() }).await?;
         let trainers: ActorGroup<Trainer> =
             spawn_group(TRAIN_TP, SpawnConfig::default().name("trainer"), |r| Trainer::new(r, system.src_stores[r].clone()));
-        let rollouts: ActorGroup<Rollout> = spawn_group(ROLLOUT_DP * ROLLOUT_TP, SpawnConfig::default().name("rollout"), |r| {
-            Rollout::new(r, system.dst_stores[r].clone())
-        });
+        let rollouts: ActorGroup<Rollout> =
+            spawn_group(ROLLOUT_DP * ROLLOUT_TP, SpawnConfig::default().name("rollout"), |r| Rollout::new(r, system.dst_stores[r].clone()));
         let result = drive(config, mode, &task, &system.orchestrator, &trainers, &rollouts, bar).await;
         trainers.stop();
         rollouts.stop();

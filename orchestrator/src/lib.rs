@@ -56,8 +56,8 @@ use reshard::{Endpoint, Group, Layout, Rank, Strategy};
 /// stores and tensor views, the refit system and its errors.
 pub mod prelude {
     pub use crate::{
-        spawn_refit, BufferError, Buffers, DstStore, OrchestratorConfig, OrchestratorError, OrchestratorHandle, RefitError,
-        RefitReport, RefitSystem, Snapshot, SrcStore, TensorView, TensorViewMut, Weights,
+        spawn_refit, BufferError, Buffers, DstStore, OrchestratorConfig, OrchestratorError, OrchestratorHandle, RefitError, RefitReport,
+        RefitSystem, Snapshot, SrcStore, TensorView, TensorViewMut, Weights,
     };
     pub use reshard::{parse_layout, DType, Endpoint, Group, Layout, LayoutBuilder, MeshDim, Rank, Strategy, TensorBuilder};
 }

@@ -70,8 +70,10 @@ pub struct RefitReport {
     /// Committing on every destination.
     pub commit_time: Duration,
     /// Bytes moved: the payload of every message between two ranks, in the
-    /// dtype it travels in (the plan's [`Figures::total_bytes`], the same
-    /// figure `refit plan`, `run` and `bench` print as "bytes moved").
+    /// dtype it travels in, as the members counted them while sending. It
+    /// equals the plan's [`Figures::total_bytes`], the figure `refit plan`,
+    /// `run` and `bench` print as "bytes moved" (a difference is logged as
+    /// a warning: it would be a bug).
     ///
     /// [`Figures::total_bytes`]: reshard::Figures::total_bytes
     pub bytes: u64,
@@ -771,17 +773,23 @@ impl Orchestrator {
         let moved = self.transfer(refit, &session, version, fingerprint, &mut connect_time).await;
         hub::close(&session);
         let transfer_time = t.elapsed().saturating_sub(connect_time);
-        if let Err(e) = moved {
-            // Every destination keeps serving its last committed version;
-            // every member drops what it prepared for this refit.
-            // A member that is stuck (an abort that hangs) must not hold up
-            // the report: the discard is queued, not awaited; each member
-            // handles it before anything the next refit asks.
-            self.enter(RefitStep::Discarding);
-            for (_, m) in self.src.iter().chain(self.dst.iter()) {
-                let _ = m.try_tell(MemberMsg::Discard);
+        let sent = match moved {
+            Ok(sent) => sent,
+            Err(e) => {
+                // Every destination keeps serving its last committed version;
+                // every member drops what it prepared for this refit.
+                // A member that is stuck (an abort that hangs) must not hold up
+                // the report: the discard is queued, not awaited; each member
+                // handles it before anything the next refit asks.
+                self.enter(RefitStep::Discarding);
+                for (_, m) in self.src.iter().chain(self.dst.iter()) {
+                    let _ = m.try_tell(MemberMsg::Discard);
+                }
+                return Err(e);
             }
-            return Err(e);
+        };
+        if sent != bytes {
+            tracing::warn!(sent, planned = bytes, "members sent another number of bytes than the plan moves");
         }
         // The second phase: every destination has staged the whole
         // version; flip.
@@ -800,11 +808,12 @@ impl Orchestrator {
             connect_time,
             transfer_time,
             commit_time: t.elapsed(),
-            bytes,
+            bytes: sent,
         })
     }
 
-    /// Prepare, connect and run on every member: the first phase.
+    /// Prepare, connect and run on every member: the first phase. Returns
+    /// the bytes the members sent, as they counted them.
     async fn transfer(
         &self,
         refit: u64,
@@ -812,7 +821,7 @@ impl Orchestrator {
         version: u64,
         fingerprint: Fingerprint,
         connect_time: &mut Duration,
-    ) -> Result<(), OrchestratorError> {
+    ) -> Result<u64, OrchestratorError> {
         let t = Instant::now();
         let control = self.config.control_timeout;
         let fabric = self.config.fabric.clone();
@@ -838,7 +847,15 @@ impl Orchestrator {
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline });
         self.enter(RefitStep::Running);
         let ran = call_both(&self.src, &self.dst, run, deadline + control).await?;
-        no_refusal(&ran)
+        no_refusal(&ran)?;
+        let mut sent = 0;
+        for (member, reply) in ran {
+            let MemberReply::Ran(stats) = reply else {
+                return Err(OrchestratorError::Protocol { member, request: "Run", reply: format!("{reply:?}") });
+            };
+            sent += stats.sent_bytes;
+        }
+        Ok(sent)
     }
 
     /// Puts `member` in place of rank `endpoint`'s.

@@ -596,7 +596,11 @@ impl SrcStore {
     /// Runs `f` under the write lock; on `Ok` the store holds version
     /// `next(current)`, whole; on `Err` (or a panic) it keeps its version
     /// and is torn if `f` had written.
-    async fn write<T, E>(&self, next: impl FnOnce(Option<u64>) -> u64, f: impl FnOnce(&mut Buffers) -> Result<T, E>) -> Result<(u64, T), E> {
+    async fn write<T, E>(
+        &self,
+        next: impl FnOnce(Option<u64>) -> u64,
+        f: impl FnOnce(&mut Buffers) -> Result<T, E>,
+    ) -> Result<(u64, T), E> {
         let mut guard = self.buffers.write().await;
         guard.written = false;
         let unwinding = TornOnUnwind(&self.state);
@@ -751,13 +755,11 @@ mod tests {
                 .tensor(TensorBuilder::new("w", DType::F32, [4, 3]).mesh([2], [Shard(0)]).buffer("params", 0))
                 .tensor(TensorBuilder::new("e", DType::BF16, [2, 2]).mesh([2], [Shard(0)]))
                 .tensor(TensorBuilder::new("b", DType::F32, [3]).mesh([2], [Shard(0)]).buffer("params", 6))
-                .tensor(
-                    TensorBuilder::new("flat", DType::F32, [3, 4]).shard(1, Region::Flat { start: 2, len: 7 }, Storage::Own).shard(
-                        0,
-                        Region::Flat { start: 0, len: 2 },
-                        Storage::Own,
-                    ),
-                )
+                .tensor(TensorBuilder::new("flat", DType::F32, [3, 4]).shard(1, Region::Flat { start: 2, len: 7 }, Storage::Own).shard(
+                    0,
+                    Region::Flat { start: 0, len: 2 },
+                    Storage::Own,
+                ))
                 .build()
                 .unwrap(),
         )

@@ -79,7 +79,10 @@ async fn refit_delivers_every_version_and_plans_once() {
         assert_eq!(report.version, v);
         // Planned when the system was made.
         assert!(!report.replanned && !report.already_served);
-        assert!(report.bytes > 0);
+        // The bytes the members sent are the bytes the plan moves.
+        let plan = sys.orchestrator.plan().await.unwrap();
+        assert!(!plan.replanned && report.bytes > 0);
+        assert_eq!((report.bytes, report.fingerprint), (plan.bytes, Some(plan.fingerprint)));
         for (version, values) in served(&sys) {
             assert_eq!(version, v);
             assert!(values.iter().all(|&x| x == k as f32 * 1.5), "{values:?}");
@@ -165,7 +168,9 @@ async fn members_that_disagree_on_their_layout_are_rejected() {
     sys.orchestrator.attach(sys.src_members.clone(), dsts).await.unwrap();
     let v = step(&sys, 1.0).await;
     match sys.orchestrator.refit(v).await {
-        Err(RefitError::Refit(OrchestratorError::Layout { group: Group::Dst, problem })) => assert!(problem.contains("rank 1"), "{problem}"),
+        Err(RefitError::Refit(OrchestratorError::Layout { group: Group::Dst, problem })) => {
+            assert!(problem.contains("rank 1"), "{problem}")
+        }
         other => panic!("expected a layout error, got {other:?}"),
     }
 }
@@ -194,10 +199,7 @@ async fn a_dead_member_is_replaced_alone_and_the_refit_goes_on() {
     assert!(report.replanned);
     assert_eq!(report.fingerprint, first.fingerprint);
     assert!(serves(&sys, v, 2.0));
-    assert!(matches!(
-        sys.replace_member(Endpoint::dst(4)).await,
-        Err(RefitError::Refit(OrchestratorError::NoRank { ranks: 4, .. }))
-    ));
+    assert!(matches!(sys.replace_member(Endpoint::dst(4)).await, Err(RefitError::Refit(OrchestratorError::NoRank { ranks: 4, .. }))));
     // Everyone has it now: the next refit plans nothing.
     let v = step(&sys, 3.0).await;
     assert!(!sys.orchestrator.refit(v).await.unwrap().replanned);

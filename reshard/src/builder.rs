@@ -206,12 +206,13 @@ mod tests {
                 {"name": "k", "dtype": "f32", "shape": [4, 4], "mesh": {"shape": [2], "ranks": [2, 3]}, "placements": ["shard(0)"], "buffer": "qkv", "at": 8}]}"#,
         );
         check(
-            Layout::builder(2)
-                .tensor(TensorBuilder::new("f", DType::F32, [4, 4]).shard(0, Region::Flat { start: 0, len: 6 }, Storage::Own).shard(
+            Layout::builder(2).tensor(
+                TensorBuilder::new("f", DType::F32, [4, 4]).shard(0, Region::Flat { start: 0, len: 6 }, Storage::Own).shard(
                     1,
                     Region::Flat { start: 6, len: 10 },
                     Storage::InBuffer { buffer: "flat".into(), at: 2 },
-                )),
+                ),
+            ),
             r#"{"ranks": 2, "tensors": [{"name": "f", "dtype": "f32", "shape": [4, 4], "shards": [
                 {"rank": 0, "flat": [0, 6]}, {"rank": 1, "flat": [6, 10], "buffer": "flat", "at": 2}]}]}"#,
         );

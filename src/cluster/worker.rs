@@ -12,7 +12,7 @@
 //! [`Member`]: orchestrator::Member
 
 use actors::{async_trait, spawn, Actor, ActorError, Context, SpawnConfig};
-use orchestrator::{join, JoinConfig, Joined, Role, DstStore, SrcStore};
+use orchestrator::{join, DstStore, JoinConfig, Joined, Role, SrcStore};
 use reshard::{DType, Endpoint, Group, Layout};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
