@@ -7,7 +7,7 @@ use serde_json::Value;
 use std::process::Command;
 
 #[test]
-fn chaos_cases_keep_the_promise() {
+fn slow_chaos_cases_keep_the_promise() {
     let out = Command::new(env!("CARGO_BIN_EXE_refit")).args(["chaos", "--json"]).output().expect("spawn refit");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}\n{}", String::from_utf8_lossy(&out.stderr)));

@@ -37,7 +37,7 @@ fn check_launch(name: &str, extra: &[&str]) {
 /// data plane with both strategies, with a process per node (ranks of a
 /// node share memory) and with a process per rank.
 #[test]
-fn every_example_is_bit_exact_across_processes() {
+fn slow_every_example_is_bit_exact_across_processes() {
     for name in ["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d"] {
         check_launch(name, &["--per-process", "node"]);
         check_launch(name, &["--per-process", "node", "--baseline"]);
@@ -84,7 +84,7 @@ fn children_of(parent: u32) -> Vec<u32> {
 /// workers are killed with SIGKILL: it reports each refit, replaces the
 /// dead workers, and ends with a committed, verified refit (exit 0).
 #[test]
-fn launch_survives_killed_workers() {
+fn slow_launch_survives_killed_workers() {
     let (src, dst) = example("tp-to-tp");
     // Emulated links slow each refit to most of a second, so the kills land
     // while refits run.

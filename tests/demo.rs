@@ -94,7 +94,7 @@ fn demo_in_processes(extra: &[&str]) -> serde_json::Value {
 }
 
 #[test]
-fn in_worker_processes_refit_carries_the_learning() {
+fn slow_in_worker_processes_refit_carries_the_learning() {
     let with = demo_in_processes(&[]);
     let pids: Vec<u64> = with["processes"].as_array().expect("processes").iter().filter_map(|p| p.as_u64()).collect();
     // 4 training ranks and 4 rollout ranks, none of them this process.

@@ -642,12 +642,12 @@ fn llama3_8b_matches_the_real_model() {
 }
 
 #[test]
-fn qwen3_235b_matches_the_real_model() {
+fn slow_qwen3_235b_matches_the_real_model() {
     check(&qwen3_235b());
 }
 
 #[test]
-fn deepseek_v3_matches_the_real_model() {
+fn slow_deepseek_v3_matches_the_real_model() {
     check(&deepseek_v3());
 }
 
@@ -848,7 +848,7 @@ fn check_fused_ep(dst: &Layout, ep: u32) {
 /// deployed, every rank and node holding exactly what the closed forms say,
 /// each node far less than the whole model once EP spans several nodes.
 #[test]
-fn deepseek_v3_expert_parallel_inference() {
+fn slow_deepseek_v3_expert_parallel_inference() {
     let (src0, tp8) = layouts(Model::DeepseekV3, 1).unwrap();
     let whole: u64 = hf_tensors(&DEEPSEEK_V3).iter().map(|(_, s)| numel(s)).sum();
     let routed: u64 = hf_tensors(&DEEPSEEK_V3).iter().filter(|(n, _)| is_expert(n)).map(|(_, s)| numel(s)).sum();
@@ -877,7 +877,7 @@ fn deepseek_v3_expert_parallel_inference() {
 
 /// The default layouts are the ones without options.
 #[test]
-fn default_options_are_the_plain_presets() {
+fn slow_default_options_are_the_plain_presets() {
     for model in [Model::Llama3_8b, Model::Qwen3_235b, Model::DeepseekV3] {
         let plain = layouts(model, 64).unwrap();
         assert!(layouts_with(model, 64, PresetOptions::default()).unwrap() == plain, "{model:?}");
@@ -918,7 +918,7 @@ fn deepseek_v3_expert_parallel_plans_node_ingress() {
 /// build's per-rank pattern fill (ranks x tensors) short; every stage, EP
 /// rank and kind of buffer is in it.
 #[test]
-fn deepseek_v3_expert_parallel_refit_verifies() {
+fn slow_deepseek_v3_expert_parallel_refit_verifies() {
     let keep = |name: &str| !name.starts_with("model.layers.") || matches!(layer_of(name), Some(0 | 3 | 16 | 31 | 46));
     for ep in [32, 128] {
         let (src, dst) = deepseek_ep(512, ep);

@@ -7,7 +7,7 @@ use serde_json::Value;
 use std::process::Command;
 
 #[test]
-fn consecutive_refits_leak_nothing() {
+fn slow_consecutive_refits_leak_nothing() {
     let out = Command::new(env!("CARGO_BIN_EXE_refit")).args(["soak", "--refits", "30", "--json"]).output().expect("spawn refit");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));

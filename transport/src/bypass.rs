@@ -247,7 +247,7 @@ mod tests {
     /// bypasses the scratch of ranks that only keep slices (and still
     /// delivers every element); the reshard has no scratch.
     #[test]
-    fn bypassed_scratch_is_never_touched() {
+    fn slow_bypassed_scratch_is_never_touched() {
         let check = |name: &str, src: &str, dst: &str, want_some: bool| {
             let (src, dst) = (parse_layout(src).unwrap(), parse_layout(dst).unwrap());
             for cap in [1 << 20, 4096, 256] {
