@@ -51,13 +51,13 @@ pub struct ChaosConfig {
 
 /// The cases, in the order they run.
 pub const CASES: [&str; 12] = [
-    "kill idle sink (detection time)",
+    "kill idle destination (detection time)",
     "kill source during attach",
-    "kill sink during attach",
+    "kill destination during attach",
     "kill source mid-transfer",
-    "kill sink mid-transfer",
+    "kill destination mid-transfer",
     "kill source during commit",
-    "kill sink during commit",
+    "kill destination during commit",
     "stalled peer (stops sending)",
     "abort that hangs",
     "cut connection",
@@ -90,7 +90,7 @@ pub fn run_chaos(
         version += 1;
         let t = Instant::now();
         let (failed, detail) = match case {
-            "kill idle sink (detection time)" => {
+            "kill idle destination (detection time)" => {
                 let pid = cluster.workers()[a_dst].pid;
                 kill_pid(pid);
                 let seen = cluster.wait_for_death(Duration::from_secs(10));
@@ -102,25 +102,25 @@ pub fn run_chaos(
                 let at = Duration::ZERO;
                 let kill = match case {
                     "kill source during attach" => kill(a_src, RefitStep::Preparing, at),
-                    "kill sink during attach" => kill(a_dst, RefitStep::Connecting, at),
+                    "kill destination during attach" => kill(a_dst, RefitStep::Connecting, at),
                     "kill source mid-transfer" => kill(a_src, RefitStep::Running, mid),
-                    "kill sink mid-transfer" => kill(a_dst, RefitStep::Running, mid),
+                    "kill destination mid-transfer" => kill(a_dst, RefitStep::Running, mid),
                     "kill source during commit" => kill(a_src, RefitStep::Committing, at),
-                    "kill sink during commit" => kill(a_dst, RefitStep::Committing, at),
+                    "kill destination during commit" => kill(a_dst, RefitStep::Committing, at),
                     _ => None,
                 };
                 let stall = FaultSpec { stall_at_frame: Some(0), ..FaultSpec::default() };
                 let faults = match case {
                     "stalled peer (stops sending)" => vec![(rank(a_src), stall)],
-                    // A source stalls; the sinks waiting for it time out at
+                    // A source stalls; the destinations waiting for it time out at
                     // the deadline, and the abort of whichever times out
-                    // first hangs (as NCCL's has been seen to; every sink's
+                    // first hangs (as NCCL's has been seen to; every destination's
                     // would): the refit still returns, and the stuck worker
                     // is replaced.
                     "abort that hangs" => {
                         let hang = FaultSpec { abort_hang: Some(bound * 4), ..FaultSpec::default() };
-                        let sinks = workers.iter().flat_map(|w| w.ranks.iter().copied()).filter(|e| e.group == Group::Dst);
-                        std::iter::once((rank(a_src), stall)).chain(sinks.map(|e| (e, hang.clone()))).collect()
+                        let destinations = workers.iter().flat_map(|w| w.ranks.iter().copied()).filter(|e| e.group == Group::Dst);
+                        std::iter::once((rank(a_src), stall)).chain(destinations.map(|e| (e, hang.clone()))).collect()
                     }
                     "cut connection" => vec![(rank(a_src), FaultSpec { cut_at_frame: Some(1), ..FaultSpec::default() })],
                     "corrupt frame (checksums on)" => vec![(rank(a_src), FaultSpec { corrupt_frame: Some(0), ..FaultSpec::default() })],

@@ -17,7 +17,7 @@
 //! `W2` column block `[ACTIONS, HS]` (row-major) and all of `b2`
 //! (replicated). See [`training_layout_json`].
 //!
-//! **Rollout group** (sinks): TP2 × DP2 on 4 ranks (one replica per node),
+//! **Rollout group** (destinations): TP2 × DP2 on 4 ranks (one replica per node),
 //! bf16, DTensor-style mesh placements (`W1` and `b1` `shard(0)`, `W2`
 //! `shard(1)` over the TP dim, `b2` replicated). See
 //! [`rollout_layout_json`].
@@ -738,7 +738,7 @@ async fn run_once(config: &DemoConfig, mode: Strategy, bar: Option<&ProgressBar>
 pub enum DemoRole {
     /// A training rank: a [`Trainer`] and its source member.
     Trainer,
-    /// An inference rank: a [`Rollout`] and its sink member.
+    /// An inference rank: a [`Rollout`] and its destination member.
     Rollout,
 }
 
@@ -781,8 +781,8 @@ impl ProcessCast {
                     .map_err(DemoError::Actor)?;
             }
         }
-        let sources = rendezvous.members(Group::Src, src.ranks(), JOIN_WITHIN).await.map_err(actor)?;
-        let sinks = rendezvous.members(Group::Dst, dst.ranks(), JOIN_WITHIN).await.map_err(actor)?;
+        let src_members = rendezvous.members(Group::Src, src.ranks(), JOIN_WITHIN).await.map_err(actor)?;
+        let dst_members = rendezvous.members(Group::Dst, dst.ranks(), JOIN_WITHIN).await.map_err(actor)?;
         let mut trainers = Vec::new();
         for r in 0..TRAIN_TP {
             trainers.push(rendezvous.lookup::<Trainer>(&DemoRole::Trainer.name(r), JOIN_WITHIN).await.map_err(actor)?);
@@ -793,7 +793,7 @@ impl ProcessCast {
         }
         let config = OrchestratorConfig { mode, fabric: Fabric::Node(NodeFabric::default()), ..OrchestratorConfig::default() };
         Ok(ProcessCast {
-            orchestrator: spawn_orchestrator(sources, sinks, config),
+            orchestrator: spawn_orchestrator(src_members, dst_members, config),
             trainers: ActorGroup::from_refs(trainers),
             rollouts: ActorGroup::from_refs(rollouts),
             _rendezvous: rendezvous,

@@ -56,9 +56,9 @@ impl Children {
         // with the default of up to 8 malloc arenas per core each keeps its
         // own free memory; and it holds thousands of weight buffers and
         // frames of 64 KiB and more, which, mapped on their own, stay
-        // untouched until written (a sink's version 0 costs nothing) and go
+        // untouched until written (a destination's version 0 costs nothing) and go
         // back to the system when freed. Together: DeepSeek-V3 at 1/128, a
-        // sink worker's peak over 2 refits 414-422 -> ~335 MiB.
+        // destination worker's peak over 2 refits 414-422 -> ~335 MiB.
         for (name, value) in [(MALLOC_ARENA_MAX, "2"), (MALLOC_MMAP_THRESHOLD, "65536")] {
             if std::env::var_os(name).is_none() {
                 command.env(name, value);

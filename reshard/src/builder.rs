@@ -218,6 +218,23 @@ mod tests {
         );
     }
 
+    /// The layouts `docs/pipeline.md` §1 builds.
+    #[test]
+    fn the_pipeline_guide_layouts_build() {
+        let train = Layout::builder(2)
+            .tensor(TensorBuilder::new("w", DType::F32, [4, 8]).mesh([2], [Shard(0)]).buffer("params", 0))
+            .tensor(TensorBuilder::new("b", DType::F32, [8]).mesh([2], [Replicate]).buffer("params", 16))
+            .build()
+            .unwrap();
+        let infer = Layout::builder(1)
+            .tensor(TensorBuilder::new("w", DType::BF16, [4, 8]).mesh([1], [Replicate]))
+            .tensor(TensorBuilder::new("b", DType::BF16, [8]).mesh([1], [Replicate]))
+            .build()
+            .unwrap();
+        assert_eq!(train.rank_buffers(1).iter().map(|b| (b.name.as_str(), b.elems)).collect::<Vec<_>>(), [("params", 24)]);
+        assert_eq!(infer.rank_buffers(0).iter().map(|b| (b.name.as_str(), b.elems)).collect::<Vec<_>>(), [("w#0", 32), ("b#0", 8)]);
+    }
+
     #[test]
     fn builder_errors_name_the_tensor() {
         let err = |b: LayoutBuilder| b.build().unwrap_err().to_string();

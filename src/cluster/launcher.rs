@@ -2,7 +2,7 @@
 //! by a cluster launcher such as srun) whose members the one
 //! [`orchestrator`] drives. The launcher only starts processes, steps the
 //! sources to a weights version, asks the orchestrator to refit, checks the
-//! sinks, and replaces processes that died.
+//! destinations, and replaces processes that died.
 
 use super::worker::{group_name, pattern_name, FaultSpec, PatternMsg, PatternRank, PatternReply};
 use super::{ControlSecret, PerProcess, IDLE_THREAD};
@@ -59,7 +59,7 @@ pub enum ClusterError {
     /// The cluster could not be set up (or a worker could not be replaced).
     #[error("{0}")]
     Setup(String),
-    /// The refit failed; every sink still serves its last committed version.
+    /// The refit failed; every destination still serves its last committed version.
     #[error(transparent)]
     Refit(#[from] RefitError),
     /// A source could not be stepped to the refit's version.
@@ -70,7 +70,7 @@ pub enum ClusterError {
         /// What went wrong.
         problem: String,
     },
-    /// A sink does not serve exactly the version it should.
+    /// A destination does not serve exactly the version it should.
     #[error("{who}: {problem}")]
     Check {
         /// The rank.
@@ -89,7 +89,7 @@ pub struct RefitOutcome {
     pub verified: Option<u64>,
 }
 
-/// What one sink serves, as checked element by element.
+/// What one destination serves, as checked element by element.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Committed {
     /// The rank.
@@ -217,13 +217,13 @@ impl Cluster {
         }
         let within = config.setup_timeout;
         let (members, patterns) = runtime.block_on(async {
-            let sources = rendezvous.members(Group::Src, src.ranks(), within).await.map_err(setup)?;
-            let sinks = rendezvous.members(Group::Dst, dst.ranks(), within).await.map_err(setup)?;
+            let src_members = rendezvous.members(Group::Src, src.ranks(), within).await.map_err(setup)?;
+            let dst_members = rendezvous.members(Group::Dst, dst.ranks(), within).await.map_err(setup)?;
             let mut patterns = Vec::new();
             for e in hosts.iter().flat_map(|h| h.ranks.iter().copied()) {
                 patterns.push((e, rendezvous.lookup::<PatternRank>(&pattern_name(e), within).await.map_err(setup)?));
             }
-            Ok::<_, ClusterError>(([sources.refs().to_vec(), sinks.refs().to_vec()], patterns))
+            Ok::<_, ClusterError>(([src_members.refs().to_vec(), dst_members.refs().to_vec()], patterns))
         })?;
         let orchestrator = {
             let _guard = runtime.enter();
@@ -275,7 +275,7 @@ impl Cluster {
 
     /// Steps every source to the pattern of `version` (an optimizer step),
     /// refits it, and with `verify` checks every destination element of
-    /// every sink afterwards.
+    /// every destination afterwards.
     pub fn refit(&mut self, version: u64, verify: bool) -> Result<RefitOutcome, ClusterError> {
         self.refit_with(version, verify, &[], None)
     }
@@ -352,7 +352,7 @@ impl Cluster {
         Ok(RefitOutcome { report, verified })
     }
 
-    /// What every sink serves, checked element by element.
+    /// What every destination serves, checked element by element.
     pub fn check(&self) -> Vec<Committed> {
         let timeout = self.config.setup_timeout;
         self.runtime.block_on(async {
@@ -482,8 +482,8 @@ impl Cluster {
                 slot.1 = p;
             }
         }
-        let (sources, sinks) = (ActorGroup::from_refs(self.members[0].clone()), ActorGroup::from_refs(self.members[1].clone()));
-        self.runtime.block_on(self.orchestrator.attach(sources, sinks))?;
+        let (src_members, dst_members) = (ActorGroup::from_refs(self.members[0].clone()), ActorGroup::from_refs(self.members[1].clone()));
+        self.runtime.block_on(self.orchestrator.attach(src_members, dst_members))?;
         Ok(())
     }
 

@@ -7,7 +7,7 @@
 //! orchestrator ([`orchestrator::Orchestrator`]) over the node fabric.
 //! Each worker ([`run_worker`]) hosts one rank or every rank of a node:
 //! per rank a store, the orchestrator's member, and a pattern actor that
-//! steps the sources to a weights version and checks what the sinks serve.
+//! steps the sources to a weights version and checks what the destinations serve.
 //! Dead workers are replaced ([`Cluster::recover`]) and the job goes on.
 //! See `docs/multiprocess.md` and `docs/reliability.md`.
 

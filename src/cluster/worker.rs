@@ -5,7 +5,7 @@
 //! a store with the rank's weights, the orchestrator's [`Member`] over that
 //! store ([`Joined::serve_member`]), and an actor of its own that writes or
 //! reads the store — here a [`PatternRank`], which writes the pattern of a
-//! weights version into a source ("an optimizer step") and checks a sink's
+//! weights version into a source ("an optimizer step") and checks a destination's
 //! committed weights element by element. The test pattern lives only here,
 //! in the tooling; the orchestrator moves whatever the stores hold.
 //!
@@ -75,13 +75,13 @@ impl Hosted {
 }
 
 /// What a worker keeps of the layout pair: the layout of the group it
-/// hosts, and (for sinks, whose check converts from the source's values)
+/// hosts, and (for destinations, whose check converts from the source's values)
 /// the source dtype of every tensor. Never the other group's whole layout.
 #[derive(Debug)]
 pub struct WorkerLayouts {
     /// The hosted group's layout.
     pub layout: Layout,
-    /// Source dtype by tensor name (sinks; empty for sources).
+    /// Source dtype by tensor name (destinations; empty for sources).
     pub source_dtypes: HashMap<String, DType>,
 }
 
@@ -108,7 +108,7 @@ pub(crate) enum PatternMsg {
         /// The version.
         version: u64,
     },
-    /// Sinks: check every committed element against the pattern of the
+    /// Destinations: check every committed element against the pattern of the
     /// committed version.
     Check,
     /// Inject these faults into this rank's data plane in the next refit.
@@ -125,7 +125,7 @@ pub(crate) enum PatternReply {
         /// The version.
         version: u64,
     },
-    /// What a sink serves: its committed version (0: nothing committed
+    /// What a destination serves: its committed version (0: nothing committed
     /// yet), the elements checked, and the first element that does not
     /// match that version, if any (a torn version).
     Checked {
@@ -138,7 +138,7 @@ pub(crate) enum PatternReply {
     },
 }
 
-/// The pattern's writer (sources) or checker (sinks) of one rank.
+/// The pattern's writer (sources) or checker (destinations) of one rank.
 pub(crate) struct PatternRank {
     layout: Arc<Layout>,
     source_dtypes: Arc<HashMap<String, DType>>,

@@ -124,7 +124,7 @@ pub(crate) fn worker(
         "dst" => reshard::Group::Dst,
         other => return Err(invalid(format!("--group {other}: expected src or dst"))),
     };
-    // Only the hosted group's layout stays; a sink keeps the source's
+    // Only the hosted group's layout stays; a destination keeps the source's
     // dtypes for its check (the source layout is dropped before the
     // destination's is read, so both never live at once).
     let layouts = match group {
