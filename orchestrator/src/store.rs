@@ -698,8 +698,10 @@ impl DstStore {
     /// versions.
     pub fn snapshot_at(&self, version: u64) -> Option<Arc<Snapshot>> {
         let live = self.live();
-        let found = [&live.current, &live.previous].into_iter().flatten().find(|s| s.version == version).cloned();
-        found
+        if let Some(current) = live.current.as_ref().filter(|s| s.version == version) {
+            return Some(current.clone());
+        }
+        live.previous.as_ref().filter(|s| s.version == version).cloned()
     }
 
     /// The version readers currently get; `None` before the first refit.
