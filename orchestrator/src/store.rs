@@ -74,6 +74,19 @@ pub enum BufferError {
         /// How many blocks it holds.
         blocks: usize,
     },
+    /// A buffer holds fewer bytes than the layout places in it (memory
+    /// replaced through [`Buffers::memory_mut`]).
+    #[error("rank {rank}: buffer '{buffer}' holds {bytes} bytes, the layout places data up to byte {needed}")]
+    Truncated {
+        /// The rank.
+        rank: Rank,
+        /// The buffer.
+        buffer: String,
+        /// Bytes it holds.
+        bytes: usize,
+        /// Bytes the layout needs.
+        needed: usize,
+    },
     /// The element type does not allow the access.
     #[error("{what}: holds {dtype}, which cannot be {access}")]
     DType {
@@ -94,6 +107,18 @@ pub enum BufferError {
         /// Values given.
         given: u64,
     },
+}
+
+/// Where one block of a tensor lives in a rank's memory.
+struct Located {
+    /// The tensor's index in the layout.
+    tensor: u32,
+    /// The block of the global tensor.
+    block: Block,
+    /// The buffer's index.
+    buffer: usize,
+    /// The bytes of the buffer it occupies (within the buffer).
+    bytes: std::ops::Range<usize>,
 }
 
 /// A rank's buffers: the memory the data plane reads and writes, and the
@@ -176,12 +201,19 @@ impl Buffers {
         &mut self.memory
     }
 
+    /// The index of buffer `name`, which the memory holds (perhaps
+    /// shorter than the layout says, if replaced through `memory_mut`).
     fn buffer_index(&self, name: &str) -> Result<usize, BufferError> {
-        self.specs.iter().position(|b| b.name == name).ok_or_else(|| BufferError::NoBuffer {
+        let i = self.specs.iter().position(|b| b.name == name).ok_or_else(|| BufferError::NoBuffer {
             rank: self.rank,
             name: name.to_string(),
             known: some_names(self.specs.iter().map(|s| s.name.as_str())),
-        })
+        })?;
+        if i >= self.memory.buffers.len() {
+            let needed = (self.specs[i].elems * self.specs[i].dtype.size()) as usize;
+            return Err(BufferError::Truncated { rank: self.rank, buffer: name.to_string(), bytes: 0, needed });
+        }
+        Ok(i)
     }
 
     /// The bytes of the buffer named `name` (a fused buffer's name, or
@@ -214,9 +246,10 @@ impl Buffers {
         encode_f32(&|| format!("rank {rank}: buffer '{name}'"), self.specs[i].dtype, values, &mut self.memory.buffers[i])
     }
 
-    /// Every block of tensor `name` this rank holds: (block, buffer index,
-    /// element offset in the buffer).
-    fn locate(&self, name: &str) -> Result<Vec<(Block, usize, u64)>, BufferError> {
+    /// Every block of tensor `name` this rank holds, with the bytes it
+    /// occupies in this rank's memory (checked against the memory's size:
+    /// a buffer replaced through `memory_mut` may be shorter).
+    fn locate(&self, name: &str) -> Result<Vec<Located>, BufferError> {
         let Some(t) = self.layout.tensor_index(name) else {
             let hint = match name.split_once('#') {
                 Some((tensor, _)) if self.layout.tensor_index(tensor).is_some() => {
@@ -230,21 +263,28 @@ impl Buffers {
         if held.is_empty() {
             return Err(BufferError::NotHeld { rank: self.rank, name: name.to_string() });
         }
+        let size = self.layout.tensors()[t as usize].dtype.size();
         held.into_iter()
             .map(|(block, loc)| {
                 // `rank_buffers` lists every buffer `rank_holdings` names.
+                let buffer_name = || self.layout.buffer_name(loc.buffer);
                 let i = self.specs.iter().position(|s| s.key == loc.buffer).ok_or_else(|| BufferError::NoBuffer {
                     rank: self.rank,
-                    name: self.layout.buffer_name(loc.buffer),
+                    name: buffer_name(),
                     known: some_names(self.specs.iter().map(|s| s.name.as_str())),
                 })?;
-                Ok((block, i, loc.at))
+                let (start, len) = ((loc.at * size) as usize, (block.numel() * size) as usize);
+                let held = self.memory.buffers.get(i).map_or(0, Vec::len);
+                if start + len > held {
+                    return Err(BufferError::Truncated { rank: self.rank, buffer: buffer_name(), bytes: held, needed: start + len });
+                }
+                Ok(Located { tensor: t, block, buffer: i, bytes: start..start + len })
             })
             .collect()
     }
 
     /// The one block of tensor `name` this rank holds.
-    fn locate_one(&self, name: &str) -> Result<(Block, usize, u64), BufferError> {
+    fn locate_one(&self, name: &str) -> Result<Located, BufferError> {
         let mut blocks = self.locate(name)?;
         match blocks.len() {
             1 => Ok(blocks.remove(0)),
@@ -252,12 +292,10 @@ impl Buffers {
         }
     }
 
-    fn view(&self, name: &str, (block, i, at): (Block, usize, u64)) -> TensorView<'_> {
-        let t = &self.layout.tensors()[self.layout.tensor_index(name).unwrap_or(0) as usize];
-        let size = t.dtype.size();
-        let start = (at * size) as usize;
-        let bytes = &self.memory.buffers[i][start..start + (block.numel() * size) as usize];
-        TensorView { name: &t.name, shape: &t.shape, dtype: t.dtype, block, bytes }
+    fn view(&self, found: Located) -> TensorView<'_> {
+        let t = &self.layout.tensors()[found.tensor as usize];
+        let bytes = &self.memory.buffers[found.buffer][found.bytes];
+        TensorView { name: &t.name, shape: &t.shape, dtype: t.dtype, block: found.block, bytes }
     }
 
     /// The block of tensor `name` this rank holds, with where it sits in
@@ -265,19 +303,19 @@ impl Buffers {
     /// blocks ([`tensor_blocks`](Self::tensor_blocks)).
     pub fn tensor(&self, name: &str) -> Result<TensorView<'_>, BufferError> {
         let found = self.locate_one(name)?;
-        Ok(self.view(name, found))
+        Ok(self.view(found))
     }
 
     /// Every block of tensor `name` this rank holds (one for a mesh
     /// placement; a flat shard spanning rows is several).
     pub fn tensor_blocks(&self, name: &str) -> Result<Vec<TensorView<'_>>, BufferError> {
-        Ok(self.locate(name)?.into_iter().map(|found| self.view(name, found)).collect())
+        Ok(self.locate(name)?.into_iter().map(|found| self.view(found)).collect())
     }
 
     /// The block of tensor `name` this rank holds, writable.
     pub fn tensor_mut(&mut self, name: &str) -> Result<TensorViewMut<'_>, BufferError> {
         let found = self.locate_one(name)?;
-        Ok(self.view_mut(name, found))
+        Ok(self.view_mut(found))
     }
 
     /// Block `index` of [`tensor_blocks`](Self::tensor_blocks), writable.
@@ -287,16 +325,14 @@ impl Buffers {
             return Err(BufferError::NoBlock { rank: self.rank, name: name.to_string(), index, blocks: blocks.len() });
         }
         let found = blocks.swap_remove(index);
-        Ok(self.view_mut(name, found))
+        Ok(self.view_mut(found))
     }
 
-    fn view_mut(&mut self, name: &str, (block, i, at): (Block, usize, u64)) -> TensorViewMut<'_> {
+    fn view_mut(&mut self, found: Located) -> TensorViewMut<'_> {
         self.written = true;
-        let t = &self.layout.tensors()[self.layout.tensor_index(name).unwrap_or(0) as usize];
-        let size = t.dtype.size();
-        let start = (at * size) as usize;
-        let bytes = &mut self.memory.buffers[i][start..start + (block.numel() * size) as usize];
-        TensorViewMut { name: &t.name, shape: &t.shape, dtype: t.dtype, block, bytes }
+        let t = &self.layout.tensors()[found.tensor as usize];
+        let bytes = &mut self.memory.buffers[found.buffer][found.bytes];
+        TensorViewMut { name: &t.name, shape: &t.shape, dtype: t.dtype, block: found.block, bytes }
     }
 
     /// Names of the tensors this rank holds some part of, in layout order.
@@ -799,6 +835,12 @@ mod tests {
         assert_eq!(e(b.tensor_block_mut("flat", 3).map(drop)), "rank 1 holds 3 blocks of tensor 'flat', not block 3");
         assert_eq!(e(b.tensor_mut("w").unwrap().write_f32(&[1.0])), "tensor 'w': 1 values given for 6 elements");
         let blocks = b.tensor_blocks("flat").unwrap();
+        // Memory replaced by hand with less than the layout places in it.
+        let mut cut = Buffers::new(&layout(), 1);
+        cut.memory_mut().buffers[0].truncate(10);
+        assert_eq!(e(cut.tensor("w").map(drop)), "rank 1: buffer 'params' holds 10 bytes, the layout places data up to byte 24");
+        cut.memory_mut().buffers.clear();
+        assert_eq!(e(cut.buffer("params").map(drop)), "rank 1: buffer 'params' holds 0 bytes, the layout places data up to byte 28");
         assert_eq!(blocks.iter().map(|v| v.len()).sum::<u64>(), 7);
         assert_eq!(e(blocks[0].to_bits16().map(drop)), "tensor 'flat': holds f32, which cannot be read as 16-bit patterns");
     }
