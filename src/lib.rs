@@ -15,7 +15,7 @@
 //! - [`orchestrator`]: the stores, the refit members and the orchestrator.
 //!
 //! The rest of this crate is the `refit` command line's: [`runner`] runs a
-//! refit on the embedded in-process data plane, [`bench`], [`chaos`] and
+//! refit on the embedded in-process data plane, [`bench`](mod@bench), [`chaos`] and
 //! [`soak`] measure and break it, [`cluster`] starts worker processes, and
 //! [`demo`] is a small RL loop that learns only because refit delivers fresh
 //! weights.
