@@ -114,9 +114,11 @@ fn plan_accepts_a_valid_pair() {
     assert!(text.contains("reshard") && text.contains("baseline"), "{text}");
 }
 
-const FIGURE_KEYS: [&str; 11] = [
+const FIGURE_KEYS: [&str; 13] = [
     "bytes_moved",
     "src_egress_bytes",
+    "src_rank_egress_bytes",
+    "max_src_rank_egress_bytes",
     "relayed_bytes",
     "total_bytes",
     "dst_node_ingress_bytes",
@@ -141,7 +143,7 @@ fn plan_json(src: &Path, dst: &Path) -> Value {
         let f = obj.get(strategy).and_then(Value::as_object).unwrap_or_else(|| panic!("no '{strategy}' object in {v}"));
         for key in FIGURE_KEYS {
             let x = f.get(key).unwrap_or_else(|| panic!("{strategy} lacks '{key}': {v}"));
-            if key == "dst_node_ingress_bytes" {
+            if key == "dst_node_ingress_bytes" || key == "src_rank_egress_bytes" {
                 let a = x.as_array().unwrap_or_else(|| panic!("{strategy}.{key} is not an array: {v}"));
                 assert!(a.iter().all(|n| n.as_u64().is_some()), "{strategy}.{key}: {v}");
             } else {
@@ -410,6 +412,60 @@ fn plan_draws_traffic_and_estimates() {
     }
     let out = refit(&["plan", "--topology", "nope.json", "--src", s(&src), "--dst", s(&dst)]);
     assert_eq!(out.status.code(), Some(2));
+}
+
+/// `refit plan --estimate` says its times are modelled: in JSON
+/// (`modelled: true`, what each model is, a finite positive baseline /
+/// reshard ratio) and in text (the row label and a legend line). A preset
+/// with a published measurement quotes it as a reference with its source;
+/// a pair of files has none.
+#[test]
+fn plan_estimates_are_labelled_modelled_with_the_measured_reference() {
+    let args = ["plan", "--model", "deepseek-v3", "--scale", "64", "--estimate", "--json"];
+    let out = assert_ok(&args);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", describe(&args, &out)));
+    let e = &v["estimate"];
+    assert_eq!(e["modelled"], true, "{e}");
+    assert_eq!(e["baseline_model"], "pipelined chunked broadcast", "{e}");
+    let (r, b, lb) = (e["reshard_s"].as_f64(), e["baseline_s"].as_f64(), e["lower_bound_s"].as_f64());
+    let (Some(r), Some(b), Some(lb)) = (r, b, lb) else { panic!("reshard_s, baseline_s and lower_bound_s are numbers: {e}") };
+    let ratio = b / r;
+    assert!(ratio.is_finite() && ratio > 0.0, "baseline / reshard {ratio}: {e}");
+    assert_eq!(e["ratio"].as_f64(), Some(ratio), "{e}");
+    assert!(r >= lb && b >= lb, "an estimate below the lower bound: {e}");
+    let reference = &e["reference_ratio"];
+    assert_eq!(reference["measured"], true, "{e}");
+    assert!(reference["ratio"].as_f64().is_some_and(|x| (x - 14.9 / 2.6).abs() < 1e-9), "{e}");
+    assert!(reference["source"].as_str().is_some_and(|s| s.contains("NVIDIA")), "{e}");
+    // Per source rank, the bytes it sends off its node, for both strategies.
+    for strategy in ["reshard", "baseline"] {
+        let per_rank = v[strategy]["src_rank_egress_bytes"].as_array().map(|a| a.iter().filter_map(Value::as_u64).collect::<Vec<_>>());
+        let per_rank = per_rank.unwrap_or_else(|| panic!("{strategy}: no src_rank_egress_bytes"));
+        assert_eq!(per_rank.len(), 256, "{strategy}: one entry per source rank");
+        assert_eq!(v[strategy]["max_src_rank_egress_bytes"].as_u64(), per_rank.iter().copied().max(), "{strategy}");
+    }
+    // In text: the row says modelled, a legend line says what is modelled,
+    // and the reference is NVIDIA's measurement, not ours.
+    let args = ["plan", "--model", "qwen3-235b", "--scale", "64", "--estimate"];
+    let out = assert_ok(&args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let what = describe(&args, &out);
+    assert!(text.lines().any(|l| l.starts_with("estimate (modelled, dgx-h100)")), "{what}");
+    assert!(text.lines().any(|l| l.starts_with("most sent off-node by a src rank")), "{what}");
+    assert!(text.lines().any(|l| l.starts_with("estimate: modelled") && l.contains("pipelined chunked broadcast")), "{what}");
+    let reference: Vec<&str> = text.lines().filter(|l| l.starts_with("reference, measured by NVIDIA")).collect();
+    assert!(reference.len() == 1 && reference[0].contains("3.4x") && reference[0].contains("not by refit"), "{what}");
+    // A pair of files: modelled, with no reference.
+    let dir = Scratch::new("estimate");
+    let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
+    let args = ["plan", "--estimate", "--json", "--src", s(&src), "--dst", s(&dst)];
+    let out = assert_ok(&args);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", describe(&args, &out)));
+    assert!(v["estimate"]["modelled"] == true && v["estimate"].get("reference_ratio").is_none(), "{v}");
+    let args = ["plan", "--estimate", "--src", s(&src), "--dst", s(&dst)];
+    let out = assert_ok(&args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("estimate (modelled, dgx-h100)") && !text.contains("reference"), "{}", describe(&args, &out));
 }
 
 /// `refit launch` runs one process per rank, meeting at a rendezvous and

@@ -19,7 +19,7 @@
 //! outline: per tensor, a recipe shared by every tensor placed alike.
 
 use crate::block::Block;
-use crate::cost::LinkModel;
+use crate::cost::{LinkModel, PipelinedBroadcast};
 use crate::dtype::{wire_dtype, DType};
 use crate::layout::{Layout, Placement, Rank};
 use crate::overlap::{atomize, SourceIndex};
@@ -127,14 +127,25 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
     Ok(Plan::assemble_in_rounds(Strategy::Baseline, src, dst, options, parts, Scheduled { transfers: all, rounds, stages }))
 }
 
-/// The baseline's figures and estimated refit time, without its plan.
+/// The baseline's figures and estimated refit times, without its plan.
 #[derive(Clone, Debug, PartialEq)]
 pub struct BaselineSummary {
     /// Exactly `plan_baseline(src, dst, options)?.figures()`.
     pub figures: Figures,
     /// `plan_baseline(src, dst, options)?.estimate(links)`: the same
-    /// per-round maxima, summed in the same order.
+    /// per-round maxima, summed in the same order. This prices the plan as
+    /// it is written, store and forward: every stage (the gathers, each
+    /// doubling across nodes, each fan-out inside them) waits for the one
+    /// before, and a node forwards only whole pieces.
     pub estimate: Estimate,
+    /// The baseline as NCCL runs it: the gathers, then per tensor a
+    /// pipelined, chunked ring broadcast from its root, broadcasts of
+    /// different roots overlapping ([`PipelinedBroadcast`] gives the
+    /// formula). This is the baseline time to compare with the reshard's
+    /// estimate; its lower bound is the same as `estimate`'s.
+    ///
+    /// [`PipelinedBroadcast`]: crate::cost::PipelinedBroadcast
+    pub pipelined: Estimate,
 }
 
 /// The figures and the estimate of the gather-broadcast baseline from `src`
@@ -237,6 +248,7 @@ pub fn baseline_summary(src: &Layout, dst: &Layout, options: &PlanOptions, links
     // The figures that do not depend on rounds, from the pairs' totals.
     let mut f = Figures {
         dst_node_ingress_bytes: vec![0; dst.nodes() as usize],
+        src_rank_egress_bytes: vec![0; src.ranks() as usize],
         rounds,
         stages: outline.stages(),
         pieces: outline.pieces,
@@ -257,6 +269,11 @@ pub fn baseline_summary(src: &Layout, dst: &Layout, options: &PlanOptions, links
         }
         if cross {
             f.cross_node_bytes += bytes;
+            if from.group == Group::Src {
+                if let Some(b) = f.src_rank_egress_bytes.get_mut(from.rank as usize) {
+                    *b += bytes;
+                }
+            }
             if to.group == Group::Dst {
                 if let Some(b) = f.dst_node_ingress_bytes.get_mut(ends.node(to) as usize) {
                     *b += bytes;
@@ -269,7 +286,8 @@ pub fn baseline_summary(src: &Layout, dst: &Layout, options: &PlanOptions, links
     f.max_rank_send_messages = sent_msgs.into_iter().max().unwrap_or(0);
     f.max_rank_recv_messages = recv_msgs.into_iter().max().unwrap_or(0);
     let lower_bound_seconds = lower_bound(&outline.needs, outline.unique_bytes, src.ranks(), dst.ranks(), dst.ranks_per_node(), links);
-    Ok(BaselineSummary { figures: f, estimate: Estimate { seconds, lower_bound_seconds } })
+    let pipelined = Estimate { seconds: outline.pipelined_seconds(src, dst, &ends, links), lower_bound_seconds };
+    Ok(BaselineSummary { figures: f, estimate: Estimate { seconds, lower_bound_seconds }, pipelined })
 }
 
 /// The running state of [`baseline_summary`]: the stage being packed and
@@ -669,6 +687,9 @@ impl Recipe {
 /// first node receives from the root, nodes double, leaders fan out.
 struct Tree {
     leader: Rank,
+    /// The receivers, node by node, in the order the broadcast reaches the
+    /// nodes (ascending).
+    nodes: Vec<Vec<Rank>>,
     /// Transfers by stage (stages 0 and 1 have none), as pairs of
     /// destination ranks, in the order the plan makes them.
     stages: Vec<Vec<u32>>,
@@ -686,7 +707,12 @@ impl Tree {
                 start = i;
             }
         }
-        let mut tree = Tree { leader: receivers.first().copied().unwrap_or(0), stages: Vec::new(), last: 1 };
+        let mut tree = Tree {
+            leader: receivers.first().copied().unwrap_or(0),
+            nodes: groups.iter().map(|g| g.to_vec()).collect(),
+            stages: Vec::new(),
+            last: 1,
+        };
         let mut push = |from: Rank, to: Rank, stage: u16| {
             let s = stage as usize;
             if tree.stages.len() <= s {
@@ -858,6 +884,29 @@ impl Outline {
         let (&first, rest) = self.used_trees.split_first()?;
         let l0 = list(first);
         (stage >= 2 && !l0.is_empty() && rest.iter().all(|&t| list(t) == l0)).then(|| l0.to_vec())
+    }
+
+    /// The baseline's time as NCCL runs it ([`PipelinedBroadcast`]): each
+    /// recipe once, weighted by the tensors that use it.
+    fn pipelined_seconds(&self, src: &Layout, dst: &Layout, ends: &Ends, links: &LinkModel) -> f64 {
+        let mut uses = vec![0u64; self.recipes.len()];
+        for &(_, _, recipe) in &self.tensors {
+            uses[recipe as usize] += 1;
+        }
+        let mut model = PipelinedBroadcast::new(src.ranks(), dst.ranks(), links);
+        for (rec, &count) in self.recipes.iter().zip(&uses) {
+            let Some(rec) = rec.as_ref().filter(|_| count > 0) else { continue };
+            let root = Endpoint::src(rec.root);
+            for &(sender, block, _) in rec.gather() {
+                if sender != rec.root {
+                    let bytes = block.numel().saturating_mul(rec.src_size);
+                    model.gather(sender, rec.root, ends.cross(Endpoint::src(sender), root), bytes, count);
+                }
+            }
+            let nodes: Vec<&[Rank]> = self.trees[rec.tree as usize].nodes.iter().map(Vec::as_slice).collect();
+            model.broadcast(rec.root, rec.full.numel().saturating_mul(rec.wire_size), &nodes, count);
+        }
+        model.seconds()
     }
 
     /// Number of stages: gathers, broadcast stages, local copies.

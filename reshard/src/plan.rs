@@ -150,6 +150,11 @@ pub struct Figures {
     /// Bytes sent by source ranks (to destination ranks, and, in the
     /// baseline's gather, to other source ranks).
     pub src_egress_bytes: u64,
+    /// Per source rank, the bytes it sends to other nodes (over its NIC):
+    /// its part of [`src_egress_bytes`](Self::src_egress_bytes), less what
+    /// it sends to ranks of its own node (the baseline's gather inside a
+    /// node). One entry per source rank.
+    pub src_rank_egress_bytes: Vec<u64>,
     /// Bytes entering each destination node from outside it.
     pub dst_node_ingress_bytes: Vec<u64>,
     /// Bytes crossing a node boundary (every source-to-destination byte does).
@@ -183,6 +188,13 @@ impl Figures {
     /// among destinations (baseline). `total_bytes - src_egress_bytes`.
     pub fn relayed_bytes(&self) -> u64 {
         self.total_bytes.saturating_sub(self.src_egress_bytes)
+    }
+
+    /// Most bytes one source rank sends to other nodes (the largest of
+    /// [`src_rank_egress_bytes`](Self::src_rank_egress_bytes); 0 when there
+    /// are none).
+    pub fn max_src_rank_egress_bytes(&self) -> u64 {
+        self.src_rank_egress_bytes.iter().copied().max().unwrap_or(0)
     }
 }
 
@@ -876,6 +888,7 @@ fn figures(plan: &Plan, packer: &RoundPacker, stages: u32, rounds: u32, transfer
     let (n_src, n) = (packer.n_src, packer.n);
     let mut f = Figures {
         dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],
+        src_rank_egress_bytes: vec![0; n_src],
         stages,
         pieces: plan.pieces.len() as u64,
         transfers: transfers as u64,
@@ -899,6 +912,9 @@ fn figures(plan: &Plan, packer: &RoundPacker, stages: u32, rounds: u32, transfer
         let (from_node, to_node) = (node[a], node[z]);
         if from_node != to_node {
             f.cross_node_bytes += b;
+            if a < n_src {
+                f.src_rank_egress_bytes[a] += b;
+            }
             if to_node.0 == Group::Dst {
                 f.dst_node_ingress_bytes[to_node.1 as usize] += b;
             }
@@ -932,6 +948,7 @@ fn count_figures(plan: &Plan, piece_bytes: &[(u64, u64)], rounds: u32, stages: u
     let base = rounds;
     let mut f = Figures {
         dst_node_ingress_bytes: vec![0; plan.dst_ranks.div_ceil(plan.dst_rpn) as usize],
+        src_rank_egress_bytes: vec![0; n_src],
         rounds: base,
         stages,
         pieces: plan.pieces.len() as u64,
@@ -965,6 +982,9 @@ fn count_figures(plan: &Plan, piece_bytes: &[(u64, u64)], rounds: u32, stages: u
         let (from_node, to_node) = (node[a], node[z]);
         if from_node != to_node {
             f.cross_node_bytes += b;
+            if t.from.group == Group::Src {
+                f.src_rank_egress_bytes[a] += b;
+            }
             if t.to.group == Group::Dst {
                 f.dst_node_ingress_bytes[to_node.1 as usize] += b;
             }
@@ -1632,6 +1652,37 @@ mod tests {
                 }
                 assert_eq!(plan.estimate_within(&links, 0), dense, "cap {cap}: bucketed, reversed");
                 assert_eq!(plan.estimate_within(&links, u64::MAX), dense, "cap {cap}: dense, reversed");
+            }
+        }
+    }
+
+    /// Per source rank, the bytes it sends off its node, counted from the
+    /// transfers: one entry per source rank, summing to the source bytes
+    /// that cross nodes (all of them in the reshard, all but the gathers
+    /// inside a node in the baseline).
+    #[test]
+    fn src_rank_egress_is_what_each_source_rank_sends_off_its_node() {
+        for (s, d) in [
+            (include_str!("../../examples/mixed-2d/src.json"), include_str!("../../examples/mixed-2d/dst.json")),
+            (include_str!("../../examples/tp-to-tp/src.json"), include_str!("../../examples/tp-to-tp/dst.json")),
+            (include_str!("../../examples/ep-moe/src.json"), include_str!("../../examples/ep-moe/dst.json")),
+        ] {
+            let (src, dst) = (parse_layout(s).unwrap(), parse_layout(d).unwrap());
+            for (a, b) in [(&src, &dst), (&dst, &src)] {
+                for plan in [plan_reshard(a, b, &PlanOptions::default()).unwrap(), plan_baseline(a, b, &PlanOptions::default()).unwrap()] {
+                    let mut want = vec![0u64; plan.src_ranks() as usize];
+                    for t in plan.transfers().iter().filter(|t| t.from.group == Group::Src && plan.node_of(t.from) != plan.node_of(t.to)) {
+                        want[t.from.rank as usize] += plan.wire_bytes(t);
+                    }
+                    let f = plan.figures();
+                    assert_eq!(f.src_rank_egress_bytes, want, "{:?}", plan.strategy());
+                    assert_eq!(f.max_src_rank_egress_bytes(), want.iter().copied().max().unwrap_or(0));
+                    if plan.strategy() == Strategy::Reshard {
+                        assert_eq!(want.iter().sum::<u64>(), f.src_egress_bytes);
+                    } else {
+                        assert!(want.iter().sum::<u64>() <= f.src_egress_bytes);
+                    }
+                }
             }
         }
     }

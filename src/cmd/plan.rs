@@ -56,20 +56,57 @@ fn topology(name: &str) -> Result<LinkModel, Failure> {
     Ok(links)
 }
 
+/// A refit measured by someone else on a preset's model: quoted next to
+/// our modelled ratio as a reference, never as our measurement.
+struct Reference {
+    /// The model and setup measured.
+    workload: &'static str,
+    /// Measured gather-broadcast and reshard refit times, seconds.
+    baseline_s: f64,
+    reshard_s: f64,
+    /// Who measured it, and where it is published.
+    source: &'static str,
+}
+
+impl Reference {
+    fn ratio(&self) -> f64 {
+        self.baseline_s / self.reshard_s
+    }
+}
+
+/// NVIDIA's measured refit times for the presets that have one.
+fn reference(model: Model) -> Option<Reference> {
+    const SOURCE: &str = "NVIDIA, NeMo RL weight refit, measured end to end in their setup";
+    match model {
+        Model::DeepseekV3 => {
+            Some(Reference { workload: "DeepSeek-V3 671B at full size on DGX H100", baseline_s: 14.9, reshard_s: 2.6, source: SOURCE })
+        }
+        Model::Qwen3_235b => {
+            Some(Reference { workload: "Qwen3-235B-A22B at full size on DGX H100", baseline_s: 6.4, reshard_s: 1.9, source: SOURCE })
+        }
+        Model::Llama3_8b => None,
+    }
+}
+
+/// What the two modelled times are, for the legend and `--json`.
+const RESHARD_MODEL: &str = "per round the busiest link, summed over rounds";
+const BASELINE_MODEL: &str = "pipelined chunked broadcast";
+
 pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
     let progress = Progress::spinner(args.json);
-    let (src, dst, what) = match (args.src, args.dst, args.model) {
+    let (src, dst, what, model) = match (args.src, args.dst, args.model) {
         (Some(s), Some(d), _) => {
             progress.phase("reading layouts");
-            (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display()))
+            (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display()), None)
         }
         (_, _, Some(m)) => {
             progress.phase(format!("building the {m} layouts"));
             let (s, d) = preset(m, args.scale, args.ep)?;
-            (s, d, preset_label(m, args.scale, args.ep))
+            (s, d, preset_label(m, args.scale, args.ep), Some(m))
         }
         _ => return Err(invalid("give --src and --dst, or --model".into())),
     };
+    let reference = model.and_then(reference);
     if let Some(dir) = args.emit_layouts {
         progress.phase("writing layouts");
         write_layouts(&src, &dst, dir)?;
@@ -112,7 +149,11 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         write_svg(&path.with_extension("baseline.svg"), &plan_baseline(&src, &dst, &opts).map_err(ctx)?)?;
     }
     drop(progress);
-    let b_est = baseline.as_ref().ok().map(|b| b.estimate);
+    // The baseline priced as NCCL runs it; its store-and-forward price (the
+    // plan as written, round by round) stays in the JSON for comparison.
+    let b_est = baseline.as_ref().ok().map(|b| b.pipelined);
+    let b_store = baseline.as_ref().ok().map(|b| b.estimate);
+    let ratio = |r: &reshard::Estimate| b_est.filter(|_| r.seconds > 0.0).map(|b| b.seconds / r.seconds);
     if args.json {
         let (b, err) = match &baseline {
             Ok(b) => (figures_json(&b.figures), serde_json::Value::Null),
@@ -120,12 +161,28 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         };
         let mut out = json!({"reshard": figures_json(&r_figures), "baseline": b, "baseline_error": err});
         if let Some(r_est) = r_est {
-            out["estimate"] = json!({
+            let mut estimate = json!({
                 "topology": args.topology,
+                "modelled": true,
                 "reshard_s": r_est.seconds,
+                "reshard_model": RESHARD_MODEL,
                 "baseline_s": b_est.map(|e| e.seconds),
+                "baseline_model": BASELINE_MODEL,
+                "baseline_store_and_forward_s": b_store.map(|e| e.seconds),
                 "lower_bound_s": r_est.lower_bound_seconds,
+                "ratio": ratio(&r_est),
             });
+            if let Some(r) = &reference {
+                estimate["reference_ratio"] = json!({
+                    "ratio": r.ratio(),
+                    "baseline_s": r.baseline_s,
+                    "reshard_s": r.reshard_s,
+                    "measured": true,
+                    "workload": r.workload,
+                    "source": r.source,
+                });
+            }
+            out["estimate"] = estimate;
         }
         say!("{out}");
         return Ok(());
@@ -134,18 +191,33 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
     say!("");
     let estimate_row = r_est.map(|r| {
         let baseline = b_est.map_or_else(|| "-".into(), |b| seconds(b.seconds));
-        (format!("estimated time ({})", args.topology), [seconds(r.seconds), baseline])
+        (format!("estimate (modelled, {})", args.topology), [seconds(r.seconds), baseline])
     });
     print_figures(&r_figures, baseline.as_ref().map(|b| &b.figures).map_err(|e| e.to_string()), estimate_row.into_iter().collect());
     if let Some(r_est) = r_est {
-        let vs_baseline = b_est
-            .map_or_else(String::new, |b| format!("; the baseline takes {:.2}x the reshard's time", b.seconds / r_est.seconds.max(1e-12)));
         say!(
-            "estimate: {} link model; lower bound for any plan {} (reshard efficiency {:.2}){vs_baseline}",
-            args.topology,
+            "estimate: modelled on the {} link model, not measured. reshard: {RESHARD_MODEL}; baseline: gathers, then per \
+             tensor a {BASELINE_MODEL} (an NCCL ring from its root; roots overlap); both at line rate with perfect overlap \
+             (docs/benchmarks.md, \"What the estimate models\")",
+            args.topology
+        );
+        let vs_baseline = ratio(&r_est).map_or_else(String::new, |x| format!("; modelled baseline / reshard: {x:.2}x"));
+        say!(
+            "lower bound for any plan {} (reshard efficiency {:.2}){vs_baseline}",
             seconds(r_est.lower_bound_seconds),
             r_est.lower_bound_seconds / r_est.seconds.max(1e-12)
         );
+        if let Some(r) = &reference {
+            say!(
+                "reference, measured by NVIDIA, not by refit nor on these layouts: {}: gather-broadcast {} s, reshard {} s, {:.1}x \
+                 (source: {})",
+                r.workload,
+                r.baseline_s,
+                r.reshard_s,
+                r.ratio(),
+                r.source
+            );
+        }
     }
     Ok(())
 }

@@ -110,6 +110,8 @@ pub(crate) fn figures_json(f: &Figures) -> serde_json::Value {
     let rest = json!({
         "dst_node_ingress_bytes": f.dst_node_ingress_bytes,
         "cross_node_bytes": f.cross_node_bytes,
+        "src_rank_egress_bytes": f.src_rank_egress_bytes,
+        "max_src_rank_egress_bytes": f.max_src_rank_egress_bytes(),
         "max_rank_send_bytes": f.max_rank_send_bytes,
         "max_rank_recv_bytes": f.max_rank_recv_bytes,
         "messages": f.messages,
@@ -168,12 +170,13 @@ impl Table {
 /// The rows of `refit plan`'s table: a label and how to show it.
 type FigureRow = (&'static str, fn(&Figures) -> String);
 
-const FIGURE_ROWS: [FigureRow; 10] = [
+const FIGURE_ROWS: [FigureRow; 11] = [
     ("bytes moved", |f| human(f.total_bytes)),
     ("  from sources", |f| human(f.src_egress_bytes)),
     ("  relayed", |f| human(f.relayed_bytes())),
     ("cross-node", |f| human(f.cross_node_bytes)),
     ("into each dst node", node_ingress),
+    ("most sent off-node by a src rank", |f| human(f.max_src_rank_egress_bytes())),
     ("most sent by a rank", |f| human(f.max_rank_send_bytes)),
     ("most received by a rank", |f| human(f.max_rank_recv_bytes)),
     ("messages", |f| f.messages.to_string()),
