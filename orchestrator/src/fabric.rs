@@ -99,13 +99,10 @@ impl Endpointed {
                 // Every member opened its listener in `Prepare`, before any
                 // `Connect`: a refused connection is a dead peer.
                 peers_listening: true,
-                emulation: match settings.emulation {
-                    Some((inter, intra)) => LinkEmulation {
-                        inter_node_bytes_per_s: Some(inter.max(1)),
-                        intra_node_bytes_per_s: Some(intra.max(1)),
-                        burst_bytes: 0,
-                    },
-                    None => LinkEmulation::default(),
+                emulation: LinkEmulation {
+                    inter_node_bytes_per_s: settings.emulation.inter_node_bytes_per_s.map(|r| r.max(1)),
+                    intra_node_bytes_per_s: settings.emulation.intra_node_bytes_per_s.map(|r| r.max(1)),
+                    burst_bytes: 0,
                 },
                 // A fabric lasts one refit: keep received frames only for
                 // reuse within it (one of the largest this rank receives),

@@ -26,6 +26,9 @@ pub(crate) fn run(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), F
         deadline_s: deadline_s.max(1),
         checksum: true,
         emulate_nic_mbps: Some(nic_mbps.max(1)),
+        netns: false,
+        netem_delay_ms: None,
+        netem_loss_pct: None,
         secret_file: None,
         heartbeat_timeout_ms: 2000,
     };
