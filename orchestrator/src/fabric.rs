@@ -19,6 +19,9 @@ use std::time::Duration;
 use transport::tcp::TcpConfig;
 use transport::{LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, Transport};
 
+/// Tears a rank's data plane down from any thread (the reason in words).
+pub(crate) type KillSwitch = Box<dyn Fn(&str) + Send>;
+
 /// One member's data-plane endpoint in the making.
 pub(crate) enum Endpointed {
     /// In process: ready as soon as it is taken from the hub.
@@ -120,6 +123,16 @@ impl Endpointed {
         tweak(&mut config);
         let t = NodeTransport::connect(me, listener, &peers, node_of, &config).map_err(|e| format!("{me}: connect: {e}"))?;
         Ok(Endpointed::Connected(t))
+    }
+
+    /// A switch that tears the node fabric's connections down from any
+    /// thread (a send blocked on a peer that stopped reading then fails at
+    /// once); `None` for the in-process fabric, whose sends never block.
+    pub(crate) fn kill_switch(&self) -> Option<KillSwitch> {
+        match self {
+            Endpointed::Connected(t) => Some(transport::WithAbort::abort_all(t)),
+            _ => None,
+        }
     }
 
     /// The connected transport, ready to run.
