@@ -342,6 +342,16 @@ enum Command {
         /// Data-plane deadline of each refit, in seconds.
         #[arg(long, default_value_t = 5)]
         deadline_s: u64,
+        /// Run the workers on emulated hosts (see `refit launch --netns`;
+        /// root, ip and tc) and add the network cases: a link cut and
+        /// restored, a node partitioned from the launcher, a peer that
+        /// stops reading, packet loss and delay (these two need netem).
+        #[arg(long)]
+        netns: bool,
+        /// Run only the cases whose name contains this (`net:` for the
+        /// network cases).
+        #[arg(long, value_name = "TEXT")]
+        only: Option<String>,
     },
     /// Many consecutive refits on the multi-process path, each verified
     /// before it commits; reports resident memory, file descriptors and
@@ -418,7 +428,13 @@ fn main() -> ExitCode {
             json: *json,
         }),
         Command::Bench(args) => cmd::bench::run(args),
-        Command::Chaos { json, emulate_nic_mbps, deadline_s } => cmd::chaos::run(*json, *emulate_nic_mbps, *deadline_s),
+        Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only } => cmd::chaos::run(&cmd::chaos::ChaosArgs {
+            json: *json,
+            nic_mbps: *emulate_nic_mbps,
+            deadline_s: *deadline_s,
+            netns: *netns,
+            only: only.clone(),
+        }),
         Command::Soak { src, dst, refits, cluster, json } => cmd::soak::run(src, dst, *refits, cluster, *json),
         Command::PlanBench { model, scale, ep, reps, no_baseline } => cmd::plan_bench::run(*model, *scale, *ep, *reps, *no_baseline),
         Command::Emit { model, scale, ep, out } => cmd::emit::run(*model, *scale, *ep, out),

@@ -49,15 +49,23 @@ pub struct NetnsConfig {
     /// Per-rank network rate in bytes/s: each node's link is shaped at its
     /// ranks × this, in each direction. `None`: links are not shaped.
     pub rank_bytes_per_s: Option<u64>,
-    /// One-way delay added to each node's egress (netem).
+    /// Delay and loss on each node's egress.
+    pub netem: Netem,
+}
+
+/// Delay and loss a `netem` qdisc adds to a node's egress (nothing by
+/// default).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Netem {
+    /// One-way delay.
     pub delay: Option<Duration>,
-    /// Percentage of packets each node's egress drops (netem).
+    /// Percentage of packets dropped.
     pub loss_pct: Option<f64>,
 }
 
-impl NetnsConfig {
-    /// The `netem` arguments, when a delay or a loss rate is asked for.
-    fn netem(&self) -> Option<Vec<String>> {
+impl Netem {
+    /// The `netem` qdisc's arguments, when a delay or a loss rate is asked for.
+    fn args(&self) -> Option<Vec<String>> {
         let mut args = Vec::new();
         if let Some(d) = self.delay.filter(|d| !d.is_zero()) {
             args.extend(["delay".to_string(), format!("{}us", d.as_micros())]);
@@ -123,6 +131,39 @@ pub struct Host {
     pub rate: Option<u64>,
 }
 
+impl Host {
+    /// Shapes the node's egress (inside its namespace): `netem` (if it
+    /// asks for anything), then a `tbf` at the link's rate under it.
+    fn shape_egress(&self, netem: &Netem) -> Result<(), String> {
+        let ns = self.netns.as_str();
+        let mut at = vec!["root", "handle", "1:"];
+        if let Some(args) = netem.args() {
+            tc(&words(&["-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem"], args))
+                .map_err(|e| format!("{e} (a delay or a loss rate needs the kernel's netem qdisc)"))?;
+            at = vec!["parent", "1:1", "handle", "2:"];
+        }
+        match self.rate {
+            Some(rate) => tc(&words(&[&["-n", ns, "qdisc", "add", "dev", "eth0"][..], &at].concat(), tbf(rate))),
+            None => Ok(()),
+        }
+    }
+
+    /// Takes the node's link down (`up` false: as if its cable were
+    /// pulled: the root-side end of its veth goes down) or back up.
+    pub fn set_link(&self, up: bool) -> Result<(), String> {
+        ip(&["link", "set", &self.veth, if up { "up" } else { "down" }])
+    }
+
+    /// Cuts the node off from `launcher` (the bridge's address) in both
+    /// directions while it still reaches every other node (`cut` false:
+    /// heals it): blackhole policy-routing rules inside its namespace.
+    pub fn partition_from(&self, launcher: Ipv4Addr, cut: bool) -> Result<(), String> {
+        let (gw, verb) = (launcher.to_string(), if cut { "add" } else { "del" });
+        ip(&["-n", &self.netns, "rule", verb, "prio", "100", "to", &gw, "blackhole"])?;
+        ip(&["-n", &self.netns, "rule", verb, "prio", "101", "from", &gw, "blackhole"])
+    }
+}
+
 /// A set of emulated hosts, removed when dropped.
 pub struct Hosts {
     owner: u32,
@@ -185,7 +226,6 @@ impl Hosts {
         ip(&["link", "add", br, "type", "bridge"])?;
         ip(&["addr", "add", &format!("{}/16", self.gateway), "dev", br])?;
         ip(&["link", "set", br, "up"])?;
-        let netem = config.netem();
         for h in &self.hosts {
             std::fs::create_dir_all(&h.shm_dir).map_err(|e| format!("{}: cannot create: {e}", h.shm_dir.display()))?;
             let ns = h.netns.as_str();
@@ -195,22 +235,22 @@ impl Hosts {
             ip(&["-n", ns, "addr", "add", &format!("{}/16", h.ip), "dev", "eth0"])?;
             ip(&["-n", ns, "link", "set", "eth0", "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
-            // The node's egress (inside): netem, then tbf under it.
-            let mut parent = vec!["root".to_string()];
-            if let Some(args) = &netem {
-                let mut cmd = vec!["-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem"];
-                cmd.extend(args.iter().map(String::as_str));
-                tc(&cmd).map_err(|e| format!("{e} (--netem-delay-ms/--netem-loss-pct need the kernel's netem qdisc)"))?;
-                parent = vec!["parent".into(), "1:1".into(), "handle".into(), "2:".into()];
-            }
+            h.shape_egress(&config.netem)?;
+            // The node's ingress: what the bridge forwards to it.
             if let Some(rate) = h.rate {
-                let mut cmd = vec!["-n", ns, "qdisc", "add", "dev", "eth0"];
-                cmd.extend(parent.iter().map(String::as_str));
-                tc(&[cmd, tbf(rate).iter().map(String::as_str).collect()].concat())?;
-                // The node's ingress: what the bridge forwards to it.
-                let cmd = ["qdisc", "add", "dev", h.veth.as_str(), "root", "handle", "1:"];
-                tc(&[cmd.to_vec(), tbf(rate).iter().map(String::as_str).collect()].concat())?;
+                tc(&words(&["qdisc", "add", "dev", &h.veth, "root", "handle", "1:"], tbf(rate)))?;
             }
+        }
+        Ok(())
+    }
+
+    /// Puts `netem`'s delay and loss on every node's egress from now on
+    /// (`Netem::default()`: none), keeping each link's rate.
+    pub fn set_netem(&self, netem: &Netem) -> Result<(), String> {
+        for h in &self.hosts {
+            // The chain is rebuilt from the top (a missing one is fine).
+            let _ = tc(&["-n", &h.netns, "qdisc", "del", "dev", "eth0", "root"]);
+            h.shape_egress(netem)?;
         }
         Ok(())
     }
@@ -230,28 +270,6 @@ impl Hosts {
         self.hosts.iter().find(|h| h.spec.group == group && h.spec.node == node)
     }
 
-    fn find(&self, group: Group, node: u32) -> Result<&Host, String> {
-        self.host(group, node).ok_or_else(|| format!("no emulated host for {} node {node}", group_word(group)))
-    }
-
-    /// Takes a node's link down (`up` false: as if its cable were pulled)
-    /// or back up.
-    pub fn set_link(&self, group: Group, node: u32, up: bool) -> Result<(), String> {
-        let h = self.find(group, node)?;
-        ip(&["link", "set", &h.veth, if up { "up" } else { "down" }])
-    }
-
-    /// Cuts a node off from the launcher (the bridge's address) in both
-    /// directions while it still reaches every other node (`cut` false:
-    /// heals it): blackhole policy-routing rules inside its namespace.
-    pub fn partition_from_launcher(&self, group: Group, node: u32, cut: bool) -> Result<(), String> {
-        let h = self.find(group, node)?;
-        let gw = self.gateway.to_string();
-        let verb = if cut { "add" } else { "del" };
-        ip(&["-n", &h.netns, "rule", verb, "prio", "100", "to", &gw, "blackhole"])?;
-        ip(&["-n", &h.netns, "rule", verb, "prio", "101", "from", &gw, "blackhole"])
-    }
-
     /// The launcher's process id (every name carries it).
     pub fn owner(&self) -> u32 {
         self.owner
@@ -268,21 +286,17 @@ impl Drop for Hosts {
     }
 }
 
-fn group_word(g: Group) -> &'static str {
-    if g == Group::Src {
-        "src"
-    } else {
-        "dst"
-    }
-}
-
 /// The `tbf` arguments for `rate` bytes/s: a bucket of 10 ms of traffic
 /// (at least 64 KiB, so that segmentation offload's large packets pass).
 fn tbf(rate: u64) -> Vec<String> {
     let burst = (rate / 100).max(64 << 10);
-    ["tbf", "rate", &format!("{}bit", rate.saturating_mul(8)), "burst", &burst.to_string(), "latency", &format!("{QUEUE_LATENCY_MS}ms")]
-        .map(String::from)
-        .to_vec()
+    let rate = format!("{}bit", rate.saturating_mul(8));
+    ["tbf", "rate", &rate, "burst", &burst.to_string(), "latency", &format!("{QUEUE_LATENCY_MS}ms")].map(String::from).to_vec()
+}
+
+/// `head` then `tail`, as one argument list.
+fn words(head: &[&str], tail: Vec<String>) -> Vec<String> {
+    head.iter().map(|w| w.to_string()).chain(tail).collect()
 }
 
 /// Whether emulated hosts can be built here: root, `ip` and `tc` (and the
@@ -297,7 +311,7 @@ pub fn check(config: &NetnsConfig) -> Result<(), String> {
     if !missing.is_empty() {
         return Err(format!("--netns needs {} on PATH (iproute2)", missing.join(" and ")));
     }
-    if config.netem().is_some() && !netem_available() {
+    if config.netem.args().is_some() && !netem_available() {
         return Err(
             "--netem-delay-ms and --netem-loss-pct need the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this kernel lacks".into()
         );
@@ -323,9 +337,10 @@ fn on_path(program: &str) -> bool {
 
 /// Runs `program args`; its stdout, or an error naming the command and
 /// quoting the first line it printed on stderr.
-fn run(program: &str, args: &[&str]) -> Result<String, String> {
+fn run<S: AsRef<str>>(program: &str, args: &[S]) -> Result<String, String> {
+    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
     let what = || format!("`{program} {}`", args.join(" "));
-    let out = Command::new(program).args(args).stdin(Stdio::null()).output().map_err(|e| format!("{}: cannot run: {e}", what()))?;
+    let out = Command::new(program).args(&args).stdin(Stdio::null()).output().map_err(|e| format!("{}: cannot run: {e}", what()))?;
     if out.status.success() {
         return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
     }
@@ -334,11 +349,11 @@ fn run(program: &str, args: &[&str]) -> Result<String, String> {
     Err(format!("{} failed: {why}", what()))
 }
 
-fn ip(args: &[&str]) -> Result<(), String> {
+fn ip<S: AsRef<str>>(args: &[S]) -> Result<(), String> {
     run("ip", args).map(drop)
 }
 
-fn tc(args: &[&str]) -> Result<(), String> {
+fn tc<S: AsRef<str>>(args: &[S]) -> Result<(), String> {
     run("tc", args).map(drop)
 }
 
@@ -618,14 +633,15 @@ mod tests {
 
     #[test]
     fn netem_arguments() {
-        assert_eq!(NetnsConfig::default().netem(), None);
-        let c = NetnsConfig { delay: Some(Duration::from_millis(100)), loss_pct: Some(5.0), ..NetnsConfig::default() };
-        assert_eq!(c.netem().map(|a| a.join(" ")), Some("delay 100000us loss 5% limit 100000".into()));
+        assert_eq!(Netem::default().args(), None);
+        let c = Netem { delay: Some(Duration::from_millis(100)), loss_pct: Some(5.0) };
+        assert_eq!(c.args().map(|a| a.join(" ")), Some("delay 100000us loss 5% limit 100000".into()));
     }
 
     #[test]
     fn tbf_bucket_holds_large_packets() {
         assert_eq!(tbf(1_000_000)[4], (64 << 10).to_string());
+        assert_eq!(words(&["qdisc", "add"], tbf(1_000_000))[2], "tbf");
         assert_eq!(tbf(400_000_000)[2], "3200000000bit");
     }
 }

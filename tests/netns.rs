@@ -197,3 +197,36 @@ fn netns_misuse_is_refused() {
         assert!(stderr.contains(says), "{args:?}: {stderr}");
     }
 }
+
+/// `refit chaos --netns`: the network cases (a link cut mid-transfer and
+/// restored, a node partitioned from the launcher but not from its peers,
+/// a peer that stops reading; loss and delay where the kernel has netem)
+/// each fail the refit within its bound, leave no torn version, and the
+/// next refit after healing commits.
+#[test]
+fn slow_netns_network_chaos_keeps_the_promise() {
+    needs_netns!();
+    let args = ["chaos", "--netns", "--only", "net:", "--emulate-nic-mbps", "4", "--deadline-s", "3", "--json"];
+    let child = start(&args);
+    let pid = child.id();
+    let out = child.wait_with_output().expect("wait");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    let cases = v["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 5, "{v}");
+    for c in cases {
+        if let Some(why) = c["skipped"].as_str() {
+            // Only loss and delay may be skipped: they need netem.
+            assert!(why.contains("netem"), "{c}");
+            eprintln!("{}: skipped: {why}", c["case"]);
+            continue;
+        }
+        assert_eq!(c["hang"], false, "{c}");
+        assert_eq!(c["torn"], false, "{c}");
+        assert_eq!(c["recovered"], true, "{c}");
+    }
+    for c in &cases[..3] {
+        assert_eq!(c["refit_failed"], true, "a link cut, a partition or a stopped peer mid-transfer must fail the refit: {c}");
+    }
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(left_by(pid), Vec::<String>::new());
+}

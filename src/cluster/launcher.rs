@@ -121,15 +121,25 @@ pub struct WorkerInfo {
     pub node: (Group, u32),
 }
 
-/// Kill a worker when a refit reaches a step (chaos testing).
-#[derive(Clone, Copy, Debug)]
-pub struct KillAt {
-    /// The worker's index ([`Cluster::workers`]).
-    pub worker: usize,
+/// Something done to the cluster when a refit reaches a step, a while
+/// after (chaos testing).
+pub struct Disruption {
     /// The step.
     pub step: RefitStep,
     /// How long after the step began.
     pub after: Duration,
+    /// What is done.
+    pub action: Disrupt,
+}
+
+/// What a [`Disruption`] does.
+pub enum Disrupt {
+    /// SIGKILL to a worker (its index, [`Cluster::workers`]).
+    Kill(usize),
+    /// SIGSTOP to a worker: it lives on, but reads and answers nothing.
+    Stop(usize),
+    /// Anything else (cut a link, partition a host): a short blocking call.
+    Run(Box<dyn FnOnce() + Send>),
 }
 
 /// The ranks of one worker process.
@@ -319,13 +329,13 @@ impl Cluster {
     }
 
     /// [`refit`](Self::refit), with faults armed on some ranks' data plane
-    /// for this refit, and a worker killed at a given step.
+    /// for this refit, and a disruption (a worker killed, say) at a step.
     pub fn refit_with(
         &mut self,
         version: u64,
         verify: bool,
         faults: &[(Endpoint, FaultSpec)],
-        kill: Option<KillAt>,
+        disruption: Option<Disruption>,
     ) -> Result<RefitOutcome, ClusterError> {
         let timeout = self.config.setup_timeout;
         for (e, spec) in faults {
@@ -335,19 +345,35 @@ impl Cluster {
                 .block_on(p.call_timeout(PatternMsg::Arm(spec.clone()), timeout))
                 .map_err(|err| ClusterError::Step { who: *e, problem: call_error(&err) })?;
         }
-        let killer = kill.and_then(|k| {
-            let pid = self.workers().get(k.worker).map(|w| w.pid).filter(|&p| p != 0)?;
+        let killer = disruption.and_then(|d| {
+            let pid = |worker: usize| self.workers().get(worker).map(|w| w.pid).filter(|&p| p != 0);
+            let action: Box<dyn FnOnce() + Send> = match d.action {
+                Disrupt::Kill(worker) => {
+                    let pid = pid(worker)?;
+                    Box::new(move || kill_pid(pid))
+                }
+                Disrupt::Stop(worker) => {
+                    let pid = pid(worker)?;
+                    Box::new(move || signal_pid(pid, "STOP"))
+                }
+                Disrupt::Run(f) => f,
+            };
             let mut phases = self.orchestrator.phases();
+            let (step, after) = (d.step, d.after);
             Some(self.runtime.spawn(async move {
-                if phases.wait_for(|p| p.step == k.step).await.is_ok() {
-                    tokio::time::sleep(k.after).await;
-                    kill_pid(pid);
+                if phases.wait_for(|p| p.step == step).await.is_ok() {
+                    tokio::time::sleep(after).await;
+                    // Inline (a few milliseconds of `kill` or `ip`): once
+                    // begun it ends before the task does.
+                    action();
                 }
             }))
         });
         let r = self.refit_inner(version, verify);
         if let Some(k) = killer {
             k.abort();
+            // Not pending afterwards: the caller may undo what it did.
+            let _ = self.runtime.block_on(k);
         }
         r
     }
@@ -552,9 +578,14 @@ impl Cluster {
     }
 }
 
-/// Sends SIGKILL to process `pid` (through `kill -9`, no libc binding).
+/// Sends SIGKILL to process `pid`.
 pub fn kill_pid(pid: u32) {
-    let _ = Command::new("kill").arg("-9").arg(pid.to_string()).stdout(Stdio::null()).stderr(Stdio::null()).status();
+    signal_pid(pid, "KILL");
+}
+
+/// Sends signal `name` (`KILL`, `STOP`) to process `pid` (through `kill`).
+fn signal_pid(pid: u32, name: &str) {
+    let _ = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).stdout(Stdio::null()).stderr(Stdio::null()).status();
 }
 
 /// A call error in words: the handler's message as it is, otherwise what

@@ -3,7 +3,7 @@
 
 use crate::{ClusterArgs, Pair};
 use refit::cluster::{ClusterConfig, ControlSecret, SECRET_ENV};
-use refit::netns::NetnsConfig;
+use refit::netns::{Netem, NetnsConfig};
 use refit::presets::{layouts_with, Model, PresetError, PresetOptions};
 pub(crate) use refit::units::{duration, human, plural, rate, seconds};
 use reshard::{parse_layout, Figures, Layout, PlanOptions, Strategy};
@@ -302,8 +302,7 @@ impl ClusterArgs {
         }
         let config = NetnsConfig {
             rank_bytes_per_s: self.rank_rate(),
-            delay: self.netem_delay_ms.map(Duration::from_millis),
-            loss_pct: self.netem_loss_pct,
+            netem: Netem { delay: self.netem_delay_ms.map(Duration::from_millis), loss_pct: self.netem_loss_pct },
         };
         refit::netns::check(&config).map_err(invalid)?;
         Ok(Some(config))
