@@ -149,9 +149,17 @@ impl Host {
     }
 
     /// Takes the node's link down (`up` false: as if its cable were
-    /// pulled: the root-side end of its veth goes down) or back up.
+    /// pulled: the root-side end of its veth goes down) or back up. Back up,
+    /// the neighbour entries the outage left failed, on both sides, are
+    /// flushed: a failed entry answers a new connection with "no route to
+    /// host" until it is probed again, seconds later.
     pub fn set_link(&self, up: bool) -> Result<(), String> {
-        ip(&["link", "set", &self.veth, if up { "up" } else { "down" }])
+        ip(&["link", "set", &self.veth, if up { "up" } else { "down" }])?;
+        if up {
+            ip(&["-n", &self.netns, "neigh", "flush", "dev", "eth0"])?;
+            ip(&["neigh", "flush", "to", &self.ip.to_string()])?;
+        }
+        Ok(())
     }
 
     /// Cuts the node off from `launcher` (the bridge's address) in both
