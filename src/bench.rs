@@ -206,6 +206,65 @@ pub struct LinkLoads {
     /// Bytes per node pair (sender node, receiver node) with traffic,
     /// nodes named `sN<i>` / `dN<i>`.
     pub node_pairs: Vec<(String, String, u64)>,
+    /// Every node of both groups (sources first): what crosses its link.
+    pub nodes: Vec<NodeLoad>,
+}
+
+/// What crosses one node's network link under a plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeLoad {
+    /// Its group.
+    pub group: reshard::Group,
+    /// Its index within the group.
+    pub node: u32,
+    /// Ranks on it.
+    pub ranks: u32,
+    /// Bytes its ranks send to other nodes.
+    pub out_bytes: u64,
+    /// Bytes its ranks receive from other nodes.
+    pub in_bytes: u64,
+}
+
+impl NodeLoad {
+    /// `src node 0`, `dst node 3`.
+    pub fn name(&self) -> String {
+        format!("{} node {}", if self.group == reshard::Group::Src { "src" } else { "dst" }, self.node)
+    }
+}
+
+/// The least time a plan's traffic needs on node links (a lower bound on
+/// its refit time), and the link that sets it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinkBound {
+    /// Seconds.
+    pub seconds: f64,
+    /// The busiest link: `dst node 1 in`, `src node 0 out`, or
+    /// `intra-node` (the busiest rank's shared-memory egress).
+    pub busiest: String,
+}
+
+/// The lower bound on `loads` when each node's network link carries its
+/// ranks × `rank_bytes_per_s` in each direction (every node's bytes out,
+/// and in, over its link's rate; the busiest wins), and each rank's
+/// intra-node egress is capped at `intra_bytes_per_s` (if it is).
+pub fn node_link_bound(loads: &LinkLoads, rank_bytes_per_s: u64, intra_bytes_per_s: Option<u64>) -> LinkBound {
+    let mut best = LinkBound { seconds: 0.0, busiest: "none".into() };
+    for n in &loads.nodes {
+        let rate = rank_bytes_per_s.max(1) as f64 * f64::from(n.ranks.max(1));
+        for (bytes, way) in [(n.out_bytes, "out"), (n.in_bytes, "in")] {
+            let t = bytes as f64 / rate;
+            if t > best.seconds {
+                best = LinkBound { seconds: t, busiest: format!("{} {way}", n.name()) };
+            }
+        }
+    }
+    if let Some(intra) = intra_bytes_per_s {
+        let t = loads.max_intra_out as f64 / intra.max(1) as f64;
+        if t > best.seconds {
+            best = LinkBound { seconds: t, busiest: "intra-node".into() };
+        }
+    }
+    best
 }
 
 /// The link loads of `plan`.
@@ -219,6 +278,13 @@ pub fn link_loads(plan: &reshard::Plan) -> LinkLoads {
     type Node = (Group, u32);
     let mut pairs: BTreeMap<(Node, Node), u64> = BTreeMap::new();
     let mut l = LinkLoads::default();
+    // Every node, with its ranks; its traffic is added below.
+    let mut nodes: BTreeMap<Node, NodeLoad> = BTreeMap::new();
+    let ranks = (0..plan.src_ranks()).map(reshard::Endpoint::src).chain((0..plan.dst_ranks()).map(reshard::Endpoint::dst));
+    for e in ranks {
+        let (group, node) = plan.node_of(e);
+        nodes.entry((group, node)).or_insert(NodeLoad { group, node, ranks: 0, out_bytes: 0, in_bytes: 0 }).ranks += 1;
+    }
     for t in plan.transfers().iter().filter(|t| t.from != t.to) {
         let b = plan.wire_bytes(t);
         let (a, z) = (plan.node_of(t.from), plan.node_of(t.to));
@@ -229,6 +295,12 @@ pub fn link_loads(plan: &reshard::Plan) -> LinkLoads {
             l.inter_node_bytes += b;
             out[idx(t.from)] += b;
             inn[idx(t.to)] += b;
+            if let Some(x) = nodes.get_mut(&a) {
+                x.out_bytes += b;
+            }
+            if let Some(x) = nodes.get_mut(&z) {
+                x.in_bytes += b;
+            }
         }
         *pairs.entry((a, z)).or_default() += b;
     }
@@ -237,6 +309,8 @@ pub fn link_loads(plan: &reshard::Plan) -> LinkLoads {
     l.max_intra_out = intra.into_iter().max().unwrap_or(0);
     let name = |(g, i): (Group, u32)| format!("{}N{i}", if g == Group::Src { "s" } else { "d" });
     l.node_pairs = pairs.into_iter().map(|((a, z), b)| (name(a), name(z), b)).collect();
+    // Sources first (`Group::Src` orders first), each group by node.
+    l.nodes = nodes.into_values().collect();
     l
 }
 
@@ -308,4 +382,46 @@ pub fn cluster_bench(
         reshard_bytes: rb,
         baseline_bytes: bb,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example(name: &str) -> (Layout, Layout) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(name);
+        let read = |f: &str| reshard::parse_layout(&std::fs::read_to_string(dir.join(f)).expect("example file")).expect("example layout");
+        (read("src.json"), read("dst.json"))
+    }
+
+    /// Every node is listed with its ranks; each cross-node byte leaves
+    /// one node and enters another.
+    #[test]
+    fn node_loads_add_up() {
+        for name in ["tp-to-tp", "mixed-2d", "ep-moe"] {
+            let (src, dst) = example(name);
+            let plan = reshard::plan_reshard(&src, &dst, &reshard::PlanOptions::default()).expect("plan");
+            let l = link_loads(&plan);
+            assert_eq!(l.nodes.len() as u32, src.nodes() + dst.nodes(), "{name}");
+            assert_eq!(l.nodes.iter().map(|n| n.ranks).sum::<u32>(), src.ranks() + dst.ranks(), "{name}");
+            assert_eq!(l.nodes.iter().map(|n| n.out_bytes).sum::<u64>(), l.inter_node_bytes, "{name}");
+            assert_eq!(l.nodes.iter().map(|n| n.in_bytes).sum::<u64>(), l.inter_node_bytes, "{name}");
+            assert_eq!(l.nodes[0].name(), "src node 0");
+        }
+    }
+
+    /// The bound is the busiest node link in either direction, or the
+    /// busiest rank's intra-node egress when that is slower.
+    #[test]
+    fn node_link_bound_takes_the_busiest_link() {
+        let node = |group, node, ranks, out_bytes, in_bytes| NodeLoad { group, node, ranks, out_bytes, in_bytes };
+        let loads = LinkLoads {
+            nodes: vec![node(reshard::Group::Src, 0, 4, 400, 0), node(reshard::Group::Dst, 0, 1, 0, 300)],
+            max_intra_out: 50,
+            ..LinkLoads::default()
+        };
+        assert_eq!(node_link_bound(&loads, 10, None), LinkBound { seconds: 30.0, busiest: "dst node 0 in".into() });
+        assert_eq!(node_link_bound(&loads, 10, Some(1)), LinkBound { seconds: 50.0, busiest: "intra-node".into() });
+        assert_eq!(node_link_bound(&LinkLoads::default(), 10, None).seconds, 0.0);
+    }
 }

@@ -5,7 +5,8 @@
 //! destination rank holds exactly one committed weights version (no torn
 //! version), and the next refit, after automatic recovery, succeeds.
 
-use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, FaultSpec, KillAt};
+use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, Disrupt, Disruption, FaultSpec};
+use crate::netns::Netem;
 use orchestrator::RefitStep;
 use reshard::{Endpoint, Group, Layout};
 use std::path::PathBuf;
@@ -35,6 +36,16 @@ pub struct ChaosRow {
     pub recovered: bool,
     /// The error the broken refit reported (or the recovery's).
     pub detail: String,
+    /// Why the case did not run (this kernel cannot do it), if it did not.
+    pub skipped: Option<String>,
+}
+
+impl ChaosRow {
+    /// The case kept the promise: no hang, no torn version, recovered (or
+    /// it could not run here).
+    pub fn kept_promise(&self) -> bool {
+        self.skipped.is_some() || (self.within_deadline && !self.torn && self.recovered)
+    }
 }
 
 /// Settings of a chaos run.
@@ -47,6 +58,8 @@ pub struct ChaosConfig {
     pub mid_transfer: Duration,
     /// Layout files a worker wrongly restarts with (different layouts).
     pub wrong_layouts: (PathBuf, PathBuf),
+    /// Run only the cases whose name contains this.
+    pub only: Option<String>,
 }
 
 /// The cases, in the order they run.
@@ -63,6 +76,16 @@ pub const CASES: [&str; 12] = [
     "cut connection",
     "corrupt frame (checksums on)",
     "member restarts with a different layout",
+];
+
+/// The network cases, run after [`CASES`] when the workers are on emulated
+/// hosts (`--netns`): the kernel breaks the network, not our sender.
+pub const NETWORK_CASES: [&str; 5] = [
+    "net: link cut mid-transfer, then restored",
+    "net: node partitioned from the launcher, not from its peers",
+    "net: peer stops reading (SIGSTOP)",
+    "net: 5% packet loss",
+    "net: 100 ms delay",
 ];
 
 /// Runs every case on one cluster (so recovery is exercised case after
@@ -86,9 +109,28 @@ pub fn run_chaos(
     let (a_src, a_dst) = (first(Group::Src), first(Group::Dst));
     let rank = |i: usize| workers[i].ranks.first().copied().unwrap_or(Endpoint::src(0));
     let mut rows = Vec::new();
-    for case in CASES {
+    let network = if cluster.emulated_hosts().is_some() { &NETWORK_CASES[..] } else { &[] };
+    let cases = CASES.iter().chain(network).copied().filter(|c| config.only.as_ref().is_none_or(|o| c.contains(o.as_str())));
+    for case in cases {
         version += 1;
         let t = Instant::now();
+        if let Some(why) = cannot_run(&cluster, case) {
+            version -= 1;
+            let row = ChaosRow {
+                case: case.to_string(),
+                refit_failed: None,
+                elapsed: Duration::ZERO,
+                within_deadline: true,
+                torn: false,
+                versions: Vec::new(),
+                recovered: false,
+                detail: format!("skipped: {why}"),
+                skipped: Some(why),
+            };
+            progress(&row);
+            rows.push(row);
+            continue;
+        }
         let (failed, detail) = match case {
             "kill idle destination (detection time)" => {
                 let pid = cluster.workers()[a_dst].pid;
@@ -97,8 +139,9 @@ pub fn run_chaos(
                 version -= 1;
                 (None, seen.map_or("not noticed within 10 s".into(), |d| format!("noticed dead after {} ms", d.as_millis())))
             }
+            net if net.starts_with("net: ") => network_case(&mut cluster, net, version, mid, a_dst)?,
             _ => {
-                let kill = |worker, step, after| Some(KillAt { worker, step, after });
+                let kill = |worker, step, after| Some(Disruption { step, after, action: Disrupt::Kill(worker) });
                 let at = Duration::ZERO;
                 let kill = match case {
                     "kill source during attach" => kill(a_src, RefitStep::Preparing, at),
@@ -162,10 +205,83 @@ pub fn run_chaos(
             versions,
             recovered,
             detail,
+            skipped: None,
         };
         progress(&row);
         rows.push(row);
     }
     cluster.shutdown();
     Ok(rows)
+}
+
+/// Why `case` cannot run on this cluster, if it cannot.
+fn cannot_run(cluster: &Cluster, case: &str) -> Option<String> {
+    let netem = case.contains("loss") || case.contains("delay");
+    (netem && cluster.emulated_hosts().is_some() && !crate::netns::netem_available())
+        .then(|| "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM)".to_string())
+}
+
+/// Breaks the network of the emulated hosts as `case` says during the
+/// refit of `version`, heals it once the refit returned, and says whether
+/// the refit failed and how.
+fn network_case(
+    cluster: &mut Cluster,
+    case: &str,
+    version: u64,
+    mid: Duration,
+    a_dst: usize,
+) -> Result<(Option<bool>, String), ClusterError> {
+    let setup = |e: String| ClusterError::Setup(e);
+    let hosts = cluster.emulated_hosts().ok_or_else(|| setup(format!("{case}: needs emulated hosts (--netns)")))?;
+    let (group, node) = cluster.workers().get(a_dst).map(|w| w.node).ok_or_else(|| setup(format!("{case}: no worker {a_dst}")))?;
+    let host = hosts.host(group, node).cloned().ok_or_else(|| setup(format!("{case}: no emulated host for the destination")))?;
+    let launcher = hosts.gateway();
+    let at = |action| Some(Disruption { step: RefitStep::Running, after: mid, action });
+    let mut netem = None;
+    let disruption = match case {
+        "net: link cut mid-transfer, then restored" => {
+            let h = host.clone();
+            at(Disrupt::Run(Box::new(move || drop(h.set_link(false)))))
+        }
+        "net: node partitioned from the launcher, not from its peers" => {
+            let h = host.clone();
+            at(Disrupt::Run(Box::new(move || drop(h.partition_from(launcher, true)))))
+        }
+        "net: peer stops reading (SIGSTOP)" => at(Disrupt::Stop(a_dst)),
+        "net: 5% packet loss" => {
+            netem = Some(Netem { loss_pct: Some(5.0), ..Netem::default() });
+            None
+        }
+        "net: 100 ms delay" => {
+            netem = Some(Netem { delay: Some(Duration::from_millis(100)), ..Netem::default() });
+            None
+        }
+        other => return Err(setup(format!("unknown chaos case '{other}'"))),
+    };
+    if let Some(n) = &netem {
+        hosts.set_netem(n).map_err(setup)?;
+    }
+    let r = cluster.refit_with(version, true, &[], disruption);
+    // Heal whatever was broken (each is a no-op, or a harmless error, when
+    // it was not).
+    let healed = match case {
+        "net: link cut mid-transfer, then restored" => host.set_link(true),
+        "net: node partitioned from the launcher, not from its peers" => host.partition_from(launcher, false).or_else(|e| {
+            // The refit may have ended before the partition came.
+            if e.contains("No such file") {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        }),
+        _ => match (&netem, cluster.emulated_hosts()) {
+            (Some(_), Some(h)) => h.set_netem(&Netem::default()),
+            _ => Ok(()),
+        },
+    };
+    healed.map_err(|e| setup(format!("{case}: cannot heal: {e}")))?;
+    Ok(match r {
+        Ok(_) => (Some(false), "the refit completed (verified) despite the fault".to_string()),
+        Err(e) => (Some(true), e.to_string()),
+    })
 }

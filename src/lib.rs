@@ -16,7 +16,8 @@
 //!
 //! The rest of this crate is the `refit` command line's: [`runner`] runs a
 //! refit on the embedded in-process data plane, [`bench`](mod@bench), [`chaos`] and
-//! [`soak`] measure and break it, [`cluster`] starts worker processes, and
+//! [`soak`] measure and break it, [`cluster`] starts worker processes (on
+//! emulated hosts with [`netns`]), and
 //! [`demo`] is a small RL loop that learns only because refit delivers fresh
 //! weights.
 
@@ -30,6 +31,7 @@ pub mod bench;
 pub mod chaos;
 pub mod cluster;
 pub mod demo;
+pub mod netns;
 pub mod presets;
 pub mod procs;
 pub mod runner;

@@ -93,9 +93,23 @@ struct ClusterArgs {
     /// Emulate DGX H100 links at this per-rank network rate, in MB/s:
     /// each rank's egress to other nodes is capped at it, and to ranks of
     /// its own node at 9 times it (per direction: NVLink 4's 450 GB/s vs a
-    /// 400 Gb/s = 50 GB/s NIC per GPU).
+    /// 400 Gb/s = 50 GB/s NIC per GPU). With --netns, each node's link is
+    /// shaped instead, at its ranks times this, in both directions.
     #[arg(long)]
     emulate_nic_mbps: Option<u64>,
+    /// Run every node on an emulated host: a network namespace of its own,
+    /// a veth pair to a bridge, its link shaped by the kernel (tc) in both
+    /// directions at its ranks x --emulate-nic-mbps. Needs root, ip and tc.
+    #[arg(long)]
+    netns: bool,
+    /// With --netns: delay added to each node's outgoing packets, in
+    /// milliseconds (netem; the kernel must have it).
+    #[arg(long, value_name = "MS", requires = "netns")]
+    netem_delay_ms: Option<u64>,
+    /// With --netns: percentage of each node's outgoing packets dropped
+    /// (netem; the kernel must have it).
+    #[arg(long, value_name = "P", requires = "netns")]
+    netem_loss_pct: Option<f64>,
     /// File holding the control-plane secret (default: REFIT_SECRET, or a
     /// fresh random one for workers this launcher starts).
     #[arg(long)]
@@ -307,6 +321,10 @@ enum Command {
         /// milliseconds.
         #[arg(long, default_value_t = 10000)]
         heartbeat_timeout_ms: u64,
+        /// Directory for the shared-memory regions with ranks of this node
+        /// (default /dev/shm; `--netns` gives each emulated host its own).
+        #[arg(long)]
+        shm_dir: Option<PathBuf>,
     },
     /// The chaos suite: kill worker processes at each phase of a refit and
     /// inject data-plane faults (stall, hanging abort, cut, corrupt frame,
@@ -324,6 +342,16 @@ enum Command {
         /// Data-plane deadline of each refit, in seconds.
         #[arg(long, default_value_t = 5)]
         deadline_s: u64,
+        /// Run the workers on emulated hosts (see `refit launch --netns`;
+        /// root, ip and tc) and add the network cases: a link cut and
+        /// restored, a node partitioned from the launcher, a peer that
+        /// stops reading, packet loss and delay (these two need netem).
+        #[arg(long)]
+        netns: bool,
+        /// Run only the cases whose name contains this (`net:` for the
+        /// network cases).
+        #[arg(long, value_name = "TEXT")]
+        only: Option<String>,
     },
     /// Many consecutive refits on the multi-process path, each verified
     /// before it commits; reports resident memory, file descriptors and
@@ -400,7 +428,13 @@ fn main() -> ExitCode {
             json: *json,
         }),
         Command::Bench(args) => cmd::bench::run(args),
-        Command::Chaos { json, emulate_nic_mbps, deadline_s } => cmd::chaos::run(*json, *emulate_nic_mbps, *deadline_s),
+        Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only } => cmd::chaos::run(&cmd::chaos::ChaosArgs {
+            json: *json,
+            nic_mbps: *emulate_nic_mbps,
+            deadline_s: *deadline_s,
+            netns: *netns,
+            only: only.clone(),
+        }),
         Command::Soak { src, dst, refits, cluster, json } => cmd::soak::run(src, dst, *refits, cluster, *json),
         Command::PlanBench { model, scale, ep, reps, no_baseline } => cmd::plan_bench::run(*model, *scale, *ep, *reps, *no_baseline),
         Command::Emit { model, scale, ep, out } => cmd::emit::run(*model, *scale, *ep, out),
@@ -417,8 +451,17 @@ fn main() -> ExitCode {
                 no_spawn: *no_spawn,
             })
         }
-        Command::Worker { pair, group, rank, node, rendezvous, secret_file, heartbeat_timeout_ms } => {
-            cmd::launch::worker(pair, group, *rank, *node, rendezvous.as_deref(), Duration::from_millis(*heartbeat_timeout_ms), secret_file)
+        Command::Worker { pair, group, rank, node, rendezvous, secret_file, heartbeat_timeout_ms, shm_dir } => {
+            cmd::launch::worker(&cmd::launch::WorkerArgs {
+                pair,
+                group,
+                rank: *rank,
+                node: *node,
+                rendezvous: rendezvous.as_deref(),
+                heartbeat_timeout: Duration::from_millis(*heartbeat_timeout_ms),
+                secret_file,
+                shm_dir,
+            })
         }
         Command::Demo { steps, batch, lr, seed, mode, no_refit, json, processes } => cmd::demo::run(
             DemoConfig { steps: *steps, batch: *batch, lr: *lr, seed: *seed, mode: *mode, refit: !no_refit, processes: *processes },

@@ -31,6 +31,8 @@ pub fn peak_rss_of(pid: &str) -> Option<u64> {
 /// One started process and how to start it again.
 struct Slot {
     args: Vec<String>,
+    /// The network namespace it runs in (`None`: this process's).
+    netns: Option<String>,
     child: Option<Child>,
 }
 
@@ -49,8 +51,17 @@ impl Children {
         Children { exe: exe.to_path_buf(), rendezvous, secret: secret.to_string(), slots: Vec::new(), quiet }
     }
 
-    fn start(&self, args: &[String]) -> Result<Child, String> {
-        let mut command = Command::new(&self.exe);
+    fn start(&self, args: &[String], netns: Option<&str>) -> Result<Child, String> {
+        // In a namespace: `ip netns exec` enters it and execs the program in
+        // place, so the child's pid is the program's.
+        let mut command = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&self.exe);
+                c
+            }
+            None => Command::new(&self.exe),
+        };
         // glibc's allocator, tuned for a worker (a value the user set
         // wins): it runs hundreds of short-lived data-plane threads, and
         // with the default of up to 8 malloc arenas per core each keeps its
@@ -72,13 +83,22 @@ impl Children {
             .stdout(Stdio::null())
             .stderr(if self.quiet { Stdio::null() } else { Stdio::inherit() })
             .spawn()
-            .map_err(|e| format!("cannot start {} {}: {e}", self.exe.display(), args.join(" ")))
+            .map_err(|e| {
+                let place = netns.map_or(String::new(), |ns| format!(" in network namespace {ns}"));
+                format!("cannot start {} {}{place}: {e}", self.exe.display(), args.join(" "))
+            })
     }
 
     /// Starts a process with `args`; returns its index.
     pub fn spawn(&mut self, args: Vec<String>) -> Result<usize, String> {
-        let child = self.start(&args)?;
-        self.slots.push(Slot { args, child: Some(child) });
+        self.spawn_in(args, None)
+    }
+
+    /// Starts a process with `args` in network namespace `netns` (`None`:
+    /// this process's), where its restarts run too; returns its index.
+    pub fn spawn_in(&mut self, args: Vec<String>, netns: Option<String>) -> Result<usize, String> {
+        let child = self.start(&args, netns.as_deref())?;
+        self.slots.push(Slot { args, netns, child: Some(child) });
         Ok(self.slots.len() - 1)
     }
 
@@ -124,7 +144,7 @@ impl Children {
             let _ = c.kill();
             let _ = c.wait();
         }
-        let child = self.start(&args)?;
+        let child = self.start(&args, self.slots[index].netns.as_deref())?;
         let pid = child.id();
         self.slots[index].child = Some(child);
         Ok(pid)

@@ -19,6 +19,9 @@ use std::time::Duration;
 use transport::tcp::TcpConfig;
 use transport::{LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, Transport};
 
+/// Tears a rank's data plane down from any thread (the reason in words).
+pub(crate) type KillSwitch = Box<dyn Fn(&str) + Send>;
+
 /// One member's data-plane endpoint in the making.
 pub(crate) enum Endpointed {
     /// In process: ready as soon as it is taken from the hub.
@@ -99,13 +102,10 @@ impl Endpointed {
                 // Every member opened its listener in `Prepare`, before any
                 // `Connect`: a refused connection is a dead peer.
                 peers_listening: true,
-                emulation: match settings.emulation {
-                    Some((inter, intra)) => LinkEmulation {
-                        inter_node_bytes_per_s: Some(inter.max(1)),
-                        intra_node_bytes_per_s: Some(intra.max(1)),
-                        burst_bytes: 0,
-                    },
-                    None => LinkEmulation::default(),
+                emulation: LinkEmulation {
+                    inter_node_bytes_per_s: settings.emulation.inter_node_bytes_per_s.map(|r| r.max(1)),
+                    intra_node_bytes_per_s: settings.emulation.intra_node_bytes_per_s.map(|r| r.max(1)),
+                    burst_bytes: 0,
                 },
                 // A fabric lasts one refit: keep received frames only for
                 // reuse within it (one of the largest this rank receives),
@@ -123,6 +123,16 @@ impl Endpointed {
         tweak(&mut config);
         let t = NodeTransport::connect(me, listener, &peers, node_of, &config).map_err(|e| format!("{me}: connect: {e}"))?;
         Ok(Endpointed::Connected(t))
+    }
+
+    /// A switch that tears the node fabric's connections down from any
+    /// thread (a send blocked on a peer that stopped reading then fails at
+    /// once); `None` for the in-process fabric, whose sends never block.
+    pub(crate) fn kill_switch(&self) -> Option<KillSwitch> {
+        match self {
+            Endpointed::Connected(t) => Some(transport::WithAbort::abort_all(t)),
+            _ => None,
+        }
     }
 
     /// The connected transport, ready to run.

@@ -44,7 +44,7 @@ pub use orchestrator::{
     Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, PlanReport, RefitPhase, RefitReport,
     RefitStep, RefitTarget,
 };
-pub use protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, NodeFabric, Refusal, Weights};
+pub use protocol::{EgressCaps, Fabric, LayoutInfo, MemberMsg, MemberReply, NodeFabric, Refusal, Weights};
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use store::{BufferError, Buffers, DstStore, Snapshot, SrcStore, TensorView, TensorViewMut};
 pub use transport::DEFAULT_DEADLINE;

@@ -3,7 +3,7 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::fabric::Endpointed;
+use crate::fabric::{Endpointed, KillSwitch};
 use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
 use crate::store::{DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
@@ -166,6 +166,33 @@ fn execute(
     r
 }
 
+/// How long past its deadline a rank's data plane may stay blocked — in a
+/// send to a peer that stopped reading, behind a link that went down —
+/// before its connections are torn down (the executor's own deadline
+/// catches only receives).
+const BLOCKED_GRACE: Duration = Duration::from_secs(1);
+
+/// Awaits a rank's data plane; if it runs `BLOCKED_GRACE` past `deadline`,
+/// pulls `kill` (its sends and receives then fail at once, and its peers
+/// see the links break) and awaits the failure.
+async fn watched<T>(
+    mut run: tokio::task::JoinHandle<T>,
+    deadline: Duration,
+    kill: Option<KillSwitch>,
+) -> Result<T, tokio::task::JoinError> {
+    // No watchdog without a switch, or for deadlines beyond a timer's reach.
+    let (Some(kill), true) = (kill, deadline < Duration::from_secs(365 * 24 * 3600)) else {
+        return run.await;
+    };
+    match tokio::time::timeout(deadline + BLOCKED_GRACE, &mut run).await {
+        Ok(r) => r,
+        Err(_) => {
+            kill("the data plane's deadline passed");
+            run.await
+        }
+    }
+}
+
 fn finish(result: Result<Result<RunStats, Refusal>, tokio::task::JoinError>) -> MemberReply {
     match result {
         Ok(Ok(stats)) => MemberReply::Ran(stats),
@@ -242,6 +269,7 @@ impl Member {
             }
             return MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint });
         }
+        let kill = end.kill_switch();
         let mut transport = match end.into_transport() {
             Ok(t) => t,
             Err(e) => return MemberReply::Refused(Refusal::Fabric(e)),
@@ -259,22 +287,21 @@ impl Member {
                     transport.abort(&refusal.to_string());
                     return MemberReply::Refused(refusal);
                 }
-                let result = tokio::task::spawn_blocking(move || execute(&program, guard.memory_mut(), transport, deadline)).await;
-                finish(result)
+                let run = tokio::task::spawn_blocking(move || execute(&program, guard.memory_mut(), transport, deadline));
+                finish(watched(run, deadline, kill).await)
             }
             Role::Dst(store) => {
                 let staging = store.staging();
                 let mut guard = staging.lock_owned().await;
                 guard.complete = None;
-                let result = tokio::task::spawn_blocking(move || {
+                let run = tokio::task::spawn_blocking(move || {
                     let r = execute(&program, guard.buffers.memory_mut(), transport, deadline);
                     if r.is_ok() {
                         guard.complete = Some(version);
                     }
                     r
-                })
-                .await;
-                finish(result)
+                });
+                finish(watched(run, deadline, kill).await)
             }
         }
     }

@@ -43,17 +43,27 @@ pub enum Fabric {
 pub struct NodeFabric {
     /// A CRC-32C on every data frame.
     pub checksum: bool,
-    /// Per-rank egress caps in bytes/s (between nodes, inside a node), for
-    /// emulating a cluster's links on one machine.
-    pub emulation: Option<(u64, u64)>,
+    /// Per-rank egress caps, for emulating a cluster's links on one machine.
+    pub emulation: EgressCaps,
     /// Time every member has to connect to its peers.
     pub connect_timeout: Duration,
 }
 
 impl Default for NodeFabric {
     fn default() -> Self {
-        NodeFabric { checksum: false, emulation: None, connect_timeout: Duration::from_secs(30) }
+        NodeFabric { checksum: false, emulation: EgressCaps::default(), connect_timeout: Duration::from_secs(30) }
     }
+}
+
+/// Caps on each rank's egress in bytes/s (token buckets in its sender);
+/// `None`: uncapped. The inter-node one is off when something else shapes
+/// the network (emulated hosts, whose links the kernel shapes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EgressCaps {
+    /// Towards ranks of other nodes (TCP).
+    pub inter_node_bytes_per_s: Option<u64>,
+    /// Towards ranks of its own node (shared memory).
+    pub intra_node_bytes_per_s: Option<u64>,
 }
 
 /// A peer's data-plane address for one refit (`Connect`).

@@ -6,6 +6,7 @@
 
 use super::worker::{group_name, pattern_name, FaultSpec, PatternMsg, PatternRank, PatternReply};
 use super::{ControlSecret, PerProcess, IDLE_THREAD};
+use crate::netns::{Hosts as NetHosts, NetnsConfig, NodeSpec};
 use crate::procs::Children;
 use actors::{ActorGroup, ActorRef, CallError};
 use orchestrator::rendezvous::ControlConfig;
@@ -51,6 +52,10 @@ pub struct ClusterConfig {
     pub fabric: NodeFabric,
     /// A control connection silent for this long is dead.
     pub heartbeat_timeout: Duration,
+    /// Run every node on an emulated host of its own (a network namespace
+    /// whose link the kernel shapes; spawned workers only): the rendezvous
+    /// then listens on the hosts' bridge, on `bind`'s port.
+    pub netns: Option<NetnsConfig>,
 }
 
 /// Why a cluster operation failed.
@@ -112,17 +117,29 @@ pub struct WorkerInfo {
     pub ranks: Vec<Endpoint>,
     /// Its process id (0: not started here, or not running).
     pub pid: u32,
+    /// Its node (group, index).
+    pub node: (Group, u32),
 }
 
-/// Kill a worker when a refit reaches a step (chaos testing).
-#[derive(Clone, Copy, Debug)]
-pub struct KillAt {
-    /// The worker's index ([`Cluster::workers`]).
-    pub worker: usize,
+/// Something done to the cluster when a refit reaches a step, a while
+/// after (chaos testing).
+pub struct Disruption {
     /// The step.
     pub step: RefitStep,
     /// How long after the step began.
     pub after: Duration,
+    /// What is done.
+    pub action: Disrupt,
+}
+
+/// What a [`Disruption`] does.
+pub enum Disrupt {
+    /// SIGKILL to a worker (its index, [`Cluster::workers`]).
+    Kill(usize),
+    /// SIGSTOP to a worker: it lives on, but reads and answers nothing.
+    Stop(usize),
+    /// Anything else (cut a link, partition a host): a short blocking call.
+    Run(Box<dyn FnOnce() + Send>),
 }
 
 /// The ranks of one worker process.
@@ -131,6 +148,10 @@ struct Host {
     ranks: Vec<Endpoint>,
     /// Arguments after `refit` that start it.
     args: Vec<String>,
+    /// Its node.
+    node: (Group, u32),
+    /// The network namespace of its emulated host, if any.
+    netns: Option<String>,
 }
 
 /// A running set of workers covering every rank of both layouts, and the
@@ -147,11 +168,13 @@ pub struct Cluster {
     patterns: Vec<(Endpoint, ActorRef<PatternRank>)>,
     rendezvous: Rendezvous,
     children: Option<Children>,
+    /// Emulated hosts, removed once their workers are gone.
+    net: Option<NetHosts>,
     hosts: Vec<Host>,
     runtime: Runtime,
 }
 
-fn hosts(config: &ClusterConfig, src: &Layout, dst: &Layout) -> Vec<Host> {
+fn hosts(config: &ClusterConfig, src: &Layout, dst: &Layout, net: Option<&NetHosts>) -> Vec<Host> {
     let files = |args: &mut Vec<String>| {
         args.extend(["--src".into(), config.src_path.display().to_string(), "--dst".into(), config.dst_path.display().to_string()]);
         if config.options.max_staging_bytes != PlanOptions::default().max_staging_bytes {
@@ -161,25 +184,35 @@ fn hosts(config: &ClusterConfig, src: &Layout, dst: &Layout) -> Vec<Host> {
         // peer (dozens of processes on a few cores starve heartbeats).
         args.extend(["--heartbeat-timeout-ms".into(), config.heartbeat_timeout.as_millis().to_string()]);
     };
+    // A worker on an emulated host runs in its namespace and keeps its
+    // shared memory in the host's directory.
+    let host = |ranks: Vec<Endpoint>, mut args: Vec<String>, node: (Group, u32)| {
+        let emulated = net.and_then(|n| n.host(node.0, node.1));
+        if let Some(h) = emulated {
+            args.extend(["--shm-dir".into(), h.shm_dir.display().to_string()]);
+        }
+        Host { ranks, args, node, netns: emulated.map(|h| h.netns.clone()) }
+    };
     let mut out = Vec::new();
     for (g, l) in [(Group::Src, src), (Group::Dst, dst)] {
+        let rpn = l.ranks_per_node().max(1);
         match config.per_process {
             PerProcess::Rank => {
                 for r in 0..l.ranks() {
                     let mut args = vec!["worker".into()];
                     files(&mut args);
                     args.extend(["--group".into(), group_name(g).into(), "--rank".into(), r.to_string()]);
-                    out.push(Host { ranks: vec![Endpoint { group: g, rank: r }], args });
+                    out.push(host(vec![Endpoint { group: g, rank: r }], args, (g, r / rpn)));
                 }
             }
             PerProcess::Node => {
                 for n in 0..l.nodes() {
-                    let first = n * l.ranks_per_node();
-                    let last = (first + l.ranks_per_node()).min(l.ranks());
+                    let first = n * rpn;
+                    let last = (first + rpn).min(l.ranks());
                     let mut args = vec!["worker".into()];
                     files(&mut args);
                     args.extend(["--group".into(), group_name(g).into(), "--node".into(), n.to_string()]);
-                    out.push(Host { ranks: (first..last).map(|r| Endpoint { group: g, rank: r }).collect(), args });
+                    out.push(host((first..last).map(|r| Endpoint { group: g, rank: r }).collect(), args, (g, n)));
                 }
             }
         }
@@ -204,14 +237,20 @@ impl Cluster {
             .map_err(|e| setup(format!("tokio: {e}")))?;
         let secret = config.secret.secret().map_err(setup)?;
         let control = ControlConfig { heartbeat_timeout: config.heartbeat_timeout };
-        let rendezvous = runtime.block_on(Rendezvous::bind(secret, config.bind, &control)).map_err(setup)?;
+        let net = match &config.netns {
+            Some(_) if config.spawn.is_none() => return Err(setup("emulated hosts (--netns) need workers started here")),
+            Some(n) => Some(NetHosts::create(n, &NodeSpec::of(&src, &dst)).map_err(setup)?),
+            None => None,
+        };
+        let bind = net.as_ref().map_or(config.bind, |n| SocketAddr::new(n.gateway().into(), config.bind.port()));
+        let rendezvous = runtime.block_on(Rendezvous::bind(secret, bind, &control)).map_err(setup)?;
         listening(rendezvous.addr());
-        let hosts = hosts(&config, &src, &dst);
+        let hosts = hosts(&config, &src, &dst, net.as_ref());
         let mut children = None;
         if let Some(exe) = &config.spawn {
             let mut c = Children::new(exe, rendezvous.addr(), config.secret.text(), true);
             for h in &hosts {
-                c.spawn(h.args.clone()).map_err(setup)?;
+                c.spawn_in(h.args.clone(), h.netns.clone()).map_err(setup)?;
             }
             children = Some(c);
         }
@@ -236,7 +275,7 @@ impl Cluster {
             };
             spawn_orchestrator(ActorGroup::from_refs(members[0].clone()), ActorGroup::from_refs(members[1].clone()), oc)
         };
-        Ok(Cluster { config, src, dst, orchestrator, members, patterns, rendezvous, children, hosts, runtime })
+        Ok(Cluster { config, src, dst, orchestrator, members, patterns, rendezvous, children, net, hosts, runtime })
     }
 
     /// The layouts.
@@ -264,7 +303,16 @@ impl Cluster {
     /// The worker processes (pids only for those started here).
     pub fn workers(&self) -> Vec<WorkerInfo> {
         let pids = self.children.as_ref().map(Children::pids).unwrap_or_default();
-        self.hosts.iter().enumerate().map(|(i, h)| WorkerInfo { ranks: h.ranks.clone(), pid: pids.get(i).copied().unwrap_or(0) }).collect()
+        self.hosts
+            .iter()
+            .enumerate()
+            .map(|(i, h)| WorkerInfo { ranks: h.ranks.clone(), pid: pids.get(i).copied().unwrap_or(0), node: h.node })
+            .collect()
+    }
+
+    /// The emulated hosts the workers run on (`--netns`), if any.
+    pub fn emulated_hosts(&self) -> Option<&NetHosts> {
+        self.net.as_ref()
     }
 
     /// The largest peak resident memory among the running workers started
@@ -281,13 +329,13 @@ impl Cluster {
     }
 
     /// [`refit`](Self::refit), with faults armed on some ranks' data plane
-    /// for this refit, and a worker killed at a given step.
+    /// for this refit, and a disruption (a worker killed, say) at a step.
     pub fn refit_with(
         &mut self,
         version: u64,
         verify: bool,
         faults: &[(Endpoint, FaultSpec)],
-        kill: Option<KillAt>,
+        disruption: Option<Disruption>,
     ) -> Result<RefitOutcome, ClusterError> {
         let timeout = self.config.setup_timeout;
         for (e, spec) in faults {
@@ -297,19 +345,35 @@ impl Cluster {
                 .block_on(p.call_timeout(PatternMsg::Arm(spec.clone()), timeout))
                 .map_err(|err| ClusterError::Step { who: *e, problem: call_error(&err) })?;
         }
-        let killer = kill.and_then(|k| {
-            let pid = self.workers().get(k.worker).map(|w| w.pid).filter(|&p| p != 0)?;
+        let killer = disruption.and_then(|d| {
+            let pid = |worker: usize| self.workers().get(worker).map(|w| w.pid).filter(|&p| p != 0);
+            let action: Box<dyn FnOnce() + Send> = match d.action {
+                Disrupt::Kill(worker) => {
+                    let pid = pid(worker)?;
+                    Box::new(move || kill_pid(pid))
+                }
+                Disrupt::Stop(worker) => {
+                    let pid = pid(worker)?;
+                    Box::new(move || signal_pid(pid, "STOP"))
+                }
+                Disrupt::Run(f) => f,
+            };
             let mut phases = self.orchestrator.phases();
+            let (step, after) = (d.step, d.after);
             Some(self.runtime.spawn(async move {
-                if phases.wait_for(|p| p.step == k.step).await.is_ok() {
-                    tokio::time::sleep(k.after).await;
-                    kill_pid(pid);
+                if phases.wait_for(|p| p.step == step).await.is_ok() {
+                    tokio::time::sleep(after).await;
+                    // Inline (a few milliseconds of `kill` or `ip`): once
+                    // begun it ends before the task does.
+                    action();
                 }
             }))
         });
         let r = self.refit_inner(version, verify);
         if let Some(k) = killer {
             k.abort();
+            // Not pending afterwards: the caller may undo what it did.
+            let _ = self.runtime.block_on(k);
         }
         r
     }
@@ -496,7 +560,7 @@ impl Cluster {
 
     /// Stops the orchestrator and the workers.
     pub fn shutdown(self) {
-        let Cluster { orchestrator, members, patterns, rendezvous, children, runtime, .. } = self;
+        let Cluster { orchestrator, members, patterns, rendezvous, children, net, runtime, .. } = self;
         orchestrator.actor().stop();
         drop((members, patterns));
         rendezvous.node().shutdown();
@@ -509,13 +573,19 @@ impl Cluster {
             drop(c);
         }
         drop(rendezvous);
+        drop(net);
         runtime.shutdown_timeout(Duration::from_secs(1));
     }
 }
 
-/// Sends SIGKILL to process `pid` (through `kill -9`, no libc binding).
+/// Sends SIGKILL to process `pid`.
 pub fn kill_pid(pid: u32) {
-    let _ = Command::new("kill").arg("-9").arg(pid.to_string()).stdout(Stdio::null()).stderr(Stdio::null()).status();
+    signal_pid(pid, "KILL");
+}
+
+/// Sends signal `name` (`KILL`, `STOP`) to process `pid` (through `kill`).
+fn signal_pid(pid: u32, name: &str) {
+    let _ = Command::new("kill").arg(format!("-{name}")).arg(pid.to_string()).stdout(Stdio::null()).stderr(Stdio::null()).status();
 }
 
 /// A call error in words: the handler's message as it is, otherwise what

@@ -16,6 +16,7 @@ use orchestrator::{join, DstStore, JoinConfig, Joined, Role, SrcStore};
 use reshard::{DType, Endpoint, Group, Layout};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use transport::{fill_source_rank_at, verify_destination_rank_from};
@@ -197,9 +198,18 @@ pub struct WorkerConfig {
     pub hosted: Hosted,
     /// Where and how to join.
     pub join: JoinConfig,
+    /// Where the shared-memory regions with ranks of its node go (`None`:
+    /// `/dev/shm`); an emulated host has a directory of its own.
+    pub shm_dir: Option<PathBuf>,
 }
 
-async fn serve(joined: &Joined, layout: &Arc<Layout>, source_dtypes: &Arc<HashMap<String, DType>>, e: Endpoint) -> Result<(), String> {
+async fn serve(
+    joined: &Joined,
+    layout: &Arc<Layout>,
+    source_dtypes: &Arc<HashMap<String, DType>>,
+    e: Endpoint,
+    shm_dir: Option<PathBuf>,
+) -> Result<(), String> {
     let role = match e.group {
         Group::Src => Role::Src(Arc::new(SrcStore::new(layout, e.rank))),
         Group::Dst => Role::Dst(Arc::new(DstStore::new(layout, e.rank))),
@@ -208,6 +218,9 @@ async fn serve(joined: &Joined, layout: &Arc<Layout>, source_dtypes: &Arc<HashMa
     let slot = Arc::clone(&faults);
     let mut config = joined.member_config();
     config.tweak = Some(Arc::new(move |_refit, data: &mut transport::NodeTransportConfig| {
+        if let Some(dir) = &shm_dir {
+            data.shm.dir = dir.clone();
+        }
         if let Some(f) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
             data.tcp.hook = transport::Faults {
                 corrupt_frame: f.corrupt_frame,
@@ -239,7 +252,7 @@ pub fn run_worker(config: WorkerConfig, layouts: WorkerLayouts) -> Result<(), St
     runtime.block_on(async move {
         let joined = join(&config.join).await.map_err(|e| e.to_string())?;
         for &e in &ranks {
-            serve(&joined, &layout, &dtypes, e).await?;
+            serve(&joined, &layout, &dtypes, e, config.shm_dir.clone()).await?;
         }
         // The launcher closing the control plane is how a job ends.
         joined.closed().await;

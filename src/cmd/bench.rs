@@ -5,7 +5,7 @@ use super::report::{
     TempLayouts, BYTES_LEGEND,
 };
 use crate::BenchArgs;
-use refit::bench::{exec_bench, link_loads, BenchTransport, LinkLoads};
+use refit::bench::{exec_bench, link_loads, node_link_bound, BenchTransport, LinkLoads};
 use refit::cluster::Cluster;
 use reshard::{plan_baseline, plan_reshard, Figures, LinkModel, PlanOptions};
 use serde_json::json;
@@ -19,7 +19,14 @@ fn loads_json(l: &LinkLoads) -> serde_json::Value {
         "max_nic_in_bytes": l.max_nic_in,
         "max_intra_out_bytes": l.max_intra_out,
         "node_pairs": l.node_pairs.iter().map(|(a, z, b)| json!({"from": a, "to": z, "bytes": b})).collect::<Vec<_>>(),
+        "nodes": l.nodes.iter().map(|n| json!({"name": n.name(), "ranks": n.ranks, "out_bytes": n.out_bytes, "in_bytes": n.in_bytes}))
+            .collect::<Vec<_>>(),
     })
+}
+
+/// Per node of `l`, `f` of it, keyed by the node's name.
+fn per_node(l: &LinkLoads, f: impl Fn(&refit::bench::NodeLoad) -> serde_json::Value) -> serde_json::Value {
+    serde_json::Value::Object(l.nodes.iter().map(|n| (n.name(), f(n))).collect())
 }
 
 /// One strategy's JSON: its bytes (`bytes` kept beside `bytes_moved`) and
@@ -59,6 +66,9 @@ fn print_loads(reshard: &LinkLoads, baseline: &LinkLoads) {
 }
 
 pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
+    if a.cluster.netns && a.transport != BenchTransport::Process {
+        return Err(invalid("--netns runs worker processes on emulated hosts: it needs --transport process".into()));
+    }
     let progress = Progress::spinner(a.json);
     let (s, d, what) = match (&a.src, &a.dst, a.model) {
         (Some(s), Some(d), _) => {
@@ -109,14 +119,26 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
         progress.phase("starting workers");
         let mut cluster = Cluster::start(config, s.clone(), d.clone(), |_| {}).map_err(|e| fail(e.to_string()))?;
         let b = refit::bench::cluster_bench(&mut cluster, a.reps, |p| progress.phase(p.to_string()));
-        // The lower bound under the emulated links (no bound without them:
-        // loopback and a shared CPU have no link model). The emulation caps
-        // each rank's egress only, so the bound is the source group's
-        // egress term (`Plan::egress_lower_bound`).
-        let bound = a.cluster.emulation().map(|(net, intra)| {
-            let links = LinkModel { net_bytes_per_s: net as f64, intra_bytes_per_s: intra as f64, message_latency_s: 0.0 };
+        // The lower bound on the emulated links (none without them:
+        // loopback and a shared CPU have no link model): every node's
+        // link, in either direction, at its ranks x the per-rank rate, and
+        // each rank's shared-memory egress at its cap. With --netns the
+        // kernel shapes both directions of every node's link, so the bound
+        // is that model's. Without, our senders cap each rank's egress
+        // only (ingress is free): the node-link bound is then what a real
+        // cluster's links would impose, and the egress-only bound
+        // (`Plan::egress_lower_bound`) is the emulation's own.
+        let caps = a.cluster.emulation();
+        let bound = a.cluster.rank_rate().map(|r| node_link_bound(&rl, r, caps.intra_node_bytes_per_s));
+        let egress_bound = a.cluster.rank_rate().filter(|_| !a.cluster.netns).map(|r| {
+            let links = LinkModel { net_bytes_per_s: r as f64, intra_bytes_per_s: (r * 9) as f64, message_latency_s: 0.0 };
             rplan.egress_lower_bound(&links)
         });
+        let link_model = match (a.cluster.rank_rate(), a.cluster.netns) {
+            (None, _) => None,
+            (Some(_), true) => Some("netns: every node's link shaped by the kernel in both directions (tc on both ends of its veth)"),
+            (Some(_), false) => Some("egress: a token bucket on each rank's egress (ingress free)"),
+        };
         let peak = json!({"launcher": refit::bench::peak_rss_bytes(), "worker_max": cluster.worker_peak_rss()});
         progress.phase("stopping workers");
         cluster.shutdown();
@@ -129,7 +151,7 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
             )));
         }
         let ratio = b.baseline.as_secs_f64() / b.reshard.as_secs_f64();
-        let efficiency = bound.map(|lb| lb / b.reshard.as_secs_f64());
+        let efficiency = bound.as_ref().map(|lb| lb.seconds / b.reshard.as_secs_f64());
         let per_process = typed(&a.cluster.per_process);
         if a.json {
             let times = |v: &[Duration]| json!({"times_s": v.iter().map(|t| t.as_secs_f64()).collect::<Vec<_>>()});
@@ -138,12 +160,19 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
                 json!({
                     "workload": what, "reps": b.reps, "transport": transport, "workers": b.workers, "peak_rss_bytes": peak,
                     "per_process": per_process,
-                    "emulated_nic_bytes_per_s": a.cluster.emulation().map(|e| e.0),
+                    "netns": a.cluster.netns,
+                    "link_model": link_model,
+                    "emulated_nic_bytes_per_s": a.cluster.rank_rate(),
                     "reshard": strategy_json(&rf, b.reshard, times(&b.reshard_times)),
                     "baseline": strategy_json(&bf, b.baseline, times(&b.baseline_times)),
                     "baseline_over_reshard": ratio,
-                    "lower_bound_s": bound,
+                    "lower_bound_s": bound.as_ref().map(|lb| lb.seconds),
+                    "bound_link": bound.as_ref().map(|lb| lb.busiest.clone()),
                     "efficiency": efficiency,
+                    "egress_lower_bound_s": egress_bound,
+                    "node_rate_bytes_per_s": a.cluster.rank_rate().map(|r| per_node(&rl, |n| (r * u64::from(n.ranks)).into())),
+                    "node_out_bytes": per_node(&rl, |n| n.out_bytes.into()),
+                    "node_in_bytes": per_node(&rl, |n| n.in_bytes.into()),
                     "links": links,
                 })
             );
@@ -156,11 +185,21 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
             print_loads(&rl, &bl);
             say!("");
             say!("baseline time / reshard time = {ratio:.2}");
-            match (bound, efficiency) {
-                (Some(lb), Some(e)) => say!(
-                    "lower bound on the emulated (egress-capped) links {}; efficiency (lower bound / reshard time) = {e:.2}",
-                    seconds(lb)
-                ),
+            match (&bound, efficiency, link_model) {
+                (Some(lb), Some(e), Some(model)) => {
+                    say!("link model: {model}");
+                    say!(
+                        "lower bound on the node links, both directions: {} (busiest: {}); efficiency (lower bound / reshard time) = {e:.2}",
+                        seconds(lb.seconds),
+                        lb.busiest
+                    );
+                    if let Some(eb) = egress_bound {
+                        say!(
+                            "  (this emulation leaves ingress free, so the in-terms do not bind here; its own egress-only bound is {})",
+                            seconds(eb)
+                        );
+                    }
+                }
                 _ => say!("efficiency: needs --emulate-nic-mbps (a link model to bound against)"),
             }
         }

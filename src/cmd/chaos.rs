@@ -7,7 +7,17 @@ use reshard::PlanOptions;
 use serde_json::json;
 use std::time::Duration;
 
-pub(crate) fn run(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), Failure> {
+/// Arguments of `refit chaos`.
+pub(crate) struct ChaosArgs {
+    pub(crate) json: bool,
+    pub(crate) nic_mbps: u64,
+    pub(crate) deadline_s: u64,
+    pub(crate) netns: bool,
+    pub(crate) only: Option<String>,
+}
+
+pub(crate) fn run(a: &ChaosArgs) -> Result<(), Failure> {
+    let (as_json, nic_mbps, deadline_s) = (a.json, a.nic_mbps, a.deadline_s);
     // The suite's own layouts: TP2xDP... on 8 training ranks (2 nodes) to 4
     // inference ranks; the "different layout" is another pair.
     const SRC: &str = include_str!("../../examples/tp-to-tp/src.json");
@@ -26,6 +36,9 @@ pub(crate) fn run(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), F
         deadline_s: deadline_s.max(1),
         checksum: true,
         emulate_nic_mbps: Some(nic_mbps.max(1)),
+        netns: a.netns,
+        netem_delay_ms: None,
+        netem_loss_pct: None,
         secret_file: None,
         heartbeat_timeout_ms: 2000,
     };
@@ -37,9 +50,10 @@ pub(crate) fn run(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), F
         cluster,
         mid_transfer: Duration::from_millis(200),
         wrong_layouts: (dir.join("src.json"), dir.join("wrong.json")),
+        only: a.only.clone(),
     };
     if !as_json {
-        say!("{:<40} {:>7} {:>9} {:>6} {:>5} {:>9}  detail", "case", "failed", "elapsed", "hang", "torn", "recovered");
+        say!("{:<60} {:>7} {:>9} {:>6} {:>5} {:>9}  detail", "case", "failed", "elapsed", "hang", "torn", "recovered");
     }
     let yes = |b: bool| if b { "yes" } else { "no" };
     let progress = Progress::spinner(as_json);
@@ -49,9 +63,10 @@ pub(crate) fn run(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), F
         done += 1;
         progress.phase(format!("{done} cases done"));
         if !as_json {
-            progress.suspend(|| {
-                say!(
-                    "{:<40} {:>7} {:>9} {:>6} {:>5} {:>9}  {}",
+            progress.suspend(|| match &r.skipped {
+                Some(why) => say!("{:<60} {:>7} {:>9} {:>6} {:>5} {:>9}  skipped: {why}", r.case, "-", "-", "-", "-", "-"),
+                None => say!(
+                    "{:<60} {:>7} {:>9} {:>6} {:>5} {:>9}  {}",
                     r.case,
                     r.refit_failed.map_or("-", yes),
                     duration(r.elapsed),
@@ -59,14 +74,15 @@ pub(crate) fn run(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), F
                     yes(r.torn),
                     yes(r.recovered),
                     r.detail
-                )
+                ),
             });
         }
     })
     .map_err(|e| fail(e.to_string()))?;
     drop(progress);
-    let good = |r: &refit::chaos::ChaosRow| r.within_deadline && !r.torn && r.recovered;
-    let ok = rows.iter().filter(|r| good(r)).count();
+    let skipped = rows.iter().filter(|r| r.skipped.is_some()).count();
+    let ok = rows.iter().filter(|r| r.kept_promise()).count() - skipped;
+    let ran = rows.len() - skipped;
     if as_json {
         let list: Vec<serde_json::Value> = rows
             .iter()
@@ -74,17 +90,18 @@ pub(crate) fn run(as_json: bool, nic_mbps: u64, deadline_s: u64) -> Result<(), F
                 json!({
                     "case": r.case, "refit_failed": r.refit_failed, "elapsed_s": r.elapsed.as_secs_f64(),
                     "hang": !r.within_deadline, "torn": r.torn, "recovered": r.recovered,
-                    "versions": r.versions, "detail": r.detail,
+                    "versions": r.versions, "detail": r.detail, "skipped": r.skipped,
                 })
             })
             .collect();
-        say!("{}", json!({"cases": list, "passed": ok, "total": rows.len()}));
+        say!("{}", json!({"cases": list, "passed": ok, "total": ran, "skipped": skipped}));
     } else {
-        say!("{ok} of {} cases kept the promise (no hang, no torn version, recovered)", rows.len());
+        let skipped = if skipped > 0 { format!(" ({skipped} skipped: this machine cannot run them)") } else { String::new() };
+        say!("{ok} of {ran} cases kept the promise (no hang, no torn version, recovered){skipped}");
     }
-    if ok == rows.len() {
+    if ok == ran {
         Ok(())
     } else {
-        Err(Failure { line: format!("{} chaos case(s) broke the promise", rows.len() - ok), code: 1 })
+        Err(Failure { line: format!("{} chaos case(s) broke the promise", ran - ok), code: 1 })
     }
 }

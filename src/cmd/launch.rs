@@ -110,15 +110,20 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
     }
 }
 
-pub(crate) fn worker(
-    pair: &Pair,
-    group: &str,
-    rank: Option<u32>,
-    node: Option<u32>,
-    rendezvous: Option<&str>,
-    heartbeat_timeout: Duration,
-    secret_file: &Option<PathBuf>,
-) -> Result<(), Failure> {
+/// Arguments of `refit worker`.
+pub(crate) struct WorkerArgs<'a> {
+    pub(crate) pair: &'a Pair,
+    pub(crate) group: &'a str,
+    pub(crate) rank: Option<u32>,
+    pub(crate) node: Option<u32>,
+    pub(crate) rendezvous: Option<&'a str>,
+    pub(crate) heartbeat_timeout: Duration,
+    pub(crate) secret_file: &'a Option<PathBuf>,
+    pub(crate) shm_dir: &'a Option<PathBuf>,
+}
+
+pub(crate) fn worker(a: &WorkerArgs<'_>) -> Result<(), Failure> {
+    let WorkerArgs { pair, group, rank, node, rendezvous, heartbeat_timeout, secret_file, shm_dir } = *a;
     let group = match group {
         "src" => reshard::Group::Src,
         "dst" => reshard::Group::Dst,
@@ -153,6 +158,6 @@ pub(crate) fn worker(
     .and_then(|s| s.secret())
     .map_err(|e| invalid(format!("control-plane secret: {e}")))?;
     let control = orchestrator::rendezvous::ControlConfig { heartbeat_timeout: heartbeat_timeout.max(Duration::from_millis(500)) };
-    let config = WorkerConfig { hosted, join: orchestrator::JoinConfig { rendezvous, secret, control } };
+    let config = WorkerConfig { hosted, join: orchestrator::JoinConfig { rendezvous, secret, control }, shm_dir: shm_dir.clone() };
     run_worker(config, layouts).map_err(|e| Failure { line: e, code: 1 })
 }

@@ -3,6 +3,7 @@
 
 use crate::{ClusterArgs, Pair};
 use refit::cluster::{ClusterConfig, ControlSecret, SECRET_ENV};
+use refit::netns::{Netem, NetnsConfig};
 use refit::presets::{layouts_with, Model, PresetError, PresetOptions};
 pub(crate) use refit::units::{duration, human, plural, rate, seconds};
 use reshard::{parse_layout, Figures, Layout, PlanOptions, Strategy};
@@ -278,13 +279,46 @@ impl Drop for TempLayouts {
 }
 
 impl ClusterArgs {
-    /// The per-rank (inter-node, intra-node) egress caps, bytes/s.
-    pub(crate) fn emulation(&self) -> Option<(u64, u64)> {
-        self.emulate_nic_mbps.map(|m| (m * 1_000_000, m * 9_000_000))
+    /// The per-rank network rate of the emulated links, bytes/s.
+    pub(crate) fn rank_rate(&self) -> Option<u64> {
+        self.emulate_nic_mbps.map(|m| m.saturating_mul(1_000_000))
+    }
+
+    /// The per-rank egress caps of our senders: to other nodes at the rank
+    /// rate — unless the kernel shapes the network (`--netns`) — and to
+    /// ranks of the node at 9 times it.
+    pub(crate) fn emulation(&self) -> orchestrator::EgressCaps {
+        orchestrator::EgressCaps {
+            inter_node_bytes_per_s: self.rank_rate().filter(|_| !self.netns),
+            intra_node_bytes_per_s: self.rank_rate().map(|r| r.saturating_mul(9)),
+        }
+    }
+
+    /// The emulated hosts asked for (`--netns`), checked to be possible
+    /// here.
+    fn netns(&self) -> Result<Option<NetnsConfig>, Failure> {
+        if !self.netns {
+            return Ok(None);
+        }
+        if let Some(p) = self.netem_loss_pct.filter(|p| !(0.0..=100.0).contains(p)) {
+            return Err(invalid(format!("--netem-loss-pct {p}: expected a percentage from 0 to 100")));
+        }
+        let config = NetnsConfig {
+            rank_bytes_per_s: self.rank_rate(),
+            netem: Netem { delay: self.netem_delay_ms.map(Duration::from_millis), loss_pct: self.netem_loss_pct },
+        };
+        refit::netns::check(&config).map_err(invalid)?;
+        Ok(Some(config))
     }
 
     pub(crate) fn config(&self, src: &Path, dst: &Path, options: PlanOptions, bind: &str, spawn: bool) -> Result<ClusterConfig, Failure> {
         let bind = bind.parse().map_err(|e| invalid(format!("--bind {bind}: {e}")))?;
+        if self.netns && !spawn {
+            return Err(invalid(
+                "--netns starts its workers on emulated hosts: it cannot wait for workers started elsewhere (--no-spawn)".into(),
+            ));
+        }
+        let netns = self.netns()?;
         let spawn = if spawn {
             Some(std::env::current_exe().map_err(|e| Failure { line: format!("cannot find this program: {e}"), code: 1 })?)
         } else {
@@ -317,6 +351,7 @@ impl ClusterArgs {
                 connect_timeout: deadline.min(Duration::from_secs(60)),
             },
             strategy: Strategy::Reshard,
+            netns,
         })
     }
 }

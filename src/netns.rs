@@ -1,0 +1,655 @@
+//! Emulated hosts: every node of both groups of a multi-process refit in a
+//! network namespace of its own, so that the kernel — not our sender —
+//! shapes each node's network link, in both directions, as a cluster's
+//! NICs would (`refit launch|bench|chaos --netns`).
+//!
+//! For a launcher with process id `P` and a free private prefix `10.N`:
+//!
+//! - a bridge `rfPbr` in the root namespace with address `10.N.0.1/16`:
+//!   the launcher's rendezvous listens there ([`Hosts::gateway`]);
+//! - per node (source node `k`: `s<k>`, destination node `k`: `d<k>`) a
+//!   namespace `refit-P-s<k>`, a veth pair whose root-side end `rfPs<k>`
+//!   is a port of the bridge and whose other end is `eth0` inside, with
+//!   address `10.N.1.<k+1>/16` (sources) or `10.N.128.<k+1>/16`
+//!   (destinations); workers joining from there find their data address by
+//!   themselves (the interface that reaches the rendezvous);
+//! - with a rate, a `tbf` qdisc at the node's rate (its ranks × the
+//!   per-rank rate) on the egress of **both** ends of its veth: inside, the
+//!   node's egress; root side, the node's ingress (what the bridge forwards
+//!   to it). With a delay or a loss rate, a `netem` qdisc above the node's
+//!   egress `tbf` (one-way: a message between two nodes is delayed once);
+//! - per node a directory `/dev/shm/refit-P-s<k>`: its shared memory (the
+//!   workers of a node put their regions there, `refit worker --shm-dir`).
+//!
+//! Everything of launcher `P` is found by name and removed
+//! ([`remove_owned_by`]) when the [`Hosts`] is dropped (normal exit, error,
+//! panic), from a signal-watching thread on SIGINT, SIGTERM and SIGHUP
+//! (then the process exits with 128 + the signal), and, for launchers that
+//! are no longer alive (killed with SIGKILL), by the next [`Hosts::create`].
+//! Processes still inside a namespace being removed are killed first.
+
+use reshard::{Group, Layout};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+/// Where a node's shared-memory directory is made.
+const SHM_ROOT: &str = "/dev/shm";
+/// The lock file under which launchers pick their prefix and build.
+const LOCK_FILE: &str = "/run/refit-netns.lock";
+/// How long a packet may wait in a shaping queue (tbf `latency`).
+const QUEUE_LATENCY_MS: u64 = 100;
+
+/// How to build the hosts.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NetnsConfig {
+    /// Per-rank network rate in bytes/s: each node's link is shaped at its
+    /// ranks × this, in each direction. `None`: links are not shaped.
+    pub rank_bytes_per_s: Option<u64>,
+    /// Delay and loss on each node's egress.
+    pub netem: Netem,
+}
+
+/// Delay and loss a `netem` qdisc adds to a node's egress (nothing by
+/// default).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Netem {
+    /// One-way delay.
+    pub delay: Option<Duration>,
+    /// Percentage of packets dropped.
+    pub loss_pct: Option<f64>,
+}
+
+impl Netem {
+    /// The `netem` qdisc's arguments, when a delay or a loss rate is asked for.
+    fn args(&self) -> Option<Vec<String>> {
+        let mut args = Vec::new();
+        if let Some(d) = self.delay.filter(|d| !d.is_zero()) {
+            args.extend(["delay".to_string(), format!("{}us", d.as_micros())]);
+        }
+        if let Some(p) = self.loss_pct.filter(|p| *p > 0.0) {
+            args.extend(["loss".to_string(), format!("{p}%")]);
+        }
+        // Room for a bandwidth-delay product of packets (netem's default
+        // queue is 1000 packets).
+        (!args.is_empty()).then(|| {
+            args.extend(["limit".to_string(), "100000".to_string()]);
+            args
+        })
+    }
+}
+
+/// One node to emulate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeSpec {
+    /// Its group.
+    pub group: Group,
+    /// Its index within the group.
+    pub node: u32,
+    /// The ranks it hosts (the last node of a group may host fewer than
+    /// `ranks_per_node`).
+    pub ranks: u32,
+}
+
+impl NodeSpec {
+    /// Every node of a layout pair, sources first.
+    pub fn of(src: &Layout, dst: &Layout) -> Vec<NodeSpec> {
+        let mut out = Vec::new();
+        for (group, l) in [(Group::Src, src), (Group::Dst, dst)] {
+            let rpn = l.ranks_per_node().max(1);
+            for node in 0..l.nodes() {
+                let ranks = l.ranks().saturating_sub(node * rpn).min(rpn);
+                out.push(NodeSpec { group, node, ranks });
+            }
+        }
+        out
+    }
+
+    /// `s<k>` or `d<k>`: the node's part of every name.
+    fn tag(&self) -> String {
+        format!("{}{}", if self.group == Group::Src { "s" } else { "d" }, self.node)
+    }
+}
+
+/// One emulated host.
+#[derive(Clone, Debug)]
+pub struct Host {
+    /// The node.
+    pub spec: NodeSpec,
+    /// Its network namespace (`refit-P-s0`).
+    pub netns: String,
+    /// The root-side end of its veth (a bridge port; `rfPs0`).
+    pub veth: String,
+    /// Its address.
+    pub ip: Ipv4Addr,
+    /// Its shared-memory directory.
+    pub shm_dir: PathBuf,
+    /// Its link's rate in bytes/s, each direction (`None`: unshaped).
+    pub rate: Option<u64>,
+}
+
+impl Host {
+    /// Shapes the node's egress (inside its namespace): `netem` (if it
+    /// asks for anything), then a `tbf` at the link's rate under it.
+    fn shape_egress(&self, netem: &Netem) -> Result<(), String> {
+        let ns = self.netns.as_str();
+        let mut at = vec!["root", "handle", "1:"];
+        if let Some(args) = netem.args() {
+            tc(&words(&["-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem"], args))
+                .map_err(|e| format!("{e} (a delay or a loss rate needs the kernel's netem qdisc)"))?;
+            at = vec!["parent", "1:1", "handle", "2:"];
+        }
+        match self.rate {
+            Some(rate) => tc(&words(&[&["-n", ns, "qdisc", "add", "dev", "eth0"][..], &at].concat(), tbf(rate))),
+            None => Ok(()),
+        }
+    }
+
+    /// Takes the node's link down (`up` false: as if its cable were
+    /// pulled: the root-side end of its veth goes down) or back up. Back up,
+    /// the neighbour entries the outage left failed, on both sides, are
+    /// flushed: a failed entry answers a new connection with "no route to
+    /// host" until it is probed again, seconds later.
+    pub fn set_link(&self, up: bool) -> Result<(), String> {
+        ip(&["link", "set", &self.veth, if up { "up" } else { "down" }])?;
+        if up {
+            ip(&["-n", &self.netns, "neigh", "flush", "dev", "eth0"])?;
+            ip(&["neigh", "flush", "to", &self.ip.to_string()])?;
+        }
+        Ok(())
+    }
+
+    /// Cuts the node off from `launcher` (the bridge's address) in both
+    /// directions while it still reaches every other node (`cut` false:
+    /// heals it): blackhole policy-routing rules inside its namespace.
+    pub fn partition_from(&self, launcher: Ipv4Addr, cut: bool) -> Result<(), String> {
+        let (gw, verb) = (launcher.to_string(), if cut { "add" } else { "del" });
+        ip(&["-n", &self.netns, "rule", verb, "prio", "100", "to", &gw, "blackhole"])?;
+        ip(&["-n", &self.netns, "rule", verb, "prio", "101", "from", &gw, "blackhole"])
+    }
+}
+
+/// A set of emulated hosts, removed when dropped.
+pub struct Hosts {
+    owner: u32,
+    gateway: Ipv4Addr,
+    bridge: String,
+    hosts: Vec<Host>,
+}
+
+/// Whether this process has a set of hosts (one at a time; also the lock
+/// that orders building, dropping and the signal teardown).
+static LIVE: Mutex<bool> = Mutex::new(false);
+
+impl Hosts {
+    /// Builds one host per node of `nodes` (removing first what launchers
+    /// that are gone left behind). Needs root, `ip` and `tc`.
+    pub fn create(config: &NetnsConfig, nodes: &[NodeSpec]) -> Result<Hosts, String> {
+        check(config)?;
+        if nodes.len() > 32_000 {
+            return Err(format!("{} nodes: emulated hosts support at most 32000", nodes.len()));
+        }
+        install_signal_teardown()?;
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        if *live {
+            return Err("this process already runs a set of emulated hosts (one at a time)".into());
+        }
+        // Across launchers: one at a time picks its prefix and builds.
+        let _lock = LockFile::take(Path::new(LOCK_FILE))?;
+        remove_stale();
+        let owner = std::process::id();
+        let octet = free_octet()?;
+        let net = |third: u32, fourth: u32| Ipv4Addr::new(10, octet, 0, 0).to_bits() | ((third << 8) + fourth);
+        let hosts = nodes
+            .iter()
+            .map(|&spec| {
+                let base = if spec.group == Group::Src { net(1, 0) } else { net(128, 0) };
+                Host {
+                    spec,
+                    netns: format!("refit-{owner}-{}", spec.tag()),
+                    veth: format!("rf{owner}{}", spec.tag()),
+                    ip: Ipv4Addr::from_bits(base + spec.node + 1),
+                    shm_dir: Path::new(SHM_ROOT).join(format!("refit-{owner}-{}", spec.tag())),
+                    rate: config.rank_bytes_per_s.map(|r| r.saturating_mul(u64::from(spec.ranks.max(1)))),
+                }
+            })
+            .collect();
+        let hosts = Hosts { owner, gateway: Ipv4Addr::from_bits(net(0, 1)), bridge: format!("rf{owner}br"), hosts };
+        // From here a signal's teardown removes whatever exists.
+        *live = true;
+        if let Err(e) = hosts.build(config) {
+            remove_owned_by(owner);
+            *live = false;
+            // `hosts` is dropped below with `live` false: nothing twice.
+            return Err(e);
+        }
+        Ok(hosts)
+    }
+
+    fn build(&self, config: &NetnsConfig) -> Result<(), String> {
+        let br = self.bridge.as_str();
+        ip(&["link", "add", br, "type", "bridge"])?;
+        ip(&["addr", "add", &format!("{}/16", self.gateway), "dev", br])?;
+        ip(&["link", "set", br, "up"])?;
+        for h in &self.hosts {
+            std::fs::create_dir_all(&h.shm_dir).map_err(|e| format!("{}: cannot create: {e}", h.shm_dir.display()))?;
+            let ns = h.netns.as_str();
+            ip(&["netns", "add", ns])?;
+            ip(&["link", "add", &h.veth, "type", "veth", "peer", "name", "eth0", "netns", ns])?;
+            ip(&["link", "set", &h.veth, "master", br, "up"])?;
+            ip(&["-n", ns, "addr", "add", &format!("{}/16", h.ip), "dev", "eth0"])?;
+            ip(&["-n", ns, "link", "set", "eth0", "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            h.shape_egress(&config.netem)?;
+            // The node's ingress: what the bridge forwards to it.
+            if let Some(rate) = h.rate {
+                tc(&words(&["qdisc", "add", "dev", &h.veth, "root", "handle", "1:"], tbf(rate)))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts `netem`'s delay and loss on every node's egress from now on
+    /// (`Netem::default()`: none), keeping each link's rate.
+    pub fn set_netem(&self, netem: &Netem) -> Result<(), String> {
+        for h in &self.hosts {
+            // The chain is rebuilt from the top (a missing one is fine).
+            let _ = tc(&["-n", &h.netns, "qdisc", "del", "dev", "eth0", "root"]);
+            h.shape_egress(netem)?;
+        }
+        Ok(())
+    }
+
+    /// The bridge's address: where the launcher's rendezvous listens.
+    pub fn gateway(&self) -> Ipv4Addr {
+        self.gateway
+    }
+
+    /// Every host, sources first.
+    pub fn hosts(&self) -> &[Host] {
+        &self.hosts
+    }
+
+    /// The host of node `node` of `group`.
+    pub fn host(&self, group: Group, node: u32) -> Option<&Host> {
+        self.hosts.iter().find(|h| h.spec.group == group && h.spec.node == node)
+    }
+
+    /// The launcher's process id (every name carries it).
+    pub fn owner(&self) -> u32 {
+        self.owner
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        if *live {
+            remove_owned_by(self.owner);
+            *live = false;
+        }
+    }
+}
+
+/// The `tbf` arguments for `rate` bytes/s: a bucket of 10 ms of traffic
+/// (at least 64 KiB, so that segmentation offload's large packets pass).
+fn tbf(rate: u64) -> Vec<String> {
+    let burst = (rate / 100).max(64 << 10);
+    let rate = format!("{}bit", rate.saturating_mul(8));
+    ["tbf", "rate", &rate, "burst", &burst.to_string(), "latency", &format!("{QUEUE_LATENCY_MS}ms")].map(String::from).to_vec()
+}
+
+/// `head` then `tail`, as one argument list.
+fn words(head: &[&str], tail: Vec<String>) -> Vec<String> {
+    head.iter().map(|w| w.to_string()).chain(tail).collect()
+}
+
+/// Whether emulated hosts can be built here: root, `ip` and `tc` (and the
+/// netem qdisc when a delay or a loss rate is asked for). The error says
+/// what is missing.
+pub fn check(config: &NetnsConfig) -> Result<(), String> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("--netns needs root (network namespaces, veth pairs, a bridge and tc qdiscs)".into());
+    }
+    let missing: Vec<&str> = ["ip", "tc"].into_iter().filter(|p| !on_path(p)).collect();
+    if !missing.is_empty() {
+        return Err(format!("--netns needs {} on PATH (iproute2)", missing.join(" and ")));
+    }
+    if config.netem.args().is_some() && !netem_available() {
+        return Err(
+            "--netem-delay-ms and --netem-loss-pct need the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this kernel lacks".into()
+        );
+    }
+    Ok(())
+}
+
+/// Whether `tc` can add a netem qdisc: tried on the loopback of a
+/// throwaway namespace.
+pub fn netem_available() -> bool {
+    let ns = format!("refit-{}-probe", std::process::id());
+    if ip(&["netns", "add", &ns]).is_err() {
+        return false;
+    }
+    let ok = tc(&["-n", &ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]).is_ok();
+    let _ = ip(&["netns", "del", &ns]);
+    ok
+}
+
+fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|paths| std::env::split_paths(&paths).any(|d| d.join(program).is_file()))
+}
+
+/// Runs `program args`; its stdout, or an error naming the command and
+/// quoting the first line it printed on stderr.
+fn run<S: AsRef<str>>(program: &str, args: &[S]) -> Result<String, String> {
+    let args: Vec<&str> = args.iter().map(AsRef::as_ref).collect();
+    let what = || format!("`{program} {}`", args.join(" "));
+    let out = Command::new(program).args(&args).stdin(Stdio::null()).output().map_err(|e| format!("{}: cannot run: {e}", what()))?;
+    if out.status.success() {
+        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let why = stderr.lines().find(|l| !l.trim().is_empty()).unwrap_or("no message").trim().to_string();
+    Err(format!("{} failed: {why}", what()))
+}
+
+fn ip<S: AsRef<str>>(args: &[S]) -> Result<(), String> {
+    run("ip", args).map(drop)
+}
+
+fn tc<S: AsRef<str>>(args: &[S]) -> Result<(), String> {
+    run("tc", args).map(drop)
+}
+
+/// The launcher pid in one of our names: `refit-P-…` (namespaces, shared
+/// memory directories) or `rfP…` (links), with the rest a node tag (`s0`,
+/// `d12`), `br` or `probe`.
+fn owner_of(name: &str) -> Option<u32> {
+    let (digits, rest) = if let Some(r) = name.strip_prefix("refit-") {
+        let (d, rest) = r.split_once('-')?;
+        (d, rest)
+    } else {
+        let r = name.strip_prefix("rf")?;
+        let end = r.find(|c: char| !c.is_ascii_digit())?;
+        r.split_at(end)
+    };
+    let tag_ok = rest == "br"
+        || rest == "probe"
+        || (rest.len() > 1 && (rest.starts_with('s') || rest.starts_with('d')) && rest[1..].bytes().all(|b| b.is_ascii_digit()));
+    if digits.is_empty() || digits.len() > 10 || !digits.bytes().all(|b| b.is_ascii_digit()) || !tag_ok {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Our namespaces, links and shared-memory directories that exist now.
+#[derive(Debug, Default)]
+struct Found {
+    netns: Vec<String>,
+    links: Vec<String>,
+    shm_dirs: Vec<PathBuf>,
+}
+
+fn found() -> Found {
+    let netns = run("ip", &["netns", "list"])
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| owner_of(n).is_some())
+        .map(String::from)
+        .collect();
+    // `5: rf123s0@if2: <BROADCAST,...`
+    let links = run("ip", &["-o", "link", "show"])
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n))
+        .filter(|n| owner_of(n).is_some())
+        .map(String::from)
+        .collect();
+    let shm_dirs = std::fs::read_dir(SHM_ROOT)
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("refit-") && owner_of(n).is_some()))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default();
+    Found { netns, links, shm_dirs }
+}
+
+fn owned(found: &Found, owner: u32) -> Found {
+    let mine = |n: &str| owner_of(n) == Some(owner);
+    Found {
+        netns: found.netns.iter().filter(|n| mine(n)).cloned().collect(),
+        links: found.links.iter().filter(|n| mine(n)).cloned().collect(),
+        shm_dirs: found.shm_dirs.iter().filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(mine)).cloned().collect(),
+    }
+}
+
+/// Removes every namespace, link and shared-memory directory of launcher
+/// `owner`, killing the processes still inside those namespaces first.
+/// Never fails: what cannot be removed is left (and reported on stderr).
+pub fn remove_owned_by(owner: u32) {
+    remove(&owned(&found(), owner));
+}
+
+fn remove(f: &Found) {
+    for ns in &f.netns {
+        for pid in run("ip", &["netns", "pids", ns]).unwrap_or_default().split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+            // SAFETY: plain system call; the pid is a process inside our
+            // namespace (a worker of ours), never 0 or negative.
+            if pid > 0 {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+    // Root-side veth ends first (each takes its peer along), the bridge last.
+    let (bridges, veths): (Vec<&String>, Vec<&String>) = f.links.iter().partition(|l| l.ends_with("br"));
+    let mut left = Vec::new();
+    for l in veths.into_iter().chain(bridges) {
+        left.extend(ip(&["link", "del", l]).err());
+    }
+    for ns in &f.netns {
+        left.extend(ip(&["netns", "del", ns]).err());
+    }
+    for d in &f.shm_dirs {
+        if let Err(e) = std::fs::remove_dir_all(d) {
+            left.push(format!("{}: cannot remove: {e}", d.display()));
+        }
+    }
+    for l in left {
+        // A link deleted with its peer is gone already: not worth a word.
+        if !l.contains("Cannot find device") {
+            eprintln!("refit: emulated hosts: {l}");
+        }
+    }
+}
+
+/// Removes what launchers that are no longer alive left behind.
+fn remove_stale() {
+    let all = found();
+    let mut owners: Vec<u32> = all.netns.iter().chain(&all.links).filter_map(|n| owner_of(n)).collect::<Vec<_>>();
+    owners.extend(all.shm_dirs.iter().filter_map(|p| p.file_name().and_then(|n| n.to_str()).and_then(owner_of)));
+    owners.sort_unstable();
+    owners.dedup();
+    for owner in owners {
+        if !Path::new(&format!("/proc/{owner}")).exists() {
+            remove(&owned(&all, owner));
+        }
+    }
+}
+
+/// The second octet of a `10.N.0.0/16` no interface or route here uses,
+/// 213 to 254 first.
+fn free_octet() -> Result<u8, String> {
+    let mut used = Vec::new();
+    for args in [&["-o", "-4", "addr", "show"][..], &["-4", "route", "show", "table", "all"]] {
+        let text = run("ip", args)?;
+        for word in text.split_whitespace() {
+            let mut parts = word.split(['.', '/']);
+            if parts.next() == Some("10") {
+                used.extend(parts.next().and_then(|o| o.parse::<u8>().ok()));
+            }
+        }
+    }
+    (213..=254)
+        .chain(200..213)
+        .find(|o| !used.contains(o))
+        .ok_or_else(|| "no free 10.N.0.0/16 prefix (200 to 254) for the emulated hosts".into())
+}
+
+/// An exclusive `flock` on a file, released when dropped (or when the
+/// process dies).
+struct LockFile(std::fs::File);
+
+impl LockFile {
+    fn take(path: &Path) -> Result<LockFile, String> {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(|e| format!("{}: cannot open: {e}", path.display()))?;
+        loop {
+            // SAFETY: plain system call on a file descriptor we own.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                return Ok(LockFile(file));
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(format!("{}: cannot lock: {e}", path.display()));
+            }
+        }
+    }
+}
+
+impl Drop for LockFile {
+    fn drop(&mut self) {
+        use std::os::fd::AsRawFd;
+        // SAFETY: plain system call on a file descriptor we own.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// The write end of the pipe the signal handler writes the signal's
+/// number into (-1: not installed).
+static SIGNAL_PIPE: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn on_signal(signal: libc::c_int) {
+    let fd = SIGNAL_PIPE.load(Ordering::Relaxed);
+    let byte = signal as u8;
+    // SAFETY: write(2) is async-signal-safe; `fd` is the pipe's write end,
+    // open for the life of the process; one byte from a local.
+    unsafe { libc::write(fd, (&byte as *const u8).cast(), 1) };
+}
+
+/// On SIGINT, SIGTERM or SIGHUP: remove this process's hosts and exit with
+/// 128 + the signal. The handler only writes to a pipe; a thread does the
+/// rest (under [`LIVE`], so never halfway through building or dropping).
+fn install_signal_teardown() -> Result<(), String> {
+    static INSTALLED: OnceLock<Result<(), String>> = OnceLock::new();
+    INSTALLED
+        .get_or_init(|| {
+            use std::io::Read;
+            use std::os::fd::FromRawFd;
+            let mut fds = [0 as libc::c_int; 2];
+            // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+            if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+                return Err(format!("cannot make a pipe for the signal handler: {}", std::io::Error::last_os_error()));
+            }
+            // SAFETY: a fresh descriptor from pipe2, owned by this File only.
+            let mut reader = unsafe { std::fs::File::from_raw_fd(fds[0]) };
+            SIGNAL_PIPE.store(fds[1], Ordering::Relaxed);
+            std::thread::Builder::new()
+                .name("refit-netns-signals".into())
+                .spawn(move || {
+                    let mut byte = [0u8; 1];
+                    // Only an error of the pipe itself ends this thread
+                    // (read_exact retries interrupted reads).
+                    if reader.read_exact(&mut byte).is_err() {
+                        return;
+                    }
+                    let _live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+                    remove_owned_by(std::process::id());
+                    eprintln!("refit: signal {}: emulated hosts removed", byte[0]);
+                    std::process::exit(128 + i32::from(byte[0]));
+                })
+                .map_err(|e| format!("cannot start the signal-watching thread: {e}"))?;
+            for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+                // SAFETY: a zeroed sigaction is a valid "no flags, empty
+                // mask" value; the handler only does async-signal-safe work
+                // (one write to a pipe).
+                let r = unsafe {
+                    let mut action: libc::sigaction = std::mem::zeroed();
+                    action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                    action.sa_flags = libc::SA_RESTART;
+                    libc::sigemptyset(&mut action.sa_mask);
+                    libc::sigaction(signal, &action, std::ptr::null_mut())
+                };
+                if r != 0 {
+                    return Err(format!("cannot install a handler for signal {signal}: {}", std::io::Error::last_os_error()));
+                }
+            }
+            Ok(())
+        })
+        .clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_carry_their_owner() {
+        assert_eq!(owner_of("refit-1234-s0"), Some(1234));
+        assert_eq!(owner_of("refit-1234-d17"), Some(1234));
+        assert_eq!(owner_of("refit-1234-probe"), Some(1234));
+        assert_eq!(owner_of("rf1234br"), Some(1234));
+        assert_eq!(owner_of("rf1234s3"), Some(1234));
+        assert_eq!(owner_of("rf1234d12"), Some(1234));
+        // Shared-memory regions (a session id, then ranks), other links.
+        assert_eq!(owner_of("refit-0f3a9c-s0-d1"), None);
+        assert_eq!(owner_of("refit-12345678901234567890123456789012-s0-d1"), None);
+        assert_eq!(owner_of("rf1234"), None);
+        assert_eq!(owner_of("rf1234x0"), None);
+        assert_eq!(owner_of("eth0"), None);
+        assert_eq!(owner_of("refit-abc-s0"), None);
+        assert_eq!(owner_of("refit-12-s"), None);
+    }
+
+    #[test]
+    fn nodes_of_a_pair() {
+        let layout = |ranks: u32, rpn: u32| {
+            let text = format!(
+                r#"{{"ranks": {ranks}, "ranks_per_node": {rpn}, "tensors": [{{"name": "w", "dtype": "f32", "shape": [{ranks}],
+                    "mesh": {{"shape": [{ranks}]}}, "placements": ["shard(0)"]}}]}}"#
+            );
+            reshard::parse_layout(&text).map_err(|e| e.to_string())
+        };
+        let (src, dst) = (layout(8, 4).unwrap(), layout(6, 4).unwrap());
+        let nodes = NodeSpec::of(&src, &dst);
+        let got: Vec<(String, u32)> = nodes.iter().map(|n| (n.tag(), n.ranks)).collect();
+        assert_eq!(got, [("s0".into(), 4), ("s1".into(), 4), ("d0".into(), 4), ("d1".into(), 2)]);
+    }
+
+    #[test]
+    fn netem_arguments() {
+        assert_eq!(Netem::default().args(), None);
+        let c = Netem { delay: Some(Duration::from_millis(100)), loss_pct: Some(5.0) };
+        assert_eq!(c.args().map(|a| a.join(" ")), Some("delay 100000us loss 5% limit 100000".into()));
+    }
+
+    #[test]
+    fn tbf_bucket_holds_large_packets() {
+        assert_eq!(tbf(1_000_000)[4], (64 << 10).to_string());
+        assert_eq!(words(&["qdisc", "add"], tbf(1_000_000))[2], "tbf");
+        assert_eq!(tbf(400_000_000)[2], "3200000000bit");
+    }
+}

@@ -1,0 +1,232 @@
+//! Emulated hosts (`--netns`): every node in a network namespace of its
+//! own, its link shaped by the kernel in both directions. Refits verify on
+//! them, `refit bench` bounds them by the busiest node link, and nothing of
+//! ours is left afterwards — after a normal exit, after SIGTERM, and after
+//! a launcher killed outright (the next run removes what it left).
+//!
+//! These need root, `ip` and `tc`; elsewhere each test says it was skipped
+//! and why.
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_refit");
+
+fn example(name: &str) -> (String, String) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples").join(name);
+    let p = |f: &str| dir.join(f).to_str().expect("utf-8 path").to_string();
+    (p("src.json"), p("dst.json"))
+}
+
+/// Why emulated hosts cannot be built here, if they cannot.
+fn unavailable() -> Option<String> {
+    let uid = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).and_then(|l| l.split_whitespace().nth(2).map(String::from)));
+    if uid.as_deref() != Some("0") {
+        return Some("not root".into());
+    }
+    for program in ["ip", "tc"] {
+        if Command::new(program).arg("-V").output().is_err() {
+            return Some(format!("no `{program}` on PATH"));
+        }
+    }
+    None
+}
+
+macro_rules! needs_netns {
+    () => {
+        if let Some(why) = unavailable() {
+            eprintln!("skipped: --netns needs root, ip and tc: {why}");
+            return;
+        }
+    };
+}
+
+fn start(args: &[&str]) -> Child {
+    Command::new(BIN).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn refit")
+}
+
+fn text(out: &Output) -> String {
+    format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
+/// Namespaces, links and shared-memory directories named after launcher `pid`.
+fn left_by(pid: u32) -> Vec<String> {
+    let run = |args: &[&str]| String::from_utf8_lossy(&Command::new("ip").args(args).output().expect("ip").stdout).into_owned();
+    let (ns, link) = (format!("refit-{pid}-"), format!("rf{pid}"));
+    let mut left: Vec<String> = run(&["netns", "list"]).lines().filter(|l| l.starts_with(&ns)).map(String::from).collect();
+    left.extend(
+        run(&["-o", "link", "show"]).lines().filter_map(|l| l.split(": ").nth(1)).filter(|n| n.starts_with(&link)).map(String::from),
+    );
+    if let Ok(dir) = std::fs::read_dir("/dev/shm") {
+        left.extend(dir.filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&ns)));
+    }
+    left
+}
+
+/// Waits until launcher `pid` has built its hosts.
+fn wait_for_hosts(pid: u32) {
+    let t = Instant::now();
+    while left_by(pid).iter().filter(|n| n.starts_with("refit-")).count() < 2 {
+        assert!(t.elapsed() < Duration::from_secs(30), "launcher {pid} built no emulated hosts within 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `refit launch --netns` with a process per rank (several processes in
+/// one namespace, sharing its memory directory) and per node: every refit
+/// verifies, and no namespace, veth, bridge or shared-memory directory of
+/// the launcher is left.
+#[test]
+fn slow_netns_launch_verifies_and_leaves_nothing() {
+    needs_netns!();
+    let (src, dst) = example("tp-to-tp");
+    for per in ["rank", "node"] {
+        let args = [
+            "launch",
+            "--src",
+            &src,
+            "--dst",
+            &dst,
+            "--netns",
+            "--emulate-nic-mbps",
+            "50",
+            "--verify",
+            "--refits",
+            "2",
+            "--json",
+            "--per-process",
+            per,
+        ];
+        let child = start(&args);
+        let pid = child.id();
+        let out = child.wait_with_output().expect("wait");
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+        assert_eq!(v["verified"], true, "{v}");
+        let refits = v["refits"].as_array().expect("refits");
+        assert_eq!(refits.len(), 2, "{v}");
+        assert!(refits.iter().all(|r| r["ok"] == true), "{v}");
+        assert_eq!(left_by(pid), Vec::<String>::new(), "--per-process {per}: left behind");
+    }
+}
+
+/// SIGTERM in the middle of a launch: the launcher removes its hosts and
+/// exits with 128 + 15. A launcher killed outright (SIGKILL) cannot; the
+/// next launcher removes what it left.
+#[test]
+fn slow_netns_is_removed_after_sigterm_and_after_sigkill() {
+    needs_netns!();
+    let (src, dst) = example("tp-to-tp");
+    let args = ["launch", "--src", &src, "--dst", &dst, "--netns", "--emulate-nic-mbps", "20", "--refits", "1000", "--json"];
+    let term = start(&args);
+    let pid = term.id();
+    wait_for_hosts(pid);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(Command::new("kill").args(["-TERM", &pid.to_string()]).status().expect("kill").success());
+    let out = term.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(143), "{}", text(&out));
+    assert_eq!(left_by(pid), Vec::<String>::new(), "left behind after SIGTERM");
+
+    let mut killed = start(&args);
+    let gone = killed.id();
+    wait_for_hosts(gone);
+    assert!(Command::new("kill").args(["-KILL", &gone.to_string()]).status().expect("kill").success());
+    let _ = killed.wait();
+    assert!(!left_by(gone).is_empty(), "a launcher killed with SIGKILL cannot clean up");
+    let next = start(&["launch", "--src", &src, "--dst", &dst, "--netns", "--refits", "1", "--verify"]);
+    let out = next.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(left_by(gone), Vec::<String>::new(), "the next launcher should remove a dead launcher's hosts");
+}
+
+/// `refit bench --transport process --netns` bounds the reshard by the
+/// busiest node link in either direction and reports every node's bytes.
+#[test]
+fn slow_netns_bench_bounds_by_the_busiest_node_link() {
+    needs_netns!();
+    let (src, dst) = example("tp-to-tp");
+    let args =
+        ["bench", "--src", &src, "--dst", &dst, "--transport", "process", "--netns", "--emulate-nic-mbps", "20", "--reps", "1", "--json"];
+    let child = start(&args);
+    let pid = child.id();
+    let out = child.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    assert!(v["link_model"].as_str().is_some_and(|m| m.starts_with("netns")), "{v}");
+    // Every node of both groups, each cross-node byte out of one and into
+    // another; tp-to-tp's destination nodes (2 ranks, 40 MB/s) each take
+    // in about 8 MiB, the most any link carries.
+    let sum = |key: &str| v[key].as_object().expect(key).values().map(|b| b.as_u64().expect("bytes")).sum::<u64>();
+    let names: Vec<&String> = v["node_in_bytes"].as_object().expect("node_in_bytes").keys().collect();
+    assert_eq!(names, ["dst node 0", "dst node 1", "src node 0", "src node 1"], "{v}");
+    assert_eq!(sum("node_out_bytes"), v["links"]["reshard"]["inter_node_bytes"].as_u64().expect("inter-node bytes"), "{v}");
+    assert_eq!(sum("node_in_bytes"), sum("node_out_bytes"), "{v}");
+    assert_eq!(v["node_rate_bytes_per_s"]["src node 0"], 80_000_000, "{v}");
+    assert_eq!(v["node_rate_bytes_per_s"]["dst node 1"], 40_000_000, "{v}");
+    let into_dst0 = v["node_in_bytes"]["dst node 0"].as_f64().expect("bytes");
+    assert!(into_dst0 >= (8 << 20) as f64, "{v}");
+    assert_eq!(v["lower_bound_s"].as_f64(), Some(into_dst0 / 40e6), "{v}");
+    assert_eq!(v["bound_link"], "dst node 0 in", "{v}");
+    // The kernel shapes the links: the reshard cannot beat the bound
+    // (a little slack for the bucket's burst).
+    let efficiency = v["efficiency"].as_f64().expect("efficiency");
+    assert!(efficiency > 0.0 && efficiency < 1.05, "{v}");
+    assert!(v["baseline_over_reshard"].as_f64().is_some(), "{v}");
+    assert!(v["egress_lower_bound_s"].is_null(), "{v}");
+    assert_eq!(left_by(pid), Vec::<String>::new());
+}
+
+/// Misuse is refused with one line and exit code 2, before anything is built.
+#[test]
+fn netns_misuse_is_refused() {
+    needs_netns!();
+    let (src, dst) = example("tp-to-tp");
+    let cases: [(&[&str], &str); 3] = [
+        (&["launch", "--src", &src, "--dst", &dst, "--netns", "--no-spawn", "--secret-file", "/dev/null"], "--no-spawn"),
+        (&["bench", "--src", &src, "--dst", &dst, "--netns"], "--transport process"),
+        (&["launch", "--src", &src, "--dst", &dst, "--netem-delay-ms", "5"], "--netns"),
+    ];
+    for (args, says) in cases {
+        let out = Command::new(BIN).args(args).output().expect("spawn refit");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
+/// `refit chaos --netns`: the network cases (a link cut mid-transfer and
+/// restored, a node partitioned from the launcher but not from its peers,
+/// a peer that stops reading; loss and delay where the kernel has netem)
+/// each fail the refit within its bound, leave no torn version, and the
+/// next refit after healing commits.
+#[test]
+fn slow_netns_network_chaos_keeps_the_promise() {
+    needs_netns!();
+    let args = ["chaos", "--netns", "--only", "net:", "--emulate-nic-mbps", "4", "--deadline-s", "3", "--json"];
+    let child = start(&args);
+    let pid = child.id();
+    let out = child.wait_with_output().expect("wait");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    let cases = v["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 5, "{v}");
+    for c in cases {
+        if let Some(why) = c["skipped"].as_str() {
+            // Only loss and delay may be skipped: they need netem.
+            assert!(why.contains("netem"), "{c}");
+            eprintln!("{}: skipped: {why}", c["case"]);
+            continue;
+        }
+        assert_eq!(c["hang"], false, "{c}");
+        assert_eq!(c["torn"], false, "{c}");
+        assert_eq!(c["recovered"], true, "{c}");
+    }
+    for c in &cases[..3] {
+        assert_eq!(c["refit_failed"], true, "a link cut, a partition or a stopped peer mid-transfer must fail the refit: {c}");
+    }
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(left_by(pid), Vec::<String>::new());
+}
