@@ -21,8 +21,8 @@ pub struct ChaosRow {
     /// (`Some(false)`: the fault came too late to matter); `None` when the
     /// case breaks nothing but the idle cluster.
     pub refit_failed: Option<bool>,
-    /// How long the broken refit took to return (or, for the idle case, to
-    /// notice the death).
+    /// How long the broken refit took to return: the orchestrator's answer
+    /// (or, for the idle case, the time to notice the death).
     pub elapsed: Duration,
     /// The broken refit returned within its bound (deadline + abort grace +
     /// control timeout), i.e. it did not hang.
@@ -178,7 +178,12 @@ pub fn run_chaos(
                 }
             }
         };
-        let elapsed = t.elapsed();
+        // The broken refit's own time: the orchestrator's answer, not the
+        // launcher stepping the sources first (seconds under a sanitizer).
+        let elapsed = match failed {
+            None => t.elapsed(),
+            Some(_) => cluster.last_refit_call().unwrap_or_else(|| t.elapsed()),
+        };
         // Torn? Every live destination's committed bytes must be exactly
         // one version (the check verifies every element).
         let checked = cluster.check();

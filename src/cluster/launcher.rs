@@ -171,6 +171,9 @@ pub struct Cluster {
     /// Emulated hosts, removed once their workers are gone.
     net: Option<NetHosts>,
     hosts: Vec<Host>,
+    /// How long the orchestrator took to answer the last refit (`None` if
+    /// the last refit failed before asking it).
+    last_call: Option<Duration>,
     runtime: Runtime,
 }
 
@@ -275,7 +278,14 @@ impl Cluster {
             };
             spawn_orchestrator(ActorGroup::from_refs(members[0].clone()), ActorGroup::from_refs(members[1].clone()), oc)
         };
-        Ok(Cluster { config, src, dst, orchestrator, members, patterns, rendezvous, children, net, hosts, runtime })
+        Ok(Cluster { config, src, dst, orchestrator, members, patterns, rendezvous, children, net, hosts, last_call: None, runtime })
+    }
+
+    /// How long the orchestrator took to answer the last refit, failed or
+    /// not (not counting stepping the sources or checking the
+    /// destinations); `None` if the last refit failed before asking it.
+    pub fn last_refit_call(&self) -> Option<Duration> {
+        self.last_call
     }
 
     /// The layouts.
@@ -379,6 +389,7 @@ impl Cluster {
     }
 
     fn refit_inner(&mut self, version: u64, verify: bool) -> Result<RefitOutcome, ClusterError> {
+        self.last_call = None;
         let timeout = self.config.setup_timeout;
         let runtime = &self.runtime;
         runtime.block_on(async {
@@ -394,7 +405,10 @@ impl Cluster {
             }
             Ok::<_, ClusterError>(())
         })?;
-        let report = runtime.block_on(self.orchestrator.refit(version))?;
+        let asked = Instant::now();
+        let report = runtime.block_on(self.orchestrator.refit(version));
+        self.last_call = Some(asked.elapsed());
+        let report = report?;
         let mut verified = None;
         if verify {
             let mut n = 0;

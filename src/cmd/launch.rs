@@ -68,7 +68,16 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
                 Err(e) => say!("refit {version}: FAILED in {}: {e}", duration(took)),
             });
         }
-        outcomes.push(json!({"version": version, "ok": r.is_ok(), "error": error, "ms": took.as_secs_f64() * 1e3}));
+        // `ms` counts stepping the sources and checking too; `refit_s` is
+        // the orchestrator's refit alone, `transfer_s` its data movement.
+        let (refit_s, transfer_s) = match &r {
+            Ok(o) => (Some(o.report.wall.as_secs_f64()), Some(o.report.transfer_time.as_secs_f64())),
+            Err(_) => (None, None),
+        };
+        outcomes.push(json!({
+            "version": version, "ok": r.is_ok(), "error": error, "ms": took.as_secs_f64() * 1e3,
+            "refit_s": refit_s, "transfer_s": transfer_s,
+        }));
         if r.is_err() && a.fail_fast {
             break;
         }
