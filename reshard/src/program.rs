@@ -809,6 +809,17 @@ impl<'a> Programs<'a> {
             pieces.shrink_to_fit();
             rounds[r as usize].recvs.push(Message { peer, pieces });
         }
+        // A rank sends a round's messages one after another, in peer order;
+        // if every rank began with the lowest peer, every sender would feed
+        // the first destination node's links first and leave the others
+        // idle. Each rank starts at another peer instead (its rank, modulo
+        // its peers), so the senders of a round spread over the receivers.
+        for round in &mut rounds {
+            let n = round.sends.len();
+            if n > 1 {
+                round.sends.rotate_left(e.rank as usize % n);
+            }
+        }
         for (r, mut l) in locals {
             l.shrink_to_fit();
             rounds[r as usize].locals = l;
