@@ -196,8 +196,10 @@ pub struct RefitSystem {
     /// Termination events of every member (named `src[rank]` and
     /// `dst[rank]`).
     pub events: SupervisorEvents,
-    supervisor: Supervisor,
-    layouts: [Arc<Layout>; 2],
+    src_layout: Arc<Layout>,
+    dst_layout: Arc<Layout>,
+    /// How members are spawned (call timeout, the supervisor of `events`);
+    /// named after their group.
     member_spawn: SpawnConfig,
 }
 
@@ -208,14 +210,13 @@ impl RefitSystem {
     /// the plan on the new member alone.
     pub async fn replace_member(&mut self, endpoint: Endpoint) -> Result<(), RefitError> {
         let rank = endpoint.rank as usize;
-        let (role, group, ranks) = match endpoint.group {
-            Group::Src => (self.src_stores.get(rank).cloned().map(Role::Src), "src", self.src_stores.len()),
-            Group::Dst => (self.dst_stores.get(rank).cloned().map(Role::Dst), "dst", self.dst_stores.len()),
+        let (role, layout, ranks) = match endpoint.group {
+            Group::Src => (self.src_stores.get(rank).cloned().map(Role::Src), &self.src_layout, self.src_stores.len()),
+            Group::Dst => (self.dst_stores.get(rank).cloned().map(Role::Dst), &self.dst_layout, self.dst_stores.len()),
         };
         let role = role.ok_or(OrchestratorError::NoRank { endpoint, ranks })?;
-        let layout = self.layouts[endpoint.group as usize].clone();
-        let config = self.member_spawn.clone().name(group).supervisor(&self.supervisor);
-        let member = spawn_rank(Member::new(layout, endpoint.rank, role), config, rank);
+        let config = self.member_spawn.clone().name(endpoint.group.to_string());
+        let member = spawn_rank(Member::new(layout.clone(), endpoint.rank, role), config, rank);
         self.orchestrator.replace(endpoint, member.clone()).await?;
         let members = match endpoint.group {
             Group::Src => &mut self.src_members,
@@ -235,12 +236,12 @@ pub async fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig)
     let src_stores: Vec<Arc<SrcStore>> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
     let dst_stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
     let (supervisor, events) = Supervisor::channel();
-    let member_spawn = SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
-    let spawn_config = |name: &str| member_spawn.clone().name(name).supervisor(&supervisor);
+    let member_spawn = SpawnConfig::default().call_timeout(config.deadline + config.control_timeout).supervisor(&supervisor);
+    let spawn_config = |g: Group| member_spawn.clone().name(g.to_string());
     let src_members =
-        spawn_group(src_stores.len(), spawn_config("src"), |r| Member::new(src.clone(), r as Rank, Role::Src(src_stores[r].clone())));
+        spawn_group(src_stores.len(), spawn_config(Group::Src), |r| Member::new(src.clone(), r as Rank, Role::Src(src_stores[r].clone())));
     let dst_members =
-        spawn_group(dst_stores.len(), spawn_config("dst"), |r| Member::new(dst.clone(), r as Rank, Role::Dst(dst_stores[r].clone())));
+        spawn_group(dst_stores.len(), spawn_config(Group::Dst), |r| Member::new(dst.clone(), r as Rank, Role::Dst(dst_stores[r].clone())));
     let orchestrator = OrchestratorHandle::spawn(
         Orchestrator::new(src_members.clone(), dst_members.clone(), config.clone()),
         SpawnConfig::default().name("orchestrator").call_timeout(orchestrator_call_timeout(&config)),
@@ -253,8 +254,8 @@ pub async fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig)
         src_members,
         dst_members,
         events,
-        supervisor,
-        layouts: [src, dst],
+        src_layout: src,
+        dst_layout: dst,
         member_spawn,
     })
 }
