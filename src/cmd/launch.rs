@@ -70,13 +70,11 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
         }
         // `ms` counts stepping the sources and checking too; `refit_s` is
         // the orchestrator's refit alone, `transfer_s` its data movement.
-        let (refit_s, transfer_s) = match &r {
-            Ok(o) => (Some(o.report.wall.as_secs_f64()), Some(o.report.transfer_time.as_secs_f64())),
-            Err(_) => (None, None),
-        };
+        let secs = |f: fn(&orchestrator::RefitReport) -> Duration| r.as_ref().ok().map(|o| f(&o.report).as_secs_f64());
         outcomes.push(json!({
             "version": version, "ok": r.is_ok(), "error": error, "ms": took.as_secs_f64() * 1e3,
-            "refit_s": refit_s, "transfer_s": transfer_s,
+            "refit_s": secs(|r| r.wall), "plan_s": secs(|r| r.plan_time), "connect_s": secs(|r| r.connect_time),
+            "transfer_s": secs(|r| r.transfer_time), "commit_s": secs(|r| r.commit_time),
         }));
         if r.is_err() && a.fail_fast {
             break;
