@@ -90,6 +90,11 @@ struct ClusterArgs {
     /// A CRC-32C on every data frame, checked before the bytes land.
     #[arg(long)]
     checksum: bool,
+    /// Open a fresh data plane (listen, connect, shared memory) for every
+    /// refit, instead of keeping the connections of a refit that committed
+    /// for the next refit of the same plan.
+    #[arg(long)]
+    fresh_data_plane: bool,
     /// Emulate DGX H100 links at this per-rank network rate, in MB/s:
     /// each rank's egress to other nodes is capped at it, and to ranks of
     /// its own node at 9 times it (per direction: NVLink 4's 450 GB/s vs a

@@ -1,5 +1,6 @@
-//! A member's end of one refit's data plane: opened on `Prepare`,
-//! connected on `Connect`, consumed by `Run`.
+//! A member's end of a refit's data plane: opened on `Prepare`, connected
+//! on `Connect`, run by `Run`; a node-fabric endpoint that a run left clean
+//! may be kept for the next refit of the same plan (`Resume`).
 //!
 //! Two fabrics, one interface ([`transport::Transport`]):
 //! - **in process**: the orchestrator makes the channels of a refit
@@ -107,10 +108,10 @@ impl Endpointed {
                     intra_node_bytes_per_s: settings.emulation.intra_node_bytes_per_s.map(|r| r.max(1)),
                     burst_bytes: 0,
                 },
-                // A fabric lasts one refit: keep received frames only for
-                // reuse within it (one of the largest this rank receives),
-                // and buffer small writes only, or a rank with a hundred
-                // peers holds hundreds of MiB it does not need.
+                // Keep received frames for reuse up to one of the largest
+                // this rank receives (a kept fabric holds them between
+                // refits), and buffer small writes only, or a rank with a
+                // hundred peers holds hundreds of MiB it does not need.
                 frame_pool_bytes: largest_recv,
                 write_buffer_bytes: 256 << 10,
                 ..TcpConfig::default()
@@ -135,13 +136,19 @@ impl Endpointed {
         }
     }
 
-    /// The connected transport, ready to run.
-    pub(crate) fn into_transport(self) -> Result<Box<dyn Transport>, String> {
+    /// The connected transport, ready to run (again, once a run that
+    /// succeeded left it clean).
+    pub(crate) fn transport(&mut self) -> Result<&mut dyn Transport, String> {
         match self {
-            Endpointed::Local(t) => Ok(Box::new(t)),
-            Endpointed::Connected(t) => Ok(Box::new(t)),
+            Endpointed::Local(t) => Ok(t),
+            Endpointed::Connected(t) => Ok(t),
             Endpointed::Listening { .. } => Err("the data plane was prepared but never connected".into()),
         }
+    }
+
+    /// A connected node-fabric endpoint (one worth keeping across refits).
+    pub(crate) fn is_connected(&self) -> bool {
+        matches!(self, Endpointed::Connected(_))
     }
 }
 

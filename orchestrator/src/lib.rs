@@ -144,6 +144,13 @@ impl OrchestratorHandle {
         self.ask(OrchestratorMsg::SetMode(mode)).await
     }
 
+    /// Drops the node-fabric connections members keep between refits
+    /// ([`OrchestratorConfig::keep_data_plane`]): the next refit opens a
+    /// fresh data plane.
+    pub async fn close_data_plane(&self) -> Result<(), RefitError> {
+        self.ask(OrchestratorMsg::CloseDataPlane).await
+    }
+
     /// Replaces both groups (a resize or re-shard); the next refit replans.
     pub async fn attach(&self, src: ActorGroup<Member>, dst: ActorGroup<Member>) -> Result<(), RefitError> {
         self.ask(OrchestratorMsg::Attach { src, dst }).await

@@ -75,6 +75,18 @@ struct Pending {
     refit: u64,
     program: Arc<RankProgram>,
     end: Endpointed,
+    /// The session the endpoint belongs to.
+    session: String,
+    /// Keep the endpoint connected after a run that succeeds.
+    keep: bool,
+}
+
+/// A node-fabric endpoint left connected and clean by a run that succeeded,
+/// for the next refit of the same plan (`MemberMsg::Resume`).
+struct Kept {
+    fingerprint: Fingerprint,
+    session: String,
+    end: Endpointed,
 }
 
 /// The refit member of one rank.
@@ -89,6 +101,8 @@ pub struct Member {
     /// The latest installed programs, newest last.
     installed: Vec<(Arc<RankProgram>, Fingerprint)>,
     pending: Option<Pending>,
+    /// At most one kept endpoint per installed plan.
+    kept: Vec<Kept>,
 }
 
 impl Member {
@@ -109,6 +123,7 @@ impl Member {
             config,
             installed: Vec::new(),
             pending: None,
+            kept: Vec::new(),
         }
     }
 }
@@ -145,20 +160,23 @@ fn drop_scratch(memory: &mut RankMemory, base: usize) {
     memory.dtypes.truncate(base);
 }
 
+/// Runs `program` on `memory` over the endpoint's transport.
+fn execute_on(program: &RankProgram, memory: &mut RankMemory, end: &mut Endpointed, deadline: Duration) -> Result<RunStats, Refusal> {
+    match end.transport() {
+        Ok(t) => execute(program, memory, t, deadline),
+        Err(e) => Err(Refusal::Fabric(e)),
+    }
+}
+
 /// Runs `program` on `memory` (plus any scratch it needs) over `transport`.
-fn execute(
-    program: &RankProgram,
-    memory: &mut RankMemory,
-    mut transport: Box<dyn Transport>,
-    deadline: Duration,
-) -> Result<RunStats, Refusal> {
+fn execute(program: &RankProgram, memory: &mut RankMemory, transport: &mut dyn Transport, deadline: Duration) -> Result<RunStats, Refusal> {
     // Scratch whose copies the executor makes on receipt gets no memory.
     let bypass = Bypass::of(program);
     let base = with_scratch(memory, program, &bypass).map_err(|e| {
         transport.abort(&e);
         Refusal::ProgramMismatch(e)
     })?;
-    let mut t: &mut dyn Transport = &mut *transport;
+    let mut t: &mut dyn Transport = transport;
     let r = run_rank_bypassing(program, &bypass, memory, &mut t, &ExecOptions { deadline })
         .map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages })
         .map_err(|e| Refusal::Exec(e.to_string()));
@@ -193,11 +211,18 @@ async fn watched<T>(
     }
 }
 
-fn finish(result: Result<Result<RunStats, Refusal>, tokio::task::JoinError>) -> MemberReply {
+/// A data-plane task's result and, unless the task failed, its endpoint.
+fn split<T>(joined: Result<(Result<RunStats, Refusal>, T), tokio::task::JoinError>) -> (Result<RunStats, Refusal>, Option<T>) {
+    match joined {
+        Ok((r, end)) => (r, Some(end)),
+        Err(e) => (Err(Refusal::Exec(format!("data plane task failed: {e}"))), None),
+    }
+}
+
+fn finish(result: Result<RunStats, Refusal>) -> MemberReply {
     match result {
-        Ok(Ok(stats)) => MemberReply::Ran(stats),
-        Ok(Err(refusal)) => MemberReply::Refused(refusal),
-        Err(e) => MemberReply::Refused(Refusal::Exec(format!("data plane task failed: {e}"))),
+        Ok(stats) => MemberReply::Ran(stats),
+        Err(refusal) => MemberReply::Refused(refusal),
     }
 }
 
@@ -209,22 +234,40 @@ impl Member {
         }
     }
 
-    fn prepare(&mut self, refit: u64, fingerprint: Fingerprint, session: String, fabric: Fabric) -> MemberReply {
+    fn prepare(&mut self, refit: u64, fingerprint: Fingerprint, session: String, fabric: Fabric, keep: bool) -> MemberReply {
         self.pending = None;
+        // A fresh data plane for this plan replaces the kept one.
+        self.kept.retain(|k| k.fingerprint != fingerprint);
         let program = match self.program(fingerprint) {
             Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
         };
         let opened = match fabric {
             Fabric::InProcess => Endpointed::take_local(&session, self.endpoint).map(|e| (e, String::new())),
-            Fabric::Node(settings) => Endpointed::listen(self.config.data_ip, settings, session),
+            Fabric::Node(settings) => Endpointed::listen(self.config.data_ip, settings, session.clone()),
         };
         match opened {
             Ok((end, addr)) => {
-                self.pending = Some(Pending { refit, program, end });
+                self.pending = Some(Pending { refit, program, end, session, keep });
                 MemberReply::Prepared { endpoint: self.endpoint, node: self.node, addr }
             }
             Err(e) => MemberReply::Refused(Refusal::Fabric(e)),
+        }
+    }
+
+    fn resume(&mut self, refit: u64, fingerprint: Fingerprint, session: String) -> MemberReply {
+        self.pending = None;
+        let program = match self.program(fingerprint) {
+            Ok(p) => p,
+            Err(r) => return MemberReply::Refused(r),
+        };
+        match self.kept.iter().position(|k| k.fingerprint == fingerprint && k.session == session) {
+            Some(i) => {
+                let Kept { end, session, .. } = self.kept.swap_remove(i);
+                self.pending = Some(Pending { refit, program, end, session, keep: true });
+                MemberReply::Done
+            }
+            None => MemberReply::Refused(Refusal::NotKept { session }),
         }
     }
 
@@ -236,7 +279,7 @@ impl Member {
     }
 
     async fn connect(&mut self, refit: u64, peers: Vec<PeerAddr>) -> MemberReply {
-        let Pending { program, end, .. } = match self.take_pending(refit) {
+        let Pending { program, end, session, keep, .. } = match self.take_pending(refit) {
             Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
         };
@@ -249,7 +292,7 @@ impl Member {
         };
         match tokio::task::spawn_blocking(move || end.connect(&p, &peers, tweak)).await {
             Ok(Ok(end)) => {
-                self.pending = Some(Pending { refit, program, end });
+                self.pending = Some(Pending { refit, program, end, session, keep });
                 MemberReply::Done
             }
             Ok(Err(e)) => MemberReply::Refused(Refusal::Fabric(e)),
@@ -258,23 +301,24 @@ impl Member {
     }
 
     async fn run(&mut self, refit: u64, version: u64, fingerprint: Fingerprint, deadline: Duration) -> MemberReply {
-        let Pending { program, end, .. } = match self.take_pending(refit) {
+        let Pending { program, mut end, session, keep, .. } = match self.take_pending(refit) {
             Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
         };
         if program.fingerprint != fingerprint {
             // Peers must not wait for this rank.
-            if let Ok(mut t) = end.into_transport() {
+            if let Ok(t) = end.transport() {
                 t.abort("fingerprint mismatch");
             }
             return MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint });
         }
+        if let Err(e) = end.transport() {
+            return MemberReply::Refused(Refusal::Fabric(e));
+        }
         let kill = end.kill_switch();
-        let mut transport = match end.into_transport() {
-            Ok(t) => t,
-            Err(e) => return MemberReply::Refused(Refusal::Fabric(e)),
-        };
-        match &self.role {
+        // The blocking task hands the endpoint back with the result, so a
+        // clean one can be kept.
+        let (result, end) = match &self.role {
             Role::Src(store) => {
                 // The fence: hold the write lock while peers read our weights.
                 let mut guard = store.lock().write_owned().await;
@@ -284,26 +328,40 @@ impl Member {
                     other => Some(Refusal::NoWeights(other)),
                 };
                 if let Some(refusal) = refusal {
-                    transport.abort(&refusal.to_string());
+                    if let Ok(t) = end.transport() {
+                        t.abort(&refusal.to_string());
+                    }
                     return MemberReply::Refused(refusal);
                 }
-                let run = tokio::task::spawn_blocking(move || execute(&program, guard.memory_mut(), transport, deadline));
-                finish(watched(run, deadline, kill).await)
+                let run = tokio::task::spawn_blocking(move || {
+                    let r = execute_on(&program, guard.memory_mut(), &mut end, deadline);
+                    (r, end)
+                });
+                split(watched(run, deadline, kill).await)
             }
             Role::Dst(store) => {
                 let staging = store.staging();
                 let mut guard = staging.lock_owned().await;
                 guard.complete = None;
                 let run = tokio::task::spawn_blocking(move || {
-                    let r = execute(&program, guard.buffers.memory_mut(), transport, deadline);
+                    let r = execute_on(&program, guard.buffers.memory_mut(), &mut end, deadline);
                     if r.is_ok() {
                         guard.complete = Some(version);
                     }
-                    r
+                    (r, end)
                 });
-                finish(watched(run, deadline, kill).await)
+                split(watched(run, deadline, kill).await)
+            }
+        };
+        // Every message of the program was sent and received (and what it
+        // lent released): the connections carry nothing of this refit.
+        if let (Ok(_), Some(end), true) = (&result, end, keep) {
+            if end.is_connected() {
+                self.kept.retain(|k| k.fingerprint != fingerprint);
+                self.kept.push(Kept { fingerprint, session, end });
             }
         }
+        finish(result)
     }
 
     fn install(&mut self, program: Box<RankProgram>, fingerprint: Fingerprint) -> MemberReply {
@@ -314,7 +372,8 @@ impl Member {
         } else {
             self.installed.retain(|(_, f)| *f != fingerprint);
             if self.installed.len() == INSTALLED_PLANS {
-                self.installed.remove(0);
+                let (_, evicted) = self.installed.remove(0);
+                self.kept.retain(|k| k.fingerprint != evicted);
             }
             self.installed.push((Arc::from(program), fingerprint));
             MemberReply::Done
@@ -338,7 +397,8 @@ impl Actor for Member {
                 weights: self.role.weights(),
             },
             MemberMsg::Install { program, fingerprint } => self.install(program, fingerprint),
-            MemberMsg::Prepare { refit, fingerprint, session, fabric } => self.prepare(refit, fingerprint, session, fabric),
+            MemberMsg::Prepare { refit, fingerprint, session, fabric, keep } => self.prepare(refit, fingerprint, session, fabric, keep),
+            MemberMsg::Resume { refit, fingerprint, session } => self.resume(refit, fingerprint, session),
             MemberMsg::Connect { refit, peers } => self.connect(refit, peers).await,
             MemberMsg::Run { refit, version, fingerprint, deadline } => self.run(refit, version, fingerprint, deadline).await,
             MemberMsg::Commit { version } => match &self.role {
@@ -350,6 +410,7 @@ impl Actor for Member {
             },
             MemberMsg::Discard => {
                 self.pending = None;
+                self.kept.clear();
                 if let Role::Dst(store) = &self.role {
                     store.discard().await;
                 }

@@ -4,7 +4,7 @@
 
 use crate::fabric::hub;
 use crate::member::Member;
-use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal, Weights};
+use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal, Weights, INSTALLED_PLANS};
 use actors::{async_trait, Actor, ActorError, ActorGroup, ActorRef, CallError, Context};
 use reshard::{
     plan_baseline, plan_reshard, Endpoint, Fingerprint, Group, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram, Strategy,
@@ -28,6 +28,13 @@ pub struct OrchestratorConfig {
     pub deadline: Duration,
     /// Time allowed for metadata calls (describe, install, commit).
     pub control_timeout: Duration,
+    /// Node fabric: keep every member's connections after a refit that
+    /// commits, and run the next refit of the same plan on them (no listen,
+    /// no connect, no shared-memory setup), as a job keeps its
+    /// communicators between steps. Any failure, a replaced member or
+    /// [`OrchestratorMsg::CloseDataPlane`] opens a fresh data plane next
+    /// time. Off: every refit opens its own (its own session id).
+    pub keep_data_plane: bool,
 }
 
 impl Default for OrchestratorConfig {
@@ -38,6 +45,7 @@ impl Default for OrchestratorConfig {
             plan: PlanOptions::default(),
             deadline: transport::DEFAULT_DEADLINE,
             control_timeout: Duration::from_secs(10),
+            keep_data_plane: true,
         }
     }
 }
@@ -62,8 +70,12 @@ pub struct RefitReport {
     /// installing if needed.
     pub plan_time: Duration,
     /// Opening this refit's data plane on every member (prepare, and
-    /// connect for the node fabric).
+    /// connect for the node fabric), or resuming the kept one.
     pub connect_time: Duration,
+    /// Whether this refit ran on the node-fabric connections kept from the
+    /// previous refit of the same plan
+    /// ([`OrchestratorConfig::keep_data_plane`]).
+    pub resumed: bool,
     /// Moving the bytes: from asking every member to run until the last
     /// one finished.
     pub transfer_time: Duration,
@@ -236,6 +248,8 @@ pub enum RefitStep {
     Idle,
     /// Asking members for their layouts and plans; planning, installing.
     Planning,
+    /// Members take up the data plane kept from the last refit of the plan.
+    Resuming,
     /// Members open their data-plane endpoints.
     Preparing,
     /// Members connect to their peers.
@@ -290,6 +304,9 @@ pub enum OrchestratorMsg {
     },
     /// Forget the cached plan.
     Invalidate,
+    /// Drop the node-fabric connections members keep between refits; the
+    /// next refit opens a fresh data plane.
+    CloseDataPlane,
     /// How many plans have been made so far.
     PlansMade,
 }
@@ -346,6 +363,10 @@ pub struct Orchestrator {
     plans_made: u64,
     /// Refits started, the data-plane epoch.
     refits: u64,
+    /// The sessions whose node-fabric connections every member keeps, by
+    /// plan: recorded when a refit commits, forgotten on any failure or
+    /// change of members.
+    kept: Vec<(Fingerprint, String)>,
     phase: tokio::sync::watch::Sender<RefitPhase>,
 }
 
@@ -360,6 +381,7 @@ impl Orchestrator {
             layouts: None,
             plans_made: 0,
             refits: 0,
+            kept: Vec::new(),
             phase: tokio::sync::watch::Sender::default(),
         }
     }
@@ -743,6 +765,7 @@ impl Orchestrator {
                 wall: start.elapsed(),
                 plan_time: start.elapsed(),
                 connect_time: Duration::ZERO,
+                resumed: false,
                 transfer_time: Duration::ZERO,
                 commit_time: Duration::ZERO,
                 bytes: 0,
@@ -763,19 +786,39 @@ impl Orchestrator {
         let plan_time = start.elapsed();
         let &CachedPlan { fingerprint, bytes, .. } = self.cached()?;
         let refit = self.refits;
-        // A fresh data-plane epoch for every attempt.
-        let session = uuid::Uuid::new_v4().simple().to_string();
-        if self.config.fabric == Fabric::InProcess {
-            hub::deposit(&session, local_fabric(&self.endpoints()));
-        }
         let t = Instant::now();
-        let mut connect_time = Duration::ZERO;
-        let moved = self.transfer(refit, &session, version, fingerprint, &mut connect_time).await;
+        // The kept connections of this plan, or a fresh data-plane epoch.
+        let resumed = match self.kept.iter().position(|(f, _)| *f == fingerprint) {
+            Some(i) => {
+                let (_, session) = self.kept.remove(i);
+                match self.resume(refit, fingerprint, &session).await {
+                    Ok(all) => all.then_some(session),
+                    Err(e) => {
+                        self.forget_data_plane(true);
+                        return Err(e);
+                    }
+                }
+            }
+            None => None,
+        };
+        let (session, resumed) = match resumed {
+            Some(session) => (session, true),
+            None => {
+                let session = uuid::Uuid::new_v4().simple().to_string();
+                if self.config.fabric == Fabric::InProcess {
+                    hub::deposit(&session, local_fabric(&self.endpoints()));
+                }
+                (session, false)
+            }
+        };
+        let mut connect_time = t.elapsed();
+        let moved = self.transfer(refit, &session, version, fingerprint, resumed, &mut connect_time).await;
         hub::close(&session);
         let transfer_time = t.elapsed().saturating_sub(connect_time);
         let sent = match moved {
             Ok(sent) => sent,
             Err(e) => {
+                self.kept.clear();
                 // Every destination keeps serving its last committed version;
                 // every member drops what it prepared for this refit.
                 // A member that is stuck (an abort that hangs) must not hold up
@@ -796,7 +839,19 @@ impl Orchestrator {
         self.enter(RefitStep::Committing);
         let t = Instant::now();
         let commit = |g, _| (g == Group::Dst).then_some(MemberMsg::Commit { version });
-        no_refusal(&call_both(&self.src, &self.dst, commit, self.config.control_timeout).await?)?;
+        let committed = call_both(&self.src, &self.dst, commit, self.config.control_timeout).await;
+        if let Err(e) = committed.and_then(|c| no_refusal(&c)) {
+            self.kept.clear();
+            return Err(e);
+        }
+        if self.keeps_data_plane() {
+            // Every member ran clean and keeps its endpoint of `session`.
+            self.kept.retain(|(f, _)| *f != fingerprint);
+            if self.kept.len() == INSTALLED_PLANS {
+                self.kept.remove(0);
+            }
+            self.kept.push((fingerprint, session));
+        }
         Ok(RefitReport {
             version,
             already_served: false,
@@ -806,6 +861,7 @@ impl Orchestrator {
             wall: start.elapsed(),
             plan_time,
             connect_time,
+            resumed,
             transfer_time,
             commit_time: t.elapsed(),
             bytes: sent,
@@ -820,12 +876,62 @@ impl Orchestrator {
         session: &str,
         version: u64,
         fingerprint: Fingerprint,
+        resumed: bool,
         connect_time: &mut Duration,
     ) -> Result<u64, OrchestratorError> {
         let t = Instant::now();
         let control = self.config.control_timeout;
+        if !resumed {
+            self.open(refit, session, fingerprint).await?;
+        }
+        *connect_time += t.elapsed();
+        let deadline = self.config.deadline;
+        let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline });
+        self.enter(RefitStep::Running);
+        let ran = call_both(&self.src, &self.dst, run, deadline + control).await?;
+        no_refusal(&ran)?;
+        let mut sent = 0;
+        for (member, reply) in ran {
+            let MemberReply::Ran(stats) = reply else {
+                return Err(OrchestratorError::Protocol { member, request: "Run", reply: format!("{reply:?}") });
+            };
+            sent += stats.sent_bytes;
+        }
+        Ok(sent)
+    }
+
+    /// Whether members keep their node-fabric connections after a refit.
+    fn keeps_data_plane(&self) -> bool {
+        self.config.keep_data_plane && matches!(self.config.fabric, Fabric::Node(_))
+    }
+
+    /// Asks every member to take up its endpoint of the kept `session` for
+    /// this refit: `Ok(true)` if all did; `Ok(false)` if any keeps none (a
+    /// fresh data plane replaces the rest); an error if a member is gone.
+    async fn resume(&self, refit: u64, fingerprint: Fingerprint, session: &str) -> Result<bool, OrchestratorError> {
+        self.enter(RefitStep::Resuming);
+        let resume = |_, _| Some(MemberMsg::Resume { refit, fingerprint, session: session.to_string() });
+        let replies = call_both(&self.src, &self.dst, resume, self.config.control_timeout).await?;
+        for (member, reply) in &replies {
+            match reply {
+                MemberReply::Done => {}
+                MemberReply::Refused(Refusal::NotKept { .. }) => {
+                    tracing::info!(%member, "no kept data plane; opening a fresh one");
+                    return Ok(false);
+                }
+                _ => no_refusal(std::slice::from_ref(&(member.clone(), reply.clone())))?,
+            }
+        }
+        Ok(true)
+    }
+
+    /// Opens a fresh data plane for this refit on every member: prepare,
+    /// and connect for the node fabric.
+    async fn open(&self, refit: u64, session: &str, fingerprint: Fingerprint) -> Result<(), OrchestratorError> {
+        let control = self.config.control_timeout;
         let fabric = self.config.fabric.clone();
-        let prepare = |_, _| Some(MemberMsg::Prepare { refit, fingerprint, session: session.to_string(), fabric: fabric.clone() });
+        let keep = self.keeps_data_plane();
+        let prepare = |_, _| Some(MemberMsg::Prepare { refit, fingerprint, session: session.to_string(), fabric: fabric.clone(), keep });
         self.enter(RefitStep::Preparing);
         let prepared = call_both(&self.src, &self.dst, prepare, control).await?;
         no_refusal(&prepared)?;
@@ -842,20 +948,18 @@ impl Orchestrator {
             let connected = call_both(&self.src, &self.dst, connect, settings.connect_timeout + control).await?;
             no_refusal(&connected)?;
         }
-        *connect_time = t.elapsed();
-        let deadline = self.config.deadline;
-        let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline });
-        self.enter(RefitStep::Running);
-        let ran = call_both(&self.src, &self.dst, run, deadline + control).await?;
-        no_refusal(&ran)?;
-        let mut sent = 0;
-        for (member, reply) in ran {
-            let MemberReply::Ran(stats) = reply else {
-                return Err(OrchestratorError::Protocol { member, request: "Run", reply: format!("{reply:?}") });
-            };
-            sent += stats.sent_bytes;
+        Ok(())
+    }
+
+    /// Forgets the kept data planes; with `tell`, members drop theirs now
+    /// (a queued `Discard`: between refits it only drops what is kept).
+    fn forget_data_plane(&mut self, tell: bool) {
+        self.kept.clear();
+        if tell {
+            for (_, m) in self.src.iter().chain(self.dst.iter()) {
+                let _ = m.try_tell(MemberMsg::Discard);
+            }
         }
-        Ok(sent)
     }
 
     /// Puts `member` in place of rank `endpoint`'s.
@@ -888,12 +992,22 @@ impl Actor for Orchestrator {
             OrchestratorMsg::Attach { src, dst } => {
                 // Cached plans stay valid while the members report the same
                 // layouts; members that lack the plan get it installed.
+                self.forget_data_plane(true);
                 self.src = src;
                 self.dst = dst;
                 OrchestratorReply::Done(Ok(()))
             }
-            OrchestratorMsg::Replace { endpoint, member } => OrchestratorReply::Done(self.replace(endpoint, member)),
+            OrchestratorMsg::Replace { endpoint, member } => {
+                // The other members' peers change: all reconnect.
+                self.forget_data_plane(true);
+                OrchestratorReply::Done(self.replace(endpoint, member))
+            }
+            OrchestratorMsg::CloseDataPlane => {
+                self.forget_data_plane(true);
+                OrchestratorReply::Done(Ok(()))
+            }
             OrchestratorMsg::Invalidate => {
+                self.forget_data_plane(true);
                 self.cache.clear();
                 self.layouts = None;
                 OrchestratorReply::Done(Ok(()))

@@ -106,6 +106,22 @@ pub enum MemberMsg {
         session: String,
         /// The fabric.
         fabric: Fabric,
+        /// Keep the node fabric's connections after a run that succeeds,
+        /// for later refits of the same plan ([`MemberMsg::Resume`]).
+        keep: bool,
+    },
+    /// Run refit `refit` of plan `fingerprint` on the data plane kept from
+    /// session `session` (connected by an earlier `Prepare` with `keep`, and
+    /// left clean by a run of the same plan that succeeded here): `Done`, or
+    /// [`Refusal::NotKept`] if this member holds no such data plane. A fresh
+    /// `Prepare` for the plan, a `Discard`, or the plan's eviction drops it.
+    Resume {
+        /// The refit's sequence number.
+        refit: u64,
+        /// The plan.
+        fingerprint: Fingerprint,
+        /// The session whose connections are kept.
+        session: String,
     },
     /// Connect the prepared endpoint to every peer of this member's
     /// program (the table holds every member's address).
@@ -132,7 +148,8 @@ pub enum MemberMsg {
         /// The version.
         version: u64,
     },
-    /// Drop whatever was staged or prepared; a failed refit.
+    /// Drop whatever was staged, prepared or kept; a failed refit (or the
+    /// orchestrator closing the data plane).
     Discard,
     /// Report the weights this member holds (sources) or serves
     /// (destinations).
@@ -195,6 +212,11 @@ pub enum Refusal {
         /// The refit asked for.
         refit: u64,
     },
+    /// `Resume` of a data plane this member does not keep.
+    NotKept {
+        /// The session asked for.
+        session: String,
+    },
     /// The data plane failed while moving bytes.
     Exec(String),
     /// Commit without the whole version staged.
@@ -214,6 +236,7 @@ impl std::fmt::Display for Refusal {
             Refusal::NoWeights(w) => write!(f, "nothing to send: {w}"),
             Refusal::Fabric(why) => write!(f, "data plane: {why}"),
             Refusal::NotPrepared { refit } => write!(f, "refit {refit} was not prepared here"),
+            Refusal::NotKept { session } => write!(f, "no data plane of session {session} is kept here"),
             Refusal::Exec(why) => write!(f, "{why}"),
             Refusal::NotStaged { staged: Some(v) } => write!(f, "commit refused: version {v} is staged"),
             Refusal::NotStaged { staged: None } => write!(f, "commit refused: nothing is staged"),

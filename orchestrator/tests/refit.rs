@@ -138,8 +138,13 @@ async fn wrong_fingerprint_is_refused() {
     assert_eq!(reply, MemberReply::Refused(Refusal::NotPrepared { refit: 77 }));
     let mismatch = MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(installed), asked: bogus });
     // A plan that is not installed cannot be prepared...
-    let prepare =
-        |fingerprint| MemberMsg::Prepare { refit: 78, fingerprint, session: "t".into(), fabric: Fabric::Node(NodeFabric::default()) };
+    let prepare = |fingerprint| MemberMsg::Prepare {
+        refit: 78,
+        fingerprint,
+        session: "t".into(),
+        fabric: Fabric::Node(NodeFabric::default()),
+        keep: false,
+    };
     assert_eq!(member.call_rank(0, prepare(bogus)).await.unwrap(), mismatch);
     // ...nor run under another plan than the one prepared (node fabric: a
     // loopback listener).
@@ -410,5 +415,72 @@ async fn an_empty_group_is_a_layout_error() {
             assert!(problem.contains("no members"), "{problem}")
         }
         other => panic!("expected a layout error, got {other:?}"),
+    }
+}
+
+/// The node fabric between members of this process (loopback TCP and
+/// shared memory), connections kept between refits or not.
+async fn node_system(keep_data_plane: bool) -> RefitSystem {
+    let (src, dst) = layouts();
+    let config = OrchestratorConfig { fabric: Fabric::Node(NodeFabric::default()), keep_data_plane, ..config(Strategy::Reshard) };
+    spawn_refit(&src, &dst, config).await.unwrap()
+}
+
+/// Refits `value` and returns whether it ran on kept connections; every
+/// destination must serve it.
+async fn refit_resumed(sys: &RefitSystem, value: f32) -> bool {
+    let v = step(sys, value).await;
+    let report = sys.orchestrator.refit(v).await.unwrap();
+    assert!(serves(sys, v, value), "refit of {value}");
+    report.resumed
+}
+
+/// A refit that commits leaves its connections for the next refit of the
+/// same plan (one kept data plane per plan); closing, a member that lost
+/// its own, or a failed refit and a replaced member bring a fresh one, and
+/// every refit delivers the right weights either way. (Failures during a
+/// transfer on kept connections: the chaos suite, `tests/chaos.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn node_fabric_connections_are_kept_between_refits_of_a_plan() {
+    let mut sys = node_system(true).await;
+    assert!(!refit_resumed(&sys, 1.0).await);
+    assert!(refit_resumed(&sys, 2.0).await);
+    assert!(refit_resumed(&sys, 3.0).await);
+    // The other strategy's plan gets its own; switching back finds each.
+    sys.orchestrator.set_mode(Strategy::Baseline).await.unwrap();
+    assert!(!refit_resumed(&sys, 4.0).await);
+    sys.orchestrator.set_mode(Strategy::Reshard).await.unwrap();
+    assert!(refit_resumed(&sys, 5.0).await);
+    sys.orchestrator.set_mode(Strategy::Baseline).await.unwrap();
+    assert!(refit_resumed(&sys, 6.0).await);
+    sys.orchestrator.set_mode(Strategy::Reshard).await.unwrap();
+    sys.orchestrator.close_data_plane().await.unwrap();
+    assert!(!refit_resumed(&sys, 7.0).await);
+    assert!(refit_resumed(&sys, 8.0).await);
+    // One member dropped what it kept: the others' kept ends are useless
+    // without it, and everyone opens a fresh data plane.
+    assert_eq!(sys.dst_members.call_rank(1, MemberMsg::Discard).await.unwrap(), MemberReply::Done);
+    assert!(!refit_resumed(&sys, 9.0).await);
+    assert!(refit_resumed(&sys, 10.0).await);
+    // A dead member: the refit fails, the replacement joins a fresh data
+    // plane.
+    sys.dst_members.get(3).unwrap().stop();
+    assert_eq!(sys.events.recv().await.unwrap().rank, Some(3));
+    let v = step(&sys, 11.0).await;
+    assert!(sys.orchestrator.refit(v).await.is_err());
+    assert!(serves(&sys, v - 1, 10.0));
+    sys.replace_member(Endpoint::dst(3)).await.unwrap();
+    let report = sys.orchestrator.refit(v).await.unwrap();
+    assert!(!report.resumed);
+    assert!(serves(&sys, v, 11.0));
+    assert!(refit_resumed(&sys, 12.0).await);
+}
+
+/// Without `keep_data_plane`, every refit opens its own data plane.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn node_fabric_without_kept_connections_opens_one_per_refit() {
+    let sys = node_system(false).await;
+    for value in [1.0, 2.0, 3.0] {
+        assert!(!refit_resumed(&sys, value).await);
     }
 }

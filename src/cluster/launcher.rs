@@ -52,6 +52,9 @@ pub struct ClusterConfig {
     pub fabric: NodeFabric,
     /// A control connection silent for this long is dead.
     pub heartbeat_timeout: Duration,
+    /// Keep members' data-plane connections between refits of one plan
+    /// ([`OrchestratorConfig::keep_data_plane`]).
+    pub keep_data_plane: bool,
     /// Run every node on an emulated host of its own (a network namespace
     /// whose link the kernel shapes; spawned workers only): the rendezvous
     /// then listens on the hosts' bridge, on `bind`'s port.
@@ -275,6 +278,7 @@ impl Cluster {
                 plan: config.options,
                 deadline: config.refit_deadline,
                 control_timeout: config.setup_timeout,
+                keep_data_plane: config.keep_data_plane,
             };
             spawn_orchestrator(ActorGroup::from_refs(members[0].clone()), ActorGroup::from_refs(members[1].clone()), oc)
         };
@@ -348,6 +352,14 @@ impl Cluster {
         disruption: Option<Disruption>,
     ) -> Result<RefitOutcome, ClusterError> {
         let timeout = self.config.setup_timeout;
+        // Faults are armed in a fresh data plane's settings, and a
+        // disruption while members open one needs one opened.
+        let opens = disruption.as_ref().is_some_and(|d| matches!(d.step, RefitStep::Preparing | RefitStep::Connecting));
+        if !faults.is_empty() || opens {
+            self.runtime
+                .block_on(self.orchestrator.close_data_plane())
+                .map_err(|err| ClusterError::Setup(format!("closing the kept data plane: {err}")))?;
+        }
         for (e, spec) in faults {
             let p = self.patterns.iter().find(|(x, _)| x == e).map(|(_, p)| p.clone());
             let p = p.ok_or_else(|| ClusterError::Setup(format!("no rank {e}")))?;

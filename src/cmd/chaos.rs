@@ -35,6 +35,7 @@ pub(crate) fn run(a: &ChaosArgs) -> Result<(), Failure> {
         per_process: PerProcess::Rank,
         deadline_s: deadline_s.max(1),
         checksum: true,
+        fresh_data_plane: false,
         emulate_nic_mbps: Some(nic_mbps.max(1)),
         netns: a.netns,
         netem_delay_ms: None,

@@ -75,6 +75,7 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
             "version": version, "ok": r.is_ok(), "error": error, "ms": took.as_secs_f64() * 1e3,
             "refit_s": secs(|r| r.wall), "plan_s": secs(|r| r.plan_time), "connect_s": secs(|r| r.connect_time),
             "transfer_s": secs(|r| r.transfer_time), "commit_s": secs(|r| r.commit_time),
+            "resumed": r.as_ref().ok().map(|o| o.report.resumed),
         }));
         if r.is_err() && a.fail_fast {
             break;

@@ -351,6 +351,7 @@ impl ClusterArgs {
                 connect_timeout: deadline.min(Duration::from_secs(60)),
             },
             strategy: Strategy::Reshard,
+            keep_data_plane: !self.fresh_data_plane,
             netns,
         })
     }
