@@ -408,6 +408,17 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
+    // Warnings (refused connections, failed refits) on standard error;
+    // RUST_LOG adjusts. Workers inherit the variable.
+    match actors::log::Logger::from_env() {
+        Ok(logger) => {
+            logger.install();
+        }
+        Err(e) => {
+            eprintln!("refit: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let result = match &cli.command {
         Command::Plan { src, dst, model, scale, ep, max_staging_mib, topology, estimate, svg, json, emit_layouts } => {
             cmd::plan::run(&cmd::plan::PlanArgs {

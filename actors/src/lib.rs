@@ -52,6 +52,7 @@ pub mod codec;
 mod error;
 mod group;
 mod join;
+pub mod log;
 pub use join::join_all;
 mod panic;
 pub mod remote;

@@ -787,15 +787,32 @@ fn secret_from_file_names_the_file_but_not_the_content() {
     assert!(err.to_string().contains("no-such-secret"), "{err}");
 
     let short = dir.join("short-secret");
-    std::fs::write(&short, "hunter2\n").unwrap();
+    write_private(&short, "hunter2\n");
     let err = Secret::from_file(&short).unwrap_err();
     assert!(err.to_string().contains("short-secret") && !err.to_string().contains("hunter2"), "{err}");
 
     let good = dir.join("good-secret");
-    std::fs::write(&good, "file-secret-0123456789abcdef\n").unwrap();
+    write_private(&good, "file-secret-0123456789abcdef\n");
     let from_file = Secret::from_file(&good).unwrap();
     assert!(!format!("{from_file:?}").contains("file-secret"));
+
+    // A file others may read (or write) is refused, naming file and mode;
+    // so is something that is not a file.
+    for mode in [0o644, 0o604, 0o620] {
+        std::fs::set_permissions(&good, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+        let err = Secret::from_file(&good).unwrap_err();
+        assert!(matches!(&err, SecretError::Exposed { mode: m, .. } if *m == mode), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains("good-secret") && text.contains(&format!("{mode:03o}")) && !text.contains("file-secret"), "{text}");
+    }
+    assert!(matches!(Secret::from_file(&dir), Err(SecretError::NotAFile { .. })));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Writes a file only its owner may read.
+fn write_private(path: &std::path::Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
 }
 
 #[tokio::test]
@@ -803,10 +820,36 @@ async fn secrets_from_a_file_and_from_bytes_agree() {
     let dir = std::env::temp_dir().join(format!("refit-remote-agree-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("secret");
-    std::fs::write(&path, "refit-remote-test-secret-0123456789\n").unwrap();
+    write_private(&path, "refit-remote-test-secret-0123456789\n");
     let node = Node::bind(Secret::from_file(&path).unwrap(), config()).await.unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
     let (server, _served) = calc_server().await;
     let peer = node.connect(server.local_addr()).await.unwrap();
     assert_eq!(peer.lookup::<Calc>("calc").await.unwrap().call(Msg::Echo(2)).await.unwrap(), 2);
+}
+
+/// Connections that never authenticate have a budget of their own: with it
+/// full of silent sockets (and more waiting), a client with the secret
+/// still gets in at once (the oldest silent one makes way), and the
+/// authenticated connections stay bounded on their own.
+#[tokio::test]
+async fn silent_sockets_cannot_keep_a_client_with_the_secret_out() {
+    let server = Node::bind(secret(), NodeConfig { max_unauthenticated: 4, max_connections: 1, ..config() }).await.unwrap();
+    let calc = spawn(Calc::default(), SpawnConfig::default().name("calc"));
+    server.serve("calc", &calc).unwrap();
+    let mut silent = Vec::new();
+    for _ in 0..10 {
+        silent.push(tokio::net::TcpStream::connect(server.local_addr()).await.unwrap());
+    }
+    let client = Node::bind(secret(), config()).await.unwrap();
+    let peer = client.connect(server.local_addr()).await.unwrap();
+    assert_eq!(peer.lookup::<Calc>("calc").await.unwrap().call(Msg::Echo(7)).await.unwrap(), 7);
+    // A second authenticated connection is over `max_connections`.
+    let other = Node::bind(secret(), config()).await.unwrap();
+    let refused = match other.connect(server.local_addr()).await {
+        Ok(p) => p.lookup::<Calc>("calc").await.is_err(),
+        Err(_) => true,
+    };
+    assert!(refused, "a connection beyond max_connections was served");
+    drop(silent);
 }

@@ -67,17 +67,36 @@ impl ControlSecret {
     /// trimmed).
     pub fn from_env(var: &str) -> Result<ControlSecret, String> {
         match std::env::var(var) {
-            Ok(v) => Ok(ControlSecret(v.trim().to_string())),
+            Ok(v) => {
+                let secret = ControlSecret(v.trim().to_string());
+                // Wipes the untrimmed copy.
+                drop(ControlSecret(v));
+                Ok(secret)
+            }
             Err(std::env::VarError::NotPresent) => Err(format!("environment variable {var} is not set")),
             Err(std::env::VarError::NotUnicode(_)) => Err(format!("environment variable {var} is not valid UTF-8")),
         }
     }
 
-    /// The secret in the file at `path` (surrounding whitespace trimmed).
+    /// [`from_env`](Self::from_env), then removes the variable from this
+    /// process's environment, so that no child it starts inherits it (the
+    /// process's initial environment block, readable by its owner in
+    /// `/proc/<pid>/environ`, is not rewritten). Call it before any other
+    /// thread runs (a worker does, first thing).
+    pub fn take_from_env(var: &str) -> Result<ControlSecret, String> {
+        let secret = ControlSecret::from_env(var)?;
+        std::env::remove_var(var);
+        Ok(secret)
+    }
+
+    /// The secret in the file at `path` (surrounding whitespace trimmed);
+    /// a file other users may read or write is refused
+    /// ([`actors::remote::read_secret_file`]).
     pub fn from_file(path: &Path) -> Result<ControlSecret, String> {
-        std::fs::read_to_string(path)
-            .map(|t| ControlSecret(t.trim().to_string()))
-            .map_err(|e| format!("{}: cannot read the secret: {e}", path.display()))
+        let mut bytes = actors::remote::read_secret_file(path).map_err(|e| e.to_string())?;
+        let text = std::str::from_utf8(&bytes).map(|t| ControlSecret(t.trim().to_string()));
+        actors::remote::wipe(&mut bytes);
+        text.map_err(|_| format!("secret file {}: not UTF-8 text", path.display()))
     }
 
     /// The secret for the control node (at least 16 bytes).
@@ -88,6 +107,13 @@ impl ControlSecret {
     /// The text, for a child's environment only.
     pub(crate) fn text(&self) -> &str {
         &self.0
+    }
+}
+
+impl Drop for ControlSecret {
+    fn drop(&mut self) {
+        let mut bytes = std::mem::take(&mut self.0).into_bytes();
+        actors::remote::wipe(&mut bytes);
     }
 }
 

@@ -161,7 +161,9 @@ pub(crate) fn worker(a: &WorkerArgs<'_>) -> Result<(), Failure> {
     let rendezvous = rendezvous.parse().map_err(|e| invalid(format!("--rendezvous {rendezvous}: {e}")))?;
     let secret = match secret_file {
         Some(f) => ControlSecret::from_file(f),
-        None => ControlSecret::from_env(SECRET_ENV),
+        // Read once, then gone from this process's environment (no thread
+        // runs yet).
+        None => ControlSecret::take_from_env(SECRET_ENV),
     }
     .and_then(|s| s.secret())
     .map_err(|e| invalid(format!("control-plane secret: {e}")))?;

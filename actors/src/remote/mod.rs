@@ -118,5 +118,5 @@ pub use node::{
 };
 pub use raw::RawPeer;
 pub use registry::{Registration, Registry, RegistryClient, RegistryMsg, RegistryReply, REGISTRY_NAME};
-pub use secret::{Secret, SecretError, MIN_SECRET_LEN};
+pub use secret::{read_secret_file, wipe, Secret, SecretError, MIN_SECRET_LEN};
 pub use wire::{FrameKind, MAX_NAME_LEN};

@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{oneshot, watch, Semaphore};
 
 use super::auth;
 use super::conn::{wait_true, CloseKind, Conn};
@@ -59,9 +59,17 @@ pub struct NodeConfig {
     /// [`codec::MAX_SIZE_CEILING`](crate::codec::MAX_SIZE_CEILING) is used).
     /// Messages and replies may use all but 1 KiB of it.
     pub max_frame_bytes: usize,
-    /// Most incoming connections (authenticating or not) at once; more are
-    /// refused (default 256).
+    /// Most authenticated incoming connections at once; a client that
+    /// authenticates beyond it is refused (default 4096; each is a file
+    /// descriptor: the process's limit applies too).
     pub max_connections: usize,
+    /// Most incoming connections still authenticating at once (default
+    /// 64). They have a budget of their own, so connections that never
+    /// authenticate cannot keep clients with the secret out: when it is
+    /// full, the oldest of them is dropped for the newcomer (a client with
+    /// the secret authenticates within a round trip; a silent socket waits
+    /// for its `handshake_timeout`).
+    pub max_unauthenticated: usize,
     /// How long [`RemotePeer::lookup`] waits for the answer (default 5 s).
     pub lookup_timeout: Duration,
 }
@@ -94,6 +102,9 @@ impl NodeConfig {
         if self.max_connections == 0 {
             return invalid("max_connections must not be zero".to_owned());
         }
+        if self.max_unauthenticated == 0 {
+            return invalid("max_unauthenticated must not be zero".to_owned());
+        }
         Ok(())
     }
 }
@@ -108,7 +119,8 @@ impl Default for NodeConfig {
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             write_timeout: Duration::from_secs(10),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
-            max_connections: 256,
+            max_connections: 4096,
+            max_unauthenticated: 64,
             lookup_timeout: Duration::from_secs(5),
         }
     }
@@ -296,9 +308,54 @@ fn valid_name(name: String) -> Result<String, RemoteError> {
     Ok(name)
 }
 
+/// Incoming connections that have not authenticated yet, oldest first: at
+/// most `budget`; admitting one more drops the oldest.
+struct Unauthenticated {
+    budget: usize,
+    waiting: Mutex<(u64, std::collections::VecDeque<(u64, oneshot::Sender<usize>)>)>,
+}
+
+/// One connection's place among the unauthenticated; leaves on drop.
+struct Admitted {
+    pool: Arc<Unauthenticated>,
+    id: u64,
+    /// Fires (with the budget) when a newer connection takes the place.
+    evicted: oneshot::Receiver<usize>,
+}
+
+impl Unauthenticated {
+    fn lock(&self) -> MutexGuard<'_, (u64, std::collections::VecDeque<(u64, oneshot::Sender<usize>)>)> {
+        // Nothing panics while holding this lock; recover from poison anyway.
+        self.waiting.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn admit(self: &Arc<Self>) -> Admitted {
+        let (tx, evicted) = oneshot::channel();
+        let mut waiting = self.lock();
+        let (next, queue) = &mut *waiting;
+        let id = *next;
+        *next += 1;
+        if queue.len() >= self.budget {
+            if let Some((_, oldest)) = queue.pop_front() {
+                let _ = oldest.send(self.budget);
+            }
+        }
+        queue.push_back((id, tx));
+        Admitted { pool: Arc::clone(self), id, evicted }
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.pool.lock().1.retain(|(id, _)| *id != self.id);
+    }
+}
+
 async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
     let mut shutdown = inner.shutdown_signal();
     let slots = Arc::new(Semaphore::new(inner.config.max_connections));
+    let unauthenticated =
+        Arc::new(Unauthenticated { budget: inner.config.max_unauthenticated, waiting: Mutex::new((0, Default::default())) });
     loop {
         let accepted = tokio::select! {
             () = wait_true(&mut shutdown) => break,
@@ -313,29 +370,29 @@ async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
                 continue;
             }
         };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            tracing::warn!(peer = %addr, max = inner.config.max_connections, "too many connections, refusing");
-            continue;
-        };
-        let inner = Arc::clone(&inner);
-        tokio::spawn(async move {
-            serve_connection(inner, stream, addr).await;
-            drop(slot);
-        });
+        let admitted = unauthenticated.admit();
+        let (inner, slots) = (Arc::clone(&inner), Arc::clone(&slots));
+        tokio::spawn(serve_connection(inner, stream, addr, admitted, slots));
     }
     tracing::debug!(addr = %inner.addr, "node stopped listening");
 }
 
-/// Authenticates an incoming connection, then runs it until it closes.
-async fn serve_connection(inner: Arc<NodeInner>, mut stream: TcpStream, addr: SocketAddr) {
+/// Authenticates an incoming connection (in the unauthenticated budget),
+/// then runs it until it closes (in the authenticated one).
+async fn serve_connection(inner: Arc<NodeInner>, mut stream: TcpStream, addr: SocketAddr, mut admitted: Admitted, slots: Arc<Semaphore>) {
     let peer = addr.to_string();
     let _ = stream.set_nodelay(true);
     let after = inner.config.handshake_timeout;
     let mut shutdown = inner.shutdown_signal();
     let handshake = tokio::select! {
         () = wait_true(&mut shutdown) => return,
+        Ok(budget) = &mut admitted.evicted => {
+            tracing::warn!(%peer, budget, "rejected connection: not authenticated before newer connections filled the unauthenticated budget");
+            return;
+        }
         handshake = tokio::time::timeout(after, auth::server(&mut stream, &inner.secret, &peer)) => handshake,
     };
+    drop(admitted);
     let keys = match handshake {
         Ok(Ok(keys)) => keys,
         Ok(Err(err)) => {
@@ -347,9 +404,14 @@ async fn serve_connection(inner: Arc<NodeInner>, mut stream: TcpStream, addr: So
             return;
         }
     };
+    let Ok(slot) = slots.try_acquire_owned() else {
+        tracing::warn!(%peer, max = inner.config.max_connections, "rejected connection: too many authenticated connections");
+        return;
+    };
     tracing::debug!(%peer, "peer authenticated");
     let conn = Conn::start(inner, stream, peer, keys);
     conn.wait_closed().await;
+    drop(slot);
 }
 
 /// Keeps a client connection open; closes it when dropped. Held by the

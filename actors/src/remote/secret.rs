@@ -27,11 +27,11 @@ impl Secret {
         Self::checked(bytes.into(), || "the given bytes".to_owned())
     }
 
-    /// Reads a secret from a file.
+    /// Reads a secret from a file (see [`read_secret_file`]).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, SecretError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| SecretError::File { path: path.to_owned(), source })?;
-        Self::checked(trim(&bytes).to_vec(), || format!("file {}", path.display()))
+        let bytes = Wiped(read_secret_file(path)?);
+        Self::checked(trim(&bytes.0).to_vec(), || format!("file {}", path.display()))
     }
 
     /// Reads a secret from an environment variable, e.g. `REFIT_SECRET`.
@@ -51,6 +51,48 @@ impl Secret {
     pub(crate) fn expose(&self) -> &[u8] {
         &self.bytes
     }
+}
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        wipe(&mut self.bytes);
+    }
+}
+
+/// Overwrites `bytes` with zeros before they are freed (best effort: copies
+/// made while the bytes were read are not reached).
+pub fn wipe(bytes: &mut [u8]) {
+    bytes.fill(0);
+    // Keeps the writes: the compiler may not drop stores to memory that is
+    // read afterwards.
+    std::hint::black_box(&*bytes);
+}
+
+/// Bytes wiped when dropped.
+struct Wiped(Vec<u8>);
+
+impl Drop for Wiped {
+    fn drop(&mut self) {
+        wipe(&mut self.0);
+    }
+}
+
+/// Reads a secret file's bytes, refusing a file that other users may read
+/// or write (mode bits `0o077`, as ssh does for private keys) or that is
+/// not a regular file; the error names the file and its mode, never the
+/// content.
+pub fn read_secret_file(path: &Path) -> Result<Vec<u8>, SecretError> {
+    use std::os::unix::fs::PermissionsExt;
+    let file = |source| SecretError::File { path: path.to_owned(), source };
+    let meta = std::fs::metadata(path).map_err(file)?;
+    if !meta.is_file() {
+        return Err(SecretError::NotAFile { path: path.to_owned() });
+    }
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(SecretError::Exposed { path: path.to_owned(), mode });
+    }
+    std::fs::read(path).map_err(file)
 }
 
 fn trim(bytes: &[u8]) -> &[u8] {
@@ -81,6 +123,20 @@ pub enum SecretError {
         path: PathBuf,
         /// The I/O error.
         source: std::io::Error,
+    },
+    /// The file is not a regular file.
+    #[error("secret file {} is not a regular file", path.display())]
+    NotAFile {
+        /// The file.
+        path: PathBuf,
+    },
+    /// Other users may read or write the file.
+    #[error("secret file {} is open to other users (mode {mode:03o}): make it readable by its owner only (chmod 600)", path.display())]
+    Exposed {
+        /// The file.
+        path: PathBuf,
+        /// Its permission bits.
+        mode: u32,
     },
     /// The environment variable is not set.
     #[error("environment variable {var} (the shared secret) is not set")]

@@ -1,0 +1,104 @@
+//! Strangers on the network against a running job (loopback only): each
+//! attack runs beside a real `refit launch --no-spawn` whose workers this
+//! test starts, as a cluster launcher would; the refits must still commit
+//! and verify, and the launcher must log what it refused, with the reason.
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_refit");
+const SECRET: &str = "a job secret the strangers do not hold";
+
+fn example(name: &str) -> (String, String) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples").join(name);
+    let p = |f: &str| dir.join(f).to_str().expect("utf-8 path").to_string();
+    (p("src.json"), p("dst.json"))
+}
+
+fn ranks(path: &str) -> u64 {
+    let text = std::fs::read_to_string(path).expect("layout file");
+    serde_json::from_str::<serde_json::Value>(&text).expect("layout json")["ranks"].as_u64().expect("ranks")
+}
+
+/// A launcher waiting for workers, and the rendezvous address it printed.
+struct Launch {
+    launcher: Child,
+    addr: String,
+    stdout: BufReader<std::process::ChildStdout>,
+    src: String,
+    dst: String,
+}
+
+impl Launch {
+    fn start(pair: &str, refits: u32) -> Launch {
+        let (src, dst) = example(pair);
+        let mut launcher = Command::new(BIN)
+            .args(["launch", "--no-spawn", "--verify", "--deadline-s", "30", "--refits", &refits.to_string(), "--src", &src, "--dst", &dst])
+            .env("REFIT_SECRET", SECRET)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start launcher");
+        let mut stdout = BufReader::new(launcher.stdout.take().expect("piped stdout"));
+        let mut first = String::new();
+        stdout.read_line(&mut first).expect("rendezvous line");
+        let addr = first.split_whitespace().nth(3).expect("address in the first line").trim_end_matches(':').to_string();
+        Launch { launcher, addr, stdout, src, dst }
+    }
+
+    /// Starts one worker per rank of both groups.
+    fn workers(&self) -> Vec<Child> {
+        let groups = [("src", ranks(&self.src)), ("dst", ranks(&self.dst))];
+        groups
+            .iter()
+            .flat_map(|&(g, n)| (0..n).map(move |r| (g, r)))
+            .map(|(g, r)| {
+                Command::new(BIN)
+                    .args(["worker", "--src", &self.src, "--dst", &self.dst, "--group", g, "--rank", &r.to_string()])
+                    .args(["--rendezvous", &self.addr])
+                    .env("REFIT_SECRET", SECRET)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("start worker")
+            })
+            .collect()
+    }
+
+    /// Waits for the launcher; its stdout and stderr. It must have
+    /// succeeded, every refit verified.
+    fn finish(mut self, workers: Vec<Child>) -> (String, String) {
+        let mut out = String::new();
+        self.stdout.read_to_string(&mut out).expect("launcher stdout");
+        let mut err = String::new();
+        if let Some(mut e) = self.launcher.stderr.take() {
+            e.read_to_string(&mut err).expect("launcher stderr");
+        }
+        let status = self.launcher.wait().expect("launcher");
+        for mut w in workers {
+            let _ = w.wait();
+        }
+        assert!(status.success(), "launcher failed\n{out}\n{err}");
+        assert!(out.contains("committed weights of version"), "{out}");
+        (out, err)
+    }
+}
+
+/// 300 connections that never say a word, opened at the rendezvous just
+/// before the workers join: they do not keep the workers out (silent
+/// sockets have a budget of their own, and the oldest make way), and the
+/// launcher logs every one it dropped with the reason.
+#[test]
+fn silent_control_connections_do_not_keep_workers_out() {
+    let launch = Launch::start("tp-to-tp", 2);
+    let silent: Vec<TcpStream> = (0..300).map(|_| TcpStream::connect(&launch.addr).expect("silent connection")).collect();
+    let workers = launch.workers();
+    let (_, err) = launch.finish(workers);
+    drop(silent);
+    let dropped = err.lines().filter(|l| l.contains("rejected connection: not authenticated before newer connections")).count();
+    assert!(dropped >= 300 - 64, "expected the oldest silent connections dropped and logged:\n{err}");
+    assert!(err.lines().all(|l| !l.contains("rejected connection") || l.starts_with("WARN ")), "{err}");
+}
