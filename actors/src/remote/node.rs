@@ -312,8 +312,11 @@ fn valid_name(name: String) -> Result<String, RemoteError> {
 /// most `budget`; admitting one more drops the oldest.
 struct Unauthenticated {
     budget: usize,
-    waiting: Mutex<(u64, std::collections::VecDeque<(u64, oneshot::Sender<usize>)>)>,
+    waiting: Mutex<Waiting>,
 }
+
+/// The next id, and each waiting connection's id and eviction signal.
+type Waiting = (u64, std::collections::VecDeque<(u64, oneshot::Sender<usize>)>);
 
 /// One connection's place among the unauthenticated; leaves on drop.
 struct Admitted {
@@ -324,7 +327,7 @@ struct Admitted {
 }
 
 impl Unauthenticated {
-    fn lock(&self) -> MutexGuard<'_, (u64, std::collections::VecDeque<(u64, oneshot::Sender<usize>)>)> {
+    fn lock(&self) -> MutexGuard<'_, Waiting> {
         // Nothing panics while holding this lock; recover from poison anyway.
         self.waiting.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
