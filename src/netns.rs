@@ -235,7 +235,7 @@ impl Hosts {
         ip(&["addr", "add", &format!("{}/16", self.gateway), "dev", br])?;
         ip(&["link", "set", br, "up"])?;
         for h in &self.hosts {
-            std::fs::create_dir_all(&h.shm_dir).map_err(|e| format!("{}: cannot create: {e}", h.shm_dir.display()))?;
+            private_dir(&h.shm_dir)?;
             let ns = h.netns.as_str();
             ip(&["netns", "add", ns])?;
             ip(&["link", "add", &h.veth, "type", "veth", "peer", "name", "eth0", "netns", ns])?;
@@ -607,6 +607,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn shared_memory_directories_are_new_and_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("refit-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        private_dir(&dir).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+        // Made before us (by anyone): refused, named.
+        let e = private_dir(&dir).unwrap_err();
+        assert!(e.contains(&dir.display().to_string()), "{e}");
+        let link = dir.with_extension("link");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        assert!(private_dir(&link).is_err());
+        std::fs::remove_file(&link).unwrap();
+        std::fs::remove_dir(&dir).unwrap();
+    }
+
+    #[test]
     fn names_carry_their_owner() {
         assert_eq!(owner_of("refit-1234-s0"), Some(1234));
         assert_eq!(owner_of("refit-1234-d17"), Some(1234));
@@ -652,4 +670,24 @@ mod tests {
         assert_eq!(words(&["qdisc", "add"], tbf(1_000_000))[2], "tbf");
         assert_eq!(tbf(400_000_000)[2], "3200000000bit");
     }
+}
+
+/// Creates `dir` for this launcher alone: a new directory (one that exists
+/// already, say made by another user under the world-writable `/dev/shm`
+/// to watch or swap our region files, is refused), mode 0700, owned by us.
+fn private_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let shown = dir.display();
+    std::fs::DirBuilder::new().mode(0o700).create(dir).map_err(|e| format!("{shown}: cannot create a private directory: {e}"))?;
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{shown}: {e}"))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me || meta.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "{shown}: not a private directory of this user (owner {}, mode {:o})",
+            meta.uid(),
+            meta.permissions().mode() & 0o777
+        ));
+    }
+    Ok(())
 }
