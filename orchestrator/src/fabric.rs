@@ -63,6 +63,7 @@ impl Endpointed {
         self,
         program: &RankProgram,
         table: &[PeerAddr],
+        key: transport::HelloKey,
         tweak: impl FnOnce(&mut NodeTransportConfig),
     ) -> Result<Endpointed, String> {
         let (listener, settings, session) = match self {
@@ -113,6 +114,8 @@ impl Endpointed {
                 // refits), and buffer small writes only, or a rank with a
                 // hundred peers holds hundreds of MiB it does not need.
                 frame_pool_bytes: largest_recv,
+                // Strangers at the data port are refused and logged.
+                hello_key: Some(key),
                 write_buffer_bytes: 256 << 10,
                 ..TcpConfig::default()
             },

@@ -56,17 +56,38 @@ pub struct MemberConfig {
     pub data_ip: IpAddr,
     /// See [`FabricTweak`].
     pub tweak: Option<FabricTweak>,
+    /// The job's secret: every node-fabric handshake proves knowledge of
+    /// a key derived from it for the session (`None`: a random secret of
+    /// this process, which every member of this process shares; members in
+    /// other processes need the job's, as [`crate::Joined::member_config`]
+    /// gives them).
+    pub secret: Option<actors::Secret>,
 }
 
 impl Default for MemberConfig {
     fn default() -> Self {
-        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), tweak: None }
+        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), tweak: None, secret: None }
     }
+}
+
+/// The data-plane handshake key of `session` under `secret` (or this
+/// process's own random secret).
+fn hello_key(secret: Option<&actors::Secret>, session: &str) -> Result<transport::HelloKey, String> {
+    static PROCESS: std::sync::OnceLock<Result<actors::Secret, String>> = std::sync::OnceLock::new();
+    let secret = match secret {
+        Some(s) => s,
+        None => PROCESS.get_or_init(|| actors::Secret::random().map_err(|e| e.to_string())).as_ref().map_err(|e| e.clone())?,
+    };
+    Ok(transport::HelloKey(secret.derive(format!("data-hello/{session}").as_bytes())))
 }
 
 impl std::fmt::Debug for MemberConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemberConfig").field("data_ip", &self.data_ip).field("tweak", &self.tweak.is_some()).finish()
+        f.debug_struct("MemberConfig")
+            .field("data_ip", &self.data_ip)
+            .field("tweak", &self.tweak.is_some())
+            .field("secret", &self.secret.is_some())
+            .finish()
     }
 }
 
@@ -284,13 +305,17 @@ impl Member {
             Err(r) => return MemberReply::Refused(r),
         };
         let p = program.clone();
+        let key = match hello_key(self.config.secret.as_ref(), &session) {
+            Ok(k) => k,
+            Err(e) => return MemberReply::Refused(Refusal::Fabric(format!("no data-plane key: {e}"))),
+        };
         let tweak = self.config.tweak.clone();
         let tweak = move |config: &mut transport::NodeTransportConfig| {
             if let Some(t) = &tweak {
                 t(refit, config);
             }
         };
-        match tokio::task::spawn_blocking(move || end.connect(&p, &peers, tweak)).await {
+        match tokio::task::spawn_blocking(move || end.connect(&p, &peers, key, tweak)).await {
             Ok(Ok(end)) => {
                 self.pending = Some(Pending { refit, program, end, session, keep });
                 MemberReply::Done

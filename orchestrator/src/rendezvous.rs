@@ -218,6 +218,7 @@ pub struct Joined {
     peer: RemotePeer,
     registry: ActorRef<Registry>,
     ip: IpAddr,
+    secret: Secret,
 }
 
 /// Joins the rendezvous: binds a control node on the interface that
@@ -230,7 +231,7 @@ pub async fn join(config: &JoinConfig) -> Result<Joined, JoinError> {
         .map_err(remote(format!("listen on {ip}")))?;
     let peer = node.connect(to).await.map_err(remote(format!("rendezvous {to}")))?;
     let registry = peer.lookup::<Registry>(REGISTRY_NAME).await.map_err(remote(format!("rendezvous {to}")))?;
-    Ok(Joined { node, peer, registry, ip })
+    Ok(Joined { node, peer, registry, ip, secret: config.secret.clone() })
 }
 
 impl Joined {
@@ -260,9 +261,10 @@ impl Joined {
     }
 
     /// The member settings [`serve_member`](Self::serve_member) uses: the
-    /// data plane on the interface that reaches the rendezvous.
+    /// data plane on the interface that reaches the rendezvous, its
+    /// handshakes proving the job's secret.
     pub fn member_config(&self) -> MemberConfig {
-        MemberConfig { data_ip: self.ip, ..MemberConfig::default() }
+        MemberConfig { data_ip: self.ip, secret: Some(self.secret.clone()), ..MemberConfig::default() }
     }
 
     /// [`serve_member`](Self::serve_member) with explicit settings.

@@ -15,12 +15,16 @@
 //! the message's checksum.
 //!
 //! A stream starts with a handshake: magic, the sender's group (u8) and
-//! rank (u32 LE), protocol version (u8, 2), flags (u8: 1 checksums, 2
-//! shared memory; then the region's lend and stream sizes, u64 LE each);
-//! the receiver answers one byte, 0 for accepted or the reason it refuses
-//! (other version, other checksum setting, disagreement on sharing a node,
-//! region not mappable, unexpected peer), so mismatched configurations
-//! fail at connect time on both ends.
+//! rank (u32 LE), protocol version (u8, 3), flags (u8: 1 checksums, 2
+//! shared memory, 4 proof; then the region's lend and stream sizes, u64 LE
+//! each; then the proof: HMAC-SHA256 under the fabric's [`HelloKey`] of
+//! everything before it and the receiver's endpoint); the receiver answers
+//! one byte, 0 for accepted or the reason it refuses (other version, other
+//! checksum setting, disagreement on sharing a node, region not mappable,
+//! unexpected peer, missing or wrong proof, endpoint already connected).
+//! An authenticated peer with another configuration fails at connect time
+//! on both ends; anything else is dropped and the receiver goes on
+//! accepting.
 
 use crate::copy::{for_each_run, in_bounds};
 use crate::transport::Payload;
@@ -41,13 +45,18 @@ pub(crate) const LENT: u8 = 3;
 pub(crate) const CHUNK: u8 = 4;
 /// Frame header: magic, kind, round, payload length.
 pub(crate) const HEADER: usize = 4 + 1 + 4 + 8;
-/// Handshake version: 2 added the flags byte, checksums and shared memory.
-pub(crate) const VERSION: u8 = 2;
+/// Handshake version: 2 added the flags byte, checksums and shared memory;
+/// 3 the proof.
+pub(crate) const VERSION: u8 = 3;
 /// Handshake flag: data frames carry a CRC-32C.
 pub(crate) const FLAG_CHECKSUM: u8 = 1;
 /// Handshake flag: the pair talks through shared memory (the region sizes
 /// follow).
 pub(crate) const FLAG_SHM: u8 = 2;
+/// Handshake flag: a proof follows (after the region sizes).
+pub(crate) const FLAG_PROOF: u8 = 4;
+/// Length of a handshake's proof.
+pub(crate) const PROOF: usize = 32;
 /// Payload of a `lent` or `chunk` frame: four u64 (LE).
 pub(crate) const SHM_INFO: usize = 32;
 /// Longest abort reason read.
@@ -67,6 +76,48 @@ pub(crate) const HELLO_SHM: u8 = 3;
 pub(crate) const HELLO_REGION: u8 = 4;
 /// Handshake answer: the peer is not expected.
 pub(crate) const HELLO_PEER: u8 = 5;
+/// Handshake answer: the proof is missing or wrong.
+pub(crate) const HELLO_PROOF: u8 = 6;
+/// Handshake answer: this endpoint is connected already.
+pub(crate) const HELLO_DUPLICATE: u8 = 7;
+
+/// The key a fabric's handshakes prove knowledge of: derived from the
+/// job's secret for one data-plane session (so a proof from one session
+/// is worthless in another). Never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct HelloKey(pub [u8; 32]);
+
+impl std::fmt::Debug for HelloKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HelloKey(<redacted>)")
+    }
+}
+
+impl Drop for HelloKey {
+    fn drop(&mut self) {
+        self.0.fill(0);
+        std::hint::black_box(&self.0);
+    }
+}
+
+type Hmac = hmac::Hmac<sha2::Sha256>;
+
+fn hello_mac(key: &HelloKey, sent: &[u8], to: Endpoint) -> Hmac {
+    use hmac::Mac;
+    // HMAC takes keys of any length: this cannot fail.
+    let mut mac = <Hmac as hmac::digest::KeyInit>::new_from_slice(&key.0).unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
+    mac.update(b"refit-data-hello/v3/");
+    mac.update(sent);
+    mac.update(&encode_endpoint(to));
+    mac
+}
+
+/// Whether `proof` is the proof of `sent` (the handshake before it) to
+/// `to` under `key` (compared in constant time).
+pub(crate) fn proof_holds(key: &HelloKey, sent: &[u8], to: Endpoint, proof: &[u8]) -> bool {
+    use hmac::Mac;
+    hello_mac(key, sent, to).verify_slice(proof).is_ok()
+}
 
 /// Why a peer refused a handshake, from its answer.
 pub(crate) fn hello_problem(code: u8) -> &'static str {
@@ -76,6 +127,8 @@ pub(crate) fn hello_problem(code: u8) -> &'static str {
         HELLO_SHM => "disagrees on whether we share a node (shared memory on one side only)",
         HELLO_REGION => "could not map our shared-memory region",
         HELLO_PEER => "is not (or no longer) expected",
+        HELLO_PROOF => "refused the handshake: its proof of the job's secret is missing or wrong",
+        HELLO_DUPLICATE => "refused the handshake: that endpoint is connected already",
         _ => "refused the handshake",
     }
 }
@@ -101,17 +154,26 @@ pub(crate) fn decode_endpoint(b: &[u8; 5]) -> io::Result<Endpoint> {
     }
 }
 
-/// The handshake a connecting rank sends: the fixed part, then the region
-/// sizes `(lend, stream)` when it talks to the peer through shared memory.
-pub(crate) fn hello(me: Endpoint, checksum: bool, shm_sizes: Option<(u64, u64)>) -> Vec<u8> {
-    let mut hello = Vec::with_capacity(HELLO + 16);
+/// The handshake rank `me` sends to `to`: the fixed part, the region sizes
+/// `(lend, stream)` when it talks to the peer through shared memory, and
+/// the proof when the fabric has a key.
+pub(crate) fn hello(me: Endpoint, to: Endpoint, checksum: bool, shm_sizes: Option<(u64, u64)>, key: Option<&HelloKey>) -> Vec<u8> {
+    use hmac::Mac;
+    let mut hello = Vec::with_capacity(HELLO + 16 + PROOF);
     hello.extend_from_slice(&MAGIC.to_le_bytes());
     hello.extend_from_slice(&encode_endpoint(me));
     hello.push(VERSION);
-    hello.push(if checksum { FLAG_CHECKSUM } else { 0 } | if shm_sizes.is_some() { FLAG_SHM } else { 0 });
+    let flags = if checksum { FLAG_CHECKSUM } else { 0 }
+        | if shm_sizes.is_some() { FLAG_SHM } else { 0 }
+        | if key.is_some() { FLAG_PROOF } else { 0 };
+    hello.push(flags);
     if let Some((lend, stream)) = shm_sizes {
         hello.extend_from_slice(&lend.to_le_bytes());
         hello.extend_from_slice(&stream.to_le_bytes());
+    }
+    if let Some(key) = key {
+        let proof = hello_mac(key, &hello, to).finalize().into_bytes();
+        hello.extend_from_slice(&proof);
     }
     hello
 }
@@ -233,11 +295,11 @@ mod tests {
 
     #[test]
     fn hello_round_trips() {
-        let plain = hello(Endpoint::dst(3), true, None);
+        let plain = hello(Endpoint::dst(3), Endpoint::src(0), true, None, None);
         assert_eq!(plain.len(), HELLO);
         let fixed: [u8; HELLO] = plain[..].try_into().unwrap();
         assert_eq!(decode_hello(&fixed).unwrap(), (Endpoint::dst(3), VERSION, FLAG_CHECKSUM));
-        let shared = hello(Endpoint::src(9), false, Some((5, 6)));
+        let shared = hello(Endpoint::src(9), Endpoint::src(1), false, Some((5, 6)), None);
         assert_eq!(shared.len(), HELLO + 16);
         let fixed: [u8; HELLO] = shared[..HELLO].try_into().unwrap();
         assert_eq!(decode_hello(&fixed).unwrap(), (Endpoint::src(9), VERSION, FLAG_SHM));
@@ -248,6 +310,28 @@ mod tests {
         bad = fixed;
         bad[1] = 0;
         assert_eq!(decode_hello(&bad).unwrap_err().to_string(), "bad handshake");
+    }
+
+    #[test]
+    fn proofs_bind_key_sender_receiver_and_settings() {
+        let key = HelloKey([7; 32]);
+        let (me, to) = (Endpoint::src(2), Endpoint::dst(5));
+        let h = hello(me, to, true, Some((1 << 20, 1 << 16)), Some(&key));
+        assert_eq!(h.len(), HELLO + 16 + PROOF);
+        let fixed: [u8; HELLO] = h[..HELLO].try_into().unwrap();
+        assert_eq!(decode_hello(&fixed).unwrap(), (me, VERSION, FLAG_CHECKSUM | FLAG_SHM | FLAG_PROOF));
+        let (sent, proof) = h.split_at(HELLO + 16);
+        assert!(proof_holds(&key, sent, to, proof));
+        // Another receiver, another key, any changed byte: no.
+        assert!(!proof_holds(&key, sent, Endpoint::dst(6), proof));
+        assert!(!proof_holds(&HelloKey([8; 32]), sent, to, proof));
+        for i in 0..sent.len() {
+            let mut changed = sent.to_vec();
+            changed[i] ^= 1;
+            assert!(!proof_holds(&key, &changed, to, proof), "byte {i}");
+        }
+        assert!(!proof_holds(&key, sent, to, &proof[..31]));
+        assert_eq!(format!("{key:?}"), "HelloKey(<redacted>)");
     }
 
     #[test]

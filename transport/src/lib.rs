@@ -33,6 +33,7 @@ pub use exec::{
     DEFAULT_DEADLINE,
 };
 pub use faults::Faults;
+pub use frame::HelloKey;
 pub use gpu_probe::cuda_available;
 pub use link::{FrameAction, FrameHook, LinkEmulation, TokenBucket};
 pub use local::{local_fabric, LocalTransport};

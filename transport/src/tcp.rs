@@ -16,9 +16,9 @@
 
 use crate::faults::Faults;
 use crate::frame::{
-    decode_header, decode_hello, for_payload_runs, header, hello, hello_problem, payload_len, u64_at, ABORT, BYE, CHUNK, DATA,
-    FLAG_CHECKSUM, FLAG_SHM, HEADER, HELLO, HELLO_CHECKSUM, HELLO_OK, HELLO_PEER, HELLO_REGION, HELLO_SHM, HELLO_VERSION, MAX_REASON,
-    SHM_INFO, VERSION,
+    decode_header, decode_hello, for_payload_runs, header, hello, hello_problem, payload_len, proof_holds, u64_at, HelloKey, ABORT, BYE,
+    CHUNK, DATA, FLAG_CHECKSUM, FLAG_PROOF, FLAG_SHM, HEADER, HELLO, HELLO_CHECKSUM, HELLO_DUPLICATE, HELLO_OK, HELLO_PEER, HELLO_PROOF,
+    HELLO_REGION, HELLO_SHM, HELLO_VERSION, MAX_REASON, PROOF, SHM_INFO, VERSION,
 };
 use crate::link::{FrameAction, FrameHook, LinkEmulation, TokenBucket, PACE_CHUNK};
 use crate::shm::ShmOut;
@@ -64,6 +64,12 @@ pub struct TcpConfig {
     /// are already mapped, so a fabric kept from one refit to the next
     /// receives without page faults.
     pub frame_pool_bytes: u64,
+    /// The key every handshake proves knowledge of ([`HelloKey`]: derived
+    /// from the job's secret for this session). With it, a connection
+    /// without the proof is refused, logged and dropped while accepting
+    /// goes on; without it (default), any connection that names an
+    /// expected peer is taken for it.
+    pub hello_key: Option<HelloKey>,
 }
 
 impl Default for TcpConfig {
@@ -77,6 +83,7 @@ impl Default for TcpConfig {
             emulation: LinkEmulation::default(),
             hook: None,
             frame_pool_bytes: 512 << 20,
+            hello_key: None,
         }
     }
 }
@@ -377,81 +384,174 @@ pub(crate) fn fabric(
     })
 }
 
-/// Accepts one connection, waiting until `deadline` at most (a peer that
-/// died before connecting must not block the rank forever).
-fn accept_until(me: Endpoint, listener: &TcpListener, deadline: Instant) -> io::Result<TcpStream> {
-    listener.set_nonblocking(true)?;
-    loop {
-        match listener.accept() {
-            Ok((stream, _)) => {
-                stream.set_nonblocking(false)?;
-                return Ok(stream);
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(io::Error::new(io::ErrorKind::TimedOut, format!("{me}: a peer did not connect in time")));
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
+/// Most incoming connections whose handshake is under way at once; a
+/// newer one drops the oldest (a peer of the fabric sends its handshake as
+/// soon as it connects; a stranger's silent socket would wait).
+const MAX_GREETINGS: usize = 64;
+
+/// What is checked of every incoming handshake.
+struct Expect<'a> {
+    me: Endpoint,
+    deadline: Instant,
+    expected: &'a HashSet<Endpoint>,
+    checksum: bool,
+    shm: Option<&'a ShmSetup>,
+    key: Option<&'a HelloKey>,
 }
 
-/// Accepts one stream and checks its handshake; returns the peer, the
-/// stream and the receiving end of the peer's region (for shared-memory
-/// peers).
-fn accept_one(
-    me: Endpoint,
-    listener: &TcpListener,
-    deadline: Instant,
-    expected: &HashSet<Endpoint>,
-    checksum: bool,
-    shm: Option<&ShmSetup>,
-) -> io::Result<(Endpoint, TcpStream, Option<ShmReceiver>)> {
-    let mut stream = accept_until(me, listener, deadline)?;
-    stream.set_nodelay(true)?;
-    stream.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
-    let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
-    let mut fixed = [0u8; HELLO];
-    stream.read_exact(&mut fixed)?;
-    let (peer, version, flags) = decode_hello(&fixed)?;
-    let refuse = |mut stream: TcpStream, code: u8| {
+/// Why an incoming connection was not taken: `fatal` when it proved
+/// knowledge of the job's secret yet disagrees with this rank (another
+/// configuration or plan: the connect fails), else it is only dropped.
+struct Refused {
+    why: String,
+    fatal: bool,
+}
+
+/// Reads and checks one incoming handshake; answers a refusal, but not the
+/// acceptance (the acceptor first checks the endpoint is not connected
+/// already). Returns the peer, the stream and the receiving end of the
+/// peer's region (for shared-memory peers).
+fn greet(mut stream: TcpStream, x: &Expect<'_>) -> Result<(Endpoint, TcpStream, Option<ShmReceiver>), Refused> {
+    let dropped = |why: String| Refused { why, fatal: false };
+    let setup = |s: &TcpStream| -> io::Result<()> {
+        s.set_nonblocking(false)?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(x.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
+    };
+    setup(&stream).map_err(|e| dropped(format!("socket setup: {e}")))?;
+    let mut sent = vec![0u8; HELLO];
+    stream.read_exact(&mut sent).map_err(|e| dropped(format!("no handshake: {e}")))?;
+    let fixed: [u8; HELLO] = sent.as_slice().try_into().map_err(|_| dropped("short handshake".into()))?;
+    let (peer, version, flags) = decode_hello(&fixed).map_err(|e| dropped(format!("not a refit handshake: {e}")))?;
+    let refuse = |mut stream: TcpStream, code: u8, authentic: bool| {
         let _ = stream.write_all(&[code]);
-        Err(bad(format!("{me}: refused the handshake of {peer}: it {}", hello_problem(code))))
+        Err(Refused { why: format!("claimed to be {peer}; {}", hello_problem(code)), fatal: authentic })
     };
     if version != VERSION {
-        return refuse(stream, HELLO_VERSION);
+        return refuse(stream, HELLO_VERSION, false);
     }
-    if !expected.contains(&peer) {
-        return refuse(stream, HELLO_PEER);
+    let mut sizes = [0u8; 16];
+    if flags & FLAG_SHM != 0 {
+        stream.read_exact(&mut sizes).map_err(|e| dropped(format!("claimed to be {peer}; truncated handshake: {e}")))?;
+        sent.extend_from_slice(&sizes);
     }
-    if (flags & FLAG_CHECKSUM != 0) != checksum {
-        return refuse(stream, HELLO_CHECKSUM);
+    let mut proof = [0u8; PROOF];
+    if flags & FLAG_PROOF != 0 {
+        stream.read_exact(&mut proof).map_err(|e| dropped(format!("claimed to be {peer}; truncated handshake: {e}")))?;
     }
-    let shared = shm.filter(|s| s.shares(peer));
+    // With a key, only a valid proof makes a peer; without one, nothing
+    // does, and a problem drops the connection rather than failing.
+    let authentic = match x.key {
+        Some(key) if flags & FLAG_PROOF != 0 && proof_holds(key, &sent, x.me, &proof) => true,
+        Some(_) => return refuse(stream, HELLO_PROOF, false),
+        None if flags & FLAG_PROOF != 0 => return refuse(stream, HELLO_PROOF, false),
+        None => false,
+    };
+    if !x.expected.contains(&peer) {
+        return refuse(stream, HELLO_PEER, authentic);
+    }
+    if (flags & FLAG_CHECKSUM != 0) != x.checksum {
+        return refuse(stream, HELLO_CHECKSUM, authentic);
+    }
+    let shared = x.shm.filter(|s| s.shares(peer));
     if (flags & FLAG_SHM != 0) != shared.is_some() {
-        return refuse(stream, HELLO_SHM);
+        return refuse(stream, HELLO_SHM, authentic);
     }
     let inbound = match shared {
         None => None,
-        Some(s) => {
-            let mut sizes = [0u8; 16];
-            stream.read_exact(&mut sizes)?;
-            let (lend, streamed) = (u64_at(&sizes, 0), u64_at(&sizes, 8));
-            match s.open(me, peer, lend, streamed) {
-                Ok(receiver) => Some(receiver),
-                Err(e) => {
-                    let _ = stream.write_all(&[HELLO_REGION]);
-                    return Err(io::Error::new(e.kind(), format!("{me}: shared memory from {peer}: {e}")));
+        Some(s) => match s.open(x.me, peer, u64_at(&sizes, 0), u64_at(&sizes, 8)) {
+            Ok(receiver) => Some(receiver),
+            Err(e) => {
+                let _ = stream.write_all(&[HELLO_REGION]);
+                return Err(Refused { why: format!("shared memory from {peer}: {e}"), fatal: authentic });
+            }
+        },
+    };
+    Ok((peer, stream, inbound))
+}
+
+/// Accepts until every expected peer is connected (or `deadline`): each
+/// incoming handshake is checked on a thread of its own, so silent or slow
+/// connections hold up nothing; a bad or duplicate one is refused, logged
+/// and dropped, and accepting goes on. `accepted` gets each peer's stream.
+fn accept_all(
+    listener: &TcpListener,
+    x: &Expect<'_>,
+    mut accepted: impl FnMut(Endpoint, TcpStream, Option<ShmReceiver>) -> io::Result<()>,
+) -> io::Result<()> {
+    let me = x.me;
+    let mut waiting: HashSet<Endpoint> = x.expected.clone();
+    listener.set_nonblocking(true)?;
+    std::thread::scope(|scope| -> io::Result<()> {
+        let (done, results) = channel::<(u64, Result<(Endpoint, TcpStream, Option<ShmReceiver>), Refused>)>();
+        // Connections whose handshake is under way, oldest first (a clone
+        // of each stream, to drop the oldest).
+        let mut greeting: std::collections::VecDeque<(u64, TcpStream)> = Default::default();
+        let mut next = 0u64;
+        let mut run = || -> io::Result<()> {
+            while !waiting.is_empty() {
+                while let Ok((id, result)) = results.try_recv() {
+                    greeting.retain(|(g, _)| *g != id);
+                    match result {
+                        Ok((peer, mut stream, inbound)) if waiting.remove(&peer) => {
+                            stream.write_all(&[HELLO_OK])?;
+                            stream.set_read_timeout(None)?;
+                            accepted(peer, stream, inbound)?;
+                        }
+                        Ok((peer, mut stream, _)) => {
+                            let _ = stream.write_all(&[HELLO_DUPLICATE]);
+                            tracing::warn!(%me, %peer, "refused a data-plane connection: that endpoint is connected already");
+                        }
+                        Err(Refused { why, fatal: true }) => {
+                            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{me}: {why}")))
+                        }
+                        Err(Refused { why, fatal: false }) => tracing::warn!(%me, reason = %why, "refused a data-plane connection"),
+                    }
+                }
+                if waiting.is_empty() {
+                    break;
+                }
+                if Instant::now() >= x.deadline {
+                    let missing: Vec<String> = waiting.iter().map(|e| e.to_string()).collect();
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("{me}: peers did not connect in time: {}", missing.join(", ")),
+                    ));
+                }
+                match listener.accept() {
+                    Ok((stream, from)) => {
+                        if greeting.len() >= MAX_GREETINGS {
+                            if let Some((_, oldest)) = greeting.pop_front() {
+                                let _ = oldest.shutdown(std::net::Shutdown::Both);
+                            }
+                        }
+                        let Ok(clone) = stream.try_clone() else { continue };
+                        greeting.push_back((next, clone));
+                        let (id, done) = (next, done.clone());
+                        next += 1;
+                        let spawned = std::thread::Builder::new().name(format!("refit-greet-{me}")).spawn_scoped(scope, move || {
+                            let r = greet(stream, x).map_err(|r| Refused { why: format!("{from}: {}", r.why), ..r });
+                            let _ = done.send((id, r));
+                        });
+                        if let Err(e) = spawned {
+                            tracing::warn!(%me, %from, error = %e, "refused a data-plane connection: no thread to check it");
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(2)),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
                 }
             }
+            Ok(())
+        };
+        let r = run();
+        // Handshakes still under way are strangers' (or duplicates'), or
+        // the connect failed: cut them, so their threads end now.
+        for (_, s) in greeting {
+            let _ = s.shutdown(std::net::Shutdown::Both);
         }
-    };
-    stream.write_all(&[HELLO_OK])?;
-    stream.set_read_timeout(None)?;
-    Ok((peer, stream, inbound))
+        r
+    })
 }
 
 impl TcpTransport {
@@ -485,15 +585,16 @@ impl TcpTransport {
         let acceptor = {
             let (statuses, shm, streams, pool) = (statuses.clone(), shm.clone(), Arc::clone(&streams), pool.clone());
             let expected: HashSet<Endpoint> = statuses.keys().copied().collect();
+            let key = config.hello_key.clone();
             std::thread::spawn(move || -> io::Result<()> {
-                for _ in 0..expected.len() {
-                    let (peer, stream, inbound) = accept_one(me, &listener, deadline, &expected, checksum, shm.as_deref())?;
+                let x = Expect { me, deadline, expected: &expected, checksum, shm: shm.as_deref(), key: key.as_ref() };
+                accept_all(&listener, &x, |peer, stream, inbound| {
                     streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
                     let status = statuses.get(&peer).cloned().unwrap_or_default();
                     let reader = Reader { peer, max, checksum, shm: inbound, status, pool: pool.clone(), tx: tx.clone() };
                     std::thread::Builder::new().name(format!("refit-read-{peer}")).spawn(move || read_loop(stream, reader))?;
-                }
-                Ok(())
+                    Ok(())
+                })
             })
         };
         let mut links = HashMap::new();
@@ -515,7 +616,7 @@ impl TcpTransport {
             streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
             let shared = shm.as_deref().filter(|s| s.shares(peer));
             let mut out = shared.map(|s| s.create(me, peer)).transpose()?;
-            stream.write_all(&hello(me, checksum, shared.map(ShmSetup::sizes)))?;
+            stream.write_all(&hello(me, peer, checksum, shared.map(ShmSetup::sizes), config.hello_key.as_ref()))?;
             stream.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
             let mut answer = [0u8; 1];
             stream.read_exact(&mut answer).map_err(|e| io::Error::new(e.kind(), format!("{me}: no handshake answer from {peer}: {e}")))?;

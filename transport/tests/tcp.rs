@@ -1,12 +1,12 @@
 //! The TCP data plane: every rank a thread, talking over loopback streams;
 //! results bit-exact, and bad frames an error rather than a panic.
 
-use reshard::{parse_layout, plan_baseline, plan_reshard, Endpoint, PlanOptions};
+use reshard::{parse_layout, plan_baseline, plan_reshard, Endpoint, Group, PlanOptions};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 use transport::tcp::{TcpConfig, TcpTransport};
-use transport::{fill_sources, run_tcp, verify_destinations, ExecOptions, RankMemory, Transport, TransportError};
+use transport::{fill_sources, run_tcp, verify_destinations, ExecOptions, HelloKey, Payload, RankMemory, Transport, TransportError};
 
 const SRC: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
   {"name": "w", "dtype": "f32", "shape": [37, 11], "mesh": {"shape": [2, 2]}, "placements": ["shard(0)", "shard(1)"]},
@@ -64,7 +64,7 @@ fn garbage_frames_are_reported_not_trusted() {
             incoming.write_all(&[0]).unwrap();
             let mut s = TcpStream::connect(my_addr).unwrap();
             s.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
-            s.write_all(&[0, 0, 0, 0, 0, 2, 0]).unwrap();
+            s.write_all(&[0, 0, 0, 0, 0, 3, 0]).unwrap();
             let mut answer = [0u8; 1];
             s.read_exact(&mut answer).unwrap();
             assert_eq!(answer, [0]);
@@ -102,4 +102,106 @@ fn a_refused_peer_fails_the_connect_at_once_when_peers_are_known_to_listen() {
     let (err, took) = try_connect(false);
     assert!(err.is_some());
     assert!(took >= Duration::from_secs(2), "retried only {took:?}");
+}
+
+/// Strangers at a rank's data port while its fabric connects, with the
+/// job's key configured: junk bytes, a silent socket, a handshake claiming
+/// an expected peer without a proof, with a wrong key's proof, with a
+/// forged proof, and a second valid claim of an endpoint already
+/// connected. Each is refused and dropped while accepting goes on; the
+/// real peers (played here by hand) connect, and a message gets through
+/// bit for bit.
+#[test]
+fn strangers_at_the_data_port_do_not_stop_the_connect() {
+    let key = HelloKey([42; 32]);
+    let me = Endpoint::dst(0);
+    let peers = [Endpoint::src(0), Endpoint::src(1)];
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let my_addr = listener.local_addr().unwrap();
+    // The peers' own ports: each accepts this rank's stream and its
+    // handshake (fixed part and proof), and accepts it.
+    let mut table = vec![(me, my_addr)];
+    let mut outgoing = Vec::new();
+    for &p in &peers {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        table.push((p, l.local_addr().unwrap()));
+        outgoing.push(std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut h = [0u8; 11 + 32];
+            s.read_exact(&mut h).unwrap();
+            s.write_all(&[0]).unwrap();
+            s
+        }));
+    }
+    // A handshake of `who` to `me`, as a holder of `key` (if any) sends it.
+    let hello = |who: Endpoint, key: Option<&HelloKey>| -> Vec<u8> {
+        let mut h = 0x5449_4652u32.to_le_bytes().to_vec();
+        h.push(match who.group {
+            Group::Src => 0,
+            Group::Dst => 1,
+        });
+        h.extend_from_slice(&who.rank.to_le_bytes());
+        h.extend_from_slice(&[3, if key.is_some() { 4 } else { 0 }]);
+        if let Some(k) = key {
+            use hmac::Mac;
+            let mut mac = <hmac::Hmac<sha2::Sha256> as hmac::digest::KeyInit>::new_from_slice(&k.0).unwrap();
+            mac.update(b"refit-data-hello/v3/");
+            mac.update(&h);
+            mac.update(&[1, 0, 0, 0, 0]);
+            h.extend_from_slice(&mac.finalize().into_bytes());
+        }
+        h
+    };
+    let claim = |bytes: &[u8]| -> (TcpStream, u8) {
+        let mut s = TcpStream::connect(my_addr).unwrap();
+        s.write_all(bytes).unwrap();
+        let mut a = [0u8; 1];
+        let code = s.read_exact(&mut a).map(|_| a[0]).unwrap_or(u8::MAX);
+        (s, code)
+    };
+    let config = TcpConfig { hello_key: Some(key.clone()), connect_timeout: Duration::from_secs(20), ..TcpConfig::default() };
+    let mine = {
+        let table = table.clone();
+        std::thread::spawn(move || TcpTransport::connect(me, listener, &table, &config))
+    };
+    let mut junk = TcpStream::connect(my_addr).unwrap();
+    junk.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let silent = TcpStream::connect(my_addr).unwrap();
+    let mut forged = hello(peers[0], Some(&key));
+    let last = forged.len() - 1;
+    forged[last] ^= 1;
+    let mut codes = Vec::new();
+    let mut kept = Vec::new();
+    for bytes in [hello(peers[0], None), hello(peers[0], Some(&HelloKey([1; 32]))), forged] {
+        let (s, code) = claim(&bytes);
+        codes.push(code);
+        kept.push(s);
+    }
+    // "Missing or wrong proof" (6) for all three.
+    assert_eq!(codes, [6, 6, 6]);
+    let (mut from_0, code) = claim(&hello(peers[0], Some(&key)));
+    assert_eq!(code, 0, "the real peer is accepted");
+    let (_dup, code) = claim(&hello(peers[0], Some(&key)));
+    assert_eq!(code, 7, "a second claim of a connected endpoint is refused");
+    let (_from_1, code) = claim(&hello(peers[1], Some(&key)));
+    assert_eq!(code, 0);
+    let mut t = mine.join().unwrap().unwrap();
+    let _outgoing: Vec<TcpStream> = outgoing.into_iter().map(|h| h.join().unwrap()).collect();
+    // A data frame from the real peer: magic, kind 0, round 0, length.
+    let bytes: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    let mut frame = 0x5449_4652u32.to_le_bytes().to_vec();
+    frame.push(0);
+    frame.extend_from_slice(&0u32.to_le_bytes());
+    frame.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    frame.extend_from_slice(&bytes);
+    from_0.write_all(&frame).unwrap();
+    let (from, got) = t.recv(0, Instant::now() + Duration::from_secs(10)).unwrap();
+    assert_eq!(from, peers[0]);
+    let got = match got {
+        Payload::Bytes(b) => b,
+        Payload::Lent(l) => l.as_slice().to_vec(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(got, bytes);
+    drop((junk, silent, kept));
 }

@@ -51,6 +51,29 @@ impl Secret {
     pub(crate) fn expose(&self) -> &[u8] {
         &self.bytes
     }
+
+    /// A 32-byte key for another use of this secret, named by `label`
+    /// (HMAC-SHA256 of the label under the secret): e.g. the data plane's
+    /// handshake key of one session. Keys for different labels tell nothing
+    /// about each other or the secret.
+    pub fn derive(&self, label: &[u8]) -> [u8; 32] {
+        use hmac::Mac;
+        let mut mac = <hmac::Hmac<sha2::Sha256> as hmac::digest::KeyInit>::new_from_slice(&self.bytes)
+            .unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
+        mac.update(b"refit-remote/v1/derive/");
+        mac.update(label);
+        mac.finalize().into_bytes().into()
+    }
+
+    /// A fresh random secret (256 bits from the operating system's
+    /// generator), e.g. for members that all live in one process.
+    pub fn random() -> Result<Self, SecretError> {
+        let mut bytes = vec![0u8; 32];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+            .map_err(|source| SecretError::File { path: PathBuf::from("/dev/urandom"), source })?;
+        Ok(Self { bytes })
+    }
 }
 
 impl Drop for Secret {
