@@ -602,6 +602,26 @@ fn install_signal_teardown() -> Result<(), String> {
         .clone()
 }
 
+/// Creates `dir` for this launcher alone: a new directory (one that exists
+/// already, say made by another user under the world-writable `/dev/shm`
+/// to watch or swap our region files, is refused), mode 0700, owned by us.
+fn private_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let shown = dir.display();
+    std::fs::DirBuilder::new().mode(0o700).create(dir).map_err(|e| format!("{shown}: cannot create a private directory: {e}"))?;
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{shown}: {e}"))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me || meta.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "{shown}: not a private directory of this user (owner {}, mode {:o})",
+            meta.uid(),
+            meta.permissions().mode() & 0o777
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -670,24 +690,4 @@ mod tests {
         assert_eq!(words(&["qdisc", "add"], tbf(1_000_000))[2], "tbf");
         assert_eq!(tbf(400_000_000)[2], "3200000000bit");
     }
-}
-
-/// Creates `dir` for this launcher alone: a new directory (one that exists
-/// already, say made by another user under the world-writable `/dev/shm`
-/// to watch or swap our region files, is refused), mode 0700, owned by us.
-fn private_dir(dir: &Path) -> Result<(), String> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    let shown = dir.display();
-    std::fs::DirBuilder::new().mode(0o700).create(dir).map_err(|e| format!("{shown}: cannot create a private directory: {e}"))?;
-    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{shown}: {e}"))?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
-    if !meta.is_dir() || meta.uid() != me || meta.permissions().mode() & 0o077 != 0 {
-        return Err(format!(
-            "{shown}: not a private directory of this user (owner {}, mode {:o})",
-            meta.uid(),
-            meta.permissions().mode() & 0o777
-        ));
-    }
-    Ok(())
 }
