@@ -166,6 +166,9 @@ fn dtype(name: &str, tensor: &str) -> PyResult<DType> {
     })
 }
 
+/// One block a rank holds: `(tensor, dtype, offset, extent)`.
+type BlockInfo = (String, String, Vec<u64>, Vec<u64>);
+
 /// A validated layout: which block of which tensor every rank holds, and
 /// where it is stored. `Layout.from_json` reads the layout file format
 /// (docs/layout-format.md); `LayoutBuilder` builds one in code.
@@ -228,7 +231,7 @@ impl PyLayout {
 
     /// Every block rank `rank` holds: `(tensor, dtype, offset, extent)`,
     /// in layout order.
-    fn blocks(&self, rank: Rank) -> PyResult<Vec<(String, String, Vec<u64>, Vec<u64>)>> {
+    fn blocks(&self, rank: Rank) -> PyResult<Vec<BlockInfo>> {
         self.check_rank(rank)?;
         let mut out = Vec::new();
         for (i, t) in self.inner.tensors().iter().enumerate() {
@@ -243,6 +246,12 @@ impl PyLayout {
     fn buffers(&self, rank: Rank) -> PyResult<Vec<(String, String, u64)>> {
         self.check_rank(rank)?;
         Ok(self.inner.rank_buffers(rank).into_iter().map(|b| (b.name, b.dtype.name().to_string(), b.elems)).collect())
+    }
+
+    /// Pickles as its JSON (layouts travel to Ray actors and
+    /// multiprocessing workers).
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, (String,))> {
+        Ok((py.get_type::<PyLayout>().getattr("from_json")?, (self.to_json()?,)))
     }
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
