@@ -21,6 +21,9 @@ def test_builder_matches_the_file_format():
     )
     assert built == parsed and built.fingerprint == parsed.fingerprint
     assert refit.Layout.from_json(built.to_json()) == built
+    import pickle
+
+    assert pickle.loads(pickle.dumps(built)) == built  # to Ray actors and worker processes
     assert built.ranks == 4 and built.ranks_per_node == 2 and built.tensor_names() == ["w"]
     # rank 3 = replica 1, tp 1: rows 4..8
     assert built.blocks(3) == [("w", "bf16", [4, 0], [4, 4])]

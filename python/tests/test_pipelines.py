@@ -96,3 +96,25 @@ def test_ctrl_c_interrupts_a_waiting_call():
     out, _ = p.communicate(timeout=30)
     assert "interrupted after" in out, out
     assert float(out.split("after ")[1].split(" s")[0]) < 30
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_forked_child_is_told_to_use_spawn():
+    layout = refit.Layout.from_json('{"ranks": 1, "tensors": [{"name": "w", "dtype": "f32", "shape": [2], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}')
+    system = refit.spawn_local(layout, layout)  # the runtime exists in this process now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what refit says, then leave without cleanup
+        os.close(read)
+        try:
+            system.sources[0].step({"w": __import__("numpy").zeros(2, "float32")})
+            msg = "no error"
+        except refit.RefitError as e:
+            msg = str(e)
+        os.write(write, msg.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        msg = f.read()
+    os.waitpid(pid, 0)
+    assert "before it forked" in msg and "'spawn'" in msg, msg
