@@ -1,0 +1,510 @@
+"""refit from Python: move weights from training ranks to inference ranks.
+
+A thin layer over the Rust crates (compiled as ``refit._refit``): layouts
+are ``reshard`` layouts, the stores are the Rust ``SrcStore``/``DstStore``
+with their version fence and group-atomic commit, the orchestrator is the
+Rust actor. See docs/python.md.
+
+Weights cross into the stores by copy: ``Source.step()`` copies every
+registered array or tensor into the rank's store (one optimizer step, one
+version); ``Destination.load()`` copies one committed version out into the
+registered arrays. Registration is not zero-copy (yet).
+"""
+
+from __future__ import annotations
+
+import secrets as _secrets
+import sys as _sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from . import _refit
+from ._refit import (
+    JoinError,
+    Layout,
+    LayoutBuilder,
+    LayoutError,
+    MemberError,
+    PlanError,
+    RefitError,
+    TensorBuilder,
+    TensorError,
+    VersionError,
+)
+from .dtensor import layout_from_dtensors
+from .inference import tp_inference_layout
+
+__all__ = [
+    "Destination",
+    "JoinError",
+    "Joined",
+    "Layout",
+    "LayoutBuilder",
+    "LayoutError",
+    "LocalSystem",
+    "MemberError",
+    "Orchestrator",
+    "PlanError",
+    "PlanReport",
+    "RefitError",
+    "RefitReport",
+    "Source",
+    "TensorBuilder",
+    "TensorError",
+    "VersionError",
+    "join",
+    "layout_from_dtensors",
+    "spawn_local",
+    "tp_inference_layout",
+]
+
+
+@dataclass(frozen=True)
+class RefitReport:
+    """What one refit did."""
+
+    version: int
+    """The version every destination now serves."""
+    bytes: int
+    """Bytes moved (0 if every destination already served ``version``)."""
+    seconds: float
+    """Wall time of the refit."""
+    transfer_seconds: float
+    """Time the data movement took."""
+    already_served: bool
+    replanned: bool
+    fingerprint: Optional[str]
+    mode: str
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """The plan installed on every member."""
+
+    fingerprint: str
+    bytes: int
+    """Bytes every refit with this plan moves."""
+    replanned: bool
+    mode: str
+
+
+# --- arrays and tensors ---------------------------------------------------
+
+# Buffer-protocol formats (after any byte-order prefix) each dtype accepts.
+# bf16 has no buffer format: give its raw bits as uint16/int16; 8-bit floats
+# as uint8/int8.
+_FORMATS = {
+    "f64": {"d"},
+    "f32": {"f"},
+    "f16": {"e"},
+    "bf16": {"H", "h"},
+    "f8e4m3": {"B", "b"},
+    "f8e5m2": {"B", "b"},
+    "i64": {"q", "l", "n"},
+    "i32": {"i", "l"},
+    "i8": {"b"},
+    "u8": {"B"},
+}
+_SIZES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "f8e4m3": 1, "f8e5m2": 1, "i64": 8, "i32": 4, "i8": 1, "u8": 1}
+
+
+def _torch_tensor(obj: Any) -> bool:
+    torch = _sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _torch_dtype_name(dtype: Any) -> Optional[str]:
+    torch = _sys.modules.get("torch")
+    if torch is None:
+        return None
+    names = {
+        torch.float64: "f64",
+        torch.float32: "f32",
+        torch.float16: "f16",
+        torch.bfloat16: "bf16",
+        torch.int64: "i64",
+        torch.int32: "i32",
+        torch.int8: "i8",
+        torch.uint8: "u8",
+    }
+    for attr, name in (("float8_e4m3fn", "f8e4m3"), ("float8_e5m2", "f8e5m2")):
+        if hasattr(torch, attr):
+            names[getattr(torch, attr)] = name
+    return names.get(dtype)
+
+
+class _Slot:
+    """Where a registered name lives on a rank: a tensor's block or a buffer."""
+
+    def __init__(self, layout: Layout, rank: int, name: str, side: str):
+        self.name = name
+        blocks = [b for b in layout.blocks(rank) if b[0] == name]
+        if len(blocks) == 1:
+            _, self.dtype, self.offset, self.extent = blocks[0]
+            self.elems = 1
+            for e in self.extent:
+                self.elems *= e
+            self.what = f"{side} rank {rank}: tensor '{name}' (block of extent {list(self.extent)} at offset {list(self.offset)}, {self.dtype})"
+            self.exact_shape = True
+            return
+        if len(blocks) > 1:
+            raise TensorError(
+                f"{side} rank {rank} holds tensor '{name}' in {len(blocks)} blocks: registering it is not supported yet "
+                "(register the buffer that holds them instead)"
+            )
+        buffers = [b for b in layout.buffers(rank) if b[0] == name]
+        if buffers:
+            _, self.dtype, self.elems = buffers[0]
+            self.offset, self.extent = [0], [self.elems]
+            self.what = f"{side} rank {rank}: buffer '{name}' ({self.elems} elements, {self.dtype})"
+            self.exact_shape = False
+            return
+        if name in layout.tensor_names():
+            raise TensorError(f"{side} rank {rank} holds no part of tensor '{name}'")
+        known = [b[0] for b in layout.buffers(rank)]
+        raise TensorError(f"{side} rank {rank}: the layout has no tensor or buffer '{name}' (this rank's buffers: {known[:8]})")
+
+    def check(self, obj: Any) -> None:
+        """Raises TensorError unless `obj` has this slot's dtype and shape."""
+        obj = _local(obj)
+        if _torch_tensor(obj):
+            dtype = _torch_dtype_name(obj.dtype)
+            shape = tuple(obj.shape)
+            if dtype != self.dtype:
+                raise TensorError(f"{self.what}: a torch tensor of {obj.dtype} given")
+        else:
+            try:
+                mv = memoryview(obj)
+            except TypeError:
+                raise TensorError(
+                    f"{self.what}: {type(obj).__name__} is neither a torch tensor nor an object with the buffer protocol (numpy array)"
+                ) from None
+            fmt = mv.format.lstrip("@=<")
+            if fmt not in _FORMATS[self.dtype] or mv.itemsize != _SIZES[self.dtype] or mv.format.startswith((">", "!")):
+                hint = " (give bf16 as its raw bits: a uint16 array)" if self.dtype == "bf16" else ""
+                raise TensorError(f"{self.what}: an array of format '{mv.format}' ({mv.itemsize} bytes) given{hint}")
+            shape = tuple(mv.shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if self.exact_shape and shape != tuple(self.extent):
+            raise TensorError(f"{self.what}: shape {list(shape)} given")
+        if numel != self.elems:
+            raise TensorError(f"{self.what}: {numel} elements given")
+
+
+def _local(obj: Any) -> Any:
+    return obj.to_local() if type(obj).__name__ == "DTensor" else obj
+
+
+def _to_bytes(obj: Any) -> Any:
+    """A copy of `obj`'s elements in C order (bytes or bytearray)."""
+    obj = _local(obj)
+    if _torch_tensor(obj):
+        import torch
+
+        t = obj.detach().to("cpu").contiguous().reshape(-1)
+        if t.numel() == 0:
+            return b""
+        raw = t.view(torch.uint8)
+        try:
+            return raw.numpy().tobytes()
+        except (RuntimeError, ImportError):  # torch without numpy
+            out = bytearray(raw.numel())
+            torch.frombuffer(out, dtype=torch.uint8).copy_(raw)
+            return out
+    return memoryview(obj).tobytes()
+
+
+def _copy_into(obj: Any, data: bytes, what: str) -> None:
+    """Overwrites `obj`'s elements with `data` (C order)."""
+    obj = _local(obj)
+    if _torch_tensor(obj):
+        import warnings
+
+        import torch
+
+        if not obj.is_contiguous():
+            raise TensorError(f"{what}: the registered tensor is not contiguous, so it cannot be written in place")
+        if len(data) == 0:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a read-only buffer: only read here
+            src = torch.frombuffer(data, dtype=torch.uint8)
+        with torch.no_grad():
+            obj.view(-1).view(torch.uint8).copy_(src)
+        return
+    mv = memoryview(obj)
+    if mv.readonly:
+        raise TensorError(f"{what}: the registered array is read-only")
+    if not mv.c_contiguous:
+        raise TensorError(f"{what}: the registered array is not C-contiguous, so it cannot be written in place")
+    mv.cast("B")[:] = data
+
+
+# --- ranks ----------------------------------------------------------------
+
+
+class Joined:
+    """This process's membership of a rendezvous (see ``join``)."""
+
+    def __init__(self, rendezvous: Optional[str] = None, secret: Optional[str] = None):
+        self._inner = _refit.Joined(rendezvous, secret)
+
+    def wait_closed(self, timeout: Optional[float] = None) -> Optional[str]:
+        """Blocks until the orchestrator's rendezvous goes away (returns why),
+        or ``timeout`` seconds pass (returns None). Ctrl-C interrupts it."""
+        return self._inner.wait_closed(timeout)
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+
+def join(rendezvous: Optional[str] = None, secret: Optional[str] = None) -> Joined:
+    """Joins the orchestrator's rendezvous (``host:port``) with ``secret``.
+
+    Either missing comes from the environment: ``REFIT_RENDEZVOUS`` (or
+    torchrun's ``MASTER_ADDR`` with ``REFIT_PORT``) and ``REFIT_SECRET``.
+    """
+    return Joined(rendezvous, secret)
+
+
+class _Rank:
+    _side = ""
+
+    def __init__(self, layout: Layout, rank: int, store: Any):
+        self.layout = layout
+        self.rank = rank
+        self._store = store
+        self._slots: Dict[str, Tuple[_Slot, Any]] = {}
+        self._joined: Optional[Joined] = None
+
+    def register(self, name: str, array: Any) -> None:
+        """Registers the array or tensor that holds this rank's block of
+        tensor ``name`` (shape: the block's extent; dtype: the layout's), or
+        the whole buffer ``name`` (a fused buffer: any shape with its number
+        of elements). Numpy arrays, anything with the buffer protocol, torch
+        tensors (CPU for destinations), DTensors (their local shard)."""
+        slot = _Slot(self.layout, self.rank, name, self._side)
+        slot.check(array)
+        self._slots[name] = (slot, array)
+
+    def register_all(self, arrays: Mapping[str, Any]) -> None:
+        for name, array in arrays.items():
+            self.register(name, array)
+
+    def unregister(self, name: str) -> None:
+        self._slots.pop(name, None)
+
+    @property
+    def registered(self) -> List[str]:
+        return list(self._slots)
+
+    def block(self, name: str) -> Tuple[List[int], List[int]]:
+        """(offset, extent) of this rank's block of tensor ``name``."""
+        slot = _Slot(self.layout, self.rank, name, self._side)
+        return list(slot.offset), list(slot.extent)
+
+    def held(self) -> List[str]:
+        """Names of the tensors this rank holds a block of."""
+        seen: List[str] = []
+        for name, *_ in self.layout.blocks(self.rank):
+            if name not in seen:
+                seen.append(name)
+        return seen
+
+    @property
+    def version(self) -> Optional[int]:
+        return self._store.version
+
+    def join(self, rendezvous: Optional[str] = None, secret: Optional[str] = None, joined: Optional[Joined] = None) -> Joined:
+        """Serves this rank's refit member through ``joined`` (or a new
+        ``join(rendezvous, secret)``); returns the membership."""
+        joined = joined or join(rendezvous, secret)
+        self._serve(joined)
+        self._joined = joined
+        return joined
+
+    def wait_closed(self, timeout: Optional[float] = None) -> Optional[str]:
+        if self._joined is None:
+            raise RefitError(f"{self._side} rank {self.rank} has not joined")
+        return self._joined.wait_closed(timeout)
+
+
+class Source(_Rank):
+    """A training rank's weights, behind the version fence.
+
+    ``step()`` copies every registered array into the store as one
+    optimizer step (waiting while a refit reads), and returns the new
+    version. The copy is checked whole before anything is written: a step
+    that fails keeps the version.
+    """
+
+    _side = "src"
+
+    def __init__(self, layout: Layout, rank: int, *, _store: Any = None):
+        super().__init__(layout, rank, _store or _refit.SrcStore(layout, rank))
+
+    def _writes(self, values: Optional[Mapping[str, Any]]) -> List[Tuple[str, Any]]:
+        writes = []
+        for name, (slot, array) in self._slots.items():
+            if values is None or name not in values:
+                writes.append((name, _to_bytes(array)))
+        for name, array in (values or {}).items():
+            slot = self._slots[name][0] if name in self._slots else _Slot(self.layout, self.rank, name, self._side)
+            slot.check(array)
+            writes.append((name, _to_bytes(array)))
+        if not writes:
+            raise TensorError(f"src rank {self.rank}: nothing registered and no values given")
+        return writes
+
+    def step(self, values: Optional[Mapping[str, Any]] = None) -> int:
+        """One optimizer step: copies every registered array (and
+        ``values``, name → array, for this step only) into the store; the
+        version goes up by one (1 for the first step). Returns it."""
+        return self._store.update(self._writes(values))
+
+    def restore(self, version: int, values: Optional[Mapping[str, Any]] = None) -> None:
+        """Loads the registered arrays (and ``values``) as ``version``
+        (initial weights, a checkpoint)."""
+        self._store.restore(version, self._writes(values))
+
+    def read(self, name: str) -> bytes:
+        """The bytes the store holds for ``name`` (a block or a buffer)."""
+        return self._store.read(name)
+
+    @property
+    def weights(self) -> str:
+        """As a refit finds them, in words."""
+        return self._store.weights
+
+    def _serve(self, joined: Joined) -> None:
+        joined._inner.serve_src(self._store)
+
+
+class Destination(_Rank):
+    """An inference rank's weights: refits stage and commit in the store;
+    ``load()`` copies one committed version out into the registered
+    arrays."""
+
+    _side = "dst"
+
+    def __init__(self, layout: Layout, rank: int, *, _store: Any = None):
+        super().__init__(layout, rank, _store or _refit.DstStore(layout, rank))
+
+    def load(self, version: Optional[int] = None) -> int:
+        """Copies the committed weights (the current version, or
+        ``version`` if it is the current or the previous one, so a
+        tensor-parallel group reads one agreed version) into every
+        registered array. Returns the version copied."""
+        names = list(self._slots)
+        if not names:
+            raise TensorError(f"dst rank {self.rank}: nothing registered")
+        served, datas = self._store.read(names, version)
+        for name, data in zip(names, datas):
+            slot, array = self._slots[name]
+            _copy_into(array, data, slot.what)
+        return served
+
+    def read(self, name: str, version: Optional[int] = None) -> Tuple[int, bytes]:
+        """(version, bytes) of ``name`` from a committed version."""
+        served, datas = self._store.read([name], version)
+        return served, datas[0]
+
+    def _serve(self, joined: Joined) -> None:
+        joined._inner.serve_dst(self._store)
+
+
+# --- the orchestrator -----------------------------------------------------
+
+
+def _report(d: Dict[str, Any]) -> RefitReport:
+    return RefitReport(**d)
+
+
+class Orchestrator:
+    """Runs refits: every source's weights into every destination.
+
+    ``Orchestrator()`` opens a rendezvous (``address``, ``secret``) that
+    member processes ``join``; ``connect(src_ranks, dst_ranks)`` waits for
+    their members and plans. ``spawn_local`` makes one over members in this
+    process.
+    """
+
+    def __init__(
+        self,
+        secret: Optional[str] = None,
+        bind: str = "127.0.0.1:0",
+        *,
+        deadline: float = 60.0,
+        control_timeout: float = 10.0,
+        _inner: Any = None,
+    ):
+        if _inner is not None:
+            self._inner, self.secret = _inner, None
+            return
+        self.secret = secret or _secrets.token_hex(32)
+        self._inner = _refit.Orchestrator(self.secret, bind, deadline, control_timeout)
+
+    @property
+    def address(self) -> Optional[str]:
+        """``host:port`` member processes join (None for a local system)."""
+        return self._inner.address
+
+    def connect(self, src_ranks: int, dst_ranks: int, timeout: float = 60.0) -> PlanReport:
+        """Waits up to ``timeout`` s for every member to join, then plans
+        and installs every member's program (a pair of layouts that cannot
+        be planned fails here)."""
+        return PlanReport(**self._inner.connect(src_ranks, dst_ranks, timeout))
+
+    def refit(self, version: int) -> RefitReport:
+        """Refits exactly ``version``, which every source must hold."""
+        return _report(self._inner.refit(version))
+
+    def refit_latest(self) -> RefitReport:
+        """Refits the newest version every source holds."""
+        return _report(self._inner.refit_latest())
+
+    def plan(self) -> PlanReport:
+        return PlanReport(**self._inner.plan())
+
+    def set_mode(self, mode: str) -> None:
+        """``"reshard"`` (default) or ``"baseline"`` (gather, broadcast)."""
+        self._inner.set_mode(mode)
+
+    def close(self) -> None:
+        """Stops the orchestrator; member processes see the rendezvous go."""
+        self._inner.close()
+
+    def __enter__(self) -> "Orchestrator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass
+class LocalSystem:
+    """Every rank in this process: for tests and single-process use."""
+
+    orchestrator: Orchestrator
+    sources: List[Source]
+    destinations: List[Destination]
+
+    def refit(self, version: int) -> RefitReport:
+        return self.orchestrator.refit(version)
+
+    def refit_latest(self) -> RefitReport:
+        return self.orchestrator.refit_latest()
+
+
+def spawn_local(src: Layout, dst: Layout, *, deadline: float = 60.0, control_timeout: float = 10.0) -> LocalSystem:
+    """One store and member per rank of both layouts, in this process, and
+    an orchestrator over them; plans (a pair that cannot be planned raises
+    ``PlanError`` here)."""
+    orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout)
+    return LocalSystem(
+        Orchestrator(_inner=orch),
+        [Source(src, s.rank, _store=s) for s in srcs],
+        [Destination(dst, d.rank, _store=d) for d in dsts],
+    )

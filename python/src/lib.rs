@@ -1,0 +1,837 @@
+//! `refit._refit`: the compiled half of the `refit` Python package.
+//!
+//! Thin bindings over the workspace crates — no second implementation:
+//! layouts are `reshard` layouts (parsed, built and validated there), the
+//! stores are `orchestrator::SrcStore` / `DstStore`, joining is
+//! `orchestrator::join`, and the orchestrator is the Rust actor. The pure
+//! Python layer (`refit/__init__.py`) adds registration of arrays and
+//! tensors, the DTensor mapping, dataclasses and the exception hierarchy's
+//! documentation.
+//!
+//! Every call that waits (a refit, a join, an update that waits for a refit
+//! reading the store) runs on one tokio runtime per process with the GIL
+//! released, and polls for signals every 100 ms so Ctrl-C interrupts it
+//! (the wait is abandoned; see `wait`). Weights cross the boundary as
+//! `bytes`: one copy into Python's `bytes`, one into the store (or out of
+//! it), checked for length against the rank's block; no `unsafe` here.
+
+use orchestrator::rendezvous::ControlConfig;
+use orchestrator::{
+    BufferError, Buffers, DstStore, Fabric, JoinConfig, Joined, NodeFabric, OrchestratorConfig, OrchestratorError, OrchestratorHandle,
+    PlanReport, RefitError as RustRefitError, RefitReport, RefitSystem, Rendezvous, Role, SrcStore,
+};
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
+use pyo3::types::{PyBytes, PyDict};
+use reshard::{DType, Group, Layout, Rank, Region, Storage};
+use std::future::Future;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+create_exception!(_refit, RefitError, PyException, "Base class of every error refit raises.");
+create_exception!(_refit, LayoutError, RefitError, "A layout is invalid (the message names the tensor and field).");
+create_exception!(_refit, PlanError, RefitError, "The two layouts cannot be planned (a tensor missing, shapes differ, ...).");
+create_exception!(_refit, TensorError, RefitError, "A tensor or buffer of a rank cannot be read or written as asked.");
+create_exception!(_refit, VersionError, RefitError, "No whole version to refit, the sources disagree, or a version is not served.");
+create_exception!(_refit, MemberError, RefitError, "A member timed out, died, or refused its part of a refit.");
+create_exception!(_refit, JoinError, RefitError, "Joining or opening a rendezvous failed.");
+
+// ---------------------------------------------------------------------------
+// The runtime and waiting on it.
+
+/// The process's tokio runtime and the process that made it.
+struct Runtime {
+    rt: tokio::runtime::Runtime,
+    pid: u32,
+}
+
+static RUNTIME: OnceLock<Result<Runtime, String>> = OnceLock::new();
+
+fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    let made = RUNTIME.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 4);
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .thread_name("refit")
+            .enable_all()
+            .build()
+            .map(|rt| Runtime { rt, pid: std::process::id() })
+            .map_err(|e| format!("cannot start the refit runtime: {e}"))
+    });
+    match made {
+        Ok(r) if r.pid == std::process::id() => Ok(&r.rt),
+        Ok(r) => Err(RefitError::new_err(format!(
+            "refit was used in process {} before it forked into this one ({}); a forked copy of its runtime does not work: \
+             start worker processes with multiprocessing's 'spawn' (or 'forkserver') start method",
+            r.pid,
+            std::process::id()
+        ))),
+        Err(e) => Err(RefitError::new_err(e.clone())),
+    }
+}
+
+/// Runs `fut` on the runtime and waits for it with the GIL released,
+/// checking for signals every 100 ms: Ctrl-C (any Python signal handler
+/// that raises) abandons the wait and raises. An abandoned refit call is
+/// dropped on this side; the orchestrator actor finishes or fails that
+/// refit on its own, and the next refit waits for it.
+fn wait<T: Send + 'static>(py: Python<'_>, fut: impl Future<Output = PyResult<T>> + Send + 'static) -> PyResult<T> {
+    let rt = runtime()?;
+    let mut handle = rt.spawn(fut);
+    loop {
+        let polled = py.detach(|| rt.block_on(async { tokio::time::timeout(Duration::from_millis(100), &mut handle).await }));
+        match polled {
+            Ok(Ok(result)) => return result,
+            Ok(Err(e)) => return Err(RefitError::new_err(format!("internal error in refit (please report): {e}"))),
+            Err(_elapsed) => {
+                if let Err(e) = py.check_signals() {
+                    handle.abort();
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// Holds `T` and drops it inside the runtime (actors, nodes and sockets
+/// may spawn or deregister on drop).
+struct InRuntime<T>(Option<T>);
+
+impl<T> InRuntime<T> {
+    fn get(&self) -> &T {
+        // Only `drop` takes the value out.
+        self.0.as_ref().expect("taken only on drop")
+    }
+}
+
+impl<T> Drop for InRuntime<T> {
+    fn drop(&mut self) {
+        if let Some(value) = self.0.take() {
+            match RUNTIME.get() {
+                Some(Ok(r)) if r.pid == std::process::id() => {
+                    let _entered = r.rt.enter();
+                    drop(value);
+                }
+                // A forked child: the runtime's threads are not here; leak
+                // rather than touch a runtime that cannot run.
+                _ => std::mem::forget(value),
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors.
+
+fn layout_err(e: impl std::fmt::Display) -> PyErr {
+    LayoutError::new_err(e.to_string())
+}
+
+fn tensor_err(e: BufferError) -> PyErr {
+    TensorError::new_err(e.to_string())
+}
+
+fn refit_err(e: RustRefitError) -> PyErr {
+    let text = e.to_string();
+    match e {
+        RustRefitError::Refit(o) => match o {
+            OrchestratorError::Plan(_) => PlanError::new_err(text),
+            OrchestratorError::Layout { .. } => LayoutError::new_err(text),
+            OrchestratorError::NoWeights { .. }
+            | OrchestratorError::VersionMismatch { .. }
+            | OrchestratorError::VersionsDisagree { .. } => VersionError::new_err(text),
+            _ => MemberError::new_err(text),
+        },
+        RustRefitError::Call(_) => RefitError::new_err(text),
+    }
+}
+
+fn join_err(e: orchestrator::JoinError) -> PyErr {
+    JoinError::new_err(e.to_string())
+}
+
+fn seconds(what: &str, s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s).map_err(|_| RefitError::new_err(format!("{what}: {s} is not a number of seconds >= 0")))
+}
+
+// ---------------------------------------------------------------------------
+// Layouts.
+
+fn dtype(name: &str, tensor: &str) -> PyResult<DType> {
+    DType::from_name(name).ok_or_else(|| {
+        let known: Vec<&str> = reshard::dtype::ALL_DTYPES.iter().map(|d| d.name()).collect();
+        LayoutError::new_err(format!("tensor '{tensor}': unknown dtype '{name}' (expected one of {})", known.join(", ")))
+    })
+}
+
+/// One block a rank holds: `(tensor, dtype, offset, extent)`.
+type BlockInfo = (String, String, Vec<u64>, Vec<u64>);
+
+/// A validated layout: which block of which tensor every rank holds, and
+/// where it is stored. `Layout.from_json` reads the layout file format
+/// (docs/layout-format.md); `LayoutBuilder` builds one in code.
+#[pyclass(module = "refit._refit", name = "Layout", frozen)]
+struct PyLayout {
+    inner: Arc<Layout>,
+}
+
+impl PyLayout {
+    fn check_rank(&self, rank: Rank) -> PyResult<()> {
+        if rank >= self.inner.ranks() {
+            return Err(RefitError::new_err(format!("rank {rank}: the layout has {} ranks", self.inner.ranks())));
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl PyLayout {
+    /// Parses the layout file format.
+    #[staticmethod]
+    fn from_json(text: &str) -> PyResult<PyLayout> {
+        reshard::parse_layout(text).map(|l| PyLayout { inner: Arc::new(l) }).map_err(layout_err)
+    }
+
+    /// The layout in the file format.
+    fn to_json(&self) -> PyResult<String> {
+        serde_json::to_string_pretty(&reshard::layout_to_json(&self.inner)).map_err(|e| RefitError::new_err(e.to_string()))
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn ranks(&self) -> u32 {
+        self.inner.ranks()
+    }
+
+    /// Ranks per node (machine).
+    #[getter]
+    fn ranks_per_node(&self) -> u32 {
+        self.inner.ranks_per_node()
+    }
+
+    /// The layout's fingerprint (equal layouts, equal fingerprints).
+    #[getter]
+    fn fingerprint(&self) -> u64 {
+        self.inner.fingerprint()
+    }
+
+    /// Tensor names, in layout order.
+    fn tensor_names(&self) -> Vec<String> {
+        self.inner.tensors().iter().map(|t| t.name.clone()).collect()
+    }
+
+    /// `(dtype, shape)` of tensor `name`.
+    fn tensor(&self, name: &str) -> PyResult<(String, Vec<u64>)> {
+        let t = self.inner.tensor_index(name).ok_or_else(|| TensorError::new_err(format!("the layout has no tensor '{name}'")))?;
+        let t = &self.inner.tensors()[t as usize];
+        Ok((t.dtype.name().to_string(), t.shape.clone()))
+    }
+
+    /// Every block rank `rank` holds: `(tensor, dtype, offset, extent)`,
+    /// in layout order.
+    fn blocks(&self, rank: Rank) -> PyResult<Vec<BlockInfo>> {
+        self.check_rank(rank)?;
+        let mut out = Vec::new();
+        for (i, t) in self.inner.tensors().iter().enumerate() {
+            for (block, _) in self.inner.rank_holdings(i as u32, rank) {
+                out.push((t.name.clone(), t.dtype.name().to_string(), block.offset().to_vec(), block.extent().to_vec()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Rank `rank`'s buffers: `(name, dtype, elements)`.
+    fn buffers(&self, rank: Rank) -> PyResult<Vec<(String, String, u64)>> {
+        self.check_rank(rank)?;
+        Ok(self.inner.rank_buffers(rank).into_iter().map(|b| (b.name, b.dtype.name().to_string(), b.elems)).collect())
+    }
+
+    /// Pickles as its JSON (layouts travel to Ray actors and
+    /// multiprocessing workers).
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, (String,))> {
+        Ok((py.get_type::<PyLayout>().getattr("from_json")?, (self.to_json()?,)))
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.extract::<PyRef<'_, PyLayout>>().is_ok_and(|o| *o.inner == *self.inner)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Layout(ranks={}, tensors={}, fingerprint={:016x})",
+            self.inner.ranks(),
+            self.inner.tensors().len(),
+            self.inner.fingerprint()
+        )
+    }
+}
+
+/// One tensor of a `LayoutBuilder` (mirrors `reshard::TensorBuilder`):
+/// every method returns a new builder.
+#[pyclass(module = "refit._refit", name = "TensorBuilder", frozen, skip_from_py_object)]
+#[derive(Clone)]
+struct PyTensorBuilder {
+    inner: reshard::TensorBuilder,
+    name: String,
+}
+
+#[pymethods]
+impl PyTensorBuilder {
+    #[new]
+    fn new(name: String, dtype_name: &str, shape: Vec<u64>) -> PyResult<Self> {
+        let dt = dtype(dtype_name, &name)?;
+        Ok(PyTensorBuilder { inner: reshard::TensorBuilder::new(name.clone(), dt, shape), name })
+    }
+
+    /// On a mesh of `shape`, one placement per mesh dimension
+    /// (`"replicate"` or `"shard(D)"`), over `ranks` (row-major mesh
+    /// order; default `0..product(shape)`).
+    #[pyo3(signature = (shape, placements, ranks=None))]
+    fn mesh(&self, shape: Vec<u32>, placements: Vec<String>, ranks: Option<Vec<Rank>>) -> PyResult<Self> {
+        let dims = placements
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                reshard::file::parse_mesh_dim(p).ok_or_else(|| {
+                    LayoutError::new_err(format!(
+                        "tensor '{}': placements[{i}]: unknown placement '{p}' (expected \"replicate\" or \"shard(D)\")",
+                        self.name
+                    ))
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let mut inner = self.inner.clone().mesh(shape, dims);
+        if let Some(ranks) = ranks {
+            inner = inner.on_ranks(ranks);
+        }
+        Ok(PyTensorBuilder { inner, name: self.name.clone() })
+    }
+
+    /// Stores every rank's block from element `at` of the rank's buffer
+    /// `name` (fused QKV, gate_up, a flat parameter buffer).
+    fn buffer(&self, name: String, at: u64) -> Self {
+        PyTensorBuilder { inner: self.inner.clone().buffer(name, at), name: self.name.clone() }
+    }
+
+    /// An explicit shard: rank `rank` holds the box `offset`/`extent`, or
+    /// the flat range `flat=(start, len)`; in its own buffer, or in
+    /// `buffer` from element `at`.
+    #[pyo3(signature = (rank, *, offset=None, extent=None, flat=None, buffer=None, at=0))]
+    fn shard(
+        &self,
+        rank: Rank,
+        offset: Option<Vec<u64>>,
+        extent: Option<Vec<u64>>,
+        flat: Option<(u64, u64)>,
+        buffer: Option<String>,
+        at: u64,
+    ) -> PyResult<Self> {
+        let region = match (offset, extent, flat) {
+            (Some(offset), Some(extent), None) => Region::Block { offset, extent },
+            (None, None, Some((start, len))) => Region::Flat { start, len },
+            _ => {
+                return Err(LayoutError::new_err(format!(
+                    "tensor '{}': shard of rank {rank}: give offset= and extent=, or flat=(start, len)",
+                    self.name
+                )))
+            }
+        };
+        let storage = match buffer {
+            Some(buffer) => Storage::InBuffer { buffer, at },
+            None => Storage::Own,
+        };
+        Ok(PyTensorBuilder { inner: self.inner.clone().shard(rank, region, storage), name: self.name.clone() })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("TensorBuilder('{}')", self.name)
+    }
+}
+
+/// Builds a `Layout` tensor by tensor (mirrors `reshard::LayoutBuilder`).
+#[pyclass(module = "refit._refit", name = "LayoutBuilder", frozen)]
+struct PyLayoutBuilder {
+    inner: reshard::LayoutBuilder,
+}
+
+#[pymethods]
+impl PyLayoutBuilder {
+    #[new]
+    #[pyo3(signature = (ranks, ranks_per_node=None))]
+    fn new(ranks: u32, ranks_per_node: Option<u32>) -> Self {
+        let mut inner = Layout::builder(ranks);
+        if let Some(n) = ranks_per_node {
+            inner = inner.ranks_per_node(n);
+        }
+        PyLayoutBuilder { inner }
+    }
+
+    /// A new builder with `tensor` added.
+    fn tensor(&self, tensor: PyRef<'_, PyTensorBuilder>) -> Self {
+        PyLayoutBuilder { inner: self.inner.clone().tensor(tensor.inner.clone()) }
+    }
+
+    /// Validates (every rule of the file format) and builds.
+    fn build(&self) -> PyResult<PyLayout> {
+        self.inner.clone().build().map(|l| PyLayout { inner: Arc::new(l) }).map_err(layout_err)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Stores.
+
+/// What a name refers to on a rank: a tensor's block, or a whole buffer.
+fn target_len(b: &Buffers, name: &str) -> Result<(DType, usize), BufferError> {
+    match b.layout().tensor_index(name) {
+        Some(t) => {
+            let view = b.tensor(name)?;
+            Ok((b.layout().tensors()[t as usize].dtype, view.bytes().len()))
+        }
+        None => match b.buffer(name) {
+            Ok(bytes) => {
+                let spec = b.specs().iter().find(|s| s.name == name);
+                Ok((spec.map_or(DType::U8, |s| s.dtype), bytes.len()))
+            }
+            // Neither a tensor nor a buffer: say so as for a tensor.
+            Err(_) => b.tensor(name).map(|_| (DType::U8, 0)),
+        },
+    }
+}
+
+/// Checks every write, then copies them all: a write that does not fit
+/// fails before anything changed (the version and the weights stay).
+fn write_all(b: &mut Buffers, writes: &[(String, PyBackedBytes)]) -> Result<(), BufferError> {
+    let rank = b.rank();
+    for (name, data) in writes {
+        let (dt, len) = target_len(b, name)?;
+        if len != data.len() {
+            let size = dt.size() as usize;
+            return Err(BufferError::Length {
+                what: format!("rank {rank}: '{name}' ({dt}, {} bytes)", len),
+                expected: (len / size) as u64,
+                given: (data.len() / size) as u64,
+            });
+        }
+    }
+    for (name, data) in writes {
+        if b.layout().tensor_index(name).is_some() {
+            b.tensor_mut(name)?.bytes_mut().copy_from_slice(data);
+        } else {
+            b.buffer_mut(name)?.copy_from_slice(data);
+        }
+    }
+    Ok(())
+}
+
+/// A copy of the bytes of `name` (a tensor's block or a buffer).
+fn read_bytes(b: &Buffers, name: &str) -> Result<Vec<u8>, BufferError> {
+    if b.layout().tensor_index(name).is_some() {
+        Ok(b.tensor(name)?.bytes().to_vec())
+    } else {
+        b.buffer(name).map(<[u8]>::to_vec).or_else(|_| b.tensor(name).map(|v| v.bytes().to_vec()))
+    }
+}
+
+/// The weights of one training (source) rank, with the version fence:
+/// `update` writes them under the store's write lock (waiting for a refit
+/// that reads them) and bumps the version.
+#[pyclass(module = "refit._refit", name = "SrcStore", frozen)]
+struct PySrcStore {
+    inner: Arc<SrcStore>,
+    layout: Arc<Layout>,
+}
+
+#[pymethods]
+impl PySrcStore {
+    #[new]
+    fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
+        layout.check_rank(rank)?;
+        Ok(PySrcStore { inner: Arc::new(SrcStore::new(&layout.inner, rank)), layout: layout.inner.clone() })
+    }
+
+    /// One optimizer step: writes `[(name, bytes)]` (each a tensor's block
+    /// or a whole buffer, in the layout's dtype) and returns the new
+    /// version. Every write is checked before any is made.
+    fn update(&self, py: Python<'_>, writes: Vec<(String, PyBackedBytes)>) -> PyResult<u64> {
+        let store = self.inner.clone();
+        wait(py, async move { store.try_update(|b| write_all(b, &writes)).await.map(|(v, ())| v).map_err(tensor_err) })
+    }
+
+    /// Loads known weights (initial ones, a checkpoint) as `version`.
+    fn restore(&self, py: Python<'_>, version: u64, writes: Vec<(String, PyBackedBytes)>) -> PyResult<()> {
+        let store = self.inner.clone();
+        wait(py, async move { store.try_restore(version, |b| write_all(b, &writes)).await.map_err(tensor_err) })
+    }
+
+    /// The bytes of `name` (a tensor's block or a buffer) as the store
+    /// holds them.
+    fn read<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyBytes>> {
+        let store = self.inner.clone();
+        let bytes = wait(py, async move { store.read(|b| read_bytes(b, &name)).await.map_err(tensor_err) })?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// The version (None before the first update or restore).
+    #[getter]
+    fn version(&self) -> Option<u64> {
+        self.inner.version()
+    }
+
+    /// The weights as a refit finds them, in words.
+    #[getter]
+    fn weights(&self) -> String {
+        self.inner.weights().to_string()
+    }
+
+    /// This store's rank.
+    #[getter]
+    fn rank(&self) -> Rank {
+        self.inner.rank()
+    }
+
+    /// The layout.
+    #[getter]
+    fn layout(&self) -> PyLayout {
+        PyLayout { inner: self.layout.clone() }
+    }
+}
+
+/// The weights of one inference (destination) rank: the committed
+/// version, the one before it, and a staging copy refits write; a refit
+/// commits on every rank of the group only once all have staged it.
+#[pyclass(module = "refit._refit", name = "DstStore", frozen)]
+struct PyDstStore {
+    inner: Arc<DstStore>,
+    layout: Arc<Layout>,
+}
+
+#[pymethods]
+impl PyDstStore {
+    #[new]
+    fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
+        layout.check_rank(rank)?;
+        Ok(PyDstStore { inner: Arc::new(DstStore::new(&layout.inner, rank)), layout: layout.inner.clone() })
+    }
+
+    /// `(version, [bytes of each name])` from one committed version: the
+    /// current one, or `version` if it is the current or the previous one.
+    #[pyo3(signature = (names, version=None))]
+    fn read<'py>(&self, py: Python<'py>, names: Vec<String>, version: Option<u64>) -> PyResult<(u64, Vec<Bound<'py, PyBytes>>)> {
+        let rank = self.inner.rank();
+        let snap = match version {
+            None => self.inner.snapshot().ok_or_else(|| VersionError::new_err(format!("dst rank {rank}: no refit has committed yet")))?,
+            Some(v) => self.inner.snapshot_at(v).ok_or_else(|| {
+                let serving = self.inner.version().map_or("nothing yet".to_string(), |c| format!("version {c}"));
+                VersionError::new_err(format!(
+                    "dst rank {rank}: version {v} is not served (serving {serving}; the previous committed version is kept too)"
+                ))
+            })?,
+        };
+        let mut out = Vec::with_capacity(names.len());
+        for name in &names {
+            let bytes = read_bytes(&snap.buffers, name).map_err(tensor_err)?;
+            out.push(PyBytes::new(py, &bytes));
+        }
+        Ok((snap.version, out))
+    }
+
+    /// The version readers get (None before the first commit).
+    #[getter]
+    fn version(&self) -> Option<u64> {
+        self.inner.version()
+    }
+
+    /// This store's rank.
+    #[getter]
+    fn rank(&self) -> Rank {
+        self.inner.rank()
+    }
+
+    /// The layout.
+    #[getter]
+    fn layout(&self) -> PyLayout {
+        PyLayout { inner: self.layout.clone() }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Joining, the orchestrator.
+
+fn join_config(rendezvous: Option<String>, secret: Option<String>) -> PyResult<JoinConfig> {
+    use std::net::ToSocketAddrs;
+    let rendezvous = match rendezvous {
+        Some(text) => text
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| JoinError::new_err(format!("rendezvous address '{text}': not host:port")))?,
+        None => JoinConfig::from_env().map_err(join_err)?.rendezvous,
+    };
+    let secret = match secret {
+        Some(s) => actors::Secret::from_bytes(s.into_bytes()).map_err(|e| JoinError::new_err(format!("secret: {e}")))?,
+        None => actors::Secret::from_env(orchestrator::rendezvous::SECRET_ENV)
+            .map_err(|e| JoinError::new_err(format!("{}: {e}", orchestrator::rendezvous::SECRET_ENV)))?,
+    };
+    Ok(JoinConfig { rendezvous, secret, control: ControlConfig::default() })
+}
+
+/// A process's membership of a rendezvous: serves its ranks' members.
+#[pyclass(module = "refit._refit", name = "Joined", frozen)]
+struct PyJoined {
+    inner: InRuntime<Arc<Joined>>,
+}
+
+#[pymethods]
+impl PyJoined {
+    /// Joins the rendezvous at `rendezvous` (`host:port`) with `secret`;
+    /// either missing is read from the environment (`REFIT_RENDEZVOUS`, or
+    /// `MASTER_ADDR` with `REFIT_PORT`; `REFIT_SECRET`).
+    #[new]
+    #[pyo3(signature = (rendezvous=None, secret=None))]
+    fn new(py: Python<'_>, rendezvous: Option<String>, secret: Option<String>) -> PyResult<Self> {
+        let config = join_config(rendezvous, secret)?;
+        let joined = wait(py, async move { orchestrator::join(&config).await.map_err(join_err) })?;
+        Ok(PyJoined { inner: InRuntime(Some(Arc::new(joined))) })
+    }
+
+    /// Serves the refit member of a training rank over `store`.
+    fn serve_src(&self, py: Python<'_>, store: PyRef<'_, PySrcStore>) -> PyResult<()> {
+        let (joined, layout, rank, role) =
+            (self.inner.get().clone(), store.layout.clone(), store.inner.rank(), Role::Src(store.inner.clone()));
+        wait(py, async move { joined.serve_member(layout, rank, role).await.map(drop).map_err(join_err) })
+    }
+
+    /// Serves the refit member of an inference rank over `store`.
+    fn serve_dst(&self, py: Python<'_>, store: PyRef<'_, PyDstStore>) -> PyResult<()> {
+        let (joined, layout, rank, role) =
+            (self.inner.get().clone(), store.layout.clone(), store.inner.rank(), Role::Dst(store.inner.clone()));
+        wait(py, async move { joined.serve_member(layout, rank, role).await.map(drop).map_err(join_err) })
+    }
+
+    /// Waits until the rendezvous goes away (returns why), or `timeout`
+    /// seconds (returns None).
+    #[pyo3(signature = (timeout=None))]
+    fn wait_closed(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Option<String>> {
+        let joined = self.inner.get().clone();
+        let timeout = timeout.map(|t| seconds("timeout", t)).transpose()?;
+        wait(py, async move {
+            Ok(match timeout {
+                Some(t) => tokio::time::timeout(t, joined.closed()).await.ok(),
+                None => Some(joined.closed().await),
+            })
+        })
+    }
+
+    /// Closes this process's control node (its members stop being
+    /// reachable).
+    fn shutdown(&self) {
+        let Ok(rt) = runtime() else { return };
+        let _entered = rt.enter();
+        self.inner.get().shutdown();
+    }
+}
+
+fn report_dict<'py>(py: Python<'py>, r: &RefitReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", r.version)?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("seconds", r.wall.as_secs_f64())?;
+    d.set_item("transfer_seconds", r.transfer_time.as_secs_f64())?;
+    d.set_item("already_served", r.already_served)?;
+    d.set_item("replanned", r.replanned)?;
+    d.set_item("fingerprint", r.fingerprint.map(|f| f.to_string()))?;
+    d.set_item("mode", r.mode.to_string())?;
+    Ok(d)
+}
+
+fn plan_dict<'py>(py: Python<'py>, r: &PlanReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("fingerprint", r.fingerprint.to_string())?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("replanned", r.replanned)?;
+    d.set_item("mode", r.mode.to_string())?;
+    Ok(d)
+}
+
+/// What the orchestrator runs over.
+enum Over {
+    /// Members in other processes, found through this rendezvous.
+    Rendezvous(Arc<Rendezvous>),
+    /// Every member and store in this process.
+    Local {
+        /// Held so that its members and events live as long as this.
+        _system: Box<RefitSystem>,
+    },
+}
+
+/// The orchestrator: over a rendezvous that member processes join
+/// (`Orchestrator(secret, bind)` then `connect`), or over members in this
+/// process (`spawn_local`).
+#[pyclass(module = "refit._refit", name = "Orchestrator", frozen)]
+struct PyOrchestrator {
+    over: InRuntime<Mutex<Over>>,
+    handle: InRuntime<Mutex<Option<OrchestratorHandle>>>,
+    config: OrchestratorConfig,
+}
+
+impl PyOrchestrator {
+    fn handle(&self) -> PyResult<OrchestratorHandle> {
+        let h = self.handle.get().lock().unwrap_or_else(|e| e.into_inner()).clone();
+        h.ok_or_else(|| RefitError::new_err("the orchestrator has no members yet: call connect(src_ranks, dst_ranks) first"))
+    }
+}
+
+fn config(deadline: f64, control_timeout: f64, node: bool) -> PyResult<OrchestratorConfig> {
+    let fabric = if node { Fabric::Node(NodeFabric::default()) } else { Fabric::InProcess };
+    Ok(OrchestratorConfig {
+        fabric,
+        deadline: seconds("deadline", deadline)?,
+        control_timeout: seconds("control_timeout", control_timeout)?,
+        ..OrchestratorConfig::default()
+    })
+}
+
+#[pymethods]
+impl PyOrchestrator {
+    /// Opens a rendezvous at `bind` (port 0: any) that member processes
+    /// join with `secret` (16 bytes or more).
+    #[new]
+    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0))]
+    fn new(py: Python<'_>, secret: String, bind: &str, deadline: f64, control_timeout: f64) -> PyResult<Self> {
+        let config = config(deadline, control_timeout, true)?;
+        let secret = actors::Secret::from_bytes(secret.into_bytes()).map_err(|e| JoinError::new_err(format!("secret: {e}")))?;
+        let bind: std::net::SocketAddr = bind.parse().map_err(|_| JoinError::new_err(format!("bind address '{bind}': not ip:port")))?;
+        let rendezvous = wait(py, async move { Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(join_err) })?;
+        Ok(PyOrchestrator {
+            over: InRuntime(Some(Mutex::new(Over::Rendezvous(Arc::new(rendezvous))))),
+            handle: InRuntime(Some(Mutex::new(None))),
+            config,
+        })
+    }
+
+    /// The rendezvous address member processes join (`host:port`); None
+    /// for a local system.
+    #[getter]
+    fn address(&self) -> Option<String> {
+        match &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
+            Over::Rendezvous(r) => Some(r.addr().to_string()),
+            Over::Local { .. } => None,
+        }
+    }
+
+    /// Waits up to `timeout` seconds for the members of source ranks
+    /// `0..src_ranks` and destination ranks `0..dst_ranks` to join, starts
+    /// the orchestrator over them, plans and installs every member's
+    /// program. Returns the plan report (dict).
+    #[pyo3(signature = (src_ranks, dst_ranks, timeout=60.0))]
+    fn connect<'py>(&self, py: Python<'py>, src_ranks: u32, dst_ranks: u32, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
+        let within = seconds("timeout", timeout)?;
+        let rendezvous = match &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
+            Over::Rendezvous(r) => r.clone(),
+            Over::Local { .. } => return Err(RefitError::new_err("a local system is connected already")),
+        };
+        let config = self.config.clone();
+        let (handle, plan) = wait(py, async move {
+            let src = rendezvous.members(Group::Src, src_ranks, within).await.map_err(join_err)?;
+            let dst = rendezvous.members(Group::Dst, dst_ranks, within).await.map_err(join_err)?;
+            let handle = orchestrator::spawn_orchestrator(src, dst, config);
+            let plan = handle.plan().await.map_err(refit_err)?;
+            Ok((handle, plan))
+        })?;
+        let old = self.handle.get().lock().unwrap_or_else(|e| e.into_inner()).replace(handle);
+        drop(InRuntime(old));
+        plan_dict(py, &plan)
+    }
+
+    /// Refits exactly `version`, which every source must hold.
+    fn refit<'py>(&self, py: Python<'py>, version: u64) -> PyResult<Bound<'py, PyDict>> {
+        let h = self.handle()?;
+        let r = wait(py, async move { h.refit(version).await.map_err(refit_err) })?;
+        report_dict(py, &r)
+    }
+
+    /// Refits the newest version every source holds.
+    fn refit_latest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let h = self.handle()?;
+        let r = wait(py, async move { h.refit_latest().await.map_err(refit_err) })?;
+        report_dict(py, &r)
+    }
+
+    /// Checks both groups' layouts, plans and installs now.
+    fn plan<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let h = self.handle()?;
+        let r = wait(py, async move { h.plan().await.map_err(refit_err) })?;
+        plan_dict(py, &r)
+    }
+
+    /// `"reshard"` or `"baseline"` (gather on one rank and broadcast).
+    fn set_mode(&self, py: Python<'_>, mode: &str) -> PyResult<()> {
+        let mode = match mode {
+            "reshard" => reshard::Strategy::Reshard,
+            "baseline" => reshard::Strategy::Baseline,
+            other => return Err(RefitError::new_err(format!("mode '{other}': expected 'reshard' or 'baseline'"))),
+        };
+        let h = self.handle()?;
+        wait(py, async move { h.set_mode(mode).await.map_err(refit_err) })
+    }
+
+    /// Stops the orchestrator and closes the rendezvous: member processes
+    /// see it go (`Joined.wait_closed` returns).
+    fn close(&self) {
+        let Ok(rt) = runtime() else { return };
+        let _entered = rt.enter();
+        drop(self.handle.get().lock().unwrap_or_else(|e| e.into_inner()).take());
+        if let Over::Rendezvous(r) = &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
+            r.node().shutdown();
+        }
+    }
+}
+
+/// Spawns one store and one member per rank of both layouts in this
+/// process and an orchestrator over them, and plans. Returns
+/// `(orchestrator, [SrcStore], [DstStore])`.
+#[pyfunction]
+#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0))]
+fn spawn_local(
+    py: Python<'_>,
+    src: PyRef<'_, PyLayout>,
+    dst: PyRef<'_, PyLayout>,
+    deadline: f64,
+    control_timeout: f64,
+) -> PyResult<(PyOrchestrator, Vec<PySrcStore>, Vec<PyDstStore>)> {
+    let config = config(deadline, control_timeout, false)?;
+    let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
+    let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
+    let srcs = system.src_stores.iter().map(|st| PySrcStore { inner: st.clone(), layout: src.inner.clone() }).collect();
+    let dsts = system.dst_stores.iter().map(|st| PyDstStore { inner: st.clone(), layout: dst.inner.clone() }).collect();
+    let handle = system.orchestrator.clone();
+    let orchestrator = PyOrchestrator {
+        over: InRuntime(Some(Mutex::new(Over::Local { _system: Box::new(system) }))),
+        handle: InRuntime(Some(Mutex::new(Some(handle)))),
+        config,
+    };
+    Ok((orchestrator, srcs, dsts))
+}
+
+#[pymodule]
+fn _refit(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("RefitError", py.get_type::<RefitError>())?;
+    m.add("LayoutError", py.get_type::<LayoutError>())?;
+    m.add("PlanError", py.get_type::<PlanError>())?;
+    m.add("TensorError", py.get_type::<TensorError>())?;
+    m.add("VersionError", py.get_type::<VersionError>())?;
+    m.add("MemberError", py.get_type::<MemberError>())?;
+    m.add("JoinError", py.get_type::<JoinError>())?;
+    m.add_class::<PyLayout>()?;
+    m.add_class::<PyTensorBuilder>()?;
+    m.add_class::<PyLayoutBuilder>()?;
+    m.add_class::<PySrcStore>()?;
+    m.add_class::<PyDstStore>()?;
+    m.add_class::<PyJoined>()?;
+    m.add_class::<PyOrchestrator>()?;
+    m.add_function(wrap_pyfunction!(spawn_local, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,191 @@
+"""Layouts: the JSON format, the builder, DTensor placements, TP inference layouts."""
+
+import pytest
+
+import refit
+from refit.dtensor import dtensor_placement
+
+
+def build(*tensors, ranks=2, ranks_per_node=None):
+    b = refit.LayoutBuilder(ranks, ranks_per_node)
+    for t in tensors:
+        b = b.tensor(t)
+    return b.build()
+
+
+def test_builder_matches_the_file_format():
+    built = build(refit.TensorBuilder("w", "bf16", [8, 4]).mesh([2, 2], ["replicate", "shard(0)"]), ranks=4, ranks_per_node=2)
+    parsed = refit.Layout.from_json(
+        '{"ranks": 4, "ranks_per_node": 2, "tensors": [{"name": "w", "dtype": "bf16", "shape": [8, 4],'
+        ' "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"]}]}'
+    )
+    assert built == parsed and built.fingerprint == parsed.fingerprint
+    assert refit.Layout.from_json(built.to_json()) == built
+    import pickle
+
+    assert pickle.loads(pickle.dumps(built)) == built  # to Ray actors and worker processes
+    assert built.ranks == 4 and built.ranks_per_node == 2 and built.tensor_names() == ["w"]
+    # rank 3 = replica 1, tp 1: rows 4..8
+    assert built.blocks(3) == [("w", "bf16", [4, 0], [4, 4])]
+
+
+def test_sub_mesh_fused_buffers_and_explicit_shards():
+    layout = build(
+        refit.TensorBuilder("q", "f32", [4, 4]).mesh([2], ["shard(0)"], [2, 3]).buffer("qkv", 0),
+        refit.TensorBuilder("k", "f32", [4, 4]).mesh([2], ["shard(0)"], [2, 3]).buffer("qkv", 8),
+        refit.TensorBuilder("f", "f32", [4, 4]).shard(0, flat=(0, 6)).shard(1, flat=(6, 10), buffer="flat", at=2),
+        ranks=4,
+    )
+    assert layout.buffers(3) == [("qkv", "f32", 16)]
+    assert layout.blocks(2) == [("q", "f32", [0, 0], [2, 4]), ("k", "f32", [0, 0], [2, 4])]
+    assert layout.buffers(1) == [("flat", "f32", 12)]
+
+
+def test_builder_errors_name_the_tensor():
+    with pytest.raises(refit.LayoutError, match=r"^tensor 'w': placements\[0\]: shard\(1\) but the tensor has 1 dims$"):
+        build(refit.TensorBuilder("w", "f32", [2]).mesh([2], ["shard(1)"]))
+    with pytest.raises(refit.LayoutError, match=r"tensors\[0\] \('w'\): no placement: call mesh\(\) or shard\(\)"):
+        build(refit.TensorBuilder("w", "f32", [2]))
+    with pytest.raises(refit.LayoutError, match=r"tensor 'w': placements\[1\]: unknown placement 'shard\(x\)'"):
+        refit.TensorBuilder("w", "f32", [2]).mesh([1, 1], ["replicate", "shard(x)"])
+    with pytest.raises(refit.LayoutError, match="tensor 'w': unknown dtype 'float'"):
+        refit.TensorBuilder("w", "float", [2])
+    with pytest.raises(refit.LayoutError, match="give offset= and extent=, or flat="):
+        refit.TensorBuilder("w", "f32", [2]).shard(0, flat=(0, 1), offset=[0])
+    with pytest.raises(refit.LayoutError) as e:
+        refit.Layout.from_json('{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [8], "mesh": {"shape": [4]}, "placements": ["shard(0)"]}]}')
+    assert "mesh [4] has 4 positions but the layout has 2 ranks" in str(e.value)
+    assert issubclass(refit.LayoutError, refit.RefitError)
+    with pytest.raises(refit.RefitError, match="rank 5: the layout has 2 ranks"):
+        build(refit.TensorBuilder("w", "f32", [2]).mesh([2], ["shard(0)"])).blocks(5)
+
+
+# --- DTensor-like objects (duck-typed as refit reads real DTensors) ---------
+
+
+class Shard:
+    def __init__(self, dim):
+        self.dim = dim
+
+    def __repr__(self):
+        return f"Shard(dim={self.dim})"
+
+
+class _StridedShard(Shard):
+    def __init__(self, dim, split_factor):
+        super().__init__(dim)
+        self.split_factor = split_factor
+
+    def __repr__(self):
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+
+class Replicate:
+    pass
+
+
+class Partial:
+    pass
+
+
+class Mesh:
+    def __init__(self, ranks):
+        self.mesh = ranks
+
+
+class FakeDTensor:
+    def __init__(self, shape, mesh, placements, dtype="torch.float32"):
+        self.shape, self.device_mesh, self.placements, self.dtype = shape, Mesh(mesh), placements, dtype
+
+
+def test_dtensor_shard_replicate_and_negative_dims():
+    dt = FakeDTensor((8, 6), [[0, 1], [2, 3]], [Replicate(), Shard(-2)], "torch.bfloat16")
+    layout = refit.layout_from_dtensors({"w": dt})
+    expected = build(refit.TensorBuilder("w", "bf16", [8, 6]).mesh([2, 2], ["replicate", "shard(0)"]), ranks=4)
+    assert layout == expected
+    # A mesh over other ranks (a pipeline stage), listed in its own order.
+    stage = FakeDTensor((8,), [6, 4], [Shard(0)])
+    assert dtensor_placement(stage) == ([2], ["shard(0)"], [6, 4])
+    layout = refit.layout_from_dtensors({"b": stage})
+    assert layout.ranks == 7 and layout.blocks(6) == [("b", "f32", [0], [4])] and layout.blocks(4) == [("b", "f32", [4], [4])]
+
+
+def test_fsdp2_tp_strided_shard_is_the_tp_major_mesh():
+    # FSDP2 (dp) over TP (tp): mesh [dp=2, tp=2] of ranks [[0, 1], [2, 3]];
+    # TP cuts the rows in 2, FSDP cuts each TP piece in 2 again. So rank
+    # (d, t) holds rows 4t + 2d .. 4t + 2d + 2.
+    dt = FakeDTensor((8, 3), [[0, 1], [2, 3]], [_StridedShard(0, split_factor=2), Shard(0)])
+    assert dtensor_placement(dt) == ([2, 2], ["shard(0)", "shard(0)"], [0, 2, 1, 3])
+    layout = refit.layout_from_dtensors({"w": dt})
+    for d in range(2):
+        for t in range(2):
+            rank = 2 * d + t
+            assert layout.blocks(rank) == [("w", "f32", [4 * t + 2 * d, 0], [2, 3])], rank
+    # dp=3, tp=2: 12 rows, rank (d, t) holds rows 6t + 2d .. +2.
+    dt = FakeDTensor((12,), [[0, 1], [2, 3], [4, 5]], [_StridedShard(0, split_factor=2), Shard(0)])
+    layout = refit.layout_from_dtensors({"b": dt})
+    for d in range(3):
+        for t in range(2):
+            assert layout.blocks(2 * d + t) == [("b", "f32", [6 * t + 2 * d], [2])]
+
+
+def test_dtensor_refusals_say_why():
+    with pytest.raises(refit.LayoutError, match="tensor 'w': placements\\[1\\]: .*partial.*reduce it"):
+        refit.layout_from_dtensors({"w": FakeDTensor((4,), [[0, 1]], [Replicate(), Partial()])})
+    with pytest.raises(refit.LayoutError, match="split_factor 3 does not match"):
+        refit.layout_from_dtensors({"w": FakeDTensor((8,), [[0, 1], [2, 3]], [_StridedShard(0, split_factor=3), Shard(0)])})
+    with pytest.raises(refit.LayoutError, match="uneven _StridedShard is not supported yet"):
+        refit.layout_from_dtensors({"w": FakeDTensor((6,), [[0, 1], [2, 3]], [_StridedShard(0, split_factor=2), Shard(0)])})
+    with pytest.raises(refit.LayoutError, match="shards dim 2 but the tensor has 2 dims"):
+        refit.layout_from_dtensors({"w": FakeDTensor((4, 4), [0, 1], [Shard(2)])})
+    with pytest.raises(refit.LayoutError, match="dtype torch.complex64 has no refit equivalent"):
+        refit.layout_from_dtensors({"w": FakeDTensor((4,), [0, 1], [Shard(0)], "torch.complex64")})
+
+
+def test_real_dtensors_when_torch_distributed_is_there():
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate as R, Shard as S
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        pytest.skip(f"torch.distributed.tensor or the fake process group missing: {e}")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dt = DTensor.from_local(torch.zeros(4, 6, dtype=torch.bfloat16), mesh, [R(), S(-2)], run_check=False)
+        layout = refit.layout_from_dtensors({"w": dt})
+        assert layout == build(refit.TensorBuilder("w", "bf16", [8, 6]).mesh([2, 2], ["replicate", "shard(0)"]), ranks=4)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_inference_layout_fuses_qkv_and_gate_up():
+    shapes = {
+        "model.layers.0.self_attn.q_proj.weight": [8, 4],
+        "model.layers.0.self_attn.k_proj.weight": [4, 4],
+        "model.layers.0.self_attn.v_proj.weight": [4, 4],
+        "model.layers.0.self_attn.o_proj.weight": [4, 8],
+        "model.layers.0.mlp.gate_proj.weight": [6, 4],
+        "model.layers.0.mlp.up_proj.weight": [6, 4],
+        "model.layers.0.mlp.down_proj.weight": [4, 6],
+        "model.norm.weight": [4],
+    }
+    layout = refit.tp_inference_layout(shapes, tp=2, dp=2)
+    assert layout.ranks == 4
+    # rank 3: replica 1, TP shard 1. qkv: q rows 4..8 (16 elements) at 0,
+    # k rows 2..4 (8) at 16, v rows 2..4 at 24.
+    buffers = dict((n, e) for n, _, e in layout.buffers(3))
+    assert buffers["model.layers.0.self_attn.qkv_proj.weight"] == 32
+    assert buffers["model.layers.0.mlp.gate_up_proj.weight"] == 24
+    blocks = {n: (o, e) for n, _, o, e in layout.blocks(3)}
+    assert blocks["model.layers.0.self_attn.q_proj.weight"] == ([4, 0], [4, 4])
+    assert blocks["model.layers.0.self_attn.o_proj.weight"] == ([0, 4], [4, 4])
+    assert blocks["model.layers.0.mlp.down_proj.weight"] == ([0, 3], [4, 3])
+    assert blocks["model.norm.weight"] == ([0], [4])
+    assert "shard(0)" in layout.to_json() and '"at": 16' in layout.to_json()
+    with pytest.raises(refit.LayoutError, match="3 rows do not split evenly over tp=2"):
+        refit.tp_inference_layout({"a.q_proj.weight": [3, 4], "a.k_proj.weight": [2, 4], "a.v_proj.weight": [2, 4]}, tp=2)
+    with pytest.raises(refit.LayoutError, match="not supported yet"):
+        refit.tp_inference_layout(shapes, tp=4, num_kv_heads=2)

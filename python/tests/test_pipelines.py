@@ -1,0 +1,120 @@
+"""Whole pipelines across processes, joining, and Ctrl-C."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import refit
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run_example(name, timeout):
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / name)], capture_output=True, text=True, timeout=timeout)
+    print(done.stdout[-4000:])
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def test_multiprocessing_pipeline():
+    out = run_example("mp_pipeline.py", 300)
+    assert out.count("all exact") == 5 and "bit-exact" in out
+
+
+def test_ray_pipeline():
+    try:
+        import ray  # noqa: F401
+    except ImportError as e:
+        reason = f"ray is not installed ({e}); `pip install ray` to run examples/ray_pipeline.py"
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+    out = run_example("ray_pipeline.py", 600)
+    assert out.count("all exact") == 5 and "bit-exact" in out
+
+
+def test_join_errors_are_join_errors():
+    with pytest.raises(refit.JoinError, match="secret: .*at least 16"):
+        refit.join("127.0.0.1:1", "short")
+    with pytest.raises(refit.JoinError, match="rendezvous address 'nowhere': not host:port"):
+        refit.join("nowhere", "x" * 32)
+    env = {k: v for k, v in os.environ.items() if k not in ("REFIT_RENDEZVOUS", "MASTER_ADDR", "REFIT_PORT")}
+    code = "import refit\ntry:\n    refit.join()\nexcept refit.JoinError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60).stdout
+    assert "set REFIT_RENDEZVOUS=host:port (or MASTER_ADDR and REFIT_PORT)" in out
+    with pytest.raises(refit.JoinError, match="secret: .*at least 16"):
+        refit.Orchestrator(secret="short")
+    orch = refit.Orchestrator()
+    with pytest.raises(refit.RefitError, match="call connect"):
+        orch.refit_latest()
+    with pytest.raises(refit.JoinError, match="did not join within"):
+        orch.connect(1, 1, timeout=0.2)
+    orch.close()
+
+
+def test_torchrun_environment_and_wrong_secret():
+    orch = refit.Orchestrator()
+    host, port = orch.address.rsplit(":", 1)
+    env = dict(os.environ, MASTER_ADDR=host, REFIT_PORT=port, REFIT_SECRET=orch.secret)
+    env.pop("REFIT_RENDEZVOUS", None)
+    code = (
+        "import refit\n"
+        "l = refit.Layout.from_json('{\"ranks\": 1, \"tensors\": [{\"name\": \"w\", \"dtype\": \"f32\", \"shape\": [2], \"mesh\": {\"shape\": [1]}, \"placements\": [\"replicate\"]}]}')\n"
+        "d = refit.Destination(l, 0); d.join(); print('joined', flush=True); print('closed:', d.wait_closed(60))\n"
+    )
+    member = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        # A wrong secret is refused: that member never shows up.
+        with pytest.raises(refit.JoinError):
+            refit.join(orch.address, "y" * 32).wait_closed(5)
+        assert member.stdout.readline().strip() == "joined"
+    finally:
+        orch.close()
+        out, _ = member.communicate(timeout=60)
+    assert "closed:" in out and "closed: None" not in out
+
+
+def test_ctrl_c_interrupts_a_waiting_call():
+    code = (
+        "import refit, time\n"
+        "orch = refit.Orchestrator()\n"
+        "print('waiting', flush=True)\n"
+        "t = time.time()\n"
+        "try:\n"
+        "    orch.connect(1, 1, timeout=120)\n"
+        "except KeyboardInterrupt:\n"
+        "    print(f'interrupted after {time.time() - t:.1f} s', flush=True)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "waiting"
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=30)
+    assert "interrupted after" in out, out
+    assert float(out.split("after ")[1].split(" s")[0]) < 30
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork here")
+def test_a_forked_child_is_told_to_use_spawn():
+    layout = refit.Layout.from_json('{"ranks": 1, "tensors": [{"name": "w", "dtype": "f32", "shape": [2], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}')
+    system = refit.spawn_local(layout, layout)  # the runtime exists in this process now
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what refit says, then leave without cleanup
+        os.close(read)
+        try:
+            system.sources[0].step({"w": __import__("numpy").zeros(2, "float32")})
+            msg = "no error"
+        except refit.RefitError as e:
+            msg = str(e)
+        os.write(write, msg.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        msg = f.read()
+    os.waitpid(pid, 0)
+    assert "before it forked" in msg and "'spawn'" in msg, msg

@@ -1,0 +1,185 @@
+"""Stores and refits in one process: writes land on the destinations, the
+version fence, the commit, errors."""
+
+import numpy as np
+import pytest
+
+import refit
+
+
+def layouts(dst_dtype="f32"):
+    train = (
+        refit.LayoutBuilder(2)
+        .tensor(refit.TensorBuilder("w", "f32", [4, 8]).mesh([2], ["shard(0)"]).buffer("params", 0))
+        .tensor(refit.TensorBuilder("b", "f32", [8]).mesh([2], ["replicate"]).buffer("params", 16))
+        .build()
+    )
+    infer = (
+        refit.LayoutBuilder(4)
+        .tensor(refit.TensorBuilder("w", dst_dtype, [4, 8]).mesh([2, 2], ["replicate", "shard(1)"]))
+        .tensor(refit.TensorBuilder("b", dst_dtype, [8]).mesh([2, 2], ["replicate", "shard(0)"]))
+        .build()
+    )
+    return train, infer
+
+
+def full(step):
+    return {"w": np.arange(32, dtype=np.float32).reshape(4, 8) + 100 * step, "b": -np.arange(8, dtype=np.float32) - step}
+
+
+def block(x, offset, extent):
+    return x[tuple(slice(o, o + e) for o, e in zip(offset, extent))]
+
+
+def setup(dst_dtype="f32", np_dtype=np.float32):
+    system = refit.spawn_local(*layouts(dst_dtype))
+    src_arrays = []
+    for s in system.sources:
+        arrays = {n: np.zeros(s.block(n)[1], np.float32) for n in ("w", "b")}
+        s.register_all(arrays)
+        src_arrays.append(arrays)
+    dst_arrays = []
+    for d in system.destinations:
+        arrays = {n: np.full(d.block(n)[1], 7, np_dtype) for n in ("w", "b")}
+        d.register_all(arrays)
+        dst_arrays.append(arrays)
+    return system, src_arrays, dst_arrays
+
+
+def train_step(system, src_arrays, step):
+    versions = []
+    for s, arrays in zip(system.sources, src_arrays):
+        for n, a in arrays.items():
+            a[...] = block(full(step)[n], *s.block(n))
+        versions.append(s.step())
+    return versions
+
+
+def test_writes_land_on_every_destination():
+    system, src_arrays, dst_arrays = setup()
+    for step in (1, 2, 3):
+        assert train_step(system, src_arrays, step) == [step, step]
+        report = system.refit_latest()
+        assert isinstance(report, refit.RefitReport) and report.version == step and report.bytes > 0 and report.seconds > 0
+        for d, arrays in zip(system.destinations, dst_arrays):
+            assert d.load() == step
+            for n, a in arrays.items():
+                np.testing.assert_array_equal(a, block(full(step)[n], *d.block(n)))
+    # Refitting what is served moves nothing.
+    again = system.refit(3)
+    assert again.already_served and again.bytes == 0
+
+
+def test_bf16_destination_rounds_to_nearest_even():
+    system, src_arrays, dst_arrays = setup("bf16", np.uint16)
+    train_step(system, src_arrays, 1)
+    system.sources[0]._slots["w"][1][0, 0] = 1 / 3  # one value that rounds
+    system.sources[0].step()
+    system.sources[1].step()
+    system.refit_latest()
+    d = system.destinations[0]
+    d.load()
+    assert dst_arrays[0]["w"][0, 0] == 0x3EAB  # bf16(1/3)
+    bits = np.float32(100 + 1).view(np.uint32) >> 16  # w[0,1] = 101, exact in bf16
+    assert dst_arrays[0]["w"][0, 1] == bits
+
+
+def test_version_fence_and_errors():
+    system, src_arrays, dst_arrays = setup()
+    # Nothing written: refused before anything moves.
+    with pytest.raises(refit.VersionError, match=r"nothing written; every source must hold a whole version"):
+        system.refit_latest()
+    with pytest.raises(refit.VersionError, match="no refit has committed yet"):
+        system.destinations[0].load()
+    train_step(system, src_arrays, 1)
+    with pytest.raises(refit.VersionError, match="holds version 1, the refit asked for 2"):
+        system.refit(2)
+    system.refit(1)
+    # Sources on different versions.
+    system.sources[0].step()
+    with pytest.raises(refit.VersionError):
+        system.refit(2)
+    system.sources[1].step()
+    system.refit(2)
+    # The previous committed version stays readable; older ones do not.
+    d = system.destinations[1]
+    assert d.load(1) == 1 and d.load(2) == 2 and d.version == 2
+    train_step(system, src_arrays, 3)
+    system.refit_latest()
+    with pytest.raises(refit.VersionError, match="dst rank 1: version 1 is not served"):
+        d.load(1)
+    assert all(issubclass(e, refit.RefitError) for e in (refit.VersionError, refit.TensorError, refit.PlanError, refit.MemberError))
+
+
+def test_a_failed_step_keeps_the_version_and_the_weights():
+    system, src_arrays, dst_arrays = setup()
+    train_step(system, src_arrays, 1)
+    s = system.sources[0]
+    before = s.read("params")
+    with pytest.raises(refit.TensorError, match=r"src rank 0: tensor 'w' .*: shape \[3, 8\] given"):
+        s.step({"w": np.zeros((3, 8), np.float32)})
+    assert s.version == 1 and s.weights == "version 1" and s.read("params") == before
+
+
+def test_registration_checks_dtype_shape_and_names():
+    train, infer = layouts("bf16")
+    s = refit.Source(train, 1)
+    with pytest.raises(refit.TensorError, match=r"src rank 1: tensor 'w' \(block of extent \[2, 8\] at offset \[2, 0\], f32\): shape \[4, 8\] given"):
+        s.register("w", np.zeros((4, 8), np.float32))
+    with pytest.raises(refit.TensorError, match="an array of format 'd'"):
+        s.register("w", np.zeros((2, 8), np.float64))
+    with pytest.raises(refit.TensorError, match="no tensor or buffer 'v'"):
+        s.register("v", np.zeros(2, np.float32))
+    with pytest.raises(refit.TensorError, match="neither a torch tensor nor"):
+        s.register("b", [0.0] * 8)
+    s.register("params", np.zeros(24, np.float32))  # the whole fused buffer
+    d = refit.Destination(infer, 0)
+    with pytest.raises(refit.TensorError, match="give bf16 as its raw bits"):
+        d.register("w", np.zeros((4, 4), np.float16))
+    ro = np.zeros((4, 4), np.uint16)
+    ro.setflags(write=False)
+    d.register("w", ro)
+    sub = refit.Layout.from_json('{"ranks": 2, "tensors": [{"name": "x", "dtype": "f32", "shape": [2], "mesh": {"shape": [1], "ranks": [1]}, "placements": ["replicate"]}]}')
+    with pytest.raises(refit.TensorError, match="src rank 0 holds no part of tensor 'x'"):
+        refit.Source(sub, 0).register("x", np.zeros(2, np.float32))
+
+
+def test_read_only_destination_array_is_refused_at_load():
+    system, src_arrays, dst_arrays = setup()
+    train_step(system, src_arrays, 1)
+    system.refit_latest()
+    d = system.destinations[0]
+    ro = np.zeros(d.block("w")[1], np.float32)
+    ro.setflags(write=False)
+    d.register("w", ro)
+    with pytest.raises(refit.TensorError, match="read-only"):
+        d.load()
+
+
+def test_layouts_that_cannot_be_planned_fail_at_spawn():
+    train, _ = layouts()
+    other = refit.LayoutBuilder(1).tensor(refit.TensorBuilder("w", "f32", [4, 9]).mesh([1], ["replicate"])).build()
+    with pytest.raises(refit.PlanError, match="planning failed"):
+        refit.spawn_local(train, other)
+
+
+def test_torch_tensors_both_sides():
+    torch = pytest.importorskip("torch")
+    train, infer = layouts("bf16")
+    system = refit.spawn_local(train, infer)
+    full_w = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 3
+    for s in system.sources:
+        (o, e) = s.block("w")
+        s.register("w", full_w[o[0] : o[0] + e[0]].clone())
+        s.register("b", torch.ones(8))
+        s.step()
+    system.refit_latest()
+    for d in system.destinations:
+        (o, e) = d.block("w")
+        w = torch.zeros(e, dtype=torch.bfloat16)
+        d.register("w", w)
+        d.register("b", torch.zeros(d.block("b")[1], dtype=torch.bfloat16))
+        d.load()
+        assert torch.equal(w, full_w[:, o[1] : o[1] + e[1]].to(torch.bfloat16))
+    with pytest.raises(refit.TensorError, match="a torch tensor of torch.float32 given"):
+        system.destinations[0].register("w", torch.zeros(4, 4))

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every test: the Rust workspace's (`cargo test --workspace`), then the
+# Python package's (docs/python.md) in a virtual environment of its own,
+# target/pyenv, made here: the wheel built from ./python, numpy, pytest,
+# and Ray when `pip install ray` works (else the Ray example's test is
+# skipped, with the reason printed).
+#
+#   scripts/test-all.sh            # both
+#   scripts/test-all.sh --python   # the Python part only
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ "${1:-}" != "--python" ]]; then
+  cargo test --workspace
+fi
+python=${PYTHON:-python3}
+if [[ ! -x target/pyenv/bin/python ]]; then
+  "$python" -m venv target/pyenv
+fi
+target/pyenv/bin/pip install -q --upgrade pip
+target/pyenv/bin/pip install -q maturin pytest numpy
+if ! target/pyenv/bin/pip install -q ray; then
+  echo "note: 'pip install ray' failed here; the Ray example's test will be skipped"
+fi
+# The build backend (maturin) comes from PyPI; the Rust crates build from
+# this checkout (python/Cargo.lock pins pyo3).
+target/pyenv/bin/pip install -q ./python
+target/pyenv/bin/python -c "import refit; print('refit imports from', refit.__file__)"
+target/pyenv/bin/python -m pytest -q -rs python/tests
