@@ -3,14 +3,13 @@
 //! [`run_local`] runs every rank as a thread of this process.
 
 use crate::bypass::Bypass;
-use crate::copy::{copy_strided, in_bounds, packed_strides, StridedRef};
+use crate::copy::{copy_strided_unfenced, in_bounds, packed_strides, prefetch, store_fence, StridedRef, PREFETCH_AHEAD};
 use crate::cursor::{Action, RankCursor};
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
 use crate::tcp::{tcp_fabric, TcpConfig, TcpTransport};
-use crate::transport::{Payload, Release, Segment, Transport, TransportError};
+use crate::transport::{Payload, SentPieces, Transport, TransportError};
 use reshard::{Block, DType, Endpoint, LocalCopyView, Message, RankProgram, RecvPiece, RecvPieceView, SendPiece, Span};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -209,9 +208,11 @@ fn run_rounds<T: Transport>(
                         let to = view(me, mem, &to, l.to_dtype(), extent, || l.block())?;
                         // SAFETY: both in bounds; scratch and shard buffers are
                         // distinct; only this thread writes this rank's buffers.
-                        unsafe { copy_strided(extent, &from, &to) };
+                        unsafe { copy_strided_unfenced(extent, &from, &to) };
                     }
                 }
+                // Streaming stores reach memory before anyone is told.
+                store_fence();
             }
             Action::Send { round, message } => {
                 let payload = pack(me, mem, message)?;
@@ -223,7 +224,10 @@ fn run_rounds<T: Transport>(
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
                 let routes: Vec<(u32, LocalCopyView<'_>)> = bypass.routes(round, peer).collect();
                 let into = Into { me, mem, bypass, routes: &routes };
-                unpack(&into, msg, payload).map_err(|e| match e {
+                let unpacked = unpack(&into, msg, payload);
+                // Streaming stores reach memory before anyone is told.
+                store_fence();
+                unpacked.map_err(|e| match e {
                     Unpack::Bad(p) => bad(p),
                     Unpack::Exec(e) => e,
                 })?;
@@ -235,39 +239,43 @@ fn run_rounds<T: Transport>(
     }
 }
 
-/// A message's pieces as segments of this rank's memory; pieces whose wire
-/// type differs are converted into one staging area (carried with the
-/// payload), each at an offset aligned to its wire element size.
+/// A message's pieces, read in place from this rank's program and buffers
+/// by whoever carries the payload. Pieces whose wire type differs are
+/// converted into one staging area (carried with the payload), back to
+/// back, each at an offset aligned to its wire element size; a message
+/// without them costs nothing here, whatever its number of pieces.
 fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload, ExecError> {
-    let mut segments = Vec::with_capacity(msg.pieces.len());
-    let mut staged = 0u64;
-    for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
-        staged = staged.next_multiple_of(p.wire().size()) + p.numel() * p.wire().size();
-    }
-    let mut staging = vec![0u8; staged as usize];
-    let mut pos = 0u64;
-    for p in msg.pieces.views() {
-        let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
-        let src = view(me, mem, &p.span(), dtype, extent, || p.block())?;
-        if dtype == wire {
-            segments.push(Segment::new(src, extent));
-        } else {
+    let mut staging = Vec::new();
+    if msg.pieces.converting() > 0 {
+        let mut staged = 0u64;
+        for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
+            staged = staged.next_multiple_of(p.wire().size()) + p.numel() * p.wire().size();
+        }
+        staging = vec![0u8; staged as usize];
+        let mut pos = 0u64;
+        for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
+            let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
+            let src = view(me, mem, &p.span(), dtype, extent, || p.block())?;
             let elem = wire.size();
             pos = pos.next_multiple_of(elem);
-            // SAFETY: the staging vector moves into the payload's
-            // `keep_alive` below (its heap buffer does not move), so it lives
-            // as long as the segments pointing into it.
+            // SAFETY: the staging vector is ours, and its heap buffer outlives
+            // this view (used for this one copy).
             let dst = unsafe { StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(extent), wire) };
-            // SAFETY: staging is ours and sized for every staged piece.
-            unsafe { copy_strided(extent, &src, &dst) };
-            segments.push(Segment::new(dst, extent));
+            if !in_bounds(extent, &dst) {
+                return Err(ExecError::OutOfBounds { me, block: Box::new(p.block()), buffer: u32::MAX });
+            }
+            // SAFETY: both in bounds; staging is ours.
+            unsafe { copy_strided_unfenced(extent, &src, &dst) };
             pos += p.numel() * elem;
         }
+        store_fence();
     }
-    // Moving the Vec into the Arc keeps its heap buffer where the segments
-    // point.
-    let keep_alive = if staged > 0 { vec![Arc::new(staging)] } else { Vec::new() };
-    Ok(Payload::Segments { segments, keep_alive, release: Release::default() })
+    // SAFETY: the message is this rank's program's and `mem` this run's
+    // view of its buffers: both outlive every payload of the run, since the
+    // rank waits for its receivers to release what it sent (`flush`, and on
+    // failure `run_rank_view`) before its run returns; the pieces read are
+    // source regions this rank does not write while they are lent.
+    Ok(Payload::Pieces(unsafe { SentPieces::new(msg, &mem.bufs, staging) }))
 }
 
 enum Unpack {
@@ -294,7 +302,7 @@ impl Into<'_> {
             // SAFETY: `src` views memory valid for this call (the caller's
             // contract) that nobody writes now; `to` is this rank's own
             // buffer.
-            unsafe { copy_strided(extent, src, &to) };
+            unsafe { copy_strided_unfenced(extent, src, &to) };
         }
         let first = self.routes.partition_point(|(piece, _)| (*piece as usize) < i);
         for (_, copy) in self.routes[first..].iter().take_while(|(piece, _)| *piece as usize == i) {
@@ -313,7 +321,7 @@ impl Into<'_> {
             for span in copy.to() {
                 let to = view(me, self.mem, &span, copy.to_dtype(), block.extent(), || block)?;
                 // SAFETY: as above; `from` is in bounds of `src`'s region.
-                unsafe { copy_strided(block.extent(), &from, &to) };
+                unsafe { copy_strided_unfenced(block.extent(), &from, &to) };
             }
         }
         Ok(())
@@ -339,6 +347,22 @@ fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload) -> Result
             }
             drop(keep_alive);
             drop(release);
+        }
+        Payload::Pieces(sent) => {
+            if sent.len() != pieces.len() {
+                return Err(Unpack::Bad(format!("{} pieces sent for {} expected", sent.len(), pieces.len())));
+            }
+            for (i, (s, p)) in sent.pieces().zip(pieces.views()).enumerate() {
+                prefetch(p.words_ptr().wrapping_byte_add(PREFETCH_AHEAD));
+                let s = s.map_err(|b| Unpack::Bad(format!("sent piece {} does not fit the sender's memory", b.block())))?;
+                if s.extent != p.extent() || s.view.dtype != p.wire() {
+                    return Err(Unpack::Bad(format!("sent piece for piece {} does not match it", p.block())));
+                }
+                // The view is in bounds of memory the sender keeps alive
+                // and unwritten until `sent` (its release) is dropped.
+                into.write(i, &p, &s.view).map_err(Unpack::Exec)?;
+            }
+            drop(sent);
         }
         Payload::Bytes(bytes) => unpack_bytes(into, msg, &bytes)?,
         Payload::Lent(lent) => unpack_bytes(into, msg, lent.as_slice())?,
@@ -448,10 +472,15 @@ pub fn run_threads<T: Transport + WithAbort>(
                 report.messages += s.messages;
             }
             Err(e) => {
-                let secondary = matches!(e, ExecError::Transport(TransportError::PeerAborted { .. }));
+                // A peer that aborted, or whose end is gone, is the
+                // consequence of another rank's failure: that one is the
+                // root cause.
+                let secondary = |e: &ExecError| {
+                    matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. }))
+                };
                 match &first_err {
                     None => first_err = Some(e),
-                    Some(ExecError::Transport(TransportError::PeerAborted { .. })) if !secondary => first_err = Some(e),
+                    Some(f) if secondary(f) && !secondary(&e) => first_err = Some(e),
                     _ => {}
                 }
             }
@@ -489,5 +518,49 @@ impl WithAbort for TcpTransport {
         // on, and its peers see the links break (no goodbye).
         let kill = self.kill_switch();
         Box::new(move |_| kill())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{fill_sources, verify_destinations};
+    use reshard::{parse_layout, plan_reshard, Group, PlanOptions};
+
+    const SRC: &str = r#"{"ranks": 2, "tensors": [
+      {"name": "w", "dtype": "f32", "shape": [16, 12], "mesh": {"shape": [2]}, "placements": ["shard(1)"]},
+      {"name": "v", "dtype": "bf16", "shape": [40], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#;
+    const DST: &str = r#"{"ranks": 3, "tensors": [
+      {"name": "w", "dtype": "bf16", "shape": [16, 12], "mesh": {"shape": [3]}, "placements": ["shard(0)"]},
+      {"name": "v", "dtype": "bf16", "shape": [40], "mesh": {"shape": [3]}, "placements": ["replicate"]}]}"#;
+
+    /// In process, a receiver reads the sender's pieces in place: converted
+    /// ones from the sender's staging, the others from its buffers. Every
+    /// element arrives; a sender whose buffer is too short for its pieces
+    /// fails the run with an error (no read outside the buffer, no panic).
+    #[test]
+    fn pieces_read_in_place_arrive_and_short_buffers_are_errors() {
+        let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(DST).unwrap());
+        for cap in [1 << 20, 64] {
+            let plan = plan_reshard(&src, &dst, &PlanOptions { max_staging_bytes: cap, ..PlanOptions::default() }).unwrap();
+            let programs = plan.programs(&src, &dst).unwrap();
+            assert!(programs.iter().flat_map(|p| &p.rounds).flat_map(|r| &r.sends).any(|m| m.pieces.converting() > 0));
+            let n_src = programs.iter().filter(|p| p.endpoint.group == Group::Src).count();
+            let mut memory = RankMemory::for_programs(&programs);
+            fill_sources(&src, &mut memory[..n_src]);
+            run_local(&programs, &mut memory, &ExecOptions::default()).unwrap();
+            verify_destinations(&src, &dst, &memory[n_src..]).unwrap();
+
+            for (b, keep) in [(0usize, 8usize), (1, 0)] {
+                let mut memory = RankMemory::for_programs(&programs);
+                fill_sources(&src, &mut memory[..n_src]);
+                memory[0].buffers[b].truncate(keep);
+                let err = run_local(&programs, &mut memory, &ExecOptions::default()).unwrap_err();
+                assert!(
+                    matches!(err, ExecError::OutOfBounds { .. } | ExecError::BadMessage { .. }),
+                    "cap {cap}, buffer {b} cut to {keep} bytes: {err}"
+                );
+            }
+        }
     }
 }

@@ -111,7 +111,7 @@ fn bytes_of(p: Payload) -> Vec<u8> {
     match p {
         Payload::Bytes(b) => b,
         Payload::Lent(l) => l.as_slice().to_vec(),
-        Payload::Segments { .. } => panic!("segments from a process transport"),
+        Payload::Segments { .. } | Payload::Pieces(_) => panic!("segments from a process transport"),
     }
 }
 
