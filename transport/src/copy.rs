@@ -341,14 +341,20 @@ unsafe fn copy_pair<T: Copy>(src: *const u8, dst: *mut u8, len: usize) {
 #[inline]
 unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    // Head: up to the first 16-byte aligned destination address.
-    let head = (dst.align_offset(16)).min(len);
+    // Only whole destination cache lines are streamed: a partly streamed
+    // line leaves the write-combining buffer as a partial write, which
+    // costs more than reading the line. Head (up to the first 64-byte
+    // aligned address) and tail (past the last whole line) are ordinary
+    // stores. (Large heap blocks start 16 bytes into a page, so without
+    // this every run would begin and end mid-line.)
+    let head = (dst.align_offset(64)).min(len);
+    let lines = (len - head) / 64;
     // SAFETY: all offsets below stay within `len` bytes; streaming stores
-    // go to 16-byte aligned destinations; SSE2 is part of x86-64.
+    // go to 64-byte aligned destinations; SSE2 is part of x86-64.
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, head);
         let mut i = head;
-        while i + 64 <= len {
+        for _ in 0..lines {
             let a = _mm_loadu_si128(src.add(i) as *const __m128i);
             let b = _mm_loadu_si128(src.add(i + 16) as *const __m128i);
             let c = _mm_loadu_si128(src.add(i + 32) as *const __m128i);
@@ -358,11 +364,6 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
             _mm_stream_si128(dst.add(i + 32) as *mut __m128i, c);
             _mm_stream_si128(dst.add(i + 48) as *mut __m128i, d);
             i += 64;
-        }
-        while i + 16 <= len {
-            let a = _mm_loadu_si128(src.add(i) as *const __m128i);
-            _mm_stream_si128(dst.add(i) as *mut __m128i, a);
-            i += 16;
         }
         std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
     }
