@@ -257,6 +257,30 @@ pub unsafe fn for_each_run(counts: &[u64], view: &StridedRef, mut f: impl FnMut(
     });
 }
 
+/// Calls `f(pointer, length)` with every maximal contiguous byte run of a
+/// strided view of `counts` elements, in element order (for reading a
+/// piece off a stream into place).
+///
+/// # Safety
+/// The view must be in bounds ([`in_bounds`]); what `f` does with the
+/// pointers is up to its own contract.
+pub unsafe fn for_each_run_ptr(counts: &[u64], view: &StridedRef, mut f: impl FnMut(*mut u8, usize)) {
+    let n = counts.len().min(MAX_DIMS);
+    let strides = &view.strides[..n];
+    let Some(dims) = Dims::joint(&counts[..n], strides, strides) else { return };
+    let dims = dims.as_slice();
+    let (run, outer) = match dims.last() {
+        Some(&(c, 1, _)) => (c, &dims[..dims.len() - 1]),
+        _ => (1, dims),
+    };
+    let size = view.dtype.size();
+    // SAFETY: in bounds by the caller's contract, so every offset stays
+    // inside the region.
+    for_each_offset(outer, view.base, view.base, |off, _| {
+        f(unsafe { view.ptr.add((off * size) as usize) } as *mut u8, (run * size) as usize)
+    });
+}
+
 /// Runs at least this long are written with non-temporal stores.
 const STREAM_MIN: usize = 256;
 

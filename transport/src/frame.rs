@@ -188,6 +188,7 @@ pub(crate) unsafe fn for_payload_runs<'a>(payload: &'a Payload, mut f: impl FnMu
     match payload {
         Payload::Bytes(b) => f(b),
         Payload::Lent(l) => f(l.as_slice()),
+        Payload::Stream(_) => return Err(io::Error::new(io::ErrorKind::InvalidInput, "a received frame cannot be sent on")),
         Payload::Pieces(sent) => {
             // Every piece checked before any run is handed out.
             if let Some(Err(b)) = sent.pieces().find(Result::is_err) {
@@ -224,6 +225,7 @@ pub(crate) fn payload_len(payload: &Payload) -> u64 {
         Payload::Lent(l) => l.as_slice().len() as u64,
         Payload::Segments { segments, .. } => segments.iter().map(|s| s.numel() * s.view().dtype.size()).sum(),
         Payload::Pieces(sent) => sent.wire_bytes(),
+        Payload::Stream(frame) => frame.len(),
     }
 }
 

@@ -78,7 +78,7 @@ impl Transport for LocalTransport {
         match &mut payload {
             Payload::Segments { release, .. } => *release = self.outstanding.post(),
             Payload::Pieces(sent) => sent.release = self.outstanding.post(),
-            Payload::Bytes(_) | Payload::Lent(_) => {}
+            Payload::Bytes(_) | Payload::Lent(_) | Payload::Stream(_) => {}
         }
         tx.send(Envelope::Data { round, from: self.me, payload }).map_err(|_| TransportError::Disconnected { peer: to })
     }

@@ -69,6 +69,9 @@ pub enum Payload {
     /// them, in its buffers (no list of segments is built). The executor
     /// sends this; every transport reads it with [`SentPieces::pieces`].
     Pieces(SentPieces),
+    /// The pieces packed back to back in wire dtype, still on the TCP
+    /// stream they arrive on: the receiver reads them straight into place.
+    Stream(crate::tcp::StreamFrame),
     /// The pieces packed back to back in wire dtype.
     Bytes(Vec<u8>),
     /// The pieces packed back to back in wire dtype, in memory the
