@@ -137,6 +137,12 @@ impl Message<RecvPiece> {
 pub struct Pieces<P> {
     words: Vec<u64>,
     len: usize,
+    /// Sum over the pieces of element count times the size of the first
+    /// dtype (kept as pieces are pushed: a message's bytes on the wire
+    /// without a pass over its pieces).
+    first_dtype_bytes: u64,
+    /// Pieces whose two dtypes differ.
+    converting: usize,
     piece: PhantomData<fn() -> P>,
 }
 
@@ -175,6 +181,7 @@ impl Header {
             | (self.spans as u64) << Header::SPANS_SHIFT
     }
 
+    #[inline]
     fn read(w: u64) -> Header {
         // Only `word` writes headers: the codes are those of `DType::index`.
         let dtype = |code: u64| ALL_DTYPES[(code & 0xf) as usize];
@@ -187,6 +194,7 @@ impl Header {
     }
 
     /// Strides stored per span.
+    #[inline]
     fn strides(self) -> usize {
         if self.wide {
             MAX_DIMS
@@ -196,6 +204,7 @@ impl Header {
     }
 
     /// Words of the whole piece, header included.
+    #[inline]
     fn words(self) -> usize {
         1 + 2 * self.ndim + self.spans * (2 + self.strides())
     }
@@ -229,24 +238,29 @@ struct Packed<'a> {
 }
 
 impl<'a> Packed<'a> {
+    #[inline]
     fn new(words: &'a [u64]) -> Packed<'a> {
         Packed { header: Header::read(words[0]), words }
     }
 
+    #[inline]
     fn block(self) -> Block {
         Block::from_packed(self.header.ndim, &self.words[1..1 + 2 * self.header.ndim])
     }
 
+    #[inline]
     fn extent(self) -> &'a [u64] {
         let nd = self.header.ndim;
         &self.words[1 + nd..1 + 2 * nd]
     }
 
+    #[inline]
     fn spans(self) -> Spans<'a> {
         Spans { words: &self.words[1 + 2 * self.header.ndim..], strides: self.header.strides() }
     }
 
     /// The first span (every packed piece of a kind with one has one).
+    #[inline]
     fn first_span(self) -> Span {
         self.spans().next().unwrap_or_else(|| unreachable!("a piece is packed with its span"))
     }
@@ -265,6 +279,7 @@ pub struct Spans<'a> {
 impl Iterator for Spans<'_> {
     type Item = Span;
 
+    #[inline]
     fn next(&mut self) -> Option<Span> {
         let (w, rest) = self.words.split_at_checked(2 + self.strides)?;
         self.words = rest;
@@ -302,18 +317,29 @@ macro_rules! view {
 
         impl<'a> $view<'a> {
             /// The piece.
+            #[inline]
             pub fn block(&self) -> Block {
                 self.0.block()
             }
 
             /// The piece's extent per dimension (no [`Block`] decoded).
+            #[inline]
             pub fn extent(&self) -> &'a [u64] {
                 self.0.extent()
             }
 
             /// The piece's number of elements.
+            #[inline]
             pub fn numel(&self) -> u64 {
                 self.0.extent().iter().product()
+            }
+
+            /// Where the piece's words lie in memory, for a reader that
+            /// prefetches what follows them (the pointer is not for
+            /// reading: nothing is promised past the piece's own words).
+            #[inline]
+            pub fn words_ptr(&self) -> *const u64 {
+                self.0.words.as_ptr()
             }
 
             /// The whole piece, decoded.
@@ -349,16 +375,19 @@ view! {
 
 impl SendPieceView<'_> {
     /// Where to read it.
+    #[inline]
     pub fn span(&self) -> Span {
         self.0.first_span()
     }
 
     /// Type of the buffer read.
+    #[inline]
     pub fn dtype(&self) -> DType {
         self.0.header.dtypes[1]
     }
 
     /// Type on the wire.
+    #[inline]
     pub fn wire(&self) -> DType {
         self.0.header.dtypes[0]
     }
@@ -366,16 +395,19 @@ impl SendPieceView<'_> {
 
 impl<'a> RecvPieceView<'a> {
     /// Every place on this rank that holds it.
+    #[inline]
     pub fn spans(&self) -> Spans<'a> {
         self.0.spans()
     }
 
     /// Type on the wire.
+    #[inline]
     pub fn wire(&self) -> DType {
         self.0.header.dtypes[0]
     }
 
     /// Type of the buffers written.
+    #[inline]
     pub fn dtype(&self) -> DType {
         self.0.header.dtypes[1]
     }
@@ -383,16 +415,19 @@ impl<'a> RecvPieceView<'a> {
 
 impl<'a> LocalCopyView<'a> {
     /// Where to read.
+    #[inline]
     pub fn from(&self) -> Span {
         self.0.first_span()
     }
 
     /// Type read.
+    #[inline]
     pub fn from_dtype(&self) -> DType {
         self.0.header.dtypes[0]
     }
 
     /// Where to write.
+    #[inline]
     pub fn to(&self) -> Spans<'a> {
         let mut spans = self.0.spans();
         spans.next();
@@ -400,6 +435,7 @@ impl<'a> LocalCopyView<'a> {
     }
 
     /// Type written.
+    #[inline]
     pub fn to_dtype(&self) -> DType {
         self.0.header.dtypes[1]
     }
@@ -451,6 +487,7 @@ struct Raw<'a> {
 impl<'a> Iterator for Raw<'a> {
     type Item = &'a [u64];
 
+    #[inline]
     fn next(&mut self) -> Option<&'a [u64]> {
         let &h = self.words.first()?;
         let (piece, rest) = self.words.split_at(Header::read(h).words());
@@ -469,10 +506,11 @@ impl ExactSizeIterator for Raw<'_> {}
 impl<P> Pieces<P> {
     /// No pieces.
     pub const fn new() -> Pieces<P> {
-        Pieces { words: Vec::new(), len: 0, piece: PhantomData }
+        Pieces { words: Vec::new(), len: 0, first_dtype_bytes: 0, converting: 0, piece: PhantomData }
     }
 
     /// Number of pieces.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
@@ -482,11 +520,18 @@ impl<P> Pieces<P> {
         self.len == 0
     }
 
+    /// Number of pieces whose two dtypes differ: sent or received pieces
+    /// whose wire type is not their buffer's, local copies that convert.
+    pub fn converting(&self) -> usize {
+        self.converting
+    }
+
     /// Frees memory reserved for pieces not pushed yet.
     pub fn shrink_to_fit(&mut self) {
         self.words.shrink_to_fit();
     }
 
+    #[inline]
     fn raw(&self) -> Raw<'_> {
         Raw { words: &self.words, left: self.len }
     }
@@ -494,19 +539,21 @@ impl<P> Pieces<P> {
     /// Sum of element counts times the size of each piece's first dtype
     /// (the wire type of a sent or received piece).
     fn first_dtype_bytes(&self) -> u64 {
-        self.raw()
-            .map(|w| {
-                let p = Packed::new(w);
-                p.extent().iter().product::<u64>() * p.header.dtypes[0].size()
-            })
-            .sum()
+        self.first_dtype_bytes
     }
 }
 
 impl<P: Pack> Pieces<P> {
     /// Appends a piece.
     pub fn push(&mut self, piece: &P) {
+        let start = self.words.len();
         piece.pack(&mut self.words);
+        let p = Packed::new(&self.words[start..]);
+        // Saturating: a hostile deserialized piece must not panic here
+        // (the executor refuses pieces that do not fit their buffers).
+        let numel = p.extent().iter().fold(1u64, |a, &e| a.saturating_mul(e));
+        self.first_dtype_bytes = self.first_dtype_bytes.saturating_add(numel.saturating_mul(p.header.dtypes[0].size()));
+        self.converting += usize::from(p.header.dtypes[0] != p.header.dtypes[1]);
         self.len += 1;
     }
 
@@ -519,6 +566,7 @@ impl<P: Pack> Pieces<P> {
 impl Pieces<SendPiece> {
     /// The pieces in order, read in place: each field is decoded only when
     /// asked for.
+    #[inline]
     pub fn views(&self) -> impl ExactSizeIterator<Item = SendPieceView<'_>> + Clone {
         self.raw().map(|w| SendPieceView(Packed::new(w)))
     }
@@ -527,6 +575,7 @@ impl Pieces<SendPiece> {
 impl Pieces<RecvPiece> {
     /// The pieces in order, read in place: each field is decoded only when
     /// asked for, and no list of spans is allocated.
+    #[inline]
     pub fn views(&self) -> impl ExactSizeIterator<Item = RecvPieceView<'_>> + Clone {
         self.raw().map(|w| RecvPieceView(Packed::new(w)))
     }
@@ -535,6 +584,7 @@ impl Pieces<RecvPiece> {
 impl Pieces<LocalCopy> {
     /// The copies in order, read in place: each field is decoded only when
     /// asked for, and no list of spans is allocated.
+    #[inline]
     pub fn views(&self) -> impl ExactSizeIterator<Item = LocalCopyView<'_>> + Clone {
         self.raw().map(|w| LocalCopyView(Packed::new(w)))
     }
@@ -583,7 +633,13 @@ impl<P> Default for Pieces<P> {
 
 impl<P> Clone for Pieces<P> {
     fn clone(&self) -> Self {
-        Pieces { words: self.words.clone(), len: self.len, piece: PhantomData }
+        Pieces {
+            words: self.words.clone(),
+            len: self.len,
+            first_dtype_bytes: self.first_dtype_bytes,
+            converting: self.converting,
+            piece: PhantomData,
+        }
     }
 }
 

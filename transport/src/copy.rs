@@ -98,50 +98,94 @@ pub fn packed_strides(counts: &[u64]) -> [u64; MAX_DIMS] {
 /// on both sides merged; `(count, src stride, dst stride)`, outermost
 /// first. `None` if the piece is empty.
 pub fn joint_dims(counts: &[u64], src_strides: &[u64], dst_strides: &[u64]) -> Option<Vec<(u64, u64, u64)>> {
-    let mut dims: Vec<(u64, u64, u64)> = Vec::with_capacity(counts.len());
-    for (d, &c) in counts.iter().enumerate() {
-        if c == 0 {
-            return None;
+    Dims::joint(counts, src_strides, dst_strides).map(|d| d.as_slice().to_vec())
+}
+
+/// [`joint_dims`] without a heap allocation (at most [`MAX_DIMS`] dims).
+#[derive(Clone, Copy)]
+struct Dims {
+    n: usize,
+    d: [(u64, u64, u64); MAX_DIMS],
+}
+
+impl Dims {
+    fn joint(counts: &[u64], src_strides: &[u64], dst_strides: &[u64]) -> Option<Dims> {
+        let mut out = Dims { n: 0, d: [(0, 0, 0); MAX_DIMS] };
+        for ((&c, &s), &t) in counts.iter().zip(src_strides).zip(dst_strides).take(MAX_DIMS) {
+            if c == 0 {
+                return None;
+            }
+            if c > 1 {
+                // Merge with the previous (outer) dim when it is contiguous
+                // over this one on both sides.
+                if out.n > 0 {
+                    let (c_out, s_out, d_out) = out.d[out.n - 1];
+                    if let (Some(cs), Some(ct), Some(cc)) = (c.checked_mul(s), c.checked_mul(t), c_out.checked_mul(c)) {
+                        if s_out == cs && d_out == ct {
+                            out.d[out.n - 1] = (cc, s, t);
+                            continue;
+                        }
+                    }
+                }
+                out.d[out.n] = (c, s, t);
+                out.n += 1;
+            }
         }
-        if c > 1 {
-            dims.push((c, src_strides[d], dst_strides[d]));
-        }
+        Some(out)
     }
-    let mut i = dims.len();
-    while i >= 2 {
-        let (c_in, s_in, d_in) = dims[i - 1];
-        let (c_out, s_out, d_out) = dims[i - 2];
-        if s_out == c_in * s_in && d_out == c_in * d_in {
-            dims[i - 2] = (c_out * c_in, s_in, d_in);
-            dims.remove(i - 1);
-        }
-        i -= 1;
+
+    fn as_slice(&self) -> &[(u64, u64, u64)] {
+        &self.d[..self.n]
     }
-    Some(dims)
 }
 
 /// Calls `f(src_offset, dst_offset)` for every index of `dims` (as from
 /// [`joint_dims`]), in row-major order, starting from the two bases.
 pub fn for_each_offset(dims: &[(u64, u64, u64)], src_base: u64, dst_base: u64, mut f: impl FnMut(u64, u64)) {
-    let mut idx = vec![0u64; dims.len()];
-    let (mut so, mut doff) = (src_base, dst_base);
-    loop {
-        f(so, doff);
-        let mut k = dims.len();
-        loop {
-            if k == 0 {
-                return;
+    match dims {
+        [] => f(src_base, dst_base),
+        &[(c, s, d)] => {
+            for i in 0..c {
+                f(src_base + i * s, dst_base + i * d);
             }
-            k -= 1;
-            idx[k] += 1;
-            so += dims[k].1;
-            doff += dims[k].2;
-            if idx[k] < dims[k].0 {
-                break;
+        }
+        &[(c0, s0, d0), (c1, s1, d1)] => {
+            for i in 0..c0 {
+                let (so, doff) = (src_base + i * s0, dst_base + i * d0);
+                for j in 0..c1 {
+                    f(so + j * s1, doff + j * d1);
+                }
             }
-            so -= dims[k].0 * dims[k].1;
-            doff -= dims[k].0 * dims[k].2;
-            idx[k] = 0;
+        }
+        _ => {
+            let mut small = [0u64; MAX_DIMS];
+            let mut large = Vec::new();
+            let idx: &mut [u64] = if dims.len() <= MAX_DIMS {
+                &mut small[..dims.len()]
+            } else {
+                large.resize(dims.len(), 0);
+                &mut large
+            };
+            let (mut so, mut doff) = (src_base, dst_base);
+            loop {
+                f(so, doff);
+                let mut k = dims.len();
+                loop {
+                    if k == 0 {
+                        return;
+                    }
+                    k -= 1;
+                    idx[k] += 1;
+                    so += dims[k].1;
+                    doff += dims[k].2;
+                    if idx[k] < dims[k].0 {
+                        break;
+                    }
+                    so -= dims[k].0 * dims[k].1;
+                    doff -= dims[k].0 * dims[k].2;
+                    idx[k] = 0;
+                }
+            }
         }
     }
 }
@@ -154,18 +198,33 @@ pub fn for_each_offset(dims: &[(u64, u64, u64)], src_base: u64, dst_base: u64, m
 /// for writes of that region, and no other thread may access the written
 /// elements, or write the read elements, during the call.
 pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
-    let Some(dims) = joint_dims(counts, &src.strides[..counts.len()], &dst.strides[..counts.len()]) else { return };
+    // SAFETY: the caller's contract.
+    unsafe { copy_strided_unfenced(counts, src, dst) };
+    store_fence();
+}
+
+/// [`copy_strided`] without the closing [`store_fence`]: for a caller that
+/// copies many pieces and fences once before it tells anyone they are
+/// there.
+///
+/// # Safety
+/// As [`copy_strided`].
+pub unsafe fn copy_strided_unfenced(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
+    let n = counts.len().min(MAX_DIMS);
+    let Some(dims) = Dims::joint(&counts[..n], &src.strides[..n], &dst.strides[..n]) else { return };
+    let dims = dims.as_slice();
     let (run, outer) = match dims.last() {
         Some(&(c, 1, 1)) => (c, &dims[..dims.len() - 1]),
-        _ => (1, &dims[..]),
+        _ => (1, dims),
     };
     let (fs, ts) = (src.dtype.size() as usize, dst.dtype.size() as usize);
+    let same = src.dtype == dst.dtype;
     for_each_offset(outer, src.base, dst.base, |so, doff| {
         // SAFETY: in bounds by the caller's contract; regions disjoint.
         unsafe {
             let s = src.ptr.add(so as usize * fs);
             let d = (dst.ptr as *mut u8).add(doff as usize * ts);
-            if src.dtype == dst.dtype {
+            if same {
                 copy_run(s, d, run as usize * fs);
             } else {
                 let s = std::slice::from_raw_parts(s, run as usize * fs);
@@ -174,7 +233,6 @@ pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
             }
         }
     });
-    store_fence();
 }
 
 /// Calls `f` with every maximal contiguous byte run of a strided view of
@@ -184,16 +242,42 @@ pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
 /// The view must be in bounds ([`in_bounds`]) and its memory valid for
 /// reads, not written concurrently, for the duration of the call.
 pub unsafe fn for_each_run(counts: &[u64], view: &StridedRef, mut f: impl FnMut(&[u8])) {
-    let strides = &view.strides[..counts.len()];
-    let Some(dims) = joint_dims(counts, strides, strides) else { return };
+    let n = counts.len().min(MAX_DIMS);
+    let strides = &view.strides[..n];
+    let Some(dims) = Dims::joint(&counts[..n], strides, strides) else { return };
+    let dims = dims.as_slice();
     let (run, outer) = match dims.last() {
         Some(&(c, 1, _)) => (c, &dims[..dims.len() - 1]),
-        _ => (1, &dims[..]),
+        _ => (1, dims),
     };
     let size = view.dtype.size();
     // SAFETY: in bounds by the caller's contract.
     for_each_offset(outer, view.base, view.base, |off, _| {
         f(unsafe { std::slice::from_raw_parts(view.ptr.add((off * size) as usize), (run * size) as usize) })
+    });
+}
+
+/// Calls `f(pointer, length)` with every maximal contiguous byte run of a
+/// strided view of `counts` elements, in element order (for reading a
+/// piece off a stream into place).
+///
+/// # Safety
+/// The view must be in bounds ([`in_bounds`]); what `f` does with the
+/// pointers is up to its own contract.
+pub unsafe fn for_each_run_ptr(counts: &[u64], view: &StridedRef, mut f: impl FnMut(*mut u8, usize)) {
+    let n = counts.len().min(MAX_DIMS);
+    let strides = &view.strides[..n];
+    let Some(dims) = Dims::joint(&counts[..n], strides, strides) else { return };
+    let dims = dims.as_slice();
+    let (run, outer) = match dims.last() {
+        Some(&(c, 1, _)) => (c, &dims[..dims.len() - 1]),
+        _ => (1, dims),
+    };
+    let size = view.dtype.size();
+    // SAFETY: in bounds by the caller's contract, so every offset stays
+    // inside the region.
+    for_each_offset(outer, view.base, view.base, |off, _| {
+        f(unsafe { view.ptr.add((off * size) as usize) } as *mut u8, (run * size) as usize)
     });
 }
 
@@ -223,23 +307,53 @@ unsafe fn copy_run(src: *const u8, dst: *mut u8, len: usize) {
         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
         return;
     }
-    let mut i = 0;
-    // SAFETY: every access below is within `len` bytes of both pointers.
+    // SAFETY: every access below is within `len` bytes of both pointers
+    // (a short run is copied as two overlapping words: head and tail).
     unsafe {
+        if len <= 16 {
+            if len >= 8 {
+                copy_pair::<u64>(src, dst, len);
+            } else if len >= 4 {
+                copy_pair::<u32>(src, dst, len);
+            } else if len >= 2 {
+                copy_pair::<u16>(src, dst, len);
+            } else if len == 1 {
+                *dst = *src;
+            }
+            return;
+        }
+        if len <= 32 {
+            copy_pair::<[u64; 2]>(src, dst, len);
+            return;
+        }
+        let mut i = 0;
         while i + 32 <= len {
             let v = std::ptr::read_unaligned(src.add(i) as *const [u64; 4]);
             std::ptr::write_unaligned(dst.add(i) as *mut [u64; 4], v);
             i += 32;
         }
-        while i + 8 <= len {
-            let v = std::ptr::read_unaligned(src.add(i) as *const u64);
-            std::ptr::write_unaligned(dst.add(i) as *mut u64, v);
-            i += 8;
+        if i < len {
+            // The last 32 bytes, overlapping what was copied.
+            let v = std::ptr::read_unaligned(src.add(len - 32) as *const [u64; 4]);
+            std::ptr::write_unaligned(dst.add(len - 32) as *mut [u64; 4], v);
         }
-        while i < len {
-            *dst.add(i) = *src.add(i);
-            i += 1;
-        }
+    }
+}
+
+/// Copies `len` bytes as a `T` at the start and a `T` at the end (they
+/// overlap when `len` < 2 × size of `T`).
+///
+/// # Safety
+/// As [`copy_run`], and `size_of::<T>() <= len`.
+#[inline(always)]
+unsafe fn copy_pair<T: Copy>(src: *const u8, dst: *mut u8, len: usize) {
+    let n = std::mem::size_of::<T>();
+    // SAFETY: by the caller's contract both words lie within `len` bytes.
+    unsafe {
+        let a = std::ptr::read_unaligned(src as *const T);
+        let b = std::ptr::read_unaligned(src.add(len - n) as *const T);
+        std::ptr::write_unaligned(dst as *mut T, a);
+        std::ptr::write_unaligned(dst.add(len - n) as *mut T, b);
     }
 }
 
@@ -251,14 +365,20 @@ unsafe fn copy_run(src: *const u8, dst: *mut u8, len: usize) {
 #[inline]
 unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    // Head: up to the first 16-byte aligned destination address.
-    let head = (dst.align_offset(16)).min(len);
+    // Only whole destination cache lines are streamed: a partly streamed
+    // line leaves the write-combining buffer as a partial write, which
+    // costs more than reading the line. Head (up to the first 64-byte
+    // aligned address) and tail (past the last whole line) are ordinary
+    // stores. (Large heap blocks start 16 bytes into a page, so without
+    // this every run would begin and end mid-line.)
+    let head = (dst.align_offset(64)).min(len);
+    let lines = (len - head) / 64;
     // SAFETY: all offsets below stay within `len` bytes; streaming stores
-    // go to 16-byte aligned destinations; SSE2 is part of x86-64.
+    // go to 64-byte aligned destinations; SSE2 is part of x86-64.
     unsafe {
         std::ptr::copy_nonoverlapping(src, dst, head);
         let mut i = head;
-        while i + 64 <= len {
+        for _ in 0..lines {
             let a = _mm_loadu_si128(src.add(i) as *const __m128i);
             let b = _mm_loadu_si128(src.add(i + 16) as *const __m128i);
             let c = _mm_loadu_si128(src.add(i + 32) as *const __m128i);
@@ -269,14 +389,28 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
             _mm_stream_si128(dst.add(i + 48) as *mut __m128i, d);
             i += 64;
         }
-        while i + 16 <= len {
-            let a = _mm_loadu_si128(src.add(i) as *const __m128i);
-            _mm_stream_si128(dst.add(i) as *mut __m128i, a);
-            i += 16;
-        }
         std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
     }
 }
+
+/// Hints that the memory at `p` will be read soon: a piece list's words a
+/// few pieces ahead, so walking it does not wait on memory piece by piece.
+/// Any address will do (nothing is read, nothing faults).
+#[inline]
+pub fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing architecturally and never faults,
+    // whatever the address; SSE is part of x86-64.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// How far ahead of the piece being read a walk over packed pieces
+/// prefetches, in bytes (about six 2-D pieces).
+pub(crate) const PREFETCH_AHEAD: usize = 512;
 
 /// Orders this thread's earlier non-temporal stores before its later
 /// stores (call before telling another thread the data is there).
@@ -296,11 +430,72 @@ mod tests {
     #[test]
     fn copy_run_copies_every_length() {
         let src: Vec<u8> = (0..3000u32).map(|i| (i * 7 + 3) as u8).collect();
-        for len in [0, 1, 7, 8, 9, 31, 32, 33, 100, 255, 256, 2047, 2048, 2999] {
+        for len in (0..=80).chain([100, 127, 128, 129, 255, 256, 257, 2047, 2048, 2999]) {
             let mut dst = vec![0u8; 3000];
             unsafe { copy_run(src.as_ptr().add(1), dst.as_mut_ptr().add(1), len) };
             assert_eq!(&dst[1..1 + len], &src[1..1 + len]);
             assert!(dst[1 + len..].iter().all(|&b| b == 0) && dst[0] == 0);
+        }
+    }
+
+    /// Strided copies of random shapes, strides and types (with
+    /// dimensions of count 1 and dimensions contiguous on one side, both
+    /// or neither) match an element-by-element reference.
+    #[test]
+    fn strided_copies_match_an_element_by_element_reference() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for _ in 0..2000 {
+            let ndim = 1 + next(4) as usize;
+            let counts: Vec<u64> = (0..ndim).map(|_| [1, 1, 2, 3, 5, 17][next(6) as usize]).collect();
+            // Each side: row-major strides of a padded box (so runs merge or
+            // not), inner dims padded at random.
+            let side = |next: &mut dyn FnMut(u64) -> u64| {
+                let mut strides = [0u64; MAX_DIMS];
+                let mut acc = 1;
+                for d in (0..ndim).rev() {
+                    strides[d] = acc;
+                    acc *= counts[d] + if next(2) == 0 { 0 } else { next(3) };
+                }
+                (strides, acc + next(4))
+            };
+            let (ss, slen) = side(&mut next);
+            let (ds, dlen) = side(&mut next);
+            let (sbase, dbase) = (next(3), next(3));
+            let types = [DType::BF16, DType::F32, DType::U8, DType::F64];
+            let st = types[next(4) as usize];
+            let dt = if next(3) == 0 && st != DType::U8 { [DType::BF16, DType::F32][next(2) as usize] } else { st };
+            let src_bytes: Vec<u8> = (0..(sbase + slen) * st.size()).map(|i| (i * 131 % 251) as u8).collect();
+            // Floats converted must be finite: use small integers.
+            let src_bytes: Vec<u8> = match st {
+                DType::F32 => (0..sbase + slen).flat_map(|i| ((i % 97) as f32).to_le_bytes()).collect(),
+                DType::BF16 => (0..sbase + slen).flat_map(|i| (((i % 97) as f32).to_bits() >> 16).to_le_bytes()[..2].to_vec()).collect(),
+                _ => src_bytes,
+            };
+            let mut dst_bytes = vec![0xAAu8; ((dbase + dlen) * dt.size()) as usize];
+            let mut want = dst_bytes.clone();
+            let src = StridedRef { ptr: src_bytes.as_ptr(), len: src_bytes.len(), base: sbase, strides: ss, dtype: st };
+            let dst = StridedRef { ptr: dst_bytes.as_mut_ptr(), len: dst_bytes.len(), base: dbase, strides: ds, dtype: dt };
+            assert!(in_bounds(&counts, &src) && in_bounds(&counts, &dst));
+            // Reference: one element at a time.
+            let numel: u64 = counts.iter().product();
+            for flat in 0..numel {
+                let (mut so, mut doff, mut rest) = (sbase, dbase, flat);
+                for d in (0..ndim).rev() {
+                    let i = rest % counts[d];
+                    rest /= counts[d];
+                    so += i * ss[d];
+                    doff += i * ds[d];
+                }
+                let s = &src_bytes[(so * st.size()) as usize..((so + 1) * st.size()) as usize];
+                let d = &mut want[(doff * dt.size()) as usize..((doff + 1) * dt.size()) as usize];
+                convert_slice(st, s, dt, d);
+            }
+            unsafe { copy_strided(&counts, &src, &dst) };
+            assert_eq!(dst_bytes, want, "counts {counts:?} src {ss:?} dst {ds:?} {st:?} -> {dt:?}");
         }
     }
 

@@ -3,14 +3,13 @@
 //! [`run_local`] runs every rank as a thread of this process.
 
 use crate::bypass::Bypass;
-use crate::copy::{copy_strided, in_bounds, packed_strides, StridedRef};
+use crate::copy::{copy_strided_unfenced, for_each_run_ptr, in_bounds, packed_strides, prefetch, store_fence, StridedRef, PREFETCH_AHEAD};
 use crate::cursor::{Action, RankCursor};
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
 use crate::tcp::{tcp_fabric, TcpConfig, TcpTransport};
-use crate::transport::{Payload, Release, Segment, Transport, TransportError};
+use crate::transport::{Payload, SentPieces, Transport, TransportError};
 use reshard::{Block, DType, Endpoint, LocalCopyView, Message, RankProgram, RecvPiece, RecvPieceView, SendPiece, Span};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -209,9 +208,11 @@ fn run_rounds<T: Transport>(
                         let to = view(me, mem, &to, l.to_dtype(), extent, || l.block())?;
                         // SAFETY: both in bounds; scratch and shard buffers are
                         // distinct; only this thread writes this rank's buffers.
-                        unsafe { copy_strided(extent, &from, &to) };
+                        unsafe { copy_strided_unfenced(extent, &from, &to) };
                     }
                 }
+                // Streaming stores reach memory before anyone is told.
+                store_fence();
             }
             Action::Send { round, message } => {
                 let payload = pack(me, mem, message)?;
@@ -223,8 +224,12 @@ fn run_rounds<T: Transport>(
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
                 let routes: Vec<(u32, LocalCopyView<'_>)> = bypass.routes(round, peer).collect();
                 let into = Into { me, mem, bypass, routes: &routes };
-                unpack(&into, msg, payload).map_err(|e| match e {
+                let unpacked = unpack(&into, msg, payload);
+                // Streaming stores reach memory before anyone is told.
+                store_fence();
+                unpacked.map_err(|e| match e {
                     Unpack::Bad(p) => bad(p),
+                    Unpack::Broken(problem) => ExecError::Transport(TransportError::Broken { peer, problem }),
                     Unpack::Exec(e) => e,
                 })?;
             }
@@ -235,43 +240,49 @@ fn run_rounds<T: Transport>(
     }
 }
 
-/// A message's pieces as segments of this rank's memory; pieces whose wire
-/// type differs are converted into one staging area (carried with the
-/// payload), each at an offset aligned to its wire element size.
+/// A message's pieces, read in place from this rank's program and buffers
+/// by whoever carries the payload. Pieces whose wire type differs are
+/// converted into one staging area (carried with the payload), back to
+/// back, each at an offset aligned to its wire element size; a message
+/// without them costs nothing here, whatever its number of pieces.
 fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload, ExecError> {
-    let mut segments = Vec::with_capacity(msg.pieces.len());
-    let mut staged = 0u64;
-    for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
-        staged = staged.next_multiple_of(p.wire().size()) + p.numel() * p.wire().size();
-    }
-    let mut staging = vec![0u8; staged as usize];
-    let mut pos = 0u64;
-    for p in msg.pieces.views() {
-        let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
-        let src = view(me, mem, &p.span(), dtype, extent, || p.block())?;
-        if dtype == wire {
-            segments.push(Segment::new(src, extent));
-        } else {
+    let mut staging = Vec::new();
+    if msg.pieces.converting() > 0 {
+        let mut staged = 0u64;
+        for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
+            staged = staged.next_multiple_of(p.wire().size()) + p.numel() * p.wire().size();
+        }
+        staging = vec![0u8; staged as usize];
+        let mut pos = 0u64;
+        for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
+            let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
+            let src = view(me, mem, &p.span(), dtype, extent, || p.block())?;
             let elem = wire.size();
             pos = pos.next_multiple_of(elem);
-            // SAFETY: the staging vector moves into the payload's
-            // `keep_alive` below (its heap buffer does not move), so it lives
-            // as long as the segments pointing into it.
+            // SAFETY: the staging vector is ours, and its heap buffer outlives
+            // this view (used for this one copy).
             let dst = unsafe { StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(extent), wire) };
-            // SAFETY: staging is ours and sized for every staged piece.
-            unsafe { copy_strided(extent, &src, &dst) };
-            segments.push(Segment::new(dst, extent));
+            if !in_bounds(extent, &dst) {
+                return Err(ExecError::OutOfBounds { me, block: Box::new(p.block()), buffer: u32::MAX });
+            }
+            // SAFETY: both in bounds; staging is ours.
+            unsafe { copy_strided_unfenced(extent, &src, &dst) };
             pos += p.numel() * elem;
         }
+        store_fence();
     }
-    // Moving the Vec into the Arc keeps its heap buffer where the segments
-    // point.
-    let keep_alive = if staged > 0 { vec![Arc::new(staging)] } else { Vec::new() };
-    Ok(Payload::Segments { segments, keep_alive, release: Release::default() })
+    // SAFETY: the message is this rank's program's and `mem` this run's
+    // view of its buffers: both outlive every payload of the run, since the
+    // rank waits for its receivers to release what it sent (`flush`, and on
+    // failure `run_rank_view`) before its run returns; the pieces read are
+    // source regions this rank does not write while they are lent.
+    Ok(Payload::Pieces(unsafe { SentPieces::new(msg, &mem.bufs, staging) }))
 }
 
 enum Unpack {
     Bad(String),
+    /// The stream the message arrived on broke while it was read.
+    Broken(String),
     Exec(ExecError),
 }
 
@@ -286,6 +297,12 @@ struct Into<'a> {
 }
 
 impl Into<'_> {
+    /// Whether piece `i` feeds local copies made on receipt.
+    fn feeds_locals(&self, i: usize) -> bool {
+        let first = self.routes.partition_point(|(piece, _)| (*piece as usize) < i);
+        self.routes.get(first).is_some_and(|(piece, _)| *piece as usize == i)
+    }
+
     /// Writes piece `i`, whose elements `src` views, everywhere it goes.
     fn write(&self, i: usize, p: &RecvPieceView<'_>, src: &StridedRef) -> Result<(), ExecError> {
         let (me, extent) = (self.me, p.extent());
@@ -294,7 +311,7 @@ impl Into<'_> {
             // SAFETY: `src` views memory valid for this call (the caller's
             // contract) that nobody writes now; `to` is this rank's own
             // buffer.
-            unsafe { copy_strided(extent, src, &to) };
+            unsafe { copy_strided_unfenced(extent, src, &to) };
         }
         let first = self.routes.partition_point(|(piece, _)| (*piece as usize) < i);
         for (_, copy) in self.routes[first..].iter().take_while(|(piece, _)| *piece as usize == i) {
@@ -313,7 +330,7 @@ impl Into<'_> {
             for span in copy.to() {
                 let to = view(me, self.mem, &span, copy.to_dtype(), block.extent(), || block)?;
                 // SAFETY: as above; `from` is in bounds of `src`'s region.
-                unsafe { copy_strided(block.extent(), &from, &to) };
+                unsafe { copy_strided_unfenced(block.extent(), &from, &to) };
             }
         }
         Ok(())
@@ -340,9 +357,85 @@ fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload) -> Result
             drop(keep_alive);
             drop(release);
         }
+        Payload::Pieces(sent) => {
+            if sent.len() != pieces.len() {
+                return Err(Unpack::Bad(format!("{} pieces sent for {} expected", sent.len(), pieces.len())));
+            }
+            for (i, (s, p)) in sent.pieces().zip(pieces.views()).enumerate() {
+                prefetch(p.words_ptr().wrapping_byte_add(PREFETCH_AHEAD));
+                let s = s.map_err(|b| Unpack::Bad(format!("sent piece {} does not fit the sender's memory", b.block())))?;
+                if s.extent != p.extent() || s.view.dtype != p.wire() {
+                    return Err(Unpack::Bad(format!("sent piece for piece {} does not match it", p.block())));
+                }
+                // The view is in bounds of memory the sender keeps alive
+                // and unwritten until `sent` (its release) is dropped.
+                into.write(i, &p, &s.view).map_err(Unpack::Exec)?;
+            }
+            drop(sent);
+        }
+        Payload::Stream(mut frame) => unpack_stream(into, msg, &mut frame)?,
         Payload::Bytes(bytes) => unpack_bytes(into, msg, &bytes)?,
         Payload::Lent(lent) => unpack_bytes(into, msg, lent.as_slice())?,
     }
+    Ok(())
+}
+
+/// Reads pieces packed back to back in wire dtype off their stream: a
+/// piece stored once in its wire type, in a buffer that exists, goes
+/// straight from the socket into its span (runs gathered by `readv`);
+/// any other (converted, several places, bypassed scratch, feeding local
+/// copies) is read into a small buffer first and written from there.
+fn unpack_stream(into: &Into<'_>, msg: &Message<RecvPiece>, frame: &mut crate::tcp::StreamFrame) -> Result<(), Unpack> {
+    let want = msg.wire_bytes();
+    if frame.len() != want {
+        return Err(Unpack::Bad(format!("{} bytes, expected {want}", frame.len())));
+    }
+    let broken = |e: std::io::Error| Unpack::Broken(format!("in a message: {e}"));
+    let mut runs: Vec<libc::iovec> = Vec::new();
+    let mut batched = 0usize;
+    // SAFETY (both calls): every run lies inside a span checked to be in
+    // bounds of this rank's own buffer, which only this thread writes; a
+    // message's pieces do not overlap (the program's invariant: each
+    // destination element arrives once), and an overlap would only make
+    // two runs of one `readv` write the same bytes in turn.
+    let flush = |runs: &mut Vec<libc::iovec>, frame: &mut crate::tcp::StreamFrame| unsafe { frame.read_runs(runs) };
+    let mut tmp: Vec<u8> = Vec::new();
+    for (i, p) in msg.pieces.views().enumerate() {
+        let (extent, wire) = (p.extent(), p.wire());
+        let mut spans = p.spans();
+        let direct = match (spans.next(), spans.next()) {
+            (Some(span), None) if wire == p.dtype() && !into.bypass.skips(span.buffer as usize) && !into.feeds_locals(i) => Some(span),
+            _ => None,
+        };
+        if let Some(span) = direct {
+            let to = view(into.me, into.mem, &span, wire, extent, || p.block()).map_err(Unpack::Exec)?;
+            // SAFETY: `to` is in bounds (checked by `view`).
+            unsafe {
+                for_each_run_ptr(extent, &to, |ptr, len| {
+                    runs.push(libc::iovec { iov_base: ptr as *mut libc::c_void, iov_len: len });
+                    batched += len;
+                })
+            };
+            if runs.len() >= 512 || batched >= 4 << 20 {
+                flush(&mut runs, frame).map_err(broken)?;
+                runs.clear();
+                batched = 0;
+            }
+            continue;
+        }
+        flush(&mut runs, frame).map_err(broken)?;
+        runs.clear();
+        batched = 0;
+        let n = (p.numel() * wire.size()) as usize;
+        tmp.clear();
+        tmp.resize(n, 0);
+        frame.read_exact(&mut tmp).map_err(broken)?;
+        // SAFETY: `tmp` lives, unchanged, until the end of this iteration,
+        // the view's scope.
+        let src = unsafe { StridedRef::new(tmp.as_ptr(), tmp.len(), 0, packed_strides(extent), wire) };
+        into.write(i, &p, &src).map_err(Unpack::Exec)?;
+    }
+    flush(&mut runs, frame).map_err(broken)?;
     Ok(())
 }
 
@@ -448,10 +541,15 @@ pub fn run_threads<T: Transport + WithAbort>(
                 report.messages += s.messages;
             }
             Err(e) => {
-                let secondary = matches!(e, ExecError::Transport(TransportError::PeerAborted { .. }));
+                // A peer that aborted, or whose end is gone, is the
+                // consequence of another rank's failure: that one is the
+                // root cause.
+                let secondary = |e: &ExecError| {
+                    matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. }))
+                };
                 match &first_err {
                     None => first_err = Some(e),
-                    Some(ExecError::Transport(TransportError::PeerAborted { .. })) if !secondary => first_err = Some(e),
+                    Some(f) if secondary(f) && !secondary(&e) => first_err = Some(e),
                     _ => {}
                 }
             }
@@ -489,5 +587,73 @@ impl WithAbort for TcpTransport {
         // on, and its peers see the links break (no goodbye).
         let kill = self.kill_switch();
         Box::new(move |_| kill())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{fill_sources, verify_destinations};
+    use reshard::{parse_layout, plan_reshard, Group, PlanOptions};
+
+    const SRC: &str = r#"{"ranks": 2, "tensors": [
+      {"name": "w", "dtype": "f32", "shape": [16, 12], "mesh": {"shape": [2]}, "placements": ["shard(1)"]},
+      {"name": "v", "dtype": "bf16", "shape": [40], "mesh": {"shape": [2]}, "placements": ["shard(0)"]},
+      {"name": "u", "dtype": "bf16", "shape": [6, 10], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#;
+    const DST: &str = r#"{"ranks": 3, "tensors": [
+      {"name": "w", "dtype": "bf16", "shape": [16, 12], "mesh": {"shape": [3]}, "placements": ["shard(0)"]},
+      {"name": "v", "dtype": "bf16", "shape": [40], "mesh": {"shape": [3]}, "placements": ["replicate"]},
+      {"name": "u", "dtype": "f32", "shape": [6, 10], "mesh": {"shape": [3]}, "placements": ["shard(1)"]}]}"#;
+
+    /// In process, a receiver reads the sender's pieces in place: converted
+    /// ones from the sender's staging, the others from its buffers. Every
+    /// element arrives; a sender whose buffer is too short for its pieces
+    /// fails the run with an error (no read outside the buffer, no panic).
+    #[test]
+    fn pieces_read_in_place_arrive_and_short_buffers_are_errors() {
+        let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(DST).unwrap());
+        for cap in [1 << 20, 64] {
+            let plan = plan_reshard(&src, &dst, &PlanOptions { max_staging_bytes: cap, ..PlanOptions::default() }).unwrap();
+            let programs = plan.programs(&src, &dst).unwrap();
+            assert!(programs.iter().flat_map(|p| &p.rounds).flat_map(|r| &r.sends).any(|m| m.pieces.converting() > 0));
+            let n_src = programs.iter().filter(|p| p.endpoint.group == Group::Src).count();
+            let mut memory = RankMemory::for_programs(&programs);
+            fill_sources(&src, &mut memory[..n_src]);
+            run_local(&programs, &mut memory, &ExecOptions::default()).unwrap();
+            verify_destinations(&src, &dst, &memory[n_src..]).unwrap();
+
+            for (b, keep) in [(0usize, 8usize), (1, 0), (2, 3)] {
+                let mut memory = RankMemory::for_programs(&programs);
+                fill_sources(&src, &mut memory[..n_src]);
+                memory[0].buffers[b].truncate(keep);
+                let err = run_local(&programs, &mut memory, &ExecOptions::default()).unwrap_err();
+                assert!(
+                    matches!(err, ExecError::OutOfBounds { .. } | ExecError::BadMessage { .. }),
+                    "cap {cap}, buffer {b} cut to {keep} bytes: {err}"
+                );
+            }
+        }
+    }
+
+    /// Over TCP without checksums, receivers read frames off the stream
+    /// straight into place, except pieces they convert, keep in several
+    /// places or feed to local copies (the baseline's bypassed scratch),
+    /// which go through a small buffer: every element arrives, over many
+    /// rounds too.
+    #[test]
+    fn frames_read_off_the_stream_into_place_are_bit_exact() {
+        use reshard::plan_baseline;
+        let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(DST).unwrap());
+        for cap in [1 << 20, 64] {
+            let options = PlanOptions { max_staging_bytes: cap, ..PlanOptions::default() };
+            for plan in [plan_reshard(&src, &dst, &options).unwrap(), plan_baseline(&src, &dst, &options).unwrap()] {
+                let programs = plan.programs(&src, &dst).unwrap();
+                let n_src = programs.iter().filter(|p| p.endpoint.group == Group::Src).count();
+                let mut memory = RankMemory::for_programs(&programs);
+                fill_sources(&src, &mut memory[..n_src]);
+                run_tcp(&programs, &mut memory, &ExecOptions::default(), &TcpConfig::default()).unwrap();
+                verify_destinations(&src, &dst, &memory[n_src..]).unwrap();
+            }
+        }
     }
 }

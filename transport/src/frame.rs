@@ -250,6 +250,19 @@ pub(crate) unsafe fn for_payload_runs<'a>(payload: &'a Payload, mut f: impl FnMu
     match payload {
         Payload::Bytes(b) => f(b),
         Payload::Lent(l) => f(l.as_slice()),
+        Payload::Stream(_) => return Err(io::Error::new(io::ErrorKind::InvalidInput, "a received frame cannot be sent on")),
+        Payload::Pieces(sent) => {
+            // Every piece checked before any run is handed out.
+            if let Some(Err(b)) = sent.pieces().find(Result::is_err) {
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("piece {} does not fit the sender's memory", b.block())));
+            }
+            for p in sent.pieces().flatten() {
+                // SAFETY: in bounds (checked as read); valid while the
+                // payload lives (the caller's contract), so the runs may
+                // borrow it.
+                unsafe { for_each_run(p.extent, &p.view, |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))) };
+            }
+        }
         Payload::Segments { segments, .. } => {
             for s in segments {
                 if !in_bounds(s.extent(), s.view()) {
@@ -273,6 +286,8 @@ pub(crate) fn payload_len(payload: &Payload) -> u64 {
         Payload::Bytes(b) => b.len() as u64,
         Payload::Lent(l) => l.as_slice().len() as u64,
         Payload::Segments { segments, .. } => segments.iter().map(|s| s.numel() * s.view().dtype.size()).sum(),
+        Payload::Pieces(sent) => sent.wire_bytes(),
+        Payload::Stream(frame) => frame.len(),
     }
 }
 

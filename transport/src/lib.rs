@@ -44,4 +44,4 @@ pub use pattern::{
     verify_destinations, Mismatch,
 };
 pub use shm::ShmConfig;
-pub use transport::{Lent, Payload, Release, Segment, Transport, TransportError};
+pub use transport::{Lent, Payload, Release, Segment, SentPiece, SentPieces, Transport, TransportError};

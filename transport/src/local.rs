@@ -75,8 +75,10 @@ impl Transport for LocalTransport {
 
     fn send(&mut self, round: u32, to: Endpoint, mut payload: Payload) -> Result<(), TransportError> {
         let tx = self.peers.get(&to).ok_or(TransportError::Disconnected { peer: to })?;
-        if let Payload::Segments { release, .. } = &mut payload {
-            *release = self.outstanding.post();
+        match &mut payload {
+            Payload::Segments { release, .. } => *release = self.outstanding.post(),
+            Payload::Pieces(sent) => sent.release = self.outstanding.post(),
+            Payload::Bytes(_) | Payload::Lent(_) | Payload::Stream(_) => {}
         }
         tx.send(Envelope::Data { round, from: self.me, payload }).map_err(|_| TransportError::Disconnected { peer: to })
     }

@@ -5,9 +5,11 @@
 //! are (in-process, shared memory: the receiver copies straight out of the
 //! sender's buffers, one copy per byte) or streams them as bytes (TCP).
 
-use crate::copy::StridedRef;
-use reshard::Endpoint;
+use crate::copy::{fits, packed_strides, prefetch, StridedRef, PREFETCH_AHEAD};
+use crate::memory::RawBuf;
+use reshard::program::SendPieceView;
 use reshard::MAX_DIMS;
+use reshard::{Endpoint, Message, SendPiece};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 use thiserror::Error;
@@ -63,6 +65,13 @@ pub enum Payload {
         /// Tells the sender, when dropped, that its memory is free again.
         release: Release,
     },
+    /// The sender's message read in place: its pieces as its program lists
+    /// them, in its buffers (no list of segments is built). The executor
+    /// sends this; every transport reads it with [`SentPieces::pieces`].
+    Pieces(SentPieces),
+    /// The pieces packed back to back in wire dtype, still on the TCP
+    /// stream they arrive on: the receiver reads them straight into place.
+    Stream(crate::tcp::StreamFrame),
     /// The pieces packed back to back in wire dtype.
     Bytes(Vec<u8>),
     /// The pieces packed back to back in wire dtype, in memory the
@@ -103,6 +112,128 @@ impl Lent {
 // SAFETY: segments point into memory that outlives the executor's threads
 // (see `memory::MemView`) or into the `Arc`ed staging carried alongside.
 unsafe impl Send for Payload {}
+
+impl Payload {
+    /// Whether the payload points into the sender's memory (the receiver
+    /// reads the sender's buffers), rather than holding or lending bytes.
+    pub fn borrows_sender(&self) -> bool {
+        matches!(self, Payload::Segments { .. } | Payload::Pieces(_))
+    }
+}
+
+/// One message's pieces as its sender holds them: the sender's message
+/// (packed pieces, read in place) and its buffers, plus a staging area
+/// for the pieces whose wire type differs from their buffer's (converted
+/// by the sender, back to back in order, each at an offset aligned to its
+/// wire element size).
+///
+/// Reading it costs no allocation and no list per piece: each piece's
+/// view is made, and checked against its region, as it is read.
+pub struct SentPieces {
+    /// The sender's message.
+    message: *const Message<SendPiece>,
+    /// The sender's buffers, indexed by a span's buffer.
+    regions: *const RawBuf,
+    /// Number of regions.
+    n_regions: usize,
+    /// Converted pieces, in wire type.
+    staging: Vec<u8>,
+    /// Tells the sender, when dropped, that its memory is free again.
+    pub(crate) release: Release,
+}
+
+impl std::fmt::Debug for SentPieces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentPieces").field("pieces", &self.len()).field("staging", &self.staging.len()).finish()
+    }
+}
+
+/// One piece of [`SentPieces`] as read: its elements and its extent.
+#[derive(Clone, Copy, Debug)]
+pub struct SentPiece<'a> {
+    /// Where its elements are, in wire type (checked to be in bounds of
+    /// the region it names).
+    pub view: StridedRef,
+    /// Its extent.
+    pub extent: &'a [u64],
+}
+
+impl SentPieces {
+    /// The pieces of `message` in the buffers `regions`, with `staging`
+    /// holding the converted ones (as [`SentPieces`] describes).
+    ///
+    /// # Safety
+    /// `message` and `regions` (and the memory each region names) must stay
+    /// valid, and the regions' bytes that the pieces read unwritten, until
+    /// the payload is dropped: the sender waits for its release before it
+    /// touches them again (and so before its program and buffer list go).
+    pub(crate) unsafe fn new(message: &Message<SendPiece>, regions: &[RawBuf], staging: Vec<u8>) -> SentPieces {
+        SentPieces { message, regions: regions.as_ptr(), n_regions: regions.len(), staging, release: Release::default() }
+    }
+
+    fn message(&self) -> &Message<SendPiece> {
+        // SAFETY: valid while `self` lives (`SentPieces::new`).
+        unsafe { &*self.message }
+    }
+
+    /// Number of pieces.
+    pub fn len(&self) -> usize {
+        self.message().pieces.len()
+    }
+
+    /// Whether there is no piece.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes on the wire.
+    pub fn wire_bytes(&self) -> u64 {
+        self.message().wire_bytes()
+    }
+
+    /// The pieces in wire order: each one's view in wire type, or, for a
+    /// piece that does not lie inside its region, the piece as the sender
+    /// lists it.
+    pub fn pieces(&self) -> impl Iterator<Item = Result<SentPiece<'_>, SendPieceView<'_>>> + '_ {
+        let mut pos = 0u64;
+        self.message().pieces.views().map(move |p| self.piece(&p, &mut pos))
+    }
+
+    fn piece<'a>(&'a self, p: &SendPieceView<'a>, pos: &mut u64) -> Result<SentPiece<'a>, SendPieceView<'a>> {
+        prefetch(p.words_ptr().wrapping_byte_add(PREFETCH_AHEAD));
+        let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
+        if dtype == wire {
+            let span = p.span();
+            let region = (span.buffer as usize) < self.n_regions;
+            if region {
+                // SAFETY: index checked; the list is valid while `self`
+                // lives (`SentPieces::new`).
+                let buf = unsafe { *self.regions.add(span.buffer as usize) };
+                if fits(extent, buf.len, span.base, &span.strides, dtype) {
+                    // SAFETY: the region is valid while `self` lives
+                    // (`SentPieces::new`); the offsets are in bounds.
+                    let view = unsafe { StridedRef::new(buf.ptr, buf.len, span.base, span.strides, dtype) };
+                    return Ok(SentPiece { view, extent });
+                }
+            }
+            Err(*p)
+        } else {
+            let elem = wire.size();
+            let at = pos.next_multiple_of(elem);
+            let numel = extent.iter().try_fold(1u64, |a, &e| a.checked_mul(e));
+            let end = numel.and_then(|n| n.checked_mul(elem)).and_then(|b| b.checked_add(at));
+            *pos = end.unwrap_or(u64::MAX);
+            let strides = packed_strides(extent);
+            if fits(extent, self.staging.len(), at / elem, &strides, wire) {
+                // SAFETY: the staging vector lives, unchanged, as long as
+                // `self`; the offsets are in bounds.
+                let view = unsafe { StridedRef::new(self.staging.as_ptr(), self.staging.len(), at / elem, strides, wire) };
+                return Ok(SentPiece { view, extent });
+            }
+            Err(*p)
+        }
+    }
+}
 
 /// Messages a sender has posted and its receivers have not finished with.
 #[derive(Debug, Default)]

@@ -111,7 +111,12 @@ fn bytes_of(p: Payload) -> Vec<u8> {
     match p {
         Payload::Bytes(b) => b,
         Payload::Lent(l) => l.as_slice().to_vec(),
-        Payload::Segments { .. } => panic!("segments from a process transport"),
+        Payload::Stream(mut frame) => {
+            let mut b = vec![0u8; frame.len() as usize];
+            frame.read_exact(&mut b).unwrap();
+            b
+        }
+        Payload::Segments { .. } | Payload::Pieces(_) => panic!("segments from a process transport"),
     }
 }
 
