@@ -200,6 +200,11 @@ fn strangers_at_the_data_port_do_not_stop_the_connect() {
     let got = match got {
         Payload::Bytes(b) => b,
         Payload::Lent(l) => l.as_slice().to_vec(),
+        Payload::Stream(mut f) => {
+            let mut b = vec![0u8; f.len() as usize];
+            f.read_exact(&mut b).unwrap();
+            b
+        }
         other => panic!("{other:?}"),
     };
     assert_eq!(got, bytes);
