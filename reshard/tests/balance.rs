@@ -1,0 +1,333 @@
+//! Planner balance against the optimum: how much the busiest source rank
+//! sends, compared with the least any assignment of the same bytes to the
+//! source ranks holding them could make it send.
+//!
+//! **What is compared.** The reshard planner sends every needed element
+//! from the sources either once per destination node that needs it (direct)
+//! or once in all (relayed node to node); which one is a time trade-off of
+//! the link model, not a matter of balance. So the optimum is taken over
+//! the *same bytes that leave the sources in the plan*: for every element of
+//! every tensor, `copies` = the number of the plan's source transfers that
+//! carry it, and those `copies × wire bytes` must come from source ranks that
+//! hold the element, split among them in any way (arbitrarily divisible, as
+//! a linear program would). The least possible busiest-source load of that
+//! problem is exact without an LP: by the max-flow/min-cut (Hall) theorem
+//! for a supply–demand bipartite graph, a busiest load `T` is feasible iff
+//! every set `S` of source ranks can carry what only `S` holds, so
+//! `T* = max over S of (bytes held only within S) / |S|`; with at most 8
+//! source ranks that is 255 sets. The plan itself is a feasible point, so
+//! `planner / T* ≥ 1` always (checked). Every source transfer of a reshard
+//! crosses nodes (source and destination nodes are distinct machines), so
+//! the planner's figure is its `src_rank_egress_bytes` maximum.
+//!
+//! For information the test also prints the ratio to the lower bound of
+//! *any* plan: every needed element leaving the sources once (`unique`).
+//!
+//! Run with the figures printed:
+//! `cargo test --release -p reshard --test balance -- --nocapture`
+
+use reshard::{plan_reshard, Block, DType, Group, Layout, Placement, Plan, PlanOptions, Region, ShardSpec, Storage, TensorLayout};
+use std::collections::HashMap;
+
+/// A seeded generator (splitmix64): the same 200 cases on every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn one_in(&mut self, n: u64) -> bool {
+        self.below(n) == 0
+    }
+
+    /// `k` distinct ranks of `0..n`.
+    fn ranks(&mut self, n: u32, k: u32) -> Vec<u32> {
+        let mut all: Vec<u32> = (0..n).collect();
+        for i in 0..all.len() {
+            let j = i + self.below((all.len() - i) as u64) as usize;
+            all.swap(i, j);
+        }
+        all.truncate(k.min(n) as usize);
+        all
+    }
+}
+
+/// Uneven cut points of `0..n` (0 and `n` included), at most `max_cuts`
+/// inside.
+fn cuts(rng: &mut Rng, n: u64, max_cuts: u64) -> Vec<u64> {
+    let mut c = vec![0, n];
+    for _ in 0..rng.below(max_cuts + 1) {
+        if n > 1 {
+            c.push(1 + rng.below(n - 1));
+        }
+    }
+    c.sort_unstable();
+    c.dedup();
+    c
+}
+
+/// The boxes of the grid the cut points of each dimension make.
+fn grid(cuts: &[Vec<u64>]) -> Vec<(Vec<u64>, Vec<u64>)> {
+    let mut boxes = vec![(Vec::new(), Vec::new())];
+    for c in cuts {
+        let mut next = Vec::new();
+        for (off, ext) in &boxes {
+            for w in c.windows(2) {
+                let (mut o, mut e): (Vec<u64>, Vec<u64>) = (off.clone(), ext.clone());
+                o.push(w[0]);
+                e.push(w[1] - w[0]);
+                next.push((o, e));
+            }
+        }
+        boxes = next;
+    }
+    boxes
+}
+
+fn shard(rank: u32, (offset, extent): (Vec<u64>, Vec<u64>)) -> ShardSpec {
+    ShardSpec { rank, region: Region::Block { offset, extent }, storage: Storage::Own }
+}
+
+/// A grid partition of `shape` (at most `max_cuts` cuts per dimension),
+/// every box on `copies` distinct random ranks.
+fn partition(rng: &mut Rng, shape: &[u64], ranks: u32, max_cuts: u64, copies: u32) -> Vec<ShardSpec> {
+    let c: Vec<Vec<u64>> = shape.iter().map(|&n| cuts(rng, n, max_cuts)).collect();
+    let mut shards = Vec::new();
+    for b in grid(&c) {
+        let k = 1 + rng.below(copies as u64) as u32;
+        for r in rng.ranks(ranks, k) {
+            shards.push(shard(r, b.clone()));
+        }
+    }
+    shards
+}
+
+/// Source shards of one tensor: replicated whole, a grid partition with
+/// replicas (uneven cuts), overlapping partitions cut differently (partial
+/// overlaps), or a partition plus arbitrary boxes.
+fn src_shards(rng: &mut Rng, shape: &[u64], ranks: u32) -> Vec<ShardSpec> {
+    let whole = (vec![0; shape.len()], shape.to_vec());
+    match rng.below(4) {
+        0 => {
+            let k = 1 + rng.below(ranks as u64) as u32;
+            rng.ranks(ranks, k).into_iter().map(|r| shard(r, whole.clone())).collect()
+        }
+        1 => partition(rng, shape, ranks, 3, 3),
+        2 => {
+            // Two or three partitions cut differently, sometimes one of
+            // them a whole copy (the 4×4 case of the issue).
+            let mut s = Vec::new();
+            if rng.one_in(2) {
+                s.push(shard(rng.below(ranks as u64) as u32, whole));
+            }
+            for _ in 0..2 + rng.below(2) {
+                s.extend(partition(rng, shape, ranks, 2, 1));
+            }
+            s
+        }
+        _ => {
+            let mut s = partition(rng, shape, ranks, 1, 2);
+            for _ in 0..1 + rng.below(3) {
+                let (mut off, mut ext) = (Vec::new(), Vec::new());
+                for &n in shape {
+                    let a = rng.below(n);
+                    off.push(a);
+                    ext.push(1 + rng.below(n - a));
+                }
+                s.push(shard(rng.below(ranks as u64) as u32, (off, ext)));
+            }
+            s
+        }
+    }
+}
+
+/// Destination shards: a grid partition, boxes on one or two ranks, some
+/// boxes not needed at all.
+fn dst_shards(rng: &mut Rng, shape: &[u64], ranks: u32) -> Vec<ShardSpec> {
+    let mut s = partition(rng, shape, ranks, 2, 2);
+    if s.len() > 1 && rng.one_in(3) {
+        s.remove(rng.below(s.len() as u64) as usize);
+    }
+    s
+}
+
+/// Case `seed`: 2–8 source ranks, 1–6 destination ranks, 1–3 tensors of
+/// 1 to 3 dimensions (sizes up to 16), bf16 or f32.
+fn case(seed: u64) -> (Layout, Layout) {
+    let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) ^ 0x1234_5678);
+    let src_ranks = 2 + rng.below(7) as u32;
+    let dst_ranks = 1 + rng.below(6) as u32;
+    let src_rpn = if rng.one_in(2) { 1 } else { 1 + rng.below(src_ranks as u64) as u32 };
+    let dst_rpn = if rng.one_in(2) { 1 } else { 1 + rng.below(dst_ranks as u64) as u32 };
+    let (mut st, mut dt) = (Vec::new(), Vec::new());
+    for i in 0..1 + rng.below(3) {
+        let ndim = [1usize, 2, 2, 2, 3][rng.below(5) as usize];
+        let shape: Vec<u64> = (0..ndim).map(|_| 1 + rng.below(if ndim == 1 { 64 } else { 16 })).collect();
+        let (sd, dd) = match rng.below(3) {
+            0 => (DType::F32, DType::F32),
+            1 => (DType::F32, DType::BF16),
+            _ => (DType::BF16, DType::BF16),
+        };
+        let name = format!("t{i}");
+        let s = Placement::Shards(src_shards(&mut rng, &shape, src_ranks));
+        let d = Placement::Shards(dst_shards(&mut rng, &shape, dst_ranks));
+        st.push(TensorLayout { name: name.clone(), dtype: sd, shape: shape.clone(), placement: s });
+        dt.push(TensorLayout { name, dtype: dd, shape, placement: d });
+    }
+    let src = Layout::new(src_ranks, Some(src_rpn), st).expect("generated source layout is valid");
+    let dst = Layout::new(dst_ranks, Some(dst_rpn), dt).expect("generated destination layout is valid");
+    (src, dst)
+}
+
+/// Every element of `b`, as a one-element block.
+fn elements(b: &Block) -> Vec<Block> {
+    let mut out = vec![(Vec::new(), Vec::new())];
+    for (&o, &e) in b.offset().iter().zip(b.extent()) {
+        out = out
+            .into_iter()
+            .flat_map(|(off, ext): (Vec<u64>, Vec<u64>)| {
+                (o..o + e).map(move |i| {
+                    let (mut off, mut ext) = (off.clone(), ext.clone());
+                    off.push(i);
+                    ext.push(1);
+                    (off, ext)
+                })
+            })
+            .collect();
+    }
+    out.into_iter().map(|(o, e)| Block::new(&o, &e)).collect()
+}
+
+/// Per set of source ranks (a bit mask), the bytes only its members can
+/// send: for every element the plan sends from sources, its copies times
+/// its wire bytes (`unique`: once) go to the mask of the ranks holding it.
+fn demand(src: &Layout, plan: &Plan, unique: bool) -> HashMap<u32, u64> {
+    let mut by_tensor: HashMap<u32, Vec<(Block, u64)>> = HashMap::new();
+    for t in plan.transfers().iter().filter(|t| t.from.group == Group::Src && t.from != t.to) {
+        let p = &plan.pieces()[t.piece as usize];
+        by_tensor.entry(p.src_tensor).or_default().push((p.block, plan.wire_bytes(t) / p.block.numel().max(1)));
+    }
+    let mut d: HashMap<u32, u64> = HashMap::new();
+    for (ts, sent) in by_tensor {
+        let holdings = src.holdings(ts);
+        let shape = &src.tensors()[ts as usize].shape;
+        for e in elements(&Block::new(&vec![0; shape.len()], shape)) {
+            let carried: Vec<u64> = sent.iter().filter(|(b, _)| b.contains(&e)).map(|&(_, w)| w).collect();
+            if carried.is_empty() {
+                continue;
+            }
+            let bytes = if unique { carried[0] } else { carried.iter().sum() };
+            let mut mask = 0u32;
+            for h in holdings.iter().filter(|h| h.block.contains(&e)) {
+                for l in &h.holders {
+                    mask |= 1 << l.rank;
+                }
+            }
+            assert_ne!(mask, 0, "the plan sends an element no source holds");
+            *d.entry(mask).or_default() += bytes;
+        }
+    }
+    d
+}
+
+/// The least possible busiest-rank load: max over sets `S` of source
+/// ranks of (bytes only `S` holds) / |S| (see the module doc).
+fn optimum(demand: &HashMap<u32, u64>, ranks: u32) -> f64 {
+    let mut best: f64 = 0.0;
+    for s in 1u32..1 << ranks {
+        let inside: u64 = demand.iter().filter(|(&m, _)| m & !s == 0).map(|(_, &b)| b).sum();
+        best = best.max(inside as f64 / s.count_ones() as f64);
+    }
+    best
+}
+
+/// Checks that the plan delivers every needed element to every destination
+/// rank exactly once, each transfer sent by a rank that holds its piece (a
+/// source's holdings, or what a destination received in an earlier stage).
+fn check_delivery(src: &Layout, dst: &Layout, plan: &Plan) {
+    // (dst rank, dst tensor) -> received blocks with their stage.
+    let mut got: HashMap<(u32, u32), Vec<(Block, u16)>> = HashMap::new();
+    let mut transfers: Vec<_> = plan.transfers().to_vec();
+    transfers.sort_by_key(|t| t.stage);
+    for t in &transfers {
+        let p = &plan.pieces()[t.piece as usize];
+        match t.from.group {
+            Group::Src => {
+                let held = src.rank_holdings(p.src_tensor, t.from.rank);
+                assert!(held.iter().any(|(b, _)| b.contains(&p.block)), "{} sends {} it does not hold", t.from, p.block);
+            }
+            Group::Dst => {
+                let had = got.get(&(t.from.rank, p.dst_tensor)).map(Vec::as_slice).unwrap_or(&[]);
+                assert!(had.iter().any(|(b, s)| b.contains(&p.block) && *s < t.stage), "{} forwards {} before it has it", t.from, p.block);
+            }
+        }
+        if t.to.group == Group::Dst {
+            got.entry((t.to.rank, p.dst_tensor)).or_default().push((p.block, t.stage));
+        }
+    }
+    for (td, tensor) in dst.tensors().iter().enumerate() {
+        for h in dst.holdings(td as u32) {
+            for l in &h.holders {
+                let have = got.get(&(l.rank, td as u32)).map(Vec::as_slice).unwrap_or(&[]);
+                for e in elements(&h.block) {
+                    let n = have.iter().filter(|(b, _)| b.contains(&e)).count();
+                    assert_eq!(n, 1, "tensor '{}' dst rank {} element {e}: received {n} times", tensor.name, l.rank);
+                }
+            }
+        }
+    }
+}
+
+/// Median, 90th percentile and worst of `ratios`.
+fn stats(ratios: &mut [f64]) -> (f64, f64, f64) {
+    ratios.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| ratios[((ratios.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.9), ratios[ratios.len() - 1])
+}
+
+/// Plans case `seed` with `options`: the planner's busiest source rank
+/// against the optimum of the same bytes and against the unique-bytes
+/// bound, and the plan's messages and pieces.
+fn check(seed: u64, options: &PlanOptions) -> (f64, f64, u64, u64) {
+    let (src, dst) = case(seed);
+    let plan = plan_reshard(&src, &dst, options).unwrap_or_else(|e| panic!("case {seed}: {e}"));
+    check_delivery(&src, &dst, &plan);
+    let f = plan.figures();
+    let busiest = f.max_src_rank_egress_bytes() as f64;
+    let same = optimum(&demand(&src, &plan, false), src.ranks());
+    let unique = optimum(&demand(&src, &plan, true), src.ranks());
+    assert!(busiest + 1e-9 >= same, "case {seed}: the planner ({busiest}) beats the optimum ({same}): the optimum is wrong");
+    let ratio = |opt: f64| if opt > 0.0 { busiest / opt } else { 1.0 };
+    (ratio(same), ratio(unique), f.messages, f.pieces)
+}
+
+const CASES: u64 = 200;
+
+#[test]
+fn busiest_source_rank_against_the_optimum() {
+    let options = PlanOptions::default();
+    let (mut same, mut unique) = (Vec::new(), Vec::new());
+    let (mut messages, mut pieces) = (0, 0);
+    for seed in 0..CASES {
+        let (s, u, m, p) = check(seed, &options);
+        same.push(s);
+        unique.push(u);
+        messages += m;
+        pieces += p;
+    }
+    let (m, p90, worst) = stats(&mut same);
+    let (um, up90, uworst) = stats(&mut unique);
+    println!("busiest source rank / optimum of the same bytes, {CASES} cases: median {m:.3}, p90 {p90:.3}, worst {worst:.3}");
+    println!("busiest source rank / unique-bytes bound: median {um:.3}, p90 {up90:.3}, worst {uworst:.3}");
+    println!("messages {messages}, pieces {pieces} in all");
+}
