@@ -359,9 +359,15 @@ fn build_case(vals: &[u16]) -> Case {
     } else {
         LinkModel::default()
     };
+    // Often tiny, so that the reshard splits pieces among the ranks holding
+    // them (the cases are a few bytes large).
+    let min_split_bytes = match d.below(3) {
+        0 => PlanOptions::default().min_split_bytes,
+        _ => 1 + d.below(16),
+    };
     let src = Layout::new(src_ranks, Some(src_rpn), src_tensors).expect("generated source layout is valid");
     let dst = Layout::new(dst_ranks, Some(dst_rpn), dst_tensors).expect("generated destination layout is valid");
-    Case { src, dst, options: PlanOptions { max_staging_bytes, links } }
+    Case { src, dst, options: PlanOptions { max_staging_bytes, links, min_split_bytes } }
 }
 
 fn cases() -> impl Strategy<Value = Case> {
@@ -761,13 +767,16 @@ proptest! {
 // Hand-written regression cases
 // ---------------------------------------------------------------------------
 
-/// Runs every property on one layout pair, with default options and with a
-/// tiny staging budget (many rounds).
+/// Runs every property on one layout pair, with default options, with
+/// pieces split among their holders down to a byte or two, and with a tiny
+/// staging budget (many rounds).
 fn check(src_json: &str, dst_json: &str) {
     let src = parse_layout(src_json).expect("source layout parses");
     let dst = parse_layout(dst_json).expect("destination layout parses");
-    for max_staging_bytes in [PlanOptions::default().max_staging_bytes, 48, 1] {
-        let c = Case { src: src.clone(), dst: dst.clone(), options: PlanOptions { max_staging_bytes, ..PlanOptions::default() } };
+    let (staging, split) = (PlanOptions::default().max_staging_bytes, PlanOptions::default().min_split_bytes);
+    for (max_staging_bytes, min_split_bytes) in [(staging, split), (staging, 1), (48, 2), (1, split)] {
+        let options = PlanOptions { max_staging_bytes, min_split_bytes, ..PlanOptions::default() };
+        let c = Case { src: src.clone(), dst: dst.clone(), options };
         let run = || -> Result<(), TestCaseError> {
             check_execution(&c)?;
             check_figures(&c)?;

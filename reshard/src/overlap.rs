@@ -106,6 +106,16 @@ impl<'a> SourceIndex<'a> {
     /// Covers `atom` with source holdings. Returns the covered parts and,
     /// if some part is held by no source, that part.
     pub fn cover(&self, atom: &Block) -> Result<Vec<Cover>, Box<Block>> {
+        self.cover_split(atom, u64::MAX)
+    }
+
+    /// [`cover`](Self::cover), where a part that holdings overlap only in
+    /// part (cut differently: a rank holds the whole part, others halves of
+    /// it) is cut along those holdings' edges into cells, each with every
+    /// rank holding it as a candidate, so that ranks holding only part of
+    /// the part can send their share. Only where every cell has at least
+    /// `min_cell` elements and there are at most [`MAX_CELLS`] of them.
+    pub fn cover_split(&self, atom: &Block, min_cell: u64) -> Result<Vec<Cover>, Box<Block>> {
         let over = self.overlapping(atom);
         let candidates_of = |piece: &Block| {
             let mut c: Vec<Rank> = Vec::new();
@@ -119,9 +129,13 @@ impl<'a> SourceIndex<'a> {
             c.dedup();
             c
         };
+        let cells = |part: &Block| -> Option<Vec<Block>> { self.cells(part, &over, min_cell) };
         // Fast path: one holding contains the whole atom.
         if over.iter().any(|&i| self.holdings[i as usize].block.contains(atom)) {
-            return Ok(vec![Cover { block: *atom, candidates: candidates_of(atom) }]);
+            return Ok(match cells(atom) {
+                None => vec![Cover { block: *atom, candidates: candidates_of(atom) }],
+                Some(cells) => cells.into_iter().map(|c| Cover { block: c, candidates: candidates_of(&c) }).collect(),
+            });
         }
         let mut uncovered = vec![*atom];
         let mut parts = Vec::new();
@@ -145,9 +159,78 @@ impl<'a> SourceIndex<'a> {
         if let Some(u) = uncovered.first() {
             return Err(Box::new(*u));
         }
-        Ok(parts.into_iter().map(|p| Cover { block: p, candidates: candidates_of(&p) }).collect())
+        Ok(parts
+            .into_iter()
+            .flat_map(|p| cells(&p).unwrap_or_else(|| vec![p]))
+            .map(|p| Cover { block: p, candidates: candidates_of(&p) })
+            .collect())
+    }
+
+    /// `part` cut along the edges (inside it) of the holdings among `over`
+    /// that overlap it without containing it: the cells of that grid, if
+    /// there are such holdings, at most [`MAX_CELLS`] cells and each of at
+    /// least `min_cell` elements (at least 2 elements, so a part of one
+    /// element is never cut).
+    fn cells(&self, part: &Block, over: &[u32], min_cell: u64) -> Option<Vec<Block>> {
+        let min_cell = min_cell.max(1);
+        if part.numel() / 2 < min_cell {
+            return None;
+        }
+        let nd = part.ndim();
+        let mut cuts: Vec<Vec<u64>> = (0..nd).map(|d| vec![part.offset()[d], part.end(d)]).collect();
+        let mut partial = false;
+        for &i in over {
+            let b = &self.holdings[i as usize].block;
+            if b.contains(part) || b.intersect(part).is_none() {
+                continue;
+            }
+            partial = true;
+            for (d, c) in cuts.iter_mut().enumerate() {
+                for x in [b.offset()[d], b.end(d)] {
+                    if x > part.offset()[d] && x < part.end(d) {
+                        c.push(x);
+                    }
+                }
+            }
+        }
+        if !partial {
+            return None;
+        }
+        let mut count = 1usize;
+        for c in &mut cuts {
+            c.sort_unstable();
+            c.dedup();
+            count = count.saturating_mul(c.len() - 1);
+            if count > MAX_CELLS {
+                return None;
+            }
+        }
+        // Every cell is at least the product of the narrowest slab of
+        // every dimension.
+        let smallest: u64 = cuts.iter().map(|c| c.windows(2).map(|w| w[1] - w[0]).min().unwrap_or(1)).product();
+        if smallest < min_cell {
+            return None;
+        }
+        let mut cells = vec![*part];
+        for (d, c) in cuts.iter().enumerate() {
+            if c.len() > 2 {
+                cells = cells.into_iter().flat_map(|b| c.windows(2).map(move |w| with_range(&b, d, w[0], w[1] - w[0]))).collect();
+            }
+        }
+        Some(cells)
     }
 }
+
+/// `b` with dimension `d` narrowed to `len` indices from `start`.
+pub(crate) fn with_range(b: &Block, d: usize, start: u64, len: u64) -> Block {
+    let (mut offset, mut extent) = (b.offset().to_vec(), b.extent().to_vec());
+    offset[d] = start;
+    extent[d] = len;
+    Block::new(&offset, &extent)
+}
+
+/// Most cells [`SourceIndex::cover_split`] cuts one part into.
+pub const MAX_CELLS: usize = 64;
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,7 @@ use crate::cost::LinkModel;
 use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::fingerprint::Fnv64;
 use crate::layout::{Holding, Layout, Rank, TensorLayout};
-use crate::overlap::{atomize, SourceIndex};
+use crate::overlap::{atomize, with_range, SourceIndex};
 use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -101,11 +101,14 @@ fn overlap_template(
     let hd = dst.holdings(td);
     let index = SourceIndex::new(&hs);
     let max_elems = (options.max_staging_bytes / wire.size()).max(1);
+    // Cells of an atom that holdings cut differently are sent by different
+    // ranks only where each is at least the least part of a split.
+    let min_cell = options.min_split_bytes.div_ceil(wire.size());
     let mut t = Template { src_tensor: ts, dst_tensor: td, wire, pieces: Vec::new(), unique_bytes: 0, needs: Vec::new() };
     let mut needs = vec![0u64; dst.nodes() as usize];
     for atom in atomize(&hd) {
         let receivers = receivers_of(&hd, &atom.holdings);
-        let covers = index.cover(&atom.block).map_err(|region| PlanError::NotCovered {
+        let covers = index.cover_split(&atom.block, min_cell).map_err(|region| PlanError::NotCovered {
             tensor: dst.tensors()[td as usize].name.clone(),
             rank: receivers[0],
             region,
@@ -246,15 +249,35 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         }
     }
     drop(slots);
-    let mut assigner = Assigner::new(src, dst, options.links);
+    let mut assigner = Assigner::new(src, dst, options.links, options.min_split_bytes);
     // Every receiver of a piece gets one transfer of it, almost all from a
     // source in stage 0.
     let expected = work.iter().map(|w| w.receivers.1 as usize).sum();
     let mut lists = SenderLists::new(src.ranks(), dst.ranks(), expected);
+    let mut parts: Vec<(Block, u64, Rank)> = Vec::new();
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
-        assigner.assign(w.piece, w.bytes, receivers, candidates, &mut lists);
+        // A piece that several ranks hold may be split among them (parts
+        // of whole rows, each sent by one of them), where that lowers the
+        // busiest source link; the first part keeps the piece's index, the
+        // others are new pieces.
+        let room = MAX_PIECES.saturating_sub(pieces.len() as u64);
+        let piece = pieces[w.piece as usize];
+        if assigner.split(&piece.block, w.bytes, receivers, candidates, room, &mut parts) {
+            for (i, &(block, bytes, sender)) in parts.iter().enumerate() {
+                let index = if i == 0 {
+                    pieces[w.piece as usize].block = block;
+                    w.piece
+                } else {
+                    pieces.push(Piece { block, ..piece });
+                    pieces.len() as u32 - 1
+                };
+                assigner.assign(index, bytes, receivers, &[sender], &mut lists);
+            }
+        } else {
+            assigner.assign(w.piece, w.bytes, receivers, candidates, &mut lists);
+        }
     }
     drop(work);
     let parts = PlanParts {
@@ -316,6 +339,15 @@ struct Assigner {
     cand: Vec<(u128, Rank)>,
     picks: Vec<Rank>,
     arrival: Vec<u16>,
+    /// Least bytes of a part when a piece is split among its candidates
+    /// ([`PlanOptions::min_split_bytes`]), and the most bytes any source
+    /// rank sends in stage 0 so far.
+    min_split: u64,
+    src_max: u64,
+    /// Scratch for [`split`](Self::split): candidates' (stage-0 egress,
+    /// rank), and rows per part.
+    by_load: Vec<(u64, Rank)>,
+    rows: Vec<u64>,
 }
 
 const SRC_OUT: usize = 0;
@@ -325,7 +357,7 @@ const DST_IN_NV: usize = 3;
 const DST_OUT_NV: usize = 4;
 
 impl Assigner {
-    fn new(src: &Layout, dst: &Layout, links: LinkModel) -> Assigner {
+    fn new(src: &Layout, dst: &Layout, links: LinkModel, min_split: u64) -> Assigner {
         let (n_src, n_dst) = (src.ranks() as usize, dst.ranks() as usize);
         Assigner {
             n_src,
@@ -348,6 +380,10 @@ impl Assigner {
             cand: Vec::new(),
             picks: Vec::new(),
             arrival: Vec::new(),
+            min_split: min_split.max(1),
+            src_max: 0,
+            by_load: Vec::new(),
+            rows: Vec::new(),
         }
     }
 
@@ -479,6 +515,7 @@ impl Assigner {
         self.top = 0;
         for (&s, &l) in self.picks.iter().zip(&self.leaders) {
             self.src_node_load[self.src_node[s as usize] as usize] += bytes;
+            self.src_max = self.src_max.max(self.load(0, SRC_OUT, s));
             out.push(0, Endpoint::src(s), Endpoint::dst(l), piece, bytes);
         }
         if !self.fans {
@@ -499,12 +536,15 @@ impl Assigner {
     fn commit(&mut self, piece: u32, bytes: u64, out: &mut SenderLists) {
         self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
-        for (from, to, stage) in self.emitted.drain(..) {
+        let mut emitted = std::mem::take(&mut self.emitted);
+        for (from, to, stage) in emitted.drain(..) {
             if from.group == Group::Src {
                 self.src_node_load[self.src_node[from.rank as usize] as usize] += bytes;
+                self.src_max = self.src_max.max(self.load(0, SRC_OUT, from.rank));
             }
             out.push(stage, from, to, piece, bytes);
         }
+        self.emitted = emitted;
     }
 
     /// A lower bound on the relay option's cost, computed while the direct
@@ -587,6 +627,132 @@ impl Assigner {
                 self.send(Endpoint::dst(leader), Endpoint::dst(r), stage, bytes);
             }
         }
+    }
+
+    /// Whether to split a piece (`block`, `bytes` on the wire) among its
+    /// `candidates`, and if so its parts in `parts`: (block, bytes, the one
+    /// candidate to send it), at most `room` of them.
+    ///
+    /// The piece is cut along its first dimension of more than one index
+    /// into ranges of whole rows, so every part stays one strided span of
+    /// its holders' buffers, each part at least `min_split` bytes. The
+    /// direct option sends a piece once per receiving node (`k` copies):
+    /// whole, from the least loaded candidates in turn; split, each part's
+    /// copies from one candidate. A piece is split only when sent whole it
+    /// would raise the busiest source rank's stage-0 egress, and the split
+    /// ends lower: then its `k` copies are levelled (water-filled) over the
+    /// least loaded candidates, as many as the rows and `min_split` allow.
+    fn split(
+        &mut self,
+        block: &Block,
+        bytes: u64,
+        receivers: &[Rank],
+        candidates: &[Rank],
+        room: u64,
+        parts: &mut Vec<(Block, u64, Rank)>,
+    ) -> bool {
+        parts.clear();
+        if candidates.len() < 2 || bytes / 2 < self.min_split || room < 2 {
+            return false;
+        }
+        let Some(d) = (0..block.ndim()).find(|&d| block.extent()[d] > 1) else { return false };
+        let rows = block.extent()[d];
+        let row_bytes = bytes / rows;
+        let min_rows = self.min_split.div_ceil(row_bytes.max(1)).max(1);
+        if row_bytes == 0 || rows / 2 < min_rows {
+            return false;
+        }
+        // Copies the direct option sends: one per receiving node (the
+        // receivers are sorted, so a node's are a run).
+        let mut k = 0u64;
+        let mut last = u32::MAX;
+        for &r in receivers {
+            let n = self.dst_node[r as usize];
+            if n != last {
+                (k, last) = (k + 1, n);
+            }
+        }
+        let k = k.max(1);
+        let mut by_load = std::mem::take(&mut self.by_load);
+        by_load.clear();
+        by_load.extend(candidates.iter().map(|&c| (self.load(0, SRC_OUT, c), c)));
+        by_load.sort_unstable();
+        let split = self.level(&by_load, k, bytes, rows, row_bytes, min_rows, room);
+        if split {
+            let mut at = block.offset()[d];
+            for (&(_, rank), &n) in by_load.iter().zip(&self.rows) {
+                parts.push((with_range(block, d, at, n), n * row_bytes, rank));
+                at += n;
+            }
+        }
+        self.by_load = by_load;
+        split
+    }
+
+    /// Rows per part (in `self.rows`, one per candidate of `by_load`, least
+    /// loaded first) that level `k` copies of a piece of `rows` rows over
+    /// the least loaded candidates, if that ends below sending it whole
+    /// and sending it whole would raise the busiest source rank.
+    #[allow(clippy::too_many_arguments)]
+    fn level(&mut self, by_load: &[(u64, Rank)], k: u64, bytes: u64, rows: u64, row_bytes: u64, min_rows: u64, room: u64) -> bool {
+        // Whole: the k copies from the least loaded candidates in turn. If
+        // the k least loaded each take a copy without passing the busiest
+        // source rank, so does the choice in turn (while fewer than k are
+        // chosen, one of the k least loaded is not, so each copy goes to a
+        // candidate at most as loaded as the k-th least).
+        if k as usize <= by_load.len() && by_load[k as usize - 1].0.saturating_add(bytes) <= self.src_max {
+            return false;
+        }
+        let mut loads: Vec<u64> = by_load.iter().map(|&(l, _)| l).collect();
+        let mut whole = 0;
+        for _ in 0..k {
+            // `loads` stays sorted: the least takes a copy and moves up.
+            let l = loads[0].saturating_add(bytes);
+            let at = loads.partition_point(|&x| x <= l);
+            loads.copy_within(1..at, 0);
+            loads[at - 1] = l;
+            whole = whole.max(l);
+        }
+        if whole <= self.src_max {
+            return false;
+        }
+        let most_parts = (rows / min_rows).min(by_load.len() as u64).min(room) as usize;
+        let total = k as u128 * bytes as u128;
+        let unit = k as u128 * row_bytes as u128;
+        for p in (2..=most_parts).rev() {
+            // Level L over the p least loaded: p·L = total + their loads;
+            // candidate i takes (L - load_i) / (k · row_bytes) rows.
+            let sum: u128 = by_load[..p].iter().map(|&(l, _)| l as u128).sum::<u128>() + total;
+            let denom = p as u128 * unit;
+            self.rows.clear();
+            let mut fracs: Vec<(u128, usize)> = Vec::with_capacity(p);
+            let mut given = 0u64;
+            let mut fits = true;
+            for (i, &(l, _)) in by_load[..p].iter().enumerate() {
+                let Some(num) = sum.checked_sub(p as u128 * l as u128) else {
+                    fits = false;
+                    break;
+                };
+                let n = (num / denom) as u64;
+                self.rows.push(n);
+                fracs.push((num % denom, i));
+                given += n;
+            }
+            if !fits {
+                continue;
+            }
+            // The rows left by rounding down, to the largest remainders.
+            fracs.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+            for &(_, i) in fracs.iter().take(rows.saturating_sub(given) as usize) {
+                self.rows[i] += 1;
+            }
+            if self.rows.iter().sum::<u64>() != rows || self.rows.iter().any(|&n| n < min_rows) {
+                continue;
+            }
+            let most = by_load[..p].iter().zip(&self.rows).map(|(&(l, _), &n)| l + k * n * row_bytes).max().unwrap_or(u64::MAX);
+            return most < whole;
+        }
+        false
     }
 
     fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut SenderLists) {

@@ -313,21 +313,41 @@ fn check(seed: u64, options: &PlanOptions) -> (f64, f64, u64, u64) {
 
 const CASES: u64 = 200;
 
-#[test]
-fn busiest_source_rank_against_the_optimum() {
-    let options = PlanOptions::default();
+/// The figures of all cases under `options`: (median, p90, worst) of the
+/// ratio to the optimum of the same bytes and to the unique-bytes bound,
+/// and the messages and pieces of all plans.
+struct Measured {
+    same: (f64, f64, f64),
+    unique: (f64, f64, f64),
+    messages: u64,
+    pieces: u64,
+}
+
+fn measure(options: &PlanOptions) -> Measured {
     let (mut same, mut unique) = (Vec::new(), Vec::new());
     let (mut messages, mut pieces) = (0, 0);
     for seed in 0..CASES {
-        let (s, u, m, p) = check(seed, &options);
+        let (s, u, m, p) = check(seed, options);
         same.push(s);
         unique.push(u);
         messages += m;
         pieces += p;
     }
-    let (m, p90, worst) = stats(&mut same);
-    let (um, up90, uworst) = stats(&mut unique);
-    println!("busiest source rank / optimum of the same bytes, {CASES} cases: median {m:.3}, p90 {p90:.3}, worst {worst:.3}");
-    println!("busiest source rank / unique-bytes bound: median {um:.3}, p90 {up90:.3}, worst {uworst:.3}");
-    println!("messages {messages}, pieces {pieces} in all");
+    Measured { same: stats(&mut same), unique: stats(&mut unique), messages, pieces }
+}
+
+/// The least part of a split in these cases: 8 bytes (the cases' tensors
+/// are at most a few KiB; 64 KiB, the default, would never split).
+const MIN_SPLIT: u64 = 8;
+
+#[test]
+fn busiest_source_rank_against_the_optimum() {
+    let never = measure(&PlanOptions { min_split_bytes: u64::MAX, ..PlanOptions::default() });
+    let split = measure(&PlanOptions { min_split_bytes: MIN_SPLIT, ..PlanOptions::default() });
+    for (what, m) in [("never split", &never), ("split, parts >= 8 bytes", &split)] {
+        let ((a, b, c), (d, e, f)) = (m.same, m.unique);
+        println!("{what}: busiest source rank / optimum of the same bytes, {CASES} cases: median {a:.3}, p90 {b:.3}, worst {c:.3}");
+        println!("{what}: busiest source rank / unique-bytes bound: median {d:.3}, p90 {e:.3}, worst {f:.3}");
+        println!("{what}: messages {}, pieces {} in all", m.messages, m.pieces);
+    }
 }
