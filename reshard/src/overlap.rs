@@ -167,10 +167,12 @@ impl<'a> SourceIndex<'a> {
     }
 
     /// `part` cut along the edges (inside it) of the holdings among `over`
-    /// that overlap it without containing it: the cells of that grid, if
-    /// there are such holdings, at most [`MAX_CELLS`] cells and each of at
-    /// least `min_cell` elements (at least 2 elements, so a part of one
-    /// element is never cut).
+    /// that overlap it without containing it, into at most [`MAX_CELLS`]
+    /// cells of at least `min_cell` elements: where the edges make more
+    /// or smaller cells, the thinnest slabs (relative to the part) are
+    /// merged with a neighbour until they do not. `None` if no holding
+    /// overlaps `part` only in part, or no cut is left. Any block inside
+    /// `part` is covered: `part` lies inside some holding.
     fn cells(&self, part: &Block, over: &[u32], min_cell: u64) -> Option<Vec<Block>> {
         let min_cell = min_cell.max(1);
         if part.numel() / 2 < min_cell {
@@ -178,13 +180,11 @@ impl<'a> SourceIndex<'a> {
         }
         let nd = part.ndim();
         let mut cuts: Vec<Vec<u64>> = (0..nd).map(|d| vec![part.offset()[d], part.end(d)]).collect();
-        let mut partial = false;
         for &i in over {
             let b = &self.holdings[i as usize].block;
             if b.contains(part) || b.intersect(part).is_none() {
                 continue;
             }
-            partial = true;
             for (d, c) in cuts.iter_mut().enumerate() {
                 for x in [b.offset()[d], b.end(d)] {
                     if x > part.offset()[d] && x < part.end(d) {
@@ -193,23 +193,47 @@ impl<'a> SourceIndex<'a> {
                 }
             }
         }
-        if !partial {
-            return None;
-        }
-        let mut count = 1usize;
         for c in &mut cuts {
             c.sort_unstable();
             c.dedup();
-            count = count.saturating_mul(c.len() - 1);
-            if count > MAX_CELLS {
+            if c.len() > MAX_CUTS {
                 return None;
             }
         }
-        // Every cell is at least the product of the narrowest slab of
-        // every dimension.
-        let smallest: u64 = cuts.iter().map(|c| c.windows(2).map(|w| w[1] - w[0]).min().unwrap_or(1)).product();
-        if smallest < min_cell {
-            return None;
+        let width = |c: &[u64], j: usize| c[j + 1] - c[j];
+        let thinnest = |c: &[u64]| (0..c.len() - 1).min_by_key(|&j| width(c, j)).unwrap_or(0);
+        loop {
+            let count = cuts.iter().map(|c| c.len() as u64 - 1).product::<u64>();
+            if count < 2 {
+                return None;
+            }
+            // Every cell is at least the product of the narrowest slab of
+            // every dimension.
+            let smallest: u64 = cuts.iter().map(|c| width(c, thinnest(c))).product();
+            if count <= MAX_CELLS as u64 && smallest >= min_cell {
+                break;
+            }
+            // The dimension whose thinnest slab is the smallest share of
+            // the part's extent: merge that slab with its thinner
+            // neighbour.
+            let d = (0..nd)
+                .filter(|&d| cuts[d].len() > 2)
+                .min_by(|&a, &b| {
+                    let (wa, wb) = (width(&cuts[a], thinnest(&cuts[a])) as u128, width(&cuts[b], thinnest(&cuts[b])) as u128);
+                    (wa * part.extent()[b] as u128).cmp(&(wb * part.extent()[a] as u128))
+                })
+                .unwrap_or(0);
+            let c = &mut cuts[d];
+            let j = thinnest(c);
+            let last = c.len() - 2;
+            let drop = if j == 0 {
+                1
+            } else if j == last || width(c, j - 1) <= width(c, j + 1) {
+                j
+            } else {
+                j + 1
+            };
+            c.remove(drop);
         }
         let mut cells = vec![*part];
         for (d, c) in cuts.iter().enumerate() {
@@ -220,6 +244,10 @@ impl<'a> SourceIndex<'a> {
         Some(cells)
     }
 }
+
+/// Most cut points per dimension [`SourceIndex::cover_split`] considers
+/// (more: the part is not cut).
+const MAX_CUTS: usize = 256;
 
 /// `b` with dimension `d` narrowed to `len` indices from `start`.
 pub(crate) fn with_range(b: &Block, d: usize, start: u64, len: u64) -> Block {

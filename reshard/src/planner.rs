@@ -254,17 +254,24 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     // source in stage 0.
     let expected = work.iter().map(|w| w.receivers.1 as usize).sum();
     let mut lists = SenderLists::new(src.ranks(), dst.ranks(), expected);
-    let mut parts: Vec<(Block, u64, Rank)> = Vec::new();
+    // What every piece is expected to add to the egress of the source
+    // ranks holding it (see `Assigner::expect`).
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
+        assigner.expect(candidates, w.bytes, receivers, true);
+    }
+    let mut parts: Vec<(Block, u64, Option<Rank>)> = Vec::new();
+    for w in &work {
+        let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
+        let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
+        let k = assigner.expect(candidates, w.bytes, receivers, false);
         // A piece that several ranks hold may be split among them (parts
-        // of whole rows, each sent by one of them), where that lowers the
-        // busiest source link; the first part keeps the piece's index, the
-        // others are new pieces.
+        // of whole rows), where that lowers the busiest source link; the
+        // first part keeps the piece's index, the others are new pieces.
         let room = MAX_PIECES.saturating_sub(pieces.len() as u64);
         let piece = pieces[w.piece as usize];
-        if assigner.split(&piece.block, w.bytes, receivers, candidates, room, &mut parts) {
+        if assigner.split(&piece.block, w.bytes, k, candidates, room, &mut parts) {
             for (i, &(block, bytes, sender)) in parts.iter().enumerate() {
                 let index = if i == 0 {
                     pieces[w.piece as usize].block = block;
@@ -273,7 +280,10 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
                     pieces.push(Piece { block, ..piece });
                     pieces.len() as u32 - 1
                 };
-                assigner.assign(index, bytes, receivers, &[sender], &mut lists);
+                match sender {
+                    Some(s) => assigner.assign(index, bytes, receivers, &[s], &mut lists),
+                    None => assigner.assign(index, bytes, receivers, candidates, &mut lists),
+                }
             }
         } else {
             assigner.assign(w.piece, w.bytes, receivers, candidates, &mut lists);
@@ -340,9 +350,20 @@ struct Assigner {
     picks: Vec<Rank>,
     arrival: Vec<u16>,
     /// Least bytes of a part when a piece is split among its candidates
-    /// ([`PlanOptions::min_split_bytes`]), and the most bytes any source
-    /// rank sends in stage 0 so far.
+    /// ([`PlanOptions::min_split_bytes`]).
     min_split: u64,
+    /// Per source rank, the bytes that pieces only it holds will still add
+    /// to its egress (once per receiving node); with its stage-0 egress
+    /// so far, its *outlook*, by which senders are chosen among several
+    /// candidates: a piece others hold too goes elsewhere than to the rank
+    /// that alone must send much later.
+    forced: Vec<u64>,
+    /// Per source rank, its even share of what the pieces it holds (with
+    /// others or alone) not assigned yet will add to the source ranks'
+    /// egress: its stage-0 egress plus this is about where the ranks it
+    /// shares pieces with end up anyway.
+    shares: Vec<u64>,
+    /// The most any source rank's outlook has been.
     src_max: u64,
     /// Scratch for [`split`](Self::split): candidates' (stage-0 egress,
     /// rank), and rows per part.
@@ -381,6 +402,8 @@ impl Assigner {
             picks: Vec::new(),
             arrival: Vec::new(),
             min_split: min_split.max(1),
+            forced: vec![0; n_src],
+            shares: vec![0; n_src],
             src_max: 0,
             by_load: Vec::new(),
             rows: Vec::new(),
@@ -428,6 +451,44 @@ impl Assigner {
     fn sub(&mut self, stage: u16, kind: usize, rank: Rank, bytes: u64) {
         let i = stage as usize * self.n_links + self.link(kind, rank);
         self.loads[i] -= bytes;
+    }
+
+    /// Source rank `r`'s stage-0 egress so far plus what pieces only it
+    /// holds will still add.
+    #[inline]
+    fn outlook(&self, r: Rank) -> u64 {
+        self.load(0, SRC_OUT, r).saturating_add(self.forced[r as usize])
+    }
+
+    /// Counts (`on`) or takes back what a piece of `bytes` held by
+    /// `candidates` is expected to add to their egress: once per receiving
+    /// node, shared evenly among them (`shares`), and all of it to the
+    /// one candidate of a piece only one rank holds (`forced`). Returns the
+    /// number of receiving nodes.
+    fn expect(&mut self, candidates: &[Rank], bytes: u64, receivers: &[Rank], on: bool) -> u64 {
+        // The receivers are sorted, so a node's are a run.
+        let mut k = 0u64;
+        let mut last = u32::MAX;
+        for &r in receivers {
+            let n = self.dst_node[r as usize];
+            if n != last {
+                (k, last) = (k + 1, n);
+            }
+        }
+        let k = k.max(1);
+        let total = k.saturating_mul(bytes);
+        let share = total / candidates.len().max(1) as u64;
+        let change = |x: &mut u64, by: u64| *x = if on { x.saturating_add(by) } else { x.saturating_sub(by) };
+        if let [only] = candidates {
+            change(&mut self.forced[*only as usize], total);
+            if on {
+                self.src_max = self.src_max.max(self.forced[*only as usize]);
+            }
+        }
+        for &c in candidates {
+            change(&mut self.shares[c as usize], share);
+        }
+        k
     }
 
     #[inline]
@@ -515,7 +576,7 @@ impl Assigner {
         self.top = 0;
         for (&s, &l) in self.picks.iter().zip(&self.leaders) {
             self.src_node_load[self.src_node[s as usize] as usize] += bytes;
-            self.src_max = self.src_max.max(self.load(0, SRC_OUT, s));
+            self.src_max = self.src_max.max(self.outlook(s));
             out.push(0, Endpoint::src(s), Endpoint::dst(l), piece, bytes);
         }
         if !self.fans {
@@ -540,7 +601,7 @@ impl Assigner {
         for (from, to, stage) in emitted.drain(..) {
             if from.group == Group::Src {
                 self.src_node_load[self.src_node[from.rank as usize] as usize] += bytes;
-                self.src_max = self.src_max.max(self.load(0, SRC_OUT, from.rank));
+                self.src_max = self.src_max.max(self.outlook(from.rank));
             }
             out.push(stage, from, to, piece, bytes);
         }
@@ -575,7 +636,7 @@ impl Assigner {
         cand.clear();
         cand.extend(candidates.iter().map(|&c| {
             let node = self.src_node_load[self.src_node[c as usize] as usize];
-            ((self.load(0, SRC_OUT, c) as u128) << 64 | node as u128, c)
+            ((self.outlook(c) as u128) << 64 | node as u128, c)
         }));
         for _ in 0..k {
             let (mut best, mut least) = (0, cand[0].0);
@@ -594,7 +655,7 @@ impl Assigner {
         let mut best = candidates[0];
         let mut best_load = (u64::MAX, u64::MAX);
         for &c in candidates {
-            let l = (self.load(0, SRC_OUT, c), self.src_node_load[self.src_node[c as usize] as usize]);
+            let l = (self.outlook(c), self.src_node_load[self.src_node[c as usize] as usize]);
             if l < best_load {
                 best = c;
                 best_load = l;
@@ -629,30 +690,40 @@ impl Assigner {
         }
     }
 
-    /// Whether to split a piece (`block`, `bytes` on the wire) among its
-    /// `candidates`, and if so its parts in `parts`: (block, bytes, the one
-    /// candidate to send it), at most `room` of them.
+    /// Whether to split a piece (`block`, `bytes` on the wire, needed by
+    /// `k` destination nodes) among its `candidates`, and if so its parts
+    /// in `parts`: (block, bytes, the one candidate to send it, or `None`:
+    /// any of them), at most `room` parts.
     ///
     /// The piece is cut along its first dimension of more than one index
     /// into ranges of whole rows, so every part stays one strided span of
-    /// its holders' buffers, each part at least `min_split` bytes. The
-    /// direct option sends a piece once per receiving node (`k` copies):
-    /// whole, from the least loaded candidates in turn; split, each part's
-    /// copies from one candidate. A piece is split only when sent whole it
-    /// would raise the busiest source rank's stage-0 egress, and the split
-    /// ends lower: then its `k` copies are levelled (water-filled) over the
-    /// least loaded candidates, as many as the rows and `min_split` allow.
+    /// its holders' buffers, each part at least `min_split` bytes. Sent
+    /// whole, the direct option sends it `k` times, from the least loaded
+    /// candidates in turn (by outlook). It is split only when that would
+    /// raise both the busiest source rank's outlook and the level its
+    /// candidates are expected to reach anyway (outlook plus their share
+    /// of pieces still to come, which later pieces even out), and the split
+    /// ends lower:
+    /// - `k = 1`: the copy is levelled (water-filled) over the least loaded
+    ///   candidates, as many as the rows and `min_split` allow, each part
+    ///   sent by one;
+    /// - `k > 1` with more candidates than `k`: into equal parts, about one
+    ///   per `k` candidates, each part then chosen for like any piece (its
+    ///   `k` copies from different candidates, or relayed), so the copies
+    ///   spread over all candidates instead of `k` of them. (With no more
+    ///   candidates than copies, the direct option already uses them all.)
     fn split(
         &mut self,
         block: &Block,
         bytes: u64,
-        receivers: &[Rank],
+        k: u64,
         candidates: &[Rank],
         room: u64,
-        parts: &mut Vec<(Block, u64, Rank)>,
+        parts: &mut Vec<(Block, u64, Option<Rank>)>,
     ) -> bool {
         parts.clear();
-        if candidates.len() < 2 || bytes / 2 < self.min_split || room < 2 {
+        let n = candidates.len() as u64;
+        if n < 2 || bytes / 2 < self.min_split || room < 2 || (k > 1 && n <= k) {
             return false;
         }
         let Some(d) = (0..block.ndim()).find(|&d| block.extent()[d] > 1) else { return false };
@@ -662,46 +733,46 @@ impl Assigner {
         if row_bytes == 0 || rows / 2 < min_rows {
             return false;
         }
-        // Copies the direct option sends: one per receiving node (the
-        // receivers are sorted, so a node's are a run).
-        let mut k = 0u64;
-        let mut last = u32::MAX;
-        for &r in receivers {
-            let n = self.dst_node[r as usize];
-            if n != last {
-                (k, last) = (k + 1, n);
-            }
-        }
-        let k = k.max(1);
         let mut by_load = std::mem::take(&mut self.by_load);
         by_load.clear();
-        by_load.extend(candidates.iter().map(|&c| (self.load(0, SRC_OUT, c), c)));
+        let mut bar = self.src_max;
+        for &c in candidates {
+            by_load.push((self.outlook(c), c));
+            bar = bar.max(self.load(0, SRC_OUT, c).saturating_add(self.shares[c as usize]));
+        }
         by_load.sort_unstable();
-        let split = self.level(&by_load, k, bytes, rows, row_bytes, min_rows, room);
+        let split = self.whole_raises(&by_load, k, bytes, bar).is_some_and(|whole| {
+            if k == 1 {
+                self.level(&by_load, bytes, rows, row_bytes, min_rows, room, whole)
+            } else {
+                let p = (n / k).min(rows / min_rows).min(room);
+                self.rows.clear();
+                self.rows.extend((0..p).map(|i| rows / p + u64::from(i < rows % p)));
+                p >= 2
+            }
+        });
         if split {
             let mut at = block.offset()[d];
-            for (&(_, rank), &n) in by_load.iter().zip(&self.rows) {
-                parts.push((with_range(block, d, at, n), n * row_bytes, rank));
-                at += n;
+            for (i, &r) in self.rows.iter().enumerate() {
+                let sender = (k == 1).then(|| by_load[i].1);
+                parts.push((with_range(block, d, at, r), r * row_bytes, sender));
+                at += r;
             }
         }
         self.by_load = by_load;
         split
     }
 
-    /// Rows per part (in `self.rows`, one per candidate of `by_load`, least
-    /// loaded first) that level `k` copies of a piece of `rows` rows over
-    /// the least loaded candidates, if that ends below sending it whole
-    /// and sending it whole would raise the busiest source rank.
-    #[allow(clippy::too_many_arguments)]
-    fn level(&mut self, by_load: &[(u64, Rank)], k: u64, bytes: u64, rows: u64, row_bytes: u64, min_rows: u64, room: u64) -> bool {
-        // Whole: the k copies from the least loaded candidates in turn. If
-        // the k least loaded each take a copy without passing the busiest
-        // source rank, so does the choice in turn (while fewer than k are
-        // chosen, one of the k least loaded is not, so each copy goes to a
-        // candidate at most as loaded as the k-th least).
-        if k as usize <= by_load.len() && by_load[k as usize - 1].0.saturating_add(bytes) <= self.src_max {
-            return false;
+    /// The most outlook among the candidates (`by_load`, least first)
+    /// after `k` copies of `bytes` from the least loaded in turn, if that
+    /// is above `bar`.
+    fn whole_raises(&self, by_load: &[(u64, Rank)], k: u64, bytes: u64, bar: u64) -> Option<u64> {
+        // If the k least loaded each take a copy without passing the bar,
+        // so does the choice in turn (while fewer than k are chosen, one
+        // of the k least loaded is not, so each copy goes to a candidate at
+        // most as loaded as the k-th least).
+        if k as usize <= by_load.len() && by_load[k as usize - 1].0.saturating_add(bytes) <= bar {
+            return None;
         }
         let mut loads: Vec<u64> = by_load.iter().map(|&(l, _)| l).collect();
         let mut whole = 0;
@@ -713,15 +784,20 @@ impl Assigner {
             loads[at - 1] = l;
             whole = whole.max(l);
         }
-        if whole <= self.src_max {
-            return false;
-        }
+        (whole > bar).then_some(whole)
+    }
+
+    /// Rows per part (in `self.rows`, for the first candidates of
+    /// `by_load`, least loaded first) that level one copy of a piece of
+    /// `rows` rows over the least loaded candidates, if that ends below
+    /// `whole`, the most after sending it whole.
+    #[allow(clippy::too_many_arguments)]
+    fn level(&mut self, by_load: &[(u64, Rank)], bytes: u64, rows: u64, row_bytes: u64, min_rows: u64, room: u64, whole: u64) -> bool {
         let most_parts = (rows / min_rows).min(by_load.len() as u64).min(room) as usize;
-        let total = k as u128 * bytes as u128;
-        let unit = k as u128 * row_bytes as u128;
+        let (total, unit) = (bytes as u128, row_bytes as u128);
         for p in (2..=most_parts).rev() {
-            // Level L over the p least loaded: p·L = total + their loads;
-            // candidate i takes (L - load_i) / (k · row_bytes) rows.
+            // Level L over the p least loaded: p·L = bytes + their loads;
+            // candidate i takes (L - load_i) / row_bytes rows.
             let sum: u128 = by_load[..p].iter().map(|&(l, _)| l as u128).sum::<u128>() + total;
             let denom = p as u128 * unit;
             self.rows.clear();
@@ -749,7 +825,7 @@ impl Assigner {
             if self.rows.iter().sum::<u64>() != rows || self.rows.iter().any(|&n| n < min_rows) {
                 continue;
             }
-            let most = by_load[..p].iter().zip(&self.rows).map(|(&(l, _), &n)| l + k * n * row_bytes).max().unwrap_or(u64::MAX);
+            let most = by_load[..p].iter().zip(&self.rows).map(|(&(l, _), &n)| l + n * row_bytes).max().unwrap_or(u64::MAX);
             return most < whole;
         }
         false
