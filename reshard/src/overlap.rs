@@ -294,4 +294,77 @@ mod tests {
         let idx2 = SourceIndex::new(&src2);
         assert_eq!(idx2.cover(&Block::new(&[0, 0], &[4, 4])), Err(Box::new(Block::new(&[2, 0], &[1, 4]))));
     }
+
+    #[test]
+    fn cover_split_cuts_along_holdings_cut_differently() {
+        // Rank 0 holds it all, ranks 1 and 2 its halves.
+        let src = vec![h(&[0, 0], &[4, 4], &[0]), h(&[0, 0], &[2, 4], &[1]), h(&[2, 0], &[2, 4], &[2])];
+        let idx = SourceIndex::new(&src);
+        let atom = Block::new(&[0, 0], &[4, 4]);
+        let c = idx.cover_split(&atom, 1).unwrap();
+        assert_eq!(
+            c,
+            vec![
+                Cover { block: Block::new(&[0, 0], &[2, 4]), candidates: vec![0, 1] },
+                Cover { block: Block::new(&[2, 0], &[2, 4]), candidates: vec![0, 2] }
+            ]
+        );
+        // Cells of 8 elements are too small for 9: the atom stays whole.
+        assert_eq!(idx.cover_split(&atom, 9).unwrap(), vec![Cover { block: atom, candidates: vec![0] }]);
+        assert_eq!(idx.cover(&atom).unwrap(), idx.cover_split(&atom, 9).unwrap());
+    }
+
+    #[test]
+    fn cover_split_merges_thin_slabs() {
+        // A one-row slab (8 elements) on rank 1 and a 3-row one on rank 3:
+        // with cells of at least 16 elements the thin slab merges with its
+        // neighbour, which rank 1 does not hold all of.
+        let src = vec![h(&[0, 0], &[8, 8], &[0]), h(&[0, 0], &[1, 8], &[1]), h(&[1, 0], &[7, 8], &[2]), h(&[5, 0], &[3, 8], &[3])];
+        let idx = SourceIndex::new(&src);
+        let atom = Block::new(&[0, 0], &[8, 8]);
+        let fine = idx.cover_split(&atom, 8).unwrap();
+        assert_eq!(fine.iter().map(|c| c.block.extent()[0]).collect::<Vec<_>>(), vec![1, 4, 3]);
+        assert_eq!(fine.iter().map(|c| c.candidates.clone()).collect::<Vec<_>>(), vec![vec![0, 1], vec![0, 2], vec![0, 2, 3]]);
+        let coarse = idx.cover_split(&atom, 16).unwrap();
+        assert_eq!(coarse.iter().map(|c| (c.block.offset()[0], c.block.extent()[0])).collect::<Vec<_>>(), vec![(0, 5), (5, 3)]);
+        assert_eq!(coarse[0].candidates, vec![0]);
+    }
+
+    /// Random holdings over a 2-D tensor: whatever the cell size, the
+    /// covers partition the atom and every candidate holds its cover.
+    #[test]
+    fn cover_split_partitions_the_atom() {
+        let mut seed = 7u64;
+        let mut below = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for _ in 0..300 {
+            let mut src = vec![h(&[0, 0], &[9, 7], &[0])];
+            for r in 1..1 + below(5) as u32 {
+                let (o0, o1) = (below(9), below(7));
+                src.push(h(&[o0, o1], &[1 + below(9 - o0), 1 + below(7 - o1)], &[r]));
+            }
+            let idx = SourceIndex::new(&src);
+            let (a0, a1) = (below(9), below(7));
+            let atom = Block::new(&[a0, a1], &[1 + below(9 - a0), 1 + below(7 - a1)]);
+            for min_cell in [1, 2, 5, 64] {
+                let covers = idx.cover_split(&atom, min_cell).unwrap();
+                assert!(covers.len() <= MAX_CELLS);
+                assert_eq!(covers.iter().map(|c| c.block.numel()).sum::<u64>(), atom.numel());
+                for (i, c) in covers.iter().enumerate() {
+                    assert!(atom.contains(&c.block) && c.block.numel() > 0);
+                    assert!(covers.len() == 1 || c.block.numel() >= min_cell, "{c:?} under {min_cell}");
+                    for d in &covers[i + 1..] {
+                        assert!(c.block.intersect(&d.block).is_none());
+                    }
+                    for &r in &c.candidates {
+                        assert!(src.iter().any(|s| s.holders[0].rank == r && s.block.contains(&c.block)));
+                    }
+                    let holders: Vec<Rank> = src.iter().filter(|s| s.block.contains(&c.block)).map(|s| s.holders[0].rank).collect();
+                    assert_eq!(c.candidates.len(), holders.len());
+                }
+            }
+        }
+    }
 }

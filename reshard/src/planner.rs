@@ -9,7 +9,8 @@ use crate::fingerprint::Fnv64;
 use crate::layout::{Holding, Layout, Rank, TensorLayout};
 use crate::overlap::{atomize, with_range, SourceIndex};
 use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::hash::{Hash, Hasher};
 
 /// Matches destination tensors to source tensors and checks shapes and
@@ -774,14 +775,12 @@ impl Assigner {
         if k as usize <= by_load.len() && by_load[k as usize - 1].0.saturating_add(bytes) <= bar {
             return None;
         }
-        let mut loads: Vec<u64> = by_load.iter().map(|&(l, _)| l).collect();
+        let mut loads: BinaryHeap<Reverse<u64>> = by_load.iter().map(|&(l, _)| Reverse(l)).collect();
         let mut whole = 0;
         for _ in 0..k {
-            // `loads` stays sorted: the least takes a copy and moves up.
-            let l = loads[0].saturating_add(bytes);
-            let at = loads.partition_point(|&x| x <= l);
-            loads.copy_within(1..at, 0);
-            loads[at - 1] = l;
+            let Some(Reverse(least)) = loads.pop() else { break };
+            let l = least.saturating_add(bytes);
+            loads.push(Reverse(l));
             whole = whole.max(l);
         }
         (whole > bar).then_some(whole)
@@ -793,8 +792,19 @@ impl Assigner {
     /// `whole`, the most after sending it whole.
     #[allow(clippy::too_many_arguments)]
     fn level(&mut self, by_load: &[(u64, Rank)], bytes: u64, rows: u64, row_bytes: u64, min_rows: u64, room: u64, whole: u64) -> bool {
-        let most_parts = (rows / min_rows).min(by_load.len() as u64).min(room) as usize;
         let (total, unit) = (bytes as u128, row_bytes as u128);
+        // The candidates below the level of all of them (water-filling:
+        // the least loaded p whose level is above the p-th load).
+        let mut below = 0;
+        let mut sum = total;
+        for (i, &(l, _)) in by_load.iter().enumerate() {
+            if (l as u128) * (i as u128) >= sum {
+                break;
+            }
+            sum += l as u128;
+            below = i + 1;
+        }
+        let most_parts = (rows / min_rows).min(below as u64).min(room) as usize;
         for p in (2..=most_parts).rev() {
             // Level L over the p least loaded: p·L = bytes + their loads;
             // candidate i takes (L - load_i) / row_bytes rows.
@@ -825,7 +835,7 @@ impl Assigner {
             if self.rows.iter().sum::<u64>() != rows || self.rows.iter().any(|&n| n < min_rows) {
                 continue;
             }
-            let most = by_load[..p].iter().zip(&self.rows).map(|(&(l, _), &n)| l + n * row_bytes).max().unwrap_or(u64::MAX);
+            let most = by_load[..p].iter().zip(&self.rows).map(|(&(l, _), &n)| l.saturating_add(n * row_bytes)).max().unwrap_or(u64::MAX);
             return most < whole;
         }
         false

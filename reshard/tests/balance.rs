@@ -342,10 +342,11 @@ fn measure(options: &PlanOptions) -> Measured {
 /// larger threshold measures its granularity, not the planner's balance.
 const MIN_SPLIT: u64 = 1;
 
-/// What the planner must meet on the 200 cases, set from what it measured
-/// (median 1.001, p90 1.131, worst 1.500) with a little room; without
-/// splitting it measured median 1.17–1.27, p90 2.35–2.46, worst 7.0.
-const BOUND: (f64, f64, f64) = (1.05, 1.25, 1.6);
+/// What the planner must meet on the 200 cases (median, p90, worst), set
+/// from what it measured (1.002, 1.162, 1.595) with some room; without
+/// splitting it measured (1.169, 2.349, 7.000), and before this change
+/// (every piece whole from one holder, no outlook) (1.269, 2.457, 7.000).
+const BOUND: (f64, f64, f64) = (1.05, 1.25, 1.75);
 
 fn meets(m: &Measured) -> bool {
     m.same.0 <= BOUND.0 && m.same.1 <= BOUND.1 && m.same.2 <= BOUND.2
