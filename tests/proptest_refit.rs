@@ -944,3 +944,23 @@ fn mixed_wire_dtypes_in_one_message() {
             {"name": "b", "dtype": "f32", "shape": [1], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}"#,
     );
 }
+
+#[test]
+fn pieces_split_among_replicas_and_halves() {
+    // Rank 0 holds `w` whole, ranks 1 and 2 its halves (an atom cut into
+    // cells along the halves), and `r` is replicated on all four ranks;
+    // with parts of a byte or two the reshard splits both among their
+    // holders, and every part must still land where it belongs: the node's
+    // first rank fans the parts of `w` out to the second.
+    check(
+        r#"{"ranks": 4, "ranks_per_node": 1, "tensors": [
+            {"name": "w", "dtype": "f32", "shape": [6, 5], "shards": [
+                {"rank": 0, "offset": [0, 0], "extent": [6, 5]},
+                {"rank": 1, "offset": [0, 0], "extent": [3, 5]},
+                {"rank": 2, "offset": [3, 0], "extent": [3, 5]}]},
+            {"name": "r", "dtype": "bf16", "shape": [1, 9, 4], "mesh": {"shape": [4]}, "placements": ["replicate"]}]}"#,
+        r#"{"ranks": 2, "ranks_per_node": 2, "tensors": [
+            {"name": "w", "dtype": "bf16", "shape": [6, 5], "mesh": {"shape": [2]}, "placements": ["replicate"]},
+            {"name": "r", "dtype": "bf16", "shape": [1, 9, 4], "mesh": {"shape": [2]}, "placements": ["shard(2)"]}]}"#,
+    );
+}
