@@ -359,9 +359,15 @@ fn build_case(vals: &[u16]) -> Case {
     } else {
         LinkModel::default()
     };
+    // Often tiny, so that the reshard splits pieces among the ranks holding
+    // them (the cases are a few bytes large).
+    let min_split_bytes = match d.below(3) {
+        0 => PlanOptions::default().min_split_bytes,
+        _ => 1 + d.below(16),
+    };
     let src = Layout::new(src_ranks, Some(src_rpn), src_tensors).expect("generated source layout is valid");
     let dst = Layout::new(dst_ranks, Some(dst_rpn), dst_tensors).expect("generated destination layout is valid");
-    Case { src, dst, options: PlanOptions { max_staging_bytes, links } }
+    Case { src, dst, options: PlanOptions { max_staging_bytes, links, min_split_bytes } }
 }
 
 fn cases() -> impl Strategy<Value = Case> {
@@ -761,13 +767,16 @@ proptest! {
 // Hand-written regression cases
 // ---------------------------------------------------------------------------
 
-/// Runs every property on one layout pair, with default options and with a
-/// tiny staging budget (many rounds).
+/// Runs every property on one layout pair, with default options, with
+/// pieces split among their holders down to a byte or two, and with a tiny
+/// staging budget (many rounds).
 fn check(src_json: &str, dst_json: &str) {
     let src = parse_layout(src_json).expect("source layout parses");
     let dst = parse_layout(dst_json).expect("destination layout parses");
-    for max_staging_bytes in [PlanOptions::default().max_staging_bytes, 48, 1] {
-        let c = Case { src: src.clone(), dst: dst.clone(), options: PlanOptions { max_staging_bytes, ..PlanOptions::default() } };
+    let (staging, split) = (PlanOptions::default().max_staging_bytes, PlanOptions::default().min_split_bytes);
+    for (max_staging_bytes, min_split_bytes) in [(staging, split), (staging, 1), (48, 2), (1, split)] {
+        let options = PlanOptions { max_staging_bytes, min_split_bytes, ..PlanOptions::default() };
+        let c = Case { src: src.clone(), dst: dst.clone(), options };
         let run = || -> Result<(), TestCaseError> {
             check_execution(&c)?;
             check_figures(&c)?;
@@ -933,5 +942,25 @@ fn mixed_wire_dtypes_in_one_message() {
         r#"{"ranks": 1, "tensors": [
             {"name": "a", "dtype": "bf16", "shape": [1], "mesh": {"shape": [1]}, "placements": ["replicate"]},
             {"name": "b", "dtype": "f32", "shape": [1], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}"#,
+    );
+}
+
+#[test]
+fn pieces_split_among_replicas_and_halves() {
+    // Rank 0 holds `w` whole, ranks 1 and 2 its halves (an atom cut into
+    // cells along the halves), and `r` is replicated on all four ranks;
+    // with parts of a byte or two the reshard splits both among their
+    // holders, and every part must still land where it belongs: the node's
+    // first rank fans the parts of `w` out to the second.
+    check(
+        r#"{"ranks": 4, "ranks_per_node": 1, "tensors": [
+            {"name": "w", "dtype": "f32", "shape": [6, 5], "shards": [
+                {"rank": 0, "offset": [0, 0], "extent": [6, 5]},
+                {"rank": 1, "offset": [0, 0], "extent": [3, 5]},
+                {"rank": 2, "offset": [3, 0], "extent": [3, 5]}]},
+            {"name": "r", "dtype": "bf16", "shape": [1, 9, 4], "mesh": {"shape": [4]}, "placements": ["replicate"]}]}"#,
+        r#"{"ranks": 2, "ranks_per_node": 2, "tensors": [
+            {"name": "w", "dtype": "bf16", "shape": [6, 5], "mesh": {"shape": [2]}, "placements": ["replicate"]},
+            {"name": "r", "dtype": "bf16", "shape": [1, 9, 4], "mesh": {"shape": [2]}, "placements": ["shard(2)"]}]}"#,
     );
 }

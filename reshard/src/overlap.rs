@@ -106,6 +106,16 @@ impl<'a> SourceIndex<'a> {
     /// Covers `atom` with source holdings. Returns the covered parts and,
     /// if some part is held by no source, that part.
     pub fn cover(&self, atom: &Block) -> Result<Vec<Cover>, Box<Block>> {
+        self.cover_split(atom, u64::MAX)
+    }
+
+    /// [`cover`](Self::cover), where a part that holdings overlap only in
+    /// part (cut differently: a rank holds the whole part, others halves of
+    /// it) is cut along those holdings' edges into cells, each with every
+    /// rank holding it as a candidate, so that ranks holding only part of
+    /// the part can send their share. Only where every cell has at least
+    /// `min_cell` elements and there are at most [`MAX_CELLS`] of them.
+    pub fn cover_split(&self, atom: &Block, min_cell: u64) -> Result<Vec<Cover>, Box<Block>> {
         let over = self.overlapping(atom);
         let candidates_of = |piece: &Block| {
             let mut c: Vec<Rank> = Vec::new();
@@ -119,9 +129,13 @@ impl<'a> SourceIndex<'a> {
             c.dedup();
             c
         };
+        let cells = |part: &Block| -> Option<Vec<Block>> { self.cells(part, &over, min_cell) };
         // Fast path: one holding contains the whole atom.
         if over.iter().any(|&i| self.holdings[i as usize].block.contains(atom)) {
-            return Ok(vec![Cover { block: *atom, candidates: candidates_of(atom) }]);
+            return Ok(match cells(atom) {
+                None => vec![Cover { block: *atom, candidates: candidates_of(atom) }],
+                Some(cells) => cells.into_iter().map(|c| Cover { block: c, candidates: candidates_of(&c) }).collect(),
+            });
         }
         let mut uncovered = vec![*atom];
         let mut parts = Vec::new();
@@ -145,9 +159,106 @@ impl<'a> SourceIndex<'a> {
         if let Some(u) = uncovered.first() {
             return Err(Box::new(*u));
         }
-        Ok(parts.into_iter().map(|p| Cover { block: p, candidates: candidates_of(&p) }).collect())
+        Ok(parts
+            .into_iter()
+            .flat_map(|p| cells(&p).unwrap_or_else(|| vec![p]))
+            .map(|p| Cover { block: p, candidates: candidates_of(&p) })
+            .collect())
+    }
+
+    /// `part` cut along the edges (inside it) of the holdings among `over`
+    /// that overlap it without containing it, into at most [`MAX_CELLS`]
+    /// cells of at least `min_cell` elements: where the edges make more
+    /// or smaller cells, the thinnest slabs (relative to the part) are
+    /// merged with a neighbour until they do not. `None` if no holding
+    /// overlaps `part` only in part, or no cut is left. Any block inside
+    /// `part` is covered: `part` lies inside some holding.
+    fn cells(&self, part: &Block, over: &[u32], min_cell: u64) -> Option<Vec<Block>> {
+        let min_cell = min_cell.max(1);
+        if part.numel() / 2 < min_cell {
+            return None;
+        }
+        let nd = part.ndim();
+        let mut cuts: Vec<Vec<u64>> = (0..nd).map(|d| vec![part.offset()[d], part.end(d)]).collect();
+        for &i in over {
+            let b = &self.holdings[i as usize].block;
+            if b.contains(part) || b.intersect(part).is_none() {
+                continue;
+            }
+            for (d, c) in cuts.iter_mut().enumerate() {
+                for x in [b.offset()[d], b.end(d)] {
+                    if x > part.offset()[d] && x < part.end(d) {
+                        c.push(x);
+                    }
+                }
+            }
+        }
+        for c in &mut cuts {
+            c.sort_unstable();
+            c.dedup();
+            if c.len() > MAX_CUTS {
+                return None;
+            }
+        }
+        let width = |c: &[u64], j: usize| c[j + 1] - c[j];
+        let thinnest = |c: &[u64]| (0..c.len() - 1).min_by_key(|&j| width(c, j)).unwrap_or(0);
+        loop {
+            let count = cuts.iter().map(|c| c.len() as u64 - 1).product::<u64>();
+            if count < 2 {
+                return None;
+            }
+            // Every cell is at least the product of the narrowest slab of
+            // every dimension.
+            let smallest: u64 = cuts.iter().map(|c| width(c, thinnest(c))).product();
+            if count <= MAX_CELLS as u64 && smallest >= min_cell {
+                break;
+            }
+            // The dimension whose thinnest slab is the smallest share of
+            // the part's extent: merge that slab with its thinner
+            // neighbour.
+            let d = (0..nd)
+                .filter(|&d| cuts[d].len() > 2)
+                .min_by(|&a, &b| {
+                    let (wa, wb) = (width(&cuts[a], thinnest(&cuts[a])) as u128, width(&cuts[b], thinnest(&cuts[b])) as u128);
+                    (wa * part.extent()[b] as u128).cmp(&(wb * part.extent()[a] as u128))
+                })
+                .unwrap_or(0);
+            let c = &mut cuts[d];
+            let j = thinnest(c);
+            let last = c.len() - 2;
+            let drop = if j == 0 {
+                1
+            } else if j == last || width(c, j - 1) <= width(c, j + 1) {
+                j
+            } else {
+                j + 1
+            };
+            c.remove(drop);
+        }
+        let mut cells = vec![*part];
+        for (d, c) in cuts.iter().enumerate() {
+            if c.len() > 2 {
+                cells = cells.into_iter().flat_map(|b| c.windows(2).map(move |w| with_range(&b, d, w[0], w[1] - w[0]))).collect();
+            }
+        }
+        Some(cells)
     }
 }
+
+/// Most cut points per dimension [`SourceIndex::cover_split`] considers
+/// (more: the part is not cut).
+const MAX_CUTS: usize = 256;
+
+/// `b` with dimension `d` narrowed to `len` indices from `start`.
+pub(crate) fn with_range(b: &Block, d: usize, start: u64, len: u64) -> Block {
+    let (mut offset, mut extent) = (b.offset().to_vec(), b.extent().to_vec());
+    offset[d] = start;
+    extent[d] = len;
+    Block::new(&offset, &extent)
+}
+
+/// Most cells [`SourceIndex::cover_split`] cuts one part into.
+pub const MAX_CELLS: usize = 64;
 
 #[cfg(test)]
 mod tests {
@@ -182,5 +293,78 @@ mod tests {
         let src2 = vec![h(&[0, 0], &[2, 4], &[0]), h(&[3, 0], &[1, 4], &[1])];
         let idx2 = SourceIndex::new(&src2);
         assert_eq!(idx2.cover(&Block::new(&[0, 0], &[4, 4])), Err(Box::new(Block::new(&[2, 0], &[1, 4]))));
+    }
+
+    #[test]
+    fn cover_split_cuts_along_holdings_cut_differently() {
+        // Rank 0 holds it all, ranks 1 and 2 its halves.
+        let src = vec![h(&[0, 0], &[4, 4], &[0]), h(&[0, 0], &[2, 4], &[1]), h(&[2, 0], &[2, 4], &[2])];
+        let idx = SourceIndex::new(&src);
+        let atom = Block::new(&[0, 0], &[4, 4]);
+        let c = idx.cover_split(&atom, 1).unwrap();
+        assert_eq!(
+            c,
+            vec![
+                Cover { block: Block::new(&[0, 0], &[2, 4]), candidates: vec![0, 1] },
+                Cover { block: Block::new(&[2, 0], &[2, 4]), candidates: vec![0, 2] }
+            ]
+        );
+        // Cells of 8 elements are too small for 9: the atom stays whole.
+        assert_eq!(idx.cover_split(&atom, 9).unwrap(), vec![Cover { block: atom, candidates: vec![0] }]);
+        assert_eq!(idx.cover(&atom).unwrap(), idx.cover_split(&atom, 9).unwrap());
+    }
+
+    #[test]
+    fn cover_split_merges_thin_slabs() {
+        // A one-row slab (8 elements) on rank 1 and a 3-row one on rank 3:
+        // with cells of at least 16 elements the thin slab merges with its
+        // neighbour, which rank 1 does not hold all of.
+        let src = vec![h(&[0, 0], &[8, 8], &[0]), h(&[0, 0], &[1, 8], &[1]), h(&[1, 0], &[7, 8], &[2]), h(&[5, 0], &[3, 8], &[3])];
+        let idx = SourceIndex::new(&src);
+        let atom = Block::new(&[0, 0], &[8, 8]);
+        let fine = idx.cover_split(&atom, 8).unwrap();
+        assert_eq!(fine.iter().map(|c| c.block.extent()[0]).collect::<Vec<_>>(), vec![1, 4, 3]);
+        assert_eq!(fine.iter().map(|c| c.candidates.clone()).collect::<Vec<_>>(), vec![vec![0, 1], vec![0, 2], vec![0, 2, 3]]);
+        let coarse = idx.cover_split(&atom, 16).unwrap();
+        assert_eq!(coarse.iter().map(|c| (c.block.offset()[0], c.block.extent()[0])).collect::<Vec<_>>(), vec![(0, 5), (5, 3)]);
+        assert_eq!(coarse[0].candidates, vec![0]);
+    }
+
+    /// Random holdings over a 2-D tensor: whatever the cell size, the
+    /// covers partition the atom and every candidate holds its cover.
+    #[test]
+    fn cover_split_partitions_the_atom() {
+        let mut seed = 7u64;
+        let mut below = |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        for _ in 0..300 {
+            let mut src = vec![h(&[0, 0], &[9, 7], &[0])];
+            for r in 1..1 + below(5) as u32 {
+                let (o0, o1) = (below(9), below(7));
+                src.push(h(&[o0, o1], &[1 + below(9 - o0), 1 + below(7 - o1)], &[r]));
+            }
+            let idx = SourceIndex::new(&src);
+            let (a0, a1) = (below(9), below(7));
+            let atom = Block::new(&[a0, a1], &[1 + below(9 - a0), 1 + below(7 - a1)]);
+            for min_cell in [1, 2, 5, 64] {
+                let covers = idx.cover_split(&atom, min_cell).unwrap();
+                assert!(covers.len() <= MAX_CELLS);
+                assert_eq!(covers.iter().map(|c| c.block.numel()).sum::<u64>(), atom.numel());
+                for (i, c) in covers.iter().enumerate() {
+                    assert!(atom.contains(&c.block) && c.block.numel() > 0);
+                    assert!(covers.len() == 1 || c.block.numel() >= min_cell, "{c:?} under {min_cell}");
+                    for d in &covers[i + 1..] {
+                        assert!(c.block.intersect(&d.block).is_none());
+                    }
+                    for &r in &c.candidates {
+                        assert!(src.iter().any(|s| s.holders[0].rank == r && s.block.contains(&c.block)));
+                    }
+                    let holders: Vec<Rank> = src.iter().filter(|s| s.block.contains(&c.block)).map(|s| s.holders[0].rank).collect();
+                    assert_eq!(c.candidates.len(), holders.len());
+                }
+            }
+        }
     }
 }

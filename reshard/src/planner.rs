@@ -7,9 +7,10 @@ use crate::cost::LinkModel;
 use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::fingerprint::Fnv64;
 use crate::layout::{Holding, Layout, Rank, TensorLayout};
-use crate::overlap::{atomize, SourceIndex};
+use crate::overlap::{atomize, with_range, SourceIndex};
 use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::hash::{Hash, Hasher};
 
 /// Matches destination tensors to source tensors and checks shapes and
@@ -101,11 +102,14 @@ fn overlap_template(
     let hd = dst.holdings(td);
     let index = SourceIndex::new(&hs);
     let max_elems = (options.max_staging_bytes / wire.size()).max(1);
+    // Cells of an atom that holdings cut differently are sent by different
+    // ranks only where each is at least the least part of a split.
+    let min_cell = options.min_split_bytes.div_ceil(wire.size());
     let mut t = Template { src_tensor: ts, dst_tensor: td, wire, pieces: Vec::new(), unique_bytes: 0, needs: Vec::new() };
     let mut needs = vec![0u64; dst.nodes() as usize];
     for atom in atomize(&hd) {
         let receivers = receivers_of(&hd, &atom.holdings);
-        let covers = index.cover(&atom.block).map_err(|region| PlanError::NotCovered {
+        let covers = index.cover_split(&atom.block, min_cell).map_err(|region| PlanError::NotCovered {
             tensor: dst.tensors()[td as usize].name.clone(),
             rank: receivers[0],
             region,
@@ -246,15 +250,45 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         }
     }
     drop(slots);
-    let mut assigner = Assigner::new(src, dst, options.links);
+    let mut assigner = Assigner::new(src, dst, options.links, options.min_split_bytes);
     // Every receiver of a piece gets one transfer of it, almost all from a
     // source in stage 0.
     let expected = work.iter().map(|w| w.receivers.1 as usize).sum();
     let mut lists = SenderLists::new(src.ranks(), dst.ranks(), expected);
+    // What every piece is expected to add to the egress of the source
+    // ranks holding it (see `Assigner::expect`).
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
-        assigner.assign(w.piece, w.bytes, receivers, candidates, &mut lists);
+        assigner.expect(candidates, w.bytes, receivers, true);
+    }
+    let mut parts: Vec<(Block, u64, Option<Rank>)> = Vec::new();
+    for w in &work {
+        let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
+        let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
+        let k = assigner.expect(candidates, w.bytes, receivers, false);
+        // A piece that several ranks hold may be split among them (parts
+        // of whole rows), where that lowers the busiest source link; the
+        // first part keeps the piece's index, the others are new pieces.
+        let room = MAX_PIECES.saturating_sub(pieces.len() as u64);
+        let piece = pieces[w.piece as usize];
+        if assigner.split(&piece.block, w.bytes, k, candidates, room, &mut parts) {
+            for (i, &(block, bytes, sender)) in parts.iter().enumerate() {
+                let index = if i == 0 {
+                    pieces[w.piece as usize].block = block;
+                    w.piece
+                } else {
+                    pieces.push(Piece { block, ..piece });
+                    pieces.len() as u32 - 1
+                };
+                match sender {
+                    Some(s) => assigner.assign(index, bytes, receivers, &[s], &mut lists),
+                    None => assigner.assign(index, bytes, receivers, candidates, &mut lists),
+                }
+            }
+        } else {
+            assigner.assign(w.piece, w.bytes, receivers, candidates, &mut lists);
+        }
     }
     drop(work);
     let parts = PlanParts {
@@ -316,6 +350,26 @@ struct Assigner {
     cand: Vec<(u128, Rank)>,
     picks: Vec<Rank>,
     arrival: Vec<u16>,
+    /// Least bytes of a part when a piece is split among its candidates
+    /// ([`PlanOptions::min_split_bytes`]).
+    min_split: u64,
+    /// Per source rank, the bytes that pieces only it holds will still add
+    /// to its egress (once per receiving node); with its stage-0 egress
+    /// so far, its *outlook*, by which senders are chosen among several
+    /// candidates: a piece others hold too goes elsewhere than to the rank
+    /// that alone must send much later.
+    forced: Vec<u64>,
+    /// Per source rank, its even share of what the pieces it holds (with
+    /// others or alone) not assigned yet will add to the source ranks'
+    /// egress: its stage-0 egress plus this is about where the ranks it
+    /// shares pieces with end up anyway.
+    shares: Vec<u64>,
+    /// The most any source rank's outlook has been.
+    src_max: u64,
+    /// Scratch for [`split`](Self::split): candidates' (stage-0 egress,
+    /// rank), and rows per part.
+    by_load: Vec<(u64, Rank)>,
+    rows: Vec<u64>,
 }
 
 const SRC_OUT: usize = 0;
@@ -325,7 +379,7 @@ const DST_IN_NV: usize = 3;
 const DST_OUT_NV: usize = 4;
 
 impl Assigner {
-    fn new(src: &Layout, dst: &Layout, links: LinkModel) -> Assigner {
+    fn new(src: &Layout, dst: &Layout, links: LinkModel, min_split: u64) -> Assigner {
         let (n_src, n_dst) = (src.ranks() as usize, dst.ranks() as usize);
         Assigner {
             n_src,
@@ -348,6 +402,12 @@ impl Assigner {
             cand: Vec::new(),
             picks: Vec::new(),
             arrival: Vec::new(),
+            min_split: min_split.max(1),
+            forced: vec![0; n_src],
+            shares: vec![0; n_src],
+            src_max: 0,
+            by_load: Vec::new(),
+            rows: Vec::new(),
         }
     }
 
@@ -392,6 +452,44 @@ impl Assigner {
     fn sub(&mut self, stage: u16, kind: usize, rank: Rank, bytes: u64) {
         let i = stage as usize * self.n_links + self.link(kind, rank);
         self.loads[i] -= bytes;
+    }
+
+    /// Source rank `r`'s stage-0 egress so far plus what pieces only it
+    /// holds will still add.
+    #[inline]
+    fn outlook(&self, r: Rank) -> u64 {
+        self.load(0, SRC_OUT, r).saturating_add(self.forced[r as usize])
+    }
+
+    /// Counts (`on`) or takes back what a piece of `bytes` held by
+    /// `candidates` is expected to add to their egress: once per receiving
+    /// node, shared evenly among them (`shares`), and all of it to the
+    /// one candidate of a piece only one rank holds (`forced`). Returns the
+    /// number of receiving nodes.
+    fn expect(&mut self, candidates: &[Rank], bytes: u64, receivers: &[Rank], on: bool) -> u64 {
+        // The receivers are sorted, so a node's are a run.
+        let mut k = 0u64;
+        let mut last = u32::MAX;
+        for &r in receivers {
+            let n = self.dst_node[r as usize];
+            if n != last {
+                (k, last) = (k + 1, n);
+            }
+        }
+        let k = k.max(1);
+        let total = k.saturating_mul(bytes);
+        let share = total / candidates.len().max(1) as u64;
+        let change = |x: &mut u64, by: u64| *x = if on { x.saturating_add(by) } else { x.saturating_sub(by) };
+        if let [only] = candidates {
+            change(&mut self.forced[*only as usize], total);
+            if on {
+                self.src_max = self.src_max.max(self.forced[*only as usize]);
+            }
+        }
+        for &c in candidates {
+            change(&mut self.shares[c as usize], share);
+        }
+        k
     }
 
     #[inline]
@@ -479,6 +577,7 @@ impl Assigner {
         self.top = 0;
         for (&s, &l) in self.picks.iter().zip(&self.leaders) {
             self.src_node_load[self.src_node[s as usize] as usize] += bytes;
+            self.src_max = self.src_max.max(self.outlook(s));
             out.push(0, Endpoint::src(s), Endpoint::dst(l), piece, bytes);
         }
         if !self.fans {
@@ -499,12 +598,15 @@ impl Assigner {
     fn commit(&mut self, piece: u32, bytes: u64, out: &mut SenderLists) {
         self.max_bytes[..self.top].copy_from_slice(&self.pending[..self.top]);
         self.top = 0;
-        for (from, to, stage) in self.emitted.drain(..) {
+        let mut emitted = std::mem::take(&mut self.emitted);
+        for (from, to, stage) in emitted.drain(..) {
             if from.group == Group::Src {
                 self.src_node_load[self.src_node[from.rank as usize] as usize] += bytes;
+                self.src_max = self.src_max.max(self.outlook(from.rank));
             }
             out.push(stage, from, to, piece, bytes);
         }
+        self.emitted = emitted;
     }
 
     /// A lower bound on the relay option's cost, computed while the direct
@@ -535,7 +637,7 @@ impl Assigner {
         cand.clear();
         cand.extend(candidates.iter().map(|&c| {
             let node = self.src_node_load[self.src_node[c as usize] as usize];
-            ((self.load(0, SRC_OUT, c) as u128) << 64 | node as u128, c)
+            ((self.outlook(c) as u128) << 64 | node as u128, c)
         }));
         for _ in 0..k {
             let (mut best, mut least) = (0, cand[0].0);
@@ -554,7 +656,7 @@ impl Assigner {
         let mut best = candidates[0];
         let mut best_load = (u64::MAX, u64::MAX);
         for &c in candidates {
-            let l = (self.load(0, SRC_OUT, c), self.src_node_load[self.src_node[c as usize] as usize]);
+            let l = (self.outlook(c), self.src_node_load[self.src_node[c as usize] as usize]);
             if l < best_load {
                 best = c;
                 best_load = l;
@@ -587,6 +689,156 @@ impl Assigner {
                 self.send(Endpoint::dst(leader), Endpoint::dst(r), stage, bytes);
             }
         }
+    }
+
+    /// Whether to split a piece (`block`, `bytes` on the wire, needed by
+    /// `k` destination nodes) among its `candidates`, and if so its parts
+    /// in `parts`: (block, bytes, the one candidate to send it, or `None`:
+    /// any of them), at most `room` parts.
+    ///
+    /// The piece is cut along its first dimension of more than one index
+    /// into ranges of whole rows, so every part stays one strided span of
+    /// its holders' buffers, each part at least `min_split` bytes. Sent
+    /// whole, the direct option sends it `k` times, from the least loaded
+    /// candidates in turn (by outlook). It is split only when that would
+    /// raise both the busiest source rank's outlook and the level its
+    /// candidates are expected to reach anyway (outlook plus their share
+    /// of pieces still to come, which later pieces even out), and the split
+    /// ends lower:
+    /// - `k = 1`: the copy is levelled (water-filled) over the least loaded
+    ///   candidates, as many as the rows and `min_split` allow, each part
+    ///   sent by one;
+    /// - `k > 1` with more candidates than `k`: into equal parts, about one
+    ///   per `k` candidates, each part then chosen for like any piece (its
+    ///   `k` copies from different candidates, or relayed), so the copies
+    ///   spread over all candidates instead of `k` of them. (With no more
+    ///   candidates than copies, the direct option already uses them all.)
+    fn split(
+        &mut self,
+        block: &Block,
+        bytes: u64,
+        k: u64,
+        candidates: &[Rank],
+        room: u64,
+        parts: &mut Vec<(Block, u64, Option<Rank>)>,
+    ) -> bool {
+        parts.clear();
+        let n = candidates.len() as u64;
+        if n < 2 || bytes / 2 < self.min_split || room < 2 || (k > 1 && n <= k) {
+            return false;
+        }
+        let Some(d) = (0..block.ndim()).find(|&d| block.extent()[d] > 1) else { return false };
+        let rows = block.extent()[d];
+        let row_bytes = bytes / rows;
+        let min_rows = self.min_split.div_ceil(row_bytes.max(1)).max(1);
+        if row_bytes == 0 || rows / 2 < min_rows {
+            return false;
+        }
+        let mut by_load = std::mem::take(&mut self.by_load);
+        by_load.clear();
+        let mut bar = self.src_max;
+        for &c in candidates {
+            by_load.push((self.outlook(c), c));
+            bar = bar.max(self.load(0, SRC_OUT, c).saturating_add(self.shares[c as usize]));
+        }
+        by_load.sort_unstable();
+        let split = self.whole_raises(&by_load, k, bytes, bar).is_some_and(|whole| {
+            if k == 1 {
+                self.level(&by_load, bytes, rows, row_bytes, min_rows, room, whole)
+            } else {
+                let p = (n / k).min(rows / min_rows).min(room);
+                self.rows.clear();
+                self.rows.extend((0..p).map(|i| rows / p + u64::from(i < rows % p)));
+                p >= 2
+            }
+        });
+        if split {
+            let mut at = block.offset()[d];
+            for (i, &r) in self.rows.iter().enumerate() {
+                let sender = (k == 1).then(|| by_load[i].1);
+                parts.push((with_range(block, d, at, r), r * row_bytes, sender));
+                at += r;
+            }
+        }
+        self.by_load = by_load;
+        split
+    }
+
+    /// The most outlook among the candidates (`by_load`, least first)
+    /// after `k` copies of `bytes` from the least loaded in turn, if that
+    /// is above `bar`.
+    fn whole_raises(&self, by_load: &[(u64, Rank)], k: u64, bytes: u64, bar: u64) -> Option<u64> {
+        // If the k least loaded each take a copy without passing the bar,
+        // so does the choice in turn (while fewer than k are chosen, one
+        // of the k least loaded is not, so each copy goes to a candidate at
+        // most as loaded as the k-th least).
+        if k as usize <= by_load.len() && by_load[k as usize - 1].0.saturating_add(bytes) <= bar {
+            return None;
+        }
+        let mut loads: BinaryHeap<Reverse<u64>> = by_load.iter().map(|&(l, _)| Reverse(l)).collect();
+        let mut whole = 0;
+        for _ in 0..k {
+            let Some(Reverse(least)) = loads.pop() else { break };
+            let l = least.saturating_add(bytes);
+            loads.push(Reverse(l));
+            whole = whole.max(l);
+        }
+        (whole > bar).then_some(whole)
+    }
+
+    /// Rows per part (in `self.rows`, for the first candidates of
+    /// `by_load`, least loaded first) that level one copy of a piece of
+    /// `rows` rows over the least loaded candidates, if that ends below
+    /// `whole`, the most after sending it whole.
+    #[allow(clippy::too_many_arguments)]
+    fn level(&mut self, by_load: &[(u64, Rank)], bytes: u64, rows: u64, row_bytes: u64, min_rows: u64, room: u64, whole: u64) -> bool {
+        let (total, unit) = (bytes as u128, row_bytes as u128);
+        // The candidates below the level of all of them (water-filling:
+        // the least loaded p whose level is above the p-th load).
+        let mut below = 0;
+        let mut sum = total;
+        for (i, &(l, _)) in by_load.iter().enumerate() {
+            if (l as u128) * (i as u128) >= sum {
+                break;
+            }
+            sum += l as u128;
+            below = i + 1;
+        }
+        let most_parts = (rows / min_rows).min(below as u64).min(room) as usize;
+        for p in (2..=most_parts).rev() {
+            // Level L over the p least loaded: p·L = bytes + their loads;
+            // candidate i takes (L - load_i) / row_bytes rows.
+            let sum: u128 = by_load[..p].iter().map(|&(l, _)| l as u128).sum::<u128>() + total;
+            let denom = p as u128 * unit;
+            self.rows.clear();
+            let mut fracs: Vec<(u128, usize)> = Vec::with_capacity(p);
+            let mut given = 0u64;
+            let mut fits = true;
+            for (i, &(l, _)) in by_load[..p].iter().enumerate() {
+                let Some(num) = sum.checked_sub(p as u128 * l as u128) else {
+                    fits = false;
+                    break;
+                };
+                let n = (num / denom) as u64;
+                self.rows.push(n);
+                fracs.push((num % denom, i));
+                given += n;
+            }
+            if !fits {
+                continue;
+            }
+            // The rows left by rounding down, to the largest remainders.
+            fracs.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+            for &(_, i) in fracs.iter().take(rows.saturating_sub(given) as usize) {
+                self.rows[i] += 1;
+            }
+            if self.rows.iter().sum::<u64>() != rows || self.rows.iter().any(|&n| n < min_rows) {
+                continue;
+            }
+            let most = by_load[..p].iter().zip(&self.rows).map(|(&(l, _), &n)| l.saturating_add(n * row_bytes)).max().unwrap_or(u64::MAX);
+            return most < whole;
+        }
+        false
     }
 
     fn assign(&mut self, piece: u32, bytes: u64, receivers: &[Rank], candidates: &[Rank], out: &mut SenderLists) {

@@ -120,7 +120,7 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         .checked_mul(1 << 20)
         .filter(|&b| b > 0)
         .ok_or_else(|| invalid("--max-staging-mib must be between 1 and 2^44".into()))?;
-    let opts = PlanOptions { max_staging_bytes: bytes, links };
+    let opts = PlanOptions { max_staging_bytes: bytes, links, ..PlanOptions::default() };
     let ctx = |e: reshard::PlanError| invalid(format!("{what}: {e}"));
     let write_svg = |p: &Path, plan: &reshard::Plan| {
         progress.phase(format!("drawing {}", p.display()));
