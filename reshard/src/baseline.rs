@@ -1,19 +1,22 @@
 //! The gather-and-broadcast baseline, as RL frameworks do it today: per
 //! tensor, gather the whole tensor on one source rank (the first rank of its
 //! mesh), broadcast it whole to every destination rank holding any of it,
-//! and let each rank keep its slices. The broadcast is run the way NCCL runs
-//! one: a pipelined, chunked ring.
+//! and let each rank keep its slices. The broadcast runs the way NCCL and
+//! gloo run one: pipelined in chunks, the root sending each chunk once.
 //!
 //! - **Chunks.** Each tensor's needed extent is cut into chunks of about
 //!   [`PIPELINE_CHUNK_BYTES`] (more for large models, at most half the
 //!   staging cap); every chunk is gathered, forwarded and copied out on its
 //!   own, so a rank forwards one chunk while it takes in the next.
-//! - **Ring.** A chunk goes from the root through every receiver once: the
-//!   receivers of one node one after the other, then on to the next node.
-//!   As NCCL's channels do, consecutive chunks take different rings
-//!   (channels): ring `c` enters each node at its `c`-th receiver, so the
-//!   nodes' network links are shared by their ranks. The root sends each
-//!   chunk once; every receiver but the ring's last forwards it once.
+//! - **Tree.** A chunk goes from the root to one leader per destination
+//!   node: the first node's, which forwards it to the next node's, and so
+//!   on (nodes ascending); each leader also starts a chain through its
+//!   node's other receivers. Every receiver gets the whole chunk once.
+//!   Tensors take turns (channels, as NCCL's): in turn `c` the `c`-th
+//!   receiver of each node leads, so the nodes' ranks share the network
+//!   links; all chunks of one tensor take the same turn, so its last
+//!   receivers on each node only keep their slices (the executor then
+//!   copies their slices straight out of what arrives).
 //! - **Rounds.** Transfers are placed first-fit, chunk by chunk in tensor
 //!   order, each in the first round in which both its ranks have room and
 //!   not before the data is there: a gather from round 0, a chunk's first
@@ -24,7 +27,7 @@
 //!   staging cap in all (every transfer fits on its own), so round `k`
 //!   carries chunk `k`'s gather, chunk `k-1`'s first hop, and so on: the
 //!   stages of the broadcast overlap. The executor runs rounds per rank, a
-//!   rank waiting only for its own messages, so the ring streams.
+//!   rank waiting only for its own messages, so the chunks stream.
 //! - **Stages.** Each round is its own dependency stage (data a rank
 //!   forwards arrived in an earlier round); `stage` is the round, saturated
 //!   at `u16::MAX`.
@@ -51,10 +54,12 @@ use crate::planner::{add_node_needs, match_tensors, placed_alike, placement_key,
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
-/// The smallest chunk of the pipelined broadcast, in bytes (NCCL's default
-/// buffer, `NCCL_BUFFSIZE`, is 4 MiB). A relay forwards one chunk while it
-/// takes in the next.
-pub const PIPELINE_CHUNK_BYTES: u64 = 4 << 20;
+/// The smallest chunk of the pipelined broadcast, in bytes. A relay
+/// forwards one chunk while it takes in the next. NCCL pipelines in steps
+/// of 512 KiB (its 4 MiB buffer, `NCCL_BUFFSIZE`, in 8 steps); on loopback
+/// with one process per rank, 1 MiB chunks moved Llama 3 8B / 8 fastest
+/// (0.5–2 MiB alike; 4 MiB and more slower; docs/benchmarks.md).
+pub const PIPELINE_CHUNK_BYTES: u64 = 1 << 20;
 
 /// Larger models get larger chunks, so that all tensors together make about
 /// this many chunks at most (fewer pieces and rounds to plan).
@@ -283,7 +288,6 @@ struct Move {
 /// chunk, placing every transfer in its round with `packer` (see the
 /// module's doc), and hands them to `step`.
 fn schedule(o: &Outline, ends: &Ends, packer: &mut Packer, mut step: impl FnMut(Step)) {
-    // Chunks take the rings (channels) in turn, across tensors.
     let mut turn = 0usize;
     // Per receiver of the current chain, the round its chunk arrived.
     let mut arrival: Vec<u32> = Vec::new();
@@ -297,6 +301,11 @@ fn schedule(o: &Outline, ends: &Ends, packer: &mut Packer, mut step: impl FnMut(
         let root = Endpoint::src(rec.root);
         let root_idx = ends.idx(root);
         let mut finals = rec.finals.iter().peekable();
+        // Tensors take the trees (channels) in turn, so that the nodes'
+        // ranks share the leading; all chunks of a tensor take one, so its
+        // last receivers only keep their slices.
+        let c = turn % chain.channels.len().max(1);
+        turn += 1;
         let mut first = 0usize;
         for (k, &chunk) in rec.chunks.iter().enumerate() {
             let last = gather_ends.get(k).map_or(first, |&e| e as usize);
@@ -312,14 +321,12 @@ fn schedule(o: &Outline, ends: &Ends, packer: &mut Packer, mut step: impl FnMut(
                 step(Step::Piece(block));
                 step(Step::Move(Move { from, to: root, pair: Some(pair), bytes, round, from_scratch: false, to_scratch: true }));
             }
-            // The ring: root to its first receiver, then receiver to receiver.
-            let c = turn % chain.channels.len().max(1);
-            turn += 1;
+            // The tree: root to the first leader, then hop by hop.
             let Some(ring) = chain.channels.get(c) else { continue };
-            let Some(&entry) = ring.order.first() else { continue };
+            let entry = ring.entry;
             let bytes = chunk.numel() * rec.wire_size;
             let to = Endpoint::dst(chain.receivers[entry as usize]);
-            let mut round = packer.place(root_idx, ends.idx(to), true, bytes, ready);
+            let round = packer.place(root_idx, ends.idx(to), true, bytes, ready);
             // What the root holds itself is copied in just before it sends.
             for &(_, block, _) in pieces.iter().filter(|g| g.0 == rec.root) {
                 packer.local(round);
@@ -330,11 +337,11 @@ fn schedule(o: &Outline, ends: &Ends, packer: &mut Packer, mut step: impl FnMut(
             let first_pair = rec.first_pairs.get(c).copied();
             step(Step::Move(Move { from: root, to, pair: first_pair, bytes, round, from_scratch: true, to_scratch: true }));
             arrival[entry as usize] = round;
-            for (hop, w) in ring.hops.iter().zip(ring.order.windows(2)) {
-                let (from, to) = (Endpoint::dst(chain.receivers[w[0] as usize]), Endpoint::dst(chain.receivers[w[1] as usize]));
-                round = packer.place(ends.idx(from), ends.idx(to), ends.cross(from, to), bytes, round + 1);
-                arrival[w[1] as usize] = round;
-                step(Step::Move(Move { from, to, pair: Some(*hop), bytes, round, from_scratch: true, to_scratch: true }));
+            for &(a, z, pair) in &ring.hops {
+                let (from, to) = (Endpoint::dst(chain.receivers[a as usize]), Endpoint::dst(chain.receivers[z as usize]));
+                let round = packer.place(ends.idx(from), ends.idx(to), ends.cross(from, to), bytes, arrival[a as usize] + 1);
+                arrival[z as usize] = round;
+                step(Step::Move(Move { from, to, pair: Some(pair), bytes, round, from_scratch: true, to_scratch: true }));
             }
             // Each rank keeps its slices of the chunk once it has it.
             while let Some(&&(kk, part, holding)) = finals.peek() {
@@ -630,22 +637,27 @@ struct Recipe {
 /// region no source holds.
 type Gather = Result<(Vec<(Rank, Block, u32)>, Vec<u32>), Box<Block>>;
 
-/// The rings among one set of destination ranks.
+/// The broadcast trees among one set of destination ranks.
 struct Chain {
     /// The receivers, ascending.
     receivers: Vec<Rank>,
-    /// One ring per channel: as many as the most receivers on one node.
+    /// One tree per channel: as many as the most receivers on one node.
     channels: Vec<Ring>,
 }
 
-/// One ring: every receiver once, node after node (ascending); on each
-/// node it starts at the channel's receiver (the `c`-th, modulo the node's
-/// receivers) and goes round.
+/// One tree of a channel `c`: on every node, the `c`-th receiver (modulo
+/// the node's receivers) leads; the root sends to the first node's leader,
+/// each leader forwards to the next node's (nodes ascending) and to the
+/// chain of its node's other receivers (from the leader on, going round),
+/// each of which forwards to the next.
 struct Ring {
-    /// Receivers (indices into [`Chain::receivers`]) in ring order.
-    order: Vec<u32>,
-    /// The pairs from each receiver to the next.
-    hops: Vec<u32>,
+    /// The receiver of the root's send (an index into
+    /// [`Chain::receivers`]).
+    entry: u32,
+    /// Every other hop: (sender, receiver, pair), senders and receivers as
+    /// indices into [`Chain::receivers`], each after the hop that brought
+    /// its sender the data.
+    hops: Vec<(u32, u32, u32)>,
 }
 
 impl Chain {
@@ -661,16 +673,26 @@ impl Chain {
         let channels = groups.iter().map(|&(a, b)| b - a).max().unwrap_or(0);
         let rings = (0..channels)
             .map(|c| {
-                let mut order: Vec<u32> = Vec::with_capacity(receivers.len());
+                let mut hops: Vec<(u32, u32, u32)> = Vec::with_capacity(receivers.len());
+                let mut hop = |from: usize, to: usize, hops: &mut Vec<(u32, u32, u32)>| {
+                    let pair = pairs.id(Endpoint::dst(receivers[from]), Endpoint::dst(receivers[to]));
+                    hops.push((from as u32, to as u32, pair));
+                };
+                let mut leader: Option<usize> = None;
                 for &(a, b) in &groups {
                     let at = a + c % (b - a);
-                    order.extend((at..b).chain(a..at).map(|i| i as u32));
+                    if let Some(l) = leader {
+                        hop(l, at, &mut hops);
+                    }
+                    let mut prev = at;
+                    for i in (at + 1..b).chain(a..at) {
+                        hop(prev, i, &mut hops);
+                        prev = i;
+                    }
+                    leader = Some(at);
                 }
-                let hops = order
-                    .windows(2)
-                    .map(|w| pairs.id(Endpoint::dst(receivers[w[0] as usize]), Endpoint::dst(receivers[w[1] as usize])))
-                    .collect();
-                Ring { order, hops }
+                let entry = groups.first().map_or(0, |&(a, b)| a + c % (b - a)) as u32;
+                Ring { entry, hops }
             })
             .collect();
         Chain { receivers: receivers.to_vec(), channels: rings }
@@ -904,14 +926,8 @@ impl Recipe {
                         }
                     }
                 }
-                let first_pairs: Vec<u32> = c
-                    .channels
-                    .iter()
-                    .filter_map(|ring| ring.order.first().map(|&i| c.receivers[i as usize]))
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .map(|entry| interned.pairs.id(Endpoint::src(root), Endpoint::dst(entry)))
-                    .collect();
+                let entries: Vec<Rank> = c.channels.iter().map(|ring| c.receivers[ring.entry as usize]).collect();
+                let first_pairs = entries.into_iter().map(|entry| interned.pairs.id(Endpoint::src(root), Endpoint::dst(entry))).collect();
                 (chunks, finals, holders, first_pairs)
             }
             _ => (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
