@@ -27,7 +27,7 @@ element is checked against the source pattern converted with torch's rounding
     python3 benchmarks/torch_refit.py --src S.json --dst D.json [--refits 5]
         [--variant both|gather-broadcast|p2p] [--bucket-mib 256] [--plan-only]
     python3 benchmarks/torch_refit.py --compare --src S.json --dst D.json
-        [--refits 3] [--rounds 3] [--refit-bin target/release/refit]
+        [--refits 3] [--rounds 3] [--refit-bin target/release/refit] [--old-refit-bin PATH]
 
 Without torch installed it prints "torch not installed: skipped (pip install
 torch)" and exits 0 (--plan-only and the layout parser need no torch).
@@ -727,7 +727,7 @@ def parse_duration(s):
     raise ValueError(f"cannot read duration {s!r}")
 
 
-def run_refit_launch(args, baseline):
+def run_refit_launch(args, baseline, binary=None):
     """Per-refit times of `refit launch`, K + 1 refits, the first (which plans
     and installs the programs) dropped as the warm-up, as the torch variants
     drop theirs. Two times per refit, read from its human output: the
@@ -735,7 +735,7 @@ def run_refit_launch(args, baseline):
     refit's data plane, moving, committing), and the launcher's whole step
     (`Y with filling the sources`), which is the `ms` of `--json`; the JSON has
     no per-refit wall time, and filling the sources is not part of a refit."""
-    cmd = [args.refit_bin, "launch", "--src", args.src, "--dst", args.dst, "--refits", str(args.refits + 1)]
+    cmd = [binary or args.refit_bin, "launch", "--src", args.src, "--dst", args.dst, "--refits", str(args.refits + 1)]
     if baseline:
         cmd.append("--baseline")
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -763,15 +763,23 @@ def run_torch(args, variant):
     return lines[0]["times_s"], lines[0].get("gather_median_s")
 
 
+# The row of `--old-refit-bin`: the baseline of another build of refit.
+OLD_BASELINE = "old bin launch --baseline"
+
+
 def compare(args, have_torch):
     if not os.path.exists(args.refit_bin):
         sys.exit(f"error: {args.refit_bin} not found (cargo build --release, or give --refit-bin)")
     names = ["torch gather-broadcast", "torch p2p", "refit launch (reshard)", "refit launch --baseline"]
+    if args.old_refit_bin:
+        if not os.path.exists(args.old_refit_bin):
+            sys.exit(f"error: {args.old_refit_bin} not found")
+        names.append(OLD_BASELINE)
     if not have_torch:
         print(SKIP + " (torch variants)", file=sys.stderr)
         names = names[2:]
     per = {n: [] for n in names}  # per round: list of per-refit times
-    steps = {n: [] for n in names[-2:]}
+    steps = {n: [] for n in names if n.startswith("refit")}
     gathers = []  # torch gather-broadcast: training rank 0's gathering, median per round
     for rnd in range(1, args.rounds + 1):
         load = os.getloadavg()
@@ -781,7 +789,8 @@ def compare(args, have_torch):
                 if g is not None:
                     gathers.append(g)
             else:
-                ts, st = run_refit_launch(args, baseline="baseline" in n)
+                binary = args.old_refit_bin if n == OLD_BASELINE else None
+                ts, st = run_refit_launch(args, baseline="baseline" in n, binary=binary)
                 steps[n].append(st)
             per[n].append(ts)
             print(f"round {rnd} {n:<24} " + " ".join(f"{t:.3f}" for t in ts) + " s", file=sys.stderr, flush=True)
@@ -805,13 +814,17 @@ def compare(args, have_torch):
     if have_torch:
         gb = summary["torch gather-broadcast"]["round_medians_s"]
         print("  torch gather-broadcast time / X time, per round (medians; > 1: X is faster):")
-        for n in ("refit launch (reshard)", "refit launch --baseline", "torch p2p"):
+        for n in [x for x in names if x.startswith("refit")] + ["torch p2p"]:
             r = [a / b for a, b in zip(gb, summary[n]["round_medians_s"])]
             summary[n]["gather_broadcast_over_this"] = r
             print(f"    X = {n:<24} {min(r):.2f}-{max(r):.2f}")
         r = [a / b for a, b in zip(summary["torch p2p"]["round_medians_s"], summary["refit launch (reshard)"]["round_medians_s"])]
         summary["refit launch (reshard)"]["torch_p2p_over_this"] = r
         print(f"  torch p2p time / refit launch (reshard) time, per round: {min(r):.2f}-{max(r):.2f}")
+    if OLD_BASELINE in summary:
+        r = [a / b for a, b in zip(summary[OLD_BASELINE]["round_medians_s"], summary["refit launch --baseline"]["round_medians_s"])]
+        summary["refit launch --baseline"]["old_baseline_over_this"] = r
+        print(f"  old bin baseline time / refit launch --baseline time, per round: {min(r):.2f}-{max(r):.2f}")
     load = os.getloadavg()
     print(f"  load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(json.dumps({"compare": summary, "src": args.src, "dst": args.dst, "refits": args.refits, "rounds": args.rounds}), flush=True)
@@ -833,6 +846,7 @@ def main():
     ap.add_argument("--compare", action="store_true", help="alternate torch and refit launch, R rounds")
     ap.add_argument("--rounds", type=int, default=3, help="--compare: rounds")
     ap.add_argument("--refit-bin", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "target", "release", "refit"))
+    ap.add_argument("--old-refit-bin", help="--compare: also run `launch --baseline` of this binary (another build) in every round")
     args = ap.parse_args()
     try:
         src, dst = Layout(args.src), Layout(args.dst)

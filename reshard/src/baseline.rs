@@ -1,22 +1,45 @@
 //! The gather-and-broadcast baseline, as RL frameworks do it today: per
 //! tensor, gather the whole tensor on one source rank (the first rank of its
-//! mesh), broadcast it whole to every destination rank holding any of it
-//! (one copy per destination node, relayed node to node by doubling, then
-//! fanned out inside the node), and let each rank keep its slices.
+//! mesh), broadcast it whole to every destination rank holding any of it,
+//! and let each rank keep its slices. The broadcast runs the way NCCL and
+//! gloo run one: pipelined in chunks, the root sending each chunk once.
+//!
+//! - **Chunks.** Each tensor's needed extent is cut into chunks of about
+//!   [`PIPELINE_CHUNK_BYTES`] (more for large models, at most half the
+//!   staging cap); every chunk is gathered, forwarded and copied out on its
+//!   own, so a rank forwards one chunk while it takes in the next.
+//! - **Tree.** A chunk goes from the root to one leader per destination
+//!   node: the first node's, which forwards it to the next node's, and so
+//!   on (nodes ascending); each leader also starts a chain through its
+//!   node's other receivers. Every receiver gets the whole chunk once.
+//!   Tensors take turns (channels, as NCCL's): in turn `c` the `c`-th
+//!   receiver of each node leads, so the nodes' ranks share the network
+//!   links; all chunks of one tensor take the same turn, so its last
+//!   receivers on each node only keep their slices (the executor then
+//!   copies their slices straight out of what arrives).
+//! - **Rounds.** Transfers are placed first-fit, chunk by chunk in tensor
+//!   order, each in the first round in which both its ranks have room and
+//!   not before the data is there: a gather from round 0, a chunk's first
+//!   hop after its gathers, each later hop after the one that brought it,
+//!   each rank's copy of its slices after its chunk arrived. A round gives
+//!   each rank one chunk's worth of bytes per link direction (network out,
+//!   network in, intra-node out, intra-node in) and never more than the
+//!   staging cap in all (every transfer fits on its own), so round `k`
+//!   carries chunk `k`'s gather, chunk `k-1`'s first hop, and so on: the
+//!   stages of the broadcast overlap. The executor runs rounds per rank, a
+//!   rank waiting only for its own messages, so the chunks stream.
+//! - **Stages.** Each round is its own dependency stage (data a rank
+//!   forwards arrived in an earlier round); `stage` is the round, saturated
+//!   at `u16::MAX`.
 //!
 //! Same pieces, transfers and figures as the reshard, so the two compare on
-//! equal terms. Stages: 0 gathers, 1 sends the root's copy to the first
-//! destination node, the next ones double across nodes and fan out inside
-//! them, and a last stage copies each rank's slices out of scratch. Each
-//! stage's transfers are packed into rounds first-fit, in the order they are
-//! made, so that no rank stages more than the cap in one round (every
-//! transfer fits on its own): the rule the reshard's rounds follow too.
+//! equal terms: every destination node still receives every tensor whole.
 //!
 //! [`plan_baseline`] builds the whole plan (millions of transfers on a
 //! large model). [`baseline_summary`] gives its figures and estimate without
-//! it: it streams the same transfers, stage by stage, through the same
-//! round packer and keeps only per-round counters. Both start from one
-//! outline: per tensor, a recipe shared by every tensor placed alike.
+//! it: it makes the same transfers in the same order through the same
+//! packer and keeps only per-round counters. Both start from one outline:
+//! per tensor, a recipe shared by every tensor placed alike.
 
 use crate::block::Block;
 use crate::cost::{LinkModel, PipelinedBroadcast};
@@ -31,100 +54,68 @@ use crate::planner::{add_node_needs, match_tensors, placed_alike, placement_key,
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
+/// The smallest chunk of the pipelined broadcast, in bytes. A relay
+/// forwards one chunk while it takes in the next. NCCL pipelines in steps
+/// of 512 KiB (its 4 MiB buffer, `NCCL_BUFFSIZE`, in 8 steps); on loopback
+/// with one process per rank, 1 MiB chunks moved Llama 3 8B / 8 fastest
+/// (0.5–2 MiB alike; 4 MiB and more slower; docs/benchmarks.md).
+pub const PIPELINE_CHUNK_BYTES: u64 = 1 << 20;
+
+/// Larger models get larger chunks, so that all tensors together make about
+/// this many chunks at most (fewer pieces and rounds to plan).
+const MOST_CHUNKS: u64 = 2048;
+
+/// The chunk size for `total` bytes of destination tensors under a staging
+/// cap of `cap` bytes: at least [`PIPELINE_CHUNK_BYTES`], about
+/// `total / MOST_CHUNKS` for large models, never more than half the cap (a
+/// relay takes one chunk in and sends one out in a round).
+fn chunk_bytes(total: u64, cap: u64) -> u64 {
+    (total / MOST_CHUNKS).max(PIPELINE_CHUNK_BYTES).min((cap / 2).max(1))
+}
+
 /// Plans the gather-broadcast baseline from `src` to `dst`.
 pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Plan, PlanError> {
     let outline = Outline::new(src, dst, options)?;
-    let mut pieces: Vec<Piece> = Vec::with_capacity(outline.pieces as usize);
-    let mut by_stage: Vec<Vec<Transfer>> = Vec::new();
-    let mut transfers = StageLists(&mut by_stage);
-    // Local copies out of scratch happen after every broadcast stage.
-    let mut finals: Vec<Transfer> = Vec::new();
-    let mut scratch_blocks: Vec<Block> = dst.tensors().iter().map(|t| Block::full(&t.shape)).collect();
-    for &(ts, td, recipe) in &outline.tensors {
-        let Some(rec) = &outline.recipes[recipe as usize] else { continue };
-        let tree = &outline.trees[rec.tree as usize];
-        scratch_blocks[td as usize] = rec.full;
-        let mut piece = |block: Block| {
-            pieces.push(Piece { src_tensor: ts, dst_tensor: td, block });
-            pieces.len() as u32 - 1
-        };
-        // Gather onto the root's scratch buffer.
-        for &(sender, block, _) in rec.gather() {
-            let piece = piece(block);
-            transfers.push(Transfer {
-                piece,
-                from: Endpoint::src(sender),
-                to: Endpoint::src(rec.root),
-                stage: 0,
-                from_scratch: false,
-                to_scratch: true,
-                round: 0,
-            });
-        }
-        // Broadcast the whole tensor: root -> first node, doubling across
-        // nodes, then fan-out inside each node.
-        for &block in &rec.broadcast {
-            let piece = piece(block);
-            let mut push = |from: Endpoint, to: Endpoint, stage: u16| {
-                transfers.push(Transfer { piece, from, to, stage, from_scratch: true, to_scratch: true, round: 0 });
-            };
-            push(Endpoint::src(rec.root), Endpoint::dst(tree.leader), 1);
-            for (stage, list) in tree.stages.iter().enumerate() {
-                for &pair in list {
-                    let (from, to) = outline.pairs[pair as usize];
-                    push(from, to, stage as u16);
-                }
-            }
-        }
-        // Each rank keeps its slices.
-        for (block, ranks) in &rec.finals {
-            let piece = piece(*block);
-            for &r in ranks {
-                finals.push(Transfer {
-                    piece,
-                    from: Endpoint::dst(r),
-                    to: Endpoint::dst(r),
-                    stage: 0,
-                    from_scratch: true,
-                    to_scratch: false,
-                    round: 0,
-                });
-            }
-        }
-    }
-    for mut t in finals {
-        t.stage = outline.last_stage + 1;
-        transfers.push(t);
-    }
-    // Rounds, stage by stage.
     let ends = Ends::new(src, dst);
-    let mut packer = Packer::new(ends.count(), options.max_staging_bytes);
-    let mut rounds = 0u32;
-    for list in by_stage.iter_mut() {
-        packer.reset();
-        for t in list.iter_mut() {
-            if t.from == t.to {
-                packer.local();
-                t.round = rounds;
-                continue;
-            }
-            let p = &pieces[t.piece as usize];
-            let (s, d) = outline.wire[p.dst_tensor as usize];
-            let bytes = p.block.numel() * if t.to.group == Group::Src { s.size() } else { wire_dtype(s, d).size() };
-            t.round = rounds + packer.place(ends.idx(t.from), ends.idx(t.to), ends.cross(t.from, t.to), bytes);
+    let mut packer = Packer::new(ends.count(), options.max_staging_bytes, outline.chunk);
+    let mut pieces: Vec<Piece> = Vec::with_capacity(outline.pieces as usize);
+    let mut transfers: Vec<Transfer> = Vec::with_capacity(outline.transfers as usize);
+    let mut scratch_blocks: Vec<Block> = dst.tensors().iter().map(|t| Block::full(&t.shape)).collect();
+    let mut tensors = (0u32, 0u32);
+    schedule(&outline, &ends, &mut packer, |step| match step {
+        Step::Tensor { src_tensor, dst_tensor, full } => {
+            tensors = (src_tensor, dst_tensor);
+            scratch_blocks[dst_tensor as usize] = full;
         }
-        rounds += packer.rounds;
-    }
+        Step::Piece(block) => pieces.push(Piece { src_tensor: tensors.0, dst_tensor: tensors.1, block }),
+        Step::Move(m) => transfers.push(Transfer {
+            piece: pieces.len() as u32 - 1,
+            from: m.from,
+            to: m.to,
+            stage: stage_of(m.round),
+            from_scratch: m.from_scratch,
+            to_scratch: m.to_scratch,
+            round: m.round,
+        }),
+    });
+    // Stage order is round order (stable: each round's transfers in the
+    // order they were made).
+    transfers.sort_by_key(|t| t.round);
+    let rounds = packer.rounds;
     drop(packer);
-    let stages = by_stage.len() as u32;
-    let mut all = by_stage.first_mut().map(std::mem::take).unwrap_or_default();
-    for rest in by_stage.iter_mut().skip(1) {
-        all.append(rest);
-    }
-    drop(by_stage);
     let parts =
         PlanParts { pieces, wire: outline.wire, needed_node_bytes: outline.needs, unique_bytes: outline.unique_bytes, scratch_blocks };
-    Ok(Plan::assemble_in_rounds(Strategy::Baseline, src, dst, options, parts, Scheduled { transfers: all, rounds, stages }))
+    Ok(Plan::assemble_in_rounds(Strategy::Baseline, src, dst, options, parts, Scheduled { transfers, rounds, stages: stages_of(rounds) }))
+}
+
+/// The stage of a transfer in `round`: the round, saturated.
+fn stage_of(round: u32) -> u16 {
+    round.min(u16::MAX as u32) as u16
+}
+
+/// Number of stages of a plan of `rounds` rounds.
+fn stages_of(rounds: u32) -> u32 {
+    rounds.min(u16::MAX as u32 + 1)
 }
 
 /// The baseline's figures and estimated refit times, without its plan.
@@ -134,9 +125,8 @@ pub struct BaselineSummary {
     pub figures: Figures,
     /// `plan_baseline(src, dst, options)?.estimate(links)`: the same
     /// per-round maxima, summed in the same order. This prices the plan as
-    /// it is written, store and forward: every stage (the gathers, each
-    /// doubling across nodes, each fan-out inside them) waits for the one
-    /// before, and a node forwards only whole pieces.
+    /// it is written: its rounds one after the other, each as long as its
+    /// busiest rank.
     pub estimate: Estimate,
     /// The baseline as NCCL runs it: the gathers, then per tensor a
     /// pipelined, chunked ring broadcast from its root, broadcasts of
@@ -153,111 +143,56 @@ pub struct BaselineSummary {
 /// [`Plan::estimate`] with `links` give, and the same errors), without
 /// building the plan.
 ///
-/// The baseline's transfers are made again stage by stage from the shared
-/// per-tensor recipes and packed into rounds by the same first-fit packer,
-/// keeping only per-stage, per-rank round counters: memory follows the
-/// busiest stage's rounds times the ranks active in it, not the number of
-/// transfers, and time is linear in the transfers.
+/// The baseline's transfers are made again in the same order from the
+/// shared per-tensor recipes and placed by the same packer, keeping only
+/// per-round, per-rank counters and per-pair totals: memory follows the
+/// rounds times the ranks, not the number of transfers, and time is linear
+/// in the transfers.
 pub fn baseline_summary(src: &Layout, dst: &Layout, options: &PlanOptions, links: &LinkModel) -> Result<BaselineSummary, PlanError> {
     let outline = Outline::new(src, dst, options)?;
     let ends = Ends::new(src, dst);
     let n = ends.count();
-    // Every (sender, receiver) pair as rank indices, and whether it crosses nodes.
-    let pairs: Vec<(usize, usize, bool)> = outline.pairs.iter().map(|&(f, t)| (ends.idx(f), ends.idx(t), ends.cross(f, t))).collect();
+    let mut packer = Packer::new(n, options.max_staging_bytes, outline.chunk);
+    let pairs = outline.pairs.len();
     let mut sum = Summing {
-        pairs: &pairs,
-        packer: Packer::new(n, options.max_staging_bytes),
         msgs: vec![Vec::new(); n],
-        pair_rounds: vec![Vec::new(); pairs.len()],
-        used_pairs: Vec::new(),
-        pair_bytes: vec![0; pairs.len()],
-        pair_msgs: vec![0; pairs.len()],
+        pair_rounds: vec![Vec::new(); pairs],
+        pair_bytes: vec![0; pairs],
+        pair_msgs: vec![0; pairs],
+        pair_ends: outline.pairs.iter().map(|&(f, t)| (ends.idx(f), ends.idx(t))).collect(),
     };
-    let mut seconds = 0.0;
-    let mut rounds = 0u32;
-    let mut worst: Vec<f64> = Vec::new();
-    for stage in 0..outline.stages() {
-        for &e in &sum.packer.touched {
-            sum.msgs[e] = Vec::new();
-        }
-        sum.packer.reset();
-        for &p in &sum.used_pairs {
-            sum.pair_rounds[p as usize] = Vec::new();
-        }
-        sum.used_pairs.clear();
-        if stage == outline.last_stage as u32 + 1 {
-            // Only the local copies out of scratch.
-            sum.packer.local();
-        }
-        // Where every tensor's broadcast makes the same transfers in this
-        // stage, they split into groups of ranks that never meet; groups
-        // alike get the same rounds, so one of each kind is packed and the
-        // others copy its totals.
-        let alike = outline.same_pushes(stage).map(|list| Alike::new(list, &pairs));
-        let before = alike.as_ref().map(|_| (sum.pair_bytes.clone(), sum.pair_msgs.clone()));
-        for &(_, _, recipe) in &outline.tensors {
-            let Some(rec) = &outline.recipes[recipe as usize] else { continue };
-            if stage == 0 {
-                for &(sender, block, pair) in rec.gather() {
-                    if sender == rec.root {
-                        sum.packer.local();
-                    } else {
-                        sum.send(pair, block.numel() * rec.src_size);
-                    }
-                }
-            } else if stage == 1 {
-                for block in &rec.broadcast {
-                    sum.send(rec.first_pair, block.numel() * rec.wire_size);
-                }
-            } else {
-                let list = match &alike {
-                    Some(a) => &a.packed[..],
-                    None => outline.trees[rec.tree as usize].stages.get(stage as usize).map_or(&[][..], |l| &l[..]),
-                };
-                for block in &rec.broadcast {
-                    let bytes = block.numel() * rec.wire_size;
-                    for &pair in list {
-                        sum.send(pair, bytes);
-                    }
-                }
+    schedule(&outline, &ends, &mut packer, |step| {
+        if let Step::Move(m) = step {
+            if let Some(pair) = m.pair {
+                sum.send(pair, m.bytes, m.round);
             }
         }
-        if let (Some(alike), Some((bytes, msgs))) = (&alike, &before) {
-            for &(pair, like) in &alike.copies {
-                let (p, l) = (pair as usize, like as usize);
-                sum.pair_bytes[p] += sum.pair_bytes[l] - bytes[l];
-                sum.pair_msgs[p] += sum.pair_msgs[l] - msgs[l];
-            }
+    });
+    let rounds = packer.rounds;
+    // The busiest rank of every round, summed in round order.
+    let mut worst = vec![0.0f64; rounds as usize];
+    for &e in &packer.touched {
+        let rank = &packer.ranks[e];
+        let msgs = &sum.msgs[e];
+        for (r, w) in worst.iter_mut().enumerate().take(rank.total.len()) {
+            let busy = rank_round_seconds(&rank.loads(r), msgs.get(r).copied().unwrap_or(0) as u64, links);
+            *w = w.max(busy);
         }
-        // The busiest rank of every round of this stage, in round order.
-        worst.clear();
-        worst.resize(sum.packer.rounds as usize, 0.0);
-        for &e in &sum.packer.touched {
-            let rank = &sum.packer.ranks[e];
-            let msgs = &sum.msgs[e];
-            for (r, w) in worst.iter_mut().enumerate().take(rank.total.len()) {
-                let busy = rank_round_seconds(&rank.loads(r), msgs.get(r).copied().unwrap_or(0), links);
-                *w = w.max(busy);
-            }
-        }
-        for &w in &worst {
-            seconds += w;
-        }
-        rounds += sum.packer.rounds;
     }
+    let seconds = worst.iter().sum::<f64>();
     // The figures that do not depend on rounds, from the pairs' totals.
     let mut f = Figures {
         dst_node_ingress_bytes: vec![0; dst.nodes() as usize],
         src_rank_egress_bytes: vec![0; src.ranks() as usize],
         rounds,
-        stages: outline.stages(),
+        stages: stages_of(rounds),
         pieces: outline.pieces,
         transfers: outline.transfers,
         ..Figures::default()
     };
     let (mut sent, mut recv, mut sent_msgs, mut recv_msgs) = (vec![0u64; n], vec![0u64; n], vec![0u64; n], vec![0u64; n]);
     for (k, &(from, to)) in outline.pairs.iter().enumerate() {
-        let ((a, z, cross), bytes, msgs) = (pairs[k], sum.pair_bytes[k], sum.pair_msgs[k]);
+        let ((a, z), bytes, msgs) = (sum.pair_ends[k], sum.pair_bytes[k], sum.pair_msgs[k]);
         f.total_bytes += bytes;
         f.messages += msgs;
         sent[a] += bytes;
@@ -267,7 +202,7 @@ pub fn baseline_summary(src: &Layout, dst: &Layout, options: &PlanOptions, links
         if from.group == Group::Src {
             f.src_egress_bytes += bytes;
         }
-        if cross {
+        if ends.cross(from, to) {
             f.cross_node_bytes += bytes;
             if from.group == Group::Src {
                 if let Some(b) = f.src_rank_egress_bytes.get_mut(from.rank as usize) {
@@ -290,34 +225,25 @@ pub fn baseline_summary(src: &Layout, dst: &Layout, options: &PlanOptions, links
     Ok(BaselineSummary { figures: f, estimate: Estimate { seconds, lower_bound_seconds }, pipelined })
 }
 
-/// The running state of [`baseline_summary`]: the stage being packed and
-/// the totals per (sender, receiver) pair.
-struct Summing<'a> {
-    /// Per pair: sender and receiver indices, and whether it crosses nodes.
-    pairs: &'a [(usize, usize, bool)],
-    packer: Packer,
-    /// Per rank, messages it sends in each round of the stage.
-    msgs: Vec<Vec<u64>>,
-    /// Per pair, a bitmap of the stage's rounds in which it already has a
-    /// message.
+/// The running totals of [`baseline_summary`].
+struct Summing {
+    /// Per rank, messages it sends in each round.
+    msgs: Vec<Vec<u32>>,
+    /// Per pair, a bitmap of the rounds in which it already has a message.
     pair_rounds: Vec<Vec<u64>>,
-    used_pairs: Vec<u32>,
     /// Per pair: bytes and messages over the whole plan.
     pair_bytes: Vec<u64>,
     pair_msgs: Vec<u64>,
+    /// Per pair: sender and receiver indices.
+    pair_ends: Vec<(usize, usize)>,
 }
 
-impl Summing<'_> {
-    /// One transfer of `bytes` between the ranks of pair `pair`.
-    fn send(&mut self, pair: u32, bytes: u64) {
+impl Summing {
+    /// One transfer of `bytes` between the ranks of pair `pair` in `round`.
+    fn send(&mut self, pair: u32, bytes: u64, round: u32) {
         let p = pair as usize;
-        let (a, z, cross) = self.pairs[p];
-        let r = self.packer.place(a, z, cross, bytes) as usize;
         self.pair_bytes[p] += bytes;
-        let bits = &mut self.pair_rounds[p];
-        if bits.is_empty() {
-            self.used_pairs.push(pair);
-        }
+        let (r, bits) = (round as usize, &mut self.pair_rounds[p]);
         let (word, mask) = (r / 64, 1u64 << (r % 64));
         if bits.len() <= word {
             bits.resize(word + 1, 0);
@@ -325,7 +251,7 @@ impl Summing<'_> {
         if bits[word] & mask == 0 {
             bits[word] |= mask;
             self.pair_msgs[p] += 1;
-            let m = &mut self.msgs[a];
+            let m = &mut self.msgs[self.pair_ends[p].0];
             if m.len() <= r {
                 m.resize(r + 1, 0);
             }
@@ -334,97 +260,105 @@ impl Summing<'_> {
     }
 }
 
-/// One stage's transfers per broadcast block (pairs, in order), split into
-/// groups of ranks no transfer joins: two groups whose transfers are the
-/// same up to the names of their ranks (in order, crossing nodes alike) are
-/// packed alike, round for round, so only the first of each kind is packed.
-struct Alike {
-    /// The transfers of the first group of each kind, in order.
-    packed: Vec<u32>,
-    /// Every other transfer, and the packed one it copies.
-    copies: Vec<(u32, u32)>,
+/// What [`schedule`] makes, in order.
+enum Step {
+    /// The next pieces and transfers are of these tensors; the
+    /// destination's scratch buffer holds `full`.
+    Tensor { src_tensor: u32, dst_tensor: u32, full: Block },
+    /// A new piece; the moves that follow carry it.
+    Piece(Block),
+    /// One transfer of the last piece.
+    Move(Move),
 }
 
-impl Alike {
-    /// `pushes`: pairs; `pairs`: per pair, sender and receiver indices and
-    /// whether it crosses nodes.
-    fn new(pushes: Vec<u32>, pairs: &[(usize, usize, bool)]) -> Alike {
-        // Ranks numbered in order of appearance; groups by union-find.
-        let mut local: HashMap<usize, usize> = HashMap::new();
-        let mut parent: Vec<usize> = Vec::new();
-        fn find(parent: &mut [usize], mut x: usize) -> usize {
-            while parent[x] != x {
-                parent[x] = parent[parent[x]];
-                x = parent[x];
+/// One transfer, placed.
+struct Move {
+    from: Endpoint,
+    to: Endpoint,
+    /// The pair of ranks (`None`: a local copy).
+    pair: Option<u32>,
+    /// Bytes on the wire (0 for a local copy).
+    bytes: u64,
+    round: u32,
+    from_scratch: bool,
+    to_scratch: bool,
+}
+
+/// Makes the baseline's pieces and transfers, tensor by tensor and chunk by
+/// chunk, placing every transfer in its round with `packer` (see the
+/// module's doc), and hands them to `step`.
+fn schedule(o: &Outline, ends: &Ends, packer: &mut Packer, mut step: impl FnMut(Step)) {
+    let mut turn = 0usize;
+    // Per receiver of the current chain, the round its chunk arrived.
+    let mut arrival: Vec<u32> = Vec::new();
+    for &(ts, td, recipe) in &o.tensors {
+        let Some(rec) = &o.recipes[recipe as usize] else { continue };
+        let chain = &o.chains[rec.chain as usize];
+        let Some((gather, gather_ends)) = rec.gather.as_ref().and_then(|g| g.as_ref().ok()) else { continue };
+        step(Step::Tensor { src_tensor: ts, dst_tensor: td, full: rec.full });
+        arrival.clear();
+        arrival.resize(chain.receivers.len(), 0);
+        let root = Endpoint::src(rec.root);
+        let root_idx = ends.idx(root);
+        let mut finals = rec.finals.iter().peekable();
+        // Tensors take the trees (channels) in turn, so that the nodes'
+        // ranks share the leading; all chunks of a tensor take one, so its
+        // last receivers only keep their slices.
+        let c = turn % chain.channels.len().max(1);
+        turn += 1;
+        let mut first = 0usize;
+        for (k, &chunk) in rec.chunks.iter().enumerate() {
+            let last = gather_ends.get(k).map_or(first, |&e| e as usize);
+            let pieces = gather.get(first..last).unwrap_or(&[]);
+            first = last;
+            // The gathers onto the root's scratch.
+            let mut ready = 0u32;
+            for &(sender, block, pair) in pieces.iter().filter(|g| g.0 != rec.root) {
+                let from = Endpoint::src(sender);
+                let bytes = block.numel() * rec.src_size;
+                let round = packer.place(ends.idx(from), root_idx, ends.cross(from, root), bytes, 0);
+                ready = ready.max(round + 1);
+                step(Step::Piece(block));
+                step(Step::Move(Move { from, to: root, pair: Some(pair), bytes, round, from_scratch: false, to_scratch: true }));
             }
-            x
-        }
-        let mut ends = Vec::with_capacity(pushes.len());
-        for &p in &pushes {
-            let (a, z, _) = pairs[p as usize];
-            let mut id = |e: usize| {
-                *local.entry(e).or_insert_with(|| {
-                    parent.push(parent.len());
-                    parent.len() - 1
-                })
-            };
-            let (la, lz) = (id(a), id(z));
-            let (ra, rz) = (find(&mut parent, la), find(&mut parent, lz));
-            parent[ra.max(rz)] = ra.min(rz);
-            ends.push((la, lz));
-        }
-        // Each group's transfers, and their shape: ranks renumbered in
-        // order of appearance within the group.
-        let mut groups: Vec<RankGroup> = Vec::new();
-        let mut group_of: HashMap<usize, usize> = HashMap::new();
-        for (&p, &(la, lz)) in pushes.iter().zip(&ends) {
-            let root = find(&mut parent, la);
-            let g = *group_of.entry(root).or_insert_with(|| {
-                groups.push(Default::default());
-                groups.len() - 1
-            });
-            let group = &mut groups[g];
-            let mut name = |e: usize| {
-                let next = group.names.len() as u32;
-                *group.names.entry(e).or_insert(next)
-            };
-            let (na, nz) = (name(la), name(lz));
-            group.pushes.push(p);
-            group.shape.push((na, nz, pairs[p as usize].2));
-        }
-        let mut first_of: HashMap<&[(u32, u32, bool)], usize> = HashMap::new();
-        let mut like = vec![0usize; groups.len()];
-        for (g, group) in groups.iter().enumerate() {
-            like[g] = *first_of.entry(&group.shape[..]).or_insert(g);
-        }
-        let mut alike = Alike { packed: Vec::new(), copies: Vec::new() };
-        let mut seen = vec![0usize; groups.len()];
-        for (&p, &(la, _)) in pushes.iter().zip(&ends) {
-            let g = group_of[&find(&mut parent, la)];
-            let f = like[g];
-            if f == g {
-                alike.packed.push(p);
-            } else {
-                alike.copies.push((p, groups[f].pushes[seen[g]]));
+            // The tree: root to the first leader, then hop by hop.
+            let Some(ring) = chain.channels.get(c) else { continue };
+            let entry = ring.entry;
+            let bytes = chunk.numel() * rec.wire_size;
+            let to = Endpoint::dst(chain.receivers[entry as usize]);
+            let round = packer.place(root_idx, ends.idx(to), true, bytes, ready);
+            // What the root holds itself is copied in just before it sends.
+            for &(_, block, _) in pieces.iter().filter(|g| g.0 == rec.root) {
+                packer.local(round);
+                step(Step::Piece(block));
+                step(Step::Move(Move { from: root, to: root, pair: None, bytes: 0, round, from_scratch: false, to_scratch: true }));
             }
-            seen[g] += 1;
+            step(Step::Piece(chunk));
+            let first_pair = rec.first_pairs.get(c).copied();
+            step(Step::Move(Move { from: root, to, pair: first_pair, bytes, round, from_scratch: true, to_scratch: true }));
+            arrival[entry as usize] = round;
+            for &(a, z, pair) in &ring.hops {
+                let (from, to) = (Endpoint::dst(chain.receivers[a as usize]), Endpoint::dst(chain.receivers[z as usize]));
+                let round = packer.place(ends.idx(from), ends.idx(to), ends.cross(from, to), bytes, arrival[a as usize] + 1);
+                arrival[z as usize] = round;
+                step(Step::Move(Move { from, to, pair: Some(pair), bytes, round, from_scratch: true, to_scratch: true }));
+            }
+            // Each rank keeps its slices of the chunk once it has it.
+            while let Some(&&(kk, part, holding)) = finals.peek() {
+                if kk as usize != k {
+                    break;
+                }
+                finals.next();
+                step(Step::Piece(part));
+                for &i in rec.holders.get(holding as usize).map_or(&[][..], |h| &h[..]) {
+                    let round = arrival[i as usize] + 1;
+                    packer.local(round);
+                    let me = Endpoint::dst(chain.receivers[i as usize]);
+                    step(Step::Move(Move { from: me, to: me, pair: None, bytes: 0, round, from_scratch: true, to_scratch: false }));
+                }
+            }
         }
-        // A pair twice in a group is twice in the one it copies: its totals
-        // are copied once.
-        alike.copies.sort_unstable();
-        alike.copies.dedup();
-        alike
     }
-}
-
-/// One group of ranks of [`Alike`]: its transfers (pairs) in order, their
-/// shape (sender and receiver renumbered in order of appearance, and
-/// whether they cross nodes), and the renumbering.
-#[derive(Default)]
-struct RankGroup {
-    pushes: Vec<u32>,
-    shape: Vec<(u32, u32, bool)>,
-    names: HashMap<usize, u32>,
 }
 
 /// Endpoints as indices (source ranks, then destination ranks) and their nodes.
@@ -470,25 +404,29 @@ impl Ends {
     }
 }
 
-/// First-fit packing of one stage's transfers into rounds, in the order
-/// they come: each goes to the first round in which neither of its ranks
-/// would stage more than the cap (a rank with nothing in a round takes any
-/// transfer). Per rank it keeps a skip list (union-find with path halving)
-/// over rounds that are nearly full, so a search jumps over them instead of
-/// scanning, and the bytes it stages per round, by lane (network out,
-/// network in, intra-node out, intra-node in) where it uses more than one.
+/// First-fit placement of transfers into rounds, in the order they come:
+/// each goes to the first round at or after the one its data is ready in
+/// where both its ranks have room: on the transfer's lane (network out,
+/// network in, intra-node out, intra-node in) no more than a chunk, and in
+/// all no more than the cap (a rank with nothing on the lane, or nothing
+/// in the round, takes any transfer that fits the other limit). Per rank
+/// and lane it keeps a skip list (union-find with path halving) over rounds
+/// that are nearly full, so a search jumps over them instead of scanning,
+/// and the bytes it stages per round, by lane where it uses more than one.
 struct Packer {
     cap: u64,
     /// A round counts as full once less than 1/16 of the cap is left.
     nearly_full: u64,
+    lane_cap: u64,
+    lane_nearly_full: u64,
     ranks: Vec<RankRounds>,
-    /// Ranks with any bytes in the stage.
+    /// Ranks with any bytes.
     touched: Vec<usize>,
-    /// Rounds the stage uses so far.
+    /// Rounds used so far.
     rounds: u32,
 }
 
-/// One rank's rounds in the stage being packed.
+/// One rank's rounds.
 #[derive(Clone, Default)]
 struct RankRounds {
     /// Bytes staged per round, all lanes together.
@@ -497,18 +435,32 @@ struct RankRounds {
     /// bytes are `total` and `lanes` stays empty.
     kinds: u8,
     lanes: [Vec<u64>; 4],
-    /// `skip[x] != x` marks round `x` full.
-    skip: Vec<u32>,
+    /// Per lane, `skip[l][x] != x` marks round `x` full for lane `l`.
+    skip: [Vec<u32>; 4],
 }
 
 impl RankRounds {
-    fn fits(&self, r: u32, bytes: u64, cap: u64) -> bool {
-        let l = self.total.get(r as usize).copied().unwrap_or(0);
-        l == 0 || l + bytes <= cap
+    /// Bytes on `lane` in round `r`.
+    fn lane(&self, r: usize, lane: usize) -> u64 {
+        let bit = 1u8 << lane;
+        if self.kinds & bit == 0 {
+            0
+        } else if self.kinds == bit {
+            self.total.get(r).copied().unwrap_or(0)
+        } else {
+            self.lanes[lane].get(r).copied().unwrap_or(0)
+        }
     }
 
-    /// Adds `bytes` on `lane` in round `r`; returns the round's new total.
-    fn add(&mut self, r: u32, lane: usize, bytes: u64) -> u64 {
+    fn fits(&self, r: u32, lane: usize, bytes: u64, cap: u64, lane_cap: u64) -> bool {
+        let t = self.total.get(r as usize).copied().unwrap_or(0);
+        let l = self.lane(r as usize, lane);
+        (t == 0 || t + bytes <= cap) && (l == 0 || l + bytes <= lane_cap)
+    }
+
+    /// Adds `bytes` on `lane` in round `r`; returns the round's new total
+    /// and the lane's.
+    fn add(&mut self, r: u32, lane: usize, bytes: u64) -> (u64, u64) {
         let r = r as usize;
         let bit = 1u8 << lane;
         if self.kinds & bit == 0 {
@@ -519,84 +471,92 @@ impl RankRounds {
             }
             self.kinds |= bit;
         }
-        if self.kinds != bit {
-            let l = &mut self.lanes[lane];
-            if l.len() <= r {
-                l.resize(r + 1, 0);
-            }
-            l[r] += bytes;
-        }
         if self.total.len() <= r {
             self.total.resize(r + 1, 0);
         }
         self.total[r] += bytes;
-        self.total[r]
+        if self.kinds == bit {
+            return (self.total[r], self.total[r]);
+        }
+        let l = &mut self.lanes[lane];
+        if l.len() <= r {
+            l.resize(r + 1, 0);
+        }
+        l[r] += bytes;
+        (self.total[r], l[r])
     }
 
     /// Bytes by lane in round `r`.
     fn loads(&self, r: usize) -> [u64; 4] {
         let mut out = [0u64; 4];
-        if self.kinds.count_ones() == 1 {
-            out[self.kinds.trailing_zeros() as usize] = self.total.get(r).copied().unwrap_or(0);
-        } else {
-            for (o, l) in out.iter_mut().zip(&self.lanes) {
-                *o = l.get(r).copied().unwrap_or(0);
-            }
+        for (k, o) in out.iter_mut().enumerate() {
+            *o = self.lane(r, k);
         }
         out
     }
 }
 
+/// Marks round `r` full in `skip`.
+fn mark_full(skip: &mut Vec<u32>, r: u32) {
+    if skip.len() <= r as usize + 1 {
+        let from = skip.len() as u32;
+        skip.extend(from..r + 2);
+    }
+    skip[r as usize] = r + 1;
+}
+
 impl Packer {
-    fn new(ranks: usize, max_staging_bytes: u64) -> Packer {
+    fn new(ranks: usize, max_staging_bytes: u64, chunk: u64) -> Packer {
         let cap = max_staging_bytes.max(1);
-        Packer { cap, nearly_full: cap - cap / 16, ranks: vec![RankRounds::default(); ranks], touched: Vec::new(), rounds: 0 }
-    }
-
-    /// Starts a stage (and frees the last one's counters).
-    fn reset(&mut self) {
-        for &e in &self.touched {
-            self.ranks[e] = RankRounds::default();
+        let lane_cap = chunk.clamp(1, cap);
+        Packer {
+            cap,
+            nearly_full: cap - cap / 16,
+            lane_cap,
+            lane_nearly_full: lane_cap - lane_cap / 16,
+            ranks: vec![RankRounds::default(); ranks],
+            touched: Vec::new(),
+            rounds: 0,
         }
-        self.touched.clear();
-        self.rounds = 0;
     }
 
-    /// A local copy: it takes the stage's first round.
-    fn local(&mut self) {
-        self.rounds = self.rounds.max(1);
+    /// A local copy in round `r`.
+    fn local(&mut self, r: u32) {
+        self.rounds = self.rounds.max(r + 1);
     }
 
     /// Places a transfer of `bytes` from rank `a` to rank `z` (indices,
-    /// distinct); returns its round within the stage.
-    fn place(&mut self, a: usize, z: usize, cross: bool, bytes: u64) -> u32 {
-        let mut r = 0u32;
+    /// distinct) whose data is there from round `ready`; returns its round.
+    fn place(&mut self, a: usize, z: usize, cross: bool, bytes: u64, ready: u32) -> u32 {
+        let (la, lz) = if cross { (0, 1) } else { (2, 3) };
+        let mut r = ready;
         loop {
-            let ra = open_round(&mut self.ranks[a].skip, r);
-            let rz = open_round(&mut self.ranks[z].skip, ra);
+            let ra = open_round(&mut self.ranks[a].skip[la], r);
+            let rz = open_round(&mut self.ranks[z].skip[lz], ra);
             if rz != ra {
                 r = rz;
                 continue;
             }
-            if self.ranks[a].fits(ra, bytes, self.cap) && self.ranks[z].fits(ra, bytes, self.cap) {
+            if self.ranks[a].fits(ra, la, bytes, self.cap, self.lane_cap) && self.ranks[z].fits(ra, lz, bytes, self.cap, self.lane_cap) {
                 r = ra;
                 break;
             }
             r = ra + 1;
         }
-        let (out, inn) = if cross { (0, 1) } else { (2, 3) };
-        for (e, lane) in [(a, out), (z, inn)] {
+        for (e, lane) in [(a, la), (z, lz)] {
             let rank = &mut self.ranks[e];
             if rank.kinds == 0 {
                 self.touched.push(e);
             }
-            if rank.add(r, lane, bytes) >= self.nearly_full {
-                let s = &mut rank.skip;
-                if s.len() <= r as usize + 1 {
-                    let from = s.len() as u32;
-                    s.extend(from..r + 2);
+            let (total, on_lane) = rank.add(r, lane, bytes);
+            if total >= self.nearly_full {
+                for l in 0..4 {
+                    if rank.kinds & (1 << l) != 0 {
+                        mark_full(&mut rank.skip[l], r);
+                    }
                 }
-                s[r as usize] = r + 1;
+            } else if on_lane >= self.lane_nearly_full {
+                mark_full(&mut rank.skip[lane], r);
             }
         }
         self.rounds = self.rounds.max(r + 1);
@@ -626,8 +586,8 @@ struct Outline {
     tensors: Vec<(u32, u32, u32)>,
     /// `None`: the destination holds none of the tensor.
     recipes: Vec<Option<Recipe>>,
-    trees: Vec<Tree>,
-    /// Every distinct (sender, receiver) pair of the recipes and trees.
+    chains: Vec<Chain>,
+    /// Every distinct (sender, receiver) pair of the recipes and chains.
     pairs: Vec<(Endpoint, Endpoint)>,
     /// Per destination tensor: source and destination dtypes.
     wire: Vec<(DType, DType)>,
@@ -637,12 +597,8 @@ struct Outline {
     /// Pieces and transfers of the plan.
     pieces: u64,
     transfers: u64,
-    /// The last broadcast stage; the local copies out of scratch follow it.
-    last_stage: u16,
-    /// Whether there is any local copy out of scratch.
-    any_final: bool,
-    /// The trees the tensors use.
-    used_trees: Vec<u32>,
+    /// Bytes of a chunk.
+    chunk: u64,
 }
 
 /// What the baseline does with one tensor.
@@ -656,119 +612,109 @@ struct Recipe {
     /// destination rank.
     src_size: u64,
     wire_size: u64,
-    /// Gather pieces (sender, block, pair to the root), or the region of
-    /// `full` no source holds; `None` when the pieces were not made because
-    /// the tensor alone would pass [`MAX_PIECES`].
+    /// The chunks of `full`, in order (none unless the gather was made).
+    chunks: Vec<Block>,
+    /// Gather pieces (sender, block, pair to the root), chunk after chunk,
+    /// with the end of each chunk's, or the region of `full` no source
+    /// holds; `None` when the pieces were not made because the tensor alone
+    /// would pass [`MAX_PIECES`].
     gather: Option<Gather>,
-    /// The broadcast's blocks.
-    broadcast: Vec<Block>,
-    /// The pair of the first hop (root to the first node's leader).
-    first_pair: u32,
-    tree: u32,
-    /// Per destination block, the ranks that keep it.
-    finals: Vec<(Block, Vec<Rank>)>,
+    /// Per ring of its chain, the pair from the root to the ring's first
+    /// receiver.
+    first_pairs: Vec<u32>,
+    chain: u32,
+    /// The slices the ranks keep, chunk by chunk: (chunk, part of a
+    /// destination block inside it, that block's index in `holders`).
+    finals: Vec<(u32, Block, u32)>,
+    /// Per destination block, the ranks that keep it, as indices into the
+    /// chain's receivers.
+    holders: Vec<Vec<u32>>,
     unique_bytes: u64,
     needs: Vec<(u32, u64)>,
 }
 
-/// Gather pieces (sender, block, pair), or the region no source holds.
-type Gather = Result<Vec<(Rank, Block, u32)>, Box<Block>>;
+/// Gather pieces (sender, block, pair) and the end of each chunk's, or the
+/// region no source holds.
+type Gather = Result<(Vec<(Rank, Block, u32)>, Vec<u32>), Box<Block>>;
 
-impl Recipe {
-    fn gather(&self) -> &[(Rank, Block, u32)] {
-        match &self.gather {
-            Some(Ok(g)) => g,
-            _ => &[],
-        }
-    }
+/// The broadcast trees among one set of destination ranks.
+struct Chain {
+    /// The receivers, ascending.
+    receivers: Vec<Rank>,
+    /// One tree per channel: as many as the most receivers on one node.
+    channels: Vec<Ring>,
 }
 
-/// The broadcast among one set of destination ranks: the leader of the
-/// first node receives from the root, nodes double, leaders fan out.
-struct Tree {
-    leader: Rank,
-    /// The receivers, node by node, in the order the broadcast reaches the
-    /// nodes (ascending).
-    nodes: Vec<Vec<Rank>>,
-    /// Transfers by stage (stages 0 and 1 have none), as pairs of
-    /// destination ranks, in the order the plan makes them.
-    stages: Vec<Vec<u32>>,
-    /// Its last stage (at least 1).
-    last: u16,
+/// One tree of a channel `c`: on every node, the `c`-th receiver (modulo
+/// the node's receivers) leads; the root sends to the first node's leader,
+/// each leader forwards to the next node's (nodes ascending) and to the
+/// chain of its node's other receivers (from the leader on, going round),
+/// each of which forwards to the next.
+struct Ring {
+    /// The receiver of the root's send (an index into
+    /// [`Chain::receivers`]).
+    entry: u32,
+    /// Every other hop: (sender, receiver, pair), senders and receivers as
+    /// indices into [`Chain::receivers`], each after the hop that brought
+    /// its sender the data.
+    hops: Vec<(u32, u32, u32)>,
 }
 
-impl Tree {
-    fn new(receivers: &[Rank], rpn: u32, pairs: &mut Pairs) -> Tree {
-        let mut groups: Vec<&[Rank]> = Vec::new();
+impl Chain {
+    fn new(receivers: &[Rank], rpn: u32, pairs: &mut Pairs) -> Chain {
+        let mut groups: Vec<(usize, usize)> = Vec::new();
         let mut start = 0;
         for i in 1..=receivers.len() {
             if i == receivers.len() || receivers[i] / rpn != receivers[start] / rpn {
-                groups.push(&receivers[start..i]);
+                groups.push((start, i));
                 start = i;
             }
         }
-        let mut tree = Tree {
-            leader: receivers.first().copied().unwrap_or(0),
-            nodes: groups.iter().map(|g| g.to_vec()).collect(),
-            stages: Vec::new(),
-            last: 1,
-        };
-        let mut push = |from: Rank, to: Rank, stage: u16| {
-            let s = stage as usize;
-            if tree.stages.len() <= s {
-                tree.stages.resize_with(s + 1, Vec::new);
-            }
-            tree.stages[s].push(pairs.id(Endpoint::dst(from), Endpoint::dst(to)));
-        };
-        let mut arrival = vec![1u16; groups.len()];
-        let (mut have, mut stage) = (1usize, 2u16);
-        while have < groups.len() {
-            let senders = have;
-            for i in 0..senders {
-                if have >= groups.len() {
-                    break;
+        let channels = groups.iter().map(|&(a, b)| b - a).max().unwrap_or(0);
+        let rings = (0..channels)
+            .map(|c| {
+                let mut hops: Vec<(u32, u32, u32)> = Vec::with_capacity(receivers.len());
+                let mut hop = |from: usize, to: usize, hops: &mut Vec<(u32, u32, u32)>| {
+                    let pair = pairs.id(Endpoint::dst(receivers[from]), Endpoint::dst(receivers[to]));
+                    hops.push((from as u32, to as u32, pair));
+                };
+                let mut leader: Option<usize> = None;
+                for &(a, b) in &groups {
+                    let at = a + c % (b - a);
+                    if let Some(l) = leader {
+                        hop(l, at, &mut hops);
+                    }
+                    let mut prev = at;
+                    for i in (at + 1..b).chain(a..at) {
+                        hop(prev, i, &mut hops);
+                        prev = i;
+                    }
+                    leader = Some(at);
                 }
-                push(groups[i][0], groups[have][0], stage);
-                arrival[have] = stage;
-                have += 1;
-            }
-            stage += 1;
-        }
-        let mut last = 1u16;
-        for (g, &a) in groups.iter().zip(&arrival) {
-            for &r in &g[1..] {
-                push(g[0], r, a + 1);
-                last = last.max(a + 1);
-            }
-            last = last.max(a);
-        }
-        tree.last = last;
-        tree
-    }
-
-    /// Transfers per broadcast block, the first hop included.
-    fn transfers(&self) -> u64 {
-        1 + self.stages.iter().map(|s| s.len() as u64).sum::<u64>()
+                let entry = groups.first().map_or(0, |&(a, b)| a + c % (b - a)) as u32;
+                Ring { entry, hops }
+            })
+            .collect();
+        Chain { receivers: receivers.to_vec(), channels: rings }
     }
 }
 
-/// The broadcast trees (one per set of receivers) and the pairs the
-/// recipes use.
+/// The chains (one per set of receivers) and the pairs the recipes use.
 #[derive(Default)]
 struct Interned {
-    trees: Vec<Tree>,
+    chains: Vec<Chain>,
     by_receivers: HashMap<Vec<Rank>, u32>,
     pairs: Pairs,
 }
 
 impl Interned {
-    /// The tree among `receivers` (sorted, deduplicated), `rpn` to a node.
-    fn tree(&mut self, receivers: Vec<Rank>, rpn: u32) -> u32 {
+    /// The chain among `receivers` (sorted, deduplicated), `rpn` to a node.
+    fn chain(&mut self, receivers: Vec<Rank>, rpn: u32) -> u32 {
         if let Some(&t) = self.by_receivers.get(&receivers) {
             return t;
         }
-        self.trees.push(Tree::new(&receivers, rpn, &mut self.pairs));
-        let t = self.trees.len() as u32 - 1;
+        self.chains.push(Chain::new(&receivers, rpn, &mut self.pairs));
+        let t = self.chains.len() as u32 - 1;
         self.by_receivers.insert(receivers, t);
         t
     }
@@ -793,25 +739,27 @@ impl Pairs {
 impl Outline {
     fn new(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Outline, PlanError> {
         let matched = match_tensors(src, dst)?;
+        let total = matched
+            .iter()
+            .enumerate()
+            .map(|(td, &(_, s, d))| dst.tensors()[td].shape.iter().product::<u64>().saturating_mul(wire_dtype(s, d).size()))
+            .fold(0u64, u64::saturating_add);
         let mut o = Outline {
             tensors: Vec::new(),
             recipes: Vec::new(),
-            trees: Vec::new(),
+            chains: Vec::new(),
             pairs: Vec::new(),
             wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
             needs: vec![0; dst.nodes() as usize],
             unique_bytes: 0,
             pieces: 0,
             transfers: 0,
-            last_stage: 0,
-            any_final: false,
-            used_trees: Vec::new(),
+            chunk: chunk_bytes(total, options.max_staging_bytes),
         };
         let mut interned = Interned::default();
         let mut by_key: HashMap<u64, Vec<u32>> = HashMap::new();
         // Per recipe, the (source, destination) tensors it was made from.
         let mut made_from: Vec<(u32, u32)> = Vec::new();
-        let mut tree_used: Vec<bool> = Vec::new();
         for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
             let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
             // Tensors placed alike (storage aside) with the same dtypes
@@ -830,23 +778,22 @@ impl Outline {
             let id = match found {
                 Some(i) => i,
                 None => {
-                    let rec = Recipe::new(src, dst, (ts, td as u32), (sd, dd), options, &mut interned);
+                    let rec = Recipe::new(src, dst, (ts, td as u32), (sd, dd), o.chunk, &mut interned);
                     o.recipes.push(rec);
                     made_from.push((ts, td as u32));
                     let id = o.recipes.len() as u32 - 1;
                     by_key.entry(key).or_default().push(id);
-                    tree_used.resize(interned.trees.len(), false);
                     id
                 }
             };
             let Some(rec) = &o.recipes[id as usize] else { continue };
             let fail_pieces = || PlanError::TooManyPieces { tensor: st.name.clone(), limit: MAX_PIECES };
-            let bound = rec.full.numel().div_ceil(max_elems_for(options, sd)).saturating_mul(2);
+            let bound = rec.full.numel().div_ceil(chunk_elems(o.chunk, sd, dd)).saturating_mul(2);
             if o.pieces.saturating_add(bound) > MAX_PIECES {
                 return Err(fail_pieces());
             }
             let gather = match &rec.gather {
-                Some(Ok(g)) => g,
+                Some(Ok((g, _))) => g,
                 Some(Err(region)) => {
                     return Err(PlanError::BaselineNotCovered {
                         tensor: st.name.clone(),
@@ -856,34 +803,19 @@ impl Outline {
                 }
                 None => return Err(fail_pieces()),
             };
-            let tree = &interned.trees[rec.tree as usize];
+            let receivers = interned.chains[rec.chain as usize].receivers.len() as u64;
             o.unique_bytes += rec.unique_bytes;
             for &(node, bytes) in &rec.needs {
                 o.needs[node as usize] += bytes;
             }
-            let finals: u64 = rec.finals.iter().map(|(_, r)| r.len() as u64).sum();
-            o.pieces += (gather.len() + rec.broadcast.len() + rec.finals.len()) as u64;
-            o.transfers += gather.len() as u64 + rec.broadcast.len() as u64 * tree.transfers() + finals;
-            o.last_stage = o.last_stage.max(tree.last);
-            o.any_final |= finals > 0;
+            let finals: u64 = rec.finals.iter().map(|&(_, _, h)| rec.holders[h as usize].len() as u64).sum();
+            o.pieces += (gather.len() + rec.chunks.len() + rec.finals.len()) as u64;
+            o.transfers += gather.len() as u64 + rec.chunks.len() as u64 * receivers + finals;
             o.tensors.push((ts, td as u32, id));
-            if !tree_used[rec.tree as usize] {
-                tree_used[rec.tree as usize] = true;
-                o.used_trees.push(rec.tree);
-            }
         }
-        o.trees = interned.trees;
+        o.chains = interned.chains;
         o.pairs = interned.pairs.list;
         Ok(o)
-    }
-
-    /// The transfers every tensor's broadcast makes in `stage` (2 or more),
-    /// as pairs, when they are the same for all; `None` otherwise.
-    fn same_pushes(&self, stage: u32) -> Option<Vec<u32>> {
-        let list = |t: u32| self.trees[t as usize].stages.get(stage as usize).map_or(&[][..], |l| &l[..]);
-        let (&first, rest) = self.used_trees.split_first()?;
-        let l0 = list(first);
-        (stage >= 2 && !l0.is_empty() && rest.iter().all(|&t| list(t) == l0)).then(|| l0.to_vec())
     }
 
     /// The baseline's time as NCCL runs it ([`PipelinedBroadcast`]): each
@@ -897,40 +829,43 @@ impl Outline {
         for (rec, &count) in self.recipes.iter().zip(&uses) {
             let Some(rec) = rec.as_ref().filter(|_| count > 0) else { continue };
             let root = Endpoint::src(rec.root);
-            for &(sender, block, _) in rec.gather() {
-                if sender != rec.root {
-                    let bytes = block.numel().saturating_mul(rec.src_size);
-                    model.gather(sender, rec.root, ends.cross(Endpoint::src(sender), root), bytes, count);
+            if let Some(Ok((gather, _))) = &rec.gather {
+                for &(sender, block, _) in gather {
+                    if sender != rec.root {
+                        let bytes = block.numel().saturating_mul(rec.src_size);
+                        model.gather(sender, rec.root, ends.cross(Endpoint::src(sender), root), bytes, count);
+                    }
                 }
             }
-            let nodes: Vec<&[Rank]> = self.trees[rec.tree as usize].nodes.iter().map(Vec::as_slice).collect();
+            let chain = &self.chains[rec.chain as usize];
+            let mut nodes: Vec<&[Rank]> = Vec::new();
+            let mut start = 0;
+            let rpn = dst.ranks_per_node().max(1);
+            for i in 1..=chain.receivers.len() {
+                if i == chain.receivers.len() || chain.receivers[i] / rpn != chain.receivers[start] / rpn {
+                    nodes.push(&chain.receivers[start..i]);
+                    start = i;
+                }
+            }
             model.broadcast(rec.root, rec.full.numel().saturating_mul(rec.wire_size), &nodes, count);
         }
         model.seconds()
     }
+}
 
-    /// Number of stages: gathers, broadcast stages, local copies.
-    fn stages(&self) -> u32 {
-        if self.tensors.is_empty() {
-            0
-        } else {
-            self.last_stage as u32 + 1 + self.any_final as u32
-        }
-    }
+/// Elements of one chunk of a tensor: its bytes in the wider of the two
+/// dtypes (gathers travel in the source dtype, the broadcast in the wire
+/// dtype), at least one.
+fn chunk_elems(chunk: u64, src: DType, dst: DType) -> u64 {
+    (chunk / src.size().max(wire_dtype(src, dst).size())).max(1)
 }
 
 impl Recipe {
     /// The recipe for source tensor `tensors.0` to destination tensor
-    /// `tensors.1` with these dtypes; `None` when the destination holds none
-    /// of it. Its trees and pairs go to `interned`.
-    fn new(
-        src: &Layout,
-        dst: &Layout,
-        tensors: (u32, u32),
-        dtypes: (DType, DType),
-        options: &PlanOptions,
-        interned: &mut Interned,
-    ) -> Option<Recipe> {
+    /// `tensors.1` with these dtypes, in chunks of `chunk` bytes; `None`
+    /// when the destination holds none of it. Its chains and pairs go to
+    /// `interned`.
+    fn new(src: &Layout, dst: &Layout, tensors: (u32, u32), dtypes: (DType, DType), chunk: u64, interned: &mut Interned) -> Option<Recipe> {
         let ((ts, td), (sd, dd)) = (tensors, dtypes);
         let hd = dst.holdings(td);
         if hd.is_empty() {
@@ -951,55 +886,67 @@ impl Recipe {
             Placement::Mesh(m) => m.ranks.first().copied().unwrap_or(0),
             Placement::Shards(_) => hs.iter().flat_map(|h| h.holders.iter().map(|l| l.rank)).min().unwrap_or(0),
         };
-        // A tensor that alone passes the piece limit fails wherever it
-        // comes: its pieces are not made.
-        let gather_elems = max_elems_for(options, sd);
-        let gather = (full.numel().div_ceil(gather_elems).saturating_mul(2) <= MAX_PIECES).then(|| {
-            let index = SourceIndex::new(&hs);
-            index.cover(&full).map(|covers| {
-                let mut g = Vec::new();
-                for c in covers {
-                    let sender = if c.candidates.contains(&root) { root } else { c.candidates[0] };
-                    let pair = interned.pairs.id(Endpoint::src(sender), Endpoint::src(root));
-                    g.extend(c.block.split_to_fit(gather_elems).into_iter().map(|b| (sender, b, pair)));
-                }
-                g
-            })
-        });
-        let broadcast = match gather {
-            Some(Ok(_)) => full.split_to_fit((options.max_staging_bytes / wire.size()).max(1)),
-            _ => Vec::new(),
-        };
         let all: Vec<u32> = (0..hd.len() as u32).collect();
         let receivers = receivers_of(&hd, &all);
-        let tree = interned.tree(receivers, rpn);
-        let first_pair = interned.pairs.id(Endpoint::src(root), Endpoint::dst(interned.trees[tree as usize].leader));
-        let finals = hd
-            .iter()
-            .map(|h| {
-                let mut ranks: Vec<Rank> = h.holders.iter().map(|l| l.rank).collect();
-                ranks.dedup();
-                (h.block, ranks)
-            })
-            .collect();
+        let chain = interned.chain(receivers, rpn);
+        // A tensor that alone passes the piece limit fails wherever it
+        // comes: its pieces are not made.
+        let elems = chunk_elems(chunk, sd, dd);
+        let made = full.numel().div_ceil(elems).saturating_mul(2) <= MAX_PIECES;
+        let chunks = if made { full.split_to_fit(elems) } else { Vec::new() };
+        let gather = made.then(|| {
+            let index = SourceIndex::new(&hs);
+            let (mut g, mut ends) = (Vec::new(), Vec::with_capacity(chunks.len()));
+            for c in &chunks {
+                for cover in index.cover(c)? {
+                    let sender = if cover.candidates.contains(&root) { root } else { cover.candidates.first().copied().unwrap_or(root) };
+                    let pair = interned.pairs.id(Endpoint::src(sender), Endpoint::src(root));
+                    g.extend(cover.block.split_to_fit(elems).into_iter().map(|b| (sender, b, pair)));
+                }
+                ends.push(g.len() as u32);
+            }
+            Ok((g, ends))
+        });
+        let (chunks, finals, holders, first_pairs) = match &gather {
+            Some(Ok(_)) => {
+                let c = &interned.chains[chain as usize];
+                let holders: Vec<Vec<u32>> = hd
+                    .iter()
+                    .map(|h| {
+                        let mut ranks: Vec<Rank> = h.holders.iter().map(|l| l.rank).collect();
+                        ranks.dedup();
+                        ranks.iter().filter_map(|r| c.receivers.binary_search(r).ok().map(|i| i as u32)).collect()
+                    })
+                    .collect();
+                let mut finals = Vec::new();
+                for (k, chunk) in chunks.iter().enumerate() {
+                    for (i, h) in hd.iter().enumerate() {
+                        if let Some(part) = h.block.intersect(chunk) {
+                            finals.push((k as u32, part, i as u32));
+                        }
+                    }
+                }
+                let entries: Vec<Rank> = c.channels.iter().map(|ring| c.receivers[ring.entry as usize]).collect();
+                let first_pairs = entries.into_iter().map(|entry| interned.pairs.id(Endpoint::src(root), Endpoint::dst(entry))).collect();
+                (chunks, finals, holders, first_pairs)
+            }
+            _ => (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+        };
         Some(Recipe {
             full,
             root,
             src_size: sd.size(),
             wire_size: wire.size(),
+            chunks,
             gather,
-            broadcast,
-            first_pair,
-            tree,
+            first_pairs,
+            chain,
             finals,
+            holders,
             unique_bytes,
             needs: needs.into_iter().enumerate().filter(|&(_, b)| b > 0).map(|(n, b)| (n as u32, b)).collect(),
         })
     }
-}
-
-fn max_elems_for(options: &PlanOptions, dtype: DType) -> u64 {
-    (options.max_staging_bytes / dtype.size()).max(1)
 }
 
 /// The smallest block containing all `blocks` (at least one).
@@ -1016,17 +963,4 @@ fn bounding_box(mut blocks: impl Iterator<Item = Block>) -> Block {
     }
     let ext: Vec<u64> = (0..nd).map(|d| hi[d] - lo[d]).collect();
     Block::new(&lo, &ext)
-}
-
-/// Transfers bucketed by stage as they are made.
-struct StageLists<'a>(&'a mut Vec<Vec<Transfer>>);
-
-impl StageLists<'_> {
-    fn push(&mut self, t: Transfer) {
-        let s = t.stage as usize;
-        if self.0.len() <= s {
-            self.0.resize_with(s + 1, Vec::new);
-        }
-        self.0[s].push(t);
-    }
 }
