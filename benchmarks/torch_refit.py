@@ -779,7 +779,7 @@ def compare(args, have_torch):
         print(SKIP + " (torch variants)", file=sys.stderr)
         names = names[2:]
     per = {n: [] for n in names}  # per round: list of per-refit times
-    steps = {n: [] for n in names if n.startswith("refit")}
+    steps = {n: [] for n in names if not n.startswith("torch")}
     gathers = []  # torch gather-broadcast: training rank 0's gathering, median per round
     for rnd in range(1, args.rounds + 1):
         load = os.getloadavg()
@@ -814,7 +814,7 @@ def compare(args, have_torch):
     if have_torch:
         gb = summary["torch gather-broadcast"]["round_medians_s"]
         print("  torch gather-broadcast time / X time, per round (medians; > 1: X is faster):")
-        for n in [x for x in names if x.startswith("refit")] + ["torch p2p"]:
+        for n in [x for x in names if not x.startswith("torch")] + ["torch p2p"]:
             r = [a / b for a, b in zip(gb, summary[n]["round_medians_s"])]
             summary[n]["gather_broadcast_over_this"] = r
             print(f"    X = {n:<24} {min(r):.2f}-{max(r):.2f}")

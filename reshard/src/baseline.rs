@@ -830,11 +830,18 @@ impl Outline {
             let Some(rec) = rec.as_ref().filter(|_| count > 0) else { continue };
             let root = Endpoint::src(rec.root);
             if let Some(Ok((gather, _))) = &rec.gather {
-                for &(sender, block, _) in gather {
-                    if sender != rec.root {
-                        let bytes = block.numel().saturating_mul(rec.src_size);
-                        model.gather(sender, rec.root, ends.cross(Endpoint::src(sender), root), bytes, count);
+                // One gather message per sender and tensor, whatever the
+                // plan's chunks.
+                let mut senders: Vec<(Rank, u64)> = Vec::new();
+                for &(sender, block, _) in gather.iter().filter(|g| g.0 != rec.root) {
+                    let bytes = block.numel().saturating_mul(rec.src_size);
+                    match senders.iter_mut().find(|s| s.0 == sender) {
+                        Some(s) => s.1 = s.1.saturating_add(bytes),
+                        None => senders.push((sender, bytes)),
                     }
+                }
+                for (sender, bytes) in senders {
+                    model.gather(sender, rec.root, ends.cross(Endpoint::src(sender), root), bytes, count);
                 }
             }
             let chain = &self.chains[rec.chain as usize];
