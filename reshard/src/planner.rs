@@ -152,6 +152,8 @@ struct Work {
     bytes: u64,
     receivers: (u32, u32),
     candidates: (u32, u32),
+    /// Destination nodes among the receivers.
+    nodes: u32,
 }
 
 /// Plans a reshard from `src` to `dst`.
@@ -239,12 +241,12 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         starts[i] += starts[i - 1];
     }
     let mut pieces: Vec<Piece> = Vec::with_capacity(total_pieces as usize);
-    let mut work: Vec<Work> = vec![Work { piece: 0, bytes: 0, receivers: (0, 0), candidates: (0, 0) }; total_pieces as usize];
+    let mut work: Vec<Work> = vec![Work { piece: 0, bytes: 0, receivers: (0, 0), candidates: (0, 0), nodes: 0 }; total_pieces as usize];
     for (td, (&(ts, _, _), &t)) in matched.iter().zip(&template_of).enumerate() {
         let t = t as usize;
         for (&(block, receivers, candidates), &slot) in templates[t].pieces.iter().zip(&slots[t]) {
             let at = &mut starts[slot as usize];
-            work[*at] = Work { piece: pieces.len() as u32, bytes: sizes[slot as usize], receivers, candidates };
+            work[*at] = Work { piece: pieces.len() as u32, bytes: sizes[slot as usize], receivers, candidates, nodes: 0 };
             *at += 1;
             pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block });
         }
@@ -257,16 +259,18 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     let mut lists = SenderLists::new(src.ranks(), dst.ranks(), expected);
     // What every piece is expected to add to the egress of the source
     // ranks holding it (see `Assigner::expect`).
-    for w in &work {
+    for w in work.iter_mut() {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
-        assigner.expect(candidates, w.bytes, receivers, true);
+        w.nodes = assigner.nodes(receivers) as u32;
+        assigner.expect(candidates, w.bytes, w.nodes as u64, true);
     }
     let mut parts: Vec<(Block, u64, Option<Rank>)> = Vec::new();
     for w in &work {
         let receivers = &pool[w.receivers.0 as usize..(w.receivers.0 + w.receivers.1) as usize];
         let candidates = &pool[w.candidates.0 as usize..(w.candidates.0 + w.candidates.1) as usize];
-        let k = assigner.expect(candidates, w.bytes, receivers, false);
+        let k = w.nodes as u64;
+        assigner.expect(candidates, w.bytes, k, false);
         // A piece that several ranks hold may be split among them (parts
         // of whole rows), where that lowers the busiest source link; the
         // first part keeps the piece's index, the others are new pieces.
@@ -464,19 +468,9 @@ impl Assigner {
     /// Counts (`on`) or takes back what a piece of `bytes` held by
     /// `candidates` is expected to add to their egress: once per receiving
     /// node, shared evenly among them (`shares`), and all of it to the
-    /// one candidate of a piece only one rank holds (`forced`). Returns the
-    /// number of receiving nodes.
-    fn expect(&mut self, candidates: &[Rank], bytes: u64, receivers: &[Rank], on: bool) -> u64 {
-        // The receivers are sorted, so a node's are a run.
-        let mut k = 0u64;
-        let mut last = u32::MAX;
-        for &r in receivers {
-            let n = self.dst_node[r as usize];
-            if n != last {
-                (k, last) = (k + 1, n);
-            }
-        }
-        let k = k.max(1);
+    /// one candidate of a piece only one rank holds (`forced`); `k` is
+    /// the number of receiving nodes.
+    fn expect(&mut self, candidates: &[Rank], bytes: u64, k: u64, on: bool) {
         let total = k.saturating_mul(bytes);
         let share = total / candidates.len().max(1) as u64;
         let change = |x: &mut u64, by: u64| *x = if on { x.saturating_add(by) } else { x.saturating_sub(by) };
@@ -489,7 +483,20 @@ impl Assigner {
         for &c in candidates {
             change(&mut self.shares[c as usize], share);
         }
-        k
+    }
+
+    /// The number of destination nodes among `receivers` (at least 1).
+    fn nodes(&self, receivers: &[Rank]) -> u64 {
+        // The receivers are sorted, so a node's are a run.
+        let mut k = 0u64;
+        let mut last = u32::MAX;
+        for &r in receivers {
+            let n = self.dst_node[r as usize];
+            if n != last {
+                (k, last) = (k + 1, n);
+            }
+        }
+        k.max(1)
     }
 
     #[inline]
