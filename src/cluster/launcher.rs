@@ -235,6 +235,8 @@ impl Cluster {
     /// workers if asked, waits until every rank has joined, and starts the
     /// orchestrator over their members.
     pub fn start(config: ClusterConfig, src: Layout, dst: Layout, listening: impl FnOnce(SocketAddr)) -> Result<Cluster, ClusterError> {
+        // Regions left by workers killed before their peers mapped them.
+        transport::remove_stale_regions(&transport::ShmConfig::default().dir);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_keep_alive(IDLE_THREAD)
@@ -597,6 +599,9 @@ impl Cluster {
                 std::thread::sleep(Duration::from_millis(10));
             }
             drop(c);
+            // Workers killed during the run (chaos, a crash) may have left
+            // regions their peers never mapped.
+            transport::remove_stale_regions(&transport::ShmConfig::default().dir);
         }
         drop(rendezvous);
         drop(net);

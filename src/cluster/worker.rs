@@ -242,6 +242,8 @@ async fn serve(
 /// Runs one worker until the launcher goes away.
 pub fn run_worker(config: WorkerConfig, layouts: WorkerLayouts) -> Result<(), String> {
     let ranks = config.hosted.endpoints(&layouts.layout)?;
+    // Regions that workers killed earlier on this host left behind.
+    transport::remove_stale_regions(config.shm_dir.as_deref().unwrap_or(&transport::ShmConfig::default().dir));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_keep_alive(super::IDLE_THREAD)

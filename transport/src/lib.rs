@@ -43,5 +43,5 @@ pub use pattern::{
     fill_source_rank, fill_source_rank_at, fill_sources, verify_destination_rank, verify_destination_rank_at, verify_destination_rank_from,
     verify_destinations, Mismatch,
 };
-pub use shm::ShmConfig;
+pub use shm::{remove_stale_regions, ShmConfig};
 pub use transport::{Lent, Payload, Release, Segment, SentPiece, SentPieces, Transport, TransportError};

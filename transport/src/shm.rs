@@ -72,6 +72,8 @@ impl Default for ShmConfig {
 
 const REGION_MAGIC: u64 = 0x314d_4853_5449_4652; // "RFITSHM1"
 const CONTROL: u64 = 4096;
+/// Control word: the creating process's id (for [`remove_stale_regions`]).
+const OFF_CREATOR: usize = 24;
 const OFF_CONSUMED: usize = 64;
 const OFF_RELEASED: usize = 128;
 /// Largest area accepted from a peer's handshake.
@@ -151,6 +153,7 @@ impl Region {
         };
         region.word(8).store(lend, Ordering::Relaxed);
         region.word(16).store(stream, Ordering::Relaxed);
+        region.word(OFF_CREATOR).store(u64::from(std::process::id()), Ordering::Relaxed);
         region.word(0).store(REGION_MAGIC, Ordering::Release);
         Ok(region)
     }
@@ -251,6 +254,45 @@ pub(crate) fn region_path(dir: &Path, session: &str, from: reshard::Endpoint, to
         reshard::Group::Dst => format!("d{}", e.rank),
     };
     dir.join(format!("refit-{session}-{}-{}", tag(from), tag(to)))
+}
+
+/// Removes region files in `dir` that this user's processes created and
+/// that outlived their creator (a process killed between creating a region
+/// and its peer mapping it, when the name is normally removed); returns how
+/// many. Files of other users, of live processes, or not regions are left.
+pub fn remove_stale_regions(dir: &Path) -> usize {
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if !entry.file_name().to_str().is_some_and(|n| n.starts_with("refit-")) {
+            continue;
+        }
+        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
+        if !meta.is_file() || meta.uid() != me || meta.len() < CONTROL {
+            continue;
+        }
+        let mut head = [0u8; OFF_CREATOR + 8];
+        let read = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path).and_then(|mut f| f.read_exact(&mut head));
+        if read.is_err() {
+            continue;
+        }
+        let word = |at: usize| u64::from_ne_bytes(head[at..at + 8].try_into().unwrap_or([0; 8]));
+        let Ok(pid) = libc::pid_t::try_from(word(OFF_CREATOR)) else { continue };
+        if word(0) != REGION_MAGIC || pid <= 0 {
+            continue;
+        }
+        // SAFETY: signal 0 only checks that the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone && std::fs::remove_file(&path).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
 }
 
 /// Whether a session id is safe in a file name.
@@ -427,6 +469,25 @@ mod tests {
 
     fn temp(name: &str) -> PathBuf {
         std::env::temp_dir().join(format!("refit-unit-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn regions_of_dead_creators_are_swept_and_others_kept() {
+        let dir = temp("sweep");
+        std::fs::create_dir_all(&dir).unwrap();
+        let (live, dead, other) = (dir.join("refit-a-s0-s1"), dir.join("refit-b-s0-s1"), dir.join("refit-notes"));
+        let keep = Region::create(&live, 64, 64).unwrap();
+        let orphan = Region::create(&dead, 64, 64).unwrap();
+        // A process that has exited: its id names no process now.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        orphan.word(OFF_CREATOR).store(u64::from(pid), Ordering::Relaxed);
+        std::fs::write(&other, vec![0u8; CONTROL as usize]).unwrap();
+        assert_eq!(remove_stale_regions(&dir), 1);
+        assert!(live.exists() && !dead.exists() && other.exists());
+        drop((keep, orphan));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
