@@ -912,16 +912,11 @@ impl Orchestrator {
         self.enter(RefitStep::Resuming);
         let resume = |_, _| Some(MemberMsg::Resume { refit, fingerprint, session: session.to_string() });
         let replies = call_both(&self.src, &self.dst, resume, self.config.control_timeout).await?;
-        for (member, reply) in &replies {
-            match reply {
-                MemberReply::Done => {}
-                MemberReply::Refused(Refusal::NotKept { .. }) => {
-                    tracing::info!(%member, "no kept data plane; opening a fresh one");
-                    return Ok(false);
-                }
-                _ => no_refusal(std::slice::from_ref(&(member.clone(), reply.clone())))?,
-            }
+        if let Some((member, _)) = replies.iter().find(|(_, r)| matches!(r, MemberReply::Refused(Refusal::NotKept { .. }))) {
+            tracing::info!(%member, "no kept data plane; opening a fresh one");
+            return Ok(false);
         }
+        no_refusal(&replies)?;
         Ok(true)
     }
 

@@ -242,19 +242,9 @@ pub unsafe fn copy_strided_unfenced(counts: &[u64], src: &StridedRef, dst: &Stri
 /// The view must be in bounds ([`in_bounds`]) and its memory valid for
 /// reads, not written concurrently, for the duration of the call.
 pub unsafe fn for_each_run(counts: &[u64], view: &StridedRef, mut f: impl FnMut(&[u8])) {
-    let n = counts.len().min(MAX_DIMS);
-    let strides = &view.strides[..n];
-    let Some(dims) = Dims::joint(&counts[..n], strides, strides) else { return };
-    let dims = dims.as_slice();
-    let (run, outer) = match dims.last() {
-        Some(&(c, 1, _)) => (c, &dims[..dims.len() - 1]),
-        _ => (1, dims),
-    };
-    let size = view.dtype.size();
-    // SAFETY: in bounds by the caller's contract.
-    for_each_offset(outer, view.base, view.base, |off, _| {
-        f(unsafe { std::slice::from_raw_parts(view.ptr.add((off * size) as usize), (run * size) as usize) })
-    });
+    // SAFETY: the same contract; each run lies in the view's memory, valid
+    // for reads and unchanged during the call (the caller's contract).
+    unsafe { for_each_run_ptr(counts, view, |ptr, len| f(std::slice::from_raw_parts(ptr, len))) }
 }
 
 /// Calls `f(pointer, length)` with every maximal contiguous byte run of a
