@@ -235,6 +235,18 @@ pub unsafe fn copy_strided_unfenced(counts: &[u64], src: &StridedRef, dst: &Stri
     });
 }
 
+/// Bytes in the longest contiguous run of a strided view of `counts`
+/// elements (its rows, where a row is contiguous; else one element).
+pub fn run_bytes(counts: &[u64], view: &StridedRef) -> u64 {
+    let n = counts.len().min(MAX_DIMS);
+    let strides = &view.strides[..n];
+    let elems = match Dims::joint(&counts[..n], strides, strides).as_ref().and_then(|d| d.as_slice().last().copied()) {
+        Some((c, 1, _)) => c,
+        _ => 1,
+    };
+    elems * view.dtype.size()
+}
+
 /// Calls `f` with every maximal contiguous byte run of a strided view of
 /// `counts` elements, in element order (for writing a piece to a stream).
 ///

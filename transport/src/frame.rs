@@ -26,7 +26,7 @@
 //! on both ends; anything else is dropped and the receiver goes on
 //! accepting.
 
-use crate::copy::{for_each_run, in_bounds};
+use crate::copy::{for_each_run, in_bounds, run_bytes, StridedRef};
 use crate::transport::Payload;
 use reshard::{Endpoint, Group};
 use std::io;
@@ -276,6 +276,63 @@ pub(crate) unsafe fn for_payload_runs<'a>(payload: &'a Payload, mut f: impl FnMu
                 unsafe { for_each_run(s.extent(), s.view(), |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))) };
             }
         }
+    }
+    Ok(())
+}
+
+/// A piece whose contiguous runs are shorter than this goes to the wire
+/// packed by one strided copy rather than run by run (below the copy
+/// kernel's streaming threshold, so what it packs stays in cache for
+/// whoever reads it next).
+pub(crate) const SHORT_RUN: u64 = 256;
+
+/// A stretch of a payload's bytes in wire order, as
+/// [`for_payload_items`] hands them out.
+pub(crate) enum Item<'a> {
+    /// Contiguous bytes.
+    Run(&'a [u8]),
+    /// A whole piece whose contiguous runs are short (rows a few elements
+    /// wide): its element counts and its view, checked to be in bounds.
+    Short { counts: &'a [u64], view: StridedRef },
+}
+
+/// Calls `f` with a payload's bytes in wire order: pieces whose runs are
+/// shorter than `short` bytes whole, as [`Item::Short`] (for one strided
+/// copy), everything else run by run.
+///
+/// # Safety
+/// As [`for_payload_runs`].
+pub(crate) unsafe fn for_payload_items<'a>(payload: &'a Payload, short: u64, mut f: impl FnMut(Item<'a>)) -> io::Result<()> {
+    let mut one = |counts: &'a [u64], view: StridedRef| {
+        if run_bytes(counts, &view) < short {
+            f(Item::Short { counts, view });
+        } else {
+            // SAFETY: in bounds (checked by the caller); valid while the
+            // payload lives (the caller's contract), so the runs may
+            // borrow it.
+            unsafe { for_each_run(counts, &view, |run| f(Item::Run(std::slice::from_raw_parts(run.as_ptr(), run.len())))) };
+        }
+    };
+    match payload {
+        Payload::Pieces(sent) => {
+            // Every piece checked before any run is handed out.
+            if let Some(Err(b)) = sent.pieces().find(Result::is_err) {
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("piece {} does not fit the sender's memory", b.block())));
+            }
+            for p in sent.pieces().flatten() {
+                one(p.extent, p.view);
+            }
+        }
+        Payload::Segments { segments, .. } => {
+            if segments.iter().any(|s| !in_bounds(s.extent(), s.view())) {
+                return Err(io::Error::new(io::ErrorKind::InvalidInput, "segment out of bounds"));
+            }
+            for s in segments {
+                one(s.extent(), *s.view());
+            }
+        }
+        // SAFETY: the caller's contract.
+        _ => return unsafe { for_payload_runs(payload, |r| f(Item::Run(r))) },
     }
     Ok(())
 }

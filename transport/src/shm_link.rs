@@ -9,7 +9,8 @@
 //! emulation paces the copies into the region through the rank's
 //! intra-node token bucket.
 
-use crate::frame::{for_payload_runs, header, payload_len, shm_info, CHUNK, LENT, SHM_INFO};
+use crate::copy::{copy_strided_unfenced, packed_strides, StridedRef};
+use crate::frame::{for_payload_items, for_payload_runs, header, payload_len, shm_info, Item, CHUNK, LENT, SHM_INFO, SHORT_RUN};
 use crate::link::{TokenBucket, PACE_CHUNK};
 use crate::shm::{self, Placement, Region, ShmConfig, ShmIn, ShmOut};
 use crate::tcp::{FramePool, PeerStatus, Stop, ALIVE, BROKEN};
@@ -187,14 +188,30 @@ pub(crate) fn send(
             let dst = out.at(offset);
             let mut pos = 0usize;
             // SAFETY: the placement reserved `len` bytes at `dst` for this
-            // sender, and no run is copied past them; the executor's
-            // contract for the payload.
+            // sender, and no run or packed piece is copied past them (each
+            // is checked to end by `len`; a packed piece's view covers
+            // exactly its `n` bytes); the executor's contract for the
+            // payload (its memory valid, in bounds and unwritten).
             unsafe {
-                for_payload_runs(payload, |run| {
-                    if pos + run.len() <= len as usize {
-                        copy_paced(run, dst.add(pos), &mut bucket);
+                for_payload_items(payload, SHORT_RUN, |item| match item {
+                    Item::Run(run) => {
+                        if pos + run.len() <= len as usize {
+                            copy_paced(run, dst.add(pos), &mut bucket);
+                        }
+                        pos += run.len();
                     }
-                    pos += run.len();
+                    Item::Short { counts, view } => {
+                        // A piece of short rows: packed by one strided copy.
+                        let n = (counts.iter().product::<u64>() * view.dtype.size()) as usize;
+                        if pos + n <= len as usize {
+                            if let Some(b) = bucket.as_deref_mut() {
+                                b.pace(n as u64);
+                            }
+                            let to = StridedRef::new(dst.add(pos), n, 0, packed_strides(counts), view.dtype);
+                            copy_strided_unfenced(counts, &view, &to);
+                        }
+                        pos += n;
+                    }
                 })
             }
             .map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;

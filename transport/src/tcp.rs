@@ -14,11 +14,12 @@
 //! fault injection for tests) is asked about every data frame, counted
 //! over all of a rank's links.
 
+use crate::copy::{copy_strided_unfenced, for_each_run, packed_strides, StridedRef};
 use crate::faults::Faults;
 use crate::frame::{
-    decode_header, decode_hello, for_payload_runs, header, hello, hello_problem, payload_len, proof_holds, u64_at, HelloKey, ABORT, BYE,
-    CHUNK, DATA, FLAG_CHECKSUM, FLAG_PROOF, FLAG_SHM, HEADER, HELLO, HELLO_CHECKSUM, HELLO_DUPLICATE, HELLO_OK, HELLO_PEER, HELLO_PROOF,
-    HELLO_REGION, HELLO_SHM, HELLO_VERSION, MAX_REASON, PROOF, SHM_INFO, VERSION,
+    decode_header, decode_hello, for_payload_items, for_payload_runs, header, hello, hello_problem, payload_len, proof_holds, u64_at,
+    HelloKey, Item, ABORT, BYE, CHUNK, DATA, FLAG_CHECKSUM, FLAG_PROOF, FLAG_SHM, HEADER, HELLO, HELLO_CHECKSUM, HELLO_DUPLICATE, HELLO_OK,
+    HELLO_PEER, HELLO_PROOF, HELLO_REGION, HELLO_SHM, HELLO_VERSION, MAX_REASON, PROOF, SHM_INFO, SHORT_RUN, VERSION,
 };
 use crate::link::{FrameAction, FrameHook, LinkEmulation, TokenBucket, PACE_CHUNK};
 use crate::shm::ShmOut;
@@ -848,19 +849,35 @@ fn write_tcp(
     // Runs go to the socket as they lie in memory, gathered by writev (no
     // copy into a user-space buffer), except short ones: a writev slice
     // costs the kernel about as much as copying a few hundred bytes, so
-    // runs of rows a few elements wide are copied into the stage first.
+    // runs under `COPY_RUN` are copied into the stage first, and a piece
+    // of rows a few elements wide (a column slice) is packed into it by
+    // one strided copy.
     // SAFETY: the executor's contract: the sender's memory is not written
     // while it sends, and the slices do not outlive this call.
     unsafe {
-        for_payload_runs(payload, |run| {
-            for part in run.chunks(piece) {
-                if result.is_err() {
-                    return;
+        for_payload_items(payload, SHORT_RUN, |item| {
+            if result.is_err() {
+                return;
+            }
+            match item {
+                Item::Run(run) => {
+                    for part in run.chunks(piece) {
+                        if checksum {
+                            sum = crc32c::crc32c_append(sum, part);
+                        }
+                        result = gather.add(part, piece, &mut write);
+                        if result.is_err() {
+                            return;
+                        }
+                    }
                 }
-                if checksum {
-                    sum = crc32c::crc32c_append(sum, part);
+                Item::Short { counts, view } => {
+                    result = gather.add_short(counts, &view, piece, &mut write, |packed| {
+                        if checksum {
+                            sum = crc32c::crc32c_append(sum, packed);
+                        }
+                    })
                 }
-                result = gather.add(part, piece, &mut write);
             }
         })?
     };
@@ -919,18 +936,92 @@ impl<'s, 'a> Gather<'s, 'a> {
         Ok(())
     }
 
+    /// Adds the elements of a piece of short runs (`counts` elements of
+    /// `view`, in bounds), packed into the stage by one strided copy, and
+    /// shows `seen` the packed bytes; a piece larger than the stage goes
+    /// run by run.
+    fn add_short(
+        &mut self,
+        counts: &[u64],
+        view: &StridedRef,
+        flush_at: usize,
+        write: &mut impl FnMut(&mut Self) -> io::Result<()>,
+        mut seen: impl FnMut(&[u8]),
+    ) -> io::Result<()> {
+        let len = (counts.iter().product::<u64>() * view.dtype.size()) as usize;
+        if len > STAGE_BYTES {
+            let mut result = Ok(());
+            // SAFETY: the view is in bounds and its memory stays valid and
+            // unwritten while the frame is written (the caller's contract);
+            // each run is copied into the stage before this call returns.
+            unsafe {
+                for_each_run(counts, view, |run| {
+                    // Runs are shorter than `SHORT_RUN`, far below the stage.
+                    if result.is_err() {
+                        return;
+                    }
+                    seen(run);
+                    if self.stage.len() + run.len() > STAGE_BYTES {
+                        result = write(self);
+                        if result.is_err() {
+                            return;
+                        }
+                    }
+                    self.bytes += run.len();
+                    self.stage_bytes(run);
+                    if self.parts.len() == IOV_BATCH || self.bytes >= flush_at {
+                        result = write(self);
+                    }
+                })
+            };
+            return result;
+        }
+        if self.stage.len() + len > STAGE_BYTES {
+            write(self)?;
+        }
+        let from = self.stage.len();
+        debug_assert!(self.stage.capacity() - from >= len);
+        // SAFETY: the stage has room for `len` more bytes (its capacity is
+        // `STAGE_BYTES`, checked above), which the packed view covers
+        // exactly; `view` is in bounds and unwritten during the call (the
+        // caller's contract) and does not overlap the stage. Every byte is
+        // written before the length covers it.
+        unsafe {
+            let to = StridedRef::new(self.stage.as_mut_ptr().add(from), len, 0, packed_strides(counts), view.dtype);
+            copy_strided_unfenced(counts, view, &to);
+            self.stage.set_len(from + len);
+        }
+        seen(&self.stage[from..]);
+        self.bytes += len;
+        self.note_staged(from);
+        if self.parts.len() == IOV_BATCH || self.bytes >= flush_at {
+            write(self)?;
+        }
+        Ok(())
+    }
+
+    /// Copies `run` to the end of the stage (which has room for it).
+    fn stage_bytes(&mut self, run: &[u8]) {
+        let from = self.stage.len();
+        self.stage.extend_from_slice(run);
+        self.note_staged(from);
+    }
+
+    /// Records that the stage grew from `from` to its length.
+    fn note_staged(&mut self, from: usize) {
+        match self.parts.last_mut() {
+            Some(Part::Staged(_, to)) if *to == from => *to = self.stage.len(),
+            _ => self.parts.push(Part::Staged(from, self.stage.len())),
+        }
+    }
+
     fn push(&mut self, run: &'a [u8]) {
         self.bytes += run.len();
         if run.len() >= COPY_RUN {
             self.parts.push(Part::Mem(run));
             return;
         }
-        let from = self.stage.len();
-        self.stage.extend_from_slice(run);
-        match self.parts.last_mut() {
-            Some(Part::Staged(_, to)) if *to == from => *to = self.stage.len(),
-            _ => self.parts.push(Part::Staged(from, self.stage.len())),
-        }
+        self.stage_bytes(run);
     }
 
     /// Writes what was gathered and starts over.
@@ -1080,5 +1171,55 @@ mod tests {
         assert!(writes > 10, "{writes} writes");
         assert_eq!(got.len(), 2 * want.len());
         assert!(got[..want.len()] == want[..] && got[want.len()..] == want[..]);
+    }
+
+    /// Column slices of a row-major matrix packed by `add_short`, one
+    /// that fits the stage and one larger than it, between plain runs:
+    /// the stream carries the columns' elements row by row, and `seen`
+    /// is shown exactly those bytes.
+    #[test]
+    fn short_pieces_are_packed_in_order() {
+        let (rows, cols) = (70_000u64, 32u64);
+        let matrix: Vec<u8> = (0..rows * cols * 2).map(|i| (i * 7 % 251) as u8).collect();
+        let column_slice = |first: u64, width: u64, n_rows: u64| -> Vec<u8> {
+            let mut v = Vec::new();
+            for r in 0..n_rows {
+                let at = ((r * cols + first) * 2) as usize;
+                v.extend_from_slice(&matrix[at..at + (width * 2) as usize]);
+            }
+            v
+        };
+        // SAFETY: `matrix` outlives the views and is never written.
+        let view = |first: u64| unsafe {
+            let mut strides = [0u64; reshard::MAX_DIMS];
+            strides[0] = cols;
+            strides[1] = 1;
+            StridedRef::new(matrix.as_ptr(), matrix.len(), first, strides, reshard::DType::BF16)
+        };
+        let head: Vec<u8> = vec![9; 10];
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let reader = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut got = Vec::new();
+            s.read_to_end(&mut got).unwrap();
+            got
+        });
+        let mut stream = TcpStream::connect(addr).unwrap();
+        let mut stage = Vec::new();
+        let mut seen = Vec::new();
+        let mut gather = Gather::new(&mut stage);
+        let mut write = |g: &mut Gather<'_, '_>| g.write(&mut stream);
+        gather.add(&head, usize::MAX, &mut write).unwrap();
+        gather.add_short(&[500, 3], &view(5), usize::MAX, &mut write, |b| seen.extend_from_slice(b)).unwrap();
+        gather.add(&head, usize::MAX, &mut write).unwrap();
+        gather.add_short(&[rows, 2], &view(30), 64 << 10, &mut write, |b| seen.extend_from_slice(b)).unwrap();
+        write(&mut gather).unwrap();
+        drop(stream);
+        let got = reader.join().unwrap();
+        let (small, large) = (column_slice(5, 3, 500), column_slice(30, 2, rows));
+        assert!(large.len() > STAGE_BYTES);
+        assert_eq!(seen, [&small[..], &large[..]].concat());
+        assert_eq!(got, [&head[..], &small[..], &head[..], &large[..]].concat());
     }
 }
