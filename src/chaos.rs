@@ -221,9 +221,14 @@ pub fn run_chaos(
 
 /// Why `case` cannot run on this cluster, if it cannot.
 fn cannot_run(cluster: &Cluster, case: &str) -> Option<String> {
-    let netem = case.contains("loss") || case.contains("delay");
-    (netem && cluster.emulated_hosts().is_some() && !crate::netns::netem_available())
-        .then(|| "this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM)".to_string())
+    cluster.emulated_hosts()?;
+    if case.contains("delay") && !crate::netns::netem_available() {
+        return Some("this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM)".to_string());
+    }
+    if case.contains("loss") {
+        return crate::netns::loss_available().err();
+    }
+    None
 }
 
 /// Breaks the network of the emulated hosts as `case` says during the

@@ -111,8 +111,9 @@ struct ClusterArgs {
     /// milliseconds (netem; the kernel must have it).
     #[arg(long, value_name = "MS", requires = "netns")]
     netem_delay_ms: Option<u64>,
-    /// With --netns: percentage of each node's outgoing packets dropped
-    /// (netem; the kernel must have it).
+    /// With --netns: percentage of each node's outgoing IP packets dropped,
+    /// at random (a classic-BPF filter; the kernel needs ifb, clsact,
+    /// cls_bpf and act_mirred).
     #[arg(long, value_name = "P", requires = "netns")]
     netem_loss_pct: Option<f64>,
     /// File holding the control-plane secret (default: REFIT_SECRET, or a
@@ -350,7 +351,8 @@ enum Command {
         /// Run the workers on emulated hosts (see `refit launch --netns`;
         /// root, ip and tc) and add the network cases: a link cut and
         /// restored, a node partitioned from the launcher, a peer that
-        /// stops reading, packet loss and delay (these two need netem).
+        /// stops reading, packet loss and delay (delay needs the kernel's
+        /// netem qdisc).
         #[arg(long)]
         netns: bool,
         /// Run only the cases whose name contains this (`net:` for the

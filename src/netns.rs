@@ -16,8 +16,13 @@
 //! - with a rate, a `tbf` qdisc at the node's rate (its ranks × the
 //!   per-rank rate) on the egress of **both** ends of its veth: inside, the
 //!   node's egress; root side, the node's ingress (what the bridge forwards
-//!   to it). With a delay or a loss rate, a `netem` qdisc above the node's
-//!   egress `tbf` (one-way: a message between two nodes is delayed once);
+//!   to it). With a delay, a `netem` qdisc above the node's egress `tbf`
+//!   (one-way: a message between two nodes is delayed once). With a loss
+//!   rate, a classic-BPF filter on the node's egress (`clsact`) that
+//!   matches that fraction of its IP packets at random (`ld rand`) and
+//!   redirects them to an `ifb` device left down, which drops them: the
+//!   kernels this project runs on have no `netem` but have `cls_bpf`,
+//!   `act_mirred` and `ifb`, and one mechanism for loss serves both;
 //! - per node a directory `/dev/shm/refit-P-s<k>`: its shared memory (the
 //!   workers of a node put their regions there, `refit worker --shm-dir`).
 //!
@@ -53,8 +58,8 @@ pub struct NetnsConfig {
     pub netem: Netem,
 }
 
-/// Delay and loss a `netem` qdisc adds to a node's egress (nothing by
-/// default).
+/// Delay (a `netem` qdisc) and loss (a random BPF filter) on a node's
+/// egress (nothing by default).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Netem {
     /// One-way delay.
@@ -64,21 +69,24 @@ pub struct Netem {
 }
 
 impl Netem {
-    /// The `netem` qdisc's arguments, when a delay or a loss rate is asked for.
+    /// The `netem` qdisc's arguments, when a delay is asked for.
     fn args(&self) -> Option<Vec<String>> {
-        let mut args = Vec::new();
-        if let Some(d) = self.delay.filter(|d| !d.is_zero()) {
-            args.extend(["delay".to_string(), format!("{}us", d.as_micros())]);
-        }
-        if let Some(p) = self.loss_pct.filter(|p| *p > 0.0) {
-            args.extend(["loss".to_string(), format!("{p}%")]);
-        }
         // Room for a bandwidth-delay product of packets (netem's default
         // queue is 1000 packets).
-        (!args.is_empty()).then(|| {
-            args.extend(["limit".to_string(), "100000".to_string()]);
-            args
-        })
+        let d = self.delay.filter(|d| !d.is_zero())?;
+        Some(["delay".to_string(), format!("{}us", d.as_micros()), "limit".to_string(), "100000".to_string()].to_vec())
+    }
+
+    /// The loss filter's classic-BPF program, in `tc`'s `bytecode` form,
+    /// when a loss rate is asked for: `A = random u32; if A >= T: no match
+    /// (the packet passes) else match (dropped)`, `T` = the rate's share of
+    /// 2^32.
+    fn loss_bytecode(&self) -> Option<String> {
+        let p = self.loss_pct.filter(|p| *p > 0.0)?;
+        let t = ((p.min(100.0) / 100.0) * 4_294_967_296.0).round().min(u32::MAX as f64) as u32;
+        // `ld rand` is a load from SKF_AD_OFF (-0x1000) + SKF_AD_RANDOM (56).
+        let rand = (-0x1000i32 + 56) as u32;
+        Some(format!("4,32 0 0 {rand},53 0 1 {t},6 0 0 0,6 0 0 {}", u32::MAX))
     }
 }
 
@@ -132,18 +140,22 @@ pub struct Host {
 }
 
 impl Host {
-    /// Shapes the node's egress (inside its namespace): `netem` (if it
-    /// asks for anything), then a `tbf` at the link's rate under it.
+    /// Shapes the node's egress (inside its namespace): `netem` (if a
+    /// delay is asked for), then a `tbf` at the link's rate under it, and
+    /// the loss filter (if a loss rate is asked for).
     fn shape_egress(&self, netem: &Netem) -> Result<(), String> {
         let ns = self.netns.as_str();
         let mut at = vec!["root", "handle", "1:"];
         if let Some(args) = netem.args() {
             tc(&words(&["-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem"], args))
-                .map_err(|e| format!("{e} (a delay or a loss rate needs the kernel's netem qdisc)"))?;
+                .map_err(|e| format!("{e} (a delay needs the kernel's netem qdisc)"))?;
             at = vec!["parent", "1:1", "handle", "2:"];
         }
-        match self.rate {
-            Some(rate) => tc(&words(&[&["-n", ns, "qdisc", "add", "dev", "eth0"][..], &at].concat(), tbf(rate))),
+        if let Some(rate) = self.rate {
+            tc(&words(&[&["-n", ns, "qdisc", "add", "dev", "eth0"][..], &at].concat(), tbf(rate)))?;
+        }
+        match netem.loss_bytecode() {
+            Some(program) => add_loss_filter(ns, "eth0", &program),
             None => Ok(()),
         }
     }
@@ -256,8 +268,10 @@ impl Hosts {
     /// (`Netem::default()`: none), keeping each link's rate.
     pub fn set_netem(&self, netem: &Netem) -> Result<(), String> {
         for h in &self.hosts {
-            // The chain is rebuilt from the top (a missing one is fine).
+            // The chain and the loss filter are rebuilt from the top (a
+            // missing one is fine).
             let _ = tc(&["-n", &h.netns, "qdisc", "del", "dev", "eth0", "root"]);
+            let _ = tc(&["-n", &h.netns, "qdisc", "del", "dev", "eth0", "clsact"]);
             h.shape_egress(netem)?;
         }
         Ok(())
@@ -302,14 +316,34 @@ fn tbf(rate: u64) -> Vec<String> {
     ["tbf", "rate", &rate, "burst", &burst.to_string(), "latency", &format!("{QUEUE_LATENCY_MS}ms")].map(String::from).to_vec()
 }
 
+/// The device of a namespace that lost packets are redirected to (an `ifb`
+/// left down, so the redirect drops them).
+const DROP_DEV: &str = "rfdrop";
+
+/// Drops a random share of the IP packets leaving `dev` in namespace `ns`:
+/// the classic-BPF `program` ([`Netem::loss_bytecode`]) on its egress hook
+/// (`clsact`), matched packets redirected to [`DROP_DEV`].
+fn add_loss_filter(ns: &str, dev: &str, program: &str) -> Result<(), String> {
+    let needs = |e: String| format!("{e} (a loss rate needs the kernel's ifb, clsact, cls_bpf and act_mirred)");
+    if ip(&["-n", ns, "link", "show", DROP_DEV]).is_err() {
+        ip(&["-n", ns, "link", "add", DROP_DEV, "type", "ifb"]).map_err(needs)?;
+    }
+    tc(&["-n", ns, "qdisc", "add", "dev", dev, "clsact"]).map_err(needs)?;
+    tc(&[
+        "-n", ns, "filter", "add", "dev", dev, "egress", "protocol", "ip", "prio", "1", "bpf", "bytecode", program, "action", "mirred",
+        "egress", "redirect", "dev", DROP_DEV,
+    ])
+    .map_err(needs)
+}
+
 /// `head` then `tail`, as one argument list.
 fn words(head: &[&str], tail: Vec<String>) -> Vec<String> {
     head.iter().map(|w| w.to_string()).chain(tail).collect()
 }
 
 /// Whether emulated hosts can be built here: root, `ip` and `tc` (and the
-/// netem qdisc when a delay or a loss rate is asked for). The error says
-/// what is missing.
+/// netem qdisc when a delay is asked for, the loss filter's parts when a
+/// loss rate is). The error says what is missing.
 pub fn check(config: &NetnsConfig) -> Result<(), String> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
@@ -320,11 +354,23 @@ pub fn check(config: &NetnsConfig) -> Result<(), String> {
         return Err(format!("--netns needs {} on PATH (iproute2)", missing.join(" and ")));
     }
     if config.netem.args().is_some() && !netem_available() {
-        return Err(
-            "--netem-delay-ms and --netem-loss-pct need the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this kernel lacks".into()
-        );
+        return Err("--netem-delay-ms needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this kernel lacks".into());
+    }
+    if config.netem.loss_bytecode().is_some() {
+        loss_available()?;
     }
     Ok(())
+}
+
+/// Whether the loss filter can be built: tried on the loopback of a
+/// throwaway namespace; the error says what is missing.
+pub fn loss_available() -> Result<(), String> {
+    let ns = format!("refit-{}-probe", std::process::id());
+    ip(&["netns", "add", &ns])?;
+    let program = Netem { loss_pct: Some(1.0), ..Netem::default() }.loss_bytecode().unwrap_or_default();
+    let r = add_loss_filter(&ns, "lo", &program);
+    let _ = ip(&["netns", "del", &ns]);
+    r.map_err(|e| format!("--netem-loss-pct: {e}"))
 }
 
 /// Whether `tc` can add a netem qdisc: tried on the loopback of a
@@ -680,8 +726,14 @@ mod tests {
     #[test]
     fn netem_arguments() {
         assert_eq!(Netem::default().args(), None);
+        assert_eq!(Netem::default().loss_bytecode(), None);
         let c = Netem { delay: Some(Duration::from_millis(100)), loss_pct: Some(5.0) };
-        assert_eq!(c.args().map(|a| a.join(" ")), Some("delay 100000us loss 5% limit 100000".into()));
+        assert_eq!(c.args().map(|a| a.join(" ")), Some("delay 100000us limit 100000".into()));
+        // 5% of 2^32 is 214748364.8; `ld rand` loads from -4040.
+        assert_eq!(c.loss_bytecode().as_deref(), Some("4,32 0 0 4294963256,53 0 1 214748365,6 0 0 0,6 0 0 4294967295"));
+        let all = Netem { loss_pct: Some(100.0), ..Netem::default() };
+        assert!(all.loss_bytecode().is_some_and(|b| b.contains("53 0 1 4294967295,")));
+        assert_eq!(Netem { loss_pct: Some(0.0), ..Netem::default() }.loss_bytecode(), None);
     }
 
     #[test]

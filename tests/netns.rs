@@ -200,7 +200,7 @@ fn netns_misuse_is_refused() {
 
 /// `refit chaos --netns`: the network cases (a link cut mid-transfer and
 /// restored, a node partitioned from the launcher but not from its peers,
-/// a peer that stops reading; loss and delay where the kernel has netem)
+/// a peer that stops reading, packet loss; delay where the kernel has netem)
 /// each fail the refit within its bound, leave no torn version, and the
 /// next refit after healing commits.
 #[test]
@@ -215,7 +215,8 @@ fn slow_netns_network_chaos_keeps_the_promise() {
     assert_eq!(cases.len(), 5, "{v}");
     for c in cases {
         if let Some(why) = c["skipped"].as_str() {
-            // Only loss and delay may be skipped: they need netem.
+            // Only delay (netem) and loss (its filter's kernel parts) may
+            // be skipped, with the reason.
             assert!(why.contains("netem"), "{c}");
             eprintln!("{}: skipped: {why}", c["case"]);
             continue;
