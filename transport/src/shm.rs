@@ -165,12 +165,26 @@ impl Region {
         let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
         check_areas(lend, stream)?;
         let len = CONTROL + lend + stream;
+        // Never through a symbolic link, and only a file of this user's:
+        // the peer that creates a region runs as the same user, so one
+        // owned by anybody else was put there by someone else.
         let file = OpenOptions::new()
             .read(true)
             .write(true)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display())))?;
-        let size = file.metadata()?.len();
+        let meta = file.metadata()?;
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        if std::os::unix::fs::MetadataExt::uid(&meta) != me || !meta.is_file() {
+            return Err(bad(format!(
+                "{} is not a region of this user's (owner {})",
+                path.display(),
+                std::os::unix::fs::MetadataExt::uid(&meta)
+            )));
+        }
+        let size = meta.len();
         if size != len {
             return Err(bad(format!("{} has {size} bytes, expected {len}", path.display())));
         }
@@ -559,5 +573,12 @@ mod tests {
         assert!(Region::open(&temp("missing"), 64, 64).is_err());
         assert!(Region::create(&path, 64, 64).is_err());
         assert!(valid_session("abc-1_2") && !valid_session("../x") && !valid_session(""));
+        // A link put where a region is expected is not followed, even to a
+        // real region.
+        let link = temp("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        let Err(e) = Region::open(&link, 64, 64) else { panic!("opened through a link") };
+        assert!(e.to_string().contains("cannot open"), "{e}");
+        let _ = std::fs::remove_file(&link);
     }
 }
