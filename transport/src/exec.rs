@@ -3,8 +3,11 @@
 //! [`run_local`] runs every rank as a thread of this process.
 
 use crate::bypass::Bypass;
-use crate::copy::{copy_strided_unfenced, for_each_run_ptr, in_bounds, packed_strides, prefetch, store_fence, StridedRef, PREFETCH_AHEAD};
+use crate::copy::{
+    copy_strided_unfenced, for_each_run_ptr, in_bounds, packed_strides, prefetch, run_bytes, store_fence, StridedRef, PREFETCH_AHEAD,
+};
 use crate::cursor::{Action, RankCursor};
+use crate::frame::SHORT_RUN;
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
 use crate::tcp::{tcp_fabric, TcpConfig, TcpTransport};
@@ -194,6 +197,9 @@ fn run_rounds<T: Transport>(
         return Err(ExecError::MemoryMismatch { me, got: mem.bufs.len(), want: program.buffers.len() });
     }
     let mut cursor = RankCursor::new(program);
+    // Where pieces read off a stream with their neighbours wait to be
+    // written out (see `unpack_stream`), reused by every message.
+    let mut stage: Vec<u8> = Vec::new();
     loop {
         match cursor.next_action() {
             Action::Locals { round, copies } => {
@@ -224,7 +230,7 @@ fn run_rounds<T: Transport>(
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
                 let routes: Vec<(u32, LocalCopyView<'_>)> = bypass.routes(round, peer).collect();
                 let into = Into { me, mem, bypass, routes: &routes };
-                let unpacked = unpack(&into, msg, payload);
+                let unpacked = unpack(&into, msg, payload, &mut stage);
                 // Streaming stores reach memory before anyone is told.
                 store_fence();
                 unpacked.map_err(|e| match e {
@@ -337,7 +343,7 @@ impl Into<'_> {
     }
 }
 
-fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload) -> Result<(), Unpack> {
+fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload, stage: &mut Vec<u8>) -> Result<(), Unpack> {
     let pieces = &msg.pieces;
     match payload {
         Payload::Segments { segments, keep_alive, release } => {
@@ -373,7 +379,7 @@ fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload) -> Result
             }
             drop(sent);
         }
-        Payload::Stream(mut frame) => unpack_stream(into, msg, &mut frame)?,
+        Payload::Stream(mut frame) => unpack_stream(into, msg, &mut frame, stage)?,
         Payload::Bytes(bytes) => unpack_bytes(into, msg, &bytes)?,
         Payload::Lent(lent) => unpack_bytes(into, msg, lent.as_slice())?,
     }
@@ -381,24 +387,58 @@ fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload) -> Result
 }
 
 /// Reads pieces packed back to back in wire dtype off their stream: a
-/// piece stored once in its wire type, in a buffer that exists, goes
-/// straight from the socket into its span (runs gathered by `readv`);
-/// any other (converted, several places, bypassed scratch, feeding local
-/// copies) is read into a small buffer first and written from there.
-fn unpack_stream(into: &Into<'_>, msg: &Message<RecvPiece>, frame: &mut crate::tcp::StreamFrame) -> Result<(), Unpack> {
+/// piece stored once in its wire type, in a buffer that exists, with rows
+/// of at least [`SHORT_RUN`] bytes goes straight from the socket into its
+/// span (runs gathered by `readv`); any other (short rows, converted,
+/// several places, bypassed scratch, feeding local copies) is read into
+/// `stage` with its neighbours, by the same `readv`, and written from
+/// there; one larger than the stage is read on its own into a buffer
+/// first.
+fn unpack_stream(
+    into: &Into<'_>,
+    msg: &Message<RecvPiece>,
+    frame: &mut crate::tcp::StreamFrame,
+    stage: &mut Vec<u8>,
+) -> Result<(), Unpack> {
     let want = msg.wire_bytes();
     if frame.len() != want {
         return Err(Unpack::Bad(format!("{} bytes, expected {want}", frame.len())));
     }
     let broken = |e: std::io::Error| Unpack::Broken(format!("in a message: {e}"));
+    if stage.len() < STAGE_BYTES {
+        stage.resize(STAGE_BYTES, 0);
+    }
+    let stage_ptr = stage.as_mut_ptr();
     let mut runs: Vec<libc::iovec> = Vec::new();
     let mut batched = 0usize;
-    // SAFETY (both calls): every run lies inside a span checked to be in
-    // bounds of this rank's own buffer, which only this thread writes; a
-    // message's pieces do not overlap (the program's invariant: each
-    // destination element arrives once), and an overlap would only make
-    // two runs of one `readv` write the same bytes in turn.
-    let flush = |runs: &mut Vec<libc::iovec>, frame: &mut crate::tcp::StreamFrame| unsafe { frame.read_runs(runs) };
+    // Pieces read into the stage since the last `readv`: (index, piece,
+    // byte offset in the stage).
+    let mut staged: Vec<(usize, RecvPieceView<'_>, usize)> = Vec::new();
+    let mut used = 0usize;
+    // Reads what `runs` names, then writes the staged pieces out.
+    let flush = |frame: &mut crate::tcp::StreamFrame,
+                 runs: &mut Vec<libc::iovec>,
+                 staged: &mut Vec<(usize, RecvPieceView<'_>, usize)>,
+                 used: &mut usize| {
+        // SAFETY: every run lies inside a span checked to be in bounds of
+        // this rank's own buffer, which only this thread writes, or inside
+        // the stage, which nothing else uses during the call; a message's
+        // pieces do not overlap (the program's invariant: each destination
+        // element arrives once), and an overlap would only make two runs of
+        // one `readv` write the same bytes in turn.
+        unsafe { frame.read_runs(runs) }.map_err(broken)?;
+        runs.clear();
+        for (i, p, at) in staged.drain(..) {
+            let n = (p.numel() * p.wire().size()) as usize;
+            // SAFETY: bytes `at..at + n` of the stage were just filled and
+            // are not written again before this view's last use (the end
+            // of this iteration); `at` is a multiple of the element size.
+            let src = unsafe { StridedRef::new(stage_ptr.add(at), n, 0, packed_strides(p.extent()), p.wire()) };
+            into.write(i, &p, &src).map_err(Unpack::Exec)?;
+        }
+        *used = 0;
+        Ok::<(), Unpack>(())
+    };
     let mut tmp: Vec<u8> = Vec::new();
     for (i, p) in msg.pieces.views().enumerate() {
         let (extent, wire) = (p.extent(), p.wire());
@@ -407,8 +447,11 @@ fn unpack_stream(into: &Into<'_>, msg: &Message<RecvPiece>, frame: &mut crate::t
             (Some(span), None) if wire == p.dtype() && !into.bypass.skips(span.buffer as usize) && !into.feeds_locals(i) => Some(span),
             _ => None,
         };
-        if let Some(span) = direct {
-            let to = view(into.me, into.mem, &span, wire, extent, || p.block()).map_err(Unpack::Exec)?;
+        let to = match direct {
+            Some(span) => Some(view(into.me, into.mem, &span, wire, extent, || p.block()).map_err(Unpack::Exec)?),
+            None => None,
+        };
+        if let Some(to) = to.filter(|to| run_bytes(extent, to) >= SHORT_RUN) {
             // SAFETY: `to` is in bounds (checked by `view`).
             unsafe {
                 for_each_run_ptr(extent, &to, |ptr, len| {
@@ -416,28 +459,48 @@ fn unpack_stream(into: &Into<'_>, msg: &Message<RecvPiece>, frame: &mut crate::t
                     batched += len;
                 })
             };
-            if runs.len() >= 512 || batched >= 4 << 20 {
-                flush(&mut runs, frame).map_err(broken)?;
-                runs.clear();
+        } else {
+            let n = (p.numel() * wire.size()) as usize;
+            if n > STAGE_BYTES {
+                flush(frame, &mut runs, &mut staged, &mut used)?;
                 batched = 0;
+                tmp.clear();
+                tmp.resize(n, 0);
+                frame.read_exact(&mut tmp).map_err(broken)?;
+                // SAFETY: `tmp` lives, unchanged, until the end of this
+                // iteration, the view's scope.
+                let src = unsafe { StridedRef::new(tmp.as_ptr(), tmp.len(), 0, packed_strides(extent), wire) };
+                into.write(i, &p, &src).map_err(Unpack::Exec)?;
+                continue;
             }
-            continue;
+            // Element-aligned, so the staged piece is a view of its type.
+            let mut at = used.next_multiple_of(wire.size() as usize);
+            if at + n > STAGE_BYTES {
+                flush(frame, &mut runs, &mut staged, &mut used)?;
+                batched = 0;
+                at = 0;
+            }
+            // SAFETY: `at + n <= STAGE_BYTES`, the stage's length.
+            let ptr = unsafe { stage_ptr.add(at) };
+            match runs.last_mut() {
+                Some(last) if (last.iov_base as usize) + last.iov_len == ptr as usize => last.iov_len += n,
+                _ => runs.push(libc::iovec { iov_base: ptr as *mut libc::c_void, iov_len: n }),
+            }
+            staged.push((i, p, at));
+            used = at + n;
+            batched += n;
         }
-        flush(&mut runs, frame).map_err(broken)?;
-        runs.clear();
-        batched = 0;
-        let n = (p.numel() * wire.size()) as usize;
-        tmp.clear();
-        tmp.resize(n, 0);
-        frame.read_exact(&mut tmp).map_err(broken)?;
-        // SAFETY: `tmp` lives, unchanged, until the end of this iteration,
-        // the view's scope.
-        let src = unsafe { StridedRef::new(tmp.as_ptr(), tmp.len(), 0, packed_strides(extent), wire) };
-        into.write(i, &p, &src).map_err(Unpack::Exec)?;
+        if runs.len() >= 512 || batched >= 4 << 20 {
+            flush(frame, &mut runs, &mut staged, &mut used)?;
+            batched = 0;
+        }
     }
-    flush(&mut runs, frame).map_err(broken)?;
+    flush(frame, &mut runs, &mut staged, &mut used)?;
     Ok(())
 }
+
+/// Bytes of a receiving rank's stage ([`unpack_stream`]).
+const STAGE_BYTES: usize = 256 << 10;
 
 /// Unpacks pieces packed back to back in wire dtype.
 fn unpack_bytes(into: &Into<'_>, msg: &Message<RecvPiece>, bytes: &[u8]) -> Result<(), Unpack> {

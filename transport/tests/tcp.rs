@@ -18,15 +18,20 @@ const DST: &str = r#"{"ranks": 3, "ranks_per_node": 1, "tensors": [
   {"name": "q", "dtype": "f32", "shape": [8, 4], "mesh": {"shape": [3]}, "placements": ["replicate"]}]}"#;
 
 fn check(max_staging_bytes: u64) {
-    let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(DST).unwrap());
+    check_pair(SRC, DST, max_staging_bytes);
+}
+
+fn check_pair(src: &str, dst: &str, max_staging_bytes: u64) {
+    let (src, dst) = (parse_layout(src).unwrap(), parse_layout(dst).unwrap());
+    let n_src = src.ranks() as usize;
     let opts = PlanOptions { max_staging_bytes, ..PlanOptions::default() };
     for plan in [plan_reshard(&src, &dst, &opts).unwrap(), plan_baseline(&src, &dst, &opts).unwrap()] {
         let programs = plan.programs(&src, &dst).unwrap();
         let mut memory = RankMemory::for_programs(&programs);
-        fill_sources(&src, &mut memory[..4]);
+        fill_sources(&src, &mut memory[..n_src]);
         let report = run_tcp(&programs, &mut memory, &ExecOptions { deadline: Duration::from_secs(20) }, &TcpConfig::default()).unwrap();
         assert_eq!(report.bytes, plan.figures().total_bytes);
-        let checked = verify_destinations(&src, &dst, &memory[4..]).unwrap();
+        let checked = verify_destinations(&src, &dst, &memory[n_src..]).unwrap();
         assert!(checked > 0);
     }
 }
@@ -39,6 +44,30 @@ fn reshard_and_baseline_are_bit_exact_over_tcp() {
 #[test]
 fn many_small_rounds_are_bit_exact_over_tcp() {
     check(64);
+}
+
+/// One message mixing what a receiver reads straight into place (long
+/// rows), what it stages with its neighbours (short rows; converted pieces
+/// of 2- and 4-byte elements back to back, so staged pieces need
+/// re-aligning) and a converted piece larger than its stage (512 KiB on
+/// the wire), every element checked.
+#[test]
+fn staged_and_direct_pieces_share_a_message_over_tcp() {
+    let src = r#"{"ranks": 1, "ranks_per_node": 1, "tensors": [
+      {"name": "a", "dtype": "bf16", "shape": [3], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "b", "dtype": "f32", "shape": [5], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "c", "dtype": "bf16", "shape": [7, 3], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "d", "dtype": "bf16", "shape": [64, 300], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "e", "dtype": "bf16", "shape": [512, 512], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "f", "dtype": "bf16", "shape": [9], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}"#;
+    let dst = r#"{"ranks": 1, "ranks_per_node": 1, "tensors": [
+      {"name": "a", "dtype": "f32", "shape": [3], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "b", "dtype": "f32", "shape": [5], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "c", "dtype": "bf16", "shape": [7, 3], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "d", "dtype": "bf16", "shape": [64, 300], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "e", "dtype": "f32", "shape": [512, 512], "mesh": {"shape": [1]}, "placements": ["replicate"]},
+      {"name": "f", "dtype": "f32", "shape": [9], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}"#;
+    check_pair(src, dst, 256 << 20);
 }
 
 /// A peer that sends garbage after a valid handshake gets the stream
