@@ -18,6 +18,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::time::Duration;
 use transport::tcp::TcpConfig;
+
+/// The smallest frame limit a data-plane endpoint sets: room for an abort's
+/// reason (64 KiB at most) and the small frames of shared-memory links.
+const MIN_FRAME_LIMIT: u64 = 1 << 17;
 use transport::{LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, Transport};
 
 /// Tears a rank's data plane down from any thread (the reason in words).
@@ -114,6 +118,11 @@ impl Endpointed {
                 // refits), and buffer small writes only, or a rank with a
                 // hundred peers holds hundreds of MiB it does not need.
                 frame_pool_bytes: largest_recv,
+                // No frame larger than the largest message this rank's
+                // program expects (an abort's reason and shared-memory
+                // notices fit in the floor): a peer cannot make it
+                // allocate more.
+                max_frame_bytes: largest_recv.max(MIN_FRAME_LIMIT),
                 // Strangers at the data port are refused and logged.
                 hello_key: Some(key),
                 write_buffer_bytes: 256 << 10,
