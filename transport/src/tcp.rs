@@ -871,6 +871,8 @@ fn write_tcp(
                         }
                     }
                 }
+                // SAFETY: an `Item::Short` view is in bounds of the
+                // sender's memory, unwritten while it sends.
                 Item::Short { counts, view } => {
                     result = gather.add_short(counts, &view, piece, &mut write, |packed| {
                         if checksum {
@@ -939,10 +941,13 @@ impl<'s, 'a> Gather<'s, 'a> {
     }
 
     /// Adds the elements of a piece of short runs (`counts` elements of
-    /// `view`, in bounds), packed into the stage by one strided copy, and
-    /// shows `seen` the packed bytes; a piece larger than the stage goes
-    /// run by run.
-    fn add_short(
+    /// `view`), packed into the stage by one strided copy, and shows `seen`
+    /// the packed bytes; a piece larger than the stage goes run by run.
+    ///
+    /// # Safety
+    /// `view` must be in bounds ([`crate::copy::in_bounds`]) of memory
+    /// valid for reads and unwritten during the call.
+    unsafe fn add_short(
         &mut self,
         counts: &[u64],
         view: &StridedRef,
@@ -953,9 +958,9 @@ impl<'s, 'a> Gather<'s, 'a> {
         let len = (counts.iter().product::<u64>() * view.dtype.size()) as usize;
         if len > STAGE_BYTES {
             let mut result = Ok(());
-            // SAFETY: the view is in bounds and its memory stays valid and
-            // unwritten while the frame is written (the caller's contract);
-            // each run is copied into the stage before this call returns.
+            // SAFETY: the view is in bounds and its memory valid and
+            // unwritten during the call (the caller's contract); each run
+            // is copied into the stage before this call returns.
             unsafe {
                 for_each_run(counts, view, |run| {
                     // Runs are shorter than `SHORT_RUN`, far below the stage.
@@ -1213,9 +1218,11 @@ mod tests {
         let mut gather = Gather::new(&mut stage);
         let mut write = |g: &mut Gather<'_, '_>| g.write(&mut stream);
         gather.add(&head, usize::MAX, &mut write).unwrap();
-        gather.add_short(&[500, 3], &view(5), usize::MAX, &mut write, |b| seen.extend_from_slice(b)).unwrap();
+        // SAFETY (both): the views lie inside `matrix` (rows 0..500 and
+        // 0..rows, columns 5..8 and 30..32), which nothing writes.
+        unsafe { gather.add_short(&[500, 3], &view(5), usize::MAX, &mut write, |b| seen.extend_from_slice(b)) }.unwrap();
         gather.add(&head, usize::MAX, &mut write).unwrap();
-        gather.add_short(&[rows, 2], &view(30), 64 << 10, &mut write, |b| seen.extend_from_slice(b)).unwrap();
+        unsafe { gather.add_short(&[rows, 2], &view(30), 64 << 10, &mut write, |b| seen.extend_from_slice(b)) }.unwrap();
         write(&mut gather).unwrap();
         drop(stream);
         let got = reader.join().unwrap();
