@@ -1139,6 +1139,20 @@ impl Transport for TcpTransport {
 mod tests {
     use super::*;
 
+    /// A connected loopback stream, and the thread that reads everything
+    /// sent on it until it closes.
+    fn loopback() -> (TcpStream, std::thread::JoinHandle<Vec<u8>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let reader = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut got = Vec::new();
+            s.read_to_end(&mut got).unwrap();
+            got
+        });
+        (TcpStream::connect(addr).unwrap(), reader)
+    }
+
     /// Short and long runs, staged and not, with writes forced by the
     /// stage, the batch and the byte limit: the stream carries exactly
     /// their bytes in order.
@@ -1151,15 +1165,7 @@ mod tests {
             runs.push((0..len).map(|i| (i * 31 + k * 7) as u8).collect());
         }
         let want: Vec<u8> = runs.concat();
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let reader = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut got = Vec::new();
-            s.read_to_end(&mut got).unwrap();
-            got
-        });
-        let mut stream = TcpStream::connect(addr).unwrap();
+        let (mut stream, reader) = loopback();
         let mut stage = Vec::new();
         let mut writes = 0;
         for flush_at in [usize::MAX, 64 << 10] {
@@ -1204,15 +1210,7 @@ mod tests {
             StridedRef::new(matrix.as_ptr(), matrix.len(), first, strides, reshard::DType::BF16)
         };
         let head: Vec<u8> = vec![9; 10];
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let reader = std::thread::spawn(move || {
-            let (mut s, _) = listener.accept().unwrap();
-            let mut got = Vec::new();
-            s.read_to_end(&mut got).unwrap();
-            got
-        });
-        let mut stream = TcpStream::connect(addr).unwrap();
+        let (mut stream, reader) = loopback();
         let mut stage = Vec::new();
         let mut seen = Vec::new();
         let mut gather = Gather::new(&mut stage);
