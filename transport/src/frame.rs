@@ -247,37 +247,15 @@ pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
 /// The memory the payload's segments point into must stay valid and
 /// unwritten while the payload lives (the executor's contract).
 pub(crate) unsafe fn for_payload_runs<'a>(payload: &'a Payload, mut f: impl FnMut(&'a [u8])) -> io::Result<()> {
-    match payload {
-        Payload::Bytes(b) => f(b),
-        Payload::Lent(l) => f(l.as_slice()),
-        Payload::Stream(_) => return Err(io::Error::new(io::ErrorKind::InvalidInput, "a received frame cannot be sent on")),
-        Payload::Pieces(sent) => {
-            // Every piece checked before any run is handed out.
-            if let Some(Err(b)) = sent.pieces().find(Result::is_err) {
-                return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("piece {} does not fit the sender's memory", b.block())));
-            }
-            for p in sent.pieces().flatten() {
-                // SAFETY: in bounds (checked as read); valid while the
-                // payload lives (the caller's contract), so the runs may
-                // borrow it.
-                unsafe { for_each_run(p.extent, &p.view, |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))) };
-            }
-        }
-        Payload::Segments { segments, .. } => {
-            for s in segments {
-                if !in_bounds(s.extent(), s.view()) {
-                    return Err(io::Error::new(io::ErrorKind::InvalidInput, "segment out of bounds"));
-                }
-            }
-            for s in segments {
-                // SAFETY: in bounds (checked above, before any run is
-                // handed out); valid while the payload lives (the caller's
-                // contract), so the runs may borrow it.
-                unsafe { for_each_run(s.extent(), s.view(), |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))) };
-            }
-        }
+    // SAFETY: the caller's contract. No run is shorter than 0 bytes, so
+    // every piece comes run by run; a short piece would be walked here
+    // the same way (in bounds, checked by `for_payload_items`).
+    unsafe {
+        for_payload_items(payload, 0, |item| match item {
+            Item::Run(run) => f(run),
+            Item::Short { counts, view } => for_each_run(counts, &view, |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))),
+        })
     }
-    Ok(())
 }
 
 /// A piece whose contiguous runs are shorter than this goes to the wire
@@ -301,7 +279,8 @@ pub(crate) enum Item<'a> {
 /// copy), everything else run by run.
 ///
 /// # Safety
-/// As [`for_payload_runs`].
+/// The memory the payload's segments point into must stay valid and
+/// unwritten while the payload lives (the executor's contract).
 pub(crate) unsafe fn for_payload_items<'a>(payload: &'a Payload, short: u64, mut f: impl FnMut(Item<'a>)) -> io::Result<()> {
     let mut one = |counts: &'a [u64], view: StridedRef| {
         if run_bytes(counts, &view) < short {
@@ -331,8 +310,9 @@ pub(crate) unsafe fn for_payload_items<'a>(payload: &'a Payload, short: u64, mut
                 one(s.extent(), *s.view());
             }
         }
-        // SAFETY: the caller's contract.
-        _ => return unsafe { for_payload_runs(payload, |r| f(Item::Run(r))) },
+        Payload::Bytes(b) => f(Item::Run(b)),
+        Payload::Lent(l) => f(Item::Run(l.as_slice())),
+        Payload::Stream(_) => return Err(io::Error::new(io::ErrorKind::InvalidInput, "a received frame cannot be sent on")),
     }
     Ok(())
 }
