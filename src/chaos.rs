@@ -222,8 +222,8 @@ pub fn run_chaos(
 /// Why `case` cannot run on this cluster, if it cannot.
 fn cannot_run(cluster: &Cluster, case: &str) -> Option<String> {
     cluster.emulated_hosts()?;
-    if case.contains("delay") && !crate::netns::netem_available() {
-        return Some("this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM)".to_string());
+    if case.contains("delay") {
+        return crate::netns::delay_available().err();
     }
     if case.contains("loss") {
         return crate::netns::loss_available().err();

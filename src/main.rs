@@ -108,7 +108,8 @@ struct ClusterArgs {
     #[arg(long)]
     netns: bool,
     /// With --netns: delay added to each node's outgoing packets, in
-    /// milliseconds (netem; the kernel must have it).
+    /// milliseconds (a tap device per node whose frames the launcher holds;
+    /// the kernel needs tun, clsact, cls_bpf and act_mirred).
     #[arg(long, value_name = "MS", requires = "netns")]
     netem_delay_ms: Option<u64>,
     /// With --netns: percentage of each node's outgoing IP packets dropped,
@@ -351,8 +352,8 @@ enum Command {
         /// Run the workers on emulated hosts (see `refit launch --netns`;
         /// root, ip and tc) and add the network cases: a link cut and
         /// restored, a node partitioned from the launcher, a peer that
-        /// stops reading, packet loss and delay (delay needs the kernel's
-        /// netem qdisc).
+        /// stops reading, packet loss and delay (these two need the
+        /// kernel's ifb or tun, clsact, cls_bpf and act_mirred).
         #[arg(long)]
         netns: bool,
         /// Run only the cases whose name contains this (`net:` for the

@@ -114,6 +114,36 @@ fn slow_netns_launch_verifies_and_leaves_nothing() {
     }
 }
 
+/// `--netem-delay-ms` delays each node's packets for real (the kernels
+/// here have no netem: a tap and a thread of the launcher hold them): the
+/// same refits, side by side, without a delay and with 100 ms on every
+/// node's egress. A refit is a chain of replies from the nodes to the
+/// launcher (status, prepare, connect, run, commit), each crossing one
+/// delayed egress, so it takes at least 0.4 s more; and every refit still
+/// verifies.
+#[test]
+fn slow_netns_delay_delays_and_verifies() {
+    needs_netns!();
+    let (src, dst) = example("tp-to-tp");
+    let refit_s = |delay: &str| -> Vec<f64> {
+        let args = ["launch", "--src", &src, "--dst", &dst, "--netns", "--netem-delay-ms", delay, "--verify", "--refits", "2", "--json"];
+        let child = start(&args);
+        let pid = child.id();
+        let out = child.wait_with_output().expect("wait");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+        assert_eq!(left_by(pid), Vec::<String>::new(), "--netem-delay-ms {delay}: left behind");
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {stderr}"));
+        assert_eq!(v["verified"], true, "{v}");
+        v["refits"].as_array().expect("refits").iter().map(|r| r["refit_s"].as_f64().expect("refit_s")).collect()
+    };
+    let (plain, delayed) = (refit_s("0"), refit_s("100"));
+    eprintln!("refit_s without a delay {plain:?}, with 100 ms {delayed:?}");
+    for (p, d) in plain.iter().zip(&delayed) {
+        assert!(d - p >= 0.4, "100 ms on every node's egress added only {:.3} s to a refit ({p:.3} s -> {d:.3} s)", d - p);
+    }
+}
+
 /// SIGTERM in the middle of a launch: the launcher removes its hosts and
 /// exits with 128 + 15. A launcher killed outright (SIGKILL) cannot; the
 /// next launcher removes what it left.
@@ -200,7 +230,8 @@ fn netns_misuse_is_refused() {
 
 /// `refit chaos --netns`: the network cases (a link cut mid-transfer and
 /// restored, a node partitioned from the launcher but not from its peers,
-/// a peer that stops reading, packet loss; delay where the kernel has netem)
+/// a peer that stops reading, packet loss, 100 ms delay; the last two
+/// where the kernel has their parts: ifb, clsact, cls_bpf, act_mirred, tun)
 /// each fail the refit within its bound, leave no torn version, and the
 /// next refit after healing commits.
 #[test]

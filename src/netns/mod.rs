@@ -16,13 +16,16 @@
 //! - with a rate, a `tbf` qdisc at the node's rate (its ranks × the
 //!   per-rank rate) on the egress of **both** ends of its veth: inside, the
 //!   node's egress; root side, the node's ingress (what the bridge forwards
-//!   to it). With a delay, a `netem` qdisc above the node's egress `tbf`
-//!   (one-way: a message between two nodes is delayed once). With a loss
-//!   rate, a classic-BPF filter on the node's egress (`clsact`) that
-//!   matches that fraction of its IP packets at random (`ld rand`) and
-//!   redirects them to an `ifb` device left down, which drops them: the
-//!   kernels this project runs on have no `netem` but have `cls_bpf`,
-//!   `act_mirred` and `ifb`, and one mechanism for loss serves both;
+//!   to it). With a loss rate, a classic-BPF filter on the node's egress
+//!   (`clsact`) that matches that fraction of its IP packets at random
+//!   (`ld rand`) and redirects them to an `ifb` device left down, which
+//!   drops them. With a delay, a second filter there redirects the node's
+//!   IP packets into a tap device whose frames a thread of the launcher
+//!   holds for the delay before they go on through the `tbf` ([`delay`];
+//!   one-way: a message between two nodes is delayed once). The kernels
+//!   this project runs on have no `netem` but have `cls_bpf`,
+//!   `act_mirred`, `ifb` and `tun`, and the same mechanisms serve every
+//!   kernel;
 //! - per node a directory `/dev/shm/refit-P-s<k>`: its shared memory (the
 //!   workers of a node put their regions there, `refit worker --shm-dir`).
 //!
@@ -33,6 +36,9 @@
 //! are no longer alive (killed with SIGKILL), by the next [`Hosts::create`].
 //! Processes still inside a namespace being removed are killed first.
 
+mod delay;
+
+use delay::DelayLine;
 use reshard::{Group, Layout};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -58,7 +64,7 @@ pub struct NetnsConfig {
     pub netem: Netem,
 }
 
-/// Delay (a `netem` qdisc) and loss (a random BPF filter) on a node's
+/// Delay (a [`delay`] line) and loss (a random BPF filter) on a node's
 /// egress (nothing by default).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Netem {
@@ -69,24 +75,22 @@ pub struct Netem {
 }
 
 impl Netem {
-    /// The `netem` qdisc's arguments, when a delay is asked for.
-    fn args(&self) -> Option<Vec<String>> {
-        // Room for a bandwidth-delay product of packets (netem's default
-        // queue is 1000 packets).
-        let d = self.delay.filter(|d| !d.is_zero())?;
-        Some(["delay".to_string(), format!("{}us", d.as_micros()), "limit".to_string(), "100000".to_string()].to_vec())
+    /// The delay, when one is asked for.
+    fn delay(&self) -> Option<Duration> {
+        self.delay.filter(|d| !d.is_zero())
     }
 
     /// The loss filter's classic-BPF program, in `tc`'s `bytecode` form,
-    /// when a loss rate is asked for: `A = random u32; if A >= T: no match
-    /// (the packet passes) else match (dropped)`, `T` = the rate's share of
-    /// 2^32.
+    /// when a loss rate is asked for: `A = byte 15 (the IPv4 TOS); if A &
+    /// DELAYED_TOS: no match (a packet coming back from the delay line was
+    /// drawn for already); A = random u32; if A >= T: no match (the packet
+    /// passes) else match (dropped)`, `T` = the rate's share of 2^32.
     fn loss_bytecode(&self) -> Option<String> {
         let p = self.loss_pct.filter(|p| *p > 0.0)?;
         let t = ((p.min(100.0) / 100.0) * 4_294_967_296.0).round().min(u32::MAX as f64) as u32;
         // `ld rand` is a load from SKF_AD_OFF (-0x1000) + SKF_AD_RANDOM (56).
         let rand = (-0x1000i32 + 56) as u32;
-        Some(format!("4,32 0 0 {rand},53 0 1 {t},6 0 0 0,6 0 0 {}", u32::MAX))
+        Some(format!("6,48 0 0 15,69 2 0 {},32 0 0 {rand},53 0 1 {t},6 0 0 0,6 0 0 {}", delay::DELAYED_TOS, u32::MAX))
     }
 }
 
@@ -140,24 +144,22 @@ pub struct Host {
 }
 
 impl Host {
-    /// Shapes the node's egress (inside its namespace): `netem` (if a
-    /// delay is asked for), then a `tbf` at the link's rate under it, and
-    /// the loss filter (if a loss rate is asked for).
-    fn shape_egress(&self, netem: &Netem) -> Result<(), String> {
+    /// Shapes the node's egress (inside its namespace): a `tbf` at the
+    /// link's rate, the loss filter (if a loss rate is asked for) and the
+    /// delay line (if a delay is; returned: it runs while it lives).
+    fn shape_egress(&self, netem: &Netem) -> Result<Option<DelayLine>, String> {
         let ns = self.netns.as_str();
-        let mut at = vec!["root", "handle", "1:"];
-        if let Some(args) = netem.args() {
-            tc(&words(&["-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "netem"], args))
-                .map_err(|e| format!("{e} (a delay needs the kernel's netem qdisc)"))?;
-            at = vec!["parent", "1:1", "handle", "2:"];
-        }
         if let Some(rate) = self.rate {
-            tc(&words(&[&["-n", ns, "qdisc", "add", "dev", "eth0"][..], &at].concat(), tbf(rate)))?;
+            tc(&words(&["-n", ns, "qdisc", "add", "dev", "eth0", "root", "handle", "1:"], tbf(rate)))?;
         }
-        match netem.loss_bytecode() {
-            Some(program) => add_loss_filter(ns, "eth0", &program),
-            None => Ok(()),
+        let loss = netem.loss_bytecode();
+        if loss.is_some() || netem.delay().is_some() {
+            tc(&["-n", ns, "qdisc", "add", "dev", "eth0", "clsact"]).map_err(|e| format!("{e} (delay and loss need the kernel's clsact)"))?;
         }
+        if let Some(program) = loss {
+            add_loss_filter(ns, "eth0", &program)?;
+        }
+        netem.delay().map(|d| add_delay_line(ns, "eth0", d)).transpose()
     }
 
     /// Takes the node's link down (`up` false: as if its cable were
@@ -190,6 +192,8 @@ pub struct Hosts {
     gateway: Ipv4Addr,
     bridge: String,
     hosts: Vec<Host>,
+    /// The delay lines running now (one per host while a delay is set).
+    delays: Mutex<Vec<DelayLine>>,
 }
 
 /// Whether this process has a set of hosts (one at a time; also the lock
@@ -229,10 +233,12 @@ impl Hosts {
                 }
             })
             .collect();
-        let hosts = Hosts { owner, gateway: Ipv4Addr::from_bits(net(0, 1)), bridge: format!("rf{owner}br"), hosts };
+        let hosts =
+            Hosts { owner, gateway: Ipv4Addr::from_bits(net(0, 1)), bridge: format!("rf{owner}br"), hosts, delays: Mutex::new(Vec::new()) };
         // From here a signal's teardown removes whatever exists.
         *live = true;
         if let Err(e) = hosts.build(config) {
+            hosts.lines().clear();
             remove_owned_by(owner);
             *live = false;
             // `hosts` is dropped below with `live` false: nothing twice.
@@ -255,7 +261,8 @@ impl Hosts {
             ip(&["-n", ns, "addr", "add", &format!("{}/16", h.ip), "dev", "eth0"])?;
             ip(&["-n", ns, "link", "set", "eth0", "up"])?;
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
-            h.shape_egress(&config.netem)?;
+            let line = h.shape_egress(&config.netem)?;
+            self.lines().extend(line);
             // The node's ingress: what the bridge forwards to it.
             if let Some(rate) = h.rate {
                 tc(&words(&["qdisc", "add", "dev", &h.veth, "root", "handle", "1:"], tbf(rate)))?;
@@ -267,14 +274,23 @@ impl Hosts {
     /// Puts `netem`'s delay and loss on every node's egress from now on
     /// (`Netem::default()`: none), keeping each link's rate.
     pub fn set_netem(&self, netem: &Netem) -> Result<(), String> {
+        let mut lines = self.lines();
         for h in &self.hosts {
-            // The chain and the loss filter are rebuilt from the top (a
+            // The shaping and the filters are rebuilt from the top (a
             // missing one is fine).
             let _ = tc(&["-n", &h.netns, "qdisc", "del", "dev", "eth0", "root"]);
             let _ = tc(&["-n", &h.netns, "qdisc", "del", "dev", "eth0", "clsact"]);
-            h.shape_egress(netem)?;
+        }
+        // Nothing redirects into the old lines any more: their taps go.
+        lines.clear();
+        for h in &self.hosts {
+            lines.extend(h.shape_egress(netem)?);
         }
         Ok(())
+    }
+
+    fn lines(&self) -> std::sync::MutexGuard<'_, Vec<DelayLine>> {
+        self.delays.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The bridge's address: where the launcher's rendezvous listens.
@@ -301,6 +317,7 @@ impl Hosts {
 impl Drop for Hosts {
     fn drop(&mut self) {
         let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        self.lines().clear();
         if *live {
             remove_owned_by(self.owner);
             *live = false;
@@ -322,18 +339,36 @@ const DROP_DEV: &str = "rfdrop";
 
 /// Drops a random share of the IP packets leaving `dev` in namespace `ns`:
 /// the classic-BPF `program` ([`Netem::loss_bytecode`]) on its egress hook
-/// (`clsact`), matched packets redirected to [`DROP_DEV`].
+/// (`clsact`, already there), matched packets redirected to [`DROP_DEV`].
 fn add_loss_filter(ns: &str, dev: &str, program: &str) -> Result<(), String> {
     let needs = |e: String| format!("{e} (a loss rate needs the kernel's ifb, clsact, cls_bpf and act_mirred)");
     if ip(&["-n", ns, "link", "show", DROP_DEV]).is_err() {
         ip(&["-n", ns, "link", "add", DROP_DEV, "type", "ifb"]).map_err(needs)?;
     }
-    tc(&["-n", ns, "qdisc", "add", "dev", dev, "clsact"]).map_err(needs)?;
     tc(&[
         "-n", ns, "filter", "add", "dev", dev, "egress", "protocol", "ip", "prio", "1", "bpf", "bytecode", program, "action", "mirred",
         "egress", "redirect", "dev", DROP_DEV,
     ])
     .map_err(needs)
+}
+
+/// Delays the IP packets leaving `dev` in namespace `ns` by `delay`: a
+/// [`DelayLine`] and the filters that take packets into it and back out
+/// ([`delay`]'s wiring; `dev`'s `clsact` already there).
+fn add_delay_line(ns: &str, dev: &str, delay: Duration) -> Result<DelayLine, String> {
+    let needs = |e: String| format!("{e} (a delay needs the kernel's tun, clsact, cls_bpf and act_mirred)");
+    let line = DelayLine::start(ns, delay)?;
+    // Room for a window of frames between two reads of the thread (a tap
+    // queues 500 by default, and drops the rest of a burst).
+    ip(&["-n", ns, "link", "set", delay::TAP, "txqueuelen", "100000", "up"]).map_err(needs)?;
+    tc(&["-n", ns, "qdisc", "add", "dev", delay::TAP, "clsact"]).map_err(needs)?;
+    let all = format!("1,6 0 0 {}", u32::MAX);
+    tc(&["-n", ns, "filter", "add", "dev", delay::TAP, "ingress", "protocol", "all", "prio", "1", "bpf", "bytecode", &all, "action", "mirred", "egress", "redirect", "dev", dev])
+        .map_err(needs)?;
+    let into = delay::redirect_bytecode();
+    tc(&["-n", ns, "filter", "add", "dev", dev, "egress", "protocol", "ip", "prio", "2", "bpf", "bytecode", &into, "action", "mirred", "egress", "redirect", "dev", delay::TAP])
+        .map_err(needs)?;
+    Ok(line)
 }
 
 /// `head` then `tail`, as one argument list.
@@ -353,8 +388,8 @@ pub fn check(config: &NetnsConfig) -> Result<(), String> {
     if !missing.is_empty() {
         return Err(format!("--netns needs {} on PATH (iproute2)", missing.join(" and ")));
     }
-    if config.netem.args().is_some() && !netem_available() {
-        return Err("--netem-delay-ms needs the kernel's netem qdisc (CONFIG_NET_SCH_NETEM), which this kernel lacks".into());
+    if config.netem.delay().is_some() {
+        delay_available()?;
     }
     if config.netem.loss_bytecode().is_some() {
         loss_available()?;
@@ -368,21 +403,21 @@ pub fn loss_available() -> Result<(), String> {
     let ns = format!("refit-{}-probe", std::process::id());
     ip(&["netns", "add", &ns])?;
     let program = Netem { loss_pct: Some(1.0), ..Netem::default() }.loss_bytecode().unwrap_or_default();
-    let r = add_loss_filter(&ns, "lo", &program);
+    let r = tc(&["-n", &ns, "qdisc", "add", "dev", "lo", "clsact"]).and_then(|()| add_loss_filter(&ns, "lo", &program));
     let _ = ip(&["netns", "del", &ns]);
     r.map_err(|e| format!("--netem-loss-pct: {e}"))
 }
 
-/// Whether `tc` can add a netem qdisc: tried on the loopback of a
-/// throwaway namespace.
-pub fn netem_available() -> bool {
+/// Whether a delay line can be built: tried on the loopback of a
+/// throwaway namespace; the error says what is missing.
+pub fn delay_available() -> Result<(), String> {
     let ns = format!("refit-{}-probe", std::process::id());
-    if ip(&["netns", "add", &ns]).is_err() {
-        return false;
-    }
-    let ok = tc(&["-n", &ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]).is_ok();
+    ip(&["netns", "add", &ns])?;
+    let r = tc(&["-n", &ns, "qdisc", "add", "dev", "lo", "clsact"]).and_then(|()| add_delay_line(&ns, "lo", Duration::from_millis(1)));
+    // The line stops (its tap goes) before its namespace does.
+    let r = r.map(drop);
     let _ = ip(&["netns", "del", &ns]);
-    ok
+    r.map_err(|e| format!("--netem-delay-ms: {e}"))
 }
 
 fn on_path(program: &str) -> bool {
@@ -725,12 +760,17 @@ mod tests {
 
     #[test]
     fn netem_arguments() {
-        assert_eq!(Netem::default().args(), None);
+        assert_eq!(Netem::default().delay(), None);
         assert_eq!(Netem::default().loss_bytecode(), None);
         let c = Netem { delay: Some(Duration::from_millis(100)), loss_pct: Some(5.0) };
-        assert_eq!(c.args().map(|a| a.join(" ")), Some("delay 100000us limit 100000".into()));
-        // 5% of 2^32 is 214748364.8; `ld rand` loads from -4040.
-        assert_eq!(c.loss_bytecode().as_deref(), Some("4,32 0 0 4294963256,53 0 1 214748365,6 0 0 0,6 0 0 4294967295"));
+        assert_eq!(c.delay(), Some(Duration::from_millis(100)));
+        assert_eq!(Netem { delay: Some(Duration::ZERO), ..c }.delay(), None);
+        // Delayed packets (TOS bit 32) pass; 5% of 2^32 is 214748364.8;
+        // `ld rand` loads from -4040.
+        assert_eq!(
+            c.loss_bytecode().as_deref(),
+            Some("6,48 0 0 15,69 2 0 32,32 0 0 4294963256,53 0 1 214748365,6 0 0 0,6 0 0 4294967295")
+        );
         let all = Netem { loss_pct: Some(100.0), ..Netem::default() };
         assert!(all.loss_bytecode().is_some_and(|b| b.contains("53 0 1 4294967295,")));
         assert_eq!(Netem { loss_pct: Some(0.0), ..Netem::default() }.loss_bytecode(), None);
