@@ -833,11 +833,14 @@ fn write_tcp(
         }
         return w.flush();
     }
-    w.write_all(&header(DATA, round, len))?;
+    // Whatever `w` buffered goes first (usually nothing: no system call);
+    // the header then travels in the payload's first `writev`, not in a
+    // segment of its own.
     w.flush()?;
     let stream = w.get_mut();
     let piece = if bucket.is_some() { PACE_CHUNK as usize } else { usize::MAX };
     let mut gather = Gather::new(stage);
+    gather.stage_bytes(&header(DATA, round, len));
     let mut sum = 0u32;
     let mut result = Ok(());
     let mut write = |g: &mut Gather<'_, '_>| {
@@ -884,11 +887,14 @@ fn write_tcp(
         })?
     };
     result?;
-    write(&mut gather)?;
+    // The trailer goes with the last slices.
     if checksum {
-        stream.write_all(&sum.to_le_bytes())?;
+        if gather.stage.len() + 4 > STAGE_BYTES {
+            write(&mut gather)?;
+        }
+        gather.stage_bytes(&sum.to_le_bytes());
     }
-    Ok(())
+    write(&mut gather)
 }
 
 /// Slices per `writev` call (below every system's IOV_MAX).
