@@ -100,6 +100,12 @@ impl Endpointed {
         let largest = in_node.clone().map(|m| m.wire_bytes()).max().unwrap_or(0);
         let in_node_peers = in_node.map(|m| m.peer).collect::<BTreeSet<_>>().len().max(1) as u64;
         let largest_recv = program.rounds.iter().flat_map(|r| r.recvs.iter()).map(|m| m.wire_bytes()).max().unwrap_or(0);
+        // The largest message this rank's program expects from each peer.
+        let mut largest_from: HashMap<Endpoint, u64> = HashMap::new();
+        for m in program.rounds.iter().flat_map(|r| r.recvs.iter()) {
+            let l = largest_from.entry(m.peer).or_default();
+            *l = (*l).max(m.wire_bytes().max(MIN_FRAME_LIMIT));
+        }
         let mut config = NodeTransportConfig {
             session,
             tcp: TcpConfig {
@@ -118,11 +124,13 @@ impl Endpointed {
                 // refits), and buffer small writes only, or a rank with a
                 // hundred peers holds hundreds of MiB it does not need.
                 frame_pool_bytes: largest_recv,
-                // No frame larger than the largest message this rank's
-                // program expects (an abort's reason and shared-memory
-                // notices fit in the floor): a peer cannot make it
-                // allocate more.
-                max_frame_bytes: largest_recv.max(MIN_FRAME_LIMIT),
+                // No frame from a peer larger than the largest message
+                // this rank's program expects from that peer (an abort's
+                // reason and shared-memory notices fit in the floor; a
+                // peer it expects nothing from gets the floor): a peer
+                // cannot make it allocate more.
+                max_frame_bytes: MIN_FRAME_LIMIT,
+                max_frame_bytes_from: largest_from,
                 // Strangers at the data port are refused and logged.
                 hello_key: Some(key),
                 write_buffer_bytes: 256 << 10,

@@ -37,8 +37,14 @@ use std::time::{Duration, Instant};
 /// TCP transport settings.
 #[derive(Clone, Debug)]
 pub struct TcpConfig {
-    /// Largest payload a reader accepts (a bigger length is a protocol error).
+    /// Largest payload a reader accepts from a peer not in
+    /// [`max_frame_bytes_from`](Self::max_frame_bytes_from) (a bigger
+    /// length is a protocol error).
     pub max_frame_bytes: u64,
+    /// Largest payload a reader accepts from each listed peer (default
+    /// none): what the rank's program expects from that peer, so one peer
+    /// cannot make the rank hold what another may send.
+    pub max_frame_bytes_from: HashMap<Endpoint, u64>,
     /// Send buffer per stream.
     pub write_buffer_bytes: usize,
     /// Time to set up all streams.
@@ -77,6 +83,7 @@ impl Default for TcpConfig {
     fn default() -> Self {
         TcpConfig {
             max_frame_bytes: 1 << 34,
+            max_frame_bytes_from: HashMap::new(),
             write_buffer_bytes: 4 << 20,
             connect_timeout: Duration::from_secs(30),
             peers_listening: false,
@@ -715,7 +722,9 @@ impl TcpTransport {
         let statuses: HashMap<Endpoint, Arc<PeerStatus>> = others.iter().map(|(e, _)| (*e, Arc::default())).collect();
         let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let (tx, inbox) = channel();
-        let (max, checksum) = (config.max_frame_bytes, config.checksum);
+        let checksum = config.checksum;
+        let limits = Arc::new(config.max_frame_bytes_from.clone());
+        let default_limit = config.max_frame_bytes;
         let shm = shm.map(Arc::new);
         let pool = Arc::new(FramePool { kept: Mutex::default(), limit: config.frame_pool_bytes });
         // Accept in the background while this thread connects out.
@@ -728,6 +737,7 @@ impl TcpTransport {
                 accept_all(&listener, &x, |peer, stream, inbound| {
                     streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
                     let status = statuses.get(&peer).cloned().unwrap_or_default();
+                    let max = limits.get(&peer).copied().unwrap_or(default_limit);
                     let reader = Reader { peer, max, checksum, shm: inbound, status, pool: pool.clone(), tx: tx.clone() };
                     std::thread::Builder::new().name(format!("refit-read-{peer}")).spawn(move || read_loop(stream, reader))?;
                     Ok(())

@@ -108,6 +108,52 @@ fn garbage_frames_are_reported_not_trusted() {
     }
 }
 
+/// Frame limits are per peer: a frame of 4 KiB from a peer whose limit is
+/// 1 KiB is refused on its length (the stream reported broken before a
+/// byte of the payload is read), though the rank's default limit (1 MiB,
+/// for peers it has no limit for) would have taken it.
+#[test]
+fn a_peer_is_held_to_its_own_frame_limit() {
+    let me = Endpoint::dst(0);
+    let fake = Endpoint::src(0);
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let my_addr = listener.local_addr().unwrap();
+    let fake_listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let fake_addr = fake_listener.local_addr().unwrap();
+    let peer = std::thread::spawn(move || {
+        let (mut incoming, _) = fake_listener.accept().unwrap();
+        let mut hello = [0u8; 11];
+        incoming.read_exact(&mut hello).unwrap();
+        incoming.write_all(&[0]).unwrap();
+        let mut s = TcpStream::connect(my_addr).unwrap();
+        s.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
+        s.write_all(&[0, 0, 0, 0, 0, 3, 0]).unwrap();
+        let mut answer = [0u8; 1];
+        s.read_exact(&mut answer).unwrap();
+        assert_eq!(answer, [0]);
+        // A data frame header (magic, kind 0, round 0, length 4096); no payload.
+        let mut header = vec![0x52, 0x46, 0x49, 0x54, 0, 0, 0, 0, 0];
+        header.extend_from_slice(&4096u64.to_le_bytes());
+        s.write_all(&header).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+    });
+    let config = TcpConfig {
+        max_frame_bytes: 1 << 20,
+        max_frame_bytes_from: [(fake, 1 << 10)].into_iter().collect(),
+        ..TcpConfig::default()
+    };
+    let mut t = TcpTransport::connect(me, listener, &[(me, my_addr), (fake, fake_addr)], &config).unwrap();
+    let got = t.recv(0, Instant::now() + Duration::from_secs(5));
+    match got {
+        Err(TransportError::Broken { peer, problem }) => {
+            assert_eq!(peer, fake);
+            assert!(problem.contains("4096") && problem.contains("1024"), "{problem}");
+        }
+        other => panic!("expected the stream reported broken, got {other:?}"),
+    }
+    peer.join().unwrap();
+}
+
 /// A peer whose listener is gone refuses the connection. Where every peer
 /// is known to be listening already (`peers_listening`), that fails the
 /// connect at once; otherwise the rank keeps retrying (the peer may still
