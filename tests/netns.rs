@@ -8,8 +8,13 @@
 //! and why.
 
 use serde_json::Value;
+use std::collections::HashSet;
+use std::io::Write;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_refit");
@@ -142,6 +147,136 @@ fn slow_netns_delay_delays_and_verifies() {
     for (p, d) in plain.iter().zip(&delayed) {
         assert!(d - p >= 0.4, "100 ms on every node's egress added only {:.3} s to a refit ({p:.3} s -> {d:.3} s)", d - p);
     }
+}
+
+/// The processes `pid` started (`/proc/<pid>/task/<pid>/children`).
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// The TCP sockets listening in the network namespace of process `pid`
+/// (inode and address, from its `/proc/<pid>/net/tcp`).
+fn listeners_of(pid: u32) -> Vec<(u64, SocketAddr)> {
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (local, state, inode) = (f.get(1)?, f.get(3)?, f.get(9)?.parse::<u64>().ok()?);
+            let (ip, port) = local.split_once(':')?;
+            // The address is the kernel's u32 in hex, its bytes in memory order.
+            let ip = Ipv4Addr::from(u32::from_str_radix(ip, 16).ok()?.to_le_bytes());
+            (*state == "0A").then_some((inode, SocketAddr::from((ip, u16::from_str_radix(port, 16).ok()?))))
+        })
+        .collect()
+}
+
+/// What a stranger without the secret sends to a data port: junk, a
+/// handshake claiming an expected endpoint (source rank 0) with no proof, one
+/// with a forged proof, one claiming shared memory with absurd region sizes
+/// and a forged proof; and nothing at all (a silent socket).
+fn stranger_hellos() -> Vec<Vec<u8>> {
+    let hello = |flags: u8| {
+        let mut h = 0x5449_4652u32.to_le_bytes().to_vec();
+        h.extend_from_slice(&[0, 0, 0, 0, 0, 4, flags]);
+        h
+    };
+    let forged = |mut h: Vec<u8>| {
+        h.extend_from_slice(&[0x5a; 32]);
+        h
+    };
+    let mut shm = hello(2 | 4);
+    shm.extend_from_slice(&[0xff; 24]);
+    vec![vec![0xab; 64], hello(0), forged(hello(4)), forged(shm), Vec::new()]
+}
+
+/// Strangers at the workers' data ports during every refit, across
+/// emulated hosts: each refit opens fresh data-plane endpoints
+/// (`--fresh-data-plane`), and as soon as one listens a stranger in the
+/// root namespace sends it junk, handshakes claiming an expected endpoint
+/// without the secret's proof or with a forged one (one with absurd
+/// shared-memory sizes), and a silent socket. 50 ms on every node's egress
+/// makes the order certain: a node's data port is open for at least one
+/// round trip to the launcher and one between nodes before its real peers
+/// arrive, while the strangers, next to the bridge, arrive after one. Every
+/// refit still commits and verifies, and the workers log each refusal with
+/// its reason.
+#[test]
+fn slow_netns_strangers_at_the_data_ports_do_not_stop_refits() {
+    needs_netns!();
+    let (src, dst) = example("tp-to-tp");
+    let args = [
+        "launch",
+        "--src",
+        &src,
+        "--dst",
+        &dst,
+        "--netns",
+        "--netem-delay-ms",
+        "50",
+        "--fresh-data-plane",
+        "--verify",
+        "--refits",
+        "3",
+        "--json",
+    ];
+    let child = Command::new(BIN).args(args).env("RUST_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn");
+    let pid = child.id();
+    let stop = Arc::new(AtomicBool::new(false));
+    let attacker = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut seen: HashSet<(u32, u64)> = HashSet::new();
+            let mut strangers = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                for w in children(pid) {
+                    for (inode, addr) in listeners_of(w) {
+                        if addr.ip().is_loopback() || !seen.insert((w, inode)) {
+                            continue;
+                        }
+                        for bytes in stranger_hellos() {
+                            strangers.push(std::thread::spawn(move || {
+                                let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else { return };
+                                let _ = s.write_all(&bytes);
+                                // Silent from here on, until the port closes.
+                                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                                let _ = std::io::Read::read(&mut s, &mut [0u8; 16]);
+                            }));
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let n = strangers.len();
+            for s in strangers {
+                let _ = s.join();
+            }
+            n
+        })
+    };
+    let out = child.wait_with_output().expect("wait");
+    stop.store(true, Ordering::Relaxed);
+    let strangers = attacker.join().expect("attacker");
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&out)));
+    assert_eq!(v["verified"], true, "{v}");
+    let refits = v["refits"].as_array().expect("refits");
+    assert!(refits.len() == 3 && refits.iter().all(|r| r["ok"] == true), "{v}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let refused: Vec<&str> = stderr.lines().filter(|l| l.contains("refused a data-plane connection")).collect();
+    eprintln!("{strangers} strangers; {} data-plane refusals logged", refused.len());
+    assert!(refused.iter().all(|l| l.starts_with("WARN ")), "{stderr}");
+    assert!(refused.iter().any(|l| l.contains("not a refit handshake")), "junk was not refused and logged:\n{stderr}");
+    assert!(
+        refused.iter().any(|l| l.contains("claimed to be src rank 0") && l.contains("proof of the job's secret is missing or wrong")),
+        "a stranger's handshake was not refused and logged:\n{stderr}"
+    );
+    assert_eq!(left_by(pid), Vec::<String>::new());
 }
 
 /// SIGTERM in the middle of a launch: the launcher removes its hosts and

@@ -256,7 +256,7 @@ impl Cluster {
         let hosts = hosts(&config, &src, &dst, net.as_ref());
         let mut children = None;
         if let Some(exe) = &config.spawn {
-            let mut c = Children::new(exe, rendezvous.addr(), config.secret.text(), true);
+            let mut c = Children::new(exe, rendezvous.addr(), config.secret.text(), false);
             for h in &hosts {
                 c.spawn_in(h.args.clone(), h.netns.clone()).map_err(setup)?;
             }

@@ -154,7 +154,8 @@ impl Host {
         }
         let loss = netem.loss_bytecode();
         if loss.is_some() || netem.delay().is_some() {
-            tc(&["-n", ns, "qdisc", "add", "dev", "eth0", "clsact"]).map_err(|e| format!("{e} (delay and loss need the kernel's clsact)"))?;
+            tc(&["-n", ns, "qdisc", "add", "dev", "eth0", "clsact"])
+                .map_err(|e| format!("{e} (delay and loss need the kernel's clsact)"))?;
         }
         if let Some(program) = loss {
             add_loss_filter(ns, "eth0", &program)?;
@@ -363,11 +364,53 @@ fn add_delay_line(ns: &str, dev: &str, delay: Duration) -> Result<DelayLine, Str
     ip(&["-n", ns, "link", "set", delay::TAP, "txqueuelen", "100000", "up"]).map_err(needs)?;
     tc(&["-n", ns, "qdisc", "add", "dev", delay::TAP, "clsact"]).map_err(needs)?;
     let all = format!("1,6 0 0 {}", u32::MAX);
-    tc(&["-n", ns, "filter", "add", "dev", delay::TAP, "ingress", "protocol", "all", "prio", "1", "bpf", "bytecode", &all, "action", "mirred", "egress", "redirect", "dev", dev])
-        .map_err(needs)?;
+    tc(&[
+        "-n",
+        ns,
+        "filter",
+        "add",
+        "dev",
+        delay::TAP,
+        "ingress",
+        "protocol",
+        "all",
+        "prio",
+        "1",
+        "bpf",
+        "bytecode",
+        &all,
+        "action",
+        "mirred",
+        "egress",
+        "redirect",
+        "dev",
+        dev,
+    ])
+    .map_err(needs)?;
     let into = delay::redirect_bytecode();
-    tc(&["-n", ns, "filter", "add", "dev", dev, "egress", "protocol", "ip", "prio", "2", "bpf", "bytecode", &into, "action", "mirred", "egress", "redirect", "dev", delay::TAP])
-        .map_err(needs)?;
+    tc(&[
+        "-n",
+        ns,
+        "filter",
+        "add",
+        "dev",
+        dev,
+        "egress",
+        "protocol",
+        "ip",
+        "prio",
+        "2",
+        "bpf",
+        "bytecode",
+        &into,
+        "action",
+        "mirred",
+        "egress",
+        "redirect",
+        "dev",
+        delay::TAP,
+    ])
+    .map_err(needs)?;
     Ok(line)
 }
 
@@ -767,10 +810,7 @@ mod tests {
         assert_eq!(Netem { delay: Some(Duration::ZERO), ..c }.delay(), None);
         // Delayed packets (TOS bit 32) pass; 5% of 2^32 is 214748364.8;
         // `ld rand` loads from -4040.
-        assert_eq!(
-            c.loss_bytecode().as_deref(),
-            Some("6,48 0 0 15,69 2 0 32,32 0 0 4294963256,53 0 1 214748365,6 0 0 0,6 0 0 4294967295")
-        );
+        assert_eq!(c.loss_bytecode().as_deref(), Some("6,48 0 0 15,69 2 0 32,32 0 0 4294963256,53 0 1 214748365,6 0 0 0,6 0 0 4294967295"));
         let all = Netem { loss_pct: Some(100.0), ..Netem::default() };
         assert!(all.loss_bytecode().is_some_and(|b| b.contains("53 0 1 4294967295,")));
         assert_eq!(Netem { loss_pct: Some(0.0), ..Netem::default() }.loss_bytecode(), None);

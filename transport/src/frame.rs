@@ -47,12 +47,34 @@ pub(crate) const CHUNK: u8 = 4;
 pub(crate) const HEADER: usize = 4 + 1 + 4 + 8;
 /// Handshake version: 2 added the flags byte, checksums and shared memory;
 /// 3 the proof.
-pub(crate) const VERSION: u8 = 3;
+pub(crate) const VERSION: u8 = 4;
 /// Handshake flag: data frames carry a CRC-32C.
 pub(crate) const FLAG_CHECKSUM: u8 = 1;
-/// Handshake flag: the pair talks through shared memory (the region sizes
-/// follow).
+/// Handshake flag: the pair talks through shared memory (a
+/// [`ShmAnnounce`] follows).
 pub(crate) const FLAG_SHM: u8 = 2;
+/// What a handshake with [`FLAG_SHM`] announces of the region the sender
+/// made for the pair: its areas' sizes and the random part of its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ShmAnnounce {
+    /// Lend area, in bytes.
+    pub lend: u64,
+    /// Stream area, in bytes.
+    pub stream: u64,
+    /// The random suffix of the region's file name.
+    pub name: u64,
+}
+
+/// Bytes of a [`ShmAnnounce`] on the wire (three u64 LE).
+pub(crate) const SHM_ANNOUNCE: usize = 24;
+
+impl ShmAnnounce {
+    /// Reads one off the wire.
+    pub(crate) fn decode(b: &[u8; SHM_ANNOUNCE]) -> ShmAnnounce {
+        ShmAnnounce { lend: u64_at(b, 0), stream: u64_at(b, 8), name: u64_at(b, 16) }
+    }
+}
+
 /// Handshake flag: a proof follows (after the region sizes).
 pub(crate) const FLAG_PROOF: u8 = 4;
 /// Length of a handshake's proof.
@@ -106,7 +128,7 @@ fn hello_mac(key: &HelloKey, sent: &[u8], to: Endpoint) -> Hmac {
     use hmac::Mac;
     // HMAC takes keys of any length: this cannot fail.
     let mut mac = <Hmac as hmac::digest::KeyInit>::new_from_slice(&key.0).unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
-    mac.update(b"refit-data-hello/v3/");
+    mac.update(b"refit-data-hello/v4/");
     mac.update(sent);
     mac.update(&encode_endpoint(to));
     mac
@@ -157,19 +179,19 @@ pub(crate) fn decode_endpoint(b: &[u8; 5]) -> io::Result<Endpoint> {
 /// The handshake rank `me` sends to `to`: the fixed part, the region sizes
 /// `(lend, stream)` when it talks to the peer through shared memory, and
 /// the proof when the fabric has a key.
-pub(crate) fn hello(me: Endpoint, to: Endpoint, checksum: bool, shm_sizes: Option<(u64, u64)>, key: Option<&HelloKey>) -> Vec<u8> {
+pub(crate) fn hello(me: Endpoint, to: Endpoint, checksum: bool, shm: Option<ShmAnnounce>, key: Option<&HelloKey>) -> Vec<u8> {
     use hmac::Mac;
-    let mut hello = Vec::with_capacity(HELLO + 16 + PROOF);
+    let mut hello = Vec::with_capacity(HELLO + SHM_ANNOUNCE + PROOF);
     hello.extend_from_slice(&MAGIC.to_le_bytes());
     hello.extend_from_slice(&encode_endpoint(me));
     hello.push(VERSION);
-    let flags = if checksum { FLAG_CHECKSUM } else { 0 }
-        | if shm_sizes.is_some() { FLAG_SHM } else { 0 }
-        | if key.is_some() { FLAG_PROOF } else { 0 };
+    let flags =
+        if checksum { FLAG_CHECKSUM } else { 0 } | if shm.is_some() { FLAG_SHM } else { 0 } | if key.is_some() { FLAG_PROOF } else { 0 };
     hello.push(flags);
-    if let Some((lend, stream)) = shm_sizes {
-        hello.extend_from_slice(&lend.to_le_bytes());
-        hello.extend_from_slice(&stream.to_le_bytes());
+    if let Some(a) = shm {
+        hello.extend_from_slice(&a.lend.to_le_bytes());
+        hello.extend_from_slice(&a.stream.to_le_bytes());
+        hello.extend_from_slice(&a.name.to_le_bytes());
     }
     if let Some(key) = key {
         let proof = hello_mac(key, &hello, to).finalize().into_bytes();
@@ -351,11 +373,13 @@ mod tests {
         assert_eq!(plain.len(), HELLO);
         let fixed: [u8; HELLO] = plain[..].try_into().unwrap();
         assert_eq!(decode_hello(&fixed).unwrap(), (Endpoint::dst(3), VERSION, FLAG_CHECKSUM));
-        let shared = hello(Endpoint::src(9), Endpoint::src(1), false, Some((5, 6)), None);
-        assert_eq!(shared.len(), HELLO + 16);
+        let a = ShmAnnounce { lend: 5, stream: 6, name: 0xfeed_beef };
+        let shared = hello(Endpoint::src(9), Endpoint::src(1), false, Some(a), None);
+        assert_eq!(shared.len(), HELLO + SHM_ANNOUNCE);
         let fixed: [u8; HELLO] = shared[..HELLO].try_into().unwrap();
         assert_eq!(decode_hello(&fixed).unwrap(), (Endpoint::src(9), VERSION, FLAG_SHM));
-        assert_eq!((u64_at(&shared, HELLO), u64_at(&shared, HELLO + 8)), (5, 6));
+        let announced: [u8; SHM_ANNOUNCE] = shared[HELLO..].try_into().unwrap();
+        assert_eq!(ShmAnnounce::decode(&announced), a);
         let mut bad = fixed;
         bad[4] = 2;
         assert!(decode_hello(&bad).unwrap_err().to_string().contains("unknown group 2"));
@@ -368,11 +392,11 @@ mod tests {
     fn proofs_bind_key_sender_receiver_and_settings() {
         let key = HelloKey([7; 32]);
         let (me, to) = (Endpoint::src(2), Endpoint::dst(5));
-        let h = hello(me, to, true, Some((1 << 20, 1 << 16)), Some(&key));
-        assert_eq!(h.len(), HELLO + 16 + PROOF);
+        let h = hello(me, to, true, Some(ShmAnnounce { lend: 1 << 20, stream: 1 << 16, name: 7 }), Some(&key));
+        assert_eq!(h.len(), HELLO + SHM_ANNOUNCE + PROOF);
         let fixed: [u8; HELLO] = h[..HELLO].try_into().unwrap();
         assert_eq!(decode_hello(&fixed).unwrap(), (me, VERSION, FLAG_CHECKSUM | FLAG_SHM | FLAG_PROOF));
-        let (sent, proof) = h.split_at(HELLO + 16);
+        let (sent, proof) = h.split_at(HELLO + SHM_ANNOUNCE);
         assert!(proof_holds(&key, sent, to, proof));
         // Another receiver, another key, any changed byte: no.
         assert!(!proof_holds(&key, sent, Endpoint::dst(6), proof));

@@ -135,7 +135,7 @@ impl Region {
             .create_new(true)
             .mode(0o600)
             .open(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot create {} (a session id used twice?): {e}", path.display())))?;
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display())))?;
         let region = (|| {
             file.set_len(len)?;
             // The control page now (it is written below), the areas on
@@ -156,6 +156,33 @@ impl Region {
         region.word(OFF_CREATOR).store(u64::from(std::process::id()), Ordering::Relaxed);
         region.word(0).store(REGION_MAGIC, Ordering::Release);
         Ok(region)
+    }
+
+    /// Creates a region under `path(name)` for a fresh `name` from
+    /// `names`: a name someone else took already (a file put there before
+    /// us, to block or to watch the pair) is passed over for the next, so
+    /// knowing the session does not let anyone stop a refit; after
+    /// [`NAME_TRIES`] taken names, the error names the last. Returns the
+    /// region and its name.
+    pub(crate) fn create_named(
+        path: impl Fn(u64) -> PathBuf,
+        lend: u64,
+        stream: u64,
+        mut names: impl FnMut() -> io::Result<u64>,
+    ) -> io::Result<(Region, u64)> {
+        let mut last = None;
+        for _ in 0..NAME_TRIES {
+            let name = names()?;
+            match Region::create(&path(name), lend, stream) {
+                Ok(r) => return Ok((r, name)),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    tracing::warn!(path = %path(name).display(), "a shared-memory region's name was taken; trying another");
+                    last = Some(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("no region name tried")))
     }
 
     /// Maps an existing region file that should hold areas of these sizes
@@ -261,14 +288,29 @@ fn reserve(file: &std::fs::File, len: u64) -> io::Result<()> {
     }
 }
 
-/// The file name of the region for messages `from` → `to` in `session`.
-pub(crate) fn region_path(dir: &Path, session: &str, from: reshard::Endpoint, to: reshard::Endpoint) -> PathBuf {
+/// The file name of the region for messages `from` → `to` in `session`,
+/// with the random part `name` (announced in the handshake).
+pub(crate) fn region_path(dir: &Path, session: &str, from: reshard::Endpoint, to: reshard::Endpoint, name: u64) -> PathBuf {
     let tag = |e: reshard::Endpoint| match e.group {
         reshard::Group::Src => format!("s{}", e.rank),
         reshard::Group::Dst => format!("d{}", e.rank),
     };
-    dir.join(format!("refit-{session}-{}-{}", tag(from), tag(to)))
+    dir.join(format!("refit-{session}-{}-{}-{name:016x}", tag(from), tag(to)))
 }
+
+/// 64 random bits from the kernel (for a region's name).
+pub(crate) fn random_name() -> io::Result<u64> {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        return Err(io::Error::other(format!("no random bytes for a region name: {}", io::Error::last_os_error())));
+    }
+    Ok(u64::from_le_bytes(b))
+}
+
+/// How many names [`Region::create_named`] tries.
+const NAME_TRIES: usize = 8;
 
 /// Removes region files in `dir` that this user's processes created and
 /// that outlived their creator (a process killed between creating a region
@@ -580,5 +622,34 @@ mod tests {
         let Err(e) = Region::open(&link, 64, 64) else { panic!("opened through a link") };
         assert!(e.to_string().contains("cannot open"), "{e}");
         let _ = std::fs::remove_file(&link);
+    }
+
+    /// A region's name taken before us (by anyone: a file, a link) is
+    /// passed over for the next random one, and the peer opens the region
+    /// by the name that worked; only names taken every time fail, naming
+    /// the last.
+    #[test]
+    fn a_taken_region_name_is_passed_over() {
+        let (from, to) = (reshard::Endpoint::src(0), reshard::Endpoint::dst(1));
+        let dir = std::env::temp_dir();
+        let session = format!("taken{}", std::process::id());
+        let path = |name| region_path(&dir, &session, from, to, name);
+        // Someone made the first two names the creator will draw.
+        std::fs::write(path(1), b"not a region").unwrap();
+        std::os::unix::fs::symlink("/dev/null", path(2)).unwrap();
+        let mut drawn = [1u64, 2, 3].into_iter();
+        let (region, name) = Region::create_named(path, 64, 64, || Ok(drawn.next().unwrap_or(99))).unwrap();
+        assert_eq!(name, 3);
+        assert!(Region::open(&path(3), 64, 64).is_ok());
+        assert_eq!(std::fs::read(path(1)).unwrap(), b"not a region");
+        drop(region);
+        let e = Region::create_named(path, 64, 64, || Ok(1)).map(|(_, n)| n).unwrap_err();
+        assert!(e.to_string().contains(&path(1).display().to_string()), "{e}");
+        for n in [1, 2, 3] {
+            let _ = std::fs::remove_file(path(n));
+        }
+        // Real names are random and distinct.
+        assert_ne!(random_name().unwrap(), random_name().unwrap());
+        assert!(region_path(&dir, "s", from, to, 0xab).to_string_lossy().ends_with("refit-s-s0-d1-00000000000000ab"));
     }
 }

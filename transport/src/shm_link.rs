@@ -10,7 +10,9 @@
 //! intra-node token bucket.
 
 use crate::copy::{copy_strided_unfenced, packed_strides, StridedRef};
-use crate::frame::{for_payload_items, for_payload_runs, header, payload_len, shm_info, Item, CHUNK, LENT, SHM_INFO, SHORT_RUN};
+use crate::frame::{
+    for_payload_items, for_payload_runs, header, payload_len, shm_info, Item, ShmAnnounce, CHUNK, LENT, SHM_INFO, SHORT_RUN,
+};
 use crate::link::{TokenBucket, PACE_CHUNK};
 use crate::shm::{self, Placement, Region, ShmConfig, ShmIn, ShmOut};
 use crate::tcp::{FramePool, PeerStatus, Stop, ALIVE, BROKEN};
@@ -50,18 +52,21 @@ impl ShmSetup {
         (self.config.lend_bytes, self.config.stream_bytes.max(1))
     }
 
-    /// Creates the region for this rank's messages to `peer`.
-    pub(crate) fn create(&self, me: Endpoint, peer: Endpoint) -> io::Result<ShmOut> {
-        let (lend, streamed) = self.sizes();
-        let region = Region::create(&shm::region_path(&self.config.dir, &self.session, me, peer), lend, streamed)?;
-        Ok(ShmOut::new(region, lend, streamed))
+    /// Creates the region for this rank's messages to `peer` (under a
+    /// name no one else took: see [`Region::create_named`]), and what the
+    /// handshake announces of it.
+    pub(crate) fn create(&self, me: Endpoint, peer: Endpoint) -> io::Result<(ShmOut, ShmAnnounce)> {
+        let (lend, stream) = self.sizes();
+        let (region, name) =
+            Region::create_named(|name| shm::region_path(&self.config.dir, &self.session, me, peer, name), lend, stream, shm::random_name)?;
+        Ok((ShmOut::new(region, lend, stream), ShmAnnounce { lend, stream, name }))
     }
 
-    /// Maps the region `peer` created for its messages to this rank, of the
-    /// sizes its handshake announced.
-    pub(crate) fn open(&self, me: Endpoint, peer: Endpoint, lend: u64, streamed: u64) -> io::Result<ShmReceiver> {
-        let region = Region::open(&shm::region_path(&self.config.dir, &self.session, peer, me), lend, streamed)?;
-        Ok(ShmReceiver { shm: ShmIn::new(region, lend, streamed), partial: None, crc: 0 })
+    /// Maps the region `peer` created for its messages to this rank, as its
+    /// handshake announced it.
+    pub(crate) fn open(&self, me: Endpoint, peer: Endpoint, a: ShmAnnounce) -> io::Result<ShmReceiver> {
+        let region = Region::open(&shm::region_path(&self.config.dir, &self.session, peer, me, a.name), a.lend, a.stream)?;
+        Ok(ShmReceiver { shm: ShmIn::new(region, a.lend, a.stream), partial: None, crc: 0 })
     }
 }
 

@@ -17,9 +17,10 @@
 use crate::copy::{copy_strided_unfenced, for_each_run, packed_strides, StridedRef};
 use crate::faults::Faults;
 use crate::frame::{
-    decode_header, decode_hello, for_payload_items, for_payload_runs, header, hello, hello_problem, payload_len, proof_holds, u64_at,
-    HelloKey, Item, ABORT, BYE, CHUNK, DATA, FLAG_CHECKSUM, FLAG_PROOF, FLAG_SHM, HEADER, HELLO, HELLO_CHECKSUM, HELLO_DUPLICATE, HELLO_OK,
-    HELLO_PEER, HELLO_PROOF, HELLO_REGION, HELLO_SHM, HELLO_VERSION, MAX_REASON, PROOF, SHM_INFO, SHORT_RUN, VERSION,
+    decode_header, decode_hello, for_payload_items, for_payload_runs, header, hello, hello_problem, payload_len, proof_holds, HelloKey,
+    Item, ShmAnnounce, ABORT, BYE, CHUNK, DATA, FLAG_CHECKSUM, FLAG_PROOF, FLAG_SHM, HEADER, HELLO, HELLO_CHECKSUM, HELLO_DUPLICATE,
+    HELLO_OK, HELLO_PEER, HELLO_PROOF, HELLO_REGION, HELLO_SHM, HELLO_VERSION, MAX_REASON, PROOF, SHM_ANNOUNCE, SHM_INFO, SHORT_RUN,
+    VERSION,
 };
 use crate::link::{FrameAction, FrameHook, LinkEmulation, TokenBucket, PACE_CHUNK};
 use crate::shm::ShmOut;
@@ -574,7 +575,7 @@ fn greet(mut stream: TcpStream, x: &Expect<'_>) -> Result<(Endpoint, TcpStream, 
     if version != VERSION {
         return refuse(stream, HELLO_VERSION, false);
     }
-    let mut sizes = [0u8; 16];
+    let mut sizes = [0u8; SHM_ANNOUNCE];
     if flags & FLAG_SHM != 0 {
         stream.read_exact(&mut sizes).map_err(|e| dropped(format!("claimed to be {peer}; truncated handshake: {e}")))?;
         sent.extend_from_slice(&sizes);
@@ -603,7 +604,7 @@ fn greet(mut stream: TcpStream, x: &Expect<'_>) -> Result<(Endpoint, TcpStream, 
     }
     let inbound = match shared {
         None => None,
-        Some(s) => match s.open(x.me, peer, u64_at(&sizes, 0), u64_at(&sizes, 8)) {
+        Some(s) => match s.open(x.me, peer, ShmAnnounce::decode(&sizes)) {
             Ok(receiver) => Some(receiver),
             Err(e) => {
                 let _ = stream.write_all(&[HELLO_REGION]);
@@ -689,6 +690,17 @@ fn accept_all(
             Ok(())
         };
         let r = run();
+        // Handshakes checked by now are reported too (a stranger's refused
+        // one must not go unlogged because the last peer came first).
+        while let Ok((_, result)) = results.try_recv() {
+            match result {
+                Ok((peer, mut stream, _)) => {
+                    let _ = stream.write_all(&[HELLO_DUPLICATE]);
+                    tracing::warn!(%me, %peer, "refused a data-plane connection: that endpoint is connected already");
+                }
+                Err(Refused { why, .. }) => tracing::warn!(%me, reason = %why, "refused a data-plane connection"),
+            }
+        }
         // Handshakes still under way are strangers' (or duplicates'), or
         // the connect failed: cut them, so their threads end now.
         for (_, s) in greeting {
@@ -762,8 +774,10 @@ impl TcpTransport {
             stream.set_nodelay(true)?;
             streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
             let shared = shm.as_deref().filter(|s| s.shares(peer));
-            let mut out = shared.map(|s| s.create(me, peer)).transpose()?;
-            stream.write_all(&hello(me, peer, checksum, shared.map(ShmSetup::sizes), config.hello_key.as_ref()))?;
+            let made = shared.map(|s| s.create(me, peer)).transpose()?;
+            let announce = made.as_ref().map(|(_, a)| *a);
+            let mut out = made.map(|(o, _)| o);
+            stream.write_all(&hello(me, peer, checksum, announce, config.hello_key.as_ref()))?;
             stream.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
             let mut answer = [0u8; 1];
             stream.read_exact(&mut answer).map_err(|e| io::Error::new(e.kind(), format!("{me}: no handshake answer from {peer}: {e}")))?;

@@ -93,7 +93,7 @@ fn garbage_frames_are_reported_not_trusted() {
             incoming.write_all(&[0]).unwrap();
             let mut s = TcpStream::connect(my_addr).unwrap();
             s.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
-            s.write_all(&[0, 0, 0, 0, 0, 3, 0]).unwrap();
+            s.write_all(&[0, 0, 0, 0, 0, 4, 0]).unwrap();
             let mut answer = [0u8; 1];
             s.read_exact(&mut answer).unwrap();
             assert_eq!(answer, [0]);
@@ -127,7 +127,7 @@ fn a_peer_is_held_to_its_own_frame_limit() {
         incoming.write_all(&[0]).unwrap();
         let mut s = TcpStream::connect(my_addr).unwrap();
         s.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
-        s.write_all(&[0, 0, 0, 0, 0, 3, 0]).unwrap();
+        s.write_all(&[0, 0, 0, 0, 0, 4, 0]).unwrap();
         let mut answer = [0u8; 1];
         s.read_exact(&mut answer).unwrap();
         assert_eq!(answer, [0]);
@@ -137,11 +137,8 @@ fn a_peer_is_held_to_its_own_frame_limit() {
         s.write_all(&header).unwrap();
         std::thread::sleep(Duration::from_millis(300));
     });
-    let config = TcpConfig {
-        max_frame_bytes: 1 << 20,
-        max_frame_bytes_from: [(fake, 1 << 10)].into_iter().collect(),
-        ..TcpConfig::default()
-    };
+    let config =
+        TcpConfig { max_frame_bytes: 1 << 20, max_frame_bytes_from: [(fake, 1 << 10)].into_iter().collect(), ..TcpConfig::default() };
     let mut t = TcpTransport::connect(me, listener, &[(me, my_addr), (fake, fake_addr)], &config).unwrap();
     let got = t.recv(0, Instant::now() + Duration::from_secs(5));
     match got {
@@ -216,11 +213,11 @@ fn strangers_at_the_data_port_do_not_stop_the_connect() {
             Group::Dst => 1,
         });
         h.extend_from_slice(&who.rank.to_le_bytes());
-        h.extend_from_slice(&[3, if key.is_some() { 4 } else { 0 }]);
+        h.extend_from_slice(&[4, if key.is_some() { 4 } else { 0 }]);
         if let Some(k) = key {
             use hmac::Mac;
             let mut mac = <hmac::Hmac<sha2::Sha256> as hmac::digest::KeyInit>::new_from_slice(&k.0).unwrap();
-            mac.update(b"refit-data-hello/v3/");
+            mac.update(b"refit-data-hello/v4/");
             mac.update(&h);
             mac.update(&[1, 0, 0, 0, 0]);
             h.extend_from_slice(&mac.finalize().into_bytes());
