@@ -5,7 +5,7 @@
 use crate::runner::{prepare_plan, RunError};
 use reshard::{Layout, Plan, Strategy};
 use std::time::{Duration, Instant};
-use transport::tcp::{tcp_fabric, TcpConfig, TcpTransport};
+use transport::tcp::{tcp_fabric_for, TcpConfig, TcpTransport};
 use transport::ExecOptions;
 
 /// Medians of one side-by-side benchmark.
@@ -132,8 +132,7 @@ pub fn exec_bench(
     // training job keeps its connections between steps); connecting is not
     // timed, as for the raw socket copy.
     let fabric = |p: &crate::runner::Prepared| -> Result<Vec<TcpTransport>, RunError> {
-        let endpoints: Vec<reshard::Endpoint> = p.programs.iter().map(|q| q.endpoint).collect();
-        tcp_fabric(&endpoints, &TcpConfig::default()).map_err(|e| RunError::Exec(transport::ExecError::Setup(e.to_string())))
+        tcp_fabric_for(&p.programs, &TcpConfig::default()).map_err(|e| RunError::Exec(transport::ExecError::Setup(e.to_string())))
     };
     let mut fabrics = match transport {
         BenchTransport::Local => None,

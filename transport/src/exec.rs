@@ -10,7 +10,7 @@ use crate::cursor::{Action, RankCursor};
 use crate::frame::SHORT_RUN;
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
-use crate::tcp::{tcp_fabric, TcpConfig, TcpTransport};
+use crate::tcp::{tcp_fabric_for, TcpConfig, TcpTransport};
 use crate::transport::{Payload, SentPieces, Transport, TransportError};
 use reshard::{Block, DType, Endpoint, LocalCopyView, Message, RankProgram, RecvPiece, RecvPieceView, SendPiece, Span};
 use std::time::{Duration, Instant};
@@ -549,8 +549,7 @@ pub fn run_tcp(
     options: &ExecOptions,
     config: &TcpConfig,
 ) -> Result<ExecReport, ExecError> {
-    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
-    let transports = tcp_fabric(&endpoints, config).map_err(|e| ExecError::Setup(e.to_string()))?;
+    let transports = tcp_fabric_for(programs, config).map_err(|e| ExecError::Setup(e.to_string()))?;
     run_threads(programs, memory, options, transports)
 }
 

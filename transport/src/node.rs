@@ -115,6 +115,7 @@ pub fn node_fabric_with_faults<N: PartialEq>(
                 config: config.shm.clone(),
             })
         },
+        &|_, _| true,
     )?;
     Ok(transports.into_iter().map(|inner| NodeTransport { inner }).collect())
 }

@@ -488,7 +488,24 @@ fn skip(mut stream: &TcpStream, mut n: u64) -> io::Result<()> {
 /// Connects every endpoint to every other over loopback TCP (for running
 /// all ranks of a plan as threads of one process over real sockets).
 pub fn tcp_fabric(endpoints: &[Endpoint], config: &TcpConfig) -> io::Result<Vec<TcpTransport>> {
-    fabric(endpoints, config, |_| None, |_| None)
+    fabric(endpoints, config, |_| None, |_| None, &|_, _| true)
+}
+
+/// As [`tcp_fabric`] for the ranks of `programs`, each connected only to
+/// the ranks its program exchanges messages with (as the orchestrator's
+/// node fabric connects them): a pair that never talks holds no streams and
+/// no reader threads, so hundreds of ranks fit in one process (all to all,
+/// 192 ranks would need 36,672 streams).
+pub fn tcp_fabric_for(programs: &[reshard::RankProgram], config: &TcpConfig) -> io::Result<Vec<TcpTransport>> {
+    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+    let mut talks: HashSet<(Endpoint, Endpoint)> = HashSet::new();
+    for p in programs {
+        for m in p.rounds.iter().flat_map(|r| r.sends.iter()) {
+            talks.insert((p.endpoint, m.peer));
+            talks.insert((m.peer, p.endpoint));
+        }
+    }
+    fabric(&endpoints, config, |_| None, |_| None, &|a, b| talks.contains(&(a, b)))
 }
 
 /// As [`tcp_fabric`], with the faults `faults_of(rank)` injected at each
@@ -498,17 +515,19 @@ pub fn tcp_fabric_with_faults(
     config: &TcpConfig,
     faults_of: impl Fn(Endpoint) -> Faults + Sync,
 ) -> io::Result<Vec<TcpTransport>> {
-    fabric(endpoints, &TcpConfig { hook: None, ..config.clone() }, |e| faults_of(e).hook(), |_| None)
+    fabric(endpoints, &TcpConfig { hook: None, ..config.clone() }, |e| faults_of(e).hook(), |_| None, &|_, _| true)
 }
 
-/// Connects every endpoint to every other over loopback TCP, with the
-/// shared-memory setup `shm(rank)` gives each; a rank's frame hook is
-/// `config.hook` if set, else `hook_of(rank)`.
+/// Connects every endpoint to every other it `talks` to (a symmetric
+/// relation) over loopback TCP, with the shared-memory setup `shm(rank)`
+/// gives each; a rank's frame hook is `config.hook` if set, else
+/// `hook_of(rank)`.
 pub(crate) fn fabric(
     endpoints: &[Endpoint],
     config: &TcpConfig,
     hook_of: impl Fn(Endpoint) -> Option<Arc<dyn FrameHook>> + Sync,
     shm: impl Fn(Endpoint) -> Option<ShmSetup> + Sync,
+    talks: &(dyn Fn(Endpoint, Endpoint) -> bool + Sync),
 ) -> io::Result<Vec<TcpTransport>> {
     let listeners: Vec<TcpListener> = endpoints.iter().map(|_| TcpListener::bind("127.0.0.1:0")).collect::<io::Result<_>>()?;
     let addrs: Vec<(Endpoint, SocketAddr)> =
@@ -521,7 +540,8 @@ pub(crate) fn fabric(
             .map(|(&me, l)| {
                 s.spawn(move || {
                     let hook = config.hook.clone().or_else(|| hook_of(me));
-                    TcpTransport::connect_with(me, l, addrs, &TcpConfig { hook, ..config.clone() }, shm(me))
+                    let mine: Vec<(Endpoint, SocketAddr)> = addrs.iter().copied().filter(|&(e, _)| e == me || talks(me, e)).collect();
+                    TcpTransport::connect_with(me, l, &mine, &TcpConfig { hook, ..config.clone() }, shm(me))
                 })
             })
             .collect();
@@ -817,6 +837,13 @@ impl TcpTransport {
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
         }
+    }
+
+    /// The peers this rank has streams to, in order.
+    pub fn peers(&self) -> Vec<Endpoint> {
+        let mut v: Vec<Endpoint> = self.links.keys().copied().collect();
+        v.sort();
+        v
     }
 
     /// The peers reached through shared memory.

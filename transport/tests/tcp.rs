@@ -5,7 +5,7 @@ use reshard::{parse_layout, plan_baseline, plan_reshard, Endpoint, Group, PlanOp
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
-use transport::tcp::{TcpConfig, TcpTransport};
+use transport::tcp::{tcp_fabric_for, TcpConfig, TcpTransport};
 use transport::{fill_sources, run_tcp, verify_destinations, ExecOptions, HelloKey, Payload, RankMemory, Transport, TransportError};
 
 const SRC: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
@@ -44,6 +44,33 @@ fn reshard_and_baseline_are_bit_exact_over_tcp() {
 #[test]
 fn many_small_rounds_are_bit_exact_over_tcp() {
     check(64);
+}
+
+/// `tcp_fabric_for` connects a rank only to the ranks its program
+/// exchanges messages with: source rank i and destination rank i hold the
+/// same shard, so each talks to its counterpart alone (all to all would
+/// open 3 streams per rank), and the refit over those streams is bit-exact.
+#[test]
+fn a_fabric_for_programs_connects_only_the_pairs_that_talk() {
+    let layout = |ranks: u32| {
+        format!(
+            r#"{{"ranks": {ranks}, "tensors": [{{"name": "w", "dtype": "f32", "shape": [8, 4],
+                "mesh": {{"shape": [{ranks}]}}, "placements": ["shard(0)"]}}]}}"#
+        )
+    };
+    let (src, dst) = (parse_layout(&layout(2)).unwrap(), parse_layout(&layout(2)).unwrap());
+    let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
+    let programs = plan.programs(&src, &dst).unwrap();
+    let mut transports = tcp_fabric_for(&programs, &TcpConfig::default()).unwrap();
+    let peers: Vec<Vec<Endpoint>> = transports.iter().map(TcpTransport::peers).collect();
+    assert_eq!(peers, [vec![Endpoint::dst(0)], vec![Endpoint::dst(1)], vec![Endpoint::src(0)], vec![Endpoint::src(1)]]);
+    let mut memory = RankMemory::for_programs(&programs);
+    fill_sources(&src, &mut memory[..2]);
+    let report =
+        transport::run_threads(&programs, &mut memory, &ExecOptions { deadline: Duration::from_secs(20) }, transports.drain(..).collect())
+            .unwrap();
+    assert_eq!(report.bytes, plan.figures().total_bytes);
+    assert!(verify_destinations(&src, &dst, &memory[2..]).unwrap() > 0);
 }
 
 /// One message mixing what a receiver reads straight into place (long
