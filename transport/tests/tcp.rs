@@ -61,14 +61,12 @@ fn a_fabric_for_programs_connects_only_the_pairs_that_talk() {
     let (src, dst) = (parse_layout(&layout(2)).unwrap(), parse_layout(&layout(2)).unwrap());
     let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
     let programs = plan.programs(&src, &dst).unwrap();
-    let mut transports = tcp_fabric_for(&programs, &TcpConfig::default()).unwrap();
+    let transports = tcp_fabric_for(&programs, &TcpConfig::default()).unwrap();
     let peers: Vec<Vec<Endpoint>> = transports.iter().map(TcpTransport::peers).collect();
     assert_eq!(peers, [vec![Endpoint::dst(0)], vec![Endpoint::dst(1)], vec![Endpoint::src(0)], vec![Endpoint::src(1)]]);
     let mut memory = RankMemory::for_programs(&programs);
     fill_sources(&src, &mut memory[..2]);
-    let report =
-        transport::run_threads(&programs, &mut memory, &ExecOptions { deadline: Duration::from_secs(20) }, transports.drain(..).collect())
-            .unwrap();
+    let report = transport::run_threads(&programs, &mut memory, &ExecOptions { deadline: Duration::from_secs(20) }, transports).unwrap();
     assert_eq!(report.bytes, plan.figures().total_bytes);
     assert!(verify_destinations(&src, &dst, &memory[2..]).unwrap() > 0);
 }
