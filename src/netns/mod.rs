@@ -21,7 +21,7 @@
 //!   (`ld rand`) and redirects them to an `ifb` device left down, which
 //!   drops them. With a delay, a second filter there redirects the node's
 //!   IP packets into a tap device whose frames a thread of the launcher
-//!   holds for the delay before they go on through the `tbf` ([`delay`];
+//!   holds for the delay before they go on through the `tbf` (`netns/delay.rs`;
 //!   one-way: a message between two nodes is delayed once). The kernels
 //!   this project runs on have no `netem` but have `cls_bpf`,
 //!   `act_mirred`, `ifb` and `tun`, and the same mechanisms serve every
@@ -64,7 +64,7 @@ pub struct NetnsConfig {
     pub netem: Netem,
 }
 
-/// Delay (a [`delay`] line) and loss (a random BPF filter) on a node's
+/// Delay (a delay line, `netns/delay.rs`) and loss (a random BPF filter) on a node's
 /// egress (nothing by default).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Netem {
@@ -355,7 +355,7 @@ fn add_loss_filter(ns: &str, dev: &str, program: &str) -> Result<(), String> {
 
 /// Delays the IP packets leaving `dev` in namespace `ns` by `delay`: a
 /// [`DelayLine`] and the filters that take packets into it and back out
-/// ([`delay`]'s wiring; `dev`'s `clsact` already there).
+/// (the wiring of `netns/delay.rs`; `dev`'s `clsact` already there).
 fn add_delay_line(ns: &str, dev: &str, delay: Duration) -> Result<DelayLine, String> {
     let needs = |e: String| format!("{e} (a delay needs the kernel's tun, clsact, cls_bpf and act_mirred)");
     let line = DelayLine::start(ns, delay)?;
