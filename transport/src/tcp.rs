@@ -494,8 +494,8 @@ pub fn tcp_fabric(endpoints: &[Endpoint], config: &TcpConfig) -> io::Result<Vec<
 /// As [`tcp_fabric`] for the ranks of `programs`, each connected only to
 /// the ranks its program exchanges messages with (as the orchestrator's
 /// node fabric connects them): a pair that never talks holds no streams and
-/// no reader threads, so hundreds of ranks fit in one process (all to all,
-/// 192 ranks would need 36,672 streams).
+/// no reader threads (all to all, 192 ranks would need 36,672 streams, more
+/// descriptors than a process gets).
 pub fn tcp_fabric_for(programs: &[reshard::RankProgram], config: &TcpConfig) -> io::Result<Vec<TcpTransport>> {
     let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
     let mut talks: HashSet<(Endpoint, Endpoint)> = HashSet::new();
