@@ -99,13 +99,14 @@ impl Endpointed {
         let in_node = program.rounds.iter().flat_map(|r| r.sends.iter()).filter(|m| node_of(m.peer) == node_of(me));
         let largest = in_node.clone().map(|m| m.wire_bytes()).max().unwrap_or(0);
         let in_node_peers = in_node.map(|m| m.peer).collect::<BTreeSet<_>>().len().max(1) as u64;
-        let largest_recv = program.rounds.iter().flat_map(|r| r.recvs.iter()).map(|m| m.wire_bytes()).max().unwrap_or(0);
-        // The largest message this rank's program expects from each peer.
+        // The largest message this rank's program expects from each peer,
+        // and from any.
         let mut largest_from: HashMap<Endpoint, u64> = HashMap::new();
         for m in program.rounds.iter().flat_map(|r| r.recvs.iter()) {
             let l = largest_from.entry(m.peer).or_default();
-            *l = (*l).max(m.wire_bytes().max(MIN_FRAME_LIMIT));
+            *l = (*l).max(m.wire_bytes());
         }
+        let largest_recv = largest_from.values().copied().max().unwrap_or(0);
         let mut config = NodeTransportConfig {
             session,
             tcp: TcpConfig {
@@ -130,7 +131,7 @@ impl Endpointed {
                 // peer it expects nothing from gets the floor): a peer
                 // cannot make it allocate more.
                 max_frame_bytes: MIN_FRAME_LIMIT,
-                max_frame_bytes_from: largest_from,
+                max_frame_bytes_from: largest_from.into_iter().map(|(peer, l)| (peer, l.max(MIN_FRAME_LIMIT))).collect(),
                 // Strangers at the data port are refused and logged.
                 hello_key: Some(key),
                 write_buffer_bytes: 256 << 10,

@@ -346,11 +346,30 @@ fn add_loss_filter(ns: &str, dev: &str, program: &str) -> Result<(), String> {
     if ip(&["-n", ns, "link", "show", DROP_DEV]).is_err() {
         ip(&["-n", ns, "link", "add", DROP_DEV, "type", "ifb"]).map_err(needs)?;
     }
+    redirect_filter(Filter { ns, dev, hook: "egress", protocol: "ip", prio: "1", program }, DROP_DEV).map_err(needs)
+}
+
+/// Where a classic-BPF filter sits and what it matches.
+struct Filter<'a> {
+    ns: &'a str,
+    dev: &'a str,
+    /// `ingress` or `egress` (the device's `clsact` hooks).
+    hook: &'a str,
+    /// `ip` or `all`.
+    protocol: &'a str,
+    prio: &'a str,
+    /// The program, in `tc`'s `bytecode` form.
+    program: &'a str,
+}
+
+/// Adds filter `f`, its matches redirected to the egress of device `to`
+/// (loss, the delay line's way in and its way out).
+fn redirect_filter(f: Filter<'_>, to: &str) -> Result<(), String> {
+    let Filter { ns, dev, hook, protocol, prio, program } = f;
     tc(&[
-        "-n", ns, "filter", "add", "dev", dev, "egress", "protocol", "ip", "prio", "1", "bpf", "bytecode", program, "action", "mirred",
-        "egress", "redirect", "dev", DROP_DEV,
+        "-n", ns, "filter", "add", "dev", dev, hook, "protocol", protocol, "prio", prio, "bpf", "bytecode", program, "action", "mirred",
+        "egress", "redirect", "dev", to,
     ])
-    .map_err(needs)
 }
 
 /// Delays the IP packets leaving `dev` in namespace `ns` by `delay`: a
@@ -364,53 +383,9 @@ fn add_delay_line(ns: &str, dev: &str, delay: Duration) -> Result<DelayLine, Str
     ip(&["-n", ns, "link", "set", delay::TAP, "txqueuelen", "100000", "up"]).map_err(needs)?;
     tc(&["-n", ns, "qdisc", "add", "dev", delay::TAP, "clsact"]).map_err(needs)?;
     let all = format!("1,6 0 0 {}", u32::MAX);
-    tc(&[
-        "-n",
-        ns,
-        "filter",
-        "add",
-        "dev",
-        delay::TAP,
-        "ingress",
-        "protocol",
-        "all",
-        "prio",
-        "1",
-        "bpf",
-        "bytecode",
-        &all,
-        "action",
-        "mirred",
-        "egress",
-        "redirect",
-        "dev",
-        dev,
-    ])
-    .map_err(needs)?;
+    redirect_filter(Filter { ns, dev: delay::TAP, hook: "ingress", protocol: "all", prio: "1", program: &all }, dev).map_err(needs)?;
     let into = delay::redirect_bytecode();
-    tc(&[
-        "-n",
-        ns,
-        "filter",
-        "add",
-        "dev",
-        dev,
-        "egress",
-        "protocol",
-        "ip",
-        "prio",
-        "2",
-        "bpf",
-        "bytecode",
-        &into,
-        "action",
-        "mirred",
-        "egress",
-        "redirect",
-        "dev",
-        delay::TAP,
-    ])
-    .map_err(needs)?;
+    redirect_filter(Filter { ns, dev, hook: "egress", protocol: "ip", prio: "2", program: &into }, delay::TAP).map_err(needs)?;
     Ok(line)
 }
 
@@ -420,7 +395,7 @@ fn words(head: &[&str], tail: Vec<String>) -> Vec<String> {
 }
 
 /// Whether emulated hosts can be built here: root, `ip` and `tc` (and the
-/// netem qdisc when a delay is asked for, the loss filter's parts when a
+/// delay line's parts when a delay is asked for, the loss filter's when a
 /// loss rate is). The error says what is missing.
 pub fn check(config: &NetnsConfig) -> Result<(), String> {
     // SAFETY: geteuid has no preconditions and cannot fail.

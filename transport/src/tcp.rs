@@ -663,14 +663,10 @@ fn accept_all(
                             stream.set_read_timeout(None)?;
                             accepted(peer, stream, inbound)?;
                         }
-                        Ok((peer, mut stream, _)) => {
-                            let _ = stream.write_all(&[HELLO_DUPLICATE]);
-                            tracing::warn!(%me, %peer, "refused a data-plane connection: that endpoint is connected already");
-                        }
                         Err(Refused { why, fatal: true }) => {
                             return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{me}: {why}")))
                         }
-                        Err(Refused { why, fatal: false }) => tracing::warn!(%me, reason = %why, "refused a data-plane connection"),
+                        other => refuse_checked(me, other),
                     }
                 }
                 if waiting.is_empty() {
@@ -713,13 +709,7 @@ fn accept_all(
         // Handshakes checked by now are reported too (a stranger's refused
         // one must not go unlogged because the last peer came first).
         while let Ok((_, result)) = results.try_recv() {
-            match result {
-                Ok((peer, mut stream, _)) => {
-                    let _ = stream.write_all(&[HELLO_DUPLICATE]);
-                    tracing::warn!(%me, %peer, "refused a data-plane connection: that endpoint is connected already");
-                }
-                Err(Refused { why, .. }) => tracing::warn!(%me, reason = %why, "refused a data-plane connection"),
-            }
+            refuse_checked(me, result);
         }
         // Handshakes still under way are strangers' (or duplicates'), or
         // the connect failed: cut them, so their threads end now.
@@ -728,6 +718,18 @@ fn accept_all(
         }
         r
     })
+}
+
+/// Refuses and logs a checked handshake that is not taken: a second claim
+/// of a connected endpoint (answered so), or one refused while checked.
+fn refuse_checked(me: Endpoint, checked: Result<(Endpoint, TcpStream, Option<ShmReceiver>), Refused>) {
+    match checked {
+        Ok((peer, mut stream, _)) => {
+            let _ = stream.write_all(&[HELLO_DUPLICATE]);
+            tracing::warn!(%me, %peer, "refused a data-plane connection: that endpoint is connected already");
+        }
+        Err(Refused { why, .. }) => tracing::warn!(%me, reason = %why, "refused a data-plane connection"),
+    }
 }
 
 impl TcpTransport {

@@ -95,6 +95,30 @@ fn staged_and_direct_pieces_share_a_message_over_tcp() {
     check_pair(src, dst, 256 << 20);
 }
 
+/// A peer posing as source rank 0 without a key, on a thread: accepts the
+/// real transport's stream on `listener` and answers its handshake, opens
+/// its own to `to` with a plain handshake (magic, endpoint, version,
+/// flags) and, once accepted, hands that stream to `then`.
+fn fake_source(
+    listener: TcpListener,
+    to: std::net::SocketAddr,
+    then: impl FnOnce(&mut TcpStream) + Send + 'static,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let (mut incoming, _) = listener.accept().unwrap();
+        let mut hello = [0u8; 11];
+        incoming.read_exact(&mut hello).unwrap();
+        incoming.write_all(&[0]).unwrap();
+        let mut s = TcpStream::connect(to).unwrap();
+        s.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
+        s.write_all(&[0, 0, 0, 0, 0, 4, 0]).unwrap();
+        let mut answer = [0u8; 1];
+        s.read_exact(&mut answer).unwrap();
+        assert_eq!(answer, [0]);
+        then(&mut s);
+    })
+}
+
 /// A peer that sends garbage after a valid handshake gets the stream
 /// reported as broken, never a panic or a huge allocation.
 #[test]
@@ -109,19 +133,7 @@ fn garbage_frames_are_reported_not_trusted() {
         let fake_listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let fake_addr = fake_listener.local_addr().unwrap();
         let garbage = garbage.to_vec();
-        let peer = std::thread::spawn(move || {
-            // Accept the real transport's stream and answer its handshake
-            // (magic, endpoint, version, flags), then send ours.
-            let (mut incoming, _) = fake_listener.accept().unwrap();
-            let mut hello = [0u8; 11];
-            incoming.read_exact(&mut hello).unwrap();
-            incoming.write_all(&[0]).unwrap();
-            let mut s = TcpStream::connect(my_addr).unwrap();
-            s.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
-            s.write_all(&[0, 0, 0, 0, 0, 4, 0]).unwrap();
-            let mut answer = [0u8; 1];
-            s.read_exact(&mut answer).unwrap();
-            assert_eq!(answer, [0]);
+        let peer = fake_source(fake_listener, my_addr, move |s| {
             s.write_all(&garbage).unwrap();
             std::thread::sleep(Duration::from_millis(200));
         });
@@ -145,17 +157,7 @@ fn a_peer_is_held_to_its_own_frame_limit() {
     let my_addr = listener.local_addr().unwrap();
     let fake_listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let fake_addr = fake_listener.local_addr().unwrap();
-    let peer = std::thread::spawn(move || {
-        let (mut incoming, _) = fake_listener.accept().unwrap();
-        let mut hello = [0u8; 11];
-        incoming.read_exact(&mut hello).unwrap();
-        incoming.write_all(&[0]).unwrap();
-        let mut s = TcpStream::connect(my_addr).unwrap();
-        s.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
-        s.write_all(&[0, 0, 0, 0, 0, 4, 0]).unwrap();
-        let mut answer = [0u8; 1];
-        s.read_exact(&mut answer).unwrap();
-        assert_eq!(answer, [0]);
+    let peer = fake_source(fake_listener, my_addr, |s| {
         // A data frame header (magic, kind 0, round 0, length 4096); no payload.
         let mut header = vec![0x52, 0x46, 0x49, 0x54, 0, 0, 0, 0, 0];
         header.extend_from_slice(&4096u64.to_le_bytes());
