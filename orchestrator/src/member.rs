@@ -124,6 +124,10 @@ pub struct Member {
     pending: Option<Pending>,
     /// At most one kept endpoint per installed plan.
     kept: Vec<Kept>,
+    /// Scratch buffers a plan's last clean run left, by plan: the next run
+    /// of that plan writes them again instead of faulting in fresh pages
+    /// (every scratch element a run reads, it wrote first).
+    scratch: Vec<(Fingerprint, Vec<Vec<u8>>)>,
 }
 
 impl Member {
@@ -145,17 +149,20 @@ impl Member {
             installed: Vec::new(),
             pending: None,
             kept: Vec::new(),
+            scratch: Vec::new(),
         }
     }
 }
 
 /// Appends scratch buffers a program needs beyond the rank's weights
-/// (none for those `bypass` skips).
-fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass) -> Result<usize, String> {
+/// (none for those `bypass` skips), taking them from `reuse` (what an
+/// earlier run of the same program left) where the sizes match.
+fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass, reuse: Vec<Vec<u8>>) -> Result<usize, String> {
     let base = memory.buffers.len();
     if program.buffers.len() < base {
         return Err(format!("program has {} buffers, the rank holds {base}", program.buffers.len()));
     }
+    let mut reuse = reuse.into_iter();
     for (i, spec) in program.buffers.iter().enumerate() {
         let bytes = if bypass.skips(i) { 0 } else { (spec.elems * spec.dtype.size()) as usize };
         if i < base {
@@ -169,40 +176,59 @@ fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass)
                 ));
             }
         } else {
-            memory.buffers.push(vec![0; bytes]);
+            let kept = reuse.next().filter(|b| b.len() == bytes);
+            memory.buffers.push(kept.unwrap_or_else(|| vec![0; bytes]));
             memory.dtypes.push(spec.dtype);
         }
     }
     Ok(base)
 }
 
-fn drop_scratch(memory: &mut RankMemory, base: usize) {
-    memory.buffers.truncate(base);
+/// Takes the scratch buffers (those past `base`) back out of `memory`.
+fn drop_scratch(memory: &mut RankMemory, base: usize) -> Vec<Vec<u8>> {
     memory.dtypes.truncate(base);
+    memory.buffers.split_off(base)
 }
 
-/// Runs `program` on `memory` over the endpoint's transport.
-fn execute_on(program: &RankProgram, memory: &mut RankMemory, end: &mut Endpointed, deadline: Duration) -> Result<RunStats, Refusal> {
+/// Runs `program` on `memory` over the endpoint's transport, with scratch
+/// from `reuse`; hands the scratch back.
+fn execute_on(
+    program: &RankProgram,
+    memory: &mut RankMemory,
+    end: &mut Endpointed,
+    deadline: Duration,
+    reuse: Vec<Vec<u8>>,
+) -> (Result<RunStats, Refusal>, Vec<Vec<u8>>) {
     match end.transport() {
-        Ok(t) => execute(program, memory, t, deadline),
-        Err(e) => Err(Refusal::Fabric(e)),
+        Ok(t) => execute(program, memory, t, deadline, reuse),
+        Err(e) => (Err(Refusal::Fabric(e)), reuse),
     }
 }
 
-/// Runs `program` on `memory` (plus any scratch it needs) over `transport`.
-fn execute(program: &RankProgram, memory: &mut RankMemory, transport: &mut dyn Transport, deadline: Duration) -> Result<RunStats, Refusal> {
+/// Runs `program` on `memory` (plus any scratch it needs, from `reuse`
+/// where it fits) over `transport`; hands the scratch back.
+fn execute(
+    program: &RankProgram,
+    memory: &mut RankMemory,
+    transport: &mut dyn Transport,
+    deadline: Duration,
+    reuse: Vec<Vec<u8>>,
+) -> (Result<RunStats, Refusal>, Vec<Vec<u8>>) {
     // Scratch whose copies the executor makes on receipt gets no memory.
     let bypass = Bypass::of(program);
-    let base = with_scratch(memory, program, &bypass).map_err(|e| {
-        transport.abort(&e);
-        Refusal::ProgramMismatch(e)
-    })?;
+    let base = match with_scratch(memory, program, &bypass, reuse) {
+        Ok(base) => base,
+        Err(e) => {
+            transport.abort(&e);
+            return (Err(Refusal::ProgramMismatch(e)), Vec::new());
+        }
+    };
     let mut t: &mut dyn Transport = transport;
     let r = run_rank_bypassing(program, &bypass, memory, &mut t, &ExecOptions { deadline })
         .map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages })
         .map_err(|e| Refusal::Exec(e.to_string()));
-    drop_scratch(memory, base);
-    r
+    let scratch = drop_scratch(memory, base);
+    (r, scratch)
 }
 
 /// How long past its deadline a rank's data plane may stay blocked — in a
@@ -343,7 +369,10 @@ impl Member {
         let kill = end.kill_switch();
         // The blocking task hands the endpoint back with the result, so a
         // clean one can be kept.
-        let (result, end) = match &self.role {
+        // This plan's scratch from its last clean run, if any; taken, so a
+        // run that fails leaves none behind.
+        let reuse = self.scratch.iter().position(|(f, _)| *f == fingerprint).map(|i| self.scratch.swap_remove(i).1).unwrap_or_default();
+        let (result, kept) = match &self.role {
             Role::Src(store) => {
                 // The fence: hold the write lock while peers read our weights.
                 let mut guard = store.lock().write_owned().await;
@@ -359,8 +388,8 @@ impl Member {
                     return MemberReply::Refused(refusal);
                 }
                 let run = tokio::task::spawn_blocking(move || {
-                    let r = execute_on(&program, guard.memory_mut(), &mut end, deadline);
-                    (r, end)
+                    let (r, scratch) = execute_on(&program, guard.memory_mut(), &mut end, deadline, reuse);
+                    (r, (end, scratch))
                 });
                 split(watched(run, deadline, kill).await)
             }
@@ -369,15 +398,22 @@ impl Member {
                 let mut guard = staging.lock_owned().await;
                 guard.complete = None;
                 let run = tokio::task::spawn_blocking(move || {
-                    let r = execute_on(&program, guard.buffers.memory_mut(), &mut end, deadline);
+                    let (r, scratch) = execute_on(&program, guard.buffers.memory_mut(), &mut end, deadline, reuse);
                     if r.is_ok() {
                         guard.complete = Some(version);
                     }
-                    (r, end)
+                    (r, (end, scratch))
                 });
                 split(watched(run, deadline, kill).await)
             }
         };
+        let (end, scratch) = match kept {
+            Some((end, scratch)) => (Some(end), Some(scratch)),
+            None => (None, None),
+        };
+        if let (Ok(_), Some(scratch)) = (&result, scratch) {
+            self.scratch.push((fingerprint, scratch));
+        }
         // Every message of the program was sent and received (and what it
         // lent released): the connections carry nothing of this refit.
         if let (Ok(_), Some(end), true) = (&result, end, keep) {
@@ -399,6 +435,7 @@ impl Member {
             if self.installed.len() == INSTALLED_PLANS {
                 let (_, evicted) = self.installed.remove(0);
                 self.kept.retain(|k| k.fingerprint != evicted);
+                self.scratch.retain(|(f, _)| *f != evicted);
             }
             self.installed.push((Arc::from(program), fingerprint));
             MemberReply::Done

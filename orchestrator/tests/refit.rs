@@ -92,6 +92,20 @@ async fn refit_delivers_every_version_and_plans_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn scratch_kept_between_refits_never_leaks_an_older_version() {
+    // The baseline gathers onto a source rank and relays through every
+    // destination: both go through scratch buffers, which members keep
+    // from one clean run of a plan to the next. Each refit must deliver
+    // its own values, none of the last one's.
+    let sys = system(Strategy::Baseline).await;
+    for k in 1..=4u64 {
+        let v = step(&sys, k as f32 * -2.5).await;
+        sys.orchestrator.refit(v).await.unwrap();
+        assert!(serves(&sys, v, k as f32 * -2.5), "refit {k}: {:?}", served(&sys));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mode_switch_replans_and_delivers_the_same_bytes() {
     let sys = system(Strategy::Reshard).await;
     let v = step(&sys, 3.0).await;
