@@ -478,8 +478,13 @@ macro_rules! view_accessors {
     };
 }
 
-impl TensorView<'_> {
+impl<'a> TensorView<'a> {
     view_accessors!();
+
+    /// The block's bytes, for as long as the view's borrow.
+    pub fn into_bytes(self) -> &'a [u8] {
+        self.bytes
+    }
 }
 
 /// One block of a tensor in a rank's memory, writable in place.
@@ -492,11 +497,16 @@ pub struct TensorViewMut<'a> {
     bytes: &'a mut [u8],
 }
 
-impl TensorViewMut<'_> {
+impl<'a> TensorViewMut<'a> {
     view_accessors!();
 
     /// The block's bytes, writable.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.bytes
+    }
+
+    /// The block's bytes, writable, for as long as the view's borrow.
+    pub fn into_bytes_mut(self) -> &'a mut [u8] {
         self.bytes
     }
 

@@ -197,6 +197,31 @@ def _local(obj: Any) -> Any:
     return obj.to_local() if type(obj).__name__ == "DTensor" else obj
 
 
+def _host_array(obj: Any) -> Any:
+    """``obj`` (its local tensor, for a DTensor) if refit reads and writes
+    its memory in place: a C-contiguous little-endian numpy array or a
+    contiguous torch CPU tensor; else None (it is copied through bytes)."""
+    obj = _local(obj)
+    if _torch_tensor(obj):
+        return obj if obj.device.type == "cpu" and obj.is_contiguous() else None
+    interface = getattr(obj, "__array_interface__", None)
+    if (
+        isinstance(interface, dict)
+        and interface.get("strides") is None
+        and isinstance(interface.get("data"), tuple)
+        and str(interface.get("typestr", ""))[:1] in ("<", "|")
+    ):
+        return obj
+    return None
+
+
+def _step_value(obj: Any) -> Any:
+    """What a step hands the store for ``obj``: the array itself (copied
+    in place, once) or a copy of its bytes."""
+    host = _host_array(obj)
+    return host if host is not None else _to_bytes(obj)
+
+
 def _to_bytes(obj: Any) -> Any:
     """A copy of `obj`'s elements in C order (bytes or bytearray)."""
     obj = _local(obj)
@@ -336,7 +361,8 @@ class Source(_Rank):
 
     ``step()`` copies every registered array into the store as one
     optimizer step (waiting while a refit reads), and returns the new
-    version. The copy is checked whole before anything is written: a step
+    version: straight from the array's memory for numpy arrays and torch
+    CPU tensors in C order, through bytes for anything else. The copy is checked whole before anything is written: a step
     that fails keeps the version.
     """
 
@@ -349,11 +375,11 @@ class Source(_Rank):
         writes = []
         for name, (slot, array) in self._slots.items():
             if values is None or name not in values:
-                writes.append((name, _to_bytes(array)))
+                writes.append((name, _step_value(array)))
         for name, array in (values or {}).items():
             slot = self._slots[name][0] if name in self._slots else _Slot(self.layout, self.rank, name, self._side)
             slot.check(array)
-            writes.append((name, _to_bytes(array)))
+            writes.append((name, _step_value(array)))
         if not writes:
             raise TensorError(f"src rank {self.rank}: nothing registered and no values given")
         return writes
@@ -385,7 +411,7 @@ class Source(_Rank):
 class Destination(_Rank):
     """An inference rank's weights: refits stage and commit in the store;
     ``load()`` copies one committed version out into the registered
-    arrays."""
+    arrays (straight into numpy arrays and torch CPU tensors in C order)."""
 
     _side = "dst"
 
@@ -400,10 +426,12 @@ class Destination(_Rank):
         names = list(self._slots)
         if not names:
             raise TensorError(f"dst rank {self.rank}: nothing registered")
-        served, datas = self._store.read(names, version)
+        targets = [(name, _local(self._slots[name][1])) for name in names]
+        served, datas = self._store.load_into(targets, version)
         for name, data in zip(names, datas):
-            slot, array = self._slots[name]
-            _copy_into(array, data, slot.what)
+            if data is not None:
+                slot, array = self._slots[name]
+                _copy_into(array, data, slot.what)
         return served
 
     def read(self, name: str, version: Optional[int] = None) -> Tuple[int, bytes]:

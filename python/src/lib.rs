@@ -11,9 +11,11 @@
 //! Every call that waits (a refit, a join, an update that waits for a refit
 //! reading the store) runs on one tokio runtime per process with the GIL
 //! released, and polls for signals every 100 ms so Ctrl-C interrupts it
-//! (the wait is abandoned; see `wait`). Weights cross the boundary as
-//! `bytes`: one copy into Python's `bytes`, one into the store (or out of
-//! it), checked for length against the rank's block; no `unsafe` here.
+//! (the wait is abandoned; see `wait`). Weights cross the boundary in
+//! place for C-contiguous host arrays (numpy, torch CPU: one copy between
+//! the array and the store, under the GIL; `host`, the only `unsafe` of
+//! this crate) and as `bytes` for anything else, checked for length
+//! against the rank's block either way.
 
 use orchestrator::rendezvous::ControlConfig;
 use orchestrator::{
@@ -26,6 +28,9 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
 use reshard::{DType, Group, Layout, Rank, Region, Storage};
+mod host;
+
+use host::HostArray;
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -400,29 +405,78 @@ fn target_len(b: &Buffers, name: &str) -> Result<(DType, usize), BufferError> {
     }
 }
 
+/// What a step writes into one name: bytes Python made, or a host array
+/// read in place (under the GIL, when the write happens).
+enum Write {
+    Bytes(PyBackedBytes),
+    Array(Py<PyAny>),
+}
+
+impl<'py> FromPyObject<'_, 'py> for Write {
+    type Error = PyErr;
+
+    fn extract(object: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        match object.extract::<PyBackedBytes>() {
+            Ok(bytes) => Ok(Write::Bytes(bytes)),
+            Err(_) => Ok(Write::Array(object.to_owned().unbind())),
+        }
+    }
+}
+
+/// The bytes of `name` on this rank (a tensor's block or a whole buffer).
+fn target_mut<'a>(b: &'a mut Buffers, name: &str) -> Result<&'a mut [u8], BufferError> {
+    if b.layout().tensor_index(name).is_some() {
+        Ok(b.tensor_mut(name)?.into_bytes_mut())
+    } else {
+        b.buffer_mut(name)
+    }
+}
+
 /// Checks every write, then copies them all: a write that does not fit
 /// fails before anything changed (the version and the weights stay).
-fn write_all(b: &mut Buffers, writes: &[(String, PyBackedBytes)]) -> Result<(), BufferError> {
+/// Arrays are found and copied under one hold of the GIL.
+fn write_all(b: &mut Buffers, writes: &[(String, Write)]) -> Result<(), PyErr> {
     let rank = b.rank();
-    for (name, data) in writes {
-        let (dt, len) = target_len(b, name)?;
-        if len != data.len() {
-            let size = dt.size() as usize;
-            return Err(BufferError::Length {
-                what: format!("rank {rank}: '{name}' ({dt}, {} bytes)", len),
-                expected: (len / size) as u64,
-                given: (data.len() / size) as u64,
-            });
+    Python::attach(|py| {
+        let mut arrays = Vec::with_capacity(writes.len());
+        for (name, write) in writes {
+            let (dt, len) = target_len(b, name).map_err(tensor_err)?;
+            let given = match write {
+                Write::Bytes(data) => {
+                    arrays.push(None);
+                    data.len()
+                }
+                Write::Array(object) => {
+                    let array = HostArray::find(object.bind(py))?.ok_or_else(|| {
+                        TensorError::new_err(format!("src rank {rank}: '{name}': not a C-contiguous host array (numpy or torch CPU)"))
+                    })?;
+                    let given = array.len();
+                    arrays.push(Some(array));
+                    given
+                }
+            };
+            if len != given {
+                let size = dt.size() as usize;
+                return Err(tensor_err(BufferError::Length {
+                    what: format!("src rank {rank}: '{name}' ({dt}, {} bytes)", len),
+                    expected: (len / size) as u64,
+                    given: (given / size) as u64,
+                }));
+            }
         }
-    }
-    for (name, data) in writes {
-        if b.layout().tensor_index(name).is_some() {
-            b.tensor_mut(name)?.bytes_mut().copy_from_slice(data);
-        } else {
-            b.buffer_mut(name)?.copy_from_slice(data);
+        for ((name, write), array) in writes.iter().zip(&arrays) {
+            let target = target_mut(b, name).map_err(tensor_err)?;
+            match (write, array) {
+                (_, Some(array)) => {
+                    // Lengths were checked above, under this GIL hold.
+                    array.copy_to(target);
+                }
+                (Write::Bytes(data), None) => target.copy_from_slice(data),
+                (Write::Array(_), None) => unreachable!("every array was found above"),
+            }
         }
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// A copy of the bytes of `name` (a tensor's block or a buffer).
@@ -431,6 +485,15 @@ fn read_bytes(b: &Buffers, name: &str) -> Result<Vec<u8>, BufferError> {
         Ok(b.tensor(name)?.bytes().to_vec())
     } else {
         b.buffer(name).map(<[u8]>::to_vec).or_else(|_| b.tensor(name).map(|v| v.bytes().to_vec()))
+    }
+}
+
+/// The bytes of `name` (a tensor's block or a buffer), borrowed.
+fn source_bytes<'a>(b: &'a Buffers, name: &str) -> Result<&'a [u8], BufferError> {
+    if b.layout().tensor_index(name).is_some() {
+        Ok(b.tensor(name)?.into_bytes())
+    } else {
+        b.buffer(name).or_else(|_| b.tensor(name).map(|v| v.into_bytes()))
     }
 }
 
@@ -454,15 +517,15 @@ impl PySrcStore {
     /// One optimizer step: writes `[(name, bytes)]` (each a tensor's block
     /// or a whole buffer, in the layout's dtype) and returns the new
     /// version. Every write is checked before any is made.
-    fn update(&self, py: Python<'_>, writes: Vec<(String, PyBackedBytes)>) -> PyResult<u64> {
+    fn update(&self, py: Python<'_>, writes: Vec<(String, Write)>) -> PyResult<u64> {
         let store = self.inner.clone();
-        wait(py, async move { store.try_update(|b| write_all(b, &writes)).await.map(|(v, ())| v).map_err(tensor_err) })
+        wait(py, async move { store.try_update(|b| write_all(b, &writes)).await.map(|(v, ())| v) })
     }
 
     /// Loads known weights (initial ones, a checkpoint) as `version`.
-    fn restore(&self, py: Python<'_>, version: u64, writes: Vec<(String, PyBackedBytes)>) -> PyResult<()> {
+    fn restore(&self, py: Python<'_>, version: u64, writes: Vec<(String, Write)>) -> PyResult<()> {
         let store = self.inner.clone();
-        wait(py, async move { store.try_restore(version, |b| write_all(b, &writes)).await.map_err(tensor_err) })
+        wait(py, async move { store.try_restore(version, |b| write_all(b, &writes)).await })
     }
 
     /// The bytes of `name` (a tensor's block or a buffer) as the store
@@ -507,6 +570,23 @@ struct PyDstStore {
     layout: Arc<Layout>,
 }
 
+impl PyDstStore {
+    /// The committed version to read: the current one, or `version` if it
+    /// is the current or the previous one.
+    fn snapshot(&self, version: Option<u64>) -> PyResult<Arc<orchestrator::Snapshot>> {
+        let rank = self.inner.rank();
+        match version {
+            None => self.inner.snapshot().ok_or_else(|| VersionError::new_err(format!("dst rank {rank}: no refit has committed yet"))),
+            Some(v) => self.inner.snapshot_at(v).ok_or_else(|| {
+                let serving = self.inner.version().map_or("nothing yet".to_string(), |c| format!("version {c}"));
+                VersionError::new_err(format!(
+                    "dst rank {rank}: version {v} is not served (serving {serving}; the previous committed version is kept too)"
+                ))
+            }),
+        }
+    }
+}
+
 #[pymethods]
 impl PyDstStore {
     #[new]
@@ -519,20 +599,56 @@ impl PyDstStore {
     /// current one, or `version` if it is the current or the previous one.
     #[pyo3(signature = (names, version=None))]
     fn read<'py>(&self, py: Python<'py>, names: Vec<String>, version: Option<u64>) -> PyResult<(u64, Vec<Bound<'py, PyBytes>>)> {
-        let rank = self.inner.rank();
-        let snap = match version {
-            None => self.inner.snapshot().ok_or_else(|| VersionError::new_err(format!("dst rank {rank}: no refit has committed yet")))?,
-            Some(v) => self.inner.snapshot_at(v).ok_or_else(|| {
-                let serving = self.inner.version().map_or("nothing yet".to_string(), |c| format!("version {c}"));
-                VersionError::new_err(format!(
-                    "dst rank {rank}: version {v} is not served (serving {serving}; the previous committed version is kept too)"
-                ))
-            })?,
-        };
+        let snap = self.snapshot(version)?;
         let mut out = Vec::with_capacity(names.len());
         for name in &names {
             let bytes = read_bytes(&snap.buffers, name).map_err(tensor_err)?;
             out.push(PyBytes::new(py, &bytes));
+        }
+        Ok((snap.version, out))
+    }
+
+    /// Copies one committed version (as `read`) into `targets`
+    /// (`[(name, array)]`): straight into each writable C-contiguous host
+    /// array (numpy, torch CPU), whose length is checked against the
+    /// block first; for any other target, its bytes are returned for the
+    /// caller to copy. Returns `(version, [None or bytes per target])`.
+    #[pyo3(signature = (targets, version=None))]
+    fn load_into<'py>(
+        &self,
+        py: Python<'py>,
+        targets: Vec<(String, Bound<'py, PyAny>)>,
+        version: Option<u64>,
+    ) -> PyResult<(u64, Vec<Option<Bound<'py, PyBytes>>>)> {
+        let rank = self.inner.rank();
+        let snap = self.snapshot(version)?;
+        let mut found = Vec::with_capacity(targets.len());
+        for (name, target) in &targets {
+            let (dt, len) = target_len(&snap.buffers, name).map_err(tensor_err)?;
+            let array = HostArray::find(target)?.filter(HostArray::writable);
+            if let Some(a) = &array {
+                if a.len() != len {
+                    let size = dt.size() as usize;
+                    return Err(tensor_err(BufferError::Length {
+                        what: format!("dst rank {rank}: '{name}' ({dt}, {len} bytes)"),
+                        expected: (len / size) as u64,
+                        given: (a.len() / size) as u64,
+                    }));
+                }
+            }
+            found.push(array);
+        }
+        let mut out = Vec::with_capacity(targets.len());
+        for ((name, _), array) in targets.iter().zip(&found) {
+            match array {
+                Some(a) => {
+                    let bytes = source_bytes(&snap.buffers, name).map_err(tensor_err)?;
+                    // Length checked above, under this GIL hold.
+                    a.copy_from(bytes);
+                    out.push(None);
+                }
+                None => out.push(Some(PyBytes::new(py, &read_bytes(&snap.buffers, name).map_err(tensor_err)?))),
+            }
         }
         Ok((snap.version, out))
     }

@@ -183,3 +183,66 @@ def test_torch_tensors_both_sides():
         assert torch.equal(w, full_w[:, o[1] : o[1] + e[1]].to(torch.bfloat16))
     with pytest.raises(refit.TensorError, match="a torch tensor of torch.float32 given"):
         system.destinations[0].register("w", torch.zeros(4, 4))
+
+
+def test_c_order_arrays_are_copied_in_place_and_others_through_bytes():
+    # Which path each array takes: C-order numpy arrays are handed to the
+    # store themselves (read and written in place); a strided view, a
+    # Fortran-order array and a plain buffer-protocol object go through
+    # bytes. Both must give the same weights. (A destination must be C
+    # order: it is written in place either way.)
+    from refit import _host_array
+
+    c = np.zeros((4, 8), np.float32)
+    assert _host_array(c) is c
+    assert _host_array(np.zeros((8, 4), np.float32).T) is None
+    assert _host_array(np.zeros((4, 16), np.float32)[:, ::2]) is None
+    assert _host_array(bytearray(8)) is None
+
+    system, src_arrays, dst_arrays = setup()
+    # Source 1 holds its block of w as a strided view of a wider array.
+    wide = np.zeros((2, 16), np.float32)
+    view = wide[:, ::2]
+    system.sources[1].register("w", view)
+    src_arrays[1]["w"] = view
+    for step in (1, 2):
+        train_step(system, src_arrays, step)
+        system.refit_latest()
+        for d, arrays in zip(system.destinations, dst_arrays):
+            assert d.load() == step
+            for n, a in arrays.items():
+                np.testing.assert_array_equal(a, block(full(step)[n], *d.block(n)))
+    d = system.destinations[0]
+    d.register("w", np.asfortranarray(np.zeros(d.block("w")[1], np.float32)))
+    with pytest.raises(refit.TensorError, match="not C-contiguous"):
+        d.load()
+
+
+def test_a_step_reads_the_array_when_it_runs():
+    # The store copies the registered array's memory at step time: what
+    # the optimizer wrote in place since the last step is what moves.
+    system, src_arrays, dst_arrays = setup()
+    train_step(system, src_arrays, 1)
+    for arrays in src_arrays:
+        arrays["b"] *= 10
+    for s in system.sources:
+        s.step()
+    system.refit_latest()
+    d = system.destinations[0]
+    d.load()
+    np.testing.assert_array_equal(dst_arrays[0]["b"], 10 * block(full(1)["b"], *d.block("b")))
+
+
+def test_a_load_that_does_not_fit_writes_nothing():
+    system, src_arrays, dst_arrays = setup()
+    train_step(system, src_arrays, 1)
+    system.refit_latest()
+    d = system.destinations[0]
+    before = {n: a.copy() for n, a in dst_arrays[0].items()}
+    # An array swapped behind the registration's back, one element short:
+    # the store refuses before it writes any registered array.
+    d._slots["w"] = (d._slots["w"][0], np.zeros(int(np.prod(d.block("w")[1])) - 1, np.float32))
+    with pytest.raises(refit.TensorError, match=r"dst rank 0: 'w'"):
+        d.load()
+    for n in ("b",):
+        np.testing.assert_array_equal(dst_arrays[0][n], before[n])
