@@ -246,3 +246,34 @@ def test_a_load_that_does_not_fit_writes_nothing():
         d.load()
     for n in ("b",):
         np.testing.assert_array_equal(dst_arrays[0][n], before[n])
+
+
+def test_torch_tensors_in_place_and_not():
+    torch = pytest.importorskip("torch")
+    from refit import _host_array
+
+    t = torch.zeros(4, 8)
+    assert _host_array(t) is t
+    assert _host_array(torch.zeros(8, 4).T) is None
+    system = refit.spawn_local(*layouts())
+    for s in system.sources:
+        s.register("w", torch.zeros(s.block("w")[1]))
+        # Source 1's b is a strided (non-contiguous) view: through bytes.
+        b = torch.zeros(8) if s.rank == 0 else torch.zeros(8, 2)[:, 0]
+        assert (_host_array(b) is None) == (s.rank == 1)
+        s.register("b", b)
+    outs = []
+    for d in system.destinations:
+        w, b = torch.zeros(d.block("w")[1]), torch.zeros(d.block("b")[1])
+        d.register_all({"w": w, "b": b})
+        outs.append((w, b))
+    for step in (1, 2):
+        for s in system.sources:
+            s._slots["w"][1].copy_(torch.from_numpy(block(full(step)["w"], *s.block("w"))))
+            s._slots["b"][1].copy_(torch.from_numpy(full(step)["b"]))
+            s.step()
+        system.refit_latest()
+        for d, (w, b) in zip(system.destinations, outs):
+            assert d.load() == step
+            assert torch.equal(w, torch.from_numpy(block(full(step)["w"], *d.block("w")).copy()))
+            assert torch.equal(b, torch.from_numpy(block(full(step)["b"], *d.block("b")).copy()))
