@@ -16,8 +16,9 @@
 //!
 //! The rest of this crate is the `refit` command line's: [`runner`] runs a
 //! refit on the embedded in-process data plane, [`bench`](mod@bench), [`chaos`] and
-//! [`soak`] measure and break it, [`cluster`] starts worker processes (on
-//! emulated hosts with [`netns`]), and
+//! [`soak`] measure and break it, [`dump`] writes a refit's result out,
+//! [`cluster`] starts worker processes (on emulated hosts with [`netns`]),
+//! and
 //! [`demo`] is a small RL loop that learns only because refit delivers fresh
 //! weights.
 
@@ -31,6 +32,7 @@ pub mod bench;
 pub mod chaos;
 pub mod cluster;
 pub mod demo;
+pub mod dump;
 pub mod netns;
 pub mod presets;
 pub mod procs;

@@ -194,6 +194,12 @@ enum Command {
         /// sources, relayed), messages, rounds, times, verified elements.
         #[arg(long)]
         json: bool,
+        /// After the refit, write every destination rank's buffers to DIR:
+        /// `DIR/rank<r>/<buffer>.bin` (raw little-endian bytes in the
+        /// buffer's dtype) and `DIR/rank<r>/index.json` (each buffer's name,
+        /// file, dtype and byte length), to check the result with any tool.
+        #[arg(long, value_name = "DIR")]
+        dump_dst: Option<std::path::PathBuf>,
     },
     /// Measure reshard and the gather-broadcast baseline side by side
     /// (alternating, medians over repetitions) on one data plane, with a
@@ -438,13 +444,14 @@ fn main() -> ExitCode {
                 emit_layouts,
             })
         }
-        Command::Run { pair, baseline, verify, transport, deadline_s, json } => cmd::run::run(&cmd::run::RunArgs {
+        Command::Run { pair, baseline, verify, transport, deadline_s, json, dump_dst } => cmd::run::run(&cmd::run::RunArgs {
             pair,
             baseline: *baseline,
             verify: *verify,
             transport,
             deadline_s: *deadline_s,
             json: *json,
+            dump_dst: dump_dst.as_deref(),
         }),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only } => cmd::chaos::run(&cmd::chaos::ChaosArgs {

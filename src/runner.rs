@@ -112,6 +112,12 @@ fn with_programs(src: &Layout, plan: Plan, programs: Vec<RankProgram>, plan_time
 }
 
 impl Prepared {
+    /// The destination ranks' memory (rank order; each rank's layout
+    /// buffers first, then any scratch its program adds).
+    pub fn dst_memory(&self) -> &[RankMemory] {
+        &self.memory[self.src_ranks..]
+    }
+
     /// Executes every rank's program on the in-process transport.
     pub fn execute(&mut self, options: &ExecOptions) -> Result<ExecReport, RunError> {
         let report = run_local(&self.programs, &mut self.memory, options)?;

@@ -848,3 +848,64 @@ fn emitted_preset_layouts_plan_the_same() {
     let again = assert_ok(&["plan", "--src", s(&dir.path("src.json")), "--dst", s(&dir.path("dst.json"))]);
     assert_eq!(fingerprint(&String::from_utf8_lossy(&again.stdout)), Some(preset));
 }
+
+/// The files `--dump-dst` wrote for destination rank `rank`, read back as
+/// that rank's memory in the order `index.json` lists them.
+fn read_dump(dir: &Path, rank: u32) -> refit::transport::RankMemory {
+    let folder = dir.join(format!("rank{rank}"));
+    let index: Value = serde_json::from_str(&std::fs::read_to_string(folder.join("index.json")).expect("index.json")).expect("json");
+    assert_eq!(index["rank"], rank);
+    let mut memory = refit::transport::RankMemory { buffers: Vec::new(), dtypes: Vec::new() };
+    for b in index["buffers"].as_array().expect("buffers") {
+        let bytes = std::fs::read(folder.join(b["file"].as_str().expect("file"))).expect("buffer file");
+        assert_eq!(bytes.len() as u64, b["bytes"].as_u64().expect("bytes"), "{b}");
+        memory.buffers.push(bytes);
+        memory.dtypes.push(refit::reshard::DType::from_name(b["dtype"].as_str().expect("dtype")).expect("a dtype name"));
+    }
+    memory
+}
+
+#[test]
+fn dumped_destination_buffers_hold_the_refit_result() {
+    // Every example pair, both strategies: the dump, read back file by
+    // file, is what the sources' pattern says every destination element
+    // must be; one flipped byte in one file is found.
+    for (src, dst) in example_pairs() {
+        for strategy in [&[][..], &["--baseline"][..]] {
+            let scratch = Scratch::new("dump");
+            let dir = scratch.path("out");
+            let mut args = vec!["run", "--src", s(&src), "--dst", s(&dst), "--json", "--dump-dst", s(&dir)];
+            args.extend_from_slice(strategy);
+            let out = refit(&args);
+            assert!(out.status.success(), "{}", describe(&args, &out));
+            let report: Value = serde_json::from_slice(&out.stdout).expect("json");
+            let layout = |p: &Path| refit::reshard::parse_layout(&std::fs::read_to_string(p).expect("layout file")).expect("layout");
+            let (src_l, dst_l) = (layout(&src), layout(&dst));
+            let mut memory: Vec<refit::transport::RankMemory> = (0..dst_l.ranks()).map(|r| read_dump(&dir, r)).collect();
+            let dumped: u64 = memory.iter().map(|m| m.bytes()).sum();
+            assert_eq!(report["dumped_bytes"].as_u64(), Some(dumped), "{}", describe(&args, &out));
+            let elements =
+                refit::transport::verify_destinations(&src_l, &dst_l, &memory).unwrap_or_else(|m| panic!("{}: {m}", describe(&args, &out)));
+            assert!(elements > 0);
+            let last = memory.iter_mut().rev().find_map(|m| m.buffers.iter_mut().find(|b| !b.is_empty())).expect("a buffer");
+            last[0] ^= 0x01;
+            assert!(
+                refit::transport::verify_destinations(&src_l, &dst_l, &memory).is_err(),
+                "a flipped byte went unnoticed: {}",
+                dst.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_dump_that_cannot_be_written_is_an_error_naming_the_path() {
+    let scratch = Scratch::new("dump-bad");
+    let file = scratch.write("taken", "not a folder");
+    let (src, dst) = example_pairs().into_iter().next().expect("an example");
+    let args = ["run", "--src", s(&src), "--dst", s(&dst), "--dump-dst", s(&file)];
+    let out = refit(&args);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&args, &out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--dump-dst") && err.contains(s(&file)), "{}", describe(&args, &out));
+}

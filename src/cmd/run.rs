@@ -29,6 +29,8 @@ pub(crate) struct RunArgs<'a> {
     pub(crate) transport: &'a str,
     pub(crate) deadline_s: u64,
     pub(crate) json: bool,
+    /// Write every destination rank's buffers here after the refit.
+    pub(crate) dump_dst: Option<&'a std::path::Path>,
 }
 
 pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
@@ -62,6 +64,16 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     } else {
         None
     };
+    let dumped = match a.dump_dst {
+        Some(dir) => {
+            progress.phase(format!("writing every destination rank's buffers to {}", dir.display()));
+            Some(
+                refit::dump::dump_destinations(dir, &dst, prepared.dst_memory())
+                    .map_err(|e| Failure { line: format!("--dump-dst: {e}"), code: 1 })?,
+            )
+        }
+        None => None,
+    };
     drop(progress);
     if a.json {
         let mut out = json!({
@@ -79,6 +91,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
                 ("transfer_s".to_string(), json!(report.elapsed.as_secs_f64())),
                 ("plan_s".to_string(), json!(prepared.plan_time.as_secs_f64())),
                 ("verified_elements".to_string(), json!(verified)),
+                ("dumped_bytes".to_string(), json!(dumped)),
             ]);
         }
         say!("{out}");
@@ -94,6 +107,9 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     say!("{BYTES_LEGEND}");
     if let Some(n) = verified {
         say!("verify: all {n} destination elements match");
+    }
+    if let (Some(dir), Some(bytes)) = (a.dump_dst, dumped) {
+        say!("dumped {} of destination buffers to {} (rank<r>/<buffer>.bin, rank<r>/index.json)", human(bytes), dir.display());
     }
     Ok(())
 }
