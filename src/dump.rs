@@ -52,7 +52,7 @@ pub fn file_stem(name: &str) -> String {
         }
     }
     if out.is_empty() {
-        out.push_str("%");
+        out.push('%');
     }
     out
 }
