@@ -46,6 +46,7 @@ pub use orchestrator::{
 };
 pub use protocol::{EgressCaps, Fabric, LayoutInfo, MemberMsg, MemberReply, NodeFabric, Refusal, Weights};
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
+pub use reshard::TensorSubset;
 pub use store::{BufferError, Buffers, DstStore, Snapshot, SrcStore, TensorView, TensorViewMut};
 pub use transport::DEFAULT_DEADLINE;
 
@@ -59,7 +60,7 @@ pub mod prelude {
         spawn_refit, BufferError, Buffers, DstStore, OrchestratorConfig, OrchestratorError, OrchestratorHandle, RefitError, RefitReport,
         RefitSystem, Snapshot, SrcStore, TensorView, TensorViewMut, Weights,
     };
-    pub use reshard::{parse_layout, DType, Endpoint, Group, Layout, LayoutBuilder, MeshDim, Rank, Strategy, TensorBuilder};
+    pub use reshard::{parse_layout, DType, Endpoint, Group, Layout, LayoutBuilder, MeshDim, Rank, Strategy, TensorBuilder, TensorSubset};
 }
 use std::sync::Arc;
 use thiserror::Error;
@@ -100,8 +101,8 @@ impl OrchestratorHandle {
         &self.actor
     }
 
-    async fn ask_refit(&self, target: RefitTarget) -> Result<RefitReport, RefitError> {
-        match self.actor.call(OrchestratorMsg::Refit { target }).await? {
+    async fn ask_refit(&self, target: RefitTarget, only: Option<TensorSubset>) -> Result<RefitReport, RefitError> {
+        match self.actor.call(OrchestratorMsg::Refit { target, only }).await? {
             OrchestratorReply::Refit(r) => Ok(r?),
             other => unreachable!("Refit answered with {other:?}"),
         }
@@ -118,7 +119,7 @@ impl OrchestratorHandle {
     /// it. Nothing moves if every destination already serves it. Waits
     /// for any refit in progress.
     pub async fn refit(&self, version: u64) -> Result<RefitReport, RefitError> {
-        self.ask_refit(RefitTarget::Version(version)).await
+        self.ask_refit(RefitTarget::Version(version), None).await
     }
 
     /// Refits the newest version every source holds (see
@@ -126,7 +127,21 @@ impl OrchestratorHandle {
     /// during the refit makes it deliver the newer weights rather than
     /// fail.
     pub async fn refit_latest(&self) -> Result<RefitReport, RefitError> {
-        self.ask_refit(RefitTarget::Latest).await
+        self.ask_refit(RefitTarget::Latest, None).await
+    }
+
+    /// A *subset refit*: refits `target` into every destination for the
+    /// tensors in `only` (LoRA adapters, one stage's weights) and nothing
+    /// else. Every destination must already serve a committed version:
+    /// each keeps all other tensors' bytes from the version it serves, and
+    /// after the commit reports `target`'s version for the whole set. That
+    /// is right when nothing outside `only` changed at the sources since
+    /// that version (a frozen base model); refit every tensor otherwise.
+    /// Plans once per subset (cached like the full plan; a member keeps
+    /// [`INSTALLED_PLANS`](protocol::INSTALLED_PLANS) plans). Nothing moves
+    /// if every destination already serves the version.
+    pub async fn refit_only(&self, target: RefitTarget, only: TensorSubset) -> Result<RefitReport, RefitError> {
+        self.ask_refit(target, Some(only)).await
     }
 
     /// Checks both groups' layouts, plans and installs every member's

@@ -5,7 +5,7 @@
 
 use crate::fabric::{Endpointed, KillSwitch};
 use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
-use crate::store::{DstStore, SrcStore};
+use crate::store::{Buffers, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
@@ -182,6 +182,20 @@ fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass,
         }
     }
     Ok(base)
+}
+
+/// Copies the `carried` buffers of a committed version into staging (a
+/// subset refit then writes the subset's elements over them). Both hold
+/// the rank's layout buffers, alike.
+fn carry(carried: &[u32], from: &Buffers, to: &mut Buffers) {
+    let to = to.memory_mut();
+    for &i in carried {
+        if let (Some(src), Some(dst)) = (from.memory().buffers.get(i as usize), to.buffers.get_mut(i as usize)) {
+            if src.len() == dst.len() {
+                dst.copy_from_slice(src);
+            }
+        }
+    }
 }
 
 /// Takes the scratch buffers (those past `base`) back out of `memory`.
@@ -394,10 +408,25 @@ impl Member {
                 split(watched(run, deadline, kill).await)
             }
             Role::Dst(store) => {
+                // A subset refit keeps the other tensors' bytes from the
+                // version this rank serves.
+                let base = match (program.carried.is_empty(), store.snapshot()) {
+                    (true, _) => None,
+                    (false, Some(snap)) => Some(snap),
+                    (false, None) => {
+                        if let Ok(t) = end.transport() {
+                            t.abort(&Refusal::NoBaseVersion.to_string());
+                        }
+                        return MemberReply::Refused(Refusal::NoBaseVersion);
+                    }
+                };
                 let staging = store.staging();
                 let mut guard = staging.lock_owned().await;
                 guard.complete = None;
                 let run = tokio::task::spawn_blocking(move || {
+                    if let Some(base) = base {
+                        carry(&program.carried, &base.buffers, &mut guard.buffers);
+                    }
                     let (r, scratch) = execute_on(&program, guard.buffers.memory_mut(), &mut end, deadline, reuse);
                     if r.is_ok() {
                         guard.complete = Some(version);

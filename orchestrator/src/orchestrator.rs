@@ -8,6 +8,7 @@ use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal, Weights
 use actors::{async_trait, Actor, ActorError, ActorGroup, ActorRef, CallError, Context};
 use reshard::{
     plan_baseline, plan_reshard, Endpoint, Fingerprint, Group, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram, Strategy,
+    TensorSubset,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -278,6 +279,10 @@ pub enum OrchestratorMsg {
     Refit {
         /// Which version.
         target: RefitTarget,
+        /// Only these destination tensors (a subset refit: each
+        /// destination keeps every other tensor's bytes from the version it
+        /// serves); `None`: every tensor.
+        only: Option<TensorSubset>,
     },
     /// Check both groups' layouts, plan (unless cached) and install every
     /// member's program now, rather than at the first refit.
@@ -355,8 +360,8 @@ pub struct Orchestrator {
     src: ActorGroup<Member>,
     dst: ActorGroup<Member>,
     config: OrchestratorConfig,
-    /// One plan per strategy, while both layouts stay the same.
-    cache: std::collections::HashMap<Strategy, CachedPlan>,
+    /// One plan per strategy and subset, while both layouts stay the same.
+    cache: std::collections::HashMap<(Strategy, Option<TensorSubset>), CachedPlan>,
     /// The layouts, kept while members report the same fingerprints (a
     /// replaced member then costs a plan, not a describe).
     layouts: Option<KnownLayouts>,
@@ -593,14 +598,15 @@ impl Orchestrator {
     /// both groups' current layouts installed: plans when a layout changed,
     /// installs on members that lack it (new or replaced ones). Returns
     /// whether it planned.
-    async fn ensure_plan(&mut self, status: &Status) -> Result<bool, OrchestratorError> {
+    async fn ensure_plan(&mut self, status: &Status, only: &Option<TensorSubset>) -> Result<bool, OrchestratorError> {
         let t = self.config.control_timeout;
         let mode = self.config.mode;
+        let key = (mode, only.clone());
         let current = status.layouts;
         if self.cache.values().any(|c| c.layout_fingerprints != current) {
             self.cache.clear();
         }
-        let cached = self.cache.get(&mode).map(|c| c.fingerprint);
+        let cached = self.cache.get(&key).map(|c| c.fingerprint);
         let lacking: Vec<usize> = status
             .installed
             .iter()
@@ -625,7 +631,7 @@ impl Orchestrator {
         };
         // Planning a large model is seconds of CPU: off the reactor, so the
         // control plane's heartbeats keep flowing meanwhile.
-        let options = self.config.plan;
+        let options = PlanOptions { only: only.clone(), ..self.config.plan.clone() };
         let (s, d) = (src.clone(), dst.clone());
         let planned = tokio::task::spawn_blocking(move || match mode {
             Strategy::Reshard => plan_reshard(&s, &d, &options),
@@ -643,11 +649,11 @@ impl Orchestrator {
         self.cache.retain(|_, c| c.layout_fingerprints == current);
         if cached != Some(fingerprint) {
             // Not installed anywhere yet (or the layouts changed under it).
-            self.cache.remove(&mode);
+            self.cache.remove(&key);
         }
         let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..status.installed.len()).collect() };
         self.install(plan, src, dst, which).await?;
-        self.cache.insert(mode, CachedPlan { layout_fingerprints: current, fingerprint, bytes });
+        self.cache.insert(key, CachedPlan { layout_fingerprints: current, fingerprint, bytes });
         Ok(true)
     }
 
@@ -712,30 +718,30 @@ impl Orchestrator {
         }
     }
 
-    /// The plan of the current strategy, installed everywhere.
-    fn cached(&self) -> Result<&CachedPlan, OrchestratorError> {
+    /// The plan of the current strategy for `only`, installed everywhere.
+    fn cached(&self, only: &Option<TensorSubset>) -> Result<&CachedPlan, OrchestratorError> {
         // `ensure_plan` caches a plan whenever it returns Ok; `status`
         // refuses empty groups.
         self.cache
-            .get(&self.config.mode)
+            .get(&(self.config.mode, only.clone()))
             .ok_or_else(|| OrchestratorError::Failed { member: "orchestrator".into(), problem: "no plan after planning".into() })
     }
 
     async fn plan(&mut self) -> Result<PlanReport, OrchestratorError> {
         let status = self.status().await?;
-        let replanned = self.ensure_plan(&status).await?;
-        let &CachedPlan { fingerprint, bytes, .. } = self.cached()?;
+        let replanned = self.ensure_plan(&status, &None).await?;
+        let &CachedPlan { fingerprint, bytes, .. } = self.cached(&None)?;
         Ok(PlanReport { mode: self.config.mode, fingerprint, replanned, bytes })
     }
 
-    async fn refit(&mut self, target: RefitTarget) -> Result<RefitReport, OrchestratorError> {
+    async fn refit(&mut self, target: RefitTarget, only: Option<TensorSubset>) -> Result<RefitReport, OrchestratorError> {
         self.refits += 1;
         self.enter(RefitStep::Planning);
         let start = Instant::now();
         let mut attempts = 0;
         let r = loop {
             attempts += 1;
-            match self.refit_once(target, start).await {
+            match self.refit_once(target, &only, start).await {
                 Err(OrchestratorError::VersionMismatch { .. }) if target == RefitTarget::Latest && attempts < LATEST_ATTEMPTS => {
                     // A step landed between the status and the read: refit
                     // the newer version.
@@ -748,7 +754,12 @@ impl Orchestrator {
         r
     }
 
-    async fn refit_once(&mut self, target: RefitTarget, start: Instant) -> Result<RefitReport, OrchestratorError> {
+    async fn refit_once(
+        &mut self,
+        target: RefitTarget,
+        only: &Option<TensorSubset>,
+        start: Instant,
+    ) -> Result<RefitReport, OrchestratorError> {
         let status = self.status().await?;
         let (version, status) = match target {
             RefitTarget::Version(v) => (v, status),
@@ -782,9 +793,17 @@ impl Orchestrator {
                 weights => return Err(OrchestratorError::NoWeights { member: status.names[i].clone(), weights }),
             }
         }
-        let replanned = self.ensure_plan(&status).await?;
+        // A subset refit keeps every other tensor from the version each
+        // destination serves: one that serves none is refused here, before
+        // anything moves (its member checks again).
+        if only.is_some() {
+            if let Some(i) = status.dst_weights().iter().position(|w| !matches!(w, Weights::Version(_))) {
+                return Err(refused(&status.names[status.n_src + i], Refusal::NoBaseVersion));
+            }
+        }
+        let replanned = self.ensure_plan(&status, only).await?;
         let plan_time = start.elapsed();
-        let &CachedPlan { fingerprint, bytes, .. } = self.cached()?;
+        let &CachedPlan { fingerprint, bytes, .. } = self.cached(only)?;
         let refit = self.refits;
         let t = Instant::now();
         // The kept connections of this plan, or a fresh data-plane epoch.
@@ -976,7 +995,7 @@ impl Actor for Orchestrator {
 
     async fn handle(&mut self, msg: OrchestratorMsg, _ctx: &mut Context<Self>) -> Result<OrchestratorReply, ActorError> {
         Ok(match msg {
-            OrchestratorMsg::Refit { target } => OrchestratorReply::Refit(self.refit(target).await),
+            OrchestratorMsg::Refit { target, only } => OrchestratorReply::Refit(self.refit(target, only).await),
             OrchestratorMsg::Plan => OrchestratorReply::Planned(self.plan().await),
             OrchestratorMsg::PlansMade => OrchestratorReply::PlansMade(self.plans_made),
             OrchestratorMsg::SetMode(mode) => {

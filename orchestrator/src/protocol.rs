@@ -219,6 +219,9 @@ pub enum Refusal {
     },
     /// The data plane failed while moving bytes.
     Exec(String),
+    /// A subset refit on a destination that serves no committed version
+    /// (the tensors outside the subset would have no bytes to keep).
+    NoBaseVersion,
     /// Commit without the whole version staged.
     NotStaged {
         /// What is staged completely, if anything.
@@ -238,6 +241,9 @@ impl std::fmt::Display for Refusal {
             Refusal::NotPrepared { refit } => write!(f, "refit {refit} was not prepared here"),
             Refusal::NotKept { session } => write!(f, "no data plane of session {session} is kept here"),
             Refusal::Exec(why) => write!(f, "{why}"),
+            Refusal::NoBaseVersion => {
+                write!(f, "a subset refit needs a committed version here to keep the other tensors from (refit every tensor first)")
+            }
             Refusal::NotStaged { staged: Some(v) } => write!(f, "commit refused: version {v} is staged"),
             Refusal::NotStaged { staged: None } => write!(f, "commit refused: nothing is staged"),
         }

@@ -739,9 +739,12 @@ impl Pairs {
 impl Outline {
     fn new(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Outline, PlanError> {
         let matched = match_tensors(src, dst)?;
+        let only = options.only.as_ref().map(|s| s.mask(dst)).transpose()?;
+        let included = |td: usize| only.as_ref().is_none_or(|m| m[td]);
         let total = matched
             .iter()
             .enumerate()
+            .filter(|&(td, _)| included(td))
             .map(|(td, &(_, s, d))| dst.tensors()[td].shape.iter().product::<u64>().saturating_mul(wire_dtype(s, d).size()))
             .fold(0u64, u64::saturating_add);
         let mut o = Outline {
@@ -760,7 +763,7 @@ impl Outline {
         let mut by_key: HashMap<u64, Vec<u32>> = HashMap::new();
         // Per recipe, the (source, destination) tensors it was made from.
         let mut made_from: Vec<(u32, u32)> = Vec::new();
-        for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
+        for (td, &(ts, sd, dd)) in matched.iter().enumerate().filter(|&(td, _)| included(td)) {
             let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
             // Tensors placed alike (storage aside) with the same dtypes
             // share a recipe.

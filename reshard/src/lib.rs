@@ -42,7 +42,7 @@ pub use layout::{
     BufferKey, BufferSpec, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage, TensorLayout,
 };
 pub use plan::fingerprint as plan_fingerprint;
-pub use plan::{Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, Transfer};
+pub use plan::{Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, TensorSubset, Transfer};
 pub use planner::plan_reshard;
 pub use program::{
     LocalCopy, LocalCopyView, Message, Pieces, Programs, RankProgram, RecvPiece, RecvPieceView, Round, SendPiece, Span, Spans,

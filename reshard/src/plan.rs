@@ -81,7 +81,7 @@ impl fmt::Display for Strategy {
 }
 
 /// Planner options.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PlanOptions {
     /// Most bytes a rank stages (sends plus receives) in one round.
     pub max_staging_bytes: u64,
@@ -93,6 +93,45 @@ pub struct PlanOptions {
     /// (so only pieces of at least twice this), which bounds how many more
     /// pieces and transfers splitting makes. `u64::MAX`: never split.
     pub min_split_bytes: u64,
+    /// Plan only these destination tensors (a *subset refit*: LoRA
+    /// adapters, one stage's weights); `None`: every tensor. The plan moves
+    /// nothing of the others, and its programs name the destination
+    /// buffers that hold any of them ([`RankProgram::carried`](crate::RankProgram::carried)), whose bytes
+    /// a refit must keep from the version the destination serves.
+    pub only: Option<TensorSubset>,
+}
+
+/// Names of destination tensors, sorted and without duplicates.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorSubset(std::sync::Arc<[String]>);
+
+impl TensorSubset {
+    /// The subset of these names (any order, duplicates dropped).
+    pub fn new<S: Into<String>>(names: impl IntoIterator<Item = S>) -> TensorSubset {
+        let mut v: Vec<String> = names.into_iter().map(Into::into).collect();
+        v.sort_unstable();
+        v.dedup();
+        TensorSubset(v.into())
+    }
+
+    /// The names, sorted.
+    pub fn names(&self) -> &[String] {
+        &self.0
+    }
+
+    /// Which of `dst`'s tensors are in the subset, by index; an error
+    /// names the first name `dst` does not have, or an empty subset.
+    pub fn mask(&self, dst: &Layout) -> Result<Vec<bool>, PlanError> {
+        if self.0.is_empty() {
+            return Err(PlanError::EmptySubset);
+        }
+        let mut mask = vec![false; dst.tensors().len()];
+        for name in self.0.iter() {
+            let i = dst.tensor_index(name).ok_or_else(|| PlanError::UnknownSubsetTensor { tensor: name.clone() })?;
+            mask[i as usize] = true;
+        }
+        Ok(mask)
+    }
 }
 
 /// The default of [`PlanOptions::min_split_bytes`]: 64 KiB per part.
@@ -100,7 +139,7 @@ pub const DEFAULT_MIN_SPLIT_BYTES: u64 = 64 << 10;
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { max_staging_bytes: 256 << 20, links: LinkModel::default(), min_split_bytes: DEFAULT_MIN_SPLIT_BYTES }
+        PlanOptions { max_staging_bytes: 256 << 20, links: LinkModel::default(), min_split_bytes: DEFAULT_MIN_SPLIT_BYTES, only: None }
     }
 }
 
@@ -111,6 +150,7 @@ impl Hash for PlanOptions {
         self.links.net_bytes_per_s.to_bits().hash(h);
         self.links.intra_bytes_per_s.to_bits().hash(h);
         self.links.message_latency_s.to_bits().hash(h);
+        self.only.hash(h);
     }
 }
 
@@ -221,6 +261,15 @@ pub struct Estimate {
 /// Why planning failed.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum PlanError {
+    /// A subset refit names a tensor the destination layout lacks.
+    #[error("tensor '{tensor}' named for a subset refit is not in the destination layout")]
+    UnknownSubsetTensor {
+        /// The name.
+        tensor: String,
+    },
+    /// A subset refit names no tensor.
+    #[error("a subset refit must name at least one tensor")]
+    EmptySubset,
     /// A destination tensor does not exist in the source layout.
     #[error("destination tensor '{tensor}' is absent from the source layout")]
     MissingTensor {
@@ -771,7 +820,7 @@ impl Plan {
         Plan {
             strategy,
             fingerprint: fingerprint(src, dst, options, strategy),
-            options: *options,
+            options: options.clone(),
             src_ranks: src.ranks(),
             dst_ranks: dst.ranks(),
             src_rpn: src.ranks_per_node(),

@@ -159,6 +159,8 @@ struct Work {
 /// Plans a reshard from `src` to `dst`.
 pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Plan, PlanError> {
     let matched = match_tensors(src, dst)?;
+    let only = options.only.as_ref().map(|s| s.mask(dst)).transpose()?;
+    let included = |td: usize| only.as_ref().is_none_or(|m| m[td]);
     let mut pool: Vec<Rank> = Vec::new();
     let mut needs = vec![0u64; dst.nodes() as usize];
     let mut unique_bytes = 0u64;
@@ -175,6 +177,10 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     let mut template_of: Vec<u32> = Vec::with_capacity(matched.len());
     let mut total_pieces = 0u64;
     for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
+        if !included(td) {
+            template_of.push(NOT_PLANNED);
+            continue;
+        }
         let wire = wire_dtype(sd, dd);
         let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
         let same = |t: &Template| {
@@ -232,7 +238,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     };
     let slots: Vec<Vec<u32>> = templates.iter().map(size_of).collect();
     let mut starts = vec![0usize; sizes.len() + 1];
-    for &t in &template_of {
+    for &t in template_of.iter().filter(|&&t| t != NOT_PLANNED) {
         for &slot in &slots[t as usize] {
             starts[slot as usize + 1] += 1;
         }
@@ -243,6 +249,9 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     let mut pieces: Vec<Piece> = Vec::with_capacity(total_pieces as usize);
     let mut work: Vec<Work> = vec![Work { piece: 0, bytes: 0, receivers: (0, 0), candidates: (0, 0), nodes: 0 }; total_pieces as usize];
     for (td, (&(ts, _, _), &t)) in matched.iter().zip(&template_of).enumerate() {
+        if t == NOT_PLANNED {
+            continue;
+        }
         let t = t as usize;
         for (&(block, receivers, candidates), &slot) in templates[t].pieces.iter().zip(&slots[t]) {
             let at = &mut starts[slot as usize];
@@ -304,6 +313,9 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     };
     Ok(Plan::assemble_by_sender(Strategy::Reshard, src, dst, options, parts, lists))
 }
+
+/// The template of a tensor a subset refit leaves out.
+const NOT_PLANNED: u32 = u32::MAX;
 
 /// Most stages a reshard can use: one source send, doubling relays across
 /// up to 2^30 nodes, one intra-node fan-out.

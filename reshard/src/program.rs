@@ -724,6 +724,12 @@ pub struct RankProgram {
     pub buffers: Vec<BufferSpec>,
     /// One entry per plan round (possibly empty).
     pub rounds: Vec<Round>,
+    /// A destination rank's layout buffers (indices into `buffers`) that
+    /// hold any tensor the plan leaves out (a subset refit,
+    /// [`PlanOptions::only`](crate::PlanOptions::only)): a refit stages
+    /// them from the version the rank serves before the program writes the
+    /// subset's elements. Empty for a plan of every tensor and for sources.
+    pub carried: Vec<u32>,
 }
 
 /// Row-major strides of a stored block, as element strides of `piece`
@@ -880,7 +886,23 @@ impl<'a> Programs<'a> {
             l.shrink_to_fit();
             rounds[r as usize].locals = l;
         }
-        RankProgram { endpoint: e, fingerprint: plan.fingerprint, buffers: side.buffers, rounds }
+        let carried = match (&plan.options().only, e.group) {
+            (Some(only), Group::Dst) => {
+                // The plan was made with this subset, so it names only
+                // tensors the layout has.
+                let mask = only.mask(layout).unwrap_or_default();
+                let mut carried: Vec<u32> = (0..layout.tensors().len() as u32)
+                    .filter(|&t| !mask.get(t as usize).copied().unwrap_or(false))
+                    .flat_map(|t| layout.rank_holdings(t, e.rank))
+                    .filter_map(|(_, loc)| side.index.get(&loc.buffer).copied())
+                    .collect();
+                carried.sort_unstable();
+                carried.dedup();
+                carried
+            }
+            _ => Vec::new(),
+        };
+        RankProgram { endpoint: e, fingerprint: plan.fingerprint, buffers: side.buffers, rounds, carried }
     }
 }
 

@@ -277,7 +277,7 @@ impl Cluster {
             let oc = OrchestratorConfig {
                 fabric: Fabric::Node(config.fabric.clone()),
                 mode: config.strategy,
-                plan: config.options,
+                plan: config.options.clone(),
                 deadline: config.refit_deadline,
                 control_timeout: config.setup_timeout,
                 keep_data_plane: config.keep_data_plane,
