@@ -200,6 +200,11 @@ enum Command {
         /// file, dtype and byte length), to check the result with any tool.
         #[arg(long, value_name = "DIR")]
         dump_dst: Option<std::path::PathBuf>,
+        /// A subset refit: plan and move only these destination tensors
+        /// (comma-separated names); `--verify` checks them, `--json`'s
+        /// `bytes_moved` is theirs alone.
+        #[arg(long, value_delimiter = ',', value_name = "NAMES")]
+        only: Vec<String>,
     },
     /// Measure reshard and the gather-broadcast baseline side by side
     /// (alternating, medians over repetitions) on one data plane, with a
@@ -444,7 +449,7 @@ fn main() -> ExitCode {
                 emit_layouts,
             })
         }
-        Command::Run { pair, baseline, verify, transport, deadline_s, json, dump_dst } => cmd::run::run(&cmd::run::RunArgs {
+        Command::Run { pair, baseline, verify, transport, deadline_s, json, dump_dst, only } => cmd::run::run(&cmd::run::RunArgs {
             pair,
             baseline: *baseline,
             verify: *verify,
@@ -452,6 +457,7 @@ fn main() -> ExitCode {
             deadline_s: *deadline_s,
             json: *json,
             dump_dst: dump_dst.as_deref(),
+            only,
         }),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only } => cmd::chaos::run(&cmd::chaos::ChaosArgs {

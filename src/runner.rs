@@ -4,7 +4,9 @@
 use reshard::{plan_baseline, plan_reshard, Layout, Plan, PlanError, PlanOptions, RankProgram, Strategy};
 use std::time::{Duration, Instant};
 use thiserror::Error;
-use transport::{fill_sources, run_local, verify_destinations, ExecError, ExecOptions, ExecReport, Mismatch, RankMemory};
+use transport::{
+    fill_sources, run_local, verify_destination_tensors, verify_destinations, ExecError, ExecOptions, ExecReport, Mismatch, RankMemory,
+};
 
 /// Why a run failed.
 #[derive(Debug, Error)]
@@ -161,9 +163,17 @@ impl Prepared {
         }
     }
 
-    /// Checks every destination element; returns how many were checked.
+    /// Checks every destination element the plan moves (every element,
+    /// or those of a subset plan's tensors); returns how many were checked.
     pub fn verify(&self, src: &Layout, dst: &Layout) -> Result<u64, RunError> {
-        Ok(verify_destinations(src, dst, &self.memory[self.src_ranks..])?)
+        let memory = &self.memory[self.src_ranks..];
+        match &self.plan.options().only {
+            None => Ok(verify_destinations(src, dst, memory)?),
+            Some(only) => {
+                let mask = only.mask(dst)?;
+                Ok(verify_destination_tensors(src, dst, memory, &|t| mask.get(t as usize).copied().unwrap_or(false))?)
+            }
+        }
     }
 
     /// Executes every rank's program on GPU 0, each rank's buffers in its

@@ -909,3 +909,35 @@ fn a_dump_that_cannot_be_written_is_an_error_naming_the_path() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--dump-dst") && err.contains(s(&file)), "{}", describe(&args, &out));
 }
+
+#[test]
+fn a_subset_run_moves_and_checks_only_the_named_tensors() {
+    // Every example, one tensor at a time: each subset refit verifies, the
+    // checked elements of all of them add up to the full refit's, and none
+    // moves more than the full refit.
+    for (src, dst) in example_pairs() {
+        let run = |extra: &[&str]| -> Value {
+            let mut args = vec!["run", "--src", s(&src), "--dst", s(&dst), "--verify", "--json"];
+            args.extend_from_slice(extra);
+            let out = refit(&args);
+            assert!(out.status.success(), "{}", describe(&args, &out));
+            serde_json::from_slice(&out.stdout).expect("json")
+        };
+        let full = run(&[]);
+        let layout = refit::reshard::parse_layout(&std::fs::read_to_string(&dst).expect("dst")).expect("layout");
+        let (mut elements, mut most) = (0u64, 0u64);
+        for t in layout.tensors() {
+            let part = run(&["--only", &t.name]);
+            elements += part["verified_elements"].as_u64().expect("verified");
+            most = most.max(part["bytes_moved"].as_u64().expect("bytes"));
+            assert!(part["bytes_moved"].as_u64() > Some(0), "{}: {}", dst.display(), t.name);
+        }
+        assert_eq!(Some(elements), full["verified_elements"].as_u64(), "{}", dst.display());
+        assert!(Some(most) <= full["bytes_moved"].as_u64(), "{}", dst.display());
+    }
+    let (src, dst) = example_pairs().into_iter().next().expect("an example");
+    let args = ["run", "--src", s(&src), "--dst", s(&dst), "--only", "no.such.tensor"];
+    let out = refit(&args);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&args, &out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tensor 'no.such.tensor' named for a subset refit"), "{}", describe(&args, &out));
+}

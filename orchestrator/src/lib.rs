@@ -58,7 +58,7 @@ use reshard::{Endpoint, Group, Layout, Rank, Strategy};
 pub mod prelude {
     pub use crate::{
         spawn_refit, BufferError, Buffers, DstStore, OrchestratorConfig, OrchestratorError, OrchestratorHandle, RefitError, RefitReport,
-        RefitSystem, Snapshot, SrcStore, TensorView, TensorViewMut, Weights,
+        RefitSystem, RefitTarget, Snapshot, SrcStore, TensorView, TensorViewMut, Weights,
     };
     pub use reshard::{parse_layout, DType, Endpoint, Group, Layout, LayoutBuilder, MeshDim, Rank, Strategy, TensorBuilder, TensorSubset};
 }

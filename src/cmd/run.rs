@@ -31,6 +31,8 @@ pub(crate) struct RunArgs<'a> {
     pub(crate) json: bool,
     /// Write every destination rank's buffers here after the refit.
     pub(crate) dump_dst: Option<&'a std::path::Path>,
+    /// Only these destination tensors (empty: all).
+    pub(crate) only: &'a [String],
 }
 
 pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
@@ -42,7 +44,10 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     }
     let pair = a.pair;
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
-    let opts = options(pair)?;
+    let mut opts = options(pair)?;
+    if !a.only.is_empty() {
+        opts.only = Some(reshard::TensorSubset::new(a.only.iter().cloned()));
+    }
     let strategy = if a.baseline { Strategy::Baseline } else { Strategy::Reshard };
     let progress = Progress::spinner(a.json);
     let mut prepared = prepare_with(&src, &dst, strategy, &opts, |p| progress.phase(p.to_string()))

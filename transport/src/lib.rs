@@ -41,7 +41,7 @@ pub use memory::RankMemory;
 pub use node::{node_fabric, node_fabric_with_faults, run_node, NodeTransport, NodeTransportConfig};
 pub use pattern::{
     fill_source_rank, fill_source_rank_at, fill_sources, verify_destination_rank, verify_destination_rank_at, verify_destination_rank_from,
-    verify_destinations, Mismatch,
+    verify_destination_tensors, verify_destinations, Mismatch,
 };
 pub use shm::{remove_stale_regions, ShmConfig};
 pub use transport::{Lent, Payload, Release, Segment, SentPiece, SentPieces, Transport, TransportError};

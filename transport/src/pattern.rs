@@ -157,18 +157,29 @@ pub fn fill_source_rank_at(src: &Layout, rank: u32, version: u64, memory: &mut R
 /// source dtype. `memory[r]` is destination rank `r`'s memory. Returns the
 /// number of elements checked.
 pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) -> Result<u64, Box<Mismatch>> {
-    verify_impl(src, dst, None, 0, &|r| memory.get(r as usize))
+    verify_impl(src, dst, None, 0, &|r| memory.get(r as usize), &|_| true)
+}
+
+/// [`verify_destinations`] for the destination tensors `tensor(index)`
+/// says to check (those a subset refit moved).
+pub fn verify_destination_tensors(
+    src: &Layout,
+    dst: &Layout,
+    memory: &[RankMemory],
+    tensor: &dyn Fn(u32) -> bool,
+) -> Result<u64, Box<Mismatch>> {
+    verify_impl(src, dst, None, 0, &|r| memory.get(r as usize), tensor)
 }
 
 /// Checks the elements of destination rank `rank` only; `memory` is its.
 pub fn verify_destination_rank(src: &Layout, dst: &Layout, rank: u32, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
-    verify_impl(src, dst, Some(rank), 0, &|r| (r == rank).then_some(memory))
+    verify_impl(src, dst, Some(rank), 0, &|r| (r == rank).then_some(memory), &|_| true)
 }
 
 /// Checks the elements of destination rank `rank` against the pattern of
 /// weights version `version`.
 pub fn verify_destination_rank_at(src: &Layout, dst: &Layout, rank: u32, version: u64, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
-    verify_impl(src, dst, Some(rank), version, &|r| (r == rank).then_some(memory))
+    verify_impl(src, dst, Some(rank), version, &|r| (r == rank).then_some(memory), &|_| true)
 }
 
 /// Checks the elements of destination rank `rank` against the pattern of
@@ -182,7 +193,7 @@ pub fn verify_destination_rank_from(
     source_dtype: &dyn Fn(&str) -> Option<DType>,
     memory: &RankMemory,
 ) -> Result<u64, Box<Mismatch>> {
-    verify_ranks(source_dtype, dst, Some(rank), version, &|r| (r == rank).then_some(memory))
+    verify_ranks(source_dtype, dst, Some(rank), version, &|r| (r == rank).then_some(memory), &|_| true)
 }
 
 fn verify_impl<'m>(
@@ -191,8 +202,9 @@ fn verify_impl<'m>(
     only: Option<u32>,
     version: u64,
     memory: &dyn Fn(u32) -> Option<&'m RankMemory>,
+    tensor: &dyn Fn(u32) -> bool,
 ) -> Result<u64, Box<Mismatch>> {
-    verify_ranks(&|name| src.tensor_index(name).map(|i| src.tensors()[i as usize].dtype), dst, only, version, memory)
+    verify_ranks(&|name| src.tensor_index(name).map(|i| src.tensors()[i as usize].dtype), dst, only, version, memory, tensor)
 }
 
 fn verify_ranks<'m>(
@@ -201,6 +213,7 @@ fn verify_ranks<'m>(
     only: Option<u32>,
     version: u64,
     memory: &dyn Fn(u32) -> Option<&'m RankMemory>,
+    tensor: &dyn Fn(u32) -> bool,
 ) -> Result<u64, Box<Mismatch>> {
     let ranks: Vec<u32> = match only {
         Some(r) => vec![r],
@@ -210,7 +223,7 @@ fn verify_ranks<'m>(
     for rank in ranks {
         let Some(mem) = memory(rank) else { continue };
         let index = rank_buffer_index(dst, rank);
-        for (ti, t) in dst.tensors().iter().enumerate() {
+        for (ti, t) in dst.tensors().iter().enumerate().filter(|&(ti, _)| tensor(ti as u32)) {
             let seed = tensor_seed_at(&t.name, version);
             let from = source_dtype(&t.name).unwrap_or(t.dtype);
             let (fs, ts) = (from.size() as usize, t.dtype.size() as usize);
