@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets as _secrets
 import sys as _sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import _refit
 from ._refit import (
@@ -485,12 +485,20 @@ class Orchestrator:
         be planned fails here)."""
         return PlanReport(**self._inner.connect(src_ranks, dst_ranks, timeout))
 
-    def refit(self, version: int) -> RefitReport:
-        """Refits exactly ``version``, which every source must hold."""
+    def refit(self, version: int, only: Optional[Sequence[str]] = None) -> RefitReport:
+        """Refits exactly ``version``, which every source must hold.
+        ``only``: a subset refit of these destination tensors (LoRA
+        adapters): every destination keeps the other tensors from the
+        version it serves (see docs/pipeline.md, "Subset refits")."""
+        if only is not None:
+            return _report(self._inner.refit_only(list(only), version))
         return _report(self._inner.refit(version))
 
-    def refit_latest(self) -> RefitReport:
-        """Refits the newest version every source holds."""
+    def refit_latest(self, only: Optional[Sequence[str]] = None) -> RefitReport:
+        """Refits the newest version every source holds (``only``: as in
+        ``refit``)."""
+        if only is not None:
+            return _report(self._inner.refit_only(list(only)))
         return _report(self._inner.refit_latest())
 
     def plan(self) -> PlanReport:
@@ -519,11 +527,11 @@ class LocalSystem:
     sources: List[Source]
     destinations: List[Destination]
 
-    def refit(self, version: int) -> RefitReport:
-        return self.orchestrator.refit(version)
+    def refit(self, version: int, only: Optional[Sequence[str]] = None) -> RefitReport:
+        return self.orchestrator.refit(version, only)
 
-    def refit_latest(self) -> RefitReport:
-        return self.orchestrator.refit_latest()
+    def refit_latest(self, only: Optional[Sequence[str]] = None) -> RefitReport:
+        return self.orchestrator.refit_latest(only)
 
 
 def spawn_local(src: Layout, dst: Layout, *, deadline: float = 60.0, control_timeout: float = 10.0) -> LocalSystem:

@@ -875,6 +875,17 @@ impl PyOrchestrator {
         report_dict(py, &r)
     }
 
+    /// A subset refit of `version` (None: the newest every source holds)
+    /// for the destination tensors `only` (see
+    /// `OrchestratorHandle::refit_only`).
+    #[pyo3(signature = (only, version=None))]
+    fn refit_only<'py>(&self, py: Python<'py>, only: Vec<String>, version: Option<u64>) -> PyResult<Bound<'py, PyDict>> {
+        let h = self.handle()?;
+        let target = version.map_or(orchestrator::RefitTarget::Latest, orchestrator::RefitTarget::Version);
+        let r = wait(py, async move { h.refit_only(target, orchestrator::TensorSubset::new(only)).await.map_err(refit_err) })?;
+        report_dict(py, &r)
+    }
+
     /// Checks both groups' layouts, plans and installs now.
     fn plan<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let h = self.handle()?;

@@ -277,3 +277,21 @@ def test_torch_tensors_in_place_and_not():
             assert d.load() == step
             assert torch.equal(w, torch.from_numpy(block(full(step)["w"], *d.block("w")).copy()))
             assert torch.equal(b, torch.from_numpy(block(full(step)["b"], *d.block("b")).copy()))
+
+
+def test_a_subset_refit_moves_only_the_named_tensors():
+    system, src_arrays, dst_arrays = setup()
+    train_step(system, src_arrays, 1)
+    with pytest.raises(refit.RefitError, match="a subset refit needs a committed version"):
+        system.refit_latest(only=["b"])
+    whole = system.refit_latest()
+    train_step(system, src_arrays, 2)
+    part = system.refit_latest(only=["b"])
+    assert part.version == 2 and 0 < part.bytes < whole.bytes
+    for d, arrays in zip(system.destinations, dst_arrays):
+        assert d.load() == 2
+        np.testing.assert_array_equal(arrays["b"], block(full(2)["b"], *d.block("b")))
+        np.testing.assert_array_equal(arrays["w"], block(full(1)["w"], *d.block("w")))  # kept from version 1
+    with pytest.raises(refit.PlanError, match="tensor 'x' named for a subset refit"):
+        train_step(system, src_arrays, 3)
+        system.refit(3, only=["x"])
