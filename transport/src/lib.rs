@@ -13,6 +13,7 @@ pub mod bypass;
 pub mod copy;
 pub mod cuda;
 pub mod cursor;
+pub mod delta;
 pub mod exec;
 pub mod faults;
 pub mod frame;
