@@ -26,6 +26,23 @@
 /// Bytes of the header.
 pub const HEADER: usize = 26;
 
+/// What one rank sent and received in a refit, message by message (the
+/// packed bytes, keyed by round and peer): the base of the next delta
+/// refit of the same plan. Costs as much memory as the rank sends plus
+/// what it receives in a refit.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeltaMemo {
+    pub(crate) sent: std::collections::HashMap<(u32, reshard::Endpoint), Vec<u8>>,
+    pub(crate) received: std::collections::HashMap<(u32, reshard::Endpoint), Vec<u8>>,
+}
+
+impl DeltaMemo {
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.sent.values().chain(self.received.values()).map(|v| v.len() as u64).sum()
+    }
+}
+
 const DENSE: u8 = 0;
 const BITMAP: u8 = 1;
 const INDICES: u8 = 2;

@@ -7,6 +7,7 @@ use crate::copy::{
     copy_strided_unfenced, for_each_run_ptr, in_bounds, packed_strides, prefetch, run_bytes, store_fence, StridedRef, PREFETCH_AHEAD,
 };
 use crate::cursor::{Action, RankCursor};
+use crate::delta::{decode, encode, DeltaMemo};
 use crate::frame::SHORT_RUN;
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
@@ -160,6 +161,43 @@ pub fn run_rank_bypassing<T: Transport>(
     run_rank_view(program, bypass, &mem, transport, deadline)
 }
 
+/// A delta refit on one rank ([`crate::delta`]): every message goes as
+/// what changed since the same message of the base refit (`base`, this
+/// rank's memo of it; `None`: dense this time), and the run leaves its own
+/// memo for the next one. Every destination element is still written.
+pub struct DeltaRun<'a> {
+    /// The memo of the base refit, if this rank has it.
+    pub base: Option<&'a DeltaMemo>,
+    /// This run's memo (filled as messages go and come).
+    pub next: DeltaMemo,
+    /// Bytes this rank put on the wire (encodings, headers included).
+    pub wire_bytes: u64,
+}
+
+impl<'a> DeltaRun<'a> {
+    /// A delta run on `base`.
+    pub fn new(base: Option<&'a DeltaMemo>) -> DeltaRun<'a> {
+        DeltaRun { base, next: DeltaMemo::default(), wire_bytes: 0 }
+    }
+}
+
+/// [`run_rank_bypassing`] as a delta refit; `stats.sent_bytes` is then
+/// what went on the wire ([`DeltaRun::wire_bytes`]).
+pub fn run_rank_delta<T: Transport>(
+    program: &RankProgram,
+    bypass: &Bypass,
+    memory: &mut RankMemory,
+    transport: &mut T,
+    options: &ExecOptions,
+    delta: &mut DeltaRun<'_>,
+) -> Result<RankStats, ExecError> {
+    let deadline = Instant::now() + options.deadline;
+    let mem = memory.view();
+    let mut stats = run_rank_inner(program, bypass, &mem, transport, deadline, Some(delta))?;
+    stats.sent_bytes = delta.wire_bytes;
+    Ok(stats)
+}
+
 pub(crate) fn run_rank_view<T: Transport>(
     program: &RankProgram,
     bypass: &Bypass,
@@ -167,7 +205,18 @@ pub(crate) fn run_rank_view<T: Transport>(
     transport: &mut T,
     deadline: Instant,
 ) -> Result<RankStats, ExecError> {
-    let result = run_rounds(program, bypass, mem, transport, deadline);
+    run_rank_inner(program, bypass, mem, transport, deadline, None)
+}
+
+fn run_rank_inner<T: Transport>(
+    program: &RankProgram,
+    bypass: &Bypass,
+    mem: &MemView,
+    transport: &mut T,
+    deadline: Instant,
+    delta: Option<&mut DeltaRun<'_>>,
+) -> Result<RankStats, ExecError> {
+    let result = run_rounds(program, bypass, mem, transport, deadline, delta);
     if let Err(e) = &result {
         if !matches!(e, ExecError::Transport(TransportError::PeerAborted { .. })) {
             transport.abort(&e.to_string());
@@ -191,6 +240,7 @@ fn run_rounds<T: Transport>(
     mem: &MemView,
     transport: &mut T,
     deadline: Instant,
+    mut delta: Option<&mut DeltaRun<'_>>,
 ) -> Result<RankStats, ExecError> {
     let me = program.endpoint;
     if mem.bufs.len() != program.buffers.len() {
@@ -222,6 +272,10 @@ fn run_rounds<T: Transport>(
             }
             Action::Send { round, message } => {
                 let payload = pack(me, mem, message)?;
+                let payload = match delta.as_deref_mut() {
+                    None => payload,
+                    Some(d) => delta_encode(me, round, message, payload, d)?,
+                };
                 transport.send(round, message.peer, payload)?;
             }
             Action::Recv { round } => {
@@ -230,7 +284,10 @@ fn run_rounds<T: Transport>(
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
                 let routes: Vec<(u32, LocalCopyView<'_>)> = bypass.routes(round, peer).collect();
                 let into = Into { me, mem, bypass, routes: &routes };
-                let unpacked = unpack(&into, msg, payload, &mut stage);
+                let unpacked = match delta.as_deref_mut() {
+                    None => unpack(&into, msg, payload, &mut stage),
+                    Some(d) => delta_decode(round, peer, payload, d).and_then(|dense| unpack_bytes(&into, msg, &dense)),
+                };
                 // Streaming stores reach memory before anyone is told.
                 store_fence();
                 unpacked.map_err(|e| match e {
@@ -283,6 +340,42 @@ fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload
     // failure `run_rank_view`) before its run returns; the pieces read are
     // source regions this rank does not write while they are lent.
     Ok(Payload::Pieces(unsafe { SentPieces::new(msg, &mem.bufs, staging) }))
+}
+
+/// A message's packed bytes, encoded against the same message of the base
+/// refit (see [`crate::delta`]); the packed bytes go into this run's memo.
+fn delta_encode(me: Endpoint, round: u32, msg: &Message<SendPiece>, payload: Payload, d: &mut DeltaRun<'_>) -> Result<Payload, ExecError> {
+    let mut dense = Vec::with_capacity(msg.wire_bytes() as usize);
+    // SAFETY: the payload was just packed from this rank's buffers, which
+    // nobody writes during the run; the runs are copied out here.
+    unsafe { crate::frame::for_payload_runs(&payload, |r| dense.extend_from_slice(r)) }
+        .map_err(|e| ExecError::Setup(format!("{me}: packing a delta message: {e}")))?;
+    drop(payload);
+    let unit = msg.pieces.views().map(|p| p.wire().size() as usize).min().unwrap_or(1);
+    let key = (round, msg.peer);
+    let encoded = encode(d.base.and_then(|b| b.sent.get(&key)).map(Vec::as_slice), &dense, unit);
+    d.wire_bytes += encoded.len() as u64;
+    d.next.sent.insert(key, dense);
+    Ok(Payload::Bytes(encoded))
+}
+
+/// A delta message's whole packed bytes, rebuilt on the base refit's copy;
+/// they go into this run's memo too.
+fn delta_decode(round: u32, peer: Endpoint, payload: Payload, d: &mut DeltaRun<'_>) -> Result<Vec<u8>, Unpack> {
+    let encoded = match payload {
+        Payload::Bytes(b) => b,
+        Payload::Lent(l) => l.as_slice().to_vec(),
+        Payload::Stream(mut frame) => {
+            let mut b = vec![0u8; frame.len() as usize];
+            frame.read_exact(&mut b).map_err(|e| Unpack::Broken(format!("in a message: {e}")))?;
+            b
+        }
+        Payload::Pieces(_) | Payload::Segments { .. } => return Err(Unpack::Bad("a dense message in a delta refit".into())),
+    };
+    let key = (round, peer);
+    let dense = decode(d.base.and_then(|b| b.received.get(&key)).map(Vec::as_slice), &encoded).map_err(|e| Unpack::Bad(e.to_string()))?;
+    d.next.received.insert(key, dense.clone());
+    Ok(dense)
 }
 
 enum Unpack {
