@@ -131,7 +131,11 @@ impl Endpointed {
                 // peer it expects nothing from gets the floor): a peer
                 // cannot make it allocate more.
                 max_frame_bytes: MIN_FRAME_LIMIT,
-                max_frame_bytes_from: largest_from.into_iter().map(|(peer, l)| (peer, l.max(MIN_FRAME_LIMIT))).collect(),
+                // (A delta refit's message may be a header longer.)
+                max_frame_bytes_from: largest_from
+                    .into_iter()
+                    .map(|(peer, l)| (peer, (l + transport::delta::HEADER as u64).max(MIN_FRAME_LIMIT)))
+                    .collect(),
                 // Strangers at the data port are refused and logged.
                 hello_key: Some(key),
                 write_buffer_bytes: 256 << 10,

@@ -11,7 +11,8 @@ use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
-use transport::{run_rank_bypassing, Bypass, ExecOptions, RankMemory, Transport};
+use transport::delta::DeltaMemo;
+use transport::{run_rank_bypassing, run_rank_delta, Bypass, DeltaRun, ExecOptions, RankMemory, Transport};
 
 /// Which side of the refit a member is on, with its rank's store.
 #[derive(Debug, Clone)]
@@ -124,10 +125,19 @@ pub struct Member {
     pending: Option<Pending>,
     /// At most one kept endpoint per installed plan.
     kept: Vec<Kept>,
-    /// Scratch buffers a plan's last clean run left, by plan: the next run
-    /// of that plan writes them again instead of faulting in fresh pages
-    /// (every scratch element a run reads, it wrote first).
-    scratch: Vec<(Fingerprint, Vec<Vec<u8>>)>,
+    /// What a plan's last clean run left for the next, by plan.
+    scratch: Vec<(Fingerprint, Leftover)>,
+}
+
+/// What a clean run of a plan leaves for the next run of it.
+#[derive(Default)]
+struct Leftover {
+    /// Its scratch buffers: the next run writes them again instead of
+    /// faulting in fresh pages (every scratch element a run reads, it
+    /// wrote first).
+    scratch: Vec<Vec<u8>>,
+    /// A delta run's memo, with the refit it comes from.
+    memo: Option<(u64, DeltaMemo)>,
 }
 
 impl Member {
@@ -204,45 +214,71 @@ fn drop_scratch(memory: &mut RankMemory, base: usize) -> Vec<Vec<u8>> {
     memory.buffers.split_off(base)
 }
 
-/// Runs `program` on `memory` over the endpoint's transport, with scratch
-/// from `reuse`; hands the scratch back.
+/// How one run goes.
+#[derive(Clone, Copy)]
+struct RunHow {
+    /// The refit.
+    refit: u64,
+    /// Time the data movement may take.
+    deadline: Duration,
+    /// A delta run on the memo of this refit (`Some(None)`: dense, keeping
+    /// a memo); `None`: an ordinary run.
+    delta: Option<Option<u64>>,
+}
+
+/// Runs `program` on `memory` over the endpoint's transport, with what the
+/// plan's last run left; hands back what this one leaves.
 fn execute_on(
     program: &RankProgram,
     memory: &mut RankMemory,
     end: &mut Endpointed,
-    deadline: Duration,
-    reuse: Vec<Vec<u8>>,
-) -> (Result<RunStats, Refusal>, Vec<Vec<u8>>) {
+    how: RunHow,
+    left: Leftover,
+) -> (Result<RunStats, Refusal>, Leftover) {
     match end.transport() {
-        Ok(t) => execute(program, memory, t, deadline, reuse),
-        Err(e) => (Err(Refusal::Fabric(e)), reuse),
+        Ok(t) => execute(program, memory, t, how, left),
+        Err(e) => (Err(Refusal::Fabric(e)), left),
     }
 }
 
-/// Runs `program` on `memory` (plus any scratch it needs, from `reuse`
-/// where it fits) over `transport`; hands the scratch back.
+/// Runs `program` on `memory` (plus any scratch it needs, from `left`
+/// where it fits) over `transport`; hands back what this run leaves.
 fn execute(
     program: &RankProgram,
     memory: &mut RankMemory,
     transport: &mut dyn Transport,
-    deadline: Duration,
-    reuse: Vec<Vec<u8>>,
-) -> (Result<RunStats, Refusal>, Vec<Vec<u8>>) {
+    how: RunHow,
+    left: Leftover,
+) -> (Result<RunStats, Refusal>, Leftover) {
     // Scratch whose copies the executor makes on receipt gets no memory.
     let bypass = Bypass::of(program);
-    let base = match with_scratch(memory, program, &bypass, reuse) {
+    let Leftover { scratch, memo } = left;
+    let base = match with_scratch(memory, program, &bypass, scratch) {
         Ok(base) => base,
         Err(e) => {
             transport.abort(&e);
-            return (Err(Refusal::ProgramMismatch(e)), Vec::new());
+            return (Err(Refusal::ProgramMismatch(e)), Leftover::default());
         }
     };
     let mut t: &mut dyn Transport = transport;
-    let r = run_rank_bypassing(program, &bypass, memory, &mut t, &ExecOptions { deadline })
+    let options = ExecOptions { deadline: how.deadline };
+    let (r, memo) = match how.delta {
+        None => (run_rank_bypassing(program, &bypass, memory, &mut t, &options), None),
+        Some(base_refit) => {
+            // The memo of the base refit, if this rank kept it; otherwise
+            // its messages go dense and a peer that sends it a delta fails
+            // the refit (the orchestrator then starts over, dense).
+            let base_memo = memo.as_ref().filter(|(r, _)| Some(*r) == base_refit).map(|(_, m)| m);
+            let mut run = DeltaRun::new(base_memo);
+            let r = run_rank_delta(program, &bypass, memory, &mut t, &options, &mut run);
+            (r, Some((how.refit, run.next)))
+        }
+    };
+    let r = r
         .map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages })
         .map_err(|e| Refusal::Exec(e.to_string()));
     let scratch = drop_scratch(memory, base);
-    (r, scratch)
+    (r, Leftover { scratch, memo })
 }
 
 /// How long past its deadline a rank's data plane may stay blocked — in a
@@ -365,7 +401,14 @@ impl Member {
         }
     }
 
-    async fn run(&mut self, refit: u64, version: u64, fingerprint: Fingerprint, deadline: Duration) -> MemberReply {
+    async fn run(
+        &mut self,
+        refit: u64,
+        version: u64,
+        fingerprint: Fingerprint,
+        deadline: Duration,
+        delta: Option<Option<u64>>,
+    ) -> MemberReply {
         let Pending { program, mut end, session, keep, .. } = match self.take_pending(refit) {
             Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
@@ -386,6 +429,7 @@ impl Member {
         // This plan's scratch from its last clean run, if any; taken, so a
         // run that fails leaves none behind.
         let reuse = self.scratch.iter().position(|(f, _)| *f == fingerprint).map(|i| self.scratch.swap_remove(i).1).unwrap_or_default();
+        let how = RunHow { refit, deadline, delta };
         let (result, kept) = match &self.role {
             Role::Src(store) => {
                 // The fence: hold the write lock while peers read our weights.
@@ -402,7 +446,7 @@ impl Member {
                     return MemberReply::Refused(refusal);
                 }
                 let run = tokio::task::spawn_blocking(move || {
-                    let (r, scratch) = execute_on(&program, guard.memory_mut(), &mut end, deadline, reuse);
+                    let (r, scratch) = execute_on(&program, guard.memory_mut(), &mut end, how, reuse);
                     (r, (end, scratch))
                 });
                 split(watched(run, deadline, kill).await)
@@ -427,7 +471,7 @@ impl Member {
                     if let Some(base) = base {
                         carry(&program.carried, &base.buffers, &mut guard.buffers);
                     }
-                    let (r, scratch) = execute_on(&program, guard.buffers.memory_mut(), &mut end, deadline, reuse);
+                    let (r, scratch) = execute_on(&program, guard.buffers.memory_mut(), &mut end, how, reuse);
                     if r.is_ok() {
                         guard.complete = Some(version);
                     }
@@ -491,7 +535,7 @@ impl Actor for Member {
             MemberMsg::Prepare { refit, fingerprint, session, fabric, keep } => self.prepare(refit, fingerprint, session, fabric, keep),
             MemberMsg::Resume { refit, fingerprint, session } => self.resume(refit, fingerprint, session),
             MemberMsg::Connect { refit, peers } => self.connect(refit, peers).await,
-            MemberMsg::Run { refit, version, fingerprint, deadline } => self.run(refit, version, fingerprint, deadline).await,
+            MemberMsg::Run { refit, version, fingerprint, deadline, delta } => self.run(refit, version, fingerprint, deadline, delta).await,
             MemberMsg::Commit { version } => match &self.role {
                 Role::Dst(store) => match store.commit(version).await {
                     Ok(()) => MemberReply::Done,

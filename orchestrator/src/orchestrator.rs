@@ -36,6 +36,13 @@ pub struct OrchestratorConfig {
     /// [`OrchestratorMsg::CloseDataPlane`] opens a fresh data plane next
     /// time. Off: every refit opens its own (its own session id).
     pub keep_data_plane: bool,
+    /// Delta refits: after a refit of a plan commits, the next refit of
+    /// that plan sends each message as what changed since (every member
+    /// keeps a copy of what it sent and received in the last committed
+    /// refit: memory as large as its share of the bytes moved). Any
+    /// failure, a replaced member or a changed layout makes the next refit
+    /// dense. Destinations still write every element. Off by default.
+    pub delta: bool,
 }
 
 impl Default for OrchestratorConfig {
@@ -47,6 +54,7 @@ impl Default for OrchestratorConfig {
             deadline: transport::DEFAULT_DEADLINE,
             control_timeout: Duration::from_secs(10),
             keep_data_plane: true,
+            delta: false,
         }
     }
 }
@@ -362,6 +370,9 @@ pub struct Orchestrator {
     config: OrchestratorConfig,
     /// One plan per strategy and subset, while both layouts stay the same.
     cache: std::collections::HashMap<(Strategy, Option<TensorSubset>), CachedPlan>,
+    /// Delta refits: per plan, the last refit of it that committed (every
+    /// member keeps what it sent and received then).
+    delta_base: std::collections::HashMap<Fingerprint, u64>,
     /// The layouts, kept while members report the same fingerprints (a
     /// replaced member then costs a plan, not a describe).
     layouts: Option<KnownLayouts>,
@@ -383,6 +394,7 @@ impl Orchestrator {
             dst,
             config,
             cache: Default::default(),
+            delta_base: Default::default(),
             layouts: None,
             plans_made: 0,
             refits: 0,
@@ -838,6 +850,7 @@ impl Orchestrator {
             Ok(sent) => sent,
             Err(e) => {
                 self.kept.clear();
+                self.delta_base.clear();
                 // Every destination keeps serving its last committed version;
                 // every member drops what it prepared for this refit.
                 // A member that is stuck (an abort that hangs) must not hold up
@@ -850,7 +863,7 @@ impl Orchestrator {
                 return Err(e);
             }
         };
-        if sent != bytes {
+        if sent != bytes && !self.config.delta {
             tracing::warn!(sent, planned = bytes, "members sent another number of bytes than the plan moves");
         }
         // The second phase: every destination has staged the whole
@@ -861,7 +874,13 @@ impl Orchestrator {
         let committed = call_both(&self.src, &self.dst, commit, self.config.control_timeout).await;
         if let Err(e) = committed.and_then(|c| no_refusal(&c)) {
             self.kept.clear();
+            self.delta_base.clear();
             return Err(e);
+        }
+        if self.config.delta {
+            // Every member ran this refit clean and keeps what it sent and
+            // received: the base of this plan's next one.
+            self.delta_base.insert(fingerprint, refit);
         }
         if self.keeps_data_plane() {
             // Every member ran clean and keeps its endpoint of `session`.
@@ -905,7 +924,8 @@ impl Orchestrator {
         }
         *connect_time += t.elapsed();
         let deadline = self.config.deadline;
-        let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline });
+        let delta = self.config.delta.then(|| self.delta_base.get(&fingerprint).copied());
+        let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta });
         self.enter(RefitStep::Running);
         let ran = call_both(&self.src, &self.dst, run, deadline + control).await?;
         no_refusal(&ran)?;
@@ -969,6 +989,8 @@ impl Orchestrator {
     /// (a queued `Discard`: between refits it only drops what is kept).
     fn forget_data_plane(&mut self, tell: bool) {
         self.kept.clear();
+        // A replaced member holds no base: the next refit is dense.
+        self.delta_base.clear();
         if tell {
             for (_, m) in self.src.iter().chain(self.dst.iter()) {
                 let _ = m.try_tell(MemberMsg::Discard);

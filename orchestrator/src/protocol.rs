@@ -142,6 +142,11 @@ pub enum MemberMsg {
         fingerprint: Fingerprint,
         /// Time the data movement may take.
         deadline: Duration,
+        /// A delta refit ([`transport::delta`]): `Some(base)` sends every
+        /// message as what changed since the same message of refit `base`
+        /// (the last one of this plan that committed; `None` inside: no
+        /// base yet, dense this time, remembered for the next).
+        delta: Option<Option<u64>>,
     },
     /// Make staged `version` the one readers get (destinations); the second phase.
     Commit {

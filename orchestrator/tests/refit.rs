@@ -214,7 +214,8 @@ async fn wrong_fingerprint_is_refused() {
     let bogus = Fingerprint(installed.0 ^ 1);
     let member = &sys.src_members;
     // A step of a refit that was never prepared here.
-    let reply = member.call_rank(0, MemberMsg::Run { refit: 77, version: v, fingerprint: bogus, deadline: SECOND }).await.unwrap();
+    let reply =
+        member.call_rank(0, MemberMsg::Run { refit: 77, version: v, fingerprint: bogus, deadline: SECOND, delta: None }).await.unwrap();
     assert_eq!(reply, MemberReply::Refused(Refusal::NotPrepared { refit: 77 }));
     let mismatch = MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(installed), asked: bogus });
     // A plan that is not installed cannot be prepared...
@@ -229,7 +230,8 @@ async fn wrong_fingerprint_is_refused() {
     // ...nor run under another plan than the one prepared (node fabric: a
     // loopback listener).
     assert!(matches!(member.call_rank(0, prepare(installed)).await.unwrap(), MemberReply::Prepared { .. }));
-    let reply = member.call_rank(0, MemberMsg::Run { refit: 78, version: v, fingerprint: bogus, deadline: SECOND }).await.unwrap();
+    let reply =
+        member.call_rank(0, MemberMsg::Run { refit: 78, version: v, fingerprint: bogus, deadline: SECOND, delta: None }).await.unwrap();
     assert_eq!(reply, mismatch);
     // The next refit is not disturbed.
     let v = step(&sys, 2.0).await;
@@ -563,4 +565,103 @@ async fn node_fabric_without_kept_connections_opens_one_per_refit() {
     for value in [1.0, 2.0, 3.0] {
         assert!(!refit_resumed(&sys, value).await);
     }
+}
+
+/// Training TP2 by rows (f32) -> inference TP2 by columns x DP2 on 2
+/// nodes (bf16): big enough that a delta's headers do not matter.
+fn big_layouts() -> (Layout, Layout) {
+    let src = r#"{"ranks": 2, "tensors": [
+      {"name": "w", "dtype": "f32", "shape": [256, 64], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#;
+    let dst = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
+      {"name": "w", "dtype": "bf16", "shape": [256, 64], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(1)"]}]}"#;
+    (parse_layout(src).unwrap(), parse_layout(dst).unwrap())
+}
+
+/// Source values of step `k`: element i is `i`, plus `k` on every
+/// `every`-th element.
+fn big_value(i: usize, k: u32, every: usize) -> f32 {
+    i as f32 + if i.is_multiple_of(every) { k as f32 * 1000.0 } else { 0.0 }
+}
+
+async fn big_step(sys: &RefitSystem, k: u32, every: usize) -> u64 {
+    let mut version = 0;
+    for s in &sys.src_stores {
+        version = s
+            .try_update(|b| {
+                let mut t = b.tensor_mut("w")?;
+                let (offset, extent) = (t.offset()[0] as usize, t.extent().to_vec());
+                let n = (extent[0] * extent[1]) as usize;
+                let values: Vec<f32> = (0..n).map(|j| big_value(offset * 64 + j, k, every)).collect();
+                t.write_f32(&values)
+            })
+            .await
+            .unwrap()
+            .0;
+    }
+    version
+}
+
+/// Whether every destination serves step `k`'s values (as bf16).
+fn big_serves(sys: &RefitSystem, k: u32, every: usize) -> bool {
+    sys.dst_stores.iter().all(|s| {
+        let snap = s.snapshot().unwrap();
+        let t = snap.buffers.tensor("w").unwrap();
+        let (off, ext) = (t.offset().to_vec(), t.extent().to_vec());
+        let got = t.to_f32().unwrap();
+        (0..got.len()).all(|j| {
+            let (r, c) = (off[0] as usize + j / ext[1] as usize, off[1] as usize + j % ext[1] as usize);
+            let want = big_value(r * 64 + c, k, every);
+            // bf16 of `want`, round to nearest even, as the refit narrows.
+            let bits = want.to_bits();
+            let rounded = f32::from_bits(((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) << 16);
+            got[j] == rounded
+        })
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn delta_refits_move_what_changed_and_fall_back_to_dense() {
+    check_delta(Fabric::InProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn delta_refits_over_the_node_fabric() {
+    // Shared memory inside a node, TCP across, connections kept: messages
+    // arrive lent, streamed or as frames, and a frame may be a header
+    // longer than the plan's message.
+    check_delta(Fabric::Node(NodeFabric::default())).await;
+}
+
+async fn check_delta(fabric: Fabric) {
+    let (src, dst) = big_layouts();
+    let sys = spawn_refit(&src, &dst, OrchestratorConfig { delta: true, fabric, ..config(Strategy::Reshard) }).await.unwrap();
+    let dense = sys.orchestrator.plan().await.unwrap().bytes;
+    // No base yet: dense (plus a header per message).
+    let v = big_step(&sys, 1, 50).await;
+    let first = sys.orchestrator.refit(v).await.unwrap();
+    assert!(first.bytes >= dense && first.bytes < dense + 1024, "{} vs {dense}", first.bytes);
+    assert!(big_serves(&sys, 1, 50));
+    // 2% of the elements change: at most a tenth of the bytes, bit-exact.
+    for k in 2..=4 {
+        let v = big_step(&sys, k, 50).await;
+        let r = sys.orchestrator.refit(v).await.unwrap();
+        assert!(r.bytes * 10 <= dense, "step {k}: {} bytes, dense {dense}", r.bytes);
+        assert!(big_serves(&sys, k, 50), "step {k}");
+    }
+    // Every element changes: hardly more than dense.
+    let v = big_step(&sys, 5, 1).await;
+    let r = sys.orchestrator.refit(v).await.unwrap();
+    assert!(r.bytes as f64 <= 1.05 * dense as f64, "{} vs {dense}", r.bytes);
+    assert!(big_serves(&sys, 5, 1));
+    // After the data plane is dropped (as after a replaced member or a
+    // failure), the next refit is dense again, then deltas resume.
+    sys.orchestrator.close_data_plane().await.unwrap();
+    let v = big_step(&sys, 6, 50).await;
+    let r = sys.orchestrator.refit(v).await.unwrap();
+    assert!(r.bytes >= dense, "{} vs {dense}", r.bytes);
+    assert!(big_serves(&sys, 6, 50));
+    let v = big_step(&sys, 7, 50).await;
+    let r = sys.orchestrator.refit(v).await.unwrap();
+    assert!(r.bytes * 10 <= dense, "{} vs {dense}", r.bytes);
+    assert!(big_serves(&sys, 7, 50));
 }

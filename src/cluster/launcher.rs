@@ -281,6 +281,7 @@ impl Cluster {
                 deadline: config.refit_deadline,
                 control_timeout: config.setup_timeout,
                 keep_data_plane: config.keep_data_plane,
+                delta: false,
             };
             spawn_orchestrator(ActorGroup::from_refs(members[0].clone()), ActorGroup::from_refs(members[1].clone()), oc)
         };
