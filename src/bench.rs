@@ -183,6 +183,102 @@ pub fn exec_bench(
     })
 }
 
+/// What [`delta_bench`] measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeltaBench {
+    /// Fraction of source elements changed between refits.
+    pub fraction: f64,
+    /// Bytes a dense refit moves (the plan's).
+    pub dense_bytes: u64,
+    /// Bytes a delta refit put on the wire (median over repetitions).
+    pub delta_bytes: u64,
+    /// Median time of a dense refit.
+    pub dense: Duration,
+    /// Median time of a delta refit.
+    pub delta: Duration,
+    /// Repetitions.
+    pub reps: usize,
+}
+
+/// Changes `fraction` of every source buffer's elements (a mantissa bit
+/// that survives narrowing to bf16), chosen by a hash of the element and
+/// `step`.
+fn change_sources(memory: &mut [transport::RankMemory], fraction: f64, step: u64) {
+    let threshold = (fraction.clamp(0.0, 1.0) * u64::MAX as f64) as u64;
+    for (r, m) in memory.iter_mut().enumerate() {
+        for (b, (buf, dtype)) in m.buffers.iter_mut().zip(&m.dtypes).enumerate() {
+            let size = dtype.size() as usize;
+            let at = size.saturating_sub(2);
+            for (i, e) in buf.chunks_exact_mut(size).enumerate() {
+                // SplitMix64 of (step, rank, buffer, element).
+                let mut z = (step << 48 ^ (r as u64) << 32 ^ (b as u64) << 24 ^ i as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                if z ^ (z >> 31) < threshold {
+                    e[at] ^= 0x40;
+                }
+            }
+        }
+    }
+}
+
+/// A delta refit against a dense one of the same plan, in process: one
+/// base refit, then `reps` times a change of `fraction` of the source
+/// elements followed by a delta refit and a dense one (alternating which
+/// goes first); the first delta refit's destinations are checked equal to
+/// the dense refit's, byte for byte.
+pub fn delta_bench(
+    src: &Layout,
+    dst: &Layout,
+    plan: Plan,
+    fraction: f64,
+    reps: usize,
+    mut phase: impl FnMut(&str),
+) -> Result<DeltaBench, RunError> {
+    let reps = reps.max(1);
+    let exec = ExecOptions::default();
+    phase("deriving programs, filling buffers");
+    let mut p = prepare_plan(src, dst, plan)?;
+    let n_src = src.ranks() as usize;
+    let dense_bytes = p.plan.figures().total_bytes;
+    phase("the base refit");
+    let none = vec![None; p.programs.len()];
+    let (_, mut memos) = transport::run_local_delta(&p.programs, &mut p.memory, &exec, none)?;
+    p.verify(src, dst)?;
+    let (mut td, mut tx, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..reps {
+        phase(&rep_phase(i + 1, reps, "delta and dense"));
+        change_sources(&mut p.memory[..n_src], fraction, i as u64 + 1);
+        let mut delta = |p: &mut crate::runner::Prepared, memos: &mut Vec<transport::delta::DeltaMemo>| -> Result<(), RunError> {
+            let bases: Vec<Option<transport::delta::DeltaMemo>> = std::mem::take(memos).into_iter().map(Some).collect();
+            let (report, next) = transport::run_local_delta(&p.programs, &mut p.memory, &exec, bases)?;
+            *memos = next;
+            td.push(report.elapsed);
+            bytes.push(report.bytes);
+            Ok(())
+        };
+        if i % 2 == 0 {
+            delta(&mut p, &mut memos)?;
+            let after_delta: Vec<Vec<Vec<u8>>> =
+                if i == 0 { p.dst_memory().iter().map(|m| m.buffers.clone()).collect() } else { Vec::new() };
+            tx.push(p.execute(&exec)?.elapsed);
+            if i == 0 {
+                let dense: Vec<Vec<Vec<u8>>> = p.dst_memory().iter().map(|m| m.buffers.clone()).collect();
+                if dense != after_delta {
+                    return Err(RunError::Exec(transport::ExecError::Setup(
+                        "the delta refit's destinations differ from the dense refit's".into(),
+                    )));
+                }
+            }
+        } else {
+            tx.push(p.execute(&exec)?.elapsed);
+            delta(&mut p, &mut memos)?;
+        }
+    }
+    bytes.sort_unstable();
+    Ok(DeltaBench { fraction, dense_bytes, delta_bytes: bytes[bytes.len() / 2], dense: median(tx), delta: median(td), reps })
+}
+
 /// Peak resident memory of this process so far (Linux `VmHWM`), in bytes.
 pub fn peak_rss_bytes() -> Option<u64> {
     crate::procs::peak_rss_of("self")

@@ -72,6 +72,12 @@ struct BenchArgs {
     /// maps: FILE (reshard) and FILE with `.baseline.svg` (baseline).
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// Instead: a delta refit against a dense one (reshard, in process),
+    /// with this fraction of source elements (0 to 1) changed before each
+    /// pair of refits; reports both bytes and times (`--json`:
+    /// `delta_bytes`, `dense_bytes`, `delta_s`, `dense_s`).
+    #[arg(long, value_name = "F")]
+    delta_fraction: Option<f64>,
     /// Print JSON.
     #[arg(long)]
     json: bool,

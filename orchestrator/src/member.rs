@@ -268,7 +268,7 @@ fn execute(
             // The memo of the base refit, if this rank kept it; otherwise
             // its messages go dense and a peer that sends it a delta fails
             // the refit (the orchestrator then starts over, dense).
-            let base_memo = memo.as_ref().filter(|(r, _)| Some(*r) == base_refit).map(|(_, m)| m);
+            let base_memo = memo.filter(|(r, _)| Some(*r) == base_refit).map(|(_, m)| m);
             let mut run = DeltaRun::new(base_memo);
             let r = run_rank_delta(program, &bypass, memory, &mut t, &options, &mut run);
             (r, Some((how.refit, run.next)))

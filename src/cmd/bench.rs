@@ -86,6 +86,37 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
     let fail = |e: String| Failure { line: e, code: 1 };
     progress.phase("planning reshard");
     let rplan = plan_reshard(&s, &d, &opts).map_err(|e| fail(e.to_string()))?;
+    if let Some(fraction) = a.delta_fraction {
+        if a.transport != BenchTransport::Local || !(0.0..=1.0).contains(&fraction) {
+            return Err(invalid("--delta-fraction takes a fraction from 0 to 1 and runs in process (--transport local)".into()));
+        }
+        let b = refit::bench::delta_bench(&s, &d, rplan, fraction, a.reps, |p| progress.phase(p.to_string()))
+            .map_err(|e| fail(e.to_string()))?;
+        drop(progress);
+        let share = b.delta_bytes as f64 / b.dense_bytes.max(1) as f64;
+        if a.json {
+            say!(
+                "{}",
+                json!({"workload": what, "delta_fraction": b.fraction, "reps": b.reps, "dense_bytes": b.dense_bytes, "delta_bytes": b.delta_bytes,
+                       "delta_share": share, "dense_s": b.dense.as_secs_f64(), "delta_s": b.delta.as_secs_f64()})
+            );
+        } else {
+            say!(
+                "workload: {what}; {}; {:.2}% of source elements changed before each refit; medians of {} reps",
+                pair_summary(&s, &d),
+                b.fraction * 100.0,
+                b.reps
+            );
+            say!("dense refit   {:>12}   {}", human(b.dense_bytes), duration(b.dense));
+            say!(
+                "delta refit   {:>12}   {}   ({:.1}% of the dense bytes; bit-exact with the dense refit)",
+                human(b.delta_bytes),
+                duration(b.delta),
+                share * 100.0
+            );
+        }
+        return Ok(());
+    }
     progress.phase("planning baseline");
     let bplan = plan_baseline(&s, &d, &opts).map_err(|e| fail(e.to_string()))?;
     let (rf, bf) = (rplan.figures().clone(), bplan.figures().clone());

@@ -101,8 +101,9 @@ pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
     };
     let Some(base) = base.filter(|b| b.len() == new.len()) else { return dense(0) };
     let base_crc = crc32c::crc32c(base);
-    let changed: Vec<u64> =
-        new.chunks_exact(unit).zip(base.chunks_exact(unit)).enumerate().filter(|(_, (n, b))| n != b).map(|(i, _)| i as u64).collect();
+    // More changed units than this and no form beats dense.
+    let most = (new.len() - (units as usize).div_ceil(8).min(new.len())) / unit;
+    let Some(changed) = changed_units(base, new, unit, most) else { return dense(base_crc) };
     let values = changed.len() * unit;
     let bitmap_len = (units as usize).div_ceil(8) + values;
     let indices_len = if units <= u32::MAX as u64 { changed.len() * 4 + values } else { usize::MAX };
@@ -132,6 +133,37 @@ pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
     out
 }
 
+/// Indices of the `unit`-byte units where `new` differs from `base` (same
+/// lengths, a multiple of `unit`), compared 8 bytes at a time; `None` if
+/// more than `most` differ (found by a first pass that only counts, so a
+/// message that changed all over costs no list).
+fn changed_units(base: &[u8], new: &[u8], unit: usize, most: usize) -> Option<Vec<u64>> {
+    let per_word = 8 / unit;
+    let words = new.len() / 8;
+    let tail = (words * 8 / unit)..(new.len() / unit);
+    let unit_differs = |i: usize| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit];
+    // Units of word `w` that differ (its 8 bytes differ).
+    let in_word = |w: usize| (0..per_word).map(move |k| w * per_word + k).filter(move |&i| unit_differs(i));
+    let differing_words = || new.chunks_exact(8).zip(base.chunks_exact(8)).enumerate().filter(|(_, (n, b))| n != b).map(|(w, _)| w);
+    let mut count = 0usize;
+    for w in differing_words() {
+        count += in_word(w).count();
+        if count > most {
+            return None;
+        }
+    }
+    count += tail.clone().filter(|&i| unit_differs(i)).count();
+    if count > most {
+        return None;
+    }
+    let mut changed = Vec::with_capacity(count);
+    for w in differing_words() {
+        changed.extend(in_word(w).map(|i| i as u64));
+    }
+    changed.extend(tail.filter(|&i| unit_differs(i)).map(|i| i as u64));
+    Some(changed)
+}
+
 /// The form of an encoding, as a word (for reports): "dense", "bitmap",
 /// "indices".
 pub fn form(encoded: &[u8]) -> &'static str {
@@ -152,8 +184,9 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 }
 
 /// The message `encoded` encodes, rebuilt on `base` (the receiver's copy
-/// of the same message in the base refit; `None` if it has none).
-pub fn decode(base: Option<&[u8]>, encoded: &[u8]) -> Result<Vec<u8>, DeltaError> {
+/// of the same message in the base refit, patched in place; `None` if it
+/// has none).
+pub fn decode(base: Option<Vec<u8>>, encoded: &[u8]) -> Result<Vec<u8>, DeltaError> {
     let bad = |why: &str| DeltaError::Malformed(why.to_string());
     if encoded.len() < HEADER {
         return Err(bad("shorter than its header"));
@@ -177,11 +210,11 @@ pub fn decode(base: Option<&[u8]>, encoded: &[u8]) -> Result<Vec<u8>, DeltaError
         }
         BITMAP | INDICES => {
             let base = base.ok_or(DeltaError::OtherBase { want: base_crc, have: 0 })?;
-            let have = crc32c::crc32c(base);
+            let have = crc32c::crc32c(&base);
             if base.len() != len || have != base_crc {
                 return Err(DeltaError::OtherBase { want: base_crc, have });
             }
-            let mut out = base.to_vec();
+            let mut out = base;
             let changed: Vec<u64> = if form == BITMAP {
                 let bits = units.div_ceil(8) as usize;
                 if body.len() < bits {
@@ -247,13 +280,13 @@ mod tests {
             let e = encode(Some(&base), &new, 2);
             assert_eq!(form(&e), want, "every {every}");
             assert!((e.len() as f64) <= share * new.len() as f64, "every {every}: {} of {}", e.len(), new.len());
-            assert_eq!(decode(Some(&base), &e).unwrap(), new);
+            assert_eq!(decode(Some(base.to_vec()), &e).unwrap(), new);
         }
         // Unchanged: nothing but the header and an empty list.
         let (base, _) = pair(1000, 1);
         let e = encode(Some(&base), &base, 2);
         assert_eq!((form(&e), e.len()), ("indices", HEADER));
-        assert_eq!(decode(Some(&base), &e).unwrap(), base);
+        assert_eq!(decode(Some(base.to_vec()), &e).unwrap(), base);
         // No base: dense, decodable without one.
         let e = encode(None, &base, 2);
         assert_eq!(form(&e), "dense");
@@ -266,16 +299,16 @@ mod tests {
         let e = encode(Some(&base), &new, 2);
         let mut other = base.clone();
         other[3] ^= 1;
-        assert!(matches!(decode(Some(&other), &e), Err(DeltaError::OtherBase { .. })));
+        assert!(matches!(decode(Some(other.to_vec()), &e), Err(DeltaError::OtherBase { .. })));
         assert!(matches!(decode(None, &e), Err(DeltaError::OtherBase { .. })));
-        assert!(matches!(decode(Some(&base[..10]), &e), Err(DeltaError::OtherBase { .. })));
+        assert!(matches!(decode(Some(base[..10].to_vec()), &e), Err(DeltaError::OtherBase { .. })));
         for i in [0, 1, 5, 20, HEADER, HEADER + 3, e.len() - 1] {
             let mut bad = e.clone();
             bad[i] ^= 0x10;
-            assert!(decode(Some(&base), &bad).is_err(), "byte {i} flipped");
+            assert!(decode(Some(base.to_vec()), &bad).is_err(), "byte {i} flipped");
         }
-        assert!(decode(Some(&base), &e[..e.len() - 1]).is_err());
-        assert!(decode(Some(&base), &e[..5]).is_err());
+        assert!(decode(Some(base.to_vec()), &e[..e.len() - 1]).is_err());
+        assert!(decode(Some(base.to_vec()), &e[..5]).is_err());
     }
 
     proptest! {
@@ -295,7 +328,7 @@ mod tests {
             }
             let e = encode(Some(base), &new, unit);
             prop_assert!(e.len() <= HEADER + new.len());
-            prop_assert_eq!(decode(Some(base), &e).unwrap(), new);
+            prop_assert_eq!(decode(Some(base.to_vec()), &e).unwrap(), new);
         }
     }
 }

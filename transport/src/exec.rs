@@ -165,18 +165,19 @@ pub fn run_rank_bypassing<T: Transport>(
 /// what changed since the same message of the base refit (`base`, this
 /// rank's memo of it; `None`: dense this time), and the run leaves its own
 /// memo for the next one. Every destination element is still written.
-pub struct DeltaRun<'a> {
-    /// The memo of the base refit, if this rank has it.
-    pub base: Option<&'a DeltaMemo>,
+pub struct DeltaRun {
+    /// The memo of the base refit, if this rank has it (used up as the
+    /// run goes: each message's base is patched into this run's memo).
+    pub base: Option<DeltaMemo>,
     /// This run's memo (filled as messages go and come).
     pub next: DeltaMemo,
     /// Bytes this rank put on the wire (encodings, headers included).
     pub wire_bytes: u64,
 }
 
-impl<'a> DeltaRun<'a> {
+impl DeltaRun {
     /// A delta run on `base`.
-    pub fn new(base: Option<&'a DeltaMemo>) -> DeltaRun<'a> {
+    pub fn new(base: Option<DeltaMemo>) -> DeltaRun {
         DeltaRun { base, next: DeltaMemo::default(), wire_bytes: 0 }
     }
 }
@@ -189,7 +190,7 @@ pub fn run_rank_delta<T: Transport>(
     memory: &mut RankMemory,
     transport: &mut T,
     options: &ExecOptions,
-    delta: &mut DeltaRun<'_>,
+    delta: &mut DeltaRun,
 ) -> Result<RankStats, ExecError> {
     let deadline = Instant::now() + options.deadline;
     let mem = memory.view();
@@ -214,7 +215,7 @@ fn run_rank_inner<T: Transport>(
     mem: &MemView,
     transport: &mut T,
     deadline: Instant,
-    delta: Option<&mut DeltaRun<'_>>,
+    delta: Option<&mut DeltaRun>,
 ) -> Result<RankStats, ExecError> {
     let result = run_rounds(program, bypass, mem, transport, deadline, delta);
     if let Err(e) = &result {
@@ -240,7 +241,7 @@ fn run_rounds<T: Transport>(
     mem: &MemView,
     transport: &mut T,
     deadline: Instant,
-    mut delta: Option<&mut DeltaRun<'_>>,
+    mut delta: Option<&mut DeltaRun>,
 ) -> Result<RankStats, ExecError> {
     let me = program.endpoint;
     if mem.bufs.len() != program.buffers.len() {
@@ -286,7 +287,11 @@ fn run_rounds<T: Transport>(
                 let into = Into { me, mem, bypass, routes: &routes };
                 let unpacked = match delta.as_deref_mut() {
                     None => unpack(&into, msg, payload, &mut stage),
-                    Some(d) => delta_decode(round, peer, payload, d).and_then(|dense| unpack_bytes(&into, msg, &dense)),
+                    Some(d) => delta_decode(round, peer, payload, d).and_then(|dense| {
+                        let unpacked = unpack_bytes(&into, msg, &dense);
+                        d.next.received.insert((round, peer), dense);
+                        unpacked
+                    }),
                 };
                 // Streaming stores reach memory before anyone is told.
                 store_fence();
@@ -344,7 +349,7 @@ fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload
 
 /// A message's packed bytes, encoded against the same message of the base
 /// refit (see [`crate::delta`]); the packed bytes go into this run's memo.
-fn delta_encode(me: Endpoint, round: u32, msg: &Message<SendPiece>, payload: Payload, d: &mut DeltaRun<'_>) -> Result<Payload, ExecError> {
+fn delta_encode(me: Endpoint, round: u32, msg: &Message<SendPiece>, payload: Payload, d: &mut DeltaRun) -> Result<Payload, ExecError> {
     let mut dense = Vec::with_capacity(msg.wire_bytes() as usize);
     // SAFETY: the payload was just packed from this rank's buffers, which
     // nobody writes during the run; the runs are copied out here.
@@ -353,15 +358,16 @@ fn delta_encode(me: Endpoint, round: u32, msg: &Message<SendPiece>, payload: Pay
     drop(payload);
     let unit = msg.pieces.views().map(|p| p.wire().size() as usize).min().unwrap_or(1);
     let key = (round, msg.peer);
-    let encoded = encode(d.base.and_then(|b| b.sent.get(&key)).map(Vec::as_slice), &dense, unit);
+    let base = d.base.as_mut().and_then(|b| b.sent.remove(&key));
+    let encoded = encode(base.as_deref(), &dense, unit);
     d.wire_bytes += encoded.len() as u64;
     d.next.sent.insert(key, dense);
     Ok(Payload::Bytes(encoded))
 }
 
-/// A delta message's whole packed bytes, rebuilt on the base refit's copy;
-/// they go into this run's memo too.
-fn delta_decode(round: u32, peer: Endpoint, payload: Payload, d: &mut DeltaRun<'_>) -> Result<Vec<u8>, Unpack> {
+/// A delta message's whole packed bytes, rebuilt on the base refit's copy
+/// (for the caller to keep in this run's memo).
+fn delta_decode(round: u32, peer: Endpoint, payload: Payload, d: &mut DeltaRun) -> Result<Vec<u8>, Unpack> {
     let encoded = match payload {
         Payload::Bytes(b) => b,
         Payload::Lent(l) => l.as_slice().to_vec(),
@@ -373,9 +379,8 @@ fn delta_decode(round: u32, peer: Endpoint, payload: Payload, d: &mut DeltaRun<'
         Payload::Pieces(_) | Payload::Segments { .. } => return Err(Unpack::Bad("a dense message in a delta refit".into())),
     };
     let key = (round, peer);
-    let dense = decode(d.base.and_then(|b| b.received.get(&key)).map(Vec::as_slice), &encoded).map_err(|e| Unpack::Bad(e.to_string()))?;
-    d.next.received.insert(key, dense.clone());
-    Ok(dense)
+    let base = d.base.as_mut().and_then(|b| b.received.remove(&key));
+    decode(base, &encoded).map_err(|e| Unpack::Bad(e.to_string()))
 }
 
 enum Unpack {
@@ -713,6 +718,75 @@ pub fn run_threads<T: Transport + WithAbort>(
     match first_err {
         Some(e) => Err(e),
         None => Ok(report),
+    }
+}
+
+/// Runs all programs as a delta refit ([`run_rank_delta`]), one thread per
+/// rank, over the in-process transport; `bases[i]` is rank `i`'s memo of
+/// the base refit (`None`: dense). Returns the report (`bytes`: what went
+/// on the wire) and every rank's memo of this run.
+pub fn run_local_delta(
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    options: &ExecOptions,
+    bases: Vec<Option<DeltaMemo>>,
+) -> Result<(ExecReport, Vec<DeltaMemo>), ExecError> {
+    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+    if memory.len() != programs.len() || bases.len() != programs.len() {
+        return Err(ExecError::Setup(format!("{} programs, {} memories, {} bases", programs.len(), memory.len(), bases.len())));
+    }
+    let start = Instant::now();
+    let results: Vec<Result<(RankStats, DeltaMemo), ExecError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = programs
+            .iter()
+            .zip(memory.iter_mut())
+            .zip(local_fabric(&endpoints))
+            .zip(bases)
+            .map(|(((p, m), mut t), base)| {
+                let abort = t.abort_all();
+                let h = std::thread::Builder::new().spawn_scoped(scope, move || {
+                    let mut run = DeltaRun::new(base);
+                    run_rank_delta(p, &Bypass::of(p), m, &mut t, options, &mut run).map(|s| (s, run.next))
+                });
+                if let Err(e) = &h {
+                    abort(&format!("could not start a thread: {e}"));
+                }
+                (p.endpoint, h)
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|(me, h)| match h {
+                Ok(h) => h.join().unwrap_or(Err(ExecError::Panicked { me })),
+                Err(e) => Err(ExecError::Spawn { me, error: e.to_string() }),
+            })
+            .collect()
+    });
+    let mut report = ExecReport { elapsed: start.elapsed(), ..ExecReport::default() };
+    let mut memos = Vec::with_capacity(results.len());
+    let mut first: Option<ExecError> = None;
+    for r in results {
+        match r {
+            Ok((s, memo)) => {
+                report.bytes += s.sent_bytes;
+                report.messages += s.messages;
+                memos.push(memo);
+            }
+            Err(e) => {
+                // A peer that aborted or went away is a consequence; the
+                // root cause is reported.
+                let secondary = |e: &ExecError| {
+                    matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. }))
+                };
+                if first.as_ref().is_none_or(|f| secondary(f) && !secondary(&e)) {
+                    first = Some(e);
+                }
+            }
+        }
+    }
+    match first {
+        Some(e) => Err(e),
+        None => Ok((report, memos)),
     }
 }
 

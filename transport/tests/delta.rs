@@ -27,7 +27,7 @@ fn layouts() -> (Layout, Layout) {
 fn run_delta(
     programs: &[RankProgram],
     memory: &mut [RankMemory],
-    bases: &[Option<DeltaMemo>],
+    bases: Vec<Option<DeltaMemo>>,
     fabric: Vec<Box<dyn Transport + Send>>,
 ) -> (u64, Vec<DeltaMemo>) {
     let options = ExecOptions { deadline: Duration::from_secs(20) };
@@ -39,7 +39,7 @@ fn run_delta(
             .zip(bases)
             .map(|(((p, m), mut t), base)| {
                 scope.spawn(move || {
-                    let mut run = DeltaRun::new(base.as_ref());
+                    let mut run = DeltaRun::new(base);
                     let mut t: &mut dyn Transport = &mut *t;
                     let stats = run_rank_delta(p, &Bypass::of(p), m, &mut t, &options, &mut run).unwrap();
                     (stats.sent_bytes, run.next)
@@ -85,7 +85,7 @@ fn check(plan: &Plan, tcp: bool) {
     fill_sources(&src, &mut memory[..n_src]);
     // The base refit: nothing to compare with, so dense (plus headers).
     let none = vec![None; programs.len()];
-    let (wire, mut memos) = run_delta(&programs, &mut memory, &none, fabric(&programs));
+    let (wire, mut memos) = run_delta(&programs, &mut memory, none, fabric(&programs));
     assert!(wire >= dense && wire <= dense + 26 * plan.figures().messages, "{wire} vs {dense}");
     transport::verify_destinations(&src, &dst, &memory[n_src..]).unwrap();
     // (every k-th element changed, most wire bytes as a share of dense)
@@ -99,7 +99,7 @@ fn check(plan: &Plan, tcp: bool) {
             }
         }
         let bases: Vec<Option<DeltaMemo>> = memos.into_iter().map(Some).collect();
-        let (wire, next) = run_delta(&programs, &mut memory, &bases, fabric(&programs));
+        let (wire, next) = run_delta(&programs, &mut memory, bases, fabric(&programs));
         memos = next;
         // The same sources, refit densely into fresh memory.
         let mut fresh = RankMemory::for_programs(&programs);
@@ -132,11 +132,11 @@ fn check(plan: &Plan, tcp: bool) {
             .iter()
             .zip(memory.iter_mut())
             .zip(fabric(&programs))
-            .zip(&bases)
+            .zip(bases)
             .map(|(((p, m), mut t), base)| {
                 scope.spawn(move || {
                     let mut t: &mut dyn Transport = &mut *t;
-                    run_rank_delta(p, &Bypass::of(p), m, &mut t, &options, &mut DeltaRun::new(base.as_ref())).map(|_| ())
+                    run_rank_delta(p, &Bypass::of(p), m, &mut t, &options, &mut DeltaRun::new(base)).map(|_| ())
                 })
             })
             .collect();
