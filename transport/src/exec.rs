@@ -659,24 +659,75 @@ pub fn run_threads<T: Transport + WithAbort>(
     options: &ExecOptions,
     transports: Vec<T>,
 ) -> Result<ExecReport, ExecError> {
+    run_threads_inner(programs, memory, options, transports, None).map(|(report, _)| report)
+}
+
+/// [`run_threads`] as a delta refit ([`run_rank_delta`]): `bases[i]` is
+/// rank `i`'s memo of the base refit (`None`: dense). Returns the report
+/// (`bytes`: what went on the wire) and every rank's memo of this run.
+pub fn run_threads_delta<T: Transport + WithAbort>(
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    options: &ExecOptions,
+    transports: Vec<T>,
+    bases: Vec<Option<DeltaMemo>>,
+) -> Result<(ExecReport, Vec<DeltaMemo>), ExecError> {
+    if bases.len() != programs.len() {
+        return Err(ExecError::Setup(format!("{} delta bases for {} programs", bases.len(), programs.len())));
+    }
+    run_threads_inner(programs, memory, options, transports, Some(bases))
+}
+
+/// [`run_threads_delta`] over the in-process transport.
+pub fn run_local_delta(
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    options: &ExecOptions,
+    bases: Vec<Option<DeltaMemo>>,
+) -> Result<(ExecReport, Vec<DeltaMemo>), ExecError> {
+    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+    run_threads_delta(programs, memory, options, local_fabric(&endpoints), bases)
+}
+
+/// One thread per rank with work, ordinary or (with `bases`) delta runs.
+fn run_threads_inner<T: Transport + WithAbort>(
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    options: &ExecOptions,
+    transports: Vec<T>,
+    bases: Option<Vec<Option<DeltaMemo>>>,
+) -> Result<(ExecReport, Vec<DeltaMemo>), ExecError> {
     let views: Vec<MemView> = memory.iter_mut().map(|m| m.view()).collect();
+    let delta = bases.is_some();
+    let mut bases: Vec<Option<Option<DeltaMemo>>> = match bases {
+        Some(b) => b.into_iter().map(Some).collect(),
+        None => vec![None; programs.len()],
+    };
     let start = Instant::now();
     let deadline = start + options.deadline;
     // One thread per rank with work. (Running send-only ranks on this
     // thread instead would deadlock: a sender waits in `flush` for a
     // receiver that waits for a sender not yet started.)
-    let mut results: Vec<Option<Result<RankStats, ExecError>>> = vec![None; programs.len()];
+    type Ran = (Result<RankStats, ExecError>, DeltaMemo);
+    let mut results: Vec<Option<Ran>> = (0..programs.len()).map(|_| None).collect();
     std::thread::scope(|scope| {
         let handles: Vec<_> = programs
             .iter()
             .zip(transports)
             .zip(&views)
+            .zip(bases.iter_mut().map(Option::take))
             .enumerate()
-            .filter(|(_, ((p, _), _))| p.rounds.iter().any(|r| !(r.sends.is_empty() && r.recvs.is_empty() && r.locals.is_empty())))
-            .map(|(i, ((p, mut t), v))| {
+            .filter(|(_, (((p, _), _), _))| p.rounds.iter().any(|r| !(r.sends.is_empty() && r.recvs.is_empty() && r.locals.is_empty())))
+            .map(|(i, (((p, mut t), v), base))| {
                 let abort = t.abort_all();
-                let spawned =
-                    std::thread::Builder::new().spawn_scoped(scope, move || run_rank_view(p, &Bypass::of(p), v, &mut t, deadline));
+                let spawned = std::thread::Builder::new().spawn_scoped(scope, move || {
+                    let mut run = base.map(DeltaRun::new);
+                    let r = run_rank_inner(p, &Bypass::of(p), v, &mut t, deadline, run.as_mut());
+                    match run {
+                        Some(d) => (r.map(|s| RankStats { sent_bytes: d.wire_bytes, ..s }), d.next),
+                        None => (r, DeltaMemo::default()),
+                    }
+                });
                 if let Err(e) = &spawned {
                     abort(&format!("could not start a thread: {e}"));
                 }
@@ -685,16 +736,16 @@ pub fn run_threads<T: Transport + WithAbort>(
             .collect();
         for (i, me, h) in handles {
             results[i] = Some(match h {
-                Ok(h) => h.join().unwrap_or(Err(ExecError::Panicked { me })),
-                Err(e) => Err(ExecError::Spawn { me, error: e.to_string() }),
+                Ok(h) => h.join().unwrap_or((Err(ExecError::Panicked { me }), DeltaMemo::default())),
+                Err(e) => (Err(ExecError::Spawn { me, error: e.to_string() }), DeltaMemo::default()),
             });
         }
     });
-    let results: Vec<Result<RankStats, ExecError>> = results.into_iter().map(|r| r.unwrap_or(Ok(RankStats::default()))).collect();
     let elapsed = start.elapsed();
     let mut first_err = None;
     let mut report = ExecReport { elapsed, ..ExecReport::default() };
-    for r in results {
+    let mut memos = Vec::with_capacity(if delta { programs.len() } else { 0 });
+    for (r, memo) in results.into_iter().map(|r| r.unwrap_or((Ok(RankStats::default()), DeltaMemo::default()))) {
         match r {
             Ok(s) => {
                 report.bytes += s.sent_bytes;
@@ -714,77 +765,11 @@ pub fn run_threads<T: Transport + WithAbort>(
                 }
             }
         }
-    }
-    match first_err {
-        Some(e) => Err(e),
-        None => Ok(report),
-    }
-}
-
-/// Runs all programs as a delta refit ([`run_rank_delta`]), one thread per
-/// rank, over the in-process transport; `bases[i]` is rank `i`'s memo of
-/// the base refit (`None`: dense). Returns the report (`bytes`: what went
-/// on the wire) and every rank's memo of this run.
-pub fn run_local_delta(
-    programs: &[RankProgram],
-    memory: &mut [RankMemory],
-    options: &ExecOptions,
-    bases: Vec<Option<DeltaMemo>>,
-) -> Result<(ExecReport, Vec<DeltaMemo>), ExecError> {
-    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
-    if memory.len() != programs.len() || bases.len() != programs.len() {
-        return Err(ExecError::Setup(format!("{} programs, {} memories, {} bases", programs.len(), memory.len(), bases.len())));
-    }
-    let start = Instant::now();
-    let results: Vec<Result<(RankStats, DeltaMemo), ExecError>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = programs
-            .iter()
-            .zip(memory.iter_mut())
-            .zip(local_fabric(&endpoints))
-            .zip(bases)
-            .map(|(((p, m), mut t), base)| {
-                let abort = t.abort_all();
-                let h = std::thread::Builder::new().spawn_scoped(scope, move || {
-                    let mut run = DeltaRun::new(base);
-                    run_rank_delta(p, &Bypass::of(p), m, &mut t, options, &mut run).map(|s| (s, run.next))
-                });
-                if let Err(e) = &h {
-                    abort(&format!("could not start a thread: {e}"));
-                }
-                (p.endpoint, h)
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|(me, h)| match h {
-                Ok(h) => h.join().unwrap_or(Err(ExecError::Panicked { me })),
-                Err(e) => Err(ExecError::Spawn { me, error: e.to_string() }),
-            })
-            .collect()
-    });
-    let mut report = ExecReport { elapsed: start.elapsed(), ..ExecReport::default() };
-    let mut memos = Vec::with_capacity(results.len());
-    let mut first: Option<ExecError> = None;
-    for r in results {
-        match r {
-            Ok((s, memo)) => {
-                report.bytes += s.sent_bytes;
-                report.messages += s.messages;
-                memos.push(memo);
-            }
-            Err(e) => {
-                // A peer that aborted or went away is a consequence; the
-                // root cause is reported.
-                let secondary = |e: &ExecError| {
-                    matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. }))
-                };
-                if first.as_ref().is_none_or(|f| secondary(f) && !secondary(&e)) {
-                    first = Some(e);
-                }
-            }
+        if delta {
+            memos.push(memo);
         }
     }
-    match first {
+    match first_err {
         Some(e) => Err(e),
         None => Ok((report, memos)),
     }

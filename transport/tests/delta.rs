@@ -3,11 +3,11 @@
 //! refit of the same sources, over in-process channels and over TCP, with
 //! far fewer bytes when little changed and hardly more when all did.
 
-use reshard::{parse_layout, plan_baseline, plan_reshard, Endpoint, Layout, Plan, PlanOptions, RankProgram};
+use reshard::{parse_layout, plan_baseline, plan_reshard, Layout, Plan, PlanOptions, RankProgram};
 use std::time::Duration;
 use transport::delta::DeltaMemo;
 use transport::tcp::{tcp_fabric_for, TcpConfig};
-use transport::{fill_sources, local_fabric, run_rank_delta, Bypass, DeltaRun, ExecOptions, RankMemory, Transport};
+use transport::{fill_sources, run_local_delta, run_threads_delta, ExecError, ExecOptions, ExecReport, RankMemory};
 
 /// TP2 by rows, f32 -> TP2 by columns x DP2 on 2 nodes, bf16 (narrowed on
 /// the wire, relayed or sent twice across nodes).
@@ -22,33 +22,20 @@ fn layouts() -> (Layout, Layout) {
     (parse_layout(SRC).unwrap(), parse_layout(DST).unwrap())
 }
 
-/// Runs every rank's program as a delta refit on `bases` over `fabric`;
-/// returns the bytes on the wire and every rank's new memo.
+/// Runs every rank's program as a delta refit on `bases`, over TCP or in
+/// process; returns the report (`bytes`: on the wire) and the new memos.
 fn run_delta(
     programs: &[RankProgram],
     memory: &mut [RankMemory],
     bases: Vec<Option<DeltaMemo>>,
-    fabric: Vec<Box<dyn Transport + Send>>,
-) -> (u64, Vec<DeltaMemo>) {
+    tcp: bool,
+) -> Result<(ExecReport, Vec<DeltaMemo>), ExecError> {
     let options = ExecOptions { deadline: Duration::from_secs(20) };
-    let results: Vec<(u64, DeltaMemo)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = programs
-            .iter()
-            .zip(memory.iter_mut())
-            .zip(fabric)
-            .zip(bases)
-            .map(|(((p, m), mut t), base)| {
-                scope.spawn(move || {
-                    let mut run = DeltaRun::new(base);
-                    let mut t: &mut dyn Transport = &mut *t;
-                    let stats = run_rank_delta(p, &Bypass::of(p), m, &mut t, &options, &mut run).unwrap();
-                    (stats.sent_bytes, run.next)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    (results.iter().map(|r| r.0).sum(), results.into_iter().map(|r| r.1).collect())
+    if tcp {
+        run_threads_delta(programs, memory, &options, tcp_fabric_for(programs, &TcpConfig::default()).unwrap(), bases)
+    } else {
+        run_local_delta(programs, memory, &options, bases)
+    }
 }
 
 /// Changes every `every`-th f32 element of every source buffer.
@@ -72,20 +59,13 @@ fn check(plan: &Plan, tcp: bool) {
     let (src, dst) = layouts();
     let n_src = src.ranks() as usize;
     let programs = plan.programs(&src, &dst).unwrap();
-    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
-    let fabric = |programs: &[RankProgram]| -> Vec<Box<dyn Transport + Send>> {
-        if tcp {
-            tcp_fabric_for(programs, &TcpConfig::default()).unwrap().into_iter().map(|t| Box::new(t) as Box<dyn Transport + Send>).collect()
-        } else {
-            local_fabric(&endpoints).into_iter().map(|t| Box::new(t) as Box<dyn Transport + Send>).collect()
-        }
-    };
     let dense = plan.figures().total_bytes;
     let mut memory = RankMemory::for_programs(&programs);
     fill_sources(&src, &mut memory[..n_src]);
     // The base refit: nothing to compare with, so dense (plus headers).
     let none = vec![None; programs.len()];
-    let (wire, mut memos) = run_delta(&programs, &mut memory, none, fabric(&programs));
+    let (first, mut memos) = run_delta(&programs, &mut memory, none, tcp).unwrap();
+    let wire = first.bytes;
     assert!(wire >= dense && wire <= dense + 26 * plan.figures().messages, "{wire} vs {dense}");
     transport::verify_destinations(&src, &dst, &memory[n_src..]).unwrap();
     // (every k-th element changed, most wire bytes as a share of dense)
@@ -99,7 +79,8 @@ fn check(plan: &Plan, tcp: bool) {
             }
         }
         let bases: Vec<Option<DeltaMemo>> = memos.into_iter().map(Some).collect();
-        let (wire, next) = run_delta(&programs, &mut memory, bases, fabric(&programs));
+        let (report, next) = run_delta(&programs, &mut memory, bases, tcp).unwrap();
+        let wire = report.bytes;
         memos = next;
         // The same sources, refit densely into fresh memory.
         let mut fresh = RankMemory::for_programs(&programs);
@@ -126,24 +107,8 @@ fn check(plan: &Plan, tcp: bool) {
     step(&mut memory[..n_src], 3);
     let mut bases: Vec<Option<DeltaMemo>> = memos.into_iter().map(Some).collect();
     *bases.last_mut().unwrap() = Some(DeltaMemo::default());
-    let options = ExecOptions { deadline: Duration::from_secs(10) };
-    let result = std::thread::scope(|scope| {
-        let handles: Vec<_> = programs
-            .iter()
-            .zip(memory.iter_mut())
-            .zip(fabric(&programs))
-            .zip(bases)
-            .map(|(((p, m), mut t), base)| {
-                scope.spawn(move || {
-                    let mut t: &mut dyn Transport = &mut *t;
-                    run_rank_delta(p, &Bypass::of(p), m, &mut t, &options, &mut DeltaRun::new(base)).map(|_| ())
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
-    });
-    let errors: Vec<String> = result.into_iter().filter_map(Result::err).map(|e| e.to_string()).collect();
-    assert!(errors.iter().any(|e| e.contains("another base")), "{errors:?}");
+    let err = run_delta(&programs, &mut memory, bases, tcp).unwrap_err().to_string();
+    assert!(err.contains("another base"), "{err}");
 }
 
 #[test]
