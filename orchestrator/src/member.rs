@@ -126,7 +126,7 @@ pub struct Member {
     /// At most one kept endpoint per installed plan.
     kept: Vec<Kept>,
     /// What a plan's last clean run left for the next, by plan.
-    scratch: Vec<(Fingerprint, Leftover)>,
+    leftovers: Vec<(Fingerprint, Leftover)>,
 }
 
 /// What a clean run of a plan leaves for the next run of it.
@@ -159,7 +159,7 @@ impl Member {
             installed: Vec::new(),
             pending: None,
             kept: Vec::new(),
-            scratch: Vec::new(),
+            leftovers: Vec::new(),
         }
     }
 }
@@ -428,7 +428,7 @@ impl Member {
         // clean one can be kept.
         // This plan's scratch from its last clean run, if any; taken, so a
         // run that fails leaves none behind.
-        let reuse = self.scratch.iter().position(|(f, _)| *f == fingerprint).map(|i| self.scratch.swap_remove(i).1).unwrap_or_default();
+        let left = self.leftovers.iter().position(|(f, _)| *f == fingerprint).map(|i| self.leftovers.swap_remove(i).1).unwrap_or_default();
         let how = RunHow { refit, deadline, delta };
         let (result, kept) = match &self.role {
             Role::Src(store) => {
@@ -446,8 +446,8 @@ impl Member {
                     return MemberReply::Refused(refusal);
                 }
                 let run = tokio::task::spawn_blocking(move || {
-                    let (r, scratch) = execute_on(&program, guard.memory_mut(), &mut end, how, reuse);
-                    (r, (end, scratch))
+                    let (r, left) = execute_on(&program, guard.memory_mut(), &mut end, how, left);
+                    (r, (end, left))
                 });
                 split(watched(run, deadline, kill).await)
             }
@@ -471,21 +471,21 @@ impl Member {
                     if let Some(base) = base {
                         carry(&program.carried, &base.buffers, &mut guard.buffers);
                     }
-                    let (r, scratch) = execute_on(&program, guard.buffers.memory_mut(), &mut end, how, reuse);
+                    let (r, left) = execute_on(&program, guard.buffers.memory_mut(), &mut end, how, left);
                     if r.is_ok() {
                         guard.complete = Some(version);
                     }
-                    (r, (end, scratch))
+                    (r, (end, left))
                 });
                 split(watched(run, deadline, kill).await)
             }
         };
-        let (end, scratch) = match kept {
-            Some((end, scratch)) => (Some(end), Some(scratch)),
+        let (end, left) = match kept {
+            Some((end, left)) => (Some(end), Some(left)),
             None => (None, None),
         };
-        if let (Ok(_), Some(scratch)) = (&result, scratch) {
-            self.scratch.push((fingerprint, scratch));
+        if let (Ok(_), Some(left)) = (&result, left) {
+            self.leftovers.push((fingerprint, left));
         }
         // Every message of the program was sent and received (and what it
         // lent released): the connections carry nothing of this refit.
@@ -508,7 +508,7 @@ impl Member {
             if self.installed.len() == INSTALLED_PLANS {
                 let (_, evicted) = self.installed.remove(0);
                 self.kept.retain(|k| k.fingerprint != evicted);
-                self.scratch.retain(|(f, _)| *f != evicted);
+                self.leftovers.retain(|(f, _)| *f != evicted);
             }
             self.installed.push((Arc::from(program), fingerprint));
             MemberReply::Done

@@ -438,22 +438,23 @@ fn target_mut<'a>(b: &'a mut Buffers, name: &str) -> Result<&'a mut [u8], Buffer
 fn write_all(b: &mut Buffers, writes: &[(String, Write)]) -> Result<(), PyErr> {
     let rank = b.rank();
     Python::attach(|py| {
-        let mut arrays = Vec::with_capacity(writes.len());
+        // What each write copies from, found (and checked) before any is made.
+        enum From<'a, 'py> {
+            Bytes(&'a [u8]),
+            Array(HostArray<'py>),
+        }
+        let mut froms = Vec::with_capacity(writes.len());
         for (name, write) in writes {
             let (dt, len) = target_len(b, name).map_err(tensor_err)?;
-            let given = match write {
-                Write::Bytes(data) => {
-                    arrays.push(None);
-                    data.len()
-                }
-                Write::Array(object) => {
-                    let array = HostArray::find(object.bind(py))?.ok_or_else(|| {
-                        TensorError::new_err(format!("src rank {rank}: '{name}': not a C-contiguous host array (numpy or torch CPU)"))
-                    })?;
-                    let given = array.len();
-                    arrays.push(Some(array));
-                    given
-                }
+            let from = match write {
+                Write::Bytes(data) => From::Bytes(data),
+                Write::Array(object) => From::Array(HostArray::find(object.bind(py))?.ok_or_else(|| {
+                    TensorError::new_err(format!("src rank {rank}: '{name}': not a C-contiguous host array (numpy or torch CPU)"))
+                })?),
+            };
+            let given = match &from {
+                From::Bytes(data) => data.len(),
+                From::Array(array) => array.len(),
             };
             if len != given {
                 let size = dt.size() as usize;
@@ -463,16 +464,16 @@ fn write_all(b: &mut Buffers, writes: &[(String, Write)]) -> Result<(), PyErr> {
                     given: (given / size) as u64,
                 }));
             }
+            froms.push(from);
         }
-        for ((name, write), array) in writes.iter().zip(&arrays) {
+        for ((name, _), from) in writes.iter().zip(&froms) {
             let target = target_mut(b, name).map_err(tensor_err)?;
-            match (write, array) {
-                (_, Some(array)) => {
-                    // Lengths were checked above, under this GIL hold.
+            // Lengths were checked above, under this GIL hold.
+            match from {
+                From::Bytes(data) => target.copy_from_slice(data),
+                From::Array(array) => {
                     array.copy_to(target);
                 }
-                (Write::Bytes(data), None) => target.copy_from_slice(data),
-                (Write::Array(_), None) => unreachable!("every array was found above"),
             }
         }
         Ok(())

@@ -95,6 +95,13 @@ fn staged_and_direct_pieces_share_a_message_over_tcp() {
     check_pair(src, dst, 256 << 20);
 }
 
+/// A listener on a free loopback port, and its address.
+fn listen() -> (TcpListener, std::net::SocketAddr) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    (l, addr)
+}
+
 /// A peer posing as source rank 0 without a key, on a thread: accepts the
 /// real transport's stream on `listener` and answers its handshake, opens
 /// its own to `to` with a plain handshake (magic, endpoint, version,
@@ -128,10 +135,7 @@ fn garbage_frames_are_reported_not_trusted() {
     {
         let me = Endpoint::dst(0);
         let fake = Endpoint::src(0);
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let my_addr = listener.local_addr().unwrap();
-        let fake_listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let fake_addr = fake_listener.local_addr().unwrap();
+        let ((listener, my_addr), (fake_listener, fake_addr)) = (listen(), listen());
         let garbage = garbage.to_vec();
         let peer = fake_source(fake_listener, my_addr, move |s| {
             s.write_all(&garbage).unwrap();
@@ -153,10 +157,7 @@ fn garbage_frames_are_reported_not_trusted() {
 fn a_peer_is_held_to_its_own_frame_limit() {
     let me = Endpoint::dst(0);
     let fake = Endpoint::src(0);
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let my_addr = listener.local_addr().unwrap();
-    let fake_listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let fake_addr = fake_listener.local_addr().unwrap();
+    let ((listener, my_addr), (fake_listener, fake_addr)) = (listen(), listen());
     let peer = fake_source(fake_listener, my_addr, |s| {
         // A data frame header (magic, kind 0, round 0, length 4096); no payload.
         let mut header = vec![0x52, 0x46, 0x49, 0x54, 0, 0, 0, 0, 0];
@@ -215,8 +216,7 @@ fn strangers_at_the_data_port_do_not_stop_the_connect() {
     let key = HelloKey([42; 32]);
     let me = Endpoint::dst(0);
     let peers = [Endpoint::src(0), Endpoint::src(1)];
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let my_addr = listener.local_addr().unwrap();
+    let (listener, my_addr) = listen();
     // The peers' own ports: each accepts this rank's stream and its
     // handshake (fixed part and proof), and accepts it.
     let mut table = vec![(me, my_addr)];
