@@ -482,11 +482,7 @@ fn write_all(b: &mut Buffers, writes: &[(String, Write)]) -> Result<(), PyErr> {
 
 /// A copy of the bytes of `name` (a tensor's block or a buffer).
 fn read_bytes(b: &Buffers, name: &str) -> Result<Vec<u8>, BufferError> {
-    if b.layout().tensor_index(name).is_some() {
-        Ok(b.tensor(name)?.bytes().to_vec())
-    } else {
-        b.buffer(name).map(<[u8]>::to_vec).or_else(|_| b.tensor(name).map(|v| v.bytes().to_vec()))
-    }
+    source_bytes(b, name).map(<[u8]>::to_vec)
 }
 
 /// The bytes of `name` (a tensor's block or a buffer), borrowed.
