@@ -384,6 +384,7 @@ fn inference_dp_tp(ws: &[Weight], dp: u32, tp: u32) -> Vec<TensorLayout> {
             dtype: DType::BF16,
             shape: w.shape.clone(),
             placement: tp_placement(w, dp, tp, (0..dp * tp).collect()),
+            scale: None,
         })
         .collect();
     fuse(&mut out, Side::Infer);
@@ -404,7 +405,7 @@ fn inference_ep(ws: &[Weight], ranks: u32, tp: u32, ep: u32, experts: u32) -> Ve
                 Some(e) => mesh(vec![groups], (0..groups).map(|g| g * ep + e / per_rank).collect(), vec![MeshDim::Replicate]),
                 None => tp_placement(w, ranks / tp, tp, (0..ranks).collect()),
             };
-            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
+            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
         })
         .collect();
     fuse(&mut out, Side::Infer);
@@ -440,6 +441,7 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
                     dtype: DType::BF16,
                     shape: w.shape.clone(),
                     placement: tp_placement(w, 1, 4, (0..4).map(|t| w.stage * 4 + t).collect()),
+                    scale: None,
                 })
                 .collect();
             fuse(&mut src, Side::Train);
@@ -459,7 +461,7 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
                         // Dense: mesh [DP x CP = 16, TP = 2].
                         None => tp_placement(w, 16, 2, (0..32).map(|r| w.stage * 32 + r).collect()),
                     };
-                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
+                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
                 })
                 .collect();
             fuse(&mut src, Side::Train);
@@ -476,7 +478,7 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
                         Some(e) => mesh(vec![4], (0..4).map(|d| w.stage * 64 + (e / 16) * 4 + d).collect(), vec![MeshDim::Replicate]),
                         None => mesh(vec![64], (0..64).map(|r| w.stage * 64 + r).collect(), vec![MeshDim::Replicate]),
                     };
-                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement }
+                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
                 })
                 .collect();
             fuse(&mut src, Side::Train);

@@ -320,6 +320,7 @@ fn build_case(vals: &[u16]) -> Case {
             dtype: *sd,
             shape: shape.clone(),
             placement: gen_placement(&mut d, &mut alloc, Side::Src, shape, *sd, src_ranks),
+            scale: None,
         })
         .collect();
     // The destination may skip a tensor and list tensors in another order.
@@ -341,6 +342,7 @@ fn build_case(vals: &[u16]) -> Case {
                 dtype: *dd,
                 shape: shape.clone(),
                 placement: gen_placement(&mut d, &mut alloc, Side::Dst, shape, *dd, dst_ranks),
+                scale: None,
             }
         })
         .collect();

@@ -50,7 +50,8 @@ use crate::plan::{
     lower_bound, rank_round_seconds, Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Scheduled,
     Strategy, Transfer, MAX_PIECES,
 };
-use crate::planner::{add_node_needs, match_tensors, placed_alike, placement_key, receivers_of};
+use crate::planner::{add_node_needs, hash_scale, match_tensors, placed_alike, placement_key, receivers_of, scaled_alike, wire_pairs};
+use crate::quant;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
@@ -741,18 +742,19 @@ impl Outline {
         let matched = match_tensors(src, dst)?;
         let only = options.only.as_ref().map(|s| s.mask(dst)).transpose()?;
         let included = |td: usize| only.as_ref().is_none_or(|m| m[td]);
+        let planned = |(td, m): (usize, &Option<(u32, DType, DType)>)| m.filter(|_| included(td)).map(|m| (td, m));
         let total = matched
             .iter()
             .enumerate()
-            .filter(|&(td, _)| included(td))
-            .map(|(td, &(_, s, d))| dst.tensors()[td].shape.iter().product::<u64>().saturating_mul(wire_dtype(s, d).size()))
+            .filter_map(planned)
+            .map(|(td, (_, s, d))| dst.tensors()[td].shape.iter().product::<u64>().saturating_mul(wire_dtype(s, d).size()))
             .fold(0u64, u64::saturating_add);
         let mut o = Outline {
             tensors: Vec::new(),
             recipes: Vec::new(),
             chains: Vec::new(),
             pairs: Vec::new(),
-            wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
+            wire: wire_pairs(&matched),
             needs: vec![0; dst.nodes() as usize],
             unique_bytes: 0,
             pieces: 0,
@@ -763,7 +765,7 @@ impl Outline {
         let mut by_key: HashMap<u64, Vec<u32>> = HashMap::new();
         // Per recipe, the (source, destination) tensors it was made from.
         let mut made_from: Vec<(u32, u32)> = Vec::new();
-        for (td, &(ts, sd, dd)) in matched.iter().enumerate().filter(|&(td, _)| included(td)) {
+        for (td, (ts, sd, dd)) in matched.iter().enumerate().filter_map(planned) {
             let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
             // Tensors placed alike (storage aside) with the same dtypes
             // share a recipe.
@@ -771,11 +773,13 @@ impl Outline {
                 let mut h = placement_key(st, dt);
                 sd.hash(&mut h);
                 dd.hash(&mut h);
+                hash_scale(dst, td as u32, &mut h);
                 h.finish()
             };
             let same = |r: &(u32, u32)| {
                 let (rs, rd) = (&src.tensors()[r.0 as usize], &dst.tensors()[r.1 as usize]);
-                rs.dtype == sd && rd.dtype == dd && placed_alike(st, dt, rs, rd)
+                let dtypes = matched[r.1 as usize].map(|(_, s, d)| (s, d));
+                rs.dtype == sd && dtypes == Some((sd, dd)) && placed_alike(st, dt, rs, rd) && scaled_alike(dst, td as u32, r.1)
             };
             let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&made_from[i as usize])));
             let id = match found {
@@ -877,7 +881,7 @@ impl Recipe {
     /// `interned`.
     fn new(src: &Layout, dst: &Layout, tensors: (u32, u32), dtypes: (DType, DType), chunk: u64, interned: &mut Interned) -> Option<Recipe> {
         let ((ts, td), (sd, dd)) = (tensors, dtypes);
-        let hd = dst.holdings(td);
+        let hd = quant::delivered_holdings(dst, td);
         if hd.is_empty() {
             return None;
         }

@@ -20,7 +20,7 @@
 //! [layout file]: crate::file
 
 use crate::dtype::DType;
-use crate::layout::{Layout, LayoutError, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage, TensorLayout};
+use crate::layout::{BlockScale, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage, TensorLayout};
 
 /// Builds a [`Layout`] tensor by tensor ([`Layout::builder`]).
 #[derive(Clone, Debug)]
@@ -85,13 +85,21 @@ pub struct TensorBuilder {
     placing: Placing,
     /// `buffer` was called before `mesh`, or on a shard-list tensor.
     misplaced_buffer: bool,
+    scale: Option<BlockScale>,
 }
 
 impl TensorBuilder {
     /// A tensor `name` of `dtype` with global shape `shape` (empty for a
     /// scalar).
     pub fn new(name: impl Into<String>, dtype: DType, shape: impl IntoIterator<Item = u64>) -> TensorBuilder {
-        TensorBuilder { name: name.into(), dtype, shape: shape.into_iter().collect(), placing: Placing::Unplaced, misplaced_buffer: false }
+        TensorBuilder {
+            name: name.into(),
+            dtype,
+            shape: shape.into_iter().collect(),
+            placing: Placing::Unplaced,
+            misplaced_buffer: false,
+            scale: None,
+        }
     }
 
     /// Places the tensor on a mesh of shape `shape` with one placement per
@@ -147,6 +155,14 @@ impl TensorBuilder {
         self
     }
 
+    /// Block-scales this `f8e4m3` tensor: blocks of `block` elements per
+    /// dimension, their scales in the layout's f32 tensor `scale_tensor`
+    /// (see [`crate::quant`]).
+    pub fn scale(mut self, scale_tensor: impl Into<String>, block: impl IntoIterator<Item = u64>) -> TensorBuilder {
+        self.scale = Some(BlockScale { tensor: scale_tensor.into(), block: block.into_iter().collect() });
+        self
+    }
+
     /// The tensor, or why it cannot be one; `index` is its position in the
     /// layout (for the field path).
     fn finish(self, index: usize) -> Result<TensorLayout, LayoutError> {
@@ -169,7 +185,7 @@ impl TensorBuilder {
                 Placement::Mesh(MeshPlacement { shape, ranks, dims, storage })
             }
         };
-        Ok(TensorLayout { name: self.name, dtype: self.dtype, shape: self.shape, placement })
+        Ok(TensorLayout { name: self.name, dtype: self.dtype, shape: self.shape, placement, scale: self.scale })
     }
 }
 

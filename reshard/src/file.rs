@@ -12,7 +12,9 @@
 mod typed;
 
 use crate::dtype::DType;
-use crate::layout::{Layout, LayoutError, MeshDim, MeshPlacement, Placement, Region, ShardSpec, Storage, TensorLayout, MAX_RANKS};
+use crate::layout::{
+    BlockScale, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Region, ShardSpec, Storage, TensorLayout, MAX_RANKS,
+};
 use serde_json::{Map, Value};
 
 /// Parses a layout file's text into a validated [`Layout`].
@@ -90,7 +92,7 @@ fn parse_tensor(v: &Value, path: &str, layout_ranks: u32, budget: &mut u64) -> R
         None => return Err(err(format!("{path}.name"), "missing field")),
     };
     let path = format!("{path} ('{}')", escape(&name));
-    known_fields(obj, &path, &["name", "dtype", "shape", "mesh", "placements", "shards", "buffer", "at"])?;
+    known_fields(obj, &path, &["name", "dtype", "shape", "mesh", "placements", "shards", "buffer", "at", "scale"])?;
     let dtype = match obj.get("dtype") {
         Some(Value::String(s)) => DType::from_name(s).ok_or_else(|| {
             err(
@@ -124,7 +126,24 @@ fn parse_tensor(v: &Value, path: &str, layout_ranks: u32, budget: &mut u64) -> R
             Placement::Shards(shards)
         }
     };
-    Ok(TensorLayout { name, dtype, shape, placement })
+    let scale = match obj.get("scale") {
+        None => None,
+        Some(v) => Some(parse_scale(v, &format!("{path}.scale"))?),
+    };
+    Ok(TensorLayout { name, dtype, shape, placement, scale })
+}
+
+/// A tensor's `scale`: `{"tensor": "<name>", "block": [b0, b1, ...]}`.
+fn parse_scale(v: &Value, path: &str) -> Result<BlockScale, LayoutError> {
+    let obj = as_object(v, path)?;
+    known_fields(obj, path, &["tensor", "block"])?;
+    let tensor = match obj.get("tensor") {
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => return Err(err(format!("{path}.tensor"), format!("expected a string, got {}", kind(other)))),
+        None => return Err(err(format!("{path}.tensor"), "missing field")),
+    };
+    let block = get_u64_list(obj, "block", path)?;
+    Ok(BlockScale { tensor, block })
 }
 
 fn parse_mesh(obj: &Map<String, Value>, path: &str, layout_ranks: u32, budget: &mut u64) -> Result<MeshPlacement, LayoutError> {
@@ -305,6 +324,12 @@ pub fn layout_to_json(layout: &Layout) -> Value {
             o.insert("name".into(), Value::from(t.name.clone()));
             o.insert("dtype".into(), Value::from(t.dtype.name()));
             o.insert("shape".into(), Value::from(t.shape.clone()));
+            if let Some(scale) = &t.scale {
+                let mut so = Map::new();
+                so.insert("tensor".into(), Value::from(scale.tensor.clone()));
+                so.insert("block".into(), Value::from(scale.block.clone()));
+                o.insert("scale".into(), Value::Object(so));
+            }
             match &t.placement {
                 Placement::Mesh(m) => {
                     let mut mesh = Map::new();

@@ -8,6 +8,7 @@
 use crate::block::{flat_blocks, Block, MAX_DIMS};
 use crate::dtype::DType;
 use crate::file::escape;
+pub use crate::quant::BlockScale;
 use std::collections::HashMap;
 use thiserror::Error;
 
@@ -143,6 +144,9 @@ pub struct TensorLayout {
     pub shape: Vec<u64>,
     /// Where the pieces are.
     pub placement: Placement,
+    /// For an `f8e4m3` destination tensor: its block scale (the scale
+    /// tensor and the block shape); see [`crate::quant`].
+    pub scale: Option<BlockScale>,
 }
 
 /// Identifies one buffer of a rank.
@@ -160,6 +164,13 @@ pub enum BufferKey {
     /// A planner-owned scratch buffer holding the whole of tensor `tensor`
     /// (used by the gather-broadcast baseline).
     Scratch {
+        /// Tensor index.
+        tensor: u32,
+    },
+    /// A planner-owned buffer on a destination rank holding the whole
+    /// blocks of block-scaled tensor `tensor` it needs, unquantized
+    /// ([`crate::quant`]).
+    Unquantized {
         /// Tensor index.
         tensor: u32,
     },
@@ -265,6 +276,10 @@ pub struct Layout {
     buffer_ids: HashMap<String, u32>,
     named_dtypes: Vec<DType>,
     by_name: HashMap<String, u32>,
+    /// Per tensor: the index of its scale tensor, if block-scaled.
+    scale_ids: Vec<Option<u32>>,
+    /// Per tensor: the tensor it is the scale of, if any.
+    scale_for: Vec<Option<u32>>,
 }
 
 /// What a [`Layout`] is made of, as it travels.
@@ -361,7 +376,8 @@ impl Layout {
                 }
             }
         }
-        let layout = Layout { ranks, ranks_per_node, tensors, buffer_names, buffer_ids, named_dtypes, by_name };
+        let (scale_ids, scale_for) = check_scales(&tensors, &by_name)?;
+        let layout = Layout { ranks, ranks_per_node, tensors, buffer_names, buffer_ids, named_dtypes, by_name, scale_ids, scale_for };
         layout.check_named_buffers(&stored_ids, shortcut)?;
         Ok(layout)
     }
@@ -396,6 +412,18 @@ impl Layout {
         self.by_name.get(name).copied()
     }
 
+    /// The scale tensor and block shape of block-scaled tensor `t`.
+    pub fn scale_of(&self, t: u32) -> Option<(u32, &[u64])> {
+        let s = self.scale_ids.get(t as usize).copied().flatten()?;
+        let block = self.tensors[t as usize].scale.as_ref().map(|b| b.block.as_slice())?;
+        Some((s, block))
+    }
+
+    /// The block-scaled tensor that tensor `s` is the scale of.
+    pub fn scale_for(&self, s: u32) -> Option<u32> {
+        self.scale_for.get(s as usize).copied().flatten()
+    }
+
     /// Names of the named buffers ([`BufferKey::Named`] indexes this).
     pub fn buffer_names(&self) -> &[String] {
         &self.buffer_names
@@ -407,14 +435,7 @@ impl Layout {
             BufferKey::Own { tensor, shard } => format!("{}#{shard}", self.tensors[tensor as usize].name),
             BufferKey::Named(i) => self.buffer_names[i as usize].clone(),
             BufferKey::Scratch { tensor } => format!("scratch:{}", self.tensors[tensor as usize].name),
-        }
-    }
-
-    /// Element type of a buffer.
-    pub fn buffer_dtype(&self, key: BufferKey) -> DType {
-        match key {
-            BufferKey::Own { tensor, .. } | BufferKey::Scratch { tensor } => self.tensors[tensor as usize].dtype,
-            BufferKey::Named(i) => self.named_dtypes[i as usize],
+            BufferKey::Unquantized { tensor } => format!("unquantized:{}", self.tensors[tensor as usize].name),
         }
     }
 
@@ -758,6 +779,64 @@ fn shard_blocks(shape: &[u64], s: &ShardSpec) -> Vec<(Block, u64)> {
     }
 }
 
+/// Checks every tensor's block scale (see [`crate::quant`]): an `f8e4m3`
+/// tensor, a scale tensor of the same layout that is f32, of shape
+/// `ceil(shape / block)`, itself unscaled and the scale of no other tensor.
+/// Returns per tensor its scale's index, and the tensor each scale serves.
+#[allow(clippy::type_complexity)]
+fn check_scales(tensors: &[TensorLayout], by_name: &HashMap<String, u32>) -> Result<(Vec<Option<u32>>, Vec<Option<u32>>), LayoutError> {
+    let mut ids = vec![None; tensors.len()];
+    let mut serves: Vec<Option<u32>> = vec![None; tensors.len()];
+    for (i, t) in tensors.iter().enumerate() {
+        let Some(scale) = &t.scale else { continue };
+        let at = |f: &str| format!("tensors[{i}].scale{f}");
+        if t.dtype != DType::F8E4M3 {
+            return Err(field(at(""), format!("only f8e4m3 tensors are block-scaled; '{}' is {}", escape(&t.name), t.dtype)));
+        }
+        if scale.block.len() != t.shape.len() {
+            return Err(field(at(".block"), format!("{} dimensions for a tensor of {} ({:?})", scale.block.len(), t.shape.len(), t.shape)));
+        }
+        if let Some(d) = scale.block.iter().position(|&b| b == 0) {
+            return Err(field(format!("{}[{d}]", at(".block")), "must be at least 1"));
+        }
+        let Some(&s) = by_name.get(&scale.tensor) else {
+            return Err(field(at(".tensor"), format!("no tensor named '{}' in this layout", escape(&scale.tensor))));
+        };
+        let st = &tensors[s as usize];
+        if s as usize == i {
+            return Err(field(at(".tensor"), "a tensor cannot be its own scale"));
+        }
+        if st.dtype != DType::F32 {
+            return Err(field(at(".tensor"), format!("scale tensor '{}' is {}; scales are f32", escape(&st.name), st.dtype)));
+        }
+        let want: Vec<u64> = t.shape.iter().zip(&scale.block).map(|(&n, &b)| n.div_ceil(b)).collect();
+        if st.shape != want {
+            return Err(field(
+                at(".tensor"),
+                format!(
+                    "scale tensor '{}' has shape {:?}; blocks of {:?} over {:?} need {want:?}",
+                    escape(&st.name),
+                    st.shape,
+                    scale.block,
+                    t.shape
+                ),
+            ));
+        }
+        if st.scale.is_some() {
+            return Err(field(at(".tensor"), format!("scale tensor '{}' is block-scaled itself", escape(&st.name))));
+        }
+        if let Some(other) = serves[s as usize] {
+            return Err(field(
+                at(".tensor"),
+                format!("'{}' is already the scale of '{}'", escape(&st.name), escape(&tensors[other as usize].name)),
+            ));
+        }
+        ids[i] = Some(s);
+        serves[s as usize] = Some(i as u32);
+    }
+    Ok((ids, serves))
+}
+
 /// `torch.chunk` split of `n` into `k` parts: part `i` is
 /// `[min(i*c, n), min((i+1)*c, n))` with `c = ceil(n / k)`.
 pub fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
@@ -1002,6 +1081,7 @@ mod tests {
             dtype: DType::F32,
             shape,
             placement: Placement::Mesh(MeshPlacement { shape: mesh, ranks: (0..n).collect(), dims, storage: Storage::Own }),
+            scale: None,
         }
     }
 
@@ -1054,6 +1134,7 @@ mod tests {
             dtype: DType::U8,
             shape: vec![8],
             placement: Placement::Mesh(MeshPlacement { shape: vec![ranks.len() as u32], ranks, dims: vec![MeshDim::Shard(0)], storage }),
+            scale: None,
         }
     }
 
@@ -1110,7 +1191,7 @@ mod tests {
                 let shape = vec![if even { 8 } else { n }];
                 let storage = Storage::InBuffer { buffer: if in_a { "a" } else { "b" }.into(), at };
                 let mesh = MeshPlacement { shape: vec![ranks.len() as u32], ranks, dims: vec![MeshDim::Shard(0)], storage };
-                TensorLayout { name: format!("t{i}"), dtype: DType::U8, shape, placement: Placement::Mesh(mesh) }
+                TensorLayout { name: format!("t{i}"), dtype: DType::U8, shape, placement: Placement::Mesh(mesh), scale: None }
             },
         );
         let shards = (0u32..4, 0u32..4, 0u64..5, 0u64..12, 0u64..12).prop_map(move |(r0, r1, cut, at0, at1)| {
@@ -1120,7 +1201,7 @@ mod tests {
                 storage: Storage::InBuffer { buffer: "a".into(), at },
             };
             let shards = vec![shard(r0, 0, cut, at0), shard(r1, cut, 4 - cut, at1)];
-            TensorLayout { name: format!("t{i}"), dtype: DType::U8, shape: vec![4], placement: Placement::Shards(shards) }
+            TensorLayout { name: format!("t{i}"), dtype: DType::U8, shape: vec![4], placement: Placement::Shards(shards), scale: None }
         });
         prop_oneof![mesh, shards]
     }

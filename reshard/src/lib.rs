@@ -30,6 +30,7 @@ pub mod overlap;
 pub mod plan;
 pub mod planner;
 pub mod program;
+pub mod quant;
 
 pub use baseline::{baseline_summary, plan_baseline, BaselineSummary};
 pub use block::{Block, MAX_DIMS};
@@ -39,7 +40,8 @@ pub use dtype::DType;
 pub use file::{layout_to_json, parse_layout};
 pub use fingerprint::Fingerprint;
 pub use layout::{
-    BufferKey, BufferSpec, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage, TensorLayout,
+    BlockScale, BufferKey, BufferSpec, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage,
+    TensorLayout,
 };
 pub use plan::fingerprint as plan_fingerprint;
 pub use plan::{Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, TensorSubset, Transfer};

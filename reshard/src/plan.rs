@@ -119,7 +119,8 @@ impl TensorSubset {
         &self.0
     }
 
-    /// Which of `dst`'s tensors are in the subset, by index; an error
+    /// Which of `dst`'s tensors are in the subset, by index (a block-scaled
+    /// tensor and its scale tensor both, if either is named); an error
     /// names the first name `dst` does not have, or an empty subset.
     pub fn mask(&self, dst: &Layout) -> Result<Vec<bool>, PlanError> {
         if self.0.is_empty() {
@@ -129,6 +130,14 @@ impl TensorSubset {
         for name in self.0.iter() {
             let i = dst.tensor_index(name).ok_or_else(|| PlanError::UnknownSubsetTensor { tensor: name.clone() })?;
             mask[i as usize] = true;
+        }
+        // A block-scaled tensor and its scale are written together.
+        for t in 0..mask.len() as u32 {
+            if let Some((s, _)) = dst.scale_of(t) {
+                let both = mask[t as usize] || mask[s as usize];
+                mask[t as usize] = both;
+                mask[s as usize] = both;
+            }
         }
         Ok(mask)
     }
@@ -287,7 +296,7 @@ pub enum PlanError {
         dst: Vec<u64>,
     },
     /// The dtypes cannot be converted.
-    #[error("tensor '{tensor}': cannot convert {from} to {to} (only f64/f32/bf16/f16 convert among themselves)")]
+    #[error("tensor '{tensor}': cannot convert {from} to {to} (only f64/f32/bf16/f16 convert among themselves, and to an f8e4m3 destination that has a block scale)")]
     Conversion {
         /// Tensor name.
         tensor: String,
@@ -295,6 +304,20 @@ pub enum PlanError {
         from: DType,
         /// Destination dtype.
         to: DType,
+    },
+    /// A block-scaled destination's source is not a float it quantizes.
+    #[error("tensor '{tensor}': cannot quantize {from} to block-scaled f8e4m3 (the source must be f64, f32, bf16 or f16)")]
+    Quantize {
+        /// Tensor name.
+        tensor: String,
+        /// Source dtype.
+        from: DType,
+    },
+    /// A source tensor is block-scaled.
+    #[error("tensor '{tensor}': block-scaled source tensors are not supported (a scale belongs to a destination layout)")]
+    ScaledSource {
+        /// Tensor name.
+        tensor: String,
     },
     /// Part of what a destination rank needs is held by no source rank.
     #[error("tensor '{tensor}': region {region} needed by dst rank {rank} is not covered by any source shard")]

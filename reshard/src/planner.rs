@@ -9,17 +9,26 @@ use crate::fingerprint::Fnv64;
 use crate::layout::{Holding, Layout, Rank, TensorLayout};
 use crate::overlap::{atomize, with_range, SourceIndex};
 use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
+use crate::quant;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{Hash, Hasher};
 
 /// Matches destination tensors to source tensors and checks shapes and
-/// dtypes; returns, per destination tensor, the source index and dtypes.
-pub(crate) fn match_tensors(src: &Layout, dst: &Layout) -> Result<Vec<(u32, DType, DType)>, PlanError> {
+/// dtypes; returns, per destination tensor, the source index and the
+/// dtypes values leave and arrive in (for a block-scaled tensor, the dtype
+/// its unquantized blocks arrive in, [`quant::staged_dtype`]). A scale
+/// tensor gets `None`: it is written by its tensor's quantization, never
+/// moved.
+#[allow(clippy::type_complexity)]
+pub(crate) fn match_tensors(src: &Layout, dst: &Layout) -> Result<Vec<Option<(u32, DType, DType)>>, PlanError> {
     dst.tensors()
         .iter()
         .enumerate()
         .map(|(i, t)| {
+            if dst.scale_for(i as u32).is_some() {
+                return Ok(None);
+            }
             // Names are unique: layouts listing tensors in the same order
             // need no lookup.
             let si = match src.tensors().get(i) {
@@ -30,12 +39,25 @@ pub(crate) fn match_tensors(src: &Layout, dst: &Layout) -> Result<Vec<(u32, DTyp
             if s.shape != t.shape {
                 return Err(PlanError::ShapeMismatch { tensor: t.name.clone(), src: s.shape.clone(), dst: t.shape.clone() });
             }
+            if s.scale.is_some() {
+                return Err(PlanError::ScaledSource { tensor: t.name.clone() });
+            }
+            if t.scale.is_some() {
+                let staged = quant::staged_dtype(s.dtype).ok_or(PlanError::Quantize { tensor: t.name.clone(), from: s.dtype })?;
+                return Ok(Some((si, s.dtype, staged)));
+            }
             if !can_convert(s.dtype, t.dtype) {
                 return Err(PlanError::Conversion { tensor: t.name.clone(), from: s.dtype, to: t.dtype });
             }
-            Ok((si, s.dtype, t.dtype))
+            Ok(Some((si, s.dtype, t.dtype)))
         })
         .collect()
+}
+
+/// The dtypes per destination tensor of [`match_tensors`]'s result, as
+/// [`Plan`] keeps them (a scale tensor, never moved, as its own f32).
+pub(crate) fn wire_pairs(matched: &[Option<(u32, DType, DType)>]) -> Vec<(DType, DType)> {
+    matched.iter().map(|m| m.map_or((DType::F32, DType::F32), |(_, s, d)| (s, d))).collect()
 }
 
 /// Sorted, deduplicated ranks holding any of `holdings[idx]`.
@@ -56,6 +78,31 @@ pub(crate) fn placement_key(st: &TensorLayout, dt: &TensorLayout) -> Fnv64 {
 /// [`placement_key`]).
 pub(crate) fn placed_alike(st: &TensorLayout, dt: &TensorLayout, rs: &TensorLayout, rd: &TensorLayout) -> bool {
     rd.shape == dt.shape && rs.placement.same_geometry(&st.placement) && rd.placement.same_geometry(&dt.placement)
+}
+
+/// Whether destination tensors `a` and `b` are block-scaled alike: both
+/// unscaled, or in blocks of one shape with their scales placed alike
+/// (what, beside [`placed_alike`], decides where a plan delivers them).
+pub(crate) fn scaled_alike(dst: &Layout, a: u32, b: u32) -> bool {
+    match (dst.scale_of(a), dst.scale_of(b)) {
+        (None, None) => true,
+        (Some((sa, ba)), Some((sb, bb))) => {
+            ba == bb && dst.tensors()[sa as usize].placement.same_geometry(&dst.tensors()[sb as usize].placement)
+        }
+        _ => false,
+    }
+}
+
+/// Adds to `h` what [`scaled_alike`] compares.
+pub(crate) fn hash_scale(dst: &Layout, t: u32, h: &mut Fnv64) {
+    match dst.scale_of(t) {
+        None => 0u8.hash(h),
+        Some((s, block)) => {
+            1u8.hash(h);
+            block.hash(h);
+            dst.tensors()[s as usize].placement.hash_geometry(h);
+        }
+    }
 }
 
 pub(crate) fn receivers_of(hd: &[Holding], idx: &[u32]) -> Vec<Rank> {
@@ -99,7 +146,7 @@ fn overlap_template(
     pool: &mut Vec<Rank>,
 ) -> Result<Template, PlanError> {
     let hs = src.holdings(ts);
-    let hd = dst.holdings(td);
+    let hd = quant::delivered_holdings(dst, td);
     let index = SourceIndex::new(&hs);
     let max_elems = (options.max_staging_bytes / wire.size()).max(1);
     // Cells of an atom that holdings cut differently are sent by different
@@ -176,16 +223,16 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     // Each destination tensor's template, and how many pieces in all.
     let mut template_of: Vec<u32> = Vec::with_capacity(matched.len());
     let mut total_pieces = 0u64;
-    for (td, &(ts, sd, dd)) in matched.iter().enumerate() {
-        if !included(td) {
+    for (td, m) in matched.iter().enumerate() {
+        let Some(&(ts, sd, dd)) = m.as_ref().filter(|_| included(td)) else {
             template_of.push(NOT_PLANNED);
             continue;
-        }
+        };
         let wire = wire_dtype(sd, dd);
         let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
         let same = |t: &Template| {
             let (rs, rd) = (&src.tensors()[t.src_tensor as usize], &dst.tensors()[t.dst_tensor as usize]);
-            t.wire == wire && placed_alike(st, dt, rs, rd)
+            t.wire == wire && placed_alike(st, dt, rs, rd) && scaled_alike(dst, td as u32, t.dst_tensor)
         };
         let template = match recent.iter().position(|&i| same(&templates[i as usize])) {
             Some(at) => {
@@ -198,6 +245,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
                 let key = {
                     let mut h = placement_key(st, dt);
                     wire.hash(&mut h);
+                    hash_scale(dst, td as u32, &mut h);
                     h.finish()
                 };
                 let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&templates[i as usize])));
@@ -248,10 +296,10 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     }
     let mut pieces: Vec<Piece> = Vec::with_capacity(total_pieces as usize);
     let mut work: Vec<Work> = vec![Work { piece: 0, bytes: 0, receivers: (0, 0), candidates: (0, 0), nodes: 0 }; total_pieces as usize];
-    for (td, (&(ts, _, _), &t)) in matched.iter().zip(&template_of).enumerate() {
-        if t == NOT_PLANNED {
+    for (td, (m, &t)) in matched.iter().zip(&template_of).enumerate() {
+        let Some(&(ts, _, _)) = m.as_ref().filter(|_| t != NOT_PLANNED) else {
             continue;
-        }
+        };
         let t = t as usize;
         for (&(block, receivers, candidates), &slot) in templates[t].pieces.iter().zip(&slots[t]) {
             let at = &mut starts[slot as usize];
@@ -304,13 +352,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         }
     }
     drop(work);
-    let parts = PlanParts {
-        pieces,
-        wire: matched.iter().map(|&(_, s, d)| (s, d)).collect(),
-        needed_node_bytes: needs,
-        unique_bytes,
-        scratch_blocks: Vec::new(),
-    };
+    let parts = PlanParts { pieces, wire: wire_pairs(&matched), needed_node_bytes: needs, unique_bytes, scratch_blocks: Vec::new() };
     Ok(Plan::assemble_by_sender(Strategy::Reshard, src, dst, options, parts, lists))
 }
 

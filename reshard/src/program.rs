@@ -8,6 +8,7 @@ use crate::dtype::{DType, ALL_DTYPES};
 use crate::fingerprint::Fingerprint;
 use crate::layout::{BufferKey, BufferSpec, Layout, Loc, Rank};
 use crate::plan::{fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
+use crate::quant::{self, Quantize};
 use serde::de::{SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::collections::{BTreeMap, HashMap};
@@ -730,6 +731,9 @@ pub struct RankProgram {
     /// them from the version the rank serves before the program writes the
     /// subset's elements. Empty for a plan of every tensor and for sources.
     pub carried: Vec<u32>,
+    /// A destination rank's quantization of block-scaled tensors, done
+    /// after its last receive (one per tensor it holds any of).
+    pub quantize: Vec<Quantize>,
 }
 
 /// Row-major strides of a stored block, as element strides of `piece`
@@ -819,17 +823,25 @@ impl<'a> Programs<'a> {
             let ts = plan.pieces[plan.transfers[mine[k] as usize].piece as usize].src_tensor;
             // This rank's tensor, and its holdings of it.
             let tensor = if e.group == Group::Src { ts } else { td };
-            let held = layout.rank_holdings(tensor, e.rank);
-            let my_dtype = layout.tensors()[tensor as usize].dtype;
-            let (src_dtype, dst_dtype) = (self.src.tensors()[ts as usize].dtype, self.dst.tensors()[td as usize].dtype);
+            // Values leave in the source's dtype and arrive in the one the
+            // plan delivers (a block-scaled tensor's, unquantized).
+            let (src_dtype, dst_dtype) = plan.wire[td as usize];
             let dtype_of = |g: Group| if g == Group::Src { src_dtype } else { dst_dtype };
+            let my_dtype = dtype_of(e.group);
+            let held = match e.group {
+                Group::Src => layout.rank_holdings(tensor, e.rank),
+                Group::Dst => {
+                    side.staged(tensor, my_dtype);
+                    quant::rank_delivered(layout, tensor, e.rank)
+                }
+            };
             for &ti in &mine[k..end] {
                 let t: &Transfer = &plan.transfers[ti as usize];
                 let piece = plan.pieces[t.piece as usize].block;
                 let scratch = plan.scratch_blocks.get(td as usize).copied().unwrap_or(piece);
                 let span_here = |side: &mut Side<'_>, from_scratch: bool| -> Vec<Span> {
                     if from_scratch {
-                        let b = side.scratch(tensor, &scratch);
+                        let b = side.scratch(tensor, &scratch, my_dtype);
                         vec![span_in(b, &scratch, 0, &piece)]
                     } else {
                         side.spans(&held, &piece)
@@ -902,7 +914,19 @@ impl<'a> Programs<'a> {
             }
             _ => Vec::new(),
         };
-        RankProgram { endpoint: e, fingerprint: plan.fingerprint, buffers: side.buffers, rounds, carried }
+        let mut quantize = Vec::new();
+        if e.group == Group::Dst {
+            let mask = plan.options().only.as_ref().and_then(|only| only.mask(layout).ok());
+            for t in 0..layout.tensors().len() as u32 {
+                if layout.scale_of(t).is_none() || mask.as_ref().is_some_and(|m| !m[t as usize]) {
+                    continue;
+                }
+                let dtype = plan.wire[t as usize].1;
+                side.staged(t, dtype);
+                quantize.extend(quant::quantize_op(layout, t, e.rank, dtype, &|key| side.index.get(&key).copied()));
+            }
+        }
+        RankProgram { endpoint: e, fingerprint: plan.fingerprint, buffers: side.buffers, rounds, carried, quantize }
     }
 }
 
@@ -910,6 +934,7 @@ impl<'a> Programs<'a> {
 /// scratch buffers as the program needs them.
 struct Side<'a> {
     layout: &'a Layout,
+    rank: Rank,
     buffers: Vec<BufferSpec>,
     index: HashMap<BufferKey, u32>,
 }
@@ -918,19 +943,31 @@ impl<'a> Side<'a> {
     fn new(layout: &'a Layout, rank: Rank) -> Side<'a> {
         let buffers = layout.rank_buffers(rank);
         let index = buffers.iter().enumerate().map(|(i, b)| (b.key, i as u32)).collect();
-        Side { layout, buffers, index }
+        Side { layout, rank, buffers, index }
     }
 
-    fn scratch(&mut self, tensor: u32, block: &Block) -> u32 {
+    fn scratch(&mut self, tensor: u32, block: &Block, dtype: DType) -> u32 {
         let key = BufferKey::Scratch { tensor };
         if let Some(&i) = self.index.get(&key) {
             return i;
         }
-        let t = &self.layout.tensors()[tensor as usize];
         let i = self.buffers.len() as u32;
-        self.buffers.push(BufferSpec { key, name: self.layout.buffer_name(key), dtype: t.dtype, elems: block.numel() });
+        self.buffers.push(BufferSpec { key, name: self.layout.buffer_name(key), dtype, elems: block.numel() });
         self.index.insert(key, i);
         i
+    }
+
+    /// Adds, once, the buffer of block-scaled tensor `tensor`'s
+    /// unquantized blocks on this rank (nothing for other tensors).
+    fn staged(&mut self, tensor: u32, dtype: DType) {
+        let key = BufferKey::Unquantized { tensor };
+        if self.index.contains_key(&key) {
+            return;
+        }
+        if let Some(spec) = quant::staged_buffer(self.layout, tensor, self.rank, dtype) {
+            self.index.insert(key, self.buffers.len() as u32);
+            self.buffers.push(spec);
+        }
     }
 
     /// Spans on this rank holding all of `piece`.

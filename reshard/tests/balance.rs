@@ -181,8 +181,8 @@ fn case(seed: u64) -> (Layout, Layout) {
         let name = format!("t{i}");
         let s = Placement::Shards(src_shards(&mut rng, &shape, src_ranks));
         let d = Placement::Shards(dst_shards(&mut rng, &shape, dst_ranks));
-        st.push(TensorLayout { name: name.clone(), dtype: sd, shape: shape.clone(), placement: s });
-        dt.push(TensorLayout { name, dtype: dd, shape, placement: d });
+        st.push(TensorLayout { name: name.clone(), dtype: sd, shape: shape.clone(), placement: s, scale: None });
+        dt.push(TensorLayout { name, dtype: dd, shape, placement: d, scale: None });
     }
     let src = Layout::new(src_ranks, Some(src_rpn), st).expect("generated source layout is valid");
     let dst = Layout::new(dst_ranks, Some(dst_rpn), dt).expect("generated destination layout is valid");
@@ -376,7 +376,7 @@ fn busiest_source_rank_against_the_optimum() {
 /// tensor of `rows` × `cols`, ranks 1 and 2 its top and bottom halves;
 /// one destination rank needs all of it.
 fn halves(rows: u64, cols: u64) -> (Layout, Layout) {
-    let t = |placement| TensorLayout { name: "w".into(), dtype: DType::BF16, shape: vec![rows, cols], placement };
+    let t = |placement| TensorLayout { name: "w".into(), dtype: DType::BF16, shape: vec![rows, cols], placement, scale: None };
     let half = rows / 2;
     let src = Placement::Shards(vec![
         shard(0, (vec![0, 0], vec![rows, cols])),
@@ -425,7 +425,7 @@ fn three_ranks_share_a_large_tensor_by_default() {
 #[test]
 fn replicas_share_a_piece_above_the_threshold() {
     for (rows, parts) in [(512u64, 4u64), (48, 1)] {
-        let t = |placement| TensorLayout { name: "w".into(), dtype: DType::BF16, shape: vec![rows, 1024], placement };
+        let t = |placement| TensorLayout { name: "w".into(), dtype: DType::BF16, shape: vec![rows, 1024], placement, scale: None };
         let whole = (vec![0, 0], vec![rows, 1024]);
         let src = Placement::Shards((0..4).map(|r| shard(r, whole.clone())).collect());
         let dst = Placement::Shards(vec![shard(0, whole.clone()), shard(1, whole.clone())]);

@@ -13,6 +13,7 @@ use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
 use crate::tcp::{tcp_fabric_for, TcpConfig, TcpTransport};
 use crate::transport::{Payload, SentPieces, Transport, TransportError};
+use reshard::quant::QuantError;
 use reshard::{Block, DType, Endpoint, LocalCopyView, Message, RankProgram, RecvPiece, RecvPieceView, SendPiece, Span};
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -88,6 +89,15 @@ pub enum ExecError {
     Panicked {
         /// Rank.
         me: Endpoint,
+    },
+    /// Quantizing a block-scaled tensor failed (NaN or infinity in its
+    /// source values, or a program that does not fit the memory).
+    #[error("{me}: {error}")]
+    Quantize {
+        /// Rank.
+        me: Endpoint,
+        /// Why.
+        error: QuantError,
     },
 }
 
@@ -303,9 +313,68 @@ fn run_rounds<T: Transport>(
             }
             // Receivers may still read what this rank sent: wait for them.
             Action::Flush { round } => transport.flush(round, deadline)?,
-            Action::Done(stats) => return Ok(stats),
+            Action::Done(stats) => {
+                quantize_all(program, mem)?;
+                return Ok(stats);
+            }
         }
     }
+}
+
+/// A destination rank's last step: its block-scaled tensors quantized from
+/// the whole blocks it received ([`reshard::quant`]).
+fn quantize_all(program: &RankProgram, mem: &MemView) -> Result<(), ExecError> {
+    let me = program.endpoint;
+    for op in &program.quantize {
+        let oob = |what| ExecError::Quantize { me, error: QuantError::OutOfBounds { tensor: op.tensor.clone(), what } };
+        // Output regions: in bounds, pairwise disjoint, outside every
+        // buffer read as staged values.
+        let mut regions: Vec<(u32, usize, usize)> = Vec::with_capacity(op.weights.len() + op.scales.len());
+        for (list, size, what) in [(&op.weights, 1u64, "weight"), (&op.scales, 4, "scale")] {
+            for st in list.iter() {
+                let buf = mem.bufs.get(st.buffer as usize).ok_or_else(|| oob(what))?;
+                let start = st.at.checked_mul(size).ok_or_else(|| oob(what))?;
+                let end = st.block.numel().checked_mul(size).and_then(|n| n.checked_add(start)).ok_or_else(|| oob(what))?;
+                if end > buf.len as u64 || op.staged.iter().any(|s| s.buffer == st.buffer) {
+                    return Err(oob(what));
+                }
+                regions.push((st.buffer, start as usize, end as usize));
+            }
+        }
+        let mut sorted = regions.clone();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2) {
+            return Err(oob("overlapping"));
+        }
+        let staged = |b: u32| -> Option<&[u8]> {
+            if !op.staged.iter().any(|s| s.buffer == b) {
+                return None;
+            }
+            let buf = mem.bufs.get(b as usize)?;
+            // SAFETY: `mem` views this rank's buffers, alive for the run
+            // (`MemView`'s contract). Every receive of the program is done
+            // and every send flushed, so no thread writes this rank's
+            // buffers now; this one only reads these.
+            Some(unsafe { std::slice::from_raw_parts(buf.ptr, buf.len) })
+        };
+        let mut outs: Vec<&mut [u8]> = regions
+            .iter()
+            .map(|&(b, start, end)| {
+                let buf = mem.bufs[b as usize];
+                // SAFETY: checked above: in bounds of a buffer of this rank
+                // that outlives the run, pairwise disjoint, and in no buffer
+                // read as staged values; no plan sends from these regions
+                // (a block-scaled tensor is delivered to its staged buffer
+                // only) and all sends were flushed, so nothing else reads
+                // or writes them while these slices live (to the end of
+                // this iteration, on every path).
+                unsafe { std::slice::from_raw_parts_mut(buf.ptr.add(start), end - start) }
+            })
+            .collect();
+        let (weights, scales) = outs.split_at_mut(op.weights.len());
+        reshard::quant::quantize(op, &staged, weights, scales).map_err(|error| ExecError::Quantize { me, error })?;
+    }
+    Ok(())
 }
 
 /// A message's pieces, read in place from this rank's program and buffers

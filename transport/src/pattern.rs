@@ -7,6 +7,7 @@ use crate::memory::RankMemory;
 use reshard::dtype::convert_slice;
 use reshard::fingerprint::fnv64;
 use reshard::program::span_in;
+use reshard::quant;
 use reshard::{Block, DType, Layout};
 use std::collections::HashMap;
 use thiserror::Error;
@@ -228,8 +229,31 @@ fn verify_ranks<'m>(
             let from = source_dtype(&t.name).unwrap_or(t.dtype);
             let (fs, ts) = (from.size() as usize, t.dtype.size() as usize);
             let (mut raw, mut want) = (Vec::new(), Vec::new());
+            let quantized = QuantizedPattern::of(dst, ti as u32, version, source_dtype);
             for (block, loc) in dst.rank_holdings(ti as u32, rank) {
                 let buf = &mem.buffers[index[&loc.buffer]];
+                if let Some(q) = &quantized {
+                    checked += block.numel();
+                    let want = q.expected(&block);
+                    let o = loc.at as usize * ts;
+                    let got = buf.get(o..o + want.len()).unwrap_or(&[]);
+                    if got == want.as_slice() {
+                        continue;
+                    }
+                    let elems = |b: &[u8]| b.chunks_exact(ts).map(<[u8]>::to_vec).collect::<Vec<_>>();
+                    let (g, w) = (elems(got), elems(&want));
+                    let bad: Vec<usize> = (0..w.len()).filter(|&k| g.get(k) != Some(&w[k])).collect();
+                    let k = bad[0];
+                    return Err(Box::new(Mismatch {
+                        tensor: t.name.clone(),
+                        rank: loc.rank,
+                        buffer: dst.buffer_name(loc.buffer),
+                        index: index_in(&block, k as u64),
+                        got: g.get(k).cloned().unwrap_or_default(),
+                        expected: w[k].clone(),
+                        mismatches: bad.len() as u64,
+                    }));
+                }
                 let mut first: Option<(u64, Vec<u8>, Vec<u8>)> = None;
                 let mut bad = 0u64;
                 for_each_run(&t.shape, &block, loc.at, &block, |flat, off, n| {
@@ -274,6 +298,97 @@ fn verify_ranks<'m>(
         }
     }
     Ok(checked)
+}
+
+/// Global index of element `k` (row-major) of `block`.
+fn index_in(block: &Block, k: u64) -> Vec<u64> {
+    let mut index = vec![0u64; block.ndim()];
+    let mut rem = k;
+    for d in (0..block.ndim()).rev() {
+        index[d] = block.offset()[d] + rem % block.extent()[d];
+        rem /= block.extent()[d];
+    }
+    index
+}
+
+/// What a block-scaled tensor or its scale tensor holds after a refit of
+/// the pattern: the source pattern quantized as [`reshard::quant`] says,
+/// each block's scale computed from the pattern of the whole block.
+struct QuantizedPattern {
+    /// The block-scaled tensor's seed, source dtype, shape and block.
+    seed: u64,
+    from: DType,
+    shape: Vec<u64>,
+    block: Vec<u64>,
+    /// Checking the scale tensor (block-grid coordinates) rather than the
+    /// tensor.
+    scales: bool,
+}
+
+impl QuantizedPattern {
+    /// For tensor `t` of `dst` at `version`, if it is block-scaled or a
+    /// scale tensor.
+    fn of(dst: &Layout, t: u32, version: u64, source_dtype: &dyn Fn(&str) -> Option<DType>) -> Option<QuantizedPattern> {
+        let (w, scales) = match (dst.scale_of(t), dst.scale_for(t)) {
+            (Some(_), _) => (t, false),
+            (None, Some(w)) => (w, true),
+            (None, None) => return None,
+        };
+        let (_, block) = dst.scale_of(w)?;
+        let wt = &dst.tensors()[w as usize];
+        Some(QuantizedPattern {
+            seed: tensor_seed_at(&wt.name, version),
+            from: source_dtype(&wt.name).unwrap_or(DType::F32),
+            shape: wt.shape.clone(),
+            block: block.to_vec(),
+            scales,
+        })
+    }
+
+    /// The pattern of block `g` (block-grid index) as f32 values, row-major.
+    fn values(&self, g: &[u64]) -> (Block, Vec<f32>) {
+        let elems = quant::elements_of(&Block::new(g, &vec![1; g.len()]), &self.block, &self.shape);
+        let size = self.from.size() as usize;
+        let mut raw = vec![0u8; size];
+        let mut out = Vec::with_capacity(elems.numel() as usize);
+        quant::for_each_row(&elems, |idx, run| {
+            let flat = Block::new(idx, &vec![1; idx.len()]).flat_start(&self.shape);
+            for k in 0..run {
+                pattern_value(self.seed, flat + k, self.from, &mut raw);
+                out.push(quant::read_f32(self.from, &raw, 0));
+            }
+        });
+        (elems, out)
+    }
+
+    /// Expected bytes of `held` (a box of the tensor, or of its scale
+    /// tensor), row-major.
+    fn expected(&self, held: &Block) -> Vec<u8> {
+        let grid = if self.scales { *held } else { quant::grid_of(held, &self.block) };
+        let mut out = vec![0u8; held.numel() as usize * if self.scales { 4 } else { 1 }];
+        quant::for_each_cell(&grid, |g| {
+            let (elems, values) = self.values(g);
+            let s = quant::block_scale(values.iter().fold(0f32, |m, v| m.max(v.abs())));
+            if self.scales {
+                let pos = offset_in(held, g) as usize * 4;
+                out[pos..pos + 4].copy_from_slice(&s.to_le_bytes());
+                return;
+            }
+            let Some(part) = elems.intersect(held) else { return };
+            quant::for_each_row(&part, |idx, run| {
+                let (from, to) = (offset_in(&elems, idx) as usize, offset_in(held, idx) as usize);
+                for k in 0..run as usize {
+                    out[to + k] = quant::quantize_value(values[from + k], s);
+                }
+            });
+        });
+        out
+    }
+}
+
+/// Row-major position of global index `idx` inside `b`.
+fn offset_in(b: &Block, idx: &[u64]) -> u64 {
+    (0..b.ndim()).fold(0u64, |acc, d| acc * b.extent()[d] + (idx[d] - b.offset()[d]))
 }
 
 #[cfg(test)]

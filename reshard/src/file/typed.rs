@@ -12,7 +12,7 @@
 
 use super::{parse_mesh_dim, MAX_IMPLIED_POSITIONS};
 use crate::dtype::DType;
-use crate::layout::{MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage, TensorLayout, MAX_RANKS};
+use crate::layout::{BlockScale, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage, TensorLayout, MAX_RANKS};
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use std::fmt;
 
@@ -94,8 +94,17 @@ fn tensor_key(k: &str) -> Option<usize> {
         "shards" => 5,
         "buffer" => 6,
         "at" => 7,
+        "scale" => 8,
         _ => return None,
     })
+}
+
+/// A tensor's `scale` object, as the file has it.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScaleField {
+    tensor: String,
+    block: Vec<u64>,
 }
 
 /// Index of a `mesh` field.
@@ -343,6 +352,7 @@ impl<'de> Visitor<'de> for Tensor<'_> {
         let mut shards: Option<Vec<ShardSpec>> = None;
         let mut buffer: Option<String> = None;
         let mut at: Option<u64> = None;
+        let mut scale: Option<BlockScale> = None;
         while let Some(k) = map.next_key_seed(StrWith(tensor_key))? {
             see(&mut seen, k)?;
             match k {
@@ -353,7 +363,11 @@ impl<'de> Visitor<'de> for Tensor<'_> {
                 4 => dims = Some(map.next_value_seed(Dims(&mut st.dims))?),
                 5 => shards = Some(map.next_value_seed(Shards(&mut *st))?),
                 6 => buffer = Some(map.next_value()?),
-                _ => at = Some(map.next_value()?),
+                7 => at = Some(map.next_value()?),
+                _ => {
+                    let f: ScaleField = map.next_value()?;
+                    scale = Some(BlockScale { tensor: f.tensor, block: f.block });
+                }
             }
         }
         let (Some(name), Some(dtype), Some(shape)) = (name, dtype, shape) else {
@@ -375,7 +389,7 @@ impl<'de> Visitor<'de> for Tensor<'_> {
             (None, None, Some(shards)) if buffer.is_none() && at.is_none() => Placement::Shards(shards),
             _ => return Err(reject("not exactly one form")),
         };
-        Ok(TensorLayout { name, dtype, shape, placement })
+        Ok(TensorLayout { name, dtype, shape, placement, scale })
     }
 }
 

@@ -111,6 +111,10 @@ impl<'m> DeviceRun<'m> {
     /// Checks the programs against each other and against the memory
     /// (`memory[i]` belongs to `programs[i]`), and resolves every copy.
     pub fn prepare(dev: &'m GpuDevice, programs: &[RankProgram], memory: &'m mut [DeviceMemory]) -> Result<DeviceRun<'m>, DeviceExecError> {
+        if let Some(p) = programs.iter().find(|p| !p.quantize.is_empty()) {
+            let problem = crate::cuda::nccl::UNQUANTIZED.to_string();
+            return Err(GpuError::Invalid { what: format!("{}: program", p.endpoint), problem }.into());
+        }
         let schedule = same_device_schedule(programs)?;
         if memory.len() != programs.len() {
             let me = programs.get(memory.len()).or(programs.last()).map_or(Endpoint::src(0), |p| p.endpoint);

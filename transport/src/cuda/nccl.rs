@@ -378,6 +378,10 @@ fn move_piece(
     convert_on_host(dev, host, &step, from.0, &dsts).map(|_| ())
 }
 
+/// Why a program with block-scaled destinations does not run on the device.
+pub(crate) const UNQUANTIZED: &str =
+    "block-scaled FP8 destinations are quantized by the host executor only; the GPU data plane does not run them yet";
+
 /// Runs one rank's program with its buffers in device memory over an NCCL
 /// communicator: each round is one group of the round's sends and
 /// receives. `rank_of` maps an endpoint to its communicator rank (e.g.
@@ -392,6 +396,9 @@ pub fn run_rank_nccl(
     deadline: Instant,
 ) -> Result<RankStats, NcclExecError> {
     let me = program.endpoint;
+    if !program.quantize.is_empty() {
+        return Err(GpuError::Invalid { what: format!("{me}: program"), problem: UNQUANTIZED.to_string() }.into());
+    }
     let want: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
     if memory.buffer_lens() != want.as_slice() {
         return Err(GpuError::Invalid {

@@ -1,0 +1,567 @@
+//! Block-scaled FP8 destinations: a destination tensor of dtype `f8e4m3`
+//! with a scale tensor ([`BlockScale`]) is quantized per block from the
+//! source's values, the way DeepSeek-V3 and Kimi-K2 checkpoints are stored
+//! (`weight` + `weight_scale_inv`, 128 x 128 blocks).
+//!
+//! # Semantics
+//! Blocks of `block[d]` elements per dimension tile the **global** tensor
+//! from index 0 (the last block of a dimension may be partial). For block
+//! `b`, `amax_b` is the largest `|x|` of its source values converted to
+//! f32; `s_b = amax_b / 448` in f32, or `1.0` if `amax_b == 0`; every
+//! element is `q = e4m3(x / s_b)` (the division in f32), rounded to nearest
+//! even, saturating to ±448, the sign bit always kept (`-0.0` and negative
+//! values that round to zero are `0x80`). A zero element is the signed
+//! zero whatever `s_b` is (it differs from `e4m3(x / s_b)` only when `s_b`
+//! underflows to zero, for f32/f64 blocks whose `amax` is below 2^-140,
+//! where `0 / 0` would be NaN). The scale tensor holds `s_b`: `x ≈ q * s_b`.
+//! A NaN or infinity among a block's values (after conversion to f32) is an
+//! error naming the tensor and the block.
+//!
+//! # How a plan moves them
+//! A block's scale depends on all of its elements, which may lie on
+//! several source ranks, and its elements may go to several destination
+//! ranks. The plan therefore delivers **whole blocks** of unquantized
+//! values (the source dtype; f32 for an f64 source) to every destination
+//! rank that holds any element of the block or its scale, into a buffer of
+//! the plan's ([`BufferKey::Unquantized`]): [`staged_holdings`]. After its
+//! last receive, each such rank quantizes ([`Quantize`], [`quantize`]):
+//! every block is quantized where it is needed, by the same function of the
+//! same values, so replicas agree bit for bit. On the wire this costs the
+//! source dtype's bytes (bf16: 2 per element, twice the FP8 payload) plus
+//! the parts of blocks a rank needs beyond its own elements, where
+//! destination shards cut through blocks.
+
+use crate::block::Block;
+use crate::dtype::{f16_bits_to_f64, DType};
+use crate::layout::{BufferKey, BufferSpec, Holding, Layout, Loc, Rank};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use thiserror::Error;
+
+/// The largest finite e4m3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// The e4m3 code of `x`, rounded to nearest even, saturating to ±448 (so
+/// NaN never comes out of a finite input), the sign bit kept. e4m3 here is
+/// `torch.float8_e4m3fn`: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa
+/// bits, no infinities, `0x7f`/`0xff` NaN. A NaN input gives `0x7f` with
+/// its sign (callers reject NaN first).
+pub fn e4m3_from_f32(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abs = bits & 0x7fff_ffff;
+    if abs > 0x7f80_0000 {
+        return sign | 0x7f;
+    }
+    let a = f32::from_bits(abs);
+    // 2^-6 is the smallest normal e4m3; below it codes count steps of 2^-9.
+    let code = if a < 2f32.powi(-6) {
+        // Exact: scaling by a power of two; then round half to even.
+        (a * 512.0).round_ties_even() as u32
+    } else if a >= 512.0 {
+        0x7e
+    } else {
+        let exp = (abs >> 23) as i32 - 127; // -6 ..= 8
+        let mant = abs & 0x7f_ffff;
+        let (keep, rest) = (mant >> 20, mant & 0xf_ffff);
+        let up = rest > 0x8_0000 || (rest == 0x8_0000 && keep & 1 == 1);
+        // A carry out of the mantissa moves into the exponent, as it should.
+        (((exp + 7) as u32) << 3) + keep + up as u32
+    };
+    sign | code.min(0x7e) as u8
+}
+
+/// The value of an e4m3 code (NaN for `0x7f`/`0xff`).
+pub fn e4m3_to_f32(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (exp, mant) = (((code >> 3) & 0xf) as i32, (code & 7) as f32);
+    if exp == 15 && code & 7 == 7 {
+        return f32::NAN.copysign(sign);
+    }
+    if exp == 0 {
+        return sign * mant * 2f32.powi(-9);
+    }
+    sign * (1.0 + mant / 8.0) * 2f32.powi(exp - 7)
+}
+
+/// A block's scale from its largest magnitude: `amax / 448` in f32, `1.0`
+/// for an all-zero block.
+pub fn block_scale(amax: f32) -> f32 {
+    if amax == 0.0 {
+        1.0
+    } else {
+        amax / E4M3_MAX
+    }
+}
+
+/// One element quantized with its block's scale: `e4m3(x / s)`, a zero
+/// staying the signed zero.
+pub fn quantize_value(x: f32, s: f32) -> u8 {
+    if x == 0.0 {
+        ((x.to_bits() >> 24) & 0x80) as u8
+    } else {
+        e4m3_from_f32(x / s)
+    }
+}
+
+/// Element `i` of `bytes` (type `dtype`, a float the semantics accept;
+/// NaN for any other) as f32, as the semantics convert it.
+pub fn read_f32(dtype: DType, bytes: &[u8], i: usize) -> f32 {
+    match dtype {
+        DType::F32 => f32::from_le_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]]),
+        DType::BF16 => f32::from_bits((u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]) as u32) << 16),
+        DType::F16 => f16_bits_to_f64(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])) as f32,
+        DType::F64 => {
+            let b = &bytes[8 * i..8 * i + 8];
+            f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
+        }
+        _ => f32::NAN,
+    }
+}
+
+/// The dtype a plan delivers a block-scaled tensor in, from a source of
+/// `src`: the source's own (f32 for f64, which the semantics convert to
+/// f32 first anyway); `None` where the source is not a float the
+/// semantics accept.
+pub fn staged_dtype(src: DType) -> Option<DType> {
+    match src {
+        DType::F64 => Some(DType::F32),
+        DType::F32 | DType::BF16 | DType::F16 => Some(src),
+        _ => None,
+    }
+}
+
+/// How a tensor of a layout is block-scaled (the layout checked it).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BlockScale {
+    /// Name of the scale tensor, in the same layout: f32, shape
+    /// `ceil(shape[d] / block[d])`.
+    pub tensor: String,
+    /// Block extent per dimension (each at least 1).
+    pub block: Vec<u64>,
+}
+
+/// The block-grid box of the blocks that element box `b` touches.
+pub fn grid_of(b: &Block, block: &[u64]) -> Block {
+    let nd = b.ndim();
+    let off: Vec<u64> = (0..nd).map(|d| b.offset()[d] / block[d]).collect();
+    let ext: Vec<u64> = (0..nd).map(|d| b.end(d).div_ceil(block[d]) - off[d]).collect();
+    Block::new(&off, &ext)
+}
+
+/// The element box of block-grid box `g` in a tensor of `shape`.
+pub fn elements_of(g: &Block, block: &[u64], shape: &[u64]) -> Block {
+    let nd = g.ndim();
+    let off: Vec<u64> = (0..nd).map(|d| g.offset()[d] * block[d]).collect();
+    let ext: Vec<u64> = (0..nd).map(|d| (g.end(d) * block[d]).min(shape[d]) - off[d]).collect();
+    Block::new(&off, &ext)
+}
+
+/// Block-grid boxes, made disjoint (each box keeps what no earlier box
+/// covers), in order.
+fn disjoint(boxes: Vec<Block>) -> Vec<Block> {
+    let mut out: Vec<Block> = Vec::new();
+    for b in boxes {
+        let mut rest = vec![b];
+        for o in &out {
+            rest = rest.into_iter().flat_map(|r| r.subtract(o)).collect();
+        }
+        out.extend(rest.into_iter().filter(|r| !r.is_empty()));
+    }
+    out
+}
+
+/// Per rank, the disjoint block-grid boxes it needs of block-scaled tensor
+/// `t`: the blocks touching its elements of `t`, and those of its scale
+/// elements. Ranks in order.
+fn grid_needs(layout: &Layout, t: u32) -> Vec<(Rank, Vec<Block>)> {
+    let Some((s, block)) = layout.scale_of(t) else { return Vec::new() };
+    let mut by_rank: HashMap<Rank, Vec<Block>> = HashMap::new();
+    for h in layout.holdings(t) {
+        let g = grid_of(&h.block, block);
+        for l in &h.holders {
+            by_rank.entry(l.rank).or_default().push(g);
+        }
+    }
+    for h in layout.holdings(s) {
+        for l in &h.holders {
+            by_rank.entry(l.rank).or_default().push(h.block);
+        }
+    }
+    let mut out: Vec<(Rank, Vec<Block>)> = by_rank.into_iter().map(|(r, boxes)| (r, disjoint(boxes))).collect();
+    out.sort_unstable_by_key(|(r, _)| *r);
+    out
+}
+
+/// The boxes of block-scaled tensor `t` that `rank` receives, each whole
+/// blocks, stored back to back in its [`BufferKey::Unquantized`] buffer.
+fn rank_staged_from(layout: &Layout, t: u32, grids: &[Block]) -> Vec<(Block, u64)> {
+    let Some((_, block)) = layout.scale_of(t) else { return Vec::new() };
+    let shape = &layout.tensors()[t as usize].shape;
+    let mut at = 0u64;
+    grids
+        .iter()
+        .map(|g| {
+            let b = elements_of(g, block, shape);
+            let here = at;
+            at += b.numel();
+            (b, here)
+        })
+        .collect()
+}
+
+/// Where a plan delivers block-scaled tensor `t` of a destination layout:
+/// its distinct staged boxes and their holders (see the module doc), like
+/// [`Layout::holdings`]. Empty for a tensor without a scale.
+pub fn staged_holdings(layout: &Layout, t: u32) -> Vec<Holding> {
+    let mut out: Vec<Holding> = Vec::new();
+    let mut index: HashMap<Block, usize> = HashMap::new();
+    for (rank, grids) in grid_needs(layout, t) {
+        for (block, at) in rank_staged_from(layout, t, &grids) {
+            let loc = Loc { rank, buffer: BufferKey::Unquantized { tensor: t }, at };
+            match index.get(&block) {
+                Some(&h) => out[h].holders.push(loc),
+                None => {
+                    index.insert(block, out.len());
+                    out.push(Holding { block, holders: vec![loc] });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Block-scaled tensor `t`'s staged boxes on `rank` (see
+/// [`staged_holdings`]), like [`Layout::rank_holdings`].
+pub fn rank_staged(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Loc)> {
+    let Some((s, block)) = layout.scale_of(t) else { return Vec::new() };
+    let mut grids: Vec<Block> = layout.rank_holdings(t, rank).iter().map(|(b, _)| grid_of(b, block)).collect();
+    grids.extend(layout.rank_holdings(s, rank).into_iter().map(|(b, _)| b));
+    rank_staged_from(layout, t, &disjoint(grids))
+        .into_iter()
+        .map(|(b, at)| (b, Loc { rank, buffer: BufferKey::Unquantized { tensor: t }, at }))
+        .collect()
+}
+
+/// Where the plan delivers tensor `t` of a destination layout: its
+/// holdings, or for a block-scaled tensor its [`staged_holdings`].
+pub fn delivered_holdings(layout: &Layout, t: u32) -> Vec<Holding> {
+    match layout.scale_of(t) {
+        Some(_) => staged_holdings(layout, t),
+        None => layout.holdings(t),
+    }
+}
+
+/// [`delivered_holdings`] of one rank.
+pub fn rank_delivered(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Loc)> {
+    match layout.scale_of(t) {
+        Some(_) => rank_staged(layout, t, rank),
+        None => layout.rank_holdings(t, rank),
+    }
+}
+
+/// The [`BufferKey::Unquantized`] buffer of block-scaled tensor `t` on
+/// `rank`, in `dtype` (see [`staged_dtype`]); `None` where the rank needs
+/// none of it.
+pub fn staged_buffer(layout: &Layout, t: u32, rank: Rank, dtype: DType) -> Option<BufferSpec> {
+    let elems: u64 = rank_staged(layout, t, rank).iter().map(|(b, _)| b.numel()).sum();
+    (elems > 0).then(|| {
+        let key = BufferKey::Unquantized { tensor: t };
+        BufferSpec { key, name: layout.buffer_name(key), dtype, elems }
+    })
+}
+
+/// A box of a tensor stored row-major from element `at` of buffer `buffer`
+/// (an index into the rank program's buffers).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stored {
+    /// The box.
+    pub block: Block,
+    /// Buffer index.
+    pub buffer: u32,
+    /// Element offset of its first element.
+    pub at: u64,
+}
+
+/// What a destination rank does after its last receive for one
+/// block-scaled tensor: quantize the whole blocks it received into its
+/// elements of the tensor and of its scale tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quantize {
+    /// The tensor (for errors).
+    pub tensor: String,
+    /// Its global shape.
+    pub shape: Vec<u64>,
+    /// Block extent per dimension.
+    pub block: Vec<u64>,
+    /// Type of the received values.
+    pub staged_dtype: DType,
+    /// The received boxes: disjoint, whole blocks each.
+    pub staged: Vec<Stored>,
+    /// The rank's boxes of the tensor (e4m3).
+    pub weights: Vec<Stored>,
+    /// The rank's boxes of the scale tensor (f32, block-grid coordinates).
+    pub scales: Vec<Stored>,
+}
+
+/// Why quantizing failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum QuantError {
+    /// A block's source values hold NaN or infinity.
+    #[error("tensor '{tensor}': block {block:?} (elements from {first:?}) holds NaN or infinity; block-scaled FP8 needs finite values")]
+    NonFinite {
+        /// The tensor.
+        tensor: String,
+        /// Block-grid index.
+        block: Vec<u64>,
+        /// Global index of the block's first element.
+        first: Vec<u64>,
+    },
+    /// A region does not fit its buffer (a program that does not match its
+    /// memory).
+    #[error("tensor '{tensor}': a {what} region does not fit its buffer")]
+    OutOfBounds {
+        /// The tensor.
+        tensor: String,
+        /// Which region.
+        what: &'static str,
+    },
+}
+
+/// Row-major element offset of global index `idx` inside `stored` (which
+/// contains it) from `at`.
+fn offset_in(stored: &Block, at: u64, idx: &[u64]) -> u64 {
+    at + (0..stored.ndim()).fold(0u64, |acc, d| acc * stored.extent()[d] + (idx[d] - stored.offset()[d]))
+}
+
+/// Calls `f(global index of the run's first element, run length)` for every
+/// innermost-dimension run of `b`, in row-major order.
+pub fn for_each_row(b: &Block, mut f: impl FnMut(&[u64], u64)) {
+    let nd = b.ndim();
+    if b.is_empty() {
+        return;
+    }
+    if nd == 0 {
+        f(&[], 1);
+        return;
+    }
+    let run = b.extent()[nd - 1];
+    let mut idx: Vec<u64> = b.offset().to_vec();
+    loop {
+        f(&idx, run);
+        let mut d = nd - 1;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < b.end(d) {
+                break;
+            }
+            idx[d] = b.offset()[d];
+        }
+    }
+}
+
+/// Runs `op`: `buffers[i]` is program buffer `i` for every staged buffer,
+/// `weights[k]` and `scales[k]` the bytes of `op.weights[k]` and
+/// `op.scales[k]` (exactly their elements, e4m3 and f32). Every element of
+/// those regions is written, each block's scale computed once here.
+pub fn quantize<'a>(
+    op: &Quantize,
+    staged: &dyn Fn(u32) -> Option<&'a [u8]>,
+    weights: &mut [&mut [u8]],
+    scales: &mut [&mut [u8]],
+) -> Result<(), QuantError> {
+    let size = op.staged_dtype.size() as usize;
+    let oob = |what| QuantError::OutOfBounds { tensor: op.tensor.clone(), what };
+    if weights.len() != op.weights.len() || scales.len() != op.scales.len() {
+        return Err(oob("output"));
+    }
+    for (w, r) in op.weights.iter().zip(weights.iter()) {
+        if r.len() as u64 != w.block.numel() {
+            return Err(oob("weight"));
+        }
+    }
+    for (s, r) in op.scales.iter().zip(scales.iter()) {
+        if r.len() as u64 != s.block.numel() * 4 {
+            return Err(oob("scale"));
+        }
+    }
+    let mut values: Vec<f32> = Vec::new();
+    for st in &op.staged {
+        let bytes = staged(st.buffer).ok_or_else(|| oob("staged"))?;
+        let end = (st.at + st.block.numel()) as usize * size;
+        if bytes.len() < end {
+            return Err(oob("staged"));
+        }
+        let grid = grid_of(&st.block, &op.block);
+        let mut failed: Option<QuantError> = None;
+        for_each_cell(&grid, |g| {
+            if failed.is_some() {
+                return;
+            }
+            let elems = elements_of(&Block::new(g, &vec![1; g.len()]), &op.block, &op.shape);
+            // The block's values as f32, in row-major order.
+            values.clear();
+            for_each_row(&elems, |idx, run| {
+                let first = offset_in(&st.block, st.at, idx) as usize;
+                values.extend((first..first + run as usize).map(|i| read_f32(op.staged_dtype, bytes, i)));
+            });
+            let mut amax = 0f32;
+            for &v in &values {
+                if !v.is_finite() {
+                    failed = Some(QuantError::NonFinite { tensor: op.tensor.clone(), block: g.to_vec(), first: elems.offset().to_vec() });
+                    return;
+                }
+                amax = amax.max(v.abs());
+            }
+            let s = block_scale(amax);
+            for (w, out) in op.weights.iter().zip(weights.iter_mut()) {
+                let Some(part) = w.block.intersect(&elems) else { continue };
+                for_each_row(&part, |idx, run| {
+                    // Position of the run in the block's values, and in the output.
+                    let from = offset_in(&elems, 0, idx) as usize;
+                    let to = offset_in(&w.block, 0, idx) as usize;
+                    for k in 0..run as usize {
+                        out[to + k] = quantize_value(values[from + k], s);
+                    }
+                });
+            }
+            let cell = Block::new(g, &vec![1; g.len()]);
+            for (sc, out) in op.scales.iter().zip(scales.iter_mut()) {
+                if sc.block.contains(&cell) {
+                    let i = offset_in(&sc.block, 0, g) as usize * 4;
+                    out[i..i + 4].copy_from_slice(&s.to_le_bytes());
+                }
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Calls `f(index)` for every index of box `b`, row-major.
+pub fn for_each_cell(b: &Block, mut f: impl FnMut(&[u64])) {
+    for_each_row(b, |idx, run| {
+        let mut i = idx.to_vec();
+        let last = i.len().saturating_sub(1);
+        for k in 0..run {
+            if let Some(x) = i.get_mut(last) {
+                *x = idx[last] + k;
+            }
+            f(&i);
+        }
+    });
+}
+
+/// The [`Quantize`] op of destination rank `rank` for block-scaled tensor
+/// `t`: `buffer(key)` gives the index of a buffer in the rank's program.
+/// `None` where the rank holds nothing of `t` or its scale.
+pub fn quantize_op(
+    layout: &Layout,
+    t: u32,
+    rank: Rank,
+    staged_dtype: DType,
+    buffer: &dyn Fn(BufferKey) -> Option<u32>,
+) -> Option<Quantize> {
+    let (s, block) = layout.scale_of(t)?;
+    let stored = |list: Vec<(Block, Loc)>| -> Option<Vec<Stored>> {
+        list.into_iter().map(|(b, l)| Some(Stored { block: b, buffer: buffer(l.buffer)?, at: l.at })).collect()
+    };
+    let staged = stored(rank_staged(layout, t, rank))?;
+    if staged.is_empty() {
+        return None;
+    }
+    let tensor = &layout.tensors()[t as usize];
+    Some(Quantize {
+        tensor: tensor.name.clone(),
+        shape: tensor.shape.clone(),
+        block: block.to_vec(),
+        staged_dtype,
+        staged,
+        weights: stored(layout.rank_holdings(t, rank))?,
+        scales: stored(layout.rank_holdings(s, rank))?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every code that is a number decodes and encodes back to itself.
+    #[test]
+    fn every_code_round_trips() {
+        for code in 0..=255u8 {
+            let v = e4m3_to_f32(code);
+            if v.is_nan() {
+                continue;
+            }
+            assert_eq!(e4m3_from_f32(v), code, "code {code:#04x} = {v}");
+        }
+    }
+
+    /// Midpoints between neighbouring codes round to the even code;
+    /// anything just off a midpoint rounds to the nearer code.
+    #[test]
+    fn midpoints_round_to_even() {
+        for code in 0..0x7eu8 {
+            let (lo, hi) = (e4m3_to_f32(code) as f64, e4m3_to_f32(code + 1) as f64);
+            let mid = ((lo + hi) / 2.0) as f32;
+            assert_eq!(mid as f64, (lo + hi) / 2.0, "midpoint exact in f32");
+            let even = if code % 2 == 0 { code } else { code + 1 };
+            assert_eq!(e4m3_from_f32(mid), even, "midpoint of {code:#04x}");
+            assert_eq!(e4m3_from_f32(-mid), even | 0x80);
+            assert_eq!(e4m3_from_f32(f32::from_bits(mid.to_bits() - 1)), code);
+            assert_eq!(e4m3_from_f32(f32::from_bits(mid.to_bits() + 1)), code + 1);
+        }
+    }
+
+    #[test]
+    fn saturates_and_keeps_signs() {
+        assert_eq!(e4m3_from_f32(448.0), 0x7e);
+        assert_eq!(e4m3_from_f32(464.0), 0x7e, "the midpoint to 480 saturates");
+        assert_eq!(e4m3_from_f32(1e30), 0x7e);
+        assert_eq!(e4m3_from_f32(f32::INFINITY), 0x7e);
+        assert_eq!(e4m3_from_f32(-1e30), 0xfe);
+        assert_eq!(e4m3_from_f32(0.0), 0x00);
+        assert_eq!(e4m3_from_f32(-0.0), 0x80);
+        assert_eq!(e4m3_from_f32(-1e-30), 0x80, "a negative value rounding to zero keeps its sign");
+        assert_eq!(e4m3_from_f32(2f32.powi(-10)), 0x00, "half the smallest subnormal ties to even zero");
+        assert_eq!(e4m3_from_f32(2f32.powi(-10) * 1.0001), 0x01);
+        assert_eq!(e4m3_from_f32(f32::NAN), 0x7f);
+        assert_eq!(quantize_value(-0.0, 0.0), 0x80);
+        assert_eq!(quantize_value(3.0, 0.0), 0x7e, "x / 0 is infinite and saturates");
+        assert_eq!(block_scale(0.0), 1.0);
+        assert_eq!(block_scale(448.0), 1.0);
+    }
+
+    /// Against an f64 reference over many values: the nearest code, ties
+    /// to even.
+    #[test]
+    fn matches_a_nearest_value_reference() {
+        let codes: Vec<(f64, u8)> = (0..0x7fu8).map(|c| (e4m3_to_f32(c) as f64, c)).collect();
+        let mut x = 0x1234_5678_9abc_def0u64;
+        for _ in 0..200_000 {
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            let r = x.wrapping_mul(0x2545_f491_4f6c_dd1d);
+            // Magnitudes from 2^-14 to 2^10, random mantissa.
+            let v = f32::from_bits(((r as u32) & 0x807f_ffff) | ((((r >> 40) % 25) as u32 + 113) << 23));
+            let a = (v as f64).abs().min(448.0);
+            let mut best = (f64::INFINITY, 0u8);
+            for &(val, c) in &codes {
+                let d = (val - a).abs();
+                if d < best.0 || (d == best.0 && c % 2 == 0) {
+                    best = (d, c);
+                }
+            }
+            let want = best.1 | if v.is_sign_negative() { 0x80 } else { 0 };
+            assert_eq!(e4m3_from_f32(v), want, "{v:e}");
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! Block-scaled FP8 destinations ([`reshard::quant`]): bf16/f32/f64 sources
+//! refit into `f8e4m3` tensors with their scale tensors, bit-exact against
+//! a reference written here from the semantics alone (global tensor, block
+//! by block), over in-process channels and TCP, with uneven dimensions and
+//! shard boundaries on both sides cutting through blocks; NaN or infinity
+//! in a source block fails the refit and names the tensor.
+
+use reshard::quant::e4m3_from_f32;
+use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Layout, Plan, PlanOptions};
+use std::time::Duration;
+use transport::pattern::{pattern_value, tensor_seed};
+use transport::tcp::TcpConfig;
+use transport::{fill_sources, run_local, run_tcp, verify_destinations, ExecError, ExecOptions, RankMemory};
+
+/// The reference: tensor `name` of `shape` (source dtype `from`, the
+/// pattern's values) quantized in blocks of `block`: every element's code
+/// and every block's scale, both row-major over the whole tensor.
+fn reference(name: &str, from: DType, shape: &[u64], block: &[u64]) -> (Vec<u8>, Vec<f32>) {
+    let n: u64 = shape.iter().product();
+    let mut raw = vec![0u8; from.size() as usize];
+    let values: Vec<f32> = (0..n)
+        .map(|i| {
+            pattern_value(tensor_seed(name), i, from, &mut raw);
+            match from {
+                DType::BF16 => f32::from_bits((u16::from_le_bytes([raw[0], raw[1]]) as u32) << 16),
+                DType::F32 => f32::from_le_bytes(raw[..4].try_into().unwrap()),
+                DType::F64 => f64::from_le_bytes(raw[..8].try_into().unwrap()) as f32,
+                _ => unreachable!("test sources are bf16, f32 or f64"),
+            }
+        })
+        .collect();
+    let grid: Vec<u64> = shape.iter().zip(block).map(|(&s, &b)| s.div_ceil(b)).collect();
+    // Block (grid index, row-major) of each element.
+    let block_of = |mut i: u64| -> u64 {
+        let mut idx = vec![0u64; shape.len()];
+        for d in (0..shape.len()).rev() {
+            idx[d] = i % shape[d];
+            i /= shape[d];
+        }
+        (0..shape.len()).fold(0, |acc, d| acc * grid[d] + idx[d] / block[d])
+    };
+    let blocks: u64 = grid.iter().product();
+    let mut amax = vec![0f32; blocks as usize];
+    for (i, v) in values.iter().enumerate() {
+        let b = block_of(i as u64) as usize;
+        amax[b] = amax[b].max(v.abs());
+    }
+    let scales: Vec<f32> = amax.iter().map(|&a| if a == 0.0 { 1.0 } else { a / 448.0 }).collect();
+    let codes = values.iter().enumerate().map(|(i, &v)| e4m3_from_f32(v / scales[block_of(i as u64) as usize])).collect();
+    (codes, scales)
+}
+
+/// Row-major flat index of element `k` of a box in a tensor of `shape`.
+fn flat_of(offset: &[u64], extent: &[u64], shape: &[u64], mut k: u64) -> u64 {
+    let mut idx = vec![0u64; shape.len()];
+    for d in (0..shape.len()).rev() {
+        idx[d] = offset[d] + k % extent[d];
+        k /= extent[d];
+    }
+    (0..shape.len()).fold(0, |acc, d| acc * shape[d] + idx[d])
+}
+
+/// Every destination element of every block-scaled tensor and scale
+/// tensor equals the reference; returns how many were compared.
+fn compare_with_reference(src: &Layout, dst: &Layout, memory: &[RankMemory]) -> u64 {
+    let mut compared = 0;
+    for (t, tensor) in dst.tensors().iter().enumerate() {
+        let Some((s, block)) = dst.scale_of(t as u32) else { continue };
+        let from = src.tensors()[src.tensor_index(&tensor.name).unwrap() as usize].dtype;
+        let (codes, scales) = reference(&tensor.name, from, &tensor.shape, block);
+        let scale_shape = &dst.tensors()[s as usize].shape;
+        for rank in 0..dst.ranks() {
+            let buffers = dst.rank_buffers(rank);
+            let buf = |key| &memory[rank as usize].buffers[buffers.iter().position(|b| b.key == key).unwrap()];
+            for (b, loc) in dst.rank_holdings(t as u32, rank) {
+                for k in 0..b.numel() {
+                    let want = codes[flat_of(b.offset(), b.extent(), &tensor.shape, k) as usize];
+                    let got = buf(loc.buffer)[(loc.at + k) as usize];
+                    assert_eq!(got, want, "'{}' rank {rank} element {k} of {b}", tensor.name);
+                    compared += 1;
+                }
+            }
+            for (b, loc) in dst.rank_holdings(s, rank) {
+                for k in 0..b.numel() {
+                    let want = scales[flat_of(b.offset(), b.extent(), scale_shape, k) as usize];
+                    let at = ((loc.at + k) * 4) as usize;
+                    let got = f32::from_le_bytes(buf(loc.buffer)[at..at + 4].try_into().unwrap());
+                    assert_eq!(got.to_bits(), want.to_bits(), "scale of '{}' rank {rank} element {k} of {b}", tensor.name);
+                    compared += 1;
+                }
+            }
+        }
+    }
+    compared
+}
+
+/// How a case runs.
+#[derive(Clone, Copy, Debug)]
+enum Run {
+    Reshard,
+    Baseline,
+    ReshardTcp,
+}
+
+/// Refits `src` into `dst` as `run` says, with destinations starting from
+/// garbage; checks every destination element against the reference and
+/// the verification pattern. Returns the plan.
+fn check(src: &str, dst: &str, run: Run) -> Plan {
+    let (src, dst) = (parse_layout(src).unwrap(), parse_layout(dst).unwrap());
+    let options = PlanOptions::default();
+    let plan = match run {
+        Run::Baseline => plan_baseline(&src, &dst, &options),
+        _ => plan_reshard(&src, &dst, &options),
+    }
+    .unwrap();
+    let programs = plan.programs(&src, &dst).unwrap();
+    let mut memory = RankMemory::for_programs(&programs);
+    let n_src = src.ranks() as usize;
+    fill_sources(&src, &mut memory[..n_src]);
+    for m in &mut memory[n_src..] {
+        for b in &mut m.buffers {
+            b.fill(0xee);
+        }
+    }
+    let exec = ExecOptions { deadline: Duration::from_secs(30) };
+    let report = match run {
+        Run::ReshardTcp => run_tcp(&programs, &mut memory, &exec, &TcpConfig::default()),
+        _ => run_local(&programs, &mut memory, &exec),
+    }
+    .unwrap();
+    assert_eq!(report.bytes, plan.figures().total_bytes, "{run:?}: bytes moved as planned");
+    let compared = compare_with_reference(&src, &dst, &memory[n_src..]);
+    assert!(compared > 0);
+    let checked = verify_destinations(&src, &dst, &memory[n_src..]).unwrap();
+    assert!(checked >= compared, "{run:?}: the pattern checks every element ({checked} < {compared})");
+    plan
+}
+
+/// bf16 TP4 by rows: row shards of 75 cut the 128-row blocks.
+const SRC: &str = r#"{"ranks": 4, "tensors": [
+  {"name": "w", "dtype": "bf16", "shape": [300, 200], "mesh": {"shape": [4]}, "placements": ["shard(0)"]},
+  {"name": "v", "dtype": "f32", "shape": [130], "mesh": {"shape": [4]}, "placements": ["replicate"]},
+  {"name": "q", "dtype": "f64", "shape": [5, 33, 40], "mesh": {"shape": [4]}, "placements": ["shard(1)"]},
+  {"name": "k", "dtype": "bf16", "shape": [20, 40], "mesh": {"shape": [4]}, "placements": ["shard(0)"]},
+  {"name": "b", "dtype": "bf16", "shape": [200], "mesh": {"shape": [4]}, "placements": ["shard(0)"]}]}"#;
+
+/// TP2 by columns (100 each: the first block of columns is cut), scales
+/// sharded with their weights; `v` split 65/65 with its scale (2 blocks of
+/// 128 and 2) split too; `q` and `k` fused in one FP8 buffer; `b` plain.
+const DST_TP: &str = r#"{"ranks": 2, "tensors": [
+  {"name": "w", "dtype": "f8e4m3", "shape": [300, 200], "mesh": {"shape": [2]}, "placements": ["shard(1)"],
+   "scale": {"tensor": "w_scale_inv", "block": [128, 128]}},
+  {"name": "w_scale_inv", "dtype": "f32", "shape": [3, 2], "mesh": {"shape": [2]}, "placements": ["shard(1)"]},
+  {"name": "v", "dtype": "f8e4m3", "shape": [130], "mesh": {"shape": [2]}, "placements": ["shard(0)"],
+   "scale": {"tensor": "v_scale", "block": [128]}},
+  {"name": "v_scale", "dtype": "f32", "shape": [2], "mesh": {"shape": [2]}, "placements": ["shard(0)"]},
+  {"name": "q", "dtype": "f8e4m3", "shape": [5, 33, 40], "mesh": {"shape": [2]}, "placements": ["shard(2)"],
+   "buffer": "qk", "at": 0, "scale": {"tensor": "q_scale", "block": [2, 16, 32]}},
+  {"name": "k", "dtype": "f8e4m3", "shape": [20, 40], "mesh": {"shape": [2]}, "placements": ["shard(1)"],
+   "buffer": "qk", "at": 3300, "scale": {"tensor": "k_scale", "block": [7, 7]}},
+  {"name": "q_scale", "dtype": "f32", "shape": [3, 3, 2], "mesh": {"shape": [2]}, "placements": ["replicate"]},
+  {"name": "k_scale", "dtype": "f32", "shape": [3, 6], "mesh": {"shape": [2]}, "placements": ["shard(0)"]},
+  {"name": "b", "dtype": "bf16", "shape": [200], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#;
+
+/// DP2 x TP2 on two nodes: rows 150 each (blocks of rows cut at 128),
+/// the scale replicated on every rank (so every rank needs every block).
+const DST_DP: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
+  {"name": "w", "dtype": "f8e4m3", "shape": [300, 200], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"],
+   "scale": {"tensor": "w_scale_inv", "block": [128, 128]}},
+  {"name": "w_scale_inv", "dtype": "f32", "shape": [3, 2], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "replicate"]},
+  {"name": "v", "dtype": "f8e4m3", "shape": [130], "mesh": {"shape": [2, 2]}, "placements": ["shard(0)", "replicate"],
+   "scale": {"tensor": "v_scale", "block": [64]}},
+  {"name": "v_scale", "dtype": "f32", "shape": [3], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"]}]}"#;
+
+#[test]
+fn block_scaled_destinations_match_the_reference_in_every_case() {
+    for (dst, run) in [
+        (DST_TP, Run::Reshard),
+        (DST_TP, Run::Baseline),
+        (DST_TP, Run::ReshardTcp),
+        (DST_DP, Run::Reshard),
+        (DST_DP, Run::Baseline),
+        (DST_DP, Run::ReshardTcp),
+    ] {
+        check(SRC, dst, run);
+    }
+}
+
+/// What the plan moves for `w`: whole blocks of bf16, so at least the
+/// tensor's bf16 bytes, and more where destination shards cut blocks.
+#[test]
+fn the_wire_carries_unquantized_whole_blocks() {
+    let one = |dst: &str| {
+        let src = parse_layout(SRC).unwrap();
+        let dst = parse_layout(dst).unwrap();
+        let only = reshard::TensorSubset::new(["w"]);
+        let plan = plan_reshard(&src, &dst, &PlanOptions { only: Some(only), ..PlanOptions::default() }).unwrap();
+        plan.figures().total_bytes
+    };
+    // TP2 by columns: rank 0 needs columns 0..128, rank 1 all 200.
+    assert_eq!(one(DST_TP), 300 * (128 + 200) * 2);
+    // Two replicas of rows 0..256 and 128..300 (the scale, replicated,
+    // asks every rank for all of it): each of 4 ranks receives the whole
+    // tensor, once per node from the sources, then inside the node.
+    let plain = 300 * 200 * 2;
+    assert_eq!(one(DST_DP), 4 * plain);
+}
+
+/// NaN or infinity anywhere in a block fails the refit with an error that
+/// names the tensor and the block; so does a value beyond f32's range in
+/// an f64 source.
+#[test]
+fn non_finite_source_values_fail_the_refit_and_name_the_tensor() {
+    let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(DST_TP).unwrap());
+    let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
+    let programs = plan.programs(&src, &dst).unwrap();
+    let n_src = src.ranks() as usize;
+    // Writes `value` over element `at_elem` of `tensor` on source ranks `ranks`.
+    let bad = |tensor: &str, value: &[u8], at_elem: usize, ranks: &[u32]| {
+        let mut memory = RankMemory::for_programs(&programs);
+        fill_sources(&src, &mut memory[..n_src]);
+        let t = src.tensor_index(tensor).unwrap();
+        for &r in ranks {
+            let buffers = src.rank_buffers(r);
+            let (_, loc) = src.rank_holdings(t, r)[0];
+            let i = buffers.iter().position(|b| b.key == loc.buffer).unwrap();
+            let size = value.len();
+            memory[r as usize].buffers[i][at_elem * size..(at_elem + 1) * size].copy_from_slice(value);
+        }
+        let err = run_local(&programs, &mut memory, &ExecOptions { deadline: Duration::from_secs(30) }).unwrap_err();
+        assert!(matches!(err, ExecError::Quantize { .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains(&format!("tensor '{tensor}'")) && text.contains("NaN or infinity"), "{text}");
+        text
+    };
+    // Row 75 + 0 (source rank 1's first row) is in block row 0.
+    // Source rank 1 holds rows 75..150: (75, 3) is in block [0, 0].
+    let text = bad("w", &0x7fc0u16.to_le_bytes(), 3, &[1]);
+    assert!(text.contains("block [0, 0]"), "{text}");
+    // -inf at (135, 150): block [1, 1].
+    let text = bad("w", &0xff80u16.to_le_bytes(), 200 * 60 + 150, &[1]);
+    assert!(text.contains("block [1, 1]"), "{text}");
+    bad("q", &1e300f64.to_le_bytes(), 0, &[1]);
+    // Replicated: whichever source sends it.
+    bad("v", &f32::INFINITY.to_le_bytes(), 129, &[0, 1, 2, 3]);
+}
