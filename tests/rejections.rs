@@ -779,6 +779,30 @@ fn rejects_bad_pairs() {
             &["tensor 'w'", "cannot convert f8e4m3 to f8e5m2"],
         ),
         (
+            "f32 to f8e4m3 without a scale",
+            mesh_layout(2, "w", "f32", "[8, 4]", "[2]", r#"["shard(0)"]"#),
+            mesh_layout(2, "w", "f8e4m3", "[8, 4]", "[2]", r#"["shard(0)"]"#),
+            &["tensor 'w'", "cannot convert f32 to f8e4m3", "block scale"],
+        ),
+        (
+            "i32 to block-scaled f8e4m3",
+            mesh_layout(2, "w", "i32", "[8, 4]", "[2]", r#"["shard(0)"]"#),
+            r#"{"ranks": 2, "tensors": [
+                {"name": "w", "dtype": "f8e4m3", "shape": [8, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "scale": {"tensor": "s", "block": [4, 4]}},
+                {"name": "s", "dtype": "f32", "shape": [2, 1], "mesh": {"shape": [2]}, "placements": ["replicate"]}]}"#
+                .to_string(),
+            &["tensor 'w'", "cannot quantize i32 to block-scaled f8e4m3"],
+        ),
+        (
+            "block-scaled source",
+            r#"{"ranks": 2, "tensors": [
+                {"name": "w", "dtype": "f8e4m3", "shape": [8, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "scale": {"tensor": "s", "block": [4, 4]}},
+                {"name": "s", "dtype": "f32", "shape": [2, 1], "mesh": {"shape": [2]}, "placements": ["replicate"]}]}"#
+                .to_string(),
+            mesh_layout(2, "w", "f8e4m3", "[8, 4]", "[2]", r#"["shard(0)"]"#),
+            &["tensor 'w'", "block-scaled source tensors are not supported"],
+        ),
+        (
             "f16 to f8e5m2",
             mesh_layout(2, "w", "f16", "[8, 4]", "[2]", r#"["shard(0)"]"#),
             mesh_layout(2, "w", "f8e5m2", "[8, 4]", "[2]", r#"["shard(0)"]"#),
@@ -954,8 +978,60 @@ fn accepts_valid_edge_cases() {
                 {"name": "g", "dtype": "u8", "shape": [5], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#),
         ),
         ("no tensors at all", s(r#"{"ranks": 1, "tensors": []}"#), s(r#"{"ranks": 3, "ranks_per_node": 1, "tensors": []}"#)),
+        (
+            "block-scaled FP8 from every float, scalar and 1-element blocks included",
+            s(r#"{"ranks": 2, "tensors": [
+                {"name": "a", "dtype": "f64", "shape": [9, 5], "mesh": {"shape": [2]}, "placements": ["shard(0)"]},
+                {"name": "b", "dtype": "f16", "shape": [7], "mesh": {"shape": [2]}, "placements": ["shard(0)"]},
+                {"name": "c", "dtype": "bf16", "shape": [], "mesh": {"shape": [2]}, "placements": ["replicate"]}]}"#),
+            s(r#"{"ranks": 3, "tensors": [
+                {"name": "a", "dtype": "f8e4m3", "shape": [9, 5], "mesh": {"shape": [3]}, "placements": ["shard(1)"],
+                 "scale": {"tensor": "a_s", "block": [4, 1]}},
+                {"name": "a_s", "dtype": "f32", "shape": [3, 5], "shards": [{"rank": 2, "offset": [0, 0], "extent": [3, 5]}]},
+                {"name": "b", "dtype": "f8e4m3", "shape": [7], "mesh": {"shape": [3]}, "placements": ["shard(0)"],
+                 "scale": {"tensor": "b_s", "block": [100]}},
+                {"name": "b_s", "dtype": "f32", "shape": [1], "mesh": {"shape": [3]}, "placements": ["replicate"]},
+                {"name": "c", "dtype": "f8e4m3", "shape": [], "mesh": {"shape": [3]}, "placements": ["replicate"],
+                 "scale": {"tensor": "c_s", "block": []}},
+                {"name": "c_s", "dtype": "f32", "shape": [], "shards": [{"rank": 0, "offset": [], "extent": []}]}]}"#),
+        ),
     ];
     run_accept_table(&cases);
+}
+
+#[test]
+fn rejects_bad_block_scales() {
+    let l = |w: &str, s: &str| format!(r#"{{"ranks": 2, "tensors": [{w}, {s}]}}"#);
+    let w = |dtype: &str, scale: &str| {
+        format!(r#"{{"name": "w", "dtype": "{dtype}", "shape": [300, 200], "mesh": {{"shape": [2]}}, "placements": ["shard(0)"], "scale": {scale}}}"#)
+    };
+    let s = |dtype: &str, shape: &str| {
+        format!(r#"{{"name": "ws", "dtype": "{dtype}", "shape": {shape}, "mesh": {{"shape": [2]}}, "placements": ["replicate"]}}"#)
+    };
+    let ok_scale = r#"{"tensor": "ws", "block": [128, 128]}"#;
+    let cases: Vec<(&str, String, &[&str])> = vec![
+        ("scale on bf16", l(&w("bf16", ok_scale), &s("f32", "[3, 2]")), &["tensors[0].scale", "only f8e4m3 tensors are block-scaled", "bf16"]),
+        ("unknown scale tensor", l(&w("f8e4m3", r#"{"tensor": "nope", "block": [128, 128]}"#), &s("f32", "[3, 2]")), &["tensors[0].scale.tensor", "no tensor named 'nope'"]),
+        ("wrong block rank", l(&w("f8e4m3", r#"{"tensor": "ws", "block": [128]}"#), &s("f32", "[3]")), &["tensors[0].scale.block", "1 dimensions for a tensor of 2"]),
+        ("zero block", l(&w("f8e4m3", r#"{"tensor": "ws", "block": [128, 0]}"#), &s("f32", "[3, 2]")), &["tensors[0].scale.block[1]", "at least 1"]),
+        ("bf16 scale", l(&w("f8e4m3", ok_scale), &s("bf16", "[3, 2]")), &["tensors[0].scale.tensor", "scale tensor 'ws' is bf16; scales are f32"]),
+        ("wrong scale shape", l(&w("f8e4m3", ok_scale), &s("f32", "[2, 2]")), &["tensors[0].scale.tensor", "has shape [2, 2]", "need [3, 2]"]),
+        ("own scale", l(&w("f8e4m3", r#"{"tensor": "w", "block": [128, 128]}"#), &s("f32", "[3, 2]")), &["tensors[0].scale.tensor", "its own scale"]),
+        ("missing block", l(&w("f8e4m3", r#"{"tensor": "ws"}"#), &s("f32", "[3, 2]")), &["tensors[0] ('w').scale.block", "missing field"]),
+        ("unknown field", l(&w("f8e4m3", r#"{"tensor": "ws", "block": [128, 128], "kind": "e4m3"}"#), &s("f32", "[3, 2]")), &["scale", "kind"]),
+        ("scale not an object", l(&w("f8e4m3", r#""ws""#), &s("f32", "[3, 2]")), &["tensors[0] ('w').scale", "expected an object"]),
+        (
+            "one scale for two tensors",
+            format!(
+                r#"{{"ranks": 2, "tensors": [{}, {}, {}]}}"#,
+                w("f8e4m3", ok_scale),
+                s("f32", "[3, 2]"),
+                w("f8e4m3", ok_scale).replace(r#""name": "w""#, r#""name": "w2""#)
+            ),
+            &["tensors[2].scale.tensor", "'ws' is already the scale of 'w'"],
+        ),
+    ];
+    run_single_table(&cases);
 }
 
 /// `torch.chunk` semantics and the lower-mesh-dim-first rule, checked on the
