@@ -279,6 +279,111 @@ pub fn delta_bench(
     Ok(DeltaBench { fraction, dense_bytes, delta_bytes: bytes[bytes.len() / 2], dense: median(tx), delta: median(td), reps })
 }
 
+/// `dst` with every float tensor of two or more dimensions block-scaled to
+/// `f8e4m3` in blocks of `block` per dimension, the way DeepSeek-V3
+/// checkpoints store their linear weights: each gets an f32 scale tensor
+/// `<name>_scale_inv` placed like it (the same mesh and placements, in a
+/// buffer of its own; for a tensor placed by shards, replicated on the
+/// ranks holding any of it). Other tensors stay as they are.
+pub fn fp8_destination(dst: &Layout, block: u64) -> Result<Layout, reshard::LayoutError> {
+    use reshard::{BlockScale, DType, MeshDim, MeshPlacement, Placement, Storage, TensorLayout};
+    let mut tensors: Vec<TensorLayout> = Vec::with_capacity(dst.tensors().len() * 2);
+    for t in dst.tensors() {
+        if t.shape.len() < 2 || !t.dtype.is_convertible_float() {
+            tensors.push(t.clone());
+            continue;
+        }
+        let scale_name = format!("{}_scale_inv", t.name);
+        let block_shape = vec![block.max(1); t.shape.len()];
+        let placement = match &t.placement {
+            Placement::Mesh(m) => Placement::Mesh(MeshPlacement { storage: Storage::Own, ..m.clone() }),
+            Placement::Shards(shards) => {
+                let mut ranks: Vec<u32> = shards.iter().map(|s| s.rank).collect();
+                ranks.sort_unstable();
+                ranks.dedup();
+                Placement::Mesh(MeshPlacement {
+                    shape: vec![ranks.len() as u32],
+                    ranks,
+                    dims: vec![MeshDim::Replicate],
+                    storage: Storage::Own,
+                })
+            }
+        };
+        let scale_shape = t.shape.iter().map(|&n| n.div_ceil(block.max(1))).collect();
+        tensors.push(TensorLayout {
+            dtype: DType::F8E4M3,
+            scale: Some(BlockScale { tensor: scale_name.clone(), block: block_shape }),
+            ..t.clone()
+        });
+        tensors.push(TensorLayout { name: scale_name, dtype: DType::F32, shape: scale_shape, placement, scale: None });
+    }
+    Layout::new(dst.ranks(), Some(dst.ranks_per_node()), tensors)
+}
+
+/// What [`fp8_bench`] measured.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8Bench {
+    /// Bytes the refit to the destination as given moves.
+    pub dense_bytes: u64,
+    /// Bytes the refit to its block-scaled FP8 version moves.
+    pub fp8_bytes: u64,
+    /// What the FP8 destinations hold: codes and scales, over all ranks.
+    pub fp8_held_bytes: u64,
+    /// Median time of the refit to the destination as given.
+    pub dense: Duration,
+    /// Median time of the FP8 refit (its quantization included).
+    pub fp8: Duration,
+    /// Elements the FP8 refit's check compared.
+    pub verified: u64,
+    /// Repetitions.
+    pub reps: usize,
+}
+
+/// The reshard of `src` into `dst` against the same into `fp8` (e.g.
+/// [`fp8_destination`] of `dst`), in process, alternating which goes
+/// first; the FP8 destinations are checked against the pattern quantized
+/// as `reshard::quant` says after the first pair.
+pub fn fp8_bench(
+    src: &Layout,
+    dst: &Layout,
+    fp8: &Layout,
+    options: &reshard::PlanOptions,
+    reps: usize,
+    mut phase: impl FnMut(&str),
+) -> Result<Fp8Bench, RunError> {
+    let reps = reps.max(1);
+    let exec = ExecOptions::default();
+    phase("planning both");
+    let mut dense = prepare_plan(src, dst, reshard::plan_reshard(src, dst, options)?)?;
+    let mut quant = prepare_plan(src, fp8, reshard::plan_reshard(src, fp8, options)?)?;
+    let fp8_held_bytes = fp8.buffers().iter().flatten().map(|b| b.elems * b.dtype.size()).sum::<u64>();
+    let (mut td, mut tq, mut verified) = (Vec::new(), Vec::new(), 0);
+    for i in 0..reps {
+        phase(&rep_phase(i + 1, reps, "dense and FP8"));
+        if i % 2 == 0 {
+            td.push(dense.execute(&exec)?.elapsed);
+            tq.push(quant.execute(&exec)?.elapsed);
+        } else {
+            tq.push(quant.execute(&exec)?.elapsed);
+            td.push(dense.execute(&exec)?.elapsed);
+        }
+        if i == 0 {
+            phase("verifying both");
+            dense.verify(src, dst)?;
+            verified = quant.verify(src, fp8)?;
+        }
+    }
+    Ok(Fp8Bench {
+        dense_bytes: dense.plan.figures().total_bytes,
+        fp8_bytes: quant.plan.figures().total_bytes,
+        fp8_held_bytes,
+        dense: median(td),
+        fp8: median(tq),
+        verified,
+        reps,
+    })
+}
+
 /// Peak resident memory of this process so far (Linux `VmHWM`), in bytes.
 pub fn peak_rss_bytes() -> Option<u64> {
     crate::procs::peak_rss_of("self")

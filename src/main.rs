@@ -78,6 +78,16 @@ struct BenchArgs {
     /// `delta_bytes`, `dense_bytes`, `delta_s`, `dense_s`).
     #[arg(long, value_name = "F")]
     delta_fraction: Option<f64>,
+    /// Instead: the refit into the destination as given against the same
+    /// into its block-scaled FP8 version (every float tensor of 2 or more
+    /// dimensions `f8e4m3` in blocks of `--fp8-block`, with an f32 scale
+    /// tensor placed like it), reshard in process; reports both bytes and
+    /// times (`--json`: `fp8_bytes`, `dense_bytes`, `fp8_s`, `dense_s`).
+    #[arg(long)]
+    fp8_dst: bool,
+    /// With `--fp8-dst`: the block size per dimension.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    fp8_block: u64,
     /// Print JSON.
     #[arg(long)]
     json: bool,

@@ -46,29 +46,26 @@ pub const E4M3_MAX: f32 = 448.0;
 /// `torch.float8_e4m3fn`: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa
 /// bits, no infinities, `0x7f`/`0xff` NaN. A NaN input gives `0x7f` with
 /// its sign (callers reject NaN first).
+#[inline]
 pub fn e4m3_from_f32(x: f32) -> u8 {
+    // Branch-free (both roundings computed, one selected), so that a row
+    // of elements compiles to vector code.
     let bits = x.to_bits();
-    let sign = ((bits >> 24) & 0x80) as u8;
+    let sign = (bits >> 24) & 0x80;
     let abs = bits & 0x7fff_ffff;
-    if abs > 0x7f80_0000 {
-        return sign | 0x7f;
-    }
-    let a = f32::from_bits(abs);
-    // 2^-6 is the smallest normal e4m3; below it codes count steps of 2^-9.
-    let code = if a < 2f32.powi(-6) {
-        // Exact: scaling by a power of two; then round half to even.
-        (a * 512.0).round_ties_even() as u32
-    } else if a >= 512.0 {
-        0x7e
-    } else {
-        let exp = (abs >> 23) as i32 - 127; // -6 ..= 8
-        let mant = abs & 0x7f_ffff;
-        let (keep, rest) = (mant >> 20, mant & 0xf_ffff);
-        let up = rest > 0x8_0000 || (rest == 0x8_0000 && keep & 1 == 1);
-        // A carry out of the mantissa moves into the exponent, as it should.
-        (((exp + 7) as u32) << 3) + keep + up as u32
-    };
-    sign | code.min(0x7e) as u8
+    // At or above 2^-6, the smallest normal e4m3: keep the exponent and 3
+    // mantissa bits, rounding the 20 bits dropped half to even; a carry
+    // out of the mantissa moves into the exponent, as it should. The
+    // exponent is rebiased from 127 to 7 (120 << 3 in code units).
+    let normal = ((abs + 0x7_ffff + ((abs >> 20) & 1)) >> 20).wrapping_sub(120 << 3);
+    // Below it, codes count steps of 2^-9: scaling by 2^9 is exact, and
+    // adding 2^23 rounds a value below 2^22 to an integer, half to even
+    // (IEEE arithmetic, which Rust never reorders), left in the low
+    // mantissa bits of the sum (2^23 is 0x4b00_0000).
+    let sub = (f32::from_bits(abs) * 512.0 + 8_388_608.0).to_bits().wrapping_sub(0x4b00_0000);
+    let code = if abs < 0x3c80_0000 { sub } else { normal.min(0x7e) };
+    let code = if abs > 0x7f80_0000 { 0x7f } else { code };
+    (sign | code) as u8
 }
 
 /// The value of an e4m3 code (NaN for `0x7f`/`0xff`).
@@ -96,6 +93,7 @@ pub fn block_scale(amax: f32) -> f32 {
 
 /// One element quantized with its block's scale: `e4m3(x / s)`, a zero
 /// staying the signed zero.
+#[inline]
 pub fn quantize_value(x: f32, s: f32) -> u8 {
     if x == 0.0 {
         ((x.to_bits() >> 24) & 0x80) as u8
@@ -116,6 +114,19 @@ pub fn read_f32(dtype: DType, bytes: &[u8], i: usize) -> f32 {
             f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
         }
         _ => f32::NAN,
+    }
+}
+
+/// Appends `bytes` (elements of `dtype`, a float the semantics accept) to
+/// `out` as f32.
+fn extend_f32(dtype: DType, bytes: &[u8], out: &mut Vec<f32>) {
+    match dtype {
+        DType::BF16 => out.extend(bytes.chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))),
+        DType::F32 => out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+        _ => {
+            let size = dtype.size() as usize;
+            out.extend((0..bytes.len() / size).map(|i| read_f32(dtype, bytes, i)));
+        }
     }
 }
 
@@ -389,7 +400,10 @@ pub fn quantize<'a>(
             return Err(oob("scale"));
         }
     }
-    let mut values: Vec<f32> = Vec::new();
+    // A band: the whole blocks of a staged box that share their block
+    // index in every dimension but the last, read in one sequential pass
+    // (rows of the box), then quantized from there.
+    let (mut values, mut tops, mut block_scales): (Vec<f32>, Vec<u32>, Vec<f32>) = (Vec::new(), Vec::new(), Vec::new());
     for st in &op.staged {
         let bytes = staged(st.buffer).ok_or_else(|| oob("staged"))?;
         let end = (st.at + st.block.numel()) as usize * size;
@@ -397,49 +411,97 @@ pub fn quantize<'a>(
             return Err(oob("staged"));
         }
         let grid = grid_of(&st.block, &op.block);
-        let mut failed: Option<QuantError> = None;
-        for_each_cell(&grid, |g| {
-            if failed.is_some() {
+        let nd = grid.ndim();
+        // A scalar is one block of one element: its last dimension is a
+        // dimension of extent 1.
+        let last = nd.saturating_sub(1);
+        let (g0, gn) = if nd == 0 { (0, 1) } else { (grid.offset()[last], grid.extent()[last]) };
+        let width = if nd == 0 { 1 } else { op.block[last] as usize };
+        let outer = Block::new(&grid.offset()[..last], &grid.extent()[..last]);
+        let mut result = Ok(());
+        for_each_cell(&outer, |o| {
+            if result.is_err() {
                 return;
             }
-            let elems = elements_of(&Block::new(g, &vec![1; g.len()]), &op.block, &op.shape);
-            // The block's values as f32, in row-major order.
+            let band_grid = if nd == 0 {
+                grid
+            } else {
+                let (mut first, mut ext) = (o.to_vec(), vec![1; last]);
+                first.push(g0);
+                ext.push(gn);
+                Block::new(&first, &ext)
+            };
+            let band = elements_of(&band_grid, &op.block, &op.shape);
+            let row = if nd == 0 { 1 } else { band.extent()[last] as usize };
             values.clear();
-            for_each_row(&elems, |idx, run| {
-                let first = offset_in(&st.block, st.at, idx) as usize;
-                values.extend((first..first + run as usize).map(|i| read_f32(op.staged_dtype, bytes, i)));
+            for_each_row(&band, |idx, run| {
+                let first = offset_in(&st.block, st.at, idx) as usize * size;
+                extend_f32(op.staged_dtype, &bytes[first..first + run as usize * size], &mut values);
             });
-            let mut amax = 0f32;
-            for &v in &values {
-                if !v.is_finite() {
-                    failed = Some(QuantError::NonFinite { tensor: op.tensor.clone(), block: g.to_vec(), first: elems.offset().to_vec() });
+            // Each block's largest magnitude, as bits: a positive float's
+            // bits order like its value, and NaN and infinity lie above
+            // every finite one.
+            tops.clear();
+            tops.resize(gn as usize, 0);
+            for r in values.chunks_exact(row) {
+                for (top, chunk) in tops.iter_mut().zip(r.chunks(width)) {
+                    *top = chunk.iter().fold(*top, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+                }
+            }
+            block_scales.clear();
+            for (j, &top) in tops.iter().enumerate() {
+                if top >= 0x7f80_0000 {
+                    let mut cell = o.to_vec();
+                    cell.extend((nd > 0).then_some(g0 + j as u64));
+                    let first = elements_of(&Block::new(&cell, &vec![1; cell.len()]), &op.block, &op.shape).offset().to_vec();
+                    result = Err(QuantError::NonFinite { tensor: op.tensor.clone(), block: cell, first });
                     return;
                 }
-                amax = amax.max(v.abs());
+                block_scales.push(block_scale(f32::from_bits(top)));
             }
-            let s = block_scale(amax);
             for (w, out) in op.weights.iter().zip(weights.iter_mut()) {
-                let Some(part) = w.block.intersect(&elems) else { continue };
+                let Some(part) = w.block.intersect(&band) else { continue };
                 for_each_row(&part, |idx, run| {
-                    // Position of the run in the block's values, and in the output.
-                    let from = offset_in(&elems, 0, idx) as usize;
-                    let to = offset_in(&w.block, 0, idx) as usize;
-                    for k in 0..run as usize {
-                        out[to + k] = quantize_value(values[from + k], s);
+                    // Where the run starts in the band's values, in the
+                    // output, and in the band's last dimension.
+                    let (from, to) = (offset_in(&band, 0, idx) as usize, offset_in(&w.block, 0, idx) as usize);
+                    let col = if nd == 0 { 0 } else { (idx[last] - band.offset()[last]) as usize };
+                    let mut k = 0usize;
+                    while k < run as usize {
+                        // Up to the end of this element's block.
+                        let j = (col + k) / width;
+                        let stop = (run as usize).min((j + 1) * width - col);
+                        let s = block_scales[j];
+                        let (q, x) = (&mut out[to + k..to + stop], &values[from + k..from + stop]);
+                        if s > 0.0 {
+                            // `x / s` of a zero is the signed zero already.
+                            for (q, &x) in q.iter_mut().zip(x) {
+                                *q = e4m3_from_f32(x / s);
+                            }
+                        } else {
+                            for (q, &x) in q.iter_mut().zip(x) {
+                                *q = quantize_value(x, s);
+                            }
+                        }
+                        k = stop;
                     }
                 });
             }
-            let cell = Block::new(g, &vec![1; g.len()]);
             for (sc, out) in op.scales.iter().zip(scales.iter_mut()) {
-                if sc.block.contains(&cell) {
-                    let i = offset_in(&sc.block, 0, g) as usize * 4;
-                    out[i..i + 4].copy_from_slice(&s.to_le_bytes());
+                if sc.block.intersect(&band_grid).is_none() && nd > 0 {
+                    continue;
+                }
+                for (j, &s) in block_scales.iter().enumerate() {
+                    let mut cell = o.to_vec();
+                    cell.extend((nd > 0).then_some(g0 + j as u64));
+                    if sc.block.contains(&Block::new(&cell, &vec![1; cell.len()])) {
+                        let i = offset_in(&sc.block, 0, &cell) as usize * 4;
+                        out[i..i + 4].copy_from_slice(&s.to_le_bytes());
+                    }
                 }
             }
         });
-        if let Some(e) = failed {
-            return Err(e);
-        }
+        result?;
     }
     Ok(())
 }

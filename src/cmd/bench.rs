@@ -84,6 +84,46 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
     };
     let opts = PlanOptions { max_staging_bytes: a.max_staging_mib.max(1) << 20, ..PlanOptions::default() };
     let fail = |e: String| Failure { line: e, code: 1 };
+    if a.fp8_dst {
+        if a.transport != BenchTransport::Local || a.delta_fraction.is_some() || a.fp8_block == 0 {
+            return Err(invalid(
+                "--fp8-dst runs in process (--transport local), without --delta-fraction, with --fp8-block of at least 1".into(),
+            ));
+        }
+        let fp8 = refit::bench::fp8_destination(&d, a.fp8_block).map_err(|e| fail(format!("the FP8 destination layout: {e}")))?;
+        let b = refit::bench::fp8_bench(&s, &d, &fp8, &opts, a.reps, |p| progress.phase(p.to_string())).map_err(|e| fail(e.to_string()))?;
+        drop(progress);
+        let share = b.fp8_bytes as f64 / b.dense_bytes.max(1) as f64;
+        let scaled = fp8.tensors().iter().filter(|t| t.scale.is_some()).count();
+        if a.json {
+            say!(
+                "{}",
+                json!({"workload": what, "fp8_block": a.fp8_block, "fp8_tensors": scaled, "reps": b.reps, "dense_bytes": b.dense_bytes,
+                       "fp8_bytes": b.fp8_bytes, "fp8_share": share, "fp8_held_bytes": b.fp8_held_bytes, "dense_s": b.dense.as_secs_f64(),
+                       "fp8_s": b.fp8.as_secs_f64(), "verified_elements": b.verified})
+            );
+        } else {
+            say!(
+                "workload: {what}; {}; {scaled} tensors block-scaled FP8 in blocks of {}; medians of {} reps",
+                pair_summary(&s, &d),
+                a.fp8_block,
+                b.reps
+            );
+            say!("as given     {:>12}   {}", human(b.dense_bytes), duration(b.dense));
+            say!(
+                "FP8          {:>12}   {}   ({:.1}% of the bytes as given: whole blocks, unquantized; quantized on the destination ranks)",
+                human(b.fp8_bytes),
+                duration(b.fp8),
+                share * 100.0
+            );
+            say!(
+                "FP8 destinations hold {} (codes and scales); verify: all {} destination elements match",
+                human(b.fp8_held_bytes),
+                b.verified
+            );
+        }
+        return Ok(());
+    }
     progress.phase("planning reshard");
     let rplan = plan_reshard(&s, &d, &opts).map_err(|e| fail(e.to_string()))?;
     if let Some(fraction) = a.delta_fraction {
