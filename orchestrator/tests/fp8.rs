@@ -45,7 +45,7 @@ async fn step(sys: &RefitSystem, k: u64, nan: bool) -> u64 {
 /// The expected codes and scales of version `k`, computed here from the
 /// semantics (blocks of 4 x 4 over the global 6 x 10 tensor).
 fn expected(k: u64) -> (Vec<u8>, Vec<f32>) {
-    let mut scales = vec![0f32; 6];
+    let mut scales = [0f32; 6];
     for i in 0..6 {
         for j in 0..10 {
             let b = (i / 4 * 3 + j / 4) as usize;
