@@ -282,40 +282,63 @@ pub fn delta_bench(
 /// `dst` with every float tensor of two or more dimensions block-scaled to
 /// `f8e4m3` in blocks of `block` per dimension, the way DeepSeek-V3
 /// checkpoints store their linear weights: each gets an f32 scale tensor
-/// `<name>_scale_inv` placed like it (the same mesh and placements, in a
-/// buffer of its own; for a tensor placed by shards, replicated on the
-/// ranks holding any of it). Other tensors stay as they are.
+/// `<name>_scale_inv` whose every rank holds the scales of exactly the
+/// blocks its elements of the tensor touch (as serving engines shard a
+/// block-quantized weight's scales with it). Other tensors stay as they
+/// are.
 pub fn fp8_destination(dst: &Layout, block: u64) -> Result<Layout, reshard::LayoutError> {
-    use reshard::{BlockScale, DType, MeshDim, MeshPlacement, Placement, Storage, TensorLayout};
+    use reshard::{BlockScale, DType, Placement, Region, ShardSpec, Storage, TensorLayout};
+    let block = block.max(1);
     let mut tensors: Vec<TensorLayout> = Vec::with_capacity(dst.tensors().len() * 2);
-    for t in dst.tensors() {
+    for (i, t) in dst.tensors().iter().enumerate() {
         if t.shape.len() < 2 || !t.dtype.is_convertible_float() {
             tensors.push(t.clone());
             continue;
         }
         let scale_name = format!("{}_scale_inv", t.name);
-        let block_shape = vec![block.max(1); t.shape.len()];
-        let placement = match &t.placement {
-            Placement::Mesh(m) => Placement::Mesh(MeshPlacement { storage: Storage::Own, ..m.clone() }),
-            Placement::Shards(shards) => {
-                let mut ranks: Vec<u32> = shards.iter().map(|s| s.rank).collect();
-                ranks.sort_unstable();
-                ranks.dedup();
-                Placement::Mesh(MeshPlacement {
-                    shape: vec![ranks.len() as u32],
-                    ranks,
-                    dims: vec![MeshDim::Replicate],
-                    storage: Storage::Own,
-                })
-            }
-        };
-        let scale_shape = t.shape.iter().map(|&n| n.div_ceil(block.max(1))).collect();
-        tensors.push(TensorLayout {
+        let block_shape = vec![block; t.shape.len()];
+        let scale_shape: Vec<u64> = t.shape.iter().map(|&n| n.div_ceil(block)).collect();
+        let scaled = TensorLayout {
             dtype: DType::F8E4M3,
-            scale: Some(BlockScale { tensor: scale_name.clone(), block: block_shape }),
+            scale: Some(BlockScale { tensor: scale_name.clone(), block: block_shape.clone() }),
             ..t.clone()
-        });
-        tensors.push(TensorLayout { name: scale_name, dtype: DType::F32, shape: scale_shape, placement, scale: None });
+        };
+        // Placed like the tensor on its mesh, where each rank's chunk of
+        // the scales is exactly the blocks its chunk of the tensor touches
+        // (shards that are whole blocks); else by explicit shards.
+        if let Placement::Mesh(m) = &t.placement {
+            let mesh = TensorLayout {
+                name: scale_name.clone(),
+                dtype: DType::F32,
+                shape: scale_shape.clone(),
+                placement: Placement::Mesh(reshard::MeshPlacement { storage: Storage::Own, ..m.clone() }),
+                scale: None,
+            };
+            let alone = Layout::new(dst.ranks(), Some(dst.ranks_per_node()), vec![mesh.clone()])?;
+            let aligned = m.ranks.iter().all(|&r| {
+                let want: Vec<_> = dst.rank_holdings(i as u32, r).iter().map(|(b, _)| reshard::quant::grid_of(b, &block_shape)).collect();
+                let got: Vec<_> = alone.rank_holdings(0, r).iter().map(|(b, _)| *b).collect();
+                want == got
+            });
+            if aligned {
+                tensors.push(scaled);
+                tensors.push(mesh);
+                continue;
+            }
+        }
+        let mut shards: Vec<ShardSpec> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for h in dst.holdings(i as u32) {
+            let g = reshard::quant::grid_of(&h.block, &block_shape);
+            for l in &h.holders {
+                if seen.insert((l.rank, g)) {
+                    let region = Region::Block { offset: g.offset().to_vec(), extent: g.extent().to_vec() };
+                    shards.push(ShardSpec { rank: l.rank, region, storage: Storage::Own });
+                }
+            }
+        }
+        tensors.push(scaled);
+        tensors.push(TensorLayout { name: scale_name, dtype: DType::F32, shape: scale_shape, placement: Placement::Shards(shards), scale: None });
     }
     Layout::new(dst.ranks(), Some(dst.ranks_per_node()), tensors)
 }

@@ -187,6 +187,12 @@ enum Command {
         /// DIR/src.json and DIR/dst.json.
         #[arg(long, value_name = "DIR")]
         emit_layouts: Option<PathBuf>,
+        /// Plan into the destination's block-scaled FP8 version instead:
+        /// every float tensor of 2 or more dimensions `f8e4m3` in blocks of
+        /// N per dimension, with an f32 scale tensor placed like it (as
+        /// `refit bench --fp8-dst` does).
+        #[arg(long, value_name = "N")]
+        fp8_dst: Option<u64>,
     },
     /// Fill sources with a pattern, run one refit, optionally verify.
     Run {
@@ -450,7 +456,7 @@ fn main() -> ExitCode {
         }
     }
     let result = match &cli.command {
-        Command::Plan { src, dst, model, scale, ep, max_staging_mib, topology, estimate, svg, json, emit_layouts } => {
+        Command::Plan { src, dst, model, scale, ep, max_staging_mib, topology, estimate, svg, json, emit_layouts, fp8_dst } => {
             cmd::plan::run(&cmd::plan::PlanArgs {
                 src,
                 dst,
@@ -463,6 +469,7 @@ fn main() -> ExitCode {
                 svg,
                 json: *json,
                 emit_layouts,
+                fp8_dst: *fp8_dst,
             })
         }
         Command::Run { pair, baseline, verify, transport, deadline_s, json, dump_dst, only } => cmd::run::run(&cmd::run::RunArgs {

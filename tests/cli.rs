@@ -949,3 +949,34 @@ fn a_subset_run_moves_and_checks_only_the_named_tensors() {
     assert_eq!(out.status.code(), Some(2), "{}", describe(&args, &out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("tensor 'no.such.tensor' named for a subset refit"), "{}", describe(&args, &out));
 }
+
+/// `refit bench --fp8-dst` and `--delta-fraction` report bytes and times
+/// against the dense refit of the same pair, in JSON with the keys the docs
+/// name; the FP8 run is verified, and bad combinations exit 2.
+#[test]
+fn bench_reports_fp8_and_delta_refits_against_the_dense_one() {
+    let args = ["bench", "--model", "llama3-8b", "--scale", "64", "--reps", "1", "--fp8-dst", "--json"];
+    let out = assert_ok(&args);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let (fp8, dense) = (v["fp8_bytes"].as_u64().expect("fp8_bytes"), v["dense_bytes"].as_u64().expect("dense_bytes"));
+    // The preset's destination is bf16: FP8 moves the same bf16 values,
+    // plus whole blocks where shards cut them.
+    assert!(fp8 >= dense && fp8 < dense * 2, "{v}");
+    assert!(v["fp8_s"].as_f64() > Some(0.0) && v["dense_s"].as_f64() > Some(0.0), "{v}");
+    assert!(v["verified_elements"].as_u64() > Some(0) && v["fp8_tensors"].as_u64() > Some(0), "{v}");
+    assert!(v["fp8_held_bytes"].as_u64() < Some(dense), "{v}");
+    let args = ["bench", "--model", "llama3-8b", "--scale", "64", "--reps", "1", "--delta-fraction", "0.02", "--json"];
+    let out = assert_ok(&args);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let (delta, dense) = (v["delta_bytes"].as_u64().expect("delta_bytes"), v["dense_bytes"].as_u64().expect("dense_bytes"));
+    assert!(delta * 10 <= dense, "2% changed moves at most a tenth: {v}");
+    assert!(v["delta_s"].as_f64() > Some(0.0) && v["dense_s"].as_f64() > Some(0.0), "{v}");
+    for bad in [
+        &["bench", "--model", "llama3-8b", "--scale", "64", "--fp8-dst", "--transport", "tcp"][..],
+        &["bench", "--model", "llama3-8b", "--scale", "64", "--fp8-dst", "--fp8-block", "0"],
+        &["bench", "--model", "llama3-8b", "--scale", "64", "--delta-fraction", "1.5"],
+    ] {
+        let out = refit(bad);
+        assert_eq!(out.status.code(), Some(2), "{}", describe(bad, &out));
+    }
+}

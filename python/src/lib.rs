@@ -320,6 +320,13 @@ impl PyTensorBuilder {
         PyTensorBuilder { inner: self.inner.clone().buffer(name, at), name: self.name.clone() }
     }
 
+    /// Block-scales this `f8e4m3` destination tensor: blocks of `block`
+    /// elements per dimension, their f32 scales in the layout's tensor
+    /// `tensor` (docs/layout-format.md, "Block-scaled FP8").
+    fn scale(&self, tensor: String, block: Vec<u64>) -> Self {
+        PyTensorBuilder { inner: self.inner.clone().scale(tensor, block), name: self.name.clone() }
+    }
+
     /// An explicit shard: rank `rank` holds the box `offset`/`extent`, or
     /// the flat range `flat=(start, len)`; in its own buffer, or in
     /// `buffer` from element `at`.

@@ -295,3 +295,56 @@ def test_a_subset_refit_moves_only_the_named_tensors():
     with pytest.raises(refit.PlanError, match="tensor 'x' named for a subset refit"):
         train_step(system, src_arrays, 3)
         system.refit(3, only=["x"])
+
+
+def _e4m3(x):
+    """A reference e4m3 (float8_e4m3fn) encoder: the nearest code, ties to
+    the even code, saturating to 448, the sign kept."""
+    values = []
+    for code in range(0x7F):
+        e, m = code >> 3, code & 7
+        values.append(m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    a = min(abs(float(x)), 448.0)
+    best = min(range(0x7F), key=lambda c: (abs(values[c] - a), c % 2))
+    return best | (0x80 if np.signbit(x) else 0)
+
+
+def test_a_block_scaled_fp8_destination_refits_codes_and_scales():
+    # f32 TP2 by rows -> FP8 in blocks of 2 x 3, TP2 by columns (4 each:
+    # block column 1 is cut), scales sharded with the blocks they hold.
+    train = refit.LayoutBuilder(2).tensor(refit.TensorBuilder("w", "f32", [4, 8]).mesh([2], ["shard(0)"])).build()
+    infer = (
+        refit.LayoutBuilder(2)
+        .tensor(refit.TensorBuilder("w", "f8e4m3", [4, 8]).mesh([2], ["shard(1)"]).scale("w_scale", [2, 3]))
+        .tensor(refit.TensorBuilder("w_scale", "f32", [2, 3]).mesh([2], ["replicate"]))
+        .build()
+    )
+    system = refit.spawn_local(train, infer)
+    values = (np.arange(32, dtype=np.float32).reshape(4, 8) - 13.0) / 7.0
+    for s in system.sources:
+        a = block(values, *s.block("w")).copy()
+        s.register("w", a)
+        s.step()
+    outs = []
+    for d in system.destinations:
+        arrays = {"w": np.zeros(d.block("w")[1], np.uint8), "w_scale": np.zeros(d.block("w_scale")[1], np.float32)}
+        d.register_all(arrays)
+        outs.append(arrays)
+    system.refit_latest()
+    scales = np.zeros((2, 3), np.float32)
+    for i in range(2):
+        for j in range(3):
+            amax = np.abs(values[2 * i : 2 * i + 2, 3 * j : 3 * j + 3]).max()
+            scales[i, j] = np.float32(amax) / np.float32(448.0) if amax else 1.0
+    codes = np.array([[_e4m3(np.float32(values[r, c]) / scales[r // 2, c // 3]) for c in range(8)] for r in range(4)], np.uint8)
+    for d, arrays in zip(system.destinations, outs):
+        assert d.load() == 1
+        np.testing.assert_array_equal(arrays["w"], block(codes, *d.block("w")))
+        np.testing.assert_array_equal(arrays["w_scale"], scales)
+    # A NaN fails the refit, naming the tensor; version 1 keeps serving.
+    for s in system.sources:
+        s._slots["w"][1][...] = np.nan
+        s.step()
+    with pytest.raises(refit.RefitError, match="tensor 'w'.*NaN or infinity"):
+        system.refit_latest()
+    assert all(d.load() == 1 for d in system.destinations)

@@ -22,6 +22,8 @@ pub(crate) struct PlanArgs<'a> {
     pub(crate) svg: &'a Option<PathBuf>,
     pub(crate) json: bool,
     pub(crate) emit_layouts: &'a Option<PathBuf>,
+    /// Block-scale the destination to FP8 in blocks of this size first.
+    pub(crate) fp8_dst: Option<u64>,
 }
 
 /// A named link model, or one read from a JSON file.
@@ -106,7 +108,16 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         }
         _ => return Err(invalid("give --src and --dst, or --model".into())),
     };
-    let reference = model.and_then(reference);
+    let dst = match args.fp8_dst {
+        None => dst,
+        Some(0) => return Err(invalid("--fp8-dst takes a block size of at least 1".into())),
+        Some(block) => refit::bench::fp8_destination(&dst, block).map_err(|e| invalid(format!("the FP8 destination layout: {e}")))?,
+    };
+    let what = match args.fp8_dst {
+        None => what,
+        Some(block) => format!("{what}, FP8 in blocks of {block}"),
+    };
+    let reference = model.filter(|_| args.fp8_dst.is_none()).and_then(reference);
     if let Some(dir) = args.emit_layouts {
         progress.phase("writing layouts");
         write_layouts(&src, &dst, dir)?;
