@@ -338,7 +338,13 @@ pub fn fp8_destination(dst: &Layout, block: u64) -> Result<Layout, reshard::Layo
             }
         }
         tensors.push(scaled);
-        tensors.push(TensorLayout { name: scale_name, dtype: DType::F32, shape: scale_shape, placement: Placement::Shards(shards), scale: None });
+        tensors.push(TensorLayout {
+            name: scale_name,
+            dtype: DType::F32,
+            shape: scale_shape,
+            placement: Placement::Shards(shards),
+            scale: None,
+        });
     }
     Layout::new(dst.ranks(), Some(dst.ranks_per_node()), tensors)
 }

@@ -12,7 +12,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
 use transport::delta::DeltaMemo;
-use transport::{run_rank_bypassing, run_rank_delta, Bypass, DeltaRun, ExecOptions, RankMemory, Transport};
+use transport::{run_rank_bypassing, run_rank_delta, Bypass, DeltaRun, ExecError, ExecOptions, RankMemory, Transport, TransportError};
 
 /// Which side of the refit a member is on, with its rank's store.
 #[derive(Debug, Clone)]
@@ -274,9 +274,10 @@ fn execute(
             (r, Some((how.refit, run.next)))
         }
     };
-    let r = r
-        .map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages })
-        .map_err(|e| Refusal::Exec(e.to_string()));
+    let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }).map_err(|e| Refusal::Exec {
+        why: e.to_string(),
+        after_peer: matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. })),
+    });
     let scratch = drop_scratch(memory, base);
     (r, Leftover { scratch, memo })
 }
@@ -312,7 +313,7 @@ async fn watched<T>(
 fn split<T>(joined: Result<(Result<RunStats, Refusal>, T), tokio::task::JoinError>) -> (Result<RunStats, Refusal>, Option<T>) {
     match joined {
         Ok((r, end)) => (r, Some(end)),
-        Err(e) => (Err(Refusal::Exec(format!("data plane task failed: {e}"))), None),
+        Err(e) => (Err(Refusal::Exec { why: format!("data plane task failed: {e}"), after_peer: false }), None),
     }
 }
 

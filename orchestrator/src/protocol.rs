@@ -223,7 +223,13 @@ pub enum Refusal {
         session: String,
     },
     /// The data plane failed while moving bytes.
-    Exec(String),
+    Exec {
+        /// What failed.
+        why: String,
+        /// The failure came from a peer (it aborted, or went away): the
+        /// root cause is another member's.
+        after_peer: bool,
+    },
     /// A subset refit on a destination that serves no committed version
     /// (the tensors outside the subset would have no bytes to keep).
     NoBaseVersion,
@@ -245,7 +251,7 @@ impl std::fmt::Display for Refusal {
             Refusal::Fabric(why) => write!(f, "data plane: {why}"),
             Refusal::NotPrepared { refit } => write!(f, "refit {refit} was not prepared here"),
             Refusal::NotKept { session } => write!(f, "no data plane of session {session} is kept here"),
-            Refusal::Exec(why) => write!(f, "{why}"),
+            Refusal::Exec { why, .. } => write!(f, "{why}"),
             Refusal::NoBaseVersion => {
                 write!(f, "a subset refit needs a committed version here to keep the other tensors from (refit every tensor first)")
             }

@@ -488,17 +488,12 @@ pub fn quantize<'a>(
                 });
             }
             for (sc, out) in op.scales.iter().zip(scales.iter_mut()) {
-                if sc.block.intersect(&band_grid).is_none() && nd > 0 {
-                    continue;
-                }
-                for (j, &s) in block_scales.iter().enumerate() {
-                    let mut cell = o.to_vec();
-                    cell.extend((nd > 0).then_some(g0 + j as u64));
-                    if sc.block.contains(&Block::new(&cell, &vec![1; cell.len()])) {
-                        let i = offset_in(&sc.block, 0, &cell) as usize * 4;
-                        out[i..i + 4].copy_from_slice(&s.to_le_bytes());
-                    }
-                }
+                let Some(part) = sc.block.intersect(&band_grid) else { continue };
+                for_each_cell(&part, |cell| {
+                    let j = if nd == 0 { 0 } else { (cell[last] - g0) as usize };
+                    let i = offset_in(&sc.block, 0, cell) as usize * 4;
+                    out[i..i + 4].copy_from_slice(&block_scales[j].to_le_bytes());
+                });
             }
         });
         result?;
