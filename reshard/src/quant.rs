@@ -400,14 +400,35 @@ pub fn quantize<'a>(
             return Err(oob("scale"));
         }
     }
+    // A program that came over the wire is checked like any input: the
+    // geometry must be the tensor's, every staged box whole blocks.
+    let nd = op.shape.len();
+    let grid_shape: Vec<u64> = match op.block.iter().all(|&b| b > 0) && op.block.len() == nd {
+        true => op.shape.iter().zip(&op.block).map(|(&n, &b)| n.div_ceil(b)).collect(),
+        false => return Err(oob("block")),
+    };
+    let inside = |b: &Block, shape: &[u64]| b.ndim() == nd && (0..nd).all(|d| b.end(d) <= shape[d]);
+    if !op
+        .staged
+        .iter()
+        .all(|st| inside(&st.block, &op.shape) && elements_of(&grid_of(&st.block, &op.block), &op.block, &op.shape) == st.block)
+    {
+        return Err(oob("staged"));
+    }
+    if !op.weights.iter().all(|w| inside(&w.block, &op.shape)) {
+        return Err(oob("weight"));
+    }
+    if !op.scales.iter().all(|sc| inside(&sc.block, &grid_shape)) {
+        return Err(oob("scale"));
+    }
     // A band: the whole blocks of a staged box that share their block
     // index in every dimension but the last, read in one sequential pass
     // (rows of the box), then quantized from there.
     let (mut values, mut tops, mut block_scales): (Vec<f32>, Vec<u32>, Vec<f32>) = (Vec::new(), Vec::new(), Vec::new());
     for st in &op.staged {
         let bytes = staged(st.buffer).ok_or_else(|| oob("staged"))?;
-        let end = (st.at + st.block.numel()) as usize * size;
-        if bytes.len() < end {
+        let end = st.at.checked_add(st.block.numel()).and_then(|n| n.checked_mul(size as u64)).ok_or_else(|| oob("staged"))?;
+        if (bytes.len() as u64) < end {
             return Err(oob("staged"));
         }
         let grid = grid_of(&st.block, &op.block);
@@ -575,6 +596,92 @@ mod tests {
             assert_eq!(e4m3_from_f32(f32::from_bits(mid.to_bits() - 1)), code);
             assert_eq!(e4m3_from_f32(f32::from_bits(mid.to_bits() + 1)), code + 1);
         }
+    }
+
+    /// A 3 x 5 f32 tensor in blocks of 2 x 2, staged as two boxes of whole
+    /// blocks; the rank holds a 2 x 3 window across both and all scales.
+    fn op() -> (Quantize, Vec<u8>) {
+        let values: Vec<f32> = (0..15).map(|i| (i as f32 - 6.0) * 0.75).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // Rows 0..2 (10 values), then row 2 (5 values), back to back.
+        let staged = vec![
+            Stored { block: Block::new(&[0, 0], &[2, 5]), buffer: 0, at: 0 },
+            Stored { block: Block::new(&[2, 0], &[1, 5]), buffer: 0, at: 10 },
+        ];
+        let op = Quantize {
+            tensor: "w".into(),
+            shape: vec![3, 5],
+            block: vec![2, 2],
+            staged_dtype: DType::F32,
+            staged,
+            weights: vec![Stored { block: Block::new(&[1, 1], &[2, 3]), buffer: 1, at: 0 }],
+            scales: vec![Stored { block: Block::new(&[0, 0], &[2, 3]), buffer: 2, at: 0 }],
+        };
+        (op, bytes)
+    }
+
+    #[test]
+    fn quantizes_a_window_from_whole_blocks() {
+        let (op, bytes) = op();
+        let (mut w, mut s) = (vec![0u8; 6], vec![0u8; 24]);
+        quantize(&op, &|b| (b == 0).then_some(bytes.as_slice()), &mut [&mut w[..]], &mut [&mut s[..]]).unwrap();
+        let x = |r: usize, c: usize| (r as f32 * 5.0 + c as f32 - 6.0) * 0.75;
+        let scale = |br: usize, bc: usize| {
+            let mut m = 0f32;
+            for r in 2 * br..(2 * br + 2).min(3) {
+                for c in 2 * bc..(2 * bc + 2).min(5) {
+                    m = m.max(x(r, c).abs());
+                }
+            }
+            m / 448.0
+        };
+        for (k, &q) in w.iter().enumerate() {
+            let (r, c) = (1 + k / 3, 1 + k % 3);
+            assert_eq!(q, e4m3_from_f32(x(r, c) / scale(r / 2, c / 2)), "({r}, {c})");
+        }
+        for (k, got) in s.chunks_exact(4).enumerate() {
+            assert_eq!(f32::from_le_bytes(got.try_into().unwrap()), scale(k / 3, k % 3), "scale {k}");
+        }
+    }
+
+    #[test]
+    fn a_malformed_step_is_an_error_not_a_panic() {
+        let (good, bytes) = op();
+        let staged = |b: u32| (b == 0).then_some(bytes.as_slice());
+        let bad: Vec<(&str, Box<dyn Fn(&mut Quantize)>)> = vec![
+            ("zero block", Box::new(|o| o.block[1] = 0)),
+            ("block of another rank", Box::new(|o| o.block = vec![2])),
+            ("staged not whole blocks", Box::new(|o| o.staged[0].block = Block::new(&[0, 0], &[2, 3]))),
+            ("staged past its buffer", Box::new(|o| o.staged[1].at = u64::MAX - 2)),
+            ("weight outside the tensor", Box::new(|o| o.weights[0].block = Block::new(&[2, 3], &[2, 3]))),
+            ("scale outside the grid", Box::new(|o| o.scales[0].block = Block::new(&[1, 1], &[2, 3]))),
+            ("unknown staged buffer", Box::new(|o| o.staged[0].buffer = 9)),
+        ];
+        for (what, change) in bad {
+            let mut o = good.clone();
+            change(&mut o);
+            let (mut w, mut s) = (vec![0u8; o.weights[0].block.numel() as usize], vec![0u8; o.scales[0].block.numel() as usize * 4]);
+            let e = quantize(&o, &staged, &mut [&mut w[..]], &mut [&mut s[..]]).unwrap_err();
+            assert!(matches!(e, QuantError::OutOfBounds { .. }), "{what}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_scalar_is_one_block() {
+        let bytes = (-3.0f32).to_le_bytes();
+        let at = |_| Stored { block: Block::new(&[], &[]), buffer: 0, at: 0 };
+        let op = Quantize {
+            tensor: "s".into(),
+            shape: vec![],
+            block: vec![],
+            staged_dtype: DType::F32,
+            staged: vec![at(0)],
+            weights: vec![Stored { buffer: 1, ..at(1) }],
+            scales: vec![Stored { buffer: 2, ..at(2) }],
+        };
+        let (mut w, mut s) = (vec![0u8; 1], vec![0u8; 4]);
+        quantize(&op, &|b| (b == 0).then_some(&bytes[..]), &mut [&mut w[..]], &mut [&mut s[..]]).unwrap();
+        assert_eq!((w[0], f32::from_le_bytes(s[..].try_into().unwrap())), (0xfe, 3.0 / 448.0));
     }
 
     #[test]
