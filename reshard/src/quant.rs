@@ -648,7 +648,8 @@ mod tests {
     fn a_malformed_step_is_an_error_not_a_panic() {
         let (good, bytes) = op();
         let staged = |b: u32| (b == 0).then_some(bytes.as_slice());
-        let bad: Vec<(&str, Box<dyn Fn(&mut Quantize)>)> = vec![
+        type Change = Box<dyn Fn(&mut Quantize)>;
+        let bad: Vec<(&str, Change)> = vec![
             ("zero block", Box::new(|o| o.block[1] = 0)),
             ("block of another rank", Box::new(|o| o.block = vec![2])),
             ("staged not whole blocks", Box::new(|o| o.staged[0].block = Block::new(&[0, 0], &[2, 3]))),
