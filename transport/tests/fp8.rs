@@ -244,3 +244,34 @@ fn non_finite_source_values_fail_the_refit_and_name_the_tensor() {
     // Replicated: whichever source sends it.
     bad("v", &f32::INFINITY.to_le_bytes(), 129, &[0, 1, 2, 3]);
 }
+
+/// A delta refit into block-scaled destinations quantizes what it rebuilt:
+/// after the sources change, the destinations equal a dense refit's.
+#[test]
+fn a_delta_refit_into_fp8_matches_a_dense_one() {
+    let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(DST_DP).unwrap());
+    let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
+    let programs = plan.programs(&src, &dst).unwrap();
+    let n_src = src.ranks() as usize;
+    let exec = ExecOptions { deadline: Duration::from_secs(30) };
+    let mut memory = RankMemory::for_programs(&programs);
+    fill_sources(&src, &mut memory[..n_src]);
+    let (_, memos) = transport::run_local_delta(&programs, &mut memory, &exec, vec![None; programs.len()]).unwrap();
+    verify_destinations(&src, &dst, &memory[n_src..]).unwrap();
+    // Change one source element in forty (a bf16/f32 mantissa bit).
+    for m in &mut memory[..n_src] {
+        for (b, dtype) in m.buffers.iter_mut().zip(&m.dtypes) {
+            let size = dtype.size() as usize;
+            for e in b.chunks_exact_mut(size).step_by(40) {
+                e[size - 2] ^= 0x10;
+            }
+        }
+    }
+    let bases = memos.into_iter().map(Some).collect();
+    let (report, _) = transport::run_local_delta(&programs, &mut memory, &exec, bases).unwrap();
+    assert!(report.bytes < plan.figures().total_bytes / 2, "{} of {}", report.bytes, plan.figures().total_bytes);
+    let after_delta: Vec<Vec<Vec<u8>>> = memory[n_src..].iter().map(|m| m.buffers.clone()).collect();
+    run_local(&programs, &mut memory, &exec).unwrap();
+    let dense: Vec<Vec<Vec<u8>>> = memory[n_src..].iter().map(|m| m.buffers.clone()).collect();
+    assert_eq!(after_delta, dense);
+}
