@@ -694,6 +694,11 @@ fn rejects_bad_pairs() {
     let src = mesh_layout(2, "w", "bf16", "[8, 4]", "[2]", r#"["shard(0)"]"#);
     let rows_0_4 = r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "bf16", "shape": [8, 4],
         "shards": [{"rank": 0, "offset": [0, 0], "extent": [4, 4]}, {"rank": 1, "offset": [0, 0], "extent": [4, 4]}]}]}"#;
+    // `w` block-scaled FP8, its scale replicated.
+    let scaled = r#"{"ranks": 2, "tensors": [
+        {"name": "w", "dtype": "f8e4m3", "shape": [8, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "scale": {"tensor": "s", "block": [4, 4]}},
+        {"name": "s", "dtype": "f32", "shape": [2, 1], "mesh": {"shape": [2]}, "placements": ["replicate"]}]}"#
+        .to_string();
     let cases: Vec<(&str, String, String, &[&str])> = vec![
         (
             "destination tensor absent from the source",
@@ -787,18 +792,12 @@ fn rejects_bad_pairs() {
         (
             "i32 to block-scaled f8e4m3",
             mesh_layout(2, "w", "i32", "[8, 4]", "[2]", r#"["shard(0)"]"#),
-            r#"{"ranks": 2, "tensors": [
-                {"name": "w", "dtype": "f8e4m3", "shape": [8, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "scale": {"tensor": "s", "block": [4, 4]}},
-                {"name": "s", "dtype": "f32", "shape": [2, 1], "mesh": {"shape": [2]}, "placements": ["replicate"]}]}"#
-                .to_string(),
+            scaled.clone(),
             &["tensor 'w'", "cannot quantize i32 to block-scaled f8e4m3"],
         ),
         (
             "block-scaled source",
-            r#"{"ranks": 2, "tensors": [
-                {"name": "w", "dtype": "f8e4m3", "shape": [8, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"], "scale": {"tensor": "s", "block": [4, 4]}},
-                {"name": "s", "dtype": "f32", "shape": [2, 1], "mesh": {"shape": [2]}, "placements": ["replicate"]}]}"#
-                .to_string(),
+            scaled.clone(),
             mesh_layout(2, "w", "f8e4m3", "[8, 4]", "[2]", r#"["shard(0)"]"#),
             &["tensor 'w'", "block-scaled source tensors are not supported"],
         ),

@@ -340,8 +340,8 @@ pub enum QuantError {
 }
 
 /// Row-major element offset of global index `idx` inside `stored` (which
-/// contains it) from `at`.
-fn offset_in(stored: &Block, at: u64, idx: &[u64]) -> u64 {
+/// contains it), stored from element `at`.
+pub fn offset_in(stored: &Block, at: u64, idx: &[u64]) -> u64 {
     at + (0..stored.ndim()).fold(0u64, |acc, d| acc * stored.extent()[d] + (idx[d] - stored.offset()[d]))
 }
 

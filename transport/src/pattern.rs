@@ -370,13 +370,13 @@ impl QuantizedPattern {
             let (elems, values) = self.values(g);
             let s = quant::block_scale(values.iter().fold(0f32, |m, v| m.max(v.abs())));
             if self.scales {
-                let pos = offset_in(held, g) as usize * 4;
+                let pos = quant::offset_in(held, 0, g) as usize * 4;
                 out[pos..pos + 4].copy_from_slice(&s.to_le_bytes());
                 return;
             }
             let Some(part) = elems.intersect(held) else { return };
             quant::for_each_row(&part, |idx, run| {
-                let (from, to) = (offset_in(&elems, idx) as usize, offset_in(held, idx) as usize);
+                let (from, to) = (quant::offset_in(&elems, 0, idx) as usize, quant::offset_in(held, 0, idx) as usize);
                 for k in 0..run as usize {
                     out[to + k] = quant::quantize_value(values[from + k], s);
                 }
@@ -384,11 +384,6 @@ impl QuantizedPattern {
         });
         out
     }
-}
-
-/// Row-major position of global index `idx` inside `b`.
-fn offset_in(b: &Block, idx: &[u64]) -> u64 {
-    (0..b.ndim()).fold(0u64, |acc, d| acc * b.extent()[d] + (idx[d] - b.offset()[d]))
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@
 //! in a source block fails the refit and names the tensor.
 
 use reshard::quant::e4m3_from_f32;
-use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Layout, Plan, PlanOptions};
+use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Layout, Plan, PlanOptions, RankProgram};
 use std::time::Duration;
 use transport::pattern::{pattern_value, tensor_seed};
 use transport::tcp::TcpConfig;
@@ -136,6 +136,14 @@ fn check(src: &str, dst: &str, run: Run) -> Plan {
     plan
 }
 
+/// The layouts, their reshard plan and its programs.
+fn planned(src: &str, dst: &str, options: &PlanOptions) -> (Layout, Layout, Plan, Vec<RankProgram>) {
+    let (src, dst) = (parse_layout(src).unwrap(), parse_layout(dst).unwrap());
+    let plan = plan_reshard(&src, &dst, options).unwrap();
+    let programs = plan.programs(&src, &dst).unwrap();
+    (src, dst, plan, programs)
+}
+
 /// bf16 TP4 by rows: row shards of 75 cut the 128-row blocks.
 const SRC: &str = r#"{"ranks": 4, "tensors": [
   {"name": "w", "dtype": "bf16", "shape": [300, 200], "mesh": {"shape": [4]}, "placements": ["shard(0)"]},
@@ -191,10 +199,8 @@ fn block_scaled_destinations_match_the_reference_in_every_case() {
 #[test]
 fn the_wire_carries_unquantized_whole_blocks() {
     let one = |dst: &str| {
-        let src = parse_layout(SRC).unwrap();
-        let dst = parse_layout(dst).unwrap();
         let only = reshard::TensorSubset::new(["w"]);
-        let plan = plan_reshard(&src, &dst, &PlanOptions { only: Some(only), ..PlanOptions::default() }).unwrap();
+        let (_, _, plan, _) = planned(SRC, dst, &PlanOptions { only: Some(only), ..PlanOptions::default() });
         plan.figures().total_bytes
     };
     // TP2 by columns: rank 0 needs columns 0..128, rank 1 all 200.
@@ -211,9 +217,7 @@ fn the_wire_carries_unquantized_whole_blocks() {
 /// an f64 source.
 #[test]
 fn non_finite_source_values_fail_the_refit_and_name_the_tensor() {
-    let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(DST_TP).unwrap());
-    let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
-    let programs = plan.programs(&src, &dst).unwrap();
+    let (src, _, _, programs) = planned(SRC, DST_TP, &PlanOptions::default());
     let n_src = src.ranks() as usize;
     // Writes `value` over element `at_elem` of `tensor` on source ranks `ranks`.
     let bad = |tensor: &str, value: &[u8], at_elem: usize, ranks: &[u32]| {
@@ -249,9 +253,7 @@ fn non_finite_source_values_fail_the_refit_and_name_the_tensor() {
 /// after the sources change, the destinations equal a dense refit's.
 #[test]
 fn a_delta_refit_into_fp8_matches_a_dense_one() {
-    let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(DST_DP).unwrap());
-    let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
-    let programs = plan.programs(&src, &dst).unwrap();
+    let (src, dst, plan, programs) = planned(SRC, DST_DP, &PlanOptions::default());
     let n_src = src.ranks() as usize;
     let exec = ExecOptions { deadline: Duration::from_secs(30) };
     let mut memory = RankMemory::for_programs(&programs);
