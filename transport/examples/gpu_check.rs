@@ -169,7 +169,7 @@ fn nccl_checks(dev: &GpuDevice, s: &mut Summary) {
         };
         let created = t.elapsed();
         let t = Instant::now();
-        let empty = comm.group(0, Vec::new(), Instant::now() + Duration::from_secs(30));
+        let empty = comm.group(0, Vec::new(), None, Instant::now() + Duration::from_secs(30));
         let empty_t = t.elapsed();
         // Send to and receive from itself, then compare on the host.
         let self_check = (|| -> Result<Duration, String> {
@@ -184,7 +184,7 @@ fn nccl_checks(dev: &GpuDevice, s: &mut Summary) {
             let (pb, _rb) = b.device_ptr(dev.stream());
             let ops = vec![P2p::Send { peer: 0, addr: pa, bytes: bytes as u64 }, P2p::Recv { peer: 0, addr: pb, bytes: bytes as u64 }];
             let t = Instant::now();
-            comm.group(1, ops, Instant::now() + Duration::from_secs(30)).map_err(|e| e.to_string())?;
+            comm.group(1, ops, None, Instant::now() + Duration::from_secs(30)).map_err(|e| e.to_string())?;
             let took = t.elapsed();
             let back = dev.stream().clone_dtoh(&b).map_err(|e| e.to_string())?;
             if back != data {

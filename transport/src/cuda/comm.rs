@@ -12,8 +12,11 @@
 //! * a round of the plan is one group (`ncclGroupStart`, the round's sends
 //!   and receives, `ncclGroupEnd`), polled until its work is done on the
 //!   device, checking the communicator's asynchronous error on every poll;
-//! * abort asks the thread to abort and waits at most the abort timeout;
-//!   if the thread does not answer, it is **abandoned**: left running,
+//! * abort asks the thread to abort and waits at most the abort timeout
+//!   for the teardown to **finish** (a non-blocking communicator's abort
+//!   may answer "in progress": it is polled until its work has left the
+//!   device, never taken as done); if the thread does not answer in time,
+//!   it is **abandoned**: left running,
 //!   counted by [`abandoned_comm_threads`], and reported as
 //!   [`AbortOutcome::Abandoned`]. The member should then ask for a process
 //!   restart (the stuck thread may hold the GPU), and meanwhile a new
@@ -77,19 +80,37 @@ impl P2p {
 /// What the communicator thread needs from a communicator. Every method
 /// but [`CommBackend::abort`] must return promptly (non-blocking NCCL
 /// calls); `abort` may hang, and the thread is abandoned if it does.
+///
+/// A group may be told to wait for an event of another stream first
+/// (`after`: the raw `CUevent` of the stream that packed its send buffers,
+/// 0 for none), so packing and sending are ordered on the device, not by
+/// a full synchronisation of the host.
 pub trait CommBackend {
     /// Progress of a non-blocking creation (`ncclCommGetAsyncError`).
     fn poll_init(&mut self) -> Result<Progress, String>;
-    /// Issues one group of send/recv operations (`ncclGroupStart` … `ncclGroupEnd`).
-    fn start_group(&mut self, ops: &[P2p]) -> Result<(), String>;
+    /// Issues one group of send/recv operations (`ncclGroupStart` … `ncclGroupEnd`)
+    /// on the communicator's stream, after the device event `after` (0: none).
+    fn start_group(&mut self, ops: &[P2p], after: u64) -> Result<(), String>;
     /// Progress of the last group: its calls accepted and its work done on
     /// the device; fails on an asynchronous communicator error.
     fn poll_group(&mut self) -> Result<Progress, String>;
     /// Checks the communicator for an asynchronous error while idle.
     fn check(&mut self) -> Result<(), String>;
-    /// Tears the communicator down (`ncclCommAbort`). May never return.
-    fn abort(&mut self) -> Result<(), String>;
+    /// Starts tearing the communicator down (`ncclCommAbort`): `Ready` if
+    /// the teardown is complete, `Pending` if it goes on (a non-blocking
+    /// communicator), to be polled with [`CommBackend::poll_abort`]. May
+    /// never return.
+    fn abort(&mut self) -> Result<Progress, String>;
+    /// Progress of a teardown [`CommBackend::abort`] left pending: `Ready`
+    /// once nothing the communicator queued can still touch device memory.
+    fn poll_abort(&mut self) -> Result<Progress, String>;
 }
+
+/// A raw CUDA event handle (`CUevent`) recorded on a stream whose work a
+/// group must wait for. The event must stay alive until the group call that
+/// names it returns (CUDA keeps what a queued wait needs after that).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RawEvent(pub u64);
 
 /// Ranks, deadlines and polling of one communicator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -326,7 +347,7 @@ impl Drop for DoneOnDrop {
 }
 
 enum Command {
-    Group { ops: Vec<P2p>, deadline: Instant, reply: Sender<Result<(), Option<String>>> },
+    Group { ops: Vec<P2p>, after: u64, deadline: Instant, reply: Sender<Result<(), Option<String>>> },
     Check { reply: Sender<Result<(), String>> },
     Abort,
 }
@@ -428,7 +449,7 @@ fn comm_thread<B: CommBackend>(
     let init = poll_until(&stop, init_deadline, config.poll_interval, || guarded(|| backend.poll_init()));
     if let Err(e) = init {
         let _ = reports.send(Report::Init(Err(e.map_or(InitFail::Timeout, InitFail::Failed))));
-        let r = guarded(|| backend.abort());
+        let r = abort_backend(&mut backend, &config);
         let _ = reports.send(Report::Aborted(r));
         return;
     }
@@ -436,9 +457,9 @@ fn comm_thread<B: CommBackend>(
     // Serve commands until abort or until the handle is gone.
     while let Ok(cmd) = commands.recv() {
         match cmd {
-            Command::Group { ops, deadline, reply } => {
+            Command::Group { ops, after, deadline, reply } => {
                 // Err(None): the deadline passed.
-                let r = guarded(|| backend.start_group(&ops))
+                let r = guarded(|| backend.start_group(&ops, after))
                     .map_err(Some)
                     .and_then(|()| poll_until(&stop, deadline, config.poll_interval, || guarded(|| backend.poll_group())));
                 let _ = reply.send(r);
@@ -449,41 +470,53 @@ fn comm_thread<B: CommBackend>(
             Command::Abort => break,
         }
     }
-    let r = guarded(|| backend.abort());
+    let r = abort_backend(&mut backend, &config);
     let _ = reports.send(Report::Aborted(r));
 }
 
-impl CommHandle {
-    /// Starts a communicator thread: `make` runs on it and creates the
-    /// communicator without blocking (the backend is never moved between
-    /// threads), then the thread polls creation until it completes or
-    /// `config.init_timeout` passes. Returns once the communicator is ready,
-    /// or with an error within `init_timeout + abort_timeout` (plus slack).
-    pub fn spawn<B, F>(config: CommConfig, tag: &str, make: F) -> Result<CommHandle, CommError>
-    where
-        B: CommBackend,
-        F: FnOnce() -> Result<B, String> + Send + 'static,
-    {
-        let start = Instant::now();
-        let init_deadline = start + config.init_timeout;
-        let (commands, command_rx) = channel();
-        let (report_tx, reports) = channel();
-        let stop = Arc::new(AtomicBool::new(false));
-        let mark = Arc::new(Mark::default());
-        let (stop2, mark2) = (stop.clone(), mark.clone());
-        let spawned = std::thread::Builder::new().name(format!("nccl-r{}-{}", config.rank, tag)).spawn(move || {
-            let _done = DoneOnDrop(mark2);
-            comm_thread(make, config, init_deadline, stop2, command_rx, report_tx);
-        });
-        let (rank, nranks, comm) = (config.rank, config.nranks, tag.to_string());
-        let thread = spawned.map_err(|e| CommError::InitFailed {
-            rank,
-            nranks,
-            comm: comm.clone(),
-            reason: format!("cannot start thread: {e}"),
-            abandoned: false,
-        })?;
-        let mut handle = CommHandle { config, tag: comm.clone(), commands, reports, stop, mark, thread: Some(thread), state: State::Ready };
+/// Aborts and, where the teardown goes on in the background, polls it to
+/// its end: an abort answered "in progress" is not done. No deadline here:
+/// the caller stops waiting after its abort timeout and abandons the thread,
+/// which keeps polling (slowly) and is counted until the teardown ends.
+fn abort_backend<B: CommBackend>(backend: &mut B, config: &CommConfig) -> Result<(), String> {
+    if guarded(|| backend.abort())? == Progress::Ready {
+        return Ok(());
+    }
+    let mut sleep = Duration::from_micros(20).min(config.poll_interval);
+    loop {
+        if guarded(|| backend.poll_abort())? == Progress::Ready {
+            return Ok(());
+        }
+        std::thread::sleep(sleep);
+        sleep = (sleep * 2).min(config.poll_interval.max(Duration::from_millis(10)));
+    }
+}
+
+/// A communicator whose creation is under way on its thread
+/// ([`CommHandle::start`]); [`PendingComm::wait`] turns it into a
+/// [`CommHandle`]. Start every communicator a process hosts before waiting
+/// for any ([`wait_all`]): NCCL completes a creation only once every rank
+/// of the communicator has joined, so creating one after another waits out
+/// the first one's timeout.
+pub struct PendingComm {
+    handle: CommHandle,
+    start: Instant,
+    init_deadline: Instant,
+}
+
+impl std::fmt::Debug for PendingComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingComm").field("rank", &self.handle.config.rank).field("comm", &self.handle.tag).finish()
+    }
+}
+
+impl PendingComm {
+    /// Waits until the communicator is ready, or fails within
+    /// `init_timeout + abort_timeout` (plus slack) of its start.
+    pub fn wait(self) -> Result<CommHandle, CommError> {
+        let PendingComm { mut handle, start, init_deadline } = self;
+        let config = handle.config;
+        let (rank, nranks, comm) = (config.rank, config.nranks, handle.tag.clone());
         let wait = (init_deadline + grace(&config)).saturating_duration_since(Instant::now());
         let fail = match handle.reports.recv_timeout(wait) {
             Ok(Report::Init(Ok(()))) => return Ok(handle),
@@ -500,6 +533,57 @@ impl CommHandle {
             None => CommError::InitTimeout { rank, nranks, comm, waited: start.elapsed(), abandoned },
             Some(reason) => CommError::InitFailed { rank, nranks, comm, reason, abandoned },
         })
+    }
+}
+
+/// Waits for every started communicator (each against its own deadline,
+/// so all of them together take at most the longest init timeout), in
+/// order.
+pub fn wait_all(pending: Vec<PendingComm>) -> Vec<Result<CommHandle, CommError>> {
+    pending.into_iter().map(PendingComm::wait).collect()
+}
+
+impl CommHandle {
+    /// Starts a communicator thread and returns at once: `make` runs on it
+    /// and creates the communicator without blocking (the backend is never
+    /// moved between threads), then the thread polls creation until it
+    /// completes or `config.init_timeout` passes. Fails here only if the
+    /// thread cannot be started.
+    pub fn start<B, F>(config: CommConfig, tag: &str, make: F) -> Result<PendingComm, CommError>
+    where
+        B: CommBackend,
+        F: FnOnce() -> Result<B, String> + Send + 'static,
+    {
+        let start = Instant::now();
+        let init_deadline = start + config.init_timeout;
+        let (commands, command_rx) = channel();
+        let (report_tx, reports) = channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let mark = Arc::new(Mark::default());
+        let (stop2, mark2) = (stop.clone(), mark.clone());
+        let spawned = std::thread::Builder::new().name(format!("nccl-r{}-{}", config.rank, tag)).spawn(move || {
+            let _done = DoneOnDrop(mark2);
+            comm_thread(make, config, init_deadline, stop2, command_rx, report_tx);
+        });
+        let thread = spawned.map_err(|e| CommError::InitFailed {
+            rank: config.rank,
+            nranks: config.nranks,
+            comm: tag.to_string(),
+            reason: format!("cannot start thread: {e}"),
+            abandoned: false,
+        })?;
+        let handle = CommHandle { config, tag: tag.to_string(), commands, reports, stop, mark, thread: Some(thread), state: State::Ready };
+        Ok(PendingComm { handle, start, init_deadline })
+    }
+
+    /// [`CommHandle::start`], then [`PendingComm::wait`]: for a process
+    /// that hosts one rank of the communicator.
+    pub fn spawn<B, F>(config: CommConfig, tag: &str, make: F) -> Result<CommHandle, CommError>
+    where
+        B: CommBackend,
+        F: FnOnce() -> Result<B, String> + Send + 'static,
+    {
+        CommHandle::start(config, tag, make)?.wait()
     }
 
     /// This member's rank.
@@ -538,7 +622,11 @@ impl CommHandle {
     /// when it returns an error: abort the communicator before reusing it).
     /// On any error the communicator becomes unusable: abort it and create
     /// a new one with a new id.
-    pub fn group(&mut self, round: u32, ops: Vec<P2p>, deadline: Instant) -> Result<(), CommError> {
+    ///
+    /// `after` is a device event the group's stream waits for before its
+    /// operations start (the event that follows packing the round's sends
+    /// on another stream): the device orders the two, not the host.
+    pub fn group(&mut self, round: u32, ops: Vec<P2p>, after: Option<RawEvent>, deadline: Instant) -> Result<(), CommError> {
         self.usable()?;
         let (rank, comm) = (self.config.rank, self.tag.clone());
         if let Some(op) = ops.iter().find(|op| op.peer() >= self.config.nranks) {
@@ -549,7 +637,7 @@ impl CommHandle {
         peers.dedup();
         let start = Instant::now();
         let (reply, answer) = channel();
-        if self.commands.send(Command::Group { ops, deadline, reply }).is_err() {
+        if self.commands.send(Command::Group { ops, after: after.map_or(0, |e| e.0), deadline, reply }).is_err() {
             self.state = State::Failed("thread gone".into());
             return Err(CommError::ThreadGone { rank, comm });
         }
@@ -667,20 +755,33 @@ mod tests {
         async_error_at: Option<(u32, String)>,
         /// Abort blocks on this until the test lets it go.
         abort_hang: Option<Receiver<()>>,
+        /// Abort answers "in progress"; polls until the teardown is done
+        /// (None: never).
+        abort_pending: Option<Option<u32>>,
+        abort_polls: u32,
+        /// Creation completes only once this many fakes sharing the counter
+        /// have been created (NCCL's: every rank must join).
+        joined: Option<(Arc<AtomicUsize>, usize)>,
         log: Arc<Mutex<Vec<String>>>,
     }
 
     impl CommBackend for Fake {
         fn poll_init(&mut self) -> Result<Progress, String> {
             self.init_polls += 1;
+            if let Some((joined, all)) = &self.joined {
+                if joined.load(Ordering::SeqCst) < *all {
+                    return Ok(Progress::Pending);
+                }
+            }
             match self.init_after {
                 Some(n) if self.init_polls >= n => Ok(Progress::Ready),
                 _ => Ok(Progress::Pending),
             }
         }
-        fn start_group(&mut self, ops: &[P2p]) -> Result<(), String> {
+        fn start_group(&mut self, ops: &[P2p], after: u64) -> Result<(), String> {
             self.group_polls = 0;
-            self.log.lock().unwrap().push(format!("group {ops:?}"));
+            let after = if after == 0 { String::new() } else { format!(" after {after:#x}") };
+            self.log.lock().unwrap().push(format!("group {ops:?}{after}"));
             Ok(())
         }
         fn poll_group(&mut self) -> Result<Progress, String> {
@@ -702,13 +803,77 @@ mod tests {
                 None => Ok(()),
             }
         }
-        fn abort(&mut self) -> Result<(), String> {
+        fn abort(&mut self) -> Result<Progress, String> {
             self.log.lock().unwrap().push("abort".into());
             if let Some(rx) = &self.abort_hang {
                 let _ = rx.recv();
             }
-            Ok(())
+            Ok(if self.abort_pending.is_some() { Progress::Pending } else { Progress::Ready })
         }
+        fn poll_abort(&mut self) -> Result<Progress, String> {
+            self.abort_polls += 1;
+            match self.abort_pending {
+                Some(Some(n)) if self.abort_polls >= n => {
+                    self.log.lock().unwrap().push(format!("aborted after {} polls", self.abort_polls));
+                    Ok(Progress::Ready)
+                }
+                _ => Ok(Progress::Pending),
+            }
+        }
+    }
+
+    fn joining_fake(
+        log: &Arc<Mutex<Vec<String>>>,
+        joined: &Arc<AtomicUsize>,
+        all: usize,
+    ) -> impl FnOnce() -> Result<Fake, String> + Send + 'static {
+        let fake = Fake { joined: Some((joined.clone(), all)), ..ready_fake(log) };
+        let joined = joined.clone();
+        move || {
+            joined.fetch_add(1, Ordering::SeqCst);
+            Ok(fake)
+        }
+    }
+
+    #[test]
+    fn communicators_of_one_process_are_created_together() {
+        // Three ranks of one communicator in this process: creation
+        // completes only once all three joined. Started together, all are
+        // ready; the first created alone times out (NCCL would too).
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let joined = Arc::new(AtomicUsize::new(0));
+        let pending: Vec<PendingComm> = (0..3)
+            .map(|r| CommHandle::start(CommConfig { rank: r, nranks: 3, ..config() }, "all", joining_fake(&log, &joined, 3)).unwrap())
+            .collect();
+        let handles = wait_all(pending);
+        assert_eq!(handles.len(), 3);
+        for (r, h) in handles.into_iter().enumerate() {
+            let mut h = h.unwrap();
+            assert_eq!(h.rank(), r as u32);
+            assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
+        }
+        let joined = Arc::new(AtomicUsize::new(0));
+        let err = CommHandle::spawn(CommConfig { rank: 0, nranks: 3, ..config() }, "one", joining_fake(&log, &joined, 3)).unwrap_err();
+        assert!(matches!(&err, CommError::InitTimeout { rank: 0, nranks: 3, .. }), "{err}");
+    }
+
+    #[test]
+    fn an_abort_in_progress_is_polled_to_its_end() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake { abort_pending: Some(Some(5)), ..ready_fake(&log) };
+        let mut h = CommHandle::spawn(config(), "t10", move || Ok(fake)).unwrap();
+        assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
+        assert_eq!(log.lock().unwrap().last().map(String::as_str), Some("aborted after 5 polls"));
+
+        // A teardown that never ends is not taken as done: the caller gets
+        // its answer within the abort timeout, the thread is abandoned.
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let fake = Fake { abort_pending: Some(None), ..ready_fake(&log) };
+        let mut h = CommHandle::spawn(config(), "t11", move || Ok(fake)).unwrap();
+        let start = Instant::now();
+        let outcome = h.abort();
+        assert!(start.elapsed() < Duration::from_millis(1500));
+        assert!(matches!(outcome, AbortOutcome::Abandoned { .. }) && outcome.needs_restart(), "{outcome:?}");
     }
 
     fn config() -> CommConfig {
@@ -744,14 +909,14 @@ mod tests {
         let mut h = CommHandle::spawn(config(), "t0", move || Ok(fake)).unwrap();
         assert!(h.is_ready() && h.rank() == 1 && h.nranks() == 4 && h.tag() == "t0");
         let ops = vec![P2p::Send { peer: 0, addr: 0x1000, bytes: 64 }, P2p::Recv { peer: 2, addr: 0x2000, bytes: 32 }];
-        h.group(0, ops.clone(), soon()).unwrap();
-        h.group(1, Vec::new(), soon()).unwrap();
+        h.group(0, ops.clone(), None, soon()).unwrap();
+        h.group(1, Vec::new(), Some(RawEvent(0xe7)), soon()).unwrap();
         h.check(Duration::from_secs(5)).unwrap();
         assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
         assert!(matches!(h.abort(), AbortOutcome::AlreadyClosed));
         let log = log.lock().unwrap().clone();
-        assert_eq!(log, vec![format!("group {ops:?}"), "group []".into(), "check".into(), "abort".into()]);
-        assert!(matches!(h.group(2, Vec::new(), soon()), Err(CommError::Unusable { rank: 1, .. })));
+        assert_eq!(log, vec![format!("group {ops:?}"), "group [] after 0xe7".into(), "check".into(), "abort".into()]);
+        assert!(matches!(h.group(2, Vec::new(), None, soon()), Err(CommError::Unusable { rank: 1, .. })));
     }
 
     #[test]
@@ -797,7 +962,7 @@ mod tests {
         let (release, hang): (SyncSender<()>, Receiver<()>) = std::sync::mpsc::sync_channel(1);
         let fake = Fake { abort_hang: Some(hang), ..ready_fake(&log) };
         let mut h = CommHandle::spawn(config(), "t5", move || Ok(fake)).unwrap();
-        h.group(0, vec![P2p::Send { peer: 3, addr: 8, bytes: 8 }], soon()).unwrap();
+        h.group(0, vec![P2p::Send { peer: 3, addr: 8, bytes: 8 }], None, soon()).unwrap();
         let start = Instant::now();
         let outcome = h.abort();
         let took = start.elapsed();
@@ -810,7 +975,7 @@ mod tests {
         let log2 = Arc::new(Mutex::new(Vec::new()));
         let fake2 = ready_fake(&log2);
         let mut h2 = CommHandle::spawn(config(), "t5b", move || Ok(fake2)).unwrap();
-        h2.group(0, Vec::new(), soon()).unwrap();
+        h2.group(0, Vec::new(), None, soon()).unwrap();
         assert!(matches!(h2.abort(), AbortOutcome::Aborted { .. }));
         // Once the stuck call returns, the thread ends and is no longer counted.
         release.send(()).unwrap();
@@ -827,7 +992,7 @@ mod tests {
         let fake = Fake { group_after: None, async_error_at: Some((3, "remote process exited".into())), ..ready_fake(&log) };
         let mut h = CommHandle::spawn(config(), "t6", move || Ok(fake)).unwrap();
         let ops = vec![P2p::Recv { peer: 0, addr: 16, bytes: 16 }, P2p::Send { peer: 2, addr: 32, bytes: 16 }];
-        let err = h.group(7, ops, soon()).unwrap_err();
+        let err = h.group(7, ops, None, soon()).unwrap_err();
         match &err {
             CommError::GroupFailed { rank: 1, round: 7, peers, reason, .. } => {
                 assert_eq!(peers, &vec![0, 2]);
@@ -836,7 +1001,7 @@ mod tests {
             e => panic!("unexpected {e}"),
         }
         assert!(!h.is_ready());
-        assert!(matches!(h.group(8, Vec::new(), soon()), Err(CommError::Unusable { .. })));
+        assert!(matches!(h.group(8, Vec::new(), None, soon()), Err(CommError::Unusable { .. })));
         assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
 
         // The same error while idle, through check().
@@ -853,7 +1018,8 @@ mod tests {
         let fake = Fake { group_after: None, ..ready_fake(&log) };
         let mut h = CommHandle::spawn(config(), "t8", move || Ok(fake)).unwrap();
         let start = Instant::now();
-        let err = h.group(2, vec![P2p::Send { peer: 0, addr: 1, bytes: 1 }], Instant::now() + Duration::from_millis(100)).unwrap_err();
+        let err =
+            h.group(2, vec![P2p::Send { peer: 0, addr: 1, bytes: 1 }], None, Instant::now() + Duration::from_millis(100)).unwrap_err();
         assert!(start.elapsed() < Duration::from_millis(1000));
         assert!(matches!(&err, CommError::GroupTimeout { rank: 1, round: 2, .. }), "{err}");
         assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
@@ -864,7 +1030,7 @@ mod tests {
         let log = Arc::new(Mutex::new(Vec::new()));
         let fake = ready_fake(&log);
         let mut h = CommHandle::spawn(config(), "t9", move || Ok(fake)).unwrap();
-        let err = h.group(0, vec![P2p::Recv { peer: 4, addr: 0, bytes: 4 }], soon()).unwrap_err();
+        let err = h.group(0, vec![P2p::Recv { peer: 4, addr: 0, bytes: 4 }], None, soon()).unwrap_err();
         assert_eq!(err, CommError::BadPeer { rank: 1, comm: "t9".into(), peer: 4, nranks: 4 });
         assert!(h.is_ready());
         drop(h); // asks for an abort without waiting

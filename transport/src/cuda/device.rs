@@ -1,18 +1,30 @@
 //! Device buffers and copies (`cuda` feature): a device with its stream,
 //! a rank's buffers in device memory, strided piece copies on the device
-//! as 1-D/2-D/3-D `cuMemcpy*Async` calls, and pinned host staging.
+//! as 1-D/2-D/3-D `cuMemcpy*Async` calls, the cast kernels
+//! ([`DeviceKernels`]), and pinned host staging.
+//!
+//! **Stream ordering is explicit.** cudarc's per-slice event tracking is
+//! switched off for the device's context (raw addresses are used in copies
+//! and kernels anyway, so its guards could not see those uses). The rules
+//! that replace it, kept by every executor here: every buffer is allocated,
+//! used and freed on the device's one stream, so the stream orders them;
+//! the only other stream that touches device memory is an NCCL
+//! communicator's, and only staging buffers: it waits for an event recorded
+//! after they were packed, and they are unpacked, reused or freed only
+//! after the host saw the group complete (never, if it failed).
 //!
 //! cudarc loads `libcuda` at run time and panics if it is missing, so
 //! every entry point checks presence first ([`probe_driver`]) and catches
 //! a panic as a second line of defence.
 
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
+use crate::cuda::kernels::{self, CastBox};
 use crate::memory::RankMemory;
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, PushKernelArg};
 use reshard::{Block, BufferSpec, DType, Endpoint, RankProgram, Span};
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use thiserror::Error;
 
@@ -123,6 +135,7 @@ pub struct GpuDevice {
     stream: Arc<CudaStream>,
     ordinal: usize,
     max_pitch: u64,
+    kernels: OnceLock<Result<DeviceKernels, String>>,
 }
 
 impl GpuDevice {
@@ -132,10 +145,14 @@ impl GpuDevice {
         let what = format!("opening CUDA device {ordinal}");
         no_panic(&what, || {
             let ctx = CudaContext::new(ordinal).map_err(|e| e.to_string())?;
+            // SAFETY: this module orders streams itself, by the rules in
+            // the module documentation; no slice of this context object
+            // exists yet, so none is left half tracked.
+            unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().map_err(|e| e.to_string())?;
             let max_pitch =
                 ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH).map(|p| p.max(1) as u64).unwrap_or(i32::MAX as u64);
-            Ok(GpuDevice { ctx, stream, ordinal, max_pitch })
+            Ok(GpuDevice { ctx, stream, ordinal, max_pitch, kernels: OnceLock::new() })
         })
         .map_err(|error| GpuError::Driver { what, error })
     }
@@ -193,10 +210,101 @@ impl GpuDevice {
         self.ctx.bind_to_thread().map_err(driver(format!("binding device {} to this thread", self.ordinal)))
     }
 
+    /// The cast kernels, loaded on first use (the shipped PTX, or the
+    /// source compiled by NVRTC where the driver refuses that PTX); the
+    /// error says why neither loaded (dtype changes then go through host
+    /// staging).
+    pub fn kernels(&self) -> Result<&DeviceKernels, String> {
+        self.kernels.get_or_init(|| DeviceKernels::load(&self.ctx)).as_ref().map_err(Clone::clone)
+    }
+
+    /// Records an event on the stream (no timing): what another stream
+    /// waits for to start after the work queued so far.
+    pub fn fence(&self) -> Result<CudaEvent, GpuError> {
+        self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)).map_err(driver("recording an event"))
+    }
+
     /// A device address usable in raw copies (the slice must outlive its use).
     pub(crate) fn addr(&self, slice: &CudaSlice<u8>) -> u64 {
         let (ptr, _sync) = slice.device_ptr(&self.stream);
         ptr
+    }
+}
+
+/// The strided copy-cast kernels of `kernels.cu`, loaded on one device.
+pub struct DeviceKernels {
+    functions: Vec<(&'static str, CudaFunction)>,
+    origin: String,
+}
+
+impl std::fmt::Debug for DeviceKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceKernels").field("kernels", &self.functions.len()).field("origin", &self.origin).finish()
+    }
+}
+
+impl DeviceKernels {
+    fn load(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, String> {
+        let load_ptx = |ptx: String, origin: String| -> Result<DeviceKernels, String> {
+            no_panic("loading the cast kernels", || {
+                let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| e.to_string())?;
+                let mut functions = Vec::new();
+                for name in kernels::KERNELS {
+                    functions.push((name, module.load_function(name).map_err(|e| format!("{name}: {e}"))?));
+                }
+                Ok(DeviceKernels { functions, origin: origin.clone() })
+            })
+        };
+        let shipped = if kernels::shipped_ptx_is_current() {
+            load_ptx(kernels::SHIPPED_PTX.to_string(), "shipped PTX (NVRTC 12.4, compute_80)".into())
+        } else {
+            Err("the shipped PTX is stale".into())
+        };
+        match shipped {
+            Ok(k) => Ok(k),
+            Err(first) => match kernels::compile() {
+                Ok(ptx) => load_ptx(ptx, "compiled by NVRTC".into()).map_err(|e| format!("shipped PTX: {first}; NVRTC's: {e}")),
+                Err(e) => Err(format!("shipped PTX: {first}; {e}")),
+            },
+        }
+    }
+
+    /// Where the kernels came from (shipped PTX or NVRTC).
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction, String> {
+        self.functions.iter().find(|(n, _)| *n == name).map(|(_, f)| f).ok_or_else(|| format!("no kernel {name}"))
+    }
+
+    /// Queues one box of the strided kernel `name` on `stream`: elements
+    /// read from the buffer at device address `src`, written to the one at
+    /// `dst` (as [`CastBox`] places them).
+    ///
+    /// # Safety
+    /// `src` and `dst` must be live device allocations of this context that
+    /// hold the box's elements (`CastBox::ends`, in the kernel's element
+    /// sizes), stay allocated until the stream has run the kernel, and the
+    /// destination elements must not be touched by other work meanwhile.
+    pub(crate) unsafe fn launch(&self, stream: &Arc<CudaStream>, name: &str, b: &CastBox, src: u64, dst: u64) -> Result<(), String> {
+        let f = self.function(name)?;
+        let l = b.launch();
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+            block_dim: (l.block[0], l.block[1], l.block[2]),
+            shared_mem_bytes: 0,
+        };
+        let [c0, c1, c2] = b.counts;
+        let [ss0, ss1, ss2] = b.src_strides;
+        let [ds0, ds1, ds2] = b.dst_strides;
+        let mut args = stream.launch_builder(f);
+        args.arg(&src).arg(&dst).arg(&c0).arg(&c1).arg(&c2);
+        args.arg(&b.src_base).arg(&ss0).arg(&ss1).arg(&ss2);
+        args.arg(&b.dst_base).arg(&ds0).arg(&ds1).arg(&ds2);
+        // SAFETY: the kernel's parameters are 2 pointers and 11 u64, passed
+        // as 13 u64 in order; the caller guarantees the memory (above).
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
     }
 }
 

@@ -5,13 +5,18 @@
 //! Steps run in [`schedule`](crate::cuda::schedule) order on the device's
 //! stream, so rounds keep their meaning without any host synchronisation.
 //!
-//! Pieces that change dtype have no device kernel here: they go through
-//! pinned host staging (device → host, convert on the host, host →
-//! device), which is correct but slow; the report counts them.
+//! Pieces that change dtype are converted on the device by the cast
+//! kernels (`kernels.cu`, one launch per [`CastBox`]; through a device
+//! scratch buffer where both the sender's and the receiver's side change
+//! it). Only dtype pairs without a kernel (f64, bf16 ↔ f16), or a device
+//! whose kernels did not load, go through pinned host staging (device →
+//! host, convert on the host, host → device), which is correct but slow;
+//! the report counts those.
 
 use crate::copy::{copy_strided, packed_strides, StridedRef};
 use crate::cuda::copyplan::{packed_offsets, plan_copies, CopyOp, Side};
-use crate::cuda::device::{issue, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
+use crate::cuda::device::{issue, DeviceKernels, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
+use crate::cuda::kernels::{plan_casts, strided_kernel, CastBox};
 use crate::cuda::schedule::{same_device_schedule, ScheduleError, Step};
 use reshard::{Block, DType, Endpoint, RankProgram};
 use std::marker::PhantomData;
@@ -68,8 +73,118 @@ pub struct DeviceReport {
     pub messages: u64,
     /// Copy calls queued (1-D, 2-D and 3-D).
     pub copy_calls: u64,
-    /// Pieces converted through host staging (dtype changes).
+    /// Kernel launches queued (pieces whose dtype changes on the device).
+    pub kernel_launches: u64,
+    /// Pieces converted through host staging (dtype pairs without a
+    /// kernel, or kernels that did not load).
     pub staged_pieces: u64,
+    /// Why pieces went through host staging, if any did.
+    pub staged_because: Option<String>,
+}
+
+/// One queued piece of device work.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum DeviceOp {
+    /// A device-to-device copy (same dtype on both sides).
+    Copy {
+        /// The copy, in bytes from each side's base.
+        op: CopyOp,
+        /// Source buffer address.
+        src: u64,
+        /// Destination buffer address.
+        dst: u64,
+    },
+    /// A strided copy-cast kernel.
+    Cast {
+        /// The kernel.
+        kernel: &'static str,
+        /// Its box, in elements from each side's base.
+        b: CastBox,
+        /// Source buffer address.
+        src: u64,
+        /// Destination buffer address.
+        dst: u64,
+    },
+}
+
+/// One side of a piece on the device: buffer address, span, dtype.
+pub(crate) type DevSide = (u64, reshard::Span, DType);
+
+/// Whether copying `from` through `wire` into `to` dtypes needs a scratch
+/// buffer of the piece in `wire` (both conversions happen).
+pub(crate) fn needs_scratch(from: DType, wire: DType, to: DType) -> bool {
+    from != wire && wire != to
+}
+
+/// The device work that moves a piece of `counts` elements from `from`
+/// through dtype `wire` into each of `to`: copies where no dtype changes,
+/// kernels where one does, two kernels through `scratch` (an address with
+/// room for the packed piece in `wire`) where both do. `None` if a dtype
+/// pair has no kernel, or scratch is needed and not given: the host
+/// converts such a piece.
+pub(crate) fn piece_ops(
+    counts: &[u64],
+    from: DevSide,
+    wire: DType,
+    to: &[DevSide],
+    max_pitch: u64,
+    scratch: Option<u64>,
+) -> Option<Vec<DeviceOp>> {
+    let side = |s: &reshard::Span| Side { base: s.base, strides: s.strides };
+    let packed = Side { base: 0, strides: packed_strides(counts) };
+    let mut ops = Vec::new();
+    let cast = |ops: &mut Vec<DeviceOp>, a: (u64, Side, DType), b: (u64, Side, DType)| -> Option<()> {
+        if a.2 == b.2 {
+            for op in plan_copies(counts, &a.1, &b.1, a.2.size(), max_pitch) {
+                ops.push(DeviceOp::Copy { op, src: a.0, dst: b.0 });
+            }
+        } else {
+            let kernel = strided_kernel(a.2, b.2)?;
+            for bx in plan_casts(counts, &a.1, &b.1) {
+                ops.push(DeviceOp::Cast { kernel, b: bx, src: a.0, dst: b.0 });
+            }
+        }
+        Some(())
+    };
+    let src = (from.0, side(&from.1), from.2);
+    for t in to {
+        let dst = (t.0, side(&t.1), t.2);
+        if needs_scratch(from.2, wire, t.2) {
+            let at = scratch?;
+            cast(&mut ops, src, (at, packed, wire))?;
+            cast(&mut ops, (at, packed, wire), dst)?;
+        } else {
+            cast(&mut ops, src, dst)?;
+        }
+    }
+    Some(ops)
+}
+
+/// Queues device work on `dev`'s stream; returns (copy calls, kernel launches).
+///
+/// # Safety
+/// Every address must be a live allocation of `dev` that holds what its op
+/// reads or writes (checked against the buffers by the caller) and stays
+/// allocated until the stream has run it.
+pub(crate) unsafe fn queue_ops(dev: &GpuDevice, kernels: Option<&DeviceKernels>, ops: &[DeviceOp]) -> Result<(u64, u64), String> {
+    let stream = dev.stream();
+    let (mut copies, mut launches) = (0, 0);
+    for op in ops {
+        match op {
+            DeviceOp::Copy { op, src, dst } => {
+                // SAFETY: the caller's guarantee.
+                unsafe { issue(op, Loc::Device(*src), Loc::Device(*dst), stream.cu_stream()) }.map_err(|e| e.to_string())?;
+                copies += 1;
+            }
+            DeviceOp::Cast { kernel, b, src, dst } => {
+                let k = kernels.ok_or("the cast kernels are not loaded")?;
+                // SAFETY: the caller's guarantee.
+                unsafe { k.launch(stream, kernel, b, *src, *dst) }?;
+                launches += 1;
+            }
+        }
+    }
+    Ok((copies, launches))
 }
 
 struct Meta {
@@ -80,8 +195,8 @@ struct Meta {
 }
 
 enum Item {
-    /// A device-to-device copy.
-    Copy { op: CopyOp, src: u64, dst: u64, meta: usize },
+    /// Copies and kernels on the device.
+    Device { ops: Vec<DeviceOp>, meta: usize },
     /// A piece converted on the host: pack, convert, unpack.
     Convert { step: Box<Step>, src: u64, dsts: Vec<u64>, meta: usize },
 }
@@ -94,9 +209,12 @@ pub struct DeviceRun<'m> {
     items: Vec<Item>,
     meta: Vec<Meta>,
     staging: [PinnedStaging; 2],
+    /// Packed pieces in their wire dtype, for steps converted twice.
+    _scratch: Option<cudarc::driver::CudaSlice<u8>>,
+    kernels: Option<&'m DeviceKernels>,
+    staged_because: Option<String>,
     wire_bytes: u64,
     messages: u64,
-    copy_calls: u64,
     staged: u64,
     _memory: PhantomData<&'m mut [DeviceMemory]>,
 }
@@ -139,14 +257,33 @@ impl<'m> DeviceRun<'m> {
             }
         }
         let addrs: Vec<Vec<u64>> = memory.iter().map(|m| m.addrs(dev)).collect();
+        let changes = schedule.steps.iter().any(|s| !s.is_direct());
+        let (kernels, kernels_missing) = match changes.then(|| dev.kernels()) {
+            Some(Ok(k)) => (Some(k), None),
+            Some(Err(e)) => (None, Some(e)),
+            None => (None, None),
+        };
+        let scratch_bytes = schedule
+            .steps
+            .iter()
+            .filter(|s| s.to.iter().any(|t| needs_scratch(s.from.dtype, s.wire, t.dtype)))
+            .map(|s| s.block.numel() * s.wire.size())
+            .max();
+        let scratch = match scratch_bytes {
+            Some(b) if kernels.is_some() => Some(dev.alloc(b as usize, "device scratch")?),
+            _ => None,
+        };
+        let scratch_addr = scratch.as_ref().map(|b| dev.addr(b));
         let mut run = DeviceRun {
             dev,
             items: Vec::new(),
             meta: Vec::new(),
             staging: [PinnedStaging::new(dev), PinnedStaging::new(dev)],
+            _scratch: scratch,
+            kernels,
+            staged_because: None,
             wire_bytes: schedule.wire_bytes,
             messages: schedule.messages,
-            copy_calls: 0,
             staged: 0,
             _memory: PhantomData,
         };
@@ -161,21 +298,32 @@ impl<'m> DeviceRun<'m> {
                 to: programs[to_rank].endpoint,
                 block: step.block,
             });
-            if step.is_direct() {
-                let elem = step.wire.size();
-                let from = Side { base: step.from.span.base, strides: step.from.span.strides };
-                for (t, &dst) in step.to.iter().zip(&dsts) {
-                    let to = Side { base: t.span.base, strides: t.span.strides };
-                    for op in plan_copies(step.block.extent(), &from, &to, elem, dev.max_pitch()) {
-                        run.items.push(Item::Copy { op, src, dst, meta });
-                    }
-                }
+            let from = (src, step.from.span, step.from.dtype);
+            let to: Vec<DevSide> = step.to.iter().zip(&dsts).map(|(t, &a)| (a, t.span, t.dtype)).collect();
+            let on_device = if step.is_direct() || run.kernels.is_some() {
+                piece_ops(step.block.extent(), from, step.wire, &to, dev.max_pitch(), scratch_addr)
             } else {
-                run.staged += 1;
-                run.items.push(Item::Convert { step: Box::new(step), src, dsts, meta });
+                None
+            };
+            match on_device {
+                Some(ops) => run.items.push(Item::Device { ops, meta }),
+                None => {
+                    run.staged += 1;
+                    if run.staged_because.is_none() {
+                        run.staged_because = Some(match &kernels_missing {
+                            Some(e) => format!("the cast kernels did not load: {e}"),
+                            None => format!(
+                                "no device kernel converts {} -> {} -> {}",
+                                step.from.dtype,
+                                step.wire,
+                                to.first().map_or(step.wire, |t| t.2)
+                            ),
+                        });
+                    }
+                    run.items.push(Item::Convert { step: Box::new(step), src, dsts, meta });
+                }
             }
         }
-        run.copy_calls = run.items.iter().filter(|i| matches!(i, Item::Copy { .. })).count() as u64;
         Ok(run)
     }
 
@@ -183,17 +331,18 @@ impl<'m> DeviceRun<'m> {
     pub fn execute(&mut self) -> Result<DeviceReport, DeviceExecError> {
         let dev = self.dev;
         dev.bind()?;
-        let stream = dev.stream().cu_stream();
         let start = dev.mark()?;
-        let mut calls = 0u64;
+        let (mut calls, mut launches) = (0u64, 0u64);
         for item in &self.items {
             match item {
-                Item::Copy { op, src, dst, meta } => {
+                Item::Device { ops, meta } => {
                     // SAFETY: addresses come from live allocations borrowed
-                    // for 'm; ops were bounds-checked by the schedule.
-                    unsafe { issue(op, Loc::Device(*src), Loc::Device(*dst), stream) }
-                        .map_err(|e| self.copy_error(*meta, e.to_string()))?;
-                    calls += 1;
+                    // for 'm (and the scratch, held by the run); the
+                    // schedule bounds-checked every span; the scratch holds
+                    // the largest packed piece.
+                    let (c, k) = unsafe { queue_ops(dev, self.kernels, ops) }.map_err(|e| self.copy_error(*meta, e))?;
+                    calls += c;
+                    launches += k;
                 }
                 Item::Convert { step, src, dsts, meta } => {
                     calls += convert_on_host(dev, &mut self.staging, step, *src, dsts).map_err(|e| self.copy_error(*meta, e))?;
@@ -203,7 +352,15 @@ impl<'m> DeviceRun<'m> {
         let end = dev.mark()?;
         dev.synchronize()?;
         let elapsed = dev.elapsed(&start, &end)?;
-        Ok(DeviceReport { elapsed, wire_bytes: self.wire_bytes, messages: self.messages, copy_calls: calls, staged_pieces: self.staged })
+        Ok(DeviceReport {
+            elapsed,
+            wire_bytes: self.wire_bytes,
+            messages: self.messages,
+            copy_calls: calls,
+            kernel_launches: launches,
+            staged_pieces: self.staged,
+            staged_because: self.staged_because.clone(),
+        })
     }
 
     fn copy_error(&self, meta: usize, error: String) -> DeviceExecError {

@@ -5,11 +5,29 @@
 //! ([`reshard::dtype::convert_slice`]) over every 16-bit value and a
 //! million f32 values, without a GPU.
 //!
-//! Not on a refit path yet: the device executors still convert through
-//! host memory (see `docs/gpu.md`).
+//! A piece whose dtype changes is cut into [`CastBox`]es ([`plan_casts`]:
+//! up to three strided dimensions each, the rest a loop), one launch of a
+//! `refit_strided_*` kernel each; [`CastBox::apply`] replays a box on host
+//! bytes as the kernel runs it, which the tests check against the host
+//! executor's strided copy.
 
 /// The kernels' CUDA C source.
 pub const SOURCE: &str = include_str!("kernels.cu");
+
+/// [`SOURCE`] compiled to PTX for `compute_80` by NVRTC 12.4
+/// (`scripts/gen-kernels-ptx.py`), loaded by the driver where no NVRTC is
+/// installed; its first line names the source's [`source_hash`].
+pub const SHIPPED_PTX: &str = include_str!("kernels.ptx");
+
+/// FNV-1a (64-bit) of [`SOURCE`]: what [`SHIPPED_PTX`] was generated from.
+pub fn source_hash() -> u64 {
+    SOURCE.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+/// Whether [`SHIPPED_PTX`] was generated from this [`SOURCE`].
+pub fn shipped_ptx_is_current() -> bool {
+    SHIPPED_PTX.lines().next().is_some_and(|l| l.contains(&format!("fnv1a64 {:016x}", source_hash())))
+}
 
 /// The kernels `SOURCE` defines: element-wise casts (`refit_cast_*`,
 /// arguments `src, dst, n`; launch with [`launch_1d`]) and strided box
@@ -61,6 +79,110 @@ pub fn launch_3d(counts: [u64; 3]) -> Launch {
     let x = launch_1d(counts[0]).grid[0];
     let yz = |c: u64| c.clamp(1, MAX_BLOCKS_YZ as u64) as u32;
     Launch { grid: [x, yz(counts[1]), yz(counts[2])], block: [THREADS, 1, 1] }
+}
+
+/// The strided kernel that copies elements of `from` into elements of
+/// `to` (converting), if there is one: f32 ↔ bf16, f32 ↔ f16, and plain
+/// copies of 4- and 2-byte elements. Other pairs (f64, FP8, bf16 ↔ f16)
+/// are converted by the host.
+pub fn strided_kernel(from: reshard::DType, to: reshard::DType) -> Option<&'static str> {
+    use reshard::DType::*;
+    Some(match (from, to) {
+        (F32, BF16) => "refit_strided_f32_bf16",
+        (BF16, F32) => "refit_strided_bf16_f32",
+        (F32, F16) => "refit_strided_f32_f16",
+        (F16, F32) => "refit_strided_f16_f32",
+        (a, b) if a == b && a.size() == 4 => "refit_strided_copy32",
+        (a, b) if a == b && a.size() == 2 => "refit_strided_copy16",
+        _ => return None,
+    })
+}
+
+/// One launch of a strided kernel: a box of `counts` elements (innermost
+/// first), element `(i, j, k)` read at `src_base + i*src_strides[0] +
+/// j*src_strides[1] + k*src_strides[2]` and written at the same place of
+/// the destination side (element units of each side's dtype).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CastBox {
+    /// Elements per dimension, innermost first.
+    pub counts: [u64; 3],
+    /// Source element offset of `(0, 0, 0)`.
+    pub src_base: u64,
+    /// Source element strides, innermost first.
+    pub src_strides: [u64; 3],
+    /// Destination element offset of `(0, 0, 0)`.
+    pub dst_base: u64,
+    /// Destination element strides, innermost first.
+    pub dst_strides: [u64; 3],
+}
+
+impl CastBox {
+    /// Elements in the box.
+    pub fn numel(&self) -> u64 {
+        self.counts.iter().product()
+    }
+
+    /// The launch geometry.
+    pub fn launch(&self) -> Launch {
+        launch_3d(self.counts)
+    }
+
+    /// One past the last element read and written.
+    pub fn ends(&self) -> (u64, u64) {
+        let end = |base: u64, strides: &[u64; 3]| {
+            if self.numel() == 0 {
+                return base;
+            }
+            base + (0..3).map(|d| (self.counts[d] - 1) * strides[d]).sum::<u64>() + 1
+        };
+        (end(self.src_base, &self.src_strides), end(self.dst_base, &self.dst_strides))
+    }
+
+    /// Runs the box on host bytes as the kernel does (every element
+    /// converted by the host conversion, which the kernels' own is checked
+    /// against). Returns false, touching nothing, if it would leave either
+    /// side.
+    pub fn apply(&self, from: reshard::DType, src: &[u8], to: reshard::DType, dst: &mut [u8]) -> bool {
+        let (se, de) = self.ends();
+        let (fs, ts) = (from.size(), to.size());
+        if se * fs > src.len() as u64 || de * ts > dst.len() as u64 {
+            return false;
+        }
+        let [c0, c1, c2] = self.counts;
+        for k in 0..c2 {
+            for j in 0..c1 {
+                for i in 0..c0 {
+                    let at = |base: u64, st: &[u64; 3]| base + i * st[0] + j * st[1] + k * st[2];
+                    let (s, d) = (at(self.src_base, &self.src_strides) * fs, at(self.dst_base, &self.dst_strides) * ts);
+                    reshard::dtype::convert_slice(from, &src[s as usize..(s + fs) as usize], to, &mut dst[d as usize..(d + ts) as usize]);
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The launches that copy-cast a piece of element counts `counts`
+/// (outermost first, as in [`reshard::Span`]) from `src` to `dst`:
+/// dimensions contiguous on both sides merge, the innermost three that
+/// remain become one box, any further out a loop over boxes. Empty pieces
+/// give none.
+pub fn plan_casts(counts: &[u64], src: &crate::cuda::copyplan::Side, dst: &crate::cuda::copyplan::Side) -> Vec<CastBox> {
+    let n = counts.len();
+    let Some(mut dims) = crate::copy::joint_dims(counts, &src.strides[..n], &dst.strides[..n]) else {
+        return Vec::new();
+    };
+    let mut template = CastBox { counts: [1; 3], src_base: 0, src_strides: [0; 3], dst_base: 0, dst_strides: [0; 3] };
+    for d in 0..3 {
+        if let Some((c, s, t)) = dims.pop() {
+            template.counts[d] = c;
+            template.src_strides[d] = s;
+            template.dst_strides[d] = t;
+        }
+    }
+    let mut boxes = Vec::new();
+    crate::copy::for_each_offset(&dims, src.base, dst.base, |so, doff| boxes.push(CastBox { src_base: so, dst_base: doff, ..template }));
+    boxes
 }
 
 /// Compiles [`SOURCE`] to PTX with NVRTC (`libnvrtc`, loaded at run time;
@@ -115,6 +237,109 @@ mod tests {
     use reshard::DType;
     use std::io::Write;
     use std::process::{Command, Stdio};
+
+    use crate::copy::{copy_strided, StridedRef};
+    use crate::cuda::copyplan::Side;
+    use proptest::prelude::*;
+    use reshard::program::span_in;
+    use reshard::Block;
+
+    /// A piece of `stored_a` copied into `stored_b`, `from` → `to`: the
+    /// boxes replayed on host bytes equal the host executor's strided copy.
+    fn check_casts(stored_a: &Block, stored_b: &Block, piece: &Block, from: DType, to: DType) -> Vec<CastBox> {
+        let a = span_in(0, stored_a, 0, piece);
+        let b = span_in(0, stored_b, 0, piece);
+        // Source bytes that are valid values of `from` with varied bits.
+        let n = stored_a.numel() as usize;
+        let vals: Vec<f32> = (0..n).map(|i| ((i * 2_654_435_761) % 100_003) as f32 * 0.37 - 18_000.0).collect();
+        let mut src = vec![0u8; n * from.size() as usize];
+        convert_slice(DType::F32, bytemuck_f32(&vals), from, &mut src);
+        let mut want = vec![0xa5u8; (stored_b.numel() * to.size()) as usize];
+        let mut got = want.clone();
+        // SAFETY: `src` and `want` live to the end of this function.
+        let sr = unsafe { StridedRef::new(src.as_ptr(), src.len(), a.base, a.strides, from) };
+        let dr = unsafe { StridedRef::new(want.as_mut_ptr(), want.len(), b.base, b.strides, to) };
+        unsafe { copy_strided(piece.extent(), &sr, &dr) };
+        let boxes = plan_casts(piece.extent(), &Side { base: a.base, strides: a.strides }, &Side { base: b.base, strides: b.strides });
+        for bx in &boxes {
+            assert!(bx.apply(from, &src, to, &mut got), "box out of bounds: {bx:?}");
+        }
+        assert_eq!(boxes.iter().map(CastBox::numel).sum::<u64>(), piece.numel());
+        assert!(got == want, "boxes {boxes:?} differ from the host copy");
+        boxes
+    }
+
+    fn bytemuck_f32(v: &[f32]) -> &[u8] {
+        // SAFETY: f32 has no padding and any byte view of it is valid.
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    }
+
+    #[test]
+    fn casts_of_pieces_are_few_boxes() {
+        let blk = |o: &[u64], e: &[u64]| Block::new(o, e);
+        // A contiguous piece: one box of one merged dimension.
+        let boxes = check_casts(&blk(&[0, 0], &[8, 16]), &blk(&[2, 0], &[3, 16]), &blk(&[2, 0], &[3, 16]), DType::F32, DType::BF16);
+        assert_eq!(boxes.len(), 1);
+        assert_eq!(boxes[0].counts, [48, 1, 1]);
+        // A column block: rows at a stride.
+        let boxes = check_casts(&blk(&[0, 0], &[8, 16]), &blk(&[0, 4], &[8, 4]), &blk(&[0, 4], &[8, 4]), DType::BF16, DType::F32);
+        assert_eq!((boxes.len(), boxes[0].counts, boxes[0].src_strides[1]), (1, [4, 8, 1], 16));
+        // Four strided dimensions: a loop over 3-D boxes.
+        let stored = blk(&[0, 0, 0, 0], &[3, 6, 5, 7]);
+        let piece = blk(&[1, 1, 1, 2], &[2, 4, 3, 4]);
+        assert_eq!(check_casts(&stored, &stored, &piece, DType::F32, DType::F16).len(), 2);
+        let empty = Side { base: 0, strides: crate::copy::packed_strides(&[0, 4]) };
+        assert!(plan_casts(&[0, 4], &empty, &empty).is_empty());
+    }
+
+    #[test]
+    fn the_shipped_ptx_is_generated_from_this_source_and_has_every_kernel() {
+        assert!(shipped_ptx_is_current(), "kernels.ptx is stale (kernels.cu hash {:016x}): run scripts/gen-kernels-ptx.py", source_hash());
+        for k in KERNELS {
+            assert!(SHIPPED_PTX.contains(&format!(".entry {k}(")), "{k} missing from kernels.ptx");
+        }
+    }
+
+    #[test]
+    fn kernels_cover_the_usual_pairs_only() {
+        assert_eq!(strided_kernel(DType::F32, DType::BF16), Some("refit_strided_f32_bf16"));
+        assert_eq!(strided_kernel(DType::I32, DType::I32), Some("refit_strided_copy32"));
+        assert_eq!(strided_kernel(DType::BF16, DType::BF16), Some("refit_strided_copy16"));
+        assert_eq!(strided_kernel(DType::F64, DType::BF16), None);
+        assert_eq!(strided_kernel(DType::BF16, DType::F16), None);
+        for k in [DType::F32, DType::BF16, DType::F16] {
+            for t in [DType::F32, DType::BF16, DType::F16] {
+                if let Some(name) = strided_kernel(k, t) {
+                    assert!(KERNELS.contains(&name), "{name}");
+                }
+            }
+        }
+    }
+
+    fn shapes() -> impl Strategy<Value = (Vec<u64>, Vec<u64>, Vec<u64>, Vec<u64>)> {
+        (1usize..=5).prop_flat_map(|nd| {
+            proptest::collection::vec((1u64..6, 0u64..3, 0u64..3, 0u64..3), nd).prop_map(|v| {
+                let extent: Vec<u64> = v.iter().map(|t| t.0).collect();
+                let off: Vec<u64> = v.iter().map(|t| t.1.min(t.0 - 1)).collect();
+                (extent, off, v.iter().map(|t| t.2).collect(), v.iter().map(|t| t.3).collect())
+            })
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn cast_plans_match_the_host_copy((extent, off, pad_a, pad_b) in shapes(), pair in 0usize..6) {
+            let (from, to) = [(DType::F32, DType::BF16), (DType::BF16, DType::F32), (DType::F32, DType::F16),
+                              (DType::F16, DType::F32), (DType::F32, DType::F32), (DType::BF16, DType::BF16)][pair];
+            let piece_ext: Vec<u64> = extent.iter().zip(&off).map(|(e, o)| e - o).collect();
+            let piece = Block::new(&off, &piece_ext);
+            let zero = vec![0u64; extent.len()];
+            let a_ext: Vec<u64> = extent.iter().zip(&pad_a).map(|(e, p)| e + p).collect();
+            let b_ext: Vec<u64> = extent.iter().zip(&pad_b).map(|(e, p)| e + p).collect();
+            check_casts(&Block::new(&zero, &a_ext), &Block::new(&zero, &b_ext), &piece, from, to);
+            check_casts(&Block::new(&zero, &a_ext), &piece, &piece, from, to);
+        }
+    }
 
     #[test]
     fn launches_stay_within_limits_and_cover_each_index_once() {

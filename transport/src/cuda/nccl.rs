@@ -15,10 +15,10 @@
 //! group with all the round's sends and receives, then unpack.
 
 use crate::copy::{fits, packed_strides};
+use crate::cuda::comm::RawEvent;
 use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, P2p, Progress};
-use crate::cuda::copyplan::{plan_copies, Side};
-use crate::cuda::device::{issue, no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
-use crate::cuda::exec::{convert_on_host, message_layout};
+use crate::cuda::device::{no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, PinnedStaging};
+use crate::cuda::exec::{convert_on_host, message_layout, piece_ops, queue_ops, DevSide};
 use crate::cuda::id::CommId;
 use crate::cuda::schedule::{Place, Step};
 use crate::exec::RankStats;
@@ -26,6 +26,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result, sys};
 use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use thiserror::Error;
@@ -84,6 +85,9 @@ pub struct NcclBackend {
     stream: Arc<CudaStream>,
     done: Option<CudaEvent>,
     enqueued: bool,
+    /// Recorded on the stream after an abort that went on in the
+    /// background: complete once NCCL's work on the stream has ended.
+    teardown: Option<CudaEvent>,
 }
 
 impl std::fmt::Debug for NcclBackend {
@@ -129,14 +133,14 @@ impl NcclBackend {
         // SAFETY: `comm` and `config` are valid for the call (NCCL copies
         // the config; the comm slot is boxed and outlives the communicator).
         let r = unsafe { result::comm_init_rank_config(&mut *comm, nranks as c_int, id.to_nccl(), rank as c_int, &mut config) };
-        match r {
-            Ok(_) => {}
-            // A communicator that exists carries the error; polling reports
-            // it and the thread aborts it.
-            Err(_) if !comm.is_null() => {}
-            Err(e) => return Err(format!("ncclCommInitRankConfig(rank {rank} of {nranks}): {}", nccl_text(e.0, std::ptr::null_mut()))),
+        if let Err(e) = r {
+            // A synchronous failure: NCCL has freed what it allocated (or
+            // left it to its own cleanup) and may have left the slot set.
+            // Nothing here is ours to poll or abort: forget the slot.
+            *comm = std::ptr::null_mut();
+            return Err(format!("ncclCommInitRankConfig(rank {rank} of {nranks}): {}", nccl_text(e.0, std::ptr::null_mut())));
         }
-        Ok(NcclBackend { comm, ctx, stream, done: None, enqueued: false })
+        Ok(NcclBackend { comm, ctx, stream, done: None, enqueued: false, teardown: None })
     }
 
     fn async_state(&self) -> Result<sys::ncclResult_t, String> {
@@ -163,10 +167,18 @@ impl CommBackend for NcclBackend {
         self.progress()
     }
 
-    fn start_group(&mut self, ops: &[P2p]) -> Result<(), String> {
+    fn start_group(&mut self, ops: &[P2p], after: u64) -> Result<(), String> {
         self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
         self.done = None;
         self.enqueued = false;
+        if after != 0 {
+            // SAFETY: `after` is a live event of this context (the caller
+            // keeps it alive until the group call returns); the wait is
+            // queued on our stream and CUDA keeps what it needs of it.
+            unsafe { cudarc::driver::sys::cuStreamWaitEvent(self.stream.cu_stream(), after as cudarc::driver::sys::CUevent, 0) }
+                .result()
+                .map_err(|e| format!("cuStreamWaitEvent before the group: {e}"))?;
+        }
         let stream = self.stream.cu_stream() as sys::cudaStream_t;
         let comm = *self.comm;
         result::group_start().map_err(|e| format!("ncclGroupStart: {}", nccl_text(e.0, comm)))?;
@@ -233,16 +245,37 @@ impl CommBackend for NcclBackend {
         }
     }
 
-    fn abort(&mut self) -> Result<(), String> {
+    fn abort(&mut self) -> Result<Progress, String> {
         let comm = std::mem::replace(&mut *self.comm, std::ptr::null_mut());
         if comm.is_null() {
-            return Ok(());
+            return Ok(Progress::Ready);
         }
         self.done = None;
-        // SAFETY: a communicator we created and nobody uses any more.
+        // SAFETY: a communicator we created and nobody uses any more; the
+        // slot is cleared first, so it is never aborted twice.
         match unsafe { result::comm_abort(comm) } {
-            Ok(_) => Ok(()),
+            Ok(result::NcclStatus::Success) => Ok(Progress::Ready),
+            // A non-blocking communicator: the teardown goes on in NCCL's
+            // own thread and frees the communicator (never touch it again).
+            // It is over for our memory once the work NCCL queued on our
+            // stream has ended, which an event recorded now tells.
+            Ok(_) => {
+                self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+                self.teardown = Some(self.stream.record_event(None).map_err(|e| format!("after ncclCommAbort: {e}"))?);
+                Ok(Progress::Pending)
+            }
             Err(e) => Err(format!("ncclCommAbort: {}", nccl_text(e.0, std::ptr::null_mut()))),
+        }
+    }
+
+    fn poll_abort(&mut self) -> Result<Progress, String> {
+        match &self.teardown {
+            None => Ok(Progress::Ready),
+            Some(ev) => match ev.try_is_complete() {
+                Ok(true) => Ok(Progress::Ready),
+                Ok(false) => Ok(Progress::Pending),
+                Err(e) => Err(format!("waiting for the aborted communicator's work on the device: {e}")),
+            },
         }
     }
 }
@@ -344,27 +377,30 @@ impl DeviceStaging {
 }
 
 /// Copies one piece between a strided place and a packed place (both on
-/// the device), converting through host staging when dtypes differ.
-#[allow(clippy::too_many_arguments)]
+/// the device): copies, or a cast kernel where the dtype changes, queued
+/// on the device's stream; through host staging only where no kernel
+/// converts the pair (or the kernels did not load). Returns whether it
+/// went through the host.
 fn move_piece(
     dev: &GpuDevice,
     host: &mut [PinnedStaging; 2],
     block: &Block,
-    from: (u64, Span, DType),
+    from: DevSide,
     wire: DType,
-    to: &[(u64, Span, DType)],
-) -> Result<(), String> {
+    to: &[DevSide],
+) -> Result<bool, String> {
     let direct = from.2 == wire && to.iter().all(|t| t.2 == wire);
-    if direct {
-        let src = Side { base: from.1.base, strides: from.1.strides };
-        for t in to {
-            for op in plan_copies(block.extent(), &src, &Side { base: t.1.base, strides: t.1.strides }, wire.size(), dev.max_pitch()) {
-                // SAFETY: both sides were bounds-checked against live
-                // allocations; the stream orders the copies.
-                unsafe { issue(&op, Loc::Device(from.0), Loc::Device(t.0), dev.stream().cu_stream()) }.map_err(|e| e.to_string())?;
-            }
+    let kernels = if direct { None } else { dev.kernels().ok() };
+    if direct || kernels.is_some() {
+        // Sender packing (to = wire), receiver unpacking (from = wire) and
+        // local copies (wire = to) change the dtype once: no scratch.
+        if let Some(ops) = piece_ops(block.extent(), from, wire, to, dev.max_pitch(), None) {
+            // SAFETY: both sides were bounds-checked against live
+            // allocations (`check`), which outlive the run; the stream
+            // orders the work.
+            unsafe { queue_ops(dev, kernels, &ops) }?;
+            return Ok(false);
         }
-        return Ok(());
     }
     let step = Step {
         round: 0,
@@ -375,7 +411,17 @@ fn move_piece(
         local: false,
     };
     let dsts: Vec<u64> = to.iter().map(|t| t.0).collect();
-    convert_on_host(dev, host, &step, from.0, &dsts).map(|_| ())
+    convert_on_host(dev, host, &step, from.0, &dsts).map(|_| true)
+}
+
+static LEAKED_STAGING: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes of device staging this process left allocated on purpose, because
+/// an NCCL group failed while it may still have been using them (they stay
+/// until the process ends). Grows by each failed refit's staging: restart
+/// the process when it matters.
+pub fn leaked_staging_bytes() -> u64 {
+    LEAKED_STAGING.load(Ordering::SeqCst)
 }
 
 /// Why a program with block-scaled destinations does not run on the device.
@@ -459,12 +505,17 @@ pub fn run_rank_nccl(
             let peer = rank_of(m.peer).ok_or(NcclExecError::UnknownPeer { me, peer: m.peer, round: r })?;
             ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: recvs[i].1 });
         }
-        // Packing (this stream) must finish before NCCL (its own stream) reads.
-        dev.synchronize()?;
-        if let Err(e) = comm.group(r, ops, deadline) {
+        // NCCL's stream starts after everything queued so far on ours:
+        // this round's packing and the last round's unpacking (which read
+        // the receive staging NCCL is about to overwrite).
+        let fence = dev.fence()?;
+        let grouped = comm.group(r, ops, Some(RawEvent(fence.cu_event() as u64)), deadline);
+        drop(fence);
+        if let Err(e) = grouped {
             // NCCL may still be reading or writing the staging buffers until
             // the communicator is aborted (or forever, if abort hangs): never
             // free them. The rank's own buffers are never named in a group.
+            LEAKED_STAGING.fetch_add((send_buf.len + recv_buf.len) as u64, Ordering::SeqCst);
             std::mem::forget(send_buf.buf.take());
             std::mem::forget(recv_buf.buf.take());
             return Err(e.into());
