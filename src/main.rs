@@ -205,8 +205,12 @@ enum Command {
         #[arg(long)]
         verify: bool,
         /// Data plane: `local` (in-process, host memory), `tcp` (every rank
-        /// a thread, talking over loopback TCP streams) or `cuda` (GPU 0;
-        /// needs a build with `--features cuda`).
+        /// a thread, talking over loopback TCP streams), `cuda` (every rank
+        /// on GPU 0), `nccl` (every rank a thread on its own GPU, one NCCL
+        /// communicator) or `ipc` (CUDA IPC, between processes: refused
+        /// here). The GPU ones need a build with `--features cuda`; where
+        /// one cannot run, the command exits 2 with `<NAME> transport
+        /// unavailable: <reason>`.
         #[arg(long, default_value = "local")]
         transport: String,
         /// Fail if the refit takes longer than this many seconds.

@@ -196,6 +196,83 @@ impl Prepared {
         self.checked(ExecReport { elapsed: report.elapsed, bytes: report.wire_bytes, messages: report.messages })
     }
 
+    /// Executes every rank's program on its own GPU (rank `i` of the
+    /// communicator, sources first, on device `i`) over one NCCL
+    /// communicator, every rank a thread; all communicators are created
+    /// together, and every wait ends by `deadline`. The results are copied
+    /// back to host memory (so [`verify`](Self::verify) checks them).
+    #[cfg(feature = "cuda")]
+    pub fn execute_nccl(&mut self, deadline: Duration) -> Result<ExecReport, RunError> {
+        use transport::cuda::comm::CommConfig;
+        use transport::cuda::device::{DeviceMemory, GpuDevice};
+        use transport::cuda::id::CommId;
+        use transport::cuda::nccl::{comm_rank, create_comms, run_rank_nccl};
+        let gpu = |e: String| RunError::Gpu(e);
+        let src_ranks = self.src_ranks as u32;
+        let nranks = self.programs.len() as u32;
+        let id = CommId::generate().map_err(gpu)?;
+        let members: Vec<(usize, u32)> = self.programs.iter().map(|p| comm_rank(p.endpoint, src_ranks)).map(|r| (r as usize, r)).collect();
+        let config = CommConfig { init_timeout: deadline, ..CommConfig::new(0, nranks) };
+        let comms = create_comms(&members, id, config);
+        let mut handles = Vec::with_capacity(comms.len());
+        for c in comms {
+            handles.push(c.map_err(|e| gpu(e.to_string()))?);
+        }
+        let until = Instant::now() + deadline;
+        let rank_of = move |e: reshard::Endpoint| -> Option<u32> {
+            let r = comm_rank(e, src_ranks);
+            (r < nranks).then_some(r)
+        };
+        let results: Vec<Result<NcclRank, String>> = std::thread::scope(|scope| {
+            let threads: Vec<_> = self
+                .programs
+                .iter()
+                .zip(&self.memory)
+                .zip(handles)
+                .map(|((program, host), mut comm)| {
+                    scope.spawn(move || {
+                        let ordinal = comm.rank() as usize;
+                        let mut run = || -> Result<NcclRank, String> {
+                            let dev = GpuDevice::open(ordinal).map_err(|e| e.to_string())?;
+                            let mut memory =
+                                DeviceMemory::for_buffers(&dev, program.endpoint, &program.buffers).map_err(|e| e.to_string())?;
+                            memory.upload(&dev, host).map_err(|e| e.to_string())?;
+                            let start = Instant::now();
+                            let stats = run_rank_nccl(&dev, program, &mut memory, &mut comm, &rank_of, until).map_err(|e| e.to_string())?;
+                            let took = start.elapsed();
+                            let back = match program.endpoint.group {
+                                reshard::Group::Dst => Some(memory.download(&dev).map_err(|e| e.to_string())?),
+                                reshard::Group::Src => None,
+                            };
+                            Ok((stats, took, back))
+                        };
+                        let r = run();
+                        // On failure the abort makes peers fail instead of
+                        // waiting out the deadline; it never blocks past its
+                        // own timeout.
+                        let outcome = comm.abort();
+                        if outcome.needs_restart() {
+                            return Err(format!("{}: {outcome:?} (restart the process)", program.endpoint));
+                        }
+                        r
+                    })
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap_or_else(|_| Err("a rank thread panicked".into()))).collect()
+        });
+        let (mut bytes, mut messages, mut elapsed) = (0, 0, Duration::ZERO);
+        for (i, r) in results.into_iter().enumerate() {
+            let (stats, took, back) = r.map_err(gpu)?;
+            bytes += stats.sent_bytes;
+            messages += stats.messages;
+            elapsed = elapsed.max(took);
+            if let Some(m) = back {
+                self.memory[i] = m;
+            }
+        }
+        self.checked(ExecReport { elapsed, bytes, messages })
+    }
+
     /// Zeroes destination memory (between repeated runs).
     pub fn clear_destinations(&mut self) {
         for m in &mut self.memory[self.src_ranks..] {
@@ -205,6 +282,11 @@ impl Prepared {
         }
     }
 }
+
+/// What one rank's NCCL run did: its counters, its time, and (a
+/// destination's) memory copied back from the device.
+#[cfg(feature = "cuda")]
+type NcclRank = (transport::RankStats, Duration, Option<RankMemory>);
 
 /// Memory the kernel says is available (Linux `MemAvailable`), if known.
 fn available_memory() -> Option<u64> {

@@ -540,7 +540,7 @@ fn parse_layout_ranks(json: &str) -> u32 {
 /// The TCP data plane is bit-exact end to end; the CUDA one, on a machine
 /// without CUDA (or a build without the feature), is refused cleanly.
 #[test]
-fn tcp_transport_runs_and_cuda_is_refused_cleanly() {
+fn tcp_transport_runs_and_gpu_transports_are_refused_cleanly() {
     let dir = Scratch::new("transports");
     let (src, dst) = (dir.write("src.json", GOOD_SRC), dir.write("dst.json", GOOD_DST));
     for mode in [&[][..], &["--baseline"][..]] {
@@ -550,12 +550,14 @@ fn tcp_transport_runs_and_cuda_is_refused_cleanly() {
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
         assert!(String::from_utf8_lossy(&out.stdout).contains("match"));
     }
-    let args = ["run", "--transport", "cuda", "--src", s(&src), "--dst", s(&dst)];
-    let out = refit(&args);
-    if std::env::var_os("REFIT_HAS_GPU").is_none() {
-        assert_eq!(out.status.code(), Some(2));
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.starts_with("error: CUDA transport unavailable: ") && err.lines().count() == 1, "{err}");
+    for (name, upper) in [("cuda", "CUDA"), ("nccl", "NCCL"), ("ipc", "IPC")] {
+        let args = ["run", "--transport", name, "--src", s(&src), "--dst", s(&dst)];
+        let out = refit(&args);
+        if std::env::var_os("REFIT_HAS_GPU").is_none() || name == "ipc" {
+            assert_eq!(out.status.code(), Some(2), "{name}");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.starts_with(&format!("error: {upper} transport unavailable: ")) && err.lines().count() == 1, "{err}");
+        }
     }
 }
 

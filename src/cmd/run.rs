@@ -8,16 +8,25 @@ use refit::runner::prepare_with;
 use reshard::Strategy;
 use serde_json::json;
 use std::time::Duration;
-use transport::ExecOptions;
+use transport::{ExecOptions, GpuPlane};
 
 #[cfg(feature = "cuda")]
-fn execute_cuda(prepared: &mut refit::runner::Prepared) -> Result<transport::ExecReport, refit::runner::RunError> {
-    prepared.execute_cuda()
+fn execute_gpu(
+    plane: GpuPlane,
+    prepared: &mut refit::runner::Prepared,
+    deadline: Duration,
+) -> Result<transport::ExecReport, refit::runner::RunError> {
+    match plane {
+        GpuPlane::Device => prepared.execute_cuda(),
+        GpuPlane::Nccl => prepared.execute_nccl(deadline),
+        // gpu_plane_available() refuses it: the ranks are threads of this process.
+        GpuPlane::Ipc => Err(refit::runner::RunError::Gpu("CUDA IPC joins ranks of different processes".into())),
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn execute_cuda(_: &mut refit::runner::Prepared) -> Result<transport::ExecReport, refit::runner::RunError> {
-    // cuda_available() already refused: this build has no GPU data plane.
+fn execute_gpu(_: GpuPlane, _: &mut refit::runner::Prepared, _: Duration) -> Result<transport::ExecReport, refit::runner::RunError> {
+    // gpu_plane_available() already refused: this build has no GPU data plane.
     Err(refit::runner::RunError::Gpu("built without the cuda feature".into()))
 }
 
@@ -37,13 +46,19 @@ pub(crate) struct RunArgs<'a> {
 
 pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let transport = a.transport;
-    match transport {
-        "local" | "tcp" => {}
-        "cuda" => transport::cuda_available().map_err(|e| invalid(format!("CUDA transport unavailable: {e}")))?,
-        other => return Err(invalid(format!("--transport {other}: unknown transport (available: local, tcp, cuda)"))),
-    }
+    let gpu = match transport {
+        "local" | "tcp" => None,
+        "cuda" => Some(GpuPlane::Device),
+        "nccl" => Some(GpuPlane::Nccl),
+        "ipc" => Some(GpuPlane::Ipc),
+        other => return Err(invalid(format!("--transport {other}: unknown transport (available: local, tcp, cuda, nccl, ipc)"))),
+    };
     let pair = a.pair;
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
+    if let Some(plane) = gpu {
+        transport::gpu_plane_available(plane, src.ranks() + dst.ranks())
+            .map_err(|e| invalid(format!("{} transport unavailable: {e}", plane.name().to_uppercase())))?;
+    }
     let mut opts = options(pair)?;
     if !a.only.is_empty() {
         opts.only = Some(reshard::TensorSubset::new(a.only.iter().cloned()));
@@ -57,9 +72,9 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let exec = ExecOptions { deadline: Duration::from_secs(a.deadline_s) };
     // Each data plane checks that it moved the plan's bytes moved
     // (`RunError::Accounting`), so the figures below are the plan's.
-    let report = match transport {
-        "cuda" => execute_cuda(&mut prepared),
-        "tcp" => prepared.execute_tcp(&exec),
+    let report = match (gpu, transport) {
+        (Some(plane), _) => execute_gpu(plane, &mut prepared, exec.deadline),
+        (None, "tcp") => prepared.execute_tcp(&exec),
         _ => prepared.execute(&exec),
     }
     .map_err(|e| Failure { line: e.to_string(), code: 1 })?;

@@ -22,6 +22,62 @@ pub fn cuda_available() -> Result<(), String> {
     }
 }
 
+/// A GPU data plane, as the command line names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuPlane {
+    /// Every rank's buffers on one GPU, copies between them on the device
+    /// (`--transport cuda`).
+    Device,
+    /// One NCCL communicator over all ranks, one GPU per rank
+    /// (`--transport nccl`).
+    Nccl,
+    /// CUDA IPC between processes on one node (`--transport ipc`).
+    Ipc,
+}
+
+impl GpuPlane {
+    /// The plane's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuPlane::Device => "cuda",
+            GpuPlane::Nccl => "nccl",
+            GpuPlane::Ipc => "ipc",
+        }
+    }
+}
+
+/// `Ok(())` if `plane` can run a refit of `ranks` ranks (all of them
+/// threads of this process), otherwise why not, as one line: built without
+/// the feature, no driver, no NCCL, too few GPUs (NCCL takes one GPU per
+/// rank), or a plane that joins processes. Never panics.
+pub fn gpu_plane_available(plane: GpuPlane, ranks: u32) -> Result<(), String> {
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (plane, ranks);
+        Err("built without the cuda feature".to_string())
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use crate::cuda::device::{device_count, probe_driver, probe_nccl};
+        probe_driver()?;
+        match plane {
+            GpuPlane::Device => Ok(()),
+            GpuPlane::Nccl => {
+                probe_nccl()?;
+                let n = device_count()?;
+                if (n as u64) < ranks as u64 {
+                    return Err(format!(
+                        "{ranks} ranks need {ranks} GPUs (NCCL puts one rank on a GPU), this process sees {n};                          --transport cuda runs every rank on one GPU"
+                    ));
+                }
+                Ok(())
+            }
+            GpuPlane::Ipc => Err("CUDA IPC joins ranks of different processes, and `refit run` runs every rank in this one;                                   --transport cuda runs every rank on one GPU (scripts/gpu-check.sh checks IPC between two processes)"
+                .to_string()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -32,6 +88,11 @@ mod tests {
                 assert!(!e.is_empty());
                 #[cfg(not(feature = "cuda"))]
                 assert_eq!(e, "built without the cuda feature");
+            }
+        }
+        for plane in [super::GpuPlane::Device, super::GpuPlane::Nccl, super::GpuPlane::Ipc] {
+            if let Err(e) = super::gpu_plane_available(plane, 4) {
+                assert!(!e.is_empty() && !e.contains('\n'), "{e}");
             }
         }
     }

@@ -35,7 +35,7 @@ pub use exec::{
 };
 pub use faults::Faults;
 pub use frame::HelloKey;
-pub use gpu_probe::cuda_available;
+pub use gpu_probe::{cuda_available, gpu_plane_available, GpuPlane};
 pub use link::{FrameAction, FrameHook, LinkEmulation, TokenBucket};
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;

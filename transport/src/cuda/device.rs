@@ -86,6 +86,14 @@ pub fn probe_driver() -> Result<(), String> {
     })
 }
 
+/// How many CUDA devices this process sees. Never panics.
+pub fn device_count() -> Result<usize, String> {
+    probe_driver()?;
+    no_panic("counting CUDA devices", || {
+        result::device::get_count().map(|n| n.max(0) as usize).map_err(|e| format!("cuDeviceGetCount failed: {e}"))
+    })
+}
+
 /// Oldest NCCL with non-blocking communicator creation (`ncclConfig_t`).
 pub const MIN_NCCL_VERSION: i32 = 21400;
 

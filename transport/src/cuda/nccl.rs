@@ -294,6 +294,33 @@ pub fn create_comm(ordinal: usize, id: CommId, config: CommConfig) -> Result<Com
     CommHandle::spawn(config, &id.tag(), move || NcclBackend::create(ordinal, id, config.rank, config.nranks))
 }
 
+/// Creates the communicators of every rank this process hosts, all at
+/// once: each `(ordinal, rank)` gets its thread and starts its
+/// non-blocking creation before any is waited for (NCCL completes a
+/// creation only once every rank joined), then all are waited for, each
+/// against its own deadline. `config` gives nranks and the timeouts; its
+/// rank is replaced by each member's.
+pub fn create_comms(members: &[(usize, u32)], id: CommId, config: CommConfig) -> Vec<Result<CommHandle, CommError>> {
+    let mut pending = Vec::with_capacity(members.len());
+    let mut failed = Vec::new();
+    for (i, &(ordinal, rank)) in members.iter().enumerate() {
+        let config = CommConfig { rank, ..config };
+        match CommHandle::start(config, &id.tag(), move || NcclBackend::create(ordinal, id, rank, config.nranks)) {
+            Ok(p) => pending.push((i, p)),
+            Err(e) => failed.push((i, e)),
+        }
+    }
+    let mut out: Vec<Option<Result<CommHandle, CommError>>> = (0..members.len()).map(|_| None).collect();
+    for (i, e) in failed {
+        out[i] = Some(Err(e));
+    }
+    let (slots, pending): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
+    for (i, r) in slots.into_iter().zip(crate::cuda::comm::wait_all(pending)) {
+        out[i] = Some(r);
+    }
+    out.into_iter().flatten().collect()
+}
+
 /// The usual rank numbering of one communicator over both groups: source
 /// ranks first, then destination ranks.
 pub fn comm_rank(endpoint: Endpoint, src_ranks: u32) -> u32 {
