@@ -18,6 +18,7 @@
 //! a panic as a second line of defence.
 
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
+use crate::cuda::ipc::{BucketLayout, IpcHandle};
 use crate::cuda::kernels::{self, CastBox};
 use crate::memory::RankMemory;
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, PushKernelArg};
@@ -467,26 +468,179 @@ impl PinnedStaging {
     }
 }
 
-/// One rank's buffers in device memory, in its program's buffer order.
-#[derive(Debug)]
+/// Where a [`DeviceMemory`]'s bytes are.
+enum Storage {
+    /// One allocation of this process (`cuMemAlloc`, so it can be
+    /// exported), freed on drop.
+    Bucket { ctx: Arc<CudaContext>, base: u64 },
+    /// Memory the user owns (registered without a copy); never freed here.
+    User,
+    /// Another process's bucket mapped into this one, unmapped on drop.
+    Imported { ctx: Arc<CudaContext>, base: u64 },
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        match self {
+            Storage::Bucket { ctx, base } => {
+                // SAFETY: `base` is our allocation; cuMemFree waits for
+                // work still using it, and nothing names it after this.
+                let _ = ctx.bind_to_thread();
+                let _ = unsafe { sys::cuMemFree_v2(*base) };
+            }
+            Storage::Imported { ctx, base } => {
+                // SAFETY: `base` came from cuIpcOpenMemHandle in this
+                // context; closing waits for nothing but unmaps, and no
+                // address inside it is used after this.
+                let _ = ctx.bind_to_thread();
+                let _ = unsafe { sys::cuIpcCloseMemHandle(*base) };
+            }
+            Storage::User => {}
+        }
+    }
+}
+
+/// One rank's buffers in device memory, in its program's buffer order: one
+/// bucket of this process (every buffer at its [`BucketLayout`] offset,
+/// exportable as one CUDA IPC handle), the user's own device memory
+/// (registered, not copied), or another process's bucket mapped by IPC.
 pub struct DeviceMemory {
     owner: Endpoint,
-    buffers: Vec<CudaSlice<u8>>,
+    storage: Storage,
+    addrs: Vec<u64>,
     lens: Vec<usize>,
     dtypes: Vec<DType>,
 }
 
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.storage {
+            Storage::Bucket { .. } => "bucket",
+            Storage::User => "user",
+            Storage::Imported { .. } => "imported",
+        };
+        f.debug_struct("DeviceMemory").field("owner", &self.owner).field("storage", &kind).field("lens", &self.lens).finish()
+    }
+}
+
+// SAFETY: the addresses are device memory, usable from any thread with the
+// context bound; the storage frees or unmaps them once, on drop.
+unsafe impl Send for DeviceMemory {}
+
 impl DeviceMemory {
-    /// Device buffers (contents undefined) for a rank's buffer list.
+    /// Device buffers (contents undefined) for a rank's buffer list: one
+    /// bucket, each buffer at its [`BucketLayout`] offset.
     pub fn for_buffers(dev: &GpuDevice, owner: Endpoint, specs: &[BufferSpec]) -> Result<DeviceMemory, GpuError> {
-        let mut m = DeviceMemory { owner, buffers: Vec::new(), lens: Vec::new(), dtypes: Vec::new() };
-        for (i, b) in specs.iter().enumerate() {
-            let len = (b.elems * b.dtype.size()) as usize;
-            m.buffers.push(dev.alloc(len, &format!("{owner} buffer {i} '{}'", b.name))?);
-            m.lens.push(len);
-            m.dtypes.push(b.dtype);
+        let layout = BucketLayout::of(specs);
+        dev.bind()?;
+        let what = format!("{owner}: allocating a bucket of {} bytes for {} buffers", layout.bytes, specs.len());
+        // SAFETY: a plain allocation; freed by `Storage::Bucket` on drop.
+        let base = no_panic(&what, || unsafe { result::malloc_sync(layout.bytes as usize) }.map_err(|e| e.to_string()))
+            .map_err(|error| GpuError::Driver { what, error })?;
+        Ok(DeviceMemory::laid_out(owner, Storage::Bucket { ctx: dev.ctx.clone(), base }, base, &layout, specs))
+    }
+
+    fn laid_out(owner: Endpoint, storage: Storage, base: u64, layout: &BucketLayout, specs: &[BufferSpec]) -> DeviceMemory {
+        DeviceMemory {
+            owner,
+            storage,
+            addrs: layout.offsets.iter().map(|o| base + o).collect(),
+            lens: layout.lens.iter().map(|&l| l as usize).collect(),
+            dtypes: specs.iter().map(|b| b.dtype).collect(),
         }
-        Ok(m)
+    }
+
+    /// The user's own device buffers, registered without a copy: buffer `i`
+    /// of `specs` is the `len` bytes at device address `addr` of
+    /// `regions[i]` (a raw `cudaMalloc`/PyTorch pointer, or one from a
+    /// DLPack capsule). Lengths must match the specs.
+    ///
+    /// # Safety
+    /// Every region must be device memory of `dev`'s context, at least its
+    /// length long, stay allocated for as long as the returned value lives,
+    /// and not be written by other work while a refit reads or writes it.
+    pub unsafe fn register(
+        dev: &GpuDevice,
+        owner: Endpoint,
+        specs: &[BufferSpec],
+        regions: &[(u64, usize)],
+    ) -> Result<DeviceMemory, GpuError> {
+        let _ = dev;
+        let what = || format!("{owner}: registering device buffers");
+        if regions.len() != specs.len() {
+            return Err(GpuError::Invalid { what: what(), problem: format!("{} regions for {} buffers", regions.len(), specs.len()) });
+        }
+        for (i, (b, &(addr, len))) in specs.iter().zip(regions).enumerate() {
+            let want = (b.elems * b.dtype.size()) as usize;
+            if len != want {
+                return Err(GpuError::Invalid {
+                    what: what(),
+                    problem: format!("buffer {i} '{}': {len} bytes, the layout needs {want}", b.name),
+                });
+            }
+            if addr == 0 && len > 0 {
+                return Err(GpuError::Invalid { what: what(), problem: format!("buffer {i} '{}': null address", b.name) });
+            }
+            if addr % b.dtype.size() != 0 {
+                return Err(GpuError::Invalid {
+                    what: what(),
+                    problem: format!("buffer {i} '{}': address {addr:#x} not aligned to {}", b.name, b.dtype),
+                });
+            }
+        }
+        Ok(DeviceMemory {
+            owner,
+            storage: Storage::User,
+            addrs: regions.iter().map(|r| r.0).collect(),
+            lens: regions.iter().map(|r| r.1).collect(),
+            dtypes: specs.iter().map(|b| b.dtype).collect(),
+        })
+    }
+
+    /// Exports this rank's bucket for another process of the node (one
+    /// handle for every buffer; the importer derives the offsets from the
+    /// same buffer list). Registered and imported memory is not exportable.
+    pub fn export_ipc(&self, dev: &GpuDevice) -> Result<IpcHandle, GpuError> {
+        let Storage::Bucket { base, .. } = self.storage else {
+            return Err(GpuError::Invalid {
+                what: format!("{}: exporting by CUDA IPC", self.owner),
+                problem: "only a bucket this process allocated can be exported".into(),
+            });
+        };
+        dev.bind()?;
+        let what = format!("{}: cuIpcGetMemHandle", self.owner);
+        let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `base` is the start of a live cuMemAlloc allocation; `raw`
+        // is a valid out-parameter.
+        no_panic(&what, || unsafe { sys::cuIpcGetMemHandle(&mut raw, base) }.result().map_err(|e| e.to_string()))
+            .map_err(|error| GpuError::Driver { what: what.clone(), error })?;
+        let bytes: Vec<u8> = raw.reserved.iter().map(|&c| c as u8).collect();
+        IpcHandle::from_bytes(&bytes).map_err(|e| GpuError::Invalid { what, problem: e.to_string() })
+    }
+
+    /// Maps another process's bucket (from [`DeviceMemory::export_ipc`]) for
+    /// rank `owner` with buffer list `specs` (the exporter's). The mapping
+    /// is closed when the value is dropped. In the exporting process itself
+    /// CUDA refuses (use the bucket directly).
+    ///
+    /// # Safety
+    /// The exporter must keep the bucket allocated while the mapping lives,
+    /// and not write the buffers while a refit reads them (the version
+    /// fence of its store), nor read those a refit writes.
+    pub unsafe fn import_ipc(dev: &GpuDevice, owner: Endpoint, specs: &[BufferSpec], handle: &IpcHandle) -> Result<DeviceMemory, GpuError> {
+        let layout = BucketLayout::of(specs);
+        dev.bind()?;
+        let what = format!("{owner}: cuIpcOpenMemHandle");
+        let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
+        for (d, &b) in raw.reserved.iter_mut().zip(handle.as_bytes()) {
+            *d = b as std::ffi::c_char;
+        }
+        let mut base: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
+        // SAFETY: valid out-parameter; the handle is bytes CUDA checks.
+        no_panic(&what, || unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags) }.result().map_err(|e| e.to_string()))
+            .map_err(|error| GpuError::Driver { what, error })?;
+        Ok(DeviceMemory::laid_out(owner, Storage::Imported { ctx: dev.ctx.clone(), base }, base, &layout, specs))
     }
 
     /// Device buffers for every program (contents undefined).
@@ -517,10 +671,14 @@ impl DeviceMemory {
     /// Copies host buffers of the same sizes to the device (waits).
     pub fn upload(&mut self, dev: &GpuDevice, host: &RankMemory) -> Result<(), GpuError> {
         self.check_host(host)?;
-        for (i, (b, h)) in self.buffers.iter_mut().zip(&host.buffers).enumerate() {
+        dev.bind()?;
+        for (i, (&addr, h)) in self.addrs.iter().zip(&host.buffers).enumerate() {
             if !h.is_empty() {
-                let mut view = b.slice_mut(..h.len());
-                dev.stream.memcpy_htod(h.as_slice(), &mut view).map_err(driver(format!("{} buffer {i}: upload", self.owner)))?;
+                // SAFETY: the device buffer holds h.len() bytes (checked);
+                // the host bytes outlive the call, which waits.
+                unsafe { sys::cuMemcpyHtoD_v2(addr, h.as_ptr().cast(), h.len()) }
+                    .result()
+                    .map_err(driver(format!("{} buffer {i}: upload", self.owner)))?;
             }
         }
         dev.synchronize()
@@ -528,24 +686,29 @@ impl DeviceMemory {
 
     /// Copies the buffers back to the host (waits).
     pub fn download(&self, dev: &GpuDevice) -> Result<RankMemory, GpuError> {
+        dev.synchronize()?;
         let mut host = RankMemory { buffers: Vec::new(), dtypes: self.dtypes.clone() };
-        for (i, (b, &len)) in self.buffers.iter().zip(&self.lens).enumerate() {
+        for (i, (&addr, &len)) in self.addrs.iter().zip(&self.lens).enumerate() {
             let mut h = vec![0u8; len];
             if len > 0 {
-                dev.stream
-                    .memcpy_dtoh(&b.slice(..len), h.as_mut_slice())
+                // SAFETY: `len` bytes on both sides; the call waits.
+                unsafe { sys::cuMemcpyDtoH_v2(h.as_mut_ptr().cast(), addr, len) }
+                    .result()
                     .map_err(driver(format!("{} buffer {i}: download", self.owner)))?;
             }
             host.buffers.push(h);
         }
-        dev.synchronize()?;
         Ok(host)
     }
 
     /// Sets every byte to zero (waits).
     pub fn zero(&mut self, dev: &GpuDevice) -> Result<(), GpuError> {
-        for (i, b) in self.buffers.iter_mut().enumerate() {
-            dev.stream.memset_zeros(b).map_err(driver(format!("{} buffer {i}: zero", self.owner)))?;
+        dev.bind()?;
+        for (i, (&addr, &len)) in self.addrs.iter().zip(&self.lens).enumerate() {
+            // SAFETY: `len` bytes of this buffer, on the device's stream.
+            unsafe { sys::cuMemsetD8Async(addr, 0, len, dev.stream.cu_stream()) }
+                .result()
+                .map_err(driver(format!("{} buffer {i}: zero", self.owner)))?;
         }
         dev.synchronize()
     }
@@ -563,7 +726,8 @@ impl DeviceMemory {
 
     /// Device addresses of the buffers (valid while `self` lives).
     pub(crate) fn addrs(&self, dev: &GpuDevice) -> Vec<u64> {
-        self.buffers.iter().map(|b| dev.addr(b)).collect()
+        let _ = dev;
+        self.addrs.clone()
     }
 
     fn piece_ops(&self, dev: &GpuDevice, span: &Span, dtype: DType, block: &Block, to_device: bool) -> Result<Vec<CopyOp>, GpuError> {
@@ -607,7 +771,7 @@ impl DeviceMemory {
         let ops = self.piece_ops(dev, span, dtype, block, false)?;
         let n = (block.numel() * dtype.size()) as usize;
         let host = staging.ensure(n)?;
-        let base = dev.addr(&self.buffers[span.buffer as usize]);
+        let base = self.addrs[span.buffer as usize];
         for op in &ops {
             // SAFETY: ops are in bounds of the buffer (checked) and of the
             // n staging bytes (packed); we wait before returning.
@@ -642,7 +806,7 @@ impl DeviceMemory {
         let host = staging.ensure(n)?;
         // SAFETY: the staging holds at least n bytes and no copy uses it now.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host, n) };
-        let base = dev.addr(&self.buffers[span.buffer as usize]);
+        let base = self.addrs[span.buffer as usize];
         for op in &ops {
             // SAFETY: as in read_piece.
             unsafe { issue(op, Loc::Host(host), Loc::Device(base), dev.stream.cu_stream()) }
