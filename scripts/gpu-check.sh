@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # GPU check for the `cuda` data plane. Needs one NVIDIA GPU, its driver
-# (libcuda.so.1) and NCCL >= 2.14; see docs/gpu.md. Builds with the cuda
-# feature and runs transport/examples/gpu_check.rs:
-#   1. a 4->2 rank reshard whose ranks are separate buffers on the one GPU,
-#      verified bit-exact, throughput next to a plain device-to-device copy
-#      of the same bytes (target ratio >= 0.8), plus a mixed-dtype/3-D plan;
-#   2. a one-rank NCCL communicator: create, empty group, self send/recv,
-#      abort, recreate with a new id, each timed;
-#   3. the gather-broadcast baseline, verified bit-exact.
-# Prints a summary; exits non-zero on any mismatch or failure (2: CUDA
-# unavailable). Budget: under 8 minutes (build ~2-4, run < 1).
+# (libcuda.so.1) and NCCL >= 2.14; see docs/gpu.md. Builds the root crate's
+# examples/gpu_check.rs with the cuda feature and runs it:
+#   kernels     the cast kernels against the host conversion (every 16-bit
+#               value, a million f32 values);
+#   layouts     every examples/*/ layout pair, reshard and baseline, on the
+#               device, byte-compared with the host executor;
+#   ipc         a colocated refit between two processes on one GPU through
+#               CUDA IPC (one bucket handle per source rank), verified;
+#   nccl        a one-rank communicator: init, empty group, 64 MiB self
+#               send/recv (verified), abort within its deadline, again with
+#               a new id;
+#   throughput  a device refit of llama3-8b --scale 2 against a same-run
+#               cuMemcpyDtoD of the same bytes (passes at ratio >= 0.7).
+# One line per check, then "N passed, N failed". Arguments are passed on
+# (--json: one JSON object per check and one with the totals). Exits 0 if
+# all pass, 1 if one fails, 2 if CUDA is unavailable. Budget: under 8
+# minutes (build ~2-4, run ~1-2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -40,17 +47,18 @@ PY
   fi
   if [ -n "$so2" ]; then
     shim=$(mktemp -d)
+    trap 'rm -rf "$shim"' EXIT
     ln -s "$so2" "$shim/libnccl.so"
     export LD_LIBRARY_PATH="$shim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    echo "gpu-check: using NCCL $so2 (through $shim/libnccl.so)"
+    echo "gpu-check: using NCCL $so2 (through $shim/libnccl.so)" >&2
   else
-    echo "gpu-check: no libnccl.so or libnccl.so.2 found; the NCCL check will fail (see docs/gpu.md)"
+    echo "gpu-check: no libnccl.so or libnccl.so.2 found; the NCCL check will fail (see docs/gpu.md)" >&2
   fi
 fi
 
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
 
 start=$(date +%s)
-timeout 330 cargo build --release -p transport --example gpu_check --features cuda
-echo "gpu-check: built in $(( $(date +%s) - start )) s"
-timeout 150 cargo run --release -q -p transport --example gpu_check --features cuda
+timeout 300 cargo build --release --example gpu_check --features cuda
+echo "gpu-check: built in $(( $(date +%s) - start )) s" >&2
+timeout 180 cargo run --release -q --example gpu_check --features cuda -- "$@"

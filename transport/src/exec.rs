@@ -321,6 +321,19 @@ fn run_rounds<T: Transport>(
     }
 }
 
+/// Runs a destination program's quantize steps on its memory, after every
+/// receive: what [`run_rank`] does last, for data planes whose transfers
+/// ran elsewhere (the GPU ones copy a rank's buffers back, quantize here,
+/// and copy the result to the device).
+pub fn quantize_rank(program: &RankProgram, memory: &mut RankMemory) -> Result<(), ExecError> {
+    // (Every region is checked against its buffer before any is touched.)
+    if memory.buffers.len() != program.buffers.len() {
+        return Err(ExecError::MemoryMismatch { me: program.endpoint, got: memory.buffers.len(), want: program.buffers.len() });
+    }
+    let view = memory.view();
+    quantize_all(program, &view)
+}
+
 /// A destination rank's last step: its block-scaled tensors quantized from
 /// the whole blocks it received ([`reshard::quant`]).
 fn quantize_all(program: &RankProgram, mem: &MemView) -> Result<(), ExecError> {

@@ -713,6 +713,32 @@ impl DeviceMemory {
         dev.synchronize()
     }
 
+    /// Converts every element of buffer `from` into buffer `to` of `dst`
+    /// on the device, with the cast kernels (the two buffers hold as many
+    /// elements; a dtype pair without a kernel is an error), and waits.
+    pub fn cast_into(&self, dev: &GpuDevice, from: usize, dst: &mut DeviceMemory, to: usize) -> Result<(), GpuError> {
+        let what = || format!("{} buffer {from} -> {} buffer {to}: cast", self.owner, dst.owner);
+        let invalid = |problem: String| GpuError::Invalid { what: what(), problem };
+        let (Some(&fd), Some(&td)) = (self.dtypes.get(from), dst.dtypes.get(to)) else {
+            return Err(invalid("no such buffer".into()));
+        };
+        let n = self.lens[from] as u64 / fd.size();
+        if dst.lens[to] as u64 / td.size() != n {
+            return Err(invalid(format!("{n} elements into {}", dst.lens[to] as u64 / td.size())));
+        }
+        let kernel = kernels::strided_kernel(fd, td).ok_or_else(|| invalid(format!("no kernel converts {fd} to {td}")))?;
+        let k = dev.kernels().map_err(invalid)?;
+        let flat = crate::cuda::copyplan::Side { base: 0, strides: crate::copy::packed_strides(&[n]) };
+        for b in kernels::plan_casts(&[n], &flat, &flat) {
+            // SAFETY: both buffers are live allocations of this device
+            // holding n elements of their dtypes (checked above); we wait
+            // for the kernel before returning, and `&mut dst` keeps other
+            // users away meanwhile.
+            unsafe { k.launch(&dev.stream, kernel, &b, self.addrs[from], dst.addrs[to]) }.map_err(invalid)?;
+        }
+        dev.synchronize()
+    }
+
     fn check_host(&self, host: &RankMemory) -> Result<(), GpuError> {
         let lens: Vec<usize> = host.buffers.iter().map(Vec::len).collect();
         if lens != self.lens {
@@ -724,10 +750,10 @@ impl DeviceMemory {
         Ok(())
     }
 
-    /// Device addresses of the buffers (valid while `self` lives).
-    pub(crate) fn addrs(&self, dev: &GpuDevice) -> Vec<u64> {
-        let _ = dev;
-        self.addrs.clone()
+    /// Device addresses of the buffers, in order (valid while `self`
+    /// lives): for raw device work such as an NCCL group.
+    pub fn device_addrs(&self) -> &[u64] {
+        &self.addrs
     }
 
     fn piece_ops(&self, dev: &GpuDevice, span: &Span, dtype: DType, block: &Block, to_device: bool) -> Result<Vec<CopyOp>, GpuError> {

@@ -19,7 +19,6 @@ use crate::cuda::device::{issue, DeviceKernels, DeviceMemory, GpuDevice, GpuErro
 use crate::cuda::kernels::{plan_casts, strided_kernel, CastBox};
 use crate::cuda::schedule::{same_device_schedule, ScheduleError, Step};
 use reshard::{Block, DType, Endpoint, RankProgram};
-use std::marker::PhantomData;
 use std::time::Duration;
 use thiserror::Error;
 
@@ -80,6 +79,9 @@ pub struct DeviceReport {
     pub staged_pieces: u64,
     /// Why pieces went through host staging, if any did.
     pub staged_because: Option<String>,
+    /// Destination ranks whose block-scaled tensors were quantized on the
+    /// host (their buffers copied back and forth once).
+    pub quantized_on_host: u64,
 }
 
 /// One queued piece of device work.
@@ -216,7 +218,10 @@ pub struct DeviceRun<'m> {
     wire_bytes: u64,
     messages: u64,
     staged: u64,
-    _memory: PhantomData<&'m mut [DeviceMemory]>,
+    /// Destination ranks with block-scaled tensors (by index), quantized
+    /// on the host after the device work.
+    quantize: Vec<(usize, RankProgram)>,
+    memory: &'m mut [DeviceMemory],
 }
 
 impl std::fmt::Debug for DeviceRun<'_> {
@@ -229,10 +234,6 @@ impl<'m> DeviceRun<'m> {
     /// Checks the programs against each other and against the memory
     /// (`memory[i]` belongs to `programs[i]`), and resolves every copy.
     pub fn prepare(dev: &'m GpuDevice, programs: &[RankProgram], memory: &'m mut [DeviceMemory]) -> Result<DeviceRun<'m>, DeviceExecError> {
-        if let Some(p) = programs.iter().find(|p| !p.quantize.is_empty()) {
-            let problem = crate::cuda::nccl::UNQUANTIZED.to_string();
-            return Err(GpuError::Invalid { what: format!("{}: program", p.endpoint), problem }.into());
-        }
         let schedule = same_device_schedule(programs)?;
         if memory.len() != programs.len() {
             let me = programs.get(memory.len()).or(programs.last()).map_or(Endpoint::src(0), |p| p.endpoint);
@@ -256,7 +257,7 @@ impl<'m> DeviceRun<'m> {
                 });
             }
         }
-        let addrs: Vec<Vec<u64>> = memory.iter().map(|m| m.addrs(dev)).collect();
+        let addrs: Vec<Vec<u64>> = memory.iter().map(|m| m.device_addrs().to_vec()).collect();
         let changes = schedule.steps.iter().any(|s| !s.is_direct());
         let (kernels, kernels_missing) = match changes.then(|| dev.kernels()) {
             Some(Ok(k)) => (Some(k), None),
@@ -285,7 +286,8 @@ impl<'m> DeviceRun<'m> {
             wire_bytes: schedule.wire_bytes,
             messages: schedule.messages,
             staged: 0,
-            _memory: PhantomData,
+            quantize: programs.iter().enumerate().filter(|(_, p)| !p.quantize.is_empty()).map(|(i, p)| (i, p.clone())).collect(),
+            memory,
         };
         for step in schedule.steps {
             let src = addrs[step.from.rank][step.from.span.buffer as usize];
@@ -349,6 +351,15 @@ impl<'m> DeviceRun<'m> {
                 }
             }
         }
+        // Block-scaled FP8 destinations: quantized on the host (the device
+        // has no quantize kernel yet), from the whole blocks just received.
+        for (i, program) in &self.quantize {
+            let memory = &mut self.memory[*i];
+            let mut host = memory.download(dev)?;
+            crate::exec::quantize_rank(program, &mut host)
+                .map_err(|e| GpuError::Invalid { what: format!("{}: quantizing", program.endpoint), problem: e.to_string() })?;
+            memory.upload(dev, &host)?;
+        }
         let end = dev.mark()?;
         dev.synchronize()?;
         let elapsed = dev.elapsed(&start, &end)?;
@@ -360,6 +371,7 @@ impl<'m> DeviceRun<'m> {
             kernel_launches: launches,
             staged_pieces: self.staged,
             staged_because: self.staged_because.clone(),
+            quantized_on_host: self.quantize.len() as u64,
         })
     }
 

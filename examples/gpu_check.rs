@@ -1,0 +1,443 @@
+//! The GPU check (`scripts/gpu-check.sh` runs it on a machine with one
+//! NVIDIA GPU; `cargo run --release --example gpu_check --features cuda`).
+//! Each check prints one line, `PASS <check>: ...` or `FAIL <check>: ...`,
+//! and the run ends with `N passed, N failed` (with `--json`: one JSON
+//! object per check, then one with the totals). Exit code 0 if every check
+//! passed, 1 if one failed, 2 if CUDA is unavailable.
+//!
+//! 1. `kernels`: the cast kernels on the device against the host
+//!    conversion, over every 16-bit value and a million f32 values;
+//! 2. `layouts`: every example layout pair (`examples/*/`), reshard and
+//!    baseline, run on the device (ranks as separate buckets of the one GPU;
+//!    dtype changes by the cast kernels) and byte-compared with the host
+//!    executor's result;
+//! 3. `ipc`: a colocated refit between two processes on one GPU: a child
+//!    process holds the source ranks and exports each rank's bucket as one
+//!    CUDA IPC handle; this process maps them, runs the refit into its own
+//!    buckets, verifies every destination element, and lets the child go;
+//! 4. `nccl`: a one-rank NCCL communicator created (non-blocking, polled),
+//!    an empty group, a 64 MiB send/receive to itself (verified), an abort
+//!    that returns within its deadline, then the same with a new id;
+//! 5. `throughput`: a device refit of `llama3-8b --scale 2` (verified)
+//!    against a `cuMemcpyDtoD` of the same bytes in the same run; passes at
+//!    a ratio of at least 0.7.
+
+#[cfg(feature = "cuda")]
+fn main() -> std::process::ExitCode {
+    check::main()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn main() -> std::process::ExitCode {
+    eprintln!("CUDA transport unavailable: built without the cuda feature (cargo run --example gpu_check --features cuda)");
+    std::process::ExitCode::from(2)
+}
+
+#[cfg(feature = "cuda")]
+mod check {
+    use refit::presets::{layouts, Model};
+    use reshard::dtype::convert_slice;
+    use reshard::{parse_layout, plan_baseline, plan_reshard, BufferKey, BufferSpec, DType, Endpoint, Layout, Plan, PlanOptions};
+    use serde_json::{json, Value};
+    use std::io::{BufRead, Write};
+    use std::path::{Path, PathBuf};
+    use std::process::{Command, ExitCode, Stdio};
+    use std::time::{Duration, Instant};
+    use transport::cuda::comm::{AbortOutcome, CommConfig, P2p};
+    use transport::cuda::device::{DeviceMemory, GpuDevice};
+    use transport::cuda::exec::{time_plain_copy, DeviceRun};
+    use transport::cuda::id::CommId;
+    use transport::cuda::ipc::IpcHandle;
+    use transport::cuda::nccl::create_comms;
+    use transport::{fill_sources, run_local, verify_destinations, ExecOptions, RankMemory};
+
+    const TARGET_RATIO: f64 = 0.7;
+
+    struct Report {
+        json: bool,
+        passed: u32,
+        failed: u32,
+    }
+
+    impl Report {
+        fn record(&mut self, check: &str, result: Result<(String, Value), String>) {
+            let ok = result.is_ok();
+            if ok {
+                self.passed += 1;
+            } else {
+                self.failed += 1;
+            }
+            let (line, fields) = match result {
+                Ok((line, fields)) => (line, fields),
+                Err(e) => (e.clone(), json!({ "error": e })),
+            };
+            if self.json {
+                let mut v = json!({ "check": check, "ok": ok });
+                if let (Value::Object(m), Value::Object(f)) = (&mut v, fields) {
+                    m.extend(f);
+                }
+                println!("{v}");
+            } else {
+                println!("{} {check}: {line}", if ok { "PASS" } else { "FAIL" });
+            }
+            let _ = std::io::stdout().flush();
+        }
+    }
+
+    fn e2s(e: impl std::fmt::Display) -> String {
+        e.to_string()
+    }
+
+    fn gbps(bytes: u64, t: Duration) -> f64 {
+        bytes as f64 / t.as_secs_f64().max(1e-12) / 1e9
+    }
+
+    fn spec(dtype: DType, elems: u64) -> BufferSpec {
+        BufferSpec { key: BufferKey::Named(0), name: "v".into(), dtype, elems }
+    }
+
+    /// Host bytes through a device cast kernel and back.
+    fn device_cast(dev: &GpuDevice, from: DType, bytes: &[u8], to: DType) -> Result<Vec<u8>, String> {
+        let n = bytes.len() as u64 / from.size();
+        let me = Endpoint::src(0);
+        let mut a = DeviceMemory::for_buffers(dev, me, &[spec(from, n)]).map_err(e2s)?;
+        let mut b = DeviceMemory::for_buffers(dev, me, &[spec(to, n)]).map_err(e2s)?;
+        a.upload(dev, &RankMemory { buffers: vec![bytes.to_vec()], dtypes: vec![from] }).map_err(e2s)?;
+        a.cast_into(dev, 0, &mut b, 0).map_err(e2s)?;
+        Ok(b.download(dev).map_err(e2s)?.buffers.remove(0))
+    }
+
+    fn kernels(dev: &GpuDevice) -> Result<(String, Value), String> {
+        let origin = dev.kernels()?.origin().to_string();
+        let all16: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let f32s: Vec<u8> = (0..1_000_000)
+            .flat_map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x as u32).to_le_bytes()
+            })
+            .collect();
+        let mut checked = 0u64;
+        for (from, to, input) in [
+            (DType::BF16, DType::F32, &all16),
+            (DType::F16, DType::F32, &all16),
+            (DType::F32, DType::BF16, &f32s),
+            (DType::F32, DType::F16, &f32s),
+        ] {
+            let got = device_cast(dev, from, input, to)?;
+            let mut want = vec![0u8; got.len()];
+            convert_slice(from, input, to, &mut want);
+            // NaN payloads: both sides keep NaN with its sign; compare bits.
+            if let Some(i) =
+                (0..got.len()).step_by(to.size() as usize).find(|&i| got[i..i + to.size() as usize] != want[i..i + to.size() as usize])
+            {
+                return Err(format!("{from} -> {to}: element {} differs from the host conversion", i as u64 / to.size()));
+            }
+            checked += input.len() as u64 / from.size();
+        }
+        Ok((format!("{checked} values bit-exact against the host conversion ({origin})"), json!({ "values": checked, "origin": origin })))
+    }
+
+    /// Runs `plan` on the device (`reps` timed runs after one) and returns
+    /// the destinations' memory, the best device time and the report.
+    fn device_refit(
+        dev: &GpuDevice,
+        src: &Layout,
+        dst: &Layout,
+        plan: &Plan,
+        reps: u32,
+    ) -> Result<(Vec<RankMemory>, Duration, transport::cuda::exec::DeviceReport), String> {
+        let programs = plan.programs(src, dst).map_err(e2s)?;
+        let n_src = src.ranks() as usize;
+        let mut host = RankMemory::for_programs(&programs);
+        fill_sources(src, &mut host[..n_src]);
+        let mut memory = DeviceMemory::for_programs(dev, &programs).map_err(e2s)?;
+        for (m, h) in memory.iter_mut().zip(&host) {
+            m.zero(dev).map_err(e2s)?;
+            m.upload(dev, h).map_err(e2s)?;
+        }
+        let mut run = DeviceRun::prepare(dev, &programs, &mut memory).map_err(e2s)?;
+        let first = run.execute().map_err(e2s)?;
+        let mut best = first.elapsed;
+        for _ in 0..reps {
+            best = best.min(run.execute().map_err(e2s)?.elapsed);
+        }
+        drop(run);
+        let back = memory[n_src..].iter().map(|m| m.download(dev)).collect::<Result<Vec<_>, _>>().map_err(e2s)?;
+        Ok((back, best, first))
+    }
+
+    fn example_pairs() -> Vec<(String, PathBuf, PathBuf)> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+        let mut out = Vec::new();
+        if let Ok(dirs) = std::fs::read_dir(&root) {
+            for d in dirs.flatten() {
+                let (s, t) = (d.path().join("src.json"), d.path().join("dst.json"));
+                if s.exists() && t.exists() {
+                    out.push((d.file_name().to_string_lossy().into_owned(), s, t));
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+
+    fn load(path: &Path) -> Result<Layout, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        parse_layout(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    fn layout_pairs(dev: &GpuDevice) -> Result<(String, Value), String> {
+        let pairs = example_pairs();
+        if pairs.is_empty() {
+            return Err("no example layouts under examples/".into());
+        }
+        let (mut runs, mut launches, mut staged, mut elements) = (0u64, 0u64, 0u64, 0u64);
+        let mut names = Vec::new();
+        for (name, s, d) in &pairs {
+            let (src, dst) = (load(s)?, load(d)?);
+            let opts = PlanOptions::default();
+            for (strategy, plan) in [("reshard", plan_reshard(&src, &dst, &opts)), ("baseline", plan_baseline(&src, &dst, &opts))] {
+                let plan = plan.map_err(|e| format!("{name} {strategy}: {e}"))?;
+                let (device, _, report) = device_refit(dev, &src, &dst, &plan, 0).map_err(|e| format!("{name} {strategy}: {e}"))?;
+                // The host executor's result, byte for byte.
+                let programs = plan.programs(&src, &dst).map_err(e2s)?;
+                let mut host = RankMemory::for_programs(&programs);
+                fill_sources(&src, &mut host[..src.ranks() as usize]);
+                run_local(&programs, &mut host, &ExecOptions::default()).map_err(|e| format!("{name} {strategy} on the host: {e}"))?;
+                for (r, (a, b)) in device.iter().zip(&host[src.ranks() as usize..]).enumerate() {
+                    if a.buffers != b.buffers {
+                        return Err(format!("{name} {strategy}: destination rank {r} differs from the host executor's"));
+                    }
+                }
+                elements += verify_destinations(&src, &dst, &device).map_err(|e| format!("{name} {strategy}: {e}"))?;
+                runs += 1;
+                launches += report.kernel_launches;
+                staged += report.staged_pieces;
+            }
+            names.push(name.clone());
+        }
+        Ok((
+            format!(
+                "{} layout pairs x reshard/baseline: every destination byte equals the host executor's, {elements} elements verified; \
+                 {launches} cast kernel launches, {staged} pieces converted on the host",
+                pairs.len()
+            ),
+            json!({ "pairs": names, "runs": runs, "elements": elements, "kernel_launches": launches, "staged_pieces": staged }),
+        ))
+    }
+
+    /// The IPC pair: the child's side. Prints one handle (hex) per source
+    /// rank, then waits for a line on stdin before freeing its buckets.
+    fn ipc_exporter(dir: &Path) -> Result<(), String> {
+        let (src, dst) = (load(&dir.join("src.json"))?, load(&dir.join("dst.json"))?);
+        let plan = plan_reshard(&src, &dst, &PlanOptions::default()).map_err(e2s)?;
+        let programs = plan.programs(&src, &dst).map_err(e2s)?;
+        let dev = GpuDevice::open(0).map_err(e2s)?;
+        let n_src = src.ranks() as usize;
+        let mut host = RankMemory::for_programs(&programs[..n_src]);
+        fill_sources(&src, &mut host);
+        let mut buckets = Vec::new();
+        let mut out = std::io::stdout().lock();
+        for (p, h) in programs[..n_src].iter().zip(&host) {
+            let mut m = DeviceMemory::for_buffers(&dev, p.endpoint, &p.buffers).map_err(e2s)?;
+            m.upload(&dev, h).map_err(e2s)?;
+            let handle = m.export_ipc(&dev).map_err(e2s)?;
+            let hex: String = handle.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
+            writeln!(out, "{hex}").map_err(e2s)?;
+            buckets.push(m);
+        }
+        out.flush().map_err(e2s)?;
+        drop(out);
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).map_err(e2s)?;
+        drop(buckets);
+        Ok(())
+    }
+
+    fn ipc(dev: &GpuDevice) -> Result<(String, Value), String> {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/mixed-2d");
+        let (src, dst) = (load(&dir.join("src.json"))?, load(&dir.join("dst.json"))?);
+        let plan = plan_reshard(&src, &dst, &PlanOptions::default()).map_err(e2s)?;
+        let programs = plan.programs(&src, &dst).map_err(e2s)?;
+        let n_src = src.ranks() as usize;
+        let exe = std::env::current_exe().map_err(e2s)?;
+        let mut child = Command::new(exe)
+            .arg("--ipc-exporter")
+            .arg(&dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting the exporting process: {e}"))?;
+        let result = (|| -> Result<(String, Value), String> {
+            let mut lines = std::io::BufReader::new(child.stdout.take().ok_or("no child stdout")?).lines();
+            let mut memory = Vec::new();
+            for p in &programs[..n_src] {
+                let hex = lines.next().ok_or("the exporting process ended before sending its handles")?.map_err(e2s)?;
+                let bytes: Vec<u8> = (0..hex.len() / 2).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
+                let handle = IpcHandle::from_bytes(&bytes).map_err(e2s)?;
+                // SAFETY: the child keeps its buckets until we write to its
+                // stdin (after the refit and the mappings are dropped), and
+                // does not touch them meanwhile.
+                memory.push(unsafe { DeviceMemory::import_ipc(dev, p.endpoint, &p.buffers, &handle) }.map_err(e2s)?);
+            }
+            for p in &programs[n_src..] {
+                let mut m = DeviceMemory::for_buffers(dev, p.endpoint, &p.buffers).map_err(e2s)?;
+                m.zero(dev).map_err(e2s)?;
+                memory.push(m);
+            }
+            let report = DeviceRun::prepare(dev, &programs, &mut memory).map_err(e2s)?.execute().map_err(e2s)?;
+            let back = memory[n_src..].iter().map(|m| m.download(dev)).collect::<Result<Vec<_>, _>>().map_err(e2s)?;
+            drop(memory);
+            let checked = verify_destinations(&src, &dst, &back).map_err(|e| format!("MISMATCH: {e}"))?;
+            Ok((
+                format!(
+                    "{} source ranks in another process, one IPC handle each; {checked} destination elements verified, {} bytes in {:?}",
+                    n_src, report.wire_bytes, report.elapsed
+                ),
+                json!({ "handles": n_src, "elements": checked, "bytes": report.wire_bytes, "seconds": report.elapsed.as_secs_f64() }),
+            ))
+        })();
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = writeln!(stdin, "done");
+        }
+        let status = child.wait().map_err(e2s)?;
+        let r = result?;
+        if !status.success() {
+            return Err(format!("the exporting process failed: {status}"));
+        }
+        Ok(r)
+    }
+
+    fn nccl(dev: &GpuDevice) -> Result<(String, Value), String> {
+        let abort_timeout = Duration::from_secs(10);
+        let config = CommConfig { init_timeout: Duration::from_secs(60), abort_timeout, ..CommConfig::new(0, 1) };
+        let bytes = 64usize << 20;
+        let mut lines = Vec::new();
+        let mut fields = Vec::new();
+        for attempt in ["first", "new id"] {
+            let id = CommId::generate()?;
+            let t = Instant::now();
+            let mut comm = create_comms(&[(dev.ordinal(), 0)], id, config).remove(0).map_err(|e| format!("{attempt}: {e}"))?;
+            let init = t.elapsed();
+            let t = Instant::now();
+            comm.group(0, Vec::new(), None, Instant::now() + Duration::from_secs(30))
+                .map_err(|e| format!("{attempt}: empty group: {e}"))?;
+            let empty = t.elapsed();
+            let me = Endpoint::src(0);
+            let data: Vec<u8> = (0..bytes).map(|i| (i * 31 + 7) as u8).collect();
+            let mut a = DeviceMemory::for_buffers(dev, me, &[spec(DType::U8, bytes as u64)]).map_err(e2s)?;
+            let mut b = DeviceMemory::for_buffers(dev, me, &[spec(DType::U8, bytes as u64)]).map_err(e2s)?;
+            a.upload(dev, &RankMemory { buffers: vec![data.clone()], dtypes: vec![DType::U8] }).map_err(e2s)?;
+            b.zero(dev).map_err(e2s)?;
+            let (pa, pb) = (a.device_addrs()[0], b.device_addrs()[0]);
+            let ops = vec![P2p::Send { peer: 0, addr: pa, bytes: bytes as u64 }, P2p::Recv { peer: 0, addr: pb, bytes: bytes as u64 }];
+            let t = Instant::now();
+            comm.group(1, ops, None, Instant::now() + Duration::from_secs(30)).map_err(|e| format!("{attempt}: self send/recv: {e}"))?;
+            let sendrecv = t.elapsed();
+            if b.download(dev).map_err(e2s)?.buffers[0] != data {
+                return Err(format!("{attempt}: MISMATCH: received bytes differ from the sent ones"));
+            }
+            let t = Instant::now();
+            let outcome = comm.abort();
+            let aborted = t.elapsed();
+            if !matches!(outcome, AbortOutcome::Aborted { .. }) || aborted > abort_timeout {
+                return Err(format!("{attempt}: abort: {outcome:?} after {aborted:?} (deadline {abort_timeout:?})"));
+            }
+            lines.push(format!(
+                "{attempt}: init {init:?}, empty group {empty:?}, 64 MiB to itself {sendrecv:?} ({:.1} GB/s) verified, abort {aborted:?}",
+                gbps(bytes as u64, sendrecv)
+            ));
+            fields.push(json!({ "init_s": init.as_secs_f64(), "sendrecv_s": sendrecv.as_secs_f64(), "abort_s": aborted.as_secs_f64() }));
+        }
+        Ok((lines.join("; "), json!({ "attempts": fields })))
+    }
+
+    fn throughput(dev: &GpuDevice) -> Result<(String, Value), String> {
+        let (src, dst) = layouts(Model::Llama3_8b, 2).map_err(e2s)?;
+        let plan = plan_reshard(&src, &dst, &PlanOptions::default()).map_err(e2s)?;
+        let (back, best, report) = device_refit(dev, &src, &dst, &plan, 3)?;
+        let checked = verify_destinations(&src, &dst, &back).map_err(|e| format!("MISMATCH: {e}"))?;
+        drop(back);
+        let plain = time_plain_copy(dev, report.wire_bytes as usize, 3).map_err(e2s)?;
+        let ratio = plain.as_secs_f64() / best.as_secs_f64().max(1e-12);
+        let line = format!(
+            "llama3-8b --scale 2: {} bytes in {best:?} ({:.0} GB/s, {} copies, {} kernel launches, {checked} elements verified); \
+             cuMemcpyDtoD of the same bytes {plain:?} ({:.0} GB/s); ratio {ratio:.2} (target >= {TARGET_RATIO})",
+            report.wire_bytes,
+            gbps(report.wire_bytes, best),
+            report.copy_calls,
+            report.kernel_launches,
+            gbps(report.wire_bytes, plain)
+        );
+        let fields = json!({
+            "bytes": report.wire_bytes, "refit_s": best.as_secs_f64(), "memcpy_s": plain.as_secs_f64(),
+            "ratio": ratio, "target": TARGET_RATIO, "elements": checked,
+        });
+        if ratio >= TARGET_RATIO {
+            Ok((line, fields))
+        } else {
+            Err(line)
+        }
+    }
+
+    pub(crate) fn main() -> ExitCode {
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        if let Some(i) = args.iter().position(|a| a == "--ipc-exporter") {
+            let dir = args.get(i + 1).map(PathBuf::from).unwrap_or_default();
+            return match ipc_exporter(&dir) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("ipc exporter: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        let json = args.iter().any(|a| a == "--json");
+        if let Err(e) = transport::cuda_available() {
+            eprintln!("CUDA transport unavailable: {e}");
+            return ExitCode::from(2);
+        }
+        let dev = match GpuDevice::open(0) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("CUDA transport unavailable: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        if !json {
+            println!("device 0: {}", dev.name());
+        }
+        let mut r = Report { json, passed: 0, failed: 0 };
+        let start = Instant::now();
+        type Check = fn(&GpuDevice) -> Result<(String, Value), String>;
+        let checks: [(&str, Check); 5] =
+            [("kernels", kernels), ("layouts", layout_pairs), ("ipc", ipc), ("nccl", nccl), ("throughput", throughput)];
+        for (name, check) in checks {
+            let t = Instant::now();
+            let result = check(&dev).map(|(line, mut fields)| {
+                if let Value::Object(m) = &mut fields {
+                    m.insert("check_s".into(), json!(t.elapsed().as_secs_f64()));
+                }
+                (line, fields)
+            });
+            r.record(name, result);
+        }
+        if json {
+            println!(
+                "{}",
+                json!({ "passed": r.passed, "failed": r.failed, "seconds": start.elapsed().as_secs_f64(), "device": dev.name() })
+            );
+        } else {
+            println!("{} passed, {} failed ({:.1} s)", r.passed, r.failed, start.elapsed().as_secs_f64());
+        }
+        if r.failed == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }
+    }
+}
