@@ -556,8 +556,8 @@ impl DeviceMemory {
     /// DLPack capsule). Lengths must match the specs.
     ///
     /// # Safety
-    /// Every region must be device memory of `dev`'s context, at least its
-    /// length long, stay allocated for as long as the returned value lives,
+    /// Every region must be device memory of the context of the device the
+    /// refit runs on, at least its length long, stay allocated for as long as the returned value lives,
     /// and not be written by other work while a refit reads or writes it.
     pub unsafe fn register(
         dev: &GpuDevice,

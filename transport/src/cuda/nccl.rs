@@ -15,8 +15,7 @@
 //! group with all the round's sends and receives, then unpack.
 
 use crate::copy::{fits, packed_strides};
-use crate::cuda::comm::RawEvent;
-use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, P2p, Progress};
+use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, P2p, PendingComm, Progress, RawEvent};
 use crate::cuda::device::{no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, PinnedStaging};
 use crate::cuda::exec::{convert_on_host, message_layout, piece_ops, queue_ops, DevSide};
 use crate::cuda::id::CommId;
@@ -301,24 +300,15 @@ pub fn create_comm(ordinal: usize, id: CommId, config: CommConfig) -> Result<Com
 /// against its own deadline. `config` gives nranks and the timeouts; its
 /// rank is replaced by each member's.
 pub fn create_comms(members: &[(usize, u32)], id: CommId, config: CommConfig) -> Vec<Result<CommHandle, CommError>> {
-    let mut pending = Vec::with_capacity(members.len());
-    let mut failed = Vec::new();
-    for (i, &(ordinal, rank)) in members.iter().enumerate() {
-        let config = CommConfig { rank, ..config };
-        match CommHandle::start(config, &id.tag(), move || NcclBackend::create(ordinal, id, rank, config.nranks)) {
-            Ok(p) => pending.push((i, p)),
-            Err(e) => failed.push((i, e)),
-        }
-    }
-    let mut out: Vec<Option<Result<CommHandle, CommError>>> = (0..members.len()).map(|_| None).collect();
-    for (i, e) in failed {
-        out[i] = Some(Err(e));
-    }
-    let (slots, pending): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
-    for (i, r) in slots.into_iter().zip(crate::cuda::comm::wait_all(pending)) {
-        out[i] = Some(r);
-    }
-    out.into_iter().flatten().collect()
+    // Every creation is started (collected) before the first is waited for.
+    let started: Vec<Result<PendingComm, CommError>> = members
+        .iter()
+        .map(|&(ordinal, rank)| {
+            let config = CommConfig { rank, ..config };
+            CommHandle::start(config, &id.tag(), move || NcclBackend::create(ordinal, id, rank, config.nranks))
+        })
+        .collect();
+    started.into_iter().map(|p| p.and_then(PendingComm::wait)).collect()
 }
 
 /// The usual rank numbering of one communicator over both groups: source
@@ -406,8 +396,7 @@ impl DeviceStaging {
 /// Copies one piece between a strided place and a packed place (both on
 /// the device): copies, or a cast kernel where the dtype changes, queued
 /// on the device's stream; through host staging only where no kernel
-/// converts the pair (or the kernels did not load). Returns whether it
-/// went through the host.
+/// converts the pair (or the kernels did not load).
 fn move_piece(
     dev: &GpuDevice,
     host: &mut [PinnedStaging; 2],
@@ -415,7 +404,7 @@ fn move_piece(
     from: DevSide,
     wire: DType,
     to: &[DevSide],
-) -> Result<bool, String> {
+) -> Result<(), String> {
     let direct = from.2 == wire && to.iter().all(|t| t.2 == wire);
     let kernels = if direct { None } else { dev.kernels().ok() };
     if direct || kernels.is_some() {
@@ -426,7 +415,7 @@ fn move_piece(
             // allocations (`check`), which outlive the run; the stream
             // orders the work.
             unsafe { queue_ops(dev, kernels, &ops) }?;
-            return Ok(false);
+            return Ok(());
         }
     }
     let step = Step {
@@ -438,7 +427,7 @@ fn move_piece(
         local: false,
     };
     let dsts: Vec<u64> = to.iter().map(|t| t.0).collect();
-    convert_on_host(dev, host, &step, from.0, &dsts).map(|_| true)
+    convert_on_host(dev, host, &step, from.0, &dsts).map(|_| ())
 }
 
 static LEAKED_STAGING: AtomicU64 = AtomicU64::new(0);
