@@ -324,7 +324,8 @@ mod check {
             let mut comm = create_comms(&[(dev.ordinal(), 0)], id, config).remove(0).map_err(|e| format!("{attempt}: {e}"))?;
             let init = t.elapsed();
             let t = Instant::now();
-            comm.group(0, Vec::new(), None, Instant::now() + Duration::from_secs(30))
+            // SAFETY: an empty group names no memory.
+            unsafe { comm.group(0, Vec::new(), None, Instant::now() + Duration::from_secs(30)) }
                 .map_err(|e| format!("{attempt}: empty group: {e}"))?;
             let empty = t.elapsed();
             let me = Endpoint::src(0);
@@ -336,7 +337,12 @@ mod check {
             let (pa, pb) = (a.device_addrs()[0], b.device_addrs()[0]);
             let ops = vec![P2p::Send { peer: 0, addr: pa, bytes: bytes as u64 }, P2p::Recv { peer: 0, addr: pb, bytes: bytes as u64 }];
             let t = Instant::now();
-            comm.group(1, ops, None, Instant::now() + Duration::from_secs(30)).map_err(|e| format!("{attempt}: self send/recv: {e}"))?;
+            // SAFETY: both buffers hold `bytes` bytes on this device and
+            // live until after the group; if it fails they are never freed.
+            if let Err(e) = unsafe { comm.group(1, ops, None, Instant::now() + Duration::from_secs(30)) } {
+                std::mem::forget((a, b));
+                return Err(format!("{attempt}: self send/recv: {e}"));
+            }
             let sendrecv = t.elapsed();
             if b.download(dev).map_err(e2s)?.buffers[0] != data {
                 return Err(format!("{attempt}: MISMATCH: received bytes differ from the sent ones"));

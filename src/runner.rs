@@ -206,7 +206,8 @@ impl Prepared {
         use transport::cuda::comm::CommConfig;
         use transport::cuda::device::{DeviceMemory, GpuDevice};
         use transport::cuda::id::CommId;
-        use transport::cuda::nccl::{comm_rank, create_comms, run_rank_nccl};
+        use transport::cuda::nccl::{create_comms, run_rank_nccl};
+        use transport::cuda::plane::comm_rank;
         let gpu = |e: String| RunError::Gpu(e);
         let src_ranks = self.src_ranks as u32;
         let nranks = self.programs.len() as u32;

@@ -617,16 +617,21 @@ impl CommHandle {
     }
 
     /// Runs one round's group of operations and waits, until `deadline`,
-    /// for its work to finish on the device. The memory the operations name
-    /// must stay valid and untouched by other work until this returns (also
-    /// when it returns an error: abort the communicator before reusing it).
-    /// On any error the communicator becomes unusable: abort it and create
-    /// a new one with a new id.
+    /// for its work to finish on the device. On any error the communicator
+    /// becomes unusable: abort it and create a new one with a new id.
     ///
     /// `after` is a device event the group's stream waits for before its
     /// operations start (the event that follows packing the round's sends
     /// on another stream): the device orders the two, not the host.
-    pub fn group(&mut self, round: u32, ops: Vec<P2p>, after: Option<RawEvent>, deadline: Instant) -> Result<(), CommError> {
+    ///
+    /// # Safety
+    /// Every operation's address must name `bytes` bytes of memory the
+    /// communicator can reach (device memory for NCCL, host memory for the
+    /// simulated communicator), untouched by other work, until this
+    /// returns `Ok` — and, if it returns an error, for as long as the
+    /// communicator may still run (never reuse or free it: the aborted
+    /// communicator may still write it, or never stop).
+    pub unsafe fn group(&mut self, round: u32, ops: Vec<P2p>, after: Option<RawEvent>, deadline: Instant) -> Result<(), CommError> {
         self.usable()?;
         let (rank, comm) = (self.config.rank, self.tag.clone());
         if let Some(op) = ops.iter().find(|op| op.peer() >= self.config.nranks) {
@@ -876,6 +881,12 @@ mod tests {
         assert!(matches!(outcome, AbortOutcome::Abandoned { .. }) && outcome.needs_restart(), "{outcome:?}");
     }
 
+    /// A group on a fake communicator, which never touches memory.
+    fn fake_group(h: &mut CommHandle, round: u32, ops: Vec<P2p>, after: Option<RawEvent>, deadline: Instant) -> Result<(), CommError> {
+        // SAFETY: the fake backend never reads or writes the addresses.
+        unsafe { h.group(round, ops, after, deadline) }
+    }
+
     fn config() -> CommConfig {
         CommConfig {
             rank: 1,
@@ -909,14 +920,14 @@ mod tests {
         let mut h = CommHandle::spawn(config(), "t0", move || Ok(fake)).unwrap();
         assert!(h.is_ready() && h.rank() == 1 && h.nranks() == 4 && h.tag() == "t0");
         let ops = vec![P2p::Send { peer: 0, addr: 0x1000, bytes: 64 }, P2p::Recv { peer: 2, addr: 0x2000, bytes: 32 }];
-        h.group(0, ops.clone(), None, soon()).unwrap();
-        h.group(1, Vec::new(), Some(RawEvent(0xe7)), soon()).unwrap();
+        fake_group(&mut h, 0, ops.clone(), None, soon()).unwrap();
+        fake_group(&mut h, 1, Vec::new(), Some(RawEvent(0xe7)), soon()).unwrap();
         h.check(Duration::from_secs(5)).unwrap();
         assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
         assert!(matches!(h.abort(), AbortOutcome::AlreadyClosed));
         let log = log.lock().unwrap().clone();
         assert_eq!(log, vec![format!("group {ops:?}"), "group [] after 0xe7".into(), "check".into(), "abort".into()]);
-        assert!(matches!(h.group(2, Vec::new(), None, soon()), Err(CommError::Unusable { rank: 1, .. })));
+        assert!(matches!(fake_group(&mut h, 2, Vec::new(), None, soon()), Err(CommError::Unusable { rank: 1, .. })));
     }
 
     #[test]
@@ -962,7 +973,7 @@ mod tests {
         let (release, hang): (SyncSender<()>, Receiver<()>) = std::sync::mpsc::sync_channel(1);
         let fake = Fake { abort_hang: Some(hang), ..ready_fake(&log) };
         let mut h = CommHandle::spawn(config(), "t5", move || Ok(fake)).unwrap();
-        h.group(0, vec![P2p::Send { peer: 3, addr: 8, bytes: 8 }], None, soon()).unwrap();
+        fake_group(&mut h, 0, vec![P2p::Send { peer: 3, addr: 8, bytes: 8 }], None, soon()).unwrap();
         let start = Instant::now();
         let outcome = h.abort();
         let took = start.elapsed();
@@ -975,7 +986,7 @@ mod tests {
         let log2 = Arc::new(Mutex::new(Vec::new()));
         let fake2 = ready_fake(&log2);
         let mut h2 = CommHandle::spawn(config(), "t5b", move || Ok(fake2)).unwrap();
-        h2.group(0, Vec::new(), None, soon()).unwrap();
+        fake_group(&mut h2, 0, Vec::new(), None, soon()).unwrap();
         assert!(matches!(h2.abort(), AbortOutcome::Aborted { .. }));
         // Once the stuck call returns, the thread ends and is no longer counted.
         release.send(()).unwrap();
@@ -992,7 +1003,7 @@ mod tests {
         let fake = Fake { group_after: None, async_error_at: Some((3, "remote process exited".into())), ..ready_fake(&log) };
         let mut h = CommHandle::spawn(config(), "t6", move || Ok(fake)).unwrap();
         let ops = vec![P2p::Recv { peer: 0, addr: 16, bytes: 16 }, P2p::Send { peer: 2, addr: 32, bytes: 16 }];
-        let err = h.group(7, ops, None, soon()).unwrap_err();
+        let err = fake_group(&mut h, 7, ops, None, soon()).unwrap_err();
         match &err {
             CommError::GroupFailed { rank: 1, round: 7, peers, reason, .. } => {
                 assert_eq!(peers, &vec![0, 2]);
@@ -1001,7 +1012,7 @@ mod tests {
             e => panic!("unexpected {e}"),
         }
         assert!(!h.is_ready());
-        assert!(matches!(h.group(8, Vec::new(), None, soon()), Err(CommError::Unusable { .. })));
+        assert!(matches!(fake_group(&mut h, 8, Vec::new(), None, soon()), Err(CommError::Unusable { .. })));
         assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
 
         // The same error while idle, through check().
@@ -1018,8 +1029,8 @@ mod tests {
         let fake = Fake { group_after: None, ..ready_fake(&log) };
         let mut h = CommHandle::spawn(config(), "t8", move || Ok(fake)).unwrap();
         let start = Instant::now();
-        let err =
-            h.group(2, vec![P2p::Send { peer: 0, addr: 1, bytes: 1 }], None, Instant::now() + Duration::from_millis(100)).unwrap_err();
+        let err = fake_group(&mut h, 2, vec![P2p::Send { peer: 0, addr: 1, bytes: 1 }], None, Instant::now() + Duration::from_millis(100))
+            .unwrap_err();
         assert!(start.elapsed() < Duration::from_millis(1000));
         assert!(matches!(&err, CommError::GroupTimeout { rank: 1, round: 2, .. }), "{err}");
         assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
@@ -1030,7 +1041,7 @@ mod tests {
         let log = Arc::new(Mutex::new(Vec::new()));
         let fake = ready_fake(&log);
         let mut h = CommHandle::spawn(config(), "t9", move || Ok(fake)).unwrap();
-        let err = h.group(0, vec![P2p::Recv { peer: 4, addr: 0, bytes: 4 }], None, soon()).unwrap_err();
+        let err = fake_group(&mut h, 0, vec![P2p::Recv { peer: 4, addr: 0, bytes: 4 }], None, soon()).unwrap_err();
         assert_eq!(err, CommError::BadPeer { rank: 1, comm: "t9".into(), peer: 4, nranks: 4 });
         assert!(h.is_ready());
         drop(h); // asks for an abort without waiting

@@ -14,7 +14,7 @@
 //! the report counts those.
 
 use crate::copy::{copy_strided, packed_strides, StridedRef};
-use crate::cuda::copyplan::{packed_offsets, plan_copies, CopyOp, Side};
+use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
 use crate::cuda::device::{issue, DeviceKernels, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
 use crate::cuda::kernels::{plan_casts, strided_kernel, CastBox};
 use crate::cuda::schedule::{same_device_schedule, ScheduleError, Step};
@@ -110,7 +110,7 @@ pub(crate) enum DeviceOp {
 }
 
 /// One side of a piece on the device: buffer address, span, dtype.
-pub(crate) type DevSide = (u64, reshard::Span, DType);
+pub(crate) use crate::cuda::plane::Side as DevSide;
 
 /// Whether copying `from` through `wire` into `to` dtypes needs a scratch
 /// buffer of the piece in `wire` (both conversions happen).
@@ -474,12 +474,4 @@ pub fn time_plain_copy(dev: &GpuDevice, bytes: usize, reps: u32) -> Result<Durat
     dev.synchronize()?;
     drop((a, b));
     Ok(best)
-}
-
-/// Byte layout of one message in a contiguous staging buffer: pieces back
-/// to back in wire dtype, each at a 256-byte boundary. Both ends of a
-/// transfer compute the same layout from the same plan.
-pub fn message_layout(pieces: impl IntoIterator<Item = (u64, DType)>) -> (Vec<u64>, u64) {
-    let bytes: Vec<u64> = pieces.into_iter().map(|(numel, wire)| numel * wire.size()).collect();
-    packed_offsets(&bytes, 256)
 }

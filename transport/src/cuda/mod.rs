@@ -17,7 +17,9 @@ pub mod copyplan;
 pub mod id;
 pub mod ipc;
 pub mod kernels;
+pub mod plane;
 pub mod schedule;
+pub mod sim;
 
 #[cfg(feature = "cuda")]
 pub mod device;

@@ -10,25 +10,25 @@
 //! `Comm` creates blocking communicators and panics in `Drop` if abort fails.
 //!
 //! [`run_rank_nccl`] runs one rank's program with its buffers on the device:
-//! per round, local copies, pack every outgoing message into a contiguous
-//! device staging buffer (pieces in wire dtype, 256-byte aligned), one NCCL
-//! group with all the round's sends and receives, then unpack.
+//! the communicator executor ([`plane`](crate::cuda::plane)) on a
+//! [`GpuPlane`] (device staging, copies and cast kernels on the device's
+//! stream, an event ordering each group after the packing).
 
-use crate::copy::{fits, packed_strides};
+use crate::copy::fits;
 use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, P2p, PendingComm, Progress, RawEvent};
 use crate::cuda::device::{no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, PinnedStaging};
-use crate::cuda::exec::{convert_on_host, message_layout, piece_ops, queue_ops, DevSide};
+use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops};
 use crate::cuda::id::CommId;
+use crate::cuda::plane::{run_rank_comm, CommExecError, PlaneMemory, Side, Staging};
 use crate::cuda::schedule::{Place, Step};
 use crate::exec::RankStats;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result, sys};
-use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
+use reshard::{Block, DType, Endpoint, RankProgram};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
-use thiserror::Error;
 
 /// `NCCL_API_MAGIC`: marks an initialised `ncclConfig_t`.
 const CONFIG_MAGIC: u32 = 0xcafe_beef;
@@ -311,123 +311,158 @@ pub fn create_comms(members: &[(usize, u32)], id: CommId, config: CommConfig) ->
     started.into_iter().map(|p| p.and_then(PendingComm::wait)).collect()
 }
 
-/// The usual rank numbering of one communicator over both groups: source
-/// ranks first, then destination ranks.
-pub fn comm_rank(endpoint: Endpoint, src_ranks: u32) -> u32 {
-    match endpoint.group {
-        Group::Src => endpoint.rank,
-        Group::Dst => src_ranks + endpoint.rank,
-    }
-}
-
-/// Why an NCCL run of a rank's program failed. On any error, abort the
-/// communicator (peers then fail instead of waiting) and create a new one
-/// with a new id before the next refit.
-#[derive(Clone, Debug, PartialEq, Eq, Error)]
-pub enum NcclExecError {
-    /// The communicator failed.
-    #[error(transparent)]
-    Comm(#[from] CommError),
-    /// A device operation failed.
-    #[error(transparent)]
-    Gpu(#[from] GpuError),
-    /// A peer has no rank in the communicator.
-    #[error("{me}: round {round}: peer {peer} has no rank in the communicator")]
-    UnknownPeer {
-        /// This rank.
-        me: Endpoint,
-        /// The peer.
-        peer: Endpoint,
-        /// Round.
-        round: u32,
-    },
-    /// A piece does not fit this rank's device memory.
-    #[error("{me}: piece {block} does not fit buffer {buffer}")]
-    OutOfBounds {
-        /// This rank.
-        me: Endpoint,
-        /// Piece.
-        block: Box<Block>,
-        /// Buffer index.
-        buffer: u32,
-    },
-    /// Packing or unpacking a piece failed.
-    #[error("{me}: round {round}: piece {block} with {peer}: {error}")]
-    Copy {
-        /// This rank.
-        me: Endpoint,
-        /// The other rank.
-        peer: Endpoint,
-        /// Round.
-        round: u32,
-        /// Piece.
-        block: Box<Block>,
-        /// The CUDA error.
-        error: String,
-    },
-}
-
-fn check(me: Endpoint, memory: &DeviceMemory, span: &Span, dtype: DType, block: &Block) -> Result<(), NcclExecError> {
-    let oob = || NcclExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer };
-    let len = *memory.buffer_lens().get(span.buffer as usize).ok_or_else(oob)?;
-    if memory.dtypes()[span.buffer as usize] != dtype || !fits(block.extent(), len, span.base, &span.strides, dtype) {
-        return Err(oob());
-    }
-    Ok(())
+/// A side of a piece fits the region its address names.
+fn side_fits(regions: &[(u64, usize)], block: &Block, side: &Side) -> bool {
+    regions.iter().any(|&(at, len)| at == side.0 && fits(block.extent(), len, side.1.base, &side.1.strides, side.2))
 }
 
 /// A device staging buffer that grows on demand.
 struct DeviceStaging {
     buf: Option<CudaSlice<u8>>,
     len: usize,
+    addr: u64,
 }
 
 impl DeviceStaging {
-    fn addr(&mut self, dev: &GpuDevice, len: usize, what: &str) -> Result<u64, GpuError> {
+    fn ensure(&mut self, dev: &GpuDevice, len: usize, what: &str) -> Result<u64, GpuError> {
         if self.buf.is_none() || self.len < len {
             self.buf = None;
-            self.buf = Some(dev.alloc(len, what)?);
+            let buf = dev.alloc(len, what)?;
+            self.addr = dev.addr(&buf);
+            self.buf = Some(buf);
             self.len = len;
         }
-        Ok(self.buf.as_ref().map_or(0, |b| dev.addr(b)))
+        Ok(self.addr)
+    }
+
+    /// Gives the buffer up without freeing it; returns its bytes.
+    fn abandon(&mut self) -> u64 {
+        let bytes = if self.buf.is_some() { self.len as u64 } else { 0 };
+        std::mem::forget(self.buf.take());
+        (self.len, self.addr) = (0, 0);
+        bytes
     }
 }
 
-/// Copies one piece between a strided place and a packed place (both on
-/// the device): copies, or a cast kernel where the dtype changes, queued
-/// on the device's stream; through host staging only where no kernel
-/// converts the pair (or the kernels did not load).
-fn move_piece(
-    dev: &GpuDevice,
-    host: &mut [PinnedStaging; 2],
-    block: &Block,
-    from: DevSide,
-    wire: DType,
-    to: &[DevSide],
-) -> Result<(), String> {
-    let direct = from.2 == wire && to.iter().all(|t| t.2 == wire);
-    let kernels = if direct { None } else { dev.kernels().ok() };
-    if direct || kernels.is_some() {
-        // Sender packing (to = wire), receiver unpacking (from = wire) and
-        // local copies (wire = to) change the dtype once: no scratch.
-        if let Some(ops) = piece_ops(block.extent(), from, wire, to, dev.max_pitch(), None) {
-            // SAFETY: both sides were bounds-checked against live
-            // allocations (`check`), which outlive the run; the stream
-            // orders the work.
-            unsafe { queue_ops(dev, kernels, &ops) }?;
-            return Ok(());
+/// A rank's device memory as the communicator executor runs on it: its
+/// buffers, send and receive staging on the device, pinned host staging
+/// for pieces no kernel converts, and the event that orders a group after
+/// the work queued before it.
+pub struct GpuPlane<'a> {
+    dev: &'a GpuDevice,
+    memory: &'a mut DeviceMemory,
+    addrs: Vec<u64>,
+    host: [PinnedStaging; 2],
+    send: DeviceStaging,
+    recv: DeviceStaging,
+    fence: Option<CudaEvent>,
+}
+
+impl<'a> GpuPlane<'a> {
+    /// `memory` (allocated on `dev`) for one run.
+    pub fn new(dev: &'a GpuDevice, memory: &'a mut DeviceMemory) -> GpuPlane<'a> {
+        let addrs = memory.device_addrs().to_vec();
+        let staging = || DeviceStaging { buf: None, len: 0, addr: 0 };
+        GpuPlane {
+            dev,
+            memory,
+            addrs,
+            host: [PinnedStaging::new(dev), PinnedStaging::new(dev)],
+            send: staging(),
+            recv: staging(),
+            fence: None,
         }
     }
-    let step = Step {
-        round: 0,
-        block: *block,
-        from: Place { rank: 0, span: from.1, dtype: from.2 },
-        wire,
-        to: to.iter().map(|t| Place { rank: 0, span: t.1, dtype: t.2 }).collect(),
-        local: false,
-    };
-    let dsts: Vec<u64> = to.iter().map(|t| t.0).collect();
-    convert_on_host(dev, host, &step, from.0, &dsts).map(|_| ())
+
+    fn regions(&self) -> Vec<(u64, usize)> {
+        let mut r: Vec<(u64, usize)> = self.addrs.iter().copied().zip(self.memory.buffer_lens().iter().copied()).collect();
+        for s in [&self.send, &self.recv] {
+            if s.buf.is_some() {
+                r.push((s.addr, s.len));
+            }
+        }
+        r
+    }
+}
+
+impl PlaneMemory for GpuPlane<'_> {
+    fn addrs(&self) -> &[u64] {
+        &self.addrs
+    }
+
+    fn lens(&self) -> &[usize] {
+        self.memory.buffer_lens()
+    }
+
+    fn dtypes(&self) -> &[DType] {
+        self.memory.dtypes()
+    }
+
+    fn staging(&mut self, which: Staging, len: usize) -> Result<u64, String> {
+        self.dev.bind().map_err(|e| e.to_string())?;
+        let (s, what) = match which {
+            Staging::Send => (&mut self.send, "send staging"),
+            Staging::Recv => (&mut self.recv, "receive staging"),
+        };
+        s.ensure(self.dev, len, what).map_err(|e| e.to_string())
+    }
+
+    fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), String> {
+        let regions = self.regions();
+        if let Some(side) = std::iter::once(&from).chain(to).find(|s| !side_fits(&regions, block, s)) {
+            return Err(format!("{:?} of {side:?} is outside this rank's device buffers and staging", block.extent()));
+        }
+        let dev = self.dev;
+        let direct = from.2 == wire && to.iter().all(|t| t.2 == wire);
+        let kernels = if direct { None } else { dev.kernels().ok() };
+        if direct || kernels.is_some() {
+            // Sender packing (to = wire), receiver unpacking (from = wire)
+            // and local copies (wire = to) change the dtype once: no scratch.
+            if let Some(ops) = piece_ops(block.extent(), from, wire, to, dev.max_pitch(), None) {
+                // SAFETY: every side lies in a live allocation of this rank
+                // (checked above), which outlives the run; the stream
+                // orders the work.
+                unsafe { queue_ops(dev, kernels, &ops) }?;
+                return Ok(());
+            }
+        }
+        let step = Step {
+            round: 0,
+            block: *block,
+            from: Place { rank: 0, span: from.1, dtype: from.2 },
+            wire,
+            to: to.iter().map(|t| Place { rank: 0, span: t.1, dtype: t.2 }).collect(),
+            local: false,
+        };
+        let dsts: Vec<u64> = to.iter().map(|t| t.0).collect();
+        convert_on_host(dev, &mut self.host, &step, from.0, &dsts).map(|_| ())
+    }
+
+    fn fence(&mut self) -> Result<Option<RawEvent>, String> {
+        let ev = self.dev.fence().map_err(|e| e.to_string())?;
+        let raw = RawEvent(ev.cu_event() as u64);
+        self.fence = Some(ev);
+        Ok(Some(raw))
+    }
+
+    fn abandon_staging(&mut self) -> u64 {
+        let bytes = self.send.abandon() + self.recv.abandon();
+        LEAKED_STAGING.fetch_add(bytes, Ordering::SeqCst);
+        bytes
+    }
+
+    fn finish(&mut self, program: &RankProgram) -> Result<(), String> {
+        self.dev.synchronize().map_err(|e| e.to_string())?;
+        self.fence = None;
+        if !program.quantize.is_empty() {
+            // Block-scaled FP8 destinations: quantized on the host from the
+            // whole blocks received (no device quantize kernel yet).
+            let mut host = self.memory.download(self.dev).map_err(|e| e.to_string())?;
+            crate::exec::quantize_rank(program, &mut host).map_err(|e| format!("quantizing: {e}"))?;
+            self.memory.upload(self.dev, &host).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
 }
 
 static LEAKED_STAGING: AtomicU64 = AtomicU64::new(0);
@@ -441,10 +476,8 @@ pub fn leaked_staging_bytes() -> u64 {
 }
 
 /// Runs one rank's program with its buffers in device memory over an NCCL
-/// communicator: each round is one group of the round's sends and
-/// receives. `rank_of` maps an endpoint to its communicator rank (e.g.
-/// [`comm_rank`]); every wait ends by `deadline`. The communicator must be
-/// on the same device as `memory`.
+/// communicator ([`run_rank_comm`] on a [`GpuPlane`]). The communicator
+/// must be on the same device as `memory`.
 pub fn run_rank_nccl(
     dev: &GpuDevice,
     program: &RankProgram,
@@ -452,108 +485,9 @@ pub fn run_rank_nccl(
     comm: &mut CommHandle,
     rank_of: &dyn Fn(Endpoint) -> Option<u32>,
     deadline: Instant,
-) -> Result<RankStats, NcclExecError> {
-    let me = program.endpoint;
-    let want: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
-    if memory.buffer_lens() != want.as_slice() {
-        return Err(GpuError::Invalid {
-            what: format!("{me}: device memory"),
-            problem: format!("buffers of {:?} bytes, program needs {want:?}", memory.buffer_lens()),
-        }
-        .into());
-    }
-    dev.bind()?;
-    let addrs = memory.device_addrs().to_vec();
-    let mut host = [PinnedStaging::new(dev), PinnedStaging::new(dev)];
-    let (mut send_buf, mut recv_buf) = (DeviceStaging { buf: None, len: 0 }, DeviceStaging { buf: None, len: 0 });
-    let mut stats = RankStats::default();
-    for (r, round) in program.rounds.iter().enumerate() {
-        let r = r as u32;
-        let copy_err = |peer: Endpoint, block: &Block| {
-            let block = Box::new(*block);
-            move |error: String| NcclExecError::Copy { me, peer, round: r, block, error }
-        };
-        for l in round.locals.views() {
-            let (block, from, from_dtype, to_dtype) = (l.block(), l.from(), l.from_dtype(), l.to_dtype());
-            check(me, memory, &from, from_dtype, &block)?;
-            let mut to = Vec::new();
-            for s in l.to() {
-                check(me, memory, &s, to_dtype, &block)?;
-                to.push((addrs[s.buffer as usize], s, to_dtype));
-            }
-            move_piece(dev, &mut host, &block, (addrs[from.buffer as usize], from, from_dtype), to_dtype, &to)
-                .map_err(copy_err(me, &block))?;
-        }
-        if round.sends.is_empty() && round.recvs.is_empty() {
-            continue;
-        }
-        // Lay out every message of the round in one staging buffer per direction.
-        let sends: Vec<(Vec<u64>, u64)> =
-            round.sends.iter().map(|m| message_layout(m.pieces.views().map(|p| (p.numel(), p.wire())))).collect();
-        let recvs: Vec<(Vec<u64>, u64)> =
-            round.recvs.iter().map(|m| message_layout(m.pieces.views().map(|p| (p.numel(), p.wire())))).collect();
-        let (send_at, send_total) = message_layout(sends.iter().map(|(_, len)| (*len, DType::U8)));
-        let (recv_at, recv_total) = message_layout(recvs.iter().map(|(_, len)| (*len, DType::U8)));
-        let sbase = send_buf.addr(dev, send_total as usize, &format!("{me}: send staging"))?;
-        let rbase = recv_buf.addr(dev, recv_total as usize, &format!("{me}: receive staging"))?;
-        let mut ops = Vec::new();
-        for (i, m) in round.sends.iter().enumerate() {
-            let peer = rank_of(m.peer).ok_or(NcclExecError::UnknownPeer { me, peer: m.peer, round: r })?;
-            for (p, &off) in m.pieces.iter().zip(&sends[i].0) {
-                check(me, memory, &p.span, p.dtype, &p.block)?;
-                let at = send_at[i] + off;
-                let packed = Span { buffer: 0, base: at / p.wire.size(), strides: packed_strides(p.block.extent()) };
-                move_piece(dev, &mut host, &p.block, (addrs[p.span.buffer as usize], p.span, p.dtype), p.wire, &[(sbase, packed, p.wire)])
-                    .map_err(copy_err(m.peer, &p.block))?;
-            }
-            ops.push(P2p::Send { peer, addr: sbase + send_at[i], bytes: sends[i].1 });
-            stats.sent_bytes += m.wire_bytes();
-            stats.messages += 1;
-        }
-        for (i, m) in round.recvs.iter().enumerate() {
-            let peer = rank_of(m.peer).ok_or(NcclExecError::UnknownPeer { me, peer: m.peer, round: r })?;
-            ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: recvs[i].1 });
-        }
-        // NCCL's stream starts after everything queued so far on ours:
-        // this round's packing and the last round's unpacking (which read
-        // the receive staging NCCL is about to overwrite).
-        let fence = dev.fence()?;
-        let grouped = comm.group(r, ops, Some(RawEvent(fence.cu_event() as u64)), deadline);
-        drop(fence);
-        if let Err(e) = grouped {
-            // NCCL may still be reading or writing the staging buffers until
-            // the communicator is aborted (or forever, if abort hangs): never
-            // free them. The rank's own buffers are never named in a group.
-            LEAKED_STAGING.fetch_add((send_buf.len + recv_buf.len) as u64, Ordering::SeqCst);
-            std::mem::forget(send_buf.buf.take());
-            std::mem::forget(recv_buf.buf.take());
-            return Err(e.into());
-        }
-        for (i, m) in round.recvs.iter().enumerate() {
-            for (p, &off) in m.pieces.views().zip(&recvs[i].0) {
-                let (block, wire, dtype) = (p.block(), p.wire(), p.dtype());
-                let at = recv_at[i] + off;
-                let packed = Span { buffer: 0, base: at / wire.size(), strides: packed_strides(block.extent()) };
-                let mut to = Vec::new();
-                for s in p.spans() {
-                    check(me, memory, &s, dtype, &block)?;
-                    to.push((addrs[s.buffer as usize], s, dtype));
-                }
-                move_piece(dev, &mut host, &block, (rbase, packed, wire), wire, &to).map_err(copy_err(m.peer, &block))?;
-            }
-            stats.recv_bytes += m.wire_bytes();
-        }
-    }
-    dev.synchronize()?;
-    if !program.quantize.is_empty() {
-        // Block-scaled FP8 destinations: quantized on the host from the
-        // whole blocks received (no device quantize kernel yet).
-        let mut host = memory.download(dev)?;
-        crate::exec::quantize_rank(program, &mut host)
-            .map_err(|e| GpuError::Invalid { what: format!("{me}: quantizing"), problem: e.to_string() })?;
-        memory.upload(dev, &host)?;
-    }
-    Ok(stats)
+) -> Result<RankStats, CommExecError> {
+    dev.bind().map_err(|e| CommExecError::Memory { me: program.endpoint, what: "binding the device", error: e.to_string() })?;
+    run_rank_comm(&mut GpuPlane::new(dev, memory), program, comm, rank_of, deadline)
 }
 
 #[cfg(test)]
@@ -576,9 +510,7 @@ mod tests {
     }
 
     #[test]
-    fn ranks_number_sources_first() {
-        assert_eq!(comm_rank(Endpoint::src(2), 4), 2);
-        assert_eq!(comm_rank(Endpoint::dst(1), 4), 5);
+    fn ids_convert_byte_for_byte() {
         let id = CommId::from_bytes(&[1u8; 128]).unwrap().to_nccl();
         assert!(id.internal.iter().all(|&c| c == 1));
     }

@@ -1,0 +1,262 @@
+//! The communicator executor: one rank's program over a communicator
+//! ([`CommHandle`]: NCCL, or the simulated one of [`sim`](crate::cuda::sim)),
+//! its buffers in memory a [`PlaneMemory`] addresses (device memory, or
+//! host memory standing in for it).
+//!
+//! Per round: the local copies; every outgoing message packed into one
+//! contiguous send staging buffer (pieces in wire dtype, back to back at
+//! 256-byte boundaries, [`message_layout`]); one group with all the
+//! round's sends and receives, ordered after the packing by the memory's
+//! fence (a device event, not a synchronisation of the host); then every
+//! received message unpacked from the receive staging buffer. After the
+//! last round the memory finishes its queued work and quantizes
+//! block-scaled destinations.
+//!
+//! The same loop runs on a GPU (`nccl::run_rank_nccl`) and, with
+//! [`sim::SimMemory`](crate::cuda::sim::SimMemory) and the simulated
+//! communicator, on any machine: what the orchestrator does with
+//! communicators is tested without a GPU.
+//!
+//! Invariant: **a group names only staging**, never the rank's own
+//! buffers. A group that fails may leave the communicator working on its
+//! staging until the communicator is aborted (or forever, if the abort
+//! hangs), so the memory gives up its staging instead of reusing or freeing
+//! it ([`PlaneMemory::abandon_staging`]); the rank's buffers go back to
+//! their owner untouched by the communicator.
+
+use crate::copy::{fits, packed_strides};
+use crate::cuda::comm::{CommError, CommHandle, P2p, RawEvent};
+use crate::cuda::copyplan::packed_offsets;
+use crate::exec::RankStats;
+use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
+use std::time::Instant;
+use thiserror::Error;
+
+/// One side of a piece: the address of the region it lies in (a buffer of
+/// the rank, or staging), its span in that region, its dtype.
+pub type Side = (u64, Span, DType);
+
+/// Which staging buffer of a round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Staging {
+    /// The round's outgoing messages.
+    Send,
+    /// The round's incoming messages.
+    Recv,
+}
+
+/// The memory a rank's program runs on, as the communicator executor needs
+/// it. Implementations check every side they are given against the region
+/// it names (a buffer of [`PlaneMemory::addrs`] or the current staging) and
+/// refuse one that does not fit, so no call can reach outside them.
+pub trait PlaneMemory {
+    /// Base address of each of the rank's buffers, in program order.
+    fn addrs(&self) -> &[u64];
+    /// Bytes of each buffer.
+    fn lens(&self) -> &[usize];
+    /// Element type of each buffer.
+    fn dtypes(&self) -> &[DType];
+    /// The address of staging `which` with room for `len` bytes (grown as
+    /// needed: an earlier address of the same staging is then stale).
+    fn staging(&mut self, which: Staging, len: usize) -> Result<u64, String>;
+    /// Moves `block` from `from` through dtype `wire` into each of `to`
+    /// (queued in order after everything queued before).
+    fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), String>;
+    /// Marks everything queued so far; the next group starts after it. The
+    /// event (if any) stays alive until the next call of `fence` or
+    /// `finish`.
+    fn fence(&mut self) -> Result<Option<RawEvent>, String>;
+    /// A group failed while the communicator may still use the staging:
+    /// never reuse or free it. Returns the bytes given up.
+    fn abandon_staging(&mut self) -> u64;
+    /// Waits for everything queued, then quantizes the program's
+    /// block-scaled destinations.
+    fn finish(&mut self, program: &RankProgram) -> Result<(), String>;
+}
+
+/// The usual rank numbering of one communicator over both groups: source
+/// ranks first, then destination ranks.
+pub fn comm_rank(endpoint: Endpoint, src_ranks: u32) -> u32 {
+    match endpoint.group {
+        Group::Src => endpoint.rank,
+        Group::Dst => src_ranks + endpoint.rank,
+    }
+}
+
+/// Byte layout of one message in a contiguous staging buffer: pieces back
+/// to back in wire dtype, each at a 256-byte boundary. Both ends of a
+/// transfer compute the same layout from the same plan.
+pub fn message_layout(pieces: impl IntoIterator<Item = (u64, DType)>) -> (Vec<u64>, u64) {
+    let bytes: Vec<u64> = pieces.into_iter().map(|(numel, wire)| numel * wire.size()).collect();
+    packed_offsets(&bytes, 256)
+}
+
+/// Why a communicator run of a rank's program failed. On any error, abort
+/// the communicator (peers then fail instead of waiting) and create a new
+/// one with a new id before the next refit.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum CommExecError {
+    /// The communicator failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The rank's memory does not hold the program's buffers.
+    #[error("{me}: memory holds buffers of {got:?} bytes, the program needs {want:?}")]
+    MemoryMismatch {
+        /// This rank.
+        me: Endpoint,
+        /// Bytes per buffer held.
+        got: Vec<usize>,
+        /// Bytes per buffer the program needs.
+        want: Vec<usize>,
+    },
+    /// A peer has no rank in the communicator.
+    #[error("{me}: round {round}: peer {peer} has no rank in the communicator")]
+    UnknownPeer {
+        /// This rank.
+        me: Endpoint,
+        /// The peer.
+        peer: Endpoint,
+        /// Round.
+        round: u32,
+    },
+    /// A piece does not fit this rank's memory.
+    #[error("{me}: piece {block} does not fit buffer {buffer}")]
+    OutOfBounds {
+        /// This rank.
+        me: Endpoint,
+        /// Piece.
+        block: Box<Block>,
+        /// Buffer index.
+        buffer: u32,
+    },
+    /// Packing or unpacking a piece failed.
+    #[error("{me}: round {round}: piece {block} with {peer}: {error}")]
+    Copy {
+        /// This rank.
+        me: Endpoint,
+        /// The other rank.
+        peer: Endpoint,
+        /// Round.
+        round: u32,
+        /// Piece.
+        block: Box<Block>,
+        /// What failed.
+        error: String,
+    },
+    /// Staging, ordering, finishing or quantizing on the rank's memory failed.
+    #[error("{me}: {what}: {error}")]
+    Memory {
+        /// This rank.
+        me: Endpoint,
+        /// What it was doing.
+        what: &'static str,
+        /// What failed.
+        error: String,
+    },
+}
+
+fn check(me: Endpoint, memory: &dyn PlaneMemory, span: &Span, dtype: DType, block: &Block) -> Result<u64, CommExecError> {
+    let oob = || CommExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer };
+    let i = span.buffer as usize;
+    let len = *memory.lens().get(i).ok_or_else(oob)?;
+    if memory.dtypes()[i] != dtype || !fits(block.extent(), len, span.base, &span.strides, dtype) {
+        return Err(oob());
+    }
+    Ok(memory.addrs()[i])
+}
+
+/// A packed piece at byte `at` of a staging region.
+fn packed(at: u64, wire: DType, block: &Block) -> Span {
+    Span { buffer: 0, base: at / wire.size(), strides: packed_strides(block.extent()) }
+}
+
+/// Runs one rank's program on `memory` over `comm`: each round is one
+/// group of the round's sends and receives. `rank_of` maps an endpoint to
+/// its communicator rank (e.g. [`comm_rank`]); every wait ends by
+/// `deadline`. On an error the communicator is unusable: abort it.
+pub fn run_rank_comm(
+    memory: &mut dyn PlaneMemory,
+    program: &RankProgram,
+    comm: &mut CommHandle,
+    rank_of: &dyn Fn(Endpoint) -> Option<u32>,
+    deadline: Instant,
+) -> Result<RankStats, CommExecError> {
+    let me = program.endpoint;
+    let want: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
+    if memory.lens() != want.as_slice() {
+        return Err(CommExecError::MemoryMismatch { me, got: memory.lens().to_vec(), want });
+    }
+    let mem_err = |what| move |error| CommExecError::Memory { me, what, error };
+    let mut stats = RankStats::default();
+    for (r, round) in program.rounds.iter().enumerate() {
+        let r = r as u32;
+        let copy_err = |peer: Endpoint, block: &Block| {
+            let block = Box::new(*block);
+            move |error: String| CommExecError::Copy { me, peer, round: r, block, error }
+        };
+        for l in round.locals.views() {
+            let (block, from, from_dtype, to_dtype) = (l.block(), l.from(), l.from_dtype(), l.to_dtype());
+            let at = check(me, memory, &from, from_dtype, &block)?;
+            let mut to = Vec::new();
+            for s in l.to() {
+                to.push((check(me, memory, &s, to_dtype, &block)?, s, to_dtype));
+            }
+            memory.move_piece(&block, (at, from, from_dtype), to_dtype, &to).map_err(copy_err(me, &block))?;
+        }
+        if round.sends.is_empty() && round.recvs.is_empty() {
+            continue;
+        }
+        // Every message of the round in one staging buffer per direction.
+        let sends: Vec<(Vec<u64>, u64)> =
+            round.sends.iter().map(|m| message_layout(m.pieces.views().map(|p| (p.numel(), p.wire())))).collect();
+        let recvs: Vec<(Vec<u64>, u64)> =
+            round.recvs.iter().map(|m| message_layout(m.pieces.views().map(|p| (p.numel(), p.wire())))).collect();
+        let (send_at, send_total) = message_layout(sends.iter().map(|(_, len)| (*len, DType::U8)));
+        let (recv_at, recv_total) = message_layout(recvs.iter().map(|(_, len)| (*len, DType::U8)));
+        let sbase = memory.staging(Staging::Send, send_total as usize).map_err(mem_err("send staging"))?;
+        let rbase = memory.staging(Staging::Recv, recv_total as usize).map_err(mem_err("receive staging"))?;
+        let mut ops = Vec::new();
+        for (i, m) in round.sends.iter().enumerate() {
+            let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
+            for (p, &off) in m.pieces.iter().zip(&sends[i].0) {
+                let at = check(me, memory, &p.span, p.dtype, &p.block)?;
+                let into = (sbase, packed(send_at[i] + off, p.wire, &p.block), p.wire);
+                memory.move_piece(&p.block, (at, p.span, p.dtype), p.wire, &[into]).map_err(copy_err(m.peer, &p.block))?;
+            }
+            ops.push(P2p::Send { peer, addr: sbase + send_at[i], bytes: sends[i].1 });
+            stats.sent_bytes += m.wire_bytes();
+            stats.messages += 1;
+        }
+        for (i, m) in round.recvs.iter().enumerate() {
+            let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
+            ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: recvs[i].1 });
+        }
+        // The group starts after everything queued so far: this round's
+        // packing and the last round's unpacking (which read the receive
+        // staging the group is about to overwrite).
+        let after = memory.fence().map_err(mem_err("ordering the group after packing"))?;
+        // SAFETY: every address is inside the send or receive staging
+        // (offsets from the round's own layout, whose totals the staging
+        // was sized to), which the memory keeps until the next `staging`
+        // call; if the group fails it is abandoned below, never reused.
+        let grouped = unsafe { comm.group(r, ops, after, deadline) };
+        if let Err(e) = grouped {
+            memory.abandon_staging();
+            return Err(e.into());
+        }
+        for (i, m) in round.recvs.iter().enumerate() {
+            for (p, &off) in m.pieces.views().zip(&recvs[i].0) {
+                let (block, wire, dtype) = (p.block(), p.wire(), p.dtype());
+                let mut to = Vec::new();
+                for s in p.spans() {
+                    to.push((check(me, memory, &s, dtype, &block)?, s, dtype));
+                }
+                let from = (rbase, packed(recv_at[i] + off, wire, &block), wire);
+                memory.move_piece(&block, from, wire, &to).map_err(copy_err(m.peer, &block))?;
+            }
+            stats.recv_bytes += m.wire_bytes();
+        }
+    }
+    memory.finish(program).map_err(mem_err("finishing the run"))?;
+    Ok(stats)
+}

@@ -1,0 +1,400 @@
+//! The simulated communicator and memory: the communicator executor
+//! ([`plane`](crate::cuda::plane)) and everything that drives it (the
+//! orchestrator's NCCL fabric) run on any machine, deterministically, with
+//! faults where a test puts them.
+//!
+//! * [`SimMemory`] is a rank's host memory ([`RankMemory`]) standing in for
+//!   device memory: addresses are host addresses, pieces move with the
+//!   host's strided copy kernel (the same conversions as every host
+//!   executor), staging is host memory.
+//! * [`SimComm`] is a [`CommBackend`] whose communicators meet in this
+//!   process by id, inside a named *world* ([`sim_comm`]): creation
+//!   completes once every rank joined; a group's sends are copied out at
+//!   once into the pair's queue, its receives complete as their messages
+//!   arrive (in order per pair, as NCCL matches them); a rank's abort
+//!   fails every peer still waiting for a message from it (or for it to
+//!   join).
+//! * [`arm`] puts [`SimFault`]s on the next communicator of a world: a rank
+//!   that never joins, a group that fails or never completes, an abort
+//!   that hangs.
+//!
+//! Test and tooling machinery: nothing in a production path creates a
+//! simulated communicator unless a fabric names a simulated world.
+
+use crate::copy::{copy_strided, fits, packed_strides, StridedRef};
+use crate::cuda::comm::{CommBackend, P2p, Progress, RawEvent};
+use crate::cuda::id::CommId;
+use crate::cuda::plane::{PlaneMemory, Side, Staging};
+use crate::memory::RankMemory;
+use reshard::{Block, DType, RankProgram, Span};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+
+/// A fault of one rank of a simulated communicator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SimFault {
+    /// The rank's creation never completes (it never joins): every rank's
+    /// creation waits out its timeout.
+    NeverJoins {
+        /// Communicator rank.
+        rank: u32,
+    },
+    /// The rank's `group`-th group (0-based) fails as it starts.
+    GroupFails {
+        /// Communicator rank.
+        rank: u32,
+        /// Which group.
+        group: u32,
+    },
+    /// The rank's `group`-th group never completes.
+    GroupStalls {
+        /// Communicator rank.
+        rank: u32,
+        /// Which group.
+        group: u32,
+    },
+    /// The rank's abort never returns (its thread is abandoned).
+    AbortHangs {
+        /// Communicator rank.
+        rank: u32,
+    },
+}
+
+impl SimFault {
+    fn rank(&self) -> u32 {
+        match *self {
+            SimFault::NeverJoins { rank }
+            | SimFault::GroupFails { rank, .. }
+            | SimFault::GroupStalls { rank, .. }
+            | SimFault::AbortHangs { rank } => rank,
+        }
+    }
+}
+
+/// One simulated communicator: its ranks' mailboxes.
+struct Comm {
+    nranks: u32,
+    faults: Vec<SimFault>,
+    state: Mutex<CommState>,
+}
+
+#[derive(Default)]
+struct CommState {
+    joined: Vec<bool>,
+    /// Messages in flight, by (sender, receiver), oldest first.
+    queues: HashMap<(u32, u32), VecDeque<Vec<u8>>>,
+    /// Ranks that aborted their end.
+    aborted: Vec<u32>,
+}
+
+/// A world's armed faults and its live communicators by id.
+#[derive(Default)]
+struct World {
+    armed: Vec<SimFault>,
+    comms: HashMap<CommId, Weak<Comm>>,
+}
+
+fn worlds() -> MutexGuard<'static, HashMap<String, World>> {
+    static WORLDS: OnceLock<Mutex<HashMap<String, World>>> = OnceLock::new();
+    WORLDS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Puts `faults` on the next communicator created in `world` (the one after
+/// gets none, unless armed again).
+pub fn arm(world: &str, faults: Vec<SimFault>) {
+    worlds().entry(world.to_string()).or_default().armed.extend(faults);
+}
+
+/// Communicators of `world` some rank still holds.
+pub fn live_comms(world: &str) -> usize {
+    worlds().get(world).map_or(0, |w| w.comms.values().filter(|c| c.strong_count() > 0).count())
+}
+
+/// A fresh id for a simulated communicator: unique in this process (a
+/// counter) and random across processes.
+pub fn sim_comm_id() -> CommId {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let mut bytes = [0u8; crate::cuda::id::COMM_ID_BYTES];
+    bytes[..8].copy_from_slice(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    bytes[8..16].copy_from_slice(&crate::shm::random_name().unwrap_or(0).to_le_bytes());
+    bytes[16..20].copy_from_slice(&std::process::id().to_le_bytes());
+    // The counter starts at 1: never all zeros.
+    CommId::from_bytes(&bytes).unwrap_or_else(|_| unreachable!("a non-zero id of the right length"))
+}
+
+/// A rank's end of a simulated communicator (a [`CommBackend`]).
+pub struct SimComm {
+    comm: Arc<Comm>,
+    rank: u32,
+    groups: u32,
+    /// The group in progress: receives not yet arrived, and whether it stalls.
+    pending: Vec<(u32, u64, u64)>,
+    stalled: bool,
+}
+
+/// Joins `rank` of the `nranks` communicator `id` of `world` (creating it,
+/// with the world's armed faults, if it is the first rank).
+pub fn sim_comm(world: &str, id: CommId, rank: u32, nranks: u32) -> Result<SimComm, String> {
+    let comm = {
+        let mut worlds = worlds();
+        let w = worlds.entry(world.to_string()).or_default();
+        w.comms.retain(|_, c| c.strong_count() > 0);
+        match w.comms.get(&id).and_then(Weak::upgrade) {
+            Some(c) => c,
+            None => {
+                let faults = std::mem::take(&mut w.armed);
+                let c = Arc::new(Comm {
+                    nranks,
+                    faults,
+                    state: Mutex::new(CommState { joined: vec![false; nranks as usize], ..CommState::default() }),
+                });
+                w.comms.insert(id, Arc::downgrade(&c));
+                c
+            }
+        }
+    };
+    if comm.nranks != nranks || rank >= nranks {
+        return Err(format!("rank {rank} of {nranks} joins a simulated communicator of {} ranks", comm.nranks));
+    }
+    if !comm.faults.contains(&SimFault::NeverJoins { rank }) {
+        let mut state = comm.lock();
+        if state.joined[rank as usize] {
+            return Err(format!("rank {rank} joined the simulated communicator twice"));
+        }
+        state.joined[rank as usize] = true;
+    }
+    Ok(SimComm { comm, rank, groups: 0, pending: Vec::new(), stalled: false })
+}
+
+impl Comm {
+    fn lock(&self) -> MutexGuard<'_, CommState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl SimComm {
+    fn fault(&self, f: &SimFault) -> bool {
+        self.comm.faults.iter().any(|x| x.rank() == self.rank && x == f)
+    }
+
+    fn aborted(&self, state: &CommState) -> Result<(), String> {
+        match state.aborted.contains(&self.rank) {
+            true => Err("this rank aborted the communicator".into()),
+            false => Ok(()),
+        }
+    }
+}
+
+impl CommBackend for SimComm {
+    fn poll_init(&mut self) -> Result<Progress, String> {
+        let state = self.comm.lock();
+        self.aborted(&state)?;
+        if state.joined.iter().all(|&j| j) {
+            return Ok(Progress::Ready);
+        }
+        // A rank that aborted before everyone joined never completes it.
+        match state.aborted.iter().find(|&&r| !state.joined[r as usize]) {
+            Some(r) => Err(format!("peer rank {r} aborted before the communicator was complete")),
+            None => Ok(Progress::Pending),
+        }
+    }
+
+    fn start_group(&mut self, ops: &[P2p], _after: u64) -> Result<(), String> {
+        let group = self.groups;
+        self.groups += 1;
+        if self.fault(&SimFault::GroupFails { rank: self.rank, group }) {
+            return Err(format!("simulated failure of group {group}"));
+        }
+        self.stalled = self.fault(&SimFault::GroupStalls { rank: self.rank, group });
+        let mut state = self.comm.lock();
+        self.aborted(&state)?;
+        self.pending.clear();
+        for op in ops {
+            match *op {
+                P2p::Send { peer, addr, bytes } => {
+                    // SAFETY: `CommHandle::group`'s contract: the address
+                    // names `bytes` bytes of host memory (simulated device
+                    // memory) valid until the group is done.
+                    let data = unsafe { std::slice::from_raw_parts(addr as *const u8, bytes as usize) }.to_vec();
+                    state.queues.entry((self.rank, peer)).or_default().push_back(data);
+                }
+                P2p::Recv { peer, addr, bytes } => self.pending.push((peer, addr, bytes)),
+            }
+        }
+        Ok(())
+    }
+
+    fn poll_group(&mut self) -> Result<Progress, String> {
+        let mut state = self.comm.lock();
+        self.aborted(&state)?;
+        if self.stalled {
+            return Ok(Progress::Pending);
+        }
+        let me = self.rank;
+        let mut left = Vec::new();
+        for &(peer, addr, bytes) in &self.pending {
+            match state.queues.get_mut(&(peer, me)).and_then(VecDeque::pop_front) {
+                Some(data) if data.len() as u64 == bytes => {
+                    // SAFETY: as in `start_group`, for the receive's memory.
+                    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+                }
+                Some(data) => return Err(format!("rank {peer} sent {} bytes, rank {me} expected {bytes}", data.len())),
+                // Nothing more will come from a rank that aborted.
+                None if state.aborted.contains(&peer) => return Err(format!("peer rank {peer} aborted the communicator")),
+                None => left.push((peer, addr, bytes)),
+            }
+        }
+        self.pending = left;
+        Ok(if self.pending.is_empty() { Progress::Ready } else { Progress::Pending })
+    }
+
+    fn check(&mut self) -> Result<(), String> {
+        self.aborted(&self.comm.lock())
+    }
+
+    fn abort(&mut self) -> Result<Progress, String> {
+        {
+            let mut state = self.comm.lock();
+            if !state.aborted.contains(&self.rank) {
+                state.aborted.push(self.rank);
+            }
+        }
+        if self.fault(&SimFault::AbortHangs { rank: self.rank }) {
+            // Never returns, as an abort that hangs on a dead peer.
+            let (lock, cv) = (Mutex::new(()), Condvar::new());
+            let mut guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+            loop {
+                guard = cv.wait(guard).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        self.pending.clear();
+        Ok(Progress::Ready)
+    }
+
+    fn poll_abort(&mut self) -> Result<Progress, String> {
+        Ok(Progress::Ready)
+    }
+}
+
+/// A region of a [`SimMemory`]: its base address and length.
+#[derive(Clone, Copy)]
+struct Region {
+    at: u64,
+    len: usize,
+}
+
+/// A rank's host memory as the communicator executor's memory.
+pub struct SimMemory<'a> {
+    memory: &'a mut RankMemory,
+    addrs: Vec<u64>,
+    lens: Vec<usize>,
+    send: Vec<u8>,
+    recv: Vec<u8>,
+}
+
+impl<'a> SimMemory<'a> {
+    /// `memory` for one run.
+    pub fn new(memory: &'a mut RankMemory) -> SimMemory<'a> {
+        let addrs = memory.buffers.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+        let lens = memory.buffers.iter().map(Vec::len).collect();
+        SimMemory { memory, addrs, lens, send: Vec::new(), recv: Vec::new() }
+    }
+
+    fn regions(&mut self) -> Vec<Region> {
+        let mut r: Vec<Region> = self.addrs.iter().zip(&self.lens).map(|(&at, &len)| Region { at, len }).collect();
+        for s in [&mut self.send, &mut self.recv] {
+            r.push(Region { at: s.as_mut_ptr() as u64, len: s.len() });
+        }
+        r
+    }
+}
+
+/// The region `side` names, if the piece fits it.
+fn region_of(regions: &[Region], block: &Block, side: &Side) -> Option<Region> {
+    regions.iter().copied().find(|r| r.at == side.0 && fits(block.extent(), r.len, side.1.base, &side.1.strides, side.2))
+}
+
+fn view(r: Region, side: &Side) -> StridedRef {
+    // SAFETY: `r` is a live region of this memory (a buffer the run
+    // borrows mutably, or staging it owns) of `r.len` bytes; every reader
+    // checks the view's offsets against that length.
+    unsafe { StridedRef::new(r.at as *const u8, r.len, side.1.base, side.1.strides, side.2) }
+}
+
+impl PlaneMemory for SimMemory<'_> {
+    fn addrs(&self) -> &[u64] {
+        &self.addrs
+    }
+
+    fn lens(&self) -> &[usize] {
+        &self.lens
+    }
+
+    fn dtypes(&self) -> &[DType] {
+        &self.memory.dtypes
+    }
+
+    fn staging(&mut self, which: Staging, len: usize) -> Result<u64, String> {
+        let s = match which {
+            Staging::Send => &mut self.send,
+            Staging::Recv => &mut self.recv,
+        };
+        if s.len() < len {
+            *s = vec![0; len];
+        }
+        Ok(s.as_mut_ptr() as u64)
+    }
+
+    fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), String> {
+        let regions = self.regions();
+        let find = |side: &Side| {
+            region_of(&regions, block, side)
+                .ok_or_else(|| format!("{:?} of {side:?} is outside this rank's memory and staging", block.extent()))
+        };
+        let src = view(find(&from)?, &from);
+        let counts = block.extent();
+        let mut through = Vec::new();
+        let src = if from.2 != wire && to.iter().any(|t| t.2 != wire) {
+            // Both conversions happen: through the wire dtype, as a sender
+            // and a receiver would.
+            through = vec![0u8; (block.numel() * wire.size()) as usize];
+            let side: Side = (through.as_mut_ptr() as u64, Span { buffer: 0, base: 0, strides: packed_strides(counts) }, wire);
+            let packed = view(Region { at: side.0, len: through.len() }, &side);
+            // SAFETY: both views name live, disjoint regions (a region of
+            // this memory that `region_of` found the piece to fit, and
+            // `through`, owned here and sized to the packed piece).
+            unsafe { copy_strided(counts, &src, &packed) };
+            packed
+        } else {
+            src
+        };
+        for t in to {
+            let dst = view(find(t)?, t);
+            // SAFETY: as above; the destination is a buffer or staging of
+            // this rank that no other thread touches now, and never the
+            // piece's own source (the executor moves a piece between
+            // different places).
+            unsafe { copy_strided(counts, &src, &dst) };
+        }
+        drop(through);
+        Ok(())
+    }
+
+    fn fence(&mut self) -> Result<Option<RawEvent>, String> {
+        // Host copies are done when `move_piece` returns.
+        Ok(None)
+    }
+
+    fn abandon_staging(&mut self) -> u64 {
+        let bytes = (self.send.len() + self.recv.len()) as u64;
+        // The communicator may still write them: never free them.
+        std::mem::forget(std::mem::take(&mut self.send));
+        std::mem::forget(std::mem::take(&mut self.recv));
+        bytes
+    }
+
+    fn finish(&mut self, program: &RankProgram) -> Result<(), String> {
+        crate::exec::quantize_rank(program, self.memory).map_err(|e| e.to_string())
+    }
+}

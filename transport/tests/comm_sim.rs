@@ -1,0 +1,218 @@
+//! The communicator executor (`cuda::plane::run_rank_comm`) on the
+//! simulated communicator and memory (`cuda::sim`): every example layout
+//! pair, reshard and baseline, lands byte for byte what the in-process
+//! executor lands; and the failures a GPU job meets (a rank that never
+//! joins, a group that fails or stalls, an abort that hangs) end every
+//! rank within its deadline, with the error naming rank and round.
+
+use reshard::{parse_layout, plan_baseline, plan_reshard, BufferKey, Endpoint, Layout, PlanOptions, RankProgram};
+use std::time::{Duration, Instant};
+use transport::cuda::comm::{AbortOutcome, CommConfig, CommError, CommHandle};
+use transport::cuda::plane::{comm_rank, run_rank_comm, CommExecError};
+use transport::cuda::sim::{arm, live_comms, sim_comm, sim_comm_id, SimFault, SimMemory};
+use transport::{fill_sources, run_local, verify_destinations, ExecOptions, RankMemory};
+
+const EXAMPLES: &[&str] = &["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled"];
+
+fn layouts(name: &str) -> (Layout, Layout) {
+    let dir = format!("{}/../examples/{name}", env!("CARGO_MANIFEST_DIR"));
+    let read = |f: &str| {
+        let path = format!("{dir}/{f}");
+        parse_layout(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))).unwrap()
+    };
+    (read("src.json"), read("dst.json"))
+}
+
+fn config(nranks: u32) -> CommConfig {
+    CommConfig {
+        init_timeout: Duration::from_secs(5),
+        abort_timeout: Duration::from_secs(2),
+        poll_interval: Duration::from_millis(1),
+        ..CommConfig::new(0, nranks)
+    }
+}
+
+/// What one rank's run came to.
+struct Ran {
+    result: Result<u64, CommExecError>,
+    abort: AbortOutcome,
+    took: Duration,
+}
+
+/// Runs every program as a thread on its own simulated communicator rank
+/// of one communicator of `world` (all created together, as one process
+/// hosting every rank); each rank aborts its communicator when done.
+fn run_sim(world: &str, programs: &[RankProgram], memory: &mut [RankMemory], config: CommConfig, deadline: Duration) -> Vec<Ran> {
+    let src_ranks = programs.iter().filter(|p| p.endpoint.group == reshard::Group::Src).count() as u32;
+    let nranks = programs.len() as u32;
+    let id = sim_comm_id();
+    let pending: Vec<_> = programs
+        .iter()
+        .map(|p| {
+            let rank = comm_rank(p.endpoint, src_ranks);
+            let world = world.to_string();
+            CommHandle::start(CommConfig { rank, ..config }, &id.tag(), move || sim_comm(&world, id, rank, nranks)).unwrap()
+        })
+        .collect();
+    let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
+    let until = Instant::now() + deadline;
+    std::thread::scope(|s| {
+        let threads: Vec<_> = programs
+            .iter()
+            .zip(memory.iter_mut())
+            .zip(pending)
+            .map(|((program, memory), pending)| {
+                s.spawn(move || {
+                    let start = Instant::now();
+                    let mut comm = match pending.wait() {
+                        Ok(c) => c,
+                        Err(e) => return Ran { result: Err(e.into()), abort: AbortOutcome::AlreadyClosed, took: start.elapsed() },
+                    };
+                    let result = run_rank_comm(&mut SimMemory::new(memory), program, &mut comm, &rank_of, until).map(|s| s.sent_bytes);
+                    let abort = comm.abort();
+                    Ran { result, abort, took: start.elapsed() }
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
+
+/// Every example, reshard and baseline: the simulated communicator lands
+/// every destination byte the in-process executor lands, and moves the
+/// plan's bytes.
+#[test]
+fn every_example_lands_what_the_host_executor_lands() {
+    for name in EXAMPLES {
+        let (src, dst) = layouts(name);
+        for (strategy, plan) in [
+            ("reshard", plan_reshard(&src, &dst, &PlanOptions::default()).unwrap()),
+            ("baseline", plan_baseline(&src, &dst, &PlanOptions::default()).unwrap()),
+        ] {
+            let programs = plan.programs(&src, &dst).unwrap();
+            let mut expected = RankMemory::for_programs(&programs);
+            fill_sources(&src, &mut expected);
+            let mut memory = expected.clone();
+            run_local(&programs, &mut expected, &ExecOptions::default()).unwrap();
+            let ran = run_sim(
+                &format!("examples/{name}/{strategy}"),
+                &programs,
+                &mut memory,
+                config(programs.len() as u32),
+                Duration::from_secs(30),
+            );
+            let mut sent = 0;
+            for (p, r) in programs.iter().zip(&ran) {
+                match &r.result {
+                    Ok(s) => sent += s,
+                    Err(e) => panic!("{name} {strategy}: {}: {e}", p.endpoint),
+                }
+                assert!(matches!(r.abort, AbortOutcome::Aborted { .. }), "{name} {strategy}: {:?}", r.abort);
+            }
+            assert_eq!(sent, plan.figures().total_bytes, "{name} {strategy}: bytes sent");
+            for (p, (got, want)) in programs.iter().zip(memory.iter().zip(&expected)) {
+                // The rank's own buffers (the host executor never fills a
+                // scratch buffer it bypasses).
+                for (i, spec) in p.buffers.iter().enumerate() {
+                    if p.endpoint.group == reshard::Group::Dst && !matches!(spec.key, BufferKey::Scratch { .. }) {
+                        assert!(got.buffers[i] == want.buffers[i], "{name} {strategy}: {} buffer {} differs", p.endpoint, spec.name);
+                    }
+                }
+            }
+            let dst_memory: Vec<RankMemory> =
+                programs.iter().zip(&memory).filter(|(p, _)| p.endpoint.group == reshard::Group::Dst).map(|(_, m)| m.clone()).collect();
+            verify_destinations(&src, &dst, &dst_memory).unwrap_or_else(|m| panic!("{name} {strategy}: {m:?}"));
+        }
+    }
+}
+
+fn tp_programs() -> Vec<RankProgram> {
+    let (src, dst) = layouts("tp-to-tp");
+    plan_reshard(&src, &dst, &PlanOptions::default()).unwrap().programs(&src, &dst).unwrap()
+}
+
+/// Runs `programs` on the simulated communicator with `faults` armed.
+fn faulted(world: &str, faults: Vec<SimFault>, deadline: Duration) -> (Vec<RankProgram>, Vec<Ran>, Duration) {
+    let programs = tp_programs();
+    let mut memory = RankMemory::for_programs(&programs);
+    arm(world, faults);
+    let start = Instant::now();
+    let ran = run_sim(world, &programs, &mut memory, config(programs.len() as u32), deadline);
+    (programs, ran, start.elapsed())
+}
+
+#[test]
+fn a_rank_that_never_joins_fails_every_creation_within_its_timeout() {
+    let (_, ran, took) = faulted("never-joins", vec![SimFault::NeverJoins { rank: 1 }], Duration::from_secs(30));
+    // The rank that never joined times out; the others time out too, or
+    // fail as soon as it gives up.
+    assert!(matches!(ran[1].result, Err(CommExecError::Comm(CommError::InitTimeout { rank: 1, abandoned: false, .. }))));
+    for r in &ran {
+        assert!(
+            matches!(
+                r.result,
+                Err(CommExecError::Comm(CommError::InitTimeout { abandoned: false, .. } | CommError::InitFailed { abandoned: false, .. }))
+            ),
+            "{:?}",
+            r.result.as_ref().err()
+        );
+    }
+    // Creation waits its 5 s, then the cleanup its abort timeout at most.
+    assert!(took < Duration::from_secs(9), "{took:?}");
+    assert_eq!(live_comms("never-joins"), 0);
+}
+
+#[test]
+fn a_failed_group_fails_its_peers_at_once_not_at_the_deadline() {
+    let (programs, ran, took) = faulted("group-fails", vec![SimFault::GroupFails { rank: 0, group: 0 }], Duration::from_secs(60));
+    match &ran[0].result {
+        Err(CommExecError::Comm(CommError::GroupFailed { rank: 0, round: 0, reason, .. })) => {
+            assert!(reason.contains("simulated"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // Every rank that rank 0 exchanges with fails once it aborts, long
+    // before the minute's deadline.
+    let failed = ran.iter().filter(|r| r.result.is_err()).count();
+    assert!(failed > 1, "only {failed} of {} ranks failed", programs.len());
+    for (p, r) in programs.iter().zip(&ran) {
+        if let Err(e) = &r.result {
+            assert!(r.took < Duration::from_secs(10), "{}: {e} after {:?}", p.endpoint, r.took);
+        }
+    }
+    assert!(took < Duration::from_secs(10), "{took:?}");
+}
+
+#[test]
+fn a_stalled_group_times_out_at_the_deadline() {
+    let deadline = Duration::from_millis(700);
+    let (_, ran, took) = faulted("group-stalls", vec![SimFault::GroupStalls { rank: 2, group: 0 }], deadline);
+    assert!(
+        matches!(&ran[2].result, Err(CommExecError::Comm(CommError::GroupTimeout { rank: 2, round: 0, .. }))),
+        "{:?}",
+        ran[2].result.as_ref().err()
+    );
+    assert!(took < deadline + Duration::from_secs(4), "{took:?}");
+}
+
+#[test]
+fn an_abort_that_hangs_is_abandoned_within_the_abort_timeout() {
+    let (_, ran, took) = faulted("abort-hangs", vec![SimFault::AbortHangs { rank: 1 }], Duration::from_secs(30));
+    assert!(ran[1].result.is_ok(), "{:?}", ran[1].result.as_ref().err());
+    match &ran[1].abort {
+        AbortOutcome::Abandoned { waited, .. } => assert!(*waited < Duration::from_secs(3), "{waited:?}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(ran[1].abort.needs_restart());
+    assert!(took < Duration::from_secs(6), "{took:?}");
+}
+
+/// Faults are armed for the next communicator of a world only: the one
+/// created after a failure (a new id) runs clean.
+#[test]
+fn the_next_communicator_of_a_world_runs_clean() {
+    let (_, ran, _) = faulted("recovers", vec![SimFault::GroupFails { rank: 0, group: 0 }], Duration::from_secs(30));
+    assert!(ran[0].result.is_err());
+    let (_, ran, _) = faulted("recovers", Vec::new(), Duration::from_secs(30));
+    assert!(ran.iter().all(|r| r.result.is_ok()));
+}
