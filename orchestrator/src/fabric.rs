@@ -11,13 +11,28 @@
 //!   connects to the peers its program exchanges with, through shared memory
 //!   when the peer is on its node and TCP otherwise
 //!   ([`transport::NodeTransport`]).
+//! - **communicator** (NCCL, or simulated): on `Prepare` source rank 0
+//!   makes the communicator's id and reports it as its address; on
+//!   `Connect` every member starts creating its rank of one communicator
+//!   over both groups from that id (non-blocking: the members of a
+//!   process create theirs at the same time, each on its own thread) and
+//!   waits for it; `Run` is the communicator executor
+//!   ([`transport::cuda::plane::run_rank_comm`]). A run that fails aborts
+//!   the communicator at once (peers then fail instead of waiting), within
+//!   the abort timeout; the next refit creates a new one with a new id.
+//!   A communicator end dropped unused is aborted on a thread of its own.
 
-use crate::protocol::{NodeFabric, PeerAddr};
+use crate::protocol::{CommPlane, NcclFabric, NodeFabric, PeerAddr};
 use reshard::{Endpoint, Group, RankProgram};
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+use transport::cuda::comm::{CommConfig, CommHandle};
+use transport::cuda::id::CommId;
+use transport::cuda::plane::{comm_rank, run_rank_comm};
+use transport::cuda::sim::{sim_comm, sim_comm_id, SimMemory};
 use transport::tcp::TcpConfig;
+use transport::{RankMemory, RankStats};
 
 /// The smallest frame limit a data-plane endpoint sets: room for an abort's
 /// reason (64 KiB at most) and the small frames of shared-memory links.
@@ -42,6 +57,99 @@ pub(crate) enum Endpointed {
     },
     /// Node fabric: connected.
     Connected(NodeTransport),
+    /// Communicator fabric: prepared; the id comes with `Connect`.
+    CommPrepared {
+        /// Settings.
+        settings: NcclFabric,
+        /// The member's GPU (NCCL).
+        gpu: Option<usize>,
+    },
+    /// Communicator fabric: this member's rank of the refit's communicator.
+    Comm(CommEnd),
+}
+
+/// A member's rank of a communicator, and what its runs keep.
+pub(crate) struct CommEnd {
+    /// `None` once aborted.
+    handle: Option<CommHandle>,
+    src_ranks: u32,
+    nranks: u32,
+    plane: CommPlane,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    gpu: Option<usize>,
+    /// The rank's device buffers (NCCL), kept between the runs of this
+    /// communicator.
+    #[cfg(feature = "cuda")]
+    device: Option<(transport::cuda::device::GpuDevice, transport::cuda::device::DeviceMemory)>,
+}
+
+impl Drop for CommEnd {
+    fn drop(&mut self) {
+        if let Some(mut handle) = self.handle.take() {
+            // Never block the member on a teardown: abort on a thread of
+            // its own (bounded by the abort timeout; a hang is counted by
+            // `abandoned_comm_threads`).
+            let spawned = std::thread::Builder::new().name("comm-abort".into()).spawn(move || {
+                let outcome = handle.abort();
+                if outcome.needs_restart() {
+                    tracing::warn!(?outcome, "a communicator abort hangs: restart this process before it runs out of GPUs");
+                }
+            });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "cannot start a thread to abort a communicator; it is left to its own thread");
+            }
+        }
+    }
+}
+
+impl CommEnd {
+    /// Runs `program` on `memory` over the communicator by `deadline`.
+    pub(crate) fn run(&mut self, program: &RankProgram, memory: &mut RankMemory, deadline: Instant) -> Result<RankStats, String> {
+        let (src_ranks, nranks) = (self.src_ranks, self.nranks);
+        let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
+        let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
+        match &self.plane {
+            CommPlane::Simulated { .. } => {
+                run_rank_comm(&mut SimMemory::new(memory), program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+            }
+            #[cfg(feature = "cuda")]
+            CommPlane::Cuda => {
+                use transport::cuda::device::{DeviceMemory, GpuDevice};
+                let want: Vec<usize> = memory.buffers.iter().map(Vec::len).collect();
+                if !matches!(&self.device, Some((_, m)) if m.buffer_lens() == want.as_slice()) {
+                    self.device = None;
+                    let ordinal = self.gpu.ok_or("no GPU")?;
+                    let dev = GpuDevice::open(ordinal).map_err(|e| e.to_string())?;
+                    let mem = DeviceMemory::for_buffers(&dev, program.endpoint, &program.buffers).map_err(|e| e.to_string())?;
+                    self.device = Some((dev, mem));
+                }
+                let (dev, mem) = self.device.as_mut().ok_or("no device memory")?;
+                // The store's bytes go to the device and a destination's
+                // come back: stores live in host memory.
+                mem.upload(dev, memory).map_err(|e| e.to_string())?;
+                let stats =
+                    transport::cuda::nccl::run_rank_nccl(dev, program, mem, handle, &rank_of, deadline).map_err(|e| e.to_string())?;
+                if program.endpoint.group == Group::Dst {
+                    *memory = mem.download(dev).map_err(|e| e.to_string())?;
+                }
+                Ok(stats)
+            }
+            #[cfg(not(feature = "cuda"))]
+            CommPlane::Cuda => Err(unavailable_nccl()),
+        }
+    }
+
+    /// Aborts the communicator now (peers waiting on this rank then fail),
+    /// waiting at most the abort timeout; says so if its thread hangs.
+    pub(crate) fn abort(&mut self) -> Option<String> {
+        let outcome = self.handle.take()?.abort();
+        outcome.needs_restart().then(|| format!("its communicator's abort hangs ({outcome:?}): restart this process"))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn unavailable_nccl() -> String {
+    "NCCL transport unavailable: this build has no `cuda` feature".into()
 }
 
 impl Endpointed {
@@ -53,6 +161,74 @@ impl Endpointed {
                  (is this member in another process than the orchestrator? use the node fabric)"
             )
         })
+    }
+
+    /// Prepares this member's rank of a communicator; source rank 0 makes
+    /// the communicator's id and returns it (hex) as its address.
+    pub(crate) fn prepare_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>) -> Result<(Endpointed, String), String> {
+        if settings.plane == CommPlane::Cuda {
+            #[cfg(not(feature = "cuda"))]
+            return Err(unavailable_nccl());
+            #[cfg(feature = "cuda")]
+            {
+                transport::gpu_plane_available(transport::GpuPlane::Nccl, 1).map_err(|e| format!("NCCL transport unavailable: {e}"))?;
+                if gpu.is_none() {
+                    return Err(format!("{me} has no GPU (MemberConfig::gpu) for the NCCL fabric"));
+                }
+            }
+        }
+        let addr = if me == Endpoint::src(0) {
+            let id = match &settings.plane {
+                CommPlane::Simulated { .. } => sim_comm_id(),
+                #[cfg(feature = "cuda")]
+                CommPlane::Cuda => CommId::generate().map_err(|e| format!("NCCL transport unavailable: {e}"))?,
+                #[cfg(not(feature = "cuda"))]
+                CommPlane::Cuda => return Err(unavailable_nccl()),
+            };
+            id.to_hex()
+        } else {
+            String::new()
+        };
+        Ok((Endpointed::CommPrepared { settings, gpu }, addr))
+    }
+
+    /// Creates this member's rank of the communicator whose id source rank
+    /// 0 reported, and waits for it (blocking: run off the reactor; the
+    /// members of a process all wait at once).
+    fn connect_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>, table: &[PeerAddr]) -> Result<Endpointed, String> {
+        let root = table.iter().find(|p| p.endpoint == Endpoint::src(0)).ok_or("the peer table has no source rank 0")?;
+        let id = CommId::from_hex(&root.addr).map_err(|e| format!("source rank 0's communicator id: {e}"))?;
+        let nranks = table.len() as u32;
+        let src_ranks = table.iter().filter(|p| p.endpoint.group == Group::Src).count() as u32;
+        if let Some(p) = table.iter().find(|p| comm_rank(p.endpoint, src_ranks) >= nranks) {
+            return Err(format!("{} has no rank in a communicator of {nranks}", p.endpoint));
+        }
+        let rank = comm_rank(me, src_ranks);
+        let config =
+            CommConfig { init_timeout: settings.init_timeout, abort_timeout: settings.abort_timeout, ..CommConfig::new(rank, nranks) };
+        let started = match &settings.plane {
+            CommPlane::Simulated { world } => {
+                let world = world.clone();
+                CommHandle::start(config, &id.tag(), move || sim_comm(&world, id, rank, nranks))
+            }
+            #[cfg(feature = "cuda")]
+            CommPlane::Cuda => {
+                let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu) for the NCCL fabric"))?;
+                CommHandle::start(config, &id.tag(), move || transport::cuda::nccl::NcclBackend::create(ordinal, id, rank, nranks))
+            }
+            #[cfg(not(feature = "cuda"))]
+            CommPlane::Cuda => return Err(unavailable_nccl()),
+        };
+        let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
+        Ok(Endpointed::Comm(CommEnd {
+            handle: Some(handle),
+            src_ranks,
+            nranks,
+            plane: settings.plane,
+            gpu,
+            #[cfg(feature = "cuda")]
+            device: None,
+        }))
     }
 
     /// Listens on `ip` for this refit's peers.
@@ -72,6 +248,7 @@ impl Endpointed {
     ) -> Result<Endpointed, String> {
         let (listener, settings, session) = match self {
             Endpointed::Listening { listener, settings, session } => (listener, settings, session),
+            Endpointed::CommPrepared { settings, gpu } => return Endpointed::connect_comm(program.endpoint, settings, gpu, table),
             done => return Ok(done),
         };
         let me = program.endpoint;
@@ -161,20 +338,45 @@ impl Endpointed {
         }
     }
 
-    /// The connected transport, ready to run (again, once a run that
+    /// The connected endpoint, ready to run (again, once a run that
     /// succeeded left it clean).
-    pub(crate) fn transport(&mut self) -> Result<&mut dyn Transport, String> {
+    pub(crate) fn ready(&mut self) -> Result<Ready<'_>, String> {
         match self {
-            Endpointed::Local(t) => Ok(t),
-            Endpointed::Connected(t) => Ok(t),
-            Endpointed::Listening { .. } => Err("the data plane was prepared but never connected".into()),
+            Endpointed::Local(t) => Ok(Ready::Transport(t)),
+            Endpointed::Connected(t) => Ok(Ready::Transport(t)),
+            Endpointed::Comm(c) if c.handle.is_some() => Ok(Ready::Comm(c)),
+            Endpointed::Comm(_) => Err("the communicator was aborted".into()),
+            Endpointed::Listening { .. } | Endpointed::CommPrepared { .. } => Err("the data plane was prepared but never connected".into()),
         }
     }
 
-    /// A connected node-fabric endpoint (one worth keeping across refits).
-    pub(crate) fn is_connected(&self) -> bool {
-        matches!(self, Endpointed::Connected(_))
+    /// Ends this refit's data plane with an error: peers stop waiting for
+    /// this rank (a transport's abort frames; a communicator's abort).
+    pub(crate) fn abort(&mut self, why: &str) {
+        match self.ready() {
+            Ok(Ready::Transport(t)) => t.abort(why),
+            Ok(Ready::Comm(c)) => {
+                if let Some(hang) = c.abort() {
+                    tracing::warn!(why, "{hang}");
+                }
+            }
+            Err(_) => {}
+        }
     }
+
+    /// A connected endpoint worth keeping across refits (node fabric,
+    /// communicator).
+    pub(crate) fn is_connected(&self) -> bool {
+        matches!(self, Endpointed::Connected(_) | Endpointed::Comm(CommEnd { handle: Some(_), .. }))
+    }
+}
+
+/// A connected endpoint.
+pub(crate) enum Ready<'a> {
+    /// A host transport, for the one executor.
+    Transport(&'a mut dyn Transport),
+    /// A communicator, for the communicator executor.
+    Comm(&'a mut CommEnd),
 }
 
 /// This process's in-process channels of refits in progress, by session.

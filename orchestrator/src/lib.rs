@@ -44,7 +44,7 @@ pub use orchestrator::{
     Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, PlanReport, RefitPhase, RefitReport,
     RefitStep, RefitTarget,
 };
-pub use protocol::{EgressCaps, Fabric, LayoutInfo, MemberMsg, MemberReply, NodeFabric, Refusal, Weights};
+pub use protocol::{CommPlane, EgressCaps, Fabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric, Refusal, Weights};
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
 pub use store::{BufferError, Buffers, DstStore, Snapshot, SrcStore, TensorView, TensorViewMut};
@@ -191,6 +191,8 @@ impl OrchestratorHandle {
 pub fn orchestrator_call_timeout(config: &OrchestratorConfig) -> std::time::Duration {
     let connect = match &config.fabric {
         Fabric::Node(n) => n.connect_timeout,
+        // Creation, and the cleanup of a creation that failed.
+        Fabric::Nccl(n) => n.init_timeout + n.abort_timeout,
         Fabric::InProcess => std::time::Duration::ZERO,
     };
     config.deadline + connect + 8 * config.control_timeout

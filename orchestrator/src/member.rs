@@ -3,14 +3,14 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::fabric::{Endpointed, KillSwitch};
+use crate::fabric::{CommEnd, Endpointed, KillSwitch, Ready};
 use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
 use crate::store::{Buffers, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use transport::delta::DeltaMemo;
 use transport::{run_rank_bypassing, run_rank_delta, Bypass, DeltaRun, ExecError, ExecOptions, RankMemory, Transport, TransportError};
 
@@ -63,11 +63,15 @@ pub struct MemberConfig {
     /// other processes need the job's, as [`crate::Joined::member_config`]
     /// gives them).
     pub secret: Option<actors::Secret>,
+    /// The CUDA device this member's rank uses on the NCCL fabric
+    /// ([`CommPlane::Cuda`](crate::CommPlane::Cuda)); `None`: the member
+    /// refuses that fabric.
+    pub gpu: Option<usize>,
 }
 
 impl Default for MemberConfig {
     fn default() -> Self {
-        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), tweak: None, secret: None }
+        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), tweak: None, secret: None, gpu: None }
     }
 }
 
@@ -88,6 +92,7 @@ impl std::fmt::Debug for MemberConfig {
             .field("data_ip", &self.data_ip)
             .field("tweak", &self.tweak.is_some())
             .field("secret", &self.secret.is_some())
+            .field("gpu", &self.gpu)
             .finish()
     }
 }
@@ -235,9 +240,52 @@ fn execute_on(
     how: RunHow,
     left: Leftover,
 ) -> (Result<RunStats, Refusal>, Leftover) {
-    match end.transport() {
-        Ok(t) => execute(program, memory, t, how, left),
+    match end.ready() {
+        Ok(Ready::Transport(t)) => execute(program, memory, t, how, left),
+        Ok(Ready::Comm(c)) => execute_comm(program, memory, c, how, left),
         Err(e) => (Err(Refusal::Fabric(e)), left),
+    }
+}
+
+/// Runs `program` on `memory` (plus every scratch buffer it names, from
+/// `left` where it fits) over a communicator; aborts it if the run fails.
+fn execute_comm(
+    program: &RankProgram,
+    memory: &mut RankMemory,
+    end: &mut CommEnd,
+    how: RunHow,
+    left: Leftover,
+) -> (Result<RunStats, Refusal>, Leftover) {
+    if how.delta.is_some() {
+        let why = "delta refits run on the in-process and node fabrics, not on a communicator";
+        end.abort();
+        return (Err(Refusal::Fabric(why.into())), Leftover::default());
+    }
+    // The communicator executor makes no copies on receipt: every scratch
+    // buffer is allocated.
+    let base = match with_scratch(memory, program, &Bypass::default(), left.scratch) {
+        Ok(base) => base,
+        Err(e) => {
+            end.abort();
+            return (Err(Refusal::ProgramMismatch(e)), Leftover::default());
+        }
+    };
+    let r = end.run(program, memory, Instant::now() + how.deadline);
+    let scratch = drop_scratch(memory, base);
+    match r {
+        Ok(s) => {
+            (Ok(RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }), Leftover { scratch, memo: None })
+        }
+        Err(why) => {
+            // A peer's abort shows as a failed group naming it (NCCL: a
+            // remote error).
+            let after_peer = why.contains("peer rank") || why.contains("RemoteError");
+            let why = match end.abort() {
+                Some(hang) => format!("{why}; {hang}"),
+                None => why,
+            };
+            (Err(Refusal::Exec { why, after_peer }), Leftover::default())
+        }
     }
 }
 
@@ -343,6 +391,7 @@ impl Member {
         let opened = match fabric {
             Fabric::InProcess => Endpointed::take_local(&session, self.endpoint).map(|e| (e, String::new())),
             Fabric::Node(settings) => Endpointed::listen(self.config.data_ip, settings, session.clone()),
+            Fabric::Nccl(settings) => Endpointed::prepare_comm(self.endpoint, settings, self.config.gpu),
         };
         match opened {
             Ok((end, addr)) => {
@@ -416,12 +465,10 @@ impl Member {
         };
         if program.fingerprint != fingerprint {
             // Peers must not wait for this rank.
-            if let Ok(t) = end.transport() {
-                t.abort("fingerprint mismatch");
-            }
+            end.abort("fingerprint mismatch");
             return MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint });
         }
-        if let Err(e) = end.transport() {
+        if let Err(e) = end.ready() {
             return MemberReply::Refused(Refusal::Fabric(e));
         }
         let kill = end.kill_switch();
@@ -441,9 +488,7 @@ impl Member {
                     other => Some(Refusal::NoWeights(other)),
                 };
                 if let Some(refusal) = refusal {
-                    if let Ok(t) = end.transport() {
-                        t.abort(&refusal.to_string());
-                    }
+                    end.abort(&refusal.to_string());
                     return MemberReply::Refused(refusal);
                 }
                 let run = tokio::task::spawn_blocking(move || {
@@ -459,9 +504,7 @@ impl Member {
                     (true, _) => None,
                     (false, Some(snap)) => Some(snap),
                     (false, None) => {
-                        if let Ok(t) = end.transport() {
-                            t.abort(&Refusal::NoBaseVersion.to_string());
-                        }
+                        end.abort(&Refusal::NoBaseVersion.to_string());
                         return MemberReply::Refused(Refusal::NoBaseVersion);
                     }
                 };

@@ -947,7 +947,7 @@ impl Orchestrator {
 
     /// Whether members keep their node-fabric connections after a refit.
     fn keeps_data_plane(&self) -> bool {
-        self.config.keep_data_plane && matches!(self.config.fabric, Fabric::Node(_))
+        self.config.keep_data_plane && matches!(self.config.fabric, Fabric::Node(_) | Fabric::Nccl(_))
     }
 
     /// Asks every member to take up its endpoint of the kept `session` for
@@ -982,10 +982,17 @@ impl Orchestrator {
             };
             peers.push(PeerAddr { endpoint, node, addr });
         }
-        if let Fabric::Node(settings) = &fabric {
+        let connect_timeout = match &fabric {
+            Fabric::InProcess => None,
+            Fabric::Node(settings) => Some(settings.connect_timeout),
+            // Every member creates its rank of the communicator at once;
+            // a creation that fails is cleaned up within the abort timeout.
+            Fabric::Nccl(settings) => Some(settings.init_timeout + settings.abort_timeout),
+        };
+        if let Some(timeout) = connect_timeout {
             let connect = |_, _| Some(MemberMsg::Connect { refit, peers: peers.clone() });
             self.enter(RefitStep::Connecting);
-            let connected = call_both(&self.src, &self.dst, connect, settings.connect_timeout + control).await?;
+            let connected = call_both(&self.src, &self.dst, connect, timeout + control).await?;
             no_refusal(&connected)?;
         }
         Ok(())

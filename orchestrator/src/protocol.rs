@@ -36,6 +36,47 @@ pub enum Fabric {
     /// Shared memory between ranks of one node, TCP between nodes: members
     /// in any process, on any host.
     Node(NodeFabric),
+    /// One communicator over every member of both groups (sources first,
+    /// then destinations), a group of sends and receives per round: NCCL
+    /// between GPUs, or the simulated communicator.
+    Nccl(NcclFabric),
+}
+
+/// Settings of the communicator fabric.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NcclFabric {
+    /// What the communicators are.
+    pub plane: CommPlane,
+    /// Time every member's communicator has to be created (all together).
+    pub init_timeout: Duration,
+    /// Time an abort may take before its thread is abandoned (the member's
+    /// process should then be restarted).
+    pub abort_timeout: Duration,
+}
+
+impl NcclFabric {
+    /// Settings with the default timeouts (60 s to create, 10 s to abort).
+    pub fn new(plane: CommPlane) -> NcclFabric {
+        NcclFabric { plane, init_timeout: Duration::from_secs(60), abort_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// Where the communicator fabric's communicators live.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CommPlane {
+    /// NCCL, each member on its GPU ([`MemberConfig::gpu`]); needs the
+    /// `cuda` feature, CUDA and NCCL at run time, and a GPU per member.
+    ///
+    /// [`MemberConfig::gpu`]: crate::MemberConfig::gpu
+    Cuda,
+    /// The simulated communicator of `transport::cuda::sim` in the named
+    /// world, over the members' host memory: every member in one process.
+    /// For tests and tools: failures are armed per world
+    /// (`transport::cuda::sim::arm`).
+    Simulated {
+        /// The world's name.
+        world: String,
+    },
 }
 
 /// Settings of the node fabric.
@@ -73,7 +114,10 @@ pub struct PeerAddr {
     pub endpoint: Endpoint,
     /// Its node within its group (ranks of one node share memory).
     pub node: u32,
-    /// Where it listens (`ip:port`; empty for the in-process fabric).
+    /// Where it listens (`ip:port`; empty for the in-process fabric). On
+    /// the communicator fabric, source rank 0's is the communicator's id
+    /// (hex: NCCL's unique id names rank 0's bootstrap address), the
+    /// others' are empty.
     pub addr: String,
 }
 
@@ -306,7 +350,8 @@ pub enum MemberReply {
         endpoint: Endpoint,
         /// Its node within its group.
         node: u32,
-        /// `ip:port` (empty for the in-process fabric).
+        /// `ip:port` (empty for the in-process fabric; see [`PeerAddr::addr`]
+        /// for the communicator fabric).
         addr: String,
     },
     /// The request was done.

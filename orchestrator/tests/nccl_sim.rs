@@ -1,0 +1,195 @@
+//! The orchestrator on the communicator fabric, with the simulated
+//! communicator (`CommPlane::Simulated`): what it does with NCCL
+//! communicators — one per data-plane epoch, created by every member at
+//! once from source rank 0's id, kept across the refits of a plan, aborted
+//! on failure and replaced by one with a new id — tested on any machine,
+//! with failures armed where NCCL jobs meet them.
+
+use orchestrator::{
+    orchestrator_call_timeout, spawn_refit, CommPlane, Fabric, NcclFabric, OrchestratorConfig, OrchestratorError, RefitError, RefitSystem,
+    Refusal,
+};
+use reshard::{parse_layout, Layout, Strategy};
+use std::time::{Duration, Instant};
+use transport::cuda::sim::{arm, live_comms, SimFault};
+
+/// Training: TP2, one fused buffer per rank, f32.
+const SRC: &str = r#"{"ranks": 2, "tensors": [
+  {"name": "w", "dtype": "f32", "shape": [8, 6], "shards": [
+    {"rank": 0, "offset": [0, 0], "extent": [4, 6], "buffer": "params", "at": 0},
+    {"rank": 1, "offset": [4, 0], "extent": [4, 6], "buffer": "params", "at": 0}]},
+  {"name": "b", "dtype": "f32", "shape": [8], "shards": [
+    {"rank": 0, "offset": [0], "extent": [4], "buffer": "params", "at": 24},
+    {"rank": 1, "offset": [4], "extent": [4], "buffer": "params", "at": 24}]}]}"#;
+
+/// Inference: TP2 column-wise x DP2 on 4 ranks, bf16.
+const DST: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
+  {"name": "w", "dtype": "bf16", "shape": [8, 6], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(1)"]},
+  {"name": "b", "dtype": "bf16", "shape": [8], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"]}]}"#;
+
+fn layouts() -> (Layout, Layout) {
+    (parse_layout(SRC).unwrap(), parse_layout(DST).unwrap())
+}
+
+fn fabric(world: &str) -> NcclFabric {
+    NcclFabric {
+        plane: CommPlane::Simulated { world: world.to_string() },
+        init_timeout: Duration::from_secs(2),
+        abort_timeout: Duration::from_secs(1),
+    }
+}
+
+fn config(world: &str, mode: Strategy) -> OrchestratorConfig {
+    OrchestratorConfig {
+        mode,
+        fabric: Fabric::Nccl(fabric(world)),
+        deadline: Duration::from_secs(5),
+        control_timeout: Duration::from_secs(5),
+        ..OrchestratorConfig::default()
+    }
+}
+
+async fn system(world: &str, mode: Strategy) -> RefitSystem {
+    let (src, dst) = layouts();
+    spawn_refit(&src, &dst, config(world, mode)).await.unwrap()
+}
+
+/// One optimizer step that sets every weight to `value`.
+async fn step(sys: &RefitSystem, value: f32) -> u64 {
+    let mut version = 0;
+    for s in &sys.src_stores {
+        version = s.try_update(|b| b.write_buffer_f32("params", &[value; 28])).await.unwrap().0;
+    }
+    version
+}
+
+/// Whether every destination serves `version`, every weight `value`
+/// (bf16 holds the test's values exactly).
+fn serves(sys: &RefitSystem, version: u64, value: f32) -> bool {
+    sys.dst_stores.iter().all(|s| {
+        let Some(snap) = s.snapshot() else { return false };
+        snap.version == version && ["w", "b"].iter().all(|t| snap.buffers.tensor(t).unwrap().to_f32().unwrap().iter().all(|&x| x == value))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refits_over_a_communicator_deliver_every_version_on_one_communicator() {
+    for (world, mode) in [("deliver/reshard", Strategy::Reshard), ("deliver/baseline", Strategy::Baseline)] {
+        let sys = system(world, mode).await;
+        for k in 1..=3 {
+            let value = k as f32 * 1.5;
+            let v = step(&sys, value).await;
+            let report = sys.orchestrator.refit(v).await.unwrap();
+            assert!(serves(&sys, v, value), "{world}: refit {k}");
+            let plan = sys.orchestrator.plan().await.unwrap();
+            assert_eq!(report.bytes, plan.bytes, "{world}: the members sent the plan's bytes");
+            // The first refit creates the communicator; the next ones run
+            // on it.
+            assert_eq!(report.resumed, k > 1, "{world}: refit {k}");
+            assert_eq!(live_comms(world), 1, "{world}: refit {k}");
+        }
+    }
+}
+
+/// A failure in one member's group fails the refit (every destination
+/// keeps its version), at once rather than at the deadline; the next
+/// refit runs on a new communicator and delivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_group_fails_the_refit_and_the_next_runs_on_a_new_communicator() {
+    let world = "group-fails";
+    let sys = system(world, Strategy::Reshard).await;
+    let v1 = step(&sys, 1.0).await;
+    sys.orchestrator.refit(v1).await.unwrap();
+    // The next communicator's rank 3 (destination 1) fails its first group.
+    sys.orchestrator.close_data_plane().await.unwrap();
+    arm(world, vec![SimFault::GroupFails { rank: 3, group: 0 }]);
+    let v2 = step(&sys, 2.0).await;
+    let t = Instant::now();
+    match sys.orchestrator.refit(v2).await {
+        Err(RefitError::Refit(OrchestratorError::Refused { member, refusal: Refusal::Exec { why, after_peer: false } })) => {
+            assert_eq!(member, "dst[1]");
+            assert!(why.contains("simulated failure of group 0"), "{why}");
+        }
+        other => panic!("expected dst[1]'s failure, got {other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
+    assert!(serves(&sys, v1, 1.0));
+    let report = sys.orchestrator.refit(v2).await.unwrap();
+    assert!(!report.resumed);
+    assert!(serves(&sys, v2, 2.0));
+}
+
+/// A member whose communicator never completes fails the refit within the
+/// creation and abort timeouts; the next refit delivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rank_that_never_joins_fails_the_refit_within_its_timeouts() {
+    let world = "never-joins";
+    let sys = system(world, Strategy::Reshard).await;
+    arm(world, vec![SimFault::NeverJoins { rank: 4 }]);
+    let v = step(&sys, 3.0).await;
+    let t = Instant::now();
+    match sys.orchestrator.refit(v).await {
+        Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
+            assert!(why.contains("creation"), "{why}")
+        }
+        other => panic!("expected a creation failure, got {other:?}"),
+    }
+    let f = fabric(world);
+    assert!(t.elapsed() < f.init_timeout + f.abort_timeout + Duration::from_secs(2), "{:?}", t.elapsed());
+    assert!(sys.dst_stores.iter().all(|s| s.snapshot().is_none()));
+    sys.orchestrator.refit(v).await.unwrap();
+    assert!(serves(&sys, v, 3.0));
+}
+
+/// An abort that hangs after a failure never holds the refit past its
+/// bound; the hung thread is abandoned and the next refit delivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_abort_that_hangs_never_holds_the_refit() {
+    let world = "abort-hangs";
+    let sys = system(world, Strategy::Reshard).await;
+    arm(world, vec![SimFault::GroupFails { rank: 0, group: 0 }, SimFault::AbortHangs { rank: 0 }]);
+    let v = step(&sys, 4.0).await;
+    let t = Instant::now();
+    match sys.orchestrator.refit(v).await {
+        Err(RefitError::Refit(OrchestratorError::Refused { member, refusal: Refusal::Exec { why, .. } })) => {
+            assert_eq!(member, "src[0]");
+            assert!(why.contains("restart this process"), "{why}");
+        }
+        other => panic!("expected src[0]'s failure, got {other:?}"),
+    }
+    assert!(t.elapsed() < orchestrator_call_timeout(&config(world, Strategy::Reshard)), "{:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    sys.orchestrator.refit(v).await.unwrap();
+    assert!(serves(&sys, v, 4.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn delta_refits_are_refused_on_a_communicator() {
+    let (src, dst) = layouts();
+    let sys = spawn_refit(&src, &dst, OrchestratorConfig { delta: true, ..config("delta", Strategy::Reshard) }).await.unwrap();
+    let v = step(&sys, 5.0).await;
+    match sys.orchestrator.refit(v).await {
+        Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => assert!(why.contains("delta"), "{why}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// NCCL members without a GPU (or a build without CUDA) refuse before
+/// anything moves, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nccl_without_a_gpu_is_refused_cleanly() {
+    if transport::gpu_plane_available(transport::GpuPlane::Nccl, 1).is_ok() {
+        return; // a GPU machine: scripts/gpu-check.sh
+    }
+    let (src, dst) = layouts();
+    let config = OrchestratorConfig { fabric: Fabric::Nccl(NcclFabric::new(CommPlane::Cuda)), ..config("cuda", Strategy::Reshard) };
+    let sys = spawn_refit(&src, &dst, config).await.unwrap();
+    let v = step(&sys, 6.0).await;
+    match sys.orchestrator.refit(v).await {
+        Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
+            assert!(why.contains("unavailable"), "{why}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(sys.dst_stores.iter().all(|s| s.snapshot().is_none()));
+}
