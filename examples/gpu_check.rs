@@ -20,7 +20,12 @@
 //!    that returns within its deadline, then the same with a new id;
 //! 5. `throughput`: a device refit of `llama3-8b --scale 2` (verified)
 //!    against a `cuMemcpyDtoD` of the same bytes in the same run; passes at
-//!    a ratio of at least 0.7.
+//!    a ratio of at least 0.7;
+//! 6. `orchestrator` (2 GPUs or more; skipped on one, where NCCL cannot
+//!    put two ranks of a communicator): refits through the orchestrator
+//!    on the NCCL fabric, one source rank (f32) and a destination rank
+//!    (bf16, row shards) per further GPU, three versions on one
+//!    communicator, every destination element checked.
 
 #[cfg(feature = "cuda")]
 fn main() -> std::process::ExitCode {
@@ -390,6 +395,62 @@ mod check {
         }
     }
 
+    /// Refits through the orchestrator on the NCCL fabric over `gpus` GPUs.
+    fn orchestrated(gpus: usize) -> Result<(String, Value), String> {
+        use orchestrator::{spawn_refit, CommPlane, Fabric, NcclFabric, OrchestratorConfig};
+        let dst_ranks = (gpus - 1).min(7);
+        let (rows, cols) = (4096u64, 4096u64);
+        let src = format!(
+            r#"{{"ranks": 1, "tensors": [{{"name": "w", "dtype": "f32", "shape": [{rows}, {cols}], "shards": [
+                {{"rank": 0, "offset": [0, 0], "extent": [{rows}, {cols}], "buffer": "params", "at": 0}}]}}]}}"#
+        );
+        let dst = format!(
+            r#"{{"ranks": {dst_ranks}, "tensors": [{{"name": "w", "dtype": "bf16", "shape": [{rows}, {cols}],
+                "mesh": {{"shape": [{dst_ranks}]}}, "placements": ["shard(0)"]}}]}}"#
+        );
+        let (src, dst) = (parse_layout(&src).map_err(e2s)?, parse_layout(&dst).map_err(e2s)?);
+        // Integers below 256: exact in bf16.
+        let value = |i: u64, k: u64| ((i % 100) + k) as f32;
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().map_err(e2s)?;
+        rt.block_on(async {
+            let config = OrchestratorConfig {
+                fabric: Fabric::Nccl(NcclFabric::new(CommPlane::Cuda)),
+                deadline: Duration::from_secs(60),
+                ..OrchestratorConfig::default()
+            };
+            let sys = spawn_refit(&src, &dst, config).await.map_err(e2s)?;
+            let mut lines = Vec::new();
+            let mut checked = 0u64;
+            for k in 1..=3u64 {
+                let (v, _) = sys.src_stores[0]
+                    .try_update(|b| b.tensor_mut("w")?.map_f32(|at, _| value(at[0] * cols + at[1], k)))
+                    .await
+                    .map_err(e2s)?;
+                let report = sys.orchestrator.refit(v).await.map_err(|e| format!("refit {k}: {e}"))?;
+                for (r, store) in sys.dst_stores.iter().enumerate() {
+                    let snap = store.snapshot().ok_or(format!("refit {k}: dst[{r}] serves nothing"))?;
+                    let view = snap.buffers.tensor("w").map_err(e2s)?;
+                    let got = view.to_f32().map_err(e2s)?;
+                    let mut bad = None;
+                    view.for_each_index(|i, at| {
+                        if bad.is_none() && got[i] != value(at[0] * cols + at[1], k) {
+                            bad = Some(at.to_vec());
+                        }
+                    });
+                    if let Some(at) = bad {
+                        return Err(format!("refit {k}: MISMATCH: dst[{r}] element {at:?}"));
+                    }
+                    checked += got.len() as u64;
+                }
+                lines.push(format!("v{v}: {:.1} ms{}", report.wall.as_secs_f64() * 1e3, if report.resumed { " (kept)" } else { "" }));
+            }
+            Ok((
+                format!("1 source + {dst_ranks} destinations on {} GPUs, {checked} elements checked; {}", dst_ranks + 1, lines.join(", ")),
+                json!({ "gpus": dst_ranks + 1, "elements": checked, "refits": lines }),
+            ))
+        })
+    }
+
     pub(crate) fn main() -> ExitCode {
         let args: Vec<String> = std::env::args().skip(1).collect();
         if let Some(i) = args.iter().position(|a| a == "--ipc-exporter") {
@@ -432,13 +493,27 @@ mod check {
             });
             r.record(name, result);
         }
+        let mut skipped = 0;
+        match transport::cuda::device::device_count() {
+            Ok(gpus) if gpus >= 2 => r.record("orchestrator", orchestrated(gpus)),
+            Ok(gpus) => {
+                skipped += 1;
+                if json {
+                    println!("{}", json!({ "check": "orchestrator", "skipped": format!("needs 2 GPUs, found {gpus}") }));
+                } else {
+                    println!("SKIP orchestrator: needs 2 GPUs (one NCCL rank per GPU), found {gpus}");
+                }
+            }
+            Err(e) => r.record("orchestrator", Err(format!("counting GPUs: {e}"))),
+        }
         if json {
             println!(
                 "{}",
-                json!({ "passed": r.passed, "failed": r.failed, "seconds": start.elapsed().as_secs_f64(), "device": dev.name() })
+                json!({ "passed": r.passed, "failed": r.failed, "skipped": skipped, "seconds": start.elapsed().as_secs_f64(), "device": dev.name() })
             );
         } else {
-            println!("{} passed, {} failed ({:.1} s)", r.passed, r.failed, start.elapsed().as_secs_f64());
+            let skipped = if skipped > 0 { format!(", {skipped} skipped") } else { String::new() };
+            println!("{} passed, {} failed{skipped} ({:.1} s)", r.passed, r.failed, start.elapsed().as_secs_f64());
         }
         if r.failed == 0 {
             ExitCode::SUCCESS

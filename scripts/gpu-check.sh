@@ -12,7 +12,10 @@
 #               send/recv (verified), abort within its deadline, again with
 #               a new id;
 #   throughput  a device refit of llama3-8b --scale 2 against a same-run
-#               cuMemcpyDtoD of the same bytes (passes at ratio >= 0.7).
+#               cuMemcpyDtoD of the same bytes (passes at ratio >= 0.7);
+#   orchestrator  with 2 GPUs or more (SKIP on one): three refits through
+#               the orchestrator on the NCCL fabric, one rank per GPU,
+#               every destination element checked.
 # One line per check, then "N passed, N failed". Arguments are passed on
 # (--json: one JSON object per check and one with the totals). Exits 0 if
 # all pass, 1 if one fails, 2 if CUDA is unavailable. Budget: under 8

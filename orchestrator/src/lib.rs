@@ -225,6 +225,8 @@ pub struct RefitSystem {
     /// How members are spawned (call timeout, the supervisor of `events`);
     /// named after their group.
     member_spawn: SpawnConfig,
+    /// The fabric (a replaced member's GPU follows from it).
+    fabric: Fabric,
 }
 
 impl RefitSystem {
@@ -240,7 +242,7 @@ impl RefitSystem {
         };
         let role = role.ok_or(OrchestratorError::NoRank { endpoint, ranks })?;
         let config = self.member_spawn.clone().name(endpoint.group.to_string());
-        let member = spawn_rank(Member::new(layout.clone(), endpoint.rank, role), config, rank);
+        let member = spawn_rank(Member::with_config(layout.clone(), endpoint.rank, role, self.member_config(endpoint)), config, rank);
         self.orchestrator.replace(endpoint, member.clone()).await?;
         let members = match endpoint.group {
             Group::Src => &mut self.src_members,
@@ -251,21 +253,39 @@ impl RefitSystem {
     }
 }
 
+/// The settings of an in-process member: on the NCCL fabric, rank `i` of
+/// the communicator (sources first) uses GPU `i`.
+fn in_process_member(endpoint: Endpoint, src_ranks: u32, fabric: &Fabric) -> MemberConfig {
+    let gpu = matches!(fabric, Fabric::Nccl(_)).then(|| transport::cuda::plane::comm_rank(endpoint, src_ranks) as usize);
+    MemberConfig { gpu, ..MemberConfig::default() }
+}
+
+impl RefitSystem {
+    fn member_config(&self, endpoint: Endpoint) -> MemberConfig {
+        in_process_member(endpoint, self.src_layout.ranks(), &self.fabric)
+    }
+}
+
 /// Spawns one store and one member per rank of both layouts, all in this
 /// process, and an orchestrator over them; then plans and installs (see
 /// [`OrchestratorHandle::plan`]), so that a pair of layouts that cannot be
-/// planned fails here. Must be called inside a tokio runtime.
+/// planned fails here. On the NCCL fabric, rank `i` of the communicator
+/// (sources first, then destinations) runs on GPU `i`. Must be called
+/// inside a tokio runtime.
 pub async fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig) -> Result<RefitSystem, RefitError> {
     let (src, dst) = (Arc::new(src.clone()), Arc::new(dst.clone()));
+    let member_config = |e: Endpoint| in_process_member(e, src.ranks(), &config.fabric);
     let src_stores: Vec<Arc<SrcStore>> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
     let dst_stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
     let (supervisor, events) = Supervisor::channel();
     let member_spawn = SpawnConfig::default().call_timeout(config.deadline + config.control_timeout).supervisor(&supervisor);
     let spawn_config = |g: Group| member_spawn.clone().name(g.to_string());
-    let src_members =
-        spawn_group(src_stores.len(), spawn_config(Group::Src), |r| Member::new(src.clone(), r as Rank, Role::Src(src_stores[r].clone())));
-    let dst_members =
-        spawn_group(dst_stores.len(), spawn_config(Group::Dst), |r| Member::new(dst.clone(), r as Rank, Role::Dst(dst_stores[r].clone())));
+    let src_members = spawn_group(src_stores.len(), spawn_config(Group::Src), |r| {
+        Member::with_config(src.clone(), r as Rank, Role::Src(src_stores[r].clone()), member_config(Endpoint::src(r as Rank)))
+    });
+    let dst_members = spawn_group(dst_stores.len(), spawn_config(Group::Dst), |r| {
+        Member::with_config(dst.clone(), r as Rank, Role::Dst(dst_stores[r].clone()), member_config(Endpoint::dst(r as Rank)))
+    });
     let orchestrator = OrchestratorHandle::spawn(
         Orchestrator::new(src_members.clone(), dst_members.clone(), config.clone()),
         SpawnConfig::default().name("orchestrator").call_timeout(orchestrator_call_timeout(&config)),
@@ -281,5 +301,6 @@ pub async fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig)
         src_layout: src,
         dst_layout: dst,
         member_spawn,
+        fabric: config.fabric,
     })
 }
