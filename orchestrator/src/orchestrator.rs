@@ -29,10 +29,11 @@ pub struct OrchestratorConfig {
     pub deadline: Duration,
     /// Time allowed for metadata calls (describe, install, commit).
     pub control_timeout: Duration,
-    /// Node fabric: keep every member's connections after a refit that
-    /// commits, and run the next refit of the same plan on them (no listen,
-    /// no connect, no shared-memory setup), as a job keeps its
-    /// communicators between steps. Any failure, a replaced member or
+    /// Node and communicator fabrics: keep every member's connections (or
+    /// communicator) after a refit that commits, and run the next refit of
+    /// the same plan on them (no listen, no connect, no shared-memory
+    /// setup, no communicator creation), as a job keeps its communicators
+    /// between steps. Any failure, a replaced member or
     /// [`OrchestratorMsg::CloseDataPlane`] opens a fresh data plane next
     /// time. Off: every refit opens its own (its own session id).
     pub keep_data_plane: bool,
@@ -79,10 +80,11 @@ pub struct RefitReport {
     /// installing if needed.
     pub plan_time: Duration,
     /// Opening this refit's data plane on every member (prepare, and
-    /// connect for the node fabric), or resuming the kept one.
+    /// connect for the node and communicator fabrics), or resuming the
+    /// kept one.
     pub connect_time: Duration,
-    /// Whether this refit ran on the node-fabric connections kept from the
-    /// previous refit of the same plan
+    /// Whether this refit ran on the connections (or communicator) kept
+    /// from the previous refit of the same plan
     /// ([`OrchestratorConfig::keep_data_plane`]).
     pub resumed: bool,
     /// Moving the bytes: from asking every member to run until the last
