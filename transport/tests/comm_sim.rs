@@ -8,9 +8,10 @@
 use reshard::{parse_layout, plan_baseline, plan_reshard, BufferKey, Endpoint, Layout, PlanOptions, RankProgram};
 use std::time::{Duration, Instant};
 use transport::cuda::comm::{AbortOutcome, CommConfig, CommError, CommHandle};
-use transport::cuda::plane::{comm_rank, run_rank_comm, CommExecError};
-use transport::cuda::sim::{arm, live_comms, sim_comm, sim_comm_id, SimFault, SimMemory};
-use transport::{fill_sources, run_local, verify_destinations, ExecOptions, RankMemory};
+use transport::cuda::ipc_comm::IpcComm;
+use transport::cuda::plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError};
+use transport::cuda::sim::{arm, live_comms, sim_comm, sim_comm_id, SimFault, SimIpc, SimMemory};
+use transport::{fill_sources, local_fabric, run_local, verify_destinations, ExecOptions, RankMemory};
 
 const EXAMPLES: &[&str] = &["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled"];
 
@@ -78,50 +79,131 @@ fn run_sim(world: &str, programs: &[RankProgram], memory: &mut [RankMemory], con
     })
 }
 
+/// Runs every program as a thread over the IPC communicator: each rank
+/// exports its send bucket, maps those of the ranks it receives from, and
+/// rings doorbells over in-process channels.
+fn run_ipc(programs: &[RankProgram], memory: &mut [RankMemory], config: CommConfig, deadline: Duration) -> Vec<Ran> {
+    let src_ranks = programs.iter().filter(|p| p.endpoint.group == reshard::Group::Src).count() as u32;
+    let nranks = programs.len() as u32;
+    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+    let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
+    let exported: Vec<(SimIpc, _, u64)> = programs
+        .iter()
+        .map(|p| {
+            let bytes = send_staging_bytes(p);
+            let (ipc, handle) = SimIpc::export(bytes);
+            (ipc, handle, bytes)
+        })
+        .collect();
+    let handles: Vec<_> = exported.iter().map(|(_, h, b)| (*h, *b)).collect();
+    let pending: Vec<_> = programs
+        .iter()
+        .zip(exported)
+        .zip(local_fabric(&endpoints))
+        .map(|((p, (mut ipc, _, _)), bells)| {
+            for m in p.rounds.iter().flat_map(|r| r.recvs.iter()) {
+                let peer = rank_of(m.peer).unwrap();
+                let (h, b) = handles[peer as usize];
+                ipc.map_peer(peer, &h, b).unwrap();
+            }
+            let bucket = ipc.bucket();
+            let endpoints = endpoints.clone();
+            let rank = rank_of(p.endpoint).unwrap();
+            let started = CommHandle::start(CommConfig { rank, ..config }, "ipc", move || Ok(IpcComm::new(endpoints, bells, ipc))).unwrap();
+            (started, bucket)
+        })
+        .collect();
+    let until = Instant::now() + deadline;
+    std::thread::scope(|s| {
+        let threads: Vec<_> = programs
+            .iter()
+            .zip(memory.iter_mut())
+            .zip(pending)
+            .map(|((program, memory), (pending, bucket))| {
+                s.spawn(move || {
+                    let start = Instant::now();
+                    let mut comm = pending.wait().unwrap();
+                    let mut memory = SimMemory::with_bucket(memory, bucket);
+                    let result = run_rank_comm(&mut memory, program, &mut comm, &rank_of, until).map(|s| s.sent_bytes);
+                    let abort = comm.abort();
+                    Ran { result, abort, took: start.elapsed() }
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
+
+/// Which communicator a check runs on.
+#[derive(Clone, Copy, Debug)]
+enum Plane {
+    /// The simulated NCCL communicator.
+    Nccl,
+    /// The IPC communicator over simulated buckets.
+    Ipc,
+}
+
+/// Runs example `name` planned by `strategy` on `plane` and checks it
+/// against the in-process executor.
+fn check(name: &str, strategy: &str, plane: Plane) {
+    let (src, dst) = layouts(name);
+    let plan = match strategy {
+        "reshard" => plan_reshard(&src, &dst, &PlanOptions::default()).unwrap(),
+        _ => plan_baseline(&src, &dst, &PlanOptions::default()).unwrap(),
+    };
+    let what = format!("{name} {strategy} over {plane:?}");
+    let programs = plan.programs(&src, &dst).unwrap();
+    let mut expected = RankMemory::for_programs(&programs);
+    fill_sources(&src, &mut expected);
+    let mut memory = expected.clone();
+    run_local(&programs, &mut expected, &ExecOptions::default()).unwrap();
+    let (config, deadline) = (config(programs.len() as u32), Duration::from_secs(30));
+    let ran = match plane {
+        Plane::Nccl => run_sim(&format!("examples/{name}/{strategy}"), &programs, &mut memory, config, deadline),
+        Plane::Ipc => run_ipc(&programs, &mut memory, config, deadline),
+    };
+    let failed: Vec<String> =
+        programs.iter().zip(&ran).filter_map(|(p, r)| r.result.as_ref().err().map(|e| format!("{}: {e}", p.endpoint))).collect();
+    assert!(failed.is_empty(), "{what}:\n{}", failed.join("\n"));
+    let mut sent = 0;
+    for r in &ran {
+        sent += r.result.as_ref().map_or(0, |s| *s);
+        assert!(matches!(r.abort, AbortOutcome::Aborted { .. }), "{what}: {:?}", r.abort);
+    }
+    assert_eq!(sent, plan.figures().total_bytes, "{what}: bytes sent");
+    for (p, (got, want)) in programs.iter().zip(memory.iter().zip(&expected)) {
+        // The rank's own buffers (the host executor never fills a scratch
+        // buffer it bypasses).
+        for (i, spec) in p.buffers.iter().enumerate() {
+            if p.endpoint.group == reshard::Group::Dst && !matches!(spec.key, BufferKey::Scratch { .. }) {
+                assert!(got.buffers[i] == want.buffers[i], "{what}: {} buffer {} differs", p.endpoint, spec.name);
+            }
+        }
+    }
+    let dst_memory: Vec<RankMemory> =
+        programs.iter().zip(&memory).filter(|(p, _)| p.endpoint.group == reshard::Group::Dst).map(|(_, m)| m.clone()).collect();
+    verify_destinations(&src, &dst, &dst_memory).unwrap_or_else(|m| panic!("{what}: {m:?}"));
+}
+
 /// Every example, reshard and baseline: the simulated communicator lands
 /// every destination byte the in-process executor lands, and moves the
 /// plan's bytes.
 #[test]
 fn every_example_lands_what_the_host_executor_lands() {
     for name in EXAMPLES {
-        let (src, dst) = layouts(name);
-        for (strategy, plan) in [
-            ("reshard", plan_reshard(&src, &dst, &PlanOptions::default()).unwrap()),
-            ("baseline", plan_baseline(&src, &dst, &PlanOptions::default()).unwrap()),
-        ] {
-            let programs = plan.programs(&src, &dst).unwrap();
-            let mut expected = RankMemory::for_programs(&programs);
-            fill_sources(&src, &mut expected);
-            let mut memory = expected.clone();
-            run_local(&programs, &mut expected, &ExecOptions::default()).unwrap();
-            let ran = run_sim(
-                &format!("examples/{name}/{strategy}"),
-                &programs,
-                &mut memory,
-                config(programs.len() as u32),
-                Duration::from_secs(30),
-            );
-            let mut sent = 0;
-            for (p, r) in programs.iter().zip(&ran) {
-                match &r.result {
-                    Ok(s) => sent += s,
-                    Err(e) => panic!("{name} {strategy}: {}: {e}", p.endpoint),
-                }
-                assert!(matches!(r.abort, AbortOutcome::Aborted { .. }), "{name} {strategy}: {:?}", r.abort);
-            }
-            assert_eq!(sent, plan.figures().total_bytes, "{name} {strategy}: bytes sent");
-            for (p, (got, want)) in programs.iter().zip(memory.iter().zip(&expected)) {
-                // The rank's own buffers (the host executor never fills a
-                // scratch buffer it bypasses).
-                for (i, spec) in p.buffers.iter().enumerate() {
-                    if p.endpoint.group == reshard::Group::Dst && !matches!(spec.key, BufferKey::Scratch { .. }) {
-                        assert!(got.buffers[i] == want.buffers[i], "{name} {strategy}: {} buffer {} differs", p.endpoint, spec.name);
-                    }
-                }
-            }
-            let dst_memory: Vec<RankMemory> =
-                programs.iter().zip(&memory).filter(|(p, _)| p.endpoint.group == reshard::Group::Dst).map(|(_, m)| m.clone()).collect();
-            verify_destinations(&src, &dst, &dst_memory).unwrap_or_else(|m| panic!("{name} {strategy}: {m:?}"));
+        for strategy in ["reshard", "baseline"] {
+            check(name, strategy, Plane::Nccl);
+        }
+    }
+}
+
+/// The same over the IPC communicator: doorbells and copies out of the
+/// senders' exported buckets.
+#[test]
+fn every_example_lands_the_same_over_ipc_buckets() {
+    for name in EXAMPLES {
+        for strategy in ["reshard", "baseline"] {
+            check(name, strategy, Plane::Ipc);
         }
     }
 }

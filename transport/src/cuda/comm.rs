@@ -89,8 +89,10 @@ pub trait CommBackend {
     /// Progress of a non-blocking creation (`ncclCommGetAsyncError`).
     fn poll_init(&mut self) -> Result<Progress, String>;
     /// Issues one group of send/recv operations (`ncclGroupStart` … `ncclGroupEnd`)
-    /// on the communicator's stream, after the device event `after` (0: none).
-    fn start_group(&mut self, ops: &[P2p], after: u64) -> Result<(), String>;
+    /// on the communicator's stream, after the device event `after` (0:
+    /// none), for plan round `round` (every rank's group of a round has the
+    /// same number).
+    fn start_group(&mut self, ops: &[P2p], after: u64, round: u32) -> Result<(), String>;
     /// Progress of the last group: its calls accepted and its work done on
     /// the device; fails on an asynchronous communicator error.
     fn poll_group(&mut self) -> Result<Progress, String>;
@@ -347,7 +349,7 @@ impl Drop for DoneOnDrop {
 }
 
 enum Command {
-    Group { ops: Vec<P2p>, after: u64, deadline: Instant, reply: Sender<Result<(), Option<String>>> },
+    Group { ops: Vec<P2p>, after: u64, round: u32, deadline: Instant, reply: Sender<Result<(), Option<String>>> },
     Check { reply: Sender<Result<(), String>> },
     Abort,
 }
@@ -457,9 +459,9 @@ fn comm_thread<B: CommBackend>(
     // Serve commands until abort or until the handle is gone.
     while let Ok(cmd) = commands.recv() {
         match cmd {
-            Command::Group { ops, after, deadline, reply } => {
+            Command::Group { ops, after, round, deadline, reply } => {
                 // Err(None): the deadline passed.
-                let r = guarded(|| backend.start_group(&ops, after))
+                let r = guarded(|| backend.start_group(&ops, after, round))
                     .map_err(Some)
                     .and_then(|()| poll_until(&stop, deadline, config.poll_interval, || guarded(|| backend.poll_group())));
                 let _ = reply.send(r);
@@ -642,7 +644,7 @@ impl CommHandle {
         peers.dedup();
         let start = Instant::now();
         let (reply, answer) = channel();
-        if self.commands.send(Command::Group { ops, after: after.map_or(0, |e| e.0), deadline, reply }).is_err() {
+        if self.commands.send(Command::Group { ops, after: after.map_or(0, |e| e.0), round, deadline, reply }).is_err() {
             self.state = State::Failed("thread gone".into());
             return Err(CommError::ThreadGone { rank, comm });
         }
@@ -783,7 +785,7 @@ mod tests {
                 _ => Ok(Progress::Pending),
             }
         }
-        fn start_group(&mut self, ops: &[P2p], after: u64) -> Result<(), String> {
+        fn start_group(&mut self, ops: &[P2p], after: u64, _round: u32) -> Result<(), String> {
             self.group_polls = 0;
             let after = if after == 0 { String::new() } else { format!(" after {after:#x}") };
             self.log.lock().unwrap().push(format!("group {ops:?}{after}"));

@@ -16,6 +16,7 @@ pub mod comm;
 pub mod copyplan;
 pub mod id;
 pub mod ipc;
+pub mod ipc_comm;
 pub mod kernels;
 pub mod plane;
 pub mod schedule;

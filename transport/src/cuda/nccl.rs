@@ -166,7 +166,7 @@ impl CommBackend for NcclBackend {
         self.progress()
     }
 
-    fn start_group(&mut self, ops: &[P2p], after: u64) -> Result<(), String> {
+    fn start_group(&mut self, ops: &[P2p], after: u64, _round: u32) -> Result<(), String> {
         self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
         self.done = None;
         self.enqueued = false;
@@ -356,6 +356,9 @@ pub struct GpuPlane<'a> {
     send: DeviceStaging,
     recv: DeviceStaging,
     fence: Option<CudaEvent>,
+    /// An exported send-staging bucket (the IPC communicator's) used
+    /// instead of `send`: base and bytes.
+    bucket: Option<(u64, usize)>,
 }
 
 impl<'a> GpuPlane<'a> {
@@ -371,7 +374,20 @@ impl<'a> GpuPlane<'a> {
             send: staging(),
             recv: staging(),
             fence: None,
+            bucket: None,
         }
+    }
+
+    /// `memory` for one run whose messages are packed into an exported
+    /// bucket of `len` bytes at `base` (the IPC communicator's, whose peers
+    /// read them there).
+    ///
+    /// # Safety
+    /// `base..base + len` must be device memory of `dev`'s context that
+    /// stays allocated while the value lives (the IPC communicator keeps
+    /// its bucket until it is dropped, or for good after a failure).
+    pub unsafe fn with_bucket(dev: &'a GpuDevice, memory: &'a mut DeviceMemory, base: u64, len: u64) -> GpuPlane<'a> {
+        GpuPlane { bucket: Some((base, len as usize)), ..GpuPlane::new(dev, memory) }
     }
 
     fn regions(&self) -> Vec<(u64, usize)> {
@@ -381,6 +397,7 @@ impl<'a> GpuPlane<'a> {
                 r.push((s.addr, s.len));
             }
         }
+        r.extend(self.bucket);
         r
     }
 }
@@ -400,6 +417,12 @@ impl PlaneMemory for GpuPlane<'_> {
 
     fn staging(&mut self, which: Staging, len: usize) -> Result<u64, String> {
         self.dev.bind().map_err(|e| e.to_string())?;
+        if let (Staging::Send, Some((base, cap))) = (which, self.bucket) {
+            return match len <= cap {
+                true => Ok(base),
+                false => Err(format!("the round's messages need {len} bytes, the exported bucket holds {cap}")),
+            };
+        }
         let (s, what) = match which {
             Staging::Send => (&mut self.send, "send staging"),
             Staging::Recv => (&mut self.recv, "receive staging"),

@@ -91,6 +91,21 @@ pub fn message_layout(pieces: impl IntoIterator<Item = (u64, DType)>) -> (Vec<u6
     packed_offsets(&bytes, 256)
 }
 
+/// The send staging `program` needs: its largest round's outgoing
+/// messages laid out as the executor lays them out (the size of the
+/// bucket an IPC communicator exports).
+pub fn send_staging_bytes(program: &RankProgram) -> u64 {
+    program
+        .rounds
+        .iter()
+        .map(|round| {
+            let sends = round.sends.iter().map(|m| (message_layout(m.pieces.views().map(|p| (p.numel(), p.wire()))).1, DType::U8));
+            message_layout(sends).1
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// Why a communicator run of a rank's program failed. On any error, abort
 /// the communicator (peers then fail instead of waiting) and create a new
 /// one with a new id before the next refit.

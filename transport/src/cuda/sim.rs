@@ -24,6 +24,8 @@
 use crate::copy::{copy_strided, fits, packed_strides, StridedRef};
 use crate::cuda::comm::{CommBackend, P2p, Progress, RawEvent};
 use crate::cuda::id::CommId;
+use crate::cuda::ipc::IpcHandle;
+use crate::cuda::ipc_comm::IpcMemory;
 use crate::cuda::plane::{PlaneMemory, Side, Staging};
 use crate::memory::RankMemory;
 use reshard::{Block, DType, RankProgram, Span};
@@ -200,7 +202,7 @@ impl CommBackend for SimComm {
         }
     }
 
-    fn start_group(&mut self, ops: &[P2p], _after: u64) -> Result<(), String> {
+    fn start_group(&mut self, ops: &[P2p], _after: u64, _round: u32) -> Result<(), String> {
         let group = self.groups;
         self.groups += 1;
         if self.fault(&SimFault::GroupFails { rank: self.rank, group }) {
@@ -291,6 +293,8 @@ pub struct SimMemory<'a> {
     lens: Vec<usize>,
     send: Vec<u8>,
     recv: Vec<u8>,
+    /// An exported send-staging bucket used instead of `send`.
+    bucket: Option<Arc<SimBucket>>,
 }
 
 impl<'a> SimMemory<'a> {
@@ -298,7 +302,14 @@ impl<'a> SimMemory<'a> {
     pub fn new(memory: &'a mut RankMemory) -> SimMemory<'a> {
         let addrs = memory.buffers.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
         let lens = memory.buffers.iter().map(Vec::len).collect();
-        SimMemory { memory, addrs, lens, send: Vec::new(), recv: Vec::new() }
+        SimMemory { memory, addrs, lens, send: Vec::new(), recv: Vec::new(), bucket: None }
+    }
+
+    /// `memory` for one run whose messages are packed into an exported
+    /// bucket ([`SimIpc::bucket`]; the IPC communicator's peers read them
+    /// there).
+    pub fn with_bucket(memory: &'a mut RankMemory, bucket: Arc<SimBucket>) -> SimMemory<'a> {
+        SimMemory { bucket: Some(bucket), ..SimMemory::new(memory) }
     }
 
     fn regions(&mut self) -> Vec<Region> {
@@ -306,7 +317,102 @@ impl<'a> SimMemory<'a> {
         for s in [&mut self.send, &mut self.recv] {
             r.push(Region { at: s.as_mut_ptr() as u64, len: s.len() });
         }
+        if let Some(b) = &self.bucket {
+            r.push(Region { at: b.ptr as u64, len: b.len });
+        }
         r
+    }
+}
+
+/// An exported bucket of host memory (the simulated IPC allocation).
+pub struct SimBucket {
+    ptr: *mut u8,
+    len: usize,
+    _mem: Box<[u8]>,
+}
+
+// SAFETY: the bucket is written by its owner's executor (packing) and read
+// by peers only between a *ready* doorbell and their *released* one, which
+// the doorbell transport orders (a channel or socket: happens-before).
+unsafe impl Send for SimBucket {}
+// SAFETY: as above.
+unsafe impl Sync for SimBucket {}
+
+fn buckets() -> MutexGuard<'static, HashMap<IpcHandle, Weak<SimBucket>>> {
+    static BUCKETS: OnceLock<Mutex<HashMap<IpcHandle, Weak<SimBucket>>>> = OnceLock::new();
+    BUCKETS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The simulated [`IpcMemory`]: an exported bucket of host memory, and the
+/// peers' buckets mapped by handle (in this process: a bucket lives as long
+/// as its owner or a peer that mapped it holds it).
+pub struct SimIpc {
+    bucket: Arc<SimBucket>,
+    peers: HashMap<u32, Arc<SimBucket>>,
+}
+
+impl SimIpc {
+    /// A bucket of `bytes` exported under a fresh handle.
+    pub fn export(bytes: u64) -> (SimIpc, IpcHandle) {
+        let mut mem = vec![0u8; bytes as usize].into_boxed_slice();
+        let bucket = Arc::new(SimBucket { ptr: mem.as_mut_ptr(), len: mem.len(), _mem: mem });
+        let mut raw = [0u8; crate::cuda::ipc::IPC_HANDLE_BYTES];
+        raw.copy_from_slice(&[sim_comm_id().as_bytes()[..32].to_vec(), sim_comm_id().as_bytes()[..32].to_vec()].concat());
+        let handle = IpcHandle::from_bytes(&raw).unwrap_or_else(|_| unreachable!("a non-zero handle of the right length"));
+        let mut all = buckets();
+        all.retain(|_, b| b.strong_count() > 0);
+        all.insert(handle, Arc::downgrade(&bucket));
+        (SimIpc { bucket, peers: HashMap::new() }, handle)
+    }
+
+    /// The exported bucket, for the executor to pack into
+    /// ([`SimMemory::with_bucket`]).
+    pub fn bucket(&self) -> Arc<SimBucket> {
+        self.bucket.clone()
+    }
+
+    /// Maps communicator rank `peer`'s bucket of `bytes` by its handle.
+    pub fn map_peer(&mut self, peer: u32, handle: &IpcHandle, bytes: u64) -> Result<(), String> {
+        let b = buckets()
+            .get(handle)
+            .and_then(Weak::upgrade)
+            .ok_or("no bucket of that handle in this process (simulated IPC joins ranks of one process)")?;
+        if (b.len as u64) < bytes {
+            return Err(format!("rank {peer}'s bucket holds {} bytes, {bytes} announced", b.len));
+        }
+        self.peers.insert(peer, b);
+        Ok(())
+    }
+}
+
+impl IpcMemory for SimIpc {
+    fn staging(&self) -> (u64, u64) {
+        (self.bucket.ptr as u64, self.bucket.len as u64)
+    }
+
+    fn wait(&mut self, _after: u64) -> Result<(), String> {
+        // Host copies are done when they return.
+        Ok(())
+    }
+
+    unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), String> {
+        let b = self.peers.get(&peer).ok_or_else(|| format!("rank {peer}'s bucket is not mapped here"))?;
+        if offset.checked_add(bytes).is_none_or(|end| end > b.len as u64) {
+            return Err(format!("rank {peer}: {bytes} bytes at {offset} are outside its {}-byte bucket", b.len));
+        }
+        // SAFETY: the source lies in the peer's live bucket (checked, and
+        // held by the `Arc`), written by nobody until this rank releases
+        // it; the destination is the caller's guarantee.
+        unsafe { std::ptr::copy_nonoverlapping(b.ptr.add(offset as usize), dst as *mut u8, bytes as usize) };
+        Ok(())
+    }
+
+    fn pulled(&mut self) -> Result<Progress, String> {
+        Ok(Progress::Ready)
+    }
+
+    fn abandon(&mut self) {
+        // Peers that mapped the bucket hold it alive themselves.
     }
 }
 
@@ -336,6 +442,12 @@ impl PlaneMemory for SimMemory<'_> {
     }
 
     fn staging(&mut self, which: Staging, len: usize) -> Result<u64, String> {
+        if let (Staging::Send, Some(b)) = (which, &self.bucket) {
+            return match len <= b.len {
+                true => Ok(b.ptr as u64),
+                false => Err(format!("the round's messages need {len} bytes, the exported bucket holds {}", b.len)),
+            };
+        }
         let s = match which {
             Staging::Send => &mut self.send,
             Staging::Recv => &mut self.recv,
