@@ -22,15 +22,18 @@
 //!   the abort timeout; the next refit creates a new one with a new id.
 //!   A communicator end dropped unused is aborted on a thread of its own.
 
-use crate::protocol::{CommPlane, NcclFabric, NodeFabric, PeerAddr};
+use crate::protocol::{CommPlane, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
 use reshard::{Endpoint, Group, RankProgram};
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::cuda::comm::{CommConfig, CommHandle};
+use transport::cuda::comm::{CommConfig, CommHandle, Progress};
 use transport::cuda::id::CommId;
-use transport::cuda::plane::{comm_rank, run_rank_comm};
-use transport::cuda::sim::{sim_comm, sim_comm_id, SimMemory};
+use transport::cuda::ipc::IpcHandle;
+use transport::cuda::ipc_comm::{IpcComm, IpcMemory};
+use transport::cuda::plane::{comm_rank, run_rank_comm, send_staging_bytes};
+use transport::cuda::sim::{sim_comm, sim_comm_id, SimBucket, SimIpc, SimMemory};
 use transport::tcp::TcpConfig;
 use transport::{RankMemory, RankStats};
 
@@ -64,8 +67,108 @@ pub(crate) enum Endpointed {
         /// The member's GPU (NCCL).
         gpu: Option<usize>,
     },
-    /// Communicator fabric: this member's rank of the refit's communicator.
+    /// IPC fabric: doorbells listening, the send bucket exported.
+    IpcPrepared {
+        /// The listener the peers' doorbells connect to.
+        listener: TcpListener,
+        /// Settings.
+        settings: IpcFabric,
+        /// The member's GPU.
+        gpu: Option<usize>,
+        /// The exported send bucket.
+        bucket: Bucket,
+        /// The refit's session id.
+        session: String,
+    },
+    /// Communicator or IPC fabric: this member's rank of the refit's
+    /// communicator.
     Comm(CommEnd),
+}
+
+/// A member's exported send bucket on the IPC fabric (it moves to the
+/// communicator's thread once connected).
+pub(crate) enum Bucket {
+    /// Host memory of this process.
+    Sim(SimIpc),
+    /// Device memory, exported through CUDA IPC.
+    #[cfg(feature = "cuda")]
+    Gpu(Box<transport::cuda::ipc_comm::gpu::GpuIpc>),
+}
+
+impl Bucket {
+    fn map_peer(&mut self, peer: u32, owner: Endpoint, handle: &IpcHandle, bytes: u64) -> Result<(), String> {
+        match self {
+            Bucket::Sim(b) => b.map_peer(peer, handle, bytes),
+            #[cfg(feature = "cuda")]
+            Bucket::Gpu(b) => b.map_peer(peer, owner, handle, bytes),
+        }
+        .map_err(|e| format!("mapping {owner}'s bucket: {e}"))
+    }
+
+    /// What a run packs into.
+    fn packs_into(&self) -> PackInto {
+        match self {
+            Bucket::Sim(b) => PackInto::Sim(b.bucket()),
+            #[cfg(feature = "cuda")]
+            Bucket::Gpu(b) => {
+                let (base, len) = b.staging();
+                PackInto::Gpu { base, len }
+            }
+        }
+    }
+}
+
+impl IpcMemory for Bucket {
+    fn staging(&self) -> (u64, u64) {
+        match self {
+            Bucket::Sim(b) => b.staging(),
+            #[cfg(feature = "cuda")]
+            Bucket::Gpu(b) => b.staging(),
+        }
+    }
+
+    fn wait(&mut self, after: u64) -> Result<(), String> {
+        match self {
+            Bucket::Sim(b) => b.wait(after),
+            #[cfg(feature = "cuda")]
+            Bucket::Gpu(b) => b.wait(after),
+        }
+    }
+
+    unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), String> {
+        // SAFETY: the caller's guarantee, passed on.
+        match self {
+            Bucket::Sim(b) => unsafe { b.pull(peer, offset, dst, bytes) },
+            #[cfg(feature = "cuda")]
+            Bucket::Gpu(b) => unsafe { b.pull(peer, offset, dst, bytes) },
+        }
+    }
+
+    fn pulled(&mut self) -> Result<Progress, String> {
+        match self {
+            Bucket::Sim(b) => b.pulled(),
+            #[cfg(feature = "cuda")]
+            Bucket::Gpu(b) => b.pulled(),
+        }
+    }
+
+    fn abandon(&mut self) {
+        match self {
+            Bucket::Sim(b) => b.abandon(),
+            #[cfg(feature = "cuda")]
+            Bucket::Gpu(b) => b.abandon(),
+        }
+    }
+}
+
+/// Where an IPC rank's runs pack their messages: its exported bucket.
+enum PackInto {
+    Sim(Arc<SimBucket>),
+    #[cfg(feature = "cuda")]
+    Gpu {
+        base: u64,
+        len: u64,
+    },
 }
 
 /// A member's rank of a communicator, and what its runs keep.
@@ -77,6 +180,9 @@ pub(crate) struct CommEnd {
     plane: CommPlane,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     gpu: Option<usize>,
+    /// The IPC fabric's exported bucket (held by the communicator's
+    /// thread, which outlives every run).
+    packs_into: Option<PackInto>,
     /// The rank's device buffers (NCCL), kept between the runs of this
     /// communicator.
     #[cfg(feature = "cuda")]
@@ -110,7 +216,11 @@ impl CommEnd {
         let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
         match &self.plane {
             CommPlane::Simulated { .. } => {
-                run_rank_comm(&mut SimMemory::new(memory), program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+                let mut sim = match &self.packs_into {
+                    Some(PackInto::Sim(b)) => SimMemory::with_bucket(memory, b.clone()),
+                    _ => SimMemory::new(memory),
+                };
+                run_rank_comm(&mut sim, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
             }
             #[cfg(feature = "cuda")]
             CommPlane::Cuda => {
@@ -127,8 +237,17 @@ impl CommEnd {
                 // The store's bytes go to the device and a destination's
                 // come back: stores live in host memory.
                 mem.upload(dev, memory).map_err(|e| e.to_string())?;
-                let stats =
-                    transport::cuda::nccl::run_rank_nccl(dev, program, mem, handle, &rank_of, deadline).map_err(|e| e.to_string())?;
+                let me = program.endpoint;
+                dev.bind().map_err(|e| format!("{me}: {e}"))?;
+                let mut plane = match &self.packs_into {
+                    // SAFETY: the bucket is device memory of this GPU, held
+                    // by the communicator's thread until it is dropped (or
+                    // for good after a failure), past this run.
+                    Some(PackInto::Gpu { base, len }) => unsafe { transport::cuda::nccl::GpuPlane::with_bucket(dev, mem, *base, *len) },
+                    _ => transport::cuda::nccl::GpuPlane::new(dev, mem),
+                };
+                let stats = run_rank_comm(&mut plane, program, handle, &rank_of, deadline).map_err(|e| e.to_string())?;
+                drop(plane);
                 if program.endpoint.group == Group::Dst {
                     *memory = mem.download(dev).map_err(|e| e.to_string())?;
                 }
@@ -226,6 +345,121 @@ impl Endpointed {
             nranks,
             plane: settings.plane,
             gpu,
+            packs_into: None,
+            #[cfg(feature = "cuda")]
+            device: None,
+        }))
+    }
+
+    /// Prepares this member's end of the IPC fabric: exports its send
+    /// bucket (sized for its largest round) and listens for its peers'
+    /// doorbells; its address is `ip:port/<handle hex>/<bytes>`.
+    pub(crate) fn prepare_ipc(
+        ip: IpAddr,
+        program: &RankProgram,
+        settings: IpcFabric,
+        gpu: Option<usize>,
+        session: String,
+    ) -> Result<(Endpointed, String), String> {
+        let bytes = send_staging_bytes(program);
+        let (bucket, handle) = match &settings.plane {
+            CommPlane::Simulated { .. } => {
+                let (b, h) = SimIpc::export(bytes);
+                (Bucket::Sim(b), h)
+            }
+            #[cfg(feature = "cuda")]
+            CommPlane::Cuda => {
+                let me = program.endpoint;
+                transport::gpu_plane_available(transport::GpuPlane::Device, 1).map_err(|e| format!("IPC transport unavailable: {e}"))?;
+                let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu) for the IPC fabric"))?;
+                let (b, h) = transport::cuda::ipc_comm::gpu::GpuIpc::export(ordinal, me, bytes)
+                    .map_err(|e| format!("IPC transport unavailable: exporting {me}'s bucket: {e}"))?;
+                (Bucket::Gpu(Box::new(b)), h)
+            }
+            #[cfg(not(feature = "cuda"))]
+            CommPlane::Cuda => return Err("IPC transport unavailable: this build has no `cuda` feature".into()),
+        };
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
+        let at = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?;
+        let addr = format!("{at}/{}/{bytes}", handle.to_hex());
+        Ok((Endpointed::IpcPrepared { listener, settings, gpu, bucket, session }, addr))
+    }
+
+    /// Connects this member's doorbells to the peers of its program, maps
+    /// the buckets of the peers it receives from, and makes its rank of the
+    /// IPC communicator (blocking: run off the reactor).
+    #[allow(clippy::too_many_arguments)]
+    fn connect_ipc(
+        program: &RankProgram,
+        listener: TcpListener,
+        settings: IpcFabric,
+        gpu: Option<usize>,
+        mut bucket: Bucket,
+        table: &[PeerAddr],
+        key: transport::HelloKey,
+        session: String,
+    ) -> Result<Endpointed, String> {
+        let me = program.endpoint;
+        let nranks = table.len() as u32;
+        let src_ranks = table.iter().filter(|p| p.endpoint.group == Group::Src).count() as u32;
+        let mut endpoints = vec![None; nranks as usize];
+        let mut addrs: HashMap<Endpoint, (SocketAddr, IpcHandle, u64)> = HashMap::new();
+        for p in table {
+            let bad = |what: &str| format!("{}: bad IPC address '{}': {what}", p.endpoint, p.addr);
+            let mut parts = p.addr.split('/');
+            let (Some(at), Some(handle), Some(bytes), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
+                return Err(bad("not ip:port/handle/bytes"));
+            };
+            let at: SocketAddr = at.parse().map_err(|e| bad(&format!("{e}")))?;
+            let handle = IpcHandle::from_hex(handle).map_err(|e| bad(&e.to_string()))?;
+            let bytes: u64 = bytes.parse().map_err(|e| bad(&format!("bucket bytes: {e}")))?;
+            let slot = endpoints.get_mut(comm_rank(p.endpoint, src_ranks) as usize).ok_or_else(|| bad("no rank in the communicator"))?;
+            *slot = Some(p.endpoint);
+            addrs.insert(p.endpoint, (at, handle, bytes));
+        }
+        let endpoints: Vec<Endpoint> = endpoints.into_iter().collect::<Option<_>>().ok_or("the peer table misses a rank")?;
+        let mut wanted = BTreeSet::new();
+        for r in &program.rounds {
+            wanted.extend(r.sends.iter().map(|m| m.peer));
+            wanted.extend(r.recvs.iter().map(|m| m.peer));
+        }
+        let mut peers = Vec::with_capacity(wanted.len());
+        for e in wanted {
+            let (at, ..) = addrs.get(&e).ok_or_else(|| format!("no IPC address for {me}'s peer {e}"))?;
+            peers.push((e, *at));
+        }
+        for e in program.rounds.iter().flat_map(|r| r.recvs.iter()).map(|m| m.peer).collect::<BTreeSet<_>>() {
+            let (_, handle, bytes) = addrs[&e];
+            bucket.map_peer(comm_rank(e, src_ranks), e, &handle, bytes)?;
+        }
+        // Doorbells: a few bytes each, over TCP only (every peer its own
+        // "node", so no shared-memory regions are set up).
+        let config = NodeTransportConfig {
+            session,
+            tcp: TcpConfig {
+                connect_timeout: if settings.connect_timeout.is_zero() { Duration::from_secs(30) } else { settings.connect_timeout },
+                peers_listening: true,
+                max_frame_bytes: MIN_FRAME_LIMIT,
+                hello_key: Some(key),
+                ..TcpConfig::default()
+            },
+            ..NodeTransportConfig::default()
+        };
+        let doorbells =
+            NodeTransport::connect(me, listener, &peers, |e| e, &config).map_err(|e| format!("{me}: connecting doorbells: {e}"))?;
+        let packs_into = bucket.packs_into();
+        let rank = comm_rank(me, src_ranks);
+        let config =
+            CommConfig { init_timeout: settings.connect_timeout, abort_timeout: settings.abort_timeout, ..CommConfig::new(rank, nranks) };
+        let started = CommHandle::start(config, &format!("ipc-{me}"), move || Ok(IpcComm::new(endpoints, doorbells, bucket)));
+        let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
+        Ok(Endpointed::Comm(CommEnd {
+            handle: Some(handle),
+            src_ranks,
+            nranks,
+            plane: settings.plane,
+            gpu,
+            packs_into: Some(packs_into),
             #[cfg(feature = "cuda")]
             device: None,
         }))
@@ -249,6 +483,9 @@ impl Endpointed {
         let (listener, settings, session) = match self {
             Endpointed::Listening { listener, settings, session } => (listener, settings, session),
             Endpointed::CommPrepared { settings, gpu } => return Endpointed::connect_comm(program.endpoint, settings, gpu, table),
+            Endpointed::IpcPrepared { listener, settings, gpu, bucket, session } => {
+                return Endpointed::connect_ipc(program, listener, settings, gpu, bucket, table, key, session)
+            }
             done => return Ok(done),
         };
         let me = program.endpoint;
@@ -346,7 +583,9 @@ impl Endpointed {
             Endpointed::Connected(t) => Ok(Ready::Transport(t)),
             Endpointed::Comm(c) if c.handle.is_some() => Ok(Ready::Comm(c)),
             Endpointed::Comm(_) => Err("the communicator was aborted".into()),
-            Endpointed::Listening { .. } | Endpointed::CommPrepared { .. } => Err("the data plane was prepared but never connected".into()),
+            Endpointed::Listening { .. } | Endpointed::CommPrepared { .. } | Endpointed::IpcPrepared { .. } => {
+                Err("the data plane was prepared but never connected".into())
+            }
         }
     }
 

@@ -44,7 +44,9 @@ pub use orchestrator::{
     Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, PlanReport, RefitPhase, RefitReport,
     RefitStep, RefitTarget,
 };
-pub use protocol::{CommPlane, EgressCaps, Fabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric, Refusal, Weights};
+pub use protocol::{
+    CommPlane, EgressCaps, Fabric, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric, Refusal, Weights,
+};
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
 pub use store::{BufferError, Buffers, DstStore, Snapshot, SrcStore, TensorView, TensorViewMut};
@@ -193,6 +195,7 @@ pub fn orchestrator_call_timeout(config: &OrchestratorConfig) -> std::time::Dura
         Fabric::Node(n) => n.connect_timeout,
         // Creation, and the cleanup of a creation that failed.
         Fabric::Nccl(n) => n.init_timeout + n.abort_timeout,
+        Fabric::Ipc(n) => n.connect_timeout + n.abort_timeout,
         Fabric::InProcess => std::time::Duration::ZERO,
     };
     config.deadline + connect + 8 * config.control_timeout
@@ -253,10 +256,10 @@ impl RefitSystem {
     }
 }
 
-/// The settings of an in-process member: on the NCCL fabric, rank `i` of
-/// the communicator (sources first) uses GPU `i`.
+/// The settings of an in-process member: on the NCCL and IPC fabrics,
+/// rank `i` of the communicator (sources first) uses GPU `i`.
 fn in_process_member(endpoint: Endpoint, src_ranks: u32, fabric: &Fabric) -> MemberConfig {
-    let gpu = matches!(fabric, Fabric::Nccl(_)).then(|| transport::cuda::plane::comm_rank(endpoint, src_ranks) as usize);
+    let gpu = matches!(fabric, Fabric::Nccl(_) | Fabric::Ipc(_)).then(|| transport::cuda::plane::comm_rank(endpoint, src_ranks) as usize);
     MemberConfig { gpu, ..MemberConfig::default() }
 }
 

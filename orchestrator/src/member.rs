@@ -392,6 +392,7 @@ impl Member {
             Fabric::InProcess => Endpointed::take_local(&session, self.endpoint).map(|e| (e, String::new())),
             Fabric::Node(settings) => Endpointed::listen(self.config.data_ip, settings, session.clone()),
             Fabric::Nccl(settings) => Endpointed::prepare_comm(self.endpoint, settings, self.config.gpu),
+            Fabric::Ipc(settings) => Endpointed::prepare_ipc(self.config.data_ip, &program, settings, self.config.gpu, session.clone()),
         };
         match opened {
             Ok((end, addr)) => {

@@ -949,7 +949,7 @@ impl Orchestrator {
 
     /// Whether members keep their node-fabric connections after a refit.
     fn keeps_data_plane(&self) -> bool {
-        self.config.keep_data_plane && matches!(self.config.fabric, Fabric::Node(_) | Fabric::Nccl(_))
+        self.config.keep_data_plane && matches!(self.config.fabric, Fabric::Node(_) | Fabric::Nccl(_) | Fabric::Ipc(_))
     }
 
     /// Asks every member to take up its endpoint of the kept `session` for
@@ -990,6 +990,7 @@ impl Orchestrator {
             // Every member creates its rank of the communicator at once;
             // a creation that fails is cleaned up within the abort timeout.
             Fabric::Nccl(settings) => Some(settings.init_timeout + settings.abort_timeout),
+            Fabric::Ipc(settings) => Some(settings.connect_timeout + settings.abort_timeout),
         };
         if let Some(timeout) = connect_timeout {
             let connect = |_, _| Some(MemberMsg::Connect { refit, peers: peers.clone() });

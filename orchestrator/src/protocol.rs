@@ -40,6 +40,31 @@ pub enum Fabric {
     /// then destinations), a group of sends and receives per round: NCCL
     /// between GPUs, or the simulated communicator.
     Nccl(NcclFabric),
+    /// CUDA IPC between members of one node (one GPU or several): each
+    /// member exports one send bucket per data-plane epoch, its receivers
+    /// map it and copy out of it, doorbells go over TCP.
+    Ipc(IpcFabric),
+}
+
+/// Settings of the CUDA IPC fabric.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpcFabric {
+    /// What the buckets are: device memory through CUDA IPC
+    /// ([`CommPlane::Cuda`], each member on its GPU), or host memory of
+    /// this process ([`CommPlane::Simulated`]; the world's name is unused).
+    pub plane: CommPlane,
+    /// Time every member has to connect its doorbells and map its peers'
+    /// buckets.
+    pub connect_timeout: Duration,
+    /// Time an abort may take before its thread is abandoned.
+    pub abort_timeout: Duration,
+}
+
+impl IpcFabric {
+    /// Settings with the default timeouts (30 s to connect, 10 s to abort).
+    pub fn new(plane: CommPlane) -> IpcFabric {
+        IpcFabric { plane, connect_timeout: Duration::from_secs(30), abort_timeout: Duration::from_secs(10) }
+    }
 }
 
 /// Settings of the communicator fabric.
@@ -117,7 +142,8 @@ pub struct PeerAddr {
     /// Where it listens (`ip:port`; empty for the in-process fabric). On
     /// the communicator fabric, source rank 0's is the communicator's id
     /// (hex: NCCL's unique id names rank 0's bootstrap address), the
-    /// others' are empty.
+    /// others' are empty. On the IPC fabric, `ip:port/<handle hex>/<bytes>`:
+    /// where its doorbells listen, and its exported bucket.
     pub addr: String,
 }
 

@@ -35,6 +35,29 @@ pub enum CommIdError {
     },
 }
 
+/// Why hex text does not decode to `n` bytes.
+pub(crate) enum Unhex {
+    /// Not `2 n` characters: about `got` bytes.
+    Length { got: usize },
+    /// Not a hex digit at this character.
+    Digit { at: usize },
+}
+
+/// Lower-case hex of `bytes`.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Exactly `n` bytes from hex text (surrounding space ignored).
+pub(crate) fn unhex(text: &str, n: usize) -> Result<Vec<u8>, Unhex> {
+    let text = text.trim();
+    if text.len() != 2 * n {
+        return Err(Unhex::Length { got: text.len() / 2 });
+    }
+    let digit = |i: usize| (text.as_bytes()[i] as char).to_digit(16).map(|d| d as u8).ok_or(Unhex::Digit { at: i });
+    (0..n).map(|i| Ok((digit(2 * i)? << 4) | digit(2 * i + 1)?)).collect()
+}
+
 impl CommId {
     /// The id from its bytes; rejects a wrong length and an all-zero id.
     pub fn from_bytes(bytes: &[u8]) -> Result<CommId, CommIdError> {
@@ -57,24 +80,16 @@ impl CommId {
 
     /// Lower-case hex (256 characters), for text messages and logs.
     pub fn to_hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        hex(&self.0)
     }
 
     /// Decodes [`CommId::to_hex`] output.
     pub fn from_hex(text: &str) -> Result<CommId, CommIdError> {
-        let text = text.trim();
-        if text.len() != 2 * COMM_ID_BYTES {
-            return Err(CommIdError::Length { got: text.len() / 2 });
+        match unhex(text, COMM_ID_BYTES) {
+            Ok(raw) => CommId::from_bytes(&raw),
+            Err(Unhex::Length { got }) => Err(CommIdError::Length { got }),
+            Err(Unhex::Digit { at }) => Err(CommIdError::Hex { at }),
         }
-        let digit = |i: usize| -> Result<u8, CommIdError> {
-            let c = text.as_bytes()[i];
-            (c as char).to_digit(16).map(|d| d as u8).ok_or(CommIdError::Hex { at: i })
-        };
-        let mut raw = [0u8; COMM_ID_BYTES];
-        for (i, b) in raw.iter_mut().enumerate() {
-            *b = (digit(2 * i)? << 4) | digit(2 * i + 1)?;
-        }
-        CommId::from_bytes(&raw)
     }
 
     /// A short tag for logs and errors (first 8 bytes, hex).

@@ -40,6 +40,12 @@ pub enum IpcHandleError {
     /// Every byte is zero: a handle that was never filled in.
     #[error("CUDA IPC handle is all zeros (never exported)")]
     Zero,
+    /// The hex text has a character that is not a hex digit.
+    #[error("CUDA IPC handle hex has a non-hex character at {at}")]
+    Hex {
+        /// Character position.
+        at: usize,
+    },
 }
 
 impl IpcHandle {
@@ -60,6 +66,21 @@ impl IpcHandle {
     /// The bytes to put in a message.
     pub fn to_vec(&self) -> Vec<u8> {
         self.0.to_vec()
+    }
+
+    /// Lower-case hex (128 characters), for text addresses.
+    pub fn to_hex(&self) -> String {
+        crate::cuda::id::hex(&self.0)
+    }
+
+    /// Decodes [`IpcHandle::to_hex`] output.
+    pub fn from_hex(text: &str) -> Result<IpcHandle, IpcHandleError> {
+        use crate::cuda::id::{unhex, Unhex};
+        match unhex(text, IPC_HANDLE_BYTES) {
+            Ok(raw) => IpcHandle::from_bytes(&raw),
+            Err(Unhex::Length { got }) => Err(IpcHandleError::Length { got }),
+            Err(Unhex::Digit { at }) => Err(IpcHandleError::Hex { at }),
+        }
     }
 }
 

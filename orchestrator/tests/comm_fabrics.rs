@@ -1,15 +1,16 @@
-//! The orchestrator on the communicator fabric, with the simulated
-//! communicator (`CommPlane::Simulated`): what it does with NCCL
-//! communicators — one per data-plane epoch, created by every member at
-//! once from source rank 0's id, kept across the refits of a plan, aborted
-//! on failure and replaced by one with a new id — tested on any machine,
-//! with failures armed where NCCL jobs meet them.
+//! The orchestrator on the GPU fabrics, simulated (`CommPlane::Simulated`):
+//! what it does with NCCL communicators — one per data-plane epoch, created
+//! by every member at once from source rank 0's id, kept across the refits
+//! of a plan, aborted on failure and replaced by one with a new id — and
+//! with CUDA IPC buckets (one exported per member and epoch, mapped by its
+//! receivers, doorbells over TCP), tested on any machine, with failures
+//! armed where NCCL jobs meet them.
 
 use orchestrator::{
-    orchestrator_call_timeout, spawn_refit, CommPlane, Fabric, NcclFabric, OrchestratorConfig, OrchestratorError, RefitError, RefitSystem,
-    Refusal,
+    orchestrator_call_timeout, spawn_refit, CommPlane, Fabric, IpcFabric, NcclFabric, OrchestratorConfig, OrchestratorError, RefitError,
+    RefitSystem, Refusal,
 };
-use reshard::{parse_layout, Layout, Strategy};
+use reshard::{parse_layout, Endpoint, Layout, Strategy};
 use std::time::{Duration, Instant};
 use transport::cuda::sim::{arm, live_comms, SimFault};
 
@@ -192,4 +193,70 @@ async fn nccl_without_a_gpu_is_refused_cleanly() {
         other => panic!("expected a refusal, got {other:?}"),
     }
     assert!(sys.dst_stores.iter().all(|s| s.snapshot().is_none()));
+}
+
+fn ipc_config(mode: Strategy) -> OrchestratorConfig {
+    let fabric = IpcFabric {
+        plane: CommPlane::Simulated { world: String::new() },
+        connect_timeout: Duration::from_secs(5),
+        abort_timeout: Duration::from_secs(1),
+    };
+    OrchestratorConfig { fabric: Fabric::Ipc(fabric), ..config("", mode) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refits_over_ipc_buckets_deliver_every_version_on_one_epoch() {
+    for mode in [Strategy::Reshard, Strategy::Baseline] {
+        let (src, dst) = layouts();
+        let sys = spawn_refit(&src, &dst, ipc_config(mode)).await.unwrap();
+        for k in 1..=3 {
+            let value = k as f32 * -0.5;
+            let v = step(&sys, value).await;
+            let report = sys.orchestrator.refit(v).await.unwrap();
+            assert!(serves(&sys, v, value), "{mode:?}: refit {k}");
+            assert_eq!(report.bytes, sys.orchestrator.plan().await.unwrap().bytes, "{mode:?}");
+            // The buckets and doorbells of the first refit serve the next.
+            assert_eq!(report.resumed, k > 1, "{mode:?}: refit {k}");
+        }
+    }
+}
+
+/// A member that dies fails the refit (destinations keep their version);
+/// its replacement exports a fresh bucket and the next refit delivers on a
+/// new epoch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_ipc_member_is_replaced_and_a_fresh_epoch_delivers() {
+    let (src, dst) = layouts();
+    let mut sys = spawn_refit(&src, &dst, ipc_config(Strategy::Reshard)).await.unwrap();
+    let v1 = step(&sys, 1.0).await;
+    sys.orchestrator.refit(v1).await.unwrap();
+    sys.src_members.get(1).unwrap().stop();
+    let dead = sys.events.recv().await.unwrap();
+    assert_eq!(dead.name, "src[1]");
+    let v2 = step(&sys, 2.0).await;
+    assert!(matches!(sys.orchestrator.refit(v2).await, Err(RefitError::Refit(OrchestratorError::MemberDied { .. }))));
+    assert!(serves(&sys, v1, 1.0));
+    sys.replace_member(Endpoint::src(1)).await.unwrap();
+    let report = sys.orchestrator.refit(v2).await.unwrap();
+    assert!(!report.resumed);
+    assert!(serves(&sys, v2, 2.0));
+}
+
+/// CUDA IPC members without a GPU (or a build without CUDA) refuse before
+/// anything moves, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ipc_without_a_gpu_is_refused_cleanly() {
+    if transport::gpu_plane_available(transport::GpuPlane::Device, 1).is_ok() {
+        return; // a GPU machine: scripts/gpu-check.sh
+    }
+    let (src, dst) = layouts();
+    let config = OrchestratorConfig { fabric: Fabric::Ipc(IpcFabric::new(CommPlane::Cuda)), ..config("", Strategy::Reshard) };
+    let sys = spawn_refit(&src, &dst, config).await.unwrap();
+    let v = step(&sys, 6.0).await;
+    match sys.orchestrator.refit(v).await {
+        Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
+            assert!(why.contains("IPC transport unavailable"), "{why}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
 }
