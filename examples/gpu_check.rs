@@ -21,7 +21,12 @@
 //! 5. `throughput`: a device refit of `llama3-8b --scale 2` (verified)
 //!    against a `cuMemcpyDtoD` of the same bytes in the same run; passes at
 //!    a ratio of at least 0.7;
-//! 6. `orchestrator` (2 GPUs or more; skipped on one, where NCCL cannot
+//! 6. `orchestrator-ipc`: a colocated refit through the orchestrator on the
+//!    CUDA IPC fabric: a child process serves two source members (f32, row
+//!    shards) on GPU 0 through a rendezvous, this process two destination
+//!    members (bf16, column shards) on the same GPU; every destination
+//!    element checked;
+//! 7. `orchestrator` (2 GPUs or more; skipped on one, where NCCL cannot
 //!    put two ranks of a communicator): refits through the orchestrator
 //!    on the NCCL fabric, one source rank (f32) and a destination rank
 //!    (bf16, row shards) per further GPU, three versions on one
@@ -451,8 +456,129 @@ mod check {
         })
     }
 
+    /// The layouts of the `orchestrator-ipc` check and its values.
+    const IPC_SRC: &str = r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [2048, 1024], "shards": [
+        {"rank": 0, "offset": [0, 0], "extent": [1024, 1024], "buffer": "params", "at": 0},
+        {"rank": 1, "offset": [1024, 0], "extent": [1024, 1024], "buffer": "params", "at": 0}]}]}"#;
+    const IPC_DST: &str = r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "bf16", "shape": [2048, 1024],
+        "mesh": {"shape": [2]}, "placements": ["shard(1)"]}]}"#;
+
+    /// Integers below 256: exact in bf16.
+    fn ipc_value(at: &[u64]) -> f32 {
+        ((at[0] * 1024 + at[1]) % 251) as f32
+    }
+
+    /// The `orchestrator-ipc` check's child: serves both source members on
+    /// GPU 0 with version 1 written, until the rendezvous closes.
+    fn ipc_members() -> Result<(), String> {
+        use orchestrator::{join, JoinConfig, MemberConfig, Role, SrcStore};
+        use std::sync::Arc;
+        let src = Arc::new(parse_layout(IPC_SRC).map_err(e2s)?);
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(e2s)?;
+        rt.block_on(async {
+            let joined = join(&JoinConfig::from_env().map_err(e2s)?).await.map_err(e2s)?;
+            for rank in 0..src.ranks() {
+                let store = Arc::new(SrcStore::new(&src, rank));
+                store.try_update(|b| b.tensor_mut("w")?.map_f32(|at, _| ipc_value(at))).await.map_err(e2s)?;
+                let config = MemberConfig { gpu: Some(0), ..joined.member_config() };
+                joined.serve_member_with(src.clone(), rank, Role::Src(store), config).await.map_err(e2s)?;
+            }
+            joined.closed().await;
+            joined.shutdown();
+            Ok(())
+        })
+    }
+
+    /// A colocated refit through the orchestrator on the CUDA IPC fabric,
+    /// between a child process (sources) and this one (destinations), on
+    /// one GPU.
+    fn orchestrated_ipc(_dev: &GpuDevice) -> Result<(String, Value), String> {
+        use actors::{spawn, ActorGroup, Secret, SpawnConfig};
+        use orchestrator::rendezvous::{ControlConfig, RENDEZVOUS_ENV, SECRET_ENV};
+        use orchestrator::{
+            spawn_orchestrator, CommPlane, DstStore, Fabric, IpcFabric, Member, MemberConfig, OrchestratorConfig, Rendezvous, Role,
+        };
+        use reshard::Group;
+        use std::sync::Arc;
+        let (src, dst) = (parse_layout(IPC_SRC).map_err(e2s)?, Arc::new(parse_layout(IPC_DST).map_err(e2s)?));
+        let wait = Duration::from_secs(60);
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().map_err(e2s)?;
+        rt.block_on(async {
+            let secret_text = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
+            let secret = Secret::from_bytes(secret_text.as_bytes().to_vec()).map_err(e2s)?;
+            // Destination members here prove the job's secret too.
+            let member_config = MemberConfig { gpu: Some(0), secret: Some(secret.clone()), ..MemberConfig::default() };
+            let rendezvous = Rendezvous::bind(secret, "127.0.0.1:0".parse().map_err(e2s)?, &ControlConfig::default()).await.map_err(e2s)?;
+            let exe = std::env::current_exe().map_err(e2s)?;
+            let mut child = Command::new(exe)
+                .arg("--ipc-members")
+                .env(RENDEZVOUS_ENV, rendezvous.addr().to_string())
+                .env(SECRET_ENV, &secret_text)
+                .spawn()
+                .map_err(|e| format!("starting the source process: {e}"))?;
+            let result = async {
+                let src_members = rendezvous.members(Group::Src, src.ranks(), wait).await.map_err(e2s)?;
+                let stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
+                let config = OrchestratorConfig { fabric: Fabric::Ipc(IpcFabric::new(CommPlane::Cuda)), ..OrchestratorConfig::default() };
+                let members = stores
+                    .iter()
+                    .enumerate()
+                    .map(|(r, s)| {
+                        let member = Member::with_config(
+                            dst.clone(),
+                            r as u32,
+                            Role::Dst(s.clone()),
+                            member_config.clone(),
+                        );
+                        spawn(member, SpawnConfig::default().call_timeout(config.deadline + config.control_timeout))
+                    })
+                    .collect();
+                let orchestrator = spawn_orchestrator(src_members, ActorGroup::from_refs(members), config);
+                let report = orchestrator.refit(1).await.map_err(|e| format!("refit: {e}"))?;
+                let mut checked = 0u64;
+                for (r, store) in stores.iter().enumerate() {
+                    let snap = store.snapshot().ok_or(format!("dst[{r}] serves nothing"))?;
+                    let view = snap.buffers.tensor("w").map_err(e2s)?;
+                    let got = view.to_f32().map_err(e2s)?;
+                    let mut bad = None;
+                    view.for_each_index(|i, at| {
+                        if bad.is_none() && got[i] != ipc_value(at) {
+                            bad = Some(at.to_vec());
+                        }
+                    });
+                    if let Some(at) = bad {
+                        return Err(format!("MISMATCH: dst[{r}] element {at:?}"));
+                    }
+                    checked += got.len() as u64;
+                }
+                Ok((
+                    format!(
+                        "2 sources in process {} → 2 destinations here, one GPU: {checked} elements checked, {:.1} ms",
+                        child.id(),
+                        report.wall.as_secs_f64() * 1e3
+                    ),
+                    json!({ "elements": checked, "wall_ms": report.wall.as_secs_f64() * 1e3, "bytes": report.bytes }),
+                ))
+            }
+            .await;
+            drop(rendezvous);
+            let _ = child.kill();
+            let _ = child.wait();
+            result
+        })
+    }
+
     pub(crate) fn main() -> ExitCode {
         let args: Vec<String> = std::env::args().skip(1).collect();
+        if args.iter().any(|a| a == "--ipc-members") {
+            return match ipc_members() {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("ipc members: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
         if let Some(i) = args.iter().position(|a| a == "--ipc-exporter") {
             let dir = args.get(i + 1).map(PathBuf::from).unwrap_or_default();
             return match ipc_exporter(&dir) {
@@ -481,8 +607,14 @@ mod check {
         let mut r = Report { json, passed: 0, failed: 0 };
         let start = Instant::now();
         type Check = fn(&GpuDevice) -> Result<(String, Value), String>;
-        let checks: [(&str, Check); 5] =
-            [("kernels", kernels), ("layouts", layout_pairs), ("ipc", ipc), ("nccl", nccl), ("throughput", throughput)];
+        let checks: [(&str, Check); 6] = [
+            ("kernels", kernels),
+            ("layouts", layout_pairs),
+            ("ipc", ipc),
+            ("nccl", nccl),
+            ("throughput", throughput),
+            ("orchestrator-ipc", orchestrated_ipc),
+        ];
         for (name, check) in checks {
             let t = Instant::now();
             let result = check(&dev).map(|(line, mut fields)| {

@@ -13,6 +13,9 @@
 #               a new id;
 #   throughput  a device refit of llama3-8b --scale 2 against a same-run
 #               cuMemcpyDtoD of the same bytes (passes at ratio >= 0.7);
+#   orchestrator-ipc  a colocated refit through the orchestrator on the
+#               CUDA IPC fabric: sources served by a child process, destinations
+#               here, one GPU, every element checked;
 #   orchestrator  with 2 GPUs or more (SKIP on one): three refits through
 #               the orchestrator on the NCCL fabric, one rank per GPU,
 #               every destination element checked.
