@@ -524,12 +524,7 @@ mod check {
                     .iter()
                     .enumerate()
                     .map(|(r, s)| {
-                        let member = Member::with_config(
-                            dst.clone(),
-                            r as u32,
-                            Role::Dst(s.clone()),
-                            member_config.clone(),
-                        );
+                        let member = Member::with_config(dst.clone(), r as u32, Role::Dst(s.clone()), member_config.clone());
                         spawn(member, SpawnConfig::default().call_timeout(config.deadline + config.control_timeout))
                     })
                     .collect();

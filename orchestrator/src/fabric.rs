@@ -68,21 +68,24 @@ pub(crate) enum Endpointed {
         gpu: Option<usize>,
     },
     /// IPC fabric: doorbells listening, the send bucket exported.
-    IpcPrepared {
-        /// The listener the peers' doorbells connect to.
-        listener: TcpListener,
-        /// Settings.
-        settings: IpcFabric,
-        /// The member's GPU.
-        gpu: Option<usize>,
-        /// The exported send bucket.
-        bucket: Bucket,
-        /// The refit's session id.
-        session: String,
-    },
+    IpcPrepared(IpcPending),
     /// Communicator or IPC fabric: this member's rank of the refit's
     /// communicator.
     Comm(CommEnd),
+}
+
+/// An IPC-fabric endpoint between `Prepare` and `Connect`.
+pub(crate) struct IpcPending {
+    /// The listener the peers' doorbells connect to.
+    listener: TcpListener,
+    /// Settings.
+    settings: IpcFabric,
+    /// The member's GPU.
+    gpu: Option<usize>,
+    /// The exported send bucket.
+    bucket: Bucket,
+    /// The refit's session id.
+    session: String,
 }
 
 /// A member's exported send bucket on the IPC fabric (it moves to the
@@ -382,23 +385,14 @@ impl Endpointed {
         let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
         let at = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?;
         let addr = format!("{at}/{}/{bytes}", handle.to_hex());
-        Ok((Endpointed::IpcPrepared { listener, settings, gpu, bucket, session }, addr))
+        Ok((Endpointed::IpcPrepared(IpcPending { listener, settings, gpu, bucket, session }), addr))
     }
 
     /// Connects this member's doorbells to the peers of its program, maps
     /// the buckets of the peers it receives from, and makes its rank of the
     /// IPC communicator (blocking: run off the reactor).
-    #[allow(clippy::too_many_arguments)]
-    fn connect_ipc(
-        program: &RankProgram,
-        listener: TcpListener,
-        settings: IpcFabric,
-        gpu: Option<usize>,
-        mut bucket: Bucket,
-        table: &[PeerAddr],
-        key: transport::HelloKey,
-        session: String,
-    ) -> Result<Endpointed, String> {
+    fn connect_ipc(program: &RankProgram, pending: IpcPending, table: &[PeerAddr], key: transport::HelloKey) -> Result<Endpointed, String> {
+        let IpcPending { listener, settings, gpu, mut bucket, session } = pending;
         let me = program.endpoint;
         let nranks = table.len() as u32;
         let src_ranks = table.iter().filter(|p| p.endpoint.group == Group::Src).count() as u32;
@@ -429,8 +423,8 @@ impl Endpointed {
             peers.push((e, *at));
         }
         for e in program.rounds.iter().flat_map(|r| r.recvs.iter()).map(|m| m.peer).collect::<BTreeSet<_>>() {
-            let (_, handle, bytes) = addrs[&e];
-            bucket.map_peer(comm_rank(e, src_ranks), e, &handle, bytes)?;
+            let (_, handle, bytes) = addrs.get(&e).ok_or_else(|| format!("no IPC address for {me}'s peer {e}"))?;
+            bucket.map_peer(comm_rank(e, src_ranks), e, handle, *bytes)?;
         }
         // Doorbells: a few bytes each, over TCP only (every peer its own
         // "node", so no shared-memory regions are set up).
@@ -483,9 +477,7 @@ impl Endpointed {
         let (listener, settings, session) = match self {
             Endpointed::Listening { listener, settings, session } => (listener, settings, session),
             Endpointed::CommPrepared { settings, gpu } => return Endpointed::connect_comm(program.endpoint, settings, gpu, table),
-            Endpointed::IpcPrepared { listener, settings, gpu, bucket, session } => {
-                return Endpointed::connect_ipc(program, listener, settings, gpu, bucket, table, key, session)
-            }
+            Endpointed::IpcPrepared(pending) => return Endpointed::connect_ipc(program, pending, table, key),
             done => return Ok(done),
         };
         let me = program.endpoint;
@@ -583,7 +575,7 @@ impl Endpointed {
             Endpointed::Connected(t) => Ok(Ready::Transport(t)),
             Endpointed::Comm(c) if c.handle.is_some() => Ok(Ready::Comm(c)),
             Endpointed::Comm(_) => Err("the communicator was aborted".into()),
-            Endpointed::Listening { .. } | Endpointed::CommPrepared { .. } | Endpointed::IpcPrepared { .. } => {
+            Endpointed::Listening { .. } | Endpointed::CommPrepared { .. } | Endpointed::IpcPrepared(_) => {
                 Err("the data plane was prepared but never connected".into())
             }
         }

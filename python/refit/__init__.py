@@ -342,11 +342,20 @@ class _Rank:
     def version(self) -> Optional[int]:
         return self._store.version
 
-    def join(self, rendezvous: Optional[str] = None, secret: Optional[str] = None, joined: Optional[Joined] = None) -> Joined:
+    def join(
+        self,
+        rendezvous: Optional[str] = None,
+        secret: Optional[str] = None,
+        joined: Optional[Joined] = None,
+        *,
+        gpu: Optional[int] = None,
+    ) -> Joined:
         """Serves this rank's refit member through ``joined`` (or a new
-        ``join(rendezvous, secret)``); returns the membership."""
+        ``join(rendezvous, secret)``); returns the membership. ``gpu``: the
+        CUDA device this rank uses when the orchestrator runs the
+        ``"nccl"`` or ``"ipc"`` fabric (usually the local rank)."""
         joined = joined or join(rendezvous, secret)
-        self._serve(joined)
+        self._serve(joined, gpu)
         self._joined = joined
         return joined
 
@@ -404,8 +413,8 @@ class Source(_Rank):
         """As a refit finds them, in words."""
         return self._store.weights
 
-    def _serve(self, joined: Joined) -> None:
-        joined._inner.serve_src(self._store)
+    def _serve(self, joined: Joined, gpu: Optional[int]) -> None:
+        joined._inner.serve_src(self._store, gpu)
 
 
 class Destination(_Rank):
@@ -439,8 +448,8 @@ class Destination(_Rank):
         served, datas = self._store.read([name], version)
         return served, datas[0]
 
-    def _serve(self, joined: Joined) -> None:
-        joined._inner.serve_dst(self._store)
+    def _serve(self, joined: Joined, gpu: Optional[int]) -> None:
+        joined._inner.serve_dst(self._store, gpu)
 
 
 # --- the orchestrator -----------------------------------------------------
@@ -457,6 +466,14 @@ class Orchestrator:
     member processes ``join``; ``connect(src_ranks, dst_ranks)`` waits for
     their members and plans. ``spawn_local`` makes one over members in this
     process.
+
+    ``fabric``: how the bytes move. ``"node"`` (default): shared memory
+    between ranks of a node, TCP between nodes. ``"nccl"``: one NCCL
+    communicator over every member, each on the GPU it joined with
+    (``join(gpu=...)``). ``"ipc"``: CUDA IPC between members of one node
+    (colocated training and inference). Where a GPU fabric cannot run, the
+    refit raises ``MemberError`` saying why (``... transport unavailable:
+    ...``), before anything moves.
     """
 
     def __init__(
@@ -466,13 +483,14 @@ class Orchestrator:
         *,
         deadline: float = 60.0,
         control_timeout: float = 10.0,
+        fabric: str = "node",
         _inner: Any = None,
     ):
         if _inner is not None:
             self._inner, self.secret = _inner, None
             return
         self.secret = secret or _secrets.token_hex(32)
-        self._inner = _refit.Orchestrator(self.secret, bind, deadline, control_timeout)
+        self._inner = _refit.Orchestrator(self.secret, bind, deadline, control_timeout, fabric)
 
     @property
     def address(self) -> Optional[str]:
@@ -534,11 +552,20 @@ class LocalSystem:
         return self.orchestrator.refit_latest(only)
 
 
-def spawn_local(src: Layout, dst: Layout, *, deadline: float = 60.0, control_timeout: float = 10.0) -> LocalSystem:
+def spawn_local(
+    src: Layout,
+    dst: Layout,
+    *,
+    deadline: float = 60.0,
+    control_timeout: float = 10.0,
+    fabric: str = "in_process",
+) -> LocalSystem:
     """One store and member per rank of both layouts, in this process, and
     an orchestrator over them; plans (a pair that cannot be planned raises
-    ``PlanError`` here)."""
-    orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout)
+    ``PlanError`` here). ``fabric``: ``"in_process"`` (default), or any of
+    ``Orchestrator``'s; on ``"nccl"`` rank ``i`` of the communicator
+    (sources first) runs on GPU ``i``."""
+    orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout, fabric)
     return LocalSystem(
         Orchestrator(_inner=orch),
         [Source(src, s.rank, _store=s) for s in srcs],

@@ -23,7 +23,7 @@ use orchestrator::{
     PlanReport, RefitError as RustRefitError, RefitReport, RefitSystem, Rendezvous, Role, SrcStore,
 };
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
@@ -716,18 +716,24 @@ impl PyJoined {
         Ok(PyJoined { inner: InRuntime(Some(Arc::new(joined))) })
     }
 
-    /// Serves the refit member of a training rank over `store`.
-    fn serve_src(&self, py: Python<'_>, store: PyRef<'_, PySrcStore>) -> PyResult<()> {
+    /// Serves the refit member of a training rank over `store` (`gpu`: the
+    /// CUDA device it uses on the NCCL and IPC fabrics).
+    #[pyo3(signature = (store, gpu=None))]
+    fn serve_src(&self, py: Python<'_>, store: PyRef<'_, PySrcStore>, gpu: Option<usize>) -> PyResult<()> {
         let (joined, layout, rank, role) =
             (self.inner.get().clone(), store.layout.clone(), store.inner.rank(), Role::Src(store.inner.clone()));
-        wait(py, async move { joined.serve_member(layout, rank, role).await.map(drop).map_err(join_err) })
+        let config = orchestrator::MemberConfig { gpu, ..joined.member_config() };
+        wait(py, async move { joined.serve_member_with(layout, rank, role, config).await.map(drop).map_err(join_err) })
     }
 
-    /// Serves the refit member of an inference rank over `store`.
-    fn serve_dst(&self, py: Python<'_>, store: PyRef<'_, PyDstStore>) -> PyResult<()> {
+    /// Serves the refit member of an inference rank over `store` (`gpu`: as
+    /// for `serve_src`).
+    #[pyo3(signature = (store, gpu=None))]
+    fn serve_dst(&self, py: Python<'_>, store: PyRef<'_, PyDstStore>, gpu: Option<usize>) -> PyResult<()> {
         let (joined, layout, rank, role) =
             (self.inner.get().clone(), store.layout.clone(), store.inner.rank(), Role::Dst(store.inner.clone()));
-        wait(py, async move { joined.serve_member(layout, rank, role).await.map(drop).map_err(join_err) })
+        let config = orchestrator::MemberConfig { gpu, ..joined.member_config() };
+        wait(py, async move { joined.serve_member_with(layout, rank, role, config).await.map(drop).map_err(join_err) })
     }
 
     /// Waits until the rendezvous goes away (returns why), or `timeout`
@@ -803,8 +809,22 @@ impl PyOrchestrator {
     }
 }
 
-fn config(deadline: f64, control_timeout: f64, node: bool) -> PyResult<OrchestratorConfig> {
-    let fabric = if node { Fabric::Node(NodeFabric::default()) } else { Fabric::InProcess };
+/// The fabric named `name`; `local`: every member is in this process.
+fn fabric(name: &str, local: bool) -> PyResult<Fabric> {
+    use orchestrator::{CommPlane, IpcFabric, NcclFabric};
+    Ok(match name {
+        "in_process" if local => Fabric::InProcess,
+        "node" => Fabric::Node(NodeFabric::default()),
+        "nccl" => Fabric::Nccl(NcclFabric::new(CommPlane::Cuda)),
+        "ipc" => Fabric::Ipc(IpcFabric::new(CommPlane::Cuda)),
+        _ => {
+            let known = if local { "'in_process', 'node', 'nccl' or 'ipc'" } else { "'node', 'nccl' or 'ipc'" };
+            return Err(PyValueError::new_err(format!("fabric '{name}': expected {known}")));
+        }
+    })
+}
+
+fn config(deadline: f64, control_timeout: f64, fabric: Fabric) -> PyResult<OrchestratorConfig> {
     Ok(OrchestratorConfig {
         fabric,
         deadline: seconds("deadline", deadline)?,
@@ -818,9 +838,9 @@ impl PyOrchestrator {
     /// Opens a rendezvous at `bind` (port 0: any) that member processes
     /// join with `secret` (16 bytes or more).
     #[new]
-    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0))]
-    fn new(py: Python<'_>, secret: String, bind: &str, deadline: f64, control_timeout: f64) -> PyResult<Self> {
-        let config = config(deadline, control_timeout, true)?;
+    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0, fabric="node"))]
+    fn new(py: Python<'_>, secret: String, bind: &str, deadline: f64, control_timeout: f64, fabric: &str) -> PyResult<Self> {
+        let config = config(deadline, control_timeout, self::fabric(fabric, false)?)?;
         let secret = actors::Secret::from_bytes(secret.into_bytes()).map_err(|e| JoinError::new_err(format!("secret: {e}")))?;
         let bind: std::net::SocketAddr = bind.parse().map_err(|_| JoinError::new_err(format!("bind address '{bind}': not ip:port")))?;
         let rendezvous = wait(py, async move { Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(join_err) })?;
@@ -924,15 +944,16 @@ impl PyOrchestrator {
 /// process and an orchestrator over them, and plans. Returns
 /// `(orchestrator, [SrcStore], [DstStore])`.
 #[pyfunction]
-#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0))]
+#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0, fabric="in_process"))]
 fn spawn_local(
     py: Python<'_>,
     src: PyRef<'_, PyLayout>,
     dst: PyRef<'_, PyLayout>,
     deadline: f64,
     control_timeout: f64,
+    fabric: &str,
 ) -> PyResult<(PyOrchestrator, Vec<PySrcStore>, Vec<PyDstStore>)> {
-    let config = config(deadline, control_timeout, false)?;
+    let config = config(deadline, control_timeout, self::fabric(fabric, true)?)?;
     let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
     let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
     let srcs = system.src_stores.iter().map(|st| PySrcStore { inner: st.clone(), layout: src.inner.clone() }).collect();

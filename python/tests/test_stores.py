@@ -348,3 +348,28 @@ def test_a_block_scaled_fp8_destination_refits_codes_and_scales():
     with pytest.raises(refit.RefitError, match="tensor 'w'.*NaN or infinity"):
         system.refit_latest()
     assert all(d.load() == 1 for d in system.destinations)
+
+
+def test_gpu_fabrics_without_a_gpu_refuse_before_anything_moves():
+    train, infer = layouts()
+    for fabric in ("nccl", "ipc"):
+        system = refit.spawn_local(train, infer, fabric=fabric)
+        for s in system.sources:
+            s.register_all({n: np.ones(s.block(n)[1], np.float32) for n in ("w", "b")})
+            s.step()
+        try:
+            system.refit(1)
+        except refit.MemberError as e:
+            assert "transport unavailable" in str(e), str(e)
+        else:
+            pytest.skip("a GPU is available here: scripts/gpu-check.sh covers the GPU fabrics")
+        assert all(d.version is None for d in system.destinations)
+        system.orchestrator.close()
+
+
+def test_unknown_fabrics_are_refused():
+    train, infer = layouts()
+    with pytest.raises(ValueError, match="fabric 'shm'"):
+        refit.spawn_local(train, infer, fabric="shm")
+    with pytest.raises(ValueError, match="'node', 'nccl' or 'ipc'"):
+        refit.Orchestrator(fabric="in_process")
