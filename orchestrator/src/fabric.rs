@@ -23,6 +23,7 @@
 //!   A communicator end dropped unused is aborted on a thread of its own.
 
 use crate::protocol::{CommPlane, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
+use crate::store::{Registered, Residence};
 use reshard::{Endpoint, Group, RankProgram};
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -71,7 +72,7 @@ pub(crate) enum Endpointed {
     IpcPrepared(IpcPending),
     /// Communicator or IPC fabric: this member's rank of the refit's
     /// communicator.
-    Comm(CommEnd),
+    Comm(Box<CommEnd>),
 }
 
 /// An IPC-fabric endpoint between `Prepare` and `Connect`.
@@ -190,6 +191,20 @@ pub(crate) struct CommEnd {
     /// communicator.
     #[cfg(feature = "cuda")]
     device: Option<(transport::cuda::device::GpuDevice, transport::cuda::device::DeviceMemory)>,
+    /// Scratch buffers of a program run on registered memory, kept between
+    /// the runs of this communicator (every run writes scratch before it
+    /// reads it).
+    scratch: Scratch,
+}
+
+/// Scratch buffers beside registered memory.
+#[derive(Default)]
+struct Scratch {
+    /// Host (simulated plane).
+    host: Vec<Vec<u8>>,
+    /// On the device, with it.
+    #[cfg(feature = "cuda")]
+    device: Option<(transport::cuda::device::GpuDevice, transport::cuda::device::DeviceMemory)>,
 }
 
 impl Drop for CommEnd {
@@ -258,6 +273,90 @@ impl CommEnd {
             }
             #[cfg(not(feature = "cuda"))]
             CommPlane::Cuda => Err(unavailable_nccl()),
+        }
+    }
+
+    /// Runs `program` straight on the user's registered memory (a source
+    /// whose weights live in its framework's buffers), by `deadline`;
+    /// scratch buffers the program needs beyond the rank's are this end's.
+    pub(crate) fn run_registered(
+        &mut self,
+        program: &RankProgram,
+        registered: &Registered,
+        deadline: Instant,
+    ) -> Result<RankStats, String> {
+        let me = program.endpoint;
+        let (src_ranks, nranks) = (self.src_ranks, self.nranks);
+        let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
+        let base = registered.regions().len();
+        if program.buffers.len() < base {
+            return Err(format!("{me}: the program has {} buffers, {base} are registered", program.buffers.len()));
+        }
+        let bytes = |b: &reshard::BufferSpec| (b.elems * b.dtype.size()) as usize;
+        let mut regions: Vec<(u64, usize)> = Vec::with_capacity(program.buffers.len());
+        for (spec, &(addr, len)) in program.buffers.iter().zip(registered.regions()) {
+            if len < bytes(spec) {
+                return Err(format!("{me}: buffer '{}' needs {} bytes, {len} are registered", spec.name, bytes(spec)));
+            }
+            regions.push((addr, bytes(spec)));
+        }
+        let scratch_specs = &program.buffers[base..];
+        let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
+        match (&self.plane, registered.residence()) {
+            (CommPlane::Simulated { .. }, Residence::Host) => {
+                let host = &mut self.scratch.host;
+                if host.len() != scratch_specs.len() || host.iter().zip(scratch_specs).any(|(b, s)| b.len() != bytes(s)) {
+                    *host = scratch_specs.iter().map(|s| vec![0; bytes(s)]).collect();
+                }
+                regions.extend(host.iter_mut().map(|b| (b.as_mut_ptr() as u64, b.len())));
+                let dtypes = program.buffers.iter().map(|b| b.dtype).collect();
+                // SAFETY: the registered regions are the user's, valid for
+                // the store's life and untouched while a refit holds the
+                // store's lock (`Registered::new`'s contract); the scratch
+                // is this end's, alive past the run.
+                let mut sim = unsafe { SimMemory::from_regions(&regions, dtypes) };
+                if let Some(PackInto::Sim(b)) = &self.packs_into {
+                    sim = sim.packing_into(b.clone());
+                }
+                run_rank_comm(&mut sim, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+            }
+            #[cfg(feature = "cuda")]
+            (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
+                use transport::cuda::device::{DeviceMemory, GpuDevice};
+                let want: Vec<usize> = scratch_specs.iter().map(bytes).collect();
+                if self.scratch.device.as_ref().is_none_or(|(_, m)| m.buffer_lens() != want.as_slice()) {
+                    self.scratch.device = None;
+                    let dev = GpuDevice::open(ordinal).map_err(|e| e.to_string())?;
+                    let mem = DeviceMemory::for_buffers(&dev, me, scratch_specs).map_err(|e| e.to_string())?;
+                    self.scratch.device = Some((dev, mem));
+                }
+                let (dev, scratch) = self.scratch.device.as_ref().ok_or("no device scratch")?;
+                regions.extend(scratch.device_addrs().iter().copied().zip(want));
+                // SAFETY: the registered regions are device memory of this
+                // GPU (`Registered::new`'s contract); the scratch is this
+                // end's allocations, alive past the run.
+                let mut mem = unsafe { DeviceMemory::register(dev, me, &program.buffers, &regions) }.map_err(|e| e.to_string())?;
+                dev.bind().map_err(|e| format!("{me}: {e}"))?;
+                let mut plane = match &self.packs_into {
+                    // SAFETY: as in `run`.
+                    Some(PackInto::Gpu { base, len }) => unsafe {
+                        transport::cuda::nccl::GpuPlane::with_bucket(dev, &mut mem, *base, *len)
+                    },
+                    _ => transport::cuda::nccl::GpuPlane::new(dev, &mut mem),
+                };
+                run_rank_comm(&mut plane, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+            }
+            (plane, residence) => Err(format!(
+                "{me}: its weights are registered {residence} memory, which the {} plane does not read{}",
+                match plane {
+                    CommPlane::Cuda => "CUDA",
+                    CommPlane::Simulated { .. } => "simulated",
+                },
+                match (plane, residence) {
+                    (CommPlane::Cuda, Residence::Device { .. }) => " (the member's GPU, MemberConfig::gpu, is another device)",
+                    _ => "",
+                }
+            )),
         }
     }
 
@@ -342,7 +441,7 @@ impl Endpointed {
             CommPlane::Cuda => return Err(unavailable_nccl()),
         };
         let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
-        Ok(Endpointed::Comm(CommEnd {
+        Ok(Endpointed::Comm(Box::new(CommEnd {
             handle: Some(handle),
             src_ranks,
             nranks,
@@ -351,7 +450,8 @@ impl Endpointed {
             packs_into: None,
             #[cfg(feature = "cuda")]
             device: None,
-        }))
+            scratch: Scratch::default(),
+        })))
     }
 
     /// Prepares this member's end of the IPC fabric: exports its send
@@ -447,7 +547,7 @@ impl Endpointed {
             CommConfig { init_timeout: settings.connect_timeout, abort_timeout: settings.abort_timeout, ..CommConfig::new(rank, nranks) };
         let started = CommHandle::start(config, &format!("ipc-{me}"), move || Ok(IpcComm::new(endpoints, doorbells, bucket)));
         let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
-        Ok(Endpointed::Comm(CommEnd {
+        Ok(Endpointed::Comm(Box::new(CommEnd {
             handle: Some(handle),
             src_ranks,
             nranks,
@@ -456,7 +556,8 @@ impl Endpointed {
             packs_into: Some(packs_into),
             #[cfg(feature = "cuda")]
             device: None,
-        }))
+            scratch: Scratch::default(),
+        })))
     }
 
     /// Listens on `ip` for this refit's peers.
@@ -598,7 +699,11 @@ impl Endpointed {
     /// A connected endpoint worth keeping across refits (node fabric,
     /// communicator).
     pub(crate) fn is_connected(&self) -> bool {
-        matches!(self, Endpointed::Connected(_) | Endpointed::Comm(CommEnd { handle: Some(_), .. }))
+        match self {
+            Endpointed::Connected(_) => true,
+            Endpointed::Comm(c) => c.handle.is_some(),
+            _ => false,
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 
 use crate::fabric::{CommEnd, Endpointed, KillSwitch, Ready};
 use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
-use crate::store::{Buffers, DstStore, SrcStore};
+use crate::store::{Buffers, DstStore, Registered, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
@@ -231,19 +231,30 @@ struct RunHow {
     delta: Option<Option<u64>>,
 }
 
-/// Runs `program` on `memory` over the endpoint's transport, with what the
-/// plan's last run left; hands back what this one leaves.
+/// Runs `program` on `memory` (or, for a source over registered memory,
+/// on that) over the endpoint's transport, with what the plan's last run
+/// left; hands back what this one leaves.
 fn execute_on(
     program: &RankProgram,
     memory: &mut RankMemory,
+    registered: Option<&Registered>,
     end: &mut Endpointed,
     how: RunHow,
     left: Leftover,
 ) -> (Result<RunStats, Refusal>, Leftover) {
-    match end.ready() {
-        Ok(Ready::Transport(t)) => execute(program, memory, t, how, left),
-        Ok(Ready::Comm(c)) => execute_comm(program, memory, c, how, left),
-        Err(e) => (Err(Refusal::Fabric(e)), left),
+    match (end.ready(), registered) {
+        (Ok(Ready::Transport(t)), None) => execute(program, memory, t, how, left),
+        (Ok(Ready::Transport(t)), Some(r)) => {
+            let why = format!(
+                "{}: its weights are registered {} memory, which moves on the NCCL and IPC fabrics only",
+                program.endpoint,
+                r.residence()
+            );
+            t.abort(&why);
+            (Err(Refusal::Fabric(why)), Leftover::default())
+        }
+        (Ok(Ready::Comm(c)), registered) => execute_comm(program, memory, registered, c, how, left),
+        (Err(e), _) => (Err(Refusal::Fabric(e)), left),
     }
 }
 
@@ -252,6 +263,7 @@ fn execute_on(
 fn execute_comm(
     program: &RankProgram,
     memory: &mut RankMemory,
+    registered: Option<&Registered>,
     end: &mut CommEnd,
     how: RunHow,
     left: Leftover,
@@ -260,6 +272,11 @@ fn execute_comm(
         let why = "delta refits run on the in-process and node fabrics, not on a communicator";
         end.abort();
         return (Err(Refusal::Fabric(why.into())), Leftover::default());
+    }
+    if let Some(registered) = registered {
+        // Straight from the user's memory; the end keeps the scratch.
+        let r = end.run_registered(program, registered, Instant::now() + how.deadline);
+        return (comm_result(r, end), Leftover::default());
     }
     // The communicator executor makes no copies on receipt: every scratch
     // buffer is allocated.
@@ -272,10 +289,15 @@ fn execute_comm(
     };
     let r = end.run(program, memory, Instant::now() + how.deadline);
     let scratch = drop_scratch(memory, base);
+    let kept = if r.is_ok() { Leftover { scratch, memo: None } } else { Leftover::default() };
+    (comm_result(r, end), kept)
+}
+
+/// A communicator run's result as the member reports it; a failed run
+/// aborts the communicator first.
+fn comm_result(r: Result<transport::RankStats, String>, end: &mut CommEnd) -> Result<RunStats, Refusal> {
     match r {
-        Ok(s) => {
-            (Ok(RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }), Leftover { scratch, memo: None })
-        }
+        Ok(s) => Ok(RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }),
         Err(why) => {
             // A peer's abort shows as a failed group naming it (NCCL: a
             // remote error).
@@ -284,7 +306,7 @@ fn execute_comm(
                 Some(hang) => format!("{why}; {hang}"),
                 None => why,
             };
-            (Err(Refusal::Exec { why, after_peer }), Leftover::default())
+            Err(Refusal::Exec { why, after_peer })
         }
     }
 }
@@ -493,7 +515,8 @@ impl Member {
                     return MemberReply::Refused(refusal);
                 }
                 let run = tokio::task::spawn_blocking(move || {
-                    let (r, left) = execute_on(&program, guard.memory_mut(), &mut end, how, left);
+                    let registered = guard.registered().cloned();
+                    let (r, left) = execute_on(&program, guard.memory_mut(), registered.as_ref(), &mut end, how, left);
                     (r, (end, left))
                 });
                 split(watched(run, deadline, kill).await)
@@ -516,7 +539,7 @@ impl Member {
                     if let Some(base) = base {
                         carry(&program.carried, &base.buffers, &mut guard.buffers);
                     }
-                    let (r, left) = execute_on(&program, guard.buffers.memory_mut(), &mut end, how, left);
+                    let (r, left) = execute_on(&program, guard.buffers.memory_mut(), None, &mut end, how, left);
                     if r.is_ok() {
                         guard.complete = Some(version);
                     }

@@ -97,6 +97,23 @@ pub enum BufferError {
         /// The access asked for.
         access: &'static str,
     },
+    /// The rank's weights are registered memory (device buffers, say):
+    /// the store does not hold their bytes.
+    #[error("rank {rank}: the weights are registered {residence} memory, not bytes of the store (write them in place inside `update`)")]
+    Registered {
+        /// The rank.
+        rank: Rank,
+        /// Where they are.
+        residence: Residence,
+    },
+    /// Registered memory does not match the rank's buffer list.
+    #[error("rank {rank}: {problem}")]
+    BadRegistration {
+        /// The rank.
+        rank: Rank,
+        /// What does not match.
+        problem: String,
+    },
     /// A write of the wrong number of elements.
     #[error("{what}: {given} values given for {expected} elements")]
     Length {
@@ -121,6 +138,84 @@ struct Located {
     bytes: std::ops::Range<usize>,
 }
 
+/// Where registered weights live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Residence {
+    /// Device memory of CUDA device `ordinal`: the NCCL and IPC fabrics
+    /// read it in place (`CommPlane::Cuda`).
+    Device {
+        /// The CUDA device.
+        ordinal: usize,
+    },
+    /// Host memory, standing in for device memory on the simulated planes
+    /// (`CommPlane::Simulated`).
+    Host,
+}
+
+impl std::fmt::Display for Residence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Residence::Device { ordinal } => write!(f, "device (GPU {ordinal})"),
+            Residence::Host => f.write_str("host"),
+        }
+    }
+}
+
+/// A rank's weights in memory the user owns, registered by address: one
+/// region per buffer of the rank's buffer list, which a refit reads where
+/// it is (no copy into the store). Made by the `unsafe`
+/// [`Registered::new`], whose caller promises the regions stay valid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registered {
+    residence: Residence,
+    /// (address, bytes) per buffer, in the rank's buffer order.
+    regions: Vec<(u64, usize)>,
+}
+
+impl Registered {
+    /// Registers `regions` (address and bytes, one per buffer of rank
+    /// `rank` of `layout`, in [`Layout::rank_buffers`] order) as the rank's
+    /// weights; each must hold at least its buffer's bytes.
+    ///
+    /// # Safety
+    /// Every region must be memory of `residence` valid for reads of its
+    /// bytes for as long as any store or refit holds this value, written
+    /// only inside the store's `update` (or `restore`), and never freed or
+    /// moved meanwhile (reallocating a parameter means registering again).
+    pub unsafe fn new(layout: &Layout, rank: Rank, residence: Residence, regions: Vec<(u64, usize)>) -> Result<Registered, BufferError> {
+        let bad = |problem: String| BufferError::BadRegistration { rank, problem };
+        if rank >= layout.ranks() {
+            return Err(bad(format!("the layout has {} ranks", layout.ranks())));
+        }
+        let specs = layout.rank_buffers(rank);
+        if regions.len() != specs.len() {
+            return Err(bad(format!(
+                "{} regions registered for {} buffers ({})",
+                regions.len(),
+                specs.len(),
+                some_names(specs.iter().map(|s| s.name.as_str()))
+            )));
+        }
+        for (spec, &(addr, len)) in specs.iter().zip(&regions) {
+            let need = (spec.elems * spec.dtype.size()) as usize;
+            if addr == 0 || len < need {
+                return Err(bad(format!("buffer '{}' needs {need} bytes, {len} registered at {addr:#x}", spec.name)));
+            }
+        }
+        Ok(Registered { residence, regions })
+    }
+
+    /// Where the regions are.
+    pub fn residence(&self) -> Residence {
+        self.residence
+    }
+
+    /// (address, bytes) per buffer.
+    pub fn regions(&self) -> &[(u64, usize)] {
+        &self.regions
+    }
+}
+
 /// A rank's buffers: the memory the data plane reads and writes, and the
 /// layout that says which block of which tensor lives where in it.
 #[derive(Clone)]
@@ -129,6 +224,8 @@ pub struct Buffers {
     rank: Rank,
     specs: Vec<BufferSpec>,
     memory: RankMemory,
+    /// The user's own memory in place of `memory` (which is then empty).
+    registered: Option<Registered>,
     /// Set by every mutable access: whether the weights may have changed
     /// since the flag was last cleared (a step's start).
     written: bool,
@@ -161,7 +258,26 @@ impl Buffers {
     pub fn new(layout: &Arc<Layout>, rank: Rank) -> Buffers {
         let specs = if rank < layout.ranks() { layout.rank_buffers(rank) } else { Vec::new() };
         let memory = RankMemory::for_buffers(&specs);
-        Buffers { layout: layout.clone(), rank, specs, memory, written: false }
+        Buffers { layout: layout.clone(), rank, specs, memory, registered: None, written: false }
+    }
+
+    /// The buffers of a rank whose weights are `registered` memory.
+    fn over(layout: &Arc<Layout>, rank: Rank, registered: Registered) -> Buffers {
+        let specs = layout.rank_buffers(rank);
+        Buffers { layout: layout.clone(), rank, specs, memory: RankMemory::default(), registered: Some(registered), written: false }
+    }
+
+    /// The registered memory holding this rank's weights, if any (the
+    /// store then holds no bytes of them).
+    pub fn registered(&self) -> Option<&Registered> {
+        self.registered.as_ref()
+    }
+
+    fn held(&self) -> Result<(), BufferError> {
+        match &self.registered {
+            Some(r) => Err(BufferError::Registered { rank: self.rank, residence: r.residence }),
+            None => Ok(()),
+        }
     }
 
     /// The same buffers, zeroed.
@@ -172,7 +288,14 @@ impl Buffers {
     /// The same buffer list with no memory (a placeholder while the memory
     /// is moved elsewhere).
     fn emptied(&self) -> Buffers {
-        Buffers { layout: self.layout.clone(), rank: self.rank, specs: self.specs.clone(), memory: RankMemory::default(), written: false }
+        Buffers {
+            layout: self.layout.clone(),
+            rank: self.rank,
+            specs: self.specs.clone(),
+            memory: RankMemory::default(),
+            registered: None,
+            written: false,
+        }
     }
 
     /// This rank.
@@ -204,6 +327,7 @@ impl Buffers {
     /// The index of buffer `name`, which the memory holds (perhaps
     /// shorter than the layout says, if replaced through `memory_mut`).
     fn buffer_index(&self, name: &str) -> Result<usize, BufferError> {
+        self.held()?;
         let i = self.specs.iter().position(|b| b.name == name).ok_or_else(|| BufferError::NoBuffer {
             rank: self.rank,
             name: name.to_string(),
@@ -250,6 +374,7 @@ impl Buffers {
     /// occupies in this rank's memory (checked against the memory's size:
     /// a buffer replaced through `memory_mut` may be shorter).
     fn locate(&self, name: &str) -> Result<Vec<Located>, BufferError> {
+        self.held()?;
         let Some(t) = self.layout.tensor_index(name) else {
             let hint = match name.split_once('#') {
                 Some((tensor, _)) if self.layout.tensor_index(tensor).is_some() => {
@@ -580,6 +705,18 @@ impl SrcStore {
         SrcStore { rank, buffers: Arc::new(tokio::sync::RwLock::new(Buffers::new(layout, rank))), state: Mutex::default() }
     }
 
+    /// A store over weights the user holds in `registered` memory (device
+    /// buffers a framework's optimizer writes in place): a refit on the
+    /// NCCL or IPC fabric reads them where they are, with no copy; the
+    /// store keeps the version and the fence. Steps write the memory with
+    /// the user's own code inside [`update`](Self::update) (the buffers
+    /// passed to it hold no bytes); a step that fails leaves the store torn,
+    /// since the store cannot tell whether it wrote. No version until the
+    /// first `update` or `restore`.
+    pub fn registered(layout: &Arc<Layout>, rank: Rank, registered: Registered) -> SrcStore {
+        SrcStore { rank, buffers: Arc::new(tokio::sync::RwLock::new(Buffers::over(layout, rank, registered))), state: Mutex::default() }
+    }
+
     /// This store's rank.
     pub fn rank(&self) -> Rank {
         self.rank
@@ -660,7 +797,8 @@ impl SrcStore {
                 Ok((v, value))
             }
             Err(e) => {
-                state.torn |= guard.written;
+                // Registered memory may have been written without a trace.
+                state.torn |= guard.written || guard.registered.is_some();
                 Err(e)
             }
         }

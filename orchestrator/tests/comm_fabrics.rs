@@ -260,3 +260,107 @@ async fn ipc_without_a_gpu_is_refused_cleanly() {
         other => panic!("expected a refusal, got {other:?}"),
     }
 }
+
+/// Sources whose weights are the user's own memory, registered in place
+/// (host memory standing in for device buffers on the simulated planes),
+/// destinations with stores, an orchestrator on `fabric`. The user's
+/// memory is returned with the stores: it must outlive them.
+struct Registered {
+    orchestrator: orchestrator::OrchestratorHandle,
+    src: Vec<std::sync::Arc<orchestrator::SrcStore>>,
+    dst: Vec<std::sync::Arc<orchestrator::DstStore>>,
+    /// Each source rank's "params" buffer (28 f32).
+    memory: Vec<[f32; 28]>,
+}
+
+fn registered_system(fabric: Fabric) -> Registered {
+    use orchestrator::{DstStore, Member, MemberConfig, Residence, Role, SrcStore};
+    use std::sync::Arc;
+    let (src, dst) = layouts();
+    let (src, dst) = (Arc::new(src), Arc::new(dst));
+    let mut memory: Vec<[f32; 28]> = vec![[0f32; 28]; 2];
+    let config = OrchestratorConfig { fabric, ..config("registered", Strategy::Reshard) };
+    let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
+    let mut src_stores = Vec::new();
+    let mut src_members = Vec::new();
+    for (r, m) in memory.iter_mut().enumerate() {
+        let region = vec![(m.as_mut_ptr() as u64, std::mem::size_of::<[f32; 28]>())];
+        // SAFETY: each array lives in `Registered::memory` until the test
+        // ends (the refits that read it run while the test awaits them),
+        // and is written only inside `update`.
+        let reg = unsafe { orchestrator::Registered::new(&src, r as u32, Residence::Host, region) }.unwrap();
+        let store = Arc::new(SrcStore::registered(&src, r as u32, reg));
+        src_members.push(actors::spawn(
+            Member::with_config(src.clone(), r as u32, Role::Src(store.clone()), MemberConfig::default()),
+            spawn.clone(),
+        ));
+        src_stores.push(store);
+    }
+    let dst_stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
+    let dst_members = dst_stores
+        .iter()
+        .enumerate()
+        .map(|(r, s)| actors::spawn(Member::new(dst.clone(), r as u32, Role::Dst(s.clone())), spawn.clone()))
+        .collect();
+    let orchestrator =
+        orchestrator::spawn_orchestrator(actors::ActorGroup::from_refs(src_members), actors::ActorGroup::from_refs(dst_members), config);
+    Registered { orchestrator, src: src_stores, dst: dst_stores, memory }
+}
+
+impl Registered {
+    /// A step that writes `value` into the user's memory of every source.
+    async fn step(&mut self, value: f32) -> u64 {
+        let mut version = 0;
+        for (store, m) in self.src.iter().zip(self.memory.iter_mut()) {
+            version = store.update(|_| m.fill(value)).await.0;
+        }
+        version
+    }
+
+    fn serves(&self, version: u64, value: f32) -> bool {
+        self.dst.iter().all(|s| {
+            let Some(snap) = s.snapshot() else { return false };
+            snap.version == version
+                && ["w", "b"].iter().all(|t| snap.buffers.tensor(t).unwrap().to_f32().unwrap().iter().all(|&x| x == value))
+        })
+    }
+}
+
+/// A registered source is read where it is, on both GPU fabrics: what the
+/// user wrote in its own memory inside `update` is what every destination
+/// serves, refit after refit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registered_sources_are_read_in_place() {
+    let sim = CommPlane::Simulated { world: "registered".into() };
+    let ipc = IpcFabric { plane: sim.clone(), connect_timeout: Duration::from_secs(5), abort_timeout: Duration::from_secs(1) };
+    for fabric in [Fabric::Nccl(fabric("registered")), Fabric::Ipc(ipc)] {
+        let mut sys = registered_system(fabric.clone());
+        for k in 1..=3 {
+            let value = k as f32 * 0.75;
+            let v = sys.step(value).await;
+            sys.orchestrator.refit(v).await.unwrap();
+            assert!(sys.serves(v, value), "{fabric:?}: refit {k}");
+        }
+        // The store holds no bytes of registered weights.
+        let err = sys.src[0].read(|b| b.buffer("params").map(|_| ()).unwrap_err()).await;
+        assert!(err.to_string().contains("registered host memory"), "{err}");
+    }
+}
+
+/// The host fabrics cannot read registered memory: refused, naming the rank;
+/// a failed step on registered memory tears the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registered_sources_are_refused_on_host_fabrics_and_torn_by_failed_steps() {
+    let mut sys = registered_system(Fabric::InProcess);
+    let v = sys.step(1.0).await;
+    match sys.orchestrator.refit(v).await {
+        Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
+            assert!(why.contains("registered host memory") && why.contains("NCCL and IPC"), "{why}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(sys.dst.iter().all(|s| s.snapshot().is_none()));
+    let failed: Result<(u64, ()), &str> = sys.src[0].try_update(|_| Err("the optimizer diverged")).await;
+    assert!(failed.is_err());
+    assert!(matches!(sys.src[0].weights(), orchestrator::Weights::Torn { after: Some(1) }));
+}

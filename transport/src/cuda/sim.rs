@@ -288,7 +288,9 @@ struct Region {
 
 /// A rank's host memory as the communicator executor's memory.
 pub struct SimMemory<'a> {
-    memory: &'a mut RankMemory,
+    /// The rank's memory, if it is a `RankMemory` (else raw regions).
+    memory: Option<&'a mut RankMemory>,
+    dtypes: Vec<DType>,
     addrs: Vec<u64>,
     lens: Vec<usize>,
     send: Vec<u8>,
@@ -302,14 +304,39 @@ impl<'a> SimMemory<'a> {
     pub fn new(memory: &'a mut RankMemory) -> SimMemory<'a> {
         let addrs = memory.buffers.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
         let lens = memory.buffers.iter().map(Vec::len).collect();
-        SimMemory { memory, addrs, lens, send: Vec::new(), recv: Vec::new(), bucket: None }
+        let dtypes = memory.dtypes.clone();
+        SimMemory { memory: Some(memory), dtypes, addrs, lens, send: Vec::new(), recv: Vec::new(), bucket: None }
+    }
+
+    /// Raw host regions (address, bytes) holding buffers of `dtypes`, for
+    /// one run: memory the user registered in place.
+    ///
+    /// # Safety
+    /// Every region must be host memory valid for reads and writes of its
+    /// bytes, touched by nothing else, while the value lives.
+    pub unsafe fn from_regions(regions: &[(u64, usize)], dtypes: Vec<DType>) -> SimMemory<'a> {
+        SimMemory {
+            memory: None,
+            dtypes,
+            addrs: regions.iter().map(|r| r.0).collect(),
+            lens: regions.iter().map(|r| r.1).collect(),
+            send: Vec::new(),
+            recv: Vec::new(),
+            bucket: None,
+        }
+    }
+
+    /// This memory, packing its messages into an exported bucket
+    /// ([`SimIpc::bucket`]).
+    pub fn packing_into(self, bucket: Arc<SimBucket>) -> SimMemory<'a> {
+        SimMemory { bucket: Some(bucket), ..self }
     }
 
     /// `memory` for one run whose messages are packed into an exported
     /// bucket ([`SimIpc::bucket`]; the IPC communicator's peers read them
     /// there).
     pub fn with_bucket(memory: &'a mut RankMemory, bucket: Arc<SimBucket>) -> SimMemory<'a> {
-        SimMemory { bucket: Some(bucket), ..SimMemory::new(memory) }
+        SimMemory::new(memory).packing_into(bucket)
     }
 
     fn regions(&mut self) -> Vec<Region> {
@@ -438,7 +465,7 @@ impl PlaneMemory for SimMemory<'_> {
     }
 
     fn dtypes(&self) -> &[DType] {
-        &self.memory.dtypes
+        &self.dtypes
     }
 
     fn staging(&mut self, which: Staging, len: usize) -> Result<u64, String> {
@@ -507,6 +534,10 @@ impl PlaneMemory for SimMemory<'_> {
     }
 
     fn finish(&mut self, program: &RankProgram) -> Result<(), String> {
-        crate::exec::quantize_rank(program, self.memory).map_err(|e| e.to_string())
+        match &mut self.memory {
+            Some(memory) => crate::exec::quantize_rank(program, memory).map_err(|e| e.to_string()),
+            None if program.quantize.is_empty() => Ok(()),
+            None => Err("block-scaled destinations are quantized in a rank's own memory, not in registered regions".into()),
+        }
     }
 }
