@@ -49,7 +49,7 @@ pub use protocol::{
 };
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
-pub use store::{BufferError, Buffers, DstStore, Registered, Residence, Snapshot, SrcStore, TensorView, TensorViewMut};
+pub use store::{BufferError, Buffers, DstStore, Registered, Residence, Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard};
 pub use transport::DEFAULT_DEADLINE;
 
 use actors::{spawn, spawn_group, spawn_rank, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};

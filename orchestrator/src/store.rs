@@ -804,6 +804,17 @@ impl SrcStore {
         }
     }
 
+    /// Starts a step that runs outside a closure (a Python optimizer step
+    /// between two calls, say): waits for the write lock and holds it until
+    /// the guard is [finished](UpdateGuard::finish) (the version goes up by
+    /// one) or dropped (the step failed: the version stays, and the store
+    /// is torn if the step wrote — always, for registered memory).
+    pub async fn begin_update(self: &Arc<Self>) -> UpdateGuard {
+        let mut guard = self.buffers.clone().write_owned().await;
+        guard.written = false;
+        UpdateGuard { store: self.clone(), guard: Some(guard) }
+    }
+
     /// Reads the weights (shared with other readers, excluded from updates).
     pub async fn read<R>(&self, f: impl FnOnce(&Buffers) -> R) -> R {
         f(&*self.buffers.read().await)
@@ -812,6 +823,48 @@ impl SrcStore {
     /// The lock a refit holds while it reads this rank's weights.
     pub(crate) fn lock(&self) -> Arc<tokio::sync::RwLock<Buffers>> {
         self.buffers.clone()
+    }
+}
+
+/// A step in progress on a [`SrcStore`], holding its write lock
+/// ([`SrcStore::begin_update`]).
+pub struct UpdateGuard {
+    store: Arc<SrcStore>,
+    /// `None` once finished.
+    guard: Option<tokio::sync::OwnedRwLockWriteGuard<Buffers>>,
+}
+
+impl std::fmt::Debug for UpdateGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpdateGuard").field("rank", &self.store.rank).finish_non_exhaustive()
+    }
+}
+
+impl UpdateGuard {
+    /// The buffers the step writes (no bytes for registered memory, which
+    /// the step writes in place).
+    pub fn buffers(&mut self) -> Option<&mut Buffers> {
+        self.guard.as_deref_mut()
+    }
+
+    /// The step succeeded: the store holds the next version, whole.
+    /// Returns it.
+    pub fn finish(mut self) -> u64 {
+        let mut state = self.store.state();
+        let v = state.version.map_or(1, |v| v + 1);
+        *state = SrcState { version: Some(v), torn: false };
+        drop(state);
+        self.guard = None;
+        v
+    }
+}
+
+impl Drop for UpdateGuard {
+    fn drop(&mut self) {
+        if let Some(guard) = self.guard.take() {
+            // Not finished: the step failed.
+            self.store.state().torn |= guard.written || guard.registered.is_some();
+        }
     }
 }
 

@@ -341,6 +341,15 @@ async fn registered_sources_are_read_in_place() {
             sys.orchestrator.refit(v).await.unwrap();
             assert!(sys.serves(v, value), "{fabric:?}: refit {k}");
         }
+        // A step begun and finished outside a closure (as from Python).
+        let mut v = 0;
+        for (store, m) in sys.src.iter().zip(sys.memory.iter_mut()) {
+            let guard = store.begin_update().await;
+            m.fill(-4.0);
+            v = guard.finish();
+        }
+        sys.orchestrator.refit(v).await.unwrap();
+        assert!(sys.serves(v, -4.0), "{fabric:?}: begin_update");
         // The store holds no bytes of registered weights.
         let err = sys.src[0].read(|b| b.buffer("params").map(|_| ()).unwrap_err()).await;
         assert!(err.to_string().contains("registered host memory"), "{err}");

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import secrets as _secrets
 import sys as _sys
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import _refit
 from ._refit import (
@@ -215,6 +216,31 @@ def _host_array(obj: Any) -> Any:
     return None
 
 
+def _memory_of(obj: Any, what: str) -> Tuple[int, int, Optional[int]]:
+    """(address, bytes, GPU or None for host memory) of a C-contiguous
+    array or tensor that refit reads in place; raises ``TensorError``
+    naming ``what`` for anything else."""
+    obj = _local(obj)
+    if _torch_tensor(obj):
+        if not obj.is_contiguous():
+            raise TensorError(f"{what}: a non-contiguous tensor cannot be read in place")
+        gpu = obj.device.index if obj.device.type == "cuda" else None
+        if obj.device.type not in ("cuda", "cpu"):
+            raise TensorError(f"{what}: a tensor on {obj.device} cannot be read in place")
+        return obj.data_ptr(), obj.numel() * obj.element_size(), gpu
+    cuda = getattr(obj, "__cuda_array_interface__", None)
+    if isinstance(cuda, dict):
+        device = getattr(getattr(obj, "device", None), "id", None)
+        if cuda.get("strides") is not None or device is None:
+            raise TensorError(f"{what}: a CUDA array is read in place only C-contiguous and with a device id")
+        return int(cuda["data"][0]), int(getattr(obj, "nbytes")), int(device)
+    host = _host_array(obj)
+    interface = getattr(host, "__array_interface__", None) if host is not None else None
+    if not isinstance(interface, dict):
+        raise TensorError(f"{what}: {type(obj).__name__} cannot be read in place (a C-contiguous numpy array or torch tensor can)")
+    return int(interface["data"][0]), int(host.nbytes), None
+
+
 def _step_value(obj: Any) -> Any:
     """What a step hands the store for ``obj``: the array itself (copied
     in place, once) or a copy of its bytes."""
@@ -379,6 +405,52 @@ class Source(_Rank):
 
     def __init__(self, layout: Layout, rank: int, *, _store: Any = None):
         super().__init__(layout, rank, _store or _refit.SrcStore(layout, rank))
+        # The objects an in-place source reads (kept alive with it).
+        self._in_place: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def in_place(cls, layout: Layout, rank: int, buffers: Mapping[str, Any]) -> "Source":
+        """A source whose weights stay where they are: ``buffers`` maps
+        every buffer of the rank (``layout.buffers(rank)``: a fused buffer's
+        name, or ``"{tensor}#{shard}"``) to the C-contiguous array or tensor
+        holding it, with the buffer's bytes — CUDA tensors of one GPU
+        (torch, or anything with ``__cuda_array_interface__`` and a
+        ``device.id``) for the ``"nccl"`` and ``"ipc"`` fabrics, host arrays
+        (numpy, torch CPU) for the simulated ones. A refit reads them in
+        place, no copy; the source keeps them alive. Write them only inside
+        ``with src.stepping(): ...`` (the version fence); ``step()`` is
+        refused."""
+        regions, devices = [], set()
+        missing = [n for n, _, _ in layout.buffers(rank) if n not in buffers]
+        if missing:
+            raise TensorError(f"src rank {rank}: no array for buffer(s) {missing} (an in-place source registers every buffer)")
+        for name, dtype, elems in layout.buffers(rank):
+            ptr, nbytes, device = _memory_of(buffers[name], f"src rank {rank}: buffer '{name}'")
+            regions.append((ptr, nbytes))
+            devices.add(device)
+        if len(devices) > 1:
+            raise TensorError(f"src rank {rank}: buffers on several devices {sorted(map(str, devices))}")
+        gpu = devices.pop() if devices else None
+        src = cls(layout, rank, _store=_refit.SrcStore.registered(layout, rank, regions, gpu))
+        src._in_place = dict(buffers)
+        return src
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """One optimizer step on an in-place source: waits while a refit
+        reads, holds the version fence while the block writes the arrays,
+        and on leaving without an exception the version goes up by one
+        (``version``). An exception keeps the version and tears the source
+        (refits refuse it until the next step succeeds)."""
+        if self._in_place is None:
+            raise TensorError(f"src rank {self.rank}: stepping() is for in-place sources; use step()")
+        self._store.begin_step()
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._store.end_step(ok)
 
     def _writes(self, values: Optional[Mapping[str, Any]]) -> List[Tuple[str, Any]]:
         writes = []
@@ -397,6 +469,8 @@ class Source(_Rank):
         """One optimizer step: copies every registered array (and
         ``values``, name → array, for this step only) into the store; the
         version goes up by one (1 for the first step). Returns it."""
+        if self._in_place is not None:
+            raise TensorError(f"src rank {self.rank}: an in-place source steps with `with src.stepping(): ...`")
         return self._store.update(self._writes(values))
 
     def restore(self, version: int, values: Optional[Mapping[str, Any]] = None) -> None:
@@ -473,7 +547,10 @@ class Orchestrator:
     (``join(gpu=...)``). ``"ipc"``: CUDA IPC between members of one node
     (colocated training and inference). Where a GPU fabric cannot run, the
     refit raises ``MemberError`` saying why (``... transport unavailable:
-    ...``), before anything moves.
+    ...``), before anything moves. ``"simulated-nccl"``,
+    ``"simulated-ipc"``: the same fabrics over host memory, every member in
+    this process, for testing a pipeline (and in-place sources) without a
+    GPU.
     """
 
     def __init__(

@@ -508,6 +508,8 @@ fn source_bytes<'a>(b: &'a Buffers, name: &str) -> Result<&'a [u8], BufferError>
 struct PySrcStore {
     inner: Arc<SrcStore>,
     layout: Arc<Layout>,
+    /// A step begun by `begin_step`, holding the store's write lock.
+    stepping: Mutex<Option<orchestrator::UpdateGuard>>,
 }
 
 #[pymethods]
@@ -515,7 +517,48 @@ impl PySrcStore {
     #[new]
     fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
         layout.check_rank(rank)?;
-        Ok(PySrcStore { inner: Arc::new(SrcStore::new(&layout.inner, rank)), layout: layout.inner.clone() })
+        Ok(PySrcStore { inner: Arc::new(SrcStore::new(&layout.inner, rank)), layout: layout.inner.clone(), stepping: Mutex::new(None) })
+    }
+
+    /// A store over the caller's own memory: `regions` are (address,
+    /// bytes) per buffer of the rank, in `Layout.buffers(rank)` order, on
+    /// GPU `gpu` (None: host memory, which only the simulated fabrics
+    /// read). The caller (`refit.Source.in_place`) keeps the memory alive
+    /// and unmoved for as long as the store lives, and writes it only
+    /// between `begin_step` and `end_step`.
+    #[staticmethod]
+    #[pyo3(signature = (layout, rank, regions, gpu=None))]
+    fn registered(layout: PyRef<'_, PyLayout>, rank: Rank, regions: Vec<(u64, usize)>, gpu: Option<usize>) -> PyResult<Self> {
+        layout.check_rank(rank)?;
+        let residence = gpu.map_or(orchestrator::Residence::Host, |ordinal| orchestrator::Residence::Device { ordinal });
+        // SAFETY: the contract above, kept by `refit.Source.in_place`,
+        // which holds every registered object for the store's life.
+        let registered = unsafe { orchestrator::Registered::new(&layout.inner, rank, residence, regions) }.map_err(tensor_err)?;
+        Ok(PySrcStore {
+            inner: Arc::new(SrcStore::registered(&layout.inner, rank, registered)),
+            layout: layout.inner.clone(),
+            stepping: Mutex::new(None),
+        })
+    }
+
+    /// Begins a step written outside the store (in place): waits while a
+    /// refit reads, then holds the write lock until `end_step`.
+    fn begin_step(&self, py: Python<'_>) -> PyResult<()> {
+        if self.stepping.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            return Err(VersionError::new_err(format!("src rank {}: a step is in progress already", self.inner.rank())));
+        }
+        let store = self.inner.clone();
+        let guard = wait(py, async move { Ok(store.begin_update().await) })?;
+        *self.stepping.lock().unwrap_or_else(|e| e.into_inner()) = Some(guard);
+        Ok(())
+    }
+
+    /// Ends the step `begin_step` began: `ok`, the version goes up by one
+    /// (returned); otherwise it stays and the store is torn.
+    fn end_step(&self, ok: bool) -> PyResult<Option<u64>> {
+        let guard = self.stepping.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let guard = guard.ok_or_else(|| VersionError::new_err(format!("src rank {}: no step in progress", self.inner.rank())))?;
+        Ok(if ok { Some(guard.finish()) } else { None })
     }
 
     /// One optimizer step: writes `[(name, bytes)]` (each a tensor's block
@@ -817,8 +860,16 @@ fn fabric(name: &str, local: bool) -> PyResult<Fabric> {
         "node" => Fabric::Node(NodeFabric::default()),
         "nccl" => Fabric::Nccl(NcclFabric::new(CommPlane::Cuda)),
         "ipc" => Fabric::Ipc(IpcFabric::new(CommPlane::Cuda)),
+        // Host memory standing in for the GPUs, every member in this
+        // process: pipelines tested without a GPU.
+        "simulated-nccl" => Fabric::Nccl(NcclFabric::new(CommPlane::Simulated { world: "python".into() })),
+        "simulated-ipc" => Fabric::Ipc(IpcFabric::new(CommPlane::Simulated { world: "python".into() })),
         _ => {
-            let known = if local { "'in_process', 'node', 'nccl' or 'ipc'" } else { "'node', 'nccl' or 'ipc'" };
+            let known = if local {
+                "'in_process', 'node', 'nccl', 'ipc', 'simulated-nccl' or 'simulated-ipc'"
+            } else {
+                "'node', 'nccl', 'ipc', 'simulated-nccl' or 'simulated-ipc'"
+            };
             return Err(PyValueError::new_err(format!("fabric '{name}': expected {known}")));
         }
     })
@@ -956,7 +1007,11 @@ fn spawn_local(
     let config = config(deadline, control_timeout, self::fabric(fabric, true)?)?;
     let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
     let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
-    let srcs = system.src_stores.iter().map(|st| PySrcStore { inner: st.clone(), layout: src.inner.clone() }).collect();
+    let srcs = system
+        .src_stores
+        .iter()
+        .map(|st| PySrcStore { inner: st.clone(), layout: src.inner.clone(), stepping: Mutex::new(None) })
+        .collect();
     let dsts = system.dst_stores.iter().map(|st| PyDstStore { inner: st.clone(), layout: dst.inner.clone() }).collect();
     let handle = system.orchestrator.clone();
     let orchestrator = PyOrchestrator {

@@ -371,5 +371,53 @@ def test_unknown_fabrics_are_refused():
     train, infer = layouts()
     with pytest.raises(ValueError, match="fabric 'shm'"):
         refit.spawn_local(train, infer, fabric="shm")
-    with pytest.raises(ValueError, match="'node', 'nccl' or 'ipc'"):
+    with pytest.raises(ValueError, match="expected 'node', 'nccl'"):
         refit.Orchestrator(fabric="in_process")
+
+
+@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc"])
+def test_in_place_sources_are_read_where_they_are(fabric):
+    """Sources over the trainer's own arrays (no copy into the store), on
+    the GPU fabrics' simulated planes: what a step writes in place inside
+    ``stepping()`` is what every destination loads."""
+    train, infer = layouts()
+    with refit.Orchestrator(fabric=fabric) as orch:
+        params = [np.zeros(24, np.float32) for _ in range(2)]  # rank r's fused "params": w rows, then b
+        sources = [refit.Source.in_place(train, r, {"params": params[r]}) for r in range(2)]
+        dests = [refit.Destination(infer, r) for r in range(4)]
+        dst_arrays = []
+        for d in dests:
+            arrays = {n: np.zeros(d.block(n)[1], np.float32) for n in ("w", "b")}
+            d.register_all(arrays)
+            dst_arrays.append(arrays)
+        joined = refit.join(orch.address, orch.secret)
+        for r in sources + dests:
+            r.join(joined=joined)
+        orch.connect(2, 4)
+        for step in (1, 2):
+            for s, p in zip(sources, params):
+                w_off, w_ext = s.block("w")
+                with s.stepping():
+                    p[:16] = block(full(step)["w"], w_off, w_ext).reshape(-1)
+                    p[16:] = full(step)["b"]
+            assert [s.version for s in sources] == [step, step]
+            orch.refit(step)
+            for d, arrays in zip(dests, dst_arrays):
+                d.load(step)
+                for n, a in arrays.items():
+                    np.testing.assert_array_equal(a, block(full(step)[n], *d.block(n)))
+        with pytest.raises(refit.TensorError, match="stepping"):
+            sources[0].step()
+        with pytest.raises(RuntimeError):
+            with sources[0].stepping():
+                raise RuntimeError("the optimizer diverged")
+        assert "torn" in sources[0].weights
+        joined.shutdown()
+
+
+def test_in_place_sources_need_every_buffer_contiguous():
+    train, _ = layouts()
+    with pytest.raises(refit.TensorError, match="no array for buffer"):
+        refit.Source.in_place(train, 0, {})
+    with pytest.raises(refit.TensorError, match="cannot be read in place"):
+        refit.Source.in_place(train, 0, {"params": np.zeros((24, 2), np.float32)[:, 0]})

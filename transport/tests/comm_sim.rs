@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use transport::cuda::comm::{AbortOutcome, CommConfig, CommError, CommHandle};
 use transport::cuda::ipc_comm::IpcComm;
 use transport::cuda::plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError};
-use transport::cuda::sim::{arm, live_comms, sim_comm, sim_comm_id, SimFault, SimIpc, SimMemory};
+use transport::cuda::sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimFault, SimIpc, SimMemory};
 use transport::{fill_sources, local_fabric, run_local, verify_destinations, ExecOptions, RankMemory};
 
 const EXAMPLES: &[&str] = &["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled"];
@@ -263,6 +263,8 @@ fn a_failed_group_fails_its_peers_at_once_not_at_the_deadline() {
         }
     }
     assert!(took < Duration::from_secs(10), "{took:?}");
+    // The failed groups' staging is given up, not freed.
+    assert!(abandoned_staging_bytes() > 0);
 }
 
 #[test]

@@ -279,6 +279,17 @@ impl CommBackend for SimComm {
     }
 }
 
+fn abandoned() -> MutexGuard<'static, Vec<Vec<u8>>> {
+    static ABANDONED: OnceLock<Mutex<Vec<Vec<u8>>>> = OnceLock::new();
+    ABANDONED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Bytes of simulated staging given up after failed groups (kept until the
+/// process ends, as the GPU's are: `nccl::leaked_staging_bytes`).
+pub fn abandoned_staging_bytes() -> u64 {
+    abandoned().iter().map(|b| b.len() as u64).sum()
+}
+
 /// A region of a [`SimMemory`]: its base address and length.
 #[derive(Clone, Copy)]
 struct Region {
@@ -527,9 +538,11 @@ impl PlaneMemory for SimMemory<'_> {
 
     fn abandon_staging(&mut self) -> u64 {
         let bytes = (self.send.len() + self.recv.len()) as u64;
-        // The communicator may still write them: never free them.
-        std::mem::forget(std::mem::take(&mut self.send));
-        std::mem::forget(std::mem::take(&mut self.recv));
+        // The communicator may still write them: never free them (kept
+        // reachable, and counted, until the process ends).
+        let mut kept = abandoned();
+        kept.push(std::mem::take(&mut self.send));
+        kept.push(std::mem::take(&mut self.recv));
         bytes
     }
 
