@@ -227,6 +227,23 @@ impl Drop for CommEnd {
 }
 
 impl CommEnd {
+    /// The endpoint of a communicator just made: `ranks` is (source ranks,
+    /// all ranks).
+    fn connected(handle: CommHandle, ranks: (u32, u32), plane: CommPlane, gpu: Option<usize>, packs_into: Option<PackInto>) -> Endpointed {
+        let (src_ranks, nranks) = ranks;
+        Endpointed::Comm(Box::new(CommEnd {
+            handle: Some(handle),
+            src_ranks,
+            nranks,
+            plane,
+            gpu,
+            packs_into,
+            #[cfg(feature = "cuda")]
+            device: None,
+            scratch: Scratch::default(),
+        }))
+    }
+
     /// Runs `program` on `memory` over the communicator by `deadline`.
     pub(crate) fn run(&mut self, program: &RankProgram, memory: &mut RankMemory, deadline: Instant) -> Result<RankStats, String> {
         let (src_ranks, nranks) = (self.src_ranks, self.nranks);
@@ -441,17 +458,7 @@ impl Endpointed {
             CommPlane::Cuda => return Err(unavailable_nccl()),
         };
         let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
-        Ok(Endpointed::Comm(Box::new(CommEnd {
-            handle: Some(handle),
-            src_ranks,
-            nranks,
-            plane: settings.plane,
-            gpu,
-            packs_into: None,
-            #[cfg(feature = "cuda")]
-            device: None,
-            scratch: Scratch::default(),
-        })))
+        Ok(CommEnd::connected(handle, (src_ranks, nranks), settings.plane, gpu, None))
     }
 
     /// Prepares this member's end of the IPC fabric: exports its send
@@ -547,17 +554,7 @@ impl Endpointed {
             CommConfig { init_timeout: settings.connect_timeout, abort_timeout: settings.abort_timeout, ..CommConfig::new(rank, nranks) };
         let started = CommHandle::start(config, &format!("ipc-{me}"), move || Ok(IpcComm::new(endpoints, doorbells, bucket)));
         let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
-        Ok(Endpointed::Comm(Box::new(CommEnd {
-            handle: Some(handle),
-            src_ranks,
-            nranks,
-            plane: settings.plane,
-            gpu,
-            packs_into: Some(packs_into),
-            #[cfg(feature = "cuda")]
-            device: None,
-            scratch: Scratch::default(),
-        })))
+        Ok(CommEnd::connected(handle, (src_ranks, nranks), settings.plane, gpu, Some(packs_into)))
     }
 
     /// Listens on `ip` for this refit's peers.

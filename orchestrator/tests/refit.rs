@@ -14,23 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Training: two tensors, TP2 (one fused "params" buffer per rank), f32.
-const SRC: &str = r#"{"ranks": 2, "tensors": [
-  {"name": "w", "dtype": "f32", "shape": [8, 6], "shards": [
-    {"rank": 0, "offset": [0, 0], "extent": [4, 6], "buffer": "params", "at": 0},
-    {"rank": 1, "offset": [4, 0], "extent": [4, 6], "buffer": "params", "at": 0}]},
-  {"name": "b", "dtype": "f32", "shape": [8], "shards": [
-    {"rank": 0, "offset": [0], "extent": [4], "buffer": "params", "at": 24},
-    {"rank": 1, "offset": [4], "extent": [4], "buffer": "params", "at": 24}]}]}"#;
-
-/// Inference: TP2 column-wise x DP2 on 4 ranks, bf16.
-const DST: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
-  {"name": "w", "dtype": "bf16", "shape": [8, 6], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(1)"]},
-  {"name": "b", "dtype": "bf16", "shape": [8], "mesh": {"shape": [2, 2]}, "placements": ["replicate", "shard(0)"]}]}"#;
-
-fn layouts() -> (Layout, Layout) {
-    (parse_layout(SRC).unwrap(), parse_layout(DST).unwrap())
-}
+mod common;
+use common::{layouts, DST};
 
 fn config(mode: Strategy) -> OrchestratorConfig {
     OrchestratorConfig { mode, deadline: Duration::from_secs(10), control_timeout: Duration::from_secs(5), ..OrchestratorConfig::default() }

@@ -80,7 +80,11 @@ def test_torchrun_environment_and_wrong_secret():
 
 def test_ctrl_c_interrupts_a_waiting_call():
     code = (
-        "import refit, time\n"
+        "import refit, signal, time\n"
+        # A shell that starts the tests in the background hands its children
+        # SIGINT ignored, and Python then installs no KeyboardInterrupt
+        # handler: install it, as an interactive session has it.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "orch = refit.Orchestrator()\n"
         "print('waiting', flush=True)\n"
         "t = time.time()\n"

@@ -6,11 +6,12 @@
 //! rank within its deadline, with the error naming rank and round.
 
 use reshard::{parse_layout, plan_baseline, plan_reshard, BufferKey, Endpoint, Layout, PlanOptions, RankProgram};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::cuda::comm::{AbortOutcome, CommConfig, CommError, CommHandle};
+use transport::cuda::comm::{AbortOutcome, CommConfig, CommError, CommHandle, PendingComm};
 use transport::cuda::ipc_comm::IpcComm;
 use transport::cuda::plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError};
-use transport::cuda::sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimFault, SimIpc, SimMemory};
+use transport::cuda::sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimBucket, SimFault, SimIpc, SimMemory};
 use transport::{fill_sources, local_fabric, run_local, verify_destinations, ExecOptions, RankMemory};
 
 const EXAMPLES: &[&str] = &["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled"];
@@ -55,6 +56,20 @@ fn run_sim(world: &str, programs: &[RankProgram], memory: &mut [RankMemory], con
             CommHandle::start(CommConfig { rank, ..config }, &id.tag(), move || sim_comm(&world, id, rank, nranks)).unwrap()
         })
         .collect();
+    run_ranks(programs, memory, pending.into_iter().map(|p| (p, None)).collect(), deadline)
+}
+
+/// Runs every program as a thread on its communicator rank (`pending`,
+/// with the exported bucket it packs into, if any, in program order);
+/// each rank aborts its communicator when done.
+fn run_ranks(
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    pending: Vec<(PendingComm, Option<Arc<SimBucket>>)>,
+    deadline: Duration,
+) -> Vec<Ran> {
+    let src_ranks = programs.iter().filter(|p| p.endpoint.group == reshard::Group::Src).count() as u32;
+    let nranks = programs.len() as u32;
     let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
     let until = Instant::now() + deadline;
     std::thread::scope(|s| {
@@ -62,14 +77,18 @@ fn run_sim(world: &str, programs: &[RankProgram], memory: &mut [RankMemory], con
             .iter()
             .zip(memory.iter_mut())
             .zip(pending)
-            .map(|((program, memory), pending)| {
+            .map(|((program, memory), (pending, bucket))| {
                 s.spawn(move || {
                     let start = Instant::now();
                     let mut comm = match pending.wait() {
                         Ok(c) => c,
                         Err(e) => return Ran { result: Err(e.into()), abort: AbortOutcome::AlreadyClosed, took: start.elapsed() },
                     };
-                    let result = run_rank_comm(&mut SimMemory::new(memory), program, &mut comm, &rank_of, until).map(|s| s.sent_bytes);
+                    let mut memory = match bucket {
+                        Some(b) => SimMemory::with_bucket(memory, b),
+                        None => SimMemory::new(memory),
+                    };
+                    let result = run_rank_comm(&mut memory, program, &mut comm, &rank_of, until).map(|s| s.sent_bytes);
                     let abort = comm.abort();
                     Ran { result, abort, took: start.elapsed() }
                 })
@@ -113,25 +132,7 @@ fn run_ipc(programs: &[RankProgram], memory: &mut [RankMemory], config: CommConf
             (started, bucket)
         })
         .collect();
-    let until = Instant::now() + deadline;
-    std::thread::scope(|s| {
-        let threads: Vec<_> = programs
-            .iter()
-            .zip(memory.iter_mut())
-            .zip(pending)
-            .map(|((program, memory), (pending, bucket))| {
-                s.spawn(move || {
-                    let start = Instant::now();
-                    let mut comm = pending.wait().unwrap();
-                    let mut memory = SimMemory::with_bucket(memory, bucket);
-                    let result = run_rank_comm(&mut memory, program, &mut comm, &rank_of, until).map(|s| s.sent_bytes);
-                    let abort = comm.abort();
-                    Ran { result, abort, took: start.elapsed() }
-                })
-            })
-            .collect();
-        threads.into_iter().map(|t| t.join().unwrap()).collect()
-    })
+    run_ranks(programs, memory, pending.into_iter().map(|(p, b)| (p, Some(b))).collect(), deadline)
 }
 
 /// Which communicator a check runs on.
