@@ -63,9 +63,9 @@ pub struct MemberConfig {
     /// other processes need the job's, as [`crate::Joined::member_config`]
     /// gives them).
     pub secret: Option<actors::Secret>,
-    /// The CUDA device this member's rank uses on the NCCL fabric
+    /// The CUDA device this member's rank uses on the NCCL and IPC fabrics
     /// ([`CommPlane::Cuda`](crate::CommPlane::Cuda)); `None`: the member
-    /// refuses that fabric.
+    /// refuses them.
     pub gpu: Option<usize>,
 }
 

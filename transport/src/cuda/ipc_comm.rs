@@ -164,7 +164,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
                         format!("a send of {bytes} bytes at {addr:#x} is outside the exported bucket ({len} bytes at {base:#x})")
                     })?;
                     let to = self.endpoint(peer)?;
-                    self.doorbells.send(round, to, bell(READY, offset, bytes)).map_err(|e| e.to_string())?;
+                    self.doorbells.send(round, to, bell(READY, offset, bytes)).map_err(|e| format!("peer rank {peer}: {e}"))?;
                     self.unreleased.push(peer);
                 }
                 P2p::Recv { peer, addr, bytes } => self.expected.push(Expected { peer, addr, bytes, pulling: false }),
@@ -209,7 +209,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
                     | TransportError::Disconnected { peer }),
                 ) => {
                     let rank = self.rank_of(peer)?;
-                    self.gone.push((rank, e.to_string()));
+                    self.gone.push((rank, format!("peer rank {rank} is gone: {e}")));
                 }
                 Err(e) => return Err(e.to_string()),
             }
@@ -219,7 +219,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
         if !pulling.is_empty() && self.memory.pulled()? == Progress::Ready {
             for peer in pulling {
                 let to = self.endpoint(peer)?;
-                self.doorbells.send(self.round, to, bell(RELEASED, 0, 0)).map_err(|e| e.to_string())?;
+                self.doorbells.send(self.round, to, bell(RELEASED, 0, 0)).map_err(|e| format!("peer rank {peer}: {e}"))?;
             }
             self.expected.retain(|e| !e.pulling);
         }
