@@ -23,7 +23,7 @@
 //! is that transport's abort: peers waiting on this rank fail at once.
 //! What "mapping" and "copying" are is an [`IpcMemory`]: device memory
 //! through `cuIpcGetMemHandle`/`cuIpcOpenMemHandle` and device copies
-//! ([`gpu::GpuIpc`], `cuda` feature), or host memory in this process
+//! (`gpu::GpuIpc`, `cuda` feature), or host memory in this process
 //! ([`sim::SimIpc`](crate::cuda::sim::SimIpc)).
 //!
 //! Invariant: **a bucket a peer may still read is never freed.** After a
