@@ -255,8 +255,7 @@ mod check {
             let mut m = DeviceMemory::for_buffers(&dev, p.endpoint, &p.buffers).map_err(e2s)?;
             m.upload(&dev, h).map_err(e2s)?;
             let handle = m.export_ipc(&dev).map_err(e2s)?;
-            let hex: String = handle.as_bytes().iter().map(|b| format!("{b:02x}")).collect();
-            writeln!(out, "{hex}").map_err(e2s)?;
+            writeln!(out, "{}", handle.to_hex()).map_err(e2s)?;
             buckets.push(m);
         }
         out.flush().map_err(e2s)?;
@@ -287,8 +286,7 @@ mod check {
             let mut memory = Vec::new();
             for p in &programs[..n_src] {
                 let hex = lines.next().ok_or("the exporting process ended before sending its handles")?.map_err(e2s)?;
-                let bytes: Vec<u8> = (0..hex.len() / 2).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap_or(0)).collect();
-                let handle = IpcHandle::from_bytes(&bytes).map_err(e2s)?;
+                let handle = IpcHandle::from_hex(&hex).map_err(|e| format!("the exporting process's handle: {e}"))?;
                 // SAFETY: the child keeps its buckets until we write to its
                 // stdin (after the refit and the mappings are dropped), and
                 // does not touch them meanwhile.

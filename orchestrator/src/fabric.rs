@@ -29,10 +29,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::cuda::comm::{CommConfig, CommHandle, Progress};
+use transport::cuda::comm::{CommConfig, CommHandle};
 use transport::cuda::id::CommId;
 use transport::cuda::ipc::IpcHandle;
-use transport::cuda::ipc_comm::{IpcComm, IpcMemory};
+use transport::cuda::ipc_comm::IpcComm;
 use transport::cuda::plane::{comm_rank, run_rank_comm, send_staging_bytes};
 use transport::cuda::sim::{sim_comm, sim_comm_id, SimBucket, SimIpc, SimMemory};
 use transport::tcp::TcpConfig;
@@ -45,6 +45,12 @@ use transport::{LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfi
 
 /// Tears a rank's data plane down from any thread (the reason in words).
 pub(crate) type KillSwitch = Box<dyn Fn(&str) + Send>;
+
+/// The ranks `program` sends to or receives from.
+fn program_peers(program: &RankProgram) -> BTreeSet<Endpoint> {
+    let sends = program.rounds.iter().flat_map(|r| r.sends.iter().map(|m| m.peer));
+    sends.chain(program.rounds.iter().flat_map(|r| r.recvs.iter().map(|m| m.peer))).collect()
+}
 
 /// One member's data-plane endpoint in the making.
 pub(crate) enum Endpointed {
@@ -115,52 +121,10 @@ impl Bucket {
             Bucket::Sim(b) => PackInto::Sim(b.bucket()),
             #[cfg(feature = "cuda")]
             Bucket::Gpu(b) => {
+                use transport::cuda::ipc_comm::IpcMemory as _;
                 let (base, len) = b.staging();
                 PackInto::Gpu { base, len }
             }
-        }
-    }
-}
-
-impl IpcMemory for Bucket {
-    fn staging(&self) -> (u64, u64) {
-        match self {
-            Bucket::Sim(b) => b.staging(),
-            #[cfg(feature = "cuda")]
-            Bucket::Gpu(b) => b.staging(),
-        }
-    }
-
-    fn wait(&mut self, after: u64) -> Result<(), String> {
-        match self {
-            Bucket::Sim(b) => b.wait(after),
-            #[cfg(feature = "cuda")]
-            Bucket::Gpu(b) => b.wait(after),
-        }
-    }
-
-    unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), String> {
-        // SAFETY: the caller's guarantee, passed on.
-        match self {
-            Bucket::Sim(b) => unsafe { b.pull(peer, offset, dst, bytes) },
-            #[cfg(feature = "cuda")]
-            Bucket::Gpu(b) => unsafe { b.pull(peer, offset, dst, bytes) },
-        }
-    }
-
-    fn pulled(&mut self) -> Result<Progress, String> {
-        match self {
-            Bucket::Sim(b) => b.pulled(),
-            #[cfg(feature = "cuda")]
-            Bucket::Gpu(b) => b.pulled(),
-        }
-    }
-
-    fn abandon(&mut self) {
-        match self {
-            Bucket::Sim(b) => b.abandon(),
-            #[cfg(feature = "cuda")]
-            Bucket::Gpu(b) => b.abandon(),
         }
     }
 }
@@ -284,7 +248,7 @@ impl CommEnd {
                 let stats = run_rank_comm(&mut plane, program, handle, &rank_of, deadline).map_err(|e| e.to_string())?;
                 drop(plane);
                 if program.endpoint.group == Group::Dst {
-                    *memory = mem.download(dev).map_err(|e| e.to_string())?;
+                    mem.download_into(dev, memory).map_err(|e| e.to_string())?;
                 }
                 Ok(stats)
             }
@@ -519,11 +483,7 @@ impl Endpointed {
             addrs.insert(p.endpoint, (at, handle, bytes));
         }
         let endpoints: Vec<Endpoint> = endpoints.into_iter().collect::<Option<_>>().ok_or("the peer table misses a rank")?;
-        let mut wanted = BTreeSet::new();
-        for r in &program.rounds {
-            wanted.extend(r.sends.iter().map(|m| m.peer));
-            wanted.extend(r.recvs.iter().map(|m| m.peer));
-        }
+        let wanted = program_peers(program);
         let mut peers = Vec::with_capacity(wanted.len());
         for e in wanted {
             let (at, ..) = addrs.get(&e).ok_or_else(|| format!("no IPC address for {me}'s peer {e}"))?;
@@ -552,7 +512,12 @@ impl Endpointed {
         let rank = comm_rank(me, src_ranks);
         let config =
             CommConfig { init_timeout: settings.connect_timeout, abort_timeout: settings.abort_timeout, ..CommConfig::new(rank, nranks) };
-        let started = CommHandle::start(config, &format!("ipc-{me}"), move || Ok(IpcComm::new(endpoints, doorbells, bucket)));
+        let tag = format!("ipc-{me}");
+        let started = match bucket {
+            Bucket::Sim(b) => CommHandle::start(config, &tag, move || Ok(IpcComm::new(endpoints, doorbells, b))),
+            #[cfg(feature = "cuda")]
+            Bucket::Gpu(b) => CommHandle::start(config, &tag, move || Ok(IpcComm::new(endpoints, doorbells, *b))),
+        };
         let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
         Ok(CommEnd::connected(handle, (src_ranks, nranks), settings.plane, gpu, Some(packs_into)))
     }
@@ -581,11 +546,7 @@ impl Endpointed {
         let me = program.endpoint;
         let by_endpoint: HashMap<Endpoint, &PeerAddr> = table.iter().map(|p| (p.endpoint, p)).collect();
         let mine = by_endpoint.get(&me).map(|p| p.node).ok_or_else(|| format!("the peer table has no entry for {me}"))?;
-        let mut wanted = BTreeSet::new();
-        for r in &program.rounds {
-            wanted.extend(r.sends.iter().map(|m| m.peer));
-            wanted.extend(r.recvs.iter().map(|m| m.peer));
-        }
+        let wanted = program_peers(program);
         let mut peers = Vec::with_capacity(wanted.len());
         for e in wanted {
             let p = by_endpoint.get(&e).ok_or_else(|| format!("no data address for {me}'s peer {e}"))?;

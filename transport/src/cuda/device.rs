@@ -17,6 +17,7 @@
 //! every entry point checks presence first ([`probe_driver`]) and catches
 //! a panic as a second line of defence.
 
+use crate::cuda::comm::Progress;
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
 use crate::cuda::ipc::{BucketLayout, IpcHandle};
 use crate::cuda::kernels::{self, CastBox};
@@ -85,6 +86,15 @@ pub fn probe_driver() -> Result<(), String> {
         }
         Ok(())
     })
+}
+
+/// Whether the work before `event` is done on the device (no event: done).
+pub(crate) fn event_progress(event: Option<&CudaEvent>, what: &str) -> Result<Progress, String> {
+    match event.map(CudaEvent::try_is_complete) {
+        None | Some(Ok(true)) => Ok(Progress::Ready),
+        Some(Ok(false)) => Ok(Progress::Pending),
+        Some(Err(e)) => Err(format!("{what}: {e}")),
+    }
 }
 
 /// How many CUDA devices this process sees. Never panics.
@@ -686,19 +696,26 @@ impl DeviceMemory {
 
     /// Copies the buffers back to the host (waits).
     pub fn download(&self, dev: &GpuDevice) -> Result<RankMemory, GpuError> {
+        let mut host = RankMemory { buffers: self.lens.iter().map(|&len| vec![0u8; len]).collect(), dtypes: self.dtypes.clone() };
+        self.download_into(dev, &mut host)?;
+        Ok(host)
+    }
+
+    /// Copies every buffer into `host`'s buffers of the same sizes (waits
+    /// for the device first), reusing their memory.
+    pub fn download_into(&self, dev: &GpuDevice, host: &mut RankMemory) -> Result<(), GpuError> {
+        self.check_host(host)?;
         dev.synchronize()?;
-        let mut host = RankMemory { buffers: Vec::new(), dtypes: self.dtypes.clone() };
-        for (i, (&addr, &len)) in self.addrs.iter().zip(&self.lens).enumerate() {
-            let mut h = vec![0u8; len];
-            if len > 0 {
-                // SAFETY: `len` bytes on both sides; the call waits.
-                unsafe { sys::cuMemcpyDtoH_v2(h.as_mut_ptr().cast(), addr, len) }
+        for (i, (&addr, h)) in self.addrs.iter().zip(&mut host.buffers).enumerate() {
+            if !h.is_empty() {
+                // SAFETY: `h.len()` bytes on both sides (checked above); the
+                // call waits.
+                unsafe { sys::cuMemcpyDtoH_v2(h.as_mut_ptr().cast(), addr, h.len()) }
                     .result()
                     .map_err(driver(format!("{} buffer {i}: download", self.owner)))?;
             }
-            host.buffers.push(h);
         }
-        Ok(host)
+        Ok(())
     }
 
     /// Sets every byte to zero (waits).
@@ -743,7 +760,7 @@ impl DeviceMemory {
         let lens: Vec<usize> = host.buffers.iter().map(Vec::len).collect();
         if lens != self.lens {
             return Err(GpuError::Invalid {
-                what: format!("{}: upload", self.owner),
+                what: format!("{}: host copy", self.owner),
                 problem: format!("host buffers of {lens:?} bytes for device buffers of {:?}", self.lens),
             });
         }

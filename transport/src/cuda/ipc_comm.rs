@@ -346,14 +346,7 @@ pub mod gpu {
         }
 
         fn pulled(&mut self) -> Result<Progress, String> {
-            match &self.done {
-                None => Ok(Progress::Ready),
-                Some(ev) => match ev.try_is_complete() {
-                    Ok(true) => Ok(Progress::Ready),
-                    Ok(false) => Ok(Progress::Pending),
-                    Err(e) => Err(format!("waiting for the copies from mapped buckets: {e}")),
-                },
-            }
+            crate::cuda::device::event_progress(self.done.as_ref(), "waiting for the copies from mapped buckets")
         }
 
         fn abandon(&mut self) {

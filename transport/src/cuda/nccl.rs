@@ -16,7 +16,7 @@
 
 use crate::copy::fits;
 use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, P2p, PendingComm, Progress, RawEvent};
-use crate::cuda::device::{no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, PinnedStaging};
+use crate::cuda::device::{event_progress, no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, PinnedStaging};
 use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops};
 use crate::cuda::id::CommId;
 use crate::cuda::plane::{run_rank_comm, CommExecError, PlaneMemory, Side, Staging};
@@ -227,14 +227,7 @@ impl CommBackend for NcclBackend {
         if let e @ Err(_) = self.progress() {
             return e;
         }
-        match &self.done {
-            Some(ev) => match ev.try_is_complete() {
-                Ok(true) => Ok(Progress::Ready),
-                Ok(false) => Ok(Progress::Pending),
-                Err(e) => Err(format!("waiting for the group on the device: {e}")),
-            },
-            None => Ok(Progress::Ready),
-        }
+        event_progress(self.done.as_ref(), "waiting for the group on the device")
     }
 
     fn check(&mut self) -> Result<(), String> {
@@ -268,14 +261,7 @@ impl CommBackend for NcclBackend {
     }
 
     fn poll_abort(&mut self) -> Result<Progress, String> {
-        match &self.teardown {
-            None => Ok(Progress::Ready),
-            Some(ev) => match ev.try_is_complete() {
-                Ok(true) => Ok(Progress::Ready),
-                Ok(false) => Ok(Progress::Pending),
-                Err(e) => Err(format!("waiting for the aborted communicator's work on the device: {e}")),
-            },
-        }
+        event_progress(self.teardown.as_ref(), "waiting for the aborted communicator's work on the device")
     }
 }
 
@@ -309,11 +295,6 @@ pub fn create_comms(members: &[(usize, u32)], id: CommId, config: CommConfig) ->
         })
         .collect();
     started.into_iter().map(|p| p.and_then(PendingComm::wait)).collect()
-}
-
-/// A side of a piece fits the region its address names.
-fn side_fits(regions: &[(u64, usize)], block: &Block, side: &Side) -> bool {
-    regions.iter().any(|&(at, len)| at == side.0 && fits(block.extent(), len, side.1.base, &side.1.strides, side.2))
 }
 
 /// A device staging buffer that grows on demand.
@@ -390,15 +371,13 @@ impl<'a> GpuPlane<'a> {
         GpuPlane { bucket: Some((base, len as usize)), ..GpuPlane::new(dev, memory) }
     }
 
-    fn regions(&self) -> Vec<(u64, usize)> {
-        let mut r: Vec<(u64, usize)> = self.addrs.iter().copied().zip(self.memory.buffer_lens().iter().copied()).collect();
-        for s in [&self.send, &self.recv] {
-            if s.buf.is_some() {
-                r.push((s.addr, s.len));
-            }
-        }
-        r.extend(self.bucket);
-        r
+    /// Whether a side of `block` fits the region its address names: a
+    /// buffer of the rank, its staging or its exported bucket.
+    fn fits(&self, block: &Block, side: &Side) -> bool {
+        let buffers = self.addrs.iter().copied().zip(self.memory.buffer_lens().iter().copied());
+        let staging = [&self.send, &self.recv].into_iter().filter(|s| s.buf.is_some()).map(|s| (s.addr, s.len));
+        let mut regions = buffers.chain(staging).chain(self.bucket);
+        regions.any(|(at, len)| at == side.0 && fits(block.extent(), len, side.1.base, &side.1.strides, side.2))
     }
 }
 
@@ -431,8 +410,7 @@ impl PlaneMemory for GpuPlane<'_> {
     }
 
     fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), String> {
-        let regions = self.regions();
-        if let Some(side) = std::iter::once(&from).chain(to).find(|s| !side_fits(&regions, block, s)) {
+        if let Some(side) = std::iter::once(&from).chain(to).find(|s| !self.fits(block, s)) {
             return Err(format!("{:?} of {side:?} is outside this rank's device buffers and staging", block.extent()));
         }
         let dev = self.dev;

@@ -350,15 +350,14 @@ impl<'a> SimMemory<'a> {
         SimMemory::new(memory).packing_into(bucket)
     }
 
-    fn regions(&mut self) -> Vec<Region> {
-        let mut r: Vec<Region> = self.addrs.iter().zip(&self.lens).map(|(&at, &len)| Region { at, len }).collect();
-        for s in [&mut self.send, &mut self.recv] {
-            r.push(Region { at: s.as_mut_ptr() as u64, len: s.len() });
-        }
-        if let Some(b) = &self.bucket {
-            r.push(Region { at: b.ptr as u64, len: b.len });
-        }
-        r
+    /// The region `side` names (a buffer of the rank, its staging or its
+    /// exported bucket), if the piece fits it.
+    fn region_of(&mut self, block: &Block, side: &Side) -> Option<Region> {
+        let buffers = self.addrs.iter().zip(&self.lens).map(|(&at, &len)| Region { at, len });
+        let staging = [&mut self.send, &mut self.recv].into_iter().map(|s| Region { at: s.as_mut_ptr() as u64, len: s.len() });
+        let bucket = self.bucket.iter().map(|b| Region { at: b.ptr as u64, len: b.len });
+        let mut regions = buffers.chain(staging).chain(bucket);
+        regions.find(|r| r.at == side.0 && fits(block.extent(), r.len, side.1.base, &side.1.strides, side.2))
     }
 }
 
@@ -454,11 +453,6 @@ impl IpcMemory for SimIpc {
     }
 }
 
-/// The region `side` names, if the piece fits it.
-fn region_of(regions: &[Region], block: &Block, side: &Side) -> Option<Region> {
-    regions.iter().copied().find(|r| r.at == side.0 && fits(block.extent(), r.len, side.1.base, &side.1.strides, side.2))
-}
-
 fn view(r: Region, side: &Side) -> StridedRef {
     // SAFETY: `r` is a live region of this memory (a buffer the run
     // borrows mutably, or staging it owns) of `r.len` bytes; every reader
@@ -497,10 +491,8 @@ impl PlaneMemory for SimMemory<'_> {
     }
 
     fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), String> {
-        let regions = self.regions();
-        let find = |side: &Side| {
-            region_of(&regions, block, side)
-                .ok_or_else(|| format!("{:?} of {side:?} is outside this rank's memory and staging", block.extent()))
+        let mut find = |side: &Side| {
+            self.region_of(block, side).ok_or_else(|| format!("{:?} of {side:?} is outside this rank's memory and staging", block.extent()))
         };
         let src = view(find(&from)?, &from);
         let counts = block.extent();
