@@ -269,18 +269,9 @@ impl CommEnd {
         let me = program.endpoint;
         let (src_ranks, nranks) = (self.src_ranks, self.nranks);
         let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
-        let base = registered.regions().len();
-        if program.buffers.len() < base {
-            return Err(format!("{me}: the program has {} buffers, {base} are registered", program.buffers.len()));
-        }
+        let mut regions = registered_regions(program, registered)?;
+        let base = regions.len();
         let bytes = |b: &reshard::BufferSpec| (b.elems * b.dtype.size()) as usize;
-        let mut regions: Vec<(u64, usize)> = Vec::with_capacity(program.buffers.len());
-        for (spec, &(addr, len)) in program.buffers.iter().zip(registered.regions()) {
-            if len < bytes(spec) {
-                return Err(format!("{me}: buffer '{}' needs {} bytes, {len} are registered", spec.name, bytes(spec)));
-            }
-            regions.push((addr, bytes(spec)));
-        }
         let scratch_specs = &program.buffers[base..];
         let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
         match (&self.plane, registered.residence()) {
@@ -327,17 +318,84 @@ impl CommEnd {
                 };
                 run_rank_comm(&mut plane, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
             }
-            (plane, residence) => Err(format!(
-                "{me}: its weights are registered {residence} memory, which the {} plane does not read{}",
-                match plane {
-                    CommPlane::Cuda => "CUDA",
-                    CommPlane::Simulated { .. } => "simulated",
-                },
-                match (plane, residence) {
-                    (CommPlane::Cuda, Residence::Device { .. }) => " (the member's GPU, MemberConfig::gpu, is another device)",
-                    _ => "",
+            (plane, residence) => Err(out_of_reach(me, plane, residence)),
+        }
+    }
+
+    /// Runs a registered destination's `program` into `staging` (made, or
+    /// remade for another plan, on this end's plane; first synced with the
+    /// registered memory if a run since the last commit may have written
+    /// it), by `deadline`. The registered memory itself is only read here;
+    /// the commit copies the staging in ([`RegisteredStaging::commit`]).
+    pub(crate) fn run_staged(
+        &mut self,
+        program: &RankProgram,
+        registered: &Registered,
+        staging: &mut Option<RegisteredStaging>,
+        deadline: Instant,
+    ) -> Result<RankStats, String> {
+        let me = program.endpoint;
+        let (src_ranks, nranks) = (self.src_ranks, self.nranks);
+        let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
+        let regions = registered_regions(program, registered)?;
+        let lens: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
+        let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
+        match (&self.plane, registered.residence()) {
+            (CommPlane::Simulated { .. }, Residence::Host) => {
+                let fits = matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Host(m), .. })
+                    if m.buffers.iter().map(Vec::len).eq(lens.iter().copied()));
+                if !fits {
+                    *staging =
+                        Some(RegisteredStaging { memory: StagingMemory::Host(RankMemory::for_buffers(&program.buffers)), synced: false });
                 }
-            )),
+                let st = staging.as_mut().ok_or("no staging")?;
+                let memory = st.memory.host().ok_or("no host staging")?;
+                if !st.synced {
+                    for (to, &(addr, len)) in memory.buffers.iter_mut().zip(&regions) {
+                        // SAFETY: the registered region holds `len` bytes
+                        // (`registered_regions`), valid for reads while the
+                        // store lives, and written only by this member's
+                        // commits (`Registered::new`'s contract); `to` is
+                        // our own buffer of `len` bytes.
+                        to.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+                    }
+                }
+                st.synced = false;
+                let mut sim = match &self.packs_into {
+                    Some(PackInto::Sim(b)) => SimMemory::with_bucket(memory, b.clone()),
+                    _ => SimMemory::new(memory),
+                };
+                run_rank_comm(&mut sim, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+            }
+            #[cfg(feature = "cuda")]
+            (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
+                use transport::cuda::device::{DeviceMemory, GpuDevice};
+                let fits = matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Device(_, m), .. })
+                    if m.buffer_lens() == lens.as_slice());
+                if !fits {
+                    *staging = None;
+                    let dev = GpuDevice::open(ordinal).map_err(|e| e.to_string())?;
+                    let mem = DeviceMemory::for_buffers(&dev, me, &program.buffers).map_err(|e| e.to_string())?;
+                    *staging = Some(RegisteredStaging { memory: StagingMemory::Device(dev, mem), synced: false });
+                }
+                let st = staging.as_mut().ok_or("no staging")?;
+                let StagingMemory::Device(dev, mem) = &mut st.memory else { return Err("no device staging".into()) };
+                if !st.synced {
+                    // SAFETY: the regions are device memory of this GPU
+                    // (`Registered::new`'s contract, the residence checked
+                    // above), written only by this member's commits.
+                    unsafe { mem.copy_from_regions(dev, &regions) }.map_err(|e| e.to_string())?;
+                }
+                st.synced = false;
+                dev.bind().map_err(|e| format!("{me}: {e}"))?;
+                let mut plane = match &self.packs_into {
+                    // SAFETY: as in `run`.
+                    Some(PackInto::Gpu { base, len }) => unsafe { transport::cuda::nccl::GpuPlane::with_bucket(dev, mem, *base, *len) },
+                    _ => transport::cuda::nccl::GpuPlane::new(dev, mem),
+                };
+                run_rank_comm(&mut plane, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+            }
+            (plane, residence) => Err(out_of_reach(me, plane, residence)),
         }
     }
 
@@ -346,6 +404,118 @@ impl CommEnd {
     pub(crate) fn abort(&mut self) -> Option<String> {
         let outcome = self.handle.take()?.abort();
         outcome.needs_restart().then(|| format!("its communicator's abort hangs ({outcome:?}): restart this process"))
+    }
+}
+
+/// The rank's buffers' regions of `registered` memory, each cut to its
+/// buffer's bytes (the program's first buffers are the rank's).
+fn registered_regions(program: &RankProgram, registered: &Registered) -> Result<Vec<(u64, usize)>, String> {
+    let me = program.endpoint;
+    let base = registered.regions().len();
+    if program.buffers.len() < base {
+        return Err(format!("{me}: the program has {} buffers, {base} are registered", program.buffers.len()));
+    }
+    let mut regions = Vec::with_capacity(program.buffers.len());
+    for (spec, &(addr, len)) in program.buffers.iter().zip(registered.regions()) {
+        let bytes = (spec.elems * spec.dtype.size()) as usize;
+        if len < bytes {
+            return Err(format!("{me}: buffer '{}' needs {bytes} bytes, {len} are registered", spec.name));
+        }
+        regions.push((addr, bytes));
+    }
+    Ok(regions)
+}
+
+/// Why a communicator's plane cannot reach a rank's registered memory.
+fn out_of_reach(me: Endpoint, plane: &CommPlane, residence: Residence) -> String {
+    format!(
+        "{me}: its weights are registered {residence} memory, which the {} plane does not reach{}",
+        match plane {
+            CommPlane::Cuda => "CUDA",
+            CommPlane::Simulated { .. } => "simulated",
+        },
+        match (plane, residence) {
+            (CommPlane::Cuda, Residence::Device { .. }) => " (the member's GPU, MemberConfig::gpu, is another device)",
+            _ => "",
+        }
+    )
+}
+
+/// A registered destination's staging: the memory its refits write (every
+/// buffer of its program, scratch too), on the plane's side (host memory
+/// for the simulated plane, a device bucket on the member's GPU for
+/// CUDA); the commit copies the rank's buffers into the registered memory.
+/// The member keeps it between refits.
+pub(crate) struct RegisteredStaging {
+    memory: StagingMemory,
+    /// The rank's buffers hold what the registered memory holds (after a
+    /// commit); a run clears it, and a run that finds it clear first copies
+    /// the registered memory in, so bytes no refit writes (gaps in a fused
+    /// buffer, the buffers a subset refit carries) are what is served.
+    synced: bool,
+}
+
+/// Where a [`RegisteredStaging`] is.
+enum StagingMemory {
+    /// Host memory (the simulated plane).
+    Host(RankMemory),
+    /// A bucket on the member's GPU.
+    #[cfg(feature = "cuda")]
+    Device(transport::cuda::device::GpuDevice, transport::cuda::device::DeviceMemory),
+}
+
+impl StagingMemory {
+    fn host(&mut self) -> Option<&mut RankMemory> {
+        match self {
+            StagingMemory::Host(m) => Some(m),
+            #[cfg(feature = "cuda")]
+            StagingMemory::Device(..) => None,
+        }
+    }
+}
+
+impl RegisteredStaging {
+    /// Copies the rank's buffers into `registered` memory (the commit,
+    /// under the store's commit fence: no reader holds it) and waits.
+    pub(crate) fn commit(&mut self, program: &RankProgram, registered: &Registered) -> Result<(), String> {
+        let regions = registered_regions(program, registered)?;
+        match &mut self.memory {
+            StagingMemory::Host(memory) => {
+                if registered.residence() != Residence::Host {
+                    return Err(format!("{}: host staging for registered {} memory", program.endpoint, registered.residence()));
+                }
+                for (from, &(addr, len)) in memory.buffers.iter().zip(&regions) {
+                    if from.len() != len {
+                        return Err(format!("{}: staging of {} bytes for a buffer of {len}", program.endpoint, from.len()));
+                    }
+                    // SAFETY: the registered region holds `len` bytes of
+                    // host memory (`registered_regions`, the residence
+                    // checked above), valid for writes while the store lives
+                    // and untouched by the user while the commit fence is
+                    // held (`Registered::new`'s contract); `from` is our own
+                    // buffer of `len` bytes, not inside it.
+                    unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), addr as *mut u8, len) };
+                }
+            }
+            #[cfg(feature = "cuda")]
+            StagingMemory::Device(dev, mem) => {
+                if registered.residence() != (Residence::Device { ordinal: dev.ordinal() }) {
+                    return Err(format!(
+                        "{}: staging on GPU {} for registered {} memory",
+                        program.endpoint,
+                        dev.ordinal(),
+                        registered.residence()
+                    ));
+                }
+                // SAFETY: the regions are device memory of this GPU
+                // (checked above; `Registered::new`'s contract), written by
+                // nothing else while the commit fence is held; the staging
+                // is our own bucket.
+                unsafe { mem.copy_to_regions(dev, &regions) }.map_err(|e| e.to_string())?;
+            }
+        }
+        self.synced = true;
+        Ok(())
     }
 }
 

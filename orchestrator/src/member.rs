@@ -3,9 +3,9 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::fabric::{CommEnd, Endpointed, KillSwitch, Ready};
+use crate::fabric::{CommEnd, Endpointed, KillSwitch, Ready, RegisteredStaging};
 use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
-use crate::store::{Buffers, DstStore, Registered, SrcStore};
+use crate::store::{Buffers, CommitFence, DstStore, Registered, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
@@ -37,7 +37,7 @@ impl Role {
     fn weights(&self) -> Weights {
         match self {
             Role::Src(store) => store.weights(),
-            Role::Dst(store) => store.version().map_or(Weights::Unwritten, Weights::Version),
+            Role::Dst(store) => store.weights(),
         }
     }
 }
@@ -132,7 +132,27 @@ pub struct Member {
     kept: Vec<Kept>,
     /// What a plan's last clean run left for the next, by plan.
     leftovers: Vec<(Fingerprint, Leftover)>,
+    /// A registered destination's staging, kept between refits.
+    registered_staging: Option<RegisteredStaging>,
+    /// A registered destination's staged version, awaiting its commit.
+    staged: Option<Staged>,
 }
+
+/// A registered destination's run that staged a whole version: what its
+/// commit copies in, and the fence that keeps readers off the registered
+/// memory until the commit or a discard.
+struct Staged {
+    version: u64,
+    program: Arc<RankProgram>,
+    /// Taken by the commit; dropped with this value (a discard, a new
+    /// run) or by a timer once [`COMMIT_HOLD`] past the run's deadline, so
+    /// readers are not held off for good if the orchestrator went away.
+    fence: Arc<std::sync::Mutex<Option<CommitFence>>>,
+}
+
+/// How long past a run's deadline a registered destination holds readers
+/// off while it waits for its commit (or a discard).
+const COMMIT_HOLD: Duration = Duration::from_secs(30);
 
 /// What a clean run of a plan leaves for the next run of it.
 #[derive(Default)]
@@ -165,6 +185,8 @@ impl Member {
             pending: None,
             kept: Vec::new(),
             leftovers: Vec::new(),
+            registered_staging: None,
+            staged: None,
         }
     }
 }
@@ -501,7 +523,8 @@ impl Member {
         // run that fails leaves none behind.
         let left = self.leftovers.iter().position(|(f, _)| *f == fingerprint).map(|i| self.leftovers.swap_remove(i).1).unwrap_or_default();
         let how = RunHow { refit, deadline, delta };
-        let (result, kept) = match &self.role {
+        let role = self.role.clone();
+        let (result, kept) = match &role {
             Role::Src(store) => {
                 // The fence: hold the write lock while peers read our weights.
                 let mut guard = store.lock().write_owned().await;
@@ -520,6 +543,10 @@ impl Member {
                     (r, (end, left))
                 });
                 split(watched(run, deadline, kill).await)
+            }
+            Role::Dst(store) if store.registered_memory().is_some() => {
+                let (r, end) = self.run_registered_dst(store, program, end, how, version, kill).await;
+                (r, end.map(|end| (end, Leftover::default())))
             }
             Role::Dst(store) => {
                 // A subset refit keeps the other tensors' bytes from the
@@ -566,6 +593,130 @@ impl Member {
         finish(result)
     }
 
+    /// Runs a registered destination's program into its staging (on a
+    /// communicator only); once the whole version is staged, takes the
+    /// store's commit fence (waiting for readers, within the deadline) and
+    /// keeps both for the commit. The registered memory is not written.
+    async fn run_registered_dst(
+        &mut self,
+        store: &Arc<DstStore>,
+        program: Arc<RankProgram>,
+        mut end: Endpointed,
+        how: RunHow,
+        version: u64,
+        kill: Option<KillSwitch>,
+    ) -> (Result<RunStats, Refusal>, Option<Endpointed>) {
+        let started = Instant::now();
+        // A new run replaces whatever was staged (and lets its readers in).
+        self.staged = None;
+        let Some(registered) = store.registered_memory().cloned() else {
+            return (Err(Refusal::ProgramMismatch("the store is not registered".into())), None);
+        };
+        if !program.carried.is_empty() && store.version().is_none() {
+            end.abort(&Refusal::NoBaseVersion.to_string());
+            return (Err(Refusal::NoBaseVersion), None);
+        }
+        let mut staging = self.registered_staging.take();
+        let p = program.clone();
+        let run = tokio::task::spawn_blocking(move || {
+            let r = match end.ready() {
+                Ok(Ready::Comm(c)) if how.delta.is_some() => {
+                    c.abort();
+                    Err(Refusal::Fabric("delta refits run on the in-process and node fabrics, not on a communicator".into()))
+                }
+                Ok(Ready::Comm(c)) => {
+                    let r = c.run_staged(&p, &registered, &mut staging, Instant::now() + how.deadline);
+                    comm_result(r, c)
+                }
+                Ok(Ready::Transport(t)) => {
+                    let why = format!(
+                        "{}: it serves registered {} memory, which moves on the NCCL and IPC fabrics only",
+                        p.endpoint,
+                        registered.residence()
+                    );
+                    t.abort(&why);
+                    Err(Refusal::Fabric(why))
+                }
+                Err(e) => Err(Refusal::Fabric(e)),
+            };
+            (r, (end, staging))
+        });
+        let (result, kept) = split(watched(run, how.deadline, kill).await);
+        let end = kept.map(|(end, staging)| {
+            self.registered_staging = staging;
+            end
+        });
+        if result.is_err() {
+            return (result, end);
+        }
+        // Readers let go of the served weights within the deadline, or the
+        // refit fails here, before anything was written.
+        let within = how.deadline.saturating_sub(started.elapsed()).max(Duration::from_millis(100));
+        let Some(fence) = store.fence_for_commit(within).await else {
+            let why = format!("{}: readers held its registered weights (DstStore::serve) past the refit's deadline", program.endpoint);
+            return (Err(Refusal::Exec { why, after_peer: false }), end);
+        };
+        let fence = Arc::new(std::sync::Mutex::new(Some(fence)));
+        let hold = how.deadline.saturating_add(COMMIT_HOLD);
+        if hold < Duration::from_secs(365 * 24 * 3600) {
+            let expiring = Arc::downgrade(&fence);
+            tokio::spawn(async move {
+                tokio::time::sleep(hold).await;
+                if let Some(fence) = expiring.upgrade() {
+                    if fence.lock().unwrap_or_else(|e| e.into_inner()).take().is_some() {
+                        tracing::warn!("a staged version's commit never came: readers are let back in, and it will not be committed");
+                    }
+                }
+            });
+        }
+        self.staged = Some(Staged { version, program, fence });
+        (result, end)
+    }
+
+    /// Commits a registered destination's staged `version`: copies the
+    /// staging into the registered memory under the commit fence, then
+    /// serves it. A copy that fails leaves the memory torn (served again
+    /// after the next refit commits).
+    async fn commit_registered(&mut self, store: Arc<DstStore>, version: u64) -> MemberReply {
+        let me = self.endpoint;
+        let staged = match self.staged.take() {
+            Some(s) if s.version == version => s,
+            other => return MemberReply::Refused(Refusal::NotStaged { staged: other.map(|s| s.version) }),
+        };
+        let Some(fence) = staged.fence.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            let why = format!("{me}: version {version} was staged, but its commit came after the hold on its readers expired");
+            return MemberReply::Refused(Refusal::Exec { why, after_peer: false });
+        };
+        let Some(registered) = store.registered_memory().cloned() else {
+            return MemberReply::Refused(Refusal::NotStaged { staged: None });
+        };
+        let mut staging = self.registered_staging.take();
+        let program = staged.program.clone();
+        let copied = tokio::task::spawn_blocking(move || {
+            let r = match staging.as_mut() {
+                Some(s) => s.commit(&program, &registered),
+                None => Err(format!("{me}: no staging to commit")),
+            };
+            (r, staging)
+        })
+        .await;
+        let failed = match copied {
+            Ok((Ok(()), staging)) => {
+                self.registered_staging = staging;
+                store.publish(version, &fence);
+                return MemberReply::Done;
+            }
+            Ok((Err(e), staging)) => {
+                self.registered_staging = staging;
+                e
+            }
+            Err(e) => format!("{me}: the commit's copy failed: {e}"),
+        };
+        store.tear(&fence);
+        let why = format!("{failed}; the registered weights are torn until the next refit commits");
+        MemberReply::Refused(Refusal::Exec { why, after_peer: false })
+    }
+
     fn install(&mut self, program: Box<RankProgram>, fingerprint: Fingerprint) -> MemberReply {
         if program.fingerprint != fingerprint {
             MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint })
@@ -605,6 +756,7 @@ impl Actor for Member {
             MemberMsg::Connect { refit, peers } => self.connect(refit, peers).await,
             MemberMsg::Run { refit, version, fingerprint, deadline, delta } => self.run(refit, version, fingerprint, deadline, delta).await,
             MemberMsg::Commit { version } => match &self.role {
+                Role::Dst(store) if store.registered_memory().is_some() => self.commit_registered(store.clone(), version).await,
                 Role::Dst(store) => match store.commit(version).await {
                     Ok(()) => MemberReply::Done,
                     Err(staged) => MemberReply::Refused(Refusal::NotStaged { staged }),
@@ -614,6 +766,8 @@ impl Actor for Member {
             MemberMsg::Discard => {
                 self.pending = None;
                 self.kept.clear();
+                // Lets the readers of registered weights back in.
+                self.staged = None;
                 if let Role::Dst(store) = &self.role {
                     store.discard().await;
                 }

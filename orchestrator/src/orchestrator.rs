@@ -930,9 +930,11 @@ impl Orchestrator {
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta });
         self.enter(RefitStep::Running);
         let ran = call_both(&self.src, &self.dst, run, deadline + control).await?;
-        // The member whose own run failed, rather than one that failed
-        // because a peer aborted or went away.
-        let root = ran.iter().find(|(_, r)| matches!(r, MemberReply::Refused(Refusal::Exec { after_peer: false, .. })));
+        // The member whose own run failed (or that refused to run), rather
+        // than one that failed because a peer aborted or went away.
+        let root = ran
+            .iter()
+            .find(|(_, r)| matches!(r, MemberReply::Refused(refusal) if !matches!(refusal, Refusal::Exec { after_peer: true, .. })));
         if let Some((member, MemberReply::Refused(r))) = root {
             return Err(refused(member, r.clone()));
         }

@@ -239,8 +239,9 @@ pub enum Weights {
     Unwritten,
     /// This version, whole.
     Version(u64),
-    /// A source whose last step failed after changing the weights: neither
-    /// the version before it (if any) nor a new one.
+    /// A source whose last step failed after changing the weights, or a
+    /// destination whose commit into registered memory failed midway:
+    /// neither the version before it (if any) nor a new one.
     Torn {
         /// The last version written whole.
         after: Option<u64>,
@@ -252,8 +253,8 @@ impl std::fmt::Display for Weights {
         match self {
             Weights::Unwritten => f.write_str("nothing written"),
             Weights::Version(v) => write!(f, "version {v}"),
-            Weights::Torn { after: Some(v) } => write!(f, "weights torn by a failed step after version {v}"),
-            Weights::Torn { after: None } => write!(f, "weights torn by a failed first step"),
+            Weights::Torn { after: Some(v) } => write!(f, "weights torn by a failed step (or commit) after version {v}"),
+            Weights::Torn { after: None } => write!(f, "weights torn by a failed first step (or commit)"),
         }
     }
 }

@@ -178,10 +178,13 @@ impl Registered {
     /// weights; each must hold at least its buffer's bytes.
     ///
     /// # Safety
-    /// Every region must be memory of `residence` valid for reads of its
-    /// bytes for as long as any store or refit holds this value, written
-    /// only inside the store's `update` (or `restore`), and never freed or
-    /// moved meanwhile (reallocating a parameter means registering again).
+    /// Every region must be memory of `residence` valid for reads and
+    /// writes of its bytes for as long as any store or refit holds this
+    /// value, and never freed or moved meanwhile (reallocating a parameter
+    /// means registering again). For a [`SrcStore`] it is written only
+    /// inside the store's `update` (or `restore`); for a [`DstStore`] only
+    /// its commits write it, and the user touches it only inside
+    /// [`DstStore::serve`].
     pub unsafe fn new(layout: &Layout, rank: Rank, residence: Residence, regions: Vec<(u64, usize)>) -> Result<Registered, BufferError> {
         let bad = |problem: String| BufferError::BadRegistration { rank, problem };
         if rank >= layout.ranks() {
@@ -881,11 +884,23 @@ pub struct Snapshot {
 /// readers use, the one before it (so a tensor-parallel group can agree on
 /// a version while a commit sweeps over its ranks), and a staging copy that
 /// refits write.
+///
+/// A store over **registered** memory ([`DstStore::registered`]: the
+/// inference engine's own device buffers) serves one version, in that
+/// memory: a refit writes the member's staging (device memory of the
+/// fabric's), and the commit copies it in while no reader holds the
+/// store ([`DstStore::serve`]).
 #[derive(Debug)]
 pub struct DstStore {
     rank: Rank,
+    layout: Arc<Layout>,
     live: RwLock<Live>,
     staging: Arc<tokio::sync::Mutex<Staging>>,
+    /// The user's memory the weights are served in, if registered.
+    registered: Option<Registered>,
+    /// Readers of registered memory hold it shared ([`Serving`]); a
+    /// commit into that memory holds it exclusively.
+    fence: Arc<tokio::sync::RwLock<()>>,
 }
 
 /// The current and the previous committed version (none before the first
@@ -894,7 +909,37 @@ pub struct DstStore {
 struct Live {
     current: Option<Arc<Snapshot>>,
     previous: Option<Arc<Snapshot>>,
+    /// Registered memory a commit failed to copy into whole: it holds
+    /// neither the last committed version nor the new one.
+    torn: bool,
+    /// The last version committed whole.
+    last: Option<u64>,
 }
+
+/// A reader's hold on a destination's served weights
+/// ([`DstStore::serve`]): while it lives, no commit changes them. Readers
+/// of registered memory (an inference engine's device buffers) keep it for
+/// as long as their work reads the weights — until that work has finished
+/// on the device, not just been queued.
+#[derive(Debug)]
+pub struct Serving {
+    version: Option<u64>,
+    _fence: tokio::sync::OwnedRwLockReadGuard<()>,
+}
+
+impl Serving {
+    /// The version the weights hold while this hold lasts (`None`:
+    /// nothing committed yet, or registered memory torn by a failed
+    /// commit: not to be used).
+    pub fn version(&self) -> Option<u64> {
+        self.version
+    }
+}
+
+/// A commit's exclusive hold on a destination's served weights: taken by
+/// the member once its run staged the whole version
+/// ([`DstStore::fence_for_commit`]), released by the commit or a discard.
+pub(crate) type CommitFence = tokio::sync::OwnedRwLockWriteGuard<()>;
 
 /// The staging copy and which version it holds completely, if any.
 #[derive(Debug)]
@@ -908,7 +953,59 @@ impl DstStore {
     /// first refit commits.
     pub fn new(layout: &Arc<Layout>, rank: Rank) -> DstStore {
         let buffers = Buffers::new(layout, rank);
-        DstStore { rank, live: RwLock::default(), staging: Arc::new(tokio::sync::Mutex::new(Staging { buffers, complete: None })) }
+        DstStore::with(layout, rank, buffers, None)
+    }
+
+    /// A store that serves its weights in `registered` memory (the
+    /// inference engine's own buffers, one region per buffer of the rank):
+    /// a refit on the NCCL or IPC fabric writes the member's staging and
+    /// the commit copies it into the memory, once every member of both
+    /// groups succeeded and no reader [serves](Self::serve) it; a failed
+    /// refit never touches it. The store holds none of the bytes (its
+    /// snapshots' [`Buffers`] answer [`BufferError::Registered`]); readers
+    /// use the memory itself, inside [`serve`](Self::serve). Serves nothing
+    /// until the first refit commits.
+    pub fn registered(layout: &Arc<Layout>, rank: Rank, registered: Registered) -> DstStore {
+        let buffers = Buffers::over(layout, rank, registered.clone());
+        DstStore::with(layout, rank, buffers, Some(registered))
+    }
+
+    fn with(layout: &Arc<Layout>, rank: Rank, buffers: Buffers, registered: Option<Registered>) -> DstStore {
+        DstStore {
+            rank,
+            layout: layout.clone(),
+            live: RwLock::default(),
+            staging: Arc::new(tokio::sync::Mutex::new(Staging { buffers, complete: None })),
+            registered,
+            fence: Arc::default(),
+        }
+    }
+
+    /// The registered memory the weights are served in, if any.
+    pub fn registered_memory(&self) -> Option<&Registered> {
+        self.registered.as_ref()
+    }
+
+    /// Holds the served weights for a reader: waits while a commit copies
+    /// into registered memory, then no commit changes them until the hold
+    /// is dropped (a refit that staged its version meanwhile waits for it,
+    /// within its deadline). On a store of host memory, snapshots never
+    /// change anyway; the hold only names the version.
+    pub async fn serve(&self) -> Serving {
+        let fence = self.fence.clone().read_owned().await;
+        Serving { version: self.version(), _fence: fence }
+    }
+
+    /// The weights as a refit finds them: nothing committed, a version, or
+    /// registered memory torn by a commit that failed midway (served again
+    /// after the next refit commits).
+    pub fn weights(&self) -> Weights {
+        let live = self.live();
+        match (&live.current, live.torn) {
+            (_, true) => Weights::Torn { after: live.last },
+            (Some(s), false) => Weights::Version(s.version),
+            (None, false) => Weights::Unwritten,
+        }
     }
 
     /// This store's rank.
@@ -957,6 +1054,7 @@ impl DstStore {
     /// afresh. Fails (changing nothing) unless staging holds all of
     /// `version`.
     pub(crate) async fn commit(&self, version: u64) -> Result<(), Option<u64>> {
+        debug_assert!(self.registered.is_none(), "registered stores commit through `publish`");
         let mut staging = self.staging.lock().await;
         if staging.complete != Some(version) {
             return Err(staging.complete);
@@ -966,6 +1064,7 @@ impl DstStore {
         let next = Arc::new(Snapshot { version, buffers });
         let retired = {
             let mut live = self.live.write().unwrap_or_else(|e| e.into_inner());
+            live.last = Some(version);
             let current = live.current.replace(next);
             std::mem::replace(&mut live.previous, current)
         };
@@ -980,6 +1079,34 @@ impl DstStore {
     /// Forgets a partly or wholly staged version.
     pub(crate) async fn discard(&self) {
         self.staging.lock().await.complete = None;
+    }
+
+    /// The exclusive hold a commit into registered memory needs: waits for
+    /// the readers [serving](Self::serve) the weights to let go, at most
+    /// `within`; `None` if they did not.
+    pub(crate) async fn fence_for_commit(&self, within: std::time::Duration) -> Option<CommitFence> {
+        tokio::time::timeout(within, self.fence.clone().write_owned()).await.ok()
+    }
+
+    /// Registered memory now holds `version` whole (the commit copied it
+    /// in under `_fence`): readers get it from here on.
+    pub(crate) fn publish(&self, version: u64, _fence: &CommitFence) {
+        if let Some(registered) = &self.registered {
+            let buffers = Buffers::over(&self.layout, self.rank, registered.clone());
+            let mut live = self.live.write().unwrap_or_else(|e| e.into_inner());
+            // Registered memory holds one version: the one before is gone.
+            *live = Live { current: Some(Arc::new(Snapshot { version, buffers })), previous: None, torn: false, last: Some(version) };
+        }
+    }
+
+    /// A commit into registered memory failed midway (under `_fence`): the
+    /// memory holds no whole version; nothing is served until the next
+    /// refit commits.
+    pub(crate) fn tear(&self, _fence: &CommitFence) {
+        let mut live = self.live.write().unwrap_or_else(|e| e.into_inner());
+        live.current = None;
+        live.previous = None;
+        live.torn = true;
     }
 }
 

@@ -358,3 +358,199 @@ async fn registered_sources_are_refused_on_host_fabrics_and_torn_by_failed_steps
     assert!(failed.is_err());
     assert!(matches!(sys.src[0].weights(), orchestrator::Weights::Torn { after: Some(1) }));
 }
+
+/// Destinations that serve their weights in the user's own memory (an
+/// inference engine's buffers; host memory standing in for device buffers
+/// on the simulated planes), sources with stores, an orchestrator on
+/// `fabric`. The user's memory is returned with the stores: it must
+/// outlive them.
+struct ServedInPlace {
+    orchestrator: orchestrator::OrchestratorHandle,
+    src: Vec<std::sync::Arc<orchestrator::SrcStore>>,
+    dst: Vec<std::sync::Arc<orchestrator::DstStore>>,
+    /// Each destination rank's buffers, bf16 bit patterns, boxed so they
+    /// never move.
+    memory: Vec<Vec<Box<[u16]>>>,
+}
+
+fn served_in_place(fabric: Fabric, deadline: Duration) -> ServedInPlace {
+    use orchestrator::{DstStore, Member, Residence, Role, SrcStore};
+    use std::sync::Arc;
+    let (src, dst) = layouts();
+    let (src, dst) = (Arc::new(src), Arc::new(dst));
+    let config = OrchestratorConfig { fabric, deadline, ..config("served", Strategy::Reshard) };
+    let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
+    let src_stores: Vec<Arc<SrcStore>> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
+    let src_members = src_stores
+        .iter()
+        .enumerate()
+        .map(|(r, s)| actors::spawn(Member::new(src.clone(), r as u32, Role::Src(s.clone())), spawn.clone()))
+        .collect();
+    let mut memory = Vec::new();
+    let mut dst_stores = Vec::new();
+    let mut dst_members = Vec::new();
+    for r in 0..dst.ranks() {
+        // Every buffer starts as a pattern no refit writes (0xdead).
+        let mut buffers: Vec<Box<[u16]>> = dst.rank_buffers(r).iter().map(|b| vec![0xdead; b.elems as usize].into_boxed_slice()).collect();
+        let regions = buffers.iter_mut().map(|b| (b.as_mut_ptr() as u64, b.len() * 2)).collect();
+        // SAFETY: each buffer lives in `ServedInPlace::memory` until the
+        // test ends, never moves (boxed), and the test reads it only while
+        // it holds `serve()` or no refit is in progress.
+        let reg = unsafe { orchestrator::Registered::new(&dst, r, Residence::Host, regions) }.unwrap();
+        let store = Arc::new(DstStore::registered(&dst, r, reg));
+        dst_members.push(actors::spawn(Member::new(dst.clone(), r, Role::Dst(store.clone())), spawn.clone()));
+        dst_stores.push(store);
+        memory.push(buffers);
+    }
+    let orchestrator =
+        orchestrator::spawn_orchestrator(actors::ActorGroup::from_refs(src_members), actors::ActorGroup::from_refs(dst_members), config);
+    ServedInPlace { orchestrator, src: src_stores, dst: dst_stores, memory }
+}
+
+impl ServedInPlace {
+    /// A step: `w` to `w`, `b` to `b` on every source.
+    async fn step(&self, w: f32, b: f32) -> u64 {
+        let mut params = [w; 28];
+        params[24..].fill(b);
+        let mut version = 0;
+        for s in &self.src {
+            version = s.try_update(|buf| buf.write_buffer_f32("params", &params)).await.unwrap().0;
+        }
+        version
+    }
+
+    /// Whether every destination's own memory holds `w` and `b` (bf16:
+    /// exact for the test's values) and the store serves `version`.
+    async fn holds(&self, version: u64, w: f32, b: f32) -> bool {
+        let bf16 = |x: f32| (x.to_bits() >> 16) as u16;
+        let mut all = true;
+        for (store, buffers) in self.dst.iter().zip(&self.memory) {
+            let serving = store.serve().await;
+            all &= serving.version() == Some(version) && store.snapshot().map(|s| s.version) == Some(version);
+            // Rank buffers in layout order: "w#0" then "b#0".
+            all &= buffers[0].iter().all(|&x| x == bf16(w)) && buffers[1].iter().all(|&x| x == bf16(b));
+        }
+        all
+    }
+
+    /// Every destination's memory, bit for bit.
+    fn bits(&self) -> Vec<Vec<Box<[u16]>>> {
+        self.memory.clone()
+    }
+}
+
+fn ipc_fabric(world: &str) -> IpcFabric {
+    IpcFabric {
+        plane: CommPlane::Simulated { world: world.into() },
+        connect_timeout: Duration::from_secs(5),
+        abort_timeout: Duration::from_secs(1),
+    }
+}
+
+/// Destinations registered in place are written by commits only: every
+/// refit's version lands in the user's memory, on both GPU fabrics; a
+/// subset refit keeps the other tensors as served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registered_destinations_receive_every_version_in_place() {
+    for fabric in [Fabric::Nccl(fabric("served")), Fabric::Ipc(ipc_fabric("served"))] {
+        let sys = served_in_place(fabric.clone(), Duration::from_secs(5));
+        assert!(sys.dst.iter().all(|s| s.snapshot().is_none() && s.weights() == orchestrator::Weights::Unwritten));
+        for k in 1..=3 {
+            let (w, b) = (k as f32 * 1.5, -(k as f32));
+            let v = sys.step(w, b).await;
+            let report = sys.orchestrator.refit(v).await.unwrap();
+            assert!(sys.holds(v, w, b).await, "{fabric:?}: refit {k}");
+            assert_eq!(report.resumed, k > 1, "{fabric:?}: refit {k}");
+        }
+        // The store holds none of the bytes: readers use their memory.
+        let snap = sys.dst[0].snapshot().unwrap();
+        let err = snap.buffers.tensor("w").map(drop).unwrap_err().to_string();
+        assert!(err.contains("registered host memory"), "{err}");
+        // A subset refit: only `w` moves; `b` stays as served.
+        let v = sys.step(7.0, 9.0).await;
+        sys.orchestrator.refit_only(orchestrator::RefitTarget::Version(v), reshard::TensorSubset::new(["w"])).await.unwrap();
+        assert!(sys.holds(v, 7.0, -3.0).await, "{fabric:?}: subset refit");
+    }
+}
+
+/// A refit that fails leaves every destination's memory exactly as it
+/// was, serving the version before; what the failed refit staged never
+/// reaches a later one (a subset refit after it carries the served
+/// tensors, not the staged ones); the next refit delivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_refit_never_touches_registered_destinations() {
+    let world = "served/failed";
+    let sys = served_in_place(Fabric::Nccl(fabric(world)), Duration::from_secs(5));
+    let v1 = sys.step(2.0, 3.0).await;
+    sys.orchestrator.refit(v1).await.unwrap();
+    let before = sys.bits();
+    let v2 = sys.step(4.0, 5.0).await;
+    // The next communicator's rank 3 (destination 1) fails its first group;
+    // the other destinations may stage all of v2.
+    sys.orchestrator.close_data_plane().await.unwrap();
+    arm(world, vec![SimFault::GroupFails { rank: 3, group: 0 }]);
+    let t = Instant::now();
+    let err = sys.orchestrator.refit(v2).await.unwrap_err().to_string();
+    assert!(err.contains("simulated failure of group 0"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(sys.holds(v1, 2.0, 3.0).await);
+    assert_eq!(sys.bits(), before, "a failed refit wrote the served memory");
+    // Readers are not held off after the failure.
+    assert_eq!(sys.dst[0].serve().await.version(), Some(v1));
+    let v3 = sys.step(6.0, 8.0).await;
+    sys.orchestrator.refit_only(orchestrator::RefitTarget::Version(v3), reshard::TensorSubset::new(["w"])).await.unwrap();
+    assert!(sys.holds(v3, 6.0, 3.0).await, "the subset refit carried what v2 staged");
+    let v4 = sys.step(4.0, 5.0).await;
+    sys.orchestrator.refit(v4).await.unwrap();
+    assert!(sys.holds(v4, 4.0, 5.0).await);
+}
+
+/// A reader serving the weights holds the commit off: the memory keeps
+/// its version while the reader holds it, and takes the new one once it
+/// lets go; a reader that holds on past the deadline fails the refit, and
+/// nothing changes anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readers_serving_registered_weights_hold_the_commit_off() {
+    let sys = std::sync::Arc::new(served_in_place(Fabric::Ipc(ipc_fabric("served/readers")), Duration::from_secs(2)));
+    let v1 = sys.step(1.0, 1.0).await;
+    sys.orchestrator.refit(v1).await.unwrap();
+    let v2 = sys.step(2.0, 2.0).await;
+    let reading = sys.dst[1].serve().await;
+    let s = sys.clone();
+    let refit = tokio::spawn(async move { s.orchestrator.refit(v2).await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!refit.is_finished());
+    assert_eq!(reading.version(), Some(v1));
+    assert!(sys.memory[1][0].iter().all(|&x| x == (1f32.to_bits() >> 16) as u16), "the commit wrote under a reader");
+    drop(reading);
+    refit.await.unwrap().unwrap();
+    assert!(sys.holds(v2, 2.0, 2.0).await);
+    // Past the deadline: the refit fails, every destination keeps v2.
+    let v3 = sys.step(3.0, 3.0).await;
+    let before = sys.bits();
+    let reading = sys.dst[2].serve().await;
+    let err = sys.orchestrator.refit(v3).await.unwrap_err().to_string();
+    assert!(err.contains("readers held its registered weights"), "{err}");
+    drop(reading);
+    assert_eq!(sys.bits(), before);
+    assert!(sys.holds(v2, 2.0, 2.0).await);
+    sys.orchestrator.refit(v3).await.unwrap();
+    assert!(sys.holds(v3, 3.0, 3.0).await);
+}
+
+/// The host fabrics cannot write registered memory: refused, naming the
+/// rank, before anything moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registered_destinations_are_refused_on_host_fabrics() {
+    let sys = served_in_place(Fabric::InProcess, Duration::from_secs(5));
+    let v = sys.step(1.0, 2.0).await;
+    let before = sys.bits();
+    match sys.orchestrator.refit(v).await {
+        Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
+            assert!(why.contains("registered host memory") && why.contains("NCCL and IPC"), "{why}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(sys.bits(), before);
+    assert!(sys.dst.iter().all(|s| s.snapshot().is_none()));
+}

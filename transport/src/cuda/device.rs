@@ -718,6 +718,72 @@ impl DeviceMemory {
         Ok(())
     }
 
+    /// Copies the first `regions.len()` buffers, whole, into `regions`
+    /// (address and bytes of device memory of this device each, as long
+    /// as its buffer) on the device's stream, and waits: a registered
+    /// destination's commit, staging into the user's buffers.
+    ///
+    /// # Safety
+    /// Every region must be device memory of this device's context,
+    /// writable for its bytes, not overlapping these buffers, and neither
+    /// read nor written by other work until this returns (on an error too:
+    /// the copies queued before it are waited for).
+    pub unsafe fn copy_to_regions(&self, dev: &GpuDevice, regions: &[(u64, usize)]) -> Result<(), GpuError> {
+        self.check_regions(regions, "copy to the registered buffers")?;
+        dev.bind()?;
+        let mut queued = Ok(());
+        for (i, (&addr, &(to, len))) in self.addrs.iter().zip(regions).enumerate() {
+            // SAFETY: `len` bytes of buffer `i` (checked) into a region of
+            // `len` bytes the caller lends us; on the device's stream,
+            // waited for below whatever happens.
+            queued = unsafe { sys::cuMemcpyDtoDAsync_v2(to, addr, len, dev.stream.cu_stream()) }
+                .result()
+                .map_err(driver(format!("{} buffer {i}: copy to the registered buffer", self.owner)));
+            if queued.is_err() {
+                break;
+            }
+        }
+        let waited = dev.synchronize();
+        queued.and(waited)
+    }
+
+    /// Copies `regions` (as [`copy_to_regions`](Self::copy_to_regions)
+    /// takes them) into the first `regions.len()` buffers, and waits.
+    ///
+    /// # Safety
+    /// Every region must be device memory of this device's context,
+    /// readable for its bytes, and not written by other work until this
+    /// returns (on an error too).
+    pub unsafe fn copy_from_regions(&mut self, dev: &GpuDevice, regions: &[(u64, usize)]) -> Result<(), GpuError> {
+        self.check_regions(regions, "copy from the registered buffers")?;
+        dev.bind()?;
+        let mut queued = Ok(());
+        for (i, (&addr, &(from, len))) in self.addrs.iter().zip(regions).enumerate() {
+            // SAFETY: as in `copy_to_regions`, the other way.
+            queued = unsafe { sys::cuMemcpyDtoDAsync_v2(addr, from, len, dev.stream.cu_stream()) }
+                .result()
+                .map_err(driver(format!("{} buffer {i}: copy from the registered buffer", self.owner)));
+            if queued.is_err() {
+                break;
+            }
+        }
+        let waited = dev.synchronize();
+        queued.and(waited)
+    }
+
+    fn check_regions(&self, regions: &[(u64, usize)], what: &str) -> Result<(), GpuError> {
+        let invalid = |problem: String| GpuError::Invalid { what: format!("{}: {what}", self.owner), problem };
+        if regions.len() > self.lens.len() {
+            return Err(invalid(format!("{} regions for {} buffers", regions.len(), self.lens.len())));
+        }
+        for (i, (&(addr, len), &have)) in regions.iter().zip(&self.lens).enumerate() {
+            if len != have || (addr == 0 && len > 0) {
+                return Err(invalid(format!("buffer {i}: {have} bytes, a region of {len} bytes at {addr:#x}")));
+            }
+        }
+        Ok(())
+    }
+
     /// Sets every byte to zero (waits).
     pub fn zero(&mut self, dev: &GpuDevice) -> Result<(), GpuError> {
         dev.bind()?;
