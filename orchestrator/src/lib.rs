@@ -49,7 +49,9 @@ pub use protocol::{
 };
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
-pub use store::{BufferError, Buffers, DstStore, Registered, Residence, Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard};
+pub use store::{
+    BufferError, Buffers, DstStore, Registered, Residence, Serving, Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard,
+};
 pub use transport::DEFAULT_DEADLINE;
 
 use actors::{spawn, spawn_group, spawn_rank, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};

@@ -8,7 +8,10 @@ Rust actor. See docs/python.md.
 Weights cross into the stores by copy: ``Source.step()`` copies every
 registered array or tensor into the rank's store (one optimizer step, one
 version); ``Destination.load()`` copies one committed version out into the
-registered arrays. Registration is not zero-copy (yet).
+registered arrays. On the GPU fabrics, ``Source.in_place`` and
+``Destination.in_place`` keep the weights in the framework's own tensors
+instead: sources are read where they are, destinations receive each
+committed version by one copy from the refit's staging.
 """
 
 from __future__ import annotations
@@ -216,11 +219,16 @@ def _host_array(obj: Any) -> Any:
     return None
 
 
-def _memory_of(obj: Any, what: str) -> Tuple[int, int, Optional[int]]:
+def _memory_of(obj: Any, what: str, writable: bool = False) -> Tuple[int, int, Optional[int]]:
     """(address, bytes, GPU or None for host memory) of a C-contiguous
-    array or tensor that refit reads in place; raises ``TensorError``
-    naming ``what`` for anything else."""
+    array or tensor that refit reads (or, ``writable``, writes) in place;
+    raises ``TensorError`` naming ``what`` for anything else."""
     obj = _local(obj)
+    if writable:
+        for name in ("__cuda_array_interface__", "__array_interface__"):
+            interface = getattr(obj, name, None)
+            if isinstance(interface, dict) and isinstance(interface.get("data"), tuple) and interface["data"][1]:
+                raise TensorError(f"{what}: the array is read-only, so it cannot be written in place")
     if _torch_tensor(obj):
         if not obj.is_contiguous():
             raise TensorError(f"{what}: a non-contiguous tensor cannot be read in place")
@@ -391,6 +399,23 @@ class _Rank:
         return self._joined.wait_closed(timeout)
 
 
+def _regions(layout: Layout, rank: int, buffers: Mapping[str, Any], side: str) -> Tuple[List[Tuple[int, int]], Optional[int]]:
+    """(address, bytes) of every buffer of the rank, in layout order, and
+    the GPU they are on (None: host memory); ``TensorError`` naming the
+    rank and buffer for a missing or unusable array."""
+    regions, devices = [], set()
+    missing = [n for n, _, _ in layout.buffers(rank) if n not in buffers]
+    if missing:
+        raise TensorError(f"{side} rank {rank}: no array for buffer(s) {missing} (an in-place {side} registers every buffer)")
+    for name, _dtype, _elems in layout.buffers(rank):
+        ptr, nbytes, device = _memory_of(buffers[name], f"{side} rank {rank}: buffer '{name}'", writable=side == "dst")
+        regions.append((ptr, nbytes))
+        devices.add(device)
+    if len(devices) > 1:
+        raise TensorError(f"{side} rank {rank}: buffers on several devices {sorted(map(str, devices))}")
+    return regions, (devices.pop() if devices else None)
+
+
 class Source(_Rank):
     """A training rank's weights, behind the version fence.
 
@@ -420,17 +445,7 @@ class Source(_Rank):
         place, no copy; the source keeps them alive. Write them only inside
         ``with src.stepping(): ...`` (the version fence); ``step()`` is
         refused."""
-        regions, devices = [], set()
-        missing = [n for n, _, _ in layout.buffers(rank) if n not in buffers]
-        if missing:
-            raise TensorError(f"src rank {rank}: no array for buffer(s) {missing} (an in-place source registers every buffer)")
-        for name, dtype, elems in layout.buffers(rank):
-            ptr, nbytes, device = _memory_of(buffers[name], f"src rank {rank}: buffer '{name}'")
-            regions.append((ptr, nbytes))
-            devices.add(device)
-        if len(devices) > 1:
-            raise TensorError(f"src rank {rank}: buffers on several devices {sorted(map(str, devices))}")
-        gpu = devices.pop() if devices else None
+        regions, gpu = _regions(layout, rank, buffers, "src")
         src = cls(layout, rank, _store=_refit.SrcStore.registered(layout, rank, regions, gpu))
         src._in_place = dict(buffers)
         return src
@@ -500,12 +515,53 @@ class Destination(_Rank):
 
     def __init__(self, layout: Layout, rank: int, *, _store: Any = None):
         super().__init__(layout, rank, _store or _refit.DstStore(layout, rank))
+        # The objects an in-place destination's weights live in (kept alive
+        # with it).
+        self._in_place: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def in_place(cls, layout: Layout, rank: int, buffers: Mapping[str, Any]) -> "Destination":
+        """A destination whose weights are served where the inference
+        engine keeps them: ``buffers`` maps every buffer of the rank
+        (``layout.buffers(rank)``) to the C-contiguous array or tensor
+        holding it — CUDA tensors of one GPU for the ``"nccl"`` and
+        ``"ipc"`` fabrics, host arrays for the simulated ones. A refit
+        writes the member's own staging and, once every rank of both groups
+        succeeded, its commit copies the version in (a failed refit never
+        touches them). Read them only inside ``with dst.serving(): ...``,
+        which holds commits off (a refit waits for it, within its
+        deadline); ``load()`` is refused. The destination keeps them
+        alive."""
+        regions, gpu = _regions(layout, rank, buffers, "dst")
+        dst = cls(layout, rank, _store=_refit.DstStore.registered(layout, rank, regions, gpu))
+        dst._in_place = dict(buffers)
+        return dst
+
+    @contextmanager
+    def serving(self) -> Iterator[Optional[int]]:
+        """Holds the served weights while the block reads them: waits while
+        a commit copies a version in, then no commit changes them until the
+        block ends (finish the GPU work that reads them inside it, e.g.
+        ``torch.cuda.synchronize()``). Yields the version they hold (None:
+        nothing committed yet)."""
+        version = self._store.begin_serving()
+        try:
+            yield version
+        finally:
+            self._store.end_serving()
+
+    @property
+    def weights(self) -> str:
+        """As a refit finds them, in words."""
+        return self._store.weights
 
     def load(self, version: Optional[int] = None) -> int:
         """Copies the committed weights (the current version, or
         ``version`` if it is the current or the previous one, so a
         tensor-parallel group reads one agreed version) into every
         registered array. Returns the version copied."""
+        if self._in_place is not None:
+            raise TensorError(f"dst rank {self.rank}: an in-place destination's weights are served where they are: read them inside `with dst.serving(): ...`")
         names = list(self._slots)
         if not names:
             raise TensorError(f"dst rank {self.rank}: nothing registered")

@@ -615,6 +615,9 @@ impl PySrcStore {
 struct PyDstStore {
     inner: Arc<DstStore>,
     layout: Arc<Layout>,
+    /// Holds taken by `begin_serving` (one per reader in a `serving()`
+    /// block), released by `end_serving`.
+    serving: Mutex<Vec<orchestrator::Serving>>,
 }
 
 impl PyDstStore {
@@ -639,7 +642,61 @@ impl PyDstStore {
     #[new]
     fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
         layout.check_rank(rank)?;
-        Ok(PyDstStore { inner: Arc::new(DstStore::new(&layout.inner, rank)), layout: layout.inner.clone() })
+        Ok(PyDstStore { inner: Arc::new(DstStore::new(&layout.inner, rank)), layout: layout.inner.clone(), serving: Mutex::default() })
+    }
+
+    /// A store that serves its weights in the caller's own memory:
+    /// `regions` are (address, bytes) per buffer of the rank, in
+    /// `Layout.buffers(rank)` order, on GPU `gpu` (None: host memory,
+    /// which only the simulated fabrics write). A refit's commit copies
+    /// each version in. The caller (`refit.Destination.in_place`) keeps the
+    /// memory alive and unmoved for as long as the store lives, and reads
+    /// it only between `begin_serving` and `end_serving`.
+    #[staticmethod]
+    #[pyo3(signature = (layout, rank, regions, gpu=None))]
+    fn registered(layout: PyRef<'_, PyLayout>, rank: Rank, regions: Vec<(u64, usize)>, gpu: Option<usize>) -> PyResult<Self> {
+        layout.check_rank(rank)?;
+        let residence = gpu.map_or(orchestrator::Residence::Host, |ordinal| orchestrator::Residence::Device { ordinal });
+        // SAFETY: the contract above, kept by `refit.Destination.in_place`,
+        // which holds every registered object for the store's life.
+        let registered = unsafe { orchestrator::Registered::new(&layout.inner, rank, residence, regions) }.map_err(tensor_err)?;
+        Ok(PyDstStore {
+            inner: Arc::new(DstStore::registered(&layout.inner, rank, registered)),
+            layout: layout.inner.clone(),
+            serving: Mutex::default(),
+        })
+    }
+
+    /// Takes a reader's hold on the served weights (waiting while a commit
+    /// copies into registered memory): no commit changes them until
+    /// `end_serving`. Returns the version they hold (None: nothing
+    /// committed yet, or torn by a failed commit).
+    fn begin_serving(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        let store = self.inner.clone();
+        let hold = wait(py, async move { Ok(store.serve().await) })?;
+        let version = hold.version();
+        self.serving.lock().unwrap_or_else(|e| e.into_inner()).push(hold);
+        Ok(version)
+    }
+
+    /// Releases a hold `begin_serving` took.
+    fn end_serving(&self) -> PyResult<()> {
+        match self.serving.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            Some(_) => Ok(()),
+            None => Err(VersionError::new_err(format!("dst rank {}: not serving", self.inner.rank()))),
+        }
+    }
+
+    /// Whether the weights are served in registered memory.
+    #[getter]
+    fn in_place(&self) -> bool {
+        self.inner.registered_memory().is_some()
+    }
+
+    /// The weights as a refit finds them, in words.
+    #[getter]
+    fn weights(&self) -> String {
+        self.inner.weights().to_string()
     }
 
     /// `(version, [bytes of each name])` from one committed version: the
@@ -1012,7 +1069,8 @@ fn spawn_local(
         .iter()
         .map(|st| PySrcStore { inner: st.clone(), layout: src.inner.clone(), stepping: Mutex::new(None) })
         .collect();
-    let dsts = system.dst_stores.iter().map(|st| PyDstStore { inner: st.clone(), layout: dst.inner.clone() }).collect();
+    let dsts =
+        system.dst_stores.iter().map(|st| PyDstStore { inner: st.clone(), layout: dst.inner.clone(), serving: Mutex::default() }).collect();
     let handle = system.orchestrator.clone();
     let orchestrator = PyOrchestrator {
         over: InRuntime(Some(Mutex::new(Over::Local { _system: Box::new(system) }))),

@@ -415,6 +415,74 @@ def test_in_place_sources_are_read_where_they_are(fabric):
         joined.shutdown()
 
 
+@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc"])
+def test_in_place_destinations_receive_each_commit_where_they_are(fabric):
+    """Destinations over the inference engine's own arrays, on the GPU
+    fabrics' simulated planes: each committed version is copied into them
+    (read inside ``serving()``), a reader serving them holds the next
+    commit off until it lets go, and ``load()`` is refused."""
+    import threading
+    import time
+
+    train, infer = layouts()
+    with refit.Orchestrator(fabric=fabric) as orch:
+        sources = [refit.Source(train, r) for r in range(2)]
+        src_arrays = []
+        for s in sources:
+            arrays = {n: np.zeros(s.block(n)[1], np.float32) for n in ("w", "b")}
+            s.register_all(arrays)
+            src_arrays.append(arrays)
+        memory = [{name: np.full(elems, 7, np.float32) for name, _, elems in infer.buffers(r)} for r in range(4)]
+        dests = [refit.Destination.in_place(infer, r, memory[r]) for r in range(4)]
+        joined = refit.join(orch.address, orch.secret)
+        for r in sources + dests:
+            r.join(joined=joined)
+        orch.connect(2, 4)
+
+        def step(k):
+            for s, arrays in zip(sources, src_arrays):
+                for n, a in arrays.items():
+                    a[...] = block(full(k)[n], *s.block(n))
+                s.step()
+
+        def holds(d, mem, k):
+            return all(np.array_equal(a, block(full(k)[n.split("#")[0]], *d.block(n.split("#")[0])).reshape(-1)) for n, a in mem.items())
+
+        with dests[0].serving() as version:
+            assert version is None and "nothing written" in dests[0].weights
+        for k in (1, 2):
+            step(k)
+            orch.refit(k)
+            for d, mem in zip(dests, memory):
+                with d.serving() as version:
+                    assert version == k and holds(d, mem, k)
+        # A reader holds the next commit off until it leaves its block.
+        step(3)
+        done = []
+        with dests[1].serving() as version:
+            t = threading.Thread(target=lambda: done.append(orch.refit(3).version))
+            t.start()
+            time.sleep(0.5)
+            assert not done and version == 2 and holds(dests[1], memory[1], 2)
+        t.join(30)
+        assert done == [3]
+        assert all(holds(d, mem, 3) for d, mem in zip(dests, memory))
+        with pytest.raises(refit.TensorError, match="serving"):
+            dests[0].load()
+        joined.shutdown()
+
+
+def test_in_place_destinations_need_every_buffer_writable():
+    _, infer = layouts()
+    arrays = {name: np.zeros(elems, np.float32) for name, _, elems in infer.buffers(0)}
+    first = next(iter(arrays))
+    arrays[first].flags.writeable = False
+    with pytest.raises(refit.TensorError, match="read-only"):
+        refit.Destination.in_place(infer, 0, arrays)
+    with pytest.raises(refit.TensorError, match="no array for buffer"):
+        refit.Destination.in_place(infer, 0, {})
+
+
 def test_in_place_sources_need_every_buffer_contiguous():
     train, _ = layouts()
     with pytest.raises(refit.TensorError, match="no array for buffer"):
