@@ -244,9 +244,89 @@ def _memory_of(obj: Any, what: str, writable: bool = False) -> Tuple[int, int, O
         return int(cuda["data"][0]), int(getattr(obj, "nbytes")), int(device)
     host = _host_array(obj)
     interface = getattr(host, "__array_interface__", None) if host is not None else None
-    if not isinstance(interface, dict):
-        raise TensorError(f"{what}: {type(obj).__name__} cannot be read in place (a C-contiguous numpy array or torch tensor can)")
-    return int(interface["data"][0]), int(host.nbytes), None
+    if isinstance(interface, dict):
+        return int(interface["data"][0]), int(host.nbytes), None
+    if _is_capsule(obj) or hasattr(obj, "__dlpack__"):
+        return _dlpack_memory(obj, what)
+    raise TensorError(
+        f"{what}: {type(obj).__name__} cannot be read in place "
+        "(a C-contiguous numpy array, torch tensor, CUDA array or DLPack tensor can)"
+    )
+
+
+# --- DLPack ----------------------------------------------------------------
+# A DLPack capsule ("dltensor") holds a DLManagedTensor: the tensor's data
+# pointer, device, shape, strides and byte offset. refit reads them without
+# consuming the capsule (its producer's deleter runs when the capsule is
+# collected), so whoever registers it keeps the capsule alive.
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def _dl_structs() -> Tuple[Any, Any]:
+    import ctypes
+
+    class DLDevice(ctypes.Structure):
+        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+    class DLDataType(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+    class DLTensor(ctypes.Structure):
+        _fields_ = [
+            ("data", ctypes.c_void_p),
+            ("device", DLDevice),
+            ("ndim", ctypes.c_int32),
+            ("dtype", DLDataType),
+            ("shape", ctypes.POINTER(ctypes.c_int64)),
+            ("strides", ctypes.POINTER(ctypes.c_int64)),
+            ("byte_offset", ctypes.c_uint64),
+        ]
+
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return DLTensor, get
+
+
+def _is_capsule(obj: Any) -> bool:
+    return type(obj).__name__ == "PyCapsule"
+
+
+def _dlpack_memory(obj: Any, what: str) -> Tuple[int, int, Optional[int]]:
+    """(address, bytes, GPU or None) of a C-contiguous DLPack tensor: a
+    "dltensor" capsule, or an object with ``__dlpack__`` (whose capsule is
+    made and read here; the object keeps the memory alive)."""
+    import ctypes
+
+    capsule = obj if _is_capsule(obj) else obj.__dlpack__()
+    DLTensor, get = _dl_structs()
+    try:
+        address = get(capsule, b"dltensor")
+    except ValueError:
+        raise TensorError(f"{what}: not an unconsumed DLPack capsule (named 'dltensor')") from None
+    # A DLManagedTensor starts with its DLTensor.
+    t = DLTensor.from_address(address)
+    shape = [t.shape[i] for i in range(t.ndim)]
+    elem = t.dtype.bits * t.dtype.lanes
+    if elem % 8:
+        raise TensorError(f"{what}: DLPack elements of {elem} bits cannot be read in place")
+    if t.strides:
+        expect = 1
+        for i in reversed(range(t.ndim)):
+            if shape[i] != 1 and t.strides[i] != expect:
+                raise TensorError(f"{what}: a non-contiguous DLPack tensor cannot be read in place")
+            expect *= shape[i]
+    kind, device = t.device.device_type, t.device.device_id
+    if kind in (_DL_CPU, _DL_CUDA_HOST):
+        gpu = None
+    elif kind in (_DL_CUDA, _DL_CUDA_MANAGED):
+        gpu = int(device)
+    else:
+        raise TensorError(f"{what}: a DLPack tensor on device type {kind} cannot be read in place (CPU or CUDA can)")
+    count = 1
+    for n in shape:
+        count *= n
+    return int((t.data or 0) + t.byte_offset), count * elem // 8, gpu
 
 
 def _step_value(obj: Any) -> Any:
@@ -409,6 +489,8 @@ def _regions(layout: Layout, rank: int, buffers: Mapping[str, Any], side: str) -
         raise TensorError(f"{side} rank {rank}: no array for buffer(s) {missing} (an in-place {side} registers every buffer)")
     for name, _dtype, _elems in layout.buffers(rank):
         ptr, nbytes, device = _memory_of(buffers[name], f"{side} rank {rank}: buffer '{name}'", writable=side == "dst")
+        if ptr == 0 and nbytes > 0:
+            raise TensorError(f"{side} rank {rank}: buffer '{name}': a null address")
         regions.append((ptr, nbytes))
         devices.add(device)
     if len(devices) > 1:
@@ -439,9 +521,10 @@ class Source(_Rank):
         every buffer of the rank (``layout.buffers(rank)``: a fused buffer's
         name, or ``"{tensor}#{shard}"``) to the C-contiguous array or tensor
         holding it, with the buffer's bytes — CUDA tensors of one GPU
-        (torch, or anything with ``__cuda_array_interface__`` and a
-        ``device.id``) for the ``"nccl"`` and ``"ipc"`` fabrics, host arrays
-        (numpy, torch CPU) for the simulated ones. A refit reads them in
+        (torch, anything with ``__cuda_array_interface__`` and a
+        ``device.id``, or a DLPack tensor or capsule) for the ``"nccl"`` and
+        ``"ipc"`` fabrics, host arrays (numpy, torch CPU, DLPack) for the
+        simulated ones. A refit reads them in
         place, no copy; the source keeps them alive. Write them only inside
         ``with src.stepping(): ...`` (the version fence); ``step()`` is
         refused."""
@@ -524,8 +607,9 @@ class Destination(_Rank):
         """A destination whose weights are served where the inference
         engine keeps them: ``buffers`` maps every buffer of the rank
         (``layout.buffers(rank)``) to the C-contiguous array or tensor
-        holding it — CUDA tensors of one GPU for the ``"nccl"`` and
-        ``"ipc"`` fabrics, host arrays for the simulated ones. A refit
+        holding it, as for ``Source.in_place`` (torch, CUDA arrays, DLPack
+        tensors or capsules) — CUDA tensors of one GPU for the ``"nccl"``
+        and ``"ipc"`` fabrics, host arrays for the simulated ones. A refit
         writes the member's own staging and, once every rank of both groups
         succeeded, its commit copies the version in (a failed refit never
         touches them). Read them only inside ``with dst.serving(): ...``,

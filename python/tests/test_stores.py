@@ -375,6 +375,35 @@ def test_unknown_fabrics_are_refused():
         refit.Orchestrator(fabric="in_process")
 
 
+class DLPackOnly:
+    """An array seen only through the DLPack protocol."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._array.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def test_dlpack_tensors_and_capsules_are_found_in_place():
+    from refit import _memory_of
+
+    a = np.zeros((3, 4), np.float32)
+    assert _memory_of(DLPackOnly(a), "x") == (a.ctypes.data, 48, None)
+    assert _memory_of(a.__dlpack__(), "x") == (a.ctypes.data, 48, None)
+    tail = np.zeros(10, np.float32)[2:]
+    assert _memory_of(DLPackOnly(tail), "x") == (tail.ctypes.data, 32, None)
+    column = np.zeros((4, 1), np.float32)  # a dimension of 1 has any stride
+    assert _memory_of(DLPackOnly(column), "x") == (column.ctypes.data, 16, None)
+    with pytest.raises(refit.TensorError, match="non-contiguous DLPack"):
+        _memory_of(DLPackOnly(np.zeros((4, 4), np.float32)[:, ::2]), "x")
+    with pytest.raises(refit.TensorError, match="cannot be read in place"):
+        _memory_of(object(), "x")
+
+
 @pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc"])
 def test_in_place_sources_are_read_where_they_are(fabric):
     """Sources over the trainer's own arrays (no copy into the store), on
@@ -383,7 +412,9 @@ def test_in_place_sources_are_read_where_they_are(fabric):
     train, infer = layouts()
     with refit.Orchestrator(fabric=fabric) as orch:
         params = [np.zeros(24, np.float32) for _ in range(2)]  # rank r's fused "params": w rows, then b
-        sources = [refit.Source.in_place(train, r, {"params": params[r]}) for r in range(2)]
+        # Rank 1's array reaches refit only through DLPack (as a JAX or
+        # CuPy array can).
+        sources = [refit.Source.in_place(train, r, {"params": params[r] if r == 0 else DLPackOnly(params[r])}) for r in range(2)]
         dests = [refit.Destination(infer, r) for r in range(4)]
         dst_arrays = []
         for d in dests:
@@ -433,7 +464,8 @@ def test_in_place_destinations_receive_each_commit_where_they_are(fabric):
             s.register_all(arrays)
             src_arrays.append(arrays)
         memory = [{name: np.full(elems, 7, np.float32) for name, _, elems in infer.buffers(r)} for r in range(4)]
-        dests = [refit.Destination.in_place(infer, r, memory[r]) for r in range(4)]
+        # Rank 3's arrays as DLPack capsules.
+        dests = [refit.Destination.in_place(infer, r, memory[r] if r < 3 else {n: a.__dlpack__() for n, a in memory[r].items()}) for r in range(4)]
         joined = refit.join(orch.address, orch.secret)
         for r in sources + dests:
             r.join(joined=joined)
