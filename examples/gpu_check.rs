@@ -26,7 +26,11 @@
 //!    shards) on GPU 0 through a rendezvous, this process two destination
 //!    members (bf16, column shards) on the same GPU; every destination
 //!    element checked;
-//! 7. `orchestrator` (2 GPUs or more; skipped on one, where NCCL cannot
+//! 7. `orchestrator-ipc-in-place`: the same with each destination serving
+//!    its weights in device buffers of this process registered in place
+//!    (`DstStore::registered`): the refit stages on the GPU and its commit
+//!    copies into them; checked by reading them back inside `serve`;
+//! 8. `orchestrator` (2 GPUs or more; skipped on one, where NCCL cannot
 //!    put two ranks of a communicator): refits through the orchestrator
 //!    on the NCCL fabric, one source rank (f32) and a destination rank
 //!    (bf16, row shards) per further GPU, three versions on one
@@ -487,19 +491,49 @@ mod check {
         })
     }
 
+    /// Where the `orchestrator-ipc` checks' destinations serve their
+    /// weights.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Served {
+        /// In their stores (host memory).
+        Stores,
+        /// In device buffers of this process registered in place
+        /// (`DstStore::registered`): the refit's commit copies into them.
+        InPlace,
+    }
+
+    fn orchestrated_ipc(dev: &GpuDevice) -> Result<(String, Value), String> {
+        orchestrated_ipc_into(dev, Served::Stores)
+    }
+
+    fn orchestrated_ipc_in_place(dev: &GpuDevice) -> Result<(String, Value), String> {
+        orchestrated_ipc_into(dev, Served::InPlace)
+    }
+
     /// A colocated refit through the orchestrator on the CUDA IPC fabric,
     /// between a child process (sources) and this one (destinations), on
     /// one GPU.
-    fn orchestrated_ipc(_dev: &GpuDevice) -> Result<(String, Value), String> {
+    fn orchestrated_ipc_into(dev: &GpuDevice, served: Served) -> Result<(String, Value), String> {
         use actors::{spawn, ActorGroup, Secret, SpawnConfig};
         use orchestrator::rendezvous::{ControlConfig, RENDEZVOUS_ENV, SECRET_ENV};
         use orchestrator::{
             spawn_orchestrator, CommPlane, DstStore, Fabric, IpcFabric, Member, MemberConfig, OrchestratorConfig, Rendezvous, Role,
         };
+        use orchestrator::{Buffers, Registered, Residence};
         use reshard::Group;
         use std::sync::Arc;
         let (src, dst) = (parse_layout(IPC_SRC).map_err(e2s)?, Arc::new(parse_layout(IPC_DST).map_err(e2s)?));
         let wait = Duration::from_secs(60);
+        // The destinations' own device buffers (in place): declared before
+        // the runtime, so they outlive every store and member that names
+        // them.
+        let mut device = Vec::new();
+        if served == Served::InPlace {
+            for r in 0..dst.ranks() {
+                let mem = DeviceMemory::for_buffers(dev, Endpoint::dst(r), &dst.rank_buffers(r)).map_err(e2s)?;
+                device.push(mem);
+            }
+        }
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().map_err(e2s)?;
         rt.block_on(async {
             let secret_text = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
@@ -516,7 +550,21 @@ mod check {
                 .map_err(|e| format!("starting the source process: {e}"))?;
             let result = async {
                 let src_members = rendezvous.members(Group::Src, src.ranks(), wait).await.map_err(e2s)?;
-                let stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
+                let mut stores: Vec<Arc<DstStore>> = Vec::new();
+                for r in 0..dst.ranks() {
+                    stores.push(Arc::new(match device.get(r as usize) {
+                        None => DstStore::new(&dst, r),
+                        Some(mem) => {
+                            let regions = mem.device_addrs().iter().copied().zip(mem.buffer_lens().iter().copied()).collect();
+                            // SAFETY: `device` is this process's allocation on
+                            // GPU 0, alive until after the runtime (and so
+                            // every store) is gone; read below only inside
+                            // `serve`.
+                            let reg = unsafe { Registered::new(&dst, r, Residence::Device { ordinal: 0 }, regions) }.map_err(e2s)?;
+                            DstStore::registered(&dst, r, reg)
+                        }
+                    }));
+                }
                 let config = OrchestratorConfig { fabric: Fabric::Ipc(IpcFabric::new(CommPlane::Cuda)), ..OrchestratorConfig::default() };
                 let members = stores
                     .iter()
@@ -530,8 +578,21 @@ mod check {
                 let report = orchestrator.refit(1).await.map_err(|e| format!("refit: {e}"))?;
                 let mut checked = 0u64;
                 for (r, store) in stores.iter().enumerate() {
+                    let serving = store.serve().await;
+                    if serving.version() != Some(1) {
+                        return Err(format!("dst[{r}] serves {:?}, not version 1", serving.version()));
+                    }
                     let snap = store.snapshot().ok_or(format!("dst[{r}] serves nothing"))?;
-                    let view = snap.buffers.tensor("w").map_err(e2s)?;
+                    let mut copied = Buffers::new(&dst, r as u32);
+                    let buffers = match device.get(r) {
+                        None => &snap.buffers,
+                        Some(mem) => {
+                            *copied.memory_mut() = mem.download(dev).map_err(e2s)?;
+                            &copied
+                        }
+                    };
+                    drop(serving);
+                    let view = buffers.tensor("w").map_err(e2s)?;
                     let got = view.to_f32().map_err(e2s)?;
                     let mut bad = None;
                     view.for_each_index(|i, at| {
@@ -546,11 +607,13 @@ mod check {
                 }
                 Ok((
                     format!(
-                        "2 sources in process {} → 2 destinations here, one GPU: {checked} elements checked, {:.1} ms",
+                        "2 sources in process {} → 2 destinations here{}, one GPU: {checked} elements checked, {:.1} ms (commit {:.1} ms)",
                         child.id(),
-                        report.wall.as_secs_f64() * 1e3
+                        if served == Served::InPlace { " (registered device buffers)" } else { "" },
+                        report.wall.as_secs_f64() * 1e3,
+                        report.commit_time.as_secs_f64() * 1e3
                     ),
-                    json!({ "elements": checked, "wall_ms": report.wall.as_secs_f64() * 1e3, "bytes": report.bytes }),
+                    json!({ "elements": checked, "wall_ms": report.wall.as_secs_f64() * 1e3, "commit_ms": report.commit_time.as_secs_f64() * 1e3, "bytes": report.bytes }),
                 ))
             }
             .await;
@@ -600,13 +663,14 @@ mod check {
         let mut r = Report { json, passed: 0, failed: 0 };
         let start = Instant::now();
         type Check = fn(&GpuDevice) -> Result<(String, Value), String>;
-        let checks: [(&str, Check); 6] = [
+        let checks: [(&str, Check); 7] = [
             ("kernels", kernels),
             ("layouts", layout_pairs),
             ("ipc", ipc),
             ("nccl", nccl),
             ("throughput", throughput),
             ("orchestrator-ipc", orchestrated_ipc),
+            ("orchestrator-ipc-in-place", orchestrated_ipc_in_place),
         ];
         for (name, check) in checks {
             let t = Instant::now();

@@ -16,6 +16,8 @@
 #   orchestrator-ipc  a colocated refit through the orchestrator on the
 #               CUDA IPC fabric: sources served by a child process, destinations
 #               here, one GPU, every element checked;
+#   orchestrator-ipc-in-place  the same into destination device buffers
+#               registered in place (the commit copies into them);
 #   orchestrator  with 2 GPUs or more (SKIP on one): three refits through
 #               the orchestrator on the NCCL fabric, one rank per GPU,
 #               every destination element checked.
