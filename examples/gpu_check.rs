@@ -139,6 +139,8 @@ mod check {
             (DType::F16, DType::F32, &all16),
             (DType::F32, DType::BF16, &f32s),
             (DType::F32, DType::F16, &f32s),
+            (DType::BF16, DType::F16, &all16),
+            (DType::F16, DType::BF16, &all16),
         ] {
             let got = device_cast(dev, from, input, to)?;
             let mut want = vec![0u8; got.len()];

@@ -8,7 +8,7 @@
 //! Pieces that change dtype are converted on the device by the cast
 //! kernels (`kernels.cu`, one launch per [`CastBox`]; through a device
 //! scratch buffer where both the sender's and the receiver's side change
-//! it). Only dtype pairs without a kernel (f64, bf16 ↔ f16), or a device
+//! it). Only dtype pairs without a kernel (f64), or a device
 //! whose kernels did not load, go through pinned host staging (device →
 //! host, convert on the host, host → device), which is correct but slow;
 //! the report counts those.

@@ -85,6 +85,16 @@ REFIT_FN u32 refit_f16_to_f32(u16 h) {
     return sign | (e << 23) | ((man & 0x3ffu) << 13);
 }
 
+// bf16 bits to f16 bits and back: widened to f32 (exact), then rounded
+// once, which is what the host gives (it rounds the exact value once).
+REFIT_FN u16 refit_bf16_to_f16(u16 h) {
+    return refit_f32_to_f16(refit_bf16_to_f32(h));
+}
+
+REFIT_FN u16 refit_f16_to_bf16(u16 h) {
+    return refit_f32_to_bf16(refit_f16_to_f32(h));
+}
+
 #ifdef __CUDACC__
 // Element-wise casts, grid-stride: launch with kernels::launch_1d(n).
 #define REFIT_CAST(name, from_t, to_t, f)                                                   \
@@ -124,6 +134,8 @@ REFIT_STRIDED(refit_strided_f32_bf16, u32, u16, refit_f32_to_bf16)
 REFIT_STRIDED(refit_strided_bf16_f32, u16, u32, refit_bf16_to_f32)
 REFIT_STRIDED(refit_strided_f32_f16, u32, u16, refit_f32_to_f16)
 REFIT_STRIDED(refit_strided_f16_f32, u16, u32, refit_f16_to_f32)
+REFIT_STRIDED(refit_strided_bf16_f16, u16, u16, refit_bf16_to_f16)
+REFIT_STRIDED(refit_strided_f16_bf16, u16, u16, refit_f16_to_bf16)
 REFIT_STRIDED(refit_strided_copy32, u32, u32, refit_same32)
 REFIT_STRIDED(refit_strided_copy16, u16, u16, refit_same16)
 #endif

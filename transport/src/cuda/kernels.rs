@@ -33,7 +33,7 @@ pub fn shipped_ptx_is_current() -> bool {
 /// arguments `src, dst, n`; launch with [`launch_1d`]) and strided box
 /// copy-casts (`refit_strided_*`, arguments `src, dst, c0, c1, c2, sb, ss0,
 /// ss1, ss2, db, ds0, ds1, ds2`; launch with [`launch_3d`]).
-pub const KERNELS: [&str; 10] = [
+pub const KERNELS: [&str; 12] = [
     "refit_cast_f32_bf16",
     "refit_cast_bf16_f32",
     "refit_cast_f32_f16",
@@ -42,6 +42,8 @@ pub const KERNELS: [&str; 10] = [
     "refit_strided_bf16_f32",
     "refit_strided_f32_f16",
     "refit_strided_f16_f32",
+    "refit_strided_bf16_f16",
+    "refit_strided_f16_bf16",
     "refit_strided_copy32",
     "refit_strided_copy16",
 ];
@@ -82,9 +84,9 @@ pub fn launch_3d(counts: [u64; 3]) -> Launch {
 }
 
 /// The strided kernel that copies elements of `from` into elements of
-/// `to` (converting), if there is one: f32 ↔ bf16, f32 ↔ f16, and plain
-/// copies of 4- and 2-byte elements. Other pairs (f64, FP8, bf16 ↔ f16)
-/// are converted by the host.
+/// `to` (converting), if there is one: f32 ↔ bf16, f32 ↔ f16, bf16 ↔ f16,
+/// and plain copies of 4- and 2-byte elements. Other pairs (f64, FP8) are
+/// converted by the host.
 pub fn strided_kernel(from: reshard::DType, to: reshard::DType) -> Option<&'static str> {
     use reshard::DType::*;
     Some(match (from, to) {
@@ -92,6 +94,8 @@ pub fn strided_kernel(from: reshard::DType, to: reshard::DType) -> Option<&'stat
         (BF16, F32) => "refit_strided_bf16_f32",
         (F32, F16) => "refit_strided_f32_f16",
         (F16, F32) => "refit_strided_f16_f32",
+        (BF16, F16) => "refit_strided_bf16_f16",
+        (F16, BF16) => "refit_strided_f16_bf16",
         (a, b) if a == b && a.size() == 4 => "refit_strided_copy32",
         (a, b) if a == b && a.size() == 2 => "refit_strided_copy16",
         _ => return None,
@@ -306,7 +310,8 @@ mod tests {
         assert_eq!(strided_kernel(DType::I32, DType::I32), Some("refit_strided_copy32"));
         assert_eq!(strided_kernel(DType::BF16, DType::BF16), Some("refit_strided_copy16"));
         assert_eq!(strided_kernel(DType::F64, DType::BF16), None);
-        assert_eq!(strided_kernel(DType::BF16, DType::F16), None);
+        assert_eq!(strided_kernel(DType::BF16, DType::F16), Some("refit_strided_bf16_f16"));
+        assert_eq!(strided_kernel(DType::F64, DType::F32), None);
         for k in [DType::F32, DType::BF16, DType::F16] {
             for t in [DType::F32, DType::BF16, DType::F16] {
                 if let Some(name) = strided_kernel(k, t) {
@@ -328,9 +333,10 @@ mod tests {
 
     proptest! {
         #[test]
-        fn cast_plans_match_the_host_copy((extent, off, pad_a, pad_b) in shapes(), pair in 0usize..6) {
+        fn cast_plans_match_the_host_copy((extent, off, pad_a, pad_b) in shapes(), pair in 0usize..8) {
             let (from, to) = [(DType::F32, DType::BF16), (DType::BF16, DType::F32), (DType::F32, DType::F16),
-                              (DType::F16, DType::F32), (DType::F32, DType::F32), (DType::BF16, DType::BF16)][pair];
+                              (DType::F16, DType::F32), (DType::F32, DType::F32), (DType::BF16, DType::BF16),
+                              (DType::BF16, DType::F16), (DType::F16, DType::BF16)][pair];
             let piece_ext: Vec<u64> = extent.iter().zip(&off).map(|(e, o)| e - o).collect();
             let piece = Block::new(&off, &piece_ext);
             let zero = vec![0u64; extent.len()];
@@ -398,6 +404,8 @@ mod tests {
                if (!strcmp(m, \"f32_f16\")) {{ u16 o = refit_f32_to_f16(v); fwrite(&o, 2, 1, stdout); }}\n\
                if (!strcmp(m, \"bf16_f32\")) {{ u32 o = refit_bf16_to_f32(h); fwrite(&o, 4, 1, stdout); }}\n\
                if (!strcmp(m, \"f16_f32\")) {{ u32 o = refit_f16_to_f32(h); fwrite(&o, 4, 1, stdout); }}\n\
+               if (!strcmp(m, \"bf16_f16\")) {{ u16 o = refit_bf16_to_f16(h); fwrite(&o, 2, 1, stdout); }}\n\
+               if (!strcmp(m, \"f16_bf16\")) {{ u16 o = refit_f16_to_bf16(h); fwrite(&o, 2, 1, stdout); }}\n\
              }} return 0; }}\n"
         );
         let (c, exe) = (dir.join("harness.c"), dir.join("harness"));
@@ -440,6 +448,8 @@ mod tests {
             ("f32_f16", DType::F32, DType::F16, &f32s),
             ("bf16_f32", DType::BF16, DType::F32, &all16),
             ("f16_f32", DType::F16, DType::F32, &all16),
+            ("bf16_f16", DType::BF16, DType::F16, &all16),
+            ("f16_bf16", DType::F16, DType::BF16, &all16),
         ] {
             let Some(got) = run_host(mode, input) else {
                 eprintln!("no C compiler: the kernel conversions are not checked");
