@@ -277,3 +277,65 @@ fn a_delta_refit_into_fp8_matches_a_dense_one() {
     let dense: Vec<Vec<Vec<u8>>> = memory[n_src..].iter().map(|m| m.buffers.clone()).collect();
     assert_eq!(after_delta, dense);
 }
+
+/// The device quantizer's launches (`transport::cuda::quantplan`, replayed
+/// on the host as the kernels run them) give every destination byte the
+/// host quantizer gives, in every layout above (1-D, 2-D and 3-D tensors,
+/// blocks cut by shards on both sides, fused FP8 buffers, bf16, f32 and
+/// f64 sources, reshard and baseline); a NaN is found in the same block.
+#[test]
+fn the_device_quantizer_plan_matches_the_host_quantizer() {
+    use transport::cuda::quantplan::QuantPlan;
+    let mut launches = 0;
+    for dst in [DST_TP, DST_DP] {
+        for strategy in [plan_reshard, plan_baseline] {
+            let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(dst).unwrap());
+            let plan = strategy(&src, &dst, &PlanOptions::default()).unwrap();
+            let programs = plan.programs(&src, &dst).unwrap();
+            // The values as they land: every program run without its
+            // quantize steps.
+            let bare: Vec<RankProgram> = programs
+                .iter()
+                .cloned()
+                .map(|mut p| {
+                    p.quantize.clear();
+                    p
+                })
+                .collect();
+            let mut memory = RankMemory::for_programs(&bare);
+            let n_src = src.ranks() as usize;
+            fill_sources(&src, &mut memory[..n_src]);
+            for m in &mut memory[n_src..] {
+                for b in &mut m.buffers {
+                    b.fill(0xee);
+                }
+            }
+            run_local(&bare, &mut memory, &ExecOptions { deadline: Duration::from_secs(30) }).unwrap();
+            for (program, landed) in programs.iter().zip(&memory).skip(n_src) {
+                let qp = QuantPlan::new(program).unwrap().unwrap();
+                assert_eq!(qp.is_empty(), program.quantize.is_empty());
+                launches += qp.scales.len() + qp.codes.len() + qp.outs.len();
+                let mut host = landed.clone();
+                transport::quantize_rank(program, &mut host).unwrap();
+                let mut device = landed.clone();
+                qp.replay(&mut device.buffers).unwrap();
+                assert!(host.buffers == device.buffers, "{}: the device plan's bytes differ from the host quantizer's", program.endpoint);
+                // A NaN in the first staged box's first element: both find it.
+                if let Some(op) = program.quantize.first() {
+                    let st = &op.staged[0];
+                    let size = op.staged_dtype.size() as usize;
+                    let mut bad = landed.clone();
+                    let nan: Vec<u8> = match size {
+                        2 => 0x7fc0u16.to_le_bytes().to_vec(),
+                        _ => f32::NAN.to_le_bytes().to_vec(),
+                    };
+                    bad.buffers[st.buffer as usize][st.at as usize * size..][..size].copy_from_slice(&nan);
+                    let mut host = bad.clone();
+                    assert!(transport::quantize_rank(program, &mut host).is_err());
+                    assert!(qp.replay(&mut bad.buffers).is_err());
+                }
+            }
+        }
+    }
+    assert!(launches > 40, "{launches} launches");
+}

@@ -95,6 +95,70 @@ REFIT_FN u16 refit_f16_to_bf16(u16 h) {
     return refit_f32_to_bf16(refit_f16_to_f32(h));
 }
 
+// Block-scaled FP8 (reshard::quant), on f32 bits. Float arithmetic is
+// IEEE single precision, rounded to nearest even, never contracted into a
+// fused multiply-add: the intrinsics on the device, plain C on the host.
+typedef unsigned char u8;
+#ifdef __CUDACC__
+#define REFIT_F32(b) __int_as_float((int)(b))
+#define REFIT_BITS(f) ((u32)__float_as_int(f))
+#define REFIT_MUL(a, b) __fmul_rn((a), (b))
+#define REFIT_ADD(a, b) __fadd_rn((a), (b))
+#define REFIT_DIV(a, b) __fdiv_rn((a), (b))
+#else
+#include <string.h>
+static inline float refit_float_of(u32 b) { float f; memcpy(&f, &b, 4); return f; }
+static inline u32 refit_bits_of(float f) { u32 b; memcpy(&b, &f, 4); return b; }
+#define REFIT_F32(b) refit_float_of(b)
+#define REFIT_BITS(f) refit_bits_of(f)
+#define REFIT_MUL(a, b) ((a) * (b))
+#define REFIT_ADD(a, b) ((a) + (b))
+#define REFIT_DIV(a, b) ((a) / (b))
+#endif
+
+// The e4m3 (float8_e4m3fn) code of f32 bits: reshard::quant::e4m3_from_f32.
+REFIT_FN u8 refit_e4m3(u32 bits) {
+    u32 sign = (bits >> 24) & 0x80u;
+    u32 abs = bits & 0x7fffffffu;
+    // At or above 2^-6: 3 mantissa bits, half to even; rebias 127 -> 7.
+    u32 normal = ((abs + 0x7ffffu + ((abs >> 20) & 1u)) >> 20) - (120u << 3);
+    // Below: steps of 2^-9, rounded by adding 2^23.
+    u32 sub = REFIT_BITS(REFIT_ADD(REFIT_MUL(REFIT_F32(abs), 512.0f), 8388608.0f)) - 0x4b000000u;
+    u32 code = abs < 0x3c800000u ? sub : (normal < 0x7eu ? normal : 0x7eu);
+    if (abs > 0x7f800000u) {
+        code = 0x7fu;
+    }
+    return (u8)(sign | code);
+}
+
+// A block's scale (bits) from its largest magnitude (bits, sign clear):
+// reshard::quant::block_scale.
+REFIT_FN u32 refit_block_scale(u32 amax) {
+    if (amax == 0u) {
+        return 0x3f800000u;
+    }
+    return REFIT_BITS(REFIT_DIV(REFIT_F32(amax), 448.0f));
+}
+
+// One element's code with its block's scale: reshard::quant::quantize_value.
+REFIT_FN u8 refit_quantize(u32 x, u32 s) {
+    if ((x & 0x7fffffffu) == 0u) {
+        return (u8)((x >> 24) & 0x80u);
+    }
+    return refit_e4m3(REFIT_BITS(REFIT_DIV(REFIT_F32(x), REFIT_F32(s))));
+}
+
+// Element i of a staged buffer as f32 bits: dt 0 f32, 1 bf16, 2 f16.
+REFIT_FN u32 refit_staged(const void* p, u64 i, u64 dt) {
+    if (dt == 0u) {
+        return ((const u32*)p)[i];
+    }
+    if (dt == 1u) {
+        return refit_bf16_to_f32(((const u16*)p)[i]);
+    }
+    return refit_f16_to_f32(((const u16*)p)[i]);
+}
+
 #ifdef __CUDACC__
 // Element-wise casts, grid-stride: launch with kernels::launch_1d(n).
 #define REFIT_CAST(name, from_t, to_t, f)                                                   \
@@ -138,4 +202,81 @@ REFIT_STRIDED(refit_strided_bf16_f16, u16, u16, refit_bf16_to_f16)
 REFIT_STRIDED(refit_strided_f16_bf16, u16, u16, refit_f16_to_bf16)
 REFIT_STRIDED(refit_strided_copy32, u32, u32, refit_same32)
 REFIT_STRIDED(refit_strided_copy16, u16, u16, refit_same16)
+
+// Block-scaled FP8, step 1: the scale of every block of a staged box (whole
+// blocks, stored row-major from element sb with strides ss, innermost
+// first), one thread block (256 threads) per block of the box's grid
+// (g0 x g1 x g2 blocks from grid index o). A block's elements start at
+// (o + cell) * b and stop at the tensor's shape n; s is the box's first
+// element. The scale goes to scales[base + cell, row-major]; a block
+// holding NaN or infinity writes NaN there and its index to *err (the
+// smallest such index wins).
+extern "C" __global__ void refit_fp8_scales(const void* staged, u32* scales, u32* err, u64 dt,
+                                            u64 g0, u64 g1, u64 g2, u64 o0, u64 o1, u64 o2,
+                                            u64 b0, u64 b1, u64 b2, u64 n0, u64 n1, u64 n2,
+                                            u64 s0, u64 s1, u64 s2, u64 sb, u64 ss0, u64 ss1, u64 ss2,
+                                            u64 base) {
+    __shared__ u32 top[256];
+    for (u64 z = blockIdx.z; z < g2; z += gridDim.z) {
+        for (u64 y = blockIdx.y; y < g1; y += gridDim.y) {
+            for (u64 x = blockIdx.x; x < g0; x += gridDim.x) {
+                u64 e0 = (o0 + x) * b0, e1 = (o1 + y) * b1, e2 = (o2 + z) * b2;
+                u64 c0 = n0 - e0 < b0 ? n0 - e0 : b0;
+                u64 c1 = n1 - e1 < b1 ? n1 - e1 : b1;
+                u64 c2 = n2 - e2 < b2 ? n2 - e2 : b2;
+                u64 at = sb + (e0 - s0) * ss0 + (e1 - s1) * ss1 + (e2 - s2) * ss2;
+                u32 m = 0u;
+                for (u64 k = 0; k < c2; k++) {
+                    for (u64 r = threadIdx.x; r < c0 * c1; r += blockDim.x) {
+                        u64 i = r % c0, j = r / c0;
+                        u32 v = refit_staged(staged, at + i * ss0 + j * ss1 + k * ss2, dt) & 0x7fffffffu;
+                        m = v > m ? v : m;
+                    }
+                }
+                top[threadIdx.x] = m;
+                __syncthreads();
+                for (u32 half = blockDim.x / 2u; half > 0u; half /= 2u) {
+                    if (threadIdx.x < half && top[threadIdx.x + half] > top[threadIdx.x]) {
+                        top[threadIdx.x] = top[threadIdx.x + half];
+                    }
+                    __syncthreads();
+                }
+                if (threadIdx.x == 0u) {
+                    u64 cell = base + x + g0 * (y + g1 * z);
+                    if (top[0] >= 0x7f800000u) {
+                        atomicMin(err, (u32)cell);
+                        scales[cell] = 0x7fc00000u;
+                    } else {
+                        scales[cell] = refit_block_scale(top[0]);
+                    }
+                }
+                __syncthreads();
+            }
+        }
+    }
+}
+
+// Block-scaled FP8, step 2: the codes of a box of elements (c0 x c1 x c2,
+// innermost first, starting at global index f) read from the staged
+// buffer at sb + i*ss0 + j*ss1 + k*ss2 and written to the weights at
+// wb + i*ws0 + j*ws1 + k*ws2, each with the scale of its block:
+// scales[base + sum_d ((f_d + i_d) / b_d - o_d) * gs_d] (gs0 = 1). Launch
+// with kernels::launch_3d(c).
+extern "C" __global__ void refit_fp8_codes(const void* staged, u8* weights, const u32* scales, u64 dt,
+                                           u64 c0, u64 c1, u64 c2, u64 sb, u64 ss0, u64 ss1, u64 ss2,
+                                           u64 wb, u64 ws0, u64 ws1, u64 ws2, u64 f0, u64 f1, u64 f2,
+                                           u64 b0, u64 b1, u64 b2, u64 o0, u64 o1, u64 o2,
+                                           u64 gs1, u64 gs2, u64 base) {
+    u64 sx = (u64)gridDim.x * blockDim.x;
+    for (u64 k = blockIdx.z; k < c2; k += gridDim.z) {
+        for (u64 j = blockIdx.y; j < c1; j += gridDim.y) {
+            u64 row = base + ((f1 + j) / b1 - o1) * gs1 + ((f2 + k) / b2 - o2) * gs2;
+            for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < c0; i += sx) {
+                u32 s = scales[row + (f0 + i) / b0 - o0];
+                weights[wb + i * ws0 + j * ws1 + k * ws2] =
+                    refit_quantize(refit_staged(staged, sb + i * ss0 + j * ss1 + k * ss2, dt), s);
+            }
+        }
+    }
+}
 #endif

@@ -33,7 +33,7 @@ pub fn shipped_ptx_is_current() -> bool {
 /// arguments `src, dst, n`; launch with [`launch_1d`]) and strided box
 /// copy-casts (`refit_strided_*`, arguments `src, dst, c0, c1, c2, sb, ss0,
 /// ss1, ss2, db, ds0, ds1, ds2`; launch with [`launch_3d`]).
-pub const KERNELS: [&str; 12] = [
+pub const KERNELS: [&str; 14] = [
     "refit_cast_f32_bf16",
     "refit_cast_bf16_f32",
     "refit_cast_f32_f16",
@@ -44,6 +44,8 @@ pub const KERNELS: [&str; 12] = [
     "refit_strided_f16_f32",
     "refit_strided_bf16_f16",
     "refit_strided_f16_bf16",
+    "refit_fp8_scales",
+    "refit_fp8_codes",
     "refit_strided_copy32",
     "refit_strided_copy16",
 ];
@@ -385,18 +387,15 @@ mod tests {
     #[test]
     fn the_source_names_every_kernel() {
         for k in KERNELS {
-            assert!(SOURCE.contains(&format!("({k},")), "{k}");
+            assert!(SOURCE.contains(&format!("({k},")) || SOURCE.contains(&format!("void {k}(")), "{k}");
         }
     }
 
     /// The conversions compiled as C by the host compiler, fed `input`
     /// (`mode`: which conversion) on stdin; `None` without a C compiler.
     fn run_host(mode: &str, input: &[u8]) -> Option<Vec<u8>> {
-        let dir = std::env::temp_dir().join(format!("refit-kernels-{}-{mode}", std::process::id()));
-        std::fs::create_dir_all(&dir).ok()?;
-        let harness = format!(
-            "{SOURCE}\n#include <stdio.h>\n#include <string.h>\n\
-             int main(void) {{ unsigned char b[4]; const char *m = \"{mode}\";\n\
+        let main = format!(
+            "int main(void) {{ unsigned char b[4]; const char *m = \"{mode}\";\n\
              int wide = m[0] == 'f' && m[1] == '3';\n\
              while (fread(b, wide ? 4 : 2, 1, stdin) == 1) {{\n\
                u32 v; u16 h; memcpy(&v, b, 4); memcpy(&h, b, 2);\n\
@@ -408,6 +407,15 @@ mod tests {
                if (!strcmp(m, \"f16_bf16\")) {{ u16 o = refit_f16_to_bf16(h); fwrite(&o, 2, 1, stdout); }}\n\
              }} return 0; }}\n"
         );
+        run_c(mode, &main, input)
+    }
+
+    /// `SOURCE` and `main` compiled as C by the host compiler and run with
+    /// `input` on stdin; its stdout, or `None` without a C compiler.
+    fn run_c(name: &str, main: &str, input: &[u8]) -> Option<Vec<u8>> {
+        let dir = std::env::temp_dir().join(format!("refit-kernels-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).ok()?;
+        let harness = format!("{SOURCE}\n#include <stdio.h>\n#include <string.h>\n{main}");
         let (c, exe) = (dir.join("harness.c"), dir.join("harness"));
         std::fs::write(&c, harness).ok()?;
         let built = Command::new("cc").args(["-O1", "-o"]).arg(&exe).arg(&c).status().ok()?;
@@ -438,6 +446,52 @@ mod tests {
             f32s.extend_from_slice(&v.to_le_bytes());
         }
         (all16, f32s)
+    }
+
+    /// The FP8 functions compiled as C: for each (x, s) pair of f32 bits,
+    /// `refit_quantize(x, s)` (1 byte) and `refit_block_scale(x & 0x7fffffff)`
+    /// (4 bytes), against `reshard::quant`.
+    #[test]
+    fn host_compiled_fp8_functions_equal_the_host_quantizer() {
+        use reshard::quant::{block_scale, quantize_value};
+        let main = "int main(void) { u32 v[2];\n\
+                    while (fread(v, 4, 2, stdin) == 2) {\n\
+                      u8 q = refit_quantize(v[0], v[1]); u32 s = refit_block_scale(v[0] & 0x7fffffffu);\n\
+                      fwrite(&q, 1, 1, stdout); fwrite(&s, 4, 1, stdout);\n\
+                    } return 0; }\n";
+        let (_, f32s) = inputs();
+        let xs: Vec<u32> = f32s.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        // Scales as quantization makes them (from a block's largest
+        // magnitude), 1.0 (so the codes are e4m3 of x itself), and the
+        // smallest: subnormal scales and a scale that underflowed to 0.
+        let mut pairs: Vec<(u32, u32)> = Vec::with_capacity(xs.len() + (1 << 16));
+        for (i, &x) in xs.iter().enumerate() {
+            let s = match i % 4 {
+                0 => 1.0f32.to_bits(),
+                1 => block_scale(f32::from_bits(xs[(i * 7919) % xs.len()] & 0x7f7f_ffff)).to_bits(),
+                2 => (xs[(i * 31) % xs.len()] & 0x007f_ffff) | 1,
+                _ => block_scale(f32::from_bits(x & 0x7fff_ffff).min(f32::MAX) * 1.75).to_bits(),
+            };
+            pairs.push((x, s));
+        }
+        // Every e4m3 code's neighbourhood: each 16-bit prefix of f32.
+        pairs.extend((0..=u16::MAX).map(|h| ((h as u32) << 16 | 0x8000, 1.0f32.to_bits())));
+        pairs.push((1.0f32.to_bits(), 0));
+        let input: Vec<u8> = pairs.iter().flat_map(|&(x, s)| [x.to_le_bytes(), s.to_le_bytes()]).flatten().collect();
+        let Some(got) = run_c("fp8", main, &input) else {
+            eprintln!("no C compiler: the kernel FP8 functions are not checked");
+            return;
+        };
+        assert_eq!(got.len(), pairs.len() * 5);
+        for (k, &(x, s)) in pairs.iter().enumerate() {
+            let (q, sc) = (got[k * 5], u32::from_le_bytes([got[k * 5 + 1], got[k * 5 + 2], got[k * 5 + 3], got[k * 5 + 4]]));
+            let (xf, sf) = (f32::from_bits(x), f32::from_bits(s));
+            assert_eq!(q, quantize_value(xf, sf), "quantize({x:#010x}, {s:#010x})");
+            let amax = f32::from_bits(x & 0x7fff_ffff);
+            if amax.is_finite() {
+                assert_eq!(sc, block_scale(amax).to_bits(), "block_scale({:#010x})", x & 0x7fff_ffff);
+            }
+        }
     }
 
     #[test]
