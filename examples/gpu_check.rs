@@ -211,6 +211,7 @@ mod check {
             return Err("no example layouts under examples/".into());
         }
         let (mut runs, mut launches, mut staged, mut elements) = (0u64, 0u64, 0u64, 0u64);
+        let (mut fp8_device, mut fp8_host) = (0u64, 0u64);
         let mut names = Vec::new();
         for (name, s, d) in &pairs {
             let (src, dst) = (load(s)?, load(d)?);
@@ -232,16 +233,20 @@ mod check {
                 runs += 1;
                 launches += report.kernel_launches;
                 staged += report.staged_pieces;
+                fp8_device += report.quantized_on_device;
+                fp8_host += report.quantized_on_host;
             }
             names.push(name.clone());
         }
         Ok((
             format!(
                 "{} layout pairs x reshard/baseline: every destination byte equals the host executor's, {elements} elements verified; \
-                 {launches} cast kernel launches, {staged} pieces converted on the host",
+                 {launches} cast kernel launches, {staged} pieces converted on the host; FP8 ranks quantized on the device {fp8_device}, \
+                 on the host {fp8_host}",
                 pairs.len()
             ),
-            json!({ "pairs": names, "runs": runs, "elements": elements, "kernel_launches": launches, "staged_pieces": staged }),
+            json!({ "pairs": names, "runs": runs, "elements": elements, "kernel_launches": launches, "staged_pieces": staged,
+                    "fp8_ranks_on_device": fp8_device, "fp8_ranks_on_host": fp8_host }),
         ))
     }
 

@@ -314,6 +314,21 @@ fn the_device_quantizer_plan_matches_the_host_quantizer() {
             for (program, landed) in programs.iter().zip(&memory).skip(n_src) {
                 let qp = QuantPlan::new(program).unwrap().unwrap();
                 assert_eq!(qp.is_empty(), program.quantize.is_empty());
+                // Every launch fits the rank's buffers, and not one byte less.
+                let lens: Vec<usize> = landed.buffers.iter().map(Vec::len).collect();
+                qp.fits(&lens, &landed.dtypes).unwrap();
+                for b in 0..lens.len() {
+                    if lens[b] > 0
+                        && program
+                            .quantize
+                            .iter()
+                            .any(|op| op.weights.iter().chain(&op.scales).chain(&op.staged).any(|s| s.buffer as usize == b))
+                    {
+                        let mut short = lens.clone();
+                        short[b] -= 1;
+                        assert!(qp.fits(&short, &landed.dtypes).is_err(), "{}: buffer {b} one byte short", program.endpoint);
+                    }
+                }
                 launches += qp.scales.len() + qp.codes.len() + qp.outs.len();
                 let mut host = landed.clone();
                 transport::quantize_rank(program, &mut host).unwrap();

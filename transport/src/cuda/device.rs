@@ -21,6 +21,7 @@ use crate::cuda::comm::Progress;
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
 use crate::cuda::ipc::{BucketLayout, IpcHandle};
 use crate::cuda::kernels::{self, CastBox};
+use crate::cuda::quantplan::{CodesLaunch, QuantPlan, ScalesLaunch};
 use crate::memory::RankMemory;
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice, PushKernelArg};
 use reshard::{Block, BufferSpec, DType, Endpoint, RankProgram, Span};
@@ -325,6 +326,160 @@ impl DeviceKernels {
         // as 13 u64 in order; the caller guarantees the memory (above).
         unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
     }
+}
+
+impl DeviceKernels {
+    /// Queues a [`ScalesLaunch`] on `stream`: the staged buffer at `staged`,
+    /// the scratch scales at `scales`, the error flag at `err`.
+    ///
+    /// # Safety
+    /// The addresses must be live device allocations of this context
+    /// holding what the launch reads and writes (the plan checked against
+    /// the buffers: [`QuantPlan::fits`]), alive until the stream has run
+    /// the kernel, and written by nothing else meanwhile.
+    unsafe fn launch_fp8_scales(
+        &self,
+        stream: &Arc<CudaStream>,
+        l: &ScalesLaunch,
+        staged: u64,
+        scales: u64,
+        err: u64,
+    ) -> Result<(), String> {
+        let name = "refit_fp8_scales";
+        let f = self.function(name)?;
+        let yz = |c: u64| c.clamp(1, kernels::MAX_BLOCKS_YZ as u64) as u32;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (l.grid[0].clamp(1, kernels::MAX_BLOCKS_X as u64) as u32, yz(l.grid[1]), yz(l.grid[2])),
+            block_dim: (kernels::THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = stream.launch_builder(f);
+        args.arg(&staged).arg(&scales).arg(&err).arg(&l.dt);
+        for v in [&l.grid, &l.grid_off, &l.block, &l.shape, &l.first] {
+            args.arg(&v[0]).arg(&v[1]).arg(&v[2]);
+        }
+        args.arg(&l.at).arg(&l.strides[0]).arg(&l.strides[1]).arg(&l.strides[2]).arg(&l.base);
+        // SAFETY: the kernel takes 3 pointers and 21 u64, passed as 24 u64
+        // in order; the caller guarantees the memory (above).
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
+    }
+
+    /// Queues a [`CodesLaunch`] on `stream`.
+    ///
+    /// # Safety
+    /// As [`launch_fp8_scales`](Self::launch_fp8_scales), for the staged
+    /// buffer at `staged`, the weights at `weights` and the scales at
+    /// `scales`.
+    unsafe fn launch_fp8_codes(
+        &self,
+        stream: &Arc<CudaStream>,
+        l: &CodesLaunch,
+        staged: u64,
+        weights: u64,
+        scales: u64,
+    ) -> Result<(), String> {
+        let name = "refit_fp8_codes";
+        let f = self.function(name)?;
+        let g = kernels::launch_3d(l.counts);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (g.grid[0], g.grid[1], g.grid[2]),
+            block_dim: (g.block[0], g.block[1], g.block[2]),
+            shared_mem_bytes: 0,
+        };
+        let mut args = stream.launch_builder(f);
+        args.arg(&staged).arg(&weights).arg(&scales).arg(&l.dt);
+        args.arg(&l.counts[0]).arg(&l.counts[1]).arg(&l.counts[2]);
+        args.arg(&l.src_base).arg(&l.src_strides[0]).arg(&l.src_strides[1]).arg(&l.src_strides[2]);
+        args.arg(&l.dst_base).arg(&l.dst_strides[0]).arg(&l.dst_strides[1]).arg(&l.dst_strides[2]);
+        for v in [&l.first, &l.block, &l.grid_off] {
+            args.arg(&v[0]).arg(&v[1]).arg(&v[2]);
+        }
+        args.arg(&l.grid_strides[1]).arg(&l.grid_strides[2]).arg(&l.base);
+        // SAFETY: the kernel takes 3 pointers and 24 u64, passed as 27 u64
+        // in order; the caller guarantees the memory (above).
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
+    }
+}
+
+/// How a destination rank's block-scaled tensors were quantized.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Quantized {
+    /// Nothing to quantize.
+    Nothing,
+    /// On the device, by the `refit_fp8_*` kernels.
+    OnDevice,
+    /// On the host (the buffers copied back and forth), and why.
+    OnHost(String),
+}
+
+/// Quantizes `program`'s block-scaled tensors in `memory` (its buffers, on
+/// `dev`), after its last receive: on the device where the kernels loaded
+/// and every tensor has at most three dimensions, else on the host. A block
+/// holding NaN or infinity is an error naming the tensor and the block
+/// (found again by the host quantizer, which says which).
+pub fn quantize_rank_on(dev: &GpuDevice, memory: &mut DeviceMemory, program: &RankProgram) -> Result<Quantized, String> {
+    if program.quantize.is_empty() {
+        return Ok(Quantized::Nothing);
+    }
+    let me = program.endpoint;
+    let on_host = |memory: &mut DeviceMemory, why: String| -> Result<Quantized, String> {
+        let mut host = memory.download(dev).map_err(|e| e.to_string())?;
+        crate::exec::quantize_rank(program, &mut host).map_err(|e| format!("quantizing: {e}"))?;
+        memory.upload(dev, &host).map_err(|e| e.to_string())?;
+        Ok(Quantized::OnHost(why))
+    };
+    let plan = match QuantPlan::new(program) {
+        Err(e) => return Err(format!("{me}: quantizing: {e}")),
+        Ok(Err(host_only)) => return on_host(memory, host_only.to_string()),
+        Ok(Ok(plan)) => plan,
+    };
+    let kernels = match dev.kernels() {
+        Ok(k) => k,
+        Err(e) => return on_host(memory, format!("the quantize kernels did not load: {e}")),
+    };
+    plan.fits(&memory.lens, &memory.dtypes).map_err(|e| format!("{me}: quantizing: {e}"))?;
+    dev.bind().map_err(|e| e.to_string())?;
+    let scratch = dev.alloc(plan.scratch as usize * 4, "quantize scales").map_err(|e| e.to_string())?;
+    let err = dev.alloc(4, "quantize error flag").map_err(|e| e.to_string())?;
+    let (scales, flag) = (dev.addr(&scratch), dev.addr(&err));
+    let stream = &dev.stream;
+    let queued = (|| -> Result<(), String> {
+        // SAFETY: `flag` is our 4-byte allocation, on the device's stream.
+        unsafe { sys::cuMemsetD8Async(flag, 0xff, 4, stream.cu_stream()) }.result().map_err(|e| format!("{me}: {e}"))?;
+        let a = &memory.addrs;
+        for l in &plan.scales {
+            // SAFETY: `fits` checked every launch against these buffers;
+            // the scratch holds `plan.scratch` scales; all of it stays
+            // allocated until the synchronisation below, and only this
+            // stream touches the rank's buffers meanwhile (its receives
+            // are done).
+            unsafe { kernels.launch_fp8_scales(stream, l, a[l.staged as usize], scales, flag) }?;
+        }
+        for l in &plan.codes {
+            // SAFETY: as above.
+            unsafe { kernels.launch_fp8_codes(stream, l, a[l.staged as usize], a[l.weights as usize], scales) }?;
+        }
+        for o in &plan.outs {
+            // SAFETY: as above (the copy's source is the scratch array).
+            unsafe { kernels.launch(stream, "refit_strided_copy32", &o.copy, scales, a[o.scales as usize]) }?;
+        }
+        Ok(())
+    })();
+    // Whatever was queued finishes before the scratch is freed.
+    let waited = dev.synchronize().map_err(|e| e.to_string());
+    queued.and(waited)?;
+    let mut bad = [0u8; 4];
+    // SAFETY: 4 bytes from our flag into a local array; the stream is idle.
+    unsafe { sys::cuMemcpyDtoH_v2(bad.as_mut_ptr().cast(), flag, 4) }
+        .result()
+        .map_err(|e| format!("{me}: reading the quantize flag: {e}"))?;
+    drop((scratch, err));
+    if u32::from_le_bytes(bad) != u32::MAX {
+        // A block holds NaN or infinity: the host quantizer names it.
+        return on_host(memory, "a block holds NaN or infinity".into())
+            .and_then(|_| Err(format!("{me}: the device found a non-finite block the host did not")));
+    }
+    Ok(Quantized::OnDevice)
 }
 
 /// Where one side of a copy is.

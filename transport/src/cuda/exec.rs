@@ -80,8 +80,12 @@ pub struct DeviceReport {
     /// Why pieces went through host staging, if any did.
     pub staged_because: Option<String>,
     /// Destination ranks whose block-scaled tensors were quantized on the
-    /// host (their buffers copied back and forth once).
+    /// host (their buffers copied back and forth once: a tensor of more
+    /// than three dimensions, or kernels that did not load).
     pub quantized_on_host: u64,
+    /// Destination ranks whose block-scaled tensors were quantized on the
+    /// device.
+    pub quantized_on_device: u64,
 }
 
 /// One queued piece of device work.
@@ -351,14 +355,17 @@ impl<'m> DeviceRun<'m> {
                 }
             }
         }
-        // Block-scaled FP8 destinations: quantized on the host (the device
-        // has no quantize kernel yet), from the whole blocks just received.
+        // Block-scaled FP8 destinations: quantized from the whole blocks
+        // just received, on the device where it can.
+        let (mut on_device, mut on_host) = (0, 0);
         for (i, program) in &self.quantize {
-            let memory = &mut self.memory[*i];
-            let mut host = memory.download(dev)?;
-            crate::exec::quantize_rank(program, &mut host)
-                .map_err(|e| GpuError::Invalid { what: format!("{}: quantizing", program.endpoint), problem: e.to_string() })?;
-            memory.upload(dev, &host)?;
+            let quantized = crate::cuda::device::quantize_rank_on(dev, &mut self.memory[*i], program)
+                .map_err(|problem| GpuError::Invalid { what: format!("{}: quantizing", program.endpoint), problem })?;
+            match quantized {
+                crate::cuda::device::Quantized::OnDevice => on_device += 1,
+                crate::cuda::device::Quantized::OnHost(_) => on_host += 1,
+                crate::cuda::device::Quantized::Nothing => {}
+            }
         }
         let end = dev.mark()?;
         dev.synchronize()?;
@@ -371,7 +378,8 @@ impl<'m> DeviceRun<'m> {
             kernel_launches: launches,
             staged_pieces: self.staged,
             staged_because: self.staged_because.clone(),
-            quantized_on_host: self.quantize.len() as u64,
+            quantized_on_host: on_host,
+            quantized_on_device: on_device,
         })
     }
 

@@ -455,12 +455,11 @@ impl PlaneMemory for GpuPlane<'_> {
     fn finish(&mut self, program: &RankProgram) -> Result<(), String> {
         self.dev.synchronize().map_err(|e| e.to_string())?;
         self.fence = None;
-        if !program.quantize.is_empty() {
-            // Block-scaled FP8 destinations: quantized on the host from the
-            // whole blocks received (no device quantize kernel yet).
-            let mut host = self.memory.download(self.dev).map_err(|e| e.to_string())?;
-            crate::exec::quantize_rank(program, &mut host).map_err(|e| format!("quantizing: {e}"))?;
-            self.memory.upload(self.dev, &host).map_err(|e| e.to_string())?;
+        // Block-scaled FP8 destinations: quantized from the whole blocks
+        // received, on the device where it can.
+        match crate::cuda::device::quantize_rank_on(self.dev, self.memory, program)? {
+            crate::cuda::device::Quantized::OnHost(why) => tracing::debug!(rank = %program.endpoint, why, "quantized on the host"),
+            crate::cuda::device::Quantized::OnDevice | crate::cuda::device::Quantized::Nothing => {}
         }
         Ok(())
     }

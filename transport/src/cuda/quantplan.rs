@@ -275,6 +275,72 @@ impl QuantPlan {
         Ok(())
     }
 
+    /// Checks that every launch stays inside buffers of `lens` bytes and
+    /// `dtypes` (the rank's device buffers, in program order) and inside
+    /// the scratch array: the gate before any kernel runs.
+    pub fn fits(&self, lens: &[usize], dtypes: &[DType]) -> Result<(), String> {
+        let elems = |b: u32, dtype: DType, what: &str| -> Result<u64, String> {
+            match (lens.get(b as usize), dtypes.get(b as usize)) {
+                (Some(&len), Some(&d)) if d == dtype => Ok(len as u64 / dtype.size()),
+                _ => Err(format!("{what} buffer {b} is not {dtype} here")),
+            }
+        };
+        // One past the last element of a box of `counts` at `base`.
+        let end = |counts: [u64; 3], base: u64, strides: [u64; 3]| -> u64 {
+            if counts.contains(&0) {
+                return base;
+            }
+            base + (0..3).map(|d| (counts[d] - 1) * strides[d]).sum::<u64>() + 1
+        };
+        let out = |what: &str| Err(format!("a {what} launch reaches past its buffer"));
+        for l in &self.scales {
+            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or("bad staged dtype")?;
+            let n = elems(l.staged, dtype, "staged")?;
+            let mut ext = [0u64; 3];
+            for (d, e) in ext.iter_mut().enumerate() {
+                let start = l.grid_off[d] * l.block[d];
+                let stop = ((l.grid_off[d] + l.grid[d]) * l.block[d]).min(l.shape[d]);
+                if start < l.first[d] || stop < start || l.block[d] == 0 {
+                    return out("scales");
+                }
+                *e = stop - l.first[d];
+            }
+            if end(ext, l.at, l.strides) > n || l.base + l.grid.iter().product::<u64>() > self.scratch {
+                return out("scales");
+            }
+        }
+        for l in &self.codes {
+            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or("bad staged dtype")?;
+            let (n, w) = (elems(l.staged, dtype, "staged")?, elems(l.weights, DType::F8E4M3, "weight")?);
+            if l.counts.contains(&0) {
+                continue;
+            }
+            let mut cell = l.base;
+            for d in 0..3 {
+                let b = l.block[d];
+                if b == 0 {
+                    return out("codes");
+                }
+                let (lo, hi) = (l.first[d] / b, (l.first[d] + l.counts[d] - 1) / b);
+                if lo < l.grid_off[d] {
+                    return out("codes");
+                }
+                cell += (hi - l.grid_off[d]) * l.grid_strides[d];
+            }
+            if end(l.counts, l.src_base, l.src_strides) > n || end(l.counts, l.dst_base, l.dst_strides) > w || cell >= self.scratch {
+                return out("codes");
+            }
+        }
+        for o in &self.outs {
+            let n = elems(o.scales, DType::F32, "scale")?;
+            let (src, dst) = o.copy.ends();
+            if src > self.scratch || dst > n {
+                return out("scale");
+            }
+        }
+        Ok(())
+    }
+
     /// Runs the launches on host buffers (the program's, in order) as the
     /// kernels run them. Returns the scratch index of the first block
     /// holding NaN or infinity, if any (its codes are then unspecified, as
