@@ -501,6 +501,20 @@ fn source_bytes<'a>(b: &'a Buffers, name: &str) -> Result<&'a [u8], BufferError>
     }
 }
 
+/// `regions` (address, bytes per buffer of `rank`) of host memory, or of
+/// GPU `gpu`'s, as registered weights.
+///
+/// # Safety
+/// As [`orchestrator::Registered::new`]: the memory stays valid and
+/// unmoved for as long as the registration is used, and is accessed as the
+/// store it is given to requires.
+unsafe fn registered(layout: &PyLayout, rank: Rank, regions: Vec<(u64, usize)>, gpu: Option<usize>) -> PyResult<orchestrator::Registered> {
+    layout.check_rank(rank)?;
+    let residence = gpu.map_or(orchestrator::Residence::Host, |ordinal| orchestrator::Residence::Device { ordinal });
+    // SAFETY: the caller's promise, passed on.
+    unsafe { orchestrator::Registered::new(&layout.inner, rank, residence, regions) }.map_err(tensor_err)
+}
+
 /// The weights of one training (source) rank, with the version fence:
 /// `update` writes them under the store's write lock (waiting for a refit
 /// that reads them) and bumps the version.
@@ -529,11 +543,9 @@ impl PySrcStore {
     #[staticmethod]
     #[pyo3(signature = (layout, rank, regions, gpu=None))]
     fn registered(layout: PyRef<'_, PyLayout>, rank: Rank, regions: Vec<(u64, usize)>, gpu: Option<usize>) -> PyResult<Self> {
-        layout.check_rank(rank)?;
-        let residence = gpu.map_or(orchestrator::Residence::Host, |ordinal| orchestrator::Residence::Device { ordinal });
         // SAFETY: the contract above, kept by `refit.Source.in_place`,
         // which holds every registered object for the store's life.
-        let registered = unsafe { orchestrator::Registered::new(&layout.inner, rank, residence, regions) }.map_err(tensor_err)?;
+        let registered = unsafe { registered(&layout, rank, regions, gpu) }?;
         Ok(PySrcStore {
             inner: Arc::new(SrcStore::registered(&layout.inner, rank, registered)),
             layout: layout.inner.clone(),
@@ -655,11 +667,9 @@ impl PyDstStore {
     #[staticmethod]
     #[pyo3(signature = (layout, rank, regions, gpu=None))]
     fn registered(layout: PyRef<'_, PyLayout>, rank: Rank, regions: Vec<(u64, usize)>, gpu: Option<usize>) -> PyResult<Self> {
-        layout.check_rank(rank)?;
-        let residence = gpu.map_or(orchestrator::Residence::Host, |ordinal| orchestrator::Residence::Device { ordinal });
         // SAFETY: the contract above, kept by `refit.Destination.in_place`,
         // which holds every registered object for the store's life.
-        let registered = unsafe { orchestrator::Registered::new(&layout.inner, rank, residence, regions) }.map_err(tensor_err)?;
+        let registered = unsafe { registered(&layout, rank, regions, gpu) }?;
         Ok(PyDstStore {
             inner: Arc::new(DstStore::registered(&layout.inner, rank, registered)),
             layout: layout.inner.clone(),

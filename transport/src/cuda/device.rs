@@ -665,6 +665,15 @@ impl Drop for Storage {
     }
 }
 
+/// Which way [`DeviceMemory::copy_regions`] copies.
+#[derive(Clone, Copy)]
+enum Towards {
+    /// Buffers into the regions.
+    Regions,
+    /// Regions into the buffers.
+    Buffers,
+}
+
 /// One rank's buffers in device memory, in its program's buffer order: one
 /// bucket of this process (every buffer at its [`BucketLayout`] offset,
 /// exportable as one CUDA IPC handle), the user's own device memory
@@ -884,22 +893,8 @@ impl DeviceMemory {
     /// read nor written by other work until this returns (on an error too:
     /// the copies queued before it are waited for).
     pub unsafe fn copy_to_regions(&self, dev: &GpuDevice, regions: &[(u64, usize)]) -> Result<(), GpuError> {
-        self.check_regions(regions, "copy to the registered buffers")?;
-        dev.bind()?;
-        let mut queued = Ok(());
-        for (i, (&addr, &(to, len))) in self.addrs.iter().zip(regions).enumerate() {
-            // SAFETY: `len` bytes of buffer `i` (checked) into a region of
-            // `len` bytes the caller lends us; on the device's stream,
-            // waited for below whatever happens.
-            queued = unsafe { sys::cuMemcpyDtoDAsync_v2(to, addr, len, dev.stream.cu_stream()) }
-                .result()
-                .map_err(driver(format!("{} buffer {i}: copy to the registered buffer", self.owner)));
-            if queued.is_err() {
-                break;
-            }
-        }
-        let waited = dev.synchronize();
-        queued.and(waited)
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.copy_regions(dev, regions, Towards::Regions) }
     }
 
     /// Copies `regions` (as [`copy_to_regions`](Self::copy_to_regions)
@@ -910,14 +905,37 @@ impl DeviceMemory {
     /// readable for its bytes, and not written by other work until this
     /// returns (on an error too).
     pub unsafe fn copy_from_regions(&mut self, dev: &GpuDevice, regions: &[(u64, usize)]) -> Result<(), GpuError> {
-        self.check_regions(regions, "copy from the registered buffers")?;
+        // SAFETY: the caller's promise, passed on; `&mut self` keeps other
+        // users of these buffers away.
+        unsafe { self.copy_regions(dev, regions, Towards::Buffers) }
+    }
+
+    /// One copy per region, between it and the buffer of the same index,
+    /// on the device's stream; waits for whatever was queued, error or not.
+    ///
+    /// # Safety
+    /// As [`copy_to_regions`](Self::copy_to_regions) for
+    /// [`Towards::Regions`], [`copy_from_regions`](Self::copy_from_regions)
+    /// for [`Towards::Buffers`] (whose caller holds `&mut self`).
+    unsafe fn copy_regions(&self, dev: &GpuDevice, regions: &[(u64, usize)], towards: Towards) -> Result<(), GpuError> {
+        let what = match towards {
+            Towards::Regions => "copy to the registered buffers",
+            Towards::Buffers => "copy from the registered buffers",
+        };
+        self.check_regions(regions, what)?;
         dev.bind()?;
         let mut queued = Ok(());
-        for (i, (&addr, &(from, len))) in self.addrs.iter().zip(regions).enumerate() {
-            // SAFETY: as in `copy_to_regions`, the other way.
-            queued = unsafe { sys::cuMemcpyDtoDAsync_v2(addr, from, len, dev.stream.cu_stream()) }
+        for (i, (&addr, &(region, len))) in self.addrs.iter().zip(regions).enumerate() {
+            let (to, from) = match towards {
+                Towards::Regions => (region, addr),
+                Towards::Buffers => (addr, region),
+            };
+            // SAFETY: `len` bytes on both sides (checked: buffer `i` holds
+            // `len`, the caller lends the region); on the device's stream,
+            // waited for below whatever happens.
+            queued = unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, len, dev.stream.cu_stream()) }
                 .result()
-                .map_err(driver(format!("{} buffer {i}: copy from the registered buffer", self.owner)));
+                .map_err(driver(format!("{} buffer {i}: {what}", self.owner)));
             if queued.is_err() {
                 break;
             }
