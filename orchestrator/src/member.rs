@@ -67,11 +67,17 @@ pub struct MemberConfig {
     /// ([`CommPlane::Cuda`](crate::CommPlane::Cuda)); `None`: the member
     /// refuses them.
     pub gpu: Option<usize>,
+    /// A destination serving registered memory
+    /// ([`DstStore::registered`]): how long past a run's deadline it holds
+    /// its readers off while it waits for the commit (or a discard) of the
+    /// version it staged, so a vanished orchestrator never locks readers
+    /// out for good. Default 30 s.
+    pub commit_hold: Duration,
 }
 
 impl Default for MemberConfig {
     fn default() -> Self {
-        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), tweak: None, secret: None, gpu: None }
+        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), tweak: None, secret: None, gpu: None, commit_hold: COMMIT_HOLD }
     }
 }
 
@@ -93,6 +99,7 @@ impl std::fmt::Debug for MemberConfig {
             .field("tweak", &self.tweak.is_some())
             .field("secret", &self.secret.is_some())
             .field("gpu", &self.gpu)
+            .field("commit_hold", &self.commit_hold)
             .finish()
     }
 }
@@ -145,13 +152,13 @@ struct Staged {
     version: u64,
     program: Arc<RankProgram>,
     /// Taken by the commit; dropped with this value (a discard, a new
-    /// run) or by a timer once [`COMMIT_HOLD`] past the run's deadline, so
-    /// readers are not held off for good if the orchestrator went away.
+    /// run) or by a timer once [`MemberConfig::commit_hold`] past the run's
+    /// deadline, so readers are not held off for good if the orchestrator
+    /// went away.
     fence: Arc<std::sync::Mutex<Option<CommitFence>>>,
 }
 
-/// How long past a run's deadline a registered destination holds readers
-/// off while it waits for its commit (or a discard).
+/// The default [`MemberConfig::commit_hold`].
 const COMMIT_HOLD: Duration = Duration::from_secs(30);
 
 /// What a clean run of a plan leaves for the next run of it.
@@ -657,7 +664,7 @@ impl Member {
             return (Err(Refusal::Exec { why, after_peer: false }), end);
         };
         let fence = Arc::new(std::sync::Mutex::new(Some(fence)));
-        let hold = how.deadline.saturating_add(COMMIT_HOLD);
+        let hold = how.deadline.saturating_add(self.config.commit_hold);
         if hold < Duration::from_secs(365 * 24 * 3600) {
             let expiring = Arc::downgrade(&fence);
             tokio::spawn(async move {

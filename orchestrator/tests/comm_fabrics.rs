@@ -371,9 +371,15 @@ struct ServedInPlace {
     /// Each destination rank's buffers, bf16 bit patterns, boxed so they
     /// never move.
     memory: Vec<Vec<Box<[u16]>>>,
+    /// Every member, sources first.
+    members: Vec<actors::ActorRef<orchestrator::Member>>,
 }
 
 fn served_in_place(fabric: Fabric, deadline: Duration) -> ServedInPlace {
+    served_in_place_with(fabric, deadline, orchestrator::MemberConfig::default())
+}
+
+fn served_in_place_with(fabric: Fabric, deadline: Duration, dst_config: orchestrator::MemberConfig) -> ServedInPlace {
     use orchestrator::{DstStore, Member, Residence, Role, SrcStore};
     use std::sync::Arc;
     let (src, dst) = layouts();
@@ -381,7 +387,7 @@ fn served_in_place(fabric: Fabric, deadline: Duration) -> ServedInPlace {
     let config = OrchestratorConfig { fabric, deadline, ..config("served", Strategy::Reshard) };
     let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
     let src_stores: Vec<Arc<SrcStore>> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
-    let src_members = src_stores
+    let src_members: Vec<_> = src_stores
         .iter()
         .enumerate()
         .map(|(r, s)| actors::spawn(Member::new(src.clone(), r as u32, Role::Src(s.clone())), spawn.clone()))
@@ -398,13 +404,15 @@ fn served_in_place(fabric: Fabric, deadline: Duration) -> ServedInPlace {
         // it holds `serve()` or no refit is in progress.
         let reg = unsafe { orchestrator::Registered::new(&dst, r, Residence::Host, regions) }.unwrap();
         let store = Arc::new(DstStore::registered(&dst, r, reg));
-        dst_members.push(actors::spawn(Member::new(dst.clone(), r, Role::Dst(store.clone())), spawn.clone()));
+        let member = Member::with_config(dst.clone(), r, Role::Dst(store.clone()), dst_config.clone());
+        dst_members.push(actors::spawn(member, spawn.clone()));
         dst_stores.push(store);
         memory.push(buffers);
     }
+    let members = src_members.iter().chain(&dst_members).cloned().collect();
     let orchestrator =
         orchestrator::spawn_orchestrator(actors::ActorGroup::from_refs(src_members), actors::ActorGroup::from_refs(dst_members), config);
-    ServedInPlace { orchestrator, src: src_stores, dst: dst_stores, memory }
+    ServedInPlace { orchestrator, src: src_stores, dst: dst_stores, memory, members }
 }
 
 impl ServedInPlace {
@@ -553,4 +561,72 @@ async fn registered_destinations_are_refused_on_host_fabrics() {
     }
     assert_eq!(sys.bits(), before);
     assert!(sys.dst.iter().all(|s| s.snapshot().is_none()));
+}
+
+/// A registered destination whose commit never comes (the orchestrator
+/// went away after the run) lets its readers back in once its hold
+/// expires, serving the version before, and refuses a commit that comes
+/// later; the next refit delivers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_commit_that_never_comes_lets_readers_back_in() {
+    use orchestrator::protocol::PeerAddr;
+    use orchestrator::{MemberConfig, MemberMsg, MemberReply};
+    let world = "served/no-commit";
+    let (deadline, hold) = (Duration::from_secs(2), Duration::from_millis(500));
+    let config = MemberConfig { commit_hold: hold, ..MemberConfig::default() };
+    let sys = served_in_place_with(Fabric::Nccl(fabric(world)), deadline, config);
+    let v1 = sys.step(1.0, 1.0).await;
+    sys.orchestrator.refit(v1).await.unwrap();
+    sys.orchestrator.close_data_plane().await.unwrap();
+    let fingerprint = sys.orchestrator.plan().await.unwrap().fingerprint;
+    let v2 = sys.step(2.0, 2.0).await;
+    // The first phase of a refit, as the orchestrator runs it, and no
+    // second: every member prepares, connects and runs, nobody commits.
+    let refit = 1 << 40;
+    let mut peers = Vec::new();
+    for m in &sys.members {
+        let msg = MemberMsg::Prepare { refit, fingerprint, session: "no-commit".into(), fabric: Fabric::Nccl(fabric(world)), keep: false };
+        match m.call(msg).await.unwrap() {
+            MemberReply::Prepared { endpoint, node, addr } => peers.push(PeerAddr { endpoint, node, addr }),
+            other => panic!("prepare: {other:?}"),
+        }
+    }
+    let all = |msg: MemberMsg| {
+        let calls: Vec<_> = sys
+            .members
+            .iter()
+            .map(|m| {
+                let (m, msg) = (m.clone(), msg.clone());
+                tokio::spawn(async move { m.call(msg).await.unwrap() })
+            })
+            .collect();
+        async move {
+            for c in calls {
+                let reply = c.await.unwrap();
+                assert!(matches!(reply, MemberReply::Done | MemberReply::Ran(_)), "{reply:?}");
+            }
+        }
+    };
+    all(MemberMsg::Connect { refit, peers }).await;
+    let t = Instant::now();
+    all(MemberMsg::Run { refit, version: v2, fingerprint, deadline, delta: None }).await;
+    // v2 is staged everywhere: readers wait for its commit ...
+    assert!(tokio::time::timeout(Duration::from_millis(200), sys.dst[0].serve()).await.is_err());
+    // ... until the hold expires: the memory still holds v1.
+    let serving = tokio::time::timeout(deadline + hold + Duration::from_secs(5), sys.dst[0].serve()).await.unwrap();
+    assert!(t.elapsed() >= hold, "{:?}", t.elapsed());
+    assert_eq!(serving.version(), Some(v1));
+    drop(serving);
+    assert!(sys.holds(v1, 1.0, 1.0).await);
+    // A commit after that is refused: nothing it staged is served.
+    match sys.members[2].call(MemberMsg::Commit { version: v2 }).await.unwrap() {
+        MemberReply::Refused(Refusal::Exec { why, .. }) => assert!(why.contains("hold on its readers expired"), "{why}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(sys.holds(v1, 1.0, 1.0).await);
+    for m in &sys.members {
+        m.call(MemberMsg::Discard).await.unwrap();
+    }
+    sys.orchestrator.refit(v2).await.unwrap();
+    assert!(sys.holds(v2, 2.0, 2.0).await);
 }
