@@ -226,9 +226,11 @@ extern "C" __global__ void refit_fp8_scales(const void* staged, u32* scales, u32
                 u64 c2 = n2 - e2 < b2 ? n2 - e2 : b2;
                 u64 at = sb + (e0 - s0) * ss0 + (e1 - s1) * ss1 + (e2 - s2) * ss2;
                 u32 m = 0u;
+                // A block's rows are few: 32-bit index arithmetic.
+                u32 w0 = (u32)c0, rows = (u32)(c0 * c1);
                 for (u64 k = 0; k < c2; k++) {
-                    for (u64 r = threadIdx.x; r < c0 * c1; r += blockDim.x) {
-                        u64 i = r % c0, j = r / c0;
+                    for (u32 r = threadIdx.x; r < rows; r += blockDim.x) {
+                        u64 i = r % w0, j = r / w0;
                         u32 v = refit_staged(staged, at + i * ss0 + j * ss1 + k * ss2, dt) & 0x7fffffffu;
                         m = v > m ? v : m;
                     }
@@ -272,7 +274,10 @@ extern "C" __global__ void refit_fp8_codes(const void* staged, u8* weights, cons
         for (u64 j = blockIdx.y; j < c1; j += gridDim.y) {
             u64 row = base + ((f1 + j) / b1 - o1) * gs1 + ((f2 + k) / b2 - o2) * gs2;
             for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < c0; i += sx) {
-                u32 s = scales[row + (f0 + i) / b0 - o0];
+                u64 col = f0 + i;
+                // 32-bit division where it fits (every real tensor).
+                u64 cell = ((col | b0) >> 32) == 0 ? (u64)((u32)col / (u32)b0) : col / b0;
+                u32 s = scales[row + cell - o0];
                 weights[wb + i * ws0 + j * ws1 + k * ws2] =
                     refit_quantize(refit_staged(staged, sb + i * ss0 + j * ss1 + k * ss2, dt), s);
             }

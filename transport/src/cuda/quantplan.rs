@@ -115,6 +115,12 @@ pub enum HostOnly {
         /// Its dimensions.
         ndim: usize,
     },
+    /// Blocks whose two innermost dimensions hold 2^32 elements or more
+    /// (the scale kernel indexes them in 32 bits).
+    Block {
+        /// The tensor.
+        tensor: String,
+    },
 }
 
 impl std::fmt::Display for HostOnly {
@@ -123,6 +129,7 @@ impl std::fmt::Display for HostOnly {
             HostOnly::Dimensions { tensor, ndim } => {
                 write!(f, "tensor '{tensor}' has {ndim} dimensions; the device quantizes up to 3")
             }
+            HostOnly::Block { tensor } => write!(f, "tensor '{tensor}': blocks too large for the device quantizer"),
         }
     }
 }
@@ -168,6 +175,10 @@ impl QuantPlan {
         for op in &program.quantize {
             if op.shape.len() > 3 {
                 return Ok(Err(HostOnly::Dimensions { tensor: op.tensor.clone(), ndim: op.shape.len() }));
+            }
+            let b = inner3(&op.block, 1);
+            if b[0].checked_mul(b[1]).is_none_or(|rows| rows >> 32 != 0) {
+                return Ok(Err(HostOnly::Block { tensor: op.tensor.clone() }));
             }
             plan.add(op, &program.buffers)?;
         }
@@ -296,6 +307,9 @@ impl QuantPlan {
         for l in &self.scales {
             let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or("bad staged dtype")?;
             let n = elems(l.staged, dtype, "staged")?;
+            if l.block[0].checked_mul(l.block[1]).is_none_or(|rows| rows >> 32 != 0) {
+                return out("scales");
+            }
             let mut ext = [0u64; 3];
             for (d, e) in ext.iter_mut().enumerate() {
                 let start = l.grid_off[d] * l.block[d];
