@@ -210,8 +210,7 @@ impl CommEnd {
 
     /// Runs `program` on `memory` over the communicator by `deadline`.
     pub(crate) fn run(&mut self, program: &RankProgram, memory: &mut RankMemory, deadline: Instant) -> Result<RankStats, String> {
-        let (src_ranks, nranks) = (self.src_ranks, self.nranks);
-        let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
+        let rank_of = self.rank_of();
         let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
         match &self.plane {
             CommPlane::Simulated { .. } => {
@@ -236,17 +235,7 @@ impl CommEnd {
                 // The store's bytes go to the device and a destination's
                 // come back: stores live in host memory.
                 mem.upload(dev, memory).map_err(|e| e.to_string())?;
-                let me = program.endpoint;
-                dev.bind().map_err(|e| format!("{me}: {e}"))?;
-                let mut plane = match &self.packs_into {
-                    // SAFETY: the bucket is device memory of this GPU, held
-                    // by the communicator's thread until it is dropped (or
-                    // for good after a failure), past this run.
-                    Some(PackInto::Gpu { base, len }) => unsafe { transport::cuda::nccl::GpuPlane::with_bucket(dev, mem, *base, *len) },
-                    _ => transport::cuda::nccl::GpuPlane::new(dev, mem),
-                };
-                let stats = run_rank_comm(&mut plane, program, handle, &rank_of, deadline).map_err(|e| e.to_string())?;
-                drop(plane);
+                let stats = run_on_gpu(handle, self.packs_into.as_ref(), dev, mem, program, &rank_of, deadline)?;
                 if program.endpoint.group == Group::Dst {
                     mem.download_into(dev, memory).map_err(|e| e.to_string())?;
                 }
@@ -267,8 +256,7 @@ impl CommEnd {
         deadline: Instant,
     ) -> Result<RankStats, String> {
         let me = program.endpoint;
-        let (src_ranks, nranks) = (self.src_ranks, self.nranks);
-        let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
+        let rank_of = self.rank_of();
         let mut regions = registered_regions(program, registered)?;
         let base = regions.len();
         let bytes = |b: &reshard::BufferSpec| (b.elems * b.dtype.size()) as usize;
@@ -308,15 +296,7 @@ impl CommEnd {
                 // GPU (`Registered::new`'s contract); the scratch is this
                 // end's allocations, alive past the run.
                 let mut mem = unsafe { DeviceMemory::register(dev, me, &program.buffers, &regions) }.map_err(|e| e.to_string())?;
-                dev.bind().map_err(|e| format!("{me}: {e}"))?;
-                let mut plane = match &self.packs_into {
-                    // SAFETY: as in `run`.
-                    Some(PackInto::Gpu { base, len }) => unsafe {
-                        transport::cuda::nccl::GpuPlane::with_bucket(dev, &mut mem, *base, *len)
-                    },
-                    _ => transport::cuda::nccl::GpuPlane::new(dev, &mut mem),
-                };
-                run_rank_comm(&mut plane, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+                run_on_gpu(handle, self.packs_into.as_ref(), dev, &mut mem, program, &rank_of, deadline)
             }
             (plane, residence) => Err(out_of_reach(me, plane, residence)),
         }
@@ -335,11 +315,8 @@ impl CommEnd {
         deadline: Instant,
     ) -> Result<RankStats, String> {
         let me = program.endpoint;
-        let (src_ranks, nranks) = (self.src_ranks, self.nranks);
-        let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
         let regions = registered_regions(program, registered)?;
         let lens: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
-        let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
         match (&self.plane, registered.residence()) {
             (CommPlane::Simulated { .. }, Residence::Host) => {
                 let fits = matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Host(m), .. })
@@ -361,11 +338,8 @@ impl CommEnd {
                     }
                 }
                 st.synced = false;
-                let mut sim = match &self.packs_into {
-                    Some(PackInto::Sim(b)) => SimMemory::with_bucket(memory, b.clone()),
-                    _ => SimMemory::new(memory),
-                };
-                run_rank_comm(&mut sim, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+                // Staging is a rank's own host memory: the ordinary run.
+                self.run(program, memory, deadline)
             }
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
@@ -387,16 +361,18 @@ impl CommEnd {
                     unsafe { mem.copy_from_regions(dev, &regions) }.map_err(|e| e.to_string())?;
                 }
                 st.synced = false;
-                dev.bind().map_err(|e| format!("{me}: {e}"))?;
-                let mut plane = match &self.packs_into {
-                    // SAFETY: as in `run`.
-                    Some(PackInto::Gpu { base, len }) => unsafe { transport::cuda::nccl::GpuPlane::with_bucket(dev, mem, *base, *len) },
-                    _ => transport::cuda::nccl::GpuPlane::new(dev, mem),
-                };
-                run_rank_comm(&mut plane, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+                let rank_of = self.rank_of();
+                let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
+                run_on_gpu(handle, self.packs_into.as_ref(), dev, mem, program, &rank_of, deadline)
             }
             (plane, residence) => Err(out_of_reach(me, plane, residence)),
         }
+    }
+
+    /// The communicator rank of each endpoint (sources first).
+    fn rank_of(&self) -> impl Fn(Endpoint) -> Option<u32> + Copy {
+        let (src_ranks, nranks) = (self.src_ranks, self.nranks);
+        move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks)
     }
 
     /// Aborts the communicator now (peers waiting on this rank then fail),
@@ -405,6 +381,29 @@ impl CommEnd {
         let outcome = self.handle.take()?.abort();
         outcome.needs_restart().then(|| format!("its communicator's abort hangs ({outcome:?}): restart this process"))
     }
+}
+
+/// Runs `program` over `handle` on device memory `mem` of `dev` (the GPU
+/// plane), packing into the exported IPC bucket where there is one.
+#[cfg(feature = "cuda")]
+fn run_on_gpu(
+    handle: &mut CommHandle,
+    packs_into: Option<&PackInto>,
+    dev: &transport::cuda::device::GpuDevice,
+    mem: &mut transport::cuda::device::DeviceMemory,
+    program: &RankProgram,
+    rank_of: &dyn Fn(Endpoint) -> Option<u32>,
+    deadline: Instant,
+) -> Result<RankStats, String> {
+    dev.bind().map_err(|e| format!("{}: {e}", program.endpoint))?;
+    let mut plane = match packs_into {
+        // SAFETY: the bucket is device memory of this GPU, held by the
+        // communicator's thread until it is dropped (or for good after a
+        // failure), past this run.
+        Some(PackInto::Gpu { base, len }) => unsafe { transport::cuda::nccl::GpuPlane::with_bucket(dev, mem, *base, *len) },
+        _ => transport::cuda::nccl::GpuPlane::new(dev, mem),
+    };
+    run_rank_comm(&mut plane, program, handle, rank_of, deadline).map_err(|e| e.to_string())
 }
 
 /// The rank's buffers' regions of `registered` memory, each cut to its

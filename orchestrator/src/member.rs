@@ -273,15 +273,7 @@ fn execute_on(
 ) -> (Result<RunStats, Refusal>, Leftover) {
     match (end.ready(), registered) {
         (Ok(Ready::Transport(t)), None) => execute(program, memory, t, how, left),
-        (Ok(Ready::Transport(t)), Some(r)) => {
-            let why = format!(
-                "{}: its weights are registered {} memory, which moves on the NCCL and IPC fabrics only",
-                program.endpoint,
-                r.residence()
-            );
-            t.abort(&why);
-            (Err(Refusal::Fabric(why)), Leftover::default())
-        }
+        (Ok(Ready::Transport(t)), Some(r)) => (Err(refuse_on_host_fabric(t, program, r)), Leftover::default()),
         (Ok(Ready::Comm(c)), registered) => execute_comm(program, memory, registered, c, how, left),
         (Err(e), _) => (Err(Refusal::Fabric(e)), left),
     }
@@ -298,9 +290,7 @@ fn execute_comm(
     left: Leftover,
 ) -> (Result<RunStats, Refusal>, Leftover) {
     if how.delta.is_some() {
-        let why = "delta refits run on the in-process and node fabrics, not on a communicator";
-        end.abort();
-        return (Err(Refusal::Fabric(why.into())), Leftover::default());
+        return (Err(refuse_delta(end)), Leftover::default());
     }
     if let Some(registered) = registered {
         // Straight from the user's memory; the end keeps the scratch.
@@ -320,6 +310,25 @@ fn execute_comm(
     let scratch = drop_scratch(memory, base);
     let kept = if r.is_ok() { Leftover { scratch, memo: None } } else { Leftover::default() };
     (comm_result(r, end), kept)
+}
+
+/// Refuses a delta refit on a communicator (aborting it: peers then stop
+/// waiting for this rank).
+fn refuse_delta(end: &mut CommEnd) -> Refusal {
+    end.abort();
+    Refusal::Fabric("delta refits run on the in-process and node fabrics, not on a communicator".into())
+}
+
+/// Refuses to run a rank whose weights are registered memory on a host
+/// fabric (aborting it: peers then stop waiting for this rank).
+fn refuse_on_host_fabric(t: &mut dyn Transport, program: &RankProgram, registered: &Registered) -> Refusal {
+    let why = format!(
+        "{}: its weights are registered {} memory, which moves on the NCCL and IPC fabrics only",
+        program.endpoint,
+        registered.residence()
+    );
+    t.abort(&why);
+    Refusal::Fabric(why)
 }
 
 /// A communicator run's result as the member reports it; a failed run
@@ -627,23 +636,12 @@ impl Member {
         let p = program.clone();
         let run = tokio::task::spawn_blocking(move || {
             let r = match end.ready() {
-                Ok(Ready::Comm(c)) if how.delta.is_some() => {
-                    c.abort();
-                    Err(Refusal::Fabric("delta refits run on the in-process and node fabrics, not on a communicator".into()))
-                }
+                Ok(Ready::Comm(c)) if how.delta.is_some() => Err(refuse_delta(c)),
                 Ok(Ready::Comm(c)) => {
                     let r = c.run_staged(&p, &registered, &mut staging, Instant::now() + how.deadline);
                     comm_result(r, c)
                 }
-                Ok(Ready::Transport(t)) => {
-                    let why = format!(
-                        "{}: it serves registered {} memory, which moves on the NCCL and IPC fabrics only",
-                        p.endpoint,
-                        registered.residence()
-                    );
-                    t.abort(&why);
-                    Err(Refusal::Fabric(why))
-                }
+                Ok(Ready::Transport(t)) => Err(refuse_on_host_fabric(t, &p, &registered)),
                 Err(e) => Err(Refusal::Fabric(e)),
             };
             (r, (end, staging))

@@ -16,6 +16,7 @@ committed version by one copy from the refit's staging.
 
 from __future__ import annotations
 
+import functools as _functools
 import secrets as _secrets
 import sys as _sys
 from contextlib import contextmanager
@@ -263,7 +264,9 @@ def _memory_of(obj: Any, what: str, writable: bool = False) -> Tuple[int, int, O
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
 
+@_functools.lru_cache(maxsize=None)
 def _dl_structs() -> Tuple[Any, Any]:
+    """The DLTensor struct and PyCapsule_GetPointer, made once."""
     import ctypes
 
     class DLDevice(ctypes.Structure):
@@ -296,8 +299,6 @@ def _dlpack_memory(obj: Any, what: str) -> Tuple[int, int, Optional[int]]:
     """(address, bytes, GPU or None) of a C-contiguous DLPack tensor: a
     "dltensor" capsule, or an object with ``__dlpack__`` (whose capsule is
     made and read here; the object keeps the memory alive)."""
-    import ctypes
-
     capsule = obj if _is_capsule(obj) else obj.__dlpack__()
     DLTensor, get = _dl_structs()
     try:

@@ -223,7 +223,7 @@ pub struct DeviceRun<'m> {
     messages: u64,
     staged: u64,
     /// Destination ranks with block-scaled tensors (by index), quantized
-    /// on the host after the device work.
+    /// after the device work (`device::quantize_rank_on`).
     quantize: Vec<(usize, RankProgram)>,
     memory: &'m mut [DeviceMemory],
 }
