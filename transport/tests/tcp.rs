@@ -183,12 +183,15 @@ fn a_peer_is_held_to_its_own_frame_limit() {
 /// is known to be listening already (`peers_listening`), that fails the
 /// connect at once; otherwise the rank keeps retrying (the peer may still
 /// be starting) until the connect timeout.
+///
+/// The refusing address is a socket bound on loopback and never listening:
+/// it refuses every connection and, held for the whole test, keeps its port
+/// from being handed to a listener of a test running alongside (a port
+/// freed by dropping a listener could be, and a stranger answering there
+/// ended the retrying early).
 #[test]
 fn a_refused_peer_fails_the_connect_at_once_when_peers_are_known_to_listen() {
-    let gone = {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
-    };
+    let (_held, gone) = bound_not_listening();
     let try_connect = |peers_listening: bool| {
         let me = TcpListener::bind("127.0.0.1:0").unwrap();
         let config = TcpConfig { connect_timeout: Duration::from_secs(2), peers_listening, ..TcpConfig::default() };
@@ -201,7 +204,36 @@ fn a_refused_peer_fails_the_connect_at_once_when_peers_are_known_to_listen() {
     assert!(took < Duration::from_secs(1), "{took:?}");
     let (err, took) = try_connect(false);
     assert!(err.is_some());
-    assert!(took >= Duration::from_secs(2), "retried only {took:?}");
+    assert!(took >= Duration::from_secs(2), "retried only {took:?}: {err:?}");
+}
+
+/// A TCP socket bound to a free loopback port without `listen`: connections
+/// to it are refused for as long as the returned descriptor lives, and no
+/// other socket can bind the port meanwhile.
+fn bound_not_listening() -> (std::os::fd::OwnedFd, std::net::SocketAddr) {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: `socket` takes no pointers.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+    // SAFETY: a non-negative result of `socket` is a fresh descriptor nothing
+    // else owns, so `OwnedFd` closes it exactly once, on every path out of
+    // this function too (a failed assert below included).
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let mut addr = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr { s_addr: u32::from(std::net::Ipv4Addr::LOCALHOST).to_be() },
+        sin_zero: [0; 8],
+    };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: `addr` is a live, initialised `sockaddr_in` and `len` its size;
+    // `bind` reads and `getsockname` writes at most `len` bytes of it.
+    let bound = unsafe { libc::bind(fd.as_raw_fd(), (&raw const addr).cast(), len) };
+    assert_eq!(bound, 0, "bind: {}", std::io::Error::last_os_error());
+    // SAFETY: as for `bind`.
+    let named = unsafe { libc::getsockname(fd.as_raw_fd(), (&raw mut addr).cast(), &mut len) };
+    assert_eq!(named, 0, "getsockname: {}", std::io::Error::last_os_error());
+    (fd, std::net::SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, u16::from_be(addr.sin_port))))
 }
 
 /// Strangers at a rank's data port while its fabric connects, with the
