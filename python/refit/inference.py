@@ -9,6 +9,8 @@ SGLang load them) ``q/k/v_proj`` live in one buffer ``…qkv_proj.weight``
 per rank (q's rows, then k's, then v's) and ``gate/up_proj`` in
 ``…gate_up_proj.weight`` (gate, then up): register those fused tensors on
 the inference rank, and keep the per-projection names on the training side.
+With fewer KV heads than TP ranks, each rank holds whole KV heads, replicated
+(``num_kv_heads``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ._refit import LayoutBuilder, LayoutError, TensorBuilder
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROW = ("o_proj", "down_proj")
+KV = ("k_proj", "v_proj")
 FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
          "up_proj": ("gate_up_proj", ("gate_proj", "up_proj"))}
@@ -46,17 +49,38 @@ def tp_inference_layout(
     ``{name: global shape}`` (HF names, e.g. from
     ``{n: p.shape for n, p in model.named_parameters()}``).
 
-    ``num_kv_heads``: if given and smaller than ``tp``, the engines
-    replicate KV heads across TP ranks, which this helper does not model
-    yet (it raises ``LayoutError``).
+    ``num_kv_heads``: the model's KV heads (``num_key_value_heads``). With
+    fewer KV heads than ``tp`` the engines do not split ``k_proj`` and
+    ``v_proj`` below a head: TP rank ``t`` holds whole KV head
+    ``t // (tp // num_kv_heads)``, replicated over ``tp // num_kv_heads``
+    consecutive ranks, and that is what this layout says (so give it for
+    GQA models with ``tp > num_kv_heads``; ``tp`` must then be a multiple
+    of it, as the engines require). With as many or more KV heads than
+    ``tp`` they must split evenly over ``tp``; left out, ``k_proj`` and
+    ``v_proj`` are split by rows like the other column-parallel weights.
     """
     if tp < 1 or dp < 1:
         raise LayoutError(f"tp={tp}, dp={dp}: both must be >= 1")
-    if num_kv_heads is not None and num_kv_heads < tp:
-        raise LayoutError(
-            f"num_kv_heads={num_kv_heads} < tp={tp}: the engines replicate KV heads across TP ranks; not supported yet"
-        )
+    kv_replicas = 1  # TP ranks holding each KV head
+    if num_kv_heads is not None:
+        if num_kv_heads < 1:
+            raise LayoutError(f"num_kv_heads={num_kv_heads}: must be >= 1")
+        if num_kv_heads < tp:
+            if tp % num_kv_heads:
+                raise LayoutError(f"num_kv_heads={num_kv_heads} < tp={tp}: tp must be a multiple of num_kv_heads to replicate whole KV heads")
+            kv_replicas = tp // num_kv_heads
+        elif num_kv_heads % tp:
+            raise LayoutError(f"num_kv_heads={num_kv_heads} does not split evenly over tp={tp}")
     shapes = {n: [int(s) for s in shape] for n, shape in tensors.items()}
+    # k/v projections whose rows split by whole heads, replicated: name -> ways.
+    kv_split: Dict[str, int] = {}
+    for name, shape in shapes.items():
+        if num_kv_heads is None or _split(name)[1] not in KV:
+            continue
+        if not shape or shape[0] % num_kv_heads:
+            raise LayoutError(f"tensor '{name}': shape {shape} does not hold num_kv_heads={num_kv_heads} heads of equal rows along dim 0")
+        if kv_replicas > 1:
+            kv_split[name] = num_kv_heads
     fused_at: Dict[str, Tuple[str, int]] = {}
     if fuse:
         for name, shape in shapes.items():
@@ -70,11 +94,11 @@ def tp_inference_layout(
             buffer = f"{prefix}.{buffer_proj}.{kind}" if prefix else f"{buffer_proj}.{kind}"
             at = 0
             for n in names:
-                rows = shapes[n][0]
-                if rows % tp:
+                rows, ways = shapes[n][0], kv_split.get(n, tp)
+                if rows % ways:
                     raise LayoutError(f"tensor '{n}': {rows} rows do not split evenly over tp={tp}, so it cannot be fused in '{buffer}'")
                 fused_at[n] = (buffer, at)
-                per_rank = rows // tp
+                per_rank = rows // ways
                 for s in shapes[n][1:]:
                     per_rank *= s
                 at += per_rank
@@ -87,7 +111,11 @@ def tp_inference_layout(
             placement = "shard(1)"
         else:
             placement = "replicate"
-        t = TensorBuilder(name, dtype, shape).mesh([dp, tp], ["replicate", placement])
+        if name in kv_split:
+            # Whole KV heads: mesh (replica, head, copy of the head).
+            t = TensorBuilder(name, dtype, shape).mesh([dp, num_kv_heads, kv_replicas], ["replicate", "shard(0)", "replicate"])
+        else:
+            t = TensorBuilder(name, dtype, shape).mesh([dp, tp], ["replicate", placement])
         if name in fused_at:
             t = t.buffer(*fused_at[name])
         b = b.tensor(t)

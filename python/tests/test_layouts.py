@@ -1,5 +1,6 @@
 """Layouts: the JSON format, the builder, DTensor placements, TP inference layouts."""
 
+import numpy as np
 import pytest
 
 import refit
@@ -187,5 +188,68 @@ def test_tp_inference_layout_fuses_qkv_and_gate_up():
     assert "shard(0)" in layout.to_json() and '"at": 16' in layout.to_json()
     with pytest.raises(refit.LayoutError, match="3 rows do not split evenly over tp=2"):
         refit.tp_inference_layout({"a.q_proj.weight": [3, 4], "a.k_proj.weight": [2, 4], "a.v_proj.weight": [2, 4]}, tp=2)
-    with pytest.raises(refit.LayoutError, match="not supported yet"):
-        refit.tp_inference_layout(shapes, tp=4, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="tp must be a multiple of num_kv_heads"):
+        refit.tp_inference_layout(shapes, tp=4, num_kv_heads=3)
+    with pytest.raises(refit.LayoutError, match="num_kv_heads=3 does not split evenly over tp=2"):
+        refit.tp_inference_layout(shapes, tp=2, num_kv_heads=3)
+    with pytest.raises(refit.LayoutError, match="'model.layers.0.self_attn.k_proj.weight': shape \\[4, 4\\] does not hold num_kv_heads=8"):
+        refit.tp_inference_layout(shapes, tp=8, num_kv_heads=8)
+
+
+def check_kv_replicated(tp, dp, num_kv_heads, fuse):
+    """Refit a GQA attention block (q: 8 heads, k/v: `num_kv_heads` heads of
+    2 rows, hidden 3) from TP 2 training ranks into `tp_inference_layout`
+    and compare every inference rank's buffers with what vLLM's
+    QKVParallelLinear holds: its q heads, then whole KV head
+    `t // (tp // num_kv_heads)` of k and of v."""
+    head, hidden, heads = 2, 3, 8
+    names = ["a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight", "a.k_proj.bias"]
+    rows = {"a.q_proj.weight": heads * head, "a.k_proj.weight": num_kv_heads * head, "a.v_proj.weight": num_kv_heads * head, "a.k_proj.bias": num_kv_heads * head}
+    shapes = {n: [rows[n], hidden] if n.endswith("weight") else [rows[n]] for n in names}
+    full = {n: np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1000 * i for i, (n, shape) in enumerate(shapes.items())}
+    train = refit.LayoutBuilder(2)
+    for n, shape in shapes.items():
+        train = train.tensor(refit.TensorBuilder(n, "f32", shape).mesh([2], ["shard(0)"]))
+    infer = refit.tp_inference_layout(shapes, tp=tp, dp=dp, dtype="f32", num_kv_heads=num_kv_heads, fuse=fuse)
+    system = refit.spawn_local(train.build(), infer)
+    for s in system.sources:
+        for n in names:
+            offset, extent = s.block(n)
+            s.register(n, np.ascontiguousarray(full[n][tuple(slice(o, o + e) for o, e in zip(offset, extent))]))
+        s.step()
+    got = []
+    for d in system.destinations:
+        # Fused buffers whole, every other tensor as its block.
+        arrays = {b: np.zeros(e, np.float32) for b, _, e in infer.buffers(d.rank) if "#" not in b}
+        fused = {"a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight"} if arrays else set()
+        arrays.update({n: np.zeros(extent, np.float32) for n, _, _, extent in infer.blocks(d.rank) if n not in fused})
+        d.register_all(arrays)
+        got.append(arrays)
+    system.refit_latest()
+    per_q, kv_replicas = heads * head // tp, max(1, tp // num_kv_heads)
+    for rank, arrays in enumerate(got):
+        system.destinations[rank].load()
+        t = rank % tp
+        if num_kv_heads < tp:
+            kv_rows = slice(t // kv_replicas * head, (t // kv_replicas + 1) * head)
+        else:
+            kv_rows = slice(t * num_kv_heads * head // tp, (t + 1) * num_kv_heads * head // tp)
+        want = {
+            "a.q_proj.weight": full["a.q_proj.weight"][t * per_q:(t + 1) * per_q],
+            "a.k_proj.weight": full["a.k_proj.weight"][kv_rows],
+            "a.v_proj.weight": full["a.v_proj.weight"][kv_rows],
+            "a.k_proj.bias": full["a.k_proj.bias"][kv_rows],
+        }
+        if fuse:
+            qkv = np.concatenate([want[n].ravel() for n in ("a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight")])
+            np.testing.assert_array_equal(arrays["a.qkv_proj.weight"], qkv, err_msg=f"rank {rank}")
+            np.testing.assert_array_equal(arrays["a.k_proj.bias"], want["a.k_proj.bias"], err_msg=f"rank {rank}")
+        else:
+            for n in names:
+                np.testing.assert_array_equal(arrays[n].reshape(want[n].shape), want[n], err_msg=f"rank {rank}: {n}")
+    system.orchestrator.close()
+
+
+@pytest.mark.parametrize("tp,dp,num_kv_heads,fuse", [(4, 2, 2, True), (8, 1, 2, True), (4, 1, 1, False), (2, 1, 4, True)])
+def test_tp_inference_layout_replicates_whole_kv_heads(tp, dp, num_kv_heads, fuse):
+    check_kv_replicated(tp, dp, num_kv_heads, fuse)
