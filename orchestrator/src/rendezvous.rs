@@ -13,12 +13,14 @@
 //! A member process keeps serving until the rendezvous goes away
 //! ([`Joined::closed`]); a process that dies is seen by the orchestrator as
 //! a member that died ([`crate::OrchestratorError::MemberDied`]), and its
-//! replacement joins under the same name.
+//! replacement joins under the same name; [`Rendezvous::recover`] puts it
+//! in the dead one's place.
 
 use crate::member::{Member, MemberConfig, Role};
+use crate::OrchestratorHandle;
 use actors::remote::{Node, NodeConfig, Registration, Registry, RegistryMsg, RegistryReply, RemotePeer, Secret, REGISTRY_NAME};
 use actors::{spawn, Actor, ActorGroup, ActorRef, SpawnConfig};
-use reshard::{Group, Layout};
+use reshard::{Endpoint, Group, Layout};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::HashMap;
@@ -68,6 +70,14 @@ pub enum JoinError {
     /// The registry could not be reached.
     #[error("registry: {0}")]
     Registry(String),
+    /// The orchestrator did not take a replacement member.
+    #[error("the orchestrator did not take the member that rejoined as {endpoint}: {why}")]
+    Replace {
+        /// The rank replaced.
+        endpoint: Endpoint,
+        /// The orchestrator's error.
+        why: String,
+    },
 }
 
 fn remote(what: impl Into<String>) -> impl FnOnce(actors::RemoteError) -> JoinError {
@@ -97,6 +107,10 @@ pub struct Rendezvous {
     node: Node,
     registry: ActorRef<Registry>,
     peers: tokio::sync::Mutex<HashMap<SocketAddr, RemotePeer>>,
+    /// Where each name was registered when it was last looked up: a
+    /// rejoin forgets that registration, never a replacement's that came
+    /// since.
+    looked_up: std::sync::Mutex<HashMap<String, SocketAddr>>,
 }
 
 impl Rendezvous {
@@ -104,7 +118,7 @@ impl Rendezvous {
     pub async fn bind(secret: Secret, bind: SocketAddr, control: &ControlConfig) -> Result<Rendezvous, JoinError> {
         let node = Node::bind(secret, node_config(bind, control)).await.map_err(remote(format!("listen on {bind}")))?;
         let registry = node.host_registry().map_err(remote("host the registry"))?;
-        Ok(Rendezvous { node, registry, peers: Default::default() })
+        Ok(Rendezvous { node, registry, peers: Default::default(), looked_up: Default::default() })
     }
 
     /// The address member processes join (`REFIT_RENDEZVOUS`).
@@ -163,7 +177,64 @@ impl Rendezvous {
         drop(peers);
         // The orchestrator bounds every call itself.
         let config = SpawnConfig::default().name(name).call_timeout(Duration::from_secs(7 * 24 * 3600));
-        peer.lookup_with::<A>(name, config).await.map_err(remote(format!("look up '{name}'")))
+        let found = peer.lookup_with::<A>(name, config).await.map_err(remote(format!("look up '{name}'")))?;
+        self.looked_up.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), registration.addr);
+        Ok(found)
+    }
+
+    /// Looks `name` up again once what was looked up under it is gone:
+    /// forgets that registration (a replacement that registered since
+    /// stays) and waits up to `within` for one to join under the name.
+    pub async fn rejoin<A>(&self, name: &str, within: Duration) -> Result<ActorRef<A>, JoinError>
+    where
+        A: Actor,
+        A::Msg: Serialize,
+        A::Reply: DeserializeOwned,
+    {
+        let gone = self.looked_up.lock().unwrap_or_else(|e| e.into_inner()).get(name).copied();
+        if let Some(addr) = gone {
+            // Removes the entry only while it is still the dead one's.
+            self.registry
+                .call(RegistryMsg::Unregister { name: name.to_string(), addr })
+                .await
+                .map_err(|e| JoinError::Registry(e.to_string()))?;
+        }
+        self.lookup(name, within).await
+    }
+
+    /// Puts a member that rejoined in the place of every member of `src`
+    /// and `dst` that is gone (its process died, or its connection went
+    /// silent past the heartbeat timeout), in both groups and in
+    /// `orchestrator`, waiting up to `within` in all for replacements to
+    /// join under the dead ones' names ([`member_name`]). Returns the ranks
+    /// replaced (none: every member is alive). A rank whose replacement
+    /// does not join in time fails the call with [`JoinError::Missing`];
+    /// ranks replaced before it stay replaced, and calling again picks up
+    /// where it stopped. The next refit installs the plan on the new
+    /// members and reconnects the data plane; a new destination serves no
+    /// version until that refit commits (a subset refit is refused until
+    /// then), a new source holds none until its process steps.
+    pub async fn recover(
+        &self,
+        orchestrator: &OrchestratorHandle,
+        src: &mut ActorGroup<Member>,
+        dst: &mut ActorGroup<Member>,
+        within: Duration,
+    ) -> Result<Vec<Endpoint>, JoinError> {
+        let until = Instant::now() + within;
+        let mut replaced = Vec::new();
+        for (group, members) in [(Group::Src, src), (Group::Dst, dst)] {
+            let gone: Vec<usize> = members.iter().filter(|(_, m)| !m.is_alive()).map(|(r, _)| r).collect();
+            for rank in gone {
+                let endpoint = Endpoint { group, rank: rank as u32 };
+                let left = until.saturating_duration_since(Instant::now());
+                let member = self.rejoin::<Member>(&member_name(group, endpoint.rank), left).await?;
+                orchestrator.replace(endpoint, member.clone()).await.map_err(|e| JoinError::Replace { endpoint, why: e.to_string() })?;
+                *members = members.with_member(rank, member).map_err(|e| JoinError::Replace { endpoint, why: e.to_string() })?;
+                replaced.push(endpoint);
+            }
+        }
+        Ok(replaced)
     }
 
     /// The members of ranks `0..ranks` of `group`, once all have joined

@@ -737,6 +737,22 @@ class Orchestrator:
             return _report(self._inner.refit_only(list(only)))
         return _report(self._inner.refit_latest())
 
+    def recover(self, timeout: float = 60.0) -> List[Tuple[str, int]]:
+        """Puts a new member in the place of every member whose process
+        died (or went silent for the heartbeat timeout, 2 s): the process
+        that joins as the dead one's rank (``Source(...).join`` or
+        ``Destination(...).join``, before or after this call) within
+        ``timeout`` seconds in all. Returns the ranks replaced, as
+        ``("src" | "dst", rank)``; empty when every member is alive. A
+        refit that failed with ``MemberError`` because a member died can be
+        retried once this returns: the new member gets its program then. A
+        new destination serves nothing until that refit commits; a new
+        source holds no version until it steps (``restore(version)`` puts
+        it on its peers' version). A rank whose replacement does not join
+        in time raises ``JoinError`` naming it; those replaced before it
+        stay replaced, and calling again picks up the rest."""
+        return [(g, r) for g, r in self._inner.recover(timeout)]
+
     def plan(self) -> PlanReport:
         return PlanReport(**self._inner.plan())
 

@@ -17,17 +17,18 @@
 //! this crate) and as `bytes` for anything else, checked for length
 //! against the rank's block either way.
 
+use actors::ActorGroup;
 use orchestrator::rendezvous::ControlConfig;
 use orchestrator::{
-    BufferError, Buffers, DstStore, Fabric, JoinConfig, Joined, NodeFabric, OrchestratorConfig, OrchestratorError, OrchestratorHandle,
-    PlanReport, RefitError as RustRefitError, RefitReport, RefitSystem, Rendezvous, Role, SrcStore,
+    BufferError, Buffers, DstStore, Fabric, JoinConfig, Joined, Member, NodeFabric, OrchestratorConfig, OrchestratorError,
+    OrchestratorHandle, PlanReport, RefitError as RustRefitError, RefitReport, RefitSystem, Rendezvous, Role, SrcStore,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
-use reshard::{DType, Group, Layout, Rank, Region, Storage};
+use reshard::{DType, Endpoint, Group, Layout, Rank, Region, Storage};
 mod host;
 
 use host::HostArray;
@@ -891,15 +892,17 @@ fn plan_dict<'py>(py: Python<'py>, r: &PlanReport) -> PyResult<Bound<'py, PyDict
     Ok(d)
 }
 
+/// The groups of members the orchestrator runs over: sources, destinations.
+type Groups = (ActorGroup<Member>, ActorGroup<Member>);
+
 /// What the orchestrator runs over.
 enum Over {
-    /// Members in other processes, found through this rendezvous.
-    Rendezvous(Arc<Rendezvous>),
+    /// Members in other processes, found through this rendezvous; their
+    /// groups once `connect` found them (replaced members put in by
+    /// `recover`).
+    Rendezvous(Arc<Rendezvous>, Arc<tokio::sync::Mutex<Option<Groups>>>),
     /// Every member and store in this process.
-    Local {
-        /// Held so that its members and events live as long as this.
-        _system: Box<RefitSystem>,
-    },
+    Local(Arc<tokio::sync::Mutex<RefitSystem>>),
 }
 
 /// The orchestrator: over a rendezvous that member processes join
@@ -963,7 +966,7 @@ impl PyOrchestrator {
         let bind: std::net::SocketAddr = bind.parse().map_err(|_| JoinError::new_err(format!("bind address '{bind}': not ip:port")))?;
         let rendezvous = wait(py, async move { Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(join_err) })?;
         Ok(PyOrchestrator {
-            over: InRuntime(Some(Mutex::new(Over::Rendezvous(Arc::new(rendezvous))))),
+            over: InRuntime(Some(Mutex::new(Over::Rendezvous(Arc::new(rendezvous), Arc::default())))),
             handle: InRuntime(Some(Mutex::new(None))),
             config,
         })
@@ -974,8 +977,8 @@ impl PyOrchestrator {
     #[getter]
     fn address(&self) -> Option<String> {
         match &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
-            Over::Rendezvous(r) => Some(r.addr().to_string()),
-            Over::Local { .. } => None,
+            Over::Rendezvous(r, _) => Some(r.addr().to_string()),
+            Over::Local(_) => None,
         }
     }
 
@@ -986,15 +989,16 @@ impl PyOrchestrator {
     #[pyo3(signature = (src_ranks, dst_ranks, timeout=60.0))]
     fn connect<'py>(&self, py: Python<'py>, src_ranks: u32, dst_ranks: u32, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
         let within = seconds("timeout", timeout)?;
-        let rendezvous = match &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
-            Over::Rendezvous(r) => r.clone(),
-            Over::Local { .. } => return Err(RefitError::new_err("a local system is connected already")),
+        let (rendezvous, groups) = match &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
+            Over::Rendezvous(r, g) => (r.clone(), g.clone()),
+            Over::Local(_) => return Err(RefitError::new_err("a local system is connected already")),
         };
         let config = self.config.clone();
         let (handle, plan) = wait(py, async move {
             let src = rendezvous.members(Group::Src, src_ranks, within).await.map_err(join_err)?;
             let dst = rendezvous.members(Group::Dst, dst_ranks, within).await.map_err(join_err)?;
-            let handle = orchestrator::spawn_orchestrator(src, dst, config);
+            let handle = orchestrator::spawn_orchestrator(src.clone(), dst.clone(), config);
+            *groups.lock().await = Some((src, dst));
             let plan = handle.plan().await.map_err(refit_err)?;
             Ok((handle, plan))
         })?;
@@ -1028,6 +1032,45 @@ impl PyOrchestrator {
         report_dict(py, &r)
     }
 
+    /// Puts a new member in the place of every member whose process died
+    /// (or went silent past the heartbeat timeout): the process that joins
+    /// under the dead one's rank within `timeout` seconds, in all. Returns
+    /// the ranks replaced as `(group, rank)`, `group` `"src"` or `"dst"`
+    /// (empty: every member is alive). On a local system a stopped member
+    /// is restarted over its store. A rank whose replacement does not join
+    /// in time raises `JoinError` naming it; ranks replaced before it stay
+    /// replaced.
+    #[pyo3(signature = (timeout=60.0))]
+    fn recover(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<(String, u32)>> {
+        let within = seconds("timeout", timeout)?;
+        let h = self.handle()?;
+        let replaced = match &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
+            Over::Rendezvous(r, g) => {
+                let (rendezvous, groups) = (r.clone(), g.clone());
+                wait(py, async move {
+                    let mut groups = groups.lock().await;
+                    let Some((src, dst)) = groups.as_mut() else { return Ok(Vec::new()) };
+                    rendezvous.recover(&h, src, dst, within).await.map_err(join_err)
+                })
+            }
+            Over::Local(system) => {
+                let system = system.clone();
+                wait(py, async move {
+                    let mut system = system.lock().await;
+                    let gone: Vec<Endpoint> = [(Group::Src, &system.src_members), (Group::Dst, &system.dst_members)]
+                        .into_iter()
+                        .flat_map(|(g, m)| m.iter().filter(|(_, a)| !a.is_alive()).map(move |(r, _)| Endpoint { group: g, rank: r as u32 }))
+                        .collect();
+                    for &e in &gone {
+                        system.replace_member(e).await.map_err(refit_err)?;
+                    }
+                    Ok(gone)
+                })
+            }
+        }?;
+        Ok(replaced.into_iter().map(|e| (e.group.to_string(), e.rank)).collect())
+    }
+
     /// Checks both groups' layouts, plans and installs now.
     fn plan<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let h = self.handle()?;
@@ -1052,7 +1095,7 @@ impl PyOrchestrator {
         let Ok(rt) = runtime() else { return };
         let _entered = rt.enter();
         drop(self.handle.get().lock().unwrap_or_else(|e| e.into_inner()).take());
-        if let Over::Rendezvous(r) = &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
+        if let Over::Rendezvous(r, _) = &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
             r.node().shutdown();
         }
     }
@@ -1083,7 +1126,7 @@ fn spawn_local(
         system.dst_stores.iter().map(|st| PyDstStore { inner: st.clone(), layout: dst.inner.clone(), serving: Mutex::default() }).collect();
     let handle = system.orchestrator.clone();
     let orchestrator = PyOrchestrator {
-        over: InRuntime(Some(Mutex::new(Over::Local { _system: Box::new(system) }))),
+        over: InRuntime(Some(Mutex::new(Over::Local(Arc::new(tokio::sync::Mutex::new(system)))))),
         handle: InRuntime(Some(Mutex::new(Some(handle)))),
         config,
     };

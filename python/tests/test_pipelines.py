@@ -122,3 +122,80 @@ def test_a_forked_child_is_told_to_use_spawn():
         msg = f.read()
     os.waitpid(pid, 0)
     assert "before it forked" in msg and "'spawn'" in msg, msg
+
+
+MEMBER = """
+import sys, numpy as np, refit
+role, rank, address, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+src = refit.Layout.from_json('{"ranks": 1, "tensors": [{"name": "w", "dtype": "f32", "shape": [4, 4], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}')
+dst = refit.Layout.from_json('{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [4, 4], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}')
+me = refit.Source(src, rank) if role == "src" else refit.Destination(dst, rank)
+a = np.zeros(me.block("w")[1], np.float32)
+me.register("w", a)
+me.join(address, secret)
+print("joined", flush=True)
+for line in sys.stdin:
+    n = int(line)
+    if role == "src":
+        a[...] = n
+        me.restore(n)  # version n holds step n's weights
+        print(n, flush=True)
+    else:
+        print(me.load(n), a.tolist() == np.full(a.shape, n, np.float32).tolist(), flush=True)
+"""
+
+
+def test_a_member_process_that_died_is_replaced_by_the_one_that_rejoins():
+    orch = refit.Orchestrator(deadline=20.0)
+    procs = {}
+
+    def start(role, rank):
+        p = subprocess.Popen([sys.executable, "-c", MEMBER, role, str(rank), orch.address, orch.secret], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "joined"
+        procs[(role, rank)] = p
+
+    def ask(key, n):
+        p = procs[key]
+        p.stdin.write(f"{n}\n")
+        p.stdin.flush()
+        return p.stdout.readline().split()
+
+    def step_and_check(n):
+        assert ask(("src", 0), n) == [str(n)]
+        assert orch.refit(n).version == n
+        for rank in (0, 1):
+            assert ask(("dst", rank), n) == [str(n), "True"], f"dst {rank} after refit {n}"
+
+    try:
+        for key in (("src", 0), ("dst", 0), ("dst", 1)):
+            start(*key)
+        orch.connect(1, 2)
+        assert orch.recover() == []
+        step_and_check(1)
+        procs[("dst", 1)].kill()
+        procs[("dst", 1)].wait()
+        assert ask(("src", 0), 2) == ["2"]
+        with pytest.raises(refit.MemberError):
+            orch.refit(2)
+        assert ask(("dst", 0), 1) == ["1", "True"], "dst 0 still serves version 1"
+        with pytest.raises(refit.JoinError, match="refit.member.dst.1"):
+            orch.recover(timeout=0.3)
+        start("dst", 1)
+        assert orch.recover(timeout=30) == [("dst", 1)]
+        assert orch.recover() == []
+        assert orch.refit(2).version == 2
+        for rank in (0, 1):
+            assert ask(("dst", rank), 2) == ["2", "True"]
+        step_and_check(3)
+    finally:
+        orch.close()
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
+def test_a_local_system_has_nothing_to_recover_while_its_members_live():
+    layout = refit.Layout.from_json('{"ranks": 1, "tensors": [{"name": "w", "dtype": "f32", "shape": [2], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}')
+    system = refit.spawn_local(layout, layout)
+    assert system.orchestrator.recover() == []
+    system.orchestrator.close()
