@@ -497,7 +497,6 @@ impl Cluster {
             return Ok(0);
         }
         let ranks: Vec<Endpoint> = dead.iter().flat_map(|&i| self.hosts[i].ranks.iter().copied()).collect();
-        self.forget(&ranks)?;
         if let Some(children) = &mut self.children {
             for &i in &dead {
                 children.restart(i).map_err(setup)?;
@@ -536,35 +535,23 @@ impl Cluster {
         if self.children.is_none() {
             return Err(setup("workers not started here cannot be restarted"));
         }
-        self.forget(&host.ranks)?;
         if let Some(children) = &mut self.children {
             children.restart_with(index, args).map_err(setup)?;
         }
         self.rejoin(&host.ranks)
     }
 
-    /// Drops the registrations of `ranks`, so that only their replacements
-    /// are looked up.
-    fn forget(&self, ranks: &[Endpoint]) -> Result<(), ClusterError> {
-        self.runtime.block_on(async {
-            for e in ranks {
-                self.rendezvous.forget(&member_name(e.group, e.rank)).await.map_err(setup)?;
-                self.rendezvous.forget(&pattern_name(*e)).await.map_err(setup)?;
-            }
-            Ok(())
-        })
-    }
-
-    /// Looks up the members of `ranks` again and hands the orchestrator the
-    /// groups.
+    /// Looks up the members of `ranks` again (their replacements: the dead
+    /// ones' registrations are forgotten, a replacement's that came first
+    /// is kept) and hands the orchestrator the groups.
     fn rejoin(&mut self, ranks: &[Endpoint]) -> Result<(), ClusterError> {
         let within = self.config.setup_timeout;
         let rendezvous = &self.rendezvous;
         let found = self.runtime.block_on(async {
             let mut found = Vec::new();
             for e in ranks {
-                let m = rendezvous.lookup::<Member>(&member_name(e.group, e.rank), within).await.map_err(setup)?;
-                let p = rendezvous.lookup::<PatternRank>(&pattern_name(*e), within).await.map_err(setup)?;
+                let m = rendezvous.rejoin::<Member>(&member_name(e.group, e.rank), within).await.map_err(setup)?;
+                let p = rendezvous.rejoin::<PatternRank>(&pattern_name(*e), within).await.map_err(setup)?;
                 found.push((*e, m, p));
             }
             Ok::<_, ClusterError>(found)
