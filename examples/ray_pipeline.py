@@ -8,7 +8,11 @@ weights in their own arrays, and join the rendezvous. For 5 steps every
 trainer applies a known update (w <- w - 0.5 * lr-free "gradient" g(step)),
 the orchestrator refits the new version, and every rollout actor copies it
 in (`load(version)`) and checks every value against the expected one.
-Exits non-zero on any wrong value.
+Before step 3 one rollout actor's process is killed: Ray restarts the
+actor (`max_restarts=1`), whose constructor joins again as the same rank;
+the refit that finds its member dead raises `MemberError`, the driver
+calls `orch.recover()`, which puts the restarted member in its place, and
+refits again. Exits non-zero on any wrong value.
 
     pip install ./python numpy ray && python examples/ray_pipeline.py
 """
@@ -22,6 +26,7 @@ import ray
 import refit
 
 STEPS = 5
+KILL_BEFORE_STEP, KILLED_ROLLOUT = 3, 1
 W_SHAPE, B_SHAPE = (8, 6), (6,)
 
 TRAINING = refit.LayoutBuilder(2).tensor(
@@ -88,7 +93,7 @@ class Trainer:
         return self.lib
 
 
-@ray.remote
+@ray.remote(max_restarts=1)
 class Rollout:
     def __init__(self, rank, address, secret):
         self.dst = refit.Destination(ROLLOUT, rank)
@@ -105,6 +110,38 @@ class Rollout:
                 wrong.append(f"{name}: got {a.tolist()}, expected {want.tolist()}")
         return got, sum(a.size for a in self.weights.values()), wrong
 
+    def pid(self):
+        import os
+
+        return os.getpid()
+
+
+def refit_after_a_lost_actor(orch, actor, version):
+    """Kills `actor`'s process, lets Ray restart it, and refits `version`:
+    the refit fails on the dead member, `recover` puts the restarted one in
+    its place, and the refit is retried."""
+    before = ray.get(actor.pid.remote())
+    ray.kill(actor, no_restart=False)
+    # The kill takes effect asynchronously: wait until the restarted actor
+    # (a new process, joined again in its constructor) answers.
+    deadline, after = time.monotonic() + 120, before
+    while after == before:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the rollout actor was not restarted within 120 s")
+        try:
+            after = ray.get(actor.pid.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            pass
+        time.sleep(0.05)
+    try:
+        orch.refit(version)
+        raise RuntimeError("a refit with a dead member committed")
+    except refit.MemberError as e:
+        print(f"driver: rollout actor {KILLED_ROLLOUT} lost (process {before}); the refit failed: {str(e)[:80]}")
+    replaced = orch.recover(timeout=120)
+    print(f"driver: recover() put back {replaced} (Ray restarted it as process {after}); refitting again")
+    return orch.refit(version)
+
 
 def main():
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=True)
@@ -119,7 +156,10 @@ def main():
             versions = ray.get([t.step.remote(step) for t in trainers])
             if len(set(versions)) != 1:
                 raise RuntimeError(f"step {step}: trainers disagree on the version: {versions}")
-            report = orch.refit(versions[0])
+            if step == KILL_BEFORE_STEP:
+                report = refit_after_a_lost_actor(orch, rollouts[KILLED_ROLLOUT], versions[0])
+            else:
+                report = orch.refit(versions[0])
             results = ray.get([r.check.remote(report.version, step) for r in rollouts])
             for rank, (got, _, wrong) in enumerate(results):
                 if got != report.version or wrong:
