@@ -11,9 +11,23 @@ per rank (q's rows, then k's, then v's) and ``gate/up_proj`` in
 the inference rank, and keep the per-projection names on the training side.
 With fewer KV heads than TP ranks, each rank holds whole KV heads, replicated
 (``num_kv_heads``).
+
+Mixture-of-experts layers (``…mlp.experts.{e}.gate_proj/up_proj/down_proj``,
+as Qwen3-MoE and DeepSeek name them) are laid out as vLLM's FusedMoE holds
+them: per layer one buffer ``…mlp.experts.w13_weight`` = [gate_0; up_0;
+gate_1; up_1; ...] and one ``…mlp.experts.w2_weight`` = [down_0; down_1;
+...]. Without expert parallelism every rank holds every expert, its TP
+share (gate/up by rows, down by columns); with ``ep`` (vLLM's
+``--enable-expert-parallel``, EP size = ``ep``), ranks ``g * ep .. (g + 1)
+* ep`` form one EP group and EP rank ``k`` holds experts ``k * E / ep ..
+(k + 1) * E / ep`` whole, in order (vLLM's linear placement), once per
+group. The router (``…mlp.gate``) is replicated; shared experts are an
+ordinary TP-split MLP with their own ``gate_up_proj``.
 """
 
 from __future__ import annotations
+
+import re
 
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -22,6 +36,7 @@ from ._refit import LayoutBuilder, LayoutError, TensorBuilder
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 ROW = ("o_proj", "down_proj")
 KV = ("k_proj", "v_proj")
+EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
          "up_proj": ("gate_up_proj", ("gate_proj", "up_proj"))}
@@ -44,6 +59,7 @@ def tp_inference_layout(
     ranks_per_node: Optional[int] = None,
     fuse: bool = True,
     num_kv_heads: Optional[int] = None,
+    ep: Optional[int] = None,
 ) -> Any:
     """A ``refit.Layout`` for ``tp × dp`` inference ranks of the tensors
     ``{name: global shape}`` (HF names, e.g. from
@@ -58,6 +74,12 @@ def tp_inference_layout(
     of it, as the engines require). With as many or more KV heads than
     ``tp`` they must split evenly over ``tp``; left out, ``k_proj`` and
     ``v_proj`` are split by rows like the other column-parallel weights.
+
+    ``ep``: expert parallelism for MoE experts (see the module doc): the
+    size of one EP group, a multiple of ``tp`` dividing ``tp * dp`` (vLLM
+    with ``--enable-expert-parallel``: ``tp * dp``); each layer's experts
+    must split evenly over it. ``None``: experts are TP-split on every
+    rank.
     """
     if tp < 1 or dp < 1:
         raise LayoutError(f"tp={tp}, dp={dp}: both must be >= 1")
@@ -85,7 +107,7 @@ def tp_inference_layout(
     if fuse:
         for name, shape in shapes.items():
             prefix, proj, kind = _split(name)
-            if proj not in FUSED or fused_at.get(name):
+            if proj not in FUSED or fused_at.get(name) or EXPERT.match(name):
                 continue
             buffer_proj, members = FUSED[proj]
             names = [f"{prefix}.{m}.{kind}" if prefix else f"{m}.{kind}" for m in members]
@@ -103,7 +125,11 @@ def tp_inference_layout(
                     per_rank *= s
                 at += per_rank
     b = LayoutBuilder(tp * dp, ranks_per_node)
+    experts = _experts(shapes, tp, dp, ep)
     for name, shape in shapes.items():
+        if name in experts:
+            b = b.tensor(experts[name](TensorBuilder(name, dtype, shape)))
+            continue
         _, proj, kind = _split(name)
         if proj in COLUMN:
             placement = "shard(0)"
@@ -120,3 +146,63 @@ def tp_inference_layout(
             t = t.buffer(*fused_at[name])
         b = b.tensor(t)
     return b.build()
+
+
+def _experts(shapes: Mapping[str, Sequence[int]], tp: int, dp: int, ep: Optional[int]) -> Dict[str, Any]:
+    """For every routed expert's projection: how to place it in its layer's
+    FusedMoE buffers (a function completing its ``TensorBuilder``)."""
+    layers: Dict[str, Dict[int, Dict[str, Sequence[int]]]] = {}
+    for name, shape in shapes.items():
+        m = EXPERT.match(name)
+        if m:
+            layers.setdefault(m["moe"], {}).setdefault(int(m["e"]), {})[m["proj"]] = shape
+    if ep is not None and (ep < 1 or ep % tp or (tp * dp) % ep):
+        raise LayoutError(f"ep={ep}: an EP group must be a multiple of tp={tp} dividing the {tp * dp} ranks")
+    place: Dict[str, Any] = {}
+    for moe, by_expert in layers.items():
+        count = len(by_expert)
+        if sorted(by_expert) != list(range(count)):
+            raise LayoutError(f"'{moe}': experts {sorted(by_expert)} are not 0..{count - 1}")
+        shape = None
+        for e, projs in sorted(by_expert.items()):
+            missing = [p for p in ("gate_proj", "up_proj", "down_proj") if p not in projs]
+            if missing:
+                raise LayoutError(f"'{moe}.{e}': no {missing} (FusedMoE needs gate_proj, up_proj and down_proj of every expert)")
+            inter, hidden = projs["gate_proj"]
+            this = {"gate_proj": [inter, hidden], "up_proj": [inter, hidden], "down_proj": [hidden, inter]}
+            if any(list(projs[p]) != this[p] for p in this):
+                raise LayoutError(f"'{moe}.{e}': gate/up {list(projs['gate_proj'])}, {list(projs['up_proj'])} and down {list(projs['down_proj'])} are not [I, H], [I, H], [H, I]")
+            if shape is not None and this != shape:
+                raise LayoutError(f"'{moe}.{e}': shapes differ from expert 0's")
+            shape = this
+        inter, hidden = shape["gate_proj"]
+        w13, w2 = f"{moe}.w13_weight", f"{moe}.w2_weight"
+        if ep is None:
+            if inter % tp:
+                raise LayoutError(f"'{moe}': intermediate size {inter} does not split evenly over tp={tp}")
+            share = inter // tp * hidden  # elements of one projection's TP share
+            for e in range(count):
+                for proj, buffer, at, placement in (
+                    ("gate_proj", w13, 2 * e * share, "shard(0)"),
+                    ("up_proj", w13, (2 * e + 1) * share, "shard(0)"),
+                    ("down_proj", w2, e * share, "shard(1)"),
+                ):
+                    place[f"{moe}.{e}.{proj}.weight"] = (
+                        lambda t, buffer=buffer, at=at, placement=placement: t.mesh([dp, tp], ["replicate", placement]).buffer(buffer, at)
+                    )
+        else:
+            if count % ep:
+                raise LayoutError(f"'{moe}': {count} experts do not split evenly over ep={ep}")
+            local, whole = count // ep, inter * hidden
+            for e in range(count):
+                k, i = divmod(e, local)
+                ranks = list(range(k, tp * dp, ep))  # EP rank k of every group
+                for proj, buffer, at in (("gate_proj", w13, 2 * i * whole), ("up_proj", w13, (2 * i + 1) * whole), ("down_proj", w2, i * whole)):
+                    place[f"{moe}.{e}.{proj}.weight"] = lambda t, buffer=buffer, at=at, ranks=ranks, extent=shape[proj]: _on_ranks(t, ranks, extent, buffer, at)
+    return place
+
+
+def _on_ranks(t: Any, ranks: Sequence[int], shape: Sequence[int], buffer: str, at: int) -> Any:
+    for r in ranks:
+        t = t.shard(r, offset=[0] * len(shape), extent=list(shape), buffer=buffer, at=at)
+    return t

@@ -253,3 +253,74 @@ def check_kv_replicated(tp, dp, num_kv_heads, fuse):
 @pytest.mark.parametrize("tp,dp,num_kv_heads,fuse", [(4, 2, 2, True), (8, 1, 2, True), (4, 1, 1, False), (2, 1, 4, True)])
 def test_tp_inference_layout_replicates_whole_kv_heads(tp, dp, num_kv_heads, fuse):
     check_kv_replicated(tp, dp, num_kv_heads, fuse)
+
+
+def check_fused_moe(tp, dp, ep):
+    """Refit a MoE layer (4 experts, I=4, H=3, a router and a shared
+    expert) from one training rank holding everything into
+    `tp_inference_layout` and compare every rank's FusedMoE buffers with
+    what vLLM holds: w13 = [gate_e; up_e] and w2 = [down_e] per local
+    expert, TP shares without `ep`, whole experts k*E/ep.. with it."""
+    experts, inter, hidden = 4, 4, 3
+    shapes = {"m.mlp.gate.weight": [experts, hidden], "m.mlp.shared_experts.gate_proj.weight": [inter, hidden],
+              "m.mlp.shared_experts.up_proj.weight": [inter, hidden], "m.mlp.shared_experts.down_proj.weight": [hidden, inter]}
+    for e in range(experts):
+        shapes.update({f"m.mlp.experts.{e}.gate_proj.weight": [inter, hidden], f"m.mlp.experts.{e}.up_proj.weight": [inter, hidden],
+                       f"m.mlp.experts.{e}.down_proj.weight": [hidden, inter]})
+    full = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 100 * i for i, (n, s) in enumerate(shapes.items())}
+    train = refit.LayoutBuilder(1)
+    for n, shape in shapes.items():
+        train = train.tensor(refit.TensorBuilder(n, "f32", shape).mesh([1], ["replicate"]))
+    infer = refit.tp_inference_layout(shapes, tp=tp, dp=dp, dtype="f32", ep=ep)
+    system = refit.spawn_local(train.build(), infer)
+    for n in shapes:
+        system.sources[0].register(n, full[n].copy())
+    system.sources[0].step()
+    got = []
+    for d in system.destinations:
+        arrays = {b: np.zeros(e, np.float32) for b, _, e in infer.buffers(d.rank) if "#" not in b}
+        fused = {n for n in shapes if ".experts." in n or ".shared_experts.g" in n or ".shared_experts.u" in n}
+        arrays.update({n: np.zeros(extent, np.float32) for n, _, _, extent in infer.blocks(d.rank) if n not in fused})
+        d.register_all(arrays)
+        got.append(arrays)
+    system.refit_latest()
+    expert = lambda e, p: full[f"m.mlp.experts.{e}.{p}.weight"]  # noqa: E731
+    for rank, arrays in enumerate(got):
+        system.destinations[rank].load()
+        t = rank % tp
+        if ep is None:
+            rows = slice(t * inter // tp, (t + 1) * inter // tp)
+            local = [(expert(e, "gate_proj")[rows], expert(e, "up_proj")[rows], expert(e, "down_proj")[:, rows]) for e in range(experts)]
+        else:
+            k = rank % ep
+            local = [(expert(e, "gate_proj"), expert(e, "up_proj"), expert(e, "down_proj")) for e in range(k * experts // ep, (k + 1) * experts // ep)]
+        w13 = np.concatenate([np.concatenate([g.ravel(), u.ravel()]) for g, u, _ in local])
+        w2 = np.concatenate([d.ravel() for _, _, d in local])
+        np.testing.assert_array_equal(arrays["m.mlp.experts.w13_weight"], w13, err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(arrays["m.mlp.experts.w2_weight"], w2, err_msg=f"rank {rank}")
+        np.testing.assert_array_equal(arrays["m.mlp.gate.weight"], full["m.mlp.gate.weight"], err_msg=f"rank {rank}")
+        rows = slice(t * inter // tp, (t + 1) * inter // tp)
+        shared = np.concatenate([full[f"m.mlp.shared_experts.{p}.weight"][rows].ravel() for p in ("gate_proj", "up_proj")])
+        np.testing.assert_array_equal(arrays["m.mlp.shared_experts.gate_up_proj.weight"], shared, err_msg=f"rank {rank}")
+    system.orchestrator.close()
+
+
+@pytest.mark.parametrize("tp,dp,ep", [(2, 2, None), (2, 2, 4), (2, 2, 2), (1, 4, 4)])
+def test_tp_inference_layout_lays_experts_out_as_fused_moe(tp, dp, ep):
+    check_fused_moe(tp, dp, ep)
+
+
+def test_tp_inference_layout_refuses_experts_it_cannot_place():
+    base = {f"m.experts.{e}.{p}.weight": ([4, 3] if p != "down_proj" else [3, 4]) for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}
+    with pytest.raises(refit.LayoutError, match="ep=3: an EP group must be a multiple of tp=2"):
+        refit.tp_inference_layout(base, tp=2, dp=2, ep=3)
+    with pytest.raises(refit.LayoutError, match="4 experts do not split evenly over ep=8"):
+        refit.tp_inference_layout(base, tp=2, dp=4, ep=8)
+    with pytest.raises(refit.LayoutError, match="intermediate size 4 does not split evenly over tp=8"):
+        refit.tp_inference_layout(base, tp=8)
+    gap = {n: s for n, s in base.items() if ".2." not in n}
+    with pytest.raises(refit.LayoutError, match=r"experts \[0, 1, 3\] are not 0..2"):
+        refit.tp_inference_layout(gap, tp=2)
+    no_down = {n: s for n, s in base.items() if n != "m.experts.1.down_proj.weight"}
+    with pytest.raises(refit.LayoutError, match=r"'m.experts.1': no \['down_proj'\]"):
+        refit.tp_inference_layout(no_down, tp=2)
