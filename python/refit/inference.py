@@ -9,6 +9,9 @@ SGLang load them) ``q/k/v_proj`` live in one buffer ``…qkv_proj.weight``
 per rank (q's rows, then k's, then v's) and ``gate/up_proj`` in
 ``…gate_up_proj.weight`` (gate, then up): register those fused tensors on
 the inference rank, and keep the per-projection names on the training side.
+DeepSeek's MLA: ``q_b_proj`` and ``kv_b_proj`` are column-parallel, and
+``q_a_proj`` and ``kv_a_proj_with_mqa`` are replicated, fused in
+``…fused_qkv_a_proj.weight``.
 With fewer KV heads than TP ranks, each rank holds whole KV heads, replicated
 (``num_kv_heads``).
 
@@ -33,13 +36,16 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from ._refit import LayoutBuilder, LayoutError, TensorBuilder
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head", "q_b_proj", "kv_b_proj")
 ROW = ("o_proj", "down_proj")
 KV = ("k_proj", "v_proj")
 EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
-         "up_proj": ("gate_up_proj", ("gate_proj", "up_proj"))}
+         "up_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
+         # MLA (DeepSeek): the replicated down-projections, in one buffer.
+         "q_a_proj": ("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa")),
+         "kv_a_proj_with_mqa": ("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"))}
 
 
 def _split(name: str) -> Tuple[str, str, str]:
@@ -116,7 +122,8 @@ def tp_inference_layout(
             buffer = f"{prefix}.{buffer_proj}.{kind}" if prefix else f"{buffer_proj}.{kind}"
             at = 0
             for n in names:
-                rows, ways = shapes[n][0], kv_split.get(n, tp)
+                rows = shapes[n][0]
+                ways = kv_split.get(n, tp) if _split(n)[1] in COLUMN else 1  # else replicated
                 if rows % ways:
                     raise LayoutError(f"tensor '{n}': {rows} rows do not split evenly over tp={tp}, so it cannot be fused in '{buffer}'")
                 fused_at[n] = (buffer, at)

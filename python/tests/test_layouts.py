@@ -324,3 +324,39 @@ def test_tp_inference_layout_refuses_experts_it_cannot_place():
     no_down = {n: s for n, s in base.items() if n != "m.experts.1.down_proj.weight"}
     with pytest.raises(refit.LayoutError, match=r"'m.experts.1': no \['down_proj'\]"):
         refit.tp_inference_layout(no_down, tp=2)
+
+
+def test_tp_inference_layout_places_mla_as_vllm_does():
+    """DeepSeek's MLA at TP 2: q_a_proj and kv_a_proj_with_mqa replicated in
+    one fused_qkv_a_proj buffer, q_b_proj and kv_b_proj split by rows,
+    o_proj by columns, the norms replicated; checked by a refit."""
+    heads, qk, v, q_lora, kv_lora, rope, hidden = 4, 3, 2, 5, 4, 2, 6
+    shapes = {"a.q_a_proj.weight": [q_lora, hidden], "a.q_a_layernorm.weight": [q_lora], "a.q_b_proj.weight": [heads * qk, q_lora],
+              "a.kv_a_proj_with_mqa.weight": [kv_lora + rope, hidden], "a.kv_a_layernorm.weight": [kv_lora],
+              "a.kv_b_proj.weight": [heads * (qk - rope + v), kv_lora], "a.o_proj.weight": [hidden, heads * v]}
+    full = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 100 * i for i, (n, s) in enumerate(shapes.items())}
+    train = refit.LayoutBuilder(1)
+    for n, shape in shapes.items():
+        train = train.tensor(refit.TensorBuilder(n, "f32", shape).mesh([1], ["replicate"]))
+    infer = refit.tp_inference_layout(shapes, tp=2, dtype="f32")
+    system = refit.spawn_local(train.build(), infer)
+    for n in shapes:
+        system.sources[0].register(n, full[n].copy())
+    system.sources[0].step()
+    got = []
+    for d in system.destinations:
+        arrays = {"a.fused_qkv_a_proj.weight": np.zeros(infer.buffers(d.rank)[0][2], np.float32)}
+        arrays.update({n: np.zeros(e, np.float32) for n, _, _, e in infer.blocks(d.rank) if n not in ("a.q_a_proj.weight", "a.kv_a_proj_with_mqa.weight")})
+        d.register_all(arrays)
+        got.append(arrays)
+    system.refit_latest()
+    for t, arrays in enumerate(got):
+        system.destinations[t].load()
+        half = lambda n: full[n][t * full[n].shape[0] // 2:(t + 1) * full[n].shape[0] // 2]  # noqa: E731
+        fused = np.concatenate([full["a.q_a_proj.weight"].ravel(), full["a.kv_a_proj_with_mqa.weight"].ravel()])
+        np.testing.assert_array_equal(arrays["a.fused_qkv_a_proj.weight"], fused)
+        np.testing.assert_array_equal(arrays["a.q_b_proj.weight"], half("a.q_b_proj.weight"))
+        np.testing.assert_array_equal(arrays["a.kv_b_proj.weight"], half("a.kv_b_proj.weight"))
+        np.testing.assert_array_equal(arrays["a.o_proj.weight"], full["a.o_proj.weight"][:, t * heads * v // 2:(t + 1) * heads * v // 2])
+        np.testing.assert_array_equal(arrays["a.kv_a_layernorm.weight"], full["a.kv_a_layernorm.weight"])
+    system.orchestrator.close()
