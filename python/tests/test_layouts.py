@@ -255,6 +255,34 @@ def test_tp_inference_layout_replicates_whole_kv_heads(tp, dp, num_kv_heads, fus
     check_kv_replicated(tp, dp, num_kv_heads, fuse)
 
 
+def refit_whole_model(shapes, infer):
+    """Refits from one training rank holding every tensor of `shapes`
+    (tensor i: arange + 100 i, f32) into the layout `infer`, where every
+    destination registers its fused buffers whole and its other tensors'
+    blocks. Returns the training values and each destination's arrays
+    (fused buffers by buffer name, the others by tensor name)."""
+    full = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 100 * i for i, (n, s) in enumerate(shapes.items())}
+    train = refit.LayoutBuilder(1)
+    for n, shape in shapes.items():
+        train = train.tensor(refit.TensorBuilder(n, "f32", shape).mesh([1], ["replicate"]))
+    system = refit.spawn_local(train.build(), infer)
+    system.sources[0].register_all({n: full[n].copy() for n in shapes})
+    system.sources[0].step()
+    got = []
+    for d in system.destinations:
+        buffers = infer.buffers(d.rank)
+        own = {b.split("#")[0] for b, _, _ in buffers if "#" in b}  # a tensor's own buffer: "name#k"
+        arrays = {b: np.zeros(e, np.float32) for b, _, e in buffers if "#" not in b}
+        arrays.update({n: np.zeros(extent, np.float32) for n, _, _, extent in infer.blocks(d.rank) if n in own})
+        d.register_all(arrays)
+        got.append(arrays)
+    system.refit_latest()
+    for d in system.destinations:
+        d.load()
+    system.orchestrator.close()
+    return full, got
+
+
 def check_fused_moe(tp, dp, ep):
     """Refit a MoE layer (4 experts, I=4, H=3, a router and a shared
     expert) from one training rank holding everything into
@@ -267,26 +295,9 @@ def check_fused_moe(tp, dp, ep):
     for e in range(experts):
         shapes.update({f"m.mlp.experts.{e}.gate_proj.weight": [inter, hidden], f"m.mlp.experts.{e}.up_proj.weight": [inter, hidden],
                        f"m.mlp.experts.{e}.down_proj.weight": [hidden, inter]})
-    full = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 100 * i for i, (n, s) in enumerate(shapes.items())}
-    train = refit.LayoutBuilder(1)
-    for n, shape in shapes.items():
-        train = train.tensor(refit.TensorBuilder(n, "f32", shape).mesh([1], ["replicate"]))
-    infer = refit.tp_inference_layout(shapes, tp=tp, dp=dp, dtype="f32", ep=ep)
-    system = refit.spawn_local(train.build(), infer)
-    for n in shapes:
-        system.sources[0].register(n, full[n].copy())
-    system.sources[0].step()
-    got = []
-    for d in system.destinations:
-        arrays = {b: np.zeros(e, np.float32) for b, _, e in infer.buffers(d.rank) if "#" not in b}
-        fused = {n for n in shapes if ".experts." in n or ".shared_experts.g" in n or ".shared_experts.u" in n}
-        arrays.update({n: np.zeros(extent, np.float32) for n, _, _, extent in infer.blocks(d.rank) if n not in fused})
-        d.register_all(arrays)
-        got.append(arrays)
-    system.refit_latest()
+    full, got = refit_whole_model(shapes, refit.tp_inference_layout(shapes, tp=tp, dp=dp, dtype="f32", ep=ep))
     expert = lambda e, p: full[f"m.mlp.experts.{e}.{p}.weight"]  # noqa: E731
     for rank, arrays in enumerate(got):
-        system.destinations[rank].load()
         t = rank % tp
         if ep is None:
             rows = slice(t * inter // tp, (t + 1) * inter // tp)
@@ -302,7 +313,6 @@ def check_fused_moe(tp, dp, ep):
         rows = slice(t * inter // tp, (t + 1) * inter // tp)
         shared = np.concatenate([full[f"m.mlp.shared_experts.{p}.weight"][rows].ravel() for p in ("gate_proj", "up_proj")])
         np.testing.assert_array_equal(arrays["m.mlp.shared_experts.gate_up_proj.weight"], shared, err_msg=f"rank {rank}")
-    system.orchestrator.close()
 
 
 @pytest.mark.parametrize("tp,dp,ep", [(2, 2, None), (2, 2, 4), (2, 2, 2), (1, 4, 4)])
@@ -334,24 +344,8 @@ def test_tp_inference_layout_places_mla_as_vllm_does():
     shapes = {"a.q_a_proj.weight": [q_lora, hidden], "a.q_a_layernorm.weight": [q_lora], "a.q_b_proj.weight": [heads * qk, q_lora],
               "a.kv_a_proj_with_mqa.weight": [kv_lora + rope, hidden], "a.kv_a_layernorm.weight": [kv_lora],
               "a.kv_b_proj.weight": [heads * (qk - rope + v), kv_lora], "a.o_proj.weight": [hidden, heads * v]}
-    full = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 100 * i for i, (n, s) in enumerate(shapes.items())}
-    train = refit.LayoutBuilder(1)
-    for n, shape in shapes.items():
-        train = train.tensor(refit.TensorBuilder(n, "f32", shape).mesh([1], ["replicate"]))
-    infer = refit.tp_inference_layout(shapes, tp=2, dtype="f32")
-    system = refit.spawn_local(train.build(), infer)
-    for n in shapes:
-        system.sources[0].register(n, full[n].copy())
-    system.sources[0].step()
-    got = []
-    for d in system.destinations:
-        arrays = {"a.fused_qkv_a_proj.weight": np.zeros(infer.buffers(d.rank)[0][2], np.float32)}
-        arrays.update({n: np.zeros(e, np.float32) for n, _, _, e in infer.blocks(d.rank) if n not in ("a.q_a_proj.weight", "a.kv_a_proj_with_mqa.weight")})
-        d.register_all(arrays)
-        got.append(arrays)
-    system.refit_latest()
+    full, got = refit_whole_model(shapes, refit.tp_inference_layout(shapes, tp=2, dtype="f32"))
     for t, arrays in enumerate(got):
-        system.destinations[t].load()
         half = lambda n: full[n][t * full[n].shape[0] // 2:(t + 1) * full[n].shape[0] // 2]  # noqa: E731
         fused = np.concatenate([full["a.q_a_proj.weight"].ravel(), full["a.kv_a_proj_with_mqa.weight"].ravel()])
         np.testing.assert_array_equal(arrays["a.fused_qkv_a_proj.weight"], fused)
@@ -359,4 +353,3 @@ def test_tp_inference_layout_places_mla_as_vllm_does():
         np.testing.assert_array_equal(arrays["a.kv_b_proj.weight"], half("a.kv_b_proj.weight"))
         np.testing.assert_array_equal(arrays["a.o_proj.weight"], full["a.o_proj.weight"][:, t * heads * v // 2:(t + 1) * heads * v // 2])
         np.testing.assert_array_equal(arrays["a.kv_a_layernorm.weight"], full["a.kv_a_layernorm.weight"])
-    system.orchestrator.close()
