@@ -38,6 +38,7 @@ from ._refit import (
 )
 from .dtensor import layout_from_dtensors
 from .inference import tp_inference_layout
+from .megatron import megatron_layout
 
 __all__ = [
     "Destination",
@@ -59,6 +60,7 @@ __all__ = [
     "VersionError",
     "join",
     "layout_from_dtensors",
+    "megatron_layout",
     "spawn_local",
     "tp_inference_layout",
 ]

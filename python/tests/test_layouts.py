@@ -353,3 +353,114 @@ def test_tp_inference_layout_places_mla_as_vllm_does():
         np.testing.assert_array_equal(arrays["a.kv_b_proj.weight"], half("a.kv_b_proj.weight"))
         np.testing.assert_array_equal(arrays["a.o_proj.weight"], full["a.o_proj.weight"][:, t * heads * v // 2:(t + 1) * heads * v // 2])
         np.testing.assert_array_equal(arrays["a.kv_a_layernorm.weight"], full["a.kv_a_layernorm.weight"])
+
+
+def megatron_params(full, tp, pp, heads, groups, vocab_multiple):
+    """What Megatron-Core holds on each rank (rank t + tp * p, dp = 1) of
+    the HF tensors `full`, built the way Megatron defines it: linear_qkv is
+    the whole [q_g; k_g; v_g]-by-group matrix split by rows over TP,
+    linear_fc1 each rank's [gate_t; up_t], vocab rows padded then split."""
+    layers = len({n.split(".")[2] for n in full if n.startswith("model.layers.")})
+    per_stage = layers // pp
+    head = full["model.layers.0.self_attn.q_proj.weight"].shape[0] // heads
+    q_per = heads // groups * head
+    split = lambda x, t, axis=0: np.ascontiguousarray(np.split(x, tp, axis=axis)[t])  # noqa: E731
+    ranks = [dict() for _ in range(tp * pp)]
+    for p in range(pp):
+        for t in range(tp):
+            mine = ranks[t + tp * p]
+            for i in range(per_stage):
+                hf = lambda n: full[f"model.layers.{p * per_stage + i}.{n}"]  # noqa: E731
+                mg = f"decoder.layers.{i}."
+                for kind in ("weight", "bias"):
+                    q, k, v = (hf(f"self_attn.{x}_proj.{kind}") for x in "qkv")
+                    whole = np.concatenate([np.concatenate([q[g * q_per:(g + 1) * q_per], k[g * head:(g + 1) * head], v[g * head:(g + 1) * head]]) for g in range(groups)])
+                    mine[mg + f"self_attention.linear_qkv.{kind}"] = split(whole, t)
+                mine[mg + "self_attention.linear_proj.weight"] = split(hf("self_attn.o_proj.weight"), t, 1)
+                mine[mg + "self_attention.linear_qkv.layer_norm_weight"] = hf("input_layernorm.weight").copy()
+                mine[mg + "self_attention.q_layernorm.weight"] = hf("self_attn.q_norm.weight").copy()
+                mine[mg + "self_attention.k_layernorm.weight"] = hf("self_attn.k_norm.weight").copy()
+                mine[mg + "mlp.linear_fc1.layer_norm_weight"] = hf("post_attention_layernorm.weight").copy()
+                mine[mg + "mlp.linear_fc1.weight"] = np.concatenate([split(hf("mlp.gate_proj.weight"), t), split(hf("mlp.up_proj.weight"), t)])
+                mine[mg + "mlp.linear_fc2.weight"] = split(hf("mlp.down_proj.weight"), t, 1)
+            for hf_name, mg_name, stage in (("model.embed_tokens.weight", "embedding.word_embeddings.weight", 0), ("lm_head.weight", "output_layer.weight", pp - 1)):
+                if p == stage:
+                    vocab, hidden = full[hf_name].shape
+                    padded = np.zeros((-(-vocab // (vocab_multiple * tp)) * vocab_multiple * tp, hidden), np.float32)
+                    padded[:vocab] = full[hf_name]
+                    mine[mg_name] = split(padded, t)
+            if p == pp - 1:
+                mine["decoder.final_layernorm.weight"] = full["model.norm.weight"].copy()
+    return ranks
+
+
+def test_megatron_layout_moves_interleaved_qkv_into_vllm_shards():
+    """A Qwen3-like model (GQA with 4 query groups of 2 heads, q/k norms, QKV
+    biases, untied head, vocabulary padded) held as Megatron-Core holds it
+    at TP 2 x PP 2 (2 groups per rank), refit into vLLM TP 8 (KV heads
+    replicated): every
+    inference block equals the HF tensor's; every Megatron parameter is a
+    buffer of the layout, and nothing else is."""
+    heads, groups, head, hidden, ffn, vocab, layers = 8, 4, 2, 6, 8, 10, 4
+    shapes = {"model.embed_tokens.weight": [vocab, hidden], "lm_head.weight": [vocab, hidden], "model.norm.weight": [hidden]}
+    for l in range(layers):
+        p = f"model.layers.{l}."
+        shapes.update({p + "self_attn.q_proj.weight": [heads * head, hidden], p + "self_attn.k_proj.weight": [groups * head, hidden],
+                       p + "self_attn.v_proj.weight": [groups * head, hidden], p + "self_attn.q_proj.bias": [heads * head],
+                       p + "self_attn.k_proj.bias": [groups * head], p + "self_attn.v_proj.bias": [groups * head],
+                       p + "self_attn.o_proj.weight": [hidden, heads * head], p + "self_attn.q_norm.weight": [head],
+                       p + "self_attn.k_norm.weight": [head], p + "input_layernorm.weight": [hidden],
+                       p + "post_attention_layernorm.weight": [hidden], p + "mlp.gate_proj.weight": [ffn, hidden],
+                       p + "mlp.up_proj.weight": [ffn, hidden], p + "mlp.down_proj.weight": [hidden, ffn]})
+    full = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 1000 * i for i, (n, s) in enumerate(shapes.items())}
+    train = refit.megatron_layout(shapes, tp=2, pp=2, num_attention_heads=heads, num_kv_heads=groups, dtype="f32", vocab_multiple=4)
+    infer = refit.tp_inference_layout(shapes, tp=8, dtype="f32", num_kv_heads=groups, fuse=False)
+    system = refit.spawn_local(train, infer)
+    for rank, params in enumerate(megatron_params(full, 2, 2, heads, groups, 4)):
+        sizes = {b: n for b, _, n in train.buffers(rank)}
+        assert set(sizes) == set(params), f"rank {rank}: {set(sizes) ^ set(params)}"
+        for name, param in params.items():
+            assert sizes[name] <= param.size  # only vocabulary padding is left out
+            system.sources[rank].register(name, param.reshape(-1)[:sizes[name]])
+        system.sources[rank].step()
+    got = []
+    for d in system.destinations:
+        arrays = {n: np.zeros(extent, np.float32) for n, _, _, extent in infer.blocks(d.rank)}
+        d.register_all(arrays)
+        got.append(arrays)
+    system.refit_latest()
+    for d, arrays in zip(system.destinations, got):
+        d.load()
+        for name, _, offset, extent in infer.blocks(d.rank):
+            np.testing.assert_array_equal(arrays[name], block(full[name], offset, extent), err_msg=f"dst rank {d.rank}: {name}")
+    system.orchestrator.close()
+
+
+def block(x, offset, extent):
+    return x[tuple(slice(o, o + e) for o, e in zip(offset, extent))]
+
+
+def test_megatron_layout_refuses_what_it_cannot_place():
+    base = {"model.layers.0.self_attn.q_proj.weight": [8, 6], "model.layers.0.self_attn.k_proj.weight": [4, 6]}
+    with pytest.raises(refit.LayoutError, match="num_kv_heads=2 does not split over tp=4"):
+        refit.megatron_layout(base, tp=4, num_attention_heads=4, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="routed experts are not supported"):
+        refit.megatron_layout({**base, "model.layers.0.mlp.experts.0.up_proj.weight": [4, 6]}, tp=2, num_attention_heads=4, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="'model.layers.0.self_attn.k_proj.weight': 4 rows, expected 2"):
+        refit.megatron_layout(base, tp=1, num_attention_heads=4, num_kv_heads=1)
+    with pytest.raises(refit.LayoutError, match="'model.visual.patch.weight': 'model.visual.patch.weight' is not a Llama/Qwen weight"):
+        refit.megatron_layout({**base, "model.visual.patch.weight": [2]}, tp=2, num_attention_heads=4, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="1 layers do not split evenly over pp=2"):
+        refit.megatron_layout(base, tp=2, pp=2, num_attention_heads=4, num_kv_heads=2)
+
+
+def test_megatron_layout_ranks_are_tp_fastest_then_dp_then_pp():
+    shapes = {f"model.layers.{l}.mlp.down_proj.weight": [4, 8] for l in range(2)}
+    layout = refit.megatron_layout(shapes, tp=2, dp=3, pp=2, num_attention_heads=2)
+    assert layout.ranks == 12
+    for p in range(2):
+        for d in range(3):
+            for t in range(2):
+                rank = t + 2 * (d + 3 * p)
+                assert layout.blocks(rank) == [(f"model.layers.{p}.mlp.down_proj.weight", "bf16", [0, 4 * t], [4, 4])], rank
+                assert layout.buffers(rank) == [("decoder.layers.0.mlp.linear_fc2.weight", "bf16", 16)], rank

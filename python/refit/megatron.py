@@ -1,0 +1,207 @@
+"""Training-side layouts as Megatron-Core shards Llama/Qwen-style models.
+
+The layout's tensors are the model's Hugging Face weights (``q_proj``,
+``gate_proj``, ...: what the inference side names them, see
+``tp_inference_layout``); its buffers are Megatron-Core's parameters, under
+the names ``named_parameters()`` gives them on each rank (Transformer Engine
+layer specs, local layer numbers within a pipeline stage):
+
+- ``embedding.word_embeddings.weight`` (first stage) and ``output_layer.weight``
+  (last stage; absent with tied embeddings): vocab-parallel, rows split over
+  TP after padding the vocabulary to a multiple of ``vocab_multiple * tp``
+  (``--make-vocab-size-divisible-by``); padding rows are no tensor's.
+- ``decoder.layers.{i}.self_attention.linear_qkv.weight`` (and ``.bias``):
+  query groups interleaved, ``[q heads of group 0; k_0; v_0; q heads of
+  group 1; k_1; v_1; ...]``, split over TP by whole groups.
+- ``...linear_qkv.layer_norm_weight`` (``input_layernorm``),
+  ``...self_attention.q_layernorm.weight`` / ``k_layernorm`` (Qwen3's
+  ``q_norm`` / ``k_norm``), ``...mlp.linear_fc1.layer_norm_weight``
+  (``post_attention_layernorm``), ``decoder.final_layernorm.weight``
+  (``model.norm``, last stage): replicated.
+- ``...self_attention.linear_proj.weight`` (``o_proj``) and
+  ``...mlp.linear_fc2.weight`` (``down_proj``): split by columns.
+- ``...mlp.linear_fc1.weight``: ``[gate; up]`` of the rank's TP share
+  (gate rows ``t``-th share, then up's).
+
+Ranks are Megatron's default order (TP fastest, then DP, then PP): global
+rank ``t + tp * (d + dp * p)``; pipeline stage ``p`` holds layers
+``p * L / pp .. (p + 1) * L / pp``. Routed experts (MoE) are refused.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+from ._refit import LayoutBuilder, LayoutError, TensorBuilder
+
+LAYER = re.compile(r"^model\.layers\.(?P<l>\d+)\.(?P<rest>.+)$")
+
+# HF name within a layer -> (Megatron name within the layer, how it is split).
+# "qkv": interleaved by query group; "fc1": [gate; up] per TP share;
+# "col": rows over TP; "row": columns over TP; "rep": replicated.
+IN_LAYER = {
+    "self_attn.q_proj.weight": ("self_attention.linear_qkv.weight", "qkv"),
+    "self_attn.k_proj.weight": ("self_attention.linear_qkv.weight", "qkv"),
+    "self_attn.v_proj.weight": ("self_attention.linear_qkv.weight", "qkv"),
+    "self_attn.q_proj.bias": ("self_attention.linear_qkv.bias", "qkv"),
+    "self_attn.k_proj.bias": ("self_attention.linear_qkv.bias", "qkv"),
+    "self_attn.v_proj.bias": ("self_attention.linear_qkv.bias", "qkv"),
+    "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", "row"),
+    "self_attn.q_norm.weight": ("self_attention.q_layernorm.weight", "rep"),
+    "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight", "rep"),
+    "input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "rep"),
+    "post_attention_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight", "rep"),
+    "mlp.gate_proj.weight": ("mlp.linear_fc1.weight", "fc1"),
+    "mlp.up_proj.weight": ("mlp.linear_fc1.weight", "fc1"),
+    "mlp.down_proj.weight": ("mlp.linear_fc2.weight", "row"),
+}
+OUTSIDE = {
+    "model.embed_tokens.weight": ("embedding.word_embeddings.weight", "vocab", "first"),
+    "lm_head.weight": ("output_layer.weight", "vocab", "last"),
+    "model.norm.weight": ("decoder.final_layernorm.weight", "rep", "last"),
+}
+
+
+def megatron_layout(
+    tensors: Mapping[str, Sequence[int]],
+    *,
+    tp: int,
+    pp: int = 1,
+    dp: int = 1,
+    num_attention_heads: int,
+    num_kv_heads: Optional[int] = None,
+    dtype: str = "bf16",
+    ranks_per_node: Optional[int] = None,
+    vocab_multiple: int = 128,
+) -> Any:
+    """A ``refit.Layout`` of ``tp × dp × pp`` Megatron-Core training ranks
+    holding the Hugging Face tensors ``{name: global shape}`` (see the
+    module doc for the parameters and rank order).
+
+    ``num_kv_heads``: query groups (GQA; default ``num_attention_heads``),
+    a multiple of ``tp``. On a rank, register each of its Megatron
+    parameters whole as the buffer of that name, cut to the buffer's
+    elements (the vocabulary padding and nothing else is left out)::
+
+        sizes = {b: n for b, _, n in layout.buffers(rank)}
+        for name, p in model.named_parameters():
+            if name in sizes:
+                src.register(name, p.detach().view(-1)[: sizes[name]])
+    """
+    if min(tp, pp, dp) < 1:
+        raise LayoutError(f"tp={tp}, pp={pp}, dp={dp}: each must be >= 1")
+    heads, groups = num_attention_heads, num_kv_heads or num_attention_heads
+    if heads < 1 or groups < 1 or heads % groups:
+        raise LayoutError(f"num_attention_heads={heads}, num_kv_heads={groups}: heads must be a multiple of KV heads")
+    if groups % tp:
+        raise LayoutError(f"num_kv_heads={groups} does not split over tp={tp} (Megatron splits whole query groups)")
+    shapes = {n: [int(s) for s in shape] for n, shape in tensors.items()}
+    layers = sorted({int(m["l"]) for m in map(LAYER.match, shapes) if m})
+    if layers != list(range(len(layers))):
+        raise LayoutError(f"layers {layers[:8]}...: expected model.layers.0 .. model.layers.{len(layers) - 1}")
+    if len(layers) % pp:
+        raise LayoutError(f"{len(layers)} layers do not split evenly over pp={pp}")
+    per_stage = len(layers) // pp
+
+    def ranks_of(stage: int) -> List[Tuple[int, int]]:
+        """(global rank, TP rank) of every rank of pipeline stage `stage`."""
+        return [(t + tp * (d + dp * stage), t) for d in range(dp) for t in range(tp)]
+
+    b = LayoutBuilder(tp * dp * pp, ranks_per_node)
+    for name, shape in shapes.items():
+        m = LAYER.match(name)
+        if m:
+            layer, rest = int(m["l"]), m["rest"]
+            if rest not in IN_LAYER:
+                raise LayoutError(_unknown(name, rest))
+            stage, local = divmod(layer, per_stage)
+            buffer, how = IN_LAYER[rest]
+            buffer = f"decoder.layers.{local}.{buffer}"
+        elif name in OUTSIDE:
+            buffer, how, where = OUTSIDE[name]
+            stage = 0 if where == "first" else pp - 1
+        else:
+            raise LayoutError(_unknown(name, name))
+        t = TensorBuilder(name, dtype, shape)
+        shares = _shares(name, shape, how, tp, heads, groups, vocab_multiple, shapes)
+        for rank, tp_rank in ranks_of(stage):
+            for offset, extent, at in shares[tp_rank]:
+                t = t.shard(rank, offset=offset, extent=extent, buffer=buffer, at=at)
+        b = b.tensor(t)
+    return b.build()
+
+
+def _unknown(name: str, part: str) -> str:
+    if ".experts." in name:
+        return f"tensor '{name}': routed experts are not supported by megatron_layout yet"
+    return f"tensor '{name}': '{part}' is not a Llama/Qwen weight megatron_layout knows"
+
+
+def _shares(
+    name: str,
+    shape: List[int],
+    how: str,
+    tp: int,
+    heads: int,
+    groups: int,
+    vocab_multiple: int,
+    shapes: Mapping[str, List[int]],
+) -> List[List[Tuple[List[int], List[int], int]]]:
+    """Per TP rank, the blocks ``(offset, extent, at)`` of tensor ``name``
+    that rank holds and where they start in its buffer."""
+    dims = len(shape)
+    rest = 1
+    for s in shape[1:]:
+        rest *= s  # elements per row
+
+    def rows(start: int, count: int, at: int) -> Tuple[List[int], List[int], int]:
+        return [start] + [0] * (dims - 1), [count] + shape[1:], at
+
+    if how == "rep":
+        return [[([0] * dims, list(shape), 0)] for _ in range(tp)]
+    if how == "row":
+        if dims != 2 or shape[1] % tp:
+            raise LayoutError(f"tensor '{name}': shape {shape}: columns do not split evenly over tp={tp}")
+        cols = shape[1] // tp
+        return [[([0, t * cols], [shape[0], cols], 0)] for t in range(tp)]
+    if how == "vocab":
+        step = vocab_multiple * tp
+        padded = -(-shape[0] // step) * step
+        per = padded // tp
+        out = []
+        for t in range(tp):
+            count = max(0, min(per, shape[0] - t * per))
+            out.append([rows(t * per, count, 0)] if count else [])
+        return out
+    if how == "fc1":
+        if shape[0] % tp:
+            raise LayoutError(f"tensor '{name}': {shape[0]} rows do not split evenly over tp={tp}")
+        per = shape[0] // tp
+        second = name.rsplit(".", 2)[-2] == "up_proj"  # up's share follows gate's
+        return [[rows(t * per, per, per * rest if second else 0)] for t in range(tp)]
+    # "qkv": [q rows of group g (heads / groups heads); k_g; v_g] per group.
+    proj = name.rsplit(".", 2)[-2]
+    q_name = name.replace(f".{proj}.", ".q_proj.")
+    if q_name not in shapes:
+        raise LayoutError(f"tensor '{name}': no '{q_name}' beside it (linear_qkv holds q, k and v)")
+    q_rows = shapes[q_name][0]
+    if q_rows % heads:
+        raise LayoutError(f"tensor '{q_name}': {q_rows} rows are not num_attention_heads={heads} heads")
+    head = q_rows // heads
+    per_group = heads // groups  # query heads per group
+    want = q_rows if proj == "q_proj" else groups * head
+    if shape[0] != want:
+        raise LayoutError(f"tensor '{name}': {shape[0]} rows, expected {want} ({groups} KV heads of {head})")
+    span = (per_group + 2) * head  # rows of one group in linear_qkv
+    local = groups // tp
+    inside, count = {"q_proj": (0, per_group * head), "k_proj": (per_group * head, head), "v_proj": ((per_group + 1) * head, head)}[proj]
+    out = []
+    for t in range(tp):
+        blocks = []
+        for j in range(local):
+            g = t * local + j
+            start = g * count  # this projection's rows of group g
+            blocks.append(rows(start, count, (j * span + inside) * rest))
+        out.append(blocks)
+    return out
