@@ -25,13 +25,27 @@ layer specs, local layer numbers within a pipeline stage):
 
 Ranks are Megatron's default order (TP fastest, then DP, then PP): global
 rank ``t + tp * (d + dp * p)``; pipeline stage ``p`` holds layers
-``p * L / pp .. (p + 1) * L / pp``. Routed experts (MoE) are refused.
+``p * L / pp .. (p + 1) * L / pp``.
+
+Mixture-of-experts layers (Qwen3-MoE / DeepSeek names: ``mlp.gate``,
+``mlp.experts.{e}.*``, ``mlp.shared_experts.*``): the router
+``mlp.router.weight`` (and DeepSeek's ``mlp.router.expert_bias``) and
+``pre_mlp_layernorm.weight`` replicated; shared experts as a dense MLP
+(``mlp.shared_experts.linear_fc1`` / ``linear_fc2``); routed experts on
+the expert grid (expert TP ``etp`` fastest, then EP, then expert DP, within
+a stage: a stage's rank ``r`` is expert-TP rank ``r % etp`` of EP rank
+``r // etp % ep``), EP rank ``k`` holding experts ``k * E / ep ..`` as
+local experts ``0 ..``, each split over expert TP like a dense MLP, in
+Transformer Engine's grouped parameters ``mlp.experts.linear_fc1.weight{j}``
+/ ``linear_fc2.weight{j}`` (``--moe-grouped-gemm``) or, with
+``grouped_experts=False``, ``mlp.experts.local_experts.{j}.linear_fc1.weight``.
+Multi-latent attention (DeepSeek's MLA) is refused.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ._refit import LayoutBuilder, LayoutError, TensorBuilder
 
@@ -55,11 +69,18 @@ IN_LAYER = {
     "mlp.gate_proj.weight": ("mlp.linear_fc1.weight", "fc1"),
     "mlp.up_proj.weight": ("mlp.linear_fc1.weight", "fc1"),
     "mlp.down_proj.weight": ("mlp.linear_fc2.weight", "row"),
+    "mlp.gate.weight": ("mlp.router.weight", "rep"),
+    "mlp.gate.e_score_correction_bias": ("mlp.router.expert_bias", "rep"),
+    "mlp.shared_experts.gate_proj.weight": ("mlp.shared_experts.linear_fc1.weight", "fc1"),
+    "mlp.shared_experts.up_proj.weight": ("mlp.shared_experts.linear_fc1.weight", "fc1"),
+    "mlp.shared_experts.down_proj.weight": ("mlp.shared_experts.linear_fc2.weight", "row"),
 }
+EXPERT = re.compile(r"^mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 OUTSIDE = {
-    "model.embed_tokens.weight": ("embedding.word_embeddings.weight", "vocab", "first"),
-    "lm_head.weight": ("output_layer.weight", "vocab", "last"),
-    "model.norm.weight": ("decoder.final_layernorm.weight", "rep", "last"),
+    # HF name -> (Megatron name, how it is split, on the first stage? else the last)
+    "model.embed_tokens.weight": ("embedding.word_embeddings.weight", "vocab", True),
+    "lm_head.weight": ("output_layer.weight", "vocab", False),
+    "model.norm.weight": ("decoder.final_layernorm.weight", "rep", False),
 }
 
 
@@ -74,13 +95,18 @@ def megatron_layout(
     dtype: str = "bf16",
     ranks_per_node: Optional[int] = None,
     vocab_multiple: int = 128,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    grouped_experts: bool = True,
 ) -> Any:
     """A ``refit.Layout`` of ``tp × dp × pp`` Megatron-Core training ranks
     holding the Hugging Face tensors ``{name: global shape}`` (see the
     module doc for the parameters and rank order).
 
     ``num_kv_heads``: query groups (GQA; default ``num_attention_heads``),
-    a multiple of ``tp``. On a rank, register each of its Megatron
+    a multiple of ``tp``. ``ep``, ``etp`` (default ``tp``): expert
+    parallelism and expert tensor parallelism of MoE layers; ``etp * ep``
+    must divide ``tp * dp``. On a rank, register each of its Megatron
     parameters whole as the buffer of that name, cut to the buffer's
     elements (the vocabulary padding and nothing else is left out)::
 
@@ -103,29 +129,50 @@ def megatron_layout(
     if len(layers) % pp:
         raise LayoutError(f"{len(layers)} layers do not split evenly over pp={pp}")
     per_stage = len(layers) // pp
+    etp = tp if etp is None else etp
+    if ep < 1 or etp < 1 or (tp * dp) % (ep * etp):
+        raise LayoutError(f"ep={ep} x etp={etp} does not divide the {tp * dp} ranks of a stage (tp={tp} x dp={dp})")
+    experts = _experts(shapes, ep)
+    moe_layers = {layer for layer, _ in experts.values()}
 
     def ranks_of(stage: int) -> List[Tuple[int, int]]:
         """(global rank, TP rank) of every rank of pipeline stage `stage`."""
         return [(t + tp * (d + dp * stage), t) for d in range(dp) for t in range(tp)]
+
+    def expert_ranks_of(stage: int, k: int) -> List[Tuple[int, int]]:
+        """(global rank, expert-TP rank) of EP rank `k`'s ranks in `stage`."""
+        base = tp * dp * stage
+        return [(base + r, r % etp) for r in range(tp * dp) if r // etp % ep == k]
 
     b = LayoutBuilder(tp * dp * pp, ranks_per_node)
     for name, shape in shapes.items():
         m = LAYER.match(name)
         if m:
             layer, rest = int(m["l"]), m["rest"]
-            if rest not in IN_LAYER:
-                raise LayoutError(_unknown(name, rest))
             stage, local = divmod(layer, per_stage)
-            buffer, how = IN_LAYER[rest]
-            buffer = f"decoder.layers.{local}.{buffer}"
+            prefix = f"decoder.layers.{local}."
+        if m and name in experts:
+            owner, j = experts[name][1]
+            fc = "linear_fc2" if rest.endswith("down_proj.weight") else "linear_fc1"
+            part = f"mlp.experts.{fc}.weight{j}" if grouped_experts else f"mlp.experts.local_experts.{j}.{fc}.weight"
+            buffer, how = prefix + part, "row" if fc == "linear_fc2" else "fc1"
+            holders, ways = expert_ranks_of(stage, owner), etp
+        elif m:
+            if rest == "post_attention_layernorm.weight" and layer in moe_layers:
+                buffer, how = prefix + "pre_mlp_layernorm.weight", "rep"  # no fused norm before a router
+            elif rest in IN_LAYER:
+                buffer, how = prefix + IN_LAYER[rest][0], IN_LAYER[rest][1]
+            else:
+                raise LayoutError(_unknown(name, rest))
+            holders, ways = ranks_of(stage), tp
         elif name in OUTSIDE:
-            buffer, how, where = OUTSIDE[name]
-            stage = 0 if where == "first" else pp - 1
+            buffer, how, first = OUTSIDE[name]
+            holders, ways = ranks_of(0 if first else pp - 1), tp
         else:
             raise LayoutError(_unknown(name, name))
         t = TensorBuilder(name, dtype, shape)
-        shares = _shares(name, shape, how, tp, heads, groups, vocab_multiple, shapes)
-        for rank, tp_rank in ranks_of(stage):
+        shares = _shares(name, shape, how, ways, "etp" if m and name in experts else "tp", heads, groups, vocab_multiple, shapes)
+        for rank, tp_rank in holders:
             for offset, extent, at in shares[tp_rank]:
                 t = t.shard(rank, offset=offset, extent=extent, buffer=buffer, at=at)
         b = b.tensor(t)
@@ -133,23 +180,47 @@ def megatron_layout(
 
 
 def _unknown(name: str, part: str) -> str:
-    if ".experts." in name:
-        return f"tensor '{name}': routed experts are not supported by megatron_layout yet"
-    return f"tensor '{name}': '{part}' is not a Llama/Qwen weight megatron_layout knows"
+    if "kv_a_proj" in part or "q_a_proj" in part or "kv_b_proj" in part or "q_b_proj" in part:
+        return f"tensor '{name}': multi-latent attention is not supported by megatron_layout yet"
+    return f"tensor '{name}': '{part}' is not a Llama/Qwen/DeepSeek weight megatron_layout knows"
+
+
+def _experts(shapes: Mapping[str, Sequence[int]], ep: int) -> Dict[str, Tuple[int, Tuple[int, int]]]:
+    """Every routed expert's projection: its layer, its EP rank and its
+    local index there (experts ``k * E / ep ..`` on EP rank ``k``)."""
+    by_layer: Dict[int, Dict[int, List[str]]] = {}
+    for name in shapes:
+        m = LAYER.match(name)
+        e = EXPERT.match(m["rest"]) if m else None
+        if e:
+            by_layer.setdefault(int(m["l"]), {}).setdefault(int(e["e"]), []).append(name)
+    placed: Dict[str, Tuple[int, Tuple[int, int]]] = {}
+    for layer, experts in by_layer.items():
+        count = len(experts)
+        if sorted(experts) != list(range(count)):
+            raise LayoutError(f"model.layers.{layer}: experts {sorted(experts)[:8]}... are not 0..{count - 1}")
+        if count % ep:
+            raise LayoutError(f"model.layers.{layer}: {count} experts do not split evenly over ep={ep}")
+        for e, names in experts.items():
+            for name in names:
+                placed[name] = (layer, divmod(e, count // ep))
+    return placed
 
 
 def _shares(
     name: str,
     shape: List[int],
     how: str,
-    tp: int,
+    ways: int,
+    label: str,
     heads: int,
     groups: int,
     vocab_multiple: int,
     shapes: Mapping[str, List[int]],
 ) -> List[List[Tuple[List[int], List[int], int]]]:
-    """Per TP rank, the blocks ``(offset, extent, at)`` of tensor ``name``
-    that rank holds and where they start in its buffer."""
+    """Per rank of the ``ways``-way tensor parallelism that splits it (TP,
+    or expert TP for a routed expert), the blocks ``(offset, extent, at)``
+    of tensor ``name`` that rank holds and where they start in its buffer."""
     dims = len(shape)
     rest = 1
     for s in shape[1:]:
@@ -159,27 +230,27 @@ def _shares(
         return [start] + [0] * (dims - 1), [count] + shape[1:], at
 
     if how == "rep":
-        return [[([0] * dims, list(shape), 0)] for _ in range(tp)]
+        return [[([0] * dims, list(shape), 0)] for _ in range(ways)]
     if how == "row":
-        if dims != 2 or shape[1] % tp:
-            raise LayoutError(f"tensor '{name}': shape {shape}: columns do not split evenly over tp={tp}")
-        cols = shape[1] // tp
-        return [[([0, t * cols], [shape[0], cols], 0)] for t in range(tp)]
+        if dims != 2 or shape[1] % ways:
+            raise LayoutError(f"tensor '{name}': shape {shape}: columns do not split evenly over {label}={ways}")
+        cols = shape[1] // ways
+        return [[([0, t * cols], [shape[0], cols], 0)] for t in range(ways)]
     if how == "vocab":
-        step = vocab_multiple * tp
+        step = vocab_multiple * ways
         padded = -(-shape[0] // step) * step
-        per = padded // tp
+        per = padded // ways
         out = []
-        for t in range(tp):
+        for t in range(ways):
             count = max(0, min(per, shape[0] - t * per))
             out.append([rows(t * per, count, 0)] if count else [])
         return out
     if how == "fc1":
-        if shape[0] % tp:
-            raise LayoutError(f"tensor '{name}': {shape[0]} rows do not split evenly over tp={tp}")
-        per = shape[0] // tp
+        if shape[0] % ways:
+            raise LayoutError(f"tensor '{name}': {shape[0]} rows do not split evenly over {label}={ways}")
+        per = shape[0] // ways
         second = name.rsplit(".", 2)[-2] == "up_proj"  # up's share follows gate's
-        return [[rows(t * per, per, per * rest if second else 0)] for t in range(tp)]
+        return [[rows(t * per, per, per * rest if second else 0)] for t in range(ways)]
     # "qkv": [q rows of group g (heads / groups heads); k_g; v_g] per group.
     proj = name.rsplit(".", 2)[-2]
     q_name = name.replace(f".{proj}.", ".q_proj.")
@@ -194,10 +265,10 @@ def _shares(
     if shape[0] != want:
         raise LayoutError(f"tensor '{name}': {shape[0]} rows, expected {want} ({groups} KV heads of {head})")
     span = (per_group + 2) * head  # rows of one group in linear_qkv
-    local = groups // tp
+    local = groups // ways
     inside, count = {"q_proj": (0, per_group * head), "k_proj": (per_group * head, head), "v_proj": ((per_group + 1) * head, head)}[proj]
     out = []
-    for t in range(tp):
+    for t in range(ways):
         blocks = []
         for j in range(local):
             g = t * local + j

@@ -355,53 +355,73 @@ def test_tp_inference_layout_places_mla_as_vllm_does():
         np.testing.assert_array_equal(arrays["a.kv_a_layernorm.weight"], full["a.kv_a_layernorm.weight"])
 
 
-def megatron_params(full, tp, pp, heads, groups, vocab_multiple):
-    """What Megatron-Core holds on each rank (rank t + tp * p, dp = 1) of
-    the HF tensors `full`, built the way Megatron defines it: linear_qkv is
-    the whole [q_g; k_g; v_g]-by-group matrix split by rows over TP,
-    linear_fc1 each rank's [gate_t; up_t], vocab rows padded then split."""
+def megatron_params(full, tp, pp, heads, groups, vocab_multiple, dp=1, ep=1, etp=None, grouped=True):
+    """What Megatron-Core holds on each rank (t + tp * (d + dp * p)) of the
+    HF tensors `full`, built the way Megatron defines it: linear_qkv is the
+    whole [q_g; k_g; v_g]-by-group matrix split by rows over TP, linear_fc1
+    each rank's [gate_t; up_t], vocab rows padded then split; in MoE layers
+    a stage's rank r is expert-TP rank r % etp of EP rank r // etp % ep,
+    which holds experts k * E / ep .. whole but for expert TP."""
+    etp = etp or tp
     layers = len({n.split(".")[2] for n in full if n.startswith("model.layers.")})
     per_stage = layers // pp
     head = full["model.layers.0.self_attn.q_proj.weight"].shape[0] // heads
     q_per = heads // groups * head
-    split = lambda x, t, axis=0: np.ascontiguousarray(np.split(x, tp, axis=axis)[t])  # noqa: E731
-    ranks = [dict() for _ in range(tp * pp)]
+    split = lambda x, t, ways=tp, axis=0: np.ascontiguousarray(np.split(x, ways, axis=axis)[t])  # noqa: E731
+    fc1 = lambda gate, up, t, ways=tp: np.concatenate([split(gate, t, ways), split(up, t, ways)])  # noqa: E731
+    ranks = [dict() for _ in range(tp * dp * pp)]
     for p in range(pp):
-        for t in range(tp):
-            mine = ranks[t + tp * p]
-            for i in range(per_stage):
-                hf = lambda n: full[f"model.layers.{p * per_stage + i}.{n}"]  # noqa: E731
-                mg = f"decoder.layers.{i}."
-                for kind in ("weight", "bias"):
-                    q, k, v = (hf(f"self_attn.{x}_proj.{kind}") for x in "qkv")
-                    whole = np.concatenate([np.concatenate([q[g * q_per:(g + 1) * q_per], k[g * head:(g + 1) * head], v[g * head:(g + 1) * head]]) for g in range(groups)])
-                    mine[mg + f"self_attention.linear_qkv.{kind}"] = split(whole, t)
-                mine[mg + "self_attention.linear_proj.weight"] = split(hf("self_attn.o_proj.weight"), t, 1)
-                mine[mg + "self_attention.linear_qkv.layer_norm_weight"] = hf("input_layernorm.weight").copy()
-                mine[mg + "self_attention.q_layernorm.weight"] = hf("self_attn.q_norm.weight").copy()
-                mine[mg + "self_attention.k_layernorm.weight"] = hf("self_attn.k_norm.weight").copy()
-                mine[mg + "mlp.linear_fc1.layer_norm_weight"] = hf("post_attention_layernorm.weight").copy()
-                mine[mg + "mlp.linear_fc1.weight"] = np.concatenate([split(hf("mlp.gate_proj.weight"), t), split(hf("mlp.up_proj.weight"), t)])
-                mine[mg + "mlp.linear_fc2.weight"] = split(hf("mlp.down_proj.weight"), t, 1)
-            for hf_name, mg_name, stage in (("model.embed_tokens.weight", "embedding.word_embeddings.weight", 0), ("lm_head.weight", "output_layer.weight", pp - 1)):
-                if p == stage:
-                    vocab, hidden = full[hf_name].shape
-                    padded = np.zeros((-(-vocab // (vocab_multiple * tp)) * vocab_multiple * tp, hidden), np.float32)
-                    padded[:vocab] = full[hf_name]
-                    mine[mg_name] = split(padded, t)
-            if p == pp - 1:
-                mine["decoder.final_layernorm.weight"] = full["model.norm.weight"].copy()
+        for d in range(dp):
+            for t in range(tp):
+                r = t + tp * d  # within the stage
+                mine = ranks[r + tp * dp * p]
+                for i in range(per_stage):
+                    hf = lambda n: full[f"model.layers.{p * per_stage + i}.{n}"]  # noqa: E731
+                    has = lambda n: f"model.layers.{p * per_stage + i}.{n}" in full  # noqa: E731
+                    mg = f"decoder.layers.{i}."
+                    for kind in ("weight", "bias"):
+                        q, k, v = (hf(f"self_attn.{x}_proj.{kind}") for x in "qkv")
+                        whole = np.concatenate([np.concatenate([q[g * q_per:(g + 1) * q_per], k[g * head:(g + 1) * head], v[g * head:(g + 1) * head]]) for g in range(groups)])
+                        mine[mg + f"self_attention.linear_qkv.{kind}"] = split(whole, t)
+                    mine[mg + "self_attention.linear_proj.weight"] = split(hf("self_attn.o_proj.weight"), t, axis=1)
+                    mine[mg + "self_attention.linear_qkv.layer_norm_weight"] = hf("input_layernorm.weight").copy()
+                    mine[mg + "self_attention.q_layernorm.weight"] = hf("self_attn.q_norm.weight").copy()
+                    mine[mg + "self_attention.k_layernorm.weight"] = hf("self_attn.k_norm.weight").copy()
+                    if not has("mlp.experts.0.gate_proj.weight"):
+                        mine[mg + "mlp.linear_fc1.layer_norm_weight"] = hf("post_attention_layernorm.weight").copy()
+                        mine[mg + "mlp.linear_fc1.weight"] = fc1(hf("mlp.gate_proj.weight"), hf("mlp.up_proj.weight"), t)
+                        mine[mg + "mlp.linear_fc2.weight"] = split(hf("mlp.down_proj.weight"), t, axis=1)
+                        continue
+                    mine[mg + "pre_mlp_layernorm.weight"] = hf("post_attention_layernorm.weight").copy()
+                    mine[mg + "mlp.router.weight"] = hf("mlp.gate.weight").copy()
+                    mine[mg + "mlp.router.expert_bias"] = hf("mlp.gate.e_score_correction_bias").copy()
+                    mine[mg + "mlp.shared_experts.linear_fc1.weight"] = fc1(hf("mlp.shared_experts.gate_proj.weight"), hf("mlp.shared_experts.up_proj.weight"), t)
+                    mine[mg + "mlp.shared_experts.linear_fc2.weight"] = split(hf("mlp.shared_experts.down_proj.weight"), t, axis=1)
+                    count = len([n for n in full if n.startswith(f"model.layers.{p * per_stage + i}.mlp.experts.") and n.endswith("down_proj.weight")])
+                    et, k = r % etp, r // etp % ep
+                    for j in range(count // ep):
+                        e = k * count // ep + j
+                        x = lambda n: hf(f"mlp.experts.{e}.{n}_proj.weight")  # noqa: E731
+                        names = (f"mlp.experts.linear_fc1.weight{j}", f"mlp.experts.linear_fc2.weight{j}") if grouped else \
+                            (f"mlp.experts.local_experts.{j}.linear_fc1.weight", f"mlp.experts.local_experts.{j}.linear_fc2.weight")
+                        mine[mg + names[0]] = fc1(x("gate"), x("up"), et, etp)
+                        mine[mg + names[1]] = split(x("down"), et, etp, 1)
+                for hf_name, mg_name, stage in (("model.embed_tokens.weight", "embedding.word_embeddings.weight", 0), ("lm_head.weight", "output_layer.weight", pp - 1)):
+                    if p == stage:
+                        vocab, hidden = full[hf_name].shape
+                        padded = np.zeros((-(-vocab // (vocab_multiple * tp)) * vocab_multiple * tp, hidden), np.float32)
+                        padded[:vocab] = full[hf_name]
+                        mine[mg_name] = split(padded, t)
+                if p == pp - 1:
+                    mine["decoder.final_layernorm.weight"] = full["model.norm.weight"].copy()
     return ranks
 
 
-def test_megatron_layout_moves_interleaved_qkv_into_vllm_shards():
-    """A Qwen3-like model (GQA with 4 query groups of 2 heads, q/k norms, QKV
-    biases, untied head, vocabulary padded) held as Megatron-Core holds it
-    at TP 2 x PP 2 (2 groups per rank), refit into vLLM TP 8 (KV heads
-    replicated): every
-    inference block equals the HF tensor's; every Megatron parameter is a
-    buffer of the layout, and nothing else is."""
-    heads, groups, head, hidden, ffn, vocab, layers = 8, 4, 2, 6, 8, 10, 4
+def model_shapes(layers, heads, groups, head, hidden, ffn, vocab, experts=0, moe_from=0):
+    """HF shapes of a Qwen3-like model (GQA, q/k norms, QKV biases, untied
+    head); with `experts`, layers from `moe_from` on are MoE layers with
+    that many routed experts (intermediate `ffn`), a router with a score
+    bias and shared experts (DeepSeek names)."""
     shapes = {"model.embed_tokens.weight": [vocab, hidden], "lm_head.weight": [vocab, hidden], "model.norm.weight": [hidden]}
     for l in range(layers):
         p = f"model.layers.{l}."
@@ -410,13 +430,23 @@ def test_megatron_layout_moves_interleaved_qkv_into_vllm_shards():
                        p + "self_attn.k_proj.bias": [groups * head], p + "self_attn.v_proj.bias": [groups * head],
                        p + "self_attn.o_proj.weight": [hidden, heads * head], p + "self_attn.q_norm.weight": [head],
                        p + "self_attn.k_norm.weight": [head], p + "input_layernorm.weight": [hidden],
-                       p + "post_attention_layernorm.weight": [hidden], p + "mlp.gate_proj.weight": [ffn, hidden],
-                       p + "mlp.up_proj.weight": [ffn, hidden], p + "mlp.down_proj.weight": [hidden, ffn]})
+                       p + "post_attention_layernorm.weight": [hidden]})
+        mlps = ["mlp."] if not experts or l < moe_from else ["mlp.shared_experts."] + [f"mlp.experts.{e}." for e in range(experts)]
+        for m in mlps:
+            shapes.update({p + m + "gate_proj.weight": [ffn, hidden], p + m + "up_proj.weight": [ffn, hidden], p + m + "down_proj.weight": [hidden, ffn]})
+        if experts and l >= moe_from:
+            shapes.update({p + "mlp.gate.weight": [experts, hidden], p + "mlp.gate.e_score_correction_bias": [experts]})
+    return shapes
+
+
+def check_megatron(shapes, train, infer, params):
+    """Refits Megatron's parameters `params` (per rank) laid out as `train`
+    into `infer` (tensors in their own buffers) and checks every inference
+    block against the HF tensor; every Megatron parameter must be a buffer
+    of `train`, and nothing else."""
     full = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 1000 * i for i, (n, s) in enumerate(shapes.items())}
-    train = refit.megatron_layout(shapes, tp=2, pp=2, num_attention_heads=heads, num_kv_heads=groups, dtype="f32", vocab_multiple=4)
-    infer = refit.tp_inference_layout(shapes, tp=8, dtype="f32", num_kv_heads=groups, fuse=False)
     system = refit.spawn_local(train, infer)
-    for rank, params in enumerate(megatron_params(full, 2, 2, heads, groups, 4)):
+    for rank, params in enumerate(params(full)):
         sizes = {b: n for b, _, n in train.buffers(rank)}
         assert set(sizes) == set(params), f"rank {rank}: {set(sizes) ^ set(params)}"
         for name, param in params.items():
@@ -436,6 +466,32 @@ def test_megatron_layout_moves_interleaved_qkv_into_vllm_shards():
     system.orchestrator.close()
 
 
+def test_megatron_layout_moves_interleaved_qkv_into_vllm_shards():
+    """A Qwen3-like model (GQA with 4 query groups of 2 heads, q/k norms, QKV
+    biases, untied head, vocabulary padded) held as Megatron-Core holds it
+    at TP 2 x PP 2 (2 groups per rank), refit into vLLM TP 8 (KV heads
+    replicated): every inference block equals the HF tensor's; every
+    Megatron parameter is a buffer of the layout, and nothing else is."""
+    heads, groups = 8, 4
+    shapes = model_shapes(4, heads, groups, head=2, hidden=6, ffn=8, vocab=10)
+    train = refit.megatron_layout(shapes, tp=2, pp=2, num_attention_heads=heads, num_kv_heads=groups, dtype="f32", vocab_multiple=4)
+    infer = refit.tp_inference_layout(shapes, tp=8, dtype="f32", num_kv_heads=groups, fuse=False)
+    check_megatron(shapes, train, infer, lambda full: megatron_params(full, 2, 2, heads, groups, 4))
+
+
+@pytest.mark.parametrize("dp,ep,etp,grouped", [(2, 2, 1, True), (1, 1, 2, False), (2, 4, 1, True), (2, 1, 2, True), (2, 2, 2, False), (4, 2, 2, True)])
+def test_megatron_layout_places_moe_layers_on_the_expert_grid(dp, ep, etp, grouped):
+    """A layer dense, the next MoE (4 routed experts, router with score bias,
+    shared experts) at TP 2 x DP dp, experts EP ep x expert-TP etp, grouped
+    or sequential expert parameters; refit into vLLM TP 2 x DP dp."""
+    heads, groups = 4, 2
+    shapes = model_shapes(2, heads, groups, head=2, hidden=6, ffn=4, vocab=10, experts=4, moe_from=1)
+    train = refit.megatron_layout(shapes, tp=2, dp=dp, num_attention_heads=heads, num_kv_heads=groups, dtype="f32", vocab_multiple=4,
+                                  ep=ep, etp=etp, grouped_experts=grouped)
+    infer = refit.tp_inference_layout(shapes, tp=2, dp=dp, dtype="f32", num_kv_heads=groups, fuse=False)
+    check_megatron(shapes, train, infer, lambda full: megatron_params(full, 2, 1, heads, groups, 4, dp=dp, ep=ep, etp=etp, grouped=grouped))
+
+
 def block(x, offset, extent):
     return x[tuple(slice(o, o + e) for o, e in zip(offset, extent))]
 
@@ -444,11 +500,18 @@ def test_megatron_layout_refuses_what_it_cannot_place():
     base = {"model.layers.0.self_attn.q_proj.weight": [8, 6], "model.layers.0.self_attn.k_proj.weight": [4, 6]}
     with pytest.raises(refit.LayoutError, match="num_kv_heads=2 does not split over tp=4"):
         refit.megatron_layout(base, tp=4, num_attention_heads=4, num_kv_heads=2)
-    with pytest.raises(refit.LayoutError, match="routed experts are not supported"):
-        refit.megatron_layout({**base, "model.layers.0.mlp.experts.0.up_proj.weight": [4, 6]}, tp=2, num_attention_heads=4, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="multi-latent attention is not supported"):
+        refit.megatron_layout({**base, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": [4, 6]}, tp=2, num_attention_heads=4, num_kv_heads=2)
+    experts = {f"model.layers.0.mlp.experts.{e}.{p}.weight": [4, 6] for e in (0, 1, 3) for p in ("gate_proj", "up_proj")}
+    with pytest.raises(refit.LayoutError, match=r"model.layers.0: experts \[0, 1, 3\]... are not 0..2"):
+        refit.megatron_layout({**base, **experts}, tp=2, num_attention_heads=4, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="ep=4 x etp=2 does not divide the 4 ranks of a stage"):
+        refit.megatron_layout(base, tp=2, dp=2, ep=4, num_attention_heads=4, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="3 rows do not split evenly over etp=2"):
+        refit.megatron_layout({"model.layers.0.mlp.experts.0.gate_proj.weight": [3, 6]}, tp=2, num_attention_heads=2)
     with pytest.raises(refit.LayoutError, match="'model.layers.0.self_attn.k_proj.weight': 4 rows, expected 2"):
         refit.megatron_layout(base, tp=1, num_attention_heads=4, num_kv_heads=1)
-    with pytest.raises(refit.LayoutError, match="'model.visual.patch.weight': 'model.visual.patch.weight' is not a Llama/Qwen weight"):
+    with pytest.raises(refit.LayoutError, match="'model.visual.patch.weight': 'model.visual.patch.weight' is not a Llama/Qwen/DeepSeek weight"):
         refit.megatron_layout({**base, "model.visual.patch.weight": [2]}, tp=2, num_attention_heads=4, num_kv_heads=2)
     with pytest.raises(refit.LayoutError, match="1 layers do not split evenly over pp=2"):
         refit.megatron_layout(base, tp=2, pp=2, num_attention_heads=4, num_kv_heads=2)
