@@ -315,35 +315,17 @@ impl CommEnd {
         deadline: Instant,
     ) -> Result<RankStats, String> {
         let me = program.endpoint;
-        let regions = registered_regions(program, registered)?;
-        let lens: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
         match (&self.plane, registered.residence()) {
             (CommPlane::Simulated { .. }, Residence::Host) => {
-                let fits = matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Host(m), .. })
-                    if m.buffers.iter().map(Vec::len).eq(lens.iter().copied()));
-                if !fits {
-                    *staging =
-                        Some(RegisteredStaging { memory: StagingMemory::Host(RankMemory::for_buffers(&program.buffers)), synced: false });
-                }
-                let st = staging.as_mut().ok_or("no staging")?;
-                let memory = st.memory.host().ok_or("no host staging")?;
-                if !st.synced {
-                    for (to, &(addr, len)) in memory.buffers.iter_mut().zip(&regions) {
-                        // SAFETY: the registered region holds `len` bytes
-                        // (`registered_regions`), valid for reads while the
-                        // store lives, and written only by this member's
-                        // commits (`Registered::new`'s contract); `to` is
-                        // our own buffer of `len` bytes.
-                        to.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
-                    }
-                }
-                st.synced = false;
                 // Staging is a rank's own host memory: the ordinary run.
+                let memory = RegisteredStaging::host(staging, program, registered, program.buffers.len())?;
                 self.run(program, memory, deadline)
             }
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
                 use transport::cuda::device::{DeviceMemory, GpuDevice};
+                let regions = registered_regions(program, registered)?;
+                let lens: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
                 let fits = matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Device(_, m), .. })
                     if m.buffer_lens() == lens.as_slice());
                 if !fits {
@@ -408,7 +390,7 @@ fn run_on_gpu(
 
 /// The rank's buffers' regions of `registered` memory, each cut to its
 /// buffer's bytes (the program's first buffers are the rank's).
-fn registered_regions(program: &RankProgram, registered: &Registered) -> Result<Vec<(u64, usize)>, String> {
+pub(crate) fn registered_regions(program: &RankProgram, registered: &Registered) -> Result<Vec<(u64, usize)>, String> {
     let me = program.endpoint;
     let base = registered.regions().len();
     if program.buffers.len() < base {
@@ -474,6 +456,46 @@ impl StagingMemory {
 }
 
 impl RegisteredStaging {
+    /// Host staging for `program` over host `registered` memory, holding the
+    /// program's first `buffers` buffers (all of them for a communicator's
+    /// run; the rank's own for a host fabric's, whose executor adds the
+    /// scratch): made, or remade for another plan; when not synced, first
+    /// filled from the registered memory. The caller's run writes it, so
+    /// it is no longer synced.
+    pub(crate) fn host<'a>(
+        staging: &'a mut Option<RegisteredStaging>,
+        program: &RankProgram,
+        registered: &Registered,
+        buffers: usize,
+    ) -> Result<&'a mut RankMemory, String> {
+        if registered.residence() != Residence::Host {
+            return Err(format!("{}: host staging for registered {} memory", program.endpoint, registered.residence()));
+        }
+        let regions = registered_regions(program, registered)?;
+        let specs = program.buffers.get(..buffers).ok_or_else(|| format!("{}: the program has no {buffers} buffers", program.endpoint))?;
+        let lens = specs.iter().map(|b| (b.elems * b.dtype.size()) as usize);
+        let fits =
+            matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Host(m), .. }) if m.buffers.iter().map(Vec::len).eq(lens));
+        if !fits {
+            *staging = Some(RegisteredStaging { memory: StagingMemory::Host(RankMemory::for_buffers(specs)), synced: false });
+        }
+        let st = staging.as_mut().ok_or("no staging")?;
+        let memory = st.memory.host().ok_or("no host staging")?;
+        if !st.synced {
+            for (to, &(addr, len)) in memory.buffers.iter_mut().zip(&regions) {
+                // SAFETY: the registered region holds `len` bytes of host
+                // memory (`registered_regions`, the residence checked
+                // above), valid for reads while the store lives, and
+                // written only by this member's commits
+                // (`Registered::new`'s contract); `to` is our own buffer of
+                // `len` bytes.
+                to.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+            }
+        }
+        st.synced = false;
+        Ok(memory)
+    }
+
     /// Copies the rank's buffers into `registered` memory (the commit,
     /// under the store's commit fence: no reader holds it) and waits.
     pub(crate) fn commit(&mut self, program: &RankProgram, registered: &Registered) -> Result<(), String> {

@@ -3,16 +3,18 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::fabric::{CommEnd, Endpointed, KillSwitch, Ready, RegisteredStaging};
+use crate::fabric::{registered_regions, CommEnd, Endpointed, KillSwitch, Ready, RegisteredStaging};
 use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
-use crate::store::{Buffers, CommitFence, DstStore, Registered, SrcStore};
+use crate::store::{Buffers, CommitFence, DstStore, Registered, Residence, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transport::delta::DeltaMemo;
-use transport::{run_rank_bypassing, run_rank_delta, Bypass, DeltaRun, ExecError, ExecOptions, RankMemory, Transport, TransportError};
+use transport::{
+    run_rank_bypassing, run_rank_delta, run_rank_regions, Bypass, DeltaRun, ExecError, ExecOptions, RankMemory, Transport, TransportError,
+};
 
 /// Which side of the refit a member is on, with its rank's store.
 #[derive(Debug, Clone)]
@@ -206,26 +208,31 @@ fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass,
     if program.buffers.len() < base {
         return Err(format!("program has {} buffers, the rank holds {base}", program.buffers.len()));
     }
-    let mut reuse = reuse.into_iter();
-    for (i, spec) in program.buffers.iter().enumerate() {
+    for (i, spec) in program.buffers.iter().enumerate().take(base) {
         let bytes = if bypass.skips(i) { 0 } else { (spec.elems * spec.dtype.size()) as usize };
-        if i < base {
-            if memory.buffers[i].len() != bytes || memory.dtypes[i] != spec.dtype {
-                return Err(format!(
-                    "buffer '{}' is {} bytes of {} here, the program expects {bytes} bytes of {}",
-                    spec.name,
-                    memory.buffers[i].len(),
-                    memory.dtypes[i],
-                    spec.dtype
-                ));
-            }
-        } else {
-            let kept = reuse.next().filter(|b| b.len() == bytes);
-            memory.buffers.push(kept.unwrap_or_else(|| vec![0; bytes]));
-            memory.dtypes.push(spec.dtype);
+        if memory.buffers[i].len() != bytes || memory.dtypes[i] != spec.dtype {
+            return Err(format!(
+                "buffer '{}' is {} bytes of {} here, the program expects {bytes} bytes of {}",
+                spec.name,
+                memory.buffers[i].len(),
+                memory.dtypes[i],
+                spec.dtype
+            ));
         }
     }
+    memory.buffers.extend(scratch_for(program, bypass, base, reuse));
+    memory.dtypes.extend(program.buffers[base..].iter().map(|b| b.dtype));
     Ok(base)
+}
+
+/// The scratch buffers of `program` past the rank's `base` buffers (empty
+/// for those `bypass` skips), taken from `reuse` (what an earlier run of
+/// the same program left) where the sizes match.
+fn scratch_for(program: &RankProgram, bypass: &Bypass, base: usize, reuse: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    let mut reuse = reuse.into_iter();
+    let sizes =
+        program.buffers.iter().enumerate().skip(base).map(|(i, b)| if bypass.skips(i) { 0 } else { (b.elems * b.dtype.size()) as usize });
+    sizes.map(|bytes| reuse.next().filter(|b| b.len() == bytes).unwrap_or_else(|| vec![0; bytes])).collect()
 }
 
 /// Copies the `carried` buffers of a committed version into staging (a
@@ -272,11 +279,19 @@ fn execute_on(
     left: Leftover,
 ) -> (Result<RunStats, Refusal>, Leftover) {
     match (end.ready(), registered) {
-        (Ok(Ready::Transport(t)), None) => execute(program, memory, t, how, left),
-        (Ok(Ready::Transport(t)), Some(r)) => (Err(refuse_on_host_fabric(t, program, r)), Leftover::default()),
+        (Ok(Ready::Transport(t)), None) => execute(program, Memory::Own(memory), t, how, left),
+        (Ok(Ready::Transport(t)), Some(r)) => execute(program, Memory::Registered(r), t, how, left),
         (Ok(Ready::Comm(c)), registered) => execute_comm(program, memory, registered, c, how, left),
         (Err(e), _) => (Err(Refusal::Fabric(e)), left),
     }
+}
+
+/// Where a run on a host fabric finds the rank's buffers.
+enum Memory<'a> {
+    /// The store's own (or a registered destination's staging).
+    Own(&'a mut RankMemory),
+    /// A source's registered host memory, read where it is.
+    Registered(&'a Registered),
 }
 
 /// Runs `program` on `memory` (plus every scratch buffer it names, from
@@ -319,16 +334,17 @@ fn refuse_delta(end: &mut CommEnd) -> Refusal {
     Refusal::Fabric("delta refits run on the in-process and node fabrics, not on a communicator".into())
 }
 
-/// Refuses to run a rank whose weights are registered memory on a host
-/// fabric (aborting it: peers then stop waiting for this rank).
-fn refuse_on_host_fabric(t: &mut dyn Transport, program: &RankProgram, registered: &Registered) -> Refusal {
-    let why = format!(
-        "{}: its weights are registered {} memory, which moves on the NCCL and IPC fabrics only",
-        program.endpoint,
-        registered.residence()
-    );
-    t.abort(&why);
-    Refusal::Fabric(why)
+/// The rank's buffers' regions of `registered` memory, if a host fabric
+/// reaches it (host memory); else a refusal naming the rank.
+fn host_regions(program: &RankProgram, registered: &Registered) -> Result<Vec<(u64, usize)>, Refusal> {
+    if registered.residence() != Residence::Host {
+        return Err(Refusal::Fabric(format!(
+            "{}: its weights are registered {} memory, which moves on the NCCL and IPC fabrics only",
+            program.endpoint,
+            registered.residence()
+        )));
+    }
+    registered_regions(program, registered).map_err(Refusal::ProgramMismatch)
 }
 
 /// A communicator run's result as the member reports it; a failed run
@@ -353,7 +369,7 @@ fn comm_result(r: Result<transport::RankStats, String>, end: &mut CommEnd) -> Re
 /// where it fits) over `transport`; hands back what this run leaves.
 fn execute(
     program: &RankProgram,
-    memory: &mut RankMemory,
+    mut memory: Memory<'_>,
     transport: &mut dyn Transport,
     how: RunHow,
     left: Leftover,
@@ -361,32 +377,62 @@ fn execute(
     // Scratch whose copies the executor makes on receipt gets no memory.
     let bypass = Bypass::of(program);
     let Leftover { scratch, memo } = left;
-    let base = match with_scratch(memory, program, &bypass, scratch) {
-        Ok(base) => base,
-        Err(e) => {
-            transport.abort(&e);
-            return (Err(Refusal::ProgramMismatch(e)), Leftover::default());
+    // The store's memory gets the scratch appended (and taken off after);
+    // registered memory stays as it is, the scratch beside it.
+    let prepared = match &mut memory {
+        Memory::Own(m) => {
+            with_scratch(m, program, &bypass, scratch).map(|base| (base, Vec::new(), Vec::new())).map_err(Refusal::ProgramMismatch)
+        }
+        Memory::Registered(r) => host_regions(program, r).map(|regions| {
+            let beside = scratch_for(program, &bypass, regions.len(), scratch);
+            (regions.len(), beside, regions)
+        }),
+    };
+    let (base, mut beside, registered) = match prepared {
+        Ok(p) => p,
+        Err(refusal) => {
+            transport.abort(&refusal.to_string());
+            return (Err(refusal), Leftover::default());
         }
     };
     let mut t: &mut dyn Transport = transport;
     let options = ExecOptions { deadline: how.deadline };
+    let mut run = |delta: Option<&mut DeltaRun>| match &mut memory {
+        Memory::Own(m) => match delta {
+            None => run_rank_bypassing(program, &bypass, m, &mut t, &options),
+            Some(d) => run_rank_delta(program, &bypass, m, &mut t, &options, d),
+        },
+        Memory::Registered(_) => {
+            let mut regions = registered.clone();
+            regions.extend(beside.iter_mut().map(|b| (b.as_mut_ptr() as u64, b.len())));
+            // SAFETY: the registered regions are host memory (checked by
+            // `host_regions`) the user keeps valid and leaves untouched
+            // while this run holds the store's lock (`Registered::new`'s
+            // contract), and a source run only reads them; the scratch is
+            // ours, alive past the run; no two regions overlap.
+            unsafe { run_rank_regions(program, &bypass, &regions, &mut t, &options, delta) }
+        }
+    };
     let (r, memo) = match how.delta {
-        None => (run_rank_bypassing(program, &bypass, memory, &mut t, &options), None),
+        None => (run(None), None),
         Some(base_refit) => {
             // The memo of the base refit, if this rank kept it; otherwise
             // its messages go dense and a peer that sends it a delta fails
             // the refit (the orchestrator then starts over, dense).
             let base_memo = memo.filter(|(r, _)| Some(*r) == base_refit).map(|(_, m)| m);
-            let mut run = DeltaRun::new(base_memo);
-            let r = run_rank_delta(program, &bypass, memory, &mut t, &options, &mut run);
-            (r, Some((how.refit, run.next)))
+            let mut delta = DeltaRun::new(base_memo);
+            let r = run(Some(&mut delta));
+            (r, Some((how.refit, delta.next)))
         }
     };
     let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }).map_err(|e| Refusal::Exec {
         why: e.to_string(),
         after_peer: matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. })),
     });
-    let scratch = drop_scratch(memory, base);
+    let scratch = match memory {
+        Memory::Own(m) => drop_scratch(m, base),
+        Memory::Registered(_) => beside,
+    };
     (r, Leftover { scratch, memo })
 }
 
@@ -561,8 +607,7 @@ impl Member {
                 split(watched(run, deadline, kill).await)
             }
             Role::Dst(store) if store.registered_memory().is_some() => {
-                let (r, end) = self.run_registered_dst(store, program, end, how, version, kill).await;
-                (r, end.map(|end| (end, Leftover::default())))
+                self.run_registered_dst(store, program, end, how, left, version, kill).await
             }
             Role::Dst(store) => {
                 // A subset refit keeps the other tensors' bytes from the
@@ -609,19 +654,22 @@ impl Member {
         finish(result)
     }
 
-    /// Runs a registered destination's program into its staging (on a
-    /// communicator only); once the whole version is staged, takes the
-    /// store's commit fence (waiting for readers, within the deadline) and
-    /// keeps both for the commit. The registered memory is not written.
+    /// Runs a registered destination's program into its staging (with
+    /// what the plan's last run left, on a host fabric); once the whole
+    /// version is staged, takes the store's commit fence (waiting for
+    /// readers, within the deadline) and keeps both for the commit. The
+    /// registered memory is not written.
+    #[allow(clippy::too_many_arguments)]
     async fn run_registered_dst(
         &mut self,
         store: &Arc<DstStore>,
         program: Arc<RankProgram>,
         mut end: Endpointed,
         how: RunHow,
+        left: Leftover,
         version: u64,
         kill: Option<KillSwitch>,
-    ) -> (Result<RunStats, Refusal>, Option<Endpointed>) {
+    ) -> (Result<RunStats, Refusal>, Option<(Endpointed, Leftover)>) {
         let started = Instant::now();
         // A new run replaces whatever was staged (and lets its readers in).
         self.staged = None;
@@ -635,21 +683,29 @@ impl Member {
         let mut staging = self.registered_staging.take();
         let p = program.clone();
         let run = tokio::task::spawn_blocking(move || {
-            let r = match end.ready() {
-                Ok(Ready::Comm(c)) if how.delta.is_some() => Err(refuse_delta(c)),
+            let (r, left) = match end.ready() {
+                Ok(Ready::Comm(c)) if how.delta.is_some() => (Err(refuse_delta(c)), Leftover::default()),
                 Ok(Ready::Comm(c)) => {
                     let r = c.run_staged(&p, &registered, &mut staging, Instant::now() + how.deadline);
-                    comm_result(r, c)
+                    (comm_result(r, c), Leftover::default())
                 }
-                Ok(Ready::Transport(t)) => Err(refuse_on_host_fabric(t, &p, &registered)),
-                Err(e) => Err(Refusal::Fabric(e)),
+                // The rank's own buffers staged on the host, the scratch
+                // added by the executor.
+                Ok(Ready::Transport(t)) => match RegisteredStaging::host(&mut staging, &p, &registered, registered.regions().len()) {
+                    Ok(memory) => execute(&p, Memory::Own(memory), t, how, left),
+                    Err(why) => {
+                        t.abort(&why);
+                        (Err(Refusal::Fabric(why)), Leftover::default())
+                    }
+                },
+                Err(e) => (Err(Refusal::Fabric(e)), left),
             };
-            (r, (end, staging))
+            (r, (end, staging, left))
         });
         let (result, kept) = split(watched(run, how.deadline, kill).await);
-        let end = kept.map(|(end, staging)| {
+        let end = kept.map(|(end, staging, left)| {
             self.registered_staging = staging;
-            end
+            (end, left)
         });
         if result.is_err() {
             return (result, end);

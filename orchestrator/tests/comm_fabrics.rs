@@ -4,7 +4,8 @@
 //! of a plan, aborted on failure and replaced by one with a new id — and
 //! with CUDA IPC buckets (one exported per member and epoch, mapped by its
 //! receivers, doorbells over TCP), tested on any machine, with failures
-//! armed where NCCL jobs meet them.
+//! armed where NCCL jobs meet them; and weights registered in place (the
+//! user's memory), on those fabrics and on the host fabrics.
 
 use orchestrator::{
     orchestrator_call_timeout, spawn_refit, CommPlane, Fabric, IpcFabric, NcclFabric, OrchestratorConfig, OrchestratorError, RefitError,
@@ -248,8 +249,8 @@ async fn ipc_without_a_gpu_is_refused_cleanly() {
 
 /// Sources whose weights are the user's own memory, registered in place
 /// (host memory standing in for device buffers on the simulated planes),
-/// destinations with stores, an orchestrator on `fabric`. The user's
-/// memory is returned with the stores: it must outlive them.
+/// destinations with stores, an orchestrator with a given config. The
+/// user's memory is returned with the stores: it must outlive them.
 struct Registered {
     orchestrator: orchestrator::OrchestratorHandle,
     src: Vec<std::sync::Arc<orchestrator::SrcStore>>,
@@ -258,13 +259,14 @@ struct Registered {
     memory: Vec<[f32; 28]>,
 }
 
-fn registered_system(fabric: Fabric) -> Registered {
-    use orchestrator::{DstStore, Member, MemberConfig, Residence, Role, SrcStore};
+/// The memory is said to be in `residence` (the bytes are host memory
+/// either way).
+fn registered_system(config: OrchestratorConfig, residence: orchestrator::Residence) -> Registered {
+    use orchestrator::{DstStore, Member, MemberConfig, Role, SrcStore};
     use std::sync::Arc;
     let (src, dst) = layouts();
     let (src, dst) = (Arc::new(src), Arc::new(dst));
     let mut memory: Vec<[f32; 28]> = vec![[0f32; 28]; 2];
-    let config = OrchestratorConfig { fabric, ..config("registered", Strategy::Reshard) };
     let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
     let mut src_stores = Vec::new();
     let mut src_members = Vec::new();
@@ -273,7 +275,7 @@ fn registered_system(fabric: Fabric) -> Registered {
         // SAFETY: each array lives in `Registered::memory` until the test
         // ends (the refits that read it run while the test awaits them),
         // and is written only inside `update`.
-        let reg = unsafe { orchestrator::Registered::new(&src, r as u32, Residence::Host, region) }.unwrap();
+        let reg = unsafe { orchestrator::Registered::new(&src, r as u32, residence, region) }.unwrap();
         let store = Arc::new(SrcStore::registered(&src, r as u32, reg));
         src_members.push(actors::spawn(
             Member::with_config(src.clone(), r as u32, Role::Src(store.clone()), MemberConfig::default()),
@@ -311,15 +313,18 @@ impl Registered {
     }
 }
 
-/// A registered source is read where it is, on both GPU fabrics: what the
-/// user wrote in its own memory inside `update` is what every destination
-/// serves, refit after refit.
+/// A registered source is read where it is, on every fabric (delta
+/// refits too on the host fabrics): what the user wrote in its own memory
+/// inside `update` is what every destination serves, refit after refit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_sources_are_read_in_place() {
     let sim = CommPlane::Simulated { world: "registered".into() };
     let ipc = IpcFabric { plane: sim.clone(), connect_timeout: Duration::from_secs(5), abort_timeout: Duration::from_secs(1) };
-    for fabric in [Fabric::Nccl(fabric("registered")), Fabric::Ipc(ipc)] {
-        let mut sys = registered_system(fabric.clone());
+    let host = [Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default())];
+    let every = [Fabric::Nccl(fabric("registered")), Fabric::Ipc(ipc)].into_iter().map(|f| (f, false));
+    for (fabric, delta) in every.chain(host.iter().cloned().map(|f| (f, false))).chain(host.iter().cloned().map(|f| (f, true))) {
+        let config = OrchestratorConfig { fabric: fabric.clone(), delta, ..config("registered", Strategy::Reshard) };
+        let mut sys = registered_system(config, orchestrator::Residence::Host);
         for k in 1..=3 {
             let value = k as f32 * 0.75;
             let v = sys.step(value).await;
@@ -341,15 +346,17 @@ async fn registered_sources_are_read_in_place() {
     }
 }
 
-/// The host fabrics cannot read registered memory: refused, naming the rank;
-/// a failed step on registered memory tears the store.
+/// The host fabrics cannot read registered device memory: refused, naming
+/// the rank; a failed step on registered memory tears the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn registered_sources_are_refused_on_host_fabrics_and_torn_by_failed_steps() {
-    let mut sys = registered_system(Fabric::InProcess);
+async fn registered_device_sources_are_refused_on_host_fabrics_and_torn_by_failed_steps() {
+    let config = OrchestratorConfig { fabric: Fabric::InProcess, ..config("registered", Strategy::Reshard) };
+    let mut sys = registered_system(config, orchestrator::Residence::Device { ordinal: 0 });
     let v = sys.step(1.0).await;
     match sys.orchestrator.refit(v).await {
         Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
-            assert!(why.contains("registered host memory") && why.contains("NCCL and IPC"), "{why}")
+            assert!(why.starts_with(&format!("{}:", Endpoint::src(0))), "{why}");
+            assert!(why.contains("registered device (GPU 0) memory") && why.contains("NCCL and IPC"), "{why}")
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
@@ -380,7 +387,18 @@ fn served_in_place(fabric: Fabric, deadline: Duration) -> ServedInPlace {
 }
 
 fn served_in_place_with(fabric: Fabric, deadline: Duration, dst_config: orchestrator::MemberConfig) -> ServedInPlace {
-    use orchestrator::{DstStore, Member, Residence, Role, SrcStore};
+    served_in_place_in(fabric, deadline, dst_config, orchestrator::Residence::Host)
+}
+
+/// [`served_in_place_with`] with the memory said to be in `residence` (the
+/// bytes are host memory either way).
+fn served_in_place_in(
+    fabric: Fabric,
+    deadline: Duration,
+    dst_config: orchestrator::MemberConfig,
+    residence: orchestrator::Residence,
+) -> ServedInPlace {
+    use orchestrator::{DstStore, Member, Role, SrcStore};
     use std::sync::Arc;
     let (src, dst) = layouts();
     let (src, dst) = (Arc::new(src), Arc::new(dst));
@@ -402,7 +420,7 @@ fn served_in_place_with(fabric: Fabric, deadline: Duration, dst_config: orchestr
         // SAFETY: each buffer lives in `ServedInPlace::memory` until the
         // test ends, never moves (boxed), and the test reads it only while
         // it holds `serve()` or no refit is in progress.
-        let reg = unsafe { orchestrator::Registered::new(&dst, r, Residence::Host, regions) }.unwrap();
+        let reg = unsafe { orchestrator::Registered::new(&dst, r, residence, regions) }.unwrap();
         let store = Arc::new(DstStore::registered(&dst, r, reg));
         let member = Member::with_config(dst.clone(), r, Role::Dst(store.clone()), dst_config.clone());
         dst_members.push(actors::spawn(member, spawn.clone()));
@@ -456,11 +474,12 @@ fn ipc_fabric(world: &str) -> IpcFabric {
 }
 
 /// Destinations registered in place are written by commits only: every
-/// refit's version lands in the user's memory, on both GPU fabrics; a
-/// subset refit keeps the other tensors as served.
+/// refit's version lands in the user's memory, on every fabric; a subset
+/// refit keeps the other tensors as served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_destinations_receive_every_version_in_place() {
-    for fabric in [Fabric::Nccl(fabric("served")), Fabric::Ipc(ipc_fabric("served"))] {
+    let host = [Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default())];
+    for fabric in [Fabric::Nccl(fabric("served")), Fabric::Ipc(ipc_fabric("served"))].into_iter().chain(host) {
         let sys = served_in_place(fabric.clone(), Duration::from_secs(5));
         assert!(sys.dst.iter().all(|s| s.snapshot().is_none() && s.weights() == orchestrator::Weights::Unwritten));
         for k in 1..=3 {
@@ -468,7 +487,8 @@ async fn registered_destinations_receive_every_version_in_place() {
             let v = sys.step(w, b).await;
             let report = sys.orchestrator.refit(v).await.unwrap();
             assert!(sys.holds(v, w, b).await, "{fabric:?}: refit {k}");
-            assert_eq!(report.resumed, k > 1, "{fabric:?}: refit {k}");
+            // Every fabric but the in-process one keeps its data plane.
+            assert_eq!(report.resumed, k > 1 && !matches!(fabric, Fabric::InProcess), "{fabric:?}: refit {k}");
         }
         // The store holds none of the bytes: readers use their memory.
         let snap = sys.dst[0].snapshot().unwrap();
@@ -546,16 +566,18 @@ async fn readers_serving_registered_weights_hold_the_commit_off() {
     assert!(sys.holds(v3, 3.0, 3.0).await);
 }
 
-/// The host fabrics cannot write registered memory: refused, naming the
-/// rank, before anything moves.
+/// The host fabrics cannot write registered device memory: refused,
+/// naming the rank, before anything moves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn registered_destinations_are_refused_on_host_fabrics() {
-    let sys = served_in_place(Fabric::InProcess, Duration::from_secs(5));
+async fn registered_device_destinations_are_refused_on_host_fabrics() {
+    let device = orchestrator::Residence::Device { ordinal: 0 };
+    let sys = served_in_place_in(Fabric::InProcess, Duration::from_secs(5), orchestrator::MemberConfig::default(), device);
     let v = sys.step(1.0, 2.0).await;
     let before = sys.bits();
     match sys.orchestrator.refit(v).await {
         Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
-            assert!(why.contains("registered host memory") && why.contains("NCCL and IPC"), "{why}")
+            assert!(why.starts_with(&format!("{}:", Endpoint::dst(0))), "{why}");
+            assert!(why.contains("registered device (GPU 0) memory"), "{why}")
         }
         other => panic!("expected a refusal, got {other:?}"),
     }

@@ -8,10 +8,11 @@ Rust actor. See docs/python.md.
 Weights cross into the stores by copy: ``Source.step()`` copies every
 registered array or tensor into the rank's store (one optimizer step, one
 version); ``Destination.load()`` copies one committed version out into the
-registered arrays. On the GPU fabrics, ``Source.in_place`` and
-``Destination.in_place`` keep the weights in the framework's own tensors
-instead: sources are read where they are, destinations receive each
-committed version by one copy from the refit's staging.
+registered arrays. ``Source.in_place`` and ``Destination.in_place`` keep
+the weights in the framework's own tensors instead (CUDA tensors on the GPU
+fabrics, host arrays on ``"node"``): sources are read where they are,
+destinations receive each committed version by one copy from the refit's
+staging.
 """
 
 from __future__ import annotations
@@ -526,8 +527,8 @@ class Source(_Rank):
         holding it, with the buffer's bytes — CUDA tensors of one GPU
         (torch, anything with ``__cuda_array_interface__`` and a
         ``device.id``, or a DLPack tensor or capsule) for the ``"nccl"`` and
-        ``"ipc"`` fabrics, host arrays (numpy, torch CPU, DLPack) for the
-        simulated ones. A refit reads them in
+        ``"ipc"`` fabrics, host arrays (numpy, torch CPU, DLPack) for
+        ``"node"`` and the simulated ones. A refit reads them in
         place, no copy; the source keeps them alive. Write them only inside
         ``with src.stepping(): ...`` (the version fence); ``step()`` is
         refused."""
@@ -612,7 +613,8 @@ class Destination(_Rank):
         (``layout.buffers(rank)``) to the C-contiguous array or tensor
         holding it, as for ``Source.in_place`` (torch, CUDA arrays, DLPack
         tensors or capsules) — CUDA tensors of one GPU for the ``"nccl"``
-        and ``"ipc"`` fabrics, host arrays for the simulated ones. A refit
+        and ``"ipc"`` fabrics, host arrays for ``"node"`` and the simulated
+        ones. A refit
         writes the member's own staging and, once every rank of both groups
         succeeded, its commit copies the version in (a failed refit never
         touches them). Read them only inside ``with dst.serving(): ...``,

@@ -404,11 +404,11 @@ def test_dlpack_tensors_and_capsules_are_found_in_place():
         _memory_of(object(), "x")
 
 
-@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc"])
+@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc", "node"])
 def test_in_place_sources_are_read_where_they_are(fabric):
     """Sources over the trainer's own arrays (no copy into the store), on
-    the GPU fabrics' simulated planes: what a step writes in place inside
-    ``stepping()`` is what every destination loads."""
+    the GPU fabrics' simulated planes and the node fabric: what a step
+    writes in place inside ``stepping()`` is what every destination loads."""
     train, infer = layouts()
     with refit.Orchestrator(fabric=fabric) as orch:
         params = [np.zeros(24, np.float32) for _ in range(2)]  # rank r's fused "params": w rows, then b
@@ -446,10 +446,11 @@ def test_in_place_sources_are_read_where_they_are(fabric):
         joined.shutdown()
 
 
-@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc"])
+@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc", "node"])
 def test_in_place_destinations_receive_each_commit_where_they_are(fabric):
     """Destinations over the inference engine's own arrays, on the GPU
-    fabrics' simulated planes: each committed version is copied into them
+    fabrics' simulated planes and the node fabric: each committed version
+    is copied into them
     (read inside ``serving()``), a reader serving them holds the next
     commit off until it lets go, and ``load()`` is refused."""
     import threading

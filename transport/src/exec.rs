@@ -10,7 +10,7 @@ use crate::cursor::{Action, RankCursor};
 use crate::delta::{decode, encode, DeltaMemo};
 use crate::frame::SHORT_RUN;
 use crate::local::local_fabric;
-use crate::memory::{MemView, RankMemory};
+use crate::memory::{MemView, RankMemory, RawBuf};
 use crate::tcp::{tcp_fabric_for, TcpConfig, TcpTransport};
 use crate::transport::{Payload, SentPieces, Transport, TransportError};
 use reshard::quant::QuantError;
@@ -206,6 +206,35 @@ pub fn run_rank_delta<T: Transport>(
     let mem = memory.view();
     let mut stats = run_rank_inner(program, bypass, &mem, transport, deadline, Some(delta))?;
     stats.sent_bytes = delta.wire_bytes;
+    Ok(stats)
+}
+
+/// [`run_rank_bypassing`] (with `delta`, [`run_rank_delta`]) over memory
+/// the caller holds rather than a [`RankMemory`]: `regions[i]` is the
+/// address and length in bytes of the program's buffer `i` (a bypassed
+/// buffer may be empty), in host memory. The executor reads the rank's
+/// source buffers, writes its destination and scratch buffers, and lets
+/// peers in this process read what it lends them until they release it.
+///
+/// # Safety
+///
+/// For the whole call every region must be valid for reads and writes of
+/// its length, be written by nothing but this run, overlap no other region,
+/// and hold `program.buffers[i]`'s elements (any bytes are valid values).
+pub unsafe fn run_rank_regions<T: Transport>(
+    program: &RankProgram,
+    bypass: &Bypass,
+    regions: &[(u64, usize)],
+    transport: &mut T,
+    options: &ExecOptions,
+    mut delta: Option<&mut DeltaRun>,
+) -> Result<RankStats, ExecError> {
+    let deadline = Instant::now() + options.deadline;
+    let mem = MemView { bufs: regions.iter().map(|&(addr, len)| RawBuf { ptr: addr as *mut u8, len }).collect() };
+    let mut stats = run_rank_inner(program, bypass, &mem, transport, deadline, delta.as_deref_mut())?;
+    if let Some(d) = delta {
+        stats.sent_bytes = d.wire_bytes;
+    }
     Ok(stats)
 }
 

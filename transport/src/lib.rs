@@ -30,8 +30,8 @@ pub mod transport;
 
 pub use bypass::Bypass;
 pub use exec::{
-    quantize_rank, run_local, run_local_delta, run_rank, run_rank_bypassing, run_rank_delta, run_tcp, run_threads, run_threads_delta,
-    DeltaRun, ExecError, ExecOptions, ExecReport, RankStats, WithAbort, DEFAULT_DEADLINE,
+    quantize_rank, run_local, run_local_delta, run_rank, run_rank_bypassing, run_rank_delta, run_rank_regions, run_tcp, run_threads,
+    run_threads_delta, DeltaRun, ExecError, ExecOptions, ExecReport, RankStats, WithAbort, DEFAULT_DEADLINE,
 };
 pub use faults::Faults;
 pub use frame::HelloKey;
