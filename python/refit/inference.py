@@ -39,6 +39,7 @@ from ._refit import LayoutBuilder, LayoutError, TensorBuilder
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head", "q_b_proj", "kv_b_proj")
 ROW = ("o_proj", "down_proj")
 KV = ("k_proj", "v_proj")
+VOCAB = ("embed_tokens", "lm_head")
 EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
@@ -66,6 +67,7 @@ def tp_inference_layout(
     fuse: bool = True,
     num_kv_heads: Optional[int] = None,
     ep: Optional[int] = None,
+    vocab_padding: int = 64,
 ) -> Any:
     """A ``refit.Layout`` for ``tp × dp`` inference ranks of the tensors
     ``{name: global shape}`` (HF names, e.g. from
@@ -80,6 +82,13 @@ def tp_inference_layout(
     of it, as the engines require). With as many or more KV heads than
     ``tp`` they must split evenly over ``tp``; left out, ``k_proj`` and
     ``v_proj`` are split by rows like the other column-parallel weights.
+
+    ``vocab_padding``: ``embed_tokens`` and ``lm_head`` are split as the
+    engines' ``VocabParallelEmbedding`` splits them: the vocabulary padded
+    to a multiple of ``vocab_padding`` (their default, 64), TP rank ``t``
+    holding rows ``t * P / tp ..`` of the padded ``P`` (the padding rows,
+    at the end of the last ranks' blocks, are no tensor's: register
+    ``param[:rows]``, as ``layout.blocks(rank)`` gives them).
 
     ``ep``: expert parallelism for MoE experts (see the module doc): the
     size of one EP group, a multiple of ``tp`` dividing ``tp * dp`` (vLLM
@@ -144,7 +153,20 @@ def tp_inference_layout(
             placement = "shard(1)"
         else:
             placement = "replicate"
-        if name in kv_split:
+        if proj in VOCAB and kind == "weight":
+            # Rows t * P / tp .. of the padded vocabulary P, on every replica.
+            vocab = shape[0]
+            padded = -(-vocab // vocab_padding) * vocab_padding
+            if padded % tp:
+                raise LayoutError(f"tensor '{name}': the padded vocabulary {padded} does not split over tp={tp}")
+            per = padded // tp
+            t = TensorBuilder(name, dtype, shape)
+            for replica in range(dp):
+                for r in range(tp):
+                    rows = max(0, min(per, vocab - r * per))
+                    if rows:
+                        t = t.shard(replica * tp + r, offset=[r * per] + [0] * (len(shape) - 1), extent=[rows] + shape[1:])
+        elif name in kv_split:
             # Whole KV heads: mesh (replica, head, copy of the head).
             t = TensorBuilder(name, dtype, shape).mesh([dp, num_kv_heads, kv_replicas], ["replicate", "shard(0)", "replicate"])
         else:

@@ -527,3 +527,19 @@ def test_megatron_layout_ranks_are_tp_fastest_then_dp_then_pp():
                 rank = t + 2 * (d + 3 * p)
                 assert layout.blocks(rank) == [(f"model.layers.{p}.mlp.down_proj.weight", "bf16", [0, 4 * t], [4, 4])], rank
                 assert layout.buffers(rank) == [("decoder.layers.0.mlp.linear_fc2.weight", "bf16", 16)], rank
+
+
+def test_tp_inference_layout_splits_the_padded_vocabulary_as_the_engines_do():
+    """vLLM / SGLang pad the vocabulary to a multiple of 64 and give TP
+    rank t rows t * P / tp .. of it: 100 rows at TP 4 are 32, 32, 32 and 4
+    (an even split would be 25 each)."""
+    shapes = {"model.embed_tokens.weight": [100, 4], "lm_head.weight": [100, 4]}
+    layout = refit.tp_inference_layout(shapes, tp=4, dp=2)
+    for rank in range(8):
+        t = rank % 4
+        want = [(n, "bf16", [32 * t, 0], [min(32, 100 - 32 * t), 4]) for n in shapes]
+        assert layout.blocks(rank) == want, rank
+    even = refit.tp_inference_layout(shapes, tp=4, vocab_padding=1)
+    assert [b[3] for b in even.blocks(3)] == [[25, 4], [25, 4]]
+    with pytest.raises(refit.LayoutError, match="the padded vocabulary 100 does not split over tp=8"):
+        refit.tp_inference_layout(shapes, tp=8, vocab_padding=50)
