@@ -39,7 +39,17 @@ local experts ``0 ..``, each split over expert TP like a dense MLP, in
 Transformer Engine's grouped parameters ``mlp.experts.linear_fc1.weight{j}``
 / ``linear_fc2.weight{j}`` (``--moe-grouped-gemm``) or, with
 ``grouped_experts=False``, ``mlp.experts.local_experts.{j}.linear_fc1.weight``.
-Multi-latent attention (DeepSeek's MLA) is refused.
+
+Multi-latent attention (DeepSeek's MLA, a layer with ``kv_a_proj_with_mqa``)
+as Megatron-Core's Transformer Engine spec builds it: the down-projections
+``linear_q_down_proj`` (``q_a_proj``) and ``linear_kv_down_proj``
+(``kv_a_proj_with_mqa``) replicated; the up-projections
+``linear_q_up_proj`` (``q_b_proj``, or ``linear_q_proj`` = ``q_proj``
+without a query LoRA) and ``linear_kv_up_proj`` (``kv_b_proj``) split by
+rows (whole heads), each with its norm fused in
+(``...linear_q_up_proj.layer_norm_weight`` = ``q_a_layernorm``,
+``...linear_kv_up_proj.layer_norm_weight`` = ``kv_a_layernorm``); the
+layer's ``input_layernorm.weight`` its own.
 """
 
 from __future__ import annotations
@@ -74,6 +84,17 @@ IN_LAYER = {
     "mlp.shared_experts.gate_proj.weight": ("mlp.shared_experts.linear_fc1.weight", "fc1"),
     "mlp.shared_experts.up_proj.weight": ("mlp.shared_experts.linear_fc1.weight", "fc1"),
     "mlp.shared_experts.down_proj.weight": ("mlp.shared_experts.linear_fc2.weight", "row"),
+}
+# The same within a multi-latent attention layer, where they differ.
+IN_MLA_LAYER = {
+    "self_attn.q_a_proj.weight": ("self_attention.linear_q_down_proj.weight", "rep"),
+    "self_attn.q_a_layernorm.weight": ("self_attention.linear_q_up_proj.layer_norm_weight", "rep"),
+    "self_attn.q_b_proj.weight": ("self_attention.linear_q_up_proj.weight", "col"),
+    "self_attn.q_proj.weight": ("self_attention.linear_q_proj.weight", "col"),
+    "self_attn.kv_a_proj_with_mqa.weight": ("self_attention.linear_kv_down_proj.weight", "rep"),
+    "self_attn.kv_a_layernorm.weight": ("self_attention.linear_kv_up_proj.layer_norm_weight", "rep"),
+    "self_attn.kv_b_proj.weight": ("self_attention.linear_kv_up_proj.weight", "col"),
+    "input_layernorm.weight": ("input_layernorm.weight", "rep"),
 }
 EXPERT = re.compile(r"^mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 OUTSIDE = {
@@ -134,6 +155,7 @@ def megatron_layout(
         raise LayoutError(f"ep={ep} x etp={etp} does not divide the {tp * dp} ranks of a stage (tp={tp} x dp={dp})")
     experts = _experts(shapes, ep)
     moe_layers = {layer for layer, _ in experts.values()}
+    mla_layers = {int(m["l"]) for m in map(LAYER.match, shapes) if m and m["rest"] == "self_attn.kv_a_proj_with_mqa.weight"}
 
     def ranks_of(stage: int) -> List[Tuple[int, int]]:
         """(global rank, TP rank) of every rank of pipeline stage `stage`."""
@@ -160,6 +182,10 @@ def megatron_layout(
         elif m:
             if rest == "post_attention_layernorm.weight" and layer in moe_layers:
                 buffer, how = prefix + "pre_mlp_layernorm.weight", "rep"  # no fused norm before a router
+            elif layer in mla_layers and rest in IN_MLA_LAYER:
+                buffer, how = prefix + IN_MLA_LAYER[rest][0], IN_MLA_LAYER[rest][1]
+            elif layer in mla_layers and rest.startswith("self_attn.") and rest != "self_attn.o_proj.weight":
+                raise LayoutError(f"tensor '{name}': not a weight of multi-latent attention, which this layer has")
             elif rest in IN_LAYER:
                 buffer, how = prefix + IN_LAYER[rest][0], IN_LAYER[rest][1]
             else:
@@ -180,8 +206,8 @@ def megatron_layout(
 
 
 def _unknown(name: str, part: str) -> str:
-    if "kv_a_proj" in part or "q_a_proj" in part or "kv_b_proj" in part or "q_b_proj" in part:
-        return f"tensor '{name}': multi-latent attention is not supported by megatron_layout yet"
+    if part in IN_MLA_LAYER:
+        return f"tensor '{name}': multi-latent attention weights in a layer without kv_a_proj_with_mqa"
     return f"tensor '{name}': '{part}' is not a Llama/Qwen/DeepSeek weight megatron_layout knows"
 
 
@@ -245,6 +271,11 @@ def _shares(
             count = max(0, min(per, shape[0] - t * per))
             out.append([rows(t * per, count, 0)] if count else [])
         return out
+    if how == "col":
+        if shape[0] % ways:
+            raise LayoutError(f"tensor '{name}': {shape[0]} rows do not split evenly over {label}={ways}")
+        per = shape[0] // ways
+        return [[rows(t * per, per, 0)] for t in range(ways)]
     if how == "fc1":
         if shape[0] % ways:
             raise LayoutError(f"tensor '{name}': {shape[0]} rows do not split evenly over {label}={ways}")

@@ -365,10 +365,21 @@ def megatron_params(full, tp, pp, heads, groups, vocab_multiple, dp=1, ep=1, etp
     etp = etp or tp
     layers = len({n.split(".")[2] for n in full if n.startswith("model.layers.")})
     per_stage = layers // pp
-    head = full["model.layers.0.self_attn.q_proj.weight"].shape[0] // heads
+    head = full["model.layers.0.self_attn.q_proj.weight"].shape[0] // heads if "model.layers.0.self_attn.q_proj.weight" in full else 0
     q_per = heads // groups * head
     split = lambda x, t, ways=tp, axis=0: np.ascontiguousarray(np.split(x, ways, axis=axis)[t])  # noqa: E731
     fc1 = lambda gate, up, t, ways=tp: np.concatenate([split(gate, t, ways), split(up, t, ways)])  # noqa: E731
+
+    def attention(mine, mg, hf, t):
+        for kind in ("weight", "bias"):
+            q, k, v = (hf(f"self_attn.{x}_proj.{kind}") for x in "qkv")
+            whole = np.concatenate([np.concatenate([q[g * q_per:(g + 1) * q_per], k[g * head:(g + 1) * head], v[g * head:(g + 1) * head]]) for g in range(groups)])
+            mine[mg + f"self_attention.linear_qkv.{kind}"] = split(whole, t)
+        mine[mg + "self_attention.linear_proj.weight"] = split(hf("self_attn.o_proj.weight"), t, axis=1)
+        mine[mg + "self_attention.linear_qkv.layer_norm_weight"] = hf("input_layernorm.weight").copy()
+        mine[mg + "self_attention.q_layernorm.weight"] = hf("self_attn.q_norm.weight").copy()
+        mine[mg + "self_attention.k_layernorm.weight"] = hf("self_attn.k_norm.weight").copy()
+
     ranks = [dict() for _ in range(tp * dp * pp)]
     for p in range(pp):
         for d in range(dp):
@@ -379,14 +390,17 @@ def megatron_params(full, tp, pp, heads, groups, vocab_multiple, dp=1, ep=1, etp
                     hf = lambda n: full[f"model.layers.{p * per_stage + i}.{n}"]  # noqa: E731
                     has = lambda n: f"model.layers.{p * per_stage + i}.{n}" in full  # noqa: E731
                     mg = f"decoder.layers.{i}."
-                    for kind in ("weight", "bias"):
-                        q, k, v = (hf(f"self_attn.{x}_proj.{kind}") for x in "qkv")
-                        whole = np.concatenate([np.concatenate([q[g * q_per:(g + 1) * q_per], k[g * head:(g + 1) * head], v[g * head:(g + 1) * head]]) for g in range(groups)])
-                        mine[mg + f"self_attention.linear_qkv.{kind}"] = split(whole, t)
-                    mine[mg + "self_attention.linear_proj.weight"] = split(hf("self_attn.o_proj.weight"), t, axis=1)
-                    mine[mg + "self_attention.linear_qkv.layer_norm_weight"] = hf("input_layernorm.weight").copy()
-                    mine[mg + "self_attention.q_layernorm.weight"] = hf("self_attn.q_norm.weight").copy()
-                    mine[mg + "self_attention.k_layernorm.weight"] = hf("self_attn.k_norm.weight").copy()
+                    if has("self_attn.kv_a_proj_with_mqa.weight"):  # MLA, Transformer Engine spec
+                        mine[mg + "input_layernorm.weight"] = hf("input_layernorm.weight").copy()
+                        mine[mg + "self_attention.linear_q_down_proj.weight"] = hf("self_attn.q_a_proj.weight").copy()
+                        mine[mg + "self_attention.linear_q_up_proj.layer_norm_weight"] = hf("self_attn.q_a_layernorm.weight").copy()
+                        mine[mg + "self_attention.linear_q_up_proj.weight"] = split(hf("self_attn.q_b_proj.weight"), t)
+                        mine[mg + "self_attention.linear_kv_down_proj.weight"] = hf("self_attn.kv_a_proj_with_mqa.weight").copy()
+                        mine[mg + "self_attention.linear_kv_up_proj.layer_norm_weight"] = hf("self_attn.kv_a_layernorm.weight").copy()
+                        mine[mg + "self_attention.linear_kv_up_proj.weight"] = split(hf("self_attn.kv_b_proj.weight"), t)
+                        mine[mg + "self_attention.linear_proj.weight"] = split(hf("self_attn.o_proj.weight"), t, axis=1)
+                    else:
+                        attention(mine, mg, hf, t)
                     if not has("mlp.experts.0.gate_proj.weight"):
                         mine[mg + "mlp.linear_fc1.layer_norm_weight"] = hf("post_attention_layernorm.weight").copy()
                         mine[mg + "mlp.linear_fc1.weight"] = fc1(hf("mlp.gate_proj.weight"), hf("mlp.up_proj.weight"), t)
@@ -417,20 +431,28 @@ def megatron_params(full, tp, pp, heads, groups, vocab_multiple, dp=1, ep=1, etp
     return ranks
 
 
-def model_shapes(layers, heads, groups, head, hidden, ffn, vocab, experts=0, moe_from=0):
+def model_shapes(layers, heads, groups, head, hidden, ffn, vocab, experts=0, moe_from=0, mla=None):
     """HF shapes of a Qwen3-like model (GQA, q/k norms, QKV biases, untied
     head); with `experts`, layers from `moe_from` on are MoE layers with
     that many routed experts (intermediate `ffn`), a router with a score
-    bias and shared experts (DeepSeek names)."""
+    bias and shared experts (DeepSeek names); with `mla` (q_lora, kv_lora,
+    nope, rope, v), DeepSeek's multi-latent attention instead."""
     shapes = {"model.embed_tokens.weight": [vocab, hidden], "lm_head.weight": [vocab, hidden], "model.norm.weight": [hidden]}
     for l in range(layers):
         p = f"model.layers.{l}."
-        shapes.update({p + "self_attn.q_proj.weight": [heads * head, hidden], p + "self_attn.k_proj.weight": [groups * head, hidden],
-                       p + "self_attn.v_proj.weight": [groups * head, hidden], p + "self_attn.q_proj.bias": [heads * head],
-                       p + "self_attn.k_proj.bias": [groups * head], p + "self_attn.v_proj.bias": [groups * head],
-                       p + "self_attn.o_proj.weight": [hidden, heads * head], p + "self_attn.q_norm.weight": [head],
-                       p + "self_attn.k_norm.weight": [head], p + "input_layernorm.weight": [hidden],
-                       p + "post_attention_layernorm.weight": [hidden]})
+        if mla:
+            q_lora, kv_lora, nope, rope, v = mla
+            shapes.update({p + "self_attn.q_a_proj.weight": [q_lora, hidden], p + "self_attn.q_a_layernorm.weight": [q_lora],
+                           p + "self_attn.q_b_proj.weight": [heads * (nope + rope), q_lora],
+                           p + "self_attn.kv_a_proj_with_mqa.weight": [kv_lora + rope, hidden], p + "self_attn.kv_a_layernorm.weight": [kv_lora],
+                           p + "self_attn.kv_b_proj.weight": [heads * (nope + v), kv_lora], p + "self_attn.o_proj.weight": [hidden, heads * v]})
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": [heads * head, hidden], p + "self_attn.k_proj.weight": [groups * head, hidden],
+                           p + "self_attn.v_proj.weight": [groups * head, hidden], p + "self_attn.q_proj.bias": [heads * head],
+                           p + "self_attn.k_proj.bias": [groups * head], p + "self_attn.v_proj.bias": [groups * head],
+                           p + "self_attn.o_proj.weight": [hidden, heads * head], p + "self_attn.q_norm.weight": [head],
+                           p + "self_attn.k_norm.weight": [head]})
+        shapes.update({p + "input_layernorm.weight": [hidden], p + "post_attention_layernorm.weight": [hidden]})
         mlps = ["mlp."] if not experts or l < moe_from else ["mlp.shared_experts."] + [f"mlp.experts.{e}." for e in range(experts)]
         for m in mlps:
             shapes.update({p + m + "gate_proj.weight": [ffn, hidden], p + m + "up_proj.weight": [ffn, hidden], p + m + "down_proj.weight": [hidden, ffn]})
@@ -496,12 +518,25 @@ def block(x, offset, extent):
     return x[tuple(slice(o, o + e) for o, e in zip(offset, extent))]
 
 
+def test_megatron_layout_places_mla_as_transformer_engine_builds_it():
+    """DeepSeek-like: multi-latent attention in both layers (down-projections
+    replicated, up-projections by heads with their norms fused in), the
+    second layer MoE (EP 2), at TP 2 x DP 2, refit into vLLM TP 2 x DP 2."""
+    heads = 4
+    shapes = model_shapes(2, heads, heads, head=0, hidden=6, ffn=4, vocab=10, experts=4, moe_from=1, mla=(5, 4, 3, 2, 2))
+    train = refit.megatron_layout(shapes, tp=2, dp=2, num_attention_heads=heads, dtype="f32", vocab_multiple=4, ep=2, etp=1)
+    infer = refit.tp_inference_layout(shapes, tp=2, dp=2, dtype="f32", fuse=False)
+    check_megatron(shapes, train, infer, lambda full: megatron_params(full, 2, 1, heads, heads, 4, dp=2, ep=2, etp=1))
+
+
 def test_megatron_layout_refuses_what_it_cannot_place():
     base = {"model.layers.0.self_attn.q_proj.weight": [8, 6], "model.layers.0.self_attn.k_proj.weight": [4, 6]}
     with pytest.raises(refit.LayoutError, match="num_kv_heads=2 does not split over tp=4"):
         refit.megatron_layout(base, tp=4, num_attention_heads=4, num_kv_heads=2)
-    with pytest.raises(refit.LayoutError, match="multi-latent attention is not supported"):
+    with pytest.raises(refit.LayoutError, match="'model.layers.0.self_attn.k_proj.weight': not a weight of multi-latent attention"):
         refit.megatron_layout({**base, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": [4, 6]}, tp=2, num_attention_heads=4, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="multi-latent attention weights in a layer without kv_a_proj_with_mqa"):
+        refit.megatron_layout({"model.layers.0.self_attn.q_a_proj.weight": [4, 6]}, tp=2, num_attention_heads=4)
     experts = {f"model.layers.0.mlp.experts.{e}.{p}.weight": [4, 6] for e in (0, 1, 3) for p in ("gate_proj", "up_proj")}
     with pytest.raises(refit.LayoutError, match=r"model.layers.0: experts \[0, 1, 3\]... are not 0..2"):
         refit.megatron_layout({**base, **experts}, tp=2, num_attention_heads=4, num_kv_heads=2)
