@@ -578,3 +578,21 @@ def test_tp_inference_layout_splits_the_padded_vocabulary_as_the_engines_do():
     assert [b[3] for b in even.blocks(3)] == [[25, 4], [25, 4]]
     with pytest.raises(refit.LayoutError, match="the padded vocabulary 100 does not split over tp=8"):
         refit.tp_inference_layout(shapes, tp=8, vocab_padding=50)
+
+
+def test_builders_share_what_came_before_and_stay_unchanged():
+    """Each call returns a new builder and leaves the one it was called on
+    as it was (a chain shared between them, not copied: a model of tens of
+    thousands of tensors builds in about a second); a chain of 300,000
+    shards is dropped without exhausting the stack."""
+    t = refit.TensorBuilder("w", "f32", [4]).shard(0, offset=[0], extent=[2])
+    more = t.shard(1, offset=[2], extent=[2])
+    b = refit.LayoutBuilder(2).tensor(more)
+    assert refit.LayoutBuilder(2).tensor(t).build().blocks(1) == []  # `t` never got the second shard
+    both = b.tensor(refit.TensorBuilder("b", "f32", [2]).mesh([2], ["replicate"]))
+    assert [n for n, *_ in b.build().blocks(1)] == ["w"]
+    assert [n for n, *_ in both.build().blocks(1)] == ["w", "b"]
+    long = refit.TensorBuilder("x", "f32", [1])
+    for _ in range(300_000):
+        long = long.shard(0, offset=[0], extent=[1])
+    del long
