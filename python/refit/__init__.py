@@ -62,6 +62,7 @@ __all__ = [
     "join",
     "layout_from_dtensors",
     "megatron_layout",
+    "param_buffers",
     "spawn_local",
     "tp_inference_layout",
 ]
@@ -256,6 +257,59 @@ def _memory_of(obj: Any, what: str, writable: bool = False) -> Tuple[int, int, O
         f"{what}: {type(obj).__name__} cannot be read in place "
         "(a C-contiguous numpy array, torch tensor, CUDA array or DLPack tensor can)"
     )
+
+
+def param_buffers(layout: Layout, rank: int, params: Mapping[str, Any]) -> Dict[str, Any]:
+    """Every buffer of ``rank`` in ``layout`` as a flat view of the
+    framework parameter that holds it (``params``: a model's
+    ``dict(named_parameters())``), for ``Source.in_place`` /
+    ``Destination.in_place`` or ``register_all``. A fused buffer
+    (``…qkv_proj.weight``, ``…experts.w13_weight``, Megatron's
+    ``…linear_qkv.weight``) is the parameter of that name; a tensor's own
+    buffer (``"{tensor}#k"``) is the parameter named as the tensor. Each is
+    cut to the buffer's elements: the vocabulary padding of the engines and
+    of Megatron is no tensor's. Parameters must be contiguous (torch
+    tensors, C-contiguous numpy arrays, DTensors' local shards); the views
+    share their memory. ``TensorError`` names the rank and buffer whose
+    parameter is missing, too small or not contiguous."""
+    out: Dict[str, Any] = {}
+    buffers = layout.buffers(rank)
+    own: Dict[str, int] = {}  # tensor -> its own buffers on this rank
+    for buffer, _, _ in buffers:
+        if "#" in buffer:
+            own[buffer.rsplit("#", 1)[0]] = own.get(buffer.rsplit("#", 1)[0], 0) + 1
+    for buffer, _dtype, elems in buffers:
+        name = buffer
+        if buffer not in params and "#" in buffer:
+            name = buffer.rsplit("#", 1)[0]
+            if own[name] > 1:
+                raise TensorError(
+                    f"rank {rank}: buffer '{buffer}': the rank holds several blocks of '{name}', "
+                    "one parameter cannot be all of them (give each its array by hand)"
+                )
+        if name not in params:
+            raise TensorError(f"rank {rank}: buffer '{buffer}': no parameter '{name}'")
+        out[buffer] = _flat_prefix(params[name], elems, f"rank {rank}: buffer '{buffer}': parameter '{name}'")
+    return out
+
+
+def _flat_prefix(obj: Any, elems: int, what: str) -> Any:
+    """The first ``elems`` elements of a contiguous tensor or array, as a
+    1-D view of its memory."""
+    obj = _local(obj)
+    if _torch_tensor(obj):
+        if not obj.is_contiguous():
+            raise TensorError(f"{what}: a non-contiguous tensor has no flat view")
+        flat = obj.detach().view(-1)
+    elif hasattr(obj, "flags") and hasattr(obj, "reshape"):
+        if not obj.flags.c_contiguous:
+            raise TensorError(f"{what}: a non-C-contiguous array has no flat view")
+        flat = obj.reshape(-1)
+    else:
+        raise TensorError(f"{what}: {type(obj).__name__} is neither a torch tensor nor a numpy array")
+    if flat.shape[0] < elems:
+        raise TensorError(f"{what}: {flat.shape[0]} elements, the buffer needs {elems}")
+    return flat[:elems]
 
 
 # --- DLPack ----------------------------------------------------------------

@@ -127,14 +127,11 @@ def megatron_layout(
     ``num_kv_heads``: query groups (GQA; default ``num_attention_heads``),
     a multiple of ``tp``. ``ep``, ``etp`` (default ``tp``): expert
     parallelism and expert tensor parallelism of MoE layers; ``etp * ep``
-    must divide ``tp * dp``. On a rank, register each of its Megatron
-    parameters whole as the buffer of that name, cut to the buffer's
-    elements (the vocabulary padding and nothing else is left out)::
+    must divide ``tp * dp``. On a rank, hand refit its Megatron parameters
+    as the buffers of those names, each cut to the buffer's elements (the
+    vocabulary padding is no tensor's)::
 
-        sizes = {b: n for b, _, n in layout.buffers(rank)}
-        for name, p in model.named_parameters():
-            if name in sizes:
-                src.register(name, p.detach().view(-1)[: sizes[name]])
+        src = refit.Source.in_place(layout, rank, refit.param_buffers(layout, rank, dict(model.named_parameters())))
     """
     if min(tp, pp, dp) < 1:
         raise LayoutError(f"tp={tp}, pp={pp}, dp={dp}: each must be >= 1")

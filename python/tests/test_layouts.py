@@ -469,11 +469,9 @@ def check_megatron(shapes, train, infer, params):
     full = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 1000 * i for i, (n, s) in enumerate(shapes.items())}
     system = refit.spawn_local(train, infer)
     for rank, params in enumerate(params(full)):
-        sizes = {b: n for b, _, n in train.buffers(rank)}
-        assert set(sizes) == set(params), f"rank {rank}: {set(sizes) ^ set(params)}"
-        for name, param in params.items():
-            assert sizes[name] <= param.size  # only vocabulary padding is left out
-            system.sources[rank].register(name, param.reshape(-1)[:sizes[name]])
+        buffers = {b for b, _, _ in train.buffers(rank)}
+        assert buffers == set(params), f"rank {rank}: {buffers ^ set(params)}"
+        system.sources[rank].register_all(refit.param_buffers(train, rank, params))
         system.sources[rank].step()
     got = []
     for d in system.destinations:
@@ -596,3 +594,53 @@ def test_builders_share_what_came_before_and_stay_unchanged():
     for _ in range(300_000):
         long = long.shard(0, offset=[0], extent=[1])
     del long
+
+
+def test_param_buffers_hands_the_engines_parameters_to_a_destination():
+    """vLLM-like parameters of one inference rank (fused qkv_proj and
+    gate_up_proj, an embedding padded to 64 rows per TP share) registered
+    through param_buffers: a refit writes the tensors' rows in place and
+    leaves the padding rows alone."""
+    shapes = {"model.embed_tokens.weight": [100, 4], "model.layers.0.self_attn.q_proj.weight": [4, 4],
+              "model.layers.0.self_attn.k_proj.weight": [4, 4], "model.layers.0.self_attn.v_proj.weight": [4, 4],
+              "model.layers.0.mlp.gate_proj.weight": [2, 4], "model.layers.0.mlp.up_proj.weight": [2, 4], "model.norm.weight": [4]}
+    full = {n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + 1000 * i for i, (n, s) in enumerate(shapes.items())}
+    train = refit.LayoutBuilder(1)
+    for n, shape in shapes.items():
+        train = train.tensor(refit.TensorBuilder(n, "f32", shape).mesh([1], ["replicate"]))
+    infer = refit.tp_inference_layout(shapes, tp=2, dtype="f32")
+    system = refit.spawn_local(train.build(), infer)
+    system.sources[0].register_all({n: full[n].copy() for n in shapes})
+    system.sources[0].step()
+    engines = []
+    for d in system.destinations:
+        params = {"model.embed_tokens.weight": np.full((64, 4), 7, np.float32), "model.norm.weight": np.zeros(4, np.float32),
+                  "model.layers.0.self_attn.qkv_proj.weight": np.zeros((6, 4), np.float32),
+                  "model.layers.0.mlp.gate_up_proj.weight": np.zeros((2, 4), np.float32)}
+        d.register_all(refit.param_buffers(infer, d.rank, params))
+        engines.append(params)
+    system.refit_latest()
+    for t, (d, params) in enumerate(zip(system.destinations, engines)):
+        d.load()
+        rows = min(64, 100 - 64 * t)
+        np.testing.assert_array_equal(params["model.embed_tokens.weight"][:rows], full["model.embed_tokens.weight"][64 * t:64 * t + rows])
+        assert (params["model.embed_tokens.weight"][rows:] == 7).all(), "padding rows are no tensor's"
+        qkv = [full[f"model.layers.0.self_attn.{p}_proj.weight"][2 * t:2 * t + 2] for p in "qkv"]
+        np.testing.assert_array_equal(params["model.layers.0.self_attn.qkv_proj.weight"], np.concatenate(qkv))
+        np.testing.assert_array_equal(params["model.norm.weight"], full["model.norm.weight"])
+    system.orchestrator.close()
+
+
+def test_param_buffers_says_which_parameter_does_not_fit():
+    layout = refit.tp_inference_layout({"model.embed_tokens.weight": [100, 4], "model.norm.weight": [4]}, tp=2)
+    ok = {"model.embed_tokens.weight": np.zeros((64, 4), np.float32), "model.norm.weight": np.zeros(4, np.float32)}
+    assert [v.shape for v in refit.param_buffers(layout, 1, ok).values()] == [(144,), (4,)]
+    with pytest.raises(refit.TensorError, match="rank 0: buffer 'model.norm.weight#0': no parameter 'model.norm.weight'"):
+        refit.param_buffers(layout, 0, {"model.embed_tokens.weight": ok["model.embed_tokens.weight"]})
+    with pytest.raises(refit.TensorError, match="parameter 'model.embed_tokens.weight': 200 elements, the buffer needs 256"):
+        refit.param_buffers(layout, 0, {**ok, "model.embed_tokens.weight": np.zeros((50, 4), np.float32)})
+    with pytest.raises(refit.TensorError, match="a non-C-contiguous array has no flat view"):
+        refit.param_buffers(layout, 0, {**ok, "model.embed_tokens.weight": np.zeros((4, 64), np.float32).T})
+    two = refit.LayoutBuilder(1).tensor(refit.TensorBuilder("w", "f32", [4]).shard(0, offset=[0], extent=[2]).shard(0, offset=[2], extent=[2])).build()
+    with pytest.raises(refit.TensorError, match="the rank holds several blocks of 'w'"):
+        refit.param_buffers(two, 0, {"w": np.zeros(4, np.float32)})
