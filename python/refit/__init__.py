@@ -52,6 +52,7 @@ __all__ = [
     "MemberError",
     "Orchestrator",
     "PlanError",
+    "PlanFigures",
     "PlanReport",
     "RefitError",
     "RefitReport",
@@ -63,6 +64,7 @@ __all__ = [
     "layout_from_dtensors",
     "megatron_layout",
     "param_buffers",
+    "plan",
     "spawn_local",
     "tp_inference_layout",
 ]
@@ -95,6 +97,36 @@ class PlanReport:
     """Bytes every refit with this plan moves."""
     replanned: bool
     mode: str
+
+
+@dataclass(frozen=True)
+class PlanFigures:
+    """What a refit of one plan moves, as ``refit plan`` prints it."""
+
+    bytes: int
+    """Every message's payload between two ranks, in its wire dtype."""
+    src_egress_bytes: int
+    """The part training ranks send."""
+    relayed_bytes: int
+    """The part inference ranks forward to other inference ranks."""
+    cross_node_bytes: int
+    dst_node_ingress_bytes: List[int]
+    """Bytes into each inference node from outside it."""
+    src_rank_egress_bytes: List[int]
+    """Bytes each training rank sends to other nodes."""
+    max_rank_send_bytes: int
+    max_rank_recv_bytes: int
+    messages: int
+    rounds: int
+    fingerprint: str
+
+
+def plan(src: Layout, dst: Layout, mode: str = "reshard") -> PlanFigures:
+    """Plans a refit from ``src`` to ``dst`` without members or memory
+    (``mode``: ``"reshard"`` or ``"baseline"``, the gather-broadcast) and
+    says what it moves; a pair that cannot be planned raises ``PlanError``
+    naming the tensor."""
+    return PlanFigures(**_refit.plan_figures(src, dst, mode))
 
 
 # --- arrays and tensors ---------------------------------------------------

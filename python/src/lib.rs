@@ -1168,6 +1168,35 @@ impl PyOrchestrator {
     }
 }
 
+/// Plans a refit from `src` to `dst` without running it (`mode`:
+/// `"reshard"` or `"baseline"`) and returns its figures, those `refit plan`
+/// prints (dict); a pair that cannot be planned raises `PlanError`.
+#[pyfunction]
+#[pyo3(signature = (src, dst, mode="reshard"))]
+fn plan_figures<'py>(py: Python<'py>, src: PyRef<'py, PyLayout>, dst: PyRef<'py, PyLayout>, mode: &str) -> PyResult<Bound<'py, PyDict>> {
+    let planner = match mode {
+        "reshard" => reshard::plan_reshard,
+        "baseline" => reshard::plan_baseline,
+        other => return Err(PlanError::new_err(format!("mode '{other}': expected 'reshard' or 'baseline'"))),
+    };
+    let (s, d) = (src.inner.clone(), dst.inner.clone());
+    let plan = py.detach(move || planner(&s, &d, &reshard::PlanOptions::default())).map_err(|e| PlanError::new_err(e.to_string()))?;
+    let f = plan.figures();
+    let out = PyDict::new(py);
+    out.set_item("bytes", f.total_bytes)?;
+    out.set_item("src_egress_bytes", f.src_egress_bytes)?;
+    out.set_item("relayed_bytes", f.relayed_bytes())?;
+    out.set_item("cross_node_bytes", f.cross_node_bytes)?;
+    out.set_item("dst_node_ingress_bytes", f.dst_node_ingress_bytes.clone())?;
+    out.set_item("src_rank_egress_bytes", f.src_rank_egress_bytes.clone())?;
+    out.set_item("max_rank_send_bytes", f.max_rank_send_bytes)?;
+    out.set_item("max_rank_recv_bytes", f.max_rank_recv_bytes)?;
+    out.set_item("messages", f.messages)?;
+    out.set_item("rounds", f.rounds)?;
+    out.set_item("fingerprint", plan.fingerprint().to_string())?;
+    Ok(out)
+}
+
 /// Spawns one store and one member per rank of both layouts in this
 /// process and an orchestrator over them, and plans. Returns
 /// `(orchestrator, [SrcStore], [DstStore])`.
@@ -1213,6 +1242,7 @@ fn _refit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyLayout>()?;
     m.add_class::<PyTensorBuilder>()?;
     m.add_class::<PyLayoutBuilder>()?;
+    m.add_function(wrap_pyfunction!(plan_figures, m)?)?;
     m.add_class::<PySrcStore>()?;
     m.add_class::<PyDstStore>()?;
     m.add_class::<PyJoined>()?;

@@ -644,3 +644,21 @@ def test_param_buffers_says_which_parameter_does_not_fit():
     two = refit.LayoutBuilder(1).tensor(refit.TensorBuilder("w", "f32", [4]).shard(0, offset=[0], extent=[2]).shard(0, offset=[2], extent=[2])).build()
     with pytest.raises(refit.TensorError, match="the rank holds several blocks of 'w'"):
         refit.param_buffers(two, 0, {"w": np.zeros(4, np.float32)})
+
+
+def test_plan_says_what_a_refit_moves_without_running_it():
+    shapes = model_shapes(2, 4, 2, head=2, hidden=8, ffn=8, vocab=64)
+    train = refit.megatron_layout(shapes, tp=2, pp=2, num_attention_heads=4, num_kv_heads=2, ranks_per_node=2, vocab_multiple=4)
+    infer = refit.tp_inference_layout(shapes, tp=2, dp=2, num_kv_heads=2, ranks_per_node=2)
+    reshard, baseline = refit.plan(train, infer), refit.plan(train, infer, mode="baseline")
+    model_bytes = 2 * sum(int(np.prod(s)) for s in shapes.values())  # bf16
+    # Each inference node (one replica) takes in the whole model once.
+    assert reshard.dst_node_ingress_bytes == [model_bytes, model_bytes]
+    assert reshard.bytes == reshard.src_egress_bytes + reshard.relayed_bytes
+    assert len(reshard.src_rank_egress_bytes) == 4 and reshard.messages > 0 and reshard.rounds > 0
+    assert baseline.bytes > reshard.bytes and baseline.fingerprint != reshard.fingerprint
+    with pytest.raises(refit.PlanError, match="mode 'broadcast'"):
+        refit.plan(train, infer, mode="broadcast")
+    other = refit.LayoutBuilder(1).tensor(refit.TensorBuilder("model.norm.weight", "bf16", [9]).mesh([1], ["replicate"])).build()
+    with pytest.raises(refit.PlanError, match="model.norm.weight"):
+        refit.plan(train, other)
