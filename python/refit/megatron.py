@@ -195,11 +195,22 @@ def megatron_layout(
             raise LayoutError(_unknown(name, name))
         t = TensorBuilder(name, dtype, shape)
         shares = _shares(name, shape, how, ways, "etp" if m and name in experts else "tp", heads, groups, vocab_multiple, shapes)
-        for rank, tp_rank in holders:
-            for offset, extent, at in shares[tp_rank]:
-                t = t.shard(rank, offset=offset, extent=extent, buffer=buffer, at=at)
+        if how in MESH:
+            # An even split, every share one block at the same place in its
+            # buffer: the mesh (copies, TP ranks) over the holders, which
+            # are listed copy by copy, TP rank fastest.
+            at = shares[0][0][2]
+            t = t.mesh([len(holders) // ways, ways], ["replicate", MESH[how]], [rank for rank, _ in holders]).buffer(buffer, at)
+        else:
+            for rank, tp_rank in holders:
+                for offset, extent, at in shares[tp_rank]:
+                    t = t.shard(rank, offset=offset, extent=extent, buffer=buffer, at=at)
         b = b.tensor(t)
     return b.build()
+
+
+# Splits a mesh says: the placement of the TP dimension.
+MESH = {"rep": "replicate", "row": "shard(1)", "col": "shard(0)", "fc1": "shard(0)"}
 
 
 def _unknown(name: str, part: str) -> str:
