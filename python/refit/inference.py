@@ -227,11 +227,10 @@ def _experts(shapes: Mapping[str, Sequence[int]], tp: int, dp: int, ep: Optional
                 k, i = divmod(e, local)
                 ranks = list(range(k, tp * dp, ep))  # EP rank k of every group
                 for proj, buffer, at in (("gate_proj", w13, 2 * i * whole), ("up_proj", w13, (2 * i + 1) * whole), ("down_proj", w2, i * whole)):
-                    place[f"{moe}.{e}.{proj}.weight"] = lambda t, buffer=buffer, at=at, ranks=ranks, extent=shape[proj]: _on_ranks(t, ranks, extent, buffer, at)
+                    place[f"{moe}.{e}.{proj}.weight"] = lambda t, buffer=buffer, at=at, ranks=ranks: _on_ranks(t, ranks, buffer, at)
     return place
 
 
-def _on_ranks(t: Any, ranks: Sequence[int], shape: Sequence[int], buffer: str, at: int) -> Any:
-    for r in ranks:
-        t = t.shard(r, offset=[0] * len(shape), extent=list(shape), buffer=buffer, at=at)
-    return t
+def _on_ranks(t: Any, ranks: Sequence[int], buffer: str, at: int) -> Any:
+    """The whole tensor on each of ``ranks``, at ``at`` in its ``buffer``."""
+    return t.mesh([len(ranks)], ["replicate"], list(ranks)).buffer(buffer, at)
