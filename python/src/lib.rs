@@ -963,6 +963,7 @@ fn plan_dict<'py>(py: Python<'py>, r: &PlanReport) -> PyResult<Bound<'py, PyDict
 type Groups = (ActorGroup<Member>, ActorGroup<Member>);
 
 /// What the orchestrator runs over.
+#[derive(Clone)]
 enum Over {
     /// Members in other processes, found through this rendezvous; their
     /// groups once `connect` found them (replaced members put in by
@@ -1111,29 +1112,25 @@ impl PyOrchestrator {
     fn recover(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<(String, u32)>> {
         let within = seconds("timeout", timeout)?;
         let h = self.handle()?;
-        let replaced = match &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
-            Over::Rendezvous(r, g) => {
-                let (rendezvous, groups) = (r.clone(), g.clone());
-                wait(py, async move {
-                    let mut groups = groups.lock().await;
-                    let Some((src, dst)) = groups.as_mut() else { return Ok(Vec::new()) };
-                    rendezvous.recover(&h, src, dst, within).await.map_err(join_err)
-                })
-            }
-            Over::Local(system) => {
-                let system = system.clone();
-                wait(py, async move {
-                    let mut system = system.lock().await;
-                    let gone: Vec<Endpoint> = [(Group::Src, &system.src_members), (Group::Dst, &system.dst_members)]
-                        .into_iter()
-                        .flat_map(|(g, m)| m.iter().filter(|(_, a)| !a.is_alive()).map(move |(r, _)| Endpoint { group: g, rank: r as u32 }))
-                        .collect();
-                    for &e in &gone {
-                        system.replace_member(e).await.map_err(refit_err)?;
-                    }
-                    Ok(gone)
-                })
-            }
+        // Cloned out, so that nothing waits on the lock while this waits.
+        let over = self.over.get().lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let replaced = match over {
+            Over::Rendezvous(rendezvous, groups) => wait(py, async move {
+                let mut groups = groups.lock().await;
+                let Some((src, dst)) = groups.as_mut() else { return Ok(Vec::new()) };
+                rendezvous.recover(&h, src, dst, within).await.map_err(join_err)
+            }),
+            Over::Local(system) => wait(py, async move {
+                let mut system = system.lock().await;
+                let gone: Vec<Endpoint> = [(Group::Src, &system.src_members), (Group::Dst, &system.dst_members)]
+                    .into_iter()
+                    .flat_map(|(g, m)| m.iter().filter(|(_, a)| !a.is_alive()).map(move |(r, _)| Endpoint { group: g, rank: r as u32 }))
+                    .collect();
+                for &e in &gone {
+                    system.replace_member(e).await.map_err(refit_err)?;
+                }
+                Ok(gone)
+            }),
         }?;
         Ok(replaced.into_iter().map(|e| (e.group.to_string(), e.rank)).collect())
     }
