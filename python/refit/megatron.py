@@ -1,4 +1,4 @@
-"""Training-side layouts as Megatron-Core shards Llama/Qwen-style models.
+"""Training-side layouts as Megatron-Core shards Llama/Qwen/DeepSeek-style models.
 
 The layout's tensors are the model's Hugging Face weights (``q_proj``,
 ``gate_proj``, ...: what the inference side names them, see
