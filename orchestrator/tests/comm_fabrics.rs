@@ -387,14 +387,14 @@ fn served_in_place(fabric: Fabric, deadline: Duration) -> ServedInPlace {
 }
 
 fn served_in_place_with(fabric: Fabric, deadline: Duration, dst_config: orchestrator::MemberConfig) -> ServedInPlace {
-    served_in_place_in(fabric, deadline, dst_config, orchestrator::Residence::Host)
+    let config = OrchestratorConfig { fabric, deadline, ..config("served", Strategy::Reshard) };
+    served_in_place_in(config, dst_config, orchestrator::Residence::Host)
 }
 
-/// [`served_in_place_with`] with the memory said to be in `residence` (the
-/// bytes are host memory either way).
+/// [`served_in_place_with`] with the orchestrator's whole `config`, the
+/// memory said to be in `residence` (the bytes are host memory either way).
 fn served_in_place_in(
-    fabric: Fabric,
-    deadline: Duration,
+    config: OrchestratorConfig,
     dst_config: orchestrator::MemberConfig,
     residence: orchestrator::Residence,
 ) -> ServedInPlace {
@@ -402,7 +402,6 @@ fn served_in_place_in(
     use std::sync::Arc;
     let (src, dst) = layouts();
     let (src, dst) = (Arc::new(src), Arc::new(dst));
-    let config = OrchestratorConfig { fabric, deadline, ..config("served", Strategy::Reshard) };
     let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
     let src_stores: Vec<Arc<SrcStore>> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
     let src_members: Vec<_> = src_stores
@@ -474,13 +473,17 @@ fn ipc_fabric(world: &str) -> IpcFabric {
 }
 
 /// Destinations registered in place are written by commits only: every
-/// refit's version lands in the user's memory, on every fabric; a subset
-/// refit keeps the other tensors as served.
+/// refit's version lands in the user's memory, on every fabric (delta
+/// refits too on the host fabrics); a subset refit keeps the other tensors
+/// as served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_destinations_receive_every_version_in_place() {
     let host = [Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default())];
-    for fabric in [Fabric::Nccl(fabric("served")), Fabric::Ipc(ipc_fabric("served"))].into_iter().chain(host) {
-        let sys = served_in_place(fabric.clone(), Duration::from_secs(5));
+    let every = [Fabric::Nccl(fabric("served")), Fabric::Ipc(ipc_fabric("served"))].into_iter().map(|f| (f, false));
+    for (fabric, delta) in every.chain(host.iter().cloned().map(|f| (f, false))).chain(host.iter().cloned().map(|f| (f, true))) {
+        let config =
+            OrchestratorConfig { fabric: fabric.clone(), delta, deadline: Duration::from_secs(5), ..config("served", Strategy::Reshard) };
+        let sys = served_in_place_in(config, orchestrator::MemberConfig::default(), orchestrator::Residence::Host);
         assert!(sys.dst.iter().all(|s| s.snapshot().is_none() && s.weights() == orchestrator::Weights::Unwritten));
         for k in 1..=3 {
             let (w, b) = (k as f32 * 1.5, -(k as f32));
@@ -571,7 +574,8 @@ async fn readers_serving_registered_weights_hold_the_commit_off() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_device_destinations_are_refused_on_host_fabrics() {
     let device = orchestrator::Residence::Device { ordinal: 0 };
-    let sys = served_in_place_in(Fabric::InProcess, Duration::from_secs(5), orchestrator::MemberConfig::default(), device);
+    let config = OrchestratorConfig { fabric: Fabric::InProcess, ..config("served", Strategy::Reshard) };
+    let sys = served_in_place_in(config, orchestrator::MemberConfig::default(), device);
     let v = sys.step(1.0, 2.0).await;
     let before = sys.bits();
     match sys.orchestrator.refit(v).await {
