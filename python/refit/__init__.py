@@ -782,6 +782,14 @@ class Orchestrator:
     ``"simulated-ipc"``: the same fabrics over host memory, every member in
     this process, for testing a pipeline (and in-place sources) without a
     GPU.
+
+    ``delta``: on the ``"in_process"`` and ``"node"`` fabrics, each refit
+    after a clean one sends every message as what changed since the same
+    message of the refit before (checksummed against it; any failure makes
+    the next refit dense), and ``RefitReport.bytes`` counts the bytes on the
+    wire. Each member keeps what it sent and received meanwhile. It pays
+    on slow links when few weights change (docs/benchmarks.md, "Delta
+    refits"); the GPU fabrics refuse it.
     """
 
     def __init__(
@@ -792,13 +800,14 @@ class Orchestrator:
         deadline: float = 60.0,
         control_timeout: float = 10.0,
         fabric: str = "node",
+        delta: bool = False,
         _inner: Any = None,
     ):
         if _inner is not None:
             self._inner, self.secret = _inner, None
             return
         self.secret = secret or _secrets.token_hex(32)
-        self._inner = _refit.Orchestrator(self.secret, bind, deadline, control_timeout, fabric)
+        self._inner = _refit.Orchestrator(self.secret, bind, deadline, control_timeout, fabric, delta)
 
     @property
     def address(self) -> Optional[str]:
@@ -883,13 +892,14 @@ def spawn_local(
     deadline: float = 60.0,
     control_timeout: float = 10.0,
     fabric: str = "in_process",
+    delta: bool = False,
 ) -> LocalSystem:
     """One store and member per rank of both layouts, in this process, and
     an orchestrator over them; plans (a pair that cannot be planned raises
     ``PlanError`` here). ``fabric``: ``"in_process"`` (default), or any of
     ``Orchestrator``'s; on ``"nccl"`` rank ``i`` of the communicator
-    (sources first) runs on GPU ``i``."""
-    orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout, fabric)
+    (sources first) runs on GPU ``i``. ``delta``: as for ``Orchestrator``."""
+    orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout, fabric, delta)
     return LocalSystem(
         Orchestrator(_inner=orch),
         [Source(src, s.rank, _store=s) for s in srcs],

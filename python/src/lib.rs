@@ -1013,9 +1013,10 @@ fn fabric(name: &str, local: bool) -> PyResult<Fabric> {
     })
 }
 
-fn config(deadline: f64, control_timeout: f64, fabric: Fabric) -> PyResult<OrchestratorConfig> {
+fn config(deadline: f64, control_timeout: f64, fabric: Fabric, delta: bool) -> PyResult<OrchestratorConfig> {
     Ok(OrchestratorConfig {
         fabric,
+        delta,
         deadline: seconds("deadline", deadline)?,
         control_timeout: seconds("control_timeout", control_timeout)?,
         ..OrchestratorConfig::default()
@@ -1027,9 +1028,9 @@ impl PyOrchestrator {
     /// Opens a rendezvous at `bind` (port 0: any) that member processes
     /// join with `secret` (16 bytes or more).
     #[new]
-    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0, fabric="node"))]
-    fn new(py: Python<'_>, secret: String, bind: &str, deadline: f64, control_timeout: f64, fabric: &str) -> PyResult<Self> {
-        let config = config(deadline, control_timeout, self::fabric(fabric, false)?)?;
+    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0, fabric="node", delta=false))]
+    fn new(py: Python<'_>, secret: String, bind: &str, deadline: f64, control_timeout: f64, fabric: &str, delta: bool) -> PyResult<Self> {
+        let config = config(deadline, control_timeout, self::fabric(fabric, false)?, delta)?;
         let secret = actors::Secret::from_bytes(secret.into_bytes()).map_err(|e| JoinError::new_err(format!("secret: {e}")))?;
         let bind: std::net::SocketAddr = bind.parse().map_err(|_| JoinError::new_err(format!("bind address '{bind}': not ip:port")))?;
         let rendezvous = wait(py, async move { Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(join_err) })?;
@@ -1198,7 +1199,7 @@ fn plan_figures<'py>(py: Python<'py>, src: PyRef<'py, PyLayout>, dst: PyRef<'py,
 /// process and an orchestrator over them, and plans. Returns
 /// `(orchestrator, [SrcStore], [DstStore])`.
 #[pyfunction]
-#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0, fabric="in_process"))]
+#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0, fabric="in_process", delta=false))]
 fn spawn_local(
     py: Python<'_>,
     src: PyRef<'_, PyLayout>,
@@ -1206,8 +1207,9 @@ fn spawn_local(
     deadline: f64,
     control_timeout: f64,
     fabric: &str,
+    delta: bool,
 ) -> PyResult<(PyOrchestrator, Vec<PySrcStore>, Vec<PyDstStore>)> {
-    let config = config(deadline, control_timeout, self::fabric(fabric, true)?)?;
+    let config = config(deadline, control_timeout, self::fabric(fabric, true)?, delta)?;
     let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
     let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
     let srcs = system
