@@ -31,7 +31,11 @@
 //! Fused buffers, as the frameworks store them (buffer names are per rank;
 //! members lie back to back, each rank's local block after the previous
 //! member's local block, among the members that rank holds):
-//! - training (Megatron): `layers.{l}.linear_qkv` = [q; k; v],
+//! - training (Megatron-like): `layers.{l}.linear_qkv` = [q; k; v] (each
+//!   rank's q, k and v shares back to back; Megatron-Core itself
+//!   interleaves them by query group, which the Python front's
+//!   `megatron_layout` models: the same elements on the same ranks, in
+//!   another order within the buffer),
 //!   `layers.{l}.linear_fc1` = [gate; up] of a dense MLP,
 //!   `layers.{l}.shared_experts.linear_fc1` and
 //!   `layers.{l}.experts.{e}.linear_fc1` likewise (one per expert, as
