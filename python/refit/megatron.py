@@ -27,8 +27,10 @@ Ranks are Megatron's default order (TP fastest, then DP, then PP): global
 rank ``t + tp * (d + dp * p)``; pipeline stage ``p`` holds layers
 ``p * L / pp .. (p + 1) * L / pp``.
 
-Mixture-of-experts layers (Qwen3-MoE / DeepSeek names: ``mlp.gate``,
-``mlp.experts.{e}.*``, ``mlp.shared_experts.*``): the router
+Mixture-of-experts layers (Qwen-MoE / DeepSeek names: ``mlp.gate``,
+``mlp.experts.{e}.*``, ``mlp.shared_experts.*`` or Qwen2-MoE's
+``mlp.shared_expert.*`` with its ``mlp.shared_expert_gate``, Megatron's
+``mlp.shared_experts.gate_weight``): the router
 ``mlp.router.weight`` (and DeepSeek's ``mlp.router.expert_bias``) and
 ``pre_mlp_layernorm.weight`` replicated; shared experts as a dense MLP
 (``mlp.shared_experts.linear_fc1`` / ``linear_fc2``); routed experts on
@@ -84,6 +86,11 @@ IN_LAYER = {
     "mlp.shared_experts.gate_proj.weight": ("mlp.shared_experts.linear_fc1.weight", "fc1"),
     "mlp.shared_experts.up_proj.weight": ("mlp.shared_experts.linear_fc1.weight", "fc1"),
     "mlp.shared_experts.down_proj.weight": ("mlp.shared_experts.linear_fc2.weight", "row"),
+    # Qwen2-MoE's one shared expert, and its gate.
+    "mlp.shared_expert.gate_proj.weight": ("mlp.shared_experts.linear_fc1.weight", "fc1"),
+    "mlp.shared_expert.up_proj.weight": ("mlp.shared_experts.linear_fc1.weight", "fc1"),
+    "mlp.shared_expert.down_proj.weight": ("mlp.shared_experts.linear_fc2.weight", "row"),
+    "mlp.shared_expert_gate.weight": ("mlp.shared_experts.gate_weight", "rep"),
 }
 # The same within a multi-latent attention layer, where they differ.
 IN_MLA_LAYER = {

@@ -409,8 +409,11 @@ def megatron_params(full, tp, pp, heads, groups, vocab_multiple, dp=1, ep=1, etp
                     mine[mg + "pre_mlp_layernorm.weight"] = hf("post_attention_layernorm.weight").copy()
                     mine[mg + "mlp.router.weight"] = hf("mlp.gate.weight").copy()
                     mine[mg + "mlp.router.expert_bias"] = hf("mlp.gate.e_score_correction_bias").copy()
-                    mine[mg + "mlp.shared_experts.linear_fc1.weight"] = fc1(hf("mlp.shared_experts.gate_proj.weight"), hf("mlp.shared_experts.up_proj.weight"), t)
-                    mine[mg + "mlp.shared_experts.linear_fc2.weight"] = split(hf("mlp.shared_experts.down_proj.weight"), t, axis=1)
+                    shared = "mlp.shared_experts." if has("mlp.shared_experts.gate_proj.weight") else "mlp.shared_expert."
+                    mine[mg + "mlp.shared_experts.linear_fc1.weight"] = fc1(hf(shared + "gate_proj.weight"), hf(shared + "up_proj.weight"), t)
+                    mine[mg + "mlp.shared_experts.linear_fc2.weight"] = split(hf(shared + "down_proj.weight"), t, axis=1)
+                    if has("mlp.shared_expert_gate.weight"):
+                        mine[mg + "mlp.shared_experts.gate_weight"] = hf("mlp.shared_expert_gate.weight").copy()
                     count = len([n for n in full if n.startswith(f"model.layers.{p * per_stage + i}.mlp.experts.") and n.endswith("down_proj.weight")])
                     et, k = r % etp, r // etp % ep
                     for j in range(count // ep):
@@ -431,12 +434,13 @@ def megatron_params(full, tp, pp, heads, groups, vocab_multiple, dp=1, ep=1, etp
     return ranks
 
 
-def model_shapes(layers, heads, groups, head, hidden, ffn, vocab, experts=0, moe_from=0, mla=None):
+def model_shapes(layers, heads, groups, head, hidden, ffn, vocab, experts=0, moe_from=0, mla=None, qwen2_shared=False):
     """HF shapes of a Qwen3-like model (GQA, q/k norms, QKV biases, untied
     head); with `experts`, layers from `moe_from` on are MoE layers with
     that many routed experts (intermediate `ffn`), a router with a score
-    bias and shared experts (DeepSeek names); with `mla` (q_lora, kv_lora,
-    nope, rope, v), DeepSeek's multi-latent attention instead."""
+    bias and shared experts (DeepSeek names; `qwen2_shared`: Qwen2-MoE's one
+    gated shared expert); with `mla` (q_lora, kv_lora, nope, rope, v),
+    DeepSeek's multi-latent attention instead."""
     shapes = {"model.embed_tokens.weight": [vocab, hidden], "lm_head.weight": [vocab, hidden], "model.norm.weight": [hidden]}
     for l in range(layers):
         p = f"model.layers.{l}."
@@ -453,11 +457,14 @@ def model_shapes(layers, heads, groups, head, hidden, ffn, vocab, experts=0, moe
                            p + "self_attn.o_proj.weight": [hidden, heads * head], p + "self_attn.q_norm.weight": [head],
                            p + "self_attn.k_norm.weight": [head]})
         shapes.update({p + "input_layernorm.weight": [hidden], p + "post_attention_layernorm.weight": [hidden]})
-        mlps = ["mlp."] if not experts or l < moe_from else ["mlp.shared_experts."] + [f"mlp.experts.{e}." for e in range(experts)]
+        shared = "mlp.shared_expert." if qwen2_shared else "mlp.shared_experts."
+        mlps = ["mlp."] if not experts or l < moe_from else [shared] + [f"mlp.experts.{e}." for e in range(experts)]
         for m in mlps:
             shapes.update({p + m + "gate_proj.weight": [ffn, hidden], p + m + "up_proj.weight": [ffn, hidden], p + m + "down_proj.weight": [hidden, ffn]})
         if experts and l >= moe_from:
             shapes.update({p + "mlp.gate.weight": [experts, hidden], p + "mlp.gate.e_score_correction_bias": [experts]})
+            if qwen2_shared:
+                shapes[p + "mlp.shared_expert_gate.weight"] = [1, hidden]
     return shapes
 
 
@@ -499,13 +506,17 @@ def test_megatron_layout_moves_interleaved_qkv_into_vllm_shards():
     check_megatron(shapes, train, infer, lambda full: megatron_params(full, 2, 2, heads, groups, 4))
 
 
-@pytest.mark.parametrize("dp,ep,etp,grouped", [(2, 2, 1, True), (1, 1, 2, False), (2, 4, 1, True), (2, 1, 2, True), (2, 2, 2, False), (4, 2, 2, True)])
-def test_megatron_layout_places_moe_layers_on_the_expert_grid(dp, ep, etp, grouped):
+@pytest.mark.parametrize(
+    "dp,ep,etp,grouped,qwen2_shared",
+    [(2, 2, 1, True, False), (1, 1, 2, False, False), (2, 4, 1, True, True), (2, 1, 2, True, False), (2, 2, 2, False, True), (4, 2, 2, True, False)],
+)
+def test_megatron_layout_places_moe_layers_on_the_expert_grid(dp, ep, etp, grouped, qwen2_shared):
     """A layer dense, the next MoE (4 routed experts, router with score bias,
-    shared experts) at TP 2 x DP dp, experts EP ep x expert-TP etp, grouped
-    or sequential expert parameters; refit into vLLM TP 2 x DP dp."""
+    shared experts: DeepSeek's, or Qwen2-MoE's gated one) at TP 2 x DP dp,
+    experts EP ep x expert-TP etp, grouped or sequential expert parameters;
+    refit into vLLM TP 2 x DP dp."""
     heads, groups = 4, 2
-    shapes = model_shapes(2, heads, groups, head=2, hidden=6, ffn=4, vocab=10, experts=4, moe_from=1)
+    shapes = model_shapes(2, heads, groups, head=2, hidden=6, ffn=4, vocab=10, experts=4, moe_from=1, qwen2_shared=qwen2_shared)
     train = refit.megatron_layout(shapes, tp=2, dp=dp, num_attention_heads=heads, num_kv_heads=groups, dtype="f32", vocab_multiple=4,
                                   ep=ep, etp=etp, grouped_experts=grouped)
     infer = refit.tp_inference_layout(shapes, tp=2, dp=dp, dtype="f32", num_kv_heads=groups, fuse=False)
