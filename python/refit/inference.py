@@ -87,8 +87,8 @@ def tp_inference_layout(
     engines' ``VocabParallelEmbedding`` splits them: the vocabulary padded
     to a multiple of ``vocab_padding`` (their default, 64), TP rank ``t``
     holding rows ``t * P / tp ..`` of the padded ``P`` (the padding rows,
-    at the end of the last ranks' blocks, are no tensor's: register
-    ``param[:rows]``, as ``layout.blocks(rank)`` gives them).
+    at the end of the last ranks' blocks, are no tensor's:
+    ``refit.param_buffers`` cuts the engines' parameters to the layout).
 
     ``ep``: expert parallelism for MoE experts (see the module doc): the
     size of one EP group, a multiple of ``tp`` dividing ``tp * dp`` (vLLM
