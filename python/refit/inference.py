@@ -30,17 +30,16 @@ ordinary TP-split MLP with their own ``gate_up_proj``.
 
 from __future__ import annotations
 
-import re
 
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
+from ._moe import EXPERT, routed_experts
 from ._refit import LayoutBuilder, LayoutError, TensorBuilder
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head", "q_b_proj", "kv_b_proj")
 ROW = ("o_proj", "down_proj")
 KV = ("k_proj", "v_proj")
 VOCAB = ("embed_tokens", "lm_head")
-EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "gate_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
          "up_proj": ("gate_up_proj", ("gate_proj", "up_proj")),
@@ -180,20 +179,14 @@ def tp_inference_layout(
 def _experts(shapes: Mapping[str, Sequence[int]], tp: int, dp: int, ep: Optional[int]) -> Dict[str, Any]:
     """For every routed expert's projection: how to place it in its layer's
     FusedMoE buffers (a function completing its ``TensorBuilder``)."""
-    layers: Dict[str, Dict[int, Dict[str, Sequence[int]]]] = {}
-    for name, shape in shapes.items():
-        m = EXPERT.match(name)
-        if m:
-            layers.setdefault(m["moe"], {}).setdefault(int(m["e"]), {})[m["proj"]] = shape
     if ep is not None and (ep < 1 or ep % tp or (tp * dp) % ep):
         raise LayoutError(f"ep={ep}: an EP group must be a multiple of tp={tp} dividing the {tp * dp} ranks")
     place: Dict[str, Any] = {}
-    for moe, by_expert in layers.items():
+    for moe, by_expert in routed_experts(shapes, ep or 1).items():
         count = len(by_expert)
-        if sorted(by_expert) != list(range(count)):
-            raise LayoutError(f"'{moe}': experts {sorted(by_expert)} are not 0..{count - 1}")
         shape = None
-        for e, projs in sorted(by_expert.items()):
+        for e, names in sorted(by_expert.items()):
+            projs = {p: shapes[n] for p, n in names.items()}
             missing = [p for p in ("gate_proj", "up_proj", "down_proj") if p not in projs]
             if missing:
                 raise LayoutError(f"'{moe}.{e}': no {missing} (FusedMoE needs gate_proj, up_proj and down_proj of every expert)")
@@ -220,8 +213,6 @@ def _experts(shapes: Mapping[str, Sequence[int]], tp: int, dp: int, ep: Optional
                         lambda t, buffer=buffer, at=at, placement=placement: t.mesh([dp, tp], ["replicate", placement]).buffer(buffer, at)
                     )
         else:
-            if count % ep:
-                raise LayoutError(f"'{moe}': {count} experts do not split evenly over ep={ep}")
             local, whole = count // ep, inter * hidden
             for e in range(count):
                 k, i = divmod(e, local)

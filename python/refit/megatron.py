@@ -59,6 +59,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ._moe import routed_experts
 from ._refit import LayoutBuilder, LayoutError, TensorBuilder
 
 LAYER = re.compile(r"^model\.layers\.(?P<l>\d+)\.(?P<rest>.+)$")
@@ -103,7 +104,6 @@ IN_MLA_LAYER = {
     "self_attn.kv_b_proj.weight": ("self_attention.linear_kv_up_proj.weight", "col"),
     "input_layernorm.weight": ("input_layernorm.weight", "rep"),
 }
-EXPERT = re.compile(r"^mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 OUTSIDE = {
     # HF name -> (Megatron name, how it is split, on the first stage? else the last)
     "model.embed_tokens.weight": ("embedding.word_embeddings.weight", "vocab", True),
@@ -229,22 +229,15 @@ def _unknown(name: str, part: str) -> str:
 def _experts(shapes: Mapping[str, Sequence[int]], ep: int) -> Dict[str, Tuple[int, Tuple[int, int]]]:
     """Every routed expert's projection: its layer, its EP rank and its
     local index there (experts ``k * E / ep ..`` on EP rank ``k``)."""
-    by_layer: Dict[int, Dict[int, List[str]]] = {}
-    for name in shapes:
-        m = LAYER.match(name)
-        e = EXPERT.match(m["rest"]) if m else None
-        if e:
-            by_layer.setdefault(int(m["l"]), {}).setdefault(int(e["e"]), []).append(name)
     placed: Dict[str, Tuple[int, Tuple[int, int]]] = {}
-    for layer, experts in by_layer.items():
-        count = len(experts)
-        if sorted(experts) != list(range(count)):
-            raise LayoutError(f"model.layers.{layer}: experts {sorted(experts)[:8]}... are not 0..{count - 1}")
-        if count % ep:
-            raise LayoutError(f"model.layers.{layer}: {count} experts do not split evenly over ep={ep}")
-        for e, names in experts.items():
-            for name in names:
-                placed[name] = (layer, divmod(e, count // ep))
+    for moe, experts in routed_experts(shapes, ep).items():
+        m = LAYER.match(moe)
+        if not m:
+            continue  # outside the layers: refused by name later
+        local = len(experts) // ep
+        for e, projs in experts.items():
+            for name in projs.values():
+                placed[name] = (int(m["l"]), divmod(e, local))
     return placed
 
 

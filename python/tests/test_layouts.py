@@ -547,7 +547,7 @@ def test_megatron_layout_refuses_what_it_cannot_place():
     with pytest.raises(refit.LayoutError, match="multi-latent attention weights in a layer without kv_a_proj_with_mqa"):
         refit.megatron_layout({"model.layers.0.self_attn.q_a_proj.weight": [4, 6]}, tp=2, num_attention_heads=4)
     experts = {f"model.layers.0.mlp.experts.{e}.{p}.weight": [4, 6] for e in (0, 1, 3) for p in ("gate_proj", "up_proj")}
-    with pytest.raises(refit.LayoutError, match=r"model.layers.0: experts \[0, 1, 3\]... are not 0..2"):
+    with pytest.raises(refit.LayoutError, match=r"'model.layers.0.mlp.experts': experts \[0, 1, 3\] are not 0..2"):
         refit.megatron_layout({**base, **experts}, tp=2, num_attention_heads=4, num_kv_heads=2)
     with pytest.raises(refit.LayoutError, match="ep=4 x etp=2 does not divide the 4 ranks of a stage"):
         refit.megatron_layout(base, tp=2, dp=2, ep=4, num_attention_heads=4, num_kv_heads=2)
