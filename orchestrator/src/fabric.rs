@@ -471,7 +471,6 @@ impl RegisteredStaging {
         if registered.residence() != Residence::Host {
             return Err(format!("{}: host staging for registered {} memory", program.endpoint, registered.residence()));
         }
-        let regions = registered_regions(program, registered)?;
         let specs = program.buffers.get(..buffers).ok_or_else(|| format!("{}: the program has no {buffers} buffers", program.endpoint))?;
         let lens = specs.iter().map(|b| (b.elems * b.dtype.size()) as usize);
         let fits =
@@ -482,7 +481,7 @@ impl RegisteredStaging {
         let st = staging.as_mut().ok_or("no staging")?;
         let memory = st.memory.host().ok_or("no host staging")?;
         if !st.synced {
-            for (to, &(addr, len)) in memory.buffers.iter_mut().zip(&regions) {
+            for (to, &(addr, len)) in memory.buffers.iter_mut().zip(&registered_regions(program, registered)?) {
                 // SAFETY: the registered region holds `len` bytes of host
                 // memory (`registered_regions`, the residence checked
                 // above), valid for reads while the store lives, and

@@ -139,15 +139,6 @@ impl Rendezvous {
         }
     }
 
-    /// Forgets `name`'s registration (before a replacement joins, so that
-    /// the dead one is not looked up again).
-    pub async fn forget(&self, name: &str) -> Result<(), JoinError> {
-        if let Some(r) = self.resolve(name).await? {
-            let _ = self.registry.call(RegistryMsg::Unregister { name: name.to_string(), addr: r.addr }).await;
-        }
-        Ok(())
-    }
-
     /// Waits up to `within` for `name` to join, then looks it up.
     pub async fn lookup<A>(&self, name: &str, within: Duration) -> Result<ActorRef<A>, JoinError>
     where

@@ -166,9 +166,7 @@ pub fn run_rank_bypassing<T: Transport>(
     transport: &mut T,
     options: &ExecOptions,
 ) -> Result<RankStats, ExecError> {
-    let deadline = Instant::now() + options.deadline;
-    let mem = memory.view();
-    run_rank_view(program, bypass, &mem, transport, deadline)
+    run_on(program, bypass, &memory.view(), transport, options, None)
 }
 
 /// A delta refit on one rank ([`crate::delta`]): every message goes as
@@ -202,11 +200,7 @@ pub fn run_rank_delta<T: Transport>(
     options: &ExecOptions,
     delta: &mut DeltaRun,
 ) -> Result<RankStats, ExecError> {
-    let deadline = Instant::now() + options.deadline;
-    let mem = memory.view();
-    let mut stats = run_rank_inner(program, bypass, &mem, transport, deadline, Some(delta))?;
-    stats.sent_bytes = delta.wire_bytes;
-    Ok(stats)
+    run_on(program, bypass, &memory.view(), transport, options, Some(delta))
 }
 
 /// [`run_rank_bypassing`] (with `delta`, [`run_rank_delta`]) over memory
@@ -227,25 +221,28 @@ pub unsafe fn run_rank_regions<T: Transport>(
     regions: &[(u64, usize)],
     transport: &mut T,
     options: &ExecOptions,
-    mut delta: Option<&mut DeltaRun>,
+    delta: Option<&mut DeltaRun>,
 ) -> Result<RankStats, ExecError> {
-    let deadline = Instant::now() + options.deadline;
     let mem = MemView { bufs: regions.iter().map(|&(addr, len)| RawBuf { ptr: addr as *mut u8, len }).collect() };
-    let mut stats = run_rank_inner(program, bypass, &mem, transport, deadline, delta.as_deref_mut())?;
-    if let Some(d) = delta {
-        stats.sent_bytes = d.wire_bytes;
-    }
-    Ok(stats)
+    run_on(program, bypass, &mem, transport, options, delta)
 }
 
-pub(crate) fn run_rank_view<T: Transport>(
+/// Runs the program on `mem` by the options' deadline; a delta run's
+/// `sent_bytes` are what went on the wire.
+fn run_on<T: Transport>(
     program: &RankProgram,
     bypass: &Bypass,
     mem: &MemView,
     transport: &mut T,
-    deadline: Instant,
+    options: &ExecOptions,
+    mut delta: Option<&mut DeltaRun>,
 ) -> Result<RankStats, ExecError> {
-    run_rank_inner(program, bypass, mem, transport, deadline, None)
+    let deadline = Instant::now() + options.deadline;
+    let mut stats = run_rank_inner(program, bypass, mem, transport, deadline, delta.as_deref_mut())?;
+    if let Some(d) = delta {
+        stats.sent_bytes = d.wire_bytes;
+    }
+    Ok(stats)
 }
 
 fn run_rank_inner<T: Transport>(
@@ -453,7 +450,7 @@ fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload
     // SAFETY: the message is this rank's program's and `mem` this run's
     // view of its buffers: both outlive every payload of the run, since the
     // rank waits for its receivers to release what it sent (`flush`, and on
-    // failure `run_rank_view`) before its run returns; the pieces read are
+    // failure `run_rank_inner`) before its run returns; the pieces read are
     // source regions this rank does not write while they are lent.
     Ok(Payload::Pieces(unsafe { SentPieces::new(msg, &mem.bufs, staging) }))
 }
