@@ -17,6 +17,7 @@ staging.
 
 from __future__ import annotations
 
+import collections as _collections
 import functools as _functools
 import secrets as _secrets
 import sys as _sys
@@ -306,10 +307,8 @@ def param_buffers(layout: Layout, rank: int, params: Mapping[str, Any]) -> Dict[
     parameter is missing, too small or not contiguous."""
     out: Dict[str, Any] = {}
     buffers = layout.buffers(rank)
-    own: Dict[str, int] = {}  # tensor -> its own buffers on this rank
-    for buffer, _, _ in buffers:
-        if "#" in buffer:
-            own[buffer.rsplit("#", 1)[0]] = own.get(buffer.rsplit("#", 1)[0], 0) + 1
+    # Tensor -> how many buffers of its own it has on this rank.
+    own = _collections.Counter(b.rsplit("#", 1)[0] for b, _, _ in buffers if "#" in b)
     for buffer, _dtype, elems in buffers:
         name = buffer
         if buffer not in params and "#" in buffer:
