@@ -97,9 +97,17 @@ impl Block {
         self.offset[d] + self.extent[d]
     }
 
-    /// Number of elements (1 for a scalar).
+    /// Number of elements (1 for a scalar), saturating at `u64::MAX`: a
+    /// box from a program or a peer whose extents multiply past `u64`
+    /// counts as too large for any buffer, never as a small box (see
+    /// [`Block::checked_numel`] to tell).
     pub fn numel(&self) -> u64 {
-        self.extent().iter().product()
+        self.extent().iter().fold(1u64, |n, &e| n.saturating_mul(e))
+    }
+
+    /// Number of elements, `None` where the extents multiply past `u64`.
+    pub fn checked_numel(&self) -> Option<u64> {
+        self.extent().iter().try_fold(1u64, |n, &e| n.checked_mul(e))
     }
 
     /// Whether the block holds no element.
@@ -308,6 +316,17 @@ mod tests {
 
     fn b(off: &[u64], ext: &[u64]) -> Block {
         Block::new(off, ext)
+    }
+
+    #[test]
+    fn element_counts_never_wrap() {
+        // 3 * 0xAAAA_AAAA_AAAA_AAAB is 2^65 + 1: 1 if it wrapped.
+        let huge = b(&[0, 0], &[3, 0xAAAA_AAAA_AAAA_AAAB]);
+        assert_eq!(huge.checked_numel(), None);
+        assert_eq!(huge.numel(), u64::MAX);
+        assert_eq!(b(&[5, 6], &[3, 4]).checked_numel(), Some(12));
+        assert_eq!(b(&[], &[]).checked_numel(), Some(1));
+        assert_eq!(b(&[0, 0], &[0, u64::MAX]).numel(), 0);
     }
 
     #[test]

@@ -329,10 +329,18 @@ macro_rules! view {
                 self.0.extent()
             }
 
-            /// The piece's number of elements.
+            /// The piece's number of elements, saturating at `u64::MAX`
+            /// (a deserialized piece's extents may multiply past it).
             #[inline]
             pub fn numel(&self) -> u64 {
-                self.0.extent().iter().product()
+                self.0.extent().iter().fold(1u64, |n, &e| n.saturating_mul(e))
+            }
+
+            /// The piece's number of elements, `None` where its extents
+            /// multiply past `u64`.
+            #[inline]
+            pub fn checked_numel(&self) -> Option<u64> {
+                self.0.extent().iter().try_fold(1u64, |n, &e| n.checked_mul(e))
             }
 
             /// Where the piece's words lie in memory, for a reader that

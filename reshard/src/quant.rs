@@ -160,11 +160,14 @@ pub fn grid_of(b: &Block, block: &[u64]) -> Block {
     Block::new(&off, &ext)
 }
 
-/// The element box of block-grid box `g` in a tensor of `shape`.
+/// The element box of block-grid box `g` in a tensor of `shape`
+/// (saturating: a grid box of a step from the wire may reach past `u64`
+/// elements; its element box then ends at the tensor's end, and one past
+/// that end is empty).
 pub fn elements_of(g: &Block, block: &[u64], shape: &[u64]) -> Block {
     let nd = g.ndim();
-    let off: Vec<u64> = (0..nd).map(|d| g.offset()[d] * block[d]).collect();
-    let ext: Vec<u64> = (0..nd).map(|d| (g.end(d) * block[d]).min(shape[d]) - off[d]).collect();
+    let off: Vec<u64> = (0..nd).map(|d| g.offset()[d].saturating_mul(block[d])).collect();
+    let ext: Vec<u64> = (0..nd).map(|d| g.end(d).saturating_mul(block[d]).min(shape[d]).saturating_sub(off[d])).collect();
     Block::new(&off, &ext)
 }
 
@@ -390,13 +393,15 @@ pub fn quantize<'a>(
     if weights.len() != op.weights.len() || scales.len() != op.scales.len() {
         return Err(oob("output"));
     }
+    // Element counts checked: extents from the wire may multiply past
+    // `u64`, which must not pass for a small box.
     for (w, r) in op.weights.iter().zip(weights.iter()) {
-        if r.len() as u64 != w.block.numel() {
+        if w.block.checked_numel() != Some(r.len() as u64) {
             return Err(oob("weight"));
         }
     }
     for (s, r) in op.scales.iter().zip(scales.iter()) {
-        if r.len() as u64 != s.block.numel() * 4 {
+        if s.block.checked_numel().and_then(|n| n.checked_mul(4)) != Some(r.len() as u64) {
             return Err(oob("scale"));
         }
     }
@@ -427,9 +432,18 @@ pub fn quantize<'a>(
     let (mut values, mut tops, mut block_scales): (Vec<f32>, Vec<u32>, Vec<f32>) = (Vec::new(), Vec::new(), Vec::new());
     for st in &op.staged {
         let bytes = staged(st.buffer).ok_or_else(|| oob("staged"))?;
-        let end = st.at.checked_add(st.block.numel()).and_then(|n| n.checked_mul(size as u64)).ok_or_else(|| oob("staged"))?;
+        let end = st
+            .block
+            .checked_numel()
+            .and_then(|n| n.checked_add(st.at))
+            .and_then(|n| n.checked_mul(size as u64))
+            .ok_or_else(|| oob("staged"))?;
         if (bytes.len() as u64) < end {
             return Err(oob("staged"));
+        }
+        // An empty box holds no block: nothing to quantize from it.
+        if st.block.is_empty() {
+            continue;
         }
         let grid = grid_of(&st.block, &op.block);
         let nd = grid.ndim();
@@ -665,6 +679,53 @@ mod tests {
             let e = quantize(&o, &staged, &mut [&mut w[..]], &mut [&mut s[..]]).unwrap_err();
             assert!(matches!(e, QuantError::OutOfBounds { .. }), "{what}: {e}");
         }
+    }
+
+    /// Extents whose product wraps (3 * 0xAAAA_AAAA_AAAA_AAAB is 2^65 + 1,
+    /// 1 if it wrapped) are refused, never taken for a 1-element box.
+    #[test]
+    fn extents_that_multiply_past_u64_are_refused() {
+        let huge = Block::new(&[0, 0], &[3, 0xAAAA_AAAA_AAAA_AAAB]);
+        let bytes = vec![0u8; 64];
+        let staged = |b: u32| (b == 0).then_some(bytes.as_slice());
+        let op = |staged: Block, weight: Block, scale: Block| Quantize {
+            tensor: "w".into(),
+            shape: vec![3, 0xAAAA_AAAA_AAAA_AAAB],
+            block: vec![1, 1],
+            staged_dtype: DType::F32,
+            staged: vec![Stored { block: staged, buffer: 0, at: 0 }],
+            weights: vec![Stored { block: weight, buffer: 1, at: 0 }],
+            scales: vec![Stored { block: scale, buffer: 2, at: 0 }],
+        };
+        let small = Block::new(&[0, 0], &[1, 1]);
+        for (what, o) in [("staged", op(huge, small, small)), ("weight", op(small, huge, small)), ("scale", op(small, small, huge))] {
+            // Outputs sized as a wrapped count would size them.
+            let (mut w, mut s) = (vec![0u8; 1], vec![0u8; 4]);
+            let e = quantize(&o, &staged, &mut [&mut w[..]], &mut [&mut s[..]]).unwrap_err();
+            assert_eq!(e, QuantError::OutOfBounds { tensor: "w".into(), what }, "{what}");
+        }
+    }
+
+    /// A staged box holding no element quantizes nothing (no panic), and
+    /// the rest of the step is quantized as without it.
+    #[test]
+    fn an_empty_staged_box_quantizes_nothing() {
+        let (good, bytes) = op();
+        let staged = |b: u32| (b == 0).then_some(bytes.as_slice());
+        let (mut w0, mut s0) = (vec![0u8; 6], vec![0u8; 24]);
+        quantize(&good, &staged, &mut [&mut w0[..]], &mut [&mut s0[..]]).unwrap();
+        for empty in [Block::new(&[2, 0], &[1, 0]), Block::new(&[2, 4], &[0, 1]), Block::new(&[0, 0], &[0, 0])] {
+            let mut o = good.clone();
+            o.staged.push(Stored { block: empty, buffer: 0, at: 15 });
+            let (mut w, mut s) = (vec![0u8; 6], vec![0u8; 24]);
+            quantize(&o, &staged, &mut [&mut w[..]], &mut [&mut s[..]]).unwrap();
+            assert_eq!((w, s), (w0.clone(), s0.clone()), "{empty}");
+        }
+        // Still checked against its buffer.
+        let mut o = good.clone();
+        o.staged.push(Stored { block: Block::new(&[2, 0], &[1, 0]), buffer: 0, at: 16 });
+        let (mut w, mut s) = (vec![0u8; 6], vec![0u8; 24]);
+        assert!(quantize(&o, &staged, &mut [&mut w[..]], &mut [&mut s[..]]).is_err());
     }
 
     #[test]

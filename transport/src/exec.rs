@@ -373,7 +373,12 @@ fn quantize_all(program: &RankProgram, mem: &MemView) -> Result<(), ExecError> {
             for st in list.iter() {
                 let buf = mem.bufs.get(st.buffer as usize).ok_or_else(|| oob(what))?;
                 let start = st.at.checked_mul(size).ok_or_else(|| oob(what))?;
-                let end = st.block.numel().checked_mul(size).and_then(|n| n.checked_add(start)).ok_or_else(|| oob(what))?;
+                let end = st
+                    .block
+                    .checked_numel()
+                    .and_then(|n| n.checked_mul(size))
+                    .and_then(|n| n.checked_add(start))
+                    .ok_or_else(|| oob(what))?;
                 if end > buf.len as u64 || op.staged.iter().any(|s| s.buffer == st.buffer) {
                     return Err(oob(what));
                 }

@@ -123,9 +123,9 @@ pub struct CastBox {
 }
 
 impl CastBox {
-    /// Elements in the box.
+    /// Elements in the box (saturating at `u64::MAX`).
     pub fn numel(&self) -> u64 {
-        self.counts.iter().product()
+        self.counts.iter().fold(1u64, |n, &c| n.saturating_mul(c))
     }
 
     /// The launch geometry.
@@ -133,15 +133,20 @@ impl CastBox {
         launch_3d(self.counts)
     }
 
-    /// One past the last element read and written.
-    pub fn ends(&self) -> (u64, u64) {
-        let end = |base: u64, strides: &[u64; 3]| {
-            if self.numel() == 0 {
-                return base;
+    /// One past the last element read and written; `None` where either
+    /// passes `u64` (such a box fits no buffer).
+    pub fn ends(&self) -> Option<(u64, u64)> {
+        let end = |base: u64, strides: &[u64; 3]| -> Option<u64> {
+            if self.counts.contains(&0) {
+                return Some(base);
             }
-            base + (0..3).map(|d| (self.counts[d] - 1) * strides[d]).sum::<u64>() + 1
+            let mut last = base;
+            for (&c, &s) in self.counts.iter().zip(strides) {
+                last = last.checked_add((c - 1).checked_mul(s)?)?;
+            }
+            last.checked_add(1)
         };
-        (end(self.src_base, &self.src_strides), end(self.dst_base, &self.dst_strides))
+        Some((end(self.src_base, &self.src_strides)?, end(self.dst_base, &self.dst_strides)?))
     }
 
     /// Runs the box on host bytes as the kernel does (every element
@@ -149,9 +154,9 @@ impl CastBox {
     /// against). Returns false, touching nothing, if it would leave either
     /// side.
     pub fn apply(&self, from: reshard::DType, src: &[u8], to: reshard::DType, dst: &mut [u8]) -> bool {
-        let (se, de) = self.ends();
+        let Some((se, de)) = self.ends() else { return false };
         let (fs, ts) = (from.size(), to.size());
-        if se * fs > src.len() as u64 || de * ts > dst.len() as u64 {
+        if se.checked_mul(fs).is_none_or(|n| n > src.len() as u64) || de.checked_mul(ts).is_none_or(|n| n > dst.len() as u64) {
             return false;
         }
         let [c0, c1, c2] = self.counts;

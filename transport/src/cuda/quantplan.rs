@@ -144,10 +144,10 @@ fn inner3(v: &[u64], pad: u64) -> [u64; 3] {
 }
 
 /// Row-major strides of a box of `extent` (outermost first), innermost
-/// first.
-fn row_major(extent: &[u64]) -> [u64; 3] {
+/// first; `None` where they pass `u64`.
+fn row_major(extent: &[u64]) -> Option<[u64; 3]> {
     let e = inner3(extent, 1);
-    [1, e[0], e[0] * e[1]]
+    Some([1, e[0], e[0].checked_mul(e[1])?])
 }
 
 /// Element offset of global index `idx` in box `b` stored row-major from
@@ -199,14 +199,16 @@ impl QuantPlan {
         let grid_shape: Vec<u64> = op.shape.iter().zip(&op.block).map(|(&n, &b)| n.div_ceil(b)).collect();
         let inside = |b: &Block, shape: &[u64]| b.ndim() == nd && (0..nd).all(|d| b.end(d) <= shape[d]);
         // A region of `numel` elements of `dtype` from element `at` of
-        // buffer `buffer`, inside it.
-        let fits = |st: &Stored, dtype: DType, what| -> Result<(), QuantError> {
+        // buffer `buffer`, inside it: its end. Counts are checked (extents
+        // from the wire may multiply past `u64`), so every offset inside a
+        // box below is less than its end.
+        let fits = |st: &Stored, dtype: DType, what| -> Result<u64, QuantError> {
             let spec = buffers.get(st.buffer as usize).ok_or_else(|| oob(what))?;
-            let end = st.at.checked_add(st.block.numel()).ok_or_else(|| oob(what))?;
+            let end = st.block.checked_numel().and_then(|n| n.checked_add(st.at)).ok_or_else(|| oob(what))?;
             if spec.dtype != dtype || end > spec.elems {
                 return Err(oob(what));
             }
-            Ok(())
+            Ok(end)
         };
         let dt = dt_code(op.staged_dtype).ok_or_else(|| oob("staged"))?;
         for st in &op.staged {
@@ -221,11 +223,11 @@ impl QuantPlan {
             [(&op.weights, DType::F8E4M3, &op.shape, "weight"), (&op.scales, DType::F32, &grid_shape, "scale")]
         {
             for st in list.iter() {
-                fits(st, dtype, what)?;
+                let end = fits(st, dtype, what)?;
                 if !inside(&st.block, shape) || op.staged.iter().any(|s| s.buffer == st.buffer) {
                     return Err(oob(what));
                 }
-                regions.push((st.buffer, st.at, st.at + st.block.numel()));
+                regions.push((st.buffer, st.at, end));
             }
         }
         regions.sort_unstable();
@@ -233,12 +235,17 @@ impl QuantPlan {
             return Err(oob("overlapping"));
         }
         let block = inner3(&op.block, 1);
-        for st in &op.staged {
+        // Strides of a box checked to fit its buffer (so they fit `u64`).
+        let strides = |b: &Block, what| row_major(b.extent()).ok_or_else(|| oob(what));
+        for st in op.staged.iter().filter(|st| !st.block.is_empty()) {
+            // (An empty box holds no block: no launch, as the host
+            // quantizer skips it.)
             let g = grid_of(&st.block, &op.block);
             let base = self.scratch;
             let grid = inner3(g.extent(), 1);
-            let grid_strides = [1, grid[0], grid[0] * grid[1]];
-            self.scratch += g.numel();
+            // The grid has no more cells than the box has elements.
+            let grid_strides = row_major(g.extent()).ok_or_else(|| oob("staged"))?;
+            self.scratch = g.checked_numel().and_then(|n| n.checked_add(base)).ok_or_else(|| oob("staged"))?;
             self.scales.push(ScalesLaunch {
                 staged: st.buffer,
                 dt,
@@ -248,7 +255,7 @@ impl QuantPlan {
                 shape: inner3(&op.shape, 1),
                 first: inner3(st.block.offset(), 0),
                 at: st.at,
-                strides: row_major(st.block.extent()),
+                strides: strides(&st.block, "staged")?,
                 base,
             });
             for w in &op.weights {
@@ -259,9 +266,9 @@ impl QuantPlan {
                     weights: w.buffer,
                     counts: inner3(part.extent(), 1),
                     src_base: offset_of(&st.block, st.at, part.offset()),
-                    src_strides: row_major(st.block.extent()),
+                    src_strides: strides(&st.block, "staged")?,
                     dst_base: offset_of(&w.block, w.at, part.offset()),
-                    dst_strides: row_major(w.block.extent()),
+                    dst_strides: strides(&w.block, "weight")?,
                     first: inner3(part.offset(), 0),
                     block,
                     grid_off: inner3(g.offset(), 0),
@@ -278,7 +285,7 @@ impl QuantPlan {
                         src_base: offset_of(&g, base, part.offset()),
                         src_strides: grid_strides,
                         dst_base: offset_of(&sc.block, sc.at, part.offset()),
-                        dst_strides: row_major(sc.block.extent()),
+                        dst_strides: strides(&sc.block, "scale")?,
                     },
                 });
             }
@@ -296,12 +303,18 @@ impl QuantPlan {
                 _ => Err(format!("{what} buffer {b} is not {dtype} here")),
             }
         };
-        // One past the last element of a box of `counts` at `base`.
-        let end = |counts: [u64; 3], base: u64, strides: [u64; 3]| -> u64 {
+        // One past the last element of a box of `counts` at `base` (`None`
+        // past `u64`: every launch's numbers are checked here, whoever
+        // made them).
+        let end = |counts: [u64; 3], base: u64, strides: [u64; 3]| -> Option<u64> {
             if counts.contains(&0) {
-                return base;
+                return Some(base);
             }
-            base + (0..3).map(|d| (counts[d] - 1) * strides[d]).sum::<u64>() + 1
+            let mut last = base;
+            for (c, s) in counts.into_iter().zip(strides) {
+                last = last.checked_add((c - 1).checked_mul(s)?)?;
+            }
+            last.checked_add(1)
         };
         let out = |what: &str| Err(format!("a {what} launch reaches past its buffer"));
         for l in &self.scales {
@@ -312,14 +325,22 @@ impl QuantPlan {
             }
             let mut ext = [0u64; 3];
             for (d, e) in ext.iter_mut().enumerate() {
-                let start = l.grid_off[d] * l.block[d];
-                let stop = ((l.grid_off[d] + l.grid[d]) * l.block[d]).min(l.shape[d]);
-                if start < l.first[d] || stop < start || l.block[d] == 0 {
-                    return out("scales");
+                // The kernel reads a cell's elements from its first up to
+                // the tensor's end (a whole block past it if the cell
+                // started there): no cell may start past the end.
+                let start = l.grid_off[d].checked_mul(l.block[d]);
+                let end = l.grid_off[d].checked_add(l.grid[d]).and_then(|g| g.checked_mul(l.block[d]));
+                let last_cell = end.and_then(|e| e.checked_sub(l.block[d]));
+                match (start, end, last_cell) {
+                    (Some(start), Some(end), Some(last)) if start >= l.first[d] && l.block[d] != 0 && last <= l.shape[d] => {
+                        *e = end.min(l.shape[d]) - l.first[d]
+                    }
+                    _ if l.grid[d] == 0 && l.block[d] != 0 => *e = 0,
+                    _ => return out("scales"),
                 }
-                *e = stop - l.first[d];
             }
-            if end(ext, l.at, l.strides) > n || l.base + l.grid.iter().product::<u64>() > self.scratch {
+            let cells = l.grid.iter().try_fold(1u64, |n, &g| n.checked_mul(g)).and_then(|c| c.checked_add(l.base));
+            if end(ext, l.at, l.strides).is_none_or(|e| e > n) || cells.is_none_or(|c| c > self.scratch) {
                 return out("scales");
             }
         }
@@ -329,36 +350,45 @@ impl QuantPlan {
             if l.counts.contains(&0) {
                 continue;
             }
-            let mut cell = l.base;
+            // The kernel steps through the grid's first dimension by 1.
+            if l.grid_strides[0] != 1 {
+                return out("codes");
+            }
+            let mut cell = Some(l.base);
             for d in 0..3 {
                 let b = l.block[d];
-                if b == 0 {
-                    return out("codes");
-                }
-                let (lo, hi) = (l.first[d] / b, (l.first[d] + l.counts[d] - 1) / b);
+                let last = l.first[d].checked_add(l.counts[d] - 1);
+                let (lo, hi) = match last {
+                    Some(last) if b != 0 => (l.first[d] / b, last / b),
+                    _ => return out("codes"),
+                };
                 if lo < l.grid_off[d] {
                     return out("codes");
                 }
-                cell += (hi - l.grid_off[d]) * l.grid_strides[d];
+                cell = cell.and_then(|c| c.checked_add((hi - l.grid_off[d]).checked_mul(l.grid_strides[d])?));
             }
-            if end(l.counts, l.src_base, l.src_strides) > n || end(l.counts, l.dst_base, l.dst_strides) > w || cell >= self.scratch {
+            if end(l.counts, l.src_base, l.src_strides).is_none_or(|e| e > n)
+                || end(l.counts, l.dst_base, l.dst_strides).is_none_or(|e| e > w)
+                || cell.is_none_or(|c| c >= self.scratch)
+            {
                 return out("codes");
             }
         }
         for o in &self.outs {
             let n = elems(o.scales, DType::F32, "scale")?;
-            let (src, dst) = o.copy.ends();
-            if src > self.scratch || dst > n {
-                return out("scale");
+            match o.copy.ends() {
+                Some((src, dst)) if src <= self.scratch && dst <= n => {}
+                _ => return out("scale"),
             }
         }
         Ok(())
     }
 
     /// Runs the launches on host buffers (the program's, in order) as the
-    /// kernels run them. Returns the scratch index of the first block
-    /// holding NaN or infinity, if any (its codes are then unspecified, as
-    /// on the device).
+    /// kernels run them, once [`QuantPlan::fits`] accepted these buffers.
+    /// Returns the scratch index of the first block holding NaN or
+    /// infinity, if any (its codes are then unspecified, as on the
+    /// device).
     pub fn replay(&self, buffers: &mut [Vec<u8>]) -> Result<(), u64> {
         let mut scratch = vec![0f32; self.scratch as usize];
         let mut bad: Option<u64> = None;
@@ -419,5 +449,113 @@ impl QuantPlan {
             }
         }
         bad.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reshard::{BufferKey, Endpoint, Fingerprint, Group, RankProgram};
+
+    /// 3 x 0xAAAA_AAAA_AAAA_AAAB elements: 2^65 + 1, so 1 if the product
+    /// wrapped.
+    const WRAPS: [u64; 2] = [3, 0xAAAA_AAAA_AAAA_AAAB];
+
+    fn spec(i: u32, dtype: DType, elems: u64) -> BufferSpec {
+        BufferSpec { key: BufferKey::Named(i), name: format!("b{i}"), dtype, elems }
+    }
+
+    /// A destination program with one step: a 3 x 5 f32 tensor in 2 x 2
+    /// blocks, staged as two boxes in buffer 0; the rank holds a 2 x 3
+    /// window (buffer 1) and every scale (buffer 2).
+    fn program() -> RankProgram {
+        let op = Quantize {
+            tensor: "w".into(),
+            shape: vec![3, 5],
+            block: vec![2, 2],
+            staged_dtype: DType::F32,
+            staged: vec![
+                Stored { block: Block::new(&[0, 0], &[2, 5]), buffer: 0, at: 0 },
+                Stored { block: Block::new(&[2, 0], &[1, 5]), buffer: 0, at: 10 },
+            ],
+            weights: vec![Stored { block: Block::new(&[1, 1], &[2, 3]), buffer: 1, at: 0 }],
+            scales: vec![Stored { block: Block::new(&[0, 0], &[2, 3]), buffer: 2, at: 0 }],
+        };
+        RankProgram {
+            endpoint: Endpoint { group: Group::Dst, rank: 0 },
+            fingerprint: Fingerprint(0),
+            buffers: vec![spec(0, DType::F32, 16), spec(1, DType::F8E4M3, 6), spec(2, DType::F32, 6)],
+            rounds: Vec::new(),
+            carried: Vec::new(),
+            quantize: vec![op],
+        }
+    }
+
+    fn lens_and_dtypes(p: &RankProgram) -> (Vec<usize>, Vec<DType>) {
+        p.buffers.iter().map(|b| ((b.elems * b.dtype.size()) as usize, b.dtype)).unzip()
+    }
+
+    #[test]
+    fn a_step_of_wrapping_extents_does_not_fit() {
+        let huge = Block::new(&[0, 0], &WRAPS);
+        let small = Block::new(&[0, 0], &[1, 1]);
+        for (what, st, w, sc) in [("staged", huge, small, small), ("weight", small, huge, small), ("scale", small, small, huge)] {
+            let mut p = program();
+            let op = &mut p.quantize[0];
+            (op.shape, op.block) = (WRAPS.to_vec(), vec![1, 1]);
+            op.staged.truncate(1);
+            (op.staged[0].block, op.weights[0].block, op.scales[0].block) = (st, w, sc);
+            // Every buffer has room for the 1 element a wrapped count
+            // claims; the staged one for 16.
+            assert_eq!(QuantPlan::new(&p), Err(QuantError::OutOfBounds { tensor: "w".into(), what }), "{what}");
+        }
+    }
+
+    #[test]
+    fn launches_whose_numbers_pass_u64_do_not_fit() {
+        let p = program();
+        let good = QuantPlan::new(&p).unwrap().unwrap();
+        let (lens, dtypes) = lens_and_dtypes(&p);
+        good.fits(&lens, &dtypes).unwrap();
+        type Change = Box<dyn Fn(&mut QuantPlan)>;
+        let bad: Vec<(&str, Change)> = vec![
+            ("scales: a grid of wrapping cells", Box::new(|q| q.scales[0].grid = [WRAPS[1], WRAPS[0], 1])),
+            ("scales: a grid offset past u64", Box::new(|q| q.scales[0].grid_off[0] = u64::MAX / 2)),
+            ("scales: a stride past u64", Box::new(|q| q.scales[0].strides[1] = u64::MAX)),
+            ("scales: the scratch base past u64", Box::new(|q| q.scales[0].base = u64::MAX)),
+            (
+                "scales: cells past the tensor's end",
+                Box::new(|q| {
+                    q.scales[0].grid[0] += 2;
+                    q.scratch += 100;
+                }),
+            ),
+            ("codes: wrapping counts", Box::new(|q| q.codes[0].counts = [WRAPS[1], WRAPS[0], 1])),
+            ("codes: the first element past u64", Box::new(|q| q.codes[0].first[0] = u64::MAX)),
+            ("codes: a stride past u64", Box::new(|q| q.codes[0].dst_strides[0] = u64::MAX / 2 + 1)),
+            ("codes: the scratch base past u64", Box::new(|q| q.codes[0].base = u64::MAX)),
+            ("codes: a grid stride the kernel does not use", Box::new(|q| q.codes[0].grid_strides[0] = 0)),
+            ("outs: counts past u64", Box::new(|q| q.outs[0].copy.counts = [2, u64::MAX, 1])),
+            ("outs: a base past u64", Box::new(|q| q.outs[0].copy.dst_base = u64::MAX)),
+        ];
+        for (what, change) in bad {
+            let mut q = good.clone();
+            change(&mut q);
+            assert!(q.fits(&lens, &dtypes).is_err(), "{what}");
+        }
+    }
+
+    #[test]
+    fn an_empty_staged_box_has_no_launch() {
+        let p = program();
+        let good = QuantPlan::new(&p).unwrap().unwrap();
+        for empty in [Block::new(&[2, 0], &[1, 0]), Block::new(&[0, 0], &[0, 0])] {
+            let mut q = p.clone();
+            q.quantize[0].staged.push(Stored { block: empty, buffer: 0, at: 15 });
+            assert_eq!(QuantPlan::new(&q).unwrap().unwrap(), good, "{empty}");
+            // Still checked against its buffer.
+            q.quantize[0].staged.last_mut().unwrap().at = 17;
+            assert!(QuantPlan::new(&q).is_err(), "{empty} past the buffer");
+        }
     }
 }
