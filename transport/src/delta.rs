@@ -91,7 +91,7 @@ fn valid_unit(unit: usize) -> bool {
 /// dense). `unit` is 1, 2, 4 or 8 and divides `new.len()`; a base of
 /// another length than `new` is ignored (dense).
 pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
-    let unit = if valid_unit(unit) && new.len().is_multiple_of(unit) { unit } else { 1 };
+    let unit = unit_for(new.len() as u64, unit);
     let units = (new.len() / unit) as u64;
     let crc = crc32c::crc32c(new);
     let dense = |base_crc: u32| {
@@ -183,28 +183,49 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]))
 }
 
+/// The unit [`encode`] uses for a message of `len` bytes asked to use
+/// `unit`: `unit` if it is 1, 2, 4 or 8 and divides `len`, else 1.
+pub fn unit_for(len: u64, unit: usize) -> usize {
+    if valid_unit(unit) && len.is_multiple_of(unit as u64) {
+        unit
+    } else {
+        1
+    }
+}
+
 /// The message `encoded` encodes, rebuilt on `base` (the receiver's copy
 /// of the same message in the base refit, patched in place; `None` if it
-/// has none).
-pub fn decode(base: Option<Vec<u8>>, encoded: &[u8]) -> Result<Vec<u8>, DeltaError> {
-    let bad = |why: &str| DeltaError::Malformed(why.to_string());
+/// has none). The receiver knows the message: `len` bytes, whose sender
+/// encoded it in units of `unit` bytes as asked of [`encode`] (the smallest
+/// element size among its pieces); a header that says otherwise is
+/// refused. Nothing is allocated but the dense form's copy of its bytes:
+/// the claims of the encoding are checked against the bytes received
+/// before any is used, so a peer claiming more changed units than it sent
+/// costs no memory.
+pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> Result<Vec<u8>, DeltaError> {
+    let bad = |why: String| DeltaError::Malformed(why);
     if encoded.len() < HEADER {
-        return Err(bad("shorter than its header"));
+        return Err(bad("shorter than its header".into()));
     }
-    let (form, unit) = (encoded[0], encoded[1] as usize);
+    let (form, unit_got) = (encoded[0], encoded[1] as usize);
     let (units, base_crc, crc, payload) = (u64_at(encoded, 2), u32_at(encoded, 10), u32_at(encoded, 14), u64_at(encoded, 18));
     let body = &encoded[HEADER..];
-    if !valid_unit(unit) {
-        return Err(bad("unit not 1, 2, 4 or 8 bytes"));
+    let want_unit = unit_for(len, unit);
+    if unit_got != want_unit {
+        return Err(bad(format!("unit of {unit_got} bytes, the message's elements need {want_unit}")));
+    }
+    let unit = want_unit;
+    if units.checked_mul(unit as u64) != Some(len) {
+        return Err(bad(format!("{units} units of {unit} bytes, the message has {len} bytes")));
     }
     if body.len() as u64 != payload {
-        return Err(bad("payload length does not match its header"));
+        return Err(bad(format!("payload length {payload} in the header, {} bytes follow it", body.len())));
     }
-    let len = units.checked_mul(unit as u64).and_then(|l| usize::try_from(l).ok()).ok_or_else(|| bad("length overflows"))?;
+    let len = usize::try_from(len).map_err(|_| bad(format!("{len} bytes do not fit this machine")))?;
     let out = match form {
         DENSE => {
             if body.len() != len {
-                return Err(bad("dense payload of the wrong length"));
+                return Err(bad(format!("dense payload of {} bytes for a message of {len}", body.len())));
             }
             body.to_vec()
         }
@@ -214,36 +235,51 @@ pub fn decode(base: Option<Vec<u8>>, encoded: &[u8]) -> Result<Vec<u8>, DeltaErr
             if base.len() != len || have != base_crc {
                 return Err(DeltaError::OtherBase { want: base_crc, have });
             }
+            // `units` = len / unit, at most the base's length.
+            let units = len / unit;
             let mut out = base;
-            let changed: Vec<u64> = if form == BITMAP {
-                let bits = units.div_ceil(8) as usize;
-                if body.len() < bits {
-                    return Err(bad("bitmap cut short"));
+            if form == BITMAP {
+                let (bits, values) = body.split_at_checked(units.div_ceil(8)).ok_or_else(|| bad("bitmap cut short".into()))?;
+                // Bits past the last unit are never set.
+                if !units.is_multiple_of(8) && bits.last().is_some_and(|&b| b >> (units % 8) != 0) {
+                    return Err(bad("bitmap marks units past the message's end".into()));
                 }
-                (0..units).filter(|&i| body[(i / 8) as usize] & (1 << (i % 8)) != 0).collect()
+                let changed: usize = bits.iter().map(|b| b.count_ones() as usize).sum();
+                if changed.checked_mul(unit) != Some(values.len()) {
+                    return Err(bad(format!("{changed} changed units, {} bytes of values", values.len())));
+                }
+                let mut from = values.chunks_exact(unit);
+                for (byte, &b) in bits.iter().enumerate() {
+                    let mut b = b;
+                    while b != 0 {
+                        let i = byte * 8 + b.trailing_zeros() as usize;
+                        b &= b - 1;
+                        // As many values as set bits: checked above.
+                        let Some(v) = from.next() else { return Err(bad("values cut short".into())) };
+                        out[i * unit..(i + 1) * unit].copy_from_slice(v);
+                    }
+                }
             } else {
                 // Values follow the indices: indices * (4 + unit) == body.
                 if !body.len().is_multiple_of(4 + unit) {
-                    return Err(bad("index list and values do not add up"));
+                    return Err(bad("index list and values do not add up".into()));
                 }
-                let n = body.len() / (4 + unit);
-                let idx: Vec<u64> = (0..n).map(|k| u32_at(body, k * 4) as u64).collect();
-                if idx.windows(2).any(|w| w[0] >= w[1]) || idx.last().is_some_and(|&i| i >= units) {
-                    return Err(bad("indices not ascending within the message"));
+                let (idx, values) = body.split_at(body.len() / (4 + unit) * 4);
+                let mut prev: Option<u32> = None;
+                for i in idx.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])) {
+                    if prev.is_some_and(|p| p >= i) || i as usize >= units {
+                        return Err(bad("indices not ascending within the message".into()));
+                    }
+                    prev = Some(i);
                 }
-                idx
-            };
-            let values_at = if form == BITMAP { units.div_ceil(8) as usize } else { changed.len() * 4 };
-            if body.len() - values_at != changed.len() * unit {
-                return Err(bad("values do not match the changed units"));
-            }
-            for (k, &i) in changed.iter().enumerate() {
-                let (from, to) = (values_at + k * unit, i as usize * unit);
-                out[to..to + unit].copy_from_slice(&body[from..from + unit]);
+                for (c, v) in idx.chunks_exact(4).zip(values.chunks_exact(unit)) {
+                    let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
+                    out[i * unit..(i + 1) * unit].copy_from_slice(v);
+                }
             }
             out
         }
-        _ => return Err(bad("unknown form")),
+        _ => return Err(bad(format!("unknown form {form}"))),
     };
     let got = crc32c::crc32c(&out);
     if got != crc {
@@ -280,35 +316,94 @@ mod tests {
             let e = encode(Some(&base), &new, 2);
             assert_eq!(form(&e), want, "every {every}");
             assert!((e.len() as f64) <= share * new.len() as f64, "every {every}: {} of {}", e.len(), new.len());
-            assert_eq!(decode(Some(base.to_vec()), &e).unwrap(), new);
+            assert_eq!(decode(Some(base.to_vec()), &e, 2, new.len() as u64).unwrap(), new);
         }
         // Unchanged: nothing but the header and an empty list.
         let (base, _) = pair(1000, 1);
         let e = encode(Some(&base), &base, 2);
         assert_eq!((form(&e), e.len()), ("indices", HEADER));
-        assert_eq!(decode(Some(base.to_vec()), &e).unwrap(), base);
+        assert_eq!(decode(Some(base.to_vec()), &e, 2, base.len() as u64).unwrap(), base);
         // No base: dense, decodable without one.
         let e = encode(None, &base, 2);
         assert_eq!(form(&e), "dense");
-        assert_eq!(decode(None, &e).unwrap(), base);
+        assert_eq!(decode(None, &e, 2, base.len() as u64).unwrap(), base);
     }
 
     #[test]
     fn another_base_or_damage_is_an_error() {
         let (base, new) = pair(1000, 10);
+        let n = new.len() as u64;
         let e = encode(Some(&base), &new, 2);
         let mut other = base.clone();
         other[3] ^= 1;
-        assert!(matches!(decode(Some(other.to_vec()), &e), Err(DeltaError::OtherBase { .. })));
-        assert!(matches!(decode(None, &e), Err(DeltaError::OtherBase { .. })));
-        assert!(matches!(decode(Some(base[..10].to_vec()), &e), Err(DeltaError::OtherBase { .. })));
+        assert!(matches!(decode(Some(other.to_vec()), &e, 2, n), Err(DeltaError::OtherBase { .. })));
+        assert!(matches!(decode(None, &e, 2, n), Err(DeltaError::OtherBase { .. })));
+        assert!(matches!(decode(Some(base[..10].to_vec()), &e, 2, n), Err(DeltaError::OtherBase { .. })));
         for i in [0, 1, 5, 20, HEADER, HEADER + 3, e.len() - 1] {
             let mut bad = e.clone();
             bad[i] ^= 0x10;
-            assert!(decode(Some(base.to_vec()), &bad).is_err(), "byte {i} flipped");
+            assert!(decode(Some(base.to_vec()), &bad, 2, n).is_err(), "byte {i} flipped");
         }
-        assert!(decode(Some(base.to_vec()), &e[..e.len() - 1]).is_err());
-        assert!(decode(Some(base.to_vec()), &e[..5]).is_err());
+        assert!(decode(Some(base.to_vec()), &e[..e.len() - 1], 2, n).is_err());
+        assert!(decode(Some(base.to_vec()), &e[..5], 2, n).is_err());
+    }
+
+    #[test]
+    fn a_header_that_is_not_the_expected_message_is_refused() {
+        let (base, new) = pair(1000, 10);
+        let n = new.len() as u64;
+        let e = encode(Some(&base), &new, 2);
+        let malformed = |r: Result<Vec<u8>, DeltaError>, what: &str| match r {
+            Err(DeltaError::Malformed(m)) => assert!(m.contains(what), "{m}"),
+            other => panic!("{what}: {other:?}"),
+        };
+        // Elements of 4 bytes: units of 2 are not theirs.
+        malformed(decode(Some(base.clone()), &e, 4, n), "unit of 2 bytes, the message's elements need 4");
+        // Another length than the message's.
+        malformed(decode(Some(base.clone()), &e, 2, n - 2), "1000 units of 2 bytes, the message has 1998 bytes");
+        malformed(decode(Some(base.clone()), &e, 2, n + 2), "the message has 2002 bytes");
+        // A unit that does not divide the length falls back to bytes, on
+        // both ends.
+        assert_eq!((unit_for(6, 4), unit_for(8, 4), unit_for(8, 3), unit_for(0, 8)), (1, 4, 1, 8));
+        let odd = &new[..1999];
+        let e = encode(Some(&base[..1999]), odd, 2);
+        assert_eq!(decode(Some(base[..1999].to_vec()), &e, 2, 1999).unwrap(), odd);
+    }
+
+    #[test]
+    fn claims_past_the_bytes_sent_are_refused() {
+        let malformed = |r: Result<Vec<u8>, DeltaError>, what: &str| match r {
+            Err(DeltaError::Malformed(m)) => assert!(m.contains(what), "{m}"),
+            other => panic!("{what}: {other:?}"),
+        };
+        // A 64 KiB message in bytes: every unit marked changed, no value.
+        let base = vec![7u8; 1 << 16];
+        let crc = crc32c::crc32c(&base);
+        let bits = vec![0xffu8; (1 << 16) / 8];
+        let mut e = header(BITMAP, 1, 1 << 16, crc, crc, bits.len() as u64);
+        e.extend_from_slice(&bits);
+        malformed(decode(Some(base.clone()), &e, 1, 1 << 16), "65536 changed units, 0 bytes of values");
+        // 12 units of a byte: one value short of the bits set.
+        let base = vec![0u8; 12];
+        let crc = crc32c::crc32c(&base);
+        let mut e = header(BITMAP, 1, 12, crc, crc, 2 + 2);
+        e.extend_from_slice(&[0b101, 0b0000_1000, 1, 2]);
+        malformed(decode(Some(base.clone()), &e, 1, 12), "3 changed units, 2 bytes of values");
+        // A bit past the last unit.
+        let mut e = header(BITMAP, 1, 12, crc, crc, 2 + 1);
+        e.extend_from_slice(&[0, 0b0001_0000, 9]);
+        malformed(decode(Some(base.clone()), &e, 1, 12), "past the message's end");
+        // A bitmap shorter than its units.
+        let mut e = header(BITMAP, 1, 12, crc, crc, 1);
+        e.push(0);
+        malformed(decode(Some(base.clone()), &e, 1, 12), "bitmap cut short");
+        // Indices past the message, or not ascending.
+        for idx in [[3u32, 12], [5, 5], [6, 2]] {
+            let mut e = header(INDICES, 1, 12, crc, crc, 10);
+            idx.iter().for_each(|i| e.extend_from_slice(&i.to_le_bytes()));
+            e.extend_from_slice(&[1, 2]);
+            malformed(decode(Some(base.clone()), &e, 1, 12), "indices not ascending");
+        }
     }
 
     proptest! {
@@ -328,7 +423,7 @@ mod tests {
             }
             let e = encode(Some(base), &new, unit);
             prop_assert!(e.len() <= HEADER + new.len());
-            prop_assert_eq!(decode(Some(base.to_vec()), &e).unwrap(), new);
+            prop_assert_eq!(decode(Some(base.to_vec()), &e, unit, len as u64).unwrap(), new);
         }
     }
 }

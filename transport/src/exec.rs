@@ -323,7 +323,7 @@ fn run_rounds<T: Transport>(
                 let into = Into { me, mem, bypass, routes: &routes };
                 let unpacked = match delta.as_deref_mut() {
                     None => unpack(&into, msg, payload, &mut stage),
-                    Some(d) => delta_decode(round, peer, payload, d).and_then(|dense| {
+                    Some(d) => delta_decode(round, peer, msg, payload, d).and_then(|dense| {
                         let unpacked = unpack_bytes(&into, msg, &dense);
                         d.next.received.insert((round, peer), dense);
                         unpacked
@@ -469,7 +469,7 @@ fn delta_encode(me: Endpoint, round: u32, msg: &Message<SendPiece>, payload: Pay
     unsafe { crate::frame::for_payload_runs(&payload, |r| dense.extend_from_slice(r)) }
         .map_err(|e| ExecError::Setup(format!("{me}: packing a delta message: {e}")))?;
     drop(payload);
-    let unit = msg.pieces.views().map(|p| p.wire().size() as usize).min().unwrap_or(1);
+    let unit = delta_unit(msg.pieces.views().map(|p| p.wire()));
     let key = (round, msg.peer);
     let base = d.base.as_mut().and_then(|b| b.sent.remove(&key));
     let encoded = encode(base.as_deref(), &dense, unit);
@@ -478,13 +478,28 @@ fn delta_encode(me: Endpoint, round: u32, msg: &Message<SendPiece>, payload: Pay
     Ok(Payload::Bytes(encoded))
 }
 
+/// The unit a delta message of pieces of these wire types is encoded in:
+/// the smallest element size among them, so a unit never straddles two
+/// elements.
+fn delta_unit(wires: impl Iterator<Item = DType>) -> usize {
+    wires.map(|w| w.size() as usize).min().unwrap_or(1)
+}
+
 /// A delta message's whole packed bytes, rebuilt on the base refit's copy
-/// (for the caller to keep in this run's memo).
-fn delta_decode(round: u32, peer: Endpoint, payload: Payload, d: &mut DeltaRun) -> Result<Vec<u8>, Unpack> {
+/// (for the caller to keep in this run's memo). The encoding is checked
+/// against `msg`, the message this rank expects: its unit, its length, and
+/// no more bytes than its densest form ([`crate::delta::HEADER`] plus the
+/// message) before any is read.
+fn delta_decode(round: u32, peer: Endpoint, msg: &Message<RecvPiece>, payload: Payload, d: &mut DeltaRun) -> Result<Vec<u8>, Unpack> {
+    let len = msg.wire_bytes();
+    let most = len.saturating_add(crate::delta::HEADER as u64);
     let encoded = match payload {
         Payload::Bytes(b) => b,
         Payload::Lent(l) => l.as_slice().to_vec(),
         Payload::Stream(mut frame) => {
+            if frame.len() > most {
+                return Err(Unpack::Bad(format!("a delta message of {} bytes, at most {most} expected", frame.len())));
+            }
             let mut b = vec![0u8; frame.len() as usize];
             frame.read_exact(&mut b).map_err(|e| Unpack::Broken(format!("in a message: {e}")))?;
             b
@@ -493,7 +508,7 @@ fn delta_decode(round: u32, peer: Endpoint, payload: Payload, d: &mut DeltaRun) 
     };
     let key = (round, peer);
     let base = d.base.as_mut().and_then(|b| b.received.remove(&key));
-    decode(base, &encoded).map_err(|e| Unpack::Bad(e.to_string()))
+    decode(base, &encoded, delta_unit(msg.pieces.views().map(|p| p.wire())), len).map_err(|e| Unpack::Bad(e.to_string()))
 }
 
 enum Unpack {
