@@ -324,7 +324,7 @@ impl CommEnd {
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
                 use transport::cuda::device::{DeviceMemory, GpuDevice};
-                let regions = registered_regions(program, registered)?;
+                let regions = registered_regions(program, &registered.current()?)?;
                 let lens: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
                 let fits = matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Device(_, m), .. })
                     if m.buffer_lens() == lens.as_slice());
@@ -481,15 +481,23 @@ impl RegisteredStaging {
         let st = staging.as_mut().ok_or("no staging")?;
         let memory = st.memory.host().ok_or("no host staging")?;
         if !st.synced {
-            for (to, &(addr, len)) in memory.buffers.iter_mut().zip(&registered_regions(program, registered)?) {
-                // SAFETY: the registered region holds `len` bytes of host
-                // memory (`registered_regions`, the residence checked
-                // above), valid for reads while the store lives, and
-                // written only by this member's commits
-                // (`Registered::new`'s contract); `to` is our own buffer of
-                // `len` bytes.
-                to.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
-            }
+            let me = program.endpoint;
+            registered
+                .visit(&mut |i, (addr, _)| {
+                    let to = memory.buffers.get_mut(i).ok_or_else(|| format!("{me}: no staging for registered buffer {i}"))?;
+                    let len = to.len();
+                    // SAFETY: the owner re-derived this region just now and
+                    // `visit` checked it holds the buffer's bytes (at least
+                    // `len`, the staging being made for the same buffers) of
+                    // host memory (the residence checked above); nothing can
+                    // move or free it until this closure returns
+                    // (`RegionCheck::visit`), and without a check it is valid
+                    // while the store lives (`Registered::new`'s contract).
+                    // `to` is our own buffer of `len` bytes.
+                    to.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
+                    Ok(())
+                })
+                .map_err(|e| format!("{me}: registered weights: {e}"))?;
         }
         st.synced = false;
         Ok(memory)
@@ -498,27 +506,36 @@ impl RegisteredStaging {
     /// Copies the rank's buffers into `registered` memory (the commit,
     /// under the store's commit fence: no reader holds it) and waits.
     pub(crate) fn commit(&mut self, program: &RankProgram, registered: &Registered) -> Result<(), String> {
-        let regions = registered_regions(program, registered)?;
+        let me = program.endpoint;
         match &mut self.memory {
             StagingMemory::Host(memory) => {
                 if registered.residence() != Residence::Host {
-                    return Err(format!("{}: host staging for registered {} memory", program.endpoint, registered.residence()));
+                    return Err(format!("{me}: host staging for registered {} memory", registered.residence()));
                 }
-                for (from, &(addr, len)) in memory.buffers.iter().zip(&regions) {
-                    if from.len() != len {
-                        return Err(format!("{}: staging of {} bytes for a buffer of {len}", program.endpoint, from.len()));
-                    }
-                    // SAFETY: the registered region holds `len` bytes of
-                    // host memory (`registered_regions`, the residence
-                    // checked above), valid for writes while the store lives
-                    // and untouched by the user while the commit fence is
-                    // held (`Registered::new`'s contract); `from` is our own
-                    // buffer of `len` bytes, not inside it.
-                    unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), addr as *mut u8, len) };
-                }
+                registered
+                    .visit(&mut |i, (addr, _)| {
+                        let from = memory.buffers.get(i).ok_or_else(|| format!("no staging for registered buffer {i}"))?;
+                        let len = from.len();
+                        if program.buffers.get(i).map(|b| (b.elems * b.dtype.size()) as usize) != Some(len) {
+                            return Err(format!("staging of {len} bytes for buffer {i} of another size"));
+                        }
+                        // SAFETY: the owner re-derived this region just now
+                        // and `visit` checked it holds the buffer's bytes
+                        // (`len`, checked above) of host memory (the
+                        // residence checked above); nothing can move or
+                        // free it until this closure returns
+                        // (`RegionCheck::visit`; without a check, valid
+                        // while the store lives: `Registered::new`), and
+                        // the user does not touch it while the commit fence
+                        // is held. `from` is our own buffer, not inside it.
+                        unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), addr as *mut u8, len) };
+                        Ok(())
+                    })
+                    .map_err(|e| format!("{me}: registered weights: {e}"))?;
             }
             #[cfg(feature = "cuda")]
             StagingMemory::Device(dev, mem) => {
+                let regions = registered_regions(program, &registered.current()?)?;
                 if registered.residence() != (Residence::Device { ordinal: dev.ordinal() }) {
                     return Err(format!(
                         "{}: staging on GPU {} for registered {} memory",

@@ -50,7 +50,7 @@ pub use protocol::{
 pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
 pub use store::{
-    BufferError, Buffers, DstStore, Registered, Residence, Serving, Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard,
+    BufferError, Buffers, DstStore, RegionCheck, Registered, Residence, Serving, Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard,
 };
 pub use transport::DEFAULT_DEADLINE;
 

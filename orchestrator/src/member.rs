@@ -600,7 +600,16 @@ impl Member {
                     return MemberReply::Refused(refusal);
                 }
                 let run = tokio::task::spawn_blocking(move || {
-                    let registered = guard.registered().cloned();
+                    // Registered memory as its owner holds it now (memory
+                    // it moved or freed since is never read).
+                    let registered = match guard.registered().map(Registered::current).transpose() {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let why = format!("{}: registered weights: {e}", program.endpoint);
+                            end.abort(&why);
+                            return (Err(Refusal::Exec { why, after_peer: false }), (end, left));
+                        }
+                    };
                     let (r, left) = execute_on(&program, guard.memory_mut(), registered.as_ref(), &mut end, how, left);
                     (r, (end, left))
                 });

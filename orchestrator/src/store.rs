@@ -165,11 +165,58 @@ impl std::fmt::Display for Residence {
 /// region per buffer of the rank's buffer list, which a refit reads where
 /// it is (no copy into the store). Made by the `unsafe`
 /// [`Registered::new`], whose caller promises the regions stay valid.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Registered {
     residence: Residence,
     /// (address, bytes) per buffer, in the rank's buffer order.
     regions: Vec<(u64, usize)>,
+    /// Bytes each buffer needs, in the same order.
+    needs: Vec<usize>,
+    /// What re-derives the regions from their owner before each use.
+    check: Option<Arc<dyn RegionCheck>>,
+    /// The buffers' names, for errors.
+    names: Arc<Vec<String>>,
+}
+
+impl std::fmt::Debug for Registered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registered")
+            .field("residence", &self.residence)
+            .field("regions", &self.regions)
+            .field("checked", &self.check.is_some())
+            .finish()
+    }
+}
+
+impl PartialEq for Registered {
+    fn eq(&self, other: &Self) -> bool {
+        let same_check = match (&self.check, &other.check) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        };
+        self.residence == other.residence && self.regions == other.regions && same_check
+    }
+}
+
+impl Eq for Registered {}
+
+/// The owner of registered memory (an embedding's objects: a Python
+/// tensor, say), asked for each region right before a refit touches it, so
+/// memory the owner moved or freed since it was registered is never read
+/// or written.
+///
+/// [`Registered::visit`] calls [`RegionCheck::visit`] before a source's
+/// refit reads its regions and around a destination's commit (and the
+/// staging's first sync), which do their copies inside it.
+pub trait RegionCheck: Send + Sync {
+    /// Re-derives region `index` of every buffer from its owner, in buffer
+    /// order, and calls `f(index, (address, bytes))` on each right after
+    /// its check — with nothing able to move or free it in between (for
+    /// Python objects: the GIL held from the look-up through `f`). An
+    /// error names the buffer and what changed; nothing after it is
+    /// visited.
+    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String>;
 }
 
 impl Registered {
@@ -199,13 +246,76 @@ impl Registered {
                 some_names(specs.iter().map(|s| s.name.as_str()))
             )));
         }
+        let mut needs = Vec::with_capacity(specs.len());
         for (spec, &(addr, len)) in specs.iter().zip(&regions) {
-            let need = (spec.elems * spec.dtype.size()) as usize;
+            let need = spec.elems.checked_mul(spec.dtype.size()).and_then(|n| usize::try_from(n).ok());
+            let need = need.ok_or_else(|| bad(format!("buffer '{}' is larger than this machine can address", spec.name)))?;
             if addr == 0 || len < need {
                 return Err(bad(format!("buffer '{}' needs {need} bytes, {len} registered at {addr:#x}", spec.name)));
             }
+            needs.push(need);
         }
-        Ok(Registered { residence, regions })
+        let names = specs.iter().map(|s| s.name.clone()).collect();
+        Ok(Registered { residence, regions, needs, check: None, names: Arc::new(names) })
+    }
+
+    /// The same registration, its regions re-derived by `check` before
+    /// every use ([`Registered::visit`]).
+    ///
+    /// # Safety
+    /// As [`Registered::new`] for every region `check` yields: memory of
+    /// this residence, valid for its bytes while `check`'s visit runs the
+    /// caller's closure on it (for a source's refit, until the refit's run
+    /// ends).
+    pub unsafe fn with_check(mut self, check: Arc<dyn RegionCheck>) -> Registered {
+        self.check = Some(check);
+        self
+    }
+
+    /// Calls `f(index, (address, bytes))` on every region, in buffer
+    /// order: the registered ones, or, with a [`RegionCheck`], each as its
+    /// owner holds it now, checked to hold its buffer's bytes. An error
+    /// (the owner's, or a region too small) names the buffer.
+    pub fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
+        let mut checked = |i: usize, (addr, len): (u64, usize)| {
+            let need = *self.needs.get(i).ok_or_else(|| format!("region {i}: the rank has {} buffers", self.needs.len()))?;
+            if addr == 0 || len < need {
+                return Err(format!("buffer '{}' needs {need} bytes, {len} found at {addr:#x}", self.names[i]));
+            }
+            f(i, (addr, len))
+        };
+        match &self.check {
+            Some(check) => {
+                let mut seen = 0;
+                check.visit(&mut |i, r| {
+                    if i != seen {
+                        return Err(format!("region {i} visited out of order (expected {seen})"));
+                    }
+                    seen += 1;
+                    checked(i, r)
+                })?;
+                if seen != self.needs.len() {
+                    return Err(format!("{seen} of {} regions visited", self.needs.len()));
+                }
+                Ok(())
+            }
+            None => self.regions.iter().enumerate().try_for_each(|(i, &r)| checked(i, r)),
+        }
+    }
+
+    /// This registration with its regions as their owner holds them now
+    /// ([`Registered::visit`]), for a use that cannot run inside the visit
+    /// (a source's refit, a device copy).
+    pub fn current(&self) -> Result<Registered, String> {
+        if self.check.is_none() {
+            return Ok(self.clone());
+        }
+        let mut regions = Vec::with_capacity(self.needs.len());
+        self.visit(&mut |_, r| {
+            regions.push(r);
+            Ok(())
+        })?;
+        Ok(Registered { regions, ..self.clone() })
     }
 
     /// Where the regions are.

@@ -18,7 +18,6 @@ staging.
 from __future__ import annotations
 
 import collections as _collections
-import functools as _functools
 import secrets as _secrets
 import sys as _sys
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from ._refit import (
     MemberError,
     PlanError,
     RefitError,
+    RegistrationError,
     TensorBuilder,
     TensorError,
     VersionError,
@@ -57,6 +57,7 @@ __all__ = [
     "PlanReport",
     "RefitError",
     "RefitReport",
+    "RegistrationError",
     "Source",
     "TensorBuilder",
     "TensorError",
@@ -65,6 +66,7 @@ __all__ = [
     "layout_from_dtensors",
     "megatron_layout",
     "param_buffers",
+    "VOCABULARY",
     "plan",
     "spawn_local",
     "tp_inference_layout",
@@ -239,76 +241,47 @@ def _local(obj: Any) -> Any:
     return obj.to_local() if type(obj).__name__ == "DTensor" else obj
 
 
-def _host_array(obj: Any) -> Any:
-    """``obj`` (its local tensor, for a DTensor) if refit reads and writes
-    its memory in place: a C-contiguous little-endian numpy array or a
-    contiguous torch CPU tensor; else None (it is copied through bytes)."""
-    obj = _local(obj)
-    if _torch_tensor(obj):
-        return obj if obj.device.type == "cpu" and obj.is_contiguous() else None
-    interface = getattr(obj, "__array_interface__", None)
-    if (
-        isinstance(interface, dict)
-        and interface.get("strides") is None
-        and isinstance(interface.get("data"), tuple)
-        and str(interface.get("typestr", ""))[:1] in ("<", "|")
-    ):
-        return obj
-    return None
+# Parameters whose rows past the layout's are padding (the vocabulary
+# padding of the engines' VocabParallelEmbedding and of Megatron-Core):
+# their names' dotted parts include one of these.
+VOCABULARY = ("embed_tokens", "lm_head", "word_embeddings", "output_layer")
 
 
-def _memory_of(obj: Any, what: str, writable: bool = False) -> Tuple[int, int, Optional[int]]:
-    """(address, bytes, GPU or None for host memory) of a C-contiguous
-    array or tensor that refit reads (or, ``writable``, writes) in place;
-    raises ``TensorError`` naming ``what`` for anything else."""
-    obj = _local(obj)
-    if writable:
-        for name in ("__cuda_array_interface__", "__array_interface__"):
-            interface = getattr(obj, name, None)
-            if isinstance(interface, dict) and isinstance(interface.get("data"), tuple) and interface["data"][1]:
-                raise TensorError(f"{what}: the array is read-only, so it cannot be written in place")
-    if _torch_tensor(obj):
-        if not obj.is_contiguous():
-            raise TensorError(f"{what}: a non-contiguous tensor cannot be read in place")
-        gpu = obj.device.index if obj.device.type == "cuda" else None
-        if obj.device.type not in ("cuda", "cpu"):
-            raise TensorError(f"{what}: a tensor on {obj.device} cannot be read in place")
-        return obj.data_ptr(), obj.numel() * obj.element_size(), gpu
-    cuda = getattr(obj, "__cuda_array_interface__", None)
-    if isinstance(cuda, dict):
-        device = getattr(getattr(obj, "device", None), "id", None)
-        if cuda.get("strides") is not None or device is None:
-            raise TensorError(f"{what}: a CUDA array is read in place only C-contiguous and with a device id")
-        return int(cuda["data"][0]), int(getattr(obj, "nbytes")), int(device)
-    host = _host_array(obj)
-    interface = getattr(host, "__array_interface__", None) if host is not None else None
-    if isinstance(interface, dict):
-        return int(interface["data"][0]), int(host.nbytes), None
-    if _is_capsule(obj) or hasattr(obj, "__dlpack__"):
-        return _dlpack_memory(obj, what)
-    raise TensorError(
-        f"{what}: {type(obj).__name__} cannot be read in place "
-        "(a C-contiguous numpy array, torch tensor, CUDA array or DLPack tensor can)"
-    )
+def _padded(name: str, padded: Optional[Sequence[str]]) -> bool:
+    parts = name.split(".")
+    return any(p in parts for p in (VOCABULARY if padded is None else padded))
 
 
-def param_buffers(layout: Layout, rank: int, params: Mapping[str, Any]) -> Dict[str, Any]:
+def param_buffers(
+    layout: Layout, rank: int, params: Mapping[str, Any], *, padded: Optional[Sequence[str]] = None
+) -> Dict[str, Any]:
     """Every buffer of ``rank`` in ``layout`` as a flat view of the
     framework parameter that holds it (``params``: a model's
     ``dict(named_parameters())``), for ``Source.in_place`` /
     ``Destination.in_place`` or ``register_all``. A fused buffer
     (``…qkv_proj.weight``, ``…experts.w13_weight``, Megatron's
     ``…linear_qkv.weight``) is the parameter of that name; a tensor's own
-    buffer (``"{tensor}#k"``) is the parameter named as the tensor. Each is
-    cut to the buffer's elements: the vocabulary padding of the engines and
-    of Megatron is no tensor's. Parameters must be contiguous (torch
+    buffer (``"{tensor}#k"``) is the parameter named as the tensor.
+
+    A parameter must hold exactly its buffer: a tensor's own buffer the
+    block's shape, a fused buffer its number of elements. Only a
+    vocabulary parameter (a name with one of ``padded``'s dotted parts;
+    default ``VOCABULARY``: ``embed_tokens``, ``lm_head``,
+    ``word_embeddings``, ``output_layer``) may hold more rows — the
+    vocabulary padding of the engines and of Megatron, no tensor's — and
+    is cut to the buffer's rows. Parameters must be contiguous (torch
     tensors, C-contiguous numpy arrays, DTensors' local shards); the views
-    share their memory. ``TensorError`` names the rank and buffer whose
-    parameter is missing, too small or not contiguous."""
+    share their memory, and an in-place registration of a torch view looks
+    the parameter itself up before every use (so ``param.data = ...`` is
+    seen). ``TensorError`` names the rank, the buffer, the parameter and
+    both shapes where a parameter does not fit."""
     out: Dict[str, Any] = {}
     buffers = layout.buffers(rank)
     # Tensor -> how many buffers of its own it has on this rank.
     own = _collections.Counter(b.rsplit("#", 1)[0] for b, _, _ in buffers if "#" in b)
+    blocks: Dict[str, List[Any]] = {}
+    for tensor, _dt, _offset, extent in layout.blocks(rank):
+        blocks.setdefault(tensor, []).append(list(extent))
     for buffer, _dtype, elems in buffers:
         name = buffer
         if buffer not in params and "#" in buffer:
@@ -320,102 +293,58 @@ def param_buffers(layout: Layout, rank: int, params: Mapping[str, Any]) -> Dict[
                 )
         if name not in params:
             raise TensorError(f"rank {rank}: buffer '{buffer}': no parameter '{name}'")
-        out[buffer] = _flat_prefix(params[name], elems, f"rank {rank}: buffer '{buffer}': parameter '{name}'")
+        what = f"rank {rank}: buffer '{buffer}': parameter '{name}'"
+        param = params[name]
+        shape = [int(n) for n in _local(param).shape]
+        numel = 1
+        for n in shape:
+            numel *= n
+        extent = None
+        if "#" in buffer:
+            held = blocks.get(buffer.rsplit("#", 1)[0], [])
+            extent = held[0] if len(held) == 1 else None
+        if _padded(name, padded) or _padded(buffer, padded):
+            row = 1
+            for n in shape[1:]:
+                row *= n
+            if numel < elems:
+                raise TensorError(f"{what}: {numel} elements (shape {shape}), the buffer needs {elems}")
+            if row and elems % row:
+                raise TensorError(f"{what}: shape {shape}: the buffer's {elems} elements are not whole rows of it")
+            if extent is not None and extent[1:] != shape[1:]:
+                raise TensorError(f"{what}: shape {shape}, the buffer's block is {extent} (padding may add rows only)")
+        elif extent is not None:
+            if shape != extent and shape != [elems]:
+                raise TensorError(f"{what}: shape {shape}, the buffer's block is {extent}")
+        elif numel != elems:
+            raise TensorError(f"{what}: {numel} elements (shape {shape}), the buffer holds {elems}")
+        out[buffer] = _flat_prefix(param, elems, what)
     return out
 
 
-def _flat_prefix(obj: Any, elems: int, what: str) -> Any:
+def _flat_prefix(param: Any, elems: int, what: str) -> Any:
     """The first ``elems`` elements of a contiguous tensor or array, as a
-    1-D view of its memory."""
-    obj = _local(obj)
+    1-D view of its memory (a torch view remembers ``param``)."""
+    obj = _local(param)
     if _torch_tensor(obj):
         if not obj.is_contiguous():
             raise TensorError(f"{what}: a non-contiguous tensor has no flat view")
-        flat = obj.detach().view(-1)
-    elif hasattr(obj, "flags") and hasattr(obj, "reshape"):
+        flat = obj.detach().view(-1)[:elems]
+        flat._refit_param = (param, elems)
+        return flat
+    if hasattr(obj, "flags") and hasattr(obj, "reshape"):
         if not obj.flags.c_contiguous:
             raise TensorError(f"{what}: a non-C-contiguous array has no flat view")
-        flat = obj.reshape(-1)
-    else:
-        raise TensorError(f"{what}: {type(obj).__name__} is neither a torch tensor nor a numpy array")
-    if flat.shape[0] < elems:
-        raise TensorError(f"{what}: {flat.shape[0]} elements, the buffer needs {elems}")
-    return flat[:elems]
+        return obj.reshape(-1)[:elems]
+    raise TensorError(f"{what}: {type(obj).__name__} is neither a torch tensor nor a numpy array")
 
 
-# --- DLPack ----------------------------------------------------------------
-# A DLPack capsule ("dltensor") holds a DLManagedTensor: the tensor's data
-# pointer, device, shape, strides and byte offset. refit reads them without
-# consuming the capsule (its producer's deleter runs when the capsule is
-# collected), so whoever registers it keeps the capsule alive.
-
-_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
-
-
-@_functools.lru_cache(maxsize=None)
-def _dl_structs() -> Tuple[Any, Any]:
-    """The DLTensor struct and PyCapsule_GetPointer, made once."""
-    import ctypes
-
-    class DLDevice(ctypes.Structure):
-        _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-    class DLDataType(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-    class DLTensor(ctypes.Structure):
-        _fields_ = [
-            ("data", ctypes.c_void_p),
-            ("device", DLDevice),
-            ("ndim", ctypes.c_int32),
-            ("dtype", DLDataType),
-            ("shape", ctypes.POINTER(ctypes.c_int64)),
-            ("strides", ctypes.POINTER(ctypes.c_int64)),
-            ("byte_offset", ctypes.c_uint64),
-        ]
-
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    return DLTensor, get
-
-
-def _is_capsule(obj: Any) -> bool:
-    return type(obj).__name__ == "PyCapsule"
-
-
-def _dlpack_memory(obj: Any, what: str) -> Tuple[int, int, Optional[int]]:
-    """(address, bytes, GPU or None) of a C-contiguous DLPack tensor: a
-    "dltensor" capsule, or an object with ``__dlpack__`` (whose capsule is
-    made and read here; the object keeps the memory alive)."""
-    capsule = obj if _is_capsule(obj) else obj.__dlpack__()
-    DLTensor, get = _dl_structs()
-    try:
-        address = get(capsule, b"dltensor")
-    except ValueError:
-        raise TensorError(f"{what}: not an unconsumed DLPack capsule (named 'dltensor')") from None
-    # A DLManagedTensor starts with its DLTensor.
-    t = DLTensor.from_address(address)
-    shape = [t.shape[i] for i in range(t.ndim)]
-    elem = t.dtype.bits * t.dtype.lanes
-    if elem % 8:
-        raise TensorError(f"{what}: DLPack elements of {elem} bits cannot be read in place")
-    if t.strides:
-        expect = 1
-        for i in reversed(range(t.ndim)):
-            if shape[i] != 1 and t.strides[i] != expect:
-                raise TensorError(f"{what}: a non-contiguous DLPack tensor cannot be read in place")
-            expect *= shape[i]
-    kind, device = t.device.device_type, t.device.device_id
-    if kind in (_DL_CPU, _DL_CUDA_HOST):
-        gpu = None
-    elif kind in (_DL_CUDA, _DL_CUDA_MANAGED):
-        gpu = int(device)
-    else:
-        raise TensorError(f"{what}: a DLPack tensor on device type {kind} cannot be read in place (CPU or CUDA can)")
-    count = 1
-    for n in shape:
-        count *= n
-    return int((t.data or 0) + t.byte_offset), count * elem // 8, gpu
+def _host_array(obj: Any) -> Any:
+    """``obj`` (its local tensor, for a DTensor) if refit copies its memory
+    in place: a C-contiguous numpy array, torch CPU tensor or CPU DLPack
+    tensor; else None (it is copied through bytes)."""
+    local = _local(obj)
+    return local if _refit.is_host_array(local) else None
 
 
 def _step_value(obj: Any) -> Any:
@@ -568,23 +497,17 @@ class _Rank:
         return self._joined.wait_closed(timeout)
 
 
-def _regions(layout: Layout, rank: int, buffers: Mapping[str, Any], side: str) -> Tuple[List[Tuple[int, int]], Optional[int]]:
-    """(address, bytes) of every buffer of the rank, in layout order, and
-    the GPU they are on (None: host memory); ``TensorError`` naming the
-    rank and buffer for a missing or unusable array."""
-    regions, devices = [], set()
-    missing = [n for n, _, _ in layout.buffers(rank) if n not in buffers]
+def _objects_for(layout: Layout, rank: int, buffers: Mapping[str, Any], side: str) -> List[Any]:
+    """The object of every buffer of the rank, in layout order;
+    ``RegistrationError`` naming those missing (or unknown)."""
+    names = [n for n, _, _ in layout.buffers(rank)]
+    missing = [n for n in names if n not in buffers]
     if missing:
-        raise TensorError(f"{side} rank {rank}: no array for buffer(s) {missing} (an in-place {side} registers every buffer)")
-    for name, _dtype, _elems in layout.buffers(rank):
-        ptr, nbytes, device = _memory_of(buffers[name], f"{side} rank {rank}: buffer '{name}'", writable=side == "dst")
-        if ptr == 0 and nbytes > 0:
-            raise TensorError(f"{side} rank {rank}: buffer '{name}': a null address")
-        regions.append((ptr, nbytes))
-        devices.add(device)
-    if len(devices) > 1:
-        raise TensorError(f"{side} rank {rank}: buffers on several devices {sorted(map(str, devices))}")
-    return regions, (devices.pop() if devices else None)
+        raise RegistrationError(f"{side} rank {rank}: no array for buffer(s) {missing} (an in-place {side} registers every buffer)")
+    unknown = [n for n in buffers if n not in names]
+    if unknown:
+        raise RegistrationError(f"{side} rank {rank}: the rank has no buffer(s) {unknown} (its buffers: {names[:8]})")
+    return [buffers[n] for n in names]
 
 
 class Source(_Rank):
@@ -605,7 +528,7 @@ class Source(_Rank):
         self._in_place: Optional[Dict[str, Any]] = None
 
     @classmethod
-    def in_place(cls, layout: Layout, rank: int, buffers: Mapping[str, Any]) -> "Source":
+    def in_place(cls, layout: Layout, rank: int, buffers: Mapping[str, Any], *, follow: bool = False) -> "Source":
         """A source whose weights stay where they are: ``buffers`` maps
         every buffer of the rank (``layout.buffers(rank)``: a fused buffer's
         name, or ``"{tensor}#{shard}"``) to the C-contiguous array or tensor
@@ -614,11 +537,23 @@ class Source(_Rank):
         ``device.id``, or a DLPack tensor or capsule) for the ``"nccl"`` and
         ``"ipc"`` fabrics, host arrays (numpy, torch CPU, DLPack) for
         ``"node"`` and the simulated ones. A refit reads them in
-        place, no copy; the source keeps them alive. Write them only inside
-        ``with src.stepping(): ...`` (the version fence); ``step()`` is
-        refused."""
-        regions, gpu = _regions(layout, rank, buffers, "src")
-        src = cls(layout, rank, _store=_refit.SrcStore.registered(layout, rank, regions, gpu))
+        place, no copy. Write them only inside ``with src.stepping(): ...``
+        (the version fence); ``step()`` is refused.
+
+        Each object must have the buffer's dtype (bf16 may be given as
+        16-bit integers, the 8-bit floats as bytes), exactly its elements,
+        and, for a tensor's own buffer, the block's shape (or be flat).
+        The source holds the memory (a torch tensor's storage, a DLPack
+        capsule) and looks every object up again when a step ends and
+        before every refit reads it: an object whose memory was replaced
+        (``param.data = ...``, ``resize_``, ``.to(...)`` into it), or whose
+        dtype, shape or contiguity changed, makes the step or the refit
+        fail with ``RegistrationError`` naming the rank, the buffer and
+        what changed, and no byte of other memory is sent. ``follow=True``
+        takes the object's new memory instead, after the same checks.
+        ``RegistrationError`` also names what does not fit here."""
+        objects = _objects_for(layout, rank, buffers, "src")
+        src = cls(layout, rank, _store=_refit.SrcStore.in_place(layout, rank, objects, follow))
         src._in_place = dict(buffers)
         return src
 
@@ -631,6 +566,7 @@ class Source(_Rank):
         (refits refuse it until the next step succeeds)."""
         if self._in_place is None:
             raise TensorError(f"src rank {self.rank}: stepping() is for in-place sources; use step()")
+        self._store.check()
         self._store.begin_step()
         ok = False
         try:
@@ -692,7 +628,7 @@ class Destination(_Rank):
         self._in_place: Optional[Dict[str, Any]] = None
 
     @classmethod
-    def in_place(cls, layout: Layout, rank: int, buffers: Mapping[str, Any]) -> "Destination":
+    def in_place(cls, layout: Layout, rank: int, buffers: Mapping[str, Any], *, follow: bool = False) -> "Destination":
         """A destination whose weights are served where the inference
         engine keeps them: ``buffers`` maps every buffer of the rank
         (``layout.buffers(rank)``) to the C-contiguous array or tensor
@@ -704,10 +640,18 @@ class Destination(_Rank):
         succeeded, its commit copies the version in (a failed refit never
         touches them). Read them only inside ``with dst.serving(): ...``,
         which holds commits off (a refit waits for it, within its
-        deadline); ``load()`` is refused. The destination keeps them
-        alive."""
-        regions, gpu = _regions(layout, rank, buffers, "dst")
-        dst = cls(layout, rank, _store=_refit.DstStore.registered(layout, rank, regions, gpu))
+        deadline); ``load()`` is refused.
+
+        The objects are checked as for ``Source.in_place``, and must be
+        writable (read-only arrays, and tensors over read-only memory, are
+        refused). Each commit looks every object up again right before it
+        copies into it: one whose memory was replaced or changed fails the
+        refit (``MemberError`` on the orchestrator's side; every
+        destination keeps the version it served) and ``serving()`` raises
+        ``RegistrationError``, until it is registered again —
+        or, with ``follow=True``, the commit writes its new memory."""
+        objects = _objects_for(layout, rank, buffers, "dst")
+        dst = cls(layout, rank, _store=_refit.DstStore.in_place(layout, rank, objects, follow))
         dst._in_place = dict(buffers)
         return dst
 

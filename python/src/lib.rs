@@ -13,9 +13,12 @@
 //! released, and polls for signals every 100 ms so Ctrl-C interrupts it
 //! (the wait is abandoned; see `wait`). Weights cross the boundary in
 //! place for C-contiguous host arrays (numpy, torch CPU: one copy between
-//! the array and the store, under the GIL; `host`, the only `unsafe` of
-//! this crate) and as `bytes` for anything else, checked for length
-//! against the rank's block either way.
+//! the array and the store, each array looked up right before its copy,
+//! under the GIL) and as `bytes` for anything else, checked for dtype and
+//! length against the rank's block either way. In-place stores register
+//! objects, never addresses: `target` finds and re-checks their memory
+//! before every use (the `unsafe` of this crate is there, and in the
+//! copies below, each after its check).
 
 use actors::ActorGroup;
 use orchestrator::rendezvous::ControlConfig;
@@ -29,12 +32,12 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
 use reshard::{DType, Endpoint, Group, Layout, Rank, Region, Storage};
-mod host;
+mod target;
 
-use host::HostArray;
 use std::future::Future;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
+use target::{Access, Device, Targets, Want};
 
 create_exception!(_refit, RefitError, PyException, "Base class of every error refit raises.");
 create_exception!(_refit, LayoutError, RefitError, "A layout is invalid (the message names the tensor and field).");
@@ -43,6 +46,12 @@ create_exception!(_refit, TensorError, RefitError, "A tensor or buffer of a rank
 create_exception!(_refit, VersionError, RefitError, "No whole version to refit, the sources disagree, or a version is not served.");
 create_exception!(_refit, MemberError, RefitError, "A member timed out, died, or refused its part of a refit.");
 create_exception!(_refit, JoinError, RefitError, "Joining or opening a rendezvous failed.");
+create_exception!(
+    _refit,
+    RegistrationError,
+    TensorError,
+    "Memory registered in place is no longer what was registered (moved, freed, resized, another dtype), or cannot be registered."
+);
 
 // ---------------------------------------------------------------------------
 // The runtime and waiting on it.
@@ -507,47 +516,80 @@ fn target_mut<'a>(b: &'a mut Buffers, name: &str) -> Result<&'a mut [u8], Buffer
     }
 }
 
+/// A host array's memory, found right before it is copied: its bytes
+/// must be `len`, its elements `dtype` (or its raw bits).
+fn host_array(object: &Bound<'_, PyAny>, what: &str, dtype: DType, len: usize, write: bool) -> PyResult<target::Found> {
+    let found = target::find(object)?.map_err(|why| TensorError::new_err(format!("{what}: {why}")))?;
+    if found.device != Device::Host {
+        return Err(TensorError::new_err(format!("{what}: memory on {}, not a host array", found.device)));
+    }
+    if !found.elem.holds(dtype) {
+        return Err(TensorError::new_err(format!("{what}: {} given for {dtype}", found.elem)));
+    }
+    if found.nbytes != len {
+        let size = dtype.size() as usize;
+        return Err(tensor_err(BufferError::Length {
+            what: format!("{what} ({dtype}, {len} bytes)"),
+            expected: (len / size) as u64,
+            given: (found.nbytes / size) as u64,
+        }));
+    }
+    if write && !found.writable {
+        return Err(TensorError::new_err(format!("{what}: the array is read-only")));
+    }
+    if write && len > 0 {
+        let maps = target::WritableMaps::read().map_err(TensorError::new_err)?;
+        if !maps.covers(found.addr, len) {
+            return Err(TensorError::new_err(format!(
+                "{what}: its {len} bytes at {:#x} are not writable memory (a read-only map?)",
+                found.addr
+            )));
+        }
+    }
+    Ok(found)
+}
+
 /// Checks every write, then copies them all: a write that does not fit
 /// fails before anything changed (the version and the weights stay).
-/// Arrays are found and copied under one hold of the GIL.
+/// Each array is looked up again right before its copy, with no Python
+/// code in between (a look-up runs the object's code, which could free
+/// another array).
 fn write_all(b: &mut Buffers, writes: &[(String, Write)]) -> Result<(), PyErr> {
     let rank = b.rank();
     Python::attach(|py| {
-        // What each write copies from, found (and checked) before any is made.
-        enum From<'a, 'py> {
-            Bytes(&'a [u8]),
-            Array(HostArray<'py>),
-        }
-        let mut froms = Vec::with_capacity(writes.len());
         for (name, write) in writes {
             let (dt, len) = target_len(b, name).map_err(tensor_err)?;
-            let from = match write {
-                Write::Bytes(data) => From::Bytes(data),
-                Write::Array(object) => From::Array(HostArray::find(object.bind(py))?.ok_or_else(|| {
-                    TensorError::new_err(format!("src rank {rank}: '{name}': not a C-contiguous host array (numpy or torch CPU)"))
-                })?),
-            };
-            let given = match &from {
-                From::Bytes(data) => data.len(),
-                From::Array(array) => array.len(),
-            };
-            if len != given {
-                let size = dt.size() as usize;
-                return Err(tensor_err(BufferError::Length {
-                    what: format!("src rank {rank}: '{name}' ({dt}, {} bytes)", len),
-                    expected: (len / size) as u64,
-                    given: (given / size) as u64,
-                }));
+            let what = format!("src rank {rank}: '{name}'");
+            match write {
+                Write::Bytes(data) if data.len() != len => {
+                    let size = dt.size() as usize;
+                    return Err(tensor_err(BufferError::Length {
+                        what: format!("{what} ({dt}, {len} bytes)"),
+                        expected: (len / size) as u64,
+                        given: (data.len() / size) as u64,
+                    }));
+                }
+                Write::Bytes(_) => {}
+                Write::Array(object) => drop(host_array(object.bind(py), &what, dt, len, false)?),
             }
-            froms.push(from);
         }
-        for ((name, _), from) in writes.iter().zip(&froms) {
-            let target = target_mut(b, name).map_err(tensor_err)?;
-            // Lengths were checked above, under this GIL hold.
-            match from {
-                From::Bytes(data) => target.copy_from_slice(data),
-                From::Array(array) => {
-                    array.copy_to(target);
+        for (name, write) in writes {
+            let (dt, len) = target_len(b, name).map_err(tensor_err)?;
+            let what = format!("src rank {rank}: '{name}'");
+            match write {
+                Write::Bytes(data) => target_mut(b, name).map_err(tensor_err)?.copy_from_slice(data),
+                Write::Array(object) => {
+                    let found = host_array(object.bind(py), &what, dt, len, false)?;
+                    let target = target_mut(b, name).map_err(tensor_err)?;
+                    if found.nbytes > 0 {
+                        // SAFETY: `found` was looked up just now, under
+                        // this GIL hold, and no Python code ran since: its
+                        // `nbytes` (== `target.len()`, checked) bytes of host
+                        // memory at `addr` are the object's, alive (its
+                        // keeper is held in `found`). `target` is the
+                        // store's own buffer, not inside it.
+                        unsafe { std::ptr::copy_nonoverlapping(found.addr as *const u8, target.as_mut_ptr(), target.len()) };
+                    }
                 }
             }
         }
@@ -569,18 +611,64 @@ fn source_bytes<'a>(b: &'a Buffers, name: &str) -> Result<&'a [u8], BufferError>
     }
 }
 
-/// `regions` (address, bytes per buffer of `rank`) of host memory, or of
-/// GPU `gpu`'s, as registered weights.
-///
-/// # Safety
-/// As [`orchestrator::Registered::new`]: the memory stays valid and
-/// unmoved for as long as the registration is used, and is accessed as the
-/// store it is given to requires.
-unsafe fn registered(layout: &PyLayout, rank: Rank, regions: Vec<(u64, usize)>, gpu: Option<usize>) -> PyResult<orchestrator::Registered> {
+/// Rank `rank`'s buffers, and the block each is where it is one
+/// tensor's only block on the rank.
+fn wants(layout: &Layout, rank: Rank) -> Vec<Want> {
+    layout
+        .rank_buffers(rank)
+        .into_iter()
+        .map(|spec| {
+            let shape = spec.name.rsplit_once('#').and_then(|(tensor, _)| {
+                let t = layout.tensor_index(tensor)?;
+                let held: Vec<_> = layout.rank_holdings(t, rank).into_iter().map(|(b, _)| b.extent().to_vec()).collect();
+                match held.as_slice() {
+                    [extent] if extent.iter().product::<u64>() == spec.elems => Some(extent.clone()),
+                    _ => None,
+                }
+            });
+            Want { name: spec.name, dtype: spec.dtype, elems: spec.elems, shape }
+        })
+        .collect()
+}
+
+/// Rank `rank`'s weights in the memory of `objects` (one per buffer, in
+/// `Layout.buffers(rank)` order), found and checked now and before every
+/// use.
+fn in_place(
+    layout: &PyLayout,
+    rank: Rank,
+    side: &str,
+    objects: Vec<Bound<'_, PyAny>>,
+    access: Access,
+) -> PyResult<(orchestrator::Registered, Arc<Targets>)> {
     layout.check_rank(rank)?;
-    let residence = gpu.map_or(orchestrator::Residence::Host, |ordinal| orchestrator::Residence::Device { ordinal });
-    // SAFETY: the caller's promise, passed on.
-    unsafe { orchestrator::Registered::new(&layout.inner, rank, residence, regions) }.map_err(tensor_err)
+    let what = format!("{side} rank {rank}");
+    let targets = Targets::register(what.clone(), access, wants(&layout.inner, rank), objects)?.map_err(RegistrationError::new_err)?;
+    let (regions, device) = targets.regions();
+    let residence = match device {
+        Some(Device::Cuda(ordinal)) => orchestrator::Residence::Device { ordinal },
+        _ => orchestrator::Residence::Host,
+    };
+    // SAFETY: every region was found just now from the object registered
+    // for it, with its keeper held by `targets` for as long as the
+    // registration lives; before each use the store's refit or commit
+    // re-derives it through `targets` (`with_check`), which refuses memory
+    // that moved, and the commit copies inside that check's GIL hold.
+    let registered = unsafe { orchestrator::Registered::new(&layout.inner, rank, residence, regions) }
+        .map_err(|e| RegistrationError::new_err(format!("{what}: {e}")))?;
+    let targets = Arc::new(targets);
+    // SAFETY: as above, for every region the check yields.
+    let registered = unsafe { registered.with_check(targets.clone()) };
+    Ok((registered, targets))
+}
+
+/// Raises `RegistrationError` if a registered buffer is no longer what
+/// was registered.
+fn check_targets(py: Python<'_>, targets: &Option<Arc<Targets>>) -> PyResult<()> {
+    match targets {
+        Some(t) => t.check_all(py).map_err(RegistrationError::new_err),
+        None => Ok(()),
+    }
 }
 
 /// The weights of one training (source) rank, with the version fence:
@@ -592,6 +680,8 @@ struct PySrcStore {
     layout: Arc<Layout>,
     /// A step begun by `begin_step`, holding the store's write lock.
     stepping: Mutex<Option<orchestrator::UpdateGuard>>,
+    /// The objects an in-place store's weights live in.
+    targets: Option<Arc<Targets>>,
 }
 
 #[pymethods]
@@ -599,26 +689,37 @@ impl PySrcStore {
     #[new]
     fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
         layout.check_rank(rank)?;
-        Ok(PySrcStore { inner: Arc::new(SrcStore::new(&layout.inner, rank)), layout: layout.inner.clone(), stepping: Mutex::new(None) })
+        Ok(PySrcStore {
+            inner: Arc::new(SrcStore::new(&layout.inner, rank)),
+            layout: layout.inner.clone(),
+            stepping: Mutex::new(None),
+            targets: None,
+        })
     }
 
-    /// A store over the caller's own memory: `regions` are (address,
-    /// bytes) per buffer of the rank, in `Layout.buffers(rank)` order, on
-    /// GPU `gpu` (None: host memory, which only the simulated fabrics
-    /// read). The caller (`refit.Source.in_place`) keeps the memory alive
-    /// and unmoved for as long as the store lives, and writes it only
-    /// between `begin_step` and `end_step`.
+    /// A store over the memory of `objects` (torch tensors, numpy arrays,
+    /// CUDA arrays, DLPack tensors), one per buffer of the rank in
+    /// `Layout.buffers(rank)` order: each checked for dtype, elements,
+    /// shape (a tensor's block, or flat) and contiguity now, and looked up
+    /// again before every refit reads it and every step. `follow`: memory
+    /// an object moved to is taken (after the same checks) instead of
+    /// refused.
     #[staticmethod]
-    #[pyo3(signature = (layout, rank, regions, gpu=None))]
-    fn registered(layout: PyRef<'_, PyLayout>, rank: Rank, regions: Vec<(u64, usize)>, gpu: Option<usize>) -> PyResult<Self> {
-        // SAFETY: the contract above, kept by `refit.Source.in_place`,
-        // which holds every registered object for the store's life.
-        let registered = unsafe { registered(&layout, rank, regions, gpu) }?;
+    #[pyo3(signature = (layout, rank, objects, follow=false))]
+    fn in_place(layout: PyRef<'_, PyLayout>, rank: Rank, objects: Vec<Bound<'_, PyAny>>, follow: bool) -> PyResult<Self> {
+        let (registered, targets) = in_place(&layout, rank, "src", objects, Access { writable: false, follow })?;
         Ok(PySrcStore {
             inner: Arc::new(SrcStore::registered(&layout.inner, rank, registered)),
             layout: layout.inner.clone(),
             stepping: Mutex::new(None),
+            targets: Some(targets),
         })
+    }
+
+    /// Looks every registered object up again: `RegistrationError` names
+    /// the buffer and what changed.
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        check_targets(py, &self.targets)
     }
 
     /// Begins a step written outside the store (in place): waits while a
@@ -635,10 +736,20 @@ impl PySrcStore {
 
     /// Ends the step `begin_step` began: `ok`, the version goes up by one
     /// (returned); otherwise it stays and the store is torn.
-    fn end_step(&self, ok: bool) -> PyResult<Option<u64>> {
+    /// A step whose registered memory moved or changed (and is not
+    /// followed) fails: the version stays, the store is torn, and
+    /// `RegistrationError` says what changed.
+    fn end_step(&self, py: Python<'_>, ok: bool) -> PyResult<Option<u64>> {
         let guard = self.stepping.lock().unwrap_or_else(|e| e.into_inner()).take();
         let guard = guard.ok_or_else(|| VersionError::new_err(format!("src rank {}: no step in progress", self.inner.rank())))?;
-        Ok(if ok { Some(guard.finish()) } else { None })
+        if !ok {
+            return Ok(None);
+        }
+        if let Err(e) = check_targets(py, &self.targets) {
+            drop(guard);
+            return Err(e);
+        }
+        Ok(Some(guard.finish()))
     }
 
     /// One optimizer step: writes `[(name, bytes)]` (each a tensor's block
@@ -698,6 +809,8 @@ struct PyDstStore {
     /// Holds taken by `begin_serving` (one per reader in a `serving()`
     /// block), released by `end_serving`.
     serving: Mutex<Vec<orchestrator::Serving>>,
+    /// The objects an in-place store's weights are served in.
+    targets: Option<Arc<Targets>>,
 }
 
 impl PyDstStore {
@@ -722,27 +835,34 @@ impl PyDstStore {
     #[new]
     fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
         layout.check_rank(rank)?;
-        Ok(PyDstStore { inner: Arc::new(DstStore::new(&layout.inner, rank)), layout: layout.inner.clone(), serving: Mutex::default() })
+        Ok(PyDstStore {
+            inner: Arc::new(DstStore::new(&layout.inner, rank)),
+            layout: layout.inner.clone(),
+            serving: Mutex::default(),
+            targets: None,
+        })
     }
 
-    /// A store that serves its weights in the caller's own memory:
-    /// `regions` are (address, bytes) per buffer of the rank, in
-    /// `Layout.buffers(rank)` order, on GPU `gpu` (None: host memory,
-    /// which only the simulated fabrics write). A refit's commit copies
-    /// each version in. The caller (`refit.Destination.in_place`) keeps the
-    /// memory alive and unmoved for as long as the store lives, and reads
-    /// it only between `begin_serving` and `end_serving`.
+    /// A store that serves its weights in the memory of `objects` (as
+    /// `SrcStore.in_place`, and writable: read-only memory is refused); a
+    /// refit's commit looks each up again and copies the version in,
+    /// under one hold of the GIL per buffer. `follow`: as for sources.
     #[staticmethod]
-    #[pyo3(signature = (layout, rank, regions, gpu=None))]
-    fn registered(layout: PyRef<'_, PyLayout>, rank: Rank, regions: Vec<(u64, usize)>, gpu: Option<usize>) -> PyResult<Self> {
-        // SAFETY: the contract above, kept by `refit.Destination.in_place`,
-        // which holds every registered object for the store's life.
-        let registered = unsafe { registered(&layout, rank, regions, gpu) }?;
+    #[pyo3(signature = (layout, rank, objects, follow=false))]
+    fn in_place(layout: PyRef<'_, PyLayout>, rank: Rank, objects: Vec<Bound<'_, PyAny>>, follow: bool) -> PyResult<Self> {
+        let (registered, targets) = in_place(&layout, rank, "dst", objects, Access { writable: true, follow })?;
         Ok(PyDstStore {
             inner: Arc::new(DstStore::registered(&layout.inner, rank, registered)),
             layout: layout.inner.clone(),
             serving: Mutex::default(),
+            targets: Some(targets),
         })
+    }
+
+    /// Looks every registered object up again: `RegistrationError` names
+    /// the buffer and what changed.
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        check_targets(py, &self.targets)
     }
 
     /// Takes a reader's hold on the served weights (waiting while a commit
@@ -752,6 +872,8 @@ impl PyDstStore {
     fn begin_serving(&self, py: Python<'_>) -> PyResult<Option<u64>> {
         let store = self.inner.clone();
         let hold = wait(py, async move { Ok(store.serve().await) })?;
+        // What the readers will read must still be what was registered.
+        check_targets(py, &self.targets)?;
         let version = hold.version();
         self.serving.lock().unwrap_or_else(|e| e.into_inner()).push(hold);
         Ok(version)
@@ -767,7 +889,7 @@ impl PyDstStore {
 
     /// Whether the weights are served in registered memory.
     #[getter]
-    fn in_place(&self) -> bool {
+    fn is_in_place(&self) -> bool {
         self.inner.registered_memory().is_some()
     }
 
@@ -791,10 +913,11 @@ impl PyDstStore {
     }
 
     /// Copies one committed version (as `read`) into `targets`
-    /// (`[(name, array)]`): straight into each writable C-contiguous host
-    /// array (numpy, torch CPU), whose length is checked against the
-    /// block first; for any other target, its bytes are returned for the
-    /// caller to copy. Returns `(version, [None or bytes per target])`.
+    /// (`[(name, array)]`): straight into each C-contiguous host array
+    /// (numpy, torch CPU) of the block's dtype and bytes, writable, looked
+    /// up again right before its copy; for any other target, its bytes are
+    /// returned for the caller to copy. Every target is checked before any
+    /// is written. Returns `(version, [None or bytes per target])`.
     #[pyo3(signature = (targets, version=None))]
     fn load_into<'py>(
         &self,
@@ -804,33 +927,41 @@ impl PyDstStore {
     ) -> PyResult<(u64, Vec<Option<Bound<'py, PyBytes>>>)> {
         let rank = self.inner.rank();
         let snap = self.snapshot(version)?;
-        let mut found = Vec::with_capacity(targets.len());
+        let mut in_place = Vec::with_capacity(targets.len());
         for (name, target) in &targets {
             let (dt, len) = target_len(&snap.buffers, name).map_err(tensor_err)?;
-            let array = HostArray::find(target)?.filter(HostArray::writable);
-            if let Some(a) = &array {
-                if a.len() != len {
-                    let size = dt.size() as usize;
-                    return Err(tensor_err(BufferError::Length {
-                        what: format!("dst rank {rank}: '{name}' ({dt}, {len} bytes)"),
-                        expected: (len / size) as u64,
-                        given: (a.len() / size) as u64,
-                    }));
-                }
+            let host = matches!(target::find(target)?, Ok(f) if f.device == Device::Host);
+            if host {
+                drop(host_array(target, &format!("dst rank {rank}: '{name}'"), dt, len, true)?);
             }
-            found.push(array);
+            in_place.push(host);
         }
         let mut out = Vec::with_capacity(targets.len());
-        for ((name, _), array) in targets.iter().zip(&found) {
-            match array {
-                Some(a) => {
-                    let bytes = source_bytes(&snap.buffers, name).map_err(tensor_err)?;
-                    // Length checked above, under this GIL hold.
-                    a.copy_from(bytes);
-                    out.push(None);
-                }
-                None => out.push(Some(PyBytes::new(py, &read_bytes(&snap.buffers, name).map_err(tensor_err)?))),
+        for ((name, target), host) in targets.iter().zip(in_place) {
+            if !host {
+                out.push(Some(PyBytes::new(py, &read_bytes(&snap.buffers, name).map_err(tensor_err)?)));
+                continue;
             }
+            let (dt, len) = target_len(&snap.buffers, name).map_err(tensor_err)?;
+            let found = host_array(target, &format!("dst rank {rank}: '{name}'"), dt, len, true)?;
+            let bytes = source_bytes(&snap.buffers, name).map_err(tensor_err)?;
+            if bytes.len() != found.nbytes {
+                return Err(TensorError::new_err(format!(
+                    "dst rank {rank}: '{name}': {} bytes served for {} registered",
+                    bytes.len(),
+                    found.nbytes
+                )));
+            }
+            if found.nbytes > 0 {
+                // SAFETY: `found` was looked up just now, under this GIL
+                // hold, with no Python code since: `nbytes` bytes of
+                // writable host memory (the object's flag and the process's
+                // mappings checked) at `addr`, alive (its keeper is held);
+                // `bytes` is the snapshot's (refit's own memory), of the
+                // same length, not inside it.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), found.addr as *mut u8, bytes.len()) };
+            }
+            out.push(None);
         }
         Ok((snap.version, out))
     }
@@ -1215,10 +1346,13 @@ fn spawn_local(
     let srcs = system
         .src_stores
         .iter()
-        .map(|st| PySrcStore { inner: st.clone(), layout: src.inner.clone(), stepping: Mutex::new(None) })
+        .map(|st| PySrcStore { inner: st.clone(), layout: src.inner.clone(), stepping: Mutex::new(None), targets: None })
         .collect();
-    let dsts =
-        system.dst_stores.iter().map(|st| PyDstStore { inner: st.clone(), layout: dst.inner.clone(), serving: Mutex::default() }).collect();
+    let dsts = system
+        .dst_stores
+        .iter()
+        .map(|st| PyDstStore { inner: st.clone(), layout: dst.inner.clone(), serving: Mutex::default(), targets: None })
+        .collect();
     let handle = system.orchestrator.clone();
     let orchestrator = PyOrchestrator {
         over: InRuntime(Some(Mutex::new(Over::Local(Arc::new(tokio::sync::Mutex::new(system)))))),
@@ -1226,6 +1360,26 @@ fn spawn_local(
         config,
     };
     Ok((orchestrator, srcs, dsts))
+}
+
+/// Whether `object` is a C-contiguous host array refit copies in place
+/// (numpy, torch CPU, DLPack on the CPU).
+#[pyfunction]
+fn is_host_array(object: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(matches!(target::find(object)?, Ok(f) if f.device == Device::Host))
+}
+
+/// `(address, bytes, GPU or None)` of the memory refit would use in place
+/// for `object` (for inspection and tests: nothing takes an address
+/// back); `TensorError` saying why for anything else.
+#[pyfunction]
+fn memory_of(object: &Bound<'_, PyAny>) -> PyResult<(u64, usize, Option<usize>)> {
+    let found = target::find(object)?.map_err(TensorError::new_err)?;
+    let gpu = match found.device {
+        Device::Host => None,
+        Device::Cuda(i) => Some(i),
+    };
+    Ok((found.addr, found.nbytes, gpu))
 }
 
 #[pymodule]
@@ -1238,6 +1392,9 @@ fn _refit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("VersionError", py.get_type::<VersionError>())?;
     m.add("MemberError", py.get_type::<MemberError>())?;
     m.add("JoinError", py.get_type::<JoinError>())?;
+    m.add("RegistrationError", py.get_type::<RegistrationError>())?;
+    m.add_function(wrap_pyfunction!(is_host_array, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_of, m)?)?;
     m.add_class::<PyLayout>()?;
     m.add_class::<PyTensorBuilder>()?;
     m.add_class::<PyLayoutBuilder>()?;

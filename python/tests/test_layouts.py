@@ -648,8 +648,21 @@ def test_param_buffers_says_which_parameter_does_not_fit():
     assert [v.shape for v in refit.param_buffers(layout, 1, ok).values()] == [(144,), (4,)]
     with pytest.raises(refit.TensorError, match="rank 0: buffer 'model.norm.weight#0': no parameter 'model.norm.weight'"):
         refit.param_buffers(layout, 0, {"model.embed_tokens.weight": ok["model.embed_tokens.weight"]})
-    with pytest.raises(refit.TensorError, match="parameter 'model.embed_tokens.weight': 200 elements, the buffer needs 256"):
+    with pytest.raises(refit.TensorError, match=r"parameter 'model.embed_tokens.weight': 200 elements \(shape \[50, 4\]\), the buffer needs 256"):
         refit.param_buffers(layout, 0, {**ok, "model.embed_tokens.weight": np.zeros((50, 4), np.float32)})
+    # Padding adds rows of a vocabulary parameter only.
+    with pytest.raises(refit.TensorError, match=r"shape \[32, 8\], the buffer's block is \[64, 4\] \(padding may add rows only\)"):
+        refit.param_buffers(layout, 0, {**ok, "model.embed_tokens.weight": np.zeros((32, 8), np.float32)})
+    # Any other parameter holds its block exactly: a transposed one of the
+    # same size, or a larger one, is named with both shapes.
+    dense = refit.tp_inference_layout({"model.layers.0.self_attn.o_proj.weight": [64, 32]}, tp=1)
+    with pytest.raises(refit.TensorError, match=r"parameter 'model.layers.0.self_attn.o_proj.weight': shape \[32, 64\], the buffer's block is \[64, 32\]"):
+        refit.param_buffers(dense, 0, {"model.layers.0.self_attn.o_proj.weight": np.zeros((32, 64), np.float32)})
+    with pytest.raises(refit.TensorError, match=r"shape \[65, 32\], the buffer's block is \[64, 32\]"):
+        refit.param_buffers(dense, 0, {"model.layers.0.self_attn.o_proj.weight": np.zeros((65, 32), np.float32)})
+    # ... unless the caller declares it padded.
+    cut = refit.param_buffers(dense, 0, {"model.layers.0.self_attn.o_proj.weight": np.zeros((65, 32), np.float32)}, padded=["o_proj"])
+    assert [v.shape for v in cut.values()] == [(2048,)]
     with pytest.raises(refit.TensorError, match="a non-C-contiguous array has no flat view"):
         refit.param_buffers(layout, 0, {**ok, "model.embed_tokens.weight": np.zeros((4, 64), np.float32).T})
     two = refit.LayoutBuilder(1).tensor(refit.TensorBuilder("w", "f32", [4]).shard(0, offset=[0], extent=[2]).shard(0, offset=[2], extent=[2])).build()

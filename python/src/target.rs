@@ -1,0 +1,653 @@
+//! The memory of Python objects refit reads and writes in place, found
+//! from the objects themselves and never trusted past the moment it was
+//! checked.
+//!
+//! [`find`] asks an object for its memory through the library that made
+//! it: a torch tensor through `torch.Tensor`'s own methods (checked
+//! against its storage), a numpy array through `__array_interface__`, a
+//! CUDA array through `__cuda_array_interface__`, a DLPack tensor through
+//! its capsule. What it finds ([`Found`]) carries a *keeper*: the object
+//! that keeps the memory alive whatever is done to the registered object
+//! (a torch storage, the DLPack capsule; a weak reference for a numpy
+//! array, which makes numpy refuse `resize`).
+//!
+//! [`Targets`] are a rank's registered buffers. Each is looked up again
+//! right before every use ([`RegionCheck::visit`], under the GIL, and the
+//! use — the commit's copy — inside the same GIL hold); one whose address,
+//! bytes, dtype, shape, contiguity or device changed is refused, naming the
+//! buffer and what changed, or with `follow` taken at its new place after
+//! the same checks as at registration. Nothing here takes an address from
+//! the caller.
+
+use orchestrator::RegionCheck;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use reshard::DType;
+use std::sync::Mutex;
+
+/// Where memory is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Device {
+    /// Host memory.
+    Host,
+    /// Memory of CUDA device `0`.
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Host => f.write_str("host memory"),
+            Device::Cuda(i) => write!(f, "GPU {i}"),
+        }
+    }
+}
+
+/// What an object's elements are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Elem {
+    /// One of refit's dtypes.
+    Is(DType),
+    /// 16-bit integers (bf16 given as its raw bits).
+    Bits16,
+    /// Anything else, as the object names it.
+    Other(String),
+}
+
+impl Elem {
+    /// Whether elements of this kind hold a buffer of `want`: the same
+    /// dtype, or raw bits of its size (bf16 as 16-bit integers, the 8-bit
+    /// floats as bytes). bf16 and f16 are told apart.
+    pub(crate) fn holds(&self, want: DType) -> bool {
+        match self {
+            Elem::Is(d) => *d == want || (matches!(want, DType::F8E4M3 | DType::F8E5M2) && matches!(d, DType::U8 | DType::I8)),
+            Elem::Bits16 => want == DType::BF16,
+            Elem::Other(_) => false,
+        }
+    }
+}
+
+impl std::fmt::Display for Elem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Elem::Is(d) => write!(f, "{d}"),
+            Elem::Bits16 => f.write_str("16-bit integers"),
+            Elem::Other(s) => f.write_str(s),
+        }
+    }
+}
+
+/// An object's memory as found just now.
+pub(crate) struct Found {
+    pub(crate) addr: u64,
+    pub(crate) nbytes: usize,
+    pub(crate) elem: Elem,
+    pub(crate) shape: Vec<u64>,
+    pub(crate) device: Device,
+    /// False where the object says its memory is read-only (a torch CPU
+    /// tensor's memory is checked against the process's mappings apart).
+    pub(crate) writable: bool,
+    /// Keeps the memory alive.
+    pub(crate) keeper: Py<PyAny>,
+    /// The address of the array that owns the memory, for a numpy view
+    /// (whose own address would not change if its owner's memory were
+    /// replaced).
+    pub(crate) origin: Option<u64>,
+}
+
+impl Found {
+    /// The first `elems` elements, as a flat array.
+    fn prefix(mut self, elems: u64) -> Result<Found, String> {
+        let numel: u64 = self.shape.iter().product();
+        let size = if numel == 0 { 0 } else { self.nbytes as u64 / numel };
+        let need = elems.checked_mul(size).and_then(|n| usize::try_from(n).ok()).ok_or("a cut that overflows")?;
+        if elems > numel {
+            return Err(format!("the parameter holds {numel} elements ({:?}), the buffer needs {elems}", self.shape));
+        }
+        self.nbytes = need;
+        self.shape = vec![elems];
+        Ok(self)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} {:?} on {} ({} bytes at {:#x})", self.elem, self.shape, self.device, self.nbytes, self.addr)
+    }
+}
+
+/// `sys.modules[name]` if imported (refit never imports torch or numpy
+/// itself).
+fn imported<'py>(py: Python<'py>, name: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let modules = py.import("sys")?.getattr("modules")?;
+    Ok(modules.get_item(name).ok())
+}
+
+fn checked_bytes(shape: &[u64], size: u64) -> Option<usize> {
+    shape.iter().try_fold(size, |acc, &d| acc.checked_mul(d)).and_then(|n| usize::try_from(n).ok())
+}
+
+/// The memory of `object` if it is a C-contiguous torch tensor, numpy
+/// array, CUDA array or DLPack tensor: `Ok(Err(why))` when it is none of
+/// them or not usable in place (non-contiguous, ...). Runs the object's
+/// own code (properties, methods): call it right before the memory is
+/// used, under the same GIL hold.
+pub(crate) fn find(object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>> {
+    let py = object.py();
+    let object = &local(object)?;
+    if let Some(torch) = imported(py, "torch")? {
+        if object.is_instance(&torch.getattr("Tensor")?)? {
+            // A flat view `refit.param_buffers` cut from a parameter: the
+            // parameter's memory, looked up from the parameter itself (so
+            // `param.data = ...` is seen), cut to the buffer's elements.
+            if let Ok(origin) = object.getattr("_refit_param") {
+                let (param, elems): (Bound<'_, PyAny>, u64) = origin.extract()?;
+                let param = local(&param)?;
+                if !param.is_instance(&torch.getattr("Tensor")?)? {
+                    return Ok(Err("a view of a parameter that is no longer a torch tensor".into()));
+                }
+                return Ok(torch_tensor(&torch, &param)?.and_then(|found| found.prefix(elems)));
+            }
+            return torch_tensor(&torch, object);
+        }
+    }
+    if let Some(numpy) = imported(py, "numpy")? {
+        if object.is_instance(&numpy.getattr("ndarray")?)? {
+            return numpy_array(py, object);
+        }
+    }
+    if object.hasattr("__cuda_array_interface__")? {
+        return cuda_array(object);
+    }
+    if object.get_type().name()?.to_string() == "PyCapsule" {
+        return dlpack(object, object.clone().unbind());
+    }
+    if object.hasattr("__dlpack__")? {
+        let capsule = object.call_method0("__dlpack__")?;
+        return dlpack(&capsule, capsule.clone().unbind());
+    }
+    Ok(Err(format!(
+        "{} holds no memory refit can use in place (a C-contiguous numpy array, torch tensor, CUDA array or DLPack tensor can)",
+        object.get_type().name()?
+    )))
+}
+
+/// A DTensor's local shard; anything else as it is.
+fn local<'py>(object: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    if object.get_type().name()?.to_string() == "DTensor" && object.hasattr("to_local")? {
+        return object.call_method0("to_local");
+    }
+    Ok(object.clone())
+}
+
+fn torch_tensor(torch: &Bound<'_, PyAny>, object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>> {
+    // torch.Tensor's own methods, not whatever a subclass put in their place.
+    let tensor = torch.getattr("Tensor")?;
+    let call = |m: &str| tensor.getattr(m)?.call1((object,));
+    if !call("is_contiguous")?.extract::<bool>()? {
+        return Ok(Err("a non-contiguous tensor".into()));
+    }
+    let device = object.getattr("device")?;
+    let kind: String = device.getattr("type")?.extract()?;
+    let device = match kind.as_str() {
+        "cpu" => Device::Host,
+        "cuda" => Device::Cuda(device.getattr("index")?.extract::<Option<usize>>()?.unwrap_or(0)),
+        other => return Ok(Err(format!("a tensor on {other}, which refit does not reach"))),
+    };
+    let dtype: String = object.getattr("dtype")?.str()?.extract()?;
+    let elem = match dtype.trim_start_matches("torch.") {
+        "float64" => Elem::Is(DType::F64),
+        "float32" => Elem::Is(DType::F32),
+        "float16" => Elem::Is(DType::F16),
+        "bfloat16" => Elem::Is(DType::BF16),
+        "float8_e4m3fn" => Elem::Is(DType::F8E4M3),
+        "float8_e5m2" => Elem::Is(DType::F8E5M2),
+        "int64" => Elem::Is(DType::I64),
+        "int32" => Elem::Is(DType::I32),
+        "int8" => Elem::Is(DType::I8),
+        "uint8" => Elem::Is(DType::U8),
+        "int16" | "uint16" => Elem::Bits16,
+        _ => Elem::Other(dtype.clone()),
+    };
+    let shape: Vec<u64> = object.getattr("shape")?.extract()?;
+    let size: u64 = call("element_size")?.extract()?;
+    let Some(nbytes) = checked_bytes(&shape, size) else { return Ok(Err(format!("a tensor of shape {shape:?} overflows"))) };
+    let addr: u64 = call("data_ptr")?.extract()?;
+    let storage = call("untyped_storage")?;
+    let base: u64 = storage.call_method0("data_ptr")?.extract()?;
+    let len: u64 = storage.call_method0("nbytes")?.extract()?;
+    let inside = addr.checked_sub(base).and_then(|off| off.checked_add(nbytes as u64)).is_some_and(|end| end <= len);
+    if !inside && nbytes > 0 {
+        return Ok(Err(format!("a tensor whose {nbytes} bytes at {addr:#x} are not inside its storage ({len} bytes at {base:#x})")));
+    }
+    Ok(Ok(Found { addr, nbytes, elem, shape, device, writable: true, keeper: storage.unbind(), origin: None }))
+}
+
+/// Elements of a numpy / CUDA array interface `typestr` (little-endian or
+/// byte-sized only).
+fn typestr_elem(typestr: &str) -> Result<Elem, String> {
+    let (order, kind) = typestr.split_at(typestr.len().min(1));
+    if !matches!(order, "<" | "|" | "=") {
+        return Err(format!("elements of type '{typestr}' (big-endian)"));
+    }
+    Ok(match kind {
+        "f8" => Elem::Is(DType::F64),
+        "f4" => Elem::Is(DType::F32),
+        "f2" => Elem::Is(DType::F16),
+        "i8" => Elem::Is(DType::I64),
+        "i4" => Elem::Is(DType::I32),
+        "i1" => Elem::Is(DType::I8),
+        "u1" | "b1" => Elem::Is(DType::U8),
+        "u2" | "i2" => Elem::Bits16,
+        _ => Elem::Other(format!("'{typestr}'")),
+    })
+}
+
+fn interface_size(typestr: &str) -> Option<u64> {
+    typestr.get(2..)?.parse().ok()
+}
+
+fn numpy_array(py: Python<'_>, object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>> {
+    let interface = object.getattr("__array_interface__")?.cast_into::<PyDict>()?;
+    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        interface.get_item(k)?.ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(format!("__array_interface__ has no '{k}'")))
+    };
+    if !get("strides")?.is_none() {
+        return Ok(Err("an array not in C order".into()));
+    }
+    let (addr, readonly): (u64, bool) = get("data")?.cast_into::<PyTuple>()?.extract()?;
+    let typestr: String = get("typestr")?.extract()?;
+    let elem = match typestr_elem(&typestr) {
+        Ok(e) => e,
+        Err(why) => return Ok(Err(why)),
+    };
+    let Some(size) = interface_size(&typestr) else { return Ok(Err(format!("elements of type '{typestr}'"))) };
+    let shape: Vec<u64> = get("shape")?.extract()?;
+    let Some(nbytes) = checked_bytes(&shape, size) else { return Ok(Err(format!("an array of shape {shape:?} overflows"))) };
+    // The array that owns the memory (a view's base), and a weak
+    // reference to it: numpy refuses to resize an array that has one.
+    let ndarray = object.get_type();
+    let mut owner = object.clone();
+    loop {
+        let base = owner.getattr("base")?;
+        if base.is_none() || !base.is_instance(&ndarray)? {
+            break;
+        }
+        owner = base;
+    }
+    let origin = if owner.is(object) {
+        None
+    } else {
+        let data = owner.getattr("__array_interface__")?.get_item("data")?;
+        Some(data.get_item(0)?.extract::<u64>()?)
+    };
+    let keeper = py.import("weakref")?.getattr("ref")?.call1((&owner,))?;
+    Ok(Ok(Found { addr, nbytes, elem, shape, device: Device::Host, writable: !readonly, keeper: keeper.unbind(), origin }))
+}
+
+fn cuda_array(object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>> {
+    let interface = object.getattr("__cuda_array_interface__")?.cast_into::<PyDict>()?;
+    if interface.get_item("strides")?.is_some_and(|s| !s.is_none()) {
+        return Ok(Err("a CUDA array not in C order".into()));
+    }
+    let Some(device) = object.getattr("device").ok().and_then(|d| d.getattr("id").ok()) else {
+        return Ok(Err("a CUDA array without a device id".into()));
+    };
+    let device = Device::Cuda(device.extract()?);
+    let data = interface.get_item("data")?.ok_or_else(|| pyo3::exceptions::PyKeyError::new_err("no 'data'"))?;
+    let (addr, readonly): (u64, bool) = data.extract()?;
+    let typestr: String = interface.get_item("typestr")?.map_or(Ok(String::new()), |t| t.extract())?;
+    let elem = match typestr_elem(&typestr) {
+        Ok(e) => e,
+        Err(why) => return Ok(Err(why)),
+    };
+    let Some(size) = interface_size(&typestr) else { return Ok(Err(format!("elements of type '{typestr}'"))) };
+    let shape: Vec<u64> = interface.get_item("shape")?.map_or(Ok(Vec::new()), |s| s.extract())?;
+    let Some(nbytes) = checked_bytes(&shape, size) else { return Ok(Err(format!("an array of shape {shape:?} overflows"))) };
+    Ok(Ok(Found { addr, nbytes, elem, shape, device, writable: !readonly, keeper: object.clone().unbind(), origin: None }))
+}
+
+/// DLPack's `DLTensor` (dlpack.h), which a `DLManagedTensor` starts with.
+#[repr(C)]
+struct DlTensor {
+    data: *mut std::ffi::c_void,
+    device_type: i32,
+    device_id: i32,
+    ndim: i32,
+    code: u8,
+    bits: u8,
+    lanes: u16,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+fn dlpack(capsule: &Bound<'_, PyAny>, keeper: Py<PyAny>) -> PyResult<Result<Found, String>> {
+    const NAME: &std::ffi::CStr = c"dltensor";
+    // SAFETY: `capsule` is a live Python object (borrowed under the GIL);
+    // PyCapsule_IsValid only reads its type and name.
+    let valid = unsafe { pyo3::ffi::PyCapsule_IsValid(capsule.as_ptr(), NAME.as_ptr()) } == 1;
+    if !valid {
+        return Ok(Err("not an unconsumed DLPack capsule (named 'dltensor')".into()));
+    }
+    // SAFETY: checked just above to be a capsule named "dltensor".
+    let ptr = unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), NAME.as_ptr()) } as *const DlTensor;
+    if ptr.is_null() {
+        return Err(PyErr::fetch(capsule.py()));
+    }
+    // SAFETY: by the DLPack protocol an unconsumed "dltensor" capsule
+    // points to a DLManagedTensor, which starts with a DLTensor, alive
+    // while the capsule is (we hold it, under the GIL); `shape` (and
+    // `strides`, unless null) point to `ndim` int64s.
+    let (t, shape, strides) = unsafe {
+        let t = &*ptr;
+        let ndim = usize::try_from(t.ndim).unwrap_or(0);
+        let shape = if ndim == 0 || t.shape.is_null() { Vec::new() } else { std::slice::from_raw_parts(t.shape, ndim).to_vec() };
+        let strides = (!t.strides.is_null() && ndim > 0).then(|| std::slice::from_raw_parts(t.strides, ndim).to_vec());
+        (t, shape, strides)
+    };
+    if shape.iter().any(|&d| d < 0) {
+        return Ok(Err(format!("a DLPack tensor of shape {shape:?}")));
+    }
+    let shape: Vec<u64> = shape.iter().map(|&d| d as u64).collect();
+    if let Some(strides) = strides {
+        let mut expect: i64 = 1;
+        for (&n, &s) in shape.iter().zip(&strides).rev() {
+            if n != 1 && s != expect {
+                return Ok(Err("a non-contiguous DLPack tensor".into()));
+            }
+            expect = expect.saturating_mul(n as i64);
+        }
+    }
+    if t.lanes != 1 || t.bits % 8 != 0 {
+        return Ok(Err(format!("DLPack elements of {} bits x {} lanes", t.bits, t.lanes)));
+    }
+    let elem = match (t.code, t.bits) {
+        (2, 64) => Elem::Is(DType::F64),
+        (2, 32) => Elem::Is(DType::F32),
+        (2, 16) => Elem::Is(DType::F16),
+        (4, 16) => Elem::Is(DType::BF16),
+        (0, 64) => Elem::Is(DType::I64),
+        (0, 32) => Elem::Is(DType::I32),
+        (0, 8) => Elem::Is(DType::I8),
+        (1, 8) | (6, 8) => Elem::Is(DType::U8),
+        (0 | 1, 16) => Elem::Bits16,
+        (code, bits) => Elem::Other(format!("DLPack type code {code} of {bits} bits")),
+    };
+    let device = match t.device_type {
+        1 | 3 => Device::Host,
+        2 | 13 => Device::Cuda(usize::try_from(t.device_id).unwrap_or(0)),
+        kind => return Ok(Err(format!("a DLPack tensor on device type {kind} (CPU or CUDA can be used)"))),
+    };
+    let Some(nbytes) = checked_bytes(&shape, u64::from(t.bits / 8)) else {
+        return Ok(Err(format!("a DLPack tensor of shape {shape:?} overflows")));
+    };
+    let Some(addr) = (t.data as u64).checked_add(t.byte_offset) else { return Ok(Err("a DLPack address that overflows".into())) };
+    Ok(Ok(Found { addr, nbytes, elem, shape, device, writable: true, keeper, origin: None }))
+}
+
+/// The writable mappings of this process (`/proc/self/maps`), to refuse
+/// writing where the object does not say its memory is read-only (a
+/// torch tensor over a read-only memory map).
+pub(crate) struct WritableMaps(Vec<(u64, u64)>);
+
+impl WritableMaps {
+    pub(crate) fn read() -> Result<WritableMaps, String> {
+        let text = std::fs::read_to_string("/proc/self/maps").map_err(|e| format!("cannot read /proc/self/maps: {e}"))?;
+        let mut ranges = Vec::new();
+        for line in text.lines() {
+            let mut parts = line.split_whitespace();
+            let (Some(range), Some(perms)) = (parts.next(), parts.next()) else { continue };
+            let Some((lo, hi)) = range.split_once('-') else { continue };
+            let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else { continue };
+            if perms.as_bytes().get(1) == Some(&b'w') {
+                ranges.push((lo, hi));
+            }
+        }
+        ranges.sort_unstable();
+        Ok(WritableMaps(ranges))
+    }
+
+    /// Whether `len` bytes at `addr` all lie in writable mappings.
+    pub(crate) fn covers(&self, addr: u64, len: usize) -> bool {
+        let Some(end) = addr.checked_add(len as u64) else { return false };
+        let mut at = addr;
+        for &(lo, hi) in &self.0 {
+            if hi <= at {
+                continue;
+            }
+            if lo > at {
+                return false;
+            }
+            at = hi;
+            if at >= end {
+                return true;
+            }
+        }
+        at >= end
+    }
+}
+
+/// What a registered buffer must be.
+#[derive(Debug, Clone)]
+pub(crate) struct Want {
+    pub(crate) name: String,
+    pub(crate) dtype: DType,
+    pub(crate) elems: u64,
+    /// The block's extent, where the buffer is one tensor's block.
+    pub(crate) shape: Option<Vec<u64>>,
+}
+
+impl Want {
+    fn bytes(&self) -> Option<usize> {
+        self.elems.checked_mul(self.dtype.size()).and_then(|n| usize::try_from(n).ok())
+    }
+}
+
+/// How a registration treats memory: written (a destination) or only
+/// read, and whether an object that moved is followed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Access {
+    pub(crate) writable: bool,
+    pub(crate) follow: bool,
+}
+
+/// Checks `found` against what the buffer must be (everything but its
+/// address): why not, if it does not fit.
+fn fits(found: &Found, want: &Want, access: Access, maps: &mut Option<WritableMaps>) -> Result<(), String> {
+    if !found.elem.holds(want.dtype) {
+        let hint = if want.dtype == DType::BF16 { " (bf16 may be given as its raw bits: 16-bit integers)" } else { "" };
+        return Err(format!("{} given for a {} buffer{hint}", found.elem, want.dtype));
+    }
+    let elem_size = match &found.elem {
+        Elem::Is(d) => d.size(),
+        Elem::Bits16 => 2,
+        Elem::Other(_) => 0,
+    };
+    let given: u64 = found.shape.iter().product();
+    if given != want.elems || Some(found.nbytes) != want.bytes() || elem_size != want.dtype.size() {
+        return Err(format!(
+            "{given} elements ({} bytes) given, the buffer holds {} ({} bytes)",
+            found.nbytes,
+            want.elems,
+            want.bytes().unwrap_or(0)
+        ));
+    }
+    if let Some(extent) = &want.shape {
+        let flat = found.shape.len() == 1;
+        if &found.shape != extent && !flat {
+            return Err(format!("shape {:?} given, the block is {extent:?} (or flat [{}])", found.shape, want.elems));
+        }
+    }
+    if access.writable {
+        if !found.writable {
+            return Err("read-only memory given for weights refit writes".into());
+        }
+        if found.device == Device::Host && found.nbytes > 0 {
+            if maps.is_none() {
+                *maps = Some(WritableMaps::read()?);
+            }
+            if !maps.as_ref().is_some_and(|m| m.covers(found.addr, found.nbytes)) {
+                return Err(format!("its {} bytes at {:#x} are not writable memory (a read-only map?)", found.nbytes, found.addr));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where a registered buffer is now, and what keeps it there.
+struct Pinned {
+    addr: u64,
+    origin: Option<u64>,
+    nbytes: usize,
+    device: Device,
+    described: String,
+    _keeper: Py<PyAny>,
+}
+
+struct Entry {
+    want: Want,
+    object: Py<PyAny>,
+    pinned: Mutex<Pinned>,
+}
+
+/// A rank's registered buffers: the objects, what each must be, and
+/// where each was found (held alive).
+pub(crate) struct Targets {
+    what: String,
+    access: Access,
+    entries: Vec<Entry>,
+}
+
+impl Targets {
+    /// Registers `objects` for `wants` (the rank's buffers, in order):
+    /// each found and checked now. `what` names the rank in errors.
+    pub(crate) fn register(
+        what: String,
+        access: Access,
+        wants: Vec<Want>,
+        objects: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<Result<Targets, String>> {
+        if wants.len() != objects.len() {
+            return Ok(Err(format!("{what}: {} objects for {} buffers", objects.len(), wants.len())));
+        }
+        let mut maps = None;
+        let mut entries = Vec::with_capacity(wants.len());
+        let mut device = None;
+        for (want, object) in wants.into_iter().zip(objects) {
+            let found = match find(&object)? {
+                Ok(f) => f,
+                Err(why) => return Ok(Err(format!("{what}: buffer '{}': {why}", want.name))),
+            };
+            if let Err(why) = fits(&found, &want, access, &mut maps) {
+                return Ok(Err(format!("{what}: buffer '{}': {why}", want.name)));
+            }
+            if found.addr == 0 && found.nbytes > 0 {
+                return Ok(Err(format!("{what}: buffer '{}': a null address", want.name)));
+            }
+            match device {
+                None => device = Some(found.device),
+                Some(d) if d != found.device => {
+                    return Ok(Err(format!(
+                        "{what}: buffer '{}' is on {}, an earlier one on {d}: all must be on one device",
+                        want.name, found.device
+                    )))
+                }
+                Some(_) => {}
+            }
+            let pinned = Pinned {
+                addr: found.addr,
+                origin: found.origin,
+                nbytes: found.nbytes,
+                device: found.device,
+                described: found.describe(),
+                _keeper: found.keeper,
+            };
+            entries.push(Entry { want, object: object.unbind(), pinned: Mutex::new(pinned) });
+        }
+        Ok(Ok(Targets { what, access, entries }))
+    }
+
+    /// (address, bytes) of each buffer as registered, and their device.
+    pub(crate) fn regions(&self) -> (Vec<(u64, usize)>, Option<Device>) {
+        let mut device = None;
+        let regions = self
+            .entries
+            .iter()
+            .map(|e| {
+                let p = e.pinned.lock().unwrap_or_else(|e| e.into_inner());
+                device = Some(p.device);
+                (p.addr, p.nbytes)
+            })
+            .collect();
+        (regions, device)
+    }
+
+    /// Looks buffer `i` up again: where it is now, if it is still what it
+    /// was registered as (or, following, fits at a new place).
+    fn check(&self, py: Python<'_>, i: usize, maps: &mut Option<WritableMaps>) -> Result<(u64, usize), String> {
+        let entry = &self.entries[i];
+        let name = &entry.want.name;
+        let found = match find(entry.object.bind(py)) {
+            Ok(Ok(f)) => f,
+            Ok(Err(why)) => return Err(format!("buffer '{name}': the registered object changed: now {why}")),
+            Err(e) => return Err(format!("buffer '{name}': looking the registered object up raised {e}")),
+        };
+        let mut pinned = entry.pinned.lock().unwrap_or_else(|e| e.into_inner());
+        if found.device != pinned.device {
+            return Err(format!("buffer '{name}': moved from {} to {}; register it again", pinned.device, found.device));
+        }
+        if found.addr == pinned.addr && found.nbytes == pinned.nbytes && found.origin == pinned.origin {
+            // Where it was: what it holds must still fit (a dtype or shape
+            // changed in place).
+            if let Err(why) = fits(&found, &entry.want, Access { writable: false, ..self.access }, maps) {
+                return Err(format!("buffer '{name}': changed since it was registered: {why}"));
+            }
+            return Ok((pinned.addr, pinned.nbytes));
+        }
+        if !self.access.follow {
+            return Err(format!(
+                "buffer '{name}': its memory was replaced since it was registered (was {}, now {}): register it again, or register with follow=True",
+                pinned.described,
+                found.describe()
+            ));
+        }
+        if let Err(why) = fits(&found, &entry.want, self.access, maps) {
+            return Err(format!("buffer '{name}': its memory was replaced by one that does not fit: {why}"));
+        }
+        if found.addr == 0 && found.nbytes > 0 {
+            return Err(format!("buffer '{name}': its memory was replaced by a null address"));
+        }
+        if found.origin.is_some() && found.origin != pinned.origin {
+            // A view whose owner's memory was replaced still points at the
+            // old memory: there is nothing to follow.
+            return Err(format!("buffer '{name}': the array it is a view of was given other memory: register a view of it again"));
+        }
+        let described = found.describe();
+        *pinned =
+            Pinned { addr: found.addr, origin: found.origin, nbytes: found.nbytes, device: found.device, described, _keeper: found.keeper };
+        Ok((pinned.addr, pinned.nbytes))
+    }
+
+    /// Looks every buffer up again (as before a refit): an error names
+    /// the rank, the buffer and what changed.
+    pub(crate) fn check_all(&self, py: Python<'_>) -> Result<(), String> {
+        let mut maps = None;
+        for i in 0..self.entries.len() {
+            self.check(py, i, &mut maps).map_err(|e| format!("{}: {e}", self.what))?;
+        }
+        Ok(())
+    }
+}
+
+impl RegionCheck for Targets {
+    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
+        Python::attach(|py| {
+            let mut maps = None;
+            for i in 0..self.entries.len() {
+                // Looked up, then used, with no Python code in between.
+                let region = self.check(py, i, &mut maps)?;
+                f(i, region)?;
+            }
+            Ok(())
+        })
+    }
+}
