@@ -549,10 +549,15 @@ pub(crate) fn fabric(
     })
 }
 
-/// Most incoming connections whose handshake is under way at once; a
-/// newer one drops the oldest (a peer of the fabric sends its handshake as
-/// soon as it connects; a stranger's silent socket would wait).
+/// Incoming connections whose handshake is under way, beyond the peers a
+/// rank expects, that it holds at once: a newer one drops one of them (a
+/// silent one first, the oldest first). Holding one costs a descriptor and
+/// a few bytes, no thread.
 const MAX_GREETINGS: usize = 64;
+
+/// The longest a rank waits in one `poll` for connections and handshake
+/// bytes before it looks at its deadline again.
+const POLL_SLICE: Duration = Duration::from_millis(200);
 
 /// What is checked of every incoming handshake.
 struct Expect<'a> {
@@ -567,169 +572,349 @@ struct Expect<'a> {
 /// Why an incoming connection was not taken: `fatal` when it proved
 /// knowledge of the job's secret yet disagrees with this rank (another
 /// configuration or plan: the connect fails), else it is only dropped.
+/// `answer` is the refusal code the connection is told, if any.
 struct Refused {
     why: String,
     fatal: bool,
+    answer: Option<u8>,
 }
 
-/// Reads and checks one incoming handshake; answers a refusal, but not the
-/// acceptance (the acceptor first checks the endpoint is not connected
-/// already). Returns the peer, the stream and the receiving end of the
-/// peer's region (for shared-memory peers).
-fn greet(mut stream: TcpStream, x: &Expect<'_>) -> Result<(Endpoint, TcpStream, Option<ShmReceiver>), Refused> {
-    let dropped = |why: String| Refused { why, fatal: false };
-    let setup = |s: &TcpStream| -> io::Result<()> {
-        s.set_nonblocking(false)?;
-        s.set_nodelay(true)?;
-        s.set_read_timeout(Some(x.deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
-    };
-    setup(&stream).map_err(|e| dropped(format!("socket setup: {e}")))?;
-    let mut sent = vec![0u8; HELLO];
-    stream.read_exact(&mut sent).map_err(|e| dropped(format!("no handshake: {e}")))?;
-    let fixed: [u8; HELLO] = sent.as_slice().try_into().map_err(|_| dropped("short handshake".into()))?;
-    let (peer, version, flags) = decode_hello(&fixed).map_err(|e| dropped(format!("not a refit handshake: {e}")))?;
-    let refuse = |mut stream: TcpStream, code: u8, authentic: bool| {
-        let _ = stream.write_all(&[code]);
-        Err(Refused { why: format!("claimed to be {peer}; {}", hello_problem(code)), fatal: authentic })
+impl Refused {
+    fn dropped(why: String) -> Refused {
+        Refused { why, fatal: false, answer: None }
+    }
+}
+
+/// An incoming connection whose handshake is being read, without blocking
+/// and without a thread of its own: the accepting thread reads whatever
+/// has arrived whenever `poll` says there is more.
+struct Greeting {
+    stream: TcpStream,
+    from: SocketAddr,
+    /// The handshake's bytes so far (never more than the handshake: frames
+    /// follow only once it is answered).
+    got: Vec<u8>,
+}
+
+impl Greeting {
+    /// How long the handshake is in all, as far as its bytes so far tell:
+    /// the fixed part, then the shared-memory sizes and the proof its flags
+    /// announce (a handshake of another version ends with its fixed part:
+    /// it is refused as such).
+    fn needs(&self) -> Result<usize, Refused> {
+        let Some(fixed) = self.got.first_chunk::<HELLO>() else { return Ok(HELLO) };
+        let (_, version, flags) = decode_hello(fixed).map_err(|e| Refused::dropped(format!("not a refit handshake: {e}")))?;
+        if version != VERSION {
+            return Ok(HELLO);
+        }
+        let shm = if flags & FLAG_SHM != 0 { SHM_ANNOUNCE } else { 0 };
+        let proof = if flags & FLAG_PROOF != 0 { PROOF } else { 0 };
+        Ok(HELLO + shm + proof)
+    }
+
+    /// Reads what has arrived of the handshake: whether all of it is in.
+    fn read(&mut self) -> Result<bool, Refused> {
+        let mut buf = [0u8; HELLO + SHM_ANNOUNCE + PROOF];
+        loop {
+            let needs = self.needs()?;
+            let want = needs - self.got.len();
+            if want == 0 {
+                return Ok(true);
+            }
+            match (&self.stream).read(&mut buf[..want]) {
+                Ok(0) => {
+                    return Err(Refused::dropped(format!("closed after {} of the handshake's {needs} bytes", self.got.len())));
+                }
+                Ok(n) => self.got.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Refused::dropped(format!("no handshake: {e}"))),
+            }
+        }
+    }
+}
+
+/// Checks a whole handshake (`got`, as [`Greeting::read`] collected it).
+/// Returns the peer and the receiving end of the peer's region (for
+/// shared-memory peers); a refusal says what to answer.
+fn check_hello(got: &[u8], x: &Expect<'_>) -> Result<(Endpoint, Option<ShmReceiver>), Refused> {
+    let fixed = got.first_chunk::<HELLO>().ok_or_else(|| Refused::dropped("short handshake".into()))?;
+    let (peer, version, flags) = decode_hello(fixed).map_err(|e| Refused::dropped(format!("not a refit handshake: {e}")))?;
+    let refuse = |code: u8, authentic: bool| Refused {
+        why: format!("claimed to be {peer}; {}", hello_problem(code)),
+        fatal: authentic,
+        answer: Some(code),
     };
     if version != VERSION {
-        return refuse(stream, HELLO_VERSION, false);
+        return Err(refuse(HELLO_VERSION, false));
     }
-    let mut sizes = [0u8; SHM_ANNOUNCE];
-    if flags & FLAG_SHM != 0 {
-        stream.read_exact(&mut sizes).map_err(|e| dropped(format!("claimed to be {peer}; truncated handshake: {e}")))?;
-        sent.extend_from_slice(&sizes);
+    let truncated = || Refused::dropped(format!("claimed to be {peer}; truncated handshake"));
+    let shm_len = if flags & FLAG_SHM != 0 { SHM_ANNOUNCE } else { 0 };
+    let proof_len = if flags & FLAG_PROOF != 0 { PROOF } else { 0 };
+    if got.len() != HELLO + shm_len + proof_len {
+        return Err(truncated());
     }
-    let mut proof = [0u8; PROOF];
-    if flags & FLAG_PROOF != 0 {
-        stream.read_exact(&mut proof).map_err(|e| dropped(format!("claimed to be {peer}; truncated handshake: {e}")))?;
-    }
+    // What the proof covers: the fixed part and the sizes.
+    let (sent, proof) = got.split_at(HELLO + shm_len);
+    let proof = (proof_len > 0).then_some(proof);
+    let sizes: [u8; SHM_ANNOUNCE] = match sent[HELLO..].try_into() {
+        Ok(sizes) => sizes,
+        Err(_) if shm_len == 0 => [0; SHM_ANNOUNCE],
+        Err(_) => return Err(truncated()),
+    };
     // With a key, only a valid proof makes a peer; without one, nothing
     // does, and a problem drops the connection rather than failing.
-    let authentic = match x.key {
-        Some(key) if flags & FLAG_PROOF != 0 && proof_holds(key, &sent, x.me, &proof) => true,
-        Some(_) => return refuse(stream, HELLO_PROOF, false),
-        None if flags & FLAG_PROOF != 0 => return refuse(stream, HELLO_PROOF, false),
-        None => false,
+    let authentic = match (x.key, proof) {
+        (Some(key), Some(proof)) if proof_holds(key, sent, x.me, proof) => true,
+        (Some(_), _) | (None, Some(_)) => return Err(refuse(HELLO_PROOF, false)),
+        (None, None) => false,
     };
     if !x.expected.contains(&peer) {
-        return refuse(stream, HELLO_PEER, authentic);
+        return Err(refuse(HELLO_PEER, authentic));
     }
     if (flags & FLAG_CHECKSUM != 0) != x.checksum {
-        return refuse(stream, HELLO_CHECKSUM, authentic);
+        return Err(refuse(HELLO_CHECKSUM, authentic));
     }
     let shared = x.shm.filter(|s| s.shares(peer));
     if (flags & FLAG_SHM != 0) != shared.is_some() {
-        return refuse(stream, HELLO_SHM, authentic);
+        return Err(refuse(HELLO_SHM, authentic));
     }
     let inbound = match shared {
         None => None,
         Some(s) => match s.open(x.me, peer, ShmAnnounce::decode(&sizes)) {
             Ok(receiver) => Some(receiver),
-            Err(e) => {
-                let _ = stream.write_all(&[HELLO_REGION]);
-                return Err(Refused { why: format!("shared memory from {peer}: {e}"), fatal: authentic });
-            }
+            Err(e) => return Err(Refused { why: format!("shared memory from {peer}: {e}"), fatal: authentic, answer: Some(HELLO_REGION) }),
         },
     };
-    Ok((peer, stream, inbound))
+    Ok((peer, inbound))
 }
 
-/// Accepts until every expected peer is connected (or `deadline`): each
-/// incoming handshake is checked on a thread of its own, so silent or slow
-/// connections hold up nothing; a bad or duplicate one is refused, logged
-/// and dropped, and accepting goes on. `accepted` gets each peer's stream.
+/// Accepts until every expected peer is connected (or `deadline`). One
+/// thread checks every incoming handshake: the listener and the
+/// connections whose handshake is under way are polled together, and each
+/// handshake is read as its bytes arrive, so thousands of connections at
+/// once cost descriptors, not threads, and a silent or slow one holds up
+/// nothing. A bad or duplicate one is refused, logged and dropped, and
+/// accepting goes on; past [`MAX_GREETINGS`] unfinished handshakes beyond
+/// the expected peers, a newer connection drops a silent one (a peer
+/// speaks as soon as it connects, and retries if dropped before its
+/// answer). `accepted` gets each peer's stream, blocking again.
 fn accept_all(
     listener: &TcpListener,
     x: &Expect<'_>,
     mut accepted: impl FnMut(Endpoint, TcpStream, Option<ShmReceiver>) -> io::Result<()>,
 ) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
     let me = x.me;
     let mut waiting: HashSet<Endpoint> = x.expected.clone();
+    let most = x.expected.len() + MAX_GREETINGS;
+    let mut greeting: std::collections::VecDeque<Greeting> = Default::default();
+    // The last error `accept` gave that accepting survives (out of
+    // descriptors, say): named if the deadline passes.
+    let mut trouble: Option<io::Error> = None;
     listener.set_nonblocking(true)?;
-    std::thread::scope(|scope| -> io::Result<()> {
-        let (done, results) = channel::<(u64, Result<(Endpoint, TcpStream, Option<ShmReceiver>), Refused>)>();
-        // Connections whose handshake is under way, oldest first (a clone
-        // of each stream, to drop the oldest).
-        let mut greeting: std::collections::VecDeque<(u64, TcpStream)> = Default::default();
-        let mut next = 0u64;
-        let mut run = || -> io::Result<()> {
-            while !waiting.is_empty() {
-                while let Ok((id, result)) = results.try_recv() {
-                    greeting.retain(|(g, _)| *g != id);
-                    match result {
-                        Ok((peer, mut stream, inbound)) if waiting.remove(&peer) => {
-                            stream.write_all(&[HELLO_OK])?;
-                            stream.set_read_timeout(None)?;
-                            accepted(peer, stream, inbound)?;
-                        }
-                        Err(Refused { why, fatal: true }) => {
-                            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{me}: {why}")))
-                        }
-                        other => refuse_checked(me, other),
+    // A whole handshake: taken, refused (told so), or the connect fails.
+    let mut settle = |g: Greeting, waiting: &mut HashSet<Endpoint>| -> io::Result<()> {
+        let Greeting { mut stream, from, got } = g;
+        match check_hello(&got, x) {
+            Ok((peer, inbound)) if waiting.contains(&peer) => {
+                let answered =
+                    stream.set_nonblocking(false).and_then(|()| stream.set_nodelay(true)).and_then(|()| stream.write_all(&[HELLO_OK]));
+                if let Err(e) = answered {
+                    // Gone before its answer: the peer connects again.
+                    tracing::warn!(%me, %peer, %from, error = %e, "a data-plane connection closed before its handshake was answered");
+                    return Ok(());
+                }
+                waiting.remove(&peer);
+                accepted(peer, stream, inbound)
+            }
+            Ok((peer, _)) => {
+                let _ = stream.write_all(&[HELLO_DUPLICATE]);
+                tracing::warn!(%me, %peer, %from, "refused a data-plane connection: that endpoint is connected already");
+                Ok(())
+            }
+            Err(Refused { why, fatal, answer }) => {
+                if let Some(code) = answer {
+                    let _ = stream.write_all(&[code]);
+                }
+                if fatal {
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{me}: {from}: {why}")));
+                }
+                tracing::warn!(%me, %from, reason = %why, "refused a data-plane connection");
+                Ok(())
+            }
+        }
+    };
+    let dropped = |from: SocketAddr, why: &str| tracing::warn!(%me, %from, reason = %why, "refused a data-plane connection");
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    while !waiting.is_empty() {
+        let now = Instant::now();
+        if now >= x.deadline {
+            let mut missing: Vec<String> = waiting.iter().map(|e| e.to_string()).collect();
+            missing.sort();
+            let also = trouble.as_ref().map(|e| format!(" (accepting failed meanwhile: {e})")).unwrap_or_default();
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{me}: peers did not connect in time: {}{also}", missing.join(", ")),
+            ));
+        }
+        fds.clear();
+        let pollfd = |fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        fds.push(pollfd(listener.as_raw_fd()));
+        fds.extend(greeting.iter().map(|g| pollfd(g.stream.as_raw_fd())));
+        let wait = x.deadline.saturating_duration_since(now).min(POLL_SLICE).as_millis().max(1) as libc::c_int;
+        // SAFETY: `fds` is a live, initialised array of `fds.len()` pollfd
+        // structures, which `poll` writes the `revents` of and nothing else.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait) };
+        if ready < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(io::Error::new(e.kind(), format!("{me}: waiting for data-plane connections: {e}")));
+        }
+        // Handshakes with news, back to front (removing one leaves the
+        // places of those before it).
+        for i in (0..greeting.len()).rev() {
+            if fds[i + 1].revents == 0 {
+                continue;
+            }
+            match greeting[i].read() {
+                Ok(false) => {}
+                Ok(true) => {
+                    if let Some(g) = greeting.remove(i) {
+                        settle(g, &mut waiting)?;
                     }
                 }
-                if waiting.is_empty() {
-                    break;
-                }
-                if Instant::now() >= x.deadline {
-                    let missing: Vec<String> = waiting.iter().map(|e| e.to_string()).collect();
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!("{me}: peers did not connect in time: {}", missing.join(", ")),
-                    ));
-                }
-                match listener.accept() {
-                    Ok((stream, from)) => {
-                        if greeting.len() >= MAX_GREETINGS {
-                            if let Some((_, oldest)) = greeting.pop_front() {
-                                let _ = oldest.shutdown(std::net::Shutdown::Both);
-                            }
-                        }
-                        let Ok(clone) = stream.try_clone() else { continue };
-                        greeting.push_back((next, clone));
-                        let (id, done) = (next, done.clone());
-                        next += 1;
-                        let spawned = std::thread::Builder::new().name(format!("refit-greet-{me}")).spawn_scoped(scope, move || {
-                            let r = greet(stream, x).map_err(|r| Refused { why: format!("{from}: {}", r.why), ..r });
-                            let _ = done.send((id, r));
-                        });
-                        if let Err(e) = spawned {
-                            tracing::warn!(%me, %from, error = %e, "refused a data-plane connection: no thread to check it");
-                        }
+                Err(r) => {
+                    if let Some(g) = greeting.remove(i) {
+                        dropped(g.from, &r.why);
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(2)),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
                 }
             }
-            Ok(())
-        };
-        let r = run();
-        // Handshakes checked by now are reported too (a stranger's refused
-        // one must not go unlogged because the last peer came first).
-        while let Ok((_, result)) = results.try_recv() {
-            refuse_checked(me, result);
         }
-        // Handshakes still under way are strangers' (or duplicates'), or
-        // the connect failed: cut them, so their threads end now.
-        for (_, s) in greeting {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+        if fds[0].revents == 0 {
+            continue;
         }
-        r
-    })
+        // New connections: each handshake is read at once as far as it has
+        // come (a peer writes it right after connecting).
+        loop {
+            let (stream, from) = match listener.accept() {
+                Ok(c) => c,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted) => continue,
+                Err(e) => {
+                    // Out of descriptors or memory, say: the connection
+                    // waits in the backlog; try again shortly.
+                    tracing::warn!(%me, error = %e, "accepting a data-plane connection failed; retrying");
+                    trouble = Some(e);
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
+            };
+            if let Err(e) = stream.set_nonblocking(true) {
+                dropped(from, &format!("socket setup: {e}"));
+                continue;
+            }
+            let mut g = Greeting { stream, from, got: Vec::new() };
+            match g.read() {
+                Ok(true) => settle(g, &mut waiting)?,
+                Ok(false) => greeting.push_back(g),
+                Err(r) => dropped(from, &r.why),
+            }
+            // Too many unfinished: drop the oldest of those from which
+            // nothing has come even now (else the oldest).
+            while greeting.len() > most && !waiting.is_empty() {
+                let mut silent = None;
+                let mut i = 0;
+                while i < greeting.len() {
+                    if greeting[i].got.is_empty() {
+                        match greeting[i].read() {
+                            Ok(false) if greeting[i].got.is_empty() => {
+                                silent = Some(i);
+                                break;
+                            }
+                            Ok(false) => {}
+                            Ok(true) => {
+                                if let Some(g) = greeting.remove(i) {
+                                    settle(g, &mut waiting)?;
+                                }
+                                continue;
+                            }
+                            Err(r) => {
+                                if let Some(g) = greeting.remove(i) {
+                                    dropped(g.from, &r.why);
+                                }
+                                continue;
+                            }
+                        }
+                    }
+                    i += 1;
+                }
+                if greeting.len() > most {
+                    if let Some(g) = greeting.remove(silent.unwrap_or(0)) {
+                        tracing::debug!(%me, from = %g.from, "dropped an unfinished data-plane handshake to make room");
+                    }
+                }
+            }
+            if waiting.is_empty() {
+                break;
+            }
+        }
+    }
+    // Handshakes still under way are strangers' (or duplicates'): dropping
+    // them closes them.
+    Ok(())
 }
 
-/// Refuses and logs a checked handshake that is not taken: a second claim
-/// of a connected endpoint (answered so), or one refused while checked.
-fn refuse_checked(me: Endpoint, checked: Result<(Endpoint, TcpStream, Option<ShmReceiver>), Refused>) {
-    match checked {
-        Ok((peer, mut stream, _)) => {
-            let _ = stream.write_all(&[HELLO_DUPLICATE]);
-            tracing::warn!(%me, %peer, "refused a data-plane connection: that endpoint is connected already");
+/// Why one connection to a peer was not made: `again` when a new one may
+/// yet be taken (the peer closed it unanswered, or did not take it).
+struct Dialed {
+    error: io::Error,
+    again: bool,
+}
+
+/// Connects to `peer` at `addr` and makes the handshake `hello`: the
+/// stream once the peer accepted it, blocking, without a read timeout.
+fn dial(
+    me: Endpoint,
+    peer: Endpoint,
+    addr: SocketAddr,
+    hello: &[u8],
+    deadline: Instant,
+    peers_listening: bool,
+) -> Result<TcpStream, Dialed> {
+    let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let again = |what: String, e: io::Error| Dialed { error: io::Error::new(e.kind(), format!("{me}: {what}: {e}")), again: true };
+    let mut stream = match TcpStream::connect_timeout(&addr, left()) {
+        Ok(s) => s,
+        Err(e) if peers_listening && e.kind() == io::ErrorKind::ConnectionRefused => {
+            let error = io::Error::new(e.kind(), format!("{me}: {peer} at {addr} refused the connection: it is gone"));
+            return Err(Dialed { error, again: false });
         }
-        Err(Refused { why, .. }) => tracing::warn!(%me, reason = %why, "refused a data-plane connection"),
+        Err(e) => return Err(again(format!("cannot connect to {peer} at {addr}"), e)),
+    };
+    let setup = |s: &TcpStream| {
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(left()))
+    };
+    setup(&stream).map_err(|e| again(format!("connection to {peer} at {addr}"), e))?;
+    stream.write_all(hello).map_err(|e| again(format!("handshake to {peer} at {addr} not sent"), e))?;
+    let mut answer = [0u8; 1];
+    if let Err(e) = stream.read_exact(&mut answer) {
+        use io::ErrorKind::*;
+        let closed = matches!(e.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe);
+        let error = io::Error::new(e.kind(), format!("{me}: no handshake answer from {peer} at {addr}: {e}"));
+        return Err(Dialed { error, again: closed });
     }
+    if answer[0] != HELLO_OK {
+        let error = io::Error::new(io::ErrorKind::InvalidData, format!("{me}: {peer} {}", hello_problem(answer[0])));
+        return Err(Dialed { error, again: false });
+    }
+    stream
+        .set_read_timeout(None)
+        .map_err(|e| Dialed { error: io::Error::new(e.kind(), format!("{me}: connection to {peer}: {e}")), again: false })?;
+    Ok(stream)
 }
 
 impl TcpTransport {
@@ -780,33 +965,32 @@ impl TcpTransport {
         };
         let mut links = HashMap::new();
         for (peer, addr) in others {
-            let mut stream = loop {
-                match TcpStream::connect(addr) {
-                    Ok(s) => break s,
-                    Err(e) if config.peers_listening && e.kind() == io::ErrorKind::ConnectionRefused => {
-                        return Err(io::Error::new(e.kind(), format!("{me}: {peer} at {addr} refused the connection: it is gone")));
-                    }
-                    Err(e) if Instant::now() < deadline => {
-                        let _ = e;
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    Err(e) => return Err(io::Error::new(e.kind(), format!("{me}: cannot connect to {peer} at {addr}: {e}"))),
-                }
-            };
-            stream.set_nodelay(true)?;
-            streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
             let shared = shm.as_deref().filter(|s| s.shares(peer));
             let made = shared.map(|s| s.create(me, peer)).transpose()?;
             let announce = made.as_ref().map(|(_, a)| *a);
             let mut out = made.map(|(o, _)| o);
-            stream.write_all(&hello(me, peer, checksum, announce, config.hello_key.as_ref()))?;
-            stream.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
-            let mut answer = [0u8; 1];
-            stream.read_exact(&mut answer).map_err(|e| io::Error::new(e.kind(), format!("{me}: no handshake answer from {peer}: {e}")))?;
-            if answer[0] != HELLO_OK {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{me}: {peer} {}", hello_problem(answer[0]))));
-            }
-            stream.set_read_timeout(None)?;
+            let hello = hello(me, peer, checksum, announce, config.hello_key.as_ref());
+            // A connection dropped before its handshake was answered (the
+            // peer not listening yet, a full backlog, a peer's acceptor
+            // making room) is made again, until the deadline.
+            let mut pause = Duration::from_millis(20);
+            let mut tries = 1u32;
+            let stream = loop {
+                match dial(me, peer, addr, &hello, deadline, config.peers_listening) {
+                    Ok(s) => break s,
+                    Err(Dialed { error, again: true }) if Instant::now() < deadline => {
+                        tracing::debug!(%me, %peer, %addr, %error, tries, "data-plane connection not taken; trying again");
+                        std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+                        pause = (pause * 2).min(Duration::from_millis(500));
+                        tries += 1;
+                    }
+                    Err(Dialed { error, again }) if again && tries > 1 => {
+                        return Err(io::Error::new(error.kind(), format!("{error} (the last of {tries} tries)")));
+                    }
+                    Err(Dialed { error, .. }) => return Err(error),
+                }
+            };
+            streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
             if let Some(o) = &mut out {
                 shm_link::mapped_by_peer(o);
             }

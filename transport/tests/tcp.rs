@@ -207,6 +207,42 @@ fn a_refused_peer_fails_the_connect_at_once_when_peers_are_known_to_listen() {
     assert!(took >= Duration::from_secs(2), "retried only {took:?}: {err:?}");
 }
 
+/// A connection a peer closes before answering its handshake (its
+/// acceptor dropped it to make room, or had no room yet) is made again
+/// within the connect deadline, even where every peer is known to listen
+/// (there a refused connection fails at once): the third one is accepted.
+#[test]
+fn a_connection_closed_before_its_answer_is_made_again() {
+    let me = Endpoint::dst(0);
+    let fake = Endpoint::src(0);
+    let ((listener, my_addr), (fake_listener, fake_addr)) = (listen(), listen());
+    let peer = std::thread::spawn(move || {
+        let handshake = |answer: bool| {
+            let (mut s, _) = fake_listener.accept().unwrap();
+            let mut hello = [0u8; 11];
+            s.read_exact(&mut hello).unwrap();
+            if answer {
+                s.write_all(&[0]).unwrap();
+            }
+            s
+        };
+        drop(handshake(false));
+        drop(handshake(false));
+        let kept = handshake(true);
+        let mut out = TcpStream::connect(my_addr).unwrap();
+        out.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
+        out.write_all(&[0, 0, 0, 0, 0, 4, 0]).unwrap();
+        let mut answer = [0u8; 1];
+        out.read_exact(&mut answer).unwrap();
+        assert_eq!(answer, [0]);
+        (kept, out)
+    });
+    let config = TcpConfig { peers_listening: true, connect_timeout: Duration::from_secs(20), ..TcpConfig::default() };
+    let t = TcpTransport::connect(me, listener, &[(me, my_addr), (fake, fake_addr)], &config).unwrap();
+    assert_eq!(t.peers(), [fake]);
+    let _streams = peer.join().unwrap();
+}
+
 /// A TCP socket bound to a free loopback port without `listen`: connections
 /// to it are refused for as long as the returned descriptor lives, and no
 /// other socket can bind the port meanwhile.
