@@ -78,17 +78,31 @@ pub fn in_bounds(counts: &[u64], r: &StridedRef) -> bool {
 
 /// Whether `counts` elements of `dtype` at element offset `base` with
 /// `strides` stay inside a region of `len` bytes (no memory is involved).
+/// Every count, offset and stride may come from a program or a peer: the
+/// arithmetic is checked, and a view of more elements than its region
+/// holds (strides that alias elements, which no program makes) does not
+/// fit either, so whatever is sized by a view's elements (staging, a
+/// converted copy) is bounded by a region that exists.
 pub fn fits(counts: &[u64], len: usize, base: u64, strides: &[u64; MAX_DIMS], dtype: DType) -> bool {
-    extent_elems(counts, base, &strides[..counts.len()]).and_then(|e| e.checked_mul(dtype.size())).is_some_and(|bytes| bytes <= len as u64)
+    if counts.len() > MAX_DIMS {
+        return false;
+    }
+    let numel = counts.iter().try_fold(1u64, |n, &c| n.checked_mul(c));
+    numel.and_then(|n| n.checked_mul(dtype.size())).is_some_and(|bytes| bytes <= len as u64)
+        && extent_elems(counts, base, &strides[..counts.len()])
+            .and_then(|e| e.checked_mul(dtype.size()))
+            .is_some_and(|bytes| bytes <= len as u64)
 }
 
-/// Row-major strides for `counts` (a packed, contiguous piece).
+/// Row-major strides for `counts` (a packed, contiguous piece);
+/// saturating, so counts from the wire whose product passes `u64` give
+/// strides no view of them fits ([`fits`]) instead of wrapped ones.
 pub fn packed_strides(counts: &[u64]) -> [u64; MAX_DIMS] {
     let mut s = [0u64; MAX_DIMS];
-    let mut acc = 1;
-    for d in (0..counts.len()).rev() {
+    let mut acc = 1u64;
+    for d in (0..counts.len().min(MAX_DIMS)).rev() {
         s[d] = acc;
-        acc *= counts[d];
+        acc = acc.saturating_mul(counts[d]);
     }
     s
 }

@@ -429,11 +429,20 @@ fn quantize_all(program: &RankProgram, mem: &MemView) -> Result<(), ExecError> {
 fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload, ExecError> {
     let mut staging = Vec::new();
     if msg.pieces.converting() > 0 {
+        // Sized by pieces checked to lie in this rank's buffers first (so
+        // bounded by them), the arithmetic checked: a program's extents
+        // may be anything.
         let mut staged = 0u64;
         for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
-            staged = staged.next_multiple_of(p.wire().size()) + p.numel() * p.wire().size();
+            view(me, mem, &p.span(), p.dtype(), p.extent(), || p.block())?;
+            let elem = p.wire().size();
+            staged = staged
+                .checked_next_multiple_of(elem)
+                .and_then(|at| at.checked_add(p.checked_numel()?.checked_mul(elem)?))
+                .ok_or_else(|| ExecError::OutOfBounds { me, block: Box::new(p.block()), buffer: u32::MAX })?;
         }
-        staging = vec![0u8; staged as usize];
+        let staged = usize::try_from(staged).map_err(|_| ExecError::Setup(format!("{me}: {staged} bytes of staging do not fit")))?;
+        staging = vec![0u8; staged];
         let mut pos = 0u64;
         for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
             let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
@@ -463,7 +472,11 @@ fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload
 /// A message's packed bytes, encoded against the same message of the base
 /// refit (see [`crate::delta`]); the packed bytes go into this run's memo.
 fn delta_encode(me: Endpoint, round: u32, msg: &Message<SendPiece>, payload: Payload, d: &mut DeltaRun) -> Result<Payload, ExecError> {
-    let mut dense = Vec::with_capacity(msg.wire_bytes() as usize);
+    // (Reserved, not assumed: the pieces are checked against their buffers
+    // as they are read below, so a program's claim may still be refused.)
+    let mut dense = Vec::new();
+    let want = usize::try_from(msg.wire_bytes()).unwrap_or(usize::MAX);
+    dense.try_reserve_exact(want).map_err(|e| ExecError::Setup(format!("{me}: {want} bytes for a delta message: {e}")))?;
     // SAFETY: the payload was just packed from this rank's buffers, which
     // nobody writes during the run; the runs are copied out here.
     unsafe { crate::frame::for_payload_runs(&payload, |r| dense.extend_from_slice(r)) }
@@ -626,8 +639,10 @@ fn unpack_stream(
     frame: &mut crate::tcp::StreamFrame,
     stage: &mut Vec<u8>,
 ) -> Result<(), Unpack> {
+    // (`wire_bytes` saturates: a message of more than `u64` bytes is
+    // none, whatever length a peer claims for it.)
     let want = msg.wire_bytes();
-    if frame.len() != want {
+    if frame.len() != want || want == u64::MAX {
         return Err(Unpack::Bad(format!("{} bytes, expected {want}", frame.len())));
     }
     let broken = |e: std::io::Error| Unpack::Broken(format!("in a message: {e}"));

@@ -33,7 +33,8 @@ impl Segment {
         let n = extent.len().min(MAX_DIMS);
         let mut e = [0u64; MAX_DIMS];
         e[..n].copy_from_slice(&extent[..n]);
-        Segment { view, numel: e[..n].iter().product(), extent: e, ndim: n as u8 }
+        // Saturating: a count past `u64` matches no piece's.
+        Segment { view, numel: e[..n].iter().fold(1u64, |a, &c| a.saturating_mul(c)), extent: e, ndim: n as u8 }
     }
 
     /// Where the elements are (a buffer of the sender, or its staging).
@@ -219,7 +220,9 @@ impl SentPieces {
             Err(*p)
         } else {
             let elem = wire.size();
-            let at = pos.next_multiple_of(elem);
+            // (`pos` is `u64::MAX` after a piece past `u64`: so is `at`,
+            // and nothing after it fits.)
+            let at = pos.checked_next_multiple_of(elem).unwrap_or(u64::MAX);
             let numel = extent.iter().try_fold(1u64, |a, &e| a.checked_mul(e));
             let end = numel.and_then(|n| n.checked_mul(elem)).and_then(|b| b.checked_add(at));
             *pos = end.unwrap_or(u64::MAX);
