@@ -160,19 +160,22 @@ pub fn plan_copies(counts: &[u64], src: &Side, dst: &Side, elem: u64, max_pitch:
 }
 
 /// Byte offset of each piece of a message packed back to back, each piece
-/// starting at a multiple of `align` bytes, and the total length. Both ends
-/// of a transfer compute the same layout from the same plan.
-pub fn packed_offsets(piece_bytes: &[u64], align: u64) -> (Vec<u64>, u64) {
+/// starting at a multiple of `align` bytes, and the total length (`None`
+/// past `u64`). Both ends of a transfer compute the same layout from the
+/// same plan.
+pub fn packed_offsets(piece_bytes: &[u64], align: u64) -> Option<(Vec<u64>, u64)> {
+    // Checked: sizes from a program may add up past `u64`, and wrapped
+    // offsets would lie outside what their total sizes.
     let mut pos = 0u64;
     let offsets = piece_bytes
         .iter()
         .map(|&b| {
-            let at = pos.next_multiple_of(align.max(1));
-            pos = at + b;
-            at
+            let at = pos.checked_next_multiple_of(align.max(1))?;
+            pos = at.checked_add(b)?;
+            Some(at)
         })
-        .collect();
-    (offsets, pos)
+        .collect::<Option<Vec<u64>>>()?;
+    Some((offsets, pos))
 }
 
 #[cfg(test)]
@@ -273,8 +276,10 @@ mod tests {
 
     #[test]
     fn packed_offsets_align() {
-        assert_eq!(packed_offsets(&[3, 8, 1], 4), (vec![0, 4, 12], 13));
-        assert_eq!(packed_offsets(&[], 256), (vec![], 0));
+        assert_eq!(packed_offsets(&[3, 8, 1], 4), Some((vec![0, 4, 12], 13)));
+        assert_eq!(packed_offsets(&[], 256), Some((vec![], 0)));
+        assert_eq!(packed_offsets(&[u64::MAX - 100, 8], 256), None, "the second starts past u64");
+        assert_eq!(packed_offsets(&[256, u64::MAX - 255], 256), None, "the total passes u64");
     }
 
     fn dims() -> impl Strategy<Value = (Vec<u64>, Vec<u64>, Vec<u64>, Vec<u64>)> {

@@ -705,7 +705,8 @@ impl DeviceMemory {
     /// Device buffers (contents undefined) for a rank's buffer list: one
     /// bucket, each buffer at its [`BucketLayout`] offset.
     pub fn for_buffers(dev: &GpuDevice, owner: Endpoint, specs: &[BufferSpec]) -> Result<DeviceMemory, GpuError> {
-        let layout = BucketLayout::of(specs);
+        let layout =
+            BucketLayout::of(specs).map_err(|problem| GpuError::Invalid { what: format!("{owner}: laying out a bucket"), problem })?;
         dev.bind()?;
         let what = format!("{owner}: allocating a bucket of {} bytes for {} buffers", layout.bytes, specs.len());
         // SAFETY: a plain allocation; freed by `Storage::Bucket` on drop.
@@ -745,8 +746,9 @@ impl DeviceMemory {
             return Err(GpuError::Invalid { what: what(), problem: format!("{} regions for {} buffers", regions.len(), specs.len()) });
         }
         for (i, (b, &(addr, len))) in specs.iter().zip(regions).enumerate() {
-            let want = (b.elems * b.dtype.size()) as usize;
-            if len != want {
+            let want = b.elems.checked_mul(b.dtype.size()).and_then(|n| usize::try_from(n).ok());
+            if Some(len) != want {
+                let want = want.map_or_else(|| "more than this machine addresses".to_string(), |w| w.to_string());
                 return Err(GpuError::Invalid {
                     what: what(),
                     problem: format!("buffer {i} '{}': {len} bytes, the layout needs {want}", b.name),
@@ -802,7 +804,8 @@ impl DeviceMemory {
     /// and not write the buffers while a refit reads them (the version
     /// fence of its store), nor read those a refit writes.
     pub unsafe fn import_ipc(dev: &GpuDevice, owner: Endpoint, specs: &[BufferSpec], handle: &IpcHandle) -> Result<DeviceMemory, GpuError> {
-        let layout = BucketLayout::of(specs);
+        let layout =
+            BucketLayout::of(specs).map_err(|problem| GpuError::Invalid { what: format!("{owner}: laying out a bucket"), problem })?;
         dev.bind()?;
         let what = format!("{owner}: cuIpcOpenMemHandle");
         let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
@@ -1024,6 +1027,11 @@ impl DeviceMemory {
         }
         let elem = dtype.size();
         let counts = block.extent();
+        // Checked before any copy is planned (their number grows with the
+        // piece): the piece's elements and offsets lie in the buffer.
+        if !crate::copy::fits(counts, len, span.base, &span.strides, dtype) {
+            return Err(GpuError::Invalid { what: what(), problem: format!("reaches past the buffer's {len} bytes") });
+        }
         let side = Side { base: span.base, strides: span.strides };
         let packed = Side { base: 0, strides: crate::copy::packed_strides(counts) };
         let ops = if to_device {
@@ -1051,7 +1059,8 @@ impl DeviceMemory {
     ) -> Result<&'s [u8], GpuError> {
         dev.bind()?;
         let ops = self.piece_ops(dev, span, dtype, block, false)?;
-        let n = (block.numel() * dtype.size()) as usize;
+        // (`piece_ops` checked the piece against its buffer: its bytes fit.)
+        let n = block.numel().saturating_mul(dtype.size()) as usize;
         let host = staging.ensure(n)?;
         let base = self.addrs[span.buffer as usize];
         for op in &ops {
@@ -1076,13 +1085,16 @@ impl DeviceMemory {
         block: &Block,
         bytes: &[u8],
     ) -> Result<(), GpuError> {
-        let n = (block.numel() * dtype.size()) as usize;
-        if bytes.len() != n {
-            return Err(GpuError::Invalid {
-                what: format!("{}: writing piece {block}", self.owner),
-                problem: format!("{} bytes for {n}", bytes.len()),
-            });
-        }
+        let n = match block.checked_numel().and_then(|n| n.checked_mul(dtype.size())).and_then(|n| usize::try_from(n).ok()) {
+            Some(n) if n == bytes.len() => n,
+            n => {
+                let n = n.map_or_else(|| "more than this machine addresses".to_string(), |n| n.to_string());
+                return Err(GpuError::Invalid {
+                    what: format!("{}: writing piece {block}", self.owner),
+                    problem: format!("{} bytes for {n}", bytes.len()),
+                });
+            }
+        };
         dev.bind()?;
         let ops = self.piece_ops(dev, span, dtype, block, true)?;
         let host = staging.ensure(n)?;

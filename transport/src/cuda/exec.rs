@@ -250,7 +250,8 @@ impl<'m> DeviceRun<'m> {
             });
         }
         for (p, m) in programs.iter().zip(memory.iter()) {
-            let want: Vec<usize> = p.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
+            // (Saturating: a size past `u64` matches no memory's.)
+            let want: Vec<usize> = p.buffers.iter().map(|b| b.elems.saturating_mul(b.dtype.size()) as usize).collect();
             if m.buffer_lens() != want.as_slice() {
                 return Err(DeviceExecError::MemoryMismatch {
                     me: p.endpoint,
@@ -272,7 +273,8 @@ impl<'m> DeviceRun<'m> {
             .steps
             .iter()
             .filter(|s| s.to.iter().any(|t| needs_scratch(s.from.dtype, s.wire, t.dtype)))
-            .map(|s| s.block.numel() * s.wire.size())
+            // (Each step was checked to fit its buffers: no overflow.)
+            .map(|s| s.block.numel().saturating_mul(s.wire.size()))
             .max();
         let scratch = match scratch_bytes {
             Some(b) if kernels.is_some() => Some(dev.alloc(b as usize, "device scratch")?),

@@ -104,11 +104,21 @@ pub struct BucketLayout {
 }
 
 impl BucketLayout {
-    /// The layout of a rank's buffers (`RankProgram::buffers`).
-    pub fn of(specs: &[BufferSpec]) -> BucketLayout {
-        let lens: Vec<u64> = specs.iter().map(|b| b.elems * b.dtype.size()).collect();
-        let (offsets, bytes) = packed_offsets(&lens, BUCKET_ALIGN);
-        BucketLayout { offsets, lens, bytes: bytes.max(1) }
+    /// The layout of a rank's buffers (`RankProgram::buffers`); an error
+    /// naming the buffer where their sizes pass `u64` bytes (a program from
+    /// the wire may claim any), so no buffer lies outside the bucket.
+    pub fn of(specs: &[BufferSpec]) -> Result<BucketLayout, String> {
+        let lens = specs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                b.elems
+                    .checked_mul(b.dtype.size())
+                    .ok_or_else(|| format!("buffer {i} '{}': {} elements of {} pass u64 bytes", b.name, b.elems, b.dtype))
+            })
+            .collect::<Result<Vec<u64>, String>>()?;
+        let (offsets, bytes) = packed_offsets(&lens, BUCKET_ALIGN).ok_or("the buffers together pass u64 bytes")?;
+        Ok(BucketLayout { offsets, lens, bytes: bytes.max(1) })
     }
 }
 
@@ -131,11 +141,15 @@ mod tests {
     #[test]
     fn buckets_align_every_buffer() {
         let spec = |elems, dtype| BufferSpec { name: "b".into(), key: BufferKey::Named(0), dtype, elems };
-        let l = BucketLayout::of(&[spec(3, DType::BF16), spec(10, DType::F32), spec(0, DType::F64), spec(1, DType::U8)]);
+        let l = BucketLayout::of(&[spec(3, DType::BF16), spec(10, DType::F32), spec(0, DType::F64), spec(1, DType::U8)]).unwrap();
         assert_eq!(l.offsets, vec![0, 256, 512, 512]);
         assert_eq!(l.lens, vec![6, 40, 0, 1]);
         assert_eq!(l.bytes, 513);
         assert!(l.offsets.iter().all(|o| o % BUCKET_ALIGN == 0));
-        assert_eq!(BucketLayout::of(&[]).bytes, 1);
+        assert_eq!(BucketLayout::of(&[]).unwrap().bytes, 1);
+        // Sizes past u64, alone or together, are refused.
+        let e = BucketLayout::of(&[spec(1, DType::F32), spec(u64::MAX / 2, DType::F32)]).unwrap_err();
+        assert!(e.contains("buffer 1 'b'"), "{e}");
+        assert!(BucketLayout::of(&[spec(u64::MAX - 8, DType::U8), spec(u64::MAX - 8, DType::U8)]).is_err());
     }
 }

@@ -85,22 +85,35 @@ pub fn comm_rank(endpoint: Endpoint, src_ranks: u32) -> u32 {
 
 /// Byte layout of one message in a contiguous staging buffer: pieces back
 /// to back in wire dtype, each at a 256-byte boundary. Both ends of a
-/// transfer compute the same layout from the same plan.
-pub fn message_layout(pieces: impl IntoIterator<Item = (u64, DType)>) -> (Vec<u64>, u64) {
-    let bytes: Vec<u64> = pieces.into_iter().map(|(numel, wire)| numel * wire.size()).collect();
+/// transfer compute the same layout from the same plan. `None` where the
+/// sizes pass `u64` (counts from a program: a wrapped layout would let a
+/// group reach past its staging).
+pub fn message_layout(pieces: impl IntoIterator<Item = (Option<u64>, DType)>) -> Option<(Vec<u64>, u64)> {
+    let bytes = pieces.into_iter().map(|(numel, wire)| numel?.checked_mul(wire.size())).collect::<Option<Vec<u64>>>()?;
     packed_offsets(&bytes, 256)
+}
+
+/// [`message_layout`] of an outgoing message.
+fn send_layout(m: &reshard::Message<reshard::SendPiece>) -> Option<(Vec<u64>, u64)> {
+    message_layout(m.pieces.views().map(|p| (p.checked_numel(), p.wire())))
+}
+
+/// [`message_layout`] of an incoming message.
+fn recv_layout(m: &reshard::Message<reshard::RecvPiece>) -> Option<(Vec<u64>, u64)> {
+    message_layout(m.pieces.views().map(|p| (p.checked_numel(), p.wire())))
 }
 
 /// The send staging `program` needs: its largest round's outgoing
 /// messages laid out as the executor lays them out (the size of the
-/// bucket an IPC communicator exports).
+/// bucket an IPC communicator exports); `u64::MAX`, which no allocation
+/// grants, where a round's messages pass `u64` bytes.
 pub fn send_staging_bytes(program: &RankProgram) -> u64 {
     program
         .rounds
         .iter()
         .map(|round| {
-            let sends = round.sends.iter().map(|m| (message_layout(m.pieces.views().map(|p| (p.numel(), p.wire()))).1, DType::U8));
-            message_layout(sends).1
+            let sends = round.sends.iter().map(|m| (send_layout(m).map(|l| l.1), DType::U8));
+            message_layout(sends).map_or(u64::MAX, |l| l.1)
         })
         .max()
         .unwrap_or(0)
@@ -197,7 +210,8 @@ pub fn run_rank_comm(
     deadline: Instant,
 ) -> Result<RankStats, CommExecError> {
     let me = program.endpoint;
-    let want: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
+    // (Saturating: a size past `u64` matches no memory's.)
+    let want: Vec<usize> = program.buffers.iter().map(|b| b.elems.saturating_mul(b.dtype.size()) as usize).collect();
     if memory.lens() != want.as_slice() {
         return Err(CommExecError::MemoryMismatch { me, got: memory.lens().to_vec(), want });
     }
@@ -222,12 +236,11 @@ pub fn run_rank_comm(
             continue;
         }
         // Every message of the round in one staging buffer per direction.
-        let sends: Vec<(Vec<u64>, u64)> =
-            round.sends.iter().map(|m| message_layout(m.pieces.views().map(|p| (p.numel(), p.wire())))).collect();
-        let recvs: Vec<(Vec<u64>, u64)> =
-            round.recvs.iter().map(|m| message_layout(m.pieces.views().map(|p| (p.numel(), p.wire())))).collect();
-        let (send_at, send_total) = message_layout(sends.iter().map(|(_, len)| (*len, DType::U8)));
-        let (recv_at, recv_total) = message_layout(recvs.iter().map(|(_, len)| (*len, DType::U8)));
+        let too_large = || mem_err("laying out the round's messages")("their pieces pass u64 bytes".to_string());
+        let sends: Vec<(Vec<u64>, u64)> = round.sends.iter().map(send_layout).collect::<Option<_>>().ok_or_else(too_large)?;
+        let recvs: Vec<(Vec<u64>, u64)> = round.recvs.iter().map(recv_layout).collect::<Option<_>>().ok_or_else(too_large)?;
+        let (send_at, send_total) = message_layout(sends.iter().map(|(_, len)| (Some(*len), DType::U8))).ok_or_else(too_large)?;
+        let (recv_at, recv_total) = message_layout(recvs.iter().map(|(_, len)| (Some(*len), DType::U8))).ok_or_else(too_large)?;
         let sbase = memory.staging(Staging::Send, send_total as usize).map_err(mem_err("send staging"))?;
         let rbase = memory.staging(Staging::Recv, recv_total as usize).map_err(mem_err("receive staging"))?;
         let mut ops = Vec::new();
@@ -274,4 +287,20 @@ pub fn run_rank_comm(
     }
     memory.finish(program).map_err(mem_err("finishing the run"))?;
     Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_layouts_past_u64_are_none() {
+        assert_eq!(message_layout([(Some(3), DType::BF16), (Some(1), DType::F32)]), Some((vec![0, 256], 260)));
+        // An element count that passed u64 (checked by the caller).
+        assert_eq!(message_layout([(Some(3), DType::BF16), (None, DType::F32)]), None);
+        // Elements whose bytes pass u64.
+        assert_eq!(message_layout([(Some(u64::MAX / 2), DType::F32)]), None);
+        // Pieces whose bytes together pass u64.
+        assert_eq!(message_layout([(Some(1 << 63), DType::U8), (Some(1 << 63), DType::U8)]), None);
+    }
 }

@@ -54,7 +54,8 @@ impl Step {
         if self.local {
             0
         } else {
-            self.block.numel() * self.wire.size()
+            // (Checked to fit its buffers when scheduled.)
+            self.block.numel().saturating_mul(self.wire.size())
         }
     }
 }
@@ -179,7 +180,7 @@ pub fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, Schedu
                     let to = rp.spans().map(|s| place(programs, i, &s, rp.dtype(), &block)).collect::<Result<Vec<_>, _>>()?;
                     out.steps.push(Step { round, block, from, wire: rp.wire(), to, local: false });
                 }
-                out.wire_bytes += msg.wire_bytes();
+                out.wire_bytes = out.wire_bytes.saturating_add(msg.wire_bytes());
                 out.messages += 1;
                 received += 1;
             }

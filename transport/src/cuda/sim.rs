@@ -500,7 +500,9 @@ impl PlaneMemory for SimMemory<'_> {
         let src = if from.2 != wire && to.iter().any(|t| t.2 != wire) {
             // Both conversions happen: through the wire dtype, as a sender
             // and a receiver would.
-            through = vec![0u8; (block.numel() * wire.size()) as usize];
+            // (The source was found to fit a region: its element count
+            // is bounded by that region's.)
+            through = vec![0u8; block.numel().saturating_mul(wire.size()) as usize];
             let side: Side = (through.as_mut_ptr() as u64, Span { buffer: 0, base: 0, strides: packed_strides(counts) }, wire);
             let packed = view(Region { at: side.0, len: through.len() }, &side);
             // SAFETY: both views name live, disjoint regions (a region of
