@@ -139,8 +139,9 @@ impl ShmReceiver {
                 self.partial.insert(Partial { round, total: a, bytes, filled: 0 })
             }
         };
-        if p.filled as u64 + n > p.total {
-            return Err(Stop::Broken("chunks overrun their message".into()));
+        // (`n` is the peer's: checked, never wrapped.)
+        if n.checked_add(p.filled as u64).is_none_or(|end| end > p.total) {
+            return Err(Stop::Broken(format!("a chunk of {n} bytes overruns its message of {}", p.total)));
         }
         let at = p.filled;
         self.shm.chunk(offset, n, &mut p.bytes[at..at + n as usize]).map_err(Stop::Broken)?;
