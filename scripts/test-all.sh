@@ -2,7 +2,7 @@
 # Every test: the Rust workspace's (`cargo test --workspace`), then the
 # Python package's (docs/python.md) in a virtual environment of its own,
 # target/pyenv, made here: the wheel built from ./python, numpy, pytest,
-# and Ray when `pip install ray` works (else the Ray example's test is
+# torch, and Ray when `pip install ray` works (else the Ray example's test is
 # skipped, with the reason printed).
 #
 #   scripts/test-all.sh            # both
@@ -18,6 +18,11 @@ if [[ ! -x target/pyenv/bin/python ]]; then
 fi
 target/pyenv/bin/pip install -q --upgrade pip
 target/pyenv/bin/pip install -q maturin pytest numpy
+# torch: the tests of tensors registered in place (python/tests/test_memory.py),
+# DTensor layouts and torch round trips run against the real library. The
+# registry's build (CUDA libraries included) runs on the CPU here; pip's
+# cache keeps later runs quick.
+target/pyenv/bin/pip install -q torch
 if ! target/pyenv/bin/pip install -q ray; then
   echo "note: 'pip install ray' failed here; the Ray example's test will be skipped"
 fi

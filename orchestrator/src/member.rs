@@ -719,6 +719,15 @@ impl Member {
         if result.is_err() {
             return (result, end);
         }
+        // The registered memory is still what was registered (looked up
+        // again now, before any destination commits, so memory its owner
+        // moved fails the refit here rather than one rank's commit).
+        let registered = store.registered_memory().cloned();
+        let checked = tokio::task::spawn_blocking(move || registered.map_or(Ok(()), |r| r.current().map(drop))).await;
+        if let Err(why) = checked.unwrap_or_else(|e| Err(e.to_string())) {
+            let why = format!("{}: registered weights: {why}", program.endpoint);
+            return (Err(Refusal::Exec { why, after_peer: false }), end);
+        }
         // Readers let go of the served weights within the deadline, or the
         // refit fails here, before anything was written.
         let within = how.deadline.saturating_sub(started.elapsed()).max(Duration::from_millis(100));

@@ -163,22 +163,47 @@ def layout_from_dtensors(
     ranks: Optional[int] = None,
     ranks_per_node: Optional[int] = None,
     dtype: Optional[str] = None,
+    plain: Optional[str] = None,
 ) -> Any:
     """A ``refit.Layout`` of ``{name: DTensor}`` (e.g. a model's
     ``named_parameters()`` under FSDP2/TP). ``ranks`` defaults to one more
     than the largest rank of any mesh; ``dtype`` (``"f32"``, ``"bf16"``, ...)
-    overrides every tensor's."""
+    overrides every tensor's.
+
+    A plain tensor among them (``parallelize_module`` leaves the modules
+    no plan names, norms say, as ordinary parameters, whole on every rank)
+    is refused, naming it, unless ``plain="replicate"``: then it is held
+    whole by every rank."""
+    if plain not in (None, "replicate"):
+        raise LayoutError(f"plain={plain!r}: expected None (refuse plain tensors) or 'replicate'")
     builders = []
+    plains = []
     world = 0
     for name, dt in tensors.items():
+        if not hasattr(dt, "device_mesh") or not hasattr(dt, "placements"):
+            if plain is None:
+                raise LayoutError(
+                    f"tensor '{name}': a plain {type(dt).__name__}, not a DTensor: pass plain='replicate' if every rank "
+                    "holds it whole (as parallelize_module leaves the modules its plan does not name), or distribute it"
+                )
+            plains.append((name, dt))
+            continue
         mesh_shape, placements, mesh_ranks = dtensor_placement(dt, name)
         world = max(world, max(mesh_ranks) + 1)
         dt_name = dtype or _dtype_name(dt.dtype, name)
         t = TensorBuilder(name, dt_name, [int(s) for s in dt.shape])
         default = list(range(len(mesh_ranks)))
         t = t.mesh(mesh_shape, placements, None if mesh_ranks == default else mesh_ranks)
-        builders.append(t)
-    b = LayoutBuilder(ranks if ranks is not None else world, ranks_per_node)
-    for t in builders:
+        builders.append((name, t))
+    world = ranks if ranks is not None else world
+    if plains and world == 0:
+        raise LayoutError(f"tensor '{plains[0][0]}': a plain tensor is replicated over the ranks, but no DTensor or ranks= says how many")
+    for name, tensor in plains:
+        t = TensorBuilder(name, dtype or _dtype_name(tensor.dtype, name), [int(s) for s in tensor.shape])
+        builders.append((name, t.mesh([world], ["replicate"])))
+    order = {name: i for i, name in enumerate(tensors)}
+    builders.sort(key=lambda nt: order[nt[0]])
+    b = LayoutBuilder(world, ranks_per_node)
+    for _, t in builders:
         b = b.tensor(t)
     return b.build()

@@ -99,7 +99,7 @@ impl Found {
     /// The first `elems` elements, as a flat array.
     fn prefix(mut self, elems: u64) -> Result<Found, String> {
         let numel: u64 = self.shape.iter().product();
-        let size = if numel == 0 { 0 } else { self.nbytes as u64 / numel };
+        let size = (self.nbytes as u64).checked_div(numel).unwrap_or(0);
         let need = elems.checked_mul(size).and_then(|n| usize::try_from(n).ok()).ok_or("a cut that overflows")?;
         if elems > numel {
             return Err(format!("the parameter holds {numel} elements ({:?}), the buffer needs {elems}", self.shape));
@@ -157,7 +157,7 @@ pub(crate) fn find(object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>>
     if object.hasattr("__cuda_array_interface__")? {
         return cuda_array(object);
     }
-    if object.get_type().name()?.to_string() == "PyCapsule" {
+    if object.get_type().name()? == "PyCapsule" {
         return dlpack(object, object.clone().unbind());
     }
     if object.hasattr("__dlpack__")? {
@@ -172,7 +172,7 @@ pub(crate) fn find(object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>>
 
 /// A DTensor's local shard; anything else as it is.
 fn local<'py>(object: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    if object.get_type().name()?.to_string() == "DTensor" && object.hasattr("to_local")? {
+    if object.get_type().name()? == "DTensor" && object.hasattr("to_local")? {
         return object.call_method0("to_local");
     }
     Ok(object.clone())

@@ -162,6 +162,40 @@ def test_real_dtensors_when_torch_distributed_is_there():
         dist.destroy_process_group()
 
 
+def test_plain_parameters_of_parallelize_module_are_named_or_replicated():
+    """torch's ``parallelize_module`` leaves the modules its plan does not
+    name (a norm) as plain parameters: ``layout_from_dtensors`` names such
+    a tensor and says what to do, and with ``plain="replicate"`` holds it
+    whole on every rank."""
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        pytest.skip(f"torch.distributed.tensor.parallel or the fake process group missing: {e}")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        model = torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 8, bias=False), "norm": torch.nn.LayerNorm(8)})
+        parallelize_module(model, mesh, {"proj": ColwiseParallel()})
+        params = dict(model.named_parameters())
+        with pytest.raises(refit.LayoutError, match=r"tensor 'norm.weight': a plain Parameter, not a DTensor: pass plain='replicate'"):
+            refit.layout_from_dtensors(params)
+        layout = refit.layout_from_dtensors(params, plain="replicate")
+        assert layout.ranks == 2
+        assert {n: (o, e) for n, _, o, e in layout.blocks(1)} == {
+            "proj.weight": ([4, 0], [4, 4]),
+            "norm.weight": ([0], [8]),
+            "norm.bias": ([0], [8]),
+        }
+        with pytest.raises(refit.LayoutError, match="plain='shard'"):
+            refit.layout_from_dtensors(params, plain="shard")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_tp_inference_layout_fuses_qkv_and_gate_up():
     shapes = {
         "model.layers.0.self_attn.q_proj.weight": [8, 4],
