@@ -89,8 +89,9 @@ impl Launch {
 
 /// 300 connections that never say a word, opened at the rendezvous just
 /// before the workers join: they do not keep the workers out (silent
-/// sockets have a budget of their own, and the oldest make way), and the
-/// launcher logs every one it dropped with the reason.
+/// sockets have a budget of their own: a newcomer pushes one out, and they
+/// leave after the `Hello` deadline), and the launcher logs every one it
+/// dropped with the reason.
 #[test]
 fn silent_control_connections_do_not_keep_workers_out() {
     let launch = Launch::start("tp-to-tp", 2);
@@ -98,7 +99,10 @@ fn silent_control_connections_do_not_keep_workers_out() {
     let workers = launch.workers();
     let (_, err) = launch.finish(workers);
     drop(silent);
-    let dropped = err.lines().filter(|l| l.contains("rejected connection: not authenticated before newer connections")).count();
-    assert!(dropped >= 300 - 64, "expected the oldest silent connections dropped and logged:\n{err}");
+    // Pushed out by newcomers, or silent past the `Hello` deadline (on a
+    // loaded machine the launcher may accept them slower than that).
+    let reasons = ["rejected connection: not authenticated before newer connections", "rejected connection: no handshake in time"];
+    let dropped = err.lines().filter(|l| reasons.iter().any(|r| l.contains(r))).count();
+    assert!(dropped >= 300, "expected every silent connection dropped and logged:\n{err}");
     assert!(err.lines().all(|l| !l.contains("rejected connection") || l.starts_with("WARN ")), "{err}");
 }

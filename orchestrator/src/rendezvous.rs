@@ -18,7 +18,7 @@
 
 use crate::member::{Member, MemberConfig, Role};
 use crate::OrchestratorHandle;
-use actors::remote::{Node, NodeConfig, Registration, Registry, RegistryMsg, RegistryReply, RemotePeer, Secret, REGISTRY_NAME};
+use actors::remote::{Node, NodeConfig, Registration, Registry, RegistryMsg, RegistryReply, RemotePeer, Retry, Secret, REGISTRY_NAME};
 use actors::{spawn, Actor, ActorGroup, ActorRef, SpawnConfig};
 use reshard::{Endpoint, Group, Layout};
 use serde::de::DeserializeOwned;
@@ -160,7 +160,9 @@ impl Rendezvous {
         let peer = match peers.get(&registration.addr) {
             Some(p) if p.is_connected() => p.clone(),
             _ => {
-                let p = self.node.connect(registration.addr).await.map_err(remote(format!("connect to '{name}'")))?;
+                // A member's control node may be crowded by strangers too.
+                let retry = Retry::default().within(until.saturating_duration_since(Instant::now()));
+                let p = self.node.connect_retrying(registration.addr, &retry).await.map_err(remote(format!("connect to '{name}'")))?;
                 peers.insert(registration.addr, p.clone());
                 p
             }
@@ -284,15 +286,33 @@ pub struct Joined {
 }
 
 /// Joins the rendezvous: binds a control node on the interface that
-/// reaches it and connects.
+/// reaches it and connects, retrying with backoff for up to a minute
+/// ([`Retry::default`]; see [`join_with`]).
 pub async fn join(config: &JoinConfig) -> Result<Joined, JoinError> {
+    join_with(config, &Retry::default()).await
+}
+
+/// [`join`], retrying as `retry` says. Connecting and looking up the
+/// registry are attempted again after failures another attempt may not
+/// meet ([`actors::RemoteError::is_transient`]): above all the rendezvous
+/// dropping the connection before it authenticated, when others that do
+/// not authenticate crowd its control port. A refused connection (nothing
+/// listens there) or a failed authentication (the secrets differ) fails
+/// at once.
+pub async fn join_with(config: &JoinConfig, retry: &Retry) -> Result<Joined, JoinError> {
     let to = config.rendezvous;
     let ip = local_ip_towards(to).map_err(|e| JoinError::Config(format!("no route to the rendezvous {to}: {e}")))?;
     let node = Node::bind(config.secret.clone(), node_config(SocketAddr::new(ip, 0), &config.control))
         .await
         .map_err(remote(format!("listen on {ip}")))?;
-    let peer = node.connect(to).await.map_err(remote(format!("rendezvous {to}")))?;
-    let registry = peer.lookup::<Registry>(REGISTRY_NAME).await.map_err(remote(format!("rendezvous {to}")))?;
+    let (peer, registry) = retry
+        .run(&to.to_string(), || async {
+            let peer = node.connect(to).await?;
+            let registry = peer.lookup::<Registry>(REGISTRY_NAME).await?;
+            Ok((peer, registry))
+        })
+        .await
+        .map_err(remote(format!("join the rendezvous {to}")))?;
     Ok(Joined { node, peer, registry, ip, secret: config.secret.clone() })
 }
 

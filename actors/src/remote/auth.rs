@@ -117,13 +117,14 @@ async fn send<W: AsyncWrite + Unpin>(w: &mut W, msg: &Handshake, peer: &str) -> 
     let payload = codec::encode_with_max(msg, MAX_HANDSHAKE_FRAME).map_err(|e| RemoteError::handshake(peer, e))?;
     let mut frame = Vec::new();
     codec::write_frame(&mut frame, &payload, MAX_HANDSHAKE_FRAME).map_err(|e| RemoteError::handshake(peer, e))?;
-    w.write_all(&frame).await.map_err(|e| RemoteError::handshake(peer, format!("write failed: {e}")))?;
-    w.flush().await.map_err(|e| RemoteError::handshake(peer, format!("write failed: {e}")))
+    w.write_all(&frame).await.map_err(|e| RemoteError::handshake_cut(peer, format!("write failed: {e}")))?;
+    w.flush().await.map_err(|e| RemoteError::handshake_cut(peer, format!("write failed: {e}")))
 }
 
 async fn recv<R: AsyncRead + Unpin>(r: &mut R, peer: &str) -> Result<Handshake, RemoteError> {
     let payload = read_frame(r, MAX_HANDSHAKE_FRAME).await.map_err(|e| match e {
-        ReadError::Eof => RemoteError::handshake(peer, "connection closed during the handshake"),
+        ReadError::Eof => RemoteError::handshake_cut(peer, "connection closed during the handshake"),
+        cut @ (ReadError::Truncated | ReadError::Io(_)) => RemoteError::handshake_cut(peer, cut),
         other => RemoteError::handshake(peer, other),
     })?;
     codec::decode_with_max(&payload, MAX_HANDSHAKE_FRAME)
@@ -173,20 +174,33 @@ pub(crate) async fn client<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// Runs the server side of the handshake.
-pub(crate) async fn server<S: AsyncRead + AsyncWrite + Unpin>(
+/// What the server learnt from a client's `Hello`.
+pub(crate) struct Hello {
+    client_nonce: Nonce,
+}
+
+/// The server side's first step: reads and checks the client's `Hello`
+/// (an honest client sends it right after connecting).
+pub(crate) async fn server_hello<S: AsyncRead + Unpin>(stream: &mut S, peer: &str) -> Result<Hello, RemoteError> {
+    match recv(stream, peer).await? {
+        Handshake::Hello { magic, version, nonce } if magic == MAGIC && version == PROTOCOL_VERSION => Ok(Hello { client_nonce: nonce }),
+        Handshake::Hello { magic, version, .. } if magic == MAGIC => {
+            Err(RemoteError::handshake(peer, format!("client speaks protocol version {version}, we speak {PROTOCOL_VERSION}")))
+        }
+        Handshake::Hello { .. } => Err(RemoteError::handshake(peer, "bad magic in Hello")),
+        other => Err(unexpected(peer, &other, "Hello")),
+    }
+}
+
+/// The rest of the server side, after [`server_hello`]: challenge, check
+/// the client's proof, prove the secret back.
+pub(crate) async fn server_finish<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     secret: &Secret,
     peer: &str,
+    hello: Hello,
 ) -> Result<SessionKeys, RemoteError> {
-    let client_nonce = match recv(stream, peer).await? {
-        Handshake::Hello { magic, version, nonce } if magic == MAGIC && version == PROTOCOL_VERSION => nonce,
-        Handshake::Hello { magic, version, .. } if magic == MAGIC => {
-            return Err(RemoteError::handshake(peer, format!("client speaks protocol version {version}, we speak {PROTOCOL_VERSION}")))
-        }
-        Handshake::Hello { .. } => return Err(RemoteError::handshake(peer, "bad magic in Hello")),
-        other => return Err(unexpected(peer, &other, "Hello")),
-    };
+    let client_nonce = hello.client_nonce;
     let server_nonce = nonce();
     send(stream, &Handshake::Challenge { version: PROTOCOL_VERSION, nonce: server_nonce }, peer).await?;
     match recv(stream, peer).await? {

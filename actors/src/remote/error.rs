@@ -43,6 +43,17 @@ pub enum RemoteError {
         /// What went wrong.
         problem: String,
     },
+    /// The connection broke during the handshake (closed, reset, a write
+    /// failed): the server dropped it (a node drops connections still
+    /// authenticating when too many arrive at once) or went away. Worth
+    /// retrying ([`RemoteError::is_transient`]).
+    #[error("handshake with {peer} cut off: {problem}")]
+    HandshakeCut {
+        /// The peer's address.
+        peer: String,
+        /// What happened.
+        problem: String,
+    },
     /// Something did not complete in time.
     #[error("{what} with {peer} timed out after {after:?}")]
     Timeout {
@@ -116,11 +127,47 @@ pub enum RemoteError {
     /// The node was shut down.
     #[error("the node is shut down")]
     NodeShutDown,
+    /// Every attempt of a retried operation failed
+    /// ([`Retry`](super::Retry)): the last error, after how many attempts
+    /// and how long.
+    #[error("gave up on {peer} after {attempts} attempts in {elapsed:.1?}: {last}")]
+    GaveUp {
+        /// The peer's address.
+        peer: String,
+        /// Attempts made.
+        attempts: u32,
+        /// Time spent in all.
+        elapsed: Duration,
+        /// The last attempt's error.
+        last: Box<RemoteError>,
+    },
 }
 
 impl RemoteError {
     pub(crate) fn handshake(peer: &str, problem: impl fmt::Display) -> Self {
         Self::Handshake { peer: peer.to_owned(), problem: problem.to_string() }
+    }
+
+    pub(crate) fn handshake_cut(peer: &str, problem: impl fmt::Display) -> Self {
+        Self::HandshakeCut { peer: peer.to_owned(), problem: problem.to_string() }
+    }
+
+    /// `true` for failures another attempt may not meet: the handshake cut
+    /// off ([`RemoteError::HandshakeCut`], e.g. a crowded node dropped the
+    /// connection before it authenticated), a timeout, a lost connection,
+    /// or a connection reset, aborted or timed out while connecting. Not
+    /// for a refused connection (nothing listens there), a failed
+    /// authentication (the secrets differ) or a protocol mismatch.
+    pub fn is_transient(&self) -> bool {
+        use std::io::ErrorKind;
+        match self {
+            Self::HandshakeCut { .. } | Self::Timeout { .. } | Self::ConnectionLost { .. } => true,
+            Self::Connect { source, .. } => matches!(
+                source.kind(),
+                ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::TimedOut | ErrorKind::Interrupted
+            ),
+            _ => false,
+        }
     }
 
     /// The peer's address, for errors about one peer.
@@ -129,6 +176,8 @@ impl RemoteError {
             Self::Connect { peer, .. }
             | Self::AuthFailed { peer, .. }
             | Self::Handshake { peer, .. }
+            | Self::HandshakeCut { peer, .. }
+            | Self::GaveUp { peer, .. }
             | Self::Timeout { peer, .. }
             | Self::ConnectionLost { peer, .. }
             | Self::UnknownActor { peer, .. }

@@ -54,7 +54,8 @@
 //! after.
 //!
 //! **Handshake** (client → server unless noted), each step one frame, all
-//! within [`NodeConfig::handshake_timeout`]:
+//! within [`NodeConfig::handshake_timeout`] (the `Hello` within
+//! [`NodeConfig::hello_timeout`] of the server accepting):
 //! 1. `Hello { magic, version, client_nonce }`
 //! 2. server → `Challenge { version, server_nonce }`
 //! 3. `Proof { HMAC(secret, "proof/client" ‖ client_nonce ‖ server_nonce) }`
@@ -79,6 +80,16 @@
 //! failure), `Stopped` (a looked-up served actor stopped, with its reason)
 //! and `Close` (goodbye, with why). Frames are authenticated, not encrypted:
 //! keep the control plane on a trusted network.
+//!
+//! **Crowding.** Incoming connections still authenticating have a budget
+//! of their own ([`NodeConfig::max_unauthenticated`], 64): when it is full,
+//! a newcomer is let in and one of the waiting ones is dropped, at random
+//! among those that have not sent their `Hello` (all of them if every one
+//! has), so silent sockets cannot push out a client whose `Hello` was read
+//! and push out one still in flight only by chance. Such a client sees its
+//! handshake cut off ([`RemoteError::HandshakeCut`], transient:
+//! [`RemoteError::is_transient`]) and, through
+//! [`Node::connect_retrying`] and a [`Retry`], tries again with backoff.
 //!
 //! **Heartbeats.** Each side sends a `Ping` every
 //! [`NodeConfig::heartbeat_interval`] (250 ms) and considers the peer dead
@@ -107,6 +118,7 @@ mod node;
 mod proxy;
 mod raw;
 mod registry;
+mod retry;
 mod secret;
 mod served;
 mod wire;
@@ -114,9 +126,11 @@ mod wire;
 pub use auth::PROTOCOL_VERSION;
 pub use error::RemoteError;
 pub use node::{
-    Node, NodeConfig, RemotePeer, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_MAX_FRAME_BYTES,
+    Node, NodeConfig, RemotePeer, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_HELLO_TIMEOUT,
+    DEFAULT_MAX_FRAME_BYTES,
 };
 pub use raw::RawPeer;
 pub use registry::{Registration, Registry, RegistryClient, RegistryMsg, RegistryReply, REGISTRY_NAME};
+pub use retry::{Retry, DEFAULT_RETRY_TIMEOUT};
 pub use secret::{read_secret_file, wipe, Secret, SecretError, MIN_SECRET_LEN};
 pub use wire::{FrameKind, MAX_NAME_LEN};

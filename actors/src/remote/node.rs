@@ -16,6 +16,7 @@ use super::auth;
 use super::conn::{wait_true, CloseKind, Conn};
 use super::error::RemoteError;
 use super::proxy::spawn_proxy;
+use super::retry::Retry;
 use super::secret::Secret;
 use super::served::Served;
 use super::wire::{FRAME_OVERHEAD, MAX_NAME_LEN};
@@ -29,6 +30,8 @@ pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_millis(250);
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Default [`NodeConfig::handshake_timeout`].
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Default [`NodeConfig::hello_timeout`].
+pub const DEFAULT_HELLO_TIMEOUT: Duration = Duration::from_secs(1);
 /// Default [`NodeConfig::max_frame_bytes`] (16 MiB).
 pub const DEFAULT_MAX_FRAME_BYTES: usize = 16 * 1024 * 1024;
 
@@ -49,8 +52,14 @@ pub struct NodeConfig {
     /// (default 1 s).
     pub heartbeat_timeout: Duration,
     /// Connecting plus authenticating must finish within this (default 2 s);
-    /// a silent or slow client is dropped after it.
+    /// a slow client is dropped after it.
     pub handshake_timeout: Duration,
+    /// An incoming connection must send its first handshake frame (`Hello`)
+    /// within this (default 1 s; at most `handshake_timeout` applies): a
+    /// client sends it right after connecting, so a silent socket is
+    /// dropped after this, freeing its place among the connections still
+    /// authenticating (`max_unauthenticated`).
+    pub hello_timeout: Duration,
     /// A write blocked this long (peer not reading) breaks the connection
     /// (default 10 s).
     pub write_timeout: Duration,
@@ -66,9 +75,17 @@ pub struct NodeConfig {
     /// Most incoming connections still authenticating at once (default
     /// 64). They have a budget of their own, so connections that never
     /// authenticate cannot keep clients with the secret out: when it is
-    /// full, the oldest of them is dropped for the newcomer (a client with
-    /// the secret authenticates within a round trip; a silent socket waits
-    /// for its `handshake_timeout`).
+    /// full, a newcomer is always let in and one of the waiting connections
+    /// is dropped for it, chosen **at random** among those that have not
+    /// sent their `Hello` yet (silent sockets), or among all of them when
+    /// every one has. A client with the secret sends its `Hello` at once
+    /// and authenticates within a round trip: once its `Hello` is read,
+    /// silent sockets cannot push it out, and before that each newcomer
+    /// drops it with probability 1/`max_unauthenticated`. A client that is
+    /// dropped anyway retries ([`Node::connect_retrying`], as members
+    /// joining a rendezvous do). Silent sockets leave after
+    /// `hello_timeout`. Not per address: behind a NAT, or in tests on
+    /// loopback, honest clients and strangers share one.
     pub max_unauthenticated: usize,
     /// How long [`RemotePeer::lookup`] waits for the answer (default 5 s).
     pub lookup_timeout: Duration,
@@ -83,6 +100,7 @@ impl NodeConfig {
             ("heartbeat_interval", self.heartbeat_interval),
             ("heartbeat_timeout", self.heartbeat_timeout),
             ("handshake_timeout", self.handshake_timeout),
+            ("hello_timeout", self.hello_timeout),
             ("write_timeout", self.write_timeout),
             ("lookup_timeout", self.lookup_timeout),
         ] {
@@ -117,6 +135,7 @@ impl Default for NodeConfig {
             heartbeat_interval: DEFAULT_HEARTBEAT_INTERVAL,
             heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            hello_timeout: DEFAULT_HELLO_TIMEOUT,
             write_timeout: Duration::from_secs(10),
             max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
             max_connections: 4096,
@@ -282,6 +301,20 @@ impl Node {
         Ok(RemotePeer { link: Arc::new(Link { conn }) })
     }
 
+    /// [`Node::connect`], retried after failures another attempt may not
+    /// meet ([`RemoteError::is_transient`]: e.g. the server dropped the
+    /// connection before it authenticated, being crowded by others that do
+    /// not) with backoff, until `retry.timeout`. Each retry is logged; the
+    /// error of the last attempt comes back as [`RemoteError::GaveUp`], one
+    /// that retrying cannot help at once.
+    pub async fn connect_retrying<A>(&self, addr: A, retry: &Retry) -> Result<RemotePeer, RemoteError>
+    where
+        A: ToSocketAddrs + fmt::Display + Clone,
+    {
+        let peer = addr.to_string();
+        retry.run(&peer, || self.connect(addr.clone())).await
+    }
+
     /// Closes every connection (peers see their proxies stop with
     /// [`StopReason::ConnectionLost`](crate::StopReason::ConnectionLost)) and
     /// stops listening. Idempotent.
@@ -308,57 +341,114 @@ fn valid_name(name: String) -> Result<String, RemoteError> {
     Ok(name)
 }
 
-/// Incoming connections that have not authenticated yet, oldest first: at
-/// most `budget`; admitting one more drops the oldest.
+/// Incoming connections that have not authenticated yet: at most `budget`;
+/// admitting one more drops one of the others, at random among those that
+/// have not said `Hello` yet (all of them if every one has).
 struct Unauthenticated {
     budget: usize,
-    waiting: Mutex<Waiting>,
+    pending: Mutex<Pending>,
 }
 
-/// The next id, and each waiting connection's id and eviction signal.
-type Waiting = (u64, std::collections::VecDeque<(u64, oneshot::Sender<usize>)>);
+struct Pending {
+    next_id: u64,
+    /// xorshift64* state, seeded from the OS's generator.
+    rng: u64,
+    waiting: Vec<Waiting>,
+}
+
+struct Waiting {
+    id: u64,
+    said_hello: bool,
+    evict: oneshot::Sender<Evicted>,
+}
+
+/// Why a waiting connection was dropped for a newcomer.
+struct Evicted {
+    budget: usize,
+    /// It had sent its `Hello` (every waiting connection had).
+    said_hello: bool,
+}
 
 /// One connection's place among the unauthenticated; leaves on drop.
-struct Admitted {
+struct Place {
     pool: Arc<Unauthenticated>,
     id: u64,
-    /// Fires (with the budget) when a newer connection takes the place.
-    evicted: oneshot::Receiver<usize>,
+}
+
+impl Pending {
+    fn random_below(&mut self, n: usize) -> usize {
+        let mut x = self.rng;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng = x;
+        let r = x.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        // n is at most the budget: the high bits, scaled, are uniform enough.
+        ((u128::from(r) * n as u128) >> 64) as usize
+    }
 }
 
 impl Unauthenticated {
-    fn lock(&self) -> MutexGuard<'_, Waiting> {
-        // Nothing panics while holding this lock; recover from poison anyway.
-        self.waiting.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn new(budget: usize) -> Self {
+        // Never zero (xorshift's fixed point).
+        let seed = (uuid::Uuid::new_v4().as_u128() as u64) | 1;
+        Unauthenticated { budget, pending: Mutex::new(Pending { next_id: 0, rng: seed, waiting: Vec::new() }) }
     }
 
-    fn admit(self: &Arc<Self>) -> Admitted {
-        let (tx, evicted) = oneshot::channel();
-        let mut waiting = self.lock();
-        let (next, queue) = &mut *waiting;
-        let id = *next;
-        *next += 1;
-        if queue.len() >= self.budget {
-            if let Some((_, oldest)) = queue.pop_front() {
-                let _ = oldest.send(self.budget);
+    fn lock(&self) -> MutexGuard<'_, Pending> {
+        // Nothing panics while holding this lock; recover from poison anyway.
+        self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Admits a newcomer, dropping another if the budget is full; the
+    /// receiver fires if the newcomer is dropped in turn.
+    fn admit(self: &Arc<Self>) -> (Place, oneshot::Receiver<Evicted>) {
+        let (evict, evicted) = oneshot::channel();
+        let mut pending = self.lock();
+        let id = pending.next_id;
+        pending.next_id += 1;
+        if pending.waiting.len() >= self.budget {
+            let silent = pending.waiting.iter().filter(|w| !w.said_hello).count();
+            let victim = if silent > 0 {
+                let nth = pending.random_below(silent);
+                pending.waiting.iter().enumerate().filter(|(_, w)| !w.said_hello).nth(nth).map(|(i, _)| i)
+            } else {
+                let n = pending.waiting.len();
+                Some(pending.random_below(n))
+            };
+            if let Some(i) = victim {
+                let w = pending.waiting.swap_remove(i);
+                let _ = w.evict.send(Evicted { budget: self.budget, said_hello: w.said_hello });
             }
         }
-        queue.push_back((id, tx));
-        Admitted { pool: Arc::clone(self), id, evicted }
+        pending.waiting.push(Waiting { id, said_hello: false, evict });
+        (Place { pool: Arc::clone(self), id }, evicted)
     }
 }
 
-impl Drop for Admitted {
+impl Place {
+    /// The connection sent a valid `Hello`: silent newcomers no longer
+    /// push it out.
+    fn said_hello(&self) {
+        if let Some(w) = self.pool.lock().waiting.iter_mut().find(|w| w.id == self.id) {
+            w.said_hello = true;
+        }
+    }
+}
+
+impl Drop for Place {
     fn drop(&mut self) {
-        self.pool.lock().1.retain(|(id, _)| *id != self.id);
+        let mut pending = self.pool.lock();
+        if let Some(i) = pending.waiting.iter().position(|w| w.id == self.id) {
+            pending.waiting.swap_remove(i);
+        }
     }
 }
 
 async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
     let mut shutdown = inner.shutdown_signal();
     let slots = Arc::new(Semaphore::new(inner.config.max_connections));
-    let unauthenticated =
-        Arc::new(Unauthenticated { budget: inner.config.max_unauthenticated, waiting: Mutex::new((0, Default::default())) });
+    let unauthenticated = Arc::new(Unauthenticated::new(inner.config.max_unauthenticated));
     loop {
         let accepted = tokio::select! {
             () = wait_true(&mut shutdown) => break,
@@ -380,30 +470,68 @@ async fn accept_loop(inner: Arc<NodeInner>, listener: TcpListener) {
     tracing::debug!(addr = %inner.addr, "node stopped listening");
 }
 
+/// How an incoming handshake ended without keys.
+enum Refused {
+    /// No frame (`what`) within `after`.
+    Late {
+        what: &'static str,
+        after: Duration,
+    },
+    Failed(RemoteError),
+}
+
+impl From<RemoteError> for Refused {
+    fn from(err: RemoteError) -> Self {
+        Refused::Failed(err)
+    }
+}
+
 /// Authenticates an incoming connection (in the unauthenticated budget),
 /// then runs it until it closes (in the authenticated one).
-async fn serve_connection(inner: Arc<NodeInner>, mut stream: TcpStream, addr: SocketAddr, mut admitted: Admitted, slots: Arc<Semaphore>) {
+async fn serve_connection(
+    inner: Arc<NodeInner>,
+    mut stream: TcpStream,
+    addr: SocketAddr,
+    (place, mut evicted): (Place, oneshot::Receiver<Evicted>),
+    slots: Arc<Semaphore>,
+) {
     let peer = addr.to_string();
     let _ = stream.set_nodelay(true);
     let after = inner.config.handshake_timeout;
+    let hello_after = inner.config.hello_timeout.min(after);
+    let started = tokio::time::Instant::now();
     let mut shutdown = inner.shutdown_signal();
+    let handshake = async {
+        let hello = tokio::time::timeout(hello_after, auth::server_hello(&mut stream, &peer))
+            .await
+            .map_err(|_| Refused::Late { what: "no Hello", after: hello_after })??;
+        place.said_hello();
+        let keys = tokio::time::timeout_at(started + after, auth::server_finish(&mut stream, &inner.secret, &peer, hello))
+            .await
+            .map_err(|_| Refused::Late { what: "not authenticated", after })??;
+        Ok::<_, Refused>(keys)
+    };
     let handshake = tokio::select! {
         () = wait_true(&mut shutdown) => return,
-        Ok(budget) = &mut admitted.evicted => {
-            tracing::warn!(%peer, budget, "rejected connection: not authenticated before newer connections filled the unauthenticated budget");
+        Ok(Evicted { budget, said_hello }) = &mut evicted => {
+            tracing::warn!(
+                %peer, budget, said_hello,
+                "rejected connection: not authenticated before newer connections filled the unauthenticated budget \
+                 (dropped at random among the waiting ones that had not said Hello, or all when every one had)"
+            );
             return;
         }
-        handshake = tokio::time::timeout(after, auth::server(&mut stream, &inner.secret, &peer)) => handshake,
+        handshake = handshake => handshake,
     };
-    drop(admitted);
+    drop(place);
     let keys = match handshake {
-        Ok(Ok(keys)) => keys,
-        Ok(Err(err)) => {
+        Ok(keys) => keys,
+        Err(Refused::Failed(err)) => {
             tracing::warn!(%peer, error = %err, "rejected connection");
             return;
         }
-        Err(_) => {
-            tracing::warn!(%peer, ?after, "rejected connection: no handshake in time");
+        Err(Refused::Late { what, after }) => {
+            tracing::warn!(%peer, ?after, "rejected connection: no handshake in time ({what})");
             return;
         }
     };
@@ -504,5 +632,68 @@ impl RemotePeer {
 impl fmt::Debug for RemotePeer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RemotePeer").field("addr", &self.addr()).field("connected", &self.is_connected()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Fills a pool of `budget` with connections; those in `said_hello`
+    /// have sent their `Hello`.
+    fn filled(budget: usize, said_hello: &[usize]) -> (Arc<Unauthenticated>, Vec<(Place, oneshot::Receiver<Evicted>)>) {
+        let pool = Arc::new(Unauthenticated::new(budget));
+        let places: Vec<_> = (0..budget).map(|_| pool.admit()).collect();
+        for &i in said_hello {
+            places[i].0.said_hello();
+        }
+        (pool, places)
+    }
+
+    fn evicted(places: &mut [(Place, oneshot::Receiver<Evicted>)]) -> Vec<usize> {
+        let mut gone = Vec::new();
+        for (i, (_, rx)) in places.iter_mut().enumerate() {
+            if rx.try_recv().is_ok() {
+                gone.push(i);
+            }
+        }
+        gone
+    }
+
+    #[test]
+    fn silent_newcomers_never_push_out_a_connection_that_said_hello() {
+        let (pool, mut places) = filled(4, &[0, 2]);
+        // 200 silent newcomers, each staying: the budget stays full.
+        let mut newcomers = Vec::new();
+        for _ in 0..200 {
+            newcomers.push(pool.admit());
+            assert_eq!(pool.lock().waiting.len(), 4);
+        }
+        let gone = evicted(&mut places);
+        assert_eq!(gone, vec![1, 3], "only the silent ones make way");
+        assert!(places[0].1.try_recv().is_err() && places[2].1.try_recv().is_err());
+    }
+
+    #[test]
+    fn when_every_waiting_connection_said_hello_a_random_one_makes_way() {
+        let mut chosen = [0usize; 4];
+        for _ in 0..400 {
+            let (pool, mut places) = filled(4, &[0, 1, 2, 3]);
+            let _newcomer = pool.admit();
+            let gone = evicted(&mut places);
+            assert_eq!(gone.len(), 1, "exactly one makes way for a newcomer");
+            chosen[gone[0]] += 1;
+        }
+        // Not the oldest every time (as drop-oldest would): each was chosen.
+        assert!(chosen.iter().all(|&n| n > 0), "{chosen:?}");
+    }
+
+    #[test]
+    fn a_place_leaves_the_pool_when_dropped() {
+        let (pool, places) = filled(3, &[]);
+        drop(places);
+        assert!(pool.lock().waiting.is_empty());
+        let (_place, mut rx) = pool.admit();
+        assert!(rx.try_recv().is_err(), "room again: nobody is dropped");
     }
 }
