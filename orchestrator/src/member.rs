@@ -796,11 +796,23 @@ impl Member {
         MemberReply::Refused(Refusal::Exec { why, after_peer: false })
     }
 
+    /// Why `program`'s buffers are not this rank's (its first buffers must
+    /// be the rank's own, as its layout says: a program cannot make a
+    /// member size or address its weights otherwise), if they are not.
+    fn foreign_buffers(&self, program: &RankProgram) -> Option<String> {
+        let own = self.layout.rank_buffers(self.endpoint.rank);
+        let given = program.buffers.get(..own.len());
+        (given != Some(own.as_slice()))
+            .then(|| format!("its first buffers are not the {} buffers {} holds in its layout", own.len(), self.endpoint))
+    }
+
     fn install(&mut self, program: Box<RankProgram>, fingerprint: Fingerprint) -> MemberReply {
         if program.fingerprint != fingerprint {
             MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint })
         } else if program.endpoint != self.endpoint {
             MemberReply::Refused(Refusal::ProgramMismatch(format!("program for {} sent to {}", program.endpoint, self.endpoint)))
+        } else if let Some(why) = self.foreign_buffers(&program) {
+            MemberReply::Refused(Refusal::ProgramMismatch(why))
         } else {
             self.installed.retain(|(_, f)| *f != fingerprint);
             if self.installed.len() == INSTALLED_PLANS {

@@ -650,3 +650,22 @@ async fn check_delta(fabric: Fabric) {
     assert!(r.bytes * 10 <= dense, "{} vs {dense}", r.bytes);
     assert!(big_serves(&sys, 7, 50));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_program_that_resizes_the_ranks_buffers_is_refused() {
+    // A program's first buffers are the rank's own: one that claims other
+    // sizes (a huge one, say) is refused at install, before anything is
+    // sized by it, and the next refit is not disturbed.
+    let sys = system(Strategy::Reshard).await;
+    let (src, dst) = layouts();
+    let plan = reshard::plan_reshard(&src, &dst, &reshard::PlanOptions::default()).unwrap();
+    let programs = plan.programs(&src, &dst).unwrap();
+    let mut program = programs.into_iter().find(|p| p.endpoint == Endpoint::dst(1)).unwrap();
+    let fingerprint = program.fingerprint;
+    program.buffers[0].elems = u64::MAX / 2;
+    let reply = sys.dst_members.call_rank(1, MemberMsg::Install { program: Box::new(program), fingerprint }).await.unwrap();
+    assert!(matches!(&reply, MemberReply::Refused(Refusal::ProgramMismatch(why)) if why.contains("dst rank 1")), "{reply:?}");
+    let v = step(&sys, 3.0).await;
+    sys.orchestrator.refit(v).await.unwrap();
+    assert!(serves(&sys, v, 3.0));
+}
