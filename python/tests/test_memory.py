@@ -426,3 +426,34 @@ def test_pickled_layouts_still_register():
     train, _ = layouts()
     again = pickle.loads(pickle.dumps(train))
     refit.Source.in_place(again, 1, {"w#0": np.zeros((2, 8), np.float32)})
+
+
+def test_a_torch_look_up_that_reallocates_an_earlier_target_cannot_crash_a_load():
+    """The torch form of the test above: a tensor subclass whose
+    ``__torch_function__`` (run by refit's look-up of it) reallocates the
+    tensor registered before it."""
+    torch = torch_or_skip()
+    whole = lambda name: refit.TensorBuilder(name, "f32", [64]).mesh([1], ["replicate"])  # noqa: E731
+    layout = refit.LayoutBuilder(1).tensor(whole("a")).tensor(whole("b")).build()
+    victim = torch.zeros(64)
+
+    class Sneaky(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            victim.resize_(4096).fill_(5.0)  # new memory, the old freed
+            victim.resize_(64)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    sneaky = torch.zeros(64).as_subclass(Sneaky)
+    system = refit.spawn_local(layout, layout)
+    s, d = system.sources[0], system.destinations[0]
+    s.register("a", np.arange(64, dtype=np.float32))
+    s.register("b", np.arange(64, dtype=np.float32) * 2)
+    s.step()
+    system.refit_latest()
+    d.register("a", victim)
+    d.register("b", sneaky)
+    for _ in range(3):
+        d.load()
+        assert torch.equal(torch.Tensor(sneaky).as_subclass(torch.Tensor), torch.arange(64, dtype=torch.float32) * 2)
+    system.orchestrator.close()
