@@ -34,6 +34,10 @@ pub struct ChaosRow {
     pub versions: Vec<Option<u64>>,
     /// The next refit (after recovery) succeeded and verified.
     pub recovered: bool,
+    /// Workers the recovery replaced (dead or not answering).
+    pub replaced: usize,
+    /// How long the orchestrator took to answer the recovery's refit.
+    pub recovery_refit: Option<Duration>,
     /// The error the broken refit reported (or the recovery's).
     pub detail: String,
     /// Why the case did not run (this kernel cannot do it), if it did not.
@@ -58,8 +62,11 @@ pub struct ChaosConfig {
     pub mid_transfer: Duration,
     /// Layout files a worker wrongly restarts with (different layouts).
     pub wrong_layouts: (PathBuf, PathBuf),
-    /// Run only the cases whose name contains this.
-    pub only: Option<String>,
+    /// Run only the cases whose name contains one of these (all: none).
+    pub only: Vec<String>,
+    /// Run the cases in an order shuffled by this seed (`None`: the
+    /// suite's order).
+    pub shuffle: Option<u64>,
 }
 
 /// The cases, in the order they run.
@@ -110,7 +117,15 @@ pub fn run_chaos(
     let rank = |i: usize| workers[i].ranks.first().copied().unwrap_or(Endpoint::src(0));
     let mut rows = Vec::new();
     let network = if cluster.emulated_hosts().is_some() { &NETWORK_CASES[..] } else { &[] };
-    let cases = CASES.iter().chain(network).copied().filter(|c| config.only.as_ref().is_none_or(|o| c.contains(o.as_str())));
+    let mut cases: Vec<&str> = CASES
+        .iter()
+        .chain(network)
+        .copied()
+        .filter(|c| config.only.is_empty() || config.only.iter().any(|o| c.contains(o.as_str())))
+        .collect();
+    if let Some(seed) = config.shuffle {
+        shuffle(&mut cases, seed);
+    }
     for case in cases {
         version += 1;
         let t = Instant::now();
@@ -124,6 +139,8 @@ pub fn run_chaos(
                 torn: false,
                 versions: Vec::new(),
                 recovered: false,
+                replaced: 0,
+                recovery_refit: None,
                 detail: format!("skipped: {why}"),
                 skipped: Some(why),
             };
@@ -195,7 +212,12 @@ pub fn run_chaos(
         // Recovery: dead or stuck workers are replaced, and the next refit
         // must succeed and verify.
         version += 1;
-        let recovery = cluster.recover().and_then(|_| cluster.refit(version, true));
+        let mut replaced = 0;
+        let recovery = cluster.recover().and_then(|n| {
+            replaced = n;
+            cluster.refit(version, true)
+        });
+        let recovery_refit = cluster.last_refit_call();
         let recovered = matches!(&recovery, Ok(o) if o.verified.is_some());
         let detail = match recovery {
             Ok(_) => detail,
@@ -209,6 +231,8 @@ pub fn run_chaos(
             torn,
             versions,
             recovered,
+            replaced,
+            recovery_refit,
             detail,
             skipped: None,
         };
@@ -217,6 +241,23 @@ pub fn run_chaos(
     }
     cluster.shutdown();
     Ok(rows)
+}
+
+/// Shuffles `items` by `seed` (Fisher–Yates on a splitmix64 stream: the
+/// same seed, the same order).
+fn shuffle<T>(items: &mut [T], seed: u64) {
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    for i in (1..items.len()).rev() {
+        let j = (next() % (i as u64 + 1)) as usize;
+        items.swap(i, j);
+    }
 }
 
 /// Why `case` cannot run on this cluster, if it cannot.

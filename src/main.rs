@@ -394,9 +394,30 @@ enum Command {
         #[arg(long)]
         netns: bool,
         /// Run only the cases whose name contains this (`net:` for the
-        /// network cases).
+        /// network cases); repeat for several (they run in the suite's
+        /// order).
         #[arg(long, value_name = "TEXT")]
-        only: Option<String>,
+        only: Vec<String>,
+        /// Run the cases in an order shuffled by this seed (each case
+        /// must keep the promise whatever ran before it).
+        #[arg(long, value_name = "SEED")]
+        shuffle: Option<u64>,
+    },
+    /// Emulated hosts (`--netns`): `--clean` removes the namespaces, links
+    /// and shared-memory directories of launchers that are gone (killed
+    /// outright, their watchdog too), and says what it removed and what it
+    /// kept. Needs root, ip and tc.
+    Netns {
+        /// Remove what launchers that are gone left behind.
+        #[arg(long, required_unless_present = "watch")]
+        clean: bool,
+        /// Internal: the watchdog of launcher PID (its end of the pipe on
+        /// standard input).
+        #[arg(long, hide = true, value_name = "PID", requires = "token", conflicts_with = "clean")]
+        watch: Option<u32>,
+        /// Internal: the watched launcher's start time.
+        #[arg(long, hide = true, requires = "watch")]
+        token: Option<u64>,
     },
     /// Many consecutive refits on the multi-process path, each verified
     /// before it commits; reports resident memory, file descriptors and
@@ -487,13 +508,15 @@ fn main() -> ExitCode {
             only,
         }),
         Command::Bench(args) => cmd::bench::run(args),
-        Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only } => cmd::chaos::run(&cmd::chaos::ChaosArgs {
+        Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only, shuffle } => cmd::chaos::run(&cmd::chaos::ChaosArgs {
             json: *json,
             nic_mbps: *emulate_nic_mbps,
             deadline_s: *deadline_s,
             netns: *netns,
             only: only.clone(),
+            shuffle: *shuffle,
         }),
+        Command::Netns { clean: _, watch, token } => cmd::netns::run(watch.zip(*token)),
         Command::Soak { src, dst, refits, cluster, json } => cmd::soak::run(src, dst, *refits, cluster, *json),
         Command::PlanBench { model, scale, ep, reps, no_baseline } => cmd::plan_bench::run(*model, *scale, *ep, *reps, *no_baseline),
         Command::Emit { model, scale, ep, out } => cmd::emit::run(*model, *scale, *ep, out),

@@ -2,7 +2,8 @@
 //! own, its link shaped by the kernel in both directions. Refits verify on
 //! them, `refit bench` bounds them by the busiest node link, and nothing of
 //! ours is left afterwards — after a normal exit, after SIGTERM, and after
-//! a launcher killed outright (the next run removes what it left).
+//! a launcher killed outright (its watchdog removes what it left; `refit
+//! netns --clean`, what a launcher killed with its watchdog left).
 //!
 //! These need root, `ip` and `tc`; elsewhere each test says it was skipped
 //! and why.
@@ -280,10 +281,9 @@ fn slow_netns_strangers_at_the_data_ports_do_not_stop_refits() {
 }
 
 /// SIGTERM in the middle of a launch: the launcher removes its hosts and
-/// exits with 128 + 15. A launcher killed outright (SIGKILL) cannot; the
-/// next launcher removes what it left.
+/// exits with 128 + 15.
 #[test]
-fn slow_netns_is_removed_after_sigterm_and_after_sigkill() {
+fn slow_netns_is_removed_after_sigterm() {
     needs_netns!();
     let (src, dst) = example("tp-to-tp");
     let args = ["launch", "--src", &src, "--dst", &dst, "--netns", "--emulate-nic-mbps", "20", "--refits", "1000", "--json"];
@@ -295,17 +295,202 @@ fn slow_netns_is_removed_after_sigterm_and_after_sigkill() {
     let out = term.wait_with_output().expect("wait");
     assert_eq!(out.status.code(), Some(143), "{}", text(&out));
     assert_eq!(left_by(pid), Vec::<String>::new(), "left behind after SIGTERM");
+    assert_eq!(watchdogs_of(pid), Vec::<u32>::new(), "the watchdog outlived a launcher that cleaned up");
+}
 
-    let mut killed = start(&args);
+/// Everything of launcher `pid` the kernel and the file system still hold:
+/// [`left_by`] (namespaces, links, shared-memory directories), qdiscs on
+/// its links, namespace mount points, its ownership record and processes
+/// in its namespaces.
+fn all_left_by(pid: u32) -> Vec<String> {
+    let mut left = left_by(pid);
+    let qdiscs = Command::new("tc").args(["qdisc", "show"]).output().expect("tc");
+    let dev = format!("dev rf{pid}");
+    left.extend(String::from_utf8_lossy(&qdiscs.stdout).lines().filter(|l| l.contains(&dev)).map(|l| format!("qdisc: {l}")));
+    let ns = format!("refit-{pid}-");
+    if let Ok(dir) = std::fs::read_dir("/run/netns") {
+        left.extend(
+            dir.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&ns))
+                .map(|n| format!("/run/netns/{n}")),
+        );
+    }
+    let record = PathBuf::from(format!("/run/refit-netns/{pid}"));
+    if record.exists() {
+        left.push(record.display().to_string());
+    }
+    left
+}
+
+/// Processes running `refit netns --watch <pid>`: launcher `pid`'s watchdog.
+fn watchdogs_of(pid: u32) -> Vec<u32> {
+    let want = format!("netns\0--watch\0{pid}\0");
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()))
+        .filter(|p| std::fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| String::from_utf8_lossy(&c).contains(&want)))
+        .collect()
+}
+
+/// Pids of the processes inside launcher `pid`'s namespaces (its workers).
+fn workers_of(pid: u32) -> Vec<u32> {
+    let list = Command::new("ip").args(["netns", "list"]).output().expect("ip");
+    let ns = format!("refit-{pid}-");
+    let names: Vec<String> = String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with(&ns))
+        .map(String::from)
+        .collect();
+    names
+        .iter()
+        .flat_map(|n| {
+            let out = Command::new("ip").args(["netns", "pids", n]).output().expect("ip");
+            String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+}
+
+/// Waits up to `within` until `done` holds; whether it did.
+fn eventually(within: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    done()
+}
+
+/// Starts `args` with 1% loss and a 1 ms delay where the kernel has their
+/// parts (a launch asking for a missing one is refused: then with less);
+/// returns once its hosts are built, with the arguments it took.
+fn start_with_netem(args: &[&str]) -> (Child, Vec<String>) {
+    let loss = ["--netem-loss-pct", "1"];
+    let delay = ["--netem-delay-ms", "1"];
+    for extra in [&[loss, delay][..], &[loss], &[delay], &[]] {
+        let full: Vec<String> = args.iter().copied().chain(extra.iter().flatten().copied()).map(String::from).collect();
+        let mut child = Command::new(BIN).args(&full).stdout(Stdio::null()).stderr(Stdio::inherit()).spawn().expect("spawn refit");
+        let pid = child.id();
+        let t = Instant::now();
+        loop {
+            if left_by(pid).iter().filter(|n| n.starts_with("refit-")).count() >= 2 {
+                return (child, full);
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                // (Why, on stderr.)
+                eprintln!("{full:?}: {status}");
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "launcher {pid} built no emulated hosts within 30 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    panic!("no launch with --netns started");
+}
+
+/// A launcher killed with SIGKILL mid-run (workers in every namespace, a
+/// shaped link per node in both directions, and, where the kernel has
+/// them, the loss filter's `ifb` and BPF filters and the delay line's
+/// taps): its watchdog notices the death and removes every namespace,
+/// link, qdisc, shared-memory directory and process of that run, and the
+/// ownership record, with no other launcher started. Then a launcher and
+/// its watchdog both killed: `refit netns --clean` removes what they left.
+#[test]
+fn slow_netns_sigkill_leaves_nothing() {
+    needs_netns!();
+    let (src, dst) = example("tp-to-tp");
+    let base = ["launch", "--src", &src, "--dst", &dst, "--netns", "--emulate-nic-mbps", "20", "--refits", "1000", "--json"];
+    let (mut killed, args) = start_with_netem(&base);
     let gone = killed.id();
-    wait_for_hosts(gone);
+    assert!(
+        eventually(Duration::from_secs(60), || workers_of(gone).len() >= 12),
+        "launcher {gone} started no workers: {:?}",
+        left_by(gone)
+    );
+    let workers = workers_of(gone);
+    let watchdogs = watchdogs_of(gone);
+    assert_eq!(watchdogs.len(), 1, "launcher {gone} has no watchdog");
+    let before = all_left_by(gone);
+    assert!(before.iter().any(|l| l.starts_with("qdisc: ")), "no shaped link to check: {before:?}");
     assert!(Command::new("kill").args(["-KILL", &gone.to_string()]).status().expect("kill").success());
     let _ = killed.wait();
-    assert!(!left_by(gone).is_empty(), "a launcher killed with SIGKILL cannot clean up");
-    let next = start(&["launch", "--src", &src, "--dst", &dst, "--netns", "--refits", "1", "--verify"]);
-    let out = next.wait_with_output().expect("wait");
+    let t = Instant::now();
+    let clean = eventually(Duration::from_secs(30), || all_left_by(gone).is_empty() && !alive(watchdogs[0]));
+    assert!(clean, "after SIGKILL, left behind: {:?} (watchdog alive: {})", all_left_by(gone), alive(watchdogs[0]));
+    eprintln!("launcher {gone} killed: everything removed by its watchdog within {:?}", t.elapsed());
+    let survivors: Vec<u32> = workers.iter().copied().filter(|&w| alive(w)).collect();
+    assert!(survivors.is_empty(), "workers of the killed launcher still running: {survivors:?}");
+
+    // The launcher and its watchdog killed at once: everything stays,
+    // stale by the ownership record, until `refit netns --clean`.
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut both = start(&args);
+    let pid = both.id();
+    wait_for_hosts(pid);
+    let dog = watchdogs_of(pid);
+    assert_eq!(dog.len(), 1, "launcher {pid} has no watchdog");
+    assert!(Command::new("kill").args(["-KILL", &dog[0].to_string(), &pid.to_string()]).status().expect("kill").success());
+    let _ = both.wait();
+    assert!(!all_left_by(pid).is_empty(), "killed before it built anything?");
+    let out = Command::new(BIN).args(["netns", "--clean"]).output().expect("refit netns --clean");
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    assert_eq!(left_by(gone), Vec::<String>::new(), "the next launcher should remove a dead launcher's hosts");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains(&format!("launcher {pid}: removed")), "{said}");
+    assert!(eventually(Duration::from_secs(5), || all_left_by(pid).is_empty()), "after `refit netns --clean`: {:?}", all_left_by(pid));
+}
+
+/// What is named after a pid whose process is not the launcher that
+/// recorded it (the pid reused since: recorded start time differs) is
+/// stale: `refit netns --clean` removes it, while a running launcher's
+/// (the right start time) and names without a record are kept.
+#[test]
+fn netns_clean_sees_through_a_reused_pid() {
+    needs_netns!();
+    // A live process standing in for the one that reused the dead
+    // launcher's pid.
+    let mut stand_in = Command::new("sleep").arg("60").spawn().expect("sleep");
+    let pid = stand_in.id();
+    let ns = format!("refit-{pid}-s0");
+    let shm = PathBuf::from(format!("/dev/shm/refit-{pid}-s0"));
+    let record = PathBuf::from(format!("/run/refit-netns/{pid}"));
+    let cleanup = |ns: &str| {
+        let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        let _ = std::fs::remove_dir_all(&shm);
+        let _ = std::fs::remove_file(&record);
+    };
+    let made = Command::new("ip").args(["netns", "add", &ns]).status().expect("ip");
+    assert!(made.success(), "ip netns add {ns}");
+    std::fs::create_dir(&shm).expect("shm dir");
+    let clean = || Command::new(BIN).args(["netns", "--clean"]).output().expect("refit netns --clean");
+
+    // No record: a launcher of an older build, perhaps; kept while it runs.
+    let out = clean();
+    let kept = left_by(pid);
+    if kept.len() != 2 {
+        cleanup(&ns);
+    }
+    assert_eq!(kept.len(), 2, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("launcher {pid}: kept")), "{}", text(&out));
+
+    // Recorded with another start time: the recorder is gone.
+    std::fs::create_dir_all("/run/refit-netns").expect("record dir");
+    std::fs::write(&record, "1\n").expect("record");
+    let out = clean();
+    let left = left_by(pid);
+    cleanup(&ns);
+    let _ = stand_in.kill();
+    let _ = stand_in.wait();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(left, Vec::<String>::new(), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("belongs to another process"), "{}", text(&out));
+    assert!(!record.exists(), "the stale record stays");
 }
 
 /// `refit bench --transport process --netns` bounds the reshard by the

@@ -13,7 +13,8 @@ pub(crate) struct ChaosArgs {
     pub(crate) nic_mbps: u64,
     pub(crate) deadline_s: u64,
     pub(crate) netns: bool,
-    pub(crate) only: Option<String>,
+    pub(crate) only: Vec<String>,
+    pub(crate) shuffle: Option<u64>,
 }
 
 pub(crate) fn run(a: &ChaosArgs) -> Result<(), Failure> {
@@ -52,6 +53,7 @@ pub(crate) fn run(a: &ChaosArgs) -> Result<(), Failure> {
         mid_transfer: Duration::from_millis(200),
         wrong_layouts: (dir.join("src.json"), dir.join("wrong.json")),
         only: a.only.clone(),
+        shuffle: a.shuffle,
     };
     if !as_json {
         say!("{:<60} {:>7} {:>9} {:>6} {:>5} {:>9}  detail", "case", "failed", "elapsed", "hang", "torn", "recovered");
@@ -92,6 +94,7 @@ pub(crate) fn run(a: &ChaosArgs) -> Result<(), Failure> {
                     "case": r.case, "refit_failed": r.refit_failed, "elapsed_s": r.elapsed.as_secs_f64(),
                     "hang": !r.within_deadline, "torn": r.torn, "recovered": r.recovered,
                     "versions": r.versions, "detail": r.detail, "skipped": r.skipped,
+                    "replaced": r.replaced, "recovery_refit_s": r.recovery_refit.map(|d| d.as_secs_f64()),
                 })
             })
             .collect();

@@ -5,6 +5,7 @@ pub(crate) mod chaos;
 pub(crate) mod demo;
 pub(crate) mod emit;
 pub(crate) mod launch;
+pub(crate) mod netns;
 pub(crate) mod plan;
 pub(crate) mod plan_bench;
 pub(crate) mod report;

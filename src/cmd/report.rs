@@ -306,6 +306,9 @@ impl ClusterArgs {
         let config = NetnsConfig {
             rank_bytes_per_s: self.rank_rate(),
             netem: Netem { delay: self.netem_delay_ms.map(Duration::from_millis), loss_pct: self.netem_loss_pct },
+            // This program is `refit`: it watches the hosts in case the
+            // launcher is killed outright.
+            watchdog: std::env::current_exe().ok(),
         };
         refit::netns::check(&config).map_err(invalid)?;
         Ok(Some(config))

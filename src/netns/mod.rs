@@ -32,11 +32,19 @@
 //! Everything of launcher `P` is found by name and removed
 //! ([`remove_owned_by`]) when the [`Hosts`] is dropped (normal exit, error,
 //! panic), from a signal-watching thread on SIGINT, SIGTERM and SIGHUP
-//! (then the process exits with 128 + the signal), and, for launchers that
-//! are no longer alive (killed with SIGKILL), by the next [`Hosts::create`].
-//! Processes still inside a namespace being removed are killed first.
+//! (then the process exits with 128 + the signal), and, for a launcher
+//! killed outright (SIGKILL), by its watchdog, a process that notices the
+//! launcher's death (the launcher's end of a pipe closes). What even the
+//! watchdog could not remove (it was killed too) is stale by the launcher's
+//! ownership record (pid and start time, so a reused pid is not taken for
+//! the launcher): the next [`Hosts::create`] and `refit netns --clean`
+//! ([`clean`]) remove it. Processes still inside a namespace being removed
+//! are killed first.
 
 mod delay;
+mod owner;
+
+pub use owner::watch;
 
 use delay::DelayLine;
 use reshard::{Group, Layout};
@@ -62,6 +70,11 @@ pub struct NetnsConfig {
     pub rank_bytes_per_s: Option<u64>,
     /// Delay and loss on each node's egress.
     pub netem: Netem,
+    /// The `refit` program, run as the hosts' watchdog (`refit netns
+    /// --watch`): it removes them if this process is killed outright.
+    /// `None`: no watchdog (the next launcher or `refit netns --clean`
+    /// removes what a killed one left).
+    pub watchdog: Option<PathBuf>,
 }
 
 /// Delay (a delay line, `netns/delay.rs`) and loss (a random BPF filter) on a node's
@@ -195,6 +208,8 @@ pub struct Hosts {
     hosts: Vec<Host>,
     /// The delay lines running now (one per host while a delay is set).
     delays: Mutex<Vec<DelayLine>>,
+    /// Removes the hosts if this process dies without doing so.
+    watchdog: Option<owner::Watchdog>,
 }
 
 /// Whether this process has a set of hosts (one at a time; also the lock
@@ -216,9 +231,20 @@ impl Hosts {
         }
         // Across launchers: one at a time picks its prefix and builds.
         let _lock = LockFile::take(Path::new(LOCK_FILE))?;
-        remove_stale();
+        remove_stale(false);
         let owner = std::process::id();
+        let start = owner::start_time(owner).ok_or("cannot read this process's start time from /proc")?;
         let octet = free_octet()?;
+        // From here everything named after `owner` is ours: recorded before
+        // anything is built, watched in case this process dies.
+        owner::write_record(owner, start)?;
+        let watchdog = match config.watchdog.as_deref().map(|p| owner::Watchdog::start(p, owner, start)).transpose() {
+            Ok(w) => w,
+            Err(e) => {
+                owner::remove_record(owner);
+                return Err(e);
+            }
+        };
         let net = |third: u32, fourth: u32| Ipv4Addr::new(10, octet, 0, 0).to_bits() | ((third << 8) + fourth);
         let hosts = nodes
             .iter()
@@ -234,15 +260,22 @@ impl Hosts {
                 }
             })
             .collect();
-        let hosts =
-            Hosts { owner, gateway: Ipv4Addr::from_bits(net(0, 1)), bridge: format!("rf{owner}br"), hosts, delays: Mutex::new(Vec::new()) };
+        let hosts = Hosts {
+            owner,
+            gateway: Ipv4Addr::from_bits(net(0, 1)),
+            bridge: format!("rf{owner}br"),
+            hosts,
+            delays: Mutex::new(Vec::new()),
+            watchdog,
+        };
         // From here a signal's teardown removes whatever exists.
         *live = true;
         if let Err(e) = hosts.build(config) {
             hosts.lines().clear();
             remove_owned_by(owner);
             *live = false;
-            // `hosts` is dropped below with `live` false: nothing twice.
+            // `hosts` is dropped below with `live` false: nothing twice
+            // (its watchdog is let go).
             return Err(e);
         }
         Ok(hosts)
@@ -313,6 +346,11 @@ impl Hosts {
     pub fn owner(&self) -> u32 {
         self.owner
     }
+
+    /// The process id of the hosts' watchdog, if they have one.
+    pub fn watchdog_pid(&self) -> Option<u32> {
+        self.watchdog.as_ref().map(owner::Watchdog::pid)
+    }
 }
 
 impl Drop for Hosts {
@@ -322,6 +360,10 @@ impl Drop for Hosts {
         if *live {
             remove_owned_by(self.owner);
             *live = false;
+        }
+        // The record is gone: the watchdog leaves without a thing to do.
+        if let Some(w) = self.watchdog.take() {
+            w.dismiss();
         }
     }
 }
@@ -418,7 +460,7 @@ pub fn check(config: &NetnsConfig) -> Result<(), String> {
 /// Whether the loss filter can be built: tried on the loopback of a
 /// throwaway namespace; the error says what is missing.
 pub fn loss_available() -> Result<(), String> {
-    let ns = format!("refit-{}-probe", std::process::id());
+    let ns = probe_netns();
     ip(&["netns", "add", &ns])?;
     let program = Netem { loss_pct: Some(1.0), ..Netem::default() }.loss_bytecode().unwrap_or_default();
     let r = tc(&["-n", &ns, "qdisc", "add", "dev", "lo", "clsact"]).and_then(|()| add_loss_filter(&ns, "lo", &program));
@@ -429,13 +471,21 @@ pub fn loss_available() -> Result<(), String> {
 /// Whether a delay line can be built: tried on the loopback of a
 /// throwaway namespace; the error says what is missing.
 pub fn delay_available() -> Result<(), String> {
-    let ns = format!("refit-{}-probe", std::process::id());
+    let ns = probe_netns();
     ip(&["netns", "add", &ns])?;
     let r = tc(&["-n", &ns, "qdisc", "add", "dev", "lo", "clsact"]).and_then(|()| add_delay_line(&ns, "lo", Duration::from_millis(1)));
     // The line stops (its tap goes) before its namespace does.
     let r = r.map(drop);
     let _ = ip(&["netns", "del", &ns]);
     r.map_err(|e| format!("--netem-delay-ms: {e}"))
+}
+
+/// The name of this process's throwaway namespace, cleared of one a dead
+/// process with this pid may have left.
+fn probe_netns() -> String {
+    let ns = format!("refit-{}-probe", std::process::id());
+    let _ = ip(&["netns", "del", &ns]);
+    ns
 }
 
 fn on_path(program: &str) -> bool {
@@ -522,6 +572,27 @@ fn found() -> Found {
     Found { netns, links, shm_dirs }
 }
 
+impl Found {
+    /// `2 namespaces (refit-1-s0, refit-1-d0), 3 links (…), 1 shared-memory directory (…)`.
+    fn describe(&self) -> String {
+        let part = |what: (&str, &str), names: Vec<String>| match names.len() {
+            0 => None,
+            1 => Some(format!("1 {} ({})", what.0, names.join(", "))),
+            n => Some(format!("{n} {} ({})", what.1, names.join(", "))),
+        };
+        let shm = self.shm_dirs.iter().map(|p| p.display().to_string()).collect();
+        [
+            part(("namespace", "namespaces"), self.netns.clone()),
+            part(("link", "links"), self.links.clone()),
+            part(("shared-memory directory", "shared-memory directories"), shm),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(", ")
+    }
+}
+
 fn owned(found: &Found, owner: u32) -> Found {
     let mine = |n: &str| owner_of(n) == Some(owner);
     Found {
@@ -532,10 +603,12 @@ fn owned(found: &Found, owner: u32) -> Found {
 }
 
 /// Removes every namespace, link and shared-memory directory of launcher
-/// `owner`, killing the processes still inside those namespaces first.
-/// Never fails: what cannot be removed is left (and reported on stderr).
+/// `owner`, killing the processes still inside those namespaces first, and
+/// then its ownership record. Never fails: what cannot be removed is left
+/// (and reported on stderr).
 pub fn remove_owned_by(owner: u32) {
     remove(&owned(&found(), owner));
+    owner::remove_record(owner);
 }
 
 fn remove(f: &Found) {
@@ -570,18 +643,49 @@ fn remove(f: &Found) {
     }
 }
 
-/// Removes what launchers that are no longer alive left behind.
-fn remove_stale() {
-    let all = found();
+/// Removes what launchers that are gone left behind (under the build
+/// lock; `me_has_hosts`: whether this process holds a set now). One line
+/// per launcher whose things were removed, or kept, and why.
+fn remove_stale(me_has_hosts: bool) -> Vec<String> {
+    let mut all = found();
+    let me = std::process::id();
+    // This process's own throwaway namespace may be in use (a probe on
+    // another thread); a dead process's of our pid goes before a probe.
+    all.netns.retain(|n| !(n.ends_with("-probe") && owner_of(n) == Some(me)));
     let mut owners: Vec<u32> = all.netns.iter().chain(&all.links).filter_map(|n| owner_of(n)).collect::<Vec<_>>();
     owners.extend(all.shm_dirs.iter().filter_map(|p| p.file_name().and_then(|n| n.to_str()).and_then(owner_of)));
+    owners.extend(owner::recorded());
     owners.sort_unstable();
     owners.dedup();
+    let mut said = Vec::new();
     for owner in owners {
-        if !Path::new(&format!("/proc/{owner}")).exists() {
-            remove(&owned(&all, owner));
+        let mine = owned(&all, owner);
+        let what = mine.netns.len() + mine.links.len() + mine.shm_dirs.len();
+        match owner::gone(owner, me, me_has_hosts, owner::read_record(owner), owner::start_time(owner)) {
+            Some(why) => {
+                remove(&mine);
+                owner::remove_record(owner);
+                if what > 0 {
+                    said.push(format!("launcher {owner}: removed {} ({why})", mine.describe()));
+                }
+            }
+            None if what > 0 => said.push(format!("launcher {owner}: kept {} (it is running)", mine.describe())),
+            None => {}
         }
     }
+    said
+}
+
+/// Removes what launchers that are gone left behind (`refit netns
+/// --clean`): every namespace, link and shared-memory directory named
+/// after a launcher whose process is not running (or whose pid another
+/// process holds now, by its ownership record). One line per launcher:
+/// what was removed, or kept and why.
+pub fn clean() -> Result<Vec<String>, String> {
+    check(&NetnsConfig::default())?;
+    let _lock = LockFile::take(Path::new(LOCK_FILE))?;
+    let live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    Ok(remove_stale(*live))
 }
 
 /// The second octet of a `10.N.0.0/16` no interface or route here uses,
