@@ -71,12 +71,18 @@ impl Launch {
     /// Waits for the launcher; its stdout and stderr. It must have
     /// succeeded, every refit verified.
     fn finish(mut self, workers: Vec<Child>) -> (String, String) {
+        // Both pipes drained at once: a launcher that fills one while the
+        // other is read to its end would wait for us forever.
+        let stderr = self.launcher.stderr.take().map(|mut e| {
+            std::thread::spawn(move || {
+                let mut err = String::new();
+                e.read_to_string(&mut err).expect("launcher stderr");
+                err
+            })
+        });
         let mut out = String::new();
         self.stdout.read_to_string(&mut out).expect("launcher stdout");
-        let mut err = String::new();
-        if let Some(mut e) = self.launcher.stderr.take() {
-            e.read_to_string(&mut err).expect("launcher stderr");
-        }
+        let err = stderr.map(|t| t.join().expect("stderr reader")).unwrap_or_default();
         let status = self.launcher.wait().expect("launcher");
         for mut w in workers {
             let _ = w.wait();
