@@ -126,7 +126,32 @@ pub fn run_chaos(
     if let Some(seed) = config.shuffle {
         shuffle(&mut cases, seed);
     }
+    let all_ranks: Vec<Endpoint> = workers.iter().flat_map(|w| w.ranks.iter().copied()).collect();
     for case in cases {
+        // Every case starts from a clean state, whatever ran before it:
+        // workers that died or stopped answering replaced, no fault left
+        // armed on any rank, and a verified refit on a fresh data plane.
+        if !rows.is_empty() {
+            version += 1;
+            if let Err(e) = clean_slate(&mut cluster, version, &all_ranks) {
+                let row = ChaosRow {
+                    case: case.to_string(),
+                    refit_failed: None,
+                    elapsed: Duration::ZERO,
+                    within_deadline: true,
+                    torn: false,
+                    versions: Vec::new(),
+                    recovered: false,
+                    replaced: 0,
+                    recovery_refit: None,
+                    detail: format!("not run: the cluster could not be brought to a clean state first: {e}"),
+                    skipped: None,
+                };
+                progress(&row);
+                rows.push(row);
+                continue;
+            }
+        }
         version += 1;
         let t = Instant::now();
         if let Some(why) = cannot_run(&cluster, case) {
@@ -241,6 +266,26 @@ pub fn run_chaos(
     }
     cluster.shutdown();
     Ok(rows)
+}
+
+/// Brings `cluster` to a clean state for the next case: every worker that
+/// died or stopped answering replaced, every rank's armed faults replaced by
+/// none (a rank takes what is armed when it next connects, so a fault armed
+/// for a refit that failed before reaching it would otherwise fire in a
+/// later case), and a verified refit of `version` on a fresh data plane (no
+/// connection of an earlier case is used again). Tried twice.
+fn clean_slate(cluster: &mut Cluster, version: u64, ranks: &[Endpoint]) -> Result<(), ClusterError> {
+    let none: Vec<(Endpoint, FaultSpec)> = ranks.iter().map(|&e| (e, FaultSpec::default())).collect();
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let r = cluster.recover().and_then(|_| cluster.refit_with(version, true, &none, None));
+        match r {
+            Ok(_) => return Ok(()),
+            Err(e) if tries >= 2 => return Err(e),
+            Err(_) => {}
+        }
+    }
 }
 
 /// Shuffles `items` by `seed` (Fisher–Yates on a splitmix64 stream: the

@@ -150,11 +150,17 @@ fn slow_netns_delay_delays_and_verifies() {
     }
 }
 
-/// The processes `pid` started (`/proc/<pid>/task/<pid>/children`).
+/// The processes `pid` started (`/proc/<pid>/task/<pid>/children`) that
+/// run in another network namespace than this one: its workers, on their
+/// emulated hosts (not its watchdog, whose `/proc/<pid>/net/tcp` would be
+/// this machine's own table).
 fn children(pid: u32) -> Vec<u32> {
+    let net = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/net")).ok();
+    let ours = net("self");
     std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
         .unwrap_or_default()
         .split_whitespace()
+        .filter(|p| net(p).is_some_and(|n| Some(n) != ours))
         .filter_map(|p| p.parse().ok())
         .collect()
 }
