@@ -4,6 +4,8 @@
 //! promise: the refit fails within its deadline (no hang), every live
 //! destination rank holds exactly one committed weights version (no torn
 //! version), and the next refit, after automatic recovery, succeeds.
+//! Every case starts from a clean state (see [`run_chaos`]), so the cases
+//! keep the promise in any order (`--shuffle`).
 
 use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, Disrupt, Disruption, FaultSpec};
 use crate::netns::Netem;
@@ -96,7 +98,9 @@ pub const NETWORK_CASES: [&str; 5] = [
 ];
 
 /// Runs every case on one cluster (so recovery is exercised case after
-/// case); `progress` is told of each row as it is done.
+/// case), each from a clean state: workers that died or stopped answering
+/// replaced, no fault armed on any rank, and a verified refit on a fresh
+/// data plane first; `progress` is told of each row as it is done.
 pub fn run_chaos(
     config: ChaosConfig,
     src: Layout,
