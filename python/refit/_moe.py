@@ -12,6 +12,11 @@ from ._refit import LayoutError
 # ``{moe}.{e}.{proj}.weight``, ``moe`` ending in ``.experts``.
 EXPERT = re.compile(r"^(?P<moe>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
+# A layer's routed experts in one tensor each, as transformers 5 writes
+# them: ``{moe}.gate_up_proj`` [E, 2I, H] (every expert's gate rows, then
+# its up rows) and ``{moe}.down_proj`` [E, H, I].
+FUSED_EXPERTS = re.compile(r"^(?P<moe>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)(\.weight)?$")
+
 
 def routed_experts(names: Iterable[str], ep: int = 1) -> Dict[str, Dict[int, Dict[str, str]]]:
     """``{moe: {expert: {proj: tensor name}}}`` for every routed expert's

@@ -225,6 +225,35 @@ def _zeros(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
+def _repack_cpu_experts(model: torch.nn.Module) -> None:
+    """Prepacks reloaded MoE experts on vLLM's CPU backend, which vLLM 0.32
+    skips on a reload.
+
+    ``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts kernel's
+    own ``process_weights_after_loading`` only the first time (when it
+    makes the kernel); on a weight update it copies the new weights in and
+    stops. On the CPU backend that step is the prepack into the grouped
+    GEMM's layout (``experts/cpu_moe.py``), so reloaded experts are left
+    unpacked and the kernel computes with them as if packed: generation
+    drifts (found by ``python/tests/test_vllm_refit.py``; vLLM's own
+    reload of full checkpoint tensors does the same). Applied to the vLLM
+    release it was found on only, where every MoE layer was just reloaded
+    whole; a release that packs on reload itself must not be packed twice."""
+    import vllm
+
+    if not vllm.__version__.startswith("0.32."):
+        return
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if (
+            experts is not None
+            and type(method).__name__ == "UnquantizedFusedMoEMethod"
+            and type(experts).__module__.endswith("fused_moe.experts.cpu_moe")
+        ):
+            experts.process_weights_after_loading(layer)
+
+
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     """refit's weight-transfer engine (see the module doc)."""
 
@@ -321,6 +350,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             self.model.load_weights(self._tensors())
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
+        _repack_cpu_experts(self.model)
 
     def finish_weight_update(self) -> None:
         pass

@@ -16,7 +16,9 @@ With fewer KV heads than TP ranks, each rank holds whole KV heads, replicated
 (``num_kv_heads``).
 
 Mixture-of-experts layers (``…mlp.experts.{e}.gate_proj/up_proj/down_proj``,
-as Qwen3-MoE and DeepSeek name them) are laid out as vLLM's FusedMoE holds
+as Qwen3-MoE and DeepSeek checkpoints name them, or the fused
+``…mlp.experts.gate_up_proj`` [E, 2I, H] and ``…mlp.experts.down_proj``
+[E, H, I] that transformers 5 writes) are laid out as vLLM's FusedMoE holds
 them: per layer one buffer ``…mlp.experts.w13_weight`` = [gate_0; up_0;
 gate_1; up_1; ...] and one ``…mlp.experts.w2_weight`` = [down_0; down_1;
 ...]. Without expert parallelism every rank holds every expert, its TP
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-from ._moe import EXPERT, routed_experts
+from ._moe import EXPERT, FUSED_EXPERTS, routed_experts
 from ._refit import LayoutBuilder, LayoutError, TensorBuilder
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head", "q_b_proj", "kv_b_proj")
@@ -121,7 +123,7 @@ def tp_inference_layout(
     if fuse:
         for name, shape in shapes.items():
             prefix, proj, kind = _split(name)
-            if proj not in FUSED or fused_at.get(name) or EXPERT.match(name):
+            if proj not in FUSED or fused_at.get(name) or EXPERT.match(name) or FUSED_EXPERTS.match(name):
                 continue
             buffer_proj, members = FUSED[proj]
             names = [f"{prefix}.{m}.{kind}" if prefix else f"{m}.{kind}" for m in members]
@@ -182,6 +184,7 @@ def _experts(shapes: Mapping[str, Sequence[int]], tp: int, dp: int, ep: Optional
     if ep is not None and (ep < 1 or ep % tp or (tp * dp) % ep):
         raise LayoutError(f"ep={ep}: an EP group must be a multiple of tp={tp} dividing the {tp * dp} ranks")
     place: Dict[str, Any] = {}
+    _fused_experts(shapes, tp, dp, ep, place)
     for moe, by_expert in routed_experts(shapes, ep or 1).items():
         count = len(by_expert)
         shape = None
@@ -220,6 +223,63 @@ def _experts(shapes: Mapping[str, Sequence[int]], tp: int, dp: int, ep: Optional
                 for proj, buffer, at in (("gate_proj", w13, 2 * i * whole), ("up_proj", w13, (2 * i + 1) * whole), ("down_proj", w2, i * whole)):
                     place[f"{moe}.{e}.{proj}.weight"] = lambda t, buffer=buffer, at=at, ranks=ranks: _on_ranks(t, ranks, buffer, at)
     return place
+
+
+def _fused_experts(shapes: Mapping[str, Sequence[int]], tp: int, dp: int, ep: Optional[int], place: Dict[str, Any]) -> None:
+    """``place`` for the fused expert tensors (``…experts.gate_up_proj``
+    [E, 2I, H], ``…experts.down_proj`` [E, H, I]): each rank's part where
+    FusedMoE keeps it, ``w13_weight`` [E_local, 2 * I_share, H] (an expert's
+    gate share, then its up share) and ``w2_weight`` [E_local, H, I_share]."""
+    layers: Dict[str, Dict[str, str]] = {}
+    for name in shapes:
+        m = FUSED_EXPERTS.match(name)
+        if m:
+            layers.setdefault(m["moe"], {})[m["proj"]] = name
+    for moe, names in layers.items():
+        if set(names) != {"gate_up_proj", "down_proj"}:
+            raise LayoutError(f"'{moe}': fused experts need gate_up_proj and down_proj, found {sorted(names)}")
+        gu, dn = names["gate_up_proj"], names["down_proj"]
+        if len(shapes[gu]) != 3 or len(shapes[dn]) != 3:
+            raise LayoutError(f"'{moe}': fused experts {gu} {list(shapes[gu])} and {dn} {list(shapes[dn])} are not 3-D")
+        count, inter2, hidden = shapes[gu]
+        inter = inter2 // 2
+        if inter2 % 2 or list(shapes[dn]) != [count, hidden, inter]:
+            raise LayoutError(f"'{moe}': {gu} {list(shapes[gu])} and {dn} {list(shapes[dn])} are not [E, 2I, H] and [E, H, I]")
+        w13, w2 = f"{moe}.w13_weight", f"{moe}.w2_weight"
+        if ep is None:
+            if inter % tp:
+                raise LayoutError(f"'{moe}': intermediate size {inter} does not split evenly over tp={tp}")
+            s = inter // tp
+
+            def gate_up(t, s=s, count=count, hidden=hidden, inter=inter, w13=w13):
+                for replica in range(dp):
+                    for r in range(tp):
+                        for e in range(count):
+                            for half in range(2):
+                                at = (2 * e + half) * s * hidden
+                                t = t.shard(replica * tp + r, offset=[e, half * inter + r * s, 0], extent=[1, s, hidden], buffer=w13, at=at)
+                return t
+
+            def down(t, s=s, count=count, hidden=hidden, w2=w2):
+                for replica in range(dp):
+                    for r in range(tp):
+                        t = t.shard(replica * tp + r, offset=[0, 0, r * s], extent=[count, hidden, s], buffer=w2, at=0)
+                return t
+
+            place[gu], place[dn] = gate_up, down
+        else:
+            if count % ep:
+                raise LayoutError(f"'{moe}': {count} experts do not split evenly over ep={ep}")
+            local = count // ep
+
+            def on_ep_ranks(t, buffer, shape, local=local):
+                for r in range(tp * dp):
+                    k = r % ep  # EP rank k of its group
+                    t = t.shard(r, offset=[k * local, 0, 0], extent=[local, *shape[1:]], buffer=buffer, at=0)
+                return t
+
+            place[gu] = lambda t, shape=shapes[gu], w13=w13: on_ep_ranks(t, w13, shape)
+            place[dn] = lambda t, shape=shapes[dn], w2=w2: on_ep_ranks(t, w2, shape)
 
 
 def _on_ranks(t: Any, ranks: Sequence[int], buffer: str, at: int) -> Any:
