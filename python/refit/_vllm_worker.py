@@ -16,12 +16,12 @@ Refits then stage and commit into that destination's store in refit's
 own threads while the engine keeps generating.
 
 ``update_weights({"version": v})`` (after the orchestrator's refit of
-``v`` committed on every rank): copies version ``v`` out of the store and
-hands the checkpoint tensors to ``model.load_weights`` under vLLM's
+``v`` committed on every rank): holds commits off and hands the checkpoint tensors to ``model.load_weights`` under vLLM's
 layer-wise reload, which re-runs the backend's own weight processing
 (repacking on the CPU backend, quantization where configured). Nothing
-of the model is touched before every byte of the version is here; if
-loading fails, the version served before is loaded back.
+of the model is touched before every byte of the version is here (a
+refit commits into this worker's refit buffers only once every rank of
+every engine staged it).
 
 Imports vLLM: only vLLM's worker processes import this module.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -283,22 +283,36 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.rank = rank
         self.layout = layout
         self.shapes = {n: shape for n, _, shape in tensors}
-        self.dst = refit.Destination(layout, rank)
-        # This rank's boxes, each in a tensor of its own (the store copies
-        # committed versions into them), in checkpoint order.
-        self.boxes: List[Tuple[str, List[int], List[int], torch.Tensor]] = []
-        for name, src_dtype, _shape in tensors:
+        # Where each committed version lands: for every checkpoint tensor
+        # this rank loads a part of, a tensor of its full shape (zeros
+        # outside the rank's part; pages never written cost nothing),
+        # handed whole to load_weights. A box contiguous in it (rows, or the
+        # whole tensor) is written there by the refit's commit itself; any
+        # other (a column split) has a tensor of its own, copied in before
+        # each load.
+        self.full: Dict[str, torch.Tensor] = {}
+        self.copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        buffers: Dict[str, torch.Tensor] = {}
+        for name, src_dtype, shape in tensors:
             boxes = held.get(name, [])
+            if not boxes:
+                continue
+            dt = _TORCH[_front.dst_dtype(src_dtype, dtype)]
+            full = _zeros(shape, dt)
+            self.full[name] = full
             for i, (offset, extent) in enumerate(boxes):
-                box = torch.zeros(tuple(extent), dtype=_TORCH[_front.dst_dtype(src_dtype, dtype)])
-                self.dst.register(_front.buffer_name(name, i, len(boxes)), box)
-                self.boxes.append((name, offset, extent, box))
-        self.served: Optional[int] = None
+                view = full[tuple(slice(o, o + e) for o, e in zip(offset, extent))]
+                if not view.is_contiguous():
+                    box = torch.zeros(tuple(extent), dtype=dt)
+                    self.copies.append((view, box))
+                    view = box
+                buffers[_front.buffer_name(name, i, len(boxes))] = view
+        self.dst = refit.Destination.in_place(layout, rank, buffers)
         self.joined = self.dst.join(init_info.rendezvous, init_info.secret)
 
     def start_weight_update(self) -> None:
-        # Nothing of the model changes until update_weights has the whole
-        # version (the refit itself ran before, into the store).
+        # Nothing of the model changes until update_weights (the refit
+        # itself ran before, into this worker's refit buffers).
         pass
 
     def update_weights(self, update_info: Any) -> None:
@@ -306,38 +320,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         version = int(update_info.version)
-        self.dst.load(version)
-        try:
+        # No refit commits into the buffers while the model reads them.
+        with self.dst.serving() as served:
+            if served != version:
+                raise refit.VersionError(f"dst rank {self.rank}: asked to load version {version}, its refit buffers hold {served}")
+            for view, box in self.copies:
+                view.copy_(box)
             self._load_model()
-        except BaseException:
-            log.exception("refit: loading version %s into the model failed; loading back the version served before", version)
-            if self.served is not None:
-                self.dst.load(self.served)
-                self._load_model()
-            raise
-        self.served = version
-
-    def _tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """The checkpoint tensors this rank holds a part of, full-shaped, one
-        at a time: a box that is the whole tensor as it is; otherwise the
-        boxes in a zero tensor of the full shape (its untouched pages cost
-        nothing; the model's loaders read only this rank's part)."""
-        i = 0
-        while i < len(self.boxes):
-            name = self.boxes[i][0]
-            mine = []
-            while i < len(self.boxes) and self.boxes[i][0] == name:
-                mine.append(self.boxes[i])
-                i += 1
-            shape = self.shapes[name]
-            _, offset, extent, box = mine[0]
-            if len(mine) == 1 and list(extent) == list(shape):
-                yield name, box
-                continue
-            full = _zeros(tuple(shape), box.dtype)
-            for _, offset, extent, box in mine:
-                full[tuple(slice(o, o + e) for o, e in zip(offset, extent))].copy_(box)
-            yield name, full
 
     def _load_model(self) -> None:
         from vllm.model_executor.model_loader.reload import (
@@ -347,7 +336,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
         initialize_layerwise_reload(self.model)
         try:
-            self.model.load_weights(self._tensors())
+            self.model.load_weights(iter(self.full.items()))
         finally:
             finalize_layerwise_reload(self.model, self.model_config)
         _repack_cpu_experts(self.model)

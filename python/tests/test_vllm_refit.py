@@ -192,8 +192,14 @@ def element_sets(layout, ranks):
 
 
 def held_boxes(worker):
-    """What a worker's refit store was loaded into: [(tensor, offset, extent, values)]."""
-    return [(n, o, e, t.reshape(-1).tolist()) for n, o, e, t in worker.weight_transfer_engine.boxes]
+    """What a worker handed its model: [(tensor, offset, extent, values)]."""
+    engine = worker.weight_transfer_engine
+    out = []
+    for name, boxes in engine.every[engine.rank % len(engine.every)].items():
+        for offset, extent in boxes:
+            part = engine.full[name][tuple(slice(o, o + e) for o, e in zip(offset, extent))]
+            out.append((name, offset, extent, part.reshape(-1).tolist()))
+    return out
 
 
 def derived(llm, train):
