@@ -45,12 +45,18 @@ def reload_full(worker, path):
     from safetensors.torch import load_file
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+    import time
+
     model = worker.model_runner.model
+    t0 = time.perf_counter()
+    weights = load_file(path)
+    t1 = time.perf_counter()
     initialize_layerwise_reload(model)
     try:
-        model.load_weights(load_file(path).items())
+        model.load_weights(weights.items())
     finally:
         finalize_layerwise_reload(model, worker.model_runner.model_config)
+    return {"read": t1 - t0, "load": time.perf_counter() - t1}
 
 
 def tokens(llm):
@@ -123,13 +129,17 @@ def main():
                 rows["refit: transfer"].append(t1 - t0)
                 rows["refit: load"].append(t2 - t1)
                 rows["refit: total"].append(t2 - t0)
+                for part, secs in llm.collective_rpc(lambda w: w.weight_transfer_engine.last_load)[0].items():
+                    rows.setdefault(f"  worker 0 {part}", []).append(secs)
                 refitted = tokens(llm)
 
                 t0 = time.perf_counter()
                 save_file(state, shm)
                 t1 = time.perf_counter()
-                llm.collective_rpc(reload_full, args=(shm,))
+                parts = llm.collective_rpc(reload_full, args=(shm,))[0]
                 t2 = time.perf_counter()
+                for part, secs in parts.items():
+                    rows.setdefault(f"  worker 0 {part} ", []).append(secs)
                 rows["full: write"].append(t1 - t0)
                 rows["full: load"].append(t2 - t1)
                 rows["full: total"].append(t2 - t0)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -320,13 +321,19 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         version = int(update_info.version)
+        t0 = time.perf_counter()
         # No refit commits into the buffers while the model reads them.
         with self.dst.serving() as served:
+            t1 = time.perf_counter()
             if served != version:
                 raise refit.VersionError(f"dst rank {self.rank}: asked to load version {version}, its refit buffers hold {served}")
             for view, box in self.copies:
                 view.copy_(box)
+            t2 = time.perf_counter()
             self._load_model()
+        # Seconds of the last load, by part (benchmarks/vllm_update.py).
+        self.last_load = {"wait": t1 - t0, "copy": t2 - t1, "load": time.perf_counter() - t2}
+        log.debug("refit: version %s loaded: %s", version, self.last_load)
 
     def _load_model(self) -> None:
         from vllm.model_executor.model_loader.reload import (
