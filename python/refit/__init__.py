@@ -292,7 +292,7 @@ def param_buffers(
                     "one parameter cannot be all of them (give each its array by hand)"
                 )
         if name not in params:
-            raise TensorError(f"rank {rank}: buffer '{buffer}': no parameter '{name}'")
+            raise TensorError(f"rank {rank}: buffer '{buffer}': no parameter '{name}'{_megatron_spec_hint(name, params)}")
         what = f"rank {rank}: buffer '{buffer}': parameter '{name}'"
         param = params[name]
         shape = [int(n) for n in _local(param).shape]
@@ -320,6 +320,25 @@ def param_buffers(
             raise TensorError(f"{what}: {numel} elements (shape {shape}), the buffer holds {elems}")
         out[buffer] = _flat_prefix(param, elems, what)
     return out
+
+
+# A Megatron-Core norm under the other layer spec's name: (the name in one
+# spec, the name in the other, megatron_layout's layer_spec for the second).
+_MEGATRON_NORMS = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight", "local"),
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight", "local"),
+    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight", "transformer_engine"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", "transformer_engine"),
+)
+
+
+def _megatron_spec_hint(name: str, params: Mapping[str, Any]) -> str:
+    """Where a missing parameter is a Megatron norm that the model has under
+    the other layer spec's name, what to pass ``megatron_layout``."""
+    for mine, theirs, spec in _MEGATRON_NORMS:
+        if name.endswith("." + mine) and name[: -len(mine)] + theirs in params:
+            return f" (the model has '{name[: -len(mine)] + theirs}': Megatron-Core's {spec} layer spec; megatron_layout(..., layer_spec='{spec}'))"
+    return ""
 
 
 def _flat_prefix(param: Any, elems: int, what: str) -> Any:

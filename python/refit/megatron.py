@@ -4,7 +4,8 @@ The layout's tensors are the model's Hugging Face weights (``q_proj``,
 ``gate_proj``, ...: what the inference side names them, see
 ``tp_inference_layout``); its buffers are Megatron-Core's parameters, under
 the names ``named_parameters()`` gives them on each rank (Transformer Engine
-layer specs, local layer numbers within a pipeline stage):
+layer specs, or Megatron-Core's local spec with ``layer_spec="local"``, see
+below; local layer numbers within a pipeline stage):
 
 - ``embedding.word_embeddings.weight`` (first stage) and ``output_layer.weight``
   (last stage; absent with tied embeddings): vocab-parallel, rows split over
@@ -12,7 +13,14 @@ layer specs, local layer numbers within a pipeline stage):
   (``--make-vocab-size-divisible-by``); padding rows are no tensor's.
 - ``decoder.layers.{i}.self_attention.linear_qkv.weight`` (and ``.bias``):
   query groups interleaved, ``[q heads of group 0; k_0; v_0; q heads of
-  group 1; k_1; v_1; ...]``, split over TP by whole groups.
+  group 1; k_1; v_1; ...]``, that whole matrix split by rows into ``tp``
+  equal parts (a ``ColumnParallelLinear``): whole groups per rank where the
+  query groups are a multiple of ``tp``; where ``tp`` is a multiple of them,
+  each rank holds a part of one group, cut at any row (one group over TP 2:
+  rank 0 the first ``(heads + 2) / 2`` heads' rows of ``[q; k; v]``, rank 1
+  the rest), as Megatron-Core's ``SelfAttention`` builds it (its forward
+  all-gathers ``linear_qkv``'s output and takes its own group's heads); no
+  KV head is replicated in the parameters.
 - ``...linear_qkv.layer_norm_weight`` (``input_layernorm``),
   ``...self_attention.q_layernorm.weight`` / ``k_layernorm`` (Qwen3's
   ``q_norm`` / ``k_norm``), ``...mlp.linear_fc1.layer_norm_weight``
@@ -22,6 +30,16 @@ layer specs, local layer numbers within a pipeline stage):
   ``...mlp.linear_fc2.weight`` (``down_proj``): split by columns.
 - ``...mlp.linear_fc1.weight``: ``[gate; up]`` of the rank's TP share
   (gate rows ``t``-th share, then up's).
+
+The local layer spec (``get_gpt_layer_local_spec``, ``layer_spec="local"``:
+no Transformer Engine) fuses no norm into a linear layer:
+``input_layernorm`` is ``decoder.layers.{i}.input_layernorm.weight`` and
+``post_attention_layernorm`` is ``...pre_mlp_layernorm.weight`` (in every
+layer), and multi-latent attention's ``q_a_layernorm`` / ``kv_a_layernorm``
+are ``...self_attention.q_layernorm.weight`` / ``kv_layernorm.weight``; its
+routed experts are ``SequentialMLP``'s (``grouped_experts=False``: the
+legacy ``GroupedMLP`` it builds with ``--moe-grouped-gemm`` holds every
+local expert in one transposed parameter, which is not modelled).
 
 Ranks are Megatron's default order (TP fastest, then DP, then PP): global
 rank ``t + tp * (d + dp * p)``; pipeline stage ``p`` holds layers
@@ -104,6 +122,18 @@ IN_MLA_LAYER = {
     "self_attn.kv_b_proj.weight": ("self_attention.linear_kv_up_proj.weight", "col"),
     "input_layernorm.weight": ("input_layernorm.weight", "rep"),
 }
+# Each layer spec's names where they differ from IN_LAYER's / IN_MLA_LAYER's
+# (the Transformer Engine spec's): the local spec fuses no norm into a
+# linear layer.
+SPECS: Dict[str, Dict[str, str]] = {
+    "transformer_engine": {},
+    "local": {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+        "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
+        "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
+    },
+}
 OUTSIDE = {
     # HF name -> (Megatron name, how it is split, on the first stage? else the last)
     "model.embed_tokens.weight": ("embedding.word_embeddings.weight", "vocab", True),
@@ -126,13 +156,17 @@ def megatron_layout(
     ep: int = 1,
     etp: Optional[int] = None,
     grouped_experts: bool = True,
+    layer_spec: str = "transformer_engine",
 ) -> Any:
     """A ``refit.Layout`` of ``tp × dp × pp`` Megatron-Core training ranks
     holding the Hugging Face tensors ``{name: global shape}`` (see the
     module doc for the parameters and rank order).
 
     ``num_kv_heads``: query groups (GQA; default ``num_attention_heads``),
-    a multiple of ``tp``. ``ep``, ``etp`` (default ``tp``): expert
+    a multiple or a divisor of ``tp`` (as Megatron-Core requires).
+    ``layer_spec``: ``"transformer_engine"`` (norms fused into
+    ``linear_qkv`` / ``linear_fc1``) or ``"local"`` (Megatron-Core's local
+    spec: ``input_layernorm`` / ``pre_mlp_layernorm`` of their own). ``ep``, ``etp`` (default ``tp``): expert
     parallelism and expert tensor parallelism of MoE layers; ``etp * ep``
     must divide ``tp * dp``. On a rank, hand refit its Megatron parameters
     as the buffers of those names, each cut to the buffer's elements (the
@@ -145,8 +179,13 @@ def megatron_layout(
     heads, groups = num_attention_heads, num_kv_heads or num_attention_heads
     if heads < 1 or groups < 1 or heads % groups:
         raise LayoutError(f"num_attention_heads={heads}, num_kv_heads={groups}: heads must be a multiple of KV heads")
-    if groups % tp:
-        raise LayoutError(f"num_kv_heads={groups} does not split over tp={tp} (Megatron splits whole query groups)")
+    if groups % tp and tp % groups:
+        raise LayoutError(f"num_kv_heads={groups} and tp={tp}: Megatron-Core needs the query groups a multiple or a divisor of tp")
+    if heads % tp:
+        raise LayoutError(f"num_attention_heads={heads} does not split over tp={tp}")
+    if layer_spec not in SPECS:
+        raise LayoutError(f"layer_spec={layer_spec!r}: expected one of {sorted(SPECS)}")
+    renamed = SPECS[layer_spec]
     shapes = {n: [int(s) for s in shape] for n, shape in tensors.items()}
     layers = sorted({int(m["l"]) for m in map(LAYER.match, shapes) if m})
     if layers != list(range(len(layers))):
@@ -178,6 +217,11 @@ def megatron_layout(
             stage, local = divmod(layer, per_stage)
             prefix = f"decoder.layers.{local}."
         if m and name in experts:
+            if layer_spec == "local" and grouped_experts:
+                raise LayoutError(
+                    f"tensor '{name}': the local layer spec's grouped experts (the legacy GroupedMLP) are not modelled; "
+                    "build SequentialMLP experts and pass grouped_experts=False"
+                )
             owner, j = experts[name][1]
             fc = "linear_fc2" if rest.endswith("down_proj.weight") else "linear_fc1"
             part = f"mlp.experts.{fc}.weight{j}" if grouped_experts else f"mlp.experts.local_experts.{j}.{fc}.weight"
@@ -187,11 +231,11 @@ def megatron_layout(
             if rest == "post_attention_layernorm.weight" and layer in moe_layers:
                 buffer, how = prefix + "pre_mlp_layernorm.weight", "rep"  # no fused norm before a router
             elif layer in mla_layers and rest in IN_MLA_LAYER:
-                buffer, how = prefix + IN_MLA_LAYER[rest][0], IN_MLA_LAYER[rest][1]
+                buffer, how = prefix + renamed.get(rest, IN_MLA_LAYER[rest][0]), IN_MLA_LAYER[rest][1]
             elif layer in mla_layers and rest.startswith("self_attn.") and rest != "self_attn.o_proj.weight":
                 raise LayoutError(f"tensor '{name}': not a weight of multi-latent attention, which this layer has")
             elif rest in IN_LAYER:
-                buffer, how = prefix + IN_LAYER[rest][0], IN_LAYER[rest][1]
+                buffer, how = prefix + renamed.get(rest, IN_LAYER[rest][0]), IN_LAYER[rest][1]
             else:
                 raise LayoutError(_unknown(name, rest))
             holders, ways = ranks_of(stage), tp
@@ -304,14 +348,18 @@ def _shares(
     if shape[0] != want:
         raise LayoutError(f"tensor '{name}': {shape[0]} rows, expected {want} ({groups} KV heads of {head})")
     span = (per_group + 2) * head  # rows of one group in linear_qkv
-    local = groups // ways
+    total = groups * span
+    if total % ways:
+        raise LayoutError(f"tensor '{name}': linear_qkv's {total} rows ({groups} query groups of {span}) do not split evenly over {label}={ways}")
+    per = total // ways  # linear_qkv rows per rank
     inside, count = {"q_proj": (0, per_group * head), "k_proj": (per_group * head, head), "v_proj": ((per_group + 1) * head, head)}[proj]
     out = []
     for t in range(ways):
+        first, last = t * per, (t + 1) * per  # the rank's rows of linear_qkv
         blocks = []
-        for j in range(local):
-            g = t * local + j
-            start = g * count  # this projection's rows of group g
-            blocks.append(rows(start, count, (j * span + inside) * rest))
+        for g in range(groups):
+            lo, hi = max(first, g * span + inside), min(last, g * span + inside + count)
+            if lo < hi:  # rows lo..hi of linear_qkv: this projection's, of group g
+                blocks.append(rows(g * count + lo - (g * span + inside), hi - lo, (lo - first) * rest))
         out.append(blocks)
     return out

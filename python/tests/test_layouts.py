@@ -389,13 +389,16 @@ def test_tp_inference_layout_places_mla_as_vllm_does():
         np.testing.assert_array_equal(arrays["a.kv_a_layernorm.weight"], full["a.kv_a_layernorm.weight"])
 
 
-def megatron_params(full, tp, pp, heads, groups, vocab_multiple, dp=1, ep=1, etp=None, grouped=True):
+def megatron_params(full, tp, pp, heads, groups, vocab_multiple, dp=1, ep=1, etp=None, grouped=True, local=False):
     """What Megatron-Core holds on each rank (t + tp * (d + dp * p)) of the
     HF tensors `full`, built the way Megatron defines it: linear_qkv is the
-    whole [q_g; k_g; v_g]-by-group matrix split by rows over TP, linear_fc1
-    each rank's [gate_t; up_t], vocab rows padded then split; in MoE layers
-    a stage's rank r is expert-TP rank r % etp of EP rank r // etp % ep,
-    which holds experts k * E / ep .. whole but for expert TP."""
+    whole [q_g; k_g; v_g]-by-group matrix split by rows over TP (evenly, a
+    ColumnParallelLinear, however few groups), linear_fc1 each rank's
+    [gate_t; up_t], vocab rows padded then split; in MoE layers a stage's
+    rank r is expert-TP rank r % etp of EP rank r // etp % ep, which holds
+    experts k * E / ep .. whole but for expert TP. `local`: the local
+    layer spec's names (get_gpt_layer_local_spec: no norm fused into a
+    linear layer)."""
     etp = etp or tp
     layers = len({n.split(".")[2] for n in full if n.startswith("model.layers.")})
     per_stage = layers // pp
@@ -465,6 +468,16 @@ def megatron_params(full, tp, pp, heads, groups, vocab_multiple, dp=1, ep=1, etp
                         mine[mg_name] = split(padded, t)
                 if p == pp - 1:
                     mine["decoder.final_layernorm.weight"] = full["model.norm.weight"].copy()
+    if local:
+        renamed = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                   "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+                   "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+                   "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight"}
+        for mine in ranks:
+            for name in list(mine):
+                for te, loc in renamed.items():
+                    if name.endswith("." + te):
+                        mine[name[: -len(te)] + loc] = mine.pop(name)
     return ranks
 
 
@@ -572,10 +585,65 @@ def test_megatron_layout_places_mla_as_transformer_engine_builds_it():
     check_megatron(shapes, train, infer, lambda full: megatron_params(full, 2, 1, heads, heads, 4, dp=2, ep=2, etp=1))
 
 
+@pytest.mark.parametrize("tp,heads,groups,head", [(2, 4, 1, 2), (4, 4, 2, 2), (4, 4, 1, 2), (8, 8, 2, 4)])
+def test_megatron_layout_splits_fewer_query_groups_than_tp_as_megatron_core_does(tp, heads, groups, head):
+    """Fewer query groups than TP ranks: Megatron-Core's linear_qkv is still
+    one ColumnParallelLinear, the whole interleaved [q_g; k_g; v_g] matrix
+    split evenly by rows, so a rank holds part of a group, cut at any row
+    (TP 4 of one group of 4 heads of 2 rows: 3 rows each, mid-head), its KV
+    heads on no other rank; refit into vLLM at the same TP (whole KV heads
+    replicated) and at TP 1."""
+    shapes = model_shapes(2, heads, groups, head=head, hidden=8, ffn=2 * tp, vocab=30)
+    train = refit.megatron_layout(shapes, tp=tp, num_attention_heads=heads, num_kv_heads=groups, dtype="f32", vocab_multiple=4)
+    for infer_tp in (tp, 1):
+        infer = refit.tp_inference_layout(shapes, tp=infer_tp, dtype="f32", num_kv_heads=groups, fuse=False)
+        check_megatron(shapes, train, infer, lambda full: megatron_params(full, tp, 1, heads, groups, 4))
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "mla"])
+def test_megatron_layout_names_the_local_layer_specs_norms(kind):
+    """layer_spec="local" (Megatron-Core's get_gpt_layer_local_spec): the
+    norms are input_layernorm / pre_mlp_layernorm of their own (MLA's
+    q_layernorm / kv_layernorm), nothing fused into a linear layer; MoE
+    layers with SequentialMLP experts. The Transformer Engine names are
+    refused by param_buffers, saying which spec the model has."""
+    heads, groups = 4, 2
+    if kind == "mla":
+        shapes = model_shapes(2, heads, heads, head=0, hidden=6, ffn=4, vocab=10, experts=4, moe_from=1, mla=(5, 4, 3, 2, 2))
+        groups = heads
+    else:
+        shapes = model_shapes(2, heads, groups, head=2, hidden=6, ffn=4, vocab=10, experts=4 if kind == "moe" else 0, moe_from=1)
+    kw = dict(ep=2, etp=1, grouped_experts=False) if kind != "dense" else {}
+    train = refit.megatron_layout(shapes, tp=2, dp=2, num_attention_heads=heads, num_kv_heads=groups, dtype="f32", vocab_multiple=4,
+                                  layer_spec="local", **kw)
+    infer = refit.tp_inference_layout(shapes, tp=2, dp=2, dtype="f32", num_kv_heads=groups, fuse=False)
+    params = lambda full: megatron_params(full, 2, 1, heads, groups, 4, dp=2, ep=kw.get("ep", 1), etp=kw.get("etp"), grouped=False, local=True)  # noqa: E731
+    check_megatron(shapes, train, infer, params)
+    full = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+    te = refit.megatron_layout(shapes, tp=2, dp=2, num_attention_heads=heads, num_kv_heads=groups, dtype="f32", vocab_multiple=4, **kw)
+    want = "decoder.layers.0.input_layernorm.weight" if kind != "mla" else "decoder.layers.0.self_attention.q_layernorm.weight"
+    with pytest.raises(refit.TensorError, match="no parameter") as e:
+        refit.param_buffers(te, 0, params(full)[0])
+    if kind != "mla":
+        assert f"the model has '{want}'" in str(e.value) and "layer_spec='local'" in str(e.value), e.value
+        with pytest.raises(refit.TensorError, match="layer_spec='transformer_engine'"):
+            refit.param_buffers(train, 0, megatron_params(full, 2, 1, heads, groups, 4, dp=2, ep=kw.get("ep", 1), etp=kw.get("etp"), grouped=False)[0])
+
+
 def test_megatron_layout_refuses_what_it_cannot_place():
     base = {"model.layers.0.self_attn.q_proj.weight": [8, 6], "model.layers.0.self_attn.k_proj.weight": [4, 6]}
-    with pytest.raises(refit.LayoutError, match="num_kv_heads=2 does not split over tp=4"):
-        refit.megatron_layout(base, tp=4, num_attention_heads=4, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="num_kv_heads=2 and tp=3: Megatron-Core needs the query groups a multiple or a divisor of tp"):
+        refit.megatron_layout(base, tp=3, num_attention_heads=6, num_kv_heads=2)
+    with pytest.raises(refit.LayoutError, match="num_attention_heads=2 does not split over tp=4"):
+        refit.megatron_layout(base, tp=4, num_attention_heads=2, num_kv_heads=1)
+    odd = {"model.layers.0.self_attn.q_proj.weight": [4, 6], "model.layers.0.self_attn.k_proj.weight": [1, 6]}
+    with pytest.raises(refit.LayoutError, match=r"'model.layers.0.self_attn.q_proj.weight': linear_qkv's 6 rows \(1 query groups of 6\) do not split evenly over tp=4"):
+        refit.megatron_layout(odd, tp=4, num_attention_heads=4, num_kv_heads=1)
+    with pytest.raises(refit.LayoutError, match="layer_spec='apex': expected one of"):
+        refit.megatron_layout(base, tp=2, num_attention_heads=4, num_kv_heads=2, layer_spec="apex")
+    experts = {f"model.layers.0.mlp.experts.{e}.{p}.weight": [4, 6] for e in (0, 1) for p in ("gate_proj", "up_proj")}
+    with pytest.raises(refit.LayoutError, match="'model.layers.0.mlp.experts.0.gate_proj.weight': the local layer spec's grouped experts"):
+        refit.megatron_layout({**base, **experts}, tp=2, num_attention_heads=4, num_kv_heads=2, layer_spec="local")
     with pytest.raises(refit.LayoutError, match="'model.layers.0.self_attn.k_proj.weight': not a weight of multi-latent attention"):
         refit.megatron_layout({**base, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": [4, 6]}, tp=2, num_attention_heads=4, num_kv_heads=2)
     with pytest.raises(refit.LayoutError, match="multi-latent attention weights in a layer without kv_a_proj_with_mqa"):
