@@ -111,8 +111,9 @@ class _Shadows:
 
     Loads into a placeholder without a loader call (a model that copies into
     ``param.data`` itself) write nothing (``meta``): those elements are
-    missed, which ``refit.vllm`` reports. Buffers are snapshotted and put
-    back. ``restore()`` puts every live parameter back as it was."""
+    missed, and the parameter counts as never loaded (``never_loaded``).
+    Buffers are snapshotted and put back. ``restore()`` puts every live
+    parameter back as it was."""
 
     def __init__(self, model: torch.nn.Module):
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -123,7 +124,9 @@ class _Shadows:
         self.buffers: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.touched: Dict[Tuple[int, str], Tuple[torch.nn.Module, str, torch.Tensor]] = {}
         self.originals: Dict[Tuple[int, str], torch.Tensor] = {}
-        for layer in model.modules():
+        self.names: Dict[Tuple[int, str], str] = {}
+        self.loaded: set = set()
+        for prefix, layer in model.named_modules():
             original_params = get_layerwise_info(layer).restore_metadata[0]
             for name, buf in layer._buffers.items():
                 if buf is not None and not buf.is_meta:
@@ -141,6 +144,7 @@ class _Shadows:
                     original = to_meta_tensor(param)
                 key = (id(layer), name)
                 self.originals[key] = original
+                self.names[key] = f"{prefix}.{name}" if prefix else name
                 layer._parameters[name] = self._placeholder(layer, name, original)
 
     def _placeholder(self, layer: torch.nn.Module, name: str, original: torch.Tensor) -> torch.Tensor:
@@ -175,8 +179,21 @@ class _Shadows:
         out = []
         for key, (layer, name, shadow) in self.touched.items():
             out.append(shadow)
+            self.loaded.add(key)
             layer._parameters[name] = self._placeholder(layer, name, self.originals[key])
         self.touched.clear()
+        return out
+
+    def never_loaded(self) -> List[str]:
+        """The parameters no load has written (tied parameters once)."""
+        seen, out = set(), []
+        for layer, name, param in self.live:
+            key = (id(layer), name)
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if key not in self.loaded and not any((id(l), n) in self.loaded for l, n, p in self.live if p is param):
+                out.append(self.names[key])
         return out
 
     def restore(self) -> None:
@@ -192,7 +209,11 @@ def dry_run(model: torch.nn.Module, tensors: List[Tuple[str, str, Tuple[int, ...
     worker's parameters (the tensor is absent where it puts none). Runs
     the model's own loading, one tensor at a time, over float64 shadows of
     the parameters as created (see ``_Shadows``); the model's weights are
-    as before when it returns, whatever happens."""
+    as before when it returns, whatever happens.
+
+    ``LayoutError`` naming the tensor where the model's loading refuses
+    one (a wrong shape), and naming the parameters no tensor loads (a
+    refit would leave them as they are: the training layout lacks them)."""
     shadows = _Shadows(model)
     held: Dict[str, List[Tuple[List[int], List[int]]]] = {}
     try:
@@ -202,7 +223,10 @@ def dry_run(model: torch.nn.Module, tensors: List[Tuple[str, str, Tuple[int, ...
                 if numel >= 2**53:
                     raise refit.LayoutError(f"tensor '{name}': {numel} elements cannot be traced in float64")
                 probe = torch.arange(1, numel + 1, dtype=torch.float64).reshape(tuple(shape))
-                model.load_weights([(name, probe)])
+                try:
+                    model.load_weights([(name, probe)])
+                except Exception as e:
+                    raise refit.LayoutError(f"tensor '{name}' {list(shape)}: the model's load_weights refused it: {type(e).__name__}: {e}") from e
                 found = [s.detach().reshape(-1) for s in shadows.take()]
                 idx = [s[s != 0] for s in found]
                 idx = [i for i in idx if i.numel()]
@@ -210,6 +234,13 @@ def dry_run(model: torch.nn.Module, tensors: List[Tuple[str, str, Tuple[int, ...
                     continue
                 flat = torch.unique(torch.cat(idx)).to(torch.int64).numpy() - 1
                 held[name] = _front.boxes_of(flat, tuple(shape))
+        never = shadows.never_loaded()
+        if never:
+            raise refit.LayoutError(
+                f"no tensor of the training layout loads {len(never)} parameter(s) of the model: {never[:8]}"
+                f"{' ...' if len(never) > 8 else ''} (a refit would leave them as they are; the training layout must hold "
+                "every checkpoint tensor the model loads)"
+            )
     finally:
         shadows.restore()
     return held

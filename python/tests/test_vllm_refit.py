@@ -191,6 +191,19 @@ def element_sets(layout, ranks):
     return out
 
 
+def check_bad_training_layouts(llm, orch, state, want):
+    """Training layouts the engine cannot take fail at connect, naming the
+    tensor or parameter, and leave the engine generating as before."""
+    no_norm = {n: t for n, t in state.items() if n != "model.norm.weight"}
+    with pytest.raises(Exception, match=r"no tensor of the training layout loads 1 parameter.*model\.norm\.weight"):
+        refit.vllm.VLLMRollouts(orch, [llm], train_layout(no_norm)).connect(src_ranks=TRAIN_RANKS, timeout=5)
+    transposed = dict(state)
+    transposed["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"].t()
+    with pytest.raises(Exception, match=r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' \[256, 128\]: the model's load_weights refused it"):
+        refit.vllm.VLLMRollouts(orch, [llm], train_layout(transposed)).connect(src_ranks=TRAIN_RANKS, timeout=5)
+    assert_same(generate(llm), want)
+
+
 def held_boxes(worker):
     """What a worker handed its model: [(tensor, offset, extent, values)]."""
     engine = worker.weight_transfer_engine
@@ -235,6 +248,8 @@ def test_refit_into_a_running_vllm_equals_a_fresh_engine(case, tmp_path, monkeyp
     generates = spec.get("generates", True)
     try:
         want_b = generate(llm) if generates else None
+        if case == "dense-tp1":
+            check_bad_training_layouts(llm, orch, state_b, want_b)
         trainer = Trainer(train, state_b, orch)
         rollouts = refit.vllm.VLLMRollouts(orch, [llm], train, dtype="f32")
         plan = rollouts.connect(src_ranks=TRAIN_RANKS)
