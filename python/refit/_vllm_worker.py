@@ -296,6 +296,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
         from vllm.distributed.parallel_state import get_world_group
 
+        # A second connect replaces the first: leave its rendezvous first.
+        self.shutdown()
         tensors = [(str(n), str(d), tuple(int(s) for s in shape)) for n, d, shape in init_info.tensors]
         group = get_world_group()
         held = dry_run(self.model, tensors)
