@@ -312,3 +312,52 @@ def _same_sets(a, b, ranks):
     assert sorted(sa) == sorted(sb)
     for k in sa:
         assert np.array_equal(sa[k], sb[k]), k
+
+
+def test_two_replicas_take_each_refit_together_or_not_at_all(tmp_path, monkeypatch):
+    """Two engines (replicas, TP 1 each) behind one orchestrator: one
+    destination layout over both (derived by each), every refit commits on
+    both or on neither."""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    config = dense_config(2)
+    _, model_a, state_a = save(config, tmp_path / "a", seed=0)
+    path_b, _, state_b = save(config, tmp_path / "b", seed=1)
+    train = train_layout(state_b)
+    engines = [start(path_b, 1), start(path_b, 1)]
+    orch = refit.Orchestrator(deadline=20.0)
+    try:
+        want_b = generate(engines[0])
+        trainer = Trainer(train, state_b, orch)
+        rollouts = refit.vllm.VLLMRollouts(orch, engines, train, dtype="f32")
+        assert rollouts.ranks == 2
+        rollouts.connect(src_ranks=TRAIN_RANKS)
+        # Each replica's worker is rank `replica` of one layout and holds
+        # every tensor whole.
+        for replica, llm in enumerate(engines):
+            assert llm.collective_rpc(lambda w: w.weight_transfer_engine.rank) == [replica]
+
+        v = trainer.step(state_a)
+        rollouts.refit(v)
+        want_a = hf_tokens(model_a)
+        for llm in engines:
+            assert [t for t, _ in generate(llm)] == want_a
+            assert llm.get_weight_version() == str(v)
+
+        # Torn training rank: neither replica changes.
+        trainer.step(state_b)
+        with pytest.raises(RuntimeError):
+            with trainer.sources[0].stepping():
+                raise RuntimeError("the optimizer step failed")
+        with pytest.raises(refit.RefitError):
+            rollouts.refit(trainer.sources[1].version)
+        for llm in engines:
+            assert [t for t, _ in generate(llm)] == want_a
+            assert llm.get_weight_version() == str(v)
+
+        rollouts.refit(trainer.step(state_b))
+        for llm in engines:
+            assert_same(generate(llm), want_b)
+    finally:
+        orch.close()
+        for llm in engines:
+            stop(llm)
