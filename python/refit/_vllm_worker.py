@@ -227,13 +227,16 @@ def dry_run(model: torch.nn.Module, tensors: List[Tuple[str, str, Tuple[int, ...
                     model.load_weights([(name, probe)])
                 except Exception as e:
                     raise refit.LayoutError(f"tensor '{name}' {list(shape)}: the model's load_weights refused it: {type(e).__name__}: {e}") from e
-                found = [s.detach().reshape(-1) for s in shadows.take()]
-                idx = [s[s != 0] for s in found]
-                idx = [i for i in idx if i.numel()]
-                if not idx:
-                    continue
-                flat = torch.unique(torch.cat(idx)).to(torch.int64).numpy() - 1
-                held[name] = _front.boxes_of(flat, tuple(shape))
+                # Which elements landed anywhere: a mask over the tensor.
+                mask = np.zeros(numel, dtype=bool)
+                for shadow in shadows.take():
+                    values = shadow.detach().reshape(-1)
+                    values = values[values != 0]
+                    if values.numel():
+                        mask[values.to(torch.int64).numpy() - 1] = True
+                boxes = _front.boxes_of_mask(mask.reshape(tuple(shape)))
+                if boxes:
+                    held[name] = boxes
         never = shadows.never_loaded()
         if never:
             raise refit.LayoutError(

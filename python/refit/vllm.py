@@ -89,6 +89,26 @@ def boxes_of(flat: np.ndarray, shape: Sequence[int]) -> List[Box]:
     return [(list(map(int, o)), list(map(int, e))) for o, e in _boxes(coords)]
 
 
+def boxes_of_mask(mask: np.ndarray) -> List[Box]:
+    """The ``True`` elements of ``mask`` (a boolean array of the tensor's
+    shape) as boxes, as ``boxes_of``; one box is found from the mask's
+    projections on each dimension, without listing its elements."""
+    if mask.ndim == 0:
+        return [([], [])] if bool(mask) else []
+    count = int(np.count_nonzero(mask))
+    if count == 0:
+        return []
+    lo, hi = [], []
+    for d in range(mask.ndim):
+        others = tuple(i for i in range(mask.ndim) if i != d)
+        along = np.flatnonzero(mask.any(axis=others) if others else mask)
+        lo.append(int(along[0]))
+        hi.append(int(along[-1]) + 1)
+    if int(np.prod([h - l for l, h in zip(lo, hi)], dtype=np.int64)) == count:
+        return [(lo, [h - l for l, h in zip(lo, hi)])]
+    return boxes_of(np.flatnonzero(mask), mask.shape)
+
+
 def _boxes(c: np.ndarray) -> List[Tuple[np.ndarray, np.ndarray]]:
     lo, hi = c.min(axis=0), c.max(axis=0) + 1
     if int(np.prod(hi - lo)) == len(c):
@@ -133,7 +153,7 @@ def derived_layout(
     """The destination layout of ``replicas`` engines of ``len(every)``
     workers each, from what each worker's dry run found (``every[r]``:
     tensor → boxes of it that worker ``r`` loads), and the checkpoint
-    tensors no worker loads. Engine ``i``'s worker ``r`` is rank
+    tensors no worker loads (left out of the layout). Engine ``i``'s worker ``r`` is rank
     ``i * len(every) + r``; an engine's workers are one node."""
     world = len(every)
     if world < 1 or replicas < 1:
@@ -149,9 +169,10 @@ def derived_layout(
                 for i, (offset, extent) in enumerate(boxes):
                     held = True
                     t = t.shard(replica * world + r, offset=list(offset), extent=list(extent), buffer=buffer_name(name, i, len(boxes)), at=0)
-        if not held:
-            missing.append(name)
-        builder = builder.tensor(t)
+        if held:
+            builder = builder.tensor(t)
+        else:
+            missing.append(name)  # nothing to send for it: left out
     return builder.build(), missing
 
 
