@@ -37,7 +37,7 @@ import refit  # noqa: E402
 import refit.vllm  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python", "tests"))
-from test_vllm_refit import TRAIN_RANKS, Trainer, train_layout  # noqa: E402
+from vllm_engines import TRAIN_RANKS, Trainer, train_layout  # noqa: E402
 
 
 def reload_full(worker, path):

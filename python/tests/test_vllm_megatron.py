@@ -31,7 +31,6 @@ the attention's scratch buffer are put there), an explicit causal mask,
 and the inference RNG tracker (no CUDA RNG; dropout is 0).
 """
 
-import gc
 import importlib.util
 import os
 import queue
@@ -51,6 +50,7 @@ if importlib.util.find_spec("transformers") is None:
 import torch  # noqa: E402
 
 import refit  # noqa: E402
+from vllm_engines import PROMPTS, assert_same, generate, hf_tokens, start, stop  # noqa: E402
 
 TP = 2
 VOCAB = 300
@@ -58,8 +58,6 @@ PADDED = 512  # 300 padded to a multiple of megatron_layout's vocab_multiple (12
 HIDDEN, FFN, LAYERS, HEADS, GROUPS, HEAD = 128, 256, 2, 4, 1, 32  # head_dim 32: vLLM's CPU attention takes no smaller
 ROPE_THETA, EPS = 10000.0, 1e-6
 LR = 0.5
-PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99], [250, 7, 7, 7, 120, 3]]
-MAX_TOKENS = 6
 STEPS = 2
 WAIT = 240.0  # s, for a trainer's answer (the trainers start while the engine does, on the same cores)
 
@@ -241,66 +239,6 @@ def hf_model(state):
     return model.eval()
 
 
-def hf_tokens(model):
-    out = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
-    return out
-
-
-# --- the engine -------------------------------------------------------------
-
-
-def start(model):
-    from vllm import LLM
-
-    import refit.vllm
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(TP))  # one NUMA node: rank r on core r
-    return LLM(
-        model=str(model),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        tensor_parallel_size=TP,
-        distributed_executor_backend="mp",
-        enforce_eager=True,
-        max_model_len=64,
-        max_num_seqs=4,
-        seed=0,
-        weight_transfer_config={"backend": refit.vllm.BACKEND},
-    )
-
-
-def stop(llm):
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
-def generate(llm):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, logprobs=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    result = []
-    for o in outs:
-        c = o.outputs[0]
-        top = [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs]
-        result.append((list(c.token_ids), top))
-    return result
-
-
-def assert_same(got, want):
-    for (g_tok, g_top), (w_tok, w_top) in zip(got, want):
-        assert g_tok == w_tok
-        for gs, ws in zip(g_top, w_top):
-            assert [t for t, _ in gs] == [t for t, _ in ws]
-            assert [lp for _, lp in gs] == pytest.approx([lp for _, lp in ws], abs=1e-5)
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -351,7 +289,7 @@ def test_megatron_core_tp2_one_query_group_refits_into_vllm_tp2(tmp_path):
 
     llm = fresh = None
     try:
-        llm = start(tmp_path / "start")
+        llm = start(str(tmp_path / "start"), TP)
         before = generate(llm)
         for names, in answers("joined"):
             # The local spec's parameters, and nothing of Transformer Engine's.
@@ -392,7 +330,7 @@ def test_megatron_core_tp2_one_query_group_refits_into_vllm_tp2(tmp_path):
         model.save_pretrained(tmp_path / "converted")
         stop(llm)
         llm = None
-        fresh = start(tmp_path / "converted")
+        fresh = start(str(tmp_path / "converted"), TP)
         assert_same(got, generate(fresh))
     finally:
         for c in commands:

