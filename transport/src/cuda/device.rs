@@ -19,7 +19,7 @@
 
 use crate::cuda::comm::Progress;
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
-use crate::cuda::ipc::{BucketLayout, IpcHandle};
+use crate::cuda::ipc::{BucketLayout, IpcHandle, Mapped, Mappings};
 use crate::cuda::kernels::{self, CastBox};
 use crate::cuda::quantplan::{CodesLaunch, QuantPlan, ScalesLaunch};
 use crate::memory::RankMemory;
@@ -640,25 +640,43 @@ enum Storage {
     Bucket { ctx: Arc<CudaContext>, base: u64 },
     /// Memory the user owns (registered without a copy); never freed here.
     User,
-    /// Another process's bucket mapped into this one, unmapped on drop.
-    Imported { ctx: Arc<CudaContext>, base: u64 },
+    /// A bucket exported by IPC, reached through the process's mapping of
+    /// its handle (shared with this process's other imports of it, closed
+    /// by the last: [`ipc_mappings`]) or, exported by this process, the
+    /// exporter's allocation itself.
+    Imported { ctx: Arc<CudaContext>, handle: IpcHandle, mapped: Mapped<u64> },
+}
+
+/// This process's CUDA IPC mappings: CUDA maps a handle once per process
+/// and never in its exporter, so every import goes through one table.
+fn ipc_mappings() -> &'static Mappings<u64> {
+    static MAPPINGS: OnceLock<Mappings<u64>> = OnceLock::new();
+    MAPPINGS.get_or_init(Mappings::default)
 }
 
 impl Drop for Storage {
     fn drop(&mut self) {
         match self {
             Storage::Bucket { ctx, base } => {
+                // Imports of its handle in this process no longer resolve
+                // to it.
+                ipc_mappings().unexported(*base);
                 // SAFETY: `base` is our allocation; cuMemFree waits for
                 // work still using it, and nothing names it after this.
                 let _ = ctx.bind_to_thread();
                 let _ = unsafe { sys::cuMemFree_v2(*base) };
             }
-            Storage::Imported { ctx, base } => {
-                // SAFETY: `base` came from cuIpcOpenMemHandle in this
-                // context; closing waits for nothing but unmaps, and no
-                // address inside it is used after this.
-                let _ = ctx.bind_to_thread();
-                let _ = unsafe { sys::cuIpcCloseMemHandle(*base) };
+            Storage::Imported { ctx, handle, mapped } => {
+                ipc_mappings().release(handle, *mapped, |base| {
+                    // SAFETY: `base` came from cuIpcOpenMemHandle in this
+                    // process, and this was the last import using it (the
+                    // table counts them, and closes under its lock, so no
+                    // import can take the mapping meanwhile); closing
+                    // waits for nothing but unmaps, and no address inside
+                    // it is used after this.
+                    let _ = ctx.bind_to_thread();
+                    let _ = unsafe { sys::cuIpcCloseMemHandle(base) };
+                });
             }
             Storage::User => {}
         }
@@ -791,13 +809,16 @@ impl DeviceMemory {
         no_panic(&what, || unsafe { sys::cuIpcGetMemHandle(&mut raw, base) }.result().map_err(|e| e.to_string()))
             .map_err(|error| GpuError::Driver { what: what.clone(), error })?;
         let bytes: Vec<u8> = raw.reserved.iter().map(|&c| c as u8).collect();
-        IpcHandle::from_bytes(&bytes).map_err(|e| GpuError::Invalid { what, problem: e.to_string() })
+        let handle = IpcHandle::from_bytes(&bytes).map_err(|e| GpuError::Invalid { what, problem: e.to_string() })?;
+        ipc_mappings().exported(handle, base);
+        Ok(handle)
     }
 
-    /// Maps another process's bucket (from [`DeviceMemory::export_ipc`]) for
-    /// rank `owner` with buffer list `specs` (the exporter's). The mapping
-    /// is closed when the value is dropped. In the exporting process itself
-    /// CUDA refuses (use the bucket directly).
+    /// Maps a bucket exported by [`DeviceMemory::export_ipc`] for rank
+    /// `owner` with buffer list `specs` (the exporter's). Every import of
+    /// one handle in this process shares one mapping, closed when the last
+    /// of them is dropped; a handle this process exported is the exporter's
+    /// own allocation (CUDA opens neither twice nor in the exporter).
     ///
     /// # Safety
     /// The exporter must keep the bucket allocated while the mapping lives,
@@ -812,12 +833,16 @@ impl DeviceMemory {
         for (d, &b) in raw.reserved.iter_mut().zip(handle.as_bytes()) {
             *d = b as std::ffi::c_char;
         }
-        let mut base: sys::CUdeviceptr = 0;
         let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
-        // SAFETY: valid out-parameter; the handle is bytes CUDA checks.
-        no_panic(&what, || unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags) }.result().map_err(|e| e.to_string()))
-            .map_err(|error| GpuError::Driver { what, error })?;
-        Ok(DeviceMemory::laid_out(owner, Storage::Imported { ctx: dev.ctx.clone(), base }, base, &layout, specs))
+        let mapped = ipc_mappings().acquire(handle, || {
+            let mut base: sys::CUdeviceptr = 0;
+            // SAFETY: valid out-parameter; the handle is bytes CUDA checks.
+            no_panic(&what, || unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags) }.result().map_err(|e| e.to_string()))
+                .map_err(|error| GpuError::Driver { what: what.clone(), error })?;
+            Ok(base)
+        })?;
+        let storage = Storage::Imported { ctx: dev.ctx.clone(), handle: *handle, mapped };
+        Ok(DeviceMemory::laid_out(owner, storage, mapped.base(), &layout, specs))
     }
 
     /// Device buffers for every program (contents undefined).
