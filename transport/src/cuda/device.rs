@@ -871,19 +871,32 @@ impl DeviceMemory {
     }
 
     /// Copies host buffers of the same sizes to the device (waits).
+    ///
+    /// The copies are queued on the device's stream, so they follow every
+    /// earlier use of the buffers there and precede every later one (a
+    /// plain `cuMemcpyHtoD` runs on the legacy stream, which the device's
+    /// non-blocking stream is not ordered against, and may return before a
+    /// pageable copy reached the device).
     pub fn upload(&mut self, dev: &GpuDevice, host: &RankMemory) -> Result<(), GpuError> {
         self.check_host(host)?;
         dev.bind()?;
+        let mut queued = Ok(());
         for (i, (&addr, h)) in self.addrs.iter().zip(&host.buffers).enumerate() {
             if !h.is_empty() {
                 // SAFETY: the device buffer holds h.len() bytes (checked);
-                // the host bytes outlive the call, which waits.
-                unsafe { sys::cuMemcpyHtoD_v2(addr, h.as_ptr().cast(), h.len()) }
+                // the host bytes outlive the stream's work, which this
+                // function waits for below, on the error path too.
+                queued = unsafe { sys::cuMemcpyHtoDAsync_v2(addr, h.as_ptr().cast(), h.len(), dev.stream.cu_stream()) }
                     .result()
-                    .map_err(driver(format!("{} buffer {i}: upload", self.owner)))?;
+                    .map_err(driver(format!("{} buffer {i}: upload", self.owner)));
+                if queued.is_err() {
+                    break;
+                }
             }
         }
-        dev.synchronize()
+        // Whatever was queued has read the host bytes before they can go.
+        let waited = dev.synchronize();
+        queued.and(waited)
     }
 
     /// Copies the buffers back to the host (waits).
