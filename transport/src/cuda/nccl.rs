@@ -246,11 +246,12 @@ impl CommBackend for NcclBackend {
         // SAFETY: a communicator we created and nobody uses any more; the
         // slot is cleared first, so it is never aborted twice.
         match unsafe { result::comm_abort(comm) } {
-            Ok(result::NcclStatus::Success) => Ok(Progress::Ready),
-            // A non-blocking communicator: the teardown goes on in NCCL's
-            // own thread and frees the communicator (never touch it again).
-            // It is over for our memory once the work NCCL queued on our
-            // stream has ended, which an event recorded now tells.
+            // A non-blocking communicator tears down in NCCL's own thread,
+            // which frees the communicator (never touch it again), and
+            // ncclCommAbort may answer success or "in progress" while that
+            // goes on: either way the teardown is over for our memory only
+            // once the work NCCL queued on our stream has ended, which an
+            // event recorded now tells. Success is never taken as done.
             Ok(_) => {
                 self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
                 self.teardown = Some(self.stream.record_event(None).map_err(|e| format!("after ncclCommAbort: {e}"))?);
