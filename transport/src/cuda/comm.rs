@@ -110,9 +110,39 @@ pub trait CommBackend {
 
 /// A raw CUDA event handle (`CUevent`) recorded on a stream whose work a
 /// group must wait for. The event must stay alive until the group call that
-/// names it returns (CUDA keeps what a queued wait needs after that).
+/// names it returns (CUDA keeps what a queued wait needs after that): a
+/// [`Fence`] carries it with what keeps it alive.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RawEvent(pub u64);
+
+/// The event a group waits for ([`CommHandle::group`]) and what keeps it
+/// alive. The communicator's thread holds the keeper until its group call
+/// has returned, so a thread that is stuck in the call, and abandoned by
+/// its caller, never names an event that was destroyed meanwhile.
+#[derive(Clone)]
+pub struct Fence {
+    event: RawEvent,
+    /// Held for its lifetime only: the event's owner.
+    _keep: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl Fence {
+    /// `event`, alive as long as `keep` is (the event's owner).
+    pub fn new(event: RawEvent, keep: Arc<dyn std::any::Any + Send + Sync>) -> Fence {
+        Fence { event, _keep: keep }
+    }
+
+    /// The raw event.
+    pub fn event(&self) -> RawEvent {
+        self.event
+    }
+}
+
+impl std::fmt::Debug for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Fence").field(&self.event).finish()
+    }
+}
 
 /// Ranks, deadlines and polling of one communicator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -349,7 +379,7 @@ impl Drop for DoneOnDrop {
 }
 
 enum Command {
-    Group { ops: Vec<P2p>, after: u64, round: u32, deadline: Instant, reply: Sender<Result<(), Option<String>>> },
+    Group { ops: Vec<P2p>, after: Option<Fence>, round: u32, deadline: Instant, reply: Sender<Result<(), Option<String>>> },
     Check { reply: Sender<Result<(), String>> },
     Abort,
 }
@@ -460,8 +490,10 @@ fn comm_thread<B: CommBackend>(
     while let Ok(cmd) = commands.recv() {
         match cmd {
             Command::Group { ops, after, round, deadline, reply } => {
-                // Err(None): the deadline passed.
-                let r = guarded(|| backend.start_group(&ops, after, round))
+                // Err(None): the deadline passed. `after` (the fence's
+                // keeper) lives until the group is over, however long.
+                let event = after.as_ref().map_or(0, |f| f.event.0);
+                let r = guarded(|| backend.start_group(&ops, event, round))
                     .map_err(Some)
                     .and_then(|()| poll_until(&stop, deadline, config.poll_interval, || guarded(|| backend.poll_group())));
                 let _ = reply.send(r);
@@ -633,7 +665,7 @@ impl CommHandle {
     /// returns `Ok` — and, if it returns an error, for as long as the
     /// communicator may still run (never reuse or free it: the aborted
     /// communicator may still write it, or never stop).
-    pub unsafe fn group(&mut self, round: u32, ops: Vec<P2p>, after: Option<RawEvent>, deadline: Instant) -> Result<(), CommError> {
+    pub unsafe fn group(&mut self, round: u32, ops: Vec<P2p>, after: Option<Fence>, deadline: Instant) -> Result<(), CommError> {
         self.usable()?;
         let (rank, comm) = (self.config.rank, self.tag.clone());
         if let Some(op) = ops.iter().find(|op| op.peer() >= self.config.nranks) {
@@ -644,7 +676,7 @@ impl CommHandle {
         peers.dedup();
         let start = Instant::now();
         let (reply, answer) = channel();
-        if self.commands.send(Command::Group { ops, after: after.map_or(0, |e| e.0), round, deadline, reply }).is_err() {
+        if self.commands.send(Command::Group { ops, after, round, deadline, reply }).is_err() {
             self.state = State::Failed("thread gone".into());
             return Err(CommError::ThreadGone { rank, comm });
         }
@@ -762,6 +794,8 @@ mod tests {
         async_error_at: Option<(u32, String)>,
         /// Abort blocks on this until the test lets it go.
         abort_hang: Option<Receiver<()>>,
+        /// Starting a group blocks on this until the test lets it go.
+        group_hang: Option<Receiver<()>>,
         /// Abort answers "in progress"; polls until the teardown is done
         /// (None: never).
         abort_pending: Option<Option<u32>>,
@@ -786,6 +820,9 @@ mod tests {
             }
         }
         fn start_group(&mut self, ops: &[P2p], after: u64, _round: u32) -> Result<(), String> {
+            if let Some(rx) = &self.group_hang {
+                let _ = rx.recv();
+            }
             self.group_polls = 0;
             let after = if after == 0 { String::new() } else { format!(" after {after:#x}") };
             self.log.lock().unwrap().push(format!("group {ops:?}{after}"));
@@ -884,7 +921,7 @@ mod tests {
     }
 
     /// A group on a fake communicator, which never touches memory.
-    fn fake_group(h: &mut CommHandle, round: u32, ops: Vec<P2p>, after: Option<RawEvent>, deadline: Instant) -> Result<(), CommError> {
+    fn fake_group(h: &mut CommHandle, round: u32, ops: Vec<P2p>, after: Option<Fence>, deadline: Instant) -> Result<(), CommError> {
         // SAFETY: the fake backend never reads or writes the addresses.
         unsafe { h.group(round, ops, after, deadline) }
     }
@@ -923,7 +960,7 @@ mod tests {
         assert!(h.is_ready() && h.rank() == 1 && h.nranks() == 4 && h.tag() == "t0");
         let ops = vec![P2p::Send { peer: 0, addr: 0x1000, bytes: 64 }, P2p::Recv { peer: 2, addr: 0x2000, bytes: 32 }];
         fake_group(&mut h, 0, ops.clone(), None, soon()).unwrap();
-        fake_group(&mut h, 1, Vec::new(), Some(RawEvent(0xe7)), soon()).unwrap();
+        fake_group(&mut h, 1, Vec::new(), Some(Fence::new(RawEvent(0xe7), Arc::new(()))), soon()).unwrap();
         h.check(Duration::from_secs(5)).unwrap();
         assert!(matches!(h.abort(), AbortOutcome::Aborted { .. }));
         assert!(matches!(h.abort(), AbortOutcome::AlreadyClosed));
@@ -1047,5 +1084,29 @@ mod tests {
         assert_eq!(err, CommError::BadPeer { rank: 1, comm: "t9".into(), peer: 4, nranks: 4 });
         assert!(h.is_ready());
         drop(h); // asks for an abort without waiting
+    }
+
+    #[test]
+    fn a_thread_stuck_in_a_group_call_keeps_its_fence_alive() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (release, hang) = std::sync::mpsc::channel();
+        let fake = Fake { group_hang: Some(hang), ..ready_fake(&log) };
+        let mut h = CommHandle::spawn(config(), "t10", move || Ok(fake)).unwrap();
+        let event: Arc<dyn std::any::Any + Send + Sync> = Arc::new(());
+        let err =
+            fake_group(&mut h, 3, Vec::new(), Some(Fence::new(RawEvent(0xe8), event.clone())), Instant::now() + Duration::from_millis(50))
+                .unwrap_err();
+        assert!(matches!(&err, CommError::GroupTimeout { round: 3, .. }), "{err}");
+        // The caller gave up; the thread is still inside the call, and still
+        // holds the event's owner, whatever the caller drops.
+        assert_eq!(Arc::strong_count(&event), 2);
+        release.send(()).unwrap();
+        let start = Instant::now();
+        while Arc::strong_count(&event) > 1 {
+            assert!(start.elapsed() < Duration::from_secs(5), "the thread never let the fence go");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(log.lock().unwrap().iter().any(|l| l.contains("after 0xe8")));
+        drop(h);
     }
 }

@@ -15,7 +15,7 @@
 //! stream, an event ordering each group after the packing).
 
 use crate::copy::fits;
-use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, P2p, PendingComm, Progress, RawEvent};
+use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, Fence, P2p, PendingComm, Progress, RawEvent};
 use crate::cuda::device::{event_progress, no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, PinnedStaging};
 use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops};
 use crate::cuda::id::CommId;
@@ -337,7 +337,7 @@ pub struct GpuPlane<'a> {
     host: [PinnedStaging; 2],
     send: DeviceStaging,
     recv: DeviceStaging,
-    fence: Option<CudaEvent>,
+    fence: Option<Arc<CudaEvent>>,
     /// An exported send-staging bucket (the IPC communicator's) used
     /// instead of `send`: base and bytes.
     bucket: Option<(u64, usize)>,
@@ -440,11 +440,11 @@ impl PlaneMemory for GpuPlane<'_> {
         convert_on_host(dev, &mut self.host, &step, from.0, &dsts).map(|_| ())
     }
 
-    fn fence(&mut self) -> Result<Option<RawEvent>, String> {
-        let ev = self.dev.fence().map_err(|e| e.to_string())?;
+    fn fence(&mut self) -> Result<Option<Fence>, String> {
+        let ev = Arc::new(self.dev.fence().map_err(|e| e.to_string())?);
         let raw = RawEvent(ev.cu_event() as u64);
-        self.fence = Some(ev);
-        Ok(Some(raw))
+        self.fence = Some(ev.clone());
+        Ok(Some(Fence::new(raw, ev)))
     }
 
     fn abandon_staging(&mut self) -> u64 {

@@ -25,7 +25,7 @@
 //! their owner untouched by the communicator.
 
 use crate::copy::{fits, packed_strides};
-use crate::cuda::comm::{CommError, CommHandle, P2p, RawEvent};
+use crate::cuda::comm::{CommError, CommHandle, Fence, P2p};
 use crate::cuda::copyplan::packed_offsets;
 use crate::exec::RankStats;
 use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
@@ -65,7 +65,7 @@ pub trait PlaneMemory {
     /// Marks everything queued so far; the next group starts after it. The
     /// event (if any) stays alive until the next call of `fence` or
     /// `finish`.
-    fn fence(&mut self) -> Result<Option<RawEvent>, String>;
+    fn fence(&mut self) -> Result<Option<Fence>, String>;
     /// A group failed while the communicator may still use the staging:
     /// never reuse or free it. Returns the bytes given up.
     fn abandon_staging(&mut self) -> u64;

@@ -22,7 +22,7 @@
 //! simulated communicator unless a fabric names a simulated world.
 
 use crate::copy::{copy_strided, fits, packed_strides, StridedRef};
-use crate::cuda::comm::{CommBackend, P2p, Progress, RawEvent};
+use crate::cuda::comm::{CommBackend, Fence, P2p, Progress};
 use crate::cuda::id::CommId;
 use crate::cuda::ipc::IpcHandle;
 use crate::cuda::ipc_comm::IpcMemory;
@@ -525,7 +525,7 @@ impl PlaneMemory for SimMemory<'_> {
         Ok(())
     }
 
-    fn fence(&mut self) -> Result<Option<RawEvent>, String> {
+    fn fence(&mut self) -> Result<Option<Fence>, String> {
         // Host copies are done when `move_piece` returns.
         Ok(None)
     }
