@@ -416,7 +416,11 @@ impl PlaneMemory for GpuPlane<'_> {
         }
         let dev = self.dev;
         let direct = from.2 == wire && to.iter().all(|t| t.2 == wire);
-        let kernels = if direct { None } else { dev.kernels().ok() };
+        let (kernels, missing) = match (!direct).then(|| dev.kernels()) {
+            Some(Ok(k)) => (Some(k), None),
+            Some(Err(e)) => (None, Some(e)),
+            None => (None, None),
+        };
         if direct || kernels.is_some() {
             // Sender packing (to = wire), receiver unpacking (from = wire)
             // and local copies (wire = to) change the dtype once: no scratch.
@@ -437,6 +441,11 @@ impl PlaneMemory for GpuPlane<'_> {
             local: false,
         };
         let dsts: Vec<u64> = to.iter().map(|t| t.0).collect();
+        let why = match missing {
+            Some(e) => format!("the cast kernels did not load: {e}"),
+            None => "the copy kernels do not take this piece's strides".to_string(),
+        };
+        fell_back(self.memory.owner(), "converted a piece", &why);
         convert_on_host(dev, &mut self.host, &step, from.0, &dsts).map(|_| ())
     }
 
@@ -459,7 +468,7 @@ impl PlaneMemory for GpuPlane<'_> {
         // Block-scaled FP8 destinations: quantized from the whole blocks
         // received, on the device where it can.
         match crate::cuda::device::quantize_rank_on(self.dev, self.memory, program)? {
-            crate::cuda::device::Quantized::OnHost(why) => tracing::debug!(rank = %program.endpoint, why, "quantized on the host"),
+            crate::cuda::device::Quantized::OnHost(why) => fell_back(program.endpoint, "quantized its block-scaled tensors", &why),
             crate::cuda::device::Quantized::OnDevice | crate::cuda::device::Quantized::Nothing => {}
         }
         Ok(())
@@ -467,6 +476,25 @@ impl PlaneMemory for GpuPlane<'_> {
 }
 
 static LEAKED_STAGING: AtomicU64 = AtomicU64::new(0);
+static HOST_FALLBACKS: AtomicU64 = AtomicU64::new(0);
+
+/// Work this process's GPU planes (NCCL, IPC) did on the host because the
+/// device kernels could not: a piece converted between dtypes through
+/// host staging (the kernels did not load, or do not take its strides),
+/// or a rank's block-scaled tensors quantized on the host. Zero on a
+/// healthy GPU; each is logged, the first as a warning. Correct either
+/// way, but slow: a check of a GPU should fail on any.
+pub fn host_fallbacks() -> u64 {
+    HOST_FALLBACKS.load(Ordering::SeqCst)
+}
+
+fn fell_back(rank: Endpoint, what: &str, why: &str) {
+    if HOST_FALLBACKS.fetch_add(1, Ordering::SeqCst) == 0 {
+        tracing::warn!(rank = %rank, why, "{what} on the host, not the GPU (transport::cuda::nccl::host_fallbacks counts these)");
+    } else {
+        tracing::debug!(rank = %rank, why, "{what} on the host");
+    }
+}
 
 /// Bytes of device staging this process left allocated on purpose, because
 /// an NCCL group failed while it may still have been using them (they stay
