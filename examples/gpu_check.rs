@@ -34,7 +34,10 @@
 //!    put two ranks of a communicator): refits through the orchestrator
 //!    on the NCCL fabric, one source rank (f32) and a destination rank
 //!    (bf16, row shards) per further GPU, three versions on one
-//!    communicator, every destination element checked.
+//!    communicator, every destination element checked;
+//! 9. `no-host-fallbacks`: the GPU planes of this process converted no
+//!    piece and quantized no tensor on the host
+//!    (`transport::cuda::nccl::host_fallbacks`).
 
 #[cfg(feature = "cuda")]
 fn main() -> std::process::ExitCode {
@@ -702,6 +705,17 @@ mod check {
             }
             Err(e) => r.record("orchestrator", Err(format!("counting GPUs: {e}"))),
         }
+        // Correct but slow is a failure here: this process's GPU planes
+        // did everything on the device.
+        let fallbacks = transport::cuda::nccl::host_fallbacks();
+        r.record(
+            "no-host-fallbacks",
+            if fallbacks == 0 {
+                Ok(("no piece converted or tensor quantized on the host".into(), json!({ "host_fallbacks": 0 })))
+            } else {
+                Err(format!("{fallbacks} piece(s) or quantization(s) done on the host instead of the GPU (the log's first warning says why)"))
+            },
+        );
         if json {
             println!(
                 "{}",
