@@ -644,7 +644,7 @@ enum Storage {
     /// its handle (shared with this process's other imports of it, closed
     /// by the last: [`ipc_mappings`]) or, exported by this process, the
     /// exporter's allocation itself.
-    Imported { ctx: Arc<CudaContext>, handle: IpcHandle, mapped: Mapped<u64> },
+    Imported { ctx: Arc<CudaContext>, handle: Box<IpcHandle>, mapped: Mapped<u64> },
 }
 
 /// This process's CUDA IPC mappings: CUDA maps a handle once per process
@@ -841,7 +841,7 @@ impl DeviceMemory {
                 .map_err(|error| GpuError::Driver { what: what.clone(), error })?;
             Ok(base)
         })?;
-        let storage = Storage::Imported { ctx: dev.ctx.clone(), handle: *handle, mapped };
+        let storage = Storage::Imported { ctx: dev.ctx.clone(), handle: Box::new(*handle), mapped };
         Ok(DeviceMemory::laid_out(owner, storage, mapped.base(), &layout, specs))
     }
 
