@@ -713,7 +713,9 @@ mod check {
             if fallbacks == 0 {
                 Ok(("no piece converted or tensor quantized on the host".into(), json!({ "host_fallbacks": 0 })))
             } else {
-                Err(format!("{fallbacks} piece(s) or quantization(s) done on the host instead of the GPU (the log's first warning says why)"))
+                Err(format!(
+                    "{fallbacks} piece(s) or quantization(s) done on the host instead of the GPU (the log's first warning says why)"
+                ))
             },
         );
         if json {
