@@ -157,6 +157,24 @@ def _torch_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+def _wait_for_producers(objects: Any) -> None:
+    """Waits until the work queued so far on torch's current CUDA stream of
+    every device among ``objects`` (torch CUDA tensors) has finished: an
+    optimizer's kernels that write weights in place run there, and refit's
+    own streams are not ordered after torch's, so a refit must not read
+    before they end. Host arrays and other objects need nothing."""
+    torch = _sys.modules.get("torch")
+    if torch is None:
+        return
+    devices = []
+    for obj in objects:
+        obj = _local(obj)
+        if _torch_tensor(obj) and obj.is_cuda and obj.device not in devices:
+            devices.append(obj.device)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _torch_dtype_name(dtype: Any) -> Optional[str]:
     torch = _sys.modules.get("torch")
     if torch is None:
@@ -582,7 +600,11 @@ class Source(_Rank):
         reads, holds the version fence while the block writes the arrays,
         and on leaving without an exception the version goes up by one
         (``version``). An exception keeps the version and tears the source
-        (refits refuse it until the next step succeeds)."""
+        (refits refuse it until the next step succeeds). For CUDA tensors
+        the version goes up only once the work queued on torch's current
+        stream of their devices (the optimizer's kernels) has finished; work
+        on other streams must be finished, or waited for on the current
+        stream, inside the block."""
         if self._in_place is None:
             raise TensorError(f"src rank {self.rank}: stepping() is for in-place sources; use step()")
         self._store.check()
@@ -590,6 +612,9 @@ class Source(_Rank):
         ok = False
         try:
             yield
+            # The step's kernels (on torch's current streams) end before
+            # the version is raised and a refit may read the weights.
+            _wait_for_producers(self._in_place.values())
             ok = True
         finally:
             self._store.end_step(ok)
