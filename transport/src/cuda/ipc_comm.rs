@@ -51,7 +51,9 @@ pub trait IpcMemory: Send {
     unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), String>;
     /// Whether every copy queued so far is done.
     fn pulled(&mut self) -> Result<Progress, String>;
-    /// Gives the bucket up without freeing it: a peer may still read it.
+    /// Gives the bucket up without freeing it (a peer may still read it),
+    /// and keeps the peers' buckets mapped for good while this rank's own
+    /// copies from them may still run.
     fn abandon(&mut self);
 }
 
@@ -352,6 +354,13 @@ pub mod gpu {
         fn abandon(&mut self) {
             // Never unmapped or freed: a peer may still read it.
             std::mem::forget(self.bucket.take());
+            // Copies this rank queued from peers' mapped buckets may still
+            // run: closing those mappings under them would fault the
+            // context (which the framework's own work shares). Unless the
+            // last copy is known to be done, keep them mapped for good.
+            if !matches!(self.pulled(), Ok(Progress::Ready)) {
+                std::mem::forget(std::mem::take(&mut self.peers));
+            }
         }
     }
 }
