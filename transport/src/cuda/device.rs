@@ -19,7 +19,7 @@
 
 use crate::cuda::comm::Progress;
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
-use crate::cuda::ipc::{BucketLayout, IpcHandle, Mapped, Mappings};
+use crate::cuda::ipc::{within_allocation, BucketLayout, IpcHandle, Mapped, Mappings};
 use crate::cuda::kernels::{self, CastBox};
 use crate::cuda::quantplan::{CodesLaunch, QuantPlan, ScalesLaunch};
 use crate::memory::RankMemory;
@@ -842,7 +842,20 @@ impl DeviceMemory {
             Ok(base)
         })?;
         let storage = Storage::Imported { ctx: dev.ctx.clone(), handle: Box::new(*handle), mapped };
-        Ok(DeviceMemory::laid_out(owner, storage, mapped.base(), &layout, specs))
+        // Made before the check, so that an error drops it (its share of
+        // the mapping released).
+        let memory = DeviceMemory::laid_out(owner, storage, mapped.base(), &layout, specs);
+        // The bucket's size comes from the peer: believe the driver's
+        // allocation instead.
+        let (mut range_base, mut range_size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: valid out-parameters; `mapped.base()` is an address the
+        // driver gave this process (mapped or its own), held by `memory`.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut range_base, &mut range_size, mapped.base()) }
+            .result()
+            .map_err(driver(format!("{owner}: the mapped bucket's allocation")))?;
+        within_allocation(mapped.base(), layout.bytes, range_base, range_size as u64)
+            .map_err(|problem| GpuError::Invalid { what: format!("{owner}: a CUDA IPC bucket"), problem })?;
+        Ok(memory)
     }
 
     /// Device buffers for every program (contents undefined).
@@ -884,8 +897,11 @@ impl DeviceMemory {
         for (i, (&addr, h)) in self.addrs.iter().zip(&host.buffers).enumerate() {
             if !h.is_empty() {
                 // SAFETY: the device buffer holds h.len() bytes (checked);
-                // the host bytes outlive the stream's work, which this
-                // function waits for below, on the error path too.
+                // the host bytes are borrowed for the whole call, and the
+                // driver copies pageable memory to its staging before this
+                // returns; the stream's work is waited for below, on the
+                // error path too (a failed wait means a failed context,
+                // which runs nothing more).
                 queued = unsafe { sys::cuMemcpyHtoDAsync_v2(addr, h.as_ptr().cast(), h.len(), dev.stream.cu_stream()) }
                     .result()
                     .map_err(driver(format!("{} buffer {i}: upload", self.owner)));

@@ -125,6 +125,20 @@ impl BucketLayout {
     }
 }
 
+/// Checks that `bytes` from `base` lie inside the allocation
+/// `[range_base, range_base + range_size)` the driver reports for `base`:
+/// the size of a peer's bucket comes from the peer, the allocation from
+/// the driver, and only the second is believed. Checked arithmetic: a
+/// size past the address space is refused, never wrapped.
+pub fn within_allocation(base: u64, bytes: u64, range_base: u64, range_size: u64) -> Result<(), String> {
+    let inside = base.checked_sub(range_base).filter(|&skip| skip <= range_size).map(|skip| range_size - skip);
+    match inside {
+        Some(room) if bytes <= room => Ok(()),
+        Some(room) => Err(format!("{bytes} bytes claimed at {base:#x}, but its allocation holds {room} from there")),
+        None => Err(format!("{base:#x} is outside the allocation {range_base:#x}..+{range_size} the driver reports")),
+    }
+}
+
 /// How an import of a handle reaches the memory ([`Mappings::acquire`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mapped<V> {
@@ -349,5 +363,18 @@ mod tests {
             });
         }
         assert_eq!(closes.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_bucket_larger_than_its_allocation_is_refused() {
+        assert_eq!(within_allocation(0x1000, 0x100, 0x1000, 0x100), Ok(()));
+        assert_eq!(within_allocation(0x1080, 0x80, 0x1000, 0x100), Ok(()));
+        assert!(within_allocation(0x1000, 0x101, 0x1000, 0x100).unwrap_err().contains("holds 256"));
+        assert!(within_allocation(0x1080, 0x81, 0x1000, 0x100).is_err());
+        assert!(within_allocation(0xfff, 1, 0x1000, 0x100).unwrap_err().contains("outside"));
+        assert!(within_allocation(0x1101, 0, 0x1000, 0x100).is_err());
+        // A size past the address space, or a range that wraps, never passes.
+        assert!(within_allocation(0x1000, u64::MAX, 0x1000, 0x100).is_err());
+        assert!(within_allocation(u64::MAX, 1, u64::MAX - 1, 1).is_err());
     }
 }
