@@ -185,15 +185,14 @@ class _Shadows:
         return out
 
     def never_loaded(self) -> List[str]:
-        """The parameters no load has written (tied parameters once)."""
+        """The parameters no load has written (a tied parameter counts as
+        loaded through any of its names), each named once."""
+        loaded = {id(param) for layer, name, param in self.live if (id(layer), name) in self.loaded}
         seen, out = set(), []
         for layer, name, param in self.live:
-            key = (id(layer), name)
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            if key not in self.loaded and not any((id(l), n) in self.loaded for l, n, p in self.live if p is param):
-                out.append(self.names[key])
+            if id(param) not in loaded and id(param) not in seen:
+                seen.add(id(param))
+                out.append(self.names[(id(layer), name)])
         return out
 
     def restore(self) -> None:

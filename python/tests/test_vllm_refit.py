@@ -103,6 +103,18 @@ def check_bad_training_layouts(llm, orch, state, want):
     assert_same(generate(llm), want)
 
 
+def fail_a_refit(trainer, rollouts, state, torn):
+    """Steps every training rank to `state`, tears rank `torn` by a failed
+    step, and checks that the refit of the others' version fails (each
+    other rank sends its part first)."""
+    trainer.step(state)
+    with pytest.raises(RuntimeError):
+        with trainer.sources[torn].stepping():
+            raise RuntimeError("the optimizer step failed")
+    with pytest.raises(refit.RefitError):
+        rollouts.refit(trainer.sources[1 - torn].version)
+
+
 def held_boxes(worker):
     """What a worker handed its model: [(tensor, offset, extent, values)]."""
     engine = worker.weight_transfer_engine
@@ -189,12 +201,7 @@ def test_refit_into_a_running_vllm_equals_a_fresh_engine(case, tmp_path, monkeyp
 
         # A refit that fails mid-way (training rank 1 torn by a failed
         # step; rank 0 sends its part) changes nothing the engine serves.
-        trainer.step(state_a)
-        with pytest.raises(RuntimeError):
-            with trainer.sources[1].stepping():
-                raise RuntimeError("the optimizer step failed")
-        with pytest.raises(refit.RefitError):
-            rollouts.refit(trainer.sources[0].version)
+        fail_a_refit(trainer, rollouts, state_a, torn=1)
         assert_same(generate(llm), want_b)
         assert llm.get_weight_version() == str(v)
 
@@ -243,12 +250,7 @@ def test_two_replicas_take_each_refit_together_or_not_at_all(tmp_path, monkeypat
             assert llm.get_weight_version() == str(v)
 
         # Torn training rank: neither replica changes.
-        trainer.step(state_b)
-        with pytest.raises(RuntimeError):
-            with trainer.sources[0].stepping():
-                raise RuntimeError("the optimizer step failed")
-        with pytest.raises(refit.RefitError):
-            rollouts.refit(trainer.sources[1].version)
+        fail_a_refit(trainer, rollouts, state_b, torn=0)
         for llm in engines:
             assert [t for t, _ in generate(llm)] == want_a
             assert llm.get_weight_version() == str(v)
