@@ -1,43 +1,58 @@
-//! The GPU check (`scripts/gpu-check.sh` runs it on a machine with one
-//! NVIDIA GPU; `cargo run --release --example gpu_check --features cuda`).
-//! Each check prints one line, `PASS <check>: ...` or `FAIL <check>: ...`,
-//! and the run ends with `N passed, N failed` (with `--json`: one JSON
-//! object per check, then one with the totals). Exit code 0 if every check
-//! passed, 1 if one failed, 2 if CUDA is unavailable.
+//! The GPU check: `scripts/gpu-check.sh` builds it (`--build`, with the
+//! `cuda` feature) and runs it on a machine with one NVIDIA GPU and no Rust
+//! toolchain. The runner starts every check as a process of its own
+//! (`gpu_check --only NAME --root DIR`) with its own timeout, so a fault or
+//! a hang in one cannot void the rest, NCCL last; it prints one line per
+//! check (`--json`: one JSON object), writes them all to
+//! `OUT/gpu-check.json` after each check (`--out OUT`), and stops starting
+//! checks when `--budget S` seconds are spent. A check that converted a
+//! piece or quantized a tensor on the host instead of the device fails.
+//! Exit code 0 if every check passed, 1 if one failed, 2 if CUDA is
+//! unavailable. `--list`: each check's name, timeout and expected seconds.
+//! `--root` is the folder holding `examples/` (paths are given at run time,
+//! never compiled in).
 //!
-//! 1. `kernels`: the cast kernels on the device against the host
-//!    conversion, over every 16-bit value and a million f32 values;
-//! 2. `layouts`: every example layout pair (`examples/*/`), reshard and
-//!    baseline, run on the device (ranks as separate buckets of the one GPU;
-//!    dtype changes by the cast kernels) and byte-compared with the host
-//!    executor's result;
-//! 3. `ipc`: a colocated refit between two processes on one GPU: a child
-//!    process holds the source ranks and exports each rank's bucket as one
-//!    CUDA IPC handle; this process maps them, runs the refit into its own
-//!    buckets, verifies every destination element, and lets the child go;
-//! 4. `nccl`: a one-rank NCCL communicator created (non-blocking, polled),
-//!    an empty group, a 64 MiB send/receive to itself (verified), an abort
-//!    that returns within its deadline, then the same with a new id;
-//! 5. `throughput`: a device refit of `llama3-8b --scale 2` (verified)
-//!    against a `cuMemcpyDtoD` of the same bytes in the same run; passes at
-//!    a ratio of at least 0.7;
-//! 6. `orchestrator-ipc`: a colocated refit through the orchestrator on the
-//!    CUDA IPC fabric: a child process serves two source members (f32, row
-//!    shards) on GPU 0 through a rendezvous, this process two destination
-//!    members (bf16, column shards) on the same GPU; every destination
-//!    element checked;
-//! 7. `orchestrator-ipc-in-place`: the same with each destination serving
-//!    its weights in device buffers of this process registered in place
-//!    (`DstStore::registered`): the refit stages on the GPU and its commit
-//!    copies into them; checked by reading them back inside `serve`;
-//! 8. `orchestrator` (2 GPUs or more; skipped on one, where NCCL cannot
-//!    put two ranks of a communicator): refits through the orchestrator
-//!    on the NCCL fabric, one source rank (f32) and a destination rank
-//!    (bf16, row shards) per further GPU, three versions on one
-//!    communicator, every destination element checked;
-//! 9. `no-host-fallbacks`: the GPU planes of this process converted no
-//!    piece and quantized no tensor on the host
-//!    (`transport::cuda::nccl::host_fallbacks`).
+//! - `environment`: driver, NCCL and NVRTC versions, the device and its
+//!   UUID; passes when the cast kernels are the shipped PTX (NVRTC's build
+//!   for the device is tried and reported);
+//! - `kernels`: the cast kernels on the device against the host
+//!   conversion, over every 16-bit value and a million f32 values;
+//! - `layouts`: every example layout pair (`examples/*/`), reshard and
+//!   baseline, run on the device (ranks as separate buckets of the one GPU;
+//!   dtype changes by the cast kernels) and byte-compared with the host
+//!   executor's result;
+//! - `ipc`: a colocated refit between two processes on one GPU: a child
+//!   process holds the source ranks and exports each rank's bucket as one
+//!   CUDA IPC handle; this process maps them, runs the refit into its own
+//!   buckets, verifies every destination element, and lets the child go;
+//! - `throughput`: a device refit of `llama3-8b --scale 2` (verified)
+//!   against a `cuMemcpyDtoD` of the same bytes in the same run; passes at
+//!   a ratio of at least 0.7;
+//! - `orchestrator-ipc`: a colocated refit through the orchestrator on the
+//!   CUDA IPC fabric: a child process serves two source members (f32, row
+//!   shards) on GPU 0 through a rendezvous, this process two destination
+//!   members (bf16, column shards) on the same GPU; every destination
+//!   element checked;
+//! - `orchestrator-ipc-in-place`: the same with each destination serving
+//!   its weights in device buffers of this process registered in place
+//!   (`DstStore::registered`): the refit stages on the GPU and its commit
+//!   copies into them; checked by reading them back inside `serve`;
+//! - `ipc-abort-in-flight`: an IPC rank gives up while its 8 GiB copy
+//!   from another process's bucket runs; the context still copies and
+//!   casts afterwards (the peer's mapping was kept, not closed under it);
+//! - `nccl-same-device`: four members on one GPU through the orchestrator
+//!   on the NCCL fabric: refused before any communicator, within seconds;
+//! - `nccl-missing-peer`: a communicator of two with one rank and a 3 s
+//!   creation timeout: answered within the creation and abort timeouts
+//!   (aborted, or its thread counted as abandoned);
+//! - `nccl`: a one-rank NCCL communicator created (non-blocking, polled),
+//!   an empty group, a 64 MiB send/receive to itself (verified), an abort
+//!   that returns within its deadline, then the same with a new id;
+//! - `orchestrator` (2 GPUs or more; skipped on one, where NCCL cannot
+//!   put two ranks of a communicator): refits through the orchestrator
+//!   on the NCCL fabric, one source rank (f32) and a destination rank
+//!   (bf16, row shards) per further GPU, three versions on one
+//!   communicator, every destination element checked.
 
 #[cfg(feature = "cuda")]
 fn main() -> std::process::ExitCode {
@@ -70,37 +85,6 @@ mod check {
 
     const TARGET_RATIO: f64 = 0.7;
 
-    struct Report {
-        json: bool,
-        passed: u32,
-        failed: u32,
-    }
-
-    impl Report {
-        fn record(&mut self, check: &str, result: Result<(String, Value), String>) {
-            let ok = result.is_ok();
-            if ok {
-                self.passed += 1;
-            } else {
-                self.failed += 1;
-            }
-            let (line, fields) = match result {
-                Ok((line, fields)) => (line, fields),
-                Err(e) => (e.clone(), json!({ "error": e })),
-            };
-            if self.json {
-                let mut v = json!({ "check": check, "ok": ok });
-                if let (Value::Object(m), Value::Object(f)) = (&mut v, fields) {
-                    m.extend(f);
-                }
-                println!("{v}");
-            } else {
-                println!("{} {check}: {line}", if ok { "PASS" } else { "FAIL" });
-            }
-            let _ = std::io::stdout().flush();
-        }
-    }
-
     fn e2s(e: impl std::fmt::Display) -> String {
         e.to_string()
     }
@@ -124,7 +108,8 @@ mod check {
         Ok(b.download(dev).map_err(e2s)?.buffers.remove(0))
     }
 
-    fn kernels(dev: &GpuDevice) -> Result<(String, Value), String> {
+    fn kernels(ctx: &Ctx) -> Result<(String, Value), String> {
+        let dev = &ctx.dev;
         let origin = dev.kernels()?.origin().to_string();
         let all16: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
@@ -188,8 +173,8 @@ mod check {
         Ok((back, best, first))
     }
 
-    fn example_pairs() -> Vec<(String, PathBuf, PathBuf)> {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    fn example_pairs(root: &Path) -> Vec<(String, PathBuf, PathBuf)> {
+        let root = root.join("examples");
         let mut out = Vec::new();
         if let Ok(dirs) = std::fs::read_dir(&root) {
             for d in dirs.flatten() {
@@ -208,10 +193,11 @@ mod check {
         parse_layout(&text).map_err(|e| format!("{}: {e}", path.display()))
     }
 
-    fn layout_pairs(dev: &GpuDevice) -> Result<(String, Value), String> {
-        let pairs = example_pairs();
+    fn layout_pairs(ctx: &Ctx) -> Result<(String, Value), String> {
+        let dev = &ctx.dev;
+        let pairs = example_pairs(&ctx.root);
         if pairs.is_empty() {
-            return Err("no example layouts under examples/".into());
+            return Err(format!("no example layouts under {}/examples/", ctx.root.display()));
         }
         let (mut runs, mut launches, mut staged, mut elements) = (0u64, 0u64, 0u64, 0u64);
         let (mut fp8_device, mut fp8_host) = (0u64, 0u64);
@@ -280,8 +266,9 @@ mod check {
         Ok(())
     }
 
-    fn ipc(dev: &GpuDevice) -> Result<(String, Value), String> {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/mixed-2d");
+    fn ipc(ctx: &Ctx) -> Result<(String, Value), String> {
+        let dev = &ctx.dev;
+        let dir = ctx.root.join("examples/mixed-2d");
         let (src, dst) = (load(&dir.join("src.json"))?, load(&dir.join("dst.json"))?);
         let plan = plan_reshard(&src, &dst, &PlanOptions::default()).map_err(e2s)?;
         let programs = plan.programs(&src, &dst).map_err(e2s)?;
@@ -334,7 +321,8 @@ mod check {
         Ok(r)
     }
 
-    fn nccl(dev: &GpuDevice) -> Result<(String, Value), String> {
+    fn nccl(ctx: &Ctx) -> Result<(String, Value), String> {
+        let dev = &ctx.dev;
         let abort_timeout = Duration::from_secs(10);
         let config = CommConfig { init_timeout: Duration::from_secs(60), abort_timeout, ..CommConfig::new(0, 1) };
         let bytes = 64usize << 20;
@@ -384,7 +372,8 @@ mod check {
         Ok((lines.join("; "), json!({ "attempts": fields })))
     }
 
-    fn throughput(dev: &GpuDevice) -> Result<(String, Value), String> {
+    fn throughput(ctx: &Ctx) -> Result<(String, Value), String> {
+        let dev = &ctx.dev;
         let (src, dst) = layouts(Model::Llama3_8b, 2).map_err(e2s)?;
         let plan = plan_reshard(&src, &dst, &PlanOptions::default()).map_err(e2s)?;
         let (back, best, report) = device_refit(dev, &src, &dst, &plan, 3)?;
@@ -512,12 +501,12 @@ mod check {
         InPlace,
     }
 
-    fn orchestrated_ipc(dev: &GpuDevice) -> Result<(String, Value), String> {
-        orchestrated_ipc_into(dev, Served::Stores)
+    fn orchestrated_ipc(ctx: &Ctx) -> Result<(String, Value), String> {
+        orchestrated_ipc_into(&ctx.dev, Served::Stores)
     }
 
-    fn orchestrated_ipc_in_place(dev: &GpuDevice) -> Result<(String, Value), String> {
-        orchestrated_ipc_into(dev, Served::InPlace)
+    fn orchestrated_ipc_in_place(ctx: &Ctx) -> Result<(String, Value), String> {
+        orchestrated_ipc_into(&ctx.dev, Served::InPlace)
     }
 
     /// A colocated refit through the orchestrator on the CUDA IPC fabric,
@@ -634,8 +623,410 @@ mod check {
         })
     }
 
+    /// The driver, NCCL and NVRTC versions, the device, and where the
+    /// cast kernels came from: passes when they are the shipped code (a
+    /// device on which only NVRTC's load would run slower paths silently
+    /// elsewhere). NVRTC is reported, not required.
+    fn environment(ctx: &Ctx) -> Result<(String, Value), String> {
+        use transport::cuda::device::{device_uuid, driver_version, nccl_version_text, probe_nccl};
+        let dev = &ctx.dev;
+        let driver = driver_version()?;
+        let nccl = probe_nccl().map(nccl_version_text);
+        let uuid = device_uuid(dev.ordinal())?;
+        let (major, minor) = dev.context().compute_capability().map_err(e2s)?;
+        let nvrtc = transport::cuda::kernels::nvrtc_version();
+        // NVRTC's own build of the kernels, for this device, loads too.
+        let nvrtc_kernels = dev.check_nvrtc_kernels();
+        let kernels = dev.kernels()?;
+        let fields = json!({
+            "device": dev.name(), "uuid": uuid, "compute_capability": format!("{major}.{minor}"), "driver_cuda": driver,
+            "nccl": nccl.clone().unwrap_or_else(|e| format!("unavailable: {e}")),
+            "nvrtc": nvrtc.clone().unwrap_or_else(|e| format!("unavailable: {e}")),
+            "nvrtc_kernels_load": nvrtc_kernels.clone().map(|o| format!("yes: {o}")).unwrap_or_else(|e| e),
+            "kernels": kernels.origin(), "ptx_isa": transport::cuda::kernels::shipped_ptx_isa(),
+        });
+        let line = format!(
+            "{} (sm_{major}{minor}, {uuid}), driver CUDA {driver}, NCCL {}, NVRTC {}; kernels: {}; NVRTC's build loads: {}",
+            dev.name(),
+            fields["nccl"].as_str().unwrap_or_default(),
+            fields["nvrtc"].as_str().unwrap_or_default(),
+            kernels.origin(),
+            fields["nvrtc_kernels_load"].as_str().unwrap_or_default()
+        );
+        if !kernels.shipped() {
+            return Err(format!("{line} — the shipped PTX did not load"));
+        }
+        nccl.map_err(|e| format!("{line} — NCCL: {e}"))?;
+        Ok((line, fields))
+    }
+
+    /// The `ipc-abort-in-flight` check's child: exports one bucket of
+    /// `bytes` on GPU 0, prints its handle, and keeps it until a line
+    /// arrives on stdin.
+    fn ipc_bucket(bytes: &str) -> Result<(), String> {
+        let bytes: u64 = bytes.parse().map_err(|e| format!("bucket size {bytes}: {e}"))?;
+        let dev = GpuDevice::open(0).map_err(e2s)?;
+        let mut m = DeviceMemory::for_buffers(&dev, Endpoint::src(0), &[spec(DType::U8, bytes)]).map_err(e2s)?;
+        m.zero(&dev).map_err(e2s)?;
+        let handle = m.export_ipc(&dev).map_err(e2s)?;
+        println!("{}", handle.to_hex());
+        std::io::stdout().flush().map_err(e2s)?;
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).map_err(e2s)?;
+        drop(m);
+        Ok(())
+    }
+
+    /// An IPC rank that gives up while its copy from a peer's bucket (in
+    /// another process) is still running: the peer's mapping must stay
+    /// (closing it under the copy faults the context that the framework's
+    /// own work shares). Afterwards this process's context still copies,
+    /// casts and allocates.
+    fn ipc_abort_in_flight(ctx: &Ctx) -> Result<(String, Value), String> {
+        use transport::cuda::comm::Progress;
+        use transport::cuda::ipc_comm::{gpu::GpuIpc, IpcMemory};
+        let dev = &ctx.dev;
+        let bytes: u64 = 8 << 30;
+        let exe = std::env::current_exe().map_err(e2s)?;
+        let mut child = Command::new(exe)
+            .arg("--ipc-bucket")
+            .arg(bytes.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting the exporting process: {e}"))?;
+        let result = (|| -> Result<(String, Value), String> {
+            let mut lines = std::io::BufReader::new(child.stdout.take().ok_or("no child stdout")?).lines();
+            let hex = lines.next().ok_or("the exporting process ended before sending its handle")?.map_err(e2s)?;
+            let handle = IpcHandle::from_hex(&hex).map_err(|e| format!("the exporting process's handle: {e}"))?;
+            let me = Endpoint::dst(0);
+            let (mut rank, _) = GpuIpc::export(0, me, 1 << 20)?;
+            rank.map_peer(0, Endpoint::src(0), &handle, bytes)?;
+            let target = DeviceMemory::for_buffers(dev, me, &[spec(DType::U8, bytes)]).map_err(e2s)?;
+            let t = Instant::now();
+            // SAFETY: `target` holds `bytes` bytes of this process; it is
+            // never freed if the copy may still run (forgotten below).
+            unsafe { rank.pull(0, 0, target.device_addrs()[0], bytes) }?;
+            let in_flight = rank.pulled()? == Progress::Pending;
+            rank.abandon();
+            drop(rank);
+            // The copy ends on its own; the context must still be usable.
+            dev.context().synchronize().map_err(|e| format!("the context after the abort: {e}"))?;
+            let copied = t.elapsed();
+            std::mem::forget(target);
+            let sample: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+            let mut m = DeviceMemory::for_buffers(dev, me, &[spec(DType::U8, sample.len() as u64)]).map_err(e2s)?;
+            m.upload(dev, &RankMemory { buffers: vec![sample.clone()], dtypes: vec![DType::U8] }).map_err(e2s)?;
+            if m.download(dev).map_err(e2s)?.buffers[0] != sample {
+                return Err("after the abort, bytes uploaded to the device came back different".into());
+            }
+            let f = [1.5f32, -2.25, 3.0e-3].iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+            let mut want = vec![0u8; 6];
+            convert_slice(DType::F32, &f, DType::BF16, &mut want);
+            if device_cast(dev, DType::F32, &f, DType::BF16)? != want {
+                return Err("after the abort, the cast kernel returned other bytes".into());
+            }
+            if !in_flight {
+                return Err(format!("the {bytes}-byte copy was done before the abort ({copied:?}): nothing was tested"));
+            }
+            Ok((
+                format!("aborted with an {} GiB copy from another process's bucket in flight; it finished in {copied:?}, the context then copied and cast correctly", bytes >> 30),
+                json!({ "bytes": bytes, "in_flight_at_abort": in_flight, "copy_s": copied.as_secs_f64() }),
+            ))
+        })();
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = writeln!(stdin, "done");
+        }
+        let _ = child.wait();
+        result
+    }
+
+    /// Two ranks of one communicator on this one GPU (a trainer and an
+    /// engine colocated) through the orchestrator: refused before any
+    /// communicator is made, within seconds.
+    fn nccl_same_device(_ctx: &Ctx) -> Result<(String, Value), String> {
+        use actors::{spawn, ActorGroup, SpawnConfig};
+        use orchestrator::{
+            spawn_orchestrator, CommPlane, DstStore, Fabric, Member, MemberConfig, NcclFabric, OrchestratorConfig, Role, SrcStore,
+        };
+        use std::sync::Arc;
+        let (src, dst) = (Arc::new(parse_layout(IPC_SRC).map_err(e2s)?), Arc::new(parse_layout(IPC_DST).map_err(e2s)?));
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().map_err(e2s)?;
+        rt.block_on(async {
+            let config = OrchestratorConfig { fabric: Fabric::Nccl(NcclFabric::new(CommPlane::Cuda)), ..OrchestratorConfig::default() };
+            let on_gpu0 = MemberConfig { gpu: Some(0), ..MemberConfig::default() };
+            let spawn_config = SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
+            let src_stores: Vec<_> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
+            let srcs = (0..src.ranks())
+                .map(|r| {
+                    spawn(
+                        Member::with_config(src.clone(), r, Role::Src(src_stores[r as usize].clone()), on_gpu0.clone()),
+                        spawn_config.clone(),
+                    )
+                })
+                .collect();
+            let dsts = (0..dst.ranks())
+                .map(|r| {
+                    spawn(
+                        Member::with_config(dst.clone(), r, Role::Dst(Arc::new(DstStore::new(&dst, r))), on_gpu0.clone()),
+                        spawn_config.clone(),
+                    )
+                })
+                .collect();
+            let orchestrator = spawn_orchestrator(ActorGroup::from_refs(srcs), ActorGroup::from_refs(dsts), config);
+            let mut version = 0;
+            for s in &src_stores {
+                version = s.try_update(|b| b.tensor_mut("w")?.map_f32(|at, _| ipc_value(at))).await.map_err(e2s)?.0;
+            }
+            let t = Instant::now();
+            let r = orchestrator.refit(version).await;
+            let took = t.elapsed();
+            match r {
+                Ok(_) => Err("4 ranks on one GPU: the refit ran (NCCL should never have been asked)".into()),
+                Err(e) if e.to_string().contains("on one GPU") && took < Duration::from_secs(10) => Ok((
+                    format!("refused in {took:?}: {e}"),
+                    json!({ "refused_s": took.as_secs_f64(), "abandoned_threads": transport::cuda::comm::abandoned_comm_threads() }),
+                )),
+                Err(e) => Err(format!("after {took:?}, not the same-device refusal: {e}")),
+            }
+        })
+    }
+
+    /// A communicator of two ranks of which one never comes, with a 3 s
+    /// creation timeout: creation fails by then, its cleanup abort either
+    /// finishes or its thread is counted as abandoned, and the caller is
+    /// answered within the timeouts.
+    fn nccl_missing_peer(ctx: &Ctx) -> Result<(String, Value), String> {
+        use transport::cuda::comm::{abandoned_comm_threads, CommError};
+        let (init_timeout, abort_timeout) = (Duration::from_secs(3), Duration::from_secs(5));
+        let config = CommConfig { init_timeout, abort_timeout, ..CommConfig::new(0, 2) };
+        let id = CommId::generate()?;
+        let t = Instant::now();
+        let r = create_comms(&[(ctx.dev.ordinal(), 0)], id, config).remove(0);
+        let took = t.elapsed();
+        let bound = init_timeout + abort_timeout + Duration::from_secs(2);
+        match r {
+            Ok(_) => Err("a communicator of 2 was made with only 1 rank".into()),
+            Err(e @ CommError::InitTimeout { abandoned, .. }) if took <= bound => Ok((
+                format!("{e} — answered in {took:?} (bound {bound:?})"),
+                json!({ "answered_s": took.as_secs_f64(), "abandoned": abandoned, "abandoned_threads": abandoned_comm_threads() }),
+            )),
+            Err(e) => Err(format!("after {took:?} (bound {bound:?}): {e}")),
+        }
+    }
+
+    /// The NCCL orchestrator check where there are GPUs for it.
+    fn orchestrated_on_gpus(_ctx: &Ctx) -> Result<(String, Value), String> {
+        match transport::cuda::device::device_count() {
+            Ok(gpus) if gpus >= 2 => orchestrated(gpus),
+            Ok(gpus) => Err(format!("SKIP: needs 2 GPUs (one NCCL rank per GPU), found {gpus}")),
+            Err(e) => Err(format!("counting GPUs: {e}")),
+        }
+    }
+
+    /// What a check runs on: device 0 and the folder that holds
+    /// `examples/` (given at run time: `--root`, default the current one).
+    struct Ctx {
+        dev: GpuDevice,
+        root: PathBuf,
+    }
+
+    type Check = fn(&Ctx) -> Result<(String, Value), String>;
+
+    /// One check: its own child process, killed past `timeout_s`;
+    /// `expected_s` is what it takes on one H200 (the dry run adds them up).
+    struct Spec {
+        name: &'static str,
+        timeout_s: u64,
+        expected_s: u64,
+        run: Check,
+    }
+
+    /// In the order they run: NCCL last (a hang there cannot hold the rest).
+    const CHECKS: &[Spec] = &[
+        Spec { name: "environment", timeout_s: 60, expected_s: 5, run: environment },
+        Spec { name: "kernels", timeout_s: 60, expected_s: 5, run: kernels },
+        Spec { name: "layouts", timeout_s: 120, expected_s: 20, run: layout_pairs },
+        Spec { name: "ipc", timeout_s: 60, expected_s: 5, run: ipc },
+        Spec { name: "throughput", timeout_s: 90, expected_s: 10, run: throughput },
+        Spec { name: "orchestrator-ipc", timeout_s: 60, expected_s: 5, run: orchestrated_ipc },
+        Spec { name: "orchestrator-ipc-in-place", timeout_s: 60, expected_s: 5, run: orchestrated_ipc_in_place },
+        Spec { name: "ipc-abort-in-flight", timeout_s: 60, expected_s: 10, run: ipc_abort_in_flight },
+        Spec { name: "nccl-same-device", timeout_s: 30, expected_s: 3, run: nccl_same_device },
+        Spec { name: "nccl-missing-peer", timeout_s: 40, expected_s: 10, run: nccl_missing_peer },
+        Spec { name: "nccl", timeout_s: 90, expected_s: 15, run: nccl },
+        Spec { name: "orchestrator", timeout_s: 90, expected_s: 10, run: orchestrated_on_gpus },
+    ];
+
+    /// A check's result as the runner records it (skipped: `ok` absent).
+    fn result_json(check: &str, result: Result<(String, Value), String>, seconds: f64) -> Value {
+        let fallbacks = transport::cuda::nccl::host_fallbacks();
+        let mut v = match result {
+            Ok((line, fields)) => {
+                let mut v = json!({ "check": check, "ok": true, "line": line });
+                if let (Value::Object(m), Value::Object(f)) = (&mut v, fields) {
+                    m.extend(f);
+                }
+                v
+            }
+            Err(e) if e.starts_with("SKIP: ") => json!({ "check": check, "skipped": e["SKIP: ".len()..] }),
+            Err(e) => json!({ "check": check, "ok": false, "line": e }),
+        };
+        v["seconds"] = json!(seconds);
+        // Correct but slow is a failure here: every piece converted and
+        // every tensor quantized on the device.
+        v["host_fallbacks"] = json!(fallbacks);
+        if fallbacks > 0 && v["ok"] == json!(true) {
+            v["ok"] = json!(false);
+            v["line"] = json!(format!(
+                "{} — but {fallbacks} piece(s) or quantization(s) ran on the host instead of the GPU (the log's first warning says why)",
+                v["line"].as_str().unwrap_or_default()
+            ));
+        }
+        v
+    }
+
+    /// `--only NAME`: runs one check in this process, prints its JSON.
+    fn run_one(name: &str, root: PathBuf) -> ExitCode {
+        let Some(spec) = CHECKS.iter().find(|c| c.name == name) else {
+            eprintln!("no check {name}");
+            return ExitCode::from(2);
+        };
+        let t = Instant::now();
+        let result = GpuDevice::open(0).map_err(e2s).and_then(|dev| (spec.run)(&Ctx { dev, root }));
+        let v = result_json(name, result, t.elapsed().as_secs_f64());
+        println!("{v}");
+        let _ = std::io::stdout().flush();
+        if v["ok"] == json!(false) {
+            ExitCode::FAILURE
+        } else {
+            ExitCode::SUCCESS
+        }
+    }
+
+    /// Runs `exe --only NAME` with its timeout; its JSON line, or a failure
+    /// that says how the child ended.
+    fn run_child(exe: &Path, spec: &Spec, root: &Path, limit: Duration) -> Value {
+        let t = Instant::now();
+        let failed = |why: String| json!({ "check": spec.name, "ok": false, "line": why, "seconds": t.elapsed().as_secs_f64() });
+        let child =
+            Command::new(exe).arg("--only").arg(spec.name).arg("--root").arg(root).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn();
+        let mut child = match child {
+            Ok(c) => c,
+            Err(e) => return failed(format!("cannot start the check's process: {e}")),
+        };
+        // The child's output is one line: read it on a thread so that a
+        // child that fills the pipe cannot block the wait below.
+        let mut out = child.stdout.take();
+        let reader = std::thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(o) = out.as_mut() {
+                let _ = std::io::Read::read_to_string(o, &mut text);
+            }
+            text
+        });
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break Some(status),
+                Ok(None) if t.elapsed() < limit => std::thread::sleep(Duration::from_millis(50)),
+                Ok(None) | Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break None;
+                }
+            }
+        };
+        let text = reader.join().unwrap_or_default();
+        let Some(status) = status else {
+            return failed(format!("no answer within {:.0} s: the check's process was killed", limit.as_secs_f64()));
+        };
+        match text.lines().rev().find_map(|l| serde_json::from_str::<Value>(l).ok()) {
+            Some(v) => v,
+            None => {
+                use std::os::unix::process::ExitStatusExt;
+                let how = match (status.code(), status.signal()) {
+                    (_, Some(sig)) => format!("killed by signal {sig}"),
+                    (Some(code), _) => format!("exited with status {code}"),
+                    _ => "ended".to_string(),
+                };
+                failed(format!("the check's process {how} without a result"))
+            }
+        }
+    }
+
+    /// Writes the results so far to `DIR/gpu-check.json` (after every
+    /// check: a run cut short still leaves what it found).
+    fn write_results(dir: &Path, results: &[Value], totals: &Value) -> Result<(), String> {
+        let path = dir.join("gpu-check.json");
+        let text = serde_json::to_string_pretty(&json!({ "checks": results, "totals": totals })).map_err(e2s)?;
+        std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, text)).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    }
+
+    /// The runner: every check in its own process (each within its timeout
+    /// and what is left of `budget`), one line (or JSON object) each, the
+    /// results in `OUT/gpu-check.json` with `--out`.
+    fn run_all(root: &Path, out: Option<&Path>, json_lines: bool, budget: Duration) -> ExitCode {
+        let exe = match std::env::current_exe() {
+            Ok(e) => e,
+            Err(e) => {
+                eprintln!("cannot find this program: {e}");
+                return ExitCode::from(2);
+            }
+        };
+        let start = Instant::now();
+        let mut results = Vec::new();
+        let (mut passed, mut failed, mut skipped) = (0u32, 0u32, 0u32);
+        let totals = |p: u32, f: u32, s: u32| json!({ "passed": p, "failed": f, "skipped": s, "seconds": start.elapsed().as_secs_f64() });
+        for spec in CHECKS {
+            let left = budget.saturating_sub(start.elapsed());
+            let v = if left < Duration::from_secs(1) {
+                json!({ "check": spec.name, "ok": false, "line": format!("not run: the run's budget of {budget:?} is spent"), "seconds": 0.0 })
+            } else {
+                run_child(&exe, spec, root, Duration::from_secs(spec.timeout_s).min(left))
+            };
+            match v["ok"].as_bool() {
+                Some(true) => passed += 1,
+                Some(false) => failed += 1,
+                None => skipped += 1,
+            }
+            if json_lines {
+                println!("{v}");
+            } else {
+                let word = match v["ok"].as_bool() {
+                    Some(true) => "PASS",
+                    Some(false) => "FAIL",
+                    None => "SKIP",
+                };
+                let line = v["line"].as_str().or(v["skipped"].as_str()).unwrap_or_default();
+                println!("{word} {} ({:.1} s): {line}", spec.name, v["seconds"].as_f64().unwrap_or_default());
+            }
+            let _ = std::io::stdout().flush();
+            results.push(v);
+            if let Some(dir) = out {
+                if let Err(e) = write_results(dir, &results, &totals(passed, failed, skipped)) {
+                    eprintln!("{e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        let total = totals(passed, failed, skipped);
+        if json_lines {
+            println!("{total}");
+        } else {
+            println!("{passed} passed, {failed} failed, {skipped} skipped ({:.1} s)", start.elapsed().as_secs_f64());
+        }
+        if failed == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }
+    }
+
     pub(crate) fn main() -> ExitCode {
         let args: Vec<String> = std::env::args().skip(1).collect();
+        let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+        let root = value("--root").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
         if args.iter().any(|a| a == "--ipc-members") {
             return match ipc_members() {
                 Ok(()) => ExitCode::SUCCESS,
@@ -645,9 +1036,8 @@ mod check {
                 }
             };
         }
-        if let Some(i) = args.iter().position(|a| a == "--ipc-exporter") {
-            let dir = args.get(i + 1).map(PathBuf::from).unwrap_or_default();
-            return match ipc_exporter(&dir) {
+        if let Some(dir) = value("--ipc-exporter") {
+            return match ipc_exporter(Path::new(&dir)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("ipc exporter: {e}");
@@ -655,82 +1045,37 @@ mod check {
                 }
             };
         }
-        let json = args.iter().any(|a| a == "--json");
+        if let Some(bytes) = value("--ipc-bucket") {
+            return match ipc_bucket(&bytes) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("ipc bucket: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        if args.iter().any(|a| a == "--list") {
+            // The dry run's table: name, timeout and expected seconds.
+            for c in CHECKS {
+                println!("{}\t{}\t{}", c.name, c.timeout_s, c.expected_s);
+            }
+            return ExitCode::SUCCESS;
+        }
         if let Err(e) = transport::cuda_available() {
             eprintln!("CUDA transport unavailable: {e}");
             return ExitCode::from(2);
         }
-        let dev = match GpuDevice::open(0) {
-            Ok(d) => d,
-            Err(e) => {
-                eprintln!("CUDA transport unavailable: {e}");
+        if let Some(name) = value("--only") {
+            return run_one(&name, root);
+        }
+        let budget = match value("--budget").map(|b| b.parse::<u64>()) {
+            None => Duration::from_secs(CHECKS.iter().map(|c| c.timeout_s).sum()),
+            Some(Ok(s)) => Duration::from_secs(s),
+            Some(Err(e)) => {
+                eprintln!("--budget: {e}");
                 return ExitCode::from(2);
             }
         };
-        if !json {
-            println!("device 0: {}", dev.name());
-        }
-        let mut r = Report { json, passed: 0, failed: 0 };
-        let start = Instant::now();
-        type Check = fn(&GpuDevice) -> Result<(String, Value), String>;
-        let checks: [(&str, Check); 7] = [
-            ("kernels", kernels),
-            ("layouts", layout_pairs),
-            ("ipc", ipc),
-            ("nccl", nccl),
-            ("throughput", throughput),
-            ("orchestrator-ipc", orchestrated_ipc),
-            ("orchestrator-ipc-in-place", orchestrated_ipc_in_place),
-        ];
-        for (name, check) in checks {
-            let t = Instant::now();
-            let result = check(&dev).map(|(line, mut fields)| {
-                if let Value::Object(m) = &mut fields {
-                    m.insert("check_s".into(), json!(t.elapsed().as_secs_f64()));
-                }
-                (line, fields)
-            });
-            r.record(name, result);
-        }
-        let mut skipped = 0;
-        match transport::cuda::device::device_count() {
-            Ok(gpus) if gpus >= 2 => r.record("orchestrator", orchestrated(gpus)),
-            Ok(gpus) => {
-                skipped += 1;
-                if json {
-                    println!("{}", json!({ "check": "orchestrator", "skipped": format!("needs 2 GPUs, found {gpus}") }));
-                } else {
-                    println!("SKIP orchestrator: needs 2 GPUs (one NCCL rank per GPU), found {gpus}");
-                }
-            }
-            Err(e) => r.record("orchestrator", Err(format!("counting GPUs: {e}"))),
-        }
-        // Correct but slow is a failure here: this process's GPU planes
-        // did everything on the device.
-        let fallbacks = transport::cuda::nccl::host_fallbacks();
-        r.record(
-            "no-host-fallbacks",
-            if fallbacks == 0 {
-                Ok(("no piece converted or tensor quantized on the host".into(), json!({ "host_fallbacks": 0 })))
-            } else {
-                Err(format!(
-                    "{fallbacks} piece(s) or quantization(s) done on the host instead of the GPU (the log's first warning says why)"
-                ))
-            },
-        );
-        if json {
-            println!(
-                "{}",
-                json!({ "passed": r.passed, "failed": r.failed, "skipped": skipped, "seconds": start.elapsed().as_secs_f64(), "device": dev.name() })
-            );
-        } else {
-            let skipped = if skipped > 0 { format!(", {skipped} skipped") } else { String::new() };
-            println!("{} passed, {} failed{skipped} ({:.1} s)", r.passed, r.failed, start.elapsed().as_secs_f64());
-        }
-        if r.failed == 0 {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::FAILURE
-        }
+        run_all(&root, value("--out").as_deref().map(Path::new), args.iter().any(|a| a == "--json"), budget)
     }
 }

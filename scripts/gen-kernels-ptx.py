@@ -8,8 +8,11 @@ names the source it came from (an FNV-1a 64-bit hash of kernels.cu).
 
     python3 scripts/gen-kernels-ptx.py /path/to/libnvrtc.so.12
 
-Use NVRTC 12.x (e.g. the nvidia-cuda-nvrtc-cu12 wheel): its PTX loads on
-drivers of CUDA 12.x and later. compute_80: Ampere, Hopper and later.
+Use NVRTC 12.0 (`pip download --no-deps nvidia-cuda-nvrtc-cu12==12.0.76`,
+unzip, pass nvidia/cuda_nvrtc/lib/libnvrtc.so.12): its PTX is ISA 8.0,
+which every driver of CUDA 12.0 and later loads (525 on); a newer NVRTC
+writes a newer ISA that older drivers refuse (a unit test holds the ISA at
+8.0 or older). compute_80: Ampere, Hopper and later.
 """
 import ctypes
 import pathlib

@@ -561,6 +561,31 @@ fn unavailable_nccl() -> String {
     "NCCL transport unavailable: this build has no `cuda` feature".into()
 }
 
+/// A communicator-fabric address, `<id hex>@<device>`, as (id, device).
+fn split_comm_addr(p: &PeerAddr) -> Result<(&str, &str), String> {
+    p.addr.rsplit_once('@').filter(|(_, d)| !d.is_empty()).ok_or_else(|| {
+        format!("{}: bad communicator address '{}' (want <id>@<device>: a member of another refit version?)", p.endpoint, p.addr)
+    })
+}
+
+/// Refuses a peer table that puts two ranks of the communicator on one
+/// GPU (colocated training and inference members): NCCL does not support
+/// it (creation fails or hangs). Such members take the IPC fabric.
+fn one_rank_per_device(table: &[PeerAddr]) -> Result<(), String> {
+    let mut seen: HashMap<&str, Endpoint> = HashMap::new();
+    for p in table {
+        let (_, device) = split_comm_addr(p)?;
+        if let Some(first) = seen.insert(device, p.endpoint) {
+            return Err(format!(
+                "{first} and {} are on one GPU ({device}): NCCL cannot put two ranks of a communicator on one device; \
+                 members that share GPUs (colocated training and inference) take the IPC fabric (Fabric::Ipc, fabric=\"ipc\")",
+                p.endpoint
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl Endpointed {
     /// Takes this process's end of an in-process refit.
     pub(crate) fn take_local(session: &str, me: Endpoint) -> Result<Endpointed, String> {
@@ -572,21 +597,26 @@ impl Endpointed {
         })
     }
 
-    /// Prepares this member's rank of a communicator; source rank 0 makes
-    /// the communicator's id and returns it (hex) as its address.
+    /// Prepares this member's rank of a communicator. Its address is
+    /// `<id>@<device>`: source rank 0 makes the communicator's id (hex; the
+    /// others leave it empty), and every member names the GPU it would put
+    /// its rank on (the device's UUID; on the simulated plane `sim-gpu<n>`,
+    /// or the endpoint where no GPU is configured), so that two ranks on
+    /// one device are refused before any communicator is made.
     pub(crate) fn prepare_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>) -> Result<(Endpointed, String), String> {
-        if settings.plane == CommPlane::Cuda {
-            #[cfg(not(feature = "cuda"))]
-            return Err(unavailable_nccl());
+        let device = match &settings.plane {
+            CommPlane::Simulated { .. } => gpu.map_or_else(|| format!("sim-{me}"), |g| format!("sim-gpu{g}")),
             #[cfg(feature = "cuda")]
-            {
+            CommPlane::Cuda => {
                 transport::gpu_plane_available(transport::GpuPlane::Nccl, 1).map_err(|e| format!("NCCL transport unavailable: {e}"))?;
-                if gpu.is_none() {
-                    return Err(format!("{me} has no GPU (MemberConfig::gpu) for the NCCL fabric"));
-                }
+                let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu) for the NCCL fabric"))?;
+                transport::cuda::device::device_uuid(ordinal)
+                    .map_err(|e| format!("NCCL transport unavailable: {me}'s GPU {ordinal}: {e}"))?
             }
-        }
-        let addr = if me == Endpoint::src(0) {
+            #[cfg(not(feature = "cuda"))]
+            CommPlane::Cuda => return Err(unavailable_nccl()),
+        };
+        let id = if me == Endpoint::src(0) {
             let id = match &settings.plane {
                 CommPlane::Simulated { .. } => sim_comm_id(),
                 #[cfg(feature = "cuda")]
@@ -598,7 +628,7 @@ impl Endpointed {
         } else {
             String::new()
         };
-        Ok((Endpointed::CommPrepared { settings, gpu }, addr))
+        Ok((Endpointed::CommPrepared { settings, gpu }, format!("{id}@{device}")))
     }
 
     /// Creates this member's rank of the communicator whose id source rank
@@ -606,7 +636,9 @@ impl Endpointed {
     /// members of a process all wait at once).
     fn connect_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>, table: &[PeerAddr]) -> Result<Endpointed, String> {
         let root = table.iter().find(|p| p.endpoint == Endpoint::src(0)).ok_or("the peer table has no source rank 0")?;
-        let id = CommId::from_hex(&root.addr).map_err(|e| format!("source rank 0's communicator id: {e}"))?;
+        let (id, _) = split_comm_addr(root)?;
+        let id = CommId::from_hex(id).map_err(|e| format!("source rank 0's communicator id: {e}"))?;
+        one_rank_per_device(table)?;
         let nranks = table.len() as u32;
         let src_ranks = table.iter().filter(|p| p.endpoint.group == Group::Src).count() as u32;
         if let Some(p) = table.iter().find(|p| comm_rank(p.endpoint, src_ranks) >= nranks) {

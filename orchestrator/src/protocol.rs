@@ -140,9 +140,10 @@ pub struct PeerAddr {
     /// Its node within its group (ranks of one node share memory).
     pub node: u32,
     /// Where it listens (`ip:port`; empty for the in-process fabric). On
-    /// the communicator fabric, source rank 0's is the communicator's id
-    /// (hex: NCCL's unique id names rank 0's bootstrap address), the
-    /// others' are empty. On the IPC fabric, `ip:port/<handle hex>/<bytes>`:
+    /// the communicator fabric, `<id>@<device>`: the communicator's id
+    /// from source rank 0 (hex: NCCL's unique id names rank 0's bootstrap
+    /// address; empty from the others) and the GPU the member's rank is on
+    /// (its UUID; two ranks on one GPU are refused). On the IPC fabric, `ip:port/<handle hex>/<bytes>`:
     /// where its doorbells listen, and its exported bucket.
     pub addr: String,
 }

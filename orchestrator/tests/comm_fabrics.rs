@@ -181,6 +181,55 @@ async fn nccl_without_a_gpu_is_refused_cleanly() {
     assert!(sys.dst_stores.iter().all(|s| s.snapshot().is_none()));
 }
 
+/// Two ranks of one communicator on one GPU (a trainer and an engine
+/// colocated) are refused before any communicator is made, naming both
+/// members and the device, at once rather than at the creation timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_ranks_on_one_gpu_are_refused_before_the_communicator() {
+    use actors::{spawn, ActorGroup, SpawnConfig};
+    use orchestrator::{spawn_orchestrator, DstStore, Member, MemberConfig, Role, SrcStore};
+    use std::sync::Arc;
+    let world = "one-gpu";
+    let (src, dst) = layouts();
+    let (src, dst) = (Arc::new(src), Arc::new(dst));
+    let config = config(world, Strategy::Reshard);
+    // Every member on GPU 0, except that destination 1 is on GPU 1.
+    let gpu = |e: Endpoint| MemberConfig { gpu: Some(usize::from(e == Endpoint::dst(1))), ..MemberConfig::default() };
+    let spawn_config = SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
+    let src_stores: Vec<_> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
+    let srcs = (0..src.ranks())
+        .map(|r| {
+            spawn(
+                Member::with_config(src.clone(), r, Role::Src(src_stores[r as usize].clone()), gpu(Endpoint::src(r))),
+                spawn_config.clone(),
+            )
+        })
+        .collect();
+    let dsts = (0..dst.ranks())
+        .map(|r| {
+            spawn(
+                Member::with_config(dst.clone(), r, Role::Dst(Arc::new(DstStore::new(&dst, r))), gpu(Endpoint::dst(r))),
+                spawn_config.clone(),
+            )
+        })
+        .collect();
+    let orchestrator = spawn_orchestrator(ActorGroup::from_refs(srcs), ActorGroup::from_refs(dsts), config);
+    let mut version = 0;
+    for s in &src_stores {
+        version = s.try_update(|b| b.write_buffer_f32("params", &[1.0; 28])).await.unwrap().0;
+    }
+    let t = Instant::now();
+    match orchestrator.refit(version).await {
+        Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
+            assert!(why.contains("src rank 0 and src rank 1 are on one GPU (sim-gpu0)"), "{why}");
+            assert!(why.contains("IPC fabric"), "{why}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(1), "refused after {:?}", t.elapsed());
+    assert_eq!(live_comms(world), 0, "no communicator was made");
+}
+
 fn ipc_config(mode: Strategy) -> OrchestratorConfig {
     let fabric = IpcFabric {
         plane: CommPlane::Simulated { world: String::new() },

@@ -106,6 +106,39 @@ pub fn device_count() -> Result<usize, String> {
     })
 }
 
+/// Device `ordinal`'s UUID as `nvidia-smi -L` prints it
+/// (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`): what tells whether two
+/// members, in any processes or on any hosts, use one physical GPU
+/// (ordinals are per process: `CUDA_VISIBLE_DEVICES` renumbers them).
+/// Opens no context. Never panics.
+pub fn device_uuid(ordinal: usize) -> Result<String, String> {
+    probe_driver()?;
+    no_panic("reading a device's UUID", || {
+        let index = i32::try_from(ordinal).map_err(|_| format!("no CUDA device {ordinal}"))?;
+        let dev = result::device::get(index).map_err(|e| format!("cuDeviceGet({ordinal}): {e}"))?;
+        let id = result::device::get_uuid(dev).map_err(|e| format!("cuDeviceGetUuid({ordinal}): {e}"))?;
+        Ok(uuid_text(&id.bytes.map(|b| b as u8)))
+    })
+}
+
+/// 16 UUID bytes as `GPU-` and the 8-4-4-4-12 hex groups.
+pub fn uuid_text(bytes: &[u8; 16]) -> String {
+    let hex = |r: std::ops::Range<usize>| bytes[r].iter().map(|b| format!("{b:02x}")).collect::<String>();
+    format!("GPU-{}-{}-{}-{}-{}", hex(0..4), hex(4..6), hex(6..8), hex(8..10), hex(10..16))
+}
+
+/// The CUDA driver's version as `major.minor` (e.g. `13.0` for driver
+/// 580). Never panics.
+pub fn driver_version() -> Result<String, String> {
+    probe_driver()?;
+    no_panic("reading the driver's version", || {
+        let mut v = 0;
+        // SAFETY: writes one int through a valid pointer.
+        unsafe { sys::cuDriverGetVersion(&mut v) }.result().map_err(|e| format!("cuDriverGetVersion: {e}"))?;
+        Ok(format!("{}.{}", v / 1000, (v % 1000) / 10))
+    })
+}
+
 /// Oldest NCCL with non-blocking communicator creation (`ncclConfig_t`).
 pub const MIN_NCCL_VERSION: i32 = 21400;
 
@@ -230,6 +263,12 @@ impl GpuDevice {
         self.ctx.bind_to_thread().map_err(driver(format!("binding device {} to this thread", self.ordinal)))
     }
 
+    /// Whether NVRTC, where it loads, builds kernels this device loads
+    /// (the fallback path, tried on its own; the result is dropped).
+    pub fn check_nvrtc_kernels(&self) -> Result<String, String> {
+        DeviceKernels::from_nvrtc(&self.ctx).map(|k| k.origin)
+    }
+
     /// The cast kernels, loaded on first use (the shipped PTX, or the
     /// source compiled by NVRTC where the driver refuses that PTX); the
     /// error says why neither loaded (dtype changes then go through host
@@ -251,6 +290,9 @@ impl GpuDevice {
     }
 }
 
+/// How [`DeviceKernels::origin`] names the shipped PTX.
+const SHIPPED_ORIGIN: &str = "shipped PTX";
+
 /// The strided copy-cast kernels of `kernels.cu`, loaded on one device.
 pub struct DeviceKernels {
     functions: Vec<(&'static str, CudaFunction)>,
@@ -264,34 +306,44 @@ impl std::fmt::Debug for DeviceKernels {
 }
 
 impl DeviceKernels {
+    fn from_ptx(ctx: &Arc<CudaContext>, ptx: String, origin: String) -> Result<DeviceKernels, String> {
+        no_panic("loading the cast kernels", || {
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| e.to_string())?;
+            let mut functions = Vec::new();
+            for name in kernels::KERNELS {
+                functions.push((name, module.load_function(name).map_err(|e| format!("{name}: {e}"))?));
+            }
+            Ok(DeviceKernels { functions, origin })
+        })
+    }
+
+    /// The kernels compiled here by NVRTC for `ctx`'s device (the fallback
+    /// where the driver refuses the shipped PTX).
+    fn from_nvrtc(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, String> {
+        let cc = ctx.compute_capability().ok();
+        let ptx = kernels::compile(cc)?;
+        let arch = cc.map_or("NVRTC's default".to_string(), |(major, minor)| format!("compute_{major}{minor}"));
+        DeviceKernels::from_ptx(ctx, ptx, format!("compiled by NVRTC ({arch})"))
+    }
+
     fn load(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, String> {
-        let load_ptx = |ptx: String, origin: String| -> Result<DeviceKernels, String> {
-            no_panic("loading the cast kernels", || {
-                let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| e.to_string())?;
-                let mut functions = Vec::new();
-                for name in kernels::KERNELS {
-                    functions.push((name, module.load_function(name).map_err(|e| format!("{name}: {e}"))?));
-                }
-                Ok(DeviceKernels { functions, origin: origin.clone() })
-            })
-        };
         let shipped = if kernels::shipped_ptx_is_current() {
-            load_ptx(kernels::SHIPPED_PTX.to_string(), "shipped PTX (NVRTC 12.4, compute_80)".into())
+            let isa = kernels::shipped_ptx_isa().unwrap_or("?");
+            DeviceKernels::from_ptx(ctx, kernels::SHIPPED_PTX.to_string(), format!("{SHIPPED_ORIGIN} (PTX ISA {isa}, compute_80)"))
         } else {
             Err("the shipped PTX is stale".into())
         };
-        match shipped {
-            Ok(k) => Ok(k),
-            Err(first) => match kernels::compile() {
-                Ok(ptx) => load_ptx(ptx, "compiled by NVRTC".into()).map_err(|e| format!("shipped PTX: {first}; NVRTC's: {e}")),
-                Err(e) => Err(format!("shipped PTX: {first}; {e}")),
-            },
-        }
+        shipped.or_else(|first| DeviceKernels::from_nvrtc(ctx).map_err(|e| format!("shipped PTX: {first}; NVRTC: {e}")))
     }
 
     /// Where the kernels came from (shipped PTX or NVRTC).
     pub fn origin(&self) -> &str {
         &self.origin
+    }
+
+    /// Whether they are the shipped code (not compiled here by NVRTC).
+    pub fn shipped(&self) -> bool {
+        self.origin.starts_with(SHIPPED_ORIGIN)
     }
 
     fn function(&self, name: &str) -> Result<&CudaFunction, String> {

@@ -14,9 +14,10 @@
 /// The kernels' CUDA C source.
 pub const SOURCE: &str = include_str!("kernels.cu");
 
-/// [`SOURCE`] compiled to PTX for `compute_80` by NVRTC 12.4
-/// (`scripts/gen-kernels-ptx.py`), loaded by the driver where no NVRTC is
-/// installed; its first line names the source's [`source_hash`].
+/// [`SOURCE`] compiled to PTX for `compute_80` by NVRTC 12.0
+/// (`scripts/gen-kernels-ptx.py`: PTX ISA 8.0, which drivers of CUDA 12.0
+/// and later load, from release 525 on), what the driver JIT-compiles for
+/// the device; its first line names the source's [`source_hash`].
 pub const SHIPPED_PTX: &str = include_str!("kernels.ptx");
 
 /// FNV-1a (64-bit) of [`SOURCE`]: what [`SHIPPED_PTX`] was generated from.
@@ -197,19 +198,50 @@ pub fn plan_casts(counts: &[u64], src: &crate::cuda::copyplan::Side, dst: &crate
 }
 
 /// Compiles [`SOURCE`] to PTX with NVRTC (`libnvrtc`, loaded at run time;
-/// no GPU needed). Never panics: a missing library is an error.
+/// no GPU needed) for the virtual architecture of compute capability
+/// `arch` (`(9, 0)`: `compute_90`; `None`: NVRTC's default). Never panics:
+/// a missing library is an error.
 #[cfg(feature = "cuda")]
-pub fn compile() -> Result<String, String> {
+pub fn compile(arch: Option<(i32, i32)>) -> Result<String, String> {
     crate::cuda::device::no_panic("NVRTC", || {
-        // SAFETY: only tries to open the library.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(
-                "NVRTC (libnvrtc.so) is not loadable: install the CUDA toolkit's nvrtc, or add its directory to LD_LIBRARY_PATH".into()
-            );
-        }
-        let opts = cudarc::nvrtc::CompileOptions { name: Some("refit_kernels.cu".into()), ..Default::default() };
+        nvrtc_present()?;
+        let options = arch.map(|(major, minor)| vec![format!("--gpu-architecture=compute_{major}{minor}")]).unwrap_or_default();
+        let opts = cudarc::nvrtc::CompileOptions { name: Some("refit_kernels.cu".into()), options, ..Default::default() };
         cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map(|ptx| ptx.to_src()).map_err(|e| format!("NVRTC: {e}"))
     })
+}
+
+/// NVRTC's version (`major.minor`), or why it does not load. Never panics.
+#[cfg(feature = "cuda")]
+pub fn nvrtc_version() -> Result<String, String> {
+    crate::cuda::device::no_panic("NVRTC", || {
+        nvrtc_present()?;
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: writes two ints through valid pointers.
+        let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+        if rc != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(format!("nvrtcVersion: {rc:?}"));
+        }
+        Ok(format!("{major}.{minor}"))
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn nvrtc_present() -> Result<(), String> {
+    // SAFETY: only tries to open the library.
+    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err("NVRTC (libnvrtc.so or libnvrtc.so.12) is not loadable: install the CUDA toolkit's nvrtc, or put a libnvrtc.so \
+             symlink to the installed one (libnvrtc.so.13 of CUDA 13) in a directory on LD_LIBRARY_PATH"
+            .into())
+    }
+}
+
+/// The PTX ISA version [`SHIPPED_PTX`] declares (`.version 8.0`): the
+/// oldest driver that loads it is the one of the CUDA release of that ISA.
+pub fn shipped_ptx_isa() -> Option<&'static str> {
+    SHIPPED_PTX.lines().find_map(|l| l.strip_prefix(".version ")).map(str::trim)
 }
 
 /// Every index a launch's threads visit with the kernels' loops, as
@@ -378,7 +410,7 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn the_source_compiles_with_nvrtc() {
-        match compile() {
+        match compile(None) {
             Ok(ptx) => {
                 for k in KERNELS {
                     assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing from the PTX");
@@ -387,6 +419,16 @@ mod tests {
             Err(e) if e.contains("not loadable") => eprintln!("skipped: {e}"),
             Err(e) => panic!("{e}"),
         }
+    }
+
+    /// Drivers load PTX of their CUDA release's ISA or older: ISA 8.0 is
+    /// CUDA 12.0's (drivers from 525 on).
+    #[test]
+    fn the_shipped_ptx_loads_on_cuda_12_0_drivers() {
+        let isa = shipped_ptx_isa().expect("a .version line");
+        let (major, minor) = isa.split_once('.').expect("major.minor");
+        let v = (major.parse::<u32>().unwrap(), minor.parse::<u32>().unwrap());
+        assert!(v <= (8, 0), "PTX ISA {isa} needs a newer driver than CUDA 12.0's: regenerate with NVRTC 12.0");
     }
 
     #[test]
