@@ -106,6 +106,44 @@ pub fn device_count() -> Result<usize, String> {
     })
 }
 
+/// Checks with the driver that every region (address, bytes) lies on
+/// `dev` and inside one allocation there: memory registered by a user
+/// (a framework's tensors, which move) is believed only as far as the
+/// driver vouches for it, at each use. The context must be bound.
+fn device_ranges(dev: &GpuDevice, owner: Endpoint, regions: &[(u64, usize)], what: &str) -> Result<(), GpuError> {
+    for (i, &(addr, len)) in regions.iter().enumerate() {
+        if len == 0 {
+            continue;
+        }
+        let invalid = |problem: String| GpuError::Invalid { what: format!("{owner}: {what}, buffer {i}"), problem };
+        let mut ordinal: std::ffi::c_int = -1;
+        // SAFETY: writes one int through a valid pointer; the driver
+        // answers for any address (an error for memory it does not know).
+        let known = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut std::ffi::c_int).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        }
+        .result();
+        if known.is_err() || usize::try_from(ordinal).ok() != Some(dev.ordinal) {
+            return Err(invalid(match known {
+                Err(e) => format!("{addr:#x} is not device memory the driver knows ({e})"),
+                Ok(()) => format!("{addr:#x} is memory of device {ordinal}, not of device {}", dev.ordinal),
+            }));
+        }
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: valid out-parameters; the address was just found to be
+        // device memory of this context's device.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
+            .result()
+            .map_err(|e| invalid(format!("the allocation holding {addr:#x}: {e}")))?;
+        within_allocation(addr, len as u64, base, size as u64).map_err(invalid)?;
+    }
+    Ok(())
+}
+
 /// Device `ordinal`'s UUID as `nvidia-smi -L` prints it
 /// (`GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`): what tells whether two
 /// members, in any processes or on any hosts, use one physical GPU
@@ -810,7 +848,6 @@ impl DeviceMemory {
         specs: &[BufferSpec],
         regions: &[(u64, usize)],
     ) -> Result<DeviceMemory, GpuError> {
-        let _ = dev;
         let what = || format!("{owner}: registering device buffers");
         if regions.len() != specs.len() {
             return Err(GpuError::Invalid { what: what(), problem: format!("{} regions for {} buffers", regions.len(), specs.len()) });
@@ -834,6 +871,8 @@ impl DeviceMemory {
                 });
             }
         }
+        dev.bind()?;
+        device_ranges(dev, owner, regions, "registering device buffers")?;
         Ok(DeviceMemory {
             owner,
             storage: Storage::User,
@@ -1033,6 +1072,7 @@ impl DeviceMemory {
         };
         self.check_regions(regions, what)?;
         dev.bind()?;
+        device_ranges(dev, self.owner, regions, what)?;
         let mut queued = Ok(());
         for (i, (&addr, &(region, len))) in self.addrs.iter().zip(regions).enumerate() {
             let (to, from) = match towards {
