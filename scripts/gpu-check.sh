@@ -73,8 +73,8 @@ dry_run() {
   echo "  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader"
   echo "  (a libnccl.so / libnvrtc.so link to the installed libnccl.so.2 / libnvrtc.so.13 on LD_LIBRARY_PATH if only those exist)"
   echo "  $BIN --root . --budget $BUDGET --out \$OUT   # each check below: $BIN --only NAME --root ."
-  echo "  python3 -m pip install -q --no-index --no-deps --target /tmp/refit-site $CARRY/*.whl"
-  echo "  PYTHONPATH=/tmp/refit-site timeout $PY_TIMEOUT python3 python/tests/gpu_stream_check.py --out \$OUT/torch-stream.json"
+  echo "  python3 -m pip install -q --no-index --no-deps --target \$SITE $CARRY/*.whl   # SITE: a temporary folder"
+  echo "  PYTHONPATH=\$SITE timeout $PY_TIMEOUT python3 python/tests/gpu_stream_check.py --out \$OUT/torch-stream.json"
   echo
   echo "carried files:"
   local carried tree
@@ -99,10 +99,11 @@ dry_run() {
 # cudarc loads libnccl.so and libnvrtc.so (or .so.12); where only the
 # versioned library is installed (the nvidia-nccl / nvidia-cuda-nvrtc
 # wheels, CUDA 13's libnvrtc.so.13), link it under the plain name.
+SHIM=""
 shim_libraries() {
-  local shim found lib want
-  shim=$(mktemp -d)
-  trap 'rm -rf "$shim"' EXIT
+  local found lib want
+  SHIM=$(mktemp -d)
+  trap 'rm -rf "$SHIM"' EXIT
   for pair in "libnccl.so:libnccl.so.2" "libnvrtc.so:libnvrtc.so.13"; do
     want=${pair%%:*}; lib=${pair##*:}
     if ldconfig -p 2>/dev/null | grep -q "$want "; then continue; fi
@@ -117,13 +118,13 @@ for place in places:
 PY
 )
     if [ -n "$found" ]; then
-      ln -s "$found" "$shim/$want"
+      ln -s "$found" "$SHIM/$want"
       echo "gpu-check: $want -> $found" >&2
     else
       echo "gpu-check: no $want or $lib found" >&2
     fi
   done
-  export LD_LIBRARY_PATH="$shim${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH="$SHIM${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 }
 
 run() {
