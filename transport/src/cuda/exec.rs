@@ -16,7 +16,7 @@
 use crate::copy::{copy_strided, packed_strides, StridedRef};
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
 use crate::cuda::device::{issue, DeviceKernels, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
-use crate::cuda::kernels::{plan_casts, strided_kernel, CastBox};
+use crate::cuda::kernels::{copy_as_box, plan_casts, strided_kernel, CastBox};
 use crate::cuda::schedule::{same_device_schedule, ScheduleError, Step};
 use reshard::{Block, DType, Endpoint, RankProgram};
 use std::time::Duration;
@@ -122,12 +122,22 @@ pub(crate) fn needs_scratch(from: DType, wire: DType, to: DType) -> bool {
     from != wire && wire != to
 }
 
+/// How [`piece_ops`] moves bytes whose dtype does not change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum SameType {
+    /// Copy calls only (the kernels are not loaded).
+    Copies,
+    /// Copy calls, except multi-row copies of narrow rows, which the
+    /// strided copy kernels run ([`copy_as_box`]).
+    NarrowRowsByKernel,
+}
+
 /// The device work that moves a piece of `counts` elements from `from`
-/// through dtype `wire` into each of `to`: copies where no dtype changes,
-/// kernels where one does, two kernels through `scratch` (an address with
-/// room for the packed piece in `wire`) where both do. `None` if a dtype
-/// pair has no kernel, or scratch is needed and not given: the host
-/// converts such a piece.
+/// through dtype `wire` into each of `to`: copies where no dtype changes
+/// (narrow rows by a kernel as `same` says), kernels where one does, two
+/// kernels through `scratch` (an address with room for the packed piece in
+/// `wire`) where both do. `None` if a dtype pair has no kernel, or scratch
+/// is needed and not given: the host converts such a piece.
 pub(crate) fn piece_ops(
     counts: &[u64],
     from: DevSide,
@@ -135,6 +145,7 @@ pub(crate) fn piece_ops(
     to: &[DevSide],
     max_pitch: u64,
     scratch: Option<u64>,
+    same: SameType,
 ) -> Option<Vec<DeviceOp>> {
     let side = |s: &reshard::Span| Side { base: s.base, strides: s.strides };
     let packed = Side { base: 0, strides: packed_strides(counts) };
@@ -142,7 +153,10 @@ pub(crate) fn piece_ops(
     let cast = |ops: &mut Vec<DeviceOp>, a: (u64, Side, DType), b: (u64, Side, DType)| -> Option<()> {
         if a.2 == b.2 {
             for op in plan_copies(counts, &a.1, &b.1, a.2.size(), max_pitch) {
-                ops.push(DeviceOp::Copy { op, src: a.0, dst: b.0 });
+                match copy_as_box(&op, a.0, b.0).filter(|_| same == SameType::NarrowRowsByKernel) {
+                    Some((kernel, bx)) => ops.push(DeviceOp::Cast { kernel, b: bx, src: a.0, dst: b.0 }),
+                    None => ops.push(DeviceOp::Copy { op, src: a.0, dst: b.0 }),
+                }
             }
         } else {
             let kernel = strided_kernel(a.2, b.2)?;
@@ -309,7 +323,8 @@ impl<'m> DeviceRun<'m> {
             let from = (src, step.from.span, step.from.dtype);
             let to: Vec<DevSide> = step.to.iter().zip(&dsts).map(|(t, &a)| (a, t.span, t.dtype)).collect();
             let on_device = if step.is_direct() || run.kernels.is_some() {
-                piece_ops(step.block.extent(), from, step.wire, &to, dev.max_pitch(), scratch_addr)
+                let same = if run.kernels.is_some() { SameType::NarrowRowsByKernel } else { SameType::Copies };
+                piece_ops(step.block.extent(), from, step.wire, &to, dev.max_pitch(), scratch_addr, same)
             } else {
                 None
             };

@@ -17,7 +17,7 @@
 use crate::copy::fits;
 use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, Fence, P2p, PendingComm, Progress, RawEvent};
 use crate::cuda::device::{event_progress, no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, PinnedStaging};
-use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops};
+use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops, SameType};
 use crate::cuda::id::CommId;
 use crate::cuda::plane::{run_rank_comm, CommExecError, PlaneMemory, Side, Staging};
 use crate::cuda::schedule::{Place, Step};
@@ -416,15 +416,17 @@ impl PlaneMemory for GpuPlane<'_> {
         }
         let dev = self.dev;
         let direct = from.2 == wire && to.iter().all(|t| t.2 == wire);
-        let (kernels, missing) = match (!direct).then(|| dev.kernels()) {
-            Some(Ok(k)) => (Some(k), None),
-            Some(Err(e)) => (None, Some(e)),
-            None => (None, None),
+        // Loaded once per device; a direct piece needs them only for
+        // narrow rows, and does without.
+        let (kernels, missing) = match dev.kernels() {
+            Ok(k) => (Some(k), None),
+            Err(e) => (None, Some(e)),
         };
         if direct || kernels.is_some() {
+            let same = if kernels.is_some() { SameType::NarrowRowsByKernel } else { SameType::Copies };
             // Sender packing (to = wire), receiver unpacking (from = wire)
             // and local copies (wire = to) change the dtype once: no scratch.
-            if let Some(ops) = piece_ops(block.extent(), from, wire, to, dev.max_pitch(), None) {
+            if let Some(ops) = piece_ops(block.extent(), from, wire, to, dev.max_pitch(), None, same) {
                 // SAFETY: every side lies in a live allocation of this rank
                 // (checked above), which outlives the run; the stream
                 // orders the work.

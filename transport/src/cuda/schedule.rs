@@ -301,6 +301,55 @@ mod tests {
         assert!(s.steps.iter().any(|s| s.local));
     }
 
+    /// Every example layout pair of the repository, reshard and baseline,
+    /// through the schedule as the device runs it: every destination
+    /// buffer of the layout byte for byte the host executor's (scratch
+    /// buffers excepted: the host executor may bypass them, and what they
+    /// hold is no weight).
+    #[test]
+    fn every_example_pair_runs_as_the_host_executor_does() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        let mut pairs: Vec<_> =
+            std::fs::read_dir(&root).unwrap().flatten().map(|d| d.path()).filter(|d| d.join("src.json").exists()).collect();
+        pairs.sort();
+        assert!(pairs.len() > 5, "{}", root.display());
+        let load = |p: std::path::PathBuf| parse_layout(&std::fs::read_to_string(p).unwrap()).unwrap();
+        for dir in pairs {
+            let (src, dst) = (load(dir.join("src.json")), load(dir.join("dst.json")));
+            let opts = PlanOptions::default();
+            for (strategy, plan) in [("reshard", plan_reshard(&src, &dst, &opts)), ("baseline", plan_baseline(&src, &dst, &opts))] {
+                let plan = plan.unwrap();
+                let programs = plan.programs(&src, &dst).unwrap();
+                let schedule = same_device_schedule(&programs).unwrap();
+                let n_src = src.ranks() as usize;
+                let mut device = RankMemory::for_programs(&programs);
+                fill_sources(&src, &mut device[..n_src]);
+                let mut host = device.clone();
+                run_host(&schedule.steps, &mut device);
+                // Block-scaled FP8 ranks quantize what they received, as
+                // the device run does after its copies.
+                for (p, m) in programs.iter().zip(device.iter_mut()).filter(|(p, _)| !p.quantize.is_empty()) {
+                    crate::exec::quantize_rank(p, m).unwrap();
+                }
+                crate::run_local(&programs, &mut host, &crate::ExecOptions::default()).unwrap();
+                for (r, (a, b)) in device[n_src..].iter().zip(&host[n_src..]).enumerate() {
+                    for (i, (x, y)) in a.buffers.iter().zip(&b.buffers).enumerate() {
+                        let spec = &programs[n_src + r].buffers[i];
+                        if matches!(spec.key, reshard::BufferKey::Scratch { .. }) {
+                            continue;
+                        }
+                        assert!(
+                            x == y,
+                            "{} {strategy}: destination rank {r} buffer {i} ({}) differs from the host executor's",
+                            dir.display(),
+                            spec.name
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn inconsistent_programs_rejected() {
         let (src, dst) = layouts();
