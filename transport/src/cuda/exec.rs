@@ -277,11 +277,11 @@ impl<'m> DeviceRun<'m> {
             }
         }
         let addrs: Vec<Vec<u64>> = memory.iter().map(|m| m.device_addrs().to_vec()).collect();
-        let changes = schedule.steps.iter().any(|s| !s.is_direct());
-        let (kernels, kernels_missing) = match changes.then(|| dev.kernels()) {
-            Some(Ok(k)) => (Some(k), None),
-            Some(Err(e)) => (None, Some(e)),
-            None => (None, None),
+        // Loaded once per device: dtype changes need them, and narrow rows
+        // of plain copies use them where they load.
+        let (kernels, kernels_missing) = match dev.kernels() {
+            Ok(k) => (Some(k), None),
+            Err(e) => (None, Some(e)),
         };
         let scratch_bytes = schedule
             .steps
