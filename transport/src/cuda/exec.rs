@@ -86,6 +86,26 @@ pub struct DeviceReport {
     /// Destination ranks whose block-scaled tensors were quantized on the
     /// device.
     pub quantized_on_device: u64,
+    /// The copies and kernels ran as one CUDA graph launch.
+    pub graph: bool,
+}
+
+/// How a [`DeviceRun`] issues its work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRunOptions {
+    /// Multi-row copies of narrow rows by the strided copy kernels, where
+    /// they load ([`copy_as_box`]); otherwise copy calls.
+    pub narrow_rows_by_kernel: bool,
+    /// Capture the run's device work once, at prepare time, as one CUDA
+    /// graph that every run replays (one launch instead of a call per
+    /// copy), where the whole run is device work.
+    pub graph: bool,
+}
+
+impl Default for DeviceRunOptions {
+    fn default() -> DeviceRunOptions {
+        DeviceRunOptions { narrow_rows_by_kernel: true, graph: true }
+    }
 }
 
 /// One queued piece of device work.
@@ -239,6 +259,9 @@ pub struct DeviceRun<'m> {
     /// Destination ranks with block-scaled tensors (by index), quantized
     /// after the device work (`device::quantize_rank_on`).
     quantize: Vec<(usize, RankProgram)>,
+    /// Every item's work captured once (`DeviceRunOptions::graph`), with
+    /// the counts of copies and launches in it.
+    graph: Option<(cudarc::driver::CudaGraph, u64, u64)>,
     memory: &'m mut [DeviceMemory],
 }
 
@@ -252,6 +275,16 @@ impl<'m> DeviceRun<'m> {
     /// Checks the programs against each other and against the memory
     /// (`memory[i]` belongs to `programs[i]`), and resolves every copy.
     pub fn prepare(dev: &'m GpuDevice, programs: &[RankProgram], memory: &'m mut [DeviceMemory]) -> Result<DeviceRun<'m>, DeviceExecError> {
+        DeviceRun::prepare_with(dev, programs, memory, DeviceRunOptions::default())
+    }
+
+    /// [`prepare`](Self::prepare), issuing the work as `options` says.
+    pub fn prepare_with(
+        dev: &'m GpuDevice,
+        programs: &[RankProgram],
+        memory: &'m mut [DeviceMemory],
+        options: DeviceRunOptions,
+    ) -> Result<DeviceRun<'m>, DeviceExecError> {
         let schedule = same_device_schedule(programs)?;
         if memory.len() != programs.len() {
             let me = programs.get(memory.len()).or(programs.last()).map_or(Endpoint::src(0), |p| p.endpoint);
@@ -307,6 +340,7 @@ impl<'m> DeviceRun<'m> {
             messages: schedule.messages,
             staged: 0,
             quantize: programs.iter().enumerate().filter(|(_, p)| !p.quantize.is_empty()).map(|(i, p)| (i, p.clone())).collect(),
+            graph: None,
             memory,
         };
         for step in schedule.steps {
@@ -323,7 +357,8 @@ impl<'m> DeviceRun<'m> {
             let from = (src, step.from.span, step.from.dtype);
             let to: Vec<DevSide> = step.to.iter().zip(&dsts).map(|(t, &a)| (a, t.span, t.dtype)).collect();
             let on_device = if step.is_direct() || run.kernels.is_some() {
-                let same = if run.kernels.is_some() { SameType::NarrowRowsByKernel } else { SameType::Copies };
+                let same =
+                    if run.kernels.is_some() && options.narrow_rows_by_kernel { SameType::NarrowRowsByKernel } else { SameType::Copies };
                 piece_ops(step.block.extent(), from, step.wire, &to, dev.max_pitch(), scratch_addr, same)
             } else {
                 None
@@ -347,7 +382,58 @@ impl<'m> DeviceRun<'m> {
                 }
             }
         }
+        if options.graph {
+            run.graph = run.capture();
+        }
         Ok(run)
+    }
+
+    /// Captures every item's device work as one CUDA graph, where every
+    /// item is device work; `None` (the work is issued call by call) where
+    /// one is not, or capture fails.
+    fn capture(&self) -> Option<(cudarc::driver::CudaGraph, u64, u64)> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        if self.items.iter().any(|i| matches!(i, Item::Convert { .. })) {
+            return None;
+        }
+        let stream = self.dev.stream();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).ok()?;
+        let (mut calls, mut launches) = (0u64, 0u64);
+        let mut queued = Ok(());
+        for item in &self.items {
+            if let Item::Device { ops, .. } = item {
+                // SAFETY: as in `execute`: addresses of live allocations
+                // borrowed for 'm (and the run's scratch); capturing only
+                // records the work, which each replay runs while the run
+                // (and so every borrow) is alive.
+                match unsafe { queue_ops(self.dev, self.kernels, ops) } {
+                    Ok((c, k)) => {
+                        calls += c;
+                        launches += k;
+                    }
+                    Err(e) => {
+                        queued = Err(e);
+                        break;
+                    }
+                }
+            }
+        }
+        // Capture always ends, whatever was queued.
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        let graph = match (queued, graph) {
+            (Ok(()), Ok(Some(g))) => g,
+            (Err(e), _) => {
+                tracing::debug!(error = %e, "capturing a device run failed; it is issued call by call");
+                return None;
+            }
+            (_, Err(e)) => {
+                tracing::debug!(error = %e, "capturing a device run failed; it is issued call by call");
+                return None;
+            }
+            (_, Ok(None)) => return None,
+        };
+        graph.upload().ok()?;
+        Some((graph, calls, launches))
     }
 
     /// Runs every copy once, in order, and waits for the device.
@@ -356,7 +442,13 @@ impl<'m> DeviceRun<'m> {
         dev.bind()?;
         let start = dev.mark()?;
         let (mut calls, mut launches) = (0u64, 0u64);
-        for item in &self.items {
+        let graph = self.graph.as_ref();
+        if let Some((g, c, k)) = graph {
+            g.launch().map_err(|e| GpuError::Driver { what: "launching the run's graph".into(), error: e.to_string() })?;
+            calls = *c;
+            launches = *k;
+        }
+        for item in self.items.iter().filter(|_| graph.is_none()) {
             match item {
                 Item::Device { ops, meta } => {
                     // SAFETY: addresses come from live allocations borrowed
@@ -397,6 +489,7 @@ impl<'m> DeviceRun<'m> {
             staged_because: self.staged_because.clone(),
             quantized_on_host: on_host,
             quantized_on_device: on_device,
+            graph: self.graph.is_some(),
         })
     }
 
@@ -460,9 +553,10 @@ pub(crate) fn convert_on_host(
     Ok(calls)
 }
 
-/// Prepares and runs all programs once on `dev`.
+/// Prepares and runs all programs once on `dev` (call by call: a graph
+/// pays off only over runs that replay it).
 pub fn run_device(dev: &GpuDevice, programs: &[RankProgram], memory: &mut [DeviceMemory]) -> Result<DeviceReport, DeviceExecError> {
-    DeviceRun::prepare(dev, programs, memory)?.execute()
+    DeviceRun::prepare_with(dev, programs, memory, DeviceRunOptions { graph: false, ..DeviceRunOptions::default() })?.execute()
 }
 
 /// Device time of one plain device-to-device copy of `bytes` bytes
