@@ -417,8 +417,8 @@ mod check {
         }
         drop(host);
         let ways = [
-            ("one graph, narrow rows by kernel", DeviceRunOptions::default()),
-            ("one graph, copy calls only", DeviceRunOptions { narrow_rows_by_kernel: false, graph: true }),
+            ("one graph, copy calls only", DeviceRunOptions::default()),
+            ("one graph, narrow rows by kernel", DeviceRunOptions { narrow_rows_by_kernel: true, graph: true }),
             ("call by call, narrow rows by kernel", DeviceRunOptions { narrow_rows_by_kernel: true, graph: false }),
             ("call by call, copy calls only", DeviceRunOptions { narrow_rows_by_kernel: false, graph: false }),
         ];

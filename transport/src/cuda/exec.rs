@@ -103,8 +103,11 @@ pub struct DeviceRunOptions {
 }
 
 impl Default for DeviceRunOptions {
+    /// One graph; narrow rows by copy calls (on the H200 the kernels were
+    /// no faster for a llama3-8b reshard, whose time went to issuing
+    /// calls: docs/gpu.md, "What ran").
     fn default() -> DeviceRunOptions {
-        DeviceRunOptions { narrow_rows_by_kernel: true, graph: true }
+        DeviceRunOptions { narrow_rows_by_kernel: false, graph: true }
     }
 }
 

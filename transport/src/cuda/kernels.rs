@@ -174,11 +174,11 @@ impl CastBox {
     }
 }
 
-/// Rows narrower than this many bytes are copied by the strided copy
-/// kernels rather than one multi-row copy call: the copy engine moves
-/// narrow rows far below memory bandwidth (measured on an H200: a
-/// llama3-8b reshard's 512 column-shard copies of 1-4 KiB rows held the
-/// whole refit to a third of a plain copy's speed).
+/// Rows narrower than this many bytes may be copied by the strided copy
+/// kernels rather than one multi-row copy call
+/// (`DeviceRunOptions::narrow_rows_by_kernel`, off by default: on an H200
+/// the kernels were no faster for a llama3-8b reshard, whose time went to
+/// issuing one call per piece; gpu_check's throughput check times both).
 pub const NARROW_ROW: u64 = 64 << 10;
 
 /// A multi-row byte copy (`op`, offsets from buffers at `src_addr` and

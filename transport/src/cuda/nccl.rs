@@ -416,17 +416,15 @@ impl PlaneMemory for GpuPlane<'_> {
         }
         let dev = self.dev;
         let direct = from.2 == wire && to.iter().all(|t| t.2 == wire);
-        // Loaded once per device; a direct piece needs them only for
-        // narrow rows, and does without.
-        let (kernels, missing) = match dev.kernels() {
-            Ok(k) => (Some(k), None),
-            Err(e) => (None, Some(e)),
+        let (kernels, missing) = match (!direct).then(|| dev.kernels()) {
+            Some(Ok(k)) => (Some(k), None),
+            Some(Err(e)) => (None, Some(e)),
+            None => (None, None),
         };
         if direct || kernels.is_some() {
-            let same = if kernels.is_some() { SameType::NarrowRowsByKernel } else { SameType::Copies };
             // Sender packing (to = wire), receiver unpacking (from = wire)
             // and local copies (wire = to) change the dtype once: no scratch.
-            if let Some(ops) = piece_ops(block.extent(), from, wire, to, dev.max_pitch(), None, same) {
+            if let Some(ops) = piece_ops(block.extent(), from, wire, to, dev.max_pitch(), None, SameType::Copies) {
                 // SAFETY: every side lies in a live allocation of this rank
                 // (checked above), which outlives the run; the stream
                 // orders the work.
