@@ -275,20 +275,67 @@ mod check {
         let mut host = RankMemory::for_programs(&programs[..n_src]);
         fill_sources(&src, &mut host);
         let mut buckets = Vec::new();
-        let mut out = std::io::stdout().lock();
         for (p, h) in programs[..n_src].iter().zip(&host) {
             let mut m = DeviceMemory::for_buffers(&dev, p.endpoint, &p.buffers).map_err(e2s)?;
             m.upload(&dev, h).map_err(e2s)?;
-            let handle = m.export_ipc(&dev).map_err(e2s)?;
-            writeln!(out, "{}", handle.to_hex()).map_err(e2s)?;
             buckets.push(m);
+        }
+        publish(&dev, &buckets)
+    }
+
+    /// An exporting child's part: prints each bucket's IPC handle (hex, a
+    /// line each) and keeps the buckets until a line arrives on stdin.
+    fn publish(dev: &GpuDevice, buckets: &[DeviceMemory]) -> Result<(), String> {
+        let mut out = std::io::stdout().lock();
+        for m in buckets {
+            writeln!(out, "{}", m.export_ipc(dev).map_err(e2s)?.to_hex()).map_err(e2s)?;
         }
         out.flush().map_err(e2s)?;
         drop(out);
         let mut line = String::new();
         std::io::stdin().read_line(&mut line).map_err(e2s)?;
-        drop(buckets);
         Ok(())
+    }
+
+    /// A child process of this program that exports IPC handles
+    /// ([`publish`]) and keeps their memory until [`Exporter::finish`].
+    struct Exporter {
+        child: std::process::Child,
+        lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    }
+
+    impl Exporter {
+        fn start(args: &[&std::ffi::OsStr]) -> Result<Exporter, String> {
+            let exe = std::env::current_exe().map_err(e2s)?;
+            let mut child = Command::new(exe)
+                .args(args)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .map_err(|e| format!("starting the exporting process: {e}"))?;
+            let out = child.stdout.take().ok_or("no child stdout")?;
+            Ok(Exporter { child, lines: std::io::BufReader::new(out).lines() })
+        }
+
+        /// The next handle the child exported.
+        fn handle(&mut self) -> Result<IpcHandle, String> {
+            let hex = self.lines.next().ok_or("the exporting process ended before sending its handles")?.map_err(e2s)?;
+            IpcHandle::from_hex(&hex).map_err(|e| format!("the exporting process's handle: {e}"))
+        }
+
+        /// Lets the child free its memory and end; whether it ended well.
+        fn finish(mut self) -> Result<(), String> {
+            if let Some(mut stdin) = self.child.stdin.take() {
+                let _ = writeln!(stdin, "done");
+            }
+            let status = self.child.wait().map_err(e2s)?;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(format!("the exporting process failed: {status}"))
+            }
+        }
     }
 
     fn ipc(ctx: &Ctx) -> Result<(String, Value), String> {
@@ -298,21 +345,11 @@ mod check {
         let plan = plan_reshard(&src, &dst, &PlanOptions::default()).map_err(e2s)?;
         let programs = plan.programs(&src, &dst).map_err(e2s)?;
         let n_src = src.ranks() as usize;
-        let exe = std::env::current_exe().map_err(e2s)?;
-        let mut child = Command::new(exe)
-            .arg("--ipc-exporter")
-            .arg(&dir)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("starting the exporting process: {e}"))?;
+        let mut exporter = Exporter::start(&["--ipc-exporter".as_ref(), dir.as_os_str()])?;
         let result = (|| -> Result<(String, Value), String> {
-            let mut lines = std::io::BufReader::new(child.stdout.take().ok_or("no child stdout")?).lines();
             let mut memory = Vec::new();
             for p in &programs[..n_src] {
-                let hex = lines.next().ok_or("the exporting process ended before sending its handles")?.map_err(e2s)?;
-                let handle = IpcHandle::from_hex(&hex).map_err(|e| format!("the exporting process's handle: {e}"))?;
+                let handle = exporter.handle()?;
                 // SAFETY: the child keeps its buckets until we write to its
                 // stdin (after the refit and the mappings are dropped), and
                 // does not touch them meanwhile.
@@ -335,14 +372,9 @@ mod check {
                 json!({ "handles": n_src, "elements": checked, "bytes": report.wire_bytes, "seconds": report.elapsed.as_secs_f64() }),
             ))
         })();
-        if let Some(mut stdin) = child.stdin.take() {
-            let _ = writeln!(stdin, "done");
-        }
-        let status = child.wait().map_err(e2s)?;
+        let finished = exporter.finish();
         let r = result?;
-        if !status.success() {
-            return Err(format!("the exporting process failed: {status}"));
-        }
+        finished?;
         Ok(r)
     }
 
@@ -735,13 +767,7 @@ mod check {
         let dev = GpuDevice::open(0).map_err(e2s)?;
         let mut m = DeviceMemory::for_buffers(&dev, Endpoint::src(0), &[spec(DType::U8, bytes)]).map_err(e2s)?;
         m.zero(&dev).map_err(e2s)?;
-        let handle = m.export_ipc(&dev).map_err(e2s)?;
-        println!("{}", handle.to_hex());
-        std::io::stdout().flush().map_err(e2s)?;
-        let mut line = String::new();
-        std::io::stdin().read_line(&mut line).map_err(e2s)?;
-        drop(m);
-        Ok(())
+        publish(&dev, &[m])
     }
 
     /// An IPC rank that gives up while its copy from a peer's bucket (in
@@ -754,19 +780,10 @@ mod check {
         use transport::cuda::ipc_comm::{gpu::GpuIpc, IpcMemory};
         let dev = &ctx.dev;
         let bytes: u64 = 8 << 30;
-        let exe = std::env::current_exe().map_err(e2s)?;
-        let mut child = Command::new(exe)
-            .arg("--ipc-bucket")
-            .arg(bytes.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("starting the exporting process: {e}"))?;
+        let size = bytes.to_string();
+        let mut exporter = Exporter::start(&["--ipc-bucket".as_ref(), size.as_ref()])?;
         let result = (|| -> Result<(String, Value), String> {
-            let mut lines = std::io::BufReader::new(child.stdout.take().ok_or("no child stdout")?).lines();
-            let hex = lines.next().ok_or("the exporting process ended before sending its handle")?.map_err(e2s)?;
-            let handle = IpcHandle::from_hex(&hex).map_err(|e| format!("the exporting process's handle: {e}"))?;
+            let handle = exporter.handle()?;
             let me = Endpoint::dst(0);
             let (mut rank, _) = GpuIpc::export(0, me, 1 << 20)?;
             rank.map_peer(0, Endpoint::src(0), &handle, bytes)?;
@@ -802,11 +819,10 @@ mod check {
                 json!({ "bytes": bytes, "in_flight_at_abort": in_flight, "copy_s": copied.as_secs_f64() }),
             ))
         })();
-        if let Some(mut stdin) = child.stdin.take() {
-            let _ = writeln!(stdin, "done");
-        }
-        let _ = child.wait();
-        result
+        let finished = exporter.finish();
+        let r = result?;
+        finished?;
+        Ok(r)
     }
 
     /// Two ranks of one communicator on this one GPU (a trainer and an
