@@ -84,14 +84,14 @@ dry_run() {
   printf '  working tree (tracked files): %d bytes\n' "$tree"
   awk -v b=$((carried + tree)) 'BEGIN { printf "  in all: %.1f MiB (limit 64 MiB)\n", b / 1048576 }'
   echo
-  echo "checks (timeout s, expected s on one H200):"
+  echo "checks (timeout s, expected s: as measured on one H200):"
   local total=0 limit=0
   while IFS=$'\t' read -r name timeout expected; do
     printf '  %-28s %4s %4s\n' "$name" "$timeout" "$expected"
     total=$((total + expected)); limit=$((limit + timeout))
   done < <("$BIN" --list)
-  printf '  %-28s %4s %4s\n' "torch-stream (python)" "$PY_TIMEOUT" 30
-  total=$((total + 30))
+  printf '  %-28s %4s %4s\n' "torch-stream (python)" "$PY_TIMEOUT" 15
+  total=$((total + 15))
   limit=$(( (limit < BUDGET ? limit : BUDGET) + PY_TIMEOUT ))
   echo "expected in all: ${total} s; at most ${limit} s (the Rust checks stop at their ${BUDGET} s budget)"
 }
