@@ -140,6 +140,13 @@ impl<'p> RankCursor<'p> {
         }
     }
 
+    /// The peers whose message of the current round has not arrived yet,
+    /// in the program's order.
+    pub fn awaited(&self) -> impl Iterator<Item = Endpoint> + '_ {
+        let recvs = self.program.rounds.get(self.round).map_or(&[][..], |r| &r.recvs[..]);
+        recvs.iter().zip(&self.arrived).filter(|(_, &got)| !got).map(|(m, _)| m.peer)
+    }
+
     /// A message of the current round arrived from `peer`: the pieces it
     /// must carry, or why it is not expected (no message from this peer in
     /// this round, or a second one).

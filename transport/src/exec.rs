@@ -12,7 +12,7 @@ use crate::frame::SHORT_RUN;
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory, RawBuf};
 use crate::tcp::{tcp_fabric_for, TcpConfig, TcpTransport};
-use crate::transport::{Payload, SentPieces, Transport, TransportError};
+use crate::transport::{Payload, SentPieces, Transport, TransportError, Waiting};
 use reshard::quant::QuantError;
 use reshard::{Block, DType, Endpoint, LocalCopyView, Message, RankProgram, RecvPiece, RecvPieceView, SendPiece, Span};
 use std::time::{Duration, Instant};
@@ -316,7 +316,7 @@ fn run_rounds<T: Transport>(
                 transport.send(round, message.peer, payload)?;
             }
             Action::Recv { round } => {
-                let (peer, payload) = transport.recv(round, deadline)?;
+                let (peer, payload) = transport.recv(round, deadline).map_err(|e| awaiting(e, &cursor, transport))?;
                 let bad = |problem: String| ExecError::BadMessage { me, round, peer, problem };
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
                 let routes: Vec<(u32, LocalCopyView<'_>)> = bypass.routes(round, peer).collect();
@@ -344,6 +344,19 @@ fn run_rounds<T: Transport>(
                 return Ok(stats);
             }
         }
+    }
+}
+
+/// A receive's error, with the peers whose message of the round had not
+/// come yet when it was a timeout, and what the transport knew of their
+/// links.
+fn awaiting<T: Transport>(e: TransportError, cursor: &RankCursor<'_>, transport: &T) -> TransportError {
+    match e {
+        TransportError::Timeout { me, round, waiting, closed } if waiting.is_empty() => {
+            let waiting = cursor.awaited().map(|peer| Waiting { peer, link: transport.link_from(peer) }).collect();
+            TransportError::Timeout { me, round, waiting, closed }
+        }
+        e => e,
     }
 }
 

@@ -25,6 +25,7 @@ pub mod node;
 pub mod pattern;
 pub mod shm;
 pub mod shm_link;
+mod sockopt;
 pub mod tcp;
 pub mod transport;
 
@@ -45,4 +46,5 @@ pub use pattern::{
     verify_destination_tensors, verify_destinations, Mismatch,
 };
 pub use shm::{remove_stale_regions, ShmConfig};
-pub use transport::{Lent, Payload, Release, Segment, SentPiece, SentPieces, Transport, TransportError};
+pub use sockopt::{Congestion, CONGESTION_ENV};
+pub use transport::{Lent, Payload, Release, Segment, SentPiece, SentPieces, Transport, TransportError, Waiting};

@@ -94,7 +94,7 @@ impl Transport for LocalTransport {
         if self.outstanding.wait_idle(deadline) {
             Ok(())
         } else {
-            Err(TransportError::Timeout { me: self.me, round })
+            Err(TransportError::timeout(self.me, round))
         }
     }
 

@@ -155,6 +155,10 @@ impl Transport for NodeTransport {
     fn abort(&mut self, reason: &str) {
         self.inner.abort(reason)
     }
+
+    fn link_from(&self, peer: Endpoint) -> Option<String> {
+        self.inner.link_from(peer)
+    }
 }
 
 impl WithAbort for NodeTransport {

@@ -354,7 +354,7 @@ impl StreamSink<'_> {
                 _ => return Err(TransportError::Disconnected { peer: self.to }),
             }
             if Instant::now() >= self.deadline {
-                return Err(TransportError::Timeout { me: self.me, round: self.round });
+                return Err(TransportError::timeout(self.me, self.round));
             }
             tries += 1;
             if tries < 64 {

@@ -25,12 +25,14 @@ use crate::frame::{
 use crate::link::{FrameAction, FrameHook, LinkEmulation, TokenBucket, PACE_CHUNK};
 use crate::shm::ShmOut;
 use crate::shm_link::{self, ShmMessage, ShmReceiver, ShmSetup};
+pub use crate::sockopt::Congestion;
+use crate::sockopt::{bytes, choose_congestion, tcp_state};
 use crate::transport::{Lent, Payload, Release, RoundInbox, Transport, TransportError};
 use reshard::Endpoint;
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -78,6 +80,11 @@ pub struct TcpConfig {
     /// goes on; without it (default), any connection that names an
     /// expected peer is taken for it.
     pub hello_key: Option<HelloKey>,
+    /// The TCP congestion control of the streams this rank sends on
+    /// (default [`Congestion::AvoidBbr`]: the system's, unless that is
+    /// BBR, whose policer mode makes a refit's last stream crawl; the
+    /// environment variable `REFIT_TCP_CONGESTION` changes the default).
+    pub congestion: Congestion,
 }
 
 impl Default for TcpConfig {
@@ -93,6 +100,7 @@ impl Default for TcpConfig {
             hook: None,
             frame_pool_bytes: 512 << 20,
             hello_key: None,
+            congestion: Congestion::from_env(),
         }
     }
 }
@@ -104,9 +112,10 @@ enum Incoming {
     Corrupt { from: Endpoint, round: u32 },
 }
 
-/// What a rank's reader for a peer's stream last saw of that peer.
+/// What a rank's reader for a peer's stream last saw of that peer, and
+/// how many messages it took from it.
 #[derive(Debug, Default)]
-pub(crate) struct PeerStatus(AtomicU8);
+pub(crate) struct PeerStatus(AtomicU8, AtomicU64);
 
 /// The peer is there.
 pub(crate) const ALIVE: u8 = 0;
@@ -124,6 +133,16 @@ impl PeerStatus {
 
     pub(crate) fn get(&self) -> u8 {
         self.0.load(Ordering::Acquire)
+    }
+
+    /// One more message from the peer handed on.
+    fn took(&self) {
+        self.1.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Messages from the peer handed on so far.
+    fn messages(&self) -> u64 {
+        self.1.load(Ordering::Relaxed)
     }
 }
 
@@ -317,13 +336,24 @@ struct Link {
     status: Arc<PeerStatus>,
 }
 
+/// The incoming side of one peer, as far as errors describe it.
+struct Inbound {
+    /// A handle on the peer's stream (its reader thread owns another).
+    stream: Arc<TcpStream>,
+    status: Arc<PeerStatus>,
+    /// Messages come through shared memory, the stream carries notices.
+    shm: bool,
+}
+
 /// One rank's end of a TCP fabric (and, built through
 /// [`crate::node::NodeTransport`], of shared-memory links to same-node peers).
 pub struct TcpTransport {
     me: Endpoint,
     links: HashMap<Endpoint, Link>,
+    /// The incoming side of each peer (for [`Transport::link_from`]).
+    inbound: HashMap<Endpoint, Inbound>,
     /// Every stream of this rank (both directions), for [`WithAbort`](crate::WithAbort).
-    streams: Arc<Mutex<Vec<TcpStream>>>,
+    streams: Arc<Mutex<Vec<Arc<TcpStream>>>>,
     inbox: RoundInbox<Incoming>,
     checksum: bool,
     hook: Option<Arc<dyn FrameHook>>,
@@ -406,6 +436,7 @@ fn read_frames(shared: &Arc<TcpStream>, r: &mut Reader) -> Stop {
             DATA if !r.checksum && len > 0 => {
                 let (done, consumed) = std::sync::mpsc::sync_channel(1);
                 let frame = StreamFrame { stream: Arc::clone(shared), len, read: 0, done: Some(done) };
+                r.status.took();
                 if r.tx.send(Incoming::Data { round, from: r.peer, payload: Payload::Stream(frame) }).is_err() {
                     return Stop::Quiet; // the transport is gone
                 }
@@ -468,6 +499,9 @@ fn read_frames(shared: &Arc<TcpStream>, r: &mut Reader) -> Stop {
                 }
             }
         };
+        if matches!(msg, Incoming::Data { .. }) {
+            r.status.took();
+        }
         if r.tx.send(msg).is_err() {
             return Stop::Quiet; // the transport is gone
         }
@@ -874,16 +908,19 @@ struct Dialed {
     again: bool,
 }
 
-/// Connects to `peer` at `addr` and makes the handshake `hello`: the
-/// stream once the peer accepted it, blocking, without a read timeout.
+/// Connects to `peer` at `addr`, chooses the stream's congestion control
+/// (`config.congestion`) and makes the handshake `hello`: the stream once
+/// the peer accepted it, blocking, without a read timeout, and the
+/// congestion control it runs.
 fn dial(
     me: Endpoint,
     peer: Endpoint,
     addr: SocketAddr,
     hello: &[u8],
     deadline: Instant,
-    peers_listening: bool,
-) -> Result<TcpStream, Dialed> {
+    config: &TcpConfig,
+) -> Result<(TcpStream, String), Dialed> {
+    let peers_listening = config.peers_listening;
     let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     let again = |what: String, e: io::Error| Dialed { error: io::Error::new(e.kind(), format!("{me}: {what}: {e}")), again: true };
     let mut stream = match TcpStream::connect_timeout(&addr, left()) {
@@ -899,6 +936,8 @@ fn dial(
         s.set_read_timeout(Some(left()))
     };
     setup(&stream).map_err(|e| again(format!("connection to {peer} at {addr}"), e))?;
+    // Before any byte of ours is sent, so the stream starts with it.
+    let congestion = choose_congestion(&stream, &config.congestion);
     stream.write_all(hello).map_err(|e| again(format!("handshake to {peer} at {addr} not sent"), e))?;
     let mut answer = [0u8; 1];
     if let Err(e) = stream.read_exact(&mut answer) {
@@ -914,7 +953,7 @@ fn dial(
     stream
         .set_read_timeout(None)
         .map_err(|e| Dialed { error: io::Error::new(e.kind(), format!("{me}: connection to {peer}: {e}")), again: false })?;
-    Ok(stream)
+    Ok((stream, congestion))
 }
 
 impl TcpTransport {
@@ -939,28 +978,35 @@ impl TcpTransport {
             s.check()?;
         }
         let statuses: HashMap<Endpoint, Arc<PeerStatus>> = others.iter().map(|(e, _)| (*e, Arc::default())).collect();
-        let streams: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let streams: Arc<Mutex<Vec<Arc<TcpStream>>>> = Arc::default();
         let (tx, inbox) = channel();
         let checksum = config.checksum;
         let limits = Arc::new(config.max_frame_bytes_from.clone());
         let default_limit = config.max_frame_bytes;
         let shm = shm.map(Arc::new);
         let pool = Arc::new(FramePool { kept: Mutex::default(), limit: config.frame_pool_bytes });
+        let started = Instant::now();
         // Accept in the background while this thread connects out.
         let acceptor = {
             let (statuses, shm, streams, pool) = (statuses.clone(), shm.clone(), Arc::clone(&streams), pool.clone());
             let expected: HashSet<Endpoint> = statuses.keys().copied().collect();
             let key = config.hello_key.clone();
-            std::thread::spawn(move || -> io::Result<()> {
+            std::thread::spawn(move || -> io::Result<HashMap<Endpoint, Inbound>> {
                 let x = Expect { me, deadline, expected: &expected, checksum, shm: shm.as_deref(), key: key.as_ref() };
-                accept_all(&listener, &x, |peer, stream, inbound| {
-                    streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
+                let mut inbound = HashMap::new();
+                accept_all(&listener, &x, |peer, stream, shm_in| {
+                    let ms = started.elapsed().as_millis() as u64;
+                    tracing::debug!(%me, %peer, ms, shm = shm_in.is_some(), "data-plane stream from a peer accepted");
+                    let handle = Arc::new(stream.try_clone()?);
+                    streams.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::clone(&handle));
                     let status = statuses.get(&peer).cloned().unwrap_or_default();
+                    inbound.insert(peer, Inbound { stream: handle, status: status.clone(), shm: shm_in.is_some() });
                     let max = limits.get(&peer).copied().unwrap_or(default_limit);
-                    let reader = Reader { peer, max, checksum, shm: inbound, status, pool: pool.clone(), tx: tx.clone() };
+                    let reader = Reader { peer, max, checksum, shm: shm_in, status, pool: pool.clone(), tx: tx.clone() };
                     std::thread::Builder::new().name(format!("refit-read-{peer}")).spawn(move || read_loop(stream, reader))?;
                     Ok(())
-                })
+                })?;
+                Ok(inbound)
             })
         };
         let mut links = HashMap::new();
@@ -975,9 +1021,14 @@ impl TcpTransport {
             // making room) is made again, until the deadline.
             let mut pause = Duration::from_millis(20);
             let mut tries = 1u32;
+            let dialing = Instant::now();
             let stream = loop {
-                match dial(me, peer, addr, &hello, deadline, config.peers_listening) {
-                    Ok(s) => break s,
+                match dial(me, peer, addr, &hello, deadline, config) {
+                    Ok((s, congestion)) => {
+                        let ms = dialing.elapsed().as_millis() as u64;
+                        tracing::debug!(%me, %peer, %addr, tries, ms, %congestion, "data-plane stream to a peer connected");
+                        break s;
+                    }
                     Err(Dialed { error, again: true }) if Instant::now() < deadline => {
                         tracing::debug!(%me, %peer, %addr, %error, tries, "data-plane connection not taken; trying again");
                         std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
@@ -990,17 +1041,19 @@ impl TcpTransport {
                     Err(Dialed { error, .. }) => return Err(error),
                 }
             };
-            streams.lock().unwrap_or_else(|e| e.into_inner()).push(stream.try_clone()?);
+            streams.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::new(stream.try_clone()?));
             if let Some(o) = &mut out {
                 shm_link::mapped_by_peer(o);
             }
             let status = statuses.get(&peer).cloned().unwrap_or_default();
             links.insert(peer, Link { w: BufWriter::with_capacity(config.write_buffer_bytes, stream), shm: out, status });
         }
-        acceptor.join().map_err(|_| io::Error::other("accept thread panicked"))??;
+        let inbound = acceptor.join().map_err(|_| io::Error::other("accept thread panicked"))??;
+        tracing::debug!(%me, peers = links.len(), ms = started.elapsed().as_millis() as u64, "data plane connected");
         Ok(TcpTransport {
             me,
             links,
+            inbound,
             streams,
             inbox: RoundInbox::new(inbox),
             checksum,
@@ -1307,10 +1360,69 @@ fn write_all_vectored(stream: &mut TcpStream, bufs: &mut [io::IoSlice<'_>]) -> i
     Ok(())
 }
 
+impl TcpTransport {
+    /// The incoming side of `peer` in words: what its reader last saw,
+    /// the messages taken from it, and the kernel's count of the bytes in
+    /// and of the time since the last.
+    fn describe_inbound(&self, peer: Endpoint) -> Option<String> {
+        let i = self.inbound.get(&peer)?;
+        let mut words = vec![match i.status.get() {
+            ALIVE => "stream up".to_string(),
+            GONE => "it said goodbye".to_string(),
+            BROKEN => "its stream broke".to_string(),
+            _ => "it aborted".to_string(),
+        }];
+        let n = i.status.messages();
+        words.push(format!("{n} message{} taken from it on this data plane", if n == 1 { "" } else { "s" }));
+        if let Some(k) = tcp_state(&i.stream) {
+            let via = if i.shm { " (notices; messages in shared memory)" } else { "" };
+            words.push(format!(
+                "{} received on the stream{via}, the last {:.2} s ago",
+                bytes(k.bytes_received),
+                k.last_data_recv.as_secs_f64()
+            ));
+            if k.state != 1 {
+                words.push(format!("TCP state {}", k.state));
+            }
+        }
+        Some(words.join(", "))
+    }
+
+    /// What the kernel still holds of the messages sent to each peer (for
+    /// a log line when the data plane goes away with bytes undelivered).
+    fn undelivered(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (peer, l) in &self.links {
+            let Some(k) = tcp_state(l.w.get_ref()) else { continue };
+            let unacked = k.bytes_sent.saturating_sub(k.bytes_retrans).saturating_sub(k.bytes_acked.saturating_sub(1));
+            let left = unacked + k.notsent + l.w.buffer().len() as u64;
+            if left == 0 || k.bytes_sent == 0 {
+                continue;
+            }
+            let cc = crate::sockopt::congestion(l.w.get_ref()).unwrap_or_default();
+            out.push(format!(
+                "to {peer}: {} not yet delivered, {} retransmitted, {} retransmission timeouts, {cc} pacing at {}/s",
+                bytes(left),
+                bytes(k.bytes_retrans),
+                k.rtos,
+                bytes(k.pacing_rate)
+            ));
+        }
+        out.sort();
+        out
+    }
+}
+
 impl Drop for TcpTransport {
     /// Says goodbye on every stream, so peers can tell a finished rank from
     /// a crashed one (whose streams just end).
     fn drop(&mut self) {
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let left = self.undelivered();
+            if !left.is_empty() {
+                tracing::debug!(me = %self.me, streams = %left.join("; "), "data plane closed while the kernel still held bytes of it to deliver");
+            }
+        }
         for l in self.links.values_mut() {
             let _ = l.w.write_all(&header(BYE, 0, 0)).and_then(|_| l.w.flush());
         }
@@ -1365,6 +1477,10 @@ impl Transport for TcpTransport {
     fn flush(&mut self, _round: u32, _deadline: Instant) -> Result<(), TransportError> {
         // `send` returns only after the bytes left the sender's memory.
         Ok(())
+    }
+
+    fn link_from(&self, peer: Endpoint) -> Option<String> {
+        self.describe_inbound(peer)
     }
 
     fn abort(&mut self, reason: &str) {

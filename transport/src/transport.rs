@@ -301,13 +301,21 @@ impl Drop for Release {
 /// Why a transport operation failed.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum TransportError {
-    /// Nothing arrived before the deadline.
-    #[error("{me}: timed out waiting for round {round} messages")]
+    /// Nothing arrived before the deadline, or nothing more can (every
+    /// stream to this rank ended).
+    #[error("{me}: {}", timeout_words(*round, waiting, *closed))]
     Timeout {
         /// The waiting rank.
         me: Endpoint,
         /// Round awaited.
         round: u32,
+        /// The peers whose message of the round had not arrived, and what
+        /// the transport knew of their links then (empty: not known, as
+        /// where the waiting was not for messages).
+        waiting: Vec<Waiting>,
+        /// Every stream to this rank had ended: no message could arrive,
+        /// so the rank stopped waiting before its deadline.
+        closed: bool,
     },
     /// A peer gave up and told us.
     #[error("{peer} aborted: {reason}")]
@@ -342,6 +350,41 @@ pub enum TransportError {
     },
 }
 
+impl TransportError {
+    /// The deadline passed while `me` waited in `round` (for messages,
+    /// or for its own to be taken).
+    pub fn timeout(me: Endpoint, round: u32) -> TransportError {
+        TransportError::Timeout { me, round, waiting: Vec::new(), closed: false }
+    }
+}
+
+/// A peer whose message a rank still waited for when it gave up, and what
+/// its transport could tell of the link from that peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    /// The peer.
+    pub peer: Endpoint,
+    /// The link from it, in words ([`Transport::link_from`]; `None`: the
+    /// transport cannot tell).
+    pub link: Option<String>,
+}
+
+fn timeout_words(round: u32, waiting: &[Waiting], closed: bool) -> String {
+    let mut s = if closed {
+        format!("no more round {round} messages can arrive: every stream to this rank ended")
+    } else {
+        format!("timed out waiting for round {round} messages")
+    };
+    for (i, w) in waiting.iter().enumerate() {
+        s.push_str(if i == 0 { " from " } else { "; " });
+        s.push_str(&w.peer.to_string());
+        if let Some(link) = &w.link {
+            s.push_str(&format!(" ({link})"));
+        }
+    }
+    s
+}
+
 /// Moves one rank's messages. One instance per rank.
 pub trait Transport: Send {
     /// This rank.
@@ -355,6 +398,11 @@ pub trait Transport: Send {
     fn flush(&mut self, round: u32, deadline: Instant) -> Result<(), TransportError>;
     /// Tells every peer this rank failed, so none waits for it in vain.
     fn abort(&mut self, reason: &str);
+    /// What this rank's end knows of the link from `peer`, in words (for
+    /// errors: is it up, is anything arriving on it); `None` if nothing.
+    fn link_from(&self, _peer: Endpoint) -> Option<String> {
+        None
+    }
 }
 
 /// A transport borrowed for one run, so one fabric can serve many refits.
@@ -377,6 +425,10 @@ impl<T: Transport + ?Sized> Transport for &mut T {
 
     fn abort(&mut self, reason: &str) {
         (**self).abort(reason)
+    }
+
+    fn link_from(&self, peer: Endpoint) -> Option<String> {
+        (**self).link_from(peer)
     }
 }
 
@@ -409,7 +461,12 @@ impl<E> RoundInbox<E> {
         loop {
             let wait = deadline.saturating_duration_since(Instant::now());
             // A timeout, or every sender gone: nothing more will arrive.
-            let event = self.rx.recv_timeout(wait).map_err(|_| TransportError::Timeout { me, round })?;
+            let event = self.rx.recv_timeout(wait).map_err(|e| TransportError::Timeout {
+                me,
+                round,
+                waiting: Vec::new(),
+                closed: e == std::sync::mpsc::RecvTimeoutError::Disconnected,
+            })?;
             match open(event)? {
                 (r, from, payload) if r == round => return Ok((from, payload)),
                 other => self.later.push(other),

@@ -255,8 +255,69 @@ fn a_stalled_sender_makes_its_receiver_time_out_at_the_deadline() {
     let start = Instant::now();
     let wait = Duration::from_millis(300);
     let got = t[2].recv(1, start + wait);
-    assert_eq!(got.err(), Some(TransportError::Timeout { me: Endpoint::dst(1), round: 1 }));
+    assert_eq!(got.err(), Some(TransportError::timeout(Endpoint::dst(1), 1)));
     assert!(start.elapsed() >= wait);
+}
+
+/// A destination that gives up names the peer whose message it still
+/// waited for, and what it knew of that peer's stream (up, nothing taken
+/// from it); not the source whose message came.
+#[test]
+fn a_timeout_names_the_peers_still_awaited_and_their_streams() {
+    let one = |ranks: u32, placement: &str| {
+        parse_layout(&format!(
+            r#"{{"ranks": {ranks}, "tensors": [{{"name": "w", "dtype": "f32", "shape": [64, 32], "mesh": {{"shape": [{ranks}]}}, "placements": ["{placement}"]}}]}}"#
+        ))
+        .unwrap()
+    };
+    let (src, dst) = (one(2, "shard(0)"), one(1, "replicate"));
+    let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
+    let programs = plan.programs(&src, &dst).unwrap();
+    let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
+    let stalled = Endpoint::src(0);
+    let faults = move |e| if e == stalled { Faults { stall_at_frame: Some(0), ..Faults::default() } } else { Faults::default() };
+    // Every rank its own node: TCP everywhere.
+    let node_of = |e: Endpoint| e.rank + 10 * (e.group == reshard::Group::Dst) as u32;
+    let mut fabric = transport::node_fabric_with_faults(&endpoints, node_of, &NodeTransportConfig::default(), faults).unwrap();
+    let mut memory = RankMemory::for_programs(&programs);
+    fill_sources(&src, &mut memory[..2]);
+    let options = ExecOptions { deadline: Duration::from_millis(500) };
+    // Every rank's end stays open until all are done (as a member keeps
+    // its own between refits): a source that finished says no goodbye.
+    let results: Vec<_> = std::thread::scope(|s| {
+        let runs: Vec<_> = programs
+            .iter()
+            .zip(fabric.iter_mut())
+            .zip(memory.iter_mut())
+            .map(|((p, t), m)| s.spawn(move || transport::run_rank(p, m, t, &options)))
+            .collect();
+        runs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results[..2].iter().all(|r| r.is_ok()), "{results:?}");
+    let got = &results[2];
+    let Err(ExecError::Transport(e @ TransportError::Timeout { me, round: 0, waiting, closed: false })) = got else {
+        panic!("{got:?}");
+    };
+    assert_eq!(*me, Endpoint::dst(0));
+    assert_eq!(waiting.iter().map(|w| w.peer).collect::<Vec<_>>(), vec![stalled], "{e}");
+    let link = waiting[0].link.as_deref().unwrap_or_default();
+    assert!(link.starts_with("stream up, 0 messages taken from it") && link.contains("received on the stream"), "{e}");
+    assert!(e.to_string().starts_with("dst rank 0: timed out waiting for round 0 messages from src rank 0 (stream up"), "{e}");
+}
+
+/// A rank every peer of which has said goodbye stops waiting at once, and
+/// says why, rather than that its deadline passed.
+#[test]
+fn a_rank_whose_peers_all_left_does_not_wait_for_its_deadline() {
+    let mut t = trio(&NodeTransportConfig::default());
+    let last = t.pop().unwrap();
+    drop(t);
+    let mut last = last;
+    let start = Instant::now();
+    let got = last.recv(0, start + Duration::from_secs(30));
+    assert!(start.elapsed() < Duration::from_secs(10), "{:?}", start.elapsed());
+    let Err(e @ TransportError::Timeout { closed: true, .. }) = &got else { panic!("{got:?}") };
+    assert_eq!(e.to_string(), "dst rank 1: no more round 0 messages can arrive: every stream to this rank ended");
 }
 
 #[test]
