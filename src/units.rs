@@ -4,21 +4,7 @@
 
 use std::time::Duration;
 
-/// Bytes in binary units: `512 B`, `13.50 KiB`, `16.00 MiB`, `1.25 GiB`.
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
+pub use reshard::units::human;
 
 /// A duration for people: under a second in milliseconds to three
 /// significant digits (`0.0201 ms`, `0.759 ms`, `81.9 ms`, `241 ms`), then
@@ -68,7 +54,7 @@ pub fn rate(bytes: u64, d: Duration) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{duration, human, seconds};
+    use super::{duration, seconds};
     use std::time::Duration;
 
     #[test]
@@ -102,14 +88,5 @@ mod tests {
             assert_eq!(seconds(bad), "-", "{bad}");
         }
         assert_eq!(seconds(-1.0), "0 ms");
-    }
-
-    #[test]
-    fn bytes_in_binary_units() {
-        for (bytes, want) in
-            [(0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (13_824, "13.50 KiB"), (16 << 20, "16.00 MiB"), (5 << 40, "5.00 TiB")]
-        {
-            assert_eq!(human(bytes), want);
-        }
     }
 }

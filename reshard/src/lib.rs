@@ -31,6 +31,7 @@ pub mod plan;
 pub mod planner;
 pub mod program;
 pub mod quant;
+pub mod units;
 
 pub use baseline::{baseline_summary, plan_baseline, BaselineSummary};
 pub use block::{Block, MAX_DIMS};

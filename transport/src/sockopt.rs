@@ -172,16 +172,6 @@ pub(crate) fn tcp_state(stream: &TcpStream) -> Option<TcpState> {
     Some(s)
 }
 
-/// `n` bytes in words: `512 B`, `3.4 KiB`, `1.0 MiB`.
-pub(crate) fn bytes(n: u64) -> String {
-    match n {
-        n if n < 1 << 10 => format!("{n} B"),
-        n if n < 1 << 20 => format!("{:.1} KiB", n as f64 / 1024.0),
-        n if n < 1 << 30 => format!("{:.1} MiB", n as f64 / (1 << 20) as f64),
-        n => format!("{:.1} GiB", n as f64 / (1 << 30) as f64),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,8 +198,8 @@ mod tests {
             o = tcp_state(&out).expect("TCP_INFO");
         }
         assert_eq!((o.bytes_acked, o.bytes_sent, o.notsent), (5001, 5000, 0), "{o:?}");
-        assert_eq!(bytes(5000), "4.9 KiB");
-        assert_eq!(bytes(3 << 20), "3.0 MiB");
+        assert_eq!(reshard::units::human(5000), "4.88 KiB");
+        assert_eq!(reshard::units::human(3 << 20), "3.00 MiB");
     }
 
     /// `reno` is always there and any process may choose it; `System`

@@ -26,8 +26,9 @@ use crate::link::{FrameAction, FrameHook, LinkEmulation, TokenBucket, PACE_CHUNK
 use crate::shm::ShmOut;
 use crate::shm_link::{self, ShmMessage, ShmReceiver, ShmSetup};
 pub use crate::sockopt::Congestion;
-use crate::sockopt::{bytes, choose_congestion, tcp_state};
+use crate::sockopt::{choose_congestion, tcp_state};
 use crate::transport::{Lent, Payload, Release, RoundInbox, Transport, TransportError};
+use reshard::units::human;
 use reshard::Endpoint;
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufWriter, Read, Write};
@@ -1378,7 +1379,7 @@ impl TcpTransport {
             let via = if i.shm { " (notices; messages in shared memory)" } else { "" };
             words.push(format!(
                 "{} received on the stream{via}, the last {:.2} s ago",
-                bytes(k.bytes_received),
+                human(k.bytes_received),
                 k.last_data_recv.as_secs_f64()
             ));
             if k.state != 1 {
@@ -1402,10 +1403,10 @@ impl TcpTransport {
             let cc = crate::sockopt::congestion(l.w.get_ref()).unwrap_or_default();
             out.push(format!(
                 "to {peer}: {} not yet delivered, {} retransmitted, {} retransmission timeouts, {cc} pacing at {}/s",
-                bytes(left),
-                bytes(k.bytes_retrans),
+                human(left),
+                human(k.bytes_retrans),
                 k.rtos,
-                bytes(k.pacing_rate)
+                human(k.pacing_rate)
             ));
         }
         out.sort();
