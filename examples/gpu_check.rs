@@ -40,6 +40,8 @@
 //! - `ipc-abort-in-flight`: an IPC rank gives up while its 8 GiB copy
 //!   from another process's bucket runs; the context still copies and
 //!   casts afterwards (the peer's mapping was kept, not closed under it);
+//! - `registered-lies`: registered device regions past their allocation,
+//!   or in host memory, refused by the driver's checks; honest ones taken;
 //! - `nccl-same-device`: four members on one GPU through the orchestrator
 //!   on the NCCL fabric: refused before any communicator, within seconds;
 //! - `nccl-missing-peer`: a communicator of two with one rank and a 3 s
@@ -787,10 +789,12 @@ mod check {
             let me = Endpoint::dst(0);
             let (mut rank, _) = GpuIpc::export(0, me, 1 << 20)?;
             rank.map_peer(0, Endpoint::src(0), &handle, bytes)?;
-            let target = DeviceMemory::for_buffers(dev, me, &[spec(DType::U8, bytes)]).map_err(e2s)?;
+            // Never freed: the copy into it may outlive any early return
+            // below (this process ends soon after the check).
+            let target = std::mem::ManuallyDrop::new(DeviceMemory::for_buffers(dev, me, &[spec(DType::U8, bytes)]).map_err(e2s)?);
             let t = Instant::now();
-            // SAFETY: `target` holds `bytes` bytes of this process; it is
-            // never freed if the copy may still run (forgotten below).
+            // SAFETY: `target` holds `bytes` bytes of this process and is
+            // never freed (ManuallyDrop above), on every path out of here.
             unsafe { rank.pull(0, 0, target.device_addrs()[0], bytes) }?;
             let in_flight = rank.pulled()? == Progress::Pending;
             rank.abandon();
@@ -798,7 +802,6 @@ mod check {
             // The copy ends on its own; the context must still be usable.
             dev.context().synchronize().map_err(|e| format!("the context after the abort: {e}"))?;
             let copied = t.elapsed();
-            std::mem::forget(target);
             let sample: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
             let mut m = DeviceMemory::for_buffers(dev, me, &[spec(DType::U8, sample.len() as u64)]).map_err(e2s)?;
             m.upload(dev, &RankMemory { buffers: vec![sample.clone()], dtypes: vec![DType::U8] }).map_err(e2s)?;
@@ -823,6 +826,42 @@ mod check {
         let r = result?;
         finished?;
         Ok(r)
+    }
+
+    /// Registered device memory that lies: a region past the end of its
+    /// allocation, one in host memory, and one offset into the middle of
+    /// an allocation running past its end are refused by the driver's
+    /// checks (`DeviceMemory::register`), naming what is wrong; an honest
+    /// region inside the allocation is taken.
+    fn registered_lies(ctx: &Ctx) -> Result<(String, Value), String> {
+        let dev = &ctx.dev;
+        let me = Endpoint::dst(0);
+        let n: u64 = 1 << 20;
+        let mem = DeviceMemory::for_buffers(dev, me, &[spec(DType::U8, n)]).map_err(e2s)?;
+        let base = mem.device_addrs()[0];
+        let host = vec![0u8; n as usize];
+        let try_region = |addr: u64, len: u64| {
+            // SAFETY: `register` only reads the addresses' attributes from
+            // the driver and records them; the result is dropped here
+            // unused, so no byte at them is read or written whatever the
+            // check decides.
+            unsafe { DeviceMemory::register(dev, me, &[spec(DType::U8, len)], &[(addr, len as usize)]) }.map(drop).map_err(e2s)
+        };
+        try_region(base, n).map_err(|e| format!("an honest region was refused: {e}"))?;
+        try_region(base + 4096, n - 4096).map_err(|e| format!("an honest region was refused: {e}"))?;
+        let mut refusals = Vec::new();
+        for (what, addr, len) in [
+            ("one byte past the allocation", base, n + 1),
+            ("from the middle past the end", base + n / 2, n),
+            ("host memory", host.as_ptr() as u64, n),
+        ] {
+            match try_region(addr, len) {
+                Ok(()) => return Err(format!("a region {what} was taken")),
+                Err(e) => refusals.push(format!("{what}: {e}")),
+            }
+        }
+        drop(host);
+        Ok((format!("an honest region taken; refused: {}", refusals.join("; ")), json!({ "refusals": refusals })))
     }
 
     /// Two ranks of one communicator on this one GPU (a trainer and an
@@ -938,6 +977,7 @@ mod check {
         Spec { name: "orchestrator-ipc", timeout_s: 60, expected_s: 1, run: orchestrated_ipc },
         Spec { name: "orchestrator-ipc-in-place", timeout_s: 60, expected_s: 1, run: orchestrated_ipc_in_place },
         Spec { name: "ipc-abort-in-flight", timeout_s: 60, expected_s: 1, run: ipc_abort_in_flight },
+        Spec { name: "registered-lies", timeout_s: 30, expected_s: 1, run: registered_lies },
         Spec { name: "nccl-same-device", timeout_s: 30, expected_s: 1, run: nccl_same_device },
         Spec { name: "nccl-missing-peer", timeout_s: 40, expected_s: 4, run: nccl_missing_peer },
         Spec { name: "nccl", timeout_s: 90, expected_s: 3, run: nccl },

@@ -422,18 +422,13 @@ impl<'m> DeviceRun<'m> {
             }
         }
         // Capture always ends, whatever was queued.
-        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-        let graph = match (queued, graph) {
-            (Ok(()), Ok(Some(g))) => g,
-            (Err(e), _) => {
+        let ended = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| e.to_string());
+        let graph = match queued.and(ended) {
+            Ok(graph) => graph?,
+            Err(e) => {
                 tracing::debug!(error = %e, "capturing a device run failed; it is issued call by call");
                 return None;
             }
-            (_, Err(e)) => {
-                tracing::debug!(error = %e, "capturing a device run failed; it is issued call by call");
-                return None;
-            }
-            (_, Ok(None)) => return None,
         };
         graph.upload().ok()?;
         Some((graph, calls, launches))
