@@ -106,9 +106,13 @@ fn silent_control_connections_do_not_keep_workers_out() {
     let (_, err) = launch.finish(workers);
     drop(silent);
     // Pushed out by newcomers, or silent past the `Hello` deadline (on a
-    // loaded machine the launcher may accept them slower than that).
+    // loaded machine the launcher may accept them slower than that). The
+    // last ones, at most the unauthenticated budget, may still be inside
+    // their `Hello` deadline when a quick launch ends: those close with the
+    // launcher, unlogged. Every other one was dropped and logged.
     let reasons = ["rejected connection: not authenticated before newer connections", "rejected connection: no handshake in time"];
     let dropped = err.lines().filter(|l| reasons.iter().any(|r| l.contains(r))).count();
-    assert!(dropped >= 300, "expected every silent connection dropped and logged:\n{err}");
+    let budget = actors::NodeConfig::default().max_unauthenticated;
+    assert!(dropped >= 300 - budget, "expected every silent connection dropped and logged but the last {budget}:\n{err}");
     assert!(err.lines().all(|l| !l.contains("rejected connection") || l.starts_with("WARN ")), "{err}");
 }
