@@ -9,10 +9,16 @@
 #
 #   scripts/test-all.sh            # both
 #   scripts/test-all.sh --python   # the Python part only
+#
+# REFIT_DROP_VENVS=1 removes what each stage built once its tests passed
+# (target/quickstart, then target/pyenv, then target/vllm-env: each venv
+# holds its own torch with the CUDA libraries, 5.5-6.5 GB): .ci/run sets
+# it, so that a machine with ~15 GB free can run everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" != "--python" ]]; then
   cargo test --workspace
+  if [[ -n "${REFIT_DROP_VENVS:-}" ]]; then rm -rf target/quickstart; fi
 fi
 python=${PYTHON:-python3}
 if [[ ! -x target/pyenv/bin/python ]]; then
@@ -33,6 +39,7 @@ fi
 target/pyenv/bin/pip install -q ./python
 target/pyenv/bin/python -c "import refit; print('refit imports from', refit.__file__)"
 target/pyenv/bin/python -m pytest -q -rs python/tests
+if [[ -n "${REFIT_DROP_VENVS:-}" ]]; then rm -rf target/pyenv; fi
 # refit inside a running vLLM (docs/python.md, "vLLM"): vLLM's CPU build as
 # shipped, torch and transformers, and refit's wheel, in a venv of their own
 # (vLLM pins its own torch).
@@ -42,3 +49,4 @@ target/vllm-env/bin/python -m pytest -q -rs python/tests/test_vllm_refit.py pyth
 # (exits non-zero unless the reward rises and the engine's weights are the
 # trainers').
 target/vllm-env/bin/python examples/vllm_rl.py
+if [[ -n "${REFIT_DROP_VENVS:-}" ]]; then rm -rf target/vllm-env; fi
