@@ -11,6 +11,8 @@
 #                                    commands, the files it carries and their
 #                                    sizes, every check with its timeout and
 #                                    expected time
+#   scripts/gpu-check.sh --only NAME [--out DIR]   one check only, its JSON
+#                                    in DIR/NAME.json (no torch stream check)
 #   scripts/gpu-check.sh [--out DIR] on the GPU machine, from the repository
 #                                    root with target/gpu-carry/ beside it:
 #                                    runs every check, each in its own process
@@ -39,11 +41,13 @@ PY_TIMEOUT=90
 BIN=$CARRY/gpu_check
 mode=run
 out=""
+only=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --build) mode=build ;;
     --dry-run) mode=dry ;;
     --out) out="$2"; shift ;;
+    --only) only="$2"; shift ;;
     *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -132,6 +136,13 @@ run() {
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
   shim_libraries
   local status=0 py=0
+  if [ -n "$only" ]; then
+    # One check, in its own process, its JSON line to DIR/NAME.json (for a
+    # device session with little time left; no torch stream check).
+    timeout "$BUDGET" "$BIN" --only "$only" --root . > "${out:-.}/$only.json" || status=$?
+    cat "${out:-.}/$only.json"
+    exit "$status"
+  fi
   "$BIN" --root . --budget "$BUDGET" ${out:+--out "$out"} || status=$?
   if [ "$status" -eq 2 ]; then exit 2; fi
   local site

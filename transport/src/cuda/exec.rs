@@ -100,6 +100,11 @@ pub struct DeviceRunOptions {
     /// graph that every run replays (one launch instead of a call per
     /// copy), where the whole run is device work.
     pub graph: bool,
+    /// Streams a graph spreads each round's independent pieces over (its
+    /// branches run concurrently; 1: one chain, in order). Rounds stay in
+    /// order, and so do a rank's local copies before its receives and
+    /// every piece that goes through the scratch buffer.
+    pub lanes: usize,
 }
 
 impl Default for DeviceRunOptions {
@@ -107,7 +112,7 @@ impl Default for DeviceRunOptions {
     /// no faster for a llama3-8b reshard, whose time went to issuing
     /// calls: docs/gpu.md, "What ran").
     fn default() -> DeviceRunOptions {
-        DeviceRunOptions { narrow_rows_by_kernel: false, graph: true }
+        DeviceRunOptions { narrow_rows_by_kernel: false, graph: true, lanes: 8 }
     }
 }
 
@@ -210,7 +215,19 @@ pub(crate) fn piece_ops(
 /// reads or writes (checked against the buffers by the caller) and stays
 /// allocated until the stream has run it.
 pub(crate) unsafe fn queue_ops(dev: &GpuDevice, kernels: Option<&DeviceKernels>, ops: &[DeviceOp]) -> Result<(u64, u64), String> {
-    let stream = dev.stream();
+    // SAFETY: the caller's guarantee.
+    unsafe { queue_ops_on(dev.stream(), kernels, ops) }
+}
+
+/// [`queue_ops`] on `stream` (a stream of the device's context).
+///
+/// # Safety
+/// As for [`queue_ops`].
+unsafe fn queue_ops_on(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    kernels: Option<&DeviceKernels>,
+    ops: &[DeviceOp],
+) -> Result<(u64, u64), String> {
     let (mut copies, mut launches) = (0, 0);
     for op in ops {
         match op {
@@ -232,14 +249,17 @@ pub(crate) unsafe fn queue_ops(dev: &GpuDevice, kernels: Option<&DeviceKernels>,
 
 struct Meta {
     round: u32,
+    /// A rank's copy within itself (these run before a round's receives).
+    local: bool,
     from: Endpoint,
     to: Endpoint,
     block: Block,
 }
 
 enum Item {
-    /// Copies and kernels on the device.
-    Device { ops: Vec<DeviceOp>, meta: usize },
+    /// Copies and kernels on the device; `bytes` on the wire, `scratch`
+    /// whether they pass through the run's scratch buffer.
+    Device { ops: Vec<DeviceOp>, meta: usize, bytes: u64, scratch: bool },
     /// A piece converted on the host: pack, convert, unpack.
     Convert { step: Box<Step>, src: u64, dsts: Vec<u64>, meta: usize },
 }
@@ -353,6 +373,7 @@ impl<'m> DeviceRun<'m> {
             let meta = run.meta.len();
             run.meta.push(Meta {
                 round: step.round,
+                local: step.local,
                 from: programs[step.from.rank].endpoint,
                 to: programs[to_rank].endpoint,
                 block: step.block,
@@ -367,7 +388,11 @@ impl<'m> DeviceRun<'m> {
                 None
             };
             match on_device {
-                Some(ops) => run.items.push(Item::Device { ops, meta }),
+                Some(ops) => {
+                    let scratch = step.to.iter().any(|t| needs_scratch(step.from.dtype, step.wire, t.dtype));
+                    let bytes = step.block.numel().saturating_mul(step.wire.size());
+                    run.items.push(Item::Device { ops, meta, bytes, scratch })
+                }
                 None => {
                     run.staged += 1;
                     if run.staged_because.is_none() {
@@ -386,30 +411,78 @@ impl<'m> DeviceRun<'m> {
             }
         }
         if options.graph {
-            run.graph = run.capture();
+            run.graph = run.capture(options.lanes);
         }
         Ok(run)
     }
 
     /// Captures every item's device work as one CUDA graph, where every
     /// item is device work; `None` (the work is issued call by call) where
-    /// one is not, or capture fails.
-    fn capture(&self) -> Option<(cudarc::driver::CudaGraph, u64, u64)> {
+    /// one is not, or capture fails. Each group of items that may run
+    /// together (one round's local copies, then its receives) forks onto
+    /// `lanes` streams, balanced by bytes, and joins before the next.
+    fn capture(&self, lanes: usize) -> Option<(cudarc::driver::CudaGraph, u64, u64)> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         if self.items.iter().any(|i| matches!(i, Item::Convert { .. })) {
             return None;
         }
-        let stream = self.dev.stream();
-        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).ok()?;
+        let main = self.dev.stream();
+        // Made before capture begins (creating a stream is not captured).
+        let side: Vec<_> = (1..lanes.max(1)).map(|_| main.context().new_stream()).collect::<Result<_, _>>().ok()?;
+        main.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).ok()?;
+        let queued = self.queue_groups(main, &side);
+        // Capture always ends, whatever was queued.
+        let ended = main.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| e.to_string());
+        let (calls, launches, graph) = match (queued, ended) {
+            (Ok((c, k)), Ok(graph)) => (c, k, graph?),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::debug!(error = %e, "capturing a device run failed; it is issued call by call");
+                return None;
+            }
+        };
+        graph.upload().ok()?;
+        Some((graph, calls, launches))
+    }
+
+    /// Queues every item's device work on `main` and the `side` streams
+    /// (see [`capture`](Self::capture)); every side stream that forked is
+    /// joined back into `main` before this returns, error or not.
+    fn queue_groups(
+        &self,
+        main: &std::sync::Arc<cudarc::driver::CudaStream>,
+        side: &[std::sync::Arc<cudarc::driver::CudaStream>],
+    ) -> Result<(u64, u64), String> {
         let (mut calls, mut launches) = (0u64, 0u64);
-        let mut queued = Ok(());
-        for item in &self.items {
-            if let Item::Device { ops, .. } = item {
+        let key = |item: &Item| match item {
+            Item::Device { meta, .. } | Item::Convert { meta, .. } => (self.meta[*meta].round, self.meta[*meta].local),
+        };
+        let mut rest = &self.items[..];
+        while let Some(first) = rest.first() {
+            let n = rest.iter().take_while(|i| key(i) == key(first)).count();
+            let (group, next) = rest.split_at(n);
+            rest = next;
+            let forked = !side.is_empty() && group.len() > 1;
+            if forked {
+                let fork = main.record_event(None).map_err(|e| e.to_string())?;
+                for s in side {
+                    s.wait(&fork).map_err(|e| e.to_string())?;
+                }
+            }
+            let mut load = vec![0u64; side.len() + 1];
+            let mut queued = Ok(());
+            for item in group {
+                let Item::Device { ops, bytes, scratch, .. } = item else { continue };
+                // Pieces through the scratch stay on `main`, in order.
+                let lane = if !forked || *scratch { 0 } else { (0..load.len()).min_by_key(|&l| load[l]).unwrap_or(0) };
+                load[lane] = load[lane].saturating_add(*bytes);
+                let stream = if lane == 0 { main } else { &side[lane - 1] };
                 // SAFETY: as in `execute`: addresses of live allocations
                 // borrowed for 'm (and the run's scratch); capturing only
                 // records the work, which each replay runs while the run
-                // (and so every borrow) is alive.
-                match unsafe { queue_ops(self.dev, self.kernels, ops) } {
+                // (and so every borrow) is alive. Pieces on different
+                // lanes write disjoint bytes and read none another writes
+                // in the same group (the schedule's rounds).
+                match unsafe { queue_ops_on(stream, self.kernels, ops) } {
                     Ok((c, k)) => {
                         calls += c;
                         launches += k;
@@ -420,18 +493,14 @@ impl<'m> DeviceRun<'m> {
                     }
                 }
             }
-        }
-        // Capture always ends, whatever was queued.
-        let ended = stream.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| e.to_string());
-        let graph = match queued.and(ended) {
-            Ok(graph) => graph?,
-            Err(e) => {
-                tracing::debug!(error = %e, "capturing a device run failed; it is issued call by call");
-                return None;
+            if forked {
+                for s in side {
+                    main.join(s).map_err(|e| e.to_string())?;
+                }
             }
-        };
-        graph.upload().ok()?;
-        Some((graph, calls, launches))
+            queued?;
+        }
+        Ok((calls, launches))
     }
 
     /// Runs every copy once, in order, and waits for the device.
@@ -448,7 +517,7 @@ impl<'m> DeviceRun<'m> {
         }
         for item in self.items.iter().filter(|_| graph.is_none()) {
             match item {
-                Item::Device { ops, meta } => {
+                Item::Device { ops, meta, .. } => {
                     // SAFETY: addresses come from live allocations borrowed
                     // for 'm (and the scratch, held by the run); the
                     // schedule bounds-checked every span; the scratch holds
