@@ -11,6 +11,11 @@
 //! message (in any order of arrival; each peer once), then, if the round
 //! sent anything, a flush (the round's payloads are released before the
 //! rank goes on, so nothing it lent is overwritten while read).
+//!
+//! Data planes that move a round's messages together (a communicator's
+//! group, a same-device schedule) walk the same cursor a round at a time
+//! through [`RoundCursor`], which hands out each round's local copies,
+//! sends and receives at once; the statistics are the cursor's either way.
 
 use crate::exec::RankStats;
 use reshard::{Endpoint, LocalCopy, Message, Pieces, RankProgram, RecvPiece, SendPiece};
@@ -116,7 +121,7 @@ impl<'p> RankCursor<'p> {
                 Phase::Send(i) => match r.sends.get(i) {
                     Some(message) => {
                         self.phase = Phase::Send(i + 1);
-                        self.stats.sent_bytes += message.wire_bytes();
+                        self.stats.sent_bytes = self.stats.sent_bytes.saturating_add(message.wire_bytes());
                         self.stats.messages += 1;
                         return Action::Send { round, message };
                     }
@@ -140,6 +145,20 @@ impl<'p> RankCursor<'p> {
         }
     }
 
+    /// Every message of the current round arrived at once (a data plane
+    /// that receives a round's messages together): the messages, in the
+    /// program's order, or why they cannot all be expected (one peer
+    /// sends twice). The round's receives are then done.
+    pub fn arrived_all(&mut self) -> Result<&'p [Message<RecvPiece>], Unexpected> {
+        let program = self.program;
+        let recvs = program.rounds.get(self.round).map_or(&[][..], |r| &r.recvs[..]);
+        for m in recvs {
+            self.arrived(m.peer)?;
+        }
+        self.to_receive = 0;
+        Ok(recvs)
+    }
+
     /// The peers whose message of the current round has not arrived yet,
     /// in the program's order.
     pub fn awaited(&self) -> impl Iterator<Item = Endpoint> + '_ {
@@ -159,8 +178,77 @@ impl<'p> RankCursor<'p> {
         if std::mem::replace(&mut self.arrived[i], true) {
             return Err(Unexpected { round, peer, problem: "second message in one round" });
         }
-        self.stats.recv_bytes += r.recvs[i].wire_bytes();
+        self.stats.recv_bytes = self.stats.recv_bytes.saturating_add(r.recvs[i].wire_bytes());
         Ok(&r.recvs[i])
+    }
+}
+
+/// One round of a rank's program, handed out at once: what a data plane
+/// that moves a round's messages together does per round, in order (local
+/// copies, then the exchange of `sends` and `recvs`).
+#[derive(Debug)]
+pub struct Round<'p> {
+    /// The round.
+    pub round: u32,
+    /// Copies within the rank.
+    pub locals: Option<&'p Pieces<LocalCopy>>,
+    /// Messages to send, in the program's order.
+    pub sends: Vec<&'p Message<SendPiece>>,
+    /// Messages to receive, in the program's order.
+    pub recvs: &'p [Message<RecvPiece>],
+}
+
+/// A [`RankCursor`] walked a round at a time. Rounds in which the rank has
+/// nothing to do are skipped.
+#[derive(Debug)]
+pub struct RoundCursor<'p> {
+    cursor: RankCursor<'p>,
+    /// An action of the next round, taken while finding the end of this one.
+    ahead: Option<Action<'p>>,
+    stats: Option<RankStats>,
+}
+
+impl<'p> RoundCursor<'p> {
+    /// At the start of `program`.
+    pub fn new(program: &'p RankProgram) -> RoundCursor<'p> {
+        RoundCursor { cursor: RankCursor::new(program), ahead: None, stats: None }
+    }
+
+    /// The next round with work, or `None` when the program is complete
+    /// (then [`stats`](Self::stats) holds what it moved). An error where a
+    /// round expects two messages from one peer.
+    pub fn next_round(&mut self) -> Result<Option<Round<'p>>, Unexpected> {
+        let mut current: Option<Round<'p>> = None;
+        loop {
+            let action = match self.ahead.take() {
+                Some(a) => a,
+                None => self.cursor.next_action(),
+            };
+            let round = match &action {
+                Action::Locals { round, .. } | Action::Send { round, .. } | Action::Recv { round } | Action::Flush { round } => *round,
+                Action::Done(stats) => {
+                    self.stats = Some(*stats);
+                    return Ok(current);
+                }
+            };
+            if current.as_ref().is_some_and(|c| c.round != round) {
+                self.ahead = Some(action);
+                return Ok(current);
+            }
+            let c = current.get_or_insert_with(|| Round { round, locals: None, sends: Vec::new(), recvs: &[] });
+            match action {
+                Action::Locals { copies, .. } => c.locals = Some(copies),
+                Action::Send { message, .. } => c.sends.push(message),
+                Action::Recv { .. } => c.recvs = self.cursor.arrived_all()?,
+                Action::Flush { .. } | Action::Done(_) => {}
+            }
+        }
+    }
+
+    /// What the program moved, once [`next_round`](Self::next_round)
+    /// returned `None`.
+    pub fn stats(&self) -> Option<RankStats> {
+        self.stats
     }
 }
 
@@ -231,6 +319,50 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_round_cursor_hands_out_every_round_with_work_once() {
+        for p in programs() {
+            let mut c = RoundCursor::new(&p);
+            let mut seen = Vec::new();
+            while let Some(r) = c.next_round().expect("a valid program") {
+                let want = &p.rounds[r.round as usize];
+                assert_eq!(r.sends.len(), want.sends.len());
+                assert_eq!(r.recvs.len(), want.recvs.len());
+                assert_eq!(r.locals.map_or(0, |l| l.len()), want.locals.len());
+                seen.push(r.round);
+            }
+            let busy: Vec<u32> = (0..p.rounds.len() as u32)
+                .filter(|&i| {
+                    let r = &p.rounds[i as usize];
+                    !(r.locals.is_empty() && r.sends.is_empty() && r.recvs.is_empty())
+                })
+                .collect();
+            assert_eq!(seen, busy, "{}", p.endpoint);
+            let stats = c.stats().expect("complete");
+            let sent: u64 = p.rounds.iter().flat_map(|r| &r.sends).map(|m| m.wire_bytes()).sum();
+            let recv: u64 = p.rounds.iter().flat_map(|r| &r.recvs).map(|m| m.wire_bytes()).sum();
+            assert_eq!((stats.sent_bytes, stats.recv_bytes), (sent, recv));
+        }
+    }
+
+    #[test]
+    fn a_round_expecting_one_peer_twice_is_refused_by_the_round_cursor() {
+        let programs = programs();
+        let mut p = programs.iter().find(|p| p.rounds.iter().any(|r| !r.recvs.is_empty())).expect("a receiving rank").clone();
+        let r = p.rounds.iter_mut().find(|r| !r.recvs.is_empty()).unwrap();
+        let twice = r.recvs[0].clone();
+        r.recvs.push(twice);
+        let mut c = RoundCursor::new(&p);
+        let refused = loop {
+            match c.next_round() {
+                Err(e) => break e,
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the repeated peer was taken"),
+            }
+        };
+        assert_eq!(refused.problem, "second message in one round");
     }
 
     #[test]

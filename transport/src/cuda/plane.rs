@@ -3,7 +3,10 @@
 //! its buffers in memory a [`PlaneMemory`] addresses (device memory, or
 //! host memory standing in for it).
 //!
-//! Per round: the local copies; every outgoing message packed into one
+//! The program is walked by its cursor
+//! ([`RoundCursor`](crate::cursor::RoundCursor)), a round at a time, which
+//! also counts what the rank moves. Per round: the local copies; every
+//! outgoing message packed into one
 //! contiguous send staging buffer (pieces in wire dtype, back to back at
 //! 256-byte boundaries, [`message_layout`]); one group with all the
 //! round's sends and receives, ordered after the packing by the memory's
@@ -27,6 +30,7 @@
 use crate::copy::{fits, packed_strides};
 use crate::cuda::comm::{CommError, CommHandle, Fence, P2p};
 use crate::cuda::copyplan::packed_offsets;
+use crate::cursor::{Round, RoundCursor, Unexpected};
 use crate::exec::RankStats;
 use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
 use std::time::Instant;
@@ -171,6 +175,19 @@ pub enum CommExecError {
         /// What failed.
         error: String,
     },
+    /// The program expects what no exchange can deliver (one peer twice in
+    /// a round).
+    #[error("{me}: round {round}: message from {peer}: {problem}")]
+    Program {
+        /// This rank.
+        me: Endpoint,
+        /// Round.
+        round: u32,
+        /// The peer.
+        peer: Endpoint,
+        /// Why.
+        problem: &'static str,
+    },
     /// Staging, ordering, finishing or quantizing on the rank's memory failed.
     #[error("{me}: {what}: {error}")]
     Memory {
@@ -216,14 +233,16 @@ pub fn run_rank_comm(
         return Err(CommExecError::MemoryMismatch { me, got: memory.lens().to_vec(), want });
     }
     let mem_err = |what| move |error| CommExecError::Memory { me, what, error };
-    let mut stats = RankStats::default();
-    for (r, round) in program.rounds.iter().enumerate() {
-        let r = r as u32;
+    // The cursor walks the program (and counts what it moves); a round's
+    // messages go in one group.
+    let mut cursor = RoundCursor::new(program);
+    let bad = |u: Unexpected| CommExecError::Program { me, round: u.round, peer: u.peer, problem: u.problem };
+    while let Some(Round { round: r, locals, sends: send_msgs, recvs: recv_msgs }) = cursor.next_round().map_err(bad)? {
         let copy_err = |peer: Endpoint, block: &Block| {
             let block = Box::new(*block);
             move |error: String| CommExecError::Copy { me, peer, round: r, block, error }
         };
-        for l in round.locals.views() {
+        for l in locals.into_iter().flat_map(|l| l.views()) {
             let (block, from, from_dtype, to_dtype) = (l.block(), l.from(), l.from_dtype(), l.to_dtype());
             let at = check(me, memory, &from, from_dtype, &block)?;
             let mut to = Vec::new();
@@ -232,19 +251,19 @@ pub fn run_rank_comm(
             }
             memory.move_piece(&block, (at, from, from_dtype), to_dtype, &to).map_err(copy_err(me, &block))?;
         }
-        if round.sends.is_empty() && round.recvs.is_empty() {
+        if send_msgs.is_empty() && recv_msgs.is_empty() {
             continue;
         }
         // Every message of the round in one staging buffer per direction.
         let too_large = || mem_err("laying out the round's messages")("their pieces pass u64 bytes".to_string());
-        let sends: Vec<(Vec<u64>, u64)> = round.sends.iter().map(send_layout).collect::<Option<_>>().ok_or_else(too_large)?;
-        let recvs: Vec<(Vec<u64>, u64)> = round.recvs.iter().map(recv_layout).collect::<Option<_>>().ok_or_else(too_large)?;
+        let sends: Vec<(Vec<u64>, u64)> = send_msgs.iter().map(|m| send_layout(m)).collect::<Option<_>>().ok_or_else(too_large)?;
+        let recvs: Vec<(Vec<u64>, u64)> = recv_msgs.iter().map(recv_layout).collect::<Option<_>>().ok_or_else(too_large)?;
         let (send_at, send_total) = message_layout(sends.iter().map(|(_, len)| (Some(*len), DType::U8))).ok_or_else(too_large)?;
         let (recv_at, recv_total) = message_layout(recvs.iter().map(|(_, len)| (Some(*len), DType::U8))).ok_or_else(too_large)?;
         let sbase = memory.staging(Staging::Send, send_total as usize).map_err(mem_err("send staging"))?;
         let rbase = memory.staging(Staging::Recv, recv_total as usize).map_err(mem_err("receive staging"))?;
         let mut ops = Vec::new();
-        for (i, m) in round.sends.iter().enumerate() {
+        for (i, m) in send_msgs.iter().enumerate() {
             let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
             for (p, &off) in m.pieces.iter().zip(&sends[i].0) {
                 let at = check(me, memory, &p.span, p.dtype, &p.block)?;
@@ -252,10 +271,8 @@ pub fn run_rank_comm(
                 memory.move_piece(&p.block, (at, p.span, p.dtype), p.wire, &[into]).map_err(copy_err(m.peer, &p.block))?;
             }
             ops.push(P2p::Send { peer, addr: sbase + send_at[i], bytes: sends[i].1 });
-            stats.sent_bytes += m.wire_bytes();
-            stats.messages += 1;
         }
-        for (i, m) in round.recvs.iter().enumerate() {
+        for (i, m) in recv_msgs.iter().enumerate() {
             let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
             ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: recvs[i].1 });
         }
@@ -272,7 +289,7 @@ pub fn run_rank_comm(
             memory.abandon_staging();
             return Err(e.into());
         }
-        for (i, m) in round.recvs.iter().enumerate() {
+        for (i, m) in recv_msgs.iter().enumerate() {
             for (p, &off) in m.pieces.views().zip(&recvs[i].0) {
                 let (block, wire, dtype) = (p.block(), p.wire(), p.dtype());
                 let mut to = Vec::new();
@@ -282,11 +299,10 @@ pub fn run_rank_comm(
                 let from = (rbase, packed(recv_at[i] + off, wire, &block), wire);
                 memory.move_piece(&block, from, wire, &to).map_err(copy_err(m.peer, &block))?;
             }
-            stats.recv_bytes += m.wire_bytes();
         }
     }
     memory.finish(program).map_err(mem_err("finishing the run"))?;
-    Ok(stats)
+    Ok(cursor.stats().unwrap_or_default())
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@
 //! `cuda` feature) runs the steps with device copies.
 
 use crate::copy::fits;
+use crate::cursor::{Round, RoundCursor, Unexpected};
 use reshard::{Block, DType, Endpoint, RankProgram, Span};
 use std::collections::HashMap;
 use thiserror::Error;
@@ -141,15 +142,41 @@ fn place(programs: &[RankProgram], rank: usize, span: &Span, dtype: DType, block
 
 /// Flattens `programs` (all ranks of one plan) into one ordered schedule,
 /// checking that every message is sent and received with the same pieces.
+/// Each program is walked by its cursor a round at a time
+/// ([`RoundCursor`]), which also counts the bytes and messages.
 pub fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, ScheduleError> {
     let index: HashMap<Endpoint, usize> = programs.iter().enumerate().map(|(i, p)| (p.endpoint, i)).collect();
-    let rounds = programs.iter().map(|p| p.rounds.len()).max().unwrap_or(0);
+    let mut walks: Vec<Vec<Round<'_>>> = Vec::with_capacity(programs.len());
     let mut out = Schedule::default();
-    for r in 0..rounds {
+    for p in programs {
+        let mut cursor = RoundCursor::new(p);
+        let mut rounds = Vec::new();
+        let bad = |u: Unexpected| ScheduleError::Mismatch { me: p.endpoint, peer: u.peer, round: u.round, problem: u.problem.to_string() };
+        while let Some(r) = cursor.next_round().map_err(bad)? {
+            rounds.push(r);
+        }
+        let stats = cursor.stats().unwrap_or_default();
+        out.wire_bytes = out.wire_bytes.saturating_add(stats.recv_bytes);
+        out.messages = out.messages.saturating_add(stats.messages);
+        walks.push(rounds);
+    }
+    let end = walks.iter().filter_map(|w| w.last()).map(|r| r.round as u64 + 1).max().unwrap_or(0);
+    // Where each rank's walk stands.
+    let mut next = vec![0usize; programs.len()];
+    for r in 0..end {
         let round = r as u32;
-        for (i, p) in programs.iter().enumerate() {
-            let Some(rd) = p.rounds.get(r) else { continue };
-            for l in rd.locals.views() {
+        // Each rank's work in this round, if it has any.
+        let this: Vec<Option<&Round<'_>>> = walks
+            .iter()
+            .zip(next.iter_mut())
+            .map(|(w, at)| {
+                let here = w.get(*at).filter(|x| x.round == round);
+                *at += usize::from(here.is_some());
+                here
+            })
+            .collect();
+        for (i, rd) in this.iter().enumerate() {
+            for l in rd.and_then(|rd| rd.locals).into_iter().flat_map(|l| l.views()) {
                 let block = l.block();
                 let from = place(programs, i, &l.from(), l.from_dtype(), &block)?;
                 let to = l.to().map(|s| place(programs, i, &s, l.to_dtype(), &block)).collect::<Result<Vec<_>, _>>()?;
@@ -157,16 +184,12 @@ pub fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, Schedu
             }
         }
         let mut received = 0usize;
-        for (i, p) in programs.iter().enumerate() {
-            let Some(rd) = p.rounds.get(r) else { continue };
-            for msg in &rd.recvs {
-                let (me, peer) = (p.endpoint, msg.peer);
+        for (i, rd) in this.iter().enumerate() {
+            for msg in rd.map_or(&[][..], |rd| rd.recvs) {
+                let (me, peer) = (programs[i].endpoint, msg.peer);
                 let &j = index.get(&peer).ok_or(ScheduleError::UnknownPeer { me, peer, round })?;
-                let sent = programs[j]
-                    .rounds
-                    .get(r)
-                    .and_then(|sr| sr.sends.iter().find(|m| m.peer == me))
-                    .ok_or(ScheduleError::Unmatched { me, peer, round })?;
+                let sent =
+                    this[j].and_then(|sr| sr.sends.iter().find(|m| m.peer == me)).ok_or(ScheduleError::Unmatched { me, peer, round })?;
                 let bad = |problem: String| ScheduleError::Mismatch { me, peer, round, problem };
                 if sent.pieces.len() != msg.pieces.len() {
                     return Err(bad(format!("{} pieces sent, {} expected", sent.pieces.len(), msg.pieces.len())));
@@ -180,22 +203,18 @@ pub fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, Schedu
                     let to = rp.spans().map(|s| place(programs, i, &s, rp.dtype(), &block)).collect::<Result<Vec<_>, _>>()?;
                     out.steps.push(Step { round, block, from, wire: rp.wire(), to, local: false });
                 }
-                out.wire_bytes = out.wire_bytes.saturating_add(msg.wire_bytes());
-                out.messages += 1;
                 received += 1;
             }
         }
-        let sent: usize = programs.iter().filter_map(|p| p.rounds.get(r)).map(|rd| rd.sends.len()).sum();
+        let sent: usize = this.iter().flatten().map(|rd| rd.sends.len()).sum();
         if sent != received {
             // Find a send nobody receives, to name it.
-            for p in programs {
-                for m in p.rounds.get(r).map_or(&[][..], |rd| &rd.sends[..]) {
-                    let peer_expects = index
-                        .get(&m.peer)
-                        .and_then(|&k| programs[k].rounds.get(r))
-                        .is_some_and(|rd| rd.recvs.iter().any(|x| x.peer == p.endpoint));
+            for (i, rd) in this.iter().enumerate() {
+                for m in rd.map_or(&[][..], |rd| &rd.sends[..]) {
+                    let peer_expects =
+                        index.get(&m.peer).and_then(|&k| this[k]).is_some_and(|rd| rd.recvs.iter().any(|x| x.peer == programs[i].endpoint));
                     if !peer_expects {
-                        return Err(ScheduleError::Unreceived { me: p.endpoint, peer: m.peer, round });
+                        return Err(ScheduleError::Unreceived { me: programs[i].endpoint, peer: m.peer, round });
                     }
                 }
             }
