@@ -9,10 +9,10 @@
 //!
 //! The crates behind it, re-exported whole:
 //! - [`reshard`]: layouts, the planner (pure, no I/O);
-//! - [`transport`]: the data plane that runs a plan (in process, shared
-//!   memory and TCP, CUDA);
 //! - [`actors`]: the actor runtime (local and remote actors);
-//! - [`orchestrator`]: the stores, the refit members and the orchestrator.
+//! - [`orchestrator`]: the stores, the refit members and the orchestrator,
+//!   which is the one way to the data plane (the `transport` crate: in
+//!   process, shared memory and TCP, CUDA) and so is not re-exported.
 //!
 //! The rest of this crate is the `refit` command line's: [`runner`] runs a
 //! refit on the embedded in-process data plane, [`bench`](mod@bench), [`chaos`] and
@@ -26,7 +26,6 @@ pub use actors;
 pub use orchestrator;
 pub use orchestrator::prelude;
 pub use reshard;
-pub use transport;
 
 pub mod bench;
 pub mod chaos;

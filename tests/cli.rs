@@ -853,11 +853,11 @@ fn emitted_preset_layouts_plan_the_same() {
 
 /// The files `--dump-dst` wrote for destination rank `rank`, read back as
 /// that rank's memory in the order `index.json` lists them.
-fn read_dump(dir: &Path, rank: u32) -> refit::transport::RankMemory {
+fn read_dump(dir: &Path, rank: u32) -> transport::RankMemory {
     let folder = dir.join(format!("rank{rank}"));
     let index: Value = serde_json::from_str(&std::fs::read_to_string(folder.join("index.json")).expect("index.json")).expect("json");
     assert_eq!(index["rank"], rank);
-    let mut memory = refit::transport::RankMemory { buffers: Vec::new(), dtypes: Vec::new() };
+    let mut memory = transport::RankMemory { buffers: Vec::new(), dtypes: Vec::new() };
     for b in index["buffers"].as_array().expect("buffers") {
         let bytes = std::fs::read(folder.join(b["file"].as_str().expect("file"))).expect("buffer file");
         assert_eq!(bytes.len() as u64, b["bytes"].as_u64().expect("bytes"), "{b}");
@@ -883,16 +883,16 @@ fn dumped_destination_buffers_hold_the_refit_result() {
             let report: Value = serde_json::from_slice(&out.stdout).expect("json");
             let layout = |p: &Path| refit::reshard::parse_layout(&std::fs::read_to_string(p).expect("layout file")).expect("layout");
             let (src_l, dst_l) = (layout(&src), layout(&dst));
-            let mut memory: Vec<refit::transport::RankMemory> = (0..dst_l.ranks()).map(|r| read_dump(&dir, r)).collect();
+            let mut memory: Vec<transport::RankMemory> = (0..dst_l.ranks()).map(|r| read_dump(&dir, r)).collect();
             let dumped: u64 = memory.iter().map(|m| m.bytes()).sum();
             assert_eq!(report["dumped_bytes"].as_u64(), Some(dumped), "{}", describe(&args, &out));
             let elements =
-                refit::transport::verify_destinations(&src_l, &dst_l, &memory).unwrap_or_else(|m| panic!("{}: {m}", describe(&args, &out)));
+                transport::verify_destinations(&src_l, &dst_l, &memory).unwrap_or_else(|m| panic!("{}: {m}", describe(&args, &out)));
             assert!(elements > 0);
             let last = memory.iter_mut().rev().find_map(|m| m.buffers.iter_mut().find(|b| !b.is_empty())).expect("a buffer");
             last[0] ^= 0x01;
             assert!(
-                refit::transport::verify_destinations(&src_l, &dst_l, &memory).is_err(),
+                transport::verify_destinations(&src_l, &dst_l, &memory).is_err(),
                 "a flipped byte went unnoticed: {}",
                 dst.display()
             );

@@ -79,3 +79,57 @@ fn the_rl_demo_chaos_and_soak_move_weights_only_through_the_orchestrator() {
     );
     assert!(users.is_empty(), "these import the transport crate: {users:?}");
 }
+
+#[test]
+fn the_python_package_reaches_the_data_plane_only_through_the_orchestrator() {
+    let manifest = Path::new(ROOT).join("python").join("Cargo.toml");
+    let text = std::fs::read_to_string(&manifest).unwrap_or_else(|e| panic!("{}: {e}", manifest.display()));
+    let depends =
+        |dep: &str| text.lines().any(|l| l.trim_start().starts_with(&format!("{dep} ")) || l.trim_start().starts_with(&format!("{dep}=")));
+    assert!(depends("orchestrator") && depends("reshard"), "python/Cargo.toml no longer names its dependencies as expected");
+    assert!(!depends("transport"), "python/Cargo.toml depends on the transport crate");
+    assert_eq!(users_of(&["python/src"], "transport"), Vec::<String>::new());
+}
+
+/// The command-line files that still import `transport` directly (issue 34:
+/// `refit run` and `refit bench` time the executors themselves, `dump`
+/// holds rank memory, the cluster tooling takes the verification pattern,
+/// the fault hook and stale shared-memory cleanup from it). The list may
+/// only shrink: a new file importing `transport` fails, and so does a
+/// listed file that no longer does (take it off the list).
+const CLI_FILES_STILL_ON_TRANSPORT: &[&str] =
+    &["src/bench.rs", "src/cluster/launcher.rs", "src/cluster/worker.rs", "src/cmd/run.rs", "src/dump.rs", "src/runner.rs"];
+
+#[test]
+fn the_command_line_reaches_transport_only_from_the_known_files() {
+    let mut users = users_of(&["src"], "transport");
+    users.sort();
+    let mut known: Vec<String> = CLI_FILES_STILL_ON_TRANSPORT.iter().map(|s| s.to_string()).collect();
+    known.sort();
+    let new: Vec<&String> = users.iter().filter(|u| !known.contains(u)).collect();
+    let gone: Vec<&String> = known.iter().filter(|k| !users.contains(k)).collect();
+    assert!(new.is_empty(), "these command-line files import the transport crate; go through the orchestrator: {new:?}");
+    assert!(gone.is_empty(), "these no longer import transport: take them off CLI_FILES_STILL_ON_TRANSPORT: {gone:?}");
+}
+
+/// The orchestrator's public items that still name a `transport` type
+/// (issue 34: `FabricTweak` hands tooling the node fabric's settings; the
+/// default deadline is the executor's). No other public item may.
+#[test]
+fn the_orchestrator_api_names_transport_types_only_where_known() {
+    let known = [
+        "pub use transport::DEFAULT_DEADLINE;",
+        "pub type FabricTweak = Arc<dyn Fn(u64, &mut transport::NodeTransportConfig) + Send + Sync>;",
+    ];
+    let mut found = Vec::new();
+    for p in sources(&Path::new(ROOT).join("orchestrator").join("src")) {
+        let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        for line in text.lines().map(str::trim) {
+            let public = line.starts_with("pub ") && !line.starts_with("pub(crate)");
+            if public && line.contains("transport::") && !known.contains(&line) {
+                found.push(format!("{}: {line}", p.strip_prefix(ROOT).unwrap_or(&p).display()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "public orchestrator items that name transport types: {found:?}");
+}
