@@ -17,8 +17,18 @@
 //! through [`RoundCursor`], which hands out each round's local copies,
 //! sends and receives at once; the statistics are the cursor's either way.
 
-use crate::exec::RankStats;
 use reshard::{Endpoint, LocalCopy, Message, Pieces, RankProgram, RecvPiece, SendPiece};
+
+/// What one rank did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankStats {
+    /// Bytes sent (wire dtype).
+    pub sent_bytes: u64,
+    /// Bytes received (wire dtype).
+    pub recv_bytes: u64,
+    /// Messages sent.
+    pub messages: u64,
+}
 
 /// What the rank does next.
 #[derive(Debug)]

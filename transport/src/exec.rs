@@ -6,6 +6,7 @@ use crate::bypass::Bypass;
 use crate::copy::{
     copy_strided_unfenced, for_each_run_ptr, in_bounds, packed_strides, prefetch, run_bytes, store_fence, StridedRef, PREFETCH_AHEAD,
 };
+pub use crate::cursor::RankStats;
 use crate::cursor::{Action, RankCursor};
 use crate::delta::{decode, encode, DeltaMemo};
 use crate::frame::SHORT_RUN;
@@ -99,17 +100,6 @@ pub enum ExecError {
         /// Why.
         error: QuantError,
     },
-}
-
-/// What one rank did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RankStats {
-    /// Bytes sent (wire dtype).
-    pub sent_bytes: u64,
-    /// Bytes received (wire dtype).
-    pub recv_bytes: u64,
-    /// Messages sent.
-    pub messages: u64,
 }
 
 /// What a whole run did.
