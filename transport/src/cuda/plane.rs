@@ -4,7 +4,7 @@
 //! host memory standing in for it).
 //!
 //! The program is walked by its cursor
-//! ([`RoundCursor`](crate::cursor::RoundCursor)), a round at a time, which
+//! ([`RoundCursor`]), a round at a time, which
 //! also counts what the rank moves. Per round: the local copies; every
 //! outgoing message packed into one
 //! contiguous send staging buffer (pieces in wire dtype, back to back at
