@@ -891,11 +891,7 @@ fn dumped_destination_buffers_hold_the_refit_result() {
             assert!(elements > 0);
             let last = memory.iter_mut().rev().find_map(|m| m.buffers.iter_mut().find(|b| !b.is_empty())).expect("a buffer");
             last[0] ^= 0x01;
-            assert!(
-                transport::verify_destinations(&src_l, &dst_l, &memory).is_err(),
-                "a flipped byte went unnoticed: {}",
-                dst.display()
-            );
+            assert!(transport::verify_destinations(&src_l, &dst_l, &memory).is_err(), "a flipped byte went unnoticed: {}", dst.display());
         }
     }
 }
