@@ -42,13 +42,13 @@
 //! per tensor, a recipe shared by every tensor placed alike.
 
 use crate::block::Block;
-use crate::cost::{LinkModel, PipelinedBroadcast};
+use crate::cost::{rank_round_seconds, LinkModel, PipelinedBroadcast};
 use crate::dtype::{wire_dtype, DType};
 use crate::layout::{Layout, Placement, Rank};
 use crate::overlap::{atomize, SourceIndex};
 use crate::plan::{
-    lower_bound, rank_round_seconds, Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Scheduled,
-    Strategy, Transfer, MAX_PIECES,
+    lower_bound, Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Scheduled, Strategy, Transfer,
+    MAX_PIECES,
 };
 use crate::planner::{add_node_needs, hash_scale, match_tensors, placed_alike, placement_key, receivers_of, scaled_alike, wire_pairs};
 use crate::quant;

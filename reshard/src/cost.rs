@@ -3,8 +3,6 @@
 //! to predict refit time, and [`PipelinedBroadcast`]: the gather-broadcast
 //! baseline priced as NCCL runs it.
 
-use crate::plan::rank_round_seconds;
-
 /// Bandwidths of one rank's links, in bytes per second, per direction.
 ///
 /// A transfer between ranks on different nodes uses the sender's network
@@ -33,6 +31,16 @@ impl Default for LinkModel {
     fn default() -> Self {
         LinkModel::DGX_H100
     }
+}
+
+/// Seconds one rank is busy in one round: the slower of its network and
+/// intra-node links (each the larger of its two directions' bytes over the
+/// bandwidth), plus the latency of the messages it sends. `loads` are bytes
+/// out and in over the network, then out and in inside the node.
+pub(crate) fn rank_round_seconds(loads: &[u64; 4], messages: u64, links: &LinkModel) -> f64 {
+    let net = loads[0].max(loads[1]) as f64 / links.net_bytes_per_s;
+    let intra = loads[2].max(loads[3]) as f64 / links.intra_bytes_per_s;
+    net.max(intra) + messages as f64 * links.message_latency_s
 }
 
 /// Bytes of one chunk of a pipelined broadcast: NCCL's default buffer

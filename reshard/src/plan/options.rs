@@ -1,0 +1,47 @@
+//! Planner options: the staging limit per round, the link model, the
+//! smallest split of a piece, and an optional subset of tensors to plan.
+
+use super::TensorSubset;
+use crate::cost::LinkModel;
+use std::hash::{Hash, Hasher};
+
+/// Planner options.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOptions {
+    /// Most bytes a rank stages (sends plus receives) in one round.
+    pub max_staging_bytes: u64,
+    /// Link bandwidths used to choose senders and relays.
+    pub links: LinkModel,
+    /// Least bytes of each part when the reshard planner splits a piece
+    /// among several source ranks that hold it (replicas, or holdings cut
+    /// differently): a piece is split only into parts at least this large
+    /// (so only pieces of at least twice this), which bounds how many more
+    /// pieces and transfers splitting makes. `u64::MAX`: never split.
+    pub min_split_bytes: u64,
+    /// Plan only these destination tensors (a *subset refit*: LoRA
+    /// adapters, one stage's weights); `None`: every tensor. The plan moves
+    /// nothing of the others, and its programs name the destination
+    /// buffers that hold any of them ([`RankProgram::carried`](crate::RankProgram::carried)), whose bytes
+    /// a refit must keep from the version the destination serves.
+    pub only: Option<TensorSubset>,
+}
+
+/// The default of [`PlanOptions::min_split_bytes`]: 64 KiB per part.
+pub const DEFAULT_MIN_SPLIT_BYTES: u64 = 64 << 10;
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        PlanOptions { max_staging_bytes: 256 << 20, links: LinkModel::default(), min_split_bytes: DEFAULT_MIN_SPLIT_BYTES, only: None }
+    }
+}
+
+impl Hash for PlanOptions {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.max_staging_bytes.hash(h);
+        self.min_split_bytes.hash(h);
+        self.links.net_bytes_per_s.to_bits().hash(h);
+        self.links.intra_bytes_per_s.to_bits().hash(h);
+        self.links.message_latency_s.to_bits().hash(h);
+        self.only.hash(h);
+    }
+}
