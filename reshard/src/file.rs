@@ -12,6 +12,7 @@
 mod typed;
 
 use crate::dtype::DType;
+pub use crate::layout::validate::escape;
 use crate::layout::{
     BlockScale, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Region, ShardSpec, Storage, TensorLayout, MAX_RANKS,
 };
@@ -247,11 +248,6 @@ fn parse_shard(v: &Value, path: &str) -> Result<ShardSpec, LayoutError> {
     };
     let storage = parse_storage(obj, path)?;
     Ok(ShardSpec { rank, region, storage })
-}
-
-/// `s` with control characters escaped, so messages stay on one line.
-pub fn escape(s: &str) -> String {
-    s.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect()
 }
 
 fn err(field: impl Into<String>, problem: impl Into<String>) -> LayoutError {
