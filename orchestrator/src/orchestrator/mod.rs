@@ -1,0 +1,177 @@
+//! The orchestrator actor: attaches to a source group and a destination
+//! group, plans once per pair of layouts, and refits after every optimizer
+//! step.
+
+mod data_plane;
+mod error;
+mod members;
+mod messages;
+mod plan;
+mod refit;
+mod report;
+
+pub use error::OrchestratorError;
+pub use messages::{OrchestratorMsg, OrchestratorReply, RefitTarget};
+pub use report::{PlanReport, RefitPhase, RefitReport, RefitStep};
+
+use crate::member::Member;
+use crate::protocol::Fabric;
+use actors::{async_trait, Actor, ActorError, ActorGroup, ActorRef, Context};
+use plan::{CachedPlan, KnownLayouts};
+use reshard::{Endpoint, Fingerprint, Group, PlanOptions, Strategy, TensorSubset};
+use std::time::Duration;
+
+/// Orchestrator settings.
+#[derive(Debug, Clone)]
+pub struct OrchestratorConfig {
+    /// How members reach each other: in process (every member in the
+    /// orchestrator's process), or the node fabric (members anywhere).
+    pub fabric: Fabric,
+    /// Reshard, or the gather-broadcast baseline.
+    pub mode: Strategy,
+    /// Planner options.
+    pub plan: PlanOptions,
+    /// Every refit must finish its data movement within this time.
+    pub deadline: Duration,
+    /// Time allowed for metadata calls (describe, install, commit).
+    pub control_timeout: Duration,
+    /// Node and communicator fabrics: keep every member's connections (or
+    /// communicator) after a refit that commits, and run the next refit of
+    /// the same plan on them (no listen, no connect, no shared-memory
+    /// setup, no communicator creation), as a job keeps its communicators
+    /// between steps. Any failure, a replaced member or
+    /// [`OrchestratorMsg::CloseDataPlane`] opens a fresh data plane next
+    /// time. Off: every refit opens its own (its own session id).
+    pub keep_data_plane: bool,
+    /// Delta refits: after a refit of a plan commits, the next refit of
+    /// that plan sends each message as what changed since (every member
+    /// keeps a copy of what it sent and received in the last committed
+    /// refit: memory as large as its share of the bytes moved). Any
+    /// failure, a replaced member or a changed layout makes the next refit
+    /// dense. Destinations still write every element. Off by default.
+    pub delta: bool,
+}
+
+impl Default for OrchestratorConfig {
+    fn default() -> Self {
+        OrchestratorConfig {
+            fabric: Fabric::InProcess,
+            mode: Strategy::Reshard,
+            plan: PlanOptions::default(),
+            deadline: transport::DEFAULT_DEADLINE,
+            control_timeout: Duration::from_secs(10),
+            keep_data_plane: true,
+            delta: false,
+        }
+    }
+}
+
+/// The orchestrator actor.
+pub struct Orchestrator {
+    src: ActorGroup<Member>,
+    dst: ActorGroup<Member>,
+    config: OrchestratorConfig,
+    /// One plan per strategy and subset, while both layouts stay the same.
+    cache: std::collections::HashMap<(Strategy, Option<TensorSubset>), CachedPlan>,
+    /// Delta refits: per plan, the last refit of it that committed (every
+    /// member keeps what it sent and received then).
+    delta_base: std::collections::HashMap<Fingerprint, u64>,
+    /// The layouts, kept while members report the same fingerprints (a
+    /// replaced member then costs a plan, not a describe).
+    layouts: Option<KnownLayouts>,
+    plans_made: u64,
+    /// Refits started, the data-plane epoch.
+    refits: u64,
+    /// The sessions whose node-fabric connections every member keeps, by
+    /// plan: recorded when a refit commits, forgotten on any failure or
+    /// change of members.
+    kept: Vec<(Fingerprint, String)>,
+    phase: tokio::sync::watch::Sender<RefitPhase>,
+}
+
+impl Orchestrator {
+    /// An orchestrator for these groups.
+    pub fn new(src: ActorGroup<Member>, dst: ActorGroup<Member>, config: OrchestratorConfig) -> Orchestrator {
+        Orchestrator {
+            src,
+            dst,
+            config,
+            cache: Default::default(),
+            delta_base: Default::default(),
+            layouts: None,
+            plans_made: 0,
+            refits: 0,
+            kept: Vec::new(),
+            phase: tokio::sync::watch::Sender::default(),
+        }
+    }
+
+    /// Follows the refit in progress, step by step.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<RefitPhase> {
+        self.phase.subscribe()
+    }
+
+    fn enter(&self, step: RefitStep) {
+        self.phase.send_replace(RefitPhase { refit: self.refits, step });
+    }
+
+    /// How many times this orchestrator has planned.
+    pub fn plans_made(&self) -> u64 {
+        self.plans_made
+    }
+}
+
+impl Orchestrator {
+    /// Puts `member` in place of rank `endpoint`'s.
+    fn replace(&mut self, endpoint: Endpoint, member: ActorRef<Member>) -> Result<(), OrchestratorError> {
+        let group = match endpoint.group {
+            Group::Src => &mut self.src,
+            Group::Dst => &mut self.dst,
+        };
+        let ranks = group.len();
+        *group = group.with_member(endpoint.rank as usize, member).map_err(|_| OrchestratorError::NoRank { endpoint, ranks })?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Actor for Orchestrator {
+    type Msg = OrchestratorMsg;
+    type Reply = OrchestratorReply;
+
+    async fn handle(&mut self, msg: OrchestratorMsg, _ctx: &mut Context<Self>) -> Result<OrchestratorReply, ActorError> {
+        Ok(match msg {
+            OrchestratorMsg::Refit { target, only } => OrchestratorReply::Refit(self.refit(target, only).await),
+            OrchestratorMsg::Plan => OrchestratorReply::Planned(self.plan().await),
+            OrchestratorMsg::PlansMade => OrchestratorReply::PlansMade(self.plans_made),
+            OrchestratorMsg::SetMode(mode) => {
+                // Plans are kept per strategy: switching back is free.
+                self.config.mode = mode;
+                OrchestratorReply::Done(Ok(()))
+            }
+            OrchestratorMsg::Attach { src, dst } => {
+                // Cached plans stay valid while the members report the same
+                // layouts; members that lack the plan get it installed.
+                self.forget_data_plane(true);
+                self.src = src;
+                self.dst = dst;
+                OrchestratorReply::Done(Ok(()))
+            }
+            OrchestratorMsg::Replace { endpoint, member } => {
+                // The other members' peers change: all reconnect.
+                self.forget_data_plane(true);
+                OrchestratorReply::Done(self.replace(endpoint, member))
+            }
+            OrchestratorMsg::CloseDataPlane => {
+                self.forget_data_plane(true);
+                OrchestratorReply::Done(Ok(()))
+            }
+            OrchestratorMsg::Invalidate => {
+                self.forget_data_plane(true);
+                self.cache.clear();
+                self.layouts = None;
+                OrchestratorReply::Done(Ok(()))
+            }
+        })
+    }
+}

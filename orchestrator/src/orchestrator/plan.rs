@@ -1,0 +1,181 @@
+//! Planning and installing: one plan per strategy and subset for both
+//! groups' layouts, cached while they stay the same, and each member's own
+//! program installed on it.
+
+use super::error::{call_error, refused};
+use super::members::{describe, Status};
+use super::{Orchestrator, OrchestratorError, PlanReport};
+use crate::protocol::{MemberMsg, MemberReply};
+use reshard::{
+    plan_baseline, plan_reshard, Endpoint, Fingerprint, Group, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram, Strategy,
+    TensorSubset,
+};
+use std::sync::Arc;
+
+/// What the orchestrator keeps of a plan: not the plan or its programs
+/// (for a large model they are gigabytes), only what identifies it. Members
+/// keep their own program; a member that joins later (a replaced process)
+/// makes the orchestrator plan again to build its program.
+pub(super) struct CachedPlan {
+    /// Layout fingerprints every member of each group reported.
+    pub(super) layout_fingerprints: (u64, u64),
+    pub(super) fingerprint: Fingerprint,
+    pub(super) bytes: u64,
+}
+
+/// Programs derived ahead of, or being sent to, members while installing.
+const INSTALL_WINDOW: usize = 8;
+
+/// An install call's outcome, whether or not its task ran to the end.
+fn flatten(done: Result<Result<(), OrchestratorError>, tokio::task::JoinError>) -> Result<(), OrchestratorError> {
+    done.unwrap_or_else(|e| Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("install task: {e}") }))
+}
+
+/// The layouts both groups hold, as last described, by fingerprint.
+pub(super) struct KnownLayouts {
+    pub(super) fingerprints: (u64, u64),
+    pub(super) src: Arc<Layout>,
+    pub(super) dst: Arc<Layout>,
+}
+
+impl Orchestrator {
+    /// Makes sure every member has the plan of the current strategy for
+    /// both groups' current layouts installed: plans when a layout changed,
+    /// installs on members that lack it (new or replaced ones). Returns
+    /// whether it planned.
+    pub(super) async fn ensure_plan(&mut self, status: &Status, only: &Option<TensorSubset>) -> Result<bool, OrchestratorError> {
+        let t = self.config.control_timeout;
+        let mode = self.config.mode;
+        let key = (mode, only.clone());
+        let current = status.layouts;
+        if self.cache.values().any(|c| c.layout_fingerprints != current) {
+            self.cache.clear();
+        }
+        let cached = self.cache.get(&key).map(|c| c.fingerprint);
+        let lacking: Vec<usize> = status
+            .installed
+            .iter()
+            .enumerate()
+            .filter(|(_, plans)| !matches!(cached, Some(f) if plans.contains(&f)))
+            .map(|(i, _)| i)
+            .collect();
+        if lacking.is_empty() {
+            return Ok(false);
+        }
+        // The layouts travel once: from one member of each group, and only
+        // when their fingerprints changed.
+        let (src, dst) = match &self.layouts {
+            Some(k) if k.fingerprints == current => (k.src.clone(), k.dst.clone()),
+            _ => {
+                self.layouts = None;
+                let src = describe(&self.src, Group::Src, current.0, t).await?;
+                let dst = describe(&self.dst, Group::Dst, current.1, t).await?;
+                self.layouts = Some(KnownLayouts { fingerprints: current, src: src.clone(), dst: dst.clone() });
+                (src, dst)
+            }
+        };
+        // Planning a large model is seconds of CPU: off the reactor, so the
+        // control plane's heartbeats keep flowing meanwhile.
+        let options = PlanOptions { only: only.clone(), ..self.config.plan.clone() };
+        let (s, d) = (src.clone(), dst.clone());
+        let planned = tokio::task::spawn_blocking(move || match mode {
+            Strategy::Reshard => plan_reshard(&s, &d, &options),
+            Strategy::Baseline => plan_baseline(&s, &d, &options),
+        })
+        .await;
+        let plan = match planned {
+            Ok(r) => Arc::new(r?),
+            Err(e) => return Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("planning task: {e}") }),
+        };
+        let (fingerprint, bytes) = (plan.fingerprint(), plan.figures().total_bytes);
+        self.plans_made += 1;
+        // Plans of the other strategy were made for these layouts too, or
+        // are gone.
+        self.cache.retain(|_, c| c.layout_fingerprints == current);
+        if cached != Some(fingerprint) {
+            // Not installed anywhere yet (or the layouts changed under it).
+            self.cache.remove(&key);
+        }
+        let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..status.installed.len()).collect() };
+        self.install(plan, src, dst, which).await?;
+        self.cache.insert(key, CachedPlan { layout_fingerprints: current, fingerprint, bytes });
+        Ok(true)
+    }
+
+    /// Hands members `which` (indices into sources then destinations)
+    /// their own programs, derived one by one in a blocking task while
+    /// earlier ones are sent: at most [`INSTALL_WINDOW`] programs exist at
+    /// a time, never all of them.
+    async fn install(&self, plan: Arc<Plan>, src: Arc<Layout>, dst: Arc<Layout>, which: Vec<usize>) -> Result<(), OrchestratorError> {
+        let n_src = self.src.len();
+        let fingerprint = plan.fingerprint();
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, RankProgram)>(INSTALL_WINDOW);
+        let producer = tokio::task::spawn_blocking(move || -> Result<(), PlanError> {
+            let programs = Programs::new(&plan, &src, &dst)?;
+            for i in which {
+                let e = if i < n_src { Endpoint::src(i as u32) } else { Endpoint::dst((i - n_src) as u32) };
+                if tx.blocking_send((i, programs.program(e))).is_err() {
+                    // The installer gave up (a member failed).
+                    break;
+                }
+            }
+            Ok(())
+        });
+        let after = self.config.control_timeout;
+        let mut calls = tokio::task::JoinSet::new();
+        let mut result = Ok(());
+        while let Some((i, program)) = rx.recv().await {
+            let member = if i < n_src { self.src.get(i) } else { self.dst.get(i - n_src) };
+            let Some(member) = member.cloned() else { continue };
+            calls.spawn(async move {
+                let name = member.name().to_string();
+                match member.call_timeout(MemberMsg::Install { program: Box::new(program), fingerprint }, after).await {
+                    Ok(MemberReply::Refused(r)) => Err(refused(&name, r)),
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(call_error(name, e, after)),
+                }
+            });
+            while calls.len() >= INSTALL_WINDOW {
+                if let Some(done) = calls.join_next().await {
+                    result = flatten(done);
+                }
+                if result.is_err() {
+                    break;
+                }
+            }
+            if result.is_err() {
+                break;
+            }
+        }
+        drop(rx);
+        while result.is_ok() {
+            match calls.join_next().await {
+                Some(done) => result = flatten(done),
+                None => break,
+            }
+        }
+        calls.abort_all();
+        let produced = producer.await;
+        result?;
+        match produced {
+            Ok(r) => Ok(r?),
+            Err(e) => Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("program task: {e}") }),
+        }
+    }
+
+    /// The plan of the current strategy for `only`, installed everywhere.
+    pub(super) fn cached(&self, only: &Option<TensorSubset>) -> Result<&CachedPlan, OrchestratorError> {
+        // `ensure_plan` caches a plan whenever it returns Ok; `status`
+        // refuses empty groups.
+        self.cache
+            .get(&(self.config.mode, only.clone()))
+            .ok_or_else(|| OrchestratorError::Failed { member: "orchestrator".into(), problem: "no plan after planning".into() })
+    }
+
+    pub(super) async fn plan(&mut self) -> Result<PlanReport, OrchestratorError> {
+        let status = self.status().await?;
+        let replanned = self.ensure_plan(&status, &None).await?;
+        let &CachedPlan { fingerprint, bytes, .. } = self.cached(&None)?;
+        Ok(PlanReport { mode: self.config.mode, fingerprint, replanned, bytes })
+    }
+}

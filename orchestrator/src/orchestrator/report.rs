@@ -1,0 +1,95 @@
+//! What the orchestrator reports: a refit's outcome ([`RefitReport`]),
+//! a plan's ([`PlanReport`]), and the refit in progress, step by step
+//! ([`RefitPhase`], [`RefitStep`]).
+
+use reshard::{Fingerprint, Strategy};
+use std::time::Duration;
+
+/// What one refit did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RefitReport {
+    /// The version now served by every destination.
+    pub version: u64,
+    /// Every destination already served `version`: nothing was planned or
+    /// moved (`bytes` is 0).
+    pub already_served: bool,
+    /// Reshard or baseline.
+    pub mode: Strategy,
+    /// The plan that ran (`None` when nothing ran: already served).
+    pub fingerprint: Option<Fingerprint>,
+    /// Whether this refit had to (re)plan.
+    pub replanned: bool,
+    /// Wall time of the whole refit.
+    pub wall: Duration,
+    /// Asking members for their status (and layouts), and (re)planning and
+    /// installing if needed.
+    pub plan_time: Duration,
+    /// Opening this refit's data plane on every member (prepare, and
+    /// connect for the node and communicator fabrics), or resuming the
+    /// kept one.
+    pub connect_time: Duration,
+    /// Whether this refit ran on the connections (or communicator) kept
+    /// from the previous refit of the same plan
+    /// ([`OrchestratorConfig::keep_data_plane`](super::OrchestratorConfig::keep_data_plane)).
+    pub resumed: bool,
+    /// Moving the bytes: from asking every member to run until the last
+    /// one finished.
+    pub transfer_time: Duration,
+    /// Committing on every destination.
+    pub commit_time: Duration,
+    /// Bytes moved: the payload of every message between two ranks, in the
+    /// dtype it travels in, as the members counted them while sending. It
+    /// equals the plan's [`Figures::total_bytes`], the figure `refit plan`,
+    /// `run` and `bench` print as "bytes moved" (a difference is logged as
+    /// a warning: it would be a bug).
+    ///
+    /// [`Figures::total_bytes`]: reshard::Figures::total_bytes
+    pub bytes: u64,
+}
+
+/// What [`OrchestratorMsg::Plan`](super::OrchestratorMsg::Plan) found or made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlanReport {
+    /// Reshard or baseline.
+    pub mode: Strategy,
+    /// The plan's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// Whether it planned now (false: the cached plan was installed
+    /// everywhere already).
+    pub replanned: bool,
+    /// Bytes every refit with this plan moves (as [`RefitReport::bytes`]).
+    pub bytes: u64,
+}
+
+/// Where the refit in progress is, as the orchestrator publishes it
+/// ([`Orchestrator::subscribe`](super::Orchestrator::subscribe)): for progress displays, metrics, and tools
+/// that act at a given step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RefitStep {
+    /// No refit in progress.
+    #[default]
+    Idle,
+    /// Asking members for their layouts and plans; planning, installing.
+    Planning,
+    /// Members take up the data plane kept from the last refit of the plan.
+    Resuming,
+    /// Members open their data-plane endpoints.
+    Preparing,
+    /// Members connect to their peers.
+    Connecting,
+    /// Members move the bytes; destinations stage.
+    Running,
+    /// Every destination staged the whole version; destinations flip.
+    Committing,
+    /// The refit failed; members drop what they staged.
+    Discarding,
+}
+
+/// The refit in progress and its step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct RefitPhase {
+    /// The refit's sequence number (counted from 1 by this orchestrator).
+    pub refit: u64,
+    /// Its step.
+    pub step: RefitStep,
+}
