@@ -1,0 +1,201 @@
+//! An inference (destination) rank's store as Python sees it
+//! (`DstStore`): committed versions read as `bytes` or into host arrays,
+//! and readers' holds on weights served in place.
+
+use crate::errors::{tensor_err, TensorError, VersionError};
+use crate::layout::PyLayout;
+use crate::memory::{host_array, read_bytes, source_bytes, target_len};
+use crate::registration::{check_targets, in_place};
+use crate::runtime::wait;
+use crate::target::{self, Access, Device, Targets};
+use orchestrator::DstStore;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use reshard::{Layout, Rank};
+use std::sync::{Arc, Mutex};
+
+/// The weights of one inference (destination) rank: the committed
+/// version, the one before it, and a staging copy refits write; a refit
+/// commits on every rank of the group only once all have staged it.
+#[pyclass(module = "refit._refit", name = "DstStore", frozen)]
+pub(crate) struct PyDstStore {
+    pub(crate) inner: Arc<DstStore>,
+    pub(crate) layout: Arc<Layout>,
+    /// Holds taken by `begin_serving` (one per reader in a `serving()`
+    /// block), released by `end_serving`.
+    pub(crate) serving: Mutex<Vec<orchestrator::Serving>>,
+    /// The objects an in-place store's weights are served in.
+    pub(crate) targets: Option<Arc<Targets>>,
+}
+
+impl PyDstStore {
+    /// The committed version to read: the current one, or `version` if it
+    /// is the current or the previous one.
+    fn snapshot(&self, version: Option<u64>) -> PyResult<Arc<orchestrator::Snapshot>> {
+        let rank = self.inner.rank();
+        match version {
+            None => self.inner.snapshot().ok_or_else(|| VersionError::new_err(format!("dst rank {rank}: no refit has committed yet"))),
+            Some(v) => self.inner.snapshot_at(v).ok_or_else(|| {
+                let serving = self.inner.version().map_or("nothing yet".to_string(), |c| format!("version {c}"));
+                VersionError::new_err(format!(
+                    "dst rank {rank}: version {v} is not served (serving {serving}; the previous committed version is kept too)"
+                ))
+            }),
+        }
+    }
+}
+
+#[pymethods]
+impl PyDstStore {
+    #[new]
+    fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
+        layout.check_rank(rank)?;
+        Ok(PyDstStore {
+            inner: Arc::new(DstStore::new(&layout.inner, rank)),
+            layout: layout.inner.clone(),
+            serving: Mutex::default(),
+            targets: None,
+        })
+    }
+
+    /// A store that serves its weights in the memory of `objects` (as
+    /// `SrcStore.in_place`, and writable: read-only memory is refused); a
+    /// refit's commit looks each up again and copies the version in,
+    /// under one hold of the GIL per buffer. `follow`: as for sources.
+    #[staticmethod]
+    #[pyo3(signature = (layout, rank, objects, follow=false))]
+    fn in_place(layout: PyRef<'_, PyLayout>, rank: Rank, objects: Vec<Bound<'_, PyAny>>, follow: bool) -> PyResult<Self> {
+        let (registered, targets) = in_place(&layout, rank, "dst", objects, Access { writable: true, follow })?;
+        Ok(PyDstStore {
+            inner: Arc::new(DstStore::registered(&layout.inner, rank, registered)),
+            layout: layout.inner.clone(),
+            serving: Mutex::default(),
+            targets: Some(targets),
+        })
+    }
+
+    /// Looks every registered object up again: `RegistrationError` names
+    /// the buffer and what changed.
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        check_targets(py, &self.targets)
+    }
+
+    /// Takes a reader's hold on the served weights (waiting while a commit
+    /// copies into registered memory): no commit changes them until
+    /// `end_serving`. Returns the version they hold (None: nothing
+    /// committed yet, or torn by a failed commit).
+    fn begin_serving(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        let store = self.inner.clone();
+        let hold = wait(py, async move { Ok(store.serve().await) })?;
+        // What the readers will read must still be what was registered.
+        check_targets(py, &self.targets)?;
+        let version = hold.version();
+        self.serving.lock().unwrap_or_else(|e| e.into_inner()).push(hold);
+        Ok(version)
+    }
+
+    /// Releases a hold `begin_serving` took.
+    fn end_serving(&self) -> PyResult<()> {
+        match self.serving.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            Some(_) => Ok(()),
+            None => Err(VersionError::new_err(format!("dst rank {}: not serving", self.inner.rank()))),
+        }
+    }
+
+    /// Whether the weights are served in registered memory.
+    #[getter]
+    fn is_in_place(&self) -> bool {
+        self.inner.registered_memory().is_some()
+    }
+
+    /// The weights as a refit finds them, in words.
+    #[getter]
+    fn weights(&self) -> String {
+        self.inner.weights().to_string()
+    }
+
+    /// `(version, [bytes of each name])` from one committed version: the
+    /// current one, or `version` if it is the current or the previous one.
+    #[pyo3(signature = (names, version=None))]
+    fn read<'py>(&self, py: Python<'py>, names: Vec<String>, version: Option<u64>) -> PyResult<(u64, Vec<Bound<'py, PyBytes>>)> {
+        let snap = self.snapshot(version)?;
+        let mut out = Vec::with_capacity(names.len());
+        for name in &names {
+            let bytes = read_bytes(&snap.buffers, name).map_err(tensor_err)?;
+            out.push(PyBytes::new(py, &bytes));
+        }
+        Ok((snap.version, out))
+    }
+
+    /// Copies one committed version (as `read`) into `targets`
+    /// (`[(name, array)]`): straight into each C-contiguous host array
+    /// (numpy, torch CPU) of the block's dtype and bytes, writable, looked
+    /// up again right before its copy; for any other target, its bytes are
+    /// returned for the caller to copy. Every target is checked before any
+    /// is written. Returns `(version, [None or bytes per target])`.
+    #[pyo3(signature = (targets, version=None))]
+    fn load_into<'py>(
+        &self,
+        py: Python<'py>,
+        targets: Vec<(String, Bound<'py, PyAny>)>,
+        version: Option<u64>,
+    ) -> PyResult<(u64, Vec<Option<Bound<'py, PyBytes>>>)> {
+        let rank = self.inner.rank();
+        let snap = self.snapshot(version)?;
+        let mut in_place = Vec::with_capacity(targets.len());
+        for (name, target) in &targets {
+            let (dt, len) = target_len(&snap.buffers, name).map_err(tensor_err)?;
+            let host = matches!(target::find(target)?, Ok(f) if f.device == Device::Host);
+            if host {
+                drop(host_array(target, &format!("dst rank {rank}: '{name}'"), dt, len, true)?);
+            }
+            in_place.push(host);
+        }
+        let mut out = Vec::with_capacity(targets.len());
+        for ((name, target), host) in targets.iter().zip(in_place) {
+            if !host {
+                out.push(Some(PyBytes::new(py, &read_bytes(&snap.buffers, name).map_err(tensor_err)?)));
+                continue;
+            }
+            let (dt, len) = target_len(&snap.buffers, name).map_err(tensor_err)?;
+            let found = host_array(target, &format!("dst rank {rank}: '{name}'"), dt, len, true)?;
+            let bytes = source_bytes(&snap.buffers, name).map_err(tensor_err)?;
+            if bytes.len() != found.nbytes {
+                return Err(TensorError::new_err(format!(
+                    "dst rank {rank}: '{name}': {} bytes served for {} registered",
+                    bytes.len(),
+                    found.nbytes
+                )));
+            }
+            if found.nbytes > 0 {
+                // SAFETY: `found` was looked up just now, under this GIL
+                // hold, with no Python code since: `nbytes` bytes of
+                // writable host memory (the object's flag and the process's
+                // mappings checked) at `addr`, alive (its keeper is held);
+                // `bytes` is the snapshot's (refit's own memory), of the
+                // same length, not inside it.
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), found.addr as *mut u8, bytes.len()) };
+            }
+            out.push(None);
+        }
+        Ok((snap.version, out))
+    }
+
+    /// The version readers get (None before the first commit).
+    #[getter]
+    fn version(&self) -> Option<u64> {
+        self.inner.version()
+    }
+
+    /// This store's rank.
+    #[getter]
+    fn rank(&self) -> Rank {
+        self.inner.rank()
+    }
+
+    /// The layout.
+    #[getter]
+    fn layout(&self) -> PyLayout {
+        PyLayout { inner: self.layout.clone() }
+    }
+}

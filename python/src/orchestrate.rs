@@ -1,0 +1,282 @@
+//! The orchestrator as Python sees it (`Orchestrator`): over a rendezvous
+//! that member processes join, or over members in this process
+//! (`spawn_local`); refits, recovery and their reports.
+
+use crate::dst_store::PyDstStore;
+use crate::errors::{join_err, refit_err, seconds, JoinError, RefitError};
+use crate::layout::PyLayout;
+use crate::runtime::{runtime, wait, InRuntime};
+use crate::src_store::PySrcStore;
+use actors::ActorGroup;
+use orchestrator::rendezvous::ControlConfig;
+use orchestrator::{Fabric, Member, NodeFabric, OrchestratorConfig, OrchestratorHandle, PlanReport, RefitReport, RefitSystem, Rendezvous};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use reshard::{Endpoint, Group};
+use std::sync::{Arc, Mutex};
+
+fn report_dict<'py>(py: Python<'py>, r: &RefitReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("version", r.version)?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("seconds", r.wall.as_secs_f64())?;
+    d.set_item("transfer_seconds", r.transfer_time.as_secs_f64())?;
+    d.set_item("already_served", r.already_served)?;
+    d.set_item("replanned", r.replanned)?;
+    d.set_item("fingerprint", r.fingerprint.map(|f| f.to_string()))?;
+    d.set_item("mode", r.mode.to_string())?;
+    Ok(d)
+}
+
+fn plan_dict<'py>(py: Python<'py>, r: &PlanReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("fingerprint", r.fingerprint.to_string())?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("replanned", r.replanned)?;
+    d.set_item("mode", r.mode.to_string())?;
+    Ok(d)
+}
+
+/// The groups of members the orchestrator runs over: sources, destinations.
+type Groups = (ActorGroup<Member>, ActorGroup<Member>);
+
+/// What the orchestrator runs over.
+#[derive(Clone)]
+enum Over {
+    /// Members in other processes, found through this rendezvous; their
+    /// groups once `connect` found them (replaced members put in by
+    /// `recover`).
+    Rendezvous(Arc<Rendezvous>, Arc<tokio::sync::Mutex<Option<Groups>>>),
+    /// Every member and store in this process.
+    Local(Arc<tokio::sync::Mutex<RefitSystem>>),
+}
+
+/// The orchestrator: over a rendezvous that member processes join
+/// (`Orchestrator(secret, bind)` then `connect`), or over members in this
+/// process (`spawn_local`).
+#[pyclass(module = "refit._refit", name = "Orchestrator", frozen)]
+pub(crate) struct PyOrchestrator {
+    over: InRuntime<Mutex<Over>>,
+    handle: InRuntime<Mutex<Option<OrchestratorHandle>>>,
+    config: OrchestratorConfig,
+}
+
+impl PyOrchestrator {
+    fn handle(&self) -> PyResult<OrchestratorHandle> {
+        let h = self.handle.get().lock().unwrap_or_else(|e| e.into_inner()).clone();
+        h.ok_or_else(|| RefitError::new_err("the orchestrator has no members yet: call connect(src_ranks, dst_ranks) first"))
+    }
+}
+
+/// The fabric named `name`; `local`: every member is in this process.
+fn fabric(name: &str, local: bool) -> PyResult<Fabric> {
+    use orchestrator::{CommPlane, IpcFabric, NcclFabric};
+    Ok(match name {
+        "in_process" if local => Fabric::InProcess,
+        "node" => Fabric::Node(NodeFabric::default()),
+        "nccl" => Fabric::Nccl(NcclFabric::new(CommPlane::Cuda)),
+        "ipc" => Fabric::Ipc(IpcFabric::new(CommPlane::Cuda)),
+        // Host memory standing in for the GPUs, every member in this
+        // process: pipelines tested without a GPU.
+        "simulated-nccl" => Fabric::Nccl(NcclFabric::new(CommPlane::Simulated { world: "python".into() })),
+        "simulated-ipc" => Fabric::Ipc(IpcFabric::new(CommPlane::Simulated { world: "python".into() })),
+        _ => {
+            let known = if local {
+                "'in_process', 'node', 'nccl', 'ipc', 'simulated-nccl' or 'simulated-ipc'"
+            } else {
+                "'node', 'nccl', 'ipc', 'simulated-nccl' or 'simulated-ipc'"
+            };
+            return Err(PyValueError::new_err(format!("fabric '{name}': expected {known}")));
+        }
+    })
+}
+
+fn config(deadline: f64, control_timeout: f64, fabric: Fabric, delta: bool) -> PyResult<OrchestratorConfig> {
+    Ok(OrchestratorConfig {
+        fabric,
+        delta,
+        deadline: seconds("deadline", deadline)?,
+        control_timeout: seconds("control_timeout", control_timeout)?,
+        ..OrchestratorConfig::default()
+    })
+}
+
+#[pymethods]
+impl PyOrchestrator {
+    /// Opens a rendezvous at `bind` (port 0: any) that member processes
+    /// join with `secret` (16 bytes or more).
+    #[new]
+    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0, fabric="node", delta=false))]
+    fn new(py: Python<'_>, secret: String, bind: &str, deadline: f64, control_timeout: f64, fabric: &str, delta: bool) -> PyResult<Self> {
+        let config = config(deadline, control_timeout, self::fabric(fabric, false)?, delta)?;
+        let secret = actors::Secret::from_bytes(secret.into_bytes()).map_err(|e| JoinError::new_err(format!("secret: {e}")))?;
+        let bind: std::net::SocketAddr = bind.parse().map_err(|_| JoinError::new_err(format!("bind address '{bind}': not ip:port")))?;
+        let rendezvous = wait(py, async move { Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(join_err) })?;
+        Ok(PyOrchestrator {
+            over: InRuntime(Some(Mutex::new(Over::Rendezvous(Arc::new(rendezvous), Arc::default())))),
+            handle: InRuntime(Some(Mutex::new(None))),
+            config,
+        })
+    }
+
+    /// The rendezvous address member processes join (`host:port`); None
+    /// for a local system.
+    #[getter]
+    fn address(&self) -> Option<String> {
+        match &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
+            Over::Rendezvous(r, _) => Some(r.addr().to_string()),
+            Over::Local(_) => None,
+        }
+    }
+
+    /// Waits up to `timeout` seconds for the members of source ranks
+    /// `0..src_ranks` and destination ranks `0..dst_ranks` to join, starts
+    /// the orchestrator over them, plans and installs every member's
+    /// program. Returns the plan report (dict).
+    #[pyo3(signature = (src_ranks, dst_ranks, timeout=60.0))]
+    fn connect<'py>(&self, py: Python<'py>, src_ranks: u32, dst_ranks: u32, timeout: f64) -> PyResult<Bound<'py, PyDict>> {
+        let within = seconds("timeout", timeout)?;
+        let (rendezvous, groups) = match &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
+            Over::Rendezvous(r, g) => (r.clone(), g.clone()),
+            Over::Local(_) => return Err(RefitError::new_err("a local system is connected already")),
+        };
+        let config = self.config.clone();
+        let (handle, plan) = wait(py, async move {
+            let src = rendezvous.members(Group::Src, src_ranks, within).await.map_err(join_err)?;
+            let dst = rendezvous.members(Group::Dst, dst_ranks, within).await.map_err(join_err)?;
+            let handle = orchestrator::spawn_orchestrator(src.clone(), dst.clone(), config);
+            *groups.lock().await = Some((src, dst));
+            let plan = handle.plan().await.map_err(refit_err)?;
+            Ok((handle, plan))
+        })?;
+        let old = self.handle.get().lock().unwrap_or_else(|e| e.into_inner()).replace(handle);
+        drop(InRuntime(old));
+        plan_dict(py, &plan)
+    }
+
+    /// Refits exactly `version`, which every source must hold.
+    fn refit<'py>(&self, py: Python<'py>, version: u64) -> PyResult<Bound<'py, PyDict>> {
+        let h = self.handle()?;
+        let r = wait(py, async move { h.refit(version).await.map_err(refit_err) })?;
+        report_dict(py, &r)
+    }
+
+    /// Refits the newest version every source holds.
+    fn refit_latest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let h = self.handle()?;
+        let r = wait(py, async move { h.refit_latest().await.map_err(refit_err) })?;
+        report_dict(py, &r)
+    }
+
+    /// A subset refit of `version` (None: the newest every source holds)
+    /// for the destination tensors `only` (see
+    /// `OrchestratorHandle::refit_only`).
+    #[pyo3(signature = (only, version=None))]
+    fn refit_only<'py>(&self, py: Python<'py>, only: Vec<String>, version: Option<u64>) -> PyResult<Bound<'py, PyDict>> {
+        let h = self.handle()?;
+        let target = version.map_or(orchestrator::RefitTarget::Latest, orchestrator::RefitTarget::Version);
+        let r = wait(py, async move { h.refit_only(target, orchestrator::TensorSubset::new(only)).await.map_err(refit_err) })?;
+        report_dict(py, &r)
+    }
+
+    /// Puts a new member in the place of every member whose process died
+    /// (or went silent past the heartbeat timeout): the process that joins
+    /// under the dead one's rank within `timeout` seconds, in all. Returns
+    /// the ranks replaced as `(group, rank)`, `group` `"src"` or `"dst"`
+    /// (empty: every member is alive). On a local system a stopped member
+    /// is restarted over its store. A rank whose replacement does not join
+    /// in time raises `JoinError` naming it; ranks replaced before it stay
+    /// replaced.
+    #[pyo3(signature = (timeout=60.0))]
+    fn recover(&self, py: Python<'_>, timeout: f64) -> PyResult<Vec<(String, u32)>> {
+        let within = seconds("timeout", timeout)?;
+        let h = self.handle()?;
+        // Cloned out, so that nothing waits on the lock while this waits.
+        let over = self.over.get().lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let replaced = match over {
+            Over::Rendezvous(rendezvous, groups) => wait(py, async move {
+                let mut groups = groups.lock().await;
+                let Some((src, dst)) = groups.as_mut() else { return Ok(Vec::new()) };
+                rendezvous.recover(&h, src, dst, within).await.map_err(join_err)
+            }),
+            Over::Local(system) => wait(py, async move {
+                let mut system = system.lock().await;
+                let gone: Vec<Endpoint> = [(Group::Src, &system.src_members), (Group::Dst, &system.dst_members)]
+                    .into_iter()
+                    .flat_map(|(g, m)| m.iter().filter(|(_, a)| !a.is_alive()).map(move |(r, _)| Endpoint { group: g, rank: r as u32 }))
+                    .collect();
+                for &e in &gone {
+                    system.replace_member(e).await.map_err(refit_err)?;
+                }
+                Ok(gone)
+            }),
+        }?;
+        Ok(replaced.into_iter().map(|e| (e.group.to_string(), e.rank)).collect())
+    }
+
+    /// Checks both groups' layouts, plans and installs now.
+    fn plan<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let h = self.handle()?;
+        let r = wait(py, async move { h.plan().await.map_err(refit_err) })?;
+        plan_dict(py, &r)
+    }
+
+    /// `"reshard"` or `"baseline"` (gather on one rank and broadcast).
+    fn set_mode(&self, py: Python<'_>, mode: &str) -> PyResult<()> {
+        let mode = match mode {
+            "reshard" => reshard::Strategy::Reshard,
+            "baseline" => reshard::Strategy::Baseline,
+            other => return Err(RefitError::new_err(format!("mode '{other}': expected 'reshard' or 'baseline'"))),
+        };
+        let h = self.handle()?;
+        wait(py, async move { h.set_mode(mode).await.map_err(refit_err) })
+    }
+
+    /// Stops the orchestrator and closes the rendezvous: member processes
+    /// see it go (`Joined.wait_closed` returns).
+    fn close(&self) {
+        let Ok(rt) = runtime() else { return };
+        let _entered = rt.enter();
+        drop(self.handle.get().lock().unwrap_or_else(|e| e.into_inner()).take());
+        if let Over::Rendezvous(r, _) = &*self.over.get().lock().unwrap_or_else(|e| e.into_inner()) {
+            r.node().shutdown();
+        }
+    }
+}
+
+/// Spawns one store and one member per rank of both layouts in this
+/// process and an orchestrator over them, and plans. Returns
+/// `(orchestrator, [SrcStore], [DstStore])`.
+#[pyfunction]
+#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0, fabric="in_process", delta=false))]
+pub(crate) fn spawn_local(
+    py: Python<'_>,
+    src: PyRef<'_, PyLayout>,
+    dst: PyRef<'_, PyLayout>,
+    deadline: f64,
+    control_timeout: f64,
+    fabric: &str,
+    delta: bool,
+) -> PyResult<(PyOrchestrator, Vec<PySrcStore>, Vec<PyDstStore>)> {
+    let config = config(deadline, control_timeout, self::fabric(fabric, true)?, delta)?;
+    let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
+    let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
+    let srcs = system
+        .src_stores
+        .iter()
+        .map(|st| PySrcStore { inner: st.clone(), layout: src.inner.clone(), stepping: Mutex::new(None), targets: None })
+        .collect();
+    let dsts = system
+        .dst_stores
+        .iter()
+        .map(|st| PyDstStore { inner: st.clone(), layout: dst.inner.clone(), serving: Mutex::default(), targets: None })
+        .collect();
+    let handle = system.orchestrator.clone();
+    let orchestrator = PyOrchestrator {
+        over: InRuntime(Some(Mutex::new(Over::Local(Arc::new(tokio::sync::Mutex::new(system)))))),
+        handle: InRuntime(Some(Mutex::new(Some(handle)))),
+        config,
+    };
+    Ok((orchestrator, srcs, dsts))
+}
