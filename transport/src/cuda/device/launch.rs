@@ -1,0 +1,172 @@
+//! The kernels of `kernels.cu` loaded on one device ([`DeviceKernels`]:
+//! the shipped PTX, or NVRTC's build of the source), and their launches:
+//! strided copy-casts and the FP8 quantize kernels.
+
+use super::no_panic;
+use crate::cuda::kernels::{self, CastBox};
+use crate::cuda::quantplan::{CodesLaunch, ScalesLaunch};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, PushKernelArg};
+use std::sync::Arc;
+
+/// How [`DeviceKernels::origin`] names the shipped PTX.
+const SHIPPED_ORIGIN: &str = "shipped PTX";
+
+/// The strided copy-cast kernels of `kernels.cu`, loaded on one device.
+pub struct DeviceKernels {
+    functions: Vec<(&'static str, CudaFunction)>,
+    pub(super) origin: String,
+}
+
+impl std::fmt::Debug for DeviceKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceKernels").field("kernels", &self.functions.len()).field("origin", &self.origin).finish()
+    }
+}
+
+impl DeviceKernels {
+    fn from_ptx(ctx: &Arc<CudaContext>, ptx: String, origin: String) -> Result<DeviceKernels, String> {
+        no_panic("loading the cast kernels", || {
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| e.to_string())?;
+            let mut functions = Vec::new();
+            for name in kernels::KERNELS {
+                functions.push((name, module.load_function(name).map_err(|e| format!("{name}: {e}"))?));
+            }
+            Ok(DeviceKernels { functions, origin })
+        })
+    }
+
+    /// The kernels compiled here by NVRTC for `ctx`'s device (the fallback
+    /// where the driver refuses the shipped PTX).
+    pub(super) fn from_nvrtc(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, String> {
+        let cc = ctx.compute_capability().ok();
+        let ptx = kernels::compile(cc)?;
+        let arch = cc.map_or("NVRTC's default".to_string(), |(major, minor)| format!("compute_{major}{minor}"));
+        DeviceKernels::from_ptx(ctx, ptx, format!("compiled by NVRTC ({arch})"))
+    }
+
+    pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, String> {
+        let shipped = if kernels::shipped_ptx_is_current() {
+            let isa = kernels::shipped_ptx_isa().unwrap_or("?");
+            DeviceKernels::from_ptx(ctx, kernels::SHIPPED_PTX.to_string(), format!("{SHIPPED_ORIGIN} (PTX ISA {isa}, compute_80)"))
+        } else {
+            Err("the shipped PTX is stale".into())
+        };
+        shipped.or_else(|first| DeviceKernels::from_nvrtc(ctx).map_err(|e| format!("shipped PTX: {first}; NVRTC: {e}")))
+    }
+
+    /// Where the kernels came from (shipped PTX or NVRTC).
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
+    /// Whether they are the shipped code (not compiled here by NVRTC).
+    pub fn shipped(&self) -> bool {
+        self.origin.starts_with(SHIPPED_ORIGIN)
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction, String> {
+        self.functions.iter().find(|(n, _)| *n == name).map(|(_, f)| f).ok_or_else(|| format!("no kernel {name}"))
+    }
+
+    /// Queues one box of the strided kernel `name` on `stream`: elements
+    /// read from the buffer at device address `src`, written to the one at
+    /// `dst` (as [`CastBox`] places them).
+    ///
+    /// # Safety
+    /// `src` and `dst` must be live device allocations of this context that
+    /// hold the box's elements (`CastBox::ends`, in the kernel's element
+    /// sizes), stay allocated until the stream has run the kernel, and the
+    /// destination elements must not be touched by other work meanwhile.
+    pub(crate) unsafe fn launch(&self, stream: &Arc<CudaStream>, name: &str, b: &CastBox, src: u64, dst: u64) -> Result<(), String> {
+        let f = self.function(name)?;
+        let l = b.launch();
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
+            block_dim: (l.block[0], l.block[1], l.block[2]),
+            shared_mem_bytes: 0,
+        };
+        let [c0, c1, c2] = b.counts;
+        let [ss0, ss1, ss2] = b.src_strides;
+        let [ds0, ds1, ds2] = b.dst_strides;
+        let mut args = stream.launch_builder(f);
+        args.arg(&src).arg(&dst).arg(&c0).arg(&c1).arg(&c2);
+        args.arg(&b.src_base).arg(&ss0).arg(&ss1).arg(&ss2);
+        args.arg(&b.dst_base).arg(&ds0).arg(&ds1).arg(&ds2);
+        // SAFETY: the kernel's parameters are 2 pointers and 11 u64, passed
+        // as 13 u64 in order; the caller guarantees the memory (above).
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
+    }
+}
+
+impl DeviceKernels {
+    /// Queues a [`ScalesLaunch`] on `stream`: the staged buffer at `staged`,
+    /// the scratch scales at `scales`, the error flag at `err`.
+    ///
+    /// # Safety
+    /// The addresses must be live device allocations of this context
+    /// holding what the launch reads and writes (the plan checked against
+    /// the buffers: [`QuantPlan::fits`](crate::cuda::quantplan::QuantPlan::fits)), alive until the stream has run
+    /// the kernel, and written by nothing else meanwhile.
+    pub(super) unsafe fn launch_fp8_scales(
+        &self,
+        stream: &Arc<CudaStream>,
+        l: &ScalesLaunch,
+        staged: u64,
+        scales: u64,
+        err: u64,
+    ) -> Result<(), String> {
+        let name = "refit_fp8_scales";
+        let f = self.function(name)?;
+        let yz = |c: u64| c.clamp(1, kernels::MAX_BLOCKS_YZ as u64) as u32;
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (l.grid[0].clamp(1, kernels::MAX_BLOCKS_X as u64) as u32, yz(l.grid[1]), yz(l.grid[2])),
+            block_dim: (kernels::THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = stream.launch_builder(f);
+        args.arg(&staged).arg(&scales).arg(&err).arg(&l.dt);
+        for v in [&l.grid, &l.grid_off, &l.block, &l.shape, &l.first] {
+            args.arg(&v[0]).arg(&v[1]).arg(&v[2]);
+        }
+        args.arg(&l.at).arg(&l.strides[0]).arg(&l.strides[1]).arg(&l.strides[2]).arg(&l.base);
+        // SAFETY: the kernel takes 3 pointers and 21 u64, passed as 24 u64
+        // in order; the caller guarantees the memory (above).
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
+    }
+
+    /// Queues a [`CodesLaunch`] on `stream`.
+    ///
+    /// # Safety
+    /// As [`launch_fp8_scales`](Self::launch_fp8_scales), for the staged
+    /// buffer at `staged`, the weights at `weights` and the scales at
+    /// `scales`.
+    pub(super) unsafe fn launch_fp8_codes(
+        &self,
+        stream: &Arc<CudaStream>,
+        l: &CodesLaunch,
+        staged: u64,
+        weights: u64,
+        scales: u64,
+    ) -> Result<(), String> {
+        let name = "refit_fp8_codes";
+        let f = self.function(name)?;
+        let g = kernels::launch_3d(l.counts);
+        let cfg = cudarc::driver::LaunchConfig {
+            grid_dim: (g.grid[0], g.grid[1], g.grid[2]),
+            block_dim: (g.block[0], g.block[1], g.block[2]),
+            shared_mem_bytes: 0,
+        };
+        let mut args = stream.launch_builder(f);
+        args.arg(&staged).arg(&weights).arg(&scales).arg(&l.dt);
+        args.arg(&l.counts[0]).arg(&l.counts[1]).arg(&l.counts[2]);
+        args.arg(&l.src_base).arg(&l.src_strides[0]).arg(&l.src_strides[1]).arg(&l.src_strides[2]);
+        args.arg(&l.dst_base).arg(&l.dst_strides[0]).arg(&l.dst_strides[1]).arg(&l.dst_strides[2]);
+        for v in [&l.first, &l.block, &l.grid_off] {
+            args.arg(&v[0]).arg(&v[1]).arg(&v[2]);
+        }
+        args.arg(&l.grid_strides[1]).arg(&l.grid_strides[2]).arg(&l.base);
+        // SAFETY: the kernel takes 3 pointers and 24 u64, passed as 27 u64
+        // in order; the caller guarantees the memory (above).
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
+    }
+}
