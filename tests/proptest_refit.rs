@@ -929,7 +929,7 @@ fn replicated_over_six_nodes() {
 
 #[test]
 fn mixed_wire_dtypes_in_one_message() {
-    // Regression for a transport bug (transport/src/exec.rs, run_rounds,
+    // Regression for a transport bug (transport/src/exec/mod.rs, run_rounds,
     // sender staging): pieces converted on the sender are packed into one
     // staging area at byte offset `pos`, and the segment's element offset is
     // `pos / wire_size`. When a message carries a narrower converted piece
