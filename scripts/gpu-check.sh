@@ -4,7 +4,7 @@
 # without it:
 #
 #   scripts/gpu-check.sh --build     here: builds the check program
-#                                    (examples/gpu_check.rs, stripped) and the
+#                                    (examples/gpu_check/, stripped) and the
 #                                    Python wheel with the cuda feature into
 #                                    target/gpu-carry/
 #   scripts/gpu-check.sh --dry-run   here: what the run will do — the
@@ -20,7 +20,7 @@
 #                                    torch stream check; results as JSON in
 #                                    DIR/gpu-check.json and DIR/torch-stream.json
 #
-# Checks (examples/gpu_check.rs has the details): environment (driver, NCCL,
+# Checks (examples/gpu_check/ has the details): environment (driver, NCCL,
 # NVRTC, where the kernels came from: must be the shipped PTX), kernels
 # (device casts against the host's, every 16-bit value), layouts (every
 # examples/*/ pair on the device, byte-compared with the host executor), ipc

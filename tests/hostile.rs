@@ -6,7 +6,7 @@
 //!
 //! The cases here are files (binary garbage, byte-order marks, deep nesting,
 //! huge literals, duplicate keys, ...); the rule-by-rule table of rejections
-//! lives in `tests/rejections.rs` and is not repeated.
+//! lives in `tests/rejections/` and is not repeated.
 
 use reshard::{parse_layout, Layout};
 use std::panic::{catch_unwind, AssertUnwindSafe};

@@ -69,6 +69,7 @@ fn the_rl_demo_chaos_and_soak_move_weights_only_through_the_orchestrator() {
     let users = users_of(
         &[
             "src/demo.rs",
+            "src/demo",
             "src/chaos.rs",
             "src/soak.rs",
             "src/procs.rs",
