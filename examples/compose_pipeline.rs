@@ -62,7 +62,7 @@ impl Actor for Rollout {
 
 /// `x` rounded to bf16 and widened back to f32.
 fn bf16_rounded(x: f32) -> f32 {
-    f32::from_bits(u32::from(reshard::dtype::f32_bits_to_bf16(x.to_bits())) << 16)
+    f32::from_bits(u32::from(reshard::f32_bits_to_bf16(x.to_bits())) << 16)
 }
 
 #[tokio::main]

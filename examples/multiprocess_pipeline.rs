@@ -57,7 +57,7 @@ fn value(step: u64, name: &str, at: &[u64]) -> f32 {
 /// `x` as the rollout side stores it (bf16, round to nearest even).
 fn as_bf16(x: f32) -> f32 {
     let mut narrow = [0u8; 2];
-    reshard::dtype::convert_slice(DType::F32, &x.to_le_bytes(), DType::BF16, &mut narrow);
+    reshard::convert_slice(DType::F32, &x.to_le_bytes(), DType::BF16, &mut narrow);
     f32::from_bits(u32::from(u16::from_le_bytes(narrow)) << 16)
 }
 

@@ -316,7 +316,7 @@ pub fn fp8_destination(dst: &Layout, block: u64) -> Result<Layout, reshard::Layo
             };
             let alone = Layout::new(dst.ranks(), Some(dst.ranks_per_node()), vec![mesh.clone()])?;
             let aligned = m.ranks.iter().all(|&r| {
-                let want: Vec<_> = dst.rank_holdings(i as u32, r).iter().map(|(b, _)| reshard::quant::grid_of(b, &block_shape)).collect();
+                let want: Vec<_> = dst.rank_holdings(i as u32, r).iter().map(|(b, _)| reshard::grid_of(b, &block_shape)).collect();
                 let got: Vec<_> = alone.rank_holdings(0, r).iter().map(|(b, _)| *b).collect();
                 want == got
             });
@@ -329,7 +329,7 @@ pub fn fp8_destination(dst: &Layout, block: u64) -> Result<Layout, reshard::Layo
         let mut shards: Vec<ShardSpec> = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for h in dst.holdings(i as u32) {
-            let g = reshard::quant::grid_of(&h.block, &block_shape);
+            let g = reshard::grid_of(&h.block, &block_shape);
             for l in &h.holders {
                 if seen.insert((l.rank, g)) {
                     let region = Region::Block { offset: g.offset().to_vec(), extent: g.extent().to_vec() };
@@ -371,7 +371,7 @@ pub struct Fp8Bench {
 /// The reshard of `src` into `dst` against the same into `fp8` (e.g.
 /// [`fp8_destination`] of `dst`), in process, alternating which goes
 /// first; the FP8 destinations are checked against the pattern quantized
-/// as `reshard::quant` says after the first pair.
+/// as `reshard::quantize` says after the first pair.
 pub fn fp8_bench(
     src: &Layout,
     dst: &Layout,

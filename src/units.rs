@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-pub use reshard::units::human;
+pub use reshard::human;
 
 /// A duration for people: under a second in milliseconds to three
 /// significant digits (`0.0201 ms`, `0.759 ms`, `81.9 ms`, `241 ms`), then

@@ -39,7 +39,7 @@
 
 use refit::presets::{layouts, layouts_with, Model, PresetError, PresetOptions};
 use refit::runner::prepare;
-use reshard::layout::Holding;
+use reshard::Holding;
 use reshard::{plan_reshard, BufferKey, DType, Layout, Placement, PlanOptions, Storage, Strategy};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use transport::ExecOptions;

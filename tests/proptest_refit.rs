@@ -9,11 +9,11 @@
 
 use proptest::prelude::*;
 use refit::runner::prepare;
-use reshard::dtype::{convert_slice, wire_dtype};
 use reshard::{
     baseline_summary, layout_to_json, parse_layout, plan_baseline, plan_reshard, BufferKey, DType, Layout, LinkModel, MeshDim,
     MeshPlacement, Placement, PlanOptions, RankProgram, Region, ShardSpec, Storage, Strategy as Planner, TensorLayout,
 };
+use reshard::{convert_slice, wire_dtype};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::time::Duration;

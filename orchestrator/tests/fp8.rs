@@ -5,7 +5,7 @@
 //! refits.
 
 use orchestrator::{spawn_refit, OrchestratorConfig, RefitSystem};
-use reshard::quant::e4m3_from_f32;
+use reshard::e4m3_from_f32;
 use reshard::{parse_layout, Strategy};
 use std::time::Duration;
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 fn dtype(name: &str, tensor: &str) -> PyResult<DType> {
     DType::from_name(name).ok_or_else(|| {
-        let known: Vec<&str> = reshard::dtype::ALL_DTYPES.iter().map(|d| d.name()).collect();
+        let known: Vec<&str> = reshard::ALL_DTYPES.iter().map(|d| d.name()).collect();
         LayoutError::new_err(format!("tensor '{tensor}': unknown dtype '{name}' (expected one of {})", known.join(", ")))
     })
 }
@@ -103,7 +103,7 @@ impl PyTensorBuilder {
             .iter()
             .enumerate()
             .map(|(i, p)| {
-                reshard::file::parse_mesh_dim(p).ok_or_else(|| {
+                reshard::parse_mesh_dim(p).ok_or_else(|| {
                     LayoutError::new_err(format!(
                         "tensor '{}': placements[{i}]: unknown placement '{p}' (expected \"replicate\" or \"shard(D)\")",
                         self.name

@@ -60,7 +60,7 @@ use std::hash::{Hash, Hasher};
 /// of 512 KiB (its 4 MiB buffer, `NCCL_BUFFSIZE`, in 8 steps); on loopback
 /// with one process per rank, 1 MiB chunks moved Llama 3 8B / 8 fastest
 /// (0.5–2 MiB alike; 4 MiB and more slower; docs/benchmarks.md).
-pub const PIPELINE_CHUNK_BYTES: u64 = 1 << 20;
+pub(crate) const PIPELINE_CHUNK_BYTES: u64 = 1 << 20;
 
 /// Larger models get larger chunks, so that all tensors together make about
 /// this many chunks at most (fewer pieces and rounds to plan).
@@ -131,11 +131,11 @@ pub struct BaselineSummary {
     pub estimate: Estimate,
     /// The baseline as NCCL runs it: the gathers, then per tensor a
     /// pipelined, chunked ring broadcast from its root, broadcasts of
-    /// different roots overlapping ([`PipelinedBroadcast`] gives the
-    /// formula). This is the baseline time to compare with the reshard's
-    /// estimate; its lower bound is the same as `estimate`'s.
+    /// different roots overlapping (the model of [`LinkModel`]). This is
+    /// the baseline time to compare with the reshard's estimate; its lower
+    /// bound is the same as `estimate`'s.
     ///
-    /// [`PipelinedBroadcast`]: crate::cost::PipelinedBroadcast
+    /// [`LinkModel`]: crate::LinkModel
     pub pipelined: Estimate,
 }
 

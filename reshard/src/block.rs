@@ -253,7 +253,7 @@ impl fmt::Display for Block {
 /// and its own row-major order equals the flat order, so a flat shard stored
 /// contiguously is the same as these blocks stored back to back.
 /// Requires `start + len <= numel(shape)`.
-pub fn flat_blocks(shape: &[u64], start: u64, len: u64) -> Vec<Block> {
+pub(crate) fn flat_blocks(shape: &[u64], start: u64, len: u64) -> Vec<Block> {
     let mut out = Vec::new();
     if len > 0 {
         let mut prefix = Vec::with_capacity(shape.len());

@@ -157,7 +157,7 @@ impl TensorBuilder {
 
     /// Block-scales this `f8e4m3` tensor: blocks of `block` elements per
     /// dimension, their scales in the layout's f32 tensor `scale_tensor`
-    /// (see [`crate::quant`]).
+    /// (see [`crate::quantize`]).
     pub fn scale(mut self, scale_tensor: impl Into<String>, block: impl IntoIterator<Item = u64>) -> TensorBuilder {
         self.scale = Some(BlockScale { tensor: scale_tensor.into(), block: block.into_iter().collect() });
         self

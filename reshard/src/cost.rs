@@ -45,7 +45,7 @@ pub(crate) fn rank_round_seconds(loads: &[u64; 4], messages: u64, links: &LinkMo
 
 /// Bytes of one chunk of a pipelined broadcast: NCCL's default buffer
 /// (`NCCL_BUFFSIZE`, 4 MiB) split into its 8 pipeline steps.
-pub const BROADCAST_CHUNK_BYTES: u64 = 512 << 10;
+pub(crate) const BROADCAST_CHUNK_BYTES: u64 = 512 << 10;
 
 /// The gather-broadcast baseline as NCCL runs it: per tensor, a gather of
 /// the whole tensor onto its root, then a pipelined, chunked ring broadcast
@@ -89,7 +89,7 @@ pub const BROADCAST_CHUNK_BYTES: u64 = 512 << 10;
 ///
 /// [`Plan::lower_bound`]: crate::Plan::lower_bound
 #[derive(Clone, Debug)]
-pub struct PipelinedBroadcast<'a> {
+pub(crate) struct PipelinedBroadcast<'a> {
     links: &'a LinkModel,
     src_ranks: usize,
     /// Gathers, per source rank: bytes by lane (network out, network in,
@@ -104,14 +104,14 @@ pub struct PipelinedBroadcast<'a> {
 
 impl<'a> PipelinedBroadcast<'a> {
     /// No tensors yet between `src_ranks` and `dst_ranks` ranks.
-    pub fn new(src_ranks: u32, dst_ranks: u32, links: &'a LinkModel) -> Self {
+    pub(crate) fn new(src_ranks: u32, dst_ranks: u32, links: &'a LinkModel) -> Self {
         let (s, d) = (src_ranks as usize, dst_ranks as usize);
         PipelinedBroadcast { links, src_ranks: s, gather: vec![([0; 4], 0); s], broadcast: vec![([0; 4], 0); s + d], fill: 0.0 }
     }
 
     /// `count` gather messages of `bytes` each from source rank `from` to
     /// source rank `to` (distinct), across nodes or not.
-    pub fn gather(&mut self, from: u32, to: u32, cross: bool, bytes: u64, count: u64) {
+    pub(crate) fn gather(&mut self, from: u32, to: u32, cross: bool, bytes: u64, count: u64) {
         let (out, inn) = if cross { (0, 1) } else { (2, 3) };
         let b = bytes.saturating_mul(count);
         if let Some((loads, msgs)) = self.gather.get_mut(from as usize) {
@@ -126,7 +126,7 @@ impl<'a> PipelinedBroadcast<'a> {
     /// `count` tensors of `bytes` each, each broadcast by one call from
     /// source rank `root` to the destination ranks `nodes`: the receivers on
     /// each node, nodes in ring order (empty ones are skipped).
-    pub fn broadcast(&mut self, root: u32, bytes: u64, nodes: &[&[u32]], count: u64) {
+    pub(crate) fn broadcast(&mut self, root: u32, bytes: u64, nodes: &[&[u32]], count: u64) {
         let nodes: Vec<&[u32]> = nodes.iter().copied().filter(|g| !g.is_empty()).collect();
         if nodes.is_empty() || count == 0 {
             return;
@@ -165,7 +165,7 @@ impl<'a> PipelinedBroadcast<'a> {
     }
 
     /// The modelled time, in seconds (see the type's doc).
-    pub fn seconds(&self) -> f64 {
+    pub(crate) fn seconds(&self) -> f64 {
         let busiest =
             |ranks: &[([u64; 4], u64)]| ranks.iter().map(|(loads, n)| rank_round_seconds(loads, *n, self.links)).fold(0.0, f64::max);
         busiest(&self.gather) + busiest(&self.broadcast) + self.fill

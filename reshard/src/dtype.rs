@@ -109,13 +109,14 @@ impl fmt::Display for DType {
 }
 
 /// Whether elements of `from` may be converted to `to`.
-pub fn can_convert(from: DType, to: DType) -> bool {
+pub(crate) fn can_convert(from: DType, to: DType) -> bool {
     from == to || (from.is_convertible_float() && to.is_convertible_float())
 }
 
 /// The type values travel in between `src` and `dst`: the narrower one, or
 /// `dst` when neither is narrower (so conversion happens on the sender).
-/// Callers must check [`can_convert`] first.
+/// Both must be the same type, or both floating-point types that convert
+/// (layouts are checked for this when a plan is made).
 pub fn wire_dtype(src: DType, dst: DType) -> DType {
     if src.width_rank() < dst.width_rank() {
         src
@@ -125,8 +126,8 @@ pub fn wire_dtype(src: DType, dst: DType) -> DType {
 }
 
 /// Converts `n` elements from `src` (type `from`, little-endian bytes) into
-/// `dst` (type `to`). Both slices must hold exactly `n` elements and the pair
-/// must satisfy [`can_convert`].
+/// `dst` (type `to`). Both slices must hold exactly `n` elements and the
+/// types must be equal or both floating-point types that convert.
 pub fn convert_slice(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
     debug_assert_eq!(src.len() as u64 / from.size(), dst.len() as u64 / to.size());
     if from == to {
@@ -189,7 +190,7 @@ pub fn f32_bits_to_bf16(v: u32) -> u16 {
 }
 
 /// f16 bits to f64 (exact).
-pub fn f16_bits_to_f64(h: u16) -> f64 {
+pub(crate) fn f16_bits_to_f64(h: u16) -> f64 {
     let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
     let exp = ((h >> 10) & 0x1f) as i32;
     let man = (h & 0x3ff) as f64;

@@ -19,7 +19,7 @@ impl fmt::Display for Fingerprint {
 /// layouts). Stable across runs, processes and platforms, unlike std's
 /// `DefaultHasher`, whose algorithm may change between Rust releases.
 #[derive(Clone, Debug)]
-pub struct Fnv64(u64);
+pub(crate) struct Fnv64(u64);
 
 impl Default for Fnv64 {
     fn default() -> Self {
@@ -67,7 +67,8 @@ impl Hasher for Fnv64 {
     }
 }
 
-/// Hashes any `Hash` value with [`Fnv64`].
+/// Hashes any `Hash` value with a stable 64-bit hasher (FNV-1a's constants, a
+/// word at a time): the same value gives the same hash on every machine.
 pub fn fnv64<T: Hash + ?Sized>(value: &T) -> u64 {
     let mut h = Fnv64::default();
     value.hash(&mut h);

@@ -18,35 +18,45 @@
 //! assert_eq!(plan.figures().src_egress_bytes, 16 * 2); // 16 elements as bf16
 //! ```
 
-pub mod baseline;
-pub mod block;
-pub mod builder;
-pub mod cost;
-pub mod dtype;
-pub mod file;
-pub mod fingerprint;
-pub mod layout;
-pub mod overlap;
-pub mod plan;
-pub mod planner;
-pub mod program;
-pub mod quant;
-pub mod units;
+mod baseline;
+mod block;
+mod builder;
+mod cost;
+mod dtype;
+mod file;
+mod fingerprint;
+mod layout;
+mod overlap;
+mod plan;
+mod planner;
+mod program;
+mod quant;
+mod units;
 
+// The crate's face: every module is private; what other crates, the
+// examples and the docs use is re-exported here, and nothing else is public
+// (tests/layering.rs checks that each name below is used outside).
 pub use baseline::{baseline_summary, plan_baseline, BaselineSummary};
 pub use block::{Block, MAX_DIMS};
 pub use builder::{LayoutBuilder, TensorBuilder};
 pub use cost::LinkModel;
-pub use dtype::DType;
-pub use file::{layout_to_json, parse_layout};
-pub use fingerprint::Fingerprint;
+pub use dtype::{convert_slice, f32_bits_to_bf16, wire_dtype, DType, ALL_DTYPES};
+pub use file::{cross_check, layout_to_json, parse_layout, parse_mesh_dim, MAX_IMPLIED_POSITIONS};
+pub use fingerprint::{fnv64, Fingerprint};
 pub use layout::{
-    BlockScale, BufferKey, BufferSpec, Layout, LayoutError, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage,
-    TensorLayout,
+    BlockScale, BufferKey, BufferSpec, Holding, Layout, LayoutError, Loc, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec,
+    Storage, TensorLayout,
 };
-pub use plan::fingerprint as plan_fingerprint;
 pub use plan::{Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, TensorSubset, Transfer};
 pub use planner::plan_reshard;
 pub use program::{
-    LocalCopy, LocalCopyView, Message, Pieces, Programs, RankProgram, RecvPiece, RecvPieceView, Round, SendPiece, Span, Spans,
+    span_in, Iter, LocalCopy, LocalCopyView, Message, Pieces, Programs, RankProgram, RecvPiece, RecvPieceView, Round, SendPiece,
+    SendPieceView, Span, Spans,
 };
+// Block-scaled FP8: the semantics and a destination's quantize steps, for
+// the data planes that run them.
+pub use quant::{
+    block_scale, e4m3_from_f32, elements_of, for_each_cell, for_each_row, grid_of, offset_in, quantize, quantize_value, read_f32,
+    QuantError, Quantize, Stored,
+};
+pub use units::human;

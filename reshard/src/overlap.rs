@@ -9,7 +9,7 @@ use crate::layout::{Holding, Rank};
 
 /// A disjoint part of the destination needs and the holdings that need it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Atom {
+pub(crate) struct Atom {
     /// The elements.
     pub block: Block,
     /// Indices of the destination holdings containing it.
@@ -18,7 +18,7 @@ pub struct Atom {
 
 /// Splits the union of `holdings` into disjoint atoms; each atom records
 /// which holdings contain it. Atoms follow the holdings' order.
-pub fn atomize(holdings: &[Holding]) -> Vec<Atom> {
+pub(crate) fn atomize(holdings: &[Holding]) -> Vec<Atom> {
     if pairwise_disjoint(holdings) {
         return holdings.iter().enumerate().map(|(i, h)| Atom { block: h.block, holdings: vec![i as u32] }).collect();
     }
@@ -66,7 +66,7 @@ fn pairwise_disjoint(holdings: &[Holding]) -> bool {
 }
 
 /// Index over source holdings for fast overlap queries.
-pub struct SourceIndex<'a> {
+pub(crate) struct SourceIndex<'a> {
     holdings: &'a [Holding],
     order: Vec<u32>,
     max_ext0: u64,
@@ -74,7 +74,7 @@ pub struct SourceIndex<'a> {
 
 /// A covered part of an atom and the source ranks able to send it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Cover {
+pub(crate) struct Cover {
     /// The elements.
     pub block: Block,
     /// Source ranks holding all of it, sorted, deduplicated.
@@ -83,7 +83,7 @@ pub struct Cover {
 
 impl<'a> SourceIndex<'a> {
     /// Indexes `holdings` by their offset in dimension 0.
-    pub fn new(holdings: &'a [Holding]) -> SourceIndex<'a> {
+    pub(crate) fn new(holdings: &'a [Holding]) -> SourceIndex<'a> {
         let mut order: Vec<u32> = (0..holdings.len() as u32).collect();
         let key = |i: &u32| holdings[*i as usize].block.offset().first().copied().unwrap_or(0);
         order.sort_by_key(key);
@@ -105,7 +105,7 @@ impl<'a> SourceIndex<'a> {
 
     /// Covers `atom` with source holdings. Returns the covered parts and,
     /// if some part is held by no source, that part.
-    pub fn cover(&self, atom: &Block) -> Result<Vec<Cover>, Box<Block>> {
+    pub(crate) fn cover(&self, atom: &Block) -> Result<Vec<Cover>, Box<Block>> {
         self.cover_split(atom, u64::MAX)
     }
 
@@ -115,7 +115,7 @@ impl<'a> SourceIndex<'a> {
     /// rank holding it as a candidate, so that ranks holding only part of
     /// the part can send their share. Only where every cell has at least
     /// `min_cell` elements and there are at most [`MAX_CELLS`] of them.
-    pub fn cover_split(&self, atom: &Block, min_cell: u64) -> Result<Vec<Cover>, Box<Block>> {
+    pub(crate) fn cover_split(&self, atom: &Block, min_cell: u64) -> Result<Vec<Cover>, Box<Block>> {
         let over = self.overlapping(atom);
         let candidates_of = |piece: &Block| {
             let mut c: Vec<Rank> = Vec::new();
@@ -258,7 +258,7 @@ pub(crate) fn with_range(b: &Block, d: usize, start: u64, len: u64) -> Block {
 }
 
 /// Most cells [`SourceIndex::cover_split`] cuts one part into.
-pub const MAX_CELLS: usize = 64;
+pub(crate) const MAX_CELLS: usize = 64;
 
 #[cfg(test)]
 mod tests {

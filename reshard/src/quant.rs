@@ -39,7 +39,7 @@ use std::collections::HashMap;
 use thiserror::Error;
 
 /// The largest finite e4m3 value.
-pub const E4M3_MAX: f32 = 448.0;
+pub(crate) const E4M3_MAX: f32 = 448.0;
 
 /// The e4m3 code of `x`, rounded to nearest even, saturating to ±448 (so
 /// NaN never comes out of a finite input), the sign bit kept. e4m3 here is
@@ -69,7 +69,8 @@ pub fn e4m3_from_f32(x: f32) -> u8 {
 }
 
 /// The value of an e4m3 code (NaN for `0x7f`/`0xff`).
-pub fn e4m3_to_f32(code: u8) -> f32 {
+#[cfg(test)]
+pub(crate) fn e4m3_to_f32(code: u8) -> f32 {
     let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
     let (exp, mant) = (((code >> 3) & 0xf) as i32, (code & 7) as f32);
     if exp == 15 && code & 7 == 7 {
@@ -134,7 +135,7 @@ fn extend_f32(dtype: DType, bytes: &[u8], out: &mut Vec<f32>) {
 /// `src`: the source's own (f32 for f64, which the semantics convert to
 /// f32 first anyway); `None` where the source is not a float the
 /// semantics accept.
-pub fn staged_dtype(src: DType) -> Option<DType> {
+pub(crate) fn staged_dtype(src: DType) -> Option<DType> {
     match src {
         DType::F64 => Some(DType::F32),
         DType::F32 | DType::BF16 | DType::F16 => Some(src),
@@ -227,7 +228,7 @@ fn rank_staged_from(layout: &Layout, t: u32, grids: &[Block]) -> Vec<(Block, u64
 /// Where a plan delivers block-scaled tensor `t` of a destination layout:
 /// its distinct staged boxes and their holders (see the module doc), like
 /// [`Layout::holdings`]. Empty for a tensor without a scale.
-pub fn staged_holdings(layout: &Layout, t: u32) -> Vec<Holding> {
+pub(crate) fn staged_holdings(layout: &Layout, t: u32) -> Vec<Holding> {
     let mut out: Vec<Holding> = Vec::new();
     let mut index: HashMap<Block, usize> = HashMap::new();
     for (rank, grids) in grid_needs(layout, t) {
@@ -247,7 +248,7 @@ pub fn staged_holdings(layout: &Layout, t: u32) -> Vec<Holding> {
 
 /// Block-scaled tensor `t`'s staged boxes on `rank` (see
 /// [`staged_holdings`]), like [`Layout::rank_holdings`].
-pub fn rank_staged(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Loc)> {
+pub(crate) fn rank_staged(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Loc)> {
     let Some((s, block)) = layout.scale_of(t) else { return Vec::new() };
     let mut grids: Vec<Block> = layout.rank_holdings(t, rank).iter().map(|(b, _)| grid_of(b, block)).collect();
     grids.extend(layout.rank_holdings(s, rank).into_iter().map(|(b, _)| b));
@@ -259,7 +260,7 @@ pub fn rank_staged(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Loc)> {
 
 /// Where the plan delivers tensor `t` of a destination layout: its
 /// holdings, or for a block-scaled tensor its [`staged_holdings`].
-pub fn delivered_holdings(layout: &Layout, t: u32) -> Vec<Holding> {
+pub(crate) fn delivered_holdings(layout: &Layout, t: u32) -> Vec<Holding> {
     match layout.scale_of(t) {
         Some(_) => staged_holdings(layout, t),
         None => layout.holdings(t),
@@ -267,7 +268,7 @@ pub fn delivered_holdings(layout: &Layout, t: u32) -> Vec<Holding> {
 }
 
 /// [`delivered_holdings`] of one rank.
-pub fn rank_delivered(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Loc)> {
+pub(crate) fn rank_delivered(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Loc)> {
     match layout.scale_of(t) {
         Some(_) => rank_staged(layout, t, rank),
         None => layout.rank_holdings(t, rank),
@@ -277,7 +278,7 @@ pub fn rank_delivered(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Loc)> 
 /// The [`BufferKey::Unquantized`] buffer of block-scaled tensor `t` on
 /// `rank`, in `dtype` (see [`staged_dtype`]); `None` where the rank needs
 /// none of it.
-pub fn staged_buffer(layout: &Layout, t: u32, rank: Rank, dtype: DType) -> Option<BufferSpec> {
+pub(crate) fn staged_buffer(layout: &Layout, t: u32, rank: Rank, dtype: DType) -> Option<BufferSpec> {
     let elems: u64 = rank_staged(layout, t, rank).iter().map(|(b, _)| b.numel()).sum();
     (elems > 0).then(|| {
         let key = BufferKey::Unquantized { tensor: t };
@@ -553,7 +554,7 @@ pub fn for_each_cell(b: &Block, mut f: impl FnMut(&[u64])) {
 /// The [`Quantize`] op of destination rank `rank` for block-scaled tensor
 /// `t`: `buffer(key)` gives the index of a buffer in the rank's program.
 /// `None` where the rank holds nothing of `t` or its scale.
-pub fn quantize_op(
+pub(crate) fn quantize_op(
     layout: &Layout,
     t: u32,
     rank: Rank,

@@ -31,7 +31,7 @@ const EXAMPLES: [&str; 12] = [
 /// or a disagreement between the two parsing paths.
 fn parse_never_panics(text: &str) -> Result<(), TestCaseError> {
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        reshard::file::cross_check(text)?;
+        reshard::cross_check(text)?;
         judge(text)
     }));
     match outcome {

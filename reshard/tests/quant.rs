@@ -1,9 +1,9 @@
-//! `reshard::quant` against torch: blocks of bf16 values quantized by
+//! `reshard::quantize` against torch: blocks of bf16 values quantized by
 //! `torch.float8_e4m3fn` (`scripts/e4m3-golden.py` wrote the vectors in
 //! `tests/data/e4m3_torch.txt`: per block its bf16 bits, the f32 bits of
 //! its scale, the e4m3 codes) agree bit for bit.
 
-use reshard::quant::{block_scale, quantize_value};
+use reshard::{block_scale, quantize_value};
 
 fn hex(line: &str) -> Vec<u32> {
     line.split_whitespace().map(|w| u32::from_str_radix(w, 16).unwrap()).collect()

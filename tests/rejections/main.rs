@@ -30,7 +30,7 @@ fn one(tensor: &str) -> String {
 /// every fragment of `expect` (and that the parser's fast path and its
 /// reference walker agree on it); returns a description of what went wrong.
 fn single_failure(json: &str, expect: &[&str]) -> Option<String> {
-    if let Err(e) = reshard::file::cross_check(json) {
+    if let Err(e) = reshard::cross_check(json) {
         return Some(e);
     }
     match parse_layout(json) {
@@ -65,7 +65,7 @@ fn run_single_table(cases: &[(&str, String, &[&str])]) {
 }
 
 fn parse_ok(what: &str, json: &str) -> Result<Layout, String> {
-    reshard::file::cross_check(json).map_err(|e| format!("{what} layout: {e}"))?;
+    reshard::cross_check(json).map_err(|e| format!("{what} layout: {e}"))?;
     parse_layout(json).map_err(|e| format!("{what} layout rejected: {e}"))
 }
 

@@ -1,6 +1,6 @@
 //! The copy kernel: strided pieces between buffers, with dtype conversion.
 
-use reshard::dtype::convert_slice;
+use reshard::convert_slice;
 use reshard::{DType, MAX_DIMS};
 
 /// A strided view of elements inside a byte region.

@@ -4,10 +4,10 @@
 //! the same values, converted to their dtype.
 
 use crate::memory::RankMemory;
-use reshard::dtype::convert_slice;
-use reshard::fingerprint::fnv64;
-use reshard::program::span_in;
-use reshard::quant;
+use reshard::convert_slice;
+use reshard::fnv64;
+use reshard::span_in;
+
 use reshard::{Block, DType, Layout};
 use std::collections::HashMap;
 use thiserror::Error;
@@ -312,7 +312,7 @@ fn index_in(block: &Block, k: u64) -> Vec<u64> {
 }
 
 /// What a block-scaled tensor or its scale tensor holds after a refit of
-/// the pattern: the source pattern quantized as [`reshard::quant`] says,
+/// the pattern: the source pattern quantized as [`reshard::quantize`] says,
 /// each block's scale computed from the pattern of the whole block.
 struct QuantizedPattern {
     /// The block-scaled tensor's seed, source dtype, shape and block.
@@ -347,15 +347,15 @@ impl QuantizedPattern {
 
     /// The pattern of block `g` (block-grid index) as f32 values, row-major.
     fn values(&self, g: &[u64]) -> (Block, Vec<f32>) {
-        let elems = quant::elements_of(&Block::new(g, &vec![1; g.len()]), &self.block, &self.shape);
+        let elems = reshard::elements_of(&Block::new(g, &vec![1; g.len()]), &self.block, &self.shape);
         let size = self.from.size() as usize;
         let mut raw = vec![0u8; size];
         let mut out = Vec::with_capacity(elems.numel() as usize);
-        quant::for_each_row(&elems, |idx, run| {
+        reshard::for_each_row(&elems, |idx, run| {
             let flat = Block::new(idx, &vec![1; idx.len()]).flat_start(&self.shape);
             for k in 0..run {
                 pattern_value(self.seed, flat + k, self.from, &mut raw);
-                out.push(quant::read_f32(self.from, &raw, 0));
+                out.push(reshard::read_f32(self.from, &raw, 0));
             }
         });
         (elems, out)
@@ -364,21 +364,21 @@ impl QuantizedPattern {
     /// Expected bytes of `held` (a box of the tensor, or of its scale
     /// tensor), row-major.
     fn expected(&self, held: &Block) -> Vec<u8> {
-        let grid = if self.scales { *held } else { quant::grid_of(held, &self.block) };
+        let grid = if self.scales { *held } else { reshard::grid_of(held, &self.block) };
         let mut out = vec![0u8; held.numel() as usize * if self.scales { 4 } else { 1 }];
-        quant::for_each_cell(&grid, |g| {
+        reshard::for_each_cell(&grid, |g| {
             let (elems, values) = self.values(g);
-            let s = quant::block_scale(values.iter().fold(0f32, |m, v| m.max(v.abs())));
+            let s = reshard::block_scale(values.iter().fold(0f32, |m, v| m.max(v.abs())));
             if self.scales {
-                let pos = quant::offset_in(held, 0, g) as usize * 4;
+                let pos = reshard::offset_in(held, 0, g) as usize * 4;
                 out[pos..pos + 4].copy_from_slice(&s.to_le_bytes());
                 return;
             }
             let Some(part) = elems.intersect(held) else { return };
-            quant::for_each_row(&part, |idx, run| {
-                let (from, to) = (quant::offset_in(&elems, 0, idx) as usize, quant::offset_in(held, 0, idx) as usize);
+            reshard::for_each_row(&part, |idx, run| {
+                let (from, to) = (reshard::offset_in(&elems, 0, idx) as usize, reshard::offset_in(held, 0, idx) as usize);
                 for k in 0..run as usize {
-                    out[to + k] = quant::quantize_value(values[from + k], s);
+                    out[to + k] = reshard::quantize_value(values[from + k], s);
                 }
             });
         });

@@ -198,8 +198,8 @@ mod tests {
             o = tcp_state(&out).expect("TCP_INFO");
         }
         assert_eq!((o.bytes_acked, o.bytes_sent, o.notsent), (5001, 5000, 0), "{o:?}");
-        assert_eq!(reshard::units::human(5000), "4.88 KiB");
-        assert_eq!(reshard::units::human(3 << 20), "3.00 MiB");
+        assert_eq!(reshard::human(5000), "4.88 KiB");
+        assert_eq!(reshard::human(3 << 20), "3.00 MiB");
     }
 
     /// `reno` is always there and any process may choose it; `System`

@@ -7,7 +7,7 @@
 
 use crate::copy::{fits, packed_strides, prefetch, StridedRef, PREFETCH_AHEAD};
 use crate::memory::RawBuf;
-use reshard::program::SendPieceView;
+use reshard::SendPieceView;
 use reshard::MAX_DIMS;
 use reshard::{Endpoint, Message, SendPiece};
 use std::sync::{Arc, Condvar, Mutex};

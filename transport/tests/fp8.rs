@@ -1,11 +1,11 @@
-//! Block-scaled FP8 destinations ([`reshard::quant`]): bf16/f32/f64 sources
+//! Block-scaled FP8 destinations ([`reshard::quantize`]): bf16/f32/f64 sources
 //! refit into `f8e4m3` tensors with their scale tensors, bit-exact against
 //! a reference written here from the semantics alone (global tensor, block
 //! by block), over in-process channels and TCP, with uneven dimensions and
 //! shard boundaries on both sides cutting through blocks; NaN or infinity
 //! in a source block fails the refit and names the tensor.
 
-use reshard::quant::e4m3_from_f32;
+use reshard::e4m3_from_f32;
 use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Layout, Plan, PlanOptions, RankProgram};
 use std::time::Duration;
 use transport::pattern::{pattern_value, tensor_seed};

@@ -3,10 +3,10 @@
 //! wrong, never panics, never sizes memory by them, and never touches
 //! memory outside the rank's buffers.
 
-use reshard::quant::{QuantError, Quantize, Stored};
 use reshard::{
     parse_layout, plan_reshard, Block, BufferKey, BufferSpec, DType, Endpoint, Fingerprint, Group, PlanOptions, RankProgram, MAX_DIMS,
 };
+use reshard::{QuantError, Quantize, Stored};
 use std::time::Duration;
 use transport::tcp::TcpConfig;
 use transport::{fill_sources, quantize_rank, run_local, run_tcp, ExecError, ExecOptions, RankMemory};

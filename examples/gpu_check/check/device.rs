@@ -4,7 +4,7 @@
 //! (`registered-lies`).
 
 use super::{e2s, spec, Ctx};
-use reshard::dtype::convert_slice;
+use reshard::convert_slice;
 use reshard::{DType, Endpoint};
 use serde_json::{json, Value};
 use transport::cuda::device::{DeviceMemory, GpuDevice};

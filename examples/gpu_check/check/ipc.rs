@@ -5,7 +5,7 @@
 
 use super::device::device_cast;
 use super::{e2s, load, spec, Ctx};
-use reshard::dtype::convert_slice;
+use reshard::convert_slice;
 use reshard::{plan_reshard, DType, Endpoint, PlanOptions};
 use serde_json::{json, Value};
 use std::io::{BufRead, Write};

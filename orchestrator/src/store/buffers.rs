@@ -265,7 +265,7 @@ fn decode_f32(what: &dyn Fn() -> String, dtype: DType, bytes: &[u8]) -> Result<V
         return Err(BufferError::DType { what: what(), dtype, access: "read as f32" });
     }
     let mut raw = vec![0u8; bytes.len() / dtype.size() as usize * 4];
-    reshard::dtype::convert_slice(dtype, bytes, DType::F32, &mut raw);
+    reshard::convert_slice(dtype, bytes, DType::F32, &mut raw);
     Ok(raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
@@ -280,7 +280,7 @@ fn encode_f32(what: &dyn Fn() -> String, dtype: DType, values: &[f32], bytes: &m
         return Err(BufferError::Length { what: what(), expected, given: values.len() as u64 });
     }
     let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    reshard::dtype::convert_slice(DType::F32, &raw, dtype, bytes);
+    reshard::convert_slice(DType::F32, &raw, dtype, bytes);
     Ok(())
 }
 

@@ -151,7 +151,7 @@ fn shard_blocks(shape: &[u64], s: &ShardSpec) -> Vec<(Block, u64)> {
 
 /// `torch.chunk` split of `n` into `k` parts: part `i` is
 /// `[min(i*c, n), min((i+1)*c, n))` with `c = ceil(n / k)`.
-pub fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
+pub(crate) fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
     // In u128: (i + 1) * c may exceed u64 for extents near 2^64.
     let c = n.div_ceil(k) as u128;
     let at = |j: u64| (j as u128 * c).min(n as u128) as u64;

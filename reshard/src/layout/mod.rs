@@ -9,7 +9,6 @@ mod expand;
 pub(crate) mod validate;
 
 pub use crate::quant::BlockScale;
-pub use expand::chunk_range;
 
 use crate::block::Block;
 use crate::dtype::DType;
@@ -20,7 +19,7 @@ use thiserror::Error;
 pub type Rank = u32;
 
 /// Most ranks one group may have.
-pub const MAX_RANKS: u32 = 1 << 20;
+pub(crate) const MAX_RANKS: u32 = 1 << 20;
 
 /// How a mesh dimension places a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -149,7 +148,7 @@ pub struct TensorLayout {
     /// Where the pieces are.
     pub placement: Placement,
     /// For an `f8e4m3` destination tensor: its block scale (the scale
-    /// tensor and the block shape); see [`crate::quant`].
+    /// tensor and the block shape); see [`crate::quantize`].
     pub scale: Option<BlockScale>,
 }
 
@@ -173,7 +172,7 @@ pub enum BufferKey {
     },
     /// A planner-owned buffer on a destination rank holding the whole
     /// blocks of block-scaled tensor `tensor` it needs, unquantized
-    /// ([`crate::quant`]).
+    /// ([`crate::quantize`]).
     Unquantized {
         /// Tensor index.
         tensor: u32,

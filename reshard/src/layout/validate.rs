@@ -329,7 +329,7 @@ fn check_scales(tensors: &[TensorLayout], by_name: &HashMap<String, u32>) -> Res
 }
 
 /// `s` with control characters escaped, so messages stay on one line.
-pub fn escape(s: &str) -> String {
+pub(crate) fn escape(s: &str) -> String {
     s.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect()
 }
 

@@ -15,7 +15,7 @@ pub use endpoint::{Endpoint, Group};
 pub(crate) use estimate::lower_bound;
 pub use estimate::Estimate;
 pub use figures::Figures;
-pub use options::{PlanOptions, DEFAULT_MIN_SPLIT_BYTES};
+pub use options::PlanOptions;
 pub(crate) use rounds::SenderLists;
 pub use subset::TensorSubset;
 
@@ -362,10 +362,10 @@ impl Plan {
 }
 
 /// Most pieces one plan may have.
-pub const MAX_PIECES: u64 = 1 << 28;
+pub(crate) const MAX_PIECES: u64 = 1 << 28;
 
 /// The fingerprint of a planning problem.
-pub fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: Strategy) -> Fingerprint {
+pub(crate) fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: Strategy) -> Fingerprint {
     let mut h = Fnv64::default();
     src.ranks().hash(&mut h);
     src.ranks_per_node().hash(&mut h);

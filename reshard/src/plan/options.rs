@@ -27,7 +27,7 @@ pub struct PlanOptions {
 }
 
 /// The default of [`PlanOptions::min_split_bytes`]: 64 KiB per part.
-pub const DEFAULT_MIN_SPLIT_BYTES: u64 = 64 << 10;
+pub(crate) const DEFAULT_MIN_SPLIT_BYTES: u64 = 64 << 10;
 
 impl Default for PlanOptions {
     fn default() -> Self {

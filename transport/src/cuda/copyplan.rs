@@ -183,7 +183,7 @@ mod tests {
     use super::*;
     use crate::copy::{copy_strided, packed_strides, StridedRef};
     use proptest::prelude::*;
-    use reshard::program::span_in;
+    use reshard::span_in;
     use reshard::{Block, DType};
 
     fn side(span: reshard::Span) -> Side {

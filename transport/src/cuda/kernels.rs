@@ -2,7 +2,7 @@
 //! for NVRTC) and the launch geometry of its kernels. Compiled in every
 //! build: the conversions are integer code that also compiles as C on the
 //! host, where the tests check them against the host conversion
-//! ([`reshard::dtype::convert_slice`]) over every 16-bit value and a
+//! ([`reshard::convert_slice`]) over every 16-bit value and a
 //! million f32 values, without a GPU.
 //!
 //! A piece whose dtype changes is cut into [`CastBox`]es ([`plan_casts`]:
@@ -166,7 +166,7 @@ impl CastBox {
                 for i in 0..c0 {
                     let at = |base: u64, st: &[u64; 3]| base + i * st[0] + j * st[1] + k * st[2];
                     let (s, d) = (at(self.src_base, &self.src_strides) * fs, at(self.dst_base, &self.dst_strides) * ts);
-                    reshard::dtype::convert_slice(from, &src[s as usize..(s + fs) as usize], to, &mut dst[d as usize..(d + ts) as usize]);
+                    reshard::convert_slice(from, &src[s as usize..(s + fs) as usize], to, &mut dst[d as usize..(d + ts) as usize]);
                 }
             }
         }
@@ -315,7 +315,7 @@ pub fn visited(launch: &Launch, counts: [u64; 3], mut f: impl FnMut(u64, u64, u6
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reshard::dtype::convert_slice;
+    use reshard::convert_slice;
     use reshard::DType;
     use std::io::Write;
     use std::process::{Command, Stdio};
@@ -323,7 +323,7 @@ mod tests {
     use crate::copy::{copy_strided, StridedRef};
     use crate::cuda::copyplan::Side;
     use proptest::prelude::*;
-    use reshard::program::span_in;
+    use reshard::span_in;
     use reshard::Block;
 
     /// A piece of `stored_a` copied into `stored_b`, `from` → `to`: the
@@ -595,10 +595,10 @@ mod tests {
 
     /// The FP8 functions compiled as C: for each (x, s) pair of f32 bits,
     /// `refit_quantize(x, s)` (1 byte) and `refit_block_scale(x & 0x7fffffff)`
-    /// (4 bytes), against `reshard::quant`.
+    /// (4 bytes), against `reshard::quantize`.
     #[test]
     fn host_compiled_fp8_functions_equal_the_host_quantizer() {
-        use reshard::quant::{block_scale, quantize_value};
+        use reshard::{block_scale, quantize_value};
         let main = "int main(void) { u32 v[2];\n\
                     while (fread(v, 4, 2, stdin) == 2) {\n\
                       u8 q = refit_quantize(v[0], v[1]); u32 s = refit_block_scale(v[0] & 0x7fffffffu);\n\

@@ -13,16 +13,16 @@
 //!    inside the staged box's grid: the scales copied out of the scratch
 //!    (the plain 4-byte strided copy kernel).
 //!
-//! The arithmetic is [`reshard::quant`]'s, bit for bit (`kernels.cu`
+//! The arithmetic is [`reshard::quantize`]'s, bit for bit (`kernels.cu`
 //! compiles the same functions as C on the host, where the tests compare
 //! them with it); [`QuantPlan::replay`] runs the launches on host memory as
 //! the kernels run them, which the tests compare with the host quantizer.
 //! Every launch is checked against the rank's buffer sizes when the plan is
-//! made, like [`reshard::quant::quantize`] checks a program from the wire.
+//! made, like [`reshard::quantize`] checks a program from the wire.
 //! Tensors of more than three dimensions are left to the host.
 
 use crate::cuda::kernels::CastBox;
-use reshard::quant::{block_scale, elements_of, grid_of, quantize_value, QuantError, Quantize, Stored};
+use reshard::{block_scale, elements_of, grid_of, quantize_value, QuantError, Quantize, Stored};
 use reshard::{Block, BufferSpec, DType, RankProgram};
 
 /// A staged box's scales: one FP8 block per thread block.
@@ -153,7 +153,7 @@ fn row_major(extent: &[u64]) -> Option<[u64; 3]> {
 /// Element offset of global index `idx` in box `b` stored row-major from
 /// `at`.
 fn offset_of(b: &Block, at: u64, idx: &[u64]) -> u64 {
-    reshard::quant::offset_in(b, at, idx)
+    reshard::offset_in(b, at, idx)
 }
 
 fn dt_code(dtype: DType) -> Option<u64> {
@@ -394,7 +394,7 @@ impl QuantPlan {
         let mut bad: Option<u64> = None;
         let load = |buf: &[u8], dt: u64, i: u64| -> f32 {
             let dtype = [DType::F32, DType::BF16, DType::F16][dt as usize];
-            reshard::quant::read_f32(dtype, buf, i as usize)
+            reshard::read_f32(dtype, buf, i as usize)
         };
         for l in &self.scales {
             let buf = &buffers[l.staged as usize];

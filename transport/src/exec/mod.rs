@@ -8,7 +8,7 @@ pub use crate::cursor::RankStats;
 use crate::cursor::{Action, RankCursor};
 use crate::memory::{MemView, RankMemory, RawBuf};
 use crate::transport::{Transport, TransportError, Waiting};
-use reshard::quant::QuantError;
+use reshard::QuantError;
 use reshard::{Block, DType, Endpoint, LocalCopyView, RankProgram, Span};
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -346,7 +346,7 @@ pub fn quantize_rank(program: &RankProgram, memory: &mut RankMemory) -> Result<(
 }
 
 /// A destination rank's last step: its block-scaled tensors quantized from
-/// the whole blocks it received ([`reshard::quant`]).
+/// the whole blocks it received ([`reshard::quantize`]).
 fn quantize_all(program: &RankProgram, mem: &MemView) -> Result<(), ExecError> {
     let me = program.endpoint;
     for op in &program.quantize {
@@ -401,7 +401,7 @@ fn quantize_all(program: &RankProgram, mem: &MemView) -> Result<(), ExecError> {
             })
             .collect();
         let (weights, scales) = outs.split_at_mut(op.weights.len());
-        reshard::quant::quantize(op, &staged, weights, scales).map_err(|error| ExecError::Quantize { me, error })?;
+        reshard::quantize(op, &staged, weights, scales).map_err(|error| ExecError::Quantize { me, error })?;
     }
     Ok(())
 }

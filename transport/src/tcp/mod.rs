@@ -21,7 +21,7 @@ use crate::shm_link::{self, ShmMessage};
 use crate::sockopt::tcp_state;
 pub use crate::sockopt::Congestion;
 use crate::transport::{Payload, RoundInbox, Transport, TransportError};
-use reshard::units::human;
+use reshard::human;
 use reshard::Endpoint;
 use std::collections::HashMap;
 use std::io::{BufWriter, Write};
