@@ -12,6 +12,8 @@ fn our_dependencies(krate: &str) -> Vec<&'static str> {
     let text = std::fs::read_to_string(&manifest).unwrap_or_else(|e| panic!("{}: {e}", manifest.display()));
     ["reshard", "transport", "actors", "orchestrator"]
         .into_iter()
+        // (A crate's tests may depend on the crate itself, with features.)
+        .filter(|dep| *dep != krate)
         .filter(|dep| {
             text.lines().any(|l| {
                 let l = l.trim_start();
@@ -231,4 +233,26 @@ fn every_public_item_of_the_planner_is_used_outside_it() {
     let lib = std::fs::read_to_string(Path::new(ROOT).join("reshard/src/lib.rs")).expect("reshard/src/lib.rs");
     let public_modules: Vec<&str> = lib.lines().filter(|l| l.starts_with("pub mod ")).collect();
     assert!(public_modules.is_empty(), "public modules in reshard: {public_modules:?}");
+}
+
+/// The verification pattern is test and tooling machinery (`transport`'s
+/// `testkit` feature): the orchestrator and the Python package, which
+/// users embed, never use it, and build without it.
+#[test]
+fn production_crates_never_use_the_verification_pattern() {
+    let manifest = std::fs::read_to_string(Path::new(ROOT).join("transport/Cargo.toml")).expect("transport/Cargo.toml");
+    assert!(manifest.contains("testkit = []"), "transport has no testkit feature");
+    for krate in ["orchestrator/src", "python/src"] {
+        let mut users = Vec::new();
+        for p in sources(&Path::new(ROOT).join(krate)) {
+            let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            let code = text.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
+            if ["pattern::", "fill_source", "verify_destination"].iter().any(|w| code.contains(w)) {
+                users.push(p.strip_prefix(ROOT).unwrap_or(&p).display().to_string());
+            }
+        }
+        assert!(users.is_empty(), "{krate} uses the verification pattern: {users:?}");
+    }
+    let orchestrator = std::fs::read_to_string(Path::new(ROOT).join("orchestrator/Cargo.toml")).expect("orchestrator/Cargo.toml");
+    assert!(!orchestrator.contains("testkit"), "the orchestrator turns transport's testkit on");
 }

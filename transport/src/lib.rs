@@ -22,6 +22,7 @@ pub mod link;
 pub mod local;
 pub mod memory;
 pub mod node;
+#[cfg(any(test, feature = "testkit"))]
 pub mod pattern;
 pub mod shm;
 pub mod shm_link;
@@ -41,6 +42,7 @@ pub use link::{FrameAction, FrameHook, LinkEmulation, TokenBucket};
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;
 pub use node::{node_fabric, node_fabric_with_faults, run_node, NodeTransport, NodeTransportConfig};
+#[cfg(any(test, feature = "testkit"))]
 pub use pattern::{
     fill_source_rank, fill_source_rank_at, fill_sources, verify_destination_rank, verify_destination_rank_at, verify_destination_rank_from,
     verify_destination_tensors, verify_destinations, Mismatch,
