@@ -3,11 +3,10 @@
 //! its buffers in memory a [`PlaneMemory`] addresses (device memory, or
 //! host memory standing in for it).
 //!
-//! The program is walked by its cursor
-//! ([`RoundCursor`]), a round at a time, which
-//! also counts what the rank moves. Per round: the local copies; every
-//! outgoing message packed into one
-//! contiguous send staging buffer (pieces in wire dtype, back to back at
+//! The program is walked by its cursor ([`RoundCursor`]), a round at a
+//! time, which also counts what the rank moves. Per round: the local
+//! copies; every outgoing message packed into one contiguous send staging
+//! buffer (pieces in wire dtype, back to back at
 //! 256-byte boundaries, [`message_layout`]); one group with all the
 //! round's sends and receives, ordered after the packing by the memory's
 //! fence (a device event, not a synchronisation of the host); then every
