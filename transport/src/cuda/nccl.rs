@@ -21,7 +21,7 @@ use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops, SameType};
 use crate::cuda::id::CommId;
 use crate::cuda::plane::{run_rank_comm, CommExecError, PlaneMemory, Side, Staging};
 use crate::cuda::schedule::{Place, Step};
-use crate::exec::RankStats;
+use crate::cursor::RankStats;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result, sys};
 use reshard::{Block, DType, Endpoint, RankProgram};

@@ -29,8 +29,7 @@
 use crate::copy::{fits, packed_strides};
 use crate::cuda::comm::{CommError, CommHandle, Fence, P2p};
 use crate::cuda::copyplan::packed_offsets;
-use crate::cursor::{Round, RoundCursor, Unexpected};
-use crate::exec::RankStats;
+use crate::cursor::{RankStats, Round, RoundCursor, Unexpected};
 use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
 use std::time::Instant;
 use thiserror::Error;
