@@ -202,6 +202,12 @@ REFIT_STRIDED(refit_strided_bf16_f16, u16, u16, refit_bf16_to_f16)
 REFIT_STRIDED(refit_strided_f16_bf16, u16, u16, refit_f16_to_bf16)
 REFIT_STRIDED(refit_strided_copy32, u32, u32, refit_same32)
 REFIT_STRIDED(refit_strided_copy16, u16, u16, refit_same16)
+// 16-byte units: one vector load and store per thread (ld/st.global.v4).
+struct alignas(16) refit_u128 {
+    u32 a, b, c, d;
+};
+REFIT_FN refit_u128 refit_same128(refit_u128 v) { return v; }
+REFIT_STRIDED(refit_strided_copy128, refit_u128, refit_u128, refit_same128)
 
 // Block-scaled FP8, step 1: the scale of every block of a staged box (whole
 // blocks, stored row-major from element sb with strides ss, innermost

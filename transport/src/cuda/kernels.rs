@@ -34,7 +34,7 @@ pub fn shipped_ptx_is_current() -> bool {
 /// arguments `src, dst, n`; launch with [`launch_1d`]) and strided box
 /// copy-casts (`refit_strided_*`, arguments `src, dst, c0, c1, c2, sb, ss0,
 /// ss1, ss2, db, ds0, ds1, ds2`; launch with [`launch_3d`]).
-pub const KERNELS: [&str; 14] = [
+pub const KERNELS: [&str; 15] = [
     "refit_cast_f32_bf16",
     "refit_cast_bf16_f32",
     "refit_cast_f32_f16",
@@ -49,6 +49,7 @@ pub const KERNELS: [&str; 14] = [
     "refit_fp8_codes",
     "refit_strided_copy32",
     "refit_strided_copy16",
+    "refit_strided_copy128",
 ];
 
 /// Threads per block of every kernel.
@@ -174,17 +175,17 @@ impl CastBox {
     }
 }
 
-/// Rows narrower than this many bytes may be copied by the strided copy
+/// Rows narrower than this many bytes are copied by the strided copy
 /// kernels rather than one multi-row copy call
-/// (`DeviceRunOptions::narrow_rows_by_kernel`, off by default: on an H200
-/// the kernels were no faster for a llama3-8b reshard, whose time went to
-/// issuing one call per piece; gpu_check's throughput check times both).
+/// (`DeviceRunOptions::narrow_rows_by_kernel`, on by default;
+/// gpu_check's throughput check times both).
 pub const NARROW_ROW: u64 = 64 << 10;
 
 /// A multi-row byte copy (`op`, offsets from buffers at `src_addr` and
 /// `dst_addr`) with rows narrower than [`NARROW_ROW`], as one box of a
-/// strided copy kernel: 4-byte units where every offset, row and pitch
-/// allows (`refit_strided_copy32`), else 2-byte ones (`copy16`). `None`
+/// strided copy kernel: 16-byte units where every offset, row and pitch
+/// allows (`refit_strided_copy128`, one vector load and store a thread),
+/// else 4-byte ones (`copy32`), else 2-byte ones (`copy16`). `None`
 /// for a single-row copy, wide rows, an odd byte anywhere, or a slice
 /// pitch that does not fit (the copy call is used then).
 pub fn copy_as_box(op: &crate::cuda::copyplan::CopyOp, src_addr: u64, dst_addr: u64) -> Option<(&'static str, CastBox)> {
@@ -194,7 +195,9 @@ pub fn copy_as_box(op: &crate::cuda::copyplan::CopyOp, src_addr: u64, dst_addr: 
     let src_slice = op.src_pitch.checked_mul(op.src_height)?;
     let dst_slice = op.dst_pitch.checked_mul(op.dst_height)?;
     let all = [op.width, op.src, op.dst, op.src_pitch, op.dst_pitch, src_slice, dst_slice, src_addr, dst_addr];
-    let (kernel, unit) = if all.iter().all(|v| v % 4 == 0) {
+    let (kernel, unit) = if all.iter().all(|v| v % 16 == 0) {
+        ("refit_strided_copy128", 16)
+    } else if all.iter().all(|v| v % 4 == 0) {
         ("refit_strided_copy32", 4)
     } else if all.iter().all(|v| v % 2 == 0) {
         ("refit_strided_copy16", 2)
@@ -430,9 +433,9 @@ mod tests {
         /// replayed as the kernel runs it) writes exactly what the copy
         /// call would, byte for byte, and nothing else.
         #[test]
-        fn narrow_row_copies_as_kernel_boxes_match_the_copy_calls((extent, off, pad_a, pad_b) in shapes(), e in 0usize..4) {
+        fn narrow_row_copies_as_kernel_boxes_match_the_copy_calls((extent, off, pad_a, pad_b) in shapes(), e in 0usize..5) {
             use crate::cuda::copyplan::{plan_copies, Side as CSide};
-            let elem = [1u64, 2, 4, 8][e];
+            let elem = [1u64, 2, 4, 8, 16][e];
             let piece_ext: Vec<u64> = extent.iter().zip(&off).map(|(e, o)| e - o).collect();
             let piece = Block::new(&off, &piece_ext);
             let zero = vec![0u64; extent.len()];
@@ -449,15 +452,43 @@ mod tests {
                 match copy_as_box(&op, 0, 0) {
                     Some((kernel, bx)) => {
                         prop_assert!(op.height * op.depth > 1 && op.width < NARROW_ROW);
-                        let unit = if kernel == "refit_strided_copy32" { DType::I32 } else { DType::BF16 };
-                        prop_assert_eq!(strided_kernel(unit, unit), Some(kernel));
-                        prop_assert!(bx.apply(unit, &src, unit, &mut got), "box out of bounds: {:?}", bx);
+                        let unit = match kernel {
+                            "refit_strided_copy128" => 16,
+                            "refit_strided_copy32" => 4,
+                            _ => 2,
+                        };
+                        if unit < 16 {
+                            let dtype = if unit == 4 { DType::I32 } else { DType::BF16 };
+                            prop_assert_eq!(strided_kernel(dtype, dtype), Some(kernel));
+                        }
+                        prop_assert!(replay_copy_box(&bx, unit, &src, &mut got), "box out of bounds: {:?}", bx);
                         prop_assert!(got == want, "{:?} as {:?} differs from the copy", op, bx);
                     }
                     None => prop_assert!(op.height * op.depth <= 1 || op.width % 2 == 1 || op.width >= NARROW_ROW || elem == 1),
                 }
             }
         }
+    }
+
+    /// A copy kernel's box replayed on host bytes in `unit`-byte elements,
+    /// as the kernel moves them; false, touching nothing, if it would
+    /// leave either side.
+    fn replay_copy_box(bx: &CastBox, unit: u64, src: &[u8], dst: &mut [u8]) -> bool {
+        let Some((se, de)) = bx.ends() else { return false };
+        if se * unit > src.len() as u64 || de * unit > dst.len() as u64 {
+            return false;
+        }
+        let [c0, c1, c2] = bx.counts;
+        for k in 0..c2 {
+            for j in 0..c1 {
+                for i in 0..c0 {
+                    let at = |base: u64, st: &[u64; 3]| ((base + i * st[0] + j * st[1] + k * st[2]) * unit) as usize;
+                    let (s, d) = (at(bx.src_base, &bx.src_strides), at(bx.dst_base, &bx.dst_strides));
+                    dst[d..d + unit as usize].copy_from_slice(&src[s..s + unit as usize]);
+                }
+            }
+        }
+        true
     }
 
     #[test]
@@ -476,8 +507,9 @@ mod tests {
             dst_height: 512,
         };
         let (kernel, bx) = copy_as_box(&op, 1 << 20, 2 << 20).unwrap();
-        assert_eq!(kernel, "refit_strided_copy32");
-        assert_eq!((bx.counts, bx.src_base, bx.src_strides), ([512, 512, 1], 512, [1, 1024, 512 * 1024]));
+        assert_eq!(kernel, "refit_strided_copy128");
+        assert_eq!((bx.counts, bx.src_base, bx.src_strides), ([128, 512, 1], 128, [1, 256, 512 * 256]));
+        assert_eq!(copy_as_box(&op, (1 << 20) + 4, 2 << 20).unwrap().0, "refit_strided_copy32");
         assert_eq!(copy_as_box(&op, (1 << 20) + 2, 2 << 20).unwrap().0, "refit_strided_copy16");
         assert_eq!(copy_as_box(&op, (1 << 20) + 1, 2 << 20), None);
         assert_eq!(copy_as_box(&CopyOp { height: 1, ..op }, 0, 0), None, "one row: the copy call");

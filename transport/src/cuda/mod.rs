@@ -15,6 +15,7 @@
 
 pub mod comm;
 pub mod copyplan;
+pub mod hazard;
 pub mod id;
 pub mod ipc;
 pub mod ipc_comm;

@@ -369,6 +369,71 @@ mod tests {
         }
     }
 
+    /// Each group of `concurrent_groups` run backwards (as if its steps
+    /// ran in any order) gives every example pair the bytes running the
+    /// schedule in order gives; and there are never more groups than
+    /// groups of rounds (a round's local copies, then its transfers), and
+    /// fewer in all.
+    #[test]
+    fn concurrent_groups_run_in_any_order_give_the_same_bytes() {
+        use crate::cuda::hazard::concurrent_groups;
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+        let mut pairs: Vec<_> =
+            std::fs::read_dir(&root).unwrap().flatten().map(|d| d.path()).filter(|d| d.join("src.json").exists()).collect();
+        pairs.sort();
+        let load = |p: std::path::PathBuf| parse_layout(&std::fs::read_to_string(p).unwrap()).unwrap();
+        let (mut groups, mut rounds) = (0, 0);
+        for dir in pairs {
+            let (src, dst) = (load(dir.join("src.json")), load(dir.join("dst.json")));
+            let opts = PlanOptions::default();
+            for plan in [plan_reshard(&src, &dst, &opts), plan_baseline(&src, &dst, &opts)] {
+                let programs = plan.unwrap().programs(&src, &dst).unwrap();
+                let schedule = same_device_schedule(&programs).unwrap();
+                let cut = concurrent_groups(&schedule.steps);
+                assert_eq!(cut.iter().map(|g| g.len()).sum::<usize>(), schedule.steps.len());
+                assert!(cut.windows(2).all(|w| w[0].end == w[1].start && !w[0].is_empty()));
+                let mut in_order = RankMemory::for_programs(&programs);
+                fill_sources(&src, &mut in_order[..src.ranks() as usize]);
+                let mut backwards = in_order.clone();
+                run_host(&schedule.steps, &mut in_order);
+                for g in &cut {
+                    let reversed: Vec<Step> = schedule.steps[g.clone()].iter().rev().cloned().collect();
+                    run_host(&reversed, &mut backwards);
+                }
+                assert!(in_order == backwards, "{}: a group run backwards differs", dir.display());
+                // Greedy cuts are the fewest, and a round's local copies, or
+                // its transfers, never touch one byte twice where one writes.
+                let keys = schedule.steps.iter().map(|s| (s.round, s.local)).collect::<std::collections::BTreeSet<_>>().len();
+                assert!(cut.len() <= keys, "{}: {} groups for {keys} groups of rounds", dir.display(), cut.len());
+                groups += cut.len();
+                rounds += keys;
+            }
+        }
+        assert!(groups < rounds, "{groups} concurrent groups for {rounds} groups of rounds");
+    }
+
+    /// A step that forwards bytes an earlier step of its group wrote
+    /// starts a new group; steps writing disjoint bytes share one.
+    #[test]
+    fn a_relay_of_written_bytes_starts_a_group() {
+        use crate::cuda::hazard::concurrent_groups;
+        let (src, dst) = layouts();
+        let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
+        let programs = plan.programs(&src, &dst).unwrap();
+        let steps = same_device_schedule(&programs).unwrap().steps;
+        let first = steps[0].clone();
+        let to = first.to[0];
+        // Read back what the first step wrote, into a source buffer.
+        let relay = Step { from: to, to: vec![first.from], ..first.clone() };
+        assert_eq!(concurrent_groups(&[first.clone(), relay.clone()]), vec![0..1, 1..2]);
+        // The same bytes read twice, written nowhere else: one group.
+        let again = Step { to: vec![], ..first.clone() };
+        assert_eq!(concurrent_groups(&[first.clone(), again]), vec![0..2]);
+        // Writing what an earlier step reads (its source): a new group.
+        let overwrite = Step { from: to, to: vec![first.from], ..first.clone() };
+        assert_eq!(concurrent_groups(&[relay, overwrite]), vec![0..1, 1..2]);
+    }
+
     #[test]
     fn inconsistent_programs_rejected() {
         let (src, dst) = layouts();
