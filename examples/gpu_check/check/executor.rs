@@ -126,12 +126,12 @@ pub(super) fn layout_pairs(ctx: &Ctx) -> Result<(String, Value), String> {
 
 /// A device refit of `llama3-8b --scale 2` against one `cuMemcpyDtoD`
 /// of the same bytes, issued several ways side by side (one CUDA graph
-/// or call by call; lanes; groups cut by hazards or by rounds; narrow
-/// rows by the copy kernel or by copy calls), best of three runs each
+/// or call by call; lanes; narrow rows by the copy kernel or by copy
+/// calls), best of three runs each
 /// after one; the default way must reach the target. The first two ways
 /// are verified on destinations they alone wrote.
 pub(super) fn throughput(ctx: &Ctx) -> Result<(String, Value), String> {
-    use transport::cuda::exec::{DeviceRunOptions, Grouping};
+    use transport::cuda::exec::DeviceRunOptions;
     let dev = &ctx.dev;
     let (src, dst) = layouts(Model::Llama3_8b, 2).map_err(e2s)?;
     let plan = plan_reshard(&src, &dst, &PlanOptions::default()).map_err(e2s)?;
@@ -147,15 +147,13 @@ pub(super) fn throughput(ctx: &Ctx) -> Result<(String, Value), String> {
     drop(host);
     let d = DeviceRunOptions::default();
     let copies = DeviceRunOptions { narrow_rows_by_kernel: false, ..d };
-    let rounds = DeviceRunOptions { groups: Grouping::Rounds, ..copies };
     // (name, options, verified): the default first.
     let ways = [
-        ("one graph, 8 lanes, hazard groups, narrow rows by kernel (the default)", d, true),
-        ("one graph, 8 lanes, hazard groups, copy calls only", copies, true),
-        ("one graph, 16 lanes, hazard groups, narrow rows by kernel", DeviceRunOptions { lanes: 16, ..d }, false),
-        ("one graph, 32 lanes, hazard groups, copy calls only", DeviceRunOptions { lanes: 32, ..copies }, false),
-        ("one graph, 8 lanes, round groups, copy calls only", rounds, false),
-        ("one graph, one lane, copy calls only", DeviceRunOptions { lanes: 1, ..rounds }, false),
+        ("one graph, 8 lanes, narrow rows by kernel (the default)", d, true),
+        ("one graph, 8 lanes, copy calls only", copies, true),
+        ("one graph, 16 lanes, narrow rows by kernel", DeviceRunOptions { lanes: 16, ..d }, false),
+        ("one graph, one lane, narrow rows by kernel", DeviceRunOptions { lanes: 1, ..d }, false),
+        ("one graph, one lane, copy calls only", DeviceRunOptions { lanes: 1, ..copies }, false),
         ("call by call, copy calls only", DeviceRunOptions { graph: false, ..copies }, false),
     ];
     let mut timed = Vec::new();

@@ -15,7 +15,6 @@
 
 pub mod comm;
 pub mod copyplan;
-pub mod hazard;
 pub mod id;
 pub mod ipc;
 pub mod ipc_comm;
