@@ -64,7 +64,7 @@ const CHECKS: &[Spec] = &[
     Spec { name: "kernels", timeout_s: 60, expected_s: 1, run: kernels },
     Spec { name: "layouts", timeout_s: 120, expected_s: 2, run: layout_pairs },
     Spec { name: "ipc", timeout_s: 60, expected_s: 1, run: ipc },
-    Spec { name: "throughput", timeout_s: 150, expected_s: 80, run: throughput },
+    Spec { name: "throughput", timeout_s: 200, expected_s: 110, run: throughput },
     Spec { name: "orchestrator-ipc", timeout_s: 60, expected_s: 1, run: orchestrated_ipc },
     Spec { name: "orchestrator-ipc-in-place", timeout_s: 60, expected_s: 1, run: orchestrated_ipc_in_place },
     Spec { name: "ipc-abort-in-flight", timeout_s: 60, expected_s: 1, run: ipc_abort_in_flight },
