@@ -239,7 +239,8 @@ impl Prepared {
                                 DeviceMemory::for_buffers(&dev, program.endpoint, &program.buffers).map_err(|e| e.to_string())?;
                             memory.upload(&dev, host).map_err(|e| e.to_string())?;
                             let start = Instant::now();
-                            let stats = run_rank_nccl(&dev, program, &mut memory, &mut comm, &rank_of, until).map_err(|e| e.to_string())?;
+                            let stats =
+                                run_rank_nccl(&dev, program, &mut memory, &mut comm, &rank_of, until, None).map_err(|e| e.to_string())?;
                             let took = start.elapsed();
                             let back = match program.endpoint.group {
                                 reshard::Group::Dst => Some(memory.download(&dev).map_err(|e| e.to_string())?),

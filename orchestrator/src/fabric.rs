@@ -36,7 +36,7 @@ use transport::cuda::ipc_comm::IpcComm;
 use transport::cuda::plane::{comm_rank, run_rank_comm, send_staging_bytes};
 use transport::cuda::sim::{sim_comm, sim_comm_id, SimBucket, SimIpc, SimMemory};
 use transport::tcp::TcpConfig;
-use transport::{RankMemory, RankStats};
+use transport::{DeltaRun, RankMemory, RankStats};
 
 /// The smallest frame limit a data-plane endpoint sets: room for an abort's
 /// reason (64 KiB at most) and the small frames of shared-memory links.
@@ -208,8 +208,15 @@ impl CommEnd {
         }))
     }
 
-    /// Runs `program` on `memory` over the communicator by `deadline`.
-    pub(crate) fn run(&mut self, program: &RankProgram, memory: &mut RankMemory, deadline: Instant) -> Result<RankStats, String> {
+    /// Runs `program` on `memory` over the communicator by `deadline`
+    /// (with `delta`, as a delta refit).
+    pub(crate) fn run(
+        &mut self,
+        program: &RankProgram,
+        memory: &mut RankMemory,
+        deadline: Instant,
+        delta: Option<&mut DeltaRun>,
+    ) -> Result<RankStats, String> {
         let rank_of = self.rank_of();
         let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
         match &self.plane {
@@ -218,7 +225,7 @@ impl CommEnd {
                     Some(PackInto::Sim(b)) => SimMemory::with_bucket(memory, b.clone()),
                     _ => SimMemory::new(memory),
                 };
-                run_rank_comm(&mut sim, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+                run_rank_comm(&mut sim, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())
             }
             #[cfg(feature = "cuda")]
             CommPlane::Cuda => {
@@ -235,7 +242,9 @@ impl CommEnd {
                 // The store's bytes go to the device and a destination's
                 // come back: stores live in host memory.
                 mem.upload(dev, memory).map_err(|e| e.to_string())?;
-                let stats = run_on_gpu(handle, self.packs_into.as_ref(), dev, mem, program, &rank_of, deadline)?;
+                let mut plane = gpu_plane(self.packs_into.as_ref(), dev, mem, program.endpoint)?;
+                let stats = run_rank_comm(&mut plane, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())?;
+                drop(plane);
                 if program.endpoint.group == Group::Dst {
                     mem.download_into(dev, memory).map_err(|e| e.to_string())?;
                 }
@@ -254,6 +263,7 @@ impl CommEnd {
         program: &RankProgram,
         registered: &Registered,
         deadline: Instant,
+        delta: Option<&mut DeltaRun>,
     ) -> Result<RankStats, String> {
         let me = program.endpoint;
         let rank_of = self.rank_of();
@@ -278,7 +288,7 @@ impl CommEnd {
                 if let Some(PackInto::Sim(b)) = &self.packs_into {
                     sim = sim.packing_into(b.clone());
                 }
-                run_rank_comm(&mut sim, program, handle, &rank_of, deadline).map_err(|e| e.to_string())
+                run_rank_comm(&mut sim, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())
             }
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
@@ -296,7 +306,8 @@ impl CommEnd {
                 // GPU (`Registered::new`'s contract); the scratch is this
                 // end's allocations, alive past the run.
                 let mut mem = unsafe { DeviceMemory::register(dev, me, &program.buffers, &regions) }.map_err(|e| e.to_string())?;
-                run_on_gpu(handle, self.packs_into.as_ref(), dev, &mut mem, program, &rank_of, deadline)
+                let mut plane = gpu_plane(self.packs_into.as_ref(), dev, &mut mem, me)?;
+                run_rank_comm(&mut plane, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())
             }
             (plane, residence) => Err(out_of_reach(me, plane, residence)),
         }
@@ -313,13 +324,14 @@ impl CommEnd {
         registered: &Registered,
         staging: &mut Option<RegisteredStaging>,
         deadline: Instant,
+        delta: Option<&mut DeltaRun>,
     ) -> Result<RankStats, String> {
         let me = program.endpoint;
         match (&self.plane, registered.residence()) {
             (CommPlane::Simulated { .. }, Residence::Host) => {
                 // Staging is a rank's own host memory: the ordinary run.
                 let memory = RegisteredStaging::host(staging, program, registered, program.buffers.len())?;
-                self.run(program, memory, deadline)
+                self.run(program, memory, deadline, delta)
             }
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
@@ -345,7 +357,8 @@ impl CommEnd {
                 st.synced = false;
                 let rank_of = self.rank_of();
                 let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
-                run_on_gpu(handle, self.packs_into.as_ref(), dev, mem, program, &rank_of, deadline)
+                let mut plane = gpu_plane(self.packs_into.as_ref(), dev, mem, me)?;
+                run_rank_comm(&mut plane, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())
             }
             (plane, residence) => Err(out_of_reach(me, plane, residence)),
         }
@@ -365,27 +378,24 @@ impl CommEnd {
     }
 }
 
-/// Runs `program` over `handle` on device memory `mem` of `dev` (the GPU
-/// plane), packing into the exported IPC bucket where there is one.
+/// Device memory `mem` of `dev` as the communicator executor's plane
+/// (bound to this thread), packing into the exported IPC bucket where
+/// there is one.
 #[cfg(feature = "cuda")]
-fn run_on_gpu(
-    handle: &mut CommHandle,
+fn gpu_plane<'a>(
     packs_into: Option<&PackInto>,
-    dev: &transport::cuda::device::GpuDevice,
-    mem: &mut transport::cuda::device::DeviceMemory,
-    program: &RankProgram,
-    rank_of: &dyn Fn(Endpoint) -> Option<u32>,
-    deadline: Instant,
-) -> Result<RankStats, String> {
-    dev.bind().map_err(|e| format!("{}: {e}", program.endpoint))?;
-    let mut plane = match packs_into {
+    dev: &'a transport::cuda::device::GpuDevice,
+    mem: &'a mut transport::cuda::device::DeviceMemory,
+    me: Endpoint,
+) -> Result<transport::cuda::nccl::GpuPlane<'a>, String> {
+    dev.bind().map_err(|e| format!("{me}: {e}"))?;
+    Ok(match packs_into {
         // SAFETY: the bucket is device memory of this GPU, held by the
         // communicator's thread until it is dropped (or for good after a
         // failure), past this run.
         Some(PackInto::Gpu { base, len }) => unsafe { transport::cuda::nccl::GpuPlane::with_bucket(dev, mem, *base, *len) },
         _ => transport::cuda::nccl::GpuPlane::new(dev, mem),
-    };
-    run_rank_comm(&mut plane, program, handle, rank_of, deadline).map_err(|e| e.to_string())
+    })
 }
 
 /// The rank's buffers' regions of `registered` memory, each cut to its

@@ -304,34 +304,40 @@ fn execute_comm(
     how: RunHow,
     left: Leftover,
 ) -> (Result<RunStats, Refusal>, Leftover) {
-    if how.delta.is_some() {
-        return (Err(refuse_delta(end)), Leftover::default());
-    }
+    let Leftover { scratch, memo } = left;
+    let mut delta = delta_run(&how, memo);
     if let Some(registered) = registered {
         // Straight from the user's memory; the end keeps the scratch.
-        let r = end.run_registered(program, registered, Instant::now() + how.deadline);
-        return (comm_result(r, end), Leftover::default());
+        let r = end.run_registered(program, registered, Instant::now() + how.deadline, delta.as_mut());
+        let memo = kept_memo(&r, &how, delta);
+        return (comm_result(r, end), Leftover { scratch: Vec::new(), memo });
     }
     // The communicator executor makes no copies on receipt: every scratch
     // buffer is allocated.
-    let base = match with_scratch(memory, program, &Bypass::default(), left.scratch) {
+    let base = match with_scratch(memory, program, &Bypass::default(), scratch) {
         Ok(base) => base,
         Err(e) => {
             end.abort();
             return (Err(Refusal::ProgramMismatch(e)), Leftover::default());
         }
     };
-    let r = end.run(program, memory, Instant::now() + how.deadline);
+    let r = end.run(program, memory, Instant::now() + how.deadline, delta.as_mut());
     let scratch = drop_scratch(memory, base);
-    let kept = if r.is_ok() { Leftover { scratch, memo: None } } else { Leftover::default() };
+    let memo = kept_memo(&r, &how, delta);
+    let kept = if r.is_ok() { Leftover { scratch, memo } } else { Leftover::default() };
     (comm_result(r, end), kept)
 }
 
-/// Refuses a delta refit on a communicator (aborting it: peers then stop
-/// waiting for this rank).
-fn refuse_delta(end: &mut CommEnd) -> Refusal {
-    end.abort();
-    Refusal::Fabric("delta refits run on the in-process and node fabrics, not on a communicator".into())
+/// The delta run `how` asks for, on the memo a run left if it is the base
+/// refit's (otherwise this rank's messages go dense, and a peer that sends
+/// it a delta fails the refit: the orchestrator then starts over, dense).
+fn delta_run(how: &RunHow, memo: Option<(u64, DeltaMemo)>) -> Option<DeltaRun> {
+    how.delta.map(|base_refit| DeltaRun::new(memo.filter(|(r, _)| Some(*r) == base_refit).map(|(_, m)| m)))
+}
+
+/// The memo a successful delta run leaves for the next, with its refit.
+fn kept_memo<T, E>(r: &Result<T, E>, how: &RunHow, delta: Option<DeltaRun>) -> Option<(u64, DeltaMemo)> {
+    delta.filter(|_| r.is_ok()).map(|d| (how.refit, d.next))
 }
 
 /// The rank's buffers' regions of `registered` memory, if a host fabric
@@ -413,14 +419,9 @@ fn execute(
             unsafe { run_rank_regions(program, &bypass, &regions, &mut t, &options, delta) }
         }
     };
-    let (r, memo) = match how.delta {
+    let (r, memo) = match delta_run(&how, memo) {
         None => (run(None), None),
-        Some(base_refit) => {
-            // The memo of the base refit, if this rank kept it; otherwise
-            // its messages go dense and a peer that sends it a delta fails
-            // the refit (the orchestrator then starts over, dense).
-            let base_memo = memo.filter(|(r, _)| Some(*r) == base_refit).map(|(_, m)| m);
-            let mut delta = DeltaRun::new(base_memo);
+        Some(mut delta) => {
             let r = run(Some(&mut delta));
             (r, Some((how.refit, delta.next)))
         }
@@ -693,10 +694,11 @@ impl Member {
         let p = program.clone();
         let run = tokio::task::spawn_blocking(move || {
             let (r, left) = match end.ready() {
-                Ok(Ready::Comm(c)) if how.delta.is_some() => (Err(refuse_delta(c)), Leftover::default()),
                 Ok(Ready::Comm(c)) => {
-                    let r = c.run_staged(&p, &registered, &mut staging, Instant::now() + how.deadline);
-                    (comm_result(r, c), Leftover::default())
+                    let mut delta = delta_run(&how, left.memo);
+                    let r = c.run_staged(&p, &registered, &mut staging, Instant::now() + how.deadline, delta.as_mut());
+                    let memo = kept_memo(&r, &how, delta);
+                    (comm_result(r, c), Leftover { scratch: Vec::new(), memo })
                 }
                 // The rank's own buffers staged on the host, the scratch
                 // added by the executor.

@@ -150,17 +150,6 @@ async fn an_abort_that_hangs_never_holds_the_refit() {
     assert!(serves(&sys, v, 4.0));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn delta_refits_are_refused_on_a_communicator() {
-    let (src, dst) = layouts();
-    let sys = spawn_refit(&src, &dst, OrchestratorConfig { delta: true, ..config("delta", Strategy::Reshard) }).await.unwrap();
-    let v = step(&sys, 5.0).await;
-    match sys.orchestrator.refit(v).await {
-        Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => assert!(why.contains("delta"), "{why}"),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}
-
 /// NCCL members without a GPU (or a build without CUDA) refuse before
 /// anything moves, saying why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -362,16 +351,16 @@ impl Registered {
     }
 }
 
-/// A registered source is read where it is, on every fabric (delta
-/// refits too on the host fabrics): what the user wrote in its own memory
+/// A registered source is read where it is, on every fabric, dense and
+/// delta: what the user wrote in its own memory
 /// inside `update` is what every destination serves, refit after refit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_sources_are_read_in_place() {
     let sim = CommPlane::Simulated { world: "registered".into() };
     let ipc = IpcFabric { plane: sim.clone(), connect_timeout: Duration::from_secs(5), abort_timeout: Duration::from_secs(1) };
-    let host = [Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default())];
-    let every = [Fabric::Nccl(fabric("registered")), Fabric::Ipc(ipc)].into_iter().map(|f| (f, false));
-    for (fabric, delta) in every.chain(host.iter().cloned().map(|f| (f, false))).chain(host.iter().cloned().map(|f| (f, true))) {
+    let every =
+        [Fabric::Nccl(fabric("registered")), Fabric::Ipc(ipc), Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default())];
+    for (fabric, delta) in every.iter().cloned().map(|f| (f, false)).chain(every.iter().cloned().map(|f| (f, true))) {
         let config = OrchestratorConfig { fabric: fabric.clone(), delta, ..config("registered", Strategy::Reshard) };
         let mut sys = registered_system(config, orchestrator::Residence::Host);
         for k in 1..=3 {
@@ -522,14 +511,17 @@ fn ipc_fabric(world: &str) -> IpcFabric {
 }
 
 /// Destinations registered in place are written by commits only: every
-/// refit's version lands in the user's memory, on every fabric (delta
-/// refits too on the host fabrics); a subset refit keeps the other tensors
-/// as served.
+/// refit's version lands in the user's memory, on every fabric, dense and
+/// delta; a subset refit keeps the other tensors as served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_destinations_receive_every_version_in_place() {
-    let host = [Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default())];
-    let every = [Fabric::Nccl(fabric("served")), Fabric::Ipc(ipc_fabric("served"))].into_iter().map(|f| (f, false));
-    for (fabric, delta) in every.chain(host.iter().cloned().map(|f| (f, false))).chain(host.iter().cloned().map(|f| (f, true))) {
+    let every = [
+        Fabric::Nccl(fabric("served")),
+        Fabric::Ipc(ipc_fabric("served")),
+        Fabric::InProcess,
+        Fabric::Node(orchestrator::NodeFabric::default()),
+    ];
+    for (fabric, delta) in every.iter().cloned().map(|f| (f, false)).chain(every.iter().cloned().map(|f| (f, true))) {
         let config =
             OrchestratorConfig { fabric: fabric.clone(), delta, deadline: Duration::from_secs(5), ..config("served", Strategy::Reshard) };
         let sys = served_in_place_in(config, orchestrator::MemberConfig::default(), orchestrator::Residence::Host);

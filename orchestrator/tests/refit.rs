@@ -617,6 +617,17 @@ async fn delta_refits_over_the_node_fabric() {
     check_delta(Fabric::Node(NodeFabric::default())).await;
 }
 
+/// On the communicators (simulated NCCL and IPC), a round is two groups:
+/// the encodings' lengths, then the encodings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn delta_refits_over_the_communicators() {
+    use orchestrator::{CommPlane, IpcFabric, NcclFabric};
+    let plane = CommPlane::Simulated { world: "delta".into() };
+    let (init, abort) = (Duration::from_secs(5), Duration::from_secs(1));
+    check_delta(Fabric::Nccl(NcclFabric { plane: plane.clone(), init_timeout: init, abort_timeout: abort })).await;
+    check_delta(Fabric::Ipc(IpcFabric { plane, connect_timeout: init, abort_timeout: abort })).await;
+}
+
 async fn check_delta(fabric: Fabric) {
     let (src, dst) = big_layouts();
     let sys = spawn_refit(&src, &dst, OrchestratorConfig { delta: true, fabric, ..config(Strategy::Reshard) }).await.unwrap();

@@ -43,6 +43,34 @@ impl DeltaMemo {
     }
 }
 
+/// A delta refit on one rank ([`crate::delta`]): every message goes as
+/// what changed since the same message of the base refit (`base`, this
+/// rank's memo of it; `None`: dense this time), and the run leaves its own
+/// memo for the next one. Every destination element is still written.
+pub struct DeltaRun {
+    /// The memo of the base refit, if this rank has it (used up as the
+    /// run goes: each message's base is patched into this run's memo).
+    pub base: Option<DeltaMemo>,
+    /// This run's memo (filled as messages go and come).
+    pub next: DeltaMemo,
+    /// Bytes this rank put on the wire (encodings, headers included).
+    pub wire_bytes: u64,
+}
+
+impl DeltaRun {
+    /// A delta run on `base`.
+    pub fn new(base: Option<DeltaMemo>) -> DeltaRun {
+        DeltaRun { base, next: DeltaMemo::default(), wire_bytes: 0 }
+    }
+}
+
+/// The unit a delta message of pieces of these wire types is encoded in:
+/// the smallest element size among them, so a unit never straddles two
+/// elements.
+pub(crate) fn unit_of(wires: impl Iterator<Item = reshard::DType>) -> usize {
+    wires.map(|w| w.size() as usize).min().unwrap_or(1)
+}
+
 const DENSE: u8 = 0;
 const BITMAP: u8 = 1;
 const INDICES: u8 = 2;

@@ -12,7 +12,7 @@ use transport::cuda::comm::{AbortOutcome, CommConfig, CommError, CommHandle, Pen
 use transport::cuda::ipc_comm::IpcComm;
 use transport::cuda::plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError};
 use transport::cuda::sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimBucket, SimFault, SimIpc, SimMemory};
-use transport::{fill_sources, local_fabric, run_local, verify_destinations, ExecOptions, RankMemory};
+use transport::{fill_sources, local_fabric, run_local, verify_destinations, DeltaRun, ExecOptions, RankMemory};
 
 const EXAMPLES: &[&str] = &["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled"];
 
@@ -44,7 +44,14 @@ struct Ran {
 /// Runs every program as a thread on its own simulated communicator rank
 /// of one communicator of `world` (all created together, as one process
 /// hosting every rank); each rank aborts its communicator when done.
-fn run_sim(world: &str, programs: &[RankProgram], memory: &mut [RankMemory], config: CommConfig, deadline: Duration) -> Vec<Ran> {
+fn run_sim(
+    world: &str,
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    config: CommConfig,
+    deadline: Duration,
+    deltas: Option<&mut [DeltaRun]>,
+) -> Vec<Ran> {
     let src_ranks = programs.iter().filter(|p| p.endpoint.group == reshard::Group::Src).count() as u32;
     let nranks = programs.len() as u32;
     let id = sim_comm_id();
@@ -56,18 +63,24 @@ fn run_sim(world: &str, programs: &[RankProgram], memory: &mut [RankMemory], con
             CommHandle::start(CommConfig { rank, ..config }, &id.tag(), move || sim_comm(&world, id, rank, nranks)).unwrap()
         })
         .collect();
-    run_ranks(programs, memory, pending.into_iter().map(|p| (p, None)).collect(), deadline)
+    run_ranks(programs, memory, pending.into_iter().map(|p| (p, None)).collect(), deadline, deltas)
 }
 
 /// Runs every program as a thread on its communicator rank (`pending`,
-/// with the exported bucket it packs into, if any, in program order);
-/// each rank aborts its communicator when done.
+/// with the exported bucket it packs into, if any, in program order;
+/// with `deltas`, one delta run per rank); each rank aborts its
+/// communicator when done.
 fn run_ranks(
     programs: &[RankProgram],
     memory: &mut [RankMemory],
     pending: Vec<(PendingComm, Option<Arc<SimBucket>>)>,
     deadline: Duration,
+    deltas: Option<&mut [DeltaRun]>,
 ) -> Vec<Ran> {
+    let deltas: Vec<Option<&mut DeltaRun>> = match deltas {
+        Some(d) => d.iter_mut().map(Some).collect(),
+        None => programs.iter().map(|_| None).collect(),
+    };
     let src_ranks = programs.iter().filter(|p| p.endpoint.group == reshard::Group::Src).count() as u32;
     let nranks = programs.len() as u32;
     let rank_of = move |e: Endpoint| Some(comm_rank(e, src_ranks)).filter(|&r| r < nranks);
@@ -77,7 +90,8 @@ fn run_ranks(
             .iter()
             .zip(memory.iter_mut())
             .zip(pending)
-            .map(|((program, memory), (pending, bucket))| {
+            .zip(deltas)
+            .map(|(((program, memory), (pending, bucket)), delta)| {
                 s.spawn(move || {
                     let start = Instant::now();
                     let mut comm = match pending.wait() {
@@ -88,7 +102,7 @@ fn run_ranks(
                         Some(b) => SimMemory::with_bucket(memory, b),
                         None => SimMemory::new(memory),
                     };
-                    let result = run_rank_comm(&mut memory, program, &mut comm, &rank_of, until).map(|s| s.sent_bytes);
+                    let result = run_rank_comm(&mut memory, program, &mut comm, &rank_of, until, delta).map(|s| s.sent_bytes);
                     let abort = comm.abort();
                     Ran { result, abort, took: start.elapsed() }
                 })
@@ -101,7 +115,13 @@ fn run_ranks(
 /// Runs every program as a thread over the IPC communicator: each rank
 /// exports its send bucket, maps those of the ranks it receives from, and
 /// rings doorbells over in-process channels.
-fn run_ipc(programs: &[RankProgram], memory: &mut [RankMemory], config: CommConfig, deadline: Duration) -> Vec<Ran> {
+fn run_ipc(
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    config: CommConfig,
+    deadline: Duration,
+    deltas: Option<&mut [DeltaRun]>,
+) -> Vec<Ran> {
     let src_ranks = programs.iter().filter(|p| p.endpoint.group == reshard::Group::Src).count() as u32;
     let nranks = programs.len() as u32;
     let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
@@ -132,7 +152,7 @@ fn run_ipc(programs: &[RankProgram], memory: &mut [RankMemory], config: CommConf
             (started, bucket)
         })
         .collect();
-    run_ranks(programs, memory, pending.into_iter().map(|(p, b)| (p, Some(b))).collect(), deadline)
+    run_ranks(programs, memory, pending.into_iter().map(|(p, b)| (p, Some(b))).collect(), deadline, deltas)
 }
 
 /// Which communicator a check runs on.
@@ -160,8 +180,8 @@ fn check(name: &str, strategy: &str, plane: Plane) {
     run_local(&programs, &mut expected, &ExecOptions::default()).unwrap();
     let (config, deadline) = (config(programs.len() as u32), Duration::from_secs(30));
     let ran = match plane {
-        Plane::Nccl => run_sim(&format!("examples/{name}/{strategy}"), &programs, &mut memory, config, deadline),
-        Plane::Ipc => run_ipc(&programs, &mut memory, config, deadline),
+        Plane::Nccl => run_sim(&format!("examples/{name}/{strategy}"), &programs, &mut memory, config, deadline, None),
+        Plane::Ipc => run_ipc(&programs, &mut memory, config, deadline, None),
     };
     let failed: Vec<String> =
         programs.iter().zip(&ran).filter_map(|(p, r)| r.result.as_ref().err().map(|e| format!("{}: {e}", p.endpoint))).collect();
@@ -209,6 +229,89 @@ fn every_example_lands_the_same_over_ipc_buckets() {
     }
 }
 
+/// Runs `programs` on `plane` as delta refits (`deltas`, one per rank),
+/// fails on any rank's error, and returns the bytes put on the wire.
+fn run_delta(what: &str, plane: Plane, programs: &[RankProgram], memory: &mut [RankMemory], deltas: &mut [DeltaRun]) -> u64 {
+    let (config, deadline) = (config(programs.len() as u32), Duration::from_secs(30));
+    let ran = match plane {
+        Plane::Nccl => run_sim(&format!("delta/{what}"), programs, memory, config, deadline, Some(deltas)),
+        Plane::Ipc => run_ipc(programs, memory, config, deadline, Some(deltas)),
+    };
+    let failed: Vec<String> =
+        programs.iter().zip(&ran).filter_map(|(p, r)| r.result.as_ref().err().map(|e| format!("{}: {e}", p.endpoint))).collect();
+    assert!(failed.is_empty(), "{what}:\n{}", failed.join("\n"));
+    ran.iter().map(|r| r.result.as_ref().map_or(0, |s| *s)).sum()
+}
+
+/// The destination ranks' own buffers of `memory` equal `want`'s.
+fn same_destinations(what: &str, programs: &[RankProgram], memory: &[RankMemory], want: &[RankMemory]) {
+    for (p, (got, want)) in programs.iter().zip(memory.iter().zip(want)) {
+        for (i, spec) in p.buffers.iter().enumerate() {
+            if p.endpoint.group == reshard::Group::Dst && !matches!(spec.key, BufferKey::Scratch { .. }) {
+                assert!(got.buffers[i] == want.buffers[i], "{what}: {} buffer {} differs", p.endpoint, spec.name);
+            }
+        }
+    }
+}
+
+/// Delta refits over a communicator: the first (no base) and a second
+/// after a few source bytes changed both land every destination byte the
+/// in-process executor lands; the second puts far fewer bytes on the
+/// wire; a rank that lost its base fails the refit by name.
+fn delta_check(name: &str, plane: Plane) {
+    let (src, dst) = layouts(name);
+    let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
+    let what = format!("{name} delta over {plane:?}");
+    let programs = plan.programs(&src, &dst).unwrap();
+    let n_src = src.ranks() as usize;
+    let mut expected = RankMemory::for_programs(&programs);
+    fill_sources(&src, &mut expected);
+    let mut memory = expected.clone();
+    run_local(&programs, &mut expected, &ExecOptions::default()).unwrap();
+    // Refit 1: no base, every message dense in its encoding.
+    let mut deltas: Vec<DeltaRun> = programs.iter().map(|_| DeltaRun::new(None)).collect();
+    let first = run_delta(&format!("{what} 1"), plane, &programs, &mut memory, &mut deltas);
+    same_destinations(&format!("{what} 1"), &programs, &memory, &expected);
+    assert!(first >= plan.figures().total_bytes, "{what}: {first} bytes, the plan moves {}", plan.figures().total_bytes);
+    // Refit 2: a few bytes of every source's first buffer change.
+    for m in memory[..n_src].iter_mut().chain(expected[..n_src].iter_mut()) {
+        for b in m.buffers[0].iter_mut().take(64) {
+            *b = b.wrapping_add(1);
+        }
+    }
+    run_local(&programs, &mut expected, &ExecOptions::default()).unwrap();
+    let mut next: Vec<DeltaRun> = deltas.into_iter().map(|d| DeltaRun::new(Some(d.next))).collect();
+    let memos: Vec<_> = next.iter().map(|d| d.base.clone()).collect();
+    let second = run_delta(&format!("{what} 2"), plane, &programs, &mut memory, &mut next);
+    same_destinations(&format!("{what} 2"), &programs, &memory, &expected);
+    assert!(second * 4 < first, "{what}: {second} bytes after a small change, {first} dense");
+    // Refit 3 with one destination's base gone: its peers' deltas cannot
+    // be rebuilt there, and that rank says so.
+    let lost =
+        programs.iter().position(|p| p.endpoint.group == reshard::Group::Dst && !p.rounds.iter().all(|r| r.recvs.is_empty())).unwrap();
+    let mut third: Vec<DeltaRun> = memos.into_iter().enumerate().map(|(i, m)| DeltaRun::new(if i == lost { None } else { m })).collect();
+    let (config, deadline) = (config(programs.len() as u32), Duration::from_secs(30));
+    let ran = match plane {
+        Plane::Nccl => run_sim(&format!("delta/{what} 3"), &programs, &mut memory, config, deadline, Some(&mut third)),
+        Plane::Ipc => run_ipc(&programs, &mut memory, config, deadline, Some(&mut third)),
+    };
+    match &ran[lost].result {
+        Err(CommExecError::Delta { me, error, .. }) => assert!(*me == programs[lost].endpoint && error.contains("base"), "{what}: {error}"),
+        other => panic!("{what}: rank {} without its base: {:?}", programs[lost].endpoint, other.as_ref().err()),
+    }
+}
+
+/// Delta refits run on the simulated NCCL and IPC communicators alike,
+/// block-scaled FP8 destinations included.
+#[test]
+fn delta_refits_land_every_byte_and_send_what_changed() {
+    for name in ["tp-to-tp", "mixed-2d", "fp8-block-scaled"] {
+        for plane in [Plane::Nccl, Plane::Ipc] {
+            delta_check(name, plane);
+        }
+    }
+}
+
 fn tp_programs() -> Vec<RankProgram> {
     let (src, dst) = layouts("tp-to-tp");
     plan_reshard(&src, &dst, &PlanOptions::default()).unwrap().programs(&src, &dst).unwrap()
@@ -220,7 +323,7 @@ fn faulted(world: &str, faults: Vec<SimFault>, deadline: Duration) -> (Vec<RankP
     let mut memory = RankMemory::for_programs(&programs);
     arm(world, faults);
     let start = Instant::now();
-    let ran = run_sim(world, &programs, &mut memory, config(programs.len() as u32), deadline);
+    let ran = run_sim(world, &programs, &mut memory, config(programs.len() as u32), deadline, None);
     (programs, ran, start.elapsed())
 }
 

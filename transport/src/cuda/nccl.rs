@@ -16,7 +16,10 @@
 
 use crate::copy::fits;
 use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, Fence, P2p, PendingComm, Progress, RawEvent};
-use crate::cuda::device::{event_progress, no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, PinnedStaging};
+use crate::cuda::copyplan::CopyOp;
+use crate::cuda::device::{
+    event_progress, issue, no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging,
+};
 use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops, SameType};
 use crate::cuda::id::CommId;
 use crate::cuda::plane::{run_rank_comm, CommExecError, PlaneMemory, Side, Staging};
@@ -462,6 +465,38 @@ impl PlaneMemory for GpuPlane<'_> {
         bytes
     }
 
+    fn read_staging(&mut self, which: Staging, at: u64, out: &mut [u8]) -> Result<(), String> {
+        let from = self.staging_range(which, at, out.len())?;
+        let pinned = self.host[0].ensure(out.len()).map_err(|e| e.to_string())?;
+        let op = linear(out.len() as u64, at, 0);
+        // SAFETY: the device side lies in this rank's staging (checked
+        // above), alive for the run; the host side is pinned staging of
+        // `out.len()` bytes held by `self`; the stream is waited for below
+        // before either is used again, error or not.
+        let queued = unsafe { issue(&op, Loc::Device(from), Loc::Host(pinned), self.dev.stream().cu_stream()) };
+        let synced = self.dev.synchronize();
+        queued.map_err(|e| e.to_string())?;
+        synced.map_err(|e| e.to_string())?;
+        // SAFETY: the copy into the pinned staging is complete (the stream
+        // was waited for); `out` does not overlap it.
+        unsafe { std::ptr::copy_nonoverlapping(pinned, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn write_staging(&mut self, which: Staging, at: u64, bytes: &[u8]) -> Result<(), String> {
+        let to = self.staging_range(which, at, bytes.len())?;
+        let pinned = self.host[1].ensure(bytes.len()).map_err(|e| e.to_string())?;
+        // SAFETY: the pinned staging holds `bytes.len()` bytes and no copy
+        // reads it now (each use waits for its copy).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), pinned, bytes.len()) };
+        let op = linear(bytes.len() as u64, 0, at);
+        // SAFETY: as in `read_staging`, the other way.
+        let queued = unsafe { issue(&op, Loc::Host(pinned), Loc::Device(to), self.dev.stream().cu_stream()) };
+        let synced = self.dev.synchronize();
+        queued.map_err(|e| e.to_string())?;
+        synced.map_err(|e| e.to_string())
+    }
+
     fn finish(&mut self, program: &RankProgram) -> Result<(), String> {
         self.dev.synchronize().map_err(|e| e.to_string())?;
         self.fence = None;
@@ -473,6 +508,28 @@ impl PlaneMemory for GpuPlane<'_> {
         }
         Ok(())
     }
+}
+
+impl GpuPlane<'_> {
+    /// The base of staging `which` (the exported bucket, for sends, where
+    /// there is one), if bytes `at..at + len` lie inside it.
+    fn staging_range(&self, which: Staging, at: u64, len: usize) -> Result<u64, String> {
+        let (base, held) = match (which, self.bucket) {
+            (Staging::Send, Some(bucket)) => bucket,
+            (Staging::Send, None) => (self.send.addr, self.send.len),
+            (Staging::Recv, _) => (self.recv.addr, self.recv.len),
+        };
+        let end = at.checked_add(len as u64);
+        match end {
+            Some(end) if base != 0 && end <= held as u64 => Ok(base),
+            _ => Err(format!("{len} bytes at {at} of the {which:?} staging, which holds {held}")),
+        }
+    }
+}
+
+/// One contiguous copy of `bytes` from offset `src` to offset `dst`.
+fn linear(bytes: u64, src: u64, dst: u64) -> CopyOp {
+    CopyOp { src, dst, width: bytes, height: 1, depth: 1, src_pitch: bytes, src_height: 1, dst_pitch: bytes, dst_height: 1 }
 }
 
 static LEAKED_STAGING: AtomicU64 = AtomicU64::new(0);
@@ -514,9 +571,10 @@ pub fn run_rank_nccl(
     comm: &mut CommHandle,
     rank_of: &dyn Fn(Endpoint) -> Option<u32>,
     deadline: Instant,
+    delta: Option<&mut crate::delta::DeltaRun>,
 ) -> Result<RankStats, CommExecError> {
     dev.bind().map_err(|e| CommExecError::Memory { me: program.endpoint, what: "binding the device", error: e.to_string() })?;
-    run_rank_comm(&mut GpuPlane::new(dev, memory), program, comm, rank_of, deadline)
+    run_rank_comm(&mut GpuPlane::new(dev, memory), program, comm, rank_of, deadline, delta)
 }
 
 #[cfg(test)]

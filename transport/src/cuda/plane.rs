@@ -30,6 +30,7 @@ use crate::copy::{fits, packed_strides};
 use crate::cuda::comm::{CommError, CommHandle, Fence, P2p};
 use crate::cuda::copyplan::packed_offsets;
 use crate::cursor::{RankStats, Round, RoundCursor, Unexpected};
+use crate::delta::{decode, encode, unit_of, DeltaRun};
 use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
 use std::time::Instant;
 use thiserror::Error;
@@ -71,6 +72,14 @@ pub trait PlaneMemory {
     /// A group failed while the communicator may still use the staging:
     /// never reuse or free it. Returns the bytes given up.
     fn abandon_staging(&mut self) -> u64;
+    /// Copies `out.len()` bytes from byte `at` of staging `which` (as last
+    /// sized) into `out`, after everything queued: a delta refit encodes
+    /// a packed message on the host. Refuses a range outside the staging.
+    fn read_staging(&mut self, which: Staging, at: u64, out: &mut [u8]) -> Result<(), String>;
+    /// Copies `bytes` to byte `at` of staging `which`, done before
+    /// anything queued after this call. Refuses a range outside the
+    /// staging.
+    fn write_staging(&mut self, which: Staging, at: u64, bytes: &[u8]) -> Result<(), String>;
     /// Waits for everything queued, then quantizes the program's
     /// block-scaled destinations.
     fn finish(&mut self, program: &RankProgram) -> Result<(), String>;
@@ -106,19 +115,56 @@ fn recv_layout(m: &reshard::Message<reshard::RecvPiece>) -> Option<(Vec<u64>, u6
 }
 
 /// The send staging `program` needs: its largest round's outgoing
-/// messages laid out as the executor lays them out (the size of the
-/// bucket an IPC communicator exports); `u64::MAX`, which no allocation
-/// grants, where a round's messages pass `u64` bytes.
+/// messages laid out as the executor lays them out, dense or as a delta
+/// refit's encodings and their lengths ([`RoundStaging`]) — the size of
+/// the bucket an IPC communicator exports; `u64::MAX`, which no
+/// allocation grants, where a round's messages pass `u64` bytes.
 pub fn send_staging_bytes(program: &RankProgram) -> u64 {
     program
         .rounds
         .iter()
         .map(|round| {
-            let sends = round.sends.iter().map(|m| (send_layout(m).map(|l| l.1), DType::U8));
-            message_layout(sends).map_or(u64::MAX, |l| l.1)
+            let lens = round.sends.iter().map(|m| send_layout(m).map(|l| l.1)).collect::<Option<Vec<u64>>>();
+            lens.and_then(|l| RoundStaging::new(&l)).map_or(u64::MAX, |s| s.bytes(true))
         })
         .max()
         .unwrap_or(0)
+}
+
+/// Where one direction's messages of a round lie in its staging: dense
+/// (each message's packed bytes), and for a delta refit each message's
+/// length (8 bytes, little-endian) and its encoding (at most the message
+/// plus [`delta::HEADER`](crate::delta::HEADER) bytes). Every message
+/// starts at a 256-byte boundary; both ends compute the same layout from
+/// the same plan.
+struct RoundStaging {
+    /// Each message's packed bytes.
+    lens: Vec<u64>,
+    dense: (Vec<u64>, u64),
+    sizes: (Vec<u64>, u64),
+    encoded: (Vec<u64>, u64),
+}
+
+impl RoundStaging {
+    /// `None` where the sizes pass `u64`.
+    fn new(lens: &[u64]) -> Option<RoundStaging> {
+        let each = |f: &dyn Fn(u64) -> Option<u64>| message_layout(lens.iter().map(|&l| (f(l), DType::U8)));
+        Some(RoundStaging {
+            lens: lens.to_vec(),
+            dense: each(&|l| Some(l))?,
+            sizes: each(&|_| Some(8))?,
+            encoded: each(&|l| l.checked_add(crate::delta::HEADER as u64))?,
+        })
+    }
+
+    /// Bytes of staging a run needs (`delta`: a delta refit's).
+    fn bytes(&self, delta: bool) -> u64 {
+        if delta {
+            self.dense.1.max(self.sizes.1).max(self.encoded.1)
+        } else {
+            self.dense.1
+        }
+    }
 }
 
 /// Why a communicator run of a rank's program failed. On any error, abort
@@ -186,6 +232,18 @@ pub enum CommExecError {
         /// Why.
         problem: &'static str,
     },
+    /// A delta message could not be sent or rebuilt (see [`crate::delta`]).
+    #[error("{me}: round {round}: delta message with {peer}: {error}")]
+    Delta {
+        /// This rank.
+        me: Endpoint,
+        /// The other rank.
+        peer: Endpoint,
+        /// Round.
+        round: u32,
+        /// What failed.
+        error: String,
+    },
     /// Staging, ordering, finishing or quantizing on the rank's memory failed.
     #[error("{me}: {what}: {error}")]
     Memory {
@@ -217,12 +275,20 @@ fn packed(at: u64, wire: DType, block: &Block) -> Span {
 /// group of the round's sends and receives. `rank_of` maps an endpoint to
 /// its communicator rank (e.g. [`comm_rank`]); every wait ends by
 /// `deadline`. On an error the communicator is unusable: abort it.
+///
+/// With `delta` (every rank of the refit alike), each message goes as its
+/// encoding against the same message of the base refit
+/// ([`crate::delta`]), through the host: a round is then two groups, the
+/// encodings' lengths (numbered `2 * round`), then the encodings
+/// (`2 * round + 1`). It saves link bytes at the cost of copying each
+/// message between the memory and the host.
 pub fn run_rank_comm(
     memory: &mut dyn PlaneMemory,
     program: &RankProgram,
     comm: &mut CommHandle,
     rank_of: &dyn Fn(Endpoint) -> Option<u32>,
     deadline: Instant,
+    mut delta: Option<&mut DeltaRun>,
 ) -> Result<RankStats, CommExecError> {
     let me = program.endpoint;
     // (Saturating: a size past `u64` matches no memory's.)
@@ -256,11 +322,14 @@ pub fn run_rank_comm(
         let too_large = || mem_err("laying out the round's messages")("their pieces pass u64 bytes".to_string());
         let sends: Vec<(Vec<u64>, u64)> = send_msgs.iter().map(|m| send_layout(m)).collect::<Option<_>>().ok_or_else(too_large)?;
         let recvs: Vec<(Vec<u64>, u64)> = recv_msgs.iter().map(recv_layout).collect::<Option<_>>().ok_or_else(too_large)?;
-        let (send_at, send_total) = message_layout(sends.iter().map(|(_, len)| (Some(*len), DType::U8))).ok_or_else(too_large)?;
-        let (recv_at, recv_total) = message_layout(recvs.iter().map(|(_, len)| (Some(*len), DType::U8))).ok_or_else(too_large)?;
+        let out = RoundStaging::new(&sends.iter().map(|s| s.1).collect::<Vec<_>>()).ok_or_else(too_large)?;
+        let into = RoundStaging::new(&recvs.iter().map(|s| s.1).collect::<Vec<_>>()).ok_or_else(too_large)?;
+        let (send_at, recv_at) = (&out.dense.0, &into.dense.0);
+        let (send_total, recv_total) = (out.bytes(delta.is_some()), into.bytes(delta.is_some()));
         let sbase = memory.staging(Staging::Send, send_total as usize).map_err(mem_err("send staging"))?;
         let rbase = memory.staging(Staging::Recv, recv_total as usize).map_err(mem_err("receive staging"))?;
         let mut ops = Vec::new();
+        let mut to_peers = Vec::new();
         for (i, m) in send_msgs.iter().enumerate() {
             let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
             for (p, &off) in m.pieces.iter().zip(&sends[i].0) {
@@ -269,23 +338,37 @@ pub fn run_rank_comm(
                 memory.move_piece(&p.block, (at, p.span, p.dtype), p.wire, &[into]).map_err(copy_err(m.peer, &p.block))?;
             }
             ops.push(P2p::Send { peer, addr: sbase + send_at[i], bytes: sends[i].1 });
+            to_peers.push(peer);
         }
+        let mut from_peers = Vec::new();
         for (i, m) in recv_msgs.iter().enumerate() {
             let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
             ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: recvs[i].1 });
+            from_peers.push(peer);
         }
-        // The group starts after everything queued so far: this round's
-        // packing and the last round's unpacking (which read the receive
-        // staging the group is about to overwrite).
-        let after = memory.fence().map_err(mem_err("ordering the group after packing"))?;
-        // SAFETY: every address is inside the send or receive staging
-        // (offsets from the round's own layout, whose totals the staging
-        // was sized to), which the memory keeps until the next `staging`
-        // call; if the group fails it is abandoned below, never reused.
-        let grouped = unsafe { comm.group(r, ops, after, deadline) };
+        let grouped = match delta.as_deref_mut() {
+            None => {
+                // The group starts after everything queued so far: this
+                // round's packing and the last round's unpacking (which
+                // read the receive staging the group is about to
+                // overwrite).
+                let after = memory.fence().map_err(mem_err("ordering the group after packing"))?;
+                // SAFETY: every address is inside the send or receive
+                // staging (offsets from the round's own layout, whose
+                // totals the staging was sized to), which the memory keeps
+                // until the next `staging` call; if the group fails it is
+                // abandoned below, never reused.
+                unsafe { comm.group(r, ops, after, deadline) }.map_err(CommExecError::from)
+            }
+            Some(d) => {
+                let round = DeltaRound { me, round: r, sends: &send_msgs, recvs: recv_msgs, to_peers: &to_peers, from_peers: &from_peers };
+                let staging = ((sbase, &out), (rbase, &into));
+                exchange_delta(memory, comm, &round, staging, d, deadline)
+            }
+        };
         if let Err(e) = grouped {
             memory.abandon_staging();
-            return Err(e.into());
+            return Err(e);
         }
         for (i, m) in recv_msgs.iter().enumerate() {
             for (p, &off) in m.pieces.views().zip(&recvs[i].0) {
@@ -300,7 +383,112 @@ pub fn run_rank_comm(
         }
     }
     memory.finish(program).map_err(mem_err("finishing the run"))?;
-    Ok(cursor.stats().unwrap_or_default())
+    let mut stats = cursor.stats().unwrap_or_default();
+    if let Some(d) = delta {
+        // What went on the wire: the encodings (as the host executor counts).
+        stats.sent_bytes = d.wire_bytes;
+    }
+    Ok(stats)
+}
+
+/// One round's messages as a delta exchange needs them.
+struct DeltaRound<'p> {
+    me: Endpoint,
+    round: u32,
+    sends: &'p [&'p reshard::Message<reshard::SendPiece>],
+    recvs: &'p [reshard::Message<reshard::RecvPiece>],
+    /// Communicator rank of each send's and each receive's peer.
+    to_peers: &'p [u32],
+    from_peers: &'p [u32],
+}
+
+/// A delta refit's round, after its messages were packed dense into the
+/// send staging: each is read to the host and encoded against the base
+/// refit's; one group sends the encodings' lengths, a second the
+/// encodings; each received encoding is rebuilt on the base refit's copy
+/// and written back dense where the unpacking reads it. Both memos are
+/// kept in `d`. The groups name only staging.
+fn exchange_delta(
+    memory: &mut dyn PlaneMemory,
+    comm: &mut CommHandle,
+    x: &DeltaRound<'_>,
+    ((sbase, out), (rbase, into)): ((u64, &RoundStaging), (u64, &RoundStaging)),
+    d: &mut DeltaRun,
+    deadline: Instant,
+) -> Result<(), CommExecError> {
+    let (me, r) = (x.me, x.round);
+    let mem_err = |what| move |error| CommExecError::Memory { me, what, error };
+    let delta_err = |peer: Endpoint| move |error: String| CommExecError::Delta { me, peer, round: r, error };
+    let first = r.checked_mul(2).ok_or_else(|| mem_err("numbering the round's groups")(format!("round {r} passes u32 groups")))?;
+    let host_len = |len: u64| usize::try_from(len).map_err(|_| format!("a message of {len} bytes does not fit this host"));
+    // Encode every outgoing message (its dense bytes go to the memo).
+    let mut encoded = Vec::with_capacity(x.sends.len());
+    for (i, m) in x.sends.iter().enumerate() {
+        let mut dense = vec![0u8; host_len(out.lens[i]).map_err(delta_err(m.peer))?];
+        memory.read_staging(Staging::Send, out.dense.0[i], &mut dense).map_err(mem_err("reading a packed message"))?;
+        let unit = unit_of(m.pieces.views().map(|p| p.wire()));
+        let key = (r, m.peer);
+        let base = d.base.as_mut().and_then(|b| b.sent.remove(&key));
+        let e = encode(base.as_deref(), &dense, unit);
+        d.wire_bytes = d.wire_bytes.saturating_add(e.len() as u64);
+        d.next.sent.insert(key, dense);
+        encoded.push(e);
+    }
+    // Group 1: the lengths.
+    let mut ops = Vec::new();
+    for (i, e) in encoded.iter().enumerate() {
+        let at = out.sizes.0[i];
+        memory.write_staging(Staging::Send, at, &(e.len() as u64).to_le_bytes()).map_err(mem_err("writing a message's length"))?;
+        ops.push(P2p::Send { peer: x.to_peers[i], addr: sbase + at, bytes: 8 });
+    }
+    for (i, &peer) in x.from_peers.iter().enumerate() {
+        ops.push(P2p::Recv { peer, addr: rbase + into.sizes.0[i], bytes: 8 });
+    }
+    let after = memory.fence().map_err(mem_err("ordering the group after packing"))?;
+    // SAFETY: as for the dense group: every address lies in the send or
+    // receive staging, inside the round's layout that sized it.
+    unsafe { comm.group(first, ops, after, deadline) }?;
+    let mut lens = Vec::with_capacity(x.recvs.len());
+    for (i, m) in x.recvs.iter().enumerate() {
+        let mut word = [0u8; 8];
+        memory.read_staging(Staging::Recv, into.sizes.0[i], &mut word).map_err(mem_err("reading a message's length"))?;
+        let len = u64::from_le_bytes(word);
+        let most = into.lens[i].saturating_add(crate::delta::HEADER as u64);
+        if len > most {
+            return Err(delta_err(m.peer)(format!("an encoding of {len} bytes announced, at most {most} expected")));
+        }
+        lens.push(len);
+    }
+    // Group 2: the encodings.
+    let mut ops = Vec::new();
+    for (i, e) in encoded.iter().enumerate() {
+        let at = out.encoded.0[i];
+        memory.write_staging(Staging::Send, at, e).map_err(mem_err("writing an encoded message"))?;
+        ops.push(P2p::Send { peer: x.to_peers[i], addr: sbase + at, bytes: e.len() as u64 });
+    }
+    for (i, &peer) in x.from_peers.iter().enumerate() {
+        ops.push(P2p::Recv { peer, addr: rbase + into.encoded.0[i], bytes: lens[i] });
+    }
+    let after = memory.fence().map_err(mem_err("ordering the group after encoding"))?;
+    // SAFETY: as above; each receive's length was checked to fit its slot.
+    unsafe { comm.group(first + 1, ops, after, deadline) }?;
+    // Rebuild every received message, then write them back dense (the
+    // dense layout overlaps the encodings').
+    let mut rebuilt = Vec::with_capacity(x.recvs.len());
+    for (i, m) in x.recvs.iter().enumerate() {
+        let mut e = vec![0u8; host_len(lens[i]).map_err(delta_err(m.peer))?];
+        memory.read_staging(Staging::Recv, into.encoded.0[i], &mut e).map_err(mem_err("reading an encoded message"))?;
+        let unit = unit_of(m.pieces.views().map(|p| p.wire()));
+        let key = (r, m.peer);
+        let base = d.base.as_mut().and_then(|b| b.received.remove(&key));
+        let dense = decode(base, &e, unit, into.lens[i]).map_err(|e| delta_err(m.peer)(e.to_string()))?;
+        rebuilt.push((key, dense));
+    }
+    for (i, (key, dense)) in rebuilt.into_iter().enumerate() {
+        memory.write_staging(Staging::Recv, into.dense.0[i], &dense).map_err(mem_err("writing a rebuilt message"))?;
+        d.next.received.insert(key, dense);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -352,6 +352,23 @@ impl<'a> SimMemory<'a> {
 
     /// The region `side` names (a buffer of the rank, its staging or its
     /// exported bucket), if the piece fits it.
+    /// Bytes `at..at + len` of staging `which` (the exported bucket, for
+    /// sends, where there is one); an error naming the staging if they
+    /// are not all inside it.
+    fn staging_bytes(&mut self, which: Staging, at: u64, len: usize) -> Result<&mut [u8], String> {
+        let all: &mut [u8] = match (which, &self.bucket) {
+            // SAFETY: the bucket is this rank's, alive while `self` holds
+            // it; peers read it only inside a group (between its doorbells),
+            // and this is called between groups, so nothing else touches it.
+            (Staging::Send, Some(b)) => unsafe { std::slice::from_raw_parts_mut(b.ptr, b.len) },
+            (Staging::Send, None) => &mut self.send,
+            (Staging::Recv, _) => &mut self.recv,
+        };
+        let held = all.len();
+        let range = usize::try_from(at).ok().and_then(|s| Some(s..s.checked_add(len)?));
+        range.and_then(|r| all.get_mut(r)).ok_or_else(|| format!("{len} bytes at {at} of the {which:?} staging, which holds {held}"))
+    }
+
     fn region_of(&mut self, block: &Block, side: &Side) -> Option<Region> {
         let buffers = self.addrs.iter().zip(&self.lens).map(|(&at, &len)| Region { at, len });
         let staging = [&mut self.send, &mut self.recv].into_iter().map(|s| Region { at: s.as_mut_ptr() as u64, len: s.len() });
@@ -538,6 +555,17 @@ impl PlaneMemory for SimMemory<'_> {
         kept.push(std::mem::take(&mut self.send));
         kept.push(std::mem::take(&mut self.recv));
         bytes
+    }
+
+    fn read_staging(&mut self, which: Staging, at: u64, out: &mut [u8]) -> Result<(), String> {
+        let from = self.staging_bytes(which, at, out.len())?;
+        out.copy_from_slice(from);
+        Ok(())
+    }
+
+    fn write_staging(&mut self, which: Staging, at: u64, bytes: &[u8]) -> Result<(), String> {
+        self.staging_bytes(which, at, bytes.len())?.copy_from_slice(bytes);
+        Ok(())
     }
 
     fn finish(&mut self, program: &RankProgram) -> Result<(), String> {

@@ -1,33 +1,12 @@
-//! The executor's delta glue ([`crate::delta`]): a rank's delta run (the
-//! base refit's memo and this run's), and each message encoded against
-//! its base on the way out and rebuilt on it on the way in.
+//! The executor's delta glue ([`crate::delta`]): each message of a
+//! rank's delta run ([`DeltaRun`]) encoded against its base on the way out
+//! and rebuilt on it on the way in.
 
 use super::pack::Unpack;
 use super::ExecError;
-use crate::delta::{decode, encode, DeltaMemo};
+use crate::delta::{decode, encode, unit_of, DeltaRun};
 use crate::transport::Payload;
-use reshard::{DType, Endpoint, Message, RecvPiece, SendPiece};
-
-/// A delta refit on one rank ([`crate::delta`]): every message goes as
-/// what changed since the same message of the base refit (`base`, this
-/// rank's memo of it; `None`: dense this time), and the run leaves its own
-/// memo for the next one. Every destination element is still written.
-pub struct DeltaRun {
-    /// The memo of the base refit, if this rank has it (used up as the
-    /// run goes: each message's base is patched into this run's memo).
-    pub base: Option<DeltaMemo>,
-    /// This run's memo (filled as messages go and come).
-    pub next: DeltaMemo,
-    /// Bytes this rank put on the wire (encodings, headers included).
-    pub wire_bytes: u64,
-}
-
-impl DeltaRun {
-    /// A delta run on `base`.
-    pub fn new(base: Option<DeltaMemo>) -> DeltaRun {
-        DeltaRun { base, next: DeltaMemo::default(), wire_bytes: 0 }
-    }
-}
+use reshard::{Endpoint, Message, RecvPiece, SendPiece};
 
 /// A message's packed bytes, encoded against the same message of the base
 /// refit (see [`crate::delta`]); the packed bytes go into this run's memo.
@@ -48,20 +27,13 @@ pub(super) fn delta_encode(
     unsafe { crate::frame::for_payload_runs(&payload, |r| dense.extend_from_slice(r)) }
         .map_err(|e| ExecError::Setup(format!("{me}: packing a delta message: {e}")))?;
     drop(payload);
-    let unit = delta_unit(msg.pieces.views().map(|p| p.wire()));
+    let unit = unit_of(msg.pieces.views().map(|p| p.wire()));
     let key = (round, msg.peer);
     let base = d.base.as_mut().and_then(|b| b.sent.remove(&key));
     let encoded = encode(base.as_deref(), &dense, unit);
     d.wire_bytes += encoded.len() as u64;
     d.next.sent.insert(key, dense);
     Ok(Payload::Bytes(encoded))
-}
-
-/// The unit a delta message of pieces of these wire types is encoded in:
-/// the smallest element size among them, so a unit never straddles two
-/// elements.
-fn delta_unit(wires: impl Iterator<Item = DType>) -> usize {
-    wires.map(|w| w.size() as usize).min().unwrap_or(1)
 }
 
 /// A delta message's whole packed bytes, rebuilt on the base refit's copy
@@ -93,5 +65,5 @@ pub(super) fn delta_decode(
     };
     let key = (round, peer);
     let base = d.base.as_mut().and_then(|b| b.received.remove(&key));
-    decode(base, &encoded, delta_unit(msg.pieces.views().map(|p| p.wire())), len).map_err(|e| Unpack::Bad(e.to_string()))
+    decode(base, &encoded, unit_of(msg.pieces.views().map(|p| p.wire())), len).map_err(|e| Unpack::Bad(e.to_string()))
 }
