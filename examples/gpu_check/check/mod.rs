@@ -12,7 +12,7 @@ use device::{environment, kernels, registered_lies};
 use executor::{layout_pairs, throughput};
 use ipc::{ipc, ipc_abort_in_flight, ipc_bucket, ipc_exporter};
 use nccl::{nccl, nccl_missing_peer};
-use orchestrated::{ipc_members, nccl_same_device, orchestrated_ipc, orchestrated_ipc_in_place, orchestrated_on_gpus};
+use orchestrated::{ipc_delta, ipc_members, nccl_same_device, orchestrated_ipc, orchestrated_ipc_in_place, orchestrated_on_gpus};
 use reshard::{parse_layout, BufferKey, BufferSpec, DType, Layout};
 use serde_json::{json, Value};
 use std::io::Write;
@@ -67,6 +67,7 @@ const CHECKS: &[Spec] = &[
     Spec { name: "throughput", timeout_s: 200, expected_s: 110, run: throughput },
     Spec { name: "orchestrator-ipc", timeout_s: 60, expected_s: 1, run: orchestrated_ipc },
     Spec { name: "orchestrator-ipc-in-place", timeout_s: 60, expected_s: 1, run: orchestrated_ipc_in_place },
+    Spec { name: "orchestrator-ipc-delta", timeout_s: 60, expected_s: 2, run: ipc_delta },
     Spec { name: "ipc-abort-in-flight", timeout_s: 60, expected_s: 1, run: ipc_abort_in_flight },
     Spec { name: "registered-lies", timeout_s: 30, expected_s: 1, run: registered_lies },
     Spec { name: "nccl-same-device", timeout_s: 30, expected_s: 1, run: nccl_same_device },

@@ -1,8 +1,9 @@
 //! Checks through the orchestrator: refits on the NCCL fabric over
 //! several GPUs (`orchestrator`), colocated refits on the CUDA IPC fabric
 //! between a child process and this one (`orchestrator-ipc`, in place or
-//! not), and two ranks of one communicator on one GPU refused
-//! (`nccl-same-device`).
+//! not), delta refits on the IPC fabric in this process
+//! (`orchestrator-ipc-delta`), and two ranks of one communicator on one
+//! GPU refused (`nccl-same-device`).
 
 use super::{e2s, Ctx};
 use reshard::{parse_layout, Endpoint};
@@ -276,6 +277,71 @@ pub(super) fn nccl_same_device(_ctx: &Ctx) -> Result<(String, Value), String> {
             )),
             Err(e) => Err(format!("after {took:?}, not the same-device refusal: {e}")),
         }
+    })
+}
+
+/// Delta refits on the CUDA IPC fabric, every member in this process on
+/// this GPU: the first refit dense in its encodings, then two after a
+/// few hundred elements changed, each checked element by element, the
+/// later ones sending a small fraction of the bytes (each message read
+/// from the device, encoded on the host, and written back).
+pub(super) fn ipc_delta(_ctx: &Ctx) -> Result<(String, Value), String> {
+    use actors::{spawn, ActorGroup, SpawnConfig};
+    use orchestrator::{
+        spawn_orchestrator, CommPlane, DstStore, Fabric, IpcFabric, Member, MemberConfig, OrchestratorConfig, Role, SrcStore,
+    };
+    use std::sync::Arc;
+    let (src, dst) = (Arc::new(parse_layout(IPC_SRC).map_err(e2s)?), Arc::new(parse_layout(IPC_DST).map_err(e2s)?));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().map_err(e2s)?;
+    rt.block_on(async {
+        let config =
+            OrchestratorConfig { fabric: Fabric::Ipc(IpcFabric::new(CommPlane::Cuda)), delta: true, ..OrchestratorConfig::default() };
+        let on_gpu0 = MemberConfig { gpu: Some(0), ..MemberConfig::default() };
+        let spawn_config = SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
+        let src_stores: Vec<_> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
+        let dst_stores: Vec<_> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
+        let member = |layout: &Arc<reshard::Layout>, r: u32, role: Role| {
+            spawn(Member::with_config(layout.clone(), r, role, on_gpu0.clone()), spawn_config.clone())
+        };
+        let srcs = src_stores.iter().enumerate().map(|(r, s)| member(&src, r as u32, Role::Src(s.clone()))).collect();
+        let dsts = dst_stores.iter().enumerate().map(|(r, s)| member(&dst, r as u32, Role::Dst(s.clone()))).collect();
+        let orchestrator = spawn_orchestrator(ActorGroup::from_refs(srcs), ActorGroup::from_refs(dsts), config);
+        // Step k changes the first 300 elements of each source's rows.
+        let value = |at: &[u64], k: u64| if at[1] < 300 && at[0].is_multiple_of(512) { ipc_value(at) + k as f32 } else { ipc_value(at) };
+        let (mut bytes, mut checked) = (Vec::new(), 0u64);
+        for k in 1..=3u64 {
+            let mut version = 0;
+            for s in &src_stores {
+                version = s.try_update(|b| b.tensor_mut("w")?.map_f32(|at, _| value(at, k))).await.map_err(e2s)?.0;
+            }
+            let report = orchestrator.refit(version).await.map_err(|e| format!("refit {k}: {e}"))?;
+            for (r, store) in dst_stores.iter().enumerate() {
+                let snap = store.snapshot().ok_or(format!("refit {k}: dst[{r}] serves nothing"))?;
+                if snap.version != version {
+                    return Err(format!("refit {k}: dst[{r}] serves version {}, not {version}", snap.version));
+                }
+                let view = snap.buffers.tensor("w").map_err(e2s)?;
+                let got = view.to_f32().map_err(e2s)?;
+                let mut bad = None;
+                view.for_each_index(|i, at| {
+                    if bad.is_none() && got[i] != value(at, k) {
+                        bad = Some(at.to_vec());
+                    }
+                });
+                if let Some(at) = bad {
+                    return Err(format!("refit {k}: MISMATCH: dst[{r}] element {at:?}"));
+                }
+                checked += got.len() as u64;
+            }
+            bytes.push(report.bytes);
+        }
+        if bytes[1] * 4 > bytes[0] || bytes[2] * 4 > bytes[0] {
+            return Err(format!("delta refits sent {bytes:?} bytes: the later ones should be a small fraction of the first"));
+        }
+        Ok((
+            format!("3 delta refits on the IPC fabric, one GPU: {bytes:?} bytes on the wire, {checked} elements checked"),
+            json!({ "bytes": bytes, "elements": checked }),
+        ))
     })
 }
 
