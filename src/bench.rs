@@ -5,8 +5,8 @@
 use crate::runner::{prepare_plan, RunError};
 use reshard::{Layout, Plan, Strategy};
 use std::time::{Duration, Instant};
-use transport::tcp::{tcp_fabric_for, TcpConfig, TcpTransport};
 use transport::ExecOptions;
+use transport::{tcp_fabric_for, TcpConfig, TcpTransport};
 
 /// Medians of one side-by-side benchmark.
 #[derive(Clone, Debug)]
@@ -249,8 +249,8 @@ pub fn delta_bench(
     for i in 0..reps {
         phase(&rep_phase(i + 1, reps, "delta and dense"));
         change_sources(&mut p.memory[..n_src], fraction, i as u64 + 1);
-        let mut delta = |p: &mut crate::runner::Prepared, memos: &mut Vec<transport::delta::DeltaMemo>| -> Result<(), RunError> {
-            let bases: Vec<Option<transport::delta::DeltaMemo>> = std::mem::take(memos).into_iter().map(Some).collect();
+        let mut delta = |p: &mut crate::runner::Prepared, memos: &mut Vec<transport::DeltaMemo>| -> Result<(), RunError> {
+            let bases: Vec<Option<transport::DeltaMemo>> = std::mem::take(memos).into_iter().map(Some).collect();
             let (report, next) = transport::run_local_delta(&p.programs, &mut p.memory, &exec, bases)?;
             *memos = next;
             td.push(report.elapsed);

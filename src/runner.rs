@@ -129,7 +129,7 @@ impl Prepared {
     /// Executes every rank's program as a thread of this process, talking
     /// over loopback TCP streams.
     pub fn execute_tcp(&mut self, options: &ExecOptions) -> Result<ExecReport, RunError> {
-        let report = transport::run_tcp(&self.programs, &mut self.memory, options, &transport::tcp::TcpConfig::default())?;
+        let report = transport::run_tcp(&self.programs, &mut self.memory, options, &transport::TcpConfig::default())?;
         self.checked(report)
     }
 
@@ -181,8 +181,8 @@ impl Prepared {
     /// [`verify`](Self::verify) checks them).
     #[cfg(feature = "cuda")]
     pub fn execute_cuda(&mut self) -> Result<ExecReport, RunError> {
-        use transport::cuda::device::{DeviceMemory, GpuDevice};
-        use transport::cuda::exec::run_device;
+        use transport::cuda::run_device;
+        use transport::cuda::{DeviceMemory, GpuDevice};
         let gpu = |e: String| RunError::Gpu(e);
         let dev = GpuDevice::open(0).map_err(|e| gpu(e.to_string()))?;
         let mut device = DeviceMemory::for_programs(&dev, &self.programs).map_err(|e| gpu(e.to_string()))?;
@@ -203,11 +203,11 @@ impl Prepared {
     /// back to host memory (so [`verify`](Self::verify) checks them).
     #[cfg(feature = "cuda")]
     pub fn execute_nccl(&mut self, deadline: Duration) -> Result<ExecReport, RunError> {
-        use transport::cuda::comm::CommConfig;
-        use transport::cuda::device::{DeviceMemory, GpuDevice};
-        use transport::cuda::id::CommId;
-        use transport::cuda::nccl::{create_comms, run_rank_nccl};
-        use transport::cuda::plane::comm_rank;
+        use transport::cuda::comm_rank;
+        use transport::cuda::CommConfig;
+        use transport::cuda::CommId;
+        use transport::cuda::{create_comms, run_rank_nccl};
+        use transport::cuda::{DeviceMemory, GpuDevice};
         let gpu = |e: String| RunError::Gpu(e);
         let src_ranks = self.src_ranks as u32;
         let nranks = self.programs.len() as u32;

@@ -140,7 +140,12 @@ fn the_orchestrator_api_names_transport_types_only_where_known() {
 /// The names a crate's `lib.rs` makes public with `pub use` (the part after
 /// `as` where renamed).
 fn root_exports(krate: &str) -> Vec<String> {
-    let path = Path::new(ROOT).join(krate).join("src").join("lib.rs");
+    exports_of(&format!("{krate}/src/lib.rs"))
+}
+
+/// The names a module file's `pub use` list exports.
+fn exports_of(file: &str) -> Vec<String> {
+    let path = Path::new(ROOT).join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut names = Vec::new();
     let mut rest = text.as_str();
@@ -162,6 +167,14 @@ fn root_exports(krate: &str) -> Vec<String> {
 /// The names code outside `krate/src` takes from `krate` (`krate::Name`,
 /// `use krate::{A, B}`), and the names the docs write as `krate::Name`.
 fn names_used_from(krate: &str) -> std::collections::BTreeSet<String> {
+    names_used_through(krate, krate)
+}
+
+/// The names code outside `own/src` takes through the path `prefix`
+/// (`prefix::Name`, `use prefix::{A, B}`), and the names the docs write
+/// so.
+fn names_used_through(prefix: &str, own: &str) -> std::collections::BTreeSet<String> {
+    let krate = own;
     let mut files = Vec::new();
     for dir in ["src", "reshard", "transport", "orchestrator", "actors", "tests", "examples", "python/src", "fuzz/fuzz_targets"] {
         let path = Path::new(ROOT).join(dir);
@@ -179,7 +192,7 @@ fn names_used_from(krate: &str) -> std::collections::BTreeSet<String> {
     texts.push(std::fs::read_to_string(Path::new(ROOT).join("README.md")).unwrap_or_default());
     let ident = |s: &str| s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>();
     let mut used = std::collections::BTreeSet::new();
-    let prefix = format!("{krate}::");
+    let prefix = format!("{prefix}::");
     for text in &texts {
         let mut rest = text.as_str();
         while let Some(at) = rest.find(&prefix) {
@@ -235,6 +248,47 @@ fn every_public_item_of_the_planner_is_used_outside_it() {
     assert!(public_modules.is_empty(), "public modules in reshard: {public_modules:?}");
 }
 
+/// Items of the data plane's face that nothing outside names, public
+/// because a public item's signature names them (name, where).
+const TRANSPORT_PUBLIC_FOR_SIGNATURES: &[(&str, &str)] = &[
+    ("Congestion", "TcpConfig::congestion"),
+    ("FrameHook", "TcpConfig::hook"),
+    ("FrameAction", "FrameHook::data_frame"),
+    ("Lent", "Payload::Lent"),
+    ("SentPieces", "Payload::Pieces"),
+    ("SentPiece", "SentPieces::pieces"),
+    ("Waiting", "TransportError::Timeout"),
+    ("DeviceExecError", "cuda::DeviceRun::prepare"),
+    ("ScheduleError", "cuda::DeviceExecError::Schedule"),
+];
+
+/// Every name the data plane exports (its root `pub use` list and the
+/// GPU plane's, `transport::cuda`) is used by another crate, a test, an
+/// example or the docs, or named by the signature of one that is; every
+/// module is private but `cuda` and `delta` (issue 34).
+#[test]
+fn every_public_item_of_the_data_plane_is_used_outside_it() {
+    let mut unused = Vec::new();
+    let mut exported_all = Vec::new();
+    for (face, file) in [("transport", "transport/src/lib.rs"), ("transport::cuda", "transport/src/cuda/mod.rs")] {
+        let used = names_used_through(face, "transport");
+        let exported = exports_of(file);
+        assert!(exported.len() > 20, "{file}'s `pub use` list was not read: {exported:?}");
+        let for_signatures = |n: &String| TRANSPORT_PUBLIC_FOR_SIGNATURES.iter().any(|(name, _)| name == n);
+        unused.extend(exported.iter().filter(|n| !used.contains(*n) && !for_signatures(n)).map(|n| format!("{face}::{n}")));
+        exported_all.extend(exported);
+    }
+    assert!(unused.is_empty(), "transport exports items nothing outside it uses (make them pub(crate)): {unused:?}");
+    let stale: Vec<&str> =
+        TRANSPORT_PUBLIC_FOR_SIGNATURES.iter().map(|(n, _)| *n).filter(|n| !exported_all.iter().any(|e| e == n)).collect();
+    assert!(stale.is_empty(), "TRANSPORT_PUBLIC_FOR_SIGNATURES names items transport no longer exports: {stale:?}");
+    for (file, allowed) in [("transport/src/lib.rs", &["pub mod cuda;", "pub mod delta;"][..]), ("transport/src/cuda/mod.rs", &[][..])] {
+        let text = std::fs::read_to_string(Path::new(ROOT).join(file)).expect(file);
+        let public: Vec<&str> = text.lines().filter(|l| l.starts_with("pub mod ") && !allowed.contains(l)).collect();
+        assert!(public.is_empty(), "public modules in {file}: {public:?}");
+    }
+}
+
 /// The verification pattern is test and tooling machinery (`transport`'s
 /// `testkit` feature): the orchestrator and the Python package, which
 /// users embed, never use it, and build without it.
@@ -255,4 +309,131 @@ fn production_crates_never_use_the_verification_pattern() {
     }
     let orchestrator = std::fs::read_to_string(Path::new(ROOT).join("orchestrator/Cargo.toml")).expect("orchestrator/Cargo.toml");
     assert!(!orchestrator.contains("testkit"), "the orchestrator turns transport's testkit on");
+}
+
+/// The top-level modules of `krate/src` and, for each, the others its
+/// code names (`crate::m`, `crate::{m, ..}`, or a name the crate root
+/// re-exports from `m`); comments and `#[cfg(test)]` modules are not
+/// read.
+fn module_graph(krate: &str) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    use std::collections::{BTreeMap, BTreeSet};
+    let src = Path::new(ROOT).join(krate).join("src");
+    let mut modules: BTreeMap<String, Vec<std::path::PathBuf>> = BTreeMap::new();
+    for entry in std::fs::read_dir(&src).expect("src/").flatten() {
+        let path = entry.path();
+        let name = path.file_stem().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        if name == "lib" || name == "main" {
+            continue;
+        }
+        let files = if path.is_dir() { sources(&path) } else { vec![path.clone()] };
+        modules.entry(name).or_default().extend(files);
+    }
+    // Names the root re-exports, by the module they come from.
+    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("lib.rs");
+    let mut reexported: BTreeMap<String, String> = BTreeMap::new();
+    let mut rest = lib.as_str();
+    while let Some(at) = rest.find("pub use ") {
+        rest = &rest[at + "pub use ".len()..];
+        let end = rest.find(';').unwrap_or(rest.len());
+        let item = &rest[..end];
+        let module = item.split("::").next().unwrap_or_default().trim().to_string();
+        let list = match (item.find('{'), item.rfind('}')) {
+            (Some(a), Some(b)) => item[a + 1..b].to_string(),
+            _ => item.rsplit("::").next().unwrap_or(item).to_string(),
+        };
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            reexported.insert(name.to_string(), module.clone());
+        }
+    }
+    let ident = |s: &str| s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>();
+    let mut graph = BTreeMap::new();
+    for (name, files) in &modules {
+        let mut uses = BTreeSet::new();
+        for f in files {
+            let text = std::fs::read_to_string(f).unwrap_or_default();
+            // Code only: up to a test module, without comment lines.
+            let code: String = text
+                .split("#[cfg(test)]\nmod tests")
+                .next()
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let mut rest = code.as_str();
+            while let Some(at) = rest.find("crate::") {
+                rest = &rest[at + "crate::".len()..];
+                let names: Vec<String> = match rest.strip_prefix('{') {
+                    Some(list) => list[..list.find('}').unwrap_or(list.len())].split(',').map(|n| ident(n.trim())).collect(),
+                    None => vec![ident(rest)],
+                };
+                for n in names {
+                    let target = if modules.contains_key(&n) { Some(n) } else { reexported.get(&n).cloned() };
+                    if let Some(t) = target.filter(|t| t != name) {
+                        uses.insert(t);
+                    }
+                }
+            }
+        }
+        graph.insert(name.clone(), uses);
+    }
+    graph
+}
+
+/// The pairs of modules that reach each other (a circle), each once.
+fn circles(graph: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>) -> Vec<(String, String)> {
+    let reaches = |from: &str, to: &str| {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut todo = vec![from.to_string()];
+        while let Some(m) = todo.pop() {
+            for n in graph.get(&m).into_iter().flatten() {
+                if n == to {
+                    return true;
+                }
+                if seen.insert(n.clone()) {
+                    todo.push(n.clone());
+                }
+            }
+        }
+        false
+    };
+    let names: Vec<&String> = graph.keys().collect();
+    let mut out = Vec::new();
+    for (i, a) in names.iter().enumerate() {
+        for b in &names[i + 1..] {
+            if reaches(a, b) && reaches(b, a) {
+                out.push((a.to_string(), b.to_string()));
+            }
+        }
+    }
+    out
+}
+
+/// The planner's and the data plane's top-level modules depend on each
+/// other without circles (issue 34), so each can be read from the bottom
+/// up; circles still there are listed and may only go.
+#[test]
+fn modules_of_the_planner_and_the_data_plane_form_no_circles() {
+    for (krate, allowed) in [("reshard", &[][..]), ("transport", &[][..])] {
+        let graph = module_graph(krate);
+        assert!(graph.len() > 8, "{krate}: modules not read: {graph:?}");
+        let found = circles(&graph);
+        let allowed: Vec<(String, String)> = allowed.iter().map(|(a, b): &(&str, &str)| (a.to_string(), b.to_string())).collect();
+        let new: Vec<&(String, String)> = found.iter().filter(|c| !allowed.contains(c)).collect();
+        assert!(new.is_empty(), "{krate}: modules that reach each other: {new:?}\n{graph:#?}");
+        let gone: Vec<&(String, String)> = allowed.iter().filter(|c| !found.contains(c)).collect();
+        assert!(gone.is_empty(), "{krate}: circles listed as allowed are gone, strike them: {gone:?}");
+    }
+}
+
+/// The circle finder finds a circle through a third module, and only it.
+#[test]
+fn the_circle_finder_finds_circles() {
+    let graph: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        [("a", &["b"][..]), ("b", &["c"]), ("c", &["a"]), ("d", &["a"])]
+            .into_iter()
+            .map(|(m, uses)| (m.to_string(), uses.iter().map(|u| u.to_string()).collect()))
+            .collect();
+    let pair = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(circles(&graph), vec![pair("a", "b"), pair("a", "c"), pair("b", "c")]);
 }

@@ -17,7 +17,7 @@ use reshard::{convert_slice, wire_dtype};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::time::Duration;
-use transport::pattern::{pattern_value, tensor_seed};
+use transport::{pattern_value, tensor_seed};
 use transport::{ExecOptions, RankMemory};
 
 // ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@
 //!   over both groups from that id (non-blocking: the members of a
 //!   process create theirs at the same time, each on its own thread) and
 //!   waits for it; `Run` is the communicator executor
-//!   ([`transport::cuda::plane::run_rank_comm`]). A run that fails aborts
+//!   ([`transport::cuda::run_rank_comm`]). A run that fails aborts
 //!   the communicator at once (peers then fail instead of waiting), within
 //!   the abort timeout; the next refit creates a new one with a new id.
 //!   A communicator end dropped unused is aborted on a thread of its own.
@@ -29,13 +29,13 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::cuda::comm::{CommConfig, CommHandle};
-use transport::cuda::id::CommId;
-use transport::cuda::ipc::IpcHandle;
-use transport::cuda::ipc_comm::IpcComm;
-use transport::cuda::plane::{comm_rank, run_rank_comm, send_staging_bytes};
-use transport::cuda::sim::{sim_comm, sim_comm_id, SimBucket, SimIpc, SimMemory};
-use transport::tcp::TcpConfig;
+use transport::cuda::CommId;
+use transport::cuda::IpcComm;
+use transport::cuda::IpcHandle;
+use transport::cuda::{comm_rank, run_rank_comm, send_staging_bytes};
+use transport::cuda::{sim_comm, sim_comm_id, SimBucket, SimIpc, SimMemory};
+use transport::cuda::{CommConfig, CommHandle};
+use transport::TcpConfig;
 use transport::{DeltaRun, RankMemory, RankStats};
 
 /// The smallest frame limit a data-plane endpoint sets: room for an abort's
@@ -102,7 +102,7 @@ pub(crate) enum Bucket {
     Sim(SimIpc),
     /// Device memory, exported through CUDA IPC.
     #[cfg(feature = "cuda")]
-    Gpu(Box<transport::cuda::ipc_comm::gpu::GpuIpc>),
+    Gpu(Box<transport::cuda::GpuIpc>),
 }
 
 impl Bucket {
@@ -121,7 +121,7 @@ impl Bucket {
             Bucket::Sim(b) => PackInto::Sim(b.bucket()),
             #[cfg(feature = "cuda")]
             Bucket::Gpu(b) => {
-                use transport::cuda::ipc_comm::IpcMemory as _;
+                use transport::cuda::IpcMemory as _;
                 let (base, len) = b.staging();
                 PackInto::Gpu { base, len }
             }
@@ -154,7 +154,7 @@ pub(crate) struct CommEnd {
     /// The rank's device buffers (NCCL), kept between the runs of this
     /// communicator.
     #[cfg(feature = "cuda")]
-    device: Option<(transport::cuda::device::GpuDevice, transport::cuda::device::DeviceMemory)>,
+    device: Option<(transport::cuda::GpuDevice, transport::cuda::DeviceMemory)>,
     /// Scratch buffers of a program run on registered memory, kept between
     /// the runs of this communicator (every run writes scratch before it
     /// reads it).
@@ -168,7 +168,7 @@ struct Scratch {
     host: Vec<Vec<u8>>,
     /// On the device, with it.
     #[cfg(feature = "cuda")]
-    device: Option<(transport::cuda::device::GpuDevice, transport::cuda::device::DeviceMemory)>,
+    device: Option<(transport::cuda::GpuDevice, transport::cuda::DeviceMemory)>,
 }
 
 impl Drop for CommEnd {
@@ -229,7 +229,7 @@ impl CommEnd {
             }
             #[cfg(feature = "cuda")]
             CommPlane::Cuda => {
-                use transport::cuda::device::{DeviceMemory, GpuDevice};
+                use transport::cuda::{DeviceMemory, GpuDevice};
                 let want: Vec<usize> = memory.buffers.iter().map(Vec::len).collect();
                 if !matches!(&self.device, Some((_, m)) if m.buffer_lens() == want.as_slice()) {
                     self.device = None;
@@ -292,7 +292,7 @@ impl CommEnd {
             }
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
-                use transport::cuda::device::{DeviceMemory, GpuDevice};
+                use transport::cuda::{DeviceMemory, GpuDevice};
                 let want: Vec<usize> = scratch_specs.iter().map(bytes).collect();
                 if self.scratch.device.as_ref().is_none_or(|(_, m)| m.buffer_lens() != want.as_slice()) {
                     self.scratch.device = None;
@@ -335,7 +335,7 @@ impl CommEnd {
             }
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
-                use transport::cuda::device::{DeviceMemory, GpuDevice};
+                use transport::cuda::{DeviceMemory, GpuDevice};
                 let regions = registered_regions(program, &registered.current()?)?;
                 let lens: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
                 let fits = matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Device(_, m), .. })
@@ -384,17 +384,17 @@ impl CommEnd {
 #[cfg(feature = "cuda")]
 fn gpu_plane<'a>(
     packs_into: Option<&PackInto>,
-    dev: &'a transport::cuda::device::GpuDevice,
-    mem: &'a mut transport::cuda::device::DeviceMemory,
+    dev: &'a transport::cuda::GpuDevice,
+    mem: &'a mut transport::cuda::DeviceMemory,
     me: Endpoint,
-) -> Result<transport::cuda::nccl::GpuPlane<'a>, String> {
+) -> Result<transport::cuda::DevicePlaneMemory<'a>, String> {
     dev.bind().map_err(|e| format!("{me}: {e}"))?;
     Ok(match packs_into {
         // SAFETY: the bucket is device memory of this GPU, held by the
         // communicator's thread until it is dropped (or for good after a
         // failure), past this run.
-        Some(PackInto::Gpu { base, len }) => unsafe { transport::cuda::nccl::GpuPlane::with_bucket(dev, mem, *base, *len) },
-        _ => transport::cuda::nccl::GpuPlane::new(dev, mem),
+        Some(PackInto::Gpu { base, len }) => unsafe { transport::cuda::DevicePlaneMemory::with_bucket(dev, mem, *base, *len) },
+        _ => transport::cuda::DevicePlaneMemory::new(dev, mem),
     })
 }
 
@@ -452,7 +452,7 @@ enum StagingMemory {
     Host(RankMemory),
     /// A bucket on the member's GPU.
     #[cfg(feature = "cuda")]
-    Device(transport::cuda::device::GpuDevice, transport::cuda::device::DeviceMemory),
+    Device(transport::cuda::GpuDevice, transport::cuda::DeviceMemory),
 }
 
 impl StagingMemory {
@@ -620,8 +620,7 @@ impl Endpointed {
             CommPlane::Cuda => {
                 transport::gpu_plane_available(transport::GpuPlane::Nccl, 1).map_err(|e| format!("NCCL transport unavailable: {e}"))?;
                 let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu) for the NCCL fabric"))?;
-                transport::cuda::device::device_uuid(ordinal)
-                    .map_err(|e| format!("NCCL transport unavailable: {me}'s GPU {ordinal}: {e}"))?
+                transport::cuda::device_uuid(ordinal).map_err(|e| format!("NCCL transport unavailable: {me}'s GPU {ordinal}: {e}"))?
             }
             #[cfg(not(feature = "cuda"))]
             CommPlane::Cuda => return Err(unavailable_nccl()),
@@ -665,7 +664,7 @@ impl Endpointed {
             #[cfg(feature = "cuda")]
             CommPlane::Cuda => {
                 let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu) for the NCCL fabric"))?;
-                CommHandle::start(config, &id.tag(), move || transport::cuda::nccl::NcclBackend::create(ordinal, id, rank, nranks))
+                CommHandle::start(config, &id.tag(), move || transport::cuda::NcclBackend::create(ordinal, id, rank, nranks))
             }
             #[cfg(not(feature = "cuda"))]
             CommPlane::Cuda => return Err(unavailable_nccl()),
@@ -695,7 +694,7 @@ impl Endpointed {
                 let me = program.endpoint;
                 transport::gpu_plane_available(transport::GpuPlane::Device, 1).map_err(|e| format!("IPC transport unavailable: {e}"))?;
                 let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu) for the IPC fabric"))?;
-                let (b, h) = transport::cuda::ipc_comm::gpu::GpuIpc::export(ordinal, me, bytes)
+                let (b, h) = transport::cuda::GpuIpc::export(ordinal, me, bytes)
                     .map_err(|e| format!("IPC transport unavailable: exporting {me}'s bucket: {e}"))?;
                 (Bucket::Gpu(Box::new(b)), h)
             }

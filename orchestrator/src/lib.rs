@@ -261,7 +261,7 @@ impl RefitSystem {
 /// The settings of an in-process member: on the NCCL and IPC fabrics,
 /// rank `i` of the communicator (sources first) uses GPU `i`.
 fn in_process_member(endpoint: Endpoint, src_ranks: u32, fabric: &Fabric) -> MemberConfig {
-    let gpu = matches!(fabric, Fabric::Nccl(_) | Fabric::Ipc(_)).then(|| transport::cuda::plane::comm_rank(endpoint, src_ranks) as usize);
+    let gpu = matches!(fabric, Fabric::Nccl(_) | Fabric::Ipc(_)).then(|| transport::cuda::comm_rank(endpoint, src_ranks) as usize);
     MemberConfig { gpu, ..MemberConfig::default() }
 }
 

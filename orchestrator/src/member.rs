@@ -11,7 +11,7 @@ use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::delta::DeltaMemo;
+use transport::DeltaMemo;
 use transport::{
     run_rank_bypassing, run_rank_delta, run_rank_regions, Bypass, DeltaRun, ExecError, ExecOptions, RankMemory, Transport, TransportError,
 };

@@ -97,7 +97,7 @@ pub enum CommPlane {
     /// The simulated communicator of `transport::cuda::sim` in the named
     /// world, over the members' host memory: every member in one process.
     /// For tests and tools: failures are armed per world
-    /// (`transport::cuda::sim::arm`).
+    /// (`transport::cuda::arm`).
     Simulated {
         /// The world's name.
         world: String,

@@ -13,7 +13,7 @@ use orchestrator::{
 };
 use reshard::{Endpoint, Strategy};
 use std::time::{Duration, Instant};
-use transport::cuda::sim::{arm, live_comms, SimFault};
+use transport::cuda::{arm, live_comms, SimFault};
 
 mod common;
 use common::layouts;

@@ -1,5 +1,5 @@
 //! Block-scaled FP8 destinations: a destination tensor of dtype `f8e4m3`
-//! with a scale tensor ([`BlockScale`]) is quantized per block from the
+//! with a scale tensor ([`BlockScale`](crate::layout::BlockScale)) is quantized per block from the
 //! source's values, the way DeepSeek-V3 and Kimi-K2 checkpoints are stored
 //! (`weight` + `weight_scale_inv`, 128 x 128 blocks).
 //!
@@ -141,16 +141,6 @@ pub(crate) fn staged_dtype(src: DType) -> Option<DType> {
         DType::F32 | DType::BF16 | DType::F16 => Some(src),
         _ => None,
     }
-}
-
-/// How a tensor of a layout is block-scaled (the layout checked it).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct BlockScale {
-    /// Name of the scale tensor, in the same layout: f32, shape
-    /// `ceil(shape[d] / block[d])`.
-    pub tensor: String,
-    /// Block extent per dimension (each at least 1).
-    pub block: Vec<u64>,
 }
 
 /// The block-grid box of the blocks that element box `b` touches.

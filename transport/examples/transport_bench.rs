@@ -20,8 +20,8 @@
 use reshard::{parse_layout, plan_reshard, Endpoint, Layout, PlanOptions};
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
-use transport::tcp::{tcp_fabric, TcpConfig};
 use transport::{fill_sources, node_fabric, run_threads, verify_destinations, ExecOptions, NodeTransportConfig, RankMemory};
+use transport::{tcp_fabric, TcpConfig};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 

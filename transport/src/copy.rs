@@ -72,7 +72,7 @@ fn extent_elems(counts: &[u64], base: u64, strides: &[u64]) -> Option<u64> {
 }
 
 /// Whether a strided view of `counts` stays inside its region.
-pub fn in_bounds(counts: &[u64], r: &StridedRef) -> bool {
+pub(crate) fn in_bounds(counts: &[u64], r: &StridedRef) -> bool {
     fits(counts, r.len, r.base, &r.strides, r.dtype)
 }
 
@@ -83,7 +83,7 @@ pub fn in_bounds(counts: &[u64], r: &StridedRef) -> bool {
 /// holds (strides that alias elements, which no program makes) does not
 /// fit either, so whatever is sized by a view's elements (staging, a
 /// converted copy) is bounded by a region that exists.
-pub fn fits(counts: &[u64], len: usize, base: u64, strides: &[u64; MAX_DIMS], dtype: DType) -> bool {
+pub(crate) fn fits(counts: &[u64], len: usize, base: u64, strides: &[u64; MAX_DIMS], dtype: DType) -> bool {
     if counts.len() > MAX_DIMS {
         return false;
     }
@@ -111,7 +111,8 @@ pub fn packed_strides(counts: &[u64]) -> [u64; MAX_DIMS] {
 /// elements: dims with a count of 1 dropped, and dims that are contiguous
 /// on both sides merged; `(count, src stride, dst stride)`, outermost
 /// first. `None` if the piece is empty.
-pub fn joint_dims(counts: &[u64], src_strides: &[u64], dst_strides: &[u64]) -> Option<Vec<(u64, u64, u64)>> {
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn joint_dims(counts: &[u64], src_strides: &[u64], dst_strides: &[u64]) -> Option<Vec<(u64, u64, u64)>> {
     Dims::joint(counts, src_strides, dst_strides).map(|d| d.as_slice().to_vec())
 }
 
@@ -155,7 +156,7 @@ impl Dims {
 
 /// Calls `f(src_offset, dst_offset)` for every index of `dims` (as from
 /// [`joint_dims`]), in row-major order, starting from the two bases.
-pub fn for_each_offset(dims: &[(u64, u64, u64)], src_base: u64, dst_base: u64, mut f: impl FnMut(u64, u64)) {
+pub(crate) fn for_each_offset(dims: &[(u64, u64, u64)], src_base: u64, dst_base: u64, mut f: impl FnMut(u64, u64)) {
     match dims {
         [] => f(src_base, dst_base),
         &[(c, s, d)] => {
@@ -211,7 +212,7 @@ pub fn for_each_offset(dims: &[(u64, u64, u64)], src_base: u64, dst_base: u64, m
 /// Both views must be in bounds ([`in_bounds`]); `dst.ptr` must be valid
 /// for writes of that region, and no other thread may access the written
 /// elements, or write the read elements, during the call.
-pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
+pub(crate) unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
     // SAFETY: the caller's contract.
     unsafe { copy_strided_unfenced(counts, src, dst) };
     store_fence();
@@ -223,7 +224,7 @@ pub unsafe fn copy_strided(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
 ///
 /// # Safety
 /// As [`copy_strided`].
-pub unsafe fn copy_strided_unfenced(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
+pub(crate) unsafe fn copy_strided_unfenced(counts: &[u64], src: &StridedRef, dst: &StridedRef) {
     let n = counts.len().min(MAX_DIMS);
     let Some(dims) = Dims::joint(&counts[..n], &src.strides[..n], &dst.strides[..n]) else { return };
     let dims = dims.as_slice();
@@ -251,7 +252,7 @@ pub unsafe fn copy_strided_unfenced(counts: &[u64], src: &StridedRef, dst: &Stri
 
 /// Bytes in the longest contiguous run of a strided view of `counts`
 /// elements (its rows, where a row is contiguous; else one element).
-pub fn run_bytes(counts: &[u64], view: &StridedRef) -> u64 {
+pub(crate) fn run_bytes(counts: &[u64], view: &StridedRef) -> u64 {
     let n = counts.len().min(MAX_DIMS);
     let strides = &view.strides[..n];
     let elems = match Dims::joint(&counts[..n], strides, strides).as_ref().and_then(|d| d.as_slice().last().copied()) {
@@ -267,7 +268,7 @@ pub fn run_bytes(counts: &[u64], view: &StridedRef) -> u64 {
 /// # Safety
 /// The view must be in bounds ([`in_bounds`]) and its memory valid for
 /// reads, not written concurrently, for the duration of the call.
-pub unsafe fn for_each_run(counts: &[u64], view: &StridedRef, mut f: impl FnMut(&[u8])) {
+pub(crate) unsafe fn for_each_run(counts: &[u64], view: &StridedRef, mut f: impl FnMut(&[u8])) {
     // SAFETY: the same contract; each run lies in the view's memory, valid
     // for reads and unchanged during the call (the caller's contract).
     unsafe { for_each_run_ptr(counts, view, |ptr, len| f(std::slice::from_raw_parts(ptr, len))) }
@@ -280,7 +281,7 @@ pub unsafe fn for_each_run(counts: &[u64], view: &StridedRef, mut f: impl FnMut(
 /// # Safety
 /// The view must be in bounds ([`in_bounds`]); what `f` does with the
 /// pointers is up to its own contract.
-pub unsafe fn for_each_run_ptr(counts: &[u64], view: &StridedRef, mut f: impl FnMut(*mut u8, usize)) {
+pub(crate) unsafe fn for_each_run_ptr(counts: &[u64], view: &StridedRef, mut f: impl FnMut(*mut u8, usize)) {
     let n = counts.len().min(MAX_DIMS);
     let strides = &view.strides[..n];
     let Some(dims) = Dims::joint(&counts[..n], strides, strides) else { return };
@@ -413,7 +414,7 @@ unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
 /// few pieces ahead, so walking it does not wait on memory piece by piece.
 /// Any address will do (nothing is read, nothing faults).
 #[inline]
-pub fn prefetch<T>(p: *const T) {
+pub(crate) fn prefetch<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch reads nothing architecturally and never faults,
     // whatever the address; SSE is part of x86-64.
@@ -431,7 +432,7 @@ pub(crate) const PREFETCH_AHEAD: usize = 512;
 /// Orders this thread's earlier non-temporal stores before its later
 /// stores (call before telling another thread the data is there).
 #[inline]
-pub fn store_fence() {
+pub(crate) fn store_fence() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: sfence has no preconditions; SSE is part of x86-64.
     unsafe {

@@ -32,7 +32,7 @@ pub struct RankStats {
 
 /// What the rank does next.
 #[derive(Debug)]
-pub enum Action<'p> {
+pub(crate) enum Action<'p> {
     /// Copy these pieces within the rank.
     Locals {
         /// The round.
@@ -73,7 +73,7 @@ enum Phase {
 
 /// A rank's progress through its program.
 #[derive(Debug)]
-pub struct RankCursor<'p> {
+pub(crate) struct RankCursor<'p> {
     program: &'p RankProgram,
     round: usize,
     phase: Phase,
@@ -86,7 +86,7 @@ pub struct RankCursor<'p> {
 
 /// A message the program does not expect.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Unexpected {
+pub(crate) struct Unexpected {
     /// The round.
     pub round: u32,
     /// The sender.
@@ -97,7 +97,7 @@ pub struct Unexpected {
 
 impl<'p> RankCursor<'p> {
     /// At the start of `program`.
-    pub fn new(program: &'p RankProgram) -> RankCursor<'p> {
+    pub(crate) fn new(program: &'p RankProgram) -> RankCursor<'p> {
         let mut c = RankCursor { program, round: 0, phase: Phase::Locals, arrived: Vec::new(), to_receive: 0, stats: RankStats::default() };
         c.enter_round();
         c
@@ -114,7 +114,7 @@ impl<'p> RankCursor<'p> {
     /// The next action. After a [`Action::Recv`], call
     /// [`arrived`](Self::arrived) with the message's sender before asking
     /// again.
-    pub fn next_action(&mut self) -> Action<'p> {
+    pub(crate) fn next_action(&mut self) -> Action<'p> {
         let program = self.program;
         loop {
             let Some(r) = program.rounds.get(self.round) else {
@@ -159,7 +159,7 @@ impl<'p> RankCursor<'p> {
     /// that receives a round's messages together): the messages, in the
     /// program's order, or why they cannot all be expected (one peer
     /// sends twice). The round's receives are then done.
-    pub fn arrived_all(&mut self) -> Result<&'p [Message<RecvPiece>], Unexpected> {
+    pub(crate) fn arrived_all(&mut self) -> Result<&'p [Message<RecvPiece>], Unexpected> {
         let program = self.program;
         let recvs = program.rounds.get(self.round).map_or(&[][..], |r| &r.recvs[..]);
         for m in recvs {
@@ -171,7 +171,7 @@ impl<'p> RankCursor<'p> {
 
     /// The peers whose message of the current round has not arrived yet,
     /// in the program's order.
-    pub fn awaited(&self) -> impl Iterator<Item = Endpoint> + '_ {
+    pub(crate) fn awaited(&self) -> impl Iterator<Item = Endpoint> + '_ {
         let recvs = self.program.rounds.get(self.round).map_or(&[][..], |r| &r.recvs[..]);
         recvs.iter().zip(&self.arrived).filter(|(_, &got)| !got).map(|(m, _)| m.peer)
     }
@@ -179,7 +179,7 @@ impl<'p> RankCursor<'p> {
     /// A message of the current round arrived from `peer`: the pieces it
     /// must carry, or why it is not expected (no message from this peer in
     /// this round, or a second one).
-    pub fn arrived(&mut self, peer: Endpoint) -> Result<&'p Message<RecvPiece>, Unexpected> {
+    pub(crate) fn arrived(&mut self, peer: Endpoint) -> Result<&'p Message<RecvPiece>, Unexpected> {
         let round = self.round as u32;
         let program = self.program;
         let r = program.rounds.get(self.round).ok_or(Unexpected { round, peer, problem: "the program is complete" })?;
@@ -197,7 +197,7 @@ impl<'p> RankCursor<'p> {
 /// that moves a round's messages together does per round, in order (local
 /// copies, then the exchange of `sends` and `recvs`).
 #[derive(Debug)]
-pub struct Round<'p> {
+pub(crate) struct Round<'p> {
     /// The round.
     pub round: u32,
     /// Copies within the rank.
@@ -211,7 +211,7 @@ pub struct Round<'p> {
 /// A [`RankCursor`] walked a round at a time. Rounds in which the rank has
 /// nothing to do are skipped.
 #[derive(Debug)]
-pub struct RoundCursor<'p> {
+pub(crate) struct RoundCursor<'p> {
     cursor: RankCursor<'p>,
     /// An action of the next round, taken while finding the end of this one.
     ahead: Option<Action<'p>>,
@@ -220,14 +220,14 @@ pub struct RoundCursor<'p> {
 
 impl<'p> RoundCursor<'p> {
     /// At the start of `program`.
-    pub fn new(program: &'p RankProgram) -> RoundCursor<'p> {
+    pub(crate) fn new(program: &'p RankProgram) -> RoundCursor<'p> {
         RoundCursor { cursor: RankCursor::new(program), ahead: None, stats: None }
     }
 
     /// The next round with work, or `None` when the program is complete
     /// (then [`stats`](Self::stats) holds what it moved). An error where a
     /// round expects two messages from one peer.
-    pub fn next_round(&mut self) -> Result<Option<Round<'p>>, Unexpected> {
+    pub(crate) fn next_round(&mut self) -> Result<Option<Round<'p>>, Unexpected> {
         let mut current: Option<Round<'p>> = None;
         loop {
             let action = match self.ahead.take() {
@@ -257,7 +257,7 @@ impl<'p> RoundCursor<'p> {
 
     /// What the program moved, once [`next_round`](Self::next_round)
     /// returned `None`.
-    pub fn stats(&self) -> Option<RankStats> {
+    pub(crate) fn stats(&self) -> Option<RankStats> {
         self.stats
     }
 }

@@ -1,5 +1,5 @@
 //! The wire format of the TCP and shared-memory links ([`crate::tcp`],
-//! [`crate::shm_link`]): frames, the handshake, and the order of a
+//! [`crate::tcp::shm_link`]): frames, the handshake, and the order of a
 //! payload's bytes on the wire.
 //!
 //! Frame: magic `RFIT` (u32 LE), kind (u8: 0 data, 1 abort, 2 bye: the

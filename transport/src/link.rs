@@ -23,7 +23,7 @@ pub struct LinkEmulation {
 
 /// Largest piece of a message sent in one go when a rate cap is on, so
 /// pacing is smooth.
-pub const PACE_CHUNK: u64 = 1 << 20;
+pub(crate) const PACE_CHUNK: u64 = 1 << 20;
 
 impl LinkEmulation {
     /// DGX H100 links slowed down by `scale` (1.0: real speed): a 400 Gb/s
@@ -58,7 +58,7 @@ impl LinkEmulation {
 /// A token bucket: `rate` bytes/s refill up to `burst` bytes. Sending more
 /// than the bucket holds goes into debt, which the sender sleeps off.
 #[derive(Clone, Copy, Debug)]
-pub struct TokenBucket {
+pub(crate) struct TokenBucket {
     rate: u64,
     burst: u64,
     /// Tokens (bytes) available; negative: debt.
@@ -69,13 +69,13 @@ pub struct TokenBucket {
 impl TokenBucket {
     /// A full bucket of `burst` bytes refilled at `rate` bytes/s (a rate of
     /// 0 is taken as 1).
-    pub fn new(rate: u64, burst: u64) -> TokenBucket {
+    pub(crate) fn new(rate: u64, burst: u64) -> TokenBucket {
         TokenBucket { rate: rate.max(1), burst, tokens: burst as f64, last: None }
     }
 
     /// Takes `bytes` at time `now`; returns how long to wait before they
     /// may go (zero when the bucket held enough).
-    pub fn take(&mut self, bytes: u64, now: Instant) -> Duration {
+    pub(crate) fn take(&mut self, bytes: u64, now: Instant) -> Duration {
         if let Some(last) = self.last {
             let dt = now.saturating_duration_since(last).as_secs_f64();
             self.tokens = (self.tokens + dt * self.rate as f64).min(self.burst as f64);
@@ -90,7 +90,7 @@ impl TokenBucket {
     }
 
     /// Takes `bytes` now and sleeps until they may go.
-    pub fn pace(&mut self, bytes: u64) {
+    pub(crate) fn pace(&mut self, bytes: u64) {
         let wait = self.take(bytes, Instant::now());
         if !wait.is_zero() {
             std::thread::sleep(wait);
@@ -126,9 +126,6 @@ pub trait FrameHook: Send + Sync + std::fmt::Debug {
     /// Called in `abort` before the peers are told (default: nothing).
     fn before_abort(&self) {}
 }
-
-/// Fault injection, at its old path (see [`crate::faults`]).
-pub use crate::faults::Faults;
 
 #[cfg(test)]
 mod tests {

@@ -14,7 +14,7 @@ use crate::exec::{run_threads, ExecError, ExecOptions, ExecReport, WithAbort};
 use crate::faults::Faults;
 use crate::memory::RankMemory;
 use crate::shm::ShmConfig;
-use crate::shm_link::ShmSetup;
+use crate::tcp::shm_link::ShmSetup;
 use crate::tcp::{fabric, TcpConfig, TcpTransport};
 use crate::transport::{Payload, Transport, TransportError};
 use reshard::{Endpoint, RankProgram};

@@ -64,7 +64,7 @@ pub fn tensor_seed(name: &str) -> u64 {
 /// Seed of a tensor's pattern at weights version `version` (version 0 is
 /// [`tensor_seed`]), so that every version has different values and a
 /// destination left on an older version shows up as a mismatch.
-pub fn tensor_seed_at(name: &str, version: u64) -> u64 {
+pub(crate) fn tensor_seed_at(name: &str, version: u64) -> u64 {
     if version == 0 {
         tensor_seed(name)
     } else {
@@ -179,7 +179,8 @@ pub fn verify_destination_rank(src: &Layout, dst: &Layout, rank: u32, memory: &R
 
 /// Checks the elements of destination rank `rank` against the pattern of
 /// weights version `version`.
-pub fn verify_destination_rank_at(src: &Layout, dst: &Layout, rank: u32, version: u64, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
+#[cfg(test)]
+fn verify_destination_rank_at(src: &Layout, dst: &Layout, rank: u32, version: u64, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
     verify_impl(src, dst, Some(rank), version, &|r| (r == rank).then_some(memory), &|_| true)
 }
 

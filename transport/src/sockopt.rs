@@ -42,7 +42,7 @@ pub enum Congestion {
 /// The environment variable that picks [`Congestion`] for
 /// [`crate::tcp::TcpConfig::default`]: `avoid-bbr` (the default), `system`,
 /// or the name of an algorithm (`cubic`, `bbr`, ...).
-pub const CONGESTION_ENV: &str = "REFIT_TCP_CONGESTION";
+pub(crate) const CONGESTION_ENV: &str = "REFIT_TCP_CONGESTION";
 
 impl Congestion {
     /// What `text` says ([`CONGESTION_ENV`]'s values; empty: the default).

@@ -72,7 +72,7 @@ pub enum Payload {
     Pieces(SentPieces),
     /// The pieces packed back to back in wire dtype, still on the TCP
     /// stream they arrive on: the receiver reads them straight into place.
-    Stream(crate::tcp::StreamFrame),
+    Stream(crate::stream::StreamFrame),
     /// The pieces packed back to back in wire dtype.
     Bytes(Vec<u8>),
     /// The pieces packed back to back in wire dtype, in memory the
@@ -240,20 +240,20 @@ impl SentPieces {
 
 /// Messages a sender has posted and its receivers have not finished with.
 #[derive(Debug, Default)]
-pub struct Outstanding {
+pub(crate) struct Outstanding {
     count: Mutex<usize>,
     done: Condvar,
 }
 
 impl Outstanding {
     /// Counts one more message in flight and returns its release token.
-    pub fn post(self: &Arc<Self>) -> Release {
+    pub(crate) fn post(self: &Arc<Self>) -> Release {
         *self.count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         Release(Some(self.clone()), None)
     }
 
     /// Waits until no message is in flight; false if `deadline` passed first.
-    pub fn wait_idle(&self, deadline: Instant) -> bool {
+    pub(crate) fn wait_idle(&self, deadline: Instant) -> bool {
         let mut n = self.count.lock().unwrap_or_else(|e| e.into_inner());
         while *n > 0 {
             let left = deadline.saturating_duration_since(Instant::now());

@@ -8,10 +8,10 @@
 use reshard::{parse_layout, plan_baseline, plan_reshard, BufferKey, Endpoint, Layout, PlanOptions, RankProgram};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::cuda::comm::{AbortOutcome, CommConfig, CommError, CommHandle, PendingComm};
-use transport::cuda::ipc_comm::IpcComm;
-use transport::cuda::plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError};
-use transport::cuda::sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimBucket, SimFault, SimIpc, SimMemory};
+use transport::cuda::IpcComm;
+use transport::cuda::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimBucket, SimFault, SimIpc, SimMemory};
+use transport::cuda::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError};
+use transport::cuda::{AbortOutcome, CommConfig, CommError, CommHandle, PendingComm};
 use transport::{fill_sources, local_fabric, run_local, verify_destinations, DeltaRun, ExecOptions, RankMemory};
 
 const EXAMPLES: &[&str] = &["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled"];

@@ -8,9 +8,9 @@
 use reshard::e4m3_from_f32;
 use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Layout, Plan, PlanOptions, RankProgram};
 use std::time::Duration;
-use transport::pattern::{pattern_value, tensor_seed};
-use transport::tcp::TcpConfig;
+use transport::TcpConfig;
 use transport::{fill_sources, run_local, run_tcp, verify_destinations, ExecError, ExecOptions, RankMemory};
+use transport::{pattern_value, tensor_seed};
 
 /// The reference: tensor `name` of `shape` (source dtype `from`, the
 /// pattern's values) quantized in blocks of `block`: every element's code
@@ -285,7 +285,7 @@ fn a_delta_refit_into_fp8_matches_a_dense_one() {
 /// f64 sources, reshard and baseline); a NaN is found in the same block.
 #[test]
 fn the_device_quantizer_plan_matches_the_host_quantizer() {
-    use transport::cuda::quantplan::QuantPlan;
+    use transport::cuda::QuantPlan;
     let mut launches = 0;
     for dst in [DST_TP, DST_DP] {
         for strategy in [plan_reshard, plan_baseline] {

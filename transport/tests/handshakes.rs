@@ -8,8 +8,8 @@ use reshard::{Endpoint, Group};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
-use transport::tcp::{TcpConfig, TcpTransport};
 use transport::HelloKey;
+use transport::{TcpConfig, TcpTransport};
 
 /// The handshake of `who` to `to` as a holder of `key` sends it: the fixed
 /// part (magic, endpoint, version 4, flags: proof) and the proof.

@@ -8,7 +8,7 @@ use reshard::{
 };
 use reshard::{QuantError, Quantize, Stored};
 use std::time::Duration;
-use transport::tcp::TcpConfig;
+use transport::TcpConfig;
 use transport::{fill_sources, quantize_rank, run_local, run_tcp, ExecError, ExecOptions, RankMemory};
 
 /// 3 x 0xAAAA_AAAA_AAAA_AAAB elements: 2^65 + 1, so 1 if the product

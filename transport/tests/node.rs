@@ -6,13 +6,13 @@
 use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Endpoint, Layout, Plan, PlanOptions};
 use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
-use transport::copy::{packed_strides, StridedRef};
-use transport::link::{Faults, LinkEmulation};
-use transport::tcp::{TcpConfig, TcpTransport};
 use transport::{
     fill_sources, node_fabric, run_node, verify_destinations, ExecError, ExecOptions, NodeTransport, NodeTransportConfig, Payload,
     RankMemory, Release, Segment, ShmConfig, Transport, TransportError,
 };
+use transport::{packed_strides, StridedRef};
+use transport::{Faults, LinkEmulation};
+use transport::{TcpConfig, TcpTransport};
 
 const SRC: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
   {"name": "w", "dtype": "f32", "shape": [37, 11], "mesh": {"shape": [2, 2]}, "placements": ["shard(0)", "shard(1)"]},
@@ -588,7 +588,7 @@ fn a_fabric_serves_many_refits() {
         transport::run_threads(&programs, &mut memory, &deadline(30), fabric.iter_mut().collect()).unwrap();
         verify_destinations(&src, &dst, &memory[4..]).unwrap();
     }
-    let mut fabric = transport::tcp::tcp_fabric(&endpoints, &config.tcp).unwrap();
+    let mut fabric = transport::tcp_fabric(&endpoints, &config.tcp).unwrap();
     for _ in 0..3 {
         let mut memory = RankMemory::for_programs(&programs);
         fill_sources(&src, &mut memory[..4]);

@@ -5,8 +5,8 @@ use reshard::{parse_layout, plan_baseline, plan_reshard, Endpoint, Group, PlanOp
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
-use transport::tcp::{tcp_fabric_for, TcpConfig, TcpTransport};
 use transport::{fill_sources, run_tcp, verify_destinations, ExecOptions, HelloKey, Payload, RankMemory, Transport, TransportError};
+use transport::{tcp_fabric_for, TcpConfig, TcpTransport};
 
 const SRC: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
   {"name": "w", "dtype": "f32", "shape": [37, 11], "mesh": {"shape": [2, 2]}, "placements": ["shard(0)", "shard(1)"]},

@@ -7,7 +7,7 @@ use super::{e2s, spec, Ctx};
 use reshard::convert_slice;
 use reshard::{DType, Endpoint};
 use serde_json::{json, Value};
-use transport::cuda::device::{DeviceMemory, GpuDevice};
+use transport::cuda::{DeviceMemory, GpuDevice};
 use transport::RankMemory;
 
 /// Host bytes through a device cast kernel and back.
@@ -62,13 +62,13 @@ pub(super) fn kernels(ctx: &Ctx) -> Result<(String, Value), String> {
 /// device on which only NVRTC's load would run slower paths silently
 /// elsewhere). NVRTC is reported, not required.
 pub(super) fn environment(ctx: &Ctx) -> Result<(String, Value), String> {
-    use transport::cuda::device::{device_uuid, driver_version, nccl_version_text, probe_nccl};
+    use transport::cuda::{device_uuid, driver_version, nccl_version_text, probe_nccl};
     let dev = &ctx.dev;
     let driver = driver_version()?;
     let nccl = probe_nccl().map(nccl_version_text);
     let uuid = device_uuid(dev.ordinal())?;
     let (major, minor) = dev.context().compute_capability().map_err(e2s)?;
-    let nvrtc = transport::cuda::kernels::nvrtc_version();
+    let nvrtc = transport::cuda::nvrtc_version();
     // NVRTC's own build of the kernels, for this device, loads too.
     let nvrtc_kernels = dev.check_nvrtc_kernels();
     let kernels = dev.kernels()?;
@@ -77,7 +77,7 @@ pub(super) fn environment(ctx: &Ctx) -> Result<(String, Value), String> {
         "nccl": nccl.clone().unwrap_or_else(|e| format!("unavailable: {e}")),
         "nvrtc": nvrtc.clone().unwrap_or_else(|e| format!("unavailable: {e}")),
         "nvrtc_kernels_load": nvrtc_kernels.clone().map(|o| format!("yes: {o}")).unwrap_or_else(|e| e),
-        "kernels": kernels.origin(), "ptx_isa": transport::cuda::kernels::shipped_ptx_isa(),
+        "kernels": kernels.origin(), "ptx_isa": transport::cuda::shipped_ptx_isa(),
     });
     let line = format!(
         "{} (sm_{major}{minor}, {uuid}), driver CUDA {driver}, NCCL {}, NVRTC {}; kernels: {}; NVRTC's build loads: {}",

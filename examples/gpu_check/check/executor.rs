@@ -8,8 +8,8 @@ use reshard::{plan_baseline, plan_reshard, BufferKey, Layout, Plan, PlanOptions}
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use transport::cuda::device::{DeviceMemory, GpuDevice};
-use transport::cuda::exec::{time_plain_copy, DeviceRun};
+use transport::cuda::{time_plain_copy, DeviceRun};
+use transport::cuda::{DeviceMemory, GpuDevice};
 use transport::{fill_sources, run_local, verify_destinations, ExecOptions, RankMemory};
 
 const TARGET_RATIO: f64 = 0.7;
@@ -22,7 +22,7 @@ fn device_refit(
     dst: &Layout,
     plan: &Plan,
     reps: u32,
-) -> Result<(Vec<RankMemory>, Duration, transport::cuda::exec::DeviceReport), String> {
+) -> Result<(Vec<RankMemory>, Duration, transport::cuda::DeviceReport), String> {
     let programs = plan.programs(src, dst).map_err(e2s)?;
     let n_src = src.ranks() as usize;
     let mut host = RankMemory::for_programs(&programs);
@@ -131,7 +131,7 @@ pub(super) fn layout_pairs(ctx: &Ctx) -> Result<(String, Value), String> {
 /// after one; the default way must reach the target. The first two ways
 /// are verified on destinations they alone wrote.
 pub(super) fn throughput(ctx: &Ctx) -> Result<(String, Value), String> {
-    use transport::cuda::exec::DeviceRunOptions;
+    use transport::cuda::DeviceRunOptions;
     let dev = &ctx.dev;
     let (src, dst) = layouts(Model::Llama3_8b, 2).map_err(e2s)?;
     let plan = plan_reshard(&src, &dst, &PlanOptions::default()).map_err(e2s)?;

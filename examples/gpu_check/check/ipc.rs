@@ -12,9 +12,9 @@ use std::io::{BufRead, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
-use transport::cuda::device::{DeviceMemory, GpuDevice};
-use transport::cuda::exec::DeviceRun;
-use transport::cuda::ipc::IpcHandle;
+use transport::cuda::DeviceRun;
+use transport::cuda::IpcHandle;
+use transport::cuda::{DeviceMemory, GpuDevice};
 use transport::{fill_sources, verify_destinations, RankMemory};
 
 /// The IPC pair: the child's side. Prints one handle (hex) per source
@@ -148,8 +148,8 @@ pub(super) fn ipc_bucket(bytes: &str) -> Result<(), String> {
 /// own work shares). Afterwards this process's context still copies,
 /// casts and allocates.
 pub(super) fn ipc_abort_in_flight(ctx: &Ctx) -> Result<(String, Value), String> {
-    use transport::cuda::comm::Progress;
-    use transport::cuda::ipc_comm::{gpu::GpuIpc, IpcMemory};
+    use transport::cuda::Progress;
+    use transport::cuda::{GpuIpc, IpcMemory};
     let dev = &ctx.dev;
     let bytes: u64 = 8 << 30;
     let size = bytes.to_string();

@@ -19,7 +19,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
-use transport::cuda::device::GpuDevice;
+use transport::cuda::GpuDevice;
 
 fn e2s(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -78,7 +78,7 @@ const CHECKS: &[Spec] = &[
 
 /// A check's result as the runner records it (skipped: `ok` absent).
 fn result_json(check: &str, result: Result<(String, Value), String>, seconds: f64) -> Value {
-    let fallbacks = transport::cuda::nccl::host_fallbacks();
+    let fallbacks = transport::cuda::host_fallbacks();
     let mut v = match result {
         Ok((line, fields)) => {
             let mut v = json!({ "check": check, "ok": true, "line": line });
@@ -94,6 +94,9 @@ fn result_json(check: &str, result: Result<(String, Value), String>, seconds: f6
     // Correct but slow is a failure here: every piece converted and
     // every tensor quantized on the device.
     v["host_fallbacks"] = json!(fallbacks);
+    // Device staging given up after failed groups (kept until the process
+    // ends, never freed under a communicator that may still use it).
+    v["leaked_staging_bytes"] = json!(transport::cuda::leaked_staging_bytes());
     if fallbacks > 0 && v["ok"] == json!(true) {
         v["ok"] = json!(false);
         v["line"] = json!(format!(

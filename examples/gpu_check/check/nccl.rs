@@ -5,10 +5,10 @@ use super::{e2s, gbps, spec, Ctx};
 use reshard::{DType, Endpoint};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
-use transport::cuda::comm::{AbortOutcome, CommConfig, P2p};
-use transport::cuda::device::DeviceMemory;
-use transport::cuda::id::CommId;
-use transport::cuda::nccl::create_comms;
+use transport::cuda::create_comms;
+use transport::cuda::CommId;
+use transport::cuda::DeviceMemory;
+use transport::cuda::{AbortOutcome, CommConfig, P2p};
 use transport::RankMemory;
 
 pub(super) fn nccl(ctx: &Ctx) -> Result<(String, Value), String> {
@@ -67,7 +67,7 @@ pub(super) fn nccl(ctx: &Ctx) -> Result<(String, Value), String> {
 /// finishes or its thread is counted as abandoned, and the caller is
 /// answered within the timeouts.
 pub(super) fn nccl_missing_peer(ctx: &Ctx) -> Result<(String, Value), String> {
-    use transport::cuda::comm::{abandoned_comm_threads, CommError};
+    use transport::cuda::{abandoned_comm_threads, CommError};
     let (init_timeout, abort_timeout) = (Duration::from_secs(3), Duration::from_secs(5));
     let config = CommConfig { init_timeout, abort_timeout, ..CommConfig::new(0, 2) };
     let id = CommId::generate()?;

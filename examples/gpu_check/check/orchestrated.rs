@@ -10,7 +10,7 @@ use reshard::{parse_layout, Endpoint};
 use serde_json::{json, Value};
 use std::process::Command;
 use std::time::{Duration, Instant};
-use transport::cuda::device::{DeviceMemory, GpuDevice};
+use transport::cuda::{DeviceMemory, GpuDevice};
 
 /// Refits through the orchestrator on the NCCL fabric over `gpus` GPUs.
 fn orchestrated(gpus: usize) -> Result<(String, Value), String> {
@@ -273,7 +273,7 @@ pub(super) fn nccl_same_device(_ctx: &Ctx) -> Result<(String, Value), String> {
             Ok(_) => Err("4 ranks on one GPU: the refit ran (NCCL should never have been asked)".into()),
             Err(e) if e.to_string().contains("on one GPU") && took < Duration::from_secs(10) => Ok((
                 format!("refused in {took:?}: {e}"),
-                json!({ "refused_s": took.as_secs_f64(), "abandoned_threads": transport::cuda::comm::abandoned_comm_threads() }),
+                json!({ "refused_s": took.as_secs_f64(), "abandoned_threads": transport::cuda::abandoned_comm_threads() }),
             )),
             Err(e) => Err(format!("after {took:?}, not the same-device refusal: {e}")),
         }
@@ -347,7 +347,7 @@ pub(super) fn ipc_delta(_ctx: &Ctx) -> Result<(String, Value), String> {
 
 /// The NCCL orchestrator check where there are GPUs for it.
 pub(super) fn orchestrated_on_gpus(_ctx: &Ctx) -> Result<(String, Value), String> {
-    match transport::cuda::device::device_count() {
+    match transport::cuda::device_count() {
         Ok(gpus) if gpus >= 2 => orchestrated(gpus),
         Ok(gpus) => Err(format!("SKIP: needs 2 GPUs (one NCCL rank per GPU), found {gpus}")),
         Err(e) => Err(format!("counting GPUs: {e}")),

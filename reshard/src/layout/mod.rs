@@ -8,8 +8,6 @@
 mod expand;
 pub(crate) mod validate;
 
-pub use crate::quant::BlockScale;
-
 use crate::block::Block;
 use crate::dtype::DType;
 use std::collections::HashMap;
@@ -381,4 +379,14 @@ impl Layout {
         self.tensors.hash(&mut h);
         h.finish() ^ crate::fingerprint::fnv64("refit-layout-v1")
     }
+}
+
+/// How a tensor of a layout is block-scaled (the layout checked it).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct BlockScale {
+    /// Name of the scale tensor, in the same layout: f32, shape
+    /// `ceil(shape[d] / block[d])`.
+    pub tensor: String,
+    /// Block extent per dimension (each at least 1).
+    pub block: Vec<u64>,
 }

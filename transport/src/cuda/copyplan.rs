@@ -10,12 +10,16 @@
 //! replays an op on host bytes exactly as CUDA defines it, and the tests
 //! check every plan against the host copy kernel.
 
+// Pure, and tested without a GPU in every build; what runs it on a device
+// needs the `cuda` feature.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 use reshard::MAX_DIMS;
 
 /// One copy: `depth` slices of `height` rows of `width` bytes. Offsets are
 /// bytes from the start of each side's region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CopyOp {
+pub(crate) struct CopyOp {
     /// Byte offset of the first byte read.
     pub src: u64,
     /// Byte offset of the first byte written.
@@ -37,8 +41,9 @@ pub struct CopyOp {
 }
 
 /// The CUDA call an op maps to.
+#[cfg(test)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CopyKind {
+pub(crate) enum CopyKind {
     /// One contiguous run (`cuMemcpyAsync`).
     Linear,
     /// Rows (`cuMemcpy2DAsync`).
@@ -49,7 +54,8 @@ pub enum CopyKind {
 
 impl CopyOp {
     /// Which CUDA call runs it.
-    pub fn kind(&self) -> CopyKind {
+    #[cfg(test)]
+    pub(crate) fn kind(&self) -> CopyKind {
         if self.depth > 1 {
             CopyKind::ThreeD
         } else if self.height > 1 {
@@ -60,24 +66,25 @@ impl CopyOp {
     }
 
     /// Bytes copied.
-    pub fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         self.width * self.height * self.depth
     }
 
     /// One past the last source byte read.
-    pub fn src_end(&self) -> u64 {
+    pub(crate) fn src_end(&self) -> u64 {
         end(self.src, self.width, self.height, self.depth, self.src_pitch, self.src_height)
     }
 
     /// One past the last destination byte written.
-    pub fn dst_end(&self) -> u64 {
+    pub(crate) fn dst_end(&self) -> u64 {
         end(self.dst, self.width, self.height, self.depth, self.dst_pitch, self.dst_height)
     }
 
     /// Replays the op on host memory, as CUDA defines it (a reference for
     /// tests and for host-side staging). Returns false, copying nothing, if
     /// it would leave either slice.
-    pub fn apply(&self, src: &[u8], dst: &mut [u8]) -> bool {
+    #[cfg(test)]
+    pub(crate) fn apply(&self, src: &[u8], dst: &mut [u8]) -> bool {
         if self.src_end() > src.len() as u64 || self.dst_end() > dst.len() as u64 {
             return false;
         }
@@ -103,7 +110,7 @@ fn end(base: u64, width: u64, height: u64, depth: u64, pitch: u64, rows: u64) ->
 /// One side of a strided piece: element offset of its first element and
 /// element strides per dimension (as in [`reshard::Span`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Side {
+pub(crate) struct Side {
     /// Element offset of the first element.
     pub base: u64,
     /// Element stride per dimension.
@@ -114,7 +121,7 @@ pub struct Side {
 /// `dst`, both of element size `elem` bytes (same dtype on both sides).
 /// Pitches above `max_pitch` bytes (the device's `MAX_PITCH`) are split
 /// into more ops. Empty pieces give no ops.
-pub fn plan_copies(counts: &[u64], src: &Side, dst: &Side, elem: u64, max_pitch: u64) -> Vec<CopyOp> {
+pub(crate) fn plan_copies(counts: &[u64], src: &Side, dst: &Side, elem: u64, max_pitch: u64) -> Vec<CopyOp> {
     // Dimensions with more than one element, outermost first, merging
     // neighbours that are contiguous on both sides.
     let Some(mut dims) = crate::copy::joint_dims(counts, &src.strides[..counts.len()], &dst.strides[..counts.len()]) else {
@@ -163,7 +170,7 @@ pub fn plan_copies(counts: &[u64], src: &Side, dst: &Side, elem: u64, max_pitch:
 /// starting at a multiple of `align` bytes, and the total length (`None`
 /// past `u64`). Both ends of a transfer compute the same layout from the
 /// same plan.
-pub fn packed_offsets(piece_bytes: &[u64], align: u64) -> Option<(Vec<u64>, u64)> {
+pub(crate) fn packed_offsets(piece_bytes: &[u64], align: u64) -> Option<(Vec<u64>, u64)> {
     // Checked: sizes from a program may add up past `u64`, and wrapped
     // offsets would lie outside what their total sizes.
     let mut pos = 0u64;

@@ -9,7 +9,7 @@ use std::fmt;
 use thiserror::Error;
 
 /// Bytes in an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
-pub const COMM_ID_BYTES: usize = 128;
+pub(crate) const COMM_ID_BYTES: usize = 128;
 
 /// An NCCL unique id: opaque bytes made by one rank and shared with all.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]

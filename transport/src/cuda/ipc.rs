@@ -12,6 +12,10 @@
 //! ([`Mappings`]). Exporting and mapping are `DeviceMemory::export_ipc` /
 //! `DeviceMemory::import_ipc` (`cuda` feature).
 
+// Pure, and tested without a GPU in every build; what runs it on a device
+// needs the `cuda` feature.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 use crate::cuda::copyplan::packed_offsets;
 use reshard::BufferSpec;
 use std::collections::HashMap;
@@ -20,12 +24,12 @@ use std::sync::Mutex;
 use thiserror::Error;
 
 /// Bytes in a CUDA IPC memory handle (`CU_IPC_HANDLE_SIZE`).
-pub const IPC_HANDLE_BYTES: usize = 64;
+pub(crate) const IPC_HANDLE_BYTES: usize = 64;
 
 /// Where each buffer of a bucket starts: buffers are placed back to back in
 /// the rank's buffer order, each at a 256-byte boundary (CUDA's allocation
 /// alignment, so every dtype's elements stay aligned).
-pub const BUCKET_ALIGN: u64 = 256;
+pub(crate) const BUCKET_ALIGN: u64 = 256;
 
 /// A CUDA IPC memory handle: opaque bytes made by the exporting process.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -97,7 +101,7 @@ impl fmt::Debug for IpcHandle {
 
 /// Byte offsets of a rank's buffers in its bucket and the bucket's length.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BucketLayout {
+pub(crate) struct BucketLayout {
     /// Byte offset of each buffer, in the rank's buffer order.
     pub offsets: Vec<u64>,
     /// Byte length of each buffer.
@@ -110,7 +114,7 @@ impl BucketLayout {
     /// The layout of a rank's buffers (`RankProgram::buffers`); an error
     /// naming the buffer where their sizes pass `u64` bytes (a program from
     /// the wire may claim any), so no buffer lies outside the bucket.
-    pub fn of(specs: &[BufferSpec]) -> Result<BucketLayout, String> {
+    pub(crate) fn of(specs: &[BufferSpec]) -> Result<BucketLayout, String> {
         let lens = specs
             .iter()
             .enumerate()
@@ -130,7 +134,7 @@ impl BucketLayout {
 /// the size of a peer's bucket comes from the peer, the allocation from
 /// the driver, and only the second is believed. Checked arithmetic: a
 /// size past the address space is refused, never wrapped.
-pub fn within_allocation(base: u64, bytes: u64, range_base: u64, range_size: u64) -> Result<(), String> {
+pub(crate) fn within_allocation(base: u64, bytes: u64, range_base: u64, range_size: u64) -> Result<(), String> {
     let inside = base.checked_sub(range_base).filter(|&skip| skip <= range_size).map(|skip| range_size - skip);
     match inside {
         Some(room) if bytes <= room => Ok(()),
@@ -141,7 +145,7 @@ pub fn within_allocation(base: u64, bytes: u64, range_base: u64, range_size: u64
 
 /// How an import of a handle reaches the memory ([`Mappings::acquire`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mapped<V> {
+pub(crate) enum Mapped<V> {
     /// Through the process's one mapping of the handle, shared and counted.
     Opened(V),
     /// The handle was exported by this process: its own allocation, never
@@ -151,7 +155,7 @@ pub enum Mapped<V> {
 
 impl<V: Copy> Mapped<V> {
     /// Where the memory starts, either way.
-    pub fn base(self) -> V {
+    pub(crate) fn base(self) -> V {
         match self {
             Mapped::Opened(v) | Mapped::Exported(v) => v,
         }
@@ -168,7 +172,7 @@ impl<V: Copy> Mapped<V> {
 /// The table holds its lock across `open` and `close`, so no import can
 /// see a mapping that is being closed, nor open one twice. `V` is the
 /// mapping (a device address); tests use any value.
-pub struct Mappings<V> {
+pub(crate) struct Mappings<V> {
     inner: Mutex<MappingsInner<V>>,
 }
 
@@ -194,13 +198,13 @@ impl<V: Copy + PartialEq> Mappings<V> {
 
     /// Records that this process exported `handle` for its allocation at
     /// `base` (imports of it in this process use `base`).
-    pub fn exported(&self, handle: IpcHandle, base: V) {
+    pub(crate) fn exported(&self, handle: IpcHandle, base: V) {
         self.lock().exported.insert(handle, base);
     }
 
     /// Forgets every handle exported for the allocation at `base` (it is
     /// being freed).
-    pub fn unexported(&self, base: V) {
+    pub(crate) fn unexported(&self, base: V) {
         self.lock().exported.retain(|_, b| *b != base);
     }
 
@@ -208,7 +212,7 @@ impl<V: Copy + PartialEq> Mappings<V> {
     /// shared mapping if one is open, else the one `open` makes (an error
     /// from `open` leaves no entry). Every `Ok` must be matched by one
     /// [`release`](Mappings::release).
-    pub fn acquire<E>(&self, handle: &IpcHandle, open: impl FnOnce() -> Result<V, E>) -> Result<Mapped<V>, E> {
+    pub(crate) fn acquire<E>(&self, handle: &IpcHandle, open: impl FnOnce() -> Result<V, E>) -> Result<Mapped<V>, E> {
         let mut inner = self.lock();
         if let Some(&base) = inner.exported.get(handle) {
             return Ok(Mapped::Exported(base));
@@ -225,7 +229,7 @@ impl<V: Copy + PartialEq> Mappings<V> {
     /// Ends one [`acquire`](Mappings::acquire) that returned `mapped`: the
     /// last user of an opened mapping closes it (`close`); an export of
     /// this process is left alone.
-    pub fn release(&self, handle: &IpcHandle, mapped: Mapped<V>, close: impl FnOnce(V)) {
+    pub(crate) fn release(&self, handle: &IpcHandle, mapped: Mapped<V>, close: impl FnOnce(V)) {
         let Mapped::Opened(_) = mapped else { return };
         let mut inner = self.lock();
         let last = match inner.opened.get_mut(handle) {
@@ -244,7 +248,8 @@ impl<V: Copy + PartialEq> Mappings<V> {
     }
 
     /// Imports sharing the mapping of `handle` (0: not opened here).
-    pub fn users(&self, handle: &IpcHandle) -> usize {
+    #[cfg(test)]
+    pub(crate) fn users(&self, handle: &IpcHandle) -> usize {
         self.lock().opened.get(handle).map_or(0, |&(_, n)| n)
     }
 }

@@ -253,7 +253,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
 /// The device side (`cuda` feature): buckets exported and mapped through
 /// CUDA IPC, copies on a stream of the rank's device.
 #[cfg(feature = "cuda")]
-pub mod gpu {
+pub(crate) mod gpu {
     use super::IpcMemory;
     use crate::cuda::comm::Progress;
     use crate::cuda::copyplan::CopyOp;
@@ -263,7 +263,7 @@ pub mod gpu {
     use std::collections::HashMap;
 
     /// The one buffer of a send-staging bucket of `bytes` bytes.
-    pub fn staging_spec(bytes: u64) -> BufferSpec {
+    pub(crate) fn staging_spec(bytes: u64) -> BufferSpec {
         BufferSpec { key: BufferKey::Named(0), name: "ipc send staging".into(), dtype: DType::U8, elems: bytes.max(1) }
     }
 

@@ -11,22 +11,26 @@
 //! bytes as the kernel runs it, which the tests check against the host
 //! executor's strided copy.
 
+// Pure, and tested without a GPU in every build; what runs it on a device
+// needs the `cuda` feature.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 /// The kernels' CUDA C source.
-pub const SOURCE: &str = include_str!("kernels.cu");
+pub(crate) const SOURCE: &str = include_str!("kernels.cu");
 
 /// [`SOURCE`] compiled to PTX for `compute_80` by NVRTC 12.0
 /// (`scripts/gen-kernels-ptx.py`: PTX ISA 8.0, which drivers of CUDA 12.0
 /// and later load, from release 525 on), what the driver JIT-compiles for
 /// the device; its first line names the source's [`source_hash`].
-pub const SHIPPED_PTX: &str = include_str!("kernels.ptx");
+pub(crate) const SHIPPED_PTX: &str = include_str!("kernels.ptx");
 
 /// FNV-1a (64-bit) of [`SOURCE`]: what [`SHIPPED_PTX`] was generated from.
-pub fn source_hash() -> u64 {
+pub(crate) fn source_hash() -> u64 {
     SOURCE.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// Whether [`SHIPPED_PTX`] was generated from this [`SOURCE`].
-pub fn shipped_ptx_is_current() -> bool {
+pub(crate) fn shipped_ptx_is_current() -> bool {
     SHIPPED_PTX.lines().next().is_some_and(|l| l.contains(&format!("fnv1a64 {:016x}", source_hash())))
 }
 
@@ -34,7 +38,7 @@ pub fn shipped_ptx_is_current() -> bool {
 /// arguments `src, dst, n`; launch with [`launch_1d`]) and strided box
 /// copy-casts (`refit_strided_*`, arguments `src, dst, c0, c1, c2, sb, ss0,
 /// ss1, ss2, db, ds0, ds1, ds2`; launch with [`launch_3d`]).
-pub const KERNELS: [&str; 15] = [
+pub(crate) const KERNELS: [&str; 15] = [
     "refit_cast_f32_bf16",
     "refit_cast_bf16_f32",
     "refit_cast_f32_f16",
@@ -53,14 +57,14 @@ pub const KERNELS: [&str; 15] = [
 ];
 
 /// Threads per block of every kernel.
-pub const THREADS: u32 = 256;
+pub(crate) const THREADS: u32 = 256;
 
 /// Most blocks a grid-stride launch uses along x (enough to fill any
 /// current GPU several times over; more only adds scheduling).
-pub const MAX_BLOCKS_X: u32 = 8192;
+pub(crate) const MAX_BLOCKS_X: u32 = 8192;
 
 /// Most blocks along y and z (CUDA's limit); the kernels stride past it.
-pub const MAX_BLOCKS_YZ: u32 = 65_535;
+pub(crate) const MAX_BLOCKS_YZ: u32 = 65_535;
 
 /// Grid and block dimensions of one launch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,7 +77,7 @@ pub struct Launch {
 
 /// The launch of an element-wise kernel over `n` elements: a thread per
 /// element up to [`MAX_BLOCKS_X`] blocks, the kernel striding past that.
-pub fn launch_1d(n: u64) -> Launch {
+pub(crate) fn launch_1d(n: u64) -> Launch {
     let blocks = n.div_ceil(THREADS as u64).clamp(1, MAX_BLOCKS_X as u64) as u32;
     Launch { grid: [blocks, 1, 1], block: [THREADS, 1, 1] }
 }
@@ -81,7 +85,7 @@ pub fn launch_1d(n: u64) -> Launch {
 /// The launch of a strided kernel over a box of `counts` elements
 /// (innermost first): x covers the innermost dimension like
 /// [`launch_1d`], y and z one block per index up to [`MAX_BLOCKS_YZ`].
-pub fn launch_3d(counts: [u64; 3]) -> Launch {
+pub(crate) fn launch_3d(counts: [u64; 3]) -> Launch {
     let x = launch_1d(counts[0]).grid[0];
     let yz = |c: u64| c.clamp(1, MAX_BLOCKS_YZ as u64) as u32;
     Launch { grid: [x, yz(counts[1]), yz(counts[2])], block: [THREADS, 1, 1] }
@@ -91,7 +95,7 @@ pub fn launch_3d(counts: [u64; 3]) -> Launch {
 /// `to` (converting), if there is one: f32 ↔ bf16, f32 ↔ f16, bf16 ↔ f16,
 /// and plain copies of 4- and 2-byte elements. Other pairs (f64, FP8) are
 /// converted by the host.
-pub fn strided_kernel(from: reshard::DType, to: reshard::DType) -> Option<&'static str> {
+pub(crate) fn strided_kernel(from: reshard::DType, to: reshard::DType) -> Option<&'static str> {
     use reshard::DType::*;
     Some(match (from, to) {
         (F32, BF16) => "refit_strided_f32_bf16",
@@ -179,7 +183,7 @@ impl CastBox {
 /// kernels rather than one multi-row copy call
 /// (`DeviceRunOptions::narrow_rows_by_kernel`, on by default;
 /// gpu_check's throughput check times both).
-pub const NARROW_ROW: u64 = 64 << 10;
+pub(crate) const NARROW_ROW: u64 = 64 << 10;
 
 /// A multi-row byte copy (`op`, offsets from buffers at `src_addr` and
 /// `dst_addr`) with rows narrower than [`NARROW_ROW`], as one box of a
@@ -188,7 +192,7 @@ pub const NARROW_ROW: u64 = 64 << 10;
 /// else 4-byte ones (`copy32`), else 2-byte ones (`copy16`). `None`
 /// for a single-row copy, wide rows, an odd byte anywhere, or a slice
 /// pitch that does not fit (the copy call is used then).
-pub fn copy_as_box(op: &crate::cuda::copyplan::CopyOp, src_addr: u64, dst_addr: u64) -> Option<(&'static str, CastBox)> {
+pub(crate) fn copy_as_box(op: &crate::cuda::copyplan::CopyOp, src_addr: u64, dst_addr: u64) -> Option<(&'static str, CastBox)> {
     if op.height.checked_mul(op.depth)? <= 1 || op.width >= NARROW_ROW || op.width == 0 {
         return None;
     }
@@ -221,7 +225,7 @@ pub fn copy_as_box(op: &crate::cuda::copyplan::CopyOp, src_addr: u64, dst_addr: 
 /// dimensions contiguous on both sides merge, the innermost three that
 /// remain become one box, any further out a loop over boxes. Empty pieces
 /// give none.
-pub fn plan_casts(counts: &[u64], src: &crate::cuda::copyplan::Side, dst: &crate::cuda::copyplan::Side) -> Vec<CastBox> {
+pub(crate) fn plan_casts(counts: &[u64], src: &crate::cuda::copyplan::Side, dst: &crate::cuda::copyplan::Side) -> Vec<CastBox> {
     let n = counts.len();
     let Some(mut dims) = crate::copy::joint_dims(counts, &src.strides[..n], &dst.strides[..n]) else {
         return Vec::new();
@@ -244,7 +248,7 @@ pub fn plan_casts(counts: &[u64], src: &crate::cuda::copyplan::Side, dst: &crate
 /// `arch` (`(9, 0)`: `compute_90`; `None`: NVRTC's default). Never panics:
 /// a missing library is an error.
 #[cfg(feature = "cuda")]
-pub fn compile(arch: Option<(i32, i32)>) -> Result<String, String> {
+pub(crate) fn compile(arch: Option<(i32, i32)>) -> Result<String, String> {
     crate::cuda::device::no_panic("NVRTC", || {
         nvrtc_present()?;
         let options = arch.map(|(major, minor)| vec![format!("--gpu-architecture=compute_{major}{minor}")]).unwrap_or_default();
@@ -289,7 +293,8 @@ pub fn shipped_ptx_isa() -> Option<&'static str> {
 /// Every index a launch's threads visit with the kernels' loops, as
 /// (i, j, k), in no particular order: what the tests check covers a box
 /// exactly once.
-pub fn visited(launch: &Launch, counts: [u64; 3], mut f: impl FnMut(u64, u64, u64)) {
+#[cfg(test)]
+pub(crate) fn visited(launch: &Launch, counts: [u64; 3], mut f: impl FnMut(u64, u64, u64)) {
     let [gx, gy, gz] = launch.grid.map(u64::from);
     let bx = launch.block[0] as u64;
     for bz in 0..gz {

@@ -13,20 +13,45 @@
 //! [`cuda_available`](crate::gpu_probe::cuda_available), never a panic.
 //! See `docs/gpu.md`.
 
-pub mod comm;
-pub mod copyplan;
-pub mod id;
-pub mod ipc;
-pub mod ipc_comm;
-pub mod kernels;
-pub mod plane;
-pub mod quantplan;
-pub mod schedule;
-pub mod sim;
+//!
+//! Every submodule is private; the names below are the GPU plane's face
+//! (`tests/layering.rs` checks each is used outside the crate).
+
+pub(crate) mod comm;
+pub(crate) mod copyplan;
+pub(crate) mod id;
+pub(crate) mod ipc;
+pub(crate) mod ipc_comm;
+pub(crate) mod kernels;
+pub(crate) mod plane;
+pub(crate) mod quantplan;
+pub(crate) mod schedule;
+pub(crate) mod sim;
 
 #[cfg(feature = "cuda")]
-pub mod device;
+pub(crate) mod device;
 #[cfg(feature = "cuda")]
-pub mod exec;
+pub(crate) mod exec;
 #[cfg(feature = "cuda")]
-pub mod nccl;
+pub(crate) mod nccl;
+
+pub use comm::{abandoned_comm_threads, AbortOutcome, CommConfig, CommError, CommHandle, P2p, PendingComm, Progress};
+pub use id::CommId;
+pub use ipc::IpcHandle;
+pub use ipc_comm::{IpcComm, IpcMemory};
+pub use kernels::shipped_ptx_isa;
+pub use plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError};
+pub use quantplan::QuantPlan;
+pub use schedule::ScheduleError;
+pub use sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimBucket, SimFault, SimIpc, SimMemory};
+
+#[cfg(feature = "cuda")]
+pub use device::{device_count, device_uuid, driver_version, nccl_version_text, probe_nccl, DeviceMemory, GpuDevice};
+#[cfg(feature = "cuda")]
+pub use exec::{run_device, time_plain_copy, DeviceExecError, DeviceReport, DeviceRun, DeviceRunOptions};
+#[cfg(feature = "cuda")]
+pub use ipc_comm::gpu::GpuIpc;
+#[cfg(feature = "cuda")]
+pub use kernels::nvrtc_version;
+#[cfg(feature = "cuda")]
+pub use nccl::{create_comms, host_fallbacks, leaked_staging_bytes, run_rank_nccl, DevicePlaneMemory, NcclBackend};

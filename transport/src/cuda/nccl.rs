@@ -11,7 +11,7 @@
 //!
 //! [`run_rank_nccl`] runs one rank's program with its buffers on the device:
 //! the communicator executor ([`plane`](crate::cuda::plane)) on a
-//! [`GpuPlane`] (device staging, copies and cast kernels on the device's
+//! [`DevicePlaneMemory`] (device staging, copies and cast kernels on the device's
 //! stream, an event ordering each group after the packing).
 
 use crate::copy::fits;
@@ -101,7 +101,7 @@ impl std::fmt::Debug for NcclBackend {
 impl NcclBackend {
     /// Starts creating `rank` of an `nranks` communicator on device
     /// `ordinal` from `id`, without blocking. Call on the thread that will
-    /// own it (see [`create_comm`]).
+    /// own it (see [`create_comms`]).
     pub fn create(ordinal: usize, id: CommId, rank: u32, nranks: u32) -> Result<NcclBackend, String> {
         probe_driver()?;
         probe_nccl()?;
@@ -276,13 +276,6 @@ impl Drop for NcclBackend {
     }
 }
 
-/// Creates this member's communicator on its own thread (device
-/// `ordinal`, `config.rank` of `config.nranks`) and waits until it is ready
-/// or `config.init_timeout` passes. Every member passes the same `id`.
-pub fn create_comm(ordinal: usize, id: CommId, config: CommConfig) -> Result<CommHandle, CommError> {
-    CommHandle::spawn(config, &id.tag(), move || NcclBackend::create(ordinal, id, config.rank, config.nranks))
-}
-
 /// Creates the communicators of every rank this process hosts, all at
 /// once: each `(ordinal, rank)` gets its thread and starts its
 /// non-blocking creation before any is waited for (NCCL completes a
@@ -333,7 +326,7 @@ impl DeviceStaging {
 /// buffers, send and receive staging on the device, pinned host staging
 /// for pieces no kernel converts, and the event that orders a group after
 /// the work queued before it.
-pub struct GpuPlane<'a> {
+pub struct DevicePlaneMemory<'a> {
     dev: &'a GpuDevice,
     memory: &'a mut DeviceMemory,
     addrs: Vec<u64>,
@@ -346,12 +339,12 @@ pub struct GpuPlane<'a> {
     bucket: Option<(u64, usize)>,
 }
 
-impl<'a> GpuPlane<'a> {
+impl<'a> DevicePlaneMemory<'a> {
     /// `memory` (allocated on `dev`) for one run.
-    pub fn new(dev: &'a GpuDevice, memory: &'a mut DeviceMemory) -> GpuPlane<'a> {
+    pub fn new(dev: &'a GpuDevice, memory: &'a mut DeviceMemory) -> DevicePlaneMemory<'a> {
         let addrs = memory.device_addrs().to_vec();
         let staging = || DeviceStaging { buf: None, len: 0, addr: 0 };
-        GpuPlane {
+        DevicePlaneMemory {
             dev,
             memory,
             addrs,
@@ -371,8 +364,8 @@ impl<'a> GpuPlane<'a> {
     /// `base..base + len` must be device memory of `dev`'s context that
     /// stays allocated while the value lives (the IPC communicator keeps
     /// its bucket until it is dropped, or for good after a failure).
-    pub unsafe fn with_bucket(dev: &'a GpuDevice, memory: &'a mut DeviceMemory, base: u64, len: u64) -> GpuPlane<'a> {
-        GpuPlane { bucket: Some((base, len as usize)), ..GpuPlane::new(dev, memory) }
+    pub unsafe fn with_bucket(dev: &'a GpuDevice, memory: &'a mut DeviceMemory, base: u64, len: u64) -> DevicePlaneMemory<'a> {
+        DevicePlaneMemory { bucket: Some((base, len as usize)), ..DevicePlaneMemory::new(dev, memory) }
     }
 
     /// Whether a side of `block` fits the region its address names: a
@@ -385,7 +378,7 @@ impl<'a> GpuPlane<'a> {
     }
 }
 
-impl PlaneMemory for GpuPlane<'_> {
+impl PlaneMemory for DevicePlaneMemory<'_> {
     fn addrs(&self) -> &[u64] {
         &self.addrs
     }
@@ -510,7 +503,7 @@ impl PlaneMemory for GpuPlane<'_> {
     }
 }
 
-impl GpuPlane<'_> {
+impl DevicePlaneMemory<'_> {
     /// The base of staging `which` (the exported bucket, for sends, where
     /// there is one), if bytes `at..at + len` lie inside it.
     fn staging_range(&self, which: Staging, at: u64, len: usize) -> Result<u64, String> {
@@ -562,7 +555,7 @@ pub fn leaked_staging_bytes() -> u64 {
 }
 
 /// Runs one rank's program with its buffers in device memory over an NCCL
-/// communicator ([`run_rank_comm`] on a [`GpuPlane`]). The communicator
+/// communicator ([`run_rank_comm`] on a [`DevicePlaneMemory`]). The communicator
 /// must be on the same device as `memory`.
 pub fn run_rank_nccl(
     dev: &GpuDevice,
@@ -574,7 +567,7 @@ pub fn run_rank_nccl(
     delta: Option<&mut crate::delta::DeltaRun>,
 ) -> Result<RankStats, CommExecError> {
     dev.bind().map_err(|e| CommExecError::Memory { me: program.endpoint, what: "binding the device", error: e.to_string() })?;
-    run_rank_comm(&mut GpuPlane::new(dev, memory), program, comm, rank_of, deadline, delta)
+    run_rank_comm(&mut DevicePlaneMemory::new(dev, memory), program, comm, rank_of, deadline, delta)
 }
 
 #[cfg(test)]
@@ -591,7 +584,7 @@ mod tests {
         let id = CommId::from_bytes(&[7u8; 128]).unwrap();
         let config = CommConfig { init_timeout: Duration::from_secs(5), ..CommConfig::new(0, 1) };
         let start = Instant::now();
-        let err = create_comm(0, id, config).unwrap_err();
+        let err = create_comms(&[(0, 0)], id, config).pop().unwrap().unwrap_err();
         assert!(start.elapsed() < Duration::from_secs(5));
         assert!(matches!(&err, CommError::InitFailed { rank: 0, nranks: 1, abandoned: false, .. }), "{err}");
     }

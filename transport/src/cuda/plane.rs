@@ -37,7 +37,7 @@ use thiserror::Error;
 
 /// One side of a piece: the address of the region it lies in (a buffer of
 /// the rank, or staging), its span in that region, its dtype.
-pub type Side = (u64, Span, DType);
+pub(crate) type Side = (u64, Span, DType);
 
 /// Which staging buffer of a round.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,7 +99,7 @@ pub fn comm_rank(endpoint: Endpoint, src_ranks: u32) -> u32 {
 /// transfer compute the same layout from the same plan. `None` where the
 /// sizes pass `u64` (counts from a program: a wrapped layout would let a
 /// group reach past its staging).
-pub fn message_layout(pieces: impl IntoIterator<Item = (Option<u64>, DType)>) -> Option<(Vec<u64>, u64)> {
+pub(crate) fn message_layout(pieces: impl IntoIterator<Item = (Option<u64>, DType)>) -> Option<(Vec<u64>, u64)> {
     let bytes = pieces.into_iter().map(|(numel, wire)| numel?.checked_mul(wire.size())).collect::<Option<Vec<u64>>>()?;
     packed_offsets(&bytes, 256)
 }

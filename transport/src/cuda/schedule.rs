@@ -8,6 +8,10 @@
 //! Pure, compiled and tested without a GPU; the device executor (`exec`,
 //! `cuda` feature) runs the steps with device copies.
 
+// Pure, and tested without a GPU in every build; what runs it on a device
+// needs the `cuda` feature.
+#![cfg_attr(not(feature = "cuda"), allow(dead_code))]
+
 use crate::copy::fits;
 use crate::cursor::{Round, RoundCursor, Unexpected};
 use reshard::{Block, DType, Endpoint, RankProgram, Span};
@@ -17,7 +21,7 @@ use thiserror::Error;
 /// Where a piece is: a rank (index into the programs), a span of one of its
 /// buffers, and that buffer's element type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Place {
+pub(crate) struct Place {
     /// Index of the rank's program.
     pub rank: usize,
     /// The elements in the rank's buffer.
@@ -29,7 +33,7 @@ pub struct Place {
 /// One copy of a piece. Values go `from.dtype` → `wire` → each `to` dtype,
 /// exactly as a sender narrows to the wire type and a receiver widens.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Step {
+pub(crate) struct Step {
     /// Plan round.
     pub round: u32,
     /// The piece.
@@ -46,24 +50,14 @@ pub struct Step {
 
 impl Step {
     /// Whether no dtype conversion is needed (a plain byte copy).
-    pub fn is_direct(&self) -> bool {
+    pub(crate) fn is_direct(&self) -> bool {
         self.from.dtype == self.wire && self.to.iter().all(|t| t.dtype == self.wire)
-    }
-
-    /// Bytes this step moves between ranks (in the wire type).
-    pub fn wire_bytes(&self) -> u64 {
-        if self.local {
-            0
-        } else {
-            // (Checked to fit its buffers when scheduled.)
-            self.block.numel().saturating_mul(self.wire.size())
-        }
     }
 }
 
 /// Every rank's program as one ordered list of copies.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Schedule {
+pub(crate) struct Schedule {
     /// Copies, in the order to run them.
     pub steps: Vec<Step>,
     /// Bytes between ranks (wire type), as an executor over a transport reports.
@@ -144,7 +138,7 @@ fn place(programs: &[RankProgram], rank: usize, span: &Span, dtype: DType, block
 /// checking that every message is sent and received with the same pieces.
 /// Each program is walked by its cursor a round at a time
 /// ([`RoundCursor`]), which also counts the bytes and messages.
-pub fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, ScheduleError> {
+pub(crate) fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule, ScheduleError> {
     let index: HashMap<Endpoint, usize> = programs.iter().enumerate().map(|(i, p)| (p.endpoint, i)).collect();
     let mut walks: Vec<Vec<Round<'_>>> = Vec::with_capacity(programs.len());
     let mut out = Schedule::default();

@@ -17,7 +17,7 @@ mod delta_run;
 mod pack;
 mod threads;
 
-pub use crate::delta::DeltaRun;
+pub(crate) use crate::delta::DeltaRun;
 use delta_run::{delta_decode, delta_encode};
 use pack::{pack, unpack, unpack_bytes, Into, Unpack};
 pub use threads::{run_local, run_local_delta, run_tcp, run_threads, run_threads_delta, WithAbort};

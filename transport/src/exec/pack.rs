@@ -173,7 +173,7 @@ pub(super) fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload
 fn unpack_stream(
     into: &Into<'_>,
     msg: &Message<RecvPiece>,
-    frame: &mut crate::tcp::StreamFrame,
+    frame: &mut crate::stream::StreamFrame,
     stage: &mut Vec<u8>,
 ) -> Result<(), Unpack> {
     // (`wire_bytes` saturates: a message of more than `u64` bytes is
@@ -194,7 +194,7 @@ fn unpack_stream(
     let mut staged: Vec<(usize, RecvPieceView<'_>, usize)> = Vec::new();
     let mut used = 0usize;
     // Reads what `runs` names, then writes the staged pieces out.
-    let flush = |frame: &mut crate::tcp::StreamFrame,
+    let flush = |frame: &mut crate::stream::StreamFrame,
                  runs: &mut Vec<libc::iovec>,
                  staged: &mut Vec<(usize, RecvPieceView<'_>, usize)>,
                  used: &mut usize| {

@@ -6,7 +6,7 @@ use crate::frame::{
     decode_hello, hello_problem, proof_holds, HelloKey, ShmAnnounce, FLAG_CHECKSUM, FLAG_PROOF, FLAG_SHM, HELLO, HELLO_CHECKSUM,
     HELLO_DUPLICATE, HELLO_OK, HELLO_PEER, HELLO_PROOF, HELLO_REGION, HELLO_SHM, HELLO_VERSION, PROOF, SHM_ANNOUNCE, VERSION,
 };
-use crate::shm_link::{ShmReceiver, ShmSetup};
+use crate::tcp::shm_link::{ShmReceiver, ShmSetup};
 use reshard::Endpoint;
 use std::collections::HashSet;
 use std::io::{self, Read, Write};

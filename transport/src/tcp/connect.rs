@@ -7,11 +7,10 @@ use super::accept::{accept_all, Expect};
 use super::pool::FramePool;
 use super::reader::{read_loop, PeerStatus, Reader};
 use super::{Inbound, Link, TcpConfig, TcpTransport};
-use crate::faults::Faults;
 use crate::frame::{hello, hello_problem, HELLO_OK};
 use crate::link::FrameHook;
-use crate::shm_link::{self, ShmSetup};
 use crate::sockopt::choose_congestion;
+use crate::tcp::shm_link::{self, ShmSetup};
 use crate::transport::RoundInbox;
 use reshard::Endpoint;
 use std::collections::{HashMap, HashSet};
@@ -42,16 +41,6 @@ pub fn tcp_fabric_for(programs: &[reshard::RankProgram], config: &TcpConfig) -> 
         }
     }
     fabric(&endpoints, config, |_| None, |_| None, &|a, b| talks.contains(&(a, b)))
-}
-
-/// As [`tcp_fabric`], with the faults `faults_of(rank)` injected at each
-/// rank instead of `config.hook` (for tests: one failing rank).
-pub fn tcp_fabric_with_faults(
-    endpoints: &[Endpoint],
-    config: &TcpConfig,
-    faults_of: impl Fn(Endpoint) -> Faults + Sync,
-) -> io::Result<Vec<TcpTransport>> {
-    fabric(endpoints, &TcpConfig { hook: None, ..config.clone() }, |e| faults_of(e).hook(), |_| None, &|_, _| true)
 }
 
 /// Connects every endpoint to every other it `talks` to (a symmetric

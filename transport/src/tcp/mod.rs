@@ -6,7 +6,7 @@
 //! frame buffers lent to the executor ([`Payload::Lent`]; see
 //! [`TcpConfig::frame_pool_bytes`]). A pair of ranks on one node moves the
 //! bytes through shared memory instead and uses its stream for
-//! notifications only ([`crate::shm_link`]).
+//! notifications only ([`crate::tcp::shm_link`]).
 //!
 //! Link emulation paces data frames through the rank's inter-node token
 //! bucket (shared-memory links use the intra-node one) in pieces of
@@ -17,12 +17,12 @@
 use crate::frame::{header, HelloKey, ABORT, BYE, MAX_REASON};
 use crate::link::{FrameAction, FrameHook, LinkEmulation, TokenBucket};
 use crate::shm::ShmOut;
-use crate::shm_link::{self, ShmMessage};
 use crate::sockopt::tcp_state;
-pub use crate::sockopt::Congestion;
+pub(crate) use crate::sockopt::Congestion;
 use crate::transport::{Payload, RoundInbox, Transport, TransportError};
 use reshard::human;
 use reshard::Endpoint;
+use shm_link::ShmMessage;
 use std::collections::HashMap;
 use std::io::{BufWriter, Write};
 use std::net::{Shutdown, TcpStream};
@@ -33,12 +33,12 @@ mod accept;
 mod connect;
 mod pool;
 mod reader;
+pub(crate) mod shm_link;
 mod writer;
 
 pub(crate) use connect::fabric;
-pub use connect::{tcp_fabric, tcp_fabric_for, tcp_fabric_with_faults};
+pub use connect::{tcp_fabric, tcp_fabric_for};
 pub(crate) use pool::FramePool;
-pub use reader::StreamFrame;
 use reader::{Incoming, GONE};
 pub(crate) use reader::{PeerStatus, Stop, ALIVE, BROKEN};
 use writer::write_tcp;

@@ -1,12 +1,13 @@
 //! The receiving side of a stream: a reader thread per incoming stream
 //! turns its frames into messages for the transport's inbox, tracks what
 //! it last saw of the peer ([`PeerStatus`]), and leaves plain data frames
-//! on the stream for the executor to read into place ([`StreamFrame`]).
+//! on the stream for the executor to read into place
+//! ([`StreamFrame`](crate::stream::StreamFrame)).
 
 use super::pool::FramePool;
-use super::writer::IOV_BATCH;
 use crate::frame::{decode_header, ABORT, BYE, CHUNK, DATA, HEADER, MAX_REASON, SHM_INFO};
-use crate::shm_link::ShmReceiver;
+use crate::stream::StreamFrame;
+use crate::tcp::shm_link::ShmReceiver;
 use crate::transport::Payload;
 use reshard::Endpoint;
 use std::io::{self, Read};
@@ -53,113 +54,6 @@ impl PeerStatus {
     /// Messages from the peer handed on so far.
     pub(super) fn messages(&self) -> u64 {
         self.1.load(Ordering::Relaxed)
-    }
-}
-
-/// A data frame left on its stream for the receiving executor to read
-/// straight into its destination spans ([`Payload::Stream`]): no frame
-/// buffer, no second copy. The stream's reader thread waits until the
-/// frame is dropped, then skips whatever was not read, so frames after it
-/// on that stream (later rounds: a sender's frames travel in round order)
-/// wait too, held back by TCP's own flow control. Frames with checksums
-/// are never left on the stream: they are checked before any byte of
-/// them reaches a destination.
-pub struct StreamFrame {
-    stream: Arc<TcpStream>,
-    len: u64,
-    read: u64,
-    done: Option<std::sync::mpsc::SyncSender<u64>>,
-}
-
-impl std::fmt::Debug for StreamFrame {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StreamFrame").field("len", &self.len).field("read", &self.read).finish()
-    }
-}
-
-impl StreamFrame {
-    /// Bytes of the frame's payload.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// Whether the payload is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Bytes not read yet.
-    pub fn left(&self) -> u64 {
-        self.len - self.read
-    }
-
-    /// Fills `buf` with the next bytes of the payload.
-    pub fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
-        if buf.len() as u64 > self.left() {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "read past the end of the frame"));
-        }
-        (&*self.stream).read_exact(buf)?;
-        self.read += buf.len() as u64;
-        Ok(())
-    }
-
-    /// Reads the next bytes of the payload into the `(pointer, length)`
-    /// runs of `runs`, in order (gathered by `readv`).
-    ///
-    /// # Safety
-    /// Every run must be valid for writes of its length, and nothing else
-    /// may access those bytes during the call.
-    pub(crate) unsafe fn read_runs(&mut self, runs: &mut [libc::iovec]) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let total: u64 = runs.iter().map(|v| v.iov_len as u64).sum();
-        if total > self.left() {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "read past the end of the frame"));
-        }
-        let fd = self.stream.as_raw_fd();
-        let mut first = 0;
-        while first < runs.len() {
-            let n = runs.len() - first;
-            // SAFETY: the iovecs name memory valid for writes (the caller's
-            // contract); `fd` is this frame's open stream.
-            let got = unsafe { libc::readv(fd, runs[first..].as_ptr(), n.min(IOV_BATCH) as libc::c_int) };
-            if got < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
-            if got == 0 {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed in a frame"));
-            }
-            let mut got = got as usize;
-            self.read += got as u64;
-            while got > 0 && first < runs.len() {
-                let v = &mut runs[first];
-                if got >= v.iov_len {
-                    got -= v.iov_len;
-                    first += 1;
-                } else {
-                    // SAFETY: still inside the run.
-                    v.iov_base = unsafe { (v.iov_base as *mut u8).add(got) } as *mut libc::c_void;
-                    v.iov_len -= got;
-                    got = 0;
-                }
-            }
-            while first < runs.len() && runs[first].iov_len == 0 {
-                first += 1;
-            }
-        }
-        Ok(())
-    }
-}
-
-impl Drop for StreamFrame {
-    /// Hands the stream back to its reader, which skips what was not read.
-    fn drop(&mut self) {
-        if let Some(done) = self.done.take() {
-            let _ = done.send(self.read);
-        }
     }
 }
 
@@ -225,7 +119,7 @@ fn read_frames(shared: &Arc<TcpStream>, r: &mut Reader) -> Stop {
             // Left on the stream for the executor to read into place.
             DATA if !r.checksum && len > 0 => {
                 let (done, consumed) = std::sync::mpsc::sync_channel(1);
-                let frame = StreamFrame { stream: Arc::clone(shared), len, read: 0, done: Some(done) };
+                let frame = StreamFrame::new(Arc::clone(shared) as Arc<dyn crate::stream::FrameStream>, len, done);
                 r.status.took();
                 if r.tx.send(Incoming::Data { round, from: r.peer, payload: Payload::Stream(frame) }).is_err() {
                     return Stop::Quiet; // the transport is gone

@@ -1,5 +1,5 @@
 //! The caller's end of a communicator thread ([`CommHandle`]): starting
-//! it ([`PendingComm`], [`wait_all`]), running groups, checking and
+//! it ([`PendingComm`]), running groups, checking and
 //! aborting, none of it waiting past its deadline.
 
 use super::abort::{AbortOutcome, DoneOnDrop, Mark, ThreadWatch};
@@ -47,7 +47,7 @@ fn grace(config: &CommConfig) -> Duration {
 /// A communicator whose creation is under way on its thread
 /// ([`CommHandle::start`]); [`PendingComm::wait`] turns it into a
 /// [`CommHandle`]. Start every communicator a process hosts before waiting
-/// for any ([`wait_all`]): NCCL completes a creation only once every rank
+/// for any (as `create_comms` does): NCCL completes a creation only once every rank
 /// of the communicator has joined, so creating one after another waits out
 /// the first one's timeout.
 pub struct PendingComm {
@@ -91,7 +91,8 @@ impl PendingComm {
 /// Waits for every started communicator (each against its own deadline,
 /// so all of them together take at most the longest init timeout), in
 /// order.
-pub fn wait_all(pending: Vec<PendingComm>) -> Vec<Result<CommHandle, CommError>> {
+#[cfg(test)]
+pub(super) fn wait_all(pending: Vec<PendingComm>) -> Vec<Result<CommHandle, CommError>> {
     pending.into_iter().map(PendingComm::wait).collect()
 }
 

@@ -35,10 +35,13 @@ mod error;
 mod handle;
 mod thread;
 
-pub use abort::{abandoned_comm_threads, AbortOutcome, ThreadWatch};
-pub use backend::{CommBackend, Fence, P2p, Progress, RawEvent};
+pub use abort::{abandoned_comm_threads, AbortOutcome};
+#[cfg(any(test, feature = "cuda"))]
+pub(crate) use backend::RawEvent;
+pub(crate) use backend::{CommBackend, Fence};
+pub use backend::{P2p, Progress};
 pub use error::CommError;
-pub use handle::{wait_all, CommHandle, PendingComm};
+pub use handle::{CommHandle, PendingComm};
 
 /// Ranks, deadlines and polling of one communicator.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

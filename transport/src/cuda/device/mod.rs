@@ -29,13 +29,13 @@ mod memory;
 mod probe;
 mod quantize;
 
-pub use copies::PinnedStaging;
+pub(crate) use copies::PinnedStaging;
 pub(crate) use copies::{issue, Loc};
-pub use launch::DeviceKernels;
+pub(crate) use launch::DeviceKernels;
 pub use memory::DeviceMemory;
-pub use probe::{device_count, device_uuid, driver_version, nccl_version_text, probe_driver, probe_nccl, uuid_text, MIN_NCCL_VERSION};
-pub(crate) use probe::{no_panic, probe};
-pub use quantize::{quantize_rank_on, Quantized};
+pub use probe::{device_count, device_uuid, driver_version, nccl_version_text, probe_nccl};
+pub(crate) use probe::{no_panic, probe, probe_driver};
+pub(crate) use quantize::{quantize_rank_on, Quantized};
 
 /// Why a device operation failed.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]

@@ -17,7 +17,7 @@ pub(crate) fn no_panic<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> 
 
 /// Checks that the CUDA driver library loads, initialises and sees a
 /// device. Never panics.
-pub fn probe_driver() -> Result<(), String> {
+pub(crate) fn probe_driver() -> Result<(), String> {
     no_panic("CUDA driver probe", || {
         // SAFETY: only tries to open the library.
         if !unsafe { sys::is_culib_present() } {
@@ -58,7 +58,7 @@ pub fn device_uuid(ordinal: usize) -> Result<String, String> {
 }
 
 /// 16 UUID bytes as `GPU-` and the 8-4-4-4-12 hex groups.
-pub fn uuid_text(bytes: &[u8; 16]) -> String {
+pub(super) fn uuid_text(bytes: &[u8; 16]) -> String {
     let hex = |r: std::ops::Range<usize>| bytes[r].iter().map(|b| format!("{b:02x}")).collect::<String>();
     format!("GPU-{}-{}-{}-{}-{}", hex(0..4), hex(4..6), hex(6..8), hex(8..10), hex(10..16))
 }
@@ -76,7 +76,7 @@ pub fn driver_version() -> Result<String, String> {
 }
 
 /// Oldest NCCL with non-blocking communicator creation (`ncclConfig_t`).
-pub const MIN_NCCL_VERSION: i32 = 21400;
+pub(super) const MIN_NCCL_VERSION: i32 = 21400;
 
 /// Checks that NCCL loads and is recent enough; returns its version code
 /// (e.g. 22304 for 2.23.4). Never panics.

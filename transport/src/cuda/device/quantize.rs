@@ -9,7 +9,7 @@ use reshard::RankProgram;
 
 /// How a destination rank's block-scaled tensors were quantized.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Quantized {
+pub(crate) enum Quantized {
     /// Nothing to quantize.
     Nothing,
     /// On the device, by the `refit_fp8_*` kernels.
@@ -23,7 +23,7 @@ pub enum Quantized {
 /// and every tensor has at most three dimensions, else on the host. A block
 /// holding NaN or infinity is an error naming the tensor and the block
 /// (found again by the host quantizer, which says which).
-pub fn quantize_rank_on(dev: &GpuDevice, memory: &mut DeviceMemory, program: &RankProgram) -> Result<Quantized, String> {
+pub(crate) fn quantize_rank_on(dev: &GpuDevice, memory: &mut DeviceMemory, program: &RankProgram) -> Result<Quantized, String> {
     if program.quantize.is_empty() {
         return Ok(Quantized::Nothing);
     }
