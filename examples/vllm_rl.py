@@ -35,6 +35,15 @@ import torch.multiprocessing as mp  # noqa: E402
 import refit  # noqa: E402
 import refit.vllm  # noqa: E402
 
+
+def vllm_shm():
+    """vLLM's files in /dev/shm (its CPU backend's, with TP > 1)."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_")}
+    except FileNotFoundError:
+        return set()
+
+
 TRAINERS = 2
 PROMPTS = [[1, 2, 3], [40, 41], [100, 7, 250], [60], [200, 201, 202, 203], [90, 91], [150], [33, 44, 55]]
 SAMPLES = 4  # completions per prompt
@@ -141,6 +150,7 @@ def main():
     train = refit.Layout.from_json(pipes[0].recv())
     pipes[1].recv()
 
+    shm_before = vllm_shm()
     llm = LLM(
         model=checkpoint, skip_tokenizer_init=True, dtype="float32", tensor_parallel_size=2,
         distributed_executor_backend="mp", enforce_eager=True, max_model_len=64, max_num_seqs=32, seed=0,
@@ -187,6 +197,12 @@ def main():
             p.join(timeout=30)
         orch.close()
         llm.llm_engine.engine_core.shutdown()
+        # vLLM's shutdown leaves its CPU backend's shared memory behind.
+        for name in vllm_shm() - shm_before:
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
     if not ok:
         print("FAILED: the reward did not rise, or the engine's weights are not the trainers'")
         sys.exit(1)

@@ -16,6 +16,17 @@ MAX_TOKENS = 6
 TRAIN_RANKS = 2
 
 
+SHM = "/dev/shm"
+
+
+def _vllm_shm():
+    """vLLM's shared-memory files (its CPU backend's, with TP > 1)."""
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith("vllm_")}
+    except FileNotFoundError:
+        return set()
+
+
 def start(model, tp, ep=False):
     from vllm import LLM
 
@@ -23,7 +34,8 @@ def start(model, tp, ep=False):
     if tp > 1:
         # One NUMA node here: bind rank r to core r.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))
-    return LLM(
+    before = _vllm_shm()
+    llm = LLM(
         model=model,
         skip_tokenizer_init=True,
         dtype="float32",
@@ -36,12 +48,22 @@ def start(model, tp, ep=False):
         seed=0,
         weight_transfer_config={"backend": refit.vllm.BACKEND},
     )
+    # What this engine made in /dev/shm, for `stop` to remove: vLLM's
+    # shutdown leaves its CPU backend's files behind.
+    llm._refit_shm = _vllm_shm() - before
+    return llm
 
 
 def stop(llm):
+    made = getattr(llm, "_refit_shm", set())
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+    for name in made:
+        try:
+            os.unlink(os.path.join(SHM, name))
+        except FileNotFoundError:
+            pass
 
 
 def generate(llm):
