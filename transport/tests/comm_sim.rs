@@ -41,17 +41,9 @@ struct Ran {
     took: Duration,
 }
 
-/// Runs every program as a thread on its own simulated communicator rank
-/// of one communicator of `world` (all created together, as one process
-/// hosting every rank); each rank aborts its communicator when done.
-fn run_sim(
-    world: &str,
-    programs: &[RankProgram],
-    memory: &mut [RankMemory],
-    config: CommConfig,
-    deadline: Duration,
-    deltas: Option<&mut [DeltaRun]>,
-) -> Vec<Ran> {
+/// Every program's rank of one simulated communicator of `world` (all
+/// created together, as one process hosting every rank), started.
+fn start_sim(world: &str, programs: &[RankProgram], config: CommConfig) -> Vec<(PendingComm, Option<Arc<SimBucket>>)> {
     let src_ranks = programs.iter().filter(|p| p.endpoint.group == reshard::Group::Src).count() as u32;
     let nranks = programs.len() as u32;
     let id = sim_comm_id();
@@ -63,7 +55,27 @@ fn run_sim(
             CommHandle::start(CommConfig { rank, ..config }, &id.tag(), move || sim_comm(&world, id, rank, nranks)).unwrap()
         })
         .collect();
-    run_ranks(programs, memory, pending.into_iter().map(|p| (p, None)).collect(), deadline, deltas)
+    pending.into_iter().map(|p| (p, None)).collect()
+}
+
+/// Runs every program as a thread on its rank of a communicator of
+/// `plane` (the simulated one in `world`, or IPC buckets) made for the
+/// run (with `deltas`, one delta run per rank); each rank aborts its
+/// communicator when done.
+fn run_on(
+    plane: Plane,
+    world: &str,
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    deadline: Duration,
+    deltas: Option<&mut [DeltaRun]>,
+) -> Vec<Ran> {
+    let config = config(programs.len() as u32);
+    let pending = match plane {
+        Plane::Nccl => start_sim(world, programs, config),
+        Plane::Ipc => start_ipc(programs, config),
+    };
+    run_ranks(programs, memory, pending, deadline, deltas)
 }
 
 /// Runs every program as a thread on its communicator rank (`pending`,
@@ -112,16 +124,10 @@ fn run_ranks(
     })
 }
 
-/// Runs every program as a thread over the IPC communicator: each rank
+/// Every program's rank of an IPC communicator, started: each rank
 /// exports its send bucket, maps those of the ranks it receives from, and
 /// rings doorbells over in-process channels.
-fn run_ipc(
-    programs: &[RankProgram],
-    memory: &mut [RankMemory],
-    config: CommConfig,
-    deadline: Duration,
-    deltas: Option<&mut [DeltaRun]>,
-) -> Vec<Ran> {
+fn start_ipc(programs: &[RankProgram], config: CommConfig) -> Vec<(PendingComm, Option<Arc<SimBucket>>)> {
     let src_ranks = programs.iter().filter(|p| p.endpoint.group == reshard::Group::Src).count() as u32;
     let nranks = programs.len() as u32;
     let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
@@ -152,7 +158,7 @@ fn run_ipc(
             (started, bucket)
         })
         .collect();
-    run_ranks(programs, memory, pending.into_iter().map(|(p, b)| (p, Some(b))).collect(), deadline, deltas)
+    pending.into_iter().map(|(p, b)| (p, Some(b))).collect()
 }
 
 /// Which communicator a check runs on.
@@ -178,14 +184,7 @@ fn check(name: &str, strategy: &str, plane: Plane) {
     fill_sources(&src, &mut expected);
     let mut memory = expected.clone();
     run_local(&programs, &mut expected, &ExecOptions::default()).unwrap();
-    let (config, deadline) = (config(programs.len() as u32), Duration::from_secs(30));
-    let ran = match plane {
-        Plane::Nccl => run_sim(&format!("examples/{name}/{strategy}"), &programs, &mut memory, config, deadline, None),
-        Plane::Ipc => run_ipc(&programs, &mut memory, config, deadline, None),
-    };
-    let failed: Vec<String> =
-        programs.iter().zip(&ran).filter_map(|(p, r)| r.result.as_ref().err().map(|e| format!("{}: {e}", p.endpoint))).collect();
-    assert!(failed.is_empty(), "{what}:\n{}", failed.join("\n"));
+    let ran = run_ok(&what, plane, &format!("examples/{name}/{strategy}"), &programs, &mut memory, None);
     let mut sent = 0;
     for r in &ran {
         sent += r.result.as_ref().map_or(0, |s| *s);
@@ -229,17 +228,26 @@ fn every_example_lands_the_same_over_ipc_buckets() {
     }
 }
 
-/// Runs `programs` on `plane` as delta refits (`deltas`, one per rank),
-/// fails on any rank's error, and returns the bytes put on the wire.
-fn run_delta(what: &str, plane: Plane, programs: &[RankProgram], memory: &mut [RankMemory], deltas: &mut [DeltaRun]) -> u64 {
-    let (config, deadline) = (config(programs.len() as u32), Duration::from_secs(30));
-    let ran = match plane {
-        Plane::Nccl => run_sim(&format!("delta/{what}"), programs, memory, config, deadline, Some(deltas)),
-        Plane::Ipc => run_ipc(programs, memory, config, deadline, Some(deltas)),
-    };
+/// [`run_on`] within 30 s, failing on any rank's error.
+fn run_ok(
+    what: &str,
+    plane: Plane,
+    world: &str,
+    programs: &[RankProgram],
+    memory: &mut [RankMemory],
+    deltas: Option<&mut [DeltaRun]>,
+) -> Vec<Ran> {
+    let ran = run_on(plane, world, programs, memory, Duration::from_secs(30), deltas);
     let failed: Vec<String> =
         programs.iter().zip(&ran).filter_map(|(p, r)| r.result.as_ref().err().map(|e| format!("{}: {e}", p.endpoint))).collect();
     assert!(failed.is_empty(), "{what}:\n{}", failed.join("\n"));
+    ran
+}
+
+/// Runs `programs` on `plane` as delta refits (`deltas`, one per rank),
+/// fails on any rank's error, and returns the bytes put on the wire.
+fn run_delta(what: &str, plane: Plane, programs: &[RankProgram], memory: &mut [RankMemory], deltas: &mut [DeltaRun]) -> u64 {
+    let ran = run_ok(what, plane, &format!("delta/{what}"), programs, memory, Some(deltas));
     ran.iter().map(|r| r.result.as_ref().map_or(0, |s| *s)).sum()
 }
 
@@ -290,11 +298,7 @@ fn delta_check(name: &str, plane: Plane) {
     let lost =
         programs.iter().position(|p| p.endpoint.group == reshard::Group::Dst && !p.rounds.iter().all(|r| r.recvs.is_empty())).unwrap();
     let mut third: Vec<DeltaRun> = memos.into_iter().enumerate().map(|(i, m)| DeltaRun::new(if i == lost { None } else { m })).collect();
-    let (config, deadline) = (config(programs.len() as u32), Duration::from_secs(30));
-    let ran = match plane {
-        Plane::Nccl => run_sim(&format!("delta/{what} 3"), &programs, &mut memory, config, deadline, Some(&mut third)),
-        Plane::Ipc => run_ipc(&programs, &mut memory, config, deadline, Some(&mut third)),
-    };
+    let ran = run_on(plane, &format!("delta/{what} 3"), &programs, &mut memory, Duration::from_secs(30), Some(&mut third));
     match &ran[lost].result {
         Err(CommExecError::Delta { me, error, .. }) => assert!(*me == programs[lost].endpoint && error.contains("base"), "{what}: {error}"),
         other => panic!("{what}: rank {} without its base: {:?}", programs[lost].endpoint, other.as_ref().err()),
@@ -323,7 +327,7 @@ fn faulted(world: &str, faults: Vec<SimFault>, deadline: Duration) -> (Vec<RankP
     let mut memory = RankMemory::for_programs(&programs);
     arm(world, faults);
     let start = Instant::now();
-    let ran = run_sim(world, &programs, &mut memory, config(programs.len() as u32), deadline, None);
+    let ran = run_on(Plane::Nccl, world, &programs, &mut memory, deadline, None);
     (programs, ran, start.elapsed())
 }
 
