@@ -8,7 +8,7 @@ use reshard::{DType, MAX_DIMS};
 /// Its region (pointer and length) is fixed at construction, which is
 /// `unsafe` ([`StridedRef::new`]): whoever makes one promises the region is
 /// valid for as long as the view or a copy of it is used. Every reader
-/// checks the element offsets against the region ([`in_bounds`]) before it
+/// checks the element offsets against the region (`in_bounds`) before it
 /// touches memory, so the offsets may be anything.
 #[derive(Clone, Copy, Debug)]
 pub struct StridedRef {
@@ -96,7 +96,7 @@ pub(crate) fn fits(counts: &[u64], len: usize, base: u64, strides: &[u64; MAX_DI
 
 /// Row-major strides for `counts` (a packed, contiguous piece);
 /// saturating, so counts from the wire whose product passes `u64` give
-/// strides no view of them fits ([`fits`]) instead of wrapped ones.
+/// strides no view of them fits (`fits`) instead of wrapped ones.
 pub fn packed_strides(counts: &[u64]) -> [u64; MAX_DIMS] {
     let mut s = [0u64; MAX_DIMS];
     let mut acc = 1u64;

@@ -17,7 +17,7 @@ pub struct LinkEmulation {
     /// Egress cap per rank towards ranks of its own node (bytes/s).
     pub intra_node_bytes_per_s: Option<u64>,
     /// Bytes a bucket may send at once after being idle (bucket depth);
-    /// 0 means one pacing chunk ([`PACE_CHUNK`]).
+    /// 0 means one pacing chunk (`PACE_CHUNK`).
     pub burst_bytes: u64,
 }
 

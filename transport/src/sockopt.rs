@@ -45,7 +45,7 @@ pub enum Congestion {
 pub(crate) const CONGESTION_ENV: &str = "REFIT_TCP_CONGESTION";
 
 impl Congestion {
-    /// What `text` says ([`CONGESTION_ENV`]'s values; empty: the default).
+    /// What `text` says (`CONGESTION_ENV`'s values; empty: the default).
     pub fn parse(text: &str) -> Congestion {
         match text.trim() {
             "" | "avoid-bbr" => Congestion::AvoidBbr,
@@ -54,7 +54,7 @@ impl Congestion {
         }
     }
 
-    /// What [`CONGESTION_ENV`] says, or the default.
+    /// What `CONGESTION_ENV` says, or the default.
     pub fn from_env() -> Congestion {
         std::env::var(CONGESTION_ENV).map(|v| Congestion::parse(&v)).unwrap_or_default()
     }

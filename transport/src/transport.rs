@@ -273,7 +273,7 @@ pub struct Release(Option<Arc<Outstanding>>, Option<Box<dyn FnOnce() + Send>>);
 
 impl Release {
     /// A token that runs `done` when dropped (for transports whose memory
-    /// is handed back some other way than through an [`Outstanding`]).
+    /// is handed back some other way than through an `Outstanding`).
     pub fn on_drop(done: impl FnOnce() + Send + 'static) -> Release {
         Release(None, Some(Box::new(done)))
     }

@@ -99,7 +99,7 @@ struct Expected {
     pulling: bool,
 }
 
-/// One rank of an IPC communicator (a [`CommBackend`]).
+/// One rank of an IPC communicator (a `CommBackend`).
 pub struct IpcComm<T: Transport, M: IpcMemory> {
     /// Every communicator rank's endpoint.
     endpoints: Vec<Endpoint>,

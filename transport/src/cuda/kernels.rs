@@ -284,7 +284,7 @@ fn nvrtc_present() -> Result<(), String> {
     }
 }
 
-/// The PTX ISA version [`SHIPPED_PTX`] declares (`.version 8.0`): the
+/// The PTX ISA version `SHIPPED_PTX` declares (`.version 8.0`): the
 /// oldest driver that loads it is the one of the CUDA release of that ISA.
 pub fn shipped_ptx_isa() -> Option<&'static str> {
     SHIPPED_PTX.lines().find_map(|l| l.strip_prefix(".version ")).map(str::trim)

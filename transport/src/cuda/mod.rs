@@ -2,11 +2,11 @@
 //! programs, and NCCL communicators.
 //!
 //! The parts that need no GPU compile in every build and are tested
-//! without one: the NCCL id codec ([`id`]), the communicator thread with
-//! its command channel and deadlines ([`comm`]), the decomposition of
-//! strided pieces into 1-D/2-D/3-D copies ([`copyplan`]), the schedule
-//! of a same-device reshard ([`schedule`]) and block-scaled FP8
-//! quantization as device launches ([`quantplan`]). The parts that call CUDA
+//! without one: the NCCL id codec (`id`), the communicator thread with
+//! its command channel and deadlines (`comm`), the decomposition of
+//! strided pieces into 1-D/2-D/3-D copies (`copyplan`), the schedule
+//! of a same-device reshard (`schedule`) and block-scaled FP8
+//! quantization as device launches (`quantplan`). The parts that call CUDA
 //! (`device`, `exec`, `nccl`) need the `cuda` feature, which loads
 //! `libcuda` and `libnccl` at run time through cudarc: building needs no
 //! CUDA, and a process without the libraries gets an error from

@@ -116,7 +116,7 @@ fn recv_layout(m: &reshard::Message<reshard::RecvPiece>) -> Option<(Vec<u64>, u6
 
 /// The send staging `program` needs: its largest round's outgoing
 /// messages laid out as the executor lays them out, dense or as a delta
-/// refit's encodings and their lengths ([`RoundStaging`]) — the size of
+/// refit's encodings and their lengths (`RoundStaging`) — the size of
 /// the bucket an IPC communicator exports; `u64::MAX`, which no
 /// allocation grants, where a round's messages pass `u64` bytes.
 pub fn send_staging_bytes(program: &RankProgram) -> u64 {

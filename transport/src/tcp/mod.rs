@@ -69,7 +69,7 @@ pub struct TcpConfig {
     /// agree: the handshake refuses a peer with the other setting.
     pub checksum: bool,
     /// Egress rate caps (default off). A plain TCP transport treats every
-    /// peer as on another node; see [`crate::node`] for mixed fabrics.
+    /// peer as on another node; see `crate::node` for mixed fabrics.
     pub emulation: LinkEmulation,
     /// Asked about every data frame a rank sends and told when it aborts,
     /// for tests and tooling: e.g. [`Faults::hook`](crate::faults::Faults::hook) injects faults (default
