@@ -770,13 +770,13 @@ class Orchestrator:
     this process, for testing a pipeline (and in-place sources) without a
     GPU.
 
-    ``delta``: on the ``"in_process"`` and ``"node"`` fabrics, each refit
-    after a clean one sends every message as what changed since the same
-    message of the refit before (checksummed against it; any failure makes
-    the next refit dense), and ``RefitReport.bytes`` counts the bytes on the
-    wire. Each member keeps what it sent and received meanwhile. It pays
-    on slow links when few weights change (docs/benchmarks.md, "Delta
-    refits"); the GPU fabrics refuse it.
+    ``delta``: on every fabric, each refit after a clean one sends every
+    message as what changed since the same message of the refit before
+    (checksummed against it; any failure makes the next refit dense), and
+    ``RefitReport.bytes`` counts the bytes on the wire. Each member keeps
+    what it sent and received meanwhile. It pays on slow links when few
+    weights change (docs/benchmarks.md, "Delta refits"); on the GPU fabrics
+    each message goes through the host to be encoded (docs/gpu.md).
     """
 
     def __init__(
