@@ -408,3 +408,59 @@ fn the_next_communicator_of_a_world_runs_clean() {
     let (_, ran, _) = faulted("recovers", Vec::new(), Duration::from_secs(30));
     assert!(ran.iter().all(|r| r.result.is_ok()));
 }
+
+/// A peer that lies in a delta exchange: it announces an encoding longer
+/// than the message could take, or sends bytes that are no encoding of
+/// it. The receiver refuses both by name (the first before posting any
+/// receive of that length), and its buffers keep what they held.
+#[test]
+fn a_peer_lying_in_a_delta_exchange_is_refused() {
+    use transport::cuda::P2p;
+    let src = parse_layout(
+        r#"{"ranks": 1, "tensors": [{"name": "w", "dtype": "f32", "shape": [64], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}"#,
+    )
+    .unwrap();
+    let dst = src.clone();
+    let programs = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap().programs(&src, &dst).unwrap();
+    assert_eq!(programs.len(), 2);
+    for (case, announced, sent) in [("too long", u64::MAX, 0usize), ("not an encoding", 40, 40)] {
+        let world = format!("liar/{case}");
+        let mut pending = start_sim(&world, &programs, config(2)).into_iter();
+        let (liar, honest) = (pending.next().unwrap().0, pending.next().unwrap().0);
+        let mut memory = RankMemory::for_programs(&programs);
+        let before = memory[1].clone();
+        let until = Instant::now() + Duration::from_secs(10);
+        let result = std::thread::scope(|s| {
+            s.spawn(move || {
+                let mut comm = liar.wait().unwrap();
+                let word = announced.to_le_bytes();
+                let junk = vec![0xa5u8; sent];
+                // SAFETY: both buffers are this thread's, alive until the
+                // groups return (the simulated communicator copies on the
+                // call), and only read.
+                let first = unsafe { comm.group(0, vec![P2p::Send { peer: 1, addr: word.as_ptr() as u64, bytes: 8 }], None, until) };
+                if first.is_ok() && sent > 0 {
+                    let ops = vec![P2p::Send { peer: 1, addr: junk.as_ptr() as u64, bytes: sent as u64 }];
+                    // SAFETY: as above.
+                    let _ = unsafe { comm.group(1, ops, None, until) };
+                }
+                comm.abort();
+            });
+            let rank_of = |e: Endpoint| Some(comm_rank(e, 1)).filter(|&r| r < 2);
+            let mut comm = honest.wait().unwrap();
+            let mut plane = SimMemory::new(&mut memory[1]);
+            let mut delta = DeltaRun::new(None);
+            let r = run_rank_comm(&mut plane, &programs[1], &mut comm, &rank_of, until, Some(&mut delta));
+            comm.abort();
+            r
+        });
+        match result {
+            Err(CommExecError::Delta { error, .. }) => {
+                let want = if announced == u64::MAX { "announced" } else { "delta message" };
+                assert!(error.contains(want), "{case}: {error}");
+            }
+            other => panic!("{case}: {other:?}"),
+        }
+        assert!(memory[1] == before, "{case}: the destination's buffers changed");
+    }
+}

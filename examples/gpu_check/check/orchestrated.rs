@@ -44,18 +44,8 @@ fn orchestrated(gpus: usize) -> Result<(String, Value), String> {
             let report = sys.orchestrator.refit(v).await.map_err(|e| format!("refit {k}: {e}"))?;
             for (r, store) in sys.dst_stores.iter().enumerate() {
                 let snap = store.snapshot().ok_or(format!("refit {k}: dst[{r}] serves nothing"))?;
-                let view = snap.buffers.tensor("w").map_err(e2s)?;
-                let got = view.to_f32().map_err(e2s)?;
-                let mut bad = None;
-                view.for_each_index(|i, at| {
-                    if bad.is_none() && got[i] != value(at[0] * cols + at[1], k) {
-                        bad = Some(at.to_vec());
-                    }
-                });
-                if let Some(at) = bad {
-                    return Err(format!("refit {k}: MISMATCH: dst[{r}] element {at:?}"));
-                }
-                checked += got.len() as u64;
+                checked +=
+                    checked_w(&snap.buffers, |at| value(at[0] * cols + at[1], k)).map_err(|e| format!("refit {k}: dst[{r}]: {e}"))?;
             }
             lines.push(format!("v{v}: {:.1} ms{}", report.wall.as_secs_f64() * 1e3, if report.resumed { " (kept)" } else { "" }));
         }
@@ -64,6 +54,21 @@ fn orchestrated(gpus: usize) -> Result<(String, Value), String> {
             json!({ "gpus": dst_ranks + 1, "elements": checked, "refits": lines }),
         ))
     })
+}
+
+/// Checks every element of tensor `w` in `buffers` against `want(coords)`:
+/// the elements checked, or the first that differs (or why the tensor
+/// could not be read).
+fn checked_w(buffers: &orchestrator::Buffers, want: impl Fn(&[u64]) -> f32) -> Result<u64, String> {
+    let view = buffers.tensor("w").map_err(e2s)?;
+    let got = view.to_f32().map_err(e2s)?;
+    let mut bad = None;
+    view.for_each_index(|i, at| {
+        if bad.is_none() && got[i] != want(at) {
+            bad = Some(format!("MISMATCH: element {at:?}"));
+        }
+    });
+    bad.map_or(Ok(got.len() as u64), Err)
 }
 
 /// The layouts of the `orchestrator-ipc` check and its values.
@@ -200,18 +205,7 @@ fn orchestrated_ipc_into(dev: &GpuDevice, served: Served) -> Result<(String, Val
                     }
                 };
                 drop(serving);
-                let view = buffers.tensor("w").map_err(e2s)?;
-                let got = view.to_f32().map_err(e2s)?;
-                let mut bad = None;
-                view.for_each_index(|i, at| {
-                    if bad.is_none() && got[i] != ipc_value(at) {
-                        bad = Some(at.to_vec());
-                    }
-                });
-                if let Some(at) = bad {
-                    return Err(format!("MISMATCH: dst[{r}] element {at:?}"));
-                }
-                checked += got.len() as u64;
+                checked += checked_w(buffers, ipc_value).map_err(|e| format!("dst[{r}]: {e}"))?;
             }
             Ok((
                 format!(
@@ -320,18 +314,7 @@ pub(super) fn ipc_delta(_ctx: &Ctx) -> Result<(String, Value), String> {
                 if snap.version != version {
                     return Err(format!("refit {k}: dst[{r}] serves version {}, not {version}", snap.version));
                 }
-                let view = snap.buffers.tensor("w").map_err(e2s)?;
-                let got = view.to_f32().map_err(e2s)?;
-                let mut bad = None;
-                view.for_each_index(|i, at| {
-                    if bad.is_none() && got[i] != value(at, k) {
-                        bad = Some(at.to_vec());
-                    }
-                });
-                if let Some(at) = bad {
-                    return Err(format!("refit {k}: MISMATCH: dst[{r}] element {at:?}"));
-                }
-                checked += got.len() as u64;
+                checked += checked_w(&snap.buffers, |at| value(at, k)).map_err(|e| format!("refit {k}: dst[{r}]: {e}"))?;
             }
             bytes.push(report.bytes);
         }

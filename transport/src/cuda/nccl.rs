@@ -22,7 +22,7 @@ use crate::cuda::device::{
 };
 use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops, SameType};
 use crate::cuda::id::CommId;
-use crate::cuda::plane::{run_rank_comm, CommExecError, PlaneMemory, Side, Staging};
+use crate::cuda::plane::{run_rank_comm, staging_span, CommExecError, PlaneMemory, Side, Staging};
 use crate::cuda::schedule::{Place, Step};
 use crate::cursor::RankStats;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
@@ -459,35 +459,41 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
     }
 
     fn read_staging(&mut self, which: Staging, at: u64, out: &mut [u8]) -> Result<(), String> {
-        let from = self.staging_range(which, at, out.len())?;
+        let from = self.staging_base(which, at, out.len())?;
         let pinned = self.host[0].ensure(out.len()).map_err(|e| e.to_string())?;
         let op = linear(out.len() as u64, at, 0);
-        // SAFETY: the device side lies in this rank's staging (checked
-        // above), alive for the run; the host side is pinned staging of
-        // `out.len()` bytes held by `self`; the stream is waited for below
-        // before either is used again, error or not.
+        // SAFETY: the device side lies in this rank's staging (checked by
+        // `staging_base`), alive for the run; the host side is pinned
+        // staging of at least `out.len()` bytes held by `self`. The stream
+        // is waited for below; if that fails, the copy may still run, so
+        // the pinned buffer is given up (never reused or freed).
         let queued = unsafe { issue(&op, Loc::Device(from), Loc::Host(pinned), self.dev.stream().cu_stream()) };
-        let synced = self.dev.synchronize();
+        if let Err(e) = self.dev.synchronize() {
+            self.host[0].abandon();
+            return Err(e.to_string());
+        }
         queued.map_err(|e| e.to_string())?;
-        synced.map_err(|e| e.to_string())?;
         // SAFETY: the copy into the pinned staging is complete (the stream
-        // was waited for); `out` does not overlap it.
+        // was waited for); `out` is the caller's and does not overlap it.
         unsafe { std::ptr::copy_nonoverlapping(pinned, out.as_mut_ptr(), out.len()) };
         Ok(())
     }
 
     fn write_staging(&mut self, which: Staging, at: u64, bytes: &[u8]) -> Result<(), String> {
-        let to = self.staging_range(which, at, bytes.len())?;
+        let to = self.staging_base(which, at, bytes.len())?;
         let pinned = self.host[1].ensure(bytes.len()).map_err(|e| e.to_string())?;
-        // SAFETY: the pinned staging holds `bytes.len()` bytes and no copy
-        // reads it now (each use waits for its copy).
+        // SAFETY: the pinned staging holds at least `bytes.len()` bytes and
+        // no copy uses it now (each call waits for its copy, and one whose
+        // wait failed gave its buffer up).
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), pinned, bytes.len()) };
         let op = linear(bytes.len() as u64, 0, at);
         // SAFETY: as in `read_staging`, the other way.
         let queued = unsafe { issue(&op, Loc::Host(pinned), Loc::Device(to), self.dev.stream().cu_stream()) };
-        let synced = self.dev.synchronize();
-        queued.map_err(|e| e.to_string())?;
-        synced.map_err(|e| e.to_string())
+        if let Err(e) = self.dev.synchronize() {
+            self.host[1].abandon();
+            return Err(e.to_string());
+        }
+        queued.map_err(|e| e.to_string())
     }
 
     fn finish(&mut self, program: &RankProgram) -> Result<(), String> {
@@ -506,17 +512,13 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
 impl DevicePlaneMemory<'_> {
     /// The base of staging `which` (the exported bucket, for sends, where
     /// there is one), if bytes `at..at + len` lie inside it.
-    fn staging_range(&self, which: Staging, at: u64, len: usize) -> Result<u64, String> {
+    fn staging_base(&self, which: Staging, at: u64, len: usize) -> Result<u64, String> {
         let (base, held) = match (which, self.bucket) {
             (Staging::Send, Some(bucket)) => bucket,
             (Staging::Send, None) => (self.send.addr, self.send.len),
             (Staging::Recv, _) => (self.recv.addr, self.recv.len),
         };
-        let end = at.checked_add(len as u64);
-        match end {
-            Some(end) if base != 0 && end <= held as u64 => Ok(base),
-            _ => Err(format!("{len} bytes at {at} of the {which:?} staging, which holds {held}")),
-        }
+        staging_span(which, held, at, len).map(|_| base)
     }
 }
 

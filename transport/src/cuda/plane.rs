@@ -114,6 +114,15 @@ fn recv_layout(m: &reshard::Message<reshard::RecvPiece>) -> Option<(Vec<u64>, u6
     message_layout(m.pieces.views().map(|p| (p.checked_numel(), p.wire())))
 }
 
+/// Bytes `at..at + len` of a staging region of `held` bytes, as offsets
+/// into it; an error naming the staging where any of them falls outside
+/// (a length or offset from a peer or a program is never trusted: the sum
+/// is checked, not wrapped).
+pub(crate) fn staging_span(which: Staging, held: usize, at: u64, len: usize) -> Result<std::ops::Range<usize>, String> {
+    let span = usize::try_from(at).ok().and_then(|start| Some(start..start.checked_add(len)?));
+    span.filter(|s| s.end <= held).ok_or_else(|| format!("{len} bytes at {at} of the {which:?} staging, which holds {held}"))
+}
+
 /// The send staging `program` needs: its largest round's outgoing
 /// messages laid out as the executor lays them out, dense or as a delta
 /// refit's encodings and their lengths (`RoundStaging`) — the size of
@@ -329,7 +338,6 @@ pub fn run_rank_comm(
         let sbase = memory.staging(Staging::Send, send_total as usize).map_err(mem_err("send staging"))?;
         let rbase = memory.staging(Staging::Recv, recv_total as usize).map_err(mem_err("receive staging"))?;
         let mut ops = Vec::new();
-        let mut to_peers = Vec::new();
         for (i, m) in send_msgs.iter().enumerate() {
             let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
             for (p, &off) in m.pieces.iter().zip(&sends[i].0) {
@@ -338,13 +346,10 @@ pub fn run_rank_comm(
                 memory.move_piece(&p.block, (at, p.span, p.dtype), p.wire, &[into]).map_err(copy_err(m.peer, &p.block))?;
             }
             ops.push(P2p::Send { peer, addr: sbase + send_at[i], bytes: sends[i].1 });
-            to_peers.push(peer);
         }
-        let mut from_peers = Vec::new();
         for (i, m) in recv_msgs.iter().enumerate() {
             let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
             ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: recvs[i].1 });
-            from_peers.push(peer);
         }
         let grouped = match delta.as_deref_mut() {
             None => {
@@ -361,7 +366,7 @@ pub fn run_rank_comm(
                 unsafe { comm.group(r, ops, after, deadline) }.map_err(CommExecError::from)
             }
             Some(d) => {
-                let round = DeltaRound { me, round: r, sends: &send_msgs, recvs: recv_msgs, to_peers: &to_peers, from_peers: &from_peers };
+                let round = DeltaRound { me, round: r, sends: &send_msgs, recvs: recv_msgs, dense: &ops };
                 let staging = ((sbase, &out), (rbase, &into));
                 exchange_delta(memory, comm, &round, staging, d, deadline)
             }
@@ -397,9 +402,9 @@ struct DeltaRound<'p> {
     round: u32,
     sends: &'p [&'p reshard::Message<reshard::SendPiece>],
     recvs: &'p [reshard::Message<reshard::RecvPiece>],
-    /// Communicator rank of each send's and each receive's peer.
-    to_peers: &'p [u32],
-    from_peers: &'p [u32],
+    /// The round's dense group (its sends, then its receives, in the
+    /// messages' order): the peers the delta groups go to and come from.
+    dense: &'p [P2p],
 }
 
 /// A delta refit's round, after its messages were packed dense into the
@@ -417,6 +422,8 @@ fn exchange_delta(
     deadline: Instant,
 ) -> Result<(), CommExecError> {
     let (me, r) = (x.me, x.round);
+    let to_peers: Vec<u32> = x.dense.iter().filter(|&op| matches!(op, P2p::Send { .. })).map(P2p::peer).collect();
+    let from_peers: Vec<u32> = x.dense.iter().filter(|&op| matches!(op, P2p::Recv { .. })).map(P2p::peer).collect();
     let mem_err = |what| move |error| CommExecError::Memory { me, what, error };
     let delta_err = |peer: Endpoint| move |error: String| CommExecError::Delta { me, peer, round: r, error };
     let first = r.checked_mul(2).ok_or_else(|| mem_err("numbering the round's groups")(format!("round {r} passes u32 groups")))?;
@@ -439,14 +446,16 @@ fn exchange_delta(
     for (i, e) in encoded.iter().enumerate() {
         let at = out.sizes.0[i];
         memory.write_staging(Staging::Send, at, &(e.len() as u64).to_le_bytes()).map_err(mem_err("writing a message's length"))?;
-        ops.push(P2p::Send { peer: x.to_peers[i], addr: sbase + at, bytes: 8 });
+        ops.push(P2p::Send { peer: to_peers[i], addr: sbase + at, bytes: 8 });
     }
-    for (i, &peer) in x.from_peers.iter().enumerate() {
+    for (i, &peer) in from_peers.iter().enumerate() {
         ops.push(P2p::Recv { peer, addr: rbase + into.sizes.0[i], bytes: 8 });
     }
     let after = memory.fence().map_err(mem_err("ordering the group after packing"))?;
     // SAFETY: as for the dense group: every address lies in the send or
-    // receive staging, inside the round's layout that sized it.
+    // receive staging, inside the round's layout that sized it; on any
+    // error from here on the caller abandons the staging, never reusing
+    // or freeing it under a communicator that may still write it.
     unsafe { comm.group(first, ops, after, deadline) }?;
     let mut lens = Vec::with_capacity(x.recvs.len());
     for (i, m) in x.recvs.iter().enumerate() {
@@ -464,9 +473,9 @@ fn exchange_delta(
     for (i, e) in encoded.iter().enumerate() {
         let at = out.encoded.0[i];
         memory.write_staging(Staging::Send, at, e).map_err(mem_err("writing an encoded message"))?;
-        ops.push(P2p::Send { peer: x.to_peers[i], addr: sbase + at, bytes: e.len() as u64 });
+        ops.push(P2p::Send { peer: to_peers[i], addr: sbase + at, bytes: e.len() as u64 });
     }
-    for (i, &peer) in x.from_peers.iter().enumerate() {
+    for (i, &peer) in from_peers.iter().enumerate() {
         ops.push(P2p::Recv { peer, addr: rbase + into.encoded.0[i], bytes: lens[i] });
     }
     let after = memory.fence().map_err(mem_err("ordering the group after encoding"))?;
@@ -494,6 +503,20 @@ fn exchange_delta(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ranges a lying peer or program could name are refused, whatever
+    /// wraps; ranges that fit are taken exactly.
+    #[test]
+    fn staging_spans_outside_their_staging_are_refused() {
+        assert_eq!(staging_span(Staging::Recv, 64, 0, 64), Ok(0..64));
+        assert_eq!(staging_span(Staging::Recv, 64, 64, 0), Ok(64..64));
+        assert_eq!(staging_span(Staging::Send, 64, 56, 8), Ok(56..64));
+        for (at, len) in [(57, 8), (65, 0), (0, 65), (u64::MAX, 1), (u64::MAX, 0), (8, usize::MAX), (1 << 63, 1 << 62)] {
+            let e = staging_span(Staging::Recv, 64, at, len).unwrap_err();
+            assert!(e.contains("Recv staging, which holds 64"), "{e}");
+        }
+        assert!(staging_span(Staging::Send, 0, 0, 1).is_err(), "no staging yet");
+    }
 
     #[test]
     fn message_layouts_past_u64_are_none() {

@@ -26,7 +26,7 @@ use crate::cuda::comm::{CommBackend, Fence, P2p, Progress};
 use crate::cuda::id::CommId;
 use crate::cuda::ipc::IpcHandle;
 use crate::cuda::ipc_comm::IpcMemory;
-use crate::cuda::plane::{PlaneMemory, Side, Staging};
+use crate::cuda::plane::{staging_span, PlaneMemory, Side, Staging};
 use crate::memory::RankMemory;
 use reshard::{Block, DType, RankProgram, Span};
 use std::collections::{HashMap, VecDeque};
@@ -358,15 +358,16 @@ impl<'a> SimMemory<'a> {
     fn staging_bytes(&mut self, which: Staging, at: u64, len: usize) -> Result<&mut [u8], String> {
         let all: &mut [u8] = match (which, &self.bucket) {
             // SAFETY: the bucket is this rank's, alive while `self` holds
-            // it; peers read it only inside a group (between its doorbells),
-            // and this is called between groups, so nothing else touches it.
+            // its `Arc`; peers read it only inside a group (between a ready
+            // and a released doorbell), and this is called between groups —
+            // never after a failed one, whose run ends there — so nothing
+            // else touches it while the slice lives (this call).
             (Staging::Send, Some(b)) => unsafe { std::slice::from_raw_parts_mut(b.ptr, b.len) },
             (Staging::Send, None) => &mut self.send,
             (Staging::Recv, _) => &mut self.recv,
         };
-        let held = all.len();
-        let range = usize::try_from(at).ok().and_then(|s| Some(s..s.checked_add(len)?));
-        range.and_then(|r| all.get_mut(r)).ok_or_else(|| format!("{len} bytes at {at} of the {which:?} staging, which holds {held}"))
+        let span = staging_span(which, all.len(), at, len)?;
+        Ok(&mut all[span])
     }
 
     fn region_of(&mut self, block: &Block, side: &Side) -> Option<Region> {
@@ -574,5 +575,40 @@ impl PlaneMemory for SimMemory<'_> {
             None if program.quantize.is_empty() => Ok(()),
             None => Err("block-scaled destinations are quantized in a rank's own memory, not in registered regions".into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Staging reads and writes outside the staging (a length a peer
+    /// announced, an offset past the end, sums that wrap) are refused and
+    /// touch nothing; the exported bucket is bounded the same way.
+    #[test]
+    fn staging_reads_and_writes_outside_the_staging_are_refused() {
+        let mut rank = RankMemory { buffers: vec![vec![7u8; 16]], dtypes: vec![DType::U8] };
+        let (ipc, _) = SimIpc::export(64);
+        let mut memory = SimMemory::with_bucket(&mut rank, ipc.bucket());
+        memory.staging(Staging::Recv, 32).unwrap();
+        memory.write_staging(Staging::Recv, 24, &[1; 8]).unwrap();
+        let mut out = [0u8; 8];
+        memory.read_staging(Staging::Recv, 24, &mut out).unwrap();
+        assert_eq!(out, [1; 8]);
+        for (at, len) in [(25, 8), (32, 1), (u64::MAX, 8), (1 << 40, 0)] {
+            let mut out = vec![9u8; len];
+            assert!(memory.read_staging(Staging::Recv, at, &mut out).is_err(), "read of {len} at {at}");
+            assert!(out.iter().all(|&b| b == 9), "a refused read wrote");
+            assert!(memory.write_staging(Staging::Recv, at, &vec![5u8; len]).is_err(), "write of {len} at {at}");
+        }
+        // The bucket: 64 bytes, whatever the send staging was asked for.
+        memory.write_staging(Staging::Send, 56, &[3; 8]).unwrap();
+        assert!(memory.write_staging(Staging::Send, 57, &[3; 8]).is_err());
+        assert!(memory.read_staging(Staging::Send, 0, &mut [0u8; 65]).is_err());
+        let mut back = [0u8; 8];
+        memory.read_staging(Staging::Recv, 24, &mut back).unwrap();
+        assert_eq!(back, [1; 8], "refused writes left the staging as it was");
+        drop(memory);
+        assert_eq!(rank.buffers[0], vec![7u8; 16], "the rank's buffers were never touched");
     }
 }

@@ -158,4 +158,11 @@ impl PinnedStaging {
         let b = self.buf.as_mut().ok_or_else(|| GpuError::Invalid { what: "staging".into(), problem: "no buffer".into() })?;
         b.as_mut_ptr().map_err(driver("waiting for staging"))
     }
+
+    /// Gives the buffer up without freeing it: a copy into or out of it
+    /// may not have finished (waiting for the stream failed), so it is
+    /// never reused or unpinned while the process lives.
+    pub(crate) fn abandon(&mut self) {
+        std::mem::forget(self.buf.take());
+    }
 }
