@@ -174,12 +174,11 @@ fn names_used_from(krate: &str) -> std::collections::BTreeSet<String> {
 /// (`prefix::Name`, `use prefix::{A, B}`), and the names the docs write
 /// so.
 fn names_used_through(prefix: &str, own: &str) -> std::collections::BTreeSet<String> {
-    let krate = own;
     let mut files = Vec::new();
     for dir in ["src", "reshard", "transport", "orchestrator", "actors", "tests", "examples", "python/src", "fuzz/fuzz_targets"] {
         let path = Path::new(ROOT).join(dir);
         if path.is_dir() {
-            files.extend(sources(&path).into_iter().filter(|p| !p.starts_with(Path::new(ROOT).join(krate).join("src"))));
+            files.extend(sources(&path).into_iter().filter(|p| !p.starts_with(Path::new(ROOT).join(own).join("src"))));
         }
     }
     let docs = Path::new(ROOT).join("docs");
@@ -190,30 +189,83 @@ fn names_used_through(prefix: &str, own: &str) -> std::collections::BTreeSet<Str
         }
     }
     texts.push(std::fs::read_to_string(Path::new(ROOT).join("README.md")).unwrap_or_default());
-    let ident = |s: &str| s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>();
+    // Every path written from the crate's root on (use trees expanded:
+    // `k::{a::{B, C}, D}` is `k::a::B`, `k::a::C`, `k::D`); a name is
+    // used through `prefix` if a path continues `prefix::name`.
+    let (root, within) = prefix.split_once("::").map_or((prefix, ""), |(r, w)| (r, w));
     let mut used = std::collections::BTreeSet::new();
-    let prefix = format!("{prefix}::");
+    let start = format!("{root}::");
     for text in &texts {
         let mut rest = text.as_str();
-        while let Some(at) = rest.find(&prefix) {
+        while let Some(at) = rest.find(&start) {
             let before = text.len() - rest.len() + at;
-            rest = &rest[at + prefix.len()..];
+            rest = &rest[at + start.len()..];
             if text[..before].chars().next_back().is_some_and(|c| c.is_alphanumeric() || c == '_') {
                 continue;
             }
-            if let Some(list) = rest.strip_prefix('{') {
-                let end = list.find('}').unwrap_or(list.len());
-                for name in list[..end].split(',') {
-                    let name = name.trim();
-                    let name = name.split(" as ").next().unwrap_or(name);
-                    used.insert(ident(name.rsplit("::").last().unwrap_or(name)));
+            for path in use_tree_paths(rest) {
+                let segments: Vec<&str> = path.split("::").collect();
+                let want: Vec<&str> = if within.is_empty() { Vec::new() } else { within.split("::").collect() };
+                if segments.len() > want.len() && segments[..want.len()] == want[..] {
+                    used.insert(segments[want.len()].to_string());
                 }
-            } else {
-                used.insert(ident(rest));
             }
         }
     }
     used
+}
+
+/// The paths a use tree (or a plain path) at the start of `text` names,
+/// each as `a::b::C`; aliases (`as x`) dropped.
+fn use_tree_paths(text: &str) -> Vec<String> {
+    fn tree(s: &[u8], at: &mut usize) -> Vec<String> {
+        let skip = |at: &mut usize| {
+            while *at < s.len() && (s[*at] as char).is_whitespace() {
+                *at += 1;
+            }
+        };
+        skip(at);
+        if s.get(*at) == Some(&b'{') {
+            *at += 1;
+            let mut out = Vec::new();
+            loop {
+                skip(at);
+                match s.get(*at) {
+                    None => return out,
+                    Some(b'}') => {
+                        *at += 1;
+                        return out;
+                    }
+                    Some(b',') => *at += 1,
+                    Some(_) => {
+                        let before = *at;
+                        out.extend(tree(s, at));
+                        // Past anything else up to the next item (an alias).
+                        while *at < s.len() && !matches!(s[*at], b',' | b'}') {
+                            *at += 1;
+                        }
+                        if *at == before {
+                            *at += 1;
+                        }
+                    }
+                }
+            }
+        }
+        let from = *at;
+        while *at < s.len() && ((s[*at] as char).is_alphanumeric() || s[*at] == b'_') {
+            *at += 1;
+        }
+        let name = String::from_utf8_lossy(&s[from..*at]).to_string();
+        if name.is_empty() {
+            return Vec::new();
+        }
+        if s[*at..].starts_with(b"::") {
+            *at += 2;
+            return tree(s, at).into_iter().map(|p| format!("{name}::{p}")).collect();
+        }
+        vec![name]
+    }
+    tree(text.as_bytes(), &mut 0)
 }
 
 /// Public because a public signature or field of an item the other crates
@@ -436,4 +488,13 @@ fn the_circle_finder_finds_circles() {
             .collect();
     let pair = |a: &str, b: &str| (a.to_string(), b.to_string());
     assert_eq!(circles(&graph), vec![pair("a", "b"), pair("a", "c"), pair("b", "c")]);
+}
+
+/// Use trees expand to every path they name.
+#[test]
+fn use_trees_expand_to_their_paths() {
+    let got = use_tree_paths("{cuda::{A, b::C as D},\n    E, f::G}; more");
+    assert_eq!(got, ["cuda::A", "cuda::b::C", "E", "f::G"]);
+    assert_eq!(use_tree_paths("X::new(3)"), ["X::new"]);
+    assert_eq!(use_tree_paths("cuda` and"), ["cuda"]);
 }

@@ -29,19 +29,17 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::cuda::CommId;
-use transport::cuda::IpcComm;
-use transport::cuda::IpcHandle;
-use transport::cuda::{comm_rank, run_rank_comm, send_staging_bytes};
-use transport::cuda::{sim_comm, sim_comm_id, SimBucket, SimIpc, SimMemory};
-use transport::cuda::{CommConfig, CommHandle};
-use transport::TcpConfig;
-use transport::{DeltaRun, RankMemory, RankStats};
+use transport::{
+    cuda::{
+        comm_rank, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id, CommConfig, CommHandle, CommId, IpcComm, IpcHandle, SimBucket,
+        SimIpc, SimMemory,
+    },
+    DeltaRun, LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, RankMemory, RankStats, TcpConfig, Transport,
+};
 
 /// The smallest frame limit a data-plane endpoint sets: room for an abort's
 /// reason (64 KiB at most) and the small frames of shared-memory links.
 const MIN_FRAME_LIMIT: u64 = 1 << 17;
-use transport::{LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, Transport};
 
 /// Tears a rank's data plane down from any thread (the reason in words).
 pub(crate) type KillSwitch = Box<dyn Fn(&str) + Send>;

@@ -11,9 +11,9 @@ use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::DeltaMemo;
 use transport::{
-    run_rank_bypassing, run_rank_delta, run_rank_regions, Bypass, DeltaRun, ExecError, ExecOptions, RankMemory, Transport, TransportError,
+    run_rank_bypassing, run_rank_delta, run_rank_regions, Bypass, DeltaMemo, DeltaRun, ExecError, ExecOptions, RankMemory, Transport,
+    TransportError,
 };
 
 /// Which side of the refit a member is on, with its rank's store.
@@ -419,13 +419,9 @@ fn execute(
             unsafe { run_rank_regions(program, &bypass, &regions, &mut t, &options, delta) }
         }
     };
-    let (r, memo) = match delta_run(&how, memo) {
-        None => (run(None), None),
-        Some(mut delta) => {
-            let r = run(Some(&mut delta));
-            (r, Some((how.refit, delta.next)))
-        }
-    };
+    let mut delta = delta_run(&how, memo);
+    let r = run(delta.as_mut());
+    let memo = kept_memo(&r, &how, delta);
     let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }).map_err(|e| Refusal::Exec {
         why: e.to_string(),
         after_peer: matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. })),

@@ -8,11 +8,13 @@
 use reshard::{parse_layout, plan_baseline, plan_reshard, BufferKey, Endpoint, Layout, PlanOptions, RankProgram};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::cuda::IpcComm;
-use transport::cuda::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimBucket, SimFault, SimIpc, SimMemory};
-use transport::cuda::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError};
-use transport::cuda::{AbortOutcome, CommConfig, CommError, CommHandle, PendingComm};
-use transport::{fill_sources, local_fabric, run_local, verify_destinations, DeltaRun, ExecOptions, RankMemory};
+use transport::{
+    cuda::{
+        abandoned_staging_bytes, arm, comm_rank, live_comms, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id, AbortOutcome,
+        CommConfig, CommError, CommExecError, CommHandle, IpcComm, PendingComm, SimBucket, SimFault, SimIpc, SimMemory,
+    },
+    fill_sources, local_fabric, run_local, verify_destinations, DeltaRun, ExecOptions, RankMemory,
+};
 
 const EXAMPLES: &[&str] = &["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled"];
 

@@ -5,9 +5,9 @@
 
 use reshard::{parse_layout, plan_baseline, plan_reshard, Layout, Plan, PlanOptions, RankProgram};
 use std::time::Duration;
-use transport::DeltaMemo;
-use transport::{fill_sources, run_local_delta, run_threads_delta, ExecError, ExecOptions, ExecReport, RankMemory};
-use transport::{tcp_fabric_for, TcpConfig};
+use transport::{
+    fill_sources, run_local_delta, run_threads_delta, tcp_fabric_for, DeltaMemo, ExecError, ExecOptions, ExecReport, RankMemory, TcpConfig,
+};
 
 /// TP2 by rows, f32 -> TP2 by columns x DP2 on 2 nodes, bf16 (narrowed on
 /// the wire, relayed or sent twice across nodes).

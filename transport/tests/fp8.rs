@@ -8,9 +8,9 @@
 use reshard::e4m3_from_f32;
 use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Layout, Plan, PlanOptions, RankProgram};
 use std::time::Duration;
-use transport::TcpConfig;
-use transport::{fill_sources, run_local, run_tcp, verify_destinations, ExecError, ExecOptions, RankMemory};
-use transport::{pattern_value, tensor_seed};
+use transport::{
+    fill_sources, pattern_value, run_local, run_tcp, tensor_seed, verify_destinations, ExecError, ExecOptions, RankMemory, TcpConfig,
+};
 
 /// The reference: tensor `name` of `shape` (source dtype `from`, the
 /// pattern's values) quantized in blocks of `block`: every element's code

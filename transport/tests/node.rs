@@ -7,12 +7,9 @@ use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Endpoint, Layout
 use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 use transport::{
-    fill_sources, node_fabric, run_node, verify_destinations, ExecError, ExecOptions, NodeTransport, NodeTransportConfig, Payload,
-    RankMemory, Release, Segment, ShmConfig, Transport, TransportError,
+    fill_sources, node_fabric, packed_strides, run_node, verify_destinations, ExecError, ExecOptions, Faults, LinkEmulation, NodeTransport,
+    NodeTransportConfig, Payload, RankMemory, Release, Segment, ShmConfig, StridedRef, TcpConfig, TcpTransport, Transport, TransportError,
 };
-use transport::{packed_strides, StridedRef};
-use transport::{Faults, LinkEmulation};
-use transport::{TcpConfig, TcpTransport};
 
 const SRC: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
   {"name": "w", "dtype": "f32", "shape": [37, 11], "mesh": {"shape": [2, 2]}, "placements": ["shard(0)", "shard(1)"]},

@@ -8,9 +8,10 @@ use reshard::{plan_baseline, plan_reshard, BufferKey, Layout, Plan, PlanOptions}
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use transport::cuda::{time_plain_copy, DeviceRun};
-use transport::cuda::{DeviceMemory, GpuDevice};
-use transport::{fill_sources, run_local, verify_destinations, ExecOptions, RankMemory};
+use transport::{
+    cuda::{time_plain_copy, DeviceMemory, DeviceRun, GpuDevice},
+    fill_sources, run_local, verify_destinations, ExecOptions, RankMemory,
+};
 
 const TARGET_RATIO: f64 = 0.7;
 

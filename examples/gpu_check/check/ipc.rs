@@ -12,10 +12,10 @@ use std::io::{BufRead, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
-use transport::cuda::DeviceRun;
-use transport::cuda::IpcHandle;
-use transport::cuda::{DeviceMemory, GpuDevice};
-use transport::{fill_sources, verify_destinations, RankMemory};
+use transport::{
+    cuda::{DeviceMemory, DeviceRun, GpuDevice, IpcHandle},
+    fill_sources, verify_destinations, RankMemory,
+};
 
 /// The IPC pair: the child's side. Prints one handle (hex) per source
 /// rank, then waits for a line on stdin before freeing its buckets.

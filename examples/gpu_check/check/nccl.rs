@@ -5,11 +5,10 @@ use super::{e2s, gbps, spec, Ctx};
 use reshard::{DType, Endpoint};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
-use transport::cuda::create_comms;
-use transport::cuda::CommId;
-use transport::cuda::DeviceMemory;
-use transport::cuda::{AbortOutcome, CommConfig, P2p};
-use transport::RankMemory;
+use transport::{
+    cuda::{create_comms, AbortOutcome, CommConfig, CommId, DeviceMemory, P2p},
+    RankMemory,
+};
 
 pub(super) fn nccl(ctx: &Ctx) -> Result<(String, Value), String> {
     let dev = &ctx.dev;
