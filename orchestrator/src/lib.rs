@@ -32,7 +32,6 @@
 //! [`Rendezvous`] ([`rendezvous`], the node fabric). The orchestrator is
 //! the same either way.
 
-mod fabric;
 mod member;
 mod orchestrator;
 pub mod protocol;
@@ -52,6 +51,8 @@ pub use reshard::TensorSubset;
 pub use store::{
     BufferError, Buffers, DstStore, RegionCheck, Registered, Residence, Serving, Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard,
 };
+pub use transport::fabric::NodeTweak;
+pub use transport::Faults;
 pub use transport::DEFAULT_DEADLINE;
 
 use actors::{spawn, spawn_group, spawn_rank, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};

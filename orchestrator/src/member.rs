@@ -3,18 +3,15 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::fabric::{registered_regions, CommEnd, Endpointed, KillSwitch, Ready, RegisteredStaging};
 use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
-use crate::store::{Buffers, CommitFence, DstStore, Registered, Residence, SrcStore};
+use crate::store::{Buffers, CommitFence, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::{
-    run_rank_bypassing, run_rank_delta, run_rank_regions, Bypass, DeltaMemo, DeltaRun, ExecError, ExecOptions, RankMemory, Transport,
-    TransportError,
-};
+use transport::fabric::{Connecting, KillSwitch, NodeTweak, RankEnd, RegisteredStaging, RunError, RunMemory, RunOptions, Scratch, Site};
+use transport::{DeltaMemo, DeltaRun};
 
 /// Which side of the refit a member is on, with its rank's store.
 #[derive(Debug, Clone)]
@@ -48,7 +45,7 @@ impl Role {
 /// number) just before the endpoint connects: for tools that emulate
 /// links per member or inject faults in tests. Production members have
 /// none.
-pub type FabricTweak = Arc<dyn Fn(u64, &mut transport::NodeTransportConfig) + Send + Sync>;
+pub type FabricTweak = Arc<dyn Fn(u64, &mut NodeTweak) + Send + Sync>;
 
 /// Where a member's data plane listens, and how it may be adjusted.
 #[derive(Clone)]
@@ -110,7 +107,7 @@ impl std::fmt::Debug for MemberConfig {
 struct Pending {
     refit: u64,
     program: Arc<RankProgram>,
-    end: Endpointed,
+    end: RankEnd,
     /// The session the endpoint belongs to.
     session: String,
     /// Keep the endpoint connected after a run that succeeds.
@@ -122,7 +119,7 @@ struct Pending {
 struct Kept {
     fingerprint: Fingerprint,
     session: String,
-    end: Endpointed,
+    end: RankEnd,
 }
 
 /// The refit member of one rank.
@@ -166,10 +163,8 @@ const COMMIT_HOLD: Duration = Duration::from_secs(30);
 /// What a clean run of a plan leaves for the next run of it.
 #[derive(Default)]
 struct Leftover {
-    /// Its scratch buffers: the next run writes them again instead of
-    /// faulting in fresh pages (every scratch element a run reads, it
-    /// wrote first).
-    scratch: Vec<Vec<u8>>,
+    /// Its scratch buffers.
+    scratch: Scratch,
     /// A delta run's memo, with the refit it comes from.
     memo: Option<(u64, DeltaMemo)>,
 }
@@ -200,41 +195,6 @@ impl Member {
     }
 }
 
-/// Appends scratch buffers a program needs beyond the rank's weights
-/// (none for those `bypass` skips), taking them from `reuse` (what an
-/// earlier run of the same program left) where the sizes match.
-fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass, reuse: Vec<Vec<u8>>) -> Result<usize, String> {
-    let base = memory.buffers.len();
-    if program.buffers.len() < base {
-        return Err(format!("program has {} buffers, the rank holds {base}", program.buffers.len()));
-    }
-    for (i, spec) in program.buffers.iter().enumerate().take(base) {
-        let bytes = if bypass.skips(i) { 0 } else { (spec.elems * spec.dtype.size()) as usize };
-        if memory.buffers[i].len() != bytes || memory.dtypes[i] != spec.dtype {
-            return Err(format!(
-                "buffer '{}' is {} bytes of {} here, the program expects {bytes} bytes of {}",
-                spec.name,
-                memory.buffers[i].len(),
-                memory.dtypes[i],
-                spec.dtype
-            ));
-        }
-    }
-    memory.buffers.extend(scratch_for(program, bypass, base, reuse));
-    memory.dtypes.extend(program.buffers[base..].iter().map(|b| b.dtype));
-    Ok(base)
-}
-
-/// The scratch buffers of `program` past the rank's `base` buffers (empty
-/// for those `bypass` skips), taken from `reuse` (what an earlier run of
-/// the same program left) where the sizes match.
-fn scratch_for(program: &RankProgram, bypass: &Bypass, base: usize, reuse: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
-    let mut reuse = reuse.into_iter();
-    let sizes =
-        program.buffers.iter().enumerate().skip(base).map(|(i, b)| if bypass.skips(i) { 0 } else { (b.elems * b.dtype.size()) as usize });
-    sizes.map(|bytes| reuse.next().filter(|b| b.len() == bytes).unwrap_or_else(|| vec![0; bytes])).collect()
-}
-
 /// Copies the `carried` buffers of a committed version into staging (a
 /// subset refit then writes the subset's elements over them). Both hold
 /// the rank's layout buffers, alike.
@@ -249,12 +209,6 @@ fn carry(carried: &[u32], from: &Buffers, to: &mut Buffers) {
     }
 }
 
-/// Takes the scratch buffers (those past `base`) back out of `memory`.
-fn drop_scratch(memory: &mut RankMemory, base: usize) -> Vec<Vec<u8>> {
-    memory.dtypes.truncate(base);
-    memory.buffers.split_off(base)
-}
-
 /// How one run goes.
 #[derive(Clone, Copy)]
 struct RunHow {
@@ -267,65 +221,25 @@ struct RunHow {
     delta: Option<Option<u64>>,
 }
 
-/// Runs `program` on `memory` (or, for a source over registered memory,
-/// on that) over the endpoint's transport, with what the plan's last run
-/// left; hands back what this one leaves.
+/// Runs `program` on `memory` over the endpoint, with what the plan's
+/// last run left; hands back what this one leaves.
 fn execute_on(
     program: &RankProgram,
-    memory: &mut RankMemory,
-    registered: Option<&Registered>,
-    end: &mut Endpointed,
+    memory: RunMemory<'_>,
+    end: &mut RankEnd,
     how: RunHow,
     left: Leftover,
 ) -> (Result<RunStats, Refusal>, Leftover) {
-    match (end.ready(), registered) {
-        (Ok(Ready::Transport(t)), None) => execute(program, Memory::Own(memory), t, how, left),
-        (Ok(Ready::Transport(t)), Some(r)) => execute(program, Memory::Registered(r), t, how, left),
-        (Ok(Ready::Comm(c)), registered) => execute_comm(program, memory, registered, c, how, left),
-        (Err(e), _) => (Err(Refusal::Fabric(e)), left),
-    }
-}
-
-/// Where a run on a host fabric finds the rank's buffers.
-enum Memory<'a> {
-    /// The store's own (or a registered destination's staging).
-    Own(&'a mut RankMemory),
-    /// A source's registered host memory, read where it is.
-    Registered(&'a Registered),
-}
-
-/// Runs `program` on `memory` (plus every scratch buffer it names, from
-/// `left` where it fits) over a communicator; aborts it if the run fails.
-fn execute_comm(
-    program: &RankProgram,
-    memory: &mut RankMemory,
-    registered: Option<&Registered>,
-    end: &mut CommEnd,
-    how: RunHow,
-    left: Leftover,
-) -> (Result<RunStats, Refusal>, Leftover) {
-    let Leftover { scratch, memo } = left;
+    let Leftover { mut scratch, memo } = left;
     let mut delta = delta_run(&how, memo);
-    if let Some(registered) = registered {
-        // Straight from the user's memory; the end keeps the scratch.
-        let r = end.run_registered(program, registered, Instant::now() + how.deadline, delta.as_mut());
-        let memo = kept_memo(&r, &how, delta);
-        return (comm_result(r, end), Leftover { scratch: Vec::new(), memo });
-    }
-    // The communicator executor makes no copies on receipt: every scratch
-    // buffer is allocated.
-    let base = match with_scratch(memory, program, &Bypass::default(), scratch) {
-        Ok(base) => base,
-        Err(e) => {
-            end.abort();
-            return (Err(Refusal::ProgramMismatch(e)), Leftover::default());
-        }
-    };
-    let r = end.run(program, memory, Instant::now() + how.deadline, delta.as_mut());
-    let scratch = drop_scratch(memory, base);
+    let r = end.run(program, memory, RunOptions { deadline: how.deadline, delta: delta.as_mut(), scratch: &mut scratch });
     let memo = kept_memo(&r, &how, delta);
-    let kept = if r.is_ok() { Leftover { scratch, memo } } else { Leftover::default() };
-    (comm_result(r, end), kept)
+    let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }).map_err(|e| match e {
+        RunError::Fabric(why) => Refusal::Fabric(why),
+        RunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why),
+        RunError::Exec { why, after_peer } => Refusal::Exec { why, after_peer },
+    });
+    (r, Leftover { scratch, memo })
 }
 
 /// The delta run `how` asks for, on the memo a run left if it is the base
@@ -338,99 +252,6 @@ fn delta_run(how: &RunHow, memo: Option<(u64, DeltaMemo)>) -> Option<DeltaRun> {
 /// The memo a successful delta run leaves for the next, with its refit.
 fn kept_memo<T, E>(r: &Result<T, E>, how: &RunHow, delta: Option<DeltaRun>) -> Option<(u64, DeltaMemo)> {
     delta.filter(|_| r.is_ok()).map(|d| (how.refit, d.next))
-}
-
-/// The rank's buffers' regions of `registered` memory, if a host fabric
-/// reaches it (host memory); else a refusal naming the rank.
-fn host_regions(program: &RankProgram, registered: &Registered) -> Result<Vec<(u64, usize)>, Refusal> {
-    if registered.residence() != Residence::Host {
-        return Err(Refusal::Fabric(format!(
-            "{}: its weights are registered {} memory, which moves on the NCCL and IPC fabrics only",
-            program.endpoint,
-            registered.residence()
-        )));
-    }
-    registered_regions(program, registered).map_err(Refusal::ProgramMismatch)
-}
-
-/// A communicator run's result as the member reports it; a failed run
-/// aborts the communicator first.
-fn comm_result(r: Result<transport::RankStats, String>, end: &mut CommEnd) -> Result<RunStats, Refusal> {
-    match r {
-        Ok(s) => Ok(RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }),
-        Err(why) => {
-            // A peer's abort shows as a failed group naming it (NCCL: a
-            // remote error).
-            let after_peer = why.contains("peer rank") || why.contains("RemoteError");
-            let why = match end.abort() {
-                Some(hang) => format!("{why}; {hang}"),
-                None => why,
-            };
-            Err(Refusal::Exec { why, after_peer })
-        }
-    }
-}
-
-/// Runs `program` on `memory` (plus any scratch it needs, from `left`
-/// where it fits) over `transport`; hands back what this run leaves.
-fn execute(
-    program: &RankProgram,
-    mut memory: Memory<'_>,
-    transport: &mut dyn Transport,
-    how: RunHow,
-    left: Leftover,
-) -> (Result<RunStats, Refusal>, Leftover) {
-    // Scratch whose copies the executor makes on receipt gets no memory.
-    let bypass = Bypass::of(program);
-    let Leftover { scratch, memo } = left;
-    // The store's memory gets the scratch appended (and taken off after);
-    // registered memory stays as it is, the scratch beside it.
-    let prepared = match &mut memory {
-        Memory::Own(m) => {
-            with_scratch(m, program, &bypass, scratch).map(|base| (base, Vec::new(), Vec::new())).map_err(Refusal::ProgramMismatch)
-        }
-        Memory::Registered(r) => host_regions(program, r).map(|regions| {
-            let beside = scratch_for(program, &bypass, regions.len(), scratch);
-            (regions.len(), beside, regions)
-        }),
-    };
-    let (base, mut beside, registered) = match prepared {
-        Ok(p) => p,
-        Err(refusal) => {
-            transport.abort(&refusal.to_string());
-            return (Err(refusal), Leftover::default());
-        }
-    };
-    let mut t: &mut dyn Transport = transport;
-    let options = ExecOptions { deadline: how.deadline };
-    let mut run = |delta: Option<&mut DeltaRun>| match &mut memory {
-        Memory::Own(m) => match delta {
-            None => run_rank_bypassing(program, &bypass, m, &mut t, &options),
-            Some(d) => run_rank_delta(program, &bypass, m, &mut t, &options, d),
-        },
-        Memory::Registered(_) => {
-            let mut regions = registered.clone();
-            regions.extend(beside.iter_mut().map(|b| (b.as_mut_ptr() as u64, b.len())));
-            // SAFETY: the registered regions are host memory (checked by
-            // `host_regions`) the user keeps valid and leaves untouched
-            // while this run holds the store's lock (`Registered::new`'s
-            // contract), and a source run only reads them; the scratch is
-            // ours, alive past the run; no two regions overlap.
-            unsafe { run_rank_regions(program, &bypass, &regions, &mut t, &options, delta) }
-        }
-    };
-    let mut delta = delta_run(&how, memo);
-    let r = run(delta.as_mut());
-    let memo = kept_memo(&r, &how, delta);
-    let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }).map_err(|e| Refusal::Exec {
-        why: e.to_string(),
-        after_peer: matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. })),
-    });
-    let scratch = match memory {
-        Memory::Own(m) => drop_scratch(m, base),
-        Memory::Registered(_) => beside,
-    };
-    (r, Leftover { scratch, memo })
 }
 
 /// How long past its deadline a rank's data plane may stay blocked — in a
@@ -491,13 +312,8 @@ impl Member {
             Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
         };
-        let opened = match fabric {
-            Fabric::InProcess => Endpointed::take_local(&session, self.endpoint).map(|e| (e, String::new())),
-            Fabric::Node(settings) => Endpointed::listen(self.config.data_ip, settings, session.clone()),
-            Fabric::Nccl(settings) => Endpointed::prepare_comm(self.endpoint, settings, self.config.gpu),
-            Fabric::Ipc(settings) => Endpointed::prepare_ipc(self.config.data_ip, &program, settings, self.config.gpu, session.clone()),
-        };
-        match opened {
+        let site = Site { data_ip: self.config.data_ip, gpu: self.config.gpu };
+        match RankEnd::open(fabric, &program, site, &session) {
             Ok((end, addr)) => {
                 self.pending = Some(Pending { refit, program, end, session, keep });
                 MemberReply::Prepared { endpoint: self.endpoint, node: self.node, addr }
@@ -540,12 +356,12 @@ impl Member {
             Err(e) => return MemberReply::Refused(Refusal::Fabric(format!("no data-plane key: {e}"))),
         };
         let tweak = self.config.tweak.clone();
-        let tweak = move |config: &mut transport::NodeTransportConfig| {
+        let tweak = move |tweaks: &mut NodeTweak| {
             if let Some(t) = &tweak {
-                t(refit, config);
+                t(refit, tweaks);
             }
         };
-        match tokio::task::spawn_blocking(move || end.connect(&p, &peers, key, tweak)).await {
+        match tokio::task::spawn_blocking(move || end.connect(&p, &peers, Connecting { key, tweak: &tweak })).await {
             Ok(Ok(end)) => {
                 self.pending = Some(Pending { refit, program, end, session, keep });
                 MemberReply::Done
@@ -597,17 +413,15 @@ impl Member {
                     return MemberReply::Refused(refusal);
                 }
                 let run = tokio::task::spawn_blocking(move || {
-                    // Registered memory as its owner holds it now (memory
-                    // it moved or freed since is never read).
-                    let registered = match guard.registered().map(Registered::current).transpose() {
-                        Ok(r) => r,
-                        Err(e) => {
-                            let why = format!("{}: registered weights: {e}", program.endpoint);
-                            end.abort(&why);
-                            return (Err(Refusal::Exec { why, after_peer: false }), (end, left));
-                        }
+                    // Registered memory is read where it is, its regions
+                    // re-derived from their owner first (memory it moved
+                    // or freed since is never read).
+                    let registered = guard.registered().cloned();
+                    let memory = match &registered {
+                        Some(r) => RunMemory::Registered(r),
+                        None => RunMemory::Host(guard.memory_mut()),
                     };
-                    let (r, left) = execute_on(&program, guard.memory_mut(), registered.as_ref(), &mut end, how, left);
+                    let (r, left) = execute_on(&program, memory, &mut end, how, left);
                     (r, (end, left))
                 });
                 split(watched(run, deadline, kill).await)
@@ -633,7 +447,7 @@ impl Member {
                     if let Some(base) = base {
                         carry(&program.carried, &base.buffers, &mut guard.buffers);
                     }
-                    let (r, left) = execute_on(&program, guard.buffers.memory_mut(), None, &mut end, how, left);
+                    let (r, left) = execute_on(&program, RunMemory::Host(guard.buffers.memory_mut()), &mut end, how, left);
                     if r.is_ok() {
                         guard.complete = Some(version);
                     }
@@ -670,12 +484,12 @@ impl Member {
         &mut self,
         store: &Arc<DstStore>,
         program: Arc<RankProgram>,
-        mut end: Endpointed,
+        mut end: RankEnd,
         how: RunHow,
         left: Leftover,
         version: u64,
         kill: Option<KillSwitch>,
-    ) -> (Result<RunStats, Refusal>, Option<(Endpointed, Leftover)>) {
+    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
         let started = Instant::now();
         // A new run replaces whatever was staged (and lets its readers in).
         self.staged = None;
@@ -689,24 +503,8 @@ impl Member {
         let mut staging = self.registered_staging.take();
         let p = program.clone();
         let run = tokio::task::spawn_blocking(move || {
-            let (r, left) = match end.ready() {
-                Ok(Ready::Comm(c)) => {
-                    let mut delta = delta_run(&how, left.memo);
-                    let r = c.run_staged(&p, &registered, &mut staging, Instant::now() + how.deadline, delta.as_mut());
-                    let memo = kept_memo(&r, &how, delta);
-                    (comm_result(r, c), Leftover { scratch: Vec::new(), memo })
-                }
-                // The rank's own buffers staged on the host, the scratch
-                // added by the executor.
-                Ok(Ready::Transport(t)) => match RegisteredStaging::host(&mut staging, &p, &registered, registered.regions().len()) {
-                    Ok(memory) => execute(&p, Memory::Own(memory), t, how, left),
-                    Err(why) => {
-                        t.abort(&why);
-                        (Err(Refusal::Fabric(why)), Leftover::default())
-                    }
-                },
-                Err(e) => (Err(Refusal::Fabric(e)), left),
-            };
+            let memory = RunMemory::Staged { registered: &registered, staging: &mut staging };
+            let (r, left) = execute_on(&p, memory, &mut end, how, left);
             (r, (end, staging, left))
         });
         let (result, kept) = split(watched(run, how.deadline, kill).await);

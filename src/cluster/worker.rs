@@ -217,18 +217,15 @@ async fn serve(
     let faults = FaultSlot::default();
     let slot = Arc::clone(&faults);
     let mut config = joined.member_config();
-    config.tweak = Some(Arc::new(move |_refit, data: &mut transport::NodeTransportConfig| {
-        if let Some(dir) = &shm_dir {
-            data.shm.dir = dir.clone();
-        }
+    config.tweak = Some(Arc::new(move |_refit, data: &mut orchestrator::NodeTweak| {
+        data.shm_dir = shm_dir.clone();
         if let Some(f) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            data.tcp.hook = transport::Faults {
+            data.faults = orchestrator::Faults {
                 corrupt_frame: f.corrupt_frame,
                 stall_at_frame: f.stall_at_frame,
                 cut_at_frame: f.cut_at_frame,
                 abort_hang: f.abort_hang,
-            }
-            .hook();
+            };
         }
     }));
     joined.serve_member_with(layout.clone(), e.rank, role.clone(), config).await.map_err(|err| err.to_string())?;

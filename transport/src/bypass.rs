@@ -24,7 +24,7 @@ use std::collections::HashMap;
 
 /// The local copies a received piece feeds, and which buffers are bypassed.
 #[derive(Debug, Default)]
-pub struct Bypass {
+pub(crate) struct Bypass {
     /// Per buffer of the program: bypassed (never read or written).
     skipped: Vec<bool>,
     /// Per (round, sender): the copies made straight from that message's
@@ -53,7 +53,7 @@ const MAX_WRITES: usize = 64;
 impl Bypass {
     /// The scratch buffers of `program` that need not exist, and what to do
     /// instead.
-    pub fn of(program: &RankProgram) -> Bypass {
+    pub(crate) fn of(program: &RankProgram) -> Bypass {
         let n = program.buffers.len();
         let mut ok: Vec<bool> = program.buffers.iter().map(|b| matches!(b.key, BufferKey::Scratch { .. })).collect();
         if !ok.contains(&true) {
@@ -176,7 +176,7 @@ impl Bypass {
 
     /// Whether buffer `b` is bypassed: it is never read or written, so it
     /// needs no memory.
-    pub fn skips(&self, b: usize) -> bool {
+    pub(crate) fn skips(&self, b: usize) -> bool {
         self.skipped.get(b).copied().unwrap_or(false)
     }
 

@@ -22,6 +22,7 @@ pub mod cuda;
 mod cursor;
 pub mod delta;
 mod exec;
+pub mod fabric;
 mod faults;
 mod frame;
 mod gpu_probe;
@@ -37,14 +38,16 @@ mod stream;
 mod tcp;
 mod transport;
 
-pub use bypass::Bypass;
+pub(crate) use bypass::Bypass;
 pub use copy::{packed_strides, StridedRef};
 pub use delta::{DeltaMemo, DeltaRun};
 pub use exec::{
-    quantize_rank, run_local, run_local_delta, run_rank, run_rank_bypassing, run_rank_delta, run_rank_regions, run_tcp, run_threads,
-    run_threads_delta, ExecError, ExecOptions, ExecReport, RankStats, WithAbort, DEFAULT_DEADLINE,
+    quantize_rank, run_local, run_local_delta, run_rank, run_tcp, run_threads, run_threads_delta, ExecError, ExecOptions,
+    ExecReport, RankStats, WithAbort, DEFAULT_DEADLINE,
 };
 pub use faults::Faults;
+// The fabric's runs; outside, runs go through it.
+pub(crate) use exec::{run_rank_bypassing, run_rank_delta, run_rank_regions};
 pub use frame::HelloKey;
 pub use gpu_probe::{cuda_available, gpu_plane_available, GpuPlane};
 pub use link::{FrameAction, FrameHook, LinkEmulation};

@@ -6,11 +6,10 @@ use super::error::refused;
 use super::members::{call_both, no_refusal, Status};
 use super::plan::CachedPlan;
 use super::{Orchestrator, OrchestratorError, RefitReport, RefitStep, RefitTarget};
-use crate::fabric::hub;
 use crate::protocol::{Fabric, MemberMsg, Refusal, Weights, INSTALLED_PLANS};
 use reshard::{Group, TensorSubset};
 use std::time::{Duration, Instant};
-use transport::local_fabric;
+use transport::fabric::{close_in_process, open_in_process};
 
 /// How often [`RefitTarget::Latest`] asks the sources again while they
 /// hold different versions.
@@ -135,14 +134,14 @@ impl Orchestrator {
             None => {
                 let session = uuid::Uuid::new_v4().simple().to_string();
                 if self.config.fabric == Fabric::InProcess {
-                    hub::deposit(&session, local_fabric(&self.endpoints()));
+                    open_in_process(&session, &self.endpoints());
                 }
                 (session, false)
             }
         };
         let mut connect_time = t.elapsed();
         let moved = self.transfer(refit, &session, version, fingerprint, resumed, &mut connect_time).await;
-        hub::close(&session);
+        close_in_process(&session);
         let transfer_time = t.elapsed().saturating_sub(connect_time);
         let sent = match moved {
             Ok(sent) => sent,

@@ -6,29 +6,8 @@ use super::error::some_names;
 use super::BufferError;
 use reshard::{Layout, Rank};
 use std::sync::Arc;
-
-/// Where registered weights live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Residence {
-    /// Device memory of CUDA device `ordinal`: the NCCL and IPC fabrics
-    /// read it in place (`CommPlane::Cuda`).
-    Device {
-        /// The CUDA device.
-        ordinal: usize,
-    },
-    /// Host memory, standing in for device memory on the simulated planes
-    /// (`CommPlane::Simulated`).
-    Host,
-}
-
-impl std::fmt::Display for Residence {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Residence::Device { ordinal } => write!(f, "device (GPU {ordinal})"),
-            Residence::Host => f.write_str("host"),
-        }
-    }
-}
+use transport::fabric::RegisteredMemory;
+pub use transport::fabric::Residence;
 
 /// A rank's weights in memory the user owns, registered by address: one
 /// region per buffer of the rank's buffer list, which a refit reads where
@@ -195,5 +174,28 @@ impl Registered {
     /// (address, bytes) per buffer.
     pub fn regions(&self) -> &[(u64, usize)] {
         &self.regions
+    }
+}
+
+// SAFETY: every region `Registered` yields is one `Registered::new`'s (or
+// `with_check`'s) caller promised valid memory of its residence for its
+// bytes, unmoved and unfreed while any store or refit holds it, written
+// by its owner only outside a source's refits and a destination's commits;
+// `visit` and `current` check each holds its buffer's bytes.
+unsafe impl RegisteredMemory for Registered {
+    fn residence(&self) -> Residence {
+        self.residence
+    }
+
+    fn buffers(&self) -> usize {
+        self.needs.len()
+    }
+
+    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
+        Registered::visit(self, f)
+    }
+
+    fn current_regions(&self) -> Result<Vec<(u64, usize)>, String> {
+        Ok(self.current()?.regions)
     }
 }

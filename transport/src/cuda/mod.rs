@@ -54,4 +54,6 @@ pub use ipc_comm::gpu::GpuIpc;
 #[cfg(feature = "cuda")]
 pub use kernels::nvrtc_version;
 #[cfg(feature = "cuda")]
-pub use nccl::{create_comms, host_fallbacks, leaked_staging_bytes, run_rank_nccl, DevicePlaneMemory, NcclBackend};
+pub use nccl::{create_comms, host_fallbacks, leaked_staging_bytes, run_rank_nccl};
+#[cfg(feature = "cuda")]
+pub(crate) use nccl::{DevicePlaneMemory, NcclBackend};

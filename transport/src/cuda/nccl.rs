@@ -80,7 +80,7 @@ fn nccl_text(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
 
 /// The real communicator behind a [`CommHandle`]. Created and used only
 /// on its communicator thread (it is not `Send`).
-pub struct NcclBackend {
+pub(crate) struct NcclBackend {
     /// Boxed so its address stays put while NCCL's creation job runs.
     comm: Box<sys::ncclComm_t>,
     ctx: Arc<CudaContext>,
@@ -102,7 +102,7 @@ impl NcclBackend {
     /// Starts creating `rank` of an `nranks` communicator on device
     /// `ordinal` from `id`, without blocking. Call on the thread that will
     /// own it (see [`create_comms`]).
-    pub fn create(ordinal: usize, id: CommId, rank: u32, nranks: u32) -> Result<NcclBackend, String> {
+    pub(crate) fn create(ordinal: usize, id: CommId, rank: u32, nranks: u32) -> Result<NcclBackend, String> {
         probe_driver()?;
         probe_nccl()?;
         // Binds the device's primary context to this thread: NCCL uses the
@@ -326,7 +326,7 @@ impl DeviceStaging {
 /// buffers, send and receive staging on the device, pinned host staging
 /// for pieces no kernel converts, and the event that orders a group after
 /// the work queued before it.
-pub struct DevicePlaneMemory<'a> {
+pub(crate) struct DevicePlaneMemory<'a> {
     dev: &'a GpuDevice,
     memory: &'a mut DeviceMemory,
     addrs: Vec<u64>,
@@ -341,7 +341,7 @@ pub struct DevicePlaneMemory<'a> {
 
 impl<'a> DevicePlaneMemory<'a> {
     /// `memory` (allocated on `dev`) for one run.
-    pub fn new(dev: &'a GpuDevice, memory: &'a mut DeviceMemory) -> DevicePlaneMemory<'a> {
+    pub(crate) fn new(dev: &'a GpuDevice, memory: &'a mut DeviceMemory) -> DevicePlaneMemory<'a> {
         let addrs = memory.device_addrs().to_vec();
         let staging = || DeviceStaging { buf: None, len: 0, addr: 0 };
         DevicePlaneMemory {
@@ -364,7 +364,7 @@ impl<'a> DevicePlaneMemory<'a> {
     /// `base..base + len` must be device memory of `dev`'s context that
     /// stays allocated while the value lives (the IPC communicator keeps
     /// its bucket until it is dropped, or for good after a failure).
-    pub unsafe fn with_bucket(dev: &'a GpuDevice, memory: &'a mut DeviceMemory, base: u64, len: u64) -> DevicePlaneMemory<'a> {
+    pub(crate) unsafe fn with_bucket(dev: &'a GpuDevice, memory: &'a mut DeviceMemory, base: u64, len: u64) -> DevicePlaneMemory<'a> {
         DevicePlaneMemory { bucket: Some((base, len as usize)), ..DevicePlaneMemory::new(dev, memory) }
     }
 

@@ -152,7 +152,7 @@ pub fn run_rank<T: Transport>(
 /// [`run_rank`] with `program`'s [`Bypass`] (`Bypass::of(program)`) at
 /// hand, for a caller that sized `memory` by it: bypassed buffers may be
 /// empty.
-pub fn run_rank_bypassing<T: Transport>(
+pub(crate) fn run_rank_bypassing<T: Transport>(
     program: &RankProgram,
     bypass: &Bypass,
     memory: &mut RankMemory,
@@ -164,7 +164,7 @@ pub fn run_rank_bypassing<T: Transport>(
 
 /// [`run_rank_bypassing`] as a delta refit; `stats.sent_bytes` is then
 /// what went on the wire ([`DeltaRun::wire_bytes`]).
-pub fn run_rank_delta<T: Transport>(
+pub(crate) fn run_rank_delta<T: Transport>(
     program: &RankProgram,
     bypass: &Bypass,
     memory: &mut RankMemory,
@@ -187,7 +187,7 @@ pub fn run_rank_delta<T: Transport>(
 /// For the whole call every region must be valid for reads and writes of
 /// its length, be written by nothing but this run, overlap no other region,
 /// and hold `program.buffers[i]`'s elements (any bytes are valid values).
-pub unsafe fn run_rank_regions<T: Transport>(
+pub(crate) unsafe fn run_rank_regions<T: Transport>(
     program: &RankProgram,
     bypass: &Bypass,
     regions: &[(u64, usize)],

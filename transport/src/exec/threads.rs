@@ -44,7 +44,7 @@ pub fn run_threads<T: Transport + WithAbort>(
     run_threads_inner(programs, memory, options, transports, None).map(|(report, _)| report)
 }
 
-/// [`run_threads`] as a delta refit ([`run_rank_delta`](super::run_rank_delta)): `bases[i]` is
+/// [`run_threads`] as a delta refit: `bases[i]` is
 /// rank `i`'s memo of the base refit (`None`: dense). Returns the report
 /// (`bytes`: what went on the wire) and every rank's memo of this run.
 pub fn run_threads_delta<T: Transport + WithAbort>(

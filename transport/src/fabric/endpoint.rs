@@ -1,0 +1,211 @@
+//! A member's endpoint in the making: opened, then connected, then run
+//! (again, where a run left it clean); the node fabric's connection is
+//! here, the communicators' in [`super::comm`].
+
+use super::comm::{CommEnd, IpcPending};
+use super::hub;
+use super::spec::{NcclFabric, NodeFabric, PeerAddr};
+use super::{program_peers, KillSwitch, NodeTweak, MIN_FRAME_LIMIT};
+use crate::{HelloKey, LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, TcpConfig, Transport};
+use reshard::{Endpoint, Group, RankProgram};
+use std::collections::{BTreeSet, HashMap};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::time::Duration;
+
+/// One member's data-plane endpoint in the making.
+pub(super) enum Endpointed {
+    /// In process: ready as soon as it is taken from the hub.
+    Local(LocalTransport),
+    /// Node fabric: listening, not yet connected.
+    Listening {
+        /// The listener peers connect to.
+        listener: TcpListener,
+        /// Settings.
+        settings: NodeFabric,
+        /// The refit's session id (names shared-memory regions).
+        session: String,
+    },
+    /// Node fabric: connected.
+    Connected(NodeTransport),
+    /// Communicator fabric: prepared; the id comes with `Connect`.
+    CommPrepared {
+        /// Settings.
+        settings: NcclFabric,
+        /// The member's GPU (NCCL).
+        gpu: Option<usize>,
+    },
+    /// IPC fabric: doorbells listening, the send bucket exported.
+    IpcPrepared(IpcPending),
+    /// Communicator or IPC fabric: this member's rank of the refit's
+    /// communicator.
+    Comm(Box<CommEnd>),
+}
+
+impl Endpointed {
+    /// Takes this process's end of an in-process refit.
+    pub(super) fn take_local(session: &str, me: Endpoint) -> Result<Endpointed, String> {
+        hub::take(session, me).map(Endpointed::Local).ok_or_else(|| {
+            format!(
+                "the in-process fabric of refit session {session} has no channel for {me} in this process \
+                 (is this member in another process than the orchestrator? use the node fabric)"
+            )
+        })
+    }
+
+    /// Listens on `ip` for this refit's peers.
+    pub(super) fn listen(ip: IpAddr, settings: NodeFabric, session: String) -> Result<(Endpointed, String), String> {
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
+        let addr = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?.to_string();
+        Ok((Endpointed::Listening { listener, settings, session }, addr))
+    }
+
+    /// Connects to the peers of `program` (blocking: run off the reactor).
+    pub(super) fn connect(
+        self,
+        program: &RankProgram,
+        table: &[PeerAddr],
+        key: HelloKey,
+        tweak: &dyn Fn(&mut NodeTweak),
+    ) -> Result<Endpointed, String> {
+        let (listener, settings, session) = match self {
+            Endpointed::Listening { listener, settings, session } => (listener, settings, session),
+            Endpointed::CommPrepared { settings, gpu } => return Endpointed::connect_comm(program.endpoint, settings, gpu, table),
+            Endpointed::IpcPrepared(pending) => return Endpointed::connect_ipc(program, pending, table, key),
+            done => return Ok(done),
+        };
+        let me = program.endpoint;
+        let by_endpoint: HashMap<Endpoint, &PeerAddr> = table.iter().map(|p| (p.endpoint, p)).collect();
+        let mine = by_endpoint.get(&me).map(|p| p.node).ok_or_else(|| format!("the peer table has no entry for {me}"))?;
+        let wanted = program_peers(program);
+        let mut peers = Vec::with_capacity(wanted.len());
+        for e in wanted {
+            let p = by_endpoint.get(&e).ok_or_else(|| format!("no data address for {me}'s peer {e}"))?;
+            let addr: SocketAddr = p.addr.parse().map_err(|err| format!("{e}: bad data address '{}': {err}", p.addr))?;
+            peers.push((e, addr));
+        }
+        let node_of = |e: Endpoint| -> (Group, u32) {
+            let node = if e == me { mine } else { by_endpoint.get(&e).map_or(u32::MAX, |p| p.node) };
+            (e.group, node)
+        };
+        // A pair's lend area is reserved as soon as it talks: size it to the
+        // largest message this rank sends inside its node (bigger ones
+        // stream), and share the default among the node peers it sends to,
+        // or a node of 8 ranks pins gigabytes of shared memory.
+        let in_node = program.rounds.iter().flat_map(|r| r.sends.iter()).filter(|m| node_of(m.peer) == node_of(me));
+        let largest = in_node.clone().map(|m| m.wire_bytes()).max().unwrap_or(0);
+        let in_node_peers = in_node.map(|m| m.peer).collect::<BTreeSet<_>>().len().max(1) as u64;
+        // The largest message this rank's program expects from each peer,
+        // and from any.
+        let mut largest_from: HashMap<Endpoint, u64> = HashMap::new();
+        for m in program.rounds.iter().flat_map(|r| r.recvs.iter()) {
+            let l = largest_from.entry(m.peer).or_default();
+            *l = (*l).max(m.wire_bytes());
+        }
+        let largest_recv = largest_from.values().copied().max().unwrap_or(0);
+        let mut config = NodeTransportConfig {
+            session,
+            tcp: TcpConfig {
+                checksum: settings.checksum,
+                connect_timeout: if settings.connect_timeout.is_zero() { Duration::from_secs(30) } else { settings.connect_timeout },
+                // Every member opened its listener in `Prepare`, before any
+                // `Connect`: a refused connection is a dead peer.
+                peers_listening: true,
+                emulation: LinkEmulation {
+                    inter_node_bytes_per_s: settings.emulation.inter_node_bytes_per_s.map(|r| r.max(1)),
+                    intra_node_bytes_per_s: settings.emulation.intra_node_bytes_per_s.map(|r| r.max(1)),
+                    burst_bytes: 0,
+                },
+                // Keep received frames for reuse up to one of the largest
+                // this rank receives (a kept fabric holds them between
+                // refits), and buffer small writes only, or a rank with a
+                // hundred peers holds hundreds of MiB it does not need.
+                frame_pool_bytes: largest_recv,
+                // No frame from a peer larger than the largest message
+                // this rank's program expects from that peer (an abort's
+                // reason and shared-memory notices fit in the floor; a
+                // peer it expects nothing from gets the floor): a peer
+                // cannot make it allocate more.
+                max_frame_bytes: MIN_FRAME_LIMIT,
+                // (A delta refit's message may be a header longer.)
+                max_frame_bytes_from: largest_from
+                    .into_iter()
+                    .map(|(peer, l)| (peer, (l + crate::delta::HEADER as u64).max(MIN_FRAME_LIMIT)))
+                    .collect(),
+                // Strangers at the data port are refused and logged.
+                hello_key: Some(key),
+                write_buffer_bytes: 256 << 10,
+                ..TcpConfig::default()
+            },
+            ..NodeTransportConfig::default()
+        };
+        let share = (config.shm.lend_bytes / in_node_peers).max(1 << 20);
+        config.shm.lend_bytes = largest.next_power_of_two().clamp(1 << 20, share);
+        config.shm.stream_bytes = config.shm.stream_bytes.min(1 << 20);
+        let mut tweaks = NodeTweak::default();
+        tweak(&mut tweaks);
+        if let Some(dir) = tweaks.shm_dir {
+            config.shm.dir = dir;
+        }
+        if let Some(hook) = tweaks.faults.hook() {
+            config.tcp.hook = Some(hook);
+        }
+        let t = NodeTransport::connect(me, listener, &peers, node_of, &config).map_err(|e| format!("{me}: connect: {e}"))?;
+        Ok(Endpointed::Connected(t))
+    }
+
+    /// A switch that tears the node fabric's connections down from any
+    /// thread (a send blocked on a peer that stopped reading then fails at
+    /// once); `None` for the in-process fabric, whose sends never block.
+    pub(super) fn kill_switch(&self) -> Option<KillSwitch> {
+        match self {
+            Endpointed::Connected(t) => Some(crate::WithAbort::abort_all(t)),
+            _ => None,
+        }
+    }
+
+    /// The connected endpoint, ready to run (again, once a run that
+    /// succeeded left it clean).
+    pub(super) fn ready(&mut self) -> Result<Ready<'_>, String> {
+        match self {
+            Endpointed::Local(t) => Ok(Ready::Transport(t)),
+            Endpointed::Connected(t) => Ok(Ready::Transport(t)),
+            Endpointed::Comm(c) if c.handle.is_some() => Ok(Ready::Comm(c)),
+            Endpointed::Comm(_) => Err("the communicator was aborted".into()),
+            Endpointed::Listening { .. } | Endpointed::CommPrepared { .. } | Endpointed::IpcPrepared(_) => {
+                Err("the data plane was prepared but never connected".into())
+            }
+        }
+    }
+
+    /// Ends this refit's data plane with an error: peers stop waiting for
+    /// this rank (a transport's abort frames; a communicator's abort).
+    pub(super) fn abort(&mut self, why: &str) {
+        match self.ready() {
+            Ok(Ready::Transport(t)) => t.abort(why),
+            Ok(Ready::Comm(c)) => {
+                if let Some(hang) = c.abort() {
+                    tracing::warn!(why, "{hang}");
+                }
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// A connected endpoint worth keeping across refits (node fabric,
+    /// communicator).
+    pub(super) fn is_connected(&self) -> bool {
+        match self {
+            Endpointed::Connected(_) => true,
+            Endpointed::Comm(c) => c.handle.is_some(),
+            _ => false,
+        }
+    }
+}
+
+/// A connected endpoint.
+pub(super) enum Ready<'a> {
+    /// A host transport, for the one executor.
+    Transport(&'a mut dyn Transport),
+    /// A communicator, for the communicator executor.
+    Comm(&'a mut CommEnd),
+}

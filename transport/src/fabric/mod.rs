@@ -1,0 +1,395 @@
+//! The one fabric interface: a rank's end of one refit's data plane,
+//! opened from a [`Fabric`] ([`RankEnd::open`]), connected to the peers
+//! of its program ([`RankEnd::connect`]), and run ([`RankEnd::run`]) on
+//! the rank's memory — its own host buffers, memory its owner registered
+//! by address, or a registered destination's staging — with a deadline,
+//! and a delta memo where the refit is a delta. A connected end that a
+//! run left clean may run again (the next refit of the same plan).
+//!
+//! Four fabrics behind it:
+//! - **in process**: the channels of a refit are made at once for every
+//!   rank ([`open_in_process`]) and left in this process under the
+//!   refit's session id; each rank takes its own end. A rank in another
+//!   process finds nothing there and refuses.
+//! - **node**: the rank listens on its data address; on connect it
+//!   connects to the peers its program exchanges with, through shared
+//!   memory when the peer is on its node and TCP otherwise.
+//! - **NCCL** (or its simulated plane): on open, source rank 0 makes the
+//!   communicator's id and reports it as its address; on connect every
+//!   rank creates its rank of one communicator over both groups from that
+//!   id (the ranks of a process at the same time, each on its own thread)
+//!   and waits for it. A run that fails aborts the communicator at once
+//!   (peers then fail instead of waiting), within the abort timeout; the
+//!   next refit creates a new one. An end dropped unused is aborted on a
+//!   thread of its own.
+//! - **IPC** (or its simulated plane): each rank exports one send bucket
+//!   and maps its peers'; doorbells go over TCP.
+//!
+//! Every fabric runs a program with the one interpreter (the cursor);
+//! this module only reaches the rank's memory where each plane needs it
+//! (device memory for the CUDA planes: uploaded, registered in place, or
+//! staged).
+
+mod comm;
+mod endpoint;
+mod hub;
+mod registered;
+mod spec;
+
+pub use hub::{close_in_process, open_in_process};
+pub use registered::{RegisteredMemory, RegisteredStaging, Residence};
+pub use spec::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
+
+use crate::{
+    run_rank_bypassing, run_rank_delta, run_rank_regions, Bypass, DeltaRun, ExecError, ExecOptions, Faults, HelloKey, RankMemory,
+    RankStats, Transport, TransportError,
+};
+use endpoint::{Endpointed, Ready};
+use registered::registered_regions;
+use reshard::{Endpoint, RankProgram};
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// The smallest frame limit a data-plane endpoint sets: room for an abort's
+/// reason (64 KiB at most) and the small frames of shared-memory links.
+const MIN_FRAME_LIMIT: u64 = 1 << 17;
+
+/// Tears a rank's data plane down from any thread (the reason in words).
+pub type KillSwitch = Box<dyn Fn(&str) + Send>;
+
+/// The ranks `program` sends to or receives from.
+fn program_peers(program: &RankProgram) -> BTreeSet<Endpoint> {
+    let sends = program.rounds.iter().flat_map(|r| r.sends.iter().map(|m| m.peer));
+    sends.chain(program.rounds.iter().flat_map(|r| r.recvs.iter().map(|m| m.peer))).collect()
+}
+
+/// Where a rank's data plane lives: fixed for the rank, whatever the
+/// fabric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Site {
+    /// The address peers reach its node-fabric endpoint and IPC doorbells
+    /// at.
+    pub data_ip: IpAddr,
+    /// The CUDA device its rank uses on the NCCL and IPC fabrics
+    /// ([`CommPlane::Cuda`]); `None`: those are refused. On the simulated
+    /// planes it names the device two ranks would share.
+    pub gpu: Option<usize>,
+}
+
+/// What tools may change of a node-fabric endpoint just before it
+/// connects (emulated hosts, fault injection in tests); production ranks
+/// change nothing.
+#[derive(Debug, Clone, Default)]
+pub struct NodeTweak {
+    /// Where the shared-memory regions with ranks of its node go (`None`:
+    /// `/dev/shm`); an emulated host has a directory of its own.
+    pub shm_dir: Option<PathBuf>,
+    /// Faults its links inject.
+    pub faults: Faults,
+}
+
+/// How [`RankEnd::connect`] proves and checks the job's key, and what it
+/// may change.
+pub struct Connecting<'a> {
+    /// The data-plane handshake key of the refit's session.
+    pub key: HelloKey,
+    /// Changes to the node fabric's endpoint (see [`NodeTweak`]).
+    pub tweak: &'a dyn Fn(&mut NodeTweak),
+}
+
+/// A rank's end of one refit's data plane.
+pub struct RankEnd(Endpointed);
+
+/// The rank's memory a run moves.
+pub enum RunMemory<'a> {
+    /// The rank's own host buffers (a store's); the run adds the scratch
+    /// its program needs and takes it off again.
+    Host(&'a mut RankMemory),
+    /// A source's weights in memory its owner registered, read where they
+    /// are (regions re-derived first; scratch beside them).
+    Registered(&'a dyn RegisteredMemory),
+    /// A registered destination: the run writes `staging` (made, or
+    /// remade for another plan, on the fabric's side; first filled from
+    /// the registered memory when a run since the last commit may have
+    /// written it). [`RegisteredStaging::commit`] copies it in.
+    Staged {
+        /// The registered memory (only read here).
+        registered: &'a dyn RegisteredMemory,
+        /// The staging the rank keeps between refits.
+        staging: &'a mut Option<RegisteredStaging>,
+    },
+}
+
+/// Scratch buffers a plan's run leaves for the next run of the same plan
+/// (which writes them again instead of faulting in fresh pages: every
+/// scratch element a run reads, it wrote first).
+#[derive(Debug, Default)]
+pub struct Scratch(Vec<Vec<u8>>);
+
+/// How one run goes.
+pub struct RunOptions<'a> {
+    /// Time the data movement may take.
+    pub deadline: Duration,
+    /// A delta run (its memo of the base refit, if this rank has it).
+    pub delta: Option<&'a mut DeltaRun>,
+    /// What the plan's last clean run left; this run's, if it succeeds
+    /// (left empty if it fails).
+    pub scratch: &'a mut Scratch,
+}
+
+/// Why a run failed; the end has told its peers (a transport's abort
+/// frames, a communicator's abort) before this is returned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunError {
+    /// The end cannot run: never connected, aborted, or unable to reach
+    /// the rank's memory.
+    #[error("{0}")]
+    Fabric(String),
+    /// The program does not fit the rank's memory.
+    #[error("{0}")]
+    ProgramMismatch(String),
+    /// The data movement failed.
+    #[error("{why}")]
+    Exec {
+        /// What happened, naming the rank and peer.
+        why: String,
+        /// A peer failed first (its abort, a broken link).
+        after_peer: bool,
+    },
+}
+
+impl RankEnd {
+    /// Opens rank `program.endpoint`'s end of `fabric` for the refit
+    /// `session`, and says where its peers reach it (empty for the
+    /// in-process fabric).
+    pub fn open(fabric: Fabric, program: &RankProgram, site: Site, session: &str) -> Result<(RankEnd, String), String> {
+        let me = program.endpoint;
+        let opened = match fabric {
+            Fabric::InProcess => Endpointed::take_local(session, me).map(|e| (e, String::new())),
+            Fabric::Node(settings) => Endpointed::listen(site.data_ip, settings, session.to_string()),
+            Fabric::Nccl(settings) => Endpointed::prepare_comm(me, settings, site.gpu),
+            Fabric::Ipc(settings) => Endpointed::prepare_ipc(site.data_ip, program, settings, site.gpu, session.to_string()),
+        };
+        opened.map(|(end, addr)| (RankEnd(end), addr))
+    }
+
+    /// Connects to the peers of `program` in `table` (blocking: run off a
+    /// reactor; the ranks of one communicator wait for each other).
+    pub fn connect(self, program: &RankProgram, table: &[PeerAddr], how: Connecting<'_>) -> Result<RankEnd, String> {
+        self.0.connect(program, table, how.key, how.tweak).map(RankEnd)
+    }
+
+    /// Whether the end is connected and can run.
+    pub fn ready(&mut self) -> Result<(), String> {
+        self.0.ready().map(drop)
+    }
+
+    /// A switch that tears the end's connections down from any thread (a
+    /// send blocked on a peer that stopped reading then fails at once);
+    /// `None` where sends never block.
+    pub fn kill_switch(&self) -> Option<KillSwitch> {
+        self.0.kill_switch()
+    }
+
+    /// Ends this refit's data plane with an error: peers stop waiting for
+    /// this rank.
+    pub fn abort(&mut self, why: &str) {
+        self.0.abort(why)
+    }
+
+    /// A connected end worth keeping across refits (node fabric,
+    /// communicators).
+    pub fn is_connected(&self) -> bool {
+        self.0.is_connected()
+    }
+
+    /// Runs `program` on `memory` by `options.deadline`; a failed run has
+    /// aborted the end.
+    pub fn run(&mut self, program: &RankProgram, memory: RunMemory<'_>, options: RunOptions<'_>) -> Result<RankStats, RunError> {
+        let RunOptions { deadline, delta, scratch } = options;
+        let reuse = std::mem::take(&mut scratch.0);
+        match self.0.ready().map_err(RunError::Fabric)? {
+            Ready::Transport(t) => {
+                let (r, left) = run_on_transport(program, memory, t, deadline, delta, reuse);
+                if r.is_ok() {
+                    scratch.0 = left;
+                }
+                r
+            }
+            Ready::Comm(c) => {
+                let until = Instant::now() + deadline;
+                let r = match memory {
+                    // Straight from the owner's memory; the end keeps the
+                    // scratch.
+                    RunMemory::Registered(registered) => c.run_registered(program, registered, until, delta),
+                    RunMemory::Staged { registered, staging } => c.run_staged(program, registered, staging, until, delta),
+                    RunMemory::Host(memory) => {
+                        // The communicator executor makes no copies on
+                        // receipt: every scratch buffer is allocated.
+                        let base = match with_scratch(memory, program, &Bypass::default(), reuse) {
+                            Ok(base) => base,
+                            Err(e) => {
+                                c.abort();
+                                return Err(RunError::ProgramMismatch(e));
+                            }
+                        };
+                        let r = c.run(program, memory, until, delta);
+                        let left = drop_scratch(memory, base);
+                        if r.is_ok() {
+                            scratch.0 = left;
+                        }
+                        r
+                    }
+                };
+                r.map_err(|why| {
+                    // A peer's abort shows as a failed group naming it
+                    // (NCCL: a remote error).
+                    let after_peer = why.contains("peer rank") || why.contains("RemoteError");
+                    let why = match c.abort() {
+                        Some(hang) => format!("{why}; {hang}"),
+                        None => why,
+                    };
+                    RunError::Exec { why, after_peer }
+                })
+            }
+        }
+    }
+}
+
+/// Runs `program` on `memory` (plus any scratch it needs, from `reuse`
+/// where it fits) over a host `transport`; hands back the scratch.
+fn run_on_transport(
+    program: &RankProgram,
+    memory: RunMemory<'_>,
+    transport: &mut dyn Transport,
+    deadline: Duration,
+    delta: Option<&mut DeltaRun>,
+    reuse: Vec<Vec<u8>>,
+) -> (Result<RankStats, RunError>, Vec<Vec<u8>>) {
+    // Scratch whose copies the executor makes on receipt gets no memory.
+    let bypass = Bypass::of(program);
+    let options = ExecOptions { deadline };
+    let refuse = |t: &mut dyn Transport, e: RunError| {
+        t.abort(&e.to_string());
+        (Err(e), Vec::new())
+    };
+    let mut t: &mut dyn Transport = transport;
+    match memory {
+        RunMemory::Host(m) => host_run(program, &bypass, m, &mut t, &options, delta, reuse),
+        RunMemory::Staged { registered, staging } => {
+            // The rank's own buffers staged on the host, the scratch added
+            // by the executor.
+            match RegisteredStaging::host(staging, program, registered, registered.buffers()) {
+                Ok(m) => host_run(program, &bypass, m, &mut t, &options, delta, reuse),
+                Err(why) => refuse(t, RunError::Fabric(why)),
+            }
+        }
+        RunMemory::Registered(registered) => {
+            if registered.residence() != Residence::Host {
+                let why = format!(
+                    "{}: its weights are registered {} memory, which moves on the NCCL and IPC fabrics only",
+                    program.endpoint,
+                    registered.residence()
+                );
+                return refuse(t, RunError::Fabric(why));
+            }
+            let current = match registered.current_regions() {
+                Ok(c) => c,
+                Err(e) => {
+                    let why = format!("{}: registered weights: {e}", program.endpoint);
+                    return refuse(t, RunError::Exec { why, after_peer: false });
+                }
+            };
+            let regions = match registered_regions(program, &current) {
+                Ok(r) => r,
+                Err(e) => return refuse(t, RunError::ProgramMismatch(e)),
+            };
+            // Registered memory stays as it is, the scratch beside it.
+            let mut beside = scratch_for(program, &bypass, regions.len(), reuse);
+            let mut all = regions;
+            all.extend(beside.iter_mut().map(|b| (b.as_mut_ptr() as u64, b.len())));
+            // SAFETY: the registered regions are host memory (checked
+            // above), valid and written by nothing else until this run
+            // ends (`RegisteredMemory`'s contract), and a source run only
+            // reads them; each is cut to its buffer's bytes
+            // (`registered_regions`); the scratch is ours, alive past the
+            // run; no two regions overlap.
+            let r = unsafe { run_rank_regions(program, &bypass, &all, &mut t, &options, delta) };
+            (r.map_err(exec_error), beside)
+        }
+    }
+}
+
+/// An executor's error as a run's.
+fn exec_error(e: ExecError) -> RunError {
+    let after_peer = matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. }));
+    RunError::Exec { why: e.to_string(), after_peer }
+}
+
+/// A run over a host transport on the rank's own buffers (scratch
+/// appended, then taken off again).
+fn host_run(
+    program: &RankProgram,
+    bypass: &Bypass,
+    memory: &mut RankMemory,
+    t: &mut &mut dyn Transport,
+    options: &ExecOptions,
+    delta: Option<&mut DeltaRun>,
+    reuse: Vec<Vec<u8>>,
+) -> (Result<RankStats, RunError>, Vec<Vec<u8>>) {
+    let base = match with_scratch(memory, program, bypass, reuse) {
+        Ok(base) => base,
+        Err(e) => {
+            t.abort(&e);
+            return (Err(RunError::ProgramMismatch(e)), Vec::new());
+        }
+    };
+    let r = match delta {
+        None => run_rank_bypassing(program, bypass, memory, t, options),
+        Some(d) => run_rank_delta(program, bypass, memory, t, options, d),
+    };
+    (r.map_err(exec_error), drop_scratch(memory, base))
+}
+
+/// Appends scratch buffers a program needs beyond the rank's weights
+/// (none for those `bypass` skips), taking them from `reuse` (what an
+/// earlier run of the same program left) where the sizes match.
+fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass, reuse: Vec<Vec<u8>>) -> Result<usize, String> {
+    let base = memory.buffers.len();
+    if program.buffers.len() < base {
+        return Err(format!("program has {} buffers, the rank holds {base}", program.buffers.len()));
+    }
+    for (i, spec) in program.buffers.iter().enumerate().take(base) {
+        let bytes = if bypass.skips(i) { 0 } else { (spec.elems * spec.dtype.size()) as usize };
+        if memory.buffers[i].len() != bytes || memory.dtypes[i] != spec.dtype {
+            return Err(format!(
+                "buffer '{}' is {} bytes of {} here, the program expects {bytes} bytes of {}",
+                spec.name,
+                memory.buffers[i].len(),
+                memory.dtypes[i],
+                spec.dtype
+            ));
+        }
+    }
+    memory.buffers.extend(scratch_for(program, bypass, base, reuse));
+    memory.dtypes.extend(program.buffers[base..].iter().map(|b| b.dtype));
+    Ok(base)
+}
+
+/// The scratch buffers of `program` past the rank's `base` buffers (empty
+/// for those `bypass` skips), taken from `reuse` (what an earlier run of
+/// the same program left) where the sizes match.
+fn scratch_for(program: &RankProgram, bypass: &Bypass, base: usize, reuse: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+    let mut reuse = reuse.into_iter();
+    let sizes =
+        program.buffers.iter().enumerate().skip(base).map(|(i, b)| if bypass.skips(i) { 0 } else { (b.elems * b.dtype.size()) as usize });
+    sizes.map(|bytes| reuse.next().filter(|b| b.len() == bytes).unwrap_or_else(|| vec![0; bytes])).collect()
+}
+
+/// Takes the scratch buffers (those past `base`) back out of `memory`.
+fn drop_scratch(memory: &mut RankMemory, base: usize) -> Vec<Vec<u8>> {
+    memory.dtypes.truncate(base);
+    memory.buffers.split_off(base)
+}

@@ -1,0 +1,128 @@
+//! What a fabric is (the settings every member of a refit opens its
+//! endpoint from) and where a peer is: plain data, serde, so the member
+//! protocol carries them as they are.
+
+use reshard::Endpoint;
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// How the members of a refit reach each other.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Fabric {
+    /// Channels between members of this process; a receiver copies straight
+    /// out of the sender's buffers. Only for members that all live in the
+    /// orchestrator's process.
+    #[default]
+    InProcess,
+    /// Shared memory between ranks of one node, TCP between nodes: members
+    /// in any process, on any host.
+    Node(NodeFabric),
+    /// One communicator over every member of both groups (sources first,
+    /// then destinations), a group of sends and receives per round: NCCL
+    /// between GPUs, or the simulated communicator.
+    Nccl(NcclFabric),
+    /// CUDA IPC between members of one node (one GPU or several): each
+    /// member exports one send bucket per data-plane epoch, its receivers
+    /// map it and copy out of it, doorbells go over TCP.
+    Ipc(IpcFabric),
+}
+
+/// Settings of the CUDA IPC fabric.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpcFabric {
+    /// What the buckets are: device memory through CUDA IPC
+    /// ([`CommPlane::Cuda`], each member on its GPU), or host memory of
+    /// this process ([`CommPlane::Simulated`]; the world's name is unused).
+    pub plane: CommPlane,
+    /// Time every member has to connect its doorbells and map its peers'
+    /// buckets.
+    pub connect_timeout: Duration,
+    /// Time an abort may take before its thread is abandoned.
+    pub abort_timeout: Duration,
+}
+
+impl IpcFabric {
+    /// Settings with the default timeouts (30 s to connect, 10 s to abort).
+    pub fn new(plane: CommPlane) -> IpcFabric {
+        IpcFabric { plane, connect_timeout: Duration::from_secs(30), abort_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// Settings of the communicator fabric.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NcclFabric {
+    /// What the communicators are.
+    pub plane: CommPlane,
+    /// Time every member's communicator has to be created (all together).
+    pub init_timeout: Duration,
+    /// Time an abort may take before its thread is abandoned (the member's
+    /// process should then be restarted).
+    pub abort_timeout: Duration,
+}
+
+impl NcclFabric {
+    /// Settings with the default timeouts (60 s to create, 10 s to abort).
+    pub fn new(plane: CommPlane) -> NcclFabric {
+        NcclFabric { plane, init_timeout: Duration::from_secs(60), abort_timeout: Duration::from_secs(10) }
+    }
+}
+
+/// Where the communicator fabric's communicators live.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CommPlane {
+    /// NCCL, each member on its GPU ([`Site::gpu`](super::Site::gpu));
+    /// needs the `cuda` feature, CUDA and NCCL at run time, and a GPU per
+    /// member.
+    Cuda,
+    /// The simulated communicator in the named world, over the members'
+    /// host memory: every member in one process. For tests and tools:
+    /// failures are armed per world ([`crate::cuda::arm`]).
+    Simulated {
+        /// The world's name.
+        world: String,
+    },
+}
+
+/// Settings of the node fabric.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeFabric {
+    /// A CRC-32C on every data frame.
+    pub checksum: bool,
+    /// Per-rank egress caps, for emulating a cluster's links on one machine.
+    pub emulation: EgressCaps,
+    /// Time every member has to connect to its peers.
+    pub connect_timeout: Duration,
+}
+
+impl Default for NodeFabric {
+    fn default() -> Self {
+        NodeFabric { checksum: false, emulation: EgressCaps::default(), connect_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// Caps on each rank's egress in bytes/s (token buckets in its sender);
+/// `None`: uncapped. The inter-node one is off when something else shapes
+/// the network (emulated hosts, whose links the kernel shapes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EgressCaps {
+    /// Towards ranks of other nodes (TCP).
+    pub inter_node_bytes_per_s: Option<u64>,
+    /// Towards ranks of its own node (shared memory).
+    pub intra_node_bytes_per_s: Option<u64>,
+}
+
+/// A peer's data-plane address for one refit (`Connect`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerAddr {
+    /// The peer.
+    pub endpoint: Endpoint,
+    /// Its node within its group (ranks of one node share memory).
+    pub node: u32,
+    /// Where it listens (`ip:port`; empty for the in-process fabric). On
+    /// the communicator fabric, `<id>@<device>`: the communicator's id
+    /// from source rank 0 (hex: NCCL's unique id names rank 0's bootstrap
+    /// address; empty from the others) and the GPU the member's rank is on
+    /// (its UUID; two ranks on one GPU are refused). On the IPC fabric, `ip:port/<handle hex>/<bytes>`:
+    /// where its doorbells listen, and its exported bucket.
+    pub addr: String,
+}
