@@ -1,12 +1,12 @@
 //! Benchmarks measured side by side in one run: reshard, the gather-broadcast
 //! baseline and a plain multi-threaded memcpy of the same bytes; and plan
-//! time and peak memory on model-sized layouts.
+//! time and peak memory on model-sized layouts. Every refit goes through
+//! the orchestrator ([`crate::runner::Driver`], or worker processes for
+//! [`cluster_bench`]) and is timed as its report measures it.
 
-use crate::runner::{prepare_plan, RunError};
-use reshard::{Layout, Plan, Strategy};
+use crate::runner::{DataPlane, Driver, DriverConfig, RunError};
+use reshard::{Layout, PlanOptions, Strategy};
 use std::time::{Duration, Instant};
-use transport::ExecOptions;
-use transport::{tcp_fabric_for, TcpConfig, TcpTransport};
 
 /// Medians of one side-by-side benchmark.
 #[derive(Clone, Debug)]
@@ -38,10 +38,12 @@ fn median(mut v: Vec<Duration>) -> Duration {
 /// The data plane a benchmark runs on, and its reference copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BenchTransport {
-    /// In-process; compared with a plain multi-threaded memcpy.
+    /// Every rank's member in this process, in-process channels;
+    /// compared with a plain multi-threaded memcpy.
     Local,
-    /// Every rank a thread, over loopback TCP; compared with a raw socket
-    /// copy of the same bytes over as many streams as there are cores.
+    /// Every rank's member in this process, the node fabric over loopback
+    /// TCP (no shared memory); compared with a raw socket copy of the same
+    /// bytes over one stream per destination rank.
     Tcp,
     /// Worker processes, as `refit launch` starts them (see
     /// [`cluster_bench`]).
@@ -97,84 +99,74 @@ fn rep_phase(i: usize, reps: usize, what: &str) -> String {
     }
 }
 
-/// Runs reshard, baseline and memcpy alternately, `reps` times after a
-/// warm-up, verifying the first reshard and baseline runs bit-exact;
-/// `phase` is told what starts ("rep 3/9 reshard").
+/// Runs reshard, baseline and the reference copy alternately, `reps`
+/// times after a warm-up, on one refit system in this process (every
+/// refit a new weights version; the time is the orchestrator's transfer
+/// time), verifying the warm-up's reshard and baseline bit-exact; `phase`
+/// is told what starts ("rep 3/9 reshard").
 pub fn exec_bench(
     src: &Layout,
     dst: &Layout,
-    plans: (Plan, Plan),
+    options: &PlanOptions,
     reps: usize,
     transport: BenchTransport,
     mut phase: impl FnMut(&str),
 ) -> Result<ExecBench, RunError> {
     let reps = reps.max(1);
-    let exec = ExecOptions::default();
-    phase("deriving programs, filling buffers: reshard");
-    let mut reshard = prepare_plan(src, dst, plans.0)?;
-    phase("deriving programs, filling buffers: baseline");
-    let mut baseline = prepare_plan(src, dst, plans.1)?;
     // Reference copy: as many threads as cores (memcpy), or one stream per
     // destination rank (socket copy, like the reshard's receivers).
-    let threads = match transport {
-        BenchTransport::Local => std::thread::available_parallelism().map_or(2, |n| n.get()),
-        BenchTransport::Tcp => dst.ranks().max(1) as usize,
-        BenchTransport::Process => {
-            return Err(RunError::Exec(transport::ExecError::Setup("worker processes are benchmarked by cluster_bench".into())))
-        }
+    let (plane, threads) = match transport {
+        BenchTransport::Local => (DataPlane::Local, std::thread::available_parallelism().map_or(2, |n| n.get())),
+        BenchTransport::Tcp => (DataPlane::Tcp, dst.ranks().max(1) as usize),
+        BenchTransport::Process => return Err(RunError::Setup("worker processes are benchmarked by cluster_bench".into())),
     };
-    let bytes = reshard.plan.figures().total_bytes as usize;
+    // Over TCP, the members keep each strategy's connections across
+    // repetitions (as a training job keeps its connections between
+    // steps); connecting is not timed, as for the raw socket copy.
+    let config = DriverConfig { plane, options: options.clone(), ..DriverConfig::default() };
+    let mut driver = Driver::start(src, dst, config, &mut phase)?;
+    let bytes = driver.figures().total_bytes as usize;
+    let mut baseline_bytes = 0;
     let per = bytes.div_ceil(threads);
     let msrc: Vec<Vec<u8>> = (0..threads).map(|i| vec![(i + 1) as u8; per]).collect();
     let mut mdst: Vec<Vec<u8>> = (0..threads).map(|_| vec![0u8; per]).collect();
     let (mut tr, mut tb, mut tm) = (Vec::new(), Vec::new(), Vec::new());
-    // Over TCP, each strategy keeps one fabric across repetitions (as a
-    // training job keeps its connections between steps); connecting is not
-    // timed, as for the raw socket copy.
-    let fabric = |p: &crate::runner::Prepared| -> Result<Vec<TcpTransport>, RunError> {
-        tcp_fabric_for(&p.programs, &TcpConfig::default()).map_err(|e| RunError::Exec(transport::ExecError::Setup(e.to_string())))
-    };
-    let mut fabrics = match transport {
-        BenchTransport::Local => None,
-        _ => {
-            phase("connecting every rank over TCP");
-            Some((fabric(&reshard)?, fabric(&baseline)?))
-        }
-    };
     let reference = match transport {
         BenchTransport::Local => "memcpy",
         _ => "socket copy",
     };
     for i in 0..=reps {
-        let run = |p: &mut crate::runner::Prepared, f: Option<&mut Vec<TcpTransport>>| match f {
-            None => p.execute(&exec),
-            Some(f) => p.execute_over(&exec, f.iter_mut().collect()),
-        };
-        phase(&rep_phase(i, reps, "reshard"));
-        reshard.clear_destinations();
-        let r = run(&mut reshard, fabrics.as_mut().map(|f| &mut f.0))?;
-        phase(&rep_phase(i, reps, "baseline"));
-        baseline.clear_destinations();
-        let b = run(&mut baseline, fabrics.as_mut().map(|f| &mut f.1))?;
+        let mut times = [Duration::ZERO; 2];
+        for (k, strategy) in [Strategy::Reshard, Strategy::Baseline].into_iter().enumerate() {
+            phase(&rep_phase(i, reps, &strategy.to_string()));
+            driver.set_strategy(strategy)?;
+            driver.step()?;
+            let report = driver.refit(None)?;
+            times[k] = report.transfer_time;
+            if strategy == Strategy::Baseline {
+                baseline_bytes = report.bytes;
+            }
+            if i == 0 {
+                phase(&format!("verifying the warm-up: {strategy}"));
+                driver.verify(None)?;
+            }
+        }
         phase(&rep_phase(i, reps, reference));
         let m = match transport {
             BenchTransport::Local => memcpy_once(&msrc, &mut mdst),
-            _ => socket_copy_once(&msrc[0], &mut mdst).map_err(|e| RunError::Exec(transport::ExecError::Setup(e.to_string())))?,
+            _ => socket_copy_once(&msrc[0], &mut mdst).map_err(|e| RunError::Setup(format!("the socket copy: {e}")))?,
         };
         if i == 0 {
-            phase("verifying the warm-up");
-            reshard.verify(src, dst)?;
-            baseline.verify(src, dst)?;
             continue;
         }
-        tr.push(r.elapsed);
-        tb.push(b.elapsed);
+        tr.push(times[0]);
+        tb.push(times[1]);
         tm.push(m);
     }
     Ok(ExecBench {
         transport,
         reshard_bytes: bytes as u64,
-        baseline_bytes: baseline.plan.figures().total_bytes,
+        baseline_bytes,
         reshard: median(tr),
         baseline: median(tb),
         memcpy: median(tm),
@@ -200,79 +192,77 @@ pub struct DeltaBench {
     pub reps: usize,
 }
 
-/// Changes `fraction` of every source buffer's elements (a mantissa bit
-/// that survives narrowing to bf16), chosen by a hash of the element and
-/// `step`.
-fn change_sources(memory: &mut [transport::RankMemory], fraction: f64, step: u64) {
+/// Changes `fraction` of source rank `rank`'s elements in `buffers` (a
+/// mantissa bit that survives narrowing to bf16), chosen by a hash of the
+/// element and `step`.
+fn change_source(rank: u32, buffers: &mut orchestrator::Buffers, fraction: f64, step: u64) {
     let threshold = (fraction.clamp(0.0, 1.0) * u64::MAX as f64) as u64;
-    for (r, m) in memory.iter_mut().enumerate() {
-        for (b, (buf, dtype)) in m.buffers.iter_mut().zip(&m.dtypes).enumerate() {
-            let size = dtype.size() as usize;
-            let at = size.saturating_sub(2);
-            for (i, e) in buf.chunks_exact_mut(size).enumerate() {
-                // SplitMix64 of (step, rank, buffer, element).
-                let mut z = (step << 48 ^ (r as u64) << 32 ^ (b as u64) << 24 ^ i as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
-                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-                if z ^ (z >> 31) < threshold {
-                    e[at] ^= 0x40;
-                }
+    let m = buffers.memory_mut();
+    for (b, (buf, dtype)) in m.buffers.iter_mut().zip(&m.dtypes).enumerate() {
+        let size = dtype.size() as usize;
+        let at = size.saturating_sub(2);
+        for (i, e) in buf.chunks_exact_mut(size).enumerate() {
+            // SplitMix64 of (step, rank, buffer, element).
+            let mut z = (step << 48 ^ u64::from(rank) << 32 ^ (b as u64) << 24 ^ i as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            if z ^ (z >> 31) < threshold {
+                e[at] ^= 0x40;
             }
         }
     }
 }
 
-/// A delta refit against a dense one of the same plan, in process: one
-/// base refit, then `reps` times a change of `fraction` of the source
-/// elements followed by a delta refit and a dense one (alternating which
-/// goes first); the first delta refit's destinations are checked equal to
-/// the dense refit's, byte for byte.
+/// What every destination rank of `driver` serves, byte for byte.
+fn served_bytes(driver: &Driver) -> Result<Vec<Vec<Vec<u8>>>, RunError> {
+    Ok(driver.served()?.iter().map(|s| s.buffers.memory().buffers.clone()).collect())
+}
+
+/// Delta refits against dense ones of the same plan, in process: two
+/// refit systems, one of them refitting by delta; one base refit each,
+/// then `reps` times the same change of `fraction` of the source elements
+/// in both followed by a refit in each (alternating which goes first);
+/// after the first, the delta system's destinations are checked equal to
+/// the dense one's, byte for byte.
 pub fn delta_bench(
     src: &Layout,
     dst: &Layout,
-    plan: Plan,
+    options: &PlanOptions,
     fraction: f64,
     reps: usize,
     mut phase: impl FnMut(&str),
 ) -> Result<DeltaBench, RunError> {
     let reps = reps.max(1);
-    let exec = ExecOptions::default();
-    phase("deriving programs, filling buffers");
-    let mut p = prepare_plan(src, dst, plan)?;
-    let n_src = src.ranks() as usize;
-    let dense_bytes = p.plan.figures().total_bytes;
-    phase("the base refit");
-    let none = vec![None; p.programs.len()];
-    let (_, mut memos) = transport::run_local_delta(&p.programs, &mut p.memory, &exec, none)?;
-    p.verify(src, dst)?;
+    let config = |delta| DriverConfig { options: options.clone(), delta, ..DriverConfig::default() };
+    let mut dense = Driver::start(src, dst, config(false), &mut phase)?;
+    let mut delta = Driver::start(src, dst, config(true), &mut phase)?;
+    let dense_bytes = dense.figures().total_bytes;
+    phase("the base refits");
+    dense.refit(None)?;
+    delta.refit(None)?;
+    delta.verify(None)?;
     let (mut td, mut tx, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..reps {
         phase(&rep_phase(i + 1, reps, "delta and dense"));
-        change_sources(&mut p.memory[..n_src], fraction, i as u64 + 1);
-        let mut delta = |p: &mut crate::runner::Prepared, memos: &mut Vec<transport::DeltaMemo>| -> Result<(), RunError> {
-            let bases: Vec<Option<transport::DeltaMemo>> = std::mem::take(memos).into_iter().map(Some).collect();
-            let (report, next) = transport::run_local_delta(&p.programs, &mut p.memory, &exec, bases)?;
-            *memos = next;
-            td.push(report.elapsed);
-            bytes.push(report.bytes);
+        let step = i as u64 + 1;
+        for d in [&mut dense, &mut delta] {
+            d.step_with(|rank, b| change_source(rank, b, fraction, step))?;
+        }
+        let mut by_delta = || -> Result<(), RunError> {
+            let r = delta.refit(None)?;
+            td.push(r.transfer_time);
+            bytes.push(r.bytes);
             Ok(())
         };
         if i % 2 == 0 {
-            delta(&mut p, &mut memos)?;
-            let after_delta: Vec<Vec<Vec<u8>>> =
-                if i == 0 { p.dst_memory().iter().map(|m| m.buffers.clone()).collect() } else { Vec::new() };
-            tx.push(p.execute(&exec)?.elapsed);
-            if i == 0 {
-                let dense: Vec<Vec<Vec<u8>>> = p.dst_memory().iter().map(|m| m.buffers.clone()).collect();
-                if dense != after_delta {
-                    return Err(RunError::Exec(transport::ExecError::Setup(
-                        "the delta refit's destinations differ from the dense refit's".into(),
-                    )));
-                }
-            }
+            by_delta()?;
+            tx.push(dense.refit(None)?.transfer_time);
         } else {
-            tx.push(p.execute(&exec)?.elapsed);
-            delta(&mut p, &mut memos)?;
+            tx.push(dense.refit(None)?.transfer_time);
+            by_delta()?;
+        }
+        if i == 0 && served_bytes(&delta)? != served_bytes(&dense)? {
+            return Err(RunError::Setup("the delta refit's destinations differ from the dense refit's".into()));
         }
     }
     bytes.sort_unstable();
@@ -376,35 +366,38 @@ pub fn fp8_bench(
     src: &Layout,
     dst: &Layout,
     fp8: &Layout,
-    options: &reshard::PlanOptions,
+    options: &PlanOptions,
     reps: usize,
     mut phase: impl FnMut(&str),
 ) -> Result<Fp8Bench, RunError> {
     let reps = reps.max(1);
-    let exec = ExecOptions::default();
-    phase("planning both");
-    let mut dense = prepare_plan(src, dst, reshard::plan_reshard(src, dst, options)?)?;
-    let mut quant = prepare_plan(src, fp8, reshard::plan_reshard(src, fp8, options)?)?;
+    let config = DriverConfig { options: options.clone(), ..DriverConfig::default() };
+    let mut dense = Driver::start(src, dst, config.clone(), &mut phase)?;
+    let mut quant = Driver::start(src, fp8, config, &mut phase)?;
     let fp8_held_bytes = fp8.buffers().iter().flatten().map(|b| b.elems * b.dtype.size()).sum::<u64>();
     let (mut td, mut tq, mut verified) = (Vec::new(), Vec::new(), 0);
     for i in 0..reps {
         phase(&rep_phase(i + 1, reps, "dense and FP8"));
+        if i > 0 {
+            dense.step()?;
+            quant.step()?;
+        }
         if i % 2 == 0 {
-            td.push(dense.execute(&exec)?.elapsed);
-            tq.push(quant.execute(&exec)?.elapsed);
+            td.push(dense.refit(None)?.transfer_time);
+            tq.push(quant.refit(None)?.transfer_time);
         } else {
-            tq.push(quant.execute(&exec)?.elapsed);
-            td.push(dense.execute(&exec)?.elapsed);
+            tq.push(quant.refit(None)?.transfer_time);
+            td.push(dense.refit(None)?.transfer_time);
         }
         if i == 0 {
             phase("verifying both");
-            dense.verify(src, dst)?;
-            verified = quant.verify(src, fp8)?;
+            dense.verify(None)?;
+            verified = quant.verify(None)?;
         }
     }
     Ok(Fp8Bench {
-        dense_bytes: dense.plan.figures().total_bytes,
-        fp8_bytes: quant.plan.figures().total_bytes,
+        dense_bytes: dense.figures().total_bytes,
+        fp8_bytes: quant.figures().total_bytes,
         fp8_held_bytes,
         dense: median(td),
         fp8: median(tq),

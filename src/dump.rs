@@ -11,13 +11,11 @@
 //! {"rank": 0, "buffers": [{"name": "w", "file": "w.bin", "dtype": "bf16", "bytes": 64}]}
 //! ```
 //!
-//! Scratch a plan adds (relay buffers) is not written: only the buffers the
-//! destination layout gives the rank.
+//! Only the buffers the destination layout gives the rank are written.
 
 use reshard::Layout;
 use serde_json::json;
 use std::path::{Path, PathBuf};
-use transport::RankMemory;
 
 /// Writing a dump failed.
 #[derive(Debug, thiserror::Error)]
@@ -58,9 +56,8 @@ pub fn file_stem(name: &str) -> String {
 }
 
 /// Writes every destination rank's buffers (`memory[r]` is rank `r`'s,
-/// program order: the layout's buffers first) under `dir`; returns the
-/// bytes written (buffers only).
-pub fn dump_destinations(dir: &Path, dst: &Layout, memory: &[RankMemory]) -> Result<u64, DumpError> {
+/// in the layout's buffer order) under `dir`; returns the bytes written.
+pub fn dump_destinations(dir: &Path, dst: &Layout, memory: &[&[Vec<u8>]]) -> Result<u64, DumpError> {
     if memory.len() != dst.ranks() as usize {
         return Err(DumpError::Mismatch { rank: 0, problem: format!("{} ranks of memory for a layout of {}", memory.len(), dst.ranks()) });
     }
@@ -74,14 +71,14 @@ pub fn dump_destinations(dir: &Path, dst: &Layout, memory: &[RankMemory]) -> Res
         let folder = dir.join(format!("rank{rank}"));
         std::fs::create_dir_all(&folder).map_err(io(&folder))?;
         let specs = dst.rank_buffers(rank);
-        if mem.buffers.len() < specs.len() {
+        if mem.len() < specs.len() {
             return Err(DumpError::Mismatch {
                 rank,
-                problem: format!("{} buffers in memory, the layout gives {}", mem.buffers.len(), specs.len()),
+                problem: format!("{} buffers in memory, the layout gives {}", mem.len(), specs.len()),
             });
         }
         let mut index = Vec::with_capacity(specs.len());
-        for (spec, bytes) in specs.iter().zip(&mem.buffers) {
+        for (spec, bytes) in specs.iter().zip(mem.iter()) {
             let want = spec.elems * spec.dtype.size();
             if bytes.len() as u64 != want {
                 return Err(DumpError::Mismatch {

@@ -204,13 +204,14 @@ enum Command {
         /// Check every destination element.
         #[arg(long)]
         verify: bool,
-        /// Data plane: `local` (in-process, host memory), `tcp` (every rank
-        /// a thread, talking over loopback TCP streams), `cuda` (every rank
-        /// on GPU 0), `nccl` (every rank a thread on its own GPU, one NCCL
-        /// communicator) or `ipc` (CUDA IPC, between processes: refused
-        /// here). The GPU ones need a build with `--features cuda`; where
-        /// one cannot run, the command exits 2 with `<NAME> transport
-        /// unavailable: <reason>`.
+        /// Data plane the members open (every rank's member and store in
+        /// this process, the orchestrator over them): `local` (in-process
+        /// channels), `tcp` (the node fabric over loopback TCP, no shared
+        /// memory) or `nccl` (one NCCL communicator, every rank on its own
+        /// GPU; a build with `--features cuda`). `ipc` (CUDA IPC joins
+        /// processes) and `cuda` (every rank on one GPU: the GPU checks'
+        /// executor) are refused here. Where one cannot run, the command
+        /// exits 2 with `<NAME> transport unavailable: <reason>`.
         #[arg(long, default_value = "local")]
         transport: String,
         /// Fail if the refit takes longer than this many seconds.
@@ -226,8 +227,10 @@ enum Command {
         /// file, dtype and byte length), to check the result with any tool.
         #[arg(long, value_name = "DIR")]
         dump_dst: Option<std::path::PathBuf>,
-        /// A subset refit: plan and move only these destination tensors
-        /// (comma-separated names); `--verify` checks them, `--json`'s
+        /// A subset refit: after a full refit of the version before (what
+        /// a subset refit builds on; not timed), plan and move only these
+        /// destination tensors (comma-separated names); `--verify` checks
+        /// them (and that the others kept the version before), `--json`'s
         /// `bytes_moved` is theirs alone.
         #[arg(long, value_delimiter = ',', value_name = "NAMES")]
         only: Vec<String>,

@@ -94,25 +94,30 @@ fn the_python_package_reaches_the_data_plane_only_through_the_orchestrator() {
     assert_eq!(users_of(&["python/src"], "transport"), Vec::<String>::new());
 }
 
-/// The command-line files that still import `transport` directly (issue 34:
-/// `refit run` and `refit bench` time the executors themselves, `dump`
-/// holds rank memory, the cluster tooling takes the verification pattern,
-/// the fault hook and stale shared-memory cleanup from it). The list may
-/// only shrink: a new file importing `transport` fails, and so does a
-/// listed file that no longer does (take it off the list).
-const CLI_FILES_STILL_ON_TRANSPORT: &[&str] =
-    &["src/bench.rs", "src/cluster/launcher.rs", "src/cluster/worker.rs", "src/cmd/run.rs", "src/dump.rs", "src/runner.rs"];
+/// The `[dependencies]` section of a manifest: its lines up to the next
+/// section.
+fn dependencies_section(manifest: &str) -> Vec<String> {
+    let path = Path::new(ROOT).join(manifest);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut lines = text.lines().skip_while(|l| l.trim() != "[dependencies]").skip(1);
+    let section: Vec<String> = lines.by_ref().take_while(|l| !l.trim_start().starts_with('[')).map(str::to_string).collect();
+    assert!(!section.is_empty(), "{manifest} has no [dependencies] section");
+    section
+}
 
+/// The command line and the library users depend on (the `refit` crate)
+/// drive refits only through the orchestrator: `refit run` and `refit
+/// bench` too (`runner::Driver`), the cluster tooling's pattern comes from
+/// `orchestrator::testkit`. Only its tests and the GPU checks (examples)
+/// drive the data plane itself: `transport` is a dev-dependency.
 #[test]
-fn the_command_line_reaches_transport_only_from_the_known_files() {
-    let mut users = users_of(&["src"], "transport");
-    users.sort();
-    let mut known: Vec<String> = CLI_FILES_STILL_ON_TRANSPORT.iter().map(|s| s.to_string()).collect();
-    known.sort();
-    let new: Vec<&String> = users.iter().filter(|u| !known.contains(u)).collect();
-    let gone: Vec<&String> = known.iter().filter(|k| !users.contains(k)).collect();
-    assert!(new.is_empty(), "these command-line files import the transport crate; go through the orchestrator: {new:?}");
-    assert!(gone.is_empty(), "these no longer import transport: take them off CLI_FILES_STILL_ON_TRANSPORT: {gone:?}");
+fn the_command_line_reaches_the_data_plane_only_through_the_orchestrator() {
+    let users = users_of(&["src"], "transport");
+    assert!(users.is_empty(), "these command-line files import the transport crate; go through the orchestrator: {users:?}");
+    let deps = dependencies_section("Cargo.toml");
+    let names_transport = deps.iter().any(|l| l.trim_start().starts_with("transport"));
+    assert!(!names_transport, "the refit crate depends on transport (a dev-dependency at most): {deps:?}");
+    assert!(deps.iter().any(|l| l.trim_start().starts_with("orchestrator")), "the refit crate's dependencies were not read: {deps:?}");
 }
 
 /// The orchestrator's public items that name a `transport` type: only
@@ -129,6 +134,8 @@ fn the_orchestrator_api_names_transport_types_only_where_known() {
         "pub use transport::fabric::Residence;",
         "pub use transport::fabric::NodeTweak;",
         "pub use transport::Faults;",
+        // The verification pattern, behind the orchestrator's `testkit`.
+        "pub use transport::{fill_source_rank_at, verify_destination_rank_from, Mismatch};",
     ];
     let mut found = Vec::new();
     let mut seen = Vec::new();
@@ -324,6 +331,8 @@ const TRANSPORT_PUBLIC_FOR_SIGNATURES: &[(&str, &str)] = &[
     ("Waiting", "TransportError::Timeout"),
     ("DeviceExecError", "cuda::DeviceRun::prepare"),
     ("ScheduleError", "cuda::DeviceExecError::Schedule"),
+    ("RankStats", "fabric::RankEnd::run"),
+    ("WithAbort", "run_threads"),
 ];
 
 /// Every name the data plane exports (its root `pub use` list and the
@@ -364,8 +373,9 @@ fn every_public_item_of_the_data_plane_is_used_outside_it() {
 }
 
 /// The verification pattern is test and tooling machinery (`transport`'s
-/// `testkit` feature): the orchestrator and the Python package, which
-/// users embed, never use it, and build without it.
+/// `testkit` feature, passed on by the orchestrator's): the orchestrator
+/// names it only in its `testkit` module, and it and the Python package,
+/// which users embed, build without it.
 #[test]
 fn production_crates_never_use_the_verification_pattern() {
     let manifest = std::fs::read_to_string(Path::new(ROOT).join("transport/Cargo.toml")).expect("transport/Cargo.toml");
@@ -374,6 +384,14 @@ fn production_crates_never_use_the_verification_pattern() {
         let mut users = Vec::new();
         for p in sources(&Path::new(ROOT).join(krate)) {
             let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            // The orchestrator's `testkit` module, behind its feature.
+            let text = match (text.find("#[cfg(feature = \"testkit\")]\npub mod testkit {"), krate) {
+                (Some(at), "orchestrator/src") => {
+                    let end = text[at..].find("\n}\n").map_or(text.len(), |e| at + e + 3);
+                    format!("{}{}", &text[..at], &text[end..])
+                }
+                _ => text,
+            };
             let code = text.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n");
             if ["pattern::", "fill_source", "verify_destination"].iter().any(|w| code.contains(w)) {
                 users.push(p.strip_prefix(ROOT).unwrap_or(&p).display().to_string());
@@ -382,7 +400,13 @@ fn production_crates_never_use_the_verification_pattern() {
         assert!(users.is_empty(), "{krate} uses the verification pattern: {users:?}");
     }
     let orchestrator = std::fs::read_to_string(Path::new(ROOT).join("orchestrator/Cargo.toml")).expect("orchestrator/Cargo.toml");
-    assert!(!orchestrator.contains("testkit"), "the orchestrator turns transport's testkit on");
+    assert!(orchestrator.contains("testkit = [\"transport/testkit\"]"), "the orchestrator's testkit feature is not transport's");
+    assert!(!orchestrator.contains("default = [\"testkit"), "the orchestrator turns testkit on by default");
+    assert!(
+        !dependencies_section("orchestrator/Cargo.toml").iter().any(|l| l.contains("testkit")),
+        "the orchestrator turns transport's testkit on"
+    );
+    assert!(!dependencies_section("python/Cargo.toml").iter().any(|l| l.contains("testkit")), "the Python package turns testkit on");
 }
 
 /// The top-level modules of `krate/src` and, for each, the others its

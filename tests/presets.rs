@@ -38,11 +38,10 @@
 //! (`model.layers.61`, ~14 B parameters: 671 B without it, 685 B with it).
 
 use refit::presets::{layouts, layouts_with, Model, PresetError, PresetOptions};
-use refit::runner::prepare;
+use refit::runner::{Driver, DriverConfig};
 use reshard::Holding;
 use reshard::{plan_reshard, BufferKey, DType, Layout, Placement, PlanOptions, Storage, Strategy};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use transport::ExecOptions;
 
 /// Tensors placed alike split alike: (TP split kind, shape, placement with
 /// its storage left out) already checked.
@@ -929,9 +928,10 @@ fn slow_deepseek_v3_expert_parallel_refit_verifies() {
         // The baseline once: it is the slower one to run in a debug build.
         let strategies: &[Strategy] = if ep == 32 { &[Strategy::Reshard, Strategy::Baseline] } else { &[Strategy::Reshard] };
         for &strategy in strategies {
-            let mut p = prepare(&src, &dst, strategy, &PlanOptions::default()).unwrap_or_else(|e| panic!("EP{ep} {strategy}: {e}"));
-            p.execute(&ExecOptions::default()).unwrap_or_else(|e| panic!("EP{ep} {strategy}: execute: {e}"));
-            let checked = p.verify(&src, &dst).unwrap_or_else(|e| panic!("EP{ep} {strategy}: verify: {e}"));
+            let config = DriverConfig { strategy, options: PlanOptions::default(), ..DriverConfig::default() };
+            let mut p = Driver::start(&src, &dst, config, |_| {}).unwrap_or_else(|e| panic!("EP{ep} {strategy}: {e}"));
+            p.refit(None).unwrap_or_else(|e| panic!("EP{ep} {strategy}: refit: {e}"));
+            let checked = p.verify(None).unwrap_or_else(|e| panic!("EP{ep} {strategy}: verify: {e}"));
             assert_eq!(checked, held, "EP{ep} {strategy}: every destination element checked");
         }
     }

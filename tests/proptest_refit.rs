@@ -8,7 +8,6 @@
 //! zeros shrinks the layouts too.
 
 use proptest::prelude::*;
-use refit::runner::prepare;
 use reshard::{
     baseline_summary, layout_to_json, parse_layout, plan_baseline, plan_reshard, BufferKey, DType, Layout, LinkModel, MeshDim,
     MeshPlacement, Placement, PlanOptions, RankProgram, Region, ShardSpec, Storage, Strategy as Planner, TensorLayout,
@@ -17,8 +16,8 @@ use reshard::{convert_slice, wire_dtype};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::time::Duration;
+use transport::{fill_sources, run_local, verify_destinations, ExecOptions, RankMemory};
 use transport::{pattern_value, tensor_seed};
-use transport::{ExecOptions, RankMemory};
 
 // ---------------------------------------------------------------------------
 // Generation
@@ -621,19 +620,28 @@ fn ref_verify(src: &Layout, dst: &Layout, programs: &[RankProgram], memory: &[Ra
 // Properties
 // ---------------------------------------------------------------------------
 
-/// prepare -> execute -> verify with both strategies: bit-exact, and every
-/// destination element checked (by the library and by the reference).
+/// plan -> execute (the executor, every rank a thread) -> verify with both
+/// strategies: bit-exact, and every destination element checked (by the
+/// library and by the reference).
 fn check_execution(c: &Case) -> Result<(), TestCaseError> {
     let expected = dst_elements(&c.dst);
     let n_src = c.src.ranks() as usize;
     for strategy in [Planner::Reshard, Planner::Baseline] {
-        let mut p = prepare(&c.src, &c.dst, strategy, &c.options).map_err(|e| TestCaseError::fail(format!("{strategy}: prepare: {e}")))?;
-        ref_fill(&c.src, &p.programs[..n_src], &mut p.memory[..n_src]);
-        p.execute(&ExecOptions { deadline: Duration::from_secs(60) })
+        let planned = match strategy {
+            Planner::Reshard => plan_reshard(&c.src, &c.dst, &c.options),
+            Planner::Baseline => plan_baseline(&c.src, &c.dst, &c.options),
+        };
+        let plan = planned.map_err(|e| TestCaseError::fail(format!("{strategy}: plan: {e}")))?;
+        let programs = plan.programs(&c.src, &c.dst).map_err(|e| TestCaseError::fail(format!("{strategy}: programs: {e}")))?;
+        let mut memory = RankMemory::for_programs(&programs);
+        fill_sources(&c.src, &mut memory[..n_src]);
+        ref_fill(&c.src, &programs[..n_src], &mut memory[..n_src]);
+        run_local(&programs, &mut memory, &ExecOptions { deadline: Duration::from_secs(60) })
             .map_err(|e| TestCaseError::fail(format!("{strategy}: execute: {e}")))?;
-        let checked = p.verify(&c.src, &c.dst).map_err(|e| TestCaseError::fail(format!("{strategy}: verify: {e}")))?;
+        let checked =
+            verify_destinations(&c.src, &c.dst, &memory[n_src..]).map_err(|e| TestCaseError::fail(format!("{strategy}: verify: {e}")))?;
         prop_assert_eq!(checked, expected, "{}: verified element count", strategy);
-        ref_verify(&c.src, &c.dst, &p.programs[n_src..], &p.memory[n_src..])
+        ref_verify(&c.src, &c.dst, &programs[n_src..], &memory[n_src..])
             .map_err(|e| TestCaseError::fail(format!("{strategy}: reference check: {e}")))?;
     }
     Ok(())

@@ -55,6 +55,34 @@ pub use transport::fabric::NodeTweak;
 pub use transport::Faults;
 pub use transport::DEFAULT_DEADLINE;
 
+/// The verification pattern, for tools and tests (feature `testkit`):
+/// fill a source rank's weights with the pattern of a version, check what
+/// a destination rank holds against it.
+#[cfg(feature = "testkit")]
+pub mod testkit {
+    pub use transport::{fill_source_rank_at, verify_destination_rank_from, Mismatch};
+}
+
+/// Whether `members` members of this process can open `fabric` (the CUDA
+/// fabrics need the `cuda` feature, CUDA and NCCL at run time, and a GPU
+/// per member); the reason in words if not.
+pub fn fabric_available(fabric: &Fabric, members: u32) -> Result<(), String> {
+    use transport::{gpu_plane_available, GpuPlane};
+    match fabric {
+        Fabric::Nccl(NcclFabric { plane: CommPlane::Cuda, .. }) => gpu_plane_available(GpuPlane::Nccl, members),
+        Fabric::Ipc(IpcFabric { plane: CommPlane::Cuda, .. }) => gpu_plane_available(GpuPlane::Device, members),
+        _ => Ok(()),
+    }
+}
+
+/// Removes the shared-memory files of node-fabric links whose creator
+/// was killed (a worker restarted on this host), from `dir` (`None`:
+/// `/dev/shm`). Launchers and workers call it as they start.
+pub fn remove_stale_shared_memory(dir: Option<&std::path::Path>) {
+    let default = transport::ShmConfig::default().dir;
+    transport::remove_stale_regions(dir.unwrap_or(&default));
+}
+
 use actors::{spawn, spawn_group, spawn_rank, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};
 use reshard::{Endpoint, Group, Layout, Rank, Strategy};
 

@@ -236,7 +236,7 @@ impl Cluster {
     /// orchestrator over their members.
     pub fn start(config: ClusterConfig, src: Layout, dst: Layout, listening: impl FnOnce(SocketAddr)) -> Result<Cluster, ClusterError> {
         // Regions left by workers killed before their peers mapped them.
-        transport::remove_stale_regions(&transport::ShmConfig::default().dir);
+        orchestrator::remove_stale_shared_memory(None);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_keep_alive(IDLE_THREAD)
@@ -589,7 +589,7 @@ impl Cluster {
             drop(c);
             // Workers killed during the run (chaos, a crash) may have left
             // regions their peers never mapped.
-            transport::remove_stale_regions(&transport::ShmConfig::default().dir);
+            orchestrator::remove_stale_shared_memory(None);
         }
         drop(rendezvous);
         drop(net);

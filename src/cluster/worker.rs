@@ -12,6 +12,7 @@
 //! [`Member`]: orchestrator::Member
 
 use actors::{async_trait, spawn, Actor, ActorError, Context, SpawnConfig};
+use orchestrator::testkit::{fill_source_rank_at, verify_destination_rank_from};
 use orchestrator::{join, DstStore, JoinConfig, Joined, Role, SrcStore};
 use reshard::{DType, Endpoint, Group, Layout};
 use serde::{Deserialize, Serialize};
@@ -19,7 +20,6 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use transport::{fill_source_rank_at, verify_destination_rank_from};
 
 /// Faults a worker injects into one rank's data plane for its next refit
 /// (chaos testing; through the member's [`orchestrator::FabricTweak`]).
@@ -177,10 +177,11 @@ impl Actor for PatternRank {
                 let (dst, dtypes, rank) = (Arc::clone(&self.layout), Arc::clone(&self.source_dtypes), self.rank);
                 let version = snap.version;
                 let from = move |name: &str| dtypes.get(name).copied();
-                let r =
-                    tokio::task::spawn_blocking(move || verify_destination_rank_from(&dst, rank, version, &from, snap.buffers.memory()))
-                        .await
-                        .map_err(|e| ActorError::failed(format!("check task: {e}")))?;
+                let r = tokio::task::spawn_blocking(move || {
+                    verify_destination_rank_from(&dst, rank, version, &from, &|_| true, snap.buffers.memory())
+                })
+                .await
+                .map_err(|e| ActorError::failed(format!("check task: {e}")))?;
                 Ok(match r {
                     Ok(elements) => PatternReply::Checked { version, elements, mismatch: None },
                     Err(m) => PatternReply::Checked { version, elements: 0, mismatch: Some(m.to_string()) },
@@ -240,7 +241,7 @@ async fn serve(
 pub fn run_worker(config: WorkerConfig, layouts: WorkerLayouts) -> Result<(), String> {
     let ranks = config.hosted.endpoints(&layouts.layout)?;
     // Regions that workers killed earlier on this host left behind.
-    transport::remove_stale_regions(config.shm_dir.as_deref().unwrap_or(&transport::ShmConfig::default().dir));
+    orchestrator::remove_stale_shared_memory(config.shm_dir.as_deref());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_keep_alive(super::IDLE_THREAD)

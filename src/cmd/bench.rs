@@ -130,7 +130,7 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
         if a.transport != BenchTransport::Local || !(0.0..=1.0).contains(&fraction) {
             return Err(invalid("--delta-fraction takes a fraction from 0 to 1 and runs in process (--transport local)".into()));
         }
-        let b = refit::bench::delta_bench(&s, &d, rplan, fraction, a.reps, |p| progress.phase(p.to_string()))
+        let b = refit::bench::delta_bench(&s, &d, &opts, fraction, a.reps, |p| progress.phase(p.to_string()))
             .map_err(|e| fail(e.to_string()))?;
         drop(progress);
         let share = b.delta_bytes as f64 / b.dense_bytes.max(1) as f64;
@@ -276,7 +276,7 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
         }
         return Ok(());
     }
-    let b = exec_bench(&s, &d, (rplan, bplan), a.reps, a.transport, |p| progress.phase(p.to_string())).map_err(|e| fail(e.to_string()))?;
+    let b = exec_bench(&s, &d, &opts, a.reps, a.transport, |p| progress.phase(p.to_string())).map_err(|e| fail(e.to_string()))?;
     drop(progress);
     let (reference, copies) = match a.transport {
         BenchTransport::Local => ("memcpy", "threads"),

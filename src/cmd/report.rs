@@ -352,6 +352,7 @@ impl ClusterArgs {
                 checksum: self.checksum,
                 emulation: self.emulation(),
                 connect_timeout: deadline.min(Duration::from_secs(60)),
+                ..orchestrator::NodeFabric::default()
             },
             strategy: Strategy::Reshard,
             keep_data_plane: !self.fresh_data_plane,

@@ -4,31 +4,10 @@ use super::report::{
     bytes_json, duration, human, invalid, load, options, pair_summary, plural, rate, say, Failure, Progress, BYTES_LEGEND,
 };
 use crate::Pair;
-use refit::runner::prepare_with;
+use refit::runner::{DataPlane, Driver, DriverConfig};
 use reshard::Strategy;
 use serde_json::json;
 use std::time::Duration;
-use transport::{ExecOptions, GpuPlane};
-
-#[cfg(feature = "cuda")]
-fn execute_gpu(
-    plane: GpuPlane,
-    prepared: &mut refit::runner::Prepared,
-    deadline: Duration,
-) -> Result<transport::ExecReport, refit::runner::RunError> {
-    match plane {
-        GpuPlane::Device => prepared.execute_cuda(),
-        GpuPlane::Nccl => prepared.execute_nccl(deadline),
-        // gpu_plane_available() refuses it: the ranks are threads of this process.
-        GpuPlane::Ipc => Err(refit::runner::RunError::Gpu("CUDA IPC joins ranks of different processes".into())),
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn execute_gpu(_: GpuPlane, _: &mut refit::runner::Prepared, _: Duration) -> Result<transport::ExecReport, refit::runner::RunError> {
-    // gpu_plane_available() already refused: this build has no GPU data plane.
-    Err(refit::runner::RunError::Gpu("built without the cuda feature".into()))
-}
 
 /// Arguments of `refit run`.
 pub(crate) struct RunArgs<'a> {
@@ -46,51 +25,79 @@ pub(crate) struct RunArgs<'a> {
 
 pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let transport = a.transport;
-    let gpu = match transport {
-        "local" | "tcp" => None,
-        "cuda" => Some(GpuPlane::Device),
-        "nccl" => Some(GpuPlane::Nccl),
-        "ipc" => Some(GpuPlane::Ipc),
-        other => return Err(invalid(format!("--transport {other}: unknown transport (available: local, tcp, cuda, nccl, ipc)"))),
+    let plane = match transport {
+        "local" => DataPlane::Local,
+        "tcp" => DataPlane::Tcp,
+        "nccl" => DataPlane::Nccl,
+        "ipc" => {
+            return Err(invalid(
+                "IPC transport unavailable: CUDA IPC joins ranks of different processes, and `refit run` runs every rank in this one \
+                 (`refit launch` runs members in processes; scripts/gpu-check.sh checks IPC between two)"
+                    .into(),
+            ))
+        }
+        "cuda" => {
+            return Err(invalid(
+                "CUDA transport unavailable: every rank on one GPU is not a data plane members open; \
+                 scripts/gpu-check.sh --only throughput measures that executor"
+                    .into(),
+            ))
+        }
+        other => return Err(invalid(format!("--transport {other}: unknown transport (available: local, tcp, nccl)"))),
     };
     let pair = a.pair;
     let (src, dst) = (load(&pair.src)?, load(&pair.dst)?);
-    if let Some(plane) = gpu {
-        transport::gpu_plane_available(plane, src.ranks() + dst.ranks())
-            .map_err(|e| invalid(format!("{} transport unavailable: {e}", plane.name().to_uppercase())))?;
+    let fabric_check = match plane {
+        DataPlane::Nccl => Some(orchestrator::Fabric::Nccl(orchestrator::NcclFabric::new(orchestrator::CommPlane::Cuda))),
+        _ => None,
+    };
+    if let Some(fabric) = fabric_check {
+        orchestrator::fabric_available(&fabric, src.ranks() + dst.ranks())
+            .map_err(|e| invalid(format!("{} transport unavailable: {e}", transport.to_uppercase())))?;
     }
-    let mut opts = options(pair)?;
-    if !a.only.is_empty() {
-        opts.only = Some(reshard::TensorSubset::new(a.only.iter().cloned()));
+    let opts = options(pair)?;
+    let only = (!a.only.is_empty()).then(|| reshard::TensorSubset::new(a.only.iter().cloned()));
+    if let Some(subset) = &only {
+        // Refused now, before anything starts: names not in the layout.
+        subset.mask(&dst).map_err(|e| invalid(format!("--only: {e}")))?;
     }
     let strategy = if a.baseline { Strategy::Baseline } else { Strategy::Reshard };
     let progress = Progress::spinner(a.json);
-    let mut prepared = prepare_with(&src, &dst, strategy, &opts, |p| progress.phase(p.to_string()))
+    let config = DriverConfig { plane, strategy, options: opts, deadline: Duration::from_secs(a.deadline_s), delta: false };
+    let fail = |e: refit::runner::RunError| Failure { line: e.to_string(), code: 1 };
+    let mut driver = Driver::start(&src, &dst, config, |p| progress.phase(p.to_string()))
         .map_err(|e| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display())))?;
-    let f = prepared.plan.figures().clone();
-    progress.phase(format!("moving {} over the {transport} transport", human(f.total_bytes)));
-    let exec = ExecOptions { deadline: Duration::from_secs(a.deadline_s) };
-    // Each data plane checks that it moved the plan's bytes moved
-    // (`RunError::Accounting`), so the figures below are the plan's.
-    let report = match (gpu, transport) {
-        (Some(plane), _) => execute_gpu(plane, &mut prepared, exec.deadline),
-        (None, "tcp") => prepared.execute_tcp(&exec),
-        _ => prepared.execute(&exec),
+    // A subset refit keeps every other tensor from the version each
+    // destination serves: a full refit of the version before comes first.
+    let base = match &only {
+        Some(_) => {
+            progress.phase("a full refit first: the version a subset refit builds on");
+            driver.refit(None).map_err(fail)?;
+            Some(driver.version())
+        }
+        None => None,
+    };
+    if only.is_some() {
+        driver.step().map_err(fail)?;
     }
-    .map_err(|e| Failure { line: e.to_string(), code: 1 })?;
+    progress.phase(format!("moving {} over the {transport} transport", human(driver.figures().total_bytes)));
+    // The driver checks that the members moved the plan's bytes moved
+    // (`RunError::Accounting`), so the figures below are the plan's.
+    let report = driver.refit(only.as_ref()).map_err(fail)?;
+    let f = report.figures.clone();
     let verified = if a.verify {
         progress.phase("verifying every destination element");
-        Some(prepared.verify(&src, &dst).map_err(|e| Failure { line: e.to_string(), code: 1 })?)
+        let subset = only.as_ref().zip(base);
+        Some(driver.verify(subset).map_err(fail)?)
     } else {
         None
     };
     let dumped = match a.dump_dst {
         Some(dir) => {
             progress.phase(format!("writing every destination rank's buffers to {}", dir.display()));
-            Some(
-                refit::dump::dump_destinations(dir, &dst, prepared.dst_memory())
-                    .map_err(|e| Failure { line: format!("--dump-dst: {e}"), code: 1 })?,
-            )
+            let served = driver.served().map_err(fail)?;
+            let memory: Vec<&[Vec<u8>]> = served.iter().map(|s| s.buffers.memory().buffers.as_slice()).collect();
+            Some(refit::dump::dump_destinations(dir, &dst, &memory).map_err(|e| Failure { line: format!("--dump-dst: {e}"), code: 1 })?)
         }
         None => None,
     };
@@ -108,8 +115,8 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             m.extend([
                 ("messages".to_string(), json!(f.messages)),
                 ("rounds".to_string(), json!(f.rounds)),
-                ("transfer_s".to_string(), json!(report.elapsed.as_secs_f64())),
-                ("plan_s".to_string(), json!(prepared.plan_time.as_secs_f64())),
+                ("transfer_s".to_string(), json!(report.transfer_time.as_secs_f64())),
+                ("plan_s".to_string(), json!(driver.plan_time().as_secs_f64())),
                 ("verified_elements".to_string(), json!(verified)),
                 ("dumped_bytes".to_string(), json!(dumped)),
             ]);
@@ -122,8 +129,8 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     say!("{:<16}{}", "  from sources", human(f.src_egress_bytes));
     say!("{:<16}{}", "  relayed", human(f.relayed_bytes()));
     say!("{:<16}{} in {}", "messages", f.messages, plural(f.rounds, "round"));
-    say!("{:<16}{} ({})", "transfer", duration(report.elapsed), rate(f.total_bytes, report.elapsed));
-    say!("{:<16}{} (the plan and every rank's program, in this process)", "planned in", duration(prepared.plan_time));
+    say!("{:<16}{} ({})", "transfer", duration(report.transfer_time), rate(f.total_bytes, report.transfer_time));
+    say!("{:<16}{} (the plan, every rank's program installed on its member)", "planned in", duration(driver.plan_time()));
     say!("{BYTES_LEGEND}");
     if let Some(n) = verified {
         say!("verify: all {n} destination elements match");

@@ -17,9 +17,8 @@ mod shards;
 mod tensor_fields;
 mod top_level;
 
-use refit::runner::prepare;
+use refit::runner::{Driver, DriverConfig};
 use reshard::{parse_layout, plan_baseline, plan_reshard, Layout, PlanOptions, Strategy};
-use transport::ExecOptions;
 
 /// A one-tensor layout on 4 ranks.
 fn one(tensor: &str) -> String {
@@ -117,14 +116,15 @@ fn accept_failure(src: &str, dst: &str) -> Option<String> {
         (Err(e), _) | (_, Err(e)) => return Some(e),
     };
     for strategy in [Strategy::Reshard, Strategy::Baseline] {
-        let mut p = match prepare(&s, &d, strategy, &PlanOptions::default()) {
+        let config = DriverConfig { strategy, options: PlanOptions::default(), ..DriverConfig::default() };
+        let mut p = match Driver::start(&s, &d, config, |_| {}) {
             Ok(p) => p,
             Err(e) => return Some(format!("{strategy}: {e}")),
         };
-        if let Err(e) = p.execute(&ExecOptions::default()) {
-            return Some(format!("{strategy}: execute: {e}"));
+        if let Err(e) = p.refit(None) {
+            return Some(format!("{strategy}: refit: {e}"));
         }
-        if let Err(e) = p.verify(&s, &d) {
+        if let Err(e) = p.verify(None) {
             return Some(format!("{strategy}: verify: {e}"));
         }
     }

@@ -66,14 +66,11 @@ pub fn gpu_plane_available(plane: GpuPlane, ranks: u32) -> Result<(), String> {
                 probe_nccl()?;
                 let n = device_count()?;
                 if (n as u64) < ranks as u64 {
-                    return Err(format!(
-                        "{ranks} ranks need {ranks} GPUs (NCCL puts one rank on a GPU), this process sees {n};                          --transport cuda runs every rank on one GPU"
-                    ));
+                    return Err(format!("{ranks} ranks need {ranks} GPUs (NCCL puts one rank on a GPU), this process sees {n}"));
                 }
                 Ok(())
             }
-            GpuPlane::Ipc => Err("CUDA IPC joins ranks of different processes, and `refit run` runs every rank in this one;                                   --transport cuda runs every rank on one GPU (scripts/gpu-check.sh checks IPC between two processes)"
-                .to_string()),
+            GpuPlane::Ipc => Err("CUDA IPC joins ranks of different processes, not ranks of this one".to_string()),
         }
     }
 }

@@ -42,8 +42,8 @@ pub(crate) use bypass::Bypass;
 pub use copy::{packed_strides, StridedRef};
 pub use delta::{DeltaMemo, DeltaRun};
 pub use exec::{
-    quantize_rank, run_local, run_local_delta, run_rank, run_tcp, run_threads, run_threads_delta, ExecError, ExecOptions,
-    ExecReport, RankStats, WithAbort, DEFAULT_DEADLINE,
+    quantize_rank, run_local, run_local_delta, run_rank, run_tcp, run_threads, run_threads_delta, ExecError, ExecOptions, ExecReport,
+    RankStats, WithAbort, DEFAULT_DEADLINE,
 };
 pub use faults::Faults;
 // The fabric's runs; outside, runs go through it.
@@ -57,7 +57,7 @@ pub use node::{node_fabric, node_fabric_with_faults, run_node, NodeTransport, No
 #[cfg(any(test, feature = "testkit"))]
 pub use pattern::{
     fill_source_rank, fill_source_rank_at, fill_sources, pattern_value, tensor_seed, verify_destination_rank, verify_destination_rank_from,
-    verify_destination_tensors, verify_destinations, Mismatch,
+    verify_destinations, Mismatch,
 };
 pub use shm::{remove_stale_regions, ShmConfig};
 pub use sockopt::Congestion;

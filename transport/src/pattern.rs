@@ -161,17 +161,6 @@ pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) ->
     verify_impl(src, dst, None, 0, &|r| memory.get(r as usize), &|_| true)
 }
 
-/// [`verify_destinations`] for the destination tensors `tensor(index)`
-/// says to check (those a subset refit moved).
-pub fn verify_destination_tensors(
-    src: &Layout,
-    dst: &Layout,
-    memory: &[RankMemory],
-    tensor: &dyn Fn(u32) -> bool,
-) -> Result<u64, Box<Mismatch>> {
-    verify_impl(src, dst, None, 0, &|r| memory.get(r as usize), tensor)
-}
-
 /// Checks the elements of destination rank `rank` only; `memory` is its.
 pub fn verify_destination_rank(src: &Layout, dst: &Layout, rank: u32, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
     verify_impl(src, dst, Some(rank), 0, &|r| (r == rank).then_some(memory), &|_| true)
@@ -184,18 +173,20 @@ fn verify_destination_rank_at(src: &Layout, dst: &Layout, rank: u32, version: u6
     verify_impl(src, dst, Some(rank), version, &|r| (r == rank).then_some(memory), &|_| true)
 }
 
-/// Checks the elements of destination rank `rank` against the pattern of
-/// weights version `version`, knowing of the source layout only the dtype
-/// of each tensor (`source_dtype(name)`; `None`: the destination's own):
-/// what a process holding only its own group's layout can do.
+/// Checks the elements of destination rank `rank` of the tensors
+/// `tensor(index)` names against the pattern of weights version
+/// `version`, knowing of the source layout only the dtype of each tensor
+/// (`source_dtype(name)`; `None`: the destination's own): what a process
+/// holding only its own group's layout can do.
 pub fn verify_destination_rank_from(
     dst: &Layout,
     rank: u32,
     version: u64,
     source_dtype: &dyn Fn(&str) -> Option<DType>,
+    tensor: &dyn Fn(u32) -> bool,
     memory: &RankMemory,
 ) -> Result<u64, Box<Mismatch>> {
-    verify_ranks(source_dtype, dst, Some(rank), version, &|r| (r == rank).then_some(memory), &|_| true)
+    verify_ranks(source_dtype, dst, Some(rank), version, &|r| (r == rank).then_some(memory), tensor)
 }
 
 fn verify_impl<'m>(

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 impl Orchestrator {
     /// Prepare, connect and run on every member: the first phase. Returns
-    /// the bytes the members sent, as they counted them.
+    /// the bytes and messages the members sent, as they counted them.
     pub(super) async fn transfer(
         &self,
         refit: u64,
@@ -20,7 +20,7 @@ impl Orchestrator {
         fingerprint: Fingerprint,
         resumed: bool,
         connect_time: &mut Duration,
-    ) -> Result<u64, OrchestratorError> {
+    ) -> Result<(u64, u64), OrchestratorError> {
         let t = Instant::now();
         let control = self.config.control_timeout;
         if !resumed {
@@ -41,14 +41,15 @@ impl Orchestrator {
             return Err(refused(member, r.clone()));
         }
         no_refusal(&ran)?;
-        let mut sent = 0;
+        let (mut sent, mut messages) = (0, 0);
         for (member, reply) in ran {
             let MemberReply::Ran(stats) = reply else {
                 return Err(OrchestratorError::Protocol { member, request: "Run", reply: format!("{reply:?}") });
             };
             sent += stats.sent_bytes;
+            messages += stats.messages;
         }
-        Ok(sent)
+        Ok((sent, messages))
     }
 
     /// Whether members keep their node-fabric connections after a refit.

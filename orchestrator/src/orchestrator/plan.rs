@@ -7,8 +7,8 @@ use super::members::{describe, Status};
 use super::{Orchestrator, OrchestratorError, PlanReport};
 use crate::protocol::{MemberMsg, MemberReply};
 use reshard::{
-    plan_baseline, plan_reshard, Endpoint, Fingerprint, Group, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram, Strategy,
-    TensorSubset,
+    plan_baseline, plan_reshard, Endpoint, Figures, Fingerprint, Group, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram,
+    Strategy, TensorSubset,
 };
 use std::sync::Arc;
 
@@ -20,7 +20,8 @@ pub(super) struct CachedPlan {
     /// Layout fingerprints every member of each group reported.
     pub(super) layout_fingerprints: (u64, u64),
     pub(super) fingerprint: Fingerprint,
-    pub(super) bytes: u64,
+    /// The plan's figures.
+    pub(super) figures: Figures,
 }
 
 /// Programs derived ahead of, or being sent to, members while installing.
@@ -87,7 +88,7 @@ impl Orchestrator {
             Ok(r) => Arc::new(r?),
             Err(e) => return Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("planning task: {e}") }),
         };
-        let (fingerprint, bytes) = (plan.fingerprint(), plan.figures().total_bytes);
+        let (fingerprint, figures) = (plan.fingerprint(), plan.figures().clone());
         self.plans_made += 1;
         // Plans of the other strategy were made for these layouts too, or
         // are gone.
@@ -98,7 +99,7 @@ impl Orchestrator {
         }
         let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..status.installed.len()).collect() };
         self.install(plan, src, dst, which).await?;
-        self.cache.insert(key, CachedPlan { layout_fingerprints: current, fingerprint, bytes });
+        self.cache.insert(key, CachedPlan { layout_fingerprints: current, fingerprint, figures });
         Ok(true)
     }
 
@@ -175,7 +176,13 @@ impl Orchestrator {
     pub(super) async fn plan(&mut self) -> Result<PlanReport, OrchestratorError> {
         let status = self.status().await?;
         let replanned = self.ensure_plan(&status, &None).await?;
-        let &CachedPlan { fingerprint, bytes, .. } = self.cached(&None)?;
-        Ok(PlanReport { mode: self.config.mode, fingerprint, replanned, bytes })
+        let CachedPlan { fingerprint, figures, .. } = self.cached(&None)?;
+        Ok(PlanReport {
+            mode: self.config.mode,
+            fingerprint: *fingerprint,
+            replanned,
+            bytes: figures.total_bytes,
+            figures: figures.clone(),
+        })
     }
 }

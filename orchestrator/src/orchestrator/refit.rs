@@ -4,10 +4,9 @@
 
 use super::error::refused;
 use super::members::{call_both, no_refusal, Status};
-use super::plan::CachedPlan;
 use super::{Orchestrator, OrchestratorError, RefitReport, RefitStep, RefitTarget};
 use crate::protocol::{Fabric, MemberMsg, Refusal, Weights, INSTALLED_PLANS};
-use reshard::{Group, TensorSubset};
+use reshard::{Figures, Group, TensorSubset};
 use std::time::{Duration, Instant};
 use transport::fabric::{close_in_process, open_in_process};
 
@@ -89,6 +88,8 @@ impl Orchestrator {
                 transfer_time: Duration::ZERO,
                 commit_time: Duration::ZERO,
                 bytes: 0,
+                messages: 0,
+                figures: Figures::default(),
             });
         }
         // Refused here, before anything is planned or moved; `Run` checks
@@ -112,7 +113,8 @@ impl Orchestrator {
         }
         let replanned = self.ensure_plan(&status, only).await?;
         let plan_time = start.elapsed();
-        let &CachedPlan { fingerprint, bytes, .. } = self.cached(only)?;
+        let (fingerprint, figures) = self.cached(only).map(|c| (c.fingerprint, c.figures.clone()))?;
+        let bytes = figures.total_bytes;
         let refit = self.refits;
         let t = Instant::now();
         // The kept connections of this plan, or a fresh data-plane epoch.
@@ -143,8 +145,8 @@ impl Orchestrator {
         let moved = self.transfer(refit, &session, version, fingerprint, resumed, &mut connect_time).await;
         close_in_process(&session);
         let transfer_time = t.elapsed().saturating_sub(connect_time);
-        let sent = match moved {
-            Ok(sent) => sent,
+        let (sent, messages) = match moved {
+            Ok(moved) => moved,
             Err(e) => {
                 self.kept.clear();
                 self.delta_base.clear();
@@ -200,6 +202,8 @@ impl Orchestrator {
             transfer_time,
             commit_time: t.elapsed(),
             bytes: sent,
+            messages,
+            figures,
         })
     }
 }

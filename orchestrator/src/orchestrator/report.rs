@@ -2,7 +2,7 @@
 //! a plan's ([`PlanReport`]), and the refit in progress, step by step
 //! ([`RefitPhase`], [`RefitStep`]).
 
-use reshard::{Fingerprint, Strategy};
+use reshard::{Figures, Fingerprint, Strategy};
 use std::time::Duration;
 
 /// What one refit did.
@@ -45,6 +45,12 @@ pub struct RefitReport {
     ///
     /// [`Figures::total_bytes`]: reshard::Figures::total_bytes
     pub bytes: u64,
+    /// Messages between two ranks, as the members counted them while
+    /// sending: the plan's [`Figures::messages`].
+    pub messages: u64,
+    /// The figures of the plan that ran (planned, not measured; default
+    /// when nothing ran).
+    pub figures: Figures,
 }
 
 /// What [`OrchestratorMsg::Plan`](super::OrchestratorMsg::Plan) found or made.
@@ -59,6 +65,8 @@ pub struct PlanReport {
     pub replanned: bool,
     /// Bytes every refit with this plan moves (as [`RefitReport::bytes`]).
     pub bytes: u64,
+    /// The plan's figures.
+    pub figures: Figures,
 }
 
 /// Where the refit in progress is, as the orchestrator publishes it

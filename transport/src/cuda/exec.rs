@@ -620,12 +620,6 @@ pub(crate) fn convert_on_host(
     Ok(calls)
 }
 
-/// Prepares and runs all programs once on `dev` (call by call: a graph
-/// pays off only over runs that replay it).
-pub fn run_device(dev: &GpuDevice, programs: &[RankProgram], memory: &mut [DeviceMemory]) -> Result<DeviceReport, DeviceExecError> {
-    DeviceRun::prepare_with(dev, programs, memory, DeviceRunOptions { graph: false, ..DeviceRunOptions::default() })?.execute()
-}
-
 /// Device time of one plain device-to-device copy of `bytes` bytes
 /// (`cuMemcpyDtoDAsync`, best of `reps` after a warm-up): the yardstick for
 /// reshard throughput on the same device.

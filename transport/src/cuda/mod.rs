@@ -48,12 +48,12 @@ pub use sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, S
 #[cfg(feature = "cuda")]
 pub use device::{device_count, device_uuid, driver_version, nccl_version_text, probe_nccl, DeviceMemory, GpuDevice};
 #[cfg(feature = "cuda")]
-pub use exec::{run_device, time_plain_copy, DeviceExecError, DeviceReport, DeviceRun, DeviceRunOptions};
+pub use exec::{time_plain_copy, DeviceExecError, DeviceReport, DeviceRun, DeviceRunOptions};
 #[cfg(feature = "cuda")]
 pub use ipc_comm::gpu::GpuIpc;
 #[cfg(feature = "cuda")]
 pub use kernels::nvrtc_version;
 #[cfg(feature = "cuda")]
-pub use nccl::{create_comms, host_fallbacks, leaked_staging_bytes, run_rank_nccl};
+pub use nccl::{create_comms, host_fallbacks, leaked_staging_bytes};
 #[cfg(feature = "cuda")]
 pub(crate) use nccl::{DevicePlaneMemory, NcclBackend};

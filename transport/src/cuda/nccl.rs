@@ -9,8 +9,8 @@
 //! goes through cudarc's `result`/`sys` layers, because cudarc's safe
 //! `Comm` creates blocking communicators and panics in `Drop` if abort fails.
 //!
-//! [`run_rank_nccl`] runs one rank's program with its buffers on the device:
-//! the communicator executor ([`plane`](crate::cuda::plane)) on a
+//! A rank's program with its buffers on the device runs through the fabric
+//! ([`crate::fabric`]): the communicator executor ([`plane`](crate::cuda::plane)) on a
 //! [`DevicePlaneMemory`] (device staging, copies and cast kernels on the device's
 //! stream, an event ordering each group after the packing).
 
@@ -22,16 +22,14 @@ use crate::cuda::device::{
 };
 use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops, SameType};
 use crate::cuda::id::CommId;
-use crate::cuda::plane::{run_rank_comm, staging_span, CommExecError, PlaneMemory, Side, Staging};
+use crate::cuda::plane::{staging_span, PlaneMemory, Side, Staging};
 use crate::cuda::schedule::{Place, Step};
-use crate::cursor::RankStats;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result, sys};
 use reshard::{Block, DType, Endpoint, RankProgram};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// `NCCL_API_MAGIC`: marks an initialised `ncclConfig_t`.
 const CONFIG_MAGIC: u32 = 0xcafe_beef;
@@ -556,26 +554,10 @@ pub fn leaked_staging_bytes() -> u64 {
     LEAKED_STAGING.load(Ordering::SeqCst)
 }
 
-/// Runs one rank's program with its buffers in device memory over an NCCL
-/// communicator ([`run_rank_comm`] on a [`DevicePlaneMemory`]). The communicator
-/// must be on the same device as `memory`.
-pub fn run_rank_nccl(
-    dev: &GpuDevice,
-    program: &RankProgram,
-    memory: &mut DeviceMemory,
-    comm: &mut CommHandle,
-    rank_of: &dyn Fn(Endpoint) -> Option<u32>,
-    deadline: Instant,
-    delta: Option<&mut crate::delta::DeltaRun>,
-) -> Result<RankStats, CommExecError> {
-    dev.bind().map_err(|e| CommExecError::Memory { me: program.endpoint, what: "binding the device", error: e.to_string() })?;
-    run_rank_comm(&mut DevicePlaneMemory::new(dev, memory), program, comm, rank_of, deadline, delta)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     #[test]
     fn without_nccl_creation_fails_cleanly() {

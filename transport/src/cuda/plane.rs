@@ -14,7 +14,7 @@
 //! last round the memory finishes its queued work and quantizes
 //! block-scaled destinations.
 //!
-//! The same loop runs on a GPU (`nccl::run_rank_nccl`) and, with
+//! The same loop runs on a GPU (on a `DevicePlaneMemory`) and, with
 //! [`sim::SimMemory`](crate::cuda::sim::SimMemory) and the simulated
 //! communicator, on any machine: what the orchestrator does with
 //! communicators is tested without a GPU.

@@ -83,9 +83,11 @@ impl Endpointed {
             let addr: SocketAddr = p.addr.parse().map_err(|err| format!("{e}: bad data address '{}': {err}", p.addr))?;
             peers.push((e, addr));
         }
+        // Without shared memory every rank is a node of its own.
+        let shared_memory = settings.shared_memory;
         let node_of = |e: Endpoint| -> (Group, u32) {
             let node = if e == me { mine } else { by_endpoint.get(&e).map_or(u32::MAX, |p| p.node) };
-            (e.group, node)
+            (e.group, if shared_memory { node } else { e.rank })
         };
         // A pair's lend area is reserved as soon as it talks: size it to the
         // largest message this rank sends inside its node (bigger ones

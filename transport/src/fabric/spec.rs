@@ -92,11 +92,14 @@ pub struct NodeFabric {
     pub emulation: EgressCaps,
     /// Time every member has to connect to its peers.
     pub connect_timeout: Duration,
+    /// Ranks of one node talk through shared memory (off: TCP between
+    /// every pair, as if every rank were a node of its own).
+    pub shared_memory: bool,
 }
 
 impl Default for NodeFabric {
     fn default() -> Self {
-        NodeFabric { checksum: false, emulation: EgressCaps::default(), connect_timeout: Duration::from_secs(30) }
+        NodeFabric { checksum: false, emulation: EgressCaps::default(), connect_timeout: Duration::from_secs(30), shared_memory: true }
     }
 }
 
