@@ -1,13 +1,19 @@
 //! The data plane of refit: runs the per-rank programs of a
-//! [`reshard::Plan`] (pack, transfer, unpack) over a [`Transport`].
+//! [`reshard::Plan`] (pack, transfer, unpack).
 //!
-//! The in-process transport ([`run_local`]) runs every rank as a thread of
-//! one process with buffers in host memory; receivers copy straight out of
+//! A rank's end of a refit's data plane is one type behind one interface,
+//! [`fabric::RankEnd`]: opened from a [`fabric::Fabric`] (in process, the
+//! node fabric, NCCL, CUDA IPC, or their simulated planes), connected to
+//! the peers of its program, run on the rank's memory. Every fabric runs a
+//! program with the one interpreter (the cursor). The host fabrics
+//! implement [`Transport`]: in process, receivers copy straight out of
 //! senders' buffers, so each byte is copied once (twice when the sender
-//! narrows its dtype). Other transports implement the same trait: TCP
-//! ([`run_tcp`]) and the node transport ([`run_node`]: shared memory
-//! between ranks of one node, TCP between nodes), with optional link
-//! emulation, checksums and fault injection.
+//! narrows its dtype); the node transport puts shared memory between ranks
+//! of one node and TCP between nodes, with optional link emulation,
+//! checksums and fault injection. With the `testkit` feature, thread
+//! drivers run every rank of a plan as a thread of one process over a
+//! fabric they make (`run_local`, `run_tcp`, `run_node`), for tests and
+//! the GPU checks.
 
 //!
 //! The face is deliberate: every module is private but two, and the
@@ -41,10 +47,11 @@ mod transport;
 pub(crate) use bypass::Bypass;
 pub use copy::{packed_strides, StridedRef};
 pub use delta::{DeltaMemo, DeltaRun};
-pub use exec::{
-    quantize_rank, run_local, run_local_delta, run_rank, run_tcp, run_threads, run_threads_delta, ExecError, ExecOptions, ExecReport,
-    RankStats, WithAbort, DEFAULT_DEADLINE,
-};
+pub use exec::{quantize_rank, run_rank, ExecError, ExecOptions, ExecReport, RankStats, DEFAULT_DEADLINE};
+// The thread drivers (every rank of a plan a thread of this process, over
+// a fabric they make): test and tooling machinery.
+#[cfg(any(test, feature = "testkit"))]
+pub use exec::{run_local, run_local_delta, run_tcp, run_threads, run_threads_delta};
 pub use faults::Faults;
 // The fabric's runs; outside, runs go through it.
 pub(crate) use exec::{run_rank_bypassing, run_rank_delta, run_rank_regions};
@@ -53,7 +60,9 @@ pub use gpu_probe::{cuda_available, gpu_plane_available, GpuPlane};
 pub use link::{FrameAction, FrameHook, LinkEmulation};
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;
-pub use node::{node_fabric, node_fabric_with_faults, run_node, NodeTransport, NodeTransportConfig};
+#[cfg(any(test, feature = "testkit"))]
+pub use node::{node_fabric, node_fabric_with_faults, run_node};
+pub use node::{NodeTransport, NodeTransportConfig};
 #[cfg(any(test, feature = "testkit"))]
 pub use pattern::{
     fill_source_rank, fill_source_rank_at, fill_sources, pattern_value, tensor_seed, verify_destination_rank, verify_destination_rank_from,
@@ -61,5 +70,7 @@ pub use pattern::{
 };
 pub use shm::{remove_stale_regions, ShmConfig};
 pub use sockopt::Congestion;
-pub use tcp::{tcp_fabric, tcp_fabric_for, TcpConfig, TcpTransport};
-pub use transport::{Lent, Payload, Release, Segment, SentPiece, SentPieces, Transport, TransportError, Waiting};
+#[cfg(any(test, feature = "testkit"))]
+pub use tcp::{tcp_fabric, tcp_fabric_for};
+pub use tcp::{TcpConfig, TcpTransport};
+pub use transport::{Lent, Payload, Release, Segment, SentPiece, SentPieces, Transport, TransportError, Waiting, WithAbort};

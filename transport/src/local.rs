@@ -5,7 +5,7 @@
 //! payload still queued when its receiver goes away is dropped with the
 //! channel), so a sender never changes memory a receiver may still read.
 
-use crate::transport::{Outstanding, Payload, RoundInbox, Transport, TransportError};
+use crate::transport::{Outstanding, Payload, RoundInbox, Transport, TransportError, WithAbort};
 use reshard::Endpoint;
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
@@ -66,6 +66,13 @@ pub fn local_fabric(endpoints: &[Endpoint]) -> Vec<LocalTransport> {
         .zip(receivers)
         .map(|(&me, inbox)| LocalTransport { me, peers: peers.clone(), inbox: RoundInbox::new(inbox), outstanding: Arc::default() })
         .collect()
+}
+
+impl WithAbort for LocalTransport {
+    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
+        let h = self.abort_handle();
+        Box::new(move |reason| h.abort(reason))
+    }
 }
 
 impl Transport for LocalTransport {

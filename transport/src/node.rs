@@ -10,19 +10,25 @@
 //! the frame hook, e.g. fault injection ([`TcpConfig::checksum`],
 //! [`TcpConfig::hook`]), apply to both kinds of link.
 
-use crate::exec::{run_threads, ExecError, ExecOptions, ExecReport, WithAbort};
-use crate::faults::Faults;
-use crate::memory::RankMemory;
 use crate::shm::ShmConfig;
 use crate::tcp::shm_link::ShmSetup;
-use crate::tcp::{fabric, TcpConfig, TcpTransport};
-use crate::transport::{Payload, Transport, TransportError};
-use reshard::{Endpoint, RankProgram};
+use crate::tcp::{TcpConfig, TcpTransport};
+use crate::transport::{Payload, Transport, TransportError, WithAbort};
+use reshard::Endpoint;
 use std::collections::HashSet;
 use std::io;
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
+// The thread drivers' fabrics (test and tooling machinery).
+#[cfg(any(test, feature = "testkit"))]
+use {
+    crate::exec::{run_threads, ExecError, ExecOptions, ExecReport},
+    crate::faults::Faults,
+    crate::memory::RankMemory,
+    crate::tcp::fabric,
+    reshard::RankProgram,
+    std::sync::atomic::{AtomicU64, Ordering},
+};
 
 /// Node transport settings.
 #[derive(Clone, Debug)]
@@ -86,6 +92,7 @@ impl NodeTransport {
 /// TCP between nodes, shared memory within (as `node_of` says). The
 /// regions are named after `config.session`, this process and a counter,
 /// so fabrics of concurrent tests do not collide.
+#[cfg(any(test, feature = "testkit"))]
 pub fn node_fabric<N: PartialEq>(
     endpoints: &[Endpoint],
     node_of: impl Fn(Endpoint) -> N + Sync,
@@ -96,6 +103,7 @@ pub fn node_fabric<N: PartialEq>(
 
 /// As [`node_fabric`], with the faults `faults_of(rank)` injected at each
 /// rank unless `config.tcp.hook` is set (for tests: one failing rank).
+#[cfg(any(test, feature = "testkit"))]
 pub fn node_fabric_with_faults<N: PartialEq>(
     endpoints: &[Endpoint],
     node_of: impl Fn(Endpoint) -> N + Sync,
@@ -123,6 +131,7 @@ pub fn node_fabric_with_faults<N: PartialEq>(
 /// Runs all programs as threads of this process over a node fabric
 /// (shared memory within a node, loopback TCP between nodes, as `node_of`
 /// says; e.g. `|e| plan.node_of(e)`).
+#[cfg(any(test, feature = "testkit"))]
 pub fn run_node<N: PartialEq>(
     programs: &[RankProgram],
     memory: &mut [RankMemory],

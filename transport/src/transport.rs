@@ -474,3 +474,17 @@ impl<E> RoundInbox<E> {
         }
     }
 }
+
+/// A transport that can hand out a way to abort all its peers from any
+/// thread (a kill switch: for a rank whose thread cannot even start, or a
+/// watchdog past the deadline).
+pub trait WithAbort {
+    /// A function that tells every peer this rank gave up.
+    fn abort_all(&self) -> Box<dyn Fn(&str) + Send>;
+}
+
+impl<T: WithAbort + ?Sized> WithAbort for &mut T {
+    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
+        (**self).abort_all()
+    }
+}

@@ -15,12 +15,14 @@ use thiserror::Error;
 
 mod delta_run;
 mod pack;
+#[cfg(any(test, feature = "testkit"))]
 mod threads;
 
 pub(crate) use crate::delta::DeltaRun;
 use delta_run::{delta_decode, delta_encode};
 use pack::{pack, unpack, unpack_bytes, Into, Unpack};
-pub use threads::{run_local, run_local_delta, run_tcp, run_threads, run_threads_delta, WithAbort};
+#[cfg(any(test, feature = "testkit"))]
+pub use threads::{run_local, run_local_delta, run_tcp, run_threads, run_threads_delta};
 
 /// The time one refit's data movement may take unless told otherwise: the
 /// one default of the executor, the orchestrator and the command line.

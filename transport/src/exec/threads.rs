@@ -7,8 +7,8 @@ use crate::bypass::Bypass;
 use crate::delta::DeltaMemo;
 use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
-use crate::tcp::{tcp_fabric_for, TcpConfig, TcpTransport};
-use crate::transport::{Transport, TransportError};
+use crate::tcp::{tcp_fabric_for, TcpConfig};
+use crate::transport::{Transport, TransportError, WithAbort};
 use reshard::{Endpoint, RankProgram};
 use std::time::Instant;
 
@@ -154,34 +154,5 @@ fn run_threads_inner<T: Transport + WithAbort>(
     match first_err {
         Some(e) => Err(e),
         None => Ok((report, memos)),
-    }
-}
-
-/// A transport that can hand out a way to abort all its peers, for when
-/// its rank's thread cannot even start.
-pub trait WithAbort {
-    /// A function that tells every peer this rank gave up.
-    fn abort_all(&self) -> Box<dyn Fn(&str) + Send>;
-}
-
-impl<T: WithAbort + ?Sized> WithAbort for &mut T {
-    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
-        (**self).abort_all()
-    }
-}
-
-impl WithAbort for crate::local::LocalTransport {
-    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
-        let h = self.abort_handle();
-        Box::new(move |reason| h.abort(reason))
-    }
-}
-
-impl WithAbort for TcpTransport {
-    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
-        // Shutting every stream down fails whatever this rank is blocked
-        // on, and its peers see the links break (no goodbye).
-        let kill = self.kill_switch();
-        Box::new(move |_| kill())
     }
 }

@@ -8,6 +8,7 @@ use super::pool::FramePool;
 use super::reader::{read_loop, PeerStatus, Reader};
 use super::{Inbound, Link, TcpConfig, TcpTransport};
 use crate::frame::{hello, hello_problem, HELLO_OK};
+#[cfg(any(test, feature = "testkit"))]
 use crate::link::FrameHook;
 use crate::sockopt::choose_congestion;
 use crate::tcp::shm_link::{self, ShmSetup};
@@ -22,6 +23,7 @@ use std::time::{Duration, Instant};
 
 /// Connects every endpoint to every other over loopback TCP (for running
 /// all ranks of a plan as threads of one process over real sockets).
+#[cfg(any(test, feature = "testkit"))]
 pub fn tcp_fabric(endpoints: &[Endpoint], config: &TcpConfig) -> io::Result<Vec<TcpTransport>> {
     fabric(endpoints, config, |_| None, |_| None, &|_, _| true)
 }
@@ -31,6 +33,7 @@ pub fn tcp_fabric(endpoints: &[Endpoint], config: &TcpConfig) -> io::Result<Vec<
 /// node fabric connects them): a pair that never talks holds no streams and
 /// no reader threads (all to all, 192 ranks would need 36,672 streams, more
 /// descriptors than a process gets).
+#[cfg(any(test, feature = "testkit"))]
 pub fn tcp_fabric_for(programs: &[reshard::RankProgram], config: &TcpConfig) -> io::Result<Vec<TcpTransport>> {
     let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
     let mut talks: HashSet<(Endpoint, Endpoint)> = HashSet::new();
@@ -47,6 +50,7 @@ pub fn tcp_fabric_for(programs: &[reshard::RankProgram], config: &TcpConfig) -> 
 /// relation) over loopback TCP, with the shared-memory setup `shm(rank)`
 /// gives each; a rank's frame hook is `config.hook` if set, else
 /// `hook_of(rank)`.
+#[cfg(any(test, feature = "testkit"))]
 pub(crate) fn fabric(
     endpoints: &[Endpoint],
     config: &TcpConfig,

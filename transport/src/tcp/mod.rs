@@ -19,7 +19,7 @@ use crate::link::{FrameAction, FrameHook, LinkEmulation, TokenBucket};
 use crate::shm::ShmOut;
 use crate::sockopt::tcp_state;
 pub(crate) use crate::sockopt::Congestion;
-use crate::transport::{Payload, RoundInbox, Transport, TransportError};
+use crate::transport::{Payload, RoundInbox, Transport, TransportError, WithAbort};
 use reshard::human;
 use reshard::Endpoint;
 use shm_link::ShmMessage;
@@ -36,7 +36,9 @@ mod reader;
 pub(crate) mod shm_link;
 mod writer;
 
+#[cfg(any(test, feature = "testkit"))]
 pub(crate) use connect::fabric;
+#[cfg(any(test, feature = "testkit"))]
 pub use connect::{tcp_fabric, tcp_fabric_for};
 pub(crate) use pool::FramePool;
 use reader::{Incoming, GONE};
@@ -249,6 +251,15 @@ impl Drop for TcpTransport {
         for l in self.links.values_mut() {
             let _ = l.w.write_all(&header(BYE, 0, 0)).and_then(|_| l.w.flush());
         }
+    }
+}
+
+impl WithAbort for TcpTransport {
+    fn abort_all(&self) -> Box<dyn Fn(&str) + Send> {
+        // Shutting every stream down fails whatever this rank is blocked
+        // on, and its peers see the links break (no goodbye).
+        let kill = self.kill_switch();
+        Box::new(move |_| kill())
     }
 }
 
