@@ -208,7 +208,8 @@ impl CommEnd {
         let me = program.endpoint;
         let rank_of = self.rank_of();
         let mut regions = registered_regions(program, &registered.current_regions()?)?;
-        let base = registered.buffers();
+        // (`registered_regions` checked the program has these buffers.)
+        let base = regions.len();
         let bytes = |b: &reshard::BufferSpec| (b.elems * b.dtype.size()) as usize;
         let scratch_specs = &program.buffers[base..];
         let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
