@@ -47,11 +47,12 @@ struct BenchArgs {
     /// Divide hidden sizes by this (presets only).
     #[arg(long, default_value_t = 8)]
     scale: u64,
-    /// deepseek-v3 only: inference with expert parallelism over EP groups
+    /// deepseek-v3 and kimi-k2: inference with expert parallelism over EP groups
     /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
-    /// `--enable-expert-parallel`: 256/N routed experts whole per rank, the
-    /// other weights TP8 within each node. Default: TP8 x DP16, experts
-    /// TP-sharded too.
+    /// `--enable-expert-parallel`: the routed experts (256 or 384) whole,
+    /// spread over each group, the other weights TP8 within each node.
+    /// Default: deepseek-v3 TP8 x DP16, experts TP-sharded too; kimi-k2
+    /// EP16.
     #[arg(long, value_name = "N", requires = "model", conflicts_with = "src")]
     ep: Option<u32>,
     /// Repetitions after one warm-up.
@@ -159,11 +160,12 @@ enum Command {
         /// Divide hidden sizes by this (presets only; 1 = full size).
         #[arg(long, default_value_t = 1)]
         scale: u64,
-        /// deepseek-v3 only: inference with expert parallelism over EP groups
+        /// deepseek-v3 and kimi-k2: inference with expert parallelism over EP groups
         /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
-        /// `--enable-expert-parallel`: 256/N routed experts whole per rank, the
-        /// other weights TP8 within each node. Default: TP8 x DP16, experts
-        /// TP-sharded too.
+        /// `--enable-expert-parallel`: the routed experts (256 or 384) whole,
+        /// spread over each group, the other weights TP8 within each node.
+        /// Default: deepseek-v3 TP8 x DP16, experts TP-sharded too; kimi-k2
+        /// EP16.
         #[arg(long, value_name = "N", requires = "model", conflicts_with = "src")]
         ep: Option<u32>,
         /// Most bytes one rank stages per round, in MiB.
@@ -249,11 +251,12 @@ enum Command {
         /// Divide hidden sizes by this (1 = full size).
         #[arg(long, default_value_t = 1)]
         scale: u64,
-        /// deepseek-v3 only: inference with expert parallelism over EP groups
+        /// deepseek-v3 and kimi-k2: inference with expert parallelism over EP groups
         /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
-        /// `--enable-expert-parallel`: 256/N routed experts whole per rank, the
-        /// other weights TP8 within each node. Default: TP8 x DP16, experts
-        /// TP-sharded too.
+        /// `--enable-expert-parallel`: the routed experts (256 or 384) whole,
+        /// spread over each group, the other weights TP8 within each node.
+        /// Default: deepseek-v3 TP8 x DP16, experts TP-sharded too; kimi-k2
+        /// EP16.
         #[arg(long, value_name = "N")]
         ep: Option<u32>,
         /// Repetitions (the median is reported).
@@ -450,11 +453,12 @@ enum Command {
         /// Divide hidden sizes by this.
         #[arg(long, default_value_t = 1)]
         scale: u64,
-        /// deepseek-v3 only: inference with expert parallelism over EP groups
+        /// deepseek-v3 and kimi-k2: inference with expert parallelism over EP groups
         /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
-        /// `--enable-expert-parallel`: 256/N routed experts whole per rank, the
-        /// other weights TP8 within each node. Default: TP8 x DP16, experts
-        /// TP-sharded too.
+        /// `--enable-expert-parallel`: the routed experts (256 or 384) whole,
+        /// spread over each group, the other weights TP8 within each node.
+        /// Default: deepseek-v3 TP8 x DP16, experts TP-sharded too; kimi-k2
+        /// EP16.
         #[arg(long, value_name = "N")]
         ep: Option<u32>,
         /// Directory to write src.json and dst.json into.

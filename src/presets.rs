@@ -27,6 +27,17 @@
 //!   node then takes in the non-expert weights plus 8 x 256 / EP experts
 //!   per MoE layer instead of the whole model. The training side is the
 //!   same.
+//! - `kimi-k2` (Kimi-K2 1T, DeepSeek-V3's architecture with 64 heads, one
+//!   dense layer and 384 routed experts): training as miles' published
+//!   Kimi-K2 recipe, TP8 x CP4 x PP8 on 256 ranks (8 per node; 7 stages of
+//!   8 layers, then 5; dense weights TP8-sharded and replicated over CP,
+//!   routed experts EP32 over a stage's 32 ranks, 12 whole experts each) ->
+//!   inference on 128 ranks as the 256 -> 128 GPU refit Perplexity
+//!   published, placed as `deepseek-v3 --ep` places it (their inference
+//!   placement is not published): 8 instances of EP16 by default (the
+//!   smallest EP group that holds an FP8 copy of the 1T model on 80 GB
+//!   GPUs, about 64 GB a rank), the non-expert weights TP8 within each
+//!   node, 24 whole experts per rank; `--ep` chooses another.
 //!
 //! Fused buffers, as the frameworks store them (buffer names are per rank;
 //! members lie back to back, each rank's local block after the previous
@@ -70,6 +81,9 @@ pub enum Model {
     /// Qwen3-235B-A22B.
     #[value(name = "qwen3-235b")]
     Qwen3_235b,
+    /// Kimi-K2 1T (DeepSeek-V3's architecture: MLA, 384 routed experts).
+    #[value(name = "kimi-k2")]
+    KimiK2,
 }
 
 impl Model {
@@ -79,6 +93,7 @@ impl Model {
             Model::Llama3_8b => "llama3-8b",
             Model::DeepseekV3 => "deepseek-v3",
             Model::Qwen3_235b => "qwen3-235b",
+            Model::KimiK2 => "kimi-k2",
         }
     }
 }
@@ -97,15 +112,60 @@ const DEEPSEEK_INFER_RANKS: u32 = 128;
 const DEEPSEEK_INFER_TP: u32 = 8;
 /// Routed experts per MoE layer of DeepSeek-V3.
 const DEEPSEEK_EXPERTS: u32 = 256;
+/// Routed experts per MoE layer of Kimi-K2.
+const KIMI_EXPERTS: u32 = 384;
+/// The expert-parallel degree of the Kimi-K2 preset's inference side.
+const KIMI_DEFAULT_EP: u32 = 16;
+
+/// What differs between models of DeepSeek-V3's architecture (MLA
+/// attention, dense layers first, then MoE layers of routed experts and one
+/// shared expert); the other sizes are DeepSeek-V3's (hidden 7168, q LoRA
+/// 1536, kv LoRA 512, head dims 128 + 64 and 128, FFN 18432, expert FFN
+/// 2048), which Kimi-K2 shares.
+struct MlaMoe {
+    /// Attention heads.
+    heads: u64,
+    /// Vocabulary.
+    vocab: u64,
+    /// Decoder layers.
+    layers: u32,
+    /// The first this many layers have a dense MLP.
+    dense_layers: u32,
+    /// Routed experts per MoE layer.
+    experts: u32,
+    /// The training pipeline stage of each layer.
+    stage_of: fn(u32) -> u32,
+    /// The last stage (final norm, output head).
+    last_stage: u32,
+}
+
+/// DeepSeek-V3 671B: 61 layers over 4 stages (16, 15, 15, 15).
+const DEEPSEEK_V3: MlaMoe = MlaMoe {
+    heads: 128,
+    vocab: 129_280,
+    layers: 61,
+    dense_layers: 3,
+    experts: DEEPSEEK_EXPERTS,
+    stage_of: |l| if l < 16 { 0 } else { 1 + (l - 16) / 15 },
+    last_stage: 3,
+};
+
+/// Kimi-K2 1T (its published `config.json`): 61 layers, the first dense,
+/// 64 heads, 384 routed experts, vocabulary 163,840; over 8 stages as
+/// miles trains it (`--decoder-last-pipeline-num-layers 5`: 7 stages of 8
+/// layers, then 5).
+const KIMI_K2: MlaMoe =
+    MlaMoe { heads: 64, vocab: 163_840, layers: 61, dense_layers: 1, experts: KIMI_EXPERTS, stage_of: |l| (l / 8).min(7), last_stage: 7 };
 
 /// Choices of a preset beyond its scale; the default is the preset as
 /// described in the module docs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PresetOptions {
-    /// Expert parallelism of the inference side (`deepseek-v3` only): the
-    /// routed experts spread whole over EP groups of this many ranks, the
-    /// other weights TP8-sharded within each node. `None`: every weight
-    /// TP8-sharded (TP8 x DP16). Must be a multiple of 8 that divides 128.
+    /// Expert parallelism of the inference side (`deepseek-v3` and
+    /// `kimi-k2`): the routed experts spread whole over EP groups of this
+    /// many ranks, the other weights TP8-sharded within each node. `None`:
+    /// the preset's default (DeepSeek-V3: every weight TP8-sharded, TP8 x
+    /// DP16; Kimi-K2: EP16). Must be a multiple of 8 that divides 128.
     pub ep: Option<u32>,
 }
 
@@ -113,14 +173,14 @@ pub struct PresetOptions {
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum PresetError {
     /// Expert parallelism was asked of a preset that does not model it.
-    #[error("the {} preset has no expert-parallel inference layout (only deepseek-v3 has)", model.name())]
+    #[error("the {} preset has no expert-parallel inference layout (only deepseek-v3 and kimi-k2 have)", model.name())]
     EpUnsupported {
         /// The preset.
         model: Model,
     },
     /// The EP degree does not fit the inference ranks.
     #[error(
-        "EP {ep} does not fit the deepseek-v3 inference side (128 ranks, 8 per node, TP8 within a node): \
+        "EP {ep} does not fit the inference side (128 ranks, 8 per node, TP8 within a node): \
          EP must be a multiple of 8 that divides 128 (8, 16, 32, 64 or 128)"
     )]
     EpDegree {
@@ -134,7 +194,7 @@ pub enum PresetError {
 
 /// Checks an inference EP degree for `model`.
 fn check_ep(model: Model, ep: u32) -> Result<(), PresetError> {
-    if model != Model::DeepseekV3 {
+    if !matches!(model, Model::DeepseekV3 | Model::KimiK2) {
         return Err(PresetError::EpUnsupported { model });
     }
     if ep == 0 || !ep.is_multiple_of(DEEPSEEK_INFER_TP) || !DEEPSEEK_INFER_RANKS.is_multiple_of(ep) {
@@ -313,14 +373,13 @@ fn llama_weights(scale: u64) -> Vec<Weight> {
     w
 }
 
-fn deepseek_weights(scale: u64) -> Vec<Weight> {
+/// The weights of a model of DeepSeek-V3's architecture.
+fn mla_moe_weights(m: &MlaMoe, scale: u64) -> Vec<Weight> {
     let h = div(7168, scale);
-    let (q_lora, kv_lora, heads) = (div(1536, scale), div(512, scale), 128u64);
+    let (q_lora, kv_lora, heads) = (div(1536, scale), div(512, scale), m.heads);
     let (nope, rope, vdim) = (div(128, scale), div(64, scale), div(128, scale));
-    let (ffn, moe_ffn, vocab) = (div(18432, scale), div(2048, scale), div(129_280, scale));
-    let (layers, dense_layers, experts) = (61u32, 3u32, DEEPSEEK_EXPERTS);
-    // 61 layers over 4 stages: 16, 15, 15, 15.
-    let stage_of = |l: u32| if l < 16 { 0 } else { 1 + (l - 16) / 15 };
+    let (ffn, moe_ffn, vocab) = (div(18432, scale), div(2048, scale), div(m.vocab, scale));
+    let (layers, dense_layers, experts, stage_of) = (m.layers, m.dense_layers, m.experts, m.stage_of);
     let mut w = vec![embedding(vocab, h)];
     for l in 0..layers {
         let stage = stage_of(l);
@@ -346,7 +405,7 @@ fn deepseek_weights(scale: u64) -> Vec<Weight> {
             }
         }
     }
-    norm_and_head(&mut w, vocab, h, 3);
+    norm_and_head(&mut w, vocab, h, m.last_stage);
     w
 }
 
@@ -473,7 +532,7 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
             Ok((Layout::new(128, Some(8), src)?, Layout::new(64, Some(8), dst)?))
         }
         Model::DeepseekV3 => {
-            let ws = deepseek_weights(scale);
+            let ws = mla_moe_weights(&DEEPSEEK_V3, scale);
             // Training: rank = stage * 64 + ep * 4 + dp.
             let mut src: Vec<TensorLayout> = ws
                 .iter()
@@ -492,6 +551,30 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
                 None => inference_dp_tp(&ws, ranks / tp, tp),
             };
             Ok((Layout::new(256, Some(8), src)?, Layout::new(ranks, Some(tp), dst)?))
+        }
+        Model::KimiK2 => {
+            let ws = mla_moe_weights(&KIMI_K2, scale);
+            // Training as miles' Kimi-K2 recipe: TP8 x CP4 x PP8 on 256
+            // ranks, rank = stage * 32 + cp * 8 + tp (DP 1); dense weights
+            // TP8-sharded, replicated over CP; routed experts EP32 over the
+            // stage's 32 ranks with expert-TP 1: 12 whole experts per rank.
+            let per_rank = KIMI_EXPERTS / 32;
+            let mut src: Vec<TensorLayout> = ws
+                .iter()
+                .map(|w| {
+                    let placement = match w.expert {
+                        Some(e) => mesh(vec![1], vec![w.stage * 32 + e / per_rank], vec![MeshDim::Replicate]),
+                        None => tp_placement(w, 4, 8, (0..32).map(|r| w.stage * 32 + r).collect()),
+                    };
+                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+                })
+                .collect();
+            fuse(&mut src, Side::Train);
+            // Inference on 128 ranks in EP groups (EP16 by default: the
+            // smallest that holds an FP8 copy on 80 GB GPUs, about 64 GB
+            // a rank; over 8 it would be 129 GB).
+            let dst = inference_ep(&ws, 128, 8, ep.unwrap_or(KIMI_DEFAULT_EP), KIMI_EXPERTS);
+            Ok((Layout::new(256, Some(8), src)?, Layout::new(128, Some(8), dst)?))
         }
     }
 }

@@ -978,3 +978,25 @@ fn bench_reports_fp8_and_delta_refits_against_the_dense_one() {
         assert_eq!(out.status.code(), Some(2), "{}", describe(bad, &out));
     }
 }
+
+/// Kimi-K2 into FP8 is quoted beside Perplexity's measurement (a refit
+/// time, no baseline), labelled as theirs; the same pair without FP8 has
+/// no reference.
+#[test]
+fn kimi_k2_fp8_estimate_quotes_perplexity_as_a_measurement() {
+    let args = ["plan", "--model", "kimi-k2", "--scale", "64", "--fp8-dst", "128", "--estimate", "--json"];
+    let out = assert_ok(&args);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", describe(&args, &out)));
+    let r = &v["estimate"]["reference_ratio"];
+    assert!(r["by"] == "Perplexity" && r["measured"] == true && r["reshard_s"].as_f64() == Some(1.3), "{v}");
+    assert!(r["ratio"].is_null() && r["baseline_s"].is_null(), "{v}");
+    let args = ["plan", "--model", "kimi-k2", "--scale", "64", "--fp8-dst", "128", "--estimate"];
+    let out = assert_ok(&args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line: Vec<&str> = text.lines().filter(|l| l.starts_with("reference, measured by Perplexity, not by refit")).collect();
+    assert!(line.len() == 1 && line[0].contains("refit 1.3 s"), "{}", describe(&args, &out));
+    let args = ["plan", "--model", "kimi-k2", "--scale", "64", "--estimate", "--json"];
+    let out = assert_ok(&args);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", describe(&args, &out)));
+    assert!(v["estimate"].get("reference_ratio").is_none(), "{v}");
+}

@@ -994,3 +994,81 @@ fn plan_takes_ep() {
     assert_eq!(ingress, vec![2 * node; 16], "EP64: every node takes in what it holds");
     assert!(node * 2 < whole, "EP64: a node holds {node} of {whole} elements");
 }
+
+// ---------------------------------------------------------------------------
+// Kimi-K2.
+
+/// Kimi-K2's published `config.json`: DeepSeek-V3's architecture with 64
+/// heads, one dense layer, 384 routed experts and a vocabulary of 163,840.
+const KIMI_K2: Config = Config {
+    dense_layers: 1,
+    vocab: 163_840,
+    attn: Attn::Mla { heads: 64, q_lora: 1536, kv_lora: 512, nope: 128, rope: 64, v: 128 },
+    experts: 384,
+    ..DEEPSEEK_V3
+};
+
+/// The ranks holding each block of tensor `t`, in rank order.
+fn holder_ranks(layout: &Layout, t: u32) -> BTreeSet<u32> {
+    layout.holdings(t).iter().flat_map(|h| h.holders.iter().map(|l| l.rank)).collect()
+}
+
+/// The preset is the published model (every checkpoint tensor, its shape;
+/// about 1 T parameters, 32 B active), trained as miles' recipe places it
+/// (TP8 x CP4 x PP8: 7 stages of 8 layers then 5; 12 whole experts per rank
+/// of a stage's EP32) and served on 128 ranks in 8 instances of EP16 (24
+/// whole experts per rank, one copy per instance).
+#[test]
+fn kimi_k2_matches_the_published_model_and_recipe() {
+    let (src, dst) = layouts(Model::KimiK2, 1).expect("scale-1 layouts validate");
+    assert_eq!((src.ranks(), src.ranks_per_node(), dst.ranks(), dst.ranks_per_node()), (256, 8, 128, 8));
+    let want = hf_tensors(&KIMI_K2);
+    // 1 dense layer x 12 + 60 MoE layers x (9 attention + router, bias, 3 shared + 384 x 3) + 3
+    assert_eq!(want.len(), 12 + 60 * (9 + 2 + 3 + 384 * 3) + 3);
+    let want_map: BTreeMap<&str, &[u64]> = want.iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
+    assert!(shapes(&src) == want_map, "training: the checkpoint's tensors and shapes");
+    assert!(shapes(&dst) == want_map, "inference: the checkpoint's tensors and shapes");
+    let total: u64 = src.tensors().iter().map(|t| numel(&t.shape)).sum();
+    assert!((1.0e12..1.05e12).contains(&(total as f64)), "total parameters {total}: the published model has 1 T");
+    let routed: u64 = src.tensors().iter().filter(|t| is_expert(&t.name)).map(|t| numel(&t.shape)).sum();
+    within("active parameters", (total - routed) as f64 + routed as f64 * 8.0 / 384.0, 32e9, 0.03);
+    let stage_of = |l: u32| (l / 8).min(7);
+    for (i, t) in src.tensors().iter().enumerate() {
+        let (train, infer) = (holder_ranks(&src, i as u32), holder_ranks(&dst, i as u32));
+        let stage = match layer_of(&t.name) {
+            Some(l) => stage_of(l),
+            None if t.name.starts_with("model.embed_tokens") => 0,
+            None => 7,
+        };
+        match expert_of(&t.name) {
+            Some(e) => {
+                assert_eq!(train, BTreeSet::from([stage * 32 + e / 12]), "training {}", t.name);
+                assert_eq!(infer, (0..8).map(|g| g * 16 + e / 24).collect(), "inference {}", t.name);
+            }
+            None => {
+                assert_eq!(train, (stage * 32..stage * 32 + 32).collect(), "training {}: the stage's ranks", t.name);
+                assert_eq!(infer, (0..128).collect(), "inference {}: every node", t.name);
+            }
+        }
+    }
+    // Stages: 8 layers each, the last 5.
+    let per_stage: Vec<usize> = (0..8).map(|s| (0..61).filter(|&l| stage_of(l) == s).count()).collect();
+    assert_eq!(per_stage, [8, 8, 8, 8, 8, 8, 8, 5]);
+}
+
+/// Refits of a slice of the model (the dense layer, the first MoE layer
+/// and the last) through the orchestrator, reshard and baseline, verify.
+#[test]
+fn slow_kimi_k2_refit_verifies() {
+    let (src, dst) = layouts(Model::KimiK2, 512).expect("layouts");
+    let keep = |name: &str| !name.starts_with("model.layers.") || matches!(layer_of(name), Some(0 | 1 | 60));
+    let (src, dst) = (slice(&src, keep), slice(&dst, keep));
+    for strategy in [Strategy::Reshard, Strategy::Baseline] {
+        let config = DriverConfig { strategy, ..DriverConfig::default() };
+        let mut p = Driver::start(&src, &dst, config, |_| {}).unwrap_or_else(|e| panic!("{strategy}: {e}"));
+        p.refit(None).unwrap_or_else(|e| panic!("{strategy}: refit: {e}"));
+        let held: u64 =
+            (0..dst.tensors().len() as u32).flat_map(|i| dst.holdings(i)).map(|h| h.block.numel() * h.holders.len() as u64).sum();
+        assert_eq!(p.verify(None).unwrap_or_else(|e| panic!("{strategy}: verify: {e}")), held, "{strategy}: every element checked");
+    }
+}

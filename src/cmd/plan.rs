@@ -59,34 +59,43 @@ fn topology(name: &str) -> Result<LinkModel, Failure> {
 }
 
 /// A refit measured by someone else on a preset's model: quoted next to
-/// our modelled ratio as a reference, never as our measurement.
+/// our modelled times as a reference, never as our measurement.
 struct Reference {
+    /// Who measured it.
+    by: &'static str,
     /// The model and setup measured.
     workload: &'static str,
-    /// Measured gather-broadcast and reshard refit times, seconds.
-    baseline_s: f64,
+    /// Measured gather-broadcast refit time, seconds, where published.
+    baseline_s: Option<f64>,
+    /// Measured refit time of their point-to-point (reshard) path, seconds.
     reshard_s: f64,
-    /// Who measured it, and where it is published.
+    /// Where it is published.
     source: &'static str,
 }
 
 impl Reference {
-    fn ratio(&self) -> f64 {
-        self.baseline_s / self.reshard_s
+    fn ratio(&self) -> Option<f64> {
+        self.baseline_s.map(|b| b / self.reshard_s)
     }
 }
 
-/// NVIDIA's measured refit times for the presets that have one.
-fn reference(model: Model) -> Option<Reference> {
-    const SOURCE: &str = "NVIDIA, NeMo RL weight refit, measured end to end in their setup";
-    match model {
-        Model::DeepseekV3 => {
-            Some(Reference { workload: "DeepSeek-V3 671B at full size on DGX H100", baseline_s: 14.9, reshard_s: 2.6, source: SOURCE })
-        }
-        Model::Qwen3_235b => {
-            Some(Reference { workload: "Qwen3-235B-A22B at full size on DGX H100", baseline_s: 6.4, reshard_s: 1.9, source: SOURCE })
-        }
-        Model::Llama3_8b => None,
+/// The measured refit times published for a preset's model, as planned
+/// (`fp8`: the block size of FP8 destinations, if any).
+fn reference(model: Model, fp8: Option<u64>) -> Option<Reference> {
+    const NVIDIA: &str = "NVIDIA, NeMo RL weight refit, measured end to end in their setup";
+    let nvidia =
+        |workload, baseline_s, reshard_s| Reference { by: "NVIDIA", workload, baseline_s: Some(baseline_s), reshard_s, source: NVIDIA };
+    match (model, fp8) {
+        (Model::DeepseekV3, None) => Some(nvidia("DeepSeek-V3 671B at full size on DGX H100", 14.9, 2.6)),
+        (Model::Qwen3_235b, None) => Some(nvidia("Qwen3-235B-A22B at full size on DGX H100", 6.4, 1.9)),
+        (Model::KimiK2, Some(128)) => Some(Reference {
+            by: "Perplexity",
+            workload: "Kimi-K2 1T at full size, 256 training GPUs (BF16) to 128 inference GPUs (FP8), RDMA WRITE point to point",
+            baseline_s: None,
+            reshard_s: 1.3,
+            source: "Perplexity, \"Weight Transfer for RL Post-Training in under 2 seconds\" (their engineering blog)",
+        }),
+        _ => None,
     }
 }
 
@@ -117,7 +126,7 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         None => what,
         Some(block) => format!("{what}, FP8 in blocks of {block}"),
     };
-    let reference = model.filter(|_| args.fp8_dst.is_none()).and_then(reference);
+    let reference = model.and_then(|m| reference(m, args.fp8_dst));
     if let Some(dir) = args.emit_layouts {
         progress.phase("writing layouts");
         write_layouts(&src, &dst, dir)?;
@@ -189,6 +198,7 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
                     "baseline_s": r.baseline_s,
                     "reshard_s": r.reshard_s,
                     "measured": true,
+                    "by": r.by,
                     "workload": r.workload,
                     "source": r.source,
                 });
@@ -219,15 +229,11 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
             r_est.lower_bound_seconds / r_est.seconds.max(1e-12)
         );
         if let Some(r) = &reference {
-            say!(
-                "reference, measured by NVIDIA, not by refit nor on these layouts: {}: gather-broadcast {} s, reshard {} s, {:.1}x \
-                 (source: {})",
-                r.workload,
-                r.baseline_s,
-                r.reshard_s,
-                r.ratio(),
-                r.source
-            );
+            let times = match (r.baseline_s, r.ratio()) {
+                (Some(b), Some(x)) => format!("gather-broadcast {b} s, reshard {} s, {x:.1}x", r.reshard_s),
+                _ => format!("refit {} s", r.reshard_s),
+            };
+            say!("reference, measured by {}, not by refit nor on these layouts: {}: {times} (source: {})", r.by, r.workload, r.source);
         }
     }
     Ok(())
