@@ -207,7 +207,10 @@ impl CommEnd {
     ) -> Result<RankStats, String> {
         let me = program.endpoint;
         let rank_of = self.rank_of();
-        let mut regions = registered_regions(program, &registered.current_regions()?)?;
+        // The regions as their owner holds them now (memory it moved or
+        // freed since is never read).
+        let current = registered.current_regions().map_err(|e| format!("{me}: registered weights: {e}"))?;
+        let mut regions = registered_regions(program, &current)?;
         // (`registered_regions` checked the program has these buffers.)
         let base = regions.len();
         let bytes = |b: &reshard::BufferSpec| (b.elems * b.dtype.size()) as usize;
