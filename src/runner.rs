@@ -204,17 +204,8 @@ impl Driver {
     /// The next weights version: every source rank holds the pattern of
     /// it. Returns the version.
     pub fn step(&mut self) -> Result<u64, RunError> {
-        let version = self.version + 1;
-        let src = &self.src;
-        self.runtime.block_on(async {
-            for store in &self.system.src_stores {
-                let rank = store.rank();
-                let pattern = pattern_of(version);
-                store.restore(version, |b| tokio::task::block_in_place(|| fill_source_rank_at(src, rank, pattern, b.memory_mut()))).await;
-            }
-        });
-        self.version = version;
-        Ok(version)
+        let (src, pattern) = (self.src.clone(), pattern_of(self.version + 1));
+        self.step_with(|rank, b| fill_source_rank_at(&src, rank, pattern, b.memory_mut()))
     }
 
     /// The next weights version, made by `change(rank, buffers)` on every

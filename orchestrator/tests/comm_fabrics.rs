@@ -697,3 +697,130 @@ async fn a_commit_that_never_comes_lets_readers_back_in() {
     sys.orchestrator.refit(v2).await.unwrap();
     assert!(sys.holds(v2, 2.0, 2.0).await);
 }
+
+/// What a lying owner of registered memory says about its region.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Owner {
+    /// The region as registered.
+    Honest,
+    /// Another allocation of the same size (the parameter was moved).
+    Moved,
+    /// The region, shrunk below the buffer's bytes.
+    Shrunk,
+    /// A region index it was not asked for.
+    OutOfOrder,
+    /// No region at all.
+    Missing,
+}
+
+/// An owner whose answers `mode` chooses, over two allocations it keeps
+/// alive (`home` as registered, `moved` elsewhere).
+struct LyingOwner {
+    mode: std::sync::Arc<std::sync::Mutex<Owner>>,
+    home: u64,
+    moved: u64,
+    bytes: usize,
+}
+
+impl orchestrator::RegionCheck for LyingOwner {
+    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
+        let mode = *self.mode.lock().unwrap();
+        match mode {
+            Owner::Honest => f(0, (self.home, self.bytes)),
+            Owner::Moved => f(0, (self.moved, self.bytes)),
+            Owner::Shrunk => f(0, (self.home, 16)),
+            Owner::OutOfOrder => f(1, (self.home, self.bytes)),
+            Owner::Missing => Ok(()),
+        }
+    }
+}
+
+/// Registered sources whose owner moves, shrinks or lies about their
+/// memory, on every fabric: the refit follows memory that moved, refuses
+/// (naming the rank) memory that shrank or a visit that skips or reorders
+/// regions before a byte is sent, every destination keeps serving the
+/// last good version, and the next honest refit recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn registered_sources_whose_owner_lies_are_refused_or_followed() {
+    use orchestrator::{DstStore, Member, MemberConfig, Role, SrcStore};
+    use std::sync::{Arc, Mutex};
+    let sim = CommPlane::Simulated { world: "lying".into() };
+    let ipc = IpcFabric { plane: sim.clone(), connect_timeout: Duration::from_secs(5), abort_timeout: Duration::from_secs(1) };
+    let every = [Fabric::Nccl(fabric("lying")), Fabric::Ipc(ipc), Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default())];
+    for fabric in every {
+        let config = OrchestratorConfig { fabric: fabric.clone(), ..config("lying", Strategy::Reshard) };
+        let (src, dst) = layouts();
+        let (src, dst) = (Arc::new(src), Arc::new(dst));
+        // Per source rank: its memory as registered (1.0) and where it
+        // "moved" (2.0); neither is written after this.
+        let mut home: Vec<Box<[f32; 28]>> = (0..2).map(|_| Box::new([1.0f32; 28])).collect();
+        let mut moved: Vec<Box<[f32; 28]>> = (0..2).map(|_| Box::new([2.0f32; 28])).collect();
+        let mode = Arc::new(Mutex::new(Owner::Honest));
+        let bytes = std::mem::size_of::<[f32; 28]>();
+        let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
+        let mut src_stores = Vec::new();
+        let mut src_members = Vec::new();
+        for r in 0..2usize {
+            let (h, m) = (home[r].as_mut_ptr() as u64, moved[r].as_mut_ptr() as u64);
+            let owner = Arc::new(LyingOwner { mode: mode.clone(), home: h, moved: m, bytes });
+            // SAFETY: both allocations live until the end of this loop
+            // iteration, past every refit (awaited below), and are never
+            // written after registration; the owner yields one of them or
+            // a region `Registered::visit` must refuse.
+            let reg = unsafe {
+                orchestrator::Registered::new(&src, r as u32, orchestrator::Residence::Host, vec![(h, bytes)]).unwrap().with_check(owner)
+            };
+            let store = Arc::new(SrcStore::registered(&src, r as u32, reg));
+            src_members.push(actors::spawn(
+                Member::with_config(src.clone(), r as u32, Role::Src(store.clone()), MemberConfig::default()),
+                spawn.clone(),
+            ));
+            src_stores.push(store);
+        }
+        let dst_stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
+        let dst_members = dst_stores
+            .iter()
+            .enumerate()
+            .map(|(r, s)| actors::spawn(Member::new(dst.clone(), r as u32, Role::Dst(s.clone())), spawn.clone()))
+            .collect();
+        let orchestrator = orchestrator::spawn_orchestrator(
+            actors::ActorGroup::from_refs(src_members),
+            actors::ActorGroup::from_refs(dst_members),
+            config,
+        );
+        let sys = Registered { orchestrator, src: src_stores, dst: dst_stores, memory: Vec::new() };
+        let step = || async {
+            let mut v = 0;
+            for s in &sys.src {
+                v = s.update(|_| ()).await.0;
+            }
+            v
+        };
+        let v1 = step().await;
+        sys.orchestrator.refit(v1).await.unwrap();
+        assert!(sys.serves(v1, 1.0), "{fabric:?}: honest");
+        *mode.lock().unwrap() = Owner::Moved;
+        let v2 = step().await;
+        sys.orchestrator.refit(v2).await.unwrap();
+        assert!(sys.serves(v2, 2.0), "{fabric:?}: the refit reads where the memory moved");
+        for (lie, says) in
+            [(Owner::Shrunk, "needs 112 bytes, 16 found"), (Owner::OutOfOrder, "out of order"), (Owner::Missing, "0 of 1 regions visited")]
+        {
+            *mode.lock().unwrap() = lie;
+            let v = step().await;
+            let err = sys.orchestrator.refit(v).await.expect_err("a lying owner's memory was read").to_string();
+            assert!(err.contains("registered weights") && err.contains(says), "{fabric:?} {lie:?}: {err}");
+            assert!(
+                err.contains(&Endpoint::src(0).to_string()) || err.contains(&Endpoint::src(1).to_string()),
+                "{fabric:?} {lie:?}: {err}"
+            );
+            assert!(sys.serves(v2, 2.0), "{fabric:?} {lie:?}: destinations keep the last good version");
+        }
+        *mode.lock().unwrap() = Owner::Honest;
+        let v = step().await;
+        sys.orchestrator.refit(v).await.unwrap();
+        assert!(sys.serves(v, 1.0), "{fabric:?}: the next honest refit recovers");
+        drop(sys);
+        drop((home, moved));
+    }
+}

@@ -7,7 +7,7 @@
 use super::endpoint::Endpointed;
 #[cfg(feature = "cuda")]
 use super::registered::StagingMemory;
-use super::registered::{registered_regions, RegisteredMemory, RegisteredStaging, Residence};
+use super::registered::{current_regions, RegisteredMemory, RegisteredStaging, Residence};
 use super::spec::{CommPlane, IpcFabric, NcclFabric, PeerAddr};
 use super::{program_peers, MIN_FRAME_LIMIT};
 use crate::cuda::{
@@ -209,9 +209,8 @@ impl CommEnd {
         let rank_of = self.rank_of();
         // The regions as their owner holds them now (memory it moved or
         // freed since is never read).
-        let current = registered.current_regions().map_err(|e| format!("{me}: registered weights: {e}"))?;
-        let mut regions = registered_regions(program, &current)?;
-        // (`registered_regions` checked the program has these buffers.)
+        let mut regions = current_regions(program, registered).map_err(|e| e.to_string())?;
+        // (`current_regions` checked the program has these buffers.)
         let base = regions.len();
         let bytes = |b: &reshard::BufferSpec| (b.elems * b.dtype.size()) as usize;
         let scratch_specs = &program.buffers[base..];
@@ -224,10 +223,13 @@ impl CommEnd {
                 }
                 regions.extend(host.iter_mut().map(|b| (b.as_mut_ptr() as u64, b.len())));
                 let dtypes = program.buffers.iter().map(|b| b.dtype).collect();
-                // SAFETY: the registered regions are the user's, valid for
-                // the store's life and untouched while a refit holds the
-                // store's lock (`Registered::new`'s contract); the scratch
-                // is this end's, alive past the run.
+                // SAFETY: the registered regions are host memory (the
+                // residence matched above) as their owner holds them now,
+                // valid and written by nothing else until this run ends
+                // (`RegisteredMemory`'s contract for current regions), each
+                // cut to its buffer's bytes (`current_regions`); the
+                // scratch is this end's, alive past the run. On error the
+                // run returns before the regions are dropped.
                 let mut sim = unsafe { SimMemory::from_regions(&regions, dtypes) };
                 if let Some(PackInto::Sim(b)) = &self.packs_into {
                     sim = sim.packing_into(b.clone());
@@ -247,8 +249,11 @@ impl CommEnd {
                 let (dev, scratch) = self.scratch.device.as_ref().ok_or("no device scratch")?;
                 regions.extend(scratch.device_addrs().iter().copied().zip(want));
                 // SAFETY: the registered regions are device memory of this
-                // GPU (`Registered::new`'s contract); the scratch is this
-                // end's allocations, alive past the run.
+                // GPU (the residence matched above) as their owner holds
+                // them now, valid until this run ends (`RegisteredMemory`'s
+                // contract for current regions), each cut to its buffer's
+                // bytes; the scratch is this end's allocations, alive past
+                // the run.
                 let mut mem = unsafe { DeviceMemory::register(dev, me, &program.buffers, &regions) }.map_err(|e| e.to_string())?;
                 let mut plane = gpu_plane(self.packs_into.as_ref(), dev, &mut mem, me)?;
                 run_rank_comm(&mut plane, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())
@@ -280,7 +285,7 @@ impl CommEnd {
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
                 use crate::cuda::{DeviceMemory, GpuDevice};
-                let regions = registered_regions(program, &registered.current_regions()?)?;
+                let regions = current_regions(program, registered).map_err(|e| e.to_string())?;
                 let lens: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
                 let fits = matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Device(_, m), .. })
                     if m.buffer_lens() == lens.as_slice());
@@ -293,9 +298,10 @@ impl CommEnd {
                 let st = staging.as_mut().ok_or("no staging")?;
                 let StagingMemory::Device(dev, mem) = &mut st.memory else { return Err("no device staging".into()) };
                 if !st.synced {
-                    // SAFETY: the regions are device memory of this GPU
-                    // (`Registered::new`'s contract, the residence checked
-                    // above), written only by this member's commits.
+                    // SAFETY: the regions are device memory of this GPU (the
+                    // residence checked above) as their owner holds them
+                    // now, valid during this copy and written only by this
+                    // member's commits (`RegisteredMemory`'s contract).
                     unsafe { mem.copy_from_regions(dev, &regions) }.map_err(|e| e.to_string())?;
                 }
                 st.synced = false;

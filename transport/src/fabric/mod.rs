@@ -45,7 +45,7 @@ use crate::{
     RankStats, Transport, TransportError,
 };
 use endpoint::{Endpointed, Ready};
-use registered::registered_regions;
+use registered::current_regions;
 use reshard::{Endpoint, RankProgram};
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -295,16 +295,9 @@ fn run_on_transport(
                 );
                 return refuse(t, RunError::Fabric(why));
             }
-            let current = match registered.current_regions() {
-                Ok(c) => c,
-                Err(e) => {
-                    let why = format!("{}: registered weights: {e}", program.endpoint);
-                    return refuse(t, RunError::Exec { why, after_peer: false });
-                }
-            };
-            let regions = match registered_regions(program, &current) {
+            let regions = match current_regions(program, registered) {
                 Ok(r) => r,
-                Err(e) => return refuse(t, RunError::ProgramMismatch(e)),
+                Err(e) => return refuse(t, e),
             };
             // Registered memory stays as it is, the scratch beside it.
             let mut beside = scratch_for(program, &bypass, regions.len(), reuse);
@@ -314,7 +307,7 @@ fn run_on_transport(
             // above), valid and written by nothing else until this run
             // ends (`RegisteredMemory`'s contract), and a source run only
             // reads them; each is cut to its buffer's bytes
-            // (`registered_regions`); the scratch is ours, alive past the
+            // (`current_regions`); the scratch is ours, alive past the
             // run; no two regions overlap.
             let r = unsafe { run_rank_regions(program, &bypass, &all, &mut t, &options, delta) };
             (r.map_err(exec_error), beside)

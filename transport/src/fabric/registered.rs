@@ -3,6 +3,7 @@
 //! ([`RegisteredMemory`]), and a registered destination's staging
 //! ([`RegisteredStaging`]).
 
+use super::RunError;
 use crate::RankMemory;
 use reshard::RankProgram;
 
@@ -61,9 +62,20 @@ pub unsafe trait RegisteredMemory: Send + Sync {
     fn current_regions(&self) -> Result<Vec<(u64, usize)>, String>;
 }
 
-/// The rank's buffers' `registered` regions, each cut to its buffer's
-/// bytes (the program's first buffers are the rank's).
-pub(crate) fn registered_regions(program: &RankProgram, registered: &[(u64, usize)]) -> Result<Vec<(u64, usize)>, String> {
+/// The rank's buffers' regions of `registered` memory as their owner holds
+/// them now, each cut to its buffer's bytes (the program's first buffers
+/// are the rank's): memory the owner moved or freed since is never
+/// named. An owner's refusal fails the run; regions that do not fit the
+/// program are a mismatch.
+pub(super) fn current_regions(program: &RankProgram, registered: &dyn RegisteredMemory) -> Result<Vec<(u64, usize)>, RunError> {
+    let me = program.endpoint;
+    let current =
+        registered.current_regions().map_err(|e| RunError::Exec { why: format!("{me}: registered weights: {e}"), after_peer: false })?;
+    cut_to_buffers(program, &current).map_err(RunError::ProgramMismatch)
+}
+
+/// `registered` regions, each cut to its buffer's bytes.
+fn cut_to_buffers(program: &RankProgram, registered: &[(u64, usize)]) -> Result<Vec<(u64, usize)>, String> {
     let me = program.endpoint;
     let base = registered.len();
     if program.buffers.len() < base {
@@ -191,7 +203,7 @@ impl RegisteredStaging {
             }
             #[cfg(feature = "cuda")]
             StagingMemory::Device(dev, mem) => {
-                let regions = registered_regions(program, &registered.current_regions()?)?;
+                let regions = current_regions(program, registered).map_err(|e| e.to_string())?;
                 if registered.residence() != (Residence::Device { ordinal: dev.ordinal() }) {
                     return Err(format!(
                         "{}: staging on GPU {} for registered {} memory",
