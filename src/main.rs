@@ -195,6 +195,13 @@ enum Command {
         /// `refit bench --fp8-dst` does).
         #[arg(long, value_name = "N")]
         fp8_dst: Option<u64>,
+        /// Where the reshard quantizes block-scaled FP8 destinations:
+        /// `source` (by the source rank that sends a block, for tensors
+        /// whose source shards hold whole blocks; codes and scales on the
+        /// wire) or `destination` (whole blocks of source values on the
+        /// wire). The baseline always quantizes at the destination.
+        #[arg(long, value_enum, default_value = "source")]
+        quantize_at: QuantizeAtArg,
     },
     /// Fill sources with a pattern, run one refit, optionally verify.
     Run {
@@ -467,6 +474,24 @@ enum Command {
     },
 }
 
+/// `--quantize-at`: [`reshard::QuantizeAt`] on the command line.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum QuantizeAtArg {
+    /// By the source ranks that send a block, where they hold whole blocks.
+    Source,
+    /// By the destination ranks, from whole blocks of source values.
+    Destination,
+}
+
+impl From<&QuantizeAtArg> for reshard::QuantizeAt {
+    fn from(a: &QuantizeAtArg) -> reshard::QuantizeAt {
+        match a {
+            QuantizeAtArg::Source => reshard::QuantizeAt::Source,
+            QuantizeAtArg::Destination => reshard::QuantizeAt::Destination,
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -488,22 +513,35 @@ fn main() -> ExitCode {
         }
     }
     let result = match &cli.command {
-        Command::Plan { src, dst, model, scale, ep, max_staging_mib, topology, estimate, svg, json, emit_layouts, fp8_dst } => {
-            cmd::plan::run(&cmd::plan::PlanArgs {
-                src,
-                dst,
-                model: *model,
-                scale: *scale,
-                ep: *ep,
-                max_staging_mib: *max_staging_mib,
-                topology,
-                estimate: *estimate,
-                svg,
-                json: *json,
-                emit_layouts,
-                fp8_dst: *fp8_dst,
-            })
-        }
+        Command::Plan {
+            src,
+            dst,
+            model,
+            scale,
+            ep,
+            max_staging_mib,
+            topology,
+            estimate,
+            svg,
+            json,
+            emit_layouts,
+            fp8_dst,
+            quantize_at,
+        } => cmd::plan::run(&cmd::plan::PlanArgs {
+            src,
+            dst,
+            model: *model,
+            scale: *scale,
+            ep: *ep,
+            max_staging_mib: *max_staging_mib,
+            topology,
+            estimate: *estimate,
+            svg,
+            json: *json,
+            emit_layouts,
+            fp8_dst: *fp8_dst,
+            quantize_at: quantize_at.into(),
+        }),
         Command::Run { pair, baseline, verify, transport, deadline_s, json, dump_dst, only } => cmd::run::run(&cmd::run::RunArgs {
             pair,
             baseline: *baseline,

@@ -38,7 +38,7 @@ fn check_launch(name: &str, extra: &[&str]) {
 /// node share memory) and with a process per rank.
 #[test]
 fn slow_every_example_is_bit_exact_across_processes() {
-    for name in ["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled"] {
+    for name in ["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled", "fp8-source-quantized"] {
         check_launch(name, &["--per-process", "node"]);
         check_launch(name, &["--per-process", "node", "--baseline"]);
     }

@@ -14,6 +14,12 @@ use std::time::Duration;
 const SRC: &str = r#"{"ranks": 2, "tensors": [
   {"name": "w", "dtype": "f32", "shape": [6, 10], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#;
 
+/// Training: f32 TP2 by rows 0..4 and 4..6, whole blocks: quantized by
+/// the sources.
+const SRC_WHOLE_BLOCKS: &str = r#"{"ranks": 2, "tensors": [
+  {"name": "w", "dtype": "f32", "shape": [6, 10], "shards": [
+    {"rank": 0, "offset": [0, 0], "extent": [4, 10]}, {"rank": 1, "offset": [4, 0], "extent": [2, 10]}]}]}"#;
+
 /// Inference: FP8 in blocks of 4 x 4 (partial at both ends), TP2 by
 /// columns (5 each: block column 1 is cut), scales sharded with them, DP2.
 const DST: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
@@ -74,8 +80,8 @@ fn serves(sys: &RefitSystem, version: u64, k: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_nan_version_is_refused_and_the_last_one_keeps_serving() {
-    for mode in [Strategy::Reshard, Strategy::Baseline] {
-        let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(DST).unwrap());
+    for (src, mode) in [(SRC, Strategy::Reshard), (SRC, Strategy::Baseline), (SRC_WHOLE_BLOCKS, Strategy::Reshard)] {
+        let (src, dst) = (parse_layout(src).unwrap(), parse_layout(DST).unwrap());
         let config = OrchestratorConfig { mode, deadline: Duration::from_secs(10), ..OrchestratorConfig::default() };
         let sys = spawn_refit(&src, &dst, config).await.unwrap();
         let v1 = step(&sys, 1, false).await;

@@ -51,7 +51,7 @@ use crate::plan::{
     MAX_PIECES,
 };
 use crate::planner::{add_node_needs, hash_scale, match_tensors, placed_alike, placement_key, receivers_of, scaled_alike, wire_pairs};
-use crate::quant;
+use crate::route::{self, QuantizeAt, Route};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
@@ -104,8 +104,14 @@ pub fn plan_baseline(src: &Layout, dst: &Layout, options: &PlanOptions) -> Resul
     transfers.sort_by_key(|t| t.round);
     let rounds = packer.rounds;
     drop(packer);
-    let parts =
-        PlanParts { pieces, wire: outline.wire, needed_node_bytes: outline.needs, unique_bytes: outline.unique_bytes, scratch_blocks };
+    let parts = PlanParts {
+        pieces,
+        wire: outline.wire,
+        routes: outline.routes,
+        needed_node_bytes: outline.needs,
+        unique_bytes: outline.unique_bytes,
+        scratch_blocks,
+    };
     Ok(Plan::assemble_in_rounds(Strategy::Baseline, src, dst, options, parts, Scheduled { transfers, rounds, stages: stages_of(rounds) }))
 }
 
@@ -592,6 +598,8 @@ struct Outline {
     pairs: Vec<(Endpoint, Endpoint)>,
     /// Per destination tensor: source and destination dtypes.
     wire: Vec<(DType, DType)>,
+    /// Per destination tensor, how its values travel.
+    routes: Vec<Route>,
     /// Per destination node, bytes of the union of its ranks' needs.
     needs: Vec<u64>,
     unique_bytes: u64,
@@ -739,7 +747,7 @@ impl Pairs {
 
 impl Outline {
     fn new(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Outline, PlanError> {
-        let matched = match_tensors(src, dst)?;
+        let (matched, routes) = match_tensors(src, dst, QuantizeAt::Destination)?;
         let only = options.only.as_ref().map(|s| s.mask(dst)).transpose()?;
         let included = |td: usize| only.as_ref().is_none_or(|m| m[td]);
         let planned = |(td, m): (usize, &Option<(u32, DType, DType)>)| m.filter(|_| included(td)).map(|m| (td, m));
@@ -755,6 +763,7 @@ impl Outline {
             chains: Vec::new(),
             pairs: Vec::new(),
             wire: wire_pairs(&matched),
+            routes,
             needs: vec![0; dst.nodes() as usize],
             unique_bytes: 0,
             pieces: 0,
@@ -881,7 +890,7 @@ impl Recipe {
     /// `interned`.
     fn new(src: &Layout, dst: &Layout, tensors: (u32, u32), dtypes: (DType, DType), chunk: u64, interned: &mut Interned) -> Option<Recipe> {
         let ((ts, td), (sd, dd)) = (tensors, dtypes);
-        let hd = quant::delivered_holdings(dst, td);
+        let hd = route::delivered_holdings(dst, td, route::at_destination(dst, td));
         if hd.is_empty() {
             return None;
         }

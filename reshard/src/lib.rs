@@ -31,6 +31,7 @@ mod plan;
 mod planner;
 mod program;
 mod quant;
+mod route;
 mod units;
 
 // The crate's face: every module is private; what other crates, the
@@ -53,6 +54,7 @@ pub use program::{
     span_in, Iter, LocalCopy, LocalCopyView, Message, Pieces, Programs, RankProgram, RecvPiece, RecvPieceView, Round, SendPiece,
     SendPieceView, Span, Spans,
 };
+pub use route::{QuantizeAt, Route};
 // Block-scaled FP8: the semantics and a destination's quantize steps, for
 // the data planes that run them.
 pub use quant::{

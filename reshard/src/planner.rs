@@ -10,19 +10,29 @@ use crate::layout::{Holding, Layout, Rank, TensorLayout};
 use crate::overlap::{atomize, with_range, SourceIndex};
 use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
 use crate::quant;
+use crate::route::{self, scale_block, QuantizeAt, Route};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{Hash, Hasher};
 
 /// Matches destination tensors to source tensors and checks shapes and
 /// dtypes; returns, per destination tensor, the source index and the
-/// dtypes values leave and arrive in (for a block-scaled tensor, the dtype
-/// its unquantized blocks arrive in, [`quant::staged_dtype`]). A scale
-/// tensor gets `None`: it is written by its tensor's quantization, never
-/// moved.
+/// dtypes values leave and arrive in, and its [`Route`]. A block-scaled
+/// tensor is quantized where `at` says if its source allows
+/// ([`route::source_quantizable`]): at the source, codes travel (e4m3 to
+/// e4m3) and its scale tensor is matched to the same source tensor (f32 to
+/// f32); at the destination, its unquantized blocks arrive in
+/// [`quant::staged_dtype`] and its scale tensor gets `None`: it is written
+/// by the destination's quantization, never moved.
 #[allow(clippy::type_complexity)]
-pub(crate) fn match_tensors(src: &Layout, dst: &Layout) -> Result<Vec<Option<(u32, DType, DType)>>, PlanError> {
-    dst.tensors()
+pub(crate) fn match_tensors(
+    src: &Layout,
+    dst: &Layout,
+    at: QuantizeAt,
+) -> Result<(Vec<Option<(u32, DType, DType)>>, Vec<Route>), PlanError> {
+    let mut routes = vec![Route::Plain; dst.tensors().len()];
+    let mut matched = dst
+        .tensors()
         .iter()
         .enumerate()
         .map(|(i, t)| {
@@ -42,8 +52,13 @@ pub(crate) fn match_tensors(src: &Layout, dst: &Layout) -> Result<Vec<Option<(u3
             if s.scale.is_some() {
                 return Err(PlanError::ScaledSource { tensor: t.name.clone() });
             }
-            if t.scale.is_some() {
+            if let Some((_, block)) = dst.scale_of(i as u32) {
                 let staged = quant::staged_dtype(s.dtype).ok_or(PlanError::Quantize { tensor: t.name.clone(), from: s.dtype })?;
+                if at == QuantizeAt::Source && route::source_quantizable(src, si, block) {
+                    routes[i] = Route::QuantizedAtSource;
+                    return Ok(Some((si, DType::F8E4M3, DType::F8E4M3)));
+                }
+                routes[i] = Route::QuantizedAtDestination;
                 return Ok(Some((si, s.dtype, staged)));
             }
             if !can_convert(s.dtype, t.dtype) {
@@ -51,7 +66,16 @@ pub(crate) fn match_tensors(src: &Layout, dst: &Layout) -> Result<Vec<Option<(u3
             }
             Ok(Some((si, s.dtype, t.dtype)))
         })
-        .collect()
+        .collect::<Result<Vec<_>, PlanError>>()?;
+    // The scales of tensors quantized at the source travel from there too.
+    for t in 0..matched.len() as u32 {
+        if let (Route::QuantizedAtSource, Some((s, _))) = (routes[t as usize], dst.scale_of(t)) {
+            let si = matched[t as usize].map(|m| m.0);
+            matched[s as usize] = si.map(|si| (si, DType::F32, DType::F32));
+            routes[s as usize] = Route::ScalesFromSource;
+        }
+    }
+    Ok((matched, routes))
 }
 
 /// The dtypes per destination tensor of [`match_tensors`]'s result, as
@@ -130,6 +154,7 @@ struct Template {
     src_tensor: u32,
     dst_tensor: u32,
     wire: DType,
+    route: Route,
     pieces: Vec<TemplatePiece>,
     unique_bytes: u64,
     needs: Vec<(u32, u64)>,
@@ -139,20 +164,19 @@ struct Template {
 fn overlap_template(
     src: &Layout,
     dst: &Layout,
-    ts: u32,
-    td: u32,
-    wire: DType,
+    (ts, td): (u32, u32),
+    (wire, route): (DType, Route),
     options: &PlanOptions,
     pool: &mut Vec<Rank>,
 ) -> Result<Template, PlanError> {
-    let hs = src.holdings(ts);
-    let hd = quant::delivered_holdings(dst, td);
+    let hs = route::offered_holdings(src, ts, route, scale_block(dst, td));
+    let hd = route::delivered_holdings(dst, td, route);
     let index = SourceIndex::new(&hs);
     let max_elems = (options.max_staging_bytes / wire.size()).max(1);
     // Cells of an atom that holdings cut differently are sent by different
     // ranks only where each is at least the least part of a split.
     let min_cell = options.min_split_bytes.div_ceil(wire.size());
-    let mut t = Template { src_tensor: ts, dst_tensor: td, wire, pieces: Vec::new(), unique_bytes: 0, needs: Vec::new() };
+    let mut t = Template { src_tensor: ts, dst_tensor: td, wire, route, pieces: Vec::new(), unique_bytes: 0, needs: Vec::new() };
     let mut needs = vec![0u64; dst.nodes() as usize];
     for atom in atomize(&hd) {
         let receivers = receivers_of(&hd, &atom.holdings);
@@ -205,7 +229,7 @@ struct Work {
 
 /// Plans a reshard from `src` to `dst`.
 pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result<Plan, PlanError> {
-    let matched = match_tensors(src, dst)?;
+    let (matched, routes) = match_tensors(src, dst, options.quantize_at)?;
     let only = options.only.as_ref().map(|s| s.mask(dst)).transpose()?;
     let included = |td: usize| only.as_ref().is_none_or(|m| m[td]);
     let mut pool: Vec<Rank> = Vec::new();
@@ -229,10 +253,15 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
             continue;
         };
         let wire = wire_dtype(sd, dd);
+        let route = routes[td];
         let (st, dt) = (&src.tensors()[ts as usize], &dst.tensors()[td]);
         let same = |t: &Template| {
             let (rs, rd) = (&src.tensors()[t.src_tensor as usize], &dst.tensors()[t.dst_tensor as usize]);
-            t.wire == wire && placed_alike(st, dt, rs, rd) && scaled_alike(dst, td as u32, t.dst_tensor)
+            t.wire == wire
+                && t.route == route
+                && placed_alike(st, dt, rs, rd)
+                && scaled_alike(dst, td as u32, t.dst_tensor)
+                && scale_block(dst, td as u32) == scale_block(dst, t.dst_tensor)
         };
         let template = match recent.iter().position(|&i| same(&templates[i as usize])) {
             Some(at) => {
@@ -245,14 +274,16 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
                 let key = {
                     let mut h = placement_key(st, dt);
                     wire.hash(&mut h);
+                    route.hash(&mut h);
                     hash_scale(dst, td as u32, &mut h);
+                    scale_block(dst, td as u32).hash(&mut h);
                     h.finish()
                 };
                 let found = by_key.get(&key).and_then(|list| list.iter().copied().find(|&i| same(&templates[i as usize])));
                 match found {
                     Some(i) => i as usize,
                     None => {
-                        let t = overlap_template(src, dst, ts, td as u32, wire, options, &mut pool)?;
+                        let t = overlap_template(src, dst, (ts, td as u32), (wire, route), options, &mut pool)?;
                         by_key.entry(key).or_default().push(templates.len() as u32);
                         templates.push(t);
                         templates.len() - 1
@@ -352,7 +383,8 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         }
     }
     drop(work);
-    let parts = PlanParts { pieces, wire: wire_pairs(&matched), needed_node_bytes: needs, unique_bytes, scratch_blocks: Vec::new() };
+    let parts =
+        PlanParts { pieces, wire: wire_pairs(&matched), routes, needed_node_bytes: needs, unique_bytes, scratch_blocks: Vec::new() };
     Ok(Plan::assemble_by_sender(Strategy::Reshard, src, dst, options, parts, lists))
 }
 

@@ -248,23 +248,6 @@ pub(crate) fn rank_staged(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Lo
         .collect()
 }
 
-/// Where the plan delivers tensor `t` of a destination layout: its
-/// holdings, or for a block-scaled tensor its [`staged_holdings`].
-pub(crate) fn delivered_holdings(layout: &Layout, t: u32) -> Vec<Holding> {
-    match layout.scale_of(t) {
-        Some(_) => staged_holdings(layout, t),
-        None => layout.holdings(t),
-    }
-}
-
-/// [`delivered_holdings`] of one rank.
-pub(crate) fn rank_delivered(layout: &Layout, t: u32, rank: Rank) -> Vec<(Block, Loc)> {
-    match layout.scale_of(t) {
-        Some(_) => rank_staged(layout, t, rank),
-        None => layout.rank_holdings(t, rank),
-    }
-}
-
 /// The [`BufferKey::Unquantized`] buffer of block-scaled tensor `t` on
 /// `rank`, in `dtype` (see [`staged_dtype`]); `None` where the rank needs
 /// none of it.

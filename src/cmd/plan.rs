@@ -24,6 +24,8 @@ pub(crate) struct PlanArgs<'a> {
     pub(crate) emit_layouts: &'a Option<PathBuf>,
     /// Block-scale the destination to FP8 in blocks of this size first.
     pub(crate) fp8_dst: Option<u64>,
+    /// Where the reshard quantizes FP8 destinations.
+    pub(crate) quantize_at: reshard::QuantizeAt,
 }
 
 /// A named link model, or one read from a JSON file.
@@ -140,7 +142,7 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         .checked_mul(1 << 20)
         .filter(|&b| b > 0)
         .ok_or_else(|| invalid("--max-staging-mib must be between 1 and 2^44".into()))?;
-    let opts = PlanOptions { max_staging_bytes: bytes, links, ..PlanOptions::default() };
+    let opts = PlanOptions { max_staging_bytes: bytes, links, quantize_at: args.quantize_at, ..PlanOptions::default() };
     let ctx = |e: reshard::PlanError| invalid(format!("{what}: {e}"));
     let write_svg = |p: &Path, plan: &reshard::Plan| {
         progress.phase(format!("drawing {}", p.display()));
@@ -155,6 +157,9 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
     if let Some(path) = args.svg {
         write_svg(path, &reshard)?;
     }
+    // Block-scaled tensors by where the reshard quantizes them.
+    let count = |route| (0..dst.tensors().len() as u32).filter(|&t| reshard.route(t) == route).count();
+    let quantized = (count(reshard::Route::QuantizedAtSource), count(reshard::Route::QuantizedAtDestination));
     // Only the figures stay: the plan is dropped before the baseline's turn.
     let (r_figures, fingerprint) = (reshard.figures().clone(), reshard.fingerprint());
     drop(reshard);
@@ -180,6 +185,10 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
             Err(e) => (serde_json::Value::Null, json!(e.to_string())),
         };
         let mut out = json!({"reshard": figures_json(&r_figures), "baseline": b, "baseline_error": err});
+        if quantized != (0, 0) {
+            out["reshard"]["quantized_at_source"] = json!(quantized.0);
+            out["reshard"]["quantized_at_destination"] = json!(quantized.1);
+        }
         if let Some(r_est) = r_est {
             let mut estimate = json!({
                 "topology": args.topology,
@@ -209,6 +218,14 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         return Ok(());
     }
     say!("{what}: {}, fingerprint {fingerprint}", pair_summary(&src, &dst));
+    if quantized != (0, 0) {
+        say!(
+            "FP8: the reshard quantizes {} tensors at the source (codes and scales on the wire), {} at the destination \
+             (whole blocks of source values on the wire); the baseline all at the destination",
+            quantized.0,
+            quantized.1
+        );
+    }
     say!("");
     let estimate_row = r_est.map(|r| {
         let baseline = b_est.map_or_else(|| "-".into(), |b| seconds(b.seconds));

@@ -16,7 +16,8 @@ use transport::{
     fill_sources, local_fabric, run_local, verify_destinations, DeltaRun, ExecOptions, RankMemory,
 };
 
-const EXAMPLES: &[&str] = &["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled"];
+const EXAMPLES: &[&str] =
+    &["tp-to-tp", "pp-to-tp", "ep-moe", "fsdp-to-tp", "fused-qkv", "mixed-2d", "fp8-block-scaled", "fp8-source-quantized"];
 
 fn layouts(name: &str) -> (Layout, Layout) {
     let dir = format!("{}/../examples/{name}", env!("CARGO_MANIFEST_DIR"));
@@ -311,7 +312,7 @@ fn delta_check(name: &str, plane: Plane) {
 /// block-scaled FP8 destinations included.
 #[test]
 fn delta_refits_land_every_byte_and_send_what_changed() {
-    for name in ["tp-to-tp", "mixed-2d", "fp8-block-scaled"] {
+    for name in ["tp-to-tp", "mixed-2d", "fp8-block-scaled", "fp8-source-quantized"] {
         for plane in [Plane::Nccl, Plane::Ipc] {
             delta_check(name, plane);
         }

@@ -6,7 +6,7 @@
 //! in a source block fails the refit and names the tensor.
 
 use reshard::e4m3_from_f32;
-use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Layout, Plan, PlanOptions, RankProgram};
+use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Layout, Plan, PlanOptions, QuantizeAt, RankProgram, Route};
 use std::time::Duration;
 use transport::{
     fill_sources, pattern_value, run_local, run_tcp, tensor_seed, verify_destinations, ExecError, ExecOptions, RankMemory, TcpConfig,
@@ -105,12 +105,11 @@ enum Run {
 /// Refits `src` into `dst` as `run` says, with destinations starting from
 /// garbage; checks every destination element against the reference and
 /// the verification pattern. Returns the plan.
-fn check(src: &str, dst: &str, run: Run) -> Plan {
+fn check(src: &str, dst: &str, run: Run, options: &PlanOptions) -> Plan {
     let (src, dst) = (parse_layout(src).unwrap(), parse_layout(dst).unwrap());
-    let options = PlanOptions::default();
     let plan = match run {
-        Run::Baseline => plan_baseline(&src, &dst, &options),
-        _ => plan_reshard(&src, &dst, &options),
+        Run::Baseline => plan_baseline(&src, &dst, options),
+        _ => plan_reshard(&src, &dst, options),
     }
     .unwrap();
     let programs = plan.programs(&src, &dst).unwrap();
@@ -190,8 +189,93 @@ fn block_scaled_destinations_match_the_reference_in_every_case() {
         (DST_DP, Run::Baseline),
         (DST_DP, Run::ReshardTcp),
     ] {
-        check(SRC, dst, run);
+        check(SRC, dst, run, &PlanOptions::default());
     }
+}
+
+/// The source of [`SRC`]'s tensors cut at block boundaries (each tensor's
+/// blocks are those of both destinations), with replicas and two boxes of
+/// one tensor on one rank in one buffer: every block-scaled tensor is
+/// quantized by the source ranks that send it.
+const SRC_ALIGNED: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
+  {"name": "w", "dtype": "bf16", "shape": [300, 200], "shards": [
+    {"rank": 0, "offset": [0, 0], "extent": [128, 200]},
+    {"rank": 1, "offset": [128, 0], "extent": [128, 200]},
+    {"rank": 2, "offset": [256, 0], "extent": [44, 200]},
+    {"rank": 3, "offset": [0, 0], "extent": [128, 200], "buffer": "w3", "at": 0},
+    {"rank": 3, "offset": [256, 0], "extent": [44, 200], "buffer": "w3", "at": 25600}]},
+  {"name": "v", "dtype": "f32", "shape": [130], "mesh": {"shape": [4]}, "placements": ["replicate"]},
+  {"name": "q", "dtype": "f64", "shape": [5, 33, 40], "shards": [
+    {"rank": 0, "offset": [0, 0, 0], "extent": [2, 33, 40]},
+    {"rank": 1, "offset": [2, 0, 0], "extent": [2, 33, 40]},
+    {"rank": 2, "offset": [4, 0, 0], "extent": [1, 33, 40]},
+    {"rank": 3, "offset": [0, 0, 0], "extent": [5, 33, 40]}]},
+  {"name": "k", "dtype": "bf16", "shape": [20, 40], "shards": [
+    {"rank": 0, "offset": [0, 0], "extent": [14, 40]},
+    {"rank": 1, "offset": [14, 0], "extent": [6, 40]},
+    {"rank": 2, "offset": [0, 0], "extent": [7, 40]},
+    {"rank": 3, "offset": [7, 0], "extent": [13, 40]}]},
+  {"name": "b", "dtype": "bf16", "shape": [200], "mesh": {"shape": [4]}, "placements": ["shard(0)"]}]}"#;
+
+/// Where every source holds whole blocks, the reshard quantizes at the
+/// source: destinations get the reference's codes and scales bit for bit
+/// on every transport, as when quantizing at the destination (asked for,
+/// and what the baseline always does).
+#[test]
+fn sources_holding_whole_blocks_quantize_and_match_the_reference() {
+    let at_destination = PlanOptions { quantize_at: QuantizeAt::Destination, ..PlanOptions::default() };
+    for dst in [DST_TP, DST_DP] {
+        for run in [Run::Reshard, Run::ReshardTcp] {
+            let plan = check(SRC_ALIGNED, dst, run, &PlanOptions::default());
+            let again = check(SRC_ALIGNED, dst, run, &at_destination);
+            let dst = parse_layout(dst).unwrap();
+            for (t, tensor) in dst.tensors().iter().enumerate() {
+                let want = match (dst.scale_of(t as u32), dst.scale_for(t as u32)) {
+                    (Some(_), _) => Route::QuantizedAtSource,
+                    (_, Some(_)) => Route::ScalesFromSource,
+                    _ => Route::Plain,
+                };
+                assert_eq!(plan.route(t as u32), want, "{}", tensor.name);
+            }
+            assert!((0..dst.tensors().len() as u32).all(|t| again.route(t) != Route::QuantizedAtSource));
+        }
+        let plan = check(SRC_ALIGNED, dst, Run::Baseline, &PlanOptions::default());
+        let dst = parse_layout(dst).unwrap();
+        assert!((0..dst.tensors().len() as u32).all(|t| plan.route(t) != Route::QuantizedAtSource));
+    }
+    // The unaligned source of the other cases keeps `w`, `q` and `k` at
+    // the destination; `v` (replicated whole) goes as codes.
+    let plan = check(SRC, DST_TP, Run::Reshard, &PlanOptions::default());
+    let dst = parse_layout(DST_TP).unwrap();
+    let route = |name: &str| plan.route(dst.tensor_index(name).unwrap());
+    assert_eq!(
+        [route("w"), route("q"), route("k"), route("v"), route("v_scale")],
+        [
+            Route::QuantizedAtDestination,
+            Route::QuantizedAtDestination,
+            Route::QuantizedAtDestination,
+            Route::QuantizedAtSource,
+            Route::ScalesFromSource
+        ]
+    );
+}
+
+/// Quantized at the source, `w` costs a byte per element it delivers plus
+/// its scales: no whole blocks, no source dtype.
+#[test]
+fn codes_and_scales_are_all_the_wire_carries_from_sources_that_quantize() {
+    let one = |dst: &str, quantize_at| {
+        let only = reshard::TensorSubset::new(["w"]);
+        let (_, _, plan, _) = planned(SRC_ALIGNED, dst, &PlanOptions { only: Some(only), quantize_at, ..PlanOptions::default() });
+        plan.figures().total_bytes
+    };
+    // TP2 by columns: each rank its 100 columns and its column of scales.
+    assert_eq!(one(DST_TP, QuantizeAt::Source), 300 * 200 + 6 * 4);
+    assert_eq!(one(DST_TP, QuantizeAt::Destination), 300 * (128 + 200) * 2);
+    // DP2 x TP2 on two nodes: each node's rows 0..150 and 150..300 once
+    // from the sources, then to its other rank; every rank all 6 scales,
+    // once per node and then inside it.
+    assert_eq!(one(DST_DP, QuantizeAt::Source), 2 * 300 * 200 + 4 * 6 * 4);
 }
 
 /// What the plan moves for `w`: whole blocks of bf16, so at least the
@@ -260,9 +344,11 @@ fn a_delta_refit_into_fp8_matches_a_dense_one() {
     fill_sources(&src, &mut memory[..n_src]);
     let (_, memos) = transport::run_local_delta(&programs, &mut memory, &exec, vec![None; programs.len()]).unwrap();
     verify_destinations(&src, &dst, &memory[n_src..]).unwrap();
-    // Change one source element in forty (a bf16/f32 mantissa bit).
-    for m in &mut memory[..n_src] {
-        for (b, dtype) in m.buffers.iter_mut().zip(&m.dtypes) {
+    // Change one source element in forty (a bf16/f32 mantissa bit), in the
+    // layout's buffers (not those the plan quantizes into).
+    for (r, m) in memory[..n_src].iter_mut().enumerate() {
+        let held = src.rank_buffers(r as u32).len();
+        for (b, dtype) in m.buffers.iter_mut().zip(&m.dtypes).take(held) {
             let size = dtype.size() as usize;
             for e in b.chunks_exact_mut(size).step_by(40) {
                 e[size - 2] ^= 0x10;
@@ -286,10 +372,10 @@ fn a_delta_refit_into_fp8_matches_a_dense_one() {
 #[test]
 fn the_device_quantizer_plan_matches_the_host_quantizer() {
     use transport::cuda::QuantPlan;
-    let mut launches = 0;
-    for dst in [DST_TP, DST_DP] {
+    let (mut launches, mut on_sources, mut host_only) = (0, 0, 0);
+    for (src, dst) in [(SRC, DST_TP), (SRC, DST_DP), (SRC_ALIGNED, DST_TP), (SRC_ALIGNED, DST_DP)] {
         for strategy in [plan_reshard, plan_baseline] {
-            let (src, dst) = (parse_layout(SRC).unwrap(), parse_layout(dst).unwrap());
+            let (src, dst) = (parse_layout(src).unwrap(), parse_layout(dst).unwrap());
             let plan = strategy(&src, &dst, &PlanOptions::default()).unwrap();
             let programs = plan.programs(&src, &dst).unwrap();
             // The values as they land: every program run without its
@@ -311,8 +397,21 @@ fn the_device_quantizer_plan_matches_the_host_quantizer() {
                 }
             }
             run_local(&bare, &mut memory, &ExecOptions { deadline: Duration::from_secs(30) }).unwrap();
-            for (program, landed) in programs.iter().zip(&memory).skip(n_src) {
-                let qp = QuantPlan::new(program).unwrap().unwrap();
+            // Sources quantize before sending (what they hold is there
+            // from the start), destinations after receiving.
+            for (program, landed) in programs.iter().zip(&memory).filter(|(p, _)| !p.quantize.is_empty()) {
+                if program.quantizes_first() {
+                    on_sources += 1;
+                }
+                let qp = match QuantPlan::new(program).unwrap() {
+                    Ok(qp) => qp,
+                    Err(why) => {
+                        // f64 values quantized where they are: the host's.
+                        assert!(why.to_string().contains("does not read f64"), "{why}");
+                        host_only += 1;
+                        continue;
+                    }
+                };
                 assert_eq!(qp.is_empty(), program.quantize.is_empty());
                 // Every launch fits the rank's buffers, and not one byte less.
                 let lens: Vec<usize> = landed.buffers.iter().map(Vec::len).collect();
@@ -353,4 +452,5 @@ fn the_device_quantizer_plan_matches_the_host_quantizer() {
         }
     }
     assert!(launches > 40, "{launches} launches");
+    assert!(on_sources > 0 && host_only > 0, "{on_sources} source ranks quantized, {host_only} on the host only");
 }

@@ -175,6 +175,20 @@ pub enum BufferKey {
         /// Tensor index.
         tensor: u32,
     },
+    /// A planner-owned buffer on a source rank holding the e4m3 codes of
+    /// its boxes of tensor `tensor`, which it quantizes before sending
+    /// ([`Route::QuantizedAtSource`](crate::Route::QuantizedAtSource)).
+    Quantized {
+        /// Tensor index (of the source layout).
+        tensor: u32,
+    },
+    /// A planner-owned buffer on a source rank holding the f32 block
+    /// scales of its boxes of tensor `tensor`
+    /// ([`Route::ScalesFromSource`](crate::Route::ScalesFromSource)).
+    Scales {
+        /// Tensor index (of the source layout).
+        tensor: u32,
+    },
 }
 
 /// A place where a block is stored: rank, buffer and element offset of the
@@ -365,6 +379,8 @@ impl Layout {
             BufferKey::Named(i) => self.buffer_names[i as usize].clone(),
             BufferKey::Scratch { tensor } => format!("scratch:{}", self.tensors[tensor as usize].name),
             BufferKey::Unquantized { tensor } => format!("unquantized:{}", self.tensors[tensor as usize].name),
+            BufferKey::Quantized { tensor } => format!("quantized:{}", self.tensors[tensor as usize].name),
+            BufferKey::Scales { tensor } => format!("scales:{}", self.tensors[tensor as usize].name),
         }
     }
 

@@ -23,6 +23,7 @@ use crate::block::Block;
 use crate::dtype::{wire_dtype, DType};
 use crate::fingerprint::{fnv64, Fingerprint, Fnv64};
 use crate::layout::{Layout, Rank};
+use crate::route::Route;
 use figures::count_figures;
 use rounds::finish_by_sender;
 use std::fmt;
@@ -182,6 +183,9 @@ pub struct Plan {
     pub(crate) pieces: Vec<Piece>,
     pub(crate) transfers: Vec<Transfer>,
     pub(crate) wire: Vec<(DType, DType)>,
+    /// Per destination tensor, how its values travel (where block-scaled
+    /// tensors are quantized).
+    pub(crate) routes: Vec<Route>,
     pub(crate) figures: Figures,
     /// Per destination node: bytes of the union of its ranks' needs.
     pub(crate) needed_node_bytes: Vec<u64>,
@@ -216,6 +220,15 @@ impl Plan {
     /// All transfers, in stage order.
     pub fn transfers(&self) -> &[Transfer] {
         &self.transfers
+    }
+
+    /// How destination tensor `td`'s values travel: plain, or for a
+    /// block-scaled FP8 tensor and its scales, where they are quantized.
+    ///
+    /// # Panics
+    /// If `td` is not a tensor of the plan's destination layout.
+    pub fn route(&self, td: u32) -> Route {
+        self.routes[td as usize]
     }
 
     /// Traffic figures.
@@ -300,6 +313,7 @@ pub(crate) struct Scheduled {
 pub(crate) struct PlanParts {
     pub(crate) pieces: Vec<Piece>,
     pub(crate) wire: Vec<(DType, DType)>,
+    pub(crate) routes: Vec<Route>,
     pub(crate) needed_node_bytes: Vec<u64>,
     pub(crate) unique_bytes: u64,
     pub(crate) scratch_blocks: Vec<Block>,
@@ -353,6 +367,7 @@ impl Plan {
             pieces: parts.pieces,
             transfers: Vec::new(),
             wire: parts.wire,
+            routes: parts.routes,
             figures: Figures::default(),
             needed_node_bytes: parts.needed_node_bytes,
             unique_bytes: parts.unique_bytes,

@@ -1,8 +1,10 @@
 //! Planner options: the staging limit per round, the link model, the
-//! smallest split of a piece, and an optional subset of tensors to plan.
+//! smallest split of a piece, where FP8 destinations are quantized, and an
+//! optional subset of tensors to plan.
 
 use super::TensorSubset;
 use crate::cost::LinkModel;
+use crate::route::QuantizeAt;
 use std::hash::{Hash, Hasher};
 
 /// Planner options.
@@ -24,6 +26,10 @@ pub struct PlanOptions {
     /// buffers that hold any of them ([`RankProgram::carried`](crate::RankProgram::carried)), whose bytes
     /// a refit must keep from the version the destination serves.
     pub only: Option<TensorSubset>,
+    /// Where the reshard quantizes block-scaled FP8 destination tensors
+    /// (the baseline always quantizes at the destination, as the
+    /// frameworks it stands for do).
+    pub quantize_at: QuantizeAt,
 }
 
 /// The default of [`PlanOptions::min_split_bytes`]: 64 KiB per part.
@@ -31,7 +37,13 @@ pub(crate) const DEFAULT_MIN_SPLIT_BYTES: u64 = 64 << 10;
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { max_staging_bytes: 256 << 20, links: LinkModel::default(), min_split_bytes: DEFAULT_MIN_SPLIT_BYTES, only: None }
+        PlanOptions {
+            max_staging_bytes: 256 << 20,
+            links: LinkModel::default(),
+            min_split_bytes: DEFAULT_MIN_SPLIT_BYTES,
+            only: None,
+            quantize_at: QuantizeAt::Source,
+        }
     }
 }
 
@@ -43,5 +55,6 @@ impl Hash for PlanOptions {
         self.links.intra_bytes_per_s.to_bits().hash(h);
         self.links.message_latency_s.to_bits().hash(h);
         self.only.hash(h);
+        self.quantize_at.hash(h);
     }
 }

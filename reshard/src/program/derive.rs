@@ -8,6 +8,7 @@ use crate::dtype::DType;
 use crate::layout::{BufferKey, BufferSpec, Layout, Loc, Rank};
 use crate::plan::{fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
 use crate::quant;
+use crate::route::{self, scale_block, Route};
 use std::collections::{BTreeMap, HashMap};
 
 /// Derives rank programs from one plan, one rank at a time: built once
@@ -71,6 +72,9 @@ impl<'a> Programs<'a> {
         let mut sends: Builder<SendPiece> = BTreeMap::new();
         let mut recvs: Builder<RecvPiece> = BTreeMap::new();
         let mut locals: BTreeMap<u32, Pieces<LocalCopy>> = BTreeMap::new();
+        // Source tensors this rank quantizes before sending, with their
+        // blocks' extent.
+        let mut quantized_here: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
         let mut k = 0;
         while k < mine.len() {
             let td = plan.pieces[plan.transfers[mine[k] as usize].piece as usize].dst_tensor;
@@ -84,11 +88,21 @@ impl<'a> Programs<'a> {
             let (src_dtype, dst_dtype) = plan.wire[td as usize];
             let dtype_of = |g: Group| if g == Group::Src { src_dtype } else { dst_dtype };
             let my_dtype = dtype_of(e.group);
+            let route = plan.routes[td as usize];
             let held = match e.group {
-                Group::Src => layout.rank_holdings(tensor, e.rank),
+                Group::Src => {
+                    let block = scale_block(self.dst, td);
+                    if let (Route::QuantizedAtSource | Route::ScalesFromSource, Some(b)) = (route, block) {
+                        side.source_quantized(tensor, b);
+                        quantized_here.entry(tensor).or_insert_with(|| b.to_vec());
+                    }
+                    route::rank_offered(layout, tensor, e.rank, route, block)
+                }
                 Group::Dst => {
-                    side.staged(tensor, my_dtype);
-                    quant::rank_delivered(layout, tensor, e.rank)
+                    if route == Route::QuantizedAtDestination {
+                        side.staged(tensor, my_dtype);
+                    }
+                    route::rank_delivered(layout, tensor, e.rank, route)
                 }
             };
             for &ti in &mine[k..end] {
@@ -171,10 +185,13 @@ impl<'a> Programs<'a> {
             _ => Vec::new(),
         };
         let mut quantize = Vec::new();
+        for (ts, block) in &quantized_here {
+            quantize.extend(route::source_quantize_op(layout, *ts, e.rank, block, &|key| side.index.get(&key).copied()));
+        }
         if e.group == Group::Dst {
             let mask = plan.options().only.as_ref().and_then(|only| only.mask(layout).ok());
             for t in 0..layout.tensors().len() as u32 {
-                if layout.scale_of(t).is_none() || mask.as_ref().is_some_and(|m| !m[t as usize]) {
+                if plan.routes[t as usize] != Route::QuantizedAtDestination || mask.as_ref().is_some_and(|m| !m[t as usize]) {
                     continue;
                 }
                 let dtype = plan.wire[t as usize].1;
@@ -222,6 +239,19 @@ impl<'a> Side<'a> {
         }
         if let Some(spec) = quant::staged_buffer(self.layout, tensor, self.rank, dtype) {
             self.index.insert(key, self.buffers.len() as u32);
+            self.buffers.push(spec);
+        }
+    }
+
+    /// Adds, once, the buffers source tensor `tensor`'s codes and scales
+    /// are quantized into on this rank (blocks of extent `block`).
+    fn source_quantized(&mut self, tensor: u32, block: &[u64]) {
+        let key = BufferKey::Quantized { tensor };
+        if self.index.contains_key(&key) {
+            return;
+        }
+        for spec in route::source_buffers(self.layout, tensor, self.rank, block).into_iter().flatten() {
+            self.index.insert(spec.key, self.buffers.len() as u32);
             self.buffers.push(spec);
         }
     }

@@ -133,9 +133,23 @@ pub struct RankProgram {
     /// them from the version the rank serves before the program writes the
     /// subset's elements. Empty for a plan of every tensor and for sources.
     pub carried: Vec<u32>,
-    /// A destination rank's quantization of block-scaled tensors, done
-    /// after its last receive (one per tensor it holds any of).
+    /// The rank's quantization of block-scaled FP8 tensors, one per
+    /// tensor: a source rank's before its first send, from the boxes it
+    /// holds into the buffers it sends codes and scales from
+    /// ([`Route::QuantizedAtSource`](crate::Route::QuantizedAtSource)); a
+    /// destination rank's after its last receive, from the whole blocks it
+    /// received ([`Route::QuantizedAtDestination`](crate::Route::QuantizedAtDestination)).
+    /// See [`RankProgram::quantizes_first`].
     pub quantize: Vec<Quantize>,
+}
+
+impl RankProgram {
+    /// Whether [`RankProgram::quantize`] runs before the rank's first
+    /// action (a source rank) rather than after its last receive (a
+    /// destination rank).
+    pub fn quantizes_first(&self) -> bool {
+        self.endpoint.group == crate::plan::Group::Src
+    }
 }
 
 /// Row-major strides of a stored block, as element strides of `piece`

@@ -79,12 +79,12 @@ pub struct DeviceReport {
     pub staged_pieces: u64,
     /// Why pieces went through host staging, if any did.
     pub staged_because: Option<String>,
-    /// Destination ranks whose block-scaled tensors were quantized on the
-    /// host (their buffers copied back and forth once: a tensor of more
+    /// Ranks whose block-scaled tensors were quantized on the host (their
+    /// buffers copied back and forth once: a tensor of more
     /// than three dimensions, or kernels that did not load).
     pub quantized_on_host: u64,
-    /// Destination ranks whose block-scaled tensors were quantized on the
-    /// device.
+    /// Ranks whose block-scaled tensors were quantized on the device
+    /// (sources before the copies, destinations after).
     pub quantized_on_device: u64,
     /// The copies and kernels ran as one CUDA graph launch.
     pub graph: bool,
@@ -503,12 +503,33 @@ impl<'m> DeviceRun<'m> {
         Ok((calls, launches))
     }
 
+    /// Quantizes the block-scaled tensors of the ranks that do so first
+    /// (sources, `first`) or last (destinations), on the device where it
+    /// can; counts the ranks done on the device and on the host.
+    fn quantize_ranks(&mut self, first: bool, (on_device, on_host): (&mut u64, &mut u64)) -> Result<(), DeviceExecError> {
+        for (i, program) in self.quantize.iter().filter(|(_, p)| p.quantizes_first() == first) {
+            let quantized = crate::cuda::device::quantize_rank_on(self.dev, &mut self.memory[*i], program)
+                .map_err(|problem| GpuError::Invalid { what: format!("{}: quantizing", program.endpoint), problem })?;
+            match quantized {
+                crate::cuda::device::Quantized::OnDevice => *on_device += 1,
+                crate::cuda::device::Quantized::OnHost(_) => *on_host += 1,
+                crate::cuda::device::Quantized::Nothing => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Runs every copy once, in order, and waits for the device.
     pub fn execute(&mut self) -> Result<DeviceReport, DeviceExecError> {
         let dev = self.dev;
         dev.bind()?;
         let start = dev.mark()?;
         let (mut calls, mut launches) = (0u64, 0u64);
+        // Block-scaled FP8 tensors sent as codes: quantized by their
+        // source ranks before anything moves; those received unquantized
+        // by their destination ranks after.
+        let (mut on_device, mut on_host) = (0, 0);
+        self.quantize_ranks(true, (&mut on_device, &mut on_host))?;
         let graph = self.graph.as_ref();
         if let Some((g, c, k)) = graph {
             g.launch().map_err(|e| GpuError::Driver { what: "launching the run's graph".into(), error: e.to_string() })?;
@@ -531,18 +552,7 @@ impl<'m> DeviceRun<'m> {
                 }
             }
         }
-        // Block-scaled FP8 destinations: quantized from the whole blocks
-        // just received, on the device where it can.
-        let (mut on_device, mut on_host) = (0, 0);
-        for (i, program) in &self.quantize {
-            let quantized = crate::cuda::device::quantize_rank_on(dev, &mut self.memory[*i], program)
-                .map_err(|problem| GpuError::Invalid { what: format!("{}: quantizing", program.endpoint), problem })?;
-            match quantized {
-                crate::cuda::device::Quantized::OnDevice => on_device += 1,
-                crate::cuda::device::Quantized::OnHost(_) => on_host += 1,
-                crate::cuda::device::Quantized::Nothing => {}
-            }
-        }
+        self.quantize_ranks(false, (&mut on_device, &mut on_host))?;
         let end = dev.mark()?;
         dev.synchronize()?;
         let elapsed = dev.elapsed(&start, &end)?;

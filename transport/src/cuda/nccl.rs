@@ -494,11 +494,17 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         queued.map_err(|e| e.to_string())
     }
 
-    fn finish(&mut self, program: &RankProgram) -> Result<(), String> {
+    fn finish(&mut self) -> Result<(), String> {
         self.dev.synchronize().map_err(|e| e.to_string())?;
         self.fence = None;
-        // Block-scaled FP8 destinations: quantized from the whole blocks
-        // received, on the device where it can.
+        Ok(())
+    }
+
+    fn quantize(&mut self, program: &RankProgram) -> Result<(), String> {
+        self.finish()?;
+        // Block-scaled FP8 tensors: quantized from the boxes a source
+        // holds or the whole blocks a destination received, on the device
+        // where it can.
         match crate::cuda::device::quantize_rank_on(self.dev, self.memory, program)? {
             crate::cuda::device::Quantized::OnHost(why) => fell_back(program.endpoint, "quantized its block-scaled tensors", &why),
             crate::cuda::device::Quantized::OnDevice | crate::cuda::device::Quantized::Nothing => {}

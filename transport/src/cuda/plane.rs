@@ -10,9 +10,10 @@
 //! 256-byte boundaries, [`message_layout`]); one group with all the
 //! round's sends and receives, ordered after the packing by the memory's
 //! fence (a device event, not a synchronisation of the host); then every
-//! received message unpacked from the receive staging buffer. After the
-//! last round the memory finishes its queued work and quantizes
-//! block-scaled destinations.
+//! received message unpacked from the receive staging buffer. A source
+//! rank quantizes the block-scaled tensors it sends as codes before its
+//! first round; after the last round the memory finishes its queued work
+//! and a destination rank quantizes what it received.
 //!
 //! The same loop runs on a GPU (on a `DevicePlaneMemory`) and, with
 //! [`sim::SimMemory`](crate::cuda::sim::SimMemory) and the simulated
@@ -80,9 +81,12 @@ pub trait PlaneMemory {
     /// anything queued after this call. Refuses a range outside the
     /// staging.
     fn write_staging(&mut self, which: Staging, at: u64, bytes: &[u8]) -> Result<(), String>;
-    /// Waits for everything queued, then quantizes the program's
-    /// block-scaled destinations.
-    fn finish(&mut self, program: &RankProgram) -> Result<(), String>;
+    /// Waits for everything queued.
+    fn finish(&mut self) -> Result<(), String>;
+    /// Waits for everything queued, then runs the program's quantize
+    /// steps on the rank's buffers (a source's first step, a
+    /// destination's last: [`RankProgram::quantizes_first`]).
+    fn quantize(&mut self, program: &RankProgram) -> Result<(), String>;
 }
 
 /// The usual rank numbering of one communicator over both groups: source
@@ -308,6 +312,11 @@ pub fn run_rank_comm(
     let mem_err = |what| move |error| CommExecError::Memory { me, what, error };
     // The cursor walks the program (and counts what it moves); a round's
     // messages go in one group.
+    // A source rank quantizes the block-scaled tensors it sends as codes
+    // before it sends anything.
+    if program.quantizes_first() {
+        memory.quantize(program).map_err(mem_err("quantizing before the first round"))?;
+    }
     let mut cursor = RoundCursor::new(program);
     let bad = |u: Unexpected| CommExecError::Program { me, round: u.round, peer: u.peer, problem: u.problem };
     while let Some(Round { round: r, locals, sends: send_msgs, recvs: recv_msgs }) = cursor.next_round().map_err(bad)? {
@@ -387,7 +396,10 @@ pub fn run_rank_comm(
             }
         }
     }
-    memory.finish(program).map_err(mem_err("finishing the run"))?;
+    memory.finish().map_err(mem_err("finishing the run"))?;
+    if !program.quantizes_first() {
+        memory.quantize(program).map_err(mem_err("quantizing after the last round"))?;
+    }
     let mut stats = cursor.stats().unwrap_or_default();
     if let Some(d) = delta {
         // What went on the wire: the encodings (as the host executor counts).

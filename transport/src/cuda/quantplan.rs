@@ -121,6 +121,14 @@ pub enum HostOnly {
         /// The tensor.
         tensor: String,
     },
+    /// Values of a type the kernels do not read (f64: a source that
+    /// quantizes reads its own dtype).
+    Dtype {
+        /// The tensor.
+        tensor: String,
+        /// The values' type.
+        dtype: DType,
+    },
 }
 
 impl std::fmt::Display for HostOnly {
@@ -130,6 +138,7 @@ impl std::fmt::Display for HostOnly {
                 write!(f, "tensor '{tensor}' has {ndim} dimensions; the device quantizes up to 3")
             }
             HostOnly::Block { tensor } => write!(f, "tensor '{tensor}': blocks too large for the device quantizer"),
+            HostOnly::Dtype { tensor, dtype } => write!(f, "tensor '{tensor}': the device quantizer does not read {dtype}"),
         }
     }
 }
@@ -179,6 +188,9 @@ impl QuantPlan {
             let b = inner3(&op.block, 1);
             if b[0].checked_mul(b[1]).is_none_or(|rows| rows >> 32 != 0) {
                 return Ok(Err(HostOnly::Block { tensor: op.tensor.clone() }));
+            }
+            if op.staged_dtype == DType::F64 {
+                return Ok(Err(HostOnly::Dtype { tensor: op.tensor.clone(), dtype: op.staged_dtype }));
             }
             plan.add(op, &program.buffers)?;
         }

@@ -338,10 +338,13 @@ mod tests {
                 let mut device = RankMemory::for_programs(&programs);
                 fill_sources(&src, &mut device[..n_src]);
                 let mut host = device.clone();
+                // Block-scaled FP8 ranks quantize, as the device run does:
+                // sources before the copies, destinations after.
+                for (p, m) in programs.iter().zip(device.iter_mut()).filter(|(p, _)| p.quantizes_first()) {
+                    crate::exec::quantize_rank(p, m).unwrap();
+                }
                 run_host(&schedule.steps, &mut device);
-                // Block-scaled FP8 ranks quantize what they received, as
-                // the device run does after its copies.
-                for (p, m) in programs.iter().zip(device.iter_mut()).filter(|(p, _)| !p.quantize.is_empty()) {
+                for (p, m) in programs.iter().zip(device.iter_mut()).filter(|(p, _)| !p.quantizes_first()) {
                     crate::exec::quantize_rank(p, m).unwrap();
                 }
                 crate::run_local(&programs, &mut host, &crate::ExecOptions::default()).unwrap();

@@ -569,11 +569,15 @@ impl PlaneMemory for SimMemory<'_> {
         Ok(())
     }
 
-    fn finish(&mut self, program: &RankProgram) -> Result<(), String> {
+    fn finish(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn quantize(&mut self, program: &RankProgram) -> Result<(), String> {
         match &mut self.memory {
             Some(memory) => crate::exec::quantize_rank(program, memory).map_err(|e| e.to_string()),
             None if program.quantize.is_empty() => Ok(()),
-            None => Err("block-scaled destinations are quantized in a rank's own memory, not in registered regions".into()),
+            None => Err("block-scaled tensors are quantized in a rank's own memory, not in registered regions".into()),
         }
     }
 }

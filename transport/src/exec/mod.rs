@@ -257,6 +257,11 @@ fn run_rounds<T: Transport>(
     if mem.bufs.len() != program.buffers.len() {
         return Err(ExecError::MemoryMismatch { me, got: mem.bufs.len(), want: program.buffers.len() });
     }
+    // A source rank quantizes the block-scaled tensors it sends as codes
+    // before it sends anything.
+    if program.quantizes_first() {
+        quantize_all(program, mem)?;
+    }
     let mut cursor = RankCursor::new(program);
     // Where pieces read off a stream with their neighbours wait to be
     // written out (see `unpack_stream`), reused by every message.
@@ -314,7 +319,9 @@ fn run_rounds<T: Transport>(
             // Receivers may still read what this rank sent: wait for them.
             Action::Flush { round } => transport.flush(round, deadline)?,
             Action::Done(stats) => {
-                quantize_all(program, mem)?;
+                if !program.quantizes_first() {
+                    quantize_all(program, mem)?;
+                }
                 return Ok(stats);
             }
         }
@@ -334,10 +341,11 @@ fn awaiting<T: Transport>(e: TransportError, cursor: &RankCursor<'_>, transport:
     }
 }
 
-/// Runs a destination program's quantize steps on its memory, after every
-/// receive: what [`run_rank`] does last, for data planes whose transfers
-/// ran elsewhere (the GPU ones copy a rank's buffers back, quantize here,
-/// and copy the result to the device).
+/// Runs a program's quantize steps on its memory: what [`run_rank`] does
+/// first on a source rank and last on a destination rank
+/// ([`RankProgram::quantizes_first`]), for data planes whose transfers run
+/// elsewhere (the GPU ones copy a rank's buffers back, quantize here, and
+/// copy the result to the device).
 pub fn quantize_rank(program: &RankProgram, memory: &mut RankMemory) -> Result<(), ExecError> {
     // (Every region is checked against its buffer before any is touched.)
     if memory.buffers.len() != program.buffers.len() {
@@ -347,8 +355,9 @@ pub fn quantize_rank(program: &RankProgram, memory: &mut RankMemory) -> Result<(
     quantize_all(program, &view)
 }
 
-/// A destination rank's last step: its block-scaled tensors quantized from
-/// the whole blocks it received ([`reshard::quantize`]).
+/// A source rank's first step or a destination rank's last: its
+/// block-scaled tensors quantized ([`reshard::quantize`]) from the boxes it
+/// holds or the whole blocks it received.
 fn quantize_all(program: &RankProgram, mem: &MemView) -> Result<(), ExecError> {
     let me = program.endpoint;
     for op in &program.quantize {
@@ -383,9 +392,11 @@ fn quantize_all(program: &RankProgram, mem: &MemView) -> Result<(), ExecError> {
             }
             let buf = mem.bufs.get(b as usize)?;
             // SAFETY: `mem` views this rank's buffers, alive for the run
-            // (`MemView`'s contract). Every receive of the program is done
-            // and every send flushed, so no thread writes this rank's
-            // buffers now; this one only reads these.
+            // (`MemView`'s contract). No thread writes this rank's buffers
+            // now: on a destination every receive of the program is done
+            // and every send flushed; a source runs this before its first
+            // action, and its holdings are read-only during a refit (the
+            // store's version fence). This one only reads these.
             Some(unsafe { std::slice::from_raw_parts(buf.ptr, buf.len) })
         };
         let mut outs: Vec<&mut [u8]> = regions
@@ -394,11 +405,15 @@ fn quantize_all(program: &RankProgram, mem: &MemView) -> Result<(), ExecError> {
                 let buf = mem.bufs[b as usize];
                 // SAFETY: checked above: in bounds of a buffer of this rank
                 // that outlives the run, pairwise disjoint, and in no buffer
-                // read as staged values; no plan sends from these regions
-                // (a block-scaled tensor is delivered to its staged buffer
-                // only) and all sends were flushed, so nothing else reads
-                // or writes them while these slices live (to the end of
-                // this iteration, on every path).
+                // read as staged values. Nothing else reads or writes them
+                // while these slices live (to the end of this iteration, on
+                // every path): on a destination no plan sends from these
+                // regions (a block-scaled tensor quantized there is
+                // delivered to its staged buffer only) and all sends were
+                // flushed; on a source this runs before its first action,
+                // so no message of this run points into them yet, and every
+                // earlier run flushed (its receivers let go) before it
+                // returned.
                 unsafe { std::slice::from_raw_parts_mut(buf.ptr.add(start), end - start) }
             })
             .collect();

@@ -1,0 +1,230 @@
+//! Where a block-scaled FP8 destination tensor is quantized, and so which
+//! values a plan moves for it: a [`Route`] per destination tensor.
+//!
+//! A block's scale depends on all of its elements ([`crate::quantize`]).
+//! Where every block of a tensor lies whole inside one holding of its
+//! source tensor (the common case: Megatron and FSDP-by-row shards cut at
+//! multiples of 128 rows, experts held whole), the source rank that sends a
+//! block can quantize it itself and send one byte per element plus the
+//! block's f32 scale: [`Route::QuantizedAtSource`] for the tensor and
+//! [`Route::ScalesFromSource`] for its scale tensor. A sending source rank
+//! quantizes every block of the tensor it holds, before its first send,
+//! into two buffers of the plan's ([`BufferKey::Quantized`] for the codes,
+//! stored like its holdings, back to back; [`BufferKey::Scales`] for the
+//! scales of those blocks, in block-grid coordinates), and sends from
+//! there; destinations receive codes and scales into the tensors' own
+//! buffers and quantize nothing. The values are those of the semantics bit
+//! for bit: every block is quantized by the same function of the same
+//! source values wherever it is quantized.
+//!
+//! Otherwise (a block cut over source ranks, e.g. flat FSDP shards; the
+//! gather-broadcast baseline; or [`QuantizeAt::Destination`]) the plan
+//! delivers whole blocks of unquantized values and each destination rank
+//! quantizes ([`Route::QuantizedAtDestination`], the module doc of
+//! [`crate::quantize`]).
+
+use crate::block::Block;
+use crate::dtype::DType;
+use crate::layout::{BufferKey, BufferSpec, Holding, Layout, Loc, Rank};
+use crate::quant::{self, grid_of, Quantize, Stored};
+use std::collections::HashMap;
+
+/// Where block-scaled FP8 destination tensors are quantized
+/// ([`PlanOptions::quantize_at`](crate::PlanOptions::quantize_at)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum QuantizeAt {
+    /// By the source rank that sends a block, for every tensor whose
+    /// blocks each lie whole in one holding of the source tensor; the
+    /// others at the destination. Half the bytes on the wire from a bf16
+    /// source.
+    #[default]
+    Source,
+    /// Always by the destination ranks, from whole blocks of unquantized
+    /// values (the source dtype's bytes on the wire).
+    Destination,
+}
+
+/// How a destination tensor's values travel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// As they are, converted to the destination dtype on the way.
+    Plain,
+    /// A block-scaled tensor: whole blocks of unquantized values, each
+    /// destination rank quantizing the blocks it needs.
+    QuantizedAtDestination,
+    /// A block-scaled tensor: e4m3 codes quantized by the sending source
+    /// rank, from its [`BufferKey::Quantized`] buffer.
+    QuantizedAtSource,
+    /// The scale tensor of a [`Route::QuantizedAtSource`] tensor: the f32
+    /// scales computed with its codes, from [`BufferKey::Scales`].
+    ScalesFromSource,
+}
+
+/// The block shape of destination tensor `td` if it is block-scaled or the
+/// scale of one.
+pub(crate) fn scale_block(dst: &Layout, td: u32) -> Option<&[u64]> {
+    match dst.scale_of(td) {
+        Some((_, block)) => Some(block),
+        None => dst.scale_for(td).and_then(|w| dst.scale_of(w)).map(|(_, block)| block),
+    }
+}
+
+/// Whether every block (of extent `block`, tiling the tensor from index 0)
+/// of source tensor `ts` lies whole inside each holding that touches it,
+/// and no rank holds two overlapping boxes of it: then any rank holding an
+/// element holds its whole block, and can quantize it.
+pub(crate) fn source_quantizable(src: &Layout, ts: u32, block: &[u64]) -> bool {
+    let shape = &src.tensors()[ts as usize].shape;
+    if block.len() != shape.len() || block.contains(&0) {
+        return false;
+    }
+    let aligned = |b: &Block| (0..b.ndim()).all(|d| b.offset()[d] % block[d] == 0 && (b.end(d) % block[d] == 0 || b.end(d) == shape[d]));
+    let mut by_rank: HashMap<Rank, Vec<Block>> = HashMap::new();
+    for h in src.holdings(ts) {
+        if !aligned(&h.block) {
+            return false;
+        }
+        for l in &h.holders {
+            let boxes = by_rank.entry(l.rank).or_default();
+            if !boxes.contains(&h.block) {
+                boxes.push(h.block);
+            }
+        }
+    }
+    by_rank.values().all(|boxes| boxes.iter().enumerate().all(|(i, a)| boxes[i + 1..].iter().all(|b| a.intersect(b).is_none())))
+}
+
+/// Rank `rank`'s distinct boxes of source tensor `ts`, in holding order,
+/// and where each is stored.
+fn distinct(src: &Layout, ts: u32, rank: Rank) -> Vec<(Block, Loc)> {
+    let mut out: Vec<(Block, Loc)> = Vec::new();
+    for (b, l) in src.rank_holdings(ts, rank) {
+        if !out.iter().any(|(o, _)| *o == b) {
+            out.push((b, l));
+        }
+    }
+    out
+}
+
+/// Where source rank `rank` offers source tensor `ts` for a destination
+/// tensor of route `route` (blocks of extent `block` for the two source
+/// routes): its holdings; for [`Route::QuantizedAtSource`] the same boxes
+/// in its [`BufferKey::Quantized`] buffer, back to back; for
+/// [`Route::ScalesFromSource`] their block-grid boxes in its
+/// [`BufferKey::Scales`] buffer, back to back.
+pub(crate) fn rank_offered(src: &Layout, ts: u32, rank: Rank, route: Route, block: Option<&[u64]>) -> Vec<(Block, Loc)> {
+    let (key, block) = match (route, block) {
+        (Route::QuantizedAtSource, Some(b)) => (BufferKey::Quantized { tensor: ts }, b),
+        (Route::ScalesFromSource, Some(b)) => (BufferKey::Scales { tensor: ts }, b),
+        _ => return src.rank_holdings(ts, rank),
+    };
+    let mut at = 0u64;
+    distinct(src, ts, rank)
+        .into_iter()
+        .map(|(b, _)| {
+            let b = if key == (BufferKey::Scales { tensor: ts }) { grid_of(&b, block) } else { b };
+            let here = at;
+            at += b.numel();
+            (b, Loc { rank, buffer: key, at: here })
+        })
+        .collect()
+}
+
+/// [`rank_offered`] of every rank, grouped by distinct box like
+/// [`Layout::holdings`] (the planner looks only at boxes and ranks).
+pub(crate) fn offered_holdings(src: &Layout, ts: u32, route: Route, block: Option<&[u64]>) -> Vec<Holding> {
+    let key = match (route, block) {
+        (Route::QuantizedAtSource, Some(_)) => BufferKey::Quantized { tensor: ts },
+        (Route::ScalesFromSource, Some(b)) => {
+            // Aligned holdings have distinct grid boxes.
+            let mut out = src.holdings(ts);
+            for h in &mut out {
+                h.block = grid_of(&h.block, b);
+                for l in &mut h.holders {
+                    l.buffer = BufferKey::Scales { tensor: ts };
+                }
+            }
+            return out;
+        }
+        _ => return src.holdings(ts),
+    };
+    let mut out = src.holdings(ts);
+    for h in &mut out {
+        for l in &mut h.holders {
+            l.buffer = key;
+        }
+    }
+    out
+}
+
+/// The route of destination tensor `td` where nothing is quantized at the
+/// source: block-scaled tensors at the destination, the rest plain (scale
+/// tensors are then not moved at all).
+pub(crate) fn at_destination(dst: &Layout, td: u32) -> Route {
+    match dst.scale_of(td) {
+        Some(_) => Route::QuantizedAtDestination,
+        None => Route::Plain,
+    }
+}
+
+/// Where a plan delivers destination tensor `td` of route `route`: its
+/// holdings, or for a tensor quantized at the destination its staged
+/// unquantized blocks ([`quant::staged_holdings`]).
+pub(crate) fn delivered_holdings(dst: &Layout, td: u32, route: Route) -> Vec<Holding> {
+    match route {
+        Route::QuantizedAtDestination => quant::staged_holdings(dst, td),
+        _ => dst.holdings(td),
+    }
+}
+
+/// [`delivered_holdings`] of one rank.
+pub(crate) fn rank_delivered(dst: &Layout, td: u32, rank: Rank, route: Route) -> Vec<(Block, Loc)> {
+    match route {
+        Route::QuantizedAtDestination => quant::rank_staged(dst, td, rank),
+        _ => dst.rank_holdings(td, rank),
+    }
+}
+
+/// The two buffers source rank `rank` quantizes tensor `ts` into (codes,
+/// then scales); `None` where it holds none of it.
+pub(crate) fn source_buffers(src: &Layout, ts: u32, rank: Rank, block: &[u64]) -> Option<[BufferSpec; 2]> {
+    let boxes = distinct(src, ts, rank);
+    if boxes.is_empty() {
+        return None;
+    }
+    let codes: u64 = boxes.iter().map(|(b, _)| b.numel()).sum();
+    let scales: u64 = boxes.iter().map(|(b, _)| grid_of(b, block).numel()).sum();
+    let spec = |key, dtype, elems| BufferSpec { key, name: src.buffer_name(key), dtype, elems };
+    Some([spec(BufferKey::Quantized { tensor: ts }, DType::F8E4M3, codes), spec(BufferKey::Scales { tensor: ts }, DType::F32, scales)])
+}
+
+/// Source rank `rank`'s [`Quantize`] op for source tensor `ts` (blocks of
+/// extent `block`): every box it holds, read where the layout stores it,
+/// quantized into its [`BufferKey::Quantized`] and [`BufferKey::Scales`]
+/// buffers; `buffer(key)` gives a buffer's index in the rank's program.
+/// `None` where it holds none of it or a buffer is missing.
+pub(crate) fn source_quantize_op(
+    src: &Layout,
+    ts: u32,
+    rank: Rank,
+    block: &[u64],
+    buffer: &dyn Fn(BufferKey) -> Option<u32>,
+) -> Option<Quantize> {
+    let tensor = &src.tensors()[ts as usize];
+    let held = distinct(src, ts, rank);
+    if held.is_empty() {
+        return None;
+    }
+    let stored = |list: Vec<(Block, Loc)>| -> Option<Vec<Stored>> {
+        list.into_iter().map(|(b, l)| Some(Stored { block: b, buffer: buffer(l.buffer)?, at: l.at })).collect()
+    };
+    Some(Quantize {
+        tensor: tensor.name.clone(),
+        shape: tensor.shape.clone(),
+        block: block.to_vec(),
+        staged_dtype: tensor.dtype,
+        staged: stored(held)?,
+        weights: stored(rank_offered(src, ts, rank, Route::QuantizedAtSource, Some(block)))?,
+        scales: stored(rank_offered(src, ts, rank, Route::ScalesFromSource, Some(block)))?,
+    })
+}
