@@ -168,6 +168,15 @@ enum Command {
         /// EP16.
         #[arg(long, value_name = "N", requires = "model", conflicts_with = "src")]
         ep: Option<u32>,
+        /// An anchor's published training -> inference setup instead of the
+        /// preset's default layouts, the one they measured a refit on:
+        /// deepseek-v3 nemo-rl (NeMo RL: Megatron PP16 x EP16 -> vLLM TP32 x
+        /// DP8, 256 -> 256 ranks); kimi-k2 vllm-rdt (vLLM's RDT transfer:
+        /// TP8 x PP8 x EP32 -> TP32 x EP32, 256 -> 128 ranks); qwen3-235b
+        /// vllm-rdt (TP4 x PP2 x EP8 -> DP16 x EP16, 16 -> 16 ranks).
+        /// `--estimate` then quotes their measurement beside the model.
+        #[arg(long, value_name = "NAME", requires = "model")]
+        setup: Option<String>,
         /// Most bytes one rank stages per round, in MiB.
         #[arg(long, default_value_t = 256)]
         max_staging_mib: u64,
@@ -468,6 +477,15 @@ enum Command {
         /// EP16.
         #[arg(long, value_name = "N")]
         ep: Option<u32>,
+        /// An anchor's published training -> inference setup instead of the
+        /// preset's default layouts, the one they measured a refit on:
+        /// deepseek-v3 nemo-rl (NeMo RL: Megatron PP16 x EP16 -> vLLM TP32 x
+        /// DP8, 256 -> 256 ranks); kimi-k2 vllm-rdt (vLLM's RDT transfer:
+        /// TP8 x PP8 x EP32 -> TP32 x EP32, 256 -> 128 ranks); qwen3-235b
+        /// vllm-rdt (TP4 x PP2 x EP8 -> DP16 x EP16, 16 -> 16 ranks).
+        /// `--estimate` then quotes their measurement beside the model.
+        #[arg(long, value_name = "NAME", requires = "model")]
+        setup: Option<String>,
         /// Directory to write src.json and dst.json into.
         #[arg(long)]
         out: PathBuf,
@@ -519,6 +537,7 @@ fn main() -> ExitCode {
             model,
             scale,
             ep,
+            setup,
             max_staging_mib,
             topology,
             estimate,
@@ -533,6 +552,7 @@ fn main() -> ExitCode {
             model: *model,
             scale: *scale,
             ep: *ep,
+            setup: setup.as_deref(),
             max_staging_mib: *max_staging_mib,
             topology,
             estimate: *estimate,
@@ -564,7 +584,7 @@ fn main() -> ExitCode {
         Command::Netns { clean: _, watch, token } => cmd::netns::run(watch.zip(*token)),
         Command::Soak { src, dst, refits, cluster, json } => cmd::soak::run(src, dst, *refits, cluster, *json),
         Command::PlanBench { model, scale, ep, reps, no_baseline } => cmd::plan_bench::run(*model, *scale, *ep, *reps, *no_baseline),
-        Command::Emit { model, scale, ep, out } => cmd::emit::run(*model, *scale, *ep, out),
+        Command::Emit { model, scale, ep, setup, out } => cmd::emit::run(*model, *scale, *ep, setup.as_deref(), out),
         Command::Launch { pair, baseline, verify, refits, fail_fast, json, cluster, bind, no_spawn } => {
             cmd::launch::run(&cmd::launch::LaunchArgs {
                 pair,

@@ -39,6 +39,32 @@
 //!   GPUs, about 64 GB a rank), the non-expert weights TP8 within each
 //!   node, 24 whole experts per rank; `--ep` chooses another.
 //!
+//! - The anchors' own setups ([`PresetOptions::setup`], `--setup`): the
+//!   training -> inference layouts on which others published a measured
+//!   refit, so our modelled time can be set beside theirs.
+//!   - `deepseek-v3` [`Setup::NemoRl`]: NeMo RL's DeepSeek-V3 GRPO recipe
+//!     (`grpo-deepseek-v3-32n8g.yaml`, non-colocated as in
+//!     `grpo-deepseek-v3-64n8g-async-1off.yaml`): Megatron PP16 x EP16 on
+//!     256 ranks (TP1 and DP16 within a stage, the NeMo RL defaults; 3
+//!     layers in the first stage, 2 in the last, 4 in each other; rank =
+//!     stage * 16 + dp; dense weights replicated over a stage's 16 ranks,
+//!     routed experts EP16 over them, 16 whole experts per rank) -> vLLM
+//!     TP32 x DP8 on 256 ranks (every weight TP32-sharded, experts
+//!     included: no expert parallelism).
+//!   - `kimi-k2` [`Setup::VllmRdt`]: vLLM's sharded weight transfer over
+//!     Ray Direct Transport, as its blog measured it on 48 DGX H100 nodes:
+//!     Megatron TP8 x PP8 x EP32 (ETP1) on 256 ranks, placed as the default
+//!     Kimi-K2 training side (the layer split over 8 stages is not
+//!     published: miles' 7 x 8 + 5 is assumed) -> vLLM TP32 x EP32 on 128
+//!     ranks: 4 instances of 32 ranks (4 nodes each), the non-expert
+//!     weights TP32-sharded within an instance, 12 whole experts per rank.
+//!   - `qwen3-235b` [`Setup::VllmRdt`]: the same blog's 4-node setup:
+//!     Megatron TP4 x PP2 x EP8 (ETP1) on 16 ranks (2 nodes; 47 layers a
+//!     stage, assumed; rank = stage * 8 + dp * 4 + tp; dense weights TP4,
+//!     replicated over DP2; experts EP8 over a stage's 8 ranks, 16 whole
+//!     experts each) -> vLLM DP16 x EP16 on 16 ranks (2 nodes): every
+//!     non-expert weight whole on every rank, 8 whole experts per rank.
+//!
 //! Fused buffers, as the frameworks store them (buffer names are per rank;
 //! members lie back to back, each rank's local block after the previous
 //! member's local block, among the members that rank holds):
@@ -106,6 +132,65 @@ impl std::fmt::Display for Model {
     }
 }
 
+/// A published training -> inference setup of a preset's model: the
+/// layouts an anchor measured a refit on (`--setup`). The preset's default
+/// layouts are kept when none is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setup {
+    /// NeMo RL's DeepSeek-V3 recipe: Megatron PP16 x EP16 (256 ranks) ->
+    /// vLLM TP32 x DP8 (256 ranks). `deepseek-v3` only.
+    NemoRl,
+    /// vLLM's sharded weight transfer over Ray Direct Transport (RDT):
+    /// Kimi-K2 TP8 x PP8 x EP32 (256 ranks) -> TP32 x EP32 (128 ranks);
+    /// Qwen3-235B TP4 x PP2 x EP8 (16 ranks) -> DP16 x EP16 (16 ranks).
+    VllmRdt,
+}
+
+impl Setup {
+    /// Every setup, in the order they are listed.
+    pub const ALL: [Setup; 2] = [Setup::NemoRl, Setup::VllmRdt];
+
+    /// The setup's name on the command line (`nemo-rl`, `vllm-rdt`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Setup::NemoRl => "nemo-rl",
+            Setup::VllmRdt => "vllm-rdt",
+        }
+    }
+
+    /// The setup called `name`, if any.
+    pub fn from_name(name: &str) -> Option<Setup> {
+        Setup::ALL.into_iter().find(|s| s.name() == name)
+    }
+}
+
+impl std::fmt::Display for Setup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Model {
+    /// The anchors' setups this preset models (`--setup`).
+    pub fn setups(self) -> &'static [Setup] {
+        match self {
+            Model::Llama3_8b => &[],
+            Model::DeepseekV3 => &[Setup::NemoRl],
+            Model::Qwen3_235b | Model::KimiK2 => &[Setup::VllmRdt],
+        }
+    }
+
+    /// The names of [`Model::setups`], comma-separated, or `none`.
+    pub fn setup_names(self) -> String {
+        let names: Vec<&str> = self.setups().iter().map(|s| s.name()).collect();
+        if names.is_empty() {
+            "none".into()
+        } else {
+            names.join(", ")
+        }
+    }
+}
+
 /// Inference ranks of the DeepSeek-V3 preset.
 const DEEPSEEK_INFER_RANKS: u32 = 128;
 /// Inference TP degree (and ranks per node) of the DeepSeek-V3 preset.
@@ -157,6 +242,12 @@ const DEEPSEEK_V3: MlaMoe = MlaMoe {
 const KIMI_K2: MlaMoe =
     MlaMoe { heads: 64, vocab: 163_840, layers: 61, dense_layers: 1, experts: KIMI_EXPERTS, stage_of: |l| (l / 8).min(7), last_stage: 7 };
 
+/// DeepSeek-V3 as NeMo RL's recipe trains it: 16 stages,
+/// `num_layers_in_first_pipeline_stage: 3`,
+/// `num_layers_in_last_pipeline_stage: 2`, the 56 layers between 4 a stage.
+const DEEPSEEK_V3_NEMO_RL: MlaMoe =
+    MlaMoe { stage_of: |l| if l < 3 { 0 } else { (1 + (l - 3) / 4).min(15) }, last_stage: 15, ..DEEPSEEK_V3 };
+
 /// Choices of a preset beyond its scale; the default is the preset as
 /// described in the module docs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -167,6 +258,10 @@ pub struct PresetOptions {
     /// the preset's default (DeepSeek-V3: every weight TP8-sharded, TP8 x
     /// DP16; Kimi-K2: EP16). Must be a multiple of 8 that divides 128.
     pub ep: Option<u32>,
+    /// An anchor's published setup instead of the preset's default
+    /// layouts (both sides); see [`Model::setups`]. It fixes the inference
+    /// layout, so it does not combine with `ep`.
+    pub setup: Option<Setup>,
 }
 
 /// Why a preset cannot be built.
@@ -186,6 +281,22 @@ pub enum PresetError {
     EpDegree {
         /// The EP degree asked for.
         ep: u32,
+    },
+    /// The preset does not model this setup.
+    #[error("the {model} preset has no {setup} setup (its setups: {})", model.setup_names())]
+    SetupUnsupported {
+        /// The preset.
+        model: Model,
+        /// The setup asked for.
+        setup: Setup,
+    },
+    /// Expert parallelism was given with a setup, which fixes it.
+    #[error("the {model} {setup} setup fixes the inference layout: give a setup or an EP degree, not both")]
+    SetupWithEp {
+        /// The preset.
+        model: Model,
+        /// The setup asked for.
+        setup: Setup,
     },
     /// The generated layouts are invalid (a bug in the preset).
     #[error(transparent)]
@@ -409,12 +520,28 @@ fn mla_moe_weights(m: &MlaMoe, scale: u64) -> Vec<Weight> {
     w
 }
 
-fn qwen3_weights(scale: u64) -> Vec<Weight> {
+/// Qwen3-235B's 94 layers over the default preset's 4 training stages: 24,
+/// 24, 23, 23.
+fn qwen3_pp4(l: u32) -> u32 {
+    if l < 48 {
+        l / 24
+    } else {
+        2 + (l - 48) / 23
+    }
+}
+
+/// Qwen3-235B's 94 layers over 2 training stages (vLLM RDT's setup): 47
+/// each.
+fn qwen3_pp2(l: u32) -> u32 {
+    l / 47
+}
+
+/// The weights of Qwen3-235B-A22B, layer `l` on training stage
+/// `stage_of(l)`, the output head on the last.
+fn qwen3_weights(scale: u64, stage_of: fn(u32) -> u32) -> Vec<Weight> {
     let h = div(4096, scale);
     let (heads, kv_heads, head_dim) = (64u64, 4u64, div(128, scale));
     let (moe_ffn, vocab, layers, experts) = (div(1536, scale), div(151_936, scale), 94u32, 128u32);
-    // 94 layers over 4 stages: 24, 24, 23, 23.
-    let stage_of = |l: u32| if l < 48 { l / 24 } else { 2 + (l - 48) / 23 };
     let mut w = vec![embedding(vocab, h)];
     for l in 0..layers {
         let stage = stage_of(l);
@@ -432,7 +559,7 @@ fn qwen3_weights(scale: u64) -> Vec<Weight> {
             mlp(&mut w, &p(&format!("mlp.experts.{e}")), (moe_ffn, h), stage, Some(e));
         }
     }
-    norm_and_head(&mut w, vocab, h, 3);
+    norm_and_head(&mut w, vocab, h, stage_of(layers - 1));
     w
 }
 
@@ -484,10 +611,91 @@ pub fn layouts(model: Model, scale: u64) -> Result<(Layout, Layout), LayoutError
 /// Source and destination layouts of a preset at `scale` (1 = full size)
 /// with `options`; an option the preset does not model is an error.
 pub fn layouts_with(model: Model, scale: u64, options: PresetOptions) -> Result<(Layout, Layout), PresetError> {
+    if let Some(setup) = options.setup {
+        if !model.setups().contains(&setup) {
+            return Err(PresetError::SetupUnsupported { model, setup });
+        }
+        if options.ep.is_some() {
+            return Err(PresetError::SetupWithEp { model, setup });
+        }
+        return build_setup(model, setup, scale);
+    }
     if let Some(ep) = options.ep {
         check_ep(model, ep)?;
     }
     Ok(build(model, scale, options.ep)?)
+}
+
+/// Kimi-K2's training side, as miles' recipe and vLLM RDT's setup place
+/// it: TP8 x PP8 on 256 ranks, rank = stage * 32 + r (r = cp * 8 + tp, or
+/// dp * 8 + tp: the 4 replicas of the dense weights); dense weights
+/// TP8-sharded, replicated 4 times; routed experts EP32 over the stage's
+/// 32 ranks with expert-TP 1: 12 whole experts per rank.
+fn kimi_training(ws: &[Weight]) -> Vec<TensorLayout> {
+    let per_rank = KIMI_EXPERTS / 32;
+    let mut src: Vec<TensorLayout> = ws
+        .iter()
+        .map(|w| {
+            let placement = match w.expert {
+                Some(e) => mesh(vec![1], vec![w.stage * 32 + e / per_rank], vec![MeshDim::Replicate]),
+                None => tp_placement(w, 4, 8, (0..32).map(|r| w.stage * 32 + r).collect()),
+            };
+            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+        })
+        .collect();
+    fuse(&mut src, Side::Train);
+    src
+}
+
+/// A training side of `stages` pipeline stages of `per_stage` ranks each
+/// (rank = stage * per_stage + r), `tp`-way tensor parallel (r = dp * tp +
+/// tp rank; dense weights replicated over the per_stage / tp data-parallel
+/// replicas) and expert parallel over all of a stage's ranks with expert-TP
+/// 1: routed expert `e` whole on rank `e / (experts / per_stage)` of its
+/// stage, once.
+fn megatron_ep_training(ws: &[Weight], per_stage: u32, tp: u32, experts: u32) -> Vec<TensorLayout> {
+    let per_rank = experts / per_stage;
+    let mut src: Vec<TensorLayout> = ws
+        .iter()
+        .map(|w| {
+            let first = w.stage * per_stage;
+            let placement = match w.expert {
+                Some(e) => mesh(vec![1], vec![first + e / per_rank], vec![MeshDim::Replicate]),
+                None => tp_placement(w, per_stage / tp, tp, (first..first + per_stage).collect()),
+            };
+            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+        })
+        .collect();
+    fuse(&mut src, Side::Train);
+    src
+}
+
+/// The layouts of an anchor's setup (one of [`Model::setups`]).
+fn build_setup(model: Model, setup: Setup, scale: u64) -> Result<(Layout, Layout), PresetError> {
+    let scale = scale.max(1);
+    match (model, setup) {
+        (Model::DeepseekV3, Setup::NemoRl) => {
+            // Megatron PP16 x EP16, TP1, DP16 within a stage -> vLLM TP32 x DP8.
+            let ws = mla_moe_weights(&DEEPSEEK_V3_NEMO_RL, scale);
+            let src = megatron_ep_training(&ws, 16, 1, DEEPSEEK_EXPERTS);
+            let dst = inference_dp_tp(&ws, 8, 32);
+            Ok((Layout::new(256, Some(8), src)?, Layout::new(256, Some(8), dst)?))
+        }
+        (Model::KimiK2, Setup::VllmRdt) => {
+            // Megatron TP8 x PP8 x EP32 -> vLLM TP32 x EP32: 4 instances of 32.
+            let ws = mla_moe_weights(&KIMI_K2, scale);
+            let dst = inference_ep(&ws, 128, 32, 32, KIMI_EXPERTS);
+            Ok((Layout::new(256, Some(8), kimi_training(&ws))?, Layout::new(128, Some(8), dst)?))
+        }
+        (Model::Qwen3_235b, Setup::VllmRdt) => {
+            // Megatron TP4 x PP2 x EP8 (DP2) -> vLLM DP16 x EP16.
+            let ws = qwen3_weights(scale, qwen3_pp2);
+            let src = megatron_ep_training(&ws, 8, 4, 128);
+            let dst = inference_ep(&ws, 16, 1, 16, 128);
+            Ok((Layout::new(16, Some(8), src)?, Layout::new(16, Some(8), dst)?))
+        }
+        _ => Err(PresetError::SetupUnsupported { model, setup }),
+    }
 }
 
 /// The layouts; `ep` (already checked) only for DeepSeek-V3.
@@ -512,7 +720,7 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
             Ok((Layout::new(8, Some(4), src)?, Layout::new(4, Some(2), dst)?))
         }
         Model::Qwen3_235b => {
-            let ws = qwen3_weights(scale);
+            let ws = qwen3_weights(scale, qwen3_pp4);
             // Training: rank = stage * 32 + dp * 4 + cp * 2 + tp.
             let mut src: Vec<TensorLayout> = ws
                 .iter()
@@ -555,21 +763,8 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
         Model::KimiK2 => {
             let ws = mla_moe_weights(&KIMI_K2, scale);
             // Training as miles' Kimi-K2 recipe: TP8 x CP4 x PP8 on 256
-            // ranks, rank = stage * 32 + cp * 8 + tp (DP 1); dense weights
-            // TP8-sharded, replicated over CP; routed experts EP32 over the
-            // stage's 32 ranks with expert-TP 1: 12 whole experts per rank.
-            let per_rank = KIMI_EXPERTS / 32;
-            let mut src: Vec<TensorLayout> = ws
-                .iter()
-                .map(|w| {
-                    let placement = match w.expert {
-                        Some(e) => mesh(vec![1], vec![w.stage * 32 + e / per_rank], vec![MeshDim::Replicate]),
-                        None => tp_placement(w, 4, 8, (0..32).map(|r| w.stage * 32 + r).collect()),
-                    };
-                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
-                })
-                .collect();
-            fuse(&mut src, Side::Train);
+            // ranks (DP 1), the dense weights replicated over CP.
+            let src = kimi_training(&ws);
             // Inference on 128 ranks in EP groups (EP16 by default: the
             // smallest that holds an FP8 copy on 80 GB GPUs, about 64 GB
             // a rank; over 8 it would be 129 GB).

@@ -1000,3 +1000,61 @@ fn kimi_k2_fp8_estimate_quotes_perplexity_as_a_measurement() {
     let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", describe(&args, &out)));
     assert!(v["estimate"].get("reference_ratio").is_none(), "{v}");
 }
+
+/// `--setup` plans an anchor's own layouts, and `--estimate` quotes the
+/// anchor's measurement labelled as theirs, measured on the setup these
+/// layouts model, beside refit's modelled reshard, baseline and bound; in
+/// JSON too (`measured: true`, the setup, what was assumed).
+#[test]
+fn anchor_setups_quote_their_measurement_beside_the_model() {
+    for (model, setup, by, measured, baseline) in [
+        ("deepseek-v3", "nemo-rl", "NVIDIA", "2.39-2.83 s", None),
+        ("kimi-k2", "vllm-rdt", "vLLM", "7.53 s", None),
+        ("qwen3-235b", "vllm-rdt", "vLLM", "3.49 s", Some(64.72)),
+    ] {
+        let args = ["plan", "--model", model, "--setup", setup, "--scale", "64", "--estimate", "--json"];
+        let out = assert_ok(&args);
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", describe(&args, &out)));
+        let (e, r) = (&v["estimate"], &v["estimate"]["reference_ratio"]);
+        assert!(e["modelled"] == true && e["reshard_s"].as_f64() > Some(0.0) && e["lower_bound_s"].as_f64() > Some(0.0), "{v}");
+        assert!(r["measured"] == true && r["by"] == by && r["setup"] == setup && r["on_these_layouts"] == true, "{v}");
+        assert!(r["source"].as_str().is_some_and(|s| !s.is_empty()) && r["assumed"].as_str().is_some(), "{v}");
+        assert_eq!(r["baseline_s"].as_f64(), baseline, "{v}");
+        let args = ["plan", "--model", model, "--setup", setup, "--scale", "64", "--estimate"];
+        let out = assert_ok(&args);
+        let text = String::from_utf8_lossy(&out.stdout);
+        let what = describe(&args, &out);
+        assert!(text.starts_with(&format!("{model} {setup} scale 64: ")), "{what}");
+        let head = format!("reference, measured by {by}, on the {setup} setup these layouts model, not by refit: ");
+        let quoted: Vec<&str> = text.lines().filter(|l| l.starts_with(&head)).collect();
+        assert!(quoted.len() == 1 && quoted[0].contains(measured) && quoted[0].contains("source: "), "{what}");
+        assert!(text.lines().any(|l| l.starts_with("  not published by them, assumed in these layouts: ")), "{what}");
+        let side = format!("side by side: measured by {by} {measured} | modelled by refit (dgx-h100): reshard ");
+        assert!(text.lines().any(|l| l.starts_with(&side) && l.contains(", baseline ") && l.contains(", lower bound ")), "{what}");
+    }
+}
+
+/// A setup the preset lacks, an unknown one, or one with `--ep`: exit 2
+/// and one line naming the setups the preset has; `refit emit` takes the
+/// flag too.
+#[test]
+fn bad_setups_are_rejected_naming_the_valid_ones() {
+    for (args, names) in [
+        (&["plan", "--model", "kimi-k2", "--setup", "nemo-rl", "--scale", "64"][..], &["--setup nemo-rl", "kimi-k2", "vllm-rdt"][..]),
+        (&["plan", "--model", "deepseek-v3", "--setup", "vllm", "--scale", "64"], &["--setup vllm", "no such setup", "nemo-rl"]),
+        (&["plan", "--model", "llama3-8b", "--setup", "vllm-rdt", "--scale", "64"], &["llama3-8b", "none"]),
+        (&["plan", "--model", "kimi-k2", "--setup", "vllm-rdt", "--ep", "16", "--scale", "64"], &["--setup vllm-rdt", "EP"]),
+        (&["emit", "--model", "qwen3-235b", "--setup", "nemo-rl", "--scale", "64", "--out", "/nonexistent"], &["qwen3-235b", "vllm-rdt"]),
+    ] {
+        if let Some(f) = rejection_failure(args, &refit(args), names) {
+            panic!("{f}");
+        }
+    }
+    let dir = Scratch::new("emit-setup");
+    let out = dir.path("qwen");
+    let args = ["emit", "--model", "qwen3-235b", "--setup", "vllm-rdt", "--scale", "64", "--out", s(&out)];
+    assert_ok(&args);
+    let src: Value = serde_json::from_str(&std::fs::read_to_string(out.join("src.json")).unwrap()).unwrap();
+    let dst: Value = serde_json::from_str(&std::fs::read_to_string(out.join("dst.json")).unwrap()).unwrap();
+    assert!(src["ranks"] == 16 && dst["ranks"] == 16, "the setup's 16 -> 16 ranks");
+}

@@ -30,6 +30,14 @@
 //!   verify bit-exact at small scale; bad EP degrees rejected (library and
 //!   CLI) with a message.
 //!
+//! - The anchors' setups (`PresetOptions::setup`, the CLI's `--setup`):
+//!   NeMo RL's DeepSeek-V3 PP16 x EP16 -> TP32 x DP8, vLLM RDT's Kimi-K2
+//!   TP8 x PP8 x EP32 -> TP32 x EP32 and Qwen3-235B TP4 x PP2 x EP8 ->
+//!   DP16 x EP16: every checkpoint tensor and its shape on both sides, and
+//!   per tensor which rank holds which block (the TP index of a block
+//!   against the rank, the pipeline stage, each expert's EP rank), from the
+//!   published recipes; setups a preset lacks, or with `ep`, rejected.
+//!
 //! What the presets model: bf16 weights (DeepSeek-V3's checkpoint is fp8
 //! with `weight_scale_inv` tensors; those are left out, as after a bf16
 //! conversion), one logical tensor per routed expert and projection (stored
@@ -37,7 +45,7 @@
 //! them), and no DeepSeek-V3 multi-token-prediction layer
 //! (`model.layers.61`, ~14 B parameters: 671 B without it, 685 B with it).
 
-use refit::presets::{layouts, layouts_with, Model, PresetError, PresetOptions};
+use refit::presets::{layouts, layouts_with, Model, PresetError, PresetOptions, Setup};
 use refit::runner::{Driver, DriverConfig};
 use reshard::Holding;
 use reshard::{plan_reshard, BufferKey, DType, Layout, Placement, PlanOptions, Storage, Strategy};
@@ -708,7 +716,8 @@ fn qwen3_235b_inference_keeps_kv_heads_whole() {
 const DEEPSEEK_EP: [u32; 5] = [8, 16, 32, 64, 128];
 
 fn deepseek_ep(scale: u64, ep: u32) -> (Layout, Layout) {
-    layouts_with(Model::DeepseekV3, scale, PresetOptions { ep: Some(ep) }).unwrap_or_else(|e| panic!("EP{ep} at scale {scale}: {e}"))
+    layouts_with(Model::DeepseekV3, scale, PresetOptions { ep: Some(ep), setup: None })
+        .unwrap_or_else(|e| panic!("EP{ep} at scale {scale}: {e}"))
 }
 
 /// Expert index of a routed-expert tensor name.
@@ -942,12 +951,12 @@ fn slow_deepseek_v3_expert_parallel_refit_verifies() {
 #[test]
 fn bad_expert_parallelism_is_rejected() {
     for ep in [0, 1, 4, 12, 24, 48, 96, 256, 1024, u32::MAX] {
-        let e = layouts_with(Model::DeepseekV3, 512, PresetOptions { ep: Some(ep) }).expect_err("bad EP accepted");
+        let e = layouts_with(Model::DeepseekV3, 512, PresetOptions { ep: Some(ep), setup: None }).expect_err("bad EP accepted");
         assert_eq!(e, PresetError::EpDegree { ep });
         assert!(e.to_string().contains("multiple of 8 that divides 128"), "{e}");
     }
     for model in [Model::Llama3_8b, Model::Qwen3_235b] {
-        let e = layouts_with(model, 512, PresetOptions { ep: Some(8) }).expect_err("EP accepted");
+        let e = layouts_with(model, 512, PresetOptions { ep: Some(8), setup: None }).expect_err("EP accepted");
         assert_eq!(e, PresetError::EpUnsupported { model });
         assert!(e.to_string().contains(model.name()) && e.to_string().contains("only deepseek-v3"), "{e}");
     }
@@ -1070,5 +1079,212 @@ fn slow_kimi_k2_refit_verifies() {
         let held: u64 =
             (0..dst.tensors().len() as u32).flat_map(|i| dst.holdings(i)).map(|h| h.block.numel() * h.holders.len() as u64).sum();
         assert_eq!(p.verify(None).unwrap_or_else(|e| panic!("{strategy}: verify: {e}")), held, "{strategy}: every element checked");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The anchors' setups.
+
+fn setup_layouts(model: Model, setup: Setup, scale: u64) -> (Layout, Layout) {
+    layouts_with(model, scale, PresetOptions { ep: None, setup: Some(setup) }).unwrap_or_else(|e| panic!("{model} {setup}: {e}"))
+}
+
+/// Checks tensor `t` of `layout` (of shape `shape`) against a tensor-parallel
+/// split `tp` ways by its kind (`tp_split`; one whole block where `tp` is 1
+/// or the kind is not split) over exactly the ranks `holders`, each block
+/// on as many of them, and rank `r` holding the block at TP index `r % tp`
+/// of a split tensor (ranks in row-major (replica, tp) order, as Megatron
+/// and vLLM number them).
+fn check_blocks(layout: &Layout, t: u32, shape: &[u64], tp: u32, holders: &BTreeSet<u32>, side: &str) {
+    let name = &layout.tensors()[t as usize].name;
+    let hs = layout.holdings(t);
+    let split = if tp > 1 { tp_split(name) } else { None };
+    let blocks = if split.is_some() { tp as usize } else { 1 };
+    assert_eq!(hs.len(), blocks, "{side} {name}: {} blocks, want {blocks}", hs.len());
+    assert_eq!(&holder_ranks(layout, t), holders, "{side} {name}: held by the wrong ranks");
+    for h in &hs {
+        assert_eq!(h.holders.len() * blocks, holders.len(), "{side} {name}: uneven replication");
+        match split {
+            Some(d) => {
+                let part = shape[d] / tp as u64;
+                assert_eq!(part * tp as u64, shape[d], "{side} {name}: dim {d} of {shape:?} does not split {tp} ways");
+                for (i, (&e, &s)) in h.block.extent().iter().zip(shape).enumerate() {
+                    assert_eq!(e, if i == d { part } else { s }, "{side} {name}: block extent {:?}", h.block.extent());
+                }
+                let index = h.block.offset()[d] / part;
+                for loc in &h.holders {
+                    assert_eq!(u64::from(loc.rank % tp), index, "{side} {name}: rank {} holds TP block {index} of {tp}", loc.rank);
+                }
+            }
+            None => assert_eq!(h.block.extent(), shape, "{side} {name}: not whole"),
+        }
+    }
+}
+
+/// The training stage of tensor `name` given each stage's layer count:
+/// the embedding on the first stage, the final norm and head on the last.
+fn stage_by_sizes(name: &str, sizes: &[u32]) -> u32 {
+    match layer_of(name) {
+        Some(l) => {
+            let mut end = 0;
+            for (s, &n) in sizes.iter().enumerate() {
+                end += n;
+                if l < end {
+                    return s as u32;
+                }
+            }
+            panic!("layer {l} past the last stage")
+        }
+        None if name.starts_with("model.embed_tokens") => 0,
+        None => sizes.len() as u32 - 1,
+    }
+}
+
+/// Both layouts hold exactly the checkpoint's tensors, with its shapes.
+fn check_checkpoint(src: &Layout, dst: &Layout, c: &Config) {
+    let want = hf_tensors(c);
+    let want: BTreeMap<&str, &[u64]> = want.iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
+    assert!(shapes(src) == want, "training: the checkpoint's tensors and shapes");
+    assert!(shapes(dst) == want, "inference: the checkpoint's tensors and shapes");
+    for (a, b) in src.tensors().iter().zip(dst.tensors()) {
+        assert_eq!(a.name, b.name, "both sides list the tensors in the same order");
+    }
+}
+
+/// NeMo RL's DeepSeek-V3 recipe (grpo-deepseek-v3-32n8g.yaml, run
+/// non-colocated): Megatron PP16 x EP16 on 256 ranks, TP1 (the default),
+/// 3 layers in the first stage and 2 in the last (the 56 others 4 a stage),
+/// DP16 within a stage replicating the dense weights, 16 whole experts per
+/// rank of a stage, once -> vLLM TP32 x DP8 on 256 ranks: every weight,
+/// experts included, split 32 ways by its kind over 4 nodes, 8 replicas.
+#[test]
+fn deepseek_v3_nemo_rl_matches_the_recipe() {
+    let (src, dst) = setup_layouts(Model::DeepseekV3, Setup::NemoRl, 1);
+    assert_eq!((src.ranks(), src.ranks_per_node(), dst.ranks(), dst.ranks_per_node()), (256, 8, 256, 8));
+    check_checkpoint(&src, &dst, &DEEPSEEK_V3);
+    let sizes: Vec<u32> = [3].into_iter().chain([4; 14]).chain([2]).collect();
+    assert_eq!(sizes.iter().sum::<u32>(), DEEPSEEK_V3.layers);
+    let everyone: BTreeSet<u32> = (0..256).collect();
+    for (i, t) in src.tensors().iter().enumerate() {
+        let stage = stage_by_sizes(&t.name, &sizes);
+        let train = match expert_of(&t.name) {
+            Some(e) => BTreeSet::from([stage * 16 + e / 16]),
+            None => (stage * 16..stage * 16 + 16).collect(),
+        };
+        check_blocks(&src, i as u32, &t.shape, 1, &train, "training");
+        check_blocks(&dst, i as u32, &t.shape, 32, &everyone, "inference");
+    }
+    check_fused(&src, &expected_fused(&DEEPSEEK_V3, true), "training");
+    check_fused(&dst, &expected_fused(&DEEPSEEK_V3, false), "inference");
+}
+
+/// vLLM RDT's Kimi-K2 run (48 DGX H100 nodes): Megatron TP8 x PP8 x EP32,
+/// ETP1 on 32 nodes (TP8 within a node, 4 replicas of the dense weights in
+/// a stage of 32 ranks, 12 whole experts per rank) -> vLLM TP32 x EP32 on
+/// 16 nodes: 4 instances of 32 ranks, the non-expert weights split 32 ways
+/// within each, 12 whole experts per rank, one copy per instance. The
+/// layer split over 8 stages is not published: miles' (8 a stage, the last
+/// 5) is the assumption checked here.
+#[test]
+fn kimi_k2_vllm_rdt_matches_the_published_setup() {
+    let (src, dst) = setup_layouts(Model::KimiK2, Setup::VllmRdt, 1);
+    assert_eq!((src.ranks(), src.ranks_per_node(), dst.ranks(), dst.ranks_per_node()), (256, 8, 128, 8));
+    check_checkpoint(&src, &dst, &KIMI_K2);
+    let sizes = [8, 8, 8, 8, 8, 8, 8, 5];
+    let everyone: BTreeSet<u32> = (0..128).collect();
+    for (i, t) in src.tensors().iter().enumerate() {
+        let stage = stage_by_sizes(&t.name, &sizes);
+        match expert_of(&t.name) {
+            Some(e) => {
+                check_blocks(&src, i as u32, &t.shape, 1, &BTreeSet::from([stage * 32 + e / 12]), "training");
+                check_blocks(&dst, i as u32, &t.shape, 1, &(0..4).map(|g| g * 32 + e / 12).collect(), "inference");
+            }
+            None => {
+                check_blocks(&src, i as u32, &t.shape, 8, &(stage * 32..stage * 32 + 32).collect(), "training");
+                check_blocks(&dst, i as u32, &t.shape, 32, &everyone, "inference");
+            }
+        }
+    }
+    check_fused(&src, &expected_fused(&KIMI_K2, true), "training");
+    // The default Kimi-K2 training side is the same placement (CP4 there,
+    // DP4 here: both replicate the dense weights over the same ranks).
+    assert!(layouts(Model::KimiK2, 64).unwrap().0 == setup_layouts(Model::KimiK2, Setup::VllmRdt, 64).0);
+}
+
+/// vLLM RDT's Qwen3-235B-A22B run in SkyRL (4 DGX H100 nodes): Megatron
+/// TP4 x PP2 x EP8, ETP1 on 2 nodes (a stage per node; 47 layers each,
+/// assumed; TP4 groups, 2 replicas of the dense weights, 16 whole experts
+/// per rank) -> vLLM DP16 x EP16 on 2 nodes: every non-expert weight whole
+/// on every rank, 8 whole experts per rank.
+#[test]
+fn qwen3_235b_vllm_rdt_matches_the_published_setup() {
+    let (src, dst) = setup_layouts(Model::Qwen3_235b, Setup::VllmRdt, 1);
+    assert_eq!((src.ranks(), src.ranks_per_node(), dst.ranks(), dst.ranks_per_node()), (16, 8, 16, 8));
+    check_checkpoint(&src, &dst, &QWEN3_235B);
+    let everyone: BTreeSet<u32> = (0..16).collect();
+    for (i, t) in src.tensors().iter().enumerate() {
+        let stage = stage_by_sizes(&t.name, &[47, 47]);
+        match expert_of(&t.name) {
+            Some(e) => {
+                check_blocks(&src, i as u32, &t.shape, 1, &BTreeSet::from([stage * 8 + e / 16]), "training");
+                check_blocks(&dst, i as u32, &t.shape, 1, &BTreeSet::from([e / 8]), "inference");
+            }
+            None => {
+                check_blocks(&src, i as u32, &t.shape, 4, &(stage * 8..stage * 8 + 8).collect(), "training");
+                check_blocks(&dst, i as u32, &t.shape, 1, &everyone, "inference");
+            }
+        }
+    }
+    check_fused(&src, &expected_fused(&QWEN3_235B, true), "training");
+}
+
+/// Each preset takes exactly its own setups; a setup does not combine with
+/// `ep`; names round-trip.
+#[test]
+fn setups_belong_to_their_presets() {
+    for setup in Setup::ALL {
+        assert_eq!(Setup::from_name(setup.name()), Some(setup));
+        for model in [Model::Llama3_8b, Model::DeepseekV3, Model::Qwen3_235b, Model::KimiK2] {
+            let got = layouts_with(model, 512, PresetOptions { ep: None, setup: Some(setup) });
+            if model.setups().contains(&setup) {
+                got.unwrap_or_else(|e| panic!("{model} {setup}: {e}"));
+                let e = layouts_with(model, 512, PresetOptions { ep: Some(16), setup: Some(setup) }).expect_err("EP with a setup");
+                assert_eq!(e, PresetError::SetupWithEp { model, setup });
+            } else {
+                let e = got.expect_err("a setup the preset lacks");
+                assert_eq!(e, PresetError::SetupUnsupported { model, setup });
+                let text = e.to_string();
+                assert!(text.contains(model.name()) && text.contains(setup.name()) && text.contains(&model.setup_names()), "{text}");
+            }
+        }
+    }
+    assert_eq!(Setup::from_name("nemo"), None);
+    assert_eq!(Model::Llama3_8b.setup_names(), "none");
+}
+
+/// Refits of a slice of each setup (the first layer, the first MoE layer
+/// and the last) through the orchestrator, reshard and baseline, verify.
+#[test]
+fn slow_anchor_setups_refit_verifies() {
+    for (model, setup, moe) in
+        [(Model::DeepseekV3, Setup::NemoRl, 3), (Model::KimiK2, Setup::VllmRdt, 1), (Model::Qwen3_235b, Setup::VllmRdt, 0)]
+    {
+        let (src, dst) = setup_layouts(model, setup, 256);
+        let keep = |name: &str| {
+            !name.starts_with("model.layers.") || matches!(layer_of(name), Some(l) if l == 0 || l == moe || l == 60 || l == 93)
+        };
+        let (src, dst) = (slice(&src, keep), slice(&dst, keep));
+        for strategy in [Strategy::Reshard, Strategy::Baseline] {
+            let config = DriverConfig { strategy, ..DriverConfig::default() };
+            let mut p = Driver::start(&src, &dst, config, |_| {}).unwrap_or_else(|e| panic!("{model} {setup} {strategy}: {e}"));
+            p.refit(None).unwrap_or_else(|e| panic!("{model} {setup} {strategy}: refit: {e}"));
+            let held: u64 =
+                (0..dst.tensors().len() as u32).flat_map(|i| dst.holdings(i)).map(|h| h.block.numel() * h.holders.len() as u64).sum();
+            assert_eq!(
+                p.verify(None).unwrap_or_else(|e| panic!("{model} {setup} {strategy}: verify: {e}")),
+                held,
+                "{model} {setup} {strategy}"
+            );
+        }
     }
 }

@@ -1,9 +1,10 @@
 //! `refit plan`: validate both layouts, plan reshard and baseline, print the figures.
 
 use super::report::{
-    figures_json, invalid, load, pair_summary, preset, preset_label, print_figures, say, seconds, write_layouts, Failure, Progress,
+    figures_json, invalid, load, pair_summary, parse_setup, preset_label_with, preset_with, print_figures, say, seconds, write_layouts,
+    Failure, Progress,
 };
-use refit::presets::Model;
+use refit::presets::{Model, PresetOptions, Setup};
 use reshard::{baseline_summary, plan_baseline, plan_reshard, LinkModel, PlanOptions};
 use serde_json::json;
 use std::path::{Path, PathBuf};
@@ -16,6 +17,8 @@ pub(crate) struct PlanArgs<'a> {
     pub(crate) scale: u64,
     /// Inference expert parallelism of the preset (`--ep`).
     pub(crate) ep: Option<u32>,
+    /// An anchor's setup of the preset (`--setup`), as typed.
+    pub(crate) setup: Option<&'a str>,
     pub(crate) max_staging_mib: u64,
     pub(crate) topology: &'a str,
     pub(crate) estimate: bool,
@@ -69,36 +72,152 @@ struct Reference {
     workload: &'static str,
     /// Measured gather-broadcast refit time, seconds, where published.
     baseline_s: Option<f64>,
-    /// Measured refit time of their point-to-point (reshard) path, seconds.
+    /// Measured refit time of their point-to-point (reshard) path, seconds
+    /// (the low end where they published a range).
     reshard_s: f64,
+    /// The high end of the range, where they published one.
+    reshard_max_s: Option<f64>,
     /// Where it is published.
     source: &'static str,
+    /// What the layouts assume where their setup is not published (a
+    /// setup's reference only: the others are not on these layouts).
+    assumed: Option<&'static str>,
 }
 
 impl Reference {
     fn ratio(&self) -> Option<f64> {
         self.baseline_s.map(|b| b / self.reshard_s)
     }
+
+    /// Their refit time as published: `7.53 s` or `2.39-2.83 s`.
+    fn reshard(&self) -> String {
+        match self.reshard_max_s {
+            Some(hi) => format!("{}-{hi} s", self.reshard_s),
+            None => format!("{} s", self.reshard_s),
+        }
+    }
 }
 
-/// The measured refit times published for a preset's model, as planned
-/// (`fp8`: the block size of FP8 destinations, if any).
-fn reference(model: Model, fp8: Option<u64>) -> Option<Reference> {
-    const NVIDIA: &str = "NVIDIA, NeMo RL weight refit, measured end to end in their setup";
-    let nvidia =
-        |workload, baseline_s, reshard_s| Reference { by: "NVIDIA", workload, baseline_s: Some(baseline_s), reshard_s, source: NVIDIA };
-    match (model, fp8) {
-        (Model::DeepseekV3, None) => Some(nvidia("DeepSeek-V3 671B at full size on DGX H100", 14.9, 2.6)),
-        (Model::Qwen3_235b, None) => Some(nvidia("Qwen3-235B-A22B at full size on DGX H100", 6.4, 1.9)),
-        (Model::KimiK2, Some(128)) => Some(Reference {
+/// A published measurement and the plan it belongs beside: the model, the
+/// setup (`None`: the preset's default layouts, which are not the layouts
+/// measured) and the FP8 block size of the destination, if any.
+struct Anchor {
+    model: Model,
+    setup: Option<Setup>,
+    fp8: Option<u64>,
+    reference: Reference,
+}
+
+const NVIDIA: &str = "NVIDIA, NeMo RL weight refit, measured end to end in their setup";
+const VLLM_RDT: &str = "vLLM blog, \"Sharded Weight Transfer with Ray Direct Transport (RDT) in vLLM\" \
+                        (vllm-project/vllm-project.github.io pull request 312)";
+
+/// Every anchor: the refit times others measured, with what they measured
+/// them on. `refit plan --estimate` quotes the one matching its model,
+/// `--setup` and `--fp8-dst`.
+const ANCHORS: &[Anchor] = &[
+    Anchor {
+        model: Model::DeepseekV3,
+        setup: None,
+        fp8: None,
+        reference: Reference {
+            by: "NVIDIA",
+            workload: "DeepSeek-V3 671B at full size on DGX H100",
+            baseline_s: Some(14.9),
+            reshard_s: 2.6,
+            reshard_max_s: None,
+            source: NVIDIA,
+            assumed: None,
+        },
+    },
+    Anchor {
+        model: Model::Qwen3_235b,
+        setup: None,
+        fp8: None,
+        reference: Reference {
+            by: "NVIDIA",
+            workload: "Qwen3-235B-A22B at full size on DGX H100",
+            baseline_s: Some(6.4),
+            reshard_s: 1.9,
+            reshard_max_s: None,
+            source: NVIDIA,
+            assumed: None,
+        },
+    },
+    Anchor {
+        model: Model::KimiK2,
+        setup: None,
+        fp8: Some(128),
+        reference: Reference {
             by: "Perplexity",
             workload: "Kimi-K2 1T at full size, 256 training GPUs (BF16) to 128 inference GPUs (FP8), RDMA WRITE point to point",
             baseline_s: None,
             reshard_s: 1.3,
+            reshard_max_s: None,
             source: "Perplexity, \"Weight Transfer for RL Post-Training in under 2 seconds\" (their engineering blog)",
-        }),
-        _ => None,
-    }
+            assumed: None,
+        },
+    },
+    Anchor {
+        model: Model::DeepseekV3,
+        setup: Some(Setup::NemoRl),
+        fp8: None,
+        reference: Reference {
+            by: "NVIDIA",
+            workload: "DeepSeek-V3 BF16, Megatron PP16 x EP16 (256 H100) to vLLM TP32 x DP8 (256 H100), non-colocated, \
+                       NeMo RL's nccl_reshard refit (FFN weights shard to shard, 97.6% of the bytes; the rest by packed broadcast)",
+            baseline_s: None,
+            reshard_s: 2.39,
+            reshard_max_s: Some(2.83),
+            source: "NeMo RL, docs/design-docs/nccl-reshard-refit.md, \"Expected Performance\" (github.com/NVIDIA-NeMo/RL); \
+                     layouts from examples/configs/recipes/llm/performance/grpo-deepseek-v3-32n8g.yaml",
+            assumed: Some(
+                "TP1 and DP16 within a training stage (NeMo RL's defaults; the recipe sets PP16, EP16, 3 layers in the \
+                           first stage and 2 in the last), Megatron's rank order (stage-major)",
+            ),
+        },
+    },
+    Anchor {
+        model: Model::KimiK2,
+        setup: Some(Setup::VllmRdt),
+        fp8: None,
+        reference: Reference {
+            by: "vLLM",
+            workload: "Kimi-K2 BF16, Megatron TP8 x PP8 x EP32 (32 x 8 H100) to vLLM TP32 x EP32 (16 x 8 H100: 4 instances), \
+                       sharded weight transfer over Ray Direct Transport / NIXL, 7.9 TB moved per sync, pipeline stages sent \
+                       one after another",
+            baseline_s: None,
+            reshard_s: 7.53,
+            reshard_max_s: None,
+            source: VLLM_RDT,
+            assumed: Some(
+                "the layer split over PP8 (miles' 7 stages of 8 layers, then 5) and Megatron's rank order (TP \
+                           innermost, the 4 dense replicas next, stage-major)",
+            ),
+        },
+    },
+    Anchor {
+        model: Model::Qwen3_235b,
+        setup: Some(Setup::VllmRdt),
+        fp8: None,
+        reference: Reference {
+            by: "vLLM",
+            workload: "Qwen3-235B-A22B BF16 in SkyRL, Megatron TP4 x PP2 x EP8 (2 x 8 H100) to vLLM DP16 x EP16 (2 x 8 H100), \
+                       gather-broadcast = SkyRL's NCCL broadcast, reshard = their pipelined sharded RDT transfer, both end \
+                       to end including the trainer's gathers",
+            baseline_s: Some(64.72),
+            reshard_s: 3.49,
+            reshard_max_s: None,
+            source: VLLM_RDT,
+            assumed: Some("47 layers a stage and Megatron's rank order (TP innermost, then DP, stage-major)"),
+        },
+    },
+];
+
+/// The anchor of a preset's model and setup, as planned (`fp8`: the block
+/// size of FP8 destinations, if any).
+fn anchor(model: Model, setup: Option<Setup>, fp8: Option<u64>) -> Option<&'static Anchor> {
+    ANCHORS.iter().find(|a| a.model == model && a.setup == setup && a.fp8 == fp8)
 }
 
 /// What the two modelled times are, for the legend and `--json`.
@@ -113,9 +232,10 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
             (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display()), None)
         }
         (_, _, Some(m)) => {
+            let options = PresetOptions { ep: args.ep, setup: args.setup.map(|name| parse_setup(Some(m), name)).transpose()? };
             progress.phase(format!("building the {m} layouts"));
-            let (s, d) = preset(m, args.scale, args.ep)?;
-            (s, d, preset_label(m, args.scale, args.ep), Some(m))
+            let (s, d) = preset_with(m, args.scale, options)?;
+            (s, d, preset_label_with(m, args.scale, options), Some((m, options.setup)))
         }
         _ => return Err(invalid("give --src and --dst, or --model".into())),
     };
@@ -128,7 +248,7 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         None => what,
         Some(block) => format!("{what}, FP8 in blocks of {block}"),
     };
-    let reference = model.and_then(|m| reference(m, args.fp8_dst));
+    let anchor = model.and_then(|(m, setup)| anchor(m, setup, args.fp8_dst));
     if let Some(dir) = args.emit_layouts {
         progress.phase("writing layouts");
         write_layouts(&src, &dst, dir)?;
@@ -201,15 +321,19 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
                 "lower_bound_s": r_est.lower_bound_seconds,
                 "ratio": ratio(&r_est),
             });
-            if let Some(r) = &reference {
+            if let Some(Anchor { reference: r, setup, .. }) = anchor {
                 estimate["reference_ratio"] = json!({
                     "ratio": r.ratio(),
                     "baseline_s": r.baseline_s,
                     "reshard_s": r.reshard_s,
+                    "reshard_max_s": r.reshard_max_s,
                     "measured": true,
                     "by": r.by,
                     "workload": r.workload,
                     "source": r.source,
+                    "setup": setup.map(Setup::name),
+                    "on_these_layouts": setup.is_some(),
+                    "assumed": r.assumed,
                 });
             }
             out["estimate"] = estimate;
@@ -245,12 +369,28 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
             seconds(r_est.lower_bound_seconds),
             r_est.lower_bound_seconds / r_est.seconds.max(1e-12)
         );
-        if let Some(r) = &reference {
+        if let Some(Anchor { reference: r, setup, .. }) = anchor {
             let times = match (r.baseline_s, r.ratio()) {
-                (Some(b), Some(x)) => format!("gather-broadcast {b} s, reshard {} s, {x:.1}x", r.reshard_s),
-                _ => format!("refit {} s", r.reshard_s),
+                (Some(b), Some(x)) => format!("gather-broadcast {b} s, reshard {}, {x:.1}x", r.reshard()),
+                _ => format!("refit {}", r.reshard()),
             };
-            say!("reference, measured by {}, not by refit nor on these layouts: {}: {times} (source: {})", r.by, r.workload, r.source);
+            let on = match setup {
+                None => "not by refit nor on these layouts".to_string(),
+                Some(s) => format!("on the {s} setup these layouts model, not by refit"),
+            };
+            say!("reference, measured by {}, {on}: {}: {times} (source: {})", r.by, r.workload, r.source);
+            if let Some(assumed) = r.assumed {
+                say!("  not published by them, assumed in these layouts: {assumed}");
+            }
+            let baseline = b_est.map_or_else(|| "-".into(), |b| seconds(b.seconds));
+            say!(
+                "side by side: measured by {} {} | modelled by refit ({}): reshard {}, baseline {baseline}, lower bound {}",
+                r.by,
+                r.reshard(),
+                args.topology,
+                seconds(r_est.seconds),
+                seconds(r_est.lower_bound_seconds)
+            );
         }
     }
     Ok(())

@@ -4,7 +4,7 @@
 use crate::{ClusterArgs, Pair};
 use refit::cluster::{ClusterConfig, ControlSecret, SECRET_ENV};
 use refit::netns::{Netem, NetnsConfig};
-use refit::presets::{layouts_with, Model, PresetError, PresetOptions};
+use refit::presets::{layouts_with, Model, PresetError, PresetOptions, Setup};
 pub(crate) use refit::units::{duration, human, plural, rate, seconds};
 use reshard::{parse_layout, Figures, Layout, PlanOptions, Strategy};
 use serde_json::json;
@@ -51,18 +51,54 @@ pub(crate) fn options(pair: &Pair) -> Result<PlanOptions, Failure> {
 /// A preset's layouts at `scale`, with inference expert parallelism `ep`
 /// if given (`--ep`; an EP the preset does not model is an error).
 pub(crate) fn preset(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), Failure> {
-    layouts_with(model, scale, PresetOptions { ep }).map_err(|e| match (e, ep) {
-        (e @ (PresetError::EpUnsupported { .. } | PresetError::EpDegree { .. }), Some(ep)) => invalid(format!("--ep {ep}: {e}")),
+    preset_with(model, scale, PresetOptions { ep, setup: None })
+}
+
+/// A preset's layouts at `scale` with `options` (`--ep`, `--setup`); an
+/// option the preset does not model is an error naming the flag.
+pub(crate) fn preset_with(model: Model, scale: u64, options: PresetOptions) -> Result<(Layout, Layout), Failure> {
+    layouts_with(model, scale, options).map_err(|e| match (e, options) {
+        (e @ (PresetError::EpUnsupported { .. } | PresetError::EpDegree { .. }), PresetOptions { ep: Some(ep), .. }) => {
+            invalid(format!("--ep {ep}: {e}"))
+        }
+        (e @ (PresetError::SetupUnsupported { .. } | PresetError::SetupWithEp { .. }), PresetOptions { setup: Some(s), .. }) => {
+            invalid(format!("--setup {s}: {e}"))
+        }
         (e, _) => invalid(format!("preset {model} at scale {scale}: {e}")),
+    })
+}
+
+/// The setup `--setup NAME` names, for `model`: an unknown name is an
+/// error naming the setups of `model` (or of every preset without one).
+pub(crate) fn parse_setup(model: Option<Model>, name: &str) -> Result<Setup, Failure> {
+    Setup::from_name(name).ok_or_else(|| {
+        let valid = match model {
+            Some(m) => format!("the {m} preset's setups: {}", m.setup_names()),
+            None => {
+                let all: Vec<String> = <Model as clap::ValueEnum>::value_variants()
+                    .iter()
+                    .filter(|m| !m.setups().is_empty())
+                    .map(|m| format!("{m}: {}", m.setup_names()))
+                    .collect();
+                format!("the setups: {}", all.join("; "))
+            }
+        };
+        invalid(format!("--setup {name}: no such setup ({valid})"))
     })
 }
 
 /// How the commands name a preset workload, the model as typed:
 /// `deepseek-v3 scale 1`, with ` EP32` after the model when `ep` is given.
 pub(crate) fn preset_label(model: Model, scale: u64, ep: Option<u32>) -> String {
-    match ep {
-        Some(ep) => format!("{model} EP{ep} scale {scale}"),
-        None => format!("{model} scale {scale}"),
+    preset_label_with(model, scale, PresetOptions { ep, setup: None })
+}
+
+/// [`preset_label`] with a setup: `kimi-k2 vllm-rdt scale 1`.
+pub(crate) fn preset_label_with(model: Model, scale: u64, options: PresetOptions) -> String {
+    match options {
+        PresetOptions { setup: Some(s), .. } => format!("{model} {s} scale {scale}"),
+        PresetOptions { ep: Some(ep), .. } => format!("{model} EP{ep} scale {scale}"),
+        PresetOptions { .. } => format!("{model} scale {scale}"),
     }
 }
 
