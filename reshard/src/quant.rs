@@ -18,9 +18,11 @@
 //! error naming the tensor and the block.
 //!
 //! # How a plan moves them
-//! A block's scale depends on all of its elements, which may lie on
-//! several source ranks, and its elements may go to several destination
-//! ranks. The plan therefore delivers **whole blocks** of unquantized
+//! Where every block lies whole on the source ranks that hold it, the
+//! sending source rank quantizes it and the plan moves codes and scales
+//! ([`crate::route`]). Otherwise: a block's scale depends on all of its
+//! elements, which may lie on several source ranks, and its elements may
+//! go to several destination ranks. The plan then delivers **whole blocks** of unquantized
 //! values (the source dtype; f32 for an f64 source) to every destination
 //! rank that holds any element of the block or its scale, into a buffer of
 //! the plan's ([`BufferKey::Unquantized`]): [`staged_holdings`]. After its
