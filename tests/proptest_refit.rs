@@ -368,7 +368,7 @@ fn build_case(vals: &[u16]) -> Case {
     };
     let src = Layout::new(src_ranks, Some(src_rpn), src_tensors).expect("generated source layout is valid");
     let dst = Layout::new(dst_ranks, Some(dst_rpn), dst_tensors).expect("generated destination layout is valid");
-    Case { src, dst, options: PlanOptions { max_staging_bytes, links, min_split_bytes, only: None } }
+    Case { src, dst, options: PlanOptions { max_staging_bytes, links, min_split_bytes, ..PlanOptions::default() } }
 }
 
 fn cases() -> impl Strategy<Value = Case> {

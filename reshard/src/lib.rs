@@ -31,6 +31,7 @@ mod plan;
 mod planner;
 mod program;
 mod quant;
+mod rebalance;
 mod route;
 mod units;
 

@@ -10,6 +10,7 @@ use crate::layout::{Holding, Layout, Rank, TensorLayout};
 use crate::overlap::{atomize, with_range, SourceIndex};
 use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
 use crate::quant;
+use crate::rebalance::rebalance;
 use crate::route::{self, scale_block, QuantizeAt, Route};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
@@ -326,6 +327,8 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         starts[i] += starts[i - 1];
     }
     let mut pieces: Vec<Piece> = Vec::with_capacity(total_pieces as usize);
+    // The ranks holding each piece (a range of the pool), for the last step.
+    let mut holders: Vec<(u32, u32)> = Vec::with_capacity(total_pieces as usize);
     let mut work: Vec<Work> = vec![Work { piece: 0, bytes: 0, receivers: (0, 0), candidates: (0, 0), nodes: 0 }; total_pieces as usize];
     for (td, (m, &t)) in matched.iter().zip(&template_of).enumerate() {
         let Some(&(ts, _, _)) = m.as_ref().filter(|_| t != NOT_PLANNED) else {
@@ -337,6 +340,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
             work[*at] = Work { piece: pieces.len() as u32, bytes: sizes[slot as usize], receivers, candidates, nodes: 0 };
             *at += 1;
             pieces.push(Piece { src_tensor: ts, dst_tensor: td as u32, block });
+            holders.push(candidates);
         }
     }
     drop(slots);
@@ -371,6 +375,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
                     w.piece
                 } else {
                     pieces.push(Piece { block, ..piece });
+                    holders.push(w.candidates);
                     pieces.len() as u32 - 1
                 };
                 match sender {
@@ -383,6 +388,10 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         }
     }
     drop(work);
+    // Source sends move among their pieces' holders where that lowers the
+    // busiest source rank.
+    let load = (0..src.ranks()).map(|r| assigner.load(0, SRC_OUT, r)).collect();
+    rebalance(&mut lists, load, &holders, &pool);
     let parts =
         PlanParts { pieces, wire: wire_pairs(&matched), routes, needed_node_bytes: needs, unique_bytes, scratch_blocks: Vec::new() };
     Ok(Plan::assemble_by_sender(Strategy::Reshard, src, dst, options, parts, lists))

@@ -78,7 +78,9 @@ pub(crate) fn source_quantizable(src: &Layout, ts: u32, block: &[u64]) -> bool {
     if block.len() != shape.len() || block.contains(&0) {
         return false;
     }
-    let aligned = |b: &Block| (0..b.ndim()).all(|d| b.offset()[d] % block[d] == 0 && (b.end(d) % block[d] == 0 || b.end(d) == shape[d]));
+    let aligned = |b: &Block| {
+        (0..b.ndim()).all(|d| b.offset()[d].is_multiple_of(block[d]) && (b.end(d).is_multiple_of(block[d]) || b.end(d) == shape[d]))
+    };
     let mut by_rank: HashMap<Rank, Vec<Block>> = HashMap::new();
     for h in src.holdings(ts) {
         if !aligned(&h.block) {

@@ -342,11 +342,13 @@ fn measure(options: &PlanOptions) -> Measured {
 /// larger threshold measures its granularity, not the planner's balance.
 const MIN_SPLIT: u64 = 1;
 
-/// What the planner must meet on the 200 cases (median, p90, worst), set
-/// from what it measured (1.002, 1.162, 1.595) with some room; without
-/// splitting it measured (1.169, 2.349, 7.000), and before this change
-/// (every piece whole from one holder, no outlook) (1.269, 2.457, 7.000).
-const BOUND: (f64, f64, f64) = (1.05, 1.25, 1.75);
+/// What the planner must meet on the 200 cases (median, p90, worst): the
+/// bar of issue 35 (median at most 1.05, worst at most 1.5), p90 set from
+/// what it measured (1.001, 1.150, 1.500; before the last step moved
+/// source sends among holders, 1.002, 1.162, 1.595); without splitting it
+/// measures (1.169, 2.349, 7.000), and before splitting existed (every
+/// piece whole from one holder, no outlook) (1.269, 2.457, 7.000).
+const BOUND: (f64, f64, f64) = (1.05, 1.2, 1.5);
 
 fn meets(m: &Measured) -> bool {
     m.same.0 <= BOUND.0 && m.same.1 <= BOUND.1 && m.same.2 <= BOUND.2
@@ -437,4 +439,33 @@ fn replicas_share_a_piece_above_the_threshold() {
         assert_eq!(f.pieces, parts, "{rows} rows");
         assert_eq!(f.max_src_rank_egress_bytes(), rows * 1024 * 2 / parts, "{rows} rows: {:?}", f.src_rank_egress_bytes);
     }
+}
+
+/// With `BALANCE_DUMP=<file>`: writes every case's problem for
+/// `benchmarks/balance_lp.py`, which solves it as a linear program
+/// (scipy's HiGHS) and sets the planner beside it: one JSON object per
+/// line, `{"seed", "ranks", "demand": [[mask, bytes], ...], "planner",
+/// "exact"}` (the bytes each set of source ranks alone can send, the
+/// planner's busiest source rank, and this file's exact optimum). Without
+/// it, does nothing.
+#[test]
+fn dump_cases_for_the_lp_benchmark() {
+    let Some(path) = std::env::var_os("BALANCE_DUMP") else { return };
+    let options = PlanOptions { min_split_bytes: MIN_SPLIT, ..PlanOptions::default() };
+    let mut out = String::new();
+    for seed in 0..CASES {
+        let (src, dst) = case(seed);
+        let plan = plan_reshard(&src, &dst, &options).unwrap();
+        let mut demand: Vec<(u32, u64)> = demand(&src, &plan, false).into_iter().collect();
+        demand.sort_unstable();
+        let pairs: Vec<String> = demand.iter().map(|(m, b)| format!("[{m}, {b}]")).collect();
+        let exact = optimum(&demand.iter().copied().collect(), src.ranks());
+        out += &format!(
+            "{{\"seed\": {seed}, \"ranks\": {}, \"demand\": [{}], \"planner\": {}, \"exact\": {exact}}}\n",
+            src.ranks(),
+            pairs.join(", "),
+            plan.figures().max_src_rank_egress_bytes()
+        );
+    }
+    std::fs::write(&path, out).unwrap();
 }

@@ -62,13 +62,83 @@ impl SenderLists {
         while self.stages.len() <= stage as usize {
             self.stages.push(vec![Sends::default(); self.n]);
         }
-        let sends = &mut self.stages[stage as usize][a];
-        if sends.last != bytes {
-            sends.last = bytes;
-            sends.bytes.push((sends.to.len() as u32, bytes));
-        }
-        sends.to.push((z as u32, piece));
+        self.stages[stage as usize][a].add(z as u32, piece, bytes);
         self.len += 1;
+    }
+}
+
+impl SenderLists {
+    /// Source rank `rank`'s stage-0 transfers, in the order added:
+    /// (position, receiver, piece, bytes); the receiver as an index over
+    /// both groups (destination rank `n_src + r`).
+    pub(crate) fn source_sends(&self, rank: u32) -> impl Iterator<Item = (u32, u32, u32, u64)> + '_ {
+        let sends = self.stages.first().and_then(|s| s.get(rank as usize));
+        let (to, runs) = sends.map_or((&[][..], &[][..]), |s| (&s.to[..], &s.bytes[..]));
+        let mut run = 0;
+        to.iter().enumerate().map(move |(i, &(z, piece))| {
+            while run + 1 < runs.len() && runs[run + 1].0 as usize <= i {
+                run += 1;
+            }
+            (i as u32, z, piece, runs[run].1)
+        })
+    }
+
+    /// Gives stage-0 transfers of source ranks to other source ranks:
+    /// each `(sender, position, new sender)` (positions as
+    /// [`source_sends`](Self::source_sends) numbers them, each at most
+    /// once). A sender keeps its other transfers in their order; the new
+    /// sender takes the moved ones after its own, in the order of `moves`.
+    pub(crate) fn move_source_sends(&mut self, moves: &[(u32, u32, u32)]) {
+        if moves.is_empty() {
+            return;
+        }
+        let stage = &mut self.stages[0];
+        let mut gone: Vec<(u32, u32)> = moves.iter().map(|&(s, at, _)| (s, at)).collect();
+        gone.sort_unstable();
+        let taken: Vec<(u32, u32, u32, u64)> = moves
+            .iter()
+            .map(|&(s, at, to)| {
+                let sends = &stage[s as usize];
+                let run = sends.bytes.partition_point(|&(p, _)| p <= at) - 1;
+                let (z, piece) = sends.to[at as usize];
+                (to, z, piece, sends.bytes[run].1)
+            })
+            .collect();
+        let mut k = 0;
+        while k < gone.len() {
+            let s = gone[k].0;
+            let end = k + gone[k..].iter().take_while(|g| g.0 == s).count();
+            let old = std::mem::take(&mut stage[s as usize]);
+            let kept = &mut stage[s as usize];
+            let mut drop = gone[k..end].iter().map(|g| g.1).peekable();
+            let mut run = 0;
+            for (i, &(z, piece)) in old.to.iter().enumerate() {
+                while run + 1 < old.bytes.len() && old.bytes[run + 1].0 as usize <= i {
+                    run += 1;
+                }
+                if drop.peek() == Some(&(i as u32)) {
+                    drop.next();
+                    continue;
+                }
+                kept.add(z, piece, old.bytes[run].1);
+            }
+            k = end;
+        }
+        for (to, z, piece, bytes) in taken {
+            stage[to as usize].add(z, piece, bytes);
+        }
+    }
+}
+
+impl Sends {
+    /// Appends a transfer to `z` of `piece`, `bytes` on the wire.
+    #[inline(always)]
+    fn add(&mut self, z: u32, piece: u32, bytes: u64) {
+        if self.last != bytes {
+            self.last = bytes;
+            self.bytes.push((self.to.len() as u32, bytes));
+        }
+        self.to.push((z, piece));
     }
 }
 
