@@ -9,8 +9,8 @@
 
 use proptest::prelude::*;
 use reshard::{
-    baseline_summary, layout_to_json, parse_layout, plan_baseline, plan_reshard, BufferKey, DType, Layout, LinkModel, MeshDim,
-    MeshPlacement, Placement, PlanOptions, RankProgram, Region, ShardSpec, Storage, Strategy as Planner, TensorLayout,
+    baseline_summary, layout_to_json, parse_layout, plan_baseline, plan_reshard, Block, BufferKey, DType, Layout, LinkModel, MeshDim,
+    MeshPlacement, Placement, PlanOptions, QuantizeAt, RankProgram, Region, Route, ShardSpec, Storage, Strategy as Planner, TensorLayout,
 };
 use reshard::{convert_slice, wire_dtype};
 use std::collections::{HashMap, HashSet};
@@ -683,6 +683,61 @@ fn check_baseline_summary(c: &Case) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The case's destination made block-scaled FP8 (every float tensor of 2
+/// or more dimensions, in blocks of `block`, scales placed like it:
+/// `refit::bench::fp8_destination`), refit by the reshard quantizing at
+/// the source where it can, by the reshard quantizing at the destination,
+/// and by the baseline: every destination byte the same three times, and
+/// every element as the semantics say (`verify_destinations` quantizes the
+/// pattern itself). Blocks of one element make every source holding whole
+/// blocks, so the source route is always taken there.
+fn check_fp8_routes(c: &Case, block: u64) -> Result<(), TestCaseError> {
+    // (The helper refuses a fused buffer whose tensors would get two
+    // dtypes: such a case has no FP8 version to test.)
+    let dst = refit::bench::fp8_destination(&c.dst, block);
+    prop_assume!(dst.is_ok(), "no FP8 version of this destination");
+    let dst = dst.map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let n_src = c.src.ranks() as usize;
+    let at = |quantize_at| PlanOptions { quantize_at, ..c.options.clone() };
+    let runs = [
+        ("reshard, at the source", plan_reshard(&c.src, &dst, &at(QuantizeAt::Source))),
+        ("reshard, at the destination", plan_reshard(&c.src, &dst, &at(QuantizeAt::Destination))),
+        ("baseline", plan_baseline(&c.src, &dst, &c.options)),
+    ];
+    let mut landed: Vec<Vec<Vec<u8>>> = Vec::new();
+    let mut at_source = 0;
+    for (what, planned) in runs {
+        let plan = planned.map_err(|e| TestCaseError::fail(format!("{what}: plan: {e}")))?;
+        at_source += (0..dst.tensors().len() as u32).filter(|&t| plan.route(t) == Route::QuantizedAtSource).count();
+        let programs = plan.programs(&c.src, &dst).map_err(|e| TestCaseError::fail(format!("{what}: programs: {e}")))?;
+        let mut memory = RankMemory::for_programs(&programs);
+        fill_sources(&c.src, &mut memory[..n_src]);
+        run_local(&programs, &mut memory, &ExecOptions { deadline: Duration::from_secs(60) })
+            .map_err(|e| TestCaseError::fail(format!("{what}: execute: {e}")))?;
+        verify_destinations(&c.src, &dst, &memory[n_src..]).map_err(|e| TestCaseError::fail(format!("{what}: verify: {e}")))?;
+        // The destination layout's own buffers (not the plan's scratch).
+        landed.push(memory[n_src..].iter().enumerate().flat_map(|(r, m)| m.buffers[..dst.rank_buffers(r as u32).len()].to_vec()).collect());
+    }
+    prop_assert!(landed[0] == landed[1] && landed[1] == landed[2], "the three refits landed different bytes");
+    if block == 1 {
+        // Blocks of one element: every block-scaled tensor whose source
+        // ranks each hold disjoint boxes of it (a rank holding one region
+        // twice, overlapping, keeps the destination route).
+        let disjoint = |ts: u32| {
+            (0..c.src.ranks()).all(|r| {
+                let boxes: Vec<Block> = c.src.rank_holdings(ts, r).into_iter().map(|(b, _)| b).collect();
+                boxes.iter().enumerate().all(|(i, a)| boxes[i + 1..].iter().all(|b| a == b || a.intersect(b).is_none()))
+            })
+        };
+        let want = (0..dst.tensors().len() as u32)
+            .filter(|&t| dst.scale_of(t).is_some() && disjoint(c.src.tensor_index(&dst.tensors()[t as usize].name).unwrap()))
+            .count();
+        // (Counted over the two reshard plans; the baseline never does.)
+        prop_assert_eq!(at_source, want, "blocks of one element: quantized at the source");
+    }
+    Ok(())
+}
+
 /// Planning twice gives the same plan.
 fn check_deterministic(c: &Case) -> Result<(), TestCaseError> {
     for strategy in [Planner::Reshard, Planner::Baseline] {
@@ -762,6 +817,14 @@ proptest! {
     #[test]
     fn prop_baseline_summary_is_the_plans(c in cases()) {
         check_baseline_summary(&c)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(config(128))]
+    #[test]
+    fn prop_fp8_routes_land_the_same_bytes(c in cases(), block in prop_oneof![Just(1u64), 2u64..5]) {
+        check_fp8_routes(&c, block)?;
     }
 }
 
