@@ -30,6 +30,7 @@ pub use reshard;
 pub mod bench;
 pub mod chaos;
 pub mod cluster;
+pub mod controller;
 pub mod demo;
 pub mod dump;
 pub mod netns;

@@ -282,6 +282,33 @@ enum Command {
         #[arg(long)]
         no_baseline: bool,
     },
+    /// One orchestrator over thousands of members in this process (the
+    /// in-process fabric, tiny weights, the model's tensors): planning,
+    /// deriving and installing every member's program, each refit's
+    /// status, prepare, run and commit, control messages and memory, at
+    /// each size; every refit verified on every destination.
+    ControllerBench {
+        /// The model whose structure the layouts take: deepseek-v3 or kimi-k2.
+        #[arg(long, value_enum, default_value = "deepseek-v3")]
+        model: Model,
+        /// Divide hidden sizes by this (the tensors stay as many).
+        #[arg(long, default_value_t = 1024)]
+        scale: u64,
+        /// The model's first this many layers (training PP16, or fewer
+        /// stages with fewer layers).
+        #[arg(long, default_value_t = 16)]
+        layers: u32,
+        /// Ranks on each side, one measurement per value: training PP x
+        /// EP16 x DP, inference EP16 instances (TP8 within a node).
+        #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048")]
+        ranks: Vec<u32>,
+        /// Refits at each size, each verified.
+        #[arg(long, default_value_t = 3)]
+        refits: usize,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// A small RL loop (contextual bandit, policy MLP) whose rollout ranks
     /// learn only because refit delivers fresh weights after every step:
     /// training TP4 f32 (fused buffer) -> rollout TP2 x DP2 bf16.
@@ -584,6 +611,16 @@ fn main() -> ExitCode {
         Command::Netns { clean: _, watch, token } => cmd::netns::run(watch.zip(*token)),
         Command::Soak { src, dst, refits, cluster, json } => cmd::soak::run(src, dst, *refits, cluster, *json),
         Command::PlanBench { model, scale, ep, reps, no_baseline } => cmd::plan_bench::run(*model, *scale, *ep, *reps, *no_baseline),
+        Command::ControllerBench { model, scale, layers, ranks, refits, json } => {
+            cmd::controller_bench::run(&cmd::controller_bench::ControllerArgs {
+                model: *model,
+                scale: *scale,
+                layers: *layers,
+                ranks,
+                refits: *refits,
+                json: *json,
+            })
+        }
         Command::Emit { model, scale, ep, setup, out } => cmd::emit::run(*model, *scale, *ep, setup.as_deref(), out),
         Command::Launch { pair, baseline, verify, refits, fail_fast, json, cluster, bind, no_spawn } => {
             cmd::launch::run(&cmd::launch::LaunchArgs {

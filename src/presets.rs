@@ -298,6 +298,10 @@ pub enum PresetError {
         /// The setup asked for.
         setup: Setup,
     },
+    /// The rank counts or layers of a scaled-out pair ([`scaled_out`])
+    /// do not fit its parallel structure.
+    #[error("{0}")]
+    ScaleOut(String),
     /// The generated layouts are invalid (a bug in the preset).
     #[error(transparent)]
     Layout(#[from] LayoutError),
@@ -486,11 +490,17 @@ fn llama_weights(scale: u64) -> Vec<Weight> {
 
 /// The weights of a model of DeepSeek-V3's architecture.
 fn mla_moe_weights(m: &MlaMoe, scale: u64) -> Vec<Weight> {
+    mla_moe_weights_staged(m, scale, m.layers, &m.stage_of, m.last_stage)
+}
+
+/// The first `layers` layers of a model of DeepSeek-V3's architecture,
+/// layer `l` on training stage `stage_of(l)`, the norm and head on `last`.
+fn mla_moe_weights_staged(m: &MlaMoe, scale: u64, layers: u32, stage_of: &dyn Fn(u32) -> u32, last: u32) -> Vec<Weight> {
     let h = div(7168, scale);
     let (q_lora, kv_lora, heads) = (div(1536, scale), div(512, scale), m.heads);
     let (nope, rope, vdim) = (div(128, scale), div(64, scale), div(128, scale));
     let (ffn, moe_ffn, vocab) = (div(18432, scale), div(2048, scale), div(m.vocab, scale));
-    let (layers, dense_layers, experts, stage_of) = (m.layers, m.dense_layers, m.experts, m.stage_of);
+    let (dense_layers, experts) = (m.dense_layers, m.experts);
     let mut w = vec![embedding(vocab, h)];
     for l in 0..layers {
         let stage = stage_of(l);
@@ -516,7 +526,7 @@ fn mla_moe_weights(m: &MlaMoe, scale: u64) -> Vec<Weight> {
             }
         }
     }
-    norm_and_head(&mut w, vocab, h, m.last_stage);
+    norm_and_head(&mut w, vocab, h, last);
     w
 }
 
@@ -772,4 +782,81 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
             Ok((Layout::new(256, Some(8), src)?, Layout::new(128, Some(8), dst)?))
         }
     }
+}
+
+/// A scaled-out pair of a preset of DeepSeek-V3's architecture
+/// (`deepseek-v3`, `kimi-k2`): thousands of ranks on both sides, for
+/// measuring the orchestrator (`refit controller-bench`), not a published
+/// setup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScaleOut {
+    /// Training ranks: PP x EP x DP, 8 per node.
+    pub src_ranks: u32,
+    /// Inference ranks: EP16 instances (TP8 within a node for the
+    /// non-expert weights), 8 per node.
+    pub dst_ranks: u32,
+    /// The model's first this many layers (its dense layers first).
+    pub layers: u32,
+}
+
+/// Pipeline stages of a scaled-out training side: 16, or fewer when there
+/// are fewer layers (a power of two dividing the layers' count from
+/// below).
+fn scale_out_stages(layers: u32) -> u32 {
+    let mut pp = 16;
+    while pp > layers {
+        pp /= 2;
+    }
+    pp
+}
+
+/// The layouts of a scaled-out pair: the model's first `layers` layers at
+/// `scale`; training Megatron PP x EP x DP on `src_ranks` (PP 16, or the
+/// largest power of two up to the layers; a stage's ranks `stage *
+/// per_stage ..`; TP 1, the dense weights replicated over a stage's ranks;
+/// routed experts EP16 over `stage * per_stage + dp * 16 ..`, whole,
+/// replicated over the stage's DP groups, as NeMo RL's PP16 x EP16 with
+/// more data parallelism); inference as vLLM's TP8 x DP2
+/// `--enable-expert-parallel` instances of EP16 (`deepseek-v3 --ep 16`),
+/// `dst_ranks / 16` of them.
+pub fn scaled_out(model: Model, scale: u64, s: ScaleOut) -> Result<(Layout, Layout), PresetError> {
+    let m = match model {
+        Model::DeepseekV3 => &DEEPSEEK_V3,
+        Model::KimiK2 => &KIMI_K2,
+        _ => return Err(PresetError::ScaleOut(format!("the {model} preset is not of DeepSeek-V3's architecture (deepseek-v3, kimi-k2)"))),
+    };
+    const EP: u32 = 16;
+    let layers = s.layers.clamp(1, m.layers);
+    let pp = scale_out_stages(layers);
+    if s.src_ranks == 0 || !s.src_ranks.is_multiple_of(pp * EP) {
+        return Err(PresetError::ScaleOut(format!(
+            "{} training ranks do not split into PP{pp} x EP{EP} x DP (a multiple of {})",
+            s.src_ranks,
+            pp * EP
+        )));
+    }
+    if s.dst_ranks == 0 || !s.dst_ranks.is_multiple_of(EP) {
+        return Err(PresetError::ScaleOut(format!("{} inference ranks are not instances of EP{EP} (a multiple of {EP})", s.dst_ranks)));
+    }
+    let per_stage = s.src_ranks / pp;
+    let (experts, per_rank) = (m.experts, m.experts / EP);
+    let stage_of = move |l: u32| l * pp / layers;
+    let ws = mla_moe_weights_staged(m, scale.max(1), layers, &stage_of, pp - 1);
+    let mut src: Vec<TensorLayout> = ws
+        .iter()
+        .map(|w| {
+            let first = w.stage * per_stage;
+            let placement = match w.expert {
+                Some(e) => {
+                    let dp = per_stage / EP;
+                    mesh(vec![dp], (0..dp).map(|d| first + d * EP + e / per_rank).collect(), vec![MeshDim::Replicate])
+                }
+                None => mesh(vec![per_stage], (first..first + per_stage).collect(), vec![MeshDim::Replicate]),
+            };
+            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+        })
+        .collect();
+    fuse(&mut src, Side::Train);
+    let dst = inference_ep(&ws, s.dst_ranks, DEEPSEEK_INFER_TP, EP, experts);
+    Ok((Layout::new(s.src_ranks, Some(8), src)?, Layout::new(s.dst_ranks, Some(8), dst)?))
 }

@@ -8,8 +8,8 @@
 
 use orchestrator::testkit::{fill_source_rank_at, verify_destination_rank_from, Mismatch};
 use orchestrator::{
-    spawn_refit, Buffers, CommPlane, Fabric, NcclFabric, NodeFabric, OrchestratorConfig, RefitError, RefitReport, RefitSystem, RefitTarget,
-    Snapshot,
+    spawn_refit, Buffers, CommPlane, Fabric, NcclFabric, NodeFabric, OrchestratorConfig, PlanReport, RefitError, RefitPhase, RefitReport,
+    RefitSystem, RefitTarget, Snapshot,
 };
 use reshard::{DType, Figures, Layout, PlanOptions, Strategy, TensorSubset};
 use std::collections::HashMap;
@@ -141,8 +141,13 @@ impl Driver {
                 return Err(RunError::Memory { needed, available });
             }
         }
+        // Every member runs its rank on a blocking thread, and a source's
+        // run waits for its receivers: with fewer threads than ranks the
+        // runs queued behind waiting ones would never start.
+        let ranks = (src.ranks() + dst.ranks()) as usize;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
+            .max_blocking_threads(ranks.max(512) + 64)
             .enable_all()
             .build()
             .map_err(|e| RunError::Setup(format!("cannot start tokio: {e}")))?;
@@ -172,6 +177,23 @@ impl Driver {
         phase("filling the sources");
         driver.step()?;
         Ok(driver)
+    }
+
+    /// What planning and installing every member's program at the start
+    /// took (the orchestrator's report).
+    pub fn planned(&self) -> &PlanReport {
+        &self.system.planned
+    }
+
+    /// The refit in progress and its step, as the orchestrator publishes
+    /// it.
+    pub fn phases(&self) -> tokio::sync::watch::Receiver<RefitPhase> {
+        self.system.orchestrator.phases()
+    }
+
+    /// The runtime the system runs on (to follow [`Driver::phases`]).
+    pub fn runtime(&self) -> &tokio::runtime::Runtime {
+        &self.runtime
     }
 
     /// The current plan's figures (what a full refit moves).

@@ -254,6 +254,9 @@ pub struct RefitSystem {
     /// Termination events of every member (named `src[rank]` and
     /// `dst[rank]`).
     pub events: SupervisorEvents,
+    /// What planning and installing every member's program at the start
+    /// took.
+    pub planned: PlanReport,
     src_layout: Arc<Layout>,
     dst_layout: Arc<Layout>,
     /// How members are spawned (call timeout, the supervisor of `events`);
@@ -324,8 +327,9 @@ pub async fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig)
         Orchestrator::new(src_members.clone(), dst_members.clone(), config.clone()),
         SpawnConfig::default().name("orchestrator").call_timeout(orchestrator_call_timeout(&config)),
     );
-    orchestrator.plan().await?;
+    let planned = orchestrator.plan().await?;
     Ok(RefitSystem {
+        planned,
         orchestrator,
         src_stores,
         dst_stores,

@@ -2,6 +2,7 @@
 
 pub(crate) mod bench;
 pub(crate) mod chaos;
+pub(crate) mod controller_bench;
 pub(crate) mod demo;
 pub(crate) mod emit;
 pub(crate) mod launch;

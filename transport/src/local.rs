@@ -20,7 +20,9 @@ enum Envelope {
 /// One rank's end of the in-process fabric.
 pub struct LocalTransport {
     me: Endpoint,
-    peers: HashMap<Endpoint, Sender<Envelope>>,
+    /// Every rank's inbox, shared by the fabric's ends (one map, not one
+    /// per rank: thousands of ranks would make it quadratic).
+    peers: Arc<HashMap<Endpoint, Sender<Envelope>>>,
     inbox: RoundInbox<Envelope>,
     outstanding: Arc<Outstanding>,
 }
@@ -36,13 +38,13 @@ impl std::fmt::Debug for LocalTransport {
 #[derive(Clone)]
 pub struct AbortHandle {
     me: Endpoint,
-    peers: HashMap<Endpoint, Sender<Envelope>>,
+    peers: Arc<HashMap<Endpoint, Sender<Envelope>>>,
 }
 
 impl AbortHandle {
     /// Sends an abort to every other rank.
     pub fn abort(&self, reason: &str) {
-        for (peer, tx) in &self.peers {
+        for (peer, tx) in self.peers.iter() {
             if *peer != self.me {
                 let _ = tx.send(Envelope::Abort { from: self.me, reason: reason.to_string() });
             }
@@ -60,7 +62,7 @@ impl LocalTransport {
 /// Connects `endpoints` all-to-all; returns their transports in order.
 pub fn local_fabric(endpoints: &[Endpoint]) -> Vec<LocalTransport> {
     let (senders, receivers): (Vec<_>, Vec<_>) = endpoints.iter().map(|_| channel::<Envelope>()).unzip();
-    let peers: HashMap<Endpoint, Sender<Envelope>> = endpoints.iter().copied().zip(senders).collect();
+    let peers: Arc<HashMap<Endpoint, Sender<Envelope>>> = Arc::new(endpoints.iter().copied().zip(senders).collect());
     endpoints
         .iter()
         .zip(receivers)

@@ -3,7 +3,7 @@
 //! and the kept planes forgotten.
 
 use super::error::refused;
-use super::members::{call_both, no_refusal};
+use super::members::no_refusal;
 use super::{Orchestrator, OrchestratorError, RefitStep};
 use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal};
 use reshard::Fingerprint;
@@ -31,7 +31,7 @@ impl Orchestrator {
         let delta = self.config.delta.then(|| self.delta_base.get(&fingerprint).copied());
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta });
         self.enter(RefitStep::Running);
-        let ran = call_both(&self.src, &self.dst, run, deadline + control).await?;
+        let ran = self.ask_all(run, deadline + control).await?;
         // The member whose own run failed (or that refused to run), rather
         // than one that failed because a peer aborted or went away.
         let root = ran
@@ -63,7 +63,7 @@ impl Orchestrator {
     pub(super) async fn resume(&self, refit: u64, fingerprint: Fingerprint, session: &str) -> Result<bool, OrchestratorError> {
         self.enter(RefitStep::Resuming);
         let resume = |_, _| Some(MemberMsg::Resume { refit, fingerprint, session: session.to_string() });
-        let replies = call_both(&self.src, &self.dst, resume, self.config.control_timeout).await?;
+        let replies = self.ask_all(resume, self.config.control_timeout).await?;
         if let Some((member, _)) = replies.iter().find(|(_, r)| matches!(r, MemberReply::Refused(Refusal::NotKept { .. }))) {
             tracing::info!(%member, "no kept data plane; opening a fresh one");
             return Ok(false);
@@ -80,7 +80,7 @@ impl Orchestrator {
         let keep = self.keeps_data_plane();
         let prepare = |_, _| Some(MemberMsg::Prepare { refit, fingerprint, session: session.to_string(), fabric: fabric.clone(), keep });
         self.enter(RefitStep::Preparing);
-        let prepared = call_both(&self.src, &self.dst, prepare, control).await?;
+        let prepared = self.ask_all(prepare, control).await?;
         no_refusal(&prepared)?;
         let mut peers = Vec::with_capacity(prepared.len());
         for (member, reply) in prepared {
@@ -100,7 +100,7 @@ impl Orchestrator {
         if let Some(timeout) = connect_timeout {
             let connect = |_, _| Some(MemberMsg::Connect { refit, peers: peers.clone() });
             self.enter(RefitStep::Connecting);
-            let connected = call_both(&self.src, &self.dst, connect, timeout + control).await?;
+            let connected = self.ask_all(connect, timeout + control).await?;
             no_refusal(&connected)?;
         }
         Ok(())
@@ -113,9 +113,7 @@ impl Orchestrator {
         // A replaced member holds no base: the next refit is dense.
         self.delta_base.clear();
         if tell {
-            for (_, m) in self.src.iter().chain(self.dst.iter()) {
-                let _ = m.try_tell(MemberMsg::Discard);
-            }
+            self.tell_all(|| MemberMsg::Discard);
         }
     }
 }

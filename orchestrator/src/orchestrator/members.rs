@@ -43,11 +43,12 @@ pub(super) async fn describe(
 }
 
 /// Every member's reply to `msg(group, rank)`, or the first failure.
-pub(super) async fn call_both(
+async fn call_both(
     src: &ActorGroup<Member>,
     dst: &ActorGroup<Member>,
     msg: impl Fn(Group, usize) -> Option<MemberMsg>,
     after: Duration,
+    sent: impl FnOnce(usize),
 ) -> Result<Vec<(String, MemberReply)>, OrchestratorError> {
     let mut calls = Vec::new();
     for (g, group) in [(Group::Src, src), (Group::Dst, dst)] {
@@ -64,6 +65,7 @@ pub(super) async fn call_both(
             }
         }
     }
+    sent(calls.len());
     let mut out = Vec::with_capacity(calls.len());
     for r in actors::join_all(calls).await {
         out.push(r?);
@@ -106,6 +108,25 @@ impl Status {
 }
 
 impl Orchestrator {
+    /// Every member's reply to `msg(group, rank)` (`None`: that member is
+    /// not asked), or the first failure; the calls are counted.
+    pub(super) async fn ask_all(
+        &self,
+        msg: impl Fn(Group, usize) -> Option<MemberMsg>,
+        after: Duration,
+    ) -> Result<Vec<(String, MemberReply)>, OrchestratorError> {
+        call_both(&self.src, &self.dst, msg, after, |n| self.sent(n)).await
+    }
+
+    /// Tells every member `msg` without waiting (queued behind what it
+    /// handles now); counted.
+    pub(super) fn tell_all(&self, msg: impl Fn() -> MemberMsg) {
+        for (_, m) in self.src.iter().chain(self.dst.iter()) {
+            let _ = m.try_tell(msg());
+        }
+        self.sent(self.src.len() + self.dst.len());
+    }
+
     pub(super) fn endpoints(&self) -> Vec<Endpoint> {
         (0..self.src.len() as u32).map(Endpoint::src).chain((0..self.dst.len() as u32).map(Endpoint::dst)).collect()
     }
@@ -119,7 +140,7 @@ impl Orchestrator {
                 return Err(OrchestratorError::Layout { group, problem: "the group has no members".into() });
             }
         }
-        let replies = call_both(&self.src, &self.dst, |_, _| Some(MemberMsg::Status), self.config.control_timeout).await?;
+        let replies = self.ask_all(|_, _| Some(MemberMsg::Status), self.config.control_timeout).await?;
         let n_src = self.src.len();
         let mut layouts: [Option<u64>; 2] = [None, None];
         let mut status = Status {

@@ -87,6 +87,8 @@ pub struct Orchestrator {
     /// change of members.
     kept: Vec<(Fingerprint, String)>,
     phase: tokio::sync::watch::Sender<RefitPhase>,
+    /// Control messages sent to members so far (calls and tells).
+    sent: std::sync::atomic::AtomicU64,
 }
 
 impl Orchestrator {
@@ -103,6 +105,7 @@ impl Orchestrator {
             refits: 0,
             kept: Vec::new(),
             phase: tokio::sync::watch::Sender::default(),
+            sent: Default::default(),
         }
     }
 
@@ -113,6 +116,16 @@ impl Orchestrator {
 
     fn enter(&self, step: RefitStep) {
         self.phase.send_replace(RefitPhase { refit: self.refits, step });
+    }
+
+    /// Counts `n` control messages sent to members.
+    fn sent(&self, n: usize) {
+        self.sent.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Control messages sent to members so far.
+    fn sent_so_far(&self) -> u64 {
+        self.sent.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How many times this orchestrator has planned.

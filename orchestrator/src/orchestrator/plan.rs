@@ -11,6 +11,7 @@ use reshard::{
     Strategy, TensorSubset,
 };
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// What the orchestrator keeps of a plan: not the plan or its programs
 /// (for a large model they are gigabytes), only what identifies it. Members
@@ -22,6 +23,19 @@ pub(super) struct CachedPlan {
     pub(super) fingerprint: Fingerprint,
     /// The plan's figures.
     pub(super) figures: Figures,
+}
+
+/// What [`Orchestrator::ensure_plan`] did.
+#[derive(Default)]
+pub(super) struct PlanWork {
+    /// It planned.
+    pub(super) replanned: bool,
+    /// Time planning.
+    pub(super) plan_time: Duration,
+    /// Time deriving and installing programs.
+    pub(super) install_time: Duration,
+    /// Members installed.
+    pub(super) installed: u64,
 }
 
 /// Programs derived ahead of, or being sent to, members while installing.
@@ -43,8 +57,8 @@ impl Orchestrator {
     /// Makes sure every member has the plan of the current strategy for
     /// both groups' current layouts installed: plans when a layout changed,
     /// installs on members that lack it (new or replaced ones). Returns
-    /// whether it planned.
-    pub(super) async fn ensure_plan(&mut self, status: &Status, only: &Option<TensorSubset>) -> Result<bool, OrchestratorError> {
+    /// what it did.
+    pub(super) async fn ensure_plan(&mut self, status: &Status, only: &Option<TensorSubset>) -> Result<PlanWork, OrchestratorError> {
         let t = self.config.control_timeout;
         let mode = self.config.mode;
         let key = (mode, only.clone());
@@ -61,14 +75,16 @@ impl Orchestrator {
             .map(|(i, _)| i)
             .collect();
         if lacking.is_empty() {
-            return Ok(false);
+            return Ok(PlanWork::default());
         }
+        let started = Instant::now();
         // The layouts travel once: from one member of each group, and only
         // when their fingerprints changed.
         let (src, dst) = match &self.layouts {
             Some(k) if k.fingerprints == current => (k.src.clone(), k.dst.clone()),
             _ => {
                 self.layouts = None;
+                self.sent(2);
                 let src = describe(&self.src, Group::Src, current.0, t).await?;
                 let dst = describe(&self.dst, Group::Dst, current.1, t).await?;
                 self.layouts = Some(KnownLayouts { fingerprints: current, src: src.clone(), dst: dst.clone() });
@@ -98,28 +114,42 @@ impl Orchestrator {
             self.cache.remove(&key);
         }
         let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..status.installed.len()).collect() };
+        let (plan_time, installing) = (started.elapsed(), Instant::now());
+        let installed = which.len() as u64;
         self.install(plan, src, dst, which).await?;
         self.cache.insert(key, CachedPlan { layout_fingerprints: current, fingerprint, figures });
-        Ok(true)
+        Ok(PlanWork { replanned: true, plan_time, install_time: installing.elapsed(), installed })
     }
 
     /// Hands members `which` (indices into sources then destinations)
-    /// their own programs, derived one by one in a blocking task while
-    /// earlier ones are sent: at most [`INSTALL_WINDOW`] programs exist at
-    /// a time, never all of them.
+    /// their own programs, derived one by one on a blocking thread per
+    /// core while earlier ones are sent: at most [`INSTALL_WINDOW`] plus
+    /// one per thread exist at a time, never all of them.
     async fn install(&self, plan: Arc<Plan>, src: Arc<Layout>, dst: Arc<Layout>, which: Vec<usize>) -> Result<(), OrchestratorError> {
         let n_src = self.src.len();
         let fingerprint = plan.fingerprint();
         let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, RankProgram)>(INSTALL_WINDOW);
         let producer = tokio::task::spawn_blocking(move || -> Result<(), PlanError> {
             let programs = Programs::new(&plan, &src, &dst)?;
-            for i in which {
-                let e = if i < n_src { Endpoint::src(i as u32) } else { Endpoint::dst((i - n_src) as u32) };
-                if tx.blocking_send((i, programs.program(e))).is_err() {
-                    // The installer gave up (a member failed).
-                    break;
+            // Thousands of members: their programs are derived in parallel,
+            // each thread taking the next member still to do.
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, which.len().max(1));
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            let derive = || {
+                while let Some(&i) = which.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                    let e = if i < n_src { Endpoint::src(i as u32) } else { Endpoint::dst((i - n_src) as u32) };
+                    if tx.blocking_send((i, programs.program(e))).is_err() {
+                        // The installer gave up (a member failed).
+                        break;
+                    }
                 }
-            }
+            };
+            std::thread::scope(|s| {
+                for _ in 1..threads {
+                    s.spawn(derive);
+                }
+                derive();
+            });
             Ok(())
         });
         let after = self.config.control_timeout;
@@ -128,6 +158,7 @@ impl Orchestrator {
         while let Some((i, program)) = rx.recv().await {
             let member = if i < n_src { self.src.get(i) } else { self.dst.get(i - n_src) };
             let Some(member) = member.cloned() else { continue };
+            self.sent(1);
             calls.spawn(async move {
                 let name = member.name().to_string();
                 match member.call_timeout(MemberMsg::Install { program: Box::new(program), fingerprint }, after).await {
@@ -174,14 +205,19 @@ impl Orchestrator {
     }
 
     pub(super) async fn plan(&mut self) -> Result<PlanReport, OrchestratorError> {
+        let sent = self.sent_so_far();
         let status = self.status().await?;
-        let replanned = self.ensure_plan(&status, &None).await?;
+        let work = self.ensure_plan(&status, &None).await?;
         let CachedPlan { fingerprint, figures, .. } = self.cached(&None)?;
         Ok(PlanReport {
             mode: self.config.mode,
             fingerprint: *fingerprint,
-            replanned,
+            replanned: work.replanned,
             bytes: figures.total_bytes,
+            plan_time: work.plan_time,
+            install_time: work.install_time,
+            installed: work.installed,
+            control_messages: self.sent_so_far() - sent,
             figures: figures.clone(),
         })
     }

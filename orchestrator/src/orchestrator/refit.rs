@@ -3,7 +3,7 @@
 //! everywhere.
 
 use super::error::refused;
-use super::members::{call_both, no_refusal, Status};
+use super::members::{no_refusal, Status};
 use super::{Orchestrator, OrchestratorError, RefitReport, RefitStep, RefitTarget};
 use crate::protocol::{Fabric, MemberMsg, Refusal, Weights, INSTALLED_PLANS};
 use reshard::{Figures, Group, TensorSubset};
@@ -46,6 +46,7 @@ impl Orchestrator {
         self.refits += 1;
         self.enter(RefitStep::Planning);
         let start = Instant::now();
+        let sent = self.sent_so_far();
         let mut attempts = 0;
         let r = loop {
             attempts += 1;
@@ -59,7 +60,7 @@ impl Orchestrator {
             }
         };
         self.enter(RefitStep::Idle);
-        r
+        r.map(|report| RefitReport { control_messages: self.sent_so_far() - sent, ..report })
     }
 
     async fn refit_once(
@@ -89,6 +90,7 @@ impl Orchestrator {
                 commit_time: Duration::ZERO,
                 bytes: 0,
                 messages: 0,
+                control_messages: 0,
                 figures: Figures::default(),
             });
         }
@@ -111,7 +113,7 @@ impl Orchestrator {
                 return Err(refused(&status.names[status.n_src + i], Refusal::NoBaseVersion));
             }
         }
-        let replanned = self.ensure_plan(&status, only).await?;
+        let replanned = self.ensure_plan(&status, only).await?.replanned;
         let plan_time = start.elapsed();
         let (fingerprint, figures) = self.cached(only).map(|c| (c.fingerprint, c.figures.clone()))?;
         let bytes = figures.total_bytes;
@@ -156,9 +158,7 @@ impl Orchestrator {
                 // the report: the discard is queued, not awaited; each member
                 // handles it before anything the next refit asks.
                 self.enter(RefitStep::Discarding);
-                for (_, m) in self.src.iter().chain(self.dst.iter()) {
-                    let _ = m.try_tell(MemberMsg::Discard);
-                }
+                self.tell_all(|| MemberMsg::Discard);
                 return Err(e);
             }
         };
@@ -170,7 +170,7 @@ impl Orchestrator {
         self.enter(RefitStep::Committing);
         let t = Instant::now();
         let commit = |g, _| (g == Group::Dst).then_some(MemberMsg::Commit { version });
-        let committed = call_both(&self.src, &self.dst, commit, self.config.control_timeout).await;
+        let committed = self.ask_all(commit, self.config.control_timeout).await;
         if let Err(e) = committed.and_then(|c| no_refusal(&c)) {
             self.kept.clear();
             self.delta_base.clear();
@@ -203,6 +203,7 @@ impl Orchestrator {
             commit_time: t.elapsed(),
             bytes: sent,
             messages,
+            control_messages: 0,
             figures,
         })
     }

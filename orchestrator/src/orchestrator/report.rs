@@ -48,6 +48,10 @@ pub struct RefitReport {
     /// Messages between two ranks, as the members counted them while
     /// sending: the plan's [`Figures::messages`].
     pub messages: u64,
+    /// Control messages the orchestrator sent members for this refit
+    /// (status, describe, install, resume or prepare, connect, run,
+    /// commit, discard): what its control plane carried.
+    pub control_messages: u64,
     /// The figures of the plan that ran (planned, not measured; default
     /// when nothing ran).
     pub figures: Figures,
@@ -65,6 +69,16 @@ pub struct PlanReport {
     pub replanned: bool,
     /// Bytes every refit with this plan moves (as [`RefitReport::bytes`]).
     pub bytes: u64,
+    /// Time spent planning (zero when the cached plan was used).
+    pub plan_time: Duration,
+    /// Time spent deriving the programs of the members that lacked them and
+    /// installing them (zero when none lacked them).
+    pub install_time: Duration,
+    /// Members the plan's programs were installed on.
+    pub installed: u64,
+    /// Control messages the orchestrator sent members for this (status,
+    /// describe, install).
+    pub control_messages: u64,
     /// The plan's figures.
     pub figures: Figures,
 }

@@ -5,6 +5,81 @@
 use super::{BufferKey, BufferSpec, Holding, Layout, Loc, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage};
 use crate::block::{flat_blocks, Block};
 use std::collections::HashMap;
+use std::sync::OnceLock;
+
+/// What a [`Layout`] derives from its parts on first use and keeps: its
+/// fingerprint, and per rank the mesh-placed tensors it is in with its
+/// first position in each mesh's rank list, by tensor (so one rank's
+/// holdings cost a lookup per tensor, not a scan of the mesh's ranks:
+/// a rank's buffers over thousands of ranks and tensors stay cheap).
+/// Two memos always compare equal (they follow from the parts); a clone
+/// starts empty.
+#[derive(Default)]
+pub(super) struct Memo {
+    pub(super) fingerprint: OnceLock<u64>,
+    mesh_positions: OnceLock<Vec<Vec<(u32, u32)>>>,
+}
+
+impl Clone for Memo {
+    fn clone(&self) -> Memo {
+        Memo::default()
+    }
+}
+
+impl PartialEq for Memo {
+    fn eq(&self, _: &Memo) -> bool {
+        true
+    }
+}
+
+impl Eq for Memo {}
+
+impl std::fmt::Debug for Memo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Memo")
+    }
+}
+
+impl Layout {
+    /// `rank`'s first position in the rank list of tensor `t`'s mesh, if
+    /// it is in it.
+    fn mesh_position(&self, t: u32, rank: Rank) -> Option<usize> {
+        let list = self.mesh_positions(rank);
+        list.binary_search_by_key(&t, |&(ti, _)| ti).ok().map(|i| list[i].1 as usize)
+    }
+
+    /// The mesh-placed tensors `rank` is in, by tensor, with its first
+    /// position in each mesh's rank list.
+    fn mesh_positions(&self, rank: Rank) -> &[(u32, u32)] {
+        let index = self.memo.mesh_positions.get_or_init(|| {
+            let mut index: Vec<Vec<(u32, u32)>> = vec![Vec::new(); self.ranks as usize];
+            for (ti, tensor) in self.tensors.iter().enumerate() {
+                let Placement::Mesh(m) = &tensor.placement else { continue };
+                for (pos, &r) in m.ranks.iter().enumerate() {
+                    // Tensors in order, positions ascending: the first
+                    // position of a rank listed twice is kept.
+                    let Some(list) = index.get_mut(r as usize) else { continue };
+                    if list.last().is_none_or(|&(last, _)| last != ti as u32) {
+                        list.push((ti as u32, pos as u32));
+                    }
+                }
+            }
+            index
+        });
+        index.get(rank as usize).map_or(&[], |l| l.as_slice())
+    }
+
+    /// The block of mesh-placed tensor `t` at position `pos` of its mesh,
+    /// held by `rank`, with where it is stored; `None` if it is empty.
+    fn mesh_holding(&self, t: u32, m: &MeshPlacement, pos: usize, rank: Rank) -> Option<(Block, Loc)> {
+        let (buffer, at) = match &m.storage {
+            Storage::Own => (BufferKey::Own { tensor: t, shard: 0 }, 0),
+            Storage::InBuffer { buffer, at } => (BufferKey::Named(self.buffer_ids.get(buffer).copied().unwrap_or(0)), *at),
+        };
+        let block = mesh_block(&self.tensors[t as usize].shape, m, pos);
+        (!block.is_empty()).then_some((block, Loc { rank, buffer, at }))
+    }
+}
 
 impl Layout {
     /// The distinct blocks of tensor `t` and their holders; empty shards are
@@ -57,16 +132,8 @@ impl Layout {
         let tensor = &self.tensors[t as usize];
         match &tensor.placement {
             Placement::Mesh(m) => {
-                let Some(pos) = m.ranks.iter().position(|&r| r == rank) else { return Vec::new() };
-                let (buffer, at) = match &m.storage {
-                    Storage::Own => (BufferKey::Own { tensor: t, shard: 0 }, 0),
-                    Storage::InBuffer { buffer, at } => (BufferKey::Named(self.buffer_ids.get(buffer).copied().unwrap_or(0)), *at),
-                };
-                let block = mesh_block(&tensor.shape, m, pos);
-                if block.is_empty() {
-                    return Vec::new();
-                }
-                vec![(block, Loc { rank, buffer, at })]
+                let Some(pos) = self.mesh_position(t, rank) else { return Vec::new() };
+                self.mesh_holding(t, m, pos, rank).into_iter().collect()
             }
             Placement::Shards(shards) => {
                 if !shards.iter().any(|s| s.rank == rank) {
@@ -88,8 +155,17 @@ impl Layout {
     pub fn rank_buffers(&self, rank: Rank) -> Vec<BufferSpec> {
         let mut out: Vec<BufferSpec> = Vec::new();
         let mut index: HashMap<BufferKey, usize> = HashMap::new();
+        // The rank's meshes in tensor order, walked beside the tensors.
+        let mut meshes = self.mesh_positions(rank).iter().peekable();
         for (ti, t) in self.tensors.iter().enumerate() {
-            for (block, loc) in self.rank_holdings(ti as u32, rank) {
+            let held = match &t.placement {
+                Placement::Mesh(m) => match meshes.next_if(|&&(mt, _)| mt == ti as u32) {
+                    Some(&(_, pos)) => self.mesh_holding(ti as u32, m, pos as usize, rank).into_iter().collect(),
+                    None => Vec::new(),
+                },
+                Placement::Shards(_) => self.rank_holdings(ti as u32, rank),
+            };
+            for (block, loc) in held {
                 let end = loc.at + block.numel();
                 match index.get(&loc.buffer) {
                     Some(&i) => out[i].elems = out[i].elems.max(end),

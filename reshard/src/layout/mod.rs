@@ -295,6 +295,9 @@ pub struct Layout {
     scale_ids: Vec<Option<u32>>,
     /// Per tensor: the tensor it is the scale of, if any.
     scale_for: Vec<Option<u32>>,
+    /// What is derived from the parts above on first use (the fingerprint,
+    /// each rank's place in the meshes).
+    memo: expand::Memo,
 }
 
 /// What a [`Layout`] is made of, as it travels.
@@ -388,6 +391,10 @@ impl Layout {
     /// tensor's name, type, shape and placement): members of one group
     /// report it so that the layout itself travels once.
     pub fn fingerprint(&self) -> u64 {
+        *self.memo.fingerprint.get_or_init(|| self.hash_parts())
+    }
+
+    fn hash_parts(&self) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut h = crate::fingerprint::Fnv64::default();
         self.ranks.hash(&mut h);

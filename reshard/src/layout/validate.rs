@@ -79,7 +79,18 @@ impl Layout {
             }
         }
         let (scale_ids, scale_for) = check_scales(&tensors, &by_name)?;
-        let layout = Layout { ranks, ranks_per_node, tensors, buffer_names, buffer_ids, named_dtypes, by_name, scale_ids, scale_for };
+        let layout = Layout {
+            ranks,
+            ranks_per_node,
+            tensors,
+            buffer_names,
+            buffer_ids,
+            named_dtypes,
+            by_name,
+            scale_ids,
+            scale_for,
+            memo: Default::default(),
+        };
         layout.check_named_buffers(&stored_ids, shortcut)?;
         Ok(layout)
     }
