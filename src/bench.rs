@@ -315,6 +315,17 @@ pub fn fp8_destination(dst: &Layout, block: u64) -> Result<Layout, reshard::Layo
                 tensors.push(mesh);
                 continue;
             }
+            // Every rank's chunk touching every block (a tensor smaller
+            // than a block, as in small-scale presets): the whole scale
+            // tensor replicated on the mesh, not a shard per rank.
+            let grid = reshard::Block::new(&vec![0; scale_shape.len()], &scale_shape);
+            if m.ranks.iter().all(|&r| dst.rank_holdings(i as u32, r).iter().all(|(b, _)| reshard::grid_of(b, &block_shape) == grid)) {
+                let dims = vec![reshard::MeshDim::Replicate; m.dims.len()];
+                let placement = Placement::Mesh(reshard::MeshPlacement { storage: Storage::Own, dims, ..m.clone() });
+                tensors.push(scaled);
+                tensors.push(TensorLayout { placement, ..mesh });
+                continue;
+            }
         }
         let mut shards: Vec<ShardSpec> = Vec::new();
         let mut seen = std::collections::HashSet::new();
