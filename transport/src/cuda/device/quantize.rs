@@ -1,6 +1,7 @@
-//! Quantizing a destination rank's block-scaled tensors after its last
-//! receive: on the device by the FP8 kernels where they can, else on the
-//! host (the buffers copied back and forth).
+//! Quantizing a rank's block-scaled tensors (a source's before its first
+//! send, a destination's after its last receive): on the device by the
+//! FP8 kernels where they can, else on the host (the buffers copied back
+//! and forth).
 
 use super::{DeviceMemory, GpuDevice};
 use crate::cuda::quantplan::QuantPlan;
@@ -19,7 +20,8 @@ pub(crate) enum Quantized {
 }
 
 /// Quantizes `program`'s block-scaled tensors in `memory` (its buffers, on
-/// `dev`), after its last receive: on the device where the kernels loaded
+/// `dev`), before a source's first send or after a destination's last
+/// receive (`RankProgram::quantizes_first`): on the device where the kernels loaded
 /// and every tensor has at most three dimensions, else on the host. A block
 /// holding NaN or infinity is an error naming the tensor and the block
 /// (found again by the host quantizer, which says which).
@@ -57,8 +59,8 @@ pub(crate) fn quantize_rank_on(dev: &GpuDevice, memory: &mut DeviceMemory, progr
             // SAFETY: `fits` checked every launch against these buffers;
             // the scratch holds `plan.scratch` scales; all of it stays
             // allocated until the synchronisation below, and only this
-            // stream touches the rank's buffers meanwhile (its receives
-            // are done).
+            // stream touches the rank's buffers meanwhile (a source's sends
+            // have not begun, a destination's receives are done).
             unsafe { kernels.launch_fp8_scales(stream, l, a[l.staged as usize], scales, flag) }?;
         }
         for l in &plan.codes {
