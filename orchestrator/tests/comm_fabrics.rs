@@ -300,28 +300,43 @@ struct Registered {
 /// The memory is said to be in `residence` (the bytes are host memory
 /// either way).
 fn registered_system(config: OrchestratorConfig, residence: orchestrator::Residence) -> Registered {
-    use orchestrator::{DstStore, Member, MemberConfig, Role, SrcStore};
+    use orchestrator::SrcStore;
     use std::sync::Arc;
     let (src, dst) = layouts();
     let (src, dst) = (Arc::new(src), Arc::new(dst));
     let mut memory: Vec<[f32; 28]> = vec![[0f32; 28]; 2];
-    let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
     let mut src_stores = Vec::new();
-    let mut src_members = Vec::new();
     for (r, m) in memory.iter_mut().enumerate() {
         let region = vec![(m.as_mut_ptr() as u64, std::mem::size_of::<[f32; 28]>())];
         // SAFETY: each array lives in `Registered::memory` until the test
         // ends (the refits that read it run while the test awaits them),
         // and is written only inside `update`.
         let reg = unsafe { orchestrator::Registered::new(&src, r as u32, residence, region) }.unwrap();
-        let store = Arc::new(SrcStore::registered(&src, r as u32, reg));
-        src_members.push(actors::spawn(
-            Member::with_config(src.clone(), r as u32, Role::Src(store.clone()), MemberConfig::default()),
-            spawn.clone(),
-        ));
-        src_stores.push(store);
+        src_stores.push(Arc::new(SrcStore::registered(&src, r as u32, reg)));
     }
-    let dst_stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
+    Registered { memory, ..spawn_registered(&src, &dst, src_stores, config) }
+}
+
+/// Members over `src_stores` (one per source rank of `src`) and fresh
+/// destination stores of `dst`, and their orchestrator.
+fn spawn_registered(
+    src: &std::sync::Arc<reshard::Layout>,
+    dst: &std::sync::Arc<reshard::Layout>,
+    src_stores: Vec<std::sync::Arc<orchestrator::SrcStore>>,
+    config: OrchestratorConfig,
+) -> Registered {
+    use orchestrator::{DstStore, Member, MemberConfig, Role};
+    use std::sync::Arc;
+    let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
+    let src_members = src_stores
+        .iter()
+        .enumerate()
+        .map(|(r, s)| {
+            let role = Role::Src(s.clone());
+            actors::spawn(Member::with_config(src.clone(), r as u32, role, MemberConfig::default()), spawn.clone())
+        })
+        .collect();
+    let dst_stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(dst, r))).collect();
     let dst_members = dst_stores
         .iter()
         .enumerate()
@@ -329,7 +344,7 @@ fn registered_system(config: OrchestratorConfig, residence: orchestrator::Reside
         .collect();
     let orchestrator =
         orchestrator::spawn_orchestrator(actors::ActorGroup::from_refs(src_members), actors::ActorGroup::from_refs(dst_members), config);
-    Registered { orchestrator, src: src_stores, dst: dst_stores, memory }
+    Registered { orchestrator, src: src_stores, dst: dst_stores, memory: Vec::new() }
 }
 
 impl Registered {
@@ -742,7 +757,7 @@ impl orchestrator::RegionCheck for LyingOwner {
 /// last good version, and the next honest refit recovers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_sources_whose_owner_lies_are_refused_or_followed() {
-    use orchestrator::{DstStore, Member, MemberConfig, Role, SrcStore};
+    use orchestrator::SrcStore;
     use std::sync::{Arc, Mutex};
     let sim = CommPlane::Simulated { world: "lying".into() };
     let ipc = IpcFabric { plane: sim.clone(), connect_timeout: Duration::from_secs(5), abort_timeout: Duration::from_secs(1) };
@@ -757,9 +772,7 @@ async fn registered_sources_whose_owner_lies_are_refused_or_followed() {
         let mut moved: Vec<Box<[f32; 28]>> = (0..2).map(|_| Box::new([2.0f32; 28])).collect();
         let mode = Arc::new(Mutex::new(Owner::Honest));
         let bytes = std::mem::size_of::<[f32; 28]>();
-        let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
         let mut src_stores = Vec::new();
-        let mut src_members = Vec::new();
         for r in 0..2usize {
             let (h, m) = (home[r].as_mut_ptr() as u64, moved[r].as_mut_ptr() as u64);
             let owner = Arc::new(LyingOwner { mode: mode.clone(), home: h, moved: m, bytes });
@@ -770,25 +783,9 @@ async fn registered_sources_whose_owner_lies_are_refused_or_followed() {
             let reg = unsafe {
                 orchestrator::Registered::new(&src, r as u32, orchestrator::Residence::Host, vec![(h, bytes)]).unwrap().with_check(owner)
             };
-            let store = Arc::new(SrcStore::registered(&src, r as u32, reg));
-            src_members.push(actors::spawn(
-                Member::with_config(src.clone(), r as u32, Role::Src(store.clone()), MemberConfig::default()),
-                spawn.clone(),
-            ));
-            src_stores.push(store);
+            src_stores.push(Arc::new(SrcStore::registered(&src, r as u32, reg)));
         }
-        let dst_stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
-        let dst_members = dst_stores
-            .iter()
-            .enumerate()
-            .map(|(r, s)| actors::spawn(Member::new(dst.clone(), r as u32, Role::Dst(s.clone())), spawn.clone()))
-            .collect();
-        let orchestrator = orchestrator::spawn_orchestrator(
-            actors::ActorGroup::from_refs(src_members),
-            actors::ActorGroup::from_refs(dst_members),
-            config,
-        );
-        let sys = Registered { orchestrator, src: src_stores, dst: dst_stores, memory: Vec::new() };
+        let sys = spawn_registered(&src, &dst, src_stores, config);
         let step = || async {
             let mut v = 0;
             for s in &sys.src {
