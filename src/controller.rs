@@ -133,7 +133,10 @@ pub struct ControllerFigures {
 /// false where it cannot.
 fn reset_peak_rss() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases free memory of the allocator.
+    // SAFETY: `malloc_trim` takes no pointer and touches no memory the
+    // program holds: it returns free pages of glibc's arenas to the system,
+    // and may run at any time from any thread. Its result (whether anything
+    // was released) is not needed, so no path depends on it.
     unsafe {
         libc::malloc_trim(0);
     }

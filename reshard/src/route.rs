@@ -8,8 +8,9 @@
 //! block can quantize it itself and send one byte per element plus the
 //! block's f32 scale: [`Route::QuantizedAtSource`] for the tensor and
 //! [`Route::ScalesFromSource`] for its scale tensor. A sending source rank
-//! quantizes every block of the tensor it holds, before its first send,
-//! into two buffers of the plan's ([`BufferKey::Quantized`] for the codes,
+//! quantizes each of its boxes of the tensor that it sends any piece of
+//! (whole blocks; a replica quantizes only what it sends), before its
+//! first send, into two buffers of the plan's ([`BufferKey::Quantized`] for the codes,
 //! stored like its holdings, back to back; [`BufferKey::Scales`] for the
 //! scales of those blocks, in block-grid coordinates), and sends from
 //! there; destinations receive codes and scales into the tensors' own
@@ -27,7 +28,7 @@ use crate::block::Block;
 use crate::dtype::DType;
 use crate::layout::{BufferKey, BufferSpec, Holding, Layout, Loc, Rank};
 use crate::quant::{self, grid_of, Quantize, Stored};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 /// Where block-scaled FP8 destination tensors are quantized
 /// ([`PlanOptions::quantize_at`](crate::PlanOptions::quantize_at)).
@@ -110,50 +111,40 @@ fn distinct(src: &Layout, ts: u32, rank: Rank) -> Vec<(Block, Loc)> {
 
 /// Where source rank `rank` offers source tensor `ts` for a destination
 /// tensor of route `route` (blocks of extent `block` for the two source
-/// routes): its holdings; for [`Route::QuantizedAtSource`] the same boxes
-/// in its [`BufferKey::Quantized`] buffer, back to back; for
+/// routes): its holdings; for [`Route::QuantizedAtSource`] its distinct
+/// boxes in its [`BufferKey::Quantized`] buffer, back to back; for
 /// [`Route::ScalesFromSource`] their block-grid boxes in its
-/// [`BufferKey::Scales`] buffer, back to back.
+/// [`BufferKey::Scales`] buffer, back to back (the same boxes in the same
+/// order: entry `i` of both is the rank's distinct box `i`).
 pub(crate) fn rank_offered(src: &Layout, ts: u32, rank: Rank, route: Route, block: Option<&[u64]>) -> Vec<(Block, Loc)> {
-    let (key, block) = match (route, block) {
-        (Route::QuantizedAtSource, Some(b)) => (BufferKey::Quantized { tensor: ts }, b),
-        (Route::ScalesFromSource, Some(b)) => (BufferKey::Scales { tensor: ts }, b),
+    let (buffer, scales, block) = match (route, block) {
+        (Route::QuantizedAtSource, Some(b)) => (BufferKey::Quantized { tensor: ts }, false, b),
+        (Route::ScalesFromSource, Some(b)) => (BufferKey::Scales { tensor: ts }, true, b),
         _ => return src.rank_holdings(ts, rank),
     };
     let mut at = 0u64;
     distinct(src, ts, rank)
         .into_iter()
         .map(|(b, _)| {
-            let b = if key == (BufferKey::Scales { tensor: ts }) { grid_of(&b, block) } else { b };
+            let b = if scales { grid_of(&b, block) } else { b };
             let here = at;
             at += b.numel();
-            (b, Loc { rank, buffer: key, at: here })
+            (b, Loc { rank, buffer, at: here })
         })
         .collect()
 }
 
-/// [`rank_offered`] of every rank, grouped by distinct box like
-/// [`Layout::holdings`] (the planner looks only at boxes and ranks).
+/// The boxes of source tensor `ts` each source rank can send for a
+/// destination tensor of route `route`, grouped by distinct box like
+/// [`Layout::holdings`]: its holdings, or for [`Route::ScalesFromSource`]
+/// their block-grid boxes (aligned holdings have distinct ones). The
+/// planner looks only at boxes and ranks, so the holders keep the
+/// source's own places; where a rank sends from is [`rank_offered`]'s.
 pub(crate) fn offered_holdings(src: &Layout, ts: u32, route: Route, block: Option<&[u64]>) -> Vec<Holding> {
-    let key = match (route, block) {
-        (Route::QuantizedAtSource, Some(_)) => BufferKey::Quantized { tensor: ts },
-        (Route::ScalesFromSource, Some(b)) => {
-            // Aligned holdings have distinct grid boxes.
-            let mut out = src.holdings(ts);
-            for h in &mut out {
-                h.block = grid_of(&h.block, b);
-                for l in &mut h.holders {
-                    l.buffer = BufferKey::Scales { tensor: ts };
-                }
-            }
-            return out;
-        }
-        _ => return src.holdings(ts),
-    };
     let mut out = src.holdings(ts);
-    for h in &mut out {
-        for l in &mut h.holders {
-            l.buffer = key;
+    if let (Route::ScalesFromSource, Some(b)) = (route, block) {
+        for h in &mut out {
+            h.block = grid_of(&h.block, b);
         }
     }
     out
@@ -201,31 +192,34 @@ pub(crate) fn source_buffers(src: &Layout, ts: u32, rank: Rank, block: &[u64]) -
 }
 
 /// Source rank `rank`'s [`Quantize`] op for source tensor `ts` (blocks of
-/// extent `block`): every box it holds, read where the layout stores it,
-/// quantized into its [`BufferKey::Quantized`] and [`BufferKey::Scales`]
-/// buffers; `buffer(key)` gives a buffer's index in the rank's program.
-/// `None` where it holds none of it or a buffer is missing.
+/// extent `block`): those of its distinct boxes numbered in `sent` (the
+/// ones it sends codes or scales from; see [`rank_offered`]), read where
+/// the layout stores them, quantized into its [`BufferKey::Quantized`] and
+/// [`BufferKey::Scales`] buffers; `buffer(key)` gives a buffer's index in
+/// the rank's program. `None` where that is no box or a buffer is missing.
 pub(crate) fn source_quantize_op(
     src: &Layout,
     ts: u32,
     rank: Rank,
     block: &[u64],
+    sent: &BTreeSet<u32>,
     buffer: &dyn Fn(BufferKey) -> Option<u32>,
 ) -> Option<Quantize> {
     let tensor = &src.tensors()[ts as usize];
-    let held = distinct(src, ts, rank);
-    if held.is_empty() {
+    let stored = |list: Vec<(Block, Loc)>| -> Option<Vec<Stored>> {
+        let kept = list.into_iter().enumerate().filter(|(i, _)| sent.contains(&(*i as u32)));
+        kept.map(|(_, (b, l))| Some(Stored { block: b, buffer: buffer(l.buffer)?, at: l.at })).collect()
+    };
+    let staged = stored(distinct(src, ts, rank))?;
+    if staged.is_empty() {
         return None;
     }
-    let stored = |list: Vec<(Block, Loc)>| -> Option<Vec<Stored>> {
-        list.into_iter().map(|(b, l)| Some(Stored { block: b, buffer: buffer(l.buffer)?, at: l.at })).collect()
-    };
     Some(Quantize {
         tensor: tensor.name.clone(),
         shape: tensor.shape.clone(),
         block: block.to_vec(),
         staged_dtype: tensor.dtype,
-        staged: stored(held)?,
+        staged,
         weights: stored(rank_offered(src, ts, rank, Route::QuantizedAtSource, Some(block)))?,
         scales: stored(rank_offered(src, ts, rank, Route::ScalesFromSource, Some(block)))?,
     })

@@ -413,16 +413,21 @@ fn the_device_quantizer_plan_matches_the_host_quantizer() {
                     }
                 };
                 assert_eq!(qp.is_empty(), program.quantize.is_empty());
-                // Every launch fits the rank's buffers, and not one byte less.
+                // Every launch fits the rank's buffers, and not one byte
+                // less where a step's region reaches a buffer's end (a
+                // source quantizes only the boxes it sends from, which
+                // may end before its buffer does).
                 let lens: Vec<usize> = landed.buffers.iter().map(Vec::len).collect();
                 qp.fits(&lens, &landed.dtypes).unwrap();
+                let reach = |b: usize| {
+                    let ends = |list: &[reshard::Stored], size: u64| {
+                        list.iter().filter(|s| s.buffer as usize == b).map(|s| (s.at + s.block.numel()) * size).max().unwrap_or(0)
+                    };
+                    let size = landed.dtypes[b].size();
+                    program.quantize.iter().map(|op| ends(&op.weights, size).max(ends(&op.scales, size)).max(ends(&op.staged, size))).max()
+                };
                 for b in 0..lens.len() {
-                    if lens[b] > 0
-                        && program
-                            .quantize
-                            .iter()
-                            .any(|op| op.weights.iter().chain(&op.scales).chain(&op.staged).any(|s| s.buffer as usize == b))
-                    {
+                    if lens[b] > 0 && reach(b) == Some(lens[b] as u64) {
                         let mut short = lens.clone();
                         short[b] -= 1;
                         assert!(qp.fits(&short, &landed.dtypes).is_err(), "{}: buffer {b} one byte short", program.endpoint);
@@ -453,4 +458,31 @@ fn the_device_quantizer_plan_matches_the_host_quantizer() {
     }
     assert!(launches > 40, "{launches} launches");
     assert!(on_sources > 0 && host_only > 0, "{on_sources} source ranks quantized, {host_only} on the host only");
+}
+
+/// A source rank quantizes only the boxes it sends codes or scales from:
+/// each of its quantize steps' boxes feeds one of its sends, and with
+/// replicas (`w` and `q` held twice) the sources quantize fewer elements
+/// than they hold.
+#[test]
+fn sources_quantize_only_the_boxes_they_send_from() {
+    for dst in [DST_TP, DST_DP] {
+        let (src, _, _, programs) = planned(SRC_ALIGNED, dst, &PlanOptions::default());
+        let (mut quantized, mut held) = (0u64, 0u64);
+        for p in programs.iter().filter(|p| p.quantizes_first()) {
+            let sent: Vec<(reshard::Block, u32)> =
+                p.rounds.iter().flat_map(|r| &r.sends).flat_map(|m| m.pieces.views().map(|v| (v.block(), v.span().buffer))).collect();
+            for op in &p.quantize {
+                let t = src.tensor_index(&op.tensor).unwrap();
+                held += src.rank_holdings(t, p.endpoint.rank).iter().map(|(b, _)| b.numel()).sum::<u64>();
+                for (w, s) in op.weights.iter().zip(&op.scales) {
+                    quantized += w.block.numel();
+                    let feeds =
+                        sent.iter().any(|(b, buf)| (*buf == w.buffer && w.block.contains(b)) || (*buf == s.buffer && s.block.contains(b)));
+                    assert!(feeds, "{}: quantizes {} of '{}' and sends none of it", p.endpoint, w.block, op.tensor);
+                }
+            }
+        }
+        assert!(quantized > 0 && quantized < held, "quantized {quantized} of {held} held elements");
+    }
 }

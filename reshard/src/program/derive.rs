@@ -9,7 +9,7 @@ use crate::layout::{BufferKey, BufferSpec, Layout, Loc, Rank};
 use crate::plan::{fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
 use crate::quant;
 use crate::route::{self, scale_block, Route};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 /// Derives rank programs from one plan, one rank at a time: built once
 /// per plan (it checks the layouts are the plan's and indexes the transfers
@@ -72,9 +72,10 @@ impl<'a> Programs<'a> {
         let mut sends: Builder<SendPiece> = BTreeMap::new();
         let mut recvs: Builder<RecvPiece> = BTreeMap::new();
         let mut locals: BTreeMap<u32, Pieces<LocalCopy>> = BTreeMap::new();
-        // Source tensors this rank quantizes before sending, with their
-        // blocks' extent.
-        let mut quantized_here: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+        // Source tensors this rank quantizes before sending: their
+        // blocks' extent and which of its distinct boxes of them it sends
+        // from (only those are quantized).
+        let mut quantized_here: BTreeMap<u32, (Vec<u64>, BTreeSet<u32>)> = BTreeMap::new();
         let mut k = 0;
         while k < mine.len() {
             let td = plan.pieces[plan.transfers[mine[k] as usize].piece as usize].dst_tensor;
@@ -89,12 +90,13 @@ impl<'a> Programs<'a> {
             let dtype_of = |g: Group| if g == Group::Src { src_dtype } else { dst_dtype };
             let my_dtype = dtype_of(e.group);
             let route = plan.routes[td as usize];
+            let mut quantizing = None;
             let held = match e.group {
                 Group::Src => {
                     let block = scale_block(self.dst, td);
                     if let (Route::QuantizedAtSource | Route::ScalesFromSource, Some(b)) = (route, block) {
                         side.source_quantized(tensor, b);
-                        quantized_here.entry(tensor).or_insert_with(|| b.to_vec());
+                        quantizing = Some(&mut quantized_here.entry(tensor).or_insert_with(|| (b.to_vec(), BTreeSet::new())).1);
                     }
                     route::rank_offered(layout, tensor, e.rank, route, block)
                 }
@@ -118,6 +120,11 @@ impl<'a> Programs<'a> {
                     }
                 };
                 if t.from == e {
+                    // (The boxes offered for codes and for scales are the
+                    // rank's distinct boxes in one order.)
+                    if let Some(sent) = quantizing.as_mut() {
+                        sent.extend(held.iter().position(|(b, _)| b.contains(&piece)).map(|i| i as u32));
+                    }
                     let from = match span_here(&mut side, t.from_scratch).first() {
                         Some(s) => *s,
                         None => unreachable!("planner chose {} which does not hold {piece}", t.from),
@@ -185,8 +192,8 @@ impl<'a> Programs<'a> {
             _ => Vec::new(),
         };
         let mut quantize = Vec::new();
-        for (ts, block) in &quantized_here {
-            quantize.extend(route::source_quantize_op(layout, *ts, e.rank, block, &|key| side.index.get(&key).copied()));
+        for (ts, (block, sent)) in &quantized_here {
+            quantize.extend(route::source_quantize_op(layout, *ts, e.rank, block, sent, &|key| side.index.get(&key).copied()));
         }
         if e.group == Group::Dst {
             let mask = plan.options().only.as_ref().and_then(|only| only.mask(layout).ok());
