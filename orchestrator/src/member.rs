@@ -6,7 +6,7 @@
 use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
 use crate::store::{Buffers, CommitFence, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
-use reshard::{Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
+use reshard::{BufferSpec, Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -129,6 +129,10 @@ pub struct Member {
     /// The group's layout, shared by the members of one process.
     layout: Arc<Layout>,
     layout_fingerprint: u64,
+    /// This rank's buffers in `layout` (every installed program's first
+    /// buffers must be these), listed once: a plan's install at thousands
+    /// of members then compares, not walks the layout again.
+    own_buffers: Vec<BufferSpec>,
     role: Role,
     config: MemberConfig,
     /// The latest installed programs, newest last.
@@ -182,6 +186,7 @@ impl Member {
             endpoint: Endpoint { group: role.group(), rank },
             node: layout.node_of(rank),
             layout_fingerprint: layout.fingerprint(),
+            own_buffers: layout.rank_buffers(rank),
             layout,
             role,
             config,
@@ -596,7 +601,7 @@ impl Member {
     /// be the rank's own, as its layout says: a program cannot make a
     /// member size or address its weights otherwise), if they are not.
     fn foreign_buffers(&self, program: &RankProgram) -> Option<String> {
-        let own = self.layout.rank_buffers(self.endpoint.rank);
+        let own = &self.own_buffers;
         let given = program.buffers.get(..own.len());
         (given != Some(own.as_slice()))
             .then(|| format!("its first buffers are not the {} buffers {} holds in its layout", own.len(), self.endpoint))

@@ -52,8 +52,13 @@ impl Block {
     pub fn new(offset: &[u64], extent: &[u64]) -> Block {
         assert!(offset.len() == extent.len() && offset.len() <= MAX_DIMS);
         let mut b = Block { ndim: offset.len() as u8, offset: [0; MAX_DIMS], extent: [0; MAX_DIMS] };
-        b.offset[..offset.len()].copy_from_slice(offset);
-        b.extent[..extent.len()].copy_from_slice(extent);
+        // A fixed number of words, not `copy_from_slice`: a call to
+        // `memcpy` for a few words cost more than the copy where blocks
+        // are made by the million (every rank's holdings at 4,096 ranks).
+        for d in 0..MAX_DIMS {
+            b.offset[d] = offset.get(d).copied().unwrap_or(0);
+            b.extent[d] = extent.get(d).copied().unwrap_or(0);
+        }
         b
     }
 
@@ -64,17 +69,12 @@ impl Block {
     pub(crate) fn from_packed(ndim: usize, words: &[u64]) -> Block {
         assert!(ndim <= MAX_DIMS && words.len() == 2 * ndim);
         let (offset, extent) = words.split_at(ndim);
-        let mut b = Block { ndim: ndim as u8, offset: [0; MAX_DIMS], extent: [0; MAX_DIMS] };
-        for d in 0..MAX_DIMS {
-            b.offset[d] = offset.get(d).copied().unwrap_or(0);
-            b.extent[d] = extent.get(d).copied().unwrap_or(0);
-        }
-        b
+        Block::new(offset, extent)
     }
 
     /// The whole of a tensor of this shape.
     pub fn full(shape: &[u64]) -> Block {
-        Block::new(&vec![0; shape.len()], shape)
+        Block::new(&[0; MAX_DIMS][..shape.len().min(MAX_DIMS)], shape)
     }
 
     /// Number of dimensions.

@@ -67,6 +67,12 @@ impl Hasher for Fnv64 {
     }
 }
 
+/// A map hashed with [`Fnv64`]: a few multiplies per small key where std's
+/// SipHash costs tens of cycles, for the maps of small integer keys that
+/// deriving thousands of rank programs fills and reads (keys that follow
+/// from validated layouts, not chosen to collide).
+pub(crate) type FnvMap<K, V> = std::collections::HashMap<K, V, std::hash::BuildHasherDefault<Fnv64>>;
+
 /// Hashes any `Hash` value with a stable 64-bit hasher (FNV-1a's constants, a
 /// word at a time): the same value gives the same hash on every machine.
 pub fn fnv64<T: Hash + ?Sized>(value: &T) -> u64 {

@@ -3,26 +3,106 @@
 //! [`Layout::rank_holdings`]), and the buffers they fill.
 
 use super::{BufferKey, BufferSpec, Holding, Layout, Loc, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec, Storage};
-use crate::block::{flat_blocks, Block};
+use crate::block::{flat_blocks, Block, MAX_DIMS};
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
 /// What a [`Layout`] derives from its parts on first use and keeps: its
-/// fingerprint, and per rank the mesh-placed tensors it is in with its
-/// first position in each mesh's rank list, by tensor (so one rank's
-/// holdings cost a lookup per tensor, not a scan of the mesh's ranks:
-/// a rank's buffers over thousands of ranks and tensors stay cheap).
-/// Two memos always compare equal (they follow from the parts); a clone
-/// starts empty.
+/// fingerprint, and per rank the tensors it holds a part of, by tensor,
+/// with its first position in the rank list of each mesh-placed one (so
+/// one rank's holdings and buffers cost a walk of its own tensors, not of
+/// every tensor nor of a mesh's ranks: every rank's buffers over thousands
+/// of ranks and tensors stay cheap). Two memos always compare equal (they
+/// follow from the parts); a clone keeps the fingerprint and rebuilds the
+/// rest on first use.
 #[derive(Default)]
 pub(super) struct Memo {
     pub(super) fingerprint: OnceLock<u64>,
-    mesh_positions: OnceLock<Vec<Vec<(u32, u32)>>>,
+    rank_tensors: OnceLock<Vec<Vec<(u32, u32)>>>,
+    /// Per tensor, the id of the named buffer its mesh placement stores
+    /// it in (looked up once, not by name for every rank).
+    mesh_named: OnceLock<Vec<u32>>,
+    /// Every mesh-placed tensor's shape and mesh, packed together (see
+    /// [`MeshGeometry`]): a rank's blocks are computed from a few
+    /// contiguous megabytes, not from three small allocations per tensor
+    /// scattered among the meshes' rank lists.
+    geometry: OnceLock<MeshGeometry>,
 }
+
+/// The shapes and meshes of a layout's mesh-placed tensors, packed: for
+/// tensor `t`, `words[start[t]..]` holds `n` (its dims), `k` (its mesh's
+/// dims), its `n` extents, then per mesh dim its size and the tensor dim
+/// it shards ([`REPLICATED`] if none).
+#[derive(Default)]
+struct MeshGeometry {
+    start: Vec<usize>,
+    words: Vec<u64>,
+}
+
+/// A mesh dim that replicates, in [`MeshGeometry`].
+const REPLICATED: u64 = u64::MAX;
+
+impl MeshGeometry {
+    fn of(tensors: &[super::TensorLayout]) -> MeshGeometry {
+        let mut g = MeshGeometry::default();
+        for t in tensors {
+            g.start.push(g.words.len());
+            let Placement::Mesh(m) = &t.placement else { continue };
+            g.words.extend([t.shape.len() as u64, m.shape.len() as u64]);
+            g.words.extend(&t.shape);
+            for (size, dim) in m.shape.iter().zip(&m.dims) {
+                let dim = match dim {
+                    MeshDim::Shard(d) => *d as u64,
+                    MeshDim::Replicate => REPLICATED,
+                };
+                g.words.extend([*size as u64, dim]);
+            }
+        }
+        g
+    }
+
+    /// The block of mesh-placed tensor `t` held at position `pos` of its
+    /// mesh's rank list: `torch.chunk` along each sharded dim, lower mesh
+    /// dims first, then each piece by the next.
+    fn block(&self, t: u32, pos: usize) -> Block {
+        let w = &self.words[self.start[t as usize]..];
+        let (n, k) = (w[0] as usize, w[1] as usize);
+        let (shape, mesh) = w[2..].split_at(n);
+        let mut off = [0u64; MAX_DIMS];
+        let mut ext = [0u64; MAX_DIMS];
+        for (d, e) in ext.iter_mut().enumerate() {
+            *e = shape.get(d).copied().unwrap_or(0);
+        }
+        // `pos` in row-major order over the mesh: the coordinate on dim `i`
+        // is `pos / stride % size`, the stride the product of later sizes.
+        let mut stride: usize = (0..k).map(|i| mesh[2 * i] as usize).product();
+        for i in 0..k {
+            let (size, dim) = (mesh[2 * i] as usize, mesh[2 * i + 1]);
+            stride /= size.max(1);
+            if dim == REPLICATED {
+                continue;
+            }
+            let d = dim as usize;
+            let coord = (pos / stride.max(1)) % size.max(1);
+            let (lo, hi) = chunk_range(ext[d], size as u64, coord as u64);
+            off[d] += lo;
+            ext[d] = hi - lo;
+        }
+        Block::new(&off[..n], &ext[..n])
+    }
+}
+
+/// The position recorded in [`Memo`]'s per-rank lists for a tensor placed
+/// by shards (no mesh).
+const NO_MESH: u32 = u32::MAX;
 
 impl Clone for Memo {
     fn clone(&self) -> Memo {
-        Memo::default()
+        let fingerprint = OnceLock::new();
+        if let Some(&f) = self.fingerprint.get() {
+            let _ = fingerprint.set(f);
+        }
+        Memo { fingerprint, ..Memo::default() }
     }
 }
 
@@ -40,28 +120,78 @@ impl std::fmt::Debug for Memo {
     }
 }
 
+/// Every tensor's [`Layout::rank_holdings`] on one rank, by tensor, each
+/// with the index of its buffer in [`Layout::rank_buffers`].
+#[derive(Default)]
+pub(crate) struct RankHoldings {
+    /// The tensor of each holding, ascending.
+    tensors: Vec<u32>,
+    held: Vec<(Block, Loc, u32)>,
+    /// Where the last answer ended: tensors asked in ascending order (a
+    /// destination's, as programs walk them) are found by a short step
+    /// forward instead of a search.
+    after: std::cell::Cell<usize>,
+}
+
+impl RankHoldings {
+    /// `Layout::rank_holdings(t, rank)` of the rank these are of.
+    pub(crate) fn of(&self, t: u32) -> &[(Block, Loc, u32)] {
+        let tensors = &self.tensors;
+        let after = self.after.get().min(tensors.len());
+        let ahead = after == 0 || tensors[after - 1] < t;
+        let from = match tensors[after..].iter().take(8).position(|&x| x >= t) {
+            Some(i) if ahead => after + i,
+            _ => tensors.partition_point(|&x| x < t),
+        };
+        let to = from + tensors[from..].iter().take_while(|&&x| x == t).count();
+        self.after.set(to);
+        &self.held[from..to]
+    }
+}
+
 impl Layout {
     /// `rank`'s first position in the rank list of tensor `t`'s mesh, if
     /// it is in it.
     fn mesh_position(&self, t: u32, rank: Rank) -> Option<usize> {
-        let list = self.mesh_positions(rank);
-        list.binary_search_by_key(&t, |&(ti, _)| ti).ok().map(|i| list[i].1 as usize)
+        let list = self.rank_tensors(rank);
+        let i = list.binary_search_by_key(&t, |&(ti, _)| ti).ok()?;
+        let pos = list[i].1;
+        (pos != NO_MESH).then_some(pos as usize)
     }
 
-    /// The mesh-placed tensors `rank` is in, by tensor, with its first
-    /// position in each mesh's rank list.
-    fn mesh_positions(&self, rank: Rank) -> &[(u32, u32)] {
-        let index = self.memo.mesh_positions.get_or_init(|| {
+    /// The id of the named buffer mesh-placed tensor `t` is stored in (0
+    /// if it has none: then it is never asked).
+    fn mesh_named(&self, t: u32) -> u32 {
+        let ids = self.memo.mesh_named.get_or_init(|| {
+            let id = |t: &super::TensorLayout| match &t.placement {
+                Placement::Mesh(MeshPlacement { storage: Storage::InBuffer { buffer, .. }, .. }) => {
+                    self.buffer_ids.get(buffer).copied().unwrap_or(0)
+                }
+                _ => 0,
+            };
+            self.tensors.iter().map(id).collect()
+        });
+        ids.get(t as usize).copied().unwrap_or(0)
+    }
+
+    /// The tensors `rank` holds a part of (it is in the mesh's rank list
+    /// or names a shard), by tensor, with its first position in the mesh's
+    /// rank list ([`NO_MESH`] for tensors placed by shards).
+    fn rank_tensors(&self, rank: Rank) -> &[(u32, u32)] {
+        let index = self.memo.rank_tensors.get_or_init(|| {
             let mut index: Vec<Vec<(u32, u32)>> = vec![Vec::new(); self.ranks as usize];
+            let mut note = |r: Rank, ti: usize, pos: u32| {
+                // Tensors in order, positions ascending: the first
+                // position of a rank listed twice is kept.
+                let Some(list) = index.get_mut(r as usize) else { return };
+                if list.last().is_none_or(|&(last, _)| last != ti as u32) {
+                    list.push((ti as u32, pos));
+                }
+            };
             for (ti, tensor) in self.tensors.iter().enumerate() {
-                let Placement::Mesh(m) = &tensor.placement else { continue };
-                for (pos, &r) in m.ranks.iter().enumerate() {
-                    // Tensors in order, positions ascending: the first
-                    // position of a rank listed twice is kept.
-                    let Some(list) = index.get_mut(r as usize) else { continue };
-                    if list.last().is_none_or(|&(last, _)| last != ti as u32) {
-                        list.push((ti as u32, pos as u32));
-                    }
+                match &tensor.placement {
+                    Placement::Mesh(m) => m.ranks.iter().enumerate().for_each(|(pos, &r)| note(r, ti, pos as u32)),
+                    Placement::Shards(shards) => shards.iter().for_each(|s| note(s.rank, ti, NO_MESH)),
                 }
             }
             index
@@ -74,9 +204,9 @@ impl Layout {
     fn mesh_holding(&self, t: u32, m: &MeshPlacement, pos: usize, rank: Rank) -> Option<(Block, Loc)> {
         let (buffer, at) = match &m.storage {
             Storage::Own => (BufferKey::Own { tensor: t, shard: 0 }, 0),
-            Storage::InBuffer { buffer, at } => (BufferKey::Named(self.buffer_ids.get(buffer).copied().unwrap_or(0)), *at),
+            Storage::InBuffer { at, .. } => (BufferKey::Named(self.mesh_named(t)), *at),
         };
-        let block = mesh_block(&self.tensors[t as usize].shape, m, pos);
+        let block = self.memo.geometry.get_or_init(|| MeshGeometry::of(&self.tensors)).block(t, pos);
         (!block.is_empty()).then_some((block, Loc { rank, buffer, at }))
     }
 }
@@ -153,30 +283,68 @@ impl Layout {
     /// The buffers `rank` must allocate: [`buffers`](Self::buffers)`()[rank]`,
     /// computed from that rank's holdings only.
     pub fn rank_buffers(&self, rank: Rank) -> Vec<BufferSpec> {
+        self.rank_buffers_and_holdings(rank, false).0
+    }
+
+    /// [`rank_buffers`](Self::rank_buffers), and where `keep` is set every
+    /// tensor's [`rank_holdings`](Self::rank_holdings) found on the way (one
+    /// walk of the rank's tensors serves both when a program is derived).
+    pub(crate) fn rank_buffers_and_holdings(&self, rank: Rank, keep: bool) -> (Vec<BufferSpec>, RankHoldings) {
         let mut out: Vec<BufferSpec> = Vec::new();
-        let mut index: HashMap<BufferKey, usize> = HashMap::new();
-        // The rank's meshes in tensor order, walked beside the tensors.
-        let mut meshes = self.mesh_positions(rank).iter().peekable();
-        for (ti, t) in self.tensors.iter().enumerate() {
-            let held = match &t.placement {
-                Placement::Mesh(m) => match meshes.next_if(|&&(mt, _)| mt == ti as u32) {
-                    Some(&(_, pos)) => self.mesh_holding(ti as u32, m, pos as usize, rank).into_iter().collect(),
-                    None => Vec::new(),
-                },
-                Placement::Shards(_) => self.rank_holdings(ti as u32, rank),
+        let mut holdings = RankHoldings::default();
+        // Where each named buffer is in `out` (by id); a tensor's own
+        // buffers are found among those its own holdings added.
+        let mut named: Vec<usize> = Vec::new();
+        // Adds a holding's buffer (or grows it); its index.
+        let mut add = |out: &mut Vec<BufferSpec>, first: usize, block: &Block, loc: &Loc, dtype| -> usize {
+            let end = loc.at + block.numel();
+            let found = match loc.buffer {
+                BufferKey::Named(id) => named.get(id as usize).copied().filter(|&i| i != usize::MAX),
+                key => out[first..].iter().position(|b| b.key == key).map(|i| first + i),
             };
-            for (block, loc) in held {
-                let end = loc.at + block.numel();
-                match index.get(&loc.buffer) {
-                    Some(&i) => out[i].elems = out[i].elems.max(end),
-                    None => {
-                        index.insert(loc.buffer, out.len());
-                        out.push(BufferSpec { key: loc.buffer, name: self.buffer_name(loc.buffer), dtype: t.dtype, elems: end });
+            match found {
+                Some(i) => {
+                    out[i].elems = out[i].elems.max(end);
+                    i
+                }
+                None => {
+                    if let BufferKey::Named(id) = loc.buffer {
+                        let id = id as usize;
+                        if named.len() <= id {
+                            named.resize(id + 1, usize::MAX);
+                        }
+                        named[id] = out.len();
+                    }
+                    out.push(BufferSpec { key: loc.buffer, name: self.buffer_name(loc.buffer), dtype, elems: end });
+                    out.len() - 1
+                }
+            }
+        };
+        for &(ti, pos) in self.rank_tensors(rank) {
+            let t = &self.tensors[ti as usize];
+            let first = out.len();
+            let mut keep_one = |block: Block, loc: Loc, buffer: usize| {
+                if keep {
+                    holdings.tensors.push(ti);
+                    holdings.held.push((block, loc, buffer as u32));
+                }
+            };
+            match &t.placement {
+                Placement::Mesh(m) => {
+                    if let Some((block, loc)) = self.mesh_holding(ti, m, pos as usize, rank) {
+                        let i = add(&mut out, first, &block, &loc, t.dtype);
+                        keep_one(block, loc, i);
+                    }
+                }
+                Placement::Shards(_) => {
+                    for (block, loc) in self.rank_holdings(ti, rank) {
+                        let i = add(&mut out, first, &block, &loc, t.dtype);
+                        keep_one(block, loc, i);
                     }
                 }
             }
         }
-        out
+        (out, holdings)
     }
 
     /// The buffers every rank must allocate, indexed by rank. Buffer order
@@ -232,26 +400,6 @@ pub(crate) fn chunk_range(n: u64, k: u64, i: u64) -> (u64, u64) {
     let c = n.div_ceil(k) as u128;
     let at = |j: u64| (j as u128 * c).min(n as u128) as u64;
     (at(i), at(i + 1))
-}
-
-/// The block held by the rank at position `pos` of a mesh's rank list.
-fn mesh_block(shape: &[u64], m: &MeshPlacement, pos: usize) -> Block {
-    let mut coord = vec![0u32; m.shape.len()];
-    let mut rest = pos;
-    for i in (0..m.shape.len()).rev() {
-        coord[i] = (rest % m.shape[i] as usize) as u32;
-        rest /= m.shape[i] as usize;
-    }
-    let mut off = vec![0u64; shape.len()];
-    let mut ext = shape.to_vec();
-    // Lower mesh dims split first, then each piece by the next.
-    for (i, p) in m.dims.iter().enumerate() {
-        let MeshDim::Shard(d) = *p else { continue };
-        let (lo, hi) = chunk_range(ext[d], m.shape[i] as u64, coord[i] as u64);
-        off[d] += lo;
-        ext[d] = hi - lo;
-    }
-    Block::new(&off, &ext)
 }
 
 /// Expands a mesh placement: one holding per combination of coordinates on
@@ -352,5 +500,55 @@ mod tests {
         assert_eq!(hs.len(), 3);
         assert_eq!(hs[0].holders.iter().map(|h| h.rank).collect::<Vec<_>>(), vec![0, 3]);
         assert_eq!(l.nodes(), 2);
+    }
+}
+
+#[cfg(test)]
+mod rank_holdings_tests {
+    use crate::builder::TensorBuilder;
+    use crate::dtype::DType;
+    use crate::layout::{
+        Layout,
+        MeshDim::{Replicate, Shard},
+        Region, Storage,
+    };
+
+    /// Meshes (own and fused buffers, on ranks of their own), flat shards (a
+    /// rank holding two), tensors a rank holds none of: the holdings one walk of a
+    /// rank's tensors keeps are [`Layout::rank_holdings`], whatever order
+    /// they are asked in, each with its buffer's index in `rank_buffers`.
+    #[test]
+    fn one_walk_keeps_every_tensors_holdings_and_buffer() {
+        let flat = |start, len| Region::Flat { start, len };
+        let layout = Layout::builder(4)
+            .tensor(TensorBuilder::new("a", DType::F32, [8, 6]).mesh([2, 2], [Shard(0), Shard(1)]))
+            .tensor(TensorBuilder::new("b", DType::F32, [6]).mesh([4], [Replicate]).buffer("fused", 0))
+            .tensor(TensorBuilder::new("c", DType::F32, [5, 4]).mesh([2], [Shard(1)]).on_ranks([3, 1]).buffer("fused", 6))
+            .tensor(
+                TensorBuilder::new("d", DType::BF16, [3, 5]).shard(0, flat(0, 7), Storage::Own).shard(2, flat(7, 8), Storage::Own).shard(
+                    0,
+                    flat(7, 8),
+                    Storage::Own,
+                ),
+            )
+            .tensor(TensorBuilder::new("e", DType::F32, [4]).mesh([2], [Shard(0)]).on_ranks([2, 0]))
+            .build()
+            .expect("a valid layout");
+        let tensors = layout.tensors().len() as u32;
+        for rank in 0..layout.ranks() {
+            let (buffers, held) = layout.rank_buffers_and_holdings(rank, true);
+            assert_eq!(buffers, layout.rank_buffers(rank));
+            let orders: [Vec<u32>; 3] = [(0..tensors).collect(), (0..tensors).rev().collect(), vec![3, 3, 0, 4, 1, 1, 2]];
+            for order in orders {
+                for t in order {
+                    let got = held.of(t);
+                    let want = layout.rank_holdings(t, rank);
+                    assert_eq!(got.iter().map(|&(b, l, _)| (b, l)).collect::<Vec<_>>(), want, "rank {rank}, tensor {t}");
+                    for &(_, loc, i) in got {
+                        assert_eq!(buffers[i as usize].key, loc.buffer, "rank {rank}, tensor {t}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -2,14 +2,16 @@
 //! transfers by rank and builds any one rank's [`RankProgram`] from its
 //! transfers and holdings; [`Plan::programs`] builds them all.
 
+use super::pieces::Pack;
 use super::{span_in, LocalCopy, Message, Pieces, RankProgram, RecvPiece, Round, SendPiece, Span};
 use crate::block::Block;
 use crate::dtype::DType;
+use crate::fingerprint::FnvMap;
 use crate::layout::{BufferKey, BufferSpec, Layout, Loc, Rank};
 use crate::plan::{fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
 use crate::quant;
 use crate::route::{self, scale_block, Route};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Derives rank programs from one plan, one rank at a time: built once
 /// per plan (it checks the layouts are the plan's and indexes the transfers
@@ -20,9 +22,12 @@ pub struct Programs<'a> {
     plan: &'a Plan,
     src: &'a Layout,
     dst: &'a Layout,
-    /// Per endpoint (sources, then destinations): indices of the transfers
-    /// it sends, receives or copies, ascending.
-    by_endpoint: Vec<Vec<u32>>,
+    /// Per endpoint (sources, then destinations): the transfers it sends,
+    /// receives or copies, each as (destination tensor, transfer index),
+    /// ascending by index ([`program`](Self::program) walks them by
+    /// tensor; the tensor beside the index spares a lookup in the plan per
+    /// transfer).
+    by_endpoint: Vec<Vec<(u32, u32)>>,
 }
 
 impl<'a> Programs<'a> {
@@ -34,15 +39,28 @@ impl<'a> Programs<'a> {
             return Err(PlanError::FingerprintMismatch { plan: plan.fingerprint, layouts: fp });
         }
         let n_src = src.ranks() as usize;
-        let mut by_endpoint: Vec<Vec<u32>> = vec![Vec::new(); n_src + dst.ranks() as usize];
+        let mut by_endpoint: Vec<Vec<(u32, u32)>> = vec![Vec::new(); n_src + dst.ranks() as usize];
         let idx = |e: Endpoint| match e.group {
             Group::Src => e.rank as usize,
             Group::Dst => n_src + e.rank as usize,
         };
-        for (i, t) in plan.transfers.iter().enumerate() {
-            by_endpoint[idx(t.from)].push(i as u32);
+        // Each list sized once, then filled in plan order (each program
+        // sorts its own list by tensor: in parallel, where programs are).
+        let mut lengths = vec![0usize; by_endpoint.len()];
+        for t in &plan.transfers {
+            lengths[idx(t.from)] += 1;
             if t.to != t.from {
-                by_endpoint[idx(t.to)].push(i as u32);
+                lengths[idx(t.to)] += 1;
+            }
+        }
+        for (list, n) in by_endpoint.iter_mut().zip(lengths) {
+            list.reserve_exact(n);
+        }
+        for (i, t) in plan.transfers.iter().enumerate() {
+            let d = plan.pieces.get(t.piece as usize).map_or(0, |p| p.dst_tensor);
+            by_endpoint[idx(t.from)].push((d, i as u32));
+            if t.to != t.from {
+                by_endpoint[idx(t.to)].push((d, i as u32));
             }
         }
         Ok(Programs { plan, src, dst, by_endpoint })
@@ -65,23 +83,25 @@ impl<'a> Programs<'a> {
             Group::Src => (self.src, e.rank as usize),
             Group::Dst => (self.dst, self.src.ranks() as usize + e.rank as usize),
         };
+        // By destination tensor; transfers of one tensor in plan order.
         let mut mine = self.by_endpoint[slot].clone();
-        // Stable: transfers of one tensor stay in plan order.
-        mine.sort_by_key(|&i| plan.pieces[plan.transfers[i as usize].piece as usize].dst_tensor);
-        let mut side = Side::new(layout, e.rank);
-        let mut sends: Builder<SendPiece> = BTreeMap::new();
-        let mut recvs: Builder<RecvPiece> = BTreeMap::new();
+        mine.sort_unstable();
+        // The rank's buffers and, from the same walk, its holdings.
+        let (buffers, holdings) = layout.rank_buffers_and_holdings(e.rank, true);
+        let mut side = Side::new(layout, e.rank, buffers);
+        let mut sends: Builder<SendPiece> = Builder::new();
+        let mut recvs: Builder<RecvPiece> = Builder::new();
         let mut locals: BTreeMap<u32, Pieces<LocalCopy>> = BTreeMap::new();
         // Source tensors this rank quantizes before sending: their
         // blocks' extent and which of its distinct boxes of them it sends
         // from (only those are quantized).
         let mut quantized_here: BTreeMap<u32, (Vec<u64>, BTreeSet<u32>)> = BTreeMap::new();
+        let mut spans: Vec<Span> = Vec::new();
         let mut k = 0;
         while k < mine.len() {
-            let td = plan.pieces[plan.transfers[mine[k] as usize].piece as usize].dst_tensor;
-            let end =
-                k + mine[k..].iter().take_while(|&&i| plan.pieces[plan.transfers[i as usize].piece as usize].dst_tensor == td).count();
-            let ts = plan.pieces[plan.transfers[mine[k] as usize].piece as usize].src_tensor;
+            let td = mine[k].0;
+            let end = k + mine[k..].iter().take_while(|&&(d, _)| d == td).count();
+            let ts = plan.pieces[plan.transfers[mine[k].1 as usize].piece as usize].src_tensor;
             // This rank's tensor, and its holdings of it.
             let tensor = if e.group == Group::Src { ts } else { td };
             // Values leave in the source's dtype and arrive in the one the
@@ -91,72 +111,85 @@ impl<'a> Programs<'a> {
             let my_dtype = dtype_of(e.group);
             let route = plan.routes[td as usize];
             let mut quantizing = None;
-            let held = match e.group {
+            // Its holdings as the route sends or delivers them: the
+            // layout's own (`rank_offered`'s and `rank_delivered`'s on
+            // other routes), or those the route makes.
+            let routed: Vec<(Block, Loc, u32)>;
+            let held: &[(Block, Loc, u32)] = match e.group {
                 Group::Src => {
                     let block = scale_block(self.dst, td);
                     if let (Route::QuantizedAtSource | Route::ScalesFromSource, Some(b)) = (route, block) {
                         side.source_quantized(tensor, b);
                         quantizing = Some(&mut quantized_here.entry(tensor).or_insert_with(|| (b.to_vec(), BTreeSet::new())).1);
+                        routed = side.indexed(route::rank_offered(layout, tensor, e.rank, route, block));
+                        &routed
+                    } else {
+                        holdings.of(tensor)
                     }
-                    route::rank_offered(layout, tensor, e.rank, route, block)
                 }
                 Group::Dst => {
                     if route == Route::QuantizedAtDestination {
                         side.staged(tensor, my_dtype);
+                        routed = side.indexed(route::rank_delivered(layout, tensor, e.rank, route));
+                        &routed
+                    } else {
+                        holdings.of(tensor)
                     }
-                    route::rank_delivered(layout, tensor, e.rank, route)
                 }
             };
-            for &ti in &mine[k..end] {
+            for &(_, ti) in &mine[k..end] {
                 let t: &Transfer = &plan.transfers[ti as usize];
-                let piece = plan.pieces[t.piece as usize].block;
-                let scratch = plan.scratch_blocks.get(td as usize).copied().unwrap_or(piece);
-                let span_here = |side: &mut Side<'_>, from_scratch: bool| -> Vec<Span> {
+                let piece = &plan.pieces[t.piece as usize].block;
+                let scratch = plan.scratch_blocks.get(td as usize).unwrap_or(piece);
+                // The places on this rank that hold the piece, into `spans`
+                // (reused: no allocation per piece).
+                let span_here = |side: &mut Side<'_>, from_scratch: bool, spans: &mut Vec<Span>| {
+                    spans.clear();
                     if from_scratch {
-                        let b = side.scratch(tensor, &scratch, my_dtype);
-                        vec![span_in(b, &scratch, 0, &piece)]
+                        let b = side.scratch(tensor, scratch, my_dtype);
+                        spans.push(span_in(b, scratch, 0, piece));
                     } else {
-                        side.spans(&held, &piece)
+                        spans.extend(Side::spans(held, piece));
                     }
                 };
                 if t.from == e {
                     // (The boxes offered for codes and for scales are the
                     // rank's distinct boxes in one order.)
                     if let Some(sent) = quantizing.as_mut() {
-                        sent.extend(held.iter().position(|(b, _)| b.contains(&piece)).map(|i| i as u32));
+                        sent.extend(held.iter().position(|(b, ..)| b.contains(piece)).map(|i| i as u32));
                     }
-                    let from = match span_here(&mut side, t.from_scratch).first() {
+                    span_here(&mut side, t.from_scratch, &mut spans);
+                    let from = match spans.first() {
                         Some(s) => *s,
                         None => unreachable!("planner chose {} which does not hold {piece}", t.from),
                     };
                     if t.to == e {
-                        let to = span_here(&mut side, t.to_scratch);
-                        locals.entry(t.round).or_default().push(&LocalCopy {
-                            block: piece,
-                            from,
-                            from_dtype: my_dtype,
-                            to,
-                            to_dtype: my_dtype,
-                        });
+                        span_here(&mut side, t.to_scratch, &mut spans);
+                        let copy =
+                            LocalCopy { block: *piece, from, from_dtype: my_dtype, to: std::mem::take(&mut spans), to_dtype: my_dtype };
+                        locals.entry(t.round).or_default().push(&copy);
+                        spans = copy.to;
                         continue;
                     }
                     let wire = plan.transfer_wire_dtype(t);
-                    sends.entry((t.round, t.to)).or_default().push(&SendPiece { block: piece, span: from, dtype: my_dtype, wire });
+                    sends.push((t.round, t.to), &SendPiece { block: *piece, span: from, dtype: my_dtype, wire });
                 } else {
-                    let spans = span_here(&mut side, t.to_scratch);
+                    span_here(&mut side, t.to_scratch, &mut spans);
                     let wire = plan.transfer_wire_dtype(t);
-                    recvs.entry((t.round, t.from)).or_default().push(&RecvPiece { block: piece, spans, wire, dtype: dtype_of(t.to.group) });
+                    let recv = RecvPiece { block: *piece, spans: std::mem::take(&mut spans), wire, dtype: dtype_of(t.to.group) };
+                    recvs.push((t.round, t.from), &recv);
+                    spans = recv.spans;
                 }
             }
             k = end;
         }
         // Pieces were pushed one by one: keep only the words they take.
         let mut rounds: Vec<Round> = vec![Round::default(); plan.figures.rounds as usize];
-        for ((r, peer), mut pieces) in sends {
+        for ((r, peer), mut pieces) in sends.into_sorted() {
             pieces.shrink_to_fit();
             rounds[r as usize].sends.push(Message { peer, pieces });
         }
-        for ((r, peer), mut pieces) in recvs {
+        for ((r, peer), mut pieces) in recvs.into_sorted() {
             pieces.shrink_to_fit();
             rounds[r as usize].recvs.push(Message { peer, pieces });
         }
@@ -216,12 +249,11 @@ struct Side<'a> {
     layout: &'a Layout,
     rank: Rank,
     buffers: Vec<BufferSpec>,
-    index: HashMap<BufferKey, u32>,
+    index: FnvMap<BufferKey, u32>,
 }
 
 impl<'a> Side<'a> {
-    fn new(layout: &'a Layout, rank: Rank) -> Side<'a> {
-        let buffers = layout.rank_buffers(rank);
+    fn new(layout: &'a Layout, rank: Rank, buffers: Vec<BufferSpec>) -> Side<'a> {
         let index = buffers.iter().enumerate().map(|(i, b)| (b.key, i as u32)).collect();
         Side { layout, rank, buffers, index }
     }
@@ -264,12 +296,55 @@ impl<'a> Side<'a> {
     }
 
     /// Spans on this rank holding all of `piece`.
-    fn spans(&self, held: &[(Block, Loc)], piece: &Block) -> Vec<Span> {
-        held.iter().filter(|(b, _)| b.contains(piece)).map(|(b, l)| span_in(self.index[&l.buffer], b, l.at, piece)).collect()
+    fn spans<'h>(held: &'h [(Block, Loc, u32)], piece: &'h Block) -> impl Iterator<Item = Span> + 'h {
+        held.iter().filter(|(b, ..)| b.contains(piece)).map(|&(ref b, l, i)| span_in(i, b, l.at, piece))
+    }
+
+    /// Holdings with the index of their buffers on this rank (which must
+    /// be here).
+    fn indexed(&self, held: Vec<(Block, Loc)>) -> Vec<(Block, Loc, u32)> {
+        held.into_iter().map(|(b, l)| (b, l, self.index[&l.buffer])).collect()
     }
 }
 
-type Builder<P> = BTreeMap<(u32, Endpoint), Pieces<P>>;
+/// One rank's messages while its program is derived, by (round, peer):
+/// the pieces of one message mostly come one after another, so the last
+/// one used is at hand before any lookup.
+struct Builder<P> {
+    index: FnvMap<(u32, Endpoint), usize>,
+    list: Vec<((u32, Endpoint), Pieces<P>)>,
+    last: Option<((u32, Endpoint), usize)>,
+}
+
+impl<P: Pack> Builder<P> {
+    fn new() -> Builder<P> {
+        Builder { index: FnvMap::default(), list: Vec::new(), last: None }
+    }
+
+    /// Appends `piece` to the message of `key`.
+    fn push(&mut self, key: (u32, Endpoint), piece: &P) {
+        let i = match self.last {
+            Some((k, i)) if k == key => i,
+            _ => {
+                let next = self.list.len();
+                let i = *self.index.entry(key).or_insert(next);
+                if i == next {
+                    self.list.push((key, Pieces::new()));
+                }
+                self.last = Some((key, i));
+                i
+            }
+        };
+        self.list[i].1.push(piece);
+    }
+
+    /// The messages by round, then peer.
+    fn into_sorted(self) -> Vec<((u32, Endpoint), Pieces<P>)> {
+        let mut list = self.list;
+        list.sort_unstable_by_key(|(k, _)| *k);
+        list
+    }
+}
 
 impl Plan {
     /// Builds every rank's program: source ranks first (by rank), then

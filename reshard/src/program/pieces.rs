@@ -66,7 +66,7 @@ mod packing {
         fn unpack(words: &[u64]) -> Self;
     }
 }
-use packing::Pack;
+pub(super) use packing::Pack;
 
 /// A packed piece's header word (see [`Pieces`]).
 #[derive(Clone, Copy)]
@@ -127,14 +127,15 @@ fn pack_piece<'s>(out: &mut Vec<u64>, block: &Block, dtypes: [DType; 2], spans: 
     let wide = spans.clone().any(|s| s.strides[ndim..].iter().any(|&x| x != 0));
     let header = Header { ndim, dtypes, wide, spans: n };
     out.reserve(header.words());
+    // Word by word: `extend_from_slice` of a few words calls `memcpy`,
+    // which cost more than the copy where every rank's program is derived.
     out.push(header.word());
-    out.extend_from_slice(block.offset());
-    out.extend_from_slice(block.extent());
+    block.offset().iter().chain(block.extent()).for_each(|&w| out.push(w));
     let strides = header.strides();
     for s in spans {
         out.push(u64::from(s.buffer));
         out.push(s.base);
-        out.extend_from_slice(&s.strides[..strides]);
+        s.strides[..strides].iter().for_each(|&w| out.push(w));
     }
 }
 
