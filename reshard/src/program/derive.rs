@@ -28,6 +28,8 @@ pub struct Programs<'a> {
     /// tensor; the tensor beside the index spares a lookup in the plan per
     /// transfer).
     by_endpoint: Vec<Vec<(u32, u32)>>,
+    /// Destination tensors the destination quantizes, ascending.
+    quantized_at_destination: Vec<u32>,
 }
 
 impl<'a> Programs<'a> {
@@ -63,7 +65,9 @@ impl<'a> Programs<'a> {
                 by_endpoint[idx(t.to)].push((d, i as u32));
             }
         }
-        Ok(Programs { plan, src, dst, by_endpoint })
+        let quantized_at_destination =
+            (0..plan.routes.len() as u32).filter(|&t| plan.routes[t as usize] == Route::QuantizedAtDestination).collect();
+        Ok(Programs { plan, src, dst, by_endpoint, quantized_at_destination })
     }
 
     /// Every endpoint of the plan: source ranks by rank, then destination ranks.
@@ -230,8 +234,8 @@ impl<'a> Programs<'a> {
         }
         if e.group == Group::Dst {
             let mask = plan.options().only.as_ref().and_then(|only| only.mask(layout).ok());
-            for t in 0..layout.tensors().len() as u32 {
-                if plan.routes[t as usize] != Route::QuantizedAtDestination || mask.as_ref().is_some_and(|m| !m[t as usize]) {
+            for &t in &self.quantized_at_destination {
+                if mask.as_ref().is_some_and(|m| !m[t as usize]) {
                     continue;
                 }
                 let dtype = plan.wire[t as usize].1;

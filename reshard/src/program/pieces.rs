@@ -139,6 +139,9 @@ fn pack_piece<'s>(out: &mut Vec<u64>, block: &Block, dtypes: [DType; 2], spans: 
     }
 }
 
+/// Words a list takes at its first push (a few pieces' worth).
+const FIRST_WORDS: usize = 64;
+
 /// One packed piece, read in place: its header, decoded once, and its words.
 #[derive(Clone, Copy)]
 struct Packed<'a> {
@@ -464,6 +467,10 @@ impl<P> Pieces<P> {
 impl<P: Pack> Pieces<P> {
     /// Appends a piece.
     pub fn push(&mut self, piece: &P) {
+        if self.words.capacity() == 0 {
+            // Messages mostly hold tens of pieces: fewer growths.
+            self.words.reserve(FIRST_WORDS);
+        }
         let start = self.words.len();
         piece.pack(&mut self.words);
         let p = Packed::new(&self.words[start..]);
