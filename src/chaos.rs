@@ -10,7 +10,7 @@
 use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, Disrupt, Disruption, FaultSpec};
 use crate::netns::Netem;
 use orchestrator::RefitStep;
-use reshard::{Endpoint, Group, Layout};
+use reshard::{Endpoint, Group, Layout, PlanOptions};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -69,10 +69,12 @@ pub struct ChaosConfig {
     /// Run the cases in an order shuffled by this seed (`None`: the
     /// suite's order).
     pub shuffle: Option<u64>,
+    /// Run every chosen case this many times (at least once).
+    pub repeat: usize,
 }
 
 /// The cases, in the order they run.
-pub const CASES: [&str; 12] = [
+pub const CASES: [&str; 15] = [
     "kill idle destination (detection time)",
     "kill source during attach",
     "kill destination during attach",
@@ -85,7 +87,17 @@ pub const CASES: [&str; 12] = [
     "cut connection",
     "corrupt frame (checksums on)",
     "member restarts with a different layout",
+    "kill replicated source at 10% of the transfer",
+    "kill replicated source at 50% of the transfer",
+    "kill replicated source at 90% of the transfer",
 ];
+
+/// The fraction of the transfer at which a `kill replicated source` case
+/// kills its worker.
+fn replicated_kill_point(case: &str) -> Option<f64> {
+    let pct: f64 = case.strip_prefix("kill replicated source at ")?.split('%').next()?.parse().ok()?;
+    Some(pct / 100.0)
+}
 
 /// The network cases, run after [`CASES`] when the workers are on emulated
 /// hosts (`--netns`): the kernel breaks the network, not our sender.
@@ -112,9 +124,15 @@ pub fn run_chaos(
     let bound = config.cluster.refit_deadline + config.cluster.setup_timeout + Duration::from_secs(2);
     let mid = config.mid_transfer;
     let wrong = config.wrong_layouts.clone();
+    let options = config.cluster.options.clone();
+    let layouts = (src.clone(), dst.clone());
     let mut cluster = Cluster::start(config.cluster, src, dst, |_| {})?;
+    // A source worker whose every part other sources hold too (and that
+    // sends something): the refit can go on without it.
+    let replicated = replicated_source_worker(&cluster, &options, &layouts.0, &layouts.1);
     let mut version = 1;
-    cluster.refit(version, true)?;
+    // The last clean refit's transfer: what a kill point is a fraction of.
+    let mut transfer = cluster.refit(version, true)?.report.transfer_time;
     let workers = cluster.workers();
     let first = |g: Group| workers.iter().position(|w| w.ranks.iter().any(|e| e.group == g)).unwrap_or(0);
     let (a_src, a_dst) = (first(Group::Src), first(Group::Dst));
@@ -127,6 +145,7 @@ pub fn run_chaos(
         .copied()
         .filter(|c| config.only.is_empty() || config.only.iter().any(|o| c.contains(o.as_str())))
         .collect();
+    cases = cases.iter().flat_map(|&c| std::iter::repeat_n(c, config.repeat.max(1))).collect();
     if let Some(seed) = config.shuffle {
         shuffle(&mut cases, seed);
     }
@@ -137,7 +156,11 @@ pub fn run_chaos(
         // armed on any rank, and a verified refit on a fresh data plane.
         if !rows.is_empty() {
             version += 1;
-            if let Err(e) = clean_slate(&mut cluster, version, &all_ranks) {
+            let cleaned = clean_slate(&mut cluster, version, &all_ranks);
+            if let Ok(t) = &cleaned {
+                transfer = *t;
+            }
+            if let Err(e) = cleaned {
                 let row = ChaosRow {
                     case: case.to_string(),
                     refit_failed: None,
@@ -158,7 +181,11 @@ pub fn run_chaos(
         }
         version += 1;
         let t = Instant::now();
-        if let Some(why) = cannot_run(&cluster, case) {
+        let why_not = match (replicated_kill_point(case), replicated) {
+            (Some(_), None) => Some("no source worker holds only what other sources hold too".to_string()),
+            _ => cannot_run(&cluster, case),
+        };
+        if let Some(why) = why_not {
             version -= 1;
             let row = ChaosRow {
                 case: case.to_string(),
@@ -186,6 +213,26 @@ pub fn run_chaos(
                 (None, seen.map_or("not noticed within 10 s".into(), |d| format!("noticed dead after {} ms", d.as_millis())))
             }
             net if net.starts_with("net: ") => network_case(&mut cluster, net, version, mid, a_dst)?,
+            replicated_case if replicated_kill_point(replicated_case).is_some() => {
+                let (worker, point) = (replicated.unwrap_or(a_src), replicated_kill_point(replicated_case).unwrap_or(0.5));
+                let after = transfer.mul_f64(point);
+                let kill = Some(Disruption { step: RefitStep::Running, after, action: Disrupt::Kill(worker) });
+                match cluster.refit_with(version, true, &[], kill) {
+                    Ok(o) if o.report.lost_sources.is_empty() => {
+                        (Some(false), format!("committed and verified; the kill at {} ms came after the transfer", after.as_millis()))
+                    }
+                    Ok(o) => (
+                        Some(false),
+                        format!(
+                            "committed and verified without source ranks {:?} (killed at {} ms), in {} ms",
+                            o.report.lost_sources,
+                            after.as_millis(),
+                            o.report.wall.as_millis()
+                        ),
+                    ),
+                    Err(e) => (Some(true), e.to_string()),
+                }
+            }
             _ => {
                 let kill = |worker, step, after| Some(Disruption { step, after, action: Disrupt::Kill(worker) });
                 let at = Duration::ZERO;
@@ -278,18 +325,32 @@ pub fn run_chaos(
 /// for a refit that failed before reaching it would otherwise fire in a
 /// later case), and a verified refit of `version` on a fresh data plane (no
 /// connection of an earlier case is used again). Tried twice.
-fn clean_slate(cluster: &mut Cluster, version: u64, ranks: &[Endpoint]) -> Result<(), ClusterError> {
+/// Returns that refit's transfer time.
+fn clean_slate(cluster: &mut Cluster, version: u64, ranks: &[Endpoint]) -> Result<Duration, ClusterError> {
     let none: Vec<(Endpoint, FaultSpec)> = ranks.iter().map(|&e| (e, FaultSpec::default())).collect();
     let mut tries = 0;
     loop {
         tries += 1;
         let r = cluster.recover().and_then(|_| cluster.refit_with(version, true, &none, None));
         match r {
-            Ok(_) => return Ok(()),
+            Ok(o) => return Ok(o.report.transfer_time),
             Err(e) if tries >= 2 => return Err(e),
             Err(_) => {}
         }
     }
+}
+
+/// The index of the first source worker whose ranks send something in
+/// the plan of `src` to `dst` and whose every part other sources hold too
+/// (a plan without them exists), if any.
+fn replicated_source_worker(cluster: &Cluster, options: &PlanOptions, src: &Layout, dst: &Layout) -> Option<usize> {
+    let plan = reshard::plan_reshard(src, dst, options).ok()?;
+    cluster.workers().iter().position(|w| {
+        let lost: Vec<u32> = w.ranks.iter().filter(|e| e.group == Group::Src).map(|e| e.rank).collect();
+        let sends = plan.transfers().iter().any(|t| t.from.group == Group::Src && lost.contains(&t.from.rank));
+        let without = PlanOptions { lost_sources: lost.clone(), ..options.clone() };
+        !lost.is_empty() && sends && reshard::plan_reshard(src, dst, &without).is_ok()
+    })
 }
 
 /// Shuffles `items` by `seed` (Fisher–Yates on a splitmix64 stream: the

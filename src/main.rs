@@ -451,6 +451,11 @@ enum Command {
         /// must keep the promise whatever ran before it).
         #[arg(long, value_name = "SEED")]
         shuffle: Option<u64>,
+        /// Run every chosen case this many times (each from a clean
+        /// state); prints how often the refits that may survive their
+        /// fault (a killed replicated source) committed.
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
     },
     /// Emulated hosts (`--netns`): `--clean` removes the namespaces, links
     /// and shared-memory directories of launchers that are gone (killed
@@ -600,13 +605,14 @@ fn main() -> ExitCode {
             only,
         }),
         Command::Bench(args) => cmd::bench::run(args),
-        Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only, shuffle } => cmd::chaos::run(&cmd::chaos::ChaosArgs {
+        Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only, shuffle, repeat } => cmd::chaos::run(&cmd::chaos::ChaosArgs {
             json: *json,
             nic_mbps: *emulate_nic_mbps,
             deadline_s: *deadline_s,
             netns: *netns,
             only: only.clone(),
             shuffle: *shuffle,
+            repeat: *repeat,
         }),
         Command::Netns { clean: _, watch, token } => cmd::netns::run(watch.zip(*token)),
         Command::Soak { src, dst, refits, cluster, json } => cmd::soak::run(src, dst, *refits, cluster, *json),

@@ -41,12 +41,12 @@ mod store;
 pub use member::{FabricTweak, Member, MemberConfig, Role};
 pub use orchestrator::{
     Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, PlanReport, RefitPhase, RefitReport,
-    RefitStep, RefitTarget,
+    RefitStep, RefitTarget, ReplicaLoss, ReplicaReport, SeedReport, SourceLoss,
 };
 pub use protocol::{
-    CommPlane, EgressCaps, Fabric, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric, Refusal, Weights,
+    CommPlane, EgressCaps, Fabric, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric, Refusal, Seat, Weights,
 };
-pub use rendezvous::{join, member_name, JoinConfig, JoinError, Joined, Rendezvous};
+pub use rendezvous::{join, member_name, replica_member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
 pub use store::{
     BufferError, Buffers, DstStore, RegionCheck, Registered, Residence, Serving, Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard,
@@ -208,6 +208,31 @@ impl OrchestratorHandle {
     /// died); the next refit installs the plan on it alone.
     pub async fn replace(&self, endpoint: Endpoint, member: ActorRef<Member>) -> Result<(), RefitError> {
         self.ask(OrchestratorMsg::Replace { endpoint, member }).await
+    }
+
+    /// Adds a replica to a destination group of replicas
+    /// ([`OrchestratorConfig::replica`]): `members` hold the replica's
+    /// layout, rank `j` at index `j`. It is seeded with the newest version
+    /// a whole replica serves, from that replica's memory (no source rank
+    /// sends anything), and every later refit includes it. Waits for any
+    /// refit in progress.
+    pub async fn add_replica(&self, members: ActorGroup<Member>) -> Result<ReplicaReport, RefitError> {
+        self.ask_replicas(OrchestratorMsg::AddReplica { members }).await
+    }
+
+    /// Removes replica `replica` (its index in the group) from a
+    /// destination group of replicas: its members keep serving what they
+    /// committed and are asked nothing more; later replicas move up one
+    /// place. Waits for any refit in progress.
+    pub async fn remove_replica(&self, replica: u32) -> Result<ReplicaReport, RefitError> {
+        self.ask_replicas(OrchestratorMsg::RemoveReplica { replica }).await
+    }
+
+    async fn ask_replicas(&self, msg: OrchestratorMsg) -> Result<ReplicaReport, RefitError> {
+        match self.actor.call(msg).await? {
+            OrchestratorReply::Replicas(r) => Ok(r?),
+            other => unreachable!("a replica request answered with {other:?}"),
+        }
     }
 
     /// Number of plans made so far.

@@ -3,7 +3,7 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Weights, INSTALLED_PLANS};
+use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Seat, Weights, INSTALLED_PLANS};
 use crate::store::{Buffers, CommitFence, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{BufferSpec, Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
@@ -294,6 +294,16 @@ fn split<T>(joined: Result<(Result<RunStats, Refusal>, T), tokio::task::JoinErro
     }
 }
 
+/// Why a rank holding (or serving) `weights` cannot send `version`, if
+/// it cannot.
+fn not_holding(weights: Weights, version: u64) -> Option<Refusal> {
+    match weights {
+        Weights::Version(held) if held == version => None,
+        Weights::Version(held) => Some(Refusal::VersionMismatch { held, asked: version }),
+        other => Some(Refusal::NoWeights(other)),
+    }
+}
+
 fn finish(result: Result<RunStats, Refusal>) -> MemberReply {
     match result {
         Ok(stats) => MemberReply::Ran(stats),
@@ -318,10 +328,13 @@ impl Member {
             Err(r) => return MemberReply::Refused(r),
         };
         let site = Site { data_ip: self.config.data_ip, gpu: self.config.gpu };
+        // The program's endpoint: the member's own, or that of a rank of a
+        // replica plan it stands in for.
+        let endpoint = program.endpoint;
         match RankEnd::open(fabric, &program, site, &session) {
             Ok((end, addr)) => {
                 self.pending = Some(Pending { refit, program, end, session, keep });
-                MemberReply::Prepared { endpoint: self.endpoint, node: self.node, addr }
+                MemberReply::Prepared { endpoint, node: self.node, addr }
             }
             Err(e) => MemberReply::Refused(Refusal::Fabric(e)),
         }
@@ -408,12 +421,7 @@ impl Member {
             Role::Src(store) => {
                 // The fence: hold the write lock while peers read our weights.
                 let mut guard = store.lock().write_owned().await;
-                let refusal = match store.weights() {
-                    Weights::Version(held) if held == version => None,
-                    Weights::Version(held) => Some(Refusal::VersionMismatch { held, asked: version }),
-                    other => Some(Refusal::NoWeights(other)),
-                };
-                if let Some(refusal) = refusal {
+                if let Some(refusal) = not_holding(store.weights(), version) {
                     end.abort(&refusal.to_string());
                     return MemberReply::Refused(refusal);
                 }
@@ -429,6 +437,37 @@ impl Member {
                     let (r, left) = execute_on(&program, memory, &mut end, how, left);
                     (r, (end, left))
                 });
+                split(watched(run, deadline, kill).await)
+            }
+            Role::Dst(store) if program.endpoint.group == Group::Src => {
+                // Seeding a replica: this rank sends the version it serves.
+                if let Some(refusal) = not_holding(store.weights(), version) {
+                    end.abort(&refusal.to_string());
+                    return MemberReply::Refused(refusal);
+                }
+                let served = match store.registered_memory().cloned() {
+                    // Read where it is served: only this member's commits
+                    // write it, and none comes while it runs.
+                    Some(registered) => Ok(registered),
+                    // A copy of the committed snapshot (the executor takes
+                    // a rank's host memory mutably; it only reads a
+                    // source's).
+                    None => Err(store.snapshot_at(version).map(|snap| snap.buffers.clone()).ok_or(Refusal::NoWeights(store.weights()))),
+                };
+                let run = match served {
+                    Ok(registered) => tokio::task::spawn_blocking(move || {
+                        let (r, left) = execute_on(&program, RunMemory::Registered(&registered), &mut end, how, left);
+                        (r, (end, left))
+                    }),
+                    Err(Ok(mut buffers)) => tokio::task::spawn_blocking(move || {
+                        let (r, left) = execute_on(&program, RunMemory::Host(buffers.memory_mut()), &mut end, how, left);
+                        (r, (end, left))
+                    }),
+                    Err(Err(refusal)) => {
+                        end.abort(&refusal.to_string());
+                        return MemberReply::Refused(refusal);
+                    }
+                };
                 split(watched(run, deadline, kill).await)
             }
             Role::Dst(store) if store.registered_memory().is_some() => {
@@ -599,20 +638,32 @@ impl Member {
 
     /// Why `program`'s buffers are not this rank's (its first buffers must
     /// be the rank's own, as its layout says: a program cannot make a
-    /// member size or address its weights otherwise), if they are not.
-    fn foreign_buffers(&self, program: &RankProgram) -> Option<String> {
+    /// member size or address its weights otherwise), if they are not. A
+    /// program for a rank of a replica (`Seat::Replica`) names its
+    /// buffers as that replica's layout does: their types and sizes must
+    /// be this rank's.
+    fn foreign_buffers(&self, program: &RankProgram, seat: Seat) -> Option<String> {
         let own = &self.own_buffers;
         let given = program.buffers.get(..own.len());
-        (given != Some(own.as_slice()))
-            .then(|| format!("its first buffers are not the {} buffers {} holds in its layout", own.len(), self.endpoint))
+        let fits = match (seat, given) {
+            (_, None) => false,
+            (Seat::Own, Some(given)) => given == own.as_slice(),
+            (Seat::Replica, Some(given)) => same_shapes(given, own),
+        };
+        (!fits).then(|| format!("its first buffers are not the {} buffers {} holds in its layout", own.len(), self.endpoint))
     }
 
-    fn install(&mut self, program: Box<RankProgram>, fingerprint: Fingerprint) -> MemberReply {
+    fn install(&mut self, program: Box<RankProgram>, fingerprint: Fingerprint, seat: Seat) -> MemberReply {
+        let seated = match seat {
+            Seat::Own => program.endpoint == self.endpoint,
+            // A destination serves its replica's version, or joins one.
+            Seat::Replica => self.endpoint.group == Group::Dst,
+        };
         if program.fingerprint != fingerprint {
             MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint })
-        } else if program.endpoint != self.endpoint {
-            MemberReply::Refused(Refusal::ProgramMismatch(format!("program for {} sent to {}", program.endpoint, self.endpoint)))
-        } else if let Some(why) = self.foreign_buffers(&program) {
+        } else if !seated {
+            MemberReply::Refused(Refusal::ProgramMismatch(format!("program for {} ({seat:?}) sent to {}", program.endpoint, self.endpoint)))
+        } else if let Some(why) = self.foreign_buffers(&program, seat) {
             MemberReply::Refused(Refusal::ProgramMismatch(why))
         } else {
             self.installed.retain(|(_, f)| *f != fingerprint);
@@ -625,6 +676,41 @@ impl Member {
             MemberReply::Done
         }
     }
+
+    /// Takes rank `rank` of `layout` as this member's (see
+    /// [`MemberMsg::Relayout`]).
+    fn relayout(&mut self, layout: Arc<Layout>, rank: Rank) -> MemberReply {
+        if rank >= layout.ranks() {
+            return MemberReply::Refused(Refusal::ProgramMismatch(format!(
+                "relayout to rank {rank} of a layout of {} ranks",
+                layout.ranks()
+            )));
+        }
+        let buffers = layout.rank_buffers(rank);
+        if !same_shapes(&buffers, &self.own_buffers) {
+            return MemberReply::Refused(Refusal::ProgramMismatch(format!(
+                "rank {rank} of the new layout holds other buffers than {} ({} buffers, {} here)",
+                self.endpoint,
+                buffers.len(),
+                self.own_buffers.len()
+            )));
+        }
+        self.endpoint.rank = rank;
+        self.node = layout.node_of(rank);
+        self.layout_fingerprint = layout.fingerprint();
+        self.layout = layout;
+        self.own_buffers = buffers;
+        self.installed.clear();
+        self.pending = None;
+        self.kept.clear();
+        self.leftovers.clear();
+        MemberReply::Done
+    }
+}
+
+/// Whether two lists of buffers have the same types and sizes, in order.
+fn same_shapes(a: &[BufferSpec], b: &[BufferSpec]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.dtype == y.dtype && x.elems == y.elems)
 }
 
 #[async_trait]
@@ -642,7 +728,8 @@ impl Actor for Member {
                 installed: self.installed.iter().map(|(_, f)| *f).collect(),
                 weights: self.role.weights(),
             },
-            MemberMsg::Install { program, fingerprint } => self.install(program, fingerprint),
+            MemberMsg::Install { program, fingerprint, seat } => self.install(program, fingerprint, seat),
+            MemberMsg::Relayout { layout, rank } => self.relayout(layout, rank),
             MemberMsg::Prepare { refit, fingerprint, session, fabric, keep } => self.prepare(refit, fingerprint, session, fabric, keep),
             MemberMsg::Resume { refit, fingerprint, session } => self.resume(refit, fingerprint, session),
             MemberMsg::Connect { refit, peers } => self.connect(refit, peers).await,

@@ -45,6 +45,19 @@ pub enum MemberMsg {
         program: Box<RankProgram>,
         /// The plan's fingerprint.
         fingerprint: Fingerprint,
+        /// Which rank the program is for.
+        seat: Seat,
+    },
+    /// Hold weights for rank `rank` of this group layout from now on (a
+    /// destination group that gained or lost a replica): refused unless
+    /// the rank's buffers there have the types and sizes of this
+    /// member's. Drops the installed plans and kept data planes (they were
+    /// for the old layout).
+    Relayout {
+        /// The group's new layout.
+        layout: Arc<Layout>,
+        /// This member's rank in it.
+        rank: reshard::Rank,
     },
     /// Open this member's data-plane endpoint for refit `refit` of the plan
     /// `fingerprint`: answered with [`MemberReply::Prepared`].
@@ -111,6 +124,19 @@ pub enum MemberMsg {
     /// Report the weights this member holds (sources) or serves
     /// (destinations).
     Version,
+}
+
+/// Which rank an installed program is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Seat {
+    /// The member's own rank of its group: every refit's programs.
+    Own,
+    /// A rank of a plan between two replicas of the destination group
+    /// (seeding a new replica from a serving one): a destination member
+    /// runs a source endpoint's program from the version it serves, or a
+    /// destination endpoint's into its staging. The program's buffers
+    /// must have the types and sizes of the member's own.
+    Replica,
 }
 
 /// The weights a member holds (a source) or serves (a destination), as it

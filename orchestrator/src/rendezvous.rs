@@ -17,7 +17,7 @@
 //! in the dead one's place.
 
 use crate::member::{Member, MemberConfig, Role};
-use crate::OrchestratorHandle;
+use crate::{DstStore, OrchestratorHandle};
 use actors::remote::{Node, NodeConfig, Registration, Registry, RegistryMsg, RegistryReply, RemotePeer, Retry, Secret, REGISTRY_NAME};
 use actors::{spawn, Actor, ActorGroup, ActorRef, SpawnConfig};
 use reshard::{Endpoint, Group, Layout};
@@ -43,6 +43,14 @@ pub fn member_name(group: Group, rank: u32) -> String {
         Group::Src => format!("refit.member.src.{rank}"),
         Group::Dst => format!("refit.member.dst.{rank}"),
     }
+}
+
+/// The registry name of rank `rank` of a replica named `replica` that
+/// joins a destination group of replicas
+/// ([`OrchestratorMsg::AddReplica`](crate::OrchestratorMsg::AddReplica)):
+/// `refit.member.replica.<replica>.<rank>`.
+pub fn replica_member_name(replica: &str, rank: u32) -> String {
+    format!("refit.member.replica.{replica}.{rank}")
 }
 
 /// Why joining failed.
@@ -233,11 +241,23 @@ impl Rendezvous {
     /// The members of ranks `0..ranks` of `group`, once all have joined
     /// (waiting up to `within` in all).
     pub async fn members(&self, group: Group, ranks: u32, within: Duration) -> Result<ActorGroup<Member>, JoinError> {
+        self.named_members(ranks, within, |r| member_name(group, r)).await
+    }
+
+    /// The members of ranks `0..ranks` of the replica named `replica`
+    /// ([`Joined::serve_replica_member`]), waiting up to `within` for all.
+    pub async fn replica_members(&self, replica: &str, ranks: u32, within: Duration) -> Result<ActorGroup<Member>, JoinError> {
+        self.named_members(ranks, within, |r| replica_member_name(replica, r)).await
+    }
+
+    /// The members named `name(r)` for ranks `0..ranks`, waiting up to
+    /// `within` for all.
+    async fn named_members(&self, ranks: u32, within: Duration, name: impl Fn(u32) -> String) -> Result<ActorGroup<Member>, JoinError> {
         let until = Instant::now() + within;
         let mut refs = Vec::with_capacity(ranks as usize);
         for r in 0..ranks {
             let left = until.saturating_duration_since(Instant::now());
-            refs.push(self.lookup::<Member>(&member_name(group, r), left).await?);
+            refs.push(self.lookup::<Member>(&name(r), left).await?);
         }
         Ok(ActorGroup::from_refs(refs))
     }
@@ -360,7 +380,38 @@ impl Joined {
         if rank >= layout.ranks() {
             return Err(JoinError::Config(format!("rank {rank}: the layout has {} ranks", layout.ranks())));
         }
-        let name = member_name(role.group(), rank);
+        self.serve_member_named(member_name(role.group(), rank), layout, rank, role, config).await
+    }
+
+    /// [`serve_member_with`](Self::serve_member_with) of rank `rank` of a
+    /// replica named `replica` (laid out as `layout`, one replica's
+    /// layout) that the orchestrator is to add to its destination group:
+    /// served as [`replica_member_name`].
+    pub async fn serve_replica_member(
+        &self,
+        replica: &str,
+        layout: Arc<Layout>,
+        rank: u32,
+        store: Arc<DstStore>,
+        config: MemberConfig,
+    ) -> Result<ActorRef<Member>, JoinError> {
+        if rank >= layout.ranks() {
+            return Err(JoinError::Config(format!("rank {rank}: the replica's layout has {} ranks", layout.ranks())));
+        }
+        if replica.is_empty() || replica.chars().any(|c| c.is_control() || c.is_whitespace()) {
+            return Err(JoinError::Config(format!("replica name {replica:?}: must be non-empty, without spaces or control characters")));
+        }
+        self.serve_member_named(replica_member_name(replica, rank), layout, rank, Role::Dst(store), config).await
+    }
+
+    async fn serve_member_named(
+        &self,
+        name: String,
+        layout: Arc<Layout>,
+        rank: u32,
+        role: Role,
+        config: MemberConfig,
+    ) -> Result<ActorRef<Member>, JoinError> {
         let member = Member::with_config(layout, rank, role, config);
         // Calls are bounded by the orchestrator (a refit may take minutes).
         let member = spawn(member, SpawnConfig::default().name(name.clone()).call_timeout(Duration::from_secs(7 * 24 * 3600)));

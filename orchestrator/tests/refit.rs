@@ -674,7 +674,11 @@ async fn a_program_that_resizes_the_ranks_buffers_is_refused() {
     let mut program = programs.into_iter().find(|p| p.endpoint == Endpoint::dst(1)).unwrap();
     let fingerprint = program.fingerprint;
     program.buffers[0].elems = u64::MAX / 2;
-    let reply = sys.dst_members.call_rank(1, MemberMsg::Install { program: Box::new(program), fingerprint }).await.unwrap();
+    let reply = sys
+        .dst_members
+        .call_rank(1, MemberMsg::Install { program: Box::new(program), fingerprint, seat: orchestrator::Seat::Own })
+        .await
+        .unwrap();
     assert!(matches!(&reply, MemberReply::Refused(Refusal::ProgramMismatch(why)) if why.contains("dst rank 1")), "{reply:?}");
     let v = step(&sys, 3.0).await;
     sys.orchestrator.refit(v).await.unwrap();

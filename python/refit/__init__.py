@@ -21,7 +21,7 @@ import collections as _collections
 import secrets as _secrets
 import sys as _sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import _refit
@@ -89,6 +89,26 @@ class RefitReport:
     replanned: bool
     fingerprint: Optional[str]
     mode: str
+    dropped_replicas: List[int] = field(default_factory=list)
+    """Replicas of a destination group of replicas that failed this refit
+    and left the group (each by its index in the group when it left): they
+    serve what they served before; the others serve ``version``."""
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """What adding or removing a replica did."""
+
+    replicas: int
+    """Replicas in the destination group now."""
+    seeded: Optional[Dict[str, Any]]
+    """How the added replica was seeded from a serving one: ``version``,
+    ``from_replica``, ``bytes`` (sent by that replica's ranks; no training
+    rank sends anything), ``seconds``, ``fingerprint``. None when no replica
+    served a whole version yet (the next refit fills it) or one was
+    removed."""
+    destinations: List["Destination"] = field(default_factory=list)
+    """The added replica's ranks (a local system only)."""
 
 
 @dataclass(frozen=True)
@@ -741,7 +761,25 @@ class Destination(_Rank):
         return served, datas[0]
 
     def _serve(self, joined: Joined, gpu: Optional[int]) -> None:
-        joined._inner.serve_dst(self._store, gpu)
+        joined._inner.serve_dst(self._store, gpu, self._replica)
+
+    _replica: Optional[str] = None
+
+    def join(
+        self,
+        rendezvous: Optional[str] = None,
+        secret: Optional[str] = None,
+        joined: Optional[Joined] = None,
+        *,
+        gpu: Optional[int] = None,
+        replica: Optional[str] = None,
+    ) -> Joined:
+        """As ``Source.join``. ``replica``: this rank (laid out as one
+        replica) belongs to a new replica of that name, which the
+        orchestrator adds to its destination group with
+        ``add_replica(replica)``."""
+        self._replica = replica
+        return super().join(rendezvous, secret, joined, gpu=gpu)
 
 
 # --- the orchestrator -----------------------------------------------------
@@ -788,13 +826,15 @@ class Orchestrator:
         control_timeout: float = 10.0,
         fabric: str = "node",
         delta: bool = False,
+        replica: Optional[Layout] = None,
         _inner: Any = None,
     ):
         if _inner is not None:
-            self._inner, self.secret = _inner, None
+            self._inner, self.secret, self.replica = _inner, None, replica
             return
         self.secret = secret or _secrets.token_hex(32)
-        self._inner = _refit.Orchestrator(self.secret, bind, deadline, control_timeout, fabric, delta)
+        self.replica = replica
+        self._inner = _refit.Orchestrator(self.secret, bind, deadline, control_timeout, fabric, delta, replica)
 
     @property
     def address(self) -> Optional[str]:
@@ -839,6 +879,30 @@ class Orchestrator:
         stay replaced, and calling again picks up the rest."""
         return [(g, r) for g, r in self._inner.recover(timeout)]
 
+    def add_replica(self, name: Optional[str] = None, timeout: float = 60.0) -> ReplicaReport:
+        """Adds a replica to a destination group of replicas (``replica``
+        given at construction: the layout of one replica; the group is
+        replicas of it, ``Layout.replicated(n)``). It is seeded with the
+        newest version a whole replica serves, from that replica's memory
+        (no training rank sends anything), and every later refit includes
+        it. Over a rendezvous, ``name`` is the name its processes joined
+        with (``Destination(replica_layout, j).join(..., replica=name)``),
+        waited for up to ``timeout`` s; a local system makes the replica's
+        ranks here (``ReplicaReport.destinations``). Waits for a refit in
+        progress."""
+        report, stores = self._inner.add_replica(name, timeout)
+        return ReplicaReport(
+            destinations=[Destination(self.replica, d.rank, _store=d) for d in stores] if self.replica is not None else [],
+            **report,
+        )
+
+    def remove_replica(self, index: int) -> ReplicaReport:
+        """Removes replica ``index`` (its place in the group) from a
+        destination group of replicas: its ranks keep serving what they
+        served and are refitted no more; the replicas after it move up one
+        place. Waits for a refit in progress."""
+        return ReplicaReport(**self._inner.remove_replica(index))
+
     def plan(self) -> PlanReport:
         return PlanReport(**self._inner.plan())
 
@@ -866,10 +930,30 @@ class LocalSystem:
     destinations: List[Destination]
 
     def refit(self, version: int, only: Optional[Sequence[str]] = None) -> RefitReport:
-        return self.orchestrator.refit(version, only)
+        return self._dropped(self.orchestrator.refit(version, only))
 
     def refit_latest(self, only: Optional[Sequence[str]] = None) -> RefitReport:
-        return self.orchestrator.refit_latest(only)
+        return self._dropped(self.orchestrator.refit_latest(only))
+
+    def add_replica(self) -> ReplicaReport:
+        """Adds a replica (``spawn_local(replica=...)``): its ranks join
+        ``destinations`` at the end, serving what the others serve."""
+        report = self.orchestrator.add_replica()
+        self.destinations.extend(report.destinations)
+        return report
+
+    def remove_replica(self, index: int) -> ReplicaReport:
+        """Removes replica ``index``: its ranks leave ``destinations``."""
+        report = self.orchestrator.remove_replica(index)
+        k = self.orchestrator.replica.ranks if self.orchestrator.replica is not None else 0
+        del self.destinations[index * k : (index + 1) * k]
+        return report
+
+    def _dropped(self, report: RefitReport) -> RefitReport:
+        k = self.orchestrator.replica.ranks if self.orchestrator.replica is not None else 0
+        for index in report.dropped_replicas:
+            del self.destinations[index * k : (index + 1) * k]
+        return report
 
 
 def spawn_local(
@@ -880,15 +964,16 @@ def spawn_local(
     control_timeout: float = 10.0,
     fabric: str = "in_process",
     delta: bool = False,
+    replica: Optional[Layout] = None,
 ) -> LocalSystem:
     """One store and member per rank of both layouts, in this process, and
     an orchestrator over them; plans (a pair that cannot be planned raises
     ``PlanError`` here). ``fabric``: ``"in_process"`` (default), or any of
     ``Orchestrator``'s; on ``"nccl"`` rank ``i`` of the communicator
     (sources first) runs on GPU ``i``. ``delta``: as for ``Orchestrator``."""
-    orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout, fabric, delta)
+    orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout, fabric, delta, replica)
     return LocalSystem(
-        Orchestrator(_inner=orch),
+        Orchestrator(_inner=orch, replica=replica),
         [Source(src, s.rank, _store=s) for s in srcs],
         [Destination(dst, d.rank, _store=d) for d in dsts],
     )

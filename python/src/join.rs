@@ -59,12 +59,21 @@ impl PyJoined {
 
     /// Serves the refit member of an inference rank over `store` (`gpu`: as
     /// for `serve_src`).
-    #[pyo3(signature = (store, gpu=None))]
-    fn serve_dst(&self, py: Python<'_>, store: PyRef<'_, PyDstStore>, gpu: Option<usize>) -> PyResult<()> {
-        let (joined, layout, rank, role) =
-            (self.inner.get().clone(), store.layout.clone(), store.inner.rank(), Role::Dst(store.inner.clone()));
+    /// With `replica`, the member of rank `rank` of a new replica of that
+    /// name (its store laid out as one replica) that the orchestrator adds
+    /// with `add_replica(replica)`.
+    #[pyo3(signature = (store, gpu=None, replica=None))]
+    fn serve_dst(&self, py: Python<'_>, store: PyRef<'_, PyDstStore>, gpu: Option<usize>, replica: Option<String>) -> PyResult<()> {
+        let (joined, layout, rank) = (self.inner.get().clone(), store.layout.clone(), store.inner.rank());
         let config = orchestrator::MemberConfig { gpu, ..joined.member_config() };
-        wait(py, async move { joined.serve_member_with(layout, rank, role, config).await.map(drop).map_err(join_err) })
+        let store = store.inner.clone();
+        wait(py, async move {
+            let served = match replica {
+                Some(name) => joined.serve_replica_member(&name, layout, rank, store, config).await,
+                None => joined.serve_member_with(layout, rank, Role::Dst(store), config).await,
+            };
+            served.map(drop).map_err(join_err)
+        })
     }
 
     /// Waits until the rendezvous goes away (returns why), or `timeout`

@@ -46,6 +46,13 @@ impl PyLayout {
         self.inner.ranks()
     }
 
+    /// The layout of `n` replicas of this one side by side (replica `r`
+    /// on ranks `r * ranks .. (r + 1) * ranks`): a destination group of
+    /// inference replicas.
+    fn replicated(&self, n: u32) -> PyResult<PyLayout> {
+        self.inner.replicated(n).map(|l| PyLayout { inner: Arc::new(l) }).map_err(layout_err)
+    }
+
     /// Ranks per node (machine).
     #[getter]
     fn ranks_per_node(&self) -> u32 {

@@ -9,7 +9,10 @@ use crate::runtime::{runtime, wait, InRuntime};
 use crate::src_store::PySrcStore;
 use actors::ActorGroup;
 use orchestrator::rendezvous::ControlConfig;
-use orchestrator::{Fabric, Member, NodeFabric, OrchestratorConfig, OrchestratorHandle, PlanReport, RefitReport, RefitSystem, Rendezvous};
+use orchestrator::{
+    DstStore, Fabric, Member, NodeFabric, OrchestratorConfig, OrchestratorHandle, PlanReport, RefitReport, RefitSystem, Rendezvous,
+    ReplicaReport, Role,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -26,6 +29,26 @@ fn report_dict<'py>(py: Python<'py>, r: &RefitReport) -> PyResult<Bound<'py, PyD
     d.set_item("replanned", r.replanned)?;
     d.set_item("fingerprint", r.fingerprint.map(|f| f.to_string()))?;
     d.set_item("mode", r.mode.to_string())?;
+    d.set_item("dropped_replicas", r.dropped_replicas.clone())?;
+    Ok(d)
+}
+
+fn replica_dict<'py>(py: Python<'py>, r: &ReplicaReport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("replicas", r.replicas)?;
+    let seeded = match &r.seeded {
+        Some(s) => {
+            let e = PyDict::new(py);
+            e.set_item("version", s.version)?;
+            e.set_item("from_replica", s.from_replica)?;
+            e.set_item("bytes", s.bytes)?;
+            e.set_item("seconds", s.wall.as_secs_f64())?;
+            e.set_item("fingerprint", s.fingerprint.to_string())?;
+            Some(e)
+        }
+        None => None,
+    };
+    d.set_item("seeded", seeded)?;
     Ok(d)
 }
 
@@ -92,10 +115,11 @@ fn fabric(name: &str, local: bool) -> PyResult<Fabric> {
     })
 }
 
-fn config(deadline: f64, control_timeout: f64, fabric: Fabric, delta: bool) -> PyResult<OrchestratorConfig> {
+fn config(deadline: f64, control_timeout: f64, fabric: Fabric, delta: bool, replica: Option<&PyLayout>) -> PyResult<OrchestratorConfig> {
     Ok(OrchestratorConfig {
         fabric,
         delta,
+        replica: replica.map(|l| l.inner.clone()),
         deadline: seconds("deadline", deadline)?,
         control_timeout: seconds("control_timeout", control_timeout)?,
         ..OrchestratorConfig::default()
@@ -107,9 +131,19 @@ impl PyOrchestrator {
     /// Opens a rendezvous at `bind` (port 0: any) that member processes
     /// join with `secret` (16 bytes or more).
     #[new]
-    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0, fabric="node", delta=false))]
-    fn new(py: Python<'_>, secret: String, bind: &str, deadline: f64, control_timeout: f64, fabric: &str, delta: bool) -> PyResult<Self> {
-        let config = config(deadline, control_timeout, self::fabric(fabric, false)?, delta)?;
+    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0, fabric="node", delta=false, replica=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        secret: String,
+        bind: &str,
+        deadline: f64,
+        control_timeout: f64,
+        fabric: &str,
+        delta: bool,
+        replica: Option<PyRef<'_, PyLayout>>,
+    ) -> PyResult<Self> {
+        let config = config(deadline, control_timeout, self::fabric(fabric, false)?, delta, replica.as_deref())?;
         let secret = actors::Secret::from_bytes(secret.into_bytes()).map_err(|e| JoinError::new_err(format!("secret: {e}")))?;
         let bind: std::net::SocketAddr = bind.parse().map_err(|_| JoinError::new_err(format!("bind address '{bind}': not ip:port")))?;
         let rendezvous = wait(py, async move { Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(join_err) })?;
@@ -215,6 +249,73 @@ impl PyOrchestrator {
         Ok(replaced.into_iter().map(|e| (e.group.to_string(), e.rank)).collect())
     }
 
+    /// Adds a replica to a destination group of replicas (`replica` given
+    /// at construction). Over a rendezvous: the members that joined as
+    /// replica `name` (`serve_dst(..., replica=name)`), waited for up to
+    /// `timeout` seconds. On a local system (`name` None): a store and a
+    /// member per rank of one replica, made here. Returns the report
+    /// (dict) and the new stores (local only).
+    #[pyo3(signature = (name=None, timeout=60.0))]
+    fn add_replica<'py>(&self, py: Python<'py>, name: Option<String>, timeout: f64) -> PyResult<(Bound<'py, PyDict>, Vec<PyDstStore>)> {
+        let within = seconds("timeout", timeout)?;
+        let h = self.handle()?;
+        let Some(one) = self.config.replica.clone() else {
+            return Err(RefitError::new_err("this orchestrator was made without a replica layout (replica=...)"));
+        };
+        let over = self.over.get().lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let (report, stores) = match (over, name) {
+            (Over::Rendezvous(rendezvous, groups), Some(name)) => {
+                let ranks = one.ranks();
+                wait(py, async move {
+                    let members = rendezvous.replica_members(&name, ranks, within).await.map_err(join_err)?;
+                    let report = h.add_replica(members.clone()).await.map_err(refit_err)?;
+                    if let Some((_, dst)) = groups.lock().await.as_mut() {
+                        *dst = ActorGroup::from_refs([dst.refs(), members.refs()].concat());
+                    }
+                    Ok((report, Vec::new()))
+                })?
+            }
+            (Over::Local(_), None) => {
+                let o = one.clone();
+                wait(py, async move {
+                    let stores: Vec<Arc<DstStore>> = (0..o.ranks()).map(|j| Arc::new(DstStore::new(&o, j))).collect();
+                    let spawn = actors::SpawnConfig::default().name("replica");
+                    let members =
+                        actors::spawn_group(stores.len(), spawn, |j| Member::new(o.clone(), j as u32, Role::Dst(stores[j].clone())));
+                    let report = h.add_replica(members).await.map_err(refit_err)?;
+                    Ok((report, stores))
+                })?
+            }
+            (Over::Rendezvous(..), None) => {
+                return Err(PyValueError::new_err("add_replica(name): the name the replica's members joined with"))
+            }
+            (Over::Local(_), Some(_)) => return Err(PyValueError::new_err("add_replica() takes no name on a local system")),
+        };
+        let stores =
+            stores.into_iter().map(|st| PyDstStore { inner: st, layout: one.clone(), serving: Mutex::default(), targets: None }).collect();
+        Ok((replica_dict(py, &report)?, stores))
+    }
+
+    /// Removes replica `index` from a destination group of replicas.
+    fn remove_replica<'py>(&self, py: Python<'py>, index: u32) -> PyResult<Bound<'py, PyDict>> {
+        let h = self.handle()?;
+        let k = self.config.replica.as_ref().map_or(1, |one| one.ranks() as usize);
+        let over = self.over.get().lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let report = wait(py, async move {
+            let report = h.remove_replica(index).await.map_err(refit_err)?;
+            if let Over::Rendezvous(_, groups) = over {
+                if let Some((_, dst)) = groups.lock().await.as_mut() {
+                    let mut refs = dst.refs().to_vec();
+                    let r = index as usize * k;
+                    refs.drain(r.min(refs.len())..(r + k).min(refs.len()));
+                    *dst = ActorGroup::from_refs(refs);
+                }
+            }
+            Ok(report)
+        })?;
+        replica_dict(py, &report)
+    }
+
     /// Checks both groups' layouts, plans and installs now.
     fn plan<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let h = self.handle()?;
@@ -249,7 +350,8 @@ impl PyOrchestrator {
 /// process and an orchestrator over them, and plans. Returns
 /// `(orchestrator, [SrcStore], [DstStore])`.
 #[pyfunction]
-#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0, fabric="in_process", delta=false))]
+#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0, fabric="in_process", delta=false, replica=None))]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn spawn_local(
     py: Python<'_>,
     src: PyRef<'_, PyLayout>,
@@ -258,8 +360,9 @@ pub(crate) fn spawn_local(
     control_timeout: f64,
     fabric: &str,
     delta: bool,
+    replica: Option<PyRef<'_, PyLayout>>,
 ) -> PyResult<(PyOrchestrator, Vec<PySrcStore>, Vec<PyDstStore>)> {
-    let config = config(deadline, control_timeout, self::fabric(fabric, true)?, delta)?;
+    let config = config(deadline, control_timeout, self::fabric(fabric, true)?, delta, replica.as_deref())?;
     let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
     let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
     let srcs = system

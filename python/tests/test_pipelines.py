@@ -39,6 +39,22 @@ def test_ray_pipeline():
     assert "the refit failed: refit.member.dst.1 died" in out and "recover() put back [('dst', 1)]" in out
 
 
+def test_ray_elastic_pipeline():
+    try:
+        import ray  # noqa: F401
+    except ImportError as e:
+        reason = f"ray is not installed ({e}); `pip install ray` to run examples/ray_elastic.py"
+        print(f"SKIPPED: {reason}")
+        pytest.skip(reason)
+    out = run_example("ray_elastic.py", 600)
+    assert out.count("all exact") == 6 and "bit-exact" in out
+    # A replica joined before step 3, seeded with version 2 by a serving
+    # replica (the trainers sent nothing), and replica 0 left before step 5.
+    assert "replica 'late' joined, seeded with version 2 from replica" in out
+    assert "into 3 replicas" in out and "replica 0 left; 2 replicas remain" in out
+    assert "the replica that left still serves version 4 whole" in out
+
+
 def test_join_errors_are_join_errors():
     with pytest.raises(refit.JoinError, match="secret: .*at least 16"):
         refit.join("127.0.0.1:1", "short")

@@ -170,7 +170,14 @@ fn overlap_template(
     options: &PlanOptions,
     pool: &mut Vec<Rank>,
 ) -> Result<Template, PlanError> {
-    let hs = route::offered_holdings(src, ts, route, scale_block(dst, td));
+    let mut hs = route::offered_holdings(src, ts, route, scale_block(dst, td));
+    if !options.lost_sources.is_empty() {
+        // What only lost sources hold is not covered (an error below).
+        for h in &mut hs {
+            h.holders.retain(|l| options.lost_sources.binary_search(&l.rank).is_err());
+        }
+        hs.retain(|h| !h.holders.is_empty());
+    }
     let hd = route::delivered_holdings(dst, td, route);
     let index = SourceIndex::new(&hs);
     let max_elems = (options.max_staging_bytes / wire.size()).max(1);

@@ -282,6 +282,7 @@ impl Cluster {
                 control_timeout: config.setup_timeout,
                 keep_data_plane: config.keep_data_plane,
                 delta: false,
+                ..OrchestratorConfig::default()
             };
             spawn_orchestrator(ActorGroup::from_refs(members[0].clone()), ActorGroup::from_refs(members[1].clone()), oc)
         };

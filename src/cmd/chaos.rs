@@ -15,6 +15,7 @@ pub(crate) struct ChaosArgs {
     pub(crate) netns: bool,
     pub(crate) only: Vec<String>,
     pub(crate) shuffle: Option<u64>,
+    pub(crate) repeat: usize,
 }
 
 pub(crate) fn run(a: &ChaosArgs) -> Result<(), Failure> {
@@ -54,6 +55,7 @@ pub(crate) fn run(a: &ChaosArgs) -> Result<(), Failure> {
         wrong_layouts: (dir.join("src.json"), dir.join("wrong.json")),
         only: a.only.clone(),
         shuffle: a.shuffle,
+        repeat: a.repeat,
     };
     if !as_json {
         say!("{:<60} {:>7} {:>9} {:>6} {:>5} {:>9}  detail", "case", "failed", "elapsed", "hang", "torn", "recovered");
@@ -100,6 +102,15 @@ pub(crate) fn run(a: &ChaosArgs) -> Result<(), Failure> {
             .collect();
         say!("{}", json!({"cases": list, "passed": ok, "total": ran, "skipped": skipped}));
     } else {
+        // Cases that may commit despite the fault: how often they did.
+        let mut names: Vec<&str> = rows.iter().filter(|r| r.case.starts_with("kill replicated source")).map(|r| r.case.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        for name in names {
+            let of: Vec<&refit::chaos::ChaosRow> = rows.iter().filter(|r| r.case == name && r.skipped.is_none()).collect();
+            let committed = of.iter().filter(|r| r.refit_failed == Some(false)).count();
+            say!("{name}: the refit committed in {committed} of {} runs", of.len());
+        }
         let skipped = if skipped > 0 { format!(" ({skipped} skipped: this machine cannot run them)") } else { String::new() };
         say!("{ok} of {ran} cases kept the promise (no hang, no torn version, recovered){skipped}");
     }

@@ -3,51 +3,53 @@
 //! and the kept planes forgotten.
 
 use super::error::refused;
-use super::members::no_refusal;
+use super::members::{no_refusal, Answer, Cast};
 use super::{Orchestrator, OrchestratorError, RefitStep};
 use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal};
-use reshard::Fingerprint;
+use reshard::{Endpoint, Fingerprint};
 use std::time::{Duration, Instant};
 
 impl Orchestrator {
-    /// Prepare, connect and run on every member: the first phase. Returns
-    /// the bytes and messages the members sent, as they counted them.
+    /// Prepare, connect and run on every member of `cast`: the first
+    /// phase. Returns the bytes and messages the members sent, as they
+    /// counted them; or why it failed, and who failed.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn transfer(
         &self,
+        cast: &Cast,
         refit: u64,
         session: &str,
         version: u64,
         fingerprint: Fingerprint,
         resumed: bool,
         connect_time: &mut Duration,
-    ) -> Result<(u64, u64), OrchestratorError> {
+    ) -> Result<(u64, u64), (OrchestratorError, Blame)> {
         let t = Instant::now();
         let control = self.config.control_timeout;
         if !resumed {
-            self.open(refit, session, fingerprint).await?;
+            self.open(cast, refit, session, fingerprint).await?;
         }
         *connect_time += t.elapsed();
         let deadline = self.config.deadline;
         let delta = self.config.delta.then(|| self.delta_base.get(&fingerprint).copied());
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta });
         self.enter(RefitStep::Running);
-        let ran = self.ask_all(run, deadline + control).await?;
-        // The member whose own run failed (or that refused to run), rather
-        // than one that failed because a peer aborted or went away.
-        let root = ran
-            .iter()
-            .find(|(_, r)| matches!(r, MemberReply::Refused(refusal) if !matches!(refusal, Refusal::Exec { after_peer: true, .. })));
-        if let Some((member, MemberReply::Refused(r))) = root {
-            return Err(refused(member, r.clone()));
+        let ran = self.ask_each(cast, run, deadline + control).await;
+        if Blame::any(&ran) {
+            return Err((first_failure(&ran, "Run"), Blame::of(&ran)));
         }
-        no_refusal(&ran)?;
         let (mut sent, mut messages) = (0, 0);
-        for (member, reply) in ran {
-            let MemberReply::Ran(stats) = reply else {
-                return Err(OrchestratorError::Protocol { member, request: "Run", reply: format!("{reply:?}") });
-            };
-            sent += stats.sent_bytes;
-            messages += stats.messages;
+        for (_, member, reply) in ran {
+            match reply {
+                Ok(MemberReply::Ran(stats)) => {
+                    sent += stats.sent_bytes;
+                    messages += stats.messages;
+                }
+                other => {
+                    let error = OrchestratorError::Protocol { member, request: "Run", reply: format!("{other:?}") };
+                    return Err((error, Blame::default()));
+                }
+            }
         }
         Ok((sent, messages))
     }
@@ -72,20 +74,23 @@ impl Orchestrator {
         Ok(true)
     }
 
-    /// Opens a fresh data plane for this refit on every member: prepare,
-    /// and connect for the node fabric.
-    async fn open(&self, refit: u64, session: &str, fingerprint: Fingerprint) -> Result<(), OrchestratorError> {
+    /// Opens a fresh data plane for this refit on every member of `cast`:
+    /// prepare, and connect for the node fabric.
+    async fn open(&self, cast: &Cast, refit: u64, session: &str, fingerprint: Fingerprint) -> Result<(), (OrchestratorError, Blame)> {
         let control = self.config.control_timeout;
         let fabric = self.config.fabric.clone();
         let keep = self.keeps_data_plane();
         let prepare = |_, _| Some(MemberMsg::Prepare { refit, fingerprint, session: session.to_string(), fabric: fabric.clone(), keep });
         self.enter(RefitStep::Preparing);
-        let prepared = self.ask_all(prepare, control).await?;
-        no_refusal(&prepared)?;
+        let prepared = self.ask_each(cast, prepare, control).await;
+        if Blame::any(&prepared) {
+            return Err((first_failure(&prepared, "Prepare"), Blame::of(&prepared)));
+        }
         let mut peers = Vec::with_capacity(prepared.len());
-        for (member, reply) in prepared {
-            let MemberReply::Prepared { endpoint, node, addr } = reply else {
-                return Err(OrchestratorError::Protocol { member, request: "Prepare", reply: format!("{reply:?}") });
+        for (_, member, reply) in prepared {
+            let Ok(MemberReply::Prepared { endpoint, node, addr }) = reply else {
+                let error = OrchestratorError::Protocol { member, request: "Prepare", reply: format!("{reply:?}") };
+                return Err((error, Blame::default()));
             };
             peers.push(PeerAddr { endpoint, node, addr });
         }
@@ -100,8 +105,10 @@ impl Orchestrator {
         if let Some(timeout) = connect_timeout {
             let connect = |_, _| Some(MemberMsg::Connect { refit, peers: peers.clone() });
             self.enter(RefitStep::Connecting);
-            let connected = self.ask_all(connect, timeout + control).await?;
-            no_refusal(&connected)?;
+            let connected = self.ask_each(cast, connect, timeout + control).await;
+            if Blame::any(&connected) {
+                return Err((first_failure(&connected, "Connect"), Blame::of(&connected)));
+            }
         }
         Ok(())
     }
@@ -115,5 +122,71 @@ impl Orchestrator {
         if tell {
             self.tell_all(|| MemberMsg::Discard);
         }
+    }
+}
+
+/// Who failed a step of a refit's data plane (what a destination group of
+/// replicas needs to go on without theirs).
+#[derive(Debug, Default)]
+pub(super) struct Blame {
+    /// The members whose own part failed: they refused the step, failed
+    /// it themselves (not because a peer did) or did not answer (gone,
+    /// or too late). Empty when the failure is the orchestrator's.
+    pub(super) failed: Vec<Endpoint>,
+    /// Of those, the members that did not answer (gone, or too late).
+    pub(super) gone: Vec<Endpoint>,
+    /// The members that ran their program to the end (the step was the
+    /// run): a destination's staging holds the whole version.
+    pub(super) ran: Vec<Endpoint>,
+    /// Bytes and messages the members that ran sent, as they counted them.
+    pub(super) sent: u64,
+    pub(super) messages: u64,
+}
+
+impl Blame {
+    fn of(answers: &[Answer]) -> Blame {
+        let mut blame = Blame::default();
+        for (e, _, r) in answers {
+            match r {
+                Err(_) => {
+                    blame.failed.push(*e);
+                    blame.gone.push(*e);
+                }
+                Ok(MemberReply::Refused(Refusal::Exec { after_peer: true, .. })) => {}
+                Ok(MemberReply::Refused(_)) => blame.failed.push(*e),
+                Ok(MemberReply::Ran(stats)) => {
+                    blame.ran.push(*e);
+                    blame.sent += stats.sent_bytes;
+                    blame.messages += stats.messages;
+                }
+                Ok(_) => {}
+            }
+        }
+        blame
+    }
+
+    /// Whether the step failed for someone (`answers`: its answers).
+    fn any(answers: &[Answer]) -> bool {
+        answers.iter().any(|(_, _, r)| !matches!(r, Ok(reply) if !matches!(reply, MemberReply::Refused(_))))
+    }
+}
+
+/// The error of a failed step: the first member that did not answer;
+/// else the first whose own part failed (not because a peer did); else
+/// the first refusal.
+fn first_failure(answers: &[Answer], request: &'static str) -> OrchestratorError {
+    if let Some((_, _, Err(e))) = answers.iter().find(|(_, _, r)| r.is_err()) {
+        return e.clone();
+    }
+    let refusals = || {
+        answers.iter().filter_map(|(_, member, r)| match r {
+            Ok(MemberReply::Refused(refusal)) => Some((member, refusal)),
+            _ => None,
+        })
+    };
+    let root = refusals().find(|(_, r)| !matches!(r, Refusal::Exec { after_peer: true, .. })).or_else(|| refusals().next());
+    match root {
+        Some((member, r)) => refused(member, r.clone()),
+        None => OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("{request} failed without a refusal") },
     }
 }

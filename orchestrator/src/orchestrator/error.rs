@@ -101,6 +101,32 @@ pub enum OrchestratorError {
         /// What happened.
         problem: String,
     },
+    /// Members of these replicas failed the refit before the others had
+    /// the version (see [`ReplicaLoss::Drop`](super::ReplicaLoss::Drop)):
+    /// they left the group, and the refit runs again without them.
+    #[error("replicas {replicas:?} failed the refit and left the group: {cause}")]
+    ReplicasLost {
+        /// The replicas, by their index in the group as it was.
+        replicas: Vec<u32>,
+        /// What failed.
+        cause: Box<OrchestratorError>,
+    },
+    /// Sources were lost during (or before) the refit (see
+    /// [`SourceLoss::Replan`](super::SourceLoss::Replan)): they are left
+    /// out, and the refit runs again from the others.
+    #[error("source ranks {ranks:?} were lost: {cause}")]
+    SourcesLost {
+        /// Their ranks.
+        ranks: Vec<u32>,
+        /// What failed.
+        cause: Box<OrchestratorError>,
+    },
+    /// A replica cannot be added or removed.
+    #[error("replicas: {problem}")]
+    Replicas {
+        /// Why.
+        problem: String,
+    },
     /// A member answered with a reply that does not belong to the request.
     #[error("{member}: answered {reply} to {request}")]
     Protocol {

@@ -42,35 +42,43 @@ pub(super) async fn describe(
     }
 }
 
-/// Every member's reply to `msg(group, rank)`, or the first failure.
-async fn call_both(
-    src: &ActorGroup<Member>,
-    dst: &ActorGroup<Member>,
-    msg: impl Fn(Group, usize) -> Option<MemberMsg>,
-    after: Duration,
-    sent: impl FnOnce(usize),
-) -> Result<Vec<(String, MemberReply)>, OrchestratorError> {
+/// One member's answer to a call: its endpoint, name and reply (or why
+/// there is none).
+pub(super) type Answer = (Endpoint, String, Result<MemberReply, OrchestratorError>);
+
+/// Every asked member's answer to `msg(group, rank)`, sources first, by rank.
+async fn call_each(cast: &Cast, msg: impl Fn(Group, usize) -> Option<MemberMsg>, after: Duration, sent: impl FnOnce(usize)) -> Vec<Answer> {
     let mut calls = Vec::new();
-    for (g, group) in [(Group::Src, src), (Group::Dst, dst)] {
+    for (g, group) in [(Group::Src, &cast.src), (Group::Dst, &cast.dst)] {
         for (rank, member) in group.iter() {
+            let endpoint = Endpoint { group: g, rank: rank as u32 };
+            if cast.absent.contains(&endpoint) {
+                continue;
+            }
             if let Some(m) = msg(g, rank) {
                 let member = member.clone();
                 calls.push(async move {
                     let name = member.name().to_string();
                     match member.call_timeout(m, after).await {
-                        Ok(r) => Ok((name, r)),
-                        Err(e) => Err(call_error(name, e, after)),
+                        Ok(r) => (endpoint, name, Ok(r)),
+                        Err(e) => (endpoint, name.clone(), Err(call_error(name, e, after))),
                     }
                 });
             }
         }
     }
     sent(calls.len());
-    let mut out = Vec::with_capacity(calls.len());
-    for r in actors::join_all(calls).await {
-        out.push(r?);
-    }
-    Ok(out)
+    actors::join_all(calls).await
+}
+
+/// Every member's reply to `msg(group, rank)`, or the first failure.
+async fn call_both(
+    cast: &Cast,
+    msg: impl Fn(Group, usize) -> Option<MemberMsg>,
+    after: Duration,
+    sent: impl FnOnce(usize),
+) -> Result<Vec<(String, MemberReply)>, OrchestratorError> {
+    call_each(cast, msg, after, sent).await.into_iter().map(|(_, name, r)| r.map(|r| (name, r))).collect()
 }
 
 /// Turns the first refusal among `replies` into an error.
@@ -95,6 +103,10 @@ pub(super) struct Status {
     pub(super) weights: Vec<Weights>,
     /// Members of the source group (the rest are destinations).
     pub(super) n_src: usize,
+    /// Lost sources, by rank: not asked (see
+    /// [`SourceLoss::Replan`](super::SourceLoss::Replan)); their entries
+    /// repeat the first present source's.
+    pub(super) absent: Vec<usize>,
 }
 
 impl Status {
@@ -107,7 +119,38 @@ impl Status {
     }
 }
 
+/// The members of one run of a plan: those standing for its source
+/// endpoints and those standing for its destination endpoints, by rank. A
+/// refit's cast is both groups; seeding a replica's is a serving replica's
+/// members (as sources) and the new replica's (as destinations).
+#[derive(Clone)]
+pub(super) struct Cast {
+    pub(super) src: ActorGroup<Member>,
+    pub(super) dst: ActorGroup<Member>,
+    /// Members not asked anything: lost sources (see
+    /// [`SourceLoss::Replan`](super::SourceLoss::Replan)).
+    pub(super) absent: Vec<Endpoint>,
+}
+
+impl Cast {
+    /// Every member of `src` and `dst`.
+    pub(super) fn of(src: ActorGroup<Member>, dst: ActorGroup<Member>) -> Cast {
+        Cast { src, dst, absent: Vec::new() }
+    }
+
+    /// Every endpoint of the plan the cast runs.
+    pub(super) fn endpoints(&self) -> Vec<Endpoint> {
+        (0..self.src.len() as u32).map(Endpoint::src).chain((0..self.dst.len() as u32).map(Endpoint::dst)).collect()
+    }
+}
+
 impl Orchestrator {
+    /// The cast of a refit: both groups.
+    pub(super) fn groups(&self) -> Cast {
+        let absent = self.lost_sources.iter().map(|&r| Endpoint::src(r)).collect();
+        Cast { src: self.src.clone(), dst: self.dst.clone(), absent }
+    }
+
     /// Every member's reply to `msg(group, rank)` (`None`: that member is
     /// not asked), or the first failure; the calls are counted.
     pub(super) async fn ask_all(
@@ -115,20 +158,40 @@ impl Orchestrator {
         msg: impl Fn(Group, usize) -> Option<MemberMsg>,
         after: Duration,
     ) -> Result<Vec<(String, MemberReply)>, OrchestratorError> {
-        call_both(&self.src, &self.dst, msg, after, |n| self.sent(n)).await
+        call_both(&self.groups(), msg, after, |n| self.sent(n)).await
+    }
+
+    /// [`ask_all`](Self::ask_all) of the members of `cast`.
+    pub(super) async fn ask_cast(
+        &self,
+        cast: &Cast,
+        msg: impl Fn(Group, usize) -> Option<MemberMsg>,
+        after: Duration,
+    ) -> Result<Vec<(String, MemberReply)>, OrchestratorError> {
+        call_both(cast, msg, after, |n| self.sent(n)).await
+    }
+
+    /// Every asked member of `cast`'s answer, failed or not; counted.
+    pub(super) async fn ask_each(&self, cast: &Cast, msg: impl Fn(Group, usize) -> Option<MemberMsg>, after: Duration) -> Vec<Answer> {
+        call_each(cast, msg, after, |n| self.sent(n)).await
     }
 
     /// Tells every member `msg` without waiting (queued behind what it
     /// handles now); counted.
     pub(super) fn tell_all(&self, msg: impl Fn() -> MemberMsg) {
-        for (_, m) in self.src.iter().chain(self.dst.iter()) {
+        self.tell_cast(&self.groups(), msg);
+    }
+
+    /// [`tell_all`](Self::tell_all) to the members of `cast`.
+    pub(super) fn tell_cast(&self, cast: &Cast, msg: impl Fn() -> MemberMsg) {
+        for (_, m) in cast.src.iter().chain(cast.dst.iter()) {
             let _ = m.try_tell(msg());
         }
-        self.sent(self.src.len() + self.dst.len());
+        self.sent(cast.src.len() + cast.dst.len());
     }
 
     pub(super) fn endpoints(&self) -> Vec<Endpoint> {
-        (0..self.src.len() as u32).map(Endpoint::src).chain((0..self.dst.len() as u32).map(Endpoint::dst)).collect()
+        self.groups().endpoints()
     }
 
     /// Asks every member for its layout fingerprint, installed plans and
@@ -140,31 +203,44 @@ impl Orchestrator {
                 return Err(OrchestratorError::Layout { group, problem: "the group has no members".into() });
             }
         }
-        let replies = self.ask_all(|_, _| Some(MemberMsg::Status), self.config.control_timeout).await?;
+        let cast = self.groups();
+        let answers = self.ask_each(&cast, |_, _| Some(MemberMsg::Status), self.config.control_timeout).await;
         let n_src = self.src.len();
+        let n = n_src + self.dst.len();
         let mut layouts: [Option<u64>; 2] = [None, None];
         let mut status = Status {
-            names: Vec::with_capacity(replies.len()),
+            names: self.src.refs().iter().chain(self.dst.refs()).map(|m| m.name().to_string()).collect(),
             layouts: (0, 0),
-            installed: Vec::with_capacity(replies.len()),
-            weights: Vec::with_capacity(replies.len()),
+            installed: vec![Vec::new(); n],
+            weights: vec![Weights::Unwritten; n],
             n_src,
+            absent: cast.absent.iter().map(|e| e.rank as usize).collect(),
         };
-        for (i, (member, reply)) in replies.into_iter().enumerate() {
-            let MemberReply::Status { layout, installed, weights } = reply else {
-                return Err(OrchestratorError::Protocol { member, request: "Status", reply: format!("{reply:?}") });
+        for (e, member, reply) in answers {
+            let MemberReply::Status { layout, installed, weights } = reply? else {
+                return Err(OrchestratorError::Protocol { member, request: "Status", reply: "not a status".into() });
             };
-            let (g, group, rank) = if i < n_src { (0, Group::Src, i) } else { (1, Group::Dst, i - n_src) };
+            let (g, i) = match e.group {
+                Group::Src => (0, e.rank as usize),
+                Group::Dst => (1, n_src + e.rank as usize),
+            };
             let first = *layouts[g].get_or_insert(layout);
             if first != layout {
                 return Err(OrchestratorError::Layout {
-                    group,
-                    problem: format!("{member} (rank {rank}) holds a different layout ({layout:016x}) than rank 0 ({first:016x})"),
+                    group: e.group,
+                    problem: format!("{member} (rank {}) holds a different layout ({layout:016x}) than the first ({first:016x})", e.rank),
                 });
             }
-            status.names.push(member);
-            status.installed.push(installed);
-            status.weights.push(weights);
+            status.installed[i] = installed;
+            status.weights[i] = weights;
+        }
+        // A lost source is not asked: it stands as the first present one
+        // (the version checks then hold for the sources that will send).
+        if let Some(present) = (0..n_src).find(|i| !status.absent.contains(i)) {
+            for &i in &status.absent {
+                status.weights[i] = status.weights[present];
+                status.installed[i] = status.installed[present].clone();
+            }
         }
         status.layouts = (layouts[0].unwrap_or_default(), layouts[1].unwrap_or_default());
         Ok(status)

@@ -2,7 +2,7 @@
 //! [`OrchestratorReply`], and which version a refit delivers
 //! ([`RefitTarget`]).
 
-use super::{OrchestratorError, PlanReport, RefitReport};
+use super::{OrchestratorError, PlanReport, RefitReport, ReplicaReport};
 use crate::member::Member;
 use actors::{ActorGroup, ActorRef};
 use reshard::{Endpoint, Strategy, TensorSubset};
@@ -53,6 +53,24 @@ pub enum OrchestratorMsg {
         /// Its new member.
         member: ActorRef<Member>,
     },
+    /// Add a replica to a destination group of replicas
+    /// ([`OrchestratorConfig::replica`](super::OrchestratorConfig::replica)),
+    /// as its last: it is seeded with the newest version a whole replica
+    /// serves, from that replica (no source rank sends anything), then
+    /// planned into every refit. Handled between refits.
+    AddReplica {
+        /// Its members, rank `j` of the replica's layout at index `j`,
+        /// each holding that layout.
+        members: ActorGroup<Member>,
+    },
+    /// Remove replica `replica` (its index in the group) from a destination
+    /// group of replicas: its members are asked nothing more and keep
+    /// serving what they committed; the replicas after it move up.
+    /// Handled between refits.
+    RemoveReplica {
+        /// The replica's index.
+        replica: u32,
+    },
     /// Forget the cached plan.
     Invalidate,
     /// Drop the node-fabric connections members keep between refits; the
@@ -71,6 +89,8 @@ pub enum OrchestratorReply {
     Planned(Result<PlanReport, OrchestratorError>),
     /// Number of plans made.
     PlansMade(u64),
+    /// The outcome of `AddReplica` or `RemoveReplica`.
+    Replicas(Result<ReplicaReport, OrchestratorError>),
     /// The outcome of a request that returns nothing.
     Done(Result<(), OrchestratorError>),
 }

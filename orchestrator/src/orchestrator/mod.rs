@@ -4,21 +4,26 @@
 
 mod data_plane;
 mod error;
+mod losses;
 mod members;
 mod messages;
 mod plan;
 mod refit;
+mod replicas;
 mod report;
 
 pub use error::OrchestratorError;
 pub use messages::{OrchestratorMsg, OrchestratorReply, RefitTarget};
+pub use replicas::{ReplicaReport, SeedReport};
+// (`ReplicaLoss` is defined here, beside the config it belongs to.)
 pub use report::{PlanReport, RefitPhase, RefitReport, RefitStep};
 
 use crate::member::Member;
 use crate::protocol::Fabric;
 use actors::{async_trait, Actor, ActorError, ActorGroup, ActorRef, Context};
 use plan::{CachedPlan, KnownLayouts};
-use reshard::{Endpoint, Fingerprint, Group, PlanOptions, Strategy, TensorSubset};
+use reshard::{Endpoint, Fingerprint, Group, Layout, Plan, PlanOptions, Strategy, TensorSubset};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Orchestrator settings.
@@ -50,6 +55,53 @@ pub struct OrchestratorConfig {
     /// failure, a replaced member or a changed layout makes the next refit
     /// dense. Destinations still write every element. Off by default.
     pub delta: bool,
+    /// The layout of one inference replica, when the destination group is
+    /// replicas of it: replica `r` on ranks `r * k .. (r + 1) * k`, the
+    /// group laid out as [`Layout::replicated`] says. Then
+    /// [`OrchestratorMsg::AddReplica`] and [`OrchestratorMsg::RemoveReplica`]
+    /// grow and shrink it between refits. `None`: a fixed group.
+    pub replica: Option<Arc<Layout>>,
+    /// What a refit of a destination group of replicas does when members
+    /// of some replicas fail it (a replica's node lost, say).
+    pub replica_loss: ReplicaLoss,
+    /// What a refit does when source members are lost during it (or
+    /// before it).
+    pub source_loss: SourceLoss,
+}
+
+/// What a reshard refit does when source members die or stop answering
+/// (and every member whose own part failed is such a source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SourceLoss {
+    /// The lost sources are left out: the refit is planned again with
+    /// every piece from another source that holds it (a data-parallel
+    /// replica) and runs again (twice at most), committing the same
+    /// version; where only lost sources hold some part, it fails as
+    /// [`Fail`](SourceLoss::Fail) would. They stay out (and are not asked
+    /// anything) until replaced ([`OrchestratorMsg::Replace`]) or the
+    /// groups are attached again.
+    #[default]
+    Replan,
+    /// The refit fails; every destination keeps the version it served.
+    Fail,
+}
+
+/// What a refit of a destination group of replicas
+/// ([`OrchestratorConfig::replica`]) does when destination members fail
+/// it and every source did its part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReplicaLoss {
+    /// The replicas of the failed members leave the group (as
+    /// [`OrchestratorMsg::RemoveReplica`] would) and the others get the
+    /// version: committed at once if each of their members ran its
+    /// program to the end, else the refit runs again without the lost
+    /// replicas (twice at most). A replica serves the new version whole
+    /// or keeps the one it served; never a mix. With no replica left, the
+    /// refit fails.
+    #[default]
+    Drop,
+    /// The refit fails; every destination keeps the version it served.
+    Fail,
 }
 
 impl Default for OrchestratorConfig {
@@ -62,6 +114,9 @@ impl Default for OrchestratorConfig {
             control_timeout: Duration::from_secs(10),
             keep_data_plane: true,
             delta: false,
+            replica: None,
+            replica_loss: ReplicaLoss::Drop,
+            source_loss: SourceLoss::Replan,
         }
     }
 }
@@ -89,6 +144,16 @@ pub struct Orchestrator {
     phase: tokio::sync::watch::Sender<RefitPhase>,
     /// Control messages sent to members so far (calls and tells).
     sent: std::sync::atomic::AtomicU64,
+    /// Replicas seeded so far (serving replicas take turns).
+    seeded: u64,
+    /// The plan between two replicas, by the replica layout's fingerprint.
+    seed_plan: Option<(u64, Arc<Plan>)>,
+    /// Replicas dropped by the refit in progress (see
+    /// [`ReplicaLoss::Drop`]).
+    dropped: Vec<u32>,
+    /// Source ranks lost and left out of plans until replaced (see
+    /// [`SourceLoss::Replan`]), sorted.
+    lost_sources: Vec<u32>,
 }
 
 impl Orchestrator {
@@ -106,6 +171,10 @@ impl Orchestrator {
             kept: Vec::new(),
             phase: tokio::sync::watch::Sender::default(),
             sent: Default::default(),
+            seeded: 0,
+            seed_plan: None,
+            dropped: Vec::new(),
+            lost_sources: Vec::new(),
         }
     }
 
@@ -166,6 +235,7 @@ impl Actor for Orchestrator {
                 // Cached plans stay valid while the members report the same
                 // layouts; members that lack the plan get it installed.
                 self.forget_data_plane(true);
+                self.lost_sources.clear();
                 self.src = src;
                 self.dst = dst;
                 OrchestratorReply::Done(Ok(()))
@@ -173,8 +243,13 @@ impl Actor for Orchestrator {
             OrchestratorMsg::Replace { endpoint, member } => {
                 // The other members' peers change: all reconnect.
                 self.forget_data_plane(true);
+                if endpoint.group == Group::Src {
+                    self.lost_sources.retain(|&r| r != endpoint.rank);
+                }
                 OrchestratorReply::Done(self.replace(endpoint, member))
             }
+            OrchestratorMsg::AddReplica { members } => OrchestratorReply::Replicas(self.add_replica(members).await),
+            OrchestratorMsg::RemoveReplica { replica } => OrchestratorReply::Replicas(self.remove_replica(replica).await),
             OrchestratorMsg::CloseDataPlane => {
                 self.forget_data_plane(true);
                 OrchestratorReply::Done(Ok(()))

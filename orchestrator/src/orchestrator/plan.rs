@@ -3,9 +3,10 @@
 //! program installed on it.
 
 use super::error::{call_error, refused};
+use super::members::Cast;
 use super::members::{describe, Status};
 use super::{Orchestrator, OrchestratorError, PlanReport};
-use crate::protocol::{MemberMsg, MemberReply};
+use crate::protocol::{MemberMsg, MemberReply, Seat};
 use reshard::{
     plan_baseline, plan_reshard, Endpoint, Figures, Fingerprint, Group, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram,
     Strategy, TensorSubset,
@@ -20,6 +21,8 @@ use std::time::{Duration, Instant};
 pub(super) struct CachedPlan {
     /// Layout fingerprints every member of each group reported.
     pub(super) layout_fingerprints: (u64, u64),
+    /// The sources it leaves out ([`SourceLoss::Replan`](super::SourceLoss::Replan)).
+    pub(super) lost_sources: Vec<u32>,
     pub(super) fingerprint: Fingerprint,
     /// The plan's figures.
     pub(super) figures: Figures,
@@ -63,7 +66,7 @@ impl Orchestrator {
         let mode = self.config.mode;
         let key = (mode, only.clone());
         let current = status.layouts;
-        if self.cache.values().any(|c| c.layout_fingerprints != current) {
+        if self.cache.values().any(|c| c.layout_fingerprints != current || c.lost_sources != self.lost_sources) {
             self.cache.clear();
         }
         let cached = self.cache.get(&key).map(|c| c.fingerprint);
@@ -71,7 +74,7 @@ impl Orchestrator {
             .installed
             .iter()
             .enumerate()
-            .filter(|(_, plans)| !matches!(cached, Some(f) if plans.contains(&f)))
+            .filter(|(i, plans)| !status.absent.contains(i) && !matches!(cached, Some(f) if plans.contains(&f)))
             .map(|(i, _)| i)
             .collect();
         if lacking.is_empty() {
@@ -93,7 +96,8 @@ impl Orchestrator {
         };
         // Planning a large model is seconds of CPU: off the reactor, so the
         // control plane's heartbeats keep flowing meanwhile.
-        let options = PlanOptions { only: only.clone(), ..self.config.plan.clone() };
+        let lost_sources = self.lost_sources.clone();
+        let options = PlanOptions { only: only.clone(), lost_sources, ..self.config.plan.clone() };
         let (s, d) = (src.clone(), dst.clone());
         let planned = tokio::task::spawn_blocking(move || match mode {
             Strategy::Reshard => plan_reshard(&s, &d, &options),
@@ -108,16 +112,22 @@ impl Orchestrator {
         self.plans_made += 1;
         // Plans of the other strategy were made for these layouts too, or
         // are gone.
-        self.cache.retain(|_, c| c.layout_fingerprints == current);
+        let lost = &self.lost_sources;
+        self.cache.retain(|_, c| c.layout_fingerprints == current && c.lost_sources == *lost);
         if cached != Some(fingerprint) {
             // Not installed anywhere yet (or the layouts changed under it).
             self.cache.remove(&key);
         }
-        let which: Vec<usize> = if cached == Some(fingerprint) { lacking } else { (0..status.installed.len()).collect() };
+        let which: Vec<usize> = if cached == Some(fingerprint) {
+            lacking
+        } else {
+            (0..status.installed.len()).filter(|i| !status.absent.contains(i)).collect()
+        };
         let (plan_time, installing) = (started.elapsed(), Instant::now());
         let installed = which.len() as u64;
-        self.install(plan, src, dst, which).await?;
-        self.cache.insert(key, CachedPlan { layout_fingerprints: current, fingerprint, figures });
+        self.install(&self.groups(), Seat::Own, plan, src, dst, which).await?;
+        let lost_sources = self.lost_sources.clone();
+        self.cache.insert(key, CachedPlan { layout_fingerprints: current, lost_sources, fingerprint, figures });
         Ok(PlanWork { replanned: true, plan_time, install_time: installing.elapsed(), installed })
     }
 
@@ -125,8 +135,16 @@ impl Orchestrator {
     /// their own programs, derived one by one on a blocking thread per
     /// core while earlier ones are sent: at most [`INSTALL_WINDOW`] plus
     /// one per thread exist at a time, never all of them.
-    async fn install(&self, plan: Arc<Plan>, src: Arc<Layout>, dst: Arc<Layout>, which: Vec<usize>) -> Result<(), OrchestratorError> {
-        let n_src = self.src.len();
+    pub(super) async fn install(
+        &self,
+        cast: &Cast,
+        seat: Seat,
+        plan: Arc<Plan>,
+        src: Arc<Layout>,
+        dst: Arc<Layout>,
+        which: Vec<usize>,
+    ) -> Result<(), OrchestratorError> {
+        let n_src = cast.src.len();
         let fingerprint = plan.fingerprint();
         let (tx, mut rx) = tokio::sync::mpsc::channel::<(usize, RankProgram)>(INSTALL_WINDOW);
         let producer = tokio::task::spawn_blocking(move || -> Result<(), PlanError> {
@@ -156,12 +174,12 @@ impl Orchestrator {
         let mut calls = tokio::task::JoinSet::new();
         let mut result = Ok(());
         while let Some((i, program)) = rx.recv().await {
-            let member = if i < n_src { self.src.get(i) } else { self.dst.get(i - n_src) };
+            let member = if i < n_src { cast.src.get(i) } else { cast.dst.get(i - n_src) };
             let Some(member) = member.cloned() else { continue };
             self.sent(1);
             calls.spawn(async move {
                 let name = member.name().to_string();
-                match member.call_timeout(MemberMsg::Install { program: Box::new(program), fingerprint }, after).await {
+                match member.call_timeout(MemberMsg::Install { program: Box::new(program), fingerprint, seat }, after).await {
                     Ok(MemberReply::Refused(r)) => Err(refused(&name, r)),
                     Ok(_) => Ok(()),
                     Err(e) => Err(call_error(name, e, after)),

@@ -2,11 +2,12 @@
 //! the transfer, then the commit on every destination, or a discard
 //! everywhere.
 
+use super::data_plane::Blame;
 use super::error::refused;
-use super::members::{no_refusal, Status};
-use super::{Orchestrator, OrchestratorError, RefitReport, RefitStep, RefitTarget};
-use crate::protocol::{Fabric, MemberMsg, Refusal, Weights, INSTALLED_PLANS};
-use reshard::{Figures, Group, TensorSubset};
+use super::members::Status;
+use super::{Orchestrator, OrchestratorError, RefitReport, RefitStep, RefitTarget, SourceLoss};
+use crate::protocol::{Fabric, MemberMsg, MemberReply, Refusal, Weights, INSTALLED_PLANS};
+use reshard::{Figures, Group, PlanError, TensorSubset};
 use std::time::{Duration, Instant};
 use transport::fabric::{close_in_process, open_in_process};
 
@@ -17,6 +18,11 @@ const AGREE_POLL: Duration = Duration::from_millis(10);
 /// How many times [`RefitTarget::Latest`] starts again when a step lands
 /// while the refit reads.
 const LATEST_ATTEMPTS: usize = 3;
+
+/// How many times a refit runs again after replicas it lost left the
+/// destination group ([`ReplicaLoss::Drop`](super::ReplicaLoss::Drop)) or
+/// sources it lost were left out ([`SourceLoss::Replan`](super::SourceLoss::Replan)).
+const LOST_ATTEMPTS: usize = 2;
 
 impl Orchestrator {
     /// The version every source holds, asking again while they differ (a
@@ -48,19 +54,46 @@ impl Orchestrator {
         let start = Instant::now();
         let sent = self.sent_so_far();
         let mut attempts = 0;
+        let mut again = 0;
+        self.dropped.clear();
+        // Sources left out during this refit, with why.
+        let mut left_out: Vec<(Vec<u32>, OrchestratorError)> = Vec::new();
         let r = loop {
             attempts += 1;
             match self.refit_once(target, &only, start).await {
+                Err(OrchestratorError::SourcesLost { ranks, cause }) if again < LOST_ATTEMPTS => {
+                    again += 1;
+                    left_out.push((ranks, *cause));
+                    self.enter(RefitStep::Planning);
+                }
+                Err(OrchestratorError::Plan(PlanError::NotCovered { .. })) if !left_out.is_empty() => {
+                    // Nobody else holds what the lost sources held: they
+                    // are not left out after all, and the refit fails for
+                    // what lost them.
+                    let (ranks, cause) = left_out.swap_remove(0);
+                    for (more, _) in &left_out {
+                        self.lost_sources.retain(|r| !more.contains(r));
+                    }
+                    self.lost_sources.retain(|r| !ranks.contains(r));
+                    break Err(cause);
+                }
                 Err(OrchestratorError::VersionMismatch { .. }) if target == RefitTarget::Latest && attempts < LATEST_ATTEMPTS => {
                     // A step landed between the status and the read: refit
                     // the newer version.
+                    self.enter(RefitStep::Planning);
+                }
+                Err(OrchestratorError::ReplicasLost { .. }) if again < LOST_ATTEMPTS => {
+                    // The lost replicas left the group: the rest again.
+                    again += 1;
                     self.enter(RefitStep::Planning);
                 }
                 r => break r,
             }
         };
         self.enter(RefitStep::Idle);
-        r.map(|report| RefitReport { control_messages: self.sent_so_far() - sent, ..report })
+        let dropped_replicas = std::mem::take(&mut self.dropped);
+        let lost_sources = self.lost_sources.clone();
+        r.map(|report| RefitReport { control_messages: self.sent_so_far() - sent, dropped_replicas, lost_sources, ..report })
     }
 
     async fn refit_once(
@@ -69,7 +102,10 @@ impl Orchestrator {
         only: &Option<TensorSubset>,
         start: Instant,
     ) -> Result<RefitReport, OrchestratorError> {
-        let status = self.status().await?;
+        let status = match self.status().await {
+            Err(e @ (OrchestratorError::MemberDied { .. } | OrchestratorError::Timeout { .. })) => return Err(self.lose_silent(e).await),
+            r => r?,
+        };
         let (version, status) = match target {
             RefitTarget::Version(v) => (v, status),
             RefitTarget::Latest => self.agreed_version(status).await?,
@@ -91,6 +127,8 @@ impl Orchestrator {
                 bytes: 0,
                 messages: 0,
                 control_messages: 0,
+                dropped_replicas: Vec::new(),
+                lost_sources: Vec::new(),
                 figures: Figures::default(),
             });
         }
@@ -144,22 +182,48 @@ impl Orchestrator {
             }
         };
         let mut connect_time = t.elapsed();
-        let moved = self.transfer(refit, &session, version, fingerprint, resumed, &mut connect_time).await;
+        let moved = self.transfer(&self.groups(), refit, &session, version, fingerprint, resumed, &mut connect_time).await;
         close_in_process(&session);
         let transfer_time = t.elapsed().saturating_sub(connect_time);
-        let (sent, messages) = match moved {
-            Ok(moved) => moved,
-            Err(e) => {
+        let (sent, messages, lost) = match moved {
+            Ok((sent, messages)) => (sent, messages, Vec::new()),
+            Err((e, mut blame)) => {
                 self.kept.clear();
                 self.delta_base.clear();
-                // Every destination keeps serving its last committed version;
-                // every member drops what it prepared for this refit.
-                // A member that is stuck (an abort that hangs) must not hold up
-                // the report: the discard is queued, not awaited; each member
-                // handles it before anything the next refit asks.
-                self.enter(RefitStep::Discarding);
-                self.tell_all(|| MemberMsg::Discard);
-                return Err(e);
+                if blame.gone.is_empty() && self.config.source_loss == SourceLoss::Replan {
+                    // Every member answered: a source that sent all it had
+                    // and died before its peers read it shows only now.
+                    blame.gone = self.unanswering().await.into_iter().filter(|g| g.group == Group::Src).collect();
+                }
+                if let Some(ranks) = self.lost_sources_of(&blame) {
+                    // Every member drops what it prepared; the refit runs
+                    // again without them.
+                    self.enter(RefitStep::Discarding);
+                    return Err(self.leave_out_sources(ranks, e));
+                }
+                if let Some((lost, others_ran)) = self.lost_replicas(&blame) {
+                    if others_ran {
+                        // The other replicas staged the whole version:
+                        // they commit it below, without the lost ones.
+                        tracing::warn!(?lost, error = %e, "replicas failed the refit and leave the group; the others commit");
+                        (blame.sent, blame.messages, lost)
+                    } else {
+                        tracing::warn!(?lost, error = %e, "replicas failed the refit and leave the group; refitting the others");
+                        self.enter(RefitStep::Discarding);
+                        self.tell_all(|| MemberMsg::Discard);
+                        self.drop_replicas(&lost).await?;
+                        return Err(OrchestratorError::ReplicasLost { replicas: lost, cause: Box::new(e) });
+                    }
+                } else {
+                    // Every destination keeps serving its last committed version;
+                    // every member drops what it prepared for this refit.
+                    // A member that is stuck (an abort that hangs) must not hold up
+                    // the report: the discard is queued, not awaited; each member
+                    // handles it before anything the next refit asks.
+                    self.enter(RefitStep::Discarding);
+                    self.tell_all(|| MemberMsg::Discard);
+                    return Err(e);
+                }
             }
         };
         if sent != bytes && !self.config.delta {
@@ -169,19 +233,49 @@ impl Orchestrator {
         // version; flip.
         self.enter(RefitStep::Committing);
         let t = Instant::now();
-        let commit = |g, _| (g == Group::Dst).then_some(MemberMsg::Commit { version });
-        let committed = self.ask_all(commit, self.config.control_timeout).await;
-        if let Err(e) = committed.and_then(|c| no_refusal(&c)) {
+        let k = self.config.replica.as_ref().map_or(1, |one| one.ranks() as usize);
+        let commit = |g, rank: usize| (g == Group::Dst && !lost.contains(&((rank / k) as u32))).then_some(MemberMsg::Commit { version });
+        let committed = self.ask_each(&self.groups(), commit, self.config.control_timeout).await;
+        let failed: Vec<_> = committed
+            .iter()
+            .filter(|(_, _, r)| !matches!(r, Ok(reply) if !matches!(reply, MemberReply::Refused(_))))
+            .map(|(e, ..)| *e)
+            .collect();
+        let mut lost = lost;
+        if !failed.is_empty() {
             self.kept.clear();
             self.delta_base.clear();
-            return Err(e);
+            // Members that did not commit: a group of replicas goes on
+            // without theirs (whose other members may have committed; the
+            // replica leaves the group either way).
+            match self.lost_replicas(&Blame { failed, ..Blame::default() }) {
+                Some((more, _)) if more.iter().chain(&lost).collect::<std::collections::BTreeSet<_>>().len() < self.dst.len() / k => {
+                    tracing::warn!(replicas = ?more, "replicas failed the commit and leave the group");
+                    lost.extend(more);
+                    lost.sort_unstable();
+                    lost.dedup();
+                }
+                _ => {
+                    let error = committed.into_iter().find_map(|(_, member, r)| match r {
+                        Err(e) => Some(e),
+                        Ok(MemberReply::Refused(refusal)) => Some(refused(&member, refusal)),
+                        Ok(_) => None,
+                    });
+                    return Err(error
+                        .unwrap_or_else(|| OrchestratorError::Failed { member: "orchestrator".into(), problem: "commit failed".into() }));
+                }
+            }
         }
-        if self.config.delta {
+        if !lost.is_empty() {
+            // Their members drop what they staged; the group goes on
+            // without them (and forgets this refit's data plane).
+            self.drop_replicas(&lost).await?;
+        } else if self.config.delta {
             // Every member ran this refit clean and keeps what it sent and
             // received: the base of this plan's next one.
             self.delta_base.insert(fingerprint, refit);
         }
-        if self.keeps_data_plane() {
+        if lost.is_empty() && self.keeps_data_plane() {
             // Every member ran clean and keeps its endpoint of `session`.
             self.kept.retain(|(f, _)| *f != fingerprint);
             if self.kept.len() == INSTALLED_PLANS {
@@ -204,6 +298,8 @@ impl Orchestrator {
             bytes: sent,
             messages,
             control_messages: 0,
+            dropped_replicas: Vec::new(),
+            lost_sources: Vec::new(),
             figures,
         })
     }

@@ -55,6 +55,18 @@ pub struct RefitReport {
     /// The figures of the plan that ran (planned, not measured; default
     /// when nothing ran).
     pub figures: Figures,
+    /// Replicas of a destination group of replicas that left it during
+    /// this refit because their members failed it
+    /// ([`ReplicaLoss::Drop`](super::ReplicaLoss::Drop)), in the order
+    /// they left, each by its index in the group just before (so removing
+    /// them one by one, in this order, from a list of the replicas gives
+    /// the group's). They serve what they served before; the others serve
+    /// `version`.
+    pub dropped_replicas: Vec<u32>,
+    /// Source ranks left out of the plan that ran because they were lost
+    /// ([`SourceLoss::Replan`](super::SourceLoss::Replan)): during this
+    /// refit or an earlier one, and not replaced since.
+    pub lost_sources: Vec<u32>,
 }
 
 /// What [`OrchestratorMsg::Plan`](super::OrchestratorMsg::Plan) found or made.

@@ -6,6 +6,7 @@
 //! planner expands them per tensor with [`Layout::holdings`].
 
 mod expand;
+mod replicas;
 pub(crate) mod validate;
 
 use crate::block::Block;

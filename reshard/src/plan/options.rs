@@ -30,6 +30,12 @@ pub struct PlanOptions {
     /// (the baseline always quantizes at the destination, as the
     /// frameworks it stands for do).
     pub quantize_at: QuantizeAt,
+    /// Source ranks that send nothing (lost during a refit, say): the
+    /// reshard takes every piece from the other holders of it, and fails
+    /// with [`PlanError::NotCovered`](crate::PlanError::NotCovered) where
+    /// only these hold some part. Sorted, without repeats. The baseline
+    /// ignores it.
+    pub lost_sources: Vec<crate::Rank>,
 }
 
 /// The default of [`PlanOptions::min_split_bytes`]: 64 KiB per part.
@@ -43,6 +49,7 @@ impl Default for PlanOptions {
             min_split_bytes: DEFAULT_MIN_SPLIT_BYTES,
             only: None,
             quantize_at: QuantizeAt::Source,
+            lost_sources: Vec::new(),
         }
     }
 }
@@ -56,5 +63,9 @@ impl Hash for PlanOptions {
         self.links.message_latency_s.to_bits().hash(h);
         self.only.hash(h);
         self.quantize_at.hash(h);
+        if !self.lost_sources.is_empty() {
+            // Plans without lost sources keep their fingerprints.
+            self.lost_sources.hash(h);
+        }
     }
 }
