@@ -7,7 +7,7 @@
 //! Every case starts from a clean state (see [`run_chaos`]), so the cases
 //! keep the promise in any order (`--shuffle`).
 
-use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, Disrupt, Disruption, FaultSpec};
+use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, Disrupt, Disruption, FaultSpec, ReplicaConfig};
 use crate::netns::Netem;
 use orchestrator::RefitStep;
 use reshard::{Endpoint, Group, Layout, PlanOptions};
@@ -99,6 +99,20 @@ fn replicated_kill_point(case: &str) -> Option<f64> {
     Some(pct / 100.0)
 }
 
+/// The cases of a destination group made of replicas (the suite's
+/// destination layout as one replica, two of them), run on a cluster of
+/// their own after the others: replicas join and leave while refits go
+/// on, and a replica that loses a worker mid-refit leaves the group while
+/// the other commits.
+pub const REPLICA_CASES: [&str; 3] = [
+    "replicas: one joins (seeded from a serving one), one leaves",
+    "replicas: one joins while a refit is in flight",
+    "replicas: kill a replica's worker mid-transfer",
+];
+
+/// The replicas the replica cases' group has between cases.
+const REPLICAS: u32 = 2;
+
 /// The network cases, run after [`CASES`] when the workers are on emulated
 /// hosts (`--netns`): the kernel breaks the network, not our sender.
 pub const NETWORK_CASES: [&str; 5] = [
@@ -119,14 +133,124 @@ pub fn run_chaos(
     dst: Layout,
     mut progress: impl FnMut(&ChaosRow),
 ) -> Result<Vec<ChaosRow>, ClusterError> {
-    // A broken refit returns by the data plane's deadline, plus the control
-    // step that waits for a member whose abort hangs.
-    let bound = config.cluster.refit_deadline + config.cluster.setup_timeout + Duration::from_secs(2);
+    let chosen = |list: &[&'static str]| -> Vec<&'static str> {
+        let mut cases: Vec<&str> = list
+            .iter()
+            .copied()
+            .filter(|c| config.only.is_empty() || config.only.iter().any(|o| c.contains(o.as_str())))
+            .flat_map(|c| std::iter::repeat_n(c, config.repeat.max(1)))
+            .collect();
+        if let Some(seed) = config.shuffle {
+            shuffle(&mut cases, seed);
+        }
+        cases
+    };
+    let network = if config.cluster.netns.is_some() { &NETWORK_CASES[..] } else { &[] };
+    let cases = chosen(&[&CASES[..], network].concat());
+    let replica_cases = chosen(&REPLICA_CASES);
+    let mut rows = Vec::new();
+    if !cases.is_empty() {
+        rows = run_cases(&config, cases, src.clone(), dst.clone(), &mut progress)?;
+    }
+    if !replica_cases.is_empty() {
+        rows.extend(run_replica_cases(&config, replica_cases, src, dst, &mut progress)?);
+    }
+    Ok(rows)
+}
+
+/// A broken refit returns by the data plane's deadline, plus the control
+/// step that waits for a member whose abort hangs.
+fn bound(config: &ChaosConfig) -> Duration {
+    config.cluster.refit_deadline + config.cluster.setup_timeout + Duration::from_secs(2)
+}
+
+/// A row for a case that did not run: skipped (`skipped`), or not brought
+/// to a clean state first.
+fn not_run(case: &str, detail: String, skipped: Option<String>) -> ChaosRow {
+    ChaosRow {
+        case: case.to_string(),
+        refit_failed: None,
+        elapsed: Duration::ZERO,
+        within_deadline: true,
+        torn: false,
+        versions: Vec::new(),
+        recovered: false,
+        replaced: 0,
+        recovery_refit: None,
+        detail,
+        skipped,
+    }
+}
+
+/// What a case did, and the promise checked after it.
+struct Broken {
+    /// The broken refit failed (see [`ChaosRow::refit_failed`]).
+    failed: Option<bool>,
+    /// What happened.
+    detail: String,
+    /// How long the broken refit took.
+    elapsed: Duration,
+}
+
+/// Checks the promise after a case: no live destination on a torn
+/// version, and recovery (dead workers replaced, then a verified refit of
+/// `version`) succeeds; `between` runs after the check, before recovery.
+fn conclude(
+    cluster: &mut Cluster,
+    case: &str,
+    broken: Broken,
+    bound: Duration,
+    version: u64,
+    between: impl FnOnce(&mut Cluster) -> Result<(), ClusterError>,
+) -> Result<ChaosRow, ClusterError> {
+    // Torn? Every live destination's committed bytes must be exactly
+    // one version (the check verifies every element).
+    let checked = cluster.check();
+    let torn = checked.iter().any(|c| c.torn.is_some());
+    let versions = checked.iter().map(|c| c.version).collect();
+    between(cluster)?;
+    // Recovery: dead or stuck workers are replaced, and the next refit
+    // must succeed and verify.
+    let mut replaced = 0;
+    let recovery = cluster.recover().and_then(|n| {
+        replaced = n;
+        cluster.refit(version, true)
+    });
+    let recovery_refit = cluster.last_refit_call();
+    let recovered = matches!(&recovery, Ok(o) if o.verified.is_some());
+    let detail = match recovery {
+        Ok(_) => broken.detail,
+        Err(e) => format!("{}; recovery failed: {e}", broken.detail),
+    };
+    Ok(ChaosRow {
+        case: case.to_string(),
+        refit_failed: broken.failed,
+        within_deadline: broken.elapsed <= bound,
+        elapsed: broken.elapsed,
+        torn,
+        versions,
+        recovered,
+        replaced,
+        recovery_refit,
+        detail,
+        skipped: None,
+    })
+}
+
+/// The cases of [`CASES`] and [`NETWORK_CASES`] in `cases`, on one cluster.
+fn run_cases(
+    config: &ChaosConfig,
+    cases: Vec<&str>,
+    src: Layout,
+    dst: Layout,
+    progress: &mut impl FnMut(&ChaosRow),
+) -> Result<Vec<ChaosRow>, ClusterError> {
+    let bound = bound(config);
     let mid = config.mid_transfer;
     let wrong = config.wrong_layouts.clone();
     let options = config.cluster.options.clone();
     let layouts = (src.clone(), dst.clone());
-    let mut cluster = Cluster::start(config.cluster, src, dst, |_| {})?;
+    let mut cluster = Cluster::start(config.cluster.clone(), src, dst, |_| {})?;
     // A source worker whose every part other sources hold too (and that
     // sends something): the refit can go on without it.
     let replicated = replicated_source_worker(&cluster, &options, &layouts.0, &layouts.1);
@@ -138,17 +262,6 @@ pub fn run_chaos(
     let (a_src, a_dst) = (first(Group::Src), first(Group::Dst));
     let rank = |i: usize| workers[i].ranks.first().copied().unwrap_or(Endpoint::src(0));
     let mut rows = Vec::new();
-    let network = if cluster.emulated_hosts().is_some() { &NETWORK_CASES[..] } else { &[] };
-    let mut cases: Vec<&str> = CASES
-        .iter()
-        .chain(network)
-        .copied()
-        .filter(|c| config.only.is_empty() || config.only.iter().any(|o| c.contains(o.as_str())))
-        .collect();
-    cases = cases.iter().flat_map(|&c| std::iter::repeat_n(c, config.repeat.max(1))).collect();
-    if let Some(seed) = config.shuffle {
-        shuffle(&mut cases, seed);
-    }
     let all_ranks: Vec<Endpoint> = workers.iter().flat_map(|w| w.ranks.iter().copied()).collect();
     for case in cases {
         // Every case starts from a clean state, whatever ran before it:
@@ -161,19 +274,7 @@ pub fn run_chaos(
                 transfer = *t;
             }
             if let Err(e) = cleaned {
-                let row = ChaosRow {
-                    case: case.to_string(),
-                    refit_failed: None,
-                    elapsed: Duration::ZERO,
-                    within_deadline: true,
-                    torn: false,
-                    versions: Vec::new(),
-                    recovered: false,
-                    replaced: 0,
-                    recovery_refit: None,
-                    detail: format!("not run: the cluster could not be brought to a clean state first: {e}"),
-                    skipped: None,
-                };
+                let row = not_run(case, format!("not run: the cluster could not be brought to a clean state first: {e}"), None);
                 progress(&row);
                 rows.push(row);
                 continue;
@@ -187,19 +288,7 @@ pub fn run_chaos(
         };
         if let Some(why) = why_not {
             version -= 1;
-            let row = ChaosRow {
-                case: case.to_string(),
-                refit_failed: None,
-                elapsed: Duration::ZERO,
-                within_deadline: true,
-                torn: false,
-                versions: Vec::new(),
-                recovered: false,
-                replaced: 0,
-                recovery_refit: None,
-                detail: format!("skipped: {why}"),
-                skipped: Some(why),
-            };
+            let row = not_run(case, format!("skipped: {why}"), Some(why));
             progress(&row);
             rows.push(row);
             continue;
@@ -277,46 +366,148 @@ pub fn run_chaos(
             None => t.elapsed(),
             Some(_) => cluster.last_refit_call().unwrap_or_else(|| t.elapsed()),
         };
-        // Torn? Every live destination's committed bytes must be exactly
-        // one version (the check verifies every element).
-        let checked = cluster.check();
-        let torn = checked.iter().any(|c| c.torn.is_some());
-        let versions = checked.iter().map(|c| c.version).collect();
-        if case == "member restarts with a different layout" {
-            cluster.restart_worker(a_dst, None)?;
-        }
-        // Recovery: dead or stuck workers are replaced, and the next refit
-        // must succeed and verify.
         version += 1;
-        let mut replaced = 0;
-        let recovery = cluster.recover().and_then(|n| {
-            replaced = n;
-            cluster.refit(version, true)
-        });
-        let recovery_refit = cluster.last_refit_call();
-        let recovered = matches!(&recovery, Ok(o) if o.verified.is_some());
-        let detail = match recovery {
-            Ok(_) => detail,
-            Err(e) => format!("{detail}; recovery failed: {e}"),
-        };
-        let row = ChaosRow {
-            case: case.to_string(),
-            refit_failed: failed,
-            within_deadline: elapsed <= bound,
-            elapsed,
-            torn,
-            versions,
-            recovered,
-            replaced,
-            recovery_refit,
-            detail,
-            skipped: None,
-        };
+        let restarted = case == "member restarts with a different layout";
+        let put_back = |c: &mut Cluster| if restarted { c.restart_worker(a_dst, None) } else { Ok(()) };
+        let row = conclude(&mut cluster, case, Broken { failed, detail, elapsed }, bound, version, put_back)?;
         progress(&row);
         rows.push(row);
     }
     cluster.shutdown();
     Ok(rows)
+}
+
+/// The cases of [`REPLICA_CASES`] in `cases`, on a cluster of their own
+/// whose destination group is [`REPLICAS`] replicas of `dst` (room for
+/// one more).
+fn run_replica_cases(
+    config: &ChaosConfig,
+    cases: Vec<&str>,
+    src: Layout,
+    dst: Layout,
+    progress: &mut impl FnMut(&ChaosRow),
+) -> Result<Vec<ChaosRow>, ClusterError> {
+    let bound = bound(config);
+    let k = dst.ranks();
+    let mut cluster_config = config.cluster.clone();
+    cluster_config.replicas = Some(ReplicaConfig { start: REPLICAS, most: REPLICAS + 1 });
+    let mut cluster = Cluster::start(cluster_config, src, dst, |_| {})?;
+    let mut version = 1;
+    let mut transfer = cluster.refit(version, true)?.report.transfer_time;
+    let mut rows = Vec::new();
+    for case in cases {
+        if !rows.is_empty() {
+            // Replicas dropped or dead were replaced by recovery, those a
+            // case added and left in leave; this refit runs on a fresh
+            // data plane.
+            version += 1;
+            let cleaned = (|| {
+                while let Some(n) = cluster.replica_names().map(|n| n.len()).filter(|&n| n > REPLICAS as usize) {
+                    cluster.remove_replica(n as u32 - 1)?;
+                }
+                clean_slate(&mut cluster, version, &[])
+            })();
+            match cleaned {
+                Ok(t) => transfer = t,
+                Err(e) => {
+                    let row = not_run(case, format!("not run: the cluster could not be brought to a clean state first: {e}"), None);
+                    progress(&row);
+                    rows.push(row);
+                    continue;
+                }
+            }
+        }
+        version += 1;
+        let t = Instant::now();
+        let (failed, detail) = match case {
+            "replicas: one joins (seeded from a serving one), one leaves" => {
+                match join_and_leave(&mut cluster, k, &mut version) {
+                    Ok(detail) => (Some(false), detail),
+                    Err(e) => (Some(true), e.to_string()),
+                }
+            }
+            "replicas: one joins while a refit is in flight" => match cluster.refit_adding_replica(version, true, RefitStep::Running) {
+                Err(e) => (Some(true), format!("the replica's workers did not start: {e}")),
+                Ok((Ok(o), Ok(added))) => match added.seeded {
+                    Some(s) if s.version == version => (
+                        Some(false),
+                        format!(
+                            "refit {version} committed in {} ms; the replica asked to join during it joined after, seeded with version {version} from replica {} in {} ms; {} replicas verified",
+                            o.report.wall.as_millis(),
+                            s.from_replica,
+                            s.wall.as_millis(),
+                            added.replicas
+                        ),
+                    ),
+                    other => (Some(true), format!("the replica joined seeded with {:?}, not version {version}", other.map(|s| s.version))),
+                },
+                Ok((Err(e), _)) => (Some(true), format!("the refit failed: {e}")),
+                Ok((_, Err(e))) => (Some(true), format!("the replica did not join: {e}")),
+            },
+            "replicas: kill a replica's worker mid-transfer" => {
+                let worker = cluster.replica_workers(1).first().copied();
+                let worker = worker.ok_or_else(|| ClusterError::Setup(format!("{case}: the group has no replica 1")))?;
+                let after = transfer.mul_f64(0.5);
+                let kill = Some(Disruption { step: RefitStep::Running, after, action: Disrupt::Kill(worker) });
+                match cluster.refit_with(version, true, &[], kill) {
+                    Ok(o) if o.report.dropped_replicas.is_empty() => {
+                        (Some(false), format!("committed by every replica; the kill at {} ms came after the transfer", after.as_millis()))
+                    }
+                    Ok(o) => (
+                        Some(false),
+                        format!(
+                            "replicas {:?} left the group (killed at {} ms); the other committed in {} ms, verified",
+                            o.report.dropped_replicas,
+                            after.as_millis(),
+                            o.report.wall.as_millis()
+                        ),
+                    ),
+                    Err(e) => (Some(true), e.to_string()),
+                }
+            }
+            other => return Err(ClusterError::Setup(format!("unknown chaos case '{other}'"))),
+        };
+        let elapsed = cluster.last_refit_call().unwrap_or_else(|| t.elapsed());
+        version += 1;
+        let row = conclude(&mut cluster, case, Broken { failed, detail, elapsed }, bound, version, |_| Ok(()))?;
+        progress(&row);
+        rows.push(row);
+    }
+    cluster.shutdown();
+    Ok(rows)
+}
+
+/// A replica joins (seeded from a serving one: the seed plan's sources
+/// must be the `k` ranks of that replica, no training rank), refit
+/// `version` reaches every replica, the first replica leaves, and refit
+/// `version + 1` reaches the others; every refit verified.
+fn join_and_leave(cluster: &mut Cluster, k: u32, version: &mut u64) -> Result<String, ClusterError> {
+    let wrong = |problem: String| ClusterError::Setup(problem);
+    let serving = *version - 1;
+    let added = cluster.add_replica()?;
+    let seed = added.seeded.ok_or_else(|| wrong(format!("the replica joined unseeded; the others serve version {serving}")))?;
+    if seed.version != serving {
+        return Err(wrong(format!("the replica was seeded with version {}, the others serve {serving}", seed.version)));
+    }
+    let senders = seed.figures.src_rank_egress_bytes.len();
+    if senders != k as usize {
+        return Err(wrong(format!("the seed plan has {senders} sending ranks; a replica has {k}")));
+    }
+    let seeded = cluster.verify(serving)?;
+    let all = cluster.refit(*version, true)?.verified.unwrap_or(0);
+    cluster.remove_replica(0)?;
+    *version += 1;
+    let fewer = cluster.refit(*version, true)?.verified.unwrap_or(0);
+    let left = cluster.replica_names().map_or(0, |n| n.len());
+    Ok(format!(
+        "seeded with version {serving} from replica {} ({} bytes planned from its {k} ranks, none from a training rank; {seeded} elements verified); \
+         refit {} verified on {} replicas ({all} elements); replica 0 left; refit {} verified on {left} ({fewer} elements)",
+        seed.from_replica,
+        seed.figures.src_egress_bytes,
+        *version - 1,
+        added.replicas,
+        *version,
+    ))
 }
 
 /// Brings `cluster` to a clean state for the next case: every worker that

@@ -144,6 +144,32 @@ struct ClusterArgs {
     heartbeat_timeout_ms: u64,
 }
 
+/// The inference group as replicas that join and leave (`refit launch`).
+#[derive(clap::Args, Clone)]
+struct ReplicaArgs {
+    /// The inference group is N replicas of the --dst layout (one
+    /// replica's ranks, whole nodes): a replica joining is seeded from a
+    /// serving one (no training rank sends it anything), a replica whose
+    /// worker dies during a refit leaves the group while the others commit,
+    /// and is replaced by a fresh one before the next refit. Without
+    /// workers started here (--no-spawn), replicas join with `refit worker
+    /// --replica NAME` (every rank of it), the first N before the first
+    /// refit and any later one before the next refit.
+    #[arg(long, value_name = "N")]
+    replicas: Option<u32>,
+    /// Before refit V, a new replica starts and joins the group. Repeatable.
+    #[arg(long, value_name = "V", requires = "replicas")]
+    add_replica_at: Vec<u64>,
+    /// Before refit V, the group's first replica leaves (its workers stop).
+    /// Repeatable.
+    #[arg(long, value_name = "V", requires = "replicas")]
+    remove_replica_at: Vec<u64>,
+    /// The most replicas at once (emulated hosts are made for this many;
+    /// default: N plus the number of --add-replica-at).
+    #[arg(long, value_name = "M", requires = "replicas")]
+    most_replicas: Option<u32>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Validate both layouts, plan reshard and baseline, print the figures.
@@ -375,6 +401,8 @@ enum Command {
         /// come from --secret-file or REFIT_SECRET, on both sides.
         #[arg(long)]
         no_spawn: bool,
+        #[command(flatten)]
+        replicas: ReplicaArgs,
     },
     /// One rank of `refit demo --processes` (started by it; joins the
     /// rendezvous in REFIT_RENDEZVOUS with the secret in REFIT_SECRET).
@@ -418,6 +446,10 @@ enum Command {
         /// (default /dev/shm; `--netns` gives each emulated host its own).
         #[arg(long)]
         shm_dir: Option<PathBuf>,
+        /// Join as ranks of the replica named NAME (`--dst` is one
+        /// replica's layout) of a launcher run with --replicas.
+        #[arg(long, value_name = "NAME")]
+        replica: Option<String>,
     },
     /// The chaos suite: kill worker processes at each phase of a refit and
     /// inject data-plane faults (stall, hanging abort, cut, corrupt frame,
@@ -628,7 +660,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Emit { model, scale, ep, setup, out } => cmd::emit::run(*model, *scale, *ep, setup.as_deref(), out),
-        Command::Launch { pair, baseline, verify, refits, fail_fast, json, cluster, bind, no_spawn } => {
+        Command::Launch { pair, baseline, verify, refits, fail_fast, json, cluster, bind, no_spawn, replicas } => {
             cmd::launch::run(&cmd::launch::LaunchArgs {
                 pair,
                 strategy: if *baseline { Strategy::Baseline } else { Strategy::Reshard },
@@ -639,9 +671,10 @@ fn main() -> ExitCode {
                 cluster,
                 bind,
                 no_spawn: *no_spawn,
+                replicas,
             })
         }
-        Command::Worker { pair, group, rank, node, rendezvous, secret_file, heartbeat_timeout_ms, shm_dir } => {
+        Command::Worker { pair, group, rank, node, rendezvous, secret_file, heartbeat_timeout_ms, shm_dir, replica } => {
             cmd::launch::worker(&cmd::launch::WorkerArgs {
                 pair,
                 group,
@@ -651,6 +684,7 @@ fn main() -> ExitCode {
                 heartbeat_timeout: Duration::from_millis(*heartbeat_timeout_ms),
                 secret_file,
                 shm_dir,
+                replica,
             })
         }
         Command::Demo { steps, batch, lr, seed, mode, no_refit, json, processes } => cmd::demo::run(

@@ -128,6 +128,15 @@ impl Children {
         out
     }
 
+    /// Kills process `index` (if running) for good: it is not started
+    /// again, and counts as exited.
+    pub fn stop(&mut self, index: usize) {
+        if let Some(mut c) = self.slots.get_mut(index).and_then(|s| s.child.take()) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// Kills process `index` (if running) and starts it again.
     pub fn restart(&mut self, index: usize) -> Result<u32, String> {
         let args = self.slots.get(index).map(|s| s.args.clone()).ok_or_else(|| format!("no process {index}"))?;

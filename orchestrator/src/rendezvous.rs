@@ -23,7 +23,7 @@ use actors::{spawn, Actor, ActorGroup, ActorRef, SpawnConfig};
 use reshard::{Endpoint, Group, Layout};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -248,6 +248,30 @@ impl Rendezvous {
     /// ([`Joined::serve_replica_member`]), waiting up to `within` for all.
     pub async fn replica_members(&self, replica: &str, ranks: u32, within: Duration) -> Result<ActorGroup<Member>, JoinError> {
         self.named_members(ranks, within, |r| replica_member_name(replica, r)).await
+    }
+
+    /// The names of the replicas every one of whose `ranks` ranks has
+    /// joined ([`Joined::serve_replica_member`]), sorted: a launcher
+    /// that lets replicas join at any time asks before each refit.
+    pub async fn joined_replicas(&self, ranks: u32) -> Result<Vec<String>, JoinError> {
+        let listed = match self.registry.call(RegistryMsg::List).await {
+            Ok(RegistryReply::Listed(entries)) => entries,
+            Ok(other) => return Err(JoinError::Registry(format!("answered {other:?} to List"))),
+            Err(e) => return Err(JoinError::Registry(e.to_string())),
+        };
+        let prefix = replica_member_name("", 0);
+        let prefix = prefix.trim_end_matches(".0");
+        let mut joined: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+        for entry in &listed {
+            // `<prefix>.<replica>.<rank>`; a replica's name may hold dots.
+            let Some((replica, rank)) = entry.name.strip_prefix(prefix).and_then(|rest| rest.strip_prefix('.')?.rsplit_once('.')) else {
+                continue;
+            };
+            if let Ok(rank) = rank.parse::<u32>() {
+                joined.entry(replica).or_default().push(rank);
+            }
+        }
+        Ok(joined.into_iter().filter(|(_, held)| (0..ranks).all(|r| held.contains(&r))).map(|(replica, _)| replica.to_string()).collect())
     }
 
     /// The members named `name(r)` for ranks `0..ranks`, waiting up to

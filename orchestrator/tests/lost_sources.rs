@@ -8,7 +8,7 @@ use reshard::{parse_layout, Endpoint};
 use std::time::Duration;
 
 mod values;
-use values::{serves, step};
+use values::{reached, serves, step};
 
 /// Training DP2 x TP2: ranks 0-1 one replica, 2-3 the other.
 const SRC: &str = r#"{"ranks": 4, "ranks_per_node": 2, "tensors": [
@@ -82,9 +82,10 @@ async fn a_source_lost_mid_refit_is_planned_around_and_the_version_commits() {
         sys.orchestrator.refit(1).await.unwrap();
         step(&sys, 2).await;
         let mut phases = sys.orchestrator.phases();
+        let before = phases.borrow().refit;
         let orch = sys.orchestrator.clone();
         let refit = tokio::spawn(async move { orch.refit(2).await });
-        phases.wait_for(|p| p.step == RefitStep::Running).await.unwrap();
+        reached(&mut phases, before, RefitStep::Running).await;
         sys.src_members.get(victim as usize).unwrap().stop();
         let report = refit.await.unwrap().unwrap_or_else(|e| panic!("round {round}: {e}"));
         // Lost during the run (planned around), or after it finished (the

@@ -23,7 +23,7 @@ const REPLICA: &str = r#"{"ranks": 2, "ranks_per_node": 2, "tensors": [
   {"name": "f", "dtype": "f32", "shape": [10], "shards": [{"rank": 0, "flat": [0, 3]}, {"rank": 1, "flat": [3, 7]}]}]}"#;
 
 mod values;
-use values::{serves, step};
+use values::{reached, serves, step};
 
 fn config(one: &Layout) -> OrchestratorConfig {
     OrchestratorConfig {
@@ -213,26 +213,37 @@ async fn a_replica_lost_mid_refit_never_leaves_a_torn_or_mixed_replica() {
     let sys = spawn_refit(&src, &one.replicated(3).unwrap(), config(&one)).await.unwrap();
     step(&sys, 1).await;
     sys.orchestrator.refit(1).await.unwrap();
-    step(&sys, 2).await;
-    let mut phases = sys.orchestrator.phases();
-    let orch = sys.orchestrator.clone();
-    let refit = tokio::spawn(async move { orch.refit(2).await });
-    phases.wait_for(|p| p.step == orchestrator::RefitStep::Running).await.unwrap();
-    sys.dst_members.get(2).unwrap().stop();
-    let report = refit.await.unwrap().unwrap();
+    // Refits until one is seen running when the member stops (a refit
+    // may finish between two looks at its phases).
+    let mut version = 1;
+    let report = loop {
+        version += 1;
+        assert!(version < 8, "no refit was seen running");
+        step(&sys, version).await;
+        let mut phases = sys.orchestrator.phases();
+        let before = phases.borrow().refit;
+        let orch = sys.orchestrator.clone();
+        let refit = tokio::spawn(async move { orch.refit(version).await });
+        if reached(&mut phases, before, orchestrator::RefitStep::Running).await {
+            sys.dst_members.get(2).unwrap().stop();
+            break refit.await.unwrap().unwrap();
+        }
+        refit.await.unwrap().unwrap();
+    };
+    let (old, new) = (version - 1, version);
     assert!(!report.dropped_replicas.is_empty(), "{report:?}");
     // Replica 1 left: its live member serves one version whole (it may
-    // have committed 2 if its peer stopped after running, before the
-    // commit); every other replica serves one version whole.
+    // have committed the new one if its peer stopped after running,
+    // before the commit); every other replica serves one version whole.
     for (i, s) in sys.dst_stores.iter().enumerate().filter(|(i, _)| *i != 2) {
-        assert!(serves(s, 1).is_ok() || serves(s, 2).is_ok(), "store {i}: {:?}", s.version());
+        assert!(serves(s, old).is_ok() || serves(s, new).is_ok(), "store {i}: {:?}", s.version());
     }
     let others = [&sys.dst_stores[0..2], &sys.dst_stores[4..6]].concat();
-    let served = served_by_replica(&others, &[1, 2]);
-    let staying = served.iter().filter(|&&v| v == 2).count();
+    let served = served_by_replica(&others, &[old, new]);
+    let staying = served.iter().filter(|&&v| v == new).count();
     assert!(staying >= 1, "{served:?}");
-    step(&sys, 3).await;
-    sys.orchestrator.refit(3).await.unwrap();
-    let after = served_by_replica(&others, &[1, 2, 3]);
-    assert_eq!(after.iter().filter(|&&v| v == 3).count(), staying, "{after:?}");
+    step(&sys, new + 1).await;
+    sys.orchestrator.refit(new + 1).await.unwrap();
+    let after = served_by_replica(&others, &[old, new, new + 1]);
+    assert_eq!(after.iter().filter(|&&v| v == new + 1).count(), staying, "{after:?}");
 }

@@ -930,10 +930,21 @@ class LocalSystem:
     destinations: List[Destination]
 
     def refit(self, version: int, only: Optional[Sequence[str]] = None) -> RefitReport:
-        return self._dropped(self.orchestrator.refit(version, only))
+        return self._refit(lambda: self.orchestrator.refit(version, only))
 
     def refit_latest(self, only: Optional[Sequence[str]] = None) -> RefitReport:
-        return self._dropped(self.orchestrator.refit_latest(only))
+        return self._refit(lambda: self.orchestrator.refit_latest(only))
+
+    def _refit(self, call) -> RefitReport:
+        # Replicas that left the group leave ``destinations``, whether the
+        # refit committed or failed after they left.
+        try:
+            report = call()
+        except RefitError as e:
+            self._drop(getattr(e, "dropped_replicas", []))
+            raise
+        self._drop(report.dropped_replicas)
+        return report
 
     def add_replica(self) -> ReplicaReport:
         """Adds a replica (``spawn_local(replica=...)``): its ranks join
@@ -949,11 +960,10 @@ class LocalSystem:
         del self.destinations[index * k : (index + 1) * k]
         return report
 
-    def _dropped(self, report: RefitReport) -> RefitReport:
+    def _drop(self, dropped: Sequence[int]) -> None:
         k = self.orchestrator.replica.ranks if self.orchestrator.replica is not None else 0
-        for index in report.dropped_replicas:
+        for index in dropped:
             del self.destinations[index * k : (index + 1) * k]
-        return report
 
 
 def spawn_local(

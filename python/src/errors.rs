@@ -29,19 +29,32 @@ pub(crate) fn tensor_err(e: BufferError) -> PyErr {
     TensorError::new_err(e.to_string())
 }
 
+/// The exception for `e`, of the class its cause calls for. Every
+/// exception from a refit carries `dropped_replicas`: the replicas that
+/// left the destination group during the failed refit (highest index
+/// first; usually none).
 pub(crate) fn refit_err(e: RustRefitError) -> PyErr {
     let text = e.to_string();
-    match e {
-        RustRefitError::Refit(o) => match o {
-            OrchestratorError::Plan(_) => PlanError::new_err(text),
-            OrchestratorError::Layout { .. } => LayoutError::new_err(text),
-            OrchestratorError::NoWeights { .. }
-            | OrchestratorError::VersionMismatch { .. }
-            | OrchestratorError::VersionsDisagree { .. } => VersionError::new_err(text),
-            _ => MemberError::new_err(text),
-        },
-        RustRefitError::Call(_) => RefitError::new_err(text),
-    }
+    let (err, dropped) = match e {
+        RustRefitError::Refit(o) => {
+            let err = match o.cause() {
+                OrchestratorError::Plan(_) => PlanError::new_err(text),
+                OrchestratorError::Layout { .. } => LayoutError::new_err(text),
+                OrchestratorError::NoWeights { .. }
+                | OrchestratorError::VersionMismatch { .. }
+                | OrchestratorError::VersionsDisagree { .. } => VersionError::new_err(text),
+                _ => MemberError::new_err(text),
+            };
+            (err, o.dropped_replicas().to_vec())
+        }
+        RustRefitError::Call(_) => (RefitError::new_err(text), Vec::new()),
+    };
+    Python::attach(|py| {
+        // Setting an attribute on a fresh exception instance fails only
+        // without memory; the exception is raised either way.
+        let _ = err.value(py).setattr("dropped_replicas", dropped);
+    });
+    err
 }
 
 pub(crate) fn join_err(e: orchestrator::JoinError) -> PyErr {

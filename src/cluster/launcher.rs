@@ -4,6 +4,10 @@
 //! sources to a weights version, asks the orchestrator to refit, checks the
 //! destinations, and replaces processes that died.
 
+mod replicas;
+
+pub use replicas::{RefitAndReplica, ReplicaConfig};
+
 use super::worker::{group_name, pattern_name, FaultSpec, PatternMsg, PatternRank, PatternReply};
 use super::{ControlSecret, PerProcess, IDLE_THREAD};
 use crate::netns::{Hosts as NetHosts, NetnsConfig, NodeSpec};
@@ -14,10 +18,12 @@ use orchestrator::{
     member_name, spawn_orchestrator, Fabric, Member, MemberMsg, NodeFabric, OrchestratorConfig, OrchestratorHandle, RefitError,
     RefitReport, RefitStep, Rendezvous,
 };
+use replicas::Replicas;
 use reshard::{Endpoint, Group, Layout, PlanOptions, Strategy};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 use tokio::runtime::Runtime;
@@ -59,6 +65,10 @@ pub struct ClusterConfig {
     /// whose link the kernel shapes; spawned workers only): the rendezvous
     /// then listens on the hosts' bridge, on `bind`'s port.
     pub netns: Option<NetnsConfig>,
+    /// The destination group as replicas of the layout in `dst_path`,
+    /// which come and go between refits (`None`: `dst_path` is the whole
+    /// group's layout, fixed).
+    pub replicas: Option<ReplicaConfig>,
 }
 
 /// Why a cluster operation failed.
@@ -148,6 +158,7 @@ pub enum Disrupt {
 /// The ranks of one worker process.
 #[derive(Clone, Debug)]
 struct Host {
+    /// Its ranks (none once retired).
     ranks: Vec<Endpoint>,
     /// Arguments after `refit` that start it.
     args: Vec<String>,
@@ -155,6 +166,10 @@ struct Host {
     node: (Group, u32),
     /// The network namespace of its emulated host, if any.
     netns: Option<String>,
+    /// The replica it hosts ranks of, and their ranks in the replica.
+    replica: Option<(String, Vec<u32>)>,
+    /// Stopped for good: its replica left the group.
+    retired: bool,
 }
 
 /// A running set of workers covering every rank of both layouts, and the
@@ -177,36 +192,48 @@ pub struct Cluster {
     /// How long the orchestrator took to answer the last refit (`None` if
     /// the last refit failed before asking it).
     last_call: Option<Duration>,
+    /// The destination group's replicas ([`ClusterConfig::replicas`]).
+    replicas: Option<Replicas>,
     runtime: Runtime,
 }
 
+/// `refit worker` and the arguments every worker takes: the layout
+/// files, the planner's staging limit, the heartbeat timeout.
+fn worker_args(config: &ClusterConfig) -> Vec<String> {
+    let mut args = vec!["worker".to_string()];
+    args.extend(["--src".into(), config.src_path.display().to_string(), "--dst".into(), config.dst_path.display().to_string()]);
+    if config.options.max_staging_bytes != PlanOptions::default().max_staging_bytes {
+        args.extend(["--max-staging-mib".into(), (config.options.max_staging_bytes >> 20).to_string()]);
+    }
+    // Both ends of a control connection must wait as long for a silent
+    // peer (dozens of processes on a few cores starve heartbeats).
+    args.extend(["--heartbeat-timeout-ms".into(), config.heartbeat_timeout.as_millis().to_string()]);
+    args
+}
+
+/// The worker hosting `ranks` of `node`: on its emulated host, if any, in
+/// whose namespace it runs and whose directory holds its shared memory.
+fn place(ranks: Vec<Endpoint>, mut args: Vec<String>, node: (Group, u32), net: Option<&NetHosts>) -> Host {
+    let emulated = net.and_then(|n| n.host(node.0, node.1));
+    if let Some(h) = emulated {
+        args.extend(["--shm-dir".into(), h.shm_dir.display().to_string()]);
+    }
+    Host { ranks, args, node, netns: emulated.map(|h| h.netns.clone()), replica: None, retired: false }
+}
+
+/// The workers of both groups (of the sources only when the destination
+/// group is made of replicas: those are started replica by replica).
 fn hosts(config: &ClusterConfig, src: &Layout, dst: &Layout, net: Option<&NetHosts>) -> Vec<Host> {
-    let files = |args: &mut Vec<String>| {
-        args.extend(["--src".into(), config.src_path.display().to_string(), "--dst".into(), config.dst_path.display().to_string()]);
-        if config.options.max_staging_bytes != PlanOptions::default().max_staging_bytes {
-            args.extend(["--max-staging-mib".into(), (config.options.max_staging_bytes >> 20).to_string()]);
-        }
-        // Both ends of a control connection must wait as long for a silent
-        // peer (dozens of processes on a few cores starve heartbeats).
-        args.extend(["--heartbeat-timeout-ms".into(), config.heartbeat_timeout.as_millis().to_string()]);
-    };
-    // A worker on an emulated host runs in its namespace and keeps its
-    // shared memory in the host's directory.
-    let host = |ranks: Vec<Endpoint>, mut args: Vec<String>, node: (Group, u32)| {
-        let emulated = net.and_then(|n| n.host(node.0, node.1));
-        if let Some(h) = emulated {
-            args.extend(["--shm-dir".into(), h.shm_dir.display().to_string()]);
-        }
-        Host { ranks, args, node, netns: emulated.map(|h| h.netns.clone()) }
-    };
+    let host = |ranks, args, node| place(ranks, args, node, net);
+    let groups: &[(Group, &Layout)] =
+        if config.replicas.is_some() { &[(Group::Src, src)] } else { &[(Group::Src, src), (Group::Dst, dst)] };
     let mut out = Vec::new();
-    for (g, l) in [(Group::Src, src), (Group::Dst, dst)] {
+    for &(g, l) in groups {
         let rpn = l.ranks_per_node().max(1);
         match config.per_process {
             PerProcess::Rank => {
                 for r in 0..l.ranks() {
-                    let mut args = vec!["worker".into()];
-                    files(&mut args);
+                    let mut args = worker_args(config);
                     args.extend(["--group".into(), group_name(g).into(), "--rank".into(), r.to_string()]);
                     out.push(host(vec![Endpoint { group: g, rank: r }], args, (g, r / rpn)));
                 }
@@ -215,8 +242,7 @@ fn hosts(config: &ClusterConfig, src: &Layout, dst: &Layout, net: Option<&NetHos
                 for n in 0..l.nodes() {
                     let first = n * rpn;
                     let last = (first + rpn).min(l.ranks());
-                    let mut args = vec!["worker".into()];
-                    files(&mut args);
+                    let mut args = worker_args(config);
                     args.extend(["--group".into(), group_name(g).into(), "--node".into(), n.to_string()]);
                     out.push(host((first..last).map(|r| Endpoint { group: g, rank: r }).collect(), args, (g, n)));
                 }
@@ -233,7 +259,8 @@ fn setup(e: impl std::fmt::Display) -> ClusterError {
 impl Cluster {
     /// Opens the rendezvous (telling `listening` its address), starts the
     /// workers if asked, waits until every rank has joined, and starts the
-    /// orchestrator over their members.
+    /// orchestrator over their members. With
+    /// [`ClusterConfig::replicas`], `dst` is one replica's layout.
     pub fn start(config: ClusterConfig, src: Layout, dst: Layout, listening: impl FnOnce(SocketAddr)) -> Result<Cluster, ClusterError> {
         // Regions left by workers killed before their peers mapped them.
         orchestrator::remove_stale_shared_memory(None);
@@ -245,15 +272,31 @@ impl Cluster {
             .map_err(|e| setup(format!("tokio: {e}")))?;
         let secret = config.secret.secret().map_err(setup)?;
         let control = ControlConfig { heartbeat_timeout: config.heartbeat_timeout };
+        let mut replicas = config.replicas.map(|r| Replicas::new(dst.clone(), r)).transpose()?;
+        // Emulated hosts for the most replicas the group may have.
+        let hosted_dst = match &replicas {
+            Some(r) => r.most_layout()?,
+            None => dst.clone(),
+        };
         let net = match &config.netns {
             Some(_) if config.spawn.is_none() => return Err(setup("emulated hosts (--netns) need workers started here")),
-            Some(n) => Some(NetHosts::create(n, &NodeSpec::of(&src, &dst)).map_err(setup)?),
+            Some(n) => Some(NetHosts::create(n, &NodeSpec::of(&src, &hosted_dst)).map_err(setup)?),
             None => None,
         };
+        drop(hosted_dst);
         let bind = net.as_ref().map_or(config.bind, |n| SocketAddr::new(n.gateway().into(), config.bind.port()));
         let rendezvous = runtime.block_on(Rendezvous::bind(secret, bind, &control)).map_err(setup)?;
         listening(rendezvous.addr());
-        let hosts = hosts(&config, &src, &dst, net.as_ref());
+        let mut hosts = hosts(&config, &src, &dst, net.as_ref());
+        // The first replicas, in slots 0.., when started here.
+        let mut names = Vec::new();
+        if let (Some(r), Some(start), Some(_)) = (&mut replicas, config.replicas.map(|c| c.start), &config.spawn) {
+            for slot in 0..start {
+                let name = r.fresh_name();
+                hosts.extend(replicas::replica_hosts(&config, &dst, &name, slot, net.as_ref()));
+                names.push(name);
+            }
+        }
         let mut children = None;
         if let Some(exe) = &config.spawn {
             let mut c = Children::new(exe, rendezvous.addr(), config.secret.text(), false);
@@ -263,14 +306,30 @@ impl Cluster {
             children = Some(c);
         }
         let within = config.setup_timeout;
-        let (members, patterns) = runtime.block_on(async {
+        let (members, patterns, mut joined) = runtime.block_on(async {
             let src_members = rendezvous.members(Group::Src, src.ranks(), within).await.map_err(setup)?;
-            let dst_members = rendezvous.members(Group::Dst, dst.ranks(), within).await.map_err(setup)?;
+            let mut joined = Vec::new();
+            let dst_members = match (&mut replicas, config.replicas) {
+                (Some(r), Some(c)) => {
+                    let k = dst.ranks();
+                    if names.is_empty() {
+                        names = replicas::wait_for_replicas(&rendezvous, k, c.start, within).await?;
+                        names.iter().for_each(|n| r.take_name(n));
+                    }
+                    for (slot, name) in names.iter().enumerate() {
+                        let workers = (0..hosts.len()).filter(|&i| hosts[i].replica.as_ref().is_some_and(|(n, _)| n == name)).collect();
+                        joined.push(replicas::join_replica(&rendezvous, name, k, slot as u32, workers, within).await?);
+                    }
+                    // The group starts as the first; the others are added.
+                    rendezvous.replica_members(&names[0], k, within).await.map_err(setup)?
+                }
+                _ => rendezvous.members(Group::Dst, dst.ranks(), within).await.map_err(setup)?,
+            };
             let mut patterns = Vec::new();
             for e in hosts.iter().flat_map(|h| h.ranks.iter().copied()) {
                 patterns.push((e, rendezvous.lookup::<PatternRank>(&pattern_name(e), within).await.map_err(setup)?));
             }
-            Ok::<_, ClusterError>(([src_members.refs().to_vec(), dst_members.refs().to_vec()], patterns))
+            Ok::<_, ClusterError>(([src_members.refs().to_vec(), dst_members.refs().to_vec()], patterns, joined))
         })?;
         let orchestrator = {
             let _guard = runtime.enter();
@@ -282,11 +341,37 @@ impl Cluster {
                 control_timeout: config.setup_timeout,
                 keep_data_plane: config.keep_data_plane,
                 delta: false,
+                replica: replicas.as_ref().map(|r| Arc::clone(&r.one)),
                 ..OrchestratorConfig::default()
             };
             spawn_orchestrator(ActorGroup::from_refs(members[0].clone()), ActorGroup::from_refs(members[1].clone()), oc)
         };
-        Ok(Cluster { config, src, dst, orchestrator, members, patterns, rendezvous, children, net, hosts, last_call: None, runtime })
+        let mut cluster = Cluster {
+            config,
+            src,
+            dst,
+            orchestrator,
+            members,
+            patterns,
+            rendezvous,
+            children,
+            net,
+            hosts,
+            last_call: None,
+            replicas,
+            runtime,
+        };
+        if !joined.is_empty() {
+            let first = joined.remove(0);
+            if let Some(r) = &mut cluster.replicas {
+                r.live.push(first);
+            }
+            cluster.renumber()?;
+            for replica in joined {
+                cluster.admit(replica)?;
+            }
+        }
+        Ok(cluster)
     }
 
     /// How long the orchestrator took to answer the last refit, failed or
@@ -318,13 +403,19 @@ impl Cluster {
         Ok(())
     }
 
-    /// The worker processes (pids only for those started here).
+    /// The worker processes (pids only for those started here; a worker
+    /// of a replica that left the group keeps its index, with no rank and
+    /// pid 0).
     pub fn workers(&self) -> Vec<WorkerInfo> {
         let pids = self.children.as_ref().map(Children::pids).unwrap_or_default();
         self.hosts
             .iter()
             .enumerate()
-            .map(|(i, h)| WorkerInfo { ranks: h.ranks.clone(), pid: pids.get(i).copied().unwrap_or(0), node: h.node })
+            .map(|(i, h)| WorkerInfo {
+                ranks: h.ranks.clone(),
+                pid: pids.get(i).copied().filter(|_| !h.retired).unwrap_or(0),
+                node: h.node,
+            })
             .collect()
     }
 
@@ -422,28 +513,40 @@ impl Cluster {
             Ok::<_, ClusterError>(())
         })?;
         let asked = Instant::now();
-        let report = runtime.block_on(self.orchestrator.refit(version));
+        let report = self.runtime.block_on(self.orchestrator.refit(version));
         self.last_call = Some(asked.elapsed());
+        // Replicas that left the group during the refit, committed or not.
+        let dropped = match &report {
+            Ok(r) => r.dropped_replicas.clone(),
+            Err(RefitError::Refit(e)) => e.dropped_replicas().to_vec(),
+            Err(_) => Vec::new(),
+        };
+        if !dropped.is_empty() {
+            self.forget_dropped(&dropped)?;
+        }
         let report = report?;
-        let mut verified = None;
-        if verify {
-            let mut n = 0;
-            for c in self.check() {
-                match (c.version, c.torn) {
-                    (_, Some(torn)) => return Err(ClusterError::Check { who: c.endpoint, problem: torn }),
-                    (Some(v), None) if v == version => n += c.elements,
-                    (None, None) => {
-                        let why = c.unreachable.unwrap_or_default();
-                        return Err(ClusterError::Check { who: c.endpoint, problem: format!("could not be checked: {why}") });
-                    }
-                    (Some(v), None) => {
-                        return Err(ClusterError::Check { who: c.endpoint, problem: format!("serves version {v}, not {version}") })
-                    }
+        let verified = if verify { Some(self.verify(version)?) } else { None };
+        Ok(RefitOutcome { report, verified })
+    }
+
+    /// Checks that every destination serves exactly `version`; the
+    /// elements checked.
+    pub fn verify(&self, version: u64) -> Result<u64, ClusterError> {
+        let mut n = 0;
+        for c in self.check() {
+            match (c.version, c.torn) {
+                (_, Some(torn)) => return Err(ClusterError::Check { who: c.endpoint, problem: torn }),
+                (Some(v), None) if v == version => n += c.elements,
+                (None, None) => {
+                    let why = c.unreachable.unwrap_or_default();
+                    return Err(ClusterError::Check { who: c.endpoint, problem: format!("could not be checked: {why}") });
+                }
+                (Some(v), None) => {
+                    return Err(ClusterError::Check { who: c.endpoint, problem: format!("serves version {v}, not {version}") })
                 }
             }
-            verified = Some(n);
         }
-        Ok(RefitOutcome { report, verified })
+        Ok(n)
     }
 
     /// What every destination serves, checked element by element.
@@ -472,6 +575,7 @@ impl Cluster {
         let members = &self.members;
         let hosts = &self.hosts;
         let alive: Vec<bool> = self.runtime.block_on(async {
+            // A retired worker has no rank: alive as far as this goes.
             let pings = hosts.iter().map(|h| async move {
                 for e in &h.ranks {
                     let m = &members[usize::from(e.group == Group::Dst)][e.rank as usize];
@@ -484,6 +588,7 @@ impl Cluster {
             actors::join_all(pings).await
         });
         dead.extend(alive.iter().enumerate().filter(|(_, a)| !**a).map(|(i, _)| i));
+        dead.retain(|&i| !hosts[i].retired);
         dead.sort_unstable();
         dead.dedup();
         dead
@@ -491,19 +596,29 @@ impl Cluster {
 
     /// Replaces every worker that died or stopped answering (restarting it
     /// when it was started here, else waiting for its replacement to join)
-    /// and hands the orchestrator the new members; returns how many.
+    /// and hands the orchestrator the new members; returns how many. A
+    /// replica with a dead worker is replaced whole, by a fresh replica
+    /// seeded from a serving one (workers started here), and replicas
+    /// started elsewhere that joined since are added.
     pub fn recover(&mut self) -> Result<usize, ClusterError> {
         let dead = self.dead_workers(Duration::from_secs(2));
-        if dead.is_empty() {
-            return Ok(0);
-        }
-        let ranks: Vec<Endpoint> = dead.iter().flat_map(|&i| self.hosts[i].ranks.iter().copied()).collect();
-        if let Some(children) = &mut self.children {
-            for &i in &dead {
-                children.restart(i).map_err(setup)?;
+        // Sources (and fixed destinations) first: seeding a replica asks
+        // every member of the groups for its status.
+        let (of_replicas, rest): (Vec<usize>, Vec<usize>) = dead.iter().partition(|&&i| self.hosts[i].replica.is_some());
+        if !rest.is_empty() {
+            let ranks: Vec<Endpoint> = rest.iter().flat_map(|&i| self.hosts[i].ranks.iter().copied()).collect();
+            if let Some(children) = &mut self.children {
+                for &i in &rest {
+                    children.restart(i).map_err(setup)?;
+                }
             }
+            self.rejoin(&ranks)?;
         }
-        self.rejoin(&ranks)?;
+        if !of_replicas.is_empty() {
+            self.replace_replicas_of(&of_replicas)?;
+        }
+        self.adopt_joined()?;
+        self.top_up()?;
         Ok(dead.len())
     }
 

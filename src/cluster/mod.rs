@@ -14,7 +14,10 @@
 mod launcher;
 mod worker;
 
-pub use launcher::{kill_pid, Cluster, ClusterConfig, ClusterError, Committed, Disrupt, Disruption, RefitOutcome, WorkerInfo};
+pub use launcher::{
+    kill_pid, Cluster, ClusterConfig, ClusterError, Committed, Disrupt, Disruption, RefitAndReplica, RefitOutcome, ReplicaConfig,
+    WorkerInfo,
+};
 pub use orchestrator::rendezvous::SECRET_ENV;
 pub use worker::{run_worker, FaultSpec, Hosted, WorkerConfig, WorkerLayouts};
 

@@ -100,6 +100,12 @@ pub(crate) fn pattern_name(e: Endpoint) -> String {
     format!("refit.pattern.{}.{}", group_name(e.group), e.rank)
 }
 
+/// The name the [`PatternRank`] of rank `rank` of the replica named
+/// `replica` is served under.
+pub(crate) fn replica_pattern_name(replica: &str, rank: u32) -> String {
+    format!("refit.pattern.replica.{replica}.{rank}")
+}
+
 /// Requests to a [`PatternRank`].
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum PatternMsg {
@@ -202,6 +208,11 @@ pub struct WorkerConfig {
     /// Where the shared-memory regions with ranks of its node go (`None`:
     /// `/dev/shm`); an emulated host has a directory of its own.
     pub shm_dir: Option<PathBuf>,
+    /// The destination ranks are those of a replica of this name, joining
+    /// a destination group of replicas of their layout
+    /// ([`Joined::serve_replica_member`]); `None`: ranks of the group's
+    /// own layout.
+    pub replica: Option<String>,
 }
 
 async fn serve(
@@ -210,6 +221,7 @@ async fn serve(
     source_dtypes: &Arc<HashMap<String, DType>>,
     e: Endpoint,
     shm_dir: Option<PathBuf>,
+    replica: Option<&str>,
 ) -> Result<(), String> {
     let role = match e.group {
         Group::Src => Role::Src(Arc::new(SrcStore::new(layout, e.rank))),
@@ -229,9 +241,20 @@ async fn serve(
             };
         }
     }));
-    joined.serve_member_with(layout.clone(), e.rank, role.clone(), config).await.map_err(|err| err.to_string())?;
+    // A replica's rank checks its pattern against the replica's layout:
+    // whichever place the group gives the replica, it holds the same parts.
+    let name = match (replica, &role) {
+        (Some(replica), Role::Dst(store)) => {
+            joined.serve_replica_member(replica, layout.clone(), e.rank, Arc::clone(store), config).await.map_err(|err| err.to_string())?;
+            replica_pattern_name(replica, e.rank)
+        }
+        (Some(_), Role::Src(_)) => return Err(format!("{e}: only destination ranks join as a replica")),
+        (None, _) => {
+            joined.serve_member_with(layout.clone(), e.rank, role.clone(), config).await.map_err(|err| err.to_string())?;
+            pattern_name(e)
+        }
+    };
     let pattern = PatternRank { layout: Arc::clone(layout), source_dtypes: Arc::clone(source_dtypes), rank: e.rank, role, faults };
-    let name = pattern_name(e);
     // The launcher bounds every call; a check of a large rank may take minutes.
     let actor = spawn(pattern, SpawnConfig::default().name(name.clone()).call_timeout(Duration::from_secs(7 * 24 * 3600)));
     joined.serve(&name, &actor).await.map_err(|err| err.to_string())
@@ -252,7 +275,7 @@ pub fn run_worker(config: WorkerConfig, layouts: WorkerLayouts) -> Result<(), St
     runtime.block_on(async move {
         let joined = join(&config.join).await.map_err(|e| e.to_string())?;
         for &e in &ranks {
-            serve(&joined, &layout, &dtypes, e, config.shm_dir.clone()).await?;
+            serve(&joined, &layout, &dtypes, e, config.shm_dir.clone(), config.replica.as_deref()).await?;
         }
         // The launcher closing the control plane is how a job ends.
         joined.closed().await;

@@ -393,6 +393,7 @@ impl ClusterArgs {
             strategy: Strategy::Reshard,
             keep_data_plane: !self.fresh_data_plane,
             netns,
+            replicas: None,
         })
     }
 }

@@ -36,7 +36,9 @@ impl Orchestrator {
         self.enter(RefitStep::Running);
         let ran = self.ask_each(cast, run, deadline + control).await;
         if Blame::any(&ran) {
-            return Err((first_failure(&ran, "Run"), Blame::of(&ran)));
+            let blame = Blame::of(&ran);
+            tracing::debug!(failed = ?blame.failed, gone = ?blame.gone, ran = blame.ran.len(), answers = ?ran, "the run failed");
+            return Err((first_failure(&ran, "Run"), blame));
         }
         let (mut sent, mut messages) = (0, 0);
         for (_, member, reply) in ran {

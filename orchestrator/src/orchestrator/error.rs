@@ -121,6 +121,18 @@ pub enum OrchestratorError {
         /// What failed.
         cause: Box<OrchestratorError>,
     },
+    /// The refit failed after replicas had left the group during it
+    /// (see [`ReplicaLoss::Drop`](super::ReplicaLoss::Drop)): they stay
+    /// out, as a report's
+    /// [`dropped_replicas`](crate::RefitReport::dropped_replicas) would
+    /// have said, and the others serve what they served before.
+    #[error("{cause} (replicas {dropped:?} left the destination group during the refit)")]
+    ReplicasDropped {
+        /// The replicas, as [`RefitReport::dropped_replicas`](crate::RefitReport::dropped_replicas) lists them.
+        dropped: Vec<u32>,
+        /// Why the refit failed.
+        cause: Box<OrchestratorError>,
+    },
     /// A replica cannot be added or removed.
     #[error("replicas: {problem}")]
     Replicas {
@@ -137,6 +149,29 @@ pub enum OrchestratorError {
         /// The reply, as debug text.
         reply: String,
     },
+}
+
+impl OrchestratorError {
+    /// The replicas that left the destination group during the failed
+    /// refit (highest index first, as
+    /// [`RefitReport::dropped_replicas`](crate::RefitReport::dropped_replicas)
+    /// lists them): a caller that keeps its own list of replicas removes
+    /// these, failed refit or not.
+    pub fn dropped_replicas(&self) -> &[u32] {
+        match self {
+            OrchestratorError::ReplicasDropped { dropped, .. } => dropped,
+            _ => &[],
+        }
+    }
+
+    /// The error itself, or for [`ReplicasDropped`](Self::ReplicasDropped)
+    /// what made the refit fail.
+    pub fn cause(&self) -> &OrchestratorError {
+        match self {
+            OrchestratorError::ReplicasDropped { cause, .. } => cause.cause(),
+            other => other,
+        }
+    }
 }
 
 /// `version 3 (ranks 0-2), version 4 (rank 3)`.

@@ -93,7 +93,12 @@ impl Orchestrator {
         self.enter(RefitStep::Idle);
         let dropped_replicas = std::mem::take(&mut self.dropped);
         let lost_sources = self.lost_sources.clone();
-        r.map(|report| RefitReport { control_messages: self.sent_so_far() - sent, dropped_replicas, lost_sources, ..report })
+        match r {
+            Ok(report) => Ok(RefitReport { control_messages: self.sent_so_far() - sent, dropped_replicas, lost_sources, ..report }),
+            Err(cause) if dropped_replicas.is_empty() => Err(cause),
+            // The drops stand: the caller must hear of them.
+            Err(cause) => Err(OrchestratorError::ReplicasDropped { dropped: dropped_replicas, cause: Box::new(cause) }),
+        }
     }
 
     async fn refit_once(

@@ -2,7 +2,18 @@
 //! version it is: an optimizer step writes them on every source, a check
 //! reads a destination's committed snapshot back against them.
 
-use orchestrator::{DstStore, RefitSystem};
+use orchestrator::{DstStore, RefitPhase, RefitStep, RefitSystem};
+use tokio::sync::watch::Receiver;
+
+/// Waits until the refit after refit `before` (`phases`' refit count
+/// when it was asked for) reaches `step`, or has ended: a refit may pass
+/// a step between two looks at the phases (a watch shows the latest
+/// only), and then must not be waited for forever. Whether the step was
+/// seen.
+pub(crate) async fn reached(phases: &mut Receiver<RefitPhase>, before: u64, step: RefitStep) -> bool {
+    let seen = phases.wait_for(|p| p.refit > before && (p.step == step || p.step == RefitStep::Idle)).await;
+    seen.is_ok_and(|p| p.step == step)
+}
 
 pub(crate) const TENSORS: [&str; 3] = ["w", "b", "f"];
 

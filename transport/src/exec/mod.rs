@@ -229,9 +229,10 @@ fn run_rank_inner<T: Transport>(
 ) -> Result<RankStats, ExecError> {
     let result = run_rounds(program, bypass, mem, transport, deadline, delta);
     if let Err(e) = &result {
-        if !matches!(e, ExecError::Transport(TransportError::PeerAborted { .. })) {
-            transport.abort(&e.to_string());
-        }
+        // Every peer hears of it, also when a peer's abort caused it: one
+        // waiting for this rank's messages would otherwise wait for its
+        // deadline (a rank that leaves without aborting only says goodbye).
+        transport.abort(&e.to_string());
         // Receivers may still read what this rank lent them (in process, a
         // payload points into this rank's buffers): the buffers must not be
         // handed back to their owner, who may write them, until every

@@ -317,7 +317,11 @@ fn run_on_transport(
 
 /// An executor's error as a run's.
 fn exec_error(e: ExecError) -> RunError {
-    let after_peer = matches!(e, ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. }));
+    // A peer that aborted, went away, or whose stream broke failed first.
+    let after_peer = matches!(
+        e,
+        ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. } | TransportError::Broken { .. })
+    );
     RunError::Exec { why: e.to_string(), after_peer }
 }
 
