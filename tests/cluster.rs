@@ -157,3 +157,105 @@ fn launch_fail_fast_stops_at_the_first_failure() {
     assert_eq!(refits.last().expect("a refit")["ok"], false, "{v}");
     assert_eq!(v["verified"], false, "{v}");
 }
+
+/// `--replicas`: the inference group is replicas of the `--dst` layout; one
+/// joins before refit 2 (seeded from a serving one, with the version it
+/// serves), the first leaves before refit 3, and every refit verifies
+/// every destination of the replicas then in the group.
+#[test]
+fn launch_with_replicas_joining_and_leaving_verifies_every_refit() {
+    let (src, dst) = example("tp-to-tp");
+    let args = [
+        "launch",
+        "--verify",
+        "--json",
+        "--refits",
+        "4",
+        "--per-process",
+        "node",
+        "--replicas",
+        "2",
+        "--add-replica-at",
+        "2",
+        "--remove-replica-at",
+        "3",
+        "--src",
+        &src,
+        "--dst",
+        &dst,
+    ];
+    let out = refit(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&stdout).expect("one JSON object");
+    let refits = v["refits"].as_array().expect("refits");
+    let replicas: Vec<u64> = refits.iter().map(|r| r["replicas"].as_u64().unwrap_or(0)).collect();
+    assert_eq!(replicas, [2, 3, 2, 2], "{v}");
+    assert!(refits.iter().all(|r| r["ok"] == true), "{v}");
+    assert_eq!(v["verified"], true, "{v}");
+    let events = v["replica_events"].as_array().expect("replica events");
+    assert_eq!(events.len(), 2, "{v}");
+    let (add, remove) = (&events[0], &events[1]);
+    assert_eq!((add["event"].as_str(), add["ok"].as_bool(), add["before_refit"].as_u64()), (Some("add"), Some(true), Some(2)), "{v}");
+    // Seeded with what the group served: version 1.
+    assert_eq!(add["seeded_version"].as_u64(), Some(1), "{v}");
+    assert!(add["seed_bytes"].as_u64().is_some_and(|b| b > 0), "{v}");
+    assert_eq!(
+        (remove["event"].as_str(), remove["ok"].as_bool(), remove["replicas"].as_u64()),
+        (Some("remove"), Some(true), Some(2)),
+        "{v}"
+    );
+}
+
+/// With `--no-spawn`, replicas are whatever joins as `refit worker
+/// --replica NAME`: the launcher starts with the first to join whole and
+/// adds one that joins later before a refit.
+#[test]
+fn launch_without_spawning_adopts_replicas_that_join() {
+    let (src, dst) = example("tp-to-tp");
+    const SECRET: &str = "shared by the launcher and its workers";
+    // A port for the rendezvous (a JSON launcher prints nothing else first).
+    let addr = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").to_string();
+    let args = [
+        "launch",
+        "--no-spawn",
+        "--verify",
+        "--json",
+        "--refits",
+        "6",
+        "--replicas",
+        "1",
+        "--deadline-s",
+        "60",
+        "--bind",
+        &addr,
+        "--src",
+        &src,
+        "--dst",
+        &dst,
+    ];
+    let launcher =
+        Command::new(BIN).args(args).env("REFIT_SECRET", SECRET).stdout(std::process::Stdio::piped()).spawn().expect("start launcher");
+    // Workers retry joining until the rendezvous listens.
+    let start = |extra: &[&str]| {
+        let mut a = vec!["worker", "--src", src.as_str(), "--dst", dst.as_str(), "--rendezvous", addr.as_str()];
+        a.extend_from_slice(extra);
+        Command::new(BIN).args(a).env("REFIT_SECRET", SECRET).spawn().expect("start worker")
+    };
+    let mut workers: Vec<_> = (0..2).map(|n| start(&["--group", "src", "--node", &n.to_string()])).collect();
+    workers.extend((0..2).map(|n| start(&["--group", "dst", "--node", &n.to_string(), "--replica", "a"])));
+    // A second replica a little later.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    workers.extend((0..2).map(|n| start(&["--group", "dst", "--node", &n.to_string(), "--replica", "b"])));
+    let out = launcher.wait_with_output().expect("launcher ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let v: Value = serde_json::from_str(&stdout).expect("one JSON object");
+    let refits = v["refits"].as_array().expect("refits");
+    assert!(refits.iter().all(|r| r["ok"] == true), "{v}");
+    assert_eq!(refits.last().and_then(|r| r["replicas"].as_u64()), Some(2), "{v}");
+    assert_eq!(v["verified"], true, "{v}");
+    for mut w in workers {
+        assert!(w.wait().unwrap().success());
+    }
+}

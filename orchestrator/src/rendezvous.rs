@@ -259,11 +259,13 @@ impl Rendezvous {
             Ok(other) => return Err(JoinError::Registry(format!("answered {other:?} to List"))),
             Err(e) => return Err(JoinError::Registry(e.to_string())),
         };
-        let prefix = replica_member_name("", 0);
-        let prefix = prefix.trim_end_matches(".0");
+        // `refit.member.replica.` (the name of an empty replica's rank 0,
+        // less `.0`), then `<replica>.<rank>`; a replica's name may hold
+        // dots.
+        let name = replica_member_name("", 0);
+        let prefix = name.strip_suffix('0').unwrap_or(&name).trim_end_matches('.');
         let mut joined: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
         for entry in &listed {
-            // `<prefix>.<replica>.<rank>`; a replica's name may hold dots.
             let Some((replica, rank)) = entry.name.strip_prefix(prefix).and_then(|rest| rest.strip_prefix('.')?.rsplit_once('.')) else {
                 continue;
             };

@@ -157,3 +157,18 @@ def test_a_replica_process_joins_a_running_job_and_is_seeded_from_a_serving_one(
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+def test_a_failed_refit_says_which_replicas_left():
+    # Every exception from a refit says which replicas left the group during
+    # it (none here: the sources hold no version 5), and a local system's
+    # destinations stay those of the group.
+    system = refit.spawn_local(TRAIN, REPLICA.replicated(2), replica=REPLICA)
+    before = list(system.destinations)
+    try:
+        system.refit(5)
+    except refit.VersionError as e:
+        assert e.dropped_replicas == []
+    else:
+        raise AssertionError("a refit of a version no source holds committed")
+    assert system.destinations == before
