@@ -135,18 +135,8 @@ pub fn convert_slice(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
         return;
     }
     match (from, to) {
-        (DType::F32, DType::BF16) => {
-            for (s, d) in src.chunks_exact(4).zip(dst.chunks_exact_mut(2)) {
-                let v = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-                d.copy_from_slice(&f32_bits_to_bf16(v).to_le_bytes());
-            }
-        }
-        (DType::BF16, DType::F32) => {
-            for (s, d) in src.chunks_exact(2).zip(dst.chunks_exact_mut(4)) {
-                let v = (u16::from_le_bytes([s[0], s[1]]) as u32) << 16;
-                d.copy_from_slice(&v.to_le_bytes());
-            }
-        }
+        (DType::F32, DType::BF16) => convert_elems::<4, 2>(src, dst, |s| f32_bits_to_bf16(u32::from_le_bytes(s)).to_le_bytes()),
+        (DType::BF16, DType::F32) => convert_elems::<2, 4>(src, dst, |s| ((u16::from_le_bytes(s) as u32) << 16).to_le_bytes()),
         _ => {
             let (fs, ts) = (from.size() as usize, to.size() as usize);
             for (s, d) in src.chunks_exact(fs).zip(dst.chunks_exact_mut(ts)) {
@@ -154,6 +144,19 @@ pub fn convert_slice(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
                 write_from_f64(to, v, d);
             }
         }
+    }
+}
+
+/// Converts elements of `F` bytes in `src` to elements of `T` bytes in
+/// `dst` with `one`. Over arrays of fixed size, with `one` free of
+/// branches, the compiler turns the loop into vector instructions (over
+/// byte slices, element by element, it did not: 5-6x slower).
+#[inline(always)]
+fn convert_elems<const F: usize, const T: usize>(src: &[u8], dst: &mut [u8], one: impl Fn([u8; F]) -> [u8; T]) {
+    let (s, _) = src.as_chunks::<F>();
+    let (d, _) = dst.as_chunks_mut::<T>();
+    for (s, d) in s.iter().zip(d) {
+        *d = one(*s);
     }
 }
 
@@ -181,12 +184,12 @@ fn write_from_f64(t: DType, v: f64, out: &mut [u8]) {
 }
 
 /// f32 bits to bf16 bits, round to nearest even, NaN stays NaN.
+#[inline(always)]
 pub fn f32_bits_to_bf16(v: u32) -> u16 {
-    if (v & 0x7fff_ffff) > 0x7f80_0000 {
-        return ((v >> 16) | 0x0040) as u16; // quiet NaN, sign kept
-    }
-    let round = 0x7fff + ((v >> 16) & 1);
-    (v.wrapping_add(round) >> 16) as u16
+    // Both results, then a select: no branch, so loops over it vectorise.
+    let quiet_nan = (v >> 16) | 0x0040; // sign kept
+    let rounded = v.wrapping_add(0x7fff + ((v >> 16) & 1)) >> 16;
+    (if (v & 0x7fff_ffff) > 0x7f80_0000 { quiet_nan } else { rounded }) as u16
 }
 
 /// f16 bits to f64 (exact).
@@ -309,6 +312,35 @@ mod tests {
             let generic = round_f64((f as f64).to_bits(), 8, 7) as u16;
             assert_eq!(fast, generic, "x={x:#x}");
         }
+    }
+
+    #[test]
+    fn slices_convert_as_their_elements_do_at_any_length() {
+        // The vectorised loops and the element function agree everywhere:
+        // NaNs (quieted, sign kept), infinities, subnormals, ties; and
+        // bf16 widens exactly. Lengths around the vector width.
+        let mut x: u32 = 0x9e37_79b9;
+        let mut bits: Vec<u32> =
+            vec![0x7f80_0001, 0xff80_0001, 0x7fc0_0000, 0x7f80_0000, 0xff80_0000, 0x0000_0001, 0x8000_8000, 0x3f80_8000];
+        bits.extend((0..5_000).map(|_| {
+            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            x
+        }));
+        for n in [0, 1, 3, 4, 7, 8, 15, 16, 17, 31, 33, 64, 1000, bits.len()] {
+            let src: Vec<u8> = bits[..n].iter().flat_map(|b| b.to_le_bytes()).collect();
+            let mut narrow = vec![0u8; n * 2];
+            convert_slice(DType::F32, &src, DType::BF16, &mut narrow);
+            let want: Vec<u8> = bits[..n].iter().flat_map(|&b| f32_bits_to_bf16(b).to_le_bytes()).collect();
+            assert_eq!(narrow, want, "{n} elements");
+            let mut wide = vec![0u8; n * 4];
+            convert_slice(DType::BF16, &narrow, DType::F32, &mut wide);
+            let want: Vec<u8> =
+                narrow.chunks_exact(2).flat_map(|h| ((u16::from_le_bytes([h[0], h[1]]) as u32) << 16).to_le_bytes()).collect();
+            assert_eq!(wide, want, "{n} elements");
+        }
+        // A NaN stays a NaN, its sign kept.
+        assert_eq!(f32_bits_to_bf16(0x7f80_0001), 0x7fc0);
+        assert_eq!(f32_bits_to_bf16(0xff80_0001), 0xffc0);
     }
 
     #[test]
