@@ -18,7 +18,7 @@ works, so tests run without torch.distributed.
 
 from __future__ import annotations
 
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ._refit import LayoutBuilder, LayoutError, TensorBuilder
 
@@ -157,6 +157,24 @@ def dtensor_placement(dt: Any, name: str = "tensor") -> Tuple[List[int], List[st
     return [mesh_shape[a] for a in order], strings, _permute(ranks, mesh_shape, order)
 
 
+def _group_ranks(group: Any) -> Optional[Dict[int, int]]:
+    """World rank -> group rank for ``group`` (world ranks in group order,
+    or a ``torch.distributed`` process group); ``None`` for no group."""
+    if group is None:
+        return None
+    if not isinstance(group, (list, tuple, range)):
+        try:
+            import torch.distributed as dist
+
+            group = dist.get_process_group_ranks(group)
+        except Exception as e:  # noqa: BLE001 - said in the error
+            raise LayoutError(f"group={group!r}: expected a list of world ranks or a torch.distributed process group ({e})") from None
+    ranks = [int(r) for r in group]
+    if len(set(ranks)) != len(ranks) or any(r < 0 for r in ranks):
+        raise LayoutError(f"group={ranks}: world ranks must be distinct and >= 0")
+    return {w: i for i, w in enumerate(ranks)}
+
+
 def layout_from_dtensors(
     tensors: Mapping[str, Any],
     *,
@@ -164,11 +182,20 @@ def layout_from_dtensors(
     ranks_per_node: Optional[int] = None,
     dtype: Optional[str] = None,
     plain: Optional[str] = None,
+    group: Any = None,
 ) -> Any:
     """A ``refit.Layout`` of ``{name: DTensor}`` (e.g. a model's
     ``named_parameters()`` under FSDP2/TP). ``ranks`` defaults to one more
     than the largest rank of any mesh; ``dtype`` (``"f32"``, ``"bf16"``, ...)
     overrides every tensor's.
+
+    A device mesh names world ranks. ``group``, the training group's world
+    ranks in its order (a list, or a ``torch.distributed`` process group),
+    makes the layout's rank ``i`` the group's rank ``i`` (world rank
+    ``group[i]``; ``ranks`` then defaults to the group's size): trainers on
+    world ranks 2 and 3 are the layout's ranks 0 and 1, and each process
+    takes ``Source(layout, group.index(world_rank))``. Without it the
+    layout's ranks are world ranks.
 
     A plain tensor among them (``parallelize_module`` leaves the modules
     no plan names, norms say, as ordinary parameters, whole on every rank)
@@ -176,6 +203,7 @@ def layout_from_dtensors(
     whole by every rank."""
     if plain not in (None, "replicate"):
         raise LayoutError(f"plain={plain!r}: expected None (refuse plain tensors) or 'replicate'")
+    of_group = _group_ranks(group)
     builders = []
     plains = []
     world = 0
@@ -189,12 +217,19 @@ def layout_from_dtensors(
             plains.append((name, dt))
             continue
         mesh_shape, placements, mesh_ranks = dtensor_placement(dt, name)
+        if of_group is not None:
+            outside = [r for r in mesh_ranks if r not in of_group]
+            if outside:
+                raise LayoutError(f"tensor '{name}': its device mesh holds world rank {outside[0]}, not in group {list(of_group)}")
+            mesh_ranks = [of_group[r] for r in mesh_ranks]
         world = max(world, max(mesh_ranks) + 1)
         dt_name = dtype or _dtype_name(dt.dtype, name)
         t = TensorBuilder(name, dt_name, [int(s) for s in dt.shape])
         default = list(range(len(mesh_ranks)))
         t = t.mesh(mesh_shape, placements, None if mesh_ranks == default else mesh_ranks)
         builders.append((name, t))
+    if ranks is None and of_group is not None:
+        ranks = len(of_group)
     world = ranks if ranks is not None else world
     if plains and world == 0:
         raise LayoutError(f"tensor '{plains[0][0]}': a plain tensor is replicated over the ranks, but no DTensor or ranks= says how many")

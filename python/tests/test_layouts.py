@@ -788,3 +788,55 @@ def test_plan_says_what_a_refit_moves_without_running_it():
     other = refit.LayoutBuilder(1).tensor(refit.TensorBuilder("model.norm.weight", "bf16", [9]).mesh([1], ["replicate"])).build()
     with pytest.raises(refit.PlanError, match="model.norm.weight"):
         refit.plan(train, other)
+
+
+class FakeTensor:
+    def __init__(self, shape, dtype="torch.float32"):
+        self.shape, self.dtype = shape, dtype
+
+
+def test_dtensors_on_other_world_ranks_map_to_the_groups_ranks():
+    # An FSDP trainer group on world ranks 2 and 3 (0 and 1 run inference):
+    # with group=, the layout's ranks are the group's, and plain tensors are
+    # whole on each of them.
+    params = {"w": FakeDTensor((4, 2), [2, 3], [Shard(0)]), "norm": FakeTensor((2,))}
+    layout = refit.layout_from_dtensors(params, plain="replicate", group=[2, 3])
+    assert layout.ranks == 2
+    assert layout.blocks(0) == [("w", "f32", [0, 0], [2, 2]), ("norm", "f32", [0], [2])]
+    assert layout.blocks(1) == [("w", "f32", [2, 0], [2, 2]), ("norm", "f32", [0], [2])]
+    refit.Source(layout, 0)
+    # Without it, world ranks: ranks 0 and 1 hold only the plain tensor.
+    assert refit.layout_from_dtensors(params, plain="replicate").ranks == 4
+    # The group's order is the layout's: [3, 2] swaps them.
+    swapped = refit.layout_from_dtensors(params, plain="replicate", group=[3, 2])
+    assert swapped.blocks(0)[0] == ("w", "f32", [2, 0], [2, 2])
+    with pytest.raises(refit.LayoutError, match="world rank 3, not in group"):
+        refit.layout_from_dtensors({"w": FakeDTensor((4,), [2, 3], [Shard(0)])}, group=[2])
+    with pytest.raises(refit.LayoutError, match="distinct"):
+        refit.layout_from_dtensors(params, group=[2, 2])
+
+
+def test_real_dtensors_of_a_group_on_other_world_ranks():
+    """A trainer group on world ranks 2 and 3 of 4 (a torch process group
+    and a device mesh over it): ``group=`` takes the process group."""
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Shard as TorchShard
+        from torch.distributed.tensor import distribute_tensor
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        pytest.skip(f"torch.distributed.tensor or the fake process group missing: {e}")
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
+    try:
+        group = dist.new_group([2, 3])
+        mesh = DeviceMesh("cpu", torch.tensor([2, 3]))
+        params = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [TorchShard(0)]), "norm": torch.zeros(2)}
+        layout = refit.layout_from_dtensors(params, plain="replicate", group=group)
+        assert layout.ranks == 2
+        assert layout.blocks(0) == [("w", "f32", [0, 0], [2, 2]), ("norm", "f32", [0], [2])]
+        assert layout.blocks(1) == [("w", "f32", [2, 0], [2, 2]), ("norm", "f32", [0], [2])]
+        refit.Source(layout, dist.get_process_group_ranks(group).index(dist.get_rank()))
+    finally:
+        dist.destroy_process_group()
