@@ -101,6 +101,11 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
     let bar = Progress::bar(refits, quiet);
     bar.phase(if no_spawn { "waiting for workers" } else { "starting workers" });
     let mut cluster = Cluster::start(config, src, dst, |addr| {
+        if no_spawn && quiet {
+            // Standard output holds the one JSON object: the address goes
+            // to standard error.
+            eprintln!("rendezvous listening on {addr}");
+        }
         if no_spawn && !quiet {
             bar.suspend(|| {
                 if replicas {
