@@ -9,7 +9,7 @@
 
 use crate::cluster::{kill_pid, Cluster, ClusterConfig, ClusterError, Disrupt, Disruption, FaultSpec, ReplicaConfig};
 use crate::netns::Netem;
-use orchestrator::RefitStep;
+use orchestrator::{RefitReport, RefitStep};
 use reshard::{Endpoint, Group, Layout, PlanOptions};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -304,23 +304,8 @@ fn run_cases(
             net if net.starts_with("net: ") => network_case(&mut cluster, net, version, mid, a_dst)?,
             replicated_case if replicated_kill_point(replicated_case).is_some() => {
                 let (worker, point) = (replicated.unwrap_or(a_src), replicated_kill_point(replicated_case).unwrap_or(0.5));
-                let after = transfer.mul_f64(point);
-                let kill = Some(Disruption { step: RefitStep::Running, after, action: Disrupt::Kill(worker) });
-                match cluster.refit_with(version, true, &[], kill) {
-                    Ok(o) if o.report.lost_sources.is_empty() => {
-                        (Some(false), format!("committed and verified; the kill at {} ms came after the transfer", after.as_millis()))
-                    }
-                    Ok(o) => (
-                        Some(false),
-                        format!(
-                            "committed and verified without source ranks {:?} (killed at {} ms), in {} ms",
-                            o.report.lost_sources,
-                            after.as_millis(),
-                            o.report.wall.as_millis()
-                        ),
-                    ),
-                    Err(e) => (Some(true), e.to_string()),
-                }
+                let lost = |r: &RefitReport| (!r.lost_sources.is_empty()).then(|| format!("source ranks {:?}", r.lost_sources));
+                kill_mid_refit(&mut cluster, version, worker, transfer.mul_f64(point), lost)
             }
             _ => {
                 let kill = |worker, step, after| Some(Disruption { step, after, action: Disrupt::Kill(worker) });
@@ -447,23 +432,10 @@ fn run_replica_cases(
             "replicas: kill a replica's worker mid-transfer" => {
                 let worker = cluster.replica_workers(1).first().copied();
                 let worker = worker.ok_or_else(|| ClusterError::Setup(format!("{case}: the group has no replica 1")))?;
-                let after = transfer.mul_f64(0.5);
-                let kill = Some(Disruption { step: RefitStep::Running, after, action: Disrupt::Kill(worker) });
-                match cluster.refit_with(version, true, &[], kill) {
-                    Ok(o) if o.report.dropped_replicas.is_empty() => {
-                        (Some(false), format!("committed by every replica; the kill at {} ms came after the transfer", after.as_millis()))
-                    }
-                    Ok(o) => (
-                        Some(false),
-                        format!(
-                            "replicas {:?} left the group (killed at {} ms); the other committed in {} ms, verified",
-                            o.report.dropped_replicas,
-                            after.as_millis(),
-                            o.report.wall.as_millis()
-                        ),
-                    ),
-                    Err(e) => (Some(true), e.to_string()),
-                }
+                let left = |r: &RefitReport| {
+                    (!r.dropped_replicas.is_empty()).then(|| format!("replicas {:?}, which left the group", r.dropped_replicas))
+                };
+                kill_mid_refit(&mut cluster, version, worker, transfer.mul_f64(0.5), left)
             }
             other => return Err(ClusterError::Setup(format!("unknown chaos case '{other}'"))),
         };
@@ -475,6 +447,30 @@ fn run_replica_cases(
     }
     cluster.shutdown();
     Ok(rows)
+}
+
+/// Refits `version` with worker `worker` killed `after` into `Running`,
+/// for a case whose refit may go on without it: one that commits is not
+/// failed, and `without` says what it went without (`None`: nothing, the
+/// kill came after the transfer).
+fn kill_mid_refit(
+    cluster: &mut Cluster,
+    version: u64,
+    worker: usize,
+    after: Duration,
+    without: impl Fn(&RefitReport) -> Option<String>,
+) -> (Option<bool>, String) {
+    let kill = Some(Disruption { step: RefitStep::Running, after, action: Disrupt::Kill(worker) });
+    match cluster.refit_with(version, true, &[], kill) {
+        Ok(o) => match without(&o.report) {
+            None => (Some(false), format!("committed and verified; the kill at {} ms came after the transfer", after.as_millis())),
+            Some(what) => (
+                Some(false),
+                format!("committed and verified without {what} (killed at {} ms), in {} ms", after.as_millis(), o.report.wall.as_millis()),
+            ),
+        },
+        Err(e) => (Some(true), e.to_string()),
+    }
 }
 
 /// A replica joins (seeded from a serving one: the seed plan's sources
