@@ -135,8 +135,24 @@ pub fn convert_slice(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
         return;
     }
     match (from, to) {
-        (DType::F32, DType::BF16) => convert_elems::<4, 2>(src, dst, |s| f32_bits_to_bf16(u32::from_le_bytes(s)).to_le_bytes()),
-        (DType::BF16, DType::F32) => convert_elems::<2, 4>(src, dst, |s| ((u16::from_le_bytes(s) as u32) << 16).to_le_bytes()),
+        (DType::F32, DType::BF16) => {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: this CPU has AVX2 (asked just above), all the
+                // function requires.
+                return unsafe { avx2::f32_to_bf16(src, dst) };
+            }
+            f32_to_bf16(src, dst)
+        }
+        (DType::BF16, DType::F32) => {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: this CPU has AVX2 (asked just above), all the
+                // function requires.
+                return unsafe { avx2::bf16_to_f32(src, dst) };
+            }
+            bf16_to_f32(src, dst)
+        }
         _ => {
             let (fs, ts) = (from.size() as usize, to.size() as usize);
             for (s, d) in src.chunks_exact(fs).zip(dst.chunks_exact_mut(ts)) {
@@ -144,6 +160,31 @@ pub fn convert_slice(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
                 write_from_f64(to, v, d);
             }
         }
+    }
+}
+
+#[inline(always)]
+fn f32_to_bf16(src: &[u8], dst: &mut [u8]) {
+    convert_elems::<4, 2>(src, dst, |s| f32_bits_to_bf16(u32::from_le_bytes(s)).to_le_bytes())
+}
+
+#[inline(always)]
+fn bf16_to_f32(src: &[u8], dst: &mut [u8]) {
+    convert_elems::<2, 4>(src, dst, |s| ((u16::from_le_bytes(s) as u32) << 16).to_le_bytes())
+}
+
+/// The same conversions compiled for AVX2: twice the vector width of the
+/// x86-64 baseline the rest is built for.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    #[target_feature(enable = "avx2")]
+    pub(super) fn f32_to_bf16(src: &[u8], dst: &mut [u8]) {
+        super::f32_to_bf16(src, dst)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn bf16_to_f32(src: &[u8], dst: &mut [u8]) {
+        super::bf16_to_f32(src, dst)
     }
 }
 
@@ -332,11 +373,19 @@ mod tests {
             convert_slice(DType::F32, &src, DType::BF16, &mut narrow);
             let want: Vec<u8> = bits[..n].iter().flat_map(|&b| f32_bits_to_bf16(b).to_le_bytes()).collect();
             assert_eq!(narrow, want, "{n} elements");
+            // The baseline build of the loop too (convert_slice may have
+            // taken the AVX2 one).
+            let mut plain = vec![0u8; n * 2];
+            f32_to_bf16(&src, &mut plain);
+            assert_eq!(plain, want, "{n} elements");
             let mut wide = vec![0u8; n * 4];
             convert_slice(DType::BF16, &narrow, DType::F32, &mut wide);
             let want: Vec<u8> =
                 narrow.chunks_exact(2).flat_map(|h| ((u16::from_le_bytes([h[0], h[1]]) as u32) << 16).to_le_bytes()).collect();
             assert_eq!(wide, want, "{n} elements");
+            let mut plain = vec![0u8; n * 4];
+            bf16_to_f32(&narrow, &mut plain);
+            assert_eq!(plain, want, "{n} elements");
         }
         // A NaN stays a NaN, its sign kept.
         assert_eq!(f32_bits_to_bf16(0x7f80_0001), 0x7fc0);
