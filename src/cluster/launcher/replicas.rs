@@ -294,7 +294,10 @@ impl Cluster {
 
     /// Replica `index` leaves the group; its workers stop.
     fn leave(&mut self, index: u32) -> Result<ReplicaReport, ClusterError> {
-        self.replicas_mut()?;
+        let n = self.replicas_mut()?.live.len();
+        if index as usize >= n {
+            return Err(setup(format!("replicas: no replica {index}: the group has {n}")));
+        }
         let report = self.runtime.block_on(self.orchestrator.remove_replica(index))?;
         let gone = self.replicas_mut()?.live.remove(index as usize);
         self.retire(&gone.workers);
@@ -320,6 +323,11 @@ impl Cluster {
             handle.add_replica(members).await
         });
         let refit = self.refit(version, false);
+        if self.last_call.is_none() {
+            // The orchestrator was never asked (a source could not be
+            // stepped): no refit will pass the step.
+            adding.abort();
+        }
         let added = match self.runtime.block_on(adding) {
             Ok(r) => r.map_err(ClusterError::from),
             Err(e) => Err(setup(format!("adding the replica: {e}"))),
