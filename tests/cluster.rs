@@ -259,3 +259,68 @@ fn launch_without_spawning_adopts_replicas_that_join() {
         assert!(w.wait().unwrap().success());
     }
 }
+
+/// A replica's tasks die and a cluster launcher starts them again under
+/// the same name (`--no-spawn`): the replica leaves the group while the
+/// other serves on, and the one started again is taken in as new, seeded,
+/// before a later refit.
+#[test]
+fn slow_a_replica_started_again_under_its_name_rejoins() {
+    let (src, dst) = example("tp-to-tp");
+    const SECRET: &str = "shared by the launcher and its workers";
+    let addr = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").to_string();
+    // Emulated links slow each refit to about half a second.
+    let args = [
+        "launch",
+        "--no-spawn",
+        "--verify",
+        "--json",
+        "--refits",
+        "30",
+        "--replicas",
+        "2",
+        "--emulate-nic-mbps",
+        "8",
+        "--deadline-s",
+        "60",
+        "--bind",
+        &addr,
+        "--src",
+        &src,
+        "--dst",
+        &dst,
+    ];
+    let launcher =
+        Command::new(BIN).args(args).env("REFIT_SECRET", SECRET).stdout(std::process::Stdio::piped()).spawn().expect("start launcher");
+    let start = |extra: &[&str]| {
+        let mut a = vec!["worker", "--src", src.as_str(), "--dst", dst.as_str(), "--rendezvous", addr.as_str()];
+        a.extend_from_slice(extra);
+        Command::new(BIN).args(a).env("REFIT_SECRET", SECRET).spawn().expect("start worker")
+    };
+    let replica =
+        |name: &str| -> Vec<_> { (0..2).map(|n| start(&["--group", "dst", "--node", &n.to_string(), "--replica", name])).collect() };
+    let mut workers: Vec<_> = (0..2).map(|n| start(&["--group", "src", "--node", &n.to_string()])).collect();
+    workers.extend(replica("a"));
+    let b = replica("b");
+    std::thread::sleep(std::time::Duration::from_secs(4));
+    for mut w in b {
+        w.kill().expect("kill a worker of replica b");
+        w.wait().expect("reap it");
+    }
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    workers.extend(replica("b"));
+    let out = launcher.wait_with_output().expect("launcher ends");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let v: Value = serde_json::from_str(&stdout).expect("one JSON object");
+    let refits = v["refits"].as_array().expect("refits");
+    let replicas: Vec<u64> = refits.iter().map(|r| r["replicas"].as_u64().unwrap_or(0)).collect();
+    // Two, then one while b was gone, then two again.
+    let gone = replicas.iter().position(|&n| n == 1).unwrap_or_else(|| panic!("b never left: {replicas:?}"));
+    assert!(replicas[..gone].iter().all(|&n| n == 2) && replicas.last() == Some(&2), "{replicas:?}");
+    assert_eq!(refits.last().map(|r| &r["ok"]), Some(&Value::Bool(true)), "{v}");
+    assert_eq!(v["verified"], true, "{v}");
+    for mut w in workers {
+        assert!(w.wait().unwrap().success());
+    }
+}

@@ -203,6 +203,20 @@ impl Rendezvous {
         self.lookup(name, within).await
     }
 
+    /// Forgets what was looked up under `name` (its registration, while
+    /// it is still the one looked up): one that joins under the name later
+    /// is new (a replica that left the group and is started again).
+    pub async fn forget(&self, name: &str) -> Result<(), JoinError> {
+        let gone = self.looked_up.lock().unwrap_or_else(|e| e.into_inner()).remove(name);
+        if let Some(addr) = gone {
+            self.registry
+                .call(RegistryMsg::Unregister { name: name.to_string(), addr })
+                .await
+                .map_err(|e| JoinError::Registry(e.to_string()))?;
+        }
+        Ok(())
+    }
+
     /// Puts a member that rejoined in the place of every member of `src`
     /// and `dst` that is gone (its process died, or its connection went
     /// silent past the heartbeat timeout), in both groups and in

@@ -17,6 +17,7 @@ use super::{group_name, place, setup, worker_args, Cluster, ClusterConfig, Clust
 use crate::cluster::worker::{replica_pattern_name, PatternRank};
 use crate::netns::Hosts as NetHosts;
 use actors::{ActorGroup, ActorRef};
+use orchestrator::replica_member_name;
 use orchestrator::{Member, RefitStep, Rendezvous, ReplicaReport};
 use reshard::{Endpoint, Group, Layout};
 use std::collections::HashSet;
@@ -44,8 +45,9 @@ pub(super) struct Replicas {
     pub(super) one: Arc<Layout>,
     /// The group's replicas, in its order.
     pub(super) live: Vec<Replica>,
-    /// Every replica name seen (a name is never taken twice: a gone
-    /// replica's registrations may outlive it at the rendezvous).
+    /// The names of the replicas in the group, or starting (a name is
+    /// free again once its replica left and its registrations at the
+    /// rendezvous are forgotten: a cluster launcher may start it again).
     named: HashSet<String>,
     /// Names given here so far.
     counter: u64,
@@ -277,7 +279,7 @@ impl Cluster {
                 Ok(report)
             }
             Err(e) => {
-                self.retire(&replica.workers);
+                self.retire_replica(&replica);
                 Err(e.into())
             }
         }
@@ -300,7 +302,7 @@ impl Cluster {
         }
         let report = self.runtime.block_on(self.orchestrator.remove_replica(index))?;
         let gone = self.replicas_mut()?.live.remove(index as usize);
-        self.retire(&gone.workers);
+        self.retire_replica(&gone);
         self.renumber()?;
         Ok(report)
     }
@@ -339,7 +341,7 @@ impl Cluster {
                 r.wanted += 1;
                 self.renumber()?;
             }
-            Err(_) => self.retire(&replica.workers),
+            Err(_) => self.retire_replica(&replica),
         }
         let refit = match (refit, verify) {
             (Ok(mut o), true) => self.verify(version).map(|n| {
@@ -380,7 +382,7 @@ impl Cluster {
             let r = self.replicas_mut()?;
             if (i as usize) < r.live.len() {
                 let gone = r.live.remove(i as usize);
-                self.retire(&gone.workers);
+                self.retire_replica(&gone);
             }
         }
         self.renumber()
@@ -403,7 +405,7 @@ impl Cluster {
                 return Err(setup(format!("replica {name}, the group's only one, is gone: start it again with `refit worker --replica`")));
             }
             let gone = self.replicas_mut()?.live.remove(0);
-            self.retire(&gone.workers);
+            self.retire_replica(&gone);
             let fresh = self.start_replica()?;
             let (src, dst) = (ActorGroup::from_refs(self.members[0].clone()), ActorGroup::from_refs(fresh.members.clone()));
             self.runtime.block_on(self.orchestrator.attach(src, dst))?;
@@ -427,6 +429,22 @@ impl Cluster {
             self.admit(replica)?;
         }
         Ok(missing)
+    }
+
+    /// Replica `gone` is out of the group for good: its workers stop, and
+    /// its names at the rendezvous are forgotten, so that a replica started
+    /// again under its name (by a cluster launcher) is taken as new.
+    fn retire_replica(&mut self, gone: &Replica) {
+        self.retire(&gone.workers);
+        let names = (0..gone.members.len() as u32).flat_map(|j| [replica_member_name(&gone.name, j), replica_pattern_name(&gone.name, j)]);
+        for name in names {
+            // Fails only when the rendezvous's own registry is gone, and
+            // then every later call says so.
+            let _ = self.runtime.block_on(self.rendezvous.forget(&name));
+        }
+        if let Some(r) = &mut self.replicas {
+            r.named.remove(&gone.name);
+        }
     }
 
     /// Stops workers `workers` for good.
