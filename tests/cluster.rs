@@ -207,6 +207,28 @@ fn launch_with_replicas_joining_and_leaving_verifies_every_refit() {
     );
 }
 
+/// Starts `refit launch` with `args` (a `--no-spawn --json` launch) and
+/// waits until its rendezvous listens (the line it writes to standard
+/// error then); its standard error is drained on a thread from then on.
+fn launch_listening(args: &[&str], secret: &str) -> std::process::Child {
+    use std::io::BufRead;
+    let mut launcher = Command::new(BIN)
+        .args(args)
+        .env("REFIT_SECRET", secret)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start launcher");
+    let mut err = std::io::BufReader::new(launcher.stderr.take().expect("piped stderr"));
+    let mut line = String::new();
+    while !line.starts_with("rendezvous listening on ") {
+        line.clear();
+        assert!(err.read_line(&mut line).expect("launcher's stderr") > 0, "the launcher ended before listening");
+    }
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    launcher
+}
+
 /// With `--no-spawn`, replicas are whatever joins as `refit worker
 /// --replica NAME`: the launcher starts with the first to join whole and
 /// adds one that joins later before a refit.
@@ -214,7 +236,7 @@ fn launch_with_replicas_joining_and_leaving_verifies_every_refit() {
 fn launch_without_spawning_adopts_replicas_that_join() {
     let (src, dst) = example("tp-to-tp");
     const SECRET: &str = "shared by the launcher and its workers";
-    // A port for the rendezvous (a JSON launcher prints nothing else first).
+    // A port for the rendezvous, which workers are given.
     let addr = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").to_string();
     let args = [
         "launch",
@@ -234,9 +256,7 @@ fn launch_without_spawning_adopts_replicas_that_join() {
         "--dst",
         &dst,
     ];
-    let launcher =
-        Command::new(BIN).args(args).env("REFIT_SECRET", SECRET).stdout(std::process::Stdio::piped()).spawn().expect("start launcher");
-    // Workers retry joining until the rendezvous listens.
+    let launcher = launch_listening(&args, SECRET);
     let start = |extra: &[&str]| {
         let mut a = vec!["worker", "--src", src.as_str(), "--dst", dst.as_str(), "--rendezvous", addr.as_str()];
         a.extend_from_slice(extra);
@@ -290,8 +310,7 @@ fn slow_a_replica_started_again_under_its_name_rejoins() {
         "--dst",
         &dst,
     ];
-    let launcher =
-        Command::new(BIN).args(args).env("REFIT_SECRET", SECRET).stdout(std::process::Stdio::piped()).spawn().expect("start launcher");
+    let launcher = launch_listening(&args, SECRET);
     let start = |extra: &[&str]| {
         let mut a = vec!["worker", "--src", src.as_str(), "--dst", dst.as_str(), "--rendezvous", addr.as_str()];
         a.extend_from_slice(extra);
