@@ -207,26 +207,60 @@ fn launch_with_replicas_joining_and_leaving_verifies_every_refit() {
     );
 }
 
-/// Starts `refit launch` with `args` (a `--no-spawn --json` launch) and
-/// waits until its rendezvous listens (the line it writes to standard
-/// error then); its standard error is drained on a thread from then on.
-fn launch_listening(args: &[&str], secret: &str) -> std::process::Child {
-    use std::io::BufRead;
-    let mut launcher = Command::new(BIN)
-        .args(args)
-        .env("REFIT_SECRET", secret)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start launcher");
-    let mut err = std::io::BufReader::new(launcher.stderr.take().expect("piped stderr"));
-    let mut line = String::new();
-    while !line.starts_with("rendezvous listening on ") {
-        line.clear();
-        assert!(err.read_line(&mut line).expect("launcher's stderr") > 0, "the launcher ended before listening");
+/// A `refit launch --no-spawn --json` of the tp-to-tp example, started and
+/// listening, and a way to start its workers.
+struct NoSpawnLaunch {
+    launcher: std::process::Child,
+    addr: String,
+    src: String,
+    dst: String,
+}
+
+const SECRET: &str = "shared by the launcher and its workers";
+
+impl NoSpawnLaunch {
+    /// Starts the launcher with `extra` arguments and waits until its
+    /// rendezvous listens (the line it writes to standard error then: a
+    /// worker refused at once gives up); its standard error is drained on
+    /// a thread from then on.
+    fn start(extra: &[&str]) -> NoSpawnLaunch {
+        use std::io::BufRead;
+        let (src, dst) = example("tp-to-tp");
+        let addr = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").to_string();
+        let mut args =
+            vec!["launch", "--no-spawn", "--verify", "--json", "--deadline-s", "60", "--bind", &addr, "--src", &src, "--dst", &dst];
+        args.extend_from_slice(extra);
+        let mut launcher = Command::new(BIN)
+            .args(args)
+            .env("REFIT_SECRET", SECRET)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start launcher");
+        let mut err = std::io::BufReader::new(launcher.stderr.take().expect("piped stderr"));
+        let mut line = String::new();
+        while !line.starts_with("rendezvous listening on ") {
+            line.clear();
+            assert!(err.read_line(&mut line).expect("launcher's stderr") > 0, "the launcher ended before listening");
+        }
+        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+        NoSpawnLaunch { launcher, addr, src, dst }
     }
-    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-    launcher
+
+    /// Starts a worker with `extra` arguments.
+    fn worker(&self, extra: &[&str]) -> std::process::Child {
+        let mut a = vec!["worker", "--src", self.src.as_str(), "--dst", self.dst.as_str(), "--rendezvous", self.addr.as_str()];
+        a.extend_from_slice(extra);
+        Command::new(BIN).args(a).env("REFIT_SECRET", SECRET).spawn().expect("start worker")
+    }
+
+    /// Waits for the launcher: its exit code and its JSON object.
+    fn finish(self) -> (Option<i32>, Value, String) {
+        let out = self.launcher.wait_with_output().expect("launcher ends");
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let v = serde_json::from_str(&stdout).unwrap_or(Value::Null);
+        (out.status.code(), v, stdout)
+    }
 }
 
 /// With `--no-spawn`, replicas are whatever joins as `refit worker
@@ -234,43 +268,14 @@ fn launch_listening(args: &[&str], secret: &str) -> std::process::Child {
 /// adds one that joins later before a refit.
 #[test]
 fn launch_without_spawning_adopts_replicas_that_join() {
-    let (src, dst) = example("tp-to-tp");
-    const SECRET: &str = "shared by the launcher and its workers";
-    // A port for the rendezvous, which workers are given.
-    let addr = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").to_string();
-    let args = [
-        "launch",
-        "--no-spawn",
-        "--verify",
-        "--json",
-        "--refits",
-        "6",
-        "--replicas",
-        "1",
-        "--deadline-s",
-        "60",
-        "--bind",
-        &addr,
-        "--src",
-        &src,
-        "--dst",
-        &dst,
-    ];
-    let launcher = launch_listening(&args, SECRET);
-    let start = |extra: &[&str]| {
-        let mut a = vec!["worker", "--src", src.as_str(), "--dst", dst.as_str(), "--rendezvous", addr.as_str()];
-        a.extend_from_slice(extra);
-        Command::new(BIN).args(a).env("REFIT_SECRET", SECRET).spawn().expect("start worker")
-    };
-    let mut workers: Vec<_> = (0..2).map(|n| start(&["--group", "src", "--node", &n.to_string()])).collect();
-    workers.extend((0..2).map(|n| start(&["--group", "dst", "--node", &n.to_string(), "--replica", "a"])));
+    let launch = NoSpawnLaunch::start(&["--refits", "6", "--replicas", "1"]);
+    let mut workers: Vec<_> = (0..2).map(|n| launch.worker(&["--group", "src", "--node", &n.to_string()])).collect();
+    workers.extend((0..2).map(|n| launch.worker(&["--group", "dst", "--node", &n.to_string(), "--replica", "a"])));
     // A second replica a little later.
     std::thread::sleep(std::time::Duration::from_millis(300));
-    workers.extend((0..2).map(|n| start(&["--group", "dst", "--node", &n.to_string(), "--replica", "b"])));
-    let out = launcher.wait_with_output().expect("launcher ends");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{stdout}");
-    let v: Value = serde_json::from_str(&stdout).expect("one JSON object");
+    workers.extend((0..2).map(|n| launch.worker(&["--group", "dst", "--node", &n.to_string(), "--replica", "b"])));
+    let (code, v, stdout) = launch.finish();
+    assert_eq!(code, Some(0), "{stdout}");
     let refits = v["refits"].as_array().expect("refits");
     assert!(refits.iter().all(|r| r["ok"] == true), "{v}");
     assert_eq!(refits.last().and_then(|r| r["replicas"].as_u64()), Some(2), "{v}");
@@ -286,39 +291,12 @@ fn launch_without_spawning_adopts_replicas_that_join() {
 /// before a later refit.
 #[test]
 fn slow_a_replica_started_again_under_its_name_rejoins() {
-    let (src, dst) = example("tp-to-tp");
-    const SECRET: &str = "shared by the launcher and its workers";
-    let addr = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").to_string();
     // Emulated links slow each refit to about half a second.
-    let args = [
-        "launch",
-        "--no-spawn",
-        "--verify",
-        "--json",
-        "--refits",
-        "30",
-        "--replicas",
-        "2",
-        "--emulate-nic-mbps",
-        "8",
-        "--deadline-s",
-        "60",
-        "--bind",
-        &addr,
-        "--src",
-        &src,
-        "--dst",
-        &dst,
-    ];
-    let launcher = launch_listening(&args, SECRET);
-    let start = |extra: &[&str]| {
-        let mut a = vec!["worker", "--src", src.as_str(), "--dst", dst.as_str(), "--rendezvous", addr.as_str()];
-        a.extend_from_slice(extra);
-        Command::new(BIN).args(a).env("REFIT_SECRET", SECRET).spawn().expect("start worker")
+    let launch = NoSpawnLaunch::start(&["--refits", "30", "--replicas", "2", "--emulate-nic-mbps", "8"]);
+    let replica = |name: &str| -> Vec<_> {
+        (0..2).map(|n| launch.worker(&["--group", "dst", "--node", &n.to_string(), "--replica", name])).collect()
     };
-    let replica =
-        |name: &str| -> Vec<_> { (0..2).map(|n| start(&["--group", "dst", "--node", &n.to_string(), "--replica", name])).collect() };
-    let mut workers: Vec<_> = (0..2).map(|n| start(&["--group", "src", "--node", &n.to_string()])).collect();
+    let mut workers: Vec<_> = (0..2).map(|n| launch.worker(&["--group", "src", "--node", &n.to_string()])).collect();
     workers.extend(replica("a"));
     let b = replica("b");
     std::thread::sleep(std::time::Duration::from_secs(4));
@@ -328,10 +306,8 @@ fn slow_a_replica_started_again_under_its_name_rejoins() {
     }
     std::thread::sleep(std::time::Duration::from_secs(1));
     workers.extend(replica("b"));
-    let out = launcher.wait_with_output().expect("launcher ends");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{stdout}");
-    let v: Value = serde_json::from_str(&stdout).expect("one JSON object");
+    let (code, v, stdout) = launch.finish();
+    assert_eq!(code, Some(0), "{stdout}");
     let refits = v["refits"].as_array().expect("refits");
     let replicas: Vec<u64> = refits.iter().map(|r| r["replicas"].as_u64().unwrap_or(0)).collect();
     // Two, then one while b was gone, then two again.
