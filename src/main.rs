@@ -307,6 +307,12 @@ enum Command {
         /// Skip planning the baseline.
         #[arg(long)]
         no_baseline: bool,
+        /// The inference layout is one replica of a group of N: compare
+        /// planning the whole group with deriving its plan from the one
+        /// replica's (what an orchestrator does when replicas join or
+        /// leave).
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+        replicas: Option<u32>,
     },
     /// One orchestrator over thousands of members in this process (the
     /// in-process fabric, tiny weights, the model's tensors): planning,
@@ -648,7 +654,10 @@ fn main() -> ExitCode {
         }),
         Command::Netns { clean: _, watch, token } => cmd::netns::run(watch.zip(*token)),
         Command::Soak { src, dst, refits, cluster, json } => cmd::soak::run(src, dst, *refits, cluster, *json),
-        Command::PlanBench { model, scale, ep, reps, no_baseline } => cmd::plan_bench::run(*model, *scale, *ep, *reps, *no_baseline),
+        Command::PlanBench { model, scale, ep, reps, no_baseline, replicas } => match replicas {
+            Some(n) => cmd::plan_bench::replicas(*model, *scale, *ep, *reps, *n),
+            None => cmd::plan_bench::run(*model, *scale, *ep, *reps, *no_baseline),
+        },
         Command::ControllerBench { model, scale, layers, ranks, refits, json } => {
             cmd::controller_bench::run(&cmd::controller_bench::ControllerArgs {
                 model: *model,

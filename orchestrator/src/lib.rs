@@ -41,7 +41,7 @@ mod store;
 pub use member::{FabricTweak, Member, MemberConfig, Role};
 pub use orchestrator::{
     Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, PlanReport, RefitPhase, RefitReport,
-    RefitStep, RefitTarget, ReplicaLoss, ReplicaReport, SeedReport, SourceLoss,
+    RefitStep, RefitTarget, ReplicaLoss, ReplicaPlan, ReplicaReport, SeedReport, SourceLoss,
 };
 pub use protocol::{
     CommPlane, EgressCaps, Fabric, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric, Refusal, Seat, Weights,

@@ -3,7 +3,7 @@
 //! involved) and removed; every served value checked after every change.
 
 use actors::{spawn_group, ActorGroup, SpawnConfig};
-use orchestrator::{spawn_refit, DstStore, Member, OrchestratorConfig, OrchestratorError, RefitError, Role, SeedReport};
+use orchestrator::{spawn_refit, DstStore, Member, OrchestratorConfig, OrchestratorError, RefitError, ReplicaPlan, Role, SeedReport};
 use reshard::{parse_layout, Layout};
 use std::sync::Arc;
 use std::time::Duration;
@@ -114,6 +114,55 @@ async fn replicas_join_seeded_from_a_serving_one_and_leave_between_refits() {
     for (i, s) in serving.iter().enumerate() {
         serves(s, 4).map_err(|e| format!("store {i}: {e}")).unwrap();
     }
+}
+
+/// Refits versions 1 to 3 of a group of two replicas, removing one after
+/// the first and adding one after the second: each refit's bytes moved,
+/// and the plans made after each.
+async fn plans_through_replica_changes(replica_plan: ReplicaPlan) -> (Vec<u64>, Vec<u64>) {
+    let src = parse_layout(SRC).unwrap();
+    let one = Arc::new(parse_layout(REPLICA).unwrap());
+    let config = OrchestratorConfig { replica_plan, ..config(&one) };
+    let sys = spawn_refit(&src, &one.replicated(2).unwrap(), config).await.unwrap();
+    let orch = &sys.orchestrator;
+    let (mut bytes, mut plans) = (Vec::new(), Vec::new());
+    let (third, members) = replica(&one);
+    for v in 1..=3u64 {
+        step(&sys, v).await;
+        let r = orch.refit(v).await.unwrap();
+        // (The group of the first was planned when it was attached.)
+        assert!(v == 1 || r.replanned, "{replica_plan:?}: refit {v} is of a group that changed");
+        bytes.push(r.bytes);
+        plans.push(orch.plans_made().await.unwrap());
+        match v {
+            1 => {
+                orch.remove_replica(1).await.unwrap();
+            }
+            2 => {
+                orch.add_replica(members.clone()).await.unwrap();
+            }
+            _ => {}
+        }
+    }
+    for s in sys.dst_stores[..2].iter().chain(&third) {
+        serves(s, 3).unwrap();
+    }
+    (bytes, plans)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_group_of_replicas_plans_one_replica_once_and_derives_the_rest() {
+    let (bytes, plans) = plans_through_replica_changes(ReplicaPlan::Derived).await;
+    // One replica's plan, made for the first refit, serves the group of
+    // one and of two again; the seeding plan of the replica that joined
+    // is the only other plan made.
+    assert_eq!(plans, [1, 1, 2]);
+    // Each replica gets one replica's bytes.
+    assert_eq!(bytes, [2 * bytes[1], bytes[1], 2 * bytes[1]]);
+    // Planned whole, each group is planned anew.
+    let (whole, plans) = plans_through_replica_changes(ReplicaPlan::Whole).await;
+    assert_eq!(plans, [1, 2, 4]);
+    assert_eq!(whole[1], bytes[1]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

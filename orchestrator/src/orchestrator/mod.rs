@@ -61,12 +61,33 @@ pub struct OrchestratorConfig {
     /// [`OrchestratorMsg::AddReplica`] and [`OrchestratorMsg::RemoveReplica`]
     /// grow and shrink it between refits. `None`: a fixed group.
     pub replica: Option<Arc<Layout>>,
+    /// How a reshard of a destination group of replicas is planned.
+    pub replica_plan: ReplicaPlan,
     /// What a refit of a destination group of replicas does when members
     /// of some replicas fail it (a replica's node lost, say).
     pub replica_loss: ReplicaLoss,
     /// What a refit does when source members are lost during it (or
     /// before it).
     pub source_loss: SourceLoss,
+}
+
+/// How a reshard to a destination group of replicas
+/// ([`OrchestratorConfig::replica`]) is planned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReplicaPlan {
+    /// One replica's plan, planned once per layouts and options and kept,
+    /// copied onto every replica ([`Plan::for_replicas`]): a replica that
+    /// joins or leaves costs a derivation, not a plan of the whole group.
+    /// No replica relays to another, so one lost mid-refit starves no
+    /// other; each replica's bytes leave the sources (spread over their
+    /// data-parallel holders). Where a replica does not fill whole nodes,
+    /// the group is planned whole.
+    #[default]
+    Derived,
+    /// The whole group planned at once: a piece may leave the sources
+    /// once and be relayed from replica to replica (fewer source bytes,
+    /// more stages; a replica's loss can fail the others' transfer).
+    Whole,
 }
 
 /// What a reshard refit does when source members die or stop answering
@@ -115,6 +136,7 @@ impl Default for OrchestratorConfig {
             keep_data_plane: true,
             delta: false,
             replica: None,
+            replica_plan: ReplicaPlan::Derived,
             replica_loss: ReplicaLoss::Drop,
             source_loss: SourceLoss::Replan,
         }
@@ -148,6 +170,9 @@ pub struct Orchestrator {
     seeded: u64,
     /// The plan between two replicas, by the replica layout's fingerprint.
     seed_plan: Option<(u64, Arc<Plan>)>,
+    /// One replica's plan, the one every plan of the group of replicas
+    /// derives from ([`ReplicaPlan::Derived`]), by what it was planned for.
+    replica_template: Option<(plan::TemplateKey, Arc<Plan>)>,
     /// Replicas dropped by the refit in progress (see
     /// [`ReplicaLoss::Drop`]).
     dropped: Vec<u32>,
@@ -173,6 +198,7 @@ impl Orchestrator {
             sent: Default::default(),
             seeded: 0,
             seed_plan: None,
+            replica_template: None,
             dropped: Vec::new(),
             lost_sources: Vec::new(),
         }
@@ -197,7 +223,8 @@ impl Orchestrator {
         self.sent.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// How many times this orchestrator has planned.
+    /// How many times this orchestrator has planned (a plan derived for
+    /// replicas from a kept replica's plan is not counted: only planning).
     pub fn plans_made(&self) -> u64 {
         self.plans_made
     }

@@ -5,7 +5,7 @@
 use super::error::{call_error, refused};
 use super::members::Cast;
 use super::members::{describe, Status};
-use super::{Orchestrator, OrchestratorError, PlanReport};
+use super::{Orchestrator, OrchestratorError, PlanReport, ReplicaPlan};
 use crate::protocol::{MemberMsg, MemberReply, Seat};
 use reshard::{
     plan_baseline, plan_reshard, Endpoint, Figures, Fingerprint, Group, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram,
@@ -26,6 +26,16 @@ pub(super) struct CachedPlan {
     pub(super) fingerprint: Fingerprint,
     /// The plan's figures.
     pub(super) figures: Figures,
+}
+
+/// What one replica's plan was planned for ([`ReplicaPlan::Derived`]):
+/// the source layout's and the replica layout's fingerprints, and the
+/// options.
+#[derive(PartialEq)]
+pub(super) struct TemplateKey {
+    src: u64,
+    one: u64,
+    options: PlanOptions,
 }
 
 /// What [`Orchestrator::ensure_plan`] did.
@@ -94,22 +104,10 @@ impl Orchestrator {
                 (src, dst)
             }
         };
-        // Planning a large model is seconds of CPU: off the reactor, so the
-        // control plane's heartbeats keep flowing meanwhile.
         let lost_sources = self.lost_sources.clone();
         let options = PlanOptions { only: only.clone(), lost_sources, ..self.config.plan.clone() };
-        let (s, d) = (src.clone(), dst.clone());
-        let planned = tokio::task::spawn_blocking(move || match mode {
-            Strategy::Reshard => plan_reshard(&s, &d, &options),
-            Strategy::Baseline => plan_baseline(&s, &d, &options),
-        })
-        .await;
-        let plan = match planned {
-            Ok(r) => Arc::new(r?),
-            Err(e) => return Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("planning task: {e}") }),
-        };
+        let plan = self.make_plan(&src, &dst, options).await?;
         let (fingerprint, figures) = (plan.fingerprint(), plan.figures().clone());
-        self.plans_made += 1;
         // Plans of the other strategy were made for these layouts too, or
         // are gone.
         let lost = &self.lost_sources;
@@ -129,6 +127,65 @@ impl Orchestrator {
         let lost_sources = self.lost_sources.clone();
         self.cache.insert(key, CachedPlan { layout_fingerprints: current, lost_sources, fingerprint, figures });
         Ok(PlanWork { replanned: true, plan_time, install_time: installing.elapsed(), installed })
+    }
+
+    /// The plan of the current strategy for these layouts: made by the
+    /// planner, or for a group of replicas ([`ReplicaPlan::Derived`])
+    /// derived from one replica's plan, which is planned only when the
+    /// layouts or options changed. Planning a large model is seconds of
+    /// CPU: off the reactor, so the control plane's heartbeats keep
+    /// flowing meanwhile.
+    async fn make_plan(&mut self, src: &Arc<Layout>, dst: &Arc<Layout>, options: PlanOptions) -> Result<Arc<Plan>, OrchestratorError> {
+        let mode = self.config.mode;
+        let one = match (&self.config.replica, self.config.replica_plan, mode) {
+            (Some(one), ReplicaPlan::Derived, Strategy::Reshard)
+                if one.ranks() <= dst.ranks() && one.ranks().is_multiple_of(one.ranks_per_node()) =>
+            {
+                Some(one.clone())
+            }
+            _ => None,
+        };
+        let key = one.as_ref().map(|one| TemplateKey { src: src.fingerprint(), one: one.fingerprint(), options: options.clone() });
+        let kept = match (&key, &self.replica_template) {
+            (Some(key), Some((have, template))) if have == key => Some(template.clone()),
+            _ => None,
+        };
+        let (s, d) = (src.clone(), dst.clone());
+        let planned = tokio::task::spawn_blocking(move || -> Result<(Arc<Plan>, Option<Arc<Plan>>), PlanError> {
+            let Some(one) = one else {
+                let plan = match mode {
+                    Strategy::Reshard => plan_reshard(&s, &d, &options),
+                    Strategy::Baseline => plan_baseline(&s, &d, &options),
+                }?;
+                return Ok((Arc::new(plan), None));
+            };
+            let (template, made) = match kept {
+                Some(template) => (template, None),
+                None => {
+                    let template = Arc::new(plan_reshard(&s, &one, &options)?);
+                    (template.clone(), Some(template))
+                }
+            };
+            if d.fingerprint() == one.fingerprint() {
+                // One replica: its plan is the group's.
+                return Ok((template, made));
+            }
+            Ok((Arc::new(template.for_replicas(&s, &one, &d)?), made))
+        })
+        .await;
+        match planned {
+            Ok(Ok((plan, made))) => {
+                if key.is_none() || made.is_some() {
+                    self.plans_made += 1;
+                }
+                if let (Some(key), Some(template)) = (key, made) {
+                    self.replica_template = Some((key, template));
+                }
+                Ok(plan)
+            }
+            Ok(Err(e)) => Err(e.into()),
+            Err(e) => Err(OrchestratorError::Failed { member: "orchestrator".into(), problem: format!("planning task: {e}") }),
+        }
     }
 
     /// Hands members `which` (indices into sources then destinations)

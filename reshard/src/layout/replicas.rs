@@ -30,25 +30,28 @@ impl Layout {
             .checked_mul(n)
             .filter(|&r| r <= super::MAX_RANKS)
             .ok_or_else(|| field(format!("{n} replicas of {k} ranks exceed the {} ranks a group may have", super::MAX_RANKS)))?;
-        let tensors = self
-            .tensors
-            .iter()
-            .map(|t| TensorLayout {
-                placement: match &t.placement {
-                    Placement::Mesh(m) => Placement::Mesh(MeshPlacement {
-                        shape: std::iter::once(n).chain(m.shape.iter().copied()).collect(),
-                        ranks: (0..n).flat_map(|r| m.ranks.iter().map(move |&j| r * k + j)).collect(),
-                        dims: std::iter::once(MeshDim::Replicate).chain(m.dims.iter().copied()).collect(),
-                        storage: m.storage.clone(),
-                    }),
-                    Placement::Shards(shards) => Placement::Shards(
-                        (0..n).flat_map(|r| shards.iter().map(move |s| ShardSpec { rank: r * k + s.rank, ..s.clone() })).collect(),
-                    ),
-                },
-                ..t.clone()
-            })
-            .collect();
+        let tensors = self.replicated_tensors(n).collect();
         Layout::new(ranks, Some(self.ranks_per_node), tensors)
+    }
+
+    /// The tensors of [`replicated`](Self::replicated)`(n)`, as it lists
+    /// them (`n` at least 1), without building or checking the layout.
+    pub(crate) fn replicated_tensors(&self, n: u32) -> impl Iterator<Item = TensorLayout> + '_ {
+        let k = self.ranks;
+        self.tensors.iter().map(move |t| TensorLayout {
+            placement: match &t.placement {
+                Placement::Mesh(m) => Placement::Mesh(MeshPlacement {
+                    shape: std::iter::once(n).chain(m.shape.iter().copied()).collect(),
+                    ranks: (0..n).flat_map(|r| m.ranks.iter().map(move |&j| r * k + j)).collect(),
+                    dims: std::iter::once(MeshDim::Replicate).chain(m.dims.iter().copied()).collect(),
+                    storage: m.storage.clone(),
+                }),
+                Placement::Shards(shards) => Placement::Shards(
+                    (0..n).flat_map(|r| shards.iter().map(move |s| ShardSpec { rank: r * k + s.rank, ..s.clone() })).collect(),
+                ),
+            },
+            ..t.clone()
+        })
     }
 }
 

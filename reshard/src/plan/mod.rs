@@ -8,6 +8,7 @@ mod endpoint;
 mod estimate;
 mod figures;
 mod options;
+mod replicas;
 mod rounds;
 mod subset;
 
@@ -160,6 +161,12 @@ pub enum PlanError {
         /// The limit.
         limit: u64,
     },
+    /// A plan cannot be derived for replicas ([`Plan::for_replicas`]).
+    #[error("cannot derive a plan for replicas: {problem}")]
+    Derive {
+        /// Why.
+        problem: String,
+    },
     /// The plan was made for other layouts or options.
     #[error("plan fingerprint {plan} does not match these layouts ({layouts})")]
     FingerprintMismatch {
@@ -194,6 +201,9 @@ pub struct Plan {
     /// Per destination tensor, the block a scratch buffer holds (baseline
     /// only: the bounding box of the destination's needs).
     pub(crate) scratch_blocks: Vec<Block>,
+    /// The replicas this plan was derived for from one replica's plan
+    /// ([`Plan::for_replicas`]); `None`: a planner made it.
+    pub(crate) replicas: Option<u32>,
 }
 
 impl Plan {
@@ -372,12 +382,22 @@ impl Plan {
             needed_node_bytes: parts.needed_node_bytes,
             unique_bytes: parts.unique_bytes,
             scratch_blocks: parts.scratch_blocks,
+            replicas: None,
         }
     }
 }
 
 /// Most pieces one plan may have.
 pub(crate) const MAX_PIECES: u64 = 1 << 28;
+
+/// The fingerprint `plan` must have if made for `src` and `dst`.
+pub(crate) fn expected_fingerprint(plan: &Plan, src: &Layout, dst: &Layout) -> Fingerprint {
+    let problem = fingerprint(src, dst, &plan.options, plan.strategy);
+    match plan.replicas {
+        Some(_) => replicas::derived_fingerprint(problem),
+        None => problem,
+    }
+}
 
 /// The fingerprint of a planning problem.
 pub(crate) fn fingerprint(src: &Layout, dst: &Layout, options: &PlanOptions, strategy: Strategy) -> Fingerprint {

@@ -8,7 +8,7 @@ use crate::block::Block;
 use crate::dtype::DType;
 use crate::fingerprint::FnvMap;
 use crate::layout::{BufferKey, BufferSpec, Layout, Loc, Rank};
-use crate::plan::{fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
+use crate::plan::{expected_fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
 use crate::quant;
 use crate::route::{self, scale_block, Route};
 use std::collections::{BTreeMap, BTreeSet};
@@ -36,7 +36,7 @@ impl<'a> Programs<'a> {
     /// Prepares to derive `plan`'s programs. Fails if the layouts are not
     /// the plan's.
     pub fn new(plan: &'a Plan, src: &'a Layout, dst: &'a Layout) -> Result<Programs<'a>, PlanError> {
-        let fp = fingerprint(src, dst, &plan.options, plan.strategy);
+        let fp = expected_fingerprint(plan, src, dst);
         if fp != plan.fingerprint {
             return Err(PlanError::FingerprintMismatch { plan: plan.fingerprint, layouts: fp });
         }
