@@ -50,13 +50,13 @@ impl Plan {
             return Err(PlanError::FingerprintMismatch { plan: self.fingerprint, layouts });
         }
         let k = one.ranks();
-        if k % one.ranks_per_node() != 0 {
+        if !k.is_multiple_of(one.ranks_per_node()) {
             return Err(derive(format!(
                 "a replica's {k} ranks do not fill whole nodes of {} ranks; replicas would share nodes",
                 one.ranks_per_node()
             )));
         }
-        if dst.ranks() % k != 0 {
+        if !dst.ranks().is_multiple_of(k) {
             return Err(derive(format!("the destination's {} ranks are not replicas of {k} ranks", dst.ranks())));
         }
         let n = dst.ranks() / k;
