@@ -32,6 +32,7 @@ mod planner;
 mod program;
 mod quant;
 mod rebalance;
+mod replica_plan;
 mod route;
 mod units;
 

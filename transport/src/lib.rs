@@ -40,6 +40,7 @@ mod node;
 mod pattern;
 mod shm;
 mod sockopt;
+mod staging;
 mod stream;
 mod tcp;
 mod transport;
@@ -70,6 +71,7 @@ pub use pattern::{
 };
 pub use shm::{remove_stale_regions, ShmConfig};
 pub use sockopt::Congestion;
+pub(crate) use staging::{RecvBuffers, Staging, StagingPool};
 #[cfg(any(test, feature = "testkit"))]
 pub use tcp::{tcp_fabric, tcp_fabric_for};
 pub use tcp::{TcpConfig, TcpTransport};

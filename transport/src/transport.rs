@@ -7,6 +7,7 @@
 
 use crate::copy::{fits, packed_strides, prefetch, StridedRef, PREFETCH_AHEAD};
 use crate::memory::RawBuf;
+use crate::Staging;
 use reshard::SendPieceView;
 use reshard::MAX_DIMS;
 use reshard::{Endpoint, Message, SendPiece};
@@ -138,14 +139,14 @@ pub struct SentPieces {
     /// Number of regions.
     n_regions: usize,
     /// Converted pieces, in wire type.
-    staging: Vec<u8>,
+    staging: Staging,
     /// Tells the sender, when dropped, that its memory is free again.
     pub(crate) release: Release,
 }
 
 impl std::fmt::Debug for SentPieces {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SentPieces").field("pieces", &self.len()).field("staging", &self.staging.len()).finish()
+        f.debug_struct("SentPieces").field("pieces", &self.len()).field("staging", &self.staging.as_slice().len()).finish()
     }
 }
 
@@ -168,7 +169,7 @@ impl SentPieces {
     /// valid, and the regions' bytes that the pieces read unwritten, until
     /// the payload is dropped: the sender waits for its release before it
     /// touches them again (and so before its program and buffer list go).
-    pub(crate) unsafe fn new(message: &Message<SendPiece>, regions: &[RawBuf], staging: Vec<u8>) -> SentPieces {
+    pub(crate) unsafe fn new(message: &Message<SendPiece>, regions: &[RawBuf], staging: Staging) -> SentPieces {
         SentPieces { message, regions: regions.as_ptr(), n_regions: regions.len(), staging, release: Release::default() }
     }
 
@@ -227,10 +228,12 @@ impl SentPieces {
             let end = numel.and_then(|n| n.checked_mul(elem)).and_then(|b| b.checked_add(at));
             *pos = end.unwrap_or(u64::MAX);
             let strides = packed_strides(extent);
-            if fits(extent, self.staging.len(), at / elem, &strides, wire) {
-                // SAFETY: the staging vector lives, unchanged, as long as
-                // `self`; the offsets are in bounds.
-                let view = unsafe { StridedRef::new(self.staging.as_ptr(), self.staging.len(), at / elem, strides, wire) };
+            let staging = self.staging.as_slice();
+            if fits(extent, staging.len(), at / elem, &strides, wire) {
+                // SAFETY: the staging area lives, unchanged, as long as
+                // `self` (it goes back to its pool only when `self` is
+                // dropped); the offsets are in bounds.
+                let view = unsafe { StridedRef::new(staging.as_ptr(), staging.len(), at / elem, strides, wire) };
                 return Ok(SentPiece { view, extent });
             }
             Err(*p)

@@ -8,7 +8,6 @@ mod endpoint;
 mod estimate;
 mod figures;
 mod options;
-mod replicas;
 mod rounds;
 mod subset;
 
@@ -394,9 +393,17 @@ pub(crate) const MAX_PIECES: u64 = 1 << 28;
 pub(crate) fn expected_fingerprint(plan: &Plan, src: &Layout, dst: &Layout) -> Fingerprint {
     let problem = fingerprint(src, dst, &plan.options, plan.strategy);
     match plan.replicas {
-        Some(_) => replicas::derived_fingerprint(problem),
+        Some(_) => derived_fingerprint(problem),
         None => problem,
     }
+}
+
+/// The fingerprint of a plan derived for replicas
+/// ([`Plan::for_replicas`]) whose planning problem's fingerprint (layouts,
+/// options, strategy) is `problem`: not that of the plan a planner makes
+/// for the same layouts (the two differ).
+pub(crate) fn derived_fingerprint(problem: Fingerprint) -> Fingerprint {
+    Fingerprint(problem.0 ^ fnv64("refit-plan-for-replicas"))
 }
 
 /// The fingerprint of a planning problem.

@@ -8,6 +8,7 @@ pub use crate::cursor::RankStats;
 use crate::cursor::{Action, RankCursor};
 use crate::memory::{MemView, RankMemory, RawBuf};
 use crate::transport::{Transport, TransportError, Waiting};
+use crate::{RecvBuffers, StagingPool};
 use reshard::QuantError;
 use reshard::{Block, DType, Endpoint, LocalCopyView, RankProgram, Span};
 use std::time::{Duration, Instant};
@@ -148,7 +149,7 @@ pub fn run_rank<T: Transport>(
     transport: &mut T,
     options: &ExecOptions,
 ) -> Result<RankStats, ExecError> {
-    run_rank_bypassing(program, &Bypass::of(program), memory, transport, options)
+    run_rank_bypassing(program, &Bypass::of(program), memory, transport, options, &StagingPool::default())
 }
 
 /// [`run_rank`] with `program`'s [`Bypass`] (`Bypass::of(program)`) at
@@ -160,8 +161,9 @@ pub(crate) fn run_rank_bypassing<T: Transport>(
     memory: &mut RankMemory,
     transport: &mut T,
     options: &ExecOptions,
+    pool: &StagingPool,
 ) -> Result<RankStats, ExecError> {
-    run_on(program, bypass, &memory.view(), transport, options, None)
+    run_on(program, bypass, &memory.view(), transport, options, None, pool)
 }
 
 /// [`run_rank_bypassing`] as a delta refit; `stats.sent_bytes` is then
@@ -173,8 +175,9 @@ pub(crate) fn run_rank_delta<T: Transport>(
     transport: &mut T,
     options: &ExecOptions,
     delta: &mut DeltaRun,
+    pool: &StagingPool,
 ) -> Result<RankStats, ExecError> {
-    run_on(program, bypass, &memory.view(), transport, options, Some(delta))
+    run_on(program, bypass, &memory.view(), transport, options, Some(delta), pool)
 }
 
 /// [`run_rank_bypassing`] (with `delta`, [`run_rank_delta`]) over memory
@@ -196,9 +199,10 @@ pub(crate) unsafe fn run_rank_regions<T: Transport>(
     transport: &mut T,
     options: &ExecOptions,
     delta: Option<&mut DeltaRun>,
+    pool: &StagingPool,
 ) -> Result<RankStats, ExecError> {
     let mem = MemView { bufs: regions.iter().map(|&(addr, len)| RawBuf { ptr: addr as *mut u8, len }).collect() };
-    run_on(program, bypass, &mem, transport, options, delta)
+    run_on(program, bypass, &mem, transport, options, delta, pool)
 }
 
 /// Runs the program on `mem` by the options' deadline; a delta run's
@@ -210,9 +214,10 @@ fn run_on<T: Transport>(
     transport: &mut T,
     options: &ExecOptions,
     mut delta: Option<&mut DeltaRun>,
+    pool: &StagingPool,
 ) -> Result<RankStats, ExecError> {
     let deadline = Instant::now() + options.deadline;
-    let mut stats = run_rank_inner(program, bypass, mem, transport, deadline, delta.as_deref_mut())?;
+    let mut stats = run_rank_inner(program, bypass, mem, transport, deadline, delta.as_deref_mut(), pool)?;
     if let Some(d) = delta {
         stats.sent_bytes = d.wire_bytes;
     }
@@ -226,8 +231,9 @@ fn run_rank_inner<T: Transport>(
     transport: &mut T,
     deadline: Instant,
     delta: Option<&mut DeltaRun>,
+    pool: &StagingPool,
 ) -> Result<RankStats, ExecError> {
-    let result = run_rounds(program, bypass, mem, transport, deadline, delta);
+    let result = run_rounds(program, bypass, mem, transport, deadline, delta, pool);
     if let Err(e) = &result {
         // Every peer hears of it, also when a peer's abort caused it: one
         // waiting for this rank's messages would otherwise wait for its
@@ -253,6 +259,7 @@ fn run_rounds<T: Transport>(
     transport: &mut T,
     deadline: Instant,
     mut delta: Option<&mut DeltaRun>,
+    pool: &StagingPool,
 ) -> Result<RankStats, ExecError> {
     let me = program.endpoint;
     if mem.bufs.len() != program.buffers.len() {
@@ -265,8 +272,9 @@ fn run_rounds<T: Transport>(
     }
     let mut cursor = RankCursor::new(program);
     // Where pieces read off a stream with their neighbours wait to be
-    // written out (see `unpack_stream`), reused by every message.
-    let mut stage: Vec<u8> = Vec::new();
+    // written out (see `unpack_stream`), reused by every message and kept
+    // for the plan's next run.
+    let mut stage = Kept { pool, buffers: pool.take_recv() };
     loop {
         match cursor.next_action() {
             Action::Locals { round, copies } => {
@@ -288,7 +296,7 @@ fn run_rounds<T: Transport>(
                 store_fence();
             }
             Action::Send { round, message } => {
-                let payload = pack(me, mem, message)?;
+                let payload = pack(me, mem, message, pool)?;
                 let payload = match delta.as_deref_mut() {
                     None => payload,
                     Some(d) => delta_encode(me, round, message, payload, d)?,
@@ -302,7 +310,7 @@ fn run_rounds<T: Transport>(
                 let routes: Vec<(u32, LocalCopyView<'_>)> = bypass.routes(round, peer).collect();
                 let into = Into { me, mem, bypass, routes: &routes };
                 let unpacked = match delta.as_deref_mut() {
-                    None => unpack(&into, msg, payload, &mut stage),
+                    None => unpack(&into, msg, payload, &mut stage.buffers),
                     Some(d) => delta_decode(round, peer, msg, payload, d).and_then(|dense| {
                         let unpacked = unpack_bytes(&into, msg, &dense);
                         d.next.received.insert((round, peer), dense);
@@ -326,6 +334,19 @@ fn run_rounds<T: Transport>(
                 return Ok(stats);
             }
         }
+    }
+}
+
+/// A run's receive buffers, back to their pool when the run ends (on any
+/// path).
+struct Kept<'a> {
+    pool: &'a StagingPool,
+    buffers: RecvBuffers,
+}
+
+impl Drop for Kept<'_> {
+    fn drop(&mut self) {
+        self.pool.give_recv(std::mem::take(&mut self.buffers));
     }
 }
 

@@ -11,15 +11,18 @@ use crate::copy::{
 use crate::frame::SHORT_RUN;
 use crate::memory::MemView;
 use crate::transport::{Payload, SentPieces};
+use crate::{RecvBuffers, Staging, StagingPool};
 use reshard::{Endpoint, LocalCopyView, Message, RecvPiece, RecvPieceView, SendPiece};
 
 /// A message's pieces, read in place from this rank's program and buffers
 /// by whoever carries the payload. Pieces whose wire type differs are
 /// converted into one staging area (carried with the payload), back to
 /// back, each at an offset aligned to its wire element size; a message
-/// without them costs nothing here, whatever its number of pieces.
-pub(super) fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Result<Payload, ExecError> {
-    let mut staging = Vec::new();
+/// without them costs nothing here, whatever its number of pieces. The
+/// staging area comes from `pool` and goes back to it when the payload is
+/// dropped: a plan's later runs reuse the first run's areas.
+pub(super) fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>, pool: &StagingPool) -> Result<Payload, ExecError> {
+    let mut staging = Staging::default();
     if msg.pieces.converting() > 0 {
         // Sized by pieces checked to lie in this rank's buffers first (so
         // bounded by them), the arithmetic checked: a program's extents
@@ -34,16 +37,17 @@ pub(super) fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>) -> Res
                 .ok_or_else(|| ExecError::OutOfBounds { me, block: Box::new(p.block()), buffer: u32::MAX })?;
         }
         let staged = usize::try_from(staged).map_err(|_| ExecError::Setup(format!("{me}: {staged} bytes of staging do not fit")))?;
-        staging = vec![0u8; staged];
+        staging = pool.take(staged);
+        let area = staging.as_mut_slice();
         let mut pos = 0u64;
         for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
             let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
             let src = view(me, mem, &p.span(), dtype, extent, || p.block())?;
             let elem = wire.size();
             pos = pos.next_multiple_of(elem);
-            // SAFETY: the staging vector is ours, and its heap buffer outlives
-            // this view (used for this one copy).
-            let dst = unsafe { StridedRef::new(staging.as_mut_ptr(), staging.len(), pos / elem, packed_strides(extent), wire) };
+            // SAFETY: the staging area is ours (borrowed mutably for the
+            // loop), and outlives this view (used for this one copy).
+            let dst = unsafe { StridedRef::new(area.as_mut_ptr(), area.len(), pos / elem, packed_strides(extent), wire) };
             if !in_bounds(extent, &dst) {
                 return Err(ExecError::OutOfBounds { me, block: Box::new(p.block()), buffer: u32::MAX });
             }
@@ -119,7 +123,7 @@ impl Into<'_> {
     }
 }
 
-pub(super) fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload, stage: &mut Vec<u8>) -> Result<(), Unpack> {
+pub(super) fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload, stage: &mut RecvBuffers) -> Result<(), Unpack> {
     let pieces = &msg.pieces;
     match payload {
         Payload::Segments { segments, keep_alive, release } => {
@@ -169,13 +173,14 @@ pub(super) fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload
 /// several places, bypassed scratch, feeding local copies) is read into
 /// `stage` with its neighbours, by the same `readv`, and written from
 /// there; one larger than the stage is read on its own into a buffer
-/// first.
+/// first (`buffers.large`, kept like the stage).
 fn unpack_stream(
     into: &Into<'_>,
     msg: &Message<RecvPiece>,
     frame: &mut crate::stream::StreamFrame,
-    stage: &mut Vec<u8>,
+    buffers: &mut RecvBuffers,
 ) -> Result<(), Unpack> {
+    let RecvBuffers { stage, large } = buffers;
     // (`wire_bytes` saturates: a message of more than `u64` bytes is
     // none, whatever length a peer claims for it.)
     let want = msg.wire_bytes();
@@ -217,7 +222,6 @@ fn unpack_stream(
         *used = 0;
         Ok::<(), Unpack>(())
     };
-    let mut tmp: Vec<u8> = Vec::new();
     for (i, p) in msg.pieces.views().enumerate() {
         let (extent, wire) = (p.extent(), p.wire());
         let mut spans = p.spans();
@@ -242,12 +246,14 @@ fn unpack_stream(
             if n > STAGE_BYTES {
                 flush(frame, &mut runs, &mut staged, &mut used)?;
                 batched = 0;
-                tmp.clear();
-                tmp.resize(n, 0);
-                frame.read_exact(&mut tmp).map_err(broken)?;
-                // SAFETY: `tmp` lives, unchanged, until the end of this
+                if large.len() < n {
+                    large.resize(n, 0);
+                }
+                let piece = &mut large[..n];
+                frame.read_exact(piece).map_err(broken)?;
+                // SAFETY: `piece` lives, unchanged, until the end of this
                 // iteration, the view's scope.
-                let src = unsafe { StridedRef::new(tmp.as_ptr(), tmp.len(), 0, packed_strides(extent), wire) };
+                let src = unsafe { StridedRef::new(piece.as_ptr(), piece.len(), 0, packed_strides(extent), wire) };
                 into.write(i, &p, &src).map_err(Unpack::Exec)?;
                 continue;
             }

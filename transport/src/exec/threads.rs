@@ -9,6 +9,7 @@ use crate::local::local_fabric;
 use crate::memory::{MemView, RankMemory};
 use crate::tcp::{tcp_fabric_for, TcpConfig};
 use crate::transport::{Transport, TransportError, WithAbort};
+use crate::StagingPool;
 use reshard::{Endpoint, RankProgram};
 use std::time::Instant;
 
@@ -104,7 +105,7 @@ fn run_threads_inner<T: Transport + WithAbort>(
                 let abort = t.abort_all();
                 let spawned = std::thread::Builder::new().spawn_scoped(scope, move || {
                     let mut run = base.map(DeltaRun::new);
-                    let r = run_rank_inner(p, &Bypass::of(p), v, &mut t, deadline, run.as_mut());
+                    let r = run_rank_inner(p, &Bypass::of(p), v, &mut t, deadline, run.as_mut(), &StagingPool::default());
                     match run {
                         Some(d) => (r.map(|s| RankStats { sent_bytes: d.wire_bytes, ..s }), d.next),
                         None => (r, DeltaMemo::default()),

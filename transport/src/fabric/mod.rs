@@ -36,13 +36,14 @@ mod hub;
 mod registered;
 mod spec;
 
+pub use crate::staging::StagingKept;
 pub use hub::{close_in_process, open_in_process};
 pub use registered::{RegisteredMemory, RegisteredStaging, Residence};
 pub use spec::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
 
 use crate::{
     run_rank_bypassing, run_rank_delta, run_rank_regions, Bypass, DeltaRun, ExecError, ExecOptions, Faults, HelloKey, RankMemory,
-    RankStats, Transport, TransportError,
+    RankStats, StagingPool, Transport, TransportError,
 };
 use endpoint::{Endpointed, Ready};
 use registered::current_regions;
@@ -122,11 +123,23 @@ pub enum RunMemory<'a> {
     },
 }
 
-/// Scratch buffers a plan's run leaves for the next run of the same plan
-/// (which writes them again instead of faulting in fresh pages: every
-/// scratch element a run reads, it wrote first).
+/// What a plan's run leaves for the next run of the same plan, which
+/// writes it again instead of faulting in fresh pages: scratch buffers
+/// (every scratch element a run reads, it wrote first) and the staging
+/// areas a sender converts pieces into (every staged byte it sends, it
+/// wrote first). A run that fails leaves nothing.
 #[derive(Debug, Default)]
-pub struct Scratch(Vec<Vec<u8>>);
+pub struct Scratch {
+    buffers: Vec<Vec<u8>>,
+    staging: StagingPool,
+}
+
+impl Scratch {
+    /// The staging areas kept for the next run, and how many were made.
+    pub fn staging_kept(&self) -> StagingKept {
+        self.staging.kept()
+    }
+}
 
 /// How one run goes.
 pub struct RunOptions<'a> {
@@ -209,12 +222,16 @@ impl RankEnd {
     /// aborted the end.
     pub fn run(&mut self, program: &RankProgram, memory: RunMemory<'_>, options: RunOptions<'_>) -> Result<RankStats, RunError> {
         let RunOptions { deadline, delta, scratch } = options;
-        let reuse = std::mem::take(&mut scratch.0);
+        let reuse = std::mem::take(&mut scratch.buffers);
+        // Taken too: a run that fails leaves none (its areas go back to a
+        // pool nobody keeps, and are freed).
+        let pool = std::mem::take(&mut scratch.staging);
         match self.0.ready().map_err(RunError::Fabric)? {
             Ready::Transport(t) => {
-                let (r, left) = run_on_transport(program, memory, t, deadline, delta, reuse);
+                let (r, left) = run_on_transport(program, memory, t, RunHow { deadline, delta, pool: &pool }, reuse);
                 if r.is_ok() {
-                    scratch.0 = left;
+                    scratch.buffers = left;
+                    scratch.staging = pool;
                 }
                 r
             }
@@ -238,7 +255,7 @@ impl RankEnd {
                         let r = c.run(program, memory, until, delta);
                         let left = drop_scratch(memory, base);
                         if r.is_ok() {
-                            scratch.0 = left;
+                            scratch.buffers = left;
                         }
                         r
                     }
@@ -258,16 +275,24 @@ impl RankEnd {
     }
 }
 
+/// How a run over a host transport goes: its deadline, a delta run, and
+/// the pool its staging areas come from.
+struct RunHow<'a, 'd> {
+    deadline: Duration,
+    delta: Option<&'d mut DeltaRun>,
+    pool: &'a StagingPool,
+}
+
 /// Runs `program` on `memory` (plus any scratch it needs, from `reuse`
 /// where it fits) over a host `transport`; hands back the scratch.
 fn run_on_transport(
     program: &RankProgram,
     memory: RunMemory<'_>,
     transport: &mut dyn Transport,
-    deadline: Duration,
-    delta: Option<&mut DeltaRun>,
+    how: RunHow<'_, '_>,
     reuse: Vec<Vec<u8>>,
 ) -> (Result<RankStats, RunError>, Vec<Vec<u8>>) {
+    let RunHow { deadline, delta, pool } = how;
     // Scratch whose copies the executor makes on receipt gets no memory.
     let bypass = Bypass::of(program);
     let options = ExecOptions { deadline };
@@ -277,12 +302,12 @@ fn run_on_transport(
     };
     let mut t: &mut dyn Transport = transport;
     match memory {
-        RunMemory::Host(m) => host_run(program, &bypass, m, &mut t, &options, delta, reuse),
+        RunMemory::Host(m) => host_run(program, &bypass, m, &mut t, &options, (delta, pool), reuse),
         RunMemory::Staged { registered, staging } => {
             // The rank's own buffers staged on the host, the scratch added
             // by the executor.
             match RegisteredStaging::host(staging, program, registered, registered.buffers()) {
-                Ok(m) => host_run(program, &bypass, m, &mut t, &options, delta, reuse),
+                Ok(m) => host_run(program, &bypass, m, &mut t, &options, (delta, pool), reuse),
                 Err(why) => refuse(t, RunError::Fabric(why)),
             }
         }
@@ -309,7 +334,7 @@ fn run_on_transport(
             // reads them; each is cut to its buffer's bytes
             // (`current_regions`); the scratch is ours, alive past the
             // run; no two regions overlap.
-            let r = unsafe { run_rank_regions(program, &bypass, &all, &mut t, &options, delta) };
+            let r = unsafe { run_rank_regions(program, &bypass, &all, &mut t, &options, delta, pool) };
             (r.map_err(exec_error), beside)
         }
     }
@@ -333,7 +358,7 @@ fn host_run(
     memory: &mut RankMemory,
     t: &mut &mut dyn Transport,
     options: &ExecOptions,
-    delta: Option<&mut DeltaRun>,
+    (delta, pool): (Option<&mut DeltaRun>, &StagingPool),
     reuse: Vec<Vec<u8>>,
 ) -> (Result<RankStats, RunError>, Vec<Vec<u8>>) {
     let base = match with_scratch(memory, program, bypass, reuse) {
@@ -344,8 +369,8 @@ fn host_run(
         }
     };
     let r = match delta {
-        None => run_rank_bypassing(program, bypass, memory, t, options),
-        Some(d) => run_rank_delta(program, bypass, memory, t, options, d),
+        None => run_rank_bypassing(program, bypass, memory, t, options, pool),
+        Some(d) => run_rank_delta(program, bypass, memory, t, options, d, pool),
     };
     (r.map_err(exec_error), drop_scratch(memory, base))
 }

@@ -18,10 +18,8 @@
 //! from replica to replica, which sends fewer source bytes where source
 //! egress is the narrow link; `docs/benchmarks.md` compares the two.
 
-use super::rounds::SenderLists;
-use super::{fingerprint, Endpoint, Group, Plan, PlanError, PlanParts, Strategy};
-use crate::fingerprint::{fnv64, Fingerprint};
 use crate::layout::{Layout, Rank};
+use crate::plan::{derived_fingerprint, fingerprint, Endpoint, Group, Plan, PlanError, PlanParts, SenderLists, Strategy};
 use crate::rebalance::rebalance;
 use crate::route::{offered_holdings, scale_block};
 use std::collections::HashMap;
@@ -149,11 +147,4 @@ impl Plan {
     pub fn derived_for_replicas(&self) -> Option<u32> {
         self.replicas
     }
-}
-
-/// The fingerprint of a plan derived for replicas whose planning
-/// problem's fingerprint (layouts, options, strategy) is `problem`: not
-/// that of the plan a planner makes for the same layouts (the two differ).
-pub(crate) fn derived_fingerprint(problem: Fingerprint) -> Fingerprint {
-    Fingerprint(problem.0 ^ fnv64("refit-plan-for-replicas"))
 }
