@@ -112,6 +112,13 @@ struct ClusterArgs {
     /// for the next refit of the same plan.
     #[arg(long)]
     fresh_data_plane: bool,
+    /// Every pair of ranks talks TCP, no shared memory (for comparison).
+    /// By default ranks of one node share memory, and so do all ranks of a
+    /// host of at most 16 of them, whatever their group (both groups on
+    /// one machine), unless --emulate-nic-mbps without --netns makes the
+    /// nodes stand for different hosts.
+    #[arg(long)]
+    tcp: bool,
     /// Emulate DGX H100 links at this per-rank network rate, in MB/s:
     /// each rank's egress to other nodes is capped at it, and to ranks of
     /// its own node at 9 times it (per direction: NVLink 4's 450 GB/s vs a

@@ -334,7 +334,7 @@ impl Member {
         match RankEnd::open(fabric, &program, site, &session) {
             Ok((end, addr)) => {
                 self.pending = Some(Pending { refit, program, end, session, keep });
-                MemberReply::Prepared { endpoint, node: self.node, addr }
+                MemberReply::Prepared { endpoint, node: self.node, addr, host: transport::fabric::this_host() }
             }
             Err(e) => MemberReply::Refused(Refusal::Fabric(e)),
         }

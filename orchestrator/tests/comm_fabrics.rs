@@ -669,7 +669,7 @@ async fn a_commit_that_never_comes_lets_readers_back_in() {
     for m in &sys.members {
         let msg = MemberMsg::Prepare { refit, fingerprint, session: "no-commit".into(), fabric: Fabric::Nccl(fabric(world)), keep: false };
         match m.call(msg).await.unwrap() {
-            MemberReply::Prepared { endpoint, node, addr } => peers.push(PeerAddr { endpoint, node, addr }),
+            MemberReply::Prepared { endpoint, node, addr, host } => peers.push(PeerAddr { endpoint, node, addr, host }),
             other => panic!("prepare: {other:?}"),
         }
     }

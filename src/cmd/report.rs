@@ -388,6 +388,12 @@ impl ClusterArgs {
                 checksum: self.checksum,
                 emulation: self.emulation(),
                 connect_timeout: deadline.min(Duration::from_secs(60)),
+                shared_memory: !self.tcp,
+                // Links emulated in the senders make the nodes of this
+                // machine stand for hosts: only ranks of a node share
+                // memory (emulated hosts, namespaces of their own, are
+                // told apart anyway).
+                same_host: self.emulation().inter_node_bytes_per_s.is_none(),
                 ..orchestrator::NodeFabric::default()
             },
             strategy: Strategy::Reshard,

@@ -52,7 +52,11 @@ pub struct ShmConfig {
     /// Where region files are created (a tmpfs).
     pub dir: PathBuf,
     /// Bytes per ordered pair of same-node ranks for messages handed over
-    /// in place (default 64 MiB). A pair's region is reserved in full the
+    /// in place (default 256 MiB; the node fabric takes it as a rank's
+    /// budget, split among the peers it sends to through shared memory,
+    /// each pair at least 1 MiB and at most its largest message rounded up
+    /// to a power of two: a message that fits goes over in one copy in and
+    /// one out, a larger one in chunks). A pair's region is reserved in full the
     /// first time its sender sends (so a full tmpfs is an error then, not
     /// SIGBUS later); pairs that never talk cost a page.
     pub lend_bytes: u64,
@@ -66,7 +70,7 @@ pub struct ShmConfig {
 
 impl Default for ShmConfig {
     fn default() -> Self {
-        ShmConfig { dir: PathBuf::from("/dev/shm"), lend_bytes: 64 << 20, stream_bytes: 8 << 20, wait_timeout: Duration::from_secs(600) }
+        ShmConfig { dir: PathBuf::from("/dev/shm"), lend_bytes: 256 << 20, stream_bytes: 8 << 20, wait_timeout: Duration::from_secs(600) }
     }
 }
 

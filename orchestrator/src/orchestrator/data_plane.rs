@@ -90,11 +90,11 @@ impl Orchestrator {
         }
         let mut peers = Vec::with_capacity(prepared.len());
         for (_, member, reply) in prepared {
-            let Ok(MemberReply::Prepared { endpoint, node, addr }) = reply else {
+            let Ok(MemberReply::Prepared { endpoint, node, addr, host }) = reply else {
                 let error = OrchestratorError::Protocol { member, request: "Prepare", reply: format!("{reply:?}") };
                 return Err((error, Blame::default()));
             };
-            peers.push(PeerAddr { endpoint, node, addr });
+            peers.push(PeerAddr { endpoint, node, addr, host });
         }
         let connect_timeout = match &fabric {
             Fabric::InProcess => None,

@@ -75,7 +75,7 @@ impl Endpointed {
         };
         let me = program.endpoint;
         let by_endpoint: HashMap<Endpoint, &PeerAddr> = table.iter().map(|p| (p.endpoint, p)).collect();
-        let mine = by_endpoint.get(&me).map(|p| p.node).ok_or_else(|| format!("the peer table has no entry for {me}"))?;
+        let mine = by_endpoint.get(&me).map(|p| (p.node, p.host)).ok_or_else(|| format!("the peer table has no entry for {me}"))?;
         let wanted = program_peers(program);
         let mut peers = Vec::with_capacity(wanted.len());
         for e in wanted {
@@ -83,11 +83,24 @@ impl Endpointed {
             let addr: SocketAddr = p.addr.parse().map_err(|err| format!("{e}: bad data address '{}': {err}", p.addr))?;
             peers.push((e, addr));
         }
-        // Without shared memory every rank is a node of its own.
+        // Ranks with one key share memory: ranks of one host (when known,
+        // asked for, and the host has few enough: each pair that talks
+        // holds a region), else ranks of one node of a group; without
+        // shared memory every rank is a node of its own. Every rank derives
+        // its pairs' keys from the same table, so both ends of a pair agree.
+        let mut on_host: HashMap<u64, usize> = HashMap::new();
+        for p in table {
+            *on_host.entry(p.host).or_default() += 1;
+        }
         let shared_memory = settings.shared_memory;
-        let node_of = |e: Endpoint| -> (Group, u32) {
-            let node = if e == me { mine } else { by_endpoint.get(&e).map_or(u32::MAX, |p| p.node) };
-            (e.group, if shared_memory { node } else { e.rank })
+        let same_host = |host: u64| settings.same_host && host != 0 && on_host.get(&host).copied().unwrap_or(0) <= SAME_HOST_MOST_RANKS;
+        let node_of = |e: Endpoint| -> ShareKey {
+            let (node, host) = if e == me { mine } else { by_endpoint.get(&e).map_or((u32::MAX, 0), |p| (p.node, p.host)) };
+            match (shared_memory, same_host(host)) {
+                (false, _) => ShareKey::Rank(e),
+                (true, true) => ShareKey::Host(host),
+                (true, false) => ShareKey::Node(e.group, node),
+            }
         };
         // A pair's lend area is reserved as soon as it talks: size it to the
         // largest message this rank sends inside its node (bigger ones
@@ -210,4 +223,21 @@ pub(super) enum Ready<'a> {
     Transport(&'a mut dyn Transport),
     /// A communicator, for the communicator executor.
     Comm(&'a mut CommEnd),
+}
+
+/// The most ranks a host may hold for all of them to share memory
+/// ([`NodeFabric::same_host`]); a host with more shares it only within
+/// nodes (every pair that talks holds a region of at least 2 MiB).
+const SAME_HOST_MOST_RANKS: usize = 16;
+
+/// What decides whether two ranks of the node fabric share memory: equal
+/// keys do.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum ShareKey {
+    /// Every rank on one host.
+    Host(u64),
+    /// The ranks of one node of a group.
+    Node(Group, u32),
+    /// One rank alone (no shared memory).
+    Rank(Endpoint),
 }

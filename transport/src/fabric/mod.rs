@@ -32,11 +32,13 @@
 
 mod comm;
 mod endpoint;
+mod host;
 mod hub;
 mod registered;
 mod spec;
 
 pub use crate::staging::StagingKept;
+pub use host::this_host;
 pub use hub::{close_in_process, open_in_process};
 pub use registered::{RegisteredMemory, RegisteredStaging, Residence};
 pub use spec::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};

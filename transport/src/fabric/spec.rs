@@ -95,11 +95,25 @@ pub struct NodeFabric {
     /// Ranks of one node talk through shared memory (off: TCP between
     /// every pair, as if every rank were a node of its own).
     pub shared_memory: bool,
+    /// With `shared_memory`: ranks on one host ([`PeerAddr::host`]) talk
+    /// through shared memory too, whatever their group and node (a
+    /// training and an inference group on one machine); TCP only between
+    /// hosts. Only on hosts of at most 16 of the refit's ranks (each pair
+    /// that talks holds a region); on a host with more, ranks share memory
+    /// within their node. Off where ranks of one machine stand for
+    /// different hosts (links emulated in the senders).
+    pub same_host: bool,
 }
 
 impl Default for NodeFabric {
     fn default() -> Self {
-        NodeFabric { checksum: false, emulation: EgressCaps::default(), connect_timeout: Duration::from_secs(30), shared_memory: true }
+        NodeFabric {
+            checksum: false,
+            emulation: EgressCaps::default(),
+            connect_timeout: Duration::from_secs(30),
+            shared_memory: true,
+            same_host: true,
+        }
     }
 }
 
@@ -121,6 +135,9 @@ pub struct PeerAddr {
     pub endpoint: Endpoint,
     /// Its node within its group (ranks of one node share memory).
     pub node: u32,
+    /// Its host ([`this_host`](super::this_host); `0`: unknown): the node
+    /// fabric's ranks on one host share memory ([`NodeFabric::same_host`]).
+    pub host: u64,
     /// Where it listens (`ip:port`; empty for the in-process fabric). On
     /// the communicator fabric, `<id>@<device>`: the communicator's id
     /// from source rank 0 (hex: NCCL's unique id names rank 0's bootstrap

@@ -1,0 +1,94 @@
+//! Both groups on one host: the node fabric's ranks that report one host
+//! ([`PeerAddr::host`]) talk through shared memory whatever their group
+//! and node ([`NodeFabric::same_host`]); ranks of other hosts, or with the
+//! setting off, talk TCP. Which link a pair took shows in whether it
+//! needs a shared-memory directory: the one given here does not exist, so
+//! a pair that shares memory cannot connect (and says where it looked).
+
+use reshard::{parse_layout, plan_reshard, Endpoint, Layout, PlanOptions, RankProgram};
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::time::Duration;
+use transport::fabric::{
+    this_host, Connecting, Fabric, NodeFabric, NodeTweak, PeerAddr, RankEnd, RunError, RunMemory, RunOptions, Scratch, Site,
+};
+use transport::{fill_sources, verify_destinations, HelloKey, RankMemory};
+
+/// Training TP2 in f32, inference TP2 the other way in bf16, every rank a
+/// node of its own: no two ranks share a node.
+fn layouts() -> (Layout, Layout) {
+    let src = r#"{"ranks": 2, "ranks_per_node": 1, "tensors": [
+      {"name": "w", "dtype": "f32", "shape": [1024, 256], "mesh": {"shape": [2]}, "placements": ["shard(0)"]}]}"#;
+    let dst = r#"{"ranks": 2, "ranks_per_node": 1, "tensors": [
+      {"name": "w", "dtype": "bf16", "shape": [1024, 256], "mesh": {"shape": [2]}, "placements": ["shard(1)"]}]}"#;
+    (parse_layout(src).unwrap(), parse_layout(dst).unwrap())
+}
+
+/// One refit over the node fabric on loopback, every rank on a thread of
+/// its own, sources reporting host `src_host` and destinations
+/// `dst_host` (and `crowd` more ranks on the sources' host), shared-memory
+/// regions to go in a directory that does not exist. Ok with every destination element checked, or the first rank's
+/// error.
+fn refit(same_host: bool, src_host: u64, dst_host: u64, crowd: u32, session: &str) -> Result<(), RunError> {
+    let (src, dst) = layouts();
+    let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
+    let programs: Vec<RankProgram> = plan.programs(&src, &dst).unwrap();
+    let settings = NodeFabric { connect_timeout: Duration::from_secs(10), same_host, ..NodeFabric::default() };
+    let site = Site { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), gpu: None };
+    let mut ends = Vec::new();
+    let mut table = Vec::new();
+    for p in &programs {
+        let (end, addr) = RankEnd::open(Fabric::Node(settings.clone()), p, site, session).unwrap();
+        let e: Endpoint = p.endpoint;
+        let host = if e.group == reshard::Group::Src { src_host } else { dst_host };
+        table.push(PeerAddr { endpoint: e, node: e.rank, addr, host });
+        ends.push(end);
+    }
+    // Other ranks of the refit on the sources' host, that these do not
+    // talk to.
+    for r in 0..crowd {
+        table.push(PeerAddr { endpoint: Endpoint::dst(100 + r), node: 100 + r, addr: "127.0.0.1:9".into(), host: src_host });
+    }
+    let mut memory = RankMemory::for_programs(&programs);
+    fill_sources(&src, &mut memory[..2]);
+    let results: Vec<Result<(), RunError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ends
+            .into_iter()
+            .zip(&programs)
+            .zip(memory.iter_mut())
+            .map(|((end, program), memory)| {
+                let table = &table;
+                s.spawn(move || {
+                    let tweak = |t: &mut NodeTweak| t.shm_dir = Some(PathBuf::from("/nonexistent-refit-shm"));
+                    let key = HelloKey([7; 32]);
+                    let mut end = end.connect(program, table, Connecting { key, tweak: &tweak }).map_err(RunError::Fabric)?;
+                    let mut scratch = Scratch::default();
+                    let options = RunOptions { deadline: Duration::from_secs(10), delta: None, scratch: &mut scratch };
+                    end.run(program, RunMemory::Host(memory), options).map(drop)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    results.into_iter().collect::<Result<(), RunError>>()?;
+    verify_destinations(&src, &dst, &memory[2..]).unwrap();
+    Ok(())
+}
+
+#[test]
+fn ranks_of_one_host_share_memory_across_groups_only_when_asked() {
+    let here = this_host();
+    assert_ne!(here, 0);
+    // One host with the setting off, two hosts, unknown hosts: TCP between
+    // the groups, bit-exact.
+    refit(false, here, here, 0, "samehost-off").unwrap();
+    refit(true, here, here ^ 2, 0, "samehost-two").unwrap();
+    refit(true, 0, 0, 0, "samehost-unknown").unwrap();
+    // A host of more than 16 of the refit's ranks shares memory only
+    // within nodes.
+    refit(true, here, here, 13, "samehost-crowd").unwrap();
+    // One host, the setting on: the groups' pairs share memory, and the
+    // regions' directory is missing.
+    let e = refit(true, here, here, 12, "samehost-on").unwrap_err().to_string();
+    assert!(e.contains("/nonexistent-refit-shm"), "{e}");
+}
