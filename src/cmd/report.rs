@@ -394,7 +394,6 @@ impl ClusterArgs {
                 // memory (emulated hosts, namespaces of their own, are
                 // told apart anyway).
                 same_host: self.emulation().inter_node_bytes_per_s.is_none(),
-                ..orchestrator::NodeFabric::default()
             },
             strategy: Strategy::Reshard,
             keep_data_plane: !self.fresh_data_plane,
