@@ -98,6 +98,9 @@ fn fabric(name: &str, local: bool) -> PyResult<Fabric> {
     Ok(match name {
         "in_process" if local => Fabric::InProcess,
         "node" => Fabric::Node(NodeFabric::default()),
+        // The node fabric without shared memory: TCP between every pair
+        // (for comparison).
+        "tcp" => Fabric::Node(NodeFabric { shared_memory: false, ..NodeFabric::default() }),
         "nccl" => Fabric::Nccl(NcclFabric::new(CommPlane::Cuda)),
         "ipc" => Fabric::Ipc(IpcFabric::new(CommPlane::Cuda)),
         // Host memory standing in for the GPUs, every member in this
@@ -106,9 +109,9 @@ fn fabric(name: &str, local: bool) -> PyResult<Fabric> {
         "simulated-ipc" => Fabric::Ipc(IpcFabric::new(CommPlane::Simulated { world: "python".into() })),
         _ => {
             let known = if local {
-                "'in_process', 'node', 'nccl', 'ipc', 'simulated-nccl' or 'simulated-ipc'"
+                "'in_process', 'node', 'tcp', 'nccl', 'ipc', 'simulated-nccl' or 'simulated-ipc'"
             } else {
-                "'node', 'nccl', 'ipc', 'simulated-nccl' or 'simulated-ipc'"
+                "'node', 'tcp', 'nccl', 'ipc', 'simulated-nccl' or 'simulated-ipc'"
             };
             return Err(PyValueError::new_err(format!("fabric '{name}': expected {known}")));
         }

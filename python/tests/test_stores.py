@@ -371,7 +371,7 @@ def test_unknown_fabrics_are_refused():
     train, infer = layouts()
     with pytest.raises(ValueError, match="fabric 'shm'"):
         refit.spawn_local(train, infer, fabric="shm")
-    with pytest.raises(ValueError, match="expected 'node', 'nccl'"):
+    with pytest.raises(ValueError, match="expected 'node', 'tcp', 'nccl'"):
         refit.Orchestrator(fabric="in_process")
 
 
@@ -404,7 +404,7 @@ def test_dlpack_tensors_and_capsules_are_found_in_place():
         memory_of(object())
 
 
-@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc", "node"])
+@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc", "node", "tcp"])
 def test_in_place_sources_are_read_where_they_are(fabric):
     """Sources over the trainer's own arrays (no copy into the store), on
     the GPU fabrics' simulated planes and the node fabric: what a step
@@ -446,7 +446,7 @@ def test_in_place_sources_are_read_where_they_are(fabric):
         joined.shutdown()
 
 
-@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc", "node"])
+@pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc", "node", "tcp"])
 def test_in_place_destinations_receive_each_commit_where_they_are(fabric):
     """Destinations over the inference engine's own arrays, on the GPU
     fabrics' simulated planes and the node fabric: each committed version
