@@ -15,7 +15,8 @@ round:
   refit         refit's Python API as docs/python.md shows it: in-place
                 sources over the FSDP2 shards, in-place destinations over
                 the inference buffers, `orchestrator.refit(version)`
-                (`--fabric`: node, the default, or tcp).
+                (`--fabric`: node, the default, or tcp; `--direct`: the
+                destinations written in place, no staging copy).
   p2p           torch send/recv written by hand: each trainer rank casts the
                 part of its shard each inference rank needs to bf16 and
                 sends it; each inference rank receives straight into its
@@ -234,7 +235,7 @@ def inference(t, a, ports, address, secret, conn):
     for b in buffers.values():
         b.fill_(0.0)  # (faulted in: the engine's weights are resident)
     rss_with_weights = status_kib("VmRSS")
-    dst = refit.Destination.in_place(infer, t, buffers)
+    dst = refit.Destination.in_place(infer, t, buffers, direct=a.direct)
     dst.join(address, secret)
     have = [{name: (off, ext) for name, _, off, ext in train.blocks(r)} for r in range(TRAINERS)]
     names = list(shapes)
@@ -318,6 +319,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--bucket-mib", type=int, default=256)
     ap.add_argument("--fabric", choices=("node", "tcp"), default="node")
+    ap.add_argument("--direct", action="store_true", help="refit's destinations written in place (Destination.in_place(direct=True)): no staging copy")
     ap.add_argument("--json", action="store_true", help="one JSON line of every measurement")
     a = ap.parse_args()
     try:
@@ -350,7 +352,7 @@ def main():
     for p in trainers:
         p.send(infer_json)
     plan = orch.connect(TRAINERS, INFERENCE)
-    print(f"Qwen2 from a config: {n_params / 1e6:.1f}M parameters; FSDP2 x{TRAINERS} (f32) -> TP{INFERENCE} (bf16); refit over '{a.fabric}', {plan.bytes / 2**20:.1f} MiB a refit", file=sys.stderr)
+    print(f"Qwen2 from a config: {n_params / 1e6:.1f}M parameters; FSDP2 x{TRAINERS} (f32) -> TP{INFERENCE} (bf16); refit over '{a.fabric}'{', destinations written in place' if a.direct else ''}, {plan.bytes / 2**20:.1f} MiB a refit", file=sys.stderr)
 
     results = {m: [] for m in METHODS}
     last = None
@@ -421,7 +423,7 @@ def main():
     print(f"refit / p2p: {med['refit'] / med['p2p']:.2f}x time, {cpu['refit'] / cpu['p2p']:.2f}x CPU; refit / broadcast: {med['refit'] / med['broadcast']:.2f}x time")
     print(
         "; ".join(f"inference rank {t}: RSS {r:.0f} MiB above its RSS with its weights ({w:.0f} MiB) before anything moved" for t, (r, w) in enumerate(rss))
-        + " (every method's leftovers together: refit's staging copy of the weights among them)"
+        + " (every method's leftovers together; without --direct, refit's staging copy of the weights among them)"
     )
     print(f"every round: the three methods left the same bytes, and they changed from round to round: {ok}")
     if a.json:

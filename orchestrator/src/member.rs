@@ -10,7 +10,9 @@ use reshard::{BufferSpec, Endpoint, Fingerprint, Group, Layout, Rank, RankProgra
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::fabric::{Connecting, KillSwitch, NodeTweak, RankEnd, RegisteredStaging, RunError, RunMemory, RunOptions, Scratch, Site};
+use transport::fabric::{
+    Connecting, KillSwitch, NodeTweak, RankEnd, RegisteredStaging, Residence, RunError, RunMemory, RunOptions, Scratch, Site,
+};
 use transport::{DeltaMemo, DeltaRun};
 
 /// Which side of the refit a member is on, with its rank's store.
@@ -159,6 +161,9 @@ struct Staged {
     /// deadline, so readers are not held off for good if the orchestrator
     /// went away.
     fence: Arc<std::sync::Mutex<Option<CommitFence>>>,
+    /// The run wrote the registered memory in place: the commit copies
+    /// nothing.
+    in_place: bool,
 }
 
 /// The default [`MemberConfig::commit_hold`].
@@ -470,6 +475,13 @@ impl Member {
                 };
                 split(watched(run, deadline, kill).await)
             }
+            Role::Dst(store)
+                if store.writes_in_place()
+                    && store.registered_memory().is_some_and(|r| r.residence() == Residence::Host)
+                    && end.on_host_transport() =>
+            {
+                self.run_in_place_dst(store, program, end, how, left, version, kill).await
+            }
             Role::Dst(store) if store.registered_memory().is_some() => {
                 self.run_registered_dst(store, program, end, how, left, version, kill).await
             }
@@ -575,8 +587,16 @@ impl Member {
             let why = format!("{}: readers held its registered weights (DstStore::serve) past the refit's deadline", program.endpoint);
             return (Err(Refusal::Exec { why, after_peer: false }), end);
         };
+        self.hold_for_commit(version, program, fence, false, how.deadline);
+        (result, end)
+    }
+
+    /// Keeps a staged version's hold on the store's readers for its
+    /// commit, at most [`MemberConfig::commit_hold`] past the run's
+    /// deadline.
+    fn hold_for_commit(&mut self, version: u64, program: Arc<RankProgram>, fence: CommitFence, in_place: bool, deadline: Duration) {
         let fence = Arc::new(std::sync::Mutex::new(Some(fence)));
-        let hold = how.deadline.saturating_add(self.config.commit_hold);
+        let hold = deadline.saturating_add(self.config.commit_hold);
         if hold < Duration::from_secs(365 * 24 * 3600) {
             let expiring = Arc::downgrade(&fence);
             tokio::spawn(async move {
@@ -588,7 +608,48 @@ impl Member {
                 }
             });
         }
-        self.staged = Some(Staged { version, program, fence });
+        self.staged = Some(Staged { version, program, fence, in_place });
+    }
+
+    /// Runs a destination written in place
+    /// ([`DstStore::registered_direct`]): waits for its readers to let go
+    /// (within the deadline, before anything is written), marks it torn,
+    /// runs the program straight into the registered memory, and keeps
+    /// the readers off until the commit (which copies nothing) or a
+    /// discard (after which it stays torn).
+    #[allow(clippy::too_many_arguments)]
+    async fn run_in_place_dst(
+        &mut self,
+        store: &Arc<DstStore>,
+        program: Arc<RankProgram>,
+        mut end: RankEnd,
+        how: RunHow,
+        left: Leftover,
+        version: u64,
+        kill: Option<KillSwitch>,
+    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
+        let started = Instant::now();
+        self.staged = None;
+        let Some(registered) = store.registered_memory().cloned() else {
+            return (Err(Refusal::ProgramMismatch("the store is not registered".into())), None);
+        };
+        let Some(fence) = store.fence_for_commit(how.deadline).await else {
+            let why = format!("{}: readers held its registered weights (DstStore::serve) past the refit's deadline", program.endpoint);
+            end.abort(&why);
+            return (Err(Refusal::Exec { why, after_peer: false }), None);
+        };
+        // From the first byte written the memory holds no whole version.
+        store.tear(&fence);
+        let how = RunHow { deadline: how.deadline.saturating_sub(started.elapsed()), ..how };
+        let p = program.clone();
+        let run = tokio::task::spawn_blocking(move || {
+            let (r, left) = execute_on(&p, RunMemory::Registered(&registered), &mut end, how, left);
+            (r, (end, left))
+        });
+        let (result, end) = split(watched(run, how.deadline, kill).await);
+        if result.is_ok() {
+            self.hold_for_commit(version, program, fence, true, how.deadline);
+        }
         (result, end)
     }
 
@@ -606,6 +667,11 @@ impl Member {
             let why = format!("{me}: version {version} was staged, but its commit came after the hold on its readers expired");
             return MemberReply::Refused(Refusal::Exec { why, after_peer: false });
         };
+        if staged.in_place {
+            // The run wrote the version where it is served.
+            store.publish(version, &fence);
+            return MemberReply::Done;
+        }
         let Some(registered) = store.registered_memory().cloned() else {
             return MemberReply::Refused(Refusal::NotStaged { staged: None });
         };

@@ -451,7 +451,21 @@ fn served_in_place_in(
     dst_config: orchestrator::MemberConfig,
     residence: orchestrator::Residence,
 ) -> ServedInPlace {
+    served(config, Served { dst_config, residence, direct: false, src_config: orchestrator::MemberConfig::default() })
+}
+
+/// How [`served`] builds a system.
+struct Served {
+    dst_config: orchestrator::MemberConfig,
+    residence: orchestrator::Residence,
+    /// Destinations written in place (`DstStore::registered_direct`).
+    direct: bool,
+    src_config: orchestrator::MemberConfig,
+}
+
+fn served(config: OrchestratorConfig, how: Served) -> ServedInPlace {
     use orchestrator::{DstStore, Member, Role, SrcStore};
+    let Served { dst_config, residence, direct, src_config } = how;
     use std::sync::Arc;
     let (src, dst) = layouts();
     let (src, dst) = (Arc::new(src), Arc::new(dst));
@@ -460,7 +474,7 @@ fn served_in_place_in(
     let src_members: Vec<_> = src_stores
         .iter()
         .enumerate()
-        .map(|(r, s)| actors::spawn(Member::new(src.clone(), r as u32, Role::Src(s.clone())), spawn.clone()))
+        .map(|(r, s)| actors::spawn(Member::with_config(src.clone(), r as u32, Role::Src(s.clone()), src_config.clone()), spawn.clone()))
         .collect();
     let mut memory = Vec::new();
     let mut dst_stores = Vec::new();
@@ -473,7 +487,7 @@ fn served_in_place_in(
         // test ends, never moves (boxed), and the test reads it only while
         // it holds `serve()` or no refit is in progress.
         let reg = unsafe { orchestrator::Registered::new(&dst, r, residence, regions) }.unwrap();
-        let store = Arc::new(DstStore::registered(&dst, r, reg));
+        let store = Arc::new(if direct { DstStore::registered_direct(&dst, r, reg) } else { DstStore::registered(&dst, r, reg) });
         let member = Member::with_config(dst.clone(), r, Role::Dst(store.clone()), dst_config.clone());
         dst_members.push(actors::spawn(member, spawn.clone()));
         dst_stores.push(store);
@@ -819,5 +833,62 @@ async fn registered_sources_whose_owner_lies_are_refused_or_followed() {
         assert!(sys.serves(v, 1.0), "{fabric:?}: the next honest refit recovers");
         drop(sys);
         drop((home, moved));
+    }
+}
+
+/// Destinations written in place (`DstStore::registered_direct`), on both
+/// host fabrics: each refit lands in the served memory with nothing staged;
+/// a reader past the deadline fails the refit, its rank untouched (the
+/// others were written, and are torn); a refit that fails mid-run leaves
+/// every destination torn (nothing served, the readers told so); never a
+/// rank serving another version than the group's; the next refit that
+/// commits serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn destinations_written_in_place_serve_each_commit_and_are_torn_by_a_failed_refit() {
+    for fabric in [Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default())] {
+        let node = matches!(fabric, Fabric::Node(_));
+        // On the node fabric, source rank 1 cuts its first data frame in
+        // the third refit (every refit connects anew).
+        let src_config = orchestrator::MemberConfig {
+            tweak: Some(std::sync::Arc::new(|refit, t: &mut orchestrator::NodeTweak| {
+                if refit == 3 {
+                    t.faults.cut_at_frame = Some(0);
+                }
+            })),
+            ..Default::default()
+        };
+        let config =
+            OrchestratorConfig { fabric, deadline: Duration::from_secs(2), keep_data_plane: false, ..config("served", Strategy::Reshard) };
+        let how = Served { dst_config: Default::default(), residence: orchestrator::Residence::Host, direct: true, src_config };
+        let sys = served(config, how);
+        assert!(sys.dst.iter().all(|d| d.writes_in_place()));
+        let v1 = sys.step(2.0, 3.0).await;
+        sys.orchestrator.refit(v1).await.unwrap();
+        assert!(sys.holds(v1, 2.0, 3.0).await, "node: {node}");
+        // A reader past the deadline: the refit fails; the reader's rank
+        // was not written.
+        let v2 = sys.step(4.0, 5.0).await;
+        let before = sys.memory[2].clone();
+        let reading = sys.dst[2].serve().await;
+        sys.orchestrator.refit(v2).await.unwrap_err();
+        assert_eq!(reading.version(), Some(v1));
+        drop(reading);
+        assert_eq!(sys.memory[2], before, "node: {node}: written under a reader");
+        assert_eq!(sys.dst[2].serve().await.version(), Some(v1));
+        for d in &sys.dst {
+            let v = d.serve().await.version();
+            assert!(v == Some(v1) || v.is_none(), "node: {node}: a rank serves {v:?}");
+        }
+        if node {
+            // The third refit fails mid-run: every destination is torn.
+            sys.orchestrator.refit(v2).await.unwrap_err();
+            for d in &sys.dst {
+                assert_eq!(d.serve().await.version(), None);
+                assert!(matches!(d.weights(), orchestrator::Weights::Torn { .. }), "{:?}", d.weights());
+            }
+        }
+        let v3 = sys.step(6.0, 7.0).await;
+        sys.orchestrator.refit(v3).await.unwrap();
+        assert!(sys.holds(v3, 6.0, 7.0).await, "node: {node}");
     }
 }

@@ -692,7 +692,7 @@ class Destination(_Rank):
         self._in_place: Optional[Dict[str, Any]] = None
 
     @classmethod
-    def in_place(cls, layout: Layout, rank: int, buffers: Mapping[str, Any], *, follow: bool = False) -> "Destination":
+    def in_place(cls, layout: Layout, rank: int, buffers: Mapping[str, Any], *, follow: bool = False, direct: bool = False) -> "Destination":
         """A destination whose weights are served where the inference
         engine keeps them: ``buffers`` maps every buffer of the rank
         (``layout.buffers(rank)``) to the C-contiguous array or tensor
@@ -713,9 +713,20 @@ class Destination(_Rank):
         refit (``MemberError`` on the orchestrator's side; every
         destination keeps the version it served) and ``serving()`` raises
         ``RegistrationError``, until it is registered again —
-        or, with ``follow=True``, the commit writes its new memory."""
+        or, with ``follow=True``, the commit writes its new memory.
+
+        ``direct=True`` (host memory on the ``"node"`` fabric): refits
+        write the arrays **in place**, for an engine that does not serve
+        while its weights are updated (the usual RL loop). No staging copy
+        of the weights is kept and a commit copies nothing; a refit waits
+        for ``serving()`` holds to end, then holds them off from its first
+        byte to its commit. A refit that fails leaves the arrays torn:
+        ``serving()`` yields None (do not serve) until the next refit
+        commits. The group still commits only once every rank ran to the
+        end, so no two ranks serve different versions. On the GPU fabrics
+        refits stage as without it."""
         objects = _objects_for(layout, rank, buffers, "dst")
-        dst = cls(layout, rank, _store=_refit.DstStore.in_place(layout, rank, objects, follow))
+        dst = cls(layout, rank, _store=_refit.DstStore.in_place(layout, rank, objects, follow, direct))
         dst._in_place = dict(buffers)
         return dst
 

@@ -62,16 +62,18 @@ impl PyDstStore {
     /// `SrcStore.in_place`, and writable: read-only memory is refused); a
     /// refit's commit looks each up again and copies the version in,
     /// under one hold of the GIL per buffer. `follow`: as for sources.
+    /// `direct`: refits write the memory in place (no staging copy; a
+    /// failed refit leaves it torn: `DstStore::registered_direct`).
     #[staticmethod]
-    #[pyo3(signature = (layout, rank, objects, follow=false))]
-    fn in_place(layout: PyRef<'_, PyLayout>, rank: Rank, objects: Vec<Bound<'_, PyAny>>, follow: bool) -> PyResult<Self> {
+    #[pyo3(signature = (layout, rank, objects, follow=false, direct=false))]
+    fn in_place(layout: PyRef<'_, PyLayout>, rank: Rank, objects: Vec<Bound<'_, PyAny>>, follow: bool, direct: bool) -> PyResult<Self> {
         let (registered, targets) = in_place(&layout, rank, "dst", objects, Access { writable: true, follow })?;
-        Ok(PyDstStore {
-            inner: Arc::new(DstStore::registered(&layout.inner, rank, registered)),
-            layout: layout.inner.clone(),
-            serving: Mutex::default(),
-            targets: Some(targets),
-        })
+        let store = if direct {
+            DstStore::registered_direct(&layout.inner, rank, registered)
+        } else {
+            DstStore::registered(&layout.inner, rank, registered)
+        };
+        Ok(PyDstStore { inner: Arc::new(store), layout: layout.inner.clone(), serving: Mutex::default(), targets: Some(targets) })
     }
 
     /// Looks every registered object up again: `RegistrationError` names

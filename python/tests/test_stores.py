@@ -505,6 +505,64 @@ def test_in_place_destinations_receive_each_commit_where_they_are(fabric):
         joined.shutdown()
 
 
+@pytest.mark.parametrize("fabric", ["node", "tcp"])
+def test_destinations_written_in_place_serve_each_commit_and_tear_on_failure(fabric):
+    """``direct=True``: refits write the engine's arrays in place; each
+    commit is served; a refit that fails after writing (here: a reader on
+    rank 1 holds its weights past the deadline while the other ranks were
+    written) leaves the written ranks torn (``serving()`` yields None),
+    the held rank on its version, none on another; the next refit serves
+    again."""
+    train, infer = layouts()
+    with refit.Orchestrator(fabric=fabric, deadline=2.0) as orch:
+        sources = [refit.Source(train, r) for r in range(2)]
+        src_arrays = []
+        for s in sources:
+            arrays = {n: np.zeros(s.block(n)[1], np.float32) for n in ("w", "b")}
+            s.register_all(arrays)
+            src_arrays.append(arrays)
+        memory = [{name: np.full(elems, 7, np.float32) for name, _, elems in infer.buffers(r)} for r in range(4)]
+        dests = [refit.Destination.in_place(infer, r, memory[r], direct=True) for r in range(4)]
+        joined = refit.join(orch.address, orch.secret)
+        for r in sources + dests:
+            r.join(joined=joined)
+        orch.connect(2, 4)
+
+        def step(k):
+            for s, arrays in zip(sources, src_arrays):
+                for n, a in arrays.items():
+                    a[...] = block(full(k)[n], *s.block(n))
+                s.step()
+
+        def holds(d, mem, k):
+            return all(np.array_equal(a, block(full(k)[n.split("#")[0]], *d.block(n.split("#")[0])).reshape(-1)) for n, a in mem.items())
+
+        for k in (1, 2):
+            step(k)
+            orch.refit(k)
+            for d, mem in zip(dests, memory):
+                with d.serving() as version:
+                    assert version == k and holds(d, mem, k)
+        step(3)
+        with dests[1].serving() as version:
+            assert version == 2
+            with pytest.raises(refit.MemberError):
+                orch.refit(3)
+            assert holds(dests[1], memory[1], 2), "written under a reader"
+        served = []
+        for d in dests:
+            with d.serving() as version:
+                served.append(version)
+        assert served[1] == 2 and all(v in (2, None) for v in served), served
+        assert None in served, "the written ranks are torn"
+        step(4)
+        orch.refit(4)
+        for d, mem in zip(dests, memory):
+            with d.serving() as version:
+                assert version == 4 and holds(d, mem, 4)
+        joined.shutdown()
+
+
 def test_in_place_destinations_need_every_buffer_writable():
     _, infer = layouts()
     arrays = {name: np.zeros(elems, np.float32) for name, _, elems in infer.buffers(0)}

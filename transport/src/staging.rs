@@ -38,7 +38,7 @@ pub(crate) struct RecvBuffers {
     pub(crate) large: Vec<u8>,
 }
 
-/// What a [`StagingPool`] keeps.
+/// What a plan's staging pool keeps (`Scratch::staging_kept`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StagingKept {
     /// Areas kept now (none is out with a payload between runs).

@@ -34,6 +34,9 @@ pub struct DstStore {
     staging: Arc<tokio::sync::Mutex<Staging>>,
     /// The user's memory the weights are served in, if registered.
     registered: Option<Registered>,
+    /// Refits write the registered memory in place
+    /// ([`DstStore::registered_direct`]).
+    direct: bool,
     /// Readers of registered memory hold it shared ([`Serving`]); a
     /// commit into that memory holds it exclusively.
     fence: Arc<tokio::sync::RwLock<()>>,
@@ -106,6 +109,24 @@ impl DstStore {
         DstStore::with(layout, rank, buffers, Some(registered))
     }
 
+    /// A store over `registered` host memory that refits write **in
+    /// place**: for the usual RL loop, where the engine does not serve
+    /// while its weights are updated. No staging copy is kept (the store
+    /// holds no memory of the weights' size) and a commit copies nothing.
+    /// A refit waits for the readers ([`serve`](Self::serve)) to let go
+    /// (within its deadline) and holds them off from its first byte until
+    /// its commit; from that first byte the memory holds no whole version:
+    /// if the refit fails, the store is torn ([`Weights::Torn`], `serve`
+    /// names no version) until the next refit commits. Every destination
+    /// of a refit still commits only once all of them ran to the end, so
+    /// a group never serves two versions; but a failed refit leaves it
+    /// serving none, where [`registered`](Self::registered) leaves it
+    /// serving the version before. On the NCCL and IPC fabrics, or over
+    /// device memory, refits stage as for `registered`.
+    pub fn registered_direct(layout: &Arc<Layout>, rank: Rank, registered: Registered) -> DstStore {
+        DstStore { direct: true, ..DstStore::registered(layout, rank, registered) }
+    }
+
     fn with(layout: &Arc<Layout>, rank: Rank, buffers: Buffers, registered: Option<Registered>) -> DstStore {
         DstStore {
             rank,
@@ -113,8 +134,15 @@ impl DstStore {
             live: RwLock::default(),
             staging: Arc::new(tokio::sync::Mutex::new(Staging { buffers, complete: None })),
             registered,
+            direct: false,
             fence: Arc::default(),
         }
+    }
+
+    /// Whether refits write the registered memory in place
+    /// ([`registered_direct`](Self::registered_direct)).
+    pub fn writes_in_place(&self) -> bool {
+        self.direct
     }
 
     /// The registered memory the weights are served in, if any.

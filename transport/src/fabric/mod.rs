@@ -111,7 +111,8 @@ pub enum RunMemory<'a> {
     /// its program needs and takes it off again.
     Host(&'a mut RankMemory),
     /// A source's weights in memory its owner registered, read where they
-    /// are (regions re-derived first; scratch beside them).
+    /// are, or a destination's written where they are on a host transport
+    /// (regions re-derived first; scratch beside them).
     Registered(&'a dyn RegisteredMemory),
     /// A registered destination: the run writes `staging` (made, or
     /// remade for another plan, on the fabric's side; first filled from
@@ -194,6 +195,12 @@ impl RankEnd {
     /// reactor; the ranks of one communicator wait for each other).
     pub fn connect(self, program: &RankProgram, table: &[PeerAddr], how: Connecting<'_>) -> Result<RankEnd, String> {
         self.0.connect(program, table, how.key, how.tweak).map(RankEnd)
+    }
+
+    /// Whether a run moves host memory through a transport (the
+    /// in-process and node fabrics), rather than a communicator.
+    pub fn on_host_transport(&mut self) -> bool {
+        matches!(self.0.ready(), Ok(Ready::Transport(_)))
     }
 
     /// Whether the end is connected and can run.
@@ -331,11 +338,14 @@ fn run_on_transport(
             let mut all = regions;
             all.extend(beside.iter_mut().map(|b| (b.as_mut_ptr() as u64, b.len())));
             // SAFETY: the registered regions are host memory (checked
-            // above), valid and written by nothing else until this run
-            // ends (`RegisteredMemory`'s contract), and a source run only
-            // reads them; each is cut to its buffer's bytes
-            // (`current_regions`); the scratch is ours, alive past the
-            // run; no two regions overlap.
+            // above), valid for reads and writes and written by nothing
+            // else until this run ends (`RegisteredMemory`'s contract: a
+            // source's owner writes them only outside refits; a
+            // destination written in place holds its readers off for the
+            // whole run, and its owner writes them only inside its serving
+            // holds); each is cut to its buffer's bytes (`current_regions`);
+            // the scratch is ours, alive past the run; no two regions
+            // overlap.
             let r = unsafe { run_rank_regions(program, &bypass, &all, &mut t, &options, delta, pool) };
             (r.map_err(exec_error), beside)
         }
