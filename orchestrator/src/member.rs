@@ -166,6 +166,16 @@ struct Staged {
     in_place: bool,
 }
 
+/// A destination's run of its program, as [`Member::run`] hands it on.
+struct DstRun {
+    program: Arc<RankProgram>,
+    end: RankEnd,
+    how: RunHow,
+    left: Leftover,
+    version: u64,
+    kill: Option<KillSwitch>,
+}
+
 /// The default [`MemberConfig::commit_hold`].
 const COMMIT_HOLD: Duration = Duration::from_secs(30);
 
@@ -475,15 +485,8 @@ impl Member {
                 };
                 split(watched(run, deadline, kill).await)
             }
-            Role::Dst(store)
-                if store.writes_in_place()
-                    && store.registered_memory().is_some_and(|r| r.residence() == Residence::Host)
-                    && end.on_host_transport() =>
-            {
-                self.run_in_place_dst(store, program, end, how, left, version, kill).await
-            }
             Role::Dst(store) if store.registered_memory().is_some() => {
-                self.run_registered_dst(store, program, end, how, left, version, kill).await
+                self.run_registered_dst(store, DstRun { program, end, how, left, version, kill }).await
             }
             Role::Dst(store) => {
                 // A subset refit keeps the other tensors' bytes from the
@@ -535,23 +538,21 @@ impl Member {
     /// version is staged, takes the store's commit fence (waiting for
     /// readers, within the deadline) and keeps both for the commit. The
     /// registered memory is not written.
-    #[allow(clippy::too_many_arguments)]
-    async fn run_registered_dst(
-        &mut self,
-        store: &Arc<DstStore>,
-        program: Arc<RankProgram>,
-        mut end: RankEnd,
-        how: RunHow,
-        left: Leftover,
-        version: u64,
-        kill: Option<KillSwitch>,
-    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
+    /// A store written in place ([`DstStore::registered_direct`]) over
+    /// host memory, on a host transport, is run by
+    /// [`run_in_place_dst`](Self::run_in_place_dst) instead.
+    async fn run_registered_dst(&mut self, store: &Arc<DstStore>, run: DstRun) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
         let started = Instant::now();
+        let DstRun { program, mut end, how, left, version, kill } = run;
         // A new run replaces whatever was staged (and lets its readers in).
         self.staged = None;
         let Some(registered) = store.registered_memory().cloned() else {
             return (Err(Refusal::ProgramMismatch("the store is not registered".into())), None);
         };
+        if store.writes_in_place() && registered.residence() == Residence::Host && end.on_host_transport() {
+            let run = DstRun { program, end, how, left, version, kill };
+            return self.run_in_place_dst(store, registered, run, started).await;
+        }
         if !program.carried.is_empty() && store.version().is_none() {
             end.abort(&Refusal::NoBaseVersion.to_string());
             return (Err(Refusal::NoBaseVersion), None);
@@ -617,22 +618,14 @@ impl Member {
     /// runs the program straight into the registered memory, and keeps
     /// the readers off until the commit (which copies nothing) or a
     /// discard (after which it stays torn).
-    #[allow(clippy::too_many_arguments)]
     async fn run_in_place_dst(
         &mut self,
         store: &Arc<DstStore>,
-        program: Arc<RankProgram>,
-        mut end: RankEnd,
-        how: RunHow,
-        left: Leftover,
-        version: u64,
-        kill: Option<KillSwitch>,
+        registered: crate::Registered,
+        run: DstRun,
+        started: Instant,
     ) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
-        let started = Instant::now();
-        self.staged = None;
-        let Some(registered) = store.registered_memory().cloned() else {
-            return (Err(Refusal::ProgramMismatch("the store is not registered".into())), None);
-        };
+        let DstRun { program, mut end, how, left, version, kill } = run;
         let Some(fence) = store.fence_for_commit(how.deadline).await else {
             let why = format!("{}: readers held its registered weights (DstStore::serve) past the refit's deadline", program.endpoint);
             end.abort(&why);

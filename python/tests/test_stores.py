@@ -446,6 +446,50 @@ def test_in_place_sources_are_read_where_they_are(fabric):
         joined.shutdown()
 
 
+def served_in_place(orch, destination):
+    """Two sources and four destinations over ``memory`` (the engine's
+    arrays, 7 everywhere), made by ``destination(layout, rank, arrays)``,
+    joined to ``orch`` and connected; with ``step(k)`` (every source to
+    version ``k``) and ``holds(dst, arrays, k)`` (the arrays hold ``k``)."""
+    train, infer = layouts()
+    sources = [refit.Source(train, r) for r in range(2)]
+    src_arrays = []
+    for s in sources:
+        arrays = {n: np.zeros(s.block(n)[1], np.float32) for n in ("w", "b")}
+        s.register_all(arrays)
+        src_arrays.append(arrays)
+    memory = [{name: np.full(elems, 7, np.float32) for name, _, elems in infer.buffers(r)} for r in range(4)]
+    dests = [destination(infer, r, memory[r]) for r in range(4)]
+    joined = refit.join(orch.address, orch.secret)
+    for r in sources + dests:
+        r.join(joined=joined)
+    orch.connect(2, 4)
+
+    def step(k):
+        for s, arrays in zip(sources, src_arrays):
+            for n, a in arrays.items():
+                a[...] = block(full(k)[n], *s.block(n))
+            s.step()
+
+    def holds(d, mem, k):
+        return all(np.array_equal(a, block(full(k)[n.split("#")[0]], *d.block(n.split("#")[0])).reshape(-1)) for n, a in mem.items())
+
+    return memory, dests, joined, step, holds
+
+
+def serving_everywhere(dests, memory, holds):
+    """Whether every destination serves version ``k`` and its arrays hold it."""
+
+    def check(k):
+        ok = True
+        for d, mem in zip(dests, memory):
+            with d.serving() as version:
+                ok &= version == k and holds(d, mem, k)
+        return ok
+
+    return check
+
+
 @pytest.mark.parametrize("fabric", ["simulated-nccl", "simulated-ipc", "node", "tcp"])
 def test_in_place_destinations_receive_each_commit_where_they_are(fabric):
     """Destinations over the inference engine's own arrays, on the GPU
@@ -456,39 +500,18 @@ def test_in_place_destinations_receive_each_commit_where_they_are(fabric):
     import threading
     import time
 
-    train, infer = layouts()
     with refit.Orchestrator(fabric=fabric) as orch:
-        sources = [refit.Source(train, r) for r in range(2)]
-        src_arrays = []
-        for s in sources:
-            arrays = {n: np.zeros(s.block(n)[1], np.float32) for n in ("w", "b")}
-            s.register_all(arrays)
-            src_arrays.append(arrays)
-        memory = [{name: np.full(elems, 7, np.float32) for name, _, elems in infer.buffers(r)} for r in range(4)]
         # Rank 3's arrays as DLPack capsules.
-        dests = [refit.Destination.in_place(infer, r, memory[r] if r < 3 else {n: a.__dlpack__() for n, a in memory[r].items()}) for r in range(4)]
-        joined = refit.join(orch.address, orch.secret)
-        for r in sources + dests:
-            r.join(joined=joined)
-        orch.connect(2, 4)
-
-        def step(k):
-            for s, arrays in zip(sources, src_arrays):
-                for n, a in arrays.items():
-                    a[...] = block(full(k)[n], *s.block(n))
-                s.step()
-
-        def holds(d, mem, k):
-            return all(np.array_equal(a, block(full(k)[n.split("#")[0]], *d.block(n.split("#")[0])).reshape(-1)) for n, a in mem.items())
-
+        memory, dests, joined, step, holds = served_in_place(
+            orch, lambda infer, r, mem: refit.Destination.in_place(infer, r, mem if r < 3 else {n: a.__dlpack__() for n, a in mem.items()})
+        )
+        serves_everywhere = serving_everywhere(dests, memory, holds)
         with dests[0].serving() as version:
             assert version is None and "nothing written" in dests[0].weights
         for k in (1, 2):
             step(k)
             orch.refit(k)
-            for d, mem in zip(dests, memory):
-                with d.serving() as version:
-                    assert version == k and holds(d, mem, k)
+            assert serves_everywhere(k)
         # A reader holds the next commit off until it leaves its block.
         step(3)
         done = []
@@ -513,36 +536,15 @@ def test_destinations_written_in_place_serve_each_commit_and_tear_on_failure(fab
     written) leaves the written ranks torn (``serving()`` yields None),
     the held rank on its version, none on another; the next refit serves
     again."""
-    train, infer = layouts()
     with refit.Orchestrator(fabric=fabric, deadline=2.0) as orch:
-        sources = [refit.Source(train, r) for r in range(2)]
-        src_arrays = []
-        for s in sources:
-            arrays = {n: np.zeros(s.block(n)[1], np.float32) for n in ("w", "b")}
-            s.register_all(arrays)
-            src_arrays.append(arrays)
-        memory = [{name: np.full(elems, 7, np.float32) for name, _, elems in infer.buffers(r)} for r in range(4)]
-        dests = [refit.Destination.in_place(infer, r, memory[r], direct=True) for r in range(4)]
-        joined = refit.join(orch.address, orch.secret)
-        for r in sources + dests:
-            r.join(joined=joined)
-        orch.connect(2, 4)
-
-        def step(k):
-            for s, arrays in zip(sources, src_arrays):
-                for n, a in arrays.items():
-                    a[...] = block(full(k)[n], *s.block(n))
-                s.step()
-
-        def holds(d, mem, k):
-            return all(np.array_equal(a, block(full(k)[n.split("#")[0]], *d.block(n.split("#")[0])).reshape(-1)) for n, a in mem.items())
-
+        memory, dests, joined, step, holds = served_in_place(
+            orch, lambda infer, r, mem: refit.Destination.in_place(infer, r, mem, direct=True)
+        )
+        serves_everywhere = serving_everywhere(dests, memory, holds)
         for k in (1, 2):
             step(k)
             orch.refit(k)
-            for d, mem in zip(dests, memory):
-                with d.serving() as version:
-                    assert version == k and holds(d, mem, k)
+            assert serves_everywhere(k)
         step(3)
         with dests[1].serving() as version:
             assert version == 2
@@ -557,9 +559,7 @@ def test_destinations_written_in_place_serve_each_commit_and_tear_on_failure(fab
         assert None in served, "the written ranks are torn"
         step(4)
         orch.refit(4)
-        for d, mem in zip(dests, memory):
-            with d.serving() as version:
-                assert version == 4 and holds(d, mem, 4)
+        assert serves_everywhere(4)
         joined.shutdown()
 
 
