@@ -151,13 +151,16 @@ impl Orchestrator {
             _ => None,
         };
         let (s, d) = (src.clone(), dst.clone());
-        let planned = tokio::task::spawn_blocking(move || -> Result<(Arc<Plan>, Option<Arc<Plan>>), PlanError> {
+        // (The plan, one replica's plan if it was made now, whether the
+        // group was planned whole.)
+        type Made = (Arc<Plan>, Option<Arc<Plan>>, bool);
+        let planned = tokio::task::spawn_blocking(move || -> Result<Made, PlanError> {
+            let whole = |options: &PlanOptions| match mode {
+                Strategy::Reshard => plan_reshard(&s, &d, options),
+                Strategy::Baseline => plan_baseline(&s, &d, options),
+            };
             let Some(one) = one else {
-                let plan = match mode {
-                    Strategy::Reshard => plan_reshard(&s, &d, &options),
-                    Strategy::Baseline => plan_baseline(&s, &d, &options),
-                }?;
-                return Ok((Arc::new(plan), None));
+                return Ok((Arc::new(whole(&options)?), None, true));
             };
             let (template, made) = match kept {
                 Some(template) => (template, None),
@@ -168,16 +171,23 @@ impl Orchestrator {
             };
             if d.fingerprint() == one.fingerprint() {
                 // One replica: its plan is the group's.
-                return Ok((template, made));
+                return Ok((template, made, false));
             }
-            Ok((Arc::new(template.for_replicas(&s, &one, &d)?), made))
+            match template.for_replicas(&s, &one, &d) {
+                Ok(plan) => Ok((Arc::new(plan), made, false)),
+                // The group is not replicas of the replica's layout (its
+                // members were described so): planned whole.
+                Err(PlanError::Derive { problem }) => {
+                    tracing::warn!(%problem, "a group of replicas planned whole");
+                    Ok((Arc::new(whole(&options)?), made, true))
+                }
+                Err(e) => Err(e),
+            }
         })
         .await;
         match planned {
-            Ok(Ok((plan, made))) => {
-                if key.is_none() || made.is_some() {
-                    self.plans_made += 1;
-                }
+            Ok(Ok((plan, made, whole))) => {
+                self.plans_made += u64::from(whole) + u64::from(made.is_some());
                 if let (Some(key), Some(template)) = (key, made) {
                     self.replica_template = Some((key, template));
                 }
