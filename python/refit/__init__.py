@@ -715,7 +715,7 @@ class Destination(_Rank):
         ``RegistrationError``, until it is registered again —
         or, with ``follow=True``, the commit writes its new memory.
 
-        ``direct=True`` (host memory on the ``"node"`` fabric): refits
+        ``direct=True`` (host memory on the ``"node"`` and ``"tcp"`` fabrics): refits
         write the arrays **in place**, for an engine that does not serve
         while its weights are updated (the usual RL loop). No staging copy
         of the weights is kept and a commit copies nothing; a refit waits
