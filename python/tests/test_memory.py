@@ -32,13 +32,13 @@ class Pipeline:
     """In-place sources and destinations, every member in this process,
     over ``fabric``; ``src``/``dst`` make each rank's memory."""
 
-    def __init__(self, fabric, src, dst, follow=False, dst_dtype="f32"):
+    def __init__(self, fabric, src, dst, follow=False, dst_dtype="f32", direct=False):
         self.train, self.infer = layouts(dst_dtype)
         self.orch = refit.Orchestrator(fabric=fabric, deadline=20.0)
         self.src_mem = [src(r) for r in range(2)]
         self.dst_mem = [dst(r) for r in range(2)]
         self.sources = [refit.Source.in_place(self.train, r, {"w#0": self.src_mem[r]}, follow=follow) for r in range(2)]
-        self.dests = [refit.Destination.in_place(self.infer, r, {"w#0": self.dst_mem[r]}, follow=follow) for r in range(2)]
+        self.dests = [refit.Destination.in_place(self.infer, r, {"w#0": self.dst_mem[r]}, follow=follow, direct=direct) for r in range(2)]
         self.joined = refit.join(self.orch.address, self.orch.secret)
         for m in self.sources + self.dests:
             m.join(joined=self.joined)
@@ -157,6 +157,72 @@ def test_a_resized_torch_destination_is_refused(fabric):
         with pytest.raises(refit.MemberError, match=r"buffer 'w#0'"):
             p.orch.refit(2)
         assert p.served(0, lambda t: t.numpy())[0] == 1
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("host_fabric", ["node", "tcp"])
+def test_destinations_written_in_place_never_write_memory_that_moved_shrank_or_was_replaced(host_fabric):
+    """``direct=True``: the refit writes the engine's tensors during its
+    run. One whose memory was replaced, shrunk or given another state since
+    it was registered fails the refit naming the rank and buffer, before a
+    byte lands in it (the new memory keeps its bytes), and the group serves
+    no version (the other rank was written); with ``follow=True`` the new
+    memory is written, and memory that no longer fits is refused."""
+    torch = torch_or_skip()
+
+    def broken(p, r, change, match):
+        p.step(1, np_write(p))
+        p.orch.refit(1)
+        assert p.served(r, lambda t: np.asarray(t))[0] == 1
+        before = change(p.dst_mem[r])
+        p.step(2, np_write(p))
+        with pytest.raises(refit.MemberError, match=match):
+            p.orch.refit(2)
+        np.testing.assert_array_equal(np.asarray(p.dst_mem[r]), before)
+        other = 1 - r
+        assert p.served(other, lambda t: np.asarray(t))[0] in (None, 1)
+
+    def replaced(t):
+        t.data = torch.full((4, 4), -3.0)
+        return np.full((4, 4), -3.0, np.float32)
+
+    def shrunk(t):
+        t.resize_(1, 2)
+        return t.numpy().copy()
+
+    def state(a):
+        a.__setstate__(np.ones((64, 64), np.float32).__reduce__()[2])
+        return np.ones((64, 64), np.float32)
+
+    for dst, change, match in [
+        (lambda r: torch.zeros(4, 4), replaced, r"dst rank 0: .*buffer 'w#0': its memory was replaced since it was registered"),
+        (lambda r: torch.zeros(4, 4), shrunk, r"dst rank 0: .*buffer 'w#0'"),
+        (np_dst, state, r"dst rank 0: .*buffer 'w#0'"),
+    ]:
+        p = Pipeline(host_fabric, np_src, dst, direct=True)
+        try:
+            broken(p, 0, change, match)
+        finally:
+            p.close()
+    # Followed: written where it moved; a dtype that no longer fits is refused.
+    p = Pipeline(host_fabric, np_src, lambda r: torch.zeros(4, 4), follow=True, direct=True)
+    try:
+        p.step(1, np_write(p))
+        p.orch.refit(1)
+        t = p.dst_mem[0]
+        t.data = torch.full((4, 4), -1.0)
+        p.step(2, np_write(p))
+        p.orch.refit(2)
+        for r in (0, 1):
+            version, got = p.served(r, lambda t: t.numpy())
+            assert version == 2
+            np.testing.assert_array_equal(got, cols(r, 2))
+        t.data = torch.zeros(4, 4, dtype=torch.float64)
+        p.step(3, np_write(p))
+        with pytest.raises(refit.MemberError, match=r"buffer 'w#0': .*f64 given for a f32 buffer"):
+            p.orch.refit(3)
+        assert not t.any(), "written though it no longer fits"
     finally:
         p.close()
 
