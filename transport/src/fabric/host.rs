@@ -3,7 +3,6 @@
 //! so their ranks may talk through shared memory whatever group and node
 //! they belong to.
 
-use std::hash::{Hash, Hasher};
 use std::os::unix::fs::MetadataExt;
 use std::sync::OnceLock;
 
@@ -21,11 +20,10 @@ fn identity() -> Option<u64> {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     let shm = std::fs::metadata("/dev/shm").ok()?;
     let net = std::fs::metadata("/proc/self/ns/net").ok()?;
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    boot.trim().hash(&mut h);
-    (shm.dev(), shm.ino(), net.dev(), net.ino()).hash(&mut h);
+    // The planner's stable hash: members built apart agree on it.
+    let id = (boot.trim(), shm.dev(), shm.ino(), net.dev(), net.ino());
     // Never 0, the unknown host.
-    Some(h.finish() | 1)
+    Some(reshard::fnv64(&id) | 1)
 }
 
 #[cfg(test)]
