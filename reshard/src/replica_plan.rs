@@ -61,7 +61,8 @@ impl Plan {
         if n == 1 && dst.fingerprint() == one.fingerprint() {
             return Ok(self.clone());
         }
-        if dst.ranks_per_node() != one.ranks_per_node() || !one.replicated_tensors(n).eq(dst.tensors().iter().cloned()) {
+        let alike = dst.tensors().len() == one.tensors().len() && dst.tensors().iter().zip(one.replicated_tensors(n)).all(|(d, r)| *d == r);
+        if dst.ranks_per_node() != one.ranks_per_node() || !alike {
             return Err(derive(format!("the destination layout is not {n} replicas of the replica's layout")));
         }
         // Each piece's holders among the source ranks (those the plan may
