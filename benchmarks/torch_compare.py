@@ -15,8 +15,11 @@ round:
   refit         refit's Python API as docs/python.md shows it: in-place
                 sources over the FSDP2 shards, in-place destinations over
                 the inference buffers, `orchestrator.refit(version)`
-                (`--fabric`: node, the default, or tcp; `--direct`: the
-                destinations written in place, no staging copy).
+                (`--fabric`: node, the default, or tcp). The destinations
+                are written in place (`direct=True`: the usual RL loop,
+                where the engine does not serve during the update; no
+                staging copy); `--staged` stages them instead (group-atomic:
+                a failed refit leaves every rank on the version before).
   p2p           torch send/recv written by hand: each trainer rank casts the
                 part of its shard each inference rank needs to bf16 and
                 sends it; each inference rank receives straight into its
@@ -36,7 +39,8 @@ runs refit's orchestrator), and each inference rank's peak RSS above its RSS
 before (its VmHWM reset first). Printed: medians and min-max per method.
 
     target/pyenv/bin/python benchmarks/torch_compare.py [--rounds 6] [--hidden 768]
-        [--layers 16] [--intermediate 2048] [--vocab 32000] [--fabric node|tcp]
+        [--layers 16] [--intermediate 2048] [--vocab 32000] [--fabric node|tcp] [--staged]
+        [--methods refit,p2p,broadcast] [--json]
 
 Needs torch and transformers (pip install torch transformers) and the
 refit package (pip install ./python).
@@ -235,7 +239,7 @@ def inference(t, a, ports, address, secret, conn):
     for b in buffers.values():
         b.fill_(0.0)  # (faulted in: the engine's weights are resident)
     rss_with_weights = status_kib("VmRSS")
-    dst = refit.Destination.in_place(infer, t, buffers, direct=a.direct)
+    dst = refit.Destination.in_place(infer, t, buffers, direct=not a.staged)
     dst.join(address, secret)
     have = [{name: (off, ext) for name, _, off, ext in train.blocks(r)} for r in range(TRAINERS)]
     names = list(shapes)
@@ -319,9 +323,14 @@ def main():
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--bucket-mib", type=int, default=256)
     ap.add_argument("--fabric", choices=("node", "tcp"), default="node")
-    ap.add_argument("--direct", action="store_true", help="refit's destinations written in place (Destination.in_place(direct=True)): no staging copy")
+    ap.add_argument("--staged", action="store_true", help="refit's destinations staged (Destination.in_place(direct=False)): group-atomic, a staging copy of the weights; by default they are written in place (direct=True)")
     ap.add_argument("--json", action="store_true", help="one JSON line of every measurement")
+    ap.add_argument("--methods", default=",".join(METHODS), help="the methods to run, comma-separated (for profiling one alone; the comparison needs all three)")
     a = ap.parse_args()
+    methods = tuple(m for m in METHODS if m in a.methods.split(","))
+    unknown = set(a.methods.split(",")) - set(METHODS)
+    if unknown or not methods:
+        ap.error(f"--methods: {', '.join(sorted(unknown)) or 'none given'}; choose from {', '.join(METHODS)}")
     try:
         import torch.multiprocessing as mp
         import transformers  # noqa: F401
@@ -352,9 +361,9 @@ def main():
     for p in trainers:
         p.send(infer_json)
     plan = orch.connect(TRAINERS, INFERENCE)
-    print(f"Qwen2 from a config: {n_params / 1e6:.1f}M parameters; FSDP2 x{TRAINERS} (f32) -> TP{INFERENCE} (bf16); refit over '{a.fabric}'{', destinations written in place' if a.direct else ''}, {plan.bytes / 2**20:.1f} MiB a refit", file=sys.stderr)
+    print(f"Qwen2 from a config: {n_params / 1e6:.1f}M parameters; FSDP2 x{TRAINERS} (f32) -> TP{INFERENCE} (bf16); refit over '{a.fabric}'{', destinations staged' if a.staged else ', destinations written in place'}, {plan.bytes / 2**20:.1f} MiB a refit", file=sys.stderr)
 
-    results = {m: [] for m in METHODS}
+    results = {m: [] for m in methods}
     last = None
     ok = True
     for rnd in range(a.rounds):
@@ -364,7 +373,8 @@ def main():
         assert len(versions) == 1, versions
         version = versions.pop()
         digests = {}
-        order = METHODS[rnd % 3 :] + METHODS[: rnd % 3]
+        k = rnd % len(methods)
+        order = methods[k:] + methods[:k]
         for m in order:
             for p in pipes:
                 p.send(m)
@@ -391,14 +401,15 @@ def main():
                 {
                     "seconds": elapsed,
                     "cpu_seconds": sum(s["cpu"] for s in stats) + driver[0],
+                    "cpu_seconds_by_process": [s["cpu"] for s in stats] + [driver[0]],
                     "page_faults": sum(s["faults"] for s in stats) + driver[1],
                     "inference_rss_rise_mib": max(s["rss_rise_kib"] for s in stats[TRAINERS:]) / 1024,
                 }
             )
         same = len({json.dumps(d) for d in digests.values()}) == 1
-        changed = last is None or digests["refit"] != last
+        changed = last is None or digests[methods[0]] != last
         ok = ok and same and changed
-        last = digests["refit"]
+        last = digests[methods[0]]
         print(f"round {rnd + 1}: " + ", ".join(f"{m} {results[m][-1]['seconds'] * 1e3:.0f} ms" for m in order) + f"; bytes equal: {same}, changed: {changed}", file=sys.stderr)
 
     rss = []
@@ -414,20 +425,21 @@ def main():
     # figures are of the later rounds.
     steady = {m: r[1:] if len(r) > 1 else r for m, r in results.items()}
     print(f"{'method':<10} {'seconds':>22} {'cpu seconds':>22} {'page faults':>26} {'inference RSS rise MiB':>26}")
-    for m in METHODS:
+    for m in methods:
         rs = steady[m]
         col = lambda k: spread([r[k] for r in rs])  # noqa: E731
         print(f"{m:<10} {col('seconds'):>22} {col('cpu_seconds'):>22} {col('page_faults'):>26} {col('inference_rss_rise_mib'):>26}")
-    med = {m: statistics.median(r["seconds"] for r in steady[m]) for m in METHODS}
-    cpu = {m: statistics.median(r["cpu_seconds"] for r in steady[m]) for m in METHODS}
-    print(f"refit / p2p: {med['refit'] / med['p2p']:.2f}x time, {cpu['refit'] / cpu['p2p']:.2f}x CPU; refit / broadcast: {med['refit'] / med['broadcast']:.2f}x time")
+    med = {m: statistics.median(r["seconds"] for r in steady[m]) for m in methods}
+    cpu = {m: statistics.median(r["cpu_seconds"] for r in steady[m]) for m in methods}
+    if methods == METHODS:
+        print(f"refit / p2p: {med['refit'] / med['p2p']:.2f}x time, {cpu['refit'] / cpu['p2p']:.2f}x CPU; refit / broadcast: {med['refit'] / med['broadcast']:.2f}x time")
     print(
         "; ".join(f"inference rank {t}: RSS {r:.0f} MiB above its RSS with its weights ({w:.0f} MiB) before anything moved" for t, (r, w) in enumerate(rss))
-        + " (every method's leftovers together; without --direct, refit's staging copy of the weights among them)"
+        + " (every method's leftovers together; with --staged, refit's staging copy of the weights among them)"
     )
     print(f"every round: the three methods left the same bytes, and they changed from round to round: {ok}")
     if a.json:
-        print(json.dumps({"fabric": a.fabric, "parameters": n_params, "rounds": results}))
+        print(json.dumps({"fabric": a.fabric, "staged": a.staged, "parameters": n_params, "rounds": results}))
     return 0 if ok else 1
 
 

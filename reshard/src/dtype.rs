@@ -137,6 +137,12 @@ pub fn convert_slice(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
     match (from, to) {
         (DType::F32, DType::BF16) => {
             #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512bw") {
+                // SAFETY: this CPU has AVX-512 F and BW (asked just above:
+                // BW implies F), all the function requires.
+                return unsafe { avx512::f32_to_bf16(src, dst) };
+            }
+            #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2") {
                 // SAFETY: this CPU has AVX2 (asked just above), all the
                 // function requires.
@@ -185,6 +191,17 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     pub(super) fn bf16_to_f32(src: &[u8], dst: &mut [u8]) {
         super::bf16_to_f32(src, dst)
+    }
+}
+
+/// f32 -> bf16 compiled for AVX-512 (F and BW): twice AVX2's vector
+/// width, about 1.2x its speed here (widening is not faster so built:
+/// the AVX2 build stays).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) fn f32_to_bf16(src: &[u8], dst: &mut [u8]) {
+        super::f32_to_bf16(src, dst)
     }
 }
 
@@ -373,11 +390,18 @@ mod tests {
             convert_slice(DType::F32, &src, DType::BF16, &mut narrow);
             let want: Vec<u8> = bits[..n].iter().flat_map(|&b| f32_bits_to_bf16(b).to_le_bytes()).collect();
             assert_eq!(narrow, want, "{n} elements");
-            // The baseline build of the loop too (convert_slice may have
-            // taken the AVX2 one).
+            // The baseline build of the loop too, and the AVX2 one
+            // (convert_slice may have taken the AVX-512 one).
             let mut plain = vec![0u8; n * 2];
             f32_to_bf16(&src, &mut plain);
             assert_eq!(plain, want, "{n} elements");
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                let mut wide_build = vec![0u8; n * 2];
+                // SAFETY: this CPU has AVX2 (asked just above).
+                unsafe { avx2::f32_to_bf16(&src, &mut wide_build) };
+                assert_eq!(wide_build, want, "{n} elements, AVX2");
+            }
             let mut wide = vec![0u8; n * 4];
             convert_slice(DType::BF16, &narrow, DType::F32, &mut wide);
             let want: Vec<u8> =

@@ -242,9 +242,7 @@ pub(crate) unsafe fn copy_strided_unfenced(counts: &[u64], src: &StridedRef, dst
             if same {
                 copy_run(s, d, run as usize * fs);
             } else {
-                let s = std::slice::from_raw_parts(s, run as usize * fs);
-                let d = std::slice::from_raw_parts_mut(d, run as usize * ts);
-                convert_slice(src.dtype, s, dst.dtype, d);
+                convert_run(s, src.dtype, d, dst.dtype, run as usize);
             }
         }
     });
@@ -374,6 +372,55 @@ unsafe fn copy_pair<T: Copy>(src: *const u8, dst: *mut u8, len: usize) {
     }
 }
 
+/// Converted runs whose output is at least this long are written with
+/// non-temporal stores, as [`copy_run`] writes long copies.
+const CONVERT_STREAM_MIN: usize = 4096;
+
+/// Bytes of output converted at a time into a buffer that stays in the
+/// first-level cache, then streamed out (a few KiB: L1 is 32 KiB or more).
+const CONVERT_CHUNK: usize = 4096;
+
+/// Converts `n` elements of type `from` at `src` into type `to` at `dst`.
+/// Long runs are converted a few KiB at a time into a buffer that stays in
+/// cache and streamed from there to `dst` with non-temporal stores: the
+/// destination's cache lines are never read (a third less memory traffic
+/// than converting in place, the same saving [`copy_run`] makes), for every
+/// pair of types `convert_slice` converts. Callers issue [`store_fence`]
+/// before publishing what they wrote.
+///
+/// # Safety
+/// `src` valid for reads of `n` elements of `from`, `dst` for writes of `n`
+/// elements of `to`, not overlapping.
+#[inline]
+unsafe fn convert_run(src: *const u8, from: DType, dst: *mut u8, to: DType, n: usize) {
+    let (fs, ts) = (from.size() as usize, to.size() as usize);
+    // SAFETY: `n` elements at each, by the caller's contract.
+    let (src, dst) = unsafe { (std::slice::from_raw_parts(src, n * fs), std::slice::from_raw_parts_mut(dst, n * ts)) };
+    #[cfg(target_arch = "x86_64")]
+    if dst.len() >= CONVERT_STREAM_MIN {
+        #[repr(align(64))]
+        struct Lines([u8; CONVERT_CHUNK]);
+        let mut buf = Lines([0; CONVERT_CHUNK]);
+        // Up to the first whole destination cache line directly, so that
+        // every chunk after it starts on a line (a destination not aligned
+        // to its element size streams what it can, from the start).
+        let head = dst.as_ptr().align_offset(64);
+        let head = if head.is_multiple_of(ts) { (head / ts).min(n) } else { 0 };
+        let (src_head, src_rest) = src.split_at(head * fs);
+        let (dst_head, dst_rest) = dst.split_at_mut(head * ts);
+        convert_slice(from, src_head, to, dst_head);
+        for (s, d) in src_rest.chunks(CONVERT_CHUNK / ts * fs).zip(dst_rest.chunks_mut(CONVERT_CHUNK / ts * ts)) {
+            let out = &mut buf.0[..d.len()];
+            convert_slice(from, s, to, out);
+            // SAFETY: `d` is `out.len()` bytes of this run's destination;
+            // `out` is this frame's own buffer.
+            unsafe { stream_copy(out.as_ptr(), d.as_mut_ptr(), d.len()) };
+        }
+        return;
+    }
+    convert_slice(from, src, to, dst);
+}
+
 /// Copy with SSE2 streaming stores (16-byte aligned destination chunks).
 ///
 /// # Safety
@@ -443,6 +490,48 @@ pub(crate) fn store_fence() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Long converted runs (streamed out of a cached chunk) match
+    /// `convert_slice` for every pair, at every destination alignment
+    /// and at lengths around the chunk and the streaming threshold, and
+    /// write nothing outside the run.
+    #[test]
+    fn converted_runs_match_convert_slice_at_every_alignment_and_length() {
+        let floats = [DType::F32, DType::BF16, DType::F16, DType::F64];
+        for from in floats {
+            for to in floats.into_iter().filter(|&t| t != from) {
+                let (fs, ts) = (from.size() as usize, to.size() as usize);
+                for n in [1, 100, CONVERT_STREAM_MIN / ts - 1, CONVERT_STREAM_MIN / ts, CONVERT_CHUNK / ts * 3 + 7, 20_011] {
+                    // Values of every kind: normal, tiny, huge, NaN.
+                    let src: Vec<u8> = (0..n)
+                        .flat_map(|i| {
+                            let v = match i % 7 {
+                                0 => f64::NAN,
+                                1 => 1e-30 * i as f64,
+                                2 => -65504.0 * i as f64,
+                                _ => (i as f64) * 0.37 - 1e3,
+                            };
+                            let mut e = vec![0u8; fs];
+                            reshard::convert_slice(DType::F64, &v.to_le_bytes(), from, &mut e);
+                            e
+                        })
+                        .collect();
+                    let mut want = vec![0u8; n * ts];
+                    reshard::convert_slice(from, &src, to, &mut want);
+                    for misalign in [0, 1, 2, 6, 8, 30, 62] {
+                        let mut dst = vec![0xa5u8; n * ts + 128];
+                        let at = dst.as_ptr().align_offset(64) + misalign;
+                        // SAFETY: `n` elements at `at` lie inside `dst`;
+                        // `src` holds `n` elements.
+                        unsafe { convert_run(src.as_ptr(), from, dst.as_mut_ptr().add(at), to, n) };
+                        store_fence();
+                        assert_eq!(&dst[at..at + n * ts], &want[..], "{from} -> {to}, {n} elements, {misalign} bytes off a line");
+                        assert!(dst[..at].iter().chain(&dst[at + n * ts..]).all(|&b| b == 0xa5), "{from} -> {to}: wrote outside the run");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn copy_run_copies_every_length() {

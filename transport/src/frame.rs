@@ -269,13 +269,20 @@ pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
 /// The memory the payload's segments point into must stay valid and
 /// unwritten while the payload lives (the executor's contract).
 pub(crate) unsafe fn for_payload_runs<'a>(payload: &'a Payload, mut f: impl FnMut(&'a [u8])) -> io::Result<()> {
+    if let Payload::Pieces(sent) = payload {
+        if sent.leaves_conversion() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "pieces left to convert cannot go out as bytes"));
+        }
+    }
     // SAFETY: the caller's contract. No run is shorter than 0 bytes, so
     // every piece comes run by run; a short piece would be walked here
-    // the same way (in bounds, checked by `for_payload_items`).
+    // the same way (in bounds, checked by `for_payload_items`); no piece
+    // is left to convert (checked above).
     unsafe {
         for_payload_items(payload, 0, |item| match item {
             Item::Run(run) => f(run),
             Item::Short { counts, view } => for_each_run(counts, &view, |run| f(std::slice::from_raw_parts(run.as_ptr(), run.len()))),
+            Item::Convert { .. } => {}
         })
     }
 }
@@ -294,6 +301,10 @@ pub(crate) enum Item<'a> {
     /// A whole piece whose contiguous runs are short (rows a few elements
     /// wide): its element counts and its view, checked to be in bounds.
     Short { counts: &'a [u64], view: StridedRef },
+    /// A whole piece left unconverted ([`SentPieces::leaves_conversion`](crate::SentPieces::leaves_conversion)):
+    /// its element counts, its view (in its buffer's type, checked to be
+    /// in bounds) and the type it goes out in, packed.
+    Convert { counts: &'a [u64], view: StridedRef, wire: reshard::DType },
 }
 
 /// Calls `f` with a payload's bytes in wire order: pieces whose runs are
@@ -304,8 +315,10 @@ pub(crate) enum Item<'a> {
 /// The memory the payload's segments point into must stay valid and
 /// unwritten while the payload lives (the executor's contract).
 pub(crate) unsafe fn for_payload_items<'a>(payload: &'a Payload, short: u64, mut f: impl FnMut(Item<'a>)) -> io::Result<()> {
-    let mut one = |counts: &'a [u64], view: StridedRef| {
-        if run_bytes(counts, &view) < short {
+    let mut one = |counts: &'a [u64], view: StridedRef, wire: reshard::DType| {
+        if view.dtype != wire {
+            f(Item::Convert { counts, view, wire });
+        } else if run_bytes(counts, &view) < short {
             f(Item::Short { counts, view });
         } else {
             // SAFETY: in bounds (checked by the caller); valid while the
@@ -321,7 +334,7 @@ pub(crate) unsafe fn for_payload_items<'a>(payload: &'a Payload, short: u64, mut
                 return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("piece {} does not fit the sender's memory", b.block())));
             }
             for p in sent.pieces().flatten() {
-                one(p.extent, p.view);
+                one(p.extent, p.view, p.wire);
             }
         }
         Payload::Segments { segments, .. } => {
@@ -329,7 +342,7 @@ pub(crate) unsafe fn for_payload_items<'a>(payload: &'a Payload, short: u64, mut
                 return Err(io::Error::new(io::ErrorKind::InvalidInput, "segment out of bounds"));
             }
             for s in segments {
-                one(s.extent(), *s.view());
+                one(s.extent(), *s.view(), s.view().dtype);
             }
         }
         Payload::Bytes(b) => f(Item::Run(b)),

@@ -168,6 +168,10 @@ impl Transport for NodeTransport {
     fn link_from(&self, peer: Endpoint) -> Option<String> {
         self.inner.link_from(peer)
     }
+
+    fn converts_on_send(&self, to: Endpoint, bytes: u64) -> bool {
+        self.inner.converts_on_send(to, bytes)
+    }
 }
 
 impl WithAbort for NodeTransport {

@@ -10,7 +10,7 @@ use crate::memory::RawBuf;
 use crate::Staging;
 use reshard::SendPieceView;
 use reshard::MAX_DIMS;
-use reshard::{Endpoint, Message, SendPiece};
+use reshard::{DType, Endpoint, Message, SendPiece};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 use thiserror::Error;
@@ -127,7 +127,10 @@ impl Payload {
 /// (packed pieces, read in place) and its buffers, plus a staging area
 /// for the pieces whose wire type differs from their buffer's (converted
 /// by the sender, back to back in order, each at an offset aligned to its
-/// wire element size).
+/// wire element size) — or, where the transport converts as it copies
+/// ([`Transport::converts_on_send`]), no staging: those pieces are read in
+/// their buffers' type and converted on their way into the transport's
+/// memory.
 ///
 /// Reading it costs no allocation and no list per piece: each piece's
 /// view is made, and checked against its region, as it is read.
@@ -140,6 +143,8 @@ pub struct SentPieces {
     n_regions: usize,
     /// Converted pieces, in wire type.
     staging: Staging,
+    /// Pieces to convert are left to the transport (no staging).
+    unconverted: bool,
     /// Tells the sender, when dropped, that its memory is free again.
     pub(crate) release: Release,
 }
@@ -153,11 +158,14 @@ impl std::fmt::Debug for SentPieces {
 /// One piece of [`SentPieces`] as read: its elements and its extent.
 #[derive(Clone, Copy, Debug)]
 pub struct SentPiece<'a> {
-    /// Where its elements are, in wire type (checked to be in bounds of
-    /// the region it names).
+    /// Where its elements are (checked to be in bounds of the region it
+    /// names): in wire type, but for a piece left to the transport to
+    /// convert, in its buffer's.
     pub view: StridedRef,
     /// Its extent.
     pub extent: &'a [u64],
+    /// The type it travels in.
+    pub wire: DType,
 }
 
 impl SentPieces {
@@ -170,7 +178,30 @@ impl SentPieces {
     /// the payload is dropped: the sender waits for its release before it
     /// touches them again (and so before its program and buffer list go).
     pub(crate) unsafe fn new(message: &Message<SendPiece>, regions: &[RawBuf], staging: Staging) -> SentPieces {
-        SentPieces { message, regions: regions.as_ptr(), n_regions: regions.len(), staging, release: Release::default() }
+        SentPieces {
+            message,
+            regions: regions.as_ptr(),
+            n_regions: regions.len(),
+            staging,
+            unconverted: false,
+            release: Release::default(),
+        }
+    }
+
+    /// The pieces of `message` in the buffers `regions`, those to convert
+    /// left to the transport: read in their buffers' type, converted as
+    /// they are copied into its memory.
+    ///
+    /// # Safety
+    /// As [`SentPieces::new`].
+    pub(crate) unsafe fn unconverted(message: &Message<SendPiece>, regions: &[RawBuf]) -> SentPieces {
+        SentPieces { unconverted: true, ..unsafe { SentPieces::new(message, regions, Staging::default()) } }
+    }
+
+    /// Whether some pieces are still in their buffers' type, for the
+    /// transport to convert (such a payload cannot go out as its bytes).
+    pub fn leaves_conversion(&self) -> bool {
+        self.unconverted && self.message().pieces.converting() > 0
     }
 
     fn message(&self) -> &Message<SendPiece> {
@@ -204,7 +235,7 @@ impl SentPieces {
     fn piece<'a>(&'a self, p: &SendPieceView<'a>, pos: &mut u64) -> Result<SentPiece<'a>, SendPieceView<'a>> {
         prefetch(p.words_ptr().wrapping_byte_add(PREFETCH_AHEAD));
         let (extent, dtype, wire) = (p.extent(), p.dtype(), p.wire());
-        if dtype == wire {
+        if dtype == wire || self.unconverted {
             let span = p.span();
             let region = (span.buffer as usize) < self.n_regions;
             if region {
@@ -215,7 +246,7 @@ impl SentPieces {
                     // SAFETY: the region is valid while `self` lives
                     // (`SentPieces::new`); the offsets are in bounds.
                     let view = unsafe { StridedRef::new(buf.ptr, buf.len, span.base, span.strides, dtype) };
-                    return Ok(SentPiece { view, extent });
+                    return Ok(SentPiece { view, extent, wire });
                 }
             }
             Err(*p)
@@ -234,7 +265,7 @@ impl SentPieces {
                 // `self` (it goes back to its pool only when `self` is
                 // dropped); the offsets are in bounds.
                 let view = unsafe { StridedRef::new(staging.as_ptr(), staging.len(), at / elem, strides, wire) };
-                return Ok(SentPiece { view, extent });
+                return Ok(SentPiece { view, extent, wire });
             }
             Err(*p)
         }
@@ -406,6 +437,15 @@ pub trait Transport: Send {
     fn link_from(&self, _peer: Endpoint) -> Option<String> {
         None
     }
+    /// Whether the next message to `to`, of `bytes` bytes on the wire,
+    /// would be copied by this transport into memory it writes in one
+    /// gather copy (a shared-memory area), converting as it copies: then
+    /// the sender leaves its pieces unconverted ([`SentPieces`]) and each
+    /// byte is written once, not into staging first. Asked right before
+    /// that `send`, on the same thread.
+    fn converts_on_send(&self, _to: Endpoint, _bytes: u64) -> bool {
+        false
+    }
 }
 
 /// A transport borrowed for one run, so one fabric can serve many refits.
@@ -432,6 +472,10 @@ impl<T: Transport + ?Sized> Transport for &mut T {
 
     fn link_from(&self, peer: Endpoint) -> Option<String> {
         (**self).link_from(peer)
+    }
+
+    fn converts_on_send(&self, to: Endpoint, bytes: u64) -> bool {
+        (**self).converts_on_send(to, bytes)
     }
 }
 

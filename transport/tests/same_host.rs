@@ -10,7 +10,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 use transport::fabric::{
-    this_host, Connecting, Fabric, NodeFabric, NodeTweak, PeerAddr, RankEnd, RunError, RunMemory, RunOptions, Scratch, Site,
+    this_host, Connecting, Fabric, NodeFabric, NodeTweak, PeerAddr, RankEnd, RunError, RunMemory, RunOptions, Scratch, Site, StagingKept,
 };
 use transport::{fill_sources, verify_destinations, HelloKey, RankMemory};
 
@@ -30,6 +30,19 @@ fn layouts() -> (Layout, Layout) {
 /// regions to go in a directory that does not exist. Ok with every destination element checked, or the first rank's
 /// error.
 fn refit(same_host: bool, src_host: u64, dst_host: u64, crowd: u32, session: &str) -> Result<(), RunError> {
+    refit_in(same_host, src_host, dst_host, crowd, Some(PathBuf::from("/nonexistent-refit-shm")), session).map(drop)
+}
+
+/// As [`refit`], the regions in `shm_dir` (`None`: `/dev/shm`); Ok with
+/// what each rank's scratch kept of staging areas, in program order.
+fn refit_in(
+    same_host: bool,
+    src_host: u64,
+    dst_host: u64,
+    crowd: u32,
+    shm_dir: Option<PathBuf>,
+    session: &str,
+) -> Result<Vec<StagingKept>, RunError> {
     let (src, dst) = layouts();
     let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
     let programs: Vec<RankProgram> = plan.programs(&src, &dst).unwrap();
@@ -51,28 +64,29 @@ fn refit(same_host: bool, src_host: u64, dst_host: u64, crowd: u32, session: &st
     }
     let mut memory = RankMemory::for_programs(&programs);
     fill_sources(&src, &mut memory[..2]);
-    let results: Vec<Result<(), RunError>> = std::thread::scope(|s| {
+    let results: Vec<Result<StagingKept, RunError>> = std::thread::scope(|s| {
         let handles: Vec<_> = ends
             .into_iter()
             .zip(&programs)
             .zip(memory.iter_mut())
             .map(|((end, program), memory)| {
-                let table = &table;
+                let (table, shm_dir) = (&table, &shm_dir);
                 s.spawn(move || {
-                    let tweak = |t: &mut NodeTweak| t.shm_dir = Some(PathBuf::from("/nonexistent-refit-shm"));
+                    let tweak = |t: &mut NodeTweak| t.shm_dir = shm_dir.clone();
                     let key = HelloKey([7; 32]);
                     let mut end = end.connect(program, table, Connecting { key, tweak: &tweak }).map_err(RunError::Fabric)?;
                     let mut scratch = Scratch::default();
                     let options = RunOptions { deadline: Duration::from_secs(10), delta: None, scratch: &mut scratch };
-                    end.run(program, RunMemory::Host(memory), options).map(drop)
+                    end.run(program, RunMemory::Host(memory), options)?;
+                    Ok(scratch.staging_kept())
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    results.into_iter().collect::<Result<(), RunError>>()?;
+    let kept = results.into_iter().collect::<Result<Vec<StagingKept>, RunError>>()?;
     verify_destinations(&src, &dst, &memory[2..]).unwrap();
-    Ok(())
+    Ok(kept)
 }
 
 #[test]
@@ -91,4 +105,21 @@ fn ranks_of_one_host_share_memory_across_groups_only_when_asked() {
     // regions' directory is missing.
     let e = refit(true, here, here, 12, "samehost-on").unwrap_err().to_string();
     assert!(e.contains("/nonexistent-refit-shm"), "{e}");
+}
+
+/// Pieces that convert (f32 to bf16) on their way to a rank that shares
+/// memory are converted straight into the region the sender lends: the
+/// senders make no staging area, and every element arrives bit-exact.
+/// Over TCP the same senders convert into staging first.
+#[test]
+fn pieces_converted_into_shared_memory_need_no_staging() {
+    let here = this_host();
+    let shared = refit_in(true, here, here, 0, None, "samehost-convert").unwrap();
+    for (rank, kept) in shared[..2].iter().enumerate() {
+        assert_eq!(kept.made, 0, "source rank {rank} made staging areas: {kept:?}");
+    }
+    let tcp = refit_in(false, here, here, 0, None, "samehost-convert-tcp").unwrap();
+    for (rank, kept) in tcp[..2].iter().enumerate() {
+        assert!(kept.made > 0, "source rank {rank} converted over TCP without staging: {kept:?}");
+    }
 }

@@ -21,7 +21,7 @@ mod threads;
 
 pub(crate) use crate::delta::DeltaRun;
 use delta_run::{delta_decode, delta_encode};
-use pack::{pack, unpack, unpack_bytes, Into, Unpack};
+use pack::{pack, unpack, unpack_bytes, Convert, Into, Unpack};
 #[cfg(any(test, feature = "testkit"))]
 pub use threads::{run_local, run_local_delta, run_tcp, run_threads, run_threads_delta};
 
@@ -296,7 +296,12 @@ fn run_rounds<T: Transport>(
                 store_fence();
             }
             Action::Send { round, message } => {
-                let payload = pack(me, mem, message, pool)?;
+                // A delta encoder reads the payload's bytes: converted here.
+                let convert = match delta {
+                    None if transport.converts_on_send(message.peer, message.wire_bytes()) => Convert::OnSend,
+                    _ => Convert::Here,
+                };
+                let payload = pack(me, mem, message, pool, convert)?;
                 let payload = match delta.as_deref_mut() {
                     None => payload,
                     Some(d) => delta_encode(me, round, message, payload, d)?,

@@ -14,15 +14,42 @@ use crate::transport::{Payload, SentPieces};
 use crate::{RecvBuffers, Staging, StagingPool};
 use reshard::{Endpoint, LocalCopyView, Message, RecvPiece, RecvPieceView, SendPiece};
 
+/// Where a message's pieces whose wire type differs are converted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Convert {
+    /// Here, into a staging area carried with the payload.
+    Here,
+    /// By the transport, as it copies them into its memory
+    /// ([`Transport::converts_on_send`](crate::Transport::converts_on_send)):
+    /// each converted byte written once.
+    OnSend,
+}
+
 /// A message's pieces, read in place from this rank's program and buffers
 /// by whoever carries the payload. Pieces whose wire type differs are
 /// converted into one staging area (carried with the payload), back to
-/// back, each at an offset aligned to its wire element size; a message
-/// without them costs nothing here, whatever its number of pieces. The
-/// staging area comes from `pool` and goes back to it when the payload is
-/// dropped: a plan's later runs reuse the first run's areas.
-pub(super) fn pack(me: Endpoint, mem: &MemView, msg: &Message<SendPiece>, pool: &StagingPool) -> Result<Payload, ExecError> {
+/// back, each at an offset aligned to its wire element size, or left to
+/// the transport (`Convert::OnSend`); a message without them costs
+/// nothing here, whatever its number of pieces. The staging area comes
+/// from `pool` and goes back to it when the payload is dropped: a plan's
+/// later runs reuse the first run's areas.
+pub(super) fn pack(
+    me: Endpoint,
+    mem: &MemView,
+    msg: &Message<SendPiece>,
+    pool: &StagingPool,
+    convert: Convert,
+) -> Result<Payload, ExecError> {
     let mut staging = Staging::default();
+    if msg.pieces.converting() > 0 && convert == Convert::OnSend {
+        // Each piece checked to lie in this rank's buffers here, so that
+        // one that does not is named as this rank's error.
+        for p in msg.pieces.views().filter(|p| p.dtype() != p.wire()) {
+            view(me, mem, &p.span(), p.dtype(), p.extent(), || p.block())?;
+        }
+        // SAFETY: as for `SentPieces::new` below.
+        return Ok(Payload::Pieces(unsafe { SentPieces::unconverted(msg, &mem.bufs) }));
+    }
     if msg.pieces.converting() > 0 {
         // Sized by pieces checked to lie in this rank's buffers first (so
         // bounded by them), the arithmetic checked: a program's extents

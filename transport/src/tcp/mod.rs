@@ -317,6 +317,13 @@ impl Transport for TcpTransport {
         self.describe_inbound(peer)
     }
 
+    fn converts_on_send(&self, to: Endpoint, bytes: u64) -> bool {
+        // Lent space only grows until this rank's next send (only it
+        // places messages in its region for `to`), so what fits now is
+        // placed there by that send, gathered by one copy.
+        self.links.get(&to).and_then(|l| l.shm.as_ref()).is_some_and(|out| out.lends(bytes))
+    }
+
     fn abort(&mut self, reason: &str) {
         if let Some(hook) = &self.hook {
             hook.before_abort();

@@ -206,15 +206,16 @@ pub(crate) fn send(
                         }
                         pos += run.len();
                     }
-                    Item::Short { counts, view } => {
-                        // A piece of short rows: packed by one strided copy.
-                        let n = (counts.iter().product::<u64>() * view.dtype.size()) as usize;
+                    // A piece of short rows, or one to convert: packed by
+                    // one strided copy (converting into its wire type).
+                    Item::Short { counts, view: from @ StridedRef { dtype: wire, .. } } | Item::Convert { counts, view: from, wire } => {
+                        let n = (counts.iter().product::<u64>() * wire.size()) as usize;
                         if pos + n <= len as usize {
                             if let Some(b) = bucket.as_deref_mut() {
                                 b.pace(n as u64);
                             }
-                            let to = StridedRef::new(dst.add(pos), n, 0, packed_strides(counts), view.dtype);
-                            copy_strided_unfenced(counts, &view, &to);
+                            let to = StridedRef::new(dst.add(pos), n, 0, packed_strides(counts), wire);
+                            copy_strided_unfenced(counts, &from, &to);
                         }
                         pos += n;
                     }

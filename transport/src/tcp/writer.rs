@@ -22,6 +22,10 @@ pub(super) fn write_tcp(
     mut bucket: Option<&mut TokenBucket>,
 ) -> io::Result<()> {
     let len = payload_len(payload);
+    if matches!(payload, Payload::Pieces(sent) if sent.leaves_conversion()) {
+        // (Never sent here: `converts_on_send` says no for a stream.)
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "pieces left to convert cannot go out as bytes"));
+    }
     if corrupt {
         // Fault injection: gather, sum, then flip a byte (or the sum).
         let mut bytes = Vec::with_capacity(len as usize);
@@ -88,6 +92,10 @@ pub(super) fn write_tcp(
                             sum = crc32c::crc32c_append(sum, packed);
                         }
                     })
+                }
+                // (Refused above.)
+                Item::Convert { .. } => {
+                    result = Err(io::Error::new(io::ErrorKind::InvalidInput, "pieces left to convert cannot go out as bytes"))
                 }
             }
         })?
