@@ -1,6 +1,7 @@
 //! Conversion speed on one thread against a memcpy of the same source
 //! bytes: f32 -> bf16 and bf16 -> f32 through `reshard::convert_slice`
-//! (what packing and unpacking a converted piece runs).
+//! (what packing and unpacking a converted piece runs), then every other
+//! pair of float types, from as many elements.
 //!
 //!     cargo run --release -p reshard --example convert_bench [-- MIB [REPEATS]]
 //!
@@ -42,6 +43,20 @@ fn main() {
     println!("f32 -> bf16   {:6.2} {:6.2}   median {:.2}x memcpy's", narrow.0, narrow.1, narrow.1 / memcpy.1);
     println!("bf16 -> f32   {:6.2} {:6.2}   median {:.2}x memcpy's", widen.0, widen.1, widen.1 / memcpy.1);
     println!("f32 -> bf16, element by element over byte slices (the loop before 2026-12-05): {:6.2} {:6.2}", scalar.0, scalar.1);
+    // Every other pair of the float types a layout may convert between,
+    // from the same values (as many elements: f64 has twice the bytes,
+    // bf16 and f16 half).
+    let floats = [DType::F64, DType::F32, DType::BF16, DType::F16];
+    for from in floats {
+        let mut src = vec![0u8; n * from.size() as usize];
+        convert_slice(DType::F32, &f32s, from, &mut src);
+        for to in floats.into_iter().filter(|&t| t != from && !matches!((from, t), (DType::F32, DType::BF16) | (DType::BF16, DType::F32))) {
+            let mut dst = vec![0u8; n * to.size() as usize];
+            convert_slice(from, &src, to, &mut dst);
+            let r = time(&mut || convert_slice(from, std::hint::black_box(&src), to, &mut dst), src.len());
+            println!("{:<13} {:6.2} {:6.2}   median {:.2}x memcpy's", format!("{from} -> {to}"), r.0, r.1, r.1 / memcpy.1);
+        }
+    }
 }
 
 /// f32 -> bf16 as `convert_slice` did it until 2026-12-05: a loop over
