@@ -238,7 +238,7 @@ def inference(t, a, ports, address, secret, conn):
             views[name] = (off, buffers[own[0]].view(ext))
     for b in buffers.values():
         b.fill_(0.0)  # (faulted in: the engine's weights are resident)
-    rss_with_weights = status_kib("VmRSS")
+    rss_with_weights, shared_with_weights = status_kib("VmRSS"), status_kib("RssShmem")
     dst = refit.Destination.in_place(infer, t, buffers, direct=not a.staged)
     dst.join(address, secret)
     have = [{name: (off, ext) for name, _, off, ext in train.blocks(r)} for r in range(TRAINERS)]
@@ -285,7 +285,13 @@ def inference(t, a, ports, address, secret, conn):
             conn.send(digest())
             continue
         if msg == "rss":
-            conn.send(((status_kib("VmRSS") - rss_with_weights) / 1024, sum(b.numel() * 2 for b in buffers.values()) / 2**20))
+            conn.send(
+                (
+                    (status_kib("VmRSS") - rss_with_weights) / 1024,
+                    (status_kib("RssShmem") - shared_with_weights) / 1024,
+                    sum(b.numel() * 2 for b in buffers.values()) / 2**20,
+                )
+            )
             continue
         for b in buffers.values():
             b.fill_(float("nan"))
@@ -434,7 +440,10 @@ def main():
     if methods == METHODS:
         print(f"refit / p2p: {med['refit'] / med['p2p']:.2f}x time, {cpu['refit'] / cpu['p2p']:.2f}x CPU; refit / broadcast: {med['refit'] / med['broadcast']:.2f}x time")
     print(
-        "; ".join(f"inference rank {t}: RSS {r:.0f} MiB above its RSS with its weights ({w:.0f} MiB) before anything moved" for t, (r, w) in enumerate(rss))
+        "; ".join(
+            f"inference rank {t}: RSS {r:.0f} MiB above its RSS with its weights ({w:.0f} MiB) before anything moved, {sh:.0f} MiB of it shared memory"
+            for t, (r, sh, w) in enumerate(rss)
+        )
         + " (every method's leftovers together; with --staged, refit's staging copy of the weights among them)"
     )
     print(f"every round: the three methods left the same bytes, and they changed from round to round: {ok}")
