@@ -169,8 +169,8 @@ impl Transport for NodeTransport {
         self.inner.link_from(peer)
     }
 
-    fn converts_on_send(&self, to: Endpoint, bytes: u64) -> bool {
-        self.inner.converts_on_send(to, bytes)
+    fn converts_on_send(&self, to: Endpoint) -> bool {
+        self.inner.converts_on_send(to)
     }
 }
 

@@ -398,13 +398,23 @@ impl ShmOut {
         while self.live.front().is_some_and(|&(seq, _)| seq < released) {
             self.live.pop_front();
         }
+        if !self.fits(len) {
+            return Placement::Stream;
+        }
         if self.live.is_empty() {
             // Everything lent came back: start over at the front, so the
             // pages a refit writes are the ones the last one wrote (already
             // mapped), not the next ones round the ring.
             self.head = 0;
         }
-        let Some(start) = self.lend_start(len, self.live.front().map(|&(_, start)| start)) else { return Placement::Stream };
+        let tail = self.live.front().map_or(self.head, |&(_, start)| start);
+        let mut start = self.head.next_multiple_of(ALIGN);
+        if start % self.lend + len > self.lend {
+            start = start.next_multiple_of(self.lend);
+        }
+        if start + len - tail > self.lend {
+            return Placement::Stream;
+        }
         let seq = self.next_seq;
         self.next_seq += 1;
         self.live.push_back((seq, start));
@@ -412,32 +422,10 @@ impl ShmOut {
         Placement::Lent { seq, offset: CONTROL + start % self.lend }
     }
 
-    /// Whether [`ShmOut::place`] would lend a message of `len` bytes now.
-    /// Nothing but `place` takes lend space, and the receiver only gives
-    /// it back: one that would be lent now is lent by the next `place`.
-    pub(crate) fn lends(&self, len: u64) -> bool {
-        let released = self.region.word(OFF_RELEASED).load(Ordering::Acquire);
-        let oldest_live = self.live.iter().find(|&&(seq, _)| seq >= released).map(|&(_, start)| start);
-        match oldest_live {
-            Some(tail) => self.lend_start(len, Some(tail)).is_some(),
-            // Everything came back: `place` starts over at the front.
-            None => len != 0 && len <= self.lend,
-        }
-    }
-
-    /// Where in the lend ring a message of `len` bytes would start after
-    /// `head`, with the oldest live message at `tail` (none: the ring is
-    /// free from `head` on); `None` if it does not fit.
-    fn lend_start(&self, len: u64, tail: Option<u64>) -> Option<u64> {
-        if len == 0 || len > self.lend {
-            return None;
-        }
-        let tail = tail.unwrap_or(self.head);
-        let mut start = self.head.next_multiple_of(ALIGN);
-        if start % self.lend + len > self.lend {
-            start = start.next_multiple_of(self.lend);
-        }
-        (start + len - tail <= self.lend).then_some(start)
+    /// Whether a message of `len` bytes could be lent at all (the lend
+    /// area empty).
+    pub(crate) fn fits(&self, len: u64) -> bool {
+        len != 0 && len <= self.lend
     }
 
     /// Pointer to region offset `offset`.
@@ -574,46 +562,38 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// `out.place(len)`, checking that [`ShmOut::lends`] foretold it.
-    fn place(out: &mut ShmOut, len: u64) -> Placement {
-        let lends = out.lends(len);
-        let placed = out.place(len);
-        assert_eq!(lends, matches!(placed, Placement::Lent { .. }), "a message of {len} bytes");
-        placed
-    }
-
     #[test]
     fn lend_area_wraps_and_reclaims_in_order() {
         let path = temp("lend");
         let region = Region::create(&path, 1024, 256).unwrap();
         let mut inbound = ShmIn::new(Region::open(&path, 1024, 256).unwrap(), 1024, 256);
         let mut out = ShmOut::new(region, 1024, 256);
-        let Placement::Lent { seq: 0, offset: a } = place(&mut out, 600) else { panic!() };
+        let Placement::Lent { seq: 0, offset: a } = out.place(600) else { panic!() };
         assert_eq!(a, CONTROL);
         // 600 + 600 > 1024: no room until the first is released.
-        assert!(matches!(place(&mut out, 600), Placement::Stream));
-        assert!(matches!(place(&mut out, 2000), Placement::Stream));
+        assert!(matches!(out.place(600), Placement::Stream));
+        assert!(matches!(out.place(2000), Placement::Stream));
         let (_, r0) = inbound.lent(0, a, 600).unwrap();
-        let Placement::Lent { seq: 1, offset: b } = place(&mut out, 300) else { panic!() };
+        let Placement::Lent { seq: 1, offset: b } = out.place(300) else { panic!() };
         assert_eq!(b, CONTROL + 640);
         let (_, r1) = inbound.lent(1, b, 300).unwrap();
         // Releasing out of order frees nothing until the older one goes.
         drop(r1);
-        assert!(matches!(place(&mut out, 600), Placement::Stream));
+        assert!(matches!(out.place(600), Placement::Stream));
         drop(r0);
         // Everything is free: the next message starts at the front again.
-        let Placement::Lent { seq: 2, offset: c } = place(&mut out, 600) else { panic!() };
+        let Placement::Lent { seq: 2, offset: c } = out.place(600) else { panic!() };
         assert_eq!(c, CONTROL);
         assert!(inbound.lent(5, c, 600).is_err());
         assert!(inbound.lent(2, CONTROL + 1000, 600).is_err());
         // With the first still lent, the next that does not fit before
         // the end wraps to the start, behind it only if there is room.
         let (_, r2) = inbound.lent(2, c, 600).unwrap();
-        let Placement::Lent { seq: 3, offset: d } = place(&mut out, 300) else { panic!() };
+        let Placement::Lent { seq: 3, offset: d } = out.place(300) else { panic!() };
         assert_eq!(d, CONTROL + 640);
         let (_, r3) = inbound.lent(3, d, 300).unwrap();
         drop(r2);
-        let Placement::Lent { seq: 4, offset: e } = place(&mut out, 500) else { panic!() };
+        let Placement::Lent { seq: 4, offset: e } = out.place(500) else { panic!() };
         assert_eq!(e, CONTROL);
         drop(r3);
     }
@@ -627,7 +607,7 @@ mod tests {
         // Refit after refit of one small message each: always the same
         // bytes at the front, not a walk round the whole area.
         for seq in 0..10 {
-            let Placement::Lent { seq: s, offset } = place(&mut out, 4096) else { panic!() };
+            let Placement::Lent { seq: s, offset } = out.place(4096) else { panic!() };
             assert_eq!((s, offset), (seq, CONTROL));
             drop(inbound.lent(seq, offset, 4096).unwrap());
         }

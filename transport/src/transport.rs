@@ -437,13 +437,11 @@ pub trait Transport: Send {
     fn link_from(&self, _peer: Endpoint) -> Option<String> {
         None
     }
-    /// Whether the next message to `to`, of `bytes` bytes on the wire,
-    /// would be copied by this transport into memory it writes in one
-    /// gather copy (a shared-memory area), converting as it copies: then
-    /// the sender leaves its pieces unconverted ([`SentPieces`]) and each
-    /// byte is written once, not into staging first. Asked right before
-    /// that `send`, on the same thread.
-    fn converts_on_send(&self, _to: Endpoint, _bytes: u64) -> bool {
+    /// Whether this transport copies the messages it sends `to` into
+    /// memory of its own (a shared-memory area), converting as it copies:
+    /// then the sender leaves its pieces unconverted ([`SentPieces`]) and
+    /// each converted byte is written once, not into staging first.
+    fn converts_on_send(&self, _to: Endpoint) -> bool {
         false
     }
 }
@@ -474,8 +472,8 @@ impl<T: Transport + ?Sized> Transport for &mut T {
         (**self).link_from(peer)
     }
 
-    fn converts_on_send(&self, to: Endpoint, bytes: u64) -> bool {
-        (**self).converts_on_send(to, bytes)
+    fn converts_on_send(&self, to: Endpoint) -> bool {
+        (**self).converts_on_send(to)
     }
 }
 

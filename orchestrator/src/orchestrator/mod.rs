@@ -125,6 +125,19 @@ pub enum ReplicaLoss {
     Fail,
 }
 
+impl OrchestratorConfig {
+    /// The planner options of a refit: [`OrchestratorConfig::plan`], its
+    /// staging per round at most what the fabric bounds a round to
+    /// ([`Fabric::round_bytes`]).
+    pub(crate) fn plan_options(&self) -> PlanOptions {
+        let mut options = self.plan.clone();
+        if let Some(cap) = self.fabric.round_bytes() {
+            options.max_staging_bytes = options.max_staging_bytes.min(cap);
+        }
+        options
+    }
+}
+
 impl Default for OrchestratorConfig {
     fn default() -> Self {
         OrchestratorConfig {

@@ -105,7 +105,7 @@ impl Orchestrator {
             }
         };
         let lost_sources = self.lost_sources.clone();
-        let options = PlanOptions { only: only.clone(), lost_sources, ..self.config.plan.clone() };
+        let options = PlanOptions { only: only.clone(), lost_sources, ..self.config.plan_options() };
         let plan = self.make_plan(&src, &dst, options).await?;
         let (fingerprint, figures) = (plan.fingerprint(), plan.figures().clone());
         // Plans of the other strategy were made for these layouts too, or

@@ -215,7 +215,7 @@ impl Orchestrator {
             Some((f, plan)) if *f == one.fingerprint() => plan.clone(),
             _ => {
                 let (s, d) = (one.clone(), one.clone());
-                let options = PlanOptions { only: None, ..self.config.plan.clone() };
+                let options = PlanOptions { only: None, ..self.config.plan_options() };
                 let planned = tokio::task::spawn_blocking(move || plan_reshard(&s, &d, &options)).await;
                 let plan: Arc<Plan> = match planned {
                     Ok(r) => Arc::new(r?),

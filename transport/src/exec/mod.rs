@@ -298,7 +298,7 @@ fn run_rounds<T: Transport>(
             Action::Send { round, message } => {
                 // A delta encoder reads the payload's bytes: converted here.
                 let convert = match delta {
-                    None if transport.converts_on_send(message.peer, message.wire_bytes()) => Convert::OnSend,
+                    None if transport.converts_on_send(message.peer) => Convert::OnSend,
                     _ => Convert::Here,
                 };
                 let payload = pack(me, mem, message, pool, convert)?;

@@ -102,10 +102,11 @@ impl Endpointed {
                 (true, false) => ShareKey::Node(e.group, node),
             }
         };
-        // A pair's lend area is reserved as soon as it talks: size it to the
-        // largest message this rank sends inside its node (bigger ones
-        // stream), and share the default among the node peers it sends to,
-        // or a node of 8 ranks pins gigabytes of shared memory.
+        // A pair's lend area is reserved as soon as it talks: size it to
+        // two of the largest messages this rank sends inside its node (the
+        // next round's is lent while the receiver reads the last; bigger
+        // ones stream), and share the default among the node peers it
+        // sends to, or a node of 8 ranks pins gigabytes of shared memory.
         let in_node = program.rounds.iter().flat_map(|r| r.sends.iter()).filter(|m| node_of(m.peer) == node_of(me));
         let largest = in_node.clone().map(|m| m.wire_bytes()).max().unwrap_or(0);
         let in_node_peers = in_node.map(|m| m.peer).collect::<BTreeSet<_>>().len().max(1) as u64;
@@ -154,7 +155,7 @@ impl Endpointed {
             ..NodeTransportConfig::default()
         };
         let share = (config.shm.lend_bytes / in_node_peers).max(1 << 20);
-        config.shm.lend_bytes = largest.next_power_of_two().clamp(1 << 20, share);
+        config.shm.lend_bytes = largest.next_power_of_two().saturating_mul(2).clamp(1 << 20, share);
         config.shm.stream_bytes = config.shm.stream_bytes.min(1 << 20);
         let mut tweaks = NodeTweak::default();
         tweak(&mut tweaks);

@@ -105,6 +105,23 @@ pub struct NodeFabric {
     pub same_host: bool,
 }
 
+impl Fabric {
+    /// The most bytes a rank should stage in one round of a plan over this
+    /// fabric (sends plus receives, what [`PlanOptions::max_staging_bytes`](reshard::PlanOptions::max_staging_bytes)
+    /// bounds), where the fabric has a bound of its own: on the node
+    /// fabric with shared memory, half a rank's lend budget, so that a
+    /// round's messages to the peers it shares memory with are lent (one
+    /// copy in, one out) with room for the next round's while they are
+    /// read; a message larger than its pair's lend area streams through
+    /// a buffer of its size at the receiver.
+    pub fn round_bytes(&self) -> Option<u64> {
+        match self {
+            Fabric::Node(node) if node.shared_memory => Some(crate::ShmConfig::default().lend_bytes / 2),
+            _ => None,
+        }
+    }
+}
+
 impl Default for NodeFabric {
     fn default() -> Self {
         NodeFabric {

@@ -317,11 +317,10 @@ impl Transport for TcpTransport {
         self.describe_inbound(peer)
     }
 
-    fn converts_on_send(&self, to: Endpoint, bytes: u64) -> bool {
-        // Lent space only grows until this rank's next send (only it
-        // places messages in its region for `to`), so what fits now is
-        // placed there by that send, gathered by one copy.
-        self.links.get(&to).and_then(|l| l.shm.as_ref()).is_some_and(|out| out.lends(bytes))
+    fn converts_on_send(&self, to: Endpoint) -> bool {
+        // A shared-memory link converts as it copies, lent (into the lend
+        // area) or streamed (through a bounce buffer in cache).
+        self.links.get(&to).is_some_and(|l| l.shm.is_some())
     }
 
     fn abort(&mut self, reason: &str) {

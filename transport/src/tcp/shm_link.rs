@@ -9,10 +9,8 @@
 //! emulation paces the copies into the region through the rank's
 //! intra-node token bucket.
 
-use crate::copy::{copy_strided_unfenced, packed_strides, StridedRef};
-use crate::frame::{
-    for_payload_items, for_payload_runs, header, payload_len, shm_info, Item, ShmAnnounce, CHUNK, LENT, SHM_INFO, SHORT_RUN,
-};
+use crate::copy::{copy_strided_unfenced, for_each_run, packed_strides, StridedRef};
+use crate::frame::{for_payload_items, header, payload_len, shm_info, Item, ShmAnnounce, CHUNK, LENT, SHM_INFO, SHORT_RUN};
 use crate::link::{TokenBucket, PACE_CHUNK};
 use crate::shm::{self, Placement, Region, ShmConfig, ShmIn, ShmOut};
 use crate::tcp::{FramePool, PeerStatus, Stop, ALIVE, BROKEN};
@@ -189,7 +187,7 @@ pub(crate) fn send(
     let disconnected = |_| TransportError::Disconnected { peer: to };
     let len = payload_len(payload);
     out.ready().map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
-    match out.place(len) {
+    match place(out, len, status, to)? {
         Placement::Lent { seq, offset } => {
             let dst = out.at(offset);
             let mut pos = 0usize;
@@ -251,9 +249,27 @@ pub(crate) fn send(
                 deadline: Instant::now() + wait,
                 err: None,
             };
-            // SAFETY: the executor's contract for the payload.
-            unsafe { for_payload_runs(payload, |run| sink.put(run)) }
-                .map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
+            // Pieces left unconverted are converted a few KiB at a time
+            // into a buffer in cache and put from there.
+            let mut bounce = Vec::new();
+            // SAFETY: the executor's contract for the payload (a converted
+            // piece's view is in bounds of the sender's memory, checked by
+            // `for_payload_items`).
+            unsafe {
+                for_payload_items(payload, 0, |item| match item {
+                    Item::Run(run) => sink.put(run),
+                    Item::Short { counts, view } => for_each_run(counts, &view, |run| sink.put(run)),
+                    Item::Convert { counts, view, wire } => for_each_run(counts, &view, |run| {
+                        let (from, to) = (view.dtype.size() as usize, wire.size() as usize);
+                        for part in run.chunks(BOUNCE_ELEMS * from) {
+                            bounce.resize(part.len() / from * to, 0);
+                            reshard::convert_slice(view.dtype, part, wire, &mut bounce);
+                            sink.put(&bounce);
+                        }
+                    }),
+                })
+            }
+            .map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
             if let Some(e) = sink.err.take() {
                 return Err(e);
             }
@@ -290,6 +306,43 @@ unsafe fn copy_paced(src: &[u8], dst: *mut u8, bucket: &mut Option<&mut TokenBuc
                 // `src`, so inside the `src.len()` bytes at `dst`).
                 unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), dst.add(i * PACE_CHUNK as usize), part.len()) }
             }
+        }
+    }
+}
+
+/// Elements converted at a time into the bounce buffer of a streamed
+/// message's unconverted pieces (a few KiB: it stays in cache).
+const BOUNCE_ELEMS: usize = 2048;
+
+/// Longest a sender waits for lend space to come back for a message that
+/// fits its pair's lend area, before it streams the message instead: the
+/// receiver gives space back as soon as it has read the message before
+/// (a few milliseconds), and a message streamed costs its receiver a
+/// buffer of its size. Bounded, so that two ranks sending each other
+/// (each waiting for the other to read) go on.
+const LEND_WAIT: Duration = Duration::from_millis(50);
+
+/// Where a message of `len` bytes goes: lent as soon as there is room in
+/// the pair's lend area (within [`LEND_WAIT`], while the peer is there),
+/// else streamed.
+fn place(out: &mut ShmOut, len: u64, status: &PeerStatus, to: Endpoint) -> Result<Placement, TransportError> {
+    let until = Instant::now() + LEND_WAIT;
+    let mut tries = 0u32;
+    loop {
+        let placed = out.place(len);
+        if matches!(placed, Placement::Lent { .. }) || !out.fits(len) || Instant::now() >= until {
+            return Ok(placed);
+        }
+        match status.get() {
+            ALIVE => {}
+            BROKEN => return Err(TransportError::Broken { peer: to, problem: "peer went away while we waited to lend to it".into() }),
+            _ => return Err(TransportError::Disconnected { peer: to }),
+        }
+        tries += 1;
+        if tries < 64 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
         }
     }
 }

@@ -23,7 +23,7 @@ pub(super) fn write_tcp(
 ) -> io::Result<()> {
     let len = payload_len(payload);
     if matches!(payload, Payload::Pieces(sent) if sent.leaves_conversion()) {
-        // (Never sent here: `converts_on_send` says no for a stream.)
+        // (Never sent here: `converts_on_send` says no for a TCP stream.)
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "pieces left to convert cannot go out as bytes"));
     }
     if corrupt {
