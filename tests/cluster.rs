@@ -268,7 +268,9 @@ impl NoSpawnLaunch {
 /// adds one that joins later before a refit.
 #[test]
 fn launch_without_spawning_adopts_replicas_that_join() {
-    let launch = NoSpawnLaunch::start(&["--refits", "6", "--replicas", "1"]);
+    // Emulated links keep each refit long enough (about half a second)
+    // that the second replica joins while refits remain.
+    let launch = NoSpawnLaunch::start(&["--refits", "6", "--replicas", "1", "--emulate-nic-mbps", "8"]);
     let mut workers: Vec<_> = (0..2).map(|n| launch.worker(&["--group", "src", "--node", &n.to_string()])).collect();
     workers.extend((0..2).map(|n| launch.worker(&["--group", "dst", "--node", &n.to_string(), "--replica", "a"])));
     // A second replica a little later.
