@@ -195,6 +195,7 @@ impl SentPieces {
     /// # Safety
     /// As [`SentPieces::new`].
     pub(crate) unsafe fn unconverted(message: &Message<SendPiece>, regions: &[RawBuf]) -> SentPieces {
+        // SAFETY: the caller's contract is `new`'s.
         SentPieces { unconverted: true, ..unsafe { SentPieces::new(message, regions, Staging::default()) } }
     }
 
@@ -224,7 +225,8 @@ impl SentPieces {
         self.message().wire_bytes()
     }
 
-    /// The pieces in wire order: each one's view in wire type, or, for a
+    /// The pieces in wire order: each one's view (in wire type, or in its
+    /// buffer's where the conversion is left to the transport), or, for a
     /// piece that does not lie inside its region, the piece as the sender
     /// lists it.
     pub fn pieces(&self) -> impl Iterator<Item = Result<SentPiece<'_>, SendPieceView<'_>>> + '_ {
