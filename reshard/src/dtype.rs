@@ -129,11 +129,11 @@ pub fn wire_dtype(src: DType, dst: DType) -> DType {
 /// `dst` (type `to`). Both slices must hold exactly `n` elements and the
 /// types must be equal or both floating-point types that convert.
 ///
-/// Every pair but f64 to bf16 or f16 runs a loop over fixed-size elements
-/// with a branch-free element function, which the compiler vectorises,
-/// built for the widest vectors the CPU has: the same results as rounding
-/// the exact value once (f64 to the narrow types rounds from the f64
-/// itself, element by element: through f32 it would round twice).
+/// Every pair runs a loop over fixed-size elements with a branch-free
+/// element function, which the compiler vectorises, built for the widest
+/// vectors the CPU has: the same results as rounding the exact value once
+/// (f64 to bf16 and f16 rounds from the f64's bits: through f32 it would
+/// round twice).
 pub fn convert_slice(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
     debug_assert_eq!(src.len() as u64 / from.size(), dst.len() as u64 / to.size());
     use DType::{BF16, F16, F32, F64};
@@ -149,6 +149,10 @@ pub fn convert_slice(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
         (F32, F64) => widest(Vectors::Widening, src, dst, f32_to_f64),
         (BF16, F64) => widest(Vectors::Widening, src, dst, bf16_to_f64),
         (F16, F64) => widest(Vectors::Widening, src, dst, f16_to_f64),
+        (F64, BF16) => widest(Vectors::Narrowing, src, dst, f64_to_bf16),
+        (F64, F16) => widest(Vectors::Narrowing, src, dst, f64_to_f16),
+        // No other pair converts (`can_convert`); element by element
+        // through f64, as a last resort.
         _ => {
             let (fs, ts) = (from.size() as usize, to.size() as usize);
             for (s, d) in src.chunks_exact(fs).zip(dst.chunks_exact_mut(ts)) {
@@ -241,6 +245,51 @@ fn bf16_to_f64(src: &[u8], dst: &mut [u8]) {
 #[inline(always)]
 fn f16_to_f64(src: &[u8], dst: &mut [u8]) {
     convert_elems::<2, 8>(src, dst, |s| (f32::from_bits(f16_bits_to_f32(u16::from_le_bytes(s))) as f64).to_le_bytes())
+}
+
+#[inline(always)]
+fn f64_to_bf16(src: &[u8], dst: &mut [u8]) {
+    convert_elems::<8, 2>(src, dst, |s| (f64_bits_to_narrow::<8, 7>(u64::from_le_bytes(s)) as u16).to_le_bytes())
+}
+
+#[inline(always)]
+fn f64_to_f16(src: &[u8], dst: &mut [u8]) {
+    convert_elems::<8, 2>(src, dst, |s| (f64_bits_to_narrow::<5, 10>(u64::from_le_bytes(s)) as u16).to_le_bytes())
+}
+
+/// f64 bits to the bits of a binary format of `EB` exponent and `MB`
+/// mantissa bits (bf16: 8, 7; f16: 5, 10), as [`round_f64`] rounds them
+/// (to nearest even, subnormal results included, too large to infinity,
+/// NaN to the quiet NaN with the sign kept), by integer operations and
+/// selects only: loops over it vectorise.
+#[inline(always)]
+fn f64_bits_to_narrow<const EB: u32, const MB: u32>(x: u64) -> u64 {
+    let bias = (1u64 << (EB - 1)) - 1;
+    let max_exp = (1u64 << EB) - 1;
+    let infinity = max_exp << MB;
+    let sign = (x >> 63) << (EB + MB);
+    let a = x & 0x7fff_ffff_ffff_ffff;
+    // A normal result: the exponent rebiased (1023 -> bias), the dropped
+    // bits rounded to nearest even (a carry runs on into the exponent, up
+    // to infinity's code, past which everything is infinity).
+    let drop = 52 - MB;
+    let rebias = (1023 - bias) << 52;
+    let normal = (a.wrapping_sub(rebias).wrapping_add((1u64 << (drop - 1)) - 1 + ((a >> drop) & 1)) >> drop).min(infinity);
+    // A subnormal result (or zero): the significand with its implicit bit
+    // shifted right by `drop` plus how far the exponent is below the
+    // smallest normal, rounded the same way (from 54 on: zero).
+    let shift = (1076 - MB as u64 - bias).saturating_sub(a >> 52).min(63);
+    let m = (a & 0x000f_ffff_ffff_ffff) | (1u64 << 52);
+    let half = (1u64 << shift) >> 1;
+    let sub = m.wrapping_add(half.wrapping_sub(1)).wrapping_add((m >> shift) & 1) >> shift;
+    let h = if a > 0x7ff0_0000_0000_0000 {
+        infinity | (1u64 << (MB - 1))
+    } else if a >= (1023 - bias + 1) << 52 {
+        normal
+    } else {
+        sub
+    };
+    sign | h
 }
 
 /// Conversion loops built for wider vectors than the x86-64 baseline's
@@ -482,7 +531,7 @@ mod tests {
 
     /// Every pair's loop gives what the element-by-element path through
     /// f64 gives (the one `convert_slice` took for all but f32 <-> bf16
-    /// before 2026-12-05): on random bits and on the edges (NaNs with
+    /// until 2026-12-05): on random bits and on the edges (NaNs with
     /// payloads, infinities, zeros, subnormals, the largest finite
     /// values, halfway cases), at lengths around the vector widths, in
     /// every vector build the CPU runs.
