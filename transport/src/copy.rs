@@ -383,9 +383,9 @@ const CONVERT_CHUNK: usize = 4096;
 /// Converts `n` elements of type `from` at `src` into type `to` at `dst`.
 /// Long runs are converted a few KiB at a time into a buffer that stays in
 /// cache and streamed from there to `dst` with non-temporal stores: the
-/// destination's cache lines are never read (a third less memory traffic
-/// than converting in place, the same saving [`copy_run`] makes), for every
-/// pair of types `convert_slice` converts. Callers issue [`store_fence`]
+/// destination's cache lines are never read (less memory traffic than
+/// converting in place, the saving [`copy_run`] makes for copies), for
+/// every pair of types `convert_slice` converts. Callers issue [`store_fence`]
 /// before publishing what they wrote.
 ///
 /// # Safety
