@@ -121,27 +121,36 @@ class _nothing:
         return False
 
 
+def refit_a_followed_destination_that_moves(p, torch):
+    """Refits version 1, moves destination rank 0's tensor (its ``.data``
+    replaced) and refits version 2 — both ranks serve it, rank 0 from its
+    new memory —, then gives it memory that no longer fits (f64), which
+    the refit of version 3 refuses. Returns the tensor and a copy of its
+    memory from before the move."""
+    p.step(1, np_write(p))
+    p.orch.refit(1)
+    t = p.dst_mem[0]
+    before = t.clone()
+    t.data = torch.full((4, 4), -1.0)
+    p.step(2, np_write(p))
+    p.orch.refit(2)
+    for r in (0, 1):
+        version, got = p.served(r, lambda t: t.numpy())
+        assert version == 2
+        np.testing.assert_array_equal(got, cols(r, 2))
+    t.data = torch.zeros(4, 4, dtype=torch.float64)
+    p.step(3, np_write(p))
+    with pytest.raises(refit.MemberError, match=r"buffer 'w#0': .*f64 given for a f32 buffer"):
+        p.orch.refit(3)
+    return t, before
+
+
 def test_a_followed_torch_destination_is_written_where_it_moved(fabric):
     torch = torch_or_skip()
     p = Pipeline(fabric, np_src, lambda r: torch.zeros(4, 4), follow=True)
     try:
-        p.step(1, np_write(p))
-        p.orch.refit(1)
-        t = p.dst_mem[0]
-        before = t.clone()
-        t.data = torch.full((4, 4), -1.0)
-        p.step(2, np_write(p))
-        p.orch.refit(2)
-        for r in (0, 1):
-            version, got = p.served(r, lambda t: t.numpy())
-            assert version == 2
-            np.testing.assert_array_equal(got, cols(r, 2))
+        _, before = refit_a_followed_destination_that_moves(p, torch)
         np.testing.assert_array_equal(before.numpy(), cols(0, 1))
-        # Memory that no longer fits is refused even when followed.
-        t.data = torch.zeros(4, 4, dtype=torch.float64)
-        p.step(3, np_write(p))
-        with pytest.raises(refit.MemberError, match=r"buffer 'w#0': .*f64 given for a f32 buffer"):
-            p.orch.refit(3)
     finally:
         p.close()
 
@@ -208,20 +217,7 @@ def test_destinations_written_in_place_never_write_memory_that_moved_shrank_or_w
     # Followed: written where it moved; a dtype that no longer fits is refused.
     p = Pipeline(host_fabric, np_src, lambda r: torch.zeros(4, 4), follow=True, direct=True)
     try:
-        p.step(1, np_write(p))
-        p.orch.refit(1)
-        t = p.dst_mem[0]
-        t.data = torch.full((4, 4), -1.0)
-        p.step(2, np_write(p))
-        p.orch.refit(2)
-        for r in (0, 1):
-            version, got = p.served(r, lambda t: t.numpy())
-            assert version == 2
-            np.testing.assert_array_equal(got, cols(r, 2))
-        t.data = torch.zeros(4, 4, dtype=torch.float64)
-        p.step(3, np_write(p))
-        with pytest.raises(refit.MemberError, match=r"buffer 'w#0': .*f64 given for a f32 buffer"):
-            p.orch.refit(3)
+        t, _ = refit_a_followed_destination_that_moves(p, torch)
         assert not t.any(), "written though it no longer fits"
     finally:
         p.close()
@@ -355,6 +351,68 @@ def test_a_numpy_source_given_other_memory_sends_nothing(fabric):
             assert version == 1
             np.testing.assert_array_equal(got, cols(r, 1))
             assert not (got == 777.0).any()
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("change", ["resized", "replaced", "followed", "numpy-state"])
+def test_a_source_converted_on_its_way_into_shared_memory_never_reads_memory_it_lost(change):
+    """An f32 source refitted into a bf16 group on one host: its pieces are
+    converted as the shared-memory link copies them, read from the
+    registered memory only during the send. A source whose memory was
+    freed, replaced or given another state since it was registered fails
+    the refit naming its rank and buffer, and the destinations keep
+    version 1 (nothing of the new memory, no freed memory); a followed one
+    is read where it moved. Values as torch rounds them to bf16."""
+    torch = torch_or_skip()
+
+    def src(r):
+        return np.zeros((2, 8), np.float32) if change == "numpy-state" else torch.zeros(2, 8)
+
+    p = Pipeline("node", src, lambda r: torch.zeros(4, 4, dtype=torch.bfloat16), follow=change == "followed", dst_dtype="bf16")
+
+    def write(r, rows):
+        p.src_mem[r][...] = rows if change == "numpy-state" else torch.from_numpy(rows)
+
+    def bf16(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(torch.bfloat16).float().numpy()
+
+    def served(r):
+        return p.served(r, lambda t: t.float().numpy())
+
+    try:
+        p.step(1, write)
+        p.orch.refit(1)
+        for r in (0, 1):
+            version, got = served(r)
+            assert version == 1
+            np.testing.assert_array_equal(got, bf16(cols(r, 1)))
+        if change == "followed":
+            with p.sources[0].stepping():
+                write(0, full(2)[0:2])
+            with p.sources[1].stepping():
+                p.src_mem[1].data = torch.from_numpy(full(3)[2:4].copy())
+            p.orch.refit(2)
+            want = np.vstack([full(2)[0:2], full(3)[2:4]])
+            for r in (0, 1):
+                version, got = served(r)
+                assert version == 2
+                np.testing.assert_array_equal(got, bf16(want[:, 4 * r : 4 * r + 4]))
+            return
+        p.step(2, write)
+        if change == "resized":
+            p.src_mem[1].resize_(512, 512).fill_(12345.0)
+        elif change == "replaced":
+            p.src_mem[1].data = torch.full((2, 8), 12345.0)
+        else:
+            p.src_mem[1].__setstate__(np.full((256, 256), 12345.0, np.float32).__reduce__()[2])
+        with pytest.raises(refit.MemberError, match=r"src rank 1: registered weights: buffer 'w#0'"):
+            p.orch.refit(2)
+        for r in (0, 1):
+            version, got = served(r)
+            assert version == 1
+            np.testing.assert_array_equal(got, bf16(cols(r, 1)))
+            assert not (got == bf16(np.float32([12345.0]))[0]).any()
     finally:
         p.close()
 
