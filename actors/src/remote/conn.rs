@@ -52,8 +52,10 @@ struct ProxyEntry {
 pub(crate) enum CloseKind {
     /// Closed by this side (handle dropped, node shut down).
     Local,
-    /// The peer closed it cleanly.
+    /// The peer's end closed (end of stream) without a goodbye.
     ByPeer,
+    /// The peer said goodbye (a `Close` frame): it closed on purpose.
+    Goodbye,
     /// Broken: I/O error, protocol violation, heartbeat timeout.
     Fault,
 }
@@ -62,6 +64,8 @@ pub(crate) enum CloseKind {
 struct Tables {
     /// Set once, when the connection closes: why.
     closed: Option<String>,
+    /// How it closed, set with `closed`.
+    closed_kind: Option<CloseKind>,
     /// What to tell the peer when closing, if it is still listening.
     goodbye: Option<String>,
     pending: HashMap<u64, Pending>,
@@ -125,6 +129,11 @@ impl Conn {
         self.tables().closed.clone()
     }
 
+    /// How the connection closed, once it has.
+    pub(crate) fn closed_kind(&self) -> Option<CloseKind> {
+        self.tables().closed_kind
+    }
+
     /// Waits until the connection is closed and returns why.
     pub(crate) async fn wait_closed(&self) -> String {
         let mut rx = self.closed_tx.subscribe();
@@ -152,6 +161,7 @@ impl Conn {
                 return;
             }
             tables.closed = Some(problem.clone());
+            tables.closed_kind = Some(kind);
             if kind == CloseKind::Local {
                 tables.goodbye = Some(problem.clone());
             }
@@ -159,7 +169,7 @@ impl Conn {
         };
         match kind {
             CloseKind::Fault => tracing::warn!(peer = %self.peer, %problem, "dropping connection"),
-            CloseKind::ByPeer => tracing::info!(peer = %self.peer, %problem, "connection closed by peer"),
+            CloseKind::ByPeer | CloseKind::Goodbye => tracing::info!(peer = %self.peer, %problem, "connection closed by peer"),
             CloseKind::Local => tracing::debug!(peer = %self.peer, %problem, "closing connection"),
         }
         let reason = self.lost(&problem);
@@ -334,7 +344,7 @@ impl Conn {
                     let _ = proxy.stop.send(reason.clone());
                 }
             }
-            Message::Close { why } => return Err((format!("peer closed the connection: {why}"), CloseKind::ByPeer)),
+            Message::Close { why } => return Err((format!("peer closed the connection: {why}"), CloseKind::Goodbye)),
         }
         Ok(())
     }
@@ -378,7 +388,7 @@ async fn read_loop(conn: Arc<Conn>, mut rd: OwnedReadHalf, mut opener: Opener) {
         let step = async {
             // The heartbeat deadline runs while no byte arrives: a large
             // frame still arriving is a live peer.
-            let payload = match read_frame_live(&mut rd, max, config.heartbeat_timeout).await {
+            let payload = match read_frame_live(&mut rd, max, config.heartbeat_timeout, conn.node.clock()).await {
                 Err(ReadError::Eof) => return Err((ReadError::Eof.to_string(), CloseKind::ByPeer)),
                 Err(err) => return Err((err.to_string(), CloseKind::Fault)),
                 Ok(payload) => payload,

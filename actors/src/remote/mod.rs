@@ -93,7 +93,13 @@
 //!
 //! **Heartbeats.** Each side sends a `Ping` every
 //! [`NodeConfig::heartbeat_interval`] (250 ms) and considers the peer dead
-//! after [`NodeConfig::heartbeat_timeout`] (1 s) without any frame.
+//! after [`NodeConfig::heartbeat_timeout`] (1 s) without any byte, counted
+//! in the time this process was running: every node has a clock that ticks
+//! each heartbeat interval, and what its ticks come late by (the process
+//! was not scheduled, was stopped, or its runtime was held up) is not held
+//! against a peer silent meanwhile. On a busy host the peer's pings are
+//! late for the same reason; a peer silent while this process runs on time
+//! is dead after the timeout as before.
 //!
 //! **Failures.** Any unauthenticated, oversized, truncated, undecodable,
 //! mistagged, unknown-kind or out-of-sequence frame, an I/O error, a stalled
@@ -112,6 +118,7 @@
 //! requests of that connection (heartbeats keep flowing).
 
 mod auth;
+mod clock;
 mod conn;
 mod error;
 mod node;

@@ -13,6 +13,7 @@ use tokio::net::{TcpListener, TcpStream, ToSocketAddrs};
 use tokio::sync::{oneshot, watch, Semaphore};
 
 use super::auth;
+use super::clock::Clock;
 use super::conn::{wait_true, CloseKind, Conn};
 use super::error::RemoteError;
 use super::proxy::spawn_proxy;
@@ -48,8 +49,10 @@ pub struct NodeConfig {
     pub advertise: Option<SocketAddr>,
     /// A ping is sent on every connection this often (default 250 ms).
     pub heartbeat_interval: Duration,
-    /// A connection with no frame from the peer for this long is dead
-    /// (default 1 s).
+    /// A connection with no byte from the peer for this long of the time
+    /// this process was running is dead (default 1 s): time this process
+    /// could not run (a starved host, measured by the node's clock, which
+    /// ticks every `heartbeat_interval`) is not counted.
     pub heartbeat_timeout: Duration,
     /// Connecting plus authenticating must finish within this (default 2 s);
     /// a slow client is dropped after it.
@@ -152,6 +155,9 @@ pub(crate) struct NodeInner {
     addr: SocketAddr,
     served: Mutex<HashMap<String, Arc<dyn Served>>>,
     shutdown: watch::Sender<bool>,
+    /// How long this process could not run (peers' silence meanwhile is
+    /// not held against them).
+    clock: Arc<Clock>,
 }
 
 impl NodeInner {
@@ -171,6 +177,10 @@ impl NodeInner {
 
     pub(crate) fn served(&self, name: &str) -> Option<Arc<dyn Served>> {
         self.served_table().get(name).cloned()
+    }
+
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
     }
 
     pub(crate) fn shutdown_signal(&self) -> watch::Receiver<bool> {
@@ -218,7 +228,8 @@ impl Node {
         let (shutdown, _) = watch::channel(false);
         let mut config = config;
         config.max_frame_bytes = config.max_frame_bytes.min(crate::codec::MAX_SIZE_CEILING);
-        let inner = Arc::new(NodeInner { config, secret, addr, served: Mutex::default(), shutdown });
+        let clock = Clock::start(config.heartbeat_interval, shutdown.subscribe());
+        let inner = Arc::new(NodeInner { config, secret, addr, served: Mutex::default(), shutdown, clock });
         tokio::spawn(accept_loop(Arc::clone(&inner), listener));
         tracing::debug!(%addr, "node listening");
         Ok(Node { guard: Arc::new(NodeGuard { inner }) })
@@ -620,6 +631,17 @@ impl RemotePeer {
     /// Waits until the connection closes and returns why.
     pub async fn closed(&self) -> String {
         self.link.conn.wait_closed().await
+    }
+
+    /// `true` once the connection was closed on purpose: by this side
+    /// ([`RemotePeer::close`], the node shut down) or by the peer saying
+    /// goodbye (its node shut down, its handles dropped). `false` while it
+    /// is open, and when it broke: the peer's end closed without a word (its
+    /// process died, or it gave this side up as silent), an I/O or protocol
+    /// error, a heartbeat timeout. A connection that broke may be made
+    /// again if the peer lives.
+    pub fn closed_on_purpose(&self) -> bool {
+        matches!(self.link.conn.closed_kind(), Some(CloseKind::Local | CloseKind::Goodbye))
     }
 
     /// Closes the connection now; handles obtained through it stop with

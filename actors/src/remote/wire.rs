@@ -10,6 +10,7 @@ use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use uuid::Uuid;
 
+use super::clock::Clock;
 use crate::actor::ActorInfo;
 use crate::codec::{self, CodecError, FRAME_HEADER_LEN};
 use crate::error::ActorError;
@@ -249,43 +250,58 @@ pub(crate) enum ReadError {
     TooLarge { len: usize, max: usize },
     #[error("read failed: {0}")]
     Io(std::io::Error),
-    #[error("no byte for {0:?} (heartbeat timeout)")]
+    #[error("no byte for {0:?} while this process ran (heartbeat timeout)")]
     Idle(std::time::Duration),
 }
 
 /// As [`read_frame`], but fails with [`ReadError::Idle`] only when no byte
-/// at all arrives for `idle`: a large frame that keeps arriving is progress,
-/// not a dead peer.
+/// at all arrives for `idle` of the time this process was running (by
+/// `clock`): a large frame that keeps arriving is progress, not a dead
+/// peer, and neither is a peer whose frames are late while this process
+/// could not run either (a busy host).
 pub(crate) async fn read_frame_live<R: AsyncRead + Unpin>(
     reader: &mut R,
     max: usize,
     idle: std::time::Duration,
+    clock: &Clock,
 ) -> Result<Vec<u8>, ReadError> {
     let mut header = [0u8; FRAME_HEADER_LEN];
-    read_live(reader, &mut header, idle, true).await?;
+    read_live(reader, &mut header, idle, clock, true).await?;
     let len = usize::try_from(u32::from_le_bytes(header)).unwrap_or(usize::MAX);
     if len > max {
         return Err(ReadError::TooLarge { len, max });
     }
     let mut payload = vec![0; len];
-    read_live(reader, &mut payload, idle, false).await?;
+    read_live(reader, &mut payload, idle, clock, false).await?;
     Ok(payload)
 }
 
-/// Fills `buf`, allowing at most `idle` between two reads that make
-/// progress. `at_start`: an end of stream before the first byte is a clean
-/// close, not a truncation.
+/// Fills `buf`, allowing at most `idle` of this process's running time
+/// between two reads that make progress. `at_start`: an end of stream
+/// before the first byte is a clean close, not a truncation.
 async fn read_live<R: AsyncRead + Unpin>(
     reader: &mut R,
     buf: &mut [u8],
     idle: std::time::Duration,
+    clock: &Clock,
     at_start: bool,
 ) -> Result<(), ReadError> {
     let mut filled = 0;
     while filled < buf.len() {
-        let n = match tokio::time::timeout(idle, reader.read(&mut buf[filled..])).await {
-            Err(_) => return Err(ReadError::Idle(idle)),
-            Ok(r) => r.map_err(ReadError::Io)?,
+        let (started, stalled) = (tokio::time::Instant::now(), clock.stalled());
+        let mut left = idle;
+        let n = loop {
+            match tokio::time::timeout(left, reader.read(&mut buf[filled..])).await {
+                Ok(r) => break r.map_err(ReadError::Io)?,
+                Err(_) => {
+                    // `read` is cancel-safe: nothing was read.
+                    let ran = clock.ran_since(started, stalled);
+                    if ran >= idle {
+                        return Err(ReadError::Idle(idle));
+                    }
+                    left = idle - ran;
+                }
+            }
         };
         if n == 0 {
             return Err(if at_start && filled == 0 { ReadError::Eof } else { ReadError::Truncated });
