@@ -16,6 +16,8 @@
 //! replacement joins under the same name; [`Rendezvous::recover`] puts it
 //! in the dead one's place.
 
+mod rejoin;
+
 use crate::member::{Member, MemberConfig, Role};
 use crate::{DstStore, OrchestratorHandle};
 use actors::remote::{Node, NodeConfig, Registration, Registry, RegistryMsg, RegistryReply, RemotePeer, Retry, Secret, REGISTRY_NAME};
@@ -96,14 +98,32 @@ fn remote(what: impl Into<String>) -> impl FnOnce(actors::RemoteError) -> JoinEr
 /// Control-plane settings both sides share.
 #[derive(Debug, Clone)]
 pub struct ControlConfig {
-    /// A control connection silent this long is dead (pings every 250 ms).
+    /// A control connection silent this long, counted in the time this
+    /// process was running, is dead (pings every 250 ms; default 10 s). A
+    /// killed process is seen at once anyway (its sockets close): this
+    /// bounds how long a hung but connected peer goes unnoticed (a refit's
+    /// deadline bounds it too).
     pub heartbeat_timeout: Duration,
+    /// A member process whose connection to the rendezvous broke (the
+    /// rendezvous did not say goodbye) connects again, with backoff, for
+    /// up to this long before it takes the rendezvous for gone (default
+    /// 60 s).
+    pub rejoin_timeout: Duration,
 }
+
+/// Default [`ControlConfig::heartbeat_timeout`].
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for ControlConfig {
     fn default() -> Self {
-        ControlConfig { heartbeat_timeout: Duration::from_secs(2) }
+        ControlConfig { heartbeat_timeout: HEARTBEAT_TIMEOUT, rejoin_timeout: actors::remote::DEFAULT_RETRY_TIMEOUT }
     }
+}
+
+/// How the orchestrator's handles to members and other remote actors are
+/// spawned: the orchestrator bounds every call itself.
+fn member_spawn_config(name: &str) -> SpawnConfig {
+    SpawnConfig::default().name(name).call_timeout(Duration::from_secs(7 * 24 * 3600))
 }
 
 fn node_config(bind: SocketAddr, control: &ControlConfig) -> NodeConfig {
@@ -164,21 +184,10 @@ impl Rendezvous {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        let mut peers = self.peers.lock().await;
-        let peer = match peers.get(&registration.addr) {
-            Some(p) if p.is_connected() => p.clone(),
-            _ => {
-                // A member's control node may be crowded by strangers too.
-                let retry = Retry::default().within(until.saturating_duration_since(Instant::now()));
-                let p = self.node.connect_retrying(registration.addr, &retry).await.map_err(remote(format!("connect to '{name}'")))?;
-                peers.insert(registration.addr, p.clone());
-                p
-            }
-        };
-        drop(peers);
-        // The orchestrator bounds every call itself.
-        let config = SpawnConfig::default().name(name).call_timeout(Duration::from_secs(7 * 24 * 3600));
-        let found = peer.lookup_with::<A>(name, config).await.map_err(remote(format!("look up '{name}'")))?;
+        // A member's control node may be crowded by strangers too.
+        let left = until.saturating_duration_since(Instant::now());
+        let peer = self.connected(registration.addr, left).await.map_err(remote(format!("connect to '{name}'")))?;
+        let found = peer.lookup_with::<A>(name, member_spawn_config(name)).await.map_err(remote(format!("look up '{name}'")))?;
         self.looked_up.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_string(), registration.addr);
         Ok(found)
     }
@@ -218,11 +227,13 @@ impl Rendezvous {
     }
 
     /// Puts a member that rejoined in the place of every member of `src`
-    /// and `dst` that is gone (its process died, or its connection went
-    /// silent past the heartbeat timeout), in both groups and in
-    /// `orchestrator`, waiting up to `within` in all for replacements to
-    /// join under the dead ones' names ([`member_name`]). Returns the ranks
-    /// replaced (none: every member is alive). A rank whose replacement
+    /// and `dst` that is gone (its process died, or its connection broke
+    /// or went silent past the heartbeat timeout), in both groups and in
+    /// `orchestrator`, waiting up to `within` in all: the same member
+    /// found again where its process still lives ([`find_again`](Self::find_again)),
+    /// else a replacement that joins under the dead one's name
+    /// ([`member_name`]). Returns the ranks replaced (none: every member
+    /// is alive). A rank whose replacement
     /// does not join in time fails the call with [`JoinError::Missing`];
     /// ranks replaced before it stay replaced, and calling again picks up
     /// where it stopped. The next refit installs the plan on the new
@@ -243,9 +254,17 @@ impl Rendezvous {
             for rank in gone {
                 let endpoint = Endpoint { group, rank: rank as u32 };
                 let left = until.saturating_duration_since(Instant::now());
-                let member = self.rejoin::<Member>(&member_name(group, endpoint.rank), left).await?;
-                orchestrator.replace(endpoint, member.clone()).await.map_err(|e| JoinError::Replace { endpoint, why: e.to_string() })?;
-                *members = members.with_member(rank, member).map_err(|e| JoinError::Replace { endpoint, why: e.to_string() })?;
+                let name = member_name(group, endpoint.rank);
+                let old = members.get(rank).cloned();
+                let again = match &old {
+                    Some(old) => self.find_again(&name, old, left).await?,
+                    None => None,
+                };
+                let member = match again {
+                    Some(member) => member,
+                    None => self.rejoin::<Member>(&name, until.saturating_duration_since(Instant::now())).await?,
+                };
+                self.put_back(orchestrator, members, endpoint, member).await?;
                 replaced.push(endpoint);
             }
         }
@@ -336,11 +355,10 @@ fn resolve_addr(text: &str) -> Result<SocketAddr, String> {
 }
 
 /// A member process's membership: its control node, connected to the
-/// rendezvous.
+/// rendezvous (connected again, with its registrations, when the
+/// connection breaks while the rendezvous lives: [`ControlConfig::rejoin_timeout`]).
 pub struct Joined {
-    node: Node,
-    peer: RemotePeer,
-    registry: ActorRef<Registry>,
+    control: Arc<rejoin::Control>,
     ip: IpAddr,
     secret: Secret,
 }
@@ -373,25 +391,29 @@ pub async fn join_with(config: &JoinConfig, retry: &Retry) -> Result<Joined, Joi
         })
         .await
         .map_err(remote(format!("join the rendezvous {to}")))?;
-    Ok(Joined { node, peer, registry, ip, secret: config.secret.clone() })
+    let control = rejoin::Control::start(node, to, peer, registry, &config.control);
+    Ok(Joined { control, ip, secret: config.secret.clone() })
 }
 
 impl Joined {
     /// This process's control node.
     pub fn node(&self) -> &Node {
-        &self.node
+        self.control.node()
     }
 
-    /// Serves `actor` under `name` and registers it with the rendezvous.
+    /// Serves `actor` under `name` and registers it with the rendezvous
+    /// (again, as the same holder, whenever this process joins the
+    /// rendezvous again after its connection broke).
     pub async fn serve<A>(&self, name: &str, actor: &ActorRef<A>) -> Result<(), JoinError>
     where
         A: Actor,
         A::Msg: DeserializeOwned,
         A::Reply: Serialize,
     {
-        self.node.serve(name, actor).map_err(remote(format!("serve '{name}'")))?;
-        let registration = Registration { name: name.to_string(), addr: self.node.advertised_addr(), info: actor.info().clone() };
-        self.registry.call(RegistryMsg::Register(registration)).await.map_err(|e| JoinError::Registry(e.to_string()))?;
+        let node = self.node();
+        node.serve(name, actor).map_err(remote(format!("serve '{name}'")))?;
+        let registration = Registration { name: name.to_string(), addr: node.advertised_addr(), info: actor.info().clone() };
+        self.control.register(registration).await.map_err(|e| JoinError::Registry(e.to_string()))?;
         Ok(())
     }
 
@@ -459,14 +481,16 @@ impl Joined {
         Ok(member)
     }
 
-    /// Waits until the rendezvous goes away; says why.
+    /// Waits until the rendezvous goes away for good (it said goodbye,
+    /// or joining it again after the connection broke failed within
+    /// [`ControlConfig::rejoin_timeout`]); says why.
     pub async fn closed(&self) -> String {
-        self.peer.closed().await
+        self.control.closed().await
     }
 
     /// Closes this process's control node.
     pub fn shutdown(&self) {
-        self.node.shutdown();
+        self.node().shutdown();
     }
 }
 

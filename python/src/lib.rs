@@ -46,6 +46,13 @@ use src_store::PySrcStore;
 #[pymodule]
 fn _refit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    // Warnings of the control and data planes (a connection dropped and
+    // why, a member found again) go to standard error, as every program of
+    // the project writes them; `RUST_LOG` adjusts the levels (one it cannot
+    // read leaves the default, warnings).
+    let logger = actors::log::Logger::from_env()
+        .unwrap_or_else(|_| actors::log::Logger::new(actors::log::LogFilter::default(), Box::new(std::io::stderr())));
+    logger.install();
     m.add("RefitError", py.get_type::<RefitError>())?;
     m.add("LayoutError", py.get_type::<LayoutError>())?;
     m.add("PlanError", py.get_type::<PlanError>())?;

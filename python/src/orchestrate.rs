@@ -90,6 +90,28 @@ impl PyOrchestrator {
         let h = self.handle.get().lock().unwrap_or_else(|e| e.into_inner()).clone();
         h.ok_or_else(|| RefitError::new_err("the orchestrator has no members yet: call connect(src_ranks, dst_ranks) first"))
     }
+
+    /// What a refit runs on: the handle, and a future that first puts
+    /// back every member whose control connection broke while its
+    /// process lives (found again as itself through the rendezvous,
+    /// within the control timeout), so that a live member lost to a busy
+    /// host is not lost for good.
+    fn before_refit(&self) -> PyResult<(OrchestratorHandle, impl std::future::Future<Output = ()> + Send + 'static)> {
+        let h = self.handle()?;
+        let over = self.over.get().lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let (handle, within) = (h.clone(), self.config.control_timeout);
+        let reattach = async move {
+            let Over::Rendezvous(rendezvous, groups) = over else { return };
+            let mut groups = groups.lock().await;
+            let Some((src, dst)) = groups.as_mut() else { return };
+            if src.iter().chain(dst.iter()).all(|(_, m)| m.is_alive()) {
+                return;
+            }
+            // One not put back (logged) fails the refit, which names it.
+            rendezvous.reattach(&handle, src, dst, within).await;
+        };
+        Ok((h, reattach))
+    }
 }
 
 /// The fabric named `name`; `local`: every member is in this process.
@@ -194,15 +216,21 @@ impl PyOrchestrator {
 
     /// Refits exactly `version`, which every source must hold.
     fn refit<'py>(&self, py: Python<'py>, version: u64) -> PyResult<Bound<'py, PyDict>> {
-        let h = self.handle()?;
-        let r = wait(py, async move { h.refit(version).await.map_err(refit_err) })?;
+        let (h, reattach) = self.before_refit()?;
+        let r = wait(py, async move {
+            reattach.await;
+            h.refit(version).await.map_err(refit_err)
+        })?;
         report_dict(py, &r)
     }
 
     /// Refits the newest version every source holds.
     fn refit_latest<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let h = self.handle()?;
-        let r = wait(py, async move { h.refit_latest().await.map_err(refit_err) })?;
+        let (h, reattach) = self.before_refit()?;
+        let r = wait(py, async move {
+            reattach.await;
+            h.refit_latest().await.map_err(refit_err)
+        })?;
         report_dict(py, &r)
     }
 
@@ -211,9 +239,12 @@ impl PyOrchestrator {
     /// `OrchestratorHandle::refit_only`).
     #[pyo3(signature = (only, version=None))]
     fn refit_only<'py>(&self, py: Python<'py>, only: Vec<String>, version: Option<u64>) -> PyResult<Bound<'py, PyDict>> {
-        let h = self.handle()?;
+        let (h, reattach) = self.before_refit()?;
         let target = version.map_or(orchestrator::RefitTarget::Latest, orchestrator::RefitTarget::Version);
-        let r = wait(py, async move { h.refit_only(target, orchestrator::TensorSubset::new(only)).await.map_err(refit_err) })?;
+        let r = wait(py, async move {
+            reattach.await;
+            h.refit_only(target, orchestrator::TensorSubset::new(only)).await.map_err(refit_err)
+        })?;
         report_dict(py, &r)
     }
 

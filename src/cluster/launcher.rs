@@ -271,7 +271,7 @@ impl Cluster {
             .build()
             .map_err(|e| setup(format!("tokio: {e}")))?;
         let secret = config.secret.secret().map_err(setup)?;
-        let control = ControlConfig { heartbeat_timeout: config.heartbeat_timeout };
+        let control = ControlConfig { heartbeat_timeout: config.heartbeat_timeout, ..ControlConfig::default() };
         let mut replicas = config.replicas.map(|r| Replicas::new(dst.clone(), r)).transpose()?;
         // Emulated hosts for the most replicas the group may have.
         let hosted_dst = match &replicas {

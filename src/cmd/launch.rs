@@ -272,7 +272,10 @@ pub(crate) fn worker(a: &WorkerArgs<'_>) -> Result<(), Failure> {
     }
     .and_then(|s| s.secret())
     .map_err(|e| invalid(format!("control-plane secret: {e}")))?;
-    let control = orchestrator::rendezvous::ControlConfig { heartbeat_timeout: heartbeat_timeout.max(Duration::from_millis(500)) };
+    let control = orchestrator::rendezvous::ControlConfig {
+        heartbeat_timeout: heartbeat_timeout.max(Duration::from_millis(500)),
+        ..orchestrator::rendezvous::ControlConfig::default()
+    };
     if replica.is_some() && group != reshard::Group::Dst {
         return Err(invalid("--replica: only destination ranks (--group dst) join as a replica".into()));
     }
