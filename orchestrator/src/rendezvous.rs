@@ -14,7 +14,10 @@
 //! ([`Joined::closed`]); a process that dies is seen by the orchestrator as
 //! a member that died ([`crate::OrchestratorError::MemberDied`]), and its
 //! replacement joins under the same name; [`Rendezvous::recover`] puts it
-//! in the dead one's place.
+//! in the dead one's place. A control connection that breaks while both
+//! processes live is made again by both sides (the `rejoin` module): the
+//! member process joins again with its registrations, and
+//! [`Rendezvous::reattach`] puts the same member back before a refit.
 
 mod rejoin;
 
