@@ -159,9 +159,6 @@ impl Endpointed {
         config.shm.stream_bytes = config.shm.stream_bytes.min(1 << 20);
         let mut tweaks = NodeTweak::default();
         tweak(&mut tweaks);
-        if let Some(dir) = tweaks.shm_dir {
-            config.shm.dir = dir;
-        }
         if let Some(hook) = tweaks.faults.hook() {
             config.tcp.hook = Some(hook);
         }
