@@ -9,7 +9,8 @@ use reshard::{parse_layout, plan_reshard, Endpoint, Layout, PlanOptions, RankPro
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 use transport::fabric::{
-    this_host, Connecting, Fabric, NodeFabric, NodeTweak, PeerAddr, RankEnd, RunError, RunMemory, RunOptions, Scratch, Site, StagingKept,
+    this_host, Connecting, Fabric, Host, NodeFabric, NodeTweak, PeerAddr, RankEnd, RunError, RunMemory, RunOptions, Scratch, Site,
+    StagingKept,
 };
 use transport::{fill_sources, verify_destinations, HelloKey, RankMemory};
 
@@ -29,13 +30,13 @@ fn layouts() -> (Layout, Layout) {
 /// destination element checked, with whether each source rank sent
 /// through shared memory (it made no staging area), or the first rank's
 /// error.
-fn refit(same_host: bool, src_host: u64, dst_host: u64, crowd: u32, session: &str) -> Result<Vec<bool>, RunError> {
+fn refit(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session: &str) -> Result<Vec<bool>, RunError> {
     Ok(refit_in(same_host, src_host, dst_host, crowd, session)?[..2].iter().map(|kept| kept.made == 0).collect())
 }
 
 /// As [`refit`]: what each rank's scratch kept of staging areas, in
 /// program order.
-fn refit_in(same_host: bool, src_host: u64, dst_host: u64, crowd: u32, session: &str) -> Result<Vec<StagingKept>, RunError> {
+fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session: &str) -> Result<Vec<StagingKept>, RunError> {
     let (src, dst) = layouts();
     let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
     let programs: Vec<RankProgram> = plan.programs(&src, &dst).unwrap();
@@ -85,12 +86,15 @@ fn refit_in(same_host: bool, src_host: u64, dst_host: u64, crowd: u32, session: 
 #[test]
 fn ranks_of_one_host_share_memory_across_groups_only_when_asked() {
     let here = this_host();
-    assert_ne!(here, 0);
-    // One host with the setting off, two hosts, unknown hosts: TCP between
-    // the groups, bit-exact.
+    assert_ne!(here.machine, 0);
+    // One host with the setting off, two hosts, unknown hosts, one host
+    // with the groups run by two users: TCP between the groups, bit-exact.
     assert_eq!(refit(false, here, here, 0, "samehost-off").unwrap(), [false, false]);
-    assert_eq!(refit(true, here, here ^ 2, 0, "samehost-two").unwrap(), [false, false]);
-    assert_eq!(refit(true, 0, 0, 0, "samehost-unknown").unwrap(), [false, false]);
+    let there = Host { machine: here.machine ^ 2, ..here };
+    assert_eq!(refit(true, here, there, 0, "samehost-two").unwrap(), [false, false]);
+    assert_eq!(refit(true, Host::UNKNOWN, Host::UNKNOWN, 0, "samehost-unknown").unwrap(), [false, false]);
+    let other_user = Host { user: here.user + 1, ..here };
+    assert_eq!(refit(true, here, other_user, 0, "samehost-users").unwrap(), [false, false]);
     // A host of more than 16 of the refit's ranks shares memory only
     // within nodes.
     assert_eq!(refit(true, here, here, 13, "samehost-crowd").unwrap(), [false, false]);

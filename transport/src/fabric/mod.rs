@@ -38,7 +38,7 @@ mod registered;
 mod spec;
 
 pub use crate::staging::StagingKept;
-pub use host::this_host;
+pub use host::{this_host, Host};
 pub use hub::{close_in_process, open_in_process};
 pub use registered::{RegisteredMemory, RegisteredStaging, Residence};
 pub use spec::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
