@@ -221,10 +221,7 @@ impl OwnRegion {
             fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
         }
         if fd < 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::Other,
-                format!("cannot make a shared-memory region: {}", io::Error::last_os_error()),
-            ));
+            return Err(io::Error::other(format!("cannot make a shared-memory region: {}", io::Error::last_os_error())));
         }
         // SAFETY: `fd` is a descriptor we just made and own alone.
         let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
