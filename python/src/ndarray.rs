@@ -15,7 +15,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 use reshard::DType;
-use std::os::raw::{c_char, c_int};
+use std::os::raw::{c_char, c_int, c_ulong};
 
 /// `PyArrayObject_fields`, up to `flags`.
 #[repr(C)]
@@ -56,11 +56,16 @@ impl<'py> NdArrayType<'py> {
     /// numpy's own static type (replaced by something else).
     pub(crate) fn of(numpy: &Bound<'py, PyAny>) -> PyResult<Option<NdArrayType<'py>>> {
         let Ok(t) = numpy.getattr("ndarray")?.cast_into::<PyType>() else { return Ok(None) };
-        let flags: u64 = t.getattr("__flags__")?.extract()?;
+        let flags: c_ulong = t.getattr("__flags__")?.extract()?;
         let basic: usize = t.getattr("__basicsize__")?.extract()?;
-        let heap = flags & (ffi::Py_TPFLAGS_HEAPTYPE as u64) != 0;
+        let heap = flags & ffi::Py_TPFLAGS_HEAPTYPE != 0;
         let named = t.name()?.to_cow()? == "ndarray";
         Ok((!heap && named && basic >= std::mem::size_of::<ArrayFields>()).then_some(NdArrayType(t)))
+    }
+
+    /// This type, to hold across GIL holds.
+    pub(crate) fn unbind(&self) -> NdArrayTypeRef {
+        NdArrayTypeRef(self.0.clone().unbind())
     }
 
     /// Whether `object` is an ndarray (of a subclass or not), from its C
@@ -69,6 +74,15 @@ impl<'py> NdArrayType<'py> {
         // SAFETY: both are live objects under the GIL; PyType_IsSubtype
         // only walks the type's MRO tuple.
         unsafe { ffi::PyType_IsSubtype(ffi::Py_TYPE(object.as_ptr()), self.0.as_ptr().cast()) != 0 }
+    }
+}
+
+/// An [`NdArrayType`] held across GIL holds.
+pub(crate) struct NdArrayTypeRef(Py<PyType>);
+
+impl NdArrayTypeRef {
+    pub(crate) fn bind<'py>(&self, py: Python<'py>) -> NdArrayType<'py> {
+        NdArrayType(self.0.bind(py).clone())
     }
 }
 

@@ -111,8 +111,8 @@ pub(crate) struct Found {
 /// ([`Probe::now`]): between a refit's look-ups, which run the objects'
 /// own code, and its use of the memory.
 enum Probe {
-    /// A numpy array: its C struct.
-    Numpy(Py<PyAny>),
+    /// A numpy array (of numpy's ndarray type as found): its C struct.
+    Numpy { array: Py<PyAny>, ndarray: ndarray::NdArrayTypeRef },
     /// A torch tensor: a DLPack export made by torch's C function
     /// `torch._C._to_dlpack` (no `__torch_function__` runs), whose
     /// address must be the tensor's and hold the bytes found.
@@ -129,10 +129,8 @@ impl Probe {
     /// told; `None` for [`Probe::Unread`]. Runs no Python code.
     fn now(&self, py: Python<'_>) -> Result<Option<(u64, usize, Option<u64>)>, String> {
         match self {
-            Probe::Numpy(array) => {
-                let numpy = imported(py, "numpy").ok().flatten().ok_or("numpy is no longer imported")?;
-                let ndarray = ndarray::NdArrayType::of(&numpy).ok().flatten().ok_or("numpy.ndarray was replaced")?;
-                let state = ndarray::state(&ndarray, array.bind(py)).ok_or("no longer an ndarray")?;
+            Probe::Numpy { array, ndarray } => {
+                let state = ndarray::state(&ndarray.bind(py), array.bind(py)).ok_or("no longer an ndarray")?;
                 if !state.c_contiguous {
                     return Err("no longer in C order".into());
                 }
@@ -334,7 +332,7 @@ fn numpy_array(py: Python<'_>, ndarray: &ndarray::NdArrayType<'_>, object: &Boun
         writable: state.writable,
         keeper: keeper.unbind(),
         origin: state.origin,
-        probe: Probe::Numpy(object.clone().unbind()),
+        probe: Probe::Numpy { array: object.clone().unbind(), ndarray: ndarray.unbind() },
     }))
 }
 
@@ -729,6 +727,35 @@ impl Targets {
     /// changed; nothing is visited after it.
     fn visit_checked(&self, py: Python<'_>, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
         let found = (0..self.entries.len()).map(|i| self.resolve(py, i)).collect::<Result<Vec<_>, _>>()?;
+        // No garbage collection from the checks to the end of the uses:
+        // a collection (the checks' probes allocate) could run finalizers.
+        let gc = py.import("gc").map_err(|e| format!("the gc module: {e}"))?;
+        let collecting = gc.call_method0("isenabled").and_then(|b| b.is_truthy()).map_err(|e| format!("gc.isenabled: {e}"))?;
+        gc.call_method0("disable").map_err(|e| format!("gc.disable: {e}"))?;
+        let used = self.check_and_use(py, &found, f);
+        if collecting {
+            gc.call_method0("enable").map_err(|e| format!("gc.enable: {e}"))?;
+        }
+        let moved = used?;
+        // Followed buffers pinned at their new places; the old pins (and
+        // what they kept alive) are dropped after every use, as are the
+        // look-ups' keepers.
+        let old: Vec<Pinned> = moved
+            .into_iter()
+            .map(|(i, pin)| std::mem::replace(&mut *self.entries[i].pinned.lock().unwrap_or_else(|e| e.into_inner()), pin))
+            .collect();
+        drop((old, found));
+        Ok(())
+    }
+
+    /// The checks and uses of [`visit_checked`](Self::visit_checked) (no
+    /// Python code runs): the pins of buffers that moved.
+    fn check_and_use(
+        &self,
+        py: Python<'_>,
+        found: &[Found],
+        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>,
+    ) -> Result<Vec<(usize, Pinned)>, String> {
         let mut maps = None;
         let mut regions = Vec::with_capacity(found.len());
         let mut moved = Vec::new();
@@ -742,15 +769,7 @@ impl Targets {
         for (i, region) in regions.into_iter().enumerate() {
             f(i, region)?;
         }
-        // Followed buffers pinned at their new places; the old pins (and
-        // what they kept alive) are dropped after every use, as are the
-        // look-ups' keepers.
-        let old: Vec<Pinned> = moved
-            .into_iter()
-            .map(|(i, pin)| std::mem::replace(&mut *self.entries[i].pinned.lock().unwrap_or_else(|e| e.into_inner()), pin))
-            .collect();
-        drop((old, found));
-        Ok(())
+        Ok(moved)
     }
 
     /// Looks every buffer up again (as before a refit): an error names
