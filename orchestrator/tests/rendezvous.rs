@@ -206,3 +206,25 @@ async fn a_second_process_under_a_serving_name_is_refused_by_name() {
     intruder.serve_replica_member("r1", layout.clone(), 1, store(), config).await.unwrap();
     job.rendezvous.node().shutdown();
 }
+
+/// The secret shows in no join setting and in no failed join's error,
+/// whether the joiner's secret is wrong or the rendezvous is gone.
+#[tokio::test]
+async fn the_secret_never_shows_in_a_join_config_or_a_failed_join() {
+    let right = "rendezvous-secret-never-printed-0123";
+    let wrong = "another-secret-never-printed-456789";
+    let control = ControlConfig::default();
+    let rendezvous = Rendezvous::bind(Secret::from_bytes(right).unwrap(), "127.0.0.1:0".parse().unwrap(), &control).await.unwrap();
+    let addr = rendezvous.addr();
+    for (secret, gone) in [(wrong, false), (right, true)] {
+        if gone {
+            rendezvous.node().shutdown();
+        }
+        let config = JoinConfig { rendezvous: addr, secret: Secret::from_bytes(secret).unwrap(), control: control.clone() };
+        let shown = format!("{config:?}");
+        assert!(!shown.contains(secret), "{shown}");
+        let err = join(&config).await.map(drop).unwrap_err();
+        let shown = format!("{err} {err:?}");
+        assert!(!shown.contains(right) && !shown.contains(wrong), "{shown}");
+    }
+}
