@@ -455,10 +455,6 @@ enum Command {
         /// milliseconds.
         #[arg(long, default_value_t = 10000)]
         heartbeat_timeout_ms: u64,
-        /// Directory for the shared-memory regions with ranks of this node
-        /// (default /dev/shm; `--netns` gives each emulated host its own).
-        #[arg(long)]
-        shm_dir: Option<PathBuf>,
         /// Join as ranks of the replica named NAME (`--dst` is one
         /// replica's layout) of a launcher run with --replicas.
         #[arg(long, value_name = "NAME")]
@@ -690,7 +686,7 @@ fn main() -> ExitCode {
                 replicas,
             })
         }
-        Command::Worker { pair, group, rank, node, rendezvous, secret_file, heartbeat_timeout_ms, shm_dir, replica } => {
+        Command::Worker { pair, group, rank, node, rendezvous, secret_file, heartbeat_timeout_ms, replica } => {
             cmd::launch::worker(&cmd::launch::WorkerArgs {
                 pair,
                 group,
@@ -699,7 +695,6 @@ fn main() -> ExitCode {
                 rendezvous: rendezvous.as_deref(),
                 heartbeat_timeout: Duration::from_millis(*heartbeat_timeout_ms),
                 secret_file,
-                shm_dir,
                 replica,
             })
         }

@@ -59,7 +59,7 @@ fn text(out: &Output) -> String {
     format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
 }
 
-/// Namespaces, links and shared-memory directories named after launcher `pid`.
+/// Namespaces and links named after launcher `pid`.
 fn left_by(pid: u32) -> Vec<String> {
     let run = |args: &[&str]| String::from_utf8_lossy(&Command::new("ip").args(args).output().expect("ip").stdout).into_owned();
     let (ns, link) = (format!("refit-{pid}-"), format!("rf{pid}"));
@@ -67,9 +67,6 @@ fn left_by(pid: u32) -> Vec<String> {
     left.extend(
         run(&["-o", "link", "show"]).lines().filter_map(|l| l.split(": ").nth(1)).filter(|n| n.starts_with(&link)).map(String::from),
     );
-    if let Ok(dir) = std::fs::read_dir("/dev/shm") {
-        left.extend(dir.filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with(&ns)));
-    }
     left
 }
 
@@ -190,7 +187,7 @@ fn listeners_of(pid: u32) -> Vec<(u64, SocketAddr)> {
 fn stranger_hellos() -> Vec<Vec<u8>> {
     let hello = |flags: u8| {
         let mut h = 0x5449_4652u32.to_le_bytes().to_vec();
-        h.extend_from_slice(&[0, 0, 0, 0, 0, 4, flags]);
+        h.extend_from_slice(&[0, 0, 0, 0, 0, 5, flags]);
         h
     };
     let forged = |mut h: Vec<u8>| {
@@ -198,7 +195,7 @@ fn stranger_hellos() -> Vec<Vec<u8>> {
         h
     };
     let mut shm = hello(2 | 4);
-    shm.extend_from_slice(&[0xff; 24]);
+    shm.extend_from_slice(&[0xff; 32]);
     vec![vec![0xab; 64], hello(0), forged(hello(4)), forged(shm), Vec::new()]
 }
 
@@ -468,25 +465,22 @@ fn netns_clean_sees_through_a_reused_pid() {
     let mut stand_in = Command::new("sleep").arg("60").spawn().expect("sleep");
     let pid = stand_in.id();
     let ns = format!("refit-{pid}-s0");
-    let shm = PathBuf::from(format!("/dev/shm/refit-{pid}-s0"));
     let record = PathBuf::from(format!("/run/refit-netns/{pid}"));
     let cleanup = |ns: &str| {
         let _ = Command::new("ip").args(["netns", "del", ns]).output();
-        let _ = std::fs::remove_dir_all(&shm);
         let _ = std::fs::remove_file(&record);
     };
     let made = Command::new("ip").args(["netns", "add", &ns]).status().expect("ip");
     assert!(made.success(), "ip netns add {ns}");
-    std::fs::create_dir(&shm).expect("shm dir");
     let clean = || Command::new(BIN).args(["netns", "--clean"]).output().expect("refit netns --clean");
 
     // No record: a launcher of an older build, perhaps; kept while it runs.
     let out = clean();
     let kept = left_by(pid);
-    if kept.len() != 2 {
+    if kept.len() != 1 {
         cleanup(&ns);
     }
-    assert_eq!(kept.len(), 2, "{}", text(&out));
+    assert_eq!(kept.len(), 1, "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("launcher {pid}: kept")), "{}", text(&out));
 
     // Recorded with another start time: the recorder is gone.

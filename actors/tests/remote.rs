@@ -717,6 +717,55 @@ async fn nodes_find_each_other_through_the_registry() {
     assert_eq!(finder.resolve("calc").await.unwrap(), None);
 }
 
+#[tokio::test]
+async fn a_name_a_live_node_serves_is_refused_and_a_gone_holders_is_taken_over() {
+    let registry_node = Node::bind(secret(), config()).await.unwrap();
+    registry_node.host_registry().unwrap();
+    let client = Node::bind(secret(), config()).await.unwrap();
+    let finder = client.registry_client(registry_node.local_addr()).await.unwrap();
+    let holder = |addr: SocketAddr| {
+        let finder = &finder;
+        async move { assert_eq!(finder.resolve("calc").await.unwrap().unwrap().addr, addr) }
+    };
+
+    let (first, first_calc) = calc_server().await;
+    let first_registry = first.registry_client(registry_node.local_addr()).await.unwrap();
+    first_registry.announce("calc").await.unwrap();
+    // The same node registers again (a member re-announcing itself).
+    first_registry.announce("calc").await.unwrap();
+
+    // Another node, while the first serves the name: refused by name.
+    let (second, _second_calc) = calc_server().await;
+    let second_registry = second.registry_client(registry_node.local_addr()).await.unwrap();
+    let err = second_registry.announce("calc").await.unwrap_err();
+    assert!(matches!(&err, RemoteError::NameHeld { name, holder, .. } if name == "calc" && *holder == first.local_addr()), "{err:?}");
+    assert!(err.to_string().contains("'calc' is already served by the live node at"), "{err}");
+    holder(first.local_addr()).await;
+
+    // The same actor served from another node (a member that reconnected
+    // through a new node) takes its own name.
+    let (moved, _) = client_of(&registry_node).await;
+    moved.serve("calc", &first_calc).unwrap();
+    let moved_registry = moved.registry_client(registry_node.local_addr()).await.unwrap();
+    moved_registry.announce("calc").await.unwrap();
+    holder(moved.local_addr()).await;
+    moved_registry.announce("calc").await.unwrap();
+
+    // The holder's node still up, no longer serving the name: taken over.
+    moved.unserve("calc");
+    second_registry.announce("calc").await.unwrap();
+    holder(second.local_addr()).await;
+
+    // The holder's node gone (a worker that died and is replaced).
+    let (third, _third_calc) = calc_server().await;
+    let third_registry = third.registry_client(registry_node.local_addr()).await.unwrap();
+    assert!(matches!(third_registry.announce("calc").await, Err(RemoteError::NameHeld { .. })));
+    second.shutdown();
+    drop(second_registry);
+    third_registry.announce("calc").await.unwrap();
+    holder(third.local_addr()).await;
+}
+
 // ---------------------------------------------------------------------------
 // Configuration and secrets.
 

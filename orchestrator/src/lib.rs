@@ -75,14 +75,6 @@ pub fn fabric_available(fabric: &Fabric, members: u32) -> Result<(), String> {
     }
 }
 
-/// Removes the shared-memory files of node-fabric links whose creator
-/// was killed (a worker restarted on this host), from `dir` (`None`:
-/// `/dev/shm`). Launchers and workers call it as they start.
-pub fn remove_stale_shared_memory(dir: Option<&std::path::Path>) {
-    let default = transport::ShmConfig::default().dir;
-    transport::remove_stale_regions(dir.unwrap_or(&default));
-}
-
 use actors::{spawn, spawn_group, spawn_rank, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};
 use reshard::{Endpoint, Group, Layout, Rank, Strategy};
 

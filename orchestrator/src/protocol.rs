@@ -288,8 +288,8 @@ pub enum MemberReply {
         /// `ip:port` (empty for the in-process fabric; see [`PeerAddr::addr`]
         /// for the communicator fabric).
         addr: String,
-        /// Its host ([`PeerAddr::host`]).
-        host: u64,
+        /// Its host and user ([`PeerAddr::host`]).
+        host: transport::fabric::Host,
     },
     /// The request was done.
     Done,

@@ -83,6 +83,15 @@ pub enum JoinError {
     /// The registry could not be reached.
     #[error("registry: {0}")]
     Registry(String),
+    /// Another live process serves the name (a replica or rank of that
+    /// name is already serving): the join is refused.
+    #[error("'{name}' is already served by the live process at {holder}: use another name (another replica name), or stop that one first")]
+    NameHeld {
+        /// The name.
+        name: String,
+        /// That process's control address.
+        holder: SocketAddr,
+    },
     /// The orchestrator did not take a replacement member.
     #[error("the orchestrator did not take the member that rejoined as {endpoint}: {why}")]
     Replace {
@@ -416,8 +425,17 @@ impl Joined {
         let node = self.node();
         node.serve(name, actor).map_err(remote(format!("serve '{name}'")))?;
         let registration = Registration { name: name.to_string(), addr: node.advertised_addr(), info: actor.info().clone() };
-        self.control.register(registration).await.map_err(|e| JoinError::Registry(e.to_string()))?;
-        Ok(())
+        match self.control.register(registration).await {
+            Ok(RegistryReply::Taken(held)) => {
+                node.unserve(name);
+                Err(JoinError::NameHeld { name: held.name, holder: held.addr })
+            }
+            Ok(_) => Ok(()),
+            Err(e) => {
+                node.unserve(name);
+                Err(JoinError::Registry(e.to_string()))
+            }
+        }
     }
 
     /// Spawns the member of rank `rank` of the group laid out as `layout`

@@ -172,3 +172,59 @@ async fn a_member_process_that_died_is_replaced_by_the_one_that_rejoins() {
     assert_eq!(job.served(3.0), vec![Some(3); 4]);
     job.rendezvous.node().shutdown();
 }
+
+/// A second process joining under a name a live process serves — a rank
+/// of the group, or a replica's rank — is refused with an error naming
+/// it, and the serving one keeps its place (the next refit delivers to
+/// it); once the holder's process is gone, the name is taken over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_second_process_under_a_serving_name_is_refused_by_name() {
+    let job = job().await;
+    let layout = job.layouts[1].clone();
+    let store = || Arc::new(DstStore::new(&layout, 1));
+
+    let intruder = join(&job.config).await.unwrap();
+    let err = intruder.serve_member(layout.clone(), 1, Role::Dst(store())).await.unwrap_err();
+    match &err {
+        JoinError::NameHeld { name, .. } => assert_eq!(name, &member_name(Group::Dst, 1)),
+        other => panic!("expected the name refused, got {other:?}"),
+    }
+    assert!(err.to_string().contains("'refit.member.dst.1' is already served by the live process at"), "{err}");
+    job.step(1, 1.0).await;
+    job.orchestrator.refit(1).await.unwrap();
+    assert_eq!(job.served(1.0), vec![Some(1); 4]);
+
+    let config = orchestrator::MemberConfig::default();
+    let first = join(&job.config).await.unwrap();
+    first.serve_replica_member("r1", layout.clone(), 1, store(), config.clone()).await.unwrap();
+    let err = intruder.serve_replica_member("r1", layout.clone(), 1, store(), config.clone()).await.unwrap_err();
+    assert!(matches!(&err, JoinError::NameHeld { name, .. } if name == "refit.member.replica.r1.1"), "{err:?}");
+    // Another replica name is free.
+    intruder.serve_replica_member("r2", layout.clone(), 1, store(), config.clone()).await.unwrap();
+    // The holder's process gone: its name is taken over.
+    first.node().shutdown();
+    intruder.serve_replica_member("r1", layout.clone(), 1, store(), config).await.unwrap();
+    job.rendezvous.node().shutdown();
+}
+
+/// The secret shows in no join setting and in no failed join's error,
+/// whether the joiner's secret is wrong or the rendezvous is gone.
+#[tokio::test]
+async fn the_secret_never_shows_in_a_join_config_or_a_failed_join() {
+    let right = "rendezvous-secret-never-printed-0123";
+    let wrong = "another-secret-never-printed-456789";
+    let control = ControlConfig::default();
+    let rendezvous = Rendezvous::bind(Secret::from_bytes(right).unwrap(), "127.0.0.1:0".parse().unwrap(), &control).await.unwrap();
+    let addr = rendezvous.addr();
+    for (secret, gone) in [(wrong, false), (right, true)] {
+        if gone {
+            rendezvous.node().shutdown();
+        }
+        let config = JoinConfig { rendezvous: addr, secret: Secret::from_bytes(secret).unwrap(), control: control.clone() };
+        let shown = format!("{config:?}");
+        assert!(!shown.contains(secret), "{shown}");
+        let err = join(&config).await.map(drop).unwrap_err();
+        let shown = format!("{err} {err:?}");
+        assert!(!shown.contains(right) && !shown.contains(wrong), "{shown}");
+    }
+}

@@ -65,7 +65,8 @@ class RefitInitInfo(WeightTransferInitInfo):
     """What ``refit.vllm.connect`` sends every worker once."""
 
     rendezvous: str = ""
-    secret: str = ""
+    # Never in a repr (vLLM and users log these objects).
+    secret: str = field(default="", repr=False)
     # The checkpoint tensors the sources hold: [name, refit dtype, shape].
     tensors: List[Any] = field(default_factory=list)
     replica: int = 0

@@ -50,6 +50,7 @@ write them. See docs/python.md, "vLLM".
 
 from __future__ import annotations
 
+import logging
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -64,14 +65,34 @@ _FLOATS = ("f64", "f32", "bf16", "f16")
 Box = Tuple[List[int], List[int]]
 
 
+_log = logging.getLogger("refit.vllm")
+_register_warned = False
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: registers refit's engine in
     this vLLM process (the front end, the engine core and every worker
-    each call it; the engine class is imported only where vLLM makes one)."""
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    each call it; the engine class is imported only where vLLM makes one).
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, "refit._vllm_worker", "RefitWeightTransferEngine")
+    Never raises: vLLM calls plugins outside any ``try``, so an exception
+    here would stop every vLLM process from starting. A vLLM without the
+    weight-transfer API (``vllm.distributed.weight_transfer``), or any
+    other failure to register, is one warning per process (logger
+    ``refit.vllm``) and the engine goes on without refit's backend."""
+    global _register_warned
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+        if BACKEND not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(BACKEND, "refit._vllm_worker", "RefitWeightTransferEngine")
+    except Exception as e:  # noqa: BLE001 - a plugin must never take its host down
+        if not _register_warned:
+            _register_warned = True
+            if isinstance(e, ImportError):
+                why = f"this vLLM has no weight-transfer API (vllm.distributed.weight_transfer): {e}"
+            else:
+                why = f"{type(e).__name__}: {e}"
+            _log.warning("refit: the %r weight-transfer backend is not available in this vLLM process (%s); vLLM runs without it", BACKEND, why)
 
 
 # --- layouts derived from a dry run ----------------------------------------
@@ -188,6 +209,27 @@ def checkpoint_tensors(layout: Any) -> List[List[Any]]:
 # --- the trainer side -------------------------------------------------------
 
 
+def _connect_error(replica: int, error: BaseException, secret: str) -> RefitError:
+    """Engine ``replica``'s failure to connect as a ``RefitError``: chained
+    to ``error``, unless the secret appears anywhere in its chain (text or
+    arguments): then only its text, the secret replaced, and no chain."""
+    chain, seen = [], set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = f"{type(error).__name__}: {error}"
+    leaks = bool(secret) and any(secret in str(x) or secret in repr(x) or secret in repr(x.args) for x in chain)
+    if not leaks:
+        out = RefitError(f"engine {replica}: connecting its workers failed: {text}")
+        out.__cause__ = error
+        return out
+    out = RefitError(f"engine {replica}: connecting its workers failed: {text.replace(secret, '<secret>')}")
+    out.__suppress_context__ = True
+    return out
+
+
 class VLLMRollouts:
     """vLLM engines (``vllm.LLM``, each started with
     ``weight_transfer_config={"backend": "refit"}``; one per replica, all
@@ -237,7 +279,16 @@ class VLLMRollouts:
                 "replicas": len(self.engines),
                 "dtype": self.dtype,
             }
-            engine.init_weight_transfer_engine({"init_info": info})
+            failed = None
+            try:
+                engine.init_weight_transfer_engine({"init_info": info})
+            except Exception as e:
+                failed = e
+            if failed is not None:
+                # Raised outside the except block, so that an error
+                # carrying the secret (an engine echoing its arguments)
+                # is not kept as this one's context.
+                raise _connect_error(replica, failed, self.orchestrator.secret)
         return self.orchestrator.connect(src_ranks, self.ranks, timeout)
 
     def refit(self, version: int) -> Any:

@@ -27,6 +27,7 @@ mod errors;
 mod join;
 mod layout;
 mod memory;
+mod ndarray;
 mod orchestrate;
 mod registration;
 mod runtime;

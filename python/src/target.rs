@@ -4,24 +4,34 @@
 //!
 //! [`find`] asks an object for its memory through the library that made
 //! it: a torch tensor through `torch.Tensor`'s own methods (checked
-//! against its storage), a numpy array through `__array_interface__`, a
-//! CUDA array through `__cuda_array_interface__`, a DLPack tensor through
-//! its capsule. What it finds ([`Found`]) carries a *keeper*: the object
-//! that keeps the memory alive whatever is done to the registered object
-//! (a torch storage, the DLPack capsule; a weak reference for a numpy
-//! array, which makes numpy refuse `resize`).
+//! against its storage), a numpy array from its C struct (no Python
+//! attribute of it runs: [`crate::ndarray`]), a CUDA array through
+//! `__cuda_array_interface__`, a DLPack tensor through its capsule. What
+//! it finds ([`Found`]) carries a *keeper*: the object that keeps the
+//! memory alive whatever is done to the registered object (a torch
+//! storage, the DLPack capsule; a weak reference for a numpy array, which
+//! makes numpy refuse `resize`), and a *probe* that reads where the memory
+//! is again without running Python code (the numpy struct; a DLPack export
+//! by torch's C function; the capsule).
 //!
-//! [`Targets`] are a rank's registered buffers. Each is looked up again
-//! right before every use ([`RegionCheck::visit`], under the GIL, and the
-//! use — the commit's copy — inside the same GIL hold); one whose address,
-//! bytes, dtype, shape, contiguity or device changed is refused, naming the
-//! buffer and what changed, or with `follow` taken at its new place after
-//! the same checks as at registration. Nothing here takes an address from
+//! [`Targets`] are a rank's registered buffers. Before every use
+//! ([`RegionCheck::visit`], under one GIL hold) all of them are looked up
+//! again (the objects' own code may run here: a torch subclass's
+//! `__torch_function__`), then all are checked with no Python code running
+//! (each probe must still read what its look-up found, so a look-up that
+//! freed, moved or resized another buffer is caught; each must still be
+//! what was registered), then used (the commit's copy; a source's refit
+//! and a direct destination take the regions) with no Python code in
+//! between. One that changed is refused, naming the buffer and what
+//! changed, or with `follow` taken at its new place after the same checks
+//! as at registration. Memory freed by another thread while a refit uses
+//! it is not defended (docs/python.md). Nothing here takes an address from
 //! the caller.
 
+use crate::ndarray;
 use orchestrator::RegionCheck;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::PyDict;
 use reshard::DType;
 use std::sync::Mutex;
 
@@ -93,6 +103,52 @@ pub(crate) struct Found {
     /// (whose own address would not change if its owner's memory were
     /// replaced).
     pub(crate) origin: Option<u64>,
+    /// How to read where the memory is again without running Python code.
+    probe: Probe,
+}
+
+/// How a [`Found`]'s memory is read again with no Python code running
+/// ([`Probe::now`]): between a refit's look-ups, which run the objects'
+/// own code, and its use of the memory.
+enum Probe {
+    /// A numpy array (of numpy's ndarray type as found): its C struct.
+    Numpy { array: Py<PyAny>, ndarray: ndarray::NdArrayTypeRef },
+    /// A torch tensor: a DLPack export made by torch's C function
+    /// `torch._C._to_dlpack` (no `__torch_function__` runs), whose
+    /// address must be the tensor's and hold the bytes found.
+    Torch { tensor: Py<PyAny>, to_dlpack: Py<PyAny> },
+    /// A DLPack capsule registered as it is (read again from the capsule).
+    Capsule(Py<PyAny>),
+    /// Read only through the object's own Python code (a CUDA array
+    /// interface, a `__dlpack__` method): what its look-up found is used.
+    Unread,
+}
+
+impl Probe {
+    /// (address, bytes, origin) of the memory now, or why it cannot be
+    /// told; `None` for [`Probe::Unread`]. Runs no Python code.
+    fn now(&self, py: Python<'_>) -> Result<Option<(u64, usize, Option<u64>)>, String> {
+        match self {
+            Probe::Numpy { array, ndarray } => {
+                let state = ndarray::state(&ndarray.bind(py), array.bind(py)).ok_or("no longer an ndarray")?;
+                if !state.c_contiguous {
+                    return Err("no longer in C order".into());
+                }
+                Ok(Some((state.addr, state.nbytes, state.origin)))
+            }
+            Probe::Torch { tensor, to_dlpack } => {
+                let capsule = to_dlpack.bind(py).call1((tensor.bind(py),)).map_err(|e| format!("torch's DLPack export failed: {e}"))?;
+                let found = dlpack(&capsule, capsule.clone().unbind(), Probe::Unread).map_err(|e| e.to_string())??;
+                Ok(Some((found.addr, found.nbytes, None)))
+            }
+            Probe::Capsule(capsule) => {
+                let capsule = capsule.bind(py);
+                let found = dlpack(capsule, capsule.clone().unbind(), Probe::Unread).map_err(|e| e.to_string())??;
+                Ok(Some((found.addr, found.nbytes, None)))
+            }
+            Probe::Unread => Ok(None),
+        }
+    }
 }
 
 impl Found {
@@ -150,19 +206,21 @@ pub(crate) fn find(object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>>
         }
     }
     if let Some(numpy) = imported(py, "numpy")? {
-        if object.is_instance(&numpy.getattr("ndarray")?)? {
-            return numpy_array(py, object);
+        if let Some(ndarray) = ndarray::NdArrayType::of(&numpy)? {
+            if ndarray.holds(object) {
+                return numpy_array(py, &ndarray, object);
+            }
         }
     }
     if object.hasattr("__cuda_array_interface__")? {
         return cuda_array(object);
     }
     if object.get_type().name()? == "PyCapsule" {
-        return dlpack(object, object.clone().unbind());
+        return dlpack(object, object.clone().unbind(), Probe::Capsule(object.clone().unbind()));
     }
     if object.hasattr("__dlpack__")? {
         let capsule = object.call_method0("__dlpack__")?;
-        return dlpack(&capsule, capsule.clone().unbind());
+        return dlpack(&capsule, capsule.clone().unbind(), Probe::Unread);
     }
     Ok(Err(format!(
         "{} holds no memory refit can use in place (a C-contiguous numpy array, torch tensor, CUDA array or DLPack tensor can)",
@@ -218,7 +276,8 @@ fn torch_tensor(torch: &Bound<'_, PyAny>, object: &Bound<'_, PyAny>) -> PyResult
     if !inside && nbytes > 0 {
         return Ok(Err(format!("a tensor whose {nbytes} bytes at {addr:#x} are not inside its storage ({len} bytes at {base:#x})")));
     }
-    Ok(Ok(Found { addr, nbytes, elem, shape, device, writable: true, keeper: storage.unbind(), origin: None }))
+    let probe = Probe::Torch { tensor: object.clone().unbind(), to_dlpack: torch.getattr("_C")?.getattr("_to_dlpack")?.unbind() };
+    Ok(Ok(Found { addr, nbytes, elem, shape, device, writable: true, keeper: storage.unbind(), origin: None, probe }))
 }
 
 /// Elements of a numpy / CUDA array interface `typestr` (little-endian or
@@ -245,42 +304,36 @@ fn interface_size(typestr: &str) -> Option<u64> {
     typestr.get(2..)?.parse().ok()
 }
 
-fn numpy_array(py: Python<'_>, object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>> {
-    let interface = object.getattr("__array_interface__")?.cast_into::<PyDict>()?;
-    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
-        interface.get_item(k)?.ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(format!("__array_interface__ has no '{k}'")))
-    };
-    if !get("strides")?.is_none() {
+/// A numpy array's memory, read from its C struct ([`ndarray::state`]):
+/// no property of the array (of an ndarray subclass) runs.
+fn numpy_array(py: Python<'_>, ndarray: &ndarray::NdArrayType<'_>, object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>> {
+    let Some(state) = ndarray::state(ndarray, object) else { return Ok(Err("not an ndarray".into())) };
+    if !state.c_contiguous {
         return Ok(Err("an array not in C order".into()));
     }
-    let (addr, readonly): (u64, bool) = get("data")?.cast_into::<PyTuple>()?.extract()?;
-    let typestr: String = get("typestr")?.extract()?;
-    let elem = match typestr_elem(&typestr) {
-        Ok(e) => e,
-        Err(why) => return Ok(Err(why)),
-    };
-    let Some(size) = interface_size(&typestr) else { return Ok(Err(format!("elements of type '{typestr}'"))) };
-    let shape: Vec<u64> = get("shape")?.extract()?;
-    let Some(nbytes) = checked_bytes(&shape, size) else { return Ok(Err(format!("an array of shape {shape:?} overflows"))) };
-    // The array that owns the memory (a view's base), and a weak
-    // reference to it: numpy refuses to resize an array that has one.
-    let ndarray = object.get_type();
-    let mut owner = object.clone();
-    loop {
-        let base = owner.getattr("base")?;
-        if base.is_none() || !base.is_instance(&ndarray)? {
-            break;
-        }
-        owner = base;
+    if state.swapped {
+        return Ok(Err(format!("elements of type {} (big-endian)", state.elem)));
     }
-    let origin = if owner.is(object) {
-        None
-    } else {
-        let data = owner.getattr("__array_interface__")?.get_item("data")?;
-        Some(data.get_item(0)?.extract::<u64>()?)
-    };
+    if state.nbytes == usize::MAX {
+        return Ok(Err(format!("an array of shape {:?} overflows", state.shape)));
+    }
+    // A weak reference to the array that owns the memory (a view's
+    // base): numpy refuses to resize an array that has one.
+    // SAFETY: `state.owner` is `object` or an ndarray of its chain of
+    // bases, each held by the one before: alive under the GIL.
+    let owner = unsafe { Bound::from_borrowed_ptr(py, state.owner) };
     let keeper = py.import("weakref")?.getattr("ref")?.call1((&owner,))?;
-    Ok(Ok(Found { addr, nbytes, elem, shape, device: Device::Host, writable: !readonly, keeper: keeper.unbind(), origin }))
+    Ok(Ok(Found {
+        addr: state.addr,
+        nbytes: state.nbytes,
+        elem: state.elem,
+        shape: state.shape,
+        device: Device::Host,
+        writable: state.writable,
+        keeper: keeper.unbind(),
+        origin: state.origin,
+        probe: Probe::Numpy { array: object.clone().unbind(), ndarray: ndarray.unbind() },
+    }))
 }
 
 fn cuda_array(object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>> {
@@ -302,7 +355,17 @@ fn cuda_array(object: &Bound<'_, PyAny>) -> PyResult<Result<Found, String>> {
     let Some(size) = interface_size(&typestr) else { return Ok(Err(format!("elements of type '{typestr}'"))) };
     let shape: Vec<u64> = interface.get_item("shape")?.map_or(Ok(Vec::new()), |s| s.extract())?;
     let Some(nbytes) = checked_bytes(&shape, size) else { return Ok(Err(format!("an array of shape {shape:?} overflows"))) };
-    Ok(Ok(Found { addr, nbytes, elem, shape, device, writable: !readonly, keeper: object.clone().unbind(), origin: None }))
+    Ok(Ok(Found {
+        addr,
+        nbytes,
+        elem,
+        shape,
+        device,
+        writable: !readonly,
+        keeper: object.clone().unbind(),
+        origin: None,
+        probe: Probe::Unread,
+    }))
 }
 
 /// DLPack's `DLTensor` (dlpack.h), which a `DLManagedTensor` starts with.
@@ -320,7 +383,7 @@ struct DlTensor {
     byte_offset: u64,
 }
 
-fn dlpack(capsule: &Bound<'_, PyAny>, keeper: Py<PyAny>) -> PyResult<Result<Found, String>> {
+fn dlpack(capsule: &Bound<'_, PyAny>, keeper: Py<PyAny>, probe: Probe) -> PyResult<Result<Found, String>> {
     const NAME: &std::ffi::CStr = c"dltensor";
     // SAFETY: `capsule` is a live Python object (borrowed under the GIL);
     // PyCapsule_IsValid only reads its type and name.
@@ -381,7 +444,7 @@ fn dlpack(capsule: &Bound<'_, PyAny>, keeper: Py<PyAny>) -> PyResult<Result<Foun
         return Ok(Err(format!("a DLPack tensor of shape {shape:?} overflows")));
     };
     let Some(addr) = (t.data as u64).checked_add(t.byte_offset) else { return Ok(Err("a DLPack address that overflows".into())) };
-    Ok(Ok(Found { addr, nbytes, elem, shape, device, writable: true, keeper, origin: None }))
+    Ok(Ok(Found { addr, nbytes, elem, shape, device, writable: true, keeper, origin: None, probe }))
 }
 
 /// The writable mappings of this process (`/proc/self/maps`), to refuse
@@ -503,6 +566,19 @@ struct Pinned {
     _keeper: Py<PyAny>,
 }
 
+impl Pinned {
+    fn at(found: &Found, keeper: Py<PyAny>) -> Pinned {
+        Pinned {
+            addr: found.addr,
+            origin: found.origin,
+            nbytes: found.nbytes,
+            device: found.device,
+            described: found.describe(),
+            _keeper: keeper,
+        }
+    }
+}
+
 struct Entry {
     want: Want,
     object: Py<PyAny>,
@@ -553,14 +629,7 @@ impl Targets {
                 }
                 Some(_) => {}
             }
-            let pinned = Pinned {
-                addr: found.addr,
-                origin: found.origin,
-                nbytes: found.nbytes,
-                device: found.device,
-                described: found.describe(),
-                _keeper: found.keeper,
-            };
+            let pinned = Pinned::at(&found, found.keeper.clone_ref(object.py()));
             entries.push(Entry { want, object: object.unbind(), pinned: Mutex::new(pinned) });
         }
         Ok(Ok(Targets { what, access, entries }))
@@ -581,27 +650,53 @@ impl Targets {
         (regions, device)
     }
 
-    /// Looks buffer `i` up again: where it is now, if it is still what it
-    /// was registered as (or, following, fits at a new place).
-    fn check(&self, py: Python<'_>, i: usize, maps: &mut Option<WritableMaps>) -> Result<(u64, usize), String> {
+    /// Looks buffer `i` up again: the object's own code may run (a
+    /// property, `__torch_function__`), and may change any buffer.
+    fn resolve(&self, py: Python<'_>, i: usize) -> Result<Found, String> {
+        let name = &self.entries[i].want.name;
+        match find(self.entries[i].object.bind(py)) {
+            Ok(Ok(f)) => Ok(f),
+            Ok(Err(why)) => Err(format!("buffer '{name}': the registered object changed: now {why}")),
+            Err(e) => Err(format!("buffer '{name}': looking the registered object up raised {e}")),
+        }
+    }
+
+    /// Checks buffer `i` as `found` (its look-up) says it is: the same
+    /// memory as its probe reads now (nothing changed it since the
+    /// look-up, such as a later buffer's look-up), still what was
+    /// registered (or, following, fitting at a new place). Where it is
+    /// now, and the new pin if it moved. Runs no Python code.
+    fn verify(
+        &self,
+        py: Python<'_>,
+        i: usize,
+        found: &Found,
+        maps: &mut Option<WritableMaps>,
+    ) -> Result<(u64, usize, Option<Pinned>), String> {
         let entry = &self.entries[i];
         let name = &entry.want.name;
-        let found = match find(entry.object.bind(py)) {
-            Ok(Ok(f)) => f,
-            Ok(Err(why)) => return Err(format!("buffer '{name}': the registered object changed: now {why}")),
-            Err(e) => return Err(format!("buffer '{name}': looking the registered object up raised {e}")),
-        };
-        let mut pinned = entry.pinned.lock().unwrap_or_else(|e| e.into_inner());
+        match found.probe.now(py) {
+            Ok(None) => {}
+            Ok(Some((addr, nbytes, origin))) if addr == found.addr && nbytes >= found.nbytes && origin == found.origin => {}
+            Ok(Some((addr, nbytes, _))) => {
+                return Err(format!(
+                    "buffer '{name}': changed while the registered objects were looked up (code run by a look-up freed, moved or resized it): found {}, now {nbytes} bytes at {addr:#x}",
+                    found.describe()
+                ))
+            }
+            Err(why) => return Err(format!("buffer '{name}': changed while the registered objects were looked up: {why}")),
+        }
+        let pinned = entry.pinned.lock().unwrap_or_else(|e| e.into_inner());
         if found.device != pinned.device {
             return Err(format!("buffer '{name}': moved from {} to {}; register it again", pinned.device, found.device));
         }
         if found.addr == pinned.addr && found.nbytes == pinned.nbytes && found.origin == pinned.origin {
             // Where it was: what it holds must still fit (a dtype or shape
             // changed in place).
-            if let Err(why) = fits(&found, &entry.want, Access { writable: false, ..self.access }, maps) {
+            if let Err(why) = fits(found, &entry.want, Access { writable: false, ..self.access }, maps) {
                 return Err(format!("buffer '{name}': changed since it was registered: {why}"));
             }
-            return Ok((pinned.addr, pinned.nbytes));
+            return Ok((pinned.addr, pinned.nbytes, None));
         }
         if !self.access.follow {
             return Err(format!(
@@ -610,7 +705,7 @@ impl Targets {
                 found.describe()
             ));
         }
-        if let Err(why) = fits(&found, &entry.want, self.access, maps) {
+        if let Err(why) = fits(found, &entry.want, self.access, maps) {
             return Err(format!("buffer '{name}': its memory was replaced by one that does not fit: {why}"));
         }
         if found.addr == 0 && found.nbytes > 0 {
@@ -621,33 +716,71 @@ impl Targets {
             // old memory: there is nothing to follow.
             return Err(format!("buffer '{name}': the array it is a view of was given other memory: register a view of it again"));
         }
-        let described = found.describe();
-        *pinned =
-            Pinned { addr: found.addr, origin: found.origin, nbytes: found.nbytes, device: found.device, described, _keeper: found.keeper };
-        Ok((pinned.addr, pinned.nbytes))
+        Ok((found.addr, found.nbytes, Some(Pinned::at(found, found.keeper.clone_ref(py)))))
+    }
+
+    /// Every buffer where it is now, in three passes under one GIL hold:
+    /// every object looked up (their own code runs here), then every
+    /// buffer checked (no Python code: a look-up that changed an earlier
+    /// buffer is caught here), then `f` on each (no Python code between
+    /// the checks and the end of `f`). An error names the buffer and what
+    /// changed; nothing is visited after it.
+    fn visit_checked(&self, py: Python<'_>, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
+        let found = (0..self.entries.len()).map(|i| self.resolve(py, i)).collect::<Result<Vec<_>, _>>()?;
+        // No garbage collection from the checks to the end of the uses:
+        // a collection (the checks' probes allocate) could run finalizers.
+        let gc = py.import("gc").map_err(|e| format!("the gc module: {e}"))?;
+        let collecting = gc.call_method0("isenabled").and_then(|b| b.is_truthy()).map_err(|e| format!("gc.isenabled: {e}"))?;
+        gc.call_method0("disable").map_err(|e| format!("gc.disable: {e}"))?;
+        let used = self.check_and_use(py, &found, f);
+        if collecting {
+            gc.call_method0("enable").map_err(|e| format!("gc.enable: {e}"))?;
+        }
+        let moved = used?;
+        // Followed buffers pinned at their new places; the old pins (and
+        // what they kept alive) are dropped after every use, as are the
+        // look-ups' keepers.
+        let old: Vec<Pinned> = moved
+            .into_iter()
+            .map(|(i, pin)| std::mem::replace(&mut *self.entries[i].pinned.lock().unwrap_or_else(|e| e.into_inner()), pin))
+            .collect();
+        drop((old, found));
+        Ok(())
+    }
+
+    /// The checks and uses of [`visit_checked`](Self::visit_checked) (no
+    /// Python code runs): the pins of buffers that moved.
+    fn check_and_use(
+        &self,
+        py: Python<'_>,
+        found: &[Found],
+        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>,
+    ) -> Result<Vec<(usize, Pinned)>, String> {
+        let mut maps = None;
+        let mut regions = Vec::with_capacity(found.len());
+        let mut moved = Vec::new();
+        for (i, found) in found.iter().enumerate() {
+            let (addr, nbytes, pin) = self.verify(py, i, found, &mut maps)?;
+            regions.push((addr, nbytes));
+            if let Some(pin) = pin {
+                moved.push((i, pin));
+            }
+        }
+        for (i, region) in regions.into_iter().enumerate() {
+            f(i, region)?;
+        }
+        Ok(moved)
     }
 
     /// Looks every buffer up again (as before a refit): an error names
     /// the rank, the buffer and what changed.
     pub(crate) fn check_all(&self, py: Python<'_>) -> Result<(), String> {
-        let mut maps = None;
-        for i in 0..self.entries.len() {
-            self.check(py, i, &mut maps).map_err(|e| format!("{}: {e}", self.what))?;
-        }
-        Ok(())
+        self.visit_checked(py, &mut |_, _| Ok(())).map_err(|e| format!("{}: {e}", self.what))
     }
 }
 
 impl RegionCheck for Targets {
     fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
-        Python::attach(|py| {
-            let mut maps = None;
-            for i in 0..self.entries.len() {
-                // Looked up, then used, with no Python code in between.
-                let region = self.check(py, i, &mut maps)?;
-                f(i, region)?;
-            }
-            Ok(())
-        })
+        Python::attach(|py| self.visit_checked(py, f))
     }
 }

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import refit
 
@@ -172,3 +173,22 @@ def test_a_failed_refit_says_which_replicas_left():
     else:
         raise AssertionError("a refit of a version no source holds committed")
     assert system.destinations == before
+
+
+def test_a_second_replica_under_a_serving_replicas_name_is_refused_by_name():
+    """A process joining as rank 0 of replica "r1" while another live
+    process serves it gets a JoinError naming the replica's rank; the name
+    is free again once that process has left."""
+    orch = refit.Orchestrator(replica=REPLICA)
+    first, second = refit.join(orch.address, orch.secret), refit.join(orch.address, orch.secret)
+    try:
+        refit.Destination(REPLICA, 0).join(joined=first, replica="r1")
+        with pytest.raises(refit.JoinError, match=r"'refit\.member\.replica\.r1\.0' is already served by the live process at"):
+            refit.Destination(REPLICA, 0).join(joined=second, replica="r1")
+        refit.Destination(REPLICA, 0).join(joined=second, replica="r2")
+        first.shutdown()
+        refit.Destination(REPLICA, 0).join(joined=second, replica="r1")
+    finally:
+        first.shutdown()
+        second.shutdown()
+        orch.close()

@@ -212,12 +212,9 @@ fn worker_args(config: &ClusterConfig) -> Vec<String> {
 }
 
 /// The worker hosting `ranks` of `node`: on its emulated host, if any, in
-/// whose namespace it runs and whose directory holds its shared memory.
-fn place(ranks: Vec<Endpoint>, mut args: Vec<String>, node: (Group, u32), net: Option<&NetHosts>) -> Host {
+/// whose namespace it runs.
+fn place(ranks: Vec<Endpoint>, args: Vec<String>, node: (Group, u32), net: Option<&NetHosts>) -> Host {
     let emulated = net.and_then(|n| n.host(node.0, node.1));
-    if let Some(h) = emulated {
-        args.extend(["--shm-dir".into(), h.shm_dir.display().to_string()]);
-    }
     Host { ranks, args, node, netns: emulated.map(|h| h.netns.clone()), replica: None, retired: false }
 }
 
@@ -262,8 +259,6 @@ impl Cluster {
     /// orchestrator over their members. With
     /// [`ClusterConfig::replicas`], `dst` is one replica's layout.
     pub fn start(config: ClusterConfig, src: Layout, dst: Layout, listening: impl FnOnce(SocketAddr)) -> Result<Cluster, ClusterError> {
-        // Regions left by workers killed before their peers mapped them.
-        orchestrator::remove_stale_shared_memory(None);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_keep_alive(IDLE_THREAD)
@@ -703,9 +698,6 @@ impl Cluster {
                 std::thread::sleep(Duration::from_millis(10));
             }
             drop(c);
-            // Workers killed during the run (chaos, a crash) may have left
-            // regions their peers never mapped.
-            orchestrator::remove_stale_shared_memory(None);
         }
         drop(rendezvous);
         drop(net);

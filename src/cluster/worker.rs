@@ -17,7 +17,6 @@ use orchestrator::{join, DstStore, JoinConfig, Joined, Role, SrcStore};
 use reshard::{DType, Endpoint, Group, Layout};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -205,9 +204,6 @@ pub struct WorkerConfig {
     pub hosted: Hosted,
     /// Where and how to join.
     pub join: JoinConfig,
-    /// Where the shared-memory regions with ranks of its node go (`None`:
-    /// `/dev/shm`); an emulated host has a directory of its own.
-    pub shm_dir: Option<PathBuf>,
     /// The destination ranks are those of a replica of this name, joining
     /// a destination group of replicas of their layout
     /// ([`Joined::serve_replica_member`]); `None`: ranks of the group's
@@ -220,7 +216,6 @@ async fn serve(
     layout: &Arc<Layout>,
     source_dtypes: &Arc<HashMap<String, DType>>,
     e: Endpoint,
-    shm_dir: Option<PathBuf>,
     replica: Option<&str>,
 ) -> Result<(), String> {
     let role = match e.group {
@@ -231,7 +226,6 @@ async fn serve(
     let slot = Arc::clone(&faults);
     let mut config = joined.member_config();
     config.tweak = Some(Arc::new(move |_refit, data: &mut orchestrator::NodeTweak| {
-        data.shm_dir = shm_dir.clone();
         if let Some(f) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
             data.faults = orchestrator::Faults {
                 corrupt_frame: f.corrupt_frame,
@@ -263,8 +257,6 @@ async fn serve(
 /// Runs one worker until the launcher goes away.
 pub fn run_worker(config: WorkerConfig, layouts: WorkerLayouts) -> Result<(), String> {
     let ranks = config.hosted.endpoints(&layouts.layout)?;
-    // Regions that workers killed earlier on this host left behind.
-    orchestrator::remove_stale_shared_memory(config.shm_dir.as_deref());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_keep_alive(super::IDLE_THREAD)
@@ -275,7 +267,7 @@ pub fn run_worker(config: WorkerConfig, layouts: WorkerLayouts) -> Result<(), St
     runtime.block_on(async move {
         let joined = join(&config.join).await.map_err(|e| e.to_string())?;
         for &e in &ranks {
-            serve(&joined, &layout, &dtypes, e, config.shm_dir.clone(), config.replica.as_deref()).await?;
+            serve(&joined, &layout, &dtypes, e, config.replica.as_deref()).await?;
         }
         // The launcher closing the control plane is how a job ends.
         joined.closed().await;

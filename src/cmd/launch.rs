@@ -231,12 +231,11 @@ pub(crate) struct WorkerArgs<'a> {
     pub(crate) rendezvous: Option<&'a str>,
     pub(crate) heartbeat_timeout: Duration,
     pub(crate) secret_file: &'a Option<PathBuf>,
-    pub(crate) shm_dir: &'a Option<PathBuf>,
     pub(crate) replica: &'a Option<String>,
 }
 
 pub(crate) fn worker(a: &WorkerArgs<'_>) -> Result<(), Failure> {
-    let WorkerArgs { pair, group, rank, node, rendezvous, heartbeat_timeout, secret_file, shm_dir, replica } = *a;
+    let WorkerArgs { pair, group, rank, node, rendezvous, heartbeat_timeout, secret_file, replica } = *a;
     let group = match group {
         "src" => reshard::Group::Src,
         "dst" => reshard::Group::Dst,
@@ -280,6 +279,6 @@ pub(crate) fn worker(a: &WorkerArgs<'_>) -> Result<(), Failure> {
         return Err(invalid("--replica: only destination ranks (--group dst) join as a replica".into()));
     }
     let join = orchestrator::JoinConfig { rendezvous, secret, control };
-    let config = WorkerConfig { hosted, join, shm_dir: shm_dir.clone(), replica: replica.clone() };
+    let config = WorkerConfig { hosted, join, replica: replica.clone() };
     run_worker(config, layouts).map_err(|e| Failure { line: e, code: 1 })
 }

@@ -26,8 +26,6 @@
 //!   this project runs on have no `netem` but have `cls_bpf`,
 //!   `act_mirred`, `ifb` and `tun`, and the same mechanisms serve every
 //!   kernel;
-//! - per node a directory `/dev/shm/refit-P-s<k>`: its shared memory (the
-//!   workers of a node put their regions there, `refit worker --shm-dir`).
 //!
 //! Everything of launcher `P` is found by name and removed
 //! ([`remove_owned_by`]) when the [`Hosts`] is dropped (normal exit, error,
@@ -55,8 +53,6 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-/// Where a node's shared-memory directory is made.
-const SHM_ROOT: &str = "/dev/shm";
 /// The lock file under which launchers pick their prefix and build.
 const LOCK_FILE: &str = "/run/refit-netns.lock";
 /// How long a packet may wait in a shaping queue (tbf `latency`).
@@ -150,8 +146,6 @@ pub struct Host {
     pub veth: String,
     /// Its address.
     pub ip: Ipv4Addr,
-    /// Its shared-memory directory.
-    pub shm_dir: PathBuf,
     /// Its link's rate in bytes/s, each direction (`None`: unshaped).
     pub rate: Option<u64>,
 }
@@ -255,7 +249,6 @@ impl Hosts {
                     netns: format!("refit-{owner}-{}", spec.tag()),
                     veth: format!("rf{owner}{}", spec.tag()),
                     ip: Ipv4Addr::from_bits(base + spec.node + 1),
-                    shm_dir: Path::new(SHM_ROOT).join(format!("refit-{owner}-{}", spec.tag())),
                     rate: config.rank_bytes_per_s.map(|r| r.saturating_mul(u64::from(spec.ranks.max(1)))),
                 }
             })
@@ -287,7 +280,6 @@ impl Hosts {
         ip(&["addr", "add", &format!("{}/16", self.gateway), "dev", br])?;
         ip(&["link", "set", br, "up"])?;
         for h in &self.hosts {
-            private_dir(&h.shm_dir)?;
             let ns = h.netns.as_str();
             ip(&["netns", "add", ns])?;
             ip(&["link", "add", &h.veth, "type", "veth", "peer", "name", "eth0", "netns", ns])?;
@@ -535,12 +527,11 @@ fn owner_of(name: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
-/// Our namespaces, links and shared-memory directories that exist now.
+/// Our namespaces and links that exist now.
 #[derive(Debug, Default)]
 struct Found {
     netns: Vec<String>,
     links: Vec<String>,
-    shm_dirs: Vec<PathBuf>,
 }
 
 fn found() -> Found {
@@ -560,36 +551,22 @@ fn found() -> Found {
         .filter(|n| owner_of(n).is_some())
         .map(String::from)
         .collect();
-    let shm_dirs = std::fs::read_dir(SHM_ROOT)
-        .map(|d| {
-            d.filter_map(Result::ok)
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("refit-") && owner_of(n).is_some()))
-                .map(|e| e.path())
-                .collect()
-        })
-        .unwrap_or_default();
-    Found { netns, links, shm_dirs }
+    Found { netns, links }
 }
 
 impl Found {
-    /// `2 namespaces (refit-1-s0, refit-1-d0), 3 links (…), 1 shared-memory directory (…)`.
+    /// `2 namespaces (refit-1-s0, refit-1-d0), 3 links (…)`.
     fn describe(&self) -> String {
         let part = |what: (&str, &str), names: Vec<String>| match names.len() {
             0 => None,
             1 => Some(format!("1 {} ({})", what.0, names.join(", "))),
             n => Some(format!("{n} {} ({})", what.1, names.join(", "))),
         };
-        let shm = self.shm_dirs.iter().map(|p| p.display().to_string()).collect();
-        [
-            part(("namespace", "namespaces"), self.netns.clone()),
-            part(("link", "links"), self.links.clone()),
-            part(("shared-memory directory", "shared-memory directories"), shm),
-        ]
-        .into_iter()
-        .flatten()
-        .collect::<Vec<_>>()
-        .join(", ")
+        [part(("namespace", "namespaces"), self.netns.clone()), part(("link", "links"), self.links.clone())]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -598,11 +575,10 @@ fn owned(found: &Found, owner: u32) -> Found {
     Found {
         netns: found.netns.iter().filter(|n| mine(n)).cloned().collect(),
         links: found.links.iter().filter(|n| mine(n)).cloned().collect(),
-        shm_dirs: found.shm_dirs.iter().filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(mine)).cloned().collect(),
     }
 }
 
-/// Removes every namespace, link and shared-memory directory of launcher
+/// Removes every namespace and link of launcher
 /// `owner`, killing the processes still inside those namespaces first, and
 /// then its ownership record. Never fails: what cannot be removed is left
 /// (and reported on stderr).
@@ -630,11 +606,6 @@ fn remove(f: &Found) {
     for ns in &f.netns {
         left.extend(ip(&["netns", "del", ns]).err());
     }
-    for d in &f.shm_dirs {
-        if let Err(e) = std::fs::remove_dir_all(d) {
-            left.push(format!("{}: cannot remove: {e}", d.display()));
-        }
-    }
     for l in left {
         // A link deleted with its peer is gone already: not worth a word.
         if !l.contains("Cannot find device") {
@@ -653,14 +624,13 @@ fn remove_stale(me_has_hosts: bool) -> Vec<String> {
     // another thread); a dead process's of our pid goes before a probe.
     all.netns.retain(|n| !(n.ends_with("-probe") && owner_of(n) == Some(me)));
     let mut owners: Vec<u32> = all.netns.iter().chain(&all.links).filter_map(|n| owner_of(n)).collect::<Vec<_>>();
-    owners.extend(all.shm_dirs.iter().filter_map(|p| p.file_name().and_then(|n| n.to_str()).and_then(owner_of)));
     owners.extend(owner::recorded());
     owners.sort_unstable();
     owners.dedup();
     let mut said = Vec::new();
     for owner in owners {
         let mine = owned(&all, owner);
-        let what = mine.netns.len() + mine.links.len() + mine.shm_dirs.len();
+        let what = mine.netns.len() + mine.links.len();
         match owner::gone(owner, me, me_has_hosts, owner::read_record(owner), owner::start_time(owner)) {
             Some(why) => {
                 remove(&mine);
@@ -677,7 +647,7 @@ fn remove_stale(me_has_hosts: bool) -> Vec<String> {
 }
 
 /// Removes what launchers that are gone left behind (`refit netns
-/// --clean`): every namespace, link and shared-memory directory named
+/// --clean`): every namespace and link named
 /// after a launcher whose process is not running (or whose pid another
 /// process holds now, by its ownership record). One line per launcher:
 /// what was removed, or kept and why.
@@ -805,47 +775,9 @@ fn install_signal_teardown() -> Result<(), String> {
         .clone()
 }
 
-/// Creates `dir` for this launcher alone: a new directory (one that exists
-/// already, say made by another user under the world-writable `/dev/shm`
-/// to watch or swap our region files, is refused), mode 0700, owned by us.
-fn private_dir(dir: &Path) -> Result<(), String> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    let shown = dir.display();
-    std::fs::DirBuilder::new().mode(0o700).create(dir).map_err(|e| format!("{shown}: cannot create a private directory: {e}"))?;
-    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{shown}: {e}"))?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
-    if !meta.is_dir() || meta.uid() != me || meta.permissions().mode() & 0o077 != 0 {
-        return Err(format!(
-            "{shown}: not a private directory of this user (owner {}, mode {:o})",
-            meta.uid(),
-            meta.permissions().mode() & 0o777
-        ));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn shared_memory_directories_are_new_and_private() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = std::env::temp_dir().join(format!("refit-private-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        private_dir(&dir).unwrap();
-        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
-        // Made before us (by anyone): refused, named.
-        let e = private_dir(&dir).unwrap_err();
-        assert!(e.contains(&dir.display().to_string()), "{e}");
-        let link = dir.with_extension("link");
-        let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(&dir, &link).unwrap();
-        assert!(private_dir(&link).is_err());
-        std::fs::remove_file(&link).unwrap();
-        std::fs::remove_dir(&dir).unwrap();
-    }
 
     #[test]
     fn names_carry_their_owner() {

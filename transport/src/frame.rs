@@ -15,18 +15,24 @@
 //! the message's checksum.
 //!
 //! A stream starts with a handshake: magic, the sender's group (u8) and
-//! rank (u32 LE), protocol version (u8, 3), flags (u8: 1 checksums, 2
-//! shared memory, 4 proof; then the region's lend and stream sizes, u64 LE
-//! each; then the proof: HMAC-SHA256 under the fabric's [`HelloKey`] of
-//! everything before it and the receiver's endpoint); the receiver answers
-//! one byte, 0 for accepted or the reason it refuses (other version, other
-//! checksum setting, disagreement on sharing a node, region not mappable,
-//! unexpected peer, missing or wrong proof, endpoint already connected).
-//! An authenticated peer with another configuration fails at connect time
-//! on both ends; anything else is dropped and the receiver goes on
-//! accepting.
+//! rank (u32 LE), protocol version (u8, 5), flags (u8: 1 checksums, 2
+//! shared memory, 4 proof; then, with shared memory, the region's lend and
+//! stream sizes, u64 LE each, and where to find it: the sender's process
+//! id and descriptor, u32 LE each, and the region's token, u64 LE; then
+//! the proof: HMAC-SHA256 under the fabric's [`HelloKey`] of everything
+//! before it and the receiver's endpoint); the receiver answers one byte,
+//! 0 for accepted or the reason it refuses (other version, other checksum
+//! setting, disagreement on sharing a node, region not mappable,
+//! unexpected peer, missing or wrong proof, endpoint already connected),
+//! and an accepted shared-memory pair's answer goes on with where its
+//! acknowledgement page is (process id, descriptor, token). A region not
+//! mappable is no failure: the sender connects again without shared
+//! memory, and the pair talks TCP. An authenticated peer with another
+//! configuration fails at connect time on both ends; anything else is
+//! dropped and the receiver goes on accepting.
 
 use crate::copy::{for_each_run, in_bounds, run_bytes, StridedRef};
+use crate::shm::RegionRef;
 use crate::transport::Payload;
 use reshard::{Endpoint, Group};
 use std::io;
@@ -46,33 +52,61 @@ pub(crate) const CHUNK: u8 = 4;
 /// Frame header: magic, kind, round, payload length.
 pub(crate) const HEADER: usize = 4 + 1 + 4 + 8;
 /// Handshake version: 2 added the flags byte, checksums and shared memory;
-/// 3 the proof.
-pub(crate) const VERSION: u8 = 4;
+/// 3 the proof; 5 sealed regions found through `/proc` and the
+/// receiver's acknowledgement page.
+pub(crate) const VERSION: u8 = 5;
 /// Handshake flag: data frames carry a CRC-32C.
 pub(crate) const FLAG_CHECKSUM: u8 = 1;
 /// Handshake flag: the pair talks through shared memory (a
 /// [`ShmAnnounce`] follows).
 pub(crate) const FLAG_SHM: u8 = 2;
 /// What a handshake with [`FLAG_SHM`] announces of the region the sender
-/// made for the pair: its areas' sizes and the random part of its name.
+/// made for the pair: its areas' sizes and where to find it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ShmAnnounce {
     /// Lend area, in bytes.
     pub lend: u64,
     /// Stream area, in bytes.
     pub stream: u64,
-    /// The random suffix of the region's file name.
-    pub name: u64,
+    /// The region.
+    pub region: RegionRef,
 }
 
-/// Bytes of a [`ShmAnnounce`] on the wire (three u64 LE).
-pub(crate) const SHM_ANNOUNCE: usize = 24;
+/// Bytes of a [`ShmAnnounce`] on the wire (the sizes, u64 LE each, and a
+/// [`RegionRef`]).
+pub(crate) const SHM_ANNOUNCE: usize = 16 + REGION_REF;
+
+/// Bytes of a [`RegionRef`] on the wire: process id and descriptor (u32
+/// LE each), token (u64 LE).
+pub(crate) const REGION_REF: usize = 16;
 
 impl ShmAnnounce {
     /// Reads one off the wire.
     pub(crate) fn decode(b: &[u8; SHM_ANNOUNCE]) -> ShmAnnounce {
-        ShmAnnounce { lend: u64_at(b, 0), stream: u64_at(b, 8), name: u64_at(b, 16) }
+        let mut r = [0u8; REGION_REF];
+        r.copy_from_slice(&b[16..]);
+        ShmAnnounce { lend: u64_at(b, 0), stream: u64_at(b, 8), region: decode_region_ref(&r) }
     }
+
+    fn encode(&self, into: &mut Vec<u8>) {
+        into.extend_from_slice(&self.lend.to_le_bytes());
+        into.extend_from_slice(&self.stream.to_le_bytes());
+        into.extend_from_slice(&encode_region_ref(self.region));
+    }
+}
+
+/// A [`RegionRef`] on the wire.
+pub(crate) fn encode_region_ref(r: RegionRef) -> [u8; REGION_REF] {
+    let mut b = [0u8; REGION_REF];
+    b[..4].copy_from_slice(&r.pid.to_le_bytes());
+    b[4..8].copy_from_slice(&r.fd.to_le_bytes());
+    b[8..].copy_from_slice(&r.token.to_le_bytes());
+    b
+}
+
+/// A [`RegionRef`] as read.
+pub(crate) fn decode_region_ref(b: &[u8; REGION_REF]) -> RegionRef {
+    RegionRef { pid: u32::from_le_bytes([b[0], b[1], b[2], b[3]]), fd: u32::from_le_bytes([b[4], b[5], b[6], b[7]]), token: u64_at(b, 8) }
 }
 
 /// Handshake flag: a proof follows (after the region sizes).
@@ -147,7 +181,7 @@ pub(crate) fn hello_problem(code: u8) -> &'static str {
         HELLO_VERSION => "speaks another protocol version",
         HELLO_CHECKSUM => "has the other checksum setting (TcpConfig::checksum must match on all ranks)",
         HELLO_SHM => "disagrees on whether we share a node (shared memory on one side only)",
-        HELLO_REGION => "could not map our shared-memory region",
+        HELLO_REGION => "could not map our shared-memory region (the pair talks TCP)",
         HELLO_PEER => "is not (or no longer) expected",
         HELLO_PROOF => "refused the handshake: its proof of the job's secret is missing or wrong",
         HELLO_DUPLICATE => "refused the handshake: that endpoint is connected already",
@@ -189,9 +223,7 @@ pub(crate) fn hello(me: Endpoint, to: Endpoint, checksum: bool, shm: Option<ShmA
         if checksum { FLAG_CHECKSUM } else { 0 } | if shm.is_some() { FLAG_SHM } else { 0 } | if key.is_some() { FLAG_PROOF } else { 0 };
     hello.push(flags);
     if let Some(a) = shm {
-        hello.extend_from_slice(&a.lend.to_le_bytes());
-        hello.extend_from_slice(&a.stream.to_le_bytes());
-        hello.extend_from_slice(&a.name.to_le_bytes());
+        a.encode(&mut hello);
     }
     if let Some(key) = key {
         let proof = hello_mac(key, &hello, to).finalize().into_bytes();
@@ -386,7 +418,7 @@ mod tests {
         assert_eq!(plain.len(), HELLO);
         let fixed: [u8; HELLO] = plain[..].try_into().unwrap();
         assert_eq!(decode_hello(&fixed).unwrap(), (Endpoint::dst(3), VERSION, FLAG_CHECKSUM));
-        let a = ShmAnnounce { lend: 5, stream: 6, name: 0xfeed_beef };
+        let a = ShmAnnounce { lend: 5, stream: 6, region: RegionRef { pid: 77, fd: 9, token: 0xfeed_beef } };
         let shared = hello(Endpoint::src(9), Endpoint::src(1), false, Some(a), None);
         assert_eq!(shared.len(), HELLO + SHM_ANNOUNCE);
         let fixed: [u8; HELLO] = shared[..HELLO].try_into().unwrap();
@@ -405,7 +437,13 @@ mod tests {
     fn proofs_bind_key_sender_receiver_and_settings() {
         let key = HelloKey([7; 32]);
         let (me, to) = (Endpoint::src(2), Endpoint::dst(5));
-        let h = hello(me, to, true, Some(ShmAnnounce { lend: 1 << 20, stream: 1 << 16, name: 7 }), Some(&key));
+        let h = hello(
+            me,
+            to,
+            true,
+            Some(ShmAnnounce { lend: 1 << 20, stream: 1 << 16, region: RegionRef { pid: 1, fd: 2, token: 7 } }),
+            Some(&key),
+        );
         assert_eq!(h.len(), HELLO + SHM_ANNOUNCE + PROOF);
         let fixed: [u8; HELLO] = h[..HELLO].try_into().unwrap();
         assert_eq!(decode_hello(&fixed).unwrap(), (me, VERSION, FLAG_CHECKSUM | FLAG_SHM | FLAG_PROOF));

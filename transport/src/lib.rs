@@ -69,7 +69,7 @@ pub use pattern::{
     fill_source_rank, fill_source_rank_at, fill_sources, pattern_value, tensor_seed, verify_destination_rank, verify_destination_rank_from,
     verify_destinations, Mismatch,
 };
-pub use shm::{remove_stale_regions, ShmConfig};
+pub use shm::ShmConfig;
 pub use sockopt::Congestion;
 pub(crate) use staging::{RecvBuffers, Staging, StagingPool};
 #[cfg(any(test, feature = "testkit"))]

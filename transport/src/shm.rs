@@ -1,32 +1,48 @@
 //! Shared-memory links between ranks of one node that are separate
 //! processes (the NVLink analogue on a host).
 //!
-//! Per ordered pair of same-node ranks, the sender creates a file under
-//! `/dev/shm` (named after a session id the caller gives, both ranks, and
-//! the direction), sizes and maps it; the receiver maps it while the pair's
-//! control stream (a TCP stream, the same one other-node peers carry data
-//! on) is set up, and the sender unlinks it as soon as the receiver has it
-//! mapped, so a crash later leaves no file behind.
+//! Per ordered pair of same-node ranks, the sender makes a **region**: an
+//! anonymous memory file (`memfd_create`), sized, mapped read-write by the
+//! sender, and then sealed (`F_SEAL_SHRINK | F_SEAL_GROW |
+//! F_SEAL_FUTURE_WRITE | F_SEAL_SEAL`): from then on nobody, the sender
+//! included, can shrink or grow it, and nobody but the sender's own mapping
+//! can write it. The receiver opens it read-only through
+//! `/proc/<sender pid>/fd/<fd>` (the handshake announces both and a random
+//! token the region's control page holds), checks the seals, the owner,
+//! the size and the token, and maps it read-only. The receiver makes an
+//! **acknowledgement page** the same way (one page, sealed, written only by
+//! the receiver) where it counts what it consumed and released; the
+//! handshake's answer announces it and the sender maps it read-only. So a
+//! peer can neither make the other take SIGBUS (no region can be
+//! truncated once mapped) nor write into memory the other owns, and every
+//! count read from the other side is clamped to what this side knows it
+//! sent. The files have no name: nothing is left in `/dev/shm`, whatever
+//! way a process ends.
+//!
+//! Mapping a peer's region needs the same effective user (or `CAP_SYS_PTRACE`)
+//! and the same process-id namespace; a pair that cannot is refused at its
+//! handshake and talks TCP instead (`crate::tcp`).
 //!
 //! The sender allocates the region's pages before its first message
-//! (`posix_fallocate`), so a tmpfs too small for it (a container's
-//! `/dev/shm`) is an error on that send rather than SIGBUS on first touch,
-//! and pairs that never talk cost one page.
+//! (`posix_fallocate`), so memory too tight for it is an error on that send
+//! rather than SIGBUS on first touch, and pairs that never talk cost one
+//! page.
 //!
-//! Region layout: a 4 KiB control page (magic, sizes, two counters the
-//! receiver advances), the *lend area*, the *stream area*.
+//! Region layout: a 4 KiB control page (magic, sizes, token), the *lend
+//! area*, the *stream area*. Acknowledgement page: magic, token, the
+//! consumed and released counters.
 //!
 //! * A message that fits the free part of the lend area is packed there in
 //!   one gather copy and announced by a `lent` frame (round, sequence
 //!   number, offset, length, checksum) on the control stream. The receiver
 //!   hands those bytes to the executor in place ([`Payload::Lent`](crate::Payload::Lent)), which
 //!   unpacks straight out of the region: one copy on each side. When the
-//!   payload is dropped, the receiver advances the region's released
-//!   counter (in order of sequence numbers); the sender reclaims space from
-//!   it on its next send. The sender never waits for lend space.
+//!   payload is dropped, the receiver advances its released counter (in
+//!   order of sequence numbers); the sender reclaims space from it on its
+//!   next send.
 //! * Any other message is streamed through the stream area in chunks, each
 //!   announced by a `chunk` frame. The receiver's reader thread copies each
-//!   chunk out at once (into the message's buffer) and advances the
+//!   chunk out at once (into the message's buffer) and advances its
 //!   consumed counter, which the sender polls (spin, then sleep) before it
 //!   reuses space. The reader thread drains whatever its rank thread is
 //!   doing, so two ranks sending each other large messages cannot deadlock.
@@ -38,10 +54,11 @@
 
 use crate::copy::store_fence;
 use std::collections::{BTreeSet, VecDeque};
-use std::fs::OpenOptions;
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -49,16 +66,14 @@ use std::time::Duration;
 /// Shared-memory link settings.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShmConfig {
-    /// Where region files are created (a tmpfs).
-    pub dir: PathBuf,
     /// Bytes per ordered pair of same-node ranks for messages handed over
     /// in place (default 256 MiB; the node fabric takes it as a rank's
     /// budget, split among the peers it sends to through shared memory,
     /// each pair at least 1 MiB and at most its largest message rounded up
     /// to a power of two: a message that fits goes over in one copy in and
     /// one out, a larger one in chunks). A pair's region is reserved in full the
-    /// first time its sender sends (so a full tmpfs is an error then, not
-    /// SIGBUS later); pairs that never talk cost a page.
+    /// first time its sender sends (so memory too tight for it is an error
+    /// then, not SIGBUS later); pairs that never talk cost a page.
     pub lend_bytes: u64,
     /// Bytes per pair for streaming messages that do not fit the free lend
     /// space, in chunks of a quarter of it (default 8 MiB).
@@ -70,18 +85,31 @@ pub struct ShmConfig {
 
 impl Default for ShmConfig {
     fn default() -> Self {
-        ShmConfig { dir: PathBuf::from("/dev/shm"), lend_bytes: 256 << 20, stream_bytes: 8 << 20, wait_timeout: Duration::from_secs(600) }
+        ShmConfig { lend_bytes: 256 << 20, stream_bytes: 8 << 20, wait_timeout: Duration::from_secs(600) }
     }
 }
 
-const REGION_MAGIC: u64 = 0x314d_4853_5449_4652; // "RFITSHM1"
+const REGION_MAGIC: u64 = 0x324d_4853_5449_4652; // "RFITSHM2"
+const ACKS_MAGIC: u64 = 0x3253_4b43_4154_4652; // "RFTACKS2"
+/// The control page of a region; the whole of an acknowledgement page.
 const CONTROL: u64 = 4096;
-/// Control word: the creating process's id (for [`remove_stale_regions`]).
-const OFF_CREATOR: usize = 24;
+/// Control words of a region: magic, lend and stream sizes, token.
+const OFF_LEND: usize = 8;
+const OFF_STREAM: usize = 16;
+const OFF_TOKEN: usize = 24;
+/// Words of an acknowledgement page: magic, token, counters (each on a
+/// cache line of its own).
+const OFF_ACKS_TOKEN: usize = 8;
 const OFF_CONSUMED: usize = 64;
 const OFF_RELEASED: usize = 128;
 /// Largest area accepted from a peer's handshake.
 pub(crate) const MAX_AREA: u64 = 1 << 40;
+/// The seals every region carries before a peer may map it: its size is
+/// fixed for good, and only its creator's mapping writes it.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_FUTURE_WRITE | libc::F_SEAL_SEAL;
+/// The seals a peer's region must carry for this side to map it: without
+/// them the peer could truncate it under our mapping (SIGBUS).
+const SEALS_NEEDED: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
 
 /// Both areas of a region must hold something (a reader divides by their
 /// sizes) and stay within [`MAX_AREA`].
@@ -97,172 +125,54 @@ fn check_areas(lend: u64, stream: u64) -> io::Result<()> {
 /// Lent messages start at multiples of this.
 const ALIGN: u64 = 64;
 
-/// A mapped region file.
+/// How a peer finds a region this process made: the process, the
+/// descriptor it keeps the region open under, and the random token the
+/// region holds (so a reused process id or descriptor number is told from
+/// the region announced).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RegionRef {
+    pub(crate) pid: u32,
+    pub(crate) fd: u32,
+    pub(crate) token: u64,
+}
+
+/// A shared mapping of a whole memory file.
 #[derive(Debug)]
-pub(crate) struct Region {
+struct Mapping {
     ptr: *mut u8,
     len: usize,
-    /// Set while the file still has a name this side should remove.
-    path: Option<PathBuf>,
-    /// The creator's open file (and its name, for errors), until its
-    /// pages are reserved.
-    unreserved: Option<(std::fs::File, PathBuf)>,
 }
 
 // SAFETY: the mapping is plain shared memory; every access goes through
 // raw pointers under the protocol above or through atomics.
-unsafe impl Send for Region {}
+unsafe impl Send for Mapping {}
 // SAFETY: as above.
-unsafe impl Sync for Region {}
+unsafe impl Sync for Mapping {}
 
-impl Region {
-    fn map(file: &std::fs::File, len: u64) -> io::Result<*mut u8> {
-        use std::os::fd::AsRawFd;
+impl Mapping {
+    /// Maps all `len` bytes of `file`, writable or not.
+    fn new(file: &File, len: u64, writable: bool) -> io::Result<Mapping> {
         let len = usize::try_from(len).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "region too large"))?;
+        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
         // SAFETY: a fresh shared mapping of a file we hold open; the kernel
-        // checks the arguments.
-        let ptr =
-            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), 0) };
+        // checks the arguments. The file's size is sealed (checked by the
+        // callers before mapping a peer's), so no page of it can vanish.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, file.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(ptr as *mut u8)
+        Ok(Mapping { ptr: ptr.cast(), len })
     }
 
-    /// Creates and maps a new region file of `lend + stream` bytes of areas.
-    pub(crate) fn create(path: &Path, lend: u64, stream: u64) -> io::Result<Region> {
-        check_areas(lend, stream)?;
-        let len = CONTROL + lend + stream;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display())))?;
-        let region = (|| {
-            file.set_len(len)?;
-            // The control page now (it is written below), the areas on
-            // first use (`reserve_all`).
-            reserve(&file, CONTROL).map_err(|e| Region::full(path, CONTROL, e))?;
-            let ptr = Region::map(&file, len)?;
-            Ok(Region { ptr, len: len as usize, path: Some(path.to_path_buf()), unreserved: Some((file, path.to_path_buf())) })
-        })();
-        let region = match region {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = std::fs::remove_file(path);
-                return Err(e);
-            }
-        };
-        region.word(8).store(lend, Ordering::Relaxed);
-        region.word(16).store(stream, Ordering::Relaxed);
-        region.word(OFF_CREATOR).store(u64::from(std::process::id()), Ordering::Relaxed);
-        region.word(0).store(REGION_MAGIC, Ordering::Release);
-        Ok(region)
-    }
-
-    /// Creates a region under `path(name)` for a fresh `name` from
-    /// `names`: a name someone else took already (a file put there before
-    /// us, to block or to watch the pair) is passed over for the next, so
-    /// knowing the session does not let anyone stop a refit; after
-    /// [`NAME_TRIES`] taken names, the error names the last. Returns the
-    /// region and its name.
-    pub(crate) fn create_named(
-        path: impl Fn(u64) -> PathBuf,
-        lend: u64,
-        stream: u64,
-        mut names: impl FnMut() -> io::Result<u64>,
-    ) -> io::Result<(Region, u64)> {
-        let mut last = None;
-        for _ in 0..NAME_TRIES {
-            let name = names()?;
-            match Region::create(&path(name), lend, stream) {
-                Ok(r) => return Ok((r, name)),
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                    tracing::warn!(path = %path(name).display(), "a shared-memory region's name was taken; trying another");
-                    last = Some(e);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Err(last.unwrap_or_else(|| io::Error::other("no region name tried")))
-    }
-
-    /// Maps an existing region file that should hold areas of these sizes
-    /// (as a peer announced them: checked, an empty or huge area is an
-    /// error, not a division by zero later).
-    pub(crate) fn open(path: &Path, lend: u64, stream: u64) -> io::Result<Region> {
-        let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
-        check_areas(lend, stream)?;
-        let len = CONTROL + lend + stream;
-        // Never through a symbolic link, and only a file of this user's:
-        // the peer that creates a region runs as the same user, so one
-        // owned by anybody else was put there by someone else.
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot open {}: {e}", path.display())))?;
-        let meta = file.metadata()?;
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        let me = unsafe { libc::geteuid() };
-        if std::os::unix::fs::MetadataExt::uid(&meta) != me || !meta.is_file() {
-            return Err(bad(format!(
-                "{} is not a region of this user's (owner {})",
-                path.display(),
-                std::os::unix::fs::MetadataExt::uid(&meta)
-            )));
-        }
-        let size = meta.len();
-        if size != len {
-            return Err(bad(format!("{} has {size} bytes, expected {len}", path.display())));
-        }
-        let ptr = Region::map(&file, len)?;
-        let region = Region { ptr, len: len as usize, path: None, unreserved: None };
-        if region.word(0).load(Ordering::Acquire) != REGION_MAGIC
-            || region.word(8).load(Ordering::Relaxed) != lend
-            || region.word(16).load(Ordering::Relaxed) != stream
-        {
-            return Err(bad(format!("{} is not a region of this session", path.display())));
-        }
-        Ok(region)
-    }
-
-    fn full(path: &Path, len: u64, e: io::Error) -> io::Error {
-        let dir = path.parent().unwrap_or(path).display();
-        io::Error::new(
-            e.kind(),
-            format!("cannot reserve {len} bytes in {dir} ({e}): make ShmConfig::lend_bytes/stream_bytes smaller or the tmpfs larger"),
-        )
-    }
-
-    /// Allocates every page of the creator's region (once), so that a full
-    /// tmpfs is an error here rather than SIGBUS on first touch.
-    pub(crate) fn reserve_all(&mut self) -> io::Result<()> {
-        if let Some((file, path)) = &self.unreserved {
-            reserve(file, self.len as u64).map_err(|e| Region::full(path, self.len as u64, e))?;
-            self.unreserved = None;
-        }
-        Ok(())
-    }
-
-    /// Removes the file's name (both sides keep their mappings).
-    pub(crate) fn unlink(&mut self) {
-        if let Some(p) = self.path.take() {
-            let _ = std::fs::remove_file(p);
-        }
-    }
-
+    /// The word at `offset` of the first page.
     fn word(&self, offset: usize) -> &AtomicU64 {
         debug_assert!(offset + 8 <= CONTROL as usize && offset.is_multiple_of(8));
-        // SAFETY: within the control page of a live, page-aligned mapping;
-        // 8-byte aligned; only ever accessed atomically.
+        // SAFETY: within the first page of a live, page-aligned mapping of
+        // at least a page; 8-byte aligned; only ever accessed atomically.
         unsafe { &*(self.ptr.add(offset) as *const AtomicU64) }
     }
 
-    /// Raw pointer to byte `offset` of the region.
+    /// Raw pointer to byte `offset`.
     fn at(&self, offset: u64) -> *mut u8 {
         debug_assert!(offset <= self.len as u64);
         // SAFETY: within the mapping (callers check offsets).
@@ -270,20 +180,149 @@ impl Region {
     }
 }
 
-impl Drop for Region {
+impl Drop for Mapping {
     fn drop(&mut self) {
-        self.unlink();
         // SAFETY: our own mapping, unmapped once; nothing borrows it any
         // more (lent payloads hold an `Arc` of the region).
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
 
-/// Allocates every page of the file now, so that a full tmpfs (a small
-/// `/dev/shm` in a container) fails here with an error instead of killing
-/// the process with SIGBUS on first touch later.
-fn reserve(file: &std::fs::File, len: u64) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
+/// A region this process made: mapped read-write here, sealed, its memory
+/// file kept open (a peer opens it through `/proc`) until the peer has it.
+#[derive(Debug)]
+pub(crate) struct OwnRegion {
+    map: Mapping,
+    /// The open memory file, until the peer mapped it and its pages are
+    /// reserved.
+    file: Option<File>,
+    /// Whether every page is allocated yet.
+    reserved: bool,
+    /// Whether the peer mapped it.
+    handed: bool,
+    token: u64,
+}
+
+impl OwnRegion {
+    /// Makes a sealed memory file of `len` bytes named `name` (shown in
+    /// `/proc/<pid>/fd`), maps it read-write, and lets `init` write its
+    /// first page (the token at `token_at` is written here) before the
+    /// seals close it to other writers.
+    fn create(name: &str, len: u64, token_at: usize, init: impl FnOnce(&Mapping)) -> io::Result<OwnRegion> {
+        let cname =
+            CString::new(format!("refit-{name}")).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "region name with a NUL"))?;
+        let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+        // SAFETY: `cname` is a valid NUL-terminated string; the call has no
+        // other preconditions and returns a new descriptor or -1.
+        let mut fd = unsafe { libc::memfd_create(cname.as_ptr(), flags | libc::MFD_NOEXEC_SEAL) };
+        if fd < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+            // A kernel before 6.3 knows no MFD_NOEXEC_SEAL.
+            // SAFETY: as above.
+            fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
+        }
+        if fd < 0 {
+            return Err(io::Error::other(format!("cannot make a shared-memory region: {}", io::Error::last_os_error())));
+        }
+        // SAFETY: `fd` is a descriptor we just made and own alone.
+        let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        file.set_len(len)?;
+        // The first page now (it is written below), the rest on first use
+        // (`reserve_all`).
+        reserve(&file, CONTROL).map_err(|e| full(CONTROL, e))?;
+        let map = Mapping::new(&file, len, true)?;
+        let token = random_u64()?;
+        map.word(token_at).store(token, Ordering::Relaxed);
+        init(&map);
+        // SAFETY: plain fcntl on a descriptor we own.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } != 0 {
+            return Err(io::Error::other(format!("cannot seal a shared-memory region: {}", io::Error::last_os_error())));
+        }
+        Ok(OwnRegion { map, file: Some(file), reserved: len <= CONTROL, handed: false, token })
+    }
+
+    /// How a peer finds this region (until it was handed over).
+    pub(crate) fn reference(&self) -> io::Result<RegionRef> {
+        let file = self.file.as_ref().filter(|_| !self.handed).ok_or_else(|| io::Error::other("a region handed over already"))?;
+        Ok(RegionRef { pid: std::process::id(), fd: file.as_raw_fd() as u32, token: self.token })
+    }
+
+    /// The peer has it mapped: the descriptor can go once the pages are
+    /// reserved (the memory stays while anyone maps it).
+    pub(crate) fn handed_over(&mut self) {
+        self.handed = true;
+        if self.reserved {
+            self.file = None;
+        }
+    }
+
+    /// Allocates every page (once), so that memory too tight for the
+    /// region is an error here rather than SIGBUS on first touch.
+    pub(crate) fn reserve_all(&mut self) -> io::Result<()> {
+        if !self.reserved {
+            let file = self.file.as_ref().ok_or_else(|| io::Error::other("a region's file closed before its pages were reserved"))?;
+            reserve(file, self.map.len as u64).map_err(|e| full(self.map.len as u64, e))?;
+            self.reserved = true;
+            if self.handed {
+                self.file = None;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A peer's region, mapped read-only.
+#[derive(Debug)]
+pub(crate) struct PeerRegion {
+    map: Mapping,
+}
+
+impl PeerRegion {
+    /// Opens the region `r` names (read-only, through `/proc`) and maps it,
+    /// once it is this user's, sealed against shrinking and growing, of
+    /// `len` bytes, with the token at `token_at` and `magic` first.
+    fn open(r: RegionRef, len: u64, magic: u64, token_at: usize) -> io::Result<PeerRegion> {
+        let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+        let path = format!("/proc/{}/fd/{}", r.pid, r.fd);
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot open the peer's region {path}: {e}")))?;
+        let meta = file.metadata()?;
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        let owner = std::os::unix::fs::MetadataExt::uid(&meta);
+        if owner != me || !meta.is_file() {
+            return Err(bad(format!("{path} is not a region of this user's (owner {owner})")));
+        }
+        // SAFETY: plain fcntl on a descriptor we own.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & SEALS_NEEDED != SEALS_NEEDED {
+            return Err(bad(format!("{path} is not sealed against resizing (seals {seals:#x})")));
+        }
+        let size = meta.len();
+        if size != len {
+            return Err(bad(format!("{path} has {size} bytes, expected {len}")));
+        }
+        let map = Mapping::new(&file, len, false)?;
+        if map.word(0).load(Ordering::Acquire) != magic || map.word(token_at).load(Ordering::Relaxed) != r.token {
+            return Err(bad(format!("{path} is not the region announced")));
+        }
+        Ok(PeerRegion { map })
+    }
+}
+
+fn full(len: u64, e: io::Error) -> io::Error {
+    io::Error::new(
+        e.kind(),
+        format!("cannot reserve {len} bytes of shared memory ({e}): make ShmConfig::lend_bytes/stream_bytes smaller or give the job more memory"),
+    )
+}
+
+/// Allocates every page of the file now, so that memory too tight for it
+/// fails here with an error instead of killing the process with SIGBUS on
+/// first touch later.
+fn reserve(file: &File, len: u64) -> io::Result<()> {
     let len = libc::off_t::try_from(len).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "region too large"))?;
     // SAFETY: plain system call on a file descriptor we own.
     match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
@@ -292,78 +331,83 @@ fn reserve(file: &std::fs::File, len: u64) -> io::Result<()> {
     }
 }
 
-/// The file name of the region for messages `from` → `to` in `session`,
-/// with the random part `name` (announced in the handshake).
-pub(crate) fn region_path(dir: &Path, session: &str, from: reshard::Endpoint, to: reshard::Endpoint, name: u64) -> PathBuf {
-    let tag = |e: reshard::Endpoint| match e.group {
-        reshard::Group::Src => format!("s{}", e.rank),
-        reshard::Group::Dst => format!("d{}", e.rank),
-    };
-    dir.join(format!("refit-{session}-{}-{}-{name:016x}", tag(from), tag(to)))
-}
-
-/// 64 random bits from the kernel (for a region's name).
-pub(crate) fn random_name() -> io::Result<u64> {
+/// 64 random bits from the kernel.
+pub(crate) fn random_u64() -> io::Result<u64> {
     let mut b = [0u8; 8];
     // SAFETY: getrandom writes at most `b.len()` bytes into `b`.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
     if n != b.len() as isize {
-        return Err(io::Error::other(format!("no random bytes for a region name: {}", io::Error::last_os_error())));
+        return Err(io::Error::other(format!("no random bytes for a region token: {}", io::Error::last_os_error())));
     }
     Ok(u64::from_le_bytes(b))
 }
 
-/// How many names [`Region::create_named`] tries.
-const NAME_TRIES: usize = 8;
-
-/// Removes region files in `dir` that this user's processes created and
-/// that outlived their creator (a process killed between creating a region
-/// and its peer mapping it, when the name is normally removed); returns how
-/// many. Files of other users, of live processes, or not regions are left.
-pub fn remove_stale_regions(dir: &Path) -> usize {
-    use std::io::Read;
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
-    let mut removed = 0;
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if !entry.file_name().to_str().is_some_and(|n| n.starts_with("refit-")) {
-            continue;
-        }
-        let Ok(meta) = std::fs::symlink_metadata(&path) else { continue };
-        if !meta.is_file() || meta.uid() != me || meta.len() < CONTROL {
-            continue;
-        }
-        let mut head = [0u8; OFF_CREATOR + 8];
-        let read = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path).and_then(|mut f| f.read_exact(&mut head));
-        if read.is_err() {
-            continue;
-        }
-        let word = |at: usize| u64::from_ne_bytes(head[at..at + 8].try_into().unwrap_or([0; 8]));
-        let Ok(pid) = libc::pid_t::try_from(word(OFF_CREATOR)) else { continue };
-        if word(0) != REGION_MAGIC || pid <= 0 {
-            continue;
-        }
-        // SAFETY: signal 0 only checks that the process exists.
-        let gone = unsafe { libc::kill(pid, 0) } != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-        if gone && std::fs::remove_file(&path).is_ok() {
-            removed += 1;
-        }
-    }
-    removed
+/// The name a region from `from` to `to` shows in `/proc/<pid>/fd`.
+fn region_name(session: &str, from: reshard::Endpoint, to: reshard::Endpoint) -> String {
+    let tag = |e: reshard::Endpoint| match e.group {
+        reshard::Group::Src => format!("s{}", e.rank),
+        reshard::Group::Dst => format!("d{}", e.rank),
+    };
+    format!("{session}-{}-{}", tag(from), tag(to))
 }
 
-/// Whether a session id is safe in a file name.
+/// Makes the region for messages `from` → `to` in `session`, of the given
+/// areas.
+pub(crate) fn create_region(
+    session: &str,
+    from: reshard::Endpoint,
+    to: reshard::Endpoint,
+    lend: u64,
+    stream: u64,
+) -> io::Result<OwnRegion> {
+    check_areas(lend, stream)?;
+    OwnRegion::create(&region_name(session, from, to), CONTROL + lend + stream, OFF_TOKEN, |map| {
+        map.word(OFF_LEND).store(lend, Ordering::Relaxed);
+        map.word(OFF_STREAM).store(stream, Ordering::Relaxed);
+        map.word(0).store(REGION_MAGIC, Ordering::Release);
+    })
+}
+
+/// Maps the region a peer made for its messages to this rank, as its
+/// handshake announced it (areas checked: an empty or huge area is an
+/// error, not a division by zero later).
+pub(crate) fn open_region(r: RegionRef, lend: u64, stream: u64) -> io::Result<PeerRegion> {
+    check_areas(lend, stream)?;
+    let region = PeerRegion::open(r, CONTROL + lend + stream, REGION_MAGIC, OFF_TOKEN)?;
+    let (l, s) = (region.map.word(OFF_LEND).load(Ordering::Relaxed), region.map.word(OFF_STREAM).load(Ordering::Relaxed));
+    if (l, s) != (lend, stream) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("the peer's region has areas of {l} and {s} bytes, announced {lend} and {stream}"),
+        ));
+    }
+    Ok(region)
+}
+
+/// Makes the acknowledgement page of the receiver of messages `from` →
+/// `to`.
+pub(crate) fn create_acks(session: &str, from: reshard::Endpoint, to: reshard::Endpoint) -> io::Result<OwnRegion> {
+    OwnRegion::create(&format!("{}-acks", region_name(session, from, to)), CONTROL, OFF_ACKS_TOKEN, |map| {
+        map.word(0).store(ACKS_MAGIC, Ordering::Release);
+    })
+}
+
+/// Maps the acknowledgement page a receiver announced.
+pub(crate) fn open_acks(r: RegionRef) -> io::Result<PeerRegion> {
+    PeerRegion::open(r, CONTROL, ACKS_MAGIC, OFF_ACKS_TOKEN)
+}
+
+/// Whether a session id is safe in a region's name.
 pub(crate) fn valid_session(session: &str) -> bool {
     !session.is_empty() && session.len() <= 128 && session.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
-/// The sender's side of a pair's region.
+/// The sender's side of a pair's region: the region it writes, the
+/// receiver's acknowledgement page it reads.
 #[derive(Debug)]
 pub(crate) struct ShmOut {
-    pub(crate) region: Region,
+    pub(crate) region: OwnRegion,
+    acks: PeerRegion,
     lend: u64,
     stream: u64,
     /// Lend area: next free position (monotonic), live messages.
@@ -383,8 +427,11 @@ pub(crate) enum Placement {
 }
 
 impl ShmOut {
-    pub(crate) fn new(region: Region, lend: u64, stream: u64) -> ShmOut {
-        ShmOut { region, lend, stream, head: 0, live: VecDeque::new(), next_seq: 0, written: 0 }
+    /// The sending end of `region` (of these areas), once the receiver
+    /// mapped it and announced its acknowledgement page `acks`.
+    pub(crate) fn new(mut region: OwnRegion, acks: PeerRegion, lend: u64, stream: u64) -> ShmOut {
+        region.handed_over();
+        ShmOut { region, acks, lend, stream, head: 0, live: VecDeque::new(), next_seq: 0, written: 0 }
     }
 
     /// Allocates the region's pages before its first message.
@@ -394,7 +441,9 @@ impl ShmOut {
 
     /// Chooses where a message of `len` bytes goes, reserving lend space.
     pub(crate) fn place(&mut self, len: u64) -> Placement {
-        let released = self.region.word(OFF_RELEASED).load(Ordering::Acquire);
+        // The receiver's count, never past what was lent (a receiver that
+        // claims more only loses its own messages).
+        let released = self.acks.map.word(OFF_RELEASED).load(Ordering::Acquire).min(self.next_seq);
         while self.live.front().is_some_and(|&(seq, _)| seq < released) {
             self.live.pop_front();
         }
@@ -430,13 +479,14 @@ impl ShmOut {
 
     /// Pointer to region offset `offset`.
     pub(crate) fn at(&self, offset: u64) -> *mut u8 {
-        self.region.at(offset)
+        self.region.map.at(offset)
     }
 
     /// Free stream space: (region offset, contiguous bytes) where the next
     /// chunk may go, at most `max` bytes; 0 bytes when the area is full.
     pub(crate) fn stream_space(&self, max: u64) -> (u64, u64) {
-        let consumed = self.region.word(OFF_CONSUMED).load(Ordering::Acquire);
+        // The receiver's count, never past what was written.
+        let consumed = self.acks.map.word(OFF_CONSUMED).load(Ordering::Acquire).min(self.written);
         let free = self.stream - (self.written - consumed).min(self.stream);
         let off = self.written % self.stream;
         (CONTROL + self.lend + off, free.min(self.stream - off).min(max))
@@ -462,10 +512,12 @@ struct Releases {
     done: BTreeSet<u64>,
 }
 
-/// The receiver's side of a pair's region.
+/// The receiver's side of a pair's region: the sender's region it reads,
+/// its own acknowledgement page it writes.
 #[derive(Debug)]
 pub(crate) struct ShmIn {
-    region: Arc<Region>,
+    region: Arc<PeerRegion>,
+    acks: Arc<OwnRegion>,
     lend: u64,
     stream: u64,
     releases: Arc<Mutex<Releases>>,
@@ -476,8 +528,13 @@ pub(crate) struct ShmIn {
 }
 
 impl ShmIn {
-    pub(crate) fn new(region: Region, lend: u64, stream: u64) -> ShmIn {
-        ShmIn { region: Arc::new(region), lend, stream, releases: Arc::default(), next_seq: 0, consumed: 0 }
+    pub(crate) fn new(region: PeerRegion, acks: OwnRegion, lend: u64, stream: u64) -> ShmIn {
+        ShmIn { region: Arc::new(region), acks: Arc::new(acks), lend, stream, releases: Arc::default(), next_seq: 0, consumed: 0 }
+    }
+
+    /// How the sender finds this side's acknowledgement page.
+    pub(crate) fn acks(&self) -> io::Result<RegionRef> {
+        self.acks.reference()
     }
 
     /// Checks a lent frame and returns the bytes' address and a token that
@@ -491,9 +548,13 @@ impl ShmIn {
         }
         self.next_seq += 1;
         std::sync::atomic::fence(Ordering::Acquire);
+        // The release holds the region mapped: the payload reads it until
+        // the release is dropped, whatever becomes of this link meanwhile.
         let region = self.region.clone();
+        let acks = self.acks.clone();
         let releases = self.releases.clone();
         let release = crate::transport::Release::on_drop(move || {
+            let _mapped = &region;
             let mut r = releases.lock().unwrap_or_else(|e| e.into_inner());
             r.done.insert(seq);
             let mut advanced = false;
@@ -506,10 +567,10 @@ impl ShmIn {
                 advanced = true;
             }
             if advanced {
-                region.word(OFF_RELEASED).store(r.next, Ordering::Release);
+                acks.map.word(OFF_RELEASED).store(r.next, Ordering::Release);
             }
         });
-        Ok((self.region.at(offset) as *const u8, release))
+        Ok((self.region.map.at(offset) as *const u8, release))
     }
 
     /// Copies a chunk of the stream area out into `into` (of its length),
@@ -520,11 +581,12 @@ impl ShmIn {
             return Err(format!("chunk of {len} bytes at {offset}, expected one at {want}"));
         }
         std::sync::atomic::fence(Ordering::Acquire);
-        // SAFETY: inside the stream area (checked); the sender does not
-        // write this chunk until `consumed` passes it.
-        into.copy_from_slice(unsafe { std::slice::from_raw_parts(self.region.at(offset), len as usize) });
+        // SAFETY: inside the stream area (checked) of a mapping whose size
+        // is sealed; the sender does not write this chunk until `consumed`
+        // passes it (one that does only garbles its own message).
+        into.copy_from_slice(unsafe { std::slice::from_raw_parts(self.region.map.at(offset), len as usize) });
         self.consumed += len;
-        self.region.word(OFF_CONSUMED).store(self.consumed, Ordering::Release);
+        self.acks.map.word(OFF_CONSUMED).store(self.consumed, Ordering::Release);
         Ok(())
     }
 }
@@ -538,36 +600,25 @@ pub(crate) fn publish() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use reshard::Endpoint;
 
-    fn temp(name: &str) -> PathBuf {
-        std::env::temp_dir().join(format!("refit-unit-{}-{name}", std::process::id()))
-    }
+    const FROM: Endpoint = Endpoint::src(0);
+    const TO: Endpoint = Endpoint::dst(1);
 
-    #[test]
-    fn regions_of_dead_creators_are_swept_and_others_kept() {
-        let dir = temp("sweep");
-        std::fs::create_dir_all(&dir).unwrap();
-        let (live, dead, other) = (dir.join("refit-a-s0-s1"), dir.join("refit-b-s0-s1"), dir.join("refit-notes"));
-        let keep = Region::create(&live, 64, 64).unwrap();
-        let orphan = Region::create(&dead, 64, 64).unwrap();
-        // A process that has exited: its id names no process now.
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let pid = child.id();
-        child.wait().unwrap();
-        orphan.word(OFF_CREATOR).store(u64::from(pid), Ordering::Relaxed);
-        std::fs::write(&other, vec![0u8; CONTROL as usize]).unwrap();
-        assert_eq!(remove_stale_regions(&dir), 1);
-        assert!(live.exists() && !dead.exists() && other.exists());
-        drop((keep, orphan));
-        std::fs::remove_dir_all(&dir).unwrap();
+    /// Both ends of a pair's link, in this process, as the handshake sets
+    /// them up.
+    fn pair(lend: u64, stream: u64) -> (ShmOut, ShmIn) {
+        let region = create_region("unit", FROM, TO, lend, stream).unwrap();
+        let theirs = open_region(region.reference().unwrap(), lend, stream).unwrap();
+        let acks = create_acks("unit", FROM, TO).unwrap();
+        let acks_theirs = open_acks(acks.reference().unwrap()).unwrap();
+        (ShmOut::new(region, acks_theirs, lend, stream), ShmIn::new(theirs, acks, lend, stream))
     }
 
     #[test]
     fn lend_area_wraps_and_reclaims_in_order() {
-        let path = temp("lend");
-        let region = Region::create(&path, 1024, 256).unwrap();
-        let mut inbound = ShmIn::new(Region::open(&path, 1024, 256).unwrap(), 1024, 256);
-        let mut out = ShmOut::new(region, 1024, 256);
+        let (mut out, mut inbound) = pair(1024, 256);
+        out.ready().unwrap();
         let Placement::Lent { seq: 0, offset: a } = out.place(600) else { panic!() };
         assert_eq!(a, CONTROL);
         // 600 + 600 > 1024: no room until the first is released.
@@ -600,10 +651,7 @@ mod tests {
 
     #[test]
     fn an_idle_lend_area_is_reused_from_the_front() {
-        let path = temp("front");
-        let region = Region::create(&path, 1 << 20, 256).unwrap();
-        let mut inbound = ShmIn::new(Region::open(&path, 1 << 20, 256).unwrap(), 1 << 20, 256);
-        let mut out = ShmOut::new(region, 1 << 20, 256);
+        let (mut out, mut inbound) = pair(1 << 20, 256);
         // Refit after refit of one small message each: always the same
         // bytes at the front, not a walk round the whole area.
         for seq in 0..10 {
@@ -615,10 +663,8 @@ mod tests {
 
     #[test]
     fn stream_area_flows() {
-        let path = temp("stream");
-        let region = Region::create(&path, 64, 100).unwrap();
-        let mut inbound = ShmIn::new(Region::open(&path, 64, 100).unwrap(), 64, 100);
-        let mut out = ShmOut::new(region, 64, 100);
+        let (mut out, mut inbound) = pair(64, 100);
+        out.ready().unwrap();
         let (off, n) = out.stream_space(70);
         assert_eq!((off, n), (CONTROL + 64, 70));
         // SAFETY: inside the stream area.
@@ -636,60 +682,97 @@ mod tests {
         assert_eq!(out.stream_space(1000), (CONTROL + 64, 100));
     }
 
+    /// A receiver that writes nonsense into its acknowledgement page (more
+    /// released or consumed than was ever sent) makes its sender neither
+    /// panic nor wrap a count: the sender trusts it only up to what it sent.
+    #[test]
+    fn counts_from_the_receiver_are_clamped_to_what_was_sent() {
+        let (mut out, inbound) = pair(1024, 256);
+        out.ready().unwrap();
+        inbound.acks.map.word(OFF_RELEASED).store(u64::MAX, Ordering::Release);
+        inbound.acks.map.word(OFF_CONSUMED).store(u64::MAX, Ordering::Release);
+        assert_eq!(out.stream_space(1000), (CONTROL + 1024, 256));
+        out.streamed(200);
+        assert_eq!(out.stream_space(1000), (CONTROL + 1024 + 200, 56));
+        let Placement::Lent { seq: 0, .. } = out.place(600) else { panic!() };
+        let Placement::Lent { seq: 1, .. } = out.place(300) else { panic!() };
+    }
+
     #[test]
     fn empty_or_huge_areas_are_refused() {
-        let path = temp("empty");
+        let (out, _inbound) = pair(64, 64);
+        let r = out.region.reference();
+        assert!(r.is_err(), "a region handed over is not announced again");
         for (lend, stream) in [(0, 64), (64, 0), (0, 0), (MAX_AREA + 1, 64)] {
-            let Err(e) = Region::open(&path, lend, stream) else { panic!("{lend} {stream}: opened") };
+            let Err(e) = create_region("unit", FROM, TO, lend, stream) else { panic!("{lend} {stream}: made") };
             assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{lend} {stream}: {e}");
-            assert!(Region::create(&path, lend, stream).is_err(), "{lend} {stream}");
+            let fresh = create_region("unit", FROM, TO, 64, 64).unwrap();
+            let Err(e) = open_region(fresh.reference().unwrap(), lend, stream) else { panic!("{lend} {stream}: opened") };
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{lend} {stream}: {e}");
         }
-        assert!(!path.exists());
     }
 
+    /// What a peer announces is checked before anything is mapped: sizes,
+    /// token, that the file is a sealed region at all.
     #[test]
     fn opening_a_wrong_region_fails_cleanly() {
-        let path = temp("wrong");
-        let _region = Region::create(&path, 64, 64).unwrap();
-        assert!(Region::open(&path, 128, 64).is_err());
-        assert!(Region::open(&temp("missing"), 64, 64).is_err());
-        assert!(Region::create(&path, 64, 64).is_err());
+        let region = create_region("unit", FROM, TO, 64, 64).unwrap();
+        let r = region.reference().unwrap();
+        let err = |r: RegionRef, lend: u64| open_region(r, lend, 64).map(drop).unwrap_err().to_string();
+        assert!(err(r, 128).contains("expected"), "{}", err(r, 128));
+        assert!(err(RegionRef { token: r.token ^ 1, ..r }, 64).contains("not the region announced"));
+        assert!(err(RegionRef { fd: 99_999, ..r }, 64).contains("cannot open"));
+        assert!(err(RegionRef { pid: 0x7fff_fff0, ..r }, 64).contains("cannot open"));
+        // An ordinary file of the right size, announced as a region: not
+        // sealed, refused before it is mapped.
+        let plain = tempfile_of(CONTROL + 128);
+        let e = err(RegionRef { fd: plain.as_raw_fd() as u32, ..r }, 64);
+        assert!(e.contains("not sealed"), "{e}");
+        // The acknowledgement page is not a region, nor the reverse.
+        let acks = create_acks("unit", FROM, TO).unwrap();
+        assert!(open_region(acks.reference().unwrap(), 64, 64).is_err());
+        assert!(open_acks(r).is_err());
         assert!(valid_session("abc-1_2") && !valid_session("../x") && !valid_session(""));
-        // A link put where a region is expected is not followed, even to a
-        // real region.
-        let link = temp("link");
-        std::os::unix::fs::symlink(&path, &link).unwrap();
-        let Err(e) = Region::open(&link, 64, 64) else { panic!("opened through a link") };
-        assert!(e.to_string().contains("cannot open"), "{e}");
-        let _ = std::fs::remove_file(&link);
     }
 
-    /// A region's name taken before us (by anyone: a file, a link) is
-    /// passed over for the next random one, and the peer opens the region
-    /// by the name that worked; only names taken every time fail, naming
-    /// the last.
+    fn tempfile_of(len: u64) -> File {
+        let path = std::env::temp_dir().join(format!("refit-unit-plain-{}", std::process::id()));
+        let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        f.set_len(len).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        f
+    }
+
+    /// Nobody can shrink, grow or write a region but its creator's own
+    /// mapping: not the creator through its descriptor, not anyone who
+    /// opens it through `/proc` with write access (the same user can).
+    /// So a peer that truncates cannot make the other take SIGBUS.
     #[test]
-    fn a_taken_region_name_is_passed_over() {
-        let (from, to) = (reshard::Endpoint::src(0), reshard::Endpoint::dst(1));
-        let dir = std::env::temp_dir();
-        let session = format!("taken{}", std::process::id());
-        let path = |name| region_path(&dir, &session, from, to, name);
-        // Someone made the first two names the creator will draw.
-        std::fs::write(path(1), b"not a region").unwrap();
-        std::os::unix::fs::symlink("/dev/null", path(2)).unwrap();
-        let mut drawn = [1u64, 2, 3].into_iter();
-        let (region, name) = Region::create_named(path, 64, 64, || Ok(drawn.next().unwrap_or(99))).unwrap();
-        assert_eq!(name, 3);
-        assert!(Region::open(&path(3), 64, 64).is_ok());
-        assert_eq!(std::fs::read(path(1)).unwrap(), b"not a region");
-        drop(region);
-        let e = Region::create_named(path, 64, 64, || Ok(1)).map(|(_, n)| n).unwrap_err();
-        assert!(e.to_string().contains(&path(1).display().to_string()), "{e}");
-        for n in [1, 2, 3] {
-            let _ = std::fs::remove_file(path(n));
+    fn regions_cannot_be_resized_or_written_by_anyone_else() {
+        let (mut out, mut inbound) = pair(4096, 4096);
+        // Opened with write access before the sender lets its descriptor go.
+        let region_fd = out.region.file.as_ref().map(|f| f.as_raw_fd()).unwrap();
+        let paths = [format!("/proc/self/fd/{region_fd}"), format!("/proc/self/fd/{}", inbound.acks().unwrap().fd)];
+        let opened: Vec<File> = paths.iter().map(|p| OpenOptions::new().read(true).write(true).open(p).unwrap()).collect();
+        out.ready().unwrap();
+        assert!(out.region.file.is_none(), "the descriptor stays open after the peer mapped the region");
+        for (path, f) in paths.iter().zip(&opened) {
+            let len = f.metadata().unwrap().len();
+            assert!(f.set_len(len / 2).is_err(), "{path}: shrunk");
+            assert!(f.set_len(len * 2).is_err(), "{path}: grown");
+            assert!(std::io::Write::write(&mut &*f, b"x").is_err(), "{path}: written");
+            assert!(Mapping::new(f, len, true).is_err(), "{path}: mapped writable");
+            assert_eq!(f.metadata().unwrap().len(), len);
         }
-        // Real names are random and distinct.
-        assert_ne!(random_name().unwrap(), random_name().unwrap());
-        assert!(region_path(&dir, "s", from, to, 0xab).to_string_lossy().ends_with("refit-s-s0-d1-00000000000000ab"));
+        // The creators' own mappings still work: a message goes through.
+        let Placement::Lent { seq, offset } = out.place(8) else { panic!() };
+        // SAFETY: the 8 bytes the placement reserved.
+        unsafe { std::ptr::copy_nonoverlapping(b"refitted".as_ptr(), out.at(offset), 8) };
+        publish();
+        let (ptr, release) = inbound.lent(seq, offset, 8).unwrap();
+        // SAFETY: checked inside the lend area, not reused before `release`.
+        assert_eq!(unsafe { std::slice::from_raw_parts(ptr, 8) }, b"refitted");
+        drop(release);
+        assert_eq!(out.acks.map.word(OFF_RELEASED).load(Ordering::Acquire), 1);
     }
 }

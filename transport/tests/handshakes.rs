@@ -25,7 +25,7 @@ fn hello(who: Endpoint, to: Endpoint, key: &HelloKey) -> Vec<u8> {
     };
     let mut h = 0x5449_4652u32.to_le_bytes().to_vec();
     h.extend_from_slice(&wire(who));
-    h.extend_from_slice(&[4, 4]);
+    h.extend_from_slice(&[5, 4]);
     let mut mac = <hmac::Hmac<sha2::Sha256> as hmac::digest::KeyInit>::new_from_slice(&key.0).unwrap();
     mac.update(b"refit-data-hello/v4/");
     mac.update(&h);

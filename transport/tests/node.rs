@@ -4,6 +4,7 @@
 //! aborts) reported as errors before the deadline.
 
 use reshard::{parse_layout, plan_baseline, plan_reshard, DType, Endpoint, Layout, Plan, PlanOptions};
+use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 use transport::{
@@ -431,6 +432,8 @@ fn child_process_entry() {
                 transport::fill_source_rank(&src, me.rank, &mut memory);
             }
             let mut t = child_connect(me, &process_config(), |e| plan.node_of(e).1 + 100 * (e.group == reshard::Group::Dst) as u32);
+            let shm: Vec<String> = t.shm_peers().into_iter().map(endpoint_name).collect();
+            println!("\nREFIT@shm {}", shm.join(","));
             transport::run_rank(program, &mut memory, &mut t, &deadline(30)).unwrap();
             drop(t);
             if me.group == reshard::Group::Dst {
@@ -459,14 +462,23 @@ struct Child {
 
 impl Child {
     fn spawn(role: &str, session: &str) -> Child {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        Child::spawn_as(role, session, None)
+    }
+
+    /// As [`Child::spawn`], as user and group `uid` if given (root only).
+    fn spawn_as(role: &str, session: &str, uid: Option<u32>) -> Child {
+        use std::os::unix::process::CommandExt;
+        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+        command
             .args(["child_process_entry", "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD, role)
             .env(SESSION, session)
             .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+            .stdout(std::process::Stdio::piped());
+        if let Some(uid) = uid {
+            command.uid(uid).gid(uid);
+        }
+        let mut child = command.spawn().unwrap();
         let out = std::io::BufReader::new(child.stdout.take().unwrap());
         Child { child, out }
     }
@@ -509,27 +521,65 @@ fn one_process_per_rank_is_bit_exact() {
     let (src, dst) = layouts();
     let session = format!("proc-{}", std::process::id());
     let ranks: Vec<Endpoint> = (0..src.ranks()).map(Endpoint::src).chain((0..dst.ranks()).map(Endpoint::dst)).collect();
-    let mut children: Vec<Child> = ranks.iter().map(|e| Child::spawn(&format!("plan/{}", endpoint_name(*e)), &session)).collect();
-    let table: Vec<(Endpoint, String)> = ranks.iter().zip(&mut children).map(|(e, c)| (*e, c.line("addr"))).collect();
-    for c in &mut children {
-        c.send_table(&table);
-    }
-    for (e, c) in ranks.iter().zip(&mut children) {
-        if e.group == reshard::Group::Dst {
-            let n: u64 = c.line("verified").parse().unwrap();
-            assert!(n > 0);
-        } else {
-            c.line("sent");
-        }
-        assert!(c.child.wait().unwrap().success());
-    }
-    // Every region file was unlinked once mapped.
+    let shm = run_processes(&ranks, &session, |_| None);
+    // Ranks of one node talk through shared memory, and leave no file
+    // behind.
+    assert_eq!(shm[&Endpoint::dst(0)], "dst:1");
+    assert_eq!(shm[&Endpoint::dst(3)], "dst:2");
     let left: Vec<_> = std::fs::read_dir("/dev/shm")
         .unwrap()
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().contains(&session))
         .collect();
     assert!(left.is_empty(), "{left:?}");
+}
+
+/// Runs every rank of the plan as a process of its own (as user `uid_of`
+/// the rank, if given), each destination checking its buffers; returns
+/// the peers each rank talks to through shared memory.
+fn run_processes(ranks: &[Endpoint], session: &str, uid_of: impl Fn(Endpoint) -> Option<u32>) -> HashMap<Endpoint, String> {
+    let mut children: Vec<Child> =
+        ranks.iter().map(|e| Child::spawn_as(&format!("plan/{}", endpoint_name(*e)), session, uid_of(*e))).collect();
+    let table: Vec<(Endpoint, String)> = ranks.iter().zip(&mut children).map(|(e, c)| (*e, c.line("addr"))).collect();
+    for c in &mut children {
+        c.send_table(&table);
+    }
+    let mut shm = HashMap::new();
+    for (e, c) in ranks.iter().zip(&mut children) {
+        shm.insert(*e, c.line("shm"));
+        if e.group == reshard::Group::Dst {
+            let n: u64 = c.line("verified").parse().unwrap();
+            assert!(n > 0);
+        } else {
+            c.line("sent");
+        }
+        assert!(c.child.wait().unwrap().success(), "{e} failed");
+    }
+    shm
+}
+
+/// Ranks of one node run by two users (a trainer and an engine under
+/// different service accounts): neither can map the other's regions
+/// (both ends check the region's owner), so each such pair talks TCP,
+/// and the refit is bit-exact; pairs of one user still share memory.
+/// Needs root (to start processes as another user).
+#[test]
+fn ranks_of_two_users_on_one_node_talk_tcp() {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: starting processes as another user needs root");
+        return;
+    }
+    let (src, dst) = layouts();
+    let session = format!("users-{}", std::process::id());
+    let ranks: Vec<Endpoint> = (0..src.ranks()).map(Endpoint::src).chain((0..dst.ranks()).map(Endpoint::dst)).collect();
+    // Destination nodes {0, 1} and {2, 3}: ranks 1 and 2 run as another
+    // user, so each node holds one rank of each user; so do the sources'.
+    let other = |e: Endpoint| (e.rank == 1 || e.rank == 2).then_some(54_321);
+    let shm = run_processes(&ranks, &session, other);
+    for (e, peers) in &shm {
+        assert_eq!(peers, "", "{e} shares memory with {peers} across users");
+    }
 }
 
 /// A peer process is killed (on this node, then on another): a sender

@@ -1,16 +1,16 @@
 //! Both groups on one host: the node fabric's ranks that report one host
 //! ([`PeerAddr::host`]) talk through shared memory whatever their group
 //! and node ([`NodeFabric::same_host`]); ranks of other hosts, or with the
-//! setting off, talk TCP. Which link a pair took shows in whether it
-//! needs a shared-memory directory: the one given here does not exist, so
-//! a pair that shares memory cannot connect (and says where it looked).
+//! setting off, talk TCP. Which link a pair took shows in the sources'
+//! staging: pieces converted on their way (f32 to bf16) into shared
+//! memory need none, over TCP they are converted into staging first.
 
 use reshard::{parse_layout, plan_reshard, Endpoint, Layout, PlanOptions, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
-use std::path::PathBuf;
 use std::time::Duration;
 use transport::fabric::{
-    this_host, Connecting, Fabric, NodeFabric, NodeTweak, PeerAddr, RankEnd, RunError, RunMemory, RunOptions, Scratch, Site, StagingKept,
+    this_host, Connecting, Fabric, Host, NodeFabric, NodeTweak, PeerAddr, RankEnd, RunError, RunMemory, RunOptions, Scratch, Site,
+    StagingKept,
 };
 use transport::{fill_sources, verify_destinations, HelloKey, RankMemory};
 
@@ -26,23 +26,17 @@ fn layouts() -> (Layout, Layout) {
 
 /// One refit over the node fabric on loopback, every rank on a thread of
 /// its own, sources reporting host `src_host` and destinations
-/// `dst_host` (and `crowd` more ranks on the sources' host), shared-memory
-/// regions to go in a directory that does not exist. Ok with every destination element checked, or the first rank's
+/// `dst_host` (and `crowd` more ranks on the sources' host). Ok, with every
+/// destination element checked, with whether each source rank sent
+/// through shared memory (it made no staging area), or the first rank's
 /// error.
-fn refit(same_host: bool, src_host: u64, dst_host: u64, crowd: u32, session: &str) -> Result<(), RunError> {
-    refit_in(same_host, src_host, dst_host, crowd, Some(PathBuf::from("/nonexistent-refit-shm")), session).map(drop)
+fn refit(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session: &str) -> Result<Vec<bool>, RunError> {
+    Ok(refit_in(same_host, src_host, dst_host, crowd, session)?[..2].iter().map(|kept| kept.made == 0).collect())
 }
 
-/// As [`refit`], the regions in `shm_dir` (`None`: `/dev/shm`); Ok with
-/// what each rank's scratch kept of staging areas, in program order.
-fn refit_in(
-    same_host: bool,
-    src_host: u64,
-    dst_host: u64,
-    crowd: u32,
-    shm_dir: Option<PathBuf>,
-    session: &str,
-) -> Result<Vec<StagingKept>, RunError> {
+/// As [`refit`]: what each rank's scratch kept of staging areas, in
+/// program order.
+fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session: &str) -> Result<Vec<StagingKept>, RunError> {
     let (src, dst) = layouts();
     let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
     let programs: Vec<RankProgram> = plan.programs(&src, &dst).unwrap();
@@ -70,9 +64,9 @@ fn refit_in(
             .zip(&programs)
             .zip(memory.iter_mut())
             .map(|((end, program), memory)| {
-                let (table, shm_dir) = (&table, &shm_dir);
+                let table = &table;
                 s.spawn(move || {
-                    let tweak = |t: &mut NodeTweak| t.shm_dir = shm_dir.clone();
+                    let tweak = |_: &mut NodeTweak| {};
                     let key = HelloKey([7; 32]);
                     let mut end = end.connect(program, table, Connecting { key, tweak: &tweak }).map_err(RunError::Fabric)?;
                     let mut scratch = Scratch::default();
@@ -92,19 +86,20 @@ fn refit_in(
 #[test]
 fn ranks_of_one_host_share_memory_across_groups_only_when_asked() {
     let here = this_host();
-    assert_ne!(here, 0);
-    // One host with the setting off, two hosts, unknown hosts: TCP between
-    // the groups, bit-exact.
-    refit(false, here, here, 0, "samehost-off").unwrap();
-    refit(true, here, here ^ 2, 0, "samehost-two").unwrap();
-    refit(true, 0, 0, 0, "samehost-unknown").unwrap();
+    assert_ne!(here.machine, 0);
+    // One host with the setting off, two hosts, unknown hosts, one host
+    // with the groups run by two users: TCP between the groups, bit-exact.
+    assert_eq!(refit(false, here, here, 0, "samehost-off").unwrap(), [false, false]);
+    let there = Host { machine: here.machine ^ 2, ..here };
+    assert_eq!(refit(true, here, there, 0, "samehost-two").unwrap(), [false, false]);
+    assert_eq!(refit(true, Host::UNKNOWN, Host::UNKNOWN, 0, "samehost-unknown").unwrap(), [false, false]);
+    let other_user = Host { user: here.user + 1, ..here };
+    assert_eq!(refit(true, here, other_user, 0, "samehost-users").unwrap(), [false, false]);
     // A host of more than 16 of the refit's ranks shares memory only
     // within nodes.
-    refit(true, here, here, 13, "samehost-crowd").unwrap();
-    // One host, the setting on: the groups' pairs share memory, and the
-    // regions' directory is missing.
-    let e = refit(true, here, here, 12, "samehost-on").unwrap_err().to_string();
-    assert!(e.contains("/nonexistent-refit-shm"), "{e}");
+    assert_eq!(refit(true, here, here, 13, "samehost-crowd").unwrap(), [false, false]);
+    // One host, the setting on: the groups' pairs share memory.
+    assert_eq!(refit(true, here, here, 12, "samehost-on").unwrap(), [true, true]);
 }
 
 /// Pieces that convert (f32 to bf16) on their way to a rank that shares
@@ -114,11 +109,11 @@ fn ranks_of_one_host_share_memory_across_groups_only_when_asked() {
 #[test]
 fn pieces_converted_into_shared_memory_need_no_staging() {
     let here = this_host();
-    let shared = refit_in(true, here, here, 0, None, "samehost-convert").unwrap();
+    let shared = refit_in(true, here, here, 0, "samehost-convert").unwrap();
     for (rank, kept) in shared[..2].iter().enumerate() {
         assert_eq!(kept.made, 0, "source rank {rank} made staging areas: {kept:?}");
     }
-    let tcp = refit_in(false, here, here, 0, None, "samehost-convert-tcp").unwrap();
+    let tcp = refit_in(false, here, here, 0, "samehost-convert-tcp").unwrap();
     for (rank, kept) in tcp[..2].iter().enumerate() {
         assert!(kept.made > 0, "source rank {rank} converted over TCP without staging: {kept:?}");
     }

@@ -118,7 +118,7 @@ fn fake_source(
         incoming.write_all(&[0]).unwrap();
         let mut s = TcpStream::connect(to).unwrap();
         s.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
-        s.write_all(&[0, 0, 0, 0, 0, 4, 0]).unwrap();
+        s.write_all(&[0, 0, 0, 0, 0, 5, 0]).unwrap();
         let mut answer = [0u8; 1];
         s.read_exact(&mut answer).unwrap();
         assert_eq!(answer, [0]);
@@ -231,7 +231,7 @@ fn a_connection_closed_before_its_answer_is_made_again() {
         let kept = handshake(true);
         let mut out = TcpStream::connect(my_addr).unwrap();
         out.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
-        out.write_all(&[0, 0, 0, 0, 0, 4, 0]).unwrap();
+        out.write_all(&[0, 0, 0, 0, 0, 5, 0]).unwrap();
         let mut answer = [0u8; 1];
         out.read_exact(&mut answer).unwrap();
         assert_eq!(answer, [0]);
@@ -308,7 +308,7 @@ fn strangers_at_the_data_port_do_not_stop_the_connect() {
             Group::Dst => 1,
         });
         h.extend_from_slice(&who.rank.to_le_bytes());
-        h.extend_from_slice(&[4, if key.is_some() { 4 } else { 0 }]);
+        h.extend_from_slice(&[5, if key.is_some() { 4 } else { 0 }]);
         if let Some(k) = key {
             use hmac::Mac;
             let mut mac = <hmac::Hmac<sha2::Sha256> as hmac::digest::KeyInit>::new_from_slice(&k.0).unwrap();

@@ -1,6 +1,7 @@
 //! [`RemoteError`]: what can go wrong talking to other nodes.
 
 use std::fmt;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use thiserror::Error;
@@ -94,6 +95,16 @@ pub enum RemoteError {
         /// The name.
         name: String,
     },
+    /// The registry refused a name another live node still serves.
+    #[error("registry {registry}: '{name}' is already served by the live node at {holder}: use another name, or stop that one first")]
+    NameHeld {
+        /// The registry's address.
+        registry: String,
+        /// The name.
+        name: String,
+        /// The node that serves it.
+        holder: SocketAddr,
+    },
     /// The name is empty or longer than [`MAX_NAME_LEN`](super::MAX_NAME_LEN) bytes.
     #[error("invalid actor name {name:?}: must be 1 to {max} bytes")]
     InvalidName {
@@ -182,7 +193,7 @@ impl RemoteError {
             | Self::ConnectionLost { peer, .. }
             | Self::UnknownActor { peer, .. }
             | Self::Encode { peer, .. } => Some(peer),
-            Self::NotRegistered { registry, .. } | Self::Registry { registry, .. } => Some(registry),
+            Self::NotRegistered { registry, .. } | Self::Registry { registry, .. } | Self::NameHeld { registry, .. } => Some(registry),
             Self::Bind { .. } | Self::NameTaken { .. } | Self::InvalidName { .. } | Self::InvalidConfig { .. } | Self::NodeShutDown => None,
         }
     }

@@ -623,6 +623,12 @@ impl RemotePeer {
         Ok(spawn_proxy::<A>(Arc::clone(&self.link), name, info, &config))
     }
 
+    /// The identity of the actor the peer serves as `name`, asked within
+    /// `after` (no handle made).
+    pub(crate) async fn served_info(&self, name: &str, after: Duration) -> Result<crate::actor::ActorInfo, RemoteError> {
+        self.link.conn.lookup(name, after).await
+    }
+
     /// `true` until the connection closes.
     pub fn is_connected(&self) -> bool {
         self.link.conn.closed_problem().is_none()

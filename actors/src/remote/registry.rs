@@ -4,11 +4,17 @@
 //!
 //! Entries are not tied to connections: a node that goes away leaves its
 //! entries behind until they are withdrawn or replaced, and resolving such a
-//! name then fails to connect.
+//! name then fails to connect. A name is replaced only by the node that
+//! registered it, by the same actor from another node, or once its holder
+//! is gone: before replacing another node's entry the registry asks that
+//! node whether it still serves the same actor under the name
+//! ([`Registry`]); if it does, the registration is refused
+//! ([`RegistryReply::Taken`], [`RemoteError::NameHeld`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -37,7 +43,9 @@ pub struct Registration {
 /// Messages of the [`Registry`] actor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RegistryMsg {
-    /// Adds or replaces the entry for `registration.name`.
+    /// Adds the entry for `registration.name`, or replaces it where it
+    /// is the same node's, the same actor's, or its holder is gone;
+    /// [`RegistryReply::Taken`] where its holder still serves it.
     Register(Registration),
     /// Removes the entry for `name` if it points at `addr`.
     Unregister {
@@ -61,12 +69,45 @@ pub enum RegistryReply {
     Resolved(Option<Registration>),
     /// All entries.
     Listed(Vec<Registration>),
+    /// `Register` refused: the name's entry, whose node still serves it.
+    Taken(Registration),
 }
 
-/// The registry actor: a map from names to [`Registration`]s.
-#[derive(Debug, Default)]
+/// The longest a registration waits to learn whether a name's holder
+/// still serves it (connect, handshake and look-up): a holder that does
+/// not answer within it is taken for gone.
+const HOLDER_PROBE: Duration = Duration::from_secs(2);
+
+/// The registry actor: a map from names to [`Registration`]s, served by
+/// `node`, which asks a name's holder whether it still serves it before
+/// another node's registration replaces it.
+#[derive(Debug)]
 pub struct Registry {
+    node: Node,
     entries: BTreeMap<String, Registration>,
+}
+
+impl Registry {
+    /// Whether `new` may replace `held` (the entry for the same name): the
+    /// same node or the same actor, or a holder that no longer serves the
+    /// actor it registered (its node gone, unreachable within
+    /// [`HOLDER_PROBE`], or serving something else under the name).
+    async fn replaces(&self, held: &Registration, new: &Registration) -> bool {
+        if held.addr == new.addr || held.info.id == new.info.id {
+            return true;
+        }
+        let probe = async {
+            let peer = self.node.connect(held.addr).await.ok()?;
+            let info = peer.served_info(&held.name, HOLDER_PROBE).await.ok()?;
+            peer.close();
+            Some(info.id == held.info.id)
+        };
+        let serves = tokio::time::timeout(HOLDER_PROBE, probe).await.ok().flatten().unwrap_or(false);
+        if !serves {
+            tracing::info!(name = %held.name, holder = %held.addr, by = %new.addr, "registry: a gone holder's name taken over");
+        }
+        !serves
+    }
 }
 
 #[async_trait::async_trait]
@@ -77,6 +118,11 @@ impl Actor for Registry {
     async fn handle(&mut self, msg: RegistryMsg, _ctx: &mut Context<Self>) -> Result<RegistryReply, ActorError> {
         Ok(match msg {
             RegistryMsg::Register(registration) => {
+                if let Some(held) = self.entries.get(&registration.name) {
+                    if !self.replaces(held, &registration).await {
+                        return Ok(RegistryReply::Taken(held.clone()));
+                    }
+                }
                 self.entries.insert(registration.name.clone(), registration);
                 RegistryReply::Done(true)
             }
@@ -100,7 +146,7 @@ impl Node {
     ///
     /// Like [`tokio::spawn`], panics when called outside a tokio runtime.
     pub fn host_registry(&self) -> Result<ActorRef<Registry>, RemoteError> {
-        let registry = spawn(Registry::default(), SpawnConfig::default().name(REGISTRY_NAME));
+        let registry = spawn(Registry { node: self.clone(), entries: BTreeMap::new() }, SpawnConfig::default().name(REGISTRY_NAME));
         self.serve(REGISTRY_NAME, &registry)?;
         Ok(registry)
     }
@@ -143,7 +189,12 @@ impl RegistryClient {
             .served_info(name)
             .ok_or_else(|| RemoteError::UnknownActor { peer: self.node.local_addr().to_string(), name: name.to_owned() })?;
         let registration = Registration { name: name.to_owned(), addr: self.node.advertised_addr(), info };
-        self.call(RegistryMsg::Register(registration)).await.map(|_| ())
+        match self.call(RegistryMsg::Register(registration)).await? {
+            RegistryReply::Taken(held) => {
+                Err(RemoteError::NameHeld { registry: self.addr.to_string(), name: held.name, holder: held.addr })
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Withdraws this node's entry for `name`; `true` if there was one.

@@ -18,7 +18,7 @@
 //! ([`Rendezvous::recover`](crate::Rendezvous::recover)).
 
 use crate::rendezvous::ControlConfig;
-use actors::remote::{Node, Registration, Registry, RegistryMsg, RemotePeer, Retry, REGISTRY_NAME};
+use actors::remote::{Node, Registration, Registry, RegistryMsg, RegistryReply, RemotePeer, Retry, REGISTRY_NAME};
 use actors::{ActorRef, CallError, RemoteError};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -74,14 +74,17 @@ impl Control {
         self.state().registry.clone()
     }
 
-    /// Registers `registration` and keeps it, to register it again after
-    /// a reconnect.
-    pub(crate) async fn register(&self, registration: Registration) -> Result<(), CallError> {
-        self.registry().call(RegistryMsg::Register(registration.clone())).await?;
-        let mut state = self.state();
-        state.registered.retain(|r| r.name != registration.name);
-        state.registered.push(registration);
-        Ok(())
+    /// Registers `registration` and, unless another live holder has the
+    /// name ([`RegistryReply::Taken`]), keeps it, to register it again
+    /// after a reconnect.
+    pub(crate) async fn register(&self, registration: Registration) -> Result<RegistryReply, CallError> {
+        let reply = self.registry().call(RegistryMsg::Register(registration.clone())).await?;
+        if !matches!(reply, RegistryReply::Taken(_)) {
+            let mut state = self.state();
+            state.registered.retain(|r| r.name != registration.name);
+            state.registered.push(registration);
+        }
+        Ok(reply)
     }
 
     /// Waits until the rendezvous is gone for good; says why.
@@ -98,27 +101,42 @@ impl Control {
     /// Connects to the rendezvous again and registers everything again.
     async fn reconnect(&self) -> Result<usize, RemoteError> {
         let registry_addr = self.rendezvous.to_string();
-        let (peer, registry, again) = self
+        let (peer, registry, again, taken) = self
             .retry
             .run(&registry_addr, || async {
                 let peer = self.node.connect(self.rendezvous).await?;
                 let registry = peer.lookup::<Registry>(REGISTRY_NAME).await?;
+                // The same node and actors as before: the registry takes
+                // them back as the same holder.
                 let again = self.state().registered.clone();
+                let mut taken = Vec::new();
                 for registration in &again {
-                    registry.call(RegistryMsg::Register(registration.clone())).await.map_err(|e| match e {
+                    let reply = registry.call(RegistryMsg::Register(registration.clone())).await.map_err(|e| match e {
                         // Broken again: another attempt may succeed.
                         CallError::Stopped { reason, .. } => {
                             RemoteError::ConnectionLost { peer: registry_addr.clone(), problem: reason.to_string() }
                         }
                         other => RemoteError::Registry { registry: registry_addr.clone(), source: Box::new(other) },
                     })?;
+                    if let RegistryReply::Taken(held) = reply {
+                        taken.push(held);
+                    }
                 }
-                Ok((peer, registry, again.len()))
+                Ok((peer, registry, again.len() - taken.len(), taken))
             })
             .await?;
         let mut state = self.state();
         state.peer = peer;
         state.registry = registry;
+        for held in taken {
+            // Another live process took the name meanwhile (a replacement
+            // started for this one): it is no longer this process's.
+            tracing::warn!(
+                name = %held.name, holder = %held.addr,
+                "a name this process registered is served by another live process now: not registered again"
+            );
+            state.registered.retain(|r| r.name != held.name);
+        }
         Ok(again)
     }
 }

@@ -119,7 +119,7 @@ pub fn sim_comm_id() -> CommId {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     let mut bytes = [0u8; crate::cuda::id::COMM_ID_BYTES];
     bytes[..8].copy_from_slice(&NEXT.fetch_add(1, Ordering::Relaxed).to_le_bytes());
-    bytes[8..16].copy_from_slice(&crate::shm::random_name().unwrap_or(0).to_le_bytes());
+    bytes[8..16].copy_from_slice(&crate::shm::random_u64().unwrap_or(0).to_le_bytes());
     bytes[16..20].copy_from_slice(&std::process::id().to_le_bytes());
     // The counter starts at 1: never all zeros.
     CommId::from_bytes(&bytes).unwrap_or_else(|_| unreachable!("a non-zero id of the right length"))

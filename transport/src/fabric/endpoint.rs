@@ -5,6 +5,7 @@
 use super::comm::{CommEnd, IpcPending};
 use super::hub;
 use super::spec::{NcclFabric, NodeFabric, PeerAddr};
+use super::Host;
 use super::{program_peers, KillSwitch, NodeTweak, MIN_FRAME_LIMIT};
 use crate::{HelloKey, LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, TcpConfig, Transport};
 use reshard::{Endpoint, Group, RankProgram};
@@ -90,18 +91,32 @@ impl Endpointed {
         // its pairs' keys from the same table, so both ends of a pair agree.
         let mut on_host: HashMap<u64, usize> = HashMap::new();
         for p in table {
-            *on_host.entry(p.host).or_default() += 1;
+            *on_host.entry(p.host.machine).or_default() += 1;
         }
         let shared_memory = settings.shared_memory;
-        let same_host = |host: u64| settings.same_host && host != 0 && on_host.get(&host).copied().unwrap_or(0) <= SAME_HOST_MOST_RANKS;
+        let same_host = |host: Host| {
+            settings.same_host && host.machine != 0 && on_host.get(&host.machine).copied().unwrap_or(0) <= SAME_HOST_MOST_RANKS
+        };
         let node_of = |e: Endpoint| -> ShareKey {
-            let (node, host) = if e == me { mine } else { by_endpoint.get(&e).map_or((u32::MAX, 0), |p| (p.node, p.host)) };
+            let (node, host) = if e == me { mine } else { by_endpoint.get(&e).map_or((u32::MAX, Host::UNKNOWN), |p| (p.node, p.host)) };
             match (shared_memory, same_host(host)) {
                 (false, _) => ShareKey::Rank(e),
                 (true, true) => ShareKey::Host(host),
                 (true, false) => ShareKey::Node(e.group, node),
             }
         };
+        // Peers on this machine that cannot share memory with this rank
+        // (another user): said once, on both ends.
+        if shared_memory && same_host(mine.1) {
+            for &(peer, _) in &peers {
+                let theirs = by_endpoint.get(&peer).map_or(Host::UNKNOWN, |p| p.host);
+                if theirs.machine == mine.1.machine && theirs.user != mine.1.user {
+                    let why =
+                        format!("{peer} runs as user {} and {me} as user {}: neither can map the other's memory", theirs.user, mine.1.user);
+                    crate::tcp::fell_back(me, peer, &why);
+                }
+            }
+        }
         // A pair's lend area is reserved as soon as it talks: size it to
         // two of the largest messages this rank sends inside its node (the
         // next round's is lent while the receiver reads the last; bigger
@@ -159,9 +174,6 @@ impl Endpointed {
         config.shm.stream_bytes = config.shm.stream_bytes.min(1 << 20);
         let mut tweaks = NodeTweak::default();
         tweak(&mut tweaks);
-        if let Some(dir) = tweaks.shm_dir {
-            config.shm.dir = dir;
-        }
         if let Some(hook) = tweaks.faults.hook() {
             config.tcp.hook = Some(hook);
         }
@@ -235,8 +247,8 @@ const SAME_HOST_MOST_RANKS: usize = 16;
 /// keys do.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum ShareKey {
-    /// Every rank on one host.
-    Host(u64),
+    /// Every rank on one host of one user.
+    Host(Host),
     /// The ranks of one node of a group.
     Node(Group, u32),
     /// One rank alone (no shared memory).

@@ -38,7 +38,7 @@ mod registered;
 mod spec;
 
 pub use crate::staging::StagingKept;
-pub use host::this_host;
+pub use host::{this_host, Host};
 pub use hub::{close_in_process, open_in_process};
 pub use registered::{RegisteredMemory, RegisteredStaging, Residence};
 pub use spec::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
@@ -52,7 +52,6 @@ use registered::current_regions;
 use reshard::{Endpoint, RankProgram};
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// The smallest frame limit a data-plane endpoint sets: room for an abort's
@@ -86,9 +85,6 @@ pub struct Site {
 /// change nothing.
 #[derive(Debug, Clone, Default)]
 pub struct NodeTweak {
-    /// Where the shared-memory regions with ranks of its node go (`None`:
-    /// `/dev/shm`); an emulated host has a directory of its own.
-    pub shm_dir: Option<PathBuf>,
     /// Faults its links inject.
     pub faults: Faults,
 }

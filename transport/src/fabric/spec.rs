@@ -152,9 +152,10 @@ pub struct PeerAddr {
     pub endpoint: Endpoint,
     /// Its node within its group (ranks of one node share memory).
     pub node: u32,
-    /// Its host ([`this_host`](super::this_host); `0`: unknown): the node
-    /// fabric's ranks on one host share memory ([`NodeFabric::same_host`]).
-    pub host: u64,
+    /// Its host and user ([`this_host`](super::this_host)): the node
+    /// fabric's ranks on one host, of one user, share memory
+    /// ([`NodeFabric::same_host`]).
+    pub host: super::Host,
     /// Where it listens (`ip:port`; empty for the in-process fabric). On
     /// the communicator fabric, `<id>@<device>`: the communicator's id
     /// from source rank 0 (hex: NCCL's unique id names rank 0's bootstrap

@@ -2,11 +2,12 @@
 //! listener and the connections whose handshake is under way, checks each
 //! handshake as its bytes arrive, and takes, refuses or drops it.
 
+use crate::frame::encode_region_ref;
 use crate::frame::{
     decode_hello, hello_problem, proof_holds, HelloKey, ShmAnnounce, FLAG_CHECKSUM, FLAG_PROOF, FLAG_SHM, HELLO, HELLO_CHECKSUM,
     HELLO_DUPLICATE, HELLO_OK, HELLO_PEER, HELLO_PROOF, HELLO_REGION, HELLO_SHM, HELLO_VERSION, PROOF, SHM_ANNOUNCE, VERSION,
 };
-use crate::tcp::shm_link::{ShmReceiver, ShmSetup};
+use crate::tcp::shm_link::{self, ShmReceiver, ShmSetup};
 use reshard::Endpoint;
 use std::collections::HashSet;
 use std::io::{self, Read, Write};
@@ -100,8 +101,10 @@ impl Greeting {
 
 /// Checks a whole handshake (`got`, as [`Greeting::read`] collected it).
 /// Returns the peer and the receiving end of the peer's region (for
-/// shared-memory peers); a refusal says what to answer.
-fn check_hello(got: &[u8], x: &Expect<'_>) -> Result<(Endpoint, Option<ShmReceiver>), Refused> {
+/// shared-memory peers); a refusal says what to answer. `no_shm` holds the
+/// peers whose region this rank could not map: they connect again
+/// without one, and talk TCP.
+fn check_hello(got: &[u8], x: &Expect<'_>, no_shm: &mut HashSet<Endpoint>) -> Result<(Endpoint, Option<ShmReceiver>), Refused> {
     let fixed = got.first_chunk::<HELLO>().ok_or_else(|| Refused::dropped("short handshake".into()))?;
     let (peer, version, flags) = decode_hello(fixed).map_err(|e| Refused::dropped(format!("not a refit handshake: {e}")))?;
     let refuse = |code: u8, authentic: bool| Refused {
@@ -139,7 +142,7 @@ fn check_hello(got: &[u8], x: &Expect<'_>) -> Result<(Endpoint, Option<ShmReceiv
     if (flags & FLAG_CHECKSUM != 0) != x.checksum {
         return Err(refuse(HELLO_CHECKSUM, authentic));
     }
-    let shared = x.shm.filter(|s| s.shares(peer));
+    let shared = x.shm.filter(|s| s.shares(peer) && !no_shm.contains(&peer));
     if (flags & FLAG_SHM != 0) != shared.is_some() {
         return Err(refuse(HELLO_SHM, authentic));
     }
@@ -147,7 +150,13 @@ fn check_hello(got: &[u8], x: &Expect<'_>) -> Result<(Endpoint, Option<ShmReceiv
         None => None,
         Some(s) => match s.open(x.me, peer, ShmAnnounce::decode(&sizes)) {
             Ok(receiver) => Some(receiver),
-            Err(e) => return Err(Refused { why: format!("shared memory from {peer}: {e}"), fatal: authentic, answer: Some(HELLO_REGION) }),
+            Err(e) => {
+                // Not a failure (the proof, if the fabric has a key, held):
+                // the peer connects again without shared memory.
+                shm_link::fell_back(x.me, peer, &format!("cannot map its region: {e}"));
+                no_shm.insert(peer);
+                return Err(Refused { why: format!("shared memory from {peer}: {e}"), fatal: false, answer: Some(HELLO_REGION) });
+            }
         },
     };
     Ok((peer, inbound))
@@ -177,13 +186,20 @@ pub(super) fn accept_all(
     // descriptors, say): named if the deadline passes.
     let mut trouble: Option<io::Error> = None;
     listener.set_nonblocking(true)?;
+    let mut no_shm = HashSet::new();
     // A whole handshake: taken, refused (told so), or the connect fails.
     let mut settle = |g: Greeting, waiting: &mut HashSet<Endpoint>| -> io::Result<()> {
         let Greeting { mut stream, from, got } = g;
-        match check_hello(&got, x) {
+        match check_hello(&got, x, &mut no_shm) {
             Ok((peer, inbound)) if waiting.contains(&peer) => {
+                // Accepted; a shared-memory pair's answer says where this
+                // side's acknowledgement page is.
+                let mut answer = vec![HELLO_OK];
+                if let Some(r) = &inbound {
+                    answer.extend_from_slice(&encode_region_ref(r.acks()?));
+                }
                 let answered =
-                    stream.set_nonblocking(false).and_then(|()| stream.set_nodelay(true)).and_then(|()| stream.write_all(&[HELLO_OK]));
+                    stream.set_nonblocking(false).and_then(|()| stream.set_nodelay(true)).and_then(|()| stream.write_all(&answer));
                 if let Err(e) = answered {
                     // Gone before its answer: the peer connects again.
                     tracing::warn!(%me, %peer, %from, error = %e, "a data-plane connection closed before its handshake was answered");

@@ -7,9 +7,10 @@ use super::accept::{accept_all, Expect};
 use super::pool::FramePool;
 use super::reader::{read_loop, PeerStatus, Reader};
 use super::{Inbound, Link, TcpConfig, TcpTransport};
-use crate::frame::{hello, hello_problem, HELLO_OK};
+use crate::frame::{decode_region_ref, hello, hello_problem, HELLO_OK, HELLO_REGION, REGION_REF};
 #[cfg(any(test, feature = "testkit"))]
 use crate::link::FrameHook;
+use crate::shm::RegionRef;
 use crate::sockopt::choose_congestion;
 use crate::tcp::shm_link::{self, ShmSetup};
 use crate::transport::RoundInbox;
@@ -79,32 +80,48 @@ pub(crate) fn fabric(
 }
 
 /// Why one connection to a peer was not made: `again` when a new one may
-/// yet be taken (the peer closed it unanswered, or did not take it).
+/// yet be taken (the peer closed it unanswered, or did not take it);
+/// `no_region` when the peer could not map our shared-memory region (a
+/// new one without shared memory will be taken).
 struct Dialed {
     error: io::Error,
     again: bool,
+    no_region: bool,
+}
+
+/// An accepted connection: the stream, the congestion control it runs,
+/// and, for a shared-memory pair, where the peer's acknowledgement page is.
+struct DialedOk {
+    stream: TcpStream,
+    congestion: String,
+    acks: Option<RegionRef>,
 }
 
 /// Connects to `peer` at `addr`, chooses the stream's congestion control
-/// (`config.congestion`) and makes the handshake `hello`: the stream once
-/// the peer accepted it, blocking, without a read timeout, and the
-/// congestion control it runs.
+/// (`config.congestion`) and makes the handshake `hello` (announcing a
+/// shared-memory region if `shared`): the stream once the peer accepted
+/// it, blocking, without a read timeout.
 fn dial(
     me: Endpoint,
     peer: Endpoint,
     addr: SocketAddr,
     hello: &[u8],
+    shared: bool,
     deadline: Instant,
     config: &TcpConfig,
-) -> Result<(TcpStream, String), Dialed> {
+) -> Result<DialedOk, Dialed> {
     let peers_listening = config.peers_listening;
     let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    let again = |what: String, e: io::Error| Dialed { error: io::Error::new(e.kind(), format!("{me}: {what}: {e}")), again: true };
+    let again = |what: String, e: io::Error| Dialed {
+        error: io::Error::new(e.kind(), format!("{me}: {what}: {e}")),
+        again: true,
+        no_region: false,
+    };
     let mut stream = match TcpStream::connect_timeout(&addr, left()) {
         Ok(s) => s,
         Err(e) if peers_listening && e.kind() == io::ErrorKind::ConnectionRefused => {
             let error = io::Error::new(e.kind(), format!("{me}: {peer} at {addr} refused the connection: it is gone"));
-            return Err(Dialed { error, again: false });
+            return Err(Dialed { error, again: false, no_region: false });
         }
         Err(e) => return Err(again(format!("cannot connect to {peer} at {addr}"), e)),
     };
@@ -121,16 +138,26 @@ fn dial(
         use io::ErrorKind::*;
         let closed = matches!(e.kind(), UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe);
         let error = io::Error::new(e.kind(), format!("{me}: no handshake answer from {peer} at {addr}: {e}"));
-        return Err(Dialed { error, again: closed });
+        return Err(Dialed { error, again: closed, no_region: false });
     }
     if answer[0] != HELLO_OK {
         let error = io::Error::new(io::ErrorKind::InvalidData, format!("{me}: {peer} {}", hello_problem(answer[0])));
-        return Err(Dialed { error, again: false });
+        return Err(Dialed { error, again: false, no_region: shared && answer[0] == HELLO_REGION });
     }
-    stream
-        .set_read_timeout(None)
-        .map_err(|e| Dialed { error: io::Error::new(e.kind(), format!("{me}: connection to {peer}: {e}")), again: false })?;
-    Ok((stream, congestion))
+    let fail = |e: io::Error| Dialed {
+        error: io::Error::new(e.kind(), format!("{me}: connection to {peer}: {e}")),
+        again: false,
+        no_region: false,
+    };
+    let acks = if shared {
+        let mut r = [0u8; REGION_REF];
+        stream.read_exact(&mut r).map_err(fail)?;
+        Some(decode_region_ref(&r))
+    } else {
+        None
+    };
+    stream.set_read_timeout(None).map_err(fail)?;
+    Ok(DialedOk { stream, congestion, acks })
 }
 
 impl TcpTransport {
@@ -189,39 +216,48 @@ impl TcpTransport {
         let mut links = HashMap::new();
         for (peer, addr) in others {
             let shared = shm.as_deref().filter(|s| s.shares(peer));
-            let made = shared.map(|s| s.create(me, peer)).transpose()?;
-            let announce = made.as_ref().map(|(_, a)| *a);
-            let mut out = made.map(|(o, _)| o);
-            let hello = hello(me, peer, checksum, announce, config.hello_key.as_ref());
+            let mut made = shared.map(|s| s.create(me, peer)).transpose()?;
+            let mut hello = hello(me, peer, checksum, made.as_ref().map(|(_, a)| *a), config.hello_key.as_ref());
             // A connection dropped before its handshake was answered (the
             // peer not listening yet, a full backlog, a peer's acceptor
             // making room) is made again, until the deadline.
             let mut pause = Duration::from_millis(20);
             let mut tries = 1u32;
             let dialing = Instant::now();
-            let stream = loop {
-                match dial(me, peer, addr, &hello, deadline, config) {
-                    Ok((s, congestion)) => {
+            let dialed = loop {
+                match dial(me, peer, addr, &hello, made.is_some(), deadline, config) {
+                    Ok(d) => {
                         let ms = dialing.elapsed().as_millis() as u64;
-                        tracing::debug!(%me, %peer, %addr, tries, ms, %congestion, "data-plane stream to a peer connected");
-                        break s;
+                        tracing::debug!(%me, %peer, %addr, tries, ms, congestion = %d.congestion, "data-plane stream to a peer connected");
+                        break d;
                     }
-                    Err(Dialed { error, again: true }) if Instant::now() < deadline => {
+                    Err(Dialed { error, no_region: true, .. }) => {
+                        // The peer cannot map our region (another user,
+                        // another process namespace): TCP for this pair.
+                        shm_link::fell_back(me, peer, &error.to_string());
+                        made = None;
+                        hello = crate::frame::hello(me, peer, checksum, None, config.hello_key.as_ref());
+                    }
+                    Err(Dialed { error, again: true, .. }) if Instant::now() < deadline => {
                         tracing::debug!(%me, %peer, %addr, %error, tries, "data-plane connection not taken; trying again");
                         std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
                         pause = (pause * 2).min(Duration::from_millis(500));
                         tries += 1;
                     }
-                    Err(Dialed { error, again }) if again && tries > 1 => {
+                    Err(Dialed { error, again, .. }) if again && tries > 1 => {
                         return Err(io::Error::new(error.kind(), format!("{error} (the last of {tries} tries)")));
                     }
                     Err(Dialed { error, .. }) => return Err(error),
                 }
             };
+            let DialedOk { stream, acks, .. } = dialed;
             streams.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::new(stream.try_clone()?));
-            if let Some(o) = &mut out {
-                shm_link::mapped_by_peer(o);
-            }
+            let out = match (made, acks) {
+                (Some((region, _)), Some(acks)) => Some(
+                    region.attach(acks).map_err(|e| io::Error::new(e.kind(), format!("{me}: the acknowledgement page of {peer}: {e}")))?,
+                ),
+                _ => None,
+            };
             let status = statuses.get(&peer).cloned().unwrap_or_default();
             links.insert(peer, Link { w: BufWriter::with_capacity(config.write_buffer_bytes, stream), shm: out, status });
         }

@@ -31,6 +31,8 @@ use std::time::{Duration, Instant};
 
 mod accept;
 mod connect;
+#[cfg(test)]
+mod hostile;
 mod pool;
 mod reader;
 pub(crate) mod shm_link;
@@ -43,6 +45,7 @@ pub use connect::{tcp_fabric, tcp_fabric_for};
 pub(crate) use pool::FramePool;
 use reader::{Incoming, GONE};
 pub(crate) use reader::{PeerStatus, Stop, ALIVE, BROKEN};
+pub(crate) use shm_link::fell_back;
 use writer::write_tcp;
 
 /// TCP transport settings.

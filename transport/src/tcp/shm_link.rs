@@ -12,7 +12,7 @@
 use crate::copy::{copy_strided_unfenced, for_each_run, packed_strides, StridedRef};
 use crate::frame::{for_payload_items, header, payload_len, shm_info, Item, ShmAnnounce, CHUNK, LENT, SHM_INFO, SHORT_RUN};
 use crate::link::{TokenBucket, PACE_CHUNK};
-use crate::shm::{self, Placement, Region, ShmConfig, ShmIn, ShmOut};
+use crate::shm::{self, OwnRegion, Placement, RegionRef, ShmConfig, ShmIn, ShmOut};
 use crate::tcp::{FramePool, PeerStatus, Stop, ALIVE, BROKEN};
 use crate::transport::{Lent, Payload, TransportError};
 use reshard::Endpoint;
@@ -50,27 +50,52 @@ impl ShmSetup {
         (self.config.lend_bytes, self.config.stream_bytes.max(1))
     }
 
-    /// Creates the region for this rank's messages to `peer` (under a
-    /// name no one else took: see [`Region::create_named`]), and what the
+    /// Makes the region for this rank's messages to `peer`, and what the
     /// handshake announces of it.
-    pub(crate) fn create(&self, me: Endpoint, peer: Endpoint) -> io::Result<(ShmOut, ShmAnnounce)> {
+    pub(crate) fn create(&self, me: Endpoint, peer: Endpoint) -> io::Result<(MadeRegion, ShmAnnounce)> {
         let (lend, stream) = self.sizes();
-        let (region, name) =
-            Region::create_named(|name| shm::region_path(&self.config.dir, &self.session, me, peer, name), lend, stream, shm::random_name)?;
-        Ok((ShmOut::new(region, lend, stream), ShmAnnounce { lend, stream, name }))
+        let region = shm::create_region(&self.session, me, peer, lend, stream)?;
+        let announce = ShmAnnounce { lend, stream, region: region.reference()? };
+        Ok((MadeRegion { region, lend, stream }, announce))
     }
 
-    /// Maps the region `peer` created for its messages to this rank, as its
-    /// handshake announced it.
+    /// Maps the region `peer` made for its messages to this rank, as its
+    /// handshake announced it, and makes this side's acknowledgement page
+    /// (announced in the answer: [`ShmReceiver::acks`]).
     pub(crate) fn open(&self, me: Endpoint, peer: Endpoint, a: ShmAnnounce) -> io::Result<ShmReceiver> {
-        let region = Region::open(&shm::region_path(&self.config.dir, &self.session, peer, me, a.name), a.lend, a.stream)?;
-        Ok(ShmReceiver { shm: ShmIn::new(region, a.lend, a.stream), partial: None, crc: 0 })
+        let region = shm::open_region(a.region, a.lend, a.stream)?;
+        let acks = shm::create_acks(&self.session, peer, me)?;
+        Ok(ShmReceiver { shm: ShmIn::new(region, acks, a.lend, a.stream), partial: None, crc: 0 })
     }
 }
 
-/// The receiver has mapped the region: its name can go.
-pub(crate) fn mapped_by_peer(out: &mut ShmOut) {
-    out.region.unlink();
+/// Says, once per pair and process, that a pair that was to share memory
+/// talks TCP, and why (later times at debug level: a fabric made afresh
+/// each refit would say it every refit).
+pub(crate) fn fell_back(me: Endpoint, peer: Endpoint, why: &str) {
+    static SAID: std::sync::OnceLock<std::sync::Mutex<HashSet<(Endpoint, Endpoint)>>> = std::sync::OnceLock::new();
+    let first = SAID.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner()).insert((me, peer));
+    if first {
+        tracing::warn!(%me, %peer, reason = %why, "no shared memory with this peer: the pair talks TCP");
+    } else {
+        tracing::debug!(%me, %peer, reason = %why, "no shared memory with this peer: the pair talks TCP");
+    }
+}
+
+/// A region made for a peer, until the peer has mapped it.
+pub(crate) struct MadeRegion {
+    region: OwnRegion,
+    lend: u64,
+    stream: u64,
+}
+
+impl MadeRegion {
+    /// The peer mapped the region and its answer named its acknowledgement
+    /// page `acks`: the sending end of the link.
+    pub(crate) fn attach(self, acks: RegionRef) -> io::Result<ShmOut> {
+        let acks = shm::open_acks(acks)?;
+        Ok(ShmOut::new(self.region, acks, self.lend, self.stream))
+    }
 }
 
 /// The receiving end of a shared-memory link: the peer's region and the
@@ -91,6 +116,11 @@ struct Partial {
 }
 
 impl ShmReceiver {
+    /// Where the sender finds this side's acknowledgement page.
+    pub(crate) fn acks(&self) -> io::Result<RegionRef> {
+        self.shm.acks()
+    }
+
     /// Whether a streamed message is partly arrived (only its chunks, or an
     /// abort, may come next).
     pub(crate) fn mid_message(&self) -> bool {
@@ -113,6 +143,11 @@ impl ShmReceiver {
         let [a, offset, n, sum] = crate::frame::decode_shm_info(info);
         let sum = sum as u32;
         if kind == LENT {
+            // (`n` is the peer's: no message from it is longer than what
+            // this rank's program expects from it.)
+            if n > max {
+                return Err(Stop::Broken(format!("a lent message of {n} bytes exceeds the limit of {max}")));
+            }
             let (ptr, release) = self.shm.lent(a, offset, n).map_err(Stop::Broken)?;
             // SAFETY: `ShmIn::lent` checked the range lies in the mapped
             // lend area, which the sender leaves alone until `release` is
