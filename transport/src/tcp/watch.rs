@@ -19,9 +19,9 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-/// The longest one `poll` waits before the watcher looks again at streams
-/// whose reader thread could not be started.
-const POLL_SLICE: Duration = Duration::from_millis(500);
+/// How often the watcher tries again to start the reader thread of a
+/// stream whose thread could not be started.
+const SPAWN_RETRY: Duration = Duration::from_millis(50);
 
 /// How long the watcher keeps trying to start a stream's reader thread
 /// (the host out of threads) before it reports the stream broken.
@@ -90,9 +90,13 @@ fn watch_loop(me: Endpoint, mut parked: Vec<Parked>) {
     while !parked.is_empty() {
         fds.clear();
         fds.extend(parked.iter().map(|p| libc::pollfd { fd: p.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 }));
+        // Only a stream's news wakes the watcher, unless a reader thread is
+        // still to be started.
+        let retrying = parked.iter().any(|p| p.spawn_failing.is_some());
+        let wait = if retrying { SPAWN_RETRY.as_millis() as libc::c_int } else { -1 };
         // SAFETY: `fds` is a live, initialised array of `fds.len()` pollfd
         // structures, which `poll` writes the `revents` of and nothing else.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, POLL_SLICE.as_millis() as libc::c_int) };
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait) };
         if ready < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -100,7 +104,7 @@ fn watch_loop(me: Endpoint, mut parked: Vec<Parked>) {
             }
             // Out of memory, say: look again shortly.
             tracing::warn!(%me, error = %e, "watching idle data-plane streams failed; trying again");
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(SPAWN_RETRY);
             continue;
         }
         // Back to front: removing one leaves the places of those before it.
@@ -122,8 +126,10 @@ fn watch_loop(me: Endpoint, mut parked: Vec<Parked>) {
                 }
             }
         }
+        // A stream still waiting for its thread stays ready to read: pace
+        // the tries.
         if parked.iter().any(|p| p.spawn_failing.is_some()) {
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(SPAWN_RETRY);
         }
     }
 }
