@@ -5,9 +5,10 @@
 //! and source nodes fan out to many more destination ranks.
 //!
 //! Training: PP4 x (EP16 x DP4 for the routed experts, the rest
-//! DP64-replicated), TP1, 256 ranks, 8 a node, rank = stage * 64 + dp * 16
-//! + ep (Megatron's order: expert parallelism innermost); routed expert `e`
-//! whole on ranks `stage * 64 + dp * 16 + e / 16` for dp in 0..4.
+//! DP64-replicated), TP1, 256 ranks, 8 a node, in Megatron's order
+//! (expert parallelism innermost: rank `stage * 64 + dp * 16 + ep`);
+//! routed expert `e` whole on ranks `stage * 64 + dp * 16 + e / 16` for
+//! dp in 0..4.
 //! Inference: the preset's TP8 x DP16, one replica a node, vLLM's column
 //! and row splits and fused buffers, 128 ranks. Same tensors and shapes as
 //! `refit emit --model deepseek-v3 --scale 128`; only the placement of the
@@ -115,8 +116,9 @@ fn the_placement_is_the_one_described() {
 
 /// Two refits of that pair through 48 worker processes (one per node: 32
 /// training, 16 inference), every destination element checked after each:
-/// both commit and verify. Its fabric holds about 32,000 streams at once
-/// on this one host.
+/// both commit and verify. Its fabric holds 35,616 streams at once on
+/// this one host (more than `kernel.pid_max`'s 32,768 tasks here: one
+/// reader thread per stream could not be). 80-130 s on 2 loaded cores.
 #[test]
 fn slow_deepseek_v3_with_experts_spread_over_nodes_refits_through_processes() {
     let dir = TempDir::new("placement-launch");
