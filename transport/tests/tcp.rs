@@ -179,10 +179,12 @@ fn a_peer_is_held_to_its_own_frame_limit() {
     peer.join().unwrap();
 }
 
-/// A peer whose listener is gone refuses the connection. Where every peer
-/// is known to be listening already (`peers_listening`), that fails the
-/// connect at once; otherwise the rank keeps retrying (the peer may still
-/// be starting) until the connect timeout.
+/// A peer that refuses connections (nothing listening at its address yet,
+/// or any more) is tried again, with backoff, until the connect deadline,
+/// also where every peer is known to have opened its listener
+/// (`peers_listening`): a refusal is no proof that the peer is gone. One
+/// that never listens fails the connect at the deadline, with an error
+/// naming the peer, its address and what was tried.
 ///
 /// The refusing address is a socket bound on loopback and never listening:
 /// it refuses every connection and, held for the whole test, keeps its port
@@ -190,27 +192,63 @@ fn a_peer_is_held_to_its_own_frame_limit() {
 /// freed by dropping a listener could be, and a stranger answering there
 /// ended the retrying early).
 #[test]
-fn a_refused_peer_fails_the_connect_at_once_when_peers_are_known_to_listen() {
+fn a_refused_peer_is_tried_again_until_the_deadline() {
     let (_held, gone) = bound_not_listening();
-    let try_connect = |peers_listening: bool| {
+    for peers_listening in [true, false] {
         let me = TcpListener::bind("127.0.0.1:0").unwrap();
         let config = TcpConfig { connect_timeout: Duration::from_secs(2), peers_listening, ..TcpConfig::default() };
         let t = Instant::now();
-        let r = TcpTransport::connect(Endpoint::src(0), me, &[(Endpoint::dst(0), gone)], &config);
-        (r.err().map(|e| e.to_string()), t.elapsed())
-    };
-    let (err, took) = try_connect(true);
-    assert!(err.as_deref().is_some_and(|e| e.contains("refused")), "{err:?}");
-    assert!(took < Duration::from_secs(1), "{took:?}");
-    let (err, took) = try_connect(false);
-    assert!(err.is_some());
-    assert!(took >= Duration::from_secs(2), "retried only {took:?}: {err:?}");
+        let err = TcpTransport::connect(Endpoint::src(0), me, &[(Endpoint::dst(0), gone)], &config).err().map(|e| e.to_string());
+        let took = t.elapsed();
+        assert!(took >= Duration::from_secs(2), "gave up after {took:?}: {err:?}");
+        let err = err.expect("a peer that never listens fails the connect");
+        for want in ["src rank 0", "dst rank 0", &gone.to_string(), "refused the connection", "tries in"] {
+            assert!(err.contains(want), "{want:?} not in {err:?}");
+        }
+    }
+}
+
+/// A peer whose listener opens only after this rank first dialed it (its
+/// connections refused meanwhile) is connected once it listens: the same
+/// socket that refused starts listening,
+/// takes the stream, answers its handshake and opens its own.
+#[test]
+fn a_peer_that_starts_listening_late_is_connected() {
+    use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
+    let me = Endpoint::dst(0);
+    let fake = Endpoint::src(0);
+    let (listener, my_addr) = listen();
+    let (held, fake_addr) = bound_not_listening();
+    let peer = std::thread::spawn(move || {
+        // Refused for a while first.
+        std::thread::sleep(Duration::from_millis(400));
+        // SAFETY: `listen` takes no pointers; `held` is a bound, open socket.
+        assert_eq!(unsafe { libc::listen(held.as_raw_fd(), 16) }, 0, "listen: {}", std::io::Error::last_os_error());
+        // SAFETY: `held` owned the descriptor; `into_raw_fd` gives that
+        // ownership up to the listener, which closes it once.
+        let fake_listener = unsafe { TcpListener::from_raw_fd(held.into_raw_fd()) };
+        let (mut s, _) = fake_listener.accept().unwrap();
+        let mut hello = [0u8; 11];
+        s.read_exact(&mut hello).unwrap();
+        s.write_all(&[0]).unwrap();
+        let mut out = TcpStream::connect(my_addr).unwrap();
+        out.write_all(&0x5449_4652u32.to_le_bytes()).unwrap();
+        out.write_all(&[0, 0, 0, 0, 0, 5, 0]).unwrap();
+        let mut answer = [0u8; 1];
+        out.read_exact(&mut answer).unwrap();
+        assert_eq!(answer, [0]);
+        (s, out)
+    });
+    let config = TcpConfig { peers_listening: true, connect_timeout: Duration::from_secs(20), ..TcpConfig::default() };
+    let t = TcpTransport::connect(me, listener, &[(me, my_addr), (fake, fake_addr)], &config).unwrap();
+    assert_eq!(t.peers(), [fake]);
+    let _streams = peer.join().unwrap();
 }
 
 /// A connection a peer closes before answering its handshake (its
 /// acceptor dropped it to make room, or had no room yet) is made again
-/// within the connect deadline, even where every peer is known to listen
-/// (there a refused connection fails at once): the third one is accepted.
+/// within the connect deadline, even where every peer is known to listen:
+/// the third one is accepted.
 #[test]
 fn a_connection_closed_before_its_answer_is_made_again() {
     let me = Endpoint::dst(0);

@@ -139,7 +139,9 @@ impl Endpointed {
                 checksum: settings.checksum,
                 connect_timeout: if settings.connect_timeout.is_zero() { Duration::from_secs(30) } else { settings.connect_timeout },
                 // Every member opened its listener in `Prepare`, before any
-                // `Connect`: a refused connection is a dead peer.
+                // `Connect`: a refused connection is a peer whose process
+                // exited or whose connect ended (tried again until the
+                // deadline all the same).
                 peers_listening: true,
                 emulation: LinkEmulation {
                     inter_node_bytes_per_s: settings.emulation.inter_node_bytes_per_s.map(|r| r.max(1)),

@@ -5,7 +5,8 @@
 
 use super::accept::{accept_all, Expect};
 use super::pool::FramePool;
-use super::reader::{read_loop, PeerStatus, Reader};
+use super::reader::{PeerStatus, Reader};
+use super::watch::watch;
 use super::{Inbound, Link, TcpConfig, TcpTransport};
 use crate::frame::{decode_region_ref, hello, hello_problem, HELLO_OK, HELLO_REGION, REGION_REF};
 #[cfg(any(test, feature = "testkit"))]
@@ -119,9 +120,16 @@ fn dial(
     };
     let mut stream = match TcpStream::connect_timeout(&addr, left()) {
         Ok(s) => s,
-        Err(e) if peers_listening && e.kind() == io::ErrorKind::ConnectionRefused => {
-            let error = io::Error::new(e.kind(), format!("{me}: {peer} at {addr} refused the connection: it is gone"));
-            return Err(Dialed { error, again: false, no_region: false });
+        // Nothing listens there (yet, or any more): tried again until the
+        // deadline, since only then is the peer known not to come.
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+            let why = if peers_listening {
+                "nothing listens there: its process exited, or its own connect ended"
+            } else {
+                "nothing listens there (yet)"
+            };
+            let error = io::Error::new(e.kind(), format!("{me}: {peer} at {addr} refused the connection: {why}"));
+            return Err(Dialed { error, again: true, no_region: false });
         }
         Err(e) => return Err(again(format!("cannot connect to {peer} at {addr}"), e)),
     };
@@ -198,7 +206,10 @@ impl TcpTransport {
             std::thread::spawn(move || -> io::Result<HashMap<Endpoint, Inbound>> {
                 let x = Expect { me, deadline, expected: &expected, checksum, shm: shm.as_deref(), key: key.as_ref() };
                 let mut inbound = HashMap::new();
-                accept_all(&listener, &x, |peer, stream, shm_in| {
+                // Every incoming stream waits on the rank's watcher until a
+                // frame comes that needs a reader thread of its own.
+                let mut parked = Vec::new();
+                let accepted = accept_all(&listener, &x, |peer, stream, shm_in| {
                     let ms = started.elapsed().as_millis() as u64;
                     tracing::debug!(%me, %peer, ms, shm = shm_in.is_some(), "data-plane stream from a peer accepted");
                     let handle = Arc::new(stream.try_clone()?);
@@ -207,10 +218,18 @@ impl TcpTransport {
                     inbound.insert(peer, Inbound { stream: handle, status: status.clone(), shm: shm_in.is_some() });
                     let max = limits.get(&peer).copied().unwrap_or(default_limit);
                     let reader = Reader { peer, max, checksum, shm: shm_in, status, pool: pool.clone(), tx: tx.clone() };
-                    std::thread::Builder::new().name(format!("refit-read-{peer}")).spawn(move || read_loop(stream, reader))?;
+                    parked.push((stream, reader));
                     Ok(())
-                })?;
-                Ok(inbound)
+                })
+                .and_then(|()| {
+                    watch(me, parked).map_err(|e| io::Error::new(e.kind(), format!("{me}: no thread to watch its streams: {e}")))
+                });
+                if let Err(e) = &accepted {
+                    // Said now: the listener closes with this thread, and
+                    // peers still connecting are refused from here on.
+                    tracing::warn!(%me, error = %e, "accepting data-plane connections failed");
+                }
+                accepted.map(|()| inbound)
             })
         };
         let mut links = HashMap::new();
@@ -218,9 +237,10 @@ impl TcpTransport {
             let shared = shm.as_deref().filter(|s| s.shares(peer));
             let mut made = shared.map(|s| s.create(me, peer)).transpose()?;
             let mut hello = hello(me, peer, checksum, made.as_ref().map(|(_, a)| *a), config.hello_key.as_ref());
-            // A connection dropped before its handshake was answered (the
-            // peer not listening yet, a full backlog, a peer's acceptor
-            // making room) is made again, until the deadline.
+            // A connection refused (nothing listening), slow (a full
+            // backlog drops the peer's SYNs) or dropped before its
+            // handshake was answered (a peer's acceptor making room) is
+            // made again, with backoff, until the deadline.
             let mut pause = Duration::from_millis(20);
             let mut tries = 1u32;
             let dialing = Instant::now();
@@ -245,7 +265,8 @@ impl TcpTransport {
                         tries += 1;
                     }
                     Err(Dialed { error, again, .. }) if again && tries > 1 => {
-                        return Err(io::Error::new(error.kind(), format!("{error} (the last of {tries} tries)")));
+                        let s = dialing.elapsed().as_secs_f64();
+                        return Err(io::Error::new(error.kind(), format!("{error} (the last of {tries} tries in {s:.1} s)")));
                     }
                     Err(Dialed { error, .. }) => return Err(error),
                 }

@@ -36,6 +36,7 @@ mod hostile;
 mod pool;
 mod reader;
 pub(crate) mod shm_link;
+mod watch;
 mod writer;
 
 #[cfg(any(test, feature = "testkit"))]
@@ -65,9 +66,11 @@ pub struct TcpConfig {
     pub connect_timeout: Duration,
     /// Every peer's listener was open before this rank started to connect
     /// (an orchestrator opens all endpoints in one step, then connects
-    /// them in the next), so a refused connection means the peer is gone:
-    /// fail at once instead of retrying until `connect_timeout` (default
-    /// off: peers may still be starting).
+    /// them in the next), so a peer that refuses a connection has closed
+    /// its listener: its process exited or its own connect ended. Either
+    /// way a refused connection is tried again until `connect_timeout`
+    /// (a peer is given up only then); this says which the error names
+    /// (default off: peers may still be starting).
     pub peers_listening: bool,
     /// A CRC-32C of every data frame's payload travels with it and is
     /// checked before the bytes are handed on (default off). Both ends must

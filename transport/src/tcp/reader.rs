@@ -81,6 +81,12 @@ pub(crate) enum Stop {
 /// Reads frames from `peer` until the stream ends, forwarding them.
 pub(super) fn read_loop(stream: TcpStream, mut r: Reader) {
     let stop = read_frames(&Arc::new(stream), &mut r);
+    finish(&r, stop);
+}
+
+/// Records why the stream `r` reads stopped and tells the transport
+/// where that is news (a broken or corrupt stream).
+pub(super) fn finish(r: &Reader, stop: Stop) {
     let (peer, tx) = (r.peer, &r.tx);
     match stop {
         Stop::Quiet => {
