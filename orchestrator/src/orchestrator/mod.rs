@@ -143,7 +143,7 @@ impl Default for OrchestratorConfig {
         OrchestratorConfig {
             fabric: Fabric::InProcess,
             mode: Strategy::Reshard,
-            plan: PlanOptions::default(),
+            plan: PlanOptions { max_work: crate::machine::plan_work_limit(), ..PlanOptions::default() },
             deadline: transport::DEFAULT_DEADLINE,
             control_timeout: Duration::from_secs(10),
             keep_data_plane: true,
