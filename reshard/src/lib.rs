@@ -52,7 +52,7 @@ pub use layout::{
 };
 pub use plan::{
     max_work_for_memory, Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, TensorSubset, Transfer,
-    BYTES_PER_WORK, DEFAULT_MAX_WORK,
+    DEFAULT_MAX_WORK,
 };
 pub use planner::plan_reshard;
 pub use program::{

@@ -22,7 +22,7 @@ pub const DEFAULT_MAX_WORK: u64 = 1 << 26;
 /// Bytes of planner memory one unit of work may cost, at most (a transfer
 /// and its share of the pieces, lists and rounds): what turns a memory
 /// budget into a work limit ([`max_work_for_memory`]).
-pub const BYTES_PER_WORK: u64 = 64;
+pub(crate) const BYTES_PER_WORK: u64 = 64;
 
 /// The work limit that keeps the planner within `bytes` of memory.
 pub fn max_work_for_memory(bytes: u64) -> u64 {

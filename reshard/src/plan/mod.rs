@@ -13,7 +13,7 @@ mod rounds;
 mod subset;
 
 pub(crate) use budget::Budget;
-pub use budget::{max_work_for_memory, BYTES_PER_WORK, DEFAULT_MAX_WORK};
+pub use budget::{max_work_for_memory, DEFAULT_MAX_WORK};
 pub use endpoint::{Endpoint, Group};
 pub(crate) use estimate::lower_bound;
 pub use estimate::Estimate;
