@@ -30,6 +30,13 @@ struct Pair {
     /// Most bytes one rank stages per round, in MiB.
     #[arg(long, default_value_t = 256)]
     max_staging_mib: u64,
+    /// Most units of planning work (pieces, transfers, overlaps, pairs of
+    /// ranks to schedule) before a pair is refused instead of planned.
+    /// Default: for layout files, 16 units per byte of them (at least
+    /// 2^20: a pair of small files plans in about a second), and never
+    /// more than half this machine's available memory holds.
+    #[arg(long, value_name = "N")]
+    max_plan_work: Option<u64>,
 }
 
 /// Arguments of `refit bench`.
@@ -244,6 +251,13 @@ enum Command {
         /// wire). The baseline always quantizes at the destination.
         #[arg(long, value_enum, default_value = "source")]
         quantize_at: QuantizeAtArg,
+        /// Most units of planning work (pieces, transfers, overlaps, pairs of
+        /// ranks to schedule) before a pair is refused instead of planned.
+        /// Default: for layout files, 16 units per byte of them (at least
+        /// 2^20: a pair of small files plans in about a second), and never
+        /// more than half this machine's available memory holds.
+        #[arg(long, value_name = "N")]
+        max_plan_work: Option<u64>,
     },
     /// Fill sources with a pattern, run one refit, optionally verify.
     Run {
@@ -619,6 +633,7 @@ fn main() -> ExitCode {
             emit_layouts,
             fp8_dst,
             quantize_at,
+            max_plan_work,
         } => cmd::plan::run(&cmd::plan::PlanArgs {
             src,
             dst,
@@ -634,6 +649,7 @@ fn main() -> ExitCode {
             emit_layouts,
             fp8_dst: *fp8_dst,
             quantize_at: quantize_at.into(),
+            max_plan_work: *max_plan_work,
         }),
         Command::Run { pair, baseline, verify, transport, deadline_s, json, dump_dst, only } => cmd::run::run(&cmd::run::RunArgs {
             pair,

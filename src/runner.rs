@@ -136,7 +136,7 @@ impl Driver {
             l.buffers().iter().flatten().map(|b| b.elems.saturating_mul(b.dtype.size())).fold(0, u64::saturating_add)
         };
         let needed = held(src).saturating_add(held(dst).saturating_mul(2));
-        if let Some(available) = available_memory() {
+        if let Some(available) = orchestrator::machine::available_memory() {
             if needed > available {
                 return Err(RunError::Memory { needed, available });
             }
@@ -312,12 +312,4 @@ impl Driver {
 /// readers check against), each later version the next step.
 fn pattern_of(version: u64) -> u64 {
     version.saturating_sub(1)
-}
-
-/// Memory the kernel says is available (Linux `MemAvailable`), if known.
-fn available_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }

@@ -32,6 +32,7 @@
 //! [`Rendezvous`] ([`rendezvous`], the node fabric). The orchestrator is
 //! the same either way.
 
+pub mod machine;
 mod member;
 mod orchestrator;
 pub mod protocol;

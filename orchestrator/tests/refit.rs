@@ -370,6 +370,28 @@ async fn a_pair_that_cannot_be_planned_fails_at_creation() {
     }
 }
 
+/// A pair whose plan would take more work than the orchestrator's limit
+/// (`PlanOptions::max_work`, by default what this machine's memory holds)
+/// fails when the system is made, with the planner's refusal naming the
+/// limit and the flag, instead of planning into an OOM; the default limit
+/// plans it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pair_past_the_work_limit_is_refused_with_an_error() {
+    let (src, dst) = layouts();
+    let mut tight = config(Strategy::Reshard);
+    assert!(tight.plan.max_work >= 1 << 20, "the machine's limit: {}", tight.plan.max_work);
+    tight.plan.max_work = 4;
+    match spawn_refit(&src, &dst, tight).await {
+        Err(RefitError::Refit(OrchestratorError::Plan(e @ PlanError::TooMuchWork { limit: 4, .. }))) => {
+            let e = e.to_string();
+            assert!(e.contains("more than 4 units of work") && e.contains("--max-plan-work") && e.contains("PlanOptions::max_work"), "{e}")
+        }
+        Err(other) => panic!("expected the work limit, got {other:?}"),
+        Ok(_) => panic!("planned past the work limit"),
+    }
+    assert!(spawn_refit(&src, &dst, config(Strategy::Reshard)).await.is_ok());
+}
+
 /// Refits refuse sources with no whole version, before anything moves: a
 /// fresh store, and a store torn by a step that failed after writing. A
 /// step that fails before writing keeps the store clean.

@@ -133,7 +133,10 @@ pub(crate) fn plan_figures<'py>(
         other => return Err(PlanError::new_err(format!("mode '{other}': expected 'reshard' or 'baseline'"))),
     };
     let (s, d) = (src.inner.clone(), dst.inner.clone());
-    let plan = py.detach(move || planner(&s, &d, &reshard::PlanOptions::default())).map_err(|e| PlanError::new_err(e.to_string()))?;
+    // The work limit of this machine, as the orchestrator's: a pair past
+    // it is a PlanError, not minutes and gigabytes.
+    let options = reshard::PlanOptions { max_work: orchestrator::machine::plan_work_limit(), ..reshard::PlanOptions::default() };
+    let plan = py.detach(move || planner(&s, &d, &options)).map_err(|e| PlanError::new_err(e.to_string()))?;
     let f = plan.figures();
     let out = PyDict::new(py);
     out.set_item("bytes", f.total_bytes)?;

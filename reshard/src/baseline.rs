@@ -47,7 +47,7 @@ use crate::dtype::{wire_dtype, DType};
 use crate::layout::{Layout, Placement, Rank};
 use crate::overlap::{atomize, SourceIndex};
 use crate::plan::{
-    lower_bound, Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Scheduled, Strategy, Transfer,
+    lower_bound, Budget, Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, Scheduled, Strategy, Transfer,
     MAX_PIECES,
 };
 use crate::planner::{add_node_needs, hash_scale, match_tensors, placed_alike, placement_key, receivers_of, scaled_alike, wire_pairs};
@@ -670,6 +670,22 @@ struct Ring {
 }
 
 impl Chain {
+    /// The hops of [`Chain::new`]'s rings among `receivers` (sorted),
+    /// counted without making them: one ring per receiver of the fullest
+    /// node, each reaching every receiver.
+    /// Also the nodes the chain passes, one after another.
+    fn hops(receivers: &[Rank], rpn: u32) -> (u64, u64) {
+        let (mut most, mut start, mut nodes) = (0usize, 0usize, 0u64);
+        for i in 1..=receivers.len() {
+            if i == receivers.len() || receivers[i] / rpn != receivers[start] / rpn {
+                most = most.max(i - start);
+                start = i;
+                nodes += 1;
+            }
+        }
+        ((most as u64).saturating_mul(receivers.len() as u64), nodes)
+    }
+
     fn new(receivers: &[Rank], rpn: u32, pairs: &mut Pairs) -> Chain {
         let mut groups: Vec<(usize, usize)> = Vec::new();
         let mut start = 0;
@@ -771,6 +787,7 @@ impl Outline {
             chunk: chunk_bytes(total, options.max_staging_bytes),
         };
         let mut interned = Interned::default();
+        let mut budget = Budget::new(options.max_work);
         let mut by_key: HashMap<u64, Vec<u32>> = HashMap::new();
         // Per recipe, the (source, destination) tensors it was made from.
         let mut made_from: Vec<(u32, u32)> = Vec::new();
@@ -794,7 +811,7 @@ impl Outline {
             let id = match found {
                 Some(i) => i,
                 None => {
-                    let rec = Recipe::new(src, dst, (ts, td as u32), (sd, dd), o.chunk, &mut interned);
+                    let rec = Recipe::new(src, dst, (ts, td as u32), (sd, dd), o.chunk, (&mut interned, &mut budget))?;
                     o.recipes.push(rec);
                     made_from.push((ts, td as u32));
                     let id = o.recipes.len() as u32 - 1;
@@ -825,8 +842,16 @@ impl Outline {
                 o.needs[node as usize] += bytes;
             }
             let finals: u64 = rec.finals.iter().map(|&(_, _, h)| rec.holders[h as usize].len() as u64).sum();
-            o.pieces += (gather.len() + rec.chunks.len() + rec.finals.len()) as u64;
-            o.transfers += gather.len() as u64 + rec.chunks.len() as u64 * receivers + finals;
+            let pieces = (gather.len() + rec.chunks.len() + rec.finals.len()) as u64;
+            let transfers =
+                (gather.len() as u64).saturating_add((rec.chunks.len() as u64).saturating_mul(receivers)).saturating_add(finals);
+            // Every tensor's transfers are made and packed, whether or not
+            // it shares its recipe.
+            budget.take(pieces.saturating_add(transfers), || {
+                format!("the baseline, tensor '{}': {pieces} pieces, {transfers} transfers", dt.name)
+            })?;
+            o.pieces += pieces;
+            o.transfers += transfers;
             o.tensors.push((ts, td as u32, id));
         }
         o.chains = interned.chains;
@@ -887,12 +912,28 @@ impl Recipe {
     /// The recipe for source tensor `tensors.0` to destination tensor
     /// `tensors.1` with these dtypes, in chunks of `chunk` bytes; `None`
     /// when the destination holds none of it. Its chains and pairs go to
-    /// `interned`.
-    fn new(src: &Layout, dst: &Layout, tensors: (u32, u32), dtypes: (DType, DType), chunk: u64, interned: &mut Interned) -> Option<Recipe> {
+    /// `interned`; the work of making them is taken from `budget` first
+    /// (the chain's hops, the chunks with the blocks kept of each).
+    fn new(
+        src: &Layout,
+        dst: &Layout,
+        tensors: (u32, u32),
+        dtypes: (DType, DType),
+        chunk: u64,
+        (interned, budget): (&mut Interned, &mut Budget),
+    ) -> Result<Option<Recipe>, PlanError> {
         let ((ts, td), (sd, dd)) = (tensors, dtypes);
+        let name = || format!("the baseline, tensor '{}'", dst.tensors()[td as usize].name);
+        // Expanding both placements costs a holding per rank of each.
+        let places = |t: &crate::layout::TensorLayout| match &t.placement {
+            Placement::Mesh(m) => m.ranks.len() as u64,
+            Placement::Shards(s) => s.len() as u64,
+        };
+        let expand = places(&src.tensors()[ts as usize]).saturating_add(places(&dst.tensors()[td as usize]));
+        budget.take(expand, || format!("{}: placed on {expand} ranks in all", name()))?;
         let hd = route::delivered_holdings(dst, td, route::at_destination(dst, td));
         if hd.is_empty() {
-            return None;
+            return Ok(None);
         }
         let wire = wire_dtype(sd, dd);
         let rpn = dst.ranks_per_node().max(1);
@@ -911,11 +952,28 @@ impl Recipe {
         };
         let all: Vec<u32> = (0..hd.len() as u32).collect();
         let receivers = receivers_of(&hd, &all);
+        let (hops, nodes) = Chain::hops(&receivers, rpn);
+        if !interned.by_receivers.contains_key(&receivers) {
+            budget.take(hops, || format!("{}: a broadcast of {hops} hops among {} ranks", name(), receivers.len()))?;
+        }
+        // Each receiver keeps per-round loads up to the round its last
+        // chunk reaches it: past the chain's nodes, one after another, and
+        // the chunks.
+        let chunks = full.numel().div_ceil(chunk_elems(chunk, sd, dd));
+        let rounds = nodes.saturating_add(chunks).saturating_mul(receivers.len() as u64);
+        budget.take(rounds, || format!("{}: {chunks} chunks through a chain of {nodes} nodes", name()))?;
         let chain = interned.chain(receivers, rpn);
         // A tensor that alone passes the piece limit fails wherever it
         // comes: its pieces are not made.
         let elems = chunk_elems(chunk, sd, dd);
         let made = full.numel().div_ceil(elems).saturating_mul(2) <= MAX_PIECES;
+        if made {
+            // Each chunk is covered by the source holdings and met with
+            // every destination block.
+            let chunks = full.numel().div_ceil(elems);
+            let work = chunks.saturating_mul(hd.len() as u64 + 1);
+            budget.take(work, || format!("{}: {chunks} chunks, each met with {} destination blocks", name(), hd.len()))?;
+        }
         let chunks = if made { full.split_to_fit(elems) } else { Vec::new() };
         let gather = made.then(|| {
             let index = SourceIndex::new(&hs);
@@ -955,7 +1013,7 @@ impl Recipe {
             }
             _ => (Vec::new(), Vec::new(), Vec::new(), Vec::new()),
         };
-        Some(Recipe {
+        Ok(Some(Recipe {
             full,
             root,
             src_size: sd.size(),
@@ -968,7 +1026,7 @@ impl Recipe {
             holders,
             unique_bytes,
             needs: needs.into_iter().enumerate().filter(|&(_, b)| b > 0).map(|(n, b)| (n as u32, b)).collect(),
-        })
+        }))
     }
 }
 

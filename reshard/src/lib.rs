@@ -50,7 +50,10 @@ pub use layout::{
     BlockScale, BufferKey, BufferSpec, Holding, Layout, LayoutError, Loc, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec,
     Storage, TensorLayout,
 };
-pub use plan::{Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, TensorSubset, Transfer};
+pub use plan::{
+    max_work_for_memory, Endpoint, Estimate, Figures, Group, Piece, Plan, PlanError, PlanOptions, Strategy, TensorSubset, Transfer,
+    DEFAULT_MAX_WORK,
+};
 pub use planner::plan_reshard;
 pub use program::{
     span_in, Iter, LocalCopy, LocalCopyView, Message, Pieces, Programs, RankProgram, RecvPiece, RecvPieceView, Round, SendPiece,

@@ -40,7 +40,9 @@ pub(crate) fn atomize(holdings: &[Holding]) -> Vec<Atom> {
     atoms
 }
 
-/// Whether no two holdings overlap (sweep over dimension 0).
+/// Whether no two holdings overlap (a sweep over the dimension along
+/// which their offsets differ most, so blocks cut along any one dimension
+/// are compared with their neighbours only).
 fn pairwise_disjoint(holdings: &[Holding]) -> bool {
     if holdings.len() < 2 {
         return true;
@@ -49,12 +51,18 @@ fn pairwise_disjoint(holdings: &[Holding]) -> bool {
         return false;
     }
     let mut order: Vec<usize> = (0..holdings.len()).collect();
-    order.sort_unstable_by_key(|&i| holdings[i].block.offset()[0]);
+    let distinct = |d: usize, order: &mut Vec<usize>| {
+        order.sort_unstable_by_key(|&i| holdings[i].block.offset()[d]);
+        1 + order.windows(2).filter(|w| holdings[w[0]].block.offset()[d] != holdings[w[1]].block.offset()[d]).count()
+    };
+    let ndim = holdings[0].block.ndim();
+    let d = (0..ndim).max_by_key(|&d| (distinct(d, &mut order), std::cmp::Reverse(d))).unwrap_or(0);
+    order.sort_unstable_by_key(|&i| holdings[i].block.offset()[d]);
     for (k, &i) in order.iter().enumerate() {
         let bi = &holdings[i].block;
         for &j in &order[k + 1..] {
             let bj = &holdings[j].block;
-            if bj.offset()[0] >= bi.end(0) {
+            if bj.offset()[d] >= bi.end(d) {
                 break;
             }
             if bi.intersect(bj).is_some() {
@@ -91,15 +99,31 @@ impl<'a> SourceIndex<'a> {
         SourceIndex { holdings, order, max_ext0 }
     }
 
-    /// Holdings overlapping `b`, in index order.
-    fn overlapping(&self, b: &Block) -> Vec<u32> {
+    /// How many holdings [`cover_split`](Self::cover_split) compares with
+    /// `b`, at most (those whose span of dimension 0 may meet it): found
+    /// by two binary searches, before any is compared.
+    pub(crate) fn window(&self, b: &Block) -> usize {
+        let (start, end) = self.window_range(b);
+        end.max(start) - start
+    }
+
+    fn window_range(&self, b: &Block) -> (usize, usize) {
         if b.ndim() == 0 {
-            return self.order.clone();
+            return (0, self.order.len());
         }
         let off0 = |i: &u32| self.holdings[*i as usize].block.offset()[0];
         let (lo, hi) = (b.offset()[0], b.end(0));
         let start = self.order.partition_point(|i| off0(i).saturating_add(self.max_ext0) <= lo);
         let end = self.order.partition_point(|i| off0(i) < hi);
+        (start, end)
+    }
+
+    /// Holdings overlapping `b`, in index order.
+    pub(crate) fn overlapping(&self, b: &Block) -> Vec<u32> {
+        if b.ndim() == 0 {
+            return self.order.clone();
+        }
+        let (start, end) = self.window_range(b);
         self.order[start..end.max(start)].iter().copied().filter(|&i| self.holdings[i as usize].block.intersect(b).is_some()).collect()
     }
 
@@ -116,10 +140,16 @@ impl<'a> SourceIndex<'a> {
     /// the part can send their share. Only where every cell has at least
     /// `min_cell` elements and there are at most [`MAX_CELLS`] of them.
     pub(crate) fn cover_split(&self, atom: &Block, min_cell: u64) -> Result<Vec<Cover>, Box<Block>> {
-        let over = self.overlapping(atom);
+        self.cover_split_among(atom, &self.overlapping(atom), min_cell)
+    }
+
+    /// [`cover_split`](Self::cover_split) with the holdings overlapping
+    /// `atom` found already ([`overlapping`](Self::overlapping)): it
+    /// compares each cover with each of them.
+    pub(crate) fn cover_split_among(&self, atom: &Block, over: &[u32], min_cell: u64) -> Result<Vec<Cover>, Box<Block>> {
         let candidates_of = |piece: &Block| {
             let mut c: Vec<Rank> = Vec::new();
-            for &i in &over {
+            for &i in over {
                 let h = &self.holdings[i as usize];
                 if h.block.contains(piece) {
                     c.extend(h.holders.iter().map(|l| l.rank));
@@ -129,7 +159,7 @@ impl<'a> SourceIndex<'a> {
             c.dedup();
             c
         };
-        let cells = |part: &Block| -> Option<Vec<Block>> { self.cells(part, &over, min_cell) };
+        let cells = |part: &Block| -> Option<Vec<Block>> { self.cells(part, over, min_cell) };
         // Fast path: one holding contains the whole atom.
         if over.iter().any(|&i| self.holdings[i as usize].block.contains(atom)) {
             return Ok(match cells(atom) {
@@ -139,7 +169,7 @@ impl<'a> SourceIndex<'a> {
         }
         let mut uncovered = vec![*atom];
         let mut parts = Vec::new();
-        for &i in &over {
+        for &i in over {
             if uncovered.is_empty() {
                 break;
             }

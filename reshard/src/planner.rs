@@ -6,9 +6,9 @@ use crate::block::Block;
 use crate::cost::LinkModel;
 use crate::dtype::{can_convert, wire_dtype, DType};
 use crate::fingerprint::Fnv64;
-use crate::layout::{Holding, Layout, Rank, TensorLayout};
+use crate::layout::{Holding, Layout, Placement, Rank, TensorLayout};
 use crate::overlap::{atomize, with_range, SourceIndex};
-use crate::plan::{Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
+use crate::plan::{Budget, Endpoint, Group, Piece, Plan, PlanError, PlanOptions, PlanParts, SenderLists, Strategy, MAX_PIECES};
 use crate::quant;
 use crate::rebalance::rebalance;
 use crate::route::{self, scale_block, QuantizeAt, Route};
@@ -157,6 +157,8 @@ struct Template {
     wire: DType,
     route: Route,
     pieces: Vec<TemplatePiece>,
+    /// Deliveries of its pieces: each piece times its receivers.
+    transfers: u64,
     unique_bytes: u64,
     needs: Vec<(u32, u64)>,
 }
@@ -169,7 +171,15 @@ fn overlap_template(
     (wire, route): (DType, Route),
     options: &PlanOptions,
     pool: &mut Vec<Rank>,
+    budget: &mut Budget,
 ) -> Result<Template, PlanError> {
+    // Expanding both placements costs a holding per rank of each.
+    let places = |t: &TensorLayout| match &t.placement {
+        Placement::Mesh(m) => m.ranks.len() as u64,
+        Placement::Shards(s) => s.len() as u64,
+    };
+    let expand = places(&src.tensors()[ts as usize]).saturating_add(places(&dst.tensors()[td as usize]));
+    budget.take(expand, || format!("tensor '{}': placed on {expand} ranks in all", dst.tensors()[td as usize].name))?;
     let mut hs = route::offered_holdings(src, ts, route, scale_block(dst, td));
     if !options.lost_sources.is_empty() {
         // What only lost sources hold is not covered (an error below).
@@ -184,11 +194,22 @@ fn overlap_template(
     // Cells of an atom that holdings cut differently are sent by different
     // ranks only where each is at least the least part of a split.
     let min_cell = options.min_split_bytes.div_ceil(wire.size());
-    let mut t = Template { src_tensor: ts, dst_tensor: td, wire, route, pieces: Vec::new(), unique_bytes: 0, needs: Vec::new() };
+    let mut t =
+        Template { src_tensor: ts, dst_tensor: td, wire, route, pieces: Vec::new(), transfers: 0, unique_bytes: 0, needs: Vec::new() };
+    let name = || &dst.tensors()[td as usize].name;
     let mut needs = vec![0u64; dst.nodes() as usize];
     for atom in atomize(&hd) {
         let receivers = receivers_of(&hd, &atom.holdings);
-        let covers = index.cover_split(&atom.block, min_cell).map_err(|region| PlanError::NotCovered {
+        // Covering scans the source holdings in the atom's window, then
+        // compares each cover with each holding overlapping the atom.
+        let window = index.window(&atom.block) as u64;
+        budget.take(window.saturating_add(receivers.len() as u64), || {
+            format!("tensor '{}': a part held by {} ranks, among {window} source blocks", name(), receivers.len())
+        })?;
+        let over = index.overlapping(&atom.block);
+        let n = over.len() as u64;
+        budget.take(n.saturating_mul(n), || format!("tensor '{}': a part overlapping {n} source blocks", name()))?;
+        let covers = index.cover_split_among(&atom.block, &over, min_cell).map_err(|region| PlanError::NotCovered {
             tensor: dst.tensors()[td as usize].name.clone(),
             rank: receivers[0],
             region,
@@ -201,8 +222,10 @@ fn overlap_template(
         for c in covers {
             let chunks = (c.block.numel() * wire.size()).div_ceil(options.max_staging_bytes.max(1));
             if chunks > MAX_PIECES {
-                return Err(PlanError::TooManyPieces { tensor: dst.tensors()[td as usize].name.clone(), limit: MAX_PIECES });
+                return Err(PlanError::TooManyPieces { tensor: name().clone(), limit: MAX_PIECES });
             }
+            budget.take(chunks, || format!("tensor '{}': {} pieces and more", name(), t.pieces.len() as u64 + chunks))?;
+            t.transfers = t.transfers.saturating_add(chunks.saturating_mul(receivers.len() as u64));
             let cand = (pool.len() as u32, c.candidates.len() as u32);
             pool.extend_from_slice(&c.candidates);
             if c.block.numel() > max_elems {
@@ -255,6 +278,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     // Each destination tensor's template, and how many pieces in all.
     let mut template_of: Vec<u32> = Vec::with_capacity(matched.len());
     let mut total_pieces = 0u64;
+    let mut budget = Budget::new(options.max_work);
     for (td, m) in matched.iter().enumerate() {
         let Some(&(ts, sd, dd)) = m.as_ref().filter(|_| included(td)) else {
             template_of.push(NOT_PLANNED);
@@ -291,7 +315,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
                 match found {
                     Some(i) => i as usize,
                     None => {
-                        let t = overlap_template(src, dst, (ts, td as u32), (wire, route), options, &mut pool)?;
+                        let t = overlap_template(src, dst, (ts, td as u32), (wire, route), options, &mut pool, &mut budget)?;
                         by_key.entry(key).or_default().push(templates.len() as u32);
                         templates.push(t);
                         templates.len() - 1
@@ -309,6 +333,11 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         if total_pieces > MAX_PIECES {
             return Err(PlanError::TooManyPieces { tensor: dt.name.clone(), limit: MAX_PIECES });
         }
+        // Every tensor's pieces are made and assigned, one transfer per
+        // receiver, whether or not it shares its template.
+        budget.take((t.pieces.len() as u64).saturating_add(t.transfers), || {
+            format!("tensor '{}': {} pieces delivered {} times", dt.name, t.pieces.len(), t.transfers)
+        })?;
         unique_bytes += t.unique_bytes;
         for &(node, bytes) in &t.needs {
             needs[node as usize] += bytes;
@@ -373,9 +402,13 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
         // A piece that several ranks hold may be split among them (parts
         // of whole rows), where that lowers the busiest source link; the
         // first part keeps the piece's index, the others are new pieces.
-        let room = MAX_PIECES.saturating_sub(pieces.len() as u64);
+        let room = MAX_PIECES.saturating_sub(pieces.len() as u64).min(budget.left() / (1 + receivers.len() as u64));
         let piece = pieces[w.piece as usize];
         if assigner.split(&piece.block, w.bytes, k, candidates, room, &mut parts) {
+            // Each part past the first is a piece more, delivered to every
+            // receiver (within `room`, so within the budget).
+            let more = (parts.len() as u64).saturating_sub(1).saturating_mul(1 + receivers.len() as u64);
+            budget.take(more, || format!("splitting a piece of tensor '{}'", dst.tensors()[piece.dst_tensor as usize].name))?;
             for (i, &(block, bytes, sender)) in parts.iter().enumerate() {
                 let index = if i == 0 {
                     pieces[w.piece as usize].block = block;
@@ -399,6 +432,7 @@ pub fn plan_reshard(src: &Layout, dst: &Layout, options: &PlanOptions) -> Result
     // busiest source rank.
     let load = (0..src.ranks()).map(|r| assigner.load(0, SRC_OUT, r)).collect();
     rebalance(&mut lists, load, &holders, &pool);
+    budget.take(lists.packing_work(), || "packing the transfers into rounds (ranks with many peers each)".into())?;
     let parts =
         PlanParts { pieces, wire: wire_pairs(&matched), routes, needed_node_bytes: needs, unique_bytes, scratch_blocks: Vec::new() };
     Ok(Plan::assemble_by_sender(Strategy::Reshard, src, dst, options, parts, lists))

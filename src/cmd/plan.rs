@@ -1,8 +1,8 @@
 //! `refit plan`: validate both layouts, plan reshard and baseline, print the figures.
 
 use super::report::{
-    figures_json, invalid, load, pair_summary, parse_setup, preset_label_with, preset_with, print_figures, say, seconds, write_layouts,
-    Failure, Progress,
+    figures_json, invalid, load, pair_summary, parse_setup, preset_label_with, preset_with, print_figures, say, seconds, work_limit,
+    write_layouts, Failure, Progress,
 };
 use refit::presets::{Model, PresetOptions, Setup};
 use reshard::{baseline_summary, plan_baseline, plan_reshard, LinkModel, PlanOptions};
@@ -29,6 +29,8 @@ pub(crate) struct PlanArgs<'a> {
     pub(crate) fp8_dst: Option<u64>,
     /// Where the reshard quantizes FP8 destinations.
     pub(crate) quantize_at: reshard::QuantizeAt,
+    /// `--max-plan-work`, if given.
+    pub(crate) max_plan_work: Option<u64>,
 }
 
 /// A named link model, or one read from a JSON file.
@@ -262,7 +264,9 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         .checked_mul(1 << 20)
         .filter(|&b| b > 0)
         .ok_or_else(|| invalid("--max-staging-mib must be between 1 and 2^44".into()))?;
-    let opts = PlanOptions { max_staging_bytes: bytes, links, quantize_at: args.quantize_at, ..PlanOptions::default() };
+    let files = args.src.as_deref().zip(args.dst.as_deref());
+    let max_work = work_limit(args.max_plan_work, files)?;
+    let opts = PlanOptions { max_staging_bytes: bytes, links, quantize_at: args.quantize_at, max_work, ..PlanOptions::default() };
     let ctx = |e: reshard::PlanError| invalid(format!("{what}: {e}"));
     let write_svg = |p: &Path, plan: &reshard::Plan| {
         progress.phase(format!("drawing {}", p.display()));

@@ -45,7 +45,36 @@ pub(crate) fn options(pair: &Pair) -> Result<PlanOptions, Failure> {
         .checked_mul(1 << 20)
         .filter(|&b| b > 0)
         .ok_or_else(|| invalid("--max-staging-mib must be between 1 and 2^44".into()))?;
-    Ok(PlanOptions { max_staging_bytes: bytes, ..PlanOptions::default() })
+    let max_work = work_limit(pair.max_plan_work, Some((&pair.src, &pair.dst)))?;
+    Ok(PlanOptions { max_staging_bytes: bytes, max_work, ..PlanOptions::default() })
+}
+
+/// Units of planning work allowed per byte of the layout files planned:
+/// the presets' files take about one (docs/benchmarks.md, "Planner work
+/// limit").
+const WORK_PER_FILE_BYTE: u64 = 16;
+
+/// The least work limit of a pair of layout files, however small: about a
+/// second of planning and 100 MB.
+const MIN_FILE_WORK: u64 = 1 << 20;
+
+/// The planner's work limit ([`PlanOptions::max_work`]): `--max-plan-work`
+/// if given; else this machine's ([`orchestrator::machine::plan_work_limit`]),
+/// and for layout files (`files`) no more than [`WORK_PER_FILE_BYTE`] per
+/// byte of them (at least [`MIN_FILE_WORK`]), so a small file describing a
+/// huge expansion (a mesh of a million ranks, a tensor cut into a million
+/// pieces each side) is refused at once instead of planned for minutes.
+pub(crate) fn work_limit(flag: Option<u64>, files: Option<(&Path, &Path)>) -> Result<u64, Failure> {
+    match flag {
+        Some(0) => return Err(invalid("--max-plan-work takes at least 1".into())),
+        Some(n) => return Ok(n),
+        None => {}
+    }
+    let machine = orchestrator::machine::plan_work_limit();
+    let Some((src, dst)) = files else { return Ok(machine) };
+    let size = |p: &Path| std::fs::metadata(p).map(|m| m.len()).map_err(|e| invalid(format!("{}: cannot read: {e}", p.display())));
+    let bytes = size(src)?.saturating_add(size(dst)?);
+    Ok(machine.min(bytes.saturating_mul(WORK_PER_FILE_BYTE).max(MIN_FILE_WORK)))
 }
 
 /// A preset's layouts at `scale`, with inference expert parallelism `ep`

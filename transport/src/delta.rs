@@ -99,14 +99,14 @@ pub enum DeltaError {
     },
 }
 
-fn header(form: u8, unit: usize, units: u64, base_crc: u32, crc: u32, payload: u64) -> Vec<u8> {
-    let mut h = Vec::with_capacity(HEADER);
-    h.push(form);
-    h.push(unit as u8);
-    h.extend_from_slice(&units.to_le_bytes());
-    h.extend_from_slice(&base_crc.to_le_bytes());
-    h.extend_from_slice(&crc.to_le_bytes());
-    h.extend_from_slice(&payload.to_le_bytes());
+fn header(form: u8, unit: usize, units: u64, base_crc: u32, crc: u32, payload: u64) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[0] = form;
+    h[1] = unit as u8;
+    h[2..10].copy_from_slice(&units.to_le_bytes());
+    h[10..14].copy_from_slice(&base_crc.to_le_bytes());
+    h[14..18].copy_from_slice(&crc.to_le_bytes());
+    h[18..26].copy_from_slice(&payload.to_le_bytes());
     h
 }
 
@@ -118,78 +118,108 @@ fn valid_unit(unit: usize) -> bool {
 /// The encoding of `new` against `base` (`None`: no base; the form is then
 /// dense). `unit` is 1, 2, 4 or 8 and divides `new.len()`; a base of
 /// another length than `new` is ignored (dense).
+///
+/// Memory: one output buffer of at most [`HEADER`] plus `new.len()` bytes,
+/// nothing else. The changed units are counted first (a pass that only
+/// compares), the form chosen from the count, then the output sized
+/// exactly and written in a second pass: no list of changed units, no
+/// candidate encoding other than the one sent.
 pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
     let unit = unit_for(new.len() as u64, unit);
     let units = (new.len() / unit) as u64;
     let crc = crc32c::crc32c(new);
     let dense = |base_crc: u32| {
-        let mut out = header(DENSE, unit, units, base_crc, crc, new.len() as u64);
+        let mut out = Vec::with_capacity(HEADER + new.len());
+        out.extend_from_slice(&header(DENSE, unit, units, base_crc, crc, new.len() as u64));
         out.extend_from_slice(new);
         out
     };
     let Some(base) = base.filter(|b| b.len() == new.len()) else { return dense(0) };
     let base_crc = crc32c::crc32c(base);
+    let changes = Changes { base, new, unit };
     // More changed units than this and no form beats dense.
     let most = (new.len() - (units as usize).div_ceil(8).min(new.len())) / unit;
-    let Some(changed) = changed_units(base, new, unit, most) else { return dense(base_crc) };
-    let values = changed.len() * unit;
+    let Some(changed) = changes.count_up_to(most) else { return dense(base_crc) };
+    let values = changed * unit;
     let bitmap_len = (units as usize).div_ceil(8) + values;
-    let indices_len = if units <= u32::MAX as u64 { changed.len() * 4 + values } else { usize::MAX };
+    let indices_len = if units <= u32::MAX as u64 { changed * 4 + values } else { usize::MAX };
     if new.len() <= bitmap_len.min(indices_len) {
         return dense(base_crc);
     }
-    let mut out;
-    if indices_len < bitmap_len {
-        out = header(INDICES, unit, units, base_crc, crc, indices_len as u64);
-        out.reserve(indices_len);
-        for &i in &changed {
-            out.extend_from_slice(&(i as u32).to_le_bytes());
+    let (form, payload, lead) =
+        if indices_len < bitmap_len { (INDICES, indices_len, changed * 4) } else { (BITMAP, bitmap_len, bitmap_len - values) };
+    // Sized exactly (less than `new.len()`, checked above): the index
+    // list or bitmap (zeroed), then the values, each written in place.
+    let mut out = vec![0u8; HEADER + payload];
+    out[..HEADER].copy_from_slice(&header(form, unit, units, base_crc, crc, payload as u64));
+    let (lead, vals) = out[HEADER..].split_at_mut(lead);
+    let mut k = 0usize;
+    changes.for_each(|i| {
+        if form == INDICES {
+            lead[k * 4..k * 4 + 4].copy_from_slice(&(i as u32).to_le_bytes());
+        } else {
+            lead[i / 8] |= 1 << (i % 8);
         }
-    } else {
-        out = header(BITMAP, unit, units, base_crc, crc, bitmap_len as u64);
-        out.reserve(bitmap_len);
-        let mut bits = vec![0u8; (units as usize).div_ceil(8)];
-        for &i in &changed {
-            bits[(i / 8) as usize] |= 1 << (i % 8);
-        }
-        out.extend_from_slice(&bits);
-    }
-    for &i in &changed {
-        let at = i as usize * unit;
-        out.extend_from_slice(&new[at..at + unit]);
-    }
+        vals[k * unit..(k + 1) * unit].copy_from_slice(&new[i * unit..(i + 1) * unit]);
+        k += 1;
+    });
+    debug_assert_eq!(k, changed);
     out
 }
 
-/// Indices of the `unit`-byte units where `new` differs from `base` (same
-/// lengths, a multiple of `unit`), compared 8 bytes at a time; `None` if
-/// more than `most` differ (found by a first pass that only counts, so a
-/// message that changed all over costs no list).
-fn changed_units(base: &[u8], new: &[u8], unit: usize, most: usize) -> Option<Vec<u64>> {
-    let per_word = 8 / unit;
-    let words = new.len() / 8;
-    let tail = (words * 8 / unit)..(new.len() / unit);
-    let unit_differs = |i: usize| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit];
-    // Units of word `w` that differ (its 8 bytes differ).
-    let in_word = |w: usize| (0..per_word).map(move |k| w * per_word + k).filter(move |&i| unit_differs(i));
-    let differing_words = || new.chunks_exact(8).zip(base.chunks_exact(8)).enumerate().filter(|(_, (n, b))| n != b).map(|(w, _)| w);
-    let mut count = 0usize;
-    for w in differing_words() {
-        count += in_word(w).count();
-        if count > most {
-            return None;
+/// The `unit`-byte units where `new` differs from `base` (same lengths, a
+/// multiple of `unit`), compared 8 bytes at a time, walked without being
+/// listed.
+struct Changes<'a> {
+    base: &'a [u8],
+    new: &'a [u8],
+    unit: usize,
+}
+
+impl Changes<'_> {
+    /// Calls `f` with the index of every changed unit, ascending.
+    fn for_each(&self, mut f: impl FnMut(usize)) {
+        let _ = self.try_for_each(|i| {
+            f(i);
+            true
+        });
+    }
+
+    /// How many units changed; `None` as soon as more than `most` did (a
+    /// message that changed all over is not walked to its end).
+    fn count_up_to(&self, most: usize) -> Option<usize> {
+        let mut count = 0usize;
+        self.try_for_each(|_| {
+            count += 1;
+            count <= most
+        })
+        .then_some(count)
+    }
+
+    /// Calls `f` with the index of every changed unit, ascending, while it
+    /// returns true; whether it always did.
+    fn try_for_each(&self, mut f: impl FnMut(usize) -> bool) -> bool {
+        let (base, new, unit) = (self.base, self.new, self.unit);
+        let per_word = 8 / unit;
+        let words = new.len() / 8;
+        let unit_differs = |i: usize| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit];
+        for (w, (n, b)) in new.chunks_exact(8).zip(base.chunks_exact(8)).enumerate() {
+            if n == b {
+                continue;
+            }
+            for i in (w * per_word..(w + 1) * per_word).filter(|&i| unit_differs(i)) {
+                if !f(i) {
+                    return false;
+                }
+            }
         }
+        for i in ((words * 8 / unit)..(new.len() / unit)).filter(|&i| unit_differs(i)) {
+            if !f(i) {
+                return false;
+            }
+        }
+        true
     }
-    count += tail.clone().filter(|&i| unit_differs(i)).count();
-    if count > most {
-        return None;
-    }
-    let mut changed = Vec::with_capacity(count);
-    for w in differing_words() {
-        changed.extend(in_word(w).map(|i| i as u64));
-    }
-    changed.extend(tail.filter(|&i| unit_differs(i)).map(|i| i as u64));
-    Some(changed)
 }
 
 /// The form of an encoding, as a word (for reports): "dense", "bitmap",
@@ -221,17 +251,37 @@ pub fn unit_for(len: u64, unit: usize) -> usize {
     }
 }
 
+/// The most bytes an encoding of a message of `len` bytes takes: its dense
+/// form, [`HEADER`] plus the message ([`encode`] never writes more).
+pub fn most_encoded(len: u64) -> u64 {
+    len.saturating_add(HEADER as u64)
+}
+
+/// Refuses an encoding of `encoded` bytes for a message the receiver
+/// expects to be `len` bytes long, if it is longer than any encoding of
+/// such a message ([`most_encoded`]): checked on the length alone, before
+/// the encoding is copied or read.
+pub fn check_encoded_len(encoded: u64, len: u64) -> Result<(), DeltaError> {
+    let most = most_encoded(len);
+    if encoded > most {
+        return Err(DeltaError::Malformed(format!("an encoding of {encoded} bytes for a message of {len}: at most {most} expected")));
+    }
+    Ok(())
+}
+
 /// The message `encoded` encodes, rebuilt on `base` (the receiver's copy
 /// of the same message in the base refit, patched in place; `None` if it
 /// has none). The receiver knows the message: `len` bytes, whose sender
 /// encoded it in units of `unit` bytes as asked of [`encode`] (the smallest
 /// element size among its pieces); a header that says otherwise is
-/// refused. Nothing is allocated but the dense form's copy of its bytes:
+/// refused, and so is an encoding longer than the message's densest form
+/// ([`check_encoded_len`]). Nothing is allocated but the dense form's copy of its bytes:
 /// the claims of the encoding are checked against the bytes received
 /// before any is used, so a peer claiming more changed units than it sent
 /// costs no memory.
 pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> Result<Vec<u8>, DeltaError> {
     let bad = |why: String| DeltaError::Malformed(why);
+    check_encoded_len(encoded.len() as u64, len)?;
     if encoded.len() < HEADER {
         return Err(bad("shorter than its header".into()));
     }
@@ -408,26 +458,26 @@ mod tests {
         let base = vec![7u8; 1 << 16];
         let crc = crc32c::crc32c(&base);
         let bits = vec![0xffu8; (1 << 16) / 8];
-        let mut e = header(BITMAP, 1, 1 << 16, crc, crc, bits.len() as u64);
+        let mut e = header(BITMAP, 1, 1 << 16, crc, crc, bits.len() as u64).to_vec();
         e.extend_from_slice(&bits);
         malformed(decode(Some(base.clone()), &e, 1, 1 << 16), "65536 changed units, 0 bytes of values");
         // 12 units of a byte: one value short of the bits set.
         let base = vec![0u8; 12];
         let crc = crc32c::crc32c(&base);
-        let mut e = header(BITMAP, 1, 12, crc, crc, 2 + 2);
+        let mut e = header(BITMAP, 1, 12, crc, crc, 2 + 2).to_vec();
         e.extend_from_slice(&[0b101, 0b0000_1000, 1, 2]);
         malformed(decode(Some(base.clone()), &e, 1, 12), "3 changed units, 2 bytes of values");
         // A bit past the last unit.
-        let mut e = header(BITMAP, 1, 12, crc, crc, 2 + 1);
+        let mut e = header(BITMAP, 1, 12, crc, crc, 2 + 1).to_vec();
         e.extend_from_slice(&[0, 0b0001_0000, 9]);
         malformed(decode(Some(base.clone()), &e, 1, 12), "past the message's end");
         // A bitmap shorter than its units.
-        let mut e = header(BITMAP, 1, 12, crc, crc, 1);
+        let mut e = header(BITMAP, 1, 12, crc, crc, 1).to_vec();
         e.push(0);
         malformed(decode(Some(base.clone()), &e, 1, 12), "bitmap cut short");
         // Indices past the message, or not ascending.
         for idx in [[3u32, 12], [5, 5], [6, 2]] {
-            let mut e = header(INDICES, 1, 12, crc, crc, 10);
+            let mut e = header(INDICES, 1, 12, crc, crc, 10).to_vec();
             idx.iter().for_each(|i| e.extend_from_slice(&i.to_le_bytes()));
             e.extend_from_slice(&[1, 2]);
             malformed(decode(Some(base.clone()), &e, 1, 12), "indices not ascending");

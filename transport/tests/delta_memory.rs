@@ -97,3 +97,70 @@ fn decoding_allocates_no_more_than_it_received() {
         assert!(bytes <= len as u64 + if form == "dense" { received } else { 0 }, "{form}: {bytes} allocated for {received} received");
     }
 }
+
+/// Encoding allocates one buffer, at most the message's dense form (its
+/// bytes and the header), whatever changed: the changed units are counted
+/// first and written in place, never listed. `len` bytes in units of
+/// `unit`, `per_mille` of the units changed (spread evenly).
+fn encode_allocates_at_most_the_dense_form(len: usize, unit: usize, per_mille: usize) {
+    let base: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    let mut new = base.clone();
+    for (u, chunk) in new.chunks_exact_mut(unit).enumerate() {
+        if (u * 7919) % 1000 < per_mille {
+            chunk[0] ^= 0x5a;
+        }
+    }
+    let (bytes, encoded) = allocated(|| encode(Some(&base), &new, unit));
+    let form = transport::delta::form(&encoded);
+    println!("{len} bytes in units of {unit}, {per_mille}/1000 changed: {form}, {} bytes, {bytes} allocated", encoded.len());
+    assert!(bytes <= (len + HEADER) as u64, "{per_mille}/1000 changed: {bytes} bytes allocated to encode {len}");
+    assert_eq!(bytes, encoded.capacity() as u64, "{per_mille}/1000: one buffer, sized exactly");
+    assert_eq!(decode(Some(base), &encoded, unit, len as u64).unwrap(), new, "{per_mille}/1000");
+}
+
+/// A 32 MiB message of f32 with every unit changed, and with just fewer
+/// changed than make the bitmap lose to dense (where the list of changed
+/// units the encoder once made peaked at 7 times the message).
+#[test]
+fn encoding_32_mib_allocates_at_most_the_dense_form() {
+    encode_allocates_at_most_the_dense_form(32 << 20, 4, 1000);
+    encode_allocates_at_most_the_dense_form(32 << 20, 4, 960);
+}
+
+/// Bytes, through the sparsities where each form wins and the edge where
+/// the bitmap stops beating dense.
+#[test]
+fn encoding_allocates_at_most_the_dense_form_at_any_sparsity() {
+    for per_mille in [1000, 874, 800, 500, 125, 20, 1, 0] {
+        encode_allocates_at_most_the_dense_form(4 << 20, 1, per_mille);
+    }
+    encode_allocates_at_most_the_dense_form(4 << 20, 2, 300);
+}
+
+/// An encoding longer than any encoding of the message the receiver
+/// expects (its dense form: the message and the header) is refused on its
+/// length alone, allocating nothing, before its header is read.
+#[test]
+fn an_encoding_longer_than_the_dense_form_is_refused_first() {
+    let len = 4096u64;
+    let base = vec![3u8; len as usize];
+    // A well-formed dense encoding of a 1 MiB message, sent where 4 KiB
+    // were planned.
+    let big = vec![9u8; 1 << 20];
+    let encoded = encode(None, &big, 1);
+    let copy = base.clone();
+    let (bytes, result) = allocated(|| decode(Some(copy), &encoded, 1, len));
+    match result {
+        Err(DeltaError::Malformed(m)) => {
+            assert!(m.contains(&format!("an encoding of {} bytes for a message of 4096: at most 4122 expected", encoded.len())), "{m}")
+        }
+        other => panic!("decoded: {:?}", other.map(|v| v.len())),
+    }
+    assert!(bytes < 4096, "{bytes} bytes allocated to refuse it");
+    assert!(transport::delta::check_encoded_len(len + HEADER as u64, len).is_ok());
+    assert!(transport::delta::check_encoded_len(len + HEADER as u64 + 1, len).is_err());
+    // The dense form itself is accepted.
+    let e = encode(None, &base, 1);
+    assert_eq!(e.len() as u64, len + HEADER as u64);
+    assert_eq!(decode(None, &e, 1, len).unwrap(), base);
+}

@@ -34,7 +34,9 @@ pub struct OrchestratorConfig {
     pub fabric: Fabric,
     /// Reshard, or the gather-broadcast baseline.
     pub mode: Strategy,
-    /// Planner options.
+    /// Planner options; by default with this machine's work limit
+    /// ([`crate::machine::plan_work_limit`]), so a pair that would plan
+    /// into an OOM is refused with an error naming the limit.
     pub plan: PlanOptions,
     /// Every refit must finish its data movement within this time.
     pub deadline: Duration,
@@ -143,7 +145,7 @@ impl Default for OrchestratorConfig {
         OrchestratorConfig {
             fabric: Fabric::InProcess,
             mode: Strategy::Reshard,
-            plan: PlanOptions::default(),
+            plan: PlanOptions { max_work: crate::machine::plan_work_limit(), ..PlanOptions::default() },
             deadline: transport::DEFAULT_DEADLINE,
             control_timeout: Duration::from_secs(10),
             keep_data_plane: true,

@@ -4,6 +4,7 @@
 //! [`plan_baseline`](crate::plan_baseline); turned into per-rank programs by
 //! [`Plan::programs`].
 
+mod budget;
 mod endpoint;
 mod estimate;
 mod figures;
@@ -11,6 +12,8 @@ mod options;
 mod rounds;
 mod subset;
 
+pub(crate) use budget::Budget;
+pub use budget::{max_work_for_memory, DEFAULT_MAX_WORK};
 pub use endpoint::{Endpoint, Group};
 pub(crate) use estimate::lower_bound;
 pub use estimate::Estimate;
@@ -157,6 +160,20 @@ pub enum PlanError {
     TooManyPieces {
         /// Tensor being planned when the limit was hit.
         tensor: String,
+        /// The limit.
+        limit: u64,
+    },
+    /// Planning the pair would take more work than
+    /// [`PlanOptions::max_work`] allows (see its doc): refused before that
+    /// work is done.
+    #[error(
+        "{what}: planning this pair would take more than {limit} units of work (pieces, transfers, overlaps, pairs of ranks \
+         to schedule), the planner's work limit; refused before doing it. Raise the limit if the layouts are meant: \
+         `refit plan --max-plan-work`, `PlanOptions::max_work`"
+    )]
+    TooMuchWork {
+        /// What would have passed the limit (a tensor and a count).
+        what: String,
         /// The limit.
         limit: u64,
     },

@@ -36,6 +36,17 @@ pub struct PlanOptions {
     /// only these hold some part. Sorted, without repeats. The baseline
     /// ignores it.
     pub lost_sources: Vec<crate::Rank>,
+    /// Most units of work planning may take (pieces, transfers, overlaps
+    /// compared, broadcast hops, pairs of ranks the round packer weighs;
+    /// `plan/budget.rs`): a pair that would take more is refused with
+    /// [`PlanError::TooMuchWork`](crate::PlanError::TooMuchWork), counted
+    /// before the work is done, so a small layout file describing a huge
+    /// expansion costs neither minutes nor gigabytes.
+    /// [`DEFAULT_MAX_WORK`](crate::DEFAULT_MAX_WORK) by default; callers
+    /// bound it by the machine ([`max_work_for_memory`](crate::max_work_for_memory)).
+    /// Not part of the fingerprint: it decides whether a plan is made,
+    /// never what it is.
+    pub max_work: u64,
 }
 
 /// The default of [`PlanOptions::min_split_bytes`]: 64 KiB per part.
@@ -50,6 +61,7 @@ impl Default for PlanOptions {
             only: None,
             quantize_at: QuantizeAt::Source,
             lost_sources: Vec::new(),
+            max_work: super::DEFAULT_MAX_WORK,
         }
     }
 }

@@ -36,6 +36,32 @@ impl Default for Sends {
 }
 
 impl SenderLists {
+    /// What packing these transfers into rounds costs, in units of work
+    /// ([`Budget`](super::Budget)): per stage, each endpoint's number of
+    /// peers squared, summed (an endpoint with room left weighs its waiting
+    /// pairs against each other for each pair it starts). Counted in one
+    /// pass over the transfers, before the packing.
+    pub(crate) fn packing_work(&self) -> u64 {
+        let mut peers = vec![0u64; self.n];
+        let mut seen = vec![u32::MAX; self.n];
+        let mut work = 0u64;
+        for senders in &self.stages {
+            peers.iter_mut().for_each(|p| *p = 0);
+            seen.iter_mut().for_each(|s| *s = u32::MAX);
+            for (a, sends) in senders.iter().enumerate() {
+                for &(z, _) in &sends.to {
+                    if seen[z as usize] != a as u32 {
+                        seen[z as usize] = a as u32;
+                        peers[a] += 1;
+                        peers[z as usize] += 1;
+                    }
+                }
+            }
+            work = peers.iter().fold(work, |w, &p| w.saturating_add(p.saturating_mul(p)));
+        }
+        work
+    }
+
     /// No transfers yet between `src_ranks` and `dst_ranks` ranks; room for
     /// about `expected` source sends in stage 0, spread evenly (lists that
     /// outgrow it grow as usual).
