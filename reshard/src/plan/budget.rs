@@ -14,8 +14,9 @@
 use super::PlanError;
 
 /// The default of [`PlanOptions::max_work`](crate::PlanOptions::max_work):
-/// 2^26 units, about 4 GiB of planner memory at its worst
-/// ([`BYTES_PER_WORK`]); the largest presets take a few million
+/// 2^26 units, about 4 GiB of planner memory at its worst (64 bytes a
+/// unit: [`max_work_for_memory`]); the largest preset, DeepSeek-V3 as NeMo RL
+/// places it, takes 16-32 million
 /// (docs/benchmarks.md, "Planner work limit").
 pub const DEFAULT_MAX_WORK: u64 = 1 << 26;
 
