@@ -93,6 +93,12 @@ class RefitReport:
     """Replicas of a destination group of replicas that failed this refit
     and left the group (each by its index in the group when it left): they
     serve what they served before; the others serve ``version``."""
+    plan_seconds: float = 0.0
+    """Asking members for their status and (re)planning if needed."""
+    connect_seconds: float = 0.0
+    """Opening the refit's data plane (or resuming the kept one)."""
+    commit_seconds: float = 0.0
+    """Committing on every destination."""
 
 
 @dataclass(frozen=True)

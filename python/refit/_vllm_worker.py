@@ -28,11 +28,12 @@ Imports vLLM: only vLLM's worker processes import this module.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -127,6 +128,8 @@ class _Shadows:
         self.originals: Dict[Tuple[int, str], torch.Tensor] = {}
         self.names: Dict[Tuple[int, str], str] = {}
         self.loaded: set = set()
+        # The parameter the model's loading last wrote into.
+        self.loading: Optional[Tuple[int, str]] = None
         for prefix, layer in model.named_modules():
             original_params = get_layerwise_info(layer).restore_metadata[0]
             for name, buf in layer._buffers.items():
@@ -155,6 +158,7 @@ class _Shadows:
         touched = self.touched
 
         def shadow_loader(*args: Any, **kwargs: Any) -> Any:
+            self.loading = key
             hit = touched.get(key)
             if hit is None:
                 shadow = torch.zeros(tuple(original.shape), dtype=torch.float64)
@@ -174,12 +178,12 @@ class _Shadows:
         placeholder.weight_loader = shadow_loader
         return placeholder
 
-    def take(self) -> List[torch.Tensor]:
-        """The shadows loaded into since the last call, as placeholders
-        again (the next load starts from zeros)."""
+    def take(self) -> List[Tuple[Tuple[int, str], torch.Tensor]]:
+        """The shadows loaded into since the last call (with their keys), as
+        placeholders again (the next load starts from zeros)."""
         out = []
         for key, (layer, name, shadow) in self.touched.items():
-            out.append(shadow)
+            out.append((key, shadow))
             self.loaded.add(key)
             layer._parameters[name] = self._placeholder(layer, name, self.originals[key])
         self.touched.clear()
@@ -195,6 +199,11 @@ class _Shadows:
                 seen.add(id(param))
                 out.append(self.names[(id(layer), name)])
         return out
+
+    def describe(self, key: Tuple[int, str]) -> str:
+        """A parameter by name, shape and dtype as created."""
+        original = self.originals[key]
+        return f"'{self.names[key]}' {list(original.shape)} {str(original.dtype).replace('torch.', '')}"
 
     def restore(self) -> None:
         for layer, name, param in self.live:
@@ -218,18 +227,24 @@ def dry_run(model: torch.nn.Module, tensors: List[Tuple[str, str, Tuple[int, ...
     held: Dict[str, List[Tuple[List[int], List[int]]]] = {}
     try:
         with torch.no_grad():
-            for name, _dtype, shape in tensors:
+            for name, dtype, shape in tensors:
                 numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
                 if numel >= 2**53:
                     raise refit.LayoutError(f"tensor '{name}': {numel} elements cannot be traced in float64")
                 probe = torch.arange(1, numel + 1, dtype=torch.float64).reshape(tuple(shape))
+                shadows.loading = None
                 try:
                     model.load_weights([(name, probe)])
                 except Exception as e:
-                    raise refit.LayoutError(f"tensor '{name}' {list(shape)}: the model's load_weights refused it: {type(e).__name__}: {e}") from e
+                    into = f" (loading it into parameter {shadows.describe(shadows.loading)})" if shadows.loading else ""
+                    raise refit.LayoutError(
+                        f"tensor '{name}' {list(shape)} {dtype}: the model's load_weights refused it{into}: {type(e).__name__}: {e}".rstrip(": ")
+                    ) from e
                 # Which elements landed anywhere: a mask over the tensor.
                 mask = np.zeros(numel, dtype=bool)
-                for shadow in shadows.take():
+                taken = shadows.take()
+                _check_kind(name, dtype, [(shadows.describe(k), shadows.originals[k].dtype) for k, _ in taken])
+                for _key, shadow in taken:
                     values = shadow.detach().reshape(-1)
                     values = values[values != 0]
                     if values.numel():
@@ -247,6 +262,60 @@ def dry_run(model: torch.nn.Module, tensors: List[Tuple[str, str, Tuple[int, ...
     finally:
         shadows.restore()
     return held
+
+
+@contextlib.contextmanager
+def _muted(logger: str, unwanted: Callable[[logging.LogRecord], bool]) -> Iterator[None]:
+    """Drops the records of vLLM's ``logger`` that ``unwanted`` picks."""
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            try:
+                return not unwanted(record)
+            except Exception:  # noqa: BLE001 - a record we cannot read is kept
+                return True
+
+    target = logging.getLogger(logger)
+    drop = Drop()
+    target.addFilter(drop)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop)
+
+
+def _quiet_float64() -> Any:
+    """The dry run's float64 probes, which vLLM's loader warns about once
+    per tensor and worker (the dtype is the dry run's own)."""
+    return _muted(
+        "vllm.model_executor.models.utils",
+        lambda r: str(r.msg).startswith("Attempted to load weight") and len(r.args) > 1 and r.args[1] == torch.float64,
+    )
+
+
+def _quiet_reload(model: torch.nn.Module) -> Any:
+    """vLLM's layer-wise reload warns "Failed to load weights" for every
+    layer whose checkpoint holds nothing, parameter-less layers included
+    (their buffers count): kept for layers with parameters of their own."""
+    bare = {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is None}
+    bare -= {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is not None}
+    return _muted(
+        "vllm.model_executor.model_loader.reload.layerwise",
+        lambda r: str(r.msg) == "%s: Failed to load weights" and r.args[0] in bare,
+    )
+
+
+def _check_kind(name: str, dtype: str, into: List[Tuple[str, torch.dtype]]) -> None:
+    """A floating-point tensor loads into floating-point parameters only,
+    and any other kind into parameters of its own kind."""
+    floating = dtype in _front.FLOATS
+    wrong = [what for what, dt in into if dt.is_floating_point != floating]
+    if wrong:
+        kind = "floating-point" if floating else "non-floating-point"
+        raise refit.LayoutError(
+            f"tensor '{name}' is {dtype} in the training layout ({kind}), but the model loads it into parameter(s) of another kind: "
+            f"{', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''} (a wrong dtype in the training layout)"
+        )
 
 
 # --- the engine -------------------------------------------------------------
@@ -289,6 +358,74 @@ def _repack_cpu_experts(model: torch.nn.Module) -> None:
             experts.process_weights_after_loading(layer)
 
 
+class _Workers:
+    """This engine's workers answering every call together: each says how
+    its part went, all learn every answer (one gather on vLLM's CPU group),
+    and one error naming each worker that failed is raised on the last
+    worker only. vLLM's ``collective_rpc`` reads the workers' replies in
+    rank order and raises at the first failed one, leaving the replies
+    after it queued for the next call; with the last worker the only one
+    failing, every reply is read and the next call starts in step."""
+
+    def __init__(self, replica: int):
+        from vllm.distributed.parallel_state import get_world_group
+
+        self.group = get_world_group()
+        self.replica = replica
+        self.rank = self.group.rank_in_group
+        self.size = self.group.world_size
+
+    def gather(self, mine: Any) -> List[Any]:
+        if self.size == 1:
+            return [mine]
+        every: List[Any] = [None] * self.size
+        torch.distributed.all_gather_object(every, mine, group=self.group.cpu_group)
+        return every
+
+    def outcome(self, failure: Optional[Tuple[str, str, bool]], what: str) -> Optional[BaseException]:
+        """``failure``: this worker's ``(refit error class, message, model
+        unchanged)``, or None. The same error (or None) on every worker."""
+        return self.error_of(self.gather(failure), what)
+
+    def error_of(self, answers: List[Optional[Tuple[str, str, bool]]], what: str) -> Optional[BaseException]:
+        failed = [(r, f) for r, f in enumerate(answers) if f is not None]
+        if not failed:
+            return None
+        kind = failed[0][1][0]
+        unchanged = all(f[2] for _, f in failed)
+        # One line per distinct message, naming the workers that gave it.
+        lines: Dict[str, List[int]] = {}
+        for r, (_, message, _) in failed:
+            lines.setdefault(message, []).append(r)
+        text = "; ".join(f"worker{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in lines.items())
+        state = "model unchanged" if unchanged else "model torn"
+        message = f"[refit {kind}; {state}] engine {self.replica}: {what} failed on {len(failed)} of {self.size} worker(s): {text}"
+        return _ERRORS.get(kind, refit.RefitError)(message)
+
+    def common(self, kind: str, message: str, what: str) -> BaseException:
+        """An error every worker found alike (from the answers they share)."""
+        return _ERRORS.get(kind, refit.RefitError)(f"[refit {kind}; model unchanged] engine {self.replica}: {what}: {message}")
+
+    def report(self, error: Optional[BaseException]) -> None:
+        """Raises ``error`` on the last worker (see the class doc)."""
+        if error is not None and self.rank == self.size - 1:
+            raise error
+
+
+_ERRORS = {e.__name__: e for e in (refit.LayoutError, refit.VersionError, refit.RefitError, refit.JoinError, refit.MemberError, refit.TensorError)}
+
+
+def _failure(error: BaseException, *, unchanged: bool) -> Tuple[str, str, bool]:
+    """An exception as a worker's answer: refit's own class where it is
+    one (else ``RefitError``, the original class in the text), the message
+    on one line."""
+    kind = type(error).__name__
+    text = " ".join(str(error).split())
+    if kind not in _ERRORS:
+        text, kind = f"{kind}: {text}", "RefitError"
+    return kind, text, unchanged
+
+
 class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateInfo]):
     """refit's weight-transfer engine (see the module doc)."""
 
@@ -297,26 +434,46 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
     supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
-        from vllm.distributed.parallel_state import get_world_group
-
         # A second connect replaces the first: leave its rendezvous first.
         self.shutdown()
+        workers = _Workers(init_info.replica)
+        self.workers = workers
         tensors = [(str(n), str(d), tuple(int(s) for s in shape)) for n, d, shape in init_info.tensors]
-        group = get_world_group()
-        held = dry_run(self.model, tensors)
-        every: List[Any] = [None] * group.world_size
-        if group.world_size > 1:
-            torch.distributed.all_gather_object(every, held, group=group.cpu_group)
-        else:
-            every = [held]
+        failure = None
+        held: Dict[str, List[Tuple[List[int], List[int]]]] = {}
+        try:
+            with _quiet_float64():
+                held = dry_run(self.model, tensors)
+        except Exception as e:  # noqa: BLE001 - every worker answers (see _Workers)
+            failure = _failure(e, unchanged=True)
+        answers = workers.gather((held, failure))
+        error = workers.error_of([f for _, f in answers], "connecting (the dry run of the model's loading)")
+        if error is None:
+            # Every worker computes the same from the same answers.
+            every = [h for h, _ in answers]
+            gaps = _front.landing_gaps(tensors, every)
+            if gaps:
+                message = f"{len(gaps)} training tensor(s) do not fit the model: " + "; ".join(gaps[:6]) + (" ..." if len(gaps) > 6 else "")
+                error = workers.common("LayoutError", message, "connecting")
+        if error is None:
+            failure = None
+            try:
+                self._open(init_info, tensors, every, held)
+            except Exception as e:  # noqa: BLE001 - every worker answers (see _Workers)
+                failure = _failure(e, unchanged=True)
+            error = workers.outcome(failure, "connecting (opening the destination and joining the rendezvous)")
+        if error is not None:
+            self.shutdown()
+        workers.report(error)
+
+    def _open(self, init_info: RefitInitInfo, tensors: List[Tuple[str, str, Tuple[int, ...]]], every: List[Any], held: Dict[str, Any]) -> None:
+        workers = self.workers
         dtype = init_info.dtype or _REFIT.get(self.model_config.dtype)
         if dtype is None:
-            raise refit.LayoutError(f"the model's dtype {self.model_config.dtype} has no refit dtype: give dtype= to refit.vllm.connect")
+            raise refit.LayoutError(f"the model's dtype {self.model_config.dtype} has no refit dtype: give dtype= to refit.vllm.VLLMRollouts")
         layout, self.missing = _front.derived_layout(tensors, every, replicas=init_info.replicas, dtype=dtype)
         self.every = every
-        if self.missing and group.rank_in_group == 0:
-            log.warning("refit: no worker loads %d checkpoint tensor(s): %s", len(self.missing), self.missing[:8])
-        rank = init_info.replica * group.world_size + group.rank_in_group
+        rank = init_info.replica * workers.size + workers.rank
         self.rank = rank
         self.layout = layout
         self.shapes = {n: shape for n, _, shape in tensors}
@@ -357,6 +514,18 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
         version = int(update_info.version)
+        self.touched = False
+        failure = None
+        try:
+            if getattr(self, "dst", None) is None:
+                raise refit.RefitError("not connected: no refit destination on this worker (connect first)")
+            self._receive(version)
+        except Exception as e:  # noqa: BLE001 - every worker answers (see _Workers)
+            failure = _failure(e, unchanged=not self.touched)
+        workers = getattr(self, "workers", None) or _Workers(0)
+        workers.report(workers.outcome(failure, f"loading version {version}"))
+
+    def _receive(self, version: int) -> None:
         t0 = time.perf_counter()
         # No refit commits into the buffers while the model reads them.
         with self.dst.serving() as served:
@@ -366,6 +535,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             for view, box in self.copies:
                 view.copy_(box)
             t2 = time.perf_counter()
+            self.touched = True
             self._load_model()
         # Seconds of the last load, by part (benchmarks/vllm_update.py).
         self.last_load = {"wait": t1 - t0, "copy": t2 - t1, "load": time.perf_counter() - t2}
@@ -381,7 +551,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         try:
             self.model.load_weights(iter(self.full.items()))
         finally:
-            finalize_layerwise_reload(self.model, self.model_config)
+            with _quiet_reload(self.model):
+                finalize_layerwise_reload(self.model, self.model_config)
         _repack_cpu_experts(self.model)
 
     def finish_weight_update(self) -> None:

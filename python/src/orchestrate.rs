@@ -24,7 +24,10 @@ fn report_dict<'py>(py: Python<'py>, r: &RefitReport) -> PyResult<Bound<'py, PyD
     d.set_item("version", r.version)?;
     d.set_item("bytes", r.bytes)?;
     d.set_item("seconds", r.wall.as_secs_f64())?;
+    d.set_item("plan_seconds", r.plan_time.as_secs_f64())?;
+    d.set_item("connect_seconds", r.connect_time.as_secs_f64())?;
     d.set_item("transfer_seconds", r.transfer_time.as_secs_f64())?;
+    d.set_item("commit_seconds", r.commit_time.as_secs_f64())?;
     d.set_item("already_served", r.already_served)?;
     d.set_item("replanned", r.replanned)?;
     d.set_item("fingerprint", r.fingerprint.map(|f| f.to_string()))?;

@@ -79,6 +79,25 @@ class WeightTransferEngineFactory:
         if name in cls._registry:
             raise ValueError(f"{name} already registered")
         cls._registry[name] = (module, klass)
+
+
+class WeightTransferTrainerFactory(WeightTransferEngineFactory):
+    _registry = {}
+'''
+
+# vllm/v1/engine/core.py: the engine core whose calls refit wraps.
+ENGINE_CORE = '''
+class EngineCore:
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return []
+
+    def resume_scheduler(self):
+        pass
+
+
+class EngineCoreProc(EngineCore):
+    def resume_scheduler(self):
+        pass
 '''
 
 # Starts two engines in one process (each loads the plugins again) and
@@ -98,16 +117,30 @@ try:
     registry = dict(WeightTransferEngineFactory._registry)
 except ImportError:
     registry = None
+try:
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    trainers = dict(WeightTransferTrainerFactory._registry)
+except ImportError:
+    trainers = None
+try:
+    from vllm.v1.engine import core
+    wrapped = core.EngineCore.collective_rpc
+    once = getattr(wrapped, "_refit_follows_weights", False) and not hasattr(wrapped.__wrapped__, "__wrapped__")
+except ImportError:
+    once = None
+print("TRAINERS", trainers)
+print("CORE", once)
 print("ENGINE OK")
 print("LOADED", vllm.plugins.LOADED_BY)
 print("REGISTRY", registry)
 '''
 
 
-def write_stub(root, factory):
+def write_stub(root, factory, core=ENGINE_CORE):
     """A ``vllm`` package under ``root``: ``factory`` is the text of
     ``vllm/distributed/weight_transfer/__init__.py``, or None for a vLLM
-    without that package."""
+    without that package; ``core`` that of ``vllm/v1/engine/core.py``, or
+    None for a vLLM without it."""
     pkg = root / "vllm"
     (pkg / "distributed").mkdir(parents=True)
     (pkg / "__init__.py").write_text(textwrap.dedent(INIT))
@@ -116,10 +149,15 @@ def write_stub(root, factory):
     if factory is not None:
         (pkg / "distributed" / "weight_transfer").mkdir()
         (pkg / "distributed" / "weight_transfer" / "__init__.py").write_text(textwrap.dedent(factory))
+    if core is not None:
+        (pkg / "v1" / "engine").mkdir(parents=True)
+        (pkg / "v1" / "__init__.py").write_text("")
+        (pkg / "v1" / "engine" / "__init__.py").write_text("")
+        (pkg / "v1" / "engine" / "core.py").write_text(textwrap.dedent(core))
 
 
-def start_engines(tmp_path, factory):
-    write_stub(tmp_path, factory)
+def start_engines(tmp_path, factory, core=ENGINE_CORE):
+    write_stub(tmp_path, factory, core)
     script = tmp_path / "engine.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = dict(os.environ)
@@ -166,7 +204,17 @@ def test_a_vllm_with_the_api_registers_refit_without_a_warning(tmp_path):
     lines, stderr = start_engines(tmp_path, FACTORY_WORKS)
     check_loaded(lines)
     assert field(lines, "REGISTRY") == "{'refit': ('refit._vllm_worker', 'RefitWeightTransferEngine')}"
+    assert field(lines, "TRAINERS") == "{'refit': ('refit._vllm_trainer', 'RefitTrainerEngine')}"
+    assert field(lines, "CORE") == "True", "the engine core's calls are wrapped once"
     assert "refit" not in stderr, stderr
+
+
+def test_a_vllm_whose_engine_core_refit_does_not_know_says_so_once(tmp_path):
+    lines, stderr = start_engines(tmp_path, FACTORY_WORKS, core=None)
+    check_loaded(lines)
+    assert field(lines, "REGISTRY") == "{'refit': ('refit._vllm_worker', 'RefitWeightTransferEngine')}"
+    warnings = [line for line in stderr.splitlines() if "refit" in line]
+    assert len(warnings) == 1 and "reset its prefix cache" in warnings[0], stderr
 
 
 def test_importing_refit_needs_no_vllm():

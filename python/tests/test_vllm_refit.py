@@ -94,11 +94,11 @@ def check_bad_training_layouts(llm, orch, state, want):
     """Training layouts the engine cannot take fail at connect, naming the
     tensor or parameter, and leave the engine generating as before."""
     no_norm = {n: t for n, t in state.items() if n != "model.norm.weight"}
-    with pytest.raises(Exception, match=r"no tensor of the training layout loads 1 parameter.*model\.norm\.weight"):
+    with pytest.raises(refit.LayoutError, match=r"no tensor of the training layout loads 1 parameter.*model\.norm\.weight"):
         refit.vllm.VLLMRollouts(orch, [llm], train_layout(no_norm)).connect(src_ranks=TRAIN_RANKS, timeout=5)
     transposed = dict(state)
     transposed["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"].t()
-    with pytest.raises(Exception, match=r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' \[256, 128\]: the model's load_weights refused it"):
+    with pytest.raises(refit.LayoutError, match=r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' \[256, 128\] f32: the model's load_weights refused it"):
         refit.vllm.VLLMRollouts(orch, [llm], train_layout(transposed)).connect(src_ranks=TRAIN_RANKS, timeout=5)
     assert_same(generate(llm), want)
 

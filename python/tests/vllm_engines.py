@@ -15,6 +15,14 @@ PROMPTS = [[1, 2, 3, 4, 5], [17, 42, 99], [250, 7, 7, 7, 120, 3]]
 MAX_TOKENS = 6
 TRAIN_RANKS = 2
 
+# Prompts longer than two KV blocks of BLOCK tokens (so an engine that
+# served them holds whole blocks of them in its prefix cache), for engines
+# started with block_size=BLOCK and max_model_len=LONG_MODEL_LEN.
+BLOCK = 32
+LONG_MODEL_LEN = 128
+_ids = torch.Generator().manual_seed(5)
+LONG_PROMPTS = [torch.randint(1, 300, (n,), generator=_ids).tolist() for n in (80, 97, 71)]
+
 
 SHM = "/dev/shm"
 
@@ -27,15 +35,14 @@ def _vllm_shm():
         return set()
 
 
-def start(model, tp, ep=False):
-    from vllm import LLM
-
+def engine_args(model, tp, ep=False, long=False):
+    """The engine arguments of every engine of the tests (``long``: for
+    LONG_PROMPTS, with prefix caching in blocks of BLOCK tokens)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp > 1:
         # One NUMA node here: bind rank r to core r.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r) for r in range(tp))
-    before = _vllm_shm()
-    llm = LLM(
+    args = dict(
         model=model,
         skip_tokenizer_init=True,
         dtype="float32",
@@ -48,6 +55,16 @@ def start(model, tp, ep=False):
         seed=0,
         weight_transfer_config={"backend": refit.vllm.BACKEND},
     )
+    if long:
+        args.update(max_model_len=LONG_MODEL_LEN, block_size=BLOCK, enable_prefix_caching=True)
+    return args
+
+
+def start(model, tp, ep=False, long=False):
+    from vllm import LLM
+
+    before = _vllm_shm()
+    llm = LLM(**engine_args(model, tp, ep, long))
     # What this engine made in /dev/shm, for `stop` to remove: vLLM's
     # shutdown leaves its CPU backend's files behind.
     llm._refit_shm = _vllm_shm() - before
@@ -66,23 +83,29 @@ def stop(llm):
             pass
 
 
-def generate(llm):
+def sampling(logprobs=3):
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, logprobs=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    result = []
-    for o in outs:
-        c = o.outputs[0]
-        top = [sorted((t, lp.logprob) for t, lp in step.items()) for step in c.logprobs]
-        result.append((list(c.token_ids), top))
-    return result
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, logprobs=logprobs)
 
 
-def hf_tokens(model):
+def generate(llm, prompts=None, logprobs=3):
+    """Greedy generation of ``prompts`` (default PROMPTS): for each, the
+    tokens and the top-``logprobs`` (token, logprob) of every step."""
+    prompts = PROMPTS if prompts is None else prompts
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling(logprobs), use_tqdm=False)
+    return [tokens_and_top(o.outputs[0]) for o in outs]
+
+
+def tokens_and_top(completion):
+    top = [sorted((t, lp.logprob) for t, lp in step.items()) for step in completion.logprobs]
+    return (list(completion.token_ids), top)
+
+
+def hf_tokens(model, prompts=None):
     out = []
     with torch.no_grad():
-        for p in PROMPTS:
+        for p in PROMPTS if prompts is None else prompts:
             ids = model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
             out.append(ids[0, len(p):].tolist())
     return out
