@@ -155,18 +155,18 @@ async def agenerate(engine, prompts, logprobs=TOP, max_tokens=None):
 
 
 def fail_the_next_load(worker):
-    """(Run in a worker by collective_rpc.) The next load writes half of
-    the version into the model, then fails: the model is torn."""
-    engine = worker.weight_transfer_engine
-    whole = engine._load_model
+    """(Run in a worker by collective_rpc.) The next load hands half of the
+    version to the model's loading, then fails: the model is torn."""
+    model = worker.weight_transfer_engine.model
+    load = model.load_weights
 
-    def torn():
-        engine._load_model = whole
-        items = list(engine.full.items())
-        engine.model.load_weights(iter(items[: len(items) // 2]))
+    def half(weights):
+        del model.load_weights  # once
+        items = list(weights)
+        load(iter(items[: len(items) // 2]))
         raise RuntimeError("the load failed half-way (injected by the test)")
 
-    engine._load_model = torn
+    model.load_weights = half
 
 
 def test_async_engines_refit_while_generating_and_a_torn_replica_serves_nothing(tmp_path, monkeypatch):
