@@ -12,7 +12,8 @@ themselves hold ``refit.Source`` objects as everywhere else; only the
 sender (``rank == 0``) drives anything.
 
 Imports vLLM: imported by vLLM's factory, or by ``refit.vllm``'s
-``RefitTrainerEngine`` / ``RefitTrainerInitInfo`` names.
+``RefitTrainerEngine`` / ``RefitTrainerInitInfo`` names (which registers the engine
+with vLLM's factory in a trainer process, where vLLM's plugins never ran).
 """
 
 from __future__ import annotations
@@ -77,3 +78,15 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
     def shutdown(self) -> None:
         if self.rollouts is not None:
             self.rollouts.close()
+
+
+def _register() -> None:
+    # A trainer process imports this (through refit.vllm's names) without
+    # starting any vLLM engine, so vLLM's plugins never ran in it.
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, RefitTrainerEngine)
+
+
+_register()

@@ -259,7 +259,7 @@ def serve(path, port, log):
         "--model", path, "--port", str(port), "--host", "127.0.0.1",
         "--skip-tokenizer-init", "--dtype", args["dtype"], "--enforce-eager",
         "--max-model-len", str(LONG_MODEL_LEN), "--block-size", str(BLOCK), "--enable-prefix-caching",
-        "--max-num-seqs", str(args["max_num_seqs"]), "--seed", "0",
+        "--max-num-seqs", str(args["max_num_seqs"]), "--seed", "0", "--enable-scale-out",
         "--weight-transfer-config", json.dumps({"backend": refit.vllm.BACKEND}),
     ]  # fmt: skip
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
@@ -277,13 +277,15 @@ def serve(path, port, log):
     raise AssertionError("the server did not answer /health in 300 s")
 
 
-def complete(base, model, prompts):
-    """Greedy completions of token-id prompts: tokens and top-5 logprobs."""
+def complete(base, prompts):
+    """Greedy generation of token-id prompts by the server's token-in,
+    token-out route (RL frameworks' way: no tokenizer needed): tokens and
+    top-5 logprobs of each."""
     out = []
     for p in prompts:
-        r = _post(f"{base}/v1/completions", {"model": model, "prompt": p, "max_tokens": 6, "temperature": 0.0, "logprobs": TOP, "return_token_ids": True})
-        choice = r["choices"][0]
-        top = [sorted((int(k.split(":")[-1]), v) for k, v in step.items()) for step in choice["logprobs"]["top_logprobs"]]
+        params = {"max_tokens": 6, "temperature": 0.0, "logprobs": TOP, "detokenize": False}
+        choice = _post(f"{base}/inference/v1/generate", {"token_ids": p, "sampling_params": params})["choices"][0]
+        top = [sorted((c["token_id"], c["logprob"]) for c in step["top_logprobs"]) for step in choice["logprobs"]["content"]]
         out.append((list(choice["token_ids"]), top))
     return out
 
@@ -298,8 +300,8 @@ def test_server_refits_through_vllms_own_http_client(tmp_path):
         server = serve(path_b, port, log)
     orch = refit.Orchestrator(deadline=20.0)
     try:
-        want_b = complete(base, path_b, LONG_PROMPTS)
-        assert_same(complete(base, path_b, LONG_PROMPTS), want_b)
+        want_b = complete(base, LONG_PROMPTS)
+        assert_same(complete(base, LONG_PROMPTS), want_b)
 
         # A refusal arrives whole through refit's HTTP client; the next
         # connect succeeds.
@@ -314,11 +316,11 @@ def test_server_refits_through_vllms_own_http_client(tmp_path):
         v = trainer.step(state_a)
         assert sender.send_weights().version == v
         for _ in range(2):
-            assert tokens(complete(base, path_b, LONG_PROMPTS)) == hf_a
+            assert tokens(complete(base, LONG_PROMPTS)) == hf_a
         trainer.step(state_b)
         sender.send_weights()
         for _ in range(2):
-            assert_same(complete(base, path_b, LONG_PROMPTS), want_b)
+            assert_same(complete(base, LONG_PROMPTS), want_b)
         with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
             metrics = r.read().decode()
         assert 'vllm:rl_weight_update_operation_duration_seconds_count{operation="update"' in metrics
