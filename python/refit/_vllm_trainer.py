@@ -31,8 +31,8 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     """The sender's orchestrator and training layout; ``src_ranks``
     training ranks join the orchestrator's rendezvous (within ``timeout``
     s). ``world_size``: each engine's workers (asked of the client where it
-    can say: refit's clients can, vLLM's own cannot). ``dtype``: what
-    floating-point weights arrive as (default: the model's)."""
+    can say: refit's clients can, vLLM's own cannot). ``dtype``, ``staged``:
+    as ``refit.vllm.VLLMRollouts`` takes them."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -41,6 +41,7 @@ class RefitTrainerInitInfo(TrainerInitInfo):
     src_ranks: int = 1
     world_size: Optional[int] = None
     dtype: Optional[str] = None
+    staged: bool = False
     timeout: float = 120.0
 
 
@@ -62,7 +63,7 @@ class RefitTrainerEngine(TrainerWeightTransferEngine[RefitTrainerInitInfo]):
                 raise RefitError("RefitTrainerInitInfo: the sender (rank 0) needs orchestrator= and layout= (the training layout)")
             clients = list(client) if isinstance(client, (list, tuple)) else [client]
             engine.rollouts = VLLMRollouts(
-                init_info.orchestrator, clients, init_info.layout, dtype=init_info.dtype, world_size=init_info.world_size
+                init_info.orchestrator, clients, init_info.layout, dtype=init_info.dtype, world_size=init_info.world_size, staged=init_info.staged
             )
             engine.plan = engine.rollouts.connect(init_info.src_ranks, timeout=init_info.timeout)
         return engine

@@ -74,6 +74,9 @@ class RefitInitInfo(WeightTransferInitInfo):
     replicas: int = 1
     # The destination dtype of floating-point tensors (None: the model's).
     dtype: Optional[str] = None
+    # Whether refits stage in the member's own store before the commit
+    # copies into the refit buffers (see refit.vllm.VLLMRollouts).
+    staged: bool = False
 
 
 @dataclass
@@ -501,7 +504,12 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                     self.copies.append((view, box))
                     view = box
                 buffers[_front.buffer_name(name, i, len(boxes))] = view
-        self.dst = refit.Destination.in_place(layout, rank, buffers)
+        # The model reads the refit buffers only inside serving() (the
+        # load), so a refit can write them in place while the engine
+        # generates (direct): no staging copy. A refit that fails leaves
+        # them torn and serving() says so (None): the load is refused and
+        # the engine keeps its weights.
+        self.dst = refit.Destination.in_place(layout, rank, buffers, direct=not init_info.staged)
         self.joined = self.dst.join(init_info.rendezvous, init_info.secret)
 
     def start_weight_update(self) -> None:
@@ -531,7 +539,8 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         with self.dst.serving() as served:
             t1 = time.perf_counter()
             if served != version:
-                raise refit.VersionError(f"dst rank {self.rank}: asked to load version {version}, its refit buffers hold {served}")
+                held = "a version torn by a failed refit" if served is None else f"version {served}"
+                raise refit.VersionError(f"dst rank {self.rank}: asked to load version {version}, its refit buffers hold {held}")
             for view, box in self.copies:
                 view.copy_(box)
             t2 = time.perf_counter()

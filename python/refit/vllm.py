@@ -513,7 +513,20 @@ class VLLMRollouts:
     ``dtype``: what floating-point weights arrive as (default: each
     engine's model dtype); the engine's loaders convert to what its
     parameters hold. ``world_size``: each engine's workers (default: asked
-    of the first engine)."""
+    of the engines).
+
+    Each worker keeps a refit buffer of its share of every checkpoint
+    tensor (the engine's loading reprocesses what it loads: repacking on
+    the CPU backend, quantizing where configured, so the model's own
+    parameters cannot be written directly). Refits write those buffers in
+    place while the engine generates (``staged=False``, the default): the
+    model reads them only during a load, which holds refits off. A refit
+    that fails leaves them torn (nothing loads them; the engines keep
+    their weights) until the next refit. ``staged=True`` stages each refit
+    in refit's own store first and copies it into the buffers at the
+    commit: a second copy of each worker's share, for which the last
+    committed version stays loadable after a failed refit
+    (docs/benchmarks.md, "vLLM: the pause")."""
 
     def __init__(
         self,
@@ -523,6 +536,7 @@ class VLLMRollouts:
         *,
         dtype: Optional[str] = None,
         world_size: Optional[int] = None,
+        staged: bool = False,
         loop: Optional[asyncio.AbstractEventLoop] = None,
     ):
         if not engines:
@@ -534,6 +548,7 @@ class VLLMRollouts:
         self.clients = [client_of(e, loop) for e in self.engines]
         self.source = source
         self.dtype = dtype
+        self.staged = bool(staged)
         self.version: Optional[int] = None
         if world_size is None:
             sizes = {int(size) for size in (getattr(c, "world_size", None) for c in self.clients) if size is not None}
@@ -586,6 +601,7 @@ class VLLMRollouts:
                 "replica": replica,
                 "replicas": len(self.engines),
                 "dtype": self.dtype,
+                "staged": self.staged,
             }
             return lambda c: c.init_weight_transfer_engine(info)
 
