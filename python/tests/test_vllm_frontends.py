@@ -96,7 +96,8 @@ def bad_layouts(state):
     ]
 
 
-def test_llm_at_tp2_refits_long_cached_prompts_and_refuses_what_does_not_fit(tmp_path):
+def test_llm_at_tp2_refits_long_cached_prompts_and_refuses_what_does_not_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(fail_the_next_load)
     path_b, state_a, state_b, hf_a = checkpoints(tmp_path)
     llm = start(path_b, 2, long=True)
     orch = refit.Orchestrator(deadline=20.0)
@@ -121,6 +122,16 @@ def test_llm_at_tp2_refits_long_cached_prompts_and_refuses_what_does_not_fit(tmp
         rollouts.refit(v)
         for _ in range(2):
             assert_same(generate(llm, LONG_PROMPTS, TOP), want_b)
+        assert llm.get_weight_version() == str(v)
+
+        # A load that fails half-way on worker 0 only: one error naming it
+        # (from the last worker), every reply read; loading again succeeds.
+        llm.collective_rpc(fail_the_next_load, kwargs={"only_worker": 0})
+        v = trainer.step(state_a)
+        with pytest.raises(refit.RefitError, match=r"engine 0: loading version .* failed on 1 of 2 worker\(s\): worker 0: .*half-way.*torn"):
+            rollouts.refit(v)
+        rollouts.load(v)
+        assert tokens(generate(llm, LONG_PROMPTS, TOP)) == hf_a
         assert llm.get_weight_version() == str(v)
     finally:
         orch.close()
@@ -154,10 +165,14 @@ async def agenerate(engine, prompts, logprobs=TOP, max_tokens=None):
     return [tokens_and_top(o) for o in outs], outs
 
 
-def fail_the_next_load(worker):
+def fail_the_next_load(worker, only_worker=None):
     """(Run in a worker by collective_rpc.) The next load hands half of the
-    version to the model's loading, then fails: the model is torn."""
-    model = worker.weight_transfer_engine.model
+    version to the model's loading, then fails: the model is torn. Only
+    on the engine's worker ``only_worker`` if given."""
+    engine = worker.weight_transfer_engine
+    if only_worker is not None and engine.workers.rank != only_worker:
+        return
+    model = engine.model
     load = model.load_weights
 
     def half(weights):
