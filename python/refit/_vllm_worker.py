@@ -32,6 +32,7 @@ import contextlib
 import inspect
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -382,7 +383,11 @@ class _Workers:
         if self.size == 1:
             return [mine]
         every: List[Any] = [None] * self.size
-        torch.distributed.all_gather_object(every, mine, group=self.group.cpu_group)
+        with warnings.catch_warnings():
+            # torch's all_gather_object calls its own deprecated collective
+            # (a FutureWarning per worker and process that says nothing to users).
+            warnings.simplefilter("ignore", FutureWarning)
+            torch.distributed.all_gather_object(every, mine, group=self.group.cpu_group)
         return every
 
     def outcome(self, failure: Optional[Tuple[str, str, bool]], what: str) -> Optional[BaseException]:
