@@ -21,7 +21,6 @@ non-zero otherwise.
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import tempfile
 import uuid
@@ -29,13 +28,11 @@ import uuid
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one NUMA node: TP rank r on core r
 
-import torch.multiprocessing as mp  # noqa: E402
-
 import refit  # noqa: E402
 import refit.vllm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vllm_rl import MAX_TOKENS, PROMPTS, SAMPLES, TRAINERS, reward, trainer, vllm_shm  # noqa: E402
+from vllm_rl import MAX_TOKENS, PROMPTS, SAMPLES, TRAINERS, remove_vllm_shm, reward, start_trainers, stop_trainers, vllm_shm  # noqa: E402
 
 
 async def rollouts_of(engine, step):
@@ -63,17 +60,7 @@ async def run(steps):
 
     checkpoint = tempfile.mkdtemp(prefix="refit-vllm-async-rl-")
     orch = refit.Orchestrator()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for rank in range(TRAINERS):
-        here, there = ctx.Pipe()
-        p = ctx.Process(target=trainer, args=(rank, port, checkpoint, orch.address, orch.secret, there), daemon=True)
-        p.start()
-        pipes.append(here)
-        procs.append(p)
+    pipes, procs = start_trainers(checkpoint, orch)
     loop = asyncio.get_running_loop()
     train = refit.Layout.from_json(await loop.run_in_executor(None, pipes[0].recv))
     await loop.run_in_executor(None, pipes[1].recv)
@@ -139,19 +126,12 @@ async def run(steps):
             print(f"  engine:   {got}\n  trainers: {want}")
         ok = got == want and last > first + 0.1
     finally:
-        for pipe in pipes:
-            pipe.send(None)
-        for p in procs:
-            p.join(timeout=30)
+        stop_trainers(pipes, procs)
         if rollouts is not None:
             rollouts.close()
         orch.close()
         engine.shutdown()
-        for name in vllm_shm() - shm_before:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
+        remove_vllm_shm(shm_before)
     return ok
 
 

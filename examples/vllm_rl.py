@@ -127,15 +127,9 @@ def trainer(rank, port, checkpoint, address, secret, conn):
 # --- the driver --------------------------------------------------------------
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=12)
-    args = ap.parse_args()
-
-    from vllm import LLM, SamplingParams
-
-    checkpoint = tempfile.mkdtemp(prefix="refit-vllm-rl-")
-    orch = refit.Orchestrator()
+def start_trainers(checkpoint, orch):
+    """TRAINERS trainer processes joined to `orch`, rank 0 saving the initial
+    policy to `checkpoint`: their pipes, their processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -147,6 +141,35 @@ def main():
         p.start()
         pipes.append(here)
         procs.append(p)
+    return pipes, procs
+
+
+def stop_trainers(pipes, procs):
+    for pipe in pipes:
+        pipe.send(None)
+    for p in procs:
+        p.join(timeout=30)
+
+
+def remove_vllm_shm(before):
+    """vLLM's shutdown leaves its CPU backend's shared memory behind."""
+    for name in vllm_shm() - before:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            pass
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    checkpoint = tempfile.mkdtemp(prefix="refit-vllm-rl-")
+    orch = refit.Orchestrator()
+    pipes, procs = start_trainers(checkpoint, orch)
     train = refit.Layout.from_json(pipes[0].recv())
     pipes[1].recv()
 
@@ -191,18 +214,10 @@ def main():
             print(f"  engine:   {got}\n  trainers: {want}")
         ok = got == want and last > first + 0.1
     finally:
-        for pipe in pipes:
-            pipe.send(None)
-        for p in procs:
-            p.join(timeout=30)
+        stop_trainers(pipes, procs)
         orch.close()
         llm.llm_engine.engine_core.shutdown()
-        # vLLM's shutdown leaves its CPU backend's shared memory behind.
-        for name in vllm_shm() - shm_before:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
+        remove_vllm_shm(shm_before)
     if not ok:
         print("FAILED: the reward did not rise, or the engine's weights are not the trainers'")
         sys.exit(1)
