@@ -112,6 +112,7 @@ def register() -> None:
                 WeightTransferTrainerFactory.register_engine(BACKEND, "refit._vllm_trainer", "RefitTrainerEngine")
         except Exception as e:  # noqa: BLE001 - a plugin must never take its host down
             _warn_once("trainer", "refit: refit's trainer-side engine is not registered in this vLLM process (%s: %s)", type(e).__name__, e)
+    _quiet_refusals()
     try:
         from . import _vllm_core
 
@@ -124,6 +125,26 @@ def register() -> None:
             type(e).__name__,
             e,
         )
+
+
+class _Refusals(logging.Filter):
+    """Drops vLLM's tracebacks of a refit refusal that changed nothing (a
+    training layout refused at connect, a version not held): the caller
+    gets the error, whole; vLLM would log it at ERROR in the worker and
+    again in the engine core, as if the engine had failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from ._vllm_core import UNCHANGED
+
+        error = record.exc_info[1] if record.exc_info else None
+        return UNCHANGED not in str(error) and UNCHANGED not in str(record.msg)
+
+
+def _quiet_refusals() -> None:
+    quiet = _Refusals()
+    for handler in logging.getLogger("vllm").handlers:
+        if not any(isinstance(f, _Refusals) for f in handler.filters):
+            handler.addFilter(quiet)
 
 
 _warned: set = set()
