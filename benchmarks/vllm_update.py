@@ -97,6 +97,12 @@ def worker_pid(worker):
     return os.getpid()
 
 
+def refit_of(worker):
+    import refit
+
+    return refit.__file__
+
+
 def share_bytes(worker):
     """Bytes of this worker's share (what a refit moves into it)."""
     import numpy as np
@@ -107,7 +113,31 @@ def share_bytes(worker):
 
 
 def last_load(worker):
-    return dict(worker.weight_transfer_engine.last_load)
+    """refit's load in this worker: seconds by part, and when it ran (the
+    clock is CLOCK_MONOTONIC, the same in every process)."""
+    e = worker.weight_transfer_engine
+    return {**e.last_load, "span": list(e._bench_span)}
+
+
+def instrument(worker):
+    """Times every refit load in this worker (its update_weights call: when it
+    starts and ends)."""
+    import time
+
+    cls = type(worker.weight_transfer_engine)
+    if getattr(cls, "_bench_timed", False):
+        return
+    receive = cls.update_weights
+
+    def timed(self, update_info):
+        t = time.perf_counter()
+        try:
+            return receive(self, update_info)
+        finally:
+            self._bench_span = (t, time.perf_counter())
+
+    cls.update_weights = timed
+    cls._bench_timed = True
 
 
 def _reload(worker, weights):
@@ -122,7 +152,7 @@ def _reload(worker, weights):
         model.load_weights(iter(weights))
     finally:
         finalize_layerwise_reload(model, worker.model_runner.model_config)
-    return time.perf_counter() - t
+    return t, time.perf_counter()
 
 
 def reload_full(worker, path):
@@ -135,7 +165,8 @@ def reload_full(worker, path):
     t = time.perf_counter()
     weights = load_file(path)
     read = time.perf_counter() - t
-    return {"read": read, "load": _reload(worker, weights.items())}
+    a, b = _reload(worker, weights.items())
+    return {"read": read, "load": b - a, "span": [t, b]}
 
 
 def stash(worker, path):
@@ -152,7 +183,8 @@ def stash(worker, path):
 def load_stash(worker):
     weights = worker._bench_stash
     del worker._bench_stash
-    return {"load": _reload(worker, weights.items())}
+    a, b = _reload(worker, weights.items())
+    return {"load": b - a, "span": [a, b]}
 
 
 # --- the checkpoint and the training ranks ----------------------------------
@@ -395,6 +427,7 @@ class Bench:
             plan = await rollouts.connect_async(src_ranks=TRAIN_RANKS)
             connect = time.perf_counter() - t
             self.share = await self.engine.collective_rpc(share_bytes)
+            await self.engine.collective_rpc(instrument)
             print(f"{NAMES[way]}: connect {connect:.1f} s (dry run in each worker, plan); each refit moves {plan.bytes / MiB:.0f} MiB, "
                   f"{', '.join(f'{b / MiB:.0f}' for b in self.share)} MiB into the workers", flush=True)
             await self.snapshot(f"after connect ({NAMES[way]})")
@@ -416,8 +449,7 @@ class Bench:
                     }
 
                 record = await self.session(update)
-                parts = (await self.engine.collective_rpc(last_load))[0]
-                record.update({f"worker0_{k}": s for k, s in parts.items()})
+                record.update(self.worker_parts(await self.engine.collective_rpc(last_load)))
                 self.updates[way].append(record)
                 self.report(way, record)
                 await self.check(way, seed)
@@ -447,11 +479,11 @@ class Bench:
                 t0 = time.perf_counter()
                 await self.loop.run_in_executor(None, trainer.write, path)
                 t1 = time.perf_counter()
-                parts = (await self.engine.collective_rpc(reload_full, args=(path,)))[0]
+                parts = await self.engine.collective_rpc(reload_full, args=(path,))
                 await self.engine.reset_prefix_cache(reset_running_requests=True)
                 t2 = time.perf_counter()
                 return t0, t1, t2, {"whole": t2 - t0, "trainer_side": t1 - t0, "pause": t2 - t1, "bytes_per_worker": [os.path.getsize(path)] * len(self.pids),
-                                    **{f"worker0_{k}": s for k, s in parts.items()}}
+                                    **self.worker_parts(parts)}
 
             record = await self.session(update)
             self.updates["full"].append(record)
@@ -470,11 +502,11 @@ class Bench:
 
             async def update():
                 t0 = time.perf_counter()
-                parts = (await self.engine.collective_rpc(load_stash))[0]
+                parts = await self.engine.collective_rpc(load_stash)
                 await self.engine.reset_prefix_cache(reset_running_requests=True)
                 t2 = time.perf_counter()
                 return t0, t0, t2, {"whole": t2 - t0, "trainer_side": 0.0, "pause": t2 - t0, "bytes_per_worker": [0] * len(self.pids),
-                                    **{f"worker0_{k}": s for k, s in parts.items()}}
+                                    **self.worker_parts(parts)}
 
             record = await self.session(update)
             self.updates["memory"].append(record)
@@ -484,7 +516,20 @@ class Bench:
             if os.path.exists(path):
                 os.unlink(path)
 
+    @staticmethod
+    def worker_parts(parts):
+        """Worker 0's seconds by part; the span of the load in the workers
+        (first start to last end: the engine's pause inside them)."""
+        out = {f"worker0_{k}": v for k, v in parts[0].items() if k != "span"}
+        spans = [p["span"] for p in parts if "span" in p]
+        if spans:
+            out["in_workers"] = max(b for _, b in spans) - min(a for a, _ in spans)
+        return out
+
     def report(self, way, r):
+        if "in_workers" in r:
+            # The part of the largest gap outside the load in the workers.
+            r["gap_beyond_load"] = r["gap_max"] - r["in_workers"]
         print(f"  {NAMES[way]:24s} whole {r['whole']:.2f} s, pause {r['pause']:.2f} s; largest token gap during it {r['gap_max']:.2f} s "
               f"(trainer side {r['gap_trainer_side_max']:.2f} s), median outside {r['gap_outside_median'] * 1e3:.0f} ms", flush=True)
 
@@ -507,9 +552,12 @@ def table(bench, ways):
         ("trainer side (s)", "trainer_side", 1.0, "{:.2f}"),
         ("pause: engine-side load call (s)", "pause", 1.0, "{:.2f}"),
         ("  worker 0 load_weights + reload (s)", "worker0_load", 1.0, "{:.2f}"),
+        ("  the load in the workers (first start, last end) (s)", "in_workers", 1.0, "{:.2f}"),
+        ("largest token gap less the load in the workers (s)", "gap_beyond_load", 1.0, "{:.2f}"),
+        ("  worker 0 wait for the refit buffers (s)", "worker0_wait", 1.0, "{:.3f}"),
         ("  worker 0 copy of column parts (s)", "worker0_copy", 1.0, "{:.2f}"),
     ]
-    width = 42
+    width = 54
     lines = [f"{'per update, min-max':{width}s}" + "".join(f" | {NAMES[w]:>24s}" for w in ways)]
     for label, key, scale, fmt in rows:
         cells = [span([r[key] for r in bench.updates[w] if key in r], scale, fmt) for w in ways]
@@ -562,6 +610,7 @@ async def run(args):
     prompts = [torch.randint(1, args.vocab, (args.prompt_len + 3 * k,), generator=ids).tolist() for k in range(args.streams)]
     bench = Bench(args, engine, ckpt, prompts, work)
     try:
+        print(f"refit in the workers: {sorted(set(await engine.collective_rpc(refit_of)))}", flush=True)
         await bench.snapshot("started")
         await bench.check("direct", 0)  # what version 0 generates
         refit_ways = [w for w in args.ways if w in REFIT_WAYS]
