@@ -21,13 +21,15 @@ token's arrival is timed. The ways:
   ranks write the whole checkpoint once where every worker can read it (a
   safetensors file in /dev/shm, each rank's rows), then every worker loads
   every full tensor into the same ``load_weights`` under the same reload
-  (a ``collective_rpc`` carrying only the path), then the engine's prefix
-  cache and running requests' KV are reset (what refit's engine core does
-  after its load; without it, streams continue from the old weights' KV).
+  (a ``collective_rpc`` carrying only the path) as vLLM's RL flow runs
+  it: generation paused (``pause_generation(mode="keep")``), the load, the
+  prefix cache and running requests' KV reset (what refit's engine core
+  does after its load; without it, streams continue from the old weights'
+  KV), generation resumed.
 - **own load from memory**: vLLM's own load of the same version with the
   full tensors already in each worker's memory (the /dev/shm file mapped
-  and every page touched before the update): ``load_weights`` + reload +
-  the same reset, nothing moved. The goal refit's pause is held to.
+  and every page touched before the update): ``load_weights`` + reload,
+  paused and reset alike, nothing moved. The goal refit's pause is held to.
 
 refit (direct, then staged) connects once per way (a fresh orchestrator
 and training ranks; the engine's refit destination is replaced), and runs
@@ -479,8 +481,7 @@ class Bench:
                 t0 = time.perf_counter()
                 await self.loop.run_in_executor(None, trainer.write, path)
                 t1 = time.perf_counter()
-                parts = await self.engine.collective_rpc(reload_full, args=(path,))
-                await self.engine.reset_prefix_cache(reset_running_requests=True)
+                parts = await self.paused(reload_full, path)
                 t2 = time.perf_counter()
                 return t0, t1, t2, {"whole": t2 - t0, "trainer_side": t1 - t0, "pause": t2 - t1, "bytes_per_worker": [os.path.getsize(path)] * len(self.pids),
                                     **self.worker_parts(parts)}
@@ -502,8 +503,7 @@ class Bench:
 
             async def update():
                 t0 = time.perf_counter()
-                parts = await self.engine.collective_rpc(load_stash)
-                await self.engine.reset_prefix_cache(reset_running_requests=True)
+                parts = await self.paused(load_stash)
                 t2 = time.perf_counter()
                 return t0, t0, t2, {"whole": t2 - t0, "trainer_side": 0.0, "pause": t2 - t0, "bytes_per_worker": [0] * len(self.pids),
                                     **self.worker_parts(parts)}
@@ -515,6 +515,19 @@ class Bench:
         finally:
             if os.path.exists(path):
                 os.unlink(path)
+
+    async def paused(self, load, *args):
+        """``load`` in every worker as vLLM's RL flow runs a weight update:
+        generation paused (requests kept), the load, the prefix cache and
+        running requests' KV reset (they recompute with the new weights, as
+        after refit's load), generation resumed: one pause, like refit's."""
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            parts = await self.engine.collective_rpc(load, args=args)
+            await self.engine.reset_prefix_cache(reset_running_requests=True)
+        finally:
+            await self.engine.resume_generation()
+        return parts
 
     @staticmethod
     def worker_parts(parts):
@@ -638,8 +651,11 @@ async def run(args):
     pauses = {w: [r["pause"] for r in bench.updates[w]] for w in ways}
     if "memory" in ways and pauses["memory"]:
         own = statistics.median(pauses["memory"])
+        gaps = {w: [r["gap_max"] for r in bench.updates[w]] for w in ways}
+        own_gap = statistics.median(gaps["memory"])
         for w in refit_ways:
-            print(f"goal: {NAMES[w]}'s pause / own load from memory (medians): {statistics.median(pauses[w]) / own:.2f} (goal <= 1.1)")
+            print(f"goal: {NAMES[w]} / own load from memory, medians: pause {statistics.median(pauses[w]) / own:.2f}, "
+                  f"largest token gap {statistics.median(gaps[w]) / own_gap:.2f} (goal <= 1.1)")
     if args.json:
         out = {
             "model": {"layers": args.layers, "hidden": args.hidden, "intermediate": config.intermediate_size, "vocab": args.vocab, "parameters": ckpt.numel},
