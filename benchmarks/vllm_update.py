@@ -30,6 +30,10 @@ token's arrival is timed. The ways:
   full tensors already in each worker's memory (the /dev/shm file mapped
   and every page touched before the update): ``load_weights`` + reload,
   paused and reset alike, nothing moved. The goal refit's pause is held to.
+- **own load, refit buffers** (``--ways ...,buffers``; no extra memory,
+  for models whose checkpoint file does not fit beside the engine): the
+  same own load of the version the refit buffers hold (full-shape
+  tensors, the worker's part written), after refit loaded it.
 
 refit (direct, then staged) connects once per way (a fresh orchestrator
 and training ranks; the engine's refit destination is replaced), and runs
@@ -84,8 +88,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python", "test
 from vllm_engines import SHM, TRAIN_RANKS, _vllm_shm, engine_args, train_layout  # noqa: E402
 
 REFIT_WAYS = {"direct": False, "staged": True}
-WAYS = ("direct", "staged", "full", "memory")
-NAMES = {"direct": "refit direct", "staged": "refit staged", "full": "full tensors (/dev/shm)", "memory": "own load from memory"}
+WAYS = ("direct", "staged", "full", "memory", "buffers")
+DEFAULT_WAYS = ("direct", "staged", "full", "memory")
+NAMES = {
+    "direct": "refit direct",
+    "staged": "refit staged",
+    "full": "full tensors (/dev/shm)",
+    "memory": "own load from memory",
+    "buffers": "own load, refit buffers",
+}
 CHECK_PROMPTS = [[1, 2, 3, 4], [9, 8, 7], [250, 7, 7, 7, 120, 3]]
 MiB = 2**20
 
@@ -180,6 +191,13 @@ def stash(worker, path):
     for t in weights.values():
         t.sum()
     worker._bench_stash = weights
+
+
+def load_buffers(worker):
+    """The own load of the version in this worker's refit buffers (full-shape
+    tensors, this worker's part written; no file, no extra memory)."""
+    a, b = _reload(worker, worker.weight_transfer_engine.full.items())
+    return {"load": b - a, "span": [a, b]}
 
 
 def load_stash(worker):
@@ -457,7 +475,7 @@ class Bench:
                 await self.check(way, seed)
                 if i == 0:
                     await self.snapshot(f"after an update ({NAMES[way]})")
-                for other in ("full", "memory"):
+                for other in ("full", "memory", "buffers"):
                     if other in self.args.ways:
                         await getattr(self, f"{other}_way")(trainer, seed)
             await self.snapshot(f"after {self.args.repeats} updates ({NAMES[way]})")
@@ -529,6 +547,19 @@ class Bench:
             await self.engine.resume_generation()
         return parts
 
+    async def buffers_way(self, trainer, seed):
+        async def update():
+            t0 = time.perf_counter()
+            parts = await self.paused(load_buffers)
+            t2 = time.perf_counter()
+            return t0, t0, t2, {"whole": t2 - t0, "trainer_side": 0.0, "pause": t2 - t0, "bytes_per_worker": [0] * len(self.pids),
+                                **self.worker_parts(parts)}
+
+        record = await self.session(update)
+        self.updates["buffers"].append(record)
+        self.report("buffers", record)
+        await self.check("buffers", seed)
+
     @staticmethod
     def worker_parts(parts):
         """Worker 0's seconds by part; the span of the load in the workers
@@ -555,7 +586,26 @@ def span(xs, scale=1.0, fmt="{:.2f}"):
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
-def table(bench, ways):
+def summary(updates, memories, ways):
+    """The table, each run's memory, and the goal (refit against the own
+    load from memory, medians)."""
+    print(table(updates, ways))
+    print()
+    print("memory of each worker (MiB): RSS / PSS")
+    for run, memory in enumerate(memories):
+        for row in memory:
+            label = row["when"] if len(memories) == 1 else f"run {run + 1}: {row['when']}"
+            print(f"  {label:48s} " + "  ".join(f"{m['rss']:7.0f} / {m['pss']:7.0f}" for m in row["workers"]) + f"   (this process: RSS {row['driver']['rss']:.0f})")
+    for own in (o for o in ("memory", "buffers") if updates.get(o)):
+        for w in (w for w in ways if w in REFIT_WAYS and updates[w]):
+            ratios = ", ".join(
+                f"{label} {statistics.median(r[key] for r in updates[w]) / statistics.median(r[key] for r in updates[own]):.2f}"
+                for label, key in (("largest token gap", "gap_max"), ("load in the workers", "in_workers"), ("engine-side load call", "pause"))
+            )
+            print(f"goal: {NAMES[w]} / {NAMES[own]}, medians: {ratios} (goal <= 1.1)")
+
+
+def table(updates, ways):
     rows = [
         ("largest token gap during the update (s)", "gap_max", 1.0, "{:.2f}"),
         ("  of it, during the trainer side (s)", "gap_trainer_side_max", 1.0, "{:.2f}"),
@@ -573,13 +623,13 @@ def table(bench, ways):
     width = 54
     lines = [f"{'per update, min-max':{width}s}" + "".join(f" | {NAMES[w]:>24s}" for w in ways)]
     for label, key, scale, fmt in rows:
-        cells = [span([r[key] for r in bench.updates[w] if key in r], scale, fmt) for w in ways]
+        cells = [span([r[key] for r in updates[w] if key in r], scale, fmt) for w in ways]
         if all(c == "-" for c in cells):
             continue
         lines.append(f"{label:{width}s}" + "".join(f" | {c:>24s}" for c in cells))
-    cells = [span([b for r in bench.updates[w] for b in r["bytes_per_worker"][:1]], 1 / MiB, "{:.0f}") for w in ways]
+    cells = [span([b for r in updates[w] for b in r["bytes_per_worker"][:1]], 1 / MiB, "{:.0f}") for w in ways]
     lines.append(f"{'bytes into worker 0 (MiB)':{width}s}" + "".join(f" | {c:>24s}" for c in cells))
-    lines.append(f"{'updates':{width}s}" + "".join(f" | {len(bench.updates[w]):>24d}" for w in ways))
+    lines.append(f"{'updates':{width}s}" + "".join(f" | {len(updates[w]):>24d}" for w in ways))
     return "\n".join(lines)
 
 
@@ -643,19 +693,7 @@ async def run(args):
     ways = [w for w in WAYS if w in args.ways]
     print()
     print(f"{args.streams} streams of {args.max_tokens} tokens after ~{args.prompt_len}-token prompts; {args.repeats} updates per refit way")
-    print(table(bench, ways))
-    print()
-    print("memory of each worker (MiB): RSS / PSS")
-    for row in bench.memory:
-        print(f"  {row['when']:40s} " + "  ".join(f"{m['rss']:7.0f} / {m['pss']:7.0f}" for m in row["workers"]) + f"   (this process: RSS {row['driver']['rss']:.0f})")
-    pauses = {w: [r["pause"] for r in bench.updates[w]] for w in ways}
-    if "memory" in ways and pauses["memory"]:
-        own = statistics.median(pauses["memory"])
-        gaps = {w: [r["gap_max"] for r in bench.updates[w]] for w in ways}
-        own_gap = statistics.median(gaps["memory"])
-        for w in refit_ways:
-            print(f"goal: {NAMES[w]} / own load from memory, medians: pause {statistics.median(pauses[w]) / own:.2f}, "
-                  f"largest token gap {statistics.median(gaps[w]) / own_gap:.2f} (goal <= 1.1)")
+    summary(bench.updates, [bench.memory], ways)
     if args.json:
         out = {
             "model": {"layers": args.layers, "hidden": args.hidden, "intermediate": config.intermediate_size, "vocab": args.vocab, "parameters": ckpt.numel},
@@ -678,9 +716,19 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--settle-tokens", type=int, default=8, help="tokens every stream streams before and after an update")
-    ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)}")
+    ap.add_argument("--ways", default=",".join(DEFAULT_WAYS), help=f"comma-separated, of {', '.join(WAYS)}")
     ap.add_argument("--json", default=None, help="write the figures as JSON to this file ('-': stdout)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="no run: the table over the runs these --json files hold")
     args = ap.parse_args()
+    if args.merge:
+        runs = []
+        for path in args.merge:
+            with open(path) as f:
+                runs.append(json.load(f))
+        ways = [w for w in WAYS if any(w in r["updates"] for r in runs)]
+        print(f"{len(runs)} runs: " + "; ".join(f"{r['model']['parameters'] / 1e6:.1f}M parameters, {r['streams']} streams of {r['max_tokens']} tokens" for r in runs))
+        summary({w: [u for r in runs for u in r["updates"].get(w, [])] for w in ways}, [r["memory"] for r in runs], ways)
+        return
     args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     bad = [w for w in args.ways if w not in WAYS]
     if bad:
