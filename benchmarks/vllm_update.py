@@ -586,10 +586,19 @@ def span(xs, scale=1.0, fmt="{:.2f}"):
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
-def summary(updates, memories, ways):
-    """The table, each run's memory, and the goal (refit against the own
-    load from memory, medians)."""
-    print(table(updates, ways))
+def summary(updates, memories, ways, repeats):
+    """The tables (the first update after each connect, whose refit
+    buffers' pages are first written then, and the later ones), each run's
+    memory, and the goal (refit against the own load, medians of the later
+    updates)."""
+    first = {w: [r for i, r in enumerate(rs) if i % repeats == 0] for w, rs in updates.items()}
+    later = {w: [r for i, r in enumerate(rs) if i % repeats != 0] for w, rs in updates.items()}
+    print("the first update after each connect (and the other ways after it):")
+    print(table(first, ways))
+    if any(later.values()):
+        print("the later updates:")
+        print(table(later, ways))
+        updates = later
     print()
     print("memory of each worker (MiB): RSS / PSS")
     for run, memory in enumerate(memories):
@@ -693,7 +702,7 @@ async def run(args):
     ways = [w for w in WAYS if w in args.ways]
     print()
     print(f"{args.streams} streams of {args.max_tokens} tokens after ~{args.prompt_len}-token prompts; {args.repeats} updates per refit way")
-    summary(bench.updates, [bench.memory], ways)
+    summary(bench.updates, [bench.memory], ways, args.repeats)
     if args.json:
         out = {
             "model": {"layers": args.layers, "hidden": args.hidden, "intermediate": config.intermediate_size, "vocab": args.vocab, "parameters": ckpt.numel},
@@ -727,7 +736,9 @@ def main():
                 runs.append(json.load(f))
         ways = [w for w in WAYS if any(w in r["updates"] for r in runs)]
         print(f"{len(runs)} runs: " + "; ".join(f"{r['model']['parameters'] / 1e6:.1f}M parameters, {r['streams']} streams of {r['max_tokens']} tokens" for r in runs))
-        summary({w: [u for r in runs for u in r["updates"].get(w, [])] for w in ways}, [r["memory"] for r in runs], ways)
+        if len({r["repeats"] for r in runs}) != 1:
+            ap.error("--merge: runs of different --repeats")
+        summary({w: [u for r in runs for u in r["updates"].get(w, [])] for w in ways}, [r["memory"] for r in runs], ways, runs[0]["repeats"])
         return
     args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     bad = [w for w in args.ways if w not in WAYS]
