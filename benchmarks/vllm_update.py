@@ -1,5 +1,6 @@
 """A weight update of a running vLLM engine (CPU build, TP 2), as the RL loop
-waiting on it sees it: four ways side by side, in one run.
+waiting on it sees it: the ways side by side, in one run
+(docs/benchmarks.md, "vLLM: the pause").
 
 An ``AsyncLLM`` engine (TP 2, f32) streams long greedy generations
 (``--streams`` requests of ~``--prompt-len`` tokens, ``--max-tokens``
@@ -13,7 +14,7 @@ token's arrival is timed. The ways:
   refit buffers in place while the engine generates; then the load
   (``start_weight_update``/``update_weights``/``finish_weight_update``)
   hands them to the model's ``load_weights`` under vLLM's layer-wise
-  reload, in one engine-core call: the pause.
+  reload inside ``update_weights``, one engine-core call: the pause.
 - **refit staged** (``staged=True``): the same, refit staging each version
   in its own store first and copying it into the refit buffers at the
   commit (a second copy of each worker's share).
@@ -43,17 +44,24 @@ Greedy tokens after every update must equal across the ways (checked,
 with nothing else running). Reported, per way (min-max over updates):
 
 - the largest gap between two tokens of one stream that overlaps the
-  update, the largest during the trainer-side part alone, and the median
-  gap outside updates;
-- the whole update (trainer side + load), the trainer side, the pause (the
-  engine-side load call, ``VLLMRefitReport.load_seconds`` for refit) and,
-  inside it, worker 0's ``load_weights`` + reload;
+  update (the pause a client sees, the KV's recompute after the load
+  included), the largest during the trainer-side part alone, and the
+  median and largest gap outside updates;
+- the whole update (trainer side + load), the trainer side, the
+  engine-side load call (``VLLMRefitReport.load_seconds`` for refit: its
+  three engine calls, the engine generating between them), the load in
+  the workers (every worker's load call timed, first start to last end,
+  on the one CLOCK_MONOTONIC) and worker 0's ``load_weights`` + reload;
 - bytes into each worker; each worker process's RSS and PSS
   (/proc/<pid>/smaps_rollup) when started, after each refit way's
-  connect and after its updates.
+  connect and after its updates;
+- the first update after each connect (whose transfer first writes the
+  refit buffers' pages) apart from the later ones, and the goal: refit
+  against the own load, medians of the later updates.
 
     PYTHONPATH=... vllm-env/bin/python benchmarks/vllm_update.py [--layers 8] [--hidden 1024]
         [--intermediate N] [--repeats 3] [--streams 2] [--ways direct,staged,full,memory] [--json out.json]
+    vllm-env/bin/python benchmarks/vllm_update.py --merge run1.json run2.json   # the tables over runs
 
 Random weights (a transformers ``Qwen2Config``; nothing is downloaded).
 The training ranks run in this process (the refit's transfer runs in
@@ -305,7 +313,7 @@ class Streams:
         self.params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, detokenize=False, ignore_eos=True, output_kind=RequestOutputKind.DELTA
         )
-        self.requests = []  # per request: [arrival time of each output]
+        self.requests = []  # per request: (stream, [arrival time of each output])
         self.tasks = []
 
     def start(self):
@@ -586,13 +594,25 @@ def span(xs, scale=1.0, fmt="{:.2f}"):
     return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
 
-def summary(updates, memories, ways, repeats):
-    """The tables (the first update after each connect, whose refit
-    buffers' pages are first written then, and the later ones), each run's
-    memory, and the goal (refit against the own load, medians of the later
-    updates)."""
+def split(updates, repeats):
+    """A run's updates: the first after each connect (whose transfer first
+    writes the refit buffers' pages, and the other ways' after it), and the
+    later ones."""
     first = {w: [r for i, r in enumerate(rs) if i % repeats == 0] for w, rs in updates.items()}
     later = {w: [r for i, r in enumerate(rs) if i % repeats != 0] for w, rs in updates.items()}
+    return first, later
+
+
+def summary(runs, memories, ways):
+    """The tables over ``runs`` (each ``(updates, repeats)``): the first
+    update after each connect and the later ones; each run's memory; the
+    goal (refit against the own load, medians of the later updates)."""
+    first, later = {w: [] for w in ways}, {w: [] for w in ways}
+    for updates, repeats in runs:
+        f, l = split(updates, repeats)
+        for w in ways:
+            first[w] += f.get(w, [])
+            later[w] += l.get(w, [])
     print("the first update after each connect (and the other ways after it):")
     print(table(first, ways))
     if any(later.values()):
@@ -702,7 +722,7 @@ async def run(args):
     ways = [w for w in WAYS if w in args.ways]
     print()
     print(f"{args.streams} streams of {args.max_tokens} tokens after ~{args.prompt_len}-token prompts; {args.repeats} updates per refit way")
-    summary(bench.updates, [bench.memory], ways, args.repeats)
+    summary([(bench.updates, args.repeats)], [bench.memory], ways)
     if args.json:
         out = {
             "model": {"layers": args.layers, "hidden": args.hidden, "intermediate": config.intermediate_size, "vocab": args.vocab, "parameters": ckpt.numel},
@@ -736,9 +756,7 @@ def main():
                 runs.append(json.load(f))
         ways = [w for w in WAYS if any(w in r["updates"] for r in runs)]
         print(f"{len(runs)} runs: " + "; ".join(f"{r['model']['parameters'] / 1e6:.1f}M parameters, {r['streams']} streams of {r['max_tokens']} tokens" for r in runs))
-        if len({r["repeats"] for r in runs}) != 1:
-            ap.error("--merge: runs of different --repeats")
-        summary({w: [u for r in runs for u in r["updates"].get(w, [])] for w in ways}, [r["memory"] for r in runs], ways, runs[0]["repeats"])
+        summary([(r["updates"], r["repeats"]) for r in runs], [r["memory"] for r in runs], ways)
         return
     args.ways = [w.strip() for w in args.ways.split(",") if w.strip()]
     bad = [w for w in args.ways if w not in WAYS]
