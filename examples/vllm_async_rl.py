@@ -103,7 +103,7 @@ async def run(steps):
             print(
                 f"step {step:2d}: mean reward {mean:.3f} over rollouts of versions {versions}; "
                 f"refit of version {version}: {report.bytes} bytes, transfer {1e3 * report.refit.transfer_seconds:.0f} ms "
-                f"while generating, pause (load) {1e3 * report.pause_seconds:.0f} ms"
+                f"while generating, load {1e3 * report.pause_seconds:.0f} ms (the engine's update calls)"
             )
         await pending
 

@@ -509,6 +509,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
                     self.copies.append((view, box))
                     view = box
                 buffers[_front.buffer_name(name, i, len(boxes))] = view
+        # Every page a refit writes, faulted in now rather than by the
+        # first refit and load while the engine serves (the memory is the
+        # same; docs/benchmarks.md, "vLLM: the pause": the first update
+        # after a connect was 5-10x slower).
+        for view in buffers.values():
+            view.zero_()
+        for view, _ in self.copies:
+            view.zero_()
         # The model reads the refit buffers only inside serving() (the
         # load), so a refit can write them in place while the engine
         # generates (direct): no staging copy. A refit that fails leaves

@@ -509,8 +509,11 @@ class VLLMRefitReport:
 
     refit: Any
     load_seconds: List[float]
-    """Each engine's load (the call that pauses it: the engine schedules
-    nothing meanwhile), in engine order."""
+    """Each engine's weight-update calls, one after another, in engine
+    order (start, update, finish and the version). The engine stops only
+    in the update (the load; then it recomputes running requests' KV), and
+    generates between the calls, so this is longer than its pause
+    (docs/benchmarks.md, "vLLM: the pause")."""
     seconds: float
     """The whole update: refit and loads."""
 
@@ -525,7 +528,8 @@ class VLLMRefitReport:
 
     @property
     def pause_seconds(self) -> float:
-        """The longest an engine paused: its load."""
+        """An upper bound of the longest an engine paused: the slowest
+        engine's weight-update calls."""
         return max(self.load_seconds, default=0.0)
 
 
@@ -654,7 +658,7 @@ class VLLMRollouts:
         loads = self.load(report.version)
         out = VLLMRefitReport(refit=report, load_seconds=loads, seconds=time.perf_counter() - t0)
         _log.info(
-            "refit: version %d into %d engine(s) x %d worker(s): plan %.1f ms, transfer %.1f ms, commit %.1f ms, load %.1f ms (slowest engine; it paused that long), whole %.1f ms, %d bytes",
+            "refit: version %d into %d engine(s) x %d worker(s): plan %.1f ms, transfer %.1f ms, commit %.1f ms, load %.1f ms (the slowest engine's update calls), whole %.1f ms, %d bytes",
             out.version,
             len(self.engines),
             self.world,
