@@ -117,7 +117,7 @@ pub enum MemberMsg {
         delta: Option<Option<u64>>,
         /// After the run, read back what it moved and answer with its
         /// digest ([`RunStats::digest`]), for the orchestrator to check
-        /// before any commit ([`OrchestratorConfig::verify`](crate::OrchestratorConfig::verify)).
+        /// before any commit ([`OrchestratorConfig::digest_check`](crate::OrchestratorConfig::digest_check)).
         verify: bool,
     },
     /// Make staged `version` the one readers get (destinations); the second phase.

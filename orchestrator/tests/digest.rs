@@ -1,4 +1,4 @@
-//! The digest check before every commit (`OrchestratorConfig::verify`): a
+//! The digest check before every commit (`OrchestratorConfig::digest_check`): a
 //! byte of a destination flipped after its run and before the commit
 //! (`testkit::Corrupt`) fails the refit, naming the destination rank,
 //! with nothing committed anywhere — every destination serves its last
@@ -235,7 +235,7 @@ async fn a_widening_destination_is_read_back_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_the_check_off_a_flipped_byte_is_served() {
     let (src, dst) = common::layouts();
-    let sys = system(src, dst, Kind::Staged, OrchestratorConfig { verify: false, ..config(Fabric::InProcess, false) });
+    let sys = system(src, dst, Kind::Staged, OrchestratorConfig { digest_check: false, ..config(Fabric::InProcess, false) });
     let v = sys.step(1.0).await;
     sys.corrupt[2].arm(0, 1);
     let report = sys.orchestrator.refit(v).await.unwrap();

@@ -33,7 +33,7 @@ impl Orchestrator {
         *connect_time += t.elapsed();
         let deadline = self.config.deadline;
         let delta = self.config.delta.then(|| self.delta_base.get(&fingerprint).copied());
-        let verify = self.config.verify;
+        let verify = self.config.digest_check;
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta, verify });
         self.enter(RefitStep::Running);
         let ran = self.ask_each(cast, run, deadline + control).await;

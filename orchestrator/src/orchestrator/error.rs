@@ -140,7 +140,7 @@ pub enum OrchestratorError {
         problem: String,
     },
     /// What a member holds of the refit, read back after its run, is not
-    /// what its senders sent ([`OrchestratorConfig::verify`](super::OrchestratorConfig::verify)),
+    /// what its senders sent ([`OrchestratorConfig::digest_check`](super::OrchestratorConfig::digest_check)),
     /// or its memory disagrees with itself (a piece's copies, a local
     /// copy, an element that is no widened wire value). Checked before any
     /// commit: nothing was committed, and every destination serves what

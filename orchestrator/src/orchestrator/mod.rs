@@ -83,7 +83,7 @@ pub struct OrchestratorConfig {
     /// ranks count as unverified ([`RefitReport::unverified_ranks`]). On
     /// by default; costs one more read of every byte a rank moved
     /// ([`RefitReport::verify_time`], docs/benchmarks.md).
-    pub verify: bool,
+    pub digest_check: bool,
 }
 
 /// How a reshard to a destination group of replicas
@@ -167,7 +167,7 @@ impl Default for OrchestratorConfig {
             replica_plan: ReplicaPlan::Derived,
             replica_loss: ReplicaLoss::Drop,
             source_loss: SourceLoss::Replan,
-            verify: true,
+            digest_check: true,
         }
     }
 }

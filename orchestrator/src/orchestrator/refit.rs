@@ -241,7 +241,7 @@ impl Orchestrator {
         }
         let k = self.config.replica.as_ref().map_or(1, |one| one.ranks() as usize);
         // Nothing commits that does not match what its senders sent.
-        let verified = match self.config.verify {
+        let verified = match self.config.digest_check {
             false => Verified::default(),
             true => match verify(&moved.digests, |e| !lost.contains(&((e.rank as usize / k) as u32))) {
                 Ok(v) => v,

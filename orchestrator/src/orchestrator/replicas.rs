@@ -241,7 +241,7 @@ impl Orchestrator {
         close_in_process(&session);
         // A joining replica, too, commits only what matches what the
         // serving one sent.
-        let checked = |moved: super::data_plane::Moved| match self.config.verify {
+        let checked = |moved: super::data_plane::Moved| match self.config.digest_check {
             true => super::verify::verify(&moved.digests, |_| true).map(|_| moved.sent),
             false => Ok(moved.sent),
         };

@@ -38,7 +38,7 @@ pub struct RefitReport {
     /// Committing on every destination.
     pub commit_time: Duration,
     /// The digest check before the commit
-    /// ([`OrchestratorConfig::verify`](super::OrchestratorConfig::verify)):
+    /// ([`OrchestratorConfig::digest_check`](super::OrchestratorConfig::digest_check)):
     /// the longest time a member took to read back what its run moved
     /// (part of `transfer_time`: members do it at the end of their run),
     /// plus the orchestrator's comparison. Zero when off.

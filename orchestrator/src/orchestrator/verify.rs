@@ -1,6 +1,6 @@
 //! The check before any commit: what every member holds of this refit,
 //! read back after its run, is what its senders sent
-//! ([`OrchestratorConfig::verify`](super::OrchestratorConfig::verify)).
+//! ([`OrchestratorConfig::digest_check`](super::OrchestratorConfig::digest_check)).
 //!
 //! Each member answers its run with a digest (`transport::fabric::digest`):
 //! per receiver, the keyed CRC-32C sum of every piece it sent; per sender,
