@@ -94,9 +94,6 @@ struct BenchArgs {
     /// seconds).
     #[arg(long, conflicts_with_all = ["delta_fraction", "fp8_dst"])]
     digest_cost: bool,
-    /// Refit without the orchestrator's digest check before the commit.
-    #[arg(long)]
-    no_digest_check: bool,
     /// Instead: the refit into the destination as given against the same
     /// into its block-scaled FP8 version (every float tensor of 2 or more
     /// dimensions `f8e4m3` in blocks of `--fp8-block`, with an f32 scale
@@ -672,17 +669,19 @@ fn main() -> ExitCode {
             quantize_at: quantize_at.into(),
             max_plan_work: *max_plan_work,
         }),
-        Command::Run { pair, baseline, verify, no_digest_check, transport, deadline_s, json, dump_dst, only } => cmd::run::run(&cmd::run::RunArgs {
-            pair,
-            baseline: *baseline,
-            verify: *verify,
-            digest_check: !no_digest_check,
-            transport,
-            deadline_s: *deadline_s,
-            json: *json,
-            dump_dst: dump_dst.as_deref(),
-            only,
-        }),
+        Command::Run { pair, baseline, verify, no_digest_check, transport, deadline_s, json, dump_dst, only } => {
+            cmd::run::run(&cmd::run::RunArgs {
+                pair,
+                baseline: *baseline,
+                verify: *verify,
+                digest_check: !no_digest_check,
+                transport,
+                deadline_s: *deadline_s,
+                json: *json,
+                dump_dst: dump_dst.as_deref(),
+                only,
+            })
+        }
         Command::Bench(args) => cmd::bench::run(args),
         Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only, shuffle, repeat } => cmd::chaos::run(&cmd::chaos::ChaosArgs {
             json: *json,

@@ -3,7 +3,9 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::protocol::{DigestError, Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Seat, Weights, INSTALLED_PLANS};
+use crate::protocol::{
+    DigestError, Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Seat, Weights, INSTALLED_PLANS,
+};
 use crate::store::{Buffers, CommitFence, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{BufferSpec, Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};

@@ -316,7 +316,7 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
         }
         return Ok(());
     }
-    let b = exec_bench(&s, &d, &opts, a.reps, a.transport, !a.no_digest_check, |p| progress.phase(p.to_string()))
+    let b = exec_bench(&s, &d, &opts, a.reps, a.transport, !a.cluster.no_digest_check, |p| progress.phase(p.to_string()))
         .map_err(|e| fail(e.to_string()))?;
     drop(progress);
     let (reference, copies) = match a.transport {

@@ -174,7 +174,8 @@ impl Blame {
                     blame.ran.push(*e);
                     blame.moved.sent += stats.sent_bytes;
                     blame.moved.messages += stats.messages;
-                    let digest = MemberDigest { endpoint: *e, member: member.clone(), digest: stats.digest.clone(), time: stats.digest_time };
+                    let digest =
+                        MemberDigest { endpoint: *e, member: member.clone(), digest: stats.digest.clone(), time: stats.digest_time };
                     blame.moved.digests.push(digest);
                 }
                 Ok(_) => {}

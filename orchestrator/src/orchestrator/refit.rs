@@ -3,9 +3,9 @@
 //! everywhere.
 
 use super::data_plane::Blame;
-use super::verify::{verify, Verified};
 use super::error::refused;
 use super::members::Status;
+use super::verify::{verify, Verified};
 use super::{Orchestrator, OrchestratorError, RefitReport, RefitStep, RefitTarget, SourceLoss};
 use crate::protocol::{Fabric, MemberMsg, MemberReply, Refusal, Weights, INSTALLED_PLANS};
 use reshard::{Figures, Group, PlanError, TensorSubset};
