@@ -40,9 +40,10 @@
 use crate::bypass::Bypass;
 use crate::copy::{for_each_run, StridedRef};
 use crate::memory::MemView;
-use reshard::{convert_slice, wire_dtype, Block, DType, Endpoint, Group, RankProgram, Span};
+use reshard::{convert_slice, wire_dtype, Block, DType, Endpoint, Group, RankProgram, Span, MAX_DIMS};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeMap, HashMap};
 
 /// What one rank's run moved, as hashes its peers' can be checked against
 /// (see the module's documentation).
@@ -100,18 +101,28 @@ pub(crate) unsafe fn rank_digest(program: &RankProgram, bypass: &Bypass, mem: &M
     let strided = |span: &Span, dtype: DType, extent: &[u64], block: &dyn Fn() -> Block| {
         mem.strided(span, dtype, extent).ok_or_else(|| oob(span.buffer, block()))
     };
+    // A piece sent to several peers (one leader per node that needs it)
+    // is read once.
+    let mut read: HashMap<(Span, [u64; MAX_DIMS], DType), u32> = HashMap::new();
     for (r, round) in program.rounds.iter().enumerate() {
         let r = r as u32;
         for m in &round.sends {
             let sum = sent.entry(m.peer).or_insert(0);
             for (i, p) in m.pieces.views().enumerate() {
                 let extent = p.extent();
-                let view = strided(&p.span(), p.dtype(), extent, &|| p.block())?;
-                // SAFETY: in bounds (checked); valid and unwritten (the
-                // caller's contract).
-                let crc = unsafe { reader.crc(extent, &view, p.wire(), false) }.unwrap_or_default();
+                let mut dims = [0u64; MAX_DIMS];
+                dims[..extent.len().min(MAX_DIMS)].copy_from_slice(&extent[..extent.len().min(MAX_DIMS)]);
+                let crc = match read.entry((p.span(), dims, p.wire())) {
+                    Entry::Occupied(e) => *e.get(),
+                    Entry::Vacant(e) => {
+                        let view = strided(&p.span(), p.dtype(), extent, &|| p.block())?;
+                        reader.bytes += numel(extent) * p.dtype().size();
+                        // SAFETY: in bounds (checked); valid and unwritten
+                        // (the caller's contract).
+                        *e.insert(unsafe { reader.crc(extent, &view, p.wire(), false) }.unwrap_or_default())
+                    }
+                };
                 *sum = sum.wrapping_add(term(me, m.peer, r, i, numel(extent), p.wire(), crc));
-                reader.bytes += numel(extent) * p.dtype().size();
             }
         }
         for m in &round.recvs {
