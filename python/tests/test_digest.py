@@ -7,6 +7,7 @@ so. A byte flipped between a transfer and its commit cannot be staged from
 Python (the fault injection is Rust test machinery, not in the wheel):
 orchestrator/tests/digest.rs covers that."""
 
+import numpy as np
 import pytest
 
 import refit
@@ -14,14 +15,16 @@ from test_stores import layouts, served_in_place, setup, train_step
 
 
 def test_every_refit_is_checked_by_default_and_the_check_can_be_turned_off():
-    system, src_arrays, _ = setup("bf16", __import__("numpy").float32)
+    # f32 sources, bf16 destinations: the senders' digests are of what
+    # they narrow to.
+    system, src_arrays, _ = setup("bf16", np.uint16)
     train_step(system, src_arrays, 1)
     report = system.refit_latest()
     assert (report.verified_ranks, report.unverified_ranks) == (4, 0)
     assert 0 < report.verify_seconds <= report.transfer_seconds
     off = refit.spawn_local(*layouts(), digest_check=False)
     for s in off.sources:
-        s.register_all({n: __import__("numpy").ones(s.block(n)[1], "float32") for n in ("w", "b")})
+        s.register_all({n: np.ones(s.block(n)[1], "float32") for n in ("w", "b")})
         s.step()
     report = off.refit_latest()
     assert (report.verify_seconds, report.verified_ranks, report.unverified_ranks) == (0.0, 0, 0)
