@@ -13,8 +13,10 @@
 //! buffer's type is the wire's, the bytes as they are; where it widened on
 //! receipt, each element narrowed back, and checked to be the widening of
 //! that narrowed value (bit for bit: a widening is exact, so only a value
-//! that came from the wire passes; a NaN passes whatever its payload, as
-//! narrowing keeps none). So equal hashes mean the receiver holds, bit for
+//! that came from the wire passes; a NaN, which narrowing makes the quiet
+//! NaN, is taken back to the wire NaN bf16 to f32 keeps whole; the other
+//! widenings keep no NaN payload, so a piece holding such a NaN cannot be
+//! compared and its sender is listed as unread). So equal hashes mean the receiver holds, bit for
 //! bit, the values it was sent, in its own type.
 //!
 //! Each piece's CRC is keyed by what both ends know of it without talking
@@ -60,7 +62,8 @@ pub struct RankDigest {
     /// `unread`).
     pub held: Vec<(Endpoint, u64)>,
     /// Senders some of whose pieces this rank cannot read back (they went
-    /// through bypassed scratch).
+    /// through bypassed scratch, or hold a NaN whose payload the
+    /// widening on receipt did not keep).
     pub unread: Vec<Endpoint>,
     /// Bytes read to make the digest.
     pub bytes: u64,
@@ -138,16 +141,23 @@ pub(crate) unsafe fn rank_digest(program: &RankProgram, bypass: &Bypass, mem: &M
                     }
                     let view = strided(&span, p.dtype(), extent, &|| p.block())?;
                     // SAFETY: as above.
-                    let crc = unsafe { reader.crc(extent, &view, p.wire(), true) }.map_err(|e| {
-                        DigestError::Inconsistent(format!(
-                            "{me}: buffer {}, piece {} from {}: element {e} of the piece is not a {} value widened to {}",
-                            name(span.buffer),
-                            p.block(),
-                            m.peer,
-                            p.wire(),
-                            p.dtype()
-                        ))
-                    })?;
+                    let crc = match unsafe { reader.crc(extent, &view, p.wire(), true) } {
+                        Ok(crc) => crc,
+                        Err(NotWire::Nan) => {
+                            skipped = true;
+                            continue;
+                        }
+                        Err(NotWire::Inexact(e)) => {
+                            return Err(DigestError::Inconsistent(format!(
+                                "{me}: buffer {}, piece {} from {}: element {e} of the piece is not a {} value widened to {}",
+                                name(span.buffer),
+                                p.block(),
+                                m.peer,
+                                p.wire(),
+                                p.dtype()
+                            )))
+                        }
+                    };
                     reader.bytes += numel(extent) * p.dtype().size();
                     match first {
                         None => first = Some((span.buffer, crc)),
@@ -254,7 +264,7 @@ impl Reader {
     /// # Safety
     /// `view` must be in bounds and its memory valid for reads and not
     /// written for the duration of the call.
-    unsafe fn crc(&mut self, extent: &[u64], view: &StridedRef, wire: DType, widened: bool) -> Result<u32, u64> {
+    unsafe fn crc(&mut self, extent: &[u64], view: &StridedRef, wire: DType, widened: bool) -> Result<u32, NotWire> {
         let from = view.dtype;
         let mut crc = 0u32;
         if from == wire {
@@ -272,14 +282,25 @@ impl Reader {
                     let n = part.len() / fs;
                     narrowed.resize(n * ws, 0);
                     convert_slice(from, part, wire, narrowed);
-                    crc = crc32c::crc32c_append(crc, narrowed);
+                    if widened
+                        && bad.is_none()
+                        && (from, wire) != (DType::F32, DType::BF16)
+                        && part.chunks_exact(fs).any(|e| is_nan(from, e))
+                    {
+                        // This widening keeps no NaN payload.
+                        bad = Some(NotWire::Nan);
+                    }
                     if widened && bad.is_none() {
                         back.resize(part.len(), 0);
                         convert_slice(wire, narrowed, from, back);
                         if back[..] != *part {
-                            bad = first_inexact(from, part, back).map(|i| at + i);
+                            bad = exact_or_first_inexact(from, part, back, wire, narrowed).map(|e| match e {
+                                NotWire::Inexact(i) => NotWire::Inexact(at + i),
+                                nan => nan,
+                            });
                         }
                     }
+                    crc = crc32c::crc32c_append(crc, narrowed);
                     at += n as u64;
                 }
             })
@@ -288,16 +309,69 @@ impl Reader {
     }
 }
 
-/// The first element of `got` (of type `dtype`) that differs from `back`
-/// and is not a NaN.
-fn first_inexact(dtype: DType, got: &[u8], back: &[u8]) -> Option<u64> {
-    let size = dtype.size() as usize;
-    got.chunks_exact(size).zip(back.chunks_exact(size)).position(|(g, b)| g != b && !is_nan(dtype, g)).map(|i| i as u64)
+/// Why a widened element is not read back as a wire value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NotWire {
+    /// Element `0` of the piece is no widened wire value.
+    Inexact(u64),
+    /// A NaN whose wire value its widening did not keep (every pair but
+    /// bf16 to f32 makes the NaN quiet or canonical): the piece cannot be
+    /// compared.
+    Nan,
+}
+
+/// Where an element of `got` (of type `dtype`, narrowed to `wire` in
+/// `narrowed`) differs from the widening of its narrowing (`back`): a NaN
+/// widened from bf16 to f32 is given the wire value it widens from
+/// (narrowing gives the quiet NaN, whatever the payload; that widening
+/// keeps it: sign, exponent, the top mantissa bits); a NaN of another pair
+/// cannot be; any other element is inexact, the first one's index
+/// returned.
+fn exact_or_first_inexact(dtype: DType, got: &[u8], back: &[u8], wire: DType, narrowed: &mut [u8]) -> Option<NotWire> {
+    let (size, ws) = (dtype.size() as usize, wire.size() as usize);
+    for (i, (g, b)) in got.chunks_exact(size).zip(back.chunks_exact(size)).enumerate() {
+        if g == b {
+            continue;
+        }
+        if !is_nan(dtype, g) {
+            return Some(NotWire::Inexact(i as u64));
+        }
+        if (dtype, wire) != (DType::F32, DType::BF16) {
+            return Some(NotWire::Nan);
+        }
+        let bits = nan_narrowed(dtype, le_bits(g), wire).to_le_bytes();
+        narrowed[i * ws..(i + 1) * ws].copy_from_slice(&bits[..ws]);
+    }
+    None
+}
+
+/// (exponent bits, mantissa bits) of a float type.
+fn float_bits(dtype: DType) -> (u32, u32) {
+    match dtype {
+        DType::F64 => (11, 52),
+        DType::F32 => (8, 23),
+        DType::BF16 => (8, 7),
+        DType::F16 => (5, 10),
+        _ => (0, 0),
+    }
+}
+
+/// The `narrow` NaN a widening to `wide` keeps as `bits`: its sign, an
+/// exponent of all ones, the top mantissa bits.
+fn nan_narrowed(wide: DType, bits: u64, narrow: DType) -> u64 {
+    let ((_, mw), (en, mn)) = (float_bits(wide), float_bits(narrow));
+    let sign = bits >> (wide.size() * 8 - 1) & 1;
+    let mantissa = (bits & ((1u64 << mw) - 1)) >> (mw - mn);
+    sign << (narrow.size() * 8 - 1) | ((1u64 << en) - 1) << mn | mantissa
+}
+
+fn le_bits(e: &[u8]) -> u64 {
+    e.iter().rev().fold(0u64, |acc, &b| (acc << 8) | b as u64)
 }
 
 /// Whether the little-endian element `e` of `dtype` is a NaN.
 fn is_nan(dtype: DType, e: &[u8]) -> bool {
-    let bits = e.iter().rev().fold(0u64, |acc, &b| (acc << 8) | b as u64);
+    let bits = le_bits(e);
     match dtype {
         DType::F64 => f64::from_bits(bits).is_nan(),
         DType::F32 => f32::from_bits(bits as u32).is_nan(),
@@ -317,7 +391,7 @@ mod tests {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
     }
 
-    fn crc_of(bytes: &[u8], dtype: DType, wire: DType, widened: bool) -> Result<u32, u64> {
+    fn crc_of(bytes: &[u8], dtype: DType, wire: DType, widened: bool) -> Result<u32, NotWire> {
         let n = bytes.len() as u64 / dtype.size();
         // SAFETY: the view covers exactly `bytes`, alive and unwritten
         // for the call.
@@ -338,10 +412,19 @@ mod tests {
         // exactness check names the element.
         let mut flipped = widened.clone();
         flipped[4 * 2] ^= 1;
-        assert_eq!(crc_of(&flipped, DType::F32, DType::BF16, true), Err(2));
-        // A NaN narrows to the quiet NaN: not an inexact element.
-        let nan = f32s(&[f32::from_bits(0x7fc1_0000)]);
-        assert!(crc_of(&nan, DType::F32, DType::BF16, true).is_ok());
+        assert_eq!(crc_of(&flipped, DType::F32, DType::BF16, true), Err(NotWire::Inexact(2)));
+        // A NaN narrows to the quiet NaN, whatever its payload: read back
+        // as the wire value it widened from.
+        for wire_nan in [0x7f81u16, 0xffc3, 0x7fc0] {
+            let sent = crc_of(&wire_nan.to_le_bytes(), DType::BF16, DType::BF16, false).unwrap();
+            let held = f32s(&[f32::from_bits((wire_nan as u32) << 16)]);
+            assert_eq!(crc_of(&held, DType::F32, DType::BF16, true), Ok(sent), "{wire_nan:#x}");
+        }
+        let f16_nan = 0x7e01u16;
+        let mut held = vec![0u8; 4];
+        convert_slice(DType::F16, &f16_nan.to_le_bytes(), DType::F32, &mut held);
+        // f16 to f32 keeps no payload: such a piece cannot be compared.
+        assert_eq!(crc_of(&held, DType::F32, DType::F16, true), Err(NotWire::Nan));
         // A sender narrows without any such check.
         assert!(crc_of(&f32s(&values), DType::F32, DType::BF16, false).is_ok());
     }
