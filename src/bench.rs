@@ -110,6 +110,7 @@ pub fn exec_bench(
     options: &PlanOptions,
     reps: usize,
     transport: BenchTransport,
+    digest_check: bool,
     mut phase: impl FnMut(&str),
 ) -> Result<ExecBench, RunError> {
     let reps = reps.max(1);
@@ -123,7 +124,7 @@ pub fn exec_bench(
     // Over TCP, the members keep each strategy's connections across
     // repetitions (as a training job keeps its connections between
     // steps); connecting is not timed, as for the raw socket copy.
-    let config = DriverConfig { plane, options: options.clone(), ..DriverConfig::default() };
+    let config = DriverConfig { plane, options: options.clone(), digest_check, ..DriverConfig::default() };
     let mut driver = Driver::start(src, dst, config, &mut phase)?;
     let bytes = driver.figures().total_bytes as usize;
     let mut baseline_bytes = 0;
@@ -173,6 +174,76 @@ pub fn exec_bench(
         memcpy_threads: threads,
         reps,
     })
+}
+
+/// What [`digest_bench`] measured: refits with the orchestrator's digest
+/// check before the commit and without it, every repetition's time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DigestBench {
+    /// Bytes a refit moves (the plan's).
+    pub bytes: u64,
+    /// Transfer times with the check (members read back what they moved).
+    pub checked: Vec<Duration>,
+    /// Transfer times without it.
+    pub unchecked: Vec<Duration>,
+    /// The reports' `verify_time` of the checked refits.
+    pub verify: Vec<Duration>,
+    /// Destination ranks the check compared whole, of how many.
+    pub verified_ranks: (u64, u64),
+}
+
+/// Refits with the digest check against refits without it, of the same
+/// plan on one data plane: two refit systems in this process, one with
+/// `OrchestratorConfig::digest_check` off; after a warm-up each (checked
+/// against the pattern), `reps` times a step of both and a refit in each,
+/// alternating which goes first.
+pub fn digest_bench(
+    src: &Layout,
+    dst: &Layout,
+    options: &PlanOptions,
+    reps: usize,
+    transport: BenchTransport,
+    mut phase: impl FnMut(&str),
+) -> Result<DigestBench, RunError> {
+    let plane = match transport {
+        BenchTransport::Local => DataPlane::Local,
+        BenchTransport::Tcp => DataPlane::Tcp,
+        BenchTransport::Process => return Err(RunError::Setup("the digest check's cost is measured in process (local or tcp)".into())),
+    };
+    let config = |digest_check| DriverConfig { plane, options: options.clone(), digest_check, ..DriverConfig::default() };
+    let mut on = Driver::start(src, dst, config(true), &mut phase)?;
+    let mut off = Driver::start(src, dst, config(false), &mut phase)?;
+    phase("the warm-up refits");
+    let first = on.refit(None)?;
+    on.verify(None)?;
+    off.refit(None)?;
+    off.verify(None)?;
+    let mut b = DigestBench {
+        bytes: on.figures().total_bytes,
+        checked: Vec::new(),
+        unchecked: Vec::new(),
+        verify: Vec::new(),
+        verified_ranks: (first.verified_ranks, first.verified_ranks + first.unverified_ranks),
+    };
+    for i in 0..reps.max(1) {
+        phase(&rep_phase(i + 1, reps.max(1), "with and without the digest check"));
+        on.step()?;
+        off.step()?;
+        let mut checked = |b: &mut DigestBench| -> Result<(), RunError> {
+            let r = on.refit(None)?;
+            b.checked.push(r.transfer_time);
+            b.verify.push(r.verify_time);
+            Ok(())
+        };
+        if i % 2 == 0 {
+            checked(&mut b)?;
+            b.unchecked.push(off.refit(None)?.transfer_time);
+        } else {
+            b.unchecked.push(off.refit(None)?.transfer_time);
+            checked(&mut b)?;
+        }
+    }
+    Ok(b)
 }
 
 /// What [`delta_bench`] measured.

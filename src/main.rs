@@ -86,6 +86,14 @@ struct BenchArgs {
     /// `delta_bytes`, `dense_bytes`, `delta_s`, `dense_s`).
     #[arg(long, value_name = "F")]
     delta_fraction: Option<f64>,
+    /// Instead: refits with the orchestrator's digest check before the
+    /// commit against the same without it (reshard, `--transport local`
+    /// or `tcp`), two systems side by side, alternating, `--reps` times
+    /// after a verified warm-up; reports every time, their ranges and
+    /// medians (`--json`: `checked_s`, `unchecked_s`, `verify_s`, lists of
+    /// seconds).
+    #[arg(long, conflicts_with_all = ["delta_fraction", "fp8_dst"])]
+    digest_cost: bool,
     /// Instead: the refit into the destination as given against the same
     /// into its block-scaled FP8 version (every float tensor of 2 or more
     /// dimensions `f8e4m3` in blocks of `--fp8-block`, with an f32 scale
@@ -119,6 +127,11 @@ struct ClusterArgs {
     /// for the next refit of the same plan.
     #[arg(long)]
     fresh_data_plane: bool,
+    /// Commit without the orchestrator's digest check (every member reads
+    /// back what its run moved; the orchestrator compares them before any
+    /// destination commits).
+    #[arg(long)]
+    no_digest_check: bool,
     /// Every pair of ranks talks TCP, no shared memory (for comparison).
     /// By default ranks of one node share memory, and so do all ranks of a
     /// host of at most 16 of them, whatever their group (both groups on
@@ -269,6 +282,11 @@ enum Command {
         /// Check every destination element.
         #[arg(long)]
         verify: bool,
+        /// Commit without the orchestrator's digest check (every member
+        /// reads back what its run moved; the orchestrator compares them
+        /// before any destination commits).
+        #[arg(long)]
+        no_digest_check: bool,
         /// Data plane the members open (every rank's member and store in
         /// this process, the orchestrator over them): `local` (in-process
         /// channels), `tcp` (the node fabric over loopback TCP, no shared
@@ -651,16 +669,19 @@ fn main() -> ExitCode {
             quantize_at: quantize_at.into(),
             max_plan_work: *max_plan_work,
         }),
-        Command::Run { pair, baseline, verify, transport, deadline_s, json, dump_dst, only } => cmd::run::run(&cmd::run::RunArgs {
-            pair,
-            baseline: *baseline,
-            verify: *verify,
-            transport,
-            deadline_s: *deadline_s,
-            json: *json,
-            dump_dst: dump_dst.as_deref(),
-            only,
-        }),
+        Command::Run { pair, baseline, verify, no_digest_check, transport, deadline_s, json, dump_dst, only } => {
+            cmd::run::run(&cmd::run::RunArgs {
+                pair,
+                baseline: *baseline,
+                verify: *verify,
+                digest_check: !no_digest_check,
+                transport,
+                deadline_s: *deadline_s,
+                json: *json,
+                dump_dst: dump_dst.as_deref(),
+                only,
+            })
+        }
         Command::Bench(args) => cmd::bench::run(args),
         Command::Chaos { json, emulate_nic_mbps, deadline_s, netns, only, shuffle, repeat } => cmd::chaos::run(&cmd::chaos::ChaosArgs {
             json: *json,

@@ -96,6 +96,9 @@ pub struct DriverConfig {
     pub deadline: Duration,
     /// Delta refits (see `OrchestratorConfig::delta`).
     pub delta: bool,
+    /// The digest check before every commit (see
+    /// `OrchestratorConfig::digest_check`).
+    pub digest_check: bool,
 }
 
 impl Default for DriverConfig {
@@ -106,6 +109,7 @@ impl Default for DriverConfig {
             options: PlanOptions::default(),
             deadline: orchestrator::DEFAULT_DEADLINE,
             delta: false,
+            digest_check: true,
         }
     }
 }
@@ -157,6 +161,7 @@ impl Driver {
             plan: config.options,
             deadline: config.deadline,
             delta: config.delta,
+            digest_check: config.digest_check,
             ..OrchestratorConfig::default()
         };
         phase(&format!("planning {} and installing every rank's program", config.strategy));

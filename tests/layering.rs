@@ -122,7 +122,7 @@ fn the_command_line_reaches_the_data_plane_only_through_the_orchestrator() {
 
 /// The orchestrator's public items that name a `transport` type: only
 /// re-exports, of the fabric interface's plain settings (the member
-/// protocol carries them; a store says where registered memory lives; a
+/// protocol carries them, and a run's digest; a store says where registered memory lives; a
 /// tweak changes a node endpoint's shared-memory directory and faults),
 /// and of the executor's default deadline. No other public item may, and
 /// every listed line still exists.
@@ -133,6 +133,8 @@ fn the_orchestrator_api_names_transport_types_only_where_known() {
         "pub use transport::fabric::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};",
         "pub use transport::fabric::Residence;",
         "pub use transport::fabric::NodeTweak;",
+        // A run's digest, which the member protocol carries.
+        "pub use transport::fabric::{DigestError, RankDigest};",
         "pub use transport::Faults;",
         // The verification pattern, behind the orchestrator's `testkit`.
         "pub use transport::{fill_source_rank_at, verify_destination_rank_from, Mismatch};",

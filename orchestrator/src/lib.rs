@@ -45,7 +45,8 @@ pub use orchestrator::{
     RefitStep, RefitTarget, ReplicaLoss, ReplicaPlan, ReplicaReport, SeedReport, SourceLoss,
 };
 pub use protocol::{
-    CommPlane, EgressCaps, Fabric, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric, Refusal, Seat, Weights,
+    CommPlane, DigestError, EgressCaps, Fabric, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric, RankDigest, Refusal,
+    RunStats, Seat, Weights,
 };
 pub use rendezvous::{join, member_name, replica_member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
@@ -62,6 +63,31 @@ pub use transport::DEFAULT_DEADLINE;
 #[cfg(feature = "testkit")]
 pub mod testkit {
     pub use transport::{fill_source_rank_at, verify_destination_rank_from, Mismatch};
+
+    /// A byte a member flips in the memory its next run wrote, after the
+    /// run and before its digest ([`MemberConfig::corrupt`](crate::MemberConfig::corrupt)):
+    /// for tests that what changes between a transfer and a commit fails
+    /// the refit. Armed once; the run that flips it disarms it.
+    #[derive(Debug, Default)]
+    pub struct Corrupt(std::sync::Mutex<Option<(u32, u64)>>);
+
+    impl Corrupt {
+        /// Flips byte `byte` of buffer `buffer` (the program's buffer
+        /// list: the rank's own, then scratch) after the next run.
+        pub fn arm(&self, buffer: u32, byte: u64) {
+            *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some((buffer, byte));
+        }
+
+        /// Whether the armed flip is still to come.
+        pub fn armed(&self) -> bool {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        }
+
+        /// The armed flip, disarmed.
+        pub(crate) fn take(&self) -> Option<(u32, u64)> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+        }
+    }
 }
 
 /// Whether `members` members of this process can open `fabric` (the CUDA

@@ -3,7 +3,9 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Seat, Weights, INSTALLED_PLANS};
+use crate::protocol::{
+    DigestError, Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Seat, Weights, INSTALLED_PLANS,
+};
 use crate::store::{Buffers, CommitFence, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{BufferSpec, Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
@@ -74,11 +76,22 @@ pub struct MemberConfig {
     /// version it staged, so a vanished orchestrator never locks readers
     /// out for good. Default 30 s.
     pub commit_hold: Duration,
+    /// Test machinery: a byte to flip after a run, before its digest.
+    #[cfg(feature = "testkit")]
+    pub corrupt: Option<Arc<crate::testkit::Corrupt>>,
 }
 
 impl Default for MemberConfig {
     fn default() -> Self {
-        MemberConfig { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), tweak: None, secret: None, gpu: None, commit_hold: COMMIT_HOLD }
+        MemberConfig {
+            data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            tweak: None,
+            secret: None,
+            gpu: None,
+            commit_hold: COMMIT_HOLD,
+            #[cfg(feature = "testkit")]
+            corrupt: None,
+        }
     }
 }
 
@@ -101,7 +114,7 @@ impl std::fmt::Debug for MemberConfig {
             .field("secret", &self.secret.is_some())
             .field("gpu", &self.gpu)
             .field("commit_hold", &self.commit_hold)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -239,26 +252,51 @@ struct RunHow {
     /// A delta run on the memo of this refit (`Some(None)`: dense, keeping
     /// a memo); `None`: an ordinary run.
     delta: Option<Option<u64>>,
+    /// Read back what the run moved: its digest.
+    verify: bool,
+    /// Test machinery: a byte flipped after the run, before the digest.
+    #[cfg(feature = "testkit")]
+    corrupt: Option<(u32, u64)>,
 }
 
 /// Runs `program` on `memory` over the endpoint, with what the plan's
-/// last run left; hands back what this one leaves.
+/// last run left; hands back what this one leaves. With `how.verify`, a
+/// run that succeeded reads back what it moved from the same memory
+/// ([`transport::fabric::digest`]): on a communicator fabric (device
+/// memory) it says so instead.
 fn execute_on(
     program: &RankProgram,
-    memory: RunMemory<'_>,
+    mut memory: RunMemory<'_>,
     end: &mut RankEnd,
     how: RunHow,
     left: Leftover,
 ) -> (Result<RunStats, Refusal>, Leftover) {
     let Leftover { mut scratch, memo } = left;
     let mut delta = delta_run(&how, memo);
-    let r = end.run(program, memory, RunOptions { deadline: how.deadline, delta: delta.as_mut(), scratch: &mut scratch });
+    let on_host = end.on_host_transport();
+    let r = end.run(program, memory.reborrow(), RunOptions { deadline: how.deadline, delta: delta.as_mut(), scratch: &mut scratch });
     let memo = kept_memo(&r, &how, delta);
-    let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages }).map_err(|e| match e {
+    let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages, ..RunStats::default() });
+    let mut r = r.map_err(|e| match e {
         RunError::Fabric(why) => Refusal::Fabric(why),
         RunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why),
         RunError::Exec { why, after_peer } => Refusal::Exec { why, after_peer },
     });
+    #[cfg(feature = "testkit")]
+    if let (Ok(_), Some((buffer, byte))) = (&r, how.corrupt) {
+        if let Err(why) = transport::fabric::flip_byte(program, memory.reborrow(), &mut scratch, buffer, byte) {
+            tracing::warn!(%why, "the armed corruption was not made");
+        }
+    }
+    if let (Ok(stats), true) = (&mut r, how.verify) {
+        let t = Instant::now();
+        stats.digest = Some(if on_host {
+            transport::fabric::digest(program, memory, &mut scratch)
+        } else {
+            Err(DigestError::Unread(format!("{}: the communicator fabrics move device memory, which is not read back", program.endpoint)))
+        });
+        stats.digest_time = t.elapsed();
+    }
     (r, Leftover { scratch, memo })
 }
 
@@ -411,6 +449,7 @@ impl Member {
         fingerprint: Fingerprint,
         deadline: Duration,
         delta: Option<Option<u64>>,
+        verify: bool,
     ) -> MemberReply {
         let Pending { program, mut end, session, keep, .. } = match self.take_pending(refit) {
             Ok(p) => p,
@@ -430,7 +469,14 @@ impl Member {
         // This plan's scratch from its last clean run, if any; taken, so a
         // run that fails leaves none behind.
         let left = self.leftovers.iter().position(|(f, _)| *f == fingerprint).map(|i| self.leftovers.swap_remove(i).1).unwrap_or_default();
-        let how = RunHow { refit, deadline, delta };
+        let how = RunHow {
+            refit,
+            deadline,
+            delta,
+            verify,
+            #[cfg(feature = "testkit")]
+            corrupt: self.config.corrupt.as_ref().and_then(|c| c.take()),
+        };
         let role = self.role.clone();
         let (result, kept) = match &role {
             Role::Src(store) => {
@@ -792,7 +838,9 @@ impl Actor for Member {
             MemberMsg::Prepare { refit, fingerprint, session, fabric, keep } => self.prepare(refit, fingerprint, session, fabric, keep),
             MemberMsg::Resume { refit, fingerprint, session } => self.resume(refit, fingerprint, session),
             MemberMsg::Connect { refit, peers } => self.connect(refit, peers).await,
-            MemberMsg::Run { refit, version, fingerprint, deadline, delta } => self.run(refit, version, fingerprint, deadline, delta).await,
+            MemberMsg::Run { refit, version, fingerprint, deadline, delta, verify } => {
+                self.run(refit, version, fingerprint, deadline, delta, verify).await
+            }
             MemberMsg::Commit { version } => match &self.role {
                 Role::Dst(store) if store.registered_memory().is_some() => self.commit_registered(store.clone(), version).await,
                 Role::Dst(store) => match store.commit(version).await {

@@ -25,6 +25,9 @@ use std::time::Duration;
 /// The fabric's settings and peer addresses are the data plane's
 /// (`transport::fabric`), carried here as they are.
 pub use transport::fabric::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
+/// A run's digest is the data plane's (`transport::fabric::digest`),
+/// carried here as it is.
+pub use transport::fabric::{DigestError, RankDigest};
 
 /// How many installed plans a member keeps (reshard and baseline, say).
 pub const INSTALLED_PLANS: usize = 2;
@@ -112,6 +115,10 @@ pub enum MemberMsg {
         /// (the last one of this plan that committed; `None` inside: no
         /// base yet, dense this time, remembered for the next).
         delta: Option<Option<u64>>,
+        /// After the run, read back what it moved and answer with its
+        /// digest ([`RunStats::digest`]), for the orchestrator to check
+        /// before any commit ([`OrchestratorConfig::digest_check`](crate::OrchestratorConfig::digest_check)).
+        verify: bool,
     },
     /// Make staged `version` the one readers get (destinations); the second phase.
     Commit {
@@ -255,7 +262,7 @@ pub struct LayoutInfo {
 }
 
 /// What one rank's data plane did in one refit.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunStats {
     /// Bytes sent to other ranks (wire dtype).
     pub sent_bytes: u64,
@@ -263,6 +270,11 @@ pub struct RunStats {
     pub recv_bytes: u64,
     /// Messages sent.
     pub messages: u64,
+    /// What the run moved, read back from the rank's memory after it
+    /// (asked for by `Run { verify: true }`; `None` when not asked).
+    pub digest: Option<Result<RankDigest, DigestError>>,
+    /// Time the digest took.
+    pub digest_time: Duration,
 }
 
 /// Replies of a member.

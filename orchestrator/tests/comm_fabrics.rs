@@ -705,7 +705,7 @@ async fn a_commit_that_never_comes_lets_readers_back_in() {
     };
     all(MemberMsg::Connect { refit, peers }).await;
     let t = Instant::now();
-    all(MemberMsg::Run { refit, version: v2, fingerprint, deadline, delta: None }).await;
+    all(MemberMsg::Run { refit, version: v2, fingerprint, deadline, delta: None, verify: true }).await;
     // v2 is staged everywhere: readers wait for its commit ...
     assert!(tokio::time::timeout(Duration::from_millis(200), sys.dst[0].serve()).await.is_err());
     // ... until the hold expires: the memory still holds v1.

@@ -199,8 +199,10 @@ async fn wrong_fingerprint_is_refused() {
     let bogus = Fingerprint(installed.0 ^ 1);
     let member = &sys.src_members;
     // A step of a refit that was never prepared here.
-    let reply =
-        member.call_rank(0, MemberMsg::Run { refit: 77, version: v, fingerprint: bogus, deadline: SECOND, delta: None }).await.unwrap();
+    let reply = member
+        .call_rank(0, MemberMsg::Run { refit: 77, version: v, fingerprint: bogus, deadline: SECOND, delta: None, verify: true })
+        .await
+        .unwrap();
     assert_eq!(reply, MemberReply::Refused(Refusal::NotPrepared { refit: 77 }));
     let mismatch = MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(installed), asked: bogus });
     // A plan that is not installed cannot be prepared...
@@ -215,8 +217,10 @@ async fn wrong_fingerprint_is_refused() {
     // ...nor run under another plan than the one prepared (node fabric: a
     // loopback listener).
     assert!(matches!(member.call_rank(0, prepare(installed)).await.unwrap(), MemberReply::Prepared { .. }));
-    let reply =
-        member.call_rank(0, MemberMsg::Run { refit: 78, version: v, fingerprint: bogus, deadline: SECOND, delta: None }).await.unwrap();
+    let reply = member
+        .call_rank(0, MemberMsg::Run { refit: 78, version: v, fingerprint: bogus, deadline: SECOND, delta: None, verify: true })
+        .await
+        .unwrap();
     assert_eq!(reply, mismatch);
     // The next refit is not disturbed.
     let v = step(&sys, 2.0).await;

@@ -85,6 +85,16 @@ class RefitReport:
     """Wall time of the refit."""
     transfer_seconds: float
     """Time the data movement took."""
+    verify_seconds: float
+    """The digest check before the commit (``digest_check``): the longest
+    time a member took to read back what its run moved (part of
+    ``transfer_seconds``) plus the orchestrator's comparison; 0 when off."""
+    verified_ranks: int
+    """Destination ranks the digest check compared whole with what their
+    senders sent (0 when off)."""
+    unverified_ranks: int
+    """Destination ranks it could not (device memory on the NCCL and IPC
+    fabrics; the baseline's bypassed scratch); 0 when off."""
     already_served: bool
     replanned: bool
     fingerprint: Optional[str]
@@ -832,6 +842,16 @@ class Orchestrator:
     what it sent and received meanwhile. It pays on slow links when few
     weights change (docs/benchmarks.md, "Delta refits"); on the GPU fabrics
     each message goes through the host to be encoded (docs/gpu.md).
+
+    ``digest_check`` (on by default): before any destination commits, every
+    member reads back what its run moved — a sender what it sent, a
+    receiver what it holds, from the memory the commit serves — as CRC-32C
+    digests, and the orchestrator compares them; a difference raises
+    ``MemberError`` naming the rank (``... the digest check failed ...;
+    nothing was committed``), and every destination keeps its version.
+    Off saves one read of every byte moved (docs/benchmarks.md, "The digest
+    check"). Device memory (NCCL, IPC) is not read back
+    (``RefitReport.unverified_ranks``).
     """
 
     def __init__(
@@ -844,6 +864,7 @@ class Orchestrator:
         fabric: str = "node",
         delta: bool = False,
         replica: Optional[Layout] = None,
+        digest_check: bool = True,
         _inner: Any = None,
     ):
         if _inner is not None:
@@ -851,7 +872,7 @@ class Orchestrator:
             return
         self.secret = secret or _secrets.token_hex(32)
         self.replica = replica
-        self._inner = _refit.Orchestrator(self.secret, bind, deadline, control_timeout, fabric, delta, replica)
+        self._inner = _refit.Orchestrator(self.secret, bind, deadline, control_timeout, fabric, delta, replica, digest_check)
 
     @property
     def address(self) -> Optional[str]:
@@ -992,13 +1013,15 @@ def spawn_local(
     fabric: str = "in_process",
     delta: bool = False,
     replica: Optional[Layout] = None,
+    digest_check: bool = True,
 ) -> LocalSystem:
     """One store and member per rank of both layouts, in this process, and
     an orchestrator over them; plans (a pair that cannot be planned raises
     ``PlanError`` here). ``fabric``: ``"in_process"`` (default), or any of
     ``Orchestrator``'s; on ``"nccl"`` rank ``i`` of the communicator
-    (sources first) runs on GPU ``i``. ``delta``: as for ``Orchestrator``."""
-    orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout, fabric, delta, replica)
+    (sources first) runs on GPU ``i``. ``delta``, ``digest_check``: as for
+    ``Orchestrator``."""
+    orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout, fabric, delta, replica, digest_check)
     return LocalSystem(
         Orchestrator(_inner=orch, replica=replica),
         [Source(src, s.rank, _store=s) for s in srcs],

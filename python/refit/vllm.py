@@ -658,12 +658,13 @@ class VLLMRollouts:
         loads = self.load(report.version)
         out = VLLMRefitReport(refit=report, load_seconds=loads, seconds=time.perf_counter() - t0)
         _log.info(
-            "refit: version %d into %d engine(s) x %d worker(s): plan %.1f ms, transfer %.1f ms, commit %.1f ms, load %.1f ms (the slowest engine's update calls), whole %.1f ms, %d bytes",
+            "refit: version %d into %d engine(s) x %d worker(s): plan %.1f ms, transfer %.1f ms (of which the digest check %.1f ms), commit %.1f ms, load %.1f ms (the slowest engine's update calls), whole %.1f ms, %d bytes",
             out.version,
             len(self.engines),
             self.world,
             report.plan_seconds * 1e3,
             report.transfer_seconds * 1e3,
+            report.verify_seconds * 1e3,
             report.commit_seconds * 1e3,
             out.pause_seconds * 1e3,
             out.seconds * 1e3,

@@ -28,6 +28,9 @@ fn report_dict<'py>(py: Python<'py>, r: &RefitReport) -> PyResult<Bound<'py, PyD
     d.set_item("connect_seconds", r.connect_time.as_secs_f64())?;
     d.set_item("transfer_seconds", r.transfer_time.as_secs_f64())?;
     d.set_item("commit_seconds", r.commit_time.as_secs_f64())?;
+    d.set_item("verify_seconds", r.verify_time.as_secs_f64())?;
+    d.set_item("verified_ranks", r.verified_ranks)?;
+    d.set_item("unverified_ranks", r.unverified_ranks)?;
     d.set_item("already_served", r.already_served)?;
     d.set_item("replanned", r.replanned)?;
     d.set_item("fingerprint", r.fingerprint.map(|f| f.to_string()))?;
@@ -143,10 +146,22 @@ fn fabric(name: &str, local: bool) -> PyResult<Fabric> {
     })
 }
 
-fn config(deadline: f64, control_timeout: f64, fabric: Fabric, delta: bool, replica: Option<&PyLayout>) -> PyResult<OrchestratorConfig> {
+/// The orchestrator's settings a Python caller chooses.
+struct Settings<'a> {
+    deadline: f64,
+    control_timeout: f64,
+    fabric: Fabric,
+    delta: bool,
+    digest_check: bool,
+    replica: Option<&'a PyLayout>,
+}
+
+fn config(s: Settings<'_>) -> PyResult<OrchestratorConfig> {
+    let Settings { deadline, control_timeout, fabric, delta, digest_check, replica } = s;
     Ok(OrchestratorConfig {
         fabric,
         delta,
+        digest_check,
         replica: replica.map(|l| l.inner.clone()),
         deadline: seconds("deadline", deadline)?,
         control_timeout: seconds("control_timeout", control_timeout)?,
@@ -159,7 +174,7 @@ impl PyOrchestrator {
     /// Opens a rendezvous at `bind` (port 0: any) that member processes
     /// join with `secret` (16 bytes or more).
     #[new]
-    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0, fabric="node", delta=false, replica=None))]
+    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0, fabric="node", delta=false, replica=None, digest_check=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -170,8 +185,10 @@ impl PyOrchestrator {
         fabric: &str,
         delta: bool,
         replica: Option<PyRef<'_, PyLayout>>,
+        digest_check: bool,
     ) -> PyResult<Self> {
-        let config = config(deadline, control_timeout, self::fabric(fabric, false)?, delta, replica.as_deref())?;
+        let fabric = self::fabric(fabric, false)?;
+        let config = config(Settings { deadline, control_timeout, fabric, delta, digest_check, replica: replica.as_deref() })?;
         let secret = actors::Secret::from_bytes(secret.into_bytes()).map_err(|e| JoinError::new_err(format!("secret: {e}")))?;
         let bind: std::net::SocketAddr = bind.parse().map_err(|_| JoinError::new_err(format!("bind address '{bind}': not ip:port")))?;
         let rendezvous = wait(py, async move { Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(join_err) })?;
@@ -387,7 +404,7 @@ impl PyOrchestrator {
 /// process and an orchestrator over them, and plans. Returns
 /// `(orchestrator, [SrcStore], [DstStore])`.
 #[pyfunction]
-#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0, fabric="in_process", delta=false, replica=None))]
+#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0, fabric="in_process", delta=false, replica=None, digest_check=true))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn spawn_local(
     py: Python<'_>,
@@ -398,8 +415,10 @@ pub(crate) fn spawn_local(
     fabric: &str,
     delta: bool,
     replica: Option<PyRef<'_, PyLayout>>,
+    digest_check: bool,
 ) -> PyResult<(PyOrchestrator, Vec<PySrcStore>, Vec<PyDstStore>)> {
-    let config = config(deadline, control_timeout, self::fabric(fabric, true)?, delta, replica.as_deref())?;
+    let fabric = self::fabric(fabric, true)?;
+    let config = config(Settings { deadline, control_timeout, fabric, delta, digest_check, replica: replica.as_deref() })?;
     let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
     let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
     let srcs = system

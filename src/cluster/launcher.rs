@@ -61,6 +61,9 @@ pub struct ClusterConfig {
     /// Keep members' data-plane connections between refits of one plan
     /// ([`OrchestratorConfig::keep_data_plane`]).
     pub keep_data_plane: bool,
+    /// The orchestrator's digest check before every commit
+    /// ([`OrchestratorConfig::digest_check`]).
+    pub digest_check: bool,
     /// Run every node on an emulated host of its own (a network namespace
     /// whose link the kernel shapes; spawned workers only): the rendezvous
     /// then listens on the hosts' bridge, on `bind`'s port.
@@ -335,6 +338,7 @@ impl Cluster {
                 deadline: config.refit_deadline,
                 control_timeout: config.setup_timeout,
                 keep_data_plane: config.keep_data_plane,
+                digest_check: config.digest_check,
                 delta: false,
                 replica: replicas.as_ref().map(|r| Arc::clone(&r.one)),
                 ..OrchestratorConfig::default()

@@ -65,6 +65,40 @@ fn print_loads(reshard: &LinkLoads, baseline: &LinkLoads) {
     table.print();
 }
 
+/// `refit bench --digest-cost`'s output.
+fn print_digest_cost(b: &refit::bench::DigestBench, what: &str, pair: &str, transport: String, json: bool) -> Result<(), Failure> {
+    let secs = |v: &[Duration]| v.iter().map(|t| t.as_secs_f64()).collect::<Vec<_>>();
+    let median = |v: &[Duration]| {
+        let mut v = v.to_vec();
+        v.sort();
+        v[v.len() / 2]
+    };
+    let range = |v: &[Duration]| {
+        let (lo, hi) = (v.iter().min().copied().unwrap_or_default(), v.iter().max().copied().unwrap_or_default());
+        format!("{} - {} (median {})", duration(lo), duration(hi), duration(median(v)))
+    };
+    let ratio = median(&b.checked).as_secs_f64() / median(&b.unchecked).as_secs_f64().max(1e-9);
+    if json {
+        say!(
+            "{}",
+            json!({"workload": what, "transport": transport, "reps": b.checked.len(), "bytes": b.bytes,
+                   "checked_s": secs(&b.checked), "unchecked_s": secs(&b.unchecked), "verify_s": secs(&b.verify),
+                   "checked_over_unchecked": ratio, "verified_ranks": b.verified_ranks.0, "dst_ranks": b.verified_ranks.1})
+        );
+    } else {
+        say!("workload: {what}; {pair}; transport {transport}; {} reps each, alternating", b.checked.len());
+        say!("without the digest check   {}   {}", human(b.bytes), range(&b.unchecked));
+        say!("with it                    {}   {}", human(b.bytes), range(&b.checked));
+        say!("  of which the check       {}", range(&b.verify));
+        say!(
+            "median with / median without = {ratio:.2}; {} of {} destination ranks verified whole",
+            b.verified_ranks.0,
+            b.verified_ranks.1
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
     if a.cluster.netns && a.transport != BenchTransport::Process {
         return Err(invalid("--netns runs worker processes on emulated hosts: it needs --transport process".into()));
@@ -123,6 +157,12 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
             );
         }
         return Ok(());
+    }
+    if a.digest_cost {
+        let b = refit::bench::digest_bench(&s, &d, &opts, a.reps, a.transport, |p| progress.phase(p.to_string()))
+            .map_err(|e| fail(e.to_string()))?;
+        drop(progress);
+        return print_digest_cost(&b, &what, &pair_summary(&s, &d), typed(&a.transport), a.json);
     }
     progress.phase("planning reshard");
     let rplan = plan_reshard(&s, &d, &opts).map_err(|e| fail(e.to_string()))?;
@@ -276,7 +316,8 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
         }
         return Ok(());
     }
-    let b = exec_bench(&s, &d, &opts, a.reps, a.transport, |p| progress.phase(p.to_string())).map_err(|e| fail(e.to_string()))?;
+    let b = exec_bench(&s, &d, &opts, a.reps, a.transport, !a.cluster.no_digest_check, |p| progress.phase(p.to_string()))
+        .map_err(|e| fail(e.to_string()))?;
     drop(progress);
     let (reference, copies) = match a.transport {
         BenchTransport::Local => ("memcpy", "threads"),

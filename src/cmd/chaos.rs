@@ -38,6 +38,7 @@ pub(crate) fn run(a: &ChaosArgs) -> Result<(), Failure> {
         deadline_s: deadline_s.max(1),
         checksum: true,
         fresh_data_plane: false,
+        no_digest_check: false,
         tcp: false,
         emulate_nic_mbps: Some(nic_mbps.max(1)),
         netns: a.netns,

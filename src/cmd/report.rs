@@ -426,6 +426,7 @@ impl ClusterArgs {
             },
             strategy: Strategy::Reshard,
             keep_data_plane: !self.fresh_data_plane,
+            digest_check: !self.no_digest_check,
             netns,
             replicas: None,
         })

@@ -14,6 +14,8 @@ pub(crate) struct RunArgs<'a> {
     pub(crate) pair: &'a Pair,
     pub(crate) baseline: bool,
     pub(crate) verify: bool,
+    /// The orchestrator's digest check before the commit.
+    pub(crate) digest_check: bool,
     pub(crate) transport: &'a str,
     pub(crate) deadline_s: u64,
     pub(crate) json: bool,
@@ -63,7 +65,8 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     }
     let strategy = if a.baseline { Strategy::Baseline } else { Strategy::Reshard };
     let progress = Progress::spinner(a.json);
-    let config = DriverConfig { plane, strategy, options: opts, deadline: Duration::from_secs(a.deadline_s), delta: false };
+    let deadline = Duration::from_secs(a.deadline_s);
+    let config = DriverConfig { plane, strategy, options: opts, deadline, delta: false, digest_check: a.digest_check };
     let fail = |e: refit::runner::RunError| Failure { line: e.to_string(), code: 1 };
     let mut driver = Driver::start(&src, &dst, config, |p| progress.phase(p.to_string()))
         .map_err(|e| invalid(format!("{} -> {}: {e}", pair.src.display(), pair.dst.display())))?;
@@ -116,6 +119,9 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
                 ("messages".to_string(), json!(f.messages)),
                 ("rounds".to_string(), json!(f.rounds)),
                 ("transfer_s".to_string(), json!(report.transfer_time.as_secs_f64())),
+                ("verify_s".to_string(), json!(report.verify_time.as_secs_f64())),
+                ("digest_verified_ranks".to_string(), json!(report.verified_ranks)),
+                ("digest_unverified_ranks".to_string(), json!(report.unverified_ranks)),
                 ("plan_s".to_string(), json!(driver.plan_time().as_secs_f64())),
                 ("verified_elements".to_string(), json!(verified)),
                 ("dumped_bytes".to_string(), json!(dumped)),
@@ -130,6 +136,15 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     say!("{:<16}{}", "  relayed", human(f.relayed_bytes()));
     say!("{:<16}{} in {}", "messages", f.messages, plural(f.rounds, "round"));
     say!("{:<16}{} ({})", "transfer", duration(report.transfer_time), rate(f.total_bytes, report.transfer_time));
+    if a.digest_check {
+        say!(
+            "{:<16}{} (digests of {} of {} destination ranks matched their senders' before the commit; part of the transfer)",
+            "digest check",
+            duration(report.verify_time),
+            report.verified_ranks,
+            report.verified_ranks + report.unverified_ranks
+        );
+    }
     say!("{:<16}{} (the plan, every rank's program installed on its member)", "planned in", duration(driver.plan_time()));
     say!("{BYTES_LEGEND}");
     if let Some(n) = verified {

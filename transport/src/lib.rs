@@ -27,6 +27,7 @@ mod copy;
 pub mod cuda;
 mod cursor;
 pub mod delta;
+mod digest;
 mod exec;
 pub mod fabric;
 mod faults;

@@ -1,7 +1,8 @@
 //! A rank's buffers in host memory, and the raw view of them that rank
 //! threads share while a program runs.
 
-use reshard::{BufferSpec, DType, RankProgram};
+use crate::copy::{in_bounds, StridedRef};
+use reshard::{BufferSpec, DType, RankProgram, Span};
 
 /// The buffers of one rank, in the order of its program's buffer list.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -55,6 +56,18 @@ pub(crate) struct RawBuf {
 #[derive(Clone, Debug)]
 pub(crate) struct MemView {
     pub(crate) bufs: Vec<RawBuf>,
+}
+
+impl MemView {
+    /// The elements of a piece of `extent` at `span`, of type `dtype`, if
+    /// they lie in their buffer.
+    pub(crate) fn strided(&self, span: &Span, dtype: DType, extent: &[u64]) -> Option<StridedRef> {
+        let buf = self.bufs.get(span.buffer as usize)?;
+        // SAFETY: a `MemView` views a rank's buffers, which outlive every
+        // use of the views made of it (its contract above).
+        let r = unsafe { StridedRef::new(buf.ptr, buf.len, span.base, span.strides, dtype) };
+        in_bounds(extent, &r).then_some(r)
+    }
 }
 
 // SAFETY: see the contract above; the pointers are only dereferenced

@@ -4,6 +4,7 @@
 
 use super::error::refused;
 use super::members::{no_refusal, Answer, Cast};
+use super::verify::MemberDigest;
 use super::{Orchestrator, OrchestratorError, RefitStep};
 use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal};
 use reshard::{Endpoint, Fingerprint};
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 impl Orchestrator {
     /// Prepare, connect and run on every member of `cast`: the first
     /// phase. Returns the bytes and messages the members sent, as they
-    /// counted them; or why it failed, and who failed.
+    /// counted them, and their digests; or why it failed, and who failed.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn transfer(
         &self,
@@ -23,7 +24,7 @@ impl Orchestrator {
         fingerprint: Fingerprint,
         resumed: bool,
         connect_time: &mut Duration,
-    ) -> Result<(u64, u64), (OrchestratorError, Blame)> {
+    ) -> Result<Moved, (OrchestratorError, Blame)> {
         let t = Instant::now();
         let control = self.config.control_timeout;
         if !resumed {
@@ -32,7 +33,8 @@ impl Orchestrator {
         *connect_time += t.elapsed();
         let deadline = self.config.deadline;
         let delta = self.config.delta.then(|| self.delta_base.get(&fingerprint).copied());
-        let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta });
+        let verify = self.config.digest_check;
+        let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta, verify });
         self.enter(RefitStep::Running);
         let ran = self.ask_each(cast, run, deadline + control).await;
         if Blame::any(&ran) {
@@ -40,12 +42,13 @@ impl Orchestrator {
             tracing::debug!(failed = ?blame.failed, gone = ?blame.gone, ran = blame.ran.len(), answers = ?ran, "the run failed");
             return Err((first_failure(&ran, "Run"), blame));
         }
-        let (mut sent, mut messages) = (0, 0);
-        for (_, member, reply) in ran {
+        let mut moved = Moved::default();
+        for (endpoint, member, reply) in ran {
             match reply {
                 Ok(MemberReply::Ran(stats)) => {
-                    sent += stats.sent_bytes;
-                    messages += stats.messages;
+                    moved.sent += stats.sent_bytes;
+                    moved.messages += stats.messages;
+                    moved.digests.push(MemberDigest { endpoint, member, digest: stats.digest, time: stats.digest_time });
                 }
                 other => {
                     let error = OrchestratorError::Protocol { member, request: "Run", reply: format!("{other:?}") };
@@ -53,7 +56,7 @@ impl Orchestrator {
                 }
             }
         }
-        Ok((sent, messages))
+        Ok(moved)
     }
 
     /// Whether members keep their node-fabric connections after a refit.
@@ -127,6 +130,17 @@ impl Orchestrator {
     }
 }
 
+/// What every member's run moved, as they counted it.
+#[derive(Debug, Default)]
+pub(super) struct Moved {
+    /// Bytes sent.
+    pub(super) sent: u64,
+    /// Messages sent.
+    pub(super) messages: u64,
+    /// Every member's digest.
+    pub(super) digests: Vec<MemberDigest>,
+}
+
 /// Who failed a step of a refit's data plane (what a destination group of
 /// replicas needs to go on without theirs).
 #[derive(Debug, Default)]
@@ -140,15 +154,15 @@ pub(super) struct Blame {
     /// The members that ran their program to the end (the step was the
     /// run): a destination's staging holds the whole version.
     pub(super) ran: Vec<Endpoint>,
-    /// Bytes and messages the members that ran sent, as they counted them.
-    pub(super) sent: u64,
-    pub(super) messages: u64,
+    /// Bytes and messages the members that ran sent, as they counted
+    /// them, and their digests.
+    pub(super) moved: Moved,
 }
 
 impl Blame {
     fn of(answers: &[Answer]) -> Blame {
         let mut blame = Blame::default();
-        for (e, _, r) in answers {
+        for (e, member, r) in answers {
             match r {
                 Err(_) => {
                     blame.failed.push(*e);
@@ -158,8 +172,11 @@ impl Blame {
                 Ok(MemberReply::Refused(_)) => blame.failed.push(*e),
                 Ok(MemberReply::Ran(stats)) => {
                     blame.ran.push(*e);
-                    blame.sent += stats.sent_bytes;
-                    blame.messages += stats.messages;
+                    blame.moved.sent += stats.sent_bytes;
+                    blame.moved.messages += stats.messages;
+                    let digest =
+                        MemberDigest { endpoint: *e, member: member.clone(), digest: stats.digest.clone(), time: stats.digest_time };
+                    blame.moved.digests.push(digest);
                 }
                 Ok(_) => {}
             }

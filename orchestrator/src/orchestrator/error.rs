@@ -139,6 +139,23 @@ pub enum OrchestratorError {
         /// Why.
         problem: String,
     },
+    /// What a member holds of the refit, read back after its run, is not
+    /// what its senders sent ([`OrchestratorConfig::digest_check`](super::OrchestratorConfig::digest_check)),
+    /// or its memory disagrees with itself (a piece's copies, a local
+    /// copy, an element that is no widened wire value). Checked before any
+    /// commit: nothing was committed, and every destination serves what
+    /// it served before.
+    #[error("{member} ({rank}): the digest check failed: {problem}; nothing was committed")]
+    DigestMismatch {
+        /// The member.
+        member: String,
+        /// Its rank.
+        rank: Endpoint,
+        /// The sender whose pieces differ, where one does.
+        from: Option<Endpoint>,
+        /// What differs.
+        problem: String,
+    },
     /// A member answered with a reply that does not belong to the request.
     #[error("{member}: answered {reply} to {request}")]
     Protocol {

@@ -11,6 +11,7 @@ mod plan;
 mod refit;
 mod replicas;
 mod report;
+mod verify;
 
 pub use error::OrchestratorError;
 pub use messages::{OrchestratorMsg, OrchestratorReply, RefitTarget};
@@ -71,6 +72,18 @@ pub struct OrchestratorConfig {
     /// What a refit does when source members are lost during it (or
     /// before it).
     pub source_loss: SourceLoss,
+    /// Check every refit end to end before it commits: each member reads
+    /// back what its run moved (a sender what it sent, a receiver what it
+    /// holds, from the memory a commit serves) as a digest — CRC-32C of
+    /// every piece as its wire values, keyed by sender, receiver, round and
+    /// position, summed per pair of ranks — and the orchestrator compares
+    /// them; any difference fails the refit
+    /// ([`OrchestratorError::DigestMismatch`]) with nothing committed.
+    /// Device memory (the communicator fabrics) is not read back: those
+    /// ranks count as unverified ([`RefitReport::unverified_ranks`]). On
+    /// by default; costs one more read of every byte a rank moved
+    /// ([`RefitReport::verify_time`], docs/benchmarks.md).
+    pub digest_check: bool,
 }
 
 /// How a reshard to a destination group of replicas
@@ -154,6 +167,7 @@ impl Default for OrchestratorConfig {
             replica_plan: ReplicaPlan::Derived,
             replica_loss: ReplicaLoss::Drop,
             source_loss: SourceLoss::Replan,
+            digest_check: true,
         }
     }
 }

@@ -5,6 +5,7 @@
 use super::data_plane::Blame;
 use super::error::refused;
 use super::members::Status;
+use super::verify::{verify, Verified};
 use super::{Orchestrator, OrchestratorError, RefitReport, RefitStep, RefitTarget, SourceLoss};
 use crate::protocol::{Fabric, MemberMsg, MemberReply, Refusal, Weights, INSTALLED_PLANS};
 use reshard::{Figures, Group, PlanError, TensorSubset};
@@ -129,6 +130,9 @@ impl Orchestrator {
                 resumed: false,
                 transfer_time: Duration::ZERO,
                 commit_time: Duration::ZERO,
+                verify_time: Duration::ZERO,
+                verified_ranks: 0,
+                unverified_ranks: 0,
                 bytes: 0,
                 messages: 0,
                 control_messages: 0,
@@ -190,8 +194,8 @@ impl Orchestrator {
         let moved = self.transfer(&self.groups(), refit, &session, version, fingerprint, resumed, &mut connect_time).await;
         close_in_process(&session);
         let transfer_time = t.elapsed().saturating_sub(connect_time);
-        let (sent, messages, lost) = match moved {
-            Ok((sent, messages)) => (sent, messages, Vec::new()),
+        let (moved, lost) = match moved {
+            Ok(moved) => (moved, Vec::new()),
             Err((e, mut blame)) => {
                 self.kept.clear();
                 self.delta_base.clear();
@@ -211,7 +215,7 @@ impl Orchestrator {
                         // The other replicas staged the whole version:
                         // they commit it below, without the lost ones.
                         tracing::warn!(?lost, error = %e, "replicas failed the refit and leave the group; the others commit");
-                        (blame.sent, blame.messages, lost)
+                        (blame.moved, lost)
                     } else {
                         tracing::warn!(?lost, error = %e, "replicas failed the refit and leave the group; refitting the others");
                         self.enter(RefitStep::Discarding);
@@ -231,14 +235,33 @@ impl Orchestrator {
                 }
             }
         };
+        let (sent, messages) = (moved.sent, moved.messages);
         if sent != bytes && !self.config.delta {
             tracing::warn!(sent, planned = bytes, "members sent another number of bytes than the plan moves");
         }
+        let k = self.config.replica.as_ref().map_or(1, |one| one.ranks() as usize);
+        // Nothing commits that does not match what its senders sent.
+        let verified = match self.config.digest_check {
+            false => Verified::default(),
+            true => match verify(&moved.digests, |e| !lost.contains(&((e.rank as usize / k) as u32))) {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the digest check failed; nothing is committed");
+                    self.kept.clear();
+                    self.delta_base.clear();
+                    self.enter(RefitStep::Discarding);
+                    self.tell_all(|| MemberMsg::Discard);
+                    if !lost.is_empty() {
+                        self.drop_replicas(&lost).await?;
+                    }
+                    return Err(e);
+                }
+            },
+        };
         // The second phase: every destination has staged the whole
         // version; flip.
         self.enter(RefitStep::Committing);
         let t = Instant::now();
-        let k = self.config.replica.as_ref().map_or(1, |one| one.ranks() as usize);
         let commit = |g, rank: usize| (g == Group::Dst && !lost.contains(&((rank / k) as u32))).then_some(MemberMsg::Commit { version });
         let committed = self.ask_each(&self.groups(), commit, self.config.control_timeout).await;
         let failed: Vec<_> = committed
@@ -300,6 +323,9 @@ impl Orchestrator {
             resumed,
             transfer_time,
             commit_time: t.elapsed(),
+            verify_time: verified.time,
+            verified_ranks: verified.ranks,
+            unverified_ranks: verified.unverified,
             bytes: sent,
             messages,
             control_messages: 0,

@@ -239,8 +239,14 @@ impl Orchestrator {
         let mut connect_time = Duration::ZERO;
         let moved = self.transfer(&cast, refit, &session, version, fingerprint, false, &mut connect_time).await;
         close_in_process(&session);
-        let committed = match moved.map_err(|(e, _)| e) {
-            Ok((bytes, _)) => {
+        // A joining replica, too, commits only what matches what the
+        // serving one sent.
+        let checked = |moved: super::data_plane::Moved| match self.config.digest_check {
+            true => super::verify::verify(&moved.digests, |_| true).map(|_| moved.sent),
+            false => Ok(moved.sent),
+        };
+        let committed = match moved.map_err(|(e, _)| e).and_then(checked) {
+            Ok(bytes) => {
                 self.enter(RefitStep::Committing);
                 let commit = |g, _| (g == Group::Dst).then_some(MemberMsg::Commit { version });
                 self.ask_cast(&cast, commit, self.config.control_timeout).await.and_then(|c| no_refusal(&c)).map(|()| bytes)

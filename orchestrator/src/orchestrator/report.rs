@@ -37,6 +37,19 @@ pub struct RefitReport {
     pub transfer_time: Duration,
     /// Committing on every destination.
     pub commit_time: Duration,
+    /// The digest check before the commit
+    /// ([`OrchestratorConfig::digest_check`](super::OrchestratorConfig::digest_check)):
+    /// the longest time a member took to read back what its run moved
+    /// (part of `transfer_time`: members do it at the end of their run),
+    /// plus the orchestrator's comparison. Zero when off.
+    pub verify_time: Duration,
+    /// Destination ranks every piece of which the digest check compared
+    /// with what its senders sent (0 when off).
+    pub verified_ranks: u64,
+    /// Destination ranks the digest check could not fully compare (device
+    /// memory on the communicator fabrics; the baseline's bypassed
+    /// scratch); 0 when off.
+    pub unverified_ranks: u64,
     /// Bytes moved: the payload of every message between two ranks, in the
     /// dtype it travels in, as the members counted them while sending. It
     /// equals the plan's [`Figures::total_bytes`], the figure `refit plan`,

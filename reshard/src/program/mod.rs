@@ -20,7 +20,7 @@ use std::fmt;
 
 /// A piece's elements inside one buffer: element `i` of the piece (in the
 /// piece's row-major order) is at `base + sum(index[d] * strides[d])`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Span {
     /// Index into [`RankProgram::buffers`].
     pub buffer: u32,

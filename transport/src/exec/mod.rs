@@ -3,7 +3,7 @@
 //! [`run_local`] runs every rank as a thread of this process.
 
 use crate::bypass::Bypass;
-use crate::copy::{copy_strided_unfenced, in_bounds, store_fence, StridedRef};
+use crate::copy::{copy_strided_unfenced, store_fence, StridedRef};
 pub use crate::cursor::RankStats;
 use crate::cursor::{Action, RankCursor};
 use crate::memory::{MemView, RankMemory, RawBuf};
@@ -129,16 +129,7 @@ fn view(
     extent: &[u64],
     block: impl FnOnce() -> Block,
 ) -> Result<StridedRef, ExecError> {
-    let oob = || ExecError::OutOfBounds { me, block: Box::new(block()), buffer: span.buffer };
-    let Some(buf) = mem.bufs.get(span.buffer as usize) else { return Err(oob()) };
-    // SAFETY: `mem` views a rank's buffers, which outlive every rank thread
-    // and every payload of the run (`MemView`'s contract).
-    let r = unsafe { StridedRef::new(buf.ptr, buf.len, span.base, span.strides, dtype) };
-    if in_bounds(extent, &r) {
-        Ok(r)
-    } else {
-        Err(oob())
-    }
+    mem.strided(span, dtype, extent).ok_or_else(|| ExecError::OutOfBounds { me, block: Box::new(block()), buffer: span.buffer })
 }
 
 /// Runs one rank's program over `transport`. On failure it tells every peer

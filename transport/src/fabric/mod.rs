@@ -31,6 +31,7 @@
 //! staged).
 
 mod comm;
+mod digest;
 mod endpoint;
 mod host;
 mod hub;
@@ -38,6 +39,9 @@ mod registered;
 mod spec;
 
 pub use crate::staging::StagingKept;
+#[cfg(feature = "testkit")]
+pub use digest::flip_byte;
+pub use digest::{digest, DigestError, RankDigest};
 pub use host::{this_host, Host};
 pub use hub::{close_in_process, open_in_process};
 pub use registered::{RegisteredMemory, RegisteredStaging, Residence};
@@ -120,6 +124,17 @@ pub enum RunMemory<'a> {
         /// The staging the rank keeps between refits.
         staging: &'a mut Option<RegisteredStaging>,
     },
+}
+
+impl RunMemory<'_> {
+    /// The same memory, for another use of it (a run, then its digest).
+    pub fn reborrow(&mut self) -> RunMemory<'_> {
+        match self {
+            RunMemory::Host(m) => RunMemory::Host(m),
+            RunMemory::Registered(r) => RunMemory::Registered(*r),
+            RunMemory::Staged { registered, staging } => RunMemory::Staged { registered: *registered, staging },
+        }
+    }
 }
 
 /// What a plan's run leaves for the next run of the same plan, which

@@ -172,6 +172,13 @@ impl RegisteredStaging {
         Ok(memory)
     }
 
+    /// The host staging a run just wrote, as it left it (not synced from
+    /// the registered memory again); `None` for none, or staging on a
+    /// device.
+    pub(super) fn written(staging: &mut Option<RegisteredStaging>) -> Option<&mut RankMemory> {
+        staging.as_mut().and_then(|s| s.memory.host())
+    }
+
     /// Copies the rank's buffers into `registered` memory (the commit,
     /// under the store's commit fence: no reader holds it) and waits.
     pub fn commit(&mut self, program: &RankProgram, registered: &dyn RegisteredMemory) -> Result<(), String> {
