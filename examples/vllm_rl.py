@@ -151,6 +151,17 @@ def stop_trainers(pipes, procs):
         p.join(timeout=30)
 
 
+def outcome(rewards, got, want):
+    """Says how the run went: whether the reward rose and the engine's
+    greedy generation `got` equals the trainers' `want`."""
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    print(f"mean reward, first 3 steps {first:.3f}, last 3 steps {last:.3f}")
+    print(f"the engine's greedy generation equals the trainers' model: {got == want}")
+    if got != want:
+        print(f"  engine:   {got}\n  trainers: {want}")
+    return got == want and last > first + 0.1
+
+
 def remove_vllm_shm(before):
     """vLLM's shutdown leaves its CPU backend's shared memory behind."""
     for name in vllm_shm() - before:
@@ -207,12 +218,7 @@ def main():
         want = [pipe.recv() for pipe in pipes][0]
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
         got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)]
-        first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-        print(f"mean reward, first 3 steps {first:.3f}, last 3 steps {last:.3f}")
-        print(f"the engine's greedy generation equals the trainers' model: {got == want}")
-        if got != want:
-            print(f"  engine:   {got}\n  trainers: {want}")
-        ok = got == want and last > first + 0.1
+        ok = outcome(rewards, got, want)
     finally:
         stop_trainers(pipes, procs)
         orch.close()
