@@ -297,12 +297,18 @@ def _quiet_float64() -> Any:
     )
 
 
-def _quiet_reload(model: torch.nn.Module) -> Any:
+def _bare_layers(model: torch.nn.Module) -> set:
+    """The classes of the model's layers that never hold parameters of
+    their own."""
+    bare = {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is None}
+    return bare - {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is not None}
+
+
+def _quiet_reload(bare: set) -> Any:
     """vLLM's layer-wise reload warns "Failed to load weights" for every
     layer whose checkpoint holds nothing, parameter-less layers included
-    (their buffers count): kept for layers with parameters of their own."""
-    bare = {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is None}
-    bare -= {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is not None}
+    (their buffers count): kept for layers with parameters of their own
+    (``bare``: ``_bare_layers``, found once at connect)."""
     return _muted(
         "vllm.model_executor.model_loader.reload.layerwise",
         lambda r: str(r.msg) == "%s: Failed to load weights" and r.args[0] in bare,
@@ -481,6 +487,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             raise refit.LayoutError(f"the model's dtype {self.model_config.dtype} has no refit dtype: give dtype= to refit.vllm.VLLMRollouts")
         layout, self.missing = _front.derived_layout(tensors, every, replicas=init_info.replicas, dtype=dtype)
         self.every = every
+        self.bare_layers = _bare_layers(self.model)
         rank = init_info.replica * workers.size + workers.rank
         self.rank = rank
         self.layout = layout
@@ -578,7 +585,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         try:
             self.model.load_weights(iter(self.full.items()))
         finally:
-            with _quiet_reload(self.model):
+            with _quiet_reload(self.bare_layers):
                 finalize_layerwise_reload(self.model, self.model_config)
         _repack_cpu_experts(self.model)
 

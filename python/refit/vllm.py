@@ -596,9 +596,10 @@ class VLLMRollouts:
         return self.world * len(self.engines)
 
     def _each(self, what: str, call: Any) -> List[Any]:
-        """``call(client)`` on every engine at once; the engines' errors as
-        one refit error (the first engine's, the others' named in it)."""
-        futures = [self._pool.submit(call, c) for c in self.clients]
+        """``call(replica, client)`` on every engine at once; the engines'
+        errors as one refit error (the first engine's, the others' named in
+        it)."""
+        futures = [self._pool.submit(call, r, c) for r, c in enumerate(self.clients)]
         results, errors = [], []
         for replica, f in enumerate(futures):
             try:
@@ -623,7 +624,7 @@ class VLLMRollouts:
         then ready to connect again."""
         tensors = checkpoint_tensors(self.source)
 
-        def init(replica: int) -> Any:
+        def init(replica: int, client: Any) -> None:
             info = {
                 "rendezvous": self.orchestrator.address,
                 "secret": self.orchestrator.secret,
@@ -633,17 +634,9 @@ class VLLMRollouts:
                 "dtype": self.dtype,
                 "staged": self.staged,
             }
-            return lambda c: c.init_weight_transfer_engine(info)
+            client.init_weight_transfer_engine(info)
 
-        futures = [self._pool.submit(init(r), c) for r, c in enumerate(self.clients)]
-        errors = []
-        for replica, f in enumerate(futures):
-            try:
-                f.result()
-            except Exception as e:  # noqa: BLE001 - turned into refit's errors below
-                errors.append(engine_error(replica, "connecting its workers", e, self.orchestrator.secret))
-        if errors:
-            raise errors[0]
+        self._each("connecting its workers", init)
         return self.orchestrator.connect(src_ranks, self.ranks, timeout)
 
     def refit(self, version: Optional[int] = None) -> VLLMRefitReport:
@@ -679,7 +672,7 @@ class VLLMRollouts:
         model torn) schedules nothing until a load succeeds (the others
         serve ``version``); the error names it and the cause."""
 
-        def one(client: Any) -> float:
+        def one(_replica: int, client: Any) -> float:
             t = time.perf_counter()
             client.start_weight_update()
             try:
