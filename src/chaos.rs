@@ -260,9 +260,14 @@ fn run_cases(
     let workers = cluster.workers();
     let first = |g: Group| workers.iter().position(|w| w.ranks.iter().any(|e| e.group == g)).unwrap_or(0);
     let (a_src, a_dst) = (first(Group::Src), first(Group::Dst));
-    let rank = |i: usize| workers[i].ranks.first().copied().unwrap_or(Endpoint::src(0));
-    let mut rows = Vec::new();
     let all_ranks: Vec<Endpoint> = workers.iter().flat_map(|w| w.ranks.iter().copied()).collect();
+    let targets = Targets {
+        a_src,
+        a_dst,
+        src_rank: workers[a_src].ranks.first().copied().unwrap_or(Endpoint::src(0)),
+        dst_ranks: all_ranks.iter().copied().filter(|e| e.group == Group::Dst).collect(),
+    };
+    let mut rows = Vec::new();
     for case in cases {
         // Every case starts from a clean state, whatever ran before it:
         // workers that died or stopped answering replaced, no fault left
@@ -307,43 +312,7 @@ fn run_cases(
                 let lost = |r: &RefitReport| (!r.lost_sources.is_empty()).then(|| format!("source ranks {:?}", r.lost_sources));
                 kill_mid_refit(&mut cluster, version, worker, transfer.mul_f64(point), lost)
             }
-            _ => {
-                let kill = |worker, step, after| Some(Disruption { step, after, action: Disrupt::Kill(worker) });
-                let at = Duration::ZERO;
-                let kill = match case {
-                    "kill source during attach" => kill(a_src, RefitStep::Preparing, at),
-                    "kill destination during attach" => kill(a_dst, RefitStep::Connecting, at),
-                    "kill source mid-transfer" => kill(a_src, RefitStep::Running, mid),
-                    "kill destination mid-transfer" => kill(a_dst, RefitStep::Running, mid),
-                    "kill source during commit" => kill(a_src, RefitStep::Committing, at),
-                    "kill destination during commit" => kill(a_dst, RefitStep::Committing, at),
-                    _ => None,
-                };
-                let stall = FaultSpec { stall_at_frame: Some(0), ..FaultSpec::default() };
-                let faults = match case {
-                    "stalled peer (stops sending)" => vec![(rank(a_src), stall)],
-                    // A source stalls; the destinations waiting for it time out at
-                    // the deadline, and the abort of whichever times out
-                    // first hangs (as NCCL's has been seen to; every destination's
-                    // would): the refit still returns, and the stuck worker
-                    // is replaced.
-                    "abort that hangs" => {
-                        let hang = FaultSpec { abort_hang: Some(bound * 4), ..FaultSpec::default() };
-                        let destinations = workers.iter().flat_map(|w| w.ranks.iter().copied()).filter(|e| e.group == Group::Dst);
-                        std::iter::once((rank(a_src), stall)).chain(destinations.map(|e| (e, hang.clone()))).collect()
-                    }
-                    "cut connection" => vec![(rank(a_src), FaultSpec { cut_at_frame: Some(1), ..FaultSpec::default() })],
-                    "corrupt frame (checksums on)" => vec![(rank(a_src), FaultSpec { corrupt_frame: Some(0), ..FaultSpec::default() })],
-                    _ => Vec::new(),
-                };
-                if case == "member restarts with a different layout" {
-                    cluster.restart_worker(a_dst, Some(wrong.clone()))?;
-                }
-                match cluster.refit_with(version, true, &faults, kill) {
-                    Ok(_) => (Some(false), "the refit completed before the fault mattered".to_string()),
-                    Err(e) => (Some(true), e.to_string()),
-                }
-            }
+            _ => injected_case(&mut cluster, case, version, &targets, (mid, bound), &wrong)?,
         };
         // The broken refit's own time: the orchestrator's answer, not the
         // launcher stepping the sources first (seconds under a sanitizer).
@@ -360,6 +329,66 @@ fn run_cases(
     }
     cluster.shutdown();
     Ok(rows)
+}
+
+/// The workers and ranks the cases break: the first worker holding a
+/// source rank and the first holding a destination rank.
+struct Targets {
+    a_src: usize,
+    a_dst: usize,
+    /// The source worker's first rank.
+    src_rank: Endpoint,
+    /// Every destination rank.
+    dst_ranks: Vec<Endpoint>,
+}
+
+/// A case that kills a worker at a refit step, arms faults on ranks, or
+/// restarts a member with `wrong` layouts, and runs the refit it breaks
+/// (`mid`: how far into the transfer; `bound`: how long a refit may take);
+/// whether that refit failed, and how.
+fn injected_case(
+    cluster: &mut Cluster,
+    case: &str,
+    version: u64,
+    t: &Targets,
+    (mid, bound): (Duration, Duration),
+    wrong: &(PathBuf, PathBuf),
+) -> Result<(Option<bool>, String), ClusterError> {
+    let (a_src, a_dst) = (t.a_src, t.a_dst);
+    let kill = |worker, step, after| Some(Disruption { step, after, action: Disrupt::Kill(worker) });
+    let at = Duration::ZERO;
+    let kill = match case {
+        "kill source during attach" => kill(a_src, RefitStep::Preparing, at),
+        "kill destination during attach" => kill(a_dst, RefitStep::Connecting, at),
+        "kill source mid-transfer" => kill(a_src, RefitStep::Running, mid),
+        "kill destination mid-transfer" => kill(a_dst, RefitStep::Running, mid),
+        "kill source during commit" => kill(a_src, RefitStep::Committing, at),
+        "kill destination during commit" => kill(a_dst, RefitStep::Committing, at),
+        _ => None,
+    };
+    let stall = FaultSpec { stall_at_frame: Some(0), ..FaultSpec::default() };
+    let faults = match case {
+        "stalled peer (stops sending)" => vec![(t.src_rank, stall)],
+        // A source stalls; the destinations waiting for it time out at
+        // the deadline, and the abort of whichever times out
+        // first hangs (as NCCL's has been seen to; every destination's
+        // would): the refit still returns, and the stuck worker
+        // is replaced.
+        "abort that hangs" => {
+            let hang = FaultSpec { abort_hang: Some(bound * 4), ..FaultSpec::default() };
+            std::iter::once((t.src_rank, stall)).chain(t.dst_ranks.iter().map(|&e| (e, hang.clone()))).collect()
+        }
+        "cut connection" => vec![(t.src_rank, FaultSpec { cut_at_frame: Some(1), ..FaultSpec::default() })],
+        "corrupt frame (checksums on)" => vec![(t.src_rank, FaultSpec { corrupt_frame: Some(0), ..FaultSpec::default() })],
+        _ => Vec::new(),
+    };
+    if case == "member restarts with a different layout" {
+        cluster.restart_worker(a_dst, Some(wrong.clone()))?;
+    }
+    Ok(match cluster.refit_with(version, true, &faults, kill) {
+        Ok(_) => (Some(false), "the refit completed before the fault mattered".to_string()),
+        Err(e) => (Some(true), e.to_string()),
+    })
 }
 
 /// The cases of [`REPLICA_CASES`] in `cases`, on a cluster of their own

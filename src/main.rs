@@ -109,6 +109,81 @@ struct BenchArgs {
     json: bool,
 }
 
+/// Arguments of `refit plan`.
+#[derive(clap::Args)]
+struct PlanCli {
+    /// Source (training) layout file (or use --model).
+    #[arg(long, requires = "dst", conflicts_with = "model")]
+    src: Option<PathBuf>,
+    /// Destination (inference) layout file.
+    #[arg(long, requires = "src")]
+    dst: Option<PathBuf>,
+    /// A model preset instead of files.
+    #[arg(long, value_enum)]
+    model: Option<Model>,
+    /// Divide hidden sizes by this (presets only; 1 = full size).
+    #[arg(long, default_value_t = 1)]
+    scale: u64,
+    /// deepseek-v3 and kimi-k2: inference with expert parallelism over EP groups
+    /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
+    /// `--enable-expert-parallel`: the routed experts (256 or 384) whole,
+    /// spread over each group, the other weights TP8 within each node.
+    /// Default: deepseek-v3 TP8 x DP16, experts TP-sharded too; kimi-k2
+    /// EP16.
+    #[arg(long, value_name = "N", requires = "model", conflicts_with = "src")]
+    ep: Option<u32>,
+    /// An anchor's published training -> inference setup instead of the
+    /// preset's default layouts, the one they measured a refit on:
+    /// deepseek-v3 nemo-rl (NeMo RL: Megatron PP16 x EP16 -> vLLM TP32 x
+    /// DP8, 256 -> 256 ranks); kimi-k2 vllm-rdt (vLLM's RDT transfer:
+    /// TP8 x PP8 x EP32 -> TP32 x EP32, 256 -> 128 ranks); qwen3-235b
+    /// vllm-rdt (TP4 x PP2 x EP8 -> DP16 x EP16, 16 -> 16 ranks).
+    /// `--estimate` then quotes their measurement beside the model.
+    #[arg(long, value_name = "NAME", requires = "model")]
+    setup: Option<String>,
+    /// Most bytes one rank stages per round, in MiB.
+    #[arg(long, default_value_t = 256)]
+    max_staging_mib: u64,
+    /// Link model: dgx-h100, gb200, or a JSON file
+    /// {"net_bytes_per_s": .., "intra_bytes_per_s": .., "message_latency_s": ..}.
+    #[arg(long, default_value = "dgx-h100")]
+    topology: String,
+    /// Also print the estimated refit time of both plans and the lower bound.
+    #[arg(long)]
+    estimate: bool,
+    /// Draw the reshard's traffic matrix (ranks and nodes) as an SVG
+    /// heat map into this file (and the baseline's next to it, `.baseline.svg`).
+    #[arg(long)]
+    svg: Option<PathBuf>,
+    /// Print one JSON object {"reshard": {...}, "baseline": {...}}.
+    #[arg(long)]
+    json: bool,
+    /// Also write both layouts (e.g. a preset's) as layout files
+    /// DIR/src.json and DIR/dst.json.
+    #[arg(long, value_name = "DIR")]
+    emit_layouts: Option<PathBuf>,
+    /// Plan into the destination's block-scaled FP8 version instead:
+    /// every float tensor of 2 or more dimensions `f8e4m3` in blocks of
+    /// N per dimension, with an f32 scale tensor placed like it (as
+    /// `refit bench --fp8-dst` does).
+    #[arg(long, value_name = "N")]
+    fp8_dst: Option<u64>,
+    /// Where the reshard quantizes block-scaled FP8 destinations:
+    /// `source` (by the source rank that sends a block, for tensors
+    /// whose source shards hold whole blocks; codes and scales on the
+    /// wire) or `destination` (whole blocks of source values on the
+    /// wire). The baseline always quantizes at the destination.
+    #[arg(long, value_enum, default_value = "source")]
+    quantize_at: QuantizeAtArg,
+    /// Most units of planning work (pieces, transfers, overlaps, pairs of
+    /// ranks to schedule) before a pair is refused instead of planned.
+    /// Default: for layout files, 16 units per byte of them (at least
+    /// 2^20: a pair of small files plans in about a second), and never
+    /// more than half this machine's available memory holds.
+    #[arg(long, value_name = "N")]
+    max_plan_work: Option<u64>,
+}
+
 /// How `refit launch` and `refit bench --transport process` run workers.
 #[derive(clap::Args, Clone)]
 struct ClusterArgs {
@@ -200,78 +275,7 @@ struct ReplicaArgs {
 #[derive(Subcommand)]
 enum Command {
     /// Validate both layouts, plan reshard and baseline, print the figures.
-    Plan {
-        /// Source (training) layout file (or use --model).
-        #[arg(long, requires = "dst", conflicts_with = "model")]
-        src: Option<PathBuf>,
-        /// Destination (inference) layout file.
-        #[arg(long, requires = "src")]
-        dst: Option<PathBuf>,
-        /// A model preset instead of files.
-        #[arg(long, value_enum)]
-        model: Option<Model>,
-        /// Divide hidden sizes by this (presets only; 1 = full size).
-        #[arg(long, default_value_t = 1)]
-        scale: u64,
-        /// deepseek-v3 and kimi-k2: inference with expert parallelism over EP groups
-        /// of N ranks (8, 16, 32, 64 or 128), as vLLM's TP8 x DP N/8
-        /// `--enable-expert-parallel`: the routed experts (256 or 384) whole,
-        /// spread over each group, the other weights TP8 within each node.
-        /// Default: deepseek-v3 TP8 x DP16, experts TP-sharded too; kimi-k2
-        /// EP16.
-        #[arg(long, value_name = "N", requires = "model", conflicts_with = "src")]
-        ep: Option<u32>,
-        /// An anchor's published training -> inference setup instead of the
-        /// preset's default layouts, the one they measured a refit on:
-        /// deepseek-v3 nemo-rl (NeMo RL: Megatron PP16 x EP16 -> vLLM TP32 x
-        /// DP8, 256 -> 256 ranks); kimi-k2 vllm-rdt (vLLM's RDT transfer:
-        /// TP8 x PP8 x EP32 -> TP32 x EP32, 256 -> 128 ranks); qwen3-235b
-        /// vllm-rdt (TP4 x PP2 x EP8 -> DP16 x EP16, 16 -> 16 ranks).
-        /// `--estimate` then quotes their measurement beside the model.
-        #[arg(long, value_name = "NAME", requires = "model")]
-        setup: Option<String>,
-        /// Most bytes one rank stages per round, in MiB.
-        #[arg(long, default_value_t = 256)]
-        max_staging_mib: u64,
-        /// Link model: dgx-h100, gb200, or a JSON file
-        /// {"net_bytes_per_s": .., "intra_bytes_per_s": .., "message_latency_s": ..}.
-        #[arg(long, default_value = "dgx-h100")]
-        topology: String,
-        /// Also print the estimated refit time of both plans and the lower bound.
-        #[arg(long)]
-        estimate: bool,
-        /// Draw the reshard's traffic matrix (ranks and nodes) as an SVG
-        /// heat map into this file (and the baseline's next to it, `.baseline.svg`).
-        #[arg(long)]
-        svg: Option<PathBuf>,
-        /// Print one JSON object {"reshard": {...}, "baseline": {...}}.
-        #[arg(long)]
-        json: bool,
-        /// Also write both layouts (e.g. a preset's) as layout files
-        /// DIR/src.json and DIR/dst.json.
-        #[arg(long, value_name = "DIR")]
-        emit_layouts: Option<PathBuf>,
-        /// Plan into the destination's block-scaled FP8 version instead:
-        /// every float tensor of 2 or more dimensions `f8e4m3` in blocks of
-        /// N per dimension, with an f32 scale tensor placed like it (as
-        /// `refit bench --fp8-dst` does).
-        #[arg(long, value_name = "N")]
-        fp8_dst: Option<u64>,
-        /// Where the reshard quantizes block-scaled FP8 destinations:
-        /// `source` (by the source rank that sends a block, for tensors
-        /// whose source shards hold whole blocks; codes and scales on the
-        /// wire) or `destination` (whole blocks of source values on the
-        /// wire). The baseline always quantizes at the destination.
-        #[arg(long, value_enum, default_value = "source")]
-        quantize_at: QuantizeAtArg,
-        /// Most units of planning work (pieces, transfers, overlaps, pairs of
-        /// ranks to schedule) before a pair is refused instead of planned.
-        /// Default: for layout files, 16 units per byte of them (at least
-        /// 2^20: a pair of small files plans in about a second), and never
-        /// more than half this machine's available memory holds.
-        #[arg(long, value_name = "N")]
-        max_plan_work: Option<u64>,
-    },
+    Plan(PlanCli),
     /// Fill sources with a pattern, run one refit, optionally verify.
     Run {
         #[command(flatten)]
@@ -635,39 +639,36 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let result = match &cli.command {
-        Command::Plan {
-            src,
-            dst,
-            model,
-            scale,
-            ep,
-            setup,
-            max_staging_mib,
-            topology,
-            estimate,
-            svg,
-            json,
-            emit_layouts,
-            fp8_dst,
-            quantize_at,
-            max_plan_work,
-        } => cmd::plan::run(&cmd::plan::PlanArgs {
-            src,
-            dst,
-            model: *model,
-            scale: *scale,
-            ep: *ep,
-            setup: setup.as_deref(),
-            max_staging_mib: *max_staging_mib,
-            topology,
-            estimate: *estimate,
-            svg,
-            json: *json,
-            emit_layouts,
-            fp8_dst: *fp8_dst,
-            quantize_at: quantize_at.into(),
-            max_plan_work: *max_plan_work,
+    match dispatch(&cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            let line: String =
+                f.line.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect();
+            eprintln!("error: {line}");
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+/// Runs the command given.
+fn dispatch(command: &Command) -> Result<(), cmd::report::Failure> {
+    match command {
+        Command::Plan(a) => cmd::plan::run(&cmd::plan::PlanArgs {
+            src: &a.src,
+            dst: &a.dst,
+            model: a.model,
+            scale: a.scale,
+            ep: a.ep,
+            setup: a.setup.as_deref(),
+            max_staging_mib: a.max_staging_mib,
+            topology: &a.topology,
+            estimate: a.estimate,
+            svg: &a.svg,
+            json: a.json,
+            emit_layouts: &a.emit_layouts,
+            fp8_dst: a.fp8_dst,
+            quantize_at: (&a.quantize_at).into(),
+            max_plan_work: a.max_plan_work,
         }),
         Command::Run { pair, baseline, verify, no_digest_check, transport, deadline_s, json, dump_dst, only } => {
             cmd::run::run(&cmd::run::RunArgs {
@@ -740,14 +741,5 @@ fn main() -> ExitCode {
             *json,
         ),
         Command::DemoMember { role, rank } => cmd::demo::member(*role, *rank),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(f) => {
-            let line: String =
-                f.line.chars().flat_map(|c| if c.is_control() { c.escape_default().collect::<Vec<_>>() } else { vec![c] }).collect();
-            eprintln!("error: {line}");
-            ExitCode::from(f.code)
-        }
     }
 }

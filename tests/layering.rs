@@ -124,18 +124,22 @@ fn the_command_line_reaches_the_data_plane_only_through_the_orchestrator() {
 /// re-exports, of the fabric interface's plain settings (the member
 /// protocol carries them, and a run's digest; a store says where registered memory lives; a
 /// tweak changes a node endpoint's shared-memory directory and faults),
-/// and of the executor's default deadline. No other public item may, and
+/// of the executor's default deadline, and of the GPU planes' record of
+/// work done on the host. No other public item may, and
 /// every listed line still exists.
 #[test]
 fn the_orchestrator_api_names_transport_types_only_where_known() {
     let known = [
         "pub use transport::DEFAULT_DEADLINE;",
-        "pub use transport::fabric::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};",
+        "pub use transport::fabric::{CommPlane, DataAddr, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};",
         "pub use transport::fabric::Residence;",
         "pub use transport::fabric::NodeTweak;",
         // A run's digest, which the member protocol carries.
         "pub use transport::fabric::{DigestError, RankDigest};",
         "pub use transport::Faults;",
+        // What the GPU planes did on the host, for the GPU checks (the
+        // Python ones too: `_refit.host_work`).
+        "pub use transport::cuda::{host_work, HostWork};",
         // The verification pattern, behind the orchestrator's `testkit`.
         "pub use transport::{fill_source_rank_at, verify_destination_rank_from, Mismatch};",
     ];
@@ -426,6 +430,9 @@ fn module_graph(krate: &str) -> std::collections::BTreeMap<String, std::collecti
             continue;
         }
         let files = if path.is_dir() { sources(&path) } else { vec![path.clone()] };
+        // A test module in a file of its own (`tests.rs`) is not code the
+        // module depends on.
+        let files = files.into_iter().filter(|f| f.file_name().is_none_or(|n| n != "tests.rs"));
         modules.entry(name).or_default().extend(files);
     }
     // Names the root re-exports, by the module they come from.

@@ -459,6 +459,16 @@ mod tests {
     /// nulls, key order, repeated and escaped keys, both forms and neither.
     fn edge_cases() -> Vec<String> {
         let mut cases: Vec<String> = Vec::new();
+        top_level_cases(&mut cases);
+        tensor_cases(&mut cases);
+        mesh_cases(&mut cases);
+        shard_cases(&mut cases);
+        whole_file_cases(&mut cases);
+        cases
+    }
+
+    /// The file's own fields: `ranks`, `ranks_per_node`, the top level.
+    fn top_level_cases(cases: &mut Vec<String>) {
         for ranks in ["4", "4.0", "1e0", "-1", "-0", "0", "\"4\"", "null", "1048576", "1048577", "4294967296", "18446744073709551616"] {
             cases.push(format!(r#"{{"ranks": {ranks}, "tensors": []}}"#));
         }
@@ -488,6 +498,10 @@ mod tests {
         ] {
             cases.push(top.to_string());
         }
+    }
+
+    /// A tensor's fields: keys, `name`, `dtype`, `shape`.
+    fn tensor_cases(cases: &mut Vec<String>) {
         let mesh = r#""dtype": "f32", "shape": [8], "mesh": {"shape": [4]}, "placements": ["shard(0)"]"#;
         for t in [
             format!(r#"{{"name": "w", {mesh}}}"#),
@@ -542,6 +556,10 @@ mod tests {
                 r#"{{"name": "w", "dtype": "u8", "shape": {shape}, "mesh": {{"shape": [4]}}, "placements": ["replicate"]}}"#
             )));
         }
+    }
+
+    /// A mesh placement: `mesh` and `placements`.
+    fn mesh_cases(cases: &mut Vec<String>) {
         for m in [
             r#"{"shape": [4]}"#,
             r#"{"shape": [2, 2]}"#,
@@ -585,6 +603,10 @@ mod tests {
         ] {
             cases.push(one(&format!(r#"{{"name": "w", "dtype": "u8", "shape": [8], "mesh": {{"shape": [4]}}, "placements": {p}}}"#)));
         }
+    }
+
+    /// Explicit shards.
+    fn shard_cases(cases: &mut Vec<String>) {
         for s in [
             r#"{"rank": 0, "offset": [0], "extent": [8]}"#,
             r#"{"rank": 0, "flat": [0, 8]}"#,
@@ -622,6 +644,10 @@ mod tests {
         ] {
             cases.push(one(t));
         }
+    }
+
+    /// Whole files: `ranks` after the tensors, buffers shared by tensors.
+    fn whole_file_cases(cases: &mut Vec<String>) {
         // `ranks` after the tensors: implied meshes are checked against it at the end.
         let implied =
             |n: u32| format!(r#"{{"name": "w", "dtype": "u8", "shape": [8], "mesh": {{"shape": [{n}]}}, "placements": ["replicate"]}}"#);
@@ -638,7 +664,6 @@ mod tests {
         cases.push(format!(r#"{{"ranks": 4, "tensors": [{}, {}]}}"#, in_buf("a", 0), in_buf("c", 2)));
         cases.push(format!(r#"{{"ranks": 4, "tensors": [{}, {}]}}"#, in_buf("a", 0), in_buf("c", 1)));
         cases.push(format!(r#"{{"ranks": 4, "tensors": [{}, {}]}}"#, in_buf("a", 0), in_buf("a", 2)));
-        cases
     }
 
     /// Every edge case: both paths agree.

@@ -36,7 +36,36 @@ impl Plan {
     /// (then replicas share nodes, and only a plan of the whole group
     /// sends each node its bytes once).
     pub fn for_replicas(&self, src: &Layout, one: &Layout, dst: &Layout) -> Result<Plan, PlanError> {
-        let derive = |problem: String| PlanError::Derive { problem };
+        let n = self.replica_count(src, one, dst)?;
+        if n == 1 && dst.fingerprint() == one.fingerprint() {
+            return Ok(self.clone());
+        }
+        let alike = dst.tensors().len() == one.tensors().len() && dst.tensors().iter().zip(one.replicated_tensors(n)).all(|(d, r)| *d == r);
+        if dst.ranks_per_node() != one.ranks_per_node() || !alike {
+            return Err(derive(format!("the destination layout is not {n} replicas of the replica's layout")));
+        }
+        let (pool, holders) = self.piece_holders(src, one);
+        let (mut lists, load) = self.replica_sends(src, dst, (one.ranks(), n), (&pool, &holders))?;
+        rebalance(&mut lists, load, &holders, &pool);
+        let needed_node_bytes = (0..n).flat_map(|_| self.needed_node_bytes.iter().copied()).collect();
+        let parts = PlanParts {
+            pieces: self.pieces.clone(),
+            wire: self.wire.clone(),
+            routes: self.routes.clone(),
+            needed_node_bytes,
+            unique_bytes: self.unique_bytes,
+            scratch_blocks: Vec::new(),
+        };
+        let mut plan = Plan::assemble_by_sender(Strategy::Reshard, src, dst, &self.options, parts, lists);
+        plan.replicas = Some(n);
+        plan.fingerprint = derived_fingerprint(plan.fingerprint);
+        Ok(plan)
+    }
+
+    /// The number of replicas of `one` in `dst`, once this plan is checked
+    /// to be a reshard from `src` to `one` made by the planner, and `dst`'s
+    /// ranks to be whole replicas of whole nodes.
+    fn replica_count(&self, src: &Layout, one: &Layout, dst: &Layout) -> Result<u32, PlanError> {
         if self.strategy != Strategy::Reshard {
             return Err(derive("only a reshard plan is derived for replicas".into()));
         }
@@ -57,16 +86,13 @@ impl Plan {
         if !dst.ranks().is_multiple_of(k) {
             return Err(derive(format!("the destination's {} ranks are not replicas of {k} ranks", dst.ranks())));
         }
-        let n = dst.ranks() / k;
-        if n == 1 && dst.fingerprint() == one.fingerprint() {
-            return Ok(self.clone());
-        }
-        let alike = dst.tensors().len() == one.tensors().len() && dst.tensors().iter().zip(one.replicated_tensors(n)).all(|(d, r)| *d == r);
-        if dst.ranks_per_node() != one.ranks_per_node() || !alike {
-            return Err(derive(format!("the destination layout is not {n} replicas of the replica's layout")));
-        }
-        // Each piece's holders among the source ranks (those the plan may
-        // take it from), as ranges of one pool.
+        Ok(dst.ranks() / k)
+    }
+
+    /// Each piece's holders among the source ranks (those the plan may
+    /// take it from, lost sources aside), as ranges of one pool: (pool,
+    /// ranges).
+    fn piece_holders(&self, src: &Layout, one: &Layout) -> (Vec<Rank>, Vec<(u32, u32)>) {
         let mut pool: Vec<Rank> = Vec::new();
         let mut holders: Vec<(u32, u32)> = Vec::with_capacity(self.pieces.len());
         let mut by_tensor: HashMap<u32, Vec<(crate::block::Block, Vec<Rank>)>> = HashMap::new();
@@ -93,6 +119,21 @@ impl Plan {
             pool.extend(ranks);
             holders.push((start, len));
         }
+        (pool, holders)
+    }
+
+    /// This plan's transfers copied onto each of `n` replicas of `k` ranks
+    /// of `dst`: destination ranks moved by `r * k`, source sends turned to
+    /// the holder `r` places on in the piece's holders (`pool`, `holders`
+    /// from [`piece_holders`](Self::piece_holders)); with each source rank's
+    /// bytes sent.
+    fn replica_sends(
+        &self,
+        src: &Layout,
+        dst: &Layout,
+        (k, n): (u32, u32),
+        (pool, holders): (&[Rank], &[(u32, u32)]),
+    ) -> Result<(SenderLists, Vec<u64>), PlanError> {
         let holders_of = |piece: u32| {
             let (start, len) = holders[piece as usize];
             &pool[start as usize..(start + len) as usize]
@@ -126,20 +167,7 @@ impl Plan {
                 lists.push(t.stage, from, moved(t.to, r), t.piece, bytes);
             }
         }
-        rebalance(&mut lists, load, &holders, &pool);
-        let needed_node_bytes = (0..n).flat_map(|_| self.needed_node_bytes.iter().copied()).collect();
-        let parts = PlanParts {
-            pieces: self.pieces.clone(),
-            wire: self.wire.clone(),
-            routes: self.routes.clone(),
-            needed_node_bytes,
-            unique_bytes: self.unique_bytes,
-            scratch_blocks: Vec::new(),
-        };
-        let mut plan = Plan::assemble_by_sender(Strategy::Reshard, src, dst, &self.options, parts, lists);
-        plan.replicas = Some(n);
-        plan.fingerprint = derived_fingerprint(plan.fingerprint);
-        Ok(plan)
+        Ok((lists, load))
     }
 
     /// How many replicas this plan was derived for from one replica's
@@ -148,4 +176,9 @@ impl Plan {
     pub fn derived_for_replicas(&self) -> Option<u32> {
         self.replicas
     }
+}
+
+/// A plan that cannot be derived for replicas, and why.
+fn derive(problem: String) -> PlanError {
+    PlanError::Derive { problem }
 }

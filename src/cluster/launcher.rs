@@ -252,6 +252,53 @@ fn hosts(config: &ClusterConfig, src: &Layout, dst: &Layout, net: Option<&NetHos
     out
 }
 
+/// The emulated hosts `config.netns` asks for, if any: a namespace per
+/// node of `src` and of `dst` (with replicas, of the most replicas the
+/// group may have).
+fn emulated_hosts(
+    config: &ClusterConfig,
+    src: &Layout,
+    dst: &Layout,
+    replicas: Option<&Replicas>,
+) -> Result<Option<NetHosts>, ClusterError> {
+    let hosted_dst = match replicas {
+        Some(r) => r.most_layout()?,
+        None => dst.clone(),
+    };
+    match &config.netns {
+        Some(_) if config.spawn.is_none() => Err(setup("emulated hosts (--netns) need workers started here")),
+        Some(n) => Ok(Some(NetHosts::create(n, &NodeSpec::of(src, &hosted_dst)).map_err(setup)?)),
+        None => Ok(None),
+    }
+}
+
+/// Starts a worker process per host when `config` asks for workers started
+/// here; `None` when they join from elsewhere.
+fn spawn_workers(config: &ClusterConfig, rendezvous: SocketAddr, hosts: &[Host]) -> Result<Option<Children>, ClusterError> {
+    let Some(exe) = &config.spawn else { return Ok(None) };
+    let mut c = Children::new(exe, rendezvous, config.secret.text(), false);
+    for h in hosts {
+        c.spawn_in(h.args.clone(), h.netns.clone()).map_err(setup)?;
+    }
+    Ok(Some(c))
+}
+
+/// The orchestrator's configuration for the cluster's refits.
+fn orchestrator_config(config: &ClusterConfig, replicas: Option<&Replicas>) -> OrchestratorConfig {
+    OrchestratorConfig {
+        fabric: Fabric::Node(config.fabric.clone()),
+        mode: config.strategy,
+        plan: config.options.clone(),
+        deadline: config.refit_deadline,
+        control_timeout: config.setup_timeout,
+        keep_data_plane: config.keep_data_plane,
+        digest_check: config.digest_check,
+        delta: false,
+        replica: replicas.map(|r| Arc::clone(&r.one)),
+        ..OrchestratorConfig::default()
+    }
+}
+
 fn setup(e: impl std::fmt::Display) -> ClusterError {
     ClusterError::Setup(e.to_string())
 }
@@ -271,17 +318,7 @@ impl Cluster {
         let secret = config.secret.secret().map_err(setup)?;
         let control = ControlConfig { heartbeat_timeout: config.heartbeat_timeout, ..ControlConfig::default() };
         let mut replicas = config.replicas.map(|r| Replicas::new(dst.clone(), r)).transpose()?;
-        // Emulated hosts for the most replicas the group may have.
-        let hosted_dst = match &replicas {
-            Some(r) => r.most_layout()?,
-            None => dst.clone(),
-        };
-        let net = match &config.netns {
-            Some(_) if config.spawn.is_none() => return Err(setup("emulated hosts (--netns) need workers started here")),
-            Some(n) => Some(NetHosts::create(n, &NodeSpec::of(&src, &hosted_dst)).map_err(setup)?),
-            None => None,
-        };
-        drop(hosted_dst);
+        let net = emulated_hosts(&config, &src, &dst, replicas.as_ref())?;
         let bind = net.as_ref().map_or(config.bind, |n| SocketAddr::new(n.gateway().into(), config.bind.port()));
         let rendezvous = runtime.block_on(Rendezvous::bind(secret, bind, &control)).map_err(setup)?;
         listening(rendezvous.addr());
@@ -295,14 +332,7 @@ impl Cluster {
                 names.push(name);
             }
         }
-        let mut children = None;
-        if let Some(exe) = &config.spawn {
-            let mut c = Children::new(exe, rendezvous.addr(), config.secret.text(), false);
-            for h in &hosts {
-                c.spawn_in(h.args.clone(), h.netns.clone()).map_err(setup)?;
-            }
-            children = Some(c);
-        }
+        let children = spawn_workers(&config, rendezvous.addr(), &hosts)?;
         let within = config.setup_timeout;
         let (members, patterns, mut joined) = runtime.block_on(async {
             let src_members = rendezvous.members(Group::Src, src.ranks(), within).await.map_err(setup)?;
@@ -331,18 +361,7 @@ impl Cluster {
         })?;
         let orchestrator = {
             let _guard = runtime.enter();
-            let oc = OrchestratorConfig {
-                fabric: Fabric::Node(config.fabric.clone()),
-                mode: config.strategy,
-                plan: config.options.clone(),
-                deadline: config.refit_deadline,
-                control_timeout: config.setup_timeout,
-                keep_data_plane: config.keep_data_plane,
-                digest_check: config.digest_check,
-                delta: false,
-                replica: replicas.as_ref().map(|r| Arc::clone(&r.one)),
-                ..OrchestratorConfig::default()
-            };
+            let oc = orchestrator_config(&config, replicas.as_ref());
             spawn_orchestrator(ActorGroup::from_refs(members[0].clone()), ActorGroup::from_refs(members[1].clone()), oc)
         };
         let mut cluster = Cluster {

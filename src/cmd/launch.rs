@@ -89,6 +89,18 @@ fn describe_event(e: &serde_json::Value) -> String {
     format!("{what}: {} replicas{seeded}", e["replicas"])
 }
 
+/// What the refits of a launch came to: per refit its JSON line, the
+/// wall times of those that succeeded, the bytes one moves, and the
+/// replica events.
+#[derive(Default)]
+struct Tally {
+    outcomes: Vec<serde_json::Value>,
+    walls: Vec<Duration>,
+    bytes: u64,
+    events: Vec<serde_json::Value>,
+    events_ok: bool,
+}
+
 pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
     let (src, dst) = (load(&a.pair.src)?, load(&a.pair.dst)?);
     let mut config = a.cluster.config(&a.pair.src, &a.pair.dst, options(a.pair)?, a.bind, !a.no_spawn)?;
@@ -118,60 +130,9 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
     })
     .map_err(|e| Failure { line: e.to_string(), code: 1 })?;
     let workers = cluster.workers().len();
-    let mut outcomes = Vec::new();
-    let mut walls = Vec::new();
-    let mut bytes = 0;
-    let mut events = Vec::new();
-    let mut events_ok = true;
+    let mut tally = Tally { events_ok: true, ..Tally::default() };
     for version in 1..=refits {
-        if config_has_replicas(&cluster) {
-            bar.phase(format!("replicas before refit {version}"));
-            let (happened, ok) = change_replicas(&mut cluster, a.replicas, version);
-            events_ok &= ok;
-            if !a.json {
-                bar.suspend(|| happened.iter().for_each(|e| say!("before refit {version}: {}", describe_event(e))));
-            }
-            events.extend(happened);
-        }
-        bar.phase(format!("refit {version}"));
-        let t = Instant::now();
-        // Replace workers that died since the last refit (a failure here is
-        // this refit's failure) — unless the first failure ends the launch.
-        let r =
-            if a.fail_fast { cluster.refit(version, a.verify) } else { cluster.recover().and_then(|_| cluster.refit(version, a.verify)) };
-        let took = t.elapsed();
-        let error = r.as_ref().err().map(|e| e.to_string());
-        let dropped = r.as_ref().map(|o| o.report.dropped_replicas.clone()).unwrap_or_default();
-        let replicas = cluster.replica_names().map(|n| n.len());
-        if let Ok(o) = &r {
-            walls.push(o.report.wall);
-            bytes = o.report.bytes;
-        }
-        bar.set_position(version);
-        if !a.json {
-            bar.suspend(|| match &r {
-                Ok(o) => say!(
-                    "refit {version}: ok in {} ({} with filling the sources{}){}{}",
-                    duration(o.report.wall),
-                    duration(took),
-                    if a.verify { " and verifying" } else { "" },
-                    o.verified.map_or(String::new(), |n| format!(", {n} destination elements verified")),
-                    if dropped.is_empty() { String::new() } else { format!("; replicas {dropped:?} left the group during it") }
-                ),
-                Err(e) => say!("refit {version}: FAILED in {}: {e}", duration(took)),
-            });
-        }
-        // `ms` counts stepping the sources and checking too; `refit_s` is
-        // the orchestrator's refit alone, `transfer_s` its data movement.
-        let secs = |f: fn(&orchestrator::RefitReport) -> Duration| r.as_ref().ok().map(|o| f(&o.report).as_secs_f64());
-        outcomes.push(json!({
-            "version": version, "ok": r.is_ok(), "error": error, "ms": took.as_secs_f64() * 1e3,
-            "refit_s": secs(|r| r.wall), "plan_s": secs(|r| r.plan_time), "connect_s": secs(|r| r.connect_time),
-            "transfer_s": secs(|r| r.transfer_time), "commit_s": secs(|r| r.commit_time),
-            "resumed": r.as_ref().ok().map(|o| o.report.resumed),
-            "replicas": replicas, "dropped_replicas": dropped,
-        }));
-        if r.is_err() && a.fail_fast {
+        if !refit_version(a, &mut cluster, version, &bar, &mut tally) {
             break;
         }
     }
@@ -179,6 +140,7 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
     let peak = json!({"launcher": refit::bench::peak_rss_bytes(), "worker_max": cluster.worker_peak_rss()});
     cluster.shutdown();
     drop(bar);
+    let Tally { outcomes, mut walls, bytes, events, events_ok } = tally;
     let last_ok = outcomes.last().is_some_and(|o| o["ok"] == true) && outcomes.len() as u64 == refits;
     let verified = a.verify && last_ok;
     let failed = outcomes.iter().filter(|o| o["ok"] == false).count();
@@ -215,6 +177,58 @@ pub(crate) fn run(a: &LaunchArgs<'_>) -> Result<(), Failure> {
     } else {
         Err(Failure { line: format!("{failed} of {} refit(s) failed, the last one among them", outcomes.len()), code: 1 })
     }
+}
+
+/// Refit `version` (replicas added and removed first, as asked), said on
+/// the bar's line and tallied; whether the launch goes on.
+fn refit_version(a: &LaunchArgs<'_>, cluster: &mut Cluster, version: u64, bar: &Progress, tally: &mut Tally) -> bool {
+    if config_has_replicas(cluster) {
+        bar.phase(format!("replicas before refit {version}"));
+        let (happened, ok) = change_replicas(cluster, a.replicas, version);
+        tally.events_ok &= ok;
+        if !a.json {
+            bar.suspend(|| happened.iter().for_each(|e| say!("before refit {version}: {}", describe_event(e))));
+        }
+        tally.events.extend(happened);
+    }
+    bar.phase(format!("refit {version}"));
+    let t = Instant::now();
+    // Replace workers that died since the last refit (a failure here is
+    // this refit's failure) — unless the first failure ends the launch.
+    let r = if a.fail_fast { cluster.refit(version, a.verify) } else { cluster.recover().and_then(|_| cluster.refit(version, a.verify)) };
+    let took = t.elapsed();
+    let error = r.as_ref().err().map(|e| e.to_string());
+    let dropped = r.as_ref().map(|o| o.report.dropped_replicas.clone()).unwrap_or_default();
+    let replicas = cluster.replica_names().map(|n| n.len());
+    if let Ok(o) = &r {
+        tally.walls.push(o.report.wall);
+        tally.bytes = o.report.bytes;
+    }
+    bar.set_position(version);
+    if !a.json {
+        bar.suspend(|| match &r {
+            Ok(o) => say!(
+                "refit {version}: ok in {} ({} with filling the sources{}){}{}",
+                duration(o.report.wall),
+                duration(took),
+                if a.verify { " and verifying" } else { "" },
+                o.verified.map_or(String::new(), |n| format!(", {n} destination elements verified")),
+                if dropped.is_empty() { String::new() } else { format!("; replicas {dropped:?} left the group during it") }
+            ),
+            Err(e) => say!("refit {version}: FAILED in {}: {e}", duration(took)),
+        });
+    }
+    // `ms` counts stepping the sources and checking too; `refit_s` is
+    // the orchestrator's refit alone, `transfer_s` its data movement.
+    let secs = |f: fn(&orchestrator::RefitReport) -> Duration| r.as_ref().ok().map(|o| f(&o.report).as_secs_f64());
+    tally.outcomes.push(json!({
+        "version": version, "ok": r.is_ok(), "error": error, "ms": took.as_secs_f64() * 1e3,
+        "refit_s": secs(|r| r.wall), "plan_s": secs(|r| r.plan_time), "connect_s": secs(|r| r.connect_time),
+        "transfer_s": secs(|r| r.transfer_time), "commit_s": secs(|r| r.commit_time),
+        "resumed": r.as_ref().ok().map(|o| o.report.resumed),
+        "replicas": replicas, "dropped_replicas": dropped,
+    }));
+    !(r.is_err() && a.fail_fast)
 }
 
 /// Whether the cluster's destination group is made of replicas.

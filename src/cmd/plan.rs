@@ -5,7 +5,10 @@ use super::report::{
     write_layouts, Failure, Progress,
 };
 use refit::presets::{Model, PresetOptions, Setup};
-use reshard::{baseline_summary, plan_baseline, plan_reshard, LinkModel, PlanOptions};
+use reshard::{
+    baseline_summary, plan_baseline, plan_reshard, BaselineSummary, Estimate, Figures, Fingerprint, Layout, LinkModel, PlanError,
+    PlanOptions,
+};
 use serde_json::json;
 use std::path::{Path, PathBuf};
 
@@ -226,9 +229,55 @@ fn anchor(model: Model, setup: Option<Setup>, fp8: Option<u64>) -> Option<&'stat
 const RESHARD_MODEL: &str = "per round the busiest link, summed over rounds";
 const BASELINE_MODEL: &str = "pipelined chunked broadcast";
 
+/// The layouts to plan, how the output names them, and the preset's model
+/// and setup they came from (if any).
+struct Workload {
+    src: Layout,
+    dst: Layout,
+    what: String,
+    preset: Option<(Model, Option<Setup>)>,
+}
+
+/// What the planning leaves for the output: the reshard plan's figures
+/// (the plan itself is dropped before the baseline's turn), the baseline's
+/// summary or why it is impossible.
+struct Planned {
+    figures: Figures,
+    fingerprint: Fingerprint,
+    /// The reshard's modelled time (`--estimate`).
+    estimate: Option<Estimate>,
+    /// Block-scaled tensors the reshard quantizes at the source, and at the destination.
+    quantized: (usize, usize),
+    baseline: Result<BaselineSummary, PlanError>,
+}
+
 pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
     let progress = Progress::spinner(args.json);
-    let (src, dst, what, model) = match (args.src, args.dst, args.model) {
+    let w = workload(args, &progress)?;
+    let anchor = w.preset.and_then(|(m, setup)| anchor(m, setup, args.fp8_dst));
+    if let Some(dir) = args.emit_layouts {
+        progress.phase("writing layouts");
+        write_layouts(&w.src, &w.dst, dir)?;
+        if !args.json {
+            progress.suspend(|| say!("wrote {}/src.json and dst.json", dir.display()));
+        }
+    }
+    let links = topology(args.topology)?;
+    let opts = plan_options(args, links)?;
+    let planned = plan(args, &w, &opts, &links, &progress)?;
+    drop(progress);
+    if args.json {
+        say!("{}", plan_json(args, &planned, anchor));
+        return Ok(());
+    }
+    print_plan(args, &w, &planned, anchor);
+    Ok(())
+}
+
+/// The layouts of `--src` and `--dst` or of the preset, their destination
+/// made FP8 with `--fp8-dst`.
+fn workload(args: &PlanArgs<'_>, progress: &Progress) -> Result<Workload, Failure> {
+    let (src, dst, what, preset) = match (args.src, args.dst, args.model) {
         (Some(s), Some(d), _) => {
             progress.phase("reading layouts");
             (load(s)?, load(d)?, format!("{} -> {}", s.display(), d.display()), None)
@@ -250,15 +299,12 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         None => what,
         Some(block) => format!("{what}, FP8 in blocks of {block}"),
     };
-    let anchor = model.and_then(|(m, setup)| anchor(m, setup, args.fp8_dst));
-    if let Some(dir) = args.emit_layouts {
-        progress.phase("writing layouts");
-        write_layouts(&src, &dst, dir)?;
-        if !args.json {
-            progress.suspend(|| say!("wrote {}/src.json and dst.json", dir.display()));
-        }
-    }
-    let links = topology(args.topology)?;
+    Ok(Workload { src, dst, what, preset })
+}
+
+/// The planner's options: `--max-staging-mib`, the link model,
+/// `--quantize-at` and the work limit.
+fn plan_options(args: &PlanArgs<'_>, links: LinkModel) -> Result<PlanOptions, Failure> {
     let bytes = args
         .max_staging_mib
         .checked_mul(1 << 20)
@@ -266,17 +312,22 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
         .ok_or_else(|| invalid("--max-staging-mib must be between 1 and 2^44".into()))?;
     let files = args.src.as_deref().zip(args.dst.as_deref());
     let max_work = work_limit(args.max_plan_work, files)?;
-    let opts = PlanOptions { max_staging_bytes: bytes, links, quantize_at: args.quantize_at, max_work, ..PlanOptions::default() };
-    let ctx = |e: reshard::PlanError| invalid(format!("{what}: {e}"));
+    Ok(PlanOptions { max_staging_bytes: bytes, links, quantize_at: args.quantize_at, max_work, ..PlanOptions::default() })
+}
+
+/// Plans the reshard, then the baseline (figures only), drawing each with `--svg`.
+fn plan(args: &PlanArgs<'_>, w: &Workload, opts: &PlanOptions, links: &LinkModel, progress: &Progress) -> Result<Planned, Failure> {
+    let Workload { src, dst, what, .. } = w;
+    let ctx = |e: PlanError| invalid(format!("{what}: {e}"));
     let write_svg = |p: &Path, plan: &reshard::Plan| {
         progress.phase(format!("drawing {}", p.display()));
-        std::fs::write(p, refit::svg::traffic_svg(plan, &what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))
+        std::fs::write(p, refit::svg::traffic_svg(plan, what)).map_err(|e| invalid(format!("{}: cannot write: {e}", p.display())))
     };
     progress.phase("planning reshard");
-    let reshard = plan_reshard(&src, &dst, &opts).map_err(ctx)?;
-    let r_est = args.estimate.then(|| {
+    let reshard = plan_reshard(src, dst, opts).map_err(ctx)?;
+    let estimate = args.estimate.then(|| {
         progress.phase("estimating the reshard's time");
-        reshard.estimate(&links)
+        reshard.estimate(links)
     });
     if let Some(path) = args.svg {
         write_svg(path, &reshard)?;
@@ -285,117 +336,133 @@ pub(crate) fn run(args: &PlanArgs<'_>) -> Result<(), Failure> {
     let count = |route| (0..dst.tensors().len() as u32).filter(|&t| reshard.route(t) == route).count();
     let quantized = (count(reshard::Route::QuantizedAtSource), count(reshard::Route::QuantizedAtDestination));
     // Only the figures stay: the plan is dropped before the baseline's turn.
-    let (r_figures, fingerprint) = (reshard.figures().clone(), reshard.fingerprint());
+    let (figures, fingerprint) = (reshard.figures().clone(), reshard.fingerprint());
     drop(reshard);
     // The baseline may be impossible where the reshard is not (it gathers
     // whole tensors); that is reported, not fatal. Its figures and estimate
     // come without building its plan (millions of transfers on a large
     // model); the plan is built only to draw it.
     progress.phase("planning baseline (figures only)");
-    let baseline = baseline_summary(&src, &dst, &opts, &links);
+    let baseline = baseline_summary(src, dst, opts, links);
     if let (Some(path), Ok(_)) = (args.svg, &baseline) {
         progress.phase("planning baseline (to draw it)");
-        write_svg(&path.with_extension("baseline.svg"), &plan_baseline(&src, &dst, &opts).map_err(ctx)?)?;
+        write_svg(&path.with_extension("baseline.svg"), &plan_baseline(src, dst, opts).map_err(ctx)?)?;
     }
-    drop(progress);
-    // The baseline priced as NCCL runs it; its store-and-forward price (the
-    // plan as written, round by round) stays in the JSON for comparison.
-    let b_est = baseline.as_ref().ok().map(|b| b.pipelined);
-    let b_store = baseline.as_ref().ok().map(|b| b.estimate);
-    let ratio = |r: &reshard::Estimate| b_est.filter(|_| r.seconds > 0.0).map(|b| b.seconds / r.seconds);
-    if args.json {
-        let (b, err) = match &baseline {
-            Ok(b) => (figures_json(&b.figures), serde_json::Value::Null),
-            Err(e) => (serde_json::Value::Null, json!(e.to_string())),
-        };
-        let mut out = json!({"reshard": figures_json(&r_figures), "baseline": b, "baseline_error": err});
-        if quantized != (0, 0) {
-            out["reshard"]["quantized_at_source"] = json!(quantized.0);
-            out["reshard"]["quantized_at_destination"] = json!(quantized.1);
-        }
-        if let Some(r_est) = r_est {
-            let mut estimate = json!({
-                "topology": args.topology,
-                "modelled": true,
-                "reshard_s": r_est.seconds,
-                "reshard_model": RESHARD_MODEL,
-                "baseline_s": b_est.map(|e| e.seconds),
-                "baseline_model": BASELINE_MODEL,
-                "baseline_store_and_forward_s": b_store.map(|e| e.seconds),
-                "lower_bound_s": r_est.lower_bound_seconds,
-                "ratio": ratio(&r_est),
+    Ok(Planned { figures, fingerprint, estimate, quantized, baseline })
+}
+
+/// The baseline priced as NCCL runs it; its store-and-forward price (the
+/// plan as written, round by round) stays in the JSON for comparison.
+fn baseline_estimate(p: &Planned) -> Option<Estimate> {
+    p.baseline.as_ref().ok().map(|b| b.pipelined)
+}
+
+/// Modelled baseline time over the reshard's, if both are known.
+fn modelled_ratio(p: &Planned, r: &Estimate) -> Option<f64> {
+    baseline_estimate(p).filter(|_| r.seconds > 0.0).map(|b| b.seconds / r.seconds)
+}
+
+/// `refit plan --json`'s output.
+fn plan_json(args: &PlanArgs<'_>, p: &Planned, anchor: Option<&Anchor>) -> serde_json::Value {
+    let (b, err) = match &p.baseline {
+        Ok(b) => (figures_json(&b.figures), serde_json::Value::Null),
+        Err(e) => (serde_json::Value::Null, json!(e.to_string())),
+    };
+    let mut out = json!({"reshard": figures_json(&p.figures), "baseline": b, "baseline_error": err});
+    if p.quantized != (0, 0) {
+        out["reshard"]["quantized_at_source"] = json!(p.quantized.0);
+        out["reshard"]["quantized_at_destination"] = json!(p.quantized.1);
+    }
+    if let Some(r_est) = p.estimate {
+        let mut estimate = json!({
+            "topology": args.topology,
+            "modelled": true,
+            "reshard_s": r_est.seconds,
+            "reshard_model": RESHARD_MODEL,
+            "baseline_s": baseline_estimate(p).map(|e| e.seconds),
+            "baseline_model": BASELINE_MODEL,
+            "baseline_store_and_forward_s": p.baseline.as_ref().ok().map(|b| b.estimate.seconds),
+            "lower_bound_s": r_est.lower_bound_seconds,
+            "ratio": modelled_ratio(p, &r_est),
+        });
+        if let Some(Anchor { reference: r, setup, .. }) = anchor {
+            estimate["reference_ratio"] = json!({
+                "ratio": r.ratio(),
+                "baseline_s": r.baseline_s,
+                "reshard_s": r.reshard_s,
+                "reshard_max_s": r.reshard_max_s,
+                "measured": true,
+                "by": r.by,
+                "workload": r.workload,
+                "source": r.source,
+                "setup": setup.map(Setup::name),
+                "on_these_layouts": setup.is_some(),
+                "assumed": r.assumed,
             });
-            if let Some(Anchor { reference: r, setup, .. }) = anchor {
-                estimate["reference_ratio"] = json!({
-                    "ratio": r.ratio(),
-                    "baseline_s": r.baseline_s,
-                    "reshard_s": r.reshard_s,
-                    "reshard_max_s": r.reshard_max_s,
-                    "measured": true,
-                    "by": r.by,
-                    "workload": r.workload,
-                    "source": r.source,
-                    "setup": setup.map(Setup::name),
-                    "on_these_layouts": setup.is_some(),
-                    "assumed": r.assumed,
-                });
-            }
-            out["estimate"] = estimate;
         }
-        say!("{out}");
-        return Ok(());
+        out["estimate"] = estimate;
     }
-    say!("{what}: {}, fingerprint {fingerprint}", pair_summary(&src, &dst));
-    if quantized != (0, 0) {
+    out
+}
+
+/// `refit plan`'s text output: the pair, the figures table, then the estimate.
+fn print_plan(args: &PlanArgs<'_>, w: &Workload, p: &Planned, anchor: Option<&Anchor>) {
+    say!("{}: {}, fingerprint {}", w.what, pair_summary(&w.src, &w.dst), p.fingerprint);
+    if p.quantized != (0, 0) {
         say!(
             "FP8: the reshard quantizes {} tensors at the source (codes and scales on the wire), {} at the destination \
              (whole blocks of source values on the wire); the baseline all at the destination",
-            quantized.0,
-            quantized.1
+            p.quantized.0,
+            p.quantized.1
         );
     }
     say!("");
-    let estimate_row = r_est.map(|r| {
+    let b_est = baseline_estimate(p);
+    let estimate_row = p.estimate.map(|r| {
         let baseline = b_est.map_or_else(|| "-".into(), |b| seconds(b.seconds));
         (format!("estimate (modelled, {})", args.topology), [seconds(r.seconds), baseline])
     });
-    print_figures(&r_figures, baseline.as_ref().map(|b| &b.figures).map_err(|e| e.to_string()), estimate_row.into_iter().collect());
-    if let Some(r_est) = r_est {
-        say!(
-            "estimate: modelled on the {} link model, not measured. reshard: {RESHARD_MODEL}; baseline: gathers, then per \
-             tensor a {BASELINE_MODEL} (an NCCL ring from its root; roots overlap); both at line rate with perfect overlap \
-             (docs/benchmarks.md, \"What the estimate models\")",
-            args.topology
-        );
-        let vs_baseline = ratio(&r_est).map_or_else(String::new, |x| format!("; modelled baseline / reshard: {x:.2}x"));
-        say!(
-            "lower bound for any plan {} (reshard efficiency {:.2}){vs_baseline}",
-            seconds(r_est.lower_bound_seconds),
-            r_est.lower_bound_seconds / r_est.seconds.max(1e-12)
-        );
-        if let Some(Anchor { reference: r, setup, .. }) = anchor {
-            let times = match (r.baseline_s, r.ratio()) {
-                (Some(b), Some(x)) => format!("gather-broadcast {b} s, reshard {}, {x:.1}x", r.reshard()),
-                _ => format!("refit {}", r.reshard()),
-            };
-            let on = match setup {
-                None => "not by refit nor on these layouts".to_string(),
-                Some(s) => format!("on the {s} setup these layouts model, not by refit"),
-            };
-            say!("reference, measured by {}, {on}: {}: {times} (source: {})", r.by, r.workload, r.source);
-            if let Some(assumed) = r.assumed {
-                say!("  not published by them, assumed in these layouts: {assumed}");
-            }
-            let baseline = b_est.map_or_else(|| "-".into(), |b| seconds(b.seconds));
-            say!(
-                "side by side: measured by {} {} | modelled by refit ({}): reshard {}, baseline {baseline}, lower bound {}",
-                r.by,
-                r.reshard(),
-                args.topology,
-                seconds(r_est.seconds),
-                seconds(r_est.lower_bound_seconds)
-            );
-        }
+    print_figures(&p.figures, p.baseline.as_ref().map(|b| &b.figures).map_err(|e| e.to_string()), estimate_row.into_iter().collect());
+    if let Some(r_est) = p.estimate {
+        print_estimate(args, p, &r_est, anchor);
     }
-    Ok(())
+}
+
+/// The estimate's lines of `refit plan --estimate`: what is modelled, the
+/// lower bound, and the anchor's measurement beside the model.
+fn print_estimate(args: &PlanArgs<'_>, p: &Planned, r_est: &Estimate, anchor: Option<&Anchor>) {
+    say!(
+        "estimate: modelled on the {} link model, not measured. reshard: {RESHARD_MODEL}; baseline: gathers, then per \
+         tensor a {BASELINE_MODEL} (an NCCL ring from its root; roots overlap); both at line rate with perfect overlap \
+         (docs/benchmarks.md, \"What the estimate models\")",
+        args.topology
+    );
+    let vs_baseline = modelled_ratio(p, r_est).map_or_else(String::new, |x| format!("; modelled baseline / reshard: {x:.2}x"));
+    say!(
+        "lower bound for any plan {} (reshard efficiency {:.2}){vs_baseline}",
+        seconds(r_est.lower_bound_seconds),
+        r_est.lower_bound_seconds / r_est.seconds.max(1e-12)
+    );
+    let Some(Anchor { reference: r, setup, .. }) = anchor else { return };
+    let times = match (r.baseline_s, r.ratio()) {
+        (Some(b), Some(x)) => format!("gather-broadcast {b} s, reshard {}, {x:.1}x", r.reshard()),
+        _ => format!("refit {}", r.reshard()),
+    };
+    let on = match setup {
+        None => "not by refit nor on these layouts".to_string(),
+        Some(s) => format!("on the {s} setup these layouts model, not by refit"),
+    };
+    say!("reference, measured by {}, {on}: {}: {times} (source: {})", r.by, r.workload, r.source);
+    if let Some(assumed) = r.assumed {
+        say!("  not published by them, assumed in these layouts: {assumed}");
+    }
+    let baseline = baseline_estimate(p).map_or_else(|| "-".into(), |b| seconds(b.seconds));
+    say!(
+        "side by side: measured by {} {} | modelled by refit ({}): reshard {}, baseline {baseline}, lower bound {}",
+        r.by,
+        r.reshard(),
+        args.topology,
+        seconds(r_est.seconds),
+        seconds(r_est.lower_bound_seconds)
+    );
 }

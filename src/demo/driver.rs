@@ -73,20 +73,7 @@ pub(super) async fn drive(
             let d = r / ROLLOUT_TP;
             add_into(&mut logits[d * half * ACTIONS..(d + 1) * half * ACTIONS], &reply.logits)?;
         }
-        let mut actions = Vec::with_capacity(batch);
-        let mut rewards = Vec::with_capacity(batch);
-        for (i, &k) in picks.iter().enumerate() {
-            let p = softmax(&logits[i * ACTIONS..(i + 1) * ACTIONS]);
-            let u = rng.unit();
-            let mut acc = 0.0;
-            let a = p.iter().position(|&q| {
-                acc += q;
-                u < acc
-            });
-            let a = a.unwrap_or(ACTIONS - 1);
-            actions.push(a);
-            rewards.push(if a == task.targets[k] { 1.0 } else { 0.0 });
-        }
+        let (actions, rewards) = sample_actions(&mut rng, task, &picks, &logits);
         let reward = mean(&rewards);
 
         // Trainers: forward on the same samples with the training weights;
@@ -100,18 +87,7 @@ pub(super) async fn drive(
                 other => return Err(DemoError::Inconsistent(format!("trainer answered {other:?} to Forward"))),
             }
         }
-        // REINFORCE with a mean-reward baseline: loss = -1/B Σ (r - b) log π(a|x),
-        // so dloss/dlogits = (r - b) / B · (π - onehot(a)).
-        let mut dlogits = vec![0.0f32; batch * ACTIONS];
-        for i in 0..batch {
-            let p = softmax(&logits[i * ACTIONS..(i + 1) * ACTIONS]);
-            let adv = (rewards[i] - reward) / batch as f64;
-            for a in 0..ACTIONS {
-                let onehot = if a == actions[i] { 1.0 } else { 0.0 };
-                dlogits[i * ACTIONS + a] = (adv * (p[a] - onehot)) as f32;
-            }
-        }
-        let dlogits = Arc::new(dlogits);
+        let dlogits = Arc::new(reinforce_gradient(&logits, &actions, &rewards));
         let replies = trainers
             .call_all(|_| TrainerMsg::Step { xs: xs.clone(), dlogits: dlogits.clone(), lr: config.lr })
             .await
@@ -136,13 +112,58 @@ pub(super) async fn drive(
         }
     }
 
+    let summary = summarize(&records, config.refit, &first);
+    Ok((records, summary))
+}
+
+/// Samples an action per sample from the rollouts' logits (picks[i]: the
+/// context of sample i), and its reward: 1 for the context's target.
+fn sample_actions(rng: &mut SplitMix, task: &Task, picks: &[usize], logits: &[f32]) -> (Vec<usize>, Vec<f64>) {
+    let mut actions = Vec::with_capacity(picks.len());
+    let mut rewards = Vec::with_capacity(picks.len());
+    for (i, &k) in picks.iter().enumerate() {
+        let p = softmax(&logits[i * ACTIONS..(i + 1) * ACTIONS]);
+        let u = rng.unit();
+        let mut acc = 0.0;
+        let a = p.iter().position(|&q| {
+            acc += q;
+            u < acc
+        });
+        let a = a.unwrap_or(ACTIONS - 1);
+        actions.push(a);
+        rewards.push(if a == task.targets[k] { 1.0 } else { 0.0 });
+    }
+    (actions, rewards)
+}
+
+/// REINFORCE with a mean-reward baseline: loss = -1/B Σ (r - b) log π(a|x),
+/// so dloss/dlogits = (r - b) / B · (π - onehot(a)), from the trainers' logits.
+fn reinforce_gradient(logits: &[f32], actions: &[usize], rewards: &[f64]) -> Vec<f32> {
+    let batch = rewards.len();
+    let reward = mean(rewards);
+    let mut dlogits = vec![0.0f32; batch * ACTIONS];
+    for i in 0..batch {
+        let p = softmax(&logits[i * ACTIONS..(i + 1) * ACTIONS]);
+        let adv = (rewards[i] - reward) / batch as f64;
+        for a in 0..ACTIONS {
+            let onehot = if a == actions[i] { 1.0 } else { 0.0 };
+            dlogits[i * ACTIONS + a] = (adv * (p[a] - onehot)) as f32;
+        }
+    }
+    dlogits
+}
+
+/// The run's summary: rewards at the start and end (over the last
+/// [`SUMMARY_WINDOW`] steps), the refits' median time and bytes (`refit`:
+/// whether the steps refit), and the initial refit's.
+fn summarize(records: &[StepRecord], refit: bool, first: &orchestrator::RefitReport) -> RunSummary {
     let rewards: Vec<f64> = records.iter().map(|r| r.reward).collect();
     let w = SUMMARY_WINDOW.min(rewards.len());
-    let mut ms: Vec<f64> = records.iter().filter(|_| config.refit).map(|r| r.refit_ms).collect();
+    let mut ms: Vec<f64> = records.iter().filter(|_| refit).map(|r| r.refit_ms).collect();
     ms.sort_by(f64::total_cmp);
-    let mut bytes: Vec<u64> = records.iter().filter(|_| config.refit).map(|r| r.refit_bytes).collect();
+    let mut bytes: Vec<u64> = records.iter().filter(|_| refit).map(|r| r.refit_bytes).collect();
     bytes.sort_unstable();
-    let summary = RunSummary {
+    RunSummary {
         reward_start: mean(&rewards[..w]),
         reward_end: mean(&rewards[rewards.len() - w..]),
         median_refit_ms: ms.get(ms.len() / 2).copied().unwrap_or(0.0),
@@ -152,6 +173,5 @@ pub(super) async fn drive(
         initial_refit_bytes: first.bytes,
         plans_made: 0,
         wall_s: 0.0,
-    };
-    Ok((records, summary))
+    }
 }

@@ -9,6 +9,8 @@ mod expand;
 mod replicas;
 pub(crate) mod validate;
 
+pub(crate) use expand::RankHoldings;
+
 use crate::block::Block;
 use crate::dtype::DType;
 use std::collections::HashMap;

@@ -101,10 +101,35 @@ impl Layout {
     /// buffer id of every stored region, in tensor and shard order;
     /// `shortcut` skips the sweep of buffers filled front to back.
     fn check_named_buffers(&self, ids: &[u32], shortcut: bool) -> Result<(), LayoutError> {
+        let mut members = self.buffer_members(ids)?;
+        // Per buffer, a sweep in order of `at` (the same on every rank of a
+        // mesh): on each rank, a region overlaps an earlier one exactly when
+        // it starts before the furthest end so far. Per rank: (buffer id + 1
+        // when last written, start, end, tensor) of the furthest-reaching region.
+        let mut state: Vec<(u32, u64, u64, u32)> = vec![(0, 0, 0, 0); self.ranks as usize];
+        for (id, list) in members.iter_mut().enumerate() {
+            // The entries are distinct, so an unstable sort keeps the order
+            // (at, tensor, shard) deterministic.
+            list.sort_unstable();
+            if shortcut && in_order_without_overlap(&self.tensors, list) {
+                // The common case (fused buffers filled front to back): no
+                // rank can see an overlap, so skip the per-rank sweep.
+                continue;
+            }
+            self.sweep_buffer(&mut state, id, list)?;
+        }
+        Ok(())
+    }
+
+    /// Per buffer id, the regions stored in it: (at, tensor, shard index,
+    /// or `u32::MAX` for a tensor's mesh placement), in tensor and shard
+    /// order (`ids`: see [`check_named_buffers`](Self::check_named_buffers));
+    /// an error where a buffer would hold two dtypes.
+    fn buffer_members(&self, ids: &[u32]) -> Result<Vec<Vec<Member>>, LayoutError> {
         /// A tensor's mesh placement (rather than one of its shards).
         const MESH: u32 = u32::MAX;
         // Per buffer id: (at, tensor, shard index or MESH) stored in it.
-        let mut members: Vec<Vec<(u64, u32, u32)>> = vec![Vec::new(); self.buffer_names.len()];
+        let mut members: Vec<Vec<Member>> = vec![Vec::new(); self.buffer_names.len()];
         let mut first: Vec<u32> = vec![u32::MAX; self.buffer_names.len()];
         let mut ids = ids.iter();
         for (ti, t) in self.tensors.iter().enumerate() {
@@ -142,11 +167,14 @@ impl Layout {
                 }
             }
         }
-        // Per buffer, a sweep in order of `at` (the same on every rank of a
-        // mesh): on each rank, a region overlaps an earlier one exactly when
-        // it starts before the furthest end so far. Per rank: (buffer id + 1
-        // when last written, start, end, tensor) of the furthest-reaching region.
-        let mut state: Vec<(u32, u64, u64, u32)> = vec![(0, 0, 0, 0); self.ranks as usize];
+        Ok(members)
+    }
+
+    /// Sweeps the regions `list` (sorted) of buffer `id` on every rank that
+    /// holds them, `state` per rank (see
+    /// [`check_named_buffers`](Self::check_named_buffers)); an error naming
+    /// the first two regions that overlap.
+    fn sweep_buffer(&self, state: &mut [(u32, u64, u64, u32)], id: usize, list: &[Member]) -> Result<(), LayoutError> {
         let overlap = |rank: Rank, id: usize, a: (u64, u64, u32), b: (u64, u64, u32)| LayoutError::BufferOverlap {
             rank,
             buffer: self.buffer_names[id].clone(),
@@ -157,20 +185,12 @@ impl Layout {
             b_start: b.0,
             b_end: b.1,
         };
-        for (id, list) in members.iter_mut().enumerate() {
+        {
             let gen = id as u32 + 1;
-            // The entries are distinct, so an unstable sort keeps the order
-            // (at, tensor, shard) deterministic.
-            list.sort_unstable();
-            if shortcut && in_order_without_overlap(&self.tensors, list) {
-                // The common case (fused buffers filled front to back): no
-                // rank can see an overlap, so skip the per-rank sweep.
-                continue;
-            }
             // Adds one region to the sweep of every rank in `ranks` (all the
             // ranks of a mesh in the common case: the hot loop).
             let mut visit = |ranks: &[Rank], region: (u64, u64, u32)| -> Result<(), LayoutError> {
-                match sweep(&mut state, ranks, gen, region) {
+                match sweep(state, ranks, gen, region) {
                     Some((rank, earlier)) => Err(overlap(rank, id, earlier, region)),
                     None => Ok(()),
                 }
@@ -212,12 +232,16 @@ impl Layout {
     }
 }
 
+/// A region stored in a named buffer: (at, tensor, shard index, or
+/// `u32::MAX` for a tensor's mesh placement).
+type Member = (u64, u32, u32);
+
 /// Whether the regions stored in one buffer (`list`: (at, tensor, shard or
 /// mesh), sorted) follow one another: each non-empty region starts at or
 /// after the furthest end of all before it, on any rank. Then the per-rank
 /// sweep of `check_named_buffers` finds nothing. `false` also when a check
 /// needs the sweep (an uneven mesh, an end past `u64::MAX`).
-fn in_order_without_overlap(tensors: &[TensorLayout], list: &[(u64, u32, u32)]) -> bool {
+fn in_order_without_overlap(tensors: &[TensorLayout], list: &[Member]) -> bool {
     let mut furthest = 0u64;
     for &(at, ti, which) in list {
         let t = &tensors[ti as usize];
@@ -387,118 +411,130 @@ fn validate_tensor(t: &TensorLayout, ranks: u32, stamp: u32, seen: &mut Vec<u32>
     }
     let numel = numel.unwrap_or(0);
     match &t.placement {
-        Placement::Mesh(m) => {
-            if m.shape.is_empty() {
-                return Err(tensor_err(name, "mesh.shape must have at least one dimension"));
+        Placement::Mesh(m) => validate_mesh(t, m, ranks, (stamp, seen)),
+        Placement::Shards(shards) => validate_shards(t, shards, ranks, numel),
+    }
+}
+
+/// Checks a mesh placement `m` of tensor `t` (the mesh, its ranks among
+/// `ranks`, its placements, its buffer); `seen` marks the ranks met, with
+/// `stamp`, where the ranks need checking one by one.
+fn validate_mesh(t: &TensorLayout, m: &MeshPlacement, ranks: u32, (stamp, seen): (u32, &mut Vec<u32>)) -> Result<(), LayoutError> {
+    let name = t.name.as_str();
+    if m.shape.is_empty() {
+        return Err(tensor_err(name, "mesh.shape must have at least one dimension"));
+    }
+    if let Some(i) = m.shape.iter().position(|&s| s == 0) {
+        return Err(tensor_err(name, format!("mesh.shape[{i}] is 0")));
+    }
+    let size = m.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+    if size != Some(m.ranks.len() as u64) {
+        let size = size.map_or_else(|| format!("more than {}", u64::MAX), |s| s.to_string());
+        return Err(tensor_err(
+            name,
+            format!("mesh.ranks has {} entries but mesh.shape {:?} has {size} positions", m.ranks.len(), m.shape),
+        ));
+    }
+    if m.dims.len() != m.shape.len() {
+        return Err(tensor_err(name, format!("{} placements for a {}-d mesh; need one per mesh dim", m.dims.len(), m.shape.len())));
+    }
+    // Strictly increasing ranks (`0..n` when implied, and most
+    // explicit lists) are distinct, the last the largest: only
+    // other lists need the per-rank check that names the culprit.
+    let falls = m.ranks.iter().zip(m.ranks.iter().skip(1)).filter(|(a, b)| a >= b).count();
+    if falls > 0 || m.ranks.last().is_some_and(|&r| r >= ranks) {
+        if seen.len() < ranks as usize {
+            seen.resize(ranks as usize, 0);
+        }
+        for &r in &m.ranks {
+            if r >= ranks {
+                return Err(tensor_err(name, format!("mesh.ranks: rank {r} >= ranks ({ranks})")));
             }
-            if let Some(i) = m.shape.iter().position(|&s| s == 0) {
-                return Err(tensor_err(name, format!("mesh.shape[{i}] is 0")));
+            if std::mem::replace(&mut seen[r as usize], stamp) == stamp {
+                return Err(tensor_err(name, format!("mesh.ranks: rank {r} appears twice")));
             }
-            let size = m.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
-            if size != Some(m.ranks.len() as u64) {
-                let size = size.map_or_else(|| format!("more than {}", u64::MAX), |s| s.to_string());
-                return Err(tensor_err(
-                    name,
-                    format!("mesh.ranks has {} entries but mesh.shape {:?} has {size} positions", m.ranks.len(), m.shape),
-                ));
+        }
+    }
+    for (i, p) in m.dims.iter().enumerate() {
+        if let MeshDim::Shard(d) = p {
+            if *d >= t.shape.len() {
+                return Err(tensor_err(name, format!("placements[{i}]: shard({d}) but the tensor has {} dims", t.shape.len())));
             }
-            if m.dims.len() != m.shape.len() {
-                return Err(tensor_err(name, format!("{} placements for a {}-d mesh; need one per mesh dim", m.dims.len(), m.shape.len())));
+        }
+    }
+    if let Storage::InBuffer { buffer, at } = &m.storage {
+        check_buffer_name(name, "", buffer)?;
+        // The largest local block is the first chunk of every split.
+        let mut ext = [0u64; MAX_DIMS];
+        let ext = &mut ext[..t.shape.len()];
+        ext.copy_from_slice(&t.shape);
+        for (i, p) in m.dims.iter().enumerate() {
+            if let MeshDim::Shard(d) = p {
+                ext[*d] = ext[*d].div_ceil(m.shape[i] as u64);
             }
-            // Strictly increasing ranks (`0..n` when implied, and most
-            // explicit lists) are distinct, the last the largest: only
-            // other lists need the per-rank check that names the culprit.
-            let falls = m.ranks.iter().zip(m.ranks.iter().skip(1)).filter(|(a, b)| a >= b).count();
-            if falls > 0 || m.ranks.last().is_some_and(|&r| r >= ranks) {
-                if seen.len() < ranks as usize {
-                    seen.resize(ranks as usize, 0);
+        }
+        let len: u64 = ext.iter().product();
+        if at.checked_add(len).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
+            return Err(tensor_err(name, format!("at {at} + local block size overflows")));
+        }
+    }
+    Ok(())
+}
+
+/// Checks explicit shards of tensor `t` (`numel` elements): ranks among
+/// `ranks`, regions inside the tensor, buffers.
+fn validate_shards(t: &TensorLayout, shards: &[ShardSpec], ranks: u32, numel: u64) -> Result<(), LayoutError> {
+    let name = t.name.as_str();
+    for (i, s) in shards.iter().enumerate() {
+        let at = ShardAt(i);
+        if s.rank >= ranks {
+            return Err(tensor_err(name, format!("{at}: rank {} >= ranks ({ranks})", s.rank)));
+        }
+        match &s.region {
+            Region::Block { offset, extent } => {
+                if offset.len() != t.shape.len() || extent.len() != t.shape.len() {
+                    return Err(tensor_err(
+                        name,
+                        format!(
+                            "{at} (rank {}): offset has {} and extent {} dims, tensor has {}",
+                            s.rank,
+                            offset.len(),
+                            extent.len(),
+                            t.shape.len()
+                        ),
+                    ));
                 }
-                for &r in &m.ranks {
-                    if r >= ranks {
-                        return Err(tensor_err(name, format!("mesh.ranks: rank {r} >= ranks ({ranks})")));
-                    }
-                    if std::mem::replace(&mut seen[r as usize], stamp) == stamp {
-                        return Err(tensor_err(name, format!("mesh.ranks: rank {r} appears twice")));
+                for d in 0..t.shape.len() {
+                    let end = offset[d].checked_add(extent[d]);
+                    if end.is_none_or(|e| e > t.shape[d]) {
+                        return Err(tensor_err(
+                            name,
+                            format!(
+                                "{at} (rank {}): dim {d}: {}..{} is outside 0..{}",
+                                s.rank,
+                                offset[d],
+                                offset[d].saturating_add(extent[d]),
+                                t.shape[d]
+                            ),
+                        ));
                     }
                 }
             }
-            for (i, p) in m.dims.iter().enumerate() {
-                if let MeshDim::Shard(d) = p {
-                    if *d >= t.shape.len() {
-                        return Err(tensor_err(name, format!("placements[{i}]: shard({d}) but the tensor has {} dims", t.shape.len())));
-                    }
-                }
-            }
-            if let Storage::InBuffer { buffer, at } = &m.storage {
-                check_buffer_name(name, "", buffer)?;
-                // The largest local block is the first chunk of every split.
-                let mut ext = [0u64; MAX_DIMS];
-                let ext = &mut ext[..t.shape.len()];
-                ext.copy_from_slice(&t.shape);
-                for (i, p) in m.dims.iter().enumerate() {
-                    if let MeshDim::Shard(d) = p {
-                        ext[*d] = ext[*d].div_ceil(m.shape[i] as u64);
-                    }
-                }
-                let len: u64 = ext.iter().product();
-                if at.checked_add(len).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
-                    return Err(tensor_err(name, format!("at {at} + local block size overflows")));
+            Region::Flat { start, len } => {
+                if start.checked_add(*len).is_none_or(|e| e > numel) {
+                    return Err(tensor_err(
+                        name,
+                        format!("{at} (rank {}): flat {start}..{} is outside 0..{numel}", s.rank, start.saturating_add(*len)),
+                    ));
                 }
             }
         }
-        Placement::Shards(shards) => {
-            for (i, s) in shards.iter().enumerate() {
-                let at = ShardAt(i);
-                if s.rank >= ranks {
-                    return Err(tensor_err(name, format!("{at}: rank {} >= ranks ({ranks})", s.rank)));
-                }
-                match &s.region {
-                    Region::Block { offset, extent } => {
-                        if offset.len() != t.shape.len() || extent.len() != t.shape.len() {
-                            return Err(tensor_err(
-                                name,
-                                format!(
-                                    "{at} (rank {}): offset has {} and extent {} dims, tensor has {}",
-                                    s.rank,
-                                    offset.len(),
-                                    extent.len(),
-                                    t.shape.len()
-                                ),
-                            ));
-                        }
-                        for d in 0..t.shape.len() {
-                            let end = offset[d].checked_add(extent[d]);
-                            if end.is_none_or(|e| e > t.shape[d]) {
-                                return Err(tensor_err(
-                                    name,
-                                    format!(
-                                        "{at} (rank {}): dim {d}: {}..{} is outside 0..{}",
-                                        s.rank,
-                                        offset[d],
-                                        offset[d].saturating_add(extent[d]),
-                                        t.shape[d]
-                                    ),
-                                ));
-                            }
-                        }
-                    }
-                    Region::Flat { start, len } => {
-                        if start.checked_add(*len).is_none_or(|e| e > numel) {
-                            return Err(tensor_err(
-                                name,
-                                format!("{at} (rank {}): flat {start}..{} is outside 0..{numel}", s.rank, start.saturating_add(*len)),
-                            ));
-                        }
-                    }
-                }
-                if let Storage::InBuffer { buffer, at: off } = &s.storage {
-                    if buffer.is_empty() || has_control(buffer) {
-                        check_buffer_name(name, &format!("{at}: "), buffer)?;
-                    }
-                    if off.checked_add(region_len(&s.region)).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
-                        return Err(tensor_err(name, format!("{at}: at {off} + size overflows")));
-                    }
-                }
+        if let Storage::InBuffer { buffer, at: off } = &s.storage {
+            if buffer.is_empty() || has_control(buffer) {
+                check_buffer_name(name, &format!("{at}: "), buffer)?;
+            }
+            if off.checked_add(region_len(&s.region)).and_then(|e| e.checked_mul(t.dtype.size())).is_none() {
+                return Err(tensor_err(name, format!("{at}: at {off} + size overflows")));
             }
         }
     }

@@ -169,22 +169,27 @@ impl Plan {
     /// the transfers of `run` bucketed by round (a counting sort into
     /// compact records), then per round only the ranks taking part.
     fn busiest_bucketed(&self, run: &[Transfer], first: u32, rounds: u64, links: &LinkModel) -> Vec<f64> {
-        /// A transfer between ranks: sender (its top bit set when the
-        /// transfer crosses nodes), receiver and bytes.
-        #[derive(Clone, Copy, Default)]
-        struct Rec {
-            from: u32,
-            to: u32,
-            bytes: u64,
-        }
-        const CROSS: u32 = 1 << 31;
         let n = (self.src_ranks + self.dst_ranks) as usize;
         let rounds = rounds as usize;
+        let (start, recs) = self.bucket_by_round(run, first, rounds);
+        let mut round = RoundLoads::new(n);
+        let mut busiest = vec![0.0f64; rounds];
+        for (r, worst) in busiest.iter_mut().enumerate() {
+            let bucket = &recs[start[r]..start[r + 1]];
+            if !bucket.is_empty() {
+                *worst = round.busiest(bucket, links);
+            }
+        }
+        busiest
+    }
+
+    /// The transfers between ranks of `run` in `rounds` rounds from `first`
+    /// as records bucketed by round: `recs[start[r]..start[r + 1]]`.
+    fn bucket_by_round(&self, run: &[Transfer], first: u32, rounds: usize) -> (Vec<usize>, Vec<Rec>) {
         // Transfers between ranks, with their round from `first` (no
         // planner makes one outside the rounds counted).
         let moves =
             || run.iter().filter(|t| t.from != t.to).map(|t| (t, t.round.wrapping_sub(first) as usize)).filter(|&(_, r)| r < rounds);
-        // Records bucketed by round: `recs[start[r]..start[r + 1]]`.
         let mut start = vec![0usize; rounds + 1];
         for (_, r) in moves() {
             start[r + 1] += 1;
@@ -204,83 +209,7 @@ impl Plan {
             recs[*slot] = Rec { from: a as u32 | if cross { CROSS } else { 0 }, to: z as u32, bytes };
             *slot += 1;
         }
-        drop(next);
-        // Per rank, for the round at hand: bytes (net out, net in, intra
-        // out, intra in), messages sent, whether it takes part, and its
-        // slot among the round's senders.
-        let mut loads = vec![[0u64; 4]; n];
-        let mut msgs = vec![0u64; n];
-        let mut active = vec![false; n];
-        let mut touched: Vec<usize> = Vec::new();
-        const NONE: u32 = u32::MAX;
-        let mut slot = vec![NONE; n];
-        let mut senders: Vec<usize> = Vec::new();
-        let mut grouped: Vec<Rec> = Vec::new();
-        // Per receiver, the last sender group that reached it, so that each
-        // (sender, receiver) pair of a round counts one message.
-        let mut seen = vec![0u64; n];
-        let mut epoch = 0u64;
-        let mut busiest = vec![0.0f64; rounds];
-        for (r, worst) in busiest.iter_mut().enumerate() {
-            let bucket = &recs[start[r]..start[r + 1]];
-            if bucket.is_empty() {
-                continue;
-            }
-            // The round's records grouped by sender (a counting sort over
-            // the senders present, in order of first appearance).
-            senders.clear();
-            for rec in bucket {
-                let a = (rec.from & !CROSS) as usize;
-                if slot[a] == NONE {
-                    slot[a] = senders.len() as u32;
-                    senders.push(0);
-                }
-                senders[slot[a] as usize] += 1;
-            }
-            let mut offset = 0;
-            for s in senders.iter_mut() {
-                let count = *s;
-                *s = offset;
-                offset += count;
-            }
-            grouped.clear();
-            grouped.resize(bucket.len(), Rec::default());
-            for rec in bucket {
-                let s = &mut senders[slot[(rec.from & !CROSS) as usize] as usize];
-                grouped[*s] = *rec;
-                *s += 1;
-            }
-            let mut sender = usize::MAX;
-            for rec in &grouped {
-                let (a, z) = ((rec.from & !CROSS) as usize, rec.to as usize);
-                if a != sender {
-                    sender = a;
-                    epoch += 1;
-                }
-                let (out, inn) = if rec.from & CROSS != 0 { (0, 1) } else { (2, 3) };
-                loads[a][out] += rec.bytes;
-                loads[z][inn] += rec.bytes;
-                if seen[z] != epoch {
-                    seen[z] = epoch;
-                    msgs[a] += 1;
-                }
-                for e in [a, z] {
-                    if !active[e] {
-                        active[e] = true;
-                        touched.push(e);
-                    }
-                }
-            }
-            for &e in &touched {
-                *worst = (*worst).max(rank_round_seconds(&loads[e], msgs[e], links));
-                loads[e] = [0; 4];
-                msgs[e] = 0;
-                active[e] = false;
-                slot[e] = NONE;
-            }
-            touched.clear();
-        }
-        busiest
+        (start, recs)
     }
 
     /// Lower bound on refit time for any plan between these layouts: each
@@ -320,6 +249,119 @@ pub(crate) fn lower_bound(
 /// Most memory [`Plan::estimate`] gives per-round, per-rank counters for
 /// one stage before it buckets the stage's transfers by round instead.
 const DENSE_ESTIMATE_BYTES: u64 = 32 << 20;
+
+/// A transfer between ranks: sender (its top bit set when the transfer
+/// crosses nodes), receiver and bytes.
+#[derive(Clone, Copy, Default)]
+struct Rec {
+    from: u32,
+    to: u32,
+    bytes: u64,
+}
+
+/// The bit of [`Rec::from`] set when the transfer crosses nodes.
+const CROSS: u32 = 1 << 31;
+
+/// No slot.
+const NONE: u32 = u32::MAX;
+
+/// Per rank, for the round at hand: bytes (net out, net in, intra out,
+/// intra in), messages sent, whether it takes part, and its slot among the
+/// round's senders; reused round after round.
+struct RoundLoads {
+    loads: Vec<[u64; 4]>,
+    msgs: Vec<u64>,
+    active: Vec<bool>,
+    touched: Vec<usize>,
+    slot: Vec<u32>,
+    senders: Vec<usize>,
+    grouped: Vec<Rec>,
+    /// Per receiver, the last sender group that reached it, so that each
+    /// (sender, receiver) pair of a round counts one message.
+    seen: Vec<u64>,
+    epoch: u64,
+}
+
+impl RoundLoads {
+    fn new(n: usize) -> RoundLoads {
+        RoundLoads {
+            loads: vec![[0u64; 4]; n],
+            msgs: vec![0u64; n],
+            active: vec![false; n],
+            touched: Vec::new(),
+            slot: vec![NONE; n],
+            senders: Vec::new(),
+            grouped: Vec::new(),
+            seen: vec![0u64; n],
+            epoch: 0,
+        }
+    }
+
+    /// The busiest rank's time in the round of `bucket` (not empty); leaves
+    /// every rank's counters at zero for the next round.
+    fn busiest(&mut self, bucket: &[Rec], links: &LinkModel) -> f64 {
+        self.group_by_sender(bucket);
+        let mut worst = 0.0f64;
+        let mut sender = usize::MAX;
+        for rec in &self.grouped {
+            let (a, z) = ((rec.from & !CROSS) as usize, rec.to as usize);
+            if a != sender {
+                sender = a;
+                self.epoch += 1;
+            }
+            let (out, inn) = if rec.from & CROSS != 0 { (0, 1) } else { (2, 3) };
+            self.loads[a][out] += rec.bytes;
+            self.loads[z][inn] += rec.bytes;
+            if self.seen[z] != self.epoch {
+                self.seen[z] = self.epoch;
+                self.msgs[a] += 1;
+            }
+            for e in [a, z] {
+                if !self.active[e] {
+                    self.active[e] = true;
+                    self.touched.push(e);
+                }
+            }
+        }
+        for &e in &self.touched {
+            worst = worst.max(rank_round_seconds(&self.loads[e], self.msgs[e], links));
+            self.loads[e] = [0; 4];
+            self.msgs[e] = 0;
+            self.active[e] = false;
+            self.slot[e] = NONE;
+        }
+        self.touched.clear();
+        worst
+    }
+
+    /// The round's records grouped by sender into `grouped` (a counting
+    /// sort over the senders present, in order of first appearance).
+    fn group_by_sender(&mut self, bucket: &[Rec]) {
+        let (slot, senders) = (&mut self.slot, &mut self.senders);
+        senders.clear();
+        for rec in bucket {
+            let a = (rec.from & !CROSS) as usize;
+            if slot[a] == NONE {
+                slot[a] = senders.len() as u32;
+                senders.push(0);
+            }
+            senders[slot[a] as usize] += 1;
+        }
+        let mut offset = 0;
+        for s in senders.iter_mut() {
+            let count = *s;
+            *s = offset;
+            offset += count;
+        }
+        self.grouped.clear();
+        self.grouped.resize(bucket.len(), Rec::default());
+        for rec in bucket {
+            let s = &mut senders[slot[(rec.from & !CROSS) as usize] as usize];
+            self.grouped[*s] = *rec;
+            *s += 1;
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

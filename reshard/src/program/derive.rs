@@ -7,9 +7,9 @@ use super::{span_in, LocalCopy, Message, Pieces, RankProgram, RecvPiece, Round, 
 use crate::block::Block;
 use crate::dtype::DType;
 use crate::fingerprint::FnvMap;
-use crate::layout::{BufferKey, BufferSpec, Layout, Loc, Rank};
+use crate::layout::{BufferKey, BufferSpec, Layout, Loc, Rank, RankHoldings};
 use crate::plan::{expected_fingerprint, Endpoint, Group, Plan, PlanError, Transfer};
-use crate::quant;
+use crate::quant::{self, Quantize};
 use crate::route::{self, scale_block, Route};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -92,158 +92,217 @@ impl<'a> Programs<'a> {
         mine.sort_unstable();
         // The rank's buffers and, from the same walk, its holdings.
         let (buffers, holdings) = layout.rank_buffers_and_holdings(e.rank, true);
-        let mut side = Side::new(layout, e.rank, buffers);
-        let mut sends: Builder<SendPiece> = Builder::new();
-        let mut recvs: Builder<RecvPiece> = Builder::new();
-        let mut locals: BTreeMap<u32, Pieces<LocalCopy>> = BTreeMap::new();
-        // Source tensors this rank quantizes before sending: their
-        // blocks' extent and which of its distinct boxes of them it sends
-        // from (only those are quantized).
-        let mut quantized_here: BTreeMap<u32, (Vec<u64>, BTreeSet<u32>)> = BTreeMap::new();
-        let mut spans: Vec<Span> = Vec::new();
+        let mut d = Derivation {
+            e,
+            layout,
+            side: Side::new(layout, e.rank, buffers),
+            sends: Builder::new(),
+            recvs: Builder::new(),
+            locals: BTreeMap::new(),
+            quantized_here: BTreeMap::new(),
+            spans: Vec::new(),
+        };
         let mut k = 0;
         while k < mine.len() {
             let td = mine[k].0;
             let end = k + mine[k..].iter().take_while(|&&(d, _)| d == td).count();
-            let ts = plan.pieces[plan.transfers[mine[k].1 as usize].piece as usize].src_tensor;
-            // This rank's tensor, and its holdings of it.
-            let tensor = if e.group == Group::Src { ts } else { td };
-            // Values leave in the source's dtype and arrive in the one the
-            // plan delivers (a block-scaled tensor's, unquantized).
-            let (src_dtype, dst_dtype) = plan.wire[td as usize];
-            let dtype_of = |g: Group| if g == Group::Src { src_dtype } else { dst_dtype };
-            let my_dtype = dtype_of(e.group);
-            let route = plan.routes[td as usize];
-            let mut quantizing = None;
-            // Its holdings as the route sends or delivers them: the
-            // layout's own (`rank_offered`'s and `rank_delivered`'s on
-            // other routes), or those the route makes.
-            let routed: Vec<(Block, Loc, u32)>;
-            let held: &[(Block, Loc, u32)] = match e.group {
-                Group::Src => {
-                    let block = scale_block(self.dst, td);
-                    if let (Route::QuantizedAtSource | Route::ScalesFromSource, Some(b)) = (route, block) {
-                        side.source_quantized(tensor, b);
-                        quantizing = Some(&mut quantized_here.entry(tensor).or_insert_with(|| (b.to_vec(), BTreeSet::new())).1);
-                        routed = side.indexed(route::rank_offered(layout, tensor, e.rank, route, block));
-                        &routed
-                    } else {
-                        holdings.of(tensor)
-                    }
-                }
-                Group::Dst => {
-                    if route == Route::QuantizedAtDestination {
-                        side.staged(tensor, my_dtype);
-                        routed = side.indexed(route::rank_delivered(layout, tensor, e.rank, route));
-                        &routed
-                    } else {
-                        holdings.of(tensor)
-                    }
-                }
-            };
-            for &(_, ti) in &mine[k..end] {
-                let t: &Transfer = &plan.transfers[ti as usize];
-                let piece = &plan.pieces[t.piece as usize].block;
-                let scratch = plan.scratch_blocks.get(td as usize).unwrap_or(piece);
-                // The places on this rank that hold the piece, into `spans`
-                // (reused: no allocation per piece).
-                let span_here = |side: &mut Side<'_>, from_scratch: bool, spans: &mut Vec<Span>| {
-                    spans.clear();
-                    if from_scratch {
-                        let b = side.scratch(tensor, scratch, my_dtype);
-                        spans.push(span_in(b, scratch, 0, piece));
-                    } else {
-                        spans.extend(Side::spans(held, piece));
-                    }
-                };
-                if t.from == e {
-                    // (The boxes offered for codes and for scales are the
-                    // rank's distinct boxes in one order.)
-                    if let Some(sent) = quantizing.as_mut() {
-                        sent.extend(held.iter().position(|(b, ..)| b.contains(piece)).map(|i| i as u32));
-                    }
-                    span_here(&mut side, t.from_scratch, &mut spans);
-                    let from = match spans.first() {
-                        Some(s) => *s,
-                        None => unreachable!("planner chose {} which does not hold {piece}", t.from),
-                    };
-                    if t.to == e {
-                        span_here(&mut side, t.to_scratch, &mut spans);
-                        let copy =
-                            LocalCopy { block: *piece, from, from_dtype: my_dtype, to: std::mem::take(&mut spans), to_dtype: my_dtype };
-                        locals.entry(t.round).or_default().push(&copy);
-                        spans = copy.to;
-                        continue;
-                    }
-                    let wire = plan.transfer_wire_dtype(t);
-                    sends.push((t.round, t.to), &SendPiece { block: *piece, span: from, dtype: my_dtype, wire });
-                } else {
-                    span_here(&mut side, t.to_scratch, &mut spans);
-                    let wire = plan.transfer_wire_dtype(t);
-                    let recv = RecvPiece { block: *piece, spans: std::mem::take(&mut spans), wire, dtype: dtype_of(t.to.group) };
-                    recvs.push((t.round, t.from), &recv);
-                    spans = recv.spans;
-                }
-            }
+            self.tensor_pieces(&mut d, &holdings, td, &mine[k..end]);
             k = end;
         }
-        // Pieces were pushed one by one: keep only the words they take.
-        let mut rounds: Vec<Round> = vec![Round::default(); plan.figures.rounds as usize];
-        for ((r, peer), mut pieces) in sends.into_sorted() {
-            pieces.shrink_to_fit();
-            rounds[r as usize].sends.push(Message { peer, pieces });
-        }
-        for ((r, peer), mut pieces) in recvs.into_sorted() {
-            pieces.shrink_to_fit();
-            rounds[r as usize].recvs.push(Message { peer, pieces });
-        }
-        // A rank sends a round's messages one after another, in peer order;
-        // if every rank began with the lowest peer, every sender would feed
-        // the first destination node's links first and leave the others
-        // idle. Each rank starts at another peer instead (its rank, modulo
-        // its peers), so the senders of a round spread over the receivers.
-        for round in &mut rounds {
-            let n = round.sends.len();
-            if n > 1 {
-                round.sends.rotate_left(e.rank as usize % n);
+        let Derivation { mut side, sends, recvs, locals, quantized_here, .. } = d;
+        let rounds = rounds_of(plan.figures.rounds, e.rank, (sends, recvs, locals));
+        let carried = carried(plan, layout, e, &side);
+        let quantize = self.quantize_steps(layout, e, &quantized_here, &mut side);
+        RankProgram { endpoint: e, fingerprint: plan.fingerprint, buffers: side.buffers, rounds, carried, quantize }
+    }
+
+    /// Adds to `d` the pieces of destination tensor `td` the rank sends,
+    /// receives or copies: `transfers`, its transfers of that tensor, in
+    /// plan order.
+    fn tensor_pieces(&self, d: &mut Derivation<'a>, holdings: &RankHoldings, td: u32, transfers: &[(u32, u32)]) {
+        let (plan, e, layout) = (self.plan, d.e, d.layout);
+        let ts = plan.pieces[plan.transfers[transfers[0].1 as usize].piece as usize].src_tensor;
+        // This rank's tensor, and its holdings of it.
+        let tensor = if e.group == Group::Src { ts } else { td };
+        // Values leave in the source's dtype and arrive in the one the
+        // plan delivers (a block-scaled tensor's, unquantized).
+        let (src_dtype, dst_dtype) = plan.wire[td as usize];
+        let dtype_of = |g: Group| if g == Group::Src { src_dtype } else { dst_dtype };
+        let my_dtype = dtype_of(e.group);
+        let route = plan.routes[td as usize];
+        let mut quantizing = None;
+        // Its holdings as the route sends or delivers them: the
+        // layout's own (`rank_offered`'s and `rank_delivered`'s on
+        // other routes), or those the route makes.
+        let routed: Vec<(Block, Loc, u32)>;
+        let held: &[(Block, Loc, u32)] = match e.group {
+            Group::Src => {
+                let block = scale_block(self.dst, td);
+                if let (Route::QuantizedAtSource | Route::ScalesFromSource, Some(b)) = (route, block) {
+                    d.side.source_quantized(tensor, b);
+                    quantizing = Some(&mut d.quantized_here.entry(tensor).or_insert_with(|| (b.to_vec(), BTreeSet::new())).1);
+                    routed = d.side.indexed(route::rank_offered(layout, tensor, e.rank, route, block));
+                    &routed
+                } else {
+                    holdings.of(tensor)
+                }
             }
-        }
-        for (r, mut l) in locals {
-            l.shrink_to_fit();
-            rounds[r as usize].locals = l;
-        }
-        let carried = match (&plan.options().only, e.group) {
-            (Some(only), Group::Dst) => {
-                // The plan was made with this subset, so it names only
-                // tensors the layout has.
-                let mask = only.mask(layout).unwrap_or_default();
-                let mut carried: Vec<u32> = (0..layout.tensors().len() as u32)
-                    .filter(|&t| !mask.get(t as usize).copied().unwrap_or(false))
-                    .flat_map(|t| layout.rank_holdings(t, e.rank))
-                    .filter_map(|(_, loc)| side.index.get(&loc.buffer).copied())
-                    .collect();
-                carried.sort_unstable();
-                carried.dedup();
-                carried
+            Group::Dst => {
+                if route == Route::QuantizedAtDestination {
+                    d.side.staged(tensor, my_dtype);
+                    routed = d.side.indexed(route::rank_delivered(layout, tensor, e.rank, route));
+                    &routed
+                } else {
+                    holdings.of(tensor)
+                }
             }
-            _ => Vec::new(),
         };
+        let (side, spans) = (&mut d.side, &mut d.spans);
+        for &(_, ti) in transfers {
+            let t: &Transfer = &plan.transfers[ti as usize];
+            let piece = &plan.pieces[t.piece as usize].block;
+            let scratch = plan.scratch_blocks.get(td as usize).unwrap_or(piece);
+            // The places on this rank that hold the piece, into `spans`
+            // (reused: no allocation per piece).
+            let span_here = |side: &mut Side<'_>, from_scratch: bool, spans: &mut Vec<Span>| {
+                spans.clear();
+                if from_scratch {
+                    let b = side.scratch(tensor, scratch, my_dtype);
+                    spans.push(span_in(b, scratch, 0, piece));
+                } else {
+                    spans.extend(Side::spans(held, piece));
+                }
+            };
+            if t.from == e {
+                // (The boxes offered for codes and for scales are the
+                // rank's distinct boxes in one order.)
+                if let Some(sent) = quantizing.as_mut() {
+                    sent.extend(held.iter().position(|(b, ..)| b.contains(piece)).map(|i| i as u32));
+                }
+                span_here(side, t.from_scratch, spans);
+                let from = match spans.first() {
+                    Some(s) => *s,
+                    None => unreachable!("planner chose {} which does not hold {piece}", t.from),
+                };
+                if t.to == e {
+                    span_here(side, t.to_scratch, spans);
+                    let copy = LocalCopy { block: *piece, from, from_dtype: my_dtype, to: std::mem::take(spans), to_dtype: my_dtype };
+                    d.locals.entry(t.round).or_default().push(&copy);
+                    *spans = copy.to;
+                    continue;
+                }
+                let wire = plan.transfer_wire_dtype(t);
+                d.sends.push((t.round, t.to), &SendPiece { block: *piece, span: from, dtype: my_dtype, wire });
+            } else {
+                span_here(side, t.to_scratch, spans);
+                let wire = plan.transfer_wire_dtype(t);
+                let recv = RecvPiece { block: *piece, spans: std::mem::take(spans), wire, dtype: dtype_of(t.to.group) };
+                d.recvs.push((t.round, t.from), &recv);
+                *spans = recv.spans;
+            }
+        }
+    }
+
+    /// The rank's quantize steps: a source's for the tensors it quantizes
+    /// before sending (`quantized_here`: their blocks' extent and the boxes
+    /// it sends from), a destination's for the tensors it quantizes after
+    /// receiving (those its subset refit includes).
+    fn quantize_steps(
+        &self,
+        layout: &Layout,
+        e: Endpoint,
+        quantized_here: &BTreeMap<u32, (Vec<u64>, BTreeSet<u32>)>,
+        side: &mut Side<'_>,
+    ) -> Vec<Quantize> {
         let mut quantize = Vec::new();
-        for (ts, (block, sent)) in &quantized_here {
+        for (ts, (block, sent)) in quantized_here {
             quantize.extend(route::source_quantize_op(layout, *ts, e.rank, block, sent, &|key| side.index.get(&key).copied()));
         }
         if e.group == Group::Dst {
-            let mask = plan.options().only.as_ref().and_then(|only| only.mask(layout).ok());
+            let mask = self.plan.options().only.as_ref().and_then(|only| only.mask(layout).ok());
             for &t in &self.quantized_at_destination {
                 if mask.as_ref().is_some_and(|m| !m[t as usize]) {
                     continue;
                 }
-                let dtype = plan.wire[t as usize].1;
+                let dtype = self.plan.wire[t as usize].1;
                 side.staged(t, dtype);
                 quantize.extend(quant::quantize_op(layout, t, e.rank, dtype, &|key| side.index.get(&key).copied()));
             }
         }
-        RankProgram { endpoint: e, fingerprint: plan.fingerprint, buffers: side.buffers, rounds, carried, quantize }
+        quantize
+    }
+}
+
+/// One rank's program while it is derived: its buffers, its messages and
+/// local copies so far, and what it quantizes before sending.
+struct Derivation<'a> {
+    e: Endpoint,
+    layout: &'a Layout,
+    side: Side<'a>,
+    sends: Builder<SendPiece>,
+    recvs: Builder<RecvPiece>,
+    locals: BTreeMap<u32, Pieces<LocalCopy>>,
+    /// Source tensors this rank quantizes before sending: their
+    /// blocks' extent and which of its distinct boxes of them it sends
+    /// from (only those are quantized).
+    quantized_here: BTreeMap<u32, (Vec<u64>, BTreeSet<u32>)>,
+    /// Scratch: the spans of the piece at hand.
+    spans: Vec<Span>,
+}
+
+/// The `rounds` rounds of rank `rank`'s program from its messages and local
+/// copies.
+fn rounds_of(
+    rounds: u32,
+    rank: Rank,
+    (sends, recvs, locals): (Builder<SendPiece>, Builder<RecvPiece>, BTreeMap<u32, Pieces<LocalCopy>>),
+) -> Vec<Round> {
+    // Pieces were pushed one by one: keep only the words they take.
+    let mut out: Vec<Round> = vec![Round::default(); rounds as usize];
+    for ((r, peer), mut pieces) in sends.into_sorted() {
+        pieces.shrink_to_fit();
+        out[r as usize].sends.push(Message { peer, pieces });
+    }
+    for ((r, peer), mut pieces) in recvs.into_sorted() {
+        pieces.shrink_to_fit();
+        out[r as usize].recvs.push(Message { peer, pieces });
+    }
+    // A rank sends a round's messages one after another, in peer order;
+    // if every rank began with the lowest peer, every sender would feed
+    // the first destination node's links first and leave the others
+    // idle. Each rank starts at another peer instead (its rank, modulo
+    // its peers), so the senders of a round spread over the receivers.
+    for round in &mut out {
+        let n = round.sends.len();
+        if n > 1 {
+            round.sends.rotate_left(rank as usize % n);
+        }
+    }
+    for (r, mut l) in locals {
+        l.shrink_to_fit();
+        out[r as usize].locals = l;
+    }
+    out
+}
+
+/// The buffers (indices into `side`'s) a destination rank `e` of a subset
+/// refit carries over: those of the tensors the subset leaves out.
+fn carried(plan: &Plan, layout: &Layout, e: Endpoint, side: &Side<'_>) -> Vec<u32> {
+    match (&plan.options().only, e.group) {
+        (Some(only), Group::Dst) => {
+            // The plan was made with this subset, so it names only
+            // tensors the layout has.
+            let mask = only.mask(layout).unwrap_or_default();
+            let mut carried: Vec<u32> = (0..layout.tensors().len() as u32)
+                .filter(|&t| !mask.get(t as usize).copied().unwrap_or(false))
+                .flat_map(|t| layout.rank_holdings(t, e.rank))
+                .filter_map(|(_, loc)| side.index.get(&loc.buffer).copied())
+                .collect();
+            carried.sort_unstable();
+            carried.dedup();
+            carried
+        }
+        _ => Vec::new(),
     }
 }
 

@@ -364,7 +364,45 @@ pub fn quantize<'a>(
     weights: &mut [&mut [u8]],
     scales: &mut [&mut [u8]],
 ) -> Result<(), QuantError> {
+    check_quantize(op, weights, scales)?;
     let size = op.staged_dtype.size() as usize;
+    let oob = |what| QuantError::OutOfBounds { tensor: op.tensor.clone(), what };
+    // A band: the whole blocks of a staged box that share their block
+    // index in every dimension but the last, read in one sequential pass
+    // (rows of the box), then quantized from there.
+    let mut scratch = BandScratch::default();
+    for st in &op.staged {
+        let bytes = staged(st.buffer).ok_or_else(|| oob("staged"))?;
+        let end = st
+            .block
+            .checked_numel()
+            .and_then(|n| n.checked_add(st.at))
+            .and_then(|n| n.checked_mul(size as u64))
+            .ok_or_else(|| oob("staged"))?;
+        if (bytes.len() as u64) < end {
+            return Err(oob("staged"));
+        }
+        // An empty box holds no block: nothing to quantize from it.
+        if st.block.is_empty() {
+            continue;
+        }
+        let bands = Bands::new(op, st, bytes);
+        let outer = Block::new(&bands.grid.offset()[..bands.last], &bands.grid.extent()[..bands.last]);
+        let mut result = Ok(());
+        for_each_cell(&outer, |o| {
+            if result.is_ok() {
+                result = bands.quantize(o, &mut scratch, weights, scales);
+            }
+        });
+        result?;
+    }
+    Ok(())
+}
+
+/// Checks `op` as any input (a program that came over the wire): the
+/// outputs match its regions, the geometry is the tensor's, every staged
+/// box is whole blocks.
+fn check_quantize(op: &Quantize, weights: &[&mut [u8]], scales: &[&mut [u8]]) -> Result<(), QuantError> {
     let oob = |what| QuantError::OutOfBounds { tensor: op.tensor.clone(), what };
     if weights.len() != op.weights.len() || scales.len() != op.scales.len() {
         return Err(oob("output"));
@@ -381,8 +419,6 @@ pub fn quantize<'a>(
             return Err(oob("scale"));
         }
     }
-    // A program that came over the wire is checked like any input: the
-    // geometry must be the tensor's, every staged box whole blocks.
     let nd = op.shape.len();
     let grid_shape: Vec<u64> = match op.block.iter().all(|&b| b > 0) && op.block.len() == nd {
         true => op.shape.iter().zip(&op.block).map(|(&n, &b)| n.div_ceil(b)).collect(),
@@ -402,25 +438,37 @@ pub fn quantize<'a>(
     if !op.scales.iter().all(|sc| inside(&sc.block, &grid_shape)) {
         return Err(oob("scale"));
     }
-    // A band: the whole blocks of a staged box that share their block
-    // index in every dimension but the last, read in one sequential pass
-    // (rows of the box), then quantized from there.
-    let (mut values, mut tops, mut block_scales): (Vec<f32>, Vec<u32>, Vec<f32>) = (Vec::new(), Vec::new(), Vec::new());
-    for st in &op.staged {
-        let bytes = staged(st.buffer).ok_or_else(|| oob("staged"))?;
-        let end = st
-            .block
-            .checked_numel()
-            .and_then(|n| n.checked_add(st.at))
-            .and_then(|n| n.checked_mul(size as u64))
-            .ok_or_else(|| oob("staged"))?;
-        if (bytes.len() as u64) < end {
-            return Err(oob("staged"));
-        }
-        // An empty box holds no block: nothing to quantize from it.
-        if st.block.is_empty() {
-            continue;
-        }
+    Ok(())
+}
+
+/// What [`quantize`] reuses from band to band: the band's values, each
+/// block's largest magnitude (as bits) and each block's scale.
+#[derive(Default)]
+struct BandScratch {
+    values: Vec<f32>,
+    tops: Vec<u32>,
+    block_scales: Vec<f32>,
+}
+
+/// One staged box of a [`Quantize`] step, quantized band by band.
+struct Bands<'a> {
+    op: &'a Quantize,
+    st: &'a Stored,
+    /// The staged buffer's bytes.
+    bytes: &'a [u8],
+    /// The box's blocks, its number of dimensions and its last one.
+    grid: Block,
+    nd: usize,
+    last: usize,
+    /// The first block and the blocks of a band along the last dimension,
+    /// and a block's width there.
+    g0: u64,
+    gn: u64,
+    width: usize,
+}
+
+impl<'a> Bands<'a> {
+    fn new(op: &'a Quantize, st: &'a Stored, bytes: &'a [u8]) -> Bands<'a> {
         let grid = grid_of(&st.block, &op.block);
         let nd = grid.ndim();
         // A scalar is one block of one element: its last dimension is a
@@ -428,88 +476,116 @@ pub fn quantize<'a>(
         let last = nd.saturating_sub(1);
         let (g0, gn) = if nd == 0 { (0, 1) } else { (grid.offset()[last], grid.extent()[last]) };
         let width = if nd == 0 { 1 } else { op.block[last] as usize };
-        let outer = Block::new(&grid.offset()[..last], &grid.extent()[..last]);
-        let mut result = Ok(());
-        for_each_cell(&outer, |o| {
-            if result.is_err() {
-                return;
-            }
-            let band_grid = if nd == 0 {
-                grid
-            } else {
-                let (mut first, mut ext) = (o.to_vec(), vec![1; last]);
-                first.push(g0);
-                ext.push(gn);
-                Block::new(&first, &ext)
-            };
-            let band = elements_of(&band_grid, &op.block, &op.shape);
-            let row = if nd == 0 { 1 } else { band.extent()[last] as usize };
-            values.clear();
-            for_each_row(&band, |idx, run| {
-                let first = offset_in(&st.block, st.at, idx) as usize * size;
-                extend_f32(op.staged_dtype, &bytes[first..first + run as usize * size], &mut values);
+        Bands { op, st, bytes, grid, nd, last, g0, gn, width }
+    }
+
+    /// Quantizes the band of blocks at `o` in every dimension but the last
+    /// into the parts of `weights` and `scales` it covers.
+    fn quantize(
+        &self,
+        o: &[u64],
+        scratch: &mut BandScratch,
+        weights: &mut [&mut [u8]],
+        scales: &mut [&mut [u8]],
+    ) -> Result<(), QuantError> {
+        let (op, nd, last) = (self.op, self.nd, self.last);
+        let band_grid = if nd == 0 {
+            self.grid
+        } else {
+            let (mut first, mut ext) = (o.to_vec(), vec![1; last]);
+            first.push(self.g0);
+            ext.push(self.gn);
+            Block::new(&first, &ext)
+        };
+        let band = elements_of(&band_grid, &op.block, &op.shape);
+        self.read(&band, &mut scratch.values);
+        self.block_scales(o, &band, scratch)?;
+        for (w, out) in op.weights.iter().zip(weights.iter_mut()) {
+            let Some(part) = w.block.intersect(&band) else { continue };
+            self.write_codes(&band, w, &part, scratch, out);
+        }
+        for (sc, out) in op.scales.iter().zip(scales.iter_mut()) {
+            let Some(part) = sc.block.intersect(&band_grid) else { continue };
+            for_each_cell(&part, |cell| {
+                let j = if nd == 0 { 0 } else { (cell[last] - self.g0) as usize };
+                let i = offset_in(&sc.block, 0, cell) as usize * 4;
+                out[i..i + 4].copy_from_slice(&scratch.block_scales[j].to_le_bytes());
             });
-            // Each block's largest magnitude, as bits: a positive float's
-            // bits order like its value, and NaN and infinity lie above
-            // every finite one.
-            tops.clear();
-            tops.resize(gn as usize, 0);
-            for r in values.chunks_exact(row) {
-                for (top, chunk) in tops.iter_mut().zip(r.chunks(width)) {
-                    *top = chunk.iter().fold(*top, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
-                }
+        }
+        Ok(())
+    }
+
+    /// The values of `band` (rows of the staged box, in one pass), as f32.
+    fn read(&self, band: &Block, values: &mut Vec<f32>) {
+        let size = self.op.staged_dtype.size() as usize;
+        values.clear();
+        for_each_row(band, |idx, run| {
+            let first = offset_in(&self.st.block, self.st.at, idx) as usize * size;
+            extend_f32(self.op.staged_dtype, &self.bytes[first..first + run as usize * size], values);
+        });
+    }
+
+    /// Each block's scale of the band at `o` (`band`, its values read),
+    /// into `scratch.block_scales`; an error naming the first block with a
+    /// value that is not finite.
+    fn block_scales(&self, o: &[u64], band: &Block, scratch: &mut BandScratch) -> Result<(), QuantError> {
+        let (op, nd) = (self.op, self.nd);
+        let row = if nd == 0 { 1 } else { band.extent()[self.last] as usize };
+        // Each block's largest magnitude, as bits: a positive float's
+        // bits order like its value, and NaN and infinity lie above
+        // every finite one.
+        let (tops, values) = (&mut scratch.tops, &scratch.values);
+        tops.clear();
+        tops.resize(self.gn as usize, 0);
+        for r in values.chunks_exact(row) {
+            for (top, chunk) in tops.iter_mut().zip(r.chunks(self.width)) {
+                *top = chunk.iter().fold(*top, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
             }
-            block_scales.clear();
-            for (j, &top) in tops.iter().enumerate() {
-                if top >= 0x7f80_0000 {
-                    let mut cell = o.to_vec();
-                    cell.extend((nd > 0).then_some(g0 + j as u64));
-                    let first = elements_of(&Block::new(&cell, &vec![1; cell.len()]), &op.block, &op.shape).offset().to_vec();
-                    result = Err(QuantError::NonFinite { tensor: op.tensor.clone(), block: cell, first });
-                    return;
-                }
-                block_scales.push(block_scale(f32::from_bits(top)));
+        }
+        scratch.block_scales.clear();
+        for (j, &top) in tops.iter().enumerate() {
+            if top >= 0x7f80_0000 {
+                let mut cell = o.to_vec();
+                cell.extend((nd > 0).then_some(self.g0 + j as u64));
+                let first = elements_of(&Block::new(&cell, &vec![1; cell.len()]), &op.block, &op.shape).offset().to_vec();
+                return Err(QuantError::NonFinite { tensor: op.tensor.clone(), block: cell, first });
             }
-            for (w, out) in op.weights.iter().zip(weights.iter_mut()) {
-                let Some(part) = w.block.intersect(&band) else { continue };
-                for_each_row(&part, |idx, run| {
-                    // Where the run starts in the band's values, in the
-                    // output, and in the band's last dimension.
-                    let (from, to) = (offset_in(&band, 0, idx) as usize, offset_in(&w.block, 0, idx) as usize);
-                    let col = if nd == 0 { 0 } else { (idx[last] - band.offset()[last]) as usize };
-                    let mut k = 0usize;
-                    while k < run as usize {
-                        // Up to the end of this element's block.
-                        let j = (col + k) / width;
-                        let stop = (run as usize).min((j + 1) * width - col);
-                        let s = block_scales[j];
-                        let (q, x) = (&mut out[to + k..to + stop], &values[from + k..from + stop]);
-                        if s > 0.0 {
-                            // `x / s` of a zero is the signed zero already.
-                            for (q, &x) in q.iter_mut().zip(x) {
-                                *q = e4m3_from_f32(x / s);
-                            }
-                        } else {
-                            for (q, &x) in q.iter_mut().zip(x) {
-                                *q = quantize_value(x, s);
-                            }
-                        }
-                        k = stop;
+            scratch.block_scales.push(block_scale(f32::from_bits(top)));
+        }
+        Ok(())
+    }
+
+    /// Writes the codes of `part`, the part of weight region `w` in `band`,
+    /// into `out` (the region's bytes).
+    fn write_codes(&self, band: &Block, w: &Stored, part: &Block, scratch: &BandScratch, out: &mut [u8]) {
+        let (nd, last, width) = (self.nd, self.last, self.width);
+        let (values, block_scales) = (&scratch.values, &scratch.block_scales);
+        for_each_row(part, |idx, run| {
+            // Where the run starts in the band's values, in the
+            // output, and in the band's last dimension.
+            let (from, to) = (offset_in(band, 0, idx) as usize, offset_in(&w.block, 0, idx) as usize);
+            let col = if nd == 0 { 0 } else { (idx[last] - band.offset()[last]) as usize };
+            let mut k = 0usize;
+            while k < run as usize {
+                // Up to the end of this element's block.
+                let j = (col + k) / width;
+                let stop = (run as usize).min((j + 1) * width - col);
+                let s = block_scales[j];
+                let (q, x) = (&mut out[to + k..to + stop], &values[from + k..from + stop]);
+                if s > 0.0 {
+                    // `x / s` of a zero is the signed zero already.
+                    for (q, &x) in q.iter_mut().zip(x) {
+                        *q = e4m3_from_f32(x / s);
                     }
-                });
-            }
-            for (sc, out) in op.scales.iter().zip(scales.iter_mut()) {
-                let Some(part) = sc.block.intersect(&band_grid) else { continue };
-                for_each_cell(&part, |cell| {
-                    let j = if nd == 0 { 0 } else { (cell[last] - g0) as usize };
-                    let i = offset_in(&sc.block, 0, cell) as usize * 4;
-                    out[i..i + 4].copy_from_slice(&block_scales[j].to_le_bytes());
-                });
+                } else {
+                    for (q, &x) in q.iter_mut().zip(x) {
+                        *q = quantize_value(x, s);
+                    }
+                }
+                k = stop;
             }
         });
-        result?;
     }
-    Ok(())
 }
 
 /// Calls `f(index)` for every index of box `b`, row-major.
@@ -557,213 +633,4 @@ pub(crate) fn quantize_op(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every code that is a number decodes and encodes back to itself.
-    #[test]
-    fn every_code_round_trips() {
-        for code in 0..=255u8 {
-            let v = e4m3_to_f32(code);
-            if v.is_nan() {
-                continue;
-            }
-            assert_eq!(e4m3_from_f32(v), code, "code {code:#04x} = {v}");
-        }
-    }
-
-    /// Midpoints between neighbouring codes round to the even code;
-    /// anything just off a midpoint rounds to the nearer code.
-    #[test]
-    fn midpoints_round_to_even() {
-        for code in 0..0x7eu8 {
-            let (lo, hi) = (e4m3_to_f32(code) as f64, e4m3_to_f32(code + 1) as f64);
-            let mid = ((lo + hi) / 2.0) as f32;
-            assert_eq!(mid as f64, (lo + hi) / 2.0, "midpoint exact in f32");
-            let even = if code % 2 == 0 { code } else { code + 1 };
-            assert_eq!(e4m3_from_f32(mid), even, "midpoint of {code:#04x}");
-            assert_eq!(e4m3_from_f32(-mid), even | 0x80);
-            assert_eq!(e4m3_from_f32(f32::from_bits(mid.to_bits() - 1)), code);
-            assert_eq!(e4m3_from_f32(f32::from_bits(mid.to_bits() + 1)), code + 1);
-        }
-    }
-
-    /// A 3 x 5 f32 tensor in blocks of 2 x 2, staged as two boxes of whole
-    /// blocks; the rank holds a 2 x 3 window across both and all scales.
-    fn op() -> (Quantize, Vec<u8>) {
-        let values: Vec<f32> = (0..15).map(|i| (i as f32 - 6.0) * 0.75).collect();
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        // Rows 0..2 (10 values), then row 2 (5 values), back to back.
-        let staged = vec![
-            Stored { block: Block::new(&[0, 0], &[2, 5]), buffer: 0, at: 0 },
-            Stored { block: Block::new(&[2, 0], &[1, 5]), buffer: 0, at: 10 },
-        ];
-        let op = Quantize {
-            tensor: "w".into(),
-            shape: vec![3, 5],
-            block: vec![2, 2],
-            staged_dtype: DType::F32,
-            staged,
-            weights: vec![Stored { block: Block::new(&[1, 1], &[2, 3]), buffer: 1, at: 0 }],
-            scales: vec![Stored { block: Block::new(&[0, 0], &[2, 3]), buffer: 2, at: 0 }],
-        };
-        (op, bytes)
-    }
-
-    #[test]
-    fn quantizes_a_window_from_whole_blocks() {
-        let (op, bytes) = op();
-        let (mut w, mut s) = (vec![0u8; 6], vec![0u8; 24]);
-        quantize(&op, &|b| (b == 0).then_some(bytes.as_slice()), &mut [&mut w[..]], &mut [&mut s[..]]).unwrap();
-        let x = |r: usize, c: usize| (r as f32 * 5.0 + c as f32 - 6.0) * 0.75;
-        let scale = |br: usize, bc: usize| {
-            let mut m = 0f32;
-            for r in 2 * br..(2 * br + 2).min(3) {
-                for c in 2 * bc..(2 * bc + 2).min(5) {
-                    m = m.max(x(r, c).abs());
-                }
-            }
-            m / 448.0
-        };
-        for (k, &q) in w.iter().enumerate() {
-            let (r, c) = (1 + k / 3, 1 + k % 3);
-            assert_eq!(q, e4m3_from_f32(x(r, c) / scale(r / 2, c / 2)), "({r}, {c})");
-        }
-        for (k, got) in s.chunks_exact(4).enumerate() {
-            assert_eq!(f32::from_le_bytes(got.try_into().unwrap()), scale(k / 3, k % 3), "scale {k}");
-        }
-    }
-
-    #[test]
-    fn a_malformed_step_is_an_error_not_a_panic() {
-        let (good, bytes) = op();
-        let staged = |b: u32| (b == 0).then_some(bytes.as_slice());
-        type Change = Box<dyn Fn(&mut Quantize)>;
-        let bad: Vec<(&str, Change)> = vec![
-            ("zero block", Box::new(|o| o.block[1] = 0)),
-            ("block of another rank", Box::new(|o| o.block = vec![2])),
-            ("staged not whole blocks", Box::new(|o| o.staged[0].block = Block::new(&[0, 0], &[2, 3]))),
-            ("staged past its buffer", Box::new(|o| o.staged[1].at = u64::MAX - 2)),
-            ("weight outside the tensor", Box::new(|o| o.weights[0].block = Block::new(&[2, 3], &[2, 3]))),
-            ("scale outside the grid", Box::new(|o| o.scales[0].block = Block::new(&[1, 1], &[2, 3]))),
-            ("unknown staged buffer", Box::new(|o| o.staged[0].buffer = 9)),
-        ];
-        for (what, change) in bad {
-            let mut o = good.clone();
-            change(&mut o);
-            let (mut w, mut s) = (vec![0u8; o.weights[0].block.numel() as usize], vec![0u8; o.scales[0].block.numel() as usize * 4]);
-            let e = quantize(&o, &staged, &mut [&mut w[..]], &mut [&mut s[..]]).unwrap_err();
-            assert!(matches!(e, QuantError::OutOfBounds { .. }), "{what}: {e}");
-        }
-    }
-
-    /// Extents whose product wraps (3 * 0xAAAA_AAAA_AAAA_AAAB is 2^65 + 1,
-    /// 1 if it wrapped) are refused, never taken for a 1-element box.
-    #[test]
-    fn extents_that_multiply_past_u64_are_refused() {
-        let huge = Block::new(&[0, 0], &[3, 0xAAAA_AAAA_AAAA_AAAB]);
-        let bytes = vec![0u8; 64];
-        let staged = |b: u32| (b == 0).then_some(bytes.as_slice());
-        let op = |staged: Block, weight: Block, scale: Block| Quantize {
-            tensor: "w".into(),
-            shape: vec![3, 0xAAAA_AAAA_AAAA_AAAB],
-            block: vec![1, 1],
-            staged_dtype: DType::F32,
-            staged: vec![Stored { block: staged, buffer: 0, at: 0 }],
-            weights: vec![Stored { block: weight, buffer: 1, at: 0 }],
-            scales: vec![Stored { block: scale, buffer: 2, at: 0 }],
-        };
-        let small = Block::new(&[0, 0], &[1, 1]);
-        for (what, o) in [("staged", op(huge, small, small)), ("weight", op(small, huge, small)), ("scale", op(small, small, huge))] {
-            // Outputs sized as a wrapped count would size them.
-            let (mut w, mut s) = (vec![0u8; 1], vec![0u8; 4]);
-            let e = quantize(&o, &staged, &mut [&mut w[..]], &mut [&mut s[..]]).unwrap_err();
-            assert_eq!(e, QuantError::OutOfBounds { tensor: "w".into(), what }, "{what}");
-        }
-    }
-
-    /// A staged box holding no element quantizes nothing (no panic), and
-    /// the rest of the step is quantized as without it.
-    #[test]
-    fn an_empty_staged_box_quantizes_nothing() {
-        let (good, bytes) = op();
-        let staged = |b: u32| (b == 0).then_some(bytes.as_slice());
-        let (mut w0, mut s0) = (vec![0u8; 6], vec![0u8; 24]);
-        quantize(&good, &staged, &mut [&mut w0[..]], &mut [&mut s0[..]]).unwrap();
-        for empty in [Block::new(&[2, 0], &[1, 0]), Block::new(&[2, 4], &[0, 1]), Block::new(&[0, 0], &[0, 0])] {
-            let mut o = good.clone();
-            o.staged.push(Stored { block: empty, buffer: 0, at: 15 });
-            let (mut w, mut s) = (vec![0u8; 6], vec![0u8; 24]);
-            quantize(&o, &staged, &mut [&mut w[..]], &mut [&mut s[..]]).unwrap();
-            assert_eq!((w, s), (w0.clone(), s0.clone()), "{empty}");
-        }
-        // Still checked against its buffer.
-        let mut o = good.clone();
-        o.staged.push(Stored { block: Block::new(&[2, 0], &[1, 0]), buffer: 0, at: 16 });
-        let (mut w, mut s) = (vec![0u8; 6], vec![0u8; 24]);
-        assert!(quantize(&o, &staged, &mut [&mut w[..]], &mut [&mut s[..]]).is_err());
-    }
-
-    #[test]
-    fn a_scalar_is_one_block() {
-        let bytes = (-3.0f32).to_le_bytes();
-        let at = |_| Stored { block: Block::new(&[], &[]), buffer: 0, at: 0 };
-        let op = Quantize {
-            tensor: "s".into(),
-            shape: vec![],
-            block: vec![],
-            staged_dtype: DType::F32,
-            staged: vec![at(0)],
-            weights: vec![Stored { buffer: 1, ..at(1) }],
-            scales: vec![Stored { buffer: 2, ..at(2) }],
-        };
-        let (mut w, mut s) = (vec![0u8; 1], vec![0u8; 4]);
-        quantize(&op, &|b| (b == 0).then_some(&bytes[..]), &mut [&mut w[..]], &mut [&mut s[..]]).unwrap();
-        assert_eq!((w[0], f32::from_le_bytes(s[..].try_into().unwrap())), (0xfe, 3.0 / 448.0));
-    }
-
-    #[test]
-    fn saturates_and_keeps_signs() {
-        assert_eq!(e4m3_from_f32(448.0), 0x7e);
-        assert_eq!(e4m3_from_f32(464.0), 0x7e, "the midpoint to 480 saturates");
-        assert_eq!(e4m3_from_f32(1e30), 0x7e);
-        assert_eq!(e4m3_from_f32(f32::INFINITY), 0x7e);
-        assert_eq!(e4m3_from_f32(-1e30), 0xfe);
-        assert_eq!(e4m3_from_f32(0.0), 0x00);
-        assert_eq!(e4m3_from_f32(-0.0), 0x80);
-        assert_eq!(e4m3_from_f32(-1e-30), 0x80, "a negative value rounding to zero keeps its sign");
-        assert_eq!(e4m3_from_f32(2f32.powi(-10)), 0x00, "half the smallest subnormal ties to even zero");
-        assert_eq!(e4m3_from_f32(2f32.powi(-10) * 1.0001), 0x01);
-        assert_eq!(e4m3_from_f32(f32::NAN), 0x7f);
-        assert_eq!(quantize_value(-0.0, 0.0), 0x80);
-        assert_eq!(quantize_value(3.0, 0.0), 0x7e, "x / 0 is infinite and saturates");
-        assert_eq!(block_scale(0.0), 1.0);
-        assert_eq!(block_scale(448.0), 1.0);
-    }
-
-    /// Against an f64 reference over many values: the nearest code, ties
-    /// to even.
-    #[test]
-    fn matches_a_nearest_value_reference() {
-        let codes: Vec<(f64, u8)> = (0..0x7fu8).map(|c| (e4m3_to_f32(c) as f64, c)).collect();
-        let mut x = 0x1234_5678_9abc_def0u64;
-        for _ in 0..200_000 {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            let r = x.wrapping_mul(0x2545_f491_4f6c_dd1d);
-            // Magnitudes from 2^-14 to 2^10, random mantissa.
-            let v = f32::from_bits(((r as u32) & 0x807f_ffff) | ((((r >> 40) % 25) as u32 + 113) << 23));
-            let a = (v as f64).abs().min(448.0);
-            let mut best = (f64::INFINITY, 0u8);
-            for &(val, c) in &codes {
-                let d = (val - a).abs();
-                if d < best.0 || (d == best.0 && c % 2 == 0) {
-                    best = (d, c);
-                }
-            }
-            let want = best.1 | if v.is_sign_negative() { 0x80 } else { 0 };
-            assert_eq!(e4m3_from_f32(v), want, "{v:e}");
-        }
-    }
-}
+mod tests;
