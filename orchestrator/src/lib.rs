@@ -45,14 +45,17 @@ pub use orchestrator::{
     RefitStep, RefitTarget, ReplicaLoss, ReplicaPlan, ReplicaReport, SeedReport, SourceLoss,
 };
 pub use protocol::{
-    CommPlane, DigestError, EgressCaps, Fabric, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric, RankDigest, Refusal,
-    RunStats, Seat, Weights,
+    CommPlane, DataAddr, DigestError, EgressCaps, Fabric, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric,
+    RankDigest, Refusal, RunDelta, RunStats, Seat, Weights,
 };
 pub use rendezvous::{join, member_name, replica_member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
 pub use store::{
     BufferError, Buffers, DstStore, RegionCheck, Registered, Residence, Serving, Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard,
 };
+/// Work the GPU planes of this process did on the host instead of the
+/// device (fallbacks, and dtype pairs no kernel converts): for GPU checks.
+pub use transport::cuda::{host_work, HostWork};
 pub use transport::fabric::NodeTweak;
 pub use transport::Faults;
 pub use transport::DEFAULT_DEADLINE;

@@ -24,13 +24,29 @@ use std::time::Duration;
 
 /// The fabric's settings and peer addresses are the data plane's
 /// (`transport::fabric`), carried here as they are.
-pub use transport::fabric::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
+pub use transport::fabric::{CommPlane, DataAddr, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
 /// A run's digest is the data plane's (`transport::fabric::digest`),
 /// carried here as it is.
 pub use transport::fabric::{DigestError, RankDigest};
 
 /// How many installed plans a member keeps (reshard and baseline, say).
 pub const INSTALLED_PLANS: usize = 2;
+
+/// Whether a run is a delta refit ([`transport::delta`]), and on what.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RunDelta {
+    /// An ordinary run: every message dense, nothing remembered.
+    Off,
+    /// A delta refit with no base yet: dense this time, each message
+    /// remembered as the base of the next.
+    First,
+    /// Every message as what changed since the same message of refit
+    /// `base` (the last one of this plan that committed).
+    Since {
+        /// The base refit.
+        base: u64,
+    },
+}
 
 /// Messages a member handles.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -110,11 +126,8 @@ pub enum MemberMsg {
         fingerprint: Fingerprint,
         /// Time the data movement may take.
         deadline: Duration,
-        /// A delta refit ([`transport::delta`]): `Some(base)` sends every
-        /// message as what changed since the same message of refit `base`
-        /// (the last one of this plan that committed; `None` inside: no
-        /// base yet, dense this time, remembered for the next).
-        delta: Option<Option<u64>>,
+        /// Whether the run is a delta refit ([`transport::delta`]).
+        delta: RunDelta,
         /// After the run, read back what it moved and answer with its
         /// digest ([`RunStats::digest`]), for the orchestrator to check
         /// before any commit ([`OrchestratorConfig::digest_check`](crate::OrchestratorConfig::digest_check)).
@@ -235,7 +248,7 @@ impl std::fmt::Display for Refusal {
             Refusal::VersionMismatch { held, asked } => write!(f, "holds version {held}, the refit asked for {asked}"),
             Refusal::NoWeights(w) => write!(f, "nothing to send: {w}"),
             Refusal::Fabric(why) => write!(f, "data plane: {why}"),
-            Refusal::NotPrepared { refit } => write!(f, "refit {refit} was not prepared here"),
+            Refusal::NotPrepared { refit } => write!(f, "refit {refit} was not prepared (or not connected) here"),
             Refusal::NotKept { session } => write!(f, "no data plane of session {session} is kept here"),
             Refusal::Exec { why, .. } => write!(f, "{why}"),
             Refusal::NoBaseVersion => {
@@ -297,9 +310,8 @@ pub enum MemberReply {
         endpoint: Endpoint,
         /// Its node within its group.
         node: u32,
-        /// `ip:port` (empty for the in-process fabric; see [`PeerAddr::addr`]
-        /// for the communicator fabric).
-        addr: String,
+        /// Where its end of the data plane is reached.
+        addr: DataAddr,
         /// Its host and user ([`PeerAddr::host`]).
         host: transport::fabric::Host,
     },

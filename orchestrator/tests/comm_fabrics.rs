@@ -13,7 +13,7 @@ use orchestrator::{
 };
 use reshard::{Endpoint, Strategy};
 use std::time::{Duration, Instant};
-use transport::cuda::{arm, live_comms, SimFault};
+use transport::cuda::{arm, direct_read_bytes, live_comms, SimFault};
 
 mod common;
 use common::layouts;
@@ -300,6 +300,12 @@ struct Registered {
 /// The memory is said to be in `residence` (the bytes are host memory
 /// either way).
 fn registered_system(config: OrchestratorConfig, residence: orchestrator::Residence) -> Registered {
+    registered_system_on(config, residence, orchestrator::MemberConfig::default())
+}
+
+/// [`registered_system`] with every member configured as `member` (its
+/// GPU, say).
+fn registered_system_on(config: OrchestratorConfig, residence: orchestrator::Residence, member: orchestrator::MemberConfig) -> Registered {
     use orchestrator::SrcStore;
     use std::sync::Arc;
     let (src, dst) = layouts();
@@ -314,7 +320,7 @@ fn registered_system(config: OrchestratorConfig, residence: orchestrator::Reside
         let reg = unsafe { orchestrator::Registered::new(&src, r as u32, residence, region) }.unwrap();
         src_stores.push(Arc::new(SrcStore::registered(&src, r as u32, reg)));
     }
-    Registered { memory, ..spawn_registered(&src, &dst, src_stores, config) }
+    Registered { memory, ..spawn_registered(&src, &dst, src_stores, config, member) }
 }
 
 /// Members over `src_stores` (one per source rank of `src`) and fresh
@@ -324,8 +330,9 @@ fn spawn_registered(
     dst: &std::sync::Arc<reshard::Layout>,
     src_stores: Vec<std::sync::Arc<orchestrator::SrcStore>>,
     config: OrchestratorConfig,
+    member: orchestrator::MemberConfig,
 ) -> Registered {
-    use orchestrator::{DstStore, Member, MemberConfig, Role};
+    use orchestrator::{DstStore, Member, Role};
     use std::sync::Arc;
     let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
     let src_members = src_stores
@@ -333,14 +340,14 @@ fn spawn_registered(
         .enumerate()
         .map(|(r, s)| {
             let role = Role::Src(s.clone());
-            actors::spawn(Member::with_config(src.clone(), r as u32, role, MemberConfig::default()), spawn.clone())
+            actors::spawn(Member::with_config(src.clone(), r as u32, role, member.clone()), spawn.clone())
         })
         .collect();
     let dst_stores: Vec<Arc<DstStore>> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(dst, r))).collect();
     let dst_members = dst_stores
         .iter()
         .enumerate()
-        .map(|(r, s)| actors::spawn(Member::new(dst.clone(), r as u32, Role::Dst(s.clone())), spawn.clone()))
+        .map(|(r, s)| actors::spawn(Member::with_config(dst.clone(), r as u32, Role::Dst(s.clone()), member.clone()), spawn.clone()))
         .collect();
     let orchestrator =
         orchestrator::spawn_orchestrator(actors::ActorGroup::from_refs(src_members), actors::ActorGroup::from_refs(dst_members), config);
@@ -399,8 +406,37 @@ async fn registered_sources_are_read_in_place() {
     }
 }
 
+/// Members colocated on one GPU (simulated: every member names
+/// `sim-gpu0`) on the IPC fabric: each destination copies every piece
+/// straight from the sources' registered memory (offers, no bucket), and
+/// serves what the user wrote there, refit after refit; a delta refit goes
+/// through buckets (its encodings cross the host) and delivers the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn colocated_members_read_registered_sources_directly() {
+    for delta in [false, true] {
+        let world = format!("colocated-{delta}");
+        let ipc = IpcFabric {
+            plane: CommPlane::Simulated { world: world.clone() },
+            connect_timeout: Duration::from_secs(5),
+            abort_timeout: Duration::from_secs(1),
+        };
+        let config = OrchestratorConfig { fabric: Fabric::Ipc(ipc), delta, ..config(&world, Strategy::Reshard) };
+        let on_gpu0 = orchestrator::MemberConfig { gpu: Some(0), ..orchestrator::MemberConfig::default() };
+        let mut sys = registered_system_on(config, orchestrator::Residence::Host, on_gpu0);
+        for k in 1..=3 {
+            let value = k as f32 * 1.25;
+            let v = sys.step(value).await;
+            let before = direct_read_bytes();
+            sys.orchestrator.refit(v).await.unwrap();
+            assert!(sys.serves(v, value), "delta {delta}: refit {k}");
+            // (Other tests of this binary never share a device.)
+            assert_eq!(direct_read_bytes() > before, !delta, "delta {delta}: refit {k}: read directly?");
+        }
+    }
+}
+
 /// The host fabrics cannot read registered device memory: refused, naming
-/// the rank; a failed step on registered memory tears the store.
+/// the rank and the fabric to use; a failed step on registered memory tears the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_device_sources_are_refused_on_host_fabrics_and_torn_by_failed_steps() {
     let config = OrchestratorConfig { fabric: Fabric::InProcess, ..config("registered", Strategy::Reshard) };
@@ -409,7 +445,9 @@ async fn registered_device_sources_are_refused_on_host_fabrics_and_torn_by_faile
     match sys.orchestrator.refit(v).await {
         Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
             assert!(why.starts_with(&format!("{}:", Endpoint::src(0))), "{why}");
-            assert!(why.contains("registered device (GPU 0) memory") && why.contains("NCCL and IPC"), "{why}")
+            assert!(why.contains("registered device (GPU 0) memory") && why.contains("NCCL and IPC"), "{why}");
+            // It says what to change.
+            assert!(why.contains("orchestrator on fabric \"ipc\"") && why.contains("\"nccl\" otherwise"), "{why}")
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
@@ -640,7 +678,7 @@ async fn readers_serving_registered_weights_hold_the_commit_off() {
 }
 
 /// The host fabrics cannot write registered device memory: refused,
-/// naming the rank, before anything moves.
+/// naming the rank and the fabric to use, before anything moves.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn registered_device_destinations_are_refused_on_host_fabrics() {
     let device = orchestrator::Residence::Device { ordinal: 0 };
@@ -651,7 +689,8 @@ async fn registered_device_destinations_are_refused_on_host_fabrics() {
     match sys.orchestrator.refit(v).await {
         Err(RefitError::Refit(OrchestratorError::Refused { refusal: Refusal::Fabric(why), .. })) => {
             assert!(why.starts_with(&format!("{}:", Endpoint::dst(0))), "{why}");
-            assert!(why.contains("registered device (GPU 0) memory"), "{why}")
+            assert!(why.contains("registered device (GPU 0) memory"), "{why}");
+            assert!(why.contains("orchestrator on fabric \"ipc\"") && why.contains("\"nccl\" otherwise"), "{why}")
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
@@ -705,7 +744,7 @@ async fn a_commit_that_never_comes_lets_readers_back_in() {
     };
     all(MemberMsg::Connect { refit, peers }).await;
     let t = Instant::now();
-    all(MemberMsg::Run { refit, version: v2, fingerprint, deadline, delta: None, verify: true }).await;
+    all(MemberMsg::Run { refit, version: v2, fingerprint, deadline, delta: orchestrator::RunDelta::Off, verify: true }).await;
     // v2 is staged everywhere: readers wait for its commit ...
     assert!(tokio::time::timeout(Duration::from_millis(200), sys.dst[0].serve()).await.is_err());
     // ... until the hold expires: the memory still holds v1.
@@ -799,7 +838,7 @@ async fn registered_sources_whose_owner_lies_are_refused_or_followed() {
             };
             src_stores.push(Arc::new(SrcStore::registered(&src, r as u32, reg)));
         }
-        let sys = spawn_registered(&src, &dst, src_stores, config);
+        let sys = spawn_registered(&src, &dst, src_stores, config, orchestrator::MemberConfig::default());
         let step = || async {
             let mut v = 0;
             for s in &sys.src {
@@ -845,21 +884,27 @@ async fn registered_sources_whose_owner_lies_are_refused_or_followed() {
 /// commits serves again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn destinations_written_in_place_serve_each_commit_and_are_torn_by_a_failed_refit() {
-    for fabric in [Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default())] {
+    let fabrics = [Fabric::InProcess, Fabric::Node(orchestrator::NodeFabric::default()), Fabric::Ipc(ipc_fabric("served/in-place"))];
+    for fabric in fabrics {
         let node = matches!(fabric, Fabric::Node(_));
+        let ipc = matches!(fabric, Fabric::Ipc(_));
         // On the node fabric, source rank 1 cuts its first data frame in
-        // the third refit (every refit connects anew).
+        // the third refit (every refit connects anew). On the IPC fabric
+        // every member is on one GPU: destinations read the sources
+        // directly, straight into the served memory.
         let src_config = orchestrator::MemberConfig {
             tweak: Some(std::sync::Arc::new(|refit, t: &mut orchestrator::NodeTweak| {
                 if refit == 3 {
                     t.faults.cut_at_frame = Some(0);
                 }
             })),
+            gpu: ipc.then_some(0),
             ..Default::default()
         };
+        let dst_config = orchestrator::MemberConfig { gpu: ipc.then_some(0), ..Default::default() };
         let config =
             OrchestratorConfig { fabric, deadline: Duration::from_secs(2), keep_data_plane: false, ..config("served", Strategy::Reshard) };
-        let how = Served { dst_config: Default::default(), residence: orchestrator::Residence::Host, direct: true, src_config };
+        let how = Served { dst_config, residence: orchestrator::Residence::Host, direct: true, src_config };
         let sys = served(config, how);
         assert!(sys.dst.iter().all(|d| d.writes_in_place()));
         let v1 = sys.step(2.0, 3.0).await;
@@ -875,10 +920,14 @@ async fn destinations_written_in_place_serve_each_commit_and_are_torn_by_a_faile
         drop(reading);
         assert_eq!(sys.memory[2], before, "node: {node}: written under a reader");
         assert_eq!(sys.dst[2].serve().await.version(), Some(v1));
+        let mut torn = 0;
         for d in &sys.dst {
             let v = d.serve().await.version();
             assert!(v == Some(v1) || v.is_none(), "node: {node}: a rank serves {v:?}");
+            torn += usize::from(v.is_none());
         }
+        // The other ranks were written in place (staged, they would serve v1).
+        assert!(torn > 0, "{:?}: nothing was written in place", sys.dst.iter().map(|d| d.weights()).collect::<Vec<_>>());
         if node {
             // The third refit fails mid-run: every destination is torn.
             sys.orchestrator.refit(v2).await.unwrap_err();

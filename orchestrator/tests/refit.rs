@@ -199,10 +199,16 @@ async fn wrong_fingerprint_is_refused() {
     let bogus = Fingerprint(installed.0 ^ 1);
     let member = &sys.src_members;
     // A step of a refit that was never prepared here.
-    let reply = member
-        .call_rank(0, MemberMsg::Run { refit: 77, version: v, fingerprint: bogus, deadline: SECOND, delta: None, verify: true })
-        .await
-        .unwrap();
+    // A run of refit `refit` under a plan nobody installed.
+    let run = |refit| MemberMsg::Run {
+        refit,
+        version: v,
+        fingerprint: bogus,
+        deadline: SECOND,
+        delta: orchestrator::RunDelta::Off,
+        verify: true,
+    };
+    let reply = member.call_rank(0, run(77)).await.unwrap();
     assert_eq!(reply, MemberReply::Refused(Refusal::NotPrepared { refit: 77 }));
     let mismatch = MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(installed), asked: bogus });
     // A plan that is not installed cannot be prepared...
@@ -217,10 +223,7 @@ async fn wrong_fingerprint_is_refused() {
     // ...nor run under another plan than the one prepared (node fabric: a
     // loopback listener).
     assert!(matches!(member.call_rank(0, prepare(installed)).await.unwrap(), MemberReply::Prepared { .. }));
-    let reply = member
-        .call_rank(0, MemberMsg::Run { refit: 78, version: v, fingerprint: bogus, deadline: SECOND, delta: None, verify: true })
-        .await
-        .unwrap();
+    let reply = member.call_rank(0, run(78)).await.unwrap();
     assert_eq!(reply, mismatch);
     // The next refit is not disturbed.
     let v = step(&sys, 2.0).await;
@@ -709,4 +712,42 @@ async fn a_program_that_resizes_the_ranks_buffers_is_refused() {
     let v = step(&sys, 3.0).await;
     sys.orchestrator.refit(v).await.unwrap();
     assert!(serves(&sys, v, 3.0));
+}
+
+/// A member's data-plane address crosses processes as it was made, on
+/// every fabric; a handle or id whose hex is damaged is refused as it is
+/// read, never taken for another.
+#[test]
+fn data_addresses_travel_typed_and_are_checked_as_they_arrive() {
+    use orchestrator::{DataAddr, MemberReply};
+    use transport::cuda::{sim_comm_id, IpcHandle};
+    let handle = IpcHandle::from_bytes(&[7u8; 64]).unwrap();
+    let every = [
+        DataAddr::InProcess,
+        DataAddr::Node("10.0.0.2:4100".parse().unwrap()),
+        DataAddr::Comm { id: Some(sim_comm_id()), device: "GPU-1234".into() },
+        DataAddr::Comm { id: None, device: "sim-gpu0".into() },
+        DataAddr::Ipc { doorbells: "127.0.0.1:9".parse().unwrap(), bucket: handle, bytes: 4096, device: "GPU-1234".into() },
+    ];
+    for addr in every {
+        let reply = MemberReply::Prepared { endpoint: Endpoint::dst(3), node: 1, addr: addr.clone(), host: transport::fabric::this_host() };
+        let bytes = actors::codec::encode(&reply).unwrap();
+        match actors::codec::decode::<MemberReply>(&bytes).unwrap() {
+            MemberReply::Prepared { addr: back, .. } => assert_eq!(back, addr),
+            other => panic!("{other:?}"),
+        }
+    }
+    // The handle's hex with one digit changed into a non-hex character.
+    let reply = MemberReply::Prepared {
+        endpoint: Endpoint::dst(3),
+        node: 1,
+        addr: DataAddr::Ipc { doorbells: "127.0.0.1:9".parse().unwrap(), bucket: handle, bytes: 4096, device: "GPU-1234".into() },
+        host: transport::fabric::this_host(),
+    };
+    let mut bytes = actors::codec::encode(&reply).unwrap();
+    let hex = handle.to_hex();
+    let at = bytes.windows(hex.len()).position(|w| w == hex.as_bytes()).expect("the handle travels as hex");
+    bytes[at + 5] = b'z';
+    let err = actors::codec::decode::<MemberReply>(&bytes).unwrap_err().to_string();
+    assert!(err.contains("non-hex character at 5"), "{err}");
 }

@@ -54,7 +54,12 @@ fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session
     // Other ranks of the refit on the sources' host, that these do not
     // talk to.
     for r in 0..crowd {
-        table.push(PeerAddr { endpoint: Endpoint::dst(100 + r), node: 100 + r, addr: "127.0.0.1:9".into(), host: src_host });
+        table.push(PeerAddr {
+            endpoint: Endpoint::dst(100 + r),
+            node: 100 + r,
+            addr: transport::fabric::DataAddr::Node("127.0.0.1:9".parse().unwrap()),
+            host: src_host,
+        });
     }
     let mut memory = RankMemory::for_programs(&programs);
     fill_sources(&src, &mut memory[..2]);

@@ -6,7 +6,7 @@ use super::error::refused;
 use super::members::{no_refusal, Answer, Cast};
 use super::verify::MemberDigest;
 use super::{Orchestrator, OrchestratorError, RefitStep};
-use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal};
+use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal, RunDelta};
 use reshard::{Endpoint, Fingerprint};
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,11 @@ impl Orchestrator {
         }
         *connect_time += t.elapsed();
         let deadline = self.config.deadline;
-        let delta = self.config.delta.then(|| self.delta_base.get(&fingerprint).copied());
+        let delta = match (self.config.delta, self.delta_base.get(&fingerprint)) {
+            (false, _) => RunDelta::Off,
+            (true, None) => RunDelta::First,
+            (true, Some(&base)) => RunDelta::Since { base },
+        };
         let verify = self.config.digest_check;
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta, verify });
         self.enter(RefitStep::Running);

@@ -2,13 +2,13 @@
 //! the transfer, then the commit on every destination, or a discard
 //! everywhere.
 
-use super::data_plane::Blame;
+use super::data_plane::{Blame, Moved};
 use super::error::refused;
 use super::members::Status;
 use super::verify::{verify, Verified};
 use super::{Orchestrator, OrchestratorError, RefitReport, RefitStep, RefitTarget, SourceLoss};
 use crate::protocol::{Fabric, MemberMsg, MemberReply, Refusal, Weights, INSTALLED_PLANS};
-use reshard::{Figures, Group, PlanError, TensorSubset};
+use reshard::{Figures, Fingerprint, Group, PlanError, TensorSubset};
 use std::time::{Duration, Instant};
 use transport::fabric::{close_in_process, open_in_process};
 
@@ -102,12 +102,69 @@ impl Orchestrator {
         }
     }
 
+    /// One attempt at the refit: its steps in order, each failure handled
+    /// by the step that meets it.
     async fn refit_once(
         &mut self,
         target: RefitTarget,
         only: &Option<TensorSubset>,
         start: Instant,
     ) -> Result<RefitReport, OrchestratorError> {
+        let (version, status) = match self.version_to_deliver(target, only).await? {
+            Deliver::AlreadyServed(version) => return Ok(RefitReport::already_served(version, self.config.mode, start.elapsed())),
+            Deliver::Version(version, status) => (version, status),
+        };
+        let replanned = self.ensure_plan(&status, only).await?.replanned;
+        let plan_time = start.elapsed();
+        let (fingerprint, figures) = self.cached(only).map(|c| (c.fingerprint, c.figures.clone()))?;
+        let bytes = figures.total_bytes;
+        let refit = self.refits;
+        let t = Instant::now();
+        let (session, resumed) = self.data_plane_session(refit, fingerprint).await?;
+        let mut connect_time = t.elapsed();
+        let moved = self.transfer(&self.groups(), refit, &session, version, fingerprint, resumed, &mut connect_time).await;
+        close_in_process(&session);
+        let transfer_time = t.elapsed().saturating_sub(connect_time);
+        let (moved, lost) = match moved {
+            Ok(moved) => (moved, Vec::new()),
+            Err((e, blame)) => self.after_failed_transfer(e, blame).await?,
+        };
+        if moved.sent != bytes && !self.config.delta {
+            tracing::warn!(sent = moved.sent, planned = bytes, "members sent another number of bytes than the plan moves");
+        }
+        let verified = self.verified(&moved, &lost).await?;
+        let t = Instant::now();
+        let lost = self.commit(version, lost).await?;
+        self.keep_for_next(refit, fingerprint, session, &lost);
+        Ok(RefitReport {
+            version,
+            already_served: false,
+            mode: self.config.mode,
+            fingerprint: Some(fingerprint),
+            replanned,
+            wall: start.elapsed(),
+            plan_time,
+            connect_time,
+            resumed,
+            transfer_time,
+            commit_time: t.elapsed(),
+            verify_time: verified.time,
+            verified_ranks: verified.ranks,
+            unverified_ranks: verified.unverified,
+            bytes: moved.sent,
+            messages: moved.messages,
+            control_messages: 0,
+            dropped_replicas: Vec::new(),
+            lost_sources: Vec::new(),
+            figures,
+        })
+    }
+
+    /// The version this refit delivers, with the members' status: refused
+    /// here, before anything is planned or moved, where a source holds
+    /// another (`Run` checks again under each source's lock) or a subset
+    /// refit's destination serves none to keep the other tensors from.
+    async fn version_to_deliver(&mut self, target: RefitTarget, only: &Option<TensorSubset>) -> Result<Deliver, OrchestratorError> {
         let status = match self.status().await {
             Err(e @ (OrchestratorError::MemberDied { .. } | OrchestratorError::Timeout { .. })) => return Err(self.lose_silent(e).await),
             r => r?,
@@ -116,33 +173,9 @@ impl Orchestrator {
             RefitTarget::Version(v) => (v, status),
             RefitTarget::Latest => self.agreed_version(status).await?,
         };
-        let mode = self.config.mode;
         if status.dst_weights().iter().all(|w| *w == Weights::Version(version)) {
-            return Ok(RefitReport {
-                version,
-                already_served: true,
-                mode,
-                fingerprint: None,
-                replanned: false,
-                wall: start.elapsed(),
-                plan_time: start.elapsed(),
-                connect_time: Duration::ZERO,
-                resumed: false,
-                transfer_time: Duration::ZERO,
-                commit_time: Duration::ZERO,
-                verify_time: Duration::ZERO,
-                verified_ranks: 0,
-                unverified_ranks: 0,
-                bytes: 0,
-                messages: 0,
-                control_messages: 0,
-                dropped_replicas: Vec::new(),
-                lost_sources: Vec::new(),
-                figures: Figures::default(),
-            });
+            return Ok(Deliver::AlreadyServed(version));
         }
-        // Refused here, before anything is planned or moved; `Run` checks
-        // again under each source's lock.
         for (i, w) in status.src_weights().iter().enumerate() {
             match *w {
                 Weights::Version(held) if held == version => {}
@@ -152,116 +185,112 @@ impl Orchestrator {
                 weights => return Err(OrchestratorError::NoWeights { member: status.names[i].clone(), weights }),
             }
         }
-        // A subset refit keeps every other tensor from the version each
-        // destination serves: one that serves none is refused here, before
-        // anything moves (its member checks again).
         if only.is_some() {
             if let Some(i) = status.dst_weights().iter().position(|w| !matches!(w, Weights::Version(_))) {
                 return Err(refused(&status.names[status.n_src + i], Refusal::NoBaseVersion));
             }
         }
-        let replanned = self.ensure_plan(&status, only).await?.replanned;
-        let plan_time = start.elapsed();
-        let (fingerprint, figures) = self.cached(only).map(|c| (c.fingerprint, c.figures.clone()))?;
-        let bytes = figures.total_bytes;
-        let refit = self.refits;
-        let t = Instant::now();
-        // The kept connections of this plan, or a fresh data-plane epoch.
-        let resumed = match self.kept.iter().position(|(f, _)| *f == fingerprint) {
-            Some(i) => {
-                let (_, session) = self.kept.remove(i);
-                match self.resume(refit, fingerprint, &session).await {
-                    Ok(all) => all.then_some(session),
-                    Err(e) => {
-                        self.forget_data_plane(true);
-                        return Err(e);
-                    }
+        Ok(Deliver::Version(version, status))
+    }
+
+    /// The kept connections of this plan (`true`: resumed), or a fresh
+    /// data-plane epoch's session.
+    async fn data_plane_session(&mut self, refit: u64, fingerprint: Fingerprint) -> Result<(String, bool), OrchestratorError> {
+        if let Some(i) = self.kept.iter().position(|(f, _)| *f == fingerprint) {
+            let (_, session) = self.kept.remove(i);
+            match self.resume(refit, fingerprint, &session).await {
+                Ok(true) => return Ok((session, true)),
+                Ok(false) => {}
+                Err(e) => {
+                    self.forget_data_plane(true);
+                    return Err(e);
                 }
             }
-            None => None,
-        };
-        let (session, resumed) = match resumed {
-            Some(session) => (session, true),
+        }
+        let session = uuid::Uuid::new_v4().simple().to_string();
+        if self.config.fabric == Fabric::InProcess {
+            open_in_process(&session, &self.endpoints());
+        }
+        Ok((session, false))
+    }
+
+    /// What a failed transfer comes to: lost sources left out (the refit
+    /// runs again without them), lost replicas leaving the group (the
+    /// others commit what they staged, or run again), or a discard
+    /// everywhere — every destination keeps serving its last committed
+    /// version. `Ok`: what the replicas that ran moved, and the lost ones.
+    async fn after_failed_transfer(&mut self, e: OrchestratorError, mut blame: Blame) -> Result<(Moved, Vec<u32>), OrchestratorError> {
+        self.kept.clear();
+        self.delta_base.clear();
+        if blame.gone.is_empty() && self.config.source_loss == SourceLoss::Replan {
+            // Every member answered: a source that sent all it had and
+            // died before its peers read it shows only now.
+            blame.gone = self.unanswering().await.into_iter().filter(|g| g.group == Group::Src).collect();
+        }
+        if let Some(ranks) = self.lost_sources_of(&blame) {
+            // Every member drops what it prepared; the refit runs again
+            // without them.
+            self.enter(RefitStep::Discarding);
+            return Err(self.leave_out_sources(ranks, e));
+        }
+        match self.lost_replicas(&blame) {
+            Some((lost, true)) => {
+                // The other replicas staged the whole version: they commit
+                // it, without the lost ones.
+                tracing::warn!(?lost, error = %e, "replicas failed the refit and leave the group; the others commit");
+                Ok((blame.moved, lost))
+            }
+            Some((lost, false)) => {
+                tracing::warn!(?lost, error = %e, "replicas failed the refit and leave the group; refitting the others");
+                self.enter(RefitStep::Discarding);
+                self.tell_all(|| MemberMsg::Discard);
+                self.drop_replicas(&lost).await?;
+                Err(OrchestratorError::ReplicasLost { replicas: lost, cause: Box::new(e) })
+            }
             None => {
-                let session = uuid::Uuid::new_v4().simple().to_string();
-                if self.config.fabric == Fabric::InProcess {
-                    open_in_process(&session, &self.endpoints());
-                }
-                (session, false)
+                // A member that is stuck (an abort that hangs) must not
+                // hold up the report: the discard is queued, not awaited;
+                // each member handles it before anything the next refit
+                // asks.
+                self.enter(RefitStep::Discarding);
+                self.tell_all(|| MemberMsg::Discard);
+                Err(e)
             }
-        };
-        let mut connect_time = t.elapsed();
-        let moved = self.transfer(&self.groups(), refit, &session, version, fingerprint, resumed, &mut connect_time).await;
-        close_in_process(&session);
-        let transfer_time = t.elapsed().saturating_sub(connect_time);
-        let (moved, lost) = match moved {
-            Ok(moved) => (moved, Vec::new()),
-            Err((e, mut blame)) => {
+        }
+    }
+
+    /// The digest check: nothing commits that does not match what its
+    /// senders sent (lost replicas aside); on a mismatch, a discard
+    /// everywhere.
+    async fn verified(&mut self, moved: &Moved, lost: &[u32]) -> Result<Verified, OrchestratorError> {
+        if !self.config.digest_check {
+            return Ok(Verified::default());
+        }
+        let k = self.replica_ranks();
+        match verify(&moved.digests, |e| !lost.contains(&((e.rank as usize / k) as u32))) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                tracing::warn!(error = %e, "the digest check failed; nothing is committed");
                 self.kept.clear();
                 self.delta_base.clear();
-                if blame.gone.is_empty() && self.config.source_loss == SourceLoss::Replan {
-                    // Every member answered: a source that sent all it had
-                    // and died before its peers read it shows only now.
-                    blame.gone = self.unanswering().await.into_iter().filter(|g| g.group == Group::Src).collect();
+                self.enter(RefitStep::Discarding);
+                self.tell_all(|| MemberMsg::Discard);
+                if !lost.is_empty() {
+                    self.drop_replicas(lost).await?;
                 }
-                if let Some(ranks) = self.lost_sources_of(&blame) {
-                    // Every member drops what it prepared; the refit runs
-                    // again without them.
-                    self.enter(RefitStep::Discarding);
-                    return Err(self.leave_out_sources(ranks, e));
-                }
-                if let Some((lost, others_ran)) = self.lost_replicas(&blame) {
-                    if others_ran {
-                        // The other replicas staged the whole version:
-                        // they commit it below, without the lost ones.
-                        tracing::warn!(?lost, error = %e, "replicas failed the refit and leave the group; the others commit");
-                        (blame.moved, lost)
-                    } else {
-                        tracing::warn!(?lost, error = %e, "replicas failed the refit and leave the group; refitting the others");
-                        self.enter(RefitStep::Discarding);
-                        self.tell_all(|| MemberMsg::Discard);
-                        self.drop_replicas(&lost).await?;
-                        return Err(OrchestratorError::ReplicasLost { replicas: lost, cause: Box::new(e) });
-                    }
-                } else {
-                    // Every destination keeps serving its last committed version;
-                    // every member drops what it prepared for this refit.
-                    // A member that is stuck (an abort that hangs) must not hold up
-                    // the report: the discard is queued, not awaited; each member
-                    // handles it before anything the next refit asks.
-                    self.enter(RefitStep::Discarding);
-                    self.tell_all(|| MemberMsg::Discard);
-                    return Err(e);
-                }
+                Err(e)
             }
-        };
-        let (sent, messages) = (moved.sent, moved.messages);
-        if sent != bytes && !self.config.delta {
-            tracing::warn!(sent, planned = bytes, "members sent another number of bytes than the plan moves");
         }
-        let k = self.config.replica.as_ref().map_or(1, |one| one.ranks() as usize);
-        // Nothing commits that does not match what its senders sent.
-        let verified = match self.config.digest_check {
-            false => Verified::default(),
-            true => match verify(&moved.digests, |e| !lost.contains(&((e.rank as usize / k) as u32))) {
-                Ok(v) => v,
-                Err(e) => {
-                    tracing::warn!(error = %e, "the digest check failed; nothing is committed");
-                    self.kept.clear();
-                    self.delta_base.clear();
-                    self.enter(RefitStep::Discarding);
-                    self.tell_all(|| MemberMsg::Discard);
-                    if !lost.is_empty() {
-                        self.drop_replicas(&lost).await?;
-                    }
-                    return Err(e);
-                }
-            },
-        };
-        // The second phase: every destination has staged the whole
-        // version; flip.
+    }
+
+    /// The second phase: every destination (of the replicas not lost) has
+    /// staged the whole version; each commits it. A group of replicas goes
+    /// on without those that did not commit (while some are left);
+    /// otherwise the refit fails with the first refusal. `Ok`: every
+    /// replica lost, which leaves the group here.
+    async fn commit(&mut self, version: u64, mut lost: Vec<u32>) -> Result<Vec<u32>, OrchestratorError> {
         self.enter(RefitStep::Committing);
-        let t = Instant::now();
+        let k = self.replica_ranks();
         let commit = |g, rank: usize| (g == Group::Dst && !lost.contains(&((rank / k) as u32))).then_some(MemberMsg::Commit { version });
         let committed = self.ask_each(&self.groups(), commit, self.config.control_timeout).await;
         let failed: Vec<_> = committed
@@ -269,13 +298,11 @@ impl Orchestrator {
             .filter(|(_, _, r)| !matches!(r, Ok(reply) if !matches!(reply, MemberReply::Refused(_))))
             .map(|(e, ..)| *e)
             .collect();
-        let mut lost = lost;
         if !failed.is_empty() {
             self.kept.clear();
             self.delta_base.clear();
-            // Members that did not commit: a group of replicas goes on
-            // without theirs (whose other members may have committed; the
-            // replica leaves the group either way).
+            // Their other members may have committed; the replica leaves
+            // the group either way.
             match self.lost_replicas(&Blame { failed, ..Blame::default() }) {
                 Some((more, _)) if more.iter().chain(&lost).collect::<std::collections::BTreeSet<_>>().len() < self.dst.len() / k => {
                     tracing::warn!(replicas = ?more, "replicas failed the commit and leave the group");
@@ -298,40 +325,70 @@ impl Orchestrator {
             // Their members drop what they staged; the group goes on
             // without them (and forgets this refit's data plane).
             self.drop_replicas(&lost).await?;
-        } else if self.config.delta {
+        }
+        Ok(lost)
+    }
+
+    /// After a commit: what every member keeps for this plan's next refit
+    /// (when no replica was lost) — the base of a delta refit, and the
+    /// endpoints of `session`.
+    fn keep_for_next(&mut self, refit: u64, fingerprint: Fingerprint, session: String, lost: &[u32]) {
+        if !lost.is_empty() {
+            return;
+        }
+        if self.config.delta {
             // Every member ran this refit clean and keeps what it sent and
-            // received: the base of this plan's next one.
+            // received.
             self.delta_base.insert(fingerprint, refit);
         }
-        if lost.is_empty() && self.keeps_data_plane() {
-            // Every member ran clean and keeps its endpoint of `session`.
+        if self.keeps_data_plane() {
             self.kept.retain(|(f, _)| *f != fingerprint);
             if self.kept.len() == INSTALLED_PLANS {
                 self.kept.remove(0);
             }
             self.kept.push((fingerprint, session));
         }
-        Ok(RefitReport {
+    }
+
+    /// Ranks per destination replica (1 without replicas).
+    fn replica_ranks(&self) -> usize {
+        self.config.replica.as_ref().map_or(1, |one| one.ranks() as usize)
+    }
+}
+
+/// What a refit delivers.
+enum Deliver {
+    /// Every destination serves this version already.
+    AlreadyServed(u64),
+    /// This version, with the members' status.
+    Version(u64, Status),
+}
+
+impl RefitReport {
+    /// The report of a refit that found every destination serving
+    /// `version` already.
+    fn already_served(version: u64, mode: reshard::Strategy, took: Duration) -> RefitReport {
+        RefitReport {
             version,
-            already_served: false,
+            already_served: true,
             mode,
-            fingerprint: Some(fingerprint),
-            replanned,
-            wall: start.elapsed(),
-            plan_time,
-            connect_time,
-            resumed,
-            transfer_time,
-            commit_time: t.elapsed(),
-            verify_time: verified.time,
-            verified_ranks: verified.ranks,
-            unverified_ranks: verified.unverified,
-            bytes: sent,
-            messages,
+            fingerprint: None,
+            replanned: false,
+            wall: took,
+            plan_time: took,
+            connect_time: Duration::ZERO,
+            resumed: false,
+            transfer_time: Duration::ZERO,
+            commit_time: Duration::ZERO,
+            verify_time: Duration::ZERO,
+            verified_ranks: 0,
+            unverified_ranks: 0,
+            bytes: 0,
+            messages: 0,
             control_messages: 0,
             dropped_replicas: Vec::new(),
             lost_sources: Vec::new(),
-            figures,
-        })
+            figures: Figures::default(),
+        }
     }
 }

@@ -8,11 +8,11 @@ use super::endpoint::Endpointed;
 #[cfg(feature = "cuda")]
 use super::registered::StagingMemory;
 use super::registered::{current_regions, RegisteredMemory, RegisteredStaging, Residence};
-use super::spec::{CommPlane, IpcFabric, NcclFabric, PeerAddr};
+use super::spec::{CommPlane, DataAddr, IpcFabric, NcclFabric, PeerAddr};
 use super::{program_peers, MIN_FRAME_LIMIT};
 use crate::cuda::{
-    comm_rank, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id, CommConfig, CommHandle, CommId, IpcComm, IpcHandle, SimBucket,
-    SimIpc, SimMemory,
+    comm_rank, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id, CommConfig, CommHandle, CommId, CommPeers, IpcComm, IpcHandle,
+    SimBucket, SimIpc, SimMemory,
 };
 use crate::{DeltaRun, HelloKey, NodeTransport, NodeTransportConfig, RankMemory, RankStats, TcpConfig};
 use reshard::{Endpoint, Group, RankProgram};
@@ -99,6 +99,12 @@ pub(super) struct CommEnd {
     /// the runs of this communicator (every run writes scratch before it
     /// reads it).
     scratch: Scratch,
+    /// The peers on this member's device that read what it offers and
+    /// offer what it reads (the IPC fabric; none on NCCL).
+    same_device: BTreeSet<Endpoint>,
+    /// Their allocations this member mapped, kept between runs.
+    #[cfg(feature = "cuda")]
+    peer_maps: crate::cuda::device::PeerMaps,
 }
 
 /// Scratch buffers beside registered memory.
@@ -133,7 +139,14 @@ impl Drop for CommEnd {
 impl CommEnd {
     /// The endpoint of a communicator just made: `ranks` is (source ranks,
     /// all ranks).
-    fn connected(handle: CommHandle, ranks: (u32, u32), plane: CommPlane, gpu: Option<usize>, packs_into: Option<PackInto>) -> Endpointed {
+    fn connected(
+        handle: CommHandle,
+        ranks: (u32, u32),
+        plane: CommPlane,
+        gpu: Option<usize>,
+        ipc: Option<(PackInto, BTreeSet<Endpoint>)>,
+    ) -> Endpointed {
+        let (packs_into, same_device) = ipc.map_or((None, BTreeSet::new()), |(p, s)| (Some(p), s));
         let (src_ranks, nranks) = ranks;
         Endpointed::Comm(Box::new(CommEnd {
             handle: Some(handle),
@@ -145,6 +158,9 @@ impl CommEnd {
             #[cfg(feature = "cuda")]
             device: None,
             scratch: Scratch::default(),
+            same_device,
+            #[cfg(feature = "cuda")]
+            peer_maps: Default::default(),
         }))
     }
 
@@ -156,8 +172,10 @@ impl CommEnd {
         memory: &mut RankMemory,
         deadline: Instant,
         delta: Option<&mut DeltaRun>,
-    ) -> Result<RankStats, String> {
-        let rank_of = self.rank_of();
+    ) -> Result<RankStats, CommFailed> {
+        let (rank_of, same) = (self.rank_of(), self.same_device.clone());
+        let same_device = |e: Endpoint| same.contains(&e);
+        let peers = CommPeers { rank_of: &rank_of, same_device: &same_device };
         let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
         match &self.plane {
             CommPlane::Simulated { .. } => {
@@ -165,7 +183,7 @@ impl CommEnd {
                     Some(PackInto::Sim(b)) => SimMemory::with_bucket(memory, b.clone()),
                     _ => SimMemory::new(memory),
                 };
-                run_rank_comm(&mut sim, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())
+                run_rank_comm(&mut sim, program, handle, &peers, deadline, delta).map_err(exec_failed)
             }
             #[cfg(feature = "cuda")]
             CommPlane::Cuda => {
@@ -182,8 +200,8 @@ impl CommEnd {
                 // The store's bytes go to the device and a destination's
                 // come back: stores live in host memory.
                 mem.upload(dev, memory).map_err(|e| e.to_string())?;
-                let mut plane = gpu_plane(self.packs_into.as_ref(), dev, mem, program.endpoint)?;
-                let stats = run_rank_comm(&mut plane, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())?;
+                let mut plane = gpu_plane(self.packs_into.as_ref(), dev, mem, program.endpoint)?.reading_peers(&mut self.peer_maps);
+                let stats = run_rank_comm(&mut plane, program, handle, &peers, deadline, delta).map_err(exec_failed)?;
                 drop(plane);
                 if program.endpoint.group == Group::Dst {
                     mem.download_into(dev, memory).map_err(|e| e.to_string())?;
@@ -191,7 +209,7 @@ impl CommEnd {
                 Ok(stats)
             }
             #[cfg(not(feature = "cuda"))]
-            CommPlane::Cuda => Err(unavailable_nccl()),
+            CommPlane::Cuda => Err(unavailable_nccl().into()),
         }
     }
 
@@ -204,9 +222,11 @@ impl CommEnd {
         registered: &dyn RegisteredMemory,
         deadline: Instant,
         delta: Option<&mut DeltaRun>,
-    ) -> Result<RankStats, String> {
+    ) -> Result<RankStats, CommFailed> {
         let me = program.endpoint;
-        let rank_of = self.rank_of();
+        let (rank_of, same) = (self.rank_of(), self.same_device.clone());
+        let same_device = |e: Endpoint| same.contains(&e);
+        let peers = CommPeers { rank_of: &rank_of, same_device: &same_device };
         // The regions as their owner holds them now (memory it moved or
         // freed since is never read).
         let mut regions = current_regions(program, registered).map_err(|e| e.to_string())?;
@@ -234,7 +254,7 @@ impl CommEnd {
                 if let Some(PackInto::Sim(b)) = &self.packs_into {
                     sim = sim.packing_into(b.clone());
                 }
-                run_rank_comm(&mut sim, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())
+                run_rank_comm(&mut sim, program, handle, &peers, deadline, delta).map_err(exec_failed)
             }
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
@@ -255,10 +275,10 @@ impl CommEnd {
                 // bytes; the scratch is this end's allocations, alive past
                 // the run.
                 let mut mem = unsafe { DeviceMemory::register(dev, me, &program.buffers, &regions) }.map_err(|e| e.to_string())?;
-                let mut plane = gpu_plane(self.packs_into.as_ref(), dev, &mut mem, me)?;
-                run_rank_comm(&mut plane, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())
+                let mut plane = gpu_plane(self.packs_into.as_ref(), dev, &mut mem, me)?.reading_peers(&mut self.peer_maps);
+                run_rank_comm(&mut plane, program, handle, &peers, deadline, delta).map_err(exec_failed)
             }
-            (plane, residence) => Err(out_of_reach(me, plane, residence)),
+            (plane, residence) => Err(out_of_reach(me, plane, residence).into()),
         }
     }
 
@@ -274,7 +294,7 @@ impl CommEnd {
         staging: &mut Option<RegisteredStaging>,
         deadline: Instant,
         delta: Option<&mut DeltaRun>,
-    ) -> Result<RankStats, String> {
+    ) -> Result<RankStats, CommFailed> {
         let me = program.endpoint;
         match (&self.plane, registered.residence()) {
             (CommPlane::Simulated { .. }, Residence::Host) => {
@@ -305,12 +325,14 @@ impl CommEnd {
                     unsafe { mem.copy_from_regions(dev, &regions) }.map_err(|e| e.to_string())?;
                 }
                 st.synced = false;
-                let rank_of = self.rank_of();
+                let (rank_of, same) = (self.rank_of(), self.same_device.clone());
+                let same_device = |e: Endpoint| same.contains(&e);
+                let peers = CommPeers { rank_of: &rank_of, same_device: &same_device };
                 let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
-                let mut plane = gpu_plane(self.packs_into.as_ref(), dev, mem, me)?;
-                run_rank_comm(&mut plane, program, handle, &rank_of, deadline, delta).map_err(|e| e.to_string())
+                let mut plane = gpu_plane(self.packs_into.as_ref(), dev, mem, me)?.reading_peers(&mut self.peer_maps);
+                run_rank_comm(&mut plane, program, handle, &peers, deadline, delta).map_err(exec_failed)
             }
-            (plane, residence) => Err(out_of_reach(me, plane, residence)),
+            (plane, residence) => Err(out_of_reach(me, plane, residence).into()),
         }
     }
 
@@ -326,6 +348,33 @@ impl CommEnd {
         let outcome = self.handle.take()?.abort();
         outcome.needs_restart().then(|| format!("its communicator's abort hangs ({outcome:?}): restart this process"))
     }
+}
+
+/// Why a communicator end's run failed, and whether a peer failed first.
+#[derive(Debug)]
+pub(super) struct CommFailed {
+    /// What happened, naming the rank (and the peer, where one failed).
+    pub(super) why: String,
+    /// A peer failed first (its abort or departure broke a group).
+    pub(super) after_peer: bool,
+}
+
+impl From<String> for CommFailed {
+    /// A failure of this end's own (its memory, its plane).
+    fn from(why: String) -> CommFailed {
+        CommFailed { why, after_peer: false }
+    }
+}
+
+impl From<&str> for CommFailed {
+    fn from(why: &str) -> CommFailed {
+        CommFailed::from(why.to_string())
+    }
+}
+
+/// A failed run of the communicator executor.
+fn exec_failed(e: crate::cuda::CommExecError) -> CommFailed {
+    CommFailed { after_peer: e.after_peer(), why: e.to_string() }
 }
 
 /// Device memory `mem` of `dev` as the communicator executor's plane
@@ -357,7 +406,12 @@ fn out_of_reach(me: Endpoint, plane: &CommPlane, residence: Residence) -> String
             CommPlane::Simulated { .. } => "simulated",
         },
         match (plane, residence) {
-            (CommPlane::Cuda, Residence::Device { .. }) => " (the member's GPU, MemberConfig::gpu, is another device)",
+            (CommPlane::Cuda, Residence::Device { .. }) => {
+                " (the member's GPU, MemberConfig::gpu, is another device: join with the GPU the memory is on)"
+            }
+            (CommPlane::Cuda, Residence::Host) => {
+                " (register CUDA tensors of the member's GPU, or run the orchestrator on a host fabric: \"node\")"
+            }
             _ => "",
         }
     )
@@ -368,11 +422,28 @@ fn unavailable_nccl() -> String {
     "NCCL transport unavailable: this build has no `cuda` feature".into()
 }
 
-/// A communicator-fabric address, `<id hex>@<device>`, as (id, device).
-fn split_comm_addr(p: &PeerAddr) -> Result<(&str, &str), String> {
-    p.addr.rsplit_once('@').filter(|(_, d)| !d.is_empty()).ok_or_else(|| {
-        format!("{}: bad communicator address '{}' (want <id>@<device>: a member of another refit version?)", p.endpoint, p.addr)
-    })
+/// The device a member names in its communicator-fabric address: its GPU's
+/// UUID (on the simulated plane `sim-gpu<n>`, or the endpoint where no GPU
+/// is configured, which no other member shares).
+fn comm_device(me: Endpoint, plane: &CommPlane, gpu: Option<usize>) -> Result<String, String> {
+    match plane {
+        CommPlane::Simulated { .. } => Ok(gpu.map_or_else(|| format!("sim-{me}"), |g| format!("sim-gpu{g}"))),
+        #[cfg(feature = "cuda")]
+        CommPlane::Cuda => {
+            let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu)"))?;
+            crate::cuda::device_uuid(ordinal).map_err(|e| format!("{me}'s GPU {ordinal}: {e}"))
+        }
+        #[cfg(not(feature = "cuda"))]
+        CommPlane::Cuda => Err(unavailable_nccl()),
+    }
+}
+
+/// A communicator-fabric address as (id, device).
+fn comm_addr(p: &PeerAddr) -> Result<(Option<CommId>, &str), String> {
+    match &p.addr {
+        DataAddr::Comm { id, device } if !device.is_empty() => Ok((*id, device)),
+        other => Err(format!("{}: '{other}' is no communicator address (a member of another refit?)", p.endpoint)),
+    }
 }
 
 /// Refuses a peer table that puts two ranks of the communicator on one
@@ -381,7 +452,7 @@ fn split_comm_addr(p: &PeerAddr) -> Result<(&str, &str), String> {
 fn one_rank_per_device(table: &[PeerAddr]) -> Result<(), String> {
     let mut seen: HashMap<&str, Endpoint> = HashMap::new();
     for p in table {
-        let (_, device) = split_comm_addr(p)?;
+        let (_, device) = comm_addr(p)?;
         if let Some(first) = seen.insert(device, p.endpoint) {
             return Err(format!(
                 "{first} and {} are on one GPU ({device}): NCCL cannot put two ranks of a communicator on one device; \
@@ -394,24 +465,17 @@ fn one_rank_per_device(table: &[PeerAddr]) -> Result<(), String> {
 }
 
 impl Endpointed {
-    /// Prepares this member's rank of a communicator. Its address is
-    /// `<id>@<device>`: source rank 0 makes the communicator's id (hex; the
-    /// others leave it empty), and every member names the GPU it would put
-    /// its rank on (the device's UUID; on the simulated plane `sim-gpu<n>`,
-    /// or the endpoint where no GPU is configured), so that two ranks on
-    /// one device are refused before any communicator is made.
-    pub(super) fn prepare_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>) -> Result<(Endpointed, String), String> {
-        let device = match &settings.plane {
-            CommPlane::Simulated { .. } => gpu.map_or_else(|| format!("sim-{me}"), |g| format!("sim-gpu{g}")),
-            #[cfg(feature = "cuda")]
-            CommPlane::Cuda => {
-                crate::gpu_plane_available(crate::GpuPlane::Nccl, 1).map_err(|e| format!("NCCL transport unavailable: {e}"))?;
-                let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu) for the NCCL fabric"))?;
-                crate::cuda::device_uuid(ordinal).map_err(|e| format!("NCCL transport unavailable: {me}'s GPU {ordinal}: {e}"))?
-            }
-            #[cfg(not(feature = "cuda"))]
-            CommPlane::Cuda => return Err(unavailable_nccl()),
-        };
+    /// Prepares this member's rank of a communicator. Its address
+    /// ([`DataAddr::Comm`]): source rank 0 makes the communicator's id
+    /// (the others have none), and every member names the GPU it would put
+    /// its rank on, so that two ranks on one device are refused before any
+    /// communicator is made.
+    pub(super) fn prepare_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>) -> Result<(Endpointed, DataAddr), String> {
+        #[cfg(feature = "cuda")]
+        if let CommPlane::Cuda = &settings.plane {
+            crate::gpu_plane_available(crate::GpuPlane::Nccl, 1).map_err(|e| format!("NCCL transport unavailable: {e}"))?;
+        }
+        let device = comm_device(me, &settings.plane, gpu).map_err(|e| format!("NCCL transport unavailable: {e}"))?;
         let id = if me == Endpoint::src(0) {
             let id = match &settings.plane {
                 CommPlane::Simulated { .. } => sim_comm_id(),
@@ -420,11 +484,11 @@ impl Endpointed {
                 #[cfg(not(feature = "cuda"))]
                 CommPlane::Cuda => return Err(unavailable_nccl()),
             };
-            id.to_hex()
+            Some(id)
         } else {
-            String::new()
+            None
         };
-        Ok((Endpointed::CommPrepared { settings, gpu }, format!("{id}@{device}")))
+        Ok((Endpointed::CommPrepared { settings, gpu }, DataAddr::Comm { id, device }))
     }
 
     /// Creates this member's rank of the communicator whose id source rank
@@ -432,8 +496,8 @@ impl Endpointed {
     /// members of a process all wait at once).
     pub(super) fn connect_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>, table: &[PeerAddr]) -> Result<Endpointed, String> {
         let root = table.iter().find(|p| p.endpoint == Endpoint::src(0)).ok_or("the peer table has no source rank 0")?;
-        let (id, _) = split_comm_addr(root)?;
-        let id = CommId::from_hex(id).map_err(|e| format!("source rank 0's communicator id: {e}"))?;
+        let (id, _) = comm_addr(root)?;
+        let id = id.ok_or("source rank 0 named no communicator id")?;
         one_rank_per_device(table)?;
         let nranks = table.len() as u32;
         let src_ranks = table.iter().filter(|p| p.endpoint.group == Group::Src).count() as u32;
@@ -462,14 +526,16 @@ impl Endpointed {
 
     /// Prepares this member's end of the IPC fabric: exports its send
     /// bucket (sized for its largest round) and listens for its peers'
-    /// doorbells; its address is `ip:port/<handle hex>/<bytes>`.
+    /// doorbells; its address is `ip:port/<handle hex>/<bytes>/<device>`
+    /// (the device as on the NCCL fabric: peers on the same one read each
+    /// other's memory directly).
     pub(super) fn prepare_ipc(
         ip: IpAddr,
         program: &RankProgram,
         settings: IpcFabric,
         gpu: Option<usize>,
         session: String,
-    ) -> Result<(Endpointed, String), String> {
+    ) -> Result<(Endpointed, DataAddr), String> {
         let bytes = send_staging_bytes(program);
         let (bucket, handle) = match &settings.plane {
             CommPlane::Simulated { .. } => {
@@ -488,9 +554,10 @@ impl Endpointed {
             #[cfg(not(feature = "cuda"))]
             CommPlane::Cuda => return Err("IPC transport unavailable: this build has no `cuda` feature".into()),
         };
+        let device = comm_device(program.endpoint, &settings.plane, gpu)?;
         let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
-        let at = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?;
-        let addr = format!("{at}/{}/{bytes}", handle.to_hex());
+        let doorbells = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?;
+        let addr = DataAddr::Ipc { doorbells, bucket: handle, bytes, device };
         Ok((Endpointed::IpcPrepared(IpcPending { listener, settings, gpu, bucket, session }), addr))
     }
 
@@ -504,27 +571,31 @@ impl Endpointed {
         let src_ranks = table.iter().filter(|p| p.endpoint.group == Group::Src).count() as u32;
         let mut endpoints = vec![None; nranks as usize];
         let mut addrs: HashMap<Endpoint, (SocketAddr, IpcHandle, u64)> = HashMap::new();
+        let mut devices: HashMap<Endpoint, &str> = HashMap::new();
         for p in table {
-            let bad = |what: &str| format!("{}: bad IPC address '{}': {what}", p.endpoint, p.addr);
-            let mut parts = p.addr.split('/');
-            let (Some(at), Some(handle), Some(bytes), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
-                return Err(bad("not ip:port/handle/bytes"));
+            let DataAddr::Ipc { doorbells, bucket, bytes, device } = &p.addr else {
+                return Err(format!("{}: '{}' is no IPC address (a member of another refit?)", p.endpoint, p.addr));
             };
-            let at: SocketAddr = at.parse().map_err(|e| bad(&format!("{e}")))?;
-            let handle = IpcHandle::from_hex(handle).map_err(|e| bad(&e.to_string()))?;
-            let bytes: u64 = bytes.parse().map_err(|e| bad(&format!("bucket bytes: {e}")))?;
-            let slot = endpoints.get_mut(comm_rank(p.endpoint, src_ranks) as usize).ok_or_else(|| bad("no rank in the communicator"))?;
-            *slot = Some(p.endpoint);
-            addrs.insert(p.endpoint, (at, handle, bytes));
+            devices.insert(p.endpoint, device.as_str());
+            let slot = endpoints.get_mut(comm_rank(p.endpoint, src_ranks) as usize);
+            *slot.ok_or_else(|| format!("{} has no rank in a communicator of {nranks}", p.endpoint))? = Some(p.endpoint);
+            addrs.insert(p.endpoint, (*doorbells, *bucket, *bytes));
         }
         let endpoints: Vec<Endpoint> = endpoints.into_iter().collect::<Option<_>>().ok_or("the peer table misses a rank")?;
         let wanted = program_peers(program);
         let mut peers = Vec::with_capacity(wanted.len());
-        for e in wanted {
+        for &e in &wanted {
             let (at, ..) = addrs.get(&e).ok_or_else(|| format!("no IPC address for {me}'s peer {e}"))?;
             peers.push((e, *at));
         }
-        for e in program.rounds.iter().flat_map(|r| r.recvs.iter()).map(|m| m.peer).collect::<BTreeSet<_>>() {
+        // Peers on this device read what this member offers, or offer what
+        // it reads; the rest exchange through buckets.
+        let mine = devices.get(&me).copied().ok_or("the peer table has no address of this member")?;
+        let same_device: BTreeSet<Endpoint> = wanted.iter().copied().filter(|e| devices.get(e) == Some(&mine)).collect();
+        // Buckets mapped: those of the peers this member receives from, and
+        // of those on its device it sends to (their done tokens).
+        let senders = program.rounds.iter().flat_map(|r| r.recvs.iter()).map(|m| m.peer);
+        for e in senders.chain(same_device.iter().copied()).collect::<BTreeSet<_>>() {
             let (_, handle, bytes) = addrs.get(&e).ok_or_else(|| format!("no IPC address for {me}'s peer {e}"))?;
             bucket.map_peer(comm_rank(e, src_ranks), e, handle, *bytes)?;
         }
@@ -554,6 +625,6 @@ impl Endpointed {
             Bucket::Gpu(b) => CommHandle::start(config, &tag, move || Ok(IpcComm::new(endpoints, doorbells, *b))),
         };
         let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
-        Ok(CommEnd::connected(handle, (src_ranks, nranks), settings.plane, gpu, Some(packs_into)))
+        Ok(CommEnd::connected(handle, (src_ranks, nranks), settings.plane, gpu, Some((packs_into, same_device))))
     }
 }

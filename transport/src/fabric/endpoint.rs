@@ -4,13 +4,13 @@
 
 use super::comm::{CommEnd, IpcPending};
 use super::hub;
-use super::spec::{NcclFabric, NodeFabric, PeerAddr};
+use super::spec::{DataAddr, NcclFabric, NodeFabric, PeerAddr};
 use super::Host;
 use super::{program_peers, KillSwitch, NodeTweak, MIN_FRAME_LIMIT};
 use crate::{HelloKey, LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, TcpConfig, Transport};
 use reshard::{Endpoint, Group, RankProgram};
 use std::collections::{BTreeSet, HashMap};
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, TcpListener};
 use std::time::Duration;
 
 /// One member's data-plane endpoint in the making.
@@ -54,10 +54,10 @@ impl Endpointed {
     }
 
     /// Listens on `ip` for this refit's peers.
-    pub(super) fn listen(ip: IpAddr, settings: NodeFabric, session: String) -> Result<(Endpointed, String), String> {
+    pub(super) fn listen(ip: IpAddr, settings: NodeFabric, session: String) -> Result<(Endpointed, DataAddr), String> {
         let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
-        let addr = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?.to_string();
-        Ok((Endpointed::Listening { listener, settings, session }, addr))
+        let addr = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?;
+        Ok((Endpointed::Listening { listener, settings, session }, DataAddr::Node(addr)))
     }
 
     /// Connects to the peers of `program` (blocking: run off the reactor).
@@ -81,7 +81,9 @@ impl Endpointed {
         let mut peers = Vec::with_capacity(wanted.len());
         for e in wanted {
             let p = by_endpoint.get(&e).ok_or_else(|| format!("no data address for {me}'s peer {e}"))?;
-            let addr: SocketAddr = p.addr.parse().map_err(|err| format!("{e}: bad data address '{}': {err}", p.addr))?;
+            let DataAddr::Node(addr) = p.addr else {
+                return Err(format!("{e}: '{}' is no node-fabric address (a member of another refit?)", p.addr));
+            };
             peers.push((e, addr));
         }
         // Ranks with one key share memory: ranks of one host (when known,

@@ -31,6 +31,7 @@
 //! staged).
 
 mod comm;
+use comm::CommFailed;
 mod digest;
 mod endpoint;
 mod host;
@@ -45,7 +46,7 @@ pub use digest::{digest, DigestError, RankDigest};
 pub use host::{this_host, Host};
 pub use hub::{close_in_process, open_in_process};
 pub use registered::{RegisteredMemory, RegisteredStaging, Residence};
-pub use spec::{CommPlane, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
+pub use spec::{CommPlane, DataAddr, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
 
 use crate::{
     run_rank_bypassing, run_rank_delta, run_rank_regions, Bypass, DeltaRun, ExecError, ExecOptions, Faults, HelloKey, RankMemory,
@@ -189,12 +190,11 @@ pub enum RunError {
 
 impl RankEnd {
     /// Opens rank `program.endpoint`'s end of `fabric` for the refit
-    /// `session`, and says where its peers reach it (empty for the
-    /// in-process fabric).
-    pub fn open(fabric: Fabric, program: &RankProgram, site: Site, session: &str) -> Result<(RankEnd, String), String> {
+    /// `session`, and says where its peers reach it.
+    pub fn open(fabric: Fabric, program: &RankProgram, site: Site, session: &str) -> Result<(RankEnd, DataAddr), String> {
         let me = program.endpoint;
         let opened = match fabric {
-            Fabric::InProcess => Endpointed::take_local(session, me).map(|e| (e, String::new())),
+            Fabric::InProcess => Endpointed::take_local(session, me).map(|e| (e, DataAddr::InProcess)),
             Fabric::Node(settings) => Endpointed::listen(site.data_ip, settings, session.to_string()),
             Fabric::Nccl(settings) => Endpointed::prepare_comm(me, settings, site.gpu),
             Fabric::Ipc(settings) => Endpointed::prepare_ipc(site.data_ip, program, settings, site.gpu, session.to_string()),
@@ -280,10 +280,7 @@ impl RankEnd {
                         r
                     }
                 };
-                r.map_err(|why| {
-                    // A peer's abort shows as a failed group naming it
-                    // (NCCL: a remote error).
-                    let after_peer = why.contains("peer rank") || why.contains("RemoteError");
+                r.map_err(|CommFailed { why, after_peer }| {
                     let why = match c.abort() {
                         Some(hang) => format!("{why}; {hang}"),
                         None => why,
@@ -333,12 +330,7 @@ fn run_on_transport(
         }
         RunMemory::Registered(registered) => {
             if registered.residence() != Residence::Host {
-                let why = format!(
-                    "{}: its weights are registered {} memory, which moves on the NCCL and IPC fabrics only",
-                    program.endpoint,
-                    registered.residence()
-                );
-                return refuse(t, RunError::Fabric(why));
+                return refuse(t, RunError::Fabric(registered::off_host_fabric(program.endpoint, registered.residence())));
             }
             let regions = match current_regions(program, registered) {
                 Ok(r) => r,

@@ -5,7 +5,7 @@
 
 use super::RunError;
 use crate::RankMemory;
-use reshard::RankProgram;
+use reshard::{Endpoint, RankProgram};
 
 /// Where registered weights live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +29,16 @@ impl std::fmt::Display for Residence {
             Residence::Host => f.write_str("host"),
         }
     }
+}
+
+/// Why a host fabric refuses `me`'s registered memory in `residence`
+/// (device memory), saying what to change.
+pub(super) fn off_host_fabric(me: Endpoint, residence: Residence) -> String {
+    format!(
+        "{me}: its weights are registered {residence} memory, which moves on the NCCL and IPC fabrics only (run the \
+         orchestrator on fabric \"ipc\" where trainers and engines share the GPUs, \"nccl\" otherwise, or register host \
+         memory)"
+    )
 }
 
 /// A rank's weights in memory its owner holds, one region (address,
@@ -139,7 +149,7 @@ impl RegisteredStaging {
         buffers: usize,
     ) -> Result<&'a mut RankMemory, String> {
         if registered.residence() != Residence::Host {
-            return Err(format!("{}: host staging for registered {} memory", program.endpoint, registered.residence()));
+            return Err(off_host_fabric(program.endpoint, registered.residence()));
         }
         let specs = program.buffers.get(..buffers).ok_or_else(|| format!("{}: the program has no {buffers} buffers", program.endpoint))?;
         let lens = specs.iter().map(|b| (b.elems * b.dtype.size()) as usize);

@@ -2,8 +2,11 @@
 //! endpoint from) and where a peer is: plain data, serde, so the member
 //! protocol carries them as they are.
 
+use crate::cuda::{CommId, IpcHandle};
 use reshard::Endpoint;
 use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 /// How the members of a refit reach each other.
@@ -156,11 +159,48 @@ pub struct PeerAddr {
     /// fabric's ranks on one host, of one user, share memory
     /// ([`NodeFabric::same_host`]).
     pub host: super::Host,
-    /// Where it listens (`ip:port`; empty for the in-process fabric). On
-    /// the communicator fabric, `<id>@<device>`: the communicator's id
-    /// from source rank 0 (hex: NCCL's unique id names rank 0's bootstrap
-    /// address; empty from the others) and the GPU the member's rank is on
-    /// (its UUID; two ranks on one GPU are refused). On the IPC fabric, `ip:port/<handle hex>/<bytes>`:
-    /// where its doorbells listen, and its exported bucket.
-    pub addr: String,
+    /// Where its end of the data plane is reached.
+    pub addr: DataAddr,
+}
+
+/// Where a member's end of one refit's data plane is reached, by fabric.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataAddr {
+    /// The in-process fabric: channels of this process, nothing to reach.
+    InProcess,
+    /// The node fabric: where it listens.
+    Node(SocketAddr),
+    /// A rank of one communicator (NCCL, or the simulated one).
+    Comm {
+        /// The communicator's id, from source rank 0 (NCCL's unique id
+        /// names rank 0's bootstrap address); `None` from the others.
+        id: Option<CommId>,
+        /// The GPU the member's rank is on (its UUID; on the simulated
+        /// plane `sim-gpu<n>`, or the endpoint where none is configured):
+        /// two ranks of a communicator on one GPU are refused.
+        device: String,
+    },
+    /// A rank of the CUDA IPC fabric.
+    Ipc {
+        /// Where its doorbells listen.
+        doorbells: SocketAddr,
+        /// Its exported send bucket, and the bucket's bytes.
+        bucket: IpcHandle,
+        /// Bytes of the bucket.
+        bytes: u64,
+        /// Its GPU, as on the communicator fabric: peers on the same one
+        /// read each other's memory directly.
+        device: String,
+    },
+}
+
+impl fmt::Display for DataAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DataAddr::InProcess => write!(f, "in-process"),
+            DataAddr::Node(at) => write!(f, "{at}"),
+            DataAddr::Comm { id, device } => write!(f, "communicator {}@{device}", if id.is_some() { "id" } else { "rank" }),
+            DataAddr::Ipc { doorbells, bytes, device, .. } => write!(f, "ipc {doorbells} (bucket of {bytes} bytes)@{device}"),
+        }
+    }
 }

@@ -3,19 +3,17 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::protocol::{
-    DigestError, Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunStats, Seat, Weights, INSTALLED_PLANS,
-};
-use crate::store::{Buffers, CommitFence, DstStore, SrcStore};
+use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunDelta, RunStats, Seat, Weights, INSTALLED_PLANS};
+use crate::store::{CommitFence, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{BufferSpec, Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::fabric::{
-    Connecting, KillSwitch, NodeTweak, RankEnd, RegisteredStaging, Residence, RunError, RunMemory, RunOptions, Scratch, Site,
-};
-use transport::{DeltaMemo, DeltaRun};
+use transport::fabric::{Connecting, NodeTweak, RankEnd, RegisteredStaging, Residence, RunMemory, Site};
+mod run;
+
+use run::{execute_on, finish, run_dst, run_seed, run_src, split, watched, Leftover, RankRun, RunHow};
 
 /// Which side of the refit a member is on, with its rank's store.
 #[derive(Debug, Clone)]
@@ -118,6 +116,53 @@ impl std::fmt::Debug for MemberConfig {
     }
 }
 
+/// Where a member stands in the refit in progress: one refit at a time,
+/// each step taken only from the one before it (a step that comes out of
+/// turn is refused and leaves the member idle).
+enum RefitState {
+    /// No refit in progress.
+    Idle,
+    /// Refit `refit`'s endpoint is open (`Prepare`), its peers not yet
+    /// connected.
+    Prepared(Pending),
+    /// Connected to its peers (`Connect`), or a kept endpoint taken up
+    /// again (`Resume`): ready to run.
+    Connected(Pending),
+    /// A registered destination's run staged a whole version: the commit
+    /// copies it in (or, written in place, publishes it); a discard, the
+    /// next refit or the hold's timer lets its readers back in.
+    Staged(Staged),
+}
+
+impl RefitState {
+    /// The endpoint of `refit`, for `Connect` (the member must be
+    /// `Prepared` for it) or `Run` (`Connected`, or `Prepared` on a fabric
+    /// with no connect step: the end says whether it is ready); idle
+    /// afterwards either way.
+    fn take(&mut self, refit: u64, step: Step) -> Result<Pending, Refusal> {
+        match (std::mem::replace(self, RefitState::Idle), step) {
+            (RefitState::Prepared(p), _) | (RefitState::Connected(p), Step::Run) if p.refit == refit => Ok(p),
+            _ => Err(Refusal::NotPrepared { refit }),
+        }
+    }
+
+    /// The staged version, if it is `version`; idle afterwards either way.
+    fn take_staged(&mut self, version: u64) -> Result<Staged, Refusal> {
+        match std::mem::replace(self, RefitState::Idle) {
+            RefitState::Staged(s) if s.version == version => Ok(s),
+            RefitState::Staged(s) => Err(Refusal::NotStaged { staged: Some(s.version) }),
+            _ => Err(Refusal::NotStaged { staged: None }),
+        }
+    }
+}
+
+/// A step that takes up the refit in progress.
+#[derive(Clone, Copy)]
+enum Step {
+    Connect,
+    Run,
+}
+
 /// The data-plane endpoint of the refit in progress.
 struct Pending {
     refit: u64,
@@ -152,15 +197,14 @@ pub struct Member {
     config: MemberConfig,
     /// The latest installed programs, newest last.
     installed: Vec<(Arc<RankProgram>, Fingerprint)>,
-    pending: Option<Pending>,
+    /// The refit in progress.
+    state: RefitState,
     /// At most one kept endpoint per installed plan.
     kept: Vec<Kept>,
     /// What a plan's last clean run left for the next, by plan.
     leftovers: Vec<(Fingerprint, Leftover)>,
     /// A registered destination's staging, kept between refits.
     registered_staging: Option<RegisteredStaging>,
-    /// A registered destination's staged version, awaiting its commit.
-    staged: Option<Staged>,
 }
 
 /// A registered destination's run that staged a whole version: what its
@@ -179,27 +223,8 @@ struct Staged {
     in_place: bool,
 }
 
-/// A destination's run of its program, as [`Member::run`] hands it on.
-struct DstRun {
-    program: Arc<RankProgram>,
-    end: RankEnd,
-    how: RunHow,
-    left: Leftover,
-    version: u64,
-    kill: Option<KillSwitch>,
-}
-
 /// The default [`MemberConfig::commit_hold`].
 const COMMIT_HOLD: Duration = Duration::from_secs(30);
-
-/// What a clean run of a plan leaves for the next run of it.
-#[derive(Default)]
-struct Leftover {
-    /// Its scratch buffers.
-    scratch: Scratch,
-    /// A delta run's memo, with the refit it comes from.
-    memo: Option<(u64, DeltaMemo)>,
-}
 
 impl Member {
     /// A member for rank `rank` of a group laid out as `layout`, with the
@@ -219,148 +244,11 @@ impl Member {
             role,
             config,
             installed: Vec::new(),
-            pending: None,
+            state: RefitState::Idle,
             kept: Vec::new(),
             leftovers: Vec::new(),
             registered_staging: None,
-            staged: None,
         }
-    }
-}
-
-/// Copies the `carried` buffers of a committed version into staging (a
-/// subset refit then writes the subset's elements over them). Both hold
-/// the rank's layout buffers, alike.
-fn carry(carried: &[u32], from: &Buffers, to: &mut Buffers) {
-    let to = to.memory_mut();
-    for &i in carried {
-        if let (Some(src), Some(dst)) = (from.memory().buffers.get(i as usize), to.buffers.get_mut(i as usize)) {
-            if src.len() == dst.len() {
-                dst.copy_from_slice(src);
-            }
-        }
-    }
-}
-
-/// How one run goes.
-#[derive(Clone, Copy)]
-struct RunHow {
-    /// The refit.
-    refit: u64,
-    /// Time the data movement may take.
-    deadline: Duration,
-    /// A delta run on the memo of this refit (`Some(None)`: dense, keeping
-    /// a memo); `None`: an ordinary run.
-    delta: Option<Option<u64>>,
-    /// Read back what the run moved: its digest.
-    verify: bool,
-    /// Test machinery: a byte flipped after the run, before the digest.
-    #[cfg(feature = "testkit")]
-    corrupt: Option<(u32, u64)>,
-}
-
-/// Runs `program` on `memory` over the endpoint, with what the plan's
-/// last run left; hands back what this one leaves. With `how.verify`, a
-/// run that succeeded reads back what it moved from the same memory
-/// ([`transport::fabric::digest`]): on a communicator fabric (device
-/// memory) it says so instead.
-fn execute_on(
-    program: &RankProgram,
-    mut memory: RunMemory<'_>,
-    end: &mut RankEnd,
-    how: RunHow,
-    left: Leftover,
-) -> (Result<RunStats, Refusal>, Leftover) {
-    let Leftover { mut scratch, memo } = left;
-    let mut delta = delta_run(&how, memo);
-    let on_host = end.on_host_transport();
-    let r = end.run(program, memory.reborrow(), RunOptions { deadline: how.deadline, delta: delta.as_mut(), scratch: &mut scratch });
-    let memo = kept_memo(&r, &how, delta);
-    let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages, ..RunStats::default() });
-    let mut r = r.map_err(|e| match e {
-        RunError::Fabric(why) => Refusal::Fabric(why),
-        RunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why),
-        RunError::Exec { why, after_peer } => Refusal::Exec { why, after_peer },
-    });
-    #[cfg(feature = "testkit")]
-    if let (Ok(_), Some((buffer, byte))) = (&r, how.corrupt) {
-        if let Err(why) = transport::fabric::flip_byte(program, memory.reborrow(), &mut scratch, buffer, byte) {
-            tracing::warn!(%why, "the armed corruption was not made");
-        }
-    }
-    if let (Ok(stats), true) = (&mut r, how.verify) {
-        let t = Instant::now();
-        stats.digest = Some(if on_host {
-            transport::fabric::digest(program, memory, &mut scratch)
-        } else {
-            Err(DigestError::Unread(format!("{}: the communicator fabrics move device memory, which is not read back", program.endpoint)))
-        });
-        stats.digest_time = t.elapsed();
-    }
-    (r, Leftover { scratch, memo })
-}
-
-/// The delta run `how` asks for, on the memo a run left if it is the base
-/// refit's (otherwise this rank's messages go dense, and a peer that sends
-/// it a delta fails the refit: the orchestrator then starts over, dense).
-fn delta_run(how: &RunHow, memo: Option<(u64, DeltaMemo)>) -> Option<DeltaRun> {
-    how.delta.map(|base_refit| DeltaRun::new(memo.filter(|(r, _)| Some(*r) == base_refit).map(|(_, m)| m)))
-}
-
-/// The memo a successful delta run leaves for the next, with its refit.
-fn kept_memo<T, E>(r: &Result<T, E>, how: &RunHow, delta: Option<DeltaRun>) -> Option<(u64, DeltaMemo)> {
-    delta.filter(|_| r.is_ok()).map(|d| (how.refit, d.next))
-}
-
-/// How long past its deadline a rank's data plane may stay blocked — in a
-/// send to a peer that stopped reading, behind a link that went down —
-/// before its connections are torn down (the executor's own deadline
-/// catches only receives).
-const BLOCKED_GRACE: Duration = Duration::from_secs(1);
-
-/// Awaits a rank's data plane; if it runs `BLOCKED_GRACE` past `deadline`,
-/// pulls `kill` (its sends and receives then fail at once, and its peers
-/// see the links break) and awaits the failure.
-async fn watched<T>(
-    mut run: tokio::task::JoinHandle<T>,
-    deadline: Duration,
-    kill: Option<KillSwitch>,
-) -> Result<T, tokio::task::JoinError> {
-    // No watchdog without a switch, or for deadlines beyond a timer's reach.
-    let (Some(kill), true) = (kill, deadline < Duration::from_secs(365 * 24 * 3600)) else {
-        return run.await;
-    };
-    match tokio::time::timeout(deadline + BLOCKED_GRACE, &mut run).await {
-        Ok(r) => r,
-        Err(_) => {
-            kill("the data plane's deadline passed");
-            run.await
-        }
-    }
-}
-
-/// A data-plane task's result and, unless the task failed, its endpoint.
-fn split<T>(joined: Result<(Result<RunStats, Refusal>, T), tokio::task::JoinError>) -> (Result<RunStats, Refusal>, Option<T>) {
-    match joined {
-        Ok((r, end)) => (r, Some(end)),
-        Err(e) => (Err(Refusal::Exec { why: format!("data plane task failed: {e}"), after_peer: false }), None),
-    }
-}
-
-/// Why a rank holding (or serving) `weights` cannot send `version`, if
-/// it cannot.
-fn not_holding(weights: Weights, version: u64) -> Option<Refusal> {
-    match weights {
-        Weights::Version(held) if held == version => None,
-        Weights::Version(held) => Some(Refusal::VersionMismatch { held, asked: version }),
-        other => Some(Refusal::NoWeights(other)),
-    }
-}
-
-fn finish(result: Result<RunStats, Refusal>) -> MemberReply {
-    match result {
-        Ok(stats) => MemberReply::Ran(stats),
-        Err(refusal) => MemberReply::Refused(refusal),
     }
 }
 
@@ -373,7 +261,9 @@ impl Member {
     }
 
     fn prepare(&mut self, refit: u64, fingerprint: Fingerprint, session: String, fabric: Fabric, keep: bool) -> MemberReply {
-        self.pending = None;
+        // A new refit: whatever the last left (a version staged whose
+        // commit never came) is dropped, its readers let back in.
+        self.state = RefitState::Idle;
         // A fresh data plane for this plan replaces the kept one.
         self.kept.retain(|k| k.fingerprint != fingerprint);
         let program = match self.program(fingerprint) {
@@ -386,7 +276,7 @@ impl Member {
         let endpoint = program.endpoint;
         match RankEnd::open(fabric, &program, site, &session) {
             Ok((end, addr)) => {
-                self.pending = Some(Pending { refit, program, end, session, keep });
+                self.state = RefitState::Prepared(Pending { refit, program, end, session, keep });
                 MemberReply::Prepared { endpoint, node: self.node, addr, host: transport::fabric::this_host() }
             }
             Err(e) => MemberReply::Refused(Refusal::Fabric(e)),
@@ -394,7 +284,7 @@ impl Member {
     }
 
     fn resume(&mut self, refit: u64, fingerprint: Fingerprint, session: String) -> MemberReply {
-        self.pending = None;
+        self.state = RefitState::Idle;
         let program = match self.program(fingerprint) {
             Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
@@ -402,22 +292,15 @@ impl Member {
         match self.kept.iter().position(|k| k.fingerprint == fingerprint && k.session == session) {
             Some(i) => {
                 let Kept { end, session, .. } = self.kept.swap_remove(i);
-                self.pending = Some(Pending { refit, program, end, session, keep: true });
+                self.state = RefitState::Connected(Pending { refit, program, end, session, keep: true });
                 MemberReply::Done
             }
             None => MemberReply::Refused(Refusal::NotKept { session }),
         }
     }
 
-    fn take_pending(&mut self, refit: u64) -> Result<Pending, Refusal> {
-        match self.pending.take() {
-            Some(p) if p.refit == refit => Ok(p),
-            _ => Err(Refusal::NotPrepared { refit }),
-        }
-    }
-
     async fn connect(&mut self, refit: u64, peers: Vec<PeerAddr>) -> MemberReply {
-        let Pending { program, end, session, keep, .. } = match self.take_pending(refit) {
+        let Pending { program, end, session, keep, .. } = match self.state.take(refit, Step::Connect) {
             Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
         };
@@ -434,7 +317,7 @@ impl Member {
         };
         match tokio::task::spawn_blocking(move || end.connect(&p, &peers, Connecting { key, tweak: &tweak })).await {
             Ok(Ok(end)) => {
-                self.pending = Some(Pending { refit, program, end, session, keep });
+                self.state = RefitState::Connected(Pending { refit, program, end, session, keep });
                 MemberReply::Done
             }
             Ok(Err(e)) => MemberReply::Refused(Refusal::Fabric(e)),
@@ -448,10 +331,10 @@ impl Member {
         version: u64,
         fingerprint: Fingerprint,
         deadline: Duration,
-        delta: Option<Option<u64>>,
+        delta: RunDelta,
         verify: bool,
     ) -> MemberReply {
-        let Pending { program, mut end, session, keep, .. } = match self.take_pending(refit) {
+        let Pending { program, mut end, session, keep, .. } = match self.state.take(refit, Step::Run) {
             Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
         };
@@ -477,106 +360,33 @@ impl Member {
             #[cfg(feature = "testkit")]
             corrupt: self.config.corrupt.as_ref().and_then(|c| c.take()),
         };
+        let run = RankRun { program, end, how, left, version, kill };
         let role = self.role.clone();
         let (result, kept) = match &role {
-            Role::Src(store) => {
-                // The fence: hold the write lock while peers read our weights.
-                let mut guard = store.lock().write_owned().await;
-                if let Some(refusal) = not_holding(store.weights(), version) {
-                    end.abort(&refusal.to_string());
-                    return MemberReply::Refused(refusal);
-                }
-                let run = tokio::task::spawn_blocking(move || {
-                    // Registered memory is read where it is, its regions
-                    // re-derived from their owner first (memory it moved
-                    // or freed since is never read).
-                    let registered = guard.registered().cloned();
-                    let memory = match &registered {
-                        Some(r) => RunMemory::Registered(r),
-                        None => RunMemory::Host(guard.memory_mut()),
-                    };
-                    let (r, left) = execute_on(&program, memory, &mut end, how, left);
-                    (r, (end, left))
-                });
-                split(watched(run, deadline, kill).await)
-            }
-            Role::Dst(store) if program.endpoint.group == Group::Src => {
-                // Seeding a replica: this rank sends the version it serves.
-                if let Some(refusal) = not_holding(store.weights(), version) {
-                    end.abort(&refusal.to_string());
-                    return MemberReply::Refused(refusal);
-                }
-                let served = match store.registered_memory().cloned() {
-                    // Read where it is served: only this member's commits
-                    // write it, and none comes while it runs.
-                    Some(registered) => Ok(registered),
-                    // A copy of the committed snapshot (the executor takes
-                    // a rank's host memory mutably; it only reads a
-                    // source's).
-                    None => Err(store.snapshot_at(version).map(|snap| snap.buffers.clone()).ok_or(Refusal::NoWeights(store.weights()))),
-                };
-                let run = match served {
-                    Ok(registered) => tokio::task::spawn_blocking(move || {
-                        let (r, left) = execute_on(&program, RunMemory::Registered(&registered), &mut end, how, left);
-                        (r, (end, left))
-                    }),
-                    Err(Ok(mut buffers)) => tokio::task::spawn_blocking(move || {
-                        let (r, left) = execute_on(&program, RunMemory::Host(buffers.memory_mut()), &mut end, how, left);
-                        (r, (end, left))
-                    }),
-                    Err(Err(refusal)) => {
-                        end.abort(&refusal.to_string());
-                        return MemberReply::Refused(refusal);
-                    }
-                };
-                split(watched(run, deadline, kill).await)
-            }
-            Role::Dst(store) if store.registered_memory().is_some() => {
-                self.run_registered_dst(store, DstRun { program, end, how, left, version, kill }).await
-            }
-            Role::Dst(store) => {
-                // A subset refit keeps the other tensors' bytes from the
-                // version this rank serves.
-                let base = match (program.carried.is_empty(), store.snapshot()) {
-                    (true, _) => None,
-                    (false, Some(snap)) => Some(snap),
-                    (false, None) => {
-                        end.abort(&Refusal::NoBaseVersion.to_string());
-                        return MemberReply::Refused(Refusal::NoBaseVersion);
-                    }
-                };
-                let staging = store.staging();
-                let mut guard = staging.lock_owned().await;
-                guard.complete = None;
-                let run = tokio::task::spawn_blocking(move || {
-                    if let Some(base) = base {
-                        carry(&program.carried, &base.buffers, &mut guard.buffers);
-                    }
-                    let (r, left) = execute_on(&program, RunMemory::Host(guard.buffers.memory_mut()), &mut end, how, left);
-                    if r.is_ok() {
-                        guard.complete = Some(version);
-                    }
-                    (r, (end, left))
-                });
-                split(watched(run, deadline, kill).await)
-            }
+            Role::Src(store) => run_src(store, run).await,
+            // Seeding a replica: this rank sends the version it serves.
+            Role::Dst(store) if run.program.endpoint.group == Group::Src => run_seed(store, run).await,
+            Role::Dst(store) if store.registered_memory().is_some() => self.run_registered_dst(store, run).await,
+            Role::Dst(store) => run_dst(store, run).await,
         };
-        let (end, left) = match kept {
-            Some((end, left)) => (Some(end), Some(left)),
-            None => (None, None),
-        };
-        if let (Ok(_), Some(left)) = (&result, left) {
-            self.leftovers.push((fingerprint, left));
-        }
-        // Every message of the program was sent and received (and what it
-        // lent released): the connections carry nothing of this refit.
-        if let (Ok(_), Some(end), true) = (&result, end, keep) {
-            if end.is_connected() {
-                self.kept.retain(|k| k.fingerprint != fingerprint);
-                self.kept.push(Kept { fingerprint, session, end });
+        if result.is_ok() {
+            if let Some((end, left)) = kept {
+                self.keep_after_run(fingerprint, session, end, left, keep);
             }
         }
         finish(result)
+    }
+
+    /// After a clean run: what it leaves for the plan's next run, and its
+    /// endpoint, kept (`keep`) while connected — every message of the
+    /// program was sent and received, and what it lent released, so the
+    /// connections carry nothing of this refit.
+    fn keep_after_run(&mut self, fingerprint: Fingerprint, session: String, end: RankEnd, left: Leftover, keep: bool) {
+        self.leftovers.push((fingerprint, left));
+        if keep && end.is_connected() {
+            self.kept.retain(|k| k.fingerprint != fingerprint);
+            self.kept.push(Kept { fingerprint, session, end });
+        }
     }
 
     /// Runs a registered destination's program into its staging (with
@@ -584,19 +394,23 @@ impl Member {
     /// version is staged, takes the store's commit fence (waiting for
     /// readers, within the deadline) and keeps both for the commit. The
     /// registered memory is not written.
-    /// A store written in place ([`DstStore::registered_direct`]) over
-    /// host memory, on a host transport, is run by
-    /// [`run_in_place_dst`](Self::run_in_place_dst) instead.
-    async fn run_registered_dst(&mut self, store: &Arc<DstStore>, run: DstRun) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
+    /// A store written in place ([`DstStore::registered_direct`]) is run
+    /// by [`run_in_place_dst`](Self::run_in_place_dst) instead, on a
+    /// communicator fabric or over host memory.
+    async fn run_registered_dst(
+        &mut self,
+        store: &Arc<DstStore>,
+        run: RankRun,
+    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
         let started = Instant::now();
-        let DstRun { program, mut end, how, left, version, kill } = run;
-        // A new run replaces whatever was staged (and lets its readers in).
-        self.staged = None;
+        let RankRun { program, mut end, how, left, version, kill } = run;
         let Some(registered) = store.registered_memory().cloned() else {
             return (Err(Refusal::ProgramMismatch("the store is not registered".into())), None);
         };
-        if store.writes_in_place() && registered.residence() == Residence::Host && end.on_host_transport() {
-            let run = DstRun { program, end, how, left, version, kill };
+        // (A host transport reaches host memory only; a communicator end
+        // reaches its plane's memory and refuses the rest, naming it.)
+        if store.writes_in_place() && (registered.residence() == Residence::Host || !end.on_host_transport()) {
+            let run = RankRun { program, end, how, left, version, kill };
             return self.run_in_place_dst(store, registered, run, started).await;
         }
         if !program.carried.is_empty() && store.version().is_none() {
@@ -655,7 +469,7 @@ impl Member {
                 }
             });
         }
-        self.staged = Some(Staged { version, program, fence, in_place });
+        self.state = RefitState::Staged(Staged { version, program, fence, in_place });
     }
 
     /// Runs a destination written in place
@@ -668,10 +482,10 @@ impl Member {
         &mut self,
         store: &Arc<DstStore>,
         registered: crate::Registered,
-        run: DstRun,
+        run: RankRun,
         started: Instant,
     ) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
-        let DstRun { program, mut end, how, left, version, kill } = run;
+        let RankRun { program, mut end, how, left, version, kill } = run;
         let Some(fence) = store.fence_for_commit(how.deadline).await else {
             let why = format!("{}: readers held its registered weights (DstStore::serve) past the refit's deadline", program.endpoint);
             end.abort(&why);
@@ -698,9 +512,9 @@ impl Member {
     /// after the next refit commits).
     async fn commit_registered(&mut self, store: Arc<DstStore>, version: u64) -> MemberReply {
         let me = self.endpoint;
-        let staged = match self.staged.take() {
-            Some(s) if s.version == version => s,
-            other => return MemberReply::Refused(Refusal::NotStaged { staged: other.map(|s| s.version) }),
+        let staged = match self.state.take_staged(version) {
+            Ok(s) => s,
+            Err(refusal) => return MemberReply::Refused(refusal),
         };
         let Some(fence) = staged.fence.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             let why = format!("{me}: version {version} was staged, but its commit came after the hold on its readers expired");
@@ -806,7 +620,7 @@ impl Member {
         self.layout = layout;
         self.own_buffers = buffers;
         self.installed.clear();
-        self.pending = None;
+        self.state = RefitState::Idle;
         self.kept.clear();
         self.leftovers.clear();
         MemberReply::Done
@@ -850,10 +664,9 @@ impl Actor for Member {
                 Role::Src(_) => MemberReply::Done,
             },
             MemberMsg::Discard => {
-                self.pending = None;
-                self.kept.clear();
                 // Lets the readers of registered weights back in.
-                self.staged = None;
+                self.state = RefitState::Idle;
+                self.kept.clear();
                 if let Role::Dst(store) = &self.role {
                     store.discard().await;
                 }

@@ -1,0 +1,259 @@
+//! How one run of a member's program goes: its settings, the rank's memory
+//! per role (a source's store under its fence, a destination seeding a
+//! replica, a destination's store), the executor on the endpoint with what
+//! the plan's last run left, the digest, and the watchdog past the
+//! deadline.
+
+use crate::protocol::{DigestError, MemberReply, Refusal, RunDelta, RunStats, Weights};
+use crate::store::{Buffers, DstStore, SrcStore};
+use reshard::RankProgram;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use transport::fabric::{KillSwitch, RankEnd, RunError, RunMemory, RunOptions, Scratch};
+use transport::{DeltaMemo, DeltaRun};
+
+/// A rank's run of its program, as [`Member::run`] hands it on.
+pub(super) struct RankRun {
+    pub(super) program: Arc<RankProgram>,
+    pub(super) end: RankEnd,
+    pub(super) how: RunHow,
+    pub(super) left: Leftover,
+    pub(super) version: u64,
+    pub(super) kill: Option<KillSwitch>,
+}
+
+/// What a clean run of a plan leaves for the next run of it.
+#[derive(Default)]
+pub(super) struct Leftover {
+    /// Its scratch buffers.
+    pub(super) scratch: Scratch,
+    /// A delta run's memo, with the refit it comes from.
+    pub(super) memo: Option<(u64, DeltaMemo)>,
+}
+
+/// Copies the `carried` buffers of a committed version into staging (a
+/// subset refit then writes the subset's elements over them). Both hold
+/// the rank's layout buffers, alike.
+pub(super) fn carry(carried: &[u32], from: &Buffers, to: &mut Buffers) {
+    let to = to.memory_mut();
+    for &i in carried {
+        if let (Some(src), Some(dst)) = (from.memory().buffers.get(i as usize), to.buffers.get_mut(i as usize)) {
+            if src.len() == dst.len() {
+                dst.copy_from_slice(src);
+            }
+        }
+    }
+}
+
+/// How one run goes.
+#[derive(Clone, Copy)]
+pub(super) struct RunHow {
+    /// The refit.
+    pub(super) refit: u64,
+    /// Time the data movement may take.
+    pub(super) deadline: Duration,
+    /// Whether it is a delta run, and on the memo of which refit.
+    pub(super) delta: RunDelta,
+    /// Read back what the run moved: its digest.
+    pub(super) verify: bool,
+    /// Test machinery: a byte flipped after the run, before the digest.
+    #[cfg(feature = "testkit")]
+    pub(super) corrupt: Option<(u32, u64)>,
+}
+
+/// Runs `program` on `memory` over the endpoint, with what the plan's
+/// last run left; hands back what this one leaves. With `how.verify`, a
+/// run that succeeded reads back what it moved from the same memory
+/// ([`transport::fabric::digest`]): on a communicator fabric (device
+/// memory) it says so instead.
+pub(super) fn execute_on(
+    program: &RankProgram,
+    mut memory: RunMemory<'_>,
+    end: &mut RankEnd,
+    how: RunHow,
+    left: Leftover,
+) -> (Result<RunStats, Refusal>, Leftover) {
+    let Leftover { mut scratch, memo } = left;
+    let mut delta = delta_run(&how, memo);
+    let on_host = end.on_host_transport();
+    let r = end.run(program, memory.reborrow(), RunOptions { deadline: how.deadline, delta: delta.as_mut(), scratch: &mut scratch });
+    let memo = kept_memo(&r, &how, delta);
+    let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages, ..RunStats::default() });
+    let mut r = r.map_err(|e| match e {
+        RunError::Fabric(why) => Refusal::Fabric(why),
+        RunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why),
+        RunError::Exec { why, after_peer } => Refusal::Exec { why, after_peer },
+    });
+    #[cfg(feature = "testkit")]
+    if let (Ok(_), Some((buffer, byte))) = (&r, how.corrupt) {
+        if let Err(why) = transport::fabric::flip_byte(program, memory.reborrow(), &mut scratch, buffer, byte) {
+            tracing::warn!(%why, "the armed corruption was not made");
+        }
+    }
+    if let (Ok(stats), true) = (&mut r, how.verify) {
+        let t = Instant::now();
+        stats.digest = Some(if on_host {
+            transport::fabric::digest(program, memory, &mut scratch)
+        } else {
+            Err(DigestError::Unread(format!("{}: the communicator fabrics move device memory, which is not read back", program.endpoint)))
+        });
+        stats.digest_time = t.elapsed();
+    }
+    (r, Leftover { scratch, memo })
+}
+
+/// The delta run `how` asks for, on the memo a run left if it is the base
+/// refit's (otherwise this rank's messages go dense, and a peer that sends
+/// it a delta fails the refit: the orchestrator then starts over, dense).
+pub(super) fn delta_run(how: &RunHow, memo: Option<(u64, DeltaMemo)>) -> Option<DeltaRun> {
+    let base = match how.delta {
+        RunDelta::Off => return None,
+        RunDelta::First => None,
+        RunDelta::Since { base } => Some(base),
+    };
+    Some(DeltaRun::new(memo.filter(|(r, _)| Some(*r) == base).map(|(_, m)| m)))
+}
+
+/// The memo a successful delta run leaves for the next, with its refit.
+pub(super) fn kept_memo<T, E>(r: &Result<T, E>, how: &RunHow, delta: Option<DeltaRun>) -> Option<(u64, DeltaMemo)> {
+    delta.filter(|_| r.is_ok()).map(|d| (how.refit, d.next))
+}
+
+/// How long past its deadline a rank's data plane may stay blocked — in a
+/// send to a peer that stopped reading, behind a link that went down —
+/// before its connections are torn down (the executor's own deadline
+/// catches only receives).
+pub(super) const BLOCKED_GRACE: Duration = Duration::from_secs(1);
+
+/// Awaits a rank's data plane; if it runs `BLOCKED_GRACE` past `deadline`,
+/// pulls `kill` (its sends and receives then fail at once, and its peers
+/// see the links break) and awaits the failure.
+pub(super) async fn watched<T>(
+    mut run: tokio::task::JoinHandle<T>,
+    deadline: Duration,
+    kill: Option<KillSwitch>,
+) -> Result<T, tokio::task::JoinError> {
+    // No watchdog without a switch, or for deadlines beyond a timer's reach.
+    let (Some(kill), true) = (kill, deadline < Duration::from_secs(365 * 24 * 3600)) else {
+        return run.await;
+    };
+    match tokio::time::timeout(deadline + BLOCKED_GRACE, &mut run).await {
+        Ok(r) => r,
+        Err(_) => {
+            kill("the data plane's deadline passed");
+            run.await
+        }
+    }
+}
+
+/// A data-plane task's result and, unless the task failed, its endpoint.
+pub(super) fn split<T>(joined: Result<(Result<RunStats, Refusal>, T), tokio::task::JoinError>) -> (Result<RunStats, Refusal>, Option<T>) {
+    match joined {
+        Ok((r, end)) => (r, Some(end)),
+        Err(e) => (Err(Refusal::Exec { why: format!("data plane task failed: {e}"), after_peer: false }), None),
+    }
+}
+
+/// Why a rank holding (or serving) `weights` cannot send `version`, if
+/// it cannot.
+pub(super) fn not_holding(weights: Weights, version: u64) -> Option<Refusal> {
+    match weights {
+        Weights::Version(held) if held == version => None,
+        Weights::Version(held) => Some(Refusal::VersionMismatch { held, asked: version }),
+        other => Some(Refusal::NoWeights(other)),
+    }
+}
+
+pub(super) fn finish(result: Result<RunStats, Refusal>) -> MemberReply {
+    match result {
+        Ok(stats) => MemberReply::Ran(stats),
+        Err(refusal) => MemberReply::Refused(refusal),
+    }
+}
+
+/// What a run ends with: its outcome and, unless its task failed, the
+/// endpoint and what it leaves for the plan's next run.
+pub(super) type Ran = (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>);
+
+/// A run refused before it started: its peers are told (the end aborts).
+pub(super) fn refuse_run(mut end: RankEnd, refusal: Refusal) -> Ran {
+    end.abort(&refusal.to_string());
+    (Err(refusal), None)
+}
+
+/// Runs a source rank: its store's write lock held while peers read its
+/// weights (the fence), registered memory read where it is (its regions
+/// re-derived from their owner first: memory it moved or freed since is
+/// never read).
+pub(super) async fn run_src(store: &Arc<SrcStore>, run: RankRun) -> Ran {
+    let RankRun { program, mut end, how, left, version, kill } = run;
+    let mut guard = store.lock().write_owned().await;
+    if let Some(refusal) = not_holding(store.weights(), version) {
+        return refuse_run(end, refusal);
+    }
+    let task = tokio::task::spawn_blocking(move || {
+        let registered = guard.registered().cloned();
+        let memory = match &registered {
+            Some(r) => RunMemory::Registered(r),
+            None => RunMemory::Host(guard.memory_mut()),
+        };
+        let (r, left) = execute_on(&program, memory, &mut end, how, left);
+        (r, (end, left))
+    });
+    split(watched(task, how.deadline, kill).await)
+}
+
+/// Runs a destination rank that seeds a replica: it sends the version it
+/// serves, read where it is served (only this member's commits write it,
+/// and none comes while it runs) or from a copy of the committed snapshot
+/// (the executor takes a rank's host memory mutably; it only reads a
+/// source's).
+pub(super) async fn run_seed(store: &Arc<DstStore>, run: RankRun) -> Ran {
+    let RankRun { program, mut end, how, left, version, kill } = run;
+    if let Some(refusal) = not_holding(store.weights(), version) {
+        return refuse_run(end, refusal);
+    }
+    let task = match store.registered_memory().cloned() {
+        Some(registered) => tokio::task::spawn_blocking(move || {
+            let (r, left) = execute_on(&program, RunMemory::Registered(&registered), &mut end, how, left);
+            (r, (end, left))
+        }),
+        None => match store.snapshot_at(version) {
+            Some(snap) => {
+                let mut buffers = snap.buffers.clone();
+                tokio::task::spawn_blocking(move || {
+                    let (r, left) = execute_on(&program, RunMemory::Host(buffers.memory_mut()), &mut end, how, left);
+                    (r, (end, left))
+                })
+            }
+            None => return refuse_run(end, Refusal::NoWeights(store.weights())),
+        },
+    };
+    split(watched(task, how.deadline, kill).await)
+}
+
+/// Runs a destination rank whose store holds its weights: into the
+/// store's staging (a subset refit first keeps the other tensors' bytes
+/// from the version this rank serves), complete once the run succeeds.
+pub(super) async fn run_dst(store: &Arc<DstStore>, run: RankRun) -> Ran {
+    let RankRun { program, mut end, how, left, version, kill } = run;
+    let base = match (program.carried.is_empty(), store.snapshot()) {
+        (true, _) => None,
+        (false, Some(snap)) => Some(snap),
+        (false, None) => return refuse_run(end, Refusal::NoBaseVersion),
+    };
+    let staging = store.staging();
+    let mut guard = staging.lock_owned().await;
+    guard.complete = None;
+    let task = tokio::task::spawn_blocking(move || {
+        if let Some(base) = base {
+            carry(&program.carried, &base.buffers, &mut guard.buffers);
+        }
+        let (r, left) = execute_on(&program, RunMemory::Host(guard.buffers.memory_mut()), &mut end, how, left);
+        if r.is_ok() {
+            guard.complete = Some(version);
+        }
+        (r, (end, left))
+    });
+    split(watched(task, how.deadline, kill).await)
+}
