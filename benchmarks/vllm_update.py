@@ -204,7 +204,7 @@ def stash(worker, path):
 def load_buffers(worker):
     """The own load of the version in this worker's refit buffers (full-shape
     tensors, this worker's part written; no file, no extra memory)."""
-    a, b = _reload(worker, worker.weight_transfer_engine.full.items())
+    a, b = _reload(worker, worker.weight_transfer_engine.buffers.tensors())
     return {"load": b - a, "span": [a, b]}
 
 

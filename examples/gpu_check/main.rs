@@ -5,12 +5,18 @@
 //! a hang in one cannot void the rest, NCCL last; it prints one line per
 //! check (`--json`: one JSON object), writes them all to
 //! `OUT/gpu-check.json` after each check (`--out OUT`), and stops starting
-//! checks when `--budget S` seconds are spent. A check that converted a
-//! piece or quantized a tensor on the host instead of the device fails.
+//! checks when `--budget S` seconds are spent. Every result records what
+//! ran (`run`: the commit from `BUILD_INFO.json` beside the program, the
+//! GPU and its UUID, the driver, CUDA driver API, NVRTC and NCCL versions;
+//! `record`), and a check that converted a piece or quantized a tensor on
+//! the host where the device has a path for it fails, naming each
+//! (`verdict`; dtype pairs no kernel converts, those with f64, are listed).
 //! Exit code 0 if every check passed, 1 if one failed, 2 if CUDA is
-//! unavailable. `--list`: each check's name, timeout and expected seconds.
-//! `--root` is the folder holding `examples/` (paths are given at run time,
-//! never compiled in).
+//! unavailable. `--list`: each check's name, timeout, expected seconds and
+//! where that comes from (measured, or an estimate). `--record`: what ran,
+//! as one JSON object (for the Python checks' files; answers without a
+//! GPU too). `--root` is the folder holding `examples/` (paths are given at
+//! run time, never compiled in).
 //!
 //! - `environment`: driver, NCCL and NVRTC versions, the device and its
 //!   UUID; passes when the cast kernels are the shipped PTX (NVRTC's build
@@ -37,6 +43,14 @@
 //!   its weights in device buffers of this process registered in place
 //!   (`DstStore::registered`): the refit stages on the GPU and its commit
 //!   copies into them; checked by reading them back inside `serve`;
+//! - `orchestrator-ipc-delta`: three delta refits on the IPC fabric, every
+//!   member in this process on GPU 0, every element checked, the later
+//!   ones a small fraction of the bytes;
+//! - `fp8-at-source`: `examples/fp8-source-quantized/` through the
+//!   orchestrator on the IPC fabric, every member on GPU 0: the sources
+//!   quantize block-scaled FP8 on the device before sending codes and
+//!   scales; every destination byte equals the host quantizer's
+//!   (`fp8_source`, also run on the simulated plane by its test);
 //! - `ipc-abort-in-flight`: an IPC rank gives up while its 8 GiB copy
 //!   from another process's bucket runs; the context still copies and
 //!   casts afterwards (the peer's mapping was kept, not closed under it);
@@ -63,9 +77,24 @@ fn main() -> std::process::ExitCode {
 
 #[cfg(not(feature = "cuda"))]
 fn main() -> std::process::ExitCode {
+    if std::env::args().any(|a| a == "--record") {
+        // What ran, as far as a build without CUDA can tell.
+        let gpu = record::GpuFacts::unavailable("built without the cuda feature");
+        println!("{}", record::gather(&record::program_dir(), &gpu));
+        return std::process::ExitCode::SUCCESS;
+    }
     eprintln!("CUDA transport unavailable: built without the cuda feature (cargo run --example gpu_check --features cuda)");
     std::process::ExitCode::from(2)
 }
 
 #[cfg(feature = "cuda")]
 mod check;
+#[cfg(any(feature = "cuda", test))]
+mod delta;
+#[cfg(any(feature = "cuda", test))]
+mod fp8_source;
+#[cfg(any(feature = "cuda", test))]
+mod ipc_layouts;
+mod record;
+#[cfg(any(feature = "cuda", test))]
+mod verdict;

@@ -731,7 +731,7 @@ class Destination(_Rank):
         ``RegistrationError``, until it is registered again —
         or, with ``follow=True``, the commit writes its new memory.
 
-        ``direct=True`` (host memory on the ``"node"`` and ``"tcp"`` fabrics): refits
+        ``direct=True``: refits
         write the arrays **in place**, for an engine that does not serve
         while its weights are updated (the usual RL loop). No staging copy
         of the weights is kept and a commit copies nothing; a refit waits
@@ -739,8 +739,11 @@ class Destination(_Rank):
         byte to its commit. A refit that fails leaves the arrays torn:
         ``serving()`` yields None (do not serve) until the next refit
         commits. The group still commits only once every rank ran to the
-        end, so no two ranks serve different versions. On the GPU fabrics
-        refits stage as without it."""
+        end, so no two ranks serve different versions. On every fabric
+        (host arrays on ``"node"``/``"tcp"``, CUDA tensors of the member's GPU
+        on ``"nccl"``/``"ipc"``); on ``"ipc"`` with the sources on the same GPU
+        (colocated), each byte is copied once, from the trainer's tensors
+        straight into these."""
         objects = _objects_for(layout, rank, buffers, "dst")
         dst = cls(layout, rank, _store=_refit.DstStore.in_place(layout, rank, objects, follow, direct))
         dst._in_place = dict(buffers)
@@ -867,6 +870,9 @@ class Orchestrator:
         digest_check: bool = True,
         _inner: Any = None,
     ):
+        # The fabric, as named (what members in other processes are told,
+        # e.g. refit.vllm's workers, which allocate where it moves bytes).
+        self.fabric = fabric
         if _inner is not None:
             self._inner, self.secret, self.replica = _inner, None, replica
             return
@@ -1023,7 +1029,7 @@ def spawn_local(
     ``Orchestrator``."""
     orch, srcs, dsts = _refit.spawn_local(src, dst, deadline, control_timeout, fabric, delta, replica, digest_check)
     return LocalSystem(
-        Orchestrator(_inner=orch, replica=replica),
+        Orchestrator(_inner=orch, replica=replica, fabric=fabric),
         [Source(src, s.rank, _store=s) for s in srcs],
         [Destination(dst, d.rank, _store=d) for d in dsts],
     )

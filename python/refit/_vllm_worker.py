@@ -10,8 +10,10 @@ story (docs/python.md, "vLLM").
 ``init_transfer_engine``: a dry run of the model's own ``load_weights``
 finds which elements of every checkpoint tensor this worker loads
 (``dry_run``), the engine's workers exchange those, and each builds the
-same destination layout (``refit.vllm.derived_layout``), opens a
-``Destination`` for its rank and joins the orchestrator's rendezvous.
+same destination layout (``refit.vllm.derived_layout``), makes its
+refit buffers where the model lives (``refit._engine.RefitBuffers``: host
+memory, or the worker's GPU), registers them as a ``Destination`` for its
+rank and joins the orchestrator's rendezvous.
 Refits then stage and commit into that destination's store in refit's
 own threads while the engine keeps generating.
 
@@ -31,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -46,21 +47,9 @@ from vllm.distributed.weight_transfer.base import (
 
 import refit
 from refit import vllm as _front
+from refit._engine import REFIT_DTYPES, RefitBuffers
 
 log = logging.getLogger("refit.vllm")
-
-_TORCH = {
-    "f64": torch.float64,
-    "f32": torch.float32,
-    "bf16": torch.bfloat16,
-    "f16": torch.float16,
-    "i64": torch.int64,
-    "i32": torch.int32,
-    "i8": torch.int8,
-    "u8": torch.uint8,
-}
-_REFIT = {v: k for k, v in _TORCH.items()}
-
 
 @dataclass
 class RefitInitInfo(WeightTransferInitInfo):
@@ -78,6 +67,10 @@ class RefitInitInfo(WeightTransferInitInfo):
     # Whether refits stage in the member's own store before the commit
     # copies into the refit buffers (see refit.vllm.VLLMRollouts).
     staged: bool = False
+    # The orchestrator's fabric (refit.Orchestrator(fabric=...)): the
+    # worker refuses at connect one that cannot reach its refit buffers
+    # (device memory for a model on CUDA). None: not checked.
+    fabric: Optional[str] = None
 
 
 @dataclass
@@ -331,14 +324,6 @@ def _check_kind(name: str, dtype: str, into: List[Tuple[str, torch.dtype]]) -> N
 # --- the engine -------------------------------------------------------------
 
 
-def _zeros(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor whose untouched pages cost no memory (numpy's zeros
-    come from calloc: the kernel maps pages on first write)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape, dtype=np.int64)) * size, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).reshape(shape)
-
-
 def _repack_cpu_experts(model: torch.nn.Module) -> None:
     """Prepacks reloaded MoE experts on vLLM's CPU backend, which vLLM 0.32
     skips on a reload.
@@ -482,7 +467,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def _open(self, init_info: RefitInitInfo, tensors: List[Tuple[str, str, Tuple[int, ...]]], every: List[Any], held: Dict[str, Any]) -> None:
         workers = self.workers
-        dtype = init_info.dtype or _REFIT.get(self.model_config.dtype)
+        dtype = init_info.dtype or REFIT_DTYPES.get(self.model_config.dtype)
         if dtype is None:
             raise refit.LayoutError(f"the model's dtype {self.model_config.dtype} has no refit dtype: give dtype= to refit.vllm.VLLMRollouts")
         layout, self.missing = _front.derived_layout(tensors, every, replicas=init_info.replicas, dtype=dtype)
@@ -492,45 +477,13 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         self.rank = rank
         self.layout = layout
         self.shapes = {n: shape for n, _, shape in tensors}
-        # Where each committed version lands: for every checkpoint tensor
-        # this rank loads a part of, a tensor of its full shape (zeros
-        # outside the rank's part; pages never written cost nothing),
-        # handed whole to load_weights. A box contiguous in it (rows, or the
-        # whole tensor) is written there by the refit's commit itself; any
-        # other (a column split) has a tensor of its own, copied in before
-        # each load.
-        self.full: Dict[str, torch.Tensor] = {}
-        self.copies: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        buffers: Dict[str, torch.Tensor] = {}
-        for name, src_dtype, shape in tensors:
-            boxes = held.get(name, [])
-            if not boxes:
-                continue
-            dt = _TORCH[_front.dst_dtype(src_dtype, dtype)]
-            full = _zeros(shape, dt)
-            self.full[name] = full
-            for i, (offset, extent) in enumerate(boxes):
-                view = full[tuple(slice(o, o + e) for o, e in zip(offset, extent))]
-                if not view.is_contiguous():
-                    box = torch.zeros(tuple(extent), dtype=dt)
-                    self.copies.append((view, box))
-                    view = box
-                buffers[_front.buffer_name(name, i, len(boxes))] = view
-        # Every page a refit writes, faulted in now rather than by the
-        # first refit and load while the engine serves (the memory is the
-        # same; docs/benchmarks.md, "vLLM: the pause": the first update
-        # after a connect was 5-10x slower).
-        for view in buffers.values():
-            view.zero_()
-        for view, _ in self.copies:
-            view.zero_()
-        # The model reads the refit buffers only inside serving() (the
-        # load), so a refit can write them in place while the engine
-        # generates (direct): no staging copy. A refit that fails leaves
-        # them torn and serving() says so (None): the load is refused and
-        # the engine keeps its weights.
-        self.dst = refit.Destination.in_place(layout, rank, buffers, direct=not init_info.staged)
-        self.joined = self.dst.join(init_info.rendezvous, init_info.secret)
+        # The refit buffers, where the model lives (host memory, or the
+        # worker's GPU), registered and joined (refit._engine).
+        self.buffers = RefitBuffers(
+            tensors, held, layout, rank, dtype=dtype, device=self.device, fabric=init_info.fabric, staged=init_info.staged
+        )
+        self.dst = self.buffers.dst
+        self.joined = self.buffers.join(init_info.rendezvous, init_info.secret)
 
     def start_weight_update(self) -> None:
         # Nothing of the model changes until update_weights (the refit
@@ -559,23 +512,15 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         workers.report(workers.outcome(failure, what))
 
     def _receive(self, version: int) -> None:
-        t0 = time.perf_counter()
-        # No refit commits into the buffers while the model reads them.
-        with self.dst.serving() as served:
-            t1 = time.perf_counter()
-            if served != version:
-                held = "a version torn by a failed refit" if served is None else f"version {served}"
-                raise refit.VersionError(f"dst rank {self.rank}: asked to load version {version}, its refit buffers hold {held}")
-            for view, box in self.copies:
-                view.copy_(box)
-            t2 = time.perf_counter()
+        def load(tensors: Iterator[Tuple[str, torch.Tensor]]) -> None:
             self.touched = True
-            self._load_model()
+            self._load_model(tensors)
+
         # Seconds of the last load, by part (benchmarks/vllm_update.py).
-        self.last_load = {"wait": t1 - t0, "copy": t2 - t1, "load": time.perf_counter() - t2}
+        self.last_load = self.buffers.receive(version, load)
         log.debug("refit: version %s loaded: %s", version, self.last_load)
 
-    def _load_model(self) -> None:
+    def _load_model(self, tensors: Iterator[Tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
@@ -583,7 +528,7 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
         initialize_layerwise_reload(self.model)
         try:
-            self.model.load_weights(iter(self.full.items()))
+            self.model.load_weights(tensors)
         finally:
             with _quiet_reload(self.bare_layers):
                 finalize_layerwise_reload(self.model, self.model_config)

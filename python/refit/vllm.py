@@ -633,6 +633,9 @@ class VLLMRollouts:
                 "replicas": len(self.engines),
                 "dtype": self.dtype,
                 "staged": self.staged,
+                # Each worker refuses here a fabric that cannot reach its
+                # refit buffers (device memory for a model on CUDA).
+                "fabric": getattr(self.orchestrator, "fabric", None),
             }
             client.init_weight_transfer_engine(info)
 

@@ -24,6 +24,7 @@
 mod builder;
 mod dst_store;
 mod errors;
+mod host_work;
 mod join;
 mod layout;
 mod memory;
@@ -73,5 +74,6 @@ fn _refit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyJoined>()?;
     m.add_class::<PyOrchestrator>()?;
     m.add_function(wrap_pyfunction!(spawn_local, m)?)?;
+    m.add_function(wrap_pyfunction!(host_work::host_work, m)?)?;
     Ok(())
 }

@@ -188,6 +188,26 @@ class Rig:
         self.orch.close()
 
 
+def host_work_result():
+    """Work this process's GPU planes did on the host: any fallback (a
+    conversion or an FP8 quantization the device has a path for) fails the
+    check, naming each; dtype pairs no kernel converts are listed."""
+    import refit
+
+    def described(w):
+        return f"{w['rank']} {w['what']} on the host x{w['times']} ({w['why']})"
+
+    work = refit._refit.host_work()
+    fallbacks = [described(w) for w in work if w["fallback"]]
+    return {
+        "check": "host-fallbacks",
+        "ok": not fallbacks,
+        "host_fallbacks": sum(w["times"] for w in work if w["fallback"]),
+        "host_fallback_work": fallbacks,
+        "host_work_without_kernel": [described(w) for w in work if not w["fallback"]],
+    }
+
+
 def main(argv=None):
     args = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     args.add_argument("--out", help="also write the JSON lines to this file")
@@ -248,6 +268,9 @@ def main(argv=None):
     finally:
         if rig is not None:
             rig.close()
+    d = host_work_result()
+    failed += not d["ok"]
+    emit(d)
     emit({"check": "summary", "ok": failed == 0, "failed": failed})
     return 0 if failed == 0 else 1
 

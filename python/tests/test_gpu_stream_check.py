@@ -87,4 +87,29 @@ def test_a_rehearsal_on_the_simulated_ipc_plane(monkeypatch, capsys):
     assert got["serving-holds-commit"]["held"] == [8, 8] and got["serving-holds-commit"]["versions"] == [9]
     control = got["no-wait-control"]
     assert control["gating"] is False and control["versions"] == [10] and control["stale_seen"] is False
+    # Host memory on the simulated plane: nothing fell back to the host.
+    assert got["host-fallbacks"] == {
+        "check": "host-fallbacks",
+        "ok": True,
+        "host_fallbacks": 0,
+        "host_fallback_work": [],
+        "host_work_without_kernel": [],
+    }
     assert got["summary"] == {"check": "summary", "ok": False, "failed": 3} and code == 1
+
+
+def test_any_host_fallback_fails_the_check_naming_it(monkeypatch):
+    check = load()
+    import refit
+
+    work = [
+        {"rank": "dst rank 0", "what": "quantized its block-scaled tensors", "why": "the quantize kernels did not load: x", "times": 2, "fallback": True},
+        {"rank": "src rank 1", "what": "converted a piece", "why": "no device kernel converts f32 -> f64", "times": 3, "fallback": False},
+    ]
+    monkeypatch.setattr(refit._refit, "host_work", lambda: work, raising=False)
+    d = check.host_work_result()
+    assert d["ok"] is False and d["host_fallbacks"] == 2
+    assert d["host_fallback_work"] == ["dst rank 0 quantized its block-scaled tensors on the host x2 (the quantize kernels did not load: x)"]
+    assert d["host_work_without_kernel"] == ["src rank 1 converted a piece on the host x3 (no device kernel converts f32 -> f64)"]
+    monkeypatch.setattr(refit._refit, "host_work", lambda: work[1:], raising=False)
+    assert check.host_work_result()["ok"] is True

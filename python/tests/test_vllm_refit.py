@@ -100,6 +100,12 @@ def check_bad_training_layouts(llm, orch, state, want):
     transposed["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"].t()
     with pytest.raises(refit.LayoutError, match=r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' \[256, 128\] f32: the model's load_weights refused it"):
         refit.vllm.VLLMRollouts(orch, [llm], train_layout(transposed)).connect(src_ranks=TRAIN_RANKS, timeout=5)
+    # A fabric that cannot reach the workers' refit buffers (host memory,
+    # the model being on the CPU): refused at connect, naming the rank and
+    # the fabric to use.
+    with refit.Orchestrator(fabric="ipc") as device_orch:
+        with pytest.raises(refit.RefitError, match=r"engine 0: connecting .*dst rank 0: the model is on the CPU.*fabric is 'ipc'.*fabric='node'"):
+            refit.vllm.VLLMRollouts(device_orch, [llm], train_layout(state)).connect(src_ranks=TRAIN_RANKS, timeout=5)
     assert_same(generate(llm), want)
 
 
@@ -121,7 +127,7 @@ def held_boxes(worker):
     out = []
     for name, boxes in engine.every[engine.rank % len(engine.every)].items():
         for offset, extent in boxes:
-            part = engine.full[name][tuple(slice(o, o + e) for o, e in zip(offset, extent))]
+            part = engine.buffers.full[name][tuple(slice(o, o + e) for o, e in zip(offset, extent))]
             out.append((name, offset, extent, part.reshape(-1).tolist()))
     return out
 

@@ -10,8 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use transport::{
     cuda::{
-        abandoned_staging_bytes, arm, comm_rank, live_comms, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id, AbortOutcome,
-        CommConfig, CommError, CommExecError, CommHandle, IpcComm, PendingComm, SimBucket, SimFault, SimIpc, SimMemory,
+        abandoned_staging_bytes, arm, comm_rank, direct_read_bytes, live_comms, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id,
+        AbortOutcome, CommConfig, CommError, CommExecError, CommHandle, CommPeers, IpcComm, PendingComm, SimBucket, SimFault, SimIpc,
+        SimMemory,
     },
     fill_sources, local_fabric, run_local, verify_destinations, DeltaRun, ExecOptions, RankMemory,
 };
@@ -76,21 +77,24 @@ fn run_on(
     let config = config(programs.len() as u32);
     let pending = match plane {
         Plane::Nccl => start_sim(world, programs, config),
-        Plane::Ipc => start_ipc(programs, config),
+        Plane::Ipc => start_ipc(programs, config, false),
+        Plane::IpcOneDevice => start_ipc(programs, config, true),
     };
-    run_ranks(programs, memory, pending, deadline, deltas)
+    run_ranks(programs, memory, pending, deadline, deltas, matches!(plane, Plane::IpcOneDevice))
 }
 
 /// Runs every program as a thread on its communicator rank (`pending`,
 /// with the exported bucket it packs into, if any, in program order;
-/// with `deltas`, one delta run per rank); each rank aborts its
-/// communicator when done.
+/// with `deltas`, one delta run per rank; with `one_device`, every rank
+/// on one device, reading its peers' memory directly); each rank aborts
+/// its communicator when done.
 fn run_ranks(
     programs: &[RankProgram],
     memory: &mut [RankMemory],
     pending: Vec<(PendingComm, Option<Arc<SimBucket>>)>,
     deadline: Duration,
     deltas: Option<&mut [DeltaRun]>,
+    one_device: bool,
 ) -> Vec<Ran> {
     let deltas: Vec<Option<&mut DeltaRun>> = match deltas {
         Some(d) => d.iter_mut().map(Some).collect(),
@@ -117,7 +121,9 @@ fn run_ranks(
                         Some(b) => SimMemory::with_bucket(memory, b),
                         None => SimMemory::new(memory),
                     };
-                    let result = run_rank_comm(&mut memory, program, &mut comm, &rank_of, until, delta).map(|s| s.sent_bytes);
+                    let same_device = |_: Endpoint| one_device;
+                    let peers = CommPeers { rank_of: &rank_of, same_device: &same_device };
+                    let result = run_rank_comm(&mut memory, program, &mut comm, &peers, until, delta).map(|s| s.sent_bytes);
                     let abort = comm.abort();
                     Ran { result, abort, took: start.elapsed() }
                 })
@@ -128,9 +134,10 @@ fn run_ranks(
 }
 
 /// Every program's rank of an IPC communicator, started: each rank
-/// exports its send bucket, maps those of the ranks it receives from, and
+/// exports its send bucket, maps those of the ranks it receives from
+/// (with `one_device`, also of those it sends to: their done tokens), and
 /// rings doorbells over in-process channels.
-fn start_ipc(programs: &[RankProgram], config: CommConfig) -> Vec<(PendingComm, Option<Arc<SimBucket>>)> {
+fn start_ipc(programs: &[RankProgram], config: CommConfig, one_device: bool) -> Vec<(PendingComm, Option<Arc<SimBucket>>)> {
     let src_ranks = programs.iter().filter(|p| p.endpoint.group == reshard::Group::Src).count() as u32;
     let nranks = programs.len() as u32;
     let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
@@ -149,8 +156,10 @@ fn start_ipc(programs: &[RankProgram], config: CommConfig) -> Vec<(PendingComm, 
         .zip(exported)
         .zip(local_fabric(&endpoints))
         .map(|((p, (mut ipc, _, _)), bells)| {
-            for m in p.rounds.iter().flat_map(|r| r.recvs.iter()) {
-                let peer = rank_of(m.peer).unwrap();
+            let senders = p.rounds.iter().flat_map(|r| r.recvs.iter()).map(|m| m.peer);
+            let readers = p.rounds.iter().flat_map(|r| r.sends.iter()).map(|m| m.peer).filter(|_| one_device);
+            for e in senders.chain(readers).collect::<std::collections::BTreeSet<_>>() {
+                let peer = rank_of(e).unwrap();
                 let (h, b) = handles[peer as usize];
                 ipc.map_peer(peer, &h, b).unwrap();
             }
@@ -171,6 +180,9 @@ enum Plane {
     Nccl,
     /// The IPC communicator over simulated buckets.
     Ipc,
+    /// The IPC communicator with every rank on one device: each message
+    /// read straight from its sender's memory.
+    IpcOneDevice,
 }
 
 /// Runs example `name` planned by `strategy` on `plane` and checks it
@@ -187,7 +199,11 @@ fn check(name: &str, strategy: &str, plane: Plane) {
     fill_sources(&src, &mut expected);
     let mut memory = expected.clone();
     run_local(&programs, &mut expected, &ExecOptions::default()).unwrap();
+    let read_before = direct_read_bytes();
     let ran = run_ok(&what, plane, &format!("examples/{name}/{strategy}"), &programs, &mut memory, None);
+    if matches!(plane, Plane::IpcOneDevice) && plan.figures().total_bytes > 0 {
+        assert!(direct_read_bytes() > read_before, "{what}: nothing was read directly");
+    }
     let mut sent = 0;
     for r in &ran {
         sent += r.result.as_ref().map_or(0, |s| *s);
@@ -227,6 +243,18 @@ fn every_example_lands_the_same_over_ipc_buckets() {
     for name in EXAMPLES {
         for strategy in ["reshard", "baseline"] {
             check(name, strategy, Plane::Ipc);
+        }
+    }
+}
+
+/// The same with every rank on one device: each message is an offer of
+/// where its pieces lie, and the receiver copies them from the sender's
+/// memory into its own, converting on the way.
+#[test]
+fn every_example_lands_the_same_read_directly_on_one_device() {
+    for name in EXAMPLES {
+        for strategy in ["reshard", "baseline"] {
+            check(name, strategy, Plane::IpcOneDevice);
         }
     }
 }
@@ -453,7 +481,8 @@ fn a_peer_lying_in_a_delta_exchange_is_refused() {
             let mut comm = honest.wait().unwrap();
             let mut plane = SimMemory::new(&mut memory[1]);
             let mut delta = DeltaRun::new(None);
-            let r = run_rank_comm(&mut plane, &programs[1], &mut comm, &rank_of, until, Some(&mut delta));
+            let peers = CommPeers { rank_of: &rank_of, same_device: &|_| false };
+            let r = run_rank_comm(&mut plane, &programs[1], &mut comm, &peers, until, Some(&mut delta));
             comm.abort();
             r
         });
@@ -462,6 +491,67 @@ fn a_peer_lying_in_a_delta_exchange_is_refused() {
                 let want = if announced == u64::MAX { "announced" } else { "delta message" };
                 assert!(error.contains(want), "{case}: {error}");
             }
+            other => panic!("{case}: {other:?}"),
+        }
+        assert!(memory[1] == before, "{case}: the destination's buffers changed");
+    }
+}
+
+/// A peer on the same device whose offer lies — bytes that decode to no
+/// record, or a record naming memory nobody offered — fails the receiver's
+/// run before anything is read through it; the receiver's buffers are
+/// untouched.
+#[test]
+fn a_peer_lying_in_its_offer_is_refused_before_anything_is_read() {
+    use transport::cuda::P2p;
+    let src = parse_layout(
+        r#"{"ranks": 1, "tensors": [{"name": "w", "dtype": "f32", "shape": [64], "mesh": {"shape": [1]}, "placements": ["replicate"]}]}"#,
+    )
+    .unwrap();
+    let dst = src.clone();
+    let programs = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap().programs(&src, &dst).unwrap();
+    let pieces = programs[1].rounds[0].recvs[0].pieces.len();
+    // One record: a handle (64 bytes), the region's offset and bytes, the
+    // span's base and 8 strides, the dtype's code.
+    let record = |handle: u8, len: u64| {
+        let mut r = vec![handle; 64];
+        for word in [0u64, len, 0, 1, 0, 0, 0, 0, 0, 0, 0, u64::from(reshard::DType::F32.index())] {
+            r.extend_from_slice(&word.to_le_bytes());
+        }
+        r
+    };
+    let cases = [
+        ("junk", vec![0xa5u8; 160 * pieces], "offered piece 0"),
+        ("forged", record(0x22, 256).repeat(pieces), "no member of this process offered"),
+    ];
+    for (case, offer, want) in cases {
+        let world = format!("offer-liar/{case}");
+        let mut pending = start_sim(&world, &programs, config(2)).into_iter();
+        let (liar, honest) = (pending.next().unwrap().0, pending.next().unwrap().0);
+        let mut memory = RankMemory::for_programs(&programs);
+        let before = memory[1].clone();
+        let until = Instant::now() + Duration::from_secs(10);
+        let result = std::thread::scope(|s| {
+            s.spawn(move || {
+                let mut comm = liar.wait().unwrap();
+                // SAFETY: the buffer is this thread's, alive until the group
+                // returns (the simulated communicator copies on the call),
+                // and only read.
+                let _ = unsafe {
+                    comm.group(0, vec![P2p::Send { peer: 1, addr: offer.as_ptr() as u64, bytes: offer.len() as u64 }], None, until)
+                };
+                comm.abort();
+            });
+            let rank_of = |e: Endpoint| Some(comm_rank(e, 1)).filter(|&r| r < 2);
+            let mut comm = honest.wait().unwrap();
+            let mut plane = SimMemory::new(&mut memory[1]);
+            let peers = CommPeers { rank_of: &rank_of, same_device: &|_| true };
+            let r = run_rank_comm(&mut plane, &programs[1], &mut comm, &peers, until, None);
+            comm.abort();
+            r
+        });
+        match result {
+            Err(CommExecError::Direct { error, .. }) => assert!(error.contains(want), "{case}: {error}"),
             other => panic!("{case}: {other:?}"),
         }
         assert!(memory[1] == before, "{case}: the destination's buffers changed");

@@ -62,13 +62,14 @@ pub(super) fn kernels(ctx: &Ctx) -> Result<(String, Value), String> {
 /// device on which only NVRTC's load would run slower paths silently
 /// elsewhere). NVRTC is reported, not required.
 pub(super) fn environment(ctx: &Ctx) -> Result<(String, Value), String> {
-    use transport::cuda::{device_uuid, driver_version, nccl_version_text, probe_nccl};
     let dev = &ctx.dev;
-    let driver = driver_version()?;
-    let nccl = probe_nccl().map(nccl_version_text);
-    let uuid = device_uuid(dev.ordinal())?;
+    // The versions as every file's record has them (one place gathers them).
+    let facts = super::gpu_facts(Ok(dev));
+    let driver = facts.cuda_driver_api.clone()?;
+    let uuid = facts.uuid.clone()?;
+    let nccl = facts.nccl.clone();
     let (major, minor) = dev.context().compute_capability().map_err(e2s)?;
-    let nvrtc = transport::cuda::nvrtc_version();
+    let nvrtc = facts.nvrtc.clone();
     // NVRTC's own build of the kernels, for this device, loads too.
     let nvrtc_kernels = dev.check_nvrtc_kernels();
     let kernels = dev.kernels()?;

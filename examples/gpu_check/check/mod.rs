@@ -8,6 +8,7 @@ mod ipc;
 mod nccl;
 mod orchestrated;
 
+use crate::record::GpuFacts;
 use device::{environment, kernels, registered_lies};
 use executor::{layout_pairs, throughput};
 use ipc::{ipc, ipc_abort_in_flight, ipc_bucket, ipc_exporter};
@@ -48,37 +49,71 @@ struct Ctx {
 type Check = fn(&Ctx) -> Result<(String, Value), String>;
 
 /// One check: its own child process, killed past `timeout_s`;
-/// `expected_s` is what it takes on one H200 (the dry run adds them up).
+/// `expected_s` is what it takes on one GPU, `basis` where that comes
+/// from (a measured run in docs/gpu-runs/, or an estimate): the dry run
+/// adds them up.
 struct Spec {
     name: &'static str,
     timeout_s: u64,
     expected_s: u64,
+    basis: &'static str,
     run: Check,
 }
 
+/// Where an expected time was measured: the H200 runs of 2026-12-04
+/// (docs/gpu-runs/2026-12-04-run8, the slowest of the whole-script runs
+/// for each check).
+const RUN8: &str = "measured: H200, docs/gpu-runs/2026-12-04-run8";
+/// Not yet run on a GPU: a guess from the work it does.
+const ESTIMATE: &str = "estimate: not yet run on a GPU";
+
 /// In the order they run: NCCL last (a hang there cannot hold the
-/// rest). Expected times as measured on an H200 (2026-12-04; the
-/// throughput check fills and verifies 4 GB on the host).
+/// rest). A new check is one line here (its function in a module of
+/// `check/`), an estimate until a run measures it.
 const CHECKS: &[Spec] = &[
-    Spec { name: "environment", timeout_s: 60, expected_s: 2, run: environment },
-    Spec { name: "kernels", timeout_s: 60, expected_s: 1, run: kernels },
-    Spec { name: "layouts", timeout_s: 120, expected_s: 2, run: layout_pairs },
-    Spec { name: "ipc", timeout_s: 60, expected_s: 1, run: ipc },
-    Spec { name: "throughput", timeout_s: 200, expected_s: 110, run: throughput },
-    Spec { name: "orchestrator-ipc", timeout_s: 60, expected_s: 1, run: orchestrated_ipc },
-    Spec { name: "orchestrator-ipc-in-place", timeout_s: 60, expected_s: 1, run: orchestrated_ipc_in_place },
-    Spec { name: "orchestrator-ipc-delta", timeout_s: 60, expected_s: 2, run: ipc_delta },
-    Spec { name: "ipc-abort-in-flight", timeout_s: 60, expected_s: 1, run: ipc_abort_in_flight },
-    Spec { name: "registered-lies", timeout_s: 30, expected_s: 1, run: registered_lies },
-    Spec { name: "nccl-same-device", timeout_s: 30, expected_s: 1, run: nccl_same_device },
-    Spec { name: "nccl-missing-peer", timeout_s: 40, expected_s: 4, run: nccl_missing_peer },
-    Spec { name: "nccl", timeout_s: 90, expected_s: 3, run: nccl },
-    Spec { name: "orchestrator", timeout_s: 90, expected_s: 1, run: orchestrated_on_gpus },
+    Spec { name: "environment", timeout_s: 60, expected_s: 2, basis: RUN8, run: environment },
+    Spec { name: "kernels", timeout_s: 60, expected_s: 1, basis: RUN8, run: kernels },
+    Spec { name: "layouts", timeout_s: 120, expected_s: 2, basis: RUN8, run: layout_pairs },
+    Spec { name: "ipc", timeout_s: 60, expected_s: 1, basis: RUN8, run: ipc },
+    // Fills and verifies 4 GB on the host: 87-124 s in runs 6-8.
+    Spec { name: "throughput", timeout_s: 200, expected_s: 124, basis: RUN8, run: throughput },
+    Spec { name: "orchestrator-ipc", timeout_s: 60, expected_s: 1, basis: RUN8, run: orchestrated_ipc },
+    Spec { name: "orchestrator-ipc-in-place", timeout_s: 60, expected_s: 1, basis: RUN8, run: orchestrated_ipc_in_place },
+    Spec { name: "orchestrator-ipc-delta", timeout_s: 60, expected_s: 3, basis: ESTIMATE, run: ipc_delta },
+    Spec { name: "fp8-at-source", timeout_s: 60, expected_s: 3, basis: ESTIMATE, run: fp8_at_source },
+    Spec { name: "ipc-abort-in-flight", timeout_s: 60, expected_s: 1, basis: RUN8, run: ipc_abort_in_flight },
+    Spec { name: "registered-lies", timeout_s: 30, expected_s: 1, basis: RUN8, run: registered_lies },
+    Spec { name: "nccl-same-device", timeout_s: 30, expected_s: 1, basis: RUN8, run: nccl_same_device },
+    Spec { name: "nccl-missing-peer", timeout_s: 40, expected_s: 4, basis: RUN8, run: nccl_missing_peer },
+    Spec { name: "nccl", timeout_s: 90, expected_s: 3, basis: RUN8, run: nccl },
+    Spec { name: "orchestrator", timeout_s: 90, expected_s: 1, basis: RUN8, run: orchestrated_on_gpus },
 ];
 
-/// A check's result as the runner records it (skipped: `ok` absent).
-fn result_json(check: &str, result: Result<(String, Value), String>, seconds: f64) -> Value {
-    let fallbacks = transport::cuda::host_fallbacks();
+/// The `fp8-at-source` check on the CUDA IPC plane, every member on GPU 0.
+fn fp8_at_source(ctx: &Ctx) -> Result<(String, Value), String> {
+    crate::fp8_source::fp8_at_source(&ctx.root, orchestrator::CommPlane::Cuda, Some(ctx.dev.ordinal()))
+}
+
+/// The GPU's facts for the record (`crate::record`), each a value or why
+/// not: device 0 where it opened.
+fn gpu_facts(dev: Result<&GpuDevice, &str>) -> GpuFacts {
+    use transport::cuda::{device_uuid, driver_version, nccl_version_text, nvrtc_version, probe_nccl};
+    let (name, uuid) = match dev {
+        Ok(dev) => (Ok(dev.name().to_string()), device_uuid(dev.ordinal())),
+        Err(e) => (Err(e.to_string()), Err(e.to_string())),
+    };
+    GpuFacts { name, uuid, cuda_driver_api: driver_version(), nvrtc: nvrtc_version(), nccl: probe_nccl().map(nccl_version_text) }
+}
+
+/// What ran (`crate::record`), with the GPU's facts from `dev`.
+fn run_record(dev: Result<&GpuDevice, &str>) -> Value {
+    crate::record::gather(&crate::record::program_dir(), &gpu_facts(dev))
+}
+
+/// A check's result as the runner records it (skipped: `ok` absent), with
+/// what ran (`run`) and the host work of this process judged: a check that
+/// fell back to the host fails.
+fn result_json(check: &str, result: Result<(String, Value), String>, seconds: f64, run: Value) -> Value {
     let mut v = match result {
         Ok((line, fields)) => {
             let mut v = json!({ "check": check, "ok": true, "line": line });
@@ -93,17 +128,11 @@ fn result_json(check: &str, result: Result<(String, Value), String>, seconds: f6
     v["seconds"] = json!(seconds);
     // Correct but slow is a failure here: every piece converted and
     // every tensor quantized on the device.
-    v["host_fallbacks"] = json!(fallbacks);
+    crate::verdict::judge_host_work(&mut v, &transport::cuda::host_work());
     // Device staging given up after failed groups (kept until the process
     // ends, never freed under a communicator that may still use it).
     v["leaked_staging_bytes"] = json!(transport::cuda::leaked_staging_bytes());
-    if fallbacks > 0 && v["ok"] == json!(true) {
-        v["ok"] = json!(false);
-        v["line"] = json!(format!(
-            "{} — but {fallbacks} piece(s) or quantization(s) ran on the host instead of the GPU (the log's first warning says why)",
-            v["line"].as_str().unwrap_or_default()
-        ));
-    }
+    v["run"] = run;
     v
 }
 
@@ -114,8 +143,14 @@ fn run_one(name: &str, root: PathBuf) -> ExitCode {
         return ExitCode::from(2);
     };
     let t = Instant::now();
-    let result = GpuDevice::open(0).map_err(e2s).and_then(|dev| (spec.run)(&Ctx { dev, root }));
-    let v = result_json(name, result, t.elapsed().as_secs_f64());
+    let (result, run) = match GpuDevice::open(0).map_err(e2s) {
+        Ok(dev) => {
+            let ctx = Ctx { dev, root };
+            ((spec.run)(&ctx), run_record(Ok(&ctx.dev)))
+        }
+        Err(e) => (Err(e.clone()), run_record(Err(&e))),
+    };
+    let v = result_json(name, result, t.elapsed().as_secs_f64(), run);
     println!("{v}");
     let _ = std::io::stdout().flush();
     if v["ok"] == json!(false) {
@@ -176,11 +211,41 @@ fn run_child(exe: &Path, spec: &Spec, root: &Path, limit: Duration) -> Value {
 }
 
 /// Writes the results so far to `DIR/gpu-check.json` (after every
-/// check: a run cut short still leaves what it found).
+/// check: a run cut short still leaves what it found), what ran (`run`:
+/// the first check's record; a check whose record differs keeps its own)
+/// at the top.
 fn write_results(dir: &Path, results: &[Value], totals: &Value) -> Result<(), String> {
     let path = dir.join("gpu-check.json");
-    let text = serde_json::to_string_pretty(&json!({ "checks": results, "totals": totals })).map_err(e2s)?;
+    let text = serde_json::to_string_pretty(&results_file(results, totals)).map_err(e2s)?;
     std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, text)).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// The contents of `gpu-check.json`: what ran, the checks, the totals.
+fn results_file(results: &[Value], totals: &Value) -> Value {
+    let same_run = |a: &Value, b: &Value| {
+        let strip = |v: &Value| {
+            let mut v = v.clone();
+            if let Some(m) = v.as_object_mut() {
+                m.remove("recorded_unix_s");
+            }
+            v
+        };
+        strip(a) == strip(b)
+    };
+    let run = results.iter().find_map(|r| r.get("run")).cloned().unwrap_or_else(|| json!("no check recorded what ran"));
+    let checks: Vec<Value> = results
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            if let Some(m) = r.as_object_mut() {
+                if m.get("run").is_some_and(|own| same_run(own, &run)) {
+                    m.remove("run");
+                }
+            }
+            r
+        })
+        .collect();
+    json!({ "run": run, "checks": checks, "totals": totals })
 }
 
 /// The runner: every check in its own process (each within its timeout
@@ -275,10 +340,23 @@ pub(crate) fn main() -> ExitCode {
         };
     }
     if args.iter().any(|a| a == "--list") {
-        // The dry run's table: name, timeout and expected seconds.
+        // The dry run's table: name, timeout and expected seconds, basis.
         for c in CHECKS {
-            println!("{}\t{}\t{}", c.name, c.timeout_s, c.expected_s);
+            println!("{}\t{}\t{}\t{}", c.name, c.timeout_s, c.expected_s, c.basis);
         }
+        return ExitCode::SUCCESS;
+    }
+    if args.iter().any(|a| a == "--record") {
+        // What ran, for the Python checks' files (scripts/gpu_record.py):
+        // printed whether or not a GPU answers.
+        let record = match transport::cuda_available() {
+            Err(e) => crate::record::gather(&crate::record::program_dir(), &GpuFacts::unavailable(&format!("CUDA unavailable: {e}"))),
+            Ok(()) => match GpuDevice::open(0) {
+                Ok(dev) => run_record(Ok(&dev)),
+                Err(e) => run_record(Err(&e.to_string())),
+            },
+        };
+        println!("{record}");
         return ExitCode::SUCCESS;
     }
     if let Err(e) = transport::cuda_available() {

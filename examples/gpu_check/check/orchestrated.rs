@@ -2,10 +2,11 @@
 //! several GPUs (`orchestrator`), colocated refits on the CUDA IPC fabric
 //! between a child process and this one (`orchestrator-ipc`, in place or
 //! not), delta refits on the IPC fabric in this process
-//! (`orchestrator-ipc-delta`), and two ranks of one communicator on one
+//! (`orchestrator-ipc-delta`, in `crate::delta`), and two ranks of one communicator on one
 //! GPU refused (`nccl-same-device`).
 
 use super::{e2s, Ctx};
+use crate::ipc_layouts::{checked_w, ipc_value, IPC_DST, IPC_SRC};
 use reshard::{parse_layout, Endpoint};
 use serde_json::{json, Value};
 use std::process::Command;
@@ -54,33 +55,6 @@ fn orchestrated(gpus: usize) -> Result<(String, Value), String> {
             json!({ "gpus": dst_ranks + 1, "elements": checked, "refits": lines }),
         ))
     })
-}
-
-/// Checks every element of tensor `w` in `buffers` against `want(coords)`:
-/// the elements checked, or the first that differs (or why the tensor
-/// could not be read).
-fn checked_w(buffers: &orchestrator::Buffers, want: impl Fn(&[u64]) -> f32) -> Result<u64, String> {
-    let view = buffers.tensor("w").map_err(e2s)?;
-    let got = view.to_f32().map_err(e2s)?;
-    let mut bad = None;
-    view.for_each_index(|i, at| {
-        if bad.is_none() && got[i] != want(at) {
-            bad = Some(format!("MISMATCH: element {at:?}"));
-        }
-    });
-    bad.map_or(Ok(got.len() as u64), Err)
-}
-
-/// The layouts of the `orchestrator-ipc` check and its values.
-const IPC_SRC: &str = r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "f32", "shape": [2048, 1024], "shards": [
-        {"rank": 0, "offset": [0, 0], "extent": [1024, 1024], "buffer": "params", "at": 0},
-        {"rank": 1, "offset": [1024, 0], "extent": [1024, 1024], "buffer": "params", "at": 0}]}]}"#;
-const IPC_DST: &str = r#"{"ranks": 2, "tensors": [{"name": "w", "dtype": "bf16", "shape": [2048, 1024],
-        "mesh": {"shape": [2]}, "placements": ["shard(1)"]}]}"#;
-
-/// Integers below 256: exact in bf16.
-fn ipc_value(at: &[u64]) -> f32 {
-    ((at[0] * 1024 + at[1]) % 251) as f32
 }
 
 /// The `orchestrator-ipc` check's child: serves both source members on
@@ -188,7 +162,15 @@ fn orchestrated_ipc_into(dev: &GpuDevice, served: Served) -> Result<(String, Val
                 })
                 .collect();
             let orchestrator = spawn_orchestrator(src_members, ActorGroup::from_refs(members), config);
+            let read_before = transport::cuda::direct_read_bytes();
             let report = orchestrator.refit(1).await.map_err(|e| format!("refit: {e}"))?;
+            // Sources and destinations share the GPU: every piece is read
+            // straight from the sources' memory (docs/gpu.md, "Direct reads
+            // on one device"), none through a bucket.
+            let read_directly = transport::cuda::direct_read_bytes() - read_before;
+            if read_directly == 0 {
+                return Err("the destinations read nothing directly from the sources on their GPU".into());
+            }
             let mut checked = 0u64;
             for (r, store) in stores.iter().enumerate() {
                 let serving = store.serve().await;
@@ -209,13 +191,13 @@ fn orchestrated_ipc_into(dev: &GpuDevice, served: Served) -> Result<(String, Val
             }
             Ok((
                 format!(
-                    "2 sources in process {} → 2 destinations here{}, one GPU: {checked} elements checked, {:.1} ms (commit {:.1} ms)",
+                    "2 sources in process {} → 2 destinations here{}, one GPU: {checked} elements checked, {read_directly} bytes read directly, {:.1} ms (commit {:.1} ms)",
                     child.id(),
                     if served == Served::InPlace { " (registered device buffers)" } else { "" },
                     report.wall.as_secs_f64() * 1e3,
                     report.commit_time.as_secs_f64() * 1e3
                 ),
-                json!({ "elements": checked, "wall_ms": report.wall.as_secs_f64() * 1e3, "commit_ms": report.commit_time.as_secs_f64() * 1e3, "bytes": report.bytes }),
+                json!({ "elements": checked, "read_directly": read_directly, "wall_ms": report.wall.as_secs_f64() * 1e3, "commit_ms": report.commit_time.as_secs_f64() * 1e3, "bytes": report.bytes }),
             ))
         }
         .await;
@@ -274,58 +256,10 @@ pub(super) fn nccl_same_device(_ctx: &Ctx) -> Result<(String, Value), String> {
     })
 }
 
-/// Delta refits on the CUDA IPC fabric, every member in this process on
-/// this GPU: the first refit dense in its encodings, then two after a
-/// few hundred elements changed, each checked element by element, the
-/// later ones sending a small fraction of the bytes (each message read
-/// from the device, encoded on the host, and written back).
-pub(super) fn ipc_delta(_ctx: &Ctx) -> Result<(String, Value), String> {
-    use actors::{spawn, ActorGroup, SpawnConfig};
-    use orchestrator::{
-        spawn_orchestrator, CommPlane, DstStore, Fabric, IpcFabric, Member, MemberConfig, OrchestratorConfig, Role, SrcStore,
-    };
-    use std::sync::Arc;
-    let (src, dst) = (Arc::new(parse_layout(IPC_SRC).map_err(e2s)?), Arc::new(parse_layout(IPC_DST).map_err(e2s)?));
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().map_err(e2s)?;
-    rt.block_on(async {
-        let config =
-            OrchestratorConfig { fabric: Fabric::Ipc(IpcFabric::new(CommPlane::Cuda)), delta: true, ..OrchestratorConfig::default() };
-        let on_gpu0 = MemberConfig { gpu: Some(0), ..MemberConfig::default() };
-        let spawn_config = SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
-        let src_stores: Vec<_> = (0..src.ranks()).map(|r| Arc::new(SrcStore::new(&src, r))).collect();
-        let dst_stores: Vec<_> = (0..dst.ranks()).map(|r| Arc::new(DstStore::new(&dst, r))).collect();
-        let member = |layout: &Arc<reshard::Layout>, r: u32, role: Role| {
-            spawn(Member::with_config(layout.clone(), r, role, on_gpu0.clone()), spawn_config.clone())
-        };
-        let srcs = src_stores.iter().enumerate().map(|(r, s)| member(&src, r as u32, Role::Src(s.clone()))).collect();
-        let dsts = dst_stores.iter().enumerate().map(|(r, s)| member(&dst, r as u32, Role::Dst(s.clone()))).collect();
-        let orchestrator = spawn_orchestrator(ActorGroup::from_refs(srcs), ActorGroup::from_refs(dsts), config);
-        // Step k changes the first 300 elements of each source's rows.
-        let value = |at: &[u64], k: u64| if at[1] < 300 && at[0].is_multiple_of(512) { ipc_value(at) + k as f32 } else { ipc_value(at) };
-        let (mut bytes, mut checked) = (Vec::new(), 0u64);
-        for k in 1..=3u64 {
-            let mut version = 0;
-            for s in &src_stores {
-                version = s.try_update(|b| b.tensor_mut("w")?.map_f32(|at, _| value(at, k))).await.map_err(e2s)?.0;
-            }
-            let report = orchestrator.refit(version).await.map_err(|e| format!("refit {k}: {e}"))?;
-            for (r, store) in dst_stores.iter().enumerate() {
-                let snap = store.snapshot().ok_or(format!("refit {k}: dst[{r}] serves nothing"))?;
-                if snap.version != version {
-                    return Err(format!("refit {k}: dst[{r}] serves version {}, not {version}", snap.version));
-                }
-                checked += checked_w(&snap.buffers, |at| value(at, k)).map_err(|e| format!("refit {k}: dst[{r}]: {e}"))?;
-            }
-            bytes.push(report.bytes);
-        }
-        if bytes[1] * 4 > bytes[0] || bytes[2] * 4 > bytes[0] {
-            return Err(format!("delta refits sent {bytes:?} bytes: the later ones should be a small fraction of the first"));
-        }
-        Ok((
-            format!("3 delta refits on the IPC fabric, one GPU: {bytes:?} bytes on the wire, {checked} elements checked"),
-            json!({ "bytes": bytes, "elements": checked }),
-        ))
-    })
+/// The `orchestrator-ipc-delta` check on the CUDA IPC plane, every member
+/// on this GPU.
+pub(super) fn ipc_delta(ctx: &Ctx) -> Result<(String, Value), String> {
+    crate::delta::ipc_delta(orchestrator::CommPlane::Cuda, Some(ctx.dev.ordinal()))
 }
 
 /// The NCCL orchestrator check where there are GPUs for it.

@@ -16,7 +16,7 @@
 use crate::copy::{copy_strided, packed_strides, StridedRef};
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
 use crate::cuda::device::{issue, DeviceKernels, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
-use crate::cuda::kernels::{copy_as_box, plan_casts, strided_kernel, CastBox};
+use crate::cuda::kernels::{copy_as_box, plan_casts, strided_kernel, without_kernel, CastBox};
 use crate::cuda::schedule::{same_device_schedule, ScheduleError, Step};
 use reshard::{Block, DType, Endpoint, RankProgram};
 use std::time::Duration;
@@ -75,13 +75,15 @@ pub struct DeviceReport {
     /// Kernel launches queued (pieces whose dtype changes on the device).
     pub kernel_launches: u64,
     /// Pieces converted through host staging (dtype pairs without a
-    /// kernel, or kernels that did not load).
+    /// kernel, or kernels that did not load; each run also noted in
+    /// [`host_work`](crate::cuda::host_work), the latter as fallbacks).
     pub staged_pieces: u64,
     /// Why pieces went through host staging, if any did.
     pub staged_because: Option<String>,
     /// Ranks whose block-scaled tensors were quantized on the host (their
     /// buffers copied back and forth once: a tensor of more
-    /// than three dimensions, or kernels that did not load).
+    /// than three dimensions, or kernels that did not load), each a host
+    /// fallback ([`host_work`](crate::cuda::host_work)).
     pub quantized_on_host: u64,
     /// Ranks whose block-scaled tensors were quantized on the device
     /// (sources before the copies, destinations after).
@@ -261,7 +263,14 @@ enum Item {
     /// whether they pass through the run's scratch buffer.
     Device { ops: Vec<DeviceOp>, meta: usize, bytes: u64, scratch: bool },
     /// A piece converted on the host: pack, convert, unpack.
-    Convert { step: Box<Step>, src: u64, dsts: Vec<u64>, meta: usize },
+    Convert { step: Box<Step>, src: u64, dsts: Vec<u64>, meta: usize, why: Box<HostWhy> },
+}
+
+/// Why a piece is converted on the host, and whether that is a fallback
+/// (`cuda::fallback`).
+struct HostWhy {
+    text: String,
+    fallback: bool,
 }
 
 /// A plan prepared to run on one device: copies resolved to device
@@ -395,18 +404,16 @@ impl<'m> DeviceRun<'m> {
                 }
                 None => {
                     run.staged += 1;
+                    let to_dtypes: Vec<DType> = to.iter().map(|t| t.2).collect();
+                    let why = match (&kernels_missing, without_kernel(step.from.dtype, step.wire, &to_dtypes)) {
+                        (Some(e), _) => HostWhy { text: format!("the cast kernels did not load: {e}"), fallback: true },
+                        (None, Some(no_kernel)) => HostWhy { text: no_kernel, fallback: false },
+                        (None, None) => HostWhy { text: "the copy kernels do not take this piece".into(), fallback: true },
+                    };
                     if run.staged_because.is_none() {
-                        run.staged_because = Some(match &kernels_missing {
-                            Some(e) => format!("the cast kernels did not load: {e}"),
-                            None => format!(
-                                "no device kernel converts {} -> {} -> {}",
-                                step.from.dtype,
-                                step.wire,
-                                to.first().map_or(step.wire, |t| t.2)
-                            ),
-                        });
+                        run.staged_because = Some(why.text.clone());
                     }
-                    run.items.push(Item::Convert { step: Box::new(step), src, dsts, meta });
+                    run.items.push(Item::Convert { step: Box::new(step), src, dsts, meta, why: Box::new(why) });
                 }
             }
         }
@@ -512,7 +519,10 @@ impl<'m> DeviceRun<'m> {
                 .map_err(|problem| GpuError::Invalid { what: format!("{}: quantizing", program.endpoint), problem })?;
             match quantized {
                 crate::cuda::device::Quantized::OnDevice => *on_device += 1,
-                crate::cuda::device::Quantized::OnHost(_) => *on_host += 1,
+                crate::cuda::device::Quantized::OnHost(why) => {
+                    crate::cuda::fallback::note(program.endpoint, "quantized its block-scaled tensors", &why, true);
+                    *on_host += 1
+                }
                 crate::cuda::device::Quantized::Nothing => {}
             }
         }
@@ -547,7 +557,8 @@ impl<'m> DeviceRun<'m> {
                     calls += c;
                     launches += k;
                 }
-                Item::Convert { step, src, dsts, meta } => {
+                Item::Convert { step, src, dsts, meta, why } => {
+                    crate::cuda::fallback::note(self.meta[*meta].from, "converted a piece", &why.text, why.fallback);
                     calls += convert_on_host(dev, &mut self.staging, step, *src, dsts).map_err(|e| self.copy_error(*meta, e))?;
                 }
             }

@@ -58,6 +58,26 @@ pub(crate) fn unhex(text: &str, n: usize) -> Result<Vec<u8>, Unhex> {
     (0..n).map(|i| Ok((digit(2 * i)? << 4) | digit(2 * i + 1)?)).collect()
 }
 
+/// Serde for a type with `to_hex` / `from_hex`: its hex text in messages,
+/// checked as it is read.
+macro_rules! hex_serde {
+    ($ty:ident) => {
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(&self.to_hex())
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$ty, D::Error> {
+                let text = <String as serde::Deserialize>::deserialize(d)?;
+                $ty::from_hex(&text).map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+pub(crate) use hex_serde;
+
 impl CommId {
     /// The id from its bytes; rejects a wrong length and an all-zero id.
     pub fn from_bytes(bytes: &[u8]) -> Result<CommId, CommIdError> {
@@ -109,6 +129,8 @@ impl fmt::Display for CommId {
         write!(f, "{}", self.tag())
     }
 }
+
+hex_serde!(CommId);
 
 #[cfg(test)]
 mod tests {

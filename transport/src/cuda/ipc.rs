@@ -254,6 +254,8 @@ impl<V: Copy + PartialEq> Mappings<V> {
     }
 }
 
+crate::cuda::id::hex_serde!(IpcHandle);
+
 #[cfg(test)]
 mod tests {
     use super::*;

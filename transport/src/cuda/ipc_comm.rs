@@ -30,7 +30,7 @@
 //! failed or unfinished group the bucket is given up
 //! ([`IpcMemory::abandon`]) instead of freed.
 
-use crate::cuda::comm::{CommBackend, P2p, Progress};
+use crate::cuda::comm::{CommBackend, GroupError, P2p, Progress};
 use crate::transport::{Payload, Transport, TransportError};
 use reshard::Endpoint;
 use std::time::Instant;
@@ -131,10 +131,10 @@ impl<T: Transport, M: IpcMemory> IpcComm<T, M> {
     }
 
     /// Fails if the group waits on a peer that is gone.
-    fn waits_on_gone(&self) -> Result<(), String> {
+    fn waits_on_gone(&self) -> Result<(), GroupError> {
         let waited = |p: u32| self.expected.iter().any(|e| e.peer == p) || self.unreleased.contains(&p);
         match self.gone.iter().find(|(p, _)| waited(*p)) {
-            Some((_, why)) => Err(why.clone()),
+            Some((_, why)) => Err(GroupError::peer(why.clone())),
             None => Ok(()),
         }
     }
@@ -151,7 +151,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
         Ok(Progress::Ready)
     }
 
-    fn start_group(&mut self, ops: &[P2p], after: u64, round: u32) -> Result<(), String> {
+    fn start_group(&mut self, ops: &[P2p], after: u64, round: u32) -> Result<(), GroupError> {
         self.dirty = true;
         self.round = round;
         self.expected.clear();
@@ -166,7 +166,9 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
                         format!("a send of {bytes} bytes at {addr:#x} is outside the exported bucket ({len} bytes at {base:#x})")
                     })?;
                     let to = self.endpoint(peer)?;
-                    self.doorbells.send(round, to, bell(READY, offset, bytes)).map_err(|e| format!("peer rank {peer}: {e}"))?;
+                    self.doorbells
+                        .send(round, to, bell(READY, offset, bytes))
+                        .map_err(|e| GroupError::peer(format!("peer rank {peer}: {e}")))?;
                     self.unreleased.push(peer);
                 }
                 P2p::Recv { peer, addr, bytes } => self.expected.push(Expected { peer, addr, bytes, pulling: false }),
@@ -175,7 +177,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
         Ok(())
     }
 
-    fn poll_group(&mut self) -> Result<Progress, String> {
+    fn poll_group(&mut self) -> Result<Progress, GroupError> {
         // Take every doorbell that has rung.
         loop {
             match self.doorbells.recv(self.round, Instant::now()) {
@@ -189,7 +191,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
                                 .find(|e| e.peer == peer && !e.pulling)
                                 .ok_or_else(|| format!("round {}: an unexpected message from {from}", self.round))?;
                             if e.bytes != bytes {
-                                return Err(format!("round {}: {from} sent {bytes} bytes, {} expected", self.round, e.bytes));
+                                return Err(format!("round {}: {from} sent {bytes} bytes, {} expected", self.round, e.bytes).into());
                             }
                             // SAFETY: `addr` is this rank's receive staging
                             // for the message (the executor's, valid until
@@ -213,7 +215,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
                     let rank = self.rank_of(peer)?;
                     self.gone.push((rank, format!("peer rank {rank} is gone: {e}")));
                 }
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(e.to_string().into()),
             }
         }
         self.waits_on_gone()?;
@@ -221,7 +223,9 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
         if !pulling.is_empty() && self.memory.pulled()? == Progress::Ready {
             for peer in pulling {
                 let to = self.endpoint(peer)?;
-                self.doorbells.send(self.round, to, bell(RELEASED, 0, 0)).map_err(|e| format!("peer rank {peer}: {e}"))?;
+                self.doorbells
+                    .send(self.round, to, bell(RELEASED, 0, 0))
+                    .map_err(|e| GroupError::peer(format!("peer rank {peer}: {e}")))?;
             }
             self.expected.retain(|e| !e.pulling);
         }

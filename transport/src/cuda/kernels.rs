@@ -110,6 +110,19 @@ pub(crate) fn strided_kernel(from: reshard::DType, to: reshard::DType) -> Option
     })
 }
 
+/// Why no device kernel can move a piece from `from` through `wire` into
+/// each of `to` (the first dtype pair none converts: those with f64), or
+/// `None` if there is a kernel for every change: one cast where the dtype
+/// changes on one side, two through the wire dtype where it changes on
+/// both (as `exec::piece_ops` runs them).
+pub(crate) fn without_kernel(from: reshard::DType, wire: reshard::DType, to: &[reshard::DType]) -> Option<String> {
+    let missing = |a: reshard::DType, b: reshard::DType| a != b && strided_kernel(a, b).is_none();
+    to.iter().find_map(|&t| {
+        let pairs = if from != wire && wire != t { vec![(from, wire), (wire, t)] } else { vec![(from, t)] };
+        pairs.into_iter().find(|&(a, b)| missing(a, b)).map(|(a, b)| format!("no device kernel converts {a} -> {b}"))
+    })
+}
+
 /// One launch of a strided kernel: a box of `counts` elements (innermost
 /// first), element `(i, j, k)` read at `src_base + i*src_strides[0] +
 /// j*src_strides[1] + k*src_strides[2]` and written at the same place of
@@ -362,6 +375,17 @@ mod tests {
     fn bytemuck_f32(v: &[f32]) -> &[u8] {
         // SAFETY: f32 has no padding and any byte view of it is valid.
         unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    }
+
+    #[test]
+    fn only_dtype_pairs_without_a_kernel_are_named() {
+        use reshard::DType::*;
+        assert_eq!(without_kernel(F32, BF16, &[BF16]), None);
+        assert_eq!(without_kernel(F32, BF16, &[F32, F16]), None, "through the wire dtype: two kernels each");
+        assert_eq!(without_kernel(F64, F64, &[F64]), None, "no dtype change: copies");
+        assert_eq!(without_kernel(F32, F64, &[F64]).as_deref(), Some("no device kernel converts f32 -> f64"));
+        assert_eq!(without_kernel(BF16, F32, &[F32, F64]).as_deref(), Some("no device kernel converts f32 -> f64"));
+        assert_eq!(without_kernel(F64, F32, &[BF16]).as_deref(), Some("no device kernel converts f64 -> f32"));
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! its command channel and deadlines (`comm`), the decomposition of
 //! strided pieces into 1-D/2-D/3-D copies (`copyplan`), the schedule
 //! of a same-device reshard (`schedule`) and block-scaled FP8
-//! quantization as device launches (`quantplan`). The parts that call CUDA
+//! quantization as device launches (`quantplan`), and the record of work
+//! done on the host instead of the device (`fallback`). The parts that call CUDA
 //! (`device`, `exec`, `nccl`) need the `cuda` feature, which loads
 //! `libcuda` and `libnccl` at run time through cudarc: building needs no
 //! CUDA, and a process without the libraries gets an error from
@@ -19,6 +20,8 @@
 
 pub(crate) mod comm;
 pub(crate) mod copyplan;
+pub(crate) mod direct;
+pub(crate) mod fallback;
 pub(crate) mod id;
 pub(crate) mod ipc;
 pub(crate) mod ipc_comm;
@@ -36,11 +39,13 @@ pub(crate) mod exec;
 pub(crate) mod nccl;
 
 pub use comm::{abandoned_comm_threads, AbortOutcome, CommConfig, CommError, CommHandle, P2p, PendingComm, Progress};
+pub use direct::direct_read_bytes;
+pub use fallback::{host_work, HostWork};
 pub use id::CommId;
 pub use ipc::IpcHandle;
 pub use ipc_comm::{IpcComm, IpcMemory};
 pub use kernels::shipped_ptx_isa;
-pub use plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError};
+pub use plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError, CommPeers};
 pub use quantplan::QuantPlan;
 pub use schedule::ScheduleError;
 pub use sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimBucket, SimFault, SimIpc, SimMemory};
@@ -54,6 +59,6 @@ pub use ipc_comm::gpu::GpuIpc;
 #[cfg(feature = "cuda")]
 pub use kernels::nvrtc_version;
 #[cfg(feature = "cuda")]
-pub use nccl::{create_comms, host_fallbacks, leaked_staging_bytes};
+pub use nccl::{create_comms, leaked_staging_bytes};
 #[cfg(feature = "cuda")]
 pub(crate) use nccl::{DevicePlaneMemory, NcclBackend};

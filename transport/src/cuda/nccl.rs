@@ -15,13 +15,17 @@
 //! stream, an event ordering each group after the packing).
 
 use crate::copy::fits;
-use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, Fence, P2p, PendingComm, Progress, RawEvent};
+use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, Fence, GroupError, P2p, PendingComm, Progress, RawEvent};
 use crate::cuda::copyplan::CopyOp;
 use crate::cuda::device::{
-    event_progress, issue, no_panic, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging,
+    event_progress, issue, no_panic, offer_region, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, Loc, PeerMaps,
+    PinnedStaging,
 };
+use crate::cuda::direct::RegionOffer;
 use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops, SameType};
+use crate::cuda::fallback::note;
 use crate::cuda::id::CommId;
+use crate::cuda::kernels::without_kernel;
 use crate::cuda::plane::{staging_span, PlaneMemory, Side, Staging};
 use crate::cuda::schedule::{Place, Step};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
@@ -59,6 +63,15 @@ impl CommId {
 
 /// An NCCL result code with NCCL's text and, given a communicator, its
 /// last error message.
+/// A group's failure with NCCL result `code`: a peer's where NCCL says
+/// the error is remote (a peer failed or went away).
+fn group_error(code: sys::ncclResult_t, reason: String) -> GroupError {
+    match code {
+        sys::ncclResult_t::ncclRemoteError => GroupError::peer(reason),
+        _ => GroupError::from(reason),
+    }
+}
+
 fn nccl_text(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
     // SAFETY: NCCL returns static strings (or null).
     let s = unsafe { sys::ncclGetErrorString(code) };
@@ -154,10 +167,15 @@ impl NcclBackend {
     }
 
     fn progress(&self) -> Result<Progress, String> {
+        self.group_progress().map_err(|e| e.reason)
+    }
+
+    /// [`NcclBackend::progress`], a remote error said to be a peer's.
+    fn group_progress(&self) -> Result<Progress, GroupError> {
         match self.async_state()? {
             sys::ncclResult_t::ncclSuccess => Ok(Progress::Ready),
             sys::ncclResult_t::ncclInProgress => Ok(Progress::Pending),
-            e => Err(nccl_text(e, *self.comm)),
+            e => Err(group_error(e, nccl_text(e, *self.comm))),
         }
     }
 }
@@ -167,7 +185,7 @@ impl CommBackend for NcclBackend {
         self.progress()
     }
 
-    fn start_group(&mut self, ops: &[P2p], after: u64, _round: u32) -> Result<(), String> {
+    fn start_group(&mut self, ops: &[P2p], after: u64, _round: u32) -> Result<(), GroupError> {
         self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
         self.done = None;
         self.enqueued = false;
@@ -202,7 +220,7 @@ impl CommBackend for NcclBackend {
         // Always close the group, even after a failed call.
         let end = result::group_end();
         if let Some(e) = first_err {
-            return Err(e);
+            return Err(e.into());
         }
         match end {
             Ok(result::NcclStatus::InProgress) => Ok(()),
@@ -211,24 +229,22 @@ impl CommBackend for NcclBackend {
                 self.enqueued = true;
                 Ok(())
             }
-            Err(e) => Err(format!("ncclGroupEnd: {}", nccl_text(e.0, comm))),
+            Err(e) => Err(group_error(e.0, format!("ncclGroupEnd: {}", nccl_text(e.0, comm)))),
         }
     }
 
-    fn poll_group(&mut self) -> Result<Progress, String> {
+    fn poll_group(&mut self) -> Result<Progress, GroupError> {
         // Enqueueing: the communicator reports in-progress until the calls
         // are on the stream; then wait for the stream's work.
         if !self.enqueued {
-            if self.progress()? == Progress::Pending {
+            if self.group_progress()? == Progress::Pending {
                 return Ok(Progress::Pending);
             }
             self.done = Some(self.stream.record_event(None).map_err(|e| e.to_string())?);
             self.enqueued = true;
         }
-        if let e @ Err(_) = self.progress() {
-            return e;
-        }
-        event_progress(self.done.as_ref(), "waiting for the group on the device")
+        self.group_progress()?;
+        Ok(event_progress(self.done.as_ref(), "waiting for the group on the device")?)
     }
 
     fn check(&mut self) -> Result<(), String> {
@@ -335,6 +351,10 @@ pub(crate) struct DevicePlaneMemory<'a> {
     /// An exported send-staging bucket (the IPC communicator's) used
     /// instead of `send`: base and bytes.
     bucket: Option<(u64, usize)>,
+    /// Peers' allocations mapped for direct reads (the IPC fabric), and
+    /// the regions of them mapped in this run (sides `move_piece` takes).
+    peers: Option<&'a mut PeerMaps>,
+    peer_regions: Vec<(u64, usize)>,
 }
 
 impl<'a> DevicePlaneMemory<'a> {
@@ -351,7 +371,15 @@ impl<'a> DevicePlaneMemory<'a> {
             recv: staging(),
             fence: None,
             bucket: None,
+            peers: None,
+            peer_regions: Vec::new(),
         }
+    }
+
+    /// This memory, reading peers on its device directly through `maps`
+    /// (kept by the communicator end across runs).
+    pub(crate) fn reading_peers(self, maps: &'a mut PeerMaps) -> DevicePlaneMemory<'a> {
+        DevicePlaneMemory { peers: Some(maps), ..self }
     }
 
     /// `memory` for one run whose messages are packed into an exported
@@ -371,7 +399,7 @@ impl<'a> DevicePlaneMemory<'a> {
     fn fits(&self, block: &Block, side: &Side) -> bool {
         let buffers = self.addrs.iter().copied().zip(self.memory.buffer_lens().iter().copied());
         let staging = [&self.send, &self.recv].into_iter().filter(|s| s.buf.is_some()).map(|s| (s.addr, s.len));
-        let mut regions = buffers.chain(staging).chain(self.bucket);
+        let mut regions = buffers.chain(staging).chain(self.bucket).chain(self.peer_regions.iter().copied());
         regions.any(|(at, len)| at == side.0 && fits(block.extent(), len, side.1.base, &side.1.strides, side.2))
     }
 }
@@ -435,11 +463,15 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
             local: false,
         };
         let dsts: Vec<u64> = to.iter().map(|t| t.0).collect();
-        let why = match missing {
-            Some(e) => format!("the cast kernels did not load: {e}"),
-            None => "the copy kernels do not take this piece's strides".to_string(),
+        let to_dtypes: Vec<DType> = to.iter().map(|t| t.2).collect();
+        // A dtype pair no kernel converts goes through the host by design;
+        // anything else here is a fallback.
+        let (why, fallback) = match (missing, without_kernel(from.2, wire, &to_dtypes)) {
+            (Some(e), _) => (format!("the cast kernels did not load: {e}"), true),
+            (None, Some(no_kernel)) => (no_kernel, false),
+            (None, None) => ("the copy kernels do not take this piece's strides".to_string(), true),
         };
-        fell_back(self.memory.owner(), "converted a piece", &why);
+        note(self.memory.owner(), "converted a piece", &why, fallback);
         convert_on_host(dev, &mut self.host, &step, from.0, &dsts).map(|_| ())
     }
 
@@ -497,7 +529,33 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
     fn finish(&mut self) -> Result<(), String> {
         self.dev.synchronize().map_err(|e| e.to_string())?;
         self.fence = None;
+        if let Some(maps) = self.peers.as_deref_mut() {
+            // Every copy from a peer's memory is done.
+            maps.in_flight = false;
+        }
         Ok(())
+    }
+
+    fn offer(&mut self, buffer: u32) -> Result<RegionOffer, String> {
+        let i = buffer as usize;
+        let (Some(&addr), Some(&len)) = (self.addrs.get(i), self.memory.buffer_lens().get(i)) else {
+            return Err(format!("buffer {buffer} is not one of this rank's {}", self.addrs.len()));
+        };
+        offer_region(self.dev, self.memory.owner(), addr, len).map_err(|e| e.to_string())
+    }
+
+    fn map_offer(&mut self, peer: Endpoint, offer: &RegionOffer) -> Result<u64, String> {
+        let maps = self.peers.as_deref_mut().ok_or("this rank reads no peer's memory directly (not the IPC fabric)")?;
+        // SAFETY: the peer offered the region for this round and keeps it
+        // alive and unwritten until this rank's done token, which is sent
+        // only after `finish` waited for every copy from it.
+        let addr = unsafe { maps.map(self.dev, peer, offer) }.map_err(|e| e.to_string())?;
+        let len = usize::try_from(offer.len).map_err(|_| format!("a region of {} bytes", offer.len))?;
+        // Once per region: every piece's side is looked up among them.
+        if !self.peer_regions.contains(&(addr, len)) {
+            self.peer_regions.push((addr, len));
+        }
+        Ok(addr)
     }
 
     fn quantize(&mut self, program: &RankProgram) -> Result<(), String> {
@@ -506,7 +564,7 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         // holds or the whole blocks a destination received, on the device
         // where it can.
         match crate::cuda::device::quantize_rank_on(self.dev, self.memory, program)? {
-            crate::cuda::device::Quantized::OnHost(why) => fell_back(program.endpoint, "quantized its block-scaled tensors", &why),
+            crate::cuda::device::Quantized::OnHost(why) => note(program.endpoint, "quantized its block-scaled tensors", &why, true),
             crate::cuda::device::Quantized::OnDevice | crate::cuda::device::Quantized::Nothing => {}
         }
         Ok(())
@@ -532,26 +590,6 @@ fn linear(bytes: u64, src: u64, dst: u64) -> CopyOp {
 }
 
 static LEAKED_STAGING: AtomicU64 = AtomicU64::new(0);
-static HOST_FALLBACKS: AtomicU64 = AtomicU64::new(0);
-
-/// Work this process's GPU planes (NCCL, IPC) did on the host because the
-/// device kernels could not: a piece converted between dtypes through
-/// host staging (the kernels did not load, or do not take its strides),
-/// or a rank's block-scaled tensors quantized on the host. Zero on a
-/// healthy GPU; each is logged, the first as a warning. Correct either
-/// way, but slow: a check of a GPU should fail on any.
-pub fn host_fallbacks() -> u64 {
-    HOST_FALLBACKS.load(Ordering::SeqCst)
-}
-
-fn fell_back(rank: Endpoint, what: &str, why: &str) {
-    if HOST_FALLBACKS.fetch_add(1, Ordering::SeqCst) == 0 {
-        tracing::warn!(rank = %rank, why, "{what} on the host, not the GPU (transport::cuda::nccl::host_fallbacks counts these)");
-    } else {
-        tracing::debug!(rank = %rank, why, "{what} on the host");
-    }
-}
-
 /// Bytes of device staging this process left allocated on purpose, because
 /// an NCCL group failed while it may still have been using them (they stay
 /// until the process ends). Grows by each failed refit's staging: restart

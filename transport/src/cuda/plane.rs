@@ -30,6 +30,7 @@
 use crate::copy::{fits, packed_strides};
 use crate::cuda::comm::{CommError, CommHandle, Fence, P2p};
 use crate::cuda::copyplan::packed_offsets;
+use crate::cuda::direct::{self, done_reading, offer_of, read_directly, RegionOffer};
 use crate::cursor::{RankStats, Round, RoundCursor, Unexpected};
 use crate::delta::{decode, encode, unit_of, DeltaRun};
 use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
@@ -87,6 +88,14 @@ pub trait PlaneMemory {
     /// steps on the rank's buffers (a source's first step, a
     /// destination's last: [`RankProgram::quantizes_first`]).
     fn quantize(&mut self, program: &RankProgram) -> Result<(), String>;
+    /// Offers buffer `buffer` of this rank to a reader on the same device
+    /// ([`direct`](crate::cuda::direct)): the region as the peer maps it.
+    /// The buffer must stay as it is until the reader says it is done.
+    fn offer(&mut self, buffer: u32) -> Result<RegionOffer, String>;
+    /// Maps, for this run, a region `peer` (on the same device) offered:
+    /// its address here, which [`PlaneMemory::move_piece`] then takes as
+    /// a source side (checked against the region like any other side).
+    fn map_offer(&mut self, peer: Endpoint, offer: &RegionOffer) -> Result<u64, String>;
 }
 
 /// The usual rank numbering of one communicator over both groups: source
@@ -137,11 +146,21 @@ pub fn send_staging_bytes(program: &RankProgram) -> u64 {
         .rounds
         .iter()
         .map(|round| {
-            let lens = round.sends.iter().map(|m| send_layout(m).map(|l| l.1)).collect::<Option<Vec<u64>>>();
-            lens.and_then(|l| RoundStaging::new(&l)).map_or(u64::MAX, |s| s.bytes(true))
+            // A message to a reader on the same device is an offer instead
+            // of its packed pieces; a rank that read directly sends each
+            // sender a done token.
+            let lens = round.sends.iter().map(|m| Some(send_layout(m)?.1.max(direct::offer_bytes(m.pieces.len())?)));
+            let dense = lens.collect::<Option<Vec<u64>>>().and_then(|l| RoundStaging::new(&l)).map(|s| s.bytes(true));
+            let done = done_layout(round.recvs.len()).map(|l| l.1);
+            dense.zip(done).map_or(u64::MAX, |(d, t)| d.max(t))
         })
         .max()
         .unwrap_or(0)
+}
+
+/// Where `n` done tokens (8 bytes each) lie in a staging buffer.
+pub(crate) fn done_layout(n: usize) -> Option<(Vec<u64>, u64)> {
+    message_layout(std::iter::repeat_n((Some(8), DType::U8), n))
 }
 
 /// Where one direction's messages of a round lie in its staging: dense
@@ -257,6 +276,17 @@ pub enum CommExecError {
         /// What failed.
         error: String,
     },
+    /// A direct read from a peer on the same device failed: its offer did
+    /// not check, a region could not be mapped, or a copy failed.
+    #[error("{me}: reading directly from {peer}: {error}")]
+    Direct {
+        /// This rank.
+        me: Endpoint,
+        /// The sender.
+        peer: Endpoint,
+        /// What failed.
+        error: String,
+    },
     /// Staging, ordering, finishing or quantizing on the rank's memory failed.
     #[error("{me}: {what}: {error}")]
     Memory {
@@ -269,7 +299,15 @@ pub enum CommExecError {
     },
 }
 
-fn check(me: Endpoint, memory: &dyn PlaneMemory, span: &Span, dtype: DType, block: &Block) -> Result<u64, CommExecError> {
+impl CommExecError {
+    /// Whether a peer failed first and this rank's run failed because of
+    /// it (a group that a peer's abort or departure broke).
+    pub fn after_peer(&self) -> bool {
+        matches!(self, CommExecError::Comm(e) if e.peer_first())
+    }
+}
+
+pub(crate) fn check(me: Endpoint, memory: &dyn PlaneMemory, span: &Span, dtype: DType, block: &Block) -> Result<u64, CommExecError> {
     let oob = || CommExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer };
     let i = span.buffer as usize;
     let len = *memory.lens().get(i).ok_or_else(oob)?;
@@ -284,10 +322,24 @@ fn packed(at: u64, wire: DType, block: &Block) -> Span {
     Span { buffer: 0, base: at / wire.size(), strides: packed_strides(block.extent()) }
 }
 
+/// Who a rank's peers are on its communicator.
+pub struct CommPeers<'a> {
+    /// Each endpoint's communicator rank (e.g. [`comm_rank`]).
+    pub rank_of: &'a dyn Fn(Endpoint) -> Option<u32>,
+    /// Whether a peer is on this rank's device and maps what this rank
+    /// offers (the IPC fabric): messages with it are read directly
+    /// (docs/gpu.md, "Direct reads on one device"). Never on NCCL.
+    pub same_device: &'a dyn Fn(Endpoint) -> bool,
+}
+
 /// Runs one rank's program on `memory` over `comm`: each round is one
-/// group of the round's sends and receives. `rank_of` maps an endpoint to
-/// its communicator rank (e.g. [`comm_rank`]); every wait ends by
+/// group of the round's sends and receives; every wait ends by
 /// `deadline`. On an error the communicator is unusable: abort it.
+///
+/// A message with a peer on the same device (`peers.same_device`) is an
+/// offer of where its pieces lie in the sender's memory; the receiver
+/// copies them from there into its buffers, then a second group (numbered
+/// the round plus 2^31) tells each such sender its memory was read.
 ///
 /// With `delta` (every rank of the refit alike), each message goes as its
 /// encoding against the same message of the base refit
@@ -299,9 +351,9 @@ pub fn run_rank_comm(
     memory: &mut dyn PlaneMemory,
     program: &RankProgram,
     comm: &mut CommHandle,
-    rank_of: &dyn Fn(Endpoint) -> Option<u32>,
+    peers: &CommPeers<'_>,
     deadline: Instant,
-    mut delta: Option<&mut DeltaRun>,
+    delta: Option<&mut DeltaRun>,
 ) -> Result<RankStats, CommExecError> {
     let me = program.endpoint;
     // (Saturating: a size past `u64` matches no memory's.)
@@ -310,92 +362,20 @@ pub fn run_rank_comm(
         return Err(CommExecError::MemoryMismatch { me, got: memory.lens().to_vec(), want });
     }
     let mem_err = |what| move |error| CommExecError::Memory { me, what, error };
-    // The cursor walks the program (and counts what it moves); a round's
-    // messages go in one group.
     // A source rank quantizes the block-scaled tensors it sends as codes
     // before it sends anything.
     if program.quantizes_first() {
         memory.quantize(program).map_err(mem_err("quantizing before the first round"))?;
     }
+    // The cursor walks the program (and counts what it moves); a round's
+    // messages go in one group.
     let mut cursor = RoundCursor::new(program);
     let bad = |u: Unexpected| CommExecError::Program { me, round: u.round, peer: u.peer, problem: u.problem };
-    while let Some(Round { round: r, locals, sends: send_msgs, recvs: recv_msgs }) = cursor.next_round().map_err(bad)? {
-        let copy_err = |peer: Endpoint, block: &Block| {
-            let block = Box::new(*block);
-            move |error: String| CommExecError::Copy { me, peer, round: r, block, error }
-        };
-        for l in locals.into_iter().flat_map(|l| l.views()) {
-            let (block, from, from_dtype, to_dtype) = (l.block(), l.from(), l.from_dtype(), l.to_dtype());
-            let at = check(me, memory, &from, from_dtype, &block)?;
-            let mut to = Vec::new();
-            for s in l.to() {
-                to.push((check(me, memory, &s, to_dtype, &block)?, s, to_dtype));
-            }
-            memory.move_piece(&block, (at, from, from_dtype), to_dtype, &to).map_err(copy_err(me, &block))?;
-        }
-        if send_msgs.is_empty() && recv_msgs.is_empty() {
-            continue;
-        }
-        // Every message of the round in one staging buffer per direction.
-        let too_large = || mem_err("laying out the round's messages")("their pieces pass u64 bytes".to_string());
-        let sends: Vec<(Vec<u64>, u64)> = send_msgs.iter().map(|m| send_layout(m)).collect::<Option<_>>().ok_or_else(too_large)?;
-        let recvs: Vec<(Vec<u64>, u64)> = recv_msgs.iter().map(recv_layout).collect::<Option<_>>().ok_or_else(too_large)?;
-        let out = RoundStaging::new(&sends.iter().map(|s| s.1).collect::<Vec<_>>()).ok_or_else(too_large)?;
-        let into = RoundStaging::new(&recvs.iter().map(|s| s.1).collect::<Vec<_>>()).ok_or_else(too_large)?;
-        let (send_at, recv_at) = (&out.dense.0, &into.dense.0);
-        let (send_total, recv_total) = (out.bytes(delta.is_some()), into.bytes(delta.is_some()));
-        let sbase = memory.staging(Staging::Send, send_total as usize).map_err(mem_err("send staging"))?;
-        let rbase = memory.staging(Staging::Recv, recv_total as usize).map_err(mem_err("receive staging"))?;
-        let mut ops = Vec::new();
-        for (i, m) in send_msgs.iter().enumerate() {
-            let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
-            for (p, &off) in m.pieces.iter().zip(&sends[i].0) {
-                let at = check(me, memory, &p.span, p.dtype, &p.block)?;
-                let into = (sbase, packed(send_at[i] + off, p.wire, &p.block), p.wire);
-                memory.move_piece(&p.block, (at, p.span, p.dtype), p.wire, &[into]).map_err(copy_err(m.peer, &p.block))?;
-            }
-            ops.push(P2p::Send { peer, addr: sbase + send_at[i], bytes: sends[i].1 });
-        }
-        for (i, m) in recv_msgs.iter().enumerate() {
-            let peer = rank_of(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
-            ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: recvs[i].1 });
-        }
-        let grouped = match delta.as_deref_mut() {
-            None => {
-                // The group starts after everything queued so far: this
-                // round's packing and the last round's unpacking (which
-                // read the receive staging the group is about to
-                // overwrite).
-                let after = memory.fence().map_err(mem_err("ordering the group after packing"))?;
-                // SAFETY: every address is inside the send or receive
-                // staging (offsets from the round's own layout, whose
-                // totals the staging was sized to), which the memory keeps
-                // until the next `staging` call; if the group fails it is
-                // abandoned below, never reused.
-                unsafe { comm.group(r, ops, after, deadline) }.map_err(CommExecError::from)
-            }
-            Some(d) => {
-                let round = DeltaRound { me, round: r, sends: &send_msgs, recvs: recv_msgs, dense: &ops };
-                let staging = ((sbase, &out), (rbase, &into));
-                exchange_delta(memory, comm, &round, staging, d, deadline)
-            }
-        };
-        if let Err(e) = grouped {
-            memory.abandon_staging();
-            return Err(e);
-        }
-        for (i, m) in recv_msgs.iter().enumerate() {
-            for (p, &off) in m.pieces.views().zip(&recvs[i].0) {
-                let (block, wire, dtype) = (p.block(), p.wire(), p.dtype());
-                let mut to = Vec::new();
-                for s in p.spans() {
-                    to.push((check(me, memory, &s, dtype, &block)?, s, dtype));
-                }
-                let from = (rbase, packed(recv_at[i] + off, wire, &block), wire);
-                memory.move_piece(&block, from, wire, &to).map_err(copy_err(m.peer, &block))?;
-            }
-        }
+    let mut run = RoundRun { me, memory, comm, peers, deadline, delta };
+    while let Some(round) = cursor.next_round().map_err(bad)? {
+        run.round(round)?;
     }
+    let RoundRun { memory, delta, .. } = run;
     memory.finish().map_err(mem_err("finishing the run"))?;
     if !program.quantizes_first() {
         memory.quantize(program).map_err(mem_err("quantizing after the last round"))?;
@@ -406,6 +386,198 @@ pub fn run_rank_comm(
         stats.sent_bytes = d.wire_bytes;
     }
     Ok(stats)
+}
+
+/// One rank's run over a communicator, a round at a time.
+struct RoundRun<'r, 'p, 'd> {
+    me: Endpoint,
+    memory: &'r mut dyn PlaneMemory,
+    comm: &'r mut CommHandle,
+    peers: &'r CommPeers<'p>,
+    deadline: Instant,
+    delta: Option<&'d mut DeltaRun>,
+}
+
+/// Where a round's messages lie in staging: each message's piece offsets
+/// and bytes (an offer's for a direct one), and both directions' layouts.
+struct RoundLayout {
+    sends: Vec<(Vec<u64>, u64)>,
+    recvs: Vec<(Vec<u64>, u64)>,
+    out: RoundStaging,
+    into: RoundStaging,
+}
+
+impl RoundRun<'_, '_, '_> {
+    /// Whether messages with `peer` are read directly: a peer on this
+    /// device, not in a delta refit (whose encodings go through the host).
+    fn direct(&self, peer: Endpoint) -> bool {
+        self.delta.is_none() && (self.peers.same_device)(peer)
+    }
+
+    fn copy_err(&self, round: u32, peer: Endpoint, block: &Block) -> impl FnOnce(String) -> CommExecError {
+        let (me, block) = (self.me, Box::new(*block));
+        move |error| CommExecError::Copy { me, peer, round, block, error }
+    }
+
+    fn mem_err(&self, what: &'static str) -> impl FnOnce(String) -> CommExecError {
+        let me = self.me;
+        move |error| CommExecError::Memory { me, what, error }
+    }
+
+    /// The round: its local copies, then its messages packed (or offered),
+    /// one group, and what arrived unpacked (or read directly); then, if
+    /// any message was read directly, the done group.
+    fn round(&mut self, round: Round<'_>) -> Result<(), CommExecError> {
+        let Round { round: r, locals, sends, recvs } = round;
+        let me = self.me;
+        for l in locals.into_iter().flat_map(|l| l.views()) {
+            let (block, from, from_dtype, to_dtype) = (l.block(), l.from(), l.from_dtype(), l.to_dtype());
+            let at = check(me, self.memory, &from, from_dtype, &block)?;
+            let mut to = Vec::new();
+            for s in l.to() {
+                to.push((check(me, self.memory, &s, to_dtype, &block)?, s, to_dtype));
+            }
+            self.memory.move_piece(&block, (at, from, from_dtype), to_dtype, &to).map_err(self.copy_err(r, me, &block))?;
+        }
+        if sends.is_empty() && recvs.is_empty() {
+            return Ok(());
+        }
+        let layout = self.layout(&sends, recvs)?;
+        let sbase =
+            self.memory.staging(Staging::Send, layout.out.bytes(self.delta.is_some()) as usize).map_err(self.mem_err("send staging"))?;
+        let rbase = self
+            .memory
+            .staging(Staging::Recv, layout.into.bytes(self.delta.is_some()) as usize)
+            .map_err(self.mem_err("receive staging"))?;
+        let ops = self.pack(r, &sends, recvs, &layout, (sbase, rbase))?;
+        let grouped = match self.delta.as_deref_mut() {
+            None => {
+                // The group starts after everything queued so far: this
+                // round's packing and the last round's unpacking (which
+                // read the receive staging the group is about to
+                // overwrite).
+                let after = self.memory.fence().map_err(self.mem_err("ordering the group after packing"))?;
+                // SAFETY: every address is inside the send or receive
+                // staging (offsets from the round's own layout, whose
+                // totals the staging was sized to), which the memory keeps
+                // until the next `staging` call; if the group fails it is
+                // abandoned below, never reused.
+                unsafe { self.comm.group(r, ops, after, self.deadline) }.map_err(CommExecError::from)
+            }
+            Some(d) => {
+                let round = DeltaRound { me, round: r, sends: &sends, recvs, dense: &ops };
+                let staging = ((sbase, &layout.out), (rbase, &layout.into));
+                exchange_delta(self.memory, self.comm, &round, staging, d, self.deadline)
+            }
+        };
+        if let Err(e) = grouped {
+            // The communicator may still use the staging.
+            self.memory.abandon_staging();
+            return Err(e);
+        }
+        self.unpack(r, recvs, &layout, rbase)?;
+        let read_from: Vec<Endpoint> = recvs.iter().map(|m| m.peer).filter(|&p| self.direct(p)).collect();
+        let read_by: Vec<Endpoint> = sends.iter().map(|m| m.peer).filter(|&p| self.direct(p)).collect();
+        if read_from.is_empty() && read_by.is_empty() {
+            return Ok(());
+        }
+        let done = done_reading(self.memory, self.comm, (me, r), (&read_from, &read_by), self.peers.rank_of, self.deadline);
+        if done.is_err() {
+            self.memory.abandon_staging();
+        }
+        done
+    }
+
+    /// Where the round's messages lie in staging.
+    fn layout(
+        &self,
+        sends: &[&reshard::Message<reshard::SendPiece>],
+        recvs: &[reshard::Message<reshard::RecvPiece>],
+    ) -> Result<RoundLayout, CommExecError> {
+        let too_large = || self.mem_err("laying out the round's messages")("their pieces pass u64 bytes".to_string());
+        let offer = |peer: Endpoint, pieces: usize| self.direct(peer).then(|| Some((Vec::new(), direct::offer_bytes(pieces)?)));
+        let sends: Vec<(Vec<u64>, u64)> = sends
+            .iter()
+            .map(|m| offer(m.peer, m.pieces.len()).unwrap_or_else(|| send_layout(m)))
+            .collect::<Option<_>>()
+            .ok_or_else(too_large)?;
+        let recvs: Vec<(Vec<u64>, u64)> = recvs
+            .iter()
+            .map(|m| offer(m.peer, m.pieces.len()).unwrap_or_else(|| recv_layout(m)))
+            .collect::<Option<_>>()
+            .ok_or_else(too_large)?;
+        let out = RoundStaging::new(&sends.iter().map(|s| s.1).collect::<Vec<_>>()).ok_or_else(too_large)?;
+        let into = RoundStaging::new(&recvs.iter().map(|s| s.1).collect::<Vec<_>>()).ok_or_else(too_large)?;
+        Ok(RoundLayout { sends, recvs, out, into })
+    }
+
+    /// Packs (or offers) every outgoing message into the send staging at
+    /// `sbase`: the round's group, its sends and its receives (into the
+    /// receive staging at `rbase`).
+    fn pack(
+        &mut self,
+        r: u32,
+        sends: &[&reshard::Message<reshard::SendPiece>],
+        recvs: &[reshard::Message<reshard::RecvPiece>],
+        layout: &RoundLayout,
+        (sbase, rbase): (u64, u64),
+    ) -> Result<Vec<P2p>, CommExecError> {
+        let me = self.me;
+        let (send_at, recv_at) = (&layout.out.dense.0, &layout.into.dense.0);
+        let mut ops = Vec::new();
+        for (i, m) in sends.iter().enumerate() {
+            let peer = (self.peers.rank_of)(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
+            if self.direct(m.peer) {
+                let bytes = offer_of(me, self.memory, m)?;
+                self.memory.write_staging(Staging::Send, send_at[i], &bytes).map_err(self.mem_err("writing an offer"))?;
+            } else {
+                for (p, &off) in m.pieces.iter().zip(&layout.sends[i].0) {
+                    let at = check(me, self.memory, &p.span, p.dtype, &p.block)?;
+                    let into = (sbase, packed(send_at[i] + off, p.wire, &p.block), p.wire);
+                    self.memory.move_piece(&p.block, (at, p.span, p.dtype), p.wire, &[into]).map_err(self.copy_err(r, m.peer, &p.block))?;
+                }
+            }
+            ops.push(P2p::Send { peer, addr: sbase + send_at[i], bytes: layout.sends[i].1 });
+        }
+        for (i, m) in recvs.iter().enumerate() {
+            let peer = (self.peers.rank_of)(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
+            ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: layout.recvs[i].1 });
+        }
+        Ok(ops)
+    }
+
+    /// Unpacks every message that arrived in the receive staging at
+    /// `rbase`, or reads it directly from its sender's memory.
+    fn unpack(
+        &mut self,
+        r: u32,
+        recvs: &[reshard::Message<reshard::RecvPiece>],
+        layout: &RoundLayout,
+        rbase: u64,
+    ) -> Result<(), CommExecError> {
+        let me = self.me;
+        let recv_at = &layout.into.dense.0;
+        for (i, m) in recvs.iter().enumerate() {
+            if self.direct(m.peer) {
+                if let Err(e) = read_directly(me, self.memory, m, (recv_at[i], layout.recvs[i].1)) {
+                    // Copies from the peer's memory may be queued.
+                    self.memory.abandon_staging();
+                    return Err(e);
+                }
+                continue;
+            }
+            for (p, &off) in m.pieces.views().zip(&layout.recvs[i].0) {
+                let (block, wire, dtype) = (p.block(), p.wire(), p.dtype());
+                let mut to = Vec::new();
+                for s in p.spans() {
+                    to.push((check(me, self.memory, &s, dtype, &block)?, s, dtype));
+                }
+                let from = (rbase, packed(recv_at[i] + off, wire, &block), wire);
+                self.memory.move_piece(&block, from, wire, &to).map_err(self.copy_err(r, m.peer, &block))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One round's messages as a delta exchange needs them.

@@ -22,13 +22,14 @@
 //! simulated communicator unless a fabric names a simulated world.
 
 use crate::copy::{copy_strided, fits, packed_strides, StridedRef};
-use crate::cuda::comm::{CommBackend, Fence, P2p, Progress};
+use crate::cuda::comm::{CommBackend, Fence, GroupError, P2p, Progress};
+use crate::cuda::direct::{RegionOffer, SimOffers};
 use crate::cuda::id::CommId;
 use crate::cuda::ipc::IpcHandle;
 use crate::cuda::ipc_comm::IpcMemory;
 use crate::cuda::plane::{staging_span, PlaneMemory, Side, Staging};
 use crate::memory::RankMemory;
-use reshard::{Block, DType, RankProgram, Span};
+use reshard::{Block, DType, Endpoint, RankProgram, Span};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
@@ -202,15 +203,15 @@ impl CommBackend for SimComm {
         }
     }
 
-    fn start_group(&mut self, ops: &[P2p], _after: u64, _round: u32) -> Result<(), String> {
+    fn start_group(&mut self, ops: &[P2p], _after: u64, _round: u32) -> Result<(), GroupError> {
         let group = self.groups;
         self.groups += 1;
         if self.fault(&SimFault::GroupFails { rank: self.rank, group }) {
-            return Err(format!("simulated failure of group {group}"));
+            return Err(format!("simulated failure of group {group}").into());
         }
         self.stalled = self.fault(&SimFault::GroupStalls { rank: self.rank, group });
         let mut state = self.comm.lock();
-        self.aborted(&state)?;
+        self.aborted(&state).map_err(GroupError::from)?;
         self.pending.clear();
         for op in ops {
             match *op {
@@ -227,9 +228,9 @@ impl CommBackend for SimComm {
         Ok(())
     }
 
-    fn poll_group(&mut self) -> Result<Progress, String> {
+    fn poll_group(&mut self) -> Result<Progress, GroupError> {
         let mut state = self.comm.lock();
-        self.aborted(&state)?;
+        self.aborted(&state).map_err(GroupError::from)?;
         if self.stalled {
             return Ok(Progress::Pending);
         }
@@ -241,9 +242,11 @@ impl CommBackend for SimComm {
                     // SAFETY: as in `start_group`, for the receive's memory.
                     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
                 }
-                Some(data) => return Err(format!("rank {peer} sent {} bytes, rank {me} expected {bytes}", data.len())),
+                Some(data) => return Err(format!("rank {peer} sent {} bytes, rank {me} expected {bytes}", data.len()).into()),
                 // Nothing more will come from a rank that aborted.
-                None if state.aborted.contains(&peer) => return Err(format!("peer rank {peer} aborted the communicator")),
+                None if state.aborted.contains(&peer) => {
+                    return Err(GroupError::peer(format!("peer rank {peer} aborted the communicator")))
+                }
                 None => left.push((peer, addr, bytes)),
             }
         }
@@ -308,6 +311,8 @@ pub struct SimMemory<'a> {
     recv: Vec<u8>,
     /// An exported send-staging bucket used instead of `send`.
     bucket: Option<Arc<SimBucket>>,
+    /// Regions peers of this process offered, mapped for this run.
+    peers: Vec<Region>,
 }
 
 impl<'a> SimMemory<'a> {
@@ -316,7 +321,7 @@ impl<'a> SimMemory<'a> {
         let addrs = memory.buffers.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
         let lens = memory.buffers.iter().map(Vec::len).collect();
         let dtypes = memory.dtypes.clone();
-        SimMemory { memory: Some(memory), dtypes, addrs, lens, send: Vec::new(), recv: Vec::new(), bucket: None }
+        SimMemory { memory: Some(memory), dtypes, addrs, lens, send: Vec::new(), recv: Vec::new(), bucket: None, peers: Vec::new() }
     }
 
     /// Raw host regions (address, bytes) holding buffers of `dtypes`, for
@@ -334,6 +339,7 @@ impl<'a> SimMemory<'a> {
             send: Vec::new(),
             recv: Vec::new(),
             bucket: None,
+            peers: Vec::new(),
         }
     }
 
@@ -374,7 +380,7 @@ impl<'a> SimMemory<'a> {
         let buffers = self.addrs.iter().zip(&self.lens).map(|(&at, &len)| Region { at, len });
         let staging = [&mut self.send, &mut self.recv].into_iter().map(|s| Region { at: s.as_mut_ptr() as u64, len: s.len() });
         let bucket = self.bucket.iter().map(|b| Region { at: b.ptr as u64, len: b.len });
-        let mut regions = buffers.chain(staging).chain(bucket);
+        let mut regions = buffers.chain(staging).chain(bucket).chain(self.peers.iter().copied());
         regions.find(|r| r.at == side.0 && fits(block.extent(), r.len, side.1.base, &side.1.strides, side.2))
     }
 }
@@ -524,7 +530,10 @@ impl PlaneMemory for SimMemory<'_> {
             let side: Side = (through.as_mut_ptr() as u64, Span { buffer: 0, base: 0, strides: packed_strides(counts) }, wire);
             let packed = view(Region { at: side.0, len: through.len() }, &side);
             // SAFETY: both views name live, disjoint regions (a region of
-            // this memory that `region_of` found the piece to fit, and
+            // this memory that `region_of` found the piece to fit — or a
+            // region a peer of this process offered, which it keeps alive
+            // and unwritten until this rank's done token, sent only after
+            // this copy returned, and never if this run fails first — and
             // `through`, owned here and sized to the packed piece).
             unsafe { copy_strided(counts, &src, &packed) };
             packed
@@ -579,6 +588,26 @@ impl PlaneMemory for SimMemory<'_> {
             None if program.quantize.is_empty() => Ok(()),
             None => Err("block-scaled tensors are quantized in a rank's own memory, not in registered regions".into()),
         }
+    }
+
+    fn offer(&mut self, buffer: u32) -> Result<RegionOffer, String> {
+        let i = buffer as usize;
+        match (self.addrs.get(i), self.lens.get(i)) {
+            (Some(&at), Some(&len)) => Ok(SimOffers::offer(at, len as u64)),
+            _ => Err(format!("buffer {buffer} is not one of this rank's {}", self.addrs.len())),
+        }
+    }
+
+    fn map_offer(&mut self, _peer: Endpoint, offer: &RegionOffer) -> Result<u64, String> {
+        let at = SimOffers::map(offer)?;
+        let len = usize::try_from(offer.len).map_err(|_| format!("a region of {} bytes", offer.len))?;
+        // Read (by `move_piece`) only while the offering member waits for
+        // this rank's done token, writing nothing.
+        // Once per region: every piece's side is looked up among them.
+        if !self.peers.iter().any(|r| r.at == at && r.len == len) {
+            self.peers.push(Region { at, len });
+        }
+        Ok(at)
     }
 }
 

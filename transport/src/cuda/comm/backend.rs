@@ -47,6 +47,30 @@ impl P2p {
     }
 }
 
+/// Why a group failed, as its backend saw it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupError {
+    /// What failed.
+    pub reason: String,
+    /// A peer failed first (it aborted, went away, or NCCL reports a remote
+    /// error): this rank only followed it.
+    pub peer_first: bool,
+}
+
+impl GroupError {
+    /// A failure that began at a peer.
+    pub fn peer(reason: impl Into<String>) -> GroupError {
+        GroupError { reason: reason.into(), peer_first: true }
+    }
+}
+
+impl From<String> for GroupError {
+    /// A failure of this rank's own.
+    fn from(reason: String) -> GroupError {
+        GroupError { reason, peer_first: false }
+    }
+}
+
 /// What the communicator thread needs from a communicator. Every method
 /// but [`CommBackend::abort`] must return promptly (non-blocking NCCL
 /// calls); `abort` may hang, and the thread is abandoned if it does.
@@ -62,10 +86,10 @@ pub trait CommBackend {
     /// on the communicator's stream, after the device event `after` (0:
     /// none), for plan round `round` (every rank's group of a round has the
     /// same number).
-    fn start_group(&mut self, ops: &[P2p], after: u64, round: u32) -> Result<(), String>;
+    fn start_group(&mut self, ops: &[P2p], after: u64, round: u32) -> Result<(), GroupError>;
     /// Progress of the last group: its calls accepted and its work done on
     /// the device; fails on an asynchronous communicator error.
-    fn poll_group(&mut self) -> Result<Progress, String>;
+    fn poll_group(&mut self) -> Result<Progress, GroupError>;
     /// Checks the communicator for an asynchronous error while idle.
     fn check(&mut self) -> Result<(), String>;
     /// Starts tearing the communicator down (`ncclCommAbort`): `Ready` if

@@ -63,6 +63,8 @@ pub enum CommError {
         peers: Vec<u32>,
         /// What failed.
         reason: String,
+        /// A peer failed first (this rank only followed it).
+        peer_first: bool,
     },
     /// The communicator reported an asynchronous error while idle.
     #[error("rank {rank} comm {comm}: asynchronous error: {reason}")]
@@ -112,5 +114,14 @@ fn cleanup_note(abandoned: bool) -> &'static str {
         "; its abort hung and the thread was abandoned (restart the process)"
     } else {
         ""
+    }
+}
+
+impl CommError {
+    /// Whether a peer failed first and this rank only followed it (the
+    /// group failed because a peer aborted, went away, or NCCL reported a
+    /// remote error).
+    pub fn peer_first(&self) -> bool {
+        matches!(self, CommError::GroupFailed { peer_first: true, .. })
     }
 }

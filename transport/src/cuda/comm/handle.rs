@@ -203,7 +203,7 @@ impl CommHandle {
         let result = match answer.recv_timeout(wait) {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(None)) => CommError::GroupTimeout { rank, comm, round, peers, waited: start.elapsed() },
-            Ok(Err(Some(reason))) => CommError::GroupFailed { rank, comm, round, peers, reason },
+            Ok(Err(Some(e))) => CommError::GroupFailed { rank, comm, round, peers, reason: e.reason, peer_first: e.peer_first },
             Err(RecvTimeoutError::Timeout) => {
                 // The thread is stuck inside a call: stop its polling.
                 self.stop.store(true, Ordering::SeqCst);
@@ -297,7 +297,7 @@ impl Drop for CommHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::comm::{abandoned_comm_threads, Progress, RawEvent};
+    use crate::cuda::comm::{abandoned_comm_threads, GroupError, Progress, RawEvent};
     use std::sync::atomic::AtomicUsize;
     use std::sync::mpsc::SyncSender;
     use std::sync::Mutex;
@@ -341,7 +341,7 @@ mod tests {
                 _ => Ok(Progress::Pending),
             }
         }
-        fn start_group(&mut self, ops: &[P2p], after: u64, _round: u32) -> Result<(), String> {
+        fn start_group(&mut self, ops: &[P2p], after: u64, _round: u32) -> Result<(), GroupError> {
             if let Some(rx) = &self.group_hang {
                 let _ = rx.recv();
             }
@@ -350,11 +350,11 @@ mod tests {
             self.log.lock().unwrap().push(format!("group {ops:?}{after}"));
             Ok(())
         }
-        fn poll_group(&mut self) -> Result<Progress, String> {
+        fn poll_group(&mut self) -> Result<Progress, GroupError> {
             self.group_polls += 1;
             if let Some((at, e)) = &self.async_error_at {
                 if self.group_polls >= *at {
-                    return Err(e.clone());
+                    return Err(e.clone().into());
                 }
             }
             match self.group_after {

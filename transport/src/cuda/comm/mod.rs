@@ -38,7 +38,7 @@ mod thread;
 pub use abort::{abandoned_comm_threads, AbortOutcome};
 #[cfg(any(test, feature = "cuda"))]
 pub(crate) use backend::RawEvent;
-pub(crate) use backend::{CommBackend, Fence};
+pub(crate) use backend::{CommBackend, Fence, GroupError};
 pub use backend::{P2p, Progress};
 pub use error::CommError;
 pub use handle::{CommHandle, PendingComm};

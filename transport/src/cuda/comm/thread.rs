@@ -3,7 +3,7 @@
 //! deadline, serves the handle's commands, and aborts (polling a teardown
 //! in progress to its end); a panic of the backend is an error.
 
-use super::backend::{CommBackend, Fence, P2p, Progress};
+use super::backend::{CommBackend, Fence, GroupError, P2p, Progress};
 use super::CommConfig;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub(super) enum Command {
-    Group { ops: Vec<P2p>, after: Option<Fence>, round: u32, deadline: Instant, reply: Sender<Result<(), Option<String>>> },
+    Group { ops: Vec<P2p>, after: Option<Fence>, round: u32, deadline: Instant, reply: Sender<Result<(), Option<GroupError>>> },
     Check { reply: Sender<Result<(), String>> },
     Abort,
 }
@@ -29,12 +29,12 @@ pub(super) enum InitFail {
     Failed(String),
 }
 
-fn poll_until(
+fn poll_until<E: From<String>>(
     stop: &AtomicBool,
     deadline: Instant,
     max_sleep: Duration,
-    mut poll: impl FnMut() -> Result<Progress, String>,
-) -> Result<(), Option<String>> {
+    mut poll: impl FnMut() -> Result<Progress, E>,
+) -> Result<(), Option<E>> {
     let mut sleep = Duration::from_micros(20).min(max_sleep);
     loop {
         match poll() {
@@ -43,7 +43,7 @@ fn poll_until(
             Err(e) => return Err(Some(e)),
         }
         if stop.load(Ordering::SeqCst) {
-            return Err(Some("stopped: abort requested".into()));
+            return Err(Some(E::from("stopped: abort requested".to_string())));
         }
         let now = Instant::now();
         if now >= deadline {
@@ -59,8 +59,8 @@ fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Calls a backend method, turning a panic into an error.
-fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(format!("panicked: {}", panic_text(p))))
+fn guarded<T, E: From<String>>(f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(E::from(format!("panicked: {}", panic_text(p)))))
 }
 
 pub(super) fn comm_thread<B: CommBackend>(

@@ -6,6 +6,7 @@
 
 use super::{driver, issue, no_panic, GpuDevice, GpuError, Loc, PinnedStaging};
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
+use crate::cuda::direct::RegionOffer;
 use crate::cuda::ipc::{within_allocation, BucketLayout, IpcHandle, Mapped, Mappings};
 use crate::cuda::kernels;
 use crate::memory::RankMemory;
@@ -581,5 +582,109 @@ impl DeviceMemory {
                 .map_err(driver(format!("{}: writing piece {block}", self.owner)))?;
         }
         dev.synchronize()
+    }
+}
+
+/// The region `addr..addr + len` of device memory on `dev` as a reader on
+/// the same device maps it (a direct read, [`crate::cuda::direct`]): the
+/// IPC handle of the allocation holding it, checked with the driver, and
+/// its place there. Memory the driver cannot export (PyTorch's expandable
+/// segments, `cuMemCreate` allocations) is refused, naming it.
+pub(crate) fn offer_region(dev: &GpuDevice, owner: Endpoint, addr: u64, len: usize) -> Result<RegionOffer, GpuError> {
+    let what = format!("{owner}: offering {len} bytes at {addr:#x} to a reader on this device");
+    dev.bind()?;
+    device_ranges(dev, owner, &[(addr, len.max(1))], "offering a buffer to a reader on this device")?;
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: valid out-parameters; the address was just found to be device
+    // memory of this context's device.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }.result().map_err(driver(what.clone()))?;
+    let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: `base` is the start of a live allocation (the driver's own
+    // answer above); `raw` is a valid out-parameter.
+    no_panic(&what, || unsafe { sys::cuIpcGetMemHandle(&mut raw, base) }.result().map_err(|e| e.to_string())).map_err(|error| {
+        GpuError::Driver {
+            what: format!("{what} (cuIpcGetMemHandle: memory CUDA IPC cannot export, e.g. PyTorch's expandable segments?)"),
+            error,
+        }
+    })?;
+    let bytes: Vec<u8> = raw.reserved.iter().map(|&c| c as u8).collect();
+    let handle = IpcHandle::from_bytes(&bytes).map_err(|e| GpuError::Invalid { what: what.clone(), problem: e.to_string() })?;
+    // A reader in this process reaches the allocation itself.
+    ipc_mappings().exported(handle, base);
+    Ok(RegionOffer { handle, offset: addr - base, len: len as u64 })
+}
+
+/// Allocations of peers on this device, mapped for direct reads and kept
+/// across the runs of one communicator end (mapping costs far more than a
+/// refit's copies). While copies from them may still run (a run that
+/// failed before its copies finished), they are never closed: dropped then,
+/// they stay mapped for good.
+#[derive(Default)]
+pub(crate) struct PeerMaps {
+    /// Handle -> the mapping, and its allocation's bytes (the driver's).
+    maps: std::collections::HashMap<IpcHandle, (DeviceMemory, u64)>,
+    /// Copies from a mapping were queued and not yet waited for.
+    pub(crate) in_flight: bool,
+}
+
+impl PeerMaps {
+    /// The address of the region `peer` offered, its allocation mapped
+    /// first where it is not yet (checked with the driver: the region must
+    /// lie inside the allocation the handle opens).
+    ///
+    /// # Safety
+    /// The peer must keep the allocation alive and unwritten while this
+    /// rank reads it (until it receives this rank's done token).
+    pub(crate) unsafe fn map(&mut self, dev: &GpuDevice, peer: Endpoint, offer: &RegionOffer) -> Result<u64, GpuError> {
+        let what = || format!("{peer}: a region it offered");
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.maps.entry(offer.handle) {
+            dev.bind()?;
+            let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
+            for (d, &b) in raw.reserved.iter_mut().zip(offer.handle.as_bytes()) {
+                *d = b as std::ffi::c_char;
+            }
+            let open = format!("{peer}: cuIpcOpenMemHandle");
+            let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
+            let mapped = ipc_mappings().acquire(&offer.handle, || {
+                let mut base: sys::CUdeviceptr = 0;
+                // SAFETY: valid out-parameter; the handle is bytes CUDA checks.
+                no_panic(&open, || unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags) }.result().map_err(|e| e.to_string()))
+                    .map_err(|error| GpuError::Driver { what: open.clone(), error })?;
+                Ok(base)
+            })?;
+            let storage = Storage::Imported { ctx: dev.ctx.clone(), handle: Box::new(offer.handle), mapped };
+            // Made before the check, so that an error drops it (its share
+            // of the mapping released).
+            let mut memory = DeviceMemory { owner: peer, storage, addrs: vec![mapped.base()], lens: vec![0], dtypes: vec![DType::U8] };
+            let (mut range_base, mut range_size): (sys::CUdeviceptr, usize) = (0, 0);
+            // SAFETY: valid out-parameters; `mapped.base()` is an address the
+            // driver gave this process, held by `memory`.
+            unsafe { sys::cuMemGetAddressRange_v2(&mut range_base, &mut range_size, mapped.base()) }
+                .result()
+                .map_err(driver(format!("{peer}: the mapped allocation")))?;
+            if range_base != mapped.base() {
+                return Err(GpuError::Invalid {
+                    what: what(),
+                    problem: "the handle opens memory that is not an allocation's start".into(),
+                });
+            }
+            memory.lens[0] = range_size;
+            slot.insert((memory, range_size as u64));
+        }
+        let (memory, size) =
+            self.maps.get(&offer.handle).ok_or_else(|| GpuError::Invalid { what: what(), problem: "not mapped".into() })?;
+        within_allocation(offer.offset, offer.len, 0, *size).map_err(|problem| GpuError::Invalid { what: what(), problem })?;
+        self.in_flight = true;
+        Ok(memory.addrs[0] + offer.offset)
+    }
+}
+
+impl Drop for PeerMaps {
+    fn drop(&mut self) {
+        if self.in_flight {
+            // Copies from them may still run: closing the mappings under
+            // them would fault the context.
+            std::mem::forget(std::mem::take(&mut self.maps));
+        }
     }
 }

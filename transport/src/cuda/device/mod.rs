@@ -33,6 +33,7 @@ pub(crate) use copies::PinnedStaging;
 pub(crate) use copies::{issue, Loc};
 pub(crate) use launch::DeviceKernels;
 pub use memory::DeviceMemory;
+pub(crate) use memory::{offer_region, PeerMaps};
 pub use probe::{device_count, device_uuid, driver_version, nccl_version_text, probe_nccl};
 pub(crate) use probe::{no_panic, probe, probe_driver};
 pub(crate) use quantize::{quantize_rank_on, Quantized};
