@@ -133,7 +133,7 @@ fn the_orchestrator_api_names_transport_types_only_where_known() {
         "pub use transport::DEFAULT_DEADLINE;",
         "pub use transport::fabric::{CommPlane, DataAddr, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};",
         "pub use transport::fabric::Residence;",
-        "pub use transport::fabric::NodeTweak;",
+        "pub use transport::fabric::NodeFaults;",
         // A run's digest, which the member protocol carries.
         "pub use transport::fabric::{DigestError, RankDigest};",
         "pub use transport::Faults;",

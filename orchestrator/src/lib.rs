@@ -39,14 +39,14 @@ pub mod protocol;
 pub mod rendezvous;
 mod store;
 
-pub use member::{FabricTweak, Member, MemberConfig, Role};
+pub use member::{FaultHook, Member, MemberConfig, Role};
 pub use orchestrator::{
     Orchestrator, OrchestratorConfig, OrchestratorError, OrchestratorMsg, OrchestratorReply, PlanReport, RefitPhase, RefitReport,
     RefitStep, RefitTarget, ReplicaLoss, ReplicaPlan, ReplicaReport, SeedReport, SourceLoss,
 };
 pub use protocol::{
-    CommPlane, DataAddr, DigestError, EgressCaps, Fabric, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric, NodeFabric,
-    RankDigest, Refusal, RunDelta, RunStats, Seat, Weights,
+    CommPlane, DataAddr, DigestError, EgressCaps, Fabric, HeldVersion, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric,
+    NodeFabric, ProgramRole, RankDigest, Refusal, RunDelta, RunStats,
 };
 pub use rendezvous::{join, member_name, replica_member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
@@ -56,7 +56,7 @@ pub use store::{
 /// Work the GPU planes of this process did on the host instead of the
 /// device (fallbacks, and dtype pairs no kernel converts): for GPU checks.
 pub use transport::cuda::{host_work, HostWork};
-pub use transport::fabric::NodeTweak;
+pub use transport::fabric::NodeFaults;
 pub use transport::Faults;
 pub use transport::DEFAULT_DEADLINE;
 
@@ -112,8 +112,8 @@ use reshard::{Endpoint, Group, Layout, Rank, Strategy};
 /// stores and tensor views, the refit system and its errors.
 pub mod prelude {
     pub use crate::{
-        spawn_refit, BufferError, Buffers, DstStore, OrchestratorConfig, OrchestratorError, OrchestratorHandle, RefitError, RefitReport,
-        RefitSystem, RefitTarget, Snapshot, SrcStore, TensorView, TensorViewMut, Weights,
+        spawn_refit, BufferError, Buffers, DstStore, HeldVersion, OrchestratorConfig, OrchestratorError, OrchestratorHandle, RefitError,
+        RefitReport, RefitSystem, RefitTarget, Snapshot, SrcStore, TensorView, TensorViewMut,
     };
     pub use reshard::{parse_layout, DType, Endpoint, Group, Layout, LayoutBuilder, MeshDim, Rank, Strategy, TensorBuilder, TensorSubset};
 }

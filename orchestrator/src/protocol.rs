@@ -65,7 +65,7 @@ pub enum MemberMsg {
         /// The plan's fingerprint.
         fingerprint: Fingerprint,
         /// Which rank the program is for.
-        seat: Seat,
+        seat: ProgramRole,
     },
     /// Hold weights for rank `rank` of this group layout from now on (a
     /// destination group that gained or lost a replica): refused unless
@@ -148,7 +148,7 @@ pub enum MemberMsg {
 
 /// Which rank an installed program is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Seat {
+pub enum ProgramRole {
     /// The member's own rank of its group: every refit's programs.
     Own,
     /// A rank of a plan between two replicas of the destination group
@@ -162,7 +162,7 @@ pub enum Seat {
 /// The weights a member holds (a source) or serves (a destination), as it
 /// reports them in [`MemberReply::Status`] and [`MemberReply::Version`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Weights {
+pub enum HeldVersion {
     /// Nothing written (a source) or committed (a destination) yet.
     Unwritten,
     /// This version, whole.
@@ -176,13 +176,13 @@ pub enum Weights {
     },
 }
 
-impl std::fmt::Display for Weights {
+impl std::fmt::Display for HeldVersion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Weights::Unwritten => f.write_str("nothing written"),
-            Weights::Version(v) => write!(f, "version {v}"),
-            Weights::Torn { after: Some(v) } => write!(f, "weights torn by a failed step (or commit) after version {v}"),
-            Weights::Torn { after: None } => write!(f, "weights torn by a failed first step (or commit)"),
+            HeldVersion::Unwritten => f.write_str("nothing written"),
+            HeldVersion::Version(v) => write!(f, "version {v}"),
+            HeldVersion::Torn { after: Some(v) } => write!(f, "weights torn by a failed step (or commit) after version {v}"),
+            HeldVersion::Torn { after: None } => write!(f, "weights torn by a failed first step (or commit)"),
         }
     }
 }
@@ -208,7 +208,7 @@ pub enum Refusal {
     },
     /// The source has nothing whole to send: never written, or torn by a
     /// failed step.
-    NoWeights(Weights),
+    NoWeights(HeldVersion),
     /// The data plane could not be opened or connected.
     Fabric(String),
     /// A step came for another refit than the one prepared.
@@ -302,7 +302,7 @@ pub enum MemberReply {
         /// The plans installed (the latest few, e.g. reshard and baseline).
         installed: Vec<Fingerprint>,
         /// The weights held (a source) or served (a destination).
-        weights: Weights,
+        weights: HeldVersion,
     },
     /// Answer to `Prepare`: where this member's endpoint listens.
     Prepared {
@@ -320,7 +320,7 @@ pub enum MemberReply {
     /// Answer to `Run`.
     Ran(RunStats),
     /// Answer to `Version`.
-    Version(Weights),
+    Version(HeldVersion),
     /// The request was refused.
     Refused(Refusal),
 }

@@ -454,7 +454,7 @@ async fn registered_device_sources_are_refused_on_host_fabrics_and_torn_by_faile
     assert!(sys.dst.iter().all(|s| s.snapshot().is_none()));
     let failed: Result<(u64, ()), &str> = sys.src[0].try_update(|_| Err("the optimizer diverged")).await;
     assert!(failed.is_err());
-    assert!(matches!(sys.src[0].weights(), orchestrator::Weights::Torn { after: Some(1) }));
+    assert!(matches!(sys.src[0].weights(), orchestrator::HeldVersion::Torn { after: Some(1) }));
 }
 
 /// Destinations that serve their weights in the user's own memory (an
@@ -592,7 +592,7 @@ async fn registered_destinations_receive_every_version_in_place() {
         let config =
             OrchestratorConfig { fabric: fabric.clone(), delta, deadline: Duration::from_secs(5), ..config("served", Strategy::Reshard) };
         let sys = served_in_place_in(config, orchestrator::MemberConfig::default(), orchestrator::Residence::Host);
-        assert!(sys.dst.iter().all(|s| s.snapshot().is_none() && s.weights() == orchestrator::Weights::Unwritten));
+        assert!(sys.dst.iter().all(|s| s.snapshot().is_none() && s.weights() == orchestrator::HeldVersion::Unwritten));
         for k in 1..=3 {
             let (w, b) = (k as f32 * 1.5, -(k as f32));
             let v = sys.step(w, b).await;
@@ -893,7 +893,7 @@ async fn destinations_written_in_place_serve_each_commit_and_are_torn_by_a_faile
         // every member is on one GPU: destinations read the sources
         // directly, straight into the served memory.
         let src_config = orchestrator::MemberConfig {
-            tweak: Some(std::sync::Arc::new(|refit, t: &mut orchestrator::NodeTweak| {
+            tweak: Some(std::sync::Arc::new(|refit, t: &mut orchestrator::NodeFaults| {
                 if refit == 3 {
                     t.faults.cut_at_frame = Some(0);
                 }
@@ -933,7 +933,7 @@ async fn destinations_written_in_place_serve_each_commit_and_are_torn_by_a_faile
             sys.orchestrator.refit(v2).await.unwrap_err();
             for d in &sys.dst {
                 assert_eq!(d.serve().await.version(), None);
-                assert!(matches!(d.weights(), orchestrator::Weights::Torn { .. }), "{:?}", d.weights());
+                assert!(matches!(d.weights(), orchestrator::HeldVersion::Torn { .. }), "{:?}", d.weights());
             }
         }
         let v3 = sys.step(6.0, 7.0).await;

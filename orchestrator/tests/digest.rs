@@ -12,8 +12,8 @@
 
 use orchestrator::testkit::Corrupt;
 use orchestrator::{
-    spawn_orchestrator, DstStore, Fabric, Member, MemberConfig, NodeFabric, OrchestratorConfig, OrchestratorError, OrchestratorHandle,
-    RefitError, Registered, Residence, Role, SrcStore, Weights,
+    spawn_orchestrator, DstStore, Fabric, HeldVersion, Member, MemberConfig, NodeFabric, OrchestratorConfig, OrchestratorError,
+    OrchestratorHandle, RefitError, Registered, Residence, Role, SrcStore,
 };
 use reshard::{parse_layout, Endpoint, Group, Layout};
 use std::sync::Arc;
@@ -109,7 +109,7 @@ impl System {
 
     /// What every destination serves: its version (if it serves a whole
     /// one) and the bytes of every buffer.
-    async fn served(&self) -> Vec<(Weights, Vec<Vec<u8>>)> {
+    async fn served(&self) -> Vec<(HeldVersion, Vec<Vec<u8>>)> {
         let mut all = Vec::new();
         for (r, store) in self.dst.iter().enumerate() {
             let bytes = match self.memory.get(r) {
@@ -148,7 +148,7 @@ async fn flipped_byte_is_caught(kind: Kind, fabric: Fabric, delta: bool) {
         assert!(report.verify_time > Duration::ZERO, "{case}");
     }
     let before = sys.served().await;
-    assert!(before.iter().all(|(w, _)| *w == Weights::Version(v)), "{case}");
+    assert!(before.iter().all(|(w, _)| *w == HeldVersion::Version(v)), "{case}");
     // Byte 1 of destination rank 2's first buffer: the high byte of its
     // first bf16 element.
     sys.corrupt[2].arm(0, 1);
@@ -161,7 +161,7 @@ async fn flipped_byte_is_caught(kind: Kind, fabric: Fabric, delta: bool) {
     for (r, ((w0, b0), (w1, b1))) in before.iter().zip(&after).enumerate() {
         match kind {
             // Written where it is served: torn, never the new version.
-            Kind::InPlace => assert!(matches!(w1, Weights::Torn { .. }), "{case}: rank {r} {w1}"),
+            Kind::InPlace => assert!(matches!(w1, HeldVersion::Torn { .. }), "{case}: rank {r} {w1}"),
             // Every destination serves its last version, bit for bit.
             _ => assert!(w1 == w0 && b1 == b0, "{case}: rank {r} serves {w1}, or other bytes of it"),
         }
@@ -171,7 +171,7 @@ async fn flipped_byte_is_caught(kind: Kind, fabric: Fabric, delta: bool) {
     let report = sys.orchestrator.refit(next).await.unwrap_or_else(|e| panic!("{case}: {e}"));
     assert_eq!(report.verified_ranks, 4, "{case}");
     let now = sys.served().await;
-    assert!(now.iter().all(|(w, _)| *w == Weights::Version(next)), "{case}");
+    assert!(now.iter().all(|(w, _)| *w == HeldVersion::Version(next)), "{case}");
     // Every rank of a data-parallel pair holds the same bytes.
     assert!(now[0].1 == now[2].1 && now[1].1 == now[3].1, "{case}");
     assert!(now[0].1 != before[0].1, "{case}");
@@ -222,7 +222,7 @@ async fn a_widening_destination_is_read_back_exactly() {
             sys.corrupt[1].arm(0, 0);
             let e = sys.orchestrator.refit(version).await.unwrap_err();
             assert!(names_rank(&e, 1) && e.to_string().contains("widened"), "{e}");
-            assert!(sys.served().await.iter().all(|(w, _)| *w == Weights::Version(version - 1)));
+            assert!(sys.served().await.iter().all(|(w, _)| *w == HeldVersion::Version(version - 1)));
         } else {
             let report = sys.orchestrator.refit(version).await.unwrap();
             assert_eq!(report.verified_ranks, 4);
@@ -244,7 +244,7 @@ async fn with_the_check_off_a_flipped_byte_is_served() {
     // Rank 2 serves the flipped byte: it differs from rank 0, which holds
     // the same elements.
     let served = sys.served().await;
-    assert!(served.iter().all(|(w, _)| *w == orchestrator::Weights::Version(v)));
+    assert!(served.iter().all(|(w, _)| *w == orchestrator::HeldVersion::Version(v)));
     assert!(served[0].1 != served[2].1);
     let mut unflipped = served[2].1.clone();
     unflipped[0][1] ^= 0xff;

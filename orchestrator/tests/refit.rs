@@ -6,8 +6,8 @@
 //! already served, a dead member) are met with typed errors or no-ops.
 
 use orchestrator::{
-    spawn_refit, Fabric, MemberMsg, MemberReply, NodeFabric, OrchestratorConfig, OrchestratorError, RefitError, RefitSystem, RefitTarget,
-    Refusal, TensorSubset, Weights,
+    spawn_refit, Fabric, HeldVersion, MemberMsg, MemberReply, NodeFabric, OrchestratorConfig, OrchestratorError, RefitError, RefitSystem,
+    RefitTarget, Refusal, TensorSubset,
 };
 use reshard::{parse_layout, Endpoint, Fingerprint, Group, Layout, PlanError, Strategy};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -409,8 +409,8 @@ async fn unwritten_and_torn_sources_are_refused() {
         Err(RefitError::Refit(OrchestratorError::NoWeights { member, weights })) => (member, weights),
         other => panic!("expected NoWeights, got {other:?}"),
     };
-    assert_eq!(refused(sys.orchestrator.refit(0).await), ("src[0]".into(), Weights::Unwritten));
-    assert_eq!(refused(sys.orchestrator.refit_latest().await).1, Weights::Unwritten);
+    assert_eq!(refused(sys.orchestrator.refit(0).await), ("src[0]".into(), HeldVersion::Unwritten));
+    assert_eq!(refused(sys.orchestrator.refit_latest().await).1, HeldVersion::Unwritten);
     let v = step(&sys, 1.0).await;
     // Fails before writing: no harm done.
     let typo = sys.src_stores[0].try_update(|b| b.tensor_mut("W").map(drop)).await;
@@ -425,7 +425,7 @@ async fn unwritten_and_torn_sources_are_refused() {
         .await;
     assert_eq!(half.unwrap_err().to_string(), "tensor 'b': 3 values given for 4 elements");
     assert_eq!(sys.src_stores[1].version(), Some(v));
-    assert_eq!(refused(sys.orchestrator.refit(v).await), ("src[1]".into(), Weights::Torn { after: Some(v) }));
+    assert_eq!(refused(sys.orchestrator.refit(v).await), ("src[1]".into(), HeldVersion::Torn { after: Some(v) }));
     assert!(served(&sys).iter().all(|(ver, _)| *ver == 0));
     // The next good step mends it.
     let v = step(&sys, 2.0).await;
@@ -705,7 +705,7 @@ async fn a_program_that_resizes_the_ranks_buffers_is_refused() {
     program.buffers[0].elems = u64::MAX / 2;
     let reply = sys
         .dst_members
-        .call_rank(1, MemberMsg::Install { program: Box::new(program), fingerprint, seat: orchestrator::Seat::Own })
+        .call_rank(1, MemberMsg::Install { program: Box::new(program), fingerprint, seat: orchestrator::ProgramRole::Own })
         .await
         .unwrap();
     assert!(matches!(&reply, MemberReply::Refused(Refusal::ProgramMismatch(why)) if why.contains("dst rank 1")), "{reply:?}");

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Faults a worker injects into one rank's data plane for its next refit
-/// (chaos testing; through the member's [`orchestrator::FabricTweak`]).
+/// (chaos testing; through the member's [`orchestrator::FaultHook`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FaultSpec {
     /// Flip a byte in this data frame (counted per link from 0) after its
@@ -225,7 +225,7 @@ async fn serve(
     let faults = FaultSlot::default();
     let slot = Arc::clone(&faults);
     let mut config = joined.member_config();
-    config.tweak = Some(Arc::new(move |_refit, data: &mut orchestrator::NodeTweak| {
+    config.tweak = Some(Arc::new(move |_refit, data: &mut orchestrator::NodeFaults| {
         if let Some(f) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
             data.faults = orchestrator::Faults {
                 corrupt_frame: f.corrupt_frame,

@@ -72,7 +72,7 @@ pub use pattern::{
 };
 pub use shm::ShmConfig;
 pub use sockopt::Congestion;
-pub(crate) use staging::{RecvBuffers, Staging, StagingPool};
+pub(crate) use staging::{RecvBuffers, StagingArea, StagingPool};
 #[cfg(any(test, feature = "testkit"))]
 pub use tcp::{tcp_fabric, tcp_fabric_for};
 pub use tcp::{TcpConfig, TcpTransport};

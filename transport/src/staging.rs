@@ -1,6 +1,6 @@
 //! Staging areas for the pieces a sender converts (their wire type differs
 //! from their buffer's), kept from run to run of one plan: a
-//! [`StagingPool`] hands out [`Staging`] areas and takes each back when
+//! [`StagingPool`] hands out [`StagingArea`] areas and takes each back when
 //! the payload that carried it is dropped (by the receiver in process,
 //! once written out over a socket), so a plan's steady state allocates
 //! and faults in no staging memory: the areas of the first run serve
@@ -54,7 +54,7 @@ impl StagingPool {
     /// a new one (zeroed). A kept area's bytes are what its last use left
     /// (initialized, and this rank's own); the packer writes every byte it
     /// sends.
-    pub(crate) fn take(&self, len: usize) -> Staging {
+    pub(crate) fn take(&self, len: usize) -> StagingArea {
         let kept = {
             let mut free = self.0.free.lock().unwrap_or_else(|e| e.into_inner());
             let best = free.iter().enumerate().filter(|(_, v)| v.len() >= len).min_by_key(|(_, v)| v.len()).map(|(i, _)| i);
@@ -64,7 +64,7 @@ impl StagingPool {
             self.0.made.fetch_add(1, Ordering::Relaxed);
             vec![0u8; len]
         });
-        Staging { bytes, len, home: Some(self.clone()) }
+        StagingArea { bytes, len, home: Some(self.clone()) }
     }
 
     /// The receive buffers the last run left (empty the first time): the
@@ -101,13 +101,13 @@ impl StagingPool {
 /// One staging area: `len` bytes in use of an area at least that long;
 /// back to its pool when dropped.
 #[derive(Debug, Default)]
-pub(crate) struct Staging {
+pub(crate) struct StagingArea {
     bytes: Vec<u8>,
     len: usize,
     home: Option<StagingPool>,
 }
 
-impl Staging {
+impl StagingArea {
     /// The bytes in use.
     pub(crate) fn as_slice(&self) -> &[u8] {
         &self.bytes[..self.len]
@@ -119,7 +119,7 @@ impl Staging {
     }
 }
 
-impl Drop for Staging {
+impl Drop for StagingArea {
     fn drop(&mut self) {
         if let Some(pool) = self.home.take() {
             pool.give_back(std::mem::take(&mut self.bytes));
@@ -156,7 +156,7 @@ mod tests {
     #[test]
     fn a_pool_keeps_a_bounded_number_of_areas_dropping_the_smallest() {
         let pool = StagingPool::default();
-        let areas: Vec<Staging> = (1..=KEPT + 3).map(|n| pool.take(n)).collect();
+        let areas: Vec<StagingArea> = (1..=KEPT + 3).map(|n| pool.take(n)).collect();
         drop(areas);
         let StagingKept { areas: count, bytes, .. } = pool.kept();
         assert_eq!(count, KEPT);

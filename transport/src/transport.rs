@@ -7,7 +7,7 @@
 
 use crate::copy::{fits, packed_strides, prefetch, StridedRef, PREFETCH_AHEAD};
 use crate::memory::RawBuf;
-use crate::Staging;
+use crate::StagingArea;
 use reshard::SendPieceView;
 use reshard::MAX_DIMS;
 use reshard::{DType, Endpoint, Message, SendPiece};
@@ -142,7 +142,7 @@ pub struct SentPieces {
     /// Number of regions.
     n_regions: usize,
     /// Converted pieces, in wire type.
-    staging: Staging,
+    staging: StagingArea,
     /// Pieces to convert are left to the transport (no staging).
     unconverted: bool,
     /// Tells the sender, when dropped, that its memory is free again.
@@ -177,7 +177,7 @@ impl SentPieces {
     /// valid, and the regions' bytes that the pieces read unwritten, until
     /// the payload is dropped: the sender waits for its release before it
     /// touches them again (and so before its program and buffer list go).
-    pub(crate) unsafe fn new(message: &Message<SendPiece>, regions: &[RawBuf], staging: Staging) -> SentPieces {
+    pub(crate) unsafe fn new(message: &Message<SendPiece>, regions: &[RawBuf], staging: StagingArea) -> SentPieces {
         SentPieces {
             message,
             regions: regions.as_ptr(),
@@ -196,7 +196,7 @@ impl SentPieces {
     /// As [`SentPieces::new`].
     pub(crate) unsafe fn unconverted(message: &Message<SendPiece>, regions: &[RawBuf]) -> SentPieces {
         // SAFETY: the caller's contract is `new`'s.
-        SentPieces { unconverted: true, ..unsafe { SentPieces::new(message, regions, Staging::default()) } }
+        SentPieces { unconverted: true, ..unsafe { SentPieces::new(message, regions, StagingArea::default()) } }
     }
 
     /// Whether some pieces are still in their buffers' type, for the

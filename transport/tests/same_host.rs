@@ -9,7 +9,7 @@ use reshard::{parse_layout, plan_reshard, Endpoint, Layout, PlanOptions, RankPro
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 use transport::fabric::{
-    this_host, Connecting, Fabric, Host, NodeFabric, NodeTweak, PeerAddr, RankEnd, RunError, RunMemory, RunOptions, Scratch, Site,
+    this_host, Connecting, Fabric, Host, NodeFabric, NodeFaults, PeerAddr, RankEnd, RankRunError, RunMemory, RunOptions, Scratch, Site,
     StagingKept,
 };
 use transport::{fill_sources, verify_destinations, HelloKey, RankMemory};
@@ -30,13 +30,13 @@ fn layouts() -> (Layout, Layout) {
 /// destination element checked, with whether each source rank sent
 /// through shared memory (it made no staging area), or the first rank's
 /// error.
-fn refit(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session: &str) -> Result<Vec<bool>, RunError> {
+fn refit(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session: &str) -> Result<Vec<bool>, RankRunError> {
     Ok(refit_in(same_host, src_host, dst_host, crowd, session)?[..2].iter().map(|kept| kept.made == 0).collect())
 }
 
 /// As [`refit`]: what each rank's scratch kept of staging areas, in
 /// program order.
-fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session: &str) -> Result<Vec<StagingKept>, RunError> {
+fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session: &str) -> Result<Vec<StagingKept>, RankRunError> {
     let (src, dst) = layouts();
     let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
     let programs: Vec<RankProgram> = plan.programs(&src, &dst).unwrap();
@@ -63,7 +63,7 @@ fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session
     }
     let mut memory = RankMemory::for_programs(&programs);
     fill_sources(&src, &mut memory[..2]);
-    let results: Vec<Result<StagingKept, RunError>> = std::thread::scope(|s| {
+    let results: Vec<Result<StagingKept, RankRunError>> = std::thread::scope(|s| {
         let handles: Vec<_> = ends
             .into_iter()
             .zip(&programs)
@@ -71,9 +71,9 @@ fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session
             .map(|((end, program), memory)| {
                 let table = &table;
                 s.spawn(move || {
-                    let tweak = |_: &mut NodeTweak| {};
+                    let tweak = |_: &mut NodeFaults| {};
                     let key = HelloKey([7; 32]);
-                    let mut end = end.connect(program, table, Connecting { key, tweak: &tweak }).map_err(RunError::Fabric)?;
+                    let mut end = end.connect(program, table, Connecting { key, tweak: &tweak }).map_err(RankRunError::Fabric)?;
                     let mut scratch = Scratch::default();
                     let options = RunOptions { deadline: Duration::from_secs(10), delta: None, scratch: &mut scratch };
                     end.run(program, RunMemory::Host(memory), options)?;
@@ -83,7 +83,7 @@ fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let kept = results.into_iter().collect::<Result<Vec<StagingKept>, RunError>>()?;
+    let kept = results.into_iter().collect::<Result<Vec<StagingKept>, RankRunError>>()?;
     verify_destinations(&src, &dst, &memory[2..]).unwrap();
     Ok(kept)
 }

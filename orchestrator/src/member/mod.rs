@@ -3,17 +3,19 @@
 //! store with the user's training or inference actor and talks to the
 //! orchestrator only by message, so it may live in any process.
 
-use crate::protocol::{Fabric, LayoutInfo, MemberMsg, MemberReply, PeerAddr, Refusal, RunDelta, RunStats, Seat, Weights, INSTALLED_PLANS};
+use crate::protocol::{
+    Fabric, HeldVersion, LayoutInfo, MemberMsg, MemberReply, PeerAddr, ProgramRole, Refusal, RunDelta, RunStats, INSTALLED_PLANS,
+};
 use crate::store::{CommitFence, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{BufferSpec, Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::fabric::{Connecting, NodeTweak, RankEnd, RegisteredStaging, Residence, RunMemory, Site};
+use transport::fabric::{Connecting, NodeFaults, RankEnd, RegisteredStaging, Residence, RunMemory, Site};
 mod run;
 
-use run::{execute_on, finish, run_dst, run_seed, run_src, split, watched, Leftover, RankRun, RunHow};
+use run::{execute_on, finish, run_dst, run_seed, run_src, split, watched, RankRun, RunReuse, RunSettings};
 
 /// Which side of the refit a member is on, with its rank's store.
 #[derive(Debug, Clone)]
@@ -35,7 +37,7 @@ impl Role {
     }
 
     /// The weights held (a source) or served (a destination).
-    fn weights(&self) -> Weights {
+    fn weights(&self) -> HeldVersion {
         match self {
             Role::Src(store) => store.weights(),
             Role::Dst(store) => store.weights(),
@@ -47,7 +49,7 @@ impl Role {
 /// number) just before the endpoint connects: for tools that emulate
 /// links per member or inject faults in tests. Production members have
 /// none.
-pub type FabricTweak = Arc<dyn Fn(u64, &mut NodeTweak) + Send + Sync>;
+pub type FaultHook = Arc<dyn Fn(u64, &mut NodeFaults) + Send + Sync>;
 
 /// Where a member's data plane listens, and how it may be adjusted.
 #[derive(Clone)]
@@ -56,8 +58,8 @@ pub struct MemberConfig {
     /// (default loopback; [`crate::join`] uses the interface that reaches
     /// the rendezvous).
     pub data_ip: IpAddr,
-    /// See [`FabricTweak`].
-    pub tweak: Option<FabricTweak>,
+    /// See [`FaultHook`].
+    pub tweak: Option<FaultHook>,
     /// The job's secret: every node-fabric handshake proves knowledge of
     /// a key derived from it for the session (`None`: a random secret of
     /// this process, which every member of this process shares; members in
@@ -176,7 +178,7 @@ struct Pending {
 
 /// A node-fabric endpoint left connected and clean by a run that succeeded,
 /// for the next refit of the same plan (`MemberMsg::Resume`).
-struct Kept {
+struct KeptEndpoint {
     fingerprint: Fingerprint,
     session: String,
     end: RankEnd,
@@ -200,9 +202,9 @@ pub struct Member {
     /// The refit in progress.
     state: RefitState,
     /// At most one kept endpoint per installed plan.
-    kept: Vec<Kept>,
+    kept: Vec<KeptEndpoint>,
     /// What a plan's last clean run left for the next, by plan.
-    leftovers: Vec<(Fingerprint, Leftover)>,
+    leftovers: Vec<(Fingerprint, RunReuse)>,
     /// A registered destination's staging, kept between refits.
     registered_staging: Option<RegisteredStaging>,
 }
@@ -291,7 +293,7 @@ impl Member {
         };
         match self.kept.iter().position(|k| k.fingerprint == fingerprint && k.session == session) {
             Some(i) => {
-                let Kept { end, session, .. } = self.kept.swap_remove(i);
+                let KeptEndpoint { end, session, .. } = self.kept.swap_remove(i);
                 self.state = RefitState::Connected(Pending { refit, program, end, session, keep: true });
                 MemberReply::Done
             }
@@ -310,7 +312,7 @@ impl Member {
             Err(e) => return MemberReply::Refused(Refusal::Fabric(format!("no data-plane key: {e}"))),
         };
         let tweak = self.config.tweak.clone();
-        let tweak = move |tweaks: &mut NodeTweak| {
+        let tweak = move |tweaks: &mut NodeFaults| {
             if let Some(t) = &tweak {
                 t(refit, tweaks);
             }
@@ -352,7 +354,7 @@ impl Member {
         // This plan's scratch from its last clean run, if any; taken, so a
         // run that fails leaves none behind.
         let left = self.leftovers.iter().position(|(f, _)| *f == fingerprint).map(|i| self.leftovers.swap_remove(i).1).unwrap_or_default();
-        let how = RunHow {
+        let how = RunSettings {
             refit,
             deadline,
             delta,
@@ -381,11 +383,11 @@ impl Member {
     /// endpoint, kept (`keep`) while connected — every message of the
     /// program was sent and received, and what it lent released, so the
     /// connections carry nothing of this refit.
-    fn keep_after_run(&mut self, fingerprint: Fingerprint, session: String, end: RankEnd, left: Leftover, keep: bool) {
+    fn keep_after_run(&mut self, fingerprint: Fingerprint, session: String, end: RankEnd, left: RunReuse, keep: bool) {
         self.leftovers.push((fingerprint, left));
         if keep && end.is_connected() {
             self.kept.retain(|k| k.fingerprint != fingerprint);
-            self.kept.push(Kept { fingerprint, session, end });
+            self.kept.push(KeptEndpoint { fingerprint, session, end });
         }
     }
 
@@ -401,7 +403,7 @@ impl Member {
         &mut self,
         store: &Arc<DstStore>,
         run: RankRun,
-    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
+    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, RunReuse)>) {
         let started = Instant::now();
         let RankRun { program, mut end, how, left, version, kill } = run;
         let Some(registered) = store.registered_memory().cloned() else {
@@ -484,7 +486,7 @@ impl Member {
         registered: crate::Registered,
         run: RankRun,
         started: Instant,
-    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>) {
+    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, RunReuse)>) {
         let RankRun { program, mut end, how, left, version, kill } = run;
         let Some(fence) = store.fence_for_commit(how.deadline).await else {
             let why = format!("{}: readers held its registered weights (DstStore::serve) past the refit's deadline", program.endpoint);
@@ -493,7 +495,7 @@ impl Member {
         };
         // From the first byte written the memory holds no whole version.
         store.tear(&fence);
-        let how = RunHow { deadline: how.deadline.saturating_sub(started.elapsed()), ..how };
+        let how = RunSettings { deadline: how.deadline.saturating_sub(started.elapsed()), ..how };
         let p = program.clone();
         let run = tokio::task::spawn_blocking(move || {
             let (r, left) = execute_on(&p, RunMemory::Registered(&registered), &mut end, how, left);
@@ -558,25 +560,25 @@ impl Member {
     /// Why `program`'s buffers are not this rank's (its first buffers must
     /// be the rank's own, as its layout says: a program cannot make a
     /// member size or address its weights otherwise), if they are not. A
-    /// program for a rank of a replica (`Seat::Replica`) names its
+    /// program for a rank of a replica (`ProgramRole::Replica`) names its
     /// buffers as that replica's layout does: their types and sizes must
     /// be this rank's.
-    fn foreign_buffers(&self, program: &RankProgram, seat: Seat) -> Option<String> {
+    fn foreign_buffers(&self, program: &RankProgram, seat: ProgramRole) -> Option<String> {
         let own = &self.own_buffers;
         let given = program.buffers.get(..own.len());
         let fits = match (seat, given) {
             (_, None) => false,
-            (Seat::Own, Some(given)) => given == own.as_slice(),
-            (Seat::Replica, Some(given)) => same_shapes(given, own),
+            (ProgramRole::Own, Some(given)) => given == own.as_slice(),
+            (ProgramRole::Replica, Some(given)) => same_shapes(given, own),
         };
         (!fits).then(|| format!("its first buffers are not the {} buffers {} holds in its layout", own.len(), self.endpoint))
     }
 
-    fn install(&mut self, program: Box<RankProgram>, fingerprint: Fingerprint, seat: Seat) -> MemberReply {
+    fn install(&mut self, program: Box<RankProgram>, fingerprint: Fingerprint, seat: ProgramRole) -> MemberReply {
         let seated = match seat {
-            Seat::Own => program.endpoint == self.endpoint,
+            ProgramRole::Own => program.endpoint == self.endpoint,
             // A destination serves its replica's version, or joins one.
-            Seat::Replica => self.endpoint.group == Group::Dst,
+            ProgramRole::Replica => self.endpoint.group == Group::Dst,
         };
         if program.fingerprint != fingerprint {
             MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint })

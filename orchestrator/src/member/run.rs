@@ -4,27 +4,27 @@
 //! the plan's last run left, the digest, and the watchdog past the
 //! deadline.
 
-use crate::protocol::{DigestError, MemberReply, Refusal, RunDelta, RunStats, Weights};
+use crate::protocol::{DigestError, HeldVersion, MemberReply, Refusal, RunDelta, RunStats};
 use crate::store::{Buffers, DstStore, SrcStore};
 use reshard::RankProgram;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::fabric::{KillSwitch, RankEnd, RunError, RunMemory, RunOptions, Scratch};
+use transport::fabric::{KillSwitch, RankEnd, RankRunError, RunMemory, RunOptions, Scratch};
 use transport::{DeltaMemo, DeltaRun};
 
 /// A rank's run of its program, as [`Member::run`] hands it on.
 pub(super) struct RankRun {
     pub(super) program: Arc<RankProgram>,
     pub(super) end: RankEnd,
-    pub(super) how: RunHow,
-    pub(super) left: Leftover,
+    pub(super) how: RunSettings,
+    pub(super) left: RunReuse,
     pub(super) version: u64,
     pub(super) kill: Option<KillSwitch>,
 }
 
 /// What a clean run of a plan leaves for the next run of it.
 #[derive(Default)]
-pub(super) struct Leftover {
+pub(super) struct RunReuse {
     /// Its scratch buffers.
     pub(super) scratch: Scratch,
     /// A delta run's memo, with the refit it comes from.
@@ -47,7 +47,7 @@ pub(super) fn carry(carried: &[u32], from: &Buffers, to: &mut Buffers) {
 
 /// How one run goes.
 #[derive(Clone, Copy)]
-pub(super) struct RunHow {
+pub(super) struct RunSettings {
     /// The refit.
     pub(super) refit: u64,
     /// Time the data movement may take.
@@ -70,19 +70,19 @@ pub(super) fn execute_on(
     program: &RankProgram,
     mut memory: RunMemory<'_>,
     end: &mut RankEnd,
-    how: RunHow,
-    left: Leftover,
-) -> (Result<RunStats, Refusal>, Leftover) {
-    let Leftover { mut scratch, memo } = left;
+    how: RunSettings,
+    left: RunReuse,
+) -> (Result<RunStats, Refusal>, RunReuse) {
+    let RunReuse { mut scratch, memo } = left;
     let mut delta = delta_run(&how, memo);
     let on_host = end.on_host_transport();
     let r = end.run(program, memory.reborrow(), RunOptions { deadline: how.deadline, delta: delta.as_mut(), scratch: &mut scratch });
     let memo = kept_memo(&r, &how, delta);
     let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages, ..RunStats::default() });
     let mut r = r.map_err(|e| match e {
-        RunError::Fabric(why) => Refusal::Fabric(why),
-        RunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why),
-        RunError::Exec { why, after_peer } => Refusal::Exec { why, after_peer },
+        RankRunError::Fabric(why) => Refusal::Fabric(why),
+        RankRunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why),
+        RankRunError::Exec { why, after_peer } => Refusal::Exec { why, after_peer },
     });
     #[cfg(feature = "testkit")]
     if let (Ok(_), Some((buffer, byte))) = (&r, how.corrupt) {
@@ -99,13 +99,13 @@ pub(super) fn execute_on(
         });
         stats.digest_time = t.elapsed();
     }
-    (r, Leftover { scratch, memo })
+    (r, RunReuse { scratch, memo })
 }
 
 /// The delta run `how` asks for, on the memo a run left if it is the base
 /// refit's (otherwise this rank's messages go dense, and a peer that sends
 /// it a delta fails the refit: the orchestrator then starts over, dense).
-pub(super) fn delta_run(how: &RunHow, memo: Option<(u64, DeltaMemo)>) -> Option<DeltaRun> {
+pub(super) fn delta_run(how: &RunSettings, memo: Option<(u64, DeltaMemo)>) -> Option<DeltaRun> {
     let base = match how.delta {
         RunDelta::Off => return None,
         RunDelta::First => None,
@@ -115,7 +115,7 @@ pub(super) fn delta_run(how: &RunHow, memo: Option<(u64, DeltaMemo)>) -> Option<
 }
 
 /// The memo a successful delta run leaves for the next, with its refit.
-pub(super) fn kept_memo<T, E>(r: &Result<T, E>, how: &RunHow, delta: Option<DeltaRun>) -> Option<(u64, DeltaMemo)> {
+pub(super) fn kept_memo<T, E>(r: &Result<T, E>, how: &RunSettings, delta: Option<DeltaRun>) -> Option<(u64, DeltaMemo)> {
     delta.filter(|_| r.is_ok()).map(|d| (how.refit, d.next))
 }
 
@@ -156,10 +156,10 @@ pub(super) fn split<T>(joined: Result<(Result<RunStats, Refusal>, T), tokio::tas
 
 /// Why a rank holding (or serving) `weights` cannot send `version`, if
 /// it cannot.
-pub(super) fn not_holding(weights: Weights, version: u64) -> Option<Refusal> {
+pub(super) fn not_holding(weights: HeldVersion, version: u64) -> Option<Refusal> {
     match weights {
-        Weights::Version(held) if held == version => None,
-        Weights::Version(held) => Some(Refusal::VersionMismatch { held, asked: version }),
+        HeldVersion::Version(held) if held == version => None,
+        HeldVersion::Version(held) => Some(Refusal::VersionMismatch { held, asked: version }),
         other => Some(Refusal::NoWeights(other)),
     }
 }
@@ -173,7 +173,7 @@ pub(super) fn finish(result: Result<RunStats, Refusal>) -> MemberReply {
 
 /// What a run ends with: its outcome and, unless its task failed, the
 /// endpoint and what it leaves for the plan's next run.
-pub(super) type Ran = (Result<RunStats, Refusal>, Option<(RankEnd, Leftover)>);
+pub(super) type Ran = (Result<RunStats, Refusal>, Option<(RankEnd, RunReuse)>);
 
 /// A run refused before it started: its peers are told (the end aborts).
 pub(super) fn refuse_run(mut end: RankEnd, refusal: Refusal) -> Ran {

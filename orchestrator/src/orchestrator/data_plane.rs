@@ -3,7 +3,7 @@
 //! and the kept planes forgotten.
 
 use super::error::refused;
-use super::members::{no_refusal, Answer, Cast};
+use super::members::{no_refusal, Answer, RunMembers};
 use super::verify::MemberDigest;
 use super::{Orchestrator, OrchestratorError, RefitStep};
 use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal, RunDelta};
@@ -17,14 +17,14 @@ impl Orchestrator {
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn transfer(
         &self,
-        cast: &Cast,
+        cast: &RunMembers,
         refit: u64,
         session: &str,
         version: u64,
         fingerprint: Fingerprint,
         resumed: bool,
         connect_time: &mut Duration,
-    ) -> Result<Moved, (OrchestratorError, Blame)> {
+    ) -> Result<Moved, (OrchestratorError, StepOutcome)> {
         let t = Instant::now();
         let control = self.config.control_timeout;
         if !resumed {
@@ -41,8 +41,8 @@ impl Orchestrator {
         let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta, verify });
         self.enter(RefitStep::Running);
         let ran = self.ask_each(cast, run, deadline + control).await;
-        if Blame::any(&ran) {
-            let blame = Blame::of(&ran);
+        if StepOutcome::any(&ran) {
+            let blame = StepOutcome::of(&ran);
             tracing::debug!(failed = ?blame.failed, gone = ?blame.gone, ran = blame.ran.len(), answers = ?ran, "the run failed");
             return Err((first_failure(&ran, "Run"), blame));
         }
@@ -56,7 +56,7 @@ impl Orchestrator {
                 }
                 other => {
                     let error = OrchestratorError::Protocol { member, request: "Run", reply: format!("{other:?}") };
-                    return Err((error, Blame::default()));
+                    return Err((error, StepOutcome::default()));
                 }
             }
         }
@@ -85,21 +85,27 @@ impl Orchestrator {
 
     /// Opens a fresh data plane for this refit on every member of `cast`:
     /// prepare, and connect for the node fabric.
-    async fn open(&self, cast: &Cast, refit: u64, session: &str, fingerprint: Fingerprint) -> Result<(), (OrchestratorError, Blame)> {
+    async fn open(
+        &self,
+        cast: &RunMembers,
+        refit: u64,
+        session: &str,
+        fingerprint: Fingerprint,
+    ) -> Result<(), (OrchestratorError, StepOutcome)> {
         let control = self.config.control_timeout;
         let fabric = self.config.fabric.clone();
         let keep = self.keeps_data_plane();
         let prepare = |_, _| Some(MemberMsg::Prepare { refit, fingerprint, session: session.to_string(), fabric: fabric.clone(), keep });
         self.enter(RefitStep::Preparing);
         let prepared = self.ask_each(cast, prepare, control).await;
-        if Blame::any(&prepared) {
-            return Err((first_failure(&prepared, "Prepare"), Blame::of(&prepared)));
+        if StepOutcome::any(&prepared) {
+            return Err((first_failure(&prepared, "Prepare"), StepOutcome::of(&prepared)));
         }
         let mut peers = Vec::with_capacity(prepared.len());
         for (_, member, reply) in prepared {
             let Ok(MemberReply::Prepared { endpoint, node, addr, host }) = reply else {
                 let error = OrchestratorError::Protocol { member, request: "Prepare", reply: format!("{reply:?}") };
-                return Err((error, Blame::default()));
+                return Err((error, StepOutcome::default()));
             };
             peers.push(PeerAddr { endpoint, node, addr, host });
         }
@@ -115,8 +121,8 @@ impl Orchestrator {
             let connect = |_, _| Some(MemberMsg::Connect { refit, peers: peers.clone() });
             self.enter(RefitStep::Connecting);
             let connected = self.ask_each(cast, connect, timeout + control).await;
-            if Blame::any(&connected) {
-                return Err((first_failure(&connected, "Connect"), Blame::of(&connected)));
+            if StepOutcome::any(&connected) {
+                return Err((first_failure(&connected, "Connect"), StepOutcome::of(&connected)));
             }
         }
         Ok(())
@@ -148,7 +154,7 @@ pub(super) struct Moved {
 /// Who failed a step of a refit's data plane (what a destination group of
 /// replicas needs to go on without theirs).
 #[derive(Debug, Default)]
-pub(super) struct Blame {
+pub(super) struct StepOutcome {
     /// The members whose own part failed: they refused the step, failed
     /// it themselves (not because a peer did) or did not answer (gone,
     /// or too late). Empty when the failure is the orchestrator's.
@@ -163,9 +169,9 @@ pub(super) struct Blame {
     pub(super) moved: Moved,
 }
 
-impl Blame {
-    fn of(answers: &[Answer]) -> Blame {
-        let mut blame = Blame::default();
+impl StepOutcome {
+    fn of(answers: &[Answer]) -> StepOutcome {
+        let mut blame = StepOutcome::default();
         for (e, member, r) in answers {
             match r {
                 Err(_) => {

@@ -1,7 +1,7 @@
 //! Why a refit failed ([`OrchestratorError`]), and how a member's failed
 //! call or refusal becomes one.
 
-use crate::protocol::{Refusal, Weights};
+use crate::protocol::{HeldVersion, Refusal};
 use actors::CallError;
 use reshard::{Endpoint, Fingerprint, Group, PlanError};
 use std::time::Duration;
@@ -53,7 +53,7 @@ pub enum OrchestratorError {
         /// The member.
         member: String,
         /// What it holds.
-        weights: Weights,
+        weights: HeldVersion,
     },
     /// [`RefitTarget::Latest`](super::RefitTarget::Latest): the sources kept holding different versions
     /// for the whole control timeout.

@@ -1,9 +1,9 @@
 //! Members a refit lost, and whether it goes on without them: sources left
 //! out of the plan ([`SourceLoss::Replan`]) and replicas of a destination
 //! group of replicas dropped ([`ReplicaLoss::Drop`], `replicas.rs`),
-//! decided from who failed ([`Blame`]).
+//! decided from who failed ([`StepOutcome`]).
 
-use super::data_plane::Blame;
+use super::data_plane::StepOutcome;
 use super::{Orchestrator, OrchestratorError, ReplicaLoss, SourceLoss};
 use crate::protocol::MemberMsg;
 use reshard::{Endpoint, Group, Strategy};
@@ -15,7 +15,7 @@ impl Orchestrator {
     /// failures are taken for the consequences (a receiver that timed out
     /// waiting for a dead sender cannot tell); one that was not fails the
     /// refit when it runs again.
-    pub(super) fn lost_sources_of(&self, blame: &Blame) -> Option<Vec<u32>> {
+    pub(super) fn lost_sources_of(&self, blame: &StepOutcome) -> Option<Vec<u32>> {
         if self.config.source_loss != SourceLoss::Replan || self.config.mode != Strategy::Reshard || blame.gone.is_empty() {
             return None;
         }
@@ -55,7 +55,7 @@ impl Orchestrator {
     /// refit is to run again (the error says so); else `e`.
     pub(super) async fn lose_silent(&mut self, e: OrchestratorError) -> OrchestratorError {
         let gone = self.unanswering().await;
-        let blame = Blame { failed: gone.clone(), gone, ..Blame::default() };
+        let blame = StepOutcome { failed: gone.clone(), gone, ..StepOutcome::default() };
         if let Some(ranks) = self.lost_sources_of(&blame) {
             return self.leave_out_sources(ranks, e);
         }

@@ -4,7 +4,7 @@
 use super::error::{call_error, refused};
 use super::{Orchestrator, OrchestratorError};
 use crate::member::Member;
-use crate::protocol::{MemberMsg, MemberReply, Weights};
+use crate::protocol::{HeldVersion, MemberMsg, MemberReply};
 use actors::ActorGroup;
 use reshard::{Endpoint, Fingerprint, Group, Layout};
 use std::sync::Arc;
@@ -47,7 +47,12 @@ pub(super) async fn describe(
 pub(super) type Answer = (Endpoint, String, Result<MemberReply, OrchestratorError>);
 
 /// Every asked member's answer to `msg(group, rank)`, sources first, by rank.
-async fn call_each(cast: &Cast, msg: impl Fn(Group, usize) -> Option<MemberMsg>, after: Duration, sent: impl FnOnce(usize)) -> Vec<Answer> {
+async fn call_each(
+    cast: &RunMembers,
+    msg: impl Fn(Group, usize) -> Option<MemberMsg>,
+    after: Duration,
+    sent: impl FnOnce(usize),
+) -> Vec<Answer> {
     let mut calls = Vec::new();
     for (g, group) in [(Group::Src, &cast.src), (Group::Dst, &cast.dst)] {
         for (rank, member) in group.iter() {
@@ -73,7 +78,7 @@ async fn call_each(cast: &Cast, msg: impl Fn(Group, usize) -> Option<MemberMsg>,
 
 /// Every member's reply to `msg(group, rank)`, or the first failure.
 async fn call_both(
-    cast: &Cast,
+    cast: &RunMembers,
     msg: impl Fn(Group, usize) -> Option<MemberMsg>,
     after: Duration,
     sent: impl FnOnce(usize),
@@ -100,7 +105,7 @@ pub(super) struct Status {
     /// The plans each member has installed.
     pub(super) installed: Vec<Vec<Fingerprint>>,
     /// The weights each member holds or serves.
-    pub(super) weights: Vec<Weights>,
+    pub(super) weights: Vec<HeldVersion>,
     /// Members of the source group (the rest are destinations).
     pub(super) n_src: usize,
     /// Lost sources, by rank: not asked (see
@@ -110,11 +115,11 @@ pub(super) struct Status {
 }
 
 impl Status {
-    pub(super) fn src_weights(&self) -> &[Weights] {
+    pub(super) fn src_weights(&self) -> &[HeldVersion] {
         &self.weights[..self.n_src]
     }
 
-    pub(super) fn dst_weights(&self) -> &[Weights] {
+    pub(super) fn dst_weights(&self) -> &[HeldVersion] {
         &self.weights[self.n_src..]
     }
 }
@@ -124,7 +129,7 @@ impl Status {
 /// refit's cast is both groups; seeding a replica's is a serving replica's
 /// members (as sources) and the new replica's (as destinations).
 #[derive(Clone)]
-pub(super) struct Cast {
+pub(super) struct RunMembers {
     pub(super) src: ActorGroup<Member>,
     pub(super) dst: ActorGroup<Member>,
     /// Members not asked anything: lost sources (see
@@ -132,10 +137,10 @@ pub(super) struct Cast {
     pub(super) absent: Vec<Endpoint>,
 }
 
-impl Cast {
+impl RunMembers {
     /// Every member of `src` and `dst`.
-    pub(super) fn of(src: ActorGroup<Member>, dst: ActorGroup<Member>) -> Cast {
-        Cast { src, dst, absent: Vec::new() }
+    pub(super) fn of(src: ActorGroup<Member>, dst: ActorGroup<Member>) -> RunMembers {
+        RunMembers { src, dst, absent: Vec::new() }
     }
 
     /// Every endpoint of the plan the cast runs.
@@ -146,9 +151,9 @@ impl Cast {
 
 impl Orchestrator {
     /// The cast of a refit: both groups.
-    pub(super) fn groups(&self) -> Cast {
+    pub(super) fn groups(&self) -> RunMembers {
         let absent = self.lost_sources.iter().map(|&r| Endpoint::src(r)).collect();
-        Cast { src: self.src.clone(), dst: self.dst.clone(), absent }
+        RunMembers { src: self.src.clone(), dst: self.dst.clone(), absent }
     }
 
     /// Every member's reply to `msg(group, rank)` (`None`: that member is
@@ -164,7 +169,7 @@ impl Orchestrator {
     /// [`ask_all`](Self::ask_all) of the members of `cast`.
     pub(super) async fn ask_cast(
         &self,
-        cast: &Cast,
+        cast: &RunMembers,
         msg: impl Fn(Group, usize) -> Option<MemberMsg>,
         after: Duration,
     ) -> Result<Vec<(String, MemberReply)>, OrchestratorError> {
@@ -172,7 +177,12 @@ impl Orchestrator {
     }
 
     /// Every asked member of `cast`'s answer, failed or not; counted.
-    pub(super) async fn ask_each(&self, cast: &Cast, msg: impl Fn(Group, usize) -> Option<MemberMsg>, after: Duration) -> Vec<Answer> {
+    pub(super) async fn ask_each(
+        &self,
+        cast: &RunMembers,
+        msg: impl Fn(Group, usize) -> Option<MemberMsg>,
+        after: Duration,
+    ) -> Vec<Answer> {
         call_each(cast, msg, after, |n| self.sent(n)).await
     }
 
@@ -183,7 +193,7 @@ impl Orchestrator {
     }
 
     /// [`tell_all`](Self::tell_all) to the members of `cast`.
-    pub(super) fn tell_cast(&self, cast: &Cast, msg: impl Fn() -> MemberMsg) {
+    pub(super) fn tell_cast(&self, cast: &RunMembers, msg: impl Fn() -> MemberMsg) {
         for (_, m) in cast.src.iter().chain(cast.dst.iter()) {
             let _ = m.try_tell(msg());
         }
@@ -212,7 +222,7 @@ impl Orchestrator {
             names: self.src.refs().iter().chain(self.dst.refs()).map(|m| m.name().to_string()).collect(),
             layouts: (0, 0),
             installed: vec![Vec::new(); n],
-            weights: vec![Weights::Unwritten; n],
+            weights: vec![HeldVersion::Unwritten; n],
             n_src,
             absent: cast.absent.iter().map(|e| e.rank as usize).collect(),
         };

@@ -3,10 +3,10 @@
 //! program installed on it.
 
 use super::error::{call_error, refused};
-use super::members::Cast;
+use super::members::RunMembers;
 use super::members::{describe, Status};
 use super::{Orchestrator, OrchestratorError, PlanReport, ReplicaPlan};
-use crate::protocol::{MemberMsg, MemberReply, Seat};
+use crate::protocol::{MemberMsg, MemberReply, ProgramRole};
 use reshard::{
     plan_baseline, plan_reshard, Endpoint, Figures, Fingerprint, Group, Layout, Plan, PlanError, PlanOptions, Programs, RankProgram,
     Strategy, TensorSubset,
@@ -123,7 +123,7 @@ impl Orchestrator {
         };
         let (plan_time, installing) = (started.elapsed(), Instant::now());
         let installed = which.len() as u64;
-        self.install(&self.groups(), Seat::Own, plan, src, dst, which).await?;
+        self.install(&self.groups(), ProgramRole::Own, plan, src, dst, which).await?;
         let lost_sources = self.lost_sources.clone();
         self.cache.insert(key, CachedPlan { layout_fingerprints: current, lost_sources, fingerprint, figures });
         Ok(PlanWork { replanned: true, plan_time, install_time: installing.elapsed(), installed })
@@ -204,8 +204,8 @@ impl Orchestrator {
     /// one per thread exist at a time, never all of them.
     pub(super) async fn install(
         &self,
-        cast: &Cast,
-        seat: Seat,
+        cast: &RunMembers,
+        seat: ProgramRole,
         plan: Arc<Plan>,
         src: Arc<Layout>,
         dst: Arc<Layout>,

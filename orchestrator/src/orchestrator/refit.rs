@@ -2,12 +2,12 @@
 //! the transfer, then the commit on every destination, or a discard
 //! everywhere.
 
-use super::data_plane::{Blame, Moved};
+use super::data_plane::{Moved, StepOutcome};
 use super::error::refused;
 use super::members::Status;
 use super::verify::{verify, Verified};
 use super::{Orchestrator, OrchestratorError, RefitReport, RefitStep, RefitTarget, SourceLoss};
-use crate::protocol::{Fabric, MemberMsg, MemberReply, Refusal, Weights, INSTALLED_PLANS};
+use crate::protocol::{Fabric, HeldVersion, MemberMsg, MemberReply, Refusal, INSTALLED_PLANS};
 use reshard::{Figures, Fingerprint, Group, PlanError, TensorSubset};
 use std::time::{Duration, Instant};
 use transport::fabric::{close_in_process, open_in_process};
@@ -34,7 +34,7 @@ impl Orchestrator {
             let mut held = Vec::with_capacity(status.n_src);
             for (i, w) in status.src_weights().iter().enumerate() {
                 match *w {
-                    Weights::Version(v) => held.push(v),
+                    HeldVersion::Version(v) => held.push(v),
                     weights => return Err(OrchestratorError::NoWeights { member: status.names[i].clone(), weights }),
                 }
             }
@@ -173,20 +173,20 @@ impl Orchestrator {
             RefitTarget::Version(v) => (v, status),
             RefitTarget::Latest => self.agreed_version(status).await?,
         };
-        if status.dst_weights().iter().all(|w| *w == Weights::Version(version)) {
+        if status.dst_weights().iter().all(|w| *w == HeldVersion::Version(version)) {
             return Ok(Deliver::AlreadyServed(version));
         }
         for (i, w) in status.src_weights().iter().enumerate() {
             match *w {
-                Weights::Version(held) if held == version => {}
-                Weights::Version(held) => {
+                HeldVersion::Version(held) if held == version => {}
+                HeldVersion::Version(held) => {
                     return Err(OrchestratorError::VersionMismatch { member: status.names[i].clone(), held, asked: version })
                 }
                 weights => return Err(OrchestratorError::NoWeights { member: status.names[i].clone(), weights }),
             }
         }
         if only.is_some() {
-            if let Some(i) = status.dst_weights().iter().position(|w| !matches!(w, Weights::Version(_))) {
+            if let Some(i) = status.dst_weights().iter().position(|w| !matches!(w, HeldVersion::Version(_))) {
                 return Err(refused(&status.names[status.n_src + i], Refusal::NoBaseVersion));
             }
         }
@@ -219,7 +219,11 @@ impl Orchestrator {
     /// others commit what they staged, or run again), or a discard
     /// everywhere — every destination keeps serving its last committed
     /// version. `Ok`: what the replicas that ran moved, and the lost ones.
-    async fn after_failed_transfer(&mut self, e: OrchestratorError, mut blame: Blame) -> Result<(Moved, Vec<u32>), OrchestratorError> {
+    async fn after_failed_transfer(
+        &mut self,
+        e: OrchestratorError,
+        mut blame: StepOutcome,
+    ) -> Result<(Moved, Vec<u32>), OrchestratorError> {
         self.kept.clear();
         self.delta_base.clear();
         if blame.gone.is_empty() && self.config.source_loss == SourceLoss::Replan {
@@ -303,7 +307,7 @@ impl Orchestrator {
             self.delta_base.clear();
             // Their other members may have committed; the replica leaves
             // the group either way.
-            match self.lost_replicas(&Blame { failed, ..Blame::default() }) {
+            match self.lost_replicas(&StepOutcome { failed, ..StepOutcome::default() }) {
                 Some((more, _)) if more.iter().chain(&lost).collect::<std::collections::BTreeSet<_>>().len() < self.dst.len() / k => {
                     tracing::warn!(replicas = ?more, "replicas failed the commit and leave the group");
                     lost.extend(more);

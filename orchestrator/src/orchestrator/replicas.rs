@@ -6,11 +6,11 @@
 //!
 //! [`OrchestratorConfig::replica`]: super::OrchestratorConfig::replica
 
-use super::data_plane::Blame;
-use super::members::{no_refusal, Cast};
+use super::data_plane::StepOutcome;
+use super::members::{no_refusal, RunMembers};
 use super::{Orchestrator, OrchestratorError, RefitStep, ReplicaLoss};
 use crate::member::Member;
-use crate::protocol::{Fabric, MemberMsg, MemberReply, Seat, Weights};
+use crate::protocol::{Fabric, HeldVersion, MemberMsg, MemberReply, ProgramRole};
 use actors::{ActorGroup, ActorRef};
 use reshard::{plan_reshard, Endpoint, Figures, Fingerprint, Group, Layout, Plan, PlanOptions};
 use std::sync::Arc;
@@ -73,7 +73,7 @@ impl Orchestrator {
         let members = ActorGroup::from_refs(members.refs().to_vec());
         // The new members hold the replica's layout, and the group's
         // members one layout (checked by `status`).
-        let joining = Cast::of(ActorGroup::from_refs(Vec::new()), members.clone());
+        let joining = RunMembers::of(ActorGroup::from_refs(Vec::new()), members.clone());
         let replies = self.ask_cast(&joining, |_, _| Some(MemberMsg::Status), self.config.control_timeout).await?;
         for (member, reply) in &replies {
             match reply {
@@ -96,7 +96,7 @@ impl Orchestrator {
             .dst_weights()
             .chunks(k)
             .map(|ws| match ws[0] {
-                Weights::Version(v) if ws.iter().all(|w| *w == Weights::Version(v)) => Some(v),
+                HeldVersion::Version(v) if ws.iter().all(|w| *w == HeldVersion::Version(v)) => Some(v),
                 _ => None,
             })
             .collect();
@@ -127,7 +127,8 @@ impl Orchestrator {
         if n == 1 {
             return Err(OrchestratorError::Replicas { problem: "replica 0 is the group's last one; it cannot be removed".into() });
         }
-        let leaving = Cast::of(ActorGroup::from_refs(Vec::new()), ActorGroup::from_refs(self.dst.refs()[r * k..(r + 1) * k].to_vec()));
+        let leaving =
+            RunMembers::of(ActorGroup::from_refs(Vec::new()), ActorGroup::from_refs(self.dst.refs()[r * k..(r + 1) * k].to_vec()));
         let mut all = self.dst.refs().to_vec();
         all.drain(r * k..(r + 1) * k);
         self.regroup(&one, all, n).await?;
@@ -141,7 +142,7 @@ impl Orchestrator {
     /// them, whether every other member (each source, each destination
     /// of the other replicas) ran its program to the end, so the others
     /// may commit now.
-    pub(super) fn lost_replicas(&self, blame: &Blame) -> Option<(Vec<u32>, bool)> {
+    pub(super) fn lost_replicas(&self, blame: &StepOutcome) -> Option<(Vec<u32>, bool)> {
         if self.config.replica_loss != ReplicaLoss::Drop || blame.failed.is_empty() {
             return None;
         }
@@ -181,7 +182,7 @@ impl Orchestrator {
         let k = one.ranks() as usize;
         let layout =
             Arc::new(one.replicated((members.len() / k) as u32).map_err(|e| OrchestratorError::Replicas { problem: e.to_string() })?);
-        let cast = Cast::of(ActorGroup::from_refs(Vec::new()), ActorGroup::from_refs(members));
+        let cast = RunMembers::of(ActorGroup::from_refs(Vec::new()), ActorGroup::from_refs(members));
         let relayout = |layout: Arc<Layout>| move |_, rank: usize| Some(MemberMsg::Relayout { layout: layout.clone(), rank: rank as u32 });
         let moved = self.ask_cast(&cast, relayout(layout), self.config.control_timeout).await.and_then(|r| no_refusal(&r));
         // Whatever happened, the members' peers and layouts changed.
@@ -190,7 +191,9 @@ impl Orchestrator {
         if let Err(e) = moved {
             let old = Arc::new(one.replicated(before as u32).map_err(|e| OrchestratorError::Replicas { problem: e.to_string() })?);
             let back = self.groups();
-            let _ = self.ask_cast(&Cast::of(ActorGroup::from_refs(Vec::new()), back.dst), relayout(old), self.config.control_timeout).await;
+            let _ = self
+                .ask_cast(&RunMembers::of(ActorGroup::from_refs(Vec::new()), back.dst), relayout(old), self.config.control_timeout)
+                .await;
             return Err(e);
         }
         self.dst = cast.dst;
@@ -210,7 +213,7 @@ impl Orchestrator {
         let start = Instant::now();
         let k = one.ranks() as usize;
         let serving = ActorGroup::from_refs(self.dst.refs()[from * k..(from + 1) * k].to_vec());
-        let cast = Cast::of(serving, members.clone());
+        let cast = RunMembers::of(serving, members.clone());
         let plan = match &self.seed_plan {
             Some((f, plan)) if *f == one.fingerprint() => plan.clone(),
             _ => {
@@ -229,7 +232,7 @@ impl Orchestrator {
             }
         };
         let (fingerprint, figures) = (plan.fingerprint(), plan.figures().clone());
-        self.install(&cast, Seat::Replica, plan, one.clone(), one.clone(), (0..2 * k).collect()).await?;
+        self.install(&cast, ProgramRole::Replica, plan, one.clone(), one.clone(), (0..2 * k).collect()).await?;
         self.refits += 1;
         let refit = self.refits;
         let session = uuid::Uuid::new_v4().simple().to_string();

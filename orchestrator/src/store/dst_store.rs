@@ -3,7 +3,7 @@
 //! on registered memory ([`Serving`]).
 
 use super::{Buffers, Registered};
-use crate::protocol::Weights;
+use crate::protocol::HeldVersion;
 use reshard::{Layout, Rank};
 use std::sync::{Arc, RwLock};
 
@@ -31,7 +31,7 @@ pub struct DstStore {
     rank: Rank,
     layout: Arc<Layout>,
     live: RwLock<Live>,
-    staging: Arc<tokio::sync::Mutex<Staging>>,
+    staging: Arc<tokio::sync::Mutex<StagedCopy>>,
     /// The user's memory the weights are served in, if registered.
     registered: Option<Registered>,
     /// Refits write the registered memory in place
@@ -82,7 +82,7 @@ pub(crate) type CommitFence = tokio::sync::OwnedRwLockWriteGuard<()>;
 
 /// The staging copy and which version it holds completely, if any.
 #[derive(Debug)]
-pub(crate) struct Staging {
+pub(crate) struct StagedCopy {
     pub(crate) buffers: Buffers,
     pub(crate) complete: Option<u64>,
 }
@@ -116,7 +116,7 @@ impl DstStore {
     /// A refit waits for the readers ([`serve`](Self::serve)) to let go
     /// (within its deadline) and holds them off from its first byte until
     /// its commit; from that first byte the memory holds no whole version:
-    /// if the refit fails, the store is torn ([`Weights::Torn`], `serve`
+    /// if the refit fails, the store is torn ([`HeldVersion::Torn`], `serve`
     /// names no version) until the next refit commits. Every destination
     /// of a refit still commits only once all of them ran to the end, so
     /// a group never serves two versions; but a failed refit leaves it
@@ -132,7 +132,7 @@ impl DstStore {
             rank,
             layout: layout.clone(),
             live: RwLock::default(),
-            staging: Arc::new(tokio::sync::Mutex::new(Staging { buffers, complete: None })),
+            staging: Arc::new(tokio::sync::Mutex::new(StagedCopy { buffers, complete: None })),
             registered,
             direct: false,
             fence: Arc::default(),
@@ -163,12 +163,12 @@ impl DstStore {
     /// The weights as a refit finds them: nothing committed, a version, or
     /// registered memory torn by a commit that failed midway (served again
     /// after the next refit commits).
-    pub fn weights(&self) -> Weights {
+    pub fn weights(&self) -> HeldVersion {
         let live = self.live();
         match (&live.current, live.torn) {
-            (_, true) => Weights::Torn { after: live.last },
-            (Some(s), false) => Weights::Version(s.version),
-            (None, false) => Weights::Unwritten,
+            (_, true) => HeldVersion::Torn { after: live.last },
+            (Some(s), false) => HeldVersion::Version(s.version),
+            (None, false) => HeldVersion::Unwritten,
         }
     }
 
@@ -207,7 +207,7 @@ impl DstStore {
         self.live().current.as_ref().map(|s| s.version)
     }
 
-    pub(crate) fn staging(&self) -> Arc<tokio::sync::Mutex<Staging>> {
+    pub(crate) fn staging(&self) -> Arc<tokio::sync::Mutex<StagedCopy>> {
         self.staging.clone()
     }
 

@@ -3,7 +3,7 @@
 //! progress.
 
 use super::{Buffers, Registered};
-use crate::protocol::Weights;
+use crate::protocol::HeldVersion;
 use reshard::{Layout, Rank};
 use std::sync::{Arc, Mutex};
 
@@ -78,11 +78,11 @@ impl SrcStore {
     /// The weights as a refit finds them: unwritten, a version, or torn by
     /// a failed step (refits refuse this rank until the next successful
     /// `update` or `restore`).
-    pub fn weights(&self) -> Weights {
+    pub fn weights(&self) -> HeldVersion {
         match *self.state() {
-            SrcState { torn: true, version } => Weights::Torn { after: version },
-            SrcState { version: Some(v), .. } => Weights::Version(v),
-            SrcState { version: None, .. } => Weights::Unwritten,
+            SrcState { torn: true, version } => HeldVersion::Torn { after: version },
+            SrcState { version: Some(v), .. } => HeldVersion::Version(v),
+            SrcState { version: None, .. } => HeldVersion::Unwritten,
         }
     }
 
@@ -219,12 +219,12 @@ mod tests {
     #[tokio::test]
     async fn failed_steps_keep_the_version() {
         let store = SrcStore::new(&layout(), 0);
-        assert_eq!((store.version(), store.weights()), (None, Weights::Unwritten));
+        assert_eq!((store.version(), store.weights()), (None, HeldVersion::Unwritten));
         let (v, ()) = store.try_update(|b| b.tensor_mut("b")?.write_f32(&[1.0, 2.0])).await.unwrap();
-        assert_eq!((v, store.weights()), (1, Weights::Version(1)));
+        assert_eq!((v, store.weights()), (1, HeldVersion::Version(1)));
         // Fails before writing: nothing changed, the store stays clean.
         assert!(store.try_update(|b| b.tensor_mut("nope").map(drop)).await.is_err());
-        assert_eq!(store.weights(), Weights::Version(1));
+        assert_eq!(store.weights(), HeldVersion::Version(1));
         // Fails after writing: torn until the next good step.
         let failed: Result<_, BufferError> = store
             .try_update(|b| {
@@ -233,20 +233,20 @@ mod tests {
             })
             .await;
         assert!(failed.is_err());
-        assert_eq!((store.version(), store.weights()), (Some(1), Weights::Torn { after: Some(1) }));
+        assert_eq!((store.version(), store.weights()), (Some(1), HeldVersion::Torn { after: Some(1) }));
         store.try_restore(7, |b| b.tensor_mut("b")?.write_f32(&[1.0, 2.0])).await.unwrap();
-        assert_eq!(store.weights(), Weights::Version(7));
+        assert_eq!(store.weights(), HeldVersion::Version(7));
         let (v, ()) = store.update(|_| ()).await;
         assert_eq!(v, 8);
         store.restore(3, |_| ()).await;
-        assert_eq!(store.weights(), Weights::Version(3));
+        assert_eq!(store.weights(), HeldVersion::Version(3));
         // A panicking step tears the store too.
         let store = Arc::new(store);
         let s = store.clone();
         let panicked = tokio::spawn(async move { s.update(|b| b.tensor_mut("b").map(|_| panic!("step failed"))).await }).await;
         assert!(panicked.is_err());
-        assert_eq!(store.weights(), Weights::Torn { after: Some(3) });
+        assert_eq!(store.weights(), HeldVersion::Torn { after: Some(3) });
         store.restore(7, |_| ()).await;
-        assert_eq!(store.weights(), Weights::Version(7));
+        assert_eq!(store.weights(), HeldVersion::Version(7));
     }
 }

@@ -26,7 +26,7 @@
 
 use crate::cuda::comm::{CommHandle, P2p};
 use crate::cuda::ipc::{IpcHandle, IPC_HANDLE_BYTES};
-use crate::cuda::plane::{check, done_layout, CommExecError, PlaneMemory, Staging};
+use crate::cuda::plane::{check, done_layout, CommExecError, PlaneMemory, StagingSide};
 use reshard::{Block, DType, Endpoint, Span, ALL_DTYPES, MAX_DIMS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -179,7 +179,11 @@ pub(crate) fn read_directly(
     let peer = m.peer;
     let bad = |error: String| CommExecError::Direct { me, peer, error };
     let mut bytes = vec![0u8; usize::try_from(len).map_err(|_| bad(format!("an offer of {len} bytes")))?];
-    memory.read_staging(Staging::Recv, at, &mut bytes).map_err(|error| CommExecError::Memory { me, what: "reading an offer", error })?;
+    memory.read_staging(StagingSide::Recv, at, &mut bytes).map_err(|error| CommExecError::Memory {
+        me,
+        what: "reading an offer",
+        error,
+    })?;
     let blocks: Vec<Block> = m.pieces.views().map(|p| p.block()).collect();
     let offered = decode(&bytes, &blocks).map_err(bad)?;
     let mut mapped: Vec<(RegionOffer, u64)> = Vec::new();
@@ -223,11 +227,11 @@ pub(crate) fn done_reading(
     let too_large = || mem_err("laying out done tokens")("too many".into());
     let (send_at, send_total) = done_layout(read_from.len()).ok_or_else(too_large)?;
     let (recv_at, recv_total) = done_layout(read_by.len()).ok_or_else(too_large)?;
-    let sbase = memory.staging(Staging::Send, send_total as usize).map_err(mem_err("send staging"))?;
-    let rbase = memory.staging(Staging::Recv, recv_total as usize).map_err(mem_err("receive staging"))?;
+    let sbase = memory.staging(StagingSide::Send, send_total as usize).map_err(mem_err("send staging"))?;
+    let rbase = memory.staging(StagingSide::Recv, recv_total as usize).map_err(mem_err("receive staging"))?;
     let mut ops = Vec::new();
     for (&peer, &at) in read_from.iter().zip(&send_at) {
-        memory.write_staging(Staging::Send, at, &u64::from(r).to_le_bytes()).map_err(mem_err("writing a done token"))?;
+        memory.write_staging(StagingSide::Send, at, &u64::from(r).to_le_bytes()).map_err(mem_err("writing a done token"))?;
         let rank = rank_of(peer).ok_or(CommExecError::UnknownPeer { me, peer, round: r })?;
         ops.push(P2p::Send { peer: rank, addr: sbase + at, bytes: 8 });
     }

@@ -26,7 +26,7 @@ use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops, SameType};
 use crate::cuda::fallback::note;
 use crate::cuda::id::CommId;
 use crate::cuda::kernels::without_kernel;
-use crate::cuda::plane::{staging_span, PlaneMemory, Side, Staging};
+use crate::cuda::plane::{staging_span, PlaneMemory, Side, StagingSide};
 use crate::cuda::schedule::{Place, Step};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result, sys};
@@ -417,17 +417,17 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         self.memory.dtypes()
     }
 
-    fn staging(&mut self, which: Staging, len: usize) -> Result<u64, String> {
+    fn staging(&mut self, which: StagingSide, len: usize) -> Result<u64, String> {
         self.dev.bind().map_err(|e| e.to_string())?;
-        if let (Staging::Send, Some((base, cap))) = (which, self.bucket) {
+        if let (StagingSide::Send, Some((base, cap))) = (which, self.bucket) {
             return match len <= cap {
                 true => Ok(base),
                 false => Err(format!("the round's messages need {len} bytes, the exported bucket holds {cap}")),
             };
         }
         let (s, what) = match which {
-            Staging::Send => (&mut self.send, "send staging"),
-            Staging::Recv => (&mut self.recv, "receive staging"),
+            StagingSide::Send => (&mut self.send, "send staging"),
+            StagingSide::Recv => (&mut self.recv, "receive staging"),
         };
         s.ensure(self.dev, len, what).map_err(|e| e.to_string())
     }
@@ -488,7 +488,7 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         bytes
     }
 
-    fn read_staging(&mut self, which: Staging, at: u64, out: &mut [u8]) -> Result<(), String> {
+    fn read_staging(&mut self, which: StagingSide, at: u64, out: &mut [u8]) -> Result<(), String> {
         let from = self.staging_base(which, at, out.len())?;
         let pinned = self.host[0].ensure(out.len()).map_err(|e| e.to_string())?;
         let op = linear(out.len() as u64, at, 0);
@@ -509,7 +509,7 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         Ok(())
     }
 
-    fn write_staging(&mut self, which: Staging, at: u64, bytes: &[u8]) -> Result<(), String> {
+    fn write_staging(&mut self, which: StagingSide, at: u64, bytes: &[u8]) -> Result<(), String> {
         let to = self.staging_base(which, at, bytes.len())?;
         let pinned = self.host[1].ensure(bytes.len()).map_err(|e| e.to_string())?;
         // SAFETY: the pinned staging holds at least `bytes.len()` bytes and
@@ -574,11 +574,11 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
 impl DevicePlaneMemory<'_> {
     /// The base of staging `which` (the exported bucket, for sends, where
     /// there is one), if bytes `at..at + len` lie inside it.
-    fn staging_base(&self, which: Staging, at: u64, len: usize) -> Result<u64, String> {
+    fn staging_base(&self, which: StagingSide, at: u64, len: usize) -> Result<u64, String> {
         let (base, held) = match (which, self.bucket) {
-            (Staging::Send, Some(bucket)) => bucket,
-            (Staging::Send, None) => (self.send.addr, self.send.len),
-            (Staging::Recv, _) => (self.recv.addr, self.recv.len),
+            (StagingSide::Send, Some(bucket)) => bucket,
+            (StagingSide::Send, None) => (self.send.addr, self.send.len),
+            (StagingSide::Recv, _) => (self.recv.addr, self.recv.len),
         };
         staging_span(which, held, at, len).map(|_| base)
     }

@@ -43,7 +43,7 @@ pub(crate) type Side = (u64, Span, DType);
 
 /// Which staging buffer of a round.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Staging {
+pub enum StagingSide {
     /// The round's outgoing messages.
     Send,
     /// The round's incoming messages.
@@ -63,7 +63,7 @@ pub trait PlaneMemory {
     fn dtypes(&self) -> &[DType];
     /// The address of staging `which` with room for `len` bytes (grown as
     /// needed: an earlier address of the same staging is then stale).
-    fn staging(&mut self, which: Staging, len: usize) -> Result<u64, String>;
+    fn staging(&mut self, which: StagingSide, len: usize) -> Result<u64, String>;
     /// Moves `block` from `from` through dtype `wire` into each of `to`
     /// (queued in order after everything queued before).
     fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), String>;
@@ -77,11 +77,11 @@ pub trait PlaneMemory {
     /// Copies `out.len()` bytes from byte `at` of staging `which` (as last
     /// sized) into `out`, after everything queued: a delta refit encodes
     /// a packed message on the host. Refuses a range outside the staging.
-    fn read_staging(&mut self, which: Staging, at: u64, out: &mut [u8]) -> Result<(), String>;
+    fn read_staging(&mut self, which: StagingSide, at: u64, out: &mut [u8]) -> Result<(), String>;
     /// Copies `bytes` to byte `at` of staging `which`, done before
     /// anything queued after this call. Refuses a range outside the
     /// staging.
-    fn write_staging(&mut self, which: Staging, at: u64, bytes: &[u8]) -> Result<(), String>;
+    fn write_staging(&mut self, which: StagingSide, at: u64, bytes: &[u8]) -> Result<(), String>;
     /// Waits for everything queued.
     fn finish(&mut self) -> Result<(), String>;
     /// Waits for everything queued, then runs the program's quantize
@@ -131,7 +131,7 @@ fn recv_layout(m: &reshard::Message<reshard::RecvPiece>) -> Option<(Vec<u64>, u6
 /// into it; an error naming the staging where any of them falls outside
 /// (a length or offset from a peer or a program is never trusted: the sum
 /// is checked, not wrapped).
-pub(crate) fn staging_span(which: Staging, held: usize, at: u64, len: usize) -> Result<std::ops::Range<usize>, String> {
+pub(crate) fn staging_span(which: StagingSide, held: usize, at: u64, len: usize) -> Result<std::ops::Range<usize>, String> {
     let span = usize::try_from(at).ok().and_then(|start| Some(start..start.checked_add(len)?));
     span.filter(|s| s.end <= held).ok_or_else(|| format!("{len} bytes at {at} of the {which:?} staging, which holds {held}"))
 }
@@ -443,11 +443,13 @@ impl RoundRun<'_, '_, '_> {
             return Ok(());
         }
         let layout = self.layout(&sends, recvs)?;
-        let sbase =
-            self.memory.staging(Staging::Send, layout.out.bytes(self.delta.is_some()) as usize).map_err(self.mem_err("send staging"))?;
+        let sbase = self
+            .memory
+            .staging(StagingSide::Send, layout.out.bytes(self.delta.is_some()) as usize)
+            .map_err(self.mem_err("send staging"))?;
         let rbase = self
             .memory
-            .staging(Staging::Recv, layout.into.bytes(self.delta.is_some()) as usize)
+            .staging(StagingSide::Recv, layout.into.bytes(self.delta.is_some()) as usize)
             .map_err(self.mem_err("receive staging"))?;
         let ops = self.pack(r, &sends, recvs, &layout, (sbase, rbase))?;
         let grouped = match self.delta.as_deref_mut() {
@@ -529,7 +531,7 @@ impl RoundRun<'_, '_, '_> {
             let peer = (self.peers.rank_of)(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
             if self.direct(m.peer) {
                 let bytes = offer_of(me, self.memory, m)?;
-                self.memory.write_staging(Staging::Send, send_at[i], &bytes).map_err(self.mem_err("writing an offer"))?;
+                self.memory.write_staging(StagingSide::Send, send_at[i], &bytes).map_err(self.mem_err("writing an offer"))?;
             } else {
                 for (p, &off) in m.pieces.iter().zip(&layout.sends[i].0) {
                     let at = check(me, self.memory, &p.span, p.dtype, &p.block)?;
@@ -616,7 +618,7 @@ fn exchange_delta(
     let mut encoded = Vec::with_capacity(x.sends.len());
     for (i, m) in x.sends.iter().enumerate() {
         let mut dense = vec![0u8; host_len(out.lens[i]).map_err(delta_err(m.peer))?];
-        memory.read_staging(Staging::Send, out.dense.0[i], &mut dense).map_err(mem_err("reading a packed message"))?;
+        memory.read_staging(StagingSide::Send, out.dense.0[i], &mut dense).map_err(mem_err("reading a packed message"))?;
         let unit = unit_of(m.pieces.views().map(|p| p.wire()));
         let key = (r, m.peer);
         let base = d.base.as_mut().and_then(|b| b.sent.remove(&key));
@@ -629,7 +631,7 @@ fn exchange_delta(
     let mut ops = Vec::new();
     for (i, e) in encoded.iter().enumerate() {
         let at = out.sizes.0[i];
-        memory.write_staging(Staging::Send, at, &(e.len() as u64).to_le_bytes()).map_err(mem_err("writing a message's length"))?;
+        memory.write_staging(StagingSide::Send, at, &(e.len() as u64).to_le_bytes()).map_err(mem_err("writing a message's length"))?;
         ops.push(P2p::Send { peer: to_peers[i], addr: sbase + at, bytes: 8 });
     }
     for (i, &peer) in from_peers.iter().enumerate() {
@@ -644,7 +646,7 @@ fn exchange_delta(
     let mut lens = Vec::with_capacity(x.recvs.len());
     for (i, m) in x.recvs.iter().enumerate() {
         let mut word = [0u8; 8];
-        memory.read_staging(Staging::Recv, into.sizes.0[i], &mut word).map_err(mem_err("reading a message's length"))?;
+        memory.read_staging(StagingSide::Recv, into.sizes.0[i], &mut word).map_err(mem_err("reading a message's length"))?;
         let len = u64::from_le_bytes(word);
         let most = into.lens[i].saturating_add(crate::delta::HEADER as u64);
         if len > most {
@@ -656,7 +658,7 @@ fn exchange_delta(
     let mut ops = Vec::new();
     for (i, e) in encoded.iter().enumerate() {
         let at = out.encoded.0[i];
-        memory.write_staging(Staging::Send, at, e).map_err(mem_err("writing an encoded message"))?;
+        memory.write_staging(StagingSide::Send, at, e).map_err(mem_err("writing an encoded message"))?;
         ops.push(P2p::Send { peer: to_peers[i], addr: sbase + at, bytes: e.len() as u64 });
     }
     for (i, &peer) in from_peers.iter().enumerate() {
@@ -670,7 +672,7 @@ fn exchange_delta(
     let mut rebuilt = Vec::with_capacity(x.recvs.len());
     for (i, m) in x.recvs.iter().enumerate() {
         let mut e = vec![0u8; host_len(lens[i]).map_err(delta_err(m.peer))?];
-        memory.read_staging(Staging::Recv, into.encoded.0[i], &mut e).map_err(mem_err("reading an encoded message"))?;
+        memory.read_staging(StagingSide::Recv, into.encoded.0[i], &mut e).map_err(mem_err("reading an encoded message"))?;
         let unit = unit_of(m.pieces.views().map(|p| p.wire()));
         let key = (r, m.peer);
         let base = d.base.as_mut().and_then(|b| b.received.remove(&key));
@@ -678,7 +680,7 @@ fn exchange_delta(
         rebuilt.push((key, dense));
     }
     for (i, (key, dense)) in rebuilt.into_iter().enumerate() {
-        memory.write_staging(Staging::Recv, into.dense.0[i], &dense).map_err(mem_err("writing a rebuilt message"))?;
+        memory.write_staging(StagingSide::Recv, into.dense.0[i], &dense).map_err(mem_err("writing a rebuilt message"))?;
         d.next.received.insert(key, dense);
     }
     Ok(())
@@ -692,14 +694,14 @@ mod tests {
     /// wraps; ranges that fit are taken exactly.
     #[test]
     fn staging_spans_outside_their_staging_are_refused() {
-        assert_eq!(staging_span(Staging::Recv, 64, 0, 64), Ok(0..64));
-        assert_eq!(staging_span(Staging::Recv, 64, 64, 0), Ok(64..64));
-        assert_eq!(staging_span(Staging::Send, 64, 56, 8), Ok(56..64));
+        assert_eq!(staging_span(StagingSide::Recv, 64, 0, 64), Ok(0..64));
+        assert_eq!(staging_span(StagingSide::Recv, 64, 64, 0), Ok(64..64));
+        assert_eq!(staging_span(StagingSide::Send, 64, 56, 8), Ok(56..64));
         for (at, len) in [(57, 8), (65, 0), (0, 65), (u64::MAX, 1), (u64::MAX, 0), (8, usize::MAX), (1 << 63, 1 << 62)] {
-            let e = staging_span(Staging::Recv, 64, at, len).unwrap_err();
+            let e = staging_span(StagingSide::Recv, 64, at, len).unwrap_err();
             assert!(e.contains("Recv staging, which holds 64"), "{e}");
         }
-        assert!(staging_span(Staging::Send, 0, 0, 1).is_err(), "no staging yet");
+        assert!(staging_span(StagingSide::Send, 0, 0, 1).is_err(), "no staging yet");
     }
 
     #[test]

@@ -27,7 +27,7 @@ use crate::cuda::direct::{RegionOffer, SimOffers};
 use crate::cuda::id::CommId;
 use crate::cuda::ipc::IpcHandle;
 use crate::cuda::ipc_comm::IpcMemory;
-use crate::cuda::plane::{staging_span, PlaneMemory, Side, Staging};
+use crate::cuda::plane::{staging_span, PlaneMemory, Side, StagingSide};
 use crate::memory::RankMemory;
 use reshard::{Block, DType, Endpoint, RankProgram, Span};
 use std::collections::{HashMap, VecDeque};
@@ -361,16 +361,16 @@ impl<'a> SimMemory<'a> {
     /// Bytes `at..at + len` of staging `which` (the exported bucket, for
     /// sends, where there is one); an error naming the staging if they
     /// are not all inside it.
-    fn staging_bytes(&mut self, which: Staging, at: u64, len: usize) -> Result<&mut [u8], String> {
+    fn staging_bytes(&mut self, which: StagingSide, at: u64, len: usize) -> Result<&mut [u8], String> {
         let all: &mut [u8] = match (which, &self.bucket) {
             // SAFETY: the bucket is this rank's, alive while `self` holds
             // its `Arc`; peers read it only inside a group (between a ready
             // and a released doorbell), and this is called between groups —
             // never after a failed one, whose run ends there — so nothing
             // else touches it while the slice lives (this call).
-            (Staging::Send, Some(b)) => unsafe { std::slice::from_raw_parts_mut(b.ptr, b.len) },
-            (Staging::Send, None) => &mut self.send,
-            (Staging::Recv, _) => &mut self.recv,
+            (StagingSide::Send, Some(b)) => unsafe { std::slice::from_raw_parts_mut(b.ptr, b.len) },
+            (StagingSide::Send, None) => &mut self.send,
+            (StagingSide::Recv, _) => &mut self.recv,
         };
         let span = staging_span(which, all.len(), at, len)?;
         Ok(&mut all[span])
@@ -497,16 +497,16 @@ impl PlaneMemory for SimMemory<'_> {
         &self.dtypes
     }
 
-    fn staging(&mut self, which: Staging, len: usize) -> Result<u64, String> {
-        if let (Staging::Send, Some(b)) = (which, &self.bucket) {
+    fn staging(&mut self, which: StagingSide, len: usize) -> Result<u64, String> {
+        if let (StagingSide::Send, Some(b)) = (which, &self.bucket) {
             return match len <= b.len {
                 true => Ok(b.ptr as u64),
                 false => Err(format!("the round's messages need {len} bytes, the exported bucket holds {}", b.len)),
             };
         }
         let s = match which {
-            Staging::Send => &mut self.send,
-            Staging::Recv => &mut self.recv,
+            StagingSide::Send => &mut self.send,
+            StagingSide::Recv => &mut self.recv,
         };
         if s.len() < len {
             *s = vec![0; len];
@@ -567,13 +567,13 @@ impl PlaneMemory for SimMemory<'_> {
         bytes
     }
 
-    fn read_staging(&mut self, which: Staging, at: u64, out: &mut [u8]) -> Result<(), String> {
+    fn read_staging(&mut self, which: StagingSide, at: u64, out: &mut [u8]) -> Result<(), String> {
         let from = self.staging_bytes(which, at, out.len())?;
         out.copy_from_slice(from);
         Ok(())
     }
 
-    fn write_staging(&mut self, which: Staging, at: u64, bytes: &[u8]) -> Result<(), String> {
+    fn write_staging(&mut self, which: StagingSide, at: u64, bytes: &[u8]) -> Result<(), String> {
         self.staging_bytes(which, at, bytes.len())?.copy_from_slice(bytes);
         Ok(())
     }
@@ -623,23 +623,23 @@ mod tests {
         let mut rank = RankMemory { buffers: vec![vec![7u8; 16]], dtypes: vec![DType::U8] };
         let (ipc, _) = SimIpc::export(64);
         let mut memory = SimMemory::with_bucket(&mut rank, ipc.bucket());
-        memory.staging(Staging::Recv, 32).unwrap();
-        memory.write_staging(Staging::Recv, 24, &[1; 8]).unwrap();
+        memory.staging(StagingSide::Recv, 32).unwrap();
+        memory.write_staging(StagingSide::Recv, 24, &[1; 8]).unwrap();
         let mut out = [0u8; 8];
-        memory.read_staging(Staging::Recv, 24, &mut out).unwrap();
+        memory.read_staging(StagingSide::Recv, 24, &mut out).unwrap();
         assert_eq!(out, [1; 8]);
         for (at, len) in [(25, 8), (32, 1), (u64::MAX, 8), (1 << 40, 0)] {
             let mut out = vec![9u8; len];
-            assert!(memory.read_staging(Staging::Recv, at, &mut out).is_err(), "read of {len} at {at}");
+            assert!(memory.read_staging(StagingSide::Recv, at, &mut out).is_err(), "read of {len} at {at}");
             assert!(out.iter().all(|&b| b == 9), "a refused read wrote");
-            assert!(memory.write_staging(Staging::Recv, at, &vec![5u8; len]).is_err(), "write of {len} at {at}");
+            assert!(memory.write_staging(StagingSide::Recv, at, &vec![5u8; len]).is_err(), "write of {len} at {at}");
         }
         // The bucket: 64 bytes, whatever the send staging was asked for.
-        memory.write_staging(Staging::Send, 56, &[3; 8]).unwrap();
-        assert!(memory.write_staging(Staging::Send, 57, &[3; 8]).is_err());
-        assert!(memory.read_staging(Staging::Send, 0, &mut [0u8; 65]).is_err());
+        memory.write_staging(StagingSide::Send, 56, &[3; 8]).unwrap();
+        assert!(memory.write_staging(StagingSide::Send, 57, &[3; 8]).is_err());
+        assert!(memory.read_staging(StagingSide::Send, 0, &mut [0u8; 65]).is_err());
         let mut back = [0u8; 8];
-        memory.read_staging(Staging::Recv, 24, &mut back).unwrap();
+        memory.read_staging(StagingSide::Recv, 24, &mut back).unwrap();
         assert_eq!(back, [1; 8], "refused writes left the staging as it was");
         drop(memory);
         assert_eq!(rank.buffers[0], vec![7u8; 16], "the rank's buffers were never touched");

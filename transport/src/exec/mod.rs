@@ -21,7 +21,7 @@ mod threads;
 
 pub(crate) use crate::delta::DeltaRun;
 use delta_run::{delta_decode, delta_encode};
-use pack::{pack, unpack, unpack_bytes, Convert, Into, Unpack};
+use pack::{pack, unpack, unpack_bytes, Convert, Unpack, UnpackTarget};
 #[cfg(any(test, feature = "testkit"))]
 pub use threads::{run_local, run_local_delta, run_tcp, run_threads, run_threads_delta};
 
@@ -265,7 +265,7 @@ fn run_rounds<T: Transport>(
     // Where pieces read off a stream with their neighbours wait to be
     // written out (see `unpack_stream`), reused by every message and kept
     // for the plan's next run.
-    let mut stage = Kept { pool, buffers: pool.take_recv() };
+    let mut stage = RecvLease { pool, buffers: pool.take_recv() };
     loop {
         match cursor.next_action() {
             Action::Locals { round, copies } => {
@@ -304,7 +304,7 @@ fn run_rounds<T: Transport>(
                 let bad = |problem: String| ExecError::BadMessage { me, round, peer, problem };
                 let msg = cursor.arrived(peer).map_err(|u| bad(u.problem.to_string()))?;
                 let routes: Vec<(u32, LocalCopyView<'_>)> = bypass.routes(round, peer).collect();
-                let into = Into { me, mem, bypass, routes: &routes };
+                let into = UnpackTarget { me, mem, bypass, routes: &routes };
                 let unpacked = match delta.as_deref_mut() {
                     None => unpack(&into, msg, payload, &mut stage.buffers),
                     Some(d) => delta_decode(round, peer, msg, payload, d).and_then(|dense| {
@@ -335,12 +335,12 @@ fn run_rounds<T: Transport>(
 
 /// A run's receive buffers, back to their pool when the run ends (on any
 /// path).
-struct Kept<'a> {
+struct RecvLease<'a> {
     pool: &'a StagingPool,
     buffers: RecvBuffers,
 }
 
-impl Drop for Kept<'_> {
+impl Drop for RecvLease<'_> {
     fn drop(&mut self) {
         self.pool.give_recv(std::mem::take(&mut self.buffers));
     }

@@ -11,7 +11,7 @@ use crate::copy::{
 use crate::frame::SHORT_RUN;
 use crate::memory::MemView;
 use crate::transport::{Payload, SentPieces};
-use crate::{RecvBuffers, Staging, StagingPool};
+use crate::{RecvBuffers, StagingArea, StagingPool};
 use reshard::{Endpoint, LocalCopyView, Message, RecvPiece, RecvPieceView, SendPiece};
 
 /// Where a message's pieces whose wire type differs are converted.
@@ -40,7 +40,7 @@ pub(super) fn pack(
     pool: &StagingPool,
     convert: Convert,
 ) -> Result<Payload, ExecError> {
-    let mut staging = Staging::default();
+    let mut staging = StagingArea::default();
     if msg.pieces.converting() > 0 && convert == Convert::OnSend {
         // Each piece checked to lie in this rank's buffers here, so that
         // one that does not is named as this rank's error.
@@ -101,7 +101,7 @@ pub(super) enum Unpack {
 
 /// Where a message's pieces go: this rank's memory, less bypassed scratch,
 /// plus the local copies made straight from a piece.
-pub(super) struct Into<'a> {
+pub(super) struct UnpackTarget<'a> {
     pub(super) me: Endpoint,
     pub(super) mem: &'a MemView,
     pub(super) bypass: &'a Bypass,
@@ -109,7 +109,7 @@ pub(super) struct Into<'a> {
     pub(super) routes: &'a [(u32, LocalCopyView<'a>)],
 }
 
-impl Into<'_> {
+impl UnpackTarget<'_> {
     /// Whether piece `i` feeds local copies made on receipt.
     fn feeds_locals(&self, i: usize) -> bool {
         let first = self.routes.partition_point(|(piece, _)| (*piece as usize) < i);
@@ -150,7 +150,7 @@ impl Into<'_> {
     }
 }
 
-pub(super) fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload, stage: &mut RecvBuffers) -> Result<(), Unpack> {
+pub(super) fn unpack(into: &UnpackTarget<'_>, msg: &Message<RecvPiece>, payload: Payload, stage: &mut RecvBuffers) -> Result<(), Unpack> {
     let pieces = &msg.pieces;
     match payload {
         Payload::Segments { segments, keep_alive, release } => {
@@ -202,7 +202,7 @@ pub(super) fn unpack(into: &Into<'_>, msg: &Message<RecvPiece>, payload: Payload
 /// there; one larger than the stage is read on its own into a buffer
 /// first (`buffers.large`, kept like the stage).
 fn unpack_stream(
-    into: &Into<'_>,
+    into: &UnpackTarget<'_>,
     msg: &Message<RecvPiece>,
     frame: &mut crate::stream::StreamFrame,
     buffers: &mut RecvBuffers,
@@ -314,7 +314,7 @@ fn unpack_stream(
 const STAGE_BYTES: usize = 256 << 10;
 
 /// Unpacks pieces packed back to back in wire dtype.
-pub(super) fn unpack_bytes(into: &Into<'_>, msg: &Message<RecvPiece>, bytes: &[u8]) -> Result<(), Unpack> {
+pub(super) fn unpack_bytes(into: &UnpackTarget<'_>, msg: &Message<RecvPiece>, bytes: &[u8]) -> Result<(), Unpack> {
     let want = msg.wire_bytes();
     if bytes.len() as u64 != want {
         return Err(Unpack::Bad(format!("{} bytes, expected {want}", bytes.len())));

@@ -4,7 +4,7 @@
 //! the device, registered memory in place, a registered destination's
 //! staging).
 
-use super::endpoint::Endpointed;
+use super::endpoint::EndpointState;
 #[cfg(feature = "cuda")]
 use super::registered::StagingMemory;
 use super::registered::{current_regions, RegisteredMemory, RegisteredStaging, Residence};
@@ -98,7 +98,7 @@ pub(super) struct CommEnd {
     /// Scratch buffers of a program run on registered memory, kept between
     /// the runs of this communicator (every run writes scratch before it
     /// reads it).
-    scratch: Scratch,
+    scratch: CommScratch,
     /// The peers on this member's device that read what it offers and
     /// offer what it reads (the IPC fabric; none on NCCL).
     same_device: BTreeSet<Endpoint>,
@@ -109,7 +109,7 @@ pub(super) struct CommEnd {
 
 /// Scratch buffers beside registered memory.
 #[derive(Default)]
-struct Scratch {
+struct CommScratch {
     /// Host (simulated plane).
     host: Vec<Vec<u8>>,
     /// On the device, with it.
@@ -145,10 +145,10 @@ impl CommEnd {
         plane: CommPlane,
         gpu: Option<usize>,
         ipc: Option<(PackInto, BTreeSet<Endpoint>)>,
-    ) -> Endpointed {
+    ) -> EndpointState {
         let (packs_into, same_device) = ipc.map_or((None, BTreeSet::new()), |(p, s)| (Some(p), s));
         let (src_ranks, nranks) = ranks;
-        Endpointed::Comm(Box::new(CommEnd {
+        EndpointState::Comm(Box::new(CommEnd {
             handle: Some(handle),
             src_ranks,
             nranks,
@@ -157,7 +157,7 @@ impl CommEnd {
             packs_into,
             #[cfg(feature = "cuda")]
             device: None,
-            scratch: Scratch::default(),
+            scratch: CommScratch::default(),
             same_device,
             #[cfg(feature = "cuda")]
             peer_maps: Default::default(),
@@ -464,13 +464,13 @@ fn one_rank_per_device(table: &[PeerAddr]) -> Result<(), String> {
     Ok(())
 }
 
-impl Endpointed {
+impl EndpointState {
     /// Prepares this member's rank of a communicator. Its address
     /// ([`DataAddr::Comm`]): source rank 0 makes the communicator's id
     /// (the others have none), and every member names the GPU it would put
     /// its rank on, so that two ranks on one device are refused before any
     /// communicator is made.
-    pub(super) fn prepare_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>) -> Result<(Endpointed, DataAddr), String> {
+    pub(super) fn prepare_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>) -> Result<(EndpointState, DataAddr), String> {
         #[cfg(feature = "cuda")]
         if let CommPlane::Cuda = &settings.plane {
             crate::gpu_plane_available(crate::GpuPlane::Nccl, 1).map_err(|e| format!("NCCL transport unavailable: {e}"))?;
@@ -488,13 +488,18 @@ impl Endpointed {
         } else {
             None
         };
-        Ok((Endpointed::CommPrepared { settings, gpu }, DataAddr::Comm { id, device }))
+        Ok((EndpointState::CommPrepared { settings, gpu }, DataAddr::Comm { id, device }))
     }
 
     /// Creates this member's rank of the communicator whose id source rank
     /// 0 reported, and waits for it (blocking: run off the reactor; the
     /// members of a process all wait at once).
-    pub(super) fn connect_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>, table: &[PeerAddr]) -> Result<Endpointed, String> {
+    pub(super) fn connect_comm(
+        me: Endpoint,
+        settings: NcclFabric,
+        gpu: Option<usize>,
+        table: &[PeerAddr],
+    ) -> Result<EndpointState, String> {
         let root = table.iter().find(|p| p.endpoint == Endpoint::src(0)).ok_or("the peer table has no source rank 0")?;
         let (id, _) = comm_addr(root)?;
         let id = id.ok_or("source rank 0 named no communicator id")?;
@@ -535,7 +540,7 @@ impl Endpointed {
         settings: IpcFabric,
         gpu: Option<usize>,
         session: String,
-    ) -> Result<(Endpointed, DataAddr), String> {
+    ) -> Result<(EndpointState, DataAddr), String> {
         let bytes = send_staging_bytes(program);
         let (bucket, handle) = match &settings.plane {
             CommPlane::Simulated { .. } => {
@@ -558,13 +563,18 @@ impl Endpointed {
         let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
         let doorbells = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?;
         let addr = DataAddr::Ipc { doorbells, bucket: handle, bytes, device };
-        Ok((Endpointed::IpcPrepared(IpcPending { listener, settings, gpu, bucket, session }), addr))
+        Ok((EndpointState::IpcPrepared(IpcPending { listener, settings, gpu, bucket, session }), addr))
     }
 
     /// Connects this member's doorbells to the peers of its program, maps
     /// the buckets of the peers it receives from, and makes its rank of the
     /// IPC communicator (blocking: run off the reactor).
-    pub(super) fn connect_ipc(program: &RankProgram, pending: IpcPending, table: &[PeerAddr], key: HelloKey) -> Result<Endpointed, String> {
+    pub(super) fn connect_ipc(
+        program: &RankProgram,
+        pending: IpcPending,
+        table: &[PeerAddr],
+        key: HelloKey,
+    ) -> Result<EndpointState, String> {
         let IpcPending { listener, settings, gpu, mut bucket, session } = pending;
         let me = program.endpoint;
         let nranks = table.len() as u32;

@@ -6,7 +6,7 @@ use super::comm::{CommEnd, IpcPending};
 use super::hub;
 use super::spec::{DataAddr, NcclFabric, NodeFabric, PeerAddr};
 use super::Host;
-use super::{program_peers, KillSwitch, NodeTweak, MIN_FRAME_LIMIT};
+use super::{program_peers, KillSwitch, NodeFaults, MIN_FRAME_LIMIT};
 use crate::{HelloKey, LinkEmulation, LocalTransport, NodeTransport, NodeTransportConfig, TcpConfig, Transport};
 use reshard::{Endpoint, Group, RankProgram};
 use std::collections::{BTreeSet, HashMap};
@@ -14,7 +14,7 @@ use std::net::{IpAddr, TcpListener};
 use std::time::Duration;
 
 /// One member's data-plane endpoint in the making.
-pub(super) enum Endpointed {
+pub(super) enum EndpointState {
     /// In process: ready as soon as it is taken from the hub.
     Local(LocalTransport),
     /// Node fabric: listening, not yet connected.
@@ -42,10 +42,10 @@ pub(super) enum Endpointed {
     Comm(Box<CommEnd>),
 }
 
-impl Endpointed {
+impl EndpointState {
     /// Takes this process's end of an in-process refit.
-    pub(super) fn take_local(session: &str, me: Endpoint) -> Result<Endpointed, String> {
-        hub::take(session, me).map(Endpointed::Local).ok_or_else(|| {
+    pub(super) fn take_local(session: &str, me: Endpoint) -> Result<EndpointState, String> {
+        hub::take(session, me).map(EndpointState::Local).ok_or_else(|| {
             format!(
                 "the in-process fabric of refit session {session} has no channel for {me} in this process \
                  (is this member in another process than the orchestrator? use the node fabric)"
@@ -54,10 +54,10 @@ impl Endpointed {
     }
 
     /// Listens on `ip` for this refit's peers.
-    pub(super) fn listen(ip: IpAddr, settings: NodeFabric, session: String) -> Result<(Endpointed, DataAddr), String> {
+    pub(super) fn listen(ip: IpAddr, settings: NodeFabric, session: String) -> Result<(EndpointState, DataAddr), String> {
         let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
         let addr = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?;
-        Ok((Endpointed::Listening { listener, settings, session }, DataAddr::Node(addr)))
+        Ok((EndpointState::Listening { listener, settings, session }, DataAddr::Node(addr)))
     }
 
     /// Connects to the peers of `program` (blocking: run off the reactor).
@@ -66,12 +66,12 @@ impl Endpointed {
         program: &RankProgram,
         table: &[PeerAddr],
         key: HelloKey,
-        tweak: &dyn Fn(&mut NodeTweak),
-    ) -> Result<Endpointed, String> {
+        tweak: &dyn Fn(&mut NodeFaults),
+    ) -> Result<EndpointState, String> {
         let (listener, settings, session) = match self {
-            Endpointed::Listening { listener, settings, session } => (listener, settings, session),
-            Endpointed::CommPrepared { settings, gpu } => return Endpointed::connect_comm(program.endpoint, settings, gpu, table),
-            Endpointed::IpcPrepared(pending) => return Endpointed::connect_ipc(program, pending, table, key),
+            EndpointState::Listening { listener, settings, session } => (listener, settings, session),
+            EndpointState::CommPrepared { settings, gpu } => return EndpointState::connect_comm(program.endpoint, settings, gpu, table),
+            EndpointState::IpcPrepared(pending) => return EndpointState::connect_ipc(program, pending, table, key),
             done => return Ok(done),
         };
         let me = program.endpoint;
@@ -176,13 +176,13 @@ impl Endpointed {
         let share = (config.shm.lend_bytes / in_node_peers).max(1 << 20);
         config.shm.lend_bytes = largest.next_power_of_two().saturating_mul(2).clamp(1 << 20, share);
         config.shm.stream_bytes = config.shm.stream_bytes.min(1 << 20);
-        let mut tweaks = NodeTweak::default();
+        let mut tweaks = NodeFaults::default();
         tweak(&mut tweaks);
         if let Some(hook) = tweaks.faults.hook() {
             config.tcp.hook = Some(hook);
         }
         let t = NodeTransport::connect(me, listener, &peers, node_of, &config).map_err(|e| format!("{me}: connect: {e}"))?;
-        Ok(Endpointed::Connected(t))
+        Ok(EndpointState::Connected(t))
     }
 
     /// A switch that tears the node fabric's connections down from any
@@ -190,7 +190,7 @@ impl Endpointed {
     /// once); `None` for the in-process fabric, whose sends never block.
     pub(super) fn kill_switch(&self) -> Option<KillSwitch> {
         match self {
-            Endpointed::Connected(t) => Some(crate::WithAbort::abort_all(t)),
+            EndpointState::Connected(t) => Some(crate::WithAbort::abort_all(t)),
             _ => None,
         }
     }
@@ -199,11 +199,11 @@ impl Endpointed {
     /// succeeded left it clean).
     pub(super) fn ready(&mut self) -> Result<Ready<'_>, String> {
         match self {
-            Endpointed::Local(t) => Ok(Ready::Transport(t)),
-            Endpointed::Connected(t) => Ok(Ready::Transport(t)),
-            Endpointed::Comm(c) if c.handle.is_some() => Ok(Ready::Comm(c)),
-            Endpointed::Comm(_) => Err("the communicator was aborted".into()),
-            Endpointed::Listening { .. } | Endpointed::CommPrepared { .. } | Endpointed::IpcPrepared(_) => {
+            EndpointState::Local(t) => Ok(Ready::Transport(t)),
+            EndpointState::Connected(t) => Ok(Ready::Transport(t)),
+            EndpointState::Comm(c) if c.handle.is_some() => Ok(Ready::Comm(c)),
+            EndpointState::Comm(_) => Err("the communicator was aborted".into()),
+            EndpointState::Listening { .. } | EndpointState::CommPrepared { .. } | EndpointState::IpcPrepared(_) => {
                 Err("the data plane was prepared but never connected".into())
             }
         }
@@ -227,8 +227,8 @@ impl Endpointed {
     /// communicator).
     pub(super) fn is_connected(&self) -> bool {
         match self {
-            Endpointed::Connected(_) => true,
-            Endpointed::Comm(c) => c.handle.is_some(),
+            EndpointState::Connected(_) => true,
+            EndpointState::Comm(c) => c.handle.is_some(),
             _ => false,
         }
     }

@@ -52,7 +52,7 @@ use crate::{
     run_rank_bypassing, run_rank_delta, run_rank_regions, Bypass, DeltaRun, ExecError, ExecOptions, Faults, HelloKey, RankMemory,
     RankStats, StagingPool, Transport, TransportError,
 };
-use endpoint::{Endpointed, Ready};
+use endpoint::{EndpointState, Ready};
 use registered::current_regions;
 use reshard::{Endpoint, RankProgram};
 use std::collections::BTreeSet;
@@ -89,7 +89,7 @@ pub struct Site {
 /// connects (emulated hosts, fault injection in tests); production ranks
 /// change nothing.
 #[derive(Debug, Clone, Default)]
-pub struct NodeTweak {
+pub struct NodeFaults {
     /// Faults its links inject.
     pub faults: Faults,
 }
@@ -99,12 +99,12 @@ pub struct NodeTweak {
 pub struct Connecting<'a> {
     /// The data-plane handshake key of the refit's session.
     pub key: HelloKey,
-    /// Changes to the node fabric's endpoint (see [`NodeTweak`]).
-    pub tweak: &'a dyn Fn(&mut NodeTweak),
+    /// Changes to the node fabric's endpoint (see [`NodeFaults`]).
+    pub tweak: &'a dyn Fn(&mut NodeFaults),
 }
 
 /// A rank's end of one refit's data plane.
-pub struct RankEnd(Endpointed);
+pub struct RankEnd(EndpointState);
 
 /// The rank's memory a run moves.
 pub enum RunMemory<'a> {
@@ -170,7 +170,7 @@ pub struct RunOptions<'a> {
 /// Why a run failed; the end has told its peers (a transport's abort
 /// frames, a communicator's abort) before this is returned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RunError {
+pub enum RankRunError {
     /// The end cannot run: never connected, aborted, or unable to reach
     /// the rank's memory.
     #[error("{0}")]
@@ -194,10 +194,10 @@ impl RankEnd {
     pub fn open(fabric: Fabric, program: &RankProgram, site: Site, session: &str) -> Result<(RankEnd, DataAddr), String> {
         let me = program.endpoint;
         let opened = match fabric {
-            Fabric::InProcess => Endpointed::take_local(session, me).map(|e| (e, DataAddr::InProcess)),
-            Fabric::Node(settings) => Endpointed::listen(site.data_ip, settings, session.to_string()),
-            Fabric::Nccl(settings) => Endpointed::prepare_comm(me, settings, site.gpu),
-            Fabric::Ipc(settings) => Endpointed::prepare_ipc(site.data_ip, program, settings, site.gpu, session.to_string()),
+            Fabric::InProcess => EndpointState::take_local(session, me).map(|e| (e, DataAddr::InProcess)),
+            Fabric::Node(settings) => EndpointState::listen(site.data_ip, settings, session.to_string()),
+            Fabric::Nccl(settings) => EndpointState::prepare_comm(me, settings, site.gpu),
+            Fabric::Ipc(settings) => EndpointState::prepare_ipc(site.data_ip, program, settings, site.gpu, session.to_string()),
         };
         opened.map(|(end, addr)| (RankEnd(end), addr))
     }
@@ -240,15 +240,15 @@ impl RankEnd {
 
     /// Runs `program` on `memory` by `options.deadline`; a failed run has
     /// aborted the end.
-    pub fn run(&mut self, program: &RankProgram, memory: RunMemory<'_>, options: RunOptions<'_>) -> Result<RankStats, RunError> {
+    pub fn run(&mut self, program: &RankProgram, memory: RunMemory<'_>, options: RunOptions<'_>) -> Result<RankStats, RankRunError> {
         let RunOptions { deadline, delta, scratch } = options;
         let reuse = std::mem::take(&mut scratch.buffers);
         // Taken too: a run that fails leaves none (its areas go back to a
         // pool nobody keeps, and are freed).
         let pool = std::mem::take(&mut scratch.staging);
-        match self.0.ready().map_err(RunError::Fabric)? {
+        match self.0.ready().map_err(RankRunError::Fabric)? {
             Ready::Transport(t) => {
-                let (r, left) = run_on_transport(program, memory, t, RunHow { deadline, delta, pool: &pool }, reuse);
+                let (r, left) = run_on_transport(program, memory, t, HostRun { deadline, delta, pool: &pool }, reuse);
                 if r.is_ok() {
                     scratch.buffers = left;
                     scratch.staging = pool;
@@ -269,7 +269,7 @@ impl RankEnd {
                             Ok(base) => base,
                             Err(e) => {
                                 c.abort();
-                                return Err(RunError::ProgramMismatch(e));
+                                return Err(RankRunError::ProgramMismatch(e));
                             }
                         };
                         let r = c.run(program, memory, until, delta);
@@ -285,7 +285,7 @@ impl RankEnd {
                         Some(hang) => format!("{why}; {hang}"),
                         None => why,
                     };
-                    RunError::Exec { why, after_peer }
+                    RankRunError::Exec { why, after_peer }
                 })
             }
         }
@@ -294,7 +294,7 @@ impl RankEnd {
 
 /// How a run over a host transport goes: its deadline, a delta run, and
 /// the pool its staging areas come from.
-struct RunHow<'a, 'd> {
+struct HostRun<'a, 'd> {
     deadline: Duration,
     delta: Option<&'d mut DeltaRun>,
     pool: &'a StagingPool,
@@ -306,14 +306,14 @@ fn run_on_transport(
     program: &RankProgram,
     memory: RunMemory<'_>,
     transport: &mut dyn Transport,
-    how: RunHow<'_, '_>,
+    how: HostRun<'_, '_>,
     reuse: Vec<Vec<u8>>,
-) -> (Result<RankStats, RunError>, Vec<Vec<u8>>) {
-    let RunHow { deadline, delta, pool } = how;
+) -> (Result<RankStats, RankRunError>, Vec<Vec<u8>>) {
+    let HostRun { deadline, delta, pool } = how;
     // Scratch whose copies the executor makes on receipt gets no memory.
     let bypass = Bypass::of(program);
     let options = ExecOptions { deadline };
-    let refuse = |t: &mut dyn Transport, e: RunError| {
+    let refuse = |t: &mut dyn Transport, e: RankRunError| {
         t.abort(&e.to_string());
         (Err(e), Vec::new())
     };
@@ -325,12 +325,12 @@ fn run_on_transport(
             // by the executor.
             match RegisteredStaging::host(staging, program, registered, registered.buffers()) {
                 Ok(m) => host_run(program, &bypass, m, &mut t, &options, (delta, pool), reuse),
-                Err(why) => refuse(t, RunError::Fabric(why)),
+                Err(why) => refuse(t, RankRunError::Fabric(why)),
             }
         }
         RunMemory::Registered(registered) => {
             if registered.residence() != Residence::Host {
-                return refuse(t, RunError::Fabric(registered::off_host_fabric(program.endpoint, registered.residence())));
+                return refuse(t, RankRunError::Fabric(registered::off_host_fabric(program.endpoint, registered.residence())));
             }
             let regions = match current_regions(program, registered) {
                 Ok(r) => r,
@@ -356,13 +356,13 @@ fn run_on_transport(
 }
 
 /// An executor's error as a run's.
-fn exec_error(e: ExecError) -> RunError {
+fn exec_error(e: ExecError) -> RankRunError {
     // A peer that aborted, went away, or whose stream broke failed first.
     let after_peer = matches!(
         e,
         ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. } | TransportError::Broken { .. })
     );
-    RunError::Exec { why: e.to_string(), after_peer }
+    RankRunError::Exec { why: e.to_string(), after_peer }
 }
 
 /// A run over a host transport on the rank's own buffers (scratch
@@ -375,12 +375,12 @@ fn host_run(
     options: &ExecOptions,
     (delta, pool): (Option<&mut DeltaRun>, &StagingPool),
     reuse: Vec<Vec<u8>>,
-) -> (Result<RankStats, RunError>, Vec<Vec<u8>>) {
+) -> (Result<RankStats, RankRunError>, Vec<Vec<u8>>) {
     let base = match with_scratch(memory, program, bypass, reuse) {
         Ok(base) => base,
         Err(e) => {
             t.abort(&e);
-            return (Err(RunError::ProgramMismatch(e)), Vec::new());
+            return (Err(RankRunError::ProgramMismatch(e)), Vec::new());
         }
     };
     let r = match delta {

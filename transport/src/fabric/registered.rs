@@ -3,7 +3,7 @@
 //! ([`RegisteredMemory`]), and a registered destination's staging
 //! ([`RegisteredStaging`]).
 
-use super::RunError;
+use super::RankRunError;
 use crate::RankMemory;
 use reshard::{Endpoint, RankProgram};
 
@@ -77,11 +77,12 @@ pub unsafe trait RegisteredMemory: Send + Sync {
 /// are the rank's): memory the owner moved or freed since is never
 /// named. An owner's refusal fails the run; regions that do not fit the
 /// program are a mismatch.
-pub(super) fn current_regions(program: &RankProgram, registered: &dyn RegisteredMemory) -> Result<Vec<(u64, usize)>, RunError> {
+pub(super) fn current_regions(program: &RankProgram, registered: &dyn RegisteredMemory) -> Result<Vec<(u64, usize)>, RankRunError> {
     let me = program.endpoint;
-    let current =
-        registered.current_regions().map_err(|e| RunError::Exec { why: format!("{me}: registered weights: {e}"), after_peer: false })?;
-    cut_to_buffers(program, &current).map_err(RunError::ProgramMismatch)
+    let current = registered
+        .current_regions()
+        .map_err(|e| RankRunError::Exec { why: format!("{me}: registered weights: {e}"), after_peer: false })?;
+    cut_to_buffers(program, &current).map_err(RankRunError::ProgramMismatch)
 }
 
 /// `registered` regions, each cut to its buffer's bytes.
