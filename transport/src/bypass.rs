@@ -55,11 +55,72 @@ impl Bypass {
     /// instead.
     pub(crate) fn of(program: &RankProgram) -> Bypass {
         let n = program.buffers.len();
-        let mut ok: Vec<bool> = program.buffers.iter().map(|b| matches!(b.key, BufferKey::Scratch { .. })).collect();
-        if !ok.contains(&true) {
+        let scratch: Vec<bool> = program.buffers.iter().map(|b| matches!(b.key, BufferKey::Scratch { .. })).collect();
+        if !scratch.contains(&true) {
             return Bypass { skipped: vec![false; n], ..Bypass::default() };
         }
-        let scratch = ok.clone();
+        let mut ok = scratch.clone();
+        let writes = ScratchWrites::of(program, &scratch, &mut ok);
+        for (b, keep) in ok.iter_mut().enumerate() {
+            let w = writes.of_buffer(b);
+            if *keep
+                && (w.len() > MAX_WRITES
+                    || w.iter().enumerate().any(|(i, a)| w[i + 1..].iter().any(|c| a.block.intersect(&c.block).is_some())))
+            {
+                *keep = false;
+            }
+        }
+        let mut feeds = feeds(program, &scratch, &mut ok, &writes);
+        let mut bypass = Bypass { skipped: ok, ..Bypass::default() };
+        // By message, then piece (stable: in program order within one).
+        feeds.retain(|(_, _, w, _)| bypass.skipped[w.buffer as usize]);
+        feeds.sort_by_key(|(_, _, w, _)| (w.round, w.peer, w.piece));
+        for (round, local, w, copy) in feeds {
+            let (pieces, copies) = bypass.routes.entry((w.round, w.peer)).or_default();
+            pieces.push(w.piece);
+            copies.push(&copy);
+            let locals = program.rounds[round as usize].locals.len();
+            bypass.early.entry(round).or_insert_with(|| vec![false; locals])[local as usize] = true;
+        }
+        for (pieces, copies) in bypass.routes.values_mut() {
+            pieces.shrink_to_fit();
+            copies.shrink_to_fit();
+        }
+        bypass
+    }
+
+    /// Whether buffer `b` is bypassed: it is never read or written, so it
+    /// needs no memory.
+    pub(crate) fn skips(&self, b: usize) -> bool {
+        self.skipped.get(b).copied().unwrap_or(false)
+    }
+
+    /// The copies to make from the message from `peer` in `round`, as
+    /// (piece, copy), by piece.
+    pub(crate) fn routes(&self, round: u32, peer: Endpoint) -> impl Iterator<Item = (u32, LocalCopyView<'_>)> + '_ {
+        self.routes.get(&(round, peer)).into_iter().flat_map(|(pieces, copies)| pieces.iter().copied().zip(copies.views()))
+    }
+
+    /// Per local copy of `round`, whether it was made on receipt (empty:
+    /// none was).
+    pub(crate) fn done_early(&self, round: u32) -> &[bool] {
+        self.early.get(&round).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// The receives into scratch buffers that may be bypassed, by buffer.
+struct ScratchWrites {
+    /// Sorted by buffer (in program order within one).
+    writes: Vec<Write>,
+    /// Buffer `b`'s writes are `writes[first[b]..first[b + 1]]`.
+    first: Vec<u32>,
+}
+
+impl ScratchWrites {
+    /// Collects the receives into the scratch buffers of `program`
+    /// (`scratch[b]`), clearing `ok[b]` for a buffer that a send reads, a
+    /// local copy writes or a receive with several destinations fills.
+    fn of(program: &RankProgram, scratch: &[bool], ok: &mut [bool]) -> ScratchWrites {
         let is_scratch = |b: u32| scratch.get(b as usize).copied().unwrap_or(false);
         let mut writes: Vec<Write> = Vec::new();
         for (r, round) in program.rounds.iter().enumerate() {
@@ -101,6 +162,7 @@ impl Bypass {
         }
         // By buffer (stable: in program order within one).
         writes.sort_by_key(|w| w.buffer);
+        let n = scratch.len();
         let mut first = vec![0u32; n + 1];
         for w in &writes {
             first[w.buffer as usize + 1] += 1;
@@ -108,89 +170,59 @@ impl Bypass {
         for b in 0..n {
             first[b + 1] += first[b];
         }
-        let of_buffer = |b: usize| &writes[first[b] as usize..first[b + 1] as usize];
-        for (b, keep) in ok.iter_mut().enumerate() {
-            let w = of_buffer(b);
-            if *keep
-                && (w.len() > MAX_WRITES
-                    || w.iter().enumerate().any(|(i, a)| w[i + 1..].iter().any(|c| a.block.intersect(&c.block).is_some())))
-            {
-                *keep = false;
+        ScratchWrites { writes, first }
+    }
+
+    /// The receives into buffer `b`.
+    fn of_buffer(&self, b: usize) -> &[Write] {
+        &self.writes[self.first[b] as usize..self.first[b + 1] as usize]
+    }
+}
+
+/// The copies out of bypassable scratch buffers split by the receives
+/// they read, as (round, local copy, receive, part of the copy). The
+/// receives must cover each copy exactly (they do not overlap, so their
+/// numbers of elements inside it add up to its own), each feeding its
+/// part; a buffer with a copy that is not so covered is kept (`ok[b]`
+/// cleared).
+fn feeds<'w>(program: &RankProgram, scratch: &[bool], ok: &mut [bool], writes: &'w ScratchWrites) -> Vec<(u32, u32, &'w Write, LocalCopy)> {
+    let is_scratch = |b: u32| scratch.get(b as usize).copied().unwrap_or(false);
+    let mut feeds: Vec<(u32, u32, &Write, LocalCopy)> = Vec::new();
+    for (r, round) in program.rounds.iter().enumerate() {
+        for (li, l) in round.locals.views().enumerate() {
+            let b = l.from().buffer as usize;
+            if !is_scratch(b as u32) || !ok[b] {
+                continue;
+            }
+            let l = l.get();
+            let mut covered = 0u64;
+            let before = feeds.len();
+            for w in writes.of_buffer(b) {
+                let Some(part) = w.block.intersect(&l.block) else { continue };
+                // A piece converted on receipt feeds only copies that
+                // keep the buffer's type: converting straight from the
+                // wire then gives the same values.
+                if w.round >= r as u32 || !same_place(w, &l.block, &l.from) || (w.converted && l.to_dtype != l.from_dtype) {
+                    covered = u64::MAX;
+                    break;
+                }
+                covered += part.numel();
+                let part = LocalCopy {
+                    block: part,
+                    from: shifted(&l.from, &l.block, &part),
+                    from_dtype: l.from_dtype,
+                    to: l.to.iter().map(|t| shifted(t, &l.block, &part)).collect(),
+                    to_dtype: l.to_dtype,
+                };
+                feeds.push((r as u32, li as u32, w, part));
+            }
+            if covered != l.block.numel() {
+                feeds.truncate(before);
+                ok[b] = false;
             }
         }
-        // The receives each copy out of a scratch buffer reads from: they
-        // must cover it exactly (they do not overlap, so their numbers of
-        // elements inside it add up to its own), each feeding its part.
-        let mut feeds: Vec<(u32, u32, &Write, LocalCopy)> = Vec::new();
-        for (r, round) in program.rounds.iter().enumerate() {
-            for (li, l) in round.locals.views().enumerate() {
-                let b = l.from().buffer as usize;
-                if !is_scratch(b as u32) || !ok[b] {
-                    continue;
-                }
-                let l = l.get();
-                let mut covered = 0u64;
-                let before = feeds.len();
-                for w in of_buffer(b) {
-                    let Some(part) = w.block.intersect(&l.block) else { continue };
-                    // A piece converted on receipt feeds only copies that
-                    // keep the buffer's type: converting straight from the
-                    // wire then gives the same values.
-                    if w.round >= r as u32 || !same_place(w, &l.block, &l.from) || (w.converted && l.to_dtype != l.from_dtype) {
-                        covered = u64::MAX;
-                        break;
-                    }
-                    covered += part.numel();
-                    let part = LocalCopy {
-                        block: part,
-                        from: shifted(&l.from, &l.block, &part),
-                        from_dtype: l.from_dtype,
-                        to: l.to.iter().map(|t| shifted(t, &l.block, &part)).collect(),
-                        to_dtype: l.to_dtype,
-                    };
-                    feeds.push((r as u32, li as u32, w, part));
-                }
-                if covered != l.block.numel() {
-                    feeds.truncate(before);
-                    ok[b] = false;
-                }
-            }
-        }
-        let mut bypass = Bypass { skipped: ok, ..Bypass::default() };
-        // By message, then piece (stable: in program order within one).
-        feeds.retain(|(_, _, w, _)| bypass.skipped[w.buffer as usize]);
-        feeds.sort_by_key(|(_, _, w, _)| (w.round, w.peer, w.piece));
-        for (round, local, w, copy) in feeds {
-            let (pieces, copies) = bypass.routes.entry((w.round, w.peer)).or_default();
-            pieces.push(w.piece);
-            copies.push(&copy);
-            let locals = program.rounds[round as usize].locals.len();
-            bypass.early.entry(round).or_insert_with(|| vec![false; locals])[local as usize] = true;
-        }
-        for (pieces, copies) in bypass.routes.values_mut() {
-            pieces.shrink_to_fit();
-            copies.shrink_to_fit();
-        }
-        bypass
     }
-
-    /// Whether buffer `b` is bypassed: it is never read or written, so it
-    /// needs no memory.
-    pub(crate) fn skips(&self, b: usize) -> bool {
-        self.skipped.get(b).copied().unwrap_or(false)
-    }
-
-    /// The copies to make from the message from `peer` in `round`, as
-    /// (piece, copy), by piece.
-    pub(crate) fn routes(&self, round: u32, peer: Endpoint) -> impl Iterator<Item = (u32, LocalCopyView<'_>)> + '_ {
-        self.routes.get(&(round, peer)).into_iter().flat_map(|(pieces, copies)| pieces.iter().copied().zip(copies.views()))
-    }
-
-    /// Per local copy of `round`, whether it was made on receipt (empty:
-    /// none was).
-    pub(crate) fn done_early(&self, round: u32) -> &[bool] {
-        self.early.get(&round).map_or(&[], Vec::as_slice)
-    }
+    feeds
 }
 
 /// Whether `from` (a view of `block`) and what `w` wrote place the

@@ -214,65 +214,24 @@ fn unpack_stream(
     if frame.len() != want || want == u64::MAX {
         return Err(Unpack::Bad(format!("{} bytes, expected {want}", frame.len())));
     }
-    let broken = |e: std::io::Error| Unpack::Broken(format!("in a message: {e}"));
     if stage.len() < STAGE_BYTES {
         stage.resize(STAGE_BYTES, 0);
     }
-    let stage_ptr = stage.as_mut_ptr();
-    let mut runs: Vec<libc::iovec> = Vec::new();
-    let mut batched = 0usize;
-    // Pieces read into the stage since the last `readv`: (index, piece,
-    // byte offset in the stage).
-    let mut staged: Vec<(usize, RecvPieceView<'_>, usize)> = Vec::new();
-    let mut used = 0usize;
-    // Reads what `runs` names, then writes the staged pieces out.
-    let flush = |frame: &mut crate::stream::StreamFrame,
-                 runs: &mut Vec<libc::iovec>,
-                 staged: &mut Vec<(usize, RecvPieceView<'_>, usize)>,
-                 used: &mut usize| {
-        // SAFETY: every run lies inside a span checked to be in bounds of
-        // this rank's own buffer, which only this thread writes, or inside
-        // the stage, which nothing else uses during the call; a message's
-        // pieces do not overlap (the program's invariant: each destination
-        // element arrives once), and an overlap would only make two runs of
-        // one `readv` write the same bytes in turn.
-        unsafe { frame.read_runs(runs) }.map_err(broken)?;
-        runs.clear();
-        for (i, p, at) in staged.drain(..) {
-            let n = (p.numel() * p.wire().size()) as usize;
-            // SAFETY: bytes `at..at + n` of the stage were just filled and
-            // are not written again before this view's last use (the end
-            // of this iteration); `at` is a multiple of the element size.
-            let src = unsafe { StridedRef::new(stage_ptr.add(at), n, 0, packed_strides(p.extent()), p.wire()) };
-            into.write(i, &p, &src).map_err(Unpack::Exec)?;
-        }
-        *used = 0;
-        Ok::<(), Unpack>(())
-    };
+    let mut batch = ReadBatch { stage: stage.as_mut_ptr(), runs: Vec::new(), staged: Vec::new(), used: 0, batched: 0 };
     for (i, p) in msg.pieces.views().enumerate() {
         let (extent, wire) = (p.extent(), p.wire());
-        let mut spans = p.spans();
-        let direct = match (spans.next(), spans.next()) {
-            (Some(span), None) if wire == p.dtype() && !into.bypass.skips(span.buffer as usize) && !into.feeds_locals(i) => Some(span),
-            _ => None,
-        };
-        let to = match direct {
-            Some(span) => Some(view(into.me, into.mem, &span, wire, extent, || p.block()).map_err(Unpack::Exec)?),
-            None => None,
-        };
-        if let Some(to) = to.filter(|to| run_bytes(extent, to) >= SHORT_RUN) {
+        if let Some(to) = direct_target(into, i, &p)?.filter(|to| run_bytes(extent, to) >= SHORT_RUN) {
             // SAFETY: `to` is in bounds (checked by `view`).
             unsafe {
                 for_each_run_ptr(extent, &to, |ptr, len| {
-                    runs.push(libc::iovec { iov_base: ptr as *mut libc::c_void, iov_len: len });
-                    batched += len;
+                    batch.runs.push(libc::iovec { iov_base: ptr as *mut libc::c_void, iov_len: len });
+                    batch.batched += len;
                 })
             };
         } else {
             let n = (p.numel() * wire.size()) as usize;
             if n > STAGE_BYTES {
-                flush(frame, &mut runs, &mut staged, &mut used)?;
-                batched = 0;
+                batch.flush(frame, into)?;
                 if large.len() < n {
                     large.resize(n, 0);
                 }
@@ -284,30 +243,99 @@ fn unpack_stream(
                 into.write(i, &p, &src).map_err(Unpack::Exec)?;
                 continue;
             }
-            // Element-aligned, so the staged piece is a view of its type.
-            let mut at = used.next_multiple_of(wire.size() as usize);
-            if at + n > STAGE_BYTES {
-                flush(frame, &mut runs, &mut staged, &mut used)?;
-                batched = 0;
-                at = 0;
-            }
-            // SAFETY: `at + n <= STAGE_BYTES`, the stage's length.
-            let ptr = unsafe { stage_ptr.add(at) };
-            match runs.last_mut() {
-                Some(last) if (last.iov_base as usize) + last.iov_len == ptr as usize => last.iov_len += n,
-                _ => runs.push(libc::iovec { iov_base: ptr as *mut libc::c_void, iov_len: n }),
-            }
-            staged.push((i, p, at));
-            used = at + n;
-            batched += n;
+            batch.stage_piece(frame, into, i, p, n)?;
         }
-        if runs.len() >= 512 || batched >= 4 << 20 {
-            flush(frame, &mut runs, &mut staged, &mut used)?;
-            batched = 0;
+        if batch.runs.len() >= 512 || batch.batched >= 4 << 20 {
+            batch.flush(frame, into)?;
         }
     }
-    flush(frame, &mut runs, &mut staged, &mut used)?;
-    Ok(())
+    batch.flush(frame, into)
+}
+
+/// A stream read gone wrong.
+fn broken(e: std::io::Error) -> Unpack {
+    Unpack::Broken(format!("in a message: {e}"))
+}
+
+/// Where piece `i` (`p`) goes straight from the socket, if it can: stored
+/// once in its wire type, in a buffer that exists, feeding no local copy.
+fn direct_target(into: &UnpackTarget<'_>, i: usize, p: &RecvPieceView<'_>) -> Result<Option<StridedRef>, Unpack> {
+    let mut spans = p.spans();
+    match (spans.next(), spans.next()) {
+        (Some(span), None) if p.wire() == p.dtype() && !into.bypass.skips(span.buffer as usize) && !into.feeds_locals(i) => {
+            Ok(Some(view(into.me, into.mem, &span, p.wire(), p.extent(), || p.block()).map_err(Unpack::Exec)?))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// The runs [`unpack_stream`] reads by one `readv`: straight into spans,
+/// or into the stage for the pieces written from there afterwards.
+struct ReadBatch<'m> {
+    /// The stage, [`STAGE_BYTES`] long, alive and unused elsewhere while
+    /// the batch is.
+    stage: *mut u8,
+    runs: Vec<libc::iovec>,
+    /// Pieces read into the stage since the last `readv`: (index, piece,
+    /// byte offset in the stage).
+    staged: Vec<(usize, RecvPieceView<'m>, usize)>,
+    /// Bytes of the stage in use.
+    used: usize,
+    /// Bytes the runs name.
+    batched: usize,
+}
+
+impl<'m> ReadBatch<'m> {
+    /// Reads what the runs name, then writes the staged pieces out.
+    fn flush(&mut self, frame: &mut crate::stream::StreamFrame, into: &UnpackTarget<'_>) -> Result<(), Unpack> {
+        // SAFETY: every run lies inside a span checked to be in bounds of
+        // this rank's own buffer, which only this thread writes, or inside
+        // the stage, which nothing else uses during the call; a message's
+        // pieces do not overlap (the program's invariant: each destination
+        // element arrives once), and an overlap would only make two runs of
+        // one `readv` write the same bytes in turn.
+        unsafe { frame.read_runs(&mut self.runs) }.map_err(broken)?;
+        self.runs.clear();
+        for (i, p, at) in self.staged.drain(..) {
+            let n = (p.numel() * p.wire().size()) as usize;
+            // SAFETY: bytes `at..at + n` of the stage were just filled and
+            // are not written again before this view's last use (the end
+            // of this iteration); `at` is a multiple of the element size.
+            let src = unsafe { StridedRef::new(self.stage.add(at), n, 0, packed_strides(p.extent()), p.wire()) };
+            into.write(i, &p, &src).map_err(Unpack::Exec)?;
+        }
+        self.used = 0;
+        self.batched = 0;
+        Ok(())
+    }
+
+    /// Adds piece `i` (`p`, `n <= STAGE_BYTES` bytes on the wire) to the
+    /// stage, reading what is batched first if the stage is full.
+    fn stage_piece(
+        &mut self,
+        frame: &mut crate::stream::StreamFrame,
+        into: &UnpackTarget<'_>,
+        i: usize,
+        p: RecvPieceView<'m>,
+        n: usize,
+    ) -> Result<(), Unpack> {
+        // Element-aligned, so the staged piece is a view of its type.
+        let mut at = self.used.next_multiple_of(p.wire().size() as usize);
+        if at + n > STAGE_BYTES {
+            self.flush(frame, into)?;
+            at = 0;
+        }
+        // SAFETY: `at + n <= STAGE_BYTES`, the stage's length.
+        let ptr = unsafe { self.stage.add(at) };
+        match self.runs.last_mut() {
+            Some(last) if (last.iov_base as usize) + last.iov_len == ptr as usize => last.iov_len += n,
+            _ => self.runs.push(libc::iovec { iov_base: ptr as *mut libc::c_void, iov_len: n }),
+        }
+        self.staged.push((i, p, at));
+        self.used = at + n;
+        self.batched += n;
+        Ok(())
+    }
 }
 
 /// Bytes of a receiving rank's stage ([`unpack_stream`]).

@@ -9,7 +9,7 @@ use crate::frame::{
 };
 use crate::tcp::shm_link::{self, ShmReceiver, ShmSetup};
 use reshard::Endpoint;
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -175,23 +175,81 @@ fn check_hello(got: &[u8], x: &Expect<'_>, no_shm: &mut HashSet<Endpoint>) -> Re
 pub(super) fn accept_all(
     listener: &TcpListener,
     x: &Expect<'_>,
-    mut accepted: impl FnMut(Endpoint, TcpStream, Option<ShmReceiver>) -> io::Result<()>,
+    accepted: impl FnMut(Endpoint, TcpStream, Option<ShmReceiver>) -> io::Result<()>,
 ) -> io::Result<()> {
     use std::os::fd::AsRawFd;
-    let me = x.me;
-    let mut waiting: HashSet<Endpoint> = x.expected.clone();
-    let most = x.expected.len() + MAX_GREETINGS;
-    let mut greeting: std::collections::VecDeque<Greeting> = Default::default();
-    // The last error `accept` gave that accepting survives (out of
-    // descriptors, say): named if the deadline passes.
-    let mut trouble: Option<io::Error> = None;
     listener.set_nonblocking(true)?;
-    let mut no_shm = HashSet::new();
-    // A whole handshake: taken, refused (told so), or the connect fails.
-    let mut settle = |g: Greeting, waiting: &mut HashSet<Endpoint>| -> io::Result<()> {
+    let mut acceptor =
+        Acceptor { x, waiting: x.expected.clone(), greeting: Default::default(), trouble: None, no_shm: HashSet::new(), accepted };
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    while !acceptor.waiting.is_empty() {
+        let now = Instant::now();
+        if now >= x.deadline {
+            return Err(acceptor.timed_out());
+        }
+        fds.clear();
+        let pollfd = |fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        fds.push(pollfd(listener.as_raw_fd()));
+        fds.extend(acceptor.greeting.iter().map(|g| pollfd(g.stream.as_raw_fd())));
+        let wait = x.deadline.saturating_duration_since(now).min(POLL_SLICE).as_millis().max(1) as libc::c_int;
+        // SAFETY: `fds` is a live, initialised array of `fds.len()` pollfd
+        // structures, which `poll` writes the `revents` of and nothing else.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait) };
+        if ready < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(io::Error::new(e.kind(), format!("{}: waiting for data-plane connections: {e}", x.me)));
+        }
+        let news: Vec<bool> = fds[1..].iter().map(|f| f.revents != 0).collect();
+        acceptor.read_greetings(&news)?;
+        if fds[0].revents != 0 {
+            acceptor.accept_new(listener)?;
+        }
+    }
+    // Handshakes still under way are strangers' (or duplicates'): dropping
+    // them closes them.
+    Ok(())
+}
+
+/// [`accept_all`]'s state: the peers still awaited, the handshakes under
+/// way, and what it hands each accepted peer to.
+struct Acceptor<'x, 'a, F> {
+    x: &'x Expect<'a>,
+    waiting: HashSet<Endpoint>,
+    greeting: VecDeque<Greeting>,
+    /// The last error `accept` gave that accepting survives (out of
+    /// descriptors, say): named if the deadline passes.
+    trouble: Option<io::Error>,
+    /// Peers whose region this rank could not map (see [`check_hello`]).
+    no_shm: HashSet<Endpoint>,
+    accepted: F,
+}
+
+impl<F> Acceptor<'_, '_, F>
+where
+    F: FnMut(Endpoint, TcpStream, Option<ShmReceiver>) -> io::Result<()>,
+{
+    /// The error when the deadline passed: the peers that did not connect.
+    fn timed_out(&self) -> io::Error {
+        let mut missing: Vec<String> = self.waiting.iter().map(|e| e.to_string()).collect();
+        missing.sort();
+        let also = self.trouble.as_ref().map(|e| format!(" (accepting failed meanwhile: {e})")).unwrap_or_default();
+        io::Error::new(io::ErrorKind::TimedOut, format!("{}: peers did not connect in time: {}{also}", self.x.me, missing.join(", ")))
+    }
+
+    /// A connection dropped before (or instead of) its handshake's check.
+    fn dropped(&self, from: SocketAddr, why: &str) {
+        tracing::warn!(me = %self.x.me, %from, reason = %why, "refused a data-plane connection");
+    }
+
+    /// A whole handshake: taken, refused (told so), or the connect fails.
+    fn settle(&mut self, g: Greeting) -> io::Result<()> {
+        let me = self.x.me;
         let Greeting { mut stream, from, got } = g;
-        match check_hello(&got, x, &mut no_shm) {
-            Ok((peer, inbound)) if waiting.contains(&peer) => {
+        match check_hello(&got, self.x, &mut self.no_shm) {
+            Ok((peer, inbound)) if self.waiting.contains(&peer) => {
                 // Accepted; a shared-memory pair's answer says where this
                 // side's acknowledgement page is.
                 let mut answer = vec![HELLO_OK];
@@ -205,8 +263,8 @@ pub(super) fn accept_all(
                     tracing::warn!(%me, %peer, %from, error = %e, "a data-plane connection closed before its handshake was answered");
                     return Ok(());
                 }
-                waiting.remove(&peer);
-                accepted(peer, stream, inbound)
+                self.waiting.remove(&peer);
+                (self.accepted)(peer, stream, inbound)
             }
             Ok((peer, _)) => {
                 let _ = stream.write_all(&[HELLO_DUPLICATE]);
@@ -220,64 +278,48 @@ pub(super) fn accept_all(
                 if fatal {
                     return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{me}: {from}: {why}")));
                 }
-                tracing::warn!(%me, %from, reason = %why, "refused a data-plane connection");
+                self.dropped(from, &why);
                 Ok(())
             }
         }
-    };
-    let dropped = |from: SocketAddr, why: &str| tracing::warn!(%me, %from, reason = %why, "refused a data-plane connection");
-    let mut fds: Vec<libc::pollfd> = Vec::new();
-    while !waiting.is_empty() {
-        let now = Instant::now();
-        if now >= x.deadline {
-            let mut missing: Vec<String> = waiting.iter().map(|e| e.to_string()).collect();
-            missing.sort();
-            let also = trouble.as_ref().map(|e| format!(" (accepting failed meanwhile: {e})")).unwrap_or_default();
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("{me}: peers did not connect in time: {}{also}", missing.join(", ")),
-            ));
-        }
-        fds.clear();
-        let pollfd = |fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        fds.push(pollfd(listener.as_raw_fd()));
-        fds.extend(greeting.iter().map(|g| pollfd(g.stream.as_raw_fd())));
-        let wait = x.deadline.saturating_duration_since(now).min(POLL_SLICE).as_millis().max(1) as libc::c_int;
-        // SAFETY: `fds` is a live, initialised array of `fds.len()` pollfd
-        // structures, which `poll` writes the `revents` of and nothing else.
-        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, wait) };
-        if ready < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+    }
+
+    /// Reads the handshakes `poll` has news of (`news[i]` for the `i`th
+    /// under way), back to front: removing one leaves the places of those
+    /// before it.
+    fn read_greetings(&mut self, news: &[bool]) -> io::Result<()> {
+        for i in (0..self.greeting.len().min(news.len())).rev() {
+            if news[i] {
+                self.read_one(i)?;
             }
-            return Err(io::Error::new(e.kind(), format!("{me}: waiting for data-plane connections: {e}")));
         }
-        // Handshakes with news, back to front (removing one leaves the
-        // places of those before it).
-        for i in (0..greeting.len()).rev() {
-            if fds[i + 1].revents == 0 {
-                continue;
-            }
-            match greeting[i].read() {
-                Ok(false) => {}
-                Ok(true) => {
-                    if let Some(g) = greeting.remove(i) {
-                        settle(g, &mut waiting)?;
-                    }
+        Ok(())
+    }
+
+    /// Reads the `i`th handshake under way: settled if whole, dropped if
+    /// bad; whether it is gone from the queue.
+    fn read_one(&mut self, i: usize) -> io::Result<bool> {
+        match self.greeting[i].read() {
+            Ok(false) => Ok(false),
+            Ok(true) => {
+                if let Some(g) = self.greeting.remove(i) {
+                    self.settle(g)?;
                 }
-                Err(r) => {
-                    if let Some(g) = greeting.remove(i) {
-                        dropped(g.from, &r.why);
-                    }
+                Ok(true)
+            }
+            Err(r) => {
+                if let Some(g) = self.greeting.remove(i) {
+                    self.dropped(g.from, &r.why);
                 }
+                Ok(true)
             }
         }
-        if fds[0].revents == 0 {
-            continue;
-        }
-        // New connections: each handshake is read at once as far as it has
-        // come (a peer writes it right after connecting).
+    }
+
+    /// New connections: each handshake is read at once as far as it has
+    /// come (a peer writes it right after connecting).
+    fn accept_new(&mut self, listener: &TcpListener) -> io::Result<()> {
+        let me = self.x.me;
         loop {
             let (stream, from) = match listener.accept() {
                 Ok(c) => c,
@@ -287,62 +329,54 @@ pub(super) fn accept_all(
                     // Out of descriptors or memory, say: the connection
                     // waits in the backlog; try again shortly.
                     tracing::warn!(%me, error = %e, "accepting a data-plane connection failed; retrying");
-                    trouble = Some(e);
+                    self.trouble = Some(e);
                     std::thread::sleep(Duration::from_millis(10));
                     break;
                 }
             };
             if let Err(e) = stream.set_nonblocking(true) {
-                dropped(from, &format!("socket setup: {e}"));
+                self.dropped(from, &format!("socket setup: {e}"));
                 continue;
             }
             let mut g = Greeting { stream, from, got: Vec::new() };
             match g.read() {
-                Ok(true) => settle(g, &mut waiting)?,
-                Ok(false) => greeting.push_back(g),
-                Err(r) => dropped(from, &r.why),
+                Ok(true) => self.settle(g)?,
+                Ok(false) => self.greeting.push_back(g),
+                Err(r) => self.dropped(from, &r.why),
             }
-            // Too many unfinished: drop the oldest of those from which
-            // nothing has come even now (else the oldest).
-            while greeting.len() > most && !waiting.is_empty() {
-                let mut silent = None;
-                let mut i = 0;
-                while i < greeting.len() {
-                    if greeting[i].got.is_empty() {
-                        match greeting[i].read() {
-                            Ok(false) if greeting[i].got.is_empty() => {
-                                silent = Some(i);
-                                break;
-                            }
-                            Ok(false) => {}
-                            Ok(true) => {
-                                if let Some(g) = greeting.remove(i) {
-                                    settle(g, &mut waiting)?;
-                                }
-                                continue;
-                            }
-                            Err(r) => {
-                                if let Some(g) = greeting.remove(i) {
-                                    dropped(g.from, &r.why);
-                                }
-                                continue;
-                            }
-                        }
-                    }
-                    i += 1;
-                }
-                if greeting.len() > most {
-                    if let Some(g) = greeting.remove(silent.unwrap_or(0)) {
-                        tracing::debug!(%me, from = %g.from, "dropped an unfinished data-plane handshake to make room");
-                    }
-                }
-            }
-            if waiting.is_empty() {
+            self.make_room()?;
+            if self.waiting.is_empty() {
                 break;
             }
         }
+        Ok(())
     }
-    // Handshakes still under way are strangers' (or duplicates'): dropping
-    // them closes them.
-    Ok(())
+
+    /// Too many unfinished handshakes: drops the oldest of those from
+    /// which nothing has come even now (else the oldest).
+    fn make_room(&mut self) -> io::Result<()> {
+        let most = self.x.expected.len() + MAX_GREETINGS;
+        while self.greeting.len() > most && !self.waiting.is_empty() {
+            let mut silent = None;
+            let mut i = 0;
+            while i < self.greeting.len() {
+                if self.greeting[i].got.is_empty() {
+                    if self.read_one(i)? {
+                        continue;
+                    }
+                    if self.greeting[i].got.is_empty() {
+                        silent = Some(i);
+                        break;
+                    }
+                }
+                i += 1;
+            }
+            if self.greeting.len() > most {
+                if let Some(g) = self.greeting.remove(silent.unwrap_or(0)) {
+                    tracing::debug!(me = %self.x.me, from = %g.from, "dropped an unfinished data-plane handshake to make room");
+                }
+            }
+        }
+        Ok(())
+    }
 }

@@ -8,12 +8,12 @@ use super::pool::FramePool;
 use super::reader::{PeerStatus, Reader};
 use super::watch::watch;
 use super::{Inbound, Link, TcpConfig, TcpTransport};
-use crate::frame::{decode_region_ref, hello, hello_problem, HELLO_OK, HELLO_REGION, REGION_REF};
+use crate::frame::{decode_region_ref, hello, hello_problem, ShmAnnounce, HELLO_OK, HELLO_REGION, REGION_REF};
 #[cfg(any(test, feature = "testkit"))]
 use crate::link::FrameHook;
 use crate::shm::RegionRef;
 use crate::sockopt::choose_congestion;
-use crate::tcp::shm_link::{self, ShmSetup};
+use crate::tcp::shm_link::{self, MadeRegion, ShmSetup};
 use crate::transport::RoundInbox;
 use reshard::Endpoint;
 use std::collections::{HashMap, HashSet};
@@ -168,6 +168,55 @@ fn dial(
     Ok(DialedOk { stream, congestion, acks })
 }
 
+/// Dials `peer` (with a shared-memory region if the pair `shared`s one)
+/// until it answers or `deadline`. A connection refused (nothing
+/// listening), slow (a full backlog drops the peer's SYNs) or dropped
+/// before its handshake was answered (a peer's acceptor making room) is
+/// made again, with backoff; a peer that cannot map the region is dialed
+/// again without one. Returns the stream and the region it took, if any.
+fn dial_until_deadline(
+    me: Endpoint,
+    peer: Endpoint,
+    addr: SocketAddr,
+    shared: Option<&ShmSetup>,
+    deadline: Instant,
+    config: &TcpConfig,
+) -> io::Result<(DialedOk, Option<(MadeRegion, ShmAnnounce)>)> {
+    let checksum = config.checksum;
+    let mut made = shared.map(|s| s.create(me, peer)).transpose()?;
+    let mut hello = hello(me, peer, checksum, made.as_ref().map(|(_, a)| *a), config.hello_key.as_ref());
+    let mut pause = Duration::from_millis(20);
+    let mut tries = 1u32;
+    let dialing = Instant::now();
+    loop {
+        match dial(me, peer, addr, &hello, made.is_some(), deadline, config) {
+            Ok(d) => {
+                let ms = dialing.elapsed().as_millis() as u64;
+                tracing::debug!(%me, %peer, %addr, tries, ms, congestion = %d.congestion, "data-plane stream to a peer connected");
+                return Ok((d, made));
+            }
+            Err(Dialed { error, no_region: true, .. }) => {
+                // The peer cannot map our region (another user, another
+                // process namespace): TCP for this pair.
+                shm_link::fell_back(me, peer, &error.to_string());
+                made = None;
+                hello = crate::frame::hello(me, peer, checksum, None, config.hello_key.as_ref());
+            }
+            Err(Dialed { error, again: true, .. }) if Instant::now() < deadline => {
+                tracing::debug!(%me, %peer, %addr, %error, tries, "data-plane connection not taken; trying again");
+                std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
+                pause = (pause * 2).min(Duration::from_millis(500));
+                tries += 1;
+            }
+            Err(Dialed { error, again, .. }) if again && tries > 1 => {
+                let s = dialing.elapsed().as_secs_f64();
+                return Err(io::Error::new(error.kind(), format!("{error} (the last of {tries} tries in {s:.1} s)")));
+            }
+            Err(Dialed { error, .. }) => return Err(error),
+        }
+    }
+}
+
 impl TcpTransport {
     /// Joins a fabric: accepts a stream from every other peer on `listener`
     /// and opens one to every other peer's address in `peers`.
@@ -235,42 +284,7 @@ impl TcpTransport {
         let mut links = HashMap::new();
         for (peer, addr) in others {
             let shared = shm.as_deref().filter(|s| s.shares(peer));
-            let mut made = shared.map(|s| s.create(me, peer)).transpose()?;
-            let mut hello = hello(me, peer, checksum, made.as_ref().map(|(_, a)| *a), config.hello_key.as_ref());
-            // A connection refused (nothing listening), slow (a full
-            // backlog drops the peer's SYNs) or dropped before its
-            // handshake was answered (a peer's acceptor making room) is
-            // made again, with backoff, until the deadline.
-            let mut pause = Duration::from_millis(20);
-            let mut tries = 1u32;
-            let dialing = Instant::now();
-            let dialed = loop {
-                match dial(me, peer, addr, &hello, made.is_some(), deadline, config) {
-                    Ok(d) => {
-                        let ms = dialing.elapsed().as_millis() as u64;
-                        tracing::debug!(%me, %peer, %addr, tries, ms, congestion = %d.congestion, "data-plane stream to a peer connected");
-                        break d;
-                    }
-                    Err(Dialed { error, no_region: true, .. }) => {
-                        // The peer cannot map our region (another user,
-                        // another process namespace): TCP for this pair.
-                        shm_link::fell_back(me, peer, &error.to_string());
-                        made = None;
-                        hello = crate::frame::hello(me, peer, checksum, None, config.hello_key.as_ref());
-                    }
-                    Err(Dialed { error, again: true, .. }) if Instant::now() < deadline => {
-                        tracing::debug!(%me, %peer, %addr, %error, tries, "data-plane connection not taken; trying again");
-                        std::thread::sleep(pause.min(deadline.saturating_duration_since(Instant::now())));
-                        pause = (pause * 2).min(Duration::from_millis(500));
-                        tries += 1;
-                    }
-                    Err(Dialed { error, again, .. }) if again && tries > 1 => {
-                        let s = dialing.elapsed().as_secs_f64();
-                        return Err(io::Error::new(error.kind(), format!("{error} (the last of {tries} tries in {s:.1} s)")));
-                    }
-                    Err(Dialed { error, .. }) => return Err(error),
-                }
-            };
+            let (dialed, made) = dial_until_deadline(me, peer, addr, shared, deadline, config)?;
             let DialedOk { stream, acks, .. } = dialed;
             streams.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::new(stream.try_clone()?));
             let out = match (made, acks) {

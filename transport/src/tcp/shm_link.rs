@@ -215,106 +215,126 @@ pub(crate) fn send(
     out: &mut ShmOut,
     w: &mut BufWriter<TcpStream>,
     status: &PeerStatus,
-    mut bucket: Option<&mut TokenBucket>,
+    bucket: Option<&mut TokenBucket>,
     m: ShmMessage<'_>,
 ) -> Result<(), TransportError> {
-    let ShmMessage { me, to, round, payload, checksum, corrupt, wait } = m;
-    let disconnected = |_| TransportError::Disconnected { peer: to };
-    let len = payload_len(payload);
-    out.ready().map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
-    match place(out, len, status, to)? {
-        Placement::Lent { seq, offset } => {
-            let dst = out.at(offset);
-            let mut pos = 0usize;
-            // SAFETY: the placement reserved `len` bytes at `dst` for this
-            // sender, and no run or packed piece is copied past them (each
-            // is checked to end by `len`; a packed piece's view covers
-            // exactly its `n` bytes); the executor's contract for the
-            // payload (its memory valid, in bounds and unwritten).
-            unsafe {
-                for_payload_items(payload, SHORT_RUN, |item| match item {
-                    Item::Run(run) => {
-                        if pos + run.len() <= len as usize {
-                            copy_paced(run, dst.add(pos), &mut bucket);
-                        }
-                        pos += run.len();
-                    }
-                    // A piece of short rows, or one to convert: packed by
-                    // one strided copy (converting into its wire type).
-                    Item::Short { counts, view: from @ StridedRef { dtype: wire, .. } } | Item::Convert { counts, view: from, wire } => {
-                        let n = (counts.iter().product::<u64>() * wire.size()) as usize;
-                        if pos + n <= len as usize {
-                            if let Some(b) = bucket.as_deref_mut() {
-                                b.pace(n as u64);
-                            }
-                            let to = StridedRef::new(dst.add(pos), n, 0, packed_strides(counts), wire);
-                            copy_strided_unfenced(counts, &from, &to);
-                        }
-                        pos += n;
-                    }
-                })
-            }
-            .map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
-            // SAFETY: as above; `len` bytes, now written.
-            let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len as usize) };
-            let sum = if checksum { crc32c::crc32c(bytes) } else { 0 };
-            if corrupt {
-                if let Some(b) = bytes.get_mut(len as usize / 2) {
-                    *b ^= 0x40;
+    let len = payload_len(m.payload);
+    out.ready().map_err(|e| TransportError::Broken { peer: m.to, problem: e.to_string() })?;
+    match place(out, len, status, m.to)? {
+        Placement::Lent { seq, offset } => send_lent(out, w, bucket, &m, (seq, offset, len)),
+        Placement::Stream => send_streamed(out, w, status, bucket, &m, len),
+    }
+}
+
+/// Copies a message whole into the lend area at `offset` (its placement
+/// `(seq, offset, len)`) and tells the peer where it lies.
+fn send_lent(
+    out: &mut ShmOut,
+    w: &mut BufWriter<TcpStream>,
+    mut bucket: Option<&mut TokenBucket>,
+    m: &ShmMessage<'_>,
+    (seq, offset, len): (u64, u64, u64),
+) -> Result<(), TransportError> {
+    let to = m.to;
+    let dst = out.at(offset);
+    let mut pos = 0usize;
+    // SAFETY: the placement reserved `len` bytes at `dst` for this
+    // sender, and no run or packed piece is copied past them (each
+    // is checked to end by `len`; a packed piece's view covers
+    // exactly its `n` bytes); the executor's contract for the
+    // payload (its memory valid, in bounds and unwritten).
+    unsafe {
+        for_payload_items(m.payload, SHORT_RUN, |item| match item {
+            Item::Run(run) => {
+                if pos + run.len() <= len as usize {
+                    copy_paced(run, dst.add(pos), &mut bucket);
                 }
+                pos += run.len();
             }
-            shm::publish();
-            write_shm_frame(w, LENT, round, shm_info(seq, offset, len, sum as u64)).map_err(disconnected)
-        }
-        Placement::Stream => {
-            let mut sink = StreamSink {
-                out,
-                w,
-                status,
-                bucket,
-                me,
-                to,
-                round,
-                total: len,
-                checksum,
-                corrupt,
-                sum: 0,
-                sent: 0,
-                chunk: (0, 0, 0),
-                deadline: Instant::now() + wait,
-                err: None,
-            };
-            // Pieces left unconverted are converted a few KiB at a time
-            // into a buffer in cache and put from there.
-            let mut bounce = Vec::new();
-            // SAFETY: the executor's contract for the payload (a converted
-            // piece's view is in bounds of the sender's memory, checked by
-            // `for_payload_items`).
-            unsafe {
-                for_payload_items(payload, 0, |item| match item {
-                    Item::Run(run) => sink.put(run),
-                    Item::Short { counts, view } => for_each_run(counts, &view, |run| sink.put(run)),
-                    Item::Convert { counts, view, wire } => for_each_run(counts, &view, |run| {
-                        let (from, to) = (view.dtype.size() as usize, wire.size() as usize);
-                        for part in run.chunks(BOUNCE_ELEMS * from) {
-                            bounce.resize(part.len() / from * to, 0);
-                            reshard::convert_slice(view.dtype, part, wire, &mut bounce);
-                            sink.put(&bounce);
-                        }
-                    }),
-                })
+            // A piece of short rows, or one to convert: packed by
+            // one strided copy (converting into its wire type).
+            Item::Short { counts, view: from @ StridedRef { dtype: wire, .. } } | Item::Convert { counts, view: from, wire } => {
+                let n = (counts.iter().product::<u64>() * wire.size()) as usize;
+                if pos + n <= len as usize {
+                    if let Some(b) = bucket.as_deref_mut() {
+                        b.pace(n as u64);
+                    }
+                    let to = StridedRef::new(dst.add(pos), n, 0, packed_strides(counts), wire);
+                    copy_strided_unfenced(counts, &from, &to);
+                }
+                pos += n;
             }
-            .map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
-            if let Some(e) = sink.err.take() {
-                return Err(e);
-            }
-            if len == 0 {
-                sink.next_chunk()?;
-                sink.emit()?;
-            }
-            Ok(())
+        })
+    }
+    .map_err(|e| TransportError::Broken { peer: to, problem: e.to_string() })?;
+    // SAFETY: as above; `len` bytes, now written.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(dst, len as usize) };
+    let sum = if m.checksum { crc32c::crc32c(bytes) } else { 0 };
+    if m.corrupt {
+        if let Some(b) = bytes.get_mut(len as usize / 2) {
+            *b ^= 0x40;
         }
     }
+    shm::publish();
+    write_shm_frame(w, LENT, m.round, shm_info(seq, offset, len, sum as u64)).map_err(|_| TransportError::Disconnected { peer: to })
+}
+
+/// Streams a message of `len` bytes through the region's stream area, a
+/// chunk at a time, as the peer frees room.
+fn send_streamed(
+    out: &mut ShmOut,
+    w: &mut BufWriter<TcpStream>,
+    status: &PeerStatus,
+    bucket: Option<&mut TokenBucket>,
+    m: &ShmMessage<'_>,
+    len: u64,
+) -> Result<(), TransportError> {
+    let mut sink = StreamSink {
+        out,
+        w,
+        status,
+        bucket,
+        me: m.me,
+        to: m.to,
+        round: m.round,
+        total: len,
+        checksum: m.checksum,
+        corrupt: m.corrupt,
+        sum: 0,
+        sent: 0,
+        chunk: (0, 0, 0),
+        deadline: Instant::now() + m.wait,
+        err: None,
+    };
+    // Pieces left unconverted are converted a few KiB at a time
+    // into a buffer in cache and put from there.
+    let mut bounce = Vec::new();
+    // SAFETY: the executor's contract for the payload (a converted
+    // piece's view is in bounds of the sender's memory, checked by
+    // `for_payload_items`).
+    unsafe {
+        for_payload_items(m.payload, 0, |item| match item {
+            Item::Run(run) => sink.put(run),
+            Item::Short { counts, view } => for_each_run(counts, &view, |run| sink.put(run)),
+            Item::Convert { counts, view, wire } => for_each_run(counts, &view, |run| {
+                let (from, to) = (view.dtype.size() as usize, wire.size() as usize);
+                for part in run.chunks(BOUNCE_ELEMS * from) {
+                    bounce.resize(part.len() / from * to, 0);
+                    reshard::convert_slice(view.dtype, part, wire, &mut bounce);
+                    sink.put(&bounce);
+                }
+            }),
+        })
+    }
+    .map_err(|e| TransportError::Broken { peer: m.to, problem: e.to_string() })?;
+    if let Some(e) = sink.err.take() {
+        return Err(e);
+    }
+    if len == 0 {
+        sink.next_chunk()?;
+        sink.emit()?;
+    }
+    Ok(())
 }
 
 /// Writes a `lent` or `chunk` frame and pushes it out.
