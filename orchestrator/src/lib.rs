@@ -46,7 +46,7 @@ pub use orchestrator::{
 };
 pub use protocol::{
     CommPlane, DataAddr, DigestError, EgressCaps, Fabric, HeldVersion, IpcFabric, LayoutInfo, MemberMsg, MemberReply, NcclFabric,
-    NodeFabric, ProgramRole, RankDigest, Refusal, RunDelta, RunStats,
+    NodeFabric, ProgramRole, RankDigest, Refusal, RunDelta, RunRequest, RunStats,
 };
 pub use rendezvous::{join, member_name, replica_member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;

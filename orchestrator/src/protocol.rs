@@ -32,6 +32,25 @@ pub use transport::fabric::{DigestError, RankDigest};
 /// How many installed plans a member keeps (reshard and baseline, say).
 pub const INSTALLED_PLANS: usize = 2;
 
+/// What [`MemberMsg::Run`] asks of a member.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunRequest {
+    /// The refit.
+    pub refit: u64,
+    /// The weight version being moved.
+    pub version: u64,
+    /// The plan the orchestrator believes is installed.
+    pub fingerprint: Fingerprint,
+    /// Time the data movement may take.
+    pub deadline: Duration,
+    /// Whether the run is a delta refit ([`transport::delta`]).
+    pub delta: RunDelta,
+    /// After the run, read back what it moved and answer with its
+    /// digest ([`RunStats::digest`]), for the orchestrator to check
+    /// before any commit ([`OrchestratorConfig::digest_check`](crate::OrchestratorConfig::digest_check)).
+    pub verify: bool,
+}
+
 /// Whether a run is a delta refit ([`transport::delta`]), and on what.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RunDelta {
@@ -117,22 +136,7 @@ pub enum MemberMsg {
     },
     /// Run the installed program for weights `version` on the connected
     /// endpoint (destinations write their staging copy).
-    Run {
-        /// The refit.
-        refit: u64,
-        /// The weight version being moved.
-        version: u64,
-        /// The plan the orchestrator believes is installed.
-        fingerprint: Fingerprint,
-        /// Time the data movement may take.
-        deadline: Duration,
-        /// Whether the run is a delta refit ([`transport::delta`]).
-        delta: RunDelta,
-        /// After the run, read back what it moved and answer with its
-        /// digest ([`RunStats::digest`]), for the orchestrator to check
-        /// before any commit ([`OrchestratorConfig::digest_check`](crate::OrchestratorConfig::digest_check)).
-        verify: bool,
-    },
+    Run(RunRequest),
     /// Make staged `version` the one readers get (destinations); the second phase.
     Commit {
         /// The version.

@@ -744,7 +744,15 @@ async fn a_commit_that_never_comes_lets_readers_back_in() {
     };
     all(MemberMsg::Connect { refit, peers }).await;
     let t = Instant::now();
-    all(MemberMsg::Run { refit, version: v2, fingerprint, deadline, delta: orchestrator::RunDelta::Off, verify: true }).await;
+    all(MemberMsg::Run(orchestrator::RunRequest {
+        refit,
+        version: v2,
+        fingerprint,
+        deadline,
+        delta: orchestrator::RunDelta::Off,
+        verify: true,
+    }))
+    .await;
     // v2 is staged everywhere: readers wait for its commit ...
     assert!(tokio::time::timeout(Duration::from_millis(200), sys.dst[0].serve()).await.is_err());
     // ... until the hold expires: the memory still holds v1.

@@ -200,13 +200,15 @@ async fn wrong_fingerprint_is_refused() {
     let member = &sys.src_members;
     // A step of a refit that was never prepared here.
     // A run of refit `refit` under a plan nobody installed.
-    let run = |refit| MemberMsg::Run {
-        refit,
-        version: v,
-        fingerprint: bogus,
-        deadline: SECOND,
-        delta: orchestrator::RunDelta::Off,
-        verify: true,
+    let run = |refit| {
+        MemberMsg::Run(orchestrator::RunRequest {
+            refit,
+            version: v,
+            fingerprint: bogus,
+            deadline: SECOND,
+            delta: orchestrator::RunDelta::Off,
+            verify: true,
+        })
     };
     let reply = member.call_rank(0, run(77)).await.unwrap();
     assert_eq!(reply, MemberReply::Refused(Refusal::NotPrepared { refit: 77 }));

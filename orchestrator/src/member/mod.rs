@@ -4,7 +4,7 @@
 //! orchestrator only by message, so it may live in any process.
 
 use crate::protocol::{
-    Fabric, HeldVersion, LayoutInfo, MemberMsg, MemberReply, PeerAddr, ProgramRole, Refusal, RunDelta, RunStats, INSTALLED_PLANS,
+    Fabric, HeldVersion, LayoutInfo, MemberMsg, MemberReply, PeerAddr, ProgramRole, Refusal, RunRequest, RunStats, INSTALLED_PLANS,
 };
 use crate::store::{CommitFence, DstStore, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
@@ -327,42 +327,13 @@ impl Member {
         }
     }
 
-    async fn run(
-        &mut self,
-        refit: u64,
-        version: u64,
-        fingerprint: Fingerprint,
-        deadline: Duration,
-        delta: RunDelta,
-        verify: bool,
-    ) -> MemberReply {
-        let Pending { program, mut end, session, keep, .. } = match self.state.take(refit, Step::Run) {
-            Ok(p) => p,
+    /// Runs the connected endpoint's program for `req`: the run for the
+    /// member's role and memory, then what a clean run leaves kept.
+    async fn run(&mut self, req: RunRequest) -> MemberReply {
+        let (run, session, keep) = match self.start_run(&req) {
+            Ok(started) => started,
             Err(r) => return MemberReply::Refused(r),
         };
-        if program.fingerprint != fingerprint {
-            // Peers must not wait for this rank.
-            end.abort("fingerprint mismatch");
-            return MemberReply::Refused(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: fingerprint });
-        }
-        if let Err(e) = end.ready() {
-            return MemberReply::Refused(Refusal::Fabric(e));
-        }
-        let kill = end.kill_switch();
-        // The blocking task hands the endpoint back with the result, so a
-        // clean one can be kept.
-        // This plan's scratch from its last clean run, if any; taken, so a
-        // run that fails leaves none behind.
-        let left = self.leftovers.iter().position(|(f, _)| *f == fingerprint).map(|i| self.leftovers.swap_remove(i).1).unwrap_or_default();
-        let how = RunSettings {
-            refit,
-            deadline,
-            delta,
-            verify,
-            #[cfg(feature = "testkit")]
-            corrupt: self.config.corrupt.as_ref().and_then(|c| c.take()),
-        };
-        let run = RankRun { program, end, how, left, version, kill };
         let role = self.role.clone();
         let (result, kept) = match &role {
             Role::Src(store) => run_src(store, run).await,
@@ -373,10 +344,38 @@ impl Member {
         };
         if result.is_ok() {
             if let Some((end, left)) = kept {
-                self.keep_after_run(fingerprint, session, end, left, keep);
+                self.keep_after_run(req.fingerprint, session, end, left, keep);
             }
         }
         finish(result)
+    }
+
+    /// Takes the connected endpoint of refit `req.refit` and checks it can
+    /// run `req`'s plan: the run, with this plan's scratch from its last
+    /// clean run (taken, so a run that fails leaves none behind), and the
+    /// endpoint's session and whether to keep it.
+    fn start_run(&mut self, req: &RunRequest) -> Result<(RankRun, String, bool), Refusal> {
+        let Pending { program, mut end, session, keep, .. } = self.state.take(req.refit, Step::Run)?;
+        if program.fingerprint != req.fingerprint {
+            // Peers must not wait for this rank.
+            end.abort("fingerprint mismatch");
+            return Err(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: req.fingerprint });
+        }
+        end.ready().map_err(Refusal::Fabric)?;
+        let kill = end.kill_switch();
+        let left = match self.leftovers.iter().position(|(f, _)| *f == req.fingerprint) {
+            Some(i) => self.leftovers.swap_remove(i).1,
+            None => RunReuse::default(),
+        };
+        let how = RunSettings {
+            refit: req.refit,
+            deadline: req.deadline,
+            delta: req.delta,
+            verify: req.verify,
+            #[cfg(feature = "testkit")]
+            corrupt: self.config.corrupt.as_ref().and_then(|c| c.take()),
+        };
+        Ok((RankRun { program, end, how, left, version: req.version, kill }, session, keep))
     }
 
     /// After a clean run: what it leaves for the plan's next run, and its
@@ -654,9 +653,7 @@ impl Actor for Member {
             MemberMsg::Prepare { refit, fingerprint, session, fabric, keep } => self.prepare(refit, fingerprint, session, fabric, keep),
             MemberMsg::Resume { refit, fingerprint, session } => self.resume(refit, fingerprint, session),
             MemberMsg::Connect { refit, peers } => self.connect(refit, peers).await,
-            MemberMsg::Run { refit, version, fingerprint, deadline, delta, verify } => {
-                self.run(refit, version, fingerprint, deadline, delta, verify).await
-            }
+            MemberMsg::Run(req) => self.run(req).await,
             MemberMsg::Commit { version } => match &self.role {
                 Role::Dst(store) if store.registered_memory().is_some() => self.commit_registered(store.clone(), version).await,
                 Role::Dst(store) => match store.commit(version).await {

@@ -6,7 +6,7 @@ use super::error::refused;
 use super::members::{no_refusal, Answer, RunMembers};
 use super::verify::MemberDigest;
 use super::{Orchestrator, OrchestratorError, RefitStep};
-use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal, RunDelta};
+use crate::protocol::{Fabric, MemberMsg, MemberReply, PeerAddr, Refusal, RunDelta, RunRequest};
 use reshard::{Endpoint, Fingerprint};
 use std::time::{Duration, Instant};
 
@@ -38,7 +38,7 @@ impl Orchestrator {
             (true, Some(&base)) => RunDelta::Since { base },
         };
         let verify = self.config.digest_check;
-        let run = |_, _| Some(MemberMsg::Run { refit, version, fingerprint, deadline, delta, verify });
+        let run = |_, _| Some(MemberMsg::Run(RunRequest { refit, version, fingerprint, deadline, delta, verify }));
         self.enter(RefitStep::Running);
         let ran = self.ask_each(cast, run, deadline + control).await;
         if StepOutcome::any(&ran) {
