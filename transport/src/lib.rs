@@ -14,11 +14,11 @@
 //! drivers run every rank of a plan as a thread of one process over a
 //! fabric they make (`run_local`, `run_tcp`, `run_node`), for tests and
 //! the GPU checks.
-
 //!
-//! The face is deliberate: every module is private but two, and the
-//! crate's items are the `pub use` list below. [`cuda`] is the GPU data
-//! plane (its own list of names), [`delta`] the delta-message codec.
+//! The face is deliberate: every module is private but three, and the
+//! crate's items are the `pub use` list below. [`fabric`] is what the
+//! orchestrator opens and runs, [`cuda`] the GPU data plane (its own list
+//! of names), [`delta`] the delta-message codec.
 //! `tests/layering.rs` checks that each name here is used outside the
 //! crate.
 
