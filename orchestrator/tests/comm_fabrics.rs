@@ -8,8 +8,8 @@
 //! user's memory), on those fabrics and on the host fabrics.
 
 use orchestrator::{
-    orchestrator_call_timeout, spawn_refit, CommPlane, Fabric, IpcFabric, NcclFabric, OrchestratorConfig, OrchestratorError, RefitError,
-    RefitSystem, Refusal,
+    orchestrator_call_timeout, spawn_refit, CommPlane, Fabric, IpcFabric, MemberMsg, MemberReply, NcclFabric, OrchestratorConfig,
+    OrchestratorError, RefitError, RefitSystem, Refusal,
 };
 use reshard::{Endpoint, Strategy};
 use std::time::{Duration, Instant};
@@ -295,6 +295,8 @@ struct Registered {
     dst: Vec<std::sync::Arc<orchestrator::DstStore>>,
     /// Each source rank's "params" buffer (28 f32).
     memory: Vec<[f32; 28]>,
+    /// The source members.
+    src_members: Vec<actors::ActorRef<orchestrator::Member>>,
 }
 
 /// The memory is said to be in `residence` (the bytes are host memory
@@ -335,7 +337,7 @@ fn spawn_registered(
     use orchestrator::{DstStore, Member, Role};
     use std::sync::Arc;
     let spawn = actors::SpawnConfig::default().call_timeout(config.deadline + config.control_timeout);
-    let src_members = src_stores
+    let src_members: Vec<_> = src_stores
         .iter()
         .enumerate()
         .map(|(r, s)| {
@@ -349,9 +351,12 @@ fn spawn_registered(
         .enumerate()
         .map(|(r, s)| actors::spawn(Member::with_config(dst.clone(), r as u32, Role::Dst(s.clone()), member.clone()), spawn.clone()))
         .collect();
-    let orchestrator =
-        orchestrator::spawn_orchestrator(actors::ActorGroup::from_refs(src_members), actors::ActorGroup::from_refs(dst_members), config);
-    Registered { orchestrator, src: src_stores, dst: dst_stores, memory: Vec::new() }
+    let orchestrator = orchestrator::spawn_orchestrator(
+        actors::ActorGroup::from_refs(src_members.clone()),
+        actors::ActorGroup::from_refs(dst_members),
+        config,
+    );
+    Registered { orchestrator, src: src_stores, dst: dst_stores, memory: Vec::new(), src_members }
 }
 
 impl Registered {
@@ -452,6 +457,14 @@ async fn registered_device_sources_are_refused_on_host_fabrics_and_torn_by_faile
         other => panic!("expected a refusal, got {other:?}"),
     }
     assert!(sys.dst.iter().all(|s| s.snapshot().is_none()));
+    // Refused when its end opens (`Prepare`), before any peer connects or
+    // waits for it: the fabric knows where the memory lives from the start.
+    let fingerprint = sys.orchestrator.plan().await.unwrap().fingerprint;
+    let prepare = MemberMsg::Prepare { refit: 99, fingerprint, session: "s".into(), fabric: Fabric::InProcess, keep: false };
+    match sys.src_members[0].call(prepare).await.unwrap() {
+        MemberReply::Refused(Refusal::Fabric(why)) => assert!(why.contains("registered device (GPU 0) memory"), "{why}"),
+        other => panic!("expected Prepare refused, got {other:?}"),
+    }
     let failed: Result<(u64, ()), &str> = sys.src[0].try_update(|_| Err("the optimizer diverged")).await;
     assert!(failed.is_err());
     assert!(matches!(sys.src[0].weights(), orchestrator::HeldVersion::Torn { after: Some(1) }));

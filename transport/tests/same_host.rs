@@ -41,7 +41,7 @@ fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session
     let plan = plan_reshard(&src, &dst, &PlanOptions::default()).unwrap();
     let programs: Vec<RankProgram> = plan.programs(&src, &dst).unwrap();
     let settings = NodeFabric { connect_timeout: Duration::from_secs(10), same_host, ..NodeFabric::default() };
-    let site = Site { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), gpu: None };
+    let site = Site { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), gpu: None, registered: None };
     let mut ends = Vec::new();
     let mut table = Vec::new();
     for p in &programs {

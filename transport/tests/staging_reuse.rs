@@ -39,7 +39,7 @@ fn refit(src: &Layout, dst: &Layout, programs: &[RankProgram], scratch: &mut [Sc
     }
     let endpoints: Vec<Endpoint> = programs.iter().map(|p| p.endpoint).collect();
     open_in_process(session, &endpoints);
-    let site = Site { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), gpu: None };
+    let site = Site { data_ip: IpAddr::V4(Ipv4Addr::LOCALHOST), gpu: None, registered: None };
     std::thread::scope(|s| {
         for ((program, memory), scratch) in programs.iter().zip(memory.iter_mut()).zip(scratch.iter_mut()) {
             s.spawn(move || {

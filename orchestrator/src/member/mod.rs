@@ -272,7 +272,14 @@ impl Member {
             Ok(p) => p,
             Err(r) => return MemberReply::Refused(r),
         };
-        let site = Site { data_ip: self.config.data_ip, gpu: self.config.gpu };
+        // Registered weights the fabric cannot reach are refused now (a
+        // rank standing in for a replica's runs from what it serves).
+        let registered = match &self.role {
+            _ if program.endpoint != self.endpoint => None,
+            Role::Src(store) => store.registered_residence(),
+            Role::Dst(store) => store.registered_memory().map(|r| r.residence()),
+        };
+        let site = Site { data_ip: self.config.data_ip, gpu: self.config.gpu, registered };
         // The program's endpoint: the member's own, or that of a rank of a
         // replica plan it stands in for.
         let endpoint = program.endpoint;

@@ -2,7 +2,7 @@
 //! fence optimizer steps write under, and [`UpdateGuard`], a step in
 //! progress.
 
-use super::{Buffers, Registered};
+use super::{Buffers, Registered, Residence};
 use crate::protocol::HeldVersion;
 use reshard::{Layout, Rank};
 use std::sync::{Arc, Mutex};
@@ -37,6 +37,8 @@ pub struct SrcStore {
     rank: Rank,
     buffers: Arc<tokio::sync::RwLock<Buffers>>,
     state: Mutex<SrcState>,
+    /// Where registered weights live (`None`: the store's own buffers).
+    residence: Option<Residence>,
 }
 
 impl SrcStore {
@@ -44,7 +46,8 @@ impl SrcStore {
     /// refuses the store until [`update`](Self::update) or
     /// [`restore`](Self::restore) writes it.
     pub fn new(layout: &Arc<Layout>, rank: Rank) -> SrcStore {
-        SrcStore { rank, buffers: Arc::new(tokio::sync::RwLock::new(Buffers::new(layout, rank))), state: Mutex::default() }
+        let buffers = Arc::new(tokio::sync::RwLock::new(Buffers::new(layout, rank)));
+        SrcStore { rank, buffers, state: Mutex::default(), residence: None }
     }
 
     /// A store over weights the user holds in `registered` memory (device
@@ -56,7 +59,15 @@ impl SrcStore {
     /// since the store cannot tell whether it wrote. No version until the
     /// first `update` or `restore`.
     pub fn registered(layout: &Arc<Layout>, rank: Rank, registered: Registered) -> SrcStore {
-        SrcStore { rank, buffers: Arc::new(tokio::sync::RwLock::new(Buffers::over(layout, rank, registered))), state: Mutex::default() }
+        let residence = Some(registered.residence());
+        let buffers = Arc::new(tokio::sync::RwLock::new(Buffers::over(layout, rank, registered)));
+        SrcStore { rank, buffers, state: Mutex::default(), residence }
+    }
+
+    /// Where the weights are registered, for a store over registered
+    /// memory ([`SrcStore::registered`]).
+    pub fn registered_residence(&self) -> Option<Residence> {
+        self.residence
     }
 
     /// This store's rank.

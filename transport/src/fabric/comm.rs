@@ -398,7 +398,7 @@ fn gpu_plane<'a>(
 }
 
 /// Why a communicator's plane cannot reach a rank's registered memory.
-fn out_of_reach(me: Endpoint, plane: &CommPlane, residence: Residence) -> String {
+pub(super) fn out_of_reach(me: Endpoint, plane: &CommPlane, residence: Residence) -> String {
     format!(
         "{me}: its weights are registered {residence} memory, which the {} plane does not reach{}",
         match plane {

@@ -36,6 +36,7 @@ mod digest;
 mod endpoint;
 mod host;
 mod hub;
+mod reach;
 mod registered;
 mod spec;
 
@@ -83,6 +84,11 @@ pub struct Site {
     /// ([`CommPlane::Cuda`]); `None`: those are refused. On the simulated
     /// planes it names the device two ranks would share.
     pub gpu: Option<usize>,
+    /// Where the rank's weights are registered, if they are (a store over
+    /// memory its owner holds): a fabric that cannot move that memory
+    /// refuses the rank at [`RankEnd::open`]. `None`: the store's own host
+    /// buffers, which every fabric reaches.
+    pub registered: Option<Residence>,
 }
 
 /// What tools may change of a node-fabric endpoint just before it
@@ -193,6 +199,9 @@ impl RankEnd {
     /// `session`, and says where its peers reach it.
     pub fn open(fabric: Fabric, program: &RankProgram, site: Site, session: &str) -> Result<(RankEnd, DataAddr), String> {
         let me = program.endpoint;
+        if let Some(residence) = site.registered {
+            reach::check_reach(&fabric, residence, site.gpu, me)?;
+        }
         let opened = match fabric {
             Fabric::InProcess => EndpointState::take_local(session, me).map(|e| (e, DataAddr::InProcess)),
             Fabric::Node(settings) => EndpointState::listen(site.data_ip, settings, session.to_string()),
