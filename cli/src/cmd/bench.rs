@@ -222,7 +222,8 @@ fn delta_vs_dense(a: &BenchArgs, w: &Workload, opts: &PlanOptions, fraction: f64
         return Err(invalid("--delta-fraction takes a fraction from 0 to 1 and runs in process (--transport local)".into()));
     }
     let Workload { s, d, what } = w;
-    let b = refit_cli::bench::delta_bench(s, d, opts, fraction, a.reps, |p| progress.phase(p.to_string())).map_err(|e| fail(e.to_string()))?;
+    let b =
+        refit_cli::bench::delta_bench(s, d, opts, fraction, a.reps, |p| progress.phase(p.to_string())).map_err(|e| fail(e.to_string()))?;
     drop(progress);
     let share = b.delta_bytes as f64 / b.dense_bytes.max(1) as f64;
     if a.json {
