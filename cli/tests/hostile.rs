@@ -20,7 +20,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_refit");
 const TIME_LIMIT: Duration = Duration::from_secs(5);
 
 fn corpus_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hostile/layouts")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/hostile/layouts")
 }
 
 /// A valid layout to pair with a bad one.

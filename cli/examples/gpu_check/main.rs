@@ -83,7 +83,7 @@ fn main() -> std::process::ExitCode {
         println!("{}", record::gather(&record::program_dir(), &gpu));
         return std::process::ExitCode::SUCCESS;
     }
-    eprintln!("CUDA transport unavailable: built without the cuda feature (cargo run --example gpu_check --features cuda)");
+    eprintln!("CUDA transport unavailable: built without the cuda feature (cargo run -p refit-cli --example gpu_check --features cuda)");
     std::process::ExitCode::from(2)
 }
 
