@@ -4,7 +4,7 @@
 # on one without it (and without .git):
 #
 #   scripts/gpu-check.sh --build     here: builds the check program
-#                                    (examples/gpu_check/, stripped) and the
+#                                    (cli/examples/gpu_check/, stripped) and the
 #                                    Python wheel with the cuda feature into
 #                                    target/gpu-carry/, with BUILD_INFO.json
 #                                    (the commit, whether the tree was dirty,
@@ -30,7 +30,7 @@
 #                                    each recording what ran (commit, GPU,
 #                                    driver, CUDA, NVRTC, NCCL, torch)
 #
-# The Rust checks are listed by `gpu_check --list` (examples/gpu_check/ has
+# The Rust checks are listed by `gpu_check --list` (cli/examples/gpu_check/ has
 # the details); any check that ran work on the host instead of the device
 # (a dtype conversion through host memory, FP8 quantized on the host)
 # fails, naming it. Exit status: 0 all passed, 1 a check failed (or, with
@@ -79,7 +79,7 @@ build() {
   mkdir -p "$CARRY"
   # A separate target folder: the cuda feature would rebuild the usual one.
   CARGO_TARGET_DIR=target/gpu CARGO_PROFILE_RELEASE_DEBUG=false CARGO_PROFILE_RELEASE_STRIP=true \
-    cargo build --release --example gpu_check --features cuda
+    cargo build --release -p refit-cli --example gpu_check --features cuda
   cp target/gpu/release/examples/gpu_check "$BIN"
   rm -f "$CARRY"/*.whl
   # The Python package with the GPU fabrics (abi3: any CPython >= 3.9).

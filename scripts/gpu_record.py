@@ -4,7 +4,7 @@
 
 RUN.json is `gpu_check --record`'s output (the commit of the carried
 build, the GPU and its UUID, the driver, CUDA driver API, NVRTC and NCCL
-versions: examples/gpu_check/record.rs gathers them, one place for every
+versions: cli/examples/gpu_check/record.rs gathers them, one place for every
 file); this adds torch's version and the CUDA it was built with, then
 writes the record into FILE: as its `run` field where FILE is one JSON
 object, as a first line `{"check": "run", "run": ...}` where it is JSON
