@@ -644,8 +644,9 @@ const ORCHESTRATOR_PUBLIC_FOR_SIGNATURES: &[(&str, &str)] = &[
     ("RankDigest", "RunStats::digest"),
     ("DigestError", "RunStats::digest"),
     ("DataAddr", "MemberReply's data-plane address"),
-    ("Seat", "MemberMsg's seat"),
-    ("RunDelta", "MemberMsg::Run"),
+    ("ProgramRole", "MemberMsg::Install's seat"),
+    ("RunRequest", "MemberMsg::Run"),
+    ("RunDelta", "RunRequest::delta"),
     ("HostWork", "host_work"),
 ];
 
