@@ -93,16 +93,23 @@ pub mod testkit {
     }
 }
 
+/// Why the members of this process cannot open a fabric
+/// ([`fabric_available`]): the GPU data plane's reason.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(transparent)]
+pub struct FabricUnavailable(transport::GpuUnavailable);
+
 /// Whether `members` members of this process can open `fabric` (the CUDA
 /// fabrics need the `cuda` feature, CUDA and NCCL at run time, and a GPU
-/// per member); the reason in words if not.
-pub fn fabric_available(fabric: &Fabric, members: u32) -> Result<(), String> {
+/// per member); why not if not.
+pub fn fabric_available(fabric: &Fabric, members: u32) -> Result<(), FabricUnavailable> {
     use transport::{gpu_plane_available, GpuPlane};
     match fabric {
         Fabric::Nccl(NcclFabric { plane: CommPlane::Cuda, .. }) => gpu_plane_available(GpuPlane::Nccl, members),
         Fabric::Ipc(IpcFabric { plane: CommPlane::Cuda, .. }) => gpu_plane_available(GpuPlane::Device, members),
         _ => Ok(()),
     }
+    .map_err(FabricUnavailable)
 }
 
 use actors::{spawn, spawn_group, spawn_rank, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};

@@ -106,6 +106,31 @@ pub struct QuantPlan {
 }
 
 /// Why a program's quantize steps stay on the host.
+/// Why a [`QuantPlan`]'s launches do not fit the buffers they name
+/// ([`QuantPlan::fits`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FitError {
+    /// A buffer a launch names is missing or of another dtype.
+    #[error("{what} buffer {buffer} is not {dtype} here")]
+    Buffer {
+        /// The buffer's role (staged, weight, scale).
+        what: &'static str,
+        /// Its index.
+        buffer: u32,
+        /// The dtype the launch takes.
+        dtype: DType,
+    },
+    /// A staged dtype code no kernel takes.
+    #[error("bad staged dtype")]
+    StagedDtype(u64),
+    /// A launch reaches past its buffer.
+    #[error("a {what} launch reaches past its buffer")]
+    Past {
+        /// The launch (scales, codes, scale).
+        what: &'static str,
+    },
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HostOnly {
     /// A tensor of more than three dimensions.
@@ -308,11 +333,11 @@ impl QuantPlan {
     /// Checks that every launch stays inside buffers of `lens` bytes and
     /// `dtypes` (the rank's device buffers, in program order) and inside
     /// the scratch array: the gate before any kernel runs.
-    pub fn fits(&self, lens: &[usize], dtypes: &[DType]) -> Result<(), String> {
-        let elems = |b: u32, dtype: DType, what: &str| -> Result<u64, String> {
-            match (lens.get(b as usize), dtypes.get(b as usize)) {
+    pub fn fits(&self, lens: &[usize], dtypes: &[DType]) -> Result<(), FitError> {
+        let elems = |buffer: u32, dtype: DType, what: &'static str| -> Result<u64, FitError> {
+            match (lens.get(buffer as usize), dtypes.get(buffer as usize)) {
                 (Some(&len), Some(&d)) if d == dtype => Ok(len as u64 / dtype.size()),
-                _ => Err(format!("{what} buffer {b} is not {dtype} here")),
+                _ => Err(FitError::Buffer { what, buffer, dtype }),
             }
         };
         // One past the last element of a box of `counts` at `base` (`None`
@@ -328,9 +353,9 @@ impl QuantPlan {
             }
             last.checked_add(1)
         };
-        let out = |what: &str| Err(format!("a {what} launch reaches past its buffer"));
+        let out = |what: &'static str| Err(FitError::Past { what });
         for l in &self.scales {
-            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or("bad staged dtype")?;
+            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or(FitError::StagedDtype(l.dt))?;
             let n = elems(l.staged, dtype, "staged")?;
             if l.block[0].checked_mul(l.block[1]).is_none_or(|rows| rows >> 32 != 0) {
                 return out("scales");
@@ -357,7 +382,7 @@ impl QuantPlan {
             }
         }
         for l in &self.codes {
-            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or("bad staged dtype")?;
+            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or(FitError::StagedDtype(l.dt))?;
             let (n, w) = (elems(l.staged, dtype, "staged")?, elems(l.weights, DType::F8E4M3, "weight")?);
             if l.counts.contains(&0) {
                 continue;

@@ -48,9 +48,9 @@ pub(super) enum Bucket {
 impl Bucket {
     fn map_peer(&mut self, peer: u32, owner: Endpoint, handle: &IpcHandle, bytes: u64) -> Result<(), String> {
         match self {
-            Bucket::Sim(b) => b.map_peer(peer, handle, bytes),
+            Bucket::Sim(b) => b.map_peer(peer, handle, bytes).map_err(|e| e.to_string()),
             #[cfg(feature = "cuda")]
-            Bucket::Gpu(b) => b.map_peer(peer, owner, handle, bytes),
+            Bucket::Gpu(b) => b.map_peer(peer, owner, handle, bytes).map_err(|e| e.to_string()),
         }
         .map_err(|e| format!("mapping {owner}'s bucket: {e}"))
     }
@@ -515,7 +515,7 @@ impl EndpointState {
         let started = match &settings.plane {
             CommPlane::Simulated { world } => {
                 let world = world.clone();
-                CommHandle::start(config, &id.tag(), move || sim_comm(&world, id, rank, nranks))
+                CommHandle::start(config, &id.tag(), move || Ok(sim_comm(&world, id, rank, nranks)?))
             }
             #[cfg(feature = "cuda")]
             CommPlane::Cuda => {
