@@ -80,8 +80,8 @@ pub(super) fn execute_on(
     let memo = kept_memo(&r, &how, delta);
     let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages, ..RunStats::default() });
     let mut r = r.map_err(|e| match e {
-        RankRunError::Fabric(why) => Refusal::Fabric(why),
-        RankRunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why),
+        RankRunError::Fabric(why) => Refusal::Fabric(why.to_string()),
+        RankRunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why.to_string()),
         RankRunError::Exec { why, after_peer } => Refusal::Exec { why, after_peer },
     });
     #[cfg(feature = "testkit")]

@@ -3,6 +3,7 @@
 //! here, the communicators' in [`super::comm`].
 
 use super::comm::{CommEnd, IpcPending};
+use super::error::FabricError;
 use super::hub;
 use super::spec::{DataAddr, NcclFabric, NodeFabric, PeerAddr};
 use super::Host;
@@ -44,19 +45,14 @@ pub(super) enum EndpointState {
 
 impl EndpointState {
     /// Takes this process's end of an in-process refit.
-    pub(super) fn take_local(session: &str, me: Endpoint) -> Result<EndpointState, String> {
-        hub::take(session, me).map(EndpointState::Local).ok_or_else(|| {
-            format!(
-                "the in-process fabric of refit session {session} has no channel for {me} in this process \
-                 (is this member in another process than the orchestrator? use the node fabric)"
-            )
-        })
+    pub(super) fn take_local(session: &str, me: Endpoint) -> Result<EndpointState, FabricError> {
+        hub::take(session, me).map(EndpointState::Local).ok_or_else(|| FabricError::NoLocalChannel { session: session.to_string(), me })
     }
 
     /// Listens on `ip` for this refit's peers.
-    pub(super) fn listen(ip: IpAddr, settings: NodeFabric, session: String) -> Result<(EndpointState, DataAddr), String> {
-        let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
-        let addr = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?;
+    pub(super) fn listen(ip: IpAddr, settings: NodeFabric, session: String) -> Result<(EndpointState, DataAddr), FabricError> {
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| FabricError::Listen { ip, source: e.into() })?;
+        let addr = listener.local_addr().map_err(|e| FabricError::ListenerAddr { ip, source: e.into() })?;
         Ok((EndpointState::Listening { listener, settings, session }, DataAddr::Node(addr)))
     }
 
@@ -67,7 +63,7 @@ impl EndpointState {
         table: &[PeerAddr],
         key: HelloKey,
         tweak: &dyn Fn(&mut NodeFaults),
-    ) -> Result<EndpointState, String> {
+    ) -> Result<EndpointState, FabricError> {
         let (listener, settings, session) = match self {
             EndpointState::Listening { listener, settings, session } => (listener, settings, session),
             EndpointState::CommPrepared { settings, gpu } => return EndpointState::connect_comm(program.endpoint, settings, gpu, table),
@@ -76,13 +72,13 @@ impl EndpointState {
         };
         let me = program.endpoint;
         let by_endpoint: HashMap<Endpoint, &PeerAddr> = table.iter().map(|p| (p.endpoint, p)).collect();
-        let mine = by_endpoint.get(&me).map(|p| (p.node, p.host)).ok_or_else(|| format!("the peer table has no entry for {me}"))?;
+        let mine = by_endpoint.get(&me).map(|p| (p.node, p.host)).ok_or(FabricError::NotInTable { me })?;
         let wanted = program_peers(program);
         let mut peers = Vec::with_capacity(wanted.len());
         for e in wanted {
-            let p = by_endpoint.get(&e).ok_or_else(|| format!("no data address for {me}'s peer {e}"))?;
+            let p = by_endpoint.get(&e).ok_or(FabricError::NoPeerAddr { me, peer: e, fabric: "data" })?;
             let DataAddr::Node(addr) = p.addr else {
-                return Err(format!("{e}: '{}' is no node-fabric address (a member of another refit?)", p.addr));
+                return Err(FabricError::WrongAddr { peer: e, addr: Box::new(p.addr.clone()), fabric: "node-fabric" });
             };
             peers.push((e, addr));
         }
@@ -181,7 +177,8 @@ impl EndpointState {
         if let Some(hook) = tweaks.faults.hook() {
             config.tcp.hook = Some(hook);
         }
-        let t = NodeTransport::connect(me, listener, &peers, node_of, &config).map_err(|e| format!("{me}: connect: {e}"))?;
+        let t =
+            NodeTransport::connect(me, listener, &peers, node_of, &config).map_err(|e| FabricError::Connect { me, source: e.into() })?;
         Ok(EndpointState::Connected(t))
     }
 
@@ -197,14 +194,14 @@ impl EndpointState {
 
     /// The connected endpoint, ready to run (again, once a run that
     /// succeeded left it clean).
-    pub(super) fn ready(&mut self) -> Result<Ready<'_>, String> {
+    pub(super) fn ready(&mut self) -> Result<Ready<'_>, FabricError> {
         match self {
             EndpointState::Local(t) => Ok(Ready::Transport(t)),
             EndpointState::Connected(t) => Ok(Ready::Transport(t)),
             EndpointState::Comm(c) if c.handle.is_some() => Ok(Ready::Comm(c)),
-            EndpointState::Comm(_) => Err("the communicator was aborted".into()),
+            EndpointState::Comm(_) => Err(FabricError::Aborted),
             EndpointState::Listening { .. } | EndpointState::CommPrepared { .. } | EndpointState::IpcPrepared(_) => {
-                Err("the data plane was prepared but never connected".into())
+                Err(FabricError::NotConnected)
             }
         }
     }
