@@ -94,11 +94,13 @@ pub mod testkit {
     }
 }
 
+use transport::GpuUnavailable;
+
 /// Why the members of this process cannot open a fabric
 /// ([`fabric_available`]): the GPU data plane's reason.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(transparent)]
-pub struct FabricUnavailable(transport::GpuUnavailable);
+pub struct FabricUnavailable(GpuUnavailable);
 
 /// Whether `members` members of this process can open `fabric` (the CUDA
 /// fabrics need the `cuda` feature, CUDA and NCCL at run time, and a GPU

@@ -341,29 +341,7 @@ impl<'m> DeviceRun<'m> {
         options: DeviceRunOptions,
     ) -> Result<DeviceRun<'m>, DeviceExecError> {
         let schedule = same_device_schedule(programs)?;
-        if memory.len() != programs.len() {
-            let me = programs.get(memory.len()).or(programs.last()).map_or(Endpoint::src(0), |p| p.endpoint);
-            return Err(DeviceExecError::MemoryMismatch {
-                me,
-                got: memory.len(),
-                got_bytes: Vec::new(),
-                want: programs.len(),
-                want_bytes: Vec::new(),
-            });
-        }
-        for (p, m) in programs.iter().zip(memory.iter()) {
-            // (Saturating: a size past `u64` matches no memory's.)
-            let want: Vec<usize> = p.buffers.iter().map(|b| b.elems.saturating_mul(b.dtype.size()) as usize).collect();
-            if m.buffer_lens() != want.as_slice() {
-                return Err(DeviceExecError::MemoryMismatch {
-                    me: p.endpoint,
-                    got: m.buffer_lens().len(),
-                    got_bytes: m.buffer_lens().to_vec(),
-                    want: want.len(),
-                    want_bytes: want,
-                });
-            }
-        }
+        memory_fits(programs, memory)?;
         let addrs: Vec<Vec<u64>> = memory.iter().map(|m| m.device_addrs().to_vec()).collect();
         // Loaded once per device: dtype changes need them, and narrow rows
         // of plain copies use them where they load.
@@ -399,51 +377,65 @@ impl<'m> DeviceRun<'m> {
             memory,
         };
         for step in schedule.steps {
-            let src = addrs[step.from.rank][step.from.span.buffer as usize];
-            let dsts: Vec<u64> = step.to.iter().map(|t| addrs[t.rank][t.span.buffer as usize]).collect();
-            let to_rank = step.to.first().map_or(step.from.rank, |t| t.rank);
-            let meta = run.meta.len();
-            run.meta.push(Meta {
-                round: step.round,
-                local: step.local,
-                from: programs[step.from.rank].endpoint,
-                to: programs[to_rank].endpoint,
-                block: step.block,
-            });
-            let from = (src, step.from.span, step.from.dtype);
-            let to: Vec<DevSide> = step.to.iter().zip(&dsts).map(|(t, &a)| (a, t.span, t.dtype)).collect();
-            let on_device = if step.is_direct() || run.kernels.is_some() {
-                let same =
-                    if run.kernels.is_some() && options.narrow_rows_by_kernel { SameType::NarrowRowsByKernel } else { SameType::Copies };
-                piece_ops(step.block.extent(), from, step.wire, &to, dev.max_pitch(), scratch_addr, same)
-            } else {
-                None
-            };
-            match on_device {
-                Some(ops) => {
-                    let scratch = step.to.iter().any(|t| needs_scratch(step.from.dtype, step.wire, t.dtype));
-                    let bytes = step.block.numel().saturating_mul(step.wire.size());
-                    run.items.push(Item::Device { ops, meta, bytes, scratch })
-                }
-                None => {
-                    run.staged += 1;
-                    let to_dtypes: Vec<DType> = to.iter().map(|t| t.2).collect();
-                    let why = match (&kernels_missing, without_kernel(step.from.dtype, step.wire, &to_dtypes)) {
-                        (Some(e), _) => HostWhy { text: format!("the cast kernels did not load: {e}"), fallback: true },
-                        (None, Some(no_kernel)) => HostWhy { text: no_kernel, fallback: false },
-                        (None, None) => HostWhy { text: "the copy kernels do not take this piece".into(), fallback: true },
-                    };
-                    if run.staged_because.is_none() {
-                        run.staged_because = Some(why.text.clone());
-                    }
-                    run.items.push(Item::Convert { step: Box::new(step), src, dsts, meta, why: Box::new(why) });
-                }
-            }
+            run.add_step(step, programs, &addrs, (options, scratch_addr), kernels_missing.as_ref());
         }
         if options.graph {
             run.graph = run.capture(options.lanes);
         }
         Ok(run)
+    }
+
+    /// Resolves one step of the schedule to device addresses: device work
+    /// where the kernels (or plain copies) take it, else a conversion on
+    /// the host, and why (`kernels_missing`: why the kernels did not load).
+    fn add_step(
+        &mut self,
+        step: Step,
+        programs: &[RankProgram],
+        addrs: &[Vec<u64>],
+        (options, scratch_addr): (DeviceRunOptions, Option<u64>),
+        kernels_missing: Option<&KernelError>,
+    ) {
+        let src = addrs[step.from.rank][step.from.span.buffer as usize];
+        let dsts: Vec<u64> = step.to.iter().map(|t| addrs[t.rank][t.span.buffer as usize]).collect();
+        let to_rank = step.to.first().map_or(step.from.rank, |t| t.rank);
+        let meta = self.meta.len();
+        self.meta.push(Meta {
+            round: step.round,
+            local: step.local,
+            from: programs[step.from.rank].endpoint,
+            to: programs[to_rank].endpoint,
+            block: step.block,
+        });
+        let from = (src, step.from.span, step.from.dtype);
+        let to: Vec<DevSide> = step.to.iter().zip(&dsts).map(|(t, &a)| (a, t.span, t.dtype)).collect();
+        let on_device = if step.is_direct() || self.kernels.is_some() {
+            let same =
+                if self.kernels.is_some() && options.narrow_rows_by_kernel { SameType::NarrowRowsByKernel } else { SameType::Copies };
+            piece_ops(step.block.extent(), from, step.wire, &to, self.dev.max_pitch(), scratch_addr, same)
+        } else {
+            None
+        };
+        match on_device {
+            Some(ops) => {
+                let scratch = step.to.iter().any(|t| needs_scratch(step.from.dtype, step.wire, t.dtype));
+                let bytes = step.block.numel().saturating_mul(step.wire.size());
+                self.items.push(Item::Device { ops, meta, bytes, scratch })
+            }
+            None => {
+                self.staged += 1;
+                let to_dtypes: Vec<DType> = to.iter().map(|t| t.2).collect();
+                let why = match (kernels_missing, without_kernel(step.from.dtype, step.wire, &to_dtypes)) {
+                    (Some(e), _) => HostWhy { text: format!("the cast kernels did not load: {e}"), fallback: true },
+                    (None, Some(no_kernel)) => HostWhy { text: no_kernel, fallback: false },
+                    (None, None) => HostWhy { text: "the copy kernels do not take this piece".into(), fallback: true },
+                };
+                if self.staged_because.is_none() {
+                    self.staged_because = Some(why.text.clone());
+                }
+                self.items.push(Item::Convert { step: Box::new(step), src, dsts, meta, why: Box::new(why) });
+            }
+        }
     }
 
     /// Captures every item's device work as one CUDA graph, where every
@@ -607,6 +599,35 @@ impl<'m> DeviceRun<'m> {
         let m = &self.meta[meta];
         DeviceExecError::Copy { from: m.from, to: m.to, round: m.round, block: Box::new(m.block), error }
     }
+}
+
+/// Checks that `memory[i]` holds the buffers of `programs[i]`, for every
+/// program.
+fn memory_fits(programs: &[RankProgram], memory: &[DeviceMemory]) -> Result<(), DeviceExecError> {
+    if memory.len() != programs.len() {
+        let me = programs.get(memory.len()).or(programs.last()).map_or(Endpoint::src(0), |p| p.endpoint);
+        return Err(DeviceExecError::MemoryMismatch {
+            me,
+            got: memory.len(),
+            got_bytes: Vec::new(),
+            want: programs.len(),
+            want_bytes: Vec::new(),
+        });
+    }
+    for (p, m) in programs.iter().zip(memory.iter()) {
+        // (Saturating: a size past `u64` matches no memory's.)
+        let want: Vec<usize> = p.buffers.iter().map(|b| b.elems.saturating_mul(b.dtype.size()) as usize).collect();
+        if m.buffer_lens() != want.as_slice() {
+            return Err(DeviceExecError::MemoryMismatch {
+                me: p.endpoint,
+                got: m.buffer_lens().len(),
+                got_bytes: m.buffer_lens().to_vec(),
+                want: want.len(),
+                want_bytes: want,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Converts one step's piece through pinned host staging; returns the

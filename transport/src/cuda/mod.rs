@@ -39,14 +39,14 @@ pub(crate) mod exec;
 #[cfg(feature = "cuda")]
 pub(crate) mod nccl;
 
-pub use comm::{abandoned_comm_threads, AbortOutcome, BackendError, CommConfig, CommError, CommHandle, P2p, PendingComm, Progress};
+pub use comm::{abandoned_comm_threads, AbortOutcome, CommConfig, CommError, CommHandle, P2p, PendingComm, Progress};
 pub use direct::direct_read_bytes;
 pub use fallback::{host_work, HostWork};
 pub use id::CommId;
 pub use ipc::IpcHandle;
 pub use ipc_comm::{IpcComm, IpcMemory};
 pub use kernels::shipped_ptx_isa;
-pub use plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError, CommPeers, DeltaMessageError, PlaneError};
+pub use plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError, CommPeers};
 pub use quantplan::QuantPlan;
 pub use schedule::ScheduleError;
 pub use sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimBucket, SimFault, SimIpc, SimMemory};

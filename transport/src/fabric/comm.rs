@@ -11,9 +11,10 @@ use super::registered::StagingMemory;
 use super::registered::{current_regions, RegisteredMemory, RegisteredStaging, Residence};
 use super::spec::{CommPlane, DataAddr, IpcFabric, NcclFabric, PeerAddr};
 use super::{program_peers, MIN_FRAME_LIMIT};
+use crate::cuda::comm::BackendError;
 use crate::cuda::{
-    comm_rank, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id, BackendError, CommConfig, CommHandle, CommId, CommPeers, IpcComm,
-    IpcHandle, SimBucket, SimIpc, SimMemory,
+    comm_rank, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id, CommConfig, CommHandle, CommId, CommPeers, IpcComm, IpcHandle,
+    SimBucket, SimIpc, SimMemory,
 };
 use crate::{DeltaRun, HelloKey, NodeTransport, NodeTransportConfig, RankMemory, RankStats, TcpConfig};
 use reshard::{Endpoint, Group, RankProgram};

@@ -4,7 +4,8 @@
 //! report ([`RegisteredError`], [`RegisteredMemoryError`]).
 
 use super::{DataAddr, Residence};
-use crate::cuda::{BackendError, CommError};
+use crate::cuda::comm::BackendError;
+use crate::cuda::CommError;
 use reshard::{DType, Endpoint};
 use std::net::IpAddr;
 use std::sync::Arc;

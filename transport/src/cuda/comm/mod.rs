@@ -40,7 +40,8 @@ pub use abort::{abandoned_comm_threads, AbortOutcome};
 pub(crate) use backend::RawEvent;
 pub(crate) use backend::{CommBackend, Fence, GroupError};
 pub use backend::{P2p, Progress};
-pub use error::{BackendError, CommError};
+pub(crate) use error::BackendError;
+pub use error::CommError;
 pub use handle::{CommHandle, PendingComm};
 
 /// Ranks, deadlines and polling of one communicator.
