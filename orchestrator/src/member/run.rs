@@ -82,7 +82,7 @@ pub(super) fn execute_on(
     let mut r = r.map_err(|e| match e {
         RankRunError::Fabric(why) => Refusal::Fabric(why.to_string()),
         RankRunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why.to_string()),
-        RankRunError::Exec { why, after_peer } => Refusal::Exec { why, after_peer },
+        RankRunError::Exec { after_peer, .. } => Refusal::Exec { why: e.to_string(), after_peer },
     });
     #[cfg(feature = "testkit")]
     if let (Ok(_), Some((buffer, byte))) = (&r, how.corrupt) {

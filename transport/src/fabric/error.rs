@@ -418,7 +418,9 @@ impl RegisteredError {
     /// fabric's.
     pub(super) fn into_run_error(self) -> super::RankRunError {
         match self {
-            RegisteredError::Owner { .. } => super::RankRunError::Exec { why: self.to_string(), after_peer: false },
+            RegisteredError::Owner { .. } => {
+                super::RankRunError::Exec { cause: Box::new(super::RunFailure::Registered(self)), after_peer: false, hang: None }
+            }
             RegisteredError::Mismatch(m) => super::RankRunError::ProgramMismatch(m),
             other => super::RankRunError::Fabric(Box::new(FabricError::Registered(other))),
         }

@@ -182,13 +182,34 @@ pub enum RankRunError {
     #[error(transparent)]
     ProgramMismatch(ProgramMismatch),
     /// The data movement failed.
-    #[error("{why}")]
+    #[error("{cause}{}", hang.as_ref().map_or(String::new(), |h| format!("; {h}")))]
     Exec {
         /// What happened, naming the rank and peer.
-        why: String,
+        #[source]
+        cause: Box<RunFailure>,
         /// A peer failed first (its abort, a broken link).
         after_peer: bool,
+        /// The communicator's abort hangs (restart the process), where it
+        /// does.
+        hang: Option<String>,
     },
+}
+
+/// What failed in a run ([`RankRunError::Exec`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunFailure {
+    /// The host executor (a transport's run).
+    #[error(transparent)]
+    Host(ExecError),
+    /// The communicator executor.
+    #[error(transparent)]
+    Comm(crate::cuda::CommExecError),
+    /// The end's own part of a communicator's run (its memory, its plane).
+    #[error(transparent)]
+    Fabric(FabricError),
+    /// The owner of registered memory refused a region.
+    #[error(transparent)]
+    Registered(RegisteredError),
 }
 
 impl From<FabricError> for RankRunError {
@@ -291,11 +312,11 @@ impl RankEnd {
                 };
                 r.map_err(|failed: CommFailed| {
                     let after_peer = failed.after_peer();
-                    let why = match c.abort() {
-                        Some(hang) => format!("{failed}; {hang}"),
-                        None => failed.to_string(),
+                    let cause = match failed {
+                        CommFailed::Run(e) => RunFailure::Comm(e),
+                        CommFailed::Own(e) => RunFailure::Fabric(e),
                     };
-                    RankRunError::Exec { why, after_peer }
+                    RankRunError::Exec { cause: Box::new(cause), after_peer, hang: c.abort() }
                 })
             }
         }
@@ -373,7 +394,7 @@ fn exec_error(e: ExecError) -> RankRunError {
         e,
         ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. } | TransportError::Broken { .. })
     );
-    RankRunError::Exec { why: e.to_string(), after_peer }
+    RankRunError::Exec { cause: Box::new(RunFailure::Host(e)), after_peer, hang: None }
 }
 
 /// A run over a host transport on the rank's own buffers (scratch
