@@ -51,7 +51,8 @@ pub use protocol::{
 pub use rendezvous::{join, member_name, replica_member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
 pub use store::{
-    BufferError, Buffers, DstStore, RegionCheck, Registered, Residence, Serving, Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard,
+    BufferError, Buffers, DstStore, RegionCheck, RegionError, Registered, Residence, Serving, Snapshot, SrcStore, TensorView,
+    TensorViewMut, UpdateGuard,
 };
 /// Work the GPU planes of this process did on the host instead of the
 /// device (fallbacks, and dtype pairs no kernel converts): for GPU checks.
@@ -93,16 +94,25 @@ pub mod testkit {
     }
 }
 
+use transport::GpuUnavailable;
+
+/// Why the members of this process cannot open a fabric
+/// ([`fabric_available`]): the GPU data plane's reason.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(transparent)]
+pub struct FabricUnavailable(GpuUnavailable);
+
 /// Whether `members` members of this process can open `fabric` (the CUDA
 /// fabrics need the `cuda` feature, CUDA and NCCL at run time, and a GPU
-/// per member); the reason in words if not.
-pub fn fabric_available(fabric: &Fabric, members: u32) -> Result<(), String> {
+/// per member); why not if not.
+pub fn fabric_available(fabric: &Fabric, members: u32) -> Result<(), FabricUnavailable> {
     use transport::{gpu_plane_available, GpuPlane};
     match fabric {
         Fabric::Nccl(NcclFabric { plane: CommPlane::Cuda, .. }) => gpu_plane_available(GpuPlane::Nccl, members),
         Fabric::Ipc(IpcFabric { plane: CommPlane::Cuda, .. }) => gpu_plane_available(GpuPlane::Device, members),
         _ => Ok(()),
     }
+    .map_err(FabricUnavailable)
 }
 
 use actors::{spawn, spawn_group, spawn_rank, ActorGroup, ActorRef, CallError, SpawnConfig, Supervisor, SupervisorEvents};

@@ -361,9 +361,20 @@ impl JoinConfig {
     }
 }
 
-fn resolve_addr(text: &str) -> Result<SocketAddr, String> {
+/// Why a rendezvous address does not resolve.
+#[derive(Debug, thiserror::Error)]
+enum AddrError {
+    /// The lookup failed.
+    #[error(transparent)]
+    Lookup(#[from] std::io::Error),
+    /// The lookup found no address.
+    #[error("no address")]
+    NoAddress,
+}
+
+fn resolve_addr(text: &str) -> Result<SocketAddr, AddrError> {
     use std::net::ToSocketAddrs;
-    text.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or_else(|| "no address".to_string())
+    text.to_socket_addrs()?.next().ok_or(AddrError::NoAddress)
 }
 
 /// A member process's membership: its control node, connected to the

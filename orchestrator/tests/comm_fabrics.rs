@@ -812,7 +812,10 @@ struct LyingOwner {
 }
 
 impl orchestrator::RegionCheck for LyingOwner {
-    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
+    fn visit(
+        &self,
+        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), orchestrator::RegionError>,
+    ) -> Result<(), orchestrator::RegionError> {
         let mode = *self.mode.lock().unwrap();
         match mode {
             Owner::Honest => f(0, (self.home, self.bytes)),

@@ -29,7 +29,7 @@
 //! the caller.
 
 use crate::ndarray;
-use orchestrator::RegionCheck;
+use orchestrator::{RegionCheck, RegionError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use reshard::DType;
@@ -725,16 +725,23 @@ impl Targets {
     /// buffer is caught here), then `f` on each (no Python code between
     /// the checks and the end of `f`). An error names the buffer and what
     /// changed; nothing is visited after it.
-    fn visit_checked(&self, py: Python<'_>, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
-        let found = (0..self.entries.len()).map(|i| self.resolve(py, i)).collect::<Result<Vec<_>, _>>()?;
+    fn visit_checked(
+        &self,
+        py: Python<'_>,
+        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>,
+    ) -> Result<(), RegionError> {
+        let found = (0..self.entries.len()).map(|i| self.resolve(py, i)).collect::<Result<Vec<_>, _>>().map_err(RegionError::refused)?;
         // No garbage collection from the checks to the end of the uses:
         // a collection (the checks' probes allocate) could run finalizers.
-        let gc = py.import("gc").map_err(|e| format!("the gc module: {e}"))?;
-        let collecting = gc.call_method0("isenabled").and_then(|b| b.is_truthy()).map_err(|e| format!("gc.isenabled: {e}"))?;
-        gc.call_method0("disable").map_err(|e| format!("gc.disable: {e}"))?;
+        let gc = py.import("gc").map_err(|e| RegionError::refused(format!("the gc module: {e}")))?;
+        let collecting = gc
+            .call_method0("isenabled")
+            .and_then(|b| b.is_truthy())
+            .map_err(|e| RegionError::refused(format!("gc.isenabled: {e}")))?;
+        gc.call_method0("disable").map_err(|e| RegionError::refused(format!("gc.disable: {e}")))?;
         let used = self.check_and_use(py, &found, f);
         if collecting {
-            gc.call_method0("enable").map_err(|e| format!("gc.enable: {e}"))?;
+            gc.call_method0("enable").map_err(|e| RegionError::refused(format!("gc.enable: {e}")))?;
         }
         let moved = used?;
         // Followed buffers pinned at their new places; the old pins (and
@@ -754,13 +761,13 @@ impl Targets {
         &self,
         py: Python<'_>,
         found: &[Found],
-        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>,
-    ) -> Result<Vec<(usize, Pinned)>, String> {
+        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>,
+    ) -> Result<Vec<(usize, Pinned)>, RegionError> {
         let mut maps = None;
         let mut regions = Vec::with_capacity(found.len());
         let mut moved = Vec::new();
         for (i, found) in found.iter().enumerate() {
-            let (addr, nbytes, pin) = self.verify(py, i, found, &mut maps)?;
+            let (addr, nbytes, pin) = self.verify(py, i, found, &mut maps).map_err(RegionError::refused)?;
             regions.push((addr, nbytes));
             if let Some(pin) = pin {
                 moved.push((i, pin));
@@ -780,7 +787,7 @@ impl Targets {
 }
 
 impl RegionCheck for Targets {
-    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
+    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>) -> Result<(), RegionError> {
         Python::attach(|py| self.visit_checked(py, f))
     }
 }

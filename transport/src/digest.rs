@@ -44,7 +44,6 @@ use crate::copy::{for_each_run, StridedRef};
 use crate::memory::MemView;
 use reshard::{convert_slice, wire_dtype, Block, DType, Endpoint, Group, RankProgram, Span, MAX_DIMS};
 use serde::{Deserialize, Serialize};
-use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 
 /// What one rank's run moved, as hashes its peers' can be checked against
@@ -94,127 +93,232 @@ const CHUNK: usize = 1 << 14;
 /// included), each valid for reads of its length for the whole call and
 /// written by nothing meanwhile.
 pub(crate) unsafe fn rank_digest(program: &RankProgram, bypass: &Bypass, mem: &MemView) -> Result<RankDigest, DigestError> {
-    let me = program.endpoint;
-    let mut reader = Reader::default();
-    let mut sent: BTreeMap<Endpoint, u64> = BTreeMap::new();
-    let mut held: BTreeMap<Endpoint, u64> = BTreeMap::new();
-    let mut unread: Vec<Endpoint> = Vec::new();
-    let name = |b: u32| program.buffers.get(b as usize).map_or_else(|| format!("#{b}"), |s| format!("'{}'", s.name));
-    let oob = |b: u32, block: Block| DigestError::Inconsistent(format!("{me}: piece {block} does not fit buffer {}", name(b)));
-    let strided = |span: &Span, dtype: DType, extent: &[u64], block: &dyn Fn() -> Block| {
-        mem.strided(span, dtype, extent).ok_or_else(|| oob(span.buffer, block()))
+    let mut d = Digester {
+        program,
+        bypass,
+        mem,
+        reader: Reader::default(),
+        sent: BTreeMap::new(),
+        held: BTreeMap::new(),
+        unread: Vec::new(),
+        read: HashMap::new(),
     };
-    // A piece sent to several peers (one leader per node that needs it)
-    // is read once.
-    let mut read: HashMap<(Span, [u64; MAX_DIMS], DType), u32> = HashMap::new();
     for (r, round) in program.rounds.iter().enumerate() {
         let r = r as u32;
+        // SAFETY: the caller's contract, passed on.
+        unsafe {
+            d.sends(r, round)?;
+            d.recvs(r, round)?;
+            d.locals(r, round)?;
+        }
+    }
+    Ok(d.finish())
+}
+
+/// A rank's digest in the making ([`rank_digest`]), a round at a time.
+struct Digester<'a> {
+    program: &'a RankProgram,
+    bypass: &'a Bypass,
+    mem: &'a MemView,
+    reader: Reader,
+    /// Sum of the terms of what was sent to each peer.
+    sent: BTreeMap<Endpoint, u64>,
+    /// Sum of the terms of what is held from each peer.
+    held: BTreeMap<Endpoint, u64>,
+    /// Peers some of whose pieces are not read back.
+    unread: Vec<Endpoint>,
+    /// A piece sent to several peers (one leader per node that needs it)
+    /// is read once.
+    read: HashMap<(Span, [u64; MAX_DIMS], DType), u32>,
+}
+
+impl Digester<'_> {
+    /// Buffer `b` as an error names it.
+    fn name(&self, b: u32) -> String {
+        self.program.buffers.get(b as usize).map_or_else(|| format!("#{b}"), |s| format!("'{}'", s.name))
+    }
+
+    /// The view of `span`, or an error naming the piece (`block`) that
+    /// does not fit its buffer.
+    fn strided(&self, span: &Span, dtype: DType, extent: &[u64], block: &dyn Fn() -> Block) -> Result<StridedRef, DigestError> {
+        self.mem.strided(span, dtype, extent).ok_or_else(|| {
+            DigestError::Inconsistent(format!(
+                "{}: piece {} does not fit buffer {}",
+                self.program.endpoint,
+                block(),
+                self.name(span.buffer)
+            ))
+        })
+    }
+
+    /// Adds round `r`'s sends to what each peer was sent.
+    ///
+    /// # Safety
+    /// As for [`rank_digest`].
+    unsafe fn sends(&mut self, r: u32, round: &reshard::Round) -> Result<(), DigestError> {
+        let me = self.program.endpoint;
         for m in &round.sends {
-            let sum = sent.entry(m.peer).or_insert(0);
             for (i, p) in m.pieces.views().enumerate() {
                 let extent = p.extent();
                 let mut dims = [0u64; MAX_DIMS];
                 dims[..extent.len().min(MAX_DIMS)].copy_from_slice(&extent[..extent.len().min(MAX_DIMS)]);
-                let crc = match read.entry((p.span(), dims, p.wire())) {
-                    Entry::Occupied(e) => *e.get(),
-                    Entry::Vacant(e) => {
-                        let view = strided(&p.span(), p.dtype(), extent, &|| p.block())?;
-                        reader.bytes += numel(extent) * p.dtype().size();
+                let crc = match self.read.get(&(p.span(), dims, p.wire())) {
+                    Some(&crc) => crc,
+                    None => {
+                        let view = self.strided(&p.span(), p.dtype(), extent, &|| p.block())?;
+                        self.reader.bytes += numel(extent) * p.dtype().size();
                         // SAFETY: in bounds (checked); valid and unwritten
                         // (the caller's contract).
-                        *e.insert(unsafe { reader.crc(extent, &view, p.wire(), false) }.unwrap_or_default())
+                        let crc = unsafe { self.reader.crc(extent, &view, p.wire(), false) }.unwrap_or_default();
+                        self.read.insert((p.span(), dims, p.wire()), crc);
+                        crc
                     }
                 };
+                let sum = self.sent.entry(m.peer).or_insert(0);
                 *sum = sum.wrapping_add(term(me, m.peer, r, i, numel(extent), p.wire(), crc));
             }
         }
+        Ok(())
+    }
+
+    /// Adds round `r`'s receives to what is held from each peer (a peer
+    /// with a piece not read back, to the unread).
+    ///
+    /// # Safety
+    /// As for [`rank_digest`].
+    unsafe fn recvs(&mut self, r: u32, round: &reshard::Round) -> Result<(), DigestError> {
+        let me = self.program.endpoint;
         for m in &round.recvs {
             let mut sum = 0u64;
             let mut skipped = false;
             for (i, p) in m.pieces.views().enumerate() {
-                let extent = p.extent();
-                let mut first: Option<(u32, u32)> = None;
-                for span in p.spans() {
-                    if bypass.skips(span.buffer as usize) {
-                        skipped = true;
-                        continue;
-                    }
-                    let view = strided(&span, p.dtype(), extent, &|| p.block())?;
-                    // SAFETY: as above.
-                    let crc = match unsafe { reader.crc(extent, &view, p.wire(), true) } {
-                        Ok(crc) => crc,
-                        Err(NotWire::Nan) => {
-                            skipped = true;
-                            continue;
-                        }
-                        Err(NotWire::Inexact(e)) => {
-                            return Err(DigestError::Inconsistent(format!(
-                                "{me}: buffer {}, piece {} from {}: element {e} of the piece is not a {} value widened to {}",
-                                name(span.buffer),
-                                p.block(),
-                                m.peer,
-                                p.wire(),
-                                p.dtype()
-                            )))
-                        }
-                    };
-                    reader.bytes += numel(extent) * p.dtype().size();
-                    match first {
-                        None => first = Some((span.buffer, crc)),
-                        Some((b, c)) if c != crc => {
-                            return Err(DigestError::Inconsistent(format!(
-                                "{me}: the copies of piece {} from {} in buffers {} and {} differ",
-                                p.block(),
-                                m.peer,
-                                name(b),
-                                name(span.buffer)
-                            )))
-                        }
-                        Some(_) => {}
-                    }
-                }
-                if let Some((_, crc)) = first {
-                    sum = sum.wrapping_add(term(m.peer, me, r, i, numel(extent), p.wire(), crc));
+                // SAFETY: the caller's contract, passed on.
+                match unsafe { self.received(m.peer, &p) }? {
+                    Received::Skipped => skipped = true,
+                    Received::Crc(Some(crc)) => sum = sum.wrapping_add(term(m.peer, me, r, i, numel(p.extent()), p.wire(), crc)),
+                    Received::Crc(None) => {}
                 }
             }
             if skipped {
-                unread.push(m.peer);
+                self.unread.push(m.peer);
             } else {
-                let s = held.entry(m.peer).or_insert(0);
+                let s = self.held.entry(m.peer).or_insert(0);
                 *s = s.wrapping_add(sum);
             }
         }
-        let early = bypass.done_early(r);
+        Ok(())
+    }
+
+    /// The CRC of a piece received from `peer`, read from every place it
+    /// was unpacked to (they must agree), or that one of them is skipped
+    /// (bypassed scratch, or NaN).
+    ///
+    /// # Safety
+    /// As for [`rank_digest`].
+    unsafe fn received(&mut self, peer: Endpoint, p: &reshard::RecvPieceView<'_>) -> Result<Received, DigestError> {
+        let me = self.program.endpoint;
+        let extent = p.extent();
+        let mut first: Option<(u32, u32)> = None;
+        let mut skipped = false;
+        for span in p.spans() {
+            if self.bypass.skips(span.buffer as usize) {
+                skipped = true;
+                continue;
+            }
+            let view = self.strided(&span, p.dtype(), extent, &|| p.block())?;
+            // SAFETY: in bounds (checked); valid and unwritten (the
+            // caller's contract).
+            let crc = match unsafe { self.reader.crc(extent, &view, p.wire(), true) } {
+                Ok(crc) => crc,
+                Err(NotWire::Nan) => {
+                    skipped = true;
+                    continue;
+                }
+                Err(NotWire::Inexact(e)) => {
+                    return Err(DigestError::Inconsistent(format!(
+                        "{me}: buffer {}, piece {} from {peer}: element {e} of the piece is not a {} value widened to {}",
+                        self.name(span.buffer),
+                        p.block(),
+                        p.wire(),
+                        p.dtype()
+                    )))
+                }
+            };
+            self.reader.bytes += numel(extent) * p.dtype().size();
+            match first {
+                None => first = Some((span.buffer, crc)),
+                Some((b, c)) if c != crc => {
+                    return Err(DigestError::Inconsistent(format!(
+                        "{me}: the copies of piece {} from {peer} in buffers {} and {} differ",
+                        p.block(),
+                        self.name(b),
+                        self.name(span.buffer)
+                    )))
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(if skipped { Received::Skipped } else { Received::Crc(first.map(|(_, crc)| crc)) })
+    }
+
+    /// Checks that round `r`'s local copies match their sources.
+    ///
+    /// # Safety
+    /// As for [`rank_digest`].
+    unsafe fn locals(&mut self, r: u32, round: &reshard::Round) -> Result<(), DigestError> {
+        let me = self.program.endpoint;
+        let early = self.bypass.done_early(r);
         for (i, l) in round.locals.views().enumerate() {
-            if early.get(i).copied().unwrap_or(false) || bypass.skips(l.from().buffer as usize) {
+            if early.get(i).copied().unwrap_or(false) || self.bypass.skips(l.from().buffer as usize) {
                 // Made on receipt from bypassed scratch: its sender is unread.
                 continue;
             }
             let extent = l.extent();
             let wire = wire_dtype(l.from_dtype(), l.to_dtype());
-            let from = strided(&l.from(), l.from_dtype(), extent, &|| l.block())?;
-            // SAFETY: as above.
-            let want = unsafe { reader.crc(extent, &from, wire, false) }.unwrap_or_default();
+            let from = self.strided(&l.from(), l.from_dtype(), extent, &|| l.block())?;
+            // SAFETY: in bounds (checked); valid and unwritten (the
+            // caller's contract).
+            let want = unsafe { self.reader.crc(extent, &from, wire, false) }.unwrap_or_default();
             for to in l.to() {
-                let view = strided(&to, l.to_dtype(), extent, &|| l.block())?;
+                let view = self.strided(&to, l.to_dtype(), extent, &|| l.block())?;
                 // SAFETY: as above.
-                let got = unsafe { reader.crc(extent, &view, wire, true) };
+                let got = unsafe { self.reader.crc(extent, &view, wire, true) };
                 if got != Ok(want) {
                     return Err(DigestError::Inconsistent(format!(
                         "{me}: piece {} copied from buffer {} to buffer {} differs from its source",
                         l.block(),
-                        name(l.from().buffer),
-                        name(to.buffer)
+                        self.name(l.from().buffer),
+                        self.name(to.buffer)
                     )));
                 }
             }
         }
+        Ok(())
     }
-    // A peer some of whose pieces are unread has no comparable sum.
-    unread.sort_unstable();
-    unread.dedup();
-    held.retain(|peer, _| unread.binary_search(peer).is_err());
-    Ok(RankDigest { rank: me, sent: sent.into_iter().collect(), held: held.into_iter().collect(), unread, bytes: reader.bytes })
+
+    /// The digest: a peer some of whose pieces are unread has no
+    /// comparable sum.
+    fn finish(self) -> RankDigest {
+        let Digester { program, reader, sent, mut held, mut unread, .. } = self;
+        unread.sort_unstable();
+        unread.dedup();
+        held.retain(|peer, _| unread.binary_search(peer).is_err());
+        RankDigest {
+            rank: program.endpoint,
+            sent: sent.into_iter().collect(),
+            held: held.into_iter().collect(),
+            unread,
+            bytes: reader.bytes,
+        }
+    }
+}
+
+/// A received piece as read back.
+enum Received {
+    /// One of its places is not read back (bypassed scratch, or NaN).
+    Skipped,
+    /// Its CRC (`None`: it has no places).
+    Crc(Option<u32>),
 }
 
 fn numel(extent: &[u64]) -> u64 {

@@ -2,6 +2,31 @@
 //! `cuda` feature, and the CUDA driver and NCCL libraries loadable. Always
 //! compiled, so the CLI can ask in every build.
 
+use thiserror::Error;
+
+/// Why the GPU data plane cannot run here.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum GpuUnavailable {
+    /// This build has no `cuda` feature.
+    #[error("built without the cuda feature")]
+    NoFeature,
+    /// The CUDA driver or NCCL does not load, or sees no device.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Probe(#[from] crate::cuda::device::ProbeError),
+    /// Fewer GPUs than NCCL needs (one per rank).
+    #[error("{ranks} ranks need {ranks} GPUs (NCCL puts one rank on a GPU), this process sees {seen}")]
+    TooFewGpus {
+        /// Ranks of the refit.
+        ranks: u32,
+        /// GPUs this process sees.
+        seen: usize,
+    },
+    /// CUDA IPC asked of ranks of one process.
+    #[error("CUDA IPC joins ranks of different processes, not ranks of this one")]
+    IpcInOneProcess,
+}
+
 /// `Ok(())` if the GPU data plane can run here; otherwise why not, as one
 /// line (print it as `CUDA transport unavailable: {reason}`).
 ///
@@ -11,14 +36,14 @@
 /// driver initialises, without panicking: cudarc panics when a library is
 /// missing, so presence is checked first and a panic is caught as a second
 /// line of defence. It does not open a device.
-pub fn cuda_available() -> Result<(), String> {
+pub fn cuda_available() -> Result<(), GpuUnavailable> {
     #[cfg(feature = "cuda")]
     {
-        crate::cuda::device::probe()
+        Ok(crate::cuda::device::probe()?)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        Err("built without the cuda feature".to_string())
+        Err(GpuUnavailable::NoFeature)
     }
 }
 
@@ -50,11 +75,11 @@ impl GpuPlane {
 /// threads of this process), otherwise why not, as one line: built without
 /// the feature, no driver, no NCCL, too few GPUs (NCCL takes one GPU per
 /// rank), or a plane that joins processes. Never panics.
-pub fn gpu_plane_available(plane: GpuPlane, ranks: u32) -> Result<(), String> {
+pub fn gpu_plane_available(plane: GpuPlane, ranks: u32) -> Result<(), GpuUnavailable> {
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (plane, ranks);
-        Err("built without the cuda feature".to_string())
+        Err(GpuUnavailable::NoFeature)
     }
     #[cfg(feature = "cuda")]
     {
@@ -66,11 +91,11 @@ pub fn gpu_plane_available(plane: GpuPlane, ranks: u32) -> Result<(), String> {
                 probe_nccl()?;
                 let n = device_count()?;
                 if (n as u64) < ranks as u64 {
-                    return Err(format!("{ranks} ranks need {ranks} GPUs (NCCL puts one rank on a GPU), this process sees {n}"));
+                    return Err(GpuUnavailable::TooFewGpus { ranks, seen: n });
                 }
                 Ok(())
             }
-            GpuPlane::Ipc => Err("CUDA IPC joins ranks of different processes, not ranks of this one".to_string()),
+            GpuPlane::Ipc => Err(GpuUnavailable::IpcInOneProcess),
         }
     }
 }
@@ -82,13 +107,14 @@ mod tests {
         match super::cuda_available() {
             Ok(()) => {}
             Err(e) => {
+                let e = e.to_string();
                 assert!(!e.is_empty());
                 #[cfg(not(feature = "cuda"))]
                 assert_eq!(e, "built without the cuda feature");
             }
         }
         for plane in [super::GpuPlane::Device, super::GpuPlane::Nccl, super::GpuPlane::Ipc] {
-            if let Err(e) = super::gpu_plane_available(plane, 4) {
+            if let Err(e) = super::gpu_plane_available(plane, 4).map_err(|e| e.to_string()) {
                 assert!(!e.is_empty() && !e.contains('\n'), "{e}");
             }
         }

@@ -58,7 +58,7 @@ pub use faults::Faults;
 // The fabric's runs; outside, runs go through it.
 pub(crate) use exec::{run_rank_bypassing, run_rank_delta, run_rank_regions};
 pub use frame::HelloKey;
-pub use gpu_probe::{cuda_available, gpu_plane_available, GpuPlane};
+pub use gpu_probe::{cuda_available, gpu_plane_available, GpuPlane, GpuUnavailable};
 pub use link::{FrameAction, FrameHook, LinkEmulation};
 pub use local::{local_fabric, LocalTransport};
 pub use memory::RankMemory;

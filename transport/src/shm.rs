@@ -527,6 +527,17 @@ pub(crate) struct ShmIn {
     consumed: u64,
 }
 
+/// Why a frame of a shared-memory link names bytes it may not.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ShmFrameError {
+    #[error("lent message {seq}, expected {expected}")]
+    LentOutOfOrder { seq: u64, expected: u64 },
+    #[error("lent message of {len} bytes at {offset} is outside the lend area")]
+    OutsideLendArea { len: u64, offset: u64 },
+    #[error("chunk of {len} bytes at {offset}, expected one at {want}")]
+    UnexpectedChunk { len: u64, offset: u64, want: u64 },
+}
+
 impl ShmIn {
     pub(crate) fn new(region: PeerRegion, acks: OwnRegion, lend: u64, stream: u64) -> ShmIn {
         ShmIn { region: Arc::new(region), acks: Arc::new(acks), lend, stream, releases: Arc::default(), next_seq: 0, consumed: 0 }
@@ -539,12 +550,12 @@ impl ShmIn {
 
     /// Checks a lent frame and returns the bytes' address and a token that
     /// releases them when dropped.
-    pub(crate) fn lent(&mut self, seq: u64, offset: u64, len: u64) -> Result<(*const u8, crate::transport::Release), String> {
+    pub(crate) fn lent(&mut self, seq: u64, offset: u64, len: u64) -> Result<(*const u8, crate::transport::Release), ShmFrameError> {
         if seq != self.next_seq {
-            return Err(format!("lent message {seq}, expected {}", self.next_seq));
+            return Err(ShmFrameError::LentOutOfOrder { seq, expected: self.next_seq });
         }
         if offset < CONTROL || offset.checked_add(len).is_none_or(|end| end > CONTROL + self.lend) {
-            return Err(format!("lent message of {len} bytes at {offset} is outside the lend area"));
+            return Err(ShmFrameError::OutsideLendArea { len, offset });
         }
         self.next_seq += 1;
         std::sync::atomic::fence(Ordering::Acquire);
@@ -575,10 +586,10 @@ impl ShmIn {
 
     /// Copies a chunk of the stream area out into `into` (of its length),
     /// then frees it.
-    pub(crate) fn chunk(&mut self, offset: u64, len: u64, into: &mut [u8]) -> Result<(), String> {
+    pub(crate) fn chunk(&mut self, offset: u64, len: u64, into: &mut [u8]) -> Result<(), ShmFrameError> {
         let want = CONTROL + self.lend + self.consumed % self.stream;
         if offset != want || len > self.stream - self.consumed % self.stream || len != into.len() as u64 {
-            return Err(format!("chunk of {len} bytes at {offset}, expected one at {want}"));
+            return Err(ShmFrameError::UnexpectedChunk { len, offset, want });
         }
         std::sync::atomic::fence(Ordering::Acquire);
         // SAFETY: inside the stream area (checked) of a mapping whose size

@@ -73,7 +73,7 @@ fn refit_in(same_host: bool, src_host: Host, dst_host: Host, crowd: u32, session
                 s.spawn(move || {
                     let tweak = |_: &mut NodeFaults| {};
                     let key = HelloKey([7; 32]);
-                    let mut end = end.connect(program, table, Connecting { key, tweak: &tweak }).map_err(RankRunError::Fabric)?;
+                    let mut end = end.connect(program, table, Connecting { key, tweak: &tweak }).map_err(RankRunError::from)?;
                     let mut scratch = Scratch::default();
                     let options = RunOptions { deadline: Duration::from_secs(10), delta: None, scratch: &mut scratch };
                     end.run(program, RunMemory::Host(memory), options)?;

@@ -95,13 +95,19 @@ impl Default for MemberConfig {
     }
 }
 
+/// Why a member has no data-plane key: this process's own secret could
+/// not be made (kept for every later ask).
+#[derive(Clone, Debug, thiserror::Error)]
+#[error(transparent)]
+struct NoDataKey(Arc<actors::remote::SecretError>);
+
 /// The data-plane handshake key of `session` under `secret` (or this
 /// process's own random secret).
-fn hello_key(secret: Option<&actors::Secret>, session: &str) -> Result<transport::HelloKey, String> {
-    static PROCESS: std::sync::OnceLock<Result<actors::Secret, String>> = std::sync::OnceLock::new();
+fn hello_key(secret: Option<&actors::Secret>, session: &str) -> Result<transport::HelloKey, NoDataKey> {
+    static PROCESS: std::sync::OnceLock<Result<actors::Secret, NoDataKey>> = std::sync::OnceLock::new();
     let secret = match secret {
         Some(s) => s,
-        None => PROCESS.get_or_init(|| actors::Secret::random().map_err(|e| e.to_string())).as_ref().map_err(|e| e.clone())?,
+        None => PROCESS.get_or_init(|| actors::Secret::random().map_err(|e| NoDataKey(Arc::new(e)))).as_ref().map_err(Clone::clone)?,
     };
     Ok(transport::HelloKey(secret.derive(format!("data-hello/{session}").as_bytes())))
 }
@@ -288,7 +294,7 @@ impl Member {
                 self.state = RefitState::Prepared(Pending { refit, program, end, session, keep });
                 MemberReply::Prepared { endpoint, node: self.node, addr, host: transport::fabric::this_host() }
             }
-            Err(e) => MemberReply::Refused(Refusal::Fabric(e)),
+            Err(e) => MemberReply::Refused(Refusal::Fabric(e.to_string())),
         }
     }
 
@@ -329,7 +335,7 @@ impl Member {
                 self.state = RefitState::Connected(Pending { refit, program, end, session, keep });
                 MemberReply::Done
             }
-            Ok(Err(e)) => MemberReply::Refused(Refusal::Fabric(e)),
+            Ok(Err(e)) => MemberReply::Refused(Refusal::Fabric(e.to_string())),
             Err(e) => MemberReply::Refused(Refusal::Fabric(format!("connect task failed: {e}"))),
         }
     }
@@ -368,7 +374,7 @@ impl Member {
             end.abort("fingerprint mismatch");
             return Err(Refusal::FingerprintMismatch { installed: Some(program.fingerprint), asked: req.fingerprint });
         }
-        end.ready().map_err(Refusal::Fabric)?;
+        end.ready().map_err(|e| Refusal::Fabric(e.to_string()))?;
         let kill = end.kill_switch();
         let left = match self.leftovers.iter().position(|(f, _)| *f == req.fingerprint) {
             Some(i) => self.leftovers.swap_remove(i).1,
@@ -445,7 +451,7 @@ impl Member {
         // moved fails the refit here rather than one rank's commit).
         let registered = store.registered_memory().cloned();
         let checked = tokio::task::spawn_blocking(move || registered.map_or(Ok(()), |r| r.current().map(drop))).await;
-        if let Err(why) = checked.unwrap_or_else(|e| Err(e.to_string())) {
+        if let Err(why) = checked.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
             let why = format!("{}: registered weights: {why}", program.endpoint);
             return (Err(Refusal::Exec { why, after_peer: false }), end);
         }
@@ -539,22 +545,22 @@ impl Member {
         let mut staging = self.registered_staging.take();
         let program = staged.program.clone();
         let copied = tokio::task::spawn_blocking(move || {
-            let r = match staging.as_mut() {
-                Some(s) => s.commit(&program, &registered),
-                None => Err(format!("{me}: no staging to commit")),
-            };
+            let r = staging.as_mut().map(|s| s.commit(&program, &registered));
             (r, staging)
         })
         .await;
         let failed = match copied {
-            Ok((Ok(()), staging)) => {
+            Ok((Some(Ok(())), staging)) => {
                 self.registered_staging = staging;
                 store.publish(version, &fence);
                 return MemberReply::Done;
             }
-            Ok((Err(e), staging)) => {
+            Ok((r, staging)) => {
                 self.registered_staging = staging;
-                e
+                match r {
+                    Some(Err(e)) => e.to_string(),
+                    _ => format!("{me}: no staging to commit"),
+                }
             }
             Err(e) => format!("{me}: the commit's copy failed: {e}"),
         };

@@ -80,9 +80,9 @@ pub(super) fn execute_on(
     let memo = kept_memo(&r, &how, delta);
     let r = r.map(|s| RunStats { sent_bytes: s.sent_bytes, recv_bytes: s.recv_bytes, messages: s.messages, ..RunStats::default() });
     let mut r = r.map_err(|e| match e {
-        RankRunError::Fabric(why) => Refusal::Fabric(why),
-        RankRunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why),
-        RankRunError::Exec { why, after_peer } => Refusal::Exec { why, after_peer },
+        RankRunError::Fabric(why) => Refusal::Fabric(why.to_string()),
+        RankRunError::ProgramMismatch(why) => Refusal::ProgramMismatch(why.to_string()),
+        RankRunError::Exec { after_peer, .. } => Refusal::Exec { why: e.to_string(), after_peer },
     });
     #[cfg(feature = "testkit")]
     if let (Ok(_), Some((buffer, byte))) = (&r, how.corrupt) {

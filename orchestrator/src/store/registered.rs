@@ -6,8 +6,82 @@ use super::error::some_names;
 use super::BufferError;
 use reshard::{Layout, Rank};
 use std::sync::Arc;
-use transport::fabric::RegisteredMemory;
 pub use transport::fabric::Residence;
+use transport::fabric::{RegisteredMemory, RegisteredMemoryError, RegisteredVisitError};
+
+/// Why a visit of registered regions stopped: the owner refused a region
+/// (its words), what it answered does not fit the registration, or the
+/// visitor failed on a region (carried through the owner's visit as it is).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RegionError {
+    /// The owner refused a region (a buffer it freed or moved), in its
+    /// words, naming the buffer.
+    #[error("{0}")]
+    Refused(String),
+    /// The owner answered for a region past the registered buffers.
+    #[error("region {index}: the rank has {buffers} buffers")]
+    NoSuchRegion {
+        /// The region's index.
+        index: usize,
+        /// Buffers registered.
+        buffers: usize,
+    },
+    /// A region smaller than its buffer, or a null address.
+    #[error("buffer '{name}' needs {need} bytes, {len} found at {addr:#x}")]
+    TooSmall {
+        /// The buffer.
+        name: String,
+        /// Bytes it needs.
+        need: usize,
+        /// Bytes found.
+        len: usize,
+        /// Where.
+        addr: u64,
+    },
+    /// The owner visited regions out of order.
+    #[error("region {index} visited out of order (expected {expected})")]
+    OutOfOrder {
+        /// The region visited.
+        index: usize,
+        /// The region expected.
+        expected: usize,
+    },
+    /// The owner visited fewer regions than registered.
+    #[error("{seen} of {buffers} regions visited")]
+    Unvisited {
+        /// Regions visited.
+        seen: usize,
+        /// Buffers registered.
+        buffers: usize,
+    },
+    /// The visitor failed on a region.
+    #[error(transparent)]
+    Visitor(VisitorError),
+}
+
+impl RegionError {
+    /// The owner's refusal of a region, in `words` (naming the buffer).
+    pub fn refused(words: impl Into<String>) -> RegionError {
+        RegionError::Refused(words.into())
+    }
+}
+
+/// A visitor's failure on a region, carried through the owner's
+/// [`RegionCheck::visit`] unchanged (an owner passes it on with `?`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(transparent)]
+pub struct VisitorError(RegisteredVisitError);
+
+impl From<RegionError> for RegisteredVisitError {
+    /// The data plane's view: a visitor's failure as it was, anything
+    /// else the owner's refusal (in words).
+    fn from(e: RegionError) -> RegisteredVisitError {
+        match e {
+            RegionError::Visitor(VisitorError(e)) => e,
+            other => RegisteredVisitError::Owner(RegisteredMemoryError::new(other.to_string())),
+        }
+    }
+}
 
 /// A rank's weights in memory the user owns, registered by address: one
 /// region per buffer of the rank's buffer list, which a refit reads where
@@ -64,7 +138,7 @@ pub trait RegionCheck: Send + Sync {
     /// Python objects: the GIL held from the look-up through `f`). An
     /// error names the buffer and what changed; nothing after it is
     /// visited.
-    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String>;
+    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>) -> Result<(), RegionError>;
 }
 
 impl Registered {
@@ -124,11 +198,11 @@ impl Registered {
     /// order: the registered ones, or, with a [`RegionCheck`], each as its
     /// owner holds it now, checked to hold its buffer's bytes. An error
     /// (the owner's, or a region too small) names the buffer.
-    pub fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
+    pub fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>) -> Result<(), RegionError> {
         let mut checked = |i: usize, (addr, len): (u64, usize)| {
-            let need = *self.needs.get(i).ok_or_else(|| format!("region {i}: the rank has {} buffers", self.needs.len()))?;
+            let need = *self.needs.get(i).ok_or(RegionError::NoSuchRegion { index: i, buffers: self.needs.len() })?;
             if addr == 0 || len < need {
-                return Err(format!("buffer '{}' needs {need} bytes, {len} found at {addr:#x}", self.names[i]));
+                return Err(RegionError::TooSmall { name: self.names[i].clone(), need, len, addr });
             }
             f(i, (addr, len))
         };
@@ -137,13 +211,13 @@ impl Registered {
                 let mut seen = 0;
                 check.visit(&mut |i, r| {
                     if i != seen {
-                        return Err(format!("region {i} visited out of order (expected {seen})"));
+                        return Err(RegionError::OutOfOrder { index: i, expected: seen });
                     }
                     seen += 1;
                     checked(i, r)
                 })?;
                 if seen != self.needs.len() {
-                    return Err(format!("{seen} of {} regions visited", self.needs.len()));
+                    return Err(RegionError::Unvisited { seen, buffers: self.needs.len() });
                 }
                 Ok(())
             }
@@ -154,7 +228,7 @@ impl Registered {
     /// This registration with its regions as their owner holds them now
     /// ([`Registered::visit`]), for a use that cannot run inside the visit
     /// (a source's refit, a device copy).
-    pub fn current(&self) -> Result<Registered, String> {
+    pub fn current(&self) -> Result<Registered, RegionError> {
         if self.check.is_none() {
             return Ok(self.clone());
         }
@@ -191,11 +265,11 @@ unsafe impl RegisteredMemory for Registered {
         self.needs.len()
     }
 
-    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String> {
-        Registered::visit(self, f)
+    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegisteredVisitError>) -> Result<(), RegisteredVisitError> {
+        Ok(Registered::visit(self, &mut |i, r| f(i, r).map_err(|e| RegionError::Visitor(VisitorError(e))))?)
     }
 
-    fn current_regions(&self) -> Result<Vec<(u64, usize)>, String> {
-        Ok(self.current()?.regions)
+    fn current_regions(&self) -> Result<Vec<(u64, usize)>, RegisteredMemoryError> {
+        self.current().map(|r| r.regions).map_err(|e| RegisteredMemoryError::new(e.to_string()))
     }
 }

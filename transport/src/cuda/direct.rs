@@ -25,13 +25,109 @@
 //! in one process.
 
 use crate::cuda::comm::{CommHandle, P2p};
-use crate::cuda::ipc::{IpcHandle, IPC_HANDLE_BYTES};
-use crate::cuda::plane::{check, done_layout, CommExecError, PlaneMemory, StagingSide};
+use crate::cuda::ipc::{IpcHandle, IpcHandleError, IPC_HANDLE_BYTES};
+use crate::cuda::plane::{check, done_layout, CommExecError, PlaneError, PlaneMemory, StagingSide};
 use reshard::{Block, DType, Endpoint, Span, ALL_DTYPES, MAX_DIMS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
+use thiserror::Error;
+
+/// Why an offer does not check, or names no region offered here.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum OfferError {
+    /// An offer of the wrong length for its pieces.
+    #[error("an offer of {bytes} bytes for {pieces} pieces ({RECORD_BYTES} bytes each)")]
+    Length {
+        /// Bytes of the offer.
+        bytes: usize,
+        /// Pieces of the message.
+        pieces: usize,
+    },
+    /// One offered piece does not check.
+    #[error("offered piece {index} ({block}): {problem}")]
+    Piece {
+        /// The piece's place in the message.
+        index: usize,
+        /// The piece.
+        block: Box<Block>,
+        /// What is wrong with it.
+        problem: PieceProblem,
+    },
+    /// A region no member of this process offered (the simulated plane).
+    #[error("a region no member of this process offered")]
+    NotOffered,
+    /// A region outside the one offered under its key (the simulated plane).
+    #[error("{len} bytes at {offset} of an offered region of {holds}")]
+    OutsideOffered {
+        /// Bytes of the region.
+        len: u64,
+        /// Its start in the offered region.
+        offset: u64,
+        /// Bytes offered.
+        holds: u64,
+    },
+}
+
+/// What is wrong with one offered piece ([`OfferError::Piece`]).
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum PieceProblem {
+    /// Its handle does not decode.
+    #[error(transparent)]
+    Handle(#[from] IpcHandleError),
+    /// Its region's end passes `u64`.
+    #[error("a region of {len} bytes at {offset} passes u64")]
+    RegionPastU64 {
+        /// Bytes of the region.
+        len: u64,
+        /// Its start.
+        offset: u64,
+    },
+    /// A stride on a dimension the piece does not have.
+    #[error("a stride on a dimension the piece does not have")]
+    ExtraStride,
+    /// An unknown dtype code.
+    #[error("dtype code {0}")]
+    Dtype(u64),
+    /// A region larger than this host addresses.
+    #[error("a region of {0} bytes")]
+    RegionTooLarge(u64),
+    /// The span reaches past its region.
+    #[error("its span (base {base}, strides {strides:?}) reaches past its {len}-byte region")]
+    PastRegion {
+        /// The span's first element.
+        base: u64,
+        /// Its strides (the piece's dimensions).
+        strides: Vec<u64>,
+        /// Bytes of the region.
+        len: usize,
+    },
+}
+
+/// Why a direct read from a peer on the same device failed
+/// ([`CommExecError::Direct`]).
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum DirectError {
+    /// The offer's length does not fit this host.
+    #[error("an offer of {0} bytes")]
+    OfferTooLarge(u64),
+    /// The offer did not check.
+    #[error(transparent)]
+    Offer(#[from] OfferError),
+    /// A region it names could not be mapped.
+    #[error(transparent)]
+    Map(PlaneError),
+    /// Copying a piece failed.
+    #[error("piece {block}: {source}")]
+    Piece {
+        /// The piece.
+        block: Box<Block>,
+        /// What failed.
+        #[source]
+        source: PlaneError,
+    },
+}
 
 /// Bytes of one offered piece: the handle, the region's offset and length
 /// in its allocation, the span's base and strides, the dtype.
@@ -102,38 +198,34 @@ pub(crate) fn encode(piece: &OfferedPiece, out: &mut Vec<u8>) {
 /// each checked: the right length, a known dtype, no stride on a dimension
 /// the block does not have, the span inside its region, the region's end
 /// inside `u64`.
-pub(crate) fn decode(bytes: &[u8], blocks: &[Block]) -> Result<Vec<OfferedPiece>, String> {
+pub(crate) fn decode(bytes: &[u8], blocks: &[Block]) -> Result<Vec<OfferedPiece>, OfferError> {
     if Some(bytes.len() as u64) != offer_bytes(blocks.len()) {
-        return Err(format!("an offer of {} bytes for {} pieces ({} bytes each)", bytes.len(), blocks.len(), RECORD_BYTES));
+        return Err(OfferError::Length { bytes: bytes.len(), pieces: blocks.len() });
     }
     let mut pieces = Vec::with_capacity(blocks.len());
     for (i, (record, block)) in bytes.chunks_exact(RECORD_BYTES).zip(blocks).enumerate() {
-        let bad = |what: String| format!("offered piece {i} ({block}): {what}");
+        let bad = |problem: PieceProblem| OfferError::Piece { index: i, block: Box::new(*block), problem };
         let word = |at: usize| u64::from_le_bytes(record[at..at + 8].try_into().unwrap_or_default());
-        let handle = IpcHandle::from_bytes(&record[..IPC_HANDLE_BYTES]).map_err(|e| bad(e.to_string()))?;
+        let handle = IpcHandle::from_bytes(&record[..IPC_HANDLE_BYTES]).map_err(|e| bad(e.into()))?;
         let at = IPC_HANDLE_BYTES;
         let region = RegionOffer { handle, offset: word(at), len: word(at + 8) };
         if region.offset.checked_add(region.len).is_none() {
-            return Err(bad(format!("a region of {} bytes at {} passes u64", region.len, region.offset)));
+            return Err(bad(PieceProblem::RegionPastU64 { len: region.len, offset: region.offset }));
         }
         let mut strides = [0u64; MAX_DIMS];
         for (d, s) in strides.iter_mut().enumerate() {
             *s = word(at + 24 + 8 * d);
         }
         if strides[block.ndim()..].iter().any(|&s| s != 0) {
-            return Err(bad("a stride on a dimension the piece does not have".into()));
+            return Err(bad(PieceProblem::ExtraStride));
         }
         let code = word(at + 24 + 8 * MAX_DIMS);
         let dtype = usize::try_from(code).ok().and_then(|c| ALL_DTYPES.get(c)).copied();
-        let dtype = dtype.ok_or_else(|| bad(format!("dtype code {code}")))?;
+        let dtype = dtype.ok_or_else(|| bad(PieceProblem::Dtype(code)))?;
         let span = Span { buffer: 0, base: word(at + 16), strides };
-        let len = usize::try_from(region.len).map_err(|_| bad(format!("a region of {} bytes", region.len)))?;
+        let len = usize::try_from(region.len).map_err(|_| bad(PieceProblem::RegionTooLarge(region.len)))?;
         if !crate::copy::fits(block.extent(), len, span.base, &span.strides, dtype) {
-            return Err(bad(format!(
-                "its span (base {}, strides {:?}) reaches past its {len}-byte region",
-                span.base,
-                &strides[..block.ndim()]
-            )));
+            return Err(bad(PieceProblem::PastRegion { base: span.base, strides: strides[..block.ndim()].to_vec(), len }));
         }
         pieces.push(OfferedPiece { region, span, dtype });
     }
@@ -154,7 +246,7 @@ pub(crate) fn offer_of(
         let region = match regions.iter().find(|(b, _)| *b == p.span.buffer) {
             Some(&(_, region)) => region,
             None => {
-                let region = memory.offer(p.span.buffer).map_err(|error| CommExecError::Memory { me, what: "offering a buffer", error })?;
+                let region = memory.offer(p.span.buffer).map_err(|e| CommExecError::memory(me, "offering a buffer", e))?;
                 regions.push((p.span.buffer, region));
                 region
             }
@@ -177,22 +269,22 @@ pub(crate) fn read_directly(
     (at, len): (u64, u64),
 ) -> Result<(), CommExecError> {
     let peer = m.peer;
-    let bad = |error: String| CommExecError::Direct { me, peer, error };
-    let mut bytes = vec![0u8; usize::try_from(len).map_err(|_| bad(format!("an offer of {len} bytes")))?];
+    let bad = |error: DirectError| CommExecError::Direct { me, peer, error: Box::new(error) };
+    let mut bytes = vec![0u8; usize::try_from(len).map_err(|_| bad(DirectError::OfferTooLarge(len)))?];
     memory.read_staging(StagingSide::Recv, at, &mut bytes).map_err(|error| CommExecError::Memory {
         me,
         what: "reading an offer",
-        error,
+        error: Box::new(error),
     })?;
     let blocks: Vec<Block> = m.pieces.views().map(|p| p.block()).collect();
-    let offered = decode(&bytes, &blocks).map_err(bad)?;
+    let offered = decode(&bytes, &blocks).map_err(|e| bad(e.into()))?;
     let mut mapped: Vec<(RegionOffer, u64)> = Vec::new();
     for (p, o) in m.pieces.views().zip(offered) {
         let (block, wire, dtype) = (p.block(), p.wire(), p.dtype());
         let addr = match mapped.iter().find(|(r, _)| *r == o.region) {
             Some(&(_, addr)) => addr,
             None => {
-                let addr = memory.map_offer(peer, &o.region).map_err(bad)?;
+                let addr = memory.map_offer(peer, &o.region).map_err(|e| bad(DirectError::Map(e)))?;
                 mapped.push((o.region, addr));
                 addr
             }
@@ -201,7 +293,9 @@ pub(crate) fn read_directly(
         for s in p.spans() {
             to.push((check(me, memory, &s, dtype, &block)?, s, dtype));
         }
-        memory.move_piece(&block, (addr, o.span, o.dtype), wire, &to).map_err(|e| bad(format!("piece {block}: {e}")))?;
+        memory
+            .move_piece(&block, (addr, o.span, o.dtype), wire, &to)
+            .map_err(|source| bad(DirectError::Piece { block: Box::new(block), source }))?;
         count_read(block.numel().saturating_mul(o.dtype.size()));
     }
     Ok(())
@@ -219,12 +313,16 @@ pub(crate) fn done_reading(
     rank_of: &dyn Fn(Endpoint) -> Option<u32>,
     deadline: Instant,
 ) -> Result<(), CommExecError> {
-    let mem_err = |what| move |error| CommExecError::Memory { me, what, error };
+    let mem_err = |what| move |error| CommExecError::memory(me, what, error);
     if !read_from.is_empty() {
         memory.finish().map_err(mem_err("finishing the copies from peers' memory"))?;
     }
-    let tag = r.checked_add(DONE_TAG).ok_or_else(|| mem_err("numbering the done group")(format!("round {r} is too large")))?;
-    let too_large = || mem_err("laying out done tokens")("too many".into());
+    let tag = r.checked_add(DONE_TAG).ok_or_else(|| CommExecError::Layout {
+        me,
+        what: "numbering the done group",
+        problem: format!("round {r} is too large"),
+    })?;
+    let too_large = || CommExecError::Layout { me, what: "laying out done tokens", problem: "too many".into() };
     let (send_at, send_total) = done_layout(read_from.len()).ok_or_else(too_large)?;
     let (recv_at, recv_total) = done_layout(read_by.len()).ok_or_else(too_large)?;
     let sbase = memory.staging(StagingSide::Send, send_total as usize).map_err(mem_err("send staging"))?;
@@ -274,12 +372,12 @@ impl SimOffers {
 
     /// The address of an offered region, checked against what was offered
     /// under its key.
-    pub(crate) fn map(offer: &RegionOffer) -> Result<u64, String> {
+    pub(crate) fn map(offer: &RegionOffer) -> Result<u64, OfferError> {
         let offers = sim_offers().lock().unwrap_or_else(|p| p.into_inner());
-        let &(addr, len) = offers.get(&offer.handle).ok_or("a region no member of this process offered")?;
+        let &(addr, holds) = offers.get(&offer.handle).ok_or(OfferError::NotOffered)?;
         match offer.offset.checked_add(offer.len) {
-            Some(end) if end <= len => Ok(addr + offer.offset),
-            _ => Err(format!("{} bytes at {} of an offered region of {len}", offer.len, offer.offset)),
+            Some(end) if end <= holds => Ok(addr + offer.offset),
+            _ => Err(OfferError::OutsideOffered { len: offer.len, offset: offer.offset, holds }),
         }
     }
 }
@@ -307,29 +405,29 @@ mod tests {
         assert_eq!(bytes.len(), RECORD_BYTES);
         assert_eq!(decode(&bytes, &[block]).unwrap(), vec![p]);
         // Wrong length for the receiver's pieces.
-        assert!(decode(&bytes, &[block, block]).unwrap_err().contains("for 2 pieces"));
+        assert!(decode(&bytes, &[block, block]).unwrap_err().to_string().contains("for 2 pieces"));
         // A span past its region: 4 KiB hold 1024 f32, the piece reaches 16 + 32.
         let mut far = p;
         far.span.base = 1000;
         let mut lie = Vec::new();
         encode(&far, &mut lie);
-        assert!(decode(&lie, &[block]).unwrap_err().contains("reaches past"), "{:?}", decode(&lie, &[block]));
+        assert!(decode(&lie, &[block]).unwrap_err().to_string().contains("reaches past"), "{:?}", decode(&lie, &[block]));
         // An unknown dtype code.
         let mut code = bytes.clone();
         code[RECORD_BYTES - 8] = 200;
-        assert!(decode(&code, &[block]).unwrap_err().contains("dtype code 200"));
+        assert!(decode(&code, &[block]).unwrap_err().to_string().contains("dtype code 200"));
         // A stride past the block's dimensions.
         let mut wide = p;
         wide.span.strides[5] = 1;
         let mut lie = Vec::new();
         encode(&wide, &mut lie);
-        assert!(decode(&lie, &[block]).unwrap_err().contains("does not have"));
+        assert!(decode(&lie, &[block]).unwrap_err().to_string().contains("does not have"));
         // A region whose end passes u64.
         let mut huge = p;
         huge.region.offset = u64::MAX;
         let mut lie = Vec::new();
         encode(&huge, &mut lie);
-        assert!(decode(&lie, &[block]).unwrap_err().contains("passes u64"));
+        assert!(decode(&lie, &[block]).unwrap_err().to_string().contains("passes u64"));
     }
 
     #[test]
@@ -344,6 +442,6 @@ mod tests {
         let mut key = [1u8; IPC_HANDLE_BYTES];
         key[0] = 9;
         let forged = RegionOffer { handle: IpcHandle::from_bytes(&key).unwrap(), offset: 0, len: 1 };
-        assert!(SimOffers::map(&forged).unwrap_err().contains("no member"));
+        assert!(SimOffers::map(&forged).unwrap_err().to_string().contains("no member"));
     }
 }

@@ -15,9 +15,10 @@
 
 use crate::copy::{copy_strided, packed_strides, StridedRef};
 use crate::cuda::copyplan::{plan_copies, CopyOp, Side};
-use crate::cuda::device::{issue, DeviceKernels, DeviceMemory, GpuDevice, GpuError, Loc, PinnedStaging};
+use crate::cuda::device::{issue, DeviceKernels, DeviceMemory, GpuDevice, GpuError, KernelError, Loc, PinnedStaging, QuantizeError};
 use crate::cuda::kernels::{copy_as_box, plan_casts, strided_kernel, without_kernel, CastBox};
 use crate::cuda::schedule::{same_device_schedule, ScheduleError, Step};
+use cudarc::driver::DriverError;
 use reshard::{Block, DType, Endpoint, RankProgram};
 use std::time::Duration;
 use thiserror::Error;
@@ -54,9 +55,31 @@ pub enum DeviceExecError {
         /// The piece.
         block: Box<Block>,
         /// The CUDA error.
-        error: String,
+        #[source]
+        error: QueueError,
     },
     /// A device operation failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// Quantizing a rank's block-scaled tensors failed.
+    #[error(transparent)]
+    Quantize(#[from] QuantizeError),
+}
+
+/// Why device work (copies, kernel launches, a piece through host
+/// staging) could not be queued or run.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum QueueError {
+    /// A copy or stream call failed.
+    #[error("{0}")]
+    Driver(#[source] DriverError),
+    /// A cast was queued without the kernels.
+    #[error("the cast kernels are not loaded")]
+    NoKernels,
+    /// A kernel did not launch.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// The device failed (staging, synchronisation).
     #[error(transparent)]
     Gpu(#[from] GpuError),
 }
@@ -216,7 +239,7 @@ pub(crate) fn piece_ops(
 /// Every address must be a live allocation of `dev` that holds what its op
 /// reads or writes (checked against the buffers by the caller) and stays
 /// allocated until the stream has run it.
-pub(crate) unsafe fn queue_ops(dev: &GpuDevice, kernels: Option<&DeviceKernels>, ops: &[DeviceOp]) -> Result<(u64, u64), String> {
+pub(crate) unsafe fn queue_ops(dev: &GpuDevice, kernels: Option<&DeviceKernels>, ops: &[DeviceOp]) -> Result<(u64, u64), QueueError> {
     // SAFETY: the caller's guarantee.
     unsafe { queue_ops_on(dev.stream(), kernels, ops) }
 }
@@ -229,17 +252,17 @@ unsafe fn queue_ops_on(
     stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     kernels: Option<&DeviceKernels>,
     ops: &[DeviceOp],
-) -> Result<(u64, u64), String> {
+) -> Result<(u64, u64), QueueError> {
     let (mut copies, mut launches) = (0, 0);
     for op in ops {
         match op {
             DeviceOp::Copy { op, src, dst } => {
                 // SAFETY: the caller's guarantee.
-                unsafe { issue(op, Loc::Device(*src), Loc::Device(*dst), stream.cu_stream()) }.map_err(|e| e.to_string())?;
+                unsafe { issue(op, Loc::Device(*src), Loc::Device(*dst), stream.cu_stream()) }.map_err(QueueError::Driver)?;
                 copies += 1;
             }
             DeviceOp::Cast { kernel, b, src, dst } => {
-                let k = kernels.ok_or("the cast kernels are not loaded")?;
+                let k = kernels.ok_or(QueueError::NoKernels)?;
                 // SAFETY: the caller's guarantee.
                 unsafe { k.launch(stream, kernel, b, *src, *dst) }?;
                 launches += 1;
@@ -318,29 +341,7 @@ impl<'m> DeviceRun<'m> {
         options: DeviceRunOptions,
     ) -> Result<DeviceRun<'m>, DeviceExecError> {
         let schedule = same_device_schedule(programs)?;
-        if memory.len() != programs.len() {
-            let me = programs.get(memory.len()).or(programs.last()).map_or(Endpoint::src(0), |p| p.endpoint);
-            return Err(DeviceExecError::MemoryMismatch {
-                me,
-                got: memory.len(),
-                got_bytes: Vec::new(),
-                want: programs.len(),
-                want_bytes: Vec::new(),
-            });
-        }
-        for (p, m) in programs.iter().zip(memory.iter()) {
-            // (Saturating: a size past `u64` matches no memory's.)
-            let want: Vec<usize> = p.buffers.iter().map(|b| b.elems.saturating_mul(b.dtype.size()) as usize).collect();
-            if m.buffer_lens() != want.as_slice() {
-                return Err(DeviceExecError::MemoryMismatch {
-                    me: p.endpoint,
-                    got: m.buffer_lens().len(),
-                    got_bytes: m.buffer_lens().to_vec(),
-                    want: want.len(),
-                    want_bytes: want,
-                });
-            }
-        }
+        memory_fits(programs, memory)?;
         let addrs: Vec<Vec<u64>> = memory.iter().map(|m| m.device_addrs().to_vec()).collect();
         // Loaded once per device: dtype changes need them, and narrow rows
         // of plain copies use them where they load.
@@ -376,51 +377,65 @@ impl<'m> DeviceRun<'m> {
             memory,
         };
         for step in schedule.steps {
-            let src = addrs[step.from.rank][step.from.span.buffer as usize];
-            let dsts: Vec<u64> = step.to.iter().map(|t| addrs[t.rank][t.span.buffer as usize]).collect();
-            let to_rank = step.to.first().map_or(step.from.rank, |t| t.rank);
-            let meta = run.meta.len();
-            run.meta.push(Meta {
-                round: step.round,
-                local: step.local,
-                from: programs[step.from.rank].endpoint,
-                to: programs[to_rank].endpoint,
-                block: step.block,
-            });
-            let from = (src, step.from.span, step.from.dtype);
-            let to: Vec<DevSide> = step.to.iter().zip(&dsts).map(|(t, &a)| (a, t.span, t.dtype)).collect();
-            let on_device = if step.is_direct() || run.kernels.is_some() {
-                let same =
-                    if run.kernels.is_some() && options.narrow_rows_by_kernel { SameType::NarrowRowsByKernel } else { SameType::Copies };
-                piece_ops(step.block.extent(), from, step.wire, &to, dev.max_pitch(), scratch_addr, same)
-            } else {
-                None
-            };
-            match on_device {
-                Some(ops) => {
-                    let scratch = step.to.iter().any(|t| needs_scratch(step.from.dtype, step.wire, t.dtype));
-                    let bytes = step.block.numel().saturating_mul(step.wire.size());
-                    run.items.push(Item::Device { ops, meta, bytes, scratch })
-                }
-                None => {
-                    run.staged += 1;
-                    let to_dtypes: Vec<DType> = to.iter().map(|t| t.2).collect();
-                    let why = match (&kernels_missing, without_kernel(step.from.dtype, step.wire, &to_dtypes)) {
-                        (Some(e), _) => HostWhy { text: format!("the cast kernels did not load: {e}"), fallback: true },
-                        (None, Some(no_kernel)) => HostWhy { text: no_kernel, fallback: false },
-                        (None, None) => HostWhy { text: "the copy kernels do not take this piece".into(), fallback: true },
-                    };
-                    if run.staged_because.is_none() {
-                        run.staged_because = Some(why.text.clone());
-                    }
-                    run.items.push(Item::Convert { step: Box::new(step), src, dsts, meta, why: Box::new(why) });
-                }
-            }
+            run.add_step(step, programs, &addrs, (options, scratch_addr), kernels_missing.as_ref());
         }
         if options.graph {
             run.graph = run.capture(options.lanes);
         }
         Ok(run)
+    }
+
+    /// Resolves one step of the schedule to device addresses: device work
+    /// where the kernels (or plain copies) take it, else a conversion on
+    /// the host, and why (`kernels_missing`: why the kernels did not load).
+    fn add_step(
+        &mut self,
+        step: Step,
+        programs: &[RankProgram],
+        addrs: &[Vec<u64>],
+        (options, scratch_addr): (DeviceRunOptions, Option<u64>),
+        kernels_missing: Option<&KernelError>,
+    ) {
+        let src = addrs[step.from.rank][step.from.span.buffer as usize];
+        let dsts: Vec<u64> = step.to.iter().map(|t| addrs[t.rank][t.span.buffer as usize]).collect();
+        let to_rank = step.to.first().map_or(step.from.rank, |t| t.rank);
+        let meta = self.meta.len();
+        self.meta.push(Meta {
+            round: step.round,
+            local: step.local,
+            from: programs[step.from.rank].endpoint,
+            to: programs[to_rank].endpoint,
+            block: step.block,
+        });
+        let from = (src, step.from.span, step.from.dtype);
+        let to: Vec<DevSide> = step.to.iter().zip(&dsts).map(|(t, &a)| (a, t.span, t.dtype)).collect();
+        let on_device = if step.is_direct() || self.kernels.is_some() {
+            let same =
+                if self.kernels.is_some() && options.narrow_rows_by_kernel { SameType::NarrowRowsByKernel } else { SameType::Copies };
+            piece_ops(step.block.extent(), from, step.wire, &to, self.dev.max_pitch(), scratch_addr, same)
+        } else {
+            None
+        };
+        match on_device {
+            Some(ops) => {
+                let scratch = step.to.iter().any(|t| needs_scratch(step.from.dtype, step.wire, t.dtype));
+                let bytes = step.block.numel().saturating_mul(step.wire.size());
+                self.items.push(Item::Device { ops, meta, bytes, scratch })
+            }
+            None => {
+                self.staged += 1;
+                let to_dtypes: Vec<DType> = to.iter().map(|t| t.2).collect();
+                let why = match (kernels_missing, without_kernel(step.from.dtype, step.wire, &to_dtypes)) {
+                    (Some(e), _) => HostWhy { text: format!("the cast kernels did not load: {e}"), fallback: true },
+                    (None, Some(no_kernel)) => HostWhy { text: no_kernel, fallback: false },
+                    (None, None) => HostWhy { text: "the copy kernels do not take this piece".into(), fallback: true },
+                };
+                if self.staged_because.is_none() {
+                    self.staged_because = Some(why.text.clone());
+                }
+                self.items.push(Item::Convert { step: Box::new(step), src, dsts, meta, why: Box::new(why) });
+            }
+        }
     }
 
     /// Captures every item's device work as one CUDA graph, where every
@@ -439,7 +454,7 @@ impl<'m> DeviceRun<'m> {
         main.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).ok()?;
         let queued = self.queue_groups(main, &side);
         // Capture always ends, whatever was queued.
-        let ended = main.end_capture(CUgraphInstantiate_flags(0)).map_err(|e| e.to_string());
+        let ended = main.end_capture(CUgraphInstantiate_flags(0)).map_err(QueueError::Driver);
         let (calls, launches, graph) = match (queued, ended) {
             (Ok((c, k)), Ok(graph)) => (c, k, graph?),
             (Err(e), _) | (_, Err(e)) => {
@@ -458,7 +473,7 @@ impl<'m> DeviceRun<'m> {
         &self,
         main: &std::sync::Arc<cudarc::driver::CudaStream>,
         side: &[std::sync::Arc<cudarc::driver::CudaStream>],
-    ) -> Result<(u64, u64), String> {
+    ) -> Result<(u64, u64), QueueError> {
         let (mut calls, mut launches) = (0u64, 0u64);
         let key = |item: &Item| match item {
             Item::Device { meta, .. } | Item::Convert { meta, .. } => (self.meta[*meta].round, self.meta[*meta].local),
@@ -470,9 +485,9 @@ impl<'m> DeviceRun<'m> {
             rest = next;
             let forked = !side.is_empty() && group.len() > 1;
             if forked {
-                let fork = main.record_event(None).map_err(|e| e.to_string())?;
+                let fork = main.record_event(None).map_err(QueueError::Driver)?;
                 for s in side {
-                    s.wait(&fork).map_err(|e| e.to_string())?;
+                    s.wait(&fork).map_err(QueueError::Driver)?;
                 }
             }
             let mut load = vec![0u64; side.len() + 1];
@@ -502,7 +517,7 @@ impl<'m> DeviceRun<'m> {
             }
             if forked {
                 for s in side {
-                    main.join(s).map_err(|e| e.to_string())?;
+                    main.join(s).map_err(QueueError::Driver)?;
                 }
             }
             queued?;
@@ -515,8 +530,7 @@ impl<'m> DeviceRun<'m> {
     /// can; counts the ranks done on the device and on the host.
     fn quantize_ranks(&mut self, first: bool, (on_device, on_host): (&mut u64, &mut u64)) -> Result<(), DeviceExecError> {
         for (i, program) in self.quantize.iter().filter(|(_, p)| p.quantizes_first() == first) {
-            let quantized = crate::cuda::device::quantize_rank_on(self.dev, &mut self.memory[*i], program)
-                .map_err(|problem| GpuError::Invalid { what: format!("{}: quantizing", program.endpoint), problem })?;
+            let quantized = crate::cuda::device::quantize_rank_on(self.dev, &mut self.memory[*i], program)?;
             match quantized {
                 crate::cuda::device::Quantized::OnDevice => *on_device += 1,
                 crate::cuda::device::Quantized::OnHost(why) => {
@@ -542,7 +556,7 @@ impl<'m> DeviceRun<'m> {
         self.quantize_ranks(true, (&mut on_device, &mut on_host))?;
         let graph = self.graph.as_ref();
         if let Some((g, c, k)) = graph {
-            g.launch().map_err(|e| GpuError::Driver { what: "launching the run's graph".into(), error: e.to_string() })?;
+            g.launch().map_err(|source| GpuError::Driver { what: "launching the run's graph".into(), source })?;
             calls = *c;
             launches = *k;
         }
@@ -581,10 +595,39 @@ impl<'m> DeviceRun<'m> {
         })
     }
 
-    fn copy_error(&self, meta: usize, error: String) -> DeviceExecError {
+    fn copy_error(&self, meta: usize, error: QueueError) -> DeviceExecError {
         let m = &self.meta[meta];
         DeviceExecError::Copy { from: m.from, to: m.to, round: m.round, block: Box::new(m.block), error }
     }
+}
+
+/// Checks that `memory[i]` holds the buffers of `programs[i]`, for every
+/// program.
+fn memory_fits(programs: &[RankProgram], memory: &[DeviceMemory]) -> Result<(), DeviceExecError> {
+    if memory.len() != programs.len() {
+        let me = programs.get(memory.len()).or(programs.last()).map_or(Endpoint::src(0), |p| p.endpoint);
+        return Err(DeviceExecError::MemoryMismatch {
+            me,
+            got: memory.len(),
+            got_bytes: Vec::new(),
+            want: programs.len(),
+            want_bytes: Vec::new(),
+        });
+    }
+    for (p, m) in programs.iter().zip(memory.iter()) {
+        // (Saturating: a size past `u64` matches no memory's.)
+        let want: Vec<usize> = p.buffers.iter().map(|b| b.elems.saturating_mul(b.dtype.size()) as usize).collect();
+        if m.buffer_lens() != want.as_slice() {
+            return Err(DeviceExecError::MemoryMismatch {
+                me: p.endpoint,
+                got: m.buffer_lens().len(),
+                got_bytes: m.buffer_lens().to_vec(),
+                want: want.len(),
+                want_bytes: want,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Converts one step's piece through pinned host staging; returns the
@@ -595,7 +638,7 @@ pub(crate) fn convert_on_host(
     step: &Step,
     src: u64,
     dsts: &[u64],
-) -> Result<u64, String> {
+) -> Result<u64, QueueError> {
     let counts = step.block.extent();
     let n = step.block.numel();
     let packed = Side { base: 0, strides: packed_strides(counts) };
@@ -603,21 +646,21 @@ pub(crate) fn convert_on_host(
     let stream = dev.stream().cu_stream();
     let [a, b] = staging;
     let from_bytes = (n * step.from.dtype.size()) as usize;
-    let pa = a.ensure(from_bytes).map_err(|e| e.to_string())?;
+    let pa = a.ensure(from_bytes)?;
     let mut calls = 0;
     for op in plan_copies(counts, &from, &packed, step.from.dtype.size(), dev.max_pitch()) {
         // SAFETY: device side in bounds (schedule), host side is the
         // packed piece inside the staging; we wait below.
-        unsafe { issue(&op, Loc::Device(src), Loc::Host(pa), stream) }.map_err(|e| e.to_string())?;
+        unsafe { issue(&op, Loc::Device(src), Loc::Host(pa), stream) }.map_err(QueueError::Driver)?;
         calls += 1;
     }
-    dev.synchronize().map_err(|e| e.to_string())?;
+    dev.synchronize()?;
     // Host conversion: from → wire → destination dtype, as sender and
     // receiver would.
     let to_dtype = step.to.first().map_or(step.wire, |t| t.dtype);
     let mut wire = vec![0u8; (n * step.wire.size()) as usize];
     let to_bytes = (n * to_dtype.size()) as usize;
-    let pb = b.ensure(to_bytes).map_err(|e| e.to_string())?;
+    let pb = b.ensure(to_bytes)?;
     let strides = packed_strides(counts);
     // SAFETY (of each view made here): the regions are `pa`/`pb` (pinned
     // staging of `from_bytes`/`to_bytes`, held by `b` for this call) and
@@ -633,11 +676,11 @@ pub(crate) fn convert_on_host(
         let to = Side { base: t.span.base, strides: t.span.strides };
         for op in plan_copies(counts, &packed, &to, to_dtype.size(), dev.max_pitch()) {
             // SAFETY: as above, host → device.
-            unsafe { issue(&op, Loc::Host(pb), Loc::Device(dst), stream) }.map_err(|e| e.to_string())?;
+            unsafe { issue(&op, Loc::Host(pb), Loc::Device(dst), stream) }.map_err(QueueError::Driver)?;
             calls += 1;
         }
     }
-    dev.synchronize().map_err(|e| e.to_string())?;
+    dev.synchronize()?;
     Ok(calls)
 }
 
@@ -665,7 +708,7 @@ pub fn time_plain_copy(dev: &GpuDevice, bytes: usize, reps: u32) -> Result<Durat
         let start = dev.mark()?;
         // SAFETY: both allocations hold `bytes` bytes and live until the end.
         unsafe { issue(&op, Loc::Device(pa), Loc::Device(pb), dev.stream().cu_stream()) }
-            .map_err(|e| GpuError::Driver { what: "plain copy".into(), error: e.to_string() })?;
+            .map_err(|source| GpuError::Driver { what: "plain copy".into(), source })?;
         let end = dev.mark()?;
         let t = dev.elapsed(&start, &end)?;
         if i > 0 {

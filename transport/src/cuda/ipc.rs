@@ -99,6 +99,54 @@ impl fmt::Debug for IpcHandle {
     }
 }
 
+/// Why a rank's buffers do not lay out as one bucket ([`BucketLayout::of`]).
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[cfg_attr(not(feature = "cuda"), allow(unreachable_pub))] // reached through the device's errors
+pub enum LayoutError {
+    /// One buffer's bytes pass `u64`.
+    #[error("buffer {index} '{name}': {elems} elements of {dtype} pass u64 bytes")]
+    Buffer {
+        /// Its place in the rank's buffers.
+        index: usize,
+        /// Its name.
+        name: String,
+        /// Its elements.
+        elems: u64,
+        /// Its dtype.
+        dtype: reshard::DType,
+    },
+    /// The buffers together pass `u64` bytes.
+    #[error("the buffers together pass u64 bytes")]
+    Total,
+}
+
+/// Why bytes claimed at an address do not lie inside the allocation the
+/// driver reports for it ([`within_allocation`]).
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[cfg_attr(not(feature = "cuda"), allow(unreachable_pub))] // reached through the device's errors
+pub enum AllocationError {
+    /// More bytes than the allocation holds from the address.
+    #[error("{bytes} bytes claimed at {base:#x}, but its allocation holds {room} from there")]
+    TooLong {
+        /// Bytes claimed.
+        bytes: u64,
+        /// The address.
+        base: u64,
+        /// Bytes from there to the allocation's end.
+        room: u64,
+    },
+    /// The address is outside the allocation.
+    #[error("{base:#x} is outside the allocation {range_base:#x}..+{range_size} the driver reports")]
+    Outside {
+        /// The address.
+        base: u64,
+        /// The allocation's start.
+        range_base: u64,
+        /// Its bytes.
+        range_size: u64,
+    },
+}
+
 /// Byte offsets of a rank's buffers in its bucket and the bucket's length.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct BucketLayout {
@@ -114,17 +162,20 @@ impl BucketLayout {
     /// The layout of a rank's buffers (`RankProgram::buffers`); an error
     /// naming the buffer where their sizes pass `u64` bytes (a program from
     /// the wire may claim any), so no buffer lies outside the bucket.
-    pub(crate) fn of(specs: &[BufferSpec]) -> Result<BucketLayout, String> {
+    pub(crate) fn of(specs: &[BufferSpec]) -> Result<BucketLayout, LayoutError> {
         let lens = specs
             .iter()
             .enumerate()
-            .map(|(i, b)| {
-                b.elems
-                    .checked_mul(b.dtype.size())
-                    .ok_or_else(|| format!("buffer {i} '{}': {} elements of {} pass u64 bytes", b.name, b.elems, b.dtype))
+            .map(|(index, b)| {
+                b.elems.checked_mul(b.dtype.size()).ok_or_else(|| LayoutError::Buffer {
+                    index,
+                    name: b.name.clone(),
+                    elems: b.elems,
+                    dtype: b.dtype,
+                })
             })
-            .collect::<Result<Vec<u64>, String>>()?;
-        let (offsets, bytes) = packed_offsets(&lens, BUCKET_ALIGN).ok_or("the buffers together pass u64 bytes")?;
+            .collect::<Result<Vec<u64>, LayoutError>>()?;
+        let (offsets, bytes) = packed_offsets(&lens, BUCKET_ALIGN).ok_or(LayoutError::Total)?;
         Ok(BucketLayout { offsets, lens, bytes: bytes.max(1) })
     }
 }
@@ -134,12 +185,12 @@ impl BucketLayout {
 /// the size of a peer's bucket comes from the peer, the allocation from
 /// the driver, and only the second is believed. Checked arithmetic: a
 /// size past the address space is refused, never wrapped.
-pub(crate) fn within_allocation(base: u64, bytes: u64, range_base: u64, range_size: u64) -> Result<(), String> {
+pub(crate) fn within_allocation(base: u64, bytes: u64, range_base: u64, range_size: u64) -> Result<(), AllocationError> {
     let inside = base.checked_sub(range_base).filter(|&skip| skip <= range_size).map(|skip| range_size - skip);
     match inside {
         Some(room) if bytes <= room => Ok(()),
-        Some(room) => Err(format!("{bytes} bytes claimed at {base:#x}, but its allocation holds {room} from there")),
-        None => Err(format!("{base:#x} is outside the allocation {range_base:#x}..+{range_size} the driver reports")),
+        Some(room) => Err(AllocationError::TooLong { bytes, base, room }),
+        None => Err(AllocationError::Outside { base, range_base, range_size }),
     }
 }
 
@@ -283,7 +334,7 @@ mod tests {
         assert_eq!(BucketLayout::of(&[]).unwrap().bytes, 1);
         // Sizes past u64, alone or together, are refused.
         let e = BucketLayout::of(&[spec(1, DType::F32), spec(u64::MAX / 2, DType::F32)]).unwrap_err();
-        assert!(e.contains("buffer 1 'b'"), "{e}");
+        assert!(e.to_string().contains("buffer 1 'b'"), "{e}");
         assert!(BucketLayout::of(&[spec(u64::MAX - 8, DType::U8), spec(u64::MAX - 8, DType::U8)]).is_err());
     }
 
@@ -376,9 +427,9 @@ mod tests {
     fn a_bucket_larger_than_its_allocation_is_refused() {
         assert_eq!(within_allocation(0x1000, 0x100, 0x1000, 0x100), Ok(()));
         assert_eq!(within_allocation(0x1080, 0x80, 0x1000, 0x100), Ok(()));
-        assert!(within_allocation(0x1000, 0x101, 0x1000, 0x100).unwrap_err().contains("holds 256"));
+        assert!(within_allocation(0x1000, 0x101, 0x1000, 0x100).unwrap_err().to_string().contains("holds 256"));
         assert!(within_allocation(0x1080, 0x81, 0x1000, 0x100).is_err());
-        assert!(within_allocation(0xfff, 1, 0x1000, 0x100).unwrap_err().contains("outside"));
+        assert!(within_allocation(0xfff, 1, 0x1000, 0x100).unwrap_err().to_string().contains("outside"));
         assert!(within_allocation(0x1101, 0, 0x1000, 0x100).is_err());
         // A size past the address space, or a range that wraps, never passes.
         assert!(within_allocation(0x1000, u64::MAX, 0x1000, 0x100).is_err());

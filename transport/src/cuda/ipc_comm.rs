@@ -30,10 +30,119 @@
 //! failed or unfinished group the bucket is given up
 //! ([`IpcMemory::abandon`]) instead of freed.
 
-use crate::cuda::comm::{CommBackend, GroupError, P2p, Progress};
+use crate::cuda::comm::{BackendError, CommBackend, GroupError, P2p, Progress};
 use crate::transport::{Payload, Transport, TransportError};
 use reshard::Endpoint;
 use std::time::Instant;
+use thiserror::Error;
+
+/// Why the IPC communicator failed: its doorbells, or the buckets it reads.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum IpcCommError {
+    /// A doorbell's bytes could not be read (the system's reason).
+    #[error("reading a doorbell: {0}")]
+    ReadDoorbell(String),
+    /// A data message arrived where a doorbell belongs.
+    #[error("a data message where a doorbell belongs")]
+    NotADoorbell,
+    /// A doorbell of the wrong size or kind.
+    #[error("a malformed doorbell of {bytes} bytes")]
+    MalformedDoorbell {
+        /// Its bytes.
+        bytes: usize,
+    },
+    /// A rank of the communicator without an endpoint.
+    #[error("rank {rank} has no endpoint")]
+    NoEndpoint {
+        /// The rank.
+        rank: u32,
+    },
+    /// A doorbell from an endpoint that is no rank of the communicator.
+    #[error("a doorbell from {from}, not a rank here")]
+    NotARank {
+        /// The sender.
+        from: Endpoint,
+    },
+    /// A send outside the exported bucket.
+    #[error("a send of {bytes} bytes at {addr:#x} is outside the exported bucket ({len} bytes at {base:#x})")]
+    SendOutsideBucket {
+        /// Bytes of the send.
+        bytes: u64,
+        /// Its address.
+        addr: u64,
+        /// Bytes of the bucket.
+        len: u64,
+        /// The bucket's address.
+        base: u64,
+    },
+    /// Ringing a peer's doorbell failed.
+    #[error("peer rank {peer}: {source}")]
+    Ring {
+        /// The peer.
+        peer: u32,
+        /// The transport's error.
+        #[source]
+        source: TransportError,
+    },
+    /// A peer's doorbells are gone (it aborted, or its link broke).
+    #[error("peer rank {peer} is gone: {source}")]
+    PeerGone {
+        /// The peer.
+        peer: u32,
+        /// The transport's error.
+        #[source]
+        source: TransportError,
+    },
+    /// The doorbells failed otherwise.
+    #[error(transparent)]
+    Doorbells(TransportError),
+    /// A ready doorbell from a peer this round expects no message from.
+    #[error("round {round}: an unexpected message from {from}")]
+    Unexpected {
+        /// The round.
+        round: u32,
+        /// The sender.
+        from: Endpoint,
+    },
+    /// A message of another size than expected.
+    #[error("round {round}: {from} sent {sent} bytes, {expected} expected")]
+    MessageSize {
+        /// The round.
+        round: u32,
+        /// The sender.
+        from: Endpoint,
+        /// Bytes announced.
+        sent: u64,
+        /// Bytes expected.
+        expected: u64,
+    },
+    /// A released doorbell for a message this rank did not send.
+    #[error("round {round}: {from} released a message it was not sent")]
+    NotSent {
+        /// The round.
+        round: u32,
+        /// The peer.
+        from: Endpoint,
+    },
+    /// A peer's bucket is not mapped here.
+    #[error("rank {peer}'s bucket is not mapped here")]
+    NotMapped {
+        /// The peer.
+        peer: u32,
+    },
+    /// A read outside a peer's bucket.
+    #[error("rank {peer}: {bytes} bytes at {offset} are outside its {holds}-byte bucket")]
+    OutsideBucket {
+        /// The peer.
+        peer: u32,
+        /// Bytes read.
+        bytes: u64,
+        /// Where.
+        offset: u64,
+        /// Bytes of the bucket.
+        holds: u64,
+    },
+}
 
 /// The memory side of an IPC communicator.
 pub trait IpcMemory: Send {
@@ -41,16 +150,16 @@ pub trait IpcMemory: Send {
     fn staging(&self) -> (u64, u64);
     /// Waits (on the host) until the work before device event `after` is
     /// done (0: none).
-    fn wait(&mut self, after: u64) -> Result<(), String>;
+    fn wait(&mut self, after: u64) -> Result<(), BackendError>;
     /// Queues a copy of `bytes` at `offset` of `peer`'s mapped bucket into
     /// `dst` (this rank's memory).
     ///
     /// # Safety
     /// `dst` must name `bytes` bytes this rank may write, untouched by
     /// other work until [`IpcMemory::pulled`] reports the copy done.
-    unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), String>;
+    unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), BackendError>;
     /// Whether every copy queued so far is done.
-    fn pulled(&mut self) -> Result<Progress, String>;
+    fn pulled(&mut self) -> Result<Progress, BackendError>;
     /// Gives the bucket up without freeing it (a peer may still read it),
     /// and keeps the peers' buckets mapped for good while this rank's own
     /// copies from them may still run.
@@ -71,19 +180,19 @@ fn bell(kind: u8, offset: u64, bytes: u64) -> Payload {
     Payload::Bytes(b)
 }
 
-fn read_bell(payload: Payload) -> Result<(u8, u64, u64), String> {
+fn read_bell(payload: Payload) -> Result<(u8, u64, u64), IpcCommError> {
     let b = match payload {
         Payload::Bytes(b) => b,
         Payload::Lent(l) => l.as_slice().to_vec(),
         Payload::Stream(mut f) => {
             let mut b = vec![0u8; f.len().min(BELL as u64 + 1) as usize];
-            f.read_exact(&mut b).map_err(|e| format!("reading a doorbell: {e}"))?;
+            f.read_exact(&mut b).map_err(|e| IpcCommError::ReadDoorbell(e.to_string()))?;
             b
         }
-        Payload::Pieces(_) | Payload::Segments { .. } => return Err("a data message where a doorbell belongs".into()),
+        Payload::Pieces(_) | Payload::Segments { .. } => return Err(IpcCommError::NotADoorbell),
     };
     if b.len() != BELL || !(b[0] == READY || b[0] == RELEASED) {
-        return Err(format!("a malformed doorbell of {} bytes", b.len()));
+        return Err(IpcCommError::MalformedDoorbell { bytes: b.len() });
     }
     let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or_default());
     Ok((b[0], word(1), word(9)))
@@ -113,7 +222,7 @@ pub struct IpcComm<T: Transport, M: IpcMemory> {
     /// Peers whose doorbells failed (they aborted or went away), and why:
     /// fatal to a group that waits on one of them, and only then (a peer
     /// that finished its program and left owes this rank nothing).
-    gone: Vec<(u32, String)>,
+    gone: Vec<IpcCommError>,
     /// A group was started and has not completed cleanly.
     dirty: bool,
 }
@@ -126,26 +235,26 @@ impl<T: Transport, M: IpcMemory> IpcComm<T, M> {
         IpcComm { endpoints, doorbells, memory, round: 0, expected: Vec::new(), unreleased: Vec::new(), gone: Vec::new(), dirty: false }
     }
 
-    fn endpoint(&self, rank: u32) -> Result<Endpoint, String> {
-        self.endpoints.get(rank as usize).copied().ok_or_else(|| format!("rank {rank} has no endpoint"))
+    fn endpoint(&self, rank: u32) -> Result<Endpoint, IpcCommError> {
+        self.endpoints.get(rank as usize).copied().ok_or(IpcCommError::NoEndpoint { rank })
     }
 
     /// Fails if the group waits on a peer that is gone.
     fn waits_on_gone(&self) -> Result<(), GroupError> {
         let waited = |p: u32| self.expected.iter().any(|e| e.peer == p) || self.unreleased.contains(&p);
-        match self.gone.iter().find(|(p, _)| waited(*p)) {
-            Some((_, why)) => Err(GroupError::peer(why.clone())),
+        match self.gone.iter().find(|e| matches!(e, IpcCommError::PeerGone { peer, .. } if waited(*peer))) {
+            Some(why) => Err(GroupError::peer(why.clone())),
             None => Ok(()),
         }
     }
 
-    fn rank_of(&self, e: Endpoint) -> Result<u32, String> {
-        self.endpoints.iter().position(|&x| x == e).map(|i| i as u32).ok_or_else(|| format!("a doorbell from {e}, not a rank here"))
+    fn rank_of(&self, from: Endpoint) -> Result<u32, IpcCommError> {
+        self.endpoints.iter().position(|&x| x == from).map(|i| i as u32).ok_or(IpcCommError::NotARank { from })
     }
 }
 
 impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
-    fn poll_init(&mut self) -> Result<Progress, String> {
+    fn poll_init(&mut self) -> Result<Progress, BackendError> {
         // The doorbells are connected and the peers' buckets mapped before
         // the communicator is made.
         Ok(Progress::Ready)
@@ -162,13 +271,16 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
         for op in ops {
             match *op {
                 P2p::Send { peer, addr, bytes } => {
-                    let offset = addr.checked_sub(base).filter(|o| o + bytes <= len).ok_or_else(|| {
-                        format!("a send of {bytes} bytes at {addr:#x} is outside the exported bucket ({len} bytes at {base:#x})")
+                    let offset = addr.checked_sub(base).filter(|o| o + bytes <= len).ok_or(IpcCommError::SendOutsideBucket {
+                        bytes,
+                        addr,
+                        len,
+                        base,
                     })?;
                     let to = self.endpoint(peer)?;
                     self.doorbells
                         .send(round, to, bell(READY, offset, bytes))
-                        .map_err(|e| GroupError::peer(format!("peer rank {peer}: {e}")))?;
+                        .map_err(|source| GroupError::peer(IpcCommError::Ring { peer, source }))?;
                     self.unreleased.push(peer);
                 }
                 P2p::Recv { peer, addr, bytes } => self.expected.push(Expected { peer, addr, bytes, pulling: false }),
@@ -189,9 +301,10 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
                                 .expected
                                 .iter_mut()
                                 .find(|e| e.peer == peer && !e.pulling)
-                                .ok_or_else(|| format!("round {}: an unexpected message from {from}", self.round))?;
+                                .ok_or(IpcCommError::Unexpected { round: self.round, from })?;
                             if e.bytes != bytes {
-                                return Err(format!("round {}: {from} sent {bytes} bytes, {} expected", self.round, e.bytes).into());
+                                let (round, expected) = (self.round, e.bytes);
+                                return Err(IpcCommError::MessageSize { round, from, sent: bytes, expected }.into());
                             }
                             // SAFETY: `addr` is this rank's receive staging
                             // for the message (the executor's, valid until
@@ -201,21 +314,21 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
                         }
                         _ => {
                             let i = self.unreleased.iter().position(|&p| p == peer);
-                            let i = i.ok_or_else(|| format!("round {}: {from} released a message it was not sent", self.round))?;
+                            let i = i.ok_or(IpcCommError::NotSent { round: self.round, from })?;
                             self.unreleased.swap_remove(i);
                         }
                     }
                 }
                 Err(TransportError::Timeout { .. }) => break,
                 Err(
-                    e @ (TransportError::PeerAborted { peer, .. }
+                    source @ (TransportError::PeerAborted { peer, .. }
                     | TransportError::Broken { peer, .. }
                     | TransportError::Disconnected { peer }),
                 ) => {
-                    let rank = self.rank_of(peer)?;
-                    self.gone.push((rank, format!("peer rank {rank} is gone: {e}")));
+                    let peer = self.rank_of(peer)?;
+                    self.gone.push(IpcCommError::PeerGone { peer, source });
                 }
-                Err(e) => return Err(e.to_string().into()),
+                Err(e) => return Err(IpcCommError::Doorbells(e).into()),
             }
         }
         self.waits_on_gone()?;
@@ -225,7 +338,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
                 let to = self.endpoint(peer)?;
                 self.doorbells
                     .send(self.round, to, bell(RELEASED, 0, 0))
-                    .map_err(|e| GroupError::peer(format!("peer rank {peer}: {e}")))?;
+                    .map_err(|source| GroupError::peer(IpcCommError::Ring { peer, source }))?;
             }
             self.expected.retain(|e| !e.pulling);
         }
@@ -236,11 +349,11 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
         Ok(Progress::Pending)
     }
 
-    fn check(&mut self) -> Result<(), String> {
+    fn check(&mut self) -> Result<(), BackendError> {
         Ok(())
     }
 
-    fn abort(&mut self) -> Result<Progress, String> {
+    fn abort(&mut self) -> Result<Progress, BackendError> {
         self.doorbells.abort("the IPC communicator was aborted");
         if self.dirty {
             // A peer may still be reading this bucket.
@@ -249,7 +362,7 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
         Ok(Progress::Ready)
     }
 
-    fn poll_abort(&mut self) -> Result<Progress, String> {
+    fn poll_abort(&mut self) -> Result<Progress, BackendError> {
         Ok(Progress::Ready)
     }
 }
@@ -258,10 +371,10 @@ impl<T: Transport, M: IpcMemory> CommBackend for IpcComm<T, M> {
 /// CUDA IPC, copies on a stream of the rank's device.
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu {
-    use super::IpcMemory;
-    use crate::cuda::comm::Progress;
+    use super::{IpcCommError, IpcMemory};
+    use crate::cuda::comm::{BackendError, Progress};
     use crate::cuda::copyplan::CopyOp;
-    use crate::cuda::device::{issue, DeviceMemory, GpuDevice, Loc};
+    use crate::cuda::device::{issue, DeviceMemory, GpuDevice, GpuError, Loc};
     use crate::cuda::ipc::IpcHandle;
     use reshard::{BufferKey, BufferSpec, DType, Endpoint};
     use std::collections::HashMap;
@@ -289,20 +402,20 @@ pub(crate) mod gpu {
     impl GpuIpc {
         /// Allocates this rank's send-staging bucket of `bytes` on device
         /// `ordinal` and exports it: the bucket and its handle.
-        pub fn export(ordinal: usize, me: Endpoint, bytes: u64) -> Result<(GpuIpc, IpcHandle), String> {
-            let dev = GpuDevice::open(ordinal).map_err(|e| e.to_string())?;
-            let bucket = DeviceMemory::for_buffers(&dev, me, &[staging_spec(bytes)]).map_err(|e| e.to_string())?;
-            let handle = bucket.export_ipc(&dev).map_err(|e| e.to_string())?;
+        pub fn export(ordinal: usize, me: Endpoint, bytes: u64) -> Result<(GpuIpc, IpcHandle), GpuError> {
+            let dev = GpuDevice::open(ordinal)?;
+            let bucket = DeviceMemory::for_buffers(&dev, me, &[staging_spec(bytes)])?;
+            let handle = bucket.export_ipc(&dev)?;
             let base = bucket.device_addrs()[0];
             Ok((GpuIpc { dev, bucket: Some(bucket), base, len: bytes, peers: HashMap::new(), done: None }, handle))
         }
 
         /// Maps communicator rank `peer`'s bucket of `bytes` from its handle.
-        pub fn map_peer(&mut self, peer: u32, owner: Endpoint, handle: &IpcHandle, bytes: u64) -> Result<(), String> {
+        pub fn map_peer(&mut self, peer: u32, owner: Endpoint, handle: &IpcHandle, bytes: u64) -> Result<(), GpuError> {
             // SAFETY: the handle is the peer's exported bucket of one buffer
             // of `bytes` (its own spec, sent with it); it stays exported for
             // the epoch, and is only read (by `pull`).
-            let mem = unsafe { DeviceMemory::import_ipc(&self.dev, owner, &[staging_spec(bytes)], handle) }.map_err(|e| e.to_string())?;
+            let mem = unsafe { DeviceMemory::import_ipc(&self.dev, owner, &[staging_spec(bytes)], handle) }?;
             self.peers.insert(peer, mem);
             Ok(())
         }
@@ -313,23 +426,23 @@ pub(crate) mod gpu {
             (self.base, self.len)
         }
 
-        fn wait(&mut self, after: u64) -> Result<(), String> {
+        fn wait(&mut self, after: u64) -> Result<(), BackendError> {
             if after == 0 {
                 return Ok(());
             }
-            self.dev.bind().map_err(|e| e.to_string())?;
+            self.dev.bind()?;
             // SAFETY: `after` is a live event of this device's context (the
             // executor keeps it until its next fence).
             unsafe { cudarc::driver::sys::cuEventSynchronize(after as cudarc::driver::sys::CUevent) }
                 .result()
-                .map_err(|e| format!("waiting for the packing: {e}"))
+                .map_err(|source| BackendError::Driver { what: "waiting for the packing".into(), source })
         }
 
-        unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), String> {
-            let src = self.peers.get(&peer).ok_or_else(|| format!("rank {peer}'s bucket is not mapped here"))?;
+        unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), BackendError> {
+            let src = self.peers.get(&peer).ok_or(IpcCommError::NotMapped { peer })?;
             let len = src.buffer_lens()[0] as u64;
             if offset.checked_add(bytes).is_none_or(|end| end > len) {
-                return Err(format!("rank {peer}: {bytes} bytes at {offset} are outside its {len}-byte bucket"));
+                return Err(IpcCommError::OutsideBucket { peer, bytes, offset, holds: len }.into());
             }
             let op = CopyOp {
                 src: 0,
@@ -342,17 +455,17 @@ pub(crate) mod gpu {
                 dst_pitch: bytes,
                 dst_height: 1,
             };
-            self.dev.bind().map_err(|e| e.to_string())?;
+            self.dev.bind()?;
             // SAFETY: the source lies in the peer's mapped bucket (checked
             // above); the destination is the caller's guarantee.
             unsafe { issue(&op, Loc::Device(src.device_addrs()[0] + offset), Loc::Device(dst), self.dev.stream().cu_stream()) }
-                .map_err(|e| e.to_string())?;
-            self.done = Some(self.dev.fence().map_err(|e| e.to_string())?);
+                .map_err(|source| BackendError::Driver { what: format!("copying from rank {peer}'s bucket"), source })?;
+            self.done = Some(self.dev.fence()?);
             Ok(())
         }
 
-        fn pulled(&mut self) -> Result<Progress, String> {
-            crate::cuda::device::event_progress(self.done.as_ref(), "waiting for the copies from mapped buckets")
+        fn pulled(&mut self) -> Result<Progress, BackendError> {
+            Ok(crate::cuda::device::event_progress(self.done.as_ref(), "waiting for the copies from mapped buckets")?)
         }
 
         fn abandon(&mut self) {

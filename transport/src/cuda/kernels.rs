@@ -261,39 +261,37 @@ pub(crate) fn plan_casts(counts: &[u64], src: &crate::cuda::copyplan::Side, dst:
 /// `arch` (`(9, 0)`: `compute_90`; `None`: NVRTC's default). Never panics:
 /// a missing library is an error.
 #[cfg(feature = "cuda")]
-pub(crate) fn compile(arch: Option<(i32, i32)>) -> Result<String, String> {
+pub(crate) fn compile(arch: Option<(i32, i32)>) -> Result<String, crate::cuda::device::KernelError> {
     crate::cuda::device::no_panic("NVRTC", || {
         nvrtc_present()?;
         let options = arch.map(|(major, minor)| vec![format!("--gpu-architecture=compute_{major}{minor}")]).unwrap_or_default();
         let opts = cudarc::nvrtc::CompileOptions { name: Some("refit_kernels.cu".into()), options, ..Default::default() };
-        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map(|ptx| ptx.to_src()).map_err(|e| format!("NVRTC: {e}"))
+        cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts).map(|ptx| ptx.to_src()).map_err(crate::cuda::device::KernelError::Compile)
     })
 }
 
 /// NVRTC's version (`major.minor`), or why it does not load. Never panics.
 #[cfg(feature = "cuda")]
-pub fn nvrtc_version() -> Result<String, String> {
+pub fn nvrtc_version() -> Result<String, crate::cuda::device::KernelError> {
     crate::cuda::device::no_panic("NVRTC", || {
         nvrtc_present()?;
         let (mut major, mut minor) = (0, 0);
         // SAFETY: writes two ints through valid pointers.
         let rc = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
         if rc != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-            return Err(format!("nvrtcVersion: {rc:?}"));
+            return Err(crate::cuda::device::KernelError::Nvrtc { call: "nvrtcVersion", code: rc });
         }
         Ok(format!("{major}.{minor}"))
     })
 }
 
 #[cfg(feature = "cuda")]
-fn nvrtc_present() -> Result<(), String> {
+fn nvrtc_present() -> Result<(), crate::cuda::device::KernelError> {
     // SAFETY: only tries to open the library.
     if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         Ok(())
     } else {
-        Err("NVRTC (libnvrtc.so or libnvrtc.so.12) is not loadable: install the CUDA toolkit's nvrtc, or put a libnvrtc.so \
-             symlink to the installed one (libnvrtc.so.13 of CUDA 13) in a directory on LD_LIBRARY_PATH"
-            .into())
+        Err(crate::cuda::device::KernelError::NoNvrtc)
     }
 }
 
@@ -575,7 +573,7 @@ mod tests {
                     assert!(ptx.contains(&format!(".entry {k}(")), "{k} missing from the PTX");
                 }
             }
-            Err(e) if e.contains("not loadable") => eprintln!("skipped: {e}"),
+            Err(e @ crate::cuda::device::KernelError::NoNvrtc) => eprintln!("skipped: {e}"),
             Err(e) => panic!("{e}"),
         }
     }

@@ -27,6 +27,7 @@ pub(crate) mod ipc;
 pub(crate) mod ipc_comm;
 pub(crate) mod kernels;
 pub(crate) mod plane;
+pub(crate) mod plane_error;
 pub(crate) mod quantplan;
 pub(crate) mod schedule;
 pub(crate) mod sim;

@@ -15,18 +15,20 @@
 //! stream, an event ordering each group after the packing).
 
 use crate::copy::fits;
-use crate::cuda::comm::{CommBackend, CommConfig, CommError, CommHandle, Fence, GroupError, P2p, PendingComm, Progress, RawEvent};
+use crate::cuda::comm::{
+    BackendError, CommBackend, CommConfig, CommError, CommHandle, Fence, GroupError, P2p, PendingComm, Progress, RawEvent,
+};
 use crate::cuda::copyplan::CopyOp;
 use crate::cuda::device::{
     event_progress, issue, no_panic, offer_region, probe_driver, probe_nccl, DeviceMemory, GpuDevice, GpuError, Loc, PeerMaps,
     PinnedStaging,
 };
 use crate::cuda::direct::RegionOffer;
-use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops, SameType};
+use crate::cuda::exec::{convert_on_host, piece_ops, queue_ops, QueueError, SameType};
 use crate::cuda::fallback::note;
 use crate::cuda::id::CommId;
 use crate::cuda::kernels::without_kernel;
-use crate::cuda::plane::{staging_span, PlaneMemory, Side, StagingSide};
+use crate::cuda::plane::{staging_span, PlaneError, PlaneMemory, Side, StagingSide};
 use crate::cuda::schedule::{Place, Step};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use cudarc::nccl::{result, sys};
@@ -45,11 +47,12 @@ const CONFIG_VERSION: u32 = 23000;
 impl CommId {
     /// A new id from `ncclGetUniqueId` (on the member that hosts rank 0).
     /// Checks that NCCL is loadable first; never panics.
-    pub fn generate() -> Result<CommId, String> {
+    pub fn generate() -> Result<CommId, BackendError> {
         probe_nccl()?;
-        let raw = no_panic("ncclGetUniqueId", || result::get_uniqueid().map_err(|e| nccl_text(e.0, std::ptr::null_mut())))?;
+        let raw =
+            no_panic("ncclGetUniqueId", || result::get_uniqueid().map_err(|e| nccl_error("ncclGetUniqueId", e.0, std::ptr::null_mut())))?;
         let bytes: Vec<u8> = raw.internal.iter().map(|&c| c as u8).collect();
-        CommId::from_bytes(&bytes).map_err(|e| e.to_string())
+        CommId::from_bytes(&bytes).map_err(BackendError::BadId)
     }
 
     fn to_nccl(self) -> sys::ncclUniqueId {
@@ -61,17 +64,27 @@ impl CommId {
     }
 }
 
-/// An NCCL result code with NCCL's text and, given a communicator, its
-/// last error message.
 /// A group's failure with NCCL result `code`: a peer's where NCCL says
 /// the error is remote (a peer failed or went away).
-fn group_error(code: sys::ncclResult_t, reason: String) -> GroupError {
+fn group_error(code: sys::ncclResult_t, reason: BackendError) -> GroupError {
     match code {
         sys::ncclResult_t::ncclRemoteError => GroupError::peer(reason),
         _ => GroupError::from(reason),
     }
 }
 
+/// NCCL call `call` failed with `code` (on `comm`, where not null).
+fn nccl_error(call: impl Into<String>, code: sys::ncclResult_t, comm: sys::ncclComm_t) -> BackendError {
+    BackendError::Nccl { call: call.into(), code, detail: nccl_text(code, comm) }
+}
+
+/// A CUDA driver call of the backend failed while doing `what`.
+fn driver_error(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> BackendError + '_ {
+    move |source| BackendError::Driver { what: what.to_string(), source }
+}
+
+/// An NCCL result code with NCCL's text and, given a communicator, its
+/// last error message.
 fn nccl_text(code: sys::ncclResult_t, comm: sys::ncclComm_t) -> String {
     // SAFETY: NCCL returns static strings (or null).
     let s = unsafe { sys::ncclGetErrorString(code) };
@@ -113,13 +126,13 @@ impl NcclBackend {
     /// Starts creating `rank` of an `nranks` communicator on device
     /// `ordinal` from `id`, without blocking. Call on the thread that will
     /// own it (see [`create_comms`]).
-    pub(crate) fn create(ordinal: usize, id: CommId, rank: u32, nranks: u32) -> Result<NcclBackend, String> {
+    pub(crate) fn create(ordinal: usize, id: CommId, rank: u32, nranks: u32) -> Result<NcclBackend, BackendError> {
         probe_driver()?;
         probe_nccl()?;
         // Binds the device's primary context to this thread: NCCL uses the
         // current device.
-        let ctx = CudaContext::new(ordinal).map_err(|e| format!("opening CUDA device {ordinal}: {e}"))?;
-        let stream = ctx.new_stream().map_err(|e| format!("creating a stream on device {ordinal}: {e}"))?;
+        let ctx = CudaContext::new(ordinal).map_err(driver_error(&format!("opening CUDA device {ordinal}")))?;
+        let stream = ctx.new_stream().map_err(driver_error(&format!("creating a stream on device {ordinal}")))?;
         let mut config = sys::ncclConfig_t {
             size: std::mem::size_of::<sys::ncclConfig_t>(),
             magic: CONFIG_MAGIC,
@@ -151,22 +164,22 @@ impl NcclBackend {
             // left it to its own cleanup) and may have left the slot set.
             // Nothing here is ours to poll or abort: forget the slot.
             *comm = std::ptr::null_mut();
-            return Err(format!("ncclCommInitRankConfig(rank {rank} of {nranks}): {}", nccl_text(e.0, std::ptr::null_mut())));
+            return Err(nccl_error(format!("ncclCommInitRankConfig(rank {rank} of {nranks})"), e.0, std::ptr::null_mut()));
         }
         Ok(NcclBackend { comm, ctx, stream, done: None, enqueued: false, teardown: None })
     }
 
-    fn async_state(&self) -> Result<sys::ncclResult_t, String> {
+    fn async_state(&self) -> Result<sys::ncclResult_t, BackendError> {
         let mut state = sys::ncclResult_t::ncclSuccess;
         // SAFETY: live communicator; state is a valid out-pointer.
         let r = unsafe { sys::ncclCommGetAsyncError(*self.comm, &mut state) };
         if r != sys::ncclResult_t::ncclSuccess {
-            return Err(format!("ncclCommGetAsyncError: {}", nccl_text(r, *self.comm)));
+            return Err(nccl_error("ncclCommGetAsyncError", r, *self.comm));
         }
         Ok(state)
     }
 
-    fn progress(&self) -> Result<Progress, String> {
+    fn progress(&self) -> Result<Progress, BackendError> {
         self.group_progress().map_err(|e| e.reason)
     }
 
@@ -175,18 +188,18 @@ impl NcclBackend {
         match self.async_state()? {
             sys::ncclResult_t::ncclSuccess => Ok(Progress::Ready),
             sys::ncclResult_t::ncclInProgress => Ok(Progress::Pending),
-            e => Err(group_error(e, nccl_text(e, *self.comm))),
+            code => Err(group_error(code, BackendError::NcclAsync { code, detail: nccl_text(code, *self.comm) })),
         }
     }
 }
 
 impl CommBackend for NcclBackend {
-    fn poll_init(&mut self) -> Result<Progress, String> {
+    fn poll_init(&mut self) -> Result<Progress, BackendError> {
         self.progress()
     }
 
     fn start_group(&mut self, ops: &[P2p], after: u64, _round: u32) -> Result<(), GroupError> {
-        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        self.ctx.bind_to_thread().map_err(driver_error("binding the device"))?;
         self.done = None;
         self.enqueued = false;
         if after != 0 {
@@ -195,11 +208,11 @@ impl CommBackend for NcclBackend {
             // queued on our stream and CUDA keeps what it needs of it.
             unsafe { cudarc::driver::sys::cuStreamWaitEvent(self.stream.cu_stream(), after as cudarc::driver::sys::CUevent, 0) }
                 .result()
-                .map_err(|e| format!("cuStreamWaitEvent before the group: {e}"))?;
+                .map_err(driver_error("cuStreamWaitEvent before the group"))?;
         }
         let stream = self.stream.cu_stream() as sys::cudaStream_t;
         let comm = *self.comm;
-        result::group_start().map_err(|e| format!("ncclGroupStart: {}", nccl_text(e.0, comm)))?;
+        result::group_start().map_err(|e| nccl_error("ncclGroupStart", e.0, comm))?;
         let mut first_err = None;
         for op in ops {
             // SAFETY: the caller keeps the memory valid until the group is done.
@@ -214,7 +227,7 @@ impl CommBackend for NcclBackend {
                 }
             };
             if let Err(e) = r {
-                first_err.get_or_insert(format!("{op:?}: {}", nccl_text(e.0, comm)));
+                first_err.get_or_insert(nccl_error(format!("{op:?}"), e.0, comm));
             }
         }
         // Always close the group, even after a failed call.
@@ -225,11 +238,11 @@ impl CommBackend for NcclBackend {
         match end {
             Ok(result::NcclStatus::InProgress) => Ok(()),
             Ok(_) => {
-                self.done = Some(self.stream.record_event(None).map_err(|e| e.to_string())?);
+                self.done = Some(self.stream.record_event(None).map_err(driver_error("recording the group's event"))?);
                 self.enqueued = true;
                 Ok(())
             }
-            Err(e) => Err(group_error(e.0, format!("ncclGroupEnd: {}", nccl_text(e.0, comm)))),
+            Err(e) => Err(group_error(e.0, nccl_error("ncclGroupEnd", e.0, comm))),
         }
     }
 
@@ -240,21 +253,21 @@ impl CommBackend for NcclBackend {
             if self.group_progress()? == Progress::Pending {
                 return Ok(Progress::Pending);
             }
-            self.done = Some(self.stream.record_event(None).map_err(|e| e.to_string())?);
+            self.done = Some(self.stream.record_event(None).map_err(driver_error("recording the group's event"))?);
             self.enqueued = true;
         }
         self.group_progress()?;
-        Ok(event_progress(self.done.as_ref(), "waiting for the group on the device")?)
+        event_progress(self.done.as_ref(), "waiting for the group on the device").map_err(GroupError::from)
     }
 
-    fn check(&mut self) -> Result<(), String> {
+    fn check(&mut self) -> Result<(), BackendError> {
         match self.async_state()? {
             sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
-            e => Err(nccl_text(e, *self.comm)),
+            code => Err(BackendError::NcclAsync { code, detail: nccl_text(code, *self.comm) }),
         }
     }
 
-    fn abort(&mut self) -> Result<Progress, String> {
+    fn abort(&mut self) -> Result<Progress, BackendError> {
         let comm = std::mem::replace(&mut *self.comm, std::ptr::null_mut());
         if comm.is_null() {
             return Ok(Progress::Ready);
@@ -270,16 +283,16 @@ impl CommBackend for NcclBackend {
             // once the work NCCL queued on our stream has ended, which an
             // event recorded now tells. Success is never taken as done.
             Ok(_) => {
-                self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-                self.teardown = Some(self.stream.record_event(None).map_err(|e| format!("after ncclCommAbort: {e}"))?);
+                self.ctx.bind_to_thread().map_err(driver_error("binding the device"))?;
+                self.teardown = Some(self.stream.record_event(None).map_err(driver_error("after ncclCommAbort"))?);
                 Ok(Progress::Pending)
             }
-            Err(e) => Err(format!("ncclCommAbort: {}", nccl_text(e.0, std::ptr::null_mut()))),
+            Err(e) => Err(nccl_error("ncclCommAbort", e.0, std::ptr::null_mut())),
         }
     }
 
-    fn poll_abort(&mut self) -> Result<Progress, String> {
-        event_progress(self.teardown.as_ref(), "waiting for the aborted communicator's work on the device")
+    fn poll_abort(&mut self) -> Result<Progress, BackendError> {
+        Ok(event_progress(self.teardown.as_ref(), "waiting for the aborted communicator's work on the device")?)
     }
 }
 
@@ -417,24 +430,24 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         self.memory.dtypes()
     }
 
-    fn staging(&mut self, which: StagingSide, len: usize) -> Result<u64, String> {
-        self.dev.bind().map_err(|e| e.to_string())?;
+    fn staging(&mut self, which: StagingSide, len: usize) -> Result<u64, PlaneError> {
+        self.dev.bind()?;
         if let (StagingSide::Send, Some((base, cap))) = (which, self.bucket) {
             return match len <= cap {
                 true => Ok(base),
-                false => Err(format!("the round's messages need {len} bytes, the exported bucket holds {cap}")),
+                false => Err(PlaneError::BucketTooSmall { need: len, holds: cap }),
             };
         }
         let (s, what) = match which {
             StagingSide::Send => (&mut self.send, "send staging"),
             StagingSide::Recv => (&mut self.recv, "receive staging"),
         };
-        s.ensure(self.dev, len, what).map_err(|e| e.to_string())
+        Ok(s.ensure(self.dev, len, what)?)
     }
 
-    fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), String> {
+    fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), PlaneError> {
         if let Some(side) = std::iter::once(&from).chain(to).find(|s| !self.fits(block, s)) {
-            return Err(format!("{:?} of {side:?} is outside this rank's device buffers and staging", block.extent()));
+            return Err(PlaneError::outside(block, side, "device buffers and staging"));
         }
         let dev = self.dev;
         let direct = from.2 == wire && to.iter().all(|t| t.2 == wire);
@@ -472,11 +485,12 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
             (None, None) => ("the copy kernels do not take this piece's strides".to_string(), true),
         };
         note(self.memory.owner(), "converted a piece", &why, fallback);
-        convert_on_host(dev, &mut self.host, &step, from.0, &dsts).map(|_| ())
+        convert_on_host(dev, &mut self.host, &step, from.0, &dsts)?;
+        Ok(())
     }
 
-    fn fence(&mut self) -> Result<Option<Fence>, String> {
-        let ev = Arc::new(self.dev.fence().map_err(|e| e.to_string())?);
+    fn fence(&mut self) -> Result<Option<Fence>, PlaneError> {
+        let ev = Arc::new(self.dev.fence()?);
         let raw = RawEvent(ev.cu_event() as u64);
         self.fence = Some(ev.clone());
         Ok(Some(Fence::new(raw, ev)))
@@ -488,9 +502,9 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         bytes
     }
 
-    fn read_staging(&mut self, which: StagingSide, at: u64, out: &mut [u8]) -> Result<(), String> {
+    fn read_staging(&mut self, which: StagingSide, at: u64, out: &mut [u8]) -> Result<(), PlaneError> {
         let from = self.staging_base(which, at, out.len())?;
-        let pinned = self.host[0].ensure(out.len()).map_err(|e| e.to_string())?;
+        let pinned = self.host[0].ensure(out.len())?;
         let op = linear(out.len() as u64, at, 0);
         // SAFETY: the device side lies in this rank's staging (checked by
         // `staging_base`), alive for the run; the host side is pinned
@@ -500,18 +514,18 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         let queued = unsafe { issue(&op, Loc::Device(from), Loc::Host(pinned), self.dev.stream().cu_stream()) };
         if let Err(e) = self.dev.synchronize() {
             self.host[0].abandon();
-            return Err(e.to_string());
+            return Err(e.into());
         }
-        queued.map_err(|e| e.to_string())?;
+        queued.map_err(QueueError::Driver)?;
         // SAFETY: the copy into the pinned staging is complete (the stream
         // was waited for); `out` is the caller's and does not overlap it.
         unsafe { std::ptr::copy_nonoverlapping(pinned, out.as_mut_ptr(), out.len()) };
         Ok(())
     }
 
-    fn write_staging(&mut self, which: StagingSide, at: u64, bytes: &[u8]) -> Result<(), String> {
+    fn write_staging(&mut self, which: StagingSide, at: u64, bytes: &[u8]) -> Result<(), PlaneError> {
         let to = self.staging_base(which, at, bytes.len())?;
-        let pinned = self.host[1].ensure(bytes.len()).map_err(|e| e.to_string())?;
+        let pinned = self.host[1].ensure(bytes.len())?;
         // SAFETY: the pinned staging holds at least `bytes.len()` bytes and
         // no copy uses it now (each call waits for its copy, and one whose
         // wait failed gave its buffer up).
@@ -521,13 +535,13 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         let queued = unsafe { issue(&op, Loc::Host(pinned), Loc::Device(to), self.dev.stream().cu_stream()) };
         if let Err(e) = self.dev.synchronize() {
             self.host[1].abandon();
-            return Err(e.to_string());
+            return Err(e.into());
         }
-        queued.map_err(|e| e.to_string())
+        Ok(queued.map_err(QueueError::Driver)?)
     }
 
-    fn finish(&mut self) -> Result<(), String> {
-        self.dev.synchronize().map_err(|e| e.to_string())?;
+    fn finish(&mut self) -> Result<(), PlaneError> {
+        self.dev.synchronize()?;
         self.fence = None;
         if let Some(maps) = self.peers.as_deref_mut() {
             // Every copy from a peer's memory is done.
@@ -536,21 +550,21 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         Ok(())
     }
 
-    fn offer(&mut self, buffer: u32) -> Result<RegionOffer, String> {
+    fn offer(&mut self, buffer: u32) -> Result<RegionOffer, PlaneError> {
         let i = buffer as usize;
         let (Some(&addr), Some(&len)) = (self.addrs.get(i), self.memory.buffer_lens().get(i)) else {
-            return Err(format!("buffer {buffer} is not one of this rank's {}", self.addrs.len()));
+            return Err(PlaneError::NoBuffer { buffer, buffers: self.addrs.len() });
         };
-        offer_region(self.dev, self.memory.owner(), addr, len).map_err(|e| e.to_string())
+        Ok(offer_region(self.dev, self.memory.owner(), addr, len)?)
     }
 
-    fn map_offer(&mut self, peer: Endpoint, offer: &RegionOffer) -> Result<u64, String> {
-        let maps = self.peers.as_deref_mut().ok_or("this rank reads no peer's memory directly (not the IPC fabric)")?;
+    fn map_offer(&mut self, peer: Endpoint, offer: &RegionOffer) -> Result<u64, PlaneError> {
+        let maps = self.peers.as_deref_mut().ok_or(PlaneError::NotDirect)?;
         // SAFETY: the peer offered the region for this round and keeps it
         // alive and unwritten until this rank's done token, which is sent
         // only after `finish` waited for every copy from it.
-        let addr = unsafe { maps.map(self.dev, peer, offer) }.map_err(|e| e.to_string())?;
-        let len = usize::try_from(offer.len).map_err(|_| format!("a region of {} bytes", offer.len))?;
+        let addr = unsafe { maps.map(self.dev, peer, offer) }?;
+        let len = usize::try_from(offer.len).map_err(|_| PlaneError::RegionTooLarge { len: offer.len })?;
         // Once per region: every piece's side is looked up among them.
         if !self.peer_regions.contains(&(addr, len)) {
             self.peer_regions.push((addr, len));
@@ -558,7 +572,7 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
         Ok(addr)
     }
 
-    fn quantize(&mut self, program: &RankProgram) -> Result<(), String> {
+    fn quantize(&mut self, program: &RankProgram) -> Result<(), PlaneError> {
         self.finish()?;
         // Block-scaled FP8 tensors: quantized from the boxes a source
         // holds or the whole blocks a destination received, on the device
@@ -574,7 +588,7 @@ impl PlaneMemory for DevicePlaneMemory<'_> {
 impl DevicePlaneMemory<'_> {
     /// The base of staging `which` (the exported bucket, for sends, where
     /// there is one), if bytes `at..at + len` lie inside it.
-    fn staging_base(&self, which: StagingSide, at: u64, len: usize) -> Result<u64, String> {
+    fn staging_base(&self, which: StagingSide, at: u64, len: usize) -> Result<u64, PlaneError> {
         let (base, held) = match (which, self.bucket) {
             (StagingSide::Send, Some(bucket)) => bucket,
             (StagingSide::Send, None) => (self.send.addr, self.send.len),

@@ -28,14 +28,15 @@
 //! their owner untouched by the communicator.
 
 use crate::copy::{fits, packed_strides};
-use crate::cuda::comm::{CommError, CommHandle, Fence, P2p};
+use crate::cuda::comm::{CommHandle, Fence, P2p};
 use crate::cuda::copyplan::packed_offsets;
 use crate::cuda::direct::{self, done_reading, offer_of, read_directly, RegionOffer};
+pub use crate::cuda::plane_error::CommExecError;
+pub(crate) use crate::cuda::plane_error::{DeltaMessageError, PlaneError};
 use crate::cursor::{RankStats, Round, RoundCursor, Unexpected};
 use crate::delta::{decode, encode, unit_of, DeltaRun};
 use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
 use std::time::Instant;
-use thiserror::Error;
 
 /// One side of a piece: the address of the region it lies in (a buffer of
 /// the rank, or staging), its span in that region, its dtype.
@@ -63,39 +64,39 @@ pub trait PlaneMemory {
     fn dtypes(&self) -> &[DType];
     /// The address of staging `which` with room for `len` bytes (grown as
     /// needed: an earlier address of the same staging is then stale).
-    fn staging(&mut self, which: StagingSide, len: usize) -> Result<u64, String>;
+    fn staging(&mut self, which: StagingSide, len: usize) -> Result<u64, PlaneError>;
     /// Moves `block` from `from` through dtype `wire` into each of `to`
     /// (queued in order after everything queued before).
-    fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), String>;
+    fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), PlaneError>;
     /// Marks everything queued so far; the next group starts after it. The
     /// event (if any) stays alive until the next call of `fence` or
     /// `finish`.
-    fn fence(&mut self) -> Result<Option<Fence>, String>;
+    fn fence(&mut self) -> Result<Option<Fence>, PlaneError>;
     /// A group failed while the communicator may still use the staging:
     /// never reuse or free it. Returns the bytes given up.
     fn abandon_staging(&mut self) -> u64;
     /// Copies `out.len()` bytes from byte `at` of staging `which` (as last
     /// sized) into `out`, after everything queued: a delta refit encodes
     /// a packed message on the host. Refuses a range outside the staging.
-    fn read_staging(&mut self, which: StagingSide, at: u64, out: &mut [u8]) -> Result<(), String>;
+    fn read_staging(&mut self, which: StagingSide, at: u64, out: &mut [u8]) -> Result<(), PlaneError>;
     /// Copies `bytes` to byte `at` of staging `which`, done before
     /// anything queued after this call. Refuses a range outside the
     /// staging.
-    fn write_staging(&mut self, which: StagingSide, at: u64, bytes: &[u8]) -> Result<(), String>;
+    fn write_staging(&mut self, which: StagingSide, at: u64, bytes: &[u8]) -> Result<(), PlaneError>;
     /// Waits for everything queued.
-    fn finish(&mut self) -> Result<(), String>;
+    fn finish(&mut self) -> Result<(), PlaneError>;
     /// Waits for everything queued, then runs the program's quantize
     /// steps on the rank's buffers (a source's first step, a
     /// destination's last: [`RankProgram::quantizes_first`]).
-    fn quantize(&mut self, program: &RankProgram) -> Result<(), String>;
+    fn quantize(&mut self, program: &RankProgram) -> Result<(), PlaneError>;
     /// Offers buffer `buffer` of this rank to a reader on the same device
     /// ([`direct`](crate::cuda::direct)): the region as the peer maps it.
     /// The buffer must stay as it is until the reader says it is done.
-    fn offer(&mut self, buffer: u32) -> Result<RegionOffer, String>;
+    fn offer(&mut self, buffer: u32) -> Result<RegionOffer, PlaneError>;
     /// Maps, for this run, a region `peer` (on the same device) offered:
     /// its address here, which [`PlaneMemory::move_piece`] then takes as
     /// a source side (checked against the region like any other side).
-    fn map_offer(&mut self, peer: Endpoint, offer: &RegionOffer) -> Result<u64, String>;
+    fn map_offer(&mut self, peer: Endpoint, offer: &RegionOffer) -> Result<u64, PlaneError>;
 }
 
 /// The usual rank numbering of one communicator over both groups: source
@@ -131,9 +132,9 @@ fn recv_layout(m: &reshard::Message<reshard::RecvPiece>) -> Option<(Vec<u64>, u6
 /// into it; an error naming the staging where any of them falls outside
 /// (a length or offset from a peer or a program is never trusted: the sum
 /// is checked, not wrapped).
-pub(crate) fn staging_span(which: StagingSide, held: usize, at: u64, len: usize) -> Result<std::ops::Range<usize>, String> {
+pub(crate) fn staging_span(which: StagingSide, held: usize, at: u64, len: usize) -> Result<std::ops::Range<usize>, PlaneError> {
     let span = usize::try_from(at).ok().and_then(|start| Some(start..start.checked_add(len)?));
-    span.filter(|s| s.end <= held).ok_or_else(|| format!("{len} bytes at {at} of the {which:?} staging, which holds {held}"))
+    span.filter(|s| s.end <= held).ok_or(PlaneError::StagingRange { which, held, at, len })
 }
 
 /// The send staging `program` needs: its largest round's outgoing
@@ -199,114 +200,6 @@ impl RoundStaging {
     }
 }
 
-/// Why a communicator run of a rank's program failed. On any error, abort
-/// the communicator (peers then fail instead of waiting) and create a new
-/// one with a new id before the next refit.
-#[derive(Clone, Debug, PartialEq, Eq, Error)]
-pub enum CommExecError {
-    /// The communicator failed.
-    #[error(transparent)]
-    Comm(#[from] CommError),
-    /// The rank's memory does not hold the program's buffers.
-    #[error("{me}: memory holds buffers of {got:?} bytes, the program needs {want:?}")]
-    MemoryMismatch {
-        /// This rank.
-        me: Endpoint,
-        /// Bytes per buffer held.
-        got: Vec<usize>,
-        /// Bytes per buffer the program needs.
-        want: Vec<usize>,
-    },
-    /// A peer has no rank in the communicator.
-    #[error("{me}: round {round}: peer {peer} has no rank in the communicator")]
-    UnknownPeer {
-        /// This rank.
-        me: Endpoint,
-        /// The peer.
-        peer: Endpoint,
-        /// Round.
-        round: u32,
-    },
-    /// A piece does not fit this rank's memory.
-    #[error("{me}: piece {block} does not fit buffer {buffer}")]
-    OutOfBounds {
-        /// This rank.
-        me: Endpoint,
-        /// Piece.
-        block: Box<Block>,
-        /// Buffer index.
-        buffer: u32,
-    },
-    /// Packing or unpacking a piece failed.
-    #[error("{me}: round {round}: piece {block} with {peer}: {error}")]
-    Copy {
-        /// This rank.
-        me: Endpoint,
-        /// The other rank.
-        peer: Endpoint,
-        /// Round.
-        round: u32,
-        /// Piece.
-        block: Box<Block>,
-        /// What failed.
-        error: String,
-    },
-    /// The program expects what no exchange can deliver (one peer twice in
-    /// a round).
-    #[error("{me}: round {round}: message from {peer}: {problem}")]
-    Program {
-        /// This rank.
-        me: Endpoint,
-        /// Round.
-        round: u32,
-        /// The peer.
-        peer: Endpoint,
-        /// Why.
-        problem: &'static str,
-    },
-    /// A delta message could not be sent or rebuilt (see [`crate::delta`]).
-    #[error("{me}: round {round}: delta message with {peer}: {error}")]
-    Delta {
-        /// This rank.
-        me: Endpoint,
-        /// The other rank.
-        peer: Endpoint,
-        /// Round.
-        round: u32,
-        /// What failed.
-        error: String,
-    },
-    /// A direct read from a peer on the same device failed: its offer did
-    /// not check, a region could not be mapped, or a copy failed.
-    #[error("{me}: reading directly from {peer}: {error}")]
-    Direct {
-        /// This rank.
-        me: Endpoint,
-        /// The sender.
-        peer: Endpoint,
-        /// What failed.
-        error: String,
-    },
-    /// Staging, ordering, finishing or quantizing on the rank's memory failed.
-    #[error("{me}: {what}: {error}")]
-    Memory {
-        /// This rank.
-        me: Endpoint,
-        /// What it was doing.
-        what: &'static str,
-        /// What failed.
-        error: String,
-    },
-}
-
-impl CommExecError {
-    /// Whether a peer failed first and this rank's run failed because of
-    /// it (a group that a peer's abort or departure broke).
-    pub fn after_peer(&self) -> bool {
-        matches!(self, CommExecError::Comm(e) if e.peer_first())
-    }
-}
-
 pub(crate) fn check(me: Endpoint, memory: &dyn PlaneMemory, span: &Span, dtype: DType, block: &Block) -> Result<u64, CommExecError> {
     let oob = || CommExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer };
     let i = span.buffer as usize;
@@ -361,7 +254,7 @@ pub fn run_rank_comm(
     if memory.lens() != want.as_slice() {
         return Err(CommExecError::MemoryMismatch { me, got: memory.lens().to_vec(), want });
     }
-    let mem_err = |what| move |error| CommExecError::Memory { me, what, error };
+    let mem_err = |what| move |error| CommExecError::memory(me, what, error);
     // A source rank quantizes the block-scaled tensors it sends as codes
     // before it sends anything.
     if program.quantizes_first() {
@@ -414,14 +307,14 @@ impl RoundRun<'_, '_, '_> {
         self.delta.is_none() && (self.peers.same_device)(peer)
     }
 
-    fn copy_err(&self, round: u32, peer: Endpoint, block: &Block) -> impl FnOnce(String) -> CommExecError {
+    fn copy_err(&self, round: u32, peer: Endpoint, block: &Block) -> impl FnOnce(PlaneError) -> CommExecError {
         let (me, block) = (self.me, Box::new(*block));
-        move |error| CommExecError::Copy { me, peer, round, block, error }
+        move |error| CommExecError::Copy { me, peer, round, block, error: Box::new(error) }
     }
 
-    fn mem_err(&self, what: &'static str) -> impl FnOnce(String) -> CommExecError {
+    fn mem_err(&self, what: &'static str) -> impl FnOnce(PlaneError) -> CommExecError {
         let me = self.me;
-        move |error| CommExecError::Memory { me, what, error }
+        move |error| CommExecError::memory(me, what, error)
     }
 
     /// The round: its local copies, then its messages packed (or offered),
@@ -496,7 +389,9 @@ impl RoundRun<'_, '_, '_> {
         sends: &[&reshard::Message<reshard::SendPiece>],
         recvs: &[reshard::Message<reshard::RecvPiece>],
     ) -> Result<RoundLayout, CommExecError> {
-        let too_large = || self.mem_err("laying out the round's messages")("their pieces pass u64 bytes".to_string());
+        let me = self.me;
+        let too_large =
+            || CommExecError::Layout { me, what: "laying out the round's messages", problem: "their pieces pass u64 bytes".into() };
         let offer = |peer: Endpoint, pieces: usize| self.direct(peer).then(|| Some((Vec::new(), direct::offer_bytes(pieces)?)));
         let sends: Vec<(Vec<u64>, u64)> = sends
             .iter()
@@ -610,10 +505,14 @@ fn exchange_delta(
     let (me, r) = (x.me, x.round);
     let to_peers: Vec<u32> = x.dense.iter().filter(|&op| matches!(op, P2p::Send { .. })).map(P2p::peer).collect();
     let from_peers: Vec<u32> = x.dense.iter().filter(|&op| matches!(op, P2p::Recv { .. })).map(P2p::peer).collect();
-    let mem_err = |what| move |error| CommExecError::Memory { me, what, error };
-    let delta_err = |peer: Endpoint| move |error: String| CommExecError::Delta { me, peer, round: r, error };
-    let first = r.checked_mul(2).ok_or_else(|| mem_err("numbering the round's groups")(format!("round {r} passes u32 groups")))?;
-    let host_len = |len: u64| usize::try_from(len).map_err(|_| format!("a message of {len} bytes does not fit this host"));
+    let mem_err = |what| move |error| CommExecError::memory(me, what, error);
+    let delta_err = |peer: Endpoint| move |error: DeltaMessageError| CommExecError::Delta { me, peer, round: r, error };
+    let first = r.checked_mul(2).ok_or_else(|| CommExecError::Layout {
+        me,
+        what: "numbering the round's groups",
+        problem: format!("round {r} passes u32 groups"),
+    })?;
+    let host_len = |len: u64| usize::try_from(len).map_err(|_| DeltaMessageError::TooLarge(len));
     // Encode every outgoing message (its dense bytes go to the memo).
     let mut encoded = Vec::with_capacity(x.sends.len());
     for (i, m) in x.sends.iter().enumerate() {
@@ -650,7 +549,7 @@ fn exchange_delta(
         let len = u64::from_le_bytes(word);
         let most = into.lens[i].saturating_add(crate::delta::HEADER as u64);
         if len > most {
-            return Err(delta_err(m.peer)(format!("an encoding of {len} bytes announced, at most {most} expected")));
+            return Err(delta_err(m.peer)(DeltaMessageError::Announced { len, most }));
         }
         lens.push(len);
     }
@@ -676,7 +575,7 @@ fn exchange_delta(
         let unit = unit_of(m.pieces.views().map(|p| p.wire()));
         let key = (r, m.peer);
         let base = d.base.as_mut().and_then(|b| b.received.remove(&key));
-        let dense = decode(base, &e, unit, into.lens[i]).map_err(|e| delta_err(m.peer)(e.to_string()))?;
+        let dense = decode(base, &e, unit, into.lens[i]).map_err(|e| delta_err(m.peer)(e.into()))?;
         rebuilt.push((key, dense));
     }
     for (i, (key, dense)) in rebuilt.into_iter().enumerate() {
@@ -699,7 +598,7 @@ mod tests {
         assert_eq!(staging_span(StagingSide::Send, 64, 56, 8), Ok(56..64));
         for (at, len) in [(57, 8), (65, 0), (0, 65), (u64::MAX, 1), (u64::MAX, 0), (8, usize::MAX), (1 << 63, 1 << 62)] {
             let e = staging_span(StagingSide::Recv, 64, at, len).unwrap_err();
-            assert!(e.contains("Recv staging, which holds 64"), "{e}");
+            assert!(e.to_string().contains("Recv staging, which holds 64"), "{e}");
         }
         assert!(staging_span(StagingSide::Send, 0, 0, 1).is_err(), "no staging yet");
     }

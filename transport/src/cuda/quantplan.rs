@@ -106,6 +106,31 @@ pub struct QuantPlan {
 }
 
 /// Why a program's quantize steps stay on the host.
+/// Why a [`QuantPlan`]'s launches do not fit the buffers they name
+/// ([`QuantPlan::fits`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FitError {
+    /// A buffer a launch names is missing or of another dtype.
+    #[error("{what} buffer {buffer} is not {dtype} here")]
+    Buffer {
+        /// The buffer's role (staged, weight, scale).
+        what: &'static str,
+        /// Its index.
+        buffer: u32,
+        /// The dtype the launch takes.
+        dtype: DType,
+    },
+    /// A staged dtype code no kernel takes.
+    #[error("bad staged dtype")]
+    StagedDtype(u64),
+    /// A launch reaches past its buffer.
+    #[error("a {what} launch reaches past its buffer")]
+    Past {
+        /// The launch (scales, codes, scale).
+        what: &'static str,
+    },
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HostOnly {
     /// A tensor of more than three dimensions.
@@ -203,104 +228,71 @@ impl QuantPlan {
     }
 
     fn add(&mut self, op: &Quantize, buffers: &[BufferSpec]) -> Result<(), QuantError> {
-        let oob = |what| QuantError::OutOfBounds { tensor: op.tensor.clone(), what };
-        let nd = op.shape.len();
-        if op.block.len() != nd || op.block.contains(&0) {
-            return Err(oob("block"));
-        }
-        let grid_shape: Vec<u64> = op.shape.iter().zip(&op.block).map(|(&n, &b)| n.div_ceil(b)).collect();
-        let inside = |b: &Block, shape: &[u64]| b.ndim() == nd && (0..nd).all(|d| b.end(d) <= shape[d]);
-        // A region of `numel` elements of `dtype` from element `at` of
-        // buffer `buffer`, inside it: its end. Counts are checked (extents
-        // from the wire may multiply past `u64`), so every offset inside a
-        // box below is less than its end.
-        let fits = |st: &Stored, dtype: DType, what| -> Result<u64, QuantError> {
-            let spec = buffers.get(st.buffer as usize).ok_or_else(|| oob(what))?;
-            let end = st.block.checked_numel().and_then(|n| n.checked_add(st.at)).ok_or_else(|| oob(what))?;
-            if spec.dtype != dtype || end > spec.elems {
-                return Err(oob(what));
-            }
-            Ok(end)
-        };
-        let dt = dt_code(op.staged_dtype).ok_or_else(|| oob("staged"))?;
-        for st in &op.staged {
-            fits(st, op.staged_dtype, "staged")?;
-            if !inside(&st.block, &op.shape) || elements_of(&grid_of(&st.block, &op.block), &op.block, &op.shape) != st.block {
-                return Err(oob("staged"));
-            }
-        }
-        // Outputs: in bounds, outside every staged buffer, pairwise disjoint.
-        let mut regions: Vec<(u32, u64, u64)> = Vec::new();
-        for (list, dtype, shape, what) in
-            [(&op.weights, DType::F8E4M3, &op.shape, "weight"), (&op.scales, DType::F32, &grid_shape, "scale")]
-        {
-            for st in list.iter() {
-                let end = fits(st, dtype, what)?;
-                if !inside(&st.block, shape) || op.staged.iter().any(|s| s.buffer == st.buffer) {
-                    return Err(oob(what));
-                }
-                regions.push((st.buffer, st.at, end));
-            }
-        }
-        regions.sort_unstable();
-        if regions.windows(2).any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2) {
-            return Err(oob("overlapping"));
-        }
-        let block = inner3(&op.block, 1);
-        // Strides of a box checked to fit its buffer (so they fit `u64`).
-        let strides = |b: &Block, what| row_major(b.extent()).ok_or_else(|| oob(what));
+        let dt = check_op(op, buffers)?;
         for st in op.staged.iter().filter(|st| !st.block.is_empty()) {
             // (An empty box holds no block: no launch, as the host
             // quantizer skips it.)
-            let g = grid_of(&st.block, &op.block);
-            let base = self.scratch;
-            let grid = inner3(g.extent(), 1);
-            // The grid has no more cells than the box has elements.
-            let grid_strides = row_major(g.extent()).ok_or_else(|| oob("staged"))?;
-            self.scratch = g.checked_numel().and_then(|n| n.checked_add(base)).ok_or_else(|| oob("staged"))?;
-            self.scales.push(ScalesLaunch {
+            self.add_box(op, st, dt)?;
+        }
+        Ok(())
+    }
+
+    /// The launches of staged box `st` of `op` (checked by [`check_op`]),
+    /// whose staged dtype has code `dt`: its scales into the scratch,
+    /// the codes of every weight box it meets, the scales copied out.
+    fn add_box(&mut self, op: &Quantize, st: &Stored, dt: u64) -> Result<(), QuantError> {
+        let oob = |what| QuantError::OutOfBounds { tensor: op.tensor.clone(), what };
+        let block = inner3(&op.block, 1);
+        // Strides of a box checked to fit its buffer (so they fit `u64`).
+        let strides = |b: &Block, what| row_major(b.extent()).ok_or_else(|| oob(what));
+        let g = grid_of(&st.block, &op.block);
+        let base = self.scratch;
+        let grid = inner3(g.extent(), 1);
+        // The grid has no more cells than the box has elements.
+        let grid_strides = row_major(g.extent()).ok_or_else(|| oob("staged"))?;
+        self.scratch = g.checked_numel().and_then(|n| n.checked_add(base)).ok_or_else(|| oob("staged"))?;
+        self.scales.push(ScalesLaunch {
+            staged: st.buffer,
+            dt,
+            grid,
+            grid_off: inner3(g.offset(), 0),
+            block,
+            shape: inner3(&op.shape, 1),
+            first: inner3(st.block.offset(), 0),
+            at: st.at,
+            strides: strides(&st.block, "staged")?,
+            base,
+        });
+        for w in &op.weights {
+            let Some(part) = w.block.intersect(&st.block) else { continue };
+            self.codes.push(CodesLaunch {
                 staged: st.buffer,
                 dt,
-                grid,
-                grid_off: inner3(g.offset(), 0),
+                weights: w.buffer,
+                counts: inner3(part.extent(), 1),
+                src_base: offset_of(&st.block, st.at, part.offset()),
+                src_strides: strides(&st.block, "staged")?,
+                dst_base: offset_of(&w.block, w.at, part.offset()),
+                dst_strides: strides(&w.block, "weight")?,
+                first: inner3(part.offset(), 0),
                 block,
-                shape: inner3(&op.shape, 1),
-                first: inner3(st.block.offset(), 0),
-                at: st.at,
-                strides: strides(&st.block, "staged")?,
+                grid_off: inner3(g.offset(), 0),
+                grid_strides,
                 base,
             });
-            for w in &op.weights {
-                let Some(part) = w.block.intersect(&st.block) else { continue };
-                self.codes.push(CodesLaunch {
-                    staged: st.buffer,
-                    dt,
-                    weights: w.buffer,
+        }
+        for sc in &op.scales {
+            let Some(part) = sc.block.intersect(&g) else { continue };
+            self.outs.push(ScaleOutLaunch {
+                scales: sc.buffer,
+                copy: CastBox {
                     counts: inner3(part.extent(), 1),
-                    src_base: offset_of(&st.block, st.at, part.offset()),
-                    src_strides: strides(&st.block, "staged")?,
-                    dst_base: offset_of(&w.block, w.at, part.offset()),
-                    dst_strides: strides(&w.block, "weight")?,
-                    first: inner3(part.offset(), 0),
-                    block,
-                    grid_off: inner3(g.offset(), 0),
-                    grid_strides,
-                    base,
-                });
-            }
-            for sc in &op.scales {
-                let Some(part) = sc.block.intersect(&g) else { continue };
-                self.outs.push(ScaleOutLaunch {
-                    scales: sc.buffer,
-                    copy: CastBox {
-                        counts: inner3(part.extent(), 1),
-                        src_base: offset_of(&g, base, part.offset()),
-                        src_strides: grid_strides,
-                        dst_base: offset_of(&sc.block, sc.at, part.offset()),
-                        dst_strides: strides(&sc.block, "scale")?,
-                    },
-                });
-            }
+                    src_base: offset_of(&g, base, part.offset()),
+                    src_strides: grid_strides,
+                    dst_base: offset_of(&sc.block, sc.at, part.offset()),
+                    dst_strides: strides(&sc.block, "scale")?,
+                },
+            });
         }
         Ok(())
     }
@@ -308,11 +300,11 @@ impl QuantPlan {
     /// Checks that every launch stays inside buffers of `lens` bytes and
     /// `dtypes` (the rank's device buffers, in program order) and inside
     /// the scratch array: the gate before any kernel runs.
-    pub fn fits(&self, lens: &[usize], dtypes: &[DType]) -> Result<(), String> {
-        let elems = |b: u32, dtype: DType, what: &str| -> Result<u64, String> {
-            match (lens.get(b as usize), dtypes.get(b as usize)) {
+    pub fn fits(&self, lens: &[usize], dtypes: &[DType]) -> Result<(), FitError> {
+        let elems = |buffer: u32, dtype: DType, what: &'static str| -> Result<u64, FitError> {
+            match (lens.get(buffer as usize), dtypes.get(buffer as usize)) {
                 (Some(&len), Some(&d)) if d == dtype => Ok(len as u64 / dtype.size()),
-                _ => Err(format!("{what} buffer {b} is not {dtype} here")),
+                _ => Err(FitError::Buffer { what, buffer, dtype }),
             }
         };
         // One past the last element of a box of `counts` at `base` (`None`
@@ -328,9 +320,9 @@ impl QuantPlan {
             }
             last.checked_add(1)
         };
-        let out = |what: &str| Err(format!("a {what} launch reaches past its buffer"));
+        let out = |what: &'static str| Err(FitError::Past { what });
         for l in &self.scales {
-            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or("bad staged dtype")?;
+            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or(FitError::StagedDtype(l.dt))?;
             let n = elems(l.staged, dtype, "staged")?;
             if l.block[0].checked_mul(l.block[1]).is_none_or(|rows| rows >> 32 != 0) {
                 return out("scales");
@@ -357,7 +349,7 @@ impl QuantPlan {
             }
         }
         for l in &self.codes {
-            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or("bad staged dtype")?;
+            let dtype = [DType::F32, DType::BF16, DType::F16].get(l.dt as usize).copied().ok_or(FitError::StagedDtype(l.dt))?;
             let (n, w) = (elems(l.staged, dtype, "staged")?, elems(l.weights, DType::F8E4M3, "weight")?);
             if l.counts.contains(&0) {
                 continue;
@@ -462,6 +454,55 @@ impl QuantPlan {
         }
         bad.map_or(Ok(()), Err)
     }
+}
+
+/// Checks `op` against `buffers`: its block shape, every staged box inside
+/// the tensor and on block boundaries, every output inside its buffer,
+/// outside every staged buffer and disjoint from the others. Returns the
+/// staged dtype's code.
+fn check_op(op: &Quantize, buffers: &[BufferSpec]) -> Result<u64, QuantError> {
+    let oob = |what| QuantError::OutOfBounds { tensor: op.tensor.clone(), what };
+    let nd = op.shape.len();
+    if op.block.len() != nd || op.block.contains(&0) {
+        return Err(oob("block"));
+    }
+    let grid_shape: Vec<u64> = op.shape.iter().zip(&op.block).map(|(&n, &b)| n.div_ceil(b)).collect();
+    let inside = |b: &Block, shape: &[u64]| b.ndim() == nd && (0..nd).all(|d| b.end(d) <= shape[d]);
+    // A region of `numel` elements of `dtype` from element `at` of
+    // buffer `buffer`, inside it: its end. Counts are checked (extents
+    // from the wire may multiply past `u64`), so every offset inside a
+    // box below is less than its end.
+    let fits = |st: &Stored, dtype: DType, what| -> Result<u64, QuantError> {
+        let spec = buffers.get(st.buffer as usize).ok_or_else(|| oob(what))?;
+        let end = st.block.checked_numel().and_then(|n| n.checked_add(st.at)).ok_or_else(|| oob(what))?;
+        if spec.dtype != dtype || end > spec.elems {
+            return Err(oob(what));
+        }
+        Ok(end)
+    };
+    let dt = dt_code(op.staged_dtype).ok_or_else(|| oob("staged"))?;
+    for st in &op.staged {
+        fits(st, op.staged_dtype, "staged")?;
+        if !inside(&st.block, &op.shape) || elements_of(&grid_of(&st.block, &op.block), &op.block, &op.shape) != st.block {
+            return Err(oob("staged"));
+        }
+    }
+    // Outputs: in bounds, outside every staged buffer, pairwise disjoint.
+    let mut regions: Vec<(u32, u64, u64)> = Vec::new();
+    for (list, dtype, shape, what) in [(&op.weights, DType::F8E4M3, &op.shape, "weight"), (&op.scales, DType::F32, &grid_shape, "scale")] {
+        for st in list.iter() {
+            let end = fits(st, dtype, what)?;
+            if !inside(&st.block, shape) || op.staged.iter().any(|s| s.buffer == st.buffer) {
+                return Err(oob(what));
+            }
+            regions.push((st.buffer, st.at, end));
+        }
+    }
+    regions.sort_unstable();
+    if regions.windows(2).any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2) {
+        return Err(oob("overlapping"));
+    }
+    Ok(dt)
 }
 
 #[cfg(test)]

@@ -22,17 +22,87 @@
 //! simulated communicator unless a fabric names a simulated world.
 
 use crate::copy::{copy_strided, fits, packed_strides, StridedRef};
-use crate::cuda::comm::{CommBackend, Fence, GroupError, P2p, Progress};
+use crate::cuda::comm::{BackendError, CommBackend, Fence, GroupError, P2p, Progress};
 use crate::cuda::direct::{RegionOffer, SimOffers};
 use crate::cuda::id::CommId;
 use crate::cuda::ipc::IpcHandle;
+use crate::cuda::ipc_comm::IpcCommError;
 use crate::cuda::ipc_comm::IpcMemory;
+use crate::cuda::plane::PlaneError;
 use crate::cuda::plane::{staging_span, PlaneMemory, Side, StagingSide};
 use crate::memory::RankMemory;
 use reshard::{Block, DType, Endpoint, RankProgram, Span};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use thiserror::Error;
+
+/// Why the simulated communicator refused or failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum SimError {
+    /// A rank joins with a different rank count, or past it.
+    #[error("rank {rank} of {nranks} joins a simulated communicator of {size} ranks")]
+    WrongSize {
+        /// The joining rank.
+        rank: u32,
+        /// The rank count it names.
+        nranks: u32,
+        /// The communicator's rank count.
+        size: u32,
+    },
+    /// A rank joined twice.
+    #[error("rank {rank} joined the simulated communicator twice")]
+    JoinedTwice {
+        /// The rank.
+        rank: u32,
+    },
+    /// This rank aborted the communicator.
+    #[error("this rank aborted the communicator")]
+    Aborted,
+    /// A peer aborted before every rank joined.
+    #[error("peer rank {peer} aborted before the communicator was complete")]
+    PeerAbortedEarly {
+        /// The peer.
+        peer: u32,
+    },
+    /// A peer aborted while this rank waited for its message.
+    #[error("peer rank {peer} aborted the communicator")]
+    PeerAborted {
+        /// The peer.
+        peer: u32,
+    },
+    /// A fault a test armed ([`SimFault::GroupFails`]).
+    #[error("simulated failure of group {group}")]
+    GroupFails {
+        /// This rank's group number.
+        group: u32,
+    },
+    /// A message of another size than the receive expects.
+    #[error("rank {peer} sent {sent} bytes, rank {me} expected {expected}")]
+    MessageSize {
+        /// The sender.
+        peer: u32,
+        /// This rank.
+        me: u32,
+        /// Bytes sent.
+        sent: usize,
+        /// Bytes expected.
+        expected: u64,
+    },
+    /// No bucket of this process has the handle.
+    #[error("no bucket of that handle in this process (simulated IPC joins ranks of one process)")]
+    NoBucket,
+    /// A peer's bucket is smaller than it announced.
+    #[error("rank {peer}'s bucket holds {holds} bytes, {announced} announced")]
+    SmallBucket {
+        /// The peer.
+        peer: u32,
+        /// Bytes the bucket holds.
+        holds: usize,
+        /// Bytes announced.
+        announced: u64,
+    },
+}
 
 /// A fault of one rank of a simulated communicator.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -138,7 +208,7 @@ pub struct SimComm {
 
 /// Joins `rank` of the `nranks` communicator `id` of `world` (creating it,
 /// with the world's armed faults, if it is the first rank).
-pub fn sim_comm(world: &str, id: CommId, rank: u32, nranks: u32) -> Result<SimComm, String> {
+pub fn sim_comm(world: &str, id: CommId, rank: u32, nranks: u32) -> Result<SimComm, SimError> {
     let comm = {
         let mut worlds = worlds();
         let w = worlds.entry(world.to_string()).or_default();
@@ -158,12 +228,12 @@ pub fn sim_comm(world: &str, id: CommId, rank: u32, nranks: u32) -> Result<SimCo
         }
     };
     if comm.nranks != nranks || rank >= nranks {
-        return Err(format!("rank {rank} of {nranks} joins a simulated communicator of {} ranks", comm.nranks));
+        return Err(SimError::WrongSize { rank, nranks, size: comm.nranks });
     }
     if !comm.faults.contains(&SimFault::NeverJoins { rank }) {
         let mut state = comm.lock();
         if state.joined[rank as usize] {
-            return Err(format!("rank {rank} joined the simulated communicator twice"));
+            return Err(SimError::JoinedTwice { rank });
         }
         state.joined[rank as usize] = true;
     }
@@ -181,16 +251,16 @@ impl SimComm {
         self.comm.faults.iter().any(|x| x.rank() == self.rank && x == f)
     }
 
-    fn aborted(&self, state: &CommState) -> Result<(), String> {
+    fn aborted(&self, state: &CommState) -> Result<(), SimError> {
         match state.aborted.contains(&self.rank) {
-            true => Err("this rank aborted the communicator".into()),
+            true => Err(SimError::Aborted),
             false => Ok(()),
         }
     }
 }
 
 impl CommBackend for SimComm {
-    fn poll_init(&mut self) -> Result<Progress, String> {
+    fn poll_init(&mut self) -> Result<Progress, BackendError> {
         let state = self.comm.lock();
         self.aborted(&state)?;
         if state.joined.iter().all(|&j| j) {
@@ -198,7 +268,7 @@ impl CommBackend for SimComm {
         }
         // A rank that aborted before everyone joined never completes it.
         match state.aborted.iter().find(|&&r| !state.joined[r as usize]) {
-            Some(r) => Err(format!("peer rank {r} aborted before the communicator was complete")),
+            Some(&peer) => Err(SimError::PeerAbortedEarly { peer }.into()),
             None => Ok(Progress::Pending),
         }
     }
@@ -207,7 +277,7 @@ impl CommBackend for SimComm {
         let group = self.groups;
         self.groups += 1;
         if self.fault(&SimFault::GroupFails { rank: self.rank, group }) {
-            return Err(format!("simulated failure of group {group}").into());
+            return Err(SimError::GroupFails { group }.into());
         }
         self.stalled = self.fault(&SimFault::GroupStalls { rank: self.rank, group });
         let mut state = self.comm.lock();
@@ -242,11 +312,9 @@ impl CommBackend for SimComm {
                     // SAFETY: as in `start_group`, for the receive's memory.
                     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
                 }
-                Some(data) => return Err(format!("rank {peer} sent {} bytes, rank {me} expected {bytes}", data.len()).into()),
+                Some(data) => return Err(SimError::MessageSize { peer, me, sent: data.len(), expected: bytes }.into()),
                 // Nothing more will come from a rank that aborted.
-                None if state.aborted.contains(&peer) => {
-                    return Err(GroupError::peer(format!("peer rank {peer} aborted the communicator")))
-                }
+                None if state.aborted.contains(&peer) => return Err(GroupError::peer(SimError::PeerAborted { peer })),
                 None => left.push((peer, addr, bytes)),
             }
         }
@@ -254,11 +322,11 @@ impl CommBackend for SimComm {
         Ok(if self.pending.is_empty() { Progress::Ready } else { Progress::Pending })
     }
 
-    fn check(&mut self) -> Result<(), String> {
-        self.aborted(&self.comm.lock())
+    fn check(&mut self) -> Result<(), BackendError> {
+        Ok(self.aborted(&self.comm.lock())?)
     }
 
-    fn abort(&mut self) -> Result<Progress, String> {
+    fn abort(&mut self) -> Result<Progress, BackendError> {
         {
             let mut state = self.comm.lock();
             if !state.aborted.contains(&self.rank) {
@@ -277,7 +345,7 @@ impl CommBackend for SimComm {
         Ok(Progress::Ready)
     }
 
-    fn poll_abort(&mut self) -> Result<Progress, String> {
+    fn poll_abort(&mut self) -> Result<Progress, BackendError> {
         Ok(Progress::Ready)
     }
 }
@@ -361,7 +429,7 @@ impl<'a> SimMemory<'a> {
     /// Bytes `at..at + len` of staging `which` (the exported bucket, for
     /// sends, where there is one); an error naming the staging if they
     /// are not all inside it.
-    fn staging_bytes(&mut self, which: StagingSide, at: u64, len: usize) -> Result<&mut [u8], String> {
+    fn staging_bytes(&mut self, which: StagingSide, at: u64, len: usize) -> Result<&mut [u8], PlaneError> {
         let all: &mut [u8] = match (which, &self.bucket) {
             // SAFETY: the bucket is this rank's, alive while `self` holds
             // its `Arc`; peers read it only inside a group (between a ready
@@ -433,13 +501,10 @@ impl SimIpc {
     }
 
     /// Maps communicator rank `peer`'s bucket of `bytes` by its handle.
-    pub fn map_peer(&mut self, peer: u32, handle: &IpcHandle, bytes: u64) -> Result<(), String> {
-        let b = buckets()
-            .get(handle)
-            .and_then(Weak::upgrade)
-            .ok_or("no bucket of that handle in this process (simulated IPC joins ranks of one process)")?;
+    pub fn map_peer(&mut self, peer: u32, handle: &IpcHandle, bytes: u64) -> Result<(), SimError> {
+        let b = buckets().get(handle).and_then(Weak::upgrade).ok_or(SimError::NoBucket)?;
         if (b.len as u64) < bytes {
-            return Err(format!("rank {peer}'s bucket holds {} bytes, {bytes} announced", b.len));
+            return Err(SimError::SmallBucket { peer, holds: b.len, announced: bytes });
         }
         self.peers.insert(peer, b);
         Ok(())
@@ -451,15 +516,15 @@ impl IpcMemory for SimIpc {
         (self.bucket.ptr as u64, self.bucket.len as u64)
     }
 
-    fn wait(&mut self, _after: u64) -> Result<(), String> {
+    fn wait(&mut self, _after: u64) -> Result<(), BackendError> {
         // Host copies are done when they return.
         Ok(())
     }
 
-    unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), String> {
-        let b = self.peers.get(&peer).ok_or_else(|| format!("rank {peer}'s bucket is not mapped here"))?;
+    unsafe fn pull(&mut self, peer: u32, offset: u64, dst: u64, bytes: u64) -> Result<(), BackendError> {
+        let b = self.peers.get(&peer).ok_or(IpcCommError::NotMapped { peer })?;
         if offset.checked_add(bytes).is_none_or(|end| end > b.len as u64) {
-            return Err(format!("rank {peer}: {bytes} bytes at {offset} are outside its {}-byte bucket", b.len));
+            return Err(IpcCommError::OutsideBucket { peer, bytes, offset, holds: b.len as u64 }.into());
         }
         // SAFETY: the source lies in the peer's live bucket (checked, and
         // held by the `Arc`), written by nobody until this rank releases
@@ -468,7 +533,7 @@ impl IpcMemory for SimIpc {
         Ok(())
     }
 
-    fn pulled(&mut self) -> Result<Progress, String> {
+    fn pulled(&mut self) -> Result<Progress, BackendError> {
         Ok(Progress::Ready)
     }
 
@@ -497,11 +562,11 @@ impl PlaneMemory for SimMemory<'_> {
         &self.dtypes
     }
 
-    fn staging(&mut self, which: StagingSide, len: usize) -> Result<u64, String> {
+    fn staging(&mut self, which: StagingSide, len: usize) -> Result<u64, PlaneError> {
         if let (StagingSide::Send, Some(b)) = (which, &self.bucket) {
             return match len <= b.len {
                 true => Ok(b.ptr as u64),
-                false => Err(format!("the round's messages need {len} bytes, the exported bucket holds {}", b.len)),
+                false => Err(PlaneError::BucketTooSmall { need: len, holds: b.len }),
             };
         }
         let s = match which {
@@ -514,10 +579,8 @@ impl PlaneMemory for SimMemory<'_> {
         Ok(s.as_mut_ptr() as u64)
     }
 
-    fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), String> {
-        let mut find = |side: &Side| {
-            self.region_of(block, side).ok_or_else(|| format!("{:?} of {side:?} is outside this rank's memory and staging", block.extent()))
-        };
+    fn move_piece(&mut self, block: &Block, from: Side, wire: DType, to: &[Side]) -> Result<(), PlaneError> {
+        let mut find = |side: &Side| self.region_of(block, side).ok_or_else(|| PlaneError::outside(block, side, "memory and staging"));
         let src = view(find(&from)?, &from);
         let counts = block.extent();
         let mut through = Vec::new();
@@ -552,7 +615,7 @@ impl PlaneMemory for SimMemory<'_> {
         Ok(())
     }
 
-    fn fence(&mut self) -> Result<Option<Fence>, String> {
+    fn fence(&mut self) -> Result<Option<Fence>, PlaneError> {
         // Host copies are done when `move_piece` returns.
         Ok(None)
     }
@@ -567,40 +630,40 @@ impl PlaneMemory for SimMemory<'_> {
         bytes
     }
 
-    fn read_staging(&mut self, which: StagingSide, at: u64, out: &mut [u8]) -> Result<(), String> {
+    fn read_staging(&mut self, which: StagingSide, at: u64, out: &mut [u8]) -> Result<(), PlaneError> {
         let from = self.staging_bytes(which, at, out.len())?;
         out.copy_from_slice(from);
         Ok(())
     }
 
-    fn write_staging(&mut self, which: StagingSide, at: u64, bytes: &[u8]) -> Result<(), String> {
+    fn write_staging(&mut self, which: StagingSide, at: u64, bytes: &[u8]) -> Result<(), PlaneError> {
         self.staging_bytes(which, at, bytes.len())?.copy_from_slice(bytes);
         Ok(())
     }
 
-    fn finish(&mut self) -> Result<(), String> {
+    fn finish(&mut self) -> Result<(), PlaneError> {
         Ok(())
     }
 
-    fn quantize(&mut self, program: &RankProgram) -> Result<(), String> {
+    fn quantize(&mut self, program: &RankProgram) -> Result<(), PlaneError> {
         match &mut self.memory {
-            Some(memory) => crate::exec::quantize_rank(program, memory).map_err(|e| e.to_string()),
+            Some(memory) => Ok(crate::exec::quantize_rank(program, memory)?),
             None if program.quantize.is_empty() => Ok(()),
-            None => Err("block-scaled tensors are quantized in a rank's own memory, not in registered regions".into()),
+            None => Err(PlaneError::QuantizeRegions),
         }
     }
 
-    fn offer(&mut self, buffer: u32) -> Result<RegionOffer, String> {
+    fn offer(&mut self, buffer: u32) -> Result<RegionOffer, PlaneError> {
         let i = buffer as usize;
         match (self.addrs.get(i), self.lens.get(i)) {
             (Some(&at), Some(&len)) => Ok(SimOffers::offer(at, len as u64)),
-            _ => Err(format!("buffer {buffer} is not one of this rank's {}", self.addrs.len())),
+            _ => Err(PlaneError::NoBuffer { buffer, buffers: self.addrs.len() }),
         }
     }
 
-    fn map_offer(&mut self, _peer: Endpoint, offer: &RegionOffer) -> Result<u64, String> {
+    fn map_offer(&mut self, _peer: Endpoint, offer: &RegionOffer) -> Result<u64, PlaneError> {
         let at = SimOffers::map(offer)?;
-        let len = usize::try_from(offer.len).map_err(|_| format!("a region of {} bytes", offer.len))?;
+        let len = usize::try_from(offer.len).map_err(|_| PlaneError::RegionTooLarge { len: offer.len })?;
         // Read (by `move_piece`) only while the offering member waits for
         // this rank's done token, writing nothing.
         // Once per region: every piece's side is looked up among them.

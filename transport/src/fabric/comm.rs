@@ -5,11 +5,13 @@
 //! staging).
 
 use super::endpoint::EndpointState;
+use super::error::FabricError;
 #[cfg(feature = "cuda")]
 use super::registered::StagingMemory;
 use super::registered::{current_regions, RegisteredMemory, RegisteredStaging, Residence};
 use super::spec::{CommPlane, DataAddr, IpcFabric, NcclFabric, PeerAddr};
 use super::{program_peers, MIN_FRAME_LIMIT};
+use crate::cuda::comm::BackendError;
 use crate::cuda::{
     comm_rank, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id, CommConfig, CommHandle, CommId, CommPeers, IpcComm, IpcHandle,
     SimBucket, SimIpc, SimMemory,
@@ -46,13 +48,13 @@ pub(super) enum Bucket {
 }
 
 impl Bucket {
-    fn map_peer(&mut self, peer: u32, owner: Endpoint, handle: &IpcHandle, bytes: u64) -> Result<(), String> {
+    fn map_peer(&mut self, peer: u32, owner: Endpoint, handle: &IpcHandle, bytes: u64) -> Result<(), FabricError> {
         match self {
-            Bucket::Sim(b) => b.map_peer(peer, handle, bytes),
+            Bucket::Sim(b) => b.map_peer(peer, handle, bytes).map_err(BackendError::from),
             #[cfg(feature = "cuda")]
-            Bucket::Gpu(b) => b.map_peer(peer, owner, handle, bytes),
+            Bucket::Gpu(b) => b.map_peer(peer, owner, handle, bytes).map_err(BackendError::from),
         }
-        .map_err(|e| format!("mapping {owner}'s bucket: {e}"))
+        .map_err(|source| FabricError::MapBucket { owner, source })
     }
 
     /// What a run packs into.
@@ -176,14 +178,14 @@ impl CommEnd {
         let (rank_of, same) = (self.rank_of(), self.same_device.clone());
         let same_device = |e: Endpoint| same.contains(&e);
         let peers = CommPeers { rank_of: &rank_of, same_device: &same_device };
-        let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
+        let handle = self.handle.as_mut().ok_or(FabricError::Aborted)?;
         match &self.plane {
             CommPlane::Simulated { .. } => {
                 let mut sim = match &self.packs_into {
                     Some(PackInto::Sim(b)) => SimMemory::with_bucket(memory, b.clone()),
                     _ => SimMemory::new(memory),
                 };
-                run_rank_comm(&mut sim, program, handle, &peers, deadline, delta).map_err(exec_failed)
+                run_rank_comm(&mut sim, program, handle, &peers, deadline, delta).map_err(CommFailed::Run)
             }
             #[cfg(feature = "cuda")]
             CommPlane::Cuda => {
@@ -191,20 +193,20 @@ impl CommEnd {
                 let want: Vec<usize> = memory.buffers.iter().map(Vec::len).collect();
                 if !matches!(&self.device, Some((_, m)) if m.buffer_lens() == want.as_slice()) {
                     self.device = None;
-                    let ordinal = self.gpu.ok_or("no GPU")?;
-                    let dev = GpuDevice::open(ordinal).map_err(|e| e.to_string())?;
-                    let mem = DeviceMemory::for_buffers(&dev, program.endpoint, &program.buffers).map_err(|e| e.to_string())?;
+                    let ordinal = self.gpu.ok_or(FabricError::NoGpu { me: program.endpoint, fabric: None })?;
+                    let dev = GpuDevice::open(ordinal).map_err(FabricError::from)?;
+                    let mem = DeviceMemory::for_buffers(&dev, program.endpoint, &program.buffers).map_err(FabricError::from)?;
                     self.device = Some((dev, mem));
                 }
-                let (dev, mem) = self.device.as_mut().ok_or("no device memory")?;
+                let (dev, mem) = self.device.as_mut().ok_or(FabricError::Missing("no device memory"))?;
                 // The store's bytes go to the device and a destination's
                 // come back: stores live in host memory.
-                mem.upload(dev, memory).map_err(|e| e.to_string())?;
+                mem.upload(dev, memory).map_err(FabricError::from)?;
                 let mut plane = gpu_plane(self.packs_into.as_ref(), dev, mem, program.endpoint)?.reading_peers(&mut self.peer_maps);
-                let stats = run_rank_comm(&mut plane, program, handle, &peers, deadline, delta).map_err(exec_failed)?;
+                let stats = run_rank_comm(&mut plane, program, handle, &peers, deadline, delta).map_err(CommFailed::Run)?;
                 drop(plane);
                 if program.endpoint.group == Group::Dst {
-                    mem.download_into(dev, memory).map_err(|e| e.to_string())?;
+                    mem.download_into(dev, memory).map_err(FabricError::from)?;
                 }
                 Ok(stats)
             }
@@ -229,12 +231,12 @@ impl CommEnd {
         let peers = CommPeers { rank_of: &rank_of, same_device: &same_device };
         // The regions as their owner holds them now (memory it moved or
         // freed since is never read).
-        let mut regions = current_regions(program, registered).map_err(|e| e.to_string())?;
+        let mut regions = current_regions(program, registered).map_err(FabricError::from)?;
         // (`current_regions` checked the program has these buffers.)
         let base = regions.len();
         let bytes = |b: &reshard::BufferSpec| (b.elems * b.dtype.size()) as usize;
         let scratch_specs = &program.buffers[base..];
-        let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
+        let handle = self.handle.as_mut().ok_or(FabricError::Aborted)?;
         match (&self.plane, registered.residence()) {
             (CommPlane::Simulated { .. }, Residence::Host) => {
                 let host = &mut self.scratch.host;
@@ -254,7 +256,7 @@ impl CommEnd {
                 if let Some(PackInto::Sim(b)) = &self.packs_into {
                     sim = sim.packing_into(b.clone());
                 }
-                run_rank_comm(&mut sim, program, handle, &peers, deadline, delta).map_err(exec_failed)
+                run_rank_comm(&mut sim, program, handle, &peers, deadline, delta).map_err(CommFailed::Run)
             }
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
@@ -262,11 +264,11 @@ impl CommEnd {
                 let want: Vec<usize> = scratch_specs.iter().map(bytes).collect();
                 if self.scratch.device.as_ref().is_none_or(|(_, m)| m.buffer_lens() != want.as_slice()) {
                     self.scratch.device = None;
-                    let dev = GpuDevice::open(ordinal).map_err(|e| e.to_string())?;
-                    let mem = DeviceMemory::for_buffers(&dev, me, scratch_specs).map_err(|e| e.to_string())?;
+                    let dev = GpuDevice::open(ordinal).map_err(FabricError::from)?;
+                    let mem = DeviceMemory::for_buffers(&dev, me, scratch_specs).map_err(FabricError::from)?;
                     self.scratch.device = Some((dev, mem));
                 }
-                let (dev, scratch) = self.scratch.device.as_ref().ok_or("no device scratch")?;
+                let (dev, scratch) = self.scratch.device.as_ref().ok_or(FabricError::Missing("no device scratch"))?;
                 regions.extend(scratch.device_addrs().iter().copied().zip(want));
                 // SAFETY: the registered regions are device memory of this
                 // GPU (the residence matched above) as their owner holds
@@ -274,9 +276,9 @@ impl CommEnd {
                 // contract for current regions), each cut to its buffer's
                 // bytes; the scratch is this end's allocations, alive past
                 // the run.
-                let mut mem = unsafe { DeviceMemory::register(dev, me, &program.buffers, &regions) }.map_err(|e| e.to_string())?;
+                let mut mem = unsafe { DeviceMemory::register(dev, me, &program.buffers, &regions) }.map_err(FabricError::from)?;
                 let mut plane = gpu_plane(self.packs_into.as_ref(), dev, &mut mem, me)?.reading_peers(&mut self.peer_maps);
-                run_rank_comm(&mut plane, program, handle, &peers, deadline, delta).map_err(exec_failed)
+                run_rank_comm(&mut plane, program, handle, &peers, deadline, delta).map_err(CommFailed::Run)
             }
             (plane, residence) => Err(out_of_reach(me, plane, residence).into()),
         }
@@ -299,38 +301,38 @@ impl CommEnd {
         match (&self.plane, registered.residence()) {
             (CommPlane::Simulated { .. }, Residence::Host) => {
                 // Staging is a rank's own host memory: the ordinary run.
-                let memory = RegisteredStaging::host(staging, program, registered, program.buffers.len())?;
+                let memory = RegisteredStaging::host(staging, program, registered, program.buffers.len()).map_err(FabricError::from)?;
                 self.run(program, memory, deadline, delta)
             }
             #[cfg(feature = "cuda")]
             (CommPlane::Cuda, Residence::Device { ordinal }) if Some(ordinal) == self.gpu => {
                 use crate::cuda::{DeviceMemory, GpuDevice};
-                let regions = current_regions(program, registered).map_err(|e| e.to_string())?;
+                let regions = current_regions(program, registered).map_err(FabricError::from)?;
                 let lens: Vec<usize> = program.buffers.iter().map(|b| (b.elems * b.dtype.size()) as usize).collect();
                 let fits = matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Device(_, m), .. })
                     if m.buffer_lens() == lens.as_slice());
                 if !fits {
                     *staging = None;
-                    let dev = GpuDevice::open(ordinal).map_err(|e| e.to_string())?;
-                    let mem = DeviceMemory::for_buffers(&dev, me, &program.buffers).map_err(|e| e.to_string())?;
+                    let dev = GpuDevice::open(ordinal).map_err(FabricError::from)?;
+                    let mem = DeviceMemory::for_buffers(&dev, me, &program.buffers).map_err(FabricError::from)?;
                     *staging = Some(RegisteredStaging { memory: StagingMemory::Device(dev, mem), synced: false });
                 }
-                let st = staging.as_mut().ok_or("no staging")?;
-                let StagingMemory::Device(dev, mem) = &mut st.memory else { return Err("no device staging".into()) };
+                let st = staging.as_mut().ok_or(FabricError::Registered(super::error::RegisteredError::NoStaging))?;
+                let StagingMemory::Device(dev, mem) = &mut st.memory else { return Err(FabricError::Missing("no device staging").into()) };
                 if !st.synced {
                     // SAFETY: the regions are device memory of this GPU (the
                     // residence checked above) as their owner holds them
                     // now, valid during this copy and written only by this
                     // member's commits (`RegisteredMemory`'s contract).
-                    unsafe { mem.copy_from_regions(dev, &regions) }.map_err(|e| e.to_string())?;
+                    unsafe { mem.copy_from_regions(dev, &regions) }.map_err(FabricError::from)?;
                 }
                 st.synced = false;
                 let (rank_of, same) = (self.rank_of(), self.same_device.clone());
                 let same_device = |e: Endpoint| same.contains(&e);
                 let peers = CommPeers { rank_of: &rank_of, same_device: &same_device };
-                let handle = self.handle.as_mut().ok_or("the communicator was aborted")?;
+                let handle = self.handle.as_mut().ok_or(FabricError::Aborted)?;
                 let mut plane = gpu_plane(self.packs_into.as_ref(), dev, mem, me)?.reading_peers(&mut self.peer_maps);
-                run_rank_comm(&mut plane, program, handle, &peers, deadline, delta).map_err(exec_failed)
+                run_rank_comm(&mut plane, program, handle, &peers, deadline, delta).map_err(CommFailed::Run)
             }
             (plane, residence) => Err(out_of_reach(me, plane, residence).into()),
         }
@@ -350,31 +352,23 @@ impl CommEnd {
     }
 }
 
-/// Why a communicator end's run failed, and whether a peer failed first.
-#[derive(Debug)]
-pub(super) struct CommFailed {
-    /// What happened, naming the rank (and the peer, where one failed).
-    pub(super) why: String,
-    /// A peer failed first (its abort or departure broke a group).
-    pub(super) after_peer: bool,
+/// Why a communicator end's run failed.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum CommFailed {
+    /// The communicator executor failed (naming the rank, and the peer
+    /// where one failed).
+    #[error(transparent)]
+    Run(crate::cuda::CommExecError),
+    /// This end could not run (its memory, its plane).
+    #[error(transparent)]
+    Own(#[from] FabricError),
 }
 
-impl From<String> for CommFailed {
-    /// A failure of this end's own (its memory, its plane).
-    fn from(why: String) -> CommFailed {
-        CommFailed { why, after_peer: false }
+impl CommFailed {
+    /// Whether a peer failed first (its abort or departure broke a group).
+    pub(super) fn after_peer(&self) -> bool {
+        matches!(self, CommFailed::Run(e) if e.after_peer())
     }
-}
-
-impl From<&str> for CommFailed {
-    fn from(why: &str) -> CommFailed {
-        CommFailed::from(why.to_string())
-    }
-}
-
-/// A failed run of the communicator executor.
-fn exec_failed(e: crate::cuda::CommExecError) -> CommFailed {
-    CommFailed { after_peer: e.after_peer(), why: e.to_string() }
 }
 
 /// Device memory `mem` of `dev` as the communicator executor's plane
@@ -386,8 +380,8 @@ fn gpu_plane<'a>(
     dev: &'a crate::cuda::GpuDevice,
     mem: &'a mut crate::cuda::DeviceMemory,
     me: Endpoint,
-) -> Result<crate::cuda::DevicePlaneMemory<'a>, String> {
-    dev.bind().map_err(|e| format!("{me}: {e}"))?;
+) -> Result<crate::cuda::DevicePlaneMemory<'a>, FabricError> {
+    dev.bind().map_err(|source| FabricError::Bind { me, source })?;
     Ok(match packs_into {
         // SAFETY: the bucket is device memory of this GPU, held by the
         // communicator's thread until it is dropped (or for good after a
@@ -398,67 +392,52 @@ fn gpu_plane<'a>(
 }
 
 /// Why a communicator's plane cannot reach a rank's registered memory.
-pub(super) fn out_of_reach(me: Endpoint, plane: &CommPlane, residence: Residence) -> String {
-    format!(
-        "{me}: its weights are registered {residence} memory, which the {} plane does not reach{}",
-        match plane {
-            CommPlane::Cuda => "CUDA",
-            CommPlane::Simulated { .. } => "simulated",
-        },
-        match (plane, residence) {
-            (CommPlane::Cuda, Residence::Device { .. }) => {
-                " (the member's GPU, MemberConfig::gpu, is another device: join with the GPU the memory is on)"
-            }
-            (CommPlane::Cuda, Residence::Host) => {
-                " (register CUDA tensors of the member's GPU, or run the orchestrator on a host fabric: \"node\")"
-            }
-            _ => "",
-        }
-    )
+pub(super) fn out_of_reach(me: Endpoint, plane: &CommPlane, residence: Residence) -> FabricError {
+    let (plane, cuda) = match plane {
+        CommPlane::Cuda => ("CUDA", true),
+        CommPlane::Simulated { .. } => ("simulated", false),
+    };
+    FabricError::OutOfReach { me, plane, cuda, residence }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn unavailable_nccl() -> String {
-    "NCCL transport unavailable: this build has no `cuda` feature".into()
+fn unavailable_nccl() -> FabricError {
+    FabricError::Unavailable { fabric: "NCCL", source: Box::new(FabricError::NoCudaFeature) }
 }
 
 /// The device a member names in its communicator-fabric address: its GPU's
 /// UUID (on the simulated plane `sim-gpu<n>`, or the endpoint where no GPU
 /// is configured, which no other member shares).
-fn comm_device(me: Endpoint, plane: &CommPlane, gpu: Option<usize>) -> Result<String, String> {
+fn comm_device(me: Endpoint, plane: &CommPlane, gpu: Option<usize>) -> Result<String, FabricError> {
     match plane {
         CommPlane::Simulated { .. } => Ok(gpu.map_or_else(|| format!("sim-{me}"), |g| format!("sim-gpu{g}"))),
         #[cfg(feature = "cuda")]
         CommPlane::Cuda => {
-            let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu)"))?;
-            crate::cuda::device_uuid(ordinal).map_err(|e| format!("{me}'s GPU {ordinal}: {e}"))
+            let ordinal = gpu.ok_or(FabricError::NoGpu { me, fabric: None })?;
+            crate::cuda::device_uuid(ordinal).map_err(|source| FabricError::GpuUuid { me, ordinal, source })
         }
         #[cfg(not(feature = "cuda"))]
-        CommPlane::Cuda => Err(unavailable_nccl()),
+        CommPlane::Cuda => Err(FabricError::NoCudaFeature),
     }
 }
 
 /// A communicator-fabric address as (id, device).
-fn comm_addr(p: &PeerAddr) -> Result<(Option<CommId>, &str), String> {
+fn comm_addr(p: &PeerAddr) -> Result<(Option<CommId>, &str), FabricError> {
     match &p.addr {
         DataAddr::Comm { id, device } if !device.is_empty() => Ok((*id, device)),
-        other => Err(format!("{}: '{other}' is no communicator address (a member of another refit?)", p.endpoint)),
+        other => Err(FabricError::WrongAddr { peer: p.endpoint, addr: Box::new(other.clone()), fabric: "communicator" }),
     }
 }
 
 /// Refuses a peer table that puts two ranks of the communicator on one
 /// GPU (colocated training and inference members): NCCL does not support
 /// it (creation fails or hangs). Such members take the IPC fabric.
-fn one_rank_per_device(table: &[PeerAddr]) -> Result<(), String> {
+fn one_rank_per_device(table: &[PeerAddr]) -> Result<(), FabricError> {
     let mut seen: HashMap<&str, Endpoint> = HashMap::new();
     for p in table {
         let (_, device) = comm_addr(p)?;
         if let Some(first) = seen.insert(device, p.endpoint) {
-            return Err(format!(
-                "{first} and {} are on one GPU ({device}): NCCL cannot put two ranks of a communicator on one device; \
-                 members that share GPUs (colocated training and inference) take the IPC fabric (Fabric::Ipc, fabric=\"ipc\")",
-                p.endpoint
-            ));
+            return Err(FabricError::SharedGpu { first, second: p.endpoint, device: device.to_string() });
         }
     }
     Ok(())
@@ -470,17 +449,18 @@ impl EndpointState {
     /// (the others have none), and every member names the GPU it would put
     /// its rank on, so that two ranks on one device are refused before any
     /// communicator is made.
-    pub(super) fn prepare_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>) -> Result<(EndpointState, DataAddr), String> {
+    pub(super) fn prepare_comm(me: Endpoint, settings: NcclFabric, gpu: Option<usize>) -> Result<(EndpointState, DataAddr), FabricError> {
+        let unavailable = |e: FabricError| FabricError::Unavailable { fabric: "NCCL", source: Box::new(e) };
         #[cfg(feature = "cuda")]
         if let CommPlane::Cuda = &settings.plane {
-            crate::gpu_plane_available(crate::GpuPlane::Nccl, 1).map_err(|e| format!("NCCL transport unavailable: {e}"))?;
+            crate::gpu_plane_available(crate::GpuPlane::Nccl, 1).map_err(|e| unavailable(e.into()))?;
         }
-        let device = comm_device(me, &settings.plane, gpu).map_err(|e| format!("NCCL transport unavailable: {e}"))?;
+        let device = comm_device(me, &settings.plane, gpu).map_err(unavailable)?;
         let id = if me == Endpoint::src(0) {
             let id = match &settings.plane {
                 CommPlane::Simulated { .. } => sim_comm_id(),
                 #[cfg(feature = "cuda")]
-                CommPlane::Cuda => CommId::generate().map_err(|e| format!("NCCL transport unavailable: {e}"))?,
+                CommPlane::Cuda => CommId::generate().map_err(|e| unavailable(FabricError::CommId(e)))?,
                 #[cfg(not(feature = "cuda"))]
                 CommPlane::Cuda => return Err(unavailable_nccl()),
             };
@@ -499,15 +479,15 @@ impl EndpointState {
         settings: NcclFabric,
         gpu: Option<usize>,
         table: &[PeerAddr],
-    ) -> Result<EndpointState, String> {
-        let root = table.iter().find(|p| p.endpoint == Endpoint::src(0)).ok_or("the peer table has no source rank 0")?;
+    ) -> Result<EndpointState, FabricError> {
+        let root = table.iter().find(|p| p.endpoint == Endpoint::src(0)).ok_or(FabricError::NoRoot)?;
         let (id, _) = comm_addr(root)?;
-        let id = id.ok_or("source rank 0 named no communicator id")?;
+        let id = id.ok_or(FabricError::NoCommId)?;
         one_rank_per_device(table)?;
         let nranks = table.len() as u32;
         let src_ranks = table.iter().filter(|p| p.endpoint.group == Group::Src).count() as u32;
         if let Some(p) = table.iter().find(|p| comm_rank(p.endpoint, src_ranks) >= nranks) {
-            return Err(format!("{} has no rank in a communicator of {nranks}", p.endpoint));
+            return Err(FabricError::NoRank { peer: p.endpoint, nranks });
         }
         let rank = comm_rank(me, src_ranks);
         let config =
@@ -515,17 +495,17 @@ impl EndpointState {
         let started = match &settings.plane {
             CommPlane::Simulated { world } => {
                 let world = world.clone();
-                CommHandle::start(config, &id.tag(), move || sim_comm(&world, id, rank, nranks))
+                CommHandle::start(config, &id.tag(), move || Ok(sim_comm(&world, id, rank, nranks)?))
             }
             #[cfg(feature = "cuda")]
             CommPlane::Cuda => {
-                let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu) for the NCCL fabric"))?;
+                let ordinal = gpu.ok_or(FabricError::NoGpu { me, fabric: Some("NCCL") })?;
                 CommHandle::start(config, &id.tag(), move || crate::cuda::NcclBackend::create(ordinal, id, rank, nranks))
             }
             #[cfg(not(feature = "cuda"))]
             CommPlane::Cuda => return Err(unavailable_nccl()),
         };
-        let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
+        let handle = started.and_then(|p| p.wait()).map_err(|e| FabricError::Comm { me, source: Box::new(e) })?;
         Ok(CommEnd::connected(handle, (src_ranks, nranks), settings.plane, gpu, None))
     }
 
@@ -540,7 +520,7 @@ impl EndpointState {
         settings: IpcFabric,
         gpu: Option<usize>,
         session: String,
-    ) -> Result<(EndpointState, DataAddr), String> {
+    ) -> Result<(EndpointState, DataAddr), FabricError> {
         let bytes = send_staging_bytes(program);
         let (bucket, handle) = match &settings.plane {
             CommPlane::Simulated { .. } => {
@@ -550,18 +530,19 @@ impl EndpointState {
             #[cfg(feature = "cuda")]
             CommPlane::Cuda => {
                 let me = program.endpoint;
-                crate::gpu_plane_available(crate::GpuPlane::Device, 1).map_err(|e| format!("IPC transport unavailable: {e}"))?;
-                let ordinal = gpu.ok_or_else(|| format!("{me} has no GPU (MemberConfig::gpu) for the IPC fabric"))?;
+                let unavailable = |e: FabricError| FabricError::Unavailable { fabric: "IPC", source: Box::new(e) };
+                crate::gpu_plane_available(crate::GpuPlane::Device, 1).map_err(|e| unavailable(e.into()))?;
+                let ordinal = gpu.ok_or(FabricError::NoGpu { me, fabric: Some("IPC") })?;
                 let (b, h) = crate::cuda::GpuIpc::export(ordinal, me, bytes)
-                    .map_err(|e| format!("IPC transport unavailable: exporting {me}'s bucket: {e}"))?;
+                    .map_err(|source| unavailable(FabricError::ExportBucket { me, source }))?;
                 (Bucket::Gpu(Box::new(b)), h)
             }
             #[cfg(not(feature = "cuda"))]
-            CommPlane::Cuda => return Err("IPC transport unavailable: this build has no `cuda` feature".into()),
+            CommPlane::Cuda => return Err(FabricError::Unavailable { fabric: "IPC", source: Box::new(FabricError::NoCudaFeature) }),
         };
         let device = comm_device(program.endpoint, &settings.plane, gpu)?;
-        let listener = TcpListener::bind((ip, 0)).map_err(|e| format!("cannot listen on {ip}: {e}"))?;
-        let doorbells = listener.local_addr().map_err(|e| format!("listener on {ip}: {e}"))?;
+        let listener = TcpListener::bind((ip, 0)).map_err(|e| FabricError::Listen { ip, source: e.into() })?;
+        let doorbells = listener.local_addr().map_err(|e| FabricError::ListenerAddr { ip, source: e.into() })?;
         let addr = DataAddr::Ipc { doorbells, bucket: handle, bytes, device };
         Ok((EndpointState::IpcPrepared(IpcPending { listener, settings, gpu, bucket, session }), addr))
     }
@@ -574,7 +555,7 @@ impl EndpointState {
         pending: IpcPending,
         table: &[PeerAddr],
         key: HelloKey,
-    ) -> Result<EndpointState, String> {
+    ) -> Result<EndpointState, FabricError> {
         let IpcPending { listener, settings, gpu, mut bucket, session } = pending;
         let me = program.endpoint;
         let nranks = table.len() as u32;
@@ -584,29 +565,29 @@ impl EndpointState {
         let mut devices: HashMap<Endpoint, &str> = HashMap::new();
         for p in table {
             let DataAddr::Ipc { doorbells, bucket, bytes, device } = &p.addr else {
-                return Err(format!("{}: '{}' is no IPC address (a member of another refit?)", p.endpoint, p.addr));
+                return Err(FabricError::WrongAddr { peer: p.endpoint, addr: Box::new(p.addr.clone()), fabric: "IPC" });
             };
             devices.insert(p.endpoint, device.as_str());
             let slot = endpoints.get_mut(comm_rank(p.endpoint, src_ranks) as usize);
-            *slot.ok_or_else(|| format!("{} has no rank in a communicator of {nranks}", p.endpoint))? = Some(p.endpoint);
+            *slot.ok_or(FabricError::NoRank { peer: p.endpoint, nranks })? = Some(p.endpoint);
             addrs.insert(p.endpoint, (*doorbells, *bucket, *bytes));
         }
-        let endpoints: Vec<Endpoint> = endpoints.into_iter().collect::<Option<_>>().ok_or("the peer table misses a rank")?;
+        let endpoints: Vec<Endpoint> = endpoints.into_iter().collect::<Option<_>>().ok_or(FabricError::MissingRank)?;
         let wanted = program_peers(program);
         let mut peers = Vec::with_capacity(wanted.len());
         for &e in &wanted {
-            let (at, ..) = addrs.get(&e).ok_or_else(|| format!("no IPC address for {me}'s peer {e}"))?;
+            let (at, ..) = addrs.get(&e).ok_or(FabricError::NoPeerAddr { me, peer: e, fabric: "IPC" })?;
             peers.push((e, *at));
         }
         // Peers on this device read what this member offers, or offer what
         // it reads; the rest exchange through buckets.
-        let mine = devices.get(&me).copied().ok_or("the peer table has no address of this member")?;
+        let mine = devices.get(&me).copied().ok_or(FabricError::NoOwnAddr)?;
         let same_device: BTreeSet<Endpoint> = wanted.iter().copied().filter(|e| devices.get(e) == Some(&mine)).collect();
         // Buckets mapped: those of the peers this member receives from, and
         // of those on its device it sends to (their done tokens).
         let senders = program.rounds.iter().flat_map(|r| r.recvs.iter()).map(|m| m.peer);
         for e in senders.chain(same_device.iter().copied()).collect::<BTreeSet<_>>() {
-            let (_, handle, bytes) = addrs.get(&e).ok_or_else(|| format!("no IPC address for {me}'s peer {e}"))?;
+            let (_, handle, bytes) = addrs.get(&e).ok_or(FabricError::NoPeerAddr { me, peer: e, fabric: "IPC" })?;
             bucket.map_peer(comm_rank(e, src_ranks), e, handle, *bytes)?;
         }
         // Doorbells: a few bytes each, over TCP only (every peer its own
@@ -623,7 +604,7 @@ impl EndpointState {
             ..NodeTransportConfig::default()
         };
         let doorbells =
-            NodeTransport::connect(me, listener, &peers, |e| e, &config).map_err(|e| format!("{me}: connecting doorbells: {e}"))?;
+            NodeTransport::connect(me, listener, &peers, |e| e, &config).map_err(|e| FabricError::Doorbells { me, source: e.into() })?;
         let packs_into = bucket.packs_into();
         let rank = comm_rank(me, src_ranks);
         let config =
@@ -634,7 +615,7 @@ impl EndpointState {
             #[cfg(feature = "cuda")]
             Bucket::Gpu(b) => CommHandle::start(config, &tag, move || Ok(IpcComm::new(endpoints, doorbells, *b))),
         };
-        let handle = started.and_then(|p| p.wait()).map_err(|e| format!("{me}: {e}"))?;
+        let handle = started.and_then(|p| p.wait()).map_err(|e| FabricError::Comm { me, source: Box::new(e) })?;
         Ok(CommEnd::connected(handle, (src_ranks, nranks), settings.plane, gpu, Some((packs_into, same_device))))
     }
 }

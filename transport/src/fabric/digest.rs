@@ -25,17 +25,34 @@ pub fn digest(program: &RankProgram, memory: RunMemory<'_>, scratch: &mut Scratc
 /// of the memory a run of `program` just wrote: test machinery, for
 /// checks that a digest catches what changed after a transfer.
 #[cfg(feature = "testkit")]
-pub fn flip_byte(program: &RankProgram, memory: RunMemory<'_>, scratch: &mut Scratch, buffer: u32, byte: u64) -> Result<(), String> {
+pub fn flip_byte(program: &RankProgram, memory: RunMemory<'_>, scratch: &mut Scratch, buffer: u32, byte: u64) -> Result<(), FlipError> {
     let bypass = Bypass::of(program);
     let flipped = with_view(program, &bypass, memory, scratch, |mem| {
-        let buf = mem.bufs.get(buffer as usize).filter(|b| byte < b.len as u64).ok_or(format!("no byte {byte} in buffer {buffer}"))?;
+        let buf = mem.bufs.get(buffer as usize).filter(|b| byte < b.len as u64).ok_or(FlipError::NoByte { buffer, byte })?;
         // SAFETY: in bounds of one of the rank's buffers, valid for
         // writes and used by nothing else during the call (`with_view`'s
         // contract).
         unsafe { *buf.ptr.add(byte as usize) ^= 0xff };
         Ok(())
     });
-    flipped.map_err(|e| e.to_string())?
+    flipped?
+}
+
+/// Why [`flip_byte`] flipped nothing.
+#[cfg(feature = "testkit")]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FlipError {
+    /// The memory could not be read back.
+    #[error(transparent)]
+    Unread(#[from] DigestError),
+    /// No such byte.
+    #[error("no byte {byte} in buffer {buffer}")]
+    NoByte {
+        /// The buffer.
+        buffer: u32,
+        /// The byte.
+        byte: u64,
+    },
 }
 
 /// Calls `f` with a view of every buffer of `program` on `memory`: the

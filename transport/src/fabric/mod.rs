@@ -34,6 +34,7 @@ mod comm;
 use comm::CommFailed;
 mod digest;
 mod endpoint;
+mod error;
 mod host;
 mod hub;
 mod reach;
@@ -44,9 +45,11 @@ pub use crate::staging::StagingKept;
 #[cfg(feature = "testkit")]
 pub use digest::flip_byte;
 pub use digest::{digest, DigestError, RankDigest};
+pub use error::RegisteredMemoryError;
+use error::{FabricError, ProgramMismatch, RegisteredError};
 pub use host::{this_host, Host};
 pub use hub::{close_in_process, open_in_process};
-pub use registered::{RegisteredMemory, RegisteredStaging, Residence};
+pub use registered::{RegisteredMemory, RegisteredStaging, RegisteredVisitError, Residence};
 pub use spec::{CommPlane, DataAddr, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};
 
 use crate::{
@@ -179,25 +182,52 @@ pub struct RunOptions<'a> {
 pub enum RankRunError {
     /// The end cannot run: never connected, aborted, or unable to reach
     /// the rank's memory.
-    #[error("{0}")]
-    Fabric(String),
+    #[error(transparent)]
+    Fabric(Box<FabricError>),
     /// The program does not fit the rank's memory.
-    #[error("{0}")]
-    ProgramMismatch(String),
+    #[error(transparent)]
+    ProgramMismatch(ProgramMismatch),
     /// The data movement failed.
-    #[error("{why}")]
+    #[error("{cause}{}", hang.as_ref().map_or(String::new(), |h| format!("; {h}")))]
     Exec {
         /// What happened, naming the rank and peer.
-        why: String,
+        #[source]
+        cause: Box<RunFailure>,
         /// A peer failed first (its abort, a broken link).
         after_peer: bool,
+        /// The communicator's abort hangs (restart the process), where it
+        /// does.
+        hang: Option<String>,
     },
+}
+
+/// What failed in a run ([`RankRunError::Exec`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunFailure {
+    /// The host executor (a transport's run).
+    #[error(transparent)]
+    Host(ExecError),
+    /// The communicator executor.
+    #[error(transparent)]
+    Comm(crate::cuda::CommExecError),
+    /// The end's own part of a communicator's run (its memory, its plane).
+    #[error(transparent)]
+    Fabric(FabricError),
+    /// The owner of registered memory refused a region.
+    #[error(transparent)]
+    Registered(RegisteredError),
+}
+
+impl From<FabricError> for RankRunError {
+    fn from(e: FabricError) -> RankRunError {
+        RankRunError::Fabric(Box::new(e))
+    }
 }
 
 impl RankEnd {
     /// Opens rank `program.endpoint`'s end of `fabric` for the refit
     /// `session`, and says where its peers reach it.
-    pub fn open(fabric: Fabric, program: &RankProgram, site: Site, session: &str) -> Result<(RankEnd, DataAddr), String> {
+    pub fn open(fabric: Fabric, program: &RankProgram, site: Site, session: &str) -> Result<(RankEnd, DataAddr), FabricError> {
         let me = program.endpoint;
         if let Some(residence) = site.registered {
             reach::check_reach(&fabric, residence, site.gpu, me)?;
@@ -213,7 +243,7 @@ impl RankEnd {
 
     /// Connects to the peers of `program` in `table` (blocking: run off a
     /// reactor; the ranks of one communicator wait for each other).
-    pub fn connect(self, program: &RankProgram, table: &[PeerAddr], how: Connecting<'_>) -> Result<RankEnd, String> {
+    pub fn connect(self, program: &RankProgram, table: &[PeerAddr], how: Connecting<'_>) -> Result<RankEnd, FabricError> {
         self.0.connect(program, table, how.key, how.tweak).map(RankEnd)
     }
 
@@ -224,7 +254,7 @@ impl RankEnd {
     }
 
     /// Whether the end is connected and can run.
-    pub fn ready(&mut self) -> Result<(), String> {
+    pub fn ready(&mut self) -> Result<(), FabricError> {
         self.0.ready().map(drop)
     }
 
@@ -255,7 +285,7 @@ impl RankEnd {
         // Taken too: a run that fails leaves none (its areas go back to a
         // pool nobody keeps, and are freed).
         let pool = std::mem::take(&mut scratch.staging);
-        match self.0.ready().map_err(RankRunError::Fabric)? {
+        match self.0.ready()? {
             Ready::Transport(t) => {
                 let (r, left) = run_on_transport(program, memory, t, HostRun { deadline, delta, pool: &pool }, reuse);
                 if r.is_ok() {
@@ -289,12 +319,13 @@ impl RankEnd {
                         r
                     }
                 };
-                r.map_err(|CommFailed { why, after_peer }| {
-                    let why = match c.abort() {
-                        Some(hang) => format!("{why}; {hang}"),
-                        None => why,
+                r.map_err(|failed: CommFailed| {
+                    let after_peer = failed.after_peer();
+                    let cause = match failed {
+                        CommFailed::Run(e) => RunFailure::Comm(e),
+                        CommFailed::Own(e) => RunFailure::Fabric(e),
                     };
-                    RankRunError::Exec { why, after_peer }
+                    RankRunError::Exec { cause: Box::new(cause), after_peer, hang: c.abort() }
                 })
             }
         }
@@ -334,16 +365,17 @@ fn run_on_transport(
             // by the executor.
             match RegisteredStaging::host(staging, program, registered, registered.buffers()) {
                 Ok(m) => host_run(program, &bypass, m, &mut t, &options, (delta, pool), reuse),
-                Err(why) => refuse(t, RankRunError::Fabric(why)),
+                Err(e) => refuse(t, e.into_run_error()),
             }
         }
         RunMemory::Registered(registered) => {
             if registered.residence() != Residence::Host {
-                return refuse(t, RankRunError::Fabric(registered::off_host_fabric(program.endpoint, registered.residence())));
+                let off_host = RegisteredError::OffHost { me: program.endpoint, residence: registered.residence() };
+                return refuse(t, off_host.into_run_error());
             }
             let regions = match current_regions(program, registered) {
                 Ok(r) => r,
-                Err(e) => return refuse(t, e),
+                Err(e) => return refuse(t, e.into_run_error()),
             };
             // Registered memory stays as it is, the scratch beside it.
             let mut beside = scratch_for(program, &bypass, regions.len(), reuse);
@@ -371,7 +403,7 @@ fn exec_error(e: ExecError) -> RankRunError {
         e,
         ExecError::Transport(TransportError::PeerAborted { .. } | TransportError::Disconnected { .. } | TransportError::Broken { .. })
     );
-    RankRunError::Exec { why: e.to_string(), after_peer }
+    RankRunError::Exec { cause: Box::new(RunFailure::Host(e)), after_peer, hang: None }
 }
 
 /// A run over a host transport on the rank's own buffers (scratch
@@ -388,7 +420,7 @@ fn host_run(
     let base = match with_scratch(memory, program, bypass, reuse) {
         Ok(base) => base,
         Err(e) => {
-            t.abort(&e);
+            t.abort(&e.to_string());
             return (Err(RankRunError::ProgramMismatch(e)), Vec::new());
         }
     };
@@ -402,21 +434,21 @@ fn host_run(
 /// Appends scratch buffers a program needs beyond the rank's weights
 /// (none for those `bypass` skips), taking them from `reuse` (what an
 /// earlier run of the same program left) where the sizes match.
-fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass, reuse: Vec<Vec<u8>>) -> Result<usize, String> {
+fn with_scratch(memory: &mut RankMemory, program: &RankProgram, bypass: &Bypass, reuse: Vec<Vec<u8>>) -> Result<usize, ProgramMismatch> {
     let base = memory.buffers.len();
     if program.buffers.len() < base {
-        return Err(format!("program has {} buffers, the rank holds {base}", program.buffers.len()));
+        return Err(ProgramMismatch::Buffers { program: program.buffers.len(), held: base });
     }
     for (i, spec) in program.buffers.iter().enumerate().take(base) {
         let bytes = if bypass.skips(i) { 0 } else { (spec.elems * spec.dtype.size()) as usize };
         if memory.buffers[i].len() != bytes || memory.dtypes[i] != spec.dtype {
-            return Err(format!(
-                "buffer '{}' is {} bytes of {} here, the program expects {bytes} bytes of {}",
-                spec.name,
-                memory.buffers[i].len(),
-                memory.dtypes[i],
-                spec.dtype
-            ));
+            return Err(ProgramMismatch::Buffer {
+                name: spec.name.clone(),
+                held_bytes: memory.buffers[i].len(),
+                held_dtype: memory.dtypes[i],
+                bytes,
+                dtype: spec.dtype,
+            });
         }
     }
     memory.buffers.extend(scratch_for(program, bypass, base, reuse));

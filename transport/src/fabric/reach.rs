@@ -4,16 +4,17 @@
 //! before any peer connects or waits for it.
 
 use super::comm::out_of_reach;
-use super::registered::{off_host_fabric, Residence};
+use super::error::{FabricError, RegisteredError};
+use super::registered::Residence;
 use super::spec::{CommPlane, Fabric};
 use reshard::Endpoint;
 
 /// Checks that `fabric` reaches memory of `residence` (a rank's registered
 /// weights; `gpu` the member's GPU), saying why not.
-pub(super) fn check_reach(fabric: &Fabric, residence: Residence, gpu: Option<usize>, me: Endpoint) -> Result<(), String> {
+pub(super) fn check_reach(fabric: &Fabric, residence: Residence, gpu: Option<usize>, me: Endpoint) -> Result<(), FabricError> {
     let plane = match fabric {
         Fabric::InProcess | Fabric::Node(_) if residence == Residence::Host => return Ok(()),
-        Fabric::InProcess | Fabric::Node(_) => return Err(off_host_fabric(me, residence)),
+        Fabric::InProcess | Fabric::Node(_) => return Err(RegisteredError::OffHost { me, residence }.into()),
         Fabric::Nccl(s) => &s.plane,
         Fabric::Ipc(s) => &s.plane,
     };
@@ -38,13 +39,14 @@ mod tests {
         let node = Fabric::Node(NodeFabric::default());
         assert!(check_reach(&Fabric::InProcess, host, None, me).is_ok());
         assert!(check_reach(&node, host, None, me).is_ok());
-        let e = check_reach(&node, gpu0, Some(0), me).unwrap_err();
+        let e = check_reach(&node, gpu0, Some(0), me).unwrap_err().to_string();
         assert!(e.contains("src rank 3") && e.contains("NCCL and IPC fabrics only"), "{e}");
         let nccl = Fabric::Nccl(NcclFabric::new(CommPlane::Cuda));
-        let e = check_reach(&nccl, host, Some(0), me).unwrap_err();
+        let e = check_reach(&nccl, host, Some(0), me).unwrap_err().to_string();
         assert!(e.contains("registered host memory") && e.contains("CUDA plane does not reach"), "{e}");
         assert!(check_reach(&nccl, gpu0, Some(0), me).is_ok());
-        assert!(check_reach(&nccl, gpu1, Some(0), me).unwrap_err().contains("another device"));
+        assert!(matches!(check_reach(&nccl, gpu1, Some(0), me), Err(FabricError::OutOfReach { cuda: true, .. })));
+        assert!(check_reach(&nccl, gpu1, Some(0), me).unwrap_err().to_string().contains("another device"));
         let ipc_sim = Fabric::Ipc(IpcFabric::new(sim.clone()));
         assert!(check_reach(&ipc_sim, host, None, me).is_ok());
         assert!(check_reach(&ipc_sim, gpu0, Some(0), me).is_err());

@@ -3,9 +3,9 @@
 //! ([`RegisteredMemory`]), and a registered destination's staging
 //! ([`RegisteredStaging`]).
 
-use super::RankRunError;
+use super::error::{ProgramMismatch, RegisteredError, RegisteredMemoryError};
 use crate::RankMemory;
-use reshard::{Endpoint, RankProgram};
+use reshard::RankProgram;
 
 /// Where registered weights live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,16 +29,6 @@ impl std::fmt::Display for Residence {
             Residence::Host => f.write_str("host"),
         }
     }
-}
-
-/// Why a host fabric refuses `me`'s registered memory in `residence`
-/// (device memory), saying what to change.
-pub(super) fn off_host_fabric(me: Endpoint, residence: Residence) -> String {
-    format!(
-        "{me}: its weights are registered {residence} memory, which moves on the NCCL and IPC fabrics only (run the \
-         orchestrator on fabric \"ipc\" where trainers and engines share the GPUs, \"nccl\" otherwise, or register host \
-         memory)"
-    )
 }
 
 /// A rank's weights in memory its owner holds, one region (address,
@@ -65,11 +55,34 @@ pub unsafe trait RegisteredMemory: Send + Sync {
     /// Calls `f(index, (address, bytes))` on every region in buffer order,
     /// each checked with its owner right before (nothing can move or free
     /// it until `f` returns). An error names the buffer.
-    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), String>) -> Result<(), String>;
+    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegisteredVisitError>) -> Result<(), RegisteredVisitError>;
 
     /// Every region as its owner holds it now, for a use that cannot run
     /// inside [`RegisteredMemory::visit`] (a source's run, a device copy).
-    fn current_regions(&self) -> Result<Vec<(u64, usize)>, String>;
+    fn current_regions(&self) -> Result<Vec<(u64, usize)>, RegisteredMemoryError>;
+}
+
+/// Why [`RegisteredMemory::visit`] stopped: the owner refused a region, or
+/// the visitor failed on one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RegisteredVisitError {
+    /// The owner refused a region.
+    #[error(transparent)]
+    Owner(#[from] RegisteredMemoryError),
+    /// The visitor failed.
+    #[error(transparent)]
+    Visitor(#[from] RegisteredError),
+}
+
+impl RegisteredVisitError {
+    /// This error for rank `me`: an owner's refusal named as the rank's
+    /// registered weights, the visitor's as it is.
+    fn of(self, me: reshard::Endpoint) -> RegisteredError {
+        match self {
+            RegisteredVisitError::Owner(source) => RegisteredError::Owner { me, source },
+            RegisteredVisitError::Visitor(e) => e,
+        }
+    }
 }
 
 /// The rank's buffers' regions of `registered` memory as their owner holds
@@ -77,26 +90,24 @@ pub unsafe trait RegisteredMemory: Send + Sync {
 /// are the rank's): memory the owner moved or freed since is never
 /// named. An owner's refusal fails the run; regions that do not fit the
 /// program are a mismatch.
-pub(super) fn current_regions(program: &RankProgram, registered: &dyn RegisteredMemory) -> Result<Vec<(u64, usize)>, RankRunError> {
+pub(super) fn current_regions(program: &RankProgram, registered: &dyn RegisteredMemory) -> Result<Vec<(u64, usize)>, RegisteredError> {
     let me = program.endpoint;
-    let current = registered
-        .current_regions()
-        .map_err(|e| RankRunError::Exec { why: format!("{me}: registered weights: {e}"), after_peer: false })?;
-    cut_to_buffers(program, &current).map_err(RankRunError::ProgramMismatch)
+    let current = registered.current_regions().map_err(|source| RegisteredError::Owner { me, source })?;
+    Ok(cut_to_buffers(program, &current)?)
 }
 
 /// `registered` regions, each cut to its buffer's bytes.
-fn cut_to_buffers(program: &RankProgram, registered: &[(u64, usize)]) -> Result<Vec<(u64, usize)>, String> {
+fn cut_to_buffers(program: &RankProgram, registered: &[(u64, usize)]) -> Result<Vec<(u64, usize)>, ProgramMismatch> {
     let me = program.endpoint;
     let base = registered.len();
     if program.buffers.len() < base {
-        return Err(format!("{me}: the program has {} buffers, {base} are registered", program.buffers.len()));
+        return Err(ProgramMismatch::Registered { me, program: program.buffers.len(), registered: base });
     }
     let mut regions = Vec::with_capacity(program.buffers.len());
     for (spec, &(addr, len)) in program.buffers.iter().zip(registered) {
         let bytes = (spec.elems * spec.dtype.size()) as usize;
         if len < bytes {
-            return Err(format!("{me}: buffer '{}' needs {bytes} bytes, {len} are registered", spec.name));
+            return Err(ProgramMismatch::RegisteredTooSmall { me, name: spec.name.clone(), bytes, len });
         }
         regions.push((addr, bytes));
     }
@@ -148,24 +159,24 @@ impl RegisteredStaging {
         program: &RankProgram,
         registered: &dyn RegisteredMemory,
         buffers: usize,
-    ) -> Result<&'a mut RankMemory, String> {
+    ) -> Result<&'a mut RankMemory, RegisteredError> {
+        let me = program.endpoint;
         if registered.residence() != Residence::Host {
-            return Err(off_host_fabric(program.endpoint, registered.residence()));
+            return Err(RegisteredError::OffHost { me, residence: registered.residence() });
         }
-        let specs = program.buffers.get(..buffers).ok_or_else(|| format!("{}: the program has no {buffers} buffers", program.endpoint))?;
+        let specs = program.buffers.get(..buffers).ok_or(RegisteredError::NoBuffers { me, buffers })?;
         let lens = specs.iter().map(|b| (b.elems * b.dtype.size()) as usize);
         let fits =
             matches!(staging, Some(RegisteredStaging { memory: StagingMemory::Host(m), .. }) if m.buffers.iter().map(Vec::len).eq(lens));
         if !fits {
             *staging = Some(RegisteredStaging { memory: StagingMemory::Host(RankMemory::for_buffers(specs)), synced: false });
         }
-        let st = staging.as_mut().ok_or("no staging")?;
-        let memory = st.memory.host().ok_or("no host staging")?;
+        let st = staging.as_mut().ok_or(RegisteredError::NoStaging)?;
+        let memory = st.memory.host().ok_or(RegisteredError::NoStaging)?;
         if !st.synced {
-            let me = program.endpoint;
             registered
                 .visit(&mut |i, (addr, _)| {
-                    let to = memory.buffers.get_mut(i).ok_or_else(|| format!("{me}: no staging for registered buffer {i}"))?;
+                    let to = memory.buffers.get_mut(i).ok_or(RegisteredError::NoStagingFor(i))?;
                     let len = to.len();
                     // SAFETY: the owner re-derived this region just now and
                     // `visit` checked it holds the buffer's bytes (at least
@@ -177,7 +188,7 @@ impl RegisteredStaging {
                     to.copy_from_slice(unsafe { std::slice::from_raw_parts(addr as *const u8, len) });
                     Ok(())
                 })
-                .map_err(|e| format!("{me}: registered weights: {e}"))?;
+                .map_err(|e| e.of(me))?;
         }
         st.synced = false;
         Ok(memory)
@@ -192,19 +203,19 @@ impl RegisteredStaging {
 
     /// Copies the rank's buffers into `registered` memory (the commit,
     /// under the store's commit fence: no reader holds it) and waits.
-    pub fn commit(&mut self, program: &RankProgram, registered: &dyn RegisteredMemory) -> Result<(), String> {
+    pub fn commit(&mut self, program: &RankProgram, registered: &dyn RegisteredMemory) -> Result<(), RegisteredError> {
         let me = program.endpoint;
         match &mut self.memory {
             StagingMemory::Host(memory) => {
                 if registered.residence() != Residence::Host {
-                    return Err(format!("{me}: host staging for registered {} memory", registered.residence()));
+                    return Err(RegisteredError::HostStaging { me, residence: registered.residence() });
                 }
                 registered
                     .visit(&mut |i, (addr, _)| {
-                        let from = memory.buffers.get(i).ok_or_else(|| format!("no staging for registered buffer {i}"))?;
+                        let from = memory.buffers.get(i).ok_or(RegisteredError::NoStagingFor(i))?;
                         let len = from.len();
                         if program.buffers.get(i).map(|b| (b.elems * b.dtype.size()) as usize) != Some(len) {
-                            return Err(format!("staging of {len} bytes for buffer {i} of another size"));
+                            return Err(RegisteredError::StagingSize { len, buffer: i }.into());
                         }
                         // SAFETY: the owner re-derived this region just now
                         // and `visit` checked it holds the buffer's bytes
@@ -217,24 +228,19 @@ impl RegisteredStaging {
                         unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), addr as *mut u8, len) };
                         Ok(())
                     })
-                    .map_err(|e| format!("{me}: registered weights: {e}"))?;
+                    .map_err(|e| e.of(me))?;
             }
             #[cfg(feature = "cuda")]
             StagingMemory::Device(dev, mem) => {
-                let regions = current_regions(program, registered).map_err(|e| e.to_string())?;
+                let regions = current_regions(program, registered)?;
                 if registered.residence() != (Residence::Device { ordinal: dev.ordinal() }) {
-                    return Err(format!(
-                        "{}: staging on GPU {} for registered {} memory",
-                        program.endpoint,
-                        dev.ordinal(),
-                        registered.residence()
-                    ));
+                    return Err(RegisteredError::DeviceStaging { me, ordinal: dev.ordinal(), residence: registered.residence() });
                 }
                 // SAFETY: the regions are device memory of this GPU
                 // (checked above; `RegisteredMemory`'s contract), written
                 // by nothing else during a commit; the staging is our own
                 // bucket.
-                unsafe { mem.copy_to_regions(dev, &regions) }.map_err(|e| e.to_string())?;
+                unsafe { mem.copy_to_regions(dev, &regions) }?;
             }
         }
         self.synced = true;

@@ -148,7 +148,7 @@ impl ShmReceiver {
             if n > max {
                 return Err(Stop::Broken(format!("a lent message of {n} bytes exceeds the limit of {max}")));
             }
-            let (ptr, release) = self.shm.lent(a, offset, n).map_err(Stop::Broken)?;
+            let (ptr, release) = self.shm.lent(a, offset, n).map_err(|e| Stop::Broken(e.to_string()))?;
             // SAFETY: `ShmIn::lent` checked the range lies in the mapped
             // lend area, which the sender leaves alone until `release` is
             // dropped (also when the checksum fails below: the lent is
@@ -177,7 +177,7 @@ impl ShmReceiver {
             return Err(Stop::Broken(format!("a chunk of {n} bytes overruns its message of {}", p.total)));
         }
         let at = p.filled;
-        self.shm.chunk(offset, n, &mut p.bytes[at..at + n as usize]).map_err(Stop::Broken)?;
+        self.shm.chunk(offset, n, &mut p.bytes[at..at + n as usize]).map_err(|e| Stop::Broken(e.to_string()))?;
         p.filled += n as usize;
         if checksum {
             self.crc = crc32c::crc32c_append(self.crc, &p.bytes[at..p.filled]);

@@ -23,7 +23,7 @@ pub(super) fn device_cast(dev: &GpuDevice, from: DType, bytes: &[u8], to: DType)
 
 pub(super) fn kernels(ctx: &Ctx) -> Result<(String, Value), String> {
     let dev = &ctx.dev;
-    let origin = dev.kernels()?.origin().to_string();
+    let origin = dev.kernels().map_err(|e| e.to_string())?.origin().to_string();
     let all16: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let f32s: Vec<u8> = (0..1_000_000)
@@ -72,12 +72,12 @@ pub(super) fn environment(ctx: &Ctx) -> Result<(String, Value), String> {
     let nvrtc = facts.nvrtc.clone();
     // NVRTC's own build of the kernels, for this device, loads too.
     let nvrtc_kernels = dev.check_nvrtc_kernels();
-    let kernels = dev.kernels()?;
+    let kernels = dev.kernels().map_err(|e| e.to_string())?;
     let fields = json!({
         "device": dev.name(), "uuid": uuid, "compute_capability": format!("{major}.{minor}"), "driver_cuda": driver,
         "nccl": nccl.clone().unwrap_or_else(|e| format!("unavailable: {e}")),
         "nvrtc": nvrtc.clone().unwrap_or_else(|e| format!("unavailable: {e}")),
-        "nvrtc_kernels_load": nvrtc_kernels.clone().map(|o| format!("yes: {o}")).unwrap_or_else(|e| e),
+        "nvrtc_kernels_load": nvrtc_kernels.clone().map(|o| format!("yes: {o}")).unwrap_or_else(|e| e.to_string()),
         "kernels": kernels.origin(), "ptx_isa": transport::cuda::shipped_ptx_isa(),
     });
     let line = format!(

@@ -157,16 +157,16 @@ pub(super) fn ipc_abort_in_flight(ctx: &Ctx) -> Result<(String, Value), String> 
     let result = (|| -> Result<(String, Value), String> {
         let handle = exporter.handle()?;
         let me = Endpoint::dst(0);
-        let (mut rank, _) = GpuIpc::export(0, me, 1 << 20)?;
-        rank.map_peer(0, Endpoint::src(0), &handle, bytes)?;
+        let (mut rank, _) = GpuIpc::export(0, me, 1 << 20).map_err(|e| e.to_string())?;
+        rank.map_peer(0, Endpoint::src(0), &handle, bytes).map_err(|e| e.to_string())?;
         // Never freed: the copy into it may outlive any early return
         // below (this process ends soon after the check).
         let target = std::mem::ManuallyDrop::new(DeviceMemory::for_buffers(dev, me, &[spec(DType::U8, bytes)]).map_err(e2s)?);
         let t = Instant::now();
         // SAFETY: `target` holds `bytes` bytes of this process and is
         // never freed (ManuallyDrop above), on every path out of here.
-        unsafe { rank.pull(0, 0, target.device_addrs()[0], bytes) }?;
-        let in_flight = rank.pulled()? == Progress::Pending;
+        unsafe { rank.pull(0, 0, target.device_addrs()[0], bytes) }.map_err(|e| e.to_string())?;
+        let in_flight = rank.pulled().map_err(|e| e.to_string())? == Progress::Pending;
         rank.abandon();
         drop(rank);
         // The copy ends on its own; the context must still be usable.

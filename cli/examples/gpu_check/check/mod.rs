@@ -99,10 +99,17 @@ fn fp8_at_source(ctx: &Ctx) -> Result<(String, Value), String> {
 fn gpu_facts(dev: Result<&GpuDevice, &str>) -> GpuFacts {
     use transport::cuda::{device_uuid, driver_version, nccl_version_text, nvrtc_version, probe_nccl};
     let (name, uuid) = match dev {
-        Ok(dev) => (Ok(dev.name().to_string()), device_uuid(dev.ordinal())),
+        Ok(dev) => (Ok(dev.name().to_string()), device_uuid(dev.ordinal()).map_err(|e| e.to_string())),
         Err(e) => (Err(e.to_string()), Err(e.to_string())),
     };
-    GpuFacts { name, uuid, cuda_driver_api: driver_version(), nvrtc: nvrtc_version(), nccl: probe_nccl().map(nccl_version_text) }
+    let text = |e: &dyn std::fmt::Display| e.to_string();
+    GpuFacts {
+        name,
+        uuid,
+        cuda_driver_api: driver_version().map_err(|e| text(&e)),
+        nvrtc: nvrtc_version().map_err(|e| text(&e)),
+        nccl: probe_nccl().map(nccl_version_text).map_err(|e| text(&e)),
+    }
 }
 
 /// What ran (`crate::record`), with the GPU's facts from `dev`.

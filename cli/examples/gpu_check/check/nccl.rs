@@ -18,7 +18,7 @@ pub(super) fn nccl(ctx: &Ctx) -> Result<(String, Value), String> {
     let mut lines = Vec::new();
     let mut fields = Vec::new();
     for attempt in ["first", "new id"] {
-        let id = CommId::generate()?;
+        let id = CommId::generate().map_err(|e| e.to_string())?;
         let t = Instant::now();
         let mut comm = create_comms(&[(dev.ordinal(), 0)], id, config).remove(0).map_err(|e| format!("{attempt}: {e}"))?;
         let init = t.elapsed();
@@ -69,7 +69,7 @@ pub(super) fn nccl_missing_peer(ctx: &Ctx) -> Result<(String, Value), String> {
     use transport::cuda::{abandoned_comm_threads, CommError};
     let (init_timeout, abort_timeout) = (Duration::from_secs(3), Duration::from_secs(5));
     let config = CommConfig { init_timeout, abort_timeout, ..CommConfig::new(0, 2) };
-    let id = CommId::generate()?;
+    let id = CommId::generate().map_err(|e| e.to_string())?;
     let t = Instant::now();
     let r = create_comms(&[(ctx.dev.ordinal(), 0)], id, config).remove(0);
     let took = t.elapsed();

@@ -20,7 +20,7 @@ pub enum AbortOutcome {
         /// Time the abort took.
         elapsed: Duration,
         /// The error.
-        reason: String,
+        reason: super::BackendError,
     },
     /// The thread did not answer within the abort timeout: it is left
     /// running and counted by [`abandoned_comm_threads`]. Escalate to a

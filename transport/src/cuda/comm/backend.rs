@@ -3,6 +3,7 @@
 //! point-to-point operations of a group ([`P2p`]), and the device event a
 //! group waits for ([`Fence`]).
 
+use super::error::BackendError;
 use std::sync::Arc;
 
 /// Whether polled work is done.
@@ -51,7 +52,7 @@ impl P2p {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GroupError {
     /// What failed.
-    pub reason: String,
+    pub reason: BackendError,
     /// A peer failed first (it aborted, went away, or NCCL reports a remote
     /// error): this rank only followed it.
     pub peer_first: bool,
@@ -59,17 +60,36 @@ pub struct GroupError {
 
 impl GroupError {
     /// A failure that began at a peer.
-    pub fn peer(reason: impl Into<String>) -> GroupError {
+    pub fn peer(reason: impl Into<BackendError>) -> GroupError {
         GroupError { reason: reason.into(), peer_first: true }
     }
 }
 
-impl From<String> for GroupError {
+impl From<BackendError> for GroupError {
     /// A failure of this rank's own.
-    fn from(reason: String) -> GroupError {
+    fn from(reason: BackendError) -> GroupError {
         GroupError { reason, peer_first: false }
     }
 }
+
+/// A failure of this rank's own, from the conversions into [`BackendError`].
+macro_rules! own_group_error {
+    ($($(#[$m:meta])* $from:ty),*) => {$(
+        $(#[$m])*
+        impl From<$from> for GroupError {
+            fn from(reason: $from) -> GroupError {
+                GroupError::from(BackendError::from(reason))
+            }
+        }
+    )*};
+}
+
+own_group_error!(
+    super::error::SimError,
+    super::error::IpcCommError,
+    #[cfg(feature = "cuda")]
+    crate::cuda::device::GpuError
+);
 
 /// What the communicator thread needs from a communicator. Every method
 /// but [`CommBackend::abort`] must return promptly (non-blocking NCCL
@@ -81,7 +101,7 @@ impl From<String> for GroupError {
 /// a full synchronisation of the host.
 pub trait CommBackend {
     /// Progress of a non-blocking creation (`ncclCommGetAsyncError`).
-    fn poll_init(&mut self) -> Result<Progress, String>;
+    fn poll_init(&mut self) -> Result<Progress, BackendError>;
     /// Issues one group of send/recv operations (`ncclGroupStart` … `ncclGroupEnd`)
     /// on the communicator's stream, after the device event `after` (0:
     /// none), for plan round `round` (every rank's group of a round has the
@@ -91,15 +111,15 @@ pub trait CommBackend {
     /// the device; fails on an asynchronous communicator error.
     fn poll_group(&mut self) -> Result<Progress, GroupError>;
     /// Checks the communicator for an asynchronous error while idle.
-    fn check(&mut self) -> Result<(), String>;
+    fn check(&mut self) -> Result<(), BackendError>;
     /// Starts tearing the communicator down (`ncclCommAbort`): `Ready` if
     /// the teardown is complete, `Pending` if it goes on (a non-blocking
     /// communicator), to be polled with [`CommBackend::poll_abort`]. May
     /// never return.
-    fn abort(&mut self) -> Result<Progress, String>;
+    fn abort(&mut self) -> Result<Progress, BackendError>;
     /// Progress of a teardown [`CommBackend::abort`] left pending: `Ready`
     /// once nothing the communicator queued can still touch device memory.
-    fn poll_abort(&mut self) -> Result<Progress, String>;
+    fn poll_abort(&mut self) -> Result<Progress, BackendError>;
 }
 
 /// A raw CUDA event handle (`CUevent`) recorded on a stream whose work a

@@ -1,5 +1,6 @@
 //! Why a communicator operation failed ([`CommError`]): every error names
-//! this rank, the communicator's tag and the peers involved.
+//! this rank, the communicator's tag and the peers involved; and what the
+//! communicator behind it reported ([`BackendError`]), kept as the cause.
 
 use std::time::Duration;
 use thiserror::Error;
@@ -32,7 +33,7 @@ pub enum CommError {
         /// Communicator tag.
         comm: String,
         /// What failed.
-        reason: String,
+        reason: Box<BackendError>,
         /// Whether the cleanup abort hung and the thread was abandoned.
         abandoned: bool,
     },
@@ -62,7 +63,7 @@ pub enum CommError {
         /// Peers of the group's operations.
         peers: Vec<u32>,
         /// What failed.
-        reason: String,
+        reason: Box<BackendError>,
         /// A peer failed first (this rank only followed it).
         peer_first: bool,
     },
@@ -74,7 +75,7 @@ pub enum CommError {
         /// Communicator tag.
         comm: String,
         /// The error.
-        reason: String,
+        reason: Box<BackendError>,
     },
     /// An operation names a peer outside the communicator.
     #[error("rank {rank} comm {comm}: peer {peer} is not one of the {nranks} ranks")]
@@ -125,3 +126,85 @@ impl CommError {
         matches!(self, CommError::GroupFailed { peer_first: true, .. })
     }
 }
+
+/// What a communicator backend reported: the NCCL library or the device
+/// under it, the simulated communicator ([`SimError`]), the IPC
+/// communicator ([`IpcCommError`]), or the thread that runs it.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum BackendError {
+    /// The thread was told to stop (an abort was requested) while it waited.
+    #[error("stopped: abort requested")]
+    Stopped,
+    /// A backend call panicked; the panic's message.
+    #[error("panicked: {0}")]
+    Panicked(String),
+    /// The communicator thread could not be started (the system's reason).
+    #[error("cannot start thread: {0}")]
+    Spawn(String),
+    /// The communicator thread ended without reporting.
+    #[error("communicator thread ended unexpectedly")]
+    ThreadEnded,
+    /// The thread did not answer a check in time.
+    #[error("no answer within {0:?}")]
+    NoAnswer(Duration),
+    /// An NCCL call failed: `call` names it (with its arguments where
+    /// they help), `detail` is NCCL's text for the code and its last error.
+    #[cfg(feature = "cuda")]
+    #[error("{call}: {detail}")]
+    Nccl {
+        /// The call (e.g. `ncclGroupEnd`).
+        call: String,
+        /// NCCL's result code.
+        code: cudarc::nccl::sys::ncclResult_t,
+        /// NCCL's text for the code, and its last error message.
+        detail: String,
+    },
+    /// NCCL reported an asynchronous error on the communicator.
+    #[cfg(feature = "cuda")]
+    #[error("{detail}")]
+    NcclAsync {
+        /// NCCL's result code.
+        code: cudarc::nccl::sys::ncclResult_t,
+        /// NCCL's text for the code, and its last error message.
+        detail: String,
+    },
+    /// A CUDA driver call of the backend failed.
+    #[cfg(feature = "cuda")]
+    #[error("{what}: {source}")]
+    Driver {
+        /// What was being done.
+        what: String,
+        /// The driver's error.
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    /// A CUDA or NCCL call panicked (a missing library or symbol).
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    CallPanicked(#[from] crate::cuda::device::Panicked),
+    /// NCCL's unique id did not decode.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    BadId(crate::cuda::id::CommIdError),
+    /// The device (opening it, its memory) failed.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Device(#[from] crate::cuda::device::GpuError),
+    /// CUDA or NCCL cannot be used in this process.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Unavailable(#[from] crate::cuda::device::ProbeError),
+    /// The simulated communicator refused or failed.
+    #[error(transparent)]
+    Sim(#[from] SimError),
+    /// The IPC communicator (doorbells, mapped buckets) failed.
+    #[error(transparent)]
+    Ipc(#[from] IpcCommError),
+    /// A test's fake backend failed (its words).
+    #[cfg(test)]
+    #[error("{0}")]
+    Fake(String),
+}
+
+pub(crate) use crate::cuda::ipc_comm::IpcCommError;
+pub(crate) use crate::cuda::sim::SimError;

@@ -4,7 +4,7 @@
 
 use super::abort::{AbortOutcome, DoneOnDrop, Mark, ThreadWatch};
 use super::backend::{CommBackend, Fence, P2p};
-use super::error::CommError;
+use super::error::{BackendError, CommError};
 use super::thread::{comm_thread, Command, InitFail, Report};
 use super::CommConfig;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,7 +74,7 @@ impl PendingComm {
             Ok(Report::Init(Ok(()))) => return Ok(handle),
             Ok(Report::Init(Err(InitFail::Timeout))) | Err(RecvTimeoutError::Timeout) => None,
             Ok(Report::Init(Err(InitFail::Failed(reason)))) => Some(reason),
-            Ok(Report::Aborted(_)) | Err(RecvTimeoutError::Disconnected) => Some("communicator thread ended unexpectedly".into()),
+            Ok(Report::Aborted(_)) | Err(RecvTimeoutError::Disconnected) => Some(BackendError::ThreadEnded),
         };
         // Creation failed: the thread aborts what it created; wait for that
         // at most the abort timeout.
@@ -83,7 +83,7 @@ impl PendingComm {
         handle.state = State::Closed;
         Err(match fail {
             None => CommError::InitTimeout { rank, nranks, comm, waited: start.elapsed(), abandoned },
-            Some(reason) => CommError::InitFailed { rank, nranks, comm, reason, abandoned },
+            Some(reason) => CommError::InitFailed { rank, nranks, comm, reason: Box::new(reason), abandoned },
         })
     }
 }
@@ -105,7 +105,7 @@ impl CommHandle {
     pub fn start<B, F>(config: CommConfig, tag: &str, make: F) -> Result<PendingComm, CommError>
     where
         B: CommBackend,
-        F: FnOnce() -> Result<B, String> + Send + 'static,
+        F: FnOnce() -> Result<B, BackendError> + Send + 'static,
     {
         let start = Instant::now();
         let init_deadline = start + config.init_timeout;
@@ -122,7 +122,7 @@ impl CommHandle {
             rank: config.rank,
             nranks: config.nranks,
             comm: tag.to_string(),
-            reason: format!("cannot start thread: {e}"),
+            reason: Box::new(BackendError::Spawn(e.to_string())),
             abandoned: false,
         })?;
         let handle = CommHandle { config, tag: tag.to_string(), commands, reports, stop, mark, thread: Some(thread), state: State::Ready };
@@ -134,7 +134,7 @@ impl CommHandle {
     pub fn spawn<B, F>(config: CommConfig, tag: &str, make: F) -> Result<CommHandle, CommError>
     where
         B: CommBackend,
-        F: FnOnce() -> Result<B, String> + Send + 'static,
+        F: FnOnce() -> Result<B, BackendError> + Send + 'static,
     {
         CommHandle::start(config, tag, make)?.wait()
     }
@@ -203,7 +203,7 @@ impl CommHandle {
         let result = match answer.recv_timeout(wait) {
             Ok(Ok(())) => return Ok(()),
             Ok(Err(None)) => CommError::GroupTimeout { rank, comm, round, peers, waited: start.elapsed() },
-            Ok(Err(Some(e))) => CommError::GroupFailed { rank, comm, round, peers, reason: e.reason, peer_first: e.peer_first },
+            Ok(Err(Some(e))) => CommError::GroupFailed { rank, comm, round, peers, reason: Box::new(e.reason), peer_first: e.peer_first },
             Err(RecvTimeoutError::Timeout) => {
                 // The thread is stuck inside a call: stop its polling.
                 self.stop.store(true, Ordering::SeqCst);
@@ -227,8 +227,8 @@ impl CommHandle {
         }
         let err = match answer.recv_timeout(timeout) {
             Ok(Ok(())) => return Ok(()),
-            Ok(Err(reason)) => CommError::Async { rank, comm, reason },
-            Err(RecvTimeoutError::Timeout) => CommError::Async { rank, comm, reason: format!("no answer within {timeout:?}") },
+            Ok(Err(reason)) => CommError::Async { rank, comm, reason: Box::new(reason) },
+            Err(RecvTimeoutError::Timeout) => CommError::Async { rank, comm, reason: Box::new(BackendError::NoAnswer(timeout)) },
             Err(RecvTimeoutError::Disconnected) => CommError::ThreadGone { rank, comm },
         };
         self.state = State::Failed(err.to_string());
@@ -271,7 +271,7 @@ impl CommHandle {
                     if let Some(t) = self.thread.take() {
                         let _ = t.join();
                     }
-                    return AbortOutcome::Failed { elapsed: start.elapsed(), reason: "communicator thread ended unexpectedly".into() };
+                    return AbortOutcome::Failed { elapsed: start.elapsed(), reason: BackendError::ThreadEnded };
                 }
                 Err(RecvTimeoutError::Timeout) => {
                     self.mark.abandon();
@@ -297,7 +297,7 @@ impl Drop for CommHandle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::comm::{abandoned_comm_threads, GroupError, Progress, RawEvent};
+    use crate::cuda::comm::{abandoned_comm_threads, BackendError, GroupError, Progress, RawEvent};
     use std::sync::atomic::AtomicUsize;
     use std::sync::mpsc::SyncSender;
     use std::sync::Mutex;
@@ -329,7 +329,7 @@ mod tests {
     }
 
     impl CommBackend for Fake {
-        fn poll_init(&mut self) -> Result<Progress, String> {
+        fn poll_init(&mut self) -> Result<Progress, BackendError> {
             self.init_polls += 1;
             if let Some((joined, all)) = &self.joined {
                 if joined.load(Ordering::SeqCst) < *all {
@@ -354,7 +354,7 @@ mod tests {
             self.group_polls += 1;
             if let Some((at, e)) = &self.async_error_at {
                 if self.group_polls >= *at {
-                    return Err(e.clone().into());
+                    return Err(BackendError::Fake(e.clone()).into());
                 }
             }
             match self.group_after {
@@ -362,21 +362,21 @@ mod tests {
                 _ => Ok(Progress::Pending),
             }
         }
-        fn check(&mut self) -> Result<(), String> {
+        fn check(&mut self) -> Result<(), BackendError> {
             self.log.lock().unwrap().push("check".into());
             match &self.async_error_at {
-                Some((_, e)) => Err(e.clone()),
+                Some((_, e)) => Err(BackendError::Fake(e.clone())),
                 None => Ok(()),
             }
         }
-        fn abort(&mut self) -> Result<Progress, String> {
+        fn abort(&mut self) -> Result<Progress, BackendError> {
             self.log.lock().unwrap().push("abort".into());
             if let Some(rx) = &self.abort_hang {
                 let _ = rx.recv();
             }
             Ok(if self.abort_pending.is_some() { Progress::Pending } else { Progress::Ready })
         }
-        fn poll_abort(&mut self) -> Result<Progress, String> {
+        fn poll_abort(&mut self) -> Result<Progress, BackendError> {
             self.abort_polls += 1;
             match self.abort_pending {
                 Some(Some(n)) if self.abort_polls >= n => {
@@ -392,7 +392,7 @@ mod tests {
         log: &Arc<Mutex<Vec<String>>>,
         joined: &Arc<AtomicUsize>,
         all: usize,
-    ) -> impl FnOnce() -> Result<Fake, String> + Send + 'static {
+    ) -> impl FnOnce() -> Result<Fake, BackendError> + Send + 'static {
         let fake = Fake { joined: Some((joined.clone(), all)), ..ready_fake(log) };
         let joined = joined.clone();
         move || {
@@ -522,10 +522,10 @@ mod tests {
         // Generous: a panic may print a symbolized backtrace (RUST_BACKTRACE)
         // on a loaded machine before the thread ends.
         let config = || CommConfig { init_timeout: Duration::from_secs(20), ..config() };
-        let err = CommHandle::spawn(config(), "t3", || Err::<Fake, _>("libnccl.so not found".to_string())).unwrap_err();
-        assert!(matches!(&err, CommError::InitFailed { reason, .. } if reason.contains("libnccl")), "{err}");
-        let err = CommHandle::spawn(config(), "t4", || -> Result<Fake, String> { panic!("symbol missing") }).unwrap_err();
-        assert!(matches!(&err, CommError::InitFailed { reason, .. } if reason.contains("symbol missing")), "{err}");
+        let err = CommHandle::spawn(config(), "t3", || Err::<Fake, _>(BackendError::Fake("libnccl.so not found".to_string()))).unwrap_err();
+        assert!(matches!(&err, CommError::InitFailed { reason, .. } if reason.to_string().contains("libnccl")), "{err}");
+        let err = CommHandle::spawn(config(), "t4", || -> Result<Fake, BackendError> { panic!("symbol missing") }).unwrap_err();
+        assert!(matches!(&err, CommError::InitFailed { reason, .. } if reason.to_string().contains("symbol missing")), "{err}");
     }
 
     #[test]
@@ -568,7 +568,7 @@ mod tests {
         match &err {
             CommError::GroupFailed { rank: 1, round: 7, peers, reason, .. } => {
                 assert_eq!(peers, &vec![0, 2]);
-                assert!(reason.contains("remote process exited"));
+                assert!(reason.to_string().contains("remote process exited"));
             }
             e => panic!("unexpected {e}"),
         }
@@ -581,7 +581,7 @@ mod tests {
         let fake = Fake { async_error_at: Some((1, "peer 3 unreachable".into())), ..ready_fake(&log) };
         let mut h = CommHandle::spawn(config(), "t7", move || Ok(fake)).unwrap();
         let err = h.check(Duration::from_secs(5)).unwrap_err();
-        assert!(matches!(&err, CommError::Async { rank: 1, reason, .. } if reason.contains("peer 3")), "{err}");
+        assert!(matches!(&err, CommError::Async { rank: 1, reason, .. } if reason.to_string().contains("peer 3")), "{err}");
     }
 
     #[test]

@@ -40,6 +40,7 @@ pub use abort::{abandoned_comm_threads, AbortOutcome};
 pub(crate) use backend::RawEvent;
 pub(crate) use backend::{CommBackend, Fence, GroupError};
 pub use backend::{P2p, Progress};
+pub(crate) use error::BackendError;
 pub use error::CommError;
 pub use handle::{CommHandle, PendingComm};
 

@@ -4,6 +4,7 @@
 //! in progress to its end); a panic of the backend is an error.
 
 use super::backend::{CommBackend, Fence, GroupError, P2p, Progress};
+use super::error::BackendError;
 use super::CommConfig;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 
 pub(super) enum Command {
     Group { ops: Vec<P2p>, after: Option<Fence>, round: u32, deadline: Instant, reply: Sender<Result<(), Option<GroupError>>> },
-    Check { reply: Sender<Result<(), String>> },
+    Check { reply: Sender<Result<(), BackendError>> },
     Abort,
 }
 
@@ -21,15 +22,15 @@ pub(super) enum Command {
 /// creation or an abort command) the abort's result.
 pub(super) enum Report {
     Init(Result<(), InitFail>),
-    Aborted(Result<(), String>),
+    Aborted(Result<(), BackendError>),
 }
 
 pub(super) enum InitFail {
     Timeout,
-    Failed(String),
+    Failed(BackendError),
 }
 
-fn poll_until<E: From<String>>(
+fn poll_until<E: From<BackendError>>(
     stop: &AtomicBool,
     deadline: Instant,
     max_sleep: Duration,
@@ -43,7 +44,7 @@ fn poll_until<E: From<String>>(
             Err(e) => return Err(Some(e)),
         }
         if stop.load(Ordering::SeqCst) {
-            return Err(Some(E::from("stopped: abort requested".to_string())));
+            return Err(Some(E::from(BackendError::Stopped)));
         }
         let now = Instant::now();
         if now >= deadline {
@@ -59,12 +60,12 @@ fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Calls a backend method, turning a panic into an error.
-fn guarded<T, E: From<String>>(f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(E::from(format!("panicked: {}", panic_text(p)))))
+fn guarded<T, E: From<BackendError>>(f: impl FnOnce() -> Result<T, E>) -> Result<T, E> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| Err(E::from(BackendError::Panicked(panic_text(p)))))
 }
 
 pub(super) fn comm_thread<B: CommBackend>(
-    make: impl FnOnce() -> Result<B, String>,
+    make: impl FnOnce() -> Result<B, BackendError>,
     config: CommConfig,
     init_deadline: Instant,
     stop: Arc<AtomicBool>,
@@ -114,7 +115,7 @@ pub(super) fn comm_thread<B: CommBackend>(
 /// its end: an abort answered "in progress" is not done. No deadline here:
 /// the caller stops waiting after its abort timeout and abandons the thread,
 /// which keeps polling (slowly) and is counted until the teardown ends.
-fn abort_backend<B: CommBackend>(backend: &mut B, config: &CommConfig) -> Result<(), String> {
+fn abort_backend<B: CommBackend>(backend: &mut B, config: &CommConfig) -> Result<(), BackendError> {
     if guarded(|| backend.abort())? == Progress::Ready {
         return Ok(());
     }

@@ -5,8 +5,69 @@
 use super::no_panic;
 use crate::cuda::kernels::{self, CastBox};
 use crate::cuda::quantplan::{CodesLaunch, ScalesLaunch};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg};
 use std::sync::Arc;
+use thiserror::Error;
+
+/// Why the cast kernels did not load, or one did not launch.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum KernelError {
+    /// NVRTC does not load.
+    #[error(
+        "NVRTC (libnvrtc.so or libnvrtc.so.12) is not loadable: install the CUDA toolkit's nvrtc, or put a libnvrtc.so symlink \
+         to the installed one (libnvrtc.so.13 of CUDA 13) in a directory on LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    /// NVRTC did not compile the source.
+    #[error("NVRTC: {0}")]
+    Compile(#[source] cudarc::nvrtc::CompileError),
+    /// An NVRTC call failed.
+    #[error("{call}: {code:?}")]
+    Nvrtc {
+        /// The call.
+        call: &'static str,
+        /// NVRTC's result.
+        code: cudarc::nvrtc::sys::nvrtcResult,
+    },
+    /// The shipped PTX is older than the kernels' source.
+    #[error("the shipped PTX is stale")]
+    Stale,
+    /// The driver refused the module.
+    #[error("{0}")]
+    Module(#[source] DriverError),
+    /// A kernel of the module is missing.
+    #[error("{name}: {source}")]
+    Function {
+        /// The kernel.
+        name: &'static str,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// Neither the shipped PTX nor NVRTC's build loaded.
+    #[error("shipped PTX: {shipped}; NVRTC: {nvrtc}")]
+    Neither {
+        /// Why the shipped PTX did not.
+        shipped: Box<KernelError>,
+        /// Why NVRTC's build did not.
+        nvrtc: Box<KernelError>,
+    },
+    /// No kernel of that name was loaded.
+    #[error("no kernel {0}")]
+    NoKernel(String),
+    /// A launch failed.
+    #[error("{name}: {source}")]
+    Launch {
+        /// The kernel.
+        name: String,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// Loading panicked (a missing library or symbol).
+    #[error(transparent)]
+    Panicked(#[from] super::Panicked),
+}
 
 /// How [`DeviceKernels::origin`] names the shipped PTX.
 const SHIPPED_ORIGIN: &str = "shipped PTX";
@@ -15,6 +76,8 @@ const SHIPPED_ORIGIN: &str = "shipped PTX";
 pub struct DeviceKernels {
     functions: Vec<(&'static str, CudaFunction)>,
     pub(super) origin: String,
+    /// Whether they are the shipped PTX (not NVRTC's build).
+    shipped: bool,
 }
 
 impl std::fmt::Debug for DeviceKernels {
@@ -24,34 +87,37 @@ impl std::fmt::Debug for DeviceKernels {
 }
 
 impl DeviceKernels {
-    fn from_ptx(ctx: &Arc<CudaContext>, ptx: String, origin: String) -> Result<DeviceKernels, String> {
+    fn from_ptx(ctx: &Arc<CudaContext>, ptx: String, origin: String, shipped: bool) -> Result<DeviceKernels, KernelError> {
         no_panic("loading the cast kernels", || {
-            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| e.to_string())?;
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(KernelError::Module)?;
             let mut functions = Vec::new();
             for name in kernels::KERNELS {
-                functions.push((name, module.load_function(name).map_err(|e| format!("{name}: {e}"))?));
+                functions.push((name, module.load_function(name).map_err(|source| KernelError::Function { name, source })?));
             }
-            Ok(DeviceKernels { functions, origin })
+            Ok(DeviceKernels { functions, origin, shipped })
         })
     }
 
     /// The kernels compiled here by NVRTC for `ctx`'s device (the fallback
     /// where the driver refuses the shipped PTX).
-    pub(super) fn from_nvrtc(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, String> {
+    pub(super) fn from_nvrtc(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, KernelError> {
         let cc = ctx.compute_capability().ok();
         let ptx = kernels::compile(cc)?;
         let arch = cc.map_or("NVRTC's default".to_string(), |(major, minor)| format!("compute_{major}{minor}"));
-        DeviceKernels::from_ptx(ctx, ptx, format!("compiled by NVRTC ({arch})"))
+        DeviceKernels::from_ptx(ctx, ptx, format!("compiled by NVRTC ({arch})"), false)
     }
 
-    pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, String> {
+    pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<DeviceKernels, KernelError> {
         let shipped = if kernels::shipped_ptx_is_current() {
             let isa = kernels::shipped_ptx_isa().unwrap_or("?");
-            DeviceKernels::from_ptx(ctx, kernels::SHIPPED_PTX.to_string(), format!("{SHIPPED_ORIGIN} (PTX ISA {isa}, compute_80)"))
+            let origin = format!("{SHIPPED_ORIGIN} (PTX ISA {isa}, compute_80)");
+            DeviceKernels::from_ptx(ctx, kernels::SHIPPED_PTX.to_string(), origin, true)
         } else {
-            Err("the shipped PTX is stale".into())
+            Err(KernelError::Stale)
         };
-        shipped.or_else(|first| DeviceKernels::from_nvrtc(ctx).map_err(|e| format!("shipped PTX: {first}; NVRTC: {e}")))
+        shipped.or_else(|first| {
+            DeviceKernels::from_nvrtc(ctx).map_err(|e| KernelError::Neither { shipped: Box::new(first), nvrtc: Box::new(e) })
+        })
     }
 
     /// Where the kernels came from (shipped PTX or NVRTC).
@@ -61,11 +127,11 @@ impl DeviceKernels {
 
     /// Whether they are the shipped code (not compiled here by NVRTC).
     pub fn shipped(&self) -> bool {
-        self.origin.starts_with(SHIPPED_ORIGIN)
+        self.shipped
     }
 
-    fn function(&self, name: &str) -> Result<&CudaFunction, String> {
-        self.functions.iter().find(|(n, _)| *n == name).map(|(_, f)| f).ok_or_else(|| format!("no kernel {name}"))
+    fn function(&self, name: &str) -> Result<&CudaFunction, KernelError> {
+        self.functions.iter().find(|(n, _)| *n == name).map(|(_, f)| f).ok_or_else(|| KernelError::NoKernel(name.to_string()))
     }
 
     /// Queues one box of the strided kernel `name` on `stream`: elements
@@ -77,7 +143,7 @@ impl DeviceKernels {
     /// hold the box's elements (`CastBox::ends`, in the kernel's element
     /// sizes), stay allocated until the stream has run the kernel, and the
     /// destination elements must not be touched by other work meanwhile.
-    pub(crate) unsafe fn launch(&self, stream: &Arc<CudaStream>, name: &str, b: &CastBox, src: u64, dst: u64) -> Result<(), String> {
+    pub(crate) unsafe fn launch(&self, stream: &Arc<CudaStream>, name: &str, b: &CastBox, src: u64, dst: u64) -> Result<(), KernelError> {
         let f = self.function(name)?;
         let l = b.launch();
         let cfg = cudarc::driver::LaunchConfig {
@@ -94,7 +160,7 @@ impl DeviceKernels {
         args.arg(&b.dst_base).arg(&ds0).arg(&ds1).arg(&ds2);
         // SAFETY: the kernel's parameters are 2 pointers and 11 u64, passed
         // as 13 u64 in order; the caller guarantees the memory (above).
-        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|source| KernelError::Launch { name: name.to_string(), source })
     }
 }
 
@@ -114,7 +180,7 @@ impl DeviceKernels {
         staged: u64,
         scales: u64,
         err: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let name = "refit_fp8_scales";
         let f = self.function(name)?;
         let yz = |c: u64| c.clamp(1, kernels::MAX_BLOCKS_YZ as u64) as u32;
@@ -131,7 +197,7 @@ impl DeviceKernels {
         args.arg(&l.at).arg(&l.strides[0]).arg(&l.strides[1]).arg(&l.strides[2]).arg(&l.base);
         // SAFETY: the kernel takes 3 pointers and 21 u64, passed as 24 u64
         // in order; the caller guarantees the memory (above).
-        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|source| KernelError::Launch { name: name.to_string(), source })
     }
 
     /// Queues a [`CodesLaunch`] on `stream`.
@@ -147,7 +213,7 @@ impl DeviceKernels {
         staged: u64,
         weights: u64,
         scales: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), KernelError> {
         let name = "refit_fp8_codes";
         let f = self.function(name)?;
         let g = kernels::launch_3d(l.counts);
@@ -167,6 +233,6 @@ impl DeviceKernels {
         args.arg(&l.grid_strides[1]).arg(&l.grid_strides[2]).arg(&l.base);
         // SAFETY: the kernel takes 3 pointers and 24 u64, passed as 27 u64
         // in order; the caller guarantees the memory (above).
-        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|e| format!("{name}: {e}"))
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|source| KernelError::Launch { name: name.to_string(), source })
     }
 }

@@ -47,7 +47,8 @@ fn device_ranges(dev: &GpuDevice, owner: Endpoint, regions: &[(u64, usize)], wha
         unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, addr) }
             .result()
             .map_err(|e| invalid(format!("the allocation holding {addr:#x}: {e}")))?;
-        within_allocation(addr, len as u64, base, size as u64).map_err(invalid)?;
+        within_allocation(addr, len as u64, base, size as u64)
+            .map_err(|source| GpuError::Allocation { what: format!("{owner}: {what}, buffer {i}"), source })?;
     }
     Ok(())
 }
@@ -143,12 +144,11 @@ impl DeviceMemory {
     /// bucket, each buffer at its [`BucketLayout`] offset.
     pub fn for_buffers(dev: &GpuDevice, owner: Endpoint, specs: &[BufferSpec]) -> Result<DeviceMemory, GpuError> {
         let layout =
-            BucketLayout::of(specs).map_err(|problem| GpuError::Invalid { what: format!("{owner}: laying out a bucket"), problem })?;
+            BucketLayout::of(specs).map_err(|source| GpuError::Layout { what: format!("{owner}: laying out a bucket"), source })?;
         dev.bind()?;
         let what = format!("{owner}: allocating a bucket of {} bytes for {} buffers", layout.bytes, specs.len());
         // SAFETY: a plain allocation; freed by `Storage::Bucket` on drop.
-        let base = no_panic(&what, || unsafe { result::malloc_sync(layout.bytes as usize) }.map_err(|e| e.to_string()))
-            .map_err(|error| GpuError::Driver { what, error })?;
+        let base = no_panic(&what, || unsafe { result::malloc_sync(layout.bytes as usize) }.map_err(driver(&what)))?;
         Ok(DeviceMemory::laid_out(owner, Storage::Bucket { ctx: dev.ctx.clone(), base }, base, &layout, specs))
     }
 
@@ -226,8 +226,7 @@ impl DeviceMemory {
         let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
         // SAFETY: `base` is the start of a live cuMemAlloc allocation; `raw`
         // is a valid out-parameter.
-        no_panic(&what, || unsafe { sys::cuIpcGetMemHandle(&mut raw, base) }.result().map_err(|e| e.to_string()))
-            .map_err(|error| GpuError::Driver { what: what.clone(), error })?;
+        no_panic(&what, || unsafe { sys::cuIpcGetMemHandle(&mut raw, base) }.result().map_err(driver(&what)))?;
         let bytes: Vec<u8> = raw.reserved.iter().map(|&c| c as u8).collect();
         let handle = IpcHandle::from_bytes(&bytes).map_err(|e| GpuError::Invalid { what, problem: e.to_string() })?;
         ipc_mappings().exported(handle, base);
@@ -246,7 +245,7 @@ impl DeviceMemory {
     /// fence of its store), nor read those a refit writes.
     pub unsafe fn import_ipc(dev: &GpuDevice, owner: Endpoint, specs: &[BufferSpec], handle: &IpcHandle) -> Result<DeviceMemory, GpuError> {
         let layout =
-            BucketLayout::of(specs).map_err(|problem| GpuError::Invalid { what: format!("{owner}: laying out a bucket"), problem })?;
+            BucketLayout::of(specs).map_err(|source| GpuError::Layout { what: format!("{owner}: laying out a bucket"), source })?;
         dev.bind()?;
         let what = format!("{owner}: cuIpcOpenMemHandle");
         let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
@@ -257,9 +256,8 @@ impl DeviceMemory {
         let mapped = ipc_mappings().acquire(handle, || {
             let mut base: sys::CUdeviceptr = 0;
             // SAFETY: valid out-parameter; the handle is bytes CUDA checks.
-            no_panic(&what, || unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags) }.result().map_err(|e| e.to_string()))
-                .map_err(|error| GpuError::Driver { what: what.clone(), error })?;
-            Ok(base)
+            no_panic(&what, || unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags) }.result().map_err(driver(&what)))?;
+            Ok::<_, GpuError>(base)
         })?;
         let storage = Storage::Imported { ctx: dev.ctx.clone(), handle: Box::new(*handle), mapped };
         // Made before the check, so that an error drops it (its share of
@@ -274,7 +272,7 @@ impl DeviceMemory {
             .result()
             .map_err(driver(format!("{owner}: the mapped bucket's allocation")))?;
         within_allocation(mapped.base(), layout.bytes, range_base, range_size as u64)
-            .map_err(|problem| GpuError::Invalid { what: format!("{owner}: a CUDA IPC bucket"), problem })?;
+            .map_err(|source| GpuError::Allocation { what: format!("{owner}: a CUDA IPC bucket"), source })?;
         Ok(memory)
     }
 
@@ -461,14 +459,15 @@ impl DeviceMemory {
             return Err(invalid(format!("{n} elements into {}", dst.lens[to] as u64 / td.size())));
         }
         let kernel = kernels::strided_kernel(fd, td).ok_or_else(|| invalid(format!("no kernel converts {fd} to {td}")))?;
-        let k = dev.kernels().map_err(invalid)?;
+        let kernel_error = |source| GpuError::Kernel { what: what(), source };
+        let k = dev.kernels().map_err(kernel_error)?;
         let flat = crate::cuda::copyplan::Side { base: 0, strides: crate::copy::packed_strides(&[n]) };
         for b in kernels::plan_casts(&[n], &flat, &flat) {
             // SAFETY: both buffers are live allocations of this device
             // holding n elements of their dtypes (checked above); we wait
             // for the kernel before returning, and `&mut dst` keeps other
             // users away meanwhile.
-            unsafe { k.launch(&dev.stream, kernel, &b, self.addrs[from], dst.addrs[to]) }.map_err(invalid)?;
+            unsafe { k.launch(&dev.stream, kernel, &b, self.addrs[from], dst.addrs[to]) }.map_err(kernel_error)?;
         }
         dev.synchronize()
     }
@@ -601,12 +600,8 @@ pub(crate) fn offer_region(dev: &GpuDevice, owner: Endpoint, addr: u64, len: usi
     let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
     // SAFETY: `base` is the start of a live allocation (the driver's own
     // answer above); `raw` is a valid out-parameter.
-    no_panic(&what, || unsafe { sys::cuIpcGetMemHandle(&mut raw, base) }.result().map_err(|e| e.to_string())).map_err(|error| {
-        GpuError::Driver {
-            what: format!("{what} (cuIpcGetMemHandle: memory CUDA IPC cannot export, e.g. PyTorch's expandable segments?)"),
-            error,
-        }
-    })?;
+    let export = format!("{what} (cuIpcGetMemHandle: memory CUDA IPC cannot export, e.g. PyTorch's expandable segments?)");
+    no_panic(&what, || unsafe { sys::cuIpcGetMemHandle(&mut raw, base) }.result().map_err(driver(export)))?;
     let bytes: Vec<u8> = raw.reserved.iter().map(|&c| c as u8).collect();
     let handle = IpcHandle::from_bytes(&bytes).map_err(|e| GpuError::Invalid { what: what.clone(), problem: e.to_string() })?;
     // A reader in this process reaches the allocation itself.
@@ -648,9 +643,8 @@ impl PeerMaps {
             let mapped = ipc_mappings().acquire(&offer.handle, || {
                 let mut base: sys::CUdeviceptr = 0;
                 // SAFETY: valid out-parameter; the handle is bytes CUDA checks.
-                no_panic(&open, || unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags) }.result().map_err(|e| e.to_string()))
-                    .map_err(|error| GpuError::Driver { what: open.clone(), error })?;
-                Ok(base)
+                no_panic(&open, || unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags) }.result().map_err(driver(&open)))?;
+                Ok::<_, GpuError>(base)
             })?;
             let storage = Storage::Imported { ctx: dev.ctx.clone(), handle: Box::new(offer.handle), mapped };
             // Made before the check, so that an error drops it (its share
@@ -673,7 +667,7 @@ impl PeerMaps {
         }
         let (memory, size) =
             self.maps.get(&offer.handle).ok_or_else(|| GpuError::Invalid { what: what(), problem: "not mapped".into() })?;
-        within_allocation(offer.offset, offer.len, 0, *size).map_err(|problem| GpuError::Invalid { what: what(), problem })?;
+        within_allocation(offer.offset, offer.len, 0, *size).map_err(|source| GpuError::Allocation { what: what(), source })?;
         self.in_flight = true;
         Ok(memory.addrs[0] + offer.offset)
     }

@@ -18,7 +18,7 @@
 //! a panic as a second line of defence.
 
 use crate::cuda::comm::Progress;
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DriverError};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use thiserror::Error;
@@ -31,26 +31,57 @@ mod quantize;
 
 pub(crate) use copies::PinnedStaging;
 pub(crate) use copies::{issue, Loc};
-pub(crate) use launch::DeviceKernels;
+pub(crate) use launch::{DeviceKernels, KernelError};
 pub use memory::DeviceMemory;
 pub(crate) use memory::{offer_region, PeerMaps};
 pub use probe::{device_count, device_uuid, driver_version, nccl_version_text, probe_nccl};
-pub(crate) use probe::{no_panic, probe, probe_driver};
-pub(crate) use quantize::{quantize_rank_on, Quantized};
+pub(crate) use probe::{no_panic, probe, probe_driver, Panicked, ProbeError};
+pub(crate) use quantize::{quantize_rank_on, QuantizeError, Quantized};
 
 /// Why a device operation failed.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 pub enum GpuError {
     /// CUDA cannot be used in this process.
     #[error("CUDA unavailable: {0}")]
-    Unavailable(String),
+    Unavailable(#[source] ProbeError),
     /// A CUDA call failed; `what` names the rank, buffer or piece.
-    #[error("{what}: {error}")]
+    #[error("{what}: {source}")]
     Driver {
         /// What was being done, naming the rank or buffer.
         what: String,
         /// The CUDA error.
-        error: String,
+        #[source]
+        source: DriverError,
+    },
+    /// A CUDA call panicked (a missing library or symbol).
+    #[error(transparent)]
+    Panicked(#[from] Panicked),
+    /// Bytes a region claims lie outside the allocation the driver reports.
+    #[error("{what}: {source}")]
+    Allocation {
+        /// Whose region.
+        what: String,
+        /// Where it falls outside.
+        #[source]
+        source: crate::cuda::ipc::AllocationError,
+    },
+    /// The cast kernels did not load or launch.
+    #[error("{what}: {source}")]
+    Kernel {
+        /// What was being done.
+        what: String,
+        /// Why.
+        #[source]
+        source: KernelError,
+    },
+    /// A rank's buffers do not lay out as one bucket.
+    #[error("{what}: {source}")]
+    Layout {
+        /// Whose bucket.
+        what: String,
+        /// Why not.
+        #[source]
+        source: crate::cuda::ipc::LayoutError,
     },
     /// The request does not fit the memory it names.
     #[error("{what}: {problem}")]
@@ -64,15 +95,15 @@ pub enum GpuError {
 
 fn driver(what: impl Into<String>) -> impl FnOnce(result::DriverError) -> GpuError {
     let what = what.into();
-    move |e| GpuError::Driver { what, error: e.to_string() }
+    move |source| GpuError::Driver { what, source }
 }
 
 /// Whether the work before `event` is done on the device (no event: done).
-pub(crate) fn event_progress(event: Option<&CudaEvent>, what: &str) -> Result<Progress, String> {
+pub(crate) fn event_progress(event: Option<&CudaEvent>, what: &str) -> Result<Progress, GpuError> {
     match event.map(CudaEvent::try_is_complete) {
         None | Some(Ok(true)) => Ok(Progress::Ready),
         Some(Ok(false)) => Ok(Progress::Pending),
-        Some(Err(e)) => Err(format!("{what}: {e}")),
+        Some(Err(e)) => Err(driver(what)(e)),
     }
 }
 
@@ -83,7 +114,7 @@ pub struct GpuDevice {
     stream: Arc<CudaStream>,
     ordinal: usize,
     max_pitch: u64,
-    kernels: OnceLock<Result<DeviceKernels, String>>,
+    kernels: OnceLock<Result<DeviceKernels, KernelError>>,
 }
 
 impl GpuDevice {
@@ -92,17 +123,16 @@ impl GpuDevice {
         probe_driver().map_err(GpuError::Unavailable)?;
         let what = format!("opening CUDA device {ordinal}");
         no_panic(&what, || {
-            let ctx = CudaContext::new(ordinal).map_err(|e| e.to_string())?;
+            let ctx = CudaContext::new(ordinal).map_err(driver(&what))?;
             // SAFETY: this module orders streams itself, by the rules in
             // the module documentation; no slice of this context object
             // exists yet, so none is left half tracked.
             unsafe { ctx.disable_event_tracking() };
-            let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+            let stream = ctx.new_stream().map_err(driver(&what))?;
             let max_pitch =
                 ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH).map(|p| p.max(1) as u64).unwrap_or(i32::MAX as u64);
             Ok(GpuDevice { ctx, stream, ordinal, max_pitch, kernels: OnceLock::new() })
         })
-        .map_err(|error| GpuError::Driver { what, error })
     }
 
     /// Device ordinal.
@@ -160,7 +190,7 @@ impl GpuDevice {
 
     /// Whether NVRTC, where it loads, builds kernels this device loads
     /// (the fallback path, tried on its own; the result is dropped).
-    pub fn check_nvrtc_kernels(&self) -> Result<String, String> {
+    pub fn check_nvrtc_kernels(&self) -> Result<String, KernelError> {
         DeviceKernels::from_nvrtc(&self.ctx).map(|k| k.origin)
     }
 
@@ -168,7 +198,7 @@ impl GpuDevice {
     /// source compiled by NVRTC where the driver refuses that PTX); the
     /// error says why neither loaded (dtype changes then go through host
     /// staging).
-    pub fn kernels(&self) -> Result<&DeviceKernels, String> {
+    pub fn kernels(&self) -> Result<&DeviceKernels, KernelError> {
         self.kernels.get_or_init(|| DeviceKernels::load(&self.ctx)).as_ref().map_err(Clone::clone)
     }
 

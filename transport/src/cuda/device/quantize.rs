@@ -3,10 +3,60 @@
 //! FP8 kernels where they can, else on the host (the buffers copied back
 //! and forth).
 
-use super::{DeviceMemory, GpuDevice};
-use crate::cuda::quantplan::QuantPlan;
-use cudarc::driver::sys;
-use reshard::RankProgram;
+use super::{DeviceMemory, GpuDevice, GpuError, KernelError};
+use crate::cuda::quantplan::{FitError, QuantPlan};
+use cudarc::driver::{sys, DriverError};
+use reshard::{Endpoint, QuantError, RankProgram};
+use thiserror::Error;
+
+/// Why quantizing a rank's block-scaled tensors failed.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum QuantizeError {
+    /// The program's quantize steps do not plan.
+    #[error("{me}: quantizing: {source}")]
+    Plan {
+        /// The rank.
+        me: Endpoint,
+        /// Why not.
+        #[source]
+        source: QuantError,
+    },
+    /// The planned launches do not fit the rank's buffers.
+    #[error("{me}: quantizing: {source}")]
+    Fit {
+        /// The rank.
+        me: Endpoint,
+        /// Why not.
+        #[source]
+        source: FitError,
+    },
+    /// Quantizing on the host failed (a block holds NaN or infinity).
+    #[error("quantizing: {0}")]
+    Host(#[source] crate::exec::ExecError),
+    /// A kernel did not launch.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    /// A driver call failed.
+    #[error("{me}: {what}{source}")]
+    Driver {
+        /// The rank.
+        me: Endpoint,
+        /// What was being done (with its separator), or nothing.
+        what: &'static str,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// The device flagged a non-finite block the host quantizer did not find.
+    #[error("{me}: the device found a non-finite block the host did not")]
+    Disagree {
+        /// The rank.
+        me: Endpoint,
+    },
+    /// The device failed (memory, synchronisation).
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
 
 /// How a destination rank's block-scaled tensors were quantized.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -25,19 +75,19 @@ pub(crate) enum Quantized {
 /// and every tensor has at most three dimensions, else on the host. A block
 /// holding NaN or infinity is an error naming the tensor and the block
 /// (found again by the host quantizer, which says which).
-pub(crate) fn quantize_rank_on(dev: &GpuDevice, memory: &mut DeviceMemory, program: &RankProgram) -> Result<Quantized, String> {
+pub(crate) fn quantize_rank_on(dev: &GpuDevice, memory: &mut DeviceMemory, program: &RankProgram) -> Result<Quantized, QuantizeError> {
     if program.quantize.is_empty() {
         return Ok(Quantized::Nothing);
     }
     let me = program.endpoint;
-    let on_host = |memory: &mut DeviceMemory, why: String| -> Result<Quantized, String> {
-        let mut host = memory.download(dev).map_err(|e| e.to_string())?;
-        crate::exec::quantize_rank(program, &mut host).map_err(|e| format!("quantizing: {e}"))?;
-        memory.upload(dev, &host).map_err(|e| e.to_string())?;
+    let on_host = |memory: &mut DeviceMemory, why: String| -> Result<Quantized, QuantizeError> {
+        let mut host = memory.download(dev)?;
+        crate::exec::quantize_rank(program, &mut host).map_err(QuantizeError::Host)?;
+        memory.upload(dev, &host)?;
         Ok(Quantized::OnHost(why))
     };
     let plan = match QuantPlan::new(program) {
-        Err(e) => return Err(format!("{me}: quantizing: {e}")),
+        Err(source) => return Err(QuantizeError::Plan { me, source }),
         Ok(Err(host_only)) => return on_host(memory, host_only.to_string()),
         Ok(Ok(plan)) => plan,
     };
@@ -45,15 +95,19 @@ pub(crate) fn quantize_rank_on(dev: &GpuDevice, memory: &mut DeviceMemory, progr
         Ok(k) => k,
         Err(e) => return on_host(memory, format!("the quantize kernels did not load: {e}")),
     };
-    plan.fits(&memory.lens, &memory.dtypes).map_err(|e| format!("{me}: quantizing: {e}"))?;
-    dev.bind().map_err(|e| e.to_string())?;
-    let scratch = dev.alloc(plan.scratch as usize * 4, "quantize scales").map_err(|e| e.to_string())?;
-    let err = dev.alloc(4, "quantize error flag").map_err(|e| e.to_string())?;
+    plan.fits(&memory.lens, &memory.dtypes).map_err(|source| QuantizeError::Fit { me, source })?;
+    dev.bind()?;
+    let scratch = dev.alloc(plan.scratch as usize * 4, "quantize scales")?;
+    let err = dev.alloc(4, "quantize error flag")?;
     let (scales, flag) = (dev.addr(&scratch), dev.addr(&err));
     let stream = &dev.stream;
-    let queued = (|| -> Result<(), String> {
+    let queued = (|| -> Result<(), QuantizeError> {
         // SAFETY: `flag` is our 4-byte allocation, on the device's stream.
-        unsafe { sys::cuMemsetD8Async(flag, 0xff, 4, stream.cu_stream()) }.result().map_err(|e| format!("{me}: {e}"))?;
+        unsafe { sys::cuMemsetD8Async(flag, 0xff, 4, stream.cu_stream()) }.result().map_err(|source| QuantizeError::Driver {
+            me,
+            what: "",
+            source,
+        })?;
         let a = &memory.addrs;
         for l in &plan.scales {
             // SAFETY: `fits` checked every launch against these buffers;
@@ -74,18 +128,19 @@ pub(crate) fn quantize_rank_on(dev: &GpuDevice, memory: &mut DeviceMemory, progr
         Ok(())
     })();
     // Whatever was queued finishes before the scratch is freed.
-    let waited = dev.synchronize().map_err(|e| e.to_string());
+    let waited = dev.synchronize().map_err(QuantizeError::from);
     queued.and(waited)?;
     let mut bad = [0u8; 4];
     // SAFETY: 4 bytes from our flag into a local array; the stream is idle.
-    unsafe { sys::cuMemcpyDtoH_v2(bad.as_mut_ptr().cast(), flag, 4) }
-        .result()
-        .map_err(|e| format!("{me}: reading the quantize flag: {e}"))?;
+    unsafe { sys::cuMemcpyDtoH_v2(bad.as_mut_ptr().cast(), flag, 4) }.result().map_err(|source| QuantizeError::Driver {
+        me,
+        what: "reading the quantize flag: ",
+        source,
+    })?;
     drop((scratch, err));
     if u32::from_le_bytes(bad) != u32::MAX {
         // A block holds NaN or infinity: the host quantizer names it.
-        return on_host(memory, "a block holds NaN or infinity".into())
-            .and_then(|_| Err(format!("{me}: the device found a non-finite block the host did not")));
+        return on_host(memory, "a block holds NaN or infinity".into()).and(Err(QuantizeError::Disagree { me }));
     }
     Ok(Quantized::OnDevice)
 }
