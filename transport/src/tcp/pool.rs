@@ -13,12 +13,20 @@ pub(crate) struct FramePool {
     pub(super) limit: u64,
 }
 
+/// A frame's buffer could not be allocated.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot allocate a frame of {len} bytes")]
+pub(crate) struct FrameAllocError {
+    /// The frame's length.
+    len: usize,
+}
+
 /// Frames smaller than this are plain allocations.
 const POOL_MIN: usize = 64 << 10;
 
 impl FramePool {
     /// A buffer of at least `len` initialized bytes.
-    pub(crate) fn take(&self, len: usize) -> Result<Vec<u8>, String> {
+    pub(crate) fn take(&self, len: usize) -> Result<Vec<u8>, FrameAllocError> {
         if len >= POOL_MIN && self.limit > 0 {
             let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
             // The smallest that fits, if not more than twice too large.
@@ -35,7 +43,7 @@ impl FramePool {
                 return Ok(b);
             }
         }
-        zeroed(len).ok_or_else(|| format!("cannot allocate a frame of {len} bytes"))
+        zeroed(len).ok_or(FrameAllocError { len })
     }
 
     /// The first `len` bytes of `buf` as a payload.

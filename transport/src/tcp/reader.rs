@@ -141,7 +141,7 @@ fn read_frames(shared: &Arc<TcpStream>, r: &mut Reader) -> Stop {
             DATA => {
                 let mut bytes = match r.pool.take(len as usize) {
                     Ok(b) => b,
-                    Err(e) => return Stop::Broken(e),
+                    Err(e) => return Stop::Broken(e.to_string()),
                 };
                 if let Err(e) = stream.read_exact(&mut bytes[..len as usize]) {
                     return Stop::Broken(format!("truncated frame: {e}"));

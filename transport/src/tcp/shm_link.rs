@@ -167,7 +167,7 @@ impl ShmReceiver {
                 if a > max {
                     return Err(Stop::Broken(format!("message of {a} bytes exceeds the limit of {max}")));
                 }
-                let bytes = pool.take(a as usize).map_err(Stop::Broken)?;
+                let bytes = pool.take(a as usize).map_err(|e| Stop::Broken(e.to_string()))?;
                 self.crc = 0;
                 self.partial.insert(Partial { round, total: a, bytes, filled: 0 })
             }
