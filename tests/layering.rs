@@ -453,6 +453,7 @@ const TRANSPORT_PUBLIC_FOR_SIGNATURES: &[(&str, &str)] = &[
     ("ScheduleError", "cuda::DeviceExecError::Schedule"),
     ("RankStats", "fabric::RankEnd::run"),
     ("WithAbort", "run_threads"),
+    ("PieceOutOfBounds", "ExecError::OutOfBounds"),
 ];
 
 /// Public names of the data plane that only tests (and its own benchmark
@@ -648,6 +649,7 @@ const ORCHESTRATOR_PUBLIC_FOR_SIGNATURES: &[(&str, &str)] = &[
     ("RunRequest", "MemberMsg::Run"),
     ("RunDelta", "RunRequest::delta"),
     ("HostWork", "host_work"),
+    ("FabricUnavailable", "fabric_available"),
 ];
 
 /// Public names of the orchestrator that only tests use (today's; no name

@@ -49,7 +49,7 @@ mod transport;
 pub(crate) use bypass::Bypass;
 pub use copy::{packed_strides, StridedRef};
 pub use delta::{DeltaMemo, DeltaRun};
-pub use exec::{quantize_rank, run_rank, ExecError, ExecOptions, ExecReport, RankStats, DEFAULT_DEADLINE};
+pub use exec::{quantize_rank, run_rank, ExecError, ExecOptions, ExecReport, PieceOutOfBounds, RankStats, DEFAULT_DEADLINE};
 // The thread drivers (every rank of a plan a thread of this process, over
 // a fabric they make): test and tooling machinery.
 #[cfg(any(test, feature = "testkit"))]

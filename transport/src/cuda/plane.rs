@@ -35,6 +35,7 @@ pub use crate::cuda::plane_error::CommExecError;
 pub(crate) use crate::cuda::plane_error::{DeltaMessageError, PlaneError};
 use crate::cursor::{RankStats, Round, RoundCursor, Unexpected};
 use crate::delta::{decode, encode, unit_of, DeltaRun};
+use crate::exec::PieceOutOfBounds;
 use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
 use std::time::Instant;
 
@@ -201,7 +202,7 @@ impl RoundStaging {
 }
 
 pub(crate) fn check(me: Endpoint, memory: &dyn PlaneMemory, span: &Span, dtype: DType, block: &Block) -> Result<u64, CommExecError> {
-    let oob = || CommExecError::OutOfBounds { me, block: Box::new(*block), buffer: span.buffer };
+    let oob = || CommExecError::from(PieceOutOfBounds::new(me, *block, span.buffer));
     let i = span.buffer as usize;
     let len = *memory.lens().get(i).ok_or_else(oob)?;
     if memory.dtypes()[i] != dtype || !fits(block.extent(), len, span.base, &span.strides, dtype) {

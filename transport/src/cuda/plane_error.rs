@@ -5,7 +5,7 @@ use crate::cuda::comm::CommError;
 use crate::cuda::direct::{DirectError, OfferError};
 use crate::cuda::plane::{Side, StagingSide};
 use crate::delta::DeltaError;
-use crate::exec::ExecError;
+use crate::exec::{ExecError, PieceOutOfBounds};
 use reshard::{Block, Endpoint};
 use thiserror::Error;
 
@@ -38,15 +38,8 @@ pub enum CommExecError {
         round: u32,
     },
     /// A piece does not fit this rank's memory.
-    #[error("{me}: piece {block} does not fit buffer {buffer}")]
-    OutOfBounds {
-        /// This rank.
-        me: Endpoint,
-        /// Piece.
-        block: Box<Block>,
-        /// Buffer index.
-        buffer: u32,
-    },
+    #[error(transparent)]
+    OutOfBounds(#[from] PieceOutOfBounds),
     /// Packing or unpacking a piece failed.
     #[error("{me}: round {round}: piece {block} with {peer}: {error}")]
     Copy {

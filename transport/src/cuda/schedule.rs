@@ -14,6 +14,7 @@
 
 use crate::copy::fits;
 use crate::cursor::{Round, RoundCursor, Unexpected};
+use crate::exec::PieceOutOfBounds;
 use reshard::{Block, DType, Endpoint, RankProgram, Span};
 use std::collections::HashMap;
 use thiserror::Error;
@@ -112,20 +113,13 @@ pub enum ScheduleError {
         round: u32,
     },
     /// A span falls outside its buffer.
-    #[error("{me}: piece {block} does not fit buffer {buffer}")]
-    OutOfBounds {
-        /// Rank.
-        me: Endpoint,
-        /// Piece.
-        block: Box<Block>,
-        /// Buffer index.
-        buffer: u32,
-    },
+    #[error(transparent)]
+    OutOfBounds(#[from] PieceOutOfBounds),
 }
 
 fn place(programs: &[RankProgram], rank: usize, span: &Span, dtype: DType, block: &Block) -> Result<Place, ScheduleError> {
     let p = &programs[rank];
-    let oob = || ScheduleError::OutOfBounds { me: p.endpoint, block: Box::new(*block), buffer: span.buffer };
+    let oob = || ScheduleError::from(PieceOutOfBounds::new(p.endpoint, *block, span.buffer));
     let spec = p.buffers.get(span.buffer as usize).ok_or_else(oob)?;
     let len = spec.elems.checked_mul(spec.dtype.size()).ok_or_else(oob)?;
     if spec.dtype != dtype || !fits(block.extent(), len as usize, span.base, &span.strides, dtype) {
@@ -393,6 +387,6 @@ mod tests {
         assert!(matches!(same_device_schedule(&p), Err(ScheduleError::Mismatch { .. })));
         // A span past its buffer's end.
         let p = with_first(&|piece| piece.spans[0].base += 1 << 40);
-        assert!(matches!(same_device_schedule(&p), Err(ScheduleError::OutOfBounds { .. })));
+        assert!(matches!(same_device_schedule(&p), Err(ScheduleError::OutOfBounds(_))));
     }
 }

@@ -61,15 +61,8 @@ pub enum ExecError {
         problem: String,
     },
     /// A span falls outside its buffer.
-    #[error("{me}: piece {block} does not fit buffer {buffer}")]
-    OutOfBounds {
-        /// Rank.
-        me: Endpoint,
-        /// Piece.
-        block: Box<Block>,
-        /// Buffer index.
-        buffer: u32,
-    },
+    #[error(transparent)]
+    OutOfBounds(#[from] PieceOutOfBounds),
     /// The memory given does not match the program's buffers.
     #[error("{me}: memory has {got} buffers, program needs {want}")]
     MemoryMismatch {
@@ -108,6 +101,26 @@ pub enum ExecError {
     },
 }
 
+/// A piece whose span does not fit its buffer (no such buffer, another
+/// dtype, or past its end): every executor's check, one error.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{me}: piece {block} does not fit buffer {buffer}")]
+pub struct PieceOutOfBounds {
+    /// Rank.
+    pub me: Endpoint,
+    /// Piece.
+    pub block: Box<Block>,
+    /// Buffer index (`u32::MAX`: a packed piece of a message).
+    pub buffer: u32,
+}
+
+impl PieceOutOfBounds {
+    /// Piece `block` of rank `me` in buffer `buffer`.
+    pub(crate) fn new(me: Endpoint, block: Block, buffer: u32) -> PieceOutOfBounds {
+        PieceOutOfBounds { me, block: Box::new(block), buffer }
+    }
+}
+
 /// What a whole run did.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ExecReport {
@@ -129,7 +142,7 @@ fn view(
     extent: &[u64],
     block: impl FnOnce() -> Block,
 ) -> Result<StridedRef, ExecError> {
-    mem.strided(span, dtype, extent).ok_or_else(|| ExecError::OutOfBounds { me, block: Box::new(block()), buffer: span.buffer })
+    mem.strided(span, dtype, extent).ok_or_else(|| PieceOutOfBounds::new(me, block(), span.buffer).into())
 }
 
 /// Runs one rank's program over `transport`. On failure it tells every peer

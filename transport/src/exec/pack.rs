@@ -3,7 +3,7 @@
 //! whatever its form, written into the rank's memory and the local copies
 //! made straight from it.
 
-use super::{view, ExecError};
+use super::{view, ExecError, PieceOutOfBounds};
 use crate::bypass::Bypass;
 use crate::copy::{
     copy_strided_unfenced, for_each_run_ptr, in_bounds, packed_strides, prefetch, run_bytes, store_fence, StridedRef, PREFETCH_AHEAD,
@@ -61,7 +61,7 @@ pub(super) fn pack(
             staged = staged
                 .checked_next_multiple_of(elem)
                 .and_then(|at| at.checked_add(p.checked_numel()?.checked_mul(elem)?))
-                .ok_or_else(|| ExecError::OutOfBounds { me, block: Box::new(p.block()), buffer: u32::MAX })?;
+                .ok_or_else(|| ExecError::from(PieceOutOfBounds::new(me, p.block(), u32::MAX)))?;
         }
         let staged = usize::try_from(staged).map_err(|_| ExecError::Setup(format!("{me}: {staged} bytes of staging do not fit")))?;
         staging = pool.take(staged);
@@ -76,7 +76,7 @@ pub(super) fn pack(
             // loop), and outlives this view (used for this one copy).
             let dst = unsafe { StridedRef::new(area.as_mut_ptr(), area.len(), pos / elem, packed_strides(extent), wire) };
             if !in_bounds(extent, &dst) {
-                return Err(ExecError::OutOfBounds { me, block: Box::new(p.block()), buffer: u32::MAX });
+                return Err(PieceOutOfBounds::new(me, p.block(), u32::MAX).into());
             }
             // SAFETY: both in bounds; staging is ours.
             unsafe { copy_strided_unfenced(extent, &src, &dst) };
@@ -138,7 +138,7 @@ impl UnpackTarget<'_> {
             }
             let from = src.at(base, src.strides, src.dtype);
             if !in_bounds(block.extent(), &from) {
-                return Err(ExecError::OutOfBounds { me, block: Box::new(block), buffer: copy.from().buffer });
+                return Err(PieceOutOfBounds::new(me, block, copy.from().buffer).into());
             }
             for span in copy.to() {
                 let to = view(me, self.mem, &span, copy.to_dtype(), block.extent(), || block)?;
@@ -412,7 +412,7 @@ mod tests {
                 memory[0].buffers[b].truncate(keep);
                 let err = run_local(&programs, &mut memory, &ExecOptions::default()).unwrap_err();
                 assert!(
-                    matches!(err, ExecError::OutOfBounds { .. } | ExecError::BadMessage { .. }),
+                    matches!(err, ExecError::OutOfBounds(_) | ExecError::BadMessage { .. }),
                     "cap {cap}, buffer {b} cut to {keep} bytes: {err}"
                 );
             }
