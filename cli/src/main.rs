@@ -39,18 +39,25 @@ struct Pair {
     max_plan_work: Option<u64>,
 }
 
-/// Arguments of `refit bench`.
+/// The layout pair a command works on: two files, or a model preset.
 #[derive(clap::Args)]
-struct BenchArgs {
-    /// Source layout file (or use --model).
+struct LayoutChoice {
+    /// Source (training) layout file (or use --model).
     #[arg(long, requires = "dst", conflicts_with = "model")]
     src: Option<PathBuf>,
-    /// Destination layout file.
+    /// Destination (inference) layout file.
     #[arg(long, requires = "src")]
     dst: Option<PathBuf>,
     /// A model preset instead of files.
     #[arg(long, value_enum)]
     model: Option<Model>,
+}
+
+/// Arguments of `refit bench`.
+#[derive(clap::Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    layouts: LayoutChoice,
     /// Divide hidden sizes by this (presets only).
     #[arg(long, default_value_t = 8)]
     scale: u64,
@@ -112,15 +119,8 @@ struct BenchArgs {
 /// Arguments of `refit plan`.
 #[derive(clap::Args)]
 struct PlanCli {
-    /// Source (training) layout file (or use --model).
-    #[arg(long, requires = "dst", conflicts_with = "model")]
-    src: Option<PathBuf>,
-    /// Destination (inference) layout file.
-    #[arg(long, requires = "src")]
-    dst: Option<PathBuf>,
-    /// A model preset instead of files.
-    #[arg(long, value_enum)]
-    model: Option<Model>,
+    #[command(flatten)]
+    layouts: LayoutChoice,
     /// Divide hidden sizes by this (presets only; 1 = full size).
     #[arg(long, default_value_t = 1)]
     scale: u64,
@@ -654,9 +654,9 @@ fn main() -> ExitCode {
 fn dispatch(command: &Command) -> Result<(), cmd::report::Failure> {
     match command {
         Command::Plan(a) => cmd::plan::run(&cmd::plan::PlanArgs {
-            src: &a.src,
-            dst: &a.dst,
-            model: a.model,
+            src: &a.layouts.src,
+            dst: &a.layouts.dst,
+            model: a.layouts.model,
             scale: a.scale,
             ep: a.ep,
             setup: a.setup.as_deref(),

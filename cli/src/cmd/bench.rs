@@ -163,7 +163,7 @@ pub(crate) fn run(a: &BenchArgs) -> Result<(), Failure> {
 
 /// The layouts of `--src` and `--dst`, or of the `--model` preset.
 fn workload(a: &BenchArgs, progress: &Progress) -> Result<Workload, Failure> {
-    match (&a.src, &a.dst, a.model) {
+    match (&a.layouts.src, &a.layouts.dst, a.layouts.model) {
         (Some(s), Some(d), _) => {
             progress.phase("reading layouts");
             Ok(Workload { s: load(s)?, d: load(d)?, what: format!("{} -> {}", s.display(), d.display()) })
@@ -330,7 +330,7 @@ fn bounds(a: &BenchArgs, rplan: &Plan, rl: &LinkLoads) -> Bounds {
 /// The layout files worker processes read: `--src` and `--dst`, or the
 /// preset's written to a temporary folder (removed when the guard drops).
 fn layout_files(a: &BenchArgs, w: &Workload, progress: &Progress) -> Result<((PathBuf, PathBuf), Option<TempLayouts>), Failure> {
-    if let (Some(sp), Some(dp)) = (&a.src, &a.dst) {
+    if let (Some(sp), Some(dp)) = (&a.layouts.src, &a.layouts.dst) {
         return Ok(((sp.clone(), dp.clone()), None));
     }
     progress.phase("writing layouts for the workers");
