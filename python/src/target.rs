@@ -725,19 +725,13 @@ impl Targets {
     /// buffer is caught here), then `f` on each (no Python code between
     /// the checks and the end of `f`). An error names the buffer and what
     /// changed; nothing is visited after it.
-    fn visit_checked(
-        &self,
-        py: Python<'_>,
-        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>,
-    ) -> Result<(), RegionError> {
+    fn visit_checked(&self, py: Python<'_>, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>) -> Result<(), RegionError> {
         let found = (0..self.entries.len()).map(|i| self.resolve(py, i)).collect::<Result<Vec<_>, _>>().map_err(RegionError::refused)?;
         // No garbage collection from the checks to the end of the uses:
         // a collection (the checks' probes allocate) could run finalizers.
         let gc = py.import("gc").map_err(|e| RegionError::refused(format!("the gc module: {e}")))?;
-        let collecting = gc
-            .call_method0("isenabled")
-            .and_then(|b| b.is_truthy())
-            .map_err(|e| RegionError::refused(format!("gc.isenabled: {e}")))?;
+        let collecting =
+            gc.call_method0("isenabled").and_then(|b| b.is_truthy()).map_err(|e| RegionError::refused(format!("gc.isenabled: {e}")))?;
         gc.call_method0("disable").map_err(|e| RegionError::refused(format!("gc.disable: {e}")))?;
         let used = self.check_and_use(py, &found, f);
         if collecting {
