@@ -537,7 +537,7 @@ async fn refit_resumed(sys: &RefitSystem, value: f32) -> bool {
 /// same plan (one kept data plane per plan); closing, a member that lost
 /// its own, or a failed refit and a replaced member bring a fresh one, and
 /// every refit delivers the right weights either way. (Failures during a
-/// transfer on kept connections: the chaos suite, `tests/chaos.rs`.)
+/// transfer on kept connections: the chaos suite, `cli/tests/chaos.rs`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn node_fabric_connections_are_kept_between_refits_of_a_plan() {
     let mut sys = node_system(true).await;
