@@ -58,10 +58,49 @@ pub(crate) fn unhex(text: &str, n: usize) -> Result<Vec<u8>, Unhex> {
     (0..n).map(|i| Ok((digit(2 * i)? << 4) | digit(2 * i + 1)?)).collect()
 }
 
-/// Serde for a type with `to_hex` / `from_hex`: its hex text in messages,
-/// checked as it is read.
-macro_rules! hex_serde {
-    ($ty:ident) => {
+/// The face of an opaque id of `$n` bytes made by a library (`$ty`, a
+/// newtype over `[u8; $n]`, with the error enum `$err` whose variants are
+/// `Length { got }`, `Zero` and `Hex { at }`): from and to bytes (an
+/// all-zero id, one never filled in, refused), lower-case hex for text,
+/// and serde as that hex, checked as it is read.
+macro_rules! opaque_id {
+    ($ty:ident, $err:ident, $n:expr) => {
+        impl $ty {
+            /// From its bytes; rejects a wrong length and all zeros.
+            pub fn from_bytes(bytes: &[u8]) -> Result<$ty, $err> {
+                let raw: [u8; $n] = bytes.try_into().map_err(|_| $err::Length { got: bytes.len() })?;
+                if raw.iter().all(|&b| b == 0) {
+                    return Err($err::Zero);
+                }
+                Ok($ty(raw))
+            }
+
+            /// Its bytes, exactly as the library made them.
+            pub fn as_bytes(&self) -> &[u8; $n] {
+                &self.0
+            }
+
+            /// The bytes to put in a message (decoded by `from_bytes`).
+            pub fn to_vec(&self) -> Vec<u8> {
+                self.0.to_vec()
+            }
+
+            /// Lower-case hex, for text messages, addresses and logs.
+            pub fn to_hex(&self) -> String {
+                $crate::cuda::id::hex(&self.0)
+            }
+
+            /// Decodes `to_hex` output (surrounding space ignored).
+            pub fn from_hex(text: &str) -> Result<$ty, $err> {
+                use $crate::cuda::id::{unhex, Unhex};
+                match unhex(text, $n) {
+                    Ok(raw) => $ty::from_bytes(&raw),
+                    Err(Unhex::Length { got }) => Err($err::Length { got }),
+                    Err(Unhex::Digit { at }) => Err($err::Hex { at }),
+                }
+            }
+        }
+
         impl serde::Serialize for $ty {
             fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
                 s.serialize_str(&self.to_hex())
@@ -76,42 +115,9 @@ macro_rules! hex_serde {
         }
     };
 }
-pub(crate) use hex_serde;
+pub(crate) use opaque_id;
 
 impl CommId {
-    /// The id from its bytes; rejects a wrong length and an all-zero id.
-    pub fn from_bytes(bytes: &[u8]) -> Result<CommId, CommIdError> {
-        let raw: [u8; COMM_ID_BYTES] = bytes.try_into().map_err(|_| CommIdError::Length { got: bytes.len() })?;
-        if raw.iter().all(|&b| b == 0) {
-            return Err(CommIdError::Zero);
-        }
-        Ok(CommId(raw))
-    }
-
-    /// The id's bytes, exactly as NCCL made them.
-    pub fn as_bytes(&self) -> &[u8; COMM_ID_BYTES] {
-        &self.0
-    }
-
-    /// The bytes to put in a message (decode with [`CommId::from_bytes`]).
-    pub fn to_vec(&self) -> Vec<u8> {
-        self.0.to_vec()
-    }
-
-    /// Lower-case hex (256 characters), for text messages and logs.
-    pub fn to_hex(&self) -> String {
-        hex(&self.0)
-    }
-
-    /// Decodes [`CommId::to_hex`] output.
-    pub fn from_hex(text: &str) -> Result<CommId, CommIdError> {
-        match unhex(text, COMM_ID_BYTES) {
-            Ok(raw) => CommId::from_bytes(&raw),
-            Err(Unhex::Length { got }) => Err(CommIdError::Length { got }),
-            Err(Unhex::Digit { at }) => Err(CommIdError::Hex { at }),
-        }
-    }
-
     /// A short tag for logs and errors (first 8 bytes, hex).
     pub fn tag(&self) -> String {
         self.0[..8].iter().map(|b| format!("{b:02x}")).collect()
@@ -130,7 +136,7 @@ impl fmt::Display for CommId {
     }
 }
 
-hex_serde!(CommId);
+opaque_id!(CommId, CommIdError, COMM_ID_BYTES);
 
 #[cfg(test)]
 mod tests {

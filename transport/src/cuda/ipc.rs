@@ -55,42 +55,6 @@ pub enum IpcHandleError {
     },
 }
 
-impl IpcHandle {
-    /// The handle from its bytes; rejects a wrong length and all zeros.
-    pub fn from_bytes(bytes: &[u8]) -> Result<IpcHandle, IpcHandleError> {
-        let raw: [u8; IPC_HANDLE_BYTES] = bytes.try_into().map_err(|_| IpcHandleError::Length { got: bytes.len() })?;
-        if raw.iter().all(|&b| b == 0) {
-            return Err(IpcHandleError::Zero);
-        }
-        Ok(IpcHandle(raw))
-    }
-
-    /// The handle's bytes, as CUDA made them.
-    pub fn as_bytes(&self) -> &[u8; IPC_HANDLE_BYTES] {
-        &self.0
-    }
-
-    /// The bytes to put in a message.
-    pub fn to_vec(&self) -> Vec<u8> {
-        self.0.to_vec()
-    }
-
-    /// Lower-case hex (128 characters), for text addresses.
-    pub fn to_hex(&self) -> String {
-        crate::cuda::id::hex(&self.0)
-    }
-
-    /// Decodes [`IpcHandle::to_hex`] output.
-    pub fn from_hex(text: &str) -> Result<IpcHandle, IpcHandleError> {
-        use crate::cuda::id::{unhex, Unhex};
-        match unhex(text, IPC_HANDLE_BYTES) {
-            Ok(raw) => IpcHandle::from_bytes(&raw),
-            Err(Unhex::Length { got }) => Err(IpcHandleError::Length { got }),
-            Err(Unhex::Digit { at }) => Err(IpcHandleError::Hex { at }),
-        }
-    }
-}
-
 impl fmt::Debug for IpcHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The first bytes tell handles apart in logs; the rest is noise.
@@ -305,7 +269,7 @@ impl<V: Copy + PartialEq> Mappings<V> {
     }
 }
 
-crate::cuda::id::hex_serde!(IpcHandle);
+crate::cuda::id::opaque_id!(IpcHandle, IpcHandleError, IPC_HANDLE_BYTES);
 
 #[cfg(test)]
 mod tests {
