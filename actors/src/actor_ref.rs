@@ -223,19 +223,9 @@ impl<A: Actor> WeakActorRef<A> {
         self.tx.upgrade().map(|tx| ActorRef::new(tx, Arc::clone(&self.shared), self.call_timeout))
     }
 
-    /// The actor's identity.
+    /// The actor's identity (its id and name).
     pub fn info(&self) -> &ActorInfo {
         &self.shared.info
-    }
-
-    /// The actor's unique id.
-    pub fn id(&self) -> Uuid {
-        self.shared.info.id
-    }
-
-    /// The actor's name.
-    pub fn name(&self) -> &str {
-        &self.shared.info.name
     }
 
     /// Why the actor stopped, once it has stopped accepting messages.
