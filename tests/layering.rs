@@ -159,7 +159,8 @@ fn the_library_is_the_prelude_and_the_crates_behind_it() {
 
 /// The orchestrator's public items that name a `transport` type: only
 /// re-exports, of the fabric interface's plain settings (the member
-/// protocol carries them, and a run's digest; a store says where registered memory lives; a
+/// protocol carries them, and a run's digest; a store says where registered memory lives, and
+/// takes the contract its owner implements; a
 /// tweak changes a node endpoint's shared-memory directory and faults),
 /// of the executor's default deadline, and of the GPU planes' record of
 /// work done on the host. No other public item may, and
@@ -169,7 +170,9 @@ fn the_orchestrator_api_names_transport_types_only_where_known() {
     let known = [
         "pub use transport::DEFAULT_DEADLINE;",
         "pub use transport::fabric::{CommPlane, DataAddr, EgressCaps, Fabric, IpcFabric, NcclFabric, NodeFabric, PeerAddr};",
-        "pub use transport::fabric::Residence;",
+        // Registered memory: where it lives, and the one contract its
+        // owner implements (an embedding's objects: the Python binding's).
+        "pub use transport::fabric::{RegisteredMemory, RegisteredMemoryError, RegisteredVisitError, Residence};",
         "pub use transport::fabric::NodeFaults;",
         // A run's digest, which the member protocol carries.
         "pub use transport::fabric::{DigestError, RankDigest};",

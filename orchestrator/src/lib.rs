@@ -51,8 +51,8 @@ pub use protocol::{
 pub use rendezvous::{join, member_name, replica_member_name, JoinConfig, JoinError, Joined, Rendezvous};
 pub use reshard::TensorSubset;
 pub use store::{
-    BufferError, Buffers, DstStore, RegionCheck, RegionError, Registered, Residence, Serving, Snapshot, SrcStore, TensorView,
-    TensorViewMut, UpdateGuard,
+    BufferError, Buffers, DstStore, Registered, RegisteredMemory, RegisteredMemoryError, RegisteredVisitError, Residence, Serving,
+    Snapshot, SrcStore, TensorView, TensorViewMut, UpdateGuard,
 };
 /// Work the GPU planes of this process did on the host instead of the
 /// device (fallbacks, and dtype pairs no kernel converts): for GPU checks.

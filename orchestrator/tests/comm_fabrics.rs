@@ -811,11 +811,22 @@ struct LyingOwner {
     bytes: usize,
 }
 
-impl orchestrator::RegionCheck for LyingOwner {
+// SAFETY: both allocations it yields live until the test's last refit
+// (dropped after it), host memory of at least `bytes` (or a region
+// `Registered` must refuse), never written after registration.
+unsafe impl orchestrator::RegisteredMemory for LyingOwner {
+    fn residence(&self) -> orchestrator::Residence {
+        orchestrator::Residence::Host
+    }
+
+    fn buffers(&self) -> usize {
+        1
+    }
+
     fn visit(
         &self,
-        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), orchestrator::RegionError>,
-    ) -> Result<(), orchestrator::RegionError> {
+        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), orchestrator::RegisteredVisitError>,
+    ) -> Result<(), orchestrator::RegisteredVisitError> {
         let mode = *self.mode.lock().unwrap();
         match mode {
             Owner::Honest => f(0, (self.home, self.bytes)),
@@ -853,13 +864,7 @@ async fn registered_sources_whose_owner_lies_are_refused_or_followed() {
         for r in 0..2usize {
             let (h, m) = (home[r].as_mut_ptr() as u64, moved[r].as_mut_ptr() as u64);
             let owner = Arc::new(LyingOwner { mode: mode.clone(), home: h, moved: m, bytes });
-            // SAFETY: both allocations live until the end of this loop
-            // iteration, past every refit (awaited below), and are never
-            // written after registration; the owner yields one of them or
-            // a region `Registered::visit` must refuse.
-            let reg = unsafe {
-                orchestrator::Registered::new(&src, r as u32, orchestrator::Residence::Host, vec![(h, bytes)]).unwrap().with_check(owner)
-            };
+            let reg = orchestrator::Registered::owned(&src, r as u32, owner).unwrap();
             src_stores.push(Arc::new(SrcStore::registered(&src, r as u32, reg)));
         }
         let sys = spawn_registered(&src, &dst, src_stores, config, orchestrator::MemberConfig::default());

@@ -3,7 +3,7 @@
 
 use crate::errors::RegistrationError;
 use crate::layout::PyLayout;
-use crate::target::{Access, Device, Targets, Want};
+use crate::target::{Access, Targets, Want};
 use pyo3::prelude::*;
 use reshard::{Layout, Rank};
 use std::sync::Arc;
@@ -41,21 +41,9 @@ pub(crate) fn in_place(
     layout.check_rank(rank)?;
     let what = format!("{side} rank {rank}");
     let targets = Targets::register(what.clone(), access, wants(&layout.inner, rank), objects)?.map_err(RegistrationError::new_err)?;
-    let (regions, device) = targets.regions();
-    let residence = match device {
-        Some(Device::Cuda(ordinal)) => orchestrator::Residence::Device { ordinal },
-        _ => orchestrator::Residence::Host,
-    };
-    // SAFETY: every region was found just now from the object registered
-    // for it, with its keeper held by `targets` for as long as the
-    // registration lives; before each use the store's refit or commit
-    // re-derives it through `targets` (`with_check`), which refuses memory
-    // that moved, and the commit copies inside that check's GIL hold.
-    let registered = unsafe { orchestrator::Registered::new(&layout.inner, rank, residence, regions) }
-        .map_err(|e| RegistrationError::new_err(format!("{what}: {e}")))?;
     let targets = Arc::new(targets);
-    // SAFETY: as above, for every region the check yields.
-    let registered = unsafe { registered.with_check(targets.clone()) };
+    let registered = orchestrator::Registered::owned(&layout.inner, rank, targets.clone())
+        .map_err(|e| RegistrationError::new_err(format!("{what}: {e}")))?;
     Ok((registered, targets))
 }
 

@@ -15,7 +15,7 @@
 //! by torch's C function; the capsule).
 //!
 //! [`Targets`] are a rank's registered buffers. Before every use
-//! ([`RegionCheck::visit`], under one GIL hold) all of them are looked up
+//! ([`RegisteredMemory::visit`], under one GIL hold) all of them are looked up
 //! again (the objects' own code may run here: a torch subclass's
 //! `__torch_function__`), then all are checked with no Python code running
 //! (each probe must still read what its look-up found, so a look-up that
@@ -29,7 +29,7 @@
 //! the caller.
 
 use crate::ndarray;
-use orchestrator::{RegionCheck, RegionError};
+use orchestrator::{RegisteredMemory, RegisteredMemoryError, RegisteredVisitError, Residence};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use reshard::DType;
@@ -591,6 +591,9 @@ pub(crate) struct Targets {
     what: String,
     access: Access,
     entries: Vec<Entry>,
+    /// Where every buffer is (one device for all, and a buffer never
+    /// moves to another: [`Targets::verify`]).
+    residence: Residence,
 }
 
 impl Targets {
@@ -632,22 +635,11 @@ impl Targets {
             let pinned = Pinned::at(&found, found.keeper.clone_ref(object.py()));
             entries.push(Entry { want, object: object.unbind(), pinned: Mutex::new(pinned) });
         }
-        Ok(Ok(Targets { what, access, entries }))
-    }
-
-    /// (address, bytes) of each buffer as registered, and their device.
-    pub(crate) fn regions(&self) -> (Vec<(u64, usize)>, Option<Device>) {
-        let mut device = None;
-        let regions = self
-            .entries
-            .iter()
-            .map(|e| {
-                let p = e.pinned.lock().unwrap_or_else(|e| e.into_inner());
-                device = Some(p.device);
-                (p.addr, p.nbytes)
-            })
-            .collect();
-        (regions, device)
+        let residence = match device {
+            Some(Device::Cuda(ordinal)) => Residence::Device { ordinal },
+            _ => Residence::Host,
+        };
+        Ok(Ok(Targets { what, access, entries, residence }))
     }
 
     /// Looks buffer `i` up again: the object's own code may run (a
@@ -725,17 +717,20 @@ impl Targets {
     /// buffer is caught here), then `f` on each (no Python code between
     /// the checks and the end of `f`). An error names the buffer and what
     /// changed; nothing is visited after it.
-    fn visit_checked(&self, py: Python<'_>, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>) -> Result<(), RegionError> {
-        let found = (0..self.entries.len()).map(|i| self.resolve(py, i)).collect::<Result<Vec<_>, _>>().map_err(RegionError::refused)?;
+    fn visit_checked(
+        &self,
+        py: Python<'_>,
+        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegisteredVisitError>,
+    ) -> Result<(), RegisteredVisitError> {
+        let found = (0..self.entries.len()).map(|i| self.resolve(py, i)).collect::<Result<Vec<_>, _>>().map_err(refused)?;
         // No garbage collection from the checks to the end of the uses:
         // a collection (the checks' probes allocate) could run finalizers.
-        let gc = py.import("gc").map_err(|e| RegionError::refused(format!("the gc module: {e}")))?;
-        let collecting =
-            gc.call_method0("isenabled").and_then(|b| b.is_truthy()).map_err(|e| RegionError::refused(format!("gc.isenabled: {e}")))?;
-        gc.call_method0("disable").map_err(|e| RegionError::refused(format!("gc.disable: {e}")))?;
+        let gc = py.import("gc").map_err(|e| refused(format!("the gc module: {e}")))?;
+        let collecting = gc.call_method0("isenabled").and_then(|b| b.is_truthy()).map_err(|e| refused(format!("gc.isenabled: {e}")))?;
+        gc.call_method0("disable").map_err(|e| refused(format!("gc.disable: {e}")))?;
         let used = self.check_and_use(py, &found, f);
         if collecting {
-            gc.call_method0("enable").map_err(|e| RegionError::refused(format!("gc.enable: {e}")))?;
+            gc.call_method0("enable").map_err(|e| refused(format!("gc.enable: {e}")))?;
         }
         let moved = used?;
         // Followed buffers pinned at their new places; the old pins (and
@@ -755,13 +750,13 @@ impl Targets {
         &self,
         py: Python<'_>,
         found: &[Found],
-        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>,
-    ) -> Result<Vec<(usize, Pinned)>, RegionError> {
+        f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegisteredVisitError>,
+    ) -> Result<Vec<(usize, Pinned)>, RegisteredVisitError> {
         let mut maps = None;
         let mut regions = Vec::with_capacity(found.len());
         let mut moved = Vec::new();
         for (i, found) in found.iter().enumerate() {
-            let (addr, nbytes, pin) = self.verify(py, i, found, &mut maps).map_err(RegionError::refused)?;
+            let (addr, nbytes, pin) = self.verify(py, i, found, &mut maps).map_err(refused)?;
             regions.push((addr, nbytes));
             if let Some(pin) = pin {
                 moved.push((i, pin));
@@ -780,8 +775,29 @@ impl Targets {
     }
 }
 
-impl RegionCheck for Targets {
-    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegionError>) -> Result<(), RegionError> {
+/// The owner's refusal of a buffer, in `words` (naming it).
+fn refused(words: String) -> RegisteredVisitError {
+    RegisteredVisitError::Owner(RegisteredMemoryError::new(words))
+}
+
+// SAFETY: each region is yielded right after its checks (under one GIL
+// hold, no Python code in between: `visit_checked`) as the memory its
+// object holds now, of the registered device (`verify` refuses another),
+// at least the buffer's bytes (`fits`); its keeper stays pinned while the
+// registration lives and until a later visit finds the buffer elsewhere
+// (the user's side of the contract, docs/python.md: a source's tensors are
+// written only inside `update`, a destination's touched only inside
+// `serve`, and memory is not freed by another thread during a refit).
+unsafe impl RegisteredMemory for Targets {
+    fn residence(&self) -> Residence {
+        self.residence
+    }
+
+    fn buffers(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn visit(&self, f: &mut dyn FnMut(usize, (u64, usize)) -> Result<(), RegisteredVisitError>) -> Result<(), RegisteredVisitError> {
         Python::attach(|py| self.visit_checked(py, f))
     }
 }

@@ -450,7 +450,7 @@ impl Member {
         // again now, before any destination commits, so memory its owner
         // moved fails the refit here rather than one rank's commit).
         let registered = store.registered_memory().cloned();
-        let checked = tokio::task::spawn_blocking(move || registered.map_or(Ok(()), |r| r.current().map(drop))).await;
+        let checked = tokio::task::spawn_blocking(move || registered.map_or(Ok(()), |r| r.check())).await;
         if let Err(why) = checked.map_err(|e| e.to_string()).and_then(|r| r.map_err(|e| e.to_string())) {
             let why = format!("{}: registered weights: {why}", program.endpoint);
             return (Err(Refusal::Exec { why, after_peer: false }), end);

@@ -23,7 +23,7 @@ pub use buffers::{Buffers, TensorView, TensorViewMut};
 pub(crate) use dst_store::CommitFence;
 pub use dst_store::{DstStore, Serving, Snapshot};
 pub use error::BufferError;
-pub use registered::{RegionCheck, RegionError, Registered, Residence};
+pub use registered::{Registered, RegisteredMemory, RegisteredMemoryError, RegisteredVisitError, Residence};
 pub use src_store::{SrcStore, UpdateGuard};
 
 /// The layout the store tests share.

@@ -10,12 +10,13 @@ use super::error::FabricError;
 use super::registered::StagingMemory;
 use super::registered::{current_regions, RegisteredMemory, RegisteredStaging, Residence};
 use super::spec::{CommPlane, DataAddr, IpcFabric, NcclFabric, PeerAddr};
-use super::{program_peers, MIN_FRAME_LIMIT};
+use super::{drop_scratch, program_peers, with_scratch, RankRunError, RunFailure, RunMemory, RunOptions, MIN_FRAME_LIMIT};
 use crate::cuda::comm::BackendError;
 use crate::cuda::{
     comm_rank, run_rank_comm, send_staging_bytes, sim_comm, sim_comm_id, CommConfig, CommHandle, CommId, CommPeers, IpcComm, IpcHandle,
     SimBucket, SimIpc, SimMemory,
 };
+use crate::Bypass;
 use crate::{DeltaRun, HelloKey, NodeTransport, NodeTransportConfig, RankMemory, RankStats, TcpConfig};
 use reshard::{Endpoint, Group, RankProgram};
 use std::collections::{BTreeSet, HashMap};
@@ -164,6 +165,54 @@ impl CommEnd {
             #[cfg(feature = "cuda")]
             peer_maps: Default::default(),
         }))
+    }
+
+    /// Runs `program` on `memory` over the communicator by
+    /// `options.deadline`: registered memory where it is (this end keeps
+    /// the scratch), a registered destination's staging, or the rank's own
+    /// host buffers with every scratch buffer allocated (the communicator
+    /// executor makes no copies on receipt). A failed run has aborted the
+    /// communicator.
+    pub(super) fn run_on(
+        &mut self,
+        program: &RankProgram,
+        memory: RunMemory<'_>,
+        options: RunOptions<'_>,
+    ) -> Result<RankStats, RankRunError> {
+        let RunOptions { deadline, delta, scratch } = options;
+        let until = Instant::now() + deadline;
+        // Taken: a run that fails leaves none.
+        let (reuse, pool) = (std::mem::take(&mut scratch.buffers), std::mem::take(&mut scratch.staging));
+        let r = match memory {
+            RunMemory::Registered(registered) => self.run_registered(program, registered, until, delta),
+            RunMemory::Staged { registered, staging } => self.run_staged(program, registered, staging, until, delta),
+            RunMemory::Host(memory) => {
+                let base = match with_scratch(memory, program, &Bypass::default(), reuse) {
+                    Ok(base) => base,
+                    Err(e) => {
+                        self.abort();
+                        return Err(RankRunError::ProgramMismatch(e));
+                    }
+                };
+                let r = self.run(program, memory, until, delta);
+                let left = drop_scratch(memory, base);
+                if r.is_ok() {
+                    scratch.buffers = left;
+                }
+                r
+            }
+        };
+        if r.is_ok() {
+            scratch.staging = pool;
+        }
+        r.map_err(|failed: CommFailed| {
+            let after_peer = failed.after_peer();
+            let cause = match failed {
+                CommFailed::Run(e) => RunFailure::Comm(e),
+                CommFailed::Own(e) => RunFailure::Fabric(e),
+            };
+            RankRunError::Exec { cause: Box::new(cause), after_peer, hang: self.abort() }
+        })
     }
 
     /// Runs `program` on `memory` over the communicator by `deadline`

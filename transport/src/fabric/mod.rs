@@ -31,7 +31,6 @@
 //! staged).
 
 mod comm;
-use comm::CommFailed;
 mod digest;
 mod endpoint;
 mod error;
@@ -61,7 +60,7 @@ use registered::current_regions;
 use reshard::{Endpoint, RankProgram};
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The smallest frame limit a data-plane endpoint sets: room for an abort's
 /// reason (64 KiB at most) and the small frames of shared-memory links.
@@ -277,79 +276,31 @@ impl RankEnd {
         self.0.is_connected()
     }
 
-    /// Runs `program` on `memory` by `options.deadline`; a failed run has
-    /// aborted the end.
+    /// Runs `program` on `memory` by `options.deadline` on the end's plane
+    /// (a host transport, or a communicator), which reaches the memory
+    /// where it lives; a failed run has aborted the end.
     pub fn run(&mut self, program: &RankProgram, memory: RunMemory<'_>, options: RunOptions<'_>) -> Result<RankStats, RankRunError> {
-        let RunOptions { deadline, delta, scratch } = options;
-        let reuse = std::mem::take(&mut scratch.buffers);
-        // Taken too: a run that fails leaves none (its areas go back to a
-        // pool nobody keeps, and are freed).
-        let pool = std::mem::take(&mut scratch.staging);
         match self.0.ready()? {
-            Ready::Transport(t) => {
-                let (r, left) = run_on_transport(program, memory, t, HostRun { deadline, delta, pool: &pool }, reuse);
-                if r.is_ok() {
-                    scratch.buffers = left;
-                    scratch.staging = pool;
-                }
-                r
-            }
-            Ready::Comm(c) => {
-                let until = Instant::now() + deadline;
-                let r = match memory {
-                    // Straight from the owner's memory; the end keeps the
-                    // scratch.
-                    RunMemory::Registered(registered) => c.run_registered(program, registered, until, delta),
-                    RunMemory::Staged { registered, staging } => c.run_staged(program, registered, staging, until, delta),
-                    RunMemory::Host(memory) => {
-                        // The communicator executor makes no copies on
-                        // receipt: every scratch buffer is allocated.
-                        let base = match with_scratch(memory, program, &Bypass::default(), reuse) {
-                            Ok(base) => base,
-                            Err(e) => {
-                                c.abort();
-                                return Err(RankRunError::ProgramMismatch(e));
-                            }
-                        };
-                        let r = c.run(program, memory, until, delta);
-                        let left = drop_scratch(memory, base);
-                        if r.is_ok() {
-                            scratch.buffers = left;
-                        }
-                        r
-                    }
-                };
-                r.map_err(|failed: CommFailed| {
-                    let after_peer = failed.after_peer();
-                    let cause = match failed {
-                        CommFailed::Run(e) => RunFailure::Comm(e),
-                        CommFailed::Own(e) => RunFailure::Fabric(e),
-                    };
-                    RankRunError::Exec { cause: Box::new(cause), after_peer, hang: c.abort() }
-                })
-            }
+            Ready::Transport(t) => run_on_transport(program, memory, t, options),
+            Ready::Comm(c) => c.run_on(program, memory, options),
         }
     }
 }
 
-/// How a run over a host transport goes: its deadline, a delta run, and
-/// the pool its staging areas come from.
-struct HostRun<'a, 'd> {
-    deadline: Duration,
-    delta: Option<&'d mut DeltaRun>,
-    pool: &'a StagingPool,
-}
-
-/// Runs `program` on `memory` (plus any scratch it needs, from `reuse`
-/// where it fits) over a host `transport`; hands back the scratch.
+/// Runs `program` on `memory` (plus any scratch it needs, from what the
+/// plan's last run left where it fits) over a host `transport`; a clean
+/// run leaves its scratch and staging areas in `options.scratch` (a run
+/// that fails leaves none: its areas go back to a pool nobody keeps, and
+/// are freed).
 fn run_on_transport(
     program: &RankProgram,
     memory: RunMemory<'_>,
     transport: &mut dyn Transport,
-    how: HostRun<'_, '_>,
-    reuse: Vec<Vec<u8>>,
-) -> (Result<RankStats, RankRunError>, Vec<Vec<u8>>) {
-    let HostRun { deadline, delta, pool } = how;
+    options: RunOptions<'_>,
+) -> Result<RankStats, RankRunError> {
+    let RunOptions { deadline, delta, scratch } = options;
+    let reuse = std::mem::take(&mut scratch.buffers);
+    let pool = std::mem::take(&mut scratch.staging);
     // Scratch whose copies the executor makes on receipt gets no memory.
     let bypass = Bypass::of(program);
     let options = ExecOptions { deadline };
@@ -358,24 +309,24 @@ fn run_on_transport(
         (Err(e), Vec::new())
     };
     let mut t: &mut dyn Transport = transport;
-    match memory {
-        RunMemory::Host(m) => host_run(program, &bypass, m, &mut t, &options, (delta, pool), reuse),
+    let (r, left) = match memory {
+        RunMemory::Host(m) => host_run(program, &bypass, m, &mut t, &options, (delta, &pool), reuse),
         RunMemory::Staged { registered, staging } => {
             // The rank's own buffers staged on the host, the scratch added
             // by the executor.
             match RegisteredStaging::host(staging, program, registered, registered.buffers()) {
-                Ok(m) => host_run(program, &bypass, m, &mut t, &options, (delta, pool), reuse),
+                Ok(m) => host_run(program, &bypass, m, &mut t, &options, (delta, &pool), reuse),
                 Err(e) => refuse(t, e.into_run_error()),
             }
         }
-        RunMemory::Registered(registered) => {
+        RunMemory::Registered(registered) => 'registered: {
             if registered.residence() != Residence::Host {
                 let off_host = RegisteredError::OffHost { me: program.endpoint, residence: registered.residence() };
-                return refuse(t, off_host.into_run_error());
+                break 'registered refuse(t, off_host.into_run_error());
             }
             let regions = match current_regions(program, registered) {
                 Ok(r) => r,
-                Err(e) => return refuse(t, e.into_run_error()),
+                Err(e) => break 'registered refuse(t, e.into_run_error()),
             };
             // Registered memory stays as it is, the scratch beside it.
             let mut beside = scratch_for(program, &bypass, regions.len(), reuse);
@@ -390,10 +341,15 @@ fn run_on_transport(
             // holds); each is cut to its buffer's bytes (`current_regions`);
             // the scratch is ours, alive past the run; no two regions
             // overlap.
-            let r = unsafe { run_rank_regions(program, &bypass, &all, &mut t, &options, delta, pool) };
+            let r = unsafe { run_rank_regions(program, &bypass, &all, &mut t, &options, delta, &pool) };
             (r.map_err(exec_error), beside)
         }
+    };
+    if r.is_ok() {
+        scratch.buffers = left;
+        scratch.staging = pool;
     }
+    r
 }
 
 /// An executor's error as a run's.

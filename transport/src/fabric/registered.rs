@@ -33,17 +33,20 @@ impl std::fmt::Display for Residence {
 
 /// A rank's weights in memory its owner holds, one region (address,
 /// bytes) per buffer of the rank, which a refit reads (a source) or whose
-/// staging a commit copies in (a destination) where it is.
+/// staging a commit copies in (a destination) where it is. The one
+/// contract for registered memory: fixed addresses implement it, and so
+/// does an embedding whose objects are looked up again before each use
+/// (a Python tensor that may have moved).
 ///
 /// # Safety
-/// An implementation promises that every region it yields — from
-/// [`RegisteredMemory::current_regions`], or to the closure of
-/// [`RegisteredMemory::visit`] — is memory of
+/// An implementation promises that every region it yields — to the
+/// closure of [`RegisteredMemory::visit`], or from
+/// [`RegisteredMemory::current_regions`] — is memory of
 /// [`RegisteredMemory::residence`], at least as many bytes as it says,
-/// valid for reads and writes: a visited region until the closure returns,
-/// a current one until the run or copy that asked for it ends; and that
-/// nothing else writes it meanwhile (a source's owner writes it only
-/// outside refits, a destination's only outside commits).
+/// valid for reads and writes until the run or copy that asked for it ends
+/// (a region visited, at least until the closure returns); and that nothing
+/// else writes it meanwhile (a source's owner writes it only outside
+/// refits, a destination's only outside commits).
 pub unsafe trait RegisteredMemory: Send + Sync {
     /// Where the regions are.
     fn residence(&self) -> Residence;
@@ -59,7 +62,19 @@ pub unsafe trait RegisteredMemory: Send + Sync {
 
     /// Every region as its owner holds it now, for a use that cannot run
     /// inside [`RegisteredMemory::visit`] (a source's run, a device copy).
-    fn current_regions(&self) -> Result<Vec<(u64, usize)>, RegisteredMemoryError>;
+    fn current_regions(&self) -> Result<Vec<(u64, usize)>, RegisteredMemoryError> {
+        let mut regions = Vec::with_capacity(self.buffers());
+        let visited = self.visit(&mut |_, r| {
+            regions.push(r);
+            Ok(())
+        });
+        match visited {
+            Ok(()) => Ok(regions),
+            Err(RegisteredVisitError::Owner(e)) => Err(e),
+            // (The closure above fails on nothing: an owner's own words.)
+            Err(RegisteredVisitError::Visitor(e)) => Err(RegisteredMemoryError::new(e.to_string())),
+        }
+    }
 }
 
 /// Why [`RegisteredMemory::visit`] stopped: the owner refused a region, or
