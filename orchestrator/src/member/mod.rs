@@ -4,18 +4,18 @@
 //! orchestrator only by message, so it may live in any process.
 
 use crate::protocol::{
-    Fabric, HeldVersion, LayoutInfo, MemberMsg, MemberReply, PeerAddr, ProgramRole, Refusal, RunRequest, RunStats, INSTALLED_PLANS,
+    Fabric, HeldVersion, LayoutInfo, MemberMsg, MemberReply, PeerAddr, ProgramRole, Refusal, RunRequest, INSTALLED_PLANS,
 };
-use crate::store::{CommitFence, DstStore, SrcStore};
+use crate::store::{CommitFence, DstStore, RegisteredStagingHold, SrcStore};
 use actors::{async_trait, Actor, ActorError, Context};
 use reshard::{BufferSpec, Endpoint, Fingerprint, Group, Layout, Rank, RankProgram};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use transport::fabric::{Connecting, NodeFaults, RankEnd, RegisteredStaging, Residence, RunMemory, Site};
+use transport::fabric::{Connecting, NodeFaults, RankEnd, RegisteredStaging, Residence, Site};
 mod run;
 
-use run::{execute_on, finish, run_dst, run_seed, run_src, split, watched, RankRun, RunReuse, RunSettings};
+use run::{finish, refuse_run, run_dst, run_held, run_seed, run_src, Ran, RankRun, RunReuse, RunSettings};
 
 /// Which side of the refit a member is on, with its rank's store.
 #[derive(Debug, Clone)]
@@ -411,36 +411,24 @@ impl Member {
     /// A store written in place ([`DstStore::registered_direct`]) is run
     /// by [`run_in_place_dst`](Self::run_in_place_dst) instead, on a
     /// communicator fabric or over host memory.
-    async fn run_registered_dst(
-        &mut self,
-        store: &Arc<DstStore>,
-        run: RankRun,
-    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, RunReuse)>) {
+    async fn run_registered_dst(&mut self, store: &Arc<DstStore>, mut run: RankRun) -> Ran {
         let started = Instant::now();
-        let RankRun { program, mut end, how, left, version, kill } = run;
         let Some(registered) = store.registered_memory().cloned() else {
-            return (Err(Refusal::ProgramMismatch("the store is not registered".into())), None);
+            return refuse_run(run.end, Refusal::ProgramMismatch("the store is not registered".into()));
         };
         // (A host transport reaches host memory only; a communicator end
         // reaches its plane's memory and refuses the rest, naming it.)
-        if store.writes_in_place() && (registered.residence() == Residence::Host || !end.on_host_transport()) {
-            let run = RankRun { program, end, how, left, version, kill };
+        if store.writes_in_place() && (registered.residence() == Residence::Host || !run.end.on_host_transport()) {
             return self.run_in_place_dst(store, registered, run, started).await;
         }
-        if !program.carried.is_empty() && store.version().is_none() {
-            end.abort(&Refusal::NoBaseVersion.to_string());
-            return (Err(Refusal::NoBaseVersion), None);
+        if !run.program.carried.is_empty() && store.version().is_none() {
+            return refuse_run(run.end, Refusal::NoBaseVersion);
         }
-        let mut staging = self.registered_staging.take();
-        let p = program.clone();
-        let run = tokio::task::spawn_blocking(move || {
-            let memory = RunMemory::Staged { registered: &registered, staging: &mut staging };
-            let (r, left) = execute_on(&p, memory, &mut end, how, left);
-            (r, (end, staging, left))
-        });
-        let (result, kept) = split(watched(run, how.deadline, kill).await);
-        let end = kept.map(|(end, staging, left)| {
-            self.registered_staging = staging;
+        let (program, how, version) = (run.program.clone(), run.how, run.version);
+        let hold = RegisteredStagingHold { registered, staging: self.registered_staging.take() };
+        let (result, kept) = run_held(hold, run).await;
+        let end = kept.map(|(end, left, hold)| {
+            self.registered_staging = hold.staging;
             (end, left)
         });
         if result.is_err() {
@@ -492,28 +480,17 @@ impl Member {
     /// runs the program straight into the registered memory, and keeps
     /// the readers off until the commit (which copies nothing) or a
     /// discard (after which it stays torn).
-    async fn run_in_place_dst(
-        &mut self,
-        store: &Arc<DstStore>,
-        registered: crate::Registered,
-        run: RankRun,
-        started: Instant,
-    ) -> (Result<RunStats, Refusal>, Option<(RankEnd, RunReuse)>) {
-        let RankRun { program, mut end, how, left, version, kill } = run;
-        let Some(fence) = store.fence_for_commit(how.deadline).await else {
+    async fn run_in_place_dst(&mut self, store: &Arc<DstStore>, registered: crate::Registered, run: RankRun, started: Instant) -> Ran {
+        let (program, version) = (run.program.clone(), run.version);
+        let Some(fence) = store.fence_for_commit(run.how.deadline).await else {
             let why = format!("{}: readers held its registered weights (DstStore::serve) past the refit's deadline", program.endpoint);
-            end.abort(&why);
-            return (Err(Refusal::Exec { why, after_peer: false }), None);
+            return refuse_run(run.end, Refusal::Exec { why, after_peer: false });
         };
         // From the first byte written the memory holds no whole version.
         store.tear(&fence);
-        let how = RunSettings { deadline: how.deadline.saturating_sub(started.elapsed()), ..how };
-        let p = program.clone();
-        let run = tokio::task::spawn_blocking(move || {
-            let (r, left) = execute_on(&p, RunMemory::Registered(&registered), &mut end, how, left);
-            (r, (end, left))
-        });
-        let (result, end) = split(watched(run, how.deadline, kill).await);
+        let how = RunSettings { deadline: run.how.deadline.saturating_sub(started.elapsed()), ..run.how };
+        let (result, kept) = run_held(registered, RankRun { how, ..run }).await;
+        let end = kept.map(|(end, left, _)| (end, left));
         if result.is_ok() {
             self.hold_for_commit(version, program, fence, true, how.deadline);
         }

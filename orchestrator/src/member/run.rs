@@ -1,11 +1,11 @@
-//! How one run of a member's program goes: its settings, the rank's memory
-//! per role (a source's store under its fence, a destination seeding a
-//! replica, a destination's store), the executor on the endpoint with what
-//! the plan's last run left, the digest, and the watchdog past the
-//! deadline.
+//! How one run of a member's program goes: its settings, the memory its
+//! store lends it for the version (per role: a source's weights under its
+//! fence, a destination's served version for a replica it seeds, a
+//! destination's staging), the executor on the endpoint with what the
+//! plan's last run left, the digest, and the watchdog past the deadline.
 
-use crate::protocol::{DigestError, HeldVersion, MemberReply, Refusal, RunDelta, RunStats};
-use crate::store::{Buffers, DstStore, SrcStore};
+use crate::protocol::{DigestError, MemberReply, Refusal, RunDelta, RunStats};
+use crate::store::{DstStore, RunHold, SrcStore};
 use reshard::RankProgram;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,20 +31,6 @@ pub(super) struct RunReuse {
     pub(super) memo: Option<(u64, DeltaMemo)>,
 }
 
-/// Copies the `carried` buffers of a committed version into staging (a
-/// subset refit then writes the subset's elements over them). Both hold
-/// the rank's layout buffers, alike.
-pub(super) fn carry(carried: &[u32], from: &Buffers, to: &mut Buffers) {
-    let to = to.memory_mut();
-    for &i in carried {
-        if let (Some(src), Some(dst)) = (from.memory().buffers.get(i as usize), to.buffers.get_mut(i as usize)) {
-            if src.len() == dst.len() {
-                dst.copy_from_slice(src);
-            }
-        }
-    }
-}
-
 /// How one run goes.
 #[derive(Clone, Copy)]
 pub(super) struct RunSettings {
@@ -66,7 +52,7 @@ pub(super) struct RunSettings {
 /// run that succeeded reads back what it moved from the same memory
 /// ([`transport::fabric::digest`]): on a communicator fabric (device
 /// memory) it says so instead.
-pub(super) fn execute_on(
+fn execute_on(
     program: &RankProgram,
     mut memory: RunMemory<'_>,
     end: &mut RankEnd,
@@ -105,7 +91,7 @@ pub(super) fn execute_on(
 /// The delta run `how` asks for, on the memo a run left if it is the base
 /// refit's (otherwise this rank's messages go dense, and a peer that sends
 /// it a delta fails the refit: the orchestrator then starts over, dense).
-pub(super) fn delta_run(how: &RunSettings, memo: Option<(u64, DeltaMemo)>) -> Option<DeltaRun> {
+fn delta_run(how: &RunSettings, memo: Option<(u64, DeltaMemo)>) -> Option<DeltaRun> {
     let base = match how.delta {
         RunDelta::Off => return None,
         RunDelta::First => None,
@@ -115,7 +101,7 @@ pub(super) fn delta_run(how: &RunSettings, memo: Option<(u64, DeltaMemo)>) -> Op
 }
 
 /// The memo a successful delta run leaves for the next, with its refit.
-pub(super) fn kept_memo<T, E>(r: &Result<T, E>, how: &RunSettings, delta: Option<DeltaRun>) -> Option<(u64, DeltaMemo)> {
+fn kept_memo<T, E>(r: &Result<T, E>, how: &RunSettings, delta: Option<DeltaRun>) -> Option<(u64, DeltaMemo)> {
     delta.filter(|_| r.is_ok()).map(|d| (how.refit, d.next))
 }
 
@@ -123,12 +109,12 @@ pub(super) fn kept_memo<T, E>(r: &Result<T, E>, how: &RunSettings, delta: Option
 /// send to a peer that stopped reading, behind a link that went down —
 /// before its connections are torn down (the executor's own deadline
 /// catches only receives).
-pub(super) const BLOCKED_GRACE: Duration = Duration::from_secs(1);
+const BLOCKED_GRACE: Duration = Duration::from_secs(1);
 
 /// Awaits a rank's data plane; if it runs `BLOCKED_GRACE` past `deadline`,
 /// pulls `kill` (its sends and receives then fail at once, and its peers
 /// see the links break) and awaits the failure.
-pub(super) async fn watched<T>(
+async fn watched<T>(
     mut run: tokio::task::JoinHandle<T>,
     deadline: Duration,
     kill: Option<KillSwitch>,
@@ -147,20 +133,10 @@ pub(super) async fn watched<T>(
 }
 
 /// A data-plane task's result and, unless the task failed, its endpoint.
-pub(super) fn split<T>(joined: Result<(Result<RunStats, Refusal>, T), tokio::task::JoinError>) -> (Result<RunStats, Refusal>, Option<T>) {
+fn split<T>(joined: Result<(Result<RunStats, Refusal>, T), tokio::task::JoinError>) -> (Result<RunStats, Refusal>, Option<T>) {
     match joined {
         Ok((r, end)) => (r, Some(end)),
         Err(e) => (Err(Refusal::Exec { why: format!("data plane task failed: {e}"), after_peer: false }), None),
-    }
-}
-
-/// Why a rank holding (or serving) `weights` cannot send `version`, if
-/// it cannot.
-pub(super) fn not_holding(weights: HeldVersion, version: u64) -> Option<Refusal> {
-    match weights {
-        HeldVersion::Version(held) if held == version => None,
-        HeldVersion::Version(held) => Some(Refusal::VersionMismatch { held, asked: version }),
-        other => Some(Refusal::NoWeights(other)),
     }
 }
 
@@ -181,79 +157,49 @@ pub(super) fn refuse_run(mut end: RankEnd, refusal: Refusal) -> Ran {
     (Err(refusal), None)
 }
 
-/// Runs a source rank: its store's write lock held while peers read its
-/// weights (the fence), registered memory read where it is (its regions
-/// re-derived from their owner first: memory it moved or freed since is
-/// never read).
-pub(super) async fn run_src(store: &Arc<SrcStore>, run: RankRun) -> Ran {
-    let RankRun { program, mut end, how, left, version, kill } = run;
-    let mut guard = store.lock().write_owned().await;
-    if let Some(refusal) = not_holding(store.weights(), version) {
-        return refuse_run(end, refusal);
-    }
+/// Runs the rank's program on memory its store lends for the run
+/// ([`RunHold`]), watched past the deadline; hands the hold back with the
+/// endpoint (its staging, say) unless the run's task failed.
+pub(super) async fn run_held<H: RunHold>(mut hold: H, run: RankRun) -> (Result<RunStats, Refusal>, Option<(RankEnd, RunReuse, H)>) {
+    let RankRun { program, mut end, how, left, kill, .. } = run;
     let task = tokio::task::spawn_blocking(move || {
-        let registered = guard.registered().cloned();
-        let memory = match &registered {
-            Some(r) => RunMemory::Registered(r),
-            None => RunMemory::Host(guard.memory_mut()),
-        };
-        let (r, left) = execute_on(&program, memory, &mut end, how, left);
-        (r, (end, left))
+        hold.prepare();
+        let (r, left) = execute_on(&program, hold.memory(), &mut end, how, left);
+        hold.ran(r.is_ok());
+        (r, (end, left, hold))
     });
     split(watched(task, how.deadline, kill).await)
+}
+
+/// [`run_held`] on the hold `lent` (or refused, its peers told), let go
+/// after the run.
+async fn run_lent<H: RunHold>(lent: Result<H, Refusal>, run: RankRun) -> Ran {
+    match lent {
+        Ok(hold) => {
+            let (r, kept) = run_held(hold, run).await;
+            (r, kept.map(|(end, left, _)| (end, left)))
+        }
+        Err(refusal) => refuse_run(run.end, refusal),
+    }
+}
+
+/// Runs a source rank on the version its store holds, under the store's
+/// write fence while peers read its weights.
+pub(super) async fn run_src(store: &Arc<SrcStore>, run: RankRun) -> Ran {
+    let lent = store.hold_for_run(run.version).await;
+    run_lent(lent, run).await
 }
 
 /// Runs a destination rank that seeds a replica: it sends the version it
-/// serves, read where it is served (only this member's commits write it,
-/// and none comes while it runs) or from a copy of the committed snapshot
-/// (the executor takes a rank's host memory mutably; it only reads a
-/// source's).
+/// serves.
 pub(super) async fn run_seed(store: &Arc<DstStore>, run: RankRun) -> Ran {
-    let RankRun { program, mut end, how, left, version, kill } = run;
-    if let Some(refusal) = not_holding(store.weights(), version) {
-        return refuse_run(end, refusal);
-    }
-    let task = match store.registered_memory().cloned() {
-        Some(registered) => tokio::task::spawn_blocking(move || {
-            let (r, left) = execute_on(&program, RunMemory::Registered(&registered), &mut end, how, left);
-            (r, (end, left))
-        }),
-        None => match store.snapshot_at(version) {
-            Some(snap) => {
-                let mut buffers = snap.buffers.clone();
-                tokio::task::spawn_blocking(move || {
-                    let (r, left) = execute_on(&program, RunMemory::Host(buffers.memory_mut()), &mut end, how, left);
-                    (r, (end, left))
-                })
-            }
-            None => return refuse_run(end, Refusal::NoWeights(store.weights())),
-        },
-    };
-    split(watched(task, how.deadline, kill).await)
+    let lent = store.hold_served(run.version);
+    run_lent(lent, run).await
 }
 
 /// Runs a destination rank whose store holds its weights: into the
-/// store's staging (a subset refit first keeps the other tensors' bytes
-/// from the version this rank serves), complete once the run succeeds.
+/// store's staging, complete once the run succeeds.
 pub(super) async fn run_dst(store: &Arc<DstStore>, run: RankRun) -> Ran {
-    let RankRun { program, mut end, how, left, version, kill } = run;
-    let base = match (program.carried.is_empty(), store.snapshot()) {
-        (true, _) => None,
-        (false, Some(snap)) => Some(snap),
-        (false, None) => return refuse_run(end, Refusal::NoBaseVersion),
-    };
-    let staging = store.staging();
-    let mut guard = staging.lock_owned().await;
-    guard.complete = None;
-    let task = tokio::task::spawn_blocking(move || {
-        if let Some(base) = base {
-            carry(&program.carried, &base.buffers, &mut guard.buffers);
-        }
-        let (r, left) = execute_on(&program, RunMemory::Host(guard.buffers.memory_mut()), &mut end, how, left);
-        if r.is_ok() {
-            guard.complete = Some(version);
-        }
-        (r, (end, left))
-    });
-    split(watched(task, how.deadline, kill).await)
+    let lent = store.hold_staging(run.version, &run.program.carried).await;
+    run_lent(lent, run).await
 }

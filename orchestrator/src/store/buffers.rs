@@ -6,6 +6,7 @@ use super::error::some_names;
 use super::{BufferError, Registered};
 use reshard::{Block, BufferSpec, DType, Layout, Rank};
 use std::sync::Arc;
+use transport::fabric::RunMemory;
 use transport::RankMemory;
 
 /// Where one block of a tensor lives in a rank's memory.
@@ -112,6 +113,19 @@ impl Buffers {
     pub fn memory_mut(&mut self) -> &mut RankMemory {
         self.written = true;
         &mut self.memory
+    }
+
+    /// The rank's memory for a run ([`super::RunHold`]): registered memory
+    /// where its owner holds it, or these buffers (which the run may
+    /// write).
+    pub(super) fn run_memory(&mut self) -> RunMemory<'_> {
+        match &self.registered {
+            Some(registered) => RunMemory::Registered(registered),
+            None => {
+                self.written = true;
+                RunMemory::Host(&mut self.memory)
+            }
+        }
     }
 
     /// The index of buffer `name`, which the memory holds (perhaps

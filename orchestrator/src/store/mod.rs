@@ -17,6 +17,7 @@ mod buffers;
 mod dst_store;
 mod error;
 mod registered;
+mod run_hold;
 mod src_store;
 
 pub use buffers::{Buffers, TensorView, TensorViewMut};
@@ -24,6 +25,7 @@ pub(crate) use dst_store::CommitFence;
 pub use dst_store::{DstStore, Serving, Snapshot};
 pub use error::BufferError;
 pub use registered::{Registered, RegisteredMemory, RegisteredMemoryError, RegisteredVisitError, Residence};
+pub(crate) use run_hold::{RegisteredStagingHold, RunHold};
 pub use src_store::{SrcStore, UpdateGuard};
 
 /// The layout the store tests share.
