@@ -208,15 +208,20 @@ fn root_exports(krate: &str) -> Vec<String> {
     exports_of(&format!("{krate}/src/lib.rs"))
 }
 
-/// The names a module file's `pub use` list exports.
+/// The names a module file's `pub use` list exports in the default build
+/// (test machinery behind the `testkit` feature is not part of the face).
 fn exports_of(file: &str) -> Vec<String> {
     let path = Path::new(ROOT).join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut names = Vec::new();
     let mut rest = text.as_str();
     while let Some(at) = rest.find("\npub use ") {
+        let testkit_only = rest[..at].lines().last().is_some_and(|l| l.starts_with("#[cfg") && l.contains("feature = \"testkit\""));
         rest = &rest[at + "\npub use ".len()..];
         let end = rest.find(';').expect("a `pub use` ends with `;`");
+        if testkit_only {
+            continue;
+        }
         let item = &rest[..end];
         let list = match (item.find('{'), item.rfind('}')) {
             (Some(a), Some(b)) => item[a + 1..b].to_string(),
@@ -401,18 +406,14 @@ fn stale_test_only<'a>(list: &[(&'a str, &str)], exported: &[String], used: &std
 /// Public names of the planner that only tests use (today's, to be made
 /// `pub(crate)` or given a user; no name may join them), each with the
 /// tests that use it.
-const RESHARD_USED_ONLY_BY_TESTS: &[(&str, &str)] = &[
-    ("cross_check", "reshard/tests/byte_soup.rs, cli/tests/rejections"),
-    ("MAX_IMPLIED_POSITIONS", "cli/tests/hostile.rs"),
-    ("Holding", "cli/tests/presets.rs"),
-    ("e4m3_from_f32", "orchestrator/tests/fp8.rs, transport/tests/fp8.rs"),
-];
+const RESHARD_USED_ONLY_BY_TESTS: &[(&str, &str)] = &[("e4m3_from_f32", "orchestrator/tests/fp8.rs, transport/tests/fp8.rs")];
 
 /// Public because a public signature or field of an item the other crates
 /// use names them (a type the caller never writes, but must be able to
 /// see); each with the item that exposes it.
 const RESHARD_PUBLIC_FOR_SIGNATURES: &[(&str, &str)] = &[
     ("BaselineSummary", "baseline_summary"),
+    ("Holding", "Layout::holdings"),
     ("Loc", "Holding::holders"),
     ("Piece", "Plan::pieces"),
     ("Transfer", "Plan::transfers"),
@@ -469,23 +470,10 @@ const TRANSPORT_USED_ONLY_BY_TESTS: &[(&str, &str)] = &[
     ("transport::quantize_rank", "transport/tests"),
     ("transport::ExecError", "transport/tests"),
     ("transport::ExecReport", "transport/tests"),
-    ("transport::run_local_delta", "transport/tests"),
-    ("transport::run_tcp", "transport/tests"),
-    ("transport::run_threads", "transport/tests"),
-    ("transport::run_threads_delta", "transport/tests"),
     ("transport::local_fabric", "transport/tests"),
     ("transport::LocalTransport", "transport/tests"),
-    ("transport::node_fabric", "transport/tests"),
-    ("transport::node_fabric_with_faults", "transport/tests"),
-    ("transport::run_node", "transport/tests"),
     ("transport::NodeTransportConfig", "transport/tests"),
-    ("transport::fill_source_rank", "transport/tests"),
-    ("transport::pattern_value", "transport/tests, cli/tests"),
-    ("transport::tensor_seed", "transport/tests, cli/tests"),
-    ("transport::verify_destination_rank", "transport/tests"),
     ("transport::ShmConfig", "transport/tests"),
-    ("transport::tcp_fabric", "transport/tests"),
-    ("transport::tcp_fabric_for", "transport/tests"),
     ("transport::TcpConfig", "transport/tests"),
     ("transport::TcpTransport", "transport/tests"),
     ("transport::Payload", "transport/tests"),
@@ -613,16 +601,7 @@ const ACTORS_PUBLIC_FOR_SIGNATURES: &[(&str, &str)] = &[
 /// Public names of the actor runtime that only tests use, or nothing
 /// (today's, to be made `pub(crate)` or given a user; no name may join
 /// them), each with the tests that use it.
-const ACTORS_USED_ONLY_BY_TESTS: &[(&str, &str)] = &[
-    // Other crates reach these as `actors::remote::Node` (and so on); only
-    // tests use the root's re-exports.
-    ("Node", "actors/tests"),
-    ("NodeConfig", "actors/tests, cli/tests/hostile_peers.rs"),
-    ("RemotePeer", "actors/tests"),
-    // `SpawnConfig::default`'s values: nothing names them.
-    ("DEFAULT_CALL_TIMEOUT", "none"),
-    ("DEFAULT_MAILBOX_CAPACITY", "none"),
-];
+const ACTORS_USED_ONLY_BY_TESTS: &[(&str, &str)] = &[];
 
 /// Every name the actor runtime makes public at its root (re-exports,
 /// modules, items) is used by another crate's non-test code, another
@@ -657,7 +636,7 @@ const ORCHESTRATOR_PUBLIC_FOR_SIGNATURES: &[(&str, &str)] = &[
 
 /// Public names of the orchestrator that only tests use (today's; no name
 /// may join them), each with the tests that use it.
-const ORCHESTRATOR_USED_ONLY_BY_TESTS: &[(&str, &str)] = &[("orchestrator_call_timeout", "orchestrator/tests/comm_fabrics.rs")];
+const ORCHESTRATOR_USED_ONLY_BY_TESTS: &[(&str, &str)] = &[];
 
 /// The names `orchestrator::prelude` brings (`use refit::prelude::*`
 /// uses them all).

@@ -63,8 +63,8 @@ pub use actor::{Actor, ActorInfo, Context};
 pub use actor_ref::{ActorRef, WeakActorRef};
 pub use error::{ActorError, BroadcastError, CallError, GroupError, TellError};
 pub use group::{spawn_group, ActorGroup};
-pub use remote::{Node, NodeConfig, RemoteError, RemotePeer, Secret};
-pub use runtime::{spawn, spawn_rank, SpawnConfig, DEFAULT_CALL_TIMEOUT, DEFAULT_MAILBOX_CAPACITY};
+pub use remote::{RemoteError, Secret};
+pub use runtime::{spawn, spawn_rank, SpawnConfig};
 pub use supervision::{StopReason, Supervisor, SupervisorEvents, Terminated};
 
 /// Re-export of [`macro@async_trait::async_trait`], so implementors of [`Actor`]

@@ -24,10 +24,10 @@ use crate::panic::{catch_sync, panic_message, CatchUnwind};
 use crate::supervision::{StopReason, Supervisor, Terminated};
 
 /// Mailbox capacity used unless [`SpawnConfig::mailbox_capacity`] says otherwise.
-pub const DEFAULT_MAILBOX_CAPACITY: usize = 64;
+pub(crate) const DEFAULT_MAILBOX_CAPACITY: usize = 64;
 
 /// Call timeout used unless [`SpawnConfig::call_timeout`] says otherwise.
-pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How to spawn an actor (or each member of a group).
 #[derive(Debug, Clone)]

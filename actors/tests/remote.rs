@@ -9,10 +9,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use actors::codec;
-use actors::remote::{FrameKind, RawPeer, RegistryClient, SecretError};
+use actors::remote::{FrameKind, Node, NodeConfig, RawPeer, RegistryClient, RemotePeer, SecretError};
 use actors::{
-    async_trait, spawn, Actor, ActorError, ActorRef, CallError, Context, Node, NodeConfig, RemoteError, RemotePeer, Secret, SpawnConfig,
-    StopReason, Supervisor, SupervisorEvents, Terminated,
+    async_trait, spawn, Actor, ActorError, ActorRef, CallError, Context, RemoteError, Secret, SpawnConfig, StopReason, Supervisor,
+    SupervisorEvents, Terminated,
 };
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -7,7 +7,8 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use actors::{async_trait, spawn, Actor, ActorError, CallError, Context, Node, NodeConfig, Secret, SpawnConfig, StopReason};
+use actors::remote::{Node, NodeConfig};
+use actors::{async_trait, spawn, Actor, ActorError, CallError, Context, Secret, SpawnConfig, StopReason};
 
 const INTERVAL: Duration = Duration::from_millis(100);
 const TIMEOUT: Duration = Duration::from_millis(600);

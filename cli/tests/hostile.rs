@@ -221,7 +221,7 @@ fn hostile_layouts_through_the_cli() {
 /// A mesh without `mesh.ranks` is expanded to `0..product` when parsed, so
 /// a ~100-byte tensor on a `[1048576]` mesh costs 4 MiB: a 230 KB file of
 /// 2000 such tensors would take 8 GiB. The parser caps the implied
-/// positions of a file (`reshard::MAX_IMPLIED_POSITIONS`), so `refit`
+/// positions of a file (the planner's `MAX_IMPLIED_POSITIONS`), so `refit`
 /// rejects it with exit code 2 (naming the field), within 2 GiB.
 #[cfg(unix)]
 #[test]

@@ -133,7 +133,7 @@ fn silent_control_connections_do_not_keep_workers_out() {
     // launcher, unlogged. Every other one was dropped and logged.
     let reasons = ["rejected connection: not authenticated before newer connections", "rejected connection: no handshake in time"];
     let dropped = err.lines().filter(|l| reasons.iter().any(|r| l.contains(r))).count();
-    let budget = actors::NodeConfig::default().max_unauthenticated;
+    let budget = actors::remote::NodeConfig::default().max_unauthenticated;
     assert!(dropped >= 300 - budget, "expected every silent connection dropped and logged but the last {budget}:\n{err}");
     assert!(err.lines().all(|l| !l.contains("rejected connection") || l.starts_with("WARN ")), "{err}");
 }

@@ -276,23 +276,10 @@ impl OrchestratorHandle {
     }
 }
 
-/// How long a caller waits for the orchestrator's answer to one refit: the
-/// data plane's deadline plus every control step's.
-pub fn orchestrator_call_timeout(config: &OrchestratorConfig) -> std::time::Duration {
-    let connect = match &config.fabric {
-        Fabric::Node(n) => n.connect_timeout,
-        // Creation, and the cleanup of a creation that failed.
-        Fabric::Nccl(n) => n.init_timeout + n.abort_timeout,
-        Fabric::Ipc(n) => n.connect_timeout + n.abort_timeout,
-        Fabric::InProcess => std::time::Duration::ZERO,
-    };
-    config.deadline + connect + 8 * config.control_timeout
-}
-
 /// Spawns an orchestrator over groups of members found elsewhere (a
 /// [`Rendezvous`]). Must be called inside a tokio runtime.
 pub fn spawn_orchestrator(src: ActorGroup<Member>, dst: ActorGroup<Member>, config: OrchestratorConfig) -> OrchestratorHandle {
-    let timeout = orchestrator_call_timeout(&config);
+    let timeout = config.call_timeout();
     OrchestratorHandle::spawn(Orchestrator::new(src, dst, config), SpawnConfig::default().name("orchestrator").call_timeout(timeout))
 }
 
@@ -382,7 +369,7 @@ pub async fn spawn_refit(src: &Layout, dst: &Layout, config: OrchestratorConfig)
     });
     let orchestrator = OrchestratorHandle::spawn(
         Orchestrator::new(src_members.clone(), dst_members.clone(), config.clone()),
-        SpawnConfig::default().name("orchestrator").call_timeout(orchestrator_call_timeout(&config)),
+        SpawnConfig::default().name("orchestrator").call_timeout(config.call_timeout()),
     );
     let planned = orchestrator.plan().await?;
     Ok(RefitSystem {

@@ -8,8 +8,8 @@
 //! user's memory), on those fabrics and on the host fabrics.
 
 use orchestrator::{
-    orchestrator_call_timeout, spawn_refit, CommPlane, Fabric, IpcFabric, MemberMsg, MemberReply, NcclFabric, OrchestratorConfig,
-    OrchestratorError, RefitError, RefitSystem, Refusal,
+    spawn_refit, CommPlane, Fabric, IpcFabric, MemberMsg, MemberReply, NcclFabric, OrchestratorConfig, OrchestratorError, RefitError,
+    RefitSystem, Refusal,
 };
 use reshard::{Endpoint, Strategy};
 use std::time::{Duration, Instant};
@@ -144,7 +144,7 @@ async fn an_abort_that_hangs_never_holds_the_refit() {
         }
         other => panic!("expected src[0]'s failure, got {other:?}"),
     }
-    assert!(t.elapsed() < orchestrator_call_timeout(&config(world, Strategy::Reshard)), "{:?}", t.elapsed());
+    assert!(t.elapsed() < config(world, Strategy::Reshard).call_timeout(), "{:?}", t.elapsed());
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     sys.orchestrator.refit(v).await.unwrap();
     assert!(serves(&sys, v, 4.0));

@@ -42,7 +42,7 @@ fn check_bom(text: &str) -> Result<(), LayoutError> {
 /// Runs both parsing paths on `text` and says how they disagree, if they
 /// do: the fast path must accept exactly what the walker accepts and build
 /// the same layout (or fail `Layout::new` with the same error). For tests.
-#[doc(hidden)]
+#[cfg(any(test, feature = "testkit"))]
 pub fn cross_check(text: &str) -> Result<(), String> {
     let slow = check_bom(text).and_then(|()| walk(text));
     let fast = match check_bom(text).ok().map(|()| typed::parse(text)) {
@@ -83,7 +83,7 @@ fn walk(text: &str) -> Result<Layout, LayoutError> {
 /// Most mesh positions a file may leave implied (meshes without
 /// `mesh.ranks`, whose rank lists the parser writes out): 2^26 in all, so
 /// that a small file cannot make the parser allocate gigabytes.
-pub const MAX_IMPLIED_POSITIONS: u64 = 1 << 26;
+pub(crate) const MAX_IMPLIED_POSITIONS: u64 = 1 << 26;
 
 fn parse_tensor(v: &Value, path: &str, layout_ranks: u32, budget: &mut u64) -> Result<TensorLayout, LayoutError> {
     let obj = as_object(v, path)?;

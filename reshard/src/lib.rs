@@ -44,7 +44,10 @@ pub use block::{Block, MAX_DIMS};
 pub use builder::{LayoutBuilder, TensorBuilder};
 pub use cost::LinkModel;
 pub use dtype::{convert_slice, f32_bits_to_bf16, wire_dtype, DType, ALL_DTYPES};
-pub use file::{cross_check, layout_to_json, parse_layout, parse_mesh_dim, MAX_IMPLIED_POSITIONS};
+pub use file::{layout_to_json, parse_layout, parse_mesh_dim};
+// Test machinery (feature `testkit`): the parser's two paths compared.
+#[cfg(any(test, feature = "testkit"))]
+pub use file::cross_check;
 pub use fingerprint::{fnv64, Fingerprint};
 pub use layout::{
     BlockScale, BufferKey, BufferSpec, Holding, Layout, LayoutError, Loc, MeshDim, MeshPlacement, Placement, Rank, Region, ShardSpec,

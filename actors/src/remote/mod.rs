@@ -13,7 +13,8 @@
 //! other by actor name.
 //!
 //! ```
-//! use actors::{async_trait, spawn, Actor, ActorError, Context, Node, NodeConfig, Secret, SpawnConfig};
+//! use actors::remote::{Node, NodeConfig};
+//! use actors::{async_trait, spawn, Actor, ActorError, Context, Secret, SpawnConfig};
 //!
 //! struct Doubler;
 //!

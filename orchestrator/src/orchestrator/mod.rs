@@ -151,6 +151,19 @@ impl OrchestratorConfig {
         }
         options
     }
+
+    /// How long a caller waits for the orchestrator's answer to one refit:
+    /// the data plane's deadline plus every control step's.
+    pub fn call_timeout(&self) -> Duration {
+        let connect = match &self.fabric {
+            Fabric::Node(n) => n.connect_timeout,
+            // Creation, and the cleanup of a creation that failed.
+            Fabric::Nccl(n) => n.init_timeout + n.abort_timeout,
+            Fabric::Ipc(n) => n.connect_timeout + n.abort_timeout,
+            Fabric::InProcess => Duration::ZERO,
+        };
+        self.deadline + connect + 8 * self.control_timeout
+    }
 }
 
 impl Default for OrchestratorConfig {
