@@ -33,6 +33,7 @@ mod orchestrate;
 mod registration;
 mod runtime;
 mod src_store;
+mod store_core;
 mod target;
 
 use builder::{PyLayoutBuilder, PyTensorBuilder};
