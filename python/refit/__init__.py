@@ -795,21 +795,13 @@ class Destination(_Rank):
 
     _replica: Optional[str] = None
 
-    def join(
-        self,
-        rendezvous: Optional[str] = None,
-        secret: Optional[str] = None,
-        joined: Optional[Joined] = None,
-        *,
-        gpu: Optional[int] = None,
-        replica: Optional[str] = None,
-    ) -> Joined:
-        """As ``Source.join``. ``replica``: this rank (laid out as one
-        replica) belongs to a new replica of that name, which the
-        orchestrator adds to its destination group with
+    def join(self, *args: Any, replica: Optional[str] = None, **kwargs: Any) -> Joined:
+        """As ``Source.join`` (the same arguments). ``replica``: this rank
+        (laid out as one replica) belongs to a new replica of that name,
+        which the orchestrator adds to its destination group with
         ``add_replica(replica)``."""
         self._replica = replica
-        return super().join(rendezvous, secret, joined, gpu=gpu)
+        return super().join(*args, **kwargs)
 
 
 # --- the orchestrator -----------------------------------------------------

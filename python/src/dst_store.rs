@@ -5,13 +5,14 @@
 use crate::errors::{tensor_err, TensorError, VersionError};
 use crate::layout::PyLayout;
 use crate::memory::{host_array, read_bytes, source_bytes, target_len};
-use crate::registration::{check_targets, in_place};
+use crate::registration::in_place;
 use crate::runtime::wait;
-use crate::target::{self, Access, Device, Targets};
+use crate::store_core::StoreCore;
+use crate::target::{self, Access, Device};
 use orchestrator::DstStore;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use reshard::{Layout, Rank};
+use reshard::Rank;
 use std::sync::{Arc, Mutex};
 
 /// The weights of one inference (destination) rank: the committed
@@ -19,24 +20,28 @@ use std::sync::{Arc, Mutex};
 /// commits on every rank of the group only once all have staged it.
 #[pyclass(module = "refit._refit", name = "DstStore", frozen)]
 pub(crate) struct PyDstStore {
-    pub(crate) inner: Arc<DstStore>,
-    pub(crate) layout: Arc<Layout>,
+    /// The store, its layout and the objects it is registered in.
+    pub(crate) core: StoreCore<DstStore>,
     /// Holds taken by `begin_serving` (one per reader in a `serving()`
     /// block), released by `end_serving`.
-    pub(crate) serving: Mutex<Vec<orchestrator::Serving>>,
-    /// The objects an in-place store's weights are served in.
-    pub(crate) targets: Option<Arc<Targets>>,
+    serving: Mutex<Vec<orchestrator::Serving>>,
+}
+
+impl From<StoreCore<DstStore>> for PyDstStore {
+    fn from(core: StoreCore<DstStore>) -> Self {
+        PyDstStore { core, serving: Mutex::default() }
+    }
 }
 
 impl PyDstStore {
     /// The committed version to read: the current one, or `version` if it
     /// is the current or the previous one.
     fn snapshot(&self, version: Option<u64>) -> PyResult<Arc<orchestrator::Snapshot>> {
-        let rank = self.inner.rank();
+        let rank = self.core.inner.rank();
         match version {
-            None => self.inner.snapshot().ok_or_else(|| VersionError::new_err(format!("dst rank {rank}: no refit has committed yet"))),
-            Some(v) => self.inner.snapshot_at(v).ok_or_else(|| {
-                let serving = self.inner.version().map_or("nothing yet".to_string(), |c| format!("version {c}"));
+            None => self.core.inner.snapshot().ok_or_else(|| VersionError::new_err(format!("dst rank {rank}: no refit has committed yet"))),
+            Some(v) => self.core.inner.snapshot_at(v).ok_or_else(|| {
+                let serving = self.core.inner.version().map_or("nothing yet".to_string(), |c| format!("version {c}"));
                 VersionError::new_err(format!(
                     "dst rank {rank}: version {v} is not served (serving {serving}; the previous committed version is kept too)"
                 ))
@@ -49,13 +54,7 @@ impl PyDstStore {
 impl PyDstStore {
     #[new]
     fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
-        layout.check_rank(rank)?;
-        Ok(PyDstStore {
-            inner: Arc::new(DstStore::new(&layout.inner, rank)),
-            layout: layout.inner.clone(),
-            serving: Mutex::default(),
-            targets: None,
-        })
+        Ok(StoreCore::new(&layout, rank, DstStore::new)?.into())
     }
 
     /// A store that serves its weights in the memory of `objects` (as
@@ -67,19 +66,15 @@ impl PyDstStore {
     #[staticmethod]
     #[pyo3(signature = (layout, rank, objects, follow=false, direct=false))]
     fn in_place(layout: PyRef<'_, PyLayout>, rank: Rank, objects: Vec<Bound<'_, PyAny>>, follow: bool, direct: bool) -> PyResult<Self> {
-        let (registered, targets) = in_place(&layout, rank, "dst", objects, Access { writable: true, follow })?;
-        let store = if direct {
-            DstStore::registered_direct(&layout.inner, rank, registered)
-        } else {
-            DstStore::registered(&layout.inner, rank, registered)
-        };
-        Ok(PyDstStore { inner: Arc::new(store), layout: layout.inner.clone(), serving: Mutex::default(), targets: Some(targets) })
+        let access = Access { writable: true, follow };
+        let make = if direct { DstStore::registered_direct } else { DstStore::registered };
+        Ok(in_place(&layout, rank, "dst", objects, access, make)?.into())
     }
 
     /// Looks every registered object up again: `RegistrationError` names
     /// the buffer and what changed.
     fn check(&self, py: Python<'_>) -> PyResult<()> {
-        check_targets(py, &self.targets)
+        self.core.check(py)
     }
 
     /// Takes a reader's hold on the served weights (waiting while a commit
@@ -87,10 +82,10 @@ impl PyDstStore {
     /// `end_serving`. Returns the version they hold (None: nothing
     /// committed yet, or torn by a failed commit).
     fn begin_serving(&self, py: Python<'_>) -> PyResult<Option<u64>> {
-        let store = self.inner.clone();
+        let store = self.core.inner.clone();
         let hold = wait(py, async move { Ok(store.serve().await) })?;
         // What the readers will read must still be what was registered.
-        check_targets(py, &self.targets)?;
+        self.core.check(py)?;
         let version = hold.version();
         self.serving.lock().unwrap_or_else(|e| e.into_inner()).push(hold);
         Ok(version)
@@ -100,20 +95,20 @@ impl PyDstStore {
     fn end_serving(&self) -> PyResult<()> {
         match self.serving.lock().unwrap_or_else(|e| e.into_inner()).pop() {
             Some(_) => Ok(()),
-            None => Err(VersionError::new_err(format!("dst rank {}: not serving", self.inner.rank()))),
+            None => Err(VersionError::new_err(format!("dst rank {}: not serving", self.core.inner.rank()))),
         }
     }
 
     /// Whether the weights are served in registered memory.
     #[getter]
     fn is_in_place(&self) -> bool {
-        self.inner.registered_memory().is_some()
+        self.core.inner.registered_memory().is_some()
     }
 
     /// The weights as a refit finds them, in words.
     #[getter]
     fn weights(&self) -> String {
-        self.inner.weights().to_string()
+        self.core.inner.weights().to_string()
     }
 
     /// `(version, [bytes of each name])` from one committed version: the
@@ -142,7 +137,7 @@ impl PyDstStore {
         targets: Vec<(String, Bound<'py, PyAny>)>,
         version: Option<u64>,
     ) -> PyResult<(u64, Vec<Option<Bound<'py, PyBytes>>>)> {
-        let rank = self.inner.rank();
+        let rank = self.core.inner.rank();
         let snap = self.snapshot(version)?;
         let mut in_place = Vec::with_capacity(targets.len());
         for (name, target) in &targets {
@@ -186,18 +181,18 @@ impl PyDstStore {
     /// The version readers get (None before the first commit).
     #[getter]
     fn version(&self) -> Option<u64> {
-        self.inner.version()
+        self.core.inner.version()
     }
 
     /// This store's rank.
     #[getter]
     fn rank(&self) -> Rank {
-        self.inner.rank()
+        self.core.inner.rank()
     }
 
     /// The layout.
     #[getter]
     fn layout(&self) -> PyLayout {
-        PyLayout { inner: self.layout.clone() }
+        self.core.py_layout()
     }
 }

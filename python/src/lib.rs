@@ -33,7 +33,9 @@ mod orchestrate;
 mod registration;
 mod runtime;
 mod src_store;
+mod store_core;
 mod target;
+mod writable_maps;
 
 use builder::{PyLayoutBuilder, PyTensorBuilder};
 use dst_store::PyDstStore;

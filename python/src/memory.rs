@@ -76,7 +76,7 @@ pub(crate) fn host_array(object: &Bound<'_, PyAny>, what: &str, dtype: DType, le
         return Err(TensorError::new_err(format!("{what}: the array is read-only")));
     }
     if write && len > 0 {
-        let maps = target::WritableMaps::read().map_err(TensorError::new_err)?;
+        let maps = crate::writable_maps::WritableMaps::read().map_err(TensorError::new_err)?;
         if !maps.covers(found.addr, len) {
             return Err(TensorError::new_err(format!(
                 "{what}: its {len} bytes at {:#x} are not writable memory (a read-only map?)",

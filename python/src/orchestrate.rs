@@ -7,6 +7,7 @@ use crate::errors::{join_err, refit_err, seconds, JoinError, RefitError};
 use crate::layout::PyLayout;
 use crate::runtime::{runtime, wait, InRuntime};
 use crate::src_store::PySrcStore;
+use crate::store_core::StoreCore;
 use actors::ActorGroup;
 use orchestrator::rendezvous::ControlConfig;
 use orchestrator::{
@@ -24,11 +25,16 @@ fn report_dict<'py>(py: Python<'py>, r: &RefitReport) -> PyResult<Bound<'py, PyD
     d.set_item("version", r.version)?;
     d.set_item("bytes", r.bytes)?;
     d.set_item("seconds", r.wall.as_secs_f64())?;
-    d.set_item("plan_seconds", r.plan_time.as_secs_f64())?;
-    d.set_item("connect_seconds", r.connect_time.as_secs_f64())?;
-    d.set_item("transfer_seconds", r.transfer_time.as_secs_f64())?;
-    d.set_item("commit_seconds", r.commit_time.as_secs_f64())?;
-    d.set_item("verify_seconds", r.verify_time.as_secs_f64())?;
+    let phases = [
+        ("plan_seconds", r.plan_time),
+        ("connect_seconds", r.connect_time),
+        ("transfer_seconds", r.transfer_time),
+        ("commit_seconds", r.commit_time),
+        ("verify_seconds", r.verify_time),
+    ];
+    for (key, time) in phases {
+        d.set_item(key, time.as_secs_f64())?;
+    }
     d.set_item("verified_ranks", r.verified_ranks)?;
     d.set_item("unverified_ranks", r.unverified_ranks)?;
     d.set_item("already_served", r.already_served)?;
@@ -345,8 +351,7 @@ impl PyOrchestrator {
             }
             (Over::Local(_), Some(_)) => return Err(PyValueError::new_err("add_replica() takes no name on a local system")),
         };
-        let stores =
-            stores.into_iter().map(|st| PyDstStore { inner: st, layout: one.clone(), serving: Mutex::default(), targets: None }).collect();
+        let stores = stores.into_iter().map(|st| StoreCore::owned(st, one.clone()).into()).collect();
         Ok((replica_dict(py, &report)?, stores))
     }
 
@@ -421,16 +426,8 @@ pub(crate) fn spawn_local(
     let config = config(Settings { deadline, control_timeout, fabric, delta, digest_check, replica: replica.as_deref() })?;
     let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
     let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
-    let srcs = system
-        .src_stores
-        .iter()
-        .map(|st| PySrcStore { inner: st.clone(), layout: src.inner.clone(), stepping: Mutex::new(None), targets: None })
-        .collect();
-    let dsts = system
-        .dst_stores
-        .iter()
-        .map(|st| PyDstStore { inner: st.clone(), layout: dst.inner.clone(), serving: Mutex::default(), targets: None })
-        .collect();
+    let srcs = system.src_stores.iter().map(|st| StoreCore::owned(st.clone(), src.inner.clone()).into()).collect();
+    let dsts = system.dst_stores.iter().map(|st| StoreCore::owned(st.clone(), dst.inner.clone()).into()).collect();
     let handle = system.orchestrator.clone();
     let orchestrator = PyOrchestrator {
         over: InRuntime(Some(Mutex::new(Over::Local(Arc::new(tokio::sync::Mutex::new(system)))))),

@@ -3,6 +3,7 @@
 
 use crate::errors::RegistrationError;
 use crate::layout::PyLayout;
+use crate::store_core::StoreCore;
 use crate::target::{Access, Targets, Want};
 use pyo3::prelude::*;
 use reshard::{Layout, Rank};
@@ -28,30 +29,24 @@ fn wants(layout: &Layout, rank: Rank) -> Vec<Want> {
         .collect()
 }
 
-/// Rank `rank`'s weights in the memory of `objects` (one per buffer, in
-/// `Layout.buffers(rank)` order), found and checked now and before every
-/// use.
-pub(crate) fn in_place(
+/// Rank `rank`'s store (`side`: `"src"` or `"dst"`) with its weights in
+/// the memory of `objects` (one per buffer, in `Layout.buffers(rank)`
+/// order), found and checked now and before every use; `make` makes the
+/// store over that memory (`SrcStore::registered`, `DstStore::registered`,
+/// `DstStore::registered_direct`).
+pub(crate) fn in_place<S>(
     layout: &PyLayout,
     rank: Rank,
     side: &str,
     objects: Vec<Bound<'_, PyAny>>,
     access: Access,
-) -> PyResult<(orchestrator::Registered, Arc<Targets>)> {
+    make: impl FnOnce(&Arc<Layout>, Rank, orchestrator::Registered) -> S,
+) -> PyResult<StoreCore<S>> {
     layout.check_rank(rank)?;
     let what = format!("{side} rank {rank}");
     let targets = Targets::register(what.clone(), access, wants(&layout.inner, rank), objects)?.map_err(RegistrationError::new_err)?;
     let targets = Arc::new(targets);
     let registered = orchestrator::Registered::owned(&layout.inner, rank, targets.clone())
         .map_err(|e| RegistrationError::new_err(format!("{what}: {e}")))?;
-    Ok((registered, targets))
-}
-
-/// Raises `RegistrationError` if a registered buffer is no longer what
-/// was registered.
-pub(crate) fn check_targets(py: Python<'_>, targets: &Option<Arc<Targets>>) -> PyResult<()> {
-    match targets {
-        Some(t) => t.check_all(py).map_err(RegistrationError::new_err),
-        None => Ok(()),
-    }
+    Ok(StoreCore::registered(Arc::new(make(&layout.inner, rank, registered)), layout.inner.clone(), targets))
 }

@@ -5,39 +5,38 @@
 use crate::errors::{tensor_err, VersionError};
 use crate::layout::PyLayout;
 use crate::memory::{read_bytes, write_all, Write};
-use crate::registration::{check_targets, in_place};
+use crate::registration::in_place;
 use crate::runtime::wait;
-use crate::target::{Access, Targets};
+use crate::store_core::StoreCore;
+use crate::target::Access;
 use orchestrator::SrcStore;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use reshard::{Layout, Rank};
-use std::sync::{Arc, Mutex};
+use reshard::Rank;
+use std::sync::Mutex;
 
 /// The weights of one training (source) rank, with the version fence:
 /// `update` writes them under the store's write lock (waiting for a refit
 /// that reads them) and bumps the version.
 #[pyclass(module = "refit._refit", name = "SrcStore", frozen)]
 pub(crate) struct PySrcStore {
-    pub(crate) inner: Arc<SrcStore>,
-    pub(crate) layout: Arc<Layout>,
+    /// The store, its layout and the objects it is registered in.
+    pub(crate) core: StoreCore<SrcStore>,
     /// A step begun by `begin_step`, holding the store's write lock.
-    pub(crate) stepping: Mutex<Option<orchestrator::UpdateGuard>>,
-    /// The objects an in-place store's weights live in.
-    pub(crate) targets: Option<Arc<Targets>>,
+    stepping: Mutex<Option<orchestrator::UpdateGuard>>,
+}
+
+impl From<StoreCore<SrcStore>> for PySrcStore {
+    fn from(core: StoreCore<SrcStore>) -> Self {
+        PySrcStore { core, stepping: Mutex::new(None) }
+    }
 }
 
 #[pymethods]
 impl PySrcStore {
     #[new]
     fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
-        layout.check_rank(rank)?;
-        Ok(PySrcStore {
-            inner: Arc::new(SrcStore::new(&layout.inner, rank)),
-            layout: layout.inner.clone(),
-            stepping: Mutex::new(None),
-            targets: None,
-        })
+        Ok(StoreCore::new(&layout, rank, SrcStore::new)?.into())
     }
 
     /// A store over the memory of `objects` (torch tensors, numpy arrays,
@@ -50,28 +49,23 @@ impl PySrcStore {
     #[staticmethod]
     #[pyo3(signature = (layout, rank, objects, follow=false))]
     fn in_place(layout: PyRef<'_, PyLayout>, rank: Rank, objects: Vec<Bound<'_, PyAny>>, follow: bool) -> PyResult<Self> {
-        let (registered, targets) = in_place(&layout, rank, "src", objects, Access { writable: false, follow })?;
-        Ok(PySrcStore {
-            inner: Arc::new(SrcStore::registered(&layout.inner, rank, registered)),
-            layout: layout.inner.clone(),
-            stepping: Mutex::new(None),
-            targets: Some(targets),
-        })
+        let access = Access { writable: false, follow };
+        Ok(in_place(&layout, rank, "src", objects, access, SrcStore::registered)?.into())
     }
 
     /// Looks every registered object up again: `RegistrationError` names
     /// the buffer and what changed.
     fn check(&self, py: Python<'_>) -> PyResult<()> {
-        check_targets(py, &self.targets)
+        self.core.check(py)
     }
 
     /// Begins a step written outside the store (in place): waits while a
     /// refit reads, then holds the write lock until `end_step`.
     fn begin_step(&self, py: Python<'_>) -> PyResult<()> {
         if self.stepping.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
-            return Err(VersionError::new_err(format!("src rank {}: a step is in progress already", self.inner.rank())));
+            return Err(VersionError::new_err(format!("src rank {}: a step is in progress already", self.core.inner.rank())));
         }
-        let store = self.inner.clone();
+        let store = self.core.inner.clone();
         let guard = wait(py, async move { Ok(store.begin_update().await) })?;
         *self.stepping.lock().unwrap_or_else(|e| e.into_inner()) = Some(guard);
         Ok(())
@@ -84,11 +78,11 @@ impl PySrcStore {
     /// `RegistrationError` says what changed.
     fn end_step(&self, py: Python<'_>, ok: bool) -> PyResult<Option<u64>> {
         let guard = self.stepping.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let guard = guard.ok_or_else(|| VersionError::new_err(format!("src rank {}: no step in progress", self.inner.rank())))?;
+        let guard = guard.ok_or_else(|| VersionError::new_err(format!("src rank {}: no step in progress", self.core.inner.rank())))?;
         if !ok {
             return Ok(None);
         }
-        if let Err(e) = check_targets(py, &self.targets) {
+        if let Err(e) = self.core.check(py) {
             drop(guard);
             return Err(e);
         }
@@ -99,20 +93,20 @@ impl PySrcStore {
     /// or a whole buffer, in the layout's dtype) and returns the new
     /// version. Every write is checked before any is made.
     fn update(&self, py: Python<'_>, writes: Vec<(String, Write)>) -> PyResult<u64> {
-        let store = self.inner.clone();
+        let store = self.core.inner.clone();
         wait(py, async move { store.try_update(|b| write_all(b, &writes)).await.map(|(v, ())| v) })
     }
 
     /// Loads known weights (initial ones, a checkpoint) as `version`.
     fn restore(&self, py: Python<'_>, version: u64, writes: Vec<(String, Write)>) -> PyResult<()> {
-        let store = self.inner.clone();
+        let store = self.core.inner.clone();
         wait(py, async move { store.try_restore(version, |b| write_all(b, &writes)).await })
     }
 
     /// The bytes of `name` (a tensor's block or a buffer) as the store
     /// holds them.
     fn read<'py>(&self, py: Python<'py>, name: String) -> PyResult<Bound<'py, PyBytes>> {
-        let store = self.inner.clone();
+        let store = self.core.inner.clone();
         let bytes = wait(py, async move { store.read(|b| read_bytes(b, &name)).await.map_err(tensor_err) })?;
         Ok(PyBytes::new(py, &bytes))
     }
@@ -120,24 +114,24 @@ impl PySrcStore {
     /// The version (None before the first update or restore).
     #[getter]
     fn version(&self) -> Option<u64> {
-        self.inner.version()
+        self.core.inner.version()
     }
 
     /// The weights as a refit finds them, in words.
     #[getter]
     fn weights(&self) -> String {
-        self.inner.weights().to_string()
+        self.core.inner.weights().to_string()
     }
 
     /// This store's rank.
     #[getter]
     fn rank(&self) -> Rank {
-        self.inner.rank()
+        self.core.inner.rank()
     }
 
     /// The layout.
     #[getter]
     fn layout(&self) -> PyLayout {
-        PyLayout { inner: self.layout.clone() }
+        self.core.py_layout()
     }
 }
