@@ -9,6 +9,22 @@
 //! same files and build the same tensors (`cross_check` tests this). See
 //! `docs/layout-format.md` for the format itself.
 
+/// Makes the serde visitor `$visitor` its own [`DeserializeSeed`]
+/// (serde::de::DeserializeSeed) of `$value`: it asks the deserializer for
+/// what `$kind` names (`deserialize_seq`, `deserialize_map`, ...) and
+/// visits that. The caller has `DeserializeSeed` and `Deserializer` in
+/// scope.
+macro_rules! seed_by_visiting {
+    ($visitor:ty => $value:ty, $kind:ident) => {
+        impl<'de> DeserializeSeed<'de> for $visitor {
+            type Value = $value;
+            fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<$value, D::Error> {
+                d.$kind(self)
+            }
+        }
+    };
+}
+
 mod typed;
 
 use crate::dtype::DType;
@@ -390,12 +406,7 @@ pub fn layout_to_json(layout: &Layout) -> Value {
 fn strict_json(text: &str) -> Result<Value, serde_json::Error> {
     use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
     struct Strict;
-    impl<'de> DeserializeSeed<'de> for Strict {
-        type Value = Value;
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-            d.deserialize_any(self)
-        }
-    }
+    seed_by_visiting!(Strict => Value, deserialize_any);
     impl<'de> Visitor<'de> for Strict {
         type Value = Value;
         fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

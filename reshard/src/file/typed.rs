@@ -150,64 +150,45 @@ impl<T, F: FnOnce(&str) -> Option<T>> Visitor<'_> for StrWith<F> {
     }
 }
 
-/// An array of non-negative integers (`u64`'s own rules: JSON integers
-/// only, as `Value::as_u64` has them), copied out at its exact length.
-struct U64s<'a>(&'a mut Vec<u64>);
+/// An array of integers of type `T`: `u64` (its own rules: JSON integers
+/// only, as `Value::as_u64` has them) or `u32` (mesh shapes, rank lists),
+/// copied out at its exact length.
+struct Ints<'a, T>(&'a mut Vec<T>);
 
-impl<'de> DeserializeSeed<'de> for U64s<'_> {
-    type Value = Vec<u64>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<u64>, D::Error> {
+impl<'de, T: serde::Deserialize<'de>> DeserializeSeed<'de> for Ints<'_, T> {
+    type Value = Vec<T>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<T>, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
-impl<'de> Visitor<'de> for U64s<'_> {
-    type Value = Vec<u64>;
+impl<'de, T: serde::Deserialize<'de>> Visitor<'de> for Ints<'_, T> {
+    type Value = Vec<T>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an array of integers")
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u64>, A::Error> {
-        self.0.clear();
-        while let Some(x) = seq.next_element::<u64>()? {
-            self.0.push(x);
-        }
-        Ok(self.0.as_slice().to_vec())
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+        fill_exact(self.0, || seq.next_element())
     }
 }
 
-/// An array of integers that fit in `u32` (mesh shapes, rank lists).
-struct U32s<'a>(&'a mut Vec<u32>);
-
-impl<'de> DeserializeSeed<'de> for U32s<'_> {
-    type Value = Vec<u32>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<u32>, D::Error> {
-        d.deserialize_seq(self)
+/// Fills the scratch list `scratch` from `next` until it yields `None`,
+/// then moves the items out at their exact length (the scratch keeps its
+/// capacity for the next list).
+fn fill_exact<T, E>(scratch: &mut Vec<T>, mut next: impl FnMut() -> Result<Option<T>, E>) -> Result<Vec<T>, E> {
+    scratch.clear();
+    while let Some(x) = next()? {
+        scratch.push(x);
     }
-}
-
-impl<'de> Visitor<'de> for U32s<'_> {
-    type Value = Vec<u32>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of integers")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u32>, A::Error> {
-        self.0.clear();
-        while let Some(x) = seq.next_element::<u32>()? {
-            self.0.push(x);
-        }
-        Ok(self.0.as_slice().to_vec())
-    }
+    let mut out = Vec::with_capacity(scratch.len());
+    out.append(scratch);
+    Ok(out)
 }
 
 /// `null` (absent) or an array of `u32` (`mesh.ranks`).
 struct OptU32s<'a>(&'a mut Vec<u32>);
 
-impl<'de> DeserializeSeed<'de> for OptU32s<'_> {
-    type Value = Option<Vec<u32>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<Vec<u32>>, D::Error> {
-        d.deserialize_option(self)
-    }
-}
+seed_by_visiting!(OptU32s<'_> => Option<Vec<u32>>, deserialize_option);
 
 impl<'de> Visitor<'de> for OptU32s<'_> {
     type Value = Option<Vec<u32>>;
@@ -221,19 +202,14 @@ impl<'de> Visitor<'de> for OptU32s<'_> {
         Ok(None)
     }
     fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Option<Vec<u32>>, D::Error> {
-        U32s(self.0).deserialize(d).map(Some)
+        Ints(self.0).deserialize(d).map(Some)
     }
 }
 
 /// An array of placement strings.
 struct Dims<'a>(&'a mut Vec<MeshDim>);
 
-impl<'de> DeserializeSeed<'de> for Dims<'_> {
-    type Value = Vec<MeshDim>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<MeshDim>, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
+seed_by_visiting!(Dims<'_> => Vec<MeshDim>, deserialize_seq);
 
 impl<'de> Visitor<'de> for Dims<'_> {
     type Value = Vec<MeshDim>;
@@ -241,23 +217,14 @@ impl<'de> Visitor<'de> for Dims<'_> {
         f.write_str("an array of placements")
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<MeshDim>, A::Error> {
-        self.0.clear();
-        while let Some(p) = seq.next_element_seed(StrWith(parse_mesh_dim))? {
-            self.0.push(p);
-        }
-        Ok(self.0.as_slice().to_vec())
+        fill_exact(self.0, || seq.next_element_seed(StrWith(parse_mesh_dim)))
     }
 }
 
 /// The top-level object.
 struct Top;
 
-impl<'de> DeserializeSeed<'de> for Top {
-    type Value = Parsed;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Parsed, D::Error> {
-        d.deserialize_map(self)
-    }
-}
+seed_by_visiting!(Top => Parsed, deserialize_map);
 
 impl<'de> Visitor<'de> for Top {
     type Value = Parsed;
@@ -305,12 +272,7 @@ impl<'de> Visitor<'de> for Top {
 /// The `tensors` array.
 struct Tensors<'a>(&'a mut State);
 
-impl<'de> DeserializeSeed<'de> for Tensors<'_> {
-    type Value = Vec<TensorLayout>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<TensorLayout>, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
+seed_by_visiting!(Tensors<'_> => Vec<TensorLayout>, deserialize_seq);
 
 impl<'de> Visitor<'de> for Tensors<'_> {
     type Value = Vec<TensorLayout>;
@@ -329,12 +291,7 @@ impl<'de> Visitor<'de> for Tensors<'_> {
 /// One tensor object.
 struct Tensor<'a>(&'a mut State);
 
-impl<'de> DeserializeSeed<'de> for Tensor<'_> {
-    type Value = TensorLayout;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<TensorLayout, D::Error> {
-        d.deserialize_map(self)
-    }
-}
+seed_by_visiting!(Tensor<'_> => TensorLayout, deserialize_map);
 
 impl<'de> Visitor<'de> for Tensor<'_> {
     type Value = TensorLayout;
@@ -358,7 +315,7 @@ impl<'de> Visitor<'de> for Tensor<'_> {
             match k {
                 0 => name = Some(map.next_value()?),
                 1 => dtype = Some(map.next_value_seed(StrWith(DType::from_name))?),
-                2 => shape = Some(map.next_value_seed(U64s(&mut st.u64s))?),
+                2 => shape = Some(map.next_value_seed(Ints(&mut st.u64s))?),
                 3 => mesh = Some(map.next_value_seed(Mesh(&mut st.u32s))?),
                 4 => dims = Some(map.next_value_seed(Dims(&mut st.dims))?),
                 5 => shards = Some(map.next_value_seed(Shards(&mut *st))?),
@@ -409,12 +366,7 @@ fn implied_ranks<E: serde::de::Error>(st: &mut State, mesh_shape: &[u32]) -> Res
 /// A `mesh` object: its shape and, unless absent or `null`, its ranks.
 struct Mesh<'a>(&'a mut Vec<u32>);
 
-impl<'de> DeserializeSeed<'de> for Mesh<'_> {
-    type Value = (Vec<u32>, Option<Vec<u32>>);
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
-    }
-}
+seed_by_visiting!(Mesh<'_> => (Vec<u32>, Option<Vec<u32>>), deserialize_map);
 
 impl<'de> Visitor<'de> for Mesh<'_> {
     type Value = (Vec<u32>, Option<Vec<u32>>);
@@ -428,7 +380,7 @@ impl<'de> Visitor<'de> for Mesh<'_> {
         while let Some(k) = map.next_key_seed(StrWith(mesh_key))? {
             see(&mut seen, k)?;
             match k {
-                0 => shape = Some(map.next_value_seed(U32s(&mut *self.0))?),
+                0 => shape = Some(map.next_value_seed(Ints(&mut *self.0))?),
                 _ => ranks = map.next_value_seed(OptU32s(&mut *self.0))?,
             }
         }
@@ -440,12 +392,7 @@ impl<'de> Visitor<'de> for Mesh<'_> {
 /// A `shards` array, copied out at its exact length.
 struct Shards<'a>(&'a mut State);
 
-impl<'de> DeserializeSeed<'de> for Shards<'_> {
-    type Value = Vec<ShardSpec>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<ShardSpec>, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
+seed_by_visiting!(Shards<'_> => Vec<ShardSpec>, deserialize_seq);
 
 impl<'de> Visitor<'de> for Shards<'_> {
     type Value = Vec<ShardSpec>;
@@ -454,26 +401,14 @@ impl<'de> Visitor<'de> for Shards<'_> {
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<ShardSpec>, A::Error> {
         let State { shards, u64s, .. } = self.0;
-        shards.clear();
-        while let Some(s) = seq.next_element_seed(Shard(&mut *u64s))? {
-            shards.push(s);
-        }
-        // Moved out at the exact length; the scratch keeps its capacity.
-        let mut out = Vec::with_capacity(shards.len());
-        out.append(shards);
-        Ok(out)
+        fill_exact(shards, || seq.next_element_seed(Shard(&mut *u64s)))
     }
 }
 
 /// One shard object.
 struct Shard<'a>(&'a mut Vec<u64>);
 
-impl<'de> DeserializeSeed<'de> for Shard<'_> {
-    type Value = ShardSpec;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<ShardSpec, D::Error> {
-        d.deserialize_map(self)
-    }
-}
+seed_by_visiting!(Shard<'_> => ShardSpec, deserialize_map);
 
 impl<'de> Visitor<'de> for Shard<'_> {
     type Value = ShardSpec;
@@ -492,9 +427,9 @@ impl<'de> Visitor<'de> for Shard<'_> {
             see(&mut seen, k)?;
             match k {
                 0 => rank = Some(map.next_value()?),
-                1 => offset = Some(map.next_value_seed(U64s(&mut *self.0))?),
-                2 => extent = Some(map.next_value_seed(U64s(&mut *self.0))?),
-                3 => flat = Some(map.next_value_seed(U64s(&mut *self.0))?),
+                1 => offset = Some(map.next_value_seed(Ints(&mut *self.0))?),
+                2 => extent = Some(map.next_value_seed(Ints(&mut *self.0))?),
+                3 => flat = Some(map.next_value_seed(Ints(&mut *self.0))?),
                 4 => buffer = Some(map.next_value()?),
                 _ => at = Some(map.next_value()?),
             }
