@@ -188,13 +188,7 @@ fn fill_exact<T, E>(scratch: &mut Vec<T>, mut next: impl FnMut() -> Result<Optio
 /// `null` (absent) or an array of `u32` (`mesh.ranks`).
 struct OptU32s<'a>(&'a mut Vec<u32>);
 
-seed_by_visiting!(OptU32s<'_> => Option<Vec<u32>>, deserialize_option);
-
-impl<'de> Visitor<'de> for OptU32s<'_> {
-    type Value = Option<Vec<u32>>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("null or an array of integers")
-    }
+visitor_seed!(OptU32s<'_> => Option<Vec<u32>>, deserialize_option, "null or an array of integers", {
     fn visit_none<E>(self) -> Result<Option<Vec<u32>>, E> {
         Ok(None)
     }
@@ -204,33 +198,21 @@ impl<'de> Visitor<'de> for OptU32s<'_> {
     fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Option<Vec<u32>>, D::Error> {
         Ints(self.0).deserialize(d).map(Some)
     }
-}
+});
 
 /// An array of placement strings.
 struct Dims<'a>(&'a mut Vec<MeshDim>);
 
-seed_by_visiting!(Dims<'_> => Vec<MeshDim>, deserialize_seq);
-
-impl<'de> Visitor<'de> for Dims<'_> {
-    type Value = Vec<MeshDim>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of placements")
-    }
+visitor_seed!(Dims<'_> => Vec<MeshDim>, deserialize_seq, "an array of placements", {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<MeshDim>, A::Error> {
         fill_exact(self.0, || seq.next_element_seed(StrWith(parse_mesh_dim)))
     }
-}
+});
 
 /// The top-level object.
 struct Top;
 
-seed_by_visiting!(Top => Parsed, deserialize_map);
-
-impl<'de> Visitor<'de> for Top {
-    type Value = Parsed;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a layout object")
-    }
+visitor_seed!(Top => Parsed, deserialize_map, "a layout object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parsed, A::Error> {
         let mut st = State {
             ranks: None,
@@ -267,18 +249,12 @@ impl<'de> Visitor<'de> for Top {
         tensors.shrink_to_fit();
         Ok(Parsed { ranks, ranks_per_node, tensors })
     }
-}
+});
 
 /// The `tensors` array.
 struct Tensors<'a>(&'a mut State);
 
-seed_by_visiting!(Tensors<'_> => Vec<TensorLayout>, deserialize_seq);
-
-impl<'de> Visitor<'de> for Tensors<'_> {
-    type Value = Vec<TensorLayout>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of tensors")
-    }
+visitor_seed!(Tensors<'_> => Vec<TensorLayout>, deserialize_seq, "an array of tensors", {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<TensorLayout>, A::Error> {
         let mut out = Vec::new();
         while let Some(t) = seq.next_element_seed(Tensor(&mut *self.0))? {
@@ -286,18 +262,12 @@ impl<'de> Visitor<'de> for Tensors<'_> {
         }
         Ok(out)
     }
-}
+});
 
 /// One tensor object.
 struct Tensor<'a>(&'a mut State);
 
-seed_by_visiting!(Tensor<'_> => TensorLayout, deserialize_map);
-
-impl<'de> Visitor<'de> for Tensor<'_> {
-    type Value = TensorLayout;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a tensor object")
-    }
+visitor_seed!(Tensor<'_> => TensorLayout, deserialize_map, "a tensor object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TensorLayout, A::Error> {
         let st = self.0;
         let mut seen = 0u16;
@@ -348,7 +318,7 @@ impl<'de> Visitor<'de> for Tensor<'_> {
         };
         Ok(TensorLayout { name, dtype, shape, placement, scale })
     }
-}
+});
 
 /// The ranks `0..size` of a mesh without `mesh.ranks`, within the layout's
 /// ranks (or [`MAX_RANKS`] until `ranks` is seen) and the implied-position
@@ -366,13 +336,7 @@ fn implied_ranks<E: serde::de::Error>(st: &mut State, mesh_shape: &[u32]) -> Res
 /// A `mesh` object: its shape and, unless absent or `null`, its ranks.
 struct Mesh<'a>(&'a mut Vec<u32>);
 
-seed_by_visiting!(Mesh<'_> => (Vec<u32>, Option<Vec<u32>>), deserialize_map);
-
-impl<'de> Visitor<'de> for Mesh<'_> {
-    type Value = (Vec<u32>, Option<Vec<u32>>);
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a mesh object")
-    }
+visitor_seed!(Mesh<'_> => (Vec<u32>, Option<Vec<u32>>), deserialize_map, "a mesh object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut seen = 0u16;
         let mut shape = None;
@@ -387,34 +351,22 @@ impl<'de> Visitor<'de> for Mesh<'_> {
         let shape = shape.ok_or_else(|| reject("missing mesh.shape"))?;
         Ok((shape, ranks))
     }
-}
+});
 
 /// A `shards` array, copied out at its exact length.
 struct Shards<'a>(&'a mut State);
 
-seed_by_visiting!(Shards<'_> => Vec<ShardSpec>, deserialize_seq);
-
-impl<'de> Visitor<'de> for Shards<'_> {
-    type Value = Vec<ShardSpec>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of shards")
-    }
+visitor_seed!(Shards<'_> => Vec<ShardSpec>, deserialize_seq, "an array of shards", {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<ShardSpec>, A::Error> {
         let State { shards, u64s, .. } = self.0;
         fill_exact(shards, || seq.next_element_seed(Shard(&mut *u64s)))
     }
-}
+});
 
 /// One shard object.
 struct Shard<'a>(&'a mut Vec<u64>);
 
-seed_by_visiting!(Shard<'_> => ShardSpec, deserialize_map);
-
-impl<'de> Visitor<'de> for Shard<'_> {
-    type Value = ShardSpec;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a shard object")
-    }
+visitor_seed!(Shard<'_> => ShardSpec, deserialize_map, "a shard object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ShardSpec, A::Error> {
         let mut seen = 0u16;
         let mut rank: Option<u32> = None;
@@ -447,4 +399,4 @@ impl<'de> Visitor<'de> for Shard<'_> {
         };
         Ok(ShardSpec { rank, region, storage })
     }
-}
+});
