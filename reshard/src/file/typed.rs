@@ -63,13 +63,23 @@ fn reject<E: serde::de::Error>(why: &str) -> E {
     E::custom(why)
 }
 
-/// Marks field `k` of an object as seen; a second sighting is a duplicate key.
-fn see<E: serde::de::Error>(seen: &mut u16, k: usize) -> Result<(), E> {
-    let bit = 1u16 << k;
-    if *seen & bit != 0 {
-        return Err(reject("duplicate key"));
+/// Reads an object's fields: each key turned into its index by `key` (an
+/// unknown key fails), each value read by `field(map, index)`; a key given
+/// twice is a duplicate.
+fn each_field<'de, A: MapAccess<'de>>(
+    map: &mut A,
+    key: fn(&str) -> Option<usize>,
+    mut field: impl FnMut(&mut A, usize) -> Result<(), A::Error>,
+) -> Result<(), A::Error> {
+    let mut seen = 0u16;
+    while let Some(k) = map.next_key_seed(StrWith(key))? {
+        let bit = 1u16 << k;
+        if seen & bit != 0 {
+            return Err(reject("duplicate key"));
+        }
+        seen |= bit;
+        field(map, k)?;
     }
-    *seen |= bit;
     Ok(())
 }
 
@@ -223,11 +233,9 @@ visitor_seed!(Top => Parsed, deserialize_map, "a layout object", {
             dims: Vec::new(),
             shards: Vec::new(),
         };
-        let mut seen = 0u16;
         let mut ranks_per_node = None;
         let mut tensors = None;
-        while let Some(k) = map.next_key_seed(StrWith(top_key))? {
-            see(&mut seen, k)?;
+        each_field(&mut map, top_key, |map, k| {
             match k {
                 0 => {
                     let r: u32 = map.next_value()?;
@@ -239,7 +247,8 @@ visitor_seed!(Top => Parsed, deserialize_map, "a layout object", {
                 1 => ranks_per_node = map.next_value::<Option<u32>>()?,
                 _ => tensors = Some(map.next_value_seed(Tensors(&mut st))?),
             }
-        }
+            Ok(())
+        })?;
         let (Some(ranks), Some(mut tensors)) = (st.ranks, tensors) else {
             return Err(reject("missing field"));
         };
@@ -270,7 +279,6 @@ struct Tensor<'a>(&'a mut State);
 visitor_seed!(Tensor<'_> => TensorLayout, deserialize_map, "a tensor object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TensorLayout, A::Error> {
         let st = self.0;
-        let mut seen = 0u16;
         let mut name: Option<String> = None;
         let mut dtype: Option<DType> = None;
         let mut shape: Option<Vec<u64>> = None;
@@ -280,8 +288,7 @@ visitor_seed!(Tensor<'_> => TensorLayout, deserialize_map, "a tensor object", {
         let mut buffer: Option<String> = None;
         let mut at: Option<u64> = None;
         let mut scale: Option<BlockScale> = None;
-        while let Some(k) = map.next_key_seed(StrWith(tensor_key))? {
-            see(&mut seen, k)?;
+        each_field(&mut map, tensor_key, |map, k| {
             match k {
                 0 => name = Some(map.next_value()?),
                 1 => dtype = Some(map.next_value_seed(StrWith(DType::from_name))?),
@@ -296,7 +303,8 @@ visitor_seed!(Tensor<'_> => TensorLayout, deserialize_map, "a tensor object", {
                     scale = Some(BlockScale { tensor: f.tensor, block: f.block });
                 }
             }
-        }
+            Ok(())
+        })?;
         let (Some(name), Some(dtype), Some(shape)) = (name, dtype, shape) else {
             return Err(reject("missing field"));
         };
@@ -338,16 +346,15 @@ struct Mesh<'a>(&'a mut Vec<u32>);
 
 visitor_seed!(Mesh<'_> => (Vec<u32>, Option<Vec<u32>>), deserialize_map, "a mesh object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut seen = 0u16;
         let mut shape = None;
         let mut ranks = None;
-        while let Some(k) = map.next_key_seed(StrWith(mesh_key))? {
-            see(&mut seen, k)?;
+        each_field(&mut map, mesh_key, |map, k| {
             match k {
                 0 => shape = Some(map.next_value_seed(Ints(&mut *self.0))?),
                 _ => ranks = map.next_value_seed(OptU32s(&mut *self.0))?,
             }
-        }
+            Ok(())
+        })?;
         let shape = shape.ok_or_else(|| reject("missing mesh.shape"))?;
         Ok((shape, ranks))
     }
@@ -368,15 +375,13 @@ struct Shard<'a>(&'a mut Vec<u64>);
 
 visitor_seed!(Shard<'_> => ShardSpec, deserialize_map, "a shard object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ShardSpec, A::Error> {
-        let mut seen = 0u16;
         let mut rank: Option<u32> = None;
         let mut offset = None;
         let mut extent = None;
         let mut flat = None;
         let mut buffer: Option<String> = None;
         let mut at: Option<u64> = None;
-        while let Some(k) = map.next_key_seed(StrWith(shard_key))? {
-            see(&mut seen, k)?;
+        each_field(&mut map, shard_key, |map, k| {
             match k {
                 0 => rank = Some(map.next_value()?),
                 1 => offset = Some(map.next_value_seed(Ints(&mut *self.0))?),
@@ -385,7 +390,8 @@ visitor_seed!(Shard<'_> => ShardSpec, deserialize_map, "a shard object", {
                 4 => buffer = Some(map.next_value()?),
                 _ => at = Some(map.next_value()?),
             }
-        }
+            Ok(())
+        })?;
         let rank = rank.ok_or_else(|| reject("missing rank"))?;
         let region = match (offset, extent, flat) {
             (Some(offset), Some(extent), None) => Region::Block { offset, extent },
