@@ -9,10 +9,11 @@
 //! same files and build the same tensors (`cross_check` tests this). See
 //! `docs/layout-format.md` for the format itself.
 
-/// A serde visitor that is its own [`DeserializeSeed`]
-/// (serde::de::DeserializeSeed): `$visitor` asks the deserializer for what
-/// `$kind` names (`deserialize_seq`, `deserialize_map`, ...), expects
-/// `$expecting`, and builds a `$value` with the `visit_*` methods given.
+/// A serde visitor that is its own
+/// [`DeserializeSeed`](serde::de::DeserializeSeed): `$visitor` asks the
+/// deserializer for what `$kind` names (`deserialize_seq`,
+/// `deserialize_map`, ...), expects `$expecting`, and builds a `$value`
+/// with the `visit_*` methods given.
 /// The caller has `DeserializeSeed`, `Deserializer` and `Visitor` in scope.
 macro_rules! visitor_seed {
     ($visitor:ty => $value:ty, $kind:ident, $expecting:literal, { $($visit:item)* }) => {
