@@ -136,7 +136,7 @@ pub(crate) fn spawn_named<A: Actor>(actor: A, config: &SpawnConfig, name: String
     let (tx, rx) = mpsc::channel(config.mailbox_capacity.max(1));
     let actor_ref = ActorRef::new(tx, Arc::clone(&shared), config.call_timeout);
     let ctx = Context::new(actor_ref.downgrade());
-    let mailbox = Mailbox { rx, shared, finished: false };
+    let mailbox = Mailbox::new(rx, shared);
     tokio::spawn(run(actor, ctx, mailbox));
     actor_ref
 }
@@ -290,13 +290,41 @@ impl Shared {
     }
 }
 
-/// The receiving end of the mailbox, doubling as a drop guard: if the task is
-/// dropped before finishing, the reason is published *before* the receiver
-/// closes, so senders always find a reason.
-struct Mailbox<A: Actor> {
-    rx: mpsc::Receiver<Envelope<A>>,
-    shared: Arc<Shared>,
+/// The receiving end of the mailbox of an actor's task (or of a remote
+/// actor's proxy), doubling as a drop guard: if the task is dropped before
+/// finishing, the reason is published *before* the receiver closes, so
+/// senders always find a reason.
+pub(crate) struct Mailbox<A: Actor> {
+    pub(crate) rx: mpsc::Receiver<Envelope<A>>,
+    pub(crate) shared: Arc<Shared>,
+    /// The task published its reason and finished ([`Mailbox::finish`]).
     finished: bool,
+}
+
+impl<A: Actor> Mailbox<A> {
+    /// The receiving end of `rx`, whose actor's state is `shared`.
+    pub(crate) fn new(rx: mpsc::Receiver<Envelope<A>>, shared: Arc<Shared>) -> Mailbox<A> {
+        Mailbox { rx, shared, finished: false }
+    }
+
+    /// Stops accepting messages, then rejects whatever is still queued
+    /// with `reason`.
+    pub(crate) fn stop_accepting(&mut self, reason: &StopReason) {
+        self.shared.begin_stop(reason);
+        self.rx.close();
+        while let Ok(envelope) = self.rx.try_recv() {
+            if let Some(reply) = envelope.reply {
+                // The caller may have given up already; nothing to do then.
+                let _ = reply.send(Err(CallError::Stopped { actor: self.shared.info.clone(), reason: reason.clone() }));
+            }
+        }
+    }
+
+    /// Publishes `reason` as the actor's last word: the task is done.
+    pub(crate) fn finish(&mut self, reason: &StopReason) {
+        self.shared.finish(reason);
+        self.finished = true;
+    }
 }
 
 impl<A: Actor> Drop for Mailbox<A> {
@@ -313,7 +341,8 @@ impl<A: Actor> Drop for Mailbox<A> {
 /// The actor's task.
 async fn run<A: Actor>(mut actor: A, mut ctx: Context<A>, mut mailbox: Mailbox<A>) {
     let reason = live(&mut actor, &mut ctx, &mut mailbox).await;
-    let info = &mailbox.shared.info;
+    let shared = Arc::clone(&mailbox.shared);
+    let info = &shared.info;
     match &reason {
         StopReason::Panicked(_) | StopReason::Fatal(_) => {
             tracing::error!(actor = %info, %reason, "actor stopped");
@@ -321,15 +350,7 @@ async fn run<A: Actor>(mut actor: A, mut ctx: Context<A>, mut mailbox: Mailbox<A
         _ => tracing::debug!(actor = %info, %reason, "actor stopped"),
     }
 
-    // Stop accepting messages, then reject whatever is still queued.
-    mailbox.shared.begin_stop(&reason);
-    mailbox.rx.close();
-    while let Ok(envelope) = mailbox.rx.try_recv() {
-        if let Some(reply) = envelope.reply {
-            // The caller may have given up already; nothing to do then.
-            let _ = reply.send(Err(CallError::Stopped { actor: info.clone(), reason: reason.clone() }));
-        }
-    }
+    mailbox.stop_accepting(&reason);
 
     if let Err(payload) = CatchUnwind(actor.stopped(&reason)).await {
         let msg = panic_message(&*payload);
@@ -340,8 +361,7 @@ async fn run<A: Actor>(mut actor: A, mut ctx: Context<A>, mut mailbox: Mailbox<A
         tracing::error!(actor = %info, panic = %msg, "dropping actor state panicked");
     }
 
-    mailbox.shared.finish(&reason);
-    mailbox.finished = true;
+    mailbox.finish(&reason);
 }
 
 /// Runs `started`, then handles messages until a reason to stop.

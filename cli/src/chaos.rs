@@ -148,20 +148,40 @@ pub fn run_chaos(
     let network = if config.cluster.netns.is_some() { &NETWORK_CASES[..] } else { &[] };
     let cases = chosen(&[&CASES[..], network].concat());
     let replica_cases = chosen(&REPLICA_CASES);
-    let mut rows = Vec::new();
+    let mut rows = Rows { done: Vec::new(), progress: &mut progress };
     if !cases.is_empty() {
-        rows = run_cases(&config, cases, src.clone(), dst.clone(), &mut progress)?;
+        run_cases(&config, cases, src.clone(), dst.clone(), &mut rows)?;
     }
     if !replica_cases.is_empty() {
-        rows.extend(run_replica_cases(&config, replica_cases, src, dst, &mut progress)?);
+        run_replica_cases(&config, replica_cases, src, dst, &mut rows)?;
     }
-    Ok(rows)
+    Ok(rows.done)
 }
 
 /// A broken refit returns by the data plane's deadline, plus the control
 /// step that waits for a member whose abort hangs.
 fn bound(config: &ChaosConfig) -> Duration {
     config.cluster.refit_deadline + config.cluster.setup_timeout + Duration::from_secs(2)
+}
+
+/// The rows of a run so far, each told to `progress` as it is added.
+struct Rows<'p> {
+    done: Vec<ChaosRow>,
+    progress: &'p mut dyn FnMut(&ChaosRow),
+}
+
+impl Rows<'_> {
+    /// Adds `row` and tells `progress` of it.
+    fn add(&mut self, row: ChaosRow) {
+        (self.progress)(&row);
+        self.done.push(row);
+    }
+
+    /// Adds the row of a case that did not run because the cluster could
+    /// not be brought to a clean state before it (`e`).
+    fn add_not_clean(&mut self, case: &str, e: ClusterError) {
+        self.add(not_run(case, format!("not run: the cluster could not be brought to a clean state first: {e}"), None));
+    }
 }
 
 /// A row for a case that did not run: skipped (`skipped`), or not brought
@@ -237,14 +257,9 @@ fn conclude(
     })
 }
 
-/// The cases of [`CASES`] and [`NETWORK_CASES`] in `cases`, on one cluster.
-fn run_cases(
-    config: &ChaosConfig,
-    cases: Vec<&str>,
-    src: Layout,
-    dst: Layout,
-    progress: &mut impl FnMut(&ChaosRow),
-) -> Result<Vec<ChaosRow>, ClusterError> {
+/// The cases of [`CASES`] and [`NETWORK_CASES`] in `cases`, on one cluster;
+/// their rows go to `rows`.
+fn run_cases(config: &ChaosConfig, cases: Vec<&str>, src: Layout, dst: Layout, rows: &mut Rows<'_>) -> Result<(), ClusterError> {
     let bound = bound(config);
     let mid = config.mid_transfer;
     let wrong = config.wrong_layouts.clone();
@@ -267,21 +282,18 @@ fn run_cases(
         src_rank: workers[a_src].ranks.first().copied().unwrap_or(Endpoint::src(0)),
         dst_ranks: all_ranks.iter().copied().filter(|e| e.group == Group::Dst).collect(),
     };
-    let mut rows = Vec::new();
-    for case in cases {
+    for (i, case) in cases.into_iter().enumerate() {
         // Every case starts from a clean state, whatever ran before it:
         // workers that died or stopped answering replaced, no fault left
         // armed on any rank, and a verified refit on a fresh data plane.
-        if !rows.is_empty() {
+        if i > 0 {
             version += 1;
             let cleaned = clean_slate(&mut cluster, version, &all_ranks);
             if let Ok(t) = &cleaned {
                 transfer = *t;
             }
             if let Err(e) = cleaned {
-                let row = not_run(case, format!("not run: the cluster could not be brought to a clean state first: {e}"), None);
-                progress(&row);
-                rows.push(row);
+                rows.add_not_clean(case, e);
                 continue;
             }
         }
@@ -293,9 +305,7 @@ fn run_cases(
         };
         if let Some(why) = why_not {
             version -= 1;
-            let row = not_run(case, format!("skipped: {why}"), Some(why));
-            progress(&row);
-            rows.push(row);
+            rows.add(not_run(case, format!("skipped: {why}"), Some(why)));
             continue;
         }
         let (failed, detail) = match case {
@@ -323,12 +333,10 @@ fn run_cases(
         version += 1;
         let restarted = case == "member restarts with a different layout";
         let put_back = |c: &mut Cluster| if restarted { c.restart_worker(a_dst, None) } else { Ok(()) };
-        let row = conclude(&mut cluster, case, Broken { failed, detail, elapsed }, bound, version, put_back)?;
-        progress(&row);
-        rows.push(row);
+        rows.add(conclude(&mut cluster, case, Broken { failed, detail, elapsed }, bound, version, put_back)?);
     }
     cluster.shutdown();
-    Ok(rows)
+    Ok(())
 }
 
 /// The workers and ranks the cases break: the first worker holding a
@@ -393,14 +401,8 @@ fn injected_case(
 
 /// The cases of [`REPLICA_CASES`] in `cases`, on a cluster of their own
 /// whose destination group is [`REPLICAS`] replicas of `dst` (room for
-/// one more).
-fn run_replica_cases(
-    config: &ChaosConfig,
-    cases: Vec<&str>,
-    src: Layout,
-    dst: Layout,
-    progress: &mut impl FnMut(&ChaosRow),
-) -> Result<Vec<ChaosRow>, ClusterError> {
+/// one more); their rows go to `rows`.
+fn run_replica_cases(config: &ChaosConfig, cases: Vec<&str>, src: Layout, dst: Layout, rows: &mut Rows<'_>) -> Result<(), ClusterError> {
     let bound = bound(config);
     let k = dst.ranks();
     let mut cluster_config = config.cluster.clone();
@@ -408,9 +410,8 @@ fn run_replica_cases(
     let mut cluster = Cluster::start(cluster_config, src, dst, |_| {})?;
     let mut version = 1;
     let mut transfer = cluster.refit(version, true)?.report.transfer_time;
-    let mut rows = Vec::new();
-    for case in cases {
-        if !rows.is_empty() {
+    for (i, case) in cases.into_iter().enumerate() {
+        if i > 0 {
             // Replicas dropped or dead were replaced by recovery, those a
             // case added and left in leave; this refit runs on a fresh
             // data plane.
@@ -424,9 +425,7 @@ fn run_replica_cases(
             match cleaned {
                 Ok(t) => transfer = t,
                 Err(e) => {
-                    let row = not_run(case, format!("not run: the cluster could not be brought to a clean state first: {e}"), None);
-                    progress(&row);
-                    rows.push(row);
+                    rows.add_not_clean(case, e);
                     continue;
                 }
             }
@@ -470,12 +469,10 @@ fn run_replica_cases(
         };
         let elapsed = cluster.last_refit_call().unwrap_or_else(|| t.elapsed());
         version += 1;
-        let row = conclude(&mut cluster, case, Broken { failed, detail, elapsed }, bound, version, |_| Ok(()))?;
-        progress(&row);
-        rows.push(row);
+        rows.add(conclude(&mut cluster, case, Broken { failed, detail, elapsed }, bound, version, |_| Ok(()))?);
     }
     cluster.shutdown();
-    Ok(rows)
+    Ok(())
 }
 
 /// Refits `version` with worker `worker` killed `after` into `Running`,

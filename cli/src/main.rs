@@ -39,6 +39,17 @@ struct Pair {
     max_plan_work: Option<u64>,
 }
 
+/// The layout pair a refit moves between and its strategy (`refit run`,
+/// `refit launch`).
+#[derive(clap::Args)]
+struct PairStrategy {
+    #[command(flatten)]
+    pair: Pair,
+    /// Run the gather-broadcast baseline instead of the reshard.
+    #[arg(long)]
+    baseline: bool,
+}
+
 /// The layout pair a command works on: two files, or a model preset.
 #[derive(clap::Args)]
 struct LayoutChoice {
@@ -279,10 +290,7 @@ enum Command {
     /// Fill sources with a pattern, run one refit, optionally verify.
     Run {
         #[command(flatten)]
-        pair: Pair,
-        /// Run the gather-broadcast baseline instead of the reshard.
-        #[arg(long)]
-        baseline: bool,
+        refit: PairStrategy,
         /// Check every destination element.
         #[arg(long)]
         verify: bool,
@@ -422,10 +430,7 @@ enum Command {
     /// among them.
     Launch {
         #[command(flatten)]
-        pair: Pair,
-        /// Run the gather-broadcast baseline instead of the reshard.
-        #[arg(long)]
-        baseline: bool,
+        refit: PairStrategy,
         /// After each refit, every destination rank checks every element it
         /// serves against the version just committed.
         #[arg(long)]
@@ -670,7 +675,7 @@ fn dispatch(command: &Command) -> Result<(), cmd::report::Failure> {
             quantize_at: (&a.quantize_at).into(),
             max_plan_work: a.max_plan_work,
         }),
-        Command::Run { pair, baseline, verify, no_digest_check, transport, deadline_s, json, dump_dst, only } => {
+        Command::Run { refit: PairStrategy { pair, baseline }, verify, no_digest_check, transport, deadline_s, json, dump_dst, only } => {
             cmd::run::run(&cmd::run::RunArgs {
                 pair,
                 baseline: *baseline,
@@ -710,7 +715,7 @@ fn dispatch(command: &Command) -> Result<(), cmd::report::Failure> {
             })
         }
         Command::Emit { model, scale, ep, setup, out } => cmd::emit::run(*model, *scale, *ep, setup.as_deref(), out),
-        Command::Launch { pair, baseline, verify, refits, fail_fast, json, cluster, bind, no_spawn, replicas } => {
+        Command::Launch { refit: PairStrategy { pair, baseline }, verify, refits, fail_fast, json, cluster, bind, no_spawn, replicas } => {
             cmd::launch::run(&cmd::launch::LaunchArgs {
                 pair,
                 strategy: if *baseline { Strategy::Baseline } else { Strategy::Reshard },

@@ -301,6 +301,13 @@ struct Weight {
     kv_heads: Option<u64>,
 }
 
+impl Weight {
+    /// This weight as a BF16 tensor placed by `placement`.
+    fn placed(&self, placement: Placement) -> TensorLayout {
+        TensorLayout { name: self.name.clone(), dtype: DType::BF16, shape: self.shape.clone(), placement, scale: None }
+    }
+}
+
 fn mesh(shape: Vec<u32>, ranks: Vec<u32>, dims: Vec<MeshDim>) -> Placement {
     Placement::Mesh(MeshPlacement { shape, ranks, dims, storage: Storage::Own })
 }
@@ -397,16 +404,7 @@ fn tp_dim(tp: Tp) -> MeshDim {
 /// in row-major order of (dp, tp), every weight split by its TP kind, the
 /// vLLM fused buffers.
 fn inference_dp_tp(ws: &[Weight], dp: u32, tp: u32) -> Vec<TensorLayout> {
-    let mut out: Vec<TensorLayout> = ws
-        .iter()
-        .map(|w| TensorLayout {
-            name: w.name.clone(),
-            dtype: DType::BF16,
-            shape: w.shape.clone(),
-            placement: tp_placement(w, dp, tp, (0..dp * tp).collect()),
-            scale: None,
-        })
-        .collect();
+    let mut out: Vec<TensorLayout> = ws.iter().map(|w| w.placed(tp_placement(w, dp, tp, (0..dp * tp).collect()))).collect();
     fuse(&mut out, Side::Infer);
     out
 }
@@ -425,7 +423,7 @@ fn inference_ep(ws: &[Weight], ranks: u32, tp: u32, ep: u32, experts: u32) -> Ve
                 Some(e) => mesh(vec![groups], (0..groups).map(|g| g * ep + e / per_rank).collect(), vec![MeshDim::Replicate]),
                 None => tp_placement(w, ranks / tp, tp, (0..ranks).collect()),
             };
-            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+            w.placed(placement)
         })
         .collect();
     fuse(&mut out, Side::Infer);
@@ -470,7 +468,7 @@ fn kimi_training(ws: &[Weight]) -> Vec<TensorLayout> {
                 Some(e) => mesh(vec![1], vec![w.stage * 32 + e / per_rank], vec![MeshDim::Replicate]),
                 None => tp_placement(w, 4, 8, (0..32).map(|r| w.stage * 32 + r).collect()),
             };
-            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+            w.placed(placement)
         })
         .collect();
     fuse(&mut src, Side::Train);
@@ -493,7 +491,7 @@ fn megatron_ep_training(ws: &[Weight], per_stage: u32, tp: u32, experts: u32) ->
                 Some(e) => mesh(vec![1], vec![first + e / per_rank], vec![MeshDim::Replicate]),
                 None => tp_placement(w, per_stage / tp, tp, (first..first + per_stage).collect()),
             };
-            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+            w.placed(placement)
         })
         .collect();
     fuse(&mut src, Side::Train);
@@ -535,16 +533,8 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
         Model::Llama3_8b => {
             let ws = llama_weights(scale);
             // Training: rank = stage * 4 + tp.
-            let mut src: Vec<TensorLayout> = ws
-                .iter()
-                .map(|w| TensorLayout {
-                    name: w.name.clone(),
-                    dtype: DType::BF16,
-                    shape: w.shape.clone(),
-                    placement: tp_placement(w, 1, 4, (0..4).map(|t| w.stage * 4 + t).collect()),
-                    scale: None,
-                })
-                .collect();
+            let mut src: Vec<TensorLayout> =
+                ws.iter().map(|w| w.placed(tp_placement(w, 1, 4, (0..4).map(|t| w.stage * 4 + t).collect()))).collect();
             fuse(&mut src, Side::Train);
             let dst = inference_dp_tp(&ws, 2, 2);
             Ok((Layout::new(8, Some(4), src)?, Layout::new(4, Some(2), dst)?))
@@ -562,7 +552,7 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
                         // Dense: mesh [DP x CP = 16, TP = 2].
                         None => tp_placement(w, 16, 2, (0..32).map(|r| w.stage * 32 + r).collect()),
                     };
-                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+                    w.placed(placement)
                 })
                 .collect();
             fuse(&mut src, Side::Train);
@@ -579,7 +569,7 @@ fn build(model: Model, scale: u64, ep: Option<u32>) -> Result<(Layout, Layout), 
                         Some(e) => mesh(vec![4], (0..4).map(|d| w.stage * 64 + (e / 16) * 4 + d).collect(), vec![MeshDim::Replicate]),
                         None => mesh(vec![64], (0..64).map(|r| w.stage * 64 + r).collect(), vec![MeshDim::Replicate]),
                     };
-                    TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+                    w.placed(placement)
                 })
                 .collect();
             fuse(&mut src, Side::Train);
@@ -673,7 +663,7 @@ pub fn scaled_out(model: Model, scale: u64, s: ScaleOut) -> Result<(Layout, Layo
                 }
                 None => mesh(vec![per_stage], (first..first + per_stage).collect(), vec![MeshDim::Replicate]),
             };
-            TensorLayout { name: w.name.clone(), dtype: DType::BF16, shape: w.shape.clone(), placement, scale: None }
+            w.placed(placement)
         })
         .collect();
     fuse(&mut src, Side::Train);

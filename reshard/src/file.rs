@@ -9,6 +9,31 @@
 //! same files and build the same tensors (`cross_check` tests this). See
 //! `docs/layout-format.md` for the format itself.
 
+/// A serde visitor that is its own
+/// [`DeserializeSeed`](serde::de::DeserializeSeed): `$visitor` asks the
+/// deserializer for what `$kind` names (`deserialize_seq`,
+/// `deserialize_map`, ...), expects `$expecting`, and builds a `$value`
+/// with the `visit_*` methods given.
+/// The caller has `DeserializeSeed`, `Deserializer` and `Visitor` in scope.
+macro_rules! visitor_seed {
+    ($visitor:ty => $value:ty, $kind:ident, $expecting:literal, { $($visit:item)* }) => {
+        impl<'de> DeserializeSeed<'de> for $visitor {
+            type Value = $value;
+            fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<$value, D::Error> {
+                d.$kind(self)
+            }
+        }
+
+        impl<'de> Visitor<'de> for $visitor {
+            type Value = $value;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str($expecting)
+            }
+            $($visit)*
+        }
+    };
+}
+
 mod typed;
 
 use crate::dtype::DType;
@@ -390,17 +415,7 @@ pub fn layout_to_json(layout: &Layout) -> Value {
 fn strict_json(text: &str) -> Result<Value, serde_json::Error> {
     use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
     struct Strict;
-    impl<'de> DeserializeSeed<'de> for Strict {
-        type Value = Value;
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-            d.deserialize_any(self)
-        }
-    }
-    impl<'de> Visitor<'de> for Strict {
-        type Value = Value;
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a JSON value")
-        }
+    visitor_seed!(Strict => Value, deserialize_any, "a JSON value", {
         fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
             Ok(Value::Bool(v))
         }
@@ -439,7 +454,7 @@ fn strict_json(text: &str) -> Result<Value, serde_json::Error> {
             }
             Ok(Value::Object(out))
         }
-    }
+    });
     let mut de = serde_json::Deserializer::from_str(text);
     let v = Strict.deserialize(&mut de)?;
     de.end()?;

@@ -158,19 +158,19 @@ pub fn fill_source_rank_at(src: &Layout, rank: u32, version: u64, memory: &mut R
 /// source dtype. `memory[r]` is destination rank `r`'s memory. Returns the
 /// number of elements checked.
 pub fn verify_destinations(src: &Layout, dst: &Layout, memory: &[RankMemory]) -> Result<u64, Box<Mismatch>> {
-    verify_impl(src, dst, None, 0, &|r| memory.get(r as usize), &|_| true)
+    verify_ranks(&source_dtypes(src), dst, None, 0, &|r| memory.get(r as usize), &|_| true)
 }
 
 /// Checks the elements of destination rank `rank` only; `memory` is its.
 pub fn verify_destination_rank(src: &Layout, dst: &Layout, rank: u32, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
-    verify_impl(src, dst, Some(rank), 0, &|r| (r == rank).then_some(memory), &|_| true)
+    verify_ranks(&source_dtypes(src), dst, Some(rank), 0, &|r| (r == rank).then_some(memory), &|_| true)
 }
 
 /// Checks the elements of destination rank `rank` against the pattern of
 /// weights version `version`.
 #[cfg(test)]
 fn verify_destination_rank_at(src: &Layout, dst: &Layout, rank: u32, version: u64, memory: &RankMemory) -> Result<u64, Box<Mismatch>> {
-    verify_impl(src, dst, Some(rank), version, &|r| (r == rank).then_some(memory), &|_| true)
+    verify_ranks(&source_dtypes(src), dst, Some(rank), version, &|r| (r == rank).then_some(memory), &|_| true)
 }
 
 /// Checks the elements of destination rank `rank` of the tensors
@@ -189,15 +189,10 @@ pub fn verify_destination_rank_from(
     verify_ranks(source_dtype, dst, Some(rank), version, &|r| (r == rank).then_some(memory), tensor)
 }
 
-fn verify_impl<'m>(
-    src: &Layout,
-    dst: &Layout,
-    only: Option<u32>,
-    version: u64,
-    memory: &dyn Fn(u32) -> Option<&'m RankMemory>,
-    tensor: &dyn Fn(u32) -> bool,
-) -> Result<u64, Box<Mismatch>> {
-    verify_ranks(&|name| src.tensor_index(name).map(|i| src.tensors()[i as usize].dtype), dst, only, version, memory, tensor)
+/// The dtype `src` gives each tensor, by name (`None`: a tensor it does not
+/// have): what [`verify_ranks`] converts the pattern from.
+fn source_dtypes(src: &Layout) -> impl Fn(&str) -> Option<DType> + '_ {
+    |name| src.tensor_index(name).map(|i| src.tensors()[i as usize].dtype)
 }
 
 fn verify_ranks<'m>(

@@ -14,7 +14,7 @@ use crate::actor::{Actor, ActorInfo};
 use crate::actor_ref::ActorRef;
 use crate::codec;
 use crate::error::{ActorError, CallError};
-use crate::runtime::{Envelope, ReplyTx, Shared, SpawnConfig};
+use crate::runtime::{Envelope, Mailbox, ReplyTx, Shared, SpawnConfig};
 use crate::supervision::StopReason;
 
 /// Spawns the proxy task for the remote actor `info` served as `name` on the
@@ -28,29 +28,12 @@ where
     let shared = Arc::new(Shared::new(info, config.supervisors().to_vec()));
     let (tx, rx) = mpsc::channel(config.capacity().max(1));
     let actor_ref = ActorRef::new(tx, Arc::clone(&shared), config.default_call_timeout());
-    let mailbox = ProxyMailbox { rx, shared, finished: false };
+    let mailbox = Mailbox::new(rx, shared);
     tokio::spawn(run::<A>(link, name, mailbox));
     actor_ref
 }
 
-/// The receiving end of a proxy's mailbox, doubling as a drop guard like the
-/// runtime's: a dropped task still publishes [`StopReason::Aborted`].
-struct ProxyMailbox<A: Actor> {
-    rx: mpsc::Receiver<Envelope<A>>,
-    shared: Arc<Shared>,
-    finished: bool,
-}
-
-impl<A: Actor> Drop for ProxyMailbox<A> {
-    fn drop(&mut self) {
-        if !self.finished {
-            self.shared.begin_stop(&StopReason::Aborted);
-            self.shared.finish(&StopReason::Aborted);
-        }
-    }
-}
-
-async fn run<A>(link: Arc<Link>, name: String, mut mailbox: ProxyMailbox<A>)
+async fn run<A>(link: Arc<Link>, name: String, mut mailbox: Mailbox<A>)
 where
     A: Actor,
     A::Msg: Serialize,
@@ -66,18 +49,11 @@ where
         }
     };
     tracing::debug!(actor = %shared.info, peer = %conn.peer(), %reason, "remote actor proxy stopped");
-    shared.begin_stop(&reason);
-    mailbox.rx.close();
-    while let Ok(envelope) = mailbox.rx.try_recv() {
-        if let Some(reply) = envelope.reply {
-            let _ = reply.send(Err(CallError::Stopped { actor: shared.info.clone(), reason: reason.clone() }));
-        }
-    }
+    mailbox.stop_accepting(&reason);
     if let Some(proxy) = proxy {
         conn.unregister_proxy(proxy, &reason);
     }
-    shared.finish(&reason);
-    mailbox.finished = true;
+    mailbox.finish(&reason);
     drop(link);
 }
 
@@ -86,7 +62,7 @@ async fn forward<A>(
     conn: &Arc<Conn>,
     name: &str,
     proxy: u64,
-    mailbox: &mut ProxyMailbox<A>,
+    mailbox: &mut Mailbox<A>,
     remote_stop: &mut oneshot::Receiver<StopReason>,
 ) -> StopReason
 where

@@ -5,12 +5,15 @@ use super::layout::layouts;
 use super::rollout::Rollout;
 use super::trainer::Trainer;
 use super::{DemoError, ROLLOUT_DP, ROLLOUT_TP, TRAIN_TP};
-use actors::{spawn, ActorGroup, SpawnConfig};
+use actors::{spawn, Actor, ActorGroup, SpawnConfig};
 use orchestrator::rendezvous::ControlConfig;
 use orchestrator::{
-    join, spawn_orchestrator, DstStore, Fabric, JoinConfig, NodeFabric, OrchestratorConfig, OrchestratorHandle, Rendezvous, Role, SrcStore,
+    join, spawn_orchestrator, DstStore, Fabric, JoinConfig, JoinError, Joined, NodeFabric, OrchestratorConfig, OrchestratorHandle,
+    Rendezvous, Role, SrcStore,
 };
 use reshard::{Group, Layout, Strategy};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,27 +94,39 @@ pub fn run_demo_member(role: DemoRole, rank: u32) -> Result<(), DemoError> {
     let (src, dst) = layouts()?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(async move {
-        let actor = |e: orchestrator::JoinError| DemoError::Actor(e.to_string());
-        let joined = join(&JoinConfig::from_env().map_err(actor)?).await.map_err(actor)?;
+        let joined = join(&JoinConfig::from_env().map_err(join_error)?).await.map_err(join_error)?;
         let name = role.name(rank as usize);
+        let (src, dst) = (Arc::new(src), Arc::new(dst));
         match role {
             DemoRole::Trainer => {
-                let src = Arc::new(src);
                 let store = Arc::new(SrcStore::new(&src, rank));
-                joined.serve_member(src, rank, Role::Src(store.clone())).await.map_err(actor)?;
-                let trainer = spawn(Trainer::new(rank as usize, store), SpawnConfig::default().name(name.clone()));
-                joined.serve(&name, &trainer).await.map_err(actor)?;
+                serve_rank(&joined, src, rank, Role::Src(store.clone()), Trainer::new(rank as usize, store), &name).await?;
             }
             DemoRole::Rollout => {
-                let dst = Arc::new(dst);
                 let store = Arc::new(DstStore::new(&dst, rank));
-                joined.serve_member(dst, rank, Role::Dst(store.clone())).await.map_err(actor)?;
-                let rollout = spawn(Rollout::new(rank as usize, store), SpawnConfig::default().name(name.clone()));
-                joined.serve(&name, &rollout).await.map_err(actor)?;
+                serve_rank(&joined, dst, rank, Role::Dst(store.clone()), Rollout::new(rank as usize, store), &name).await?;
             }
         }
         joined.closed().await;
         joined.shutdown();
         Ok(())
     })
+}
+
+/// A demo member's failure to join or serve, as the demo reports it.
+fn join_error(e: JoinError) -> DemoError {
+    DemoError::Actor(e.to_string())
+}
+
+/// Serves rank `rank` of `layout` as a member in `role`, then `model` (the
+/// rank's trainer or rollout, which shares the member's store) under `name`.
+async fn serve_rank<A>(joined: &Joined, layout: Arc<Layout>, rank: u32, role: Role, model: A, name: &str) -> Result<(), DemoError>
+where
+    A: Actor,
+    A::Msg: DeserializeOwned,
+    A::Reply: Serialize,
+{
+    joined.serve_member(layout, rank, role).await.map_err(join_error)?;
+    let model = spawn(model, SpawnConfig::default().name(name.to_string()));
+    joined.serve(name, &model).await.map_err(join_error)
 }

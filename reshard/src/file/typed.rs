@@ -63,13 +63,23 @@ fn reject<E: serde::de::Error>(why: &str) -> E {
     E::custom(why)
 }
 
-/// Marks field `k` of an object as seen; a second sighting is a duplicate key.
-fn see<E: serde::de::Error>(seen: &mut u16, k: usize) -> Result<(), E> {
-    let bit = 1u16 << k;
-    if *seen & bit != 0 {
-        return Err(reject("duplicate key"));
+/// Reads an object's fields: each key turned into its index by `key` (an
+/// unknown key fails), each value read by `field(map, index)`; a key given
+/// twice is a duplicate.
+fn each_field<'de, A: MapAccess<'de>>(
+    map: &mut A,
+    key: fn(&str) -> Option<usize>,
+    mut field: impl FnMut(&mut A, usize) -> Result<(), A::Error>,
+) -> Result<(), A::Error> {
+    let mut seen = 0u16;
+    while let Some(k) = map.next_key_seed(StrWith(key))? {
+        let bit = 1u16 << k;
+        if seen & bit != 0 {
+            return Err(reject("duplicate key"));
+        }
+        seen |= bit;
+        field(map, k)?;
     }
-    *seen |= bit;
     Ok(())
 }
 
@@ -150,70 +160,45 @@ impl<T, F: FnOnce(&str) -> Option<T>> Visitor<'_> for StrWith<F> {
     }
 }
 
-/// An array of non-negative integers (`u64`'s own rules: JSON integers
-/// only, as `Value::as_u64` has them), copied out at its exact length.
-struct U64s<'a>(&'a mut Vec<u64>);
+/// An array of integers of type `T`: `u64` (its own rules: JSON integers
+/// only, as `Value::as_u64` has them) or `u32` (mesh shapes, rank lists),
+/// copied out at its exact length.
+struct Ints<'a, T>(&'a mut Vec<T>);
 
-impl<'de> DeserializeSeed<'de> for U64s<'_> {
-    type Value = Vec<u64>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<u64>, D::Error> {
+impl<'de, T: serde::Deserialize<'de>> DeserializeSeed<'de> for Ints<'_, T> {
+    type Value = Vec<T>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<T>, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
-impl<'de> Visitor<'de> for U64s<'_> {
-    type Value = Vec<u64>;
+impl<'de, T: serde::Deserialize<'de>> Visitor<'de> for Ints<'_, T> {
+    type Value = Vec<T>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an array of integers")
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u64>, A::Error> {
-        self.0.clear();
-        while let Some(x) = seq.next_element::<u64>()? {
-            self.0.push(x);
-        }
-        Ok(self.0.as_slice().to_vec())
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+        fill_exact(self.0, || seq.next_element())
     }
 }
 
-/// An array of integers that fit in `u32` (mesh shapes, rank lists).
-struct U32s<'a>(&'a mut Vec<u32>);
-
-impl<'de> DeserializeSeed<'de> for U32s<'_> {
-    type Value = Vec<u32>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<u32>, D::Error> {
-        d.deserialize_seq(self)
+/// Fills the scratch list `scratch` from `next` until it yields `None`,
+/// then moves the items out at their exact length (the scratch keeps its
+/// capacity for the next list).
+fn fill_exact<T, E>(scratch: &mut Vec<T>, mut next: impl FnMut() -> Result<Option<T>, E>) -> Result<Vec<T>, E> {
+    scratch.clear();
+    while let Some(x) = next()? {
+        scratch.push(x);
     }
-}
-
-impl<'de> Visitor<'de> for U32s<'_> {
-    type Value = Vec<u32>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of integers")
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u32>, A::Error> {
-        self.0.clear();
-        while let Some(x) = seq.next_element::<u32>()? {
-            self.0.push(x);
-        }
-        Ok(self.0.as_slice().to_vec())
-    }
+    let mut out = Vec::with_capacity(scratch.len());
+    out.append(scratch);
+    Ok(out)
 }
 
 /// `null` (absent) or an array of `u32` (`mesh.ranks`).
 struct OptU32s<'a>(&'a mut Vec<u32>);
 
-impl<'de> DeserializeSeed<'de> for OptU32s<'_> {
-    type Value = Option<Vec<u32>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<Vec<u32>>, D::Error> {
-        d.deserialize_option(self)
-    }
-}
-
-impl<'de> Visitor<'de> for OptU32s<'_> {
-    type Value = Option<Vec<u32>>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("null or an array of integers")
-    }
+visitor_seed!(OptU32s<'_> => Option<Vec<u32>>, deserialize_option, "null or an array of integers", {
     fn visit_none<E>(self) -> Result<Option<Vec<u32>>, E> {
         Ok(None)
     }
@@ -221,49 +206,23 @@ impl<'de> Visitor<'de> for OptU32s<'_> {
         Ok(None)
     }
     fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Option<Vec<u32>>, D::Error> {
-        U32s(self.0).deserialize(d).map(Some)
+        Ints(self.0).deserialize(d).map(Some)
     }
-}
+});
 
 /// An array of placement strings.
 struct Dims<'a>(&'a mut Vec<MeshDim>);
 
-impl<'de> DeserializeSeed<'de> for Dims<'_> {
-    type Value = Vec<MeshDim>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<MeshDim>, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Dims<'_> {
-    type Value = Vec<MeshDim>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of placements")
-    }
+visitor_seed!(Dims<'_> => Vec<MeshDim>, deserialize_seq, "an array of placements", {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<MeshDim>, A::Error> {
-        self.0.clear();
-        while let Some(p) = seq.next_element_seed(StrWith(parse_mesh_dim))? {
-            self.0.push(p);
-        }
-        Ok(self.0.as_slice().to_vec())
+        fill_exact(self.0, || seq.next_element_seed(StrWith(parse_mesh_dim)))
     }
-}
+});
 
 /// The top-level object.
 struct Top;
 
-impl<'de> DeserializeSeed<'de> for Top {
-    type Value = Parsed;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Parsed, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Top {
-    type Value = Parsed;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a layout object")
-    }
+visitor_seed!(Top => Parsed, deserialize_map, "a layout object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parsed, A::Error> {
         let mut st = State {
             ranks: None,
@@ -274,11 +233,9 @@ impl<'de> Visitor<'de> for Top {
             dims: Vec::new(),
             shards: Vec::new(),
         };
-        let mut seen = 0u16;
         let mut ranks_per_node = None;
         let mut tensors = None;
-        while let Some(k) = map.next_key_seed(StrWith(top_key))? {
-            see(&mut seen, k)?;
+        each_field(&mut map, top_key, |map, k| {
             match k {
                 0 => {
                     let r: u32 = map.next_value()?;
@@ -290,7 +247,8 @@ impl<'de> Visitor<'de> for Top {
                 1 => ranks_per_node = map.next_value::<Option<u32>>()?,
                 _ => tensors = Some(map.next_value_seed(Tensors(&mut st))?),
             }
-        }
+            Ok(())
+        })?;
         let (Some(ranks), Some(mut tensors)) = (st.ranks, tensors) else {
             return Err(reject("missing field"));
         };
@@ -300,23 +258,12 @@ impl<'de> Visitor<'de> for Top {
         tensors.shrink_to_fit();
         Ok(Parsed { ranks, ranks_per_node, tensors })
     }
-}
+});
 
 /// The `tensors` array.
 struct Tensors<'a>(&'a mut State);
 
-impl<'de> DeserializeSeed<'de> for Tensors<'_> {
-    type Value = Vec<TensorLayout>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<TensorLayout>, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Tensors<'_> {
-    type Value = Vec<TensorLayout>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of tensors")
-    }
+visitor_seed!(Tensors<'_> => Vec<TensorLayout>, deserialize_seq, "an array of tensors", {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<TensorLayout>, A::Error> {
         let mut out = Vec::new();
         while let Some(t) = seq.next_element_seed(Tensor(&mut *self.0))? {
@@ -324,26 +271,14 @@ impl<'de> Visitor<'de> for Tensors<'_> {
         }
         Ok(out)
     }
-}
+});
 
 /// One tensor object.
 struct Tensor<'a>(&'a mut State);
 
-impl<'de> DeserializeSeed<'de> for Tensor<'_> {
-    type Value = TensorLayout;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<TensorLayout, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Tensor<'_> {
-    type Value = TensorLayout;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a tensor object")
-    }
+visitor_seed!(Tensor<'_> => TensorLayout, deserialize_map, "a tensor object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TensorLayout, A::Error> {
         let st = self.0;
-        let mut seen = 0u16;
         let mut name: Option<String> = None;
         let mut dtype: Option<DType> = None;
         let mut shape: Option<Vec<u64>> = None;
@@ -353,12 +288,11 @@ impl<'de> Visitor<'de> for Tensor<'_> {
         let mut buffer: Option<String> = None;
         let mut at: Option<u64> = None;
         let mut scale: Option<BlockScale> = None;
-        while let Some(k) = map.next_key_seed(StrWith(tensor_key))? {
-            see(&mut seen, k)?;
+        each_field(&mut map, tensor_key, |map, k| {
             match k {
                 0 => name = Some(map.next_value()?),
                 1 => dtype = Some(map.next_value_seed(StrWith(DType::from_name))?),
-                2 => shape = Some(map.next_value_seed(U64s(&mut st.u64s))?),
+                2 => shape = Some(map.next_value_seed(Ints(&mut st.u64s))?),
                 3 => mesh = Some(map.next_value_seed(Mesh(&mut st.u32s))?),
                 4 => dims = Some(map.next_value_seed(Dims(&mut st.dims))?),
                 5 => shards = Some(map.next_value_seed(Shards(&mut *st))?),
@@ -369,7 +303,8 @@ impl<'de> Visitor<'de> for Tensor<'_> {
                     scale = Some(BlockScale { tensor: f.tensor, block: f.block });
                 }
             }
-        }
+            Ok(())
+        })?;
         let (Some(name), Some(dtype), Some(shape)) = (name, dtype, shape) else {
             return Err(reject("missing field"));
         };
@@ -391,7 +326,7 @@ impl<'de> Visitor<'de> for Tensor<'_> {
         };
         Ok(TensorLayout { name, dtype, shape, placement, scale })
     }
-}
+});
 
 /// The ranks `0..size` of a mesh without `mesh.ranks`, within the layout's
 /// ranks (or [`MAX_RANKS`] until `ranks` is seen) and the implied-position
@@ -409,96 +344,54 @@ fn implied_ranks<E: serde::de::Error>(st: &mut State, mesh_shape: &[u32]) -> Res
 /// A `mesh` object: its shape and, unless absent or `null`, its ranks.
 struct Mesh<'a>(&'a mut Vec<u32>);
 
-impl<'de> DeserializeSeed<'de> for Mesh<'_> {
-    type Value = (Vec<u32>, Option<Vec<u32>>);
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Mesh<'_> {
-    type Value = (Vec<u32>, Option<Vec<u32>>);
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a mesh object")
-    }
+visitor_seed!(Mesh<'_> => (Vec<u32>, Option<Vec<u32>>), deserialize_map, "a mesh object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut seen = 0u16;
         let mut shape = None;
         let mut ranks = None;
-        while let Some(k) = map.next_key_seed(StrWith(mesh_key))? {
-            see(&mut seen, k)?;
+        each_field(&mut map, mesh_key, |map, k| {
             match k {
-                0 => shape = Some(map.next_value_seed(U32s(&mut *self.0))?),
+                0 => shape = Some(map.next_value_seed(Ints(&mut *self.0))?),
                 _ => ranks = map.next_value_seed(OptU32s(&mut *self.0))?,
             }
-        }
+            Ok(())
+        })?;
         let shape = shape.ok_or_else(|| reject("missing mesh.shape"))?;
         Ok((shape, ranks))
     }
-}
+});
 
 /// A `shards` array, copied out at its exact length.
 struct Shards<'a>(&'a mut State);
 
-impl<'de> DeserializeSeed<'de> for Shards<'_> {
-    type Value = Vec<ShardSpec>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Vec<ShardSpec>, D::Error> {
-        d.deserialize_seq(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Shards<'_> {
-    type Value = Vec<ShardSpec>;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("an array of shards")
-    }
+visitor_seed!(Shards<'_> => Vec<ShardSpec>, deserialize_seq, "an array of shards", {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<ShardSpec>, A::Error> {
         let State { shards, u64s, .. } = self.0;
-        shards.clear();
-        while let Some(s) = seq.next_element_seed(Shard(&mut *u64s))? {
-            shards.push(s);
-        }
-        // Moved out at the exact length; the scratch keeps its capacity.
-        let mut out = Vec::with_capacity(shards.len());
-        out.append(shards);
-        Ok(out)
+        fill_exact(shards, || seq.next_element_seed(Shard(&mut *u64s)))
     }
-}
+});
 
 /// One shard object.
 struct Shard<'a>(&'a mut Vec<u64>);
 
-impl<'de> DeserializeSeed<'de> for Shard<'_> {
-    type Value = ShardSpec;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<ShardSpec, D::Error> {
-        d.deserialize_map(self)
-    }
-}
-
-impl<'de> Visitor<'de> for Shard<'_> {
-    type Value = ShardSpec;
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a shard object")
-    }
+visitor_seed!(Shard<'_> => ShardSpec, deserialize_map, "a shard object", {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<ShardSpec, A::Error> {
-        let mut seen = 0u16;
         let mut rank: Option<u32> = None;
         let mut offset = None;
         let mut extent = None;
         let mut flat = None;
         let mut buffer: Option<String> = None;
         let mut at: Option<u64> = None;
-        while let Some(k) = map.next_key_seed(StrWith(shard_key))? {
-            see(&mut seen, k)?;
+        each_field(&mut map, shard_key, |map, k| {
             match k {
                 0 => rank = Some(map.next_value()?),
-                1 => offset = Some(map.next_value_seed(U64s(&mut *self.0))?),
-                2 => extent = Some(map.next_value_seed(U64s(&mut *self.0))?),
-                3 => flat = Some(map.next_value_seed(U64s(&mut *self.0))?),
+                1 => offset = Some(map.next_value_seed(Ints(&mut *self.0))?),
+                2 => extent = Some(map.next_value_seed(Ints(&mut *self.0))?),
+                3 => flat = Some(map.next_value_seed(Ints(&mut *self.0))?),
                 4 => buffer = Some(map.next_value()?),
                 _ => at = Some(map.next_value()?),
             }
-        }
+            Ok(())
+        })?;
         let rank = rank.ok_or_else(|| reject("missing rank"))?;
         let region = match (offset, extent, flat) {
             (Some(offset), Some(extent), None) => Region::Block { offset, extent },
@@ -512,4 +405,4 @@ impl<'de> Visitor<'de> for Shard<'_> {
         };
         Ok(ShardSpec { rank, region, storage })
     }
-}
+});

@@ -464,22 +464,18 @@ mod tests {
 
     #[test]
     fn chunk_is_torch_chunk() {
+        let sizes = |n: u64| -> Vec<u64> {
+            (0..4)
+                .map(|i| {
+                    let (a, b) = chunk_range(n, 4, i);
+                    b - a
+                })
+                .collect()
+        };
         // torch.chunk(range(5), 4) -> sizes [2, 2, 1, 0]
-        let sizes: Vec<u64> = (0..4)
-            .map(|i| {
-                let (a, b) = chunk_range(5, 4, i);
-                b - a
-            })
-            .collect();
-        assert_eq!(sizes, vec![2, 2, 1, 0]);
+        assert_eq!(sizes(5), vec![2, 2, 1, 0]);
         // torch.chunk(range(6), 4) -> [2, 2, 2, 0]
-        let sizes: Vec<u64> = (0..4)
-            .map(|i| {
-                let (a, b) = chunk_range(6, 4, i);
-                b - a
-            })
-            .collect();
-        assert_eq!(sizes, vec![2, 2, 2, 0]);
+        assert_eq!(sizes(6), vec![2, 2, 2, 0]);
     }
 
     #[test]

@@ -66,8 +66,27 @@ const FIRST_WORDS: usize = 64;
 
 /// Declares a view of one kind of packed piece: a few words, its fields
 /// decoded only when asked for, so the executor's per-piece loops neither
-/// allocate nor move whole blocks around.
+/// allocate nor move whole blocks around. A piece that crosses the wire
+/// (sent or received) has its two types read as `wire` and `dtype`.
 macro_rules! view {
+    ($(#[$doc:meta])* $view:ident of $piece:ident, crossing the wire) => {
+        view! { $(#[$doc])* $view of $piece }
+
+        impl $view<'_> {
+            /// Type on the wire.
+            #[inline]
+            pub fn wire(&self) -> DType {
+                self.0.header.dtypes[0]
+            }
+
+            /// Type of the rank's buffers: the one read (sent) or those
+            /// written (received).
+            #[inline]
+            pub fn dtype(&self) -> DType {
+                self.0.header.dtypes[1]
+            }
+        }
+    };
     ($(#[$doc:meta])* $view:ident of $piece:ident) => {
         $(#[$doc])*
         #[derive(Clone, Copy)]
@@ -124,13 +143,13 @@ macro_rules! view {
 
 view! {
     /// A [`SendPiece`] read in place from [`Pieces`].
-    SendPieceView of SendPiece
+    SendPieceView of SendPiece, crossing the wire
 }
 
 view! {
     /// A [`RecvPiece`] read in place from [`Pieces`]: its spans are decoded
     /// as they are iterated, so reading it allocates nothing.
-    RecvPieceView of RecvPiece
+    RecvPieceView of RecvPiece, crossing the wire
 }
 
 view! {
@@ -145,18 +164,6 @@ impl SendPieceView<'_> {
     pub fn span(&self) -> Span {
         self.0.first_span()
     }
-
-    /// Type of the buffer read.
-    #[inline]
-    pub fn dtype(&self) -> DType {
-        self.0.header.dtypes[1]
-    }
-
-    /// Type on the wire.
-    #[inline]
-    pub fn wire(&self) -> DType {
-        self.0.header.dtypes[0]
-    }
 }
 
 impl<'a> RecvPieceView<'a> {
@@ -164,18 +171,6 @@ impl<'a> RecvPieceView<'a> {
     #[inline]
     pub fn spans(&self) -> Spans<'a> {
         self.0.spans()
-    }
-
-    /// Type on the wire.
-    #[inline]
-    pub fn wire(&self) -> DType {
-        self.0.header.dtypes[0]
-    }
-
-    /// Type of the buffers written.
-    #[inline]
-    pub fn dtype(&self) -> DType {
-        self.0.header.dtypes[1]
     }
 }
 

@@ -6,7 +6,6 @@
 //! is never reused after its communicator failed or was aborted.
 
 use std::fmt;
-use thiserror::Error;
 
 /// Bytes in an NCCL unique id (`NCCL_UNIQUE_ID_BYTES`).
 pub(crate) const COMM_ID_BYTES: usize = 128;
@@ -14,26 +13,6 @@ pub(crate) const COMM_ID_BYTES: usize = 128;
 /// An NCCL unique id: opaque bytes made by one rank and shared with all.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct CommId([u8; COMM_ID_BYTES]);
-
-/// Why bytes do not decode to a [`CommId`].
-#[derive(Clone, Debug, PartialEq, Eq, Error)]
-pub enum CommIdError {
-    /// The encoding is not exactly [`COMM_ID_BYTES`] bytes long.
-    #[error("NCCL unique id must be {COMM_ID_BYTES} bytes, got {got}")]
-    Length {
-        /// Bytes given.
-        got: usize,
-    },
-    /// Every byte is zero: an id that was never filled in.
-    #[error("NCCL unique id is all zeros (never generated)")]
-    Zero,
-    /// The hex text has a character that is not a hex digit.
-    #[error("NCCL unique id hex has a non-hex character at {at}")]
-    Hex {
-        /// Character position.
-        at: usize,
-    },
-}
 
 /// Why hex text does not decode to `n` bytes.
 pub(crate) enum Unhex {
@@ -59,12 +38,33 @@ pub(crate) fn unhex(text: &str, n: usize) -> Result<Vec<u8>, Unhex> {
 }
 
 /// The face of an opaque id of `$n` bytes made by a library (`$ty`, a
-/// newtype over `[u8; $n]`, with the error enum `$err` whose variants are
-/// `Length { got }`, `Zero` and `Hex { at }`): from and to bytes (an
-/// all-zero id, one never filled in, refused), lower-case hex for text,
-/// and serde as that hex, checked as it is read.
+/// newtype over `[u8; $n]`): from and to bytes (an all-zero id, one never
+/// filled in, refused), lower-case hex for text, and serde as that hex,
+/// checked as it is read; and the error enum `$err` of what does not
+/// decode, whose messages call the id `$what` and say what an all-zero
+/// one was never (`$never`: "generated", "exported").
 macro_rules! opaque_id {
-    ($ty:ident, $err:ident, $n:expr) => {
+    ($ty:ident, $err:ident, $n:expr, $what:literal, never $never:literal) => {
+        #[doc = concat!("Why bytes do not decode to a [`", stringify!($ty), "`].")]
+        #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+        pub enum $err {
+            /// The encoding is not exactly the id's length.
+            #[error("{what} must be {n} bytes, got {got}", what = $what, n = $n)]
+            Length {
+                /// Bytes given.
+                got: usize,
+            },
+            /// Every byte is zero: an id that was never filled in.
+            #[error("{what} is all zeros (never {never})", what = $what, never = $never)]
+            Zero,
+            /// The hex text has a character that is not a hex digit.
+            #[error("{what} hex has a non-hex character at {at}", what = $what)]
+            Hex {
+                /// Character position.
+                at: usize,
+            },
+        }
+
         impl $ty {
             /// From its bytes; rejects a wrong length and all zeros.
             pub fn from_bytes(bytes: &[u8]) -> Result<$ty, $err> {
@@ -136,7 +136,7 @@ impl fmt::Display for CommId {
     }
 }
 
-opaque_id!(CommId, CommIdError, COMM_ID_BYTES);
+opaque_id!(CommId, CommIdError, COMM_ID_BYTES, "NCCL unique id", never "generated");
 
 #[cfg(test)]
 mod tests {
@@ -177,5 +177,17 @@ mod tests {
         assert_eq!(CommId::from_hex(&hex), Err(CommIdError::Hex { at: 10 }));
         let e = CommId::from_bytes(&[1u8; 3]).unwrap_err().to_string();
         assert!(e.contains("128 bytes, got 3"), "{e}");
+    }
+
+    #[test]
+    fn messages_name_the_id() {
+        use crate::cuda::ipc::IpcHandleError;
+        let said = |e: &dyn std::error::Error| e.to_string();
+        assert_eq!(said(&CommIdError::Length { got: 3 }), "NCCL unique id must be 128 bytes, got 3");
+        assert_eq!(said(&CommIdError::Zero), "NCCL unique id is all zeros (never generated)");
+        assert_eq!(said(&CommIdError::Hex { at: 5 }), "NCCL unique id hex has a non-hex character at 5");
+        assert_eq!(said(&IpcHandleError::Length { got: 3 }), "CUDA IPC handle must be 64 bytes, got 3");
+        assert_eq!(said(&IpcHandleError::Zero), "CUDA IPC handle is all zeros (never exported)");
+        assert_eq!(said(&IpcHandleError::Hex { at: 5 }), "CUDA IPC handle hex has a non-hex character at 5");
     }
 }

@@ -35,26 +35,6 @@ pub(crate) const BUCKET_ALIGN: u64 = 256;
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct IpcHandle([u8; IPC_HANDLE_BYTES]);
 
-/// Why bytes do not decode to an [`IpcHandle`].
-#[derive(Clone, Debug, PartialEq, Eq, Error)]
-pub enum IpcHandleError {
-    /// Not exactly [`IPC_HANDLE_BYTES`] bytes.
-    #[error("CUDA IPC handle must be {IPC_HANDLE_BYTES} bytes, got {got}")]
-    Length {
-        /// Bytes given.
-        got: usize,
-    },
-    /// Every byte is zero: a handle that was never filled in.
-    #[error("CUDA IPC handle is all zeros (never exported)")]
-    Zero,
-    /// The hex text has a character that is not a hex digit.
-    #[error("CUDA IPC handle hex has a non-hex character at {at}")]
-    Hex {
-        /// Character position.
-        at: usize,
-    },
-}
-
 impl fmt::Debug for IpcHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The first bytes tell handles apart in logs; the rest is noise.
@@ -269,7 +249,7 @@ impl<V: Copy + PartialEq> Mappings<V> {
     }
 }
 
-crate::cuda::id::opaque_id!(IpcHandle, IpcHandleError, IPC_HANDLE_BYTES);
+crate::cuda::id::opaque_id!(IpcHandle, IpcHandleError, IPC_HANDLE_BYTES, "CUDA IPC handle", never "exported");
 
 #[cfg(test)]
 mod tests {

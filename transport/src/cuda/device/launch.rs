@@ -3,9 +3,9 @@
 //! strided copy-casts and the FP8 quantize kernels.
 
 use super::no_panic;
-use crate::cuda::kernels::{self, CastBox};
+use crate::cuda::kernels::{self, CastBox, Launch};
 use crate::cuda::quantplan::{CodesLaunch, ScalesLaunch};
-use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, DriverError, LaunchArgs, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -134,6 +134,31 @@ impl DeviceKernels {
         self.functions.iter().find(|(n, _)| *n == name).map(|(_, f)| f).ok_or_else(|| KernelError::NoKernel(name.to_string()))
     }
 
+    /// Queues kernel `name` on `stream` over the grid and blocks of
+    /// `shape`, with the parameters `push` gives it.
+    ///
+    /// # Safety
+    /// `push` must give the kernel's parameters in order and of its types,
+    /// and the memory they address must be as the launch that calls this
+    /// promises its caller (live device allocations of this context, large
+    /// enough, alive and untouched by other work until the stream has run
+    /// the kernel).
+    unsafe fn queue<'a>(
+        &'a self,
+        stream: &'a Arc<CudaStream>,
+        name: &str,
+        shape: Launch,
+        push: impl FnOnce(&mut LaunchArgs<'a>),
+    ) -> Result<(), KernelError> {
+        let mut args = stream.launch_builder(self.function(name)?);
+        push(&mut args);
+        let ([gx, gy, gz], [bx, by, bz]) = (shape.grid, shape.block);
+        let cfg = LaunchConfig { grid_dim: (gx, gy, gz), block_dim: (bx, by, bz), shared_mem_bytes: 0 };
+        // SAFETY: the caller passes the kernel's parameters as it takes
+        // them and guarantees the memory (above).
+        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|source| KernelError::Launch { name: name.to_string(), source })
+    }
+
     /// Queues one box of the strided kernel `name` on `stream`: elements
     /// read from the buffer at device address `src`, written to the one at
     /// `dst` (as [`CastBox`] places them).
@@ -144,23 +169,18 @@ impl DeviceKernels {
     /// sizes), stay allocated until the stream has run the kernel, and the
     /// destination elements must not be touched by other work meanwhile.
     pub(crate) unsafe fn launch(&self, stream: &Arc<CudaStream>, name: &str, b: &CastBox, src: u64, dst: u64) -> Result<(), KernelError> {
-        let f = self.function(name)?;
-        let l = b.launch();
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (l.grid[0], l.grid[1], l.grid[2]),
-            block_dim: (l.block[0], l.block[1], l.block[2]),
-            shared_mem_bytes: 0,
-        };
         let [c0, c1, c2] = b.counts;
         let [ss0, ss1, ss2] = b.src_strides;
         let [ds0, ds1, ds2] = b.dst_strides;
-        let mut args = stream.launch_builder(f);
-        args.arg(&src).arg(&dst).arg(&c0).arg(&c1).arg(&c2);
-        args.arg(&b.src_base).arg(&ss0).arg(&ss1).arg(&ss2);
-        args.arg(&b.dst_base).arg(&ds0).arg(&ds1).arg(&ds2);
         // SAFETY: the kernel's parameters are 2 pointers and 11 u64, passed
         // as 13 u64 in order; the caller guarantees the memory (above).
-        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|source| KernelError::Launch { name: name.to_string(), source })
+        unsafe {
+            self.queue(stream, name, b.launch(), |args| {
+                args.arg(&src).arg(&dst).arg(&c0).arg(&c1).arg(&c2);
+                args.arg(&b.src_base).arg(&ss0).arg(&ss1).arg(&ss2);
+                args.arg(&b.dst_base).arg(&ds0).arg(&ds1).arg(&ds2);
+            })
+        }
     }
 }
 
@@ -181,23 +201,22 @@ impl DeviceKernels {
         scales: u64,
         err: u64,
     ) -> Result<(), KernelError> {
-        let name = "refit_fp8_scales";
-        let f = self.function(name)?;
         let yz = |c: u64| c.clamp(1, kernels::MAX_BLOCKS_YZ as u64) as u32;
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (l.grid[0].clamp(1, kernels::MAX_BLOCKS_X as u64) as u32, yz(l.grid[1]), yz(l.grid[2])),
-            block_dim: (kernels::THREADS, 1, 1),
-            shared_mem_bytes: 0,
+        let shape = Launch {
+            grid: [l.grid[0].clamp(1, kernels::MAX_BLOCKS_X as u64) as u32, yz(l.grid[1]), yz(l.grid[2])],
+            block: [kernels::THREADS, 1, 1],
         };
-        let mut args = stream.launch_builder(f);
-        args.arg(&staged).arg(&scales).arg(&err).arg(&l.dt);
-        for v in [&l.grid, &l.grid_off, &l.block, &l.shape, &l.first] {
-            args.arg(&v[0]).arg(&v[1]).arg(&v[2]);
-        }
-        args.arg(&l.at).arg(&l.strides[0]).arg(&l.strides[1]).arg(&l.strides[2]).arg(&l.base);
         // SAFETY: the kernel takes 3 pointers and 21 u64, passed as 24 u64
         // in order; the caller guarantees the memory (above).
-        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|source| KernelError::Launch { name: name.to_string(), source })
+        unsafe {
+            self.queue(stream, "refit_fp8_scales", shape, |args| {
+                args.arg(&staged).arg(&scales).arg(&err).arg(&l.dt);
+                for v in [&l.grid, &l.grid_off, &l.block, &l.shape, &l.first] {
+                    args.arg(&v[0]).arg(&v[1]).arg(&v[2]);
+                }
+                args.arg(&l.at).arg(&l.strides[0]).arg(&l.strides[1]).arg(&l.strides[2]).arg(&l.base);
+            })
+        }
     }
 
     /// Queues a [`CodesLaunch`] on `stream`.
@@ -214,25 +233,19 @@ impl DeviceKernels {
         weights: u64,
         scales: u64,
     ) -> Result<(), KernelError> {
-        let name = "refit_fp8_codes";
-        let f = self.function(name)?;
-        let g = kernels::launch_3d(l.counts);
-        let cfg = cudarc::driver::LaunchConfig {
-            grid_dim: (g.grid[0], g.grid[1], g.grid[2]),
-            block_dim: (g.block[0], g.block[1], g.block[2]),
-            shared_mem_bytes: 0,
-        };
-        let mut args = stream.launch_builder(f);
-        args.arg(&staged).arg(&weights).arg(&scales).arg(&l.dt);
-        args.arg(&l.counts[0]).arg(&l.counts[1]).arg(&l.counts[2]);
-        args.arg(&l.src_base).arg(&l.src_strides[0]).arg(&l.src_strides[1]).arg(&l.src_strides[2]);
-        args.arg(&l.dst_base).arg(&l.dst_strides[0]).arg(&l.dst_strides[1]).arg(&l.dst_strides[2]);
-        for v in [&l.first, &l.block, &l.grid_off] {
-            args.arg(&v[0]).arg(&v[1]).arg(&v[2]);
-        }
-        args.arg(&l.grid_strides[1]).arg(&l.grid_strides[2]).arg(&l.base);
         // SAFETY: the kernel takes 3 pointers and 24 u64, passed as 27 u64
         // in order; the caller guarantees the memory (above).
-        unsafe { args.launch(cfg) }.map(|_| ()).map_err(|source| KernelError::Launch { name: name.to_string(), source })
+        unsafe {
+            self.queue(stream, "refit_fp8_codes", kernels::launch_3d(l.counts), |args| {
+                args.arg(&staged).arg(&weights).arg(&scales).arg(&l.dt);
+                args.arg(&l.counts[0]).arg(&l.counts[1]).arg(&l.counts[2]);
+                args.arg(&l.src_base).arg(&l.src_strides[0]).arg(&l.src_strides[1]).arg(&l.src_strides[2]);
+                args.arg(&l.dst_base).arg(&l.dst_strides[0]).arg(&l.dst_strides[1]).arg(&l.dst_strides[2]);
+                for v in [&l.first, &l.block, &l.grid_off] {
+                    args.arg(&v[0]).arg(&v[1]).arg(&v[2]);
+                }
+                args.arg(&l.grid_strides[1]).arg(&l.grid_strides[2]).arg(&l.base);
+            })
+        }
     }
 }

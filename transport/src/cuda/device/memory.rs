@@ -67,6 +67,20 @@ enum Storage {
     Imported { ctx: Arc<CudaContext>, handle: Box<IpcHandle>, mapped: Mapped<u64> },
 }
 
+/// Queues `queue((index, item))` for each of `items` on the device's
+/// stream, stopping at the first that fails, then waits for the stream
+/// whatever happened: what was queued has run before the memory it reads
+/// or writes can go. The first error, queueing's or the wait's.
+fn queue_each_then_wait<T>(
+    dev: &GpuDevice,
+    items: impl IntoIterator<Item = T>,
+    queue: impl FnMut((usize, T)) -> Result<(), GpuError>,
+) -> Result<(), GpuError> {
+    let queued = items.into_iter().enumerate().try_for_each(queue);
+    let waited = dev.synchronize();
+    queued.and(waited)
+}
+
 /// This process's CUDA IPC mappings: CUDA maps a handle once per process
 /// and never in its exporter, so every import goes through one table.
 fn ipc_mappings() -> &'static Mappings<u64> {
@@ -311,26 +325,20 @@ impl DeviceMemory {
     pub fn upload(&mut self, dev: &GpuDevice, host: &RankMemory) -> Result<(), GpuError> {
         self.check_host(host)?;
         dev.bind()?;
-        let mut queued = Ok(());
-        for (i, (&addr, h)) in self.addrs.iter().zip(&host.buffers).enumerate() {
-            if !h.is_empty() {
-                // SAFETY: the device buffer holds h.len() bytes (checked);
-                // the host bytes are borrowed for the whole call, and the
-                // driver copies pageable memory to its staging before this
-                // returns; the stream's work is waited for below, on the
-                // error path too (a failed wait means a failed context,
-                // which runs nothing more).
-                queued = unsafe { sys::cuMemcpyHtoDAsync_v2(addr, h.as_ptr().cast(), h.len(), dev.stream.cu_stream()) }
-                    .result()
-                    .map_err(driver(format!("{} buffer {i}: upload", self.owner)));
-                if queued.is_err() {
-                    break;
-                }
+        queue_each_then_wait(dev, self.addrs.iter().zip(&host.buffers), |(i, (&addr, h))| {
+            if h.is_empty() {
+                return Ok(());
             }
-        }
-        // Whatever was queued has read the host bytes before they can go.
-        let waited = dev.synchronize();
-        queued.and(waited)
+            // SAFETY: the device buffer holds h.len() bytes (checked); the
+            // host bytes are borrowed for the whole call, and the driver
+            // copies pageable memory to its staging before this returns;
+            // the stream's work is waited for after the copies, on the
+            // error path too (a failed wait means a failed context, which
+            // runs nothing more).
+            unsafe { sys::cuMemcpyHtoDAsync_v2(addr, h.as_ptr().cast(), h.len(), dev.stream.cu_stream()) }
+                .result()
+                .map_err(driver(format!("{} buffer {i}: upload", self.owner)))
+        })
     }
 
     /// Copies the buffers back to the host (waits).
@@ -400,24 +408,18 @@ impl DeviceMemory {
         self.check_regions(regions, what)?;
         dev.bind()?;
         device_ranges(dev, self.owner, regions, what)?;
-        let mut queued = Ok(());
-        for (i, (&addr, &(region, len))) in self.addrs.iter().zip(regions).enumerate() {
+        queue_each_then_wait(dev, self.addrs.iter().zip(regions), |(i, (&addr, &(region, len)))| {
             let (to, from) = match towards {
                 Towards::Regions => (region, addr),
                 Towards::Buffers => (addr, region),
             };
             // SAFETY: `len` bytes on both sides (checked: buffer `i` holds
             // `len`, the caller lends the region); on the device's stream,
-            // waited for below whatever happens.
-            queued = unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, len, dev.stream.cu_stream()) }
+            // waited for after the copies whatever happens.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(to, from, len, dev.stream.cu_stream()) }
                 .result()
-                .map_err(driver(format!("{} buffer {i}: {what}", self.owner)));
-            if queued.is_err() {
-                break;
-            }
-        }
-        let waited = dev.synchronize();
-        queued.and(waited)
+                .map_err(driver(format!("{} buffer {i}: {what}", self.owner)))
+        })
     }
 
     fn check_regions(&self, regions: &[(u64, usize)], what: &str) -> Result<(), GpuError> {
