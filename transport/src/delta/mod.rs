@@ -573,7 +573,58 @@ mod tests {
         }
     }
 
+    #[test]
+    fn gap_claims_past_the_bytes_sent_are_refused() {
+        let malformed = |r: Result<Vec<u8>, DeltaError>, what: &str| match r {
+            Err(DeltaError::Malformed(m)) => assert!(m.contains(what), "{m}"),
+            other => panic!("{what}: {other:?}"),
+        };
+        let base = vec![0u8; 64];
+        let crc = crc32c::crc32c(&base);
+        let gaps = |k: u8, changed: u64, stream: u64, rest: &[u8]| {
+            let mut body = vec![k];
+            body.extend_from_slice(&changed.to_le_bytes());
+            body.extend_from_slice(&stream.to_le_bytes());
+            body.extend_from_slice(rest);
+            let mut e = header(GAPS, 1, 64, crc, crc, body.len() as u64).to_vec();
+            e.extend_from_slice(&body);
+            e
+        };
+        // A billion changed units, one byte of values.
+        malformed(decode(Some(base.clone()), &gaps(0, 1 << 30, 1, &[0, 7]), 1, 64), "do not add up");
+        // A stream longer than the bytes sent.
+        malformed(decode(Some(base.clone()), &gaps(0, 1, 1 << 40, &[0, 7]), 1, 64), "do not add up");
+        malformed(decode(Some(base.clone()), &gaps(64, 1, 1, &[0, 7]), 1, 64), "Rice parameter");
+        // One gap of 70 (k = 6: one 1 then 0, then 6 low bits) in a message of 64.
+        malformed(decode(Some(base.clone()), &gaps(6, 1, 1, &[0b0001_1001, 7]), 1, 64), "past the message");
+        // All ones: no end to the quotient within the stream.
+        malformed(decode(Some(base.clone()), &gaps(0, 1, 2, &[0xff, 0xff, 7]), 1, 64), "ends early");
+        // A byte of stream left over after the one gap.
+        malformed(decode(Some(base.clone()), &gaps(0, 1, 2, &[0, 0xff, 7]), 1, 64), "left in the gap stream");
+        // Cut short before its own header.
+        let mut e = header(GAPS, 1, 64, crc, crc, 3).to_vec();
+        e.extend_from_slice(&[0, 0, 0]);
+        malformed(decode(Some(base.clone()), &e, 1, 64), "cut short");
+    }
+
     proptest! {
+        /// Whatever a peer sends as a gaps body: an error or a message,
+        /// never a panic or an allocation past the message.
+        #[test]
+        fn any_gaps_body_is_decoded_or_refused(k in 0u8..70, changed in 0u64..80, stream in 0u64..80, rest in proptest::collection::vec(any::<u8>(), 0..96)) {
+            let base = vec![3u8; 64];
+            let crc = crc32c::crc32c(&base);
+            let mut body = vec![k];
+            body.extend_from_slice(&changed.to_le_bytes());
+            body.extend_from_slice(&stream.to_le_bytes());
+            body.extend_from_slice(&rest);
+            let mut e = header(GAPS, 1, 64, crc, crc, body.len() as u64).to_vec();
+            e.extend_from_slice(&body);
+            if let Ok(out) = decode(Some(base.clone()), &e, 1, 64) {
+                prop_assert_eq!(out.len(), 64);
+            }
+        }
+
         #[test]
         fn any_change_round_trips(
             base in proptest::collection::vec(any::<u8>(), 0..512),
