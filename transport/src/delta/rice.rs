@@ -1,72 +1,132 @@
 //! The positions of a message's changed units as Rice-coded gaps: each
 //! gap (units unchanged since the last changed one) as its quotient by
 //! 2^k in unary (that many one bits, then a zero) and its k low bits,
-//! least significant bit first. For positions spread like independent
-//! draws (geometric gaps) this comes within a few percent of their
-//! entropy, where a bitmap spends a bit per unit and an index list 32 bits
-//! per change.
+//! least significant bit first. The parameter `k` adapts to the gaps seen
+//! ([`Adapt`]: both ends run it alike), so it follows the density of
+//! changes along the message: for positions spread like independent draws
+//! (geometric gaps) the stream comes within a few percent of their
+//! entropy, and clusters of changes cost less.
 
-/// The Rice parameter for `changed` gaps summing to `gap_sum`: the `k`
-/// with the fewest bits at most ([`most_bits`]).
-pub(super) fn parameter(changed: u64, gap_sum: u64) -> u32 {
-    (0..64).min_by_key(|&k| most_bits(changed, gap_sum, k)).unwrap_or(0)
+/// The Rice parameter as it adapts to the gaps seen: the smallest `k`
+/// with `count · 2^k` at least `ln 2` times their `sum` (near the best
+/// parameter for geometric gaps of that mean), over a window that halves
+/// every 64 gaps so it follows the local density.
+#[derive(Clone, Copy, Debug)]
+struct Adapt {
+    sum: u64,
+    count: u64,
 }
 
-/// The most bits `changed` gaps summing to `gap_sum` take with parameter
-/// `k`: their quotients sum to at most `gap_sum >> k`, and each gap adds
-/// its zero and its `k` low bits.
-pub(super) fn most_bits(changed: u64, gap_sum: u64, k: u32) -> u64 {
-    (gap_sum >> k).saturating_add(changed.saturating_mul(1 + u64::from(k)))
+impl Adapt {
+    /// Starting as if one gap of `2^k0` had been seen.
+    fn new(k0: u32) -> Adapt {
+        Adapt { sum: 1u64 << k0.min(MAX_K), count: 1 }
+    }
+
+    /// The parameter for the next gap.
+    #[inline]
+    fn k(&self) -> u32 {
+        // ln 2 ~ 11/16; k as the difference of bit lengths (within one of
+        // log2 of the ratio, with no division).
+        let target = self.sum - self.sum / 4 - self.sum / 16;
+        let bits = |x: u64| 64 - x.leading_zeros();
+        bits(target).saturating_sub(bits(self.count)).min(MAX_K)
+    }
+
+    #[inline]
+    fn seen(&mut self, gap: u64) {
+        self.sum = self.sum.saturating_add(gap);
+        self.count += 1;
+        if self.count >= 64 {
+            self.sum /= 2;
+            self.count /= 2;
+        }
+    }
 }
+
+/// The largest parameter (low bits of a gap).
+const MAX_K: u32 = 62;
+
+/// The starting parameter where nothing is known of the gaps.
+pub(super) const START_K: u32 = 4;
 
 /// Writes gaps into a byte buffer, least significant bit first.
 pub(super) struct GapWriter<'a> {
-    out: &'a mut Vec<u8>,
-    k: u32,
+    out: &'a mut [u8],
+    /// Bytes written.
+    at: usize,
+    adapt: Adapt,
     acc: u64,
     bits: u32,
+    /// A write found the buffer full.
+    overflow: bool,
 }
 
 impl<'a> GapWriter<'a> {
-    /// Gaps with parameter `k` (below 64), appended to `out`.
-    pub(super) fn new(out: &'a mut Vec<u8>, k: u32) -> GapWriter<'a> {
-        GapWriter { out, k, acc: 0, bits: 0 }
+    /// Gaps with starting parameter `k0`, written into `out` from its
+    /// start.
+    pub(super) fn new(out: &'a mut [u8], k0: u32) -> GapWriter<'a> {
+        GapWriter { out, at: 0, adapt: Adapt::new(k0), acc: 0, bits: 0, overflow: false }
     }
 
-    /// Appends the `n` (at most 32) low bits of `value`.
+    /// Whether a write found the buffer full.
+    pub(super) fn overflowed(&self) -> bool {
+        self.overflow
+    }
+
+    /// Writes the `n` (at most 32) low bits of `value`.
+    #[inline]
     fn put(&mut self, value: u64, n: u32) {
         debug_assert!(n <= 32 && value >> n == 0);
         self.acc |= value << self.bits;
         self.bits += n;
         if self.bits >= 32 {
-            self.out.extend_from_slice(&(self.acc as u32).to_le_bytes());
+            match self.out.get_mut(self.at..self.at + 4) {
+                Some(to) => to.copy_from_slice(&(self.acc as u32).to_le_bytes()),
+                None => self.overflow = true,
+            }
+            self.at += 4;
             self.acc >>= 32;
             self.bits -= 32;
         }
     }
 
-    /// Appends one gap.
+    /// Writes one gap.
+    #[inline]
     pub(super) fn gap(&mut self, gap: u64) {
-        let mut q = gap >> self.k;
-        while q >= 31 {
+        let k = self.adapt.k();
+        self.adapt.seen(gap);
+        let mut q = gap >> k;
+        while q >= 31 && !self.overflow {
             self.put((1 << 31) - 1, 31);
             q -= 31;
         }
-        // `q` ones, then a zero.
-        self.put((1 << q) - 1, q as u32 + 1);
-        let low = gap & ((1u64 << self.k) - 1);
-        if self.k > 32 {
-            self.put(low & 0xffff_ffff, 32);
-            self.put(low >> 32, self.k - 32);
+        // `q` ones, then a zero, then the low bits.
+        let q = q.min(30) as u32;
+        let low = gap & ((1u64 << k) - 1);
+        if q + 1 + k <= 32 {
+            self.put(((1 << q) - 1) | low << (q + 1), q + 1 + k);
         } else {
-            self.put(low, self.k);
+            self.put((1 << q) - 1, q + 1);
+            if k > 32 {
+                self.put(low & 0xffff_ffff, 32);
+                self.put(low >> 32, k - 32);
+            } else {
+                self.put(low, k);
+            }
         }
     }
 
-    /// Flushes the last bits (zeros pad the last byte).
-    pub(super) fn finish(self) {
+    /// Writes the last bits (zeros pad the last byte): the bytes written,
+    /// or `None` if they did not fit.
+    pub(super) fn finish(mut self) -> Option<usize> {
         let bytes = self.bits.div_ceil(8) as usize;
-        self.out.extend_from_slice(&self.acc.to_le_bytes()[..bytes]);
+        match self.out.get_mut(self.at..self.at + bytes) {
+            Some(to) if !self.overflow => to.copy_from_slice(&self.acc.to_le_bytes()[..bytes]),
+            _ => return None,
+        }
+        self.at += bytes;
+        Some(self.at)
     }
 }
 
@@ -74,16 +134,16 @@ impl<'a> GapWriter<'a> {
 /// holds a gap of more than `most` units.
 pub(super) struct GapReader<'a> {
     data: &'a [u8],
-    k: u32,
+    adapt: Adapt,
     most: u64,
     acc: u64,
     bits: u32,
 }
 
 impl<'a> GapReader<'a> {
-    /// Gaps with parameter `k` (below 64) in `data`, none above `most`.
-    pub(super) fn new(data: &'a [u8], k: u32, most: u64) -> GapReader<'a> {
-        GapReader { data, k, most, acc: 0, bits: 0 }
+    /// Gaps with starting parameter `k0` in `data`, none above `most`.
+    pub(super) fn new(data: &'a [u8], k0: u32, most: u64) -> GapReader<'a> {
+        GapReader { data, adapt: Adapt::new(k0), most, acc: 0, bits: 0 }
     }
 
     /// Loads bytes until more than 56 bits are held or the data ends.
@@ -105,6 +165,7 @@ impl<'a> GapReader<'a> {
     /// The next gap; `None` if the stream ends first or the gap is more
     /// than `most`.
     pub(super) fn gap(&mut self) -> Option<u64> {
+        let k = self.adapt.k();
         let mut q = 0u64;
         loop {
             self.refill();
@@ -113,7 +174,7 @@ impl<'a> GapReader<'a> {
             }
             let ones = self.acc.trailing_ones().min(self.bits);
             q += u64::from(ones);
-            if q > self.most >> self.k {
+            if q > self.most >> k {
                 return None;
             }
             if ones < self.bits {
@@ -124,9 +185,9 @@ impl<'a> GapReader<'a> {
         }
         let mut low = 0u64;
         let mut got = 0;
-        while got < self.k {
+        while got < k {
             self.refill();
-            let n = (self.k - got).min(32).min(self.bits);
+            let n = (k - got).min(32).min(self.bits);
             if n == 0 {
                 return None;
             }
@@ -134,7 +195,8 @@ impl<'a> GapReader<'a> {
             self.consume(n);
             got += n;
         }
-        let gap = (q << self.k) | low;
+        let gap = (q << k) | low;
+        self.adapt.seen(gap);
         (gap <= self.most).then_some(gap)
     }
 
@@ -156,12 +218,11 @@ mod tests {
             // makes it short.)
             let huge = if k >= 24 { (1u64 << 33) + 5 } else { 99 };
             let gaps: Vec<u64> = [0u64, 1, 2, 3, 7, 8, 31, 32, 33, 1000, 1 << 20, huge, 0, 0, 12345].to_vec();
-            let mut out = Vec::new();
+            let mut out = vec![0u8; 1 << 20];
             let mut w = GapWriter::new(&mut out, k);
             gaps.iter().for_each(|&g| w.gap(g));
-            w.finish();
-            let sum: u64 = gaps.iter().sum();
-            assert!(out.len() as u64 * 8 <= most_bits(gaps.len() as u64, sum, k) + 7, "k {k}: {} bytes", out.len());
+            let written = w.finish().expect("the stream fits");
+            out.truncate(written);
             let mut r = GapReader::new(&out, k, u64::MAX >> 1);
             let back: Vec<u64> = (0..gaps.len()).map(|_| r.gap().expect("a gap")).collect();
             assert_eq!(back, gaps, "k {k}");
@@ -174,11 +235,25 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_past_its_buffer_is_refused() {
+        // Gaps of 0 from parameter 0: a bit each.
+        let mut out = vec![0u8; 5];
+        let mut w = GapWriter::new(&mut out, 0);
+        (0..41).for_each(|_| w.gap(0));
+        assert_eq!(w.finish(), None, "41 bits in 40");
+        let mut out = vec![0u8; 5];
+        let mut w = GapWriter::new(&mut out, 0);
+        (0..40).for_each(|_| w.gap(0));
+        assert_eq!(w.finish(), Some(5), "40 bits in 40");
+    }
+
+    #[test]
     fn a_gap_past_the_limit_is_refused_without_reading_on() {
-        let mut out = Vec::new();
+        let mut out = vec![0u8; 1 << 20];
         let mut w = GapWriter::new(&mut out, 2);
         w.gap(1 << 20);
-        w.finish();
+        let written = w.finish().expect("the stream fits");
+        out.truncate(written);
         assert_eq!(GapReader::new(&out, 2, 1000).gap(), None);
         // All ones: a quotient past the limit stops at the limit.
         let ones = vec![0xffu8; 1 << 16];
@@ -187,10 +262,46 @@ mod tests {
 
     #[test]
     fn the_parameter_follows_the_mean_gap() {
-        // Mean gap 1: k 0; mean gap ~ 1000: k near log2(1000 ln 2) ~ 9.
-        assert_eq!(parameter(1000, 1000), 0);
-        let k = parameter(1000, 1_000_000);
-        assert!((8..=10).contains(&k), "{k}");
-        assert_eq!(parameter(0, 0), 0);
+        let settle = |gap: u64| {
+            let mut a = Adapt::new(START_K);
+            (0..200).for_each(|_| a.seen(gap));
+            a.k()
+        };
+        // Mean gap 1: k 0; mean gap 1000: k near log2(1000 ln 2) ~ 9.4.
+        assert_eq!(settle(0), 0);
+        assert!(settle(1) <= 1, "{}", settle(1));
+        assert!((9..=10).contains(&settle(1000)), "{}", settle(1000));
+        assert!(settle(u64::MAX) > 50, "{}", settle(u64::MAX));
+    }
+
+    #[test]
+    fn the_stream_of_spread_changes_is_near_their_entropy() {
+        // Independent changes with probability p: the positions' entropy
+        // is n·H(p) bits.
+        for (p, n) in [(0.001f64, 4_000_000u64), (0.03, 1_000_000), (0.3, 200_000)] {
+            let mut state = 0x9e37_79b9_7f4a_7c15u64;
+            let mut gaps = Vec::new();
+            let mut gap = 0u64;
+            for _ in 0..n {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                if ((state >> 11) as f64 / (1u64 << 53) as f64) < p {
+                    gaps.push(gap);
+                    gap = 0;
+                } else {
+                    gap += 1;
+                }
+            }
+            let mut out = vec![0u8; n as usize];
+            let mut w = GapWriter::new(&mut out, START_K);
+            gaps.iter().for_each(|&g| w.gap(g));
+            let bytes = w.finish().expect("fits");
+            let h = -(p * p.log2() + (1.0 - p) * (1.0 - p).log2());
+            let ratio = bytes as f64 * 8.0 / (n as f64 * h);
+            assert!(ratio < 1.08, "p {p}: {ratio:.3} of the entropy");
+            let mut r = GapReader::new(&out[..bytes], START_K, n);
+            assert!(gaps.iter().all(|&g| r.gap() == Some(g)) && r.at_end(), "p {p}");
+        }
     }
 }
