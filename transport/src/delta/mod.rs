@@ -334,7 +334,7 @@ fn changed_lanes(differs: u64, unit: usize) -> u64 {
 
 /// Copies unit `i` of `from` (units of `unit` bytes) to `to[at..]`, its
 /// length a constant for each unit size (no call for a 2-byte copy).
-#[inline]
+#[inline(always)]
 fn copy_unit(to: &mut [u8], at: usize, from: &[u8], unit: usize) {
     match unit {
         1 => to[at] = from[0],

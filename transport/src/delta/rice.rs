@@ -74,21 +74,27 @@ impl<'a> GapWriter<'a> {
         self.overflow
     }
 
-    /// Writes the `n` (at most 32) low bits of `value`.
-    #[inline]
+    /// Writes the `n` (at most 32) low bits of `value`: the bits held
+    /// stay under 8 after each write, whose whole bytes are stored eight
+    /// at a time where eight fit (no branch on how many).
+    #[inline(always)]
     fn put(&mut self, value: u64, n: u32) {
         debug_assert!(n <= 32 && value >> n == 0);
+        // Fewer than 8 bits held before: at most 39 after.
         self.acc |= value << self.bits;
         self.bits += n;
-        if self.bits >= 32 {
-            match self.out.get_mut(self.at..self.at + 4) {
-                Some(to) => to.copy_from_slice(&(self.acc as u32).to_le_bytes()),
+        let bytes = (self.bits / 8) as usize;
+        match self.out.get_mut(self.at..self.at + 8) {
+            Some(to) => to.copy_from_slice(&self.acc.to_le_bytes()),
+            None => match self.out.get_mut(self.at..self.at + bytes) {
+                Some(to) => to.copy_from_slice(&self.acc.to_le_bytes()[..bytes]),
                 None => self.overflow = true,
-            }
-            self.at += 4;
-            self.acc >>= 32;
-            self.bits -= 32;
+            },
         }
+        self.at += bytes;
+        // (`bytes` is at most 4: the shift stays under 64.)
+        self.acc >>= 8 * bytes as u32;
+        self.bits %= 8;
     }
 
     /// Writes one gap.
@@ -146,8 +152,22 @@ impl<'a> GapReader<'a> {
         GapReader { data, adapt: Adapt::new(k0), most, acc: 0, bits: 0 }
     }
 
-    /// Loads bytes until more than 56 bits are held or the data ends.
+    /// Loads bytes until more than 56 bits are held or the data ends:
+    /// eight at a time while eight remain.
+    #[inline(always)]
     fn refill(&mut self) {
+        if self.bits > 56 {
+            return;
+        }
+        if let Some((word, _)) = self.data.split_first_chunk::<8>() {
+            // Whole bytes that fit above the bits held.
+            let take = (64 - self.bits) / 8;
+            let loaded = u64::from_le_bytes(*word) & (u64::MAX >> (64 - 8 * take));
+            self.acc |= loaded << self.bits;
+            self.bits += 8 * take;
+            self.data = &self.data[take as usize..];
+            return;
+        }
         while self.bits <= 56 {
             let Some((&b, rest)) = self.data.split_first() else { return };
             self.acc |= u64::from(b) << self.bits;
@@ -164,6 +184,7 @@ impl<'a> GapReader<'a> {
 
     /// The next gap; `None` if the stream ends first or the gap is more
     /// than `most`.
+    #[inline]
     pub(super) fn gap(&mut self) -> Option<u64> {
         let k = self.adapt.k();
         let mut q = 0u64;
