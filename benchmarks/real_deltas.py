@@ -204,7 +204,7 @@ def run(size, lr, args, example):
                 lr=lr,
                 step=step,
                 params=n_params,
-                loss=float(loss),
+                loss=float(loss.detach()),
                 step_seconds=step_s,
                 changed=s["changed"] / s["elements"],
                 mean_run=s["changed"] / max(s["runs"], 1),
@@ -228,8 +228,8 @@ def run(size, lr, args, example):
 
 
 def summary(rows):
-    def rng(key, fmt):
-        vals = [r[key] for r in rows if r[key] is not None]
+    def rng(rs, key, fmt):
+        vals = [r[key] for r in rs if r[key] is not None]
         if not vals:
             return "—"
         lo, hi = min(vals), max(vals)
@@ -245,9 +245,9 @@ def summary(rows):
     for size, lr in keys:
         rs = [r for r in rows if r["size"] == size and r["lr"] == lr]
         print(
-            f"| {size} ({rs[0]['params'] / 1e6:.0f}M) | {lr:g} | {rng('changed', pct)} | {rng('mean_run', ratio)} | {rng('rows_touched', pct)} | "
-            f"{rng('bound', pct)} | {rng('refit', pct)} | {rng('refit_over_bound', ratio)} | {rng('codec_over_bound', ratio)} | "
-            f"{rng('listed', pct)} | {rng('encode_gbps', rate)} | {rng('decode_gbps', rate)} | {rng('copy_gbps', rate)} |"
+            f"| {size} ({rs[0]['params'] / 1e6:.0f}M) | {lr:g} | {rng(rs, 'changed', pct)} | {rng(rs, 'mean_run', ratio)} | {rng(rs, 'rows_touched', pct)} | "
+            f"{rng(rs, 'bound', pct)} | {rng(rs, 'refit', pct)} | {rng(rs, 'refit_over_bound', ratio)} | {rng(rs, 'codec_over_bound', ratio)} | "
+            f"{rng(rs, 'listed', pct)} | {rng(rs, 'encode_gbps', rate)} | {rng(rs, 'decode_gbps', rate)} | {rng(rs, 'copy_gbps', rate)} |"
         )
 
 
@@ -263,7 +263,15 @@ def main():
     ap.add_argument("--chunk-bytes", type=int, default=512 << 20)
     ap.add_argument("--no-refit", action="store_true", help="measure the codec only")
     ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--table", help="print the table of the rows in this JSON file (of --json) and stop")
     args = ap.parse_args()
+    if args.table:
+        rows = []
+        for path in args.table.split(","):
+            with open(path) as f:
+                rows += json.load(f)
+        summary(rows)
+        return
     torch.set_num_threads(os.cpu_count() or 1)
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "transport", "--example", "delta_codec"], cwd=ROOT, check=True)
     example = os.path.join(ROOT, "target", "release", "examples", "delta_codec")
