@@ -12,16 +12,28 @@
 //! holding another base, or a corrupted encoding, is an error, never wrong
 //! weights.
 //!
-//! Encoding: a 26-byte header — `form` (u8: 0 dense, 1 bitmap, 2 indices),
-//! `unit` (u8), `units` (u64: message length / unit), base CRC (u32), result
-//! CRC (u32), payload length (u64) — then
+//! Encoding: a 26-byte header — `form` (u8: 0 dense, 1 bitmap, 2 indices,
+//! 3 gaps), `unit` (u8), `units` (u64: message length / unit), base CRC
+//! (u32), result CRC (u32), payload length (u64) — then
 //! - dense: the message's bytes;
 //! - bitmap: one bit per unit (LSB first), then the changed units' bytes in
 //!   order;
 //! - indices: the changed units' indices (u32 LE, ascending), then their
-//!   bytes in order.
+//!   bytes in order;
+//! - gaps: the starting Rice parameter `k` (u8), the number of changed units (u64),
+//!   the length of the gap stream (u64), the gap stream ([`rice`]: before
+//!   each changed unit, how many unchanged units precede it since the last
+//!   changed one), then the changed units' bytes in order.
+//!
+//! The encoder writes whichever is shortest. For positions spread like
+//! independent draws, the gaps cost within a few percent of the entropy of
+//! the positions: a message in which a fraction `p` of its `n` units
+//! changed takes about `n·H(p)` bits of positions plus the changed values,
+//! where a bitmap takes `n` bits and an index list 32 bits per change.
 //!
 //! All integers little-endian.
+
+mod rice;
 
 /// Bytes of the header.
 pub const HEADER: usize = 26;
@@ -74,6 +86,10 @@ pub(crate) fn unit_of(wires: impl Iterator<Item = reshard::DType>) -> usize {
 const DENSE: u8 = 0;
 const BITMAP: u8 = 1;
 const INDICES: u8 = 2;
+const GAPS: u8 = 3;
+/// Bytes of the gaps form's own header: `k`, the changed units, the gap
+/// stream's length.
+const GAPS_HEADER: usize = 1 + 8 + 8;
 
 /// Why an encoding could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -119,52 +135,116 @@ fn valid_unit(unit: usize) -> bool {
 /// dense). `unit` is 1, 2, 4 or 8 and divides `new.len()`; a base of
 /// another length than `new` is ignored (dense).
 ///
-/// Memory: one output buffer of at most [`HEADER`] plus `new.len()` bytes,
-/// nothing else. The changed units are counted first (a pass that only
-/// compares), the form chosen from the count, then the output sized
-/// exactly and written in a second pass: no list of changed units, no
-/// candidate encoding other than the one sent.
+/// Memory: one output buffer of [`HEADER`] plus `new.len()` bytes (its
+/// pages zeroed by the system as first written: a short encoding touches
+/// few), nothing else. One pass writes the gaps form, its stream from the
+/// front and the values behind it, and counts the changed units; where
+/// another form is shorter (or the changes overflow the gaps form's
+/// areas, counted then), that form is written into the same buffer.
 pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
     let unit = unit_for(new.len() as u64, unit);
     let units = (new.len() / unit) as u64;
     let crc = crc32c::crc32c(new);
-    let dense = |base_crc: u32| {
-        let mut out = Vec::with_capacity(HEADER + new.len());
-        out.extend_from_slice(&header(DENSE, unit, units, base_crc, crc, new.len() as u64));
-        out.extend_from_slice(new);
-        out
+    let mut out = vec![0u8; HEADER + new.len()];
+    let Some(base) = base.filter(|b| b.len() == new.len()) else {
+        let payload = write_dense(new, &mut out[HEADER..]);
+        return finish(out, (DENSE, unit, units), (0, crc), payload);
     };
-    let Some(base) = base.filter(|b| b.len() == new.len()) else { return dense(0) };
-    let base_crc = crc32c::crc32c(base);
+    let crcs = (crc32c::crc32c(base), crc);
     let changes = Changes { base, new, unit };
+    let gaps = write_gaps(&changes, &mut out[HEADER..]);
     // More changed units than this and no form beats dense.
     let most = (new.len() - (units as usize).div_ceil(8).min(new.len())) / unit;
-    let Some(changed) = changes.count_up_to(most) else { return dense(base_crc) };
+    let changed = match gaps {
+        Some((changed, _)) => Some(changed).filter(|&c| c <= most),
+        None => changes.count_up_to(most),
+    };
+    let Some(changed) = changed else {
+        let payload = write_dense(new, &mut out[HEADER..]);
+        return finish(out, (DENSE, unit, units), crcs, payload);
+    };
     let values = changed * unit;
     let bitmap_len = (units as usize).div_ceil(8) + values;
     let indices_len = if units <= u32::MAX as u64 { changed * 4 + values } else { usize::MAX };
-    if new.len() <= bitmap_len.min(indices_len) {
-        return dense(base_crc);
+    let listed = bitmap_len.min(indices_len);
+    match gaps {
+        Some((_, payload)) if payload <= listed && payload < new.len() => finish(out, (GAPS, unit, units), crcs, payload),
+        _ if new.len() <= listed => {
+            let payload = write_dense(new, &mut out[HEADER..]);
+            finish(out, (DENSE, unit, units), crcs, payload)
+        }
+        _ => {
+            let form = if indices_len < bitmap_len { INDICES } else { BITMAP };
+            let payload = write_listed(&changes, form, changed, &mut out[HEADER..]);
+            finish(out, (form, unit, units), crcs, payload)
+        }
     }
-    let (form, payload, lead) =
-        if indices_len < bitmap_len { (INDICES, indices_len, changed * 4) } else { (BITMAP, bitmap_len, bitmap_len - values) };
-    // Sized exactly (less than `new.len()`, checked above): the index
-    // list or bitmap (zeroed), then the values, each written in place.
-    let mut out = vec![0u8; HEADER + payload];
+}
+
+/// `out` with its header written and cut to the header and `payload`.
+fn finish(mut out: Vec<u8>, (form, unit, units): (u8, usize, u64), (base_crc, crc): (u32, u32), payload: usize) -> Vec<u8> {
     out[..HEADER].copy_from_slice(&header(form, unit, units, base_crc, crc, payload as u64));
-    let (lead, vals) = out[HEADER..].split_at_mut(lead);
+    out.truncate(HEADER + payload);
+    out
+}
+
+/// Writes the dense form's payload (the message) into `out`: its length.
+fn write_dense(new: &[u8], out: &mut [u8]) -> usize {
+    out[..new.len()].copy_from_slice(new);
+    new.len()
+}
+
+/// Writes the gaps form's payload into `out` (the dense form's size) in
+/// one pass: the gap stream from the front (at most a quarter of `out`)
+/// and the values behind it, moved down behind the stream at the end.
+/// The changed units and the payload's length; `None` if they overflowed
+/// either area (a denser message than the form suits).
+fn write_gaps(changes: &Changes<'_>, out: &mut [u8]) -> Option<(usize, usize)> {
+    let unit = changes.unit;
+    let stream_most = out.len().checked_sub(GAPS_HEADER)? / 4;
+    let (head, rest) = out.split_at_mut(GAPS_HEADER);
+    let (stream_area, values) = rest.split_at_mut(stream_most);
+    let mut gaps = rice::GapWriter::new(stream_area, rice::START_K);
+    let (mut next, mut at) = (0usize, 0usize);
+    let whole = changes.try_for_each(|i| {
+        if at + unit > values.len() || gaps.overflowed() {
+            return false;
+        }
+        gaps.gap((i - next) as u64);
+        copy_unit(values, at, &changes.new[i * unit..], unit);
+        next = i + 1;
+        at += unit;
+        true
+    });
+    let stream = gaps.finish().filter(|_| whole)?;
+    let changed = at / unit;
+    head[0] = rice::START_K as u8;
+    head[1..9].copy_from_slice(&(changed as u64).to_le_bytes());
+    head[9..GAPS_HEADER].copy_from_slice(&(stream as u64).to_le_bytes());
+    rest.copy_within(stream_most..stream_most + at, stream);
+    Some((changed, GAPS_HEADER + stream + at))
+}
+
+/// Writes the bitmap or indices form's payload for `changed` changed units
+/// into `out`: its length.
+fn write_listed(changes: &Changes<'_>, form: u8, changed: usize, out: &mut [u8]) -> usize {
+    let unit = changes.unit;
+    let lead = if form == INDICES { changed * 4 } else { (changes.new.len() / unit).div_ceil(8) };
+    let (lead_area, vals) = out.split_at_mut(lead);
+    // (A gaps form written before left its bytes here.)
+    lead_area.fill(0);
     let mut k = 0usize;
     changes.for_each(|i| {
         if form == INDICES {
-            lead[k * 4..k * 4 + 4].copy_from_slice(&(i as u32).to_le_bytes());
+            lead_area[k * 4..k * 4 + 4].copy_from_slice(&(i as u32).to_le_bytes());
         } else {
-            lead[i / 8] |= 1 << (i % 8);
+            lead_area[i / 8] |= 1 << (i % 8);
         }
-        vals[k * unit..(k + 1) * unit].copy_from_slice(&new[i * unit..(i + 1) * unit]);
+        copy_unit(vals, k * unit, &changes.new[i * unit..], unit);
         k += 1;
     });
     debug_assert_eq!(k, changed);
-    out
+    lead + changed * unit
 }
 
 /// The `unit`-byte units where `new` differs from `base` (same lengths, a
@@ -197,22 +277,30 @@ impl Changes<'_> {
     }
 
     /// Calls `f` with the index of every changed unit, ascending, while it
-    /// returns true; whether it always did.
+    /// returns true; whether it always did. Compares a word (8 bytes) at a
+    /// time, and within a word that differs, each unit's bits.
     fn try_for_each(&self, mut f: impl FnMut(usize) -> bool) -> bool {
         let (base, new, unit) = (self.base, self.new, self.unit);
         let per_word = 8 / unit;
-        let words = new.len() / 8;
-        let unit_differs = |i: usize| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit];
-        for (w, (n, b)) in new.chunks_exact(8).zip(base.chunks_exact(8)).enumerate() {
-            if n == b {
+        let unit_bits = unit as u32 * 8;
+        let (new_words, _) = new.as_chunks::<8>();
+        let (base_words, _) = base.as_chunks::<8>();
+        for (w, (n, b)) in new_words.iter().zip(base_words).enumerate() {
+            let differs = u64::from_le_bytes(*n) ^ u64::from_le_bytes(*b);
+            if differs == 0 {
                 continue;
             }
-            for i in (w * per_word..(w + 1) * per_word).filter(|&i| unit_differs(i)) {
-                if !f(i) {
+            let mut lanes = changed_lanes(differs, unit);
+            while lanes != 0 {
+                let lane = (lanes.trailing_zeros() / unit_bits) as usize;
+                lanes &= lanes - 1;
+                if !f(w * per_word + lane) {
                     return false;
                 }
             }
         }
+        let words = new.len() / 8;
+        let unit_differs = |i: usize| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit];
         for i in ((words * 8 / unit)..(new.len() / unit)).filter(|&i| unit_differs(i)) {
             if !f(i) {
                 return false;
@@ -222,13 +310,49 @@ impl Changes<'_> {
     }
 }
 
+/// One bit (within its lane) for each `unit`-byte lane of `differs` (a
+/// word of XORed bytes, little-endian) that is not zero, none elsewhere:
+/// each lane's bytes ORed into its lowest byte, which overflows into the
+/// next bit when not zero.
+#[inline]
+fn changed_lanes(differs: u64, unit: usize) -> u64 {
+    const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+    match unit {
+        1 => (((differs & LOW7) + LOW7) | differs) & !LOW7,
+        2 => {
+            let low = (differs | differs >> 8) & 0x00ff_00ff_00ff_00ff;
+            (low + 0x00ff_00ff_00ff_00ff) & 0x0100_0100_0100_0100
+        }
+        4 => {
+            let folded = differs | differs >> 16;
+            let low = (folded | folded >> 8) & 0x0000_00ff_0000_00ff;
+            (low + 0x0000_00ff_0000_00ff) & 0x0000_0100_0000_0100
+        }
+        _ => u64::from(differs != 0),
+    }
+}
+
+/// Copies unit `i` of `from` (units of `unit` bytes) to `to[at..]`, its
+/// length a constant for each unit size (no call for a 2-byte copy).
+#[inline(always)]
+fn copy_unit(to: &mut [u8], at: usize, from: &[u8], unit: usize) {
+    match unit {
+        1 => to[at] = from[0],
+        2 => to[at..at + 2].copy_from_slice(&from[..2]),
+        4 => to[at..at + 4].copy_from_slice(&from[..4]),
+        8 => to[at..at + 8].copy_from_slice(&from[..8]),
+        _ => to[at..at + unit].copy_from_slice(&from[..unit]),
+    }
+}
+
 /// The form of an encoding, as a word (for reports): "dense", "bitmap",
-/// "indices".
+/// "indices", "gaps".
 pub fn form(encoded: &[u8]) -> &'static str {
     match encoded.first() {
         Some(&DENSE) => "dense",
         Some(&BITMAP) => "bitmap",
         Some(&INDICES) => "indices",
+        Some(&GAPS) => "gaps",
         _ => "unknown",
     }
 }
@@ -307,7 +431,7 @@ pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> R
             }
             body.to_vec()
         }
-        BITMAP | INDICES => {
+        BITMAP | INDICES | GAPS => {
             let base = base.ok_or(DeltaError::OtherBase { want: base_crc, have: 0 })?;
             let have = crc32c::crc32c(&base);
             if base.len() != len || have != base_crc {
@@ -334,9 +458,11 @@ pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> R
                         b &= b - 1;
                         // As many values as set bits: checked above.
                         let Some(v) = from.next() else { return Err(bad("values cut short".into())) };
-                        out[i * unit..(i + 1) * unit].copy_from_slice(v);
+                        copy_unit(&mut out, i * unit, v, unit);
                     }
                 }
+            } else if form == GAPS {
+                patch_gaps(&mut out, body, unit)?;
             } else {
                 // Values follow the indices: indices * (4 + unit) == body.
                 if !body.len().is_multiple_of(4 + unit) {
@@ -352,7 +478,7 @@ pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> R
                 }
                 for (c, v) in idx.chunks_exact(4).zip(values.chunks_exact(unit)) {
                     let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
-                    out[i * unit..(i + 1) * unit].copy_from_slice(v);
+                    copy_unit(&mut out, i * unit, v, unit);
                 }
             }
             out
@@ -364,6 +490,40 @@ pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> R
         return Err(DeltaError::Corrupt { want: crc, got });
     }
     Ok(out)
+}
+
+/// Patches `out` (the base, `unit`-byte units) with the gaps form's
+/// `body`: its claims (changed units, stream length) checked against the
+/// bytes received before any is used, every position inside the message.
+fn patch_gaps(out: &mut [u8], body: &[u8], unit: usize) -> Result<(), DeltaError> {
+    let bad = |why: &str| DeltaError::Malformed(format!("gaps: {why}"));
+    let (head, rest) = body.split_at_checked(GAPS_HEADER).ok_or_else(|| bad("cut short"))?;
+    let (k, changed, stream) = (u32::from(head[0]), u64_at(head, 1), u64_at(head, 9));
+    if k >= 64 {
+        return Err(bad("a starting Rice parameter of 64 or more"));
+    }
+    let values = changed.checked_mul(unit as u64).ok_or_else(|| bad("more changed units than bytes"))?;
+    if stream.checked_add(values) != Some(rest.len() as u64) {
+        return Err(bad("the gap stream and the values do not add up to the bytes sent"));
+    }
+    let (stream, values) = rest.split_at(stream as usize);
+    let units = out.len() / unit;
+    let mut gaps = rice::GapReader::new(stream, k, units as u64);
+    let mut next = 0usize;
+    for v in values.chunks_exact(unit) {
+        let gap = gaps.gap().ok_or_else(|| bad("the gap stream ends early or points past the message"))?;
+        // `gap` <= units, and `next` <= units: no overflow.
+        let i = next + gap as usize;
+        if i >= units {
+            return Err(bad("a position past the message's end"));
+        }
+        copy_unit(out, i * unit, v, unit);
+        next = i + 1;
+    }
+    if !gaps.at_end() {
+        return Err(bad("bytes left in the gap stream"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -385,8 +545,8 @@ mod tests {
     fn the_shortest_form_is_chosen_and_round_trips() {
         // (units, every k-th changed, form, most bytes as a share of dense)
         let cases = [
-            (10_000, 50, "indices", 0.07), // 2%: 4-byte index + 2-byte value per change
-            (10_000, 8, "bitmap", 0.20),   // 12.5%: a bit per unit beats indices
+            (10_000, 50, "gaps", 0.04), // 2%: ~7 bits of gap + a 2-byte value per change
+            (10_000, 8, "gaps", 0.17),  // 12.5%: ~4 bits of gap + the value
             (10_000, 1, "dense", 1.0 + 30.0 / 20_000.0),
         ];
         for (n, every, want, share) in cases {
@@ -484,7 +644,77 @@ mod tests {
         }
     }
 
+    #[test]
+    fn gap_claims_past_the_bytes_sent_are_refused() {
+        let malformed = |r: Result<Vec<u8>, DeltaError>, what: &str| match r {
+            Err(DeltaError::Malformed(m)) => assert!(m.contains(what), "{m}"),
+            other => panic!("{what}: {other:?}"),
+        };
+        let base = vec![0u8; 64];
+        let crc = crc32c::crc32c(&base);
+        let gaps = |k: u8, changed: u64, stream: u64, rest: &[u8]| {
+            let mut body = vec![k];
+            body.extend_from_slice(&changed.to_le_bytes());
+            body.extend_from_slice(&stream.to_le_bytes());
+            body.extend_from_slice(rest);
+            let mut e = header(GAPS, 1, 64, crc, crc, body.len() as u64).to_vec();
+            e.extend_from_slice(&body);
+            e
+        };
+        // A billion changed units, one byte of values.
+        malformed(decode(Some(base.clone()), &gaps(0, 1 << 30, 1, &[0, 7]), 1, 64), "do not add up");
+        // A stream longer than the bytes sent.
+        malformed(decode(Some(base.clone()), &gaps(0, 1, 1 << 40, &[0, 7]), 1, 64), "do not add up");
+        malformed(decode(Some(base.clone()), &gaps(64, 1, 1, &[0, 7]), 1, 64), "Rice parameter");
+        // One gap of 70 (from k0 = 6 the first k is 5: two ones, a zero,
+        // then the 5 low bits, 6) in a message of 64.
+        malformed(decode(Some(base.clone()), &gaps(6, 1, 1, &[0b0011_0011, 7]), 1, 64), "past the message");
+        // All ones: no end to the quotient within the stream.
+        malformed(decode(Some(base.clone()), &gaps(0, 1, 2, &[0xff, 0xff, 7]), 1, 64), "ends early");
+        // A byte of stream left over after the one gap.
+        malformed(decode(Some(base.clone()), &gaps(0, 1, 2, &[0, 0xff, 7]), 1, 64), "left in the gap stream");
+        // Cut short before its own header.
+        let mut e = header(GAPS, 1, 64, crc, crc, 3).to_vec();
+        e.extend_from_slice(&[0, 0, 0]);
+        malformed(decode(Some(base.clone()), &e, 1, 64), "cut short");
+    }
+
+    #[test]
+    fn changed_lanes_marks_each_lane_that_differs() {
+        for unit in [1usize, 2, 4, 8] {
+            for lane in 0..8 / unit {
+                for byte in 0..unit {
+                    for bit in [0, 7] {
+                        let differs = 1u64 << ((lane * unit + byte) * 8 + bit);
+                        let lanes = changed_lanes(differs, unit);
+                        assert_eq!(lanes.count_ones(), 1, "unit {unit} lane {lane} byte {byte} bit {bit}");
+                        assert_eq!(lanes.trailing_zeros() as usize / (unit * 8), lane, "unit {unit} lane {lane} byte {byte}");
+                    }
+                }
+            }
+            assert_eq!(changed_lanes(u64::MAX, unit).count_ones() as usize, 8 / unit, "unit {unit}: all");
+            assert_eq!(changed_lanes(0, unit), 0);
+        }
+    }
+
     proptest! {
+        /// Whatever a peer sends as a gaps body: an error or a message,
+        /// never a panic or an allocation past the message.
+        #[test]
+        fn any_gaps_body_is_decoded_or_refused(k in 0u8..70, changed in 0u64..80, stream in 0u64..80, rest in proptest::collection::vec(any::<u8>(), 0..96)) {
+            let base = vec![3u8; 64];
+            let crc = crc32c::crc32c(&base);
+            let mut body = vec![k];
+            body.extend_from_slice(&changed.to_le_bytes());
+            body.extend_from_slice(&stream.to_le_bytes());
+            body.extend_from_slice(&rest);
+            let mut e = header(GAPS, 1, 64, crc, crc, body.len() as u64).to_vec();
+            e.extend_from_slice(&body);
+            if let Ok(out) = decode(Some(base.clone()), &e, 1, 64) {
+                prop_assert_eq!(out.len(), 64);
+            }
+        }
+
         #[test]
         fn any_change_round_trips(
             base in proptest::collection::vec(any::<u8>(), 0..512),
