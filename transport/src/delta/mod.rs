@@ -21,7 +21,7 @@
 //! - indices: the changed units' indices (u32 LE, ascending), then their
 //!   bytes in order;
 //! - gaps: the starting Rice parameter `k` (u8), the number of changed units (u64),
-//!   the length of the gap stream (u64), the gap stream ([`rice`]: before
+//!   the length of the gap stream (u64), the gap stream (`rice.rs`: before
 //!   each changed unit, how many unchanged units precede it since the last
 //!   changed one), then the changed units' bytes in order.
 //!
