@@ -458,6 +458,8 @@ const TRANSPORT_PUBLIC_FOR_SIGNATURES: &[(&str, &str)] = &[
     ("RankStats", "fabric::RankEnd::run"),
     ("WithAbort", "run_threads"),
     ("PieceOutOfBounds", "ExecError::OutOfBounds"),
+    ("UnknownPeer", "cuda::CommExecError::UnknownPeer"),
+    ("PeerMissing", "cuda::UnknownPeer::missing"),
 ];
 
 /// Public names of the data plane that only tests (and its own benchmark

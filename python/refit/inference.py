@@ -33,7 +33,7 @@ ordinary TP-split MLP with their own ``gate_up_proj``.
 from __future__ import annotations
 
 
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ._moe import EXPERT, FUSED_EXPERTS, routed_experts
 from ._refit import LayoutBuilder, LayoutError, TensorBuilder
@@ -119,28 +119,7 @@ def tp_inference_layout(
             raise LayoutError(f"tensor '{name}': shape {shape} does not hold num_kv_heads={num_kv_heads} heads of equal rows along dim 0")
         if kv_replicas > 1:
             kv_split[name] = num_kv_heads
-    fused_at: Dict[str, Tuple[str, int]] = {}
-    if fuse:
-        for name, shape in shapes.items():
-            prefix, proj, kind = _split(name)
-            if proj not in FUSED or fused_at.get(name) or EXPERT.match(name) or FUSED_EXPERTS.match(name):
-                continue
-            buffer_proj, members = FUSED[proj]
-            names = [f"{prefix}.{m}.{kind}" if prefix else f"{m}.{kind}" for m in members]
-            if not all(n in shapes for n in names):
-                continue  # not all parts present: keep them apart
-            buffer = f"{prefix}.{buffer_proj}.{kind}" if prefix else f"{buffer_proj}.{kind}"
-            at = 0
-            for n in names:
-                rows = shapes[n][0]
-                ways = kv_split.get(n, tp) if _split(n)[1] in COLUMN else 1  # else replicated
-                if rows % ways:
-                    raise LayoutError(f"tensor '{n}': {rows} rows do not split evenly over tp={tp}, so it cannot be fused in '{buffer}'")
-                fused_at[n] = (buffer, at)
-                per_rank = rows // ways
-                for s in shapes[n][1:]:
-                    per_rank *= s
-                at += per_rank
+    fused_at = _fused_places(shapes, tp, kv_split) if fuse else {}
     b = LayoutBuilder(tp * dp, ranks_per_node)
     experts = _experts(shapes, tp, dp, ep)
     for name, shape in shapes.items():
@@ -176,6 +155,34 @@ def tp_inference_layout(
             t = t.buffer(*fused_at[name])
         b = b.tensor(t)
     return b.build()
+
+
+def _fused_places(shapes: Mapping[str, List[int]], tp: int, kv_split: Mapping[str, int]) -> Dict[str, Tuple[str, int]]:
+    """Where each projection fused with its siblings lands: ``{name:
+    (fused buffer, element offset)}``, for the projections whose siblings
+    are all present (the others stay apart)."""
+    fused_at: Dict[str, Tuple[str, int]] = {}
+    for name in shapes:
+        prefix, proj, kind = _split(name)
+        if proj not in FUSED or fused_at.get(name) or EXPERT.match(name) or FUSED_EXPERTS.match(name):
+            continue
+        buffer_proj, members = FUSED[proj]
+        names = [f"{prefix}.{m}.{kind}" if prefix else f"{m}.{kind}" for m in members]
+        if not all(n in shapes for n in names):
+            continue  # not all parts present: keep them apart
+        buffer = f"{prefix}.{buffer_proj}.{kind}" if prefix else f"{buffer_proj}.{kind}"
+        at = 0
+        for n in names:
+            rows = shapes[n][0]
+            ways = kv_split.get(n, tp) if _split(n)[1] in COLUMN else 1  # else replicated
+            if rows % ways:
+                raise LayoutError(f"tensor '{n}': {rows} rows do not split evenly over tp={tp}, so it cannot be fused in '{buffer}'")
+            fused_at[n] = (buffer, at)
+            per_rank = rows // ways
+            for s in shapes[n][1:]:
+                per_rank *= s
+            at += per_rank
+    return fused_at
 
 
 def _experts(shapes: Mapping[str, Sequence[int]], tp: int, dp: int, ep: Optional[int]) -> Dict[str, Any]:

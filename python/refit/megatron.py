@@ -174,17 +174,8 @@ def megatron_layout(
 
         src = refit.Source.in_place(layout, rank, refit.param_buffers(layout, rank, dict(model.named_parameters())))
     """
-    if min(tp, pp, dp) < 1:
-        raise LayoutError(f"tp={tp}, pp={pp}, dp={dp}: each must be >= 1")
     heads, groups = num_attention_heads, num_kv_heads or num_attention_heads
-    if heads < 1 or groups < 1 or heads % groups:
-        raise LayoutError(f"num_attention_heads={heads}, num_kv_heads={groups}: heads must be a multiple of KV heads")
-    if groups % tp and tp % groups:
-        raise LayoutError(f"num_kv_heads={groups} and tp={tp}: Megatron-Core needs the query groups a multiple or a divisor of tp")
-    if heads % tp:
-        raise LayoutError(f"num_attention_heads={heads} does not split over tp={tp}")
-    if layer_spec not in SPECS:
-        raise LayoutError(f"layer_spec={layer_spec!r}: expected one of {sorted(SPECS)}")
+    _check_split(tp, pp, dp, heads, groups, layer_spec)
     renamed = SPECS[layer_spec]
     shapes = {n: [int(s) for s in shape] for n, shape in tensors.items()}
     layers = sorted({int(m["l"]) for m in map(LAYER.match, shapes) if m})
@@ -244,20 +235,40 @@ def megatron_layout(
             holders, ways = ranks_of(0 if first else pp - 1), tp
         else:
             raise LayoutError(_unknown(name, name))
-        t = TensorBuilder(name, dtype, shape)
         shares = _shares(name, shape, how, ways, "etp" if m and name in experts else "tp", heads, groups, vocab_multiple, shapes)
-        if how in MESH:
-            # An even split, every share one block at the same place in its
-            # buffer: the mesh (copies, TP ranks) over the holders, which
-            # are listed copy by copy, TP rank fastest.
-            at = shares[0][0][2]
-            t = t.mesh([len(holders) // ways, ways], ["replicate", MESH[how]], [rank for rank, _ in holders]).buffer(buffer, at)
-        else:
-            for rank, tp_rank in holders:
-                for offset, extent, at in shares[tp_rank]:
-                    t = t.shard(rank, offset=offset, extent=extent, buffer=buffer, at=at)
-        b = b.tensor(t)
+        b = b.tensor(_placed(TensorBuilder(name, dtype, shape), buffer, how, holders, ways, shares))
     return b.build()
+
+
+def _check_split(tp: int, pp: int, dp: int, heads: int, groups: int, layer_spec: str) -> None:
+    """``megatron_layout``'s parallelism and heads, as Megatron-Core
+    accepts them."""
+    if min(tp, pp, dp) < 1:
+        raise LayoutError(f"tp={tp}, pp={pp}, dp={dp}: each must be >= 1")
+    if heads < 1 or groups < 1 or heads % groups:
+        raise LayoutError(f"num_attention_heads={heads}, num_kv_heads={groups}: heads must be a multiple of KV heads")
+    if groups % tp and tp % groups:
+        raise LayoutError(f"num_kv_heads={groups} and tp={tp}: Megatron-Core needs the query groups a multiple or a divisor of tp")
+    if heads % tp:
+        raise LayoutError(f"num_attention_heads={heads} does not split over tp={tp}")
+    if layer_spec not in SPECS:
+        raise LayoutError(f"layer_spec={layer_spec!r}: expected one of {sorted(SPECS)}")
+
+
+def _placed(t: Any, buffer: str, how: str, holders: List[Tuple[int, int]], ways: int, shares: Any) -> Any:
+    """Tensor ``t`` placed in ``buffer`` of each holder ``(rank, TP
+    rank)``, split ``how`` ``ways`` ways into ``shares`` (per TP rank:
+    ``(offset, extent, at)`` blocks)."""
+    if how in MESH:
+        # An even split, every share one block at the same place in its
+        # buffer: the mesh (copies, TP ranks) over the holders, which
+        # are listed copy by copy, TP rank fastest.
+        at = shares[0][0][2]
+        return t.mesh([len(holders) // ways, ways], ["replicate", MESH[how]], [rank for rank, _ in holders]).buffer(buffer, at)
+    for rank, tp_rank in holders:
+        for offset, extent, at in shares[tp_rank]:
+            t = t.shard(rank, offset=offset, extent=extent, buffer=buffer, at=at)
+    return t
 
 
 # Splits a mesh says: the placement of the TP dimension.

@@ -5,9 +5,9 @@
 use crate::errors::{tensor_err, TensorError, VersionError};
 use crate::layout::PyLayout;
 use crate::memory::{host_array, read_bytes, source_bytes, target_len};
-use crate::registration::in_place;
+use crate::registration::{store, Holding};
 use crate::runtime::wait;
-use crate::store_core::StoreCore;
+use crate::store_core::{PyStore, StoreCore};
 use crate::target::{self, Access, Device};
 use orchestrator::DstStore;
 use pyo3::prelude::*;
@@ -18,30 +18,29 @@ use std::sync::{Arc, Mutex};
 /// The weights of one inference (destination) rank: the committed
 /// version, the one before it, and a staging copy refits write; a refit
 /// commits on every rank of the group only once all have staged it.
-#[pyclass(module = "refit._refit", name = "DstStore", frozen)]
+#[pyclass(module = "refit._refit", name = "DstStore", extends = PyStore, frozen)]
 pub(crate) struct PyDstStore {
-    /// The store, its layout and the objects it is registered in.
-    pub(crate) core: StoreCore<DstStore>,
+    /// The store (its layout and registered objects: the base class's).
+    pub(crate) inner: Arc<DstStore>,
     /// Holds taken by `begin_serving` (one per reader in a `serving()`
     /// block), released by `end_serving`.
     serving: Mutex<Vec<orchestrator::Serving>>,
 }
 
-impl From<StoreCore<DstStore>> for PyDstStore {
-    fn from(core: StoreCore<DstStore>) -> Self {
-        PyDstStore { core, serving: Mutex::default() }
-    }
-}
-
 impl PyDstStore {
+    /// The class over a store as made.
+    pub(crate) fn class(core: StoreCore<DstStore>) -> PyClassInitializer<Self> {
+        core.into_class(|inner| PyDstStore { inner, serving: Mutex::default() })
+    }
+
     /// The committed version to read: the current one, or `version` if it
     /// is the current or the previous one.
     fn snapshot(&self, version: Option<u64>) -> PyResult<Arc<orchestrator::Snapshot>> {
-        let rank = self.core.inner.rank();
+        let rank = self.inner.rank();
         match version {
-            None => self.core.inner.snapshot().ok_or_else(|| VersionError::new_err(format!("dst rank {rank}: no refit has committed yet"))),
-            Some(v) => self.core.inner.snapshot_at(v).ok_or_else(|| {
-                let serving = self.core.inner.version().map_or("nothing yet".to_string(), |c| format!("version {c}"));
+            None => self.inner.snapshot().ok_or_else(|| VersionError::new_err(format!("dst rank {rank}: no refit has committed yet"))),
+            Some(v) => self.inner.snapshot_at(v).ok_or_else(|| {
+                let serving = self.inner.version().map_or("nothing yet".to_string(), |c| format!("version {c}"));
                 VersionError::new_err(format!(
                     "dst rank {rank}: version {v} is not served (serving {serving}; the previous committed version is kept too)"
                 ))
@@ -52,42 +51,38 @@ impl PyDstStore {
 
 #[pymethods]
 impl PyDstStore {
+    /// Rank `rank`'s store of `layout`, holding its own memory; with
+    /// `objects`, serving its weights in their memory (as `SrcStore`'s,
+    /// and writable: read-only memory is refused): a refit's commit looks
+    /// each up again and copies the version in, under one hold of the GIL
+    /// per buffer. `follow`: as for sources. `direct`: refits write the
+    /// memory in place (no staging copy; a failed refit leaves it torn:
+    /// `DstStore::registered_direct`).
     #[new]
-    fn new(layout: PyRef<'_, PyLayout>, rank: Rank) -> PyResult<Self> {
-        Ok(StoreCore::new(&layout, rank, DstStore::new)?.into())
-    }
-
-    /// A store that serves its weights in the memory of `objects` (as
-    /// `SrcStore.in_place`, and writable: read-only memory is refused); a
-    /// refit's commit looks each up again and copies the version in,
-    /// under one hold of the GIL per buffer. `follow`: as for sources.
-    /// `direct`: refits write the memory in place (no staging copy; a
-    /// failed refit leaves it torn: `DstStore::registered_direct`).
-    #[staticmethod]
-    #[pyo3(signature = (layout, rank, objects, follow=false, direct=false))]
-    fn in_place(layout: PyRef<'_, PyLayout>, rank: Rank, objects: Vec<Bound<'_, PyAny>>, follow: bool, direct: bool) -> PyResult<Self> {
-        let access = Access { writable: true, follow };
-        let make = if direct { DstStore::registered_direct } else { DstStore::registered };
-        Ok(in_place(&layout, rank, "dst", objects, access, make)?.into())
-    }
-
-    /// Looks every registered object up again: `RegistrationError` names
-    /// the buffer and what changed.
-    fn check(&self, py: Python<'_>) -> PyResult<()> {
-        self.core.check(py)
+    #[pyo3(signature = (layout, rank, objects=None, follow=false, direct=false))]
+    fn new(
+        layout: PyRef<'_, PyLayout>,
+        rank: Rank,
+        objects: Option<Vec<Bound<'_, PyAny>>>,
+        follow: bool,
+        direct: bool,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let holding = Holding { objects, access: Access { writable: true, follow } };
+        let registered = if direct { DstStore::registered_direct } else { DstStore::registered };
+        Ok(PyDstStore::class(store(&layout, rank, "dst", holding, DstStore::new, registered)?))
     }
 
     /// Takes a reader's hold on the served weights (waiting while a commit
     /// copies into registered memory): no commit changes them until
     /// `end_serving`. Returns the version they hold (None: nothing
     /// committed yet, or torn by a failed commit).
-    fn begin_serving(&self, py: Python<'_>) -> PyResult<Option<u64>> {
-        let store = self.core.inner.clone();
-        let hold = wait(py, async move { Ok(store.serve().await) })?;
+    fn begin_serving(slf: PyRef<'_, Self>) -> PyResult<Option<u64>> {
+        let store = slf.inner.clone();
+        let hold = wait(slf.py(), async move { Ok(store.serve().await) })?;
         // What the readers will read must still be what was registered.
-        self.core.check(py)?;
+        slf.as_super().check_targets(slf.py())?;
         let version = hold.version();
-        self.serving.lock().unwrap_or_else(|e| e.into_inner()).push(hold);
+        slf.serving.lock().unwrap_or_else(|e| e.into_inner()).push(hold);
         Ok(version)
     }
 
@@ -95,20 +90,14 @@ impl PyDstStore {
     fn end_serving(&self) -> PyResult<()> {
         match self.serving.lock().unwrap_or_else(|e| e.into_inner()).pop() {
             Some(_) => Ok(()),
-            None => Err(VersionError::new_err(format!("dst rank {}: not serving", self.core.inner.rank()))),
+            None => Err(VersionError::new_err(format!("dst rank {}: not serving", self.inner.rank()))),
         }
     }
 
     /// Whether the weights are served in registered memory.
     #[getter]
     fn is_in_place(&self) -> bool {
-        self.core.inner.registered_memory().is_some()
-    }
-
-    /// The weights as a refit finds them, in words.
-    #[getter]
-    fn weights(&self) -> String {
-        self.core.inner.weights().to_string()
+        self.inner.registered_memory().is_some()
     }
 
     /// `(version, [bytes of each name])` from one committed version: the
@@ -137,7 +126,7 @@ impl PyDstStore {
         targets: Vec<(String, Bound<'py, PyAny>)>,
         version: Option<u64>,
     ) -> PyResult<(u64, Vec<Option<Bound<'py, PyBytes>>>)> {
-        let rank = self.core.inner.rank();
+        let rank = self.inner.rank();
         let snap = self.snapshot(version)?;
         let mut in_place = Vec::with_capacity(targets.len());
         for (name, target) in &targets {
@@ -176,23 +165,5 @@ impl PyDstStore {
             out.push(None);
         }
         Ok((snap.version, out))
-    }
-
-    /// The version readers get (None before the first commit).
-    #[getter]
-    fn version(&self) -> Option<u64> {
-        self.core.inner.version()
-    }
-
-    /// This store's rank.
-    #[getter]
-    fn rank(&self) -> Rank {
-        self.core.inner.rank()
-    }
-
-    /// The layout.
-    #[getter]
-    fn layout(&self) -> PyLayout {
-        self.core.py_layout()
     }
 }

@@ -52,7 +52,7 @@ impl PyJoined {
     #[pyo3(signature = (store, gpu=None))]
     fn serve_src(&self, py: Python<'_>, store: PyRef<'_, PySrcStore>, gpu: Option<usize>) -> PyResult<()> {
         let (joined, layout, rank, role) =
-            (self.inner.get().clone(), store.core.layout.clone(), store.core.inner.rank(), Role::Src(store.core.inner.clone()));
+            (self.inner.get().clone(), store.as_super().layout.clone(), store.inner.rank(), Role::Src(store.inner.clone()));
         let config = orchestrator::MemberConfig { gpu, ..joined.member_config() };
         wait(py, async move { joined.serve_member_with(layout, rank, role, config).await.map(drop).map_err(join_err) })
     }
@@ -64,9 +64,9 @@ impl PyJoined {
     /// with `add_replica(replica)`.
     #[pyo3(signature = (store, gpu=None, replica=None))]
     fn serve_dst(&self, py: Python<'_>, store: PyRef<'_, PyDstStore>, gpu: Option<usize>, replica: Option<String>) -> PyResult<()> {
-        let (joined, layout, rank) = (self.inner.get().clone(), store.core.layout.clone(), store.core.inner.rank());
+        let (joined, layout, rank) = (self.inner.get().clone(), store.as_super().layout.clone(), store.inner.rank());
         let config = orchestrator::MemberConfig { gpu, ..joined.member_config() };
-        let store = store.core.inner.clone();
+        let store = store.inner.clone();
         wait(py, async move {
             let served = match replica {
                 Some(name) => joined.serve_replica_member(&name, layout, rank, store, config).await,

@@ -43,7 +43,7 @@ use errors::{JoinError, LayoutError, MemberError, PlanError, RefitError, Registr
 use join::PyJoined;
 use layout::{plan_figures, PyLayout};
 use memory::{is_host_array, memory_of};
-use orchestrate::{spawn_local, PyOrchestrator};
+use orchestrate::{spawn_local, PyOrchestrator, PySettings};
 use pyo3::prelude::*;
 use src_store::PySrcStore;
 
@@ -71,9 +71,11 @@ fn _refit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyTensorBuilder>()?;
     m.add_class::<PyLayoutBuilder>()?;
     m.add_function(wrap_pyfunction!(plan_figures, m)?)?;
+    m.add_class::<store_core::PyStore>()?;
     m.add_class::<PySrcStore>()?;
     m.add_class::<PyDstStore>()?;
     m.add_class::<PyJoined>()?;
+    m.add_class::<PySettings>()?;
     m.add_class::<PyOrchestrator>()?;
     m.add_function(wrap_pyfunction!(spawn_local, m)?)?;
     m.add_function(wrap_pyfunction!(host_work::host_work, m)?)?;

@@ -152,27 +152,42 @@ fn fabric(name: &str, local: bool) -> PyResult<Fabric> {
     })
 }
 
-/// The orchestrator's settings a Python caller chooses.
-struct Settings<'a> {
+/// The orchestrator's settings a Python caller chooses, given to both
+/// entry points (`Orchestrator(secret, bind, settings)`,
+/// `spawn_local(src, dst, settings)`); checked when one of them uses it.
+#[pyclass(module = "refit._refit", name = "Settings", frozen)]
+pub(crate) struct PySettings {
     deadline: f64,
     control_timeout: f64,
-    fabric: Fabric,
+    fabric: String,
     delta: bool,
     digest_check: bool,
-    replica: Option<&'a PyLayout>,
+    replica: Option<Py<PyLayout>>,
 }
 
-fn config(s: Settings<'_>) -> PyResult<OrchestratorConfig> {
-    let Settings { deadline, control_timeout, fabric, delta, digest_check, replica } = s;
-    Ok(OrchestratorConfig {
-        fabric,
-        delta,
-        digest_check,
-        replica: replica.map(|l| l.inner.clone()),
-        deadline: seconds("deadline", deadline)?,
-        control_timeout: seconds("control_timeout", control_timeout)?,
-        ..OrchestratorConfig::default()
-    })
+#[pymethods]
+impl PySettings {
+    #[new]
+    #[pyo3(signature = (*, fabric, deadline=60.0, control_timeout=10.0, delta=false, replica=None, digest_check=true))]
+    fn new(fabric: String, deadline: f64, control_timeout: f64, delta: bool, replica: Option<Py<PyLayout>>, digest_check: bool) -> Self {
+        PySettings { deadline, control_timeout, fabric, delta, digest_check, replica }
+    }
+}
+
+impl PySettings {
+    /// The orchestrator's configuration; `local`: every member is in
+    /// this process.
+    fn config(&self, py: Python<'_>, local: bool) -> PyResult<OrchestratorConfig> {
+        Ok(OrchestratorConfig {
+            fabric: fabric(&self.fabric, local)?,
+            delta: self.delta,
+            digest_check: self.digest_check,
+            replica: self.replica.as_ref().map(|l| l.borrow(py).inner.clone()),
+            deadline: seconds("deadline", self.deadline)?,
+            control_timeout: seconds("control_timeout", self.control_timeout)?,
+            ..OrchestratorConfig::default()
+        })
+    }
 }
 
 #[pymethods]
@@ -180,21 +195,8 @@ impl PyOrchestrator {
     /// Opens a rendezvous at `bind` (port 0: any) that member processes
     /// join with `secret` (16 bytes or more).
     #[new]
-    #[pyo3(signature = (secret, bind="127.0.0.1:0", deadline=60.0, control_timeout=10.0, fabric="node", delta=false, replica=None, digest_check=true))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        secret: String,
-        bind: &str,
-        deadline: f64,
-        control_timeout: f64,
-        fabric: &str,
-        delta: bool,
-        replica: Option<PyRef<'_, PyLayout>>,
-        digest_check: bool,
-    ) -> PyResult<Self> {
-        let fabric = self::fabric(fabric, false)?;
-        let config = config(Settings { deadline, control_timeout, fabric, delta, digest_check, replica: replica.as_deref() })?;
+    fn new(py: Python<'_>, secret: String, bind: &str, settings: PyRef<'_, PySettings>) -> PyResult<Self> {
+        let config = settings.config(py, false)?;
         let secret = actors::Secret::from_bytes(secret.into_bytes()).map_err(|e| JoinError::new_err(format!("secret: {e}")))?;
         let bind: std::net::SocketAddr = bind.parse().map_err(|_| JoinError::new_err(format!("bind address '{bind}': not ip:port")))?;
         let rendezvous = wait(py, async move { Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(join_err) })?;
@@ -316,7 +318,7 @@ impl PyOrchestrator {
     /// member per rank of one replica, made here. Returns the report
     /// (dict) and the new stores (local only).
     #[pyo3(signature = (name=None, timeout=60.0))]
-    fn add_replica<'py>(&self, py: Python<'py>, name: Option<String>, timeout: f64) -> PyResult<(Bound<'py, PyDict>, Vec<PyDstStore>)> {
+    fn add_replica<'py>(&self, py: Python<'py>, name: Option<String>, timeout: f64) -> PyResult<(Bound<'py, PyDict>, Vec<Py<PyDstStore>>)> {
         let within = seconds("timeout", timeout)?;
         let h = self.handle()?;
         let Some(one) = self.config.replica.clone() else {
@@ -351,7 +353,8 @@ impl PyOrchestrator {
             }
             (Over::Local(_), Some(_)) => return Err(PyValueError::new_err("add_replica() takes no name on a local system")),
         };
-        let stores = stores.into_iter().map(|st| StoreCore::owned(st, one.clone()).into()).collect();
+        let stores =
+            stores.into_iter().map(|st| Py::new(py, PyDstStore::class(StoreCore::owned(st, one.clone())))).collect::<PyResult<_>>()?;
         Ok((replica_dict(py, &report)?, stores))
     }
 
@@ -405,29 +408,32 @@ impl PyOrchestrator {
     }
 }
 
+/// What `spawn_local` returns: the orchestrator and every rank's store.
+type LocalSystem = (PyOrchestrator, Vec<Py<PySrcStore>>, Vec<Py<PyDstStore>>);
+
 /// Spawns one store and one member per rank of both layouts in this
 /// process and an orchestrator over them, and plans. Returns
 /// `(orchestrator, [SrcStore], [DstStore])`.
 #[pyfunction]
-#[pyo3(signature = (src, dst, deadline=60.0, control_timeout=10.0, fabric="in_process", delta=false, replica=None, digest_check=true))]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn spawn_local(
     py: Python<'_>,
     src: PyRef<'_, PyLayout>,
     dst: PyRef<'_, PyLayout>,
-    deadline: f64,
-    control_timeout: f64,
-    fabric: &str,
-    delta: bool,
-    replica: Option<PyRef<'_, PyLayout>>,
-    digest_check: bool,
-) -> PyResult<(PyOrchestrator, Vec<PySrcStore>, Vec<PyDstStore>)> {
-    let fabric = self::fabric(fabric, true)?;
-    let config = config(Settings { deadline, control_timeout, fabric, delta, digest_check, replica: replica.as_deref() })?;
+    settings: PyRef<'_, PySettings>,
+) -> PyResult<LocalSystem> {
+    let config = settings.config(py, true)?;
     let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
     let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
-    let srcs = system.src_stores.iter().map(|st| StoreCore::owned(st.clone(), src.inner.clone()).into()).collect();
-    let dsts = system.dst_stores.iter().map(|st| StoreCore::owned(st.clone(), dst.inner.clone()).into()).collect();
+    let srcs = system
+        .src_stores
+        .iter()
+        .map(|st| Py::new(py, PySrcStore::class(StoreCore::owned(st.clone(), src.inner.clone()))))
+        .collect::<PyResult<_>>()?;
+    let dsts = system
+        .dst_stores
+        .iter()
+        .map(|st| Py::new(py, PyDstStore::class(StoreCore::owned(st.clone(), dst.inner.clone()))))
+        .collect::<PyResult<_>>()?;
     let handle = system.orchestrator.clone();
     let orchestrator = PyOrchestrator {
         over: InRuntime(Some(Mutex::new(Over::Local(Arc::new(tokio::sync::Mutex::new(system)))))),

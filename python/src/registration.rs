@@ -3,7 +3,7 @@
 
 use crate::errors::RegistrationError;
 use crate::layout::PyLayout;
-use crate::store_core::StoreCore;
+use crate::store_core::{StoreCore, StoreView};
 use crate::target::{Access, Targets, Want};
 use pyo3::prelude::*;
 use reshard::{Layout, Rank};
@@ -29,24 +29,35 @@ fn wants(layout: &Layout, rank: Rank) -> Vec<Want> {
         .collect()
 }
 
-/// Rank `rank`'s store (`side`: `"src"` or `"dst"`) with its weights in
-/// the memory of `objects` (one per buffer, in `Layout.buffers(rank)`
-/// order), found and checked now and before every use; `make` makes the
-/// store over that memory (`SrcStore::registered`, `DstStore::registered`,
-/// `DstStore::registered_direct`).
-pub(crate) fn in_place<S>(
+/// The memory a store class is asked to hold its weights in, and how.
+pub(crate) struct Holding<'py> {
+    /// The objects, one per buffer in `Layout.buffers(rank)` order (None:
+    /// the store holds its own memory).
+    pub(crate) objects: Option<Vec<Bound<'py, PyAny>>>,
+    /// How they are used.
+    pub(crate) access: Access,
+}
+
+/// Rank `rank`'s store (`side`: `"src"` or `"dst"`): over the memory of
+/// `holding`'s objects, found and checked now and before every use, made
+/// by `registered` (`SrcStore::registered`, `DstStore::registered`,
+/// `DstStore::registered_direct`); without objects, holding its own,
+/// made by `owned` (`SrcStore::new`, `DstStore::new`).
+pub(crate) fn store<S: StoreView>(
     layout: &PyLayout,
     rank: Rank,
     side: &str,
-    objects: Vec<Bound<'_, PyAny>>,
-    access: Access,
-    make: impl FnOnce(&Arc<Layout>, Rank, orchestrator::Registered) -> S,
+    holding: Holding<'_>,
+    owned: impl FnOnce(&Arc<Layout>, Rank) -> S,
+    registered: impl FnOnce(&Arc<Layout>, Rank, orchestrator::Registered) -> S,
 ) -> PyResult<StoreCore<S>> {
+    let Some(objects) = holding.objects else { return StoreCore::new(layout, rank, owned) };
     layout.check_rank(rank)?;
     let what = format!("{side} rank {rank}");
-    let targets = Targets::register(what.clone(), access, wants(&layout.inner, rank), objects)?.map_err(RegistrationError::new_err)?;
+    let targets =
+        Targets::register(what.clone(), holding.access, wants(&layout.inner, rank), objects)?.map_err(RegistrationError::new_err)?;
     let targets = Arc::new(targets);
-    let registered = orchestrator::Registered::owned(&layout.inner, rank, targets.clone())
+    let memory = orchestrator::Registered::owned(&layout.inner, rank, targets.clone())
         .map_err(|e| RegistrationError::new_err(format!("{what}: {e}")))?;
-    Ok(StoreCore::registered(Arc::new(make(&layout.inner, rank, registered)), layout.inner.clone(), targets))
+    Ok(StoreCore::registered(Arc::new(registered(&layout.inner, rank, memory)), layout.inner.clone(), targets))
 }

@@ -1,20 +1,58 @@
-//! What the two store classes (`SrcStore`, `DstStore`) hold alike: a
-//! rank's store, its layout and, for an in-place store, the objects its
-//! weights live in; made, checked and shown the same way for both
-//! (an in-place one by `registration::in_place`).
+//! What the two store classes (`SrcStore`, `DstStore`) hold and show
+//! alike: their base class `Store` (the rank, its layout, the version,
+//! the weights in words, and for an in-place store the objects its
+//! weights live in, checked again on demand), and `StoreCore`, the store
+//! as made (owned, or by `registration::store`) before it becomes one
+//! of the classes.
 
 use crate::errors::RegistrationError;
 use crate::layout::PyLayout;
 use crate::target::Targets;
+use orchestrator::{DstStore, HeldVersion, SrcStore};
 use pyo3::prelude::*;
+use pyo3::PyClass;
 use reshard::{Layout, Rank};
 use std::sync::Arc;
 
-/// A rank's store (`S`: `orchestrator::SrcStore` or `DstStore`) as a
-/// store class holds it.
-pub(crate) struct StoreCore<S> {
-    /// The rank's store.
-    pub(crate) inner: Arc<S>,
+/// What the base class reads of either kind of rank store.
+pub(crate) trait StoreView: Send + Sync + 'static {
+    /// The rank.
+    fn rank(&self) -> Rank;
+    /// The version readers get (a source: the last step's).
+    fn version(&self) -> Option<u64>;
+    /// The weights as a refit finds them.
+    fn weights(&self) -> HeldVersion;
+}
+
+impl StoreView for SrcStore {
+    fn rank(&self) -> Rank {
+        SrcStore::rank(self)
+    }
+    fn version(&self) -> Option<u64> {
+        SrcStore::version(self)
+    }
+    fn weights(&self) -> HeldVersion {
+        SrcStore::weights(self)
+    }
+}
+
+impl StoreView for DstStore {
+    fn rank(&self) -> Rank {
+        DstStore::rank(self)
+    }
+    fn version(&self) -> Option<u64> {
+        DstStore::version(self)
+    }
+    fn weights(&self) -> HeldVersion {
+        DstStore::weights(self)
+    }
+}
+
+/// A rank's store as Python sees either kind (`SrcStore` and `DstStore`
+/// extend it).
+#[pyclass(module = "refit._refit", name = "Store", subclass, frozen)]
+pub(crate) struct PyStore {
+    view: Arc<dyn StoreView>,
     /// The layout the store holds its rank of.
     pub(crate) layout: Arc<Layout>,
     /// The objects an in-place store's weights live in (None: the store
@@ -22,7 +60,61 @@ pub(crate) struct StoreCore<S> {
     targets: Option<Arc<Targets>>,
 }
 
-impl<S> StoreCore<S> {
+impl PyStore {
+    /// Looks every registered object up again: `RegistrationError` names
+    /// the buffer and what changed (a store that holds its own memory has
+    /// nothing to check).
+    pub(crate) fn check_targets(&self, py: Python<'_>) -> PyResult<()> {
+        match &self.targets {
+            Some(t) => t.check_all(py).map_err(RegistrationError::new_err),
+            None => Ok(()),
+        }
+    }
+}
+
+#[pymethods]
+impl PyStore {
+    /// Looks every registered object up again: `RegistrationError` names
+    /// the buffer and what changed.
+    fn check(&self, py: Python<'_>) -> PyResult<()> {
+        self.check_targets(py)
+    }
+
+    /// The version (a source: None before the first update or restore; a
+    /// destination: the one readers get, None before the first commit).
+    #[getter]
+    fn version(&self) -> Option<u64> {
+        self.view.version()
+    }
+
+    /// The weights as a refit finds them, in words.
+    #[getter]
+    fn weights(&self) -> String {
+        self.view.weights().to_string()
+    }
+
+    /// This store's rank.
+    #[getter]
+    fn rank(&self) -> Rank {
+        self.view.rank()
+    }
+
+    /// The layout.
+    #[getter]
+    fn layout(&self) -> PyLayout {
+        PyLayout { inner: self.layout.clone() }
+    }
+}
+
+/// A rank's store (`S`: `orchestrator::SrcStore` or `DstStore`) as made,
+/// before it becomes a store class (`StoreCore::into_class`).
+pub(crate) struct StoreCore<S> {
+    inner: Arc<S>,
+    layout: Arc<Layout>,
+    targets: Option<Arc<Targets>>,
+}
+
+impl<S: StoreView> StoreCore<S> {
     /// A store that holds its own memory.
     pub(crate) fn owned(inner: Arc<S>, layout: Arc<Layout>) -> Self {
         StoreCore { inner, layout, targets: None }
@@ -36,23 +128,18 @@ impl<S> StoreCore<S> {
     }
 
     /// A store over the memory of registered objects (made by
-    /// `registration::in_place`).
+    /// `registration::store`).
     pub(crate) fn registered(inner: Arc<S>, layout: Arc<Layout>, targets: Arc<Targets>) -> Self {
         StoreCore { inner, layout, targets: Some(targets) }
     }
 
-    /// Looks every registered object up again: `RegistrationError` names
-    /// the buffer and what changed (a store that holds its own memory has
-    /// nothing to check).
-    pub(crate) fn check(&self, py: Python<'_>) -> PyResult<()> {
-        match &self.targets {
-            Some(t) => t.check_all(py).map_err(RegistrationError::new_err),
-            None => Ok(()),
-        }
-    }
-
-    /// The layout, as Python sees it.
-    pub(crate) fn py_layout(&self) -> PyLayout {
-        PyLayout { inner: self.layout.clone() }
+    /// The store class `C` over this store: `class` makes its own part
+    /// from the typed store, the base class gets the rest.
+    pub(crate) fn into_class<C>(self, class: impl FnOnce(Arc<S>) -> C) -> PyClassInitializer<C>
+    where
+        C: PyClass<BaseType = PyStore>,
+    {
+        let base = PyStore { view: self.inner.clone(), layout: self.layout, targets: self.targets };
+        PyClassInitializer::from(base).add_subclass(class(self.inner))
     }
 }

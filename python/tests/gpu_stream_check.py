@@ -174,12 +174,12 @@ class Rig:
     def no_wait_control(self, sleep_ms):
         """stepping()'s wait removed: the refit should then read the old
         values (shows the check can fail; informational)."""
-        saved = self.refit._wait_for_producers
-        self.refit._wait_for_producers = lambda objects: None
+        saved = self.refit._ranks._wait_for_producers
+        self.refit._ranks._wait_for_producers = lambda objects: None
         try:
             d = self.case("current", 1, sleep_ms)
         finally:
-            self.refit._wait_for_producers = saved
+            self.refit._ranks._wait_for_producers = saved
             self.torch.cuda.synchronize()
         return {"stale_seen": bool(d["mismatches"]), "exit_wait_ms": d["exit_wait_ms"], "refit_ms": d["refit_ms"], "versions": d["versions"], "mismatches": d["mismatches"][:3], "ok": bool(d["mismatches"])}
 

@@ -492,9 +492,9 @@ def test_the_raw_address_entry_points_are_gone():
         assert not hasattr(store, "registered")
     _, infer = layouts()
     with pytest.raises(refit.RegistrationError, match="holds no memory refit can use in place"):
-        refit._refit.DstStore.in_place(infer, 0, [0x1000])
+        refit._refit.DstStore(infer, 0, [0x1000])
     with pytest.raises(refit.RegistrationError, match=r"1 objects for 1 buffers|0 objects for 1 buffers"):
-        refit._refit.DstStore.in_place(infer, 0, [])
+        refit._refit.DstStore(infer, 0, [])
 
 
 # --- look-ups that run user code ------------------------------------------

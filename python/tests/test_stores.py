@@ -375,6 +375,23 @@ def test_unknown_fabrics_are_refused():
         refit.Orchestrator(fabric="in_process")
 
 
+def test_both_entry_points_take_one_set_of_settings_with_one_set_of_defaults():
+    import inspect
+
+    train, infer = layouts()
+    with pytest.raises(TypeError, match="deadlin"):
+        refit.spawn_local(train, infer, deadlin=5.0)
+    with pytest.raises(refit.RefitError, match="control_timeout: -1"):
+        refit.spawn_local(train, infer, control_timeout=-1.0)
+    # spawn_local takes the settings' defaults from the binding;
+    # Orchestrator's signature spells them out: the two must agree.
+    binding = inspect.signature(refit._refit.Settings).parameters
+    spelled = inspect.signature(refit.Orchestrator.__init__).parameters
+    shared = [n for n in binding if n != "fabric"]
+    assert shared and all(n in spelled for n in shared)
+    assert {n: spelled[n].default for n in shared} == {n: binding[n].default for n in shared}
+
+
 class DLPackOnly:
     """An array seen only through the DLPack protocol."""
 

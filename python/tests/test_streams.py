@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import refit
+from refit import _arrays, _ranks
 
 torch = pytest.importorskip("torch")
 
@@ -28,13 +29,13 @@ def test_each_cuda_device_waits_for_torchs_current_stream_once(monkeypatch):
         def synchronize(self):
             synced.append(self.device)
 
-    monkeypatch.setattr(refit, "_torch_tensor", lambda obj: isinstance(obj, (FakeCudaTensor, torch.Tensor)))
+    monkeypatch.setattr(_arrays, "_torch_tensor", lambda obj: isinstance(obj, (FakeCudaTensor, torch.Tensor)))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream(device))
     objects = [FakeCudaTensor("cuda:0"), FakeCudaTensor("cuda:1"), FakeCudaTensor("cuda:0"), torch.zeros(4), np.zeros(4)]
-    refit._wait_for_producers(objects)
+    _arrays._wait_for_producers(objects)
     assert synced == ["cuda:0", "cuda:1"]
     synced.clear()
-    refit._wait_for_producers([torch.zeros(4), np.zeros(4)])  # host memory: nothing to wait for
+    _arrays._wait_for_producers([torch.zeros(4), np.zeros(4)])  # host memory: nothing to wait for
     assert synced == []
 
 
@@ -47,7 +48,7 @@ def test_stepping_waits_for_the_producers_before_the_version_goes_up(monkeypatch
     def wait(objects):
         seen.append((src.version, [id(o) for o in objects]))
 
-    monkeypatch.setattr(refit, "_wait_for_producers", wait)
+    monkeypatch.setattr(_ranks, "_wait_for_producers", wait)
     with src.stepping():
         w[:] = 1.0
     assert seen == [(None, [id(w)])], "waited once, before the version went up, for the registered objects"

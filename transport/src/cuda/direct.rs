@@ -26,7 +26,7 @@
 
 use crate::cuda::comm::{CommHandle, P2p};
 use crate::cuda::ipc::{IpcHandle, IpcHandleError, IPC_HANDLE_BYTES};
-use crate::cuda::plane::{check, done_layout, CommExecError, PlaneError, PlaneMemory, StagingSide};
+use crate::cuda::plane::{check, done_layout, CommExecError, PeerMissing, PlaneError, PlaneMemory, StagingSide, UnknownPeer};
 use reshard::{Block, DType, Endpoint, Span, ALL_DTYPES, MAX_DIMS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -330,11 +330,11 @@ pub(crate) fn done_reading(
     let mut ops = Vec::new();
     for (&peer, &at) in read_from.iter().zip(&send_at) {
         memory.write_staging(StagingSide::Send, at, &u64::from(r).to_le_bytes()).map_err(mem_err("writing a done token"))?;
-        let rank = rank_of(peer).ok_or(CommExecError::UnknownPeer { me, peer, round: r })?;
+        let rank = rank_of(peer).ok_or(UnknownPeer { me, peer, round: r, missing: PeerMissing::CommRank })?;
         ops.push(P2p::Send { peer: rank, addr: sbase + at, bytes: 8 });
     }
     for (&peer, &at) in read_by.iter().zip(&recv_at) {
-        let rank = rank_of(peer).ok_or(CommExecError::UnknownPeer { me, peer, round: r })?;
+        let rank = rank_of(peer).ok_or(UnknownPeer { me, peer, round: r, missing: PeerMissing::CommRank })?;
         ops.push(P2p::Recv { peer: rank, addr: rbase + at, bytes: 8 });
     }
     let after = memory.fence().map_err(mem_err("ordering the done group"))?;

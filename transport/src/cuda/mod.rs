@@ -47,6 +47,7 @@ pub use ipc::IpcHandle;
 pub use ipc_comm::{IpcComm, IpcMemory};
 pub use kernels::shipped_ptx_isa;
 pub use plane::{comm_rank, run_rank_comm, send_staging_bytes, CommExecError, CommPeers};
+pub use plane_error::{PeerMissing, UnknownPeer};
 pub use quantplan::QuantPlan;
 pub use schedule::ScheduleError;
 pub use sim::{abandoned_staging_bytes, arm, live_comms, sim_comm, sim_comm_id, SimBucket, SimFault, SimIpc, SimMemory};

@@ -32,7 +32,7 @@ use crate::cuda::comm::{CommHandle, Fence, P2p};
 use crate::cuda::copyplan::packed_offsets;
 use crate::cuda::direct::{self, done_reading, offer_of, read_directly, RegionOffer};
 pub use crate::cuda::plane_error::CommExecError;
-pub(crate) use crate::cuda::plane_error::{DeltaMessageError, PlaneError};
+pub(crate) use crate::cuda::plane_error::{DeltaMessageError, PeerMissing, PlaneError, UnknownPeer};
 use crate::cursor::{RankStats, Round, RoundCursor, Unexpected};
 use crate::delta::{decode, encode, unit_of, DeltaRun};
 use crate::exec::PieceOutOfBounds;
@@ -424,7 +424,7 @@ impl RoundRun<'_, '_, '_> {
         let (send_at, recv_at) = (&layout.out.dense.0, &layout.into.dense.0);
         let mut ops = Vec::new();
         for (i, m) in sends.iter().enumerate() {
-            let peer = (self.peers.rank_of)(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
+            let peer = (self.peers.rank_of)(m.peer).ok_or(UnknownPeer { me, peer: m.peer, round: r, missing: PeerMissing::CommRank })?;
             if self.direct(m.peer) {
                 let bytes = offer_of(me, self.memory, m)?;
                 self.memory.write_staging(StagingSide::Send, send_at[i], &bytes).map_err(self.mem_err("writing an offer"))?;
@@ -438,7 +438,7 @@ impl RoundRun<'_, '_, '_> {
             ops.push(P2p::Send { peer, addr: sbase + send_at[i], bytes: layout.sends[i].1 });
         }
         for (i, m) in recvs.iter().enumerate() {
-            let peer = (self.peers.rank_of)(m.peer).ok_or(CommExecError::UnknownPeer { me, peer: m.peer, round: r })?;
+            let peer = (self.peers.rank_of)(m.peer).ok_or(UnknownPeer { me, peer: m.peer, round: r, missing: PeerMissing::CommRank })?;
             ops.push(P2p::Recv { peer, addr: rbase + recv_at[i], bytes: layout.recvs[i].1 });
         }
         Ok(ops)

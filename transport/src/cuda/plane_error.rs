@@ -28,15 +28,8 @@ pub enum CommExecError {
         want: Vec<usize>,
     },
     /// A peer has no rank in the communicator.
-    #[error("{me}: round {round}: peer {peer} has no rank in the communicator")]
-    UnknownPeer {
-        /// This rank.
-        me: Endpoint,
-        /// The peer.
-        peer: Endpoint,
-        /// Round.
-        round: u32,
-    },
+    #[error(transparent)]
+    UnknownPeer(#[from] UnknownPeer),
     /// A piece does not fit this rank's memory.
     #[error(transparent)]
     OutOfBounds(#[from] PieceOutOfBounds),
@@ -115,6 +108,39 @@ pub enum CommExecError {
         /// What does not fit.
         problem: String,
     },
+}
+
+/// A message names a peer the run does not know: every plane's and the
+/// same-device schedule's check, one error.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("{me}: round {round}: peer {peer} has no {missing}")]
+pub struct UnknownPeer {
+    /// The rank naming it.
+    pub me: Endpoint,
+    /// The unknown peer.
+    pub peer: Endpoint,
+    /// Round.
+    pub round: u32,
+    /// What the peer lacks.
+    pub missing: PeerMissing,
+}
+
+/// What an [`UnknownPeer`] lacks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerMissing {
+    /// No rank in the communicator.
+    CommRank,
+    /// No program in the same-device schedule.
+    Program,
+}
+
+impl std::fmt::Display for PeerMissing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeerMissing::CommRank => "rank in the communicator",
+            PeerMissing::Program => "program",
+        })
+    }
 }
 
 impl CommExecError {

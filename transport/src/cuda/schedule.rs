@@ -14,6 +14,7 @@
 
 use crate::copy::fits;
 use crate::cursor::{Round, RoundCursor, Unexpected};
+use crate::cuda::plane_error::{PeerMissing, UnknownPeer};
 use crate::exec::PieceOutOfBounds;
 use reshard::{Block, DType, Endpoint, RankProgram, Span};
 use std::collections::HashMap;
@@ -103,15 +104,8 @@ pub enum ScheduleError {
         round: u32,
     },
     /// A message names a rank with no program.
-    #[error("{me}: round {round}: peer {peer} has no program")]
-    UnknownPeer {
-        /// The rank naming it.
-        me: Endpoint,
-        /// The unknown peer.
-        peer: Endpoint,
-        /// Round.
-        round: u32,
-    },
+    #[error(transparent)]
+    UnknownPeer(#[from] UnknownPeer),
     /// A span falls outside its buffer.
     #[error(transparent)]
     OutOfBounds(#[from] PieceOutOfBounds),
@@ -175,7 +169,7 @@ pub(crate) fn same_device_schedule(programs: &[RankProgram]) -> Result<Schedule,
         for (i, rd) in this.iter().enumerate() {
             for msg in rd.map_or(&[][..], |rd| rd.recvs) {
                 let (me, peer) = (programs[i].endpoint, msg.peer);
-                let &j = index.get(&peer).ok_or(ScheduleError::UnknownPeer { me, peer, round })?;
+                let &j = index.get(&peer).ok_or(UnknownPeer { me, peer, round, missing: PeerMissing::Program })?;
                 let sent =
                     this[j].and_then(|sr| sr.sends.iter().find(|m| m.peer == me)).ok_or(ScheduleError::Unmatched { me, peer, round })?;
                 let bad = |problem: String| ScheduleError::Mismatch { me, peer, round, problem };
