@@ -34,7 +34,7 @@ use crate::cuda::direct::{self, done_reading, offer_of, read_directly, RegionOff
 pub use crate::cuda::plane_error::CommExecError;
 pub(crate) use crate::cuda::plane_error::{DeltaMessageError, PeerMissing, PlaneError, UnknownPeer};
 use crate::cursor::{RankStats, Round, RoundCursor, Unexpected};
-use crate::delta::{decode, encode, unit_of, DeltaRun};
+use crate::delta::{decode_kept, encode_kept, unit_of, DeltaRun, KeptMessage};
 use crate::exec::PieceOutOfBounds;
 use reshard::{Block, DType, Endpoint, Group, RankProgram, Span};
 use std::time::Instant;
@@ -522,9 +522,9 @@ fn exchange_delta(
         let unit = unit_of(m.pieces.views().map(|p| p.wire()));
         let key = (r, m.peer);
         let base = d.base.as_mut().and_then(|b| b.sent.remove(&key));
-        let e = encode(base.as_deref(), &dense, unit);
+        let (e, crc) = encode_kept(base.as_ref(), &dense, unit);
         d.wire_bytes = d.wire_bytes.saturating_add(e.len() as u64);
-        d.next.sent.insert(key, dense);
+        d.next.sent.insert(key, KeptMessage { bytes: dense, crc });
         encoded.push(e);
     }
     // Group 1: the lengths.
@@ -576,12 +576,12 @@ fn exchange_delta(
         let unit = unit_of(m.pieces.views().map(|p| p.wire()));
         let key = (r, m.peer);
         let base = d.base.as_mut().and_then(|b| b.received.remove(&key));
-        let dense = decode(base, &e, unit, into.lens[i]).map_err(|e| delta_err(m.peer)(e.into()))?;
-        rebuilt.push((key, dense));
+        let kept = decode_kept(base, &e, unit, into.lens[i]).map_err(|e| delta_err(m.peer)(e.into()))?;
+        rebuilt.push((key, kept));
     }
-    for (i, (key, dense)) in rebuilt.into_iter().enumerate() {
-        memory.write_staging(StagingSide::Recv, into.dense.0[i], &dense).map_err(mem_err("writing a rebuilt message"))?;
-        d.next.received.insert(key, dense);
+    for (i, (key, kept)) in rebuilt.into_iter().enumerate() {
+        memory.write_staging(StagingSide::Recv, into.dense.0[i], &kept.bytes).map_err(mem_err("writing a rebuilt message"))?;
+        d.next.received.insert(key, kept);
     }
     Ok(())
 }

@@ -44,14 +44,37 @@ pub const HEADER: usize = 26;
 /// what it receives in a refit.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DeltaMemo {
-    pub(crate) sent: std::collections::HashMap<(u32, reshard::Endpoint), Vec<u8>>,
-    pub(crate) received: std::collections::HashMap<(u32, reshard::Endpoint), Vec<u8>>,
+    pub(crate) sent: std::collections::HashMap<(u32, reshard::Endpoint), KeptMessage>,
+    pub(crate) received: std::collections::HashMap<(u32, reshard::Endpoint), KeptMessage>,
 }
 
 impl DeltaMemo {
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
-        self.sent.values().chain(self.received.values()).map(|v| v.len() as u64).sum()
+        self.sent.values().chain(self.received.values()).map(|k| k.bytes.len() as u64).sum()
+    }
+}
+
+/// A message's packed bytes as a refit moved them, with their CRC-32C
+/// (computed by the encoder or checked by the decoder as they were made,
+/// so the next delta refit does not read them again to name its base).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeptMessage {
+    /// The bytes.
+    pub(crate) bytes: Vec<u8>,
+    /// Their CRC-32C.
+    pub(crate) crc: u32,
+}
+
+impl KeptMessage {
+    /// `bytes` kept, their CRC-32C computed.
+    pub fn new(bytes: Vec<u8>) -> KeptMessage {
+        KeptMessage { crc: crc32c::crc32c(&bytes), bytes }
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
     }
 }
 
@@ -142,15 +165,23 @@ fn valid_unit(unit: usize) -> bool {
 /// another form is shorter (or the changes overflow the gaps form's
 /// areas, counted then), that form is written into the same buffer.
 pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
+    let base = base.map(|b| KeptMessage::new(b.to_vec()));
+    encode_kept(base.as_ref(), new, unit).0
+}
+
+/// [`encode`] on a base kept with its CRC-32C, as a delta run keeps it
+/// (what a run pays: the base is not read again to name it): the
+/// encoding and the CRC of `new`, to keep it with.
+pub fn encode_kept(base: Option<&KeptMessage>, new: &[u8], unit: usize) -> (Vec<u8>, u32) {
     let unit = unit_for(new.len() as u64, unit);
     let units = (new.len() / unit) as u64;
     let crc = crc32c::crc32c(new);
     let mut out = vec![0u8; HEADER + new.len()];
-    let Some(base) = base.filter(|b| b.len() == new.len()) else {
+    let Some((base, base_crc)) = base.map(|k| (&k.bytes[..], k.crc)).filter(|(b, _)| b.len() == new.len()) else {
         let payload = write_dense(new, &mut out[HEADER..]);
-        return finish(out, (DENSE, unit, units), (0, crc), payload);
+        return (finish(out, (DENSE, unit, units), (0, crc), payload), crc);
     };
-    let crcs = (crc32c::crc32c(base), crc);
+    let crcs = (base_crc, crc);
     let changes = Changes { base, new, unit };
     let gaps = write_gaps(&changes, &mut out[HEADER..]);
     // More changed units than this and no form beats dense.
@@ -161,13 +192,13 @@ pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
     };
     let Some(changed) = changed else {
         let payload = write_dense(new, &mut out[HEADER..]);
-        return finish(out, (DENSE, unit, units), crcs, payload);
+        return (finish(out, (DENSE, unit, units), crcs, payload), crc);
     };
     let values = changed * unit;
     let bitmap_len = (units as usize).div_ceil(8) + values;
     let indices_len = if units <= u32::MAX as u64 { changed * 4 + values } else { usize::MAX };
     let listed = bitmap_len.min(indices_len);
-    match gaps {
+    let encoded = match gaps {
         Some((_, payload)) if payload <= listed && payload < new.len() => finish(out, (GAPS, unit, units), crcs, payload),
         _ if new.len() <= listed => {
             let payload = write_dense(new, &mut out[HEADER..]);
@@ -178,7 +209,8 @@ pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
             let payload = write_listed(&changes, form, changed, &mut out[HEADER..]);
             finish(out, (form, unit, units), crcs, payload)
         }
-    }
+    };
+    (encoded, crc)
 }
 
 /// `out` with its header written and cut to the header and `payload`.
@@ -206,17 +238,16 @@ fn write_gaps(changes: &Changes<'_>, out: &mut [u8]) -> Option<(usize, usize)> {
     let (stream_area, values) = rest.split_at_mut(stream_most);
     let mut gaps = rice::GapWriter::new(stream_area, rice::START_K);
     let (mut next, mut at) = (0usize, 0usize);
-    let whole = changes.try_for_each(|i| {
+    for i in changes.positions() {
         if at + unit > values.len() || gaps.overflowed() {
-            return false;
+            return None;
         }
         gaps.gap((i - next) as u64);
         copy_unit(values, at, &changes.new[i * unit..], unit);
         next = i + 1;
         at += unit;
-        true
-    });
-    let stream = gaps.finish().filter(|_| whole)?;
+    }
+    let stream = gaps.finish()?;
     let changed = at / unit;
     head[0] = rice::START_K as u8;
     head[1..9].copy_from_slice(&(changed as u64).to_le_bytes());
@@ -234,7 +265,7 @@ fn write_listed(changes: &Changes<'_>, form: u8, changed: usize, out: &mut [u8])
     // (A gaps form written before left its bytes here.)
     lead_area.fill(0);
     let mut k = 0usize;
-    changes.for_each(|i| {
+    for i in changes.positions() {
         if form == INDICES {
             lead_area[k * 4..k * 4 + 4].copy_from_slice(&(i as u32).to_le_bytes());
         } else {
@@ -242,93 +273,178 @@ fn write_listed(changes: &Changes<'_>, form: u8, changed: usize, out: &mut [u8])
         }
         copy_unit(vals, k * unit, &changes.new[i * unit..], unit);
         k += 1;
-    });
+    }
     debug_assert_eq!(k, changed);
     lead + changed * unit
 }
 
 /// The `unit`-byte units where `new` differs from `base` (same lengths, a
-/// multiple of `unit`), compared 8 bytes at a time, walked without being
-/// listed.
+/// multiple of `unit`), walked without being listed.
 struct Changes<'a> {
     base: &'a [u8],
     new: &'a [u8],
     unit: usize,
 }
 
-impl Changes<'_> {
-    /// Calls `f` with the index of every changed unit, ascending.
-    fn for_each(&self, mut f: impl FnMut(usize)) {
-        let _ = self.try_for_each(|i| {
-            f(i);
-            true
-        });
+impl<'a> Changes<'a> {
+    /// The index of every changed unit, ascending.
+    fn positions(&self) -> Positions<'a> {
+        let groups = (self.new.len() / self.unit).div_ceil(64);
+        Positions { base: self.base, new: self.new, unit: self.unit, groups, first: 0, filled: 0, g: 0, current: 0, masks: [0; BLOCK] }
     }
 
     /// How many units changed; `None` as soon as more than `most` did (a
     /// message that changed all over is not walked to its end).
     fn count_up_to(&self, most: usize) -> Option<usize> {
         let mut count = 0usize;
-        self.try_for_each(|_| {
+        for _ in self.positions() {
             count += 1;
-            count <= most
-        })
-        .then_some(count)
+            if count > most {
+                return None;
+            }
+        }
+        Some(count)
     }
+}
 
-    /// Calls `f` with the index of every changed unit, ascending, while it
-    /// returns true; whether it always did. Compares a word (8 bytes) at a
-    /// time, and within a word that differs, each unit's bits.
-    fn try_for_each(&self, mut f: impl FnMut(usize) -> bool) -> bool {
-        let (base, new, unit) = (self.base, self.new, self.unit);
-        let per_word = 8 / unit;
-        let unit_bits = unit as u32 * 8;
-        let (new_words, _) = new.as_chunks::<8>();
-        let (base_words, _) = base.as_chunks::<8>();
-        for (w, (n, b)) in new_words.iter().zip(base_words).enumerate() {
-            let differs = u64::from_le_bytes(*n) ^ u64::from_le_bytes(*b);
-            if differs == 0 {
-                continue;
+/// Groups of 64 units compared at a time into a block of masks.
+const BLOCK: usize = 64;
+
+/// The iterator of [`Changes::positions`]: compares a block of
+/// [`BLOCK`] groups of 64 units at a time into masks of the units that
+/// differ ([`differing`]), then walks their set bits.
+struct Positions<'a> {
+    base: &'a [u8],
+    new: &'a [u8],
+    unit: usize,
+    /// Groups of 64 units in the message (the last may be short).
+    groups: usize,
+    /// The group `masks[0]` is of.
+    first: usize,
+    /// Masks of the block (`masks[..filled]`).
+    filled: usize,
+    /// The mask being walked (`masks[g]`, its bits left in `current`).
+    g: usize,
+    current: u64,
+    masks: [u64; BLOCK],
+}
+
+impl Iterator for Positions<'_> {
+    type Item = usize;
+
+    #[inline]
+    fn next(&mut self) -> Option<usize> {
+        while self.current == 0 {
+            self.g += 1;
+            if self.g >= self.filled && !self.next_block() {
+                return None;
             }
-            let mut lanes = changed_lanes(differs, unit);
-            while lanes != 0 {
-                let lane = (lanes.trailing_zeros() / unit_bits) as usize;
-                lanes &= lanes - 1;
-                if !f(w * per_word + lane) {
-                    return false;
-                }
-            }
+            self.current = self.masks[self.g];
         }
-        let words = new.len() / 8;
-        let unit_differs = |i: usize| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit];
-        for i in ((words * 8 / unit)..(new.len() / unit)).filter(|&i| unit_differs(i)) {
-            if !f(i) {
-                return false;
-            }
+        let i = (self.first + self.g) * 64 + self.current.trailing_zeros() as usize;
+        self.current &= self.current - 1;
+        Some(i)
+    }
+}
+
+impl Positions<'_> {
+    /// Compares the next block (`g` at its first mask); false at the end.
+    fn next_block(&mut self) -> bool {
+        let first = self.first + self.filled;
+        if first >= self.groups {
+            return false;
         }
+        let end = (first + BLOCK).min(self.groups);
+        let (lo, hi) = (first * 64 * self.unit, (end * 64 * self.unit).min(self.new.len()));
+        let (new, base, masks) = (&self.new[lo..hi], &self.base[lo..hi], &mut self.masks[..end - first]);
+        match self.unit {
+            1 => differing::<1>(new, base, masks),
+            2 => differing::<2>(new, base, masks),
+            4 => differing::<4>(new, base, masks),
+            _ => differing::<8>(new, base, masks),
+        }
+        (self.first, self.filled, self.g) = (first, end - first, 0);
         true
     }
 }
 
-/// One bit (within its lane) for each `unit`-byte lane of `differs` (a
-/// word of XORed bytes, little-endian) that is not zero, none elsewhere:
-/// each lane's bytes ORed into its lowest byte, which overflows into the
-/// next bit when not zero.
-#[inline]
-fn changed_lanes(differs: u64, unit: usize) -> u64 {
-    const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
-    match unit {
-        1 => (((differs & LOW7) + LOW7) | differs) & !LOW7,
-        2 => {
-            let low = (differs | differs >> 8) & 0x00ff_00ff_00ff_00ff;
-            (low + 0x00ff_00ff_00ff_00ff) & 0x0100_0100_0100_0100
+/// Into `masks[g]`, bit `i` set where unit `i` of group `g` (64 units of
+/// `U` bytes; the last group may be short) of `new` and `base` differ: as
+/// vector compares on x86-64 (SSE2, [`sse2`]), one unit at a time
+/// elsewhere and for a short group.
+fn differing<const U: usize>(new: &[u8], base: &[u8], masks: &mut [u64]) {
+    let (new_groups, new_tail) = new.as_chunks::<U>().0.as_chunks::<64>();
+    let (base_groups, base_tail) = base.as_chunks::<U>().0.as_chunks::<64>();
+    let whole = new_groups.len();
+    #[cfg(target_arch = "x86_64")]
+    if U <= 4 {
+        // SAFETY: `sse2::differing` is compiled for SSE2, which every
+        // x86-64 processor has (the target's baseline); it assumes
+        // nothing else.
+        unsafe { sse2::differing(new_groups, base_groups, &mut masks[..whole]) };
+    } else {
+        scalar_differing(new_groups, base_groups, &mut masks[..whole]);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    scalar_differing(new_groups, base_groups, &mut masks[..whole]);
+    if let Some(last) = masks.get_mut(whole) {
+        *last = new_tail.iter().zip(base_tail).enumerate().fold(0, |m, (i, (n, b))| m | u64::from(n != b) << i);
+    }
+}
+
+/// [`differing`] one unit at a time.
+fn scalar_differing<const U: usize>(new: &[[[u8; U]; 64]], base: &[[[u8; U]; 64]], masks: &mut [u64]) {
+    for ((n, b), mask) in new.iter().zip(base).zip(masks.iter_mut()) {
+        *mask = (0..64).fold(0u64, |m, i| m | u64::from(n[i] != b[i]) << i);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod sse2 {
+    use core::arch::x86_64::{__m128i, _mm_cmpeq_epi16, _mm_cmpeq_epi32, _mm_cmpeq_epi8, _mm_movemask_epi8, _mm_packs_epi16, _mm_packs_epi32, _mm_set_epi64x};
+
+    /// [`super::differing`] for units of `U` = 1, 2 or 4 bytes.
+    #[target_feature(enable = "sse2")]
+    pub(super) fn differing<const U: usize>(new: &[[[u8; U]; 64]], base: &[[[u8; U]; 64]], masks: &mut [u64]) {
+        for ((n, b), mask) in new.iter().zip(base).zip(masks.iter_mut()) {
+            let (n, b) = (n.as_flattened(), b.as_flattened());
+            let step = 16 * U;
+            *mask = (0..4).fold(0u64, |m, j| {
+                let at = j * step..(j + 1) * step;
+                m | u64::from(differing16::<U>(&n[at.clone()], &b[at])) << (16 * j)
+            });
         }
-        4 => {
-            let folded = differs | differs >> 16;
-            let low = (folded | folded >> 8) & 0x0000_00ff_0000_00ff;
-            (low + 0x0000_00ff_0000_00ff) & 0x0000_0100_0000_0100
-        }
-        _ => u64::from(differs != 0),
+    }
+
+    /// Sixteen bytes as a vector (two word loads the compiler merges).
+    #[target_feature(enable = "sse2")]
+    #[inline]
+    fn load(b: &[u8]) -> __m128i {
+        let word = |at: usize| i64::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3], b[at + 4], b[at + 5], b[at + 6], b[at + 7]]);
+        _mm_set_epi64x(word(8), word(0))
+    }
+
+    /// Bit `i` set where unit `i` (of `U` = 1, 2 or 4 bytes) of the
+    /// sixteen units in `new` and `base` (`16 * U` bytes each) differs.
+    #[target_feature(enable = "sse2")]
+    #[inline]
+    fn differing16<const U: usize>(new: &[u8], base: &[u8]) -> u16 {
+        let eq = |v: usize| {
+            let (n, b) = (load(&new[16 * v..16 * v + 16]), load(&base[16 * v..16 * v + 16]));
+            match U {
+                1 => _mm_cmpeq_epi8(n, b),
+                2 => _mm_cmpeq_epi16(n, b),
+                _ => _mm_cmpeq_epi32(n, b),
+            }
+        };
+        // Each unit's lanes all ones where equal, packed (signed
+        // saturation keeps -1 and 0) down to one byte per unit.
+        let bytes = match U {
+            1 => eq(0),
+            2 => _mm_packs_epi16(eq(0), eq(1)),
+            _ => _mm_packs_epi16(_mm_packs_epi32(eq(0), eq(1)), _mm_packs_epi32(eq(2), eq(3))),
+        };
+        !(_mm_movemask_epi8(bytes) as u16)
     }
 }
 
@@ -404,6 +520,13 @@ pub fn check_encoded_len(encoded: u64, len: u64) -> Result<(), DeltaError> {
 /// before any is used, so a peer claiming more changed units than it sent
 /// costs no memory.
 pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> Result<Vec<u8>, DeltaError> {
+    let base = base.map(|bytes| KeptMessage { crc: crc32c::crc32c(&bytes), bytes });
+    decode_kept(base, encoded, unit, len).map(|kept| kept.bytes)
+}
+
+/// [`decode`] on a base kept with its CRC-32C, as a delta run keeps it
+/// (what a run pays): the rebuilt message, kept with its CRC.
+pub fn decode_kept(base: Option<KeptMessage>, encoded: &[u8], unit: usize, len: u64) -> Result<KeptMessage, DeltaError> {
     let bad = |why: String| DeltaError::Malformed(why);
     check_encoded_len(encoded.len() as u64, len)?;
     if encoded.len() < HEADER {
@@ -433,13 +556,12 @@ pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> R
         }
         BITMAP | INDICES | GAPS => {
             let base = base.ok_or(DeltaError::OtherBase { want: base_crc, have: 0 })?;
-            let have = crc32c::crc32c(&base);
-            if base.len() != len || have != base_crc {
-                return Err(DeltaError::OtherBase { want: base_crc, have });
+            if base.bytes.len() != len || base.crc != base_crc {
+                return Err(DeltaError::OtherBase { want: base_crc, have: base.crc });
             }
             // `units` = len / unit, at most the base's length.
             let units = len / unit;
-            let mut out = base;
+            let mut out = base.bytes;
             if form == BITMAP {
                 let (bits, values) = body.split_at_checked(units.div_ceil(8)).ok_or_else(|| bad("bitmap cut short".into()))?;
                 // Bits past the last unit are never set.
@@ -489,7 +611,7 @@ pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> R
     if got != crc {
         return Err(DeltaError::Corrupt { want: crc, got });
     }
-    Ok(out)
+    Ok(KeptMessage { bytes: out, crc })
 }
 
 /// Patches `out` (the base, `unit`-byte units) with the gaps form's
@@ -539,6 +661,33 @@ mod tests {
             new[u * 2] ^= 0x5a;
         }
         (base, new)
+    }
+
+    /// The positions the block-wise vector compares find are exactly the
+    /// units that differ, for every unit size, across short last groups
+    /// and block boundaries.
+    #[test]
+    fn positions_are_every_unit_that_differs() {
+        let mut seed = 7u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed >> 33
+        };
+        for unit in [1usize, 2, 4, 8] {
+            for units in [0usize, 1, 63, 64, 65, 4095, 4096, 4097, 64 * BLOCK * 2 + 17] {
+                let base: Vec<u8> = (0..units * unit).map(|_| next() as u8).collect();
+                let mut new = base.clone();
+                for b in new.iter_mut() {
+                    // About one byte in twelve changes (each of a unit's bytes alone).
+                    if next() % 12 == 0 {
+                        *b ^= 1 << (next() % 8);
+                    }
+                }
+                let want: Vec<usize> = (0..units).filter(|&i| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit]).collect();
+                let got: Vec<usize> = Changes { base: &base, new: &new, unit }.positions().collect();
+                assert_eq!(got, want, "unit {unit}, {units} units");
+            }
+        }
     }
 
     #[test]
@@ -679,23 +828,6 @@ mod tests {
         malformed(decode(Some(base.clone()), &e, 1, 64), "cut short");
     }
 
-    #[test]
-    fn changed_lanes_marks_each_lane_that_differs() {
-        for unit in [1usize, 2, 4, 8] {
-            for lane in 0..8 / unit {
-                for byte in 0..unit {
-                    for bit in [0, 7] {
-                        let differs = 1u64 << ((lane * unit + byte) * 8 + bit);
-                        let lanes = changed_lanes(differs, unit);
-                        assert_eq!(lanes.count_ones(), 1, "unit {unit} lane {lane} byte {byte} bit {bit}");
-                        assert_eq!(lanes.trailing_zeros() as usize / (unit * 8), lane, "unit {unit} lane {lane} byte {byte}");
-                    }
-                }
-            }
-            assert_eq!(changed_lanes(u64::MAX, unit).count_ones() as usize, 8 / unit, "unit {unit}: all");
-            assert_eq!(changed_lanes(0, unit), 0);
-        }
-    }
 
     proptest! {
         /// Whatever a peer sends as a gaps body: an error or a message,

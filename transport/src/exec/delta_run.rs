@@ -4,7 +4,7 @@
 
 use super::pack::Unpack;
 use super::ExecError;
-use crate::delta::{check_encoded_len, decode, encode, unit_of, DeltaRun};
+use crate::delta::{check_encoded_len, decode_kept, encode_kept, unit_of, DeltaRun, KeptMessage};
 use crate::transport::Payload;
 use reshard::{Endpoint, Message, RecvPiece, SendPiece};
 
@@ -30,9 +30,9 @@ pub(super) fn delta_encode(
     let unit = unit_of(msg.pieces.views().map(|p| p.wire()));
     let key = (round, msg.peer);
     let base = d.base.as_mut().and_then(|b| b.sent.remove(&key));
-    let encoded = encode(base.as_deref(), &dense, unit);
+    let (encoded, crc) = encode_kept(base.as_ref(), &dense, unit);
     d.wire_bytes += encoded.len() as u64;
-    d.next.sent.insert(key, dense);
+    d.next.sent.insert(key, KeptMessage { bytes: dense, crc });
     Ok(Payload::Bytes(encoded))
 }
 
@@ -48,7 +48,7 @@ pub(super) fn delta_decode(
     msg: &Message<RecvPiece>,
     payload: Payload,
     d: &mut DeltaRun,
-) -> Result<Vec<u8>, Unpack> {
+) -> Result<KeptMessage, Unpack> {
     let len = msg.wire_bytes();
     // Whatever carries it, an encoding longer than the message's densest
     // form is refused on its length, before it is copied or read.
@@ -72,7 +72,7 @@ pub(super) fn delta_decode(
     };
     let key = (round, peer);
     let base = d.base.as_mut().and_then(|b| b.received.remove(&key));
-    decode(base, &encoded, unit_of(msg.pieces.views().map(|p| p.wire())), len).map_err(|e| Unpack::Bad(e.to_string()))
+    decode_kept(base, &encoded, unit_of(msg.pieces.views().map(|p| p.wire())), len).map_err(|e| Unpack::Bad(e.to_string()))
 }
 
 #[cfg(test)]
@@ -118,7 +118,7 @@ mod tests {
             }
             Err(Unpack::Broken(m)) => panic!("broken: {m}"),
             Err(Unpack::Exec(e)) => panic!("{e}"),
-            Ok(v) => panic!("decoded {} bytes", v.len()),
+            Ok(v) => panic!("decoded {} bytes", v.bytes.len()),
         }
     }
 }

@@ -320,9 +320,9 @@ fn run_rounds<T: Transport>(
                 let into = UnpackTarget { me, mem, bypass, routes: &routes };
                 let unpacked = match delta.as_deref_mut() {
                     None => unpack(&into, msg, payload, &mut stage.buffers),
-                    Some(d) => delta_decode(round, peer, msg, payload, d).and_then(|dense| {
-                        let unpacked = unpack_bytes(&into, msg, &dense);
-                        d.next.received.insert((round, peer), dense);
+                    Some(d) => delta_decode(round, peer, msg, payload, d).and_then(|kept| {
+                        let unpacked = unpack_bytes(&into, msg, &kept.bytes);
+                        d.next.received.insert((round, peer), kept);
                         unpacked
                     }),
                 };
