@@ -175,15 +175,22 @@ pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
 pub fn encode_kept(base: Option<&KeptMessage>, new: &[u8], unit: usize) -> (Vec<u8>, u32) {
     let unit = unit_for(new.len() as u64, unit);
     let units = (new.len() / unit) as u64;
-    let crc = crc32c::crc32c(new);
     let mut out = vec![0u8; HEADER + new.len()];
     let Some((base, base_crc)) = base.map(|k| (&k.bytes[..], k.crc)).filter(|(b, _)| b.len() == new.len()) else {
+        let crc = crc32c::crc32c(new);
         let payload = write_dense(new, &mut out[HEADER..]);
         return (finish(out, (DENSE, unit, units), (0, crc), payload), crc);
     };
-    let crcs = (base_crc, crc);
     let changes = Changes { base, new, unit };
-    let gaps = write_gaps(&changes, &mut out[HEADER..]);
+    let (gaps, crc) = match unit {
+        1 => write_gaps::<1>(&changes, &mut out[HEADER..]),
+        2 => write_gaps::<2>(&changes, &mut out[HEADER..]),
+        4 => write_gaps::<4>(&changes, &mut out[HEADER..]),
+        _ => write_gaps::<8>(&changes, &mut out[HEADER..]),
+    };
+    // The gaps form read every byte of `new` unless it stopped early.
+    let crc = crc.unwrap_or_else(|| crc32c::crc32c(new));
+    let crcs = (base_crc, crc);
     // More changed units than this and no form beats dense.
     let most = (new.len() - (units as usize).div_ceil(8).min(new.len())) / unit;
     let changed = match gaps {
@@ -229,31 +236,46 @@ fn write_dense(new: &[u8], out: &mut [u8]) -> usize {
 /// Writes the gaps form's payload into `out` (the dense form's size) in
 /// one pass: the gap stream from the front (at most a quarter of `out`)
 /// and the values behind it, moved down behind the stream at the end.
-/// The changed units and the payload's length; `None` if they overflowed
-/// either area (a denser message than the form suits).
-fn write_gaps(changes: &Changes<'_>, out: &mut [u8]) -> Option<(usize, usize)> {
-    let unit = changes.unit;
-    let stream_most = out.len().checked_sub(GAPS_HEADER)? / 4;
+/// The changed units and the payload's length (`None` if they overflowed
+/// either area: a denser message than the form suits), and the CRC-32C of
+/// the message if every byte was read (the comparison computes it as it
+/// goes).
+fn write_gaps<const U: usize>(changes: &Changes<'_>, out: &mut [u8]) -> (Option<(usize, usize)>, Option<u32>) {
+    let Some(stream_most) = out.len().checked_sub(GAPS_HEADER).map(|l| l / 4) else { return (None, None) };
     let (head, rest) = out.split_at_mut(GAPS_HEADER);
     let (stream_area, values) = rest.split_at_mut(stream_most);
     let mut gaps = rice::GapWriter::new(stream_area, rice::START_K);
     let (mut next, mut at) = (0usize, 0usize);
-    for i in changes.positions() {
-        if at + unit > values.len() || gaps.overflowed() {
-            return None;
+    // A block of masks at a time, walked here (the hot loop, kept in
+    // registers).
+    let (mut masks, mut crc, mut first) = ([0u64; BLOCK], 0u32, 0usize);
+    let groups = changes.groups();
+    while first < groups {
+        let filled = changes.compare_block(first, &mut masks, &mut crc);
+        for (g, &mask) in masks[..filled].iter().enumerate() {
+            let (mut differ, group) = (mask, (first + g) * 64);
+            while differ != 0 {
+                let i = group + differ.trailing_zeros() as usize;
+                differ &= differ - 1;
+                if at + U > values.len() || gaps.overflowed() {
+                    return (None, None);
+                }
+                gaps.gap((i - next) as u64);
+                values[at..at + U].copy_from_slice(&changes.new[i * U..i * U + U]);
+                next = i + 1;
+                at += U;
+            }
         }
-        gaps.gap((i - next) as u64);
-        copy_unit(values, at, &changes.new[i * unit..], unit);
-        next = i + 1;
-        at += unit;
+        first += filled;
     }
-    let stream = gaps.finish()?;
-    let changed = at / unit;
+    let crc = Some(crc);
+    let Some(stream) = gaps.finish() else { return (None, crc) };
+    let changed = at / U;
     head[0] = rice::START_K as u8;
     head[1..9].copy_from_slice(&(changed as u64).to_le_bytes());
     head[9..GAPS_HEADER].copy_from_slice(&(stream as u64).to_le_bytes());
     rest.copy_within(stream_most..stream_most + at, stream);
-    Some((changed, GAPS_HEADER + stream + at))
+    (Some((changed, GAPS_HEADER + stream + at)), crc)
 }
 
 /// Writes the bitmap or indices form's payload for `changed` changed units
@@ -289,8 +311,29 @@ struct Changes<'a> {
 impl<'a> Changes<'a> {
     /// The index of every changed unit, ascending.
     fn positions(&self) -> Positions<'a> {
-        let groups = (self.new.len() / self.unit).div_ceil(64);
-        Positions { base: self.base, new: self.new, unit: self.unit, groups, first: 0, filled: 0, g: 0, current: 0, masks: [0; BLOCK] }
+        Positions { changes: Changes { ..*self }, groups: self.groups(), first: 0, filled: 0, g: 0, current: 0, masks: [0; BLOCK], crc: 0 }
+    }
+
+    /// Groups of 64 units in the message (the last may be short).
+    fn groups(&self) -> usize {
+        (self.new.len() / self.unit).div_ceil(64)
+    }
+
+    /// Compares the block of (up to) [`BLOCK`] groups from group `first`
+    /// into `masks` ([`differing`]) and appends its bytes of `new` to
+    /// `crc` (while they are in the cache): the groups compared.
+    fn compare_block(&self, first: usize, masks: &mut [u64; BLOCK], crc: &mut u32) -> usize {
+        let end = (first + BLOCK).min(self.groups());
+        let (lo, hi) = (first * 64 * self.unit, (end * 64 * self.unit).min(self.new.len()));
+        let (new, base, masks) = (&self.new[lo..hi], &self.base[lo..hi], &mut masks[..end - first]);
+        *crc = crc32c::crc32c_append(*crc, new);
+        match self.unit {
+            1 => differing::<1>(new, base, masks),
+            2 => differing::<2>(new, base, masks),
+            4 => differing::<4>(new, base, masks),
+            _ => differing::<8>(new, base, masks),
+        }
+        end - first
     }
 
     /// How many units changed; `None` as soon as more than `most` did (a
@@ -314,9 +357,7 @@ const BLOCK: usize = 64;
 /// [`BLOCK`] groups of 64 units at a time into masks of the units that
 /// differ ([`differing`]), then walks their set bits.
 struct Positions<'a> {
-    base: &'a [u8],
-    new: &'a [u8],
-    unit: usize,
+    changes: Changes<'a>,
     /// Groups of 64 units in the message (the last may be short).
     groups: usize,
     /// The group `masks[0]` is of.
@@ -327,6 +368,8 @@ struct Positions<'a> {
     g: usize,
     current: u64,
     masks: [u64; BLOCK],
+    /// CRC-32C of the blocks of `new` compared so far.
+    crc: u32,
 }
 
 impl Iterator for Positions<'_> {
@@ -336,8 +379,12 @@ impl Iterator for Positions<'_> {
     fn next(&mut self) -> Option<usize> {
         while self.current == 0 {
             self.g += 1;
-            if self.g >= self.filled && !self.next_block() {
-                return None;
+            if self.g >= self.filled {
+                let first = self.first + self.filled;
+                if first >= self.groups {
+                    return None;
+                }
+                (self.first, self.filled, self.g) = (first, self.changes.compare_block(first, &mut self.masks, &mut self.crc), 0);
             }
             self.current = self.masks[self.g];
         }
@@ -348,23 +395,10 @@ impl Iterator for Positions<'_> {
 }
 
 impl Positions<'_> {
-    /// Compares the next block (`g` at its first mask); false at the end.
-    fn next_block(&mut self) -> bool {
-        let first = self.first + self.filled;
-        if first >= self.groups {
-            return false;
-        }
-        let end = (first + BLOCK).min(self.groups);
-        let (lo, hi) = (first * 64 * self.unit, (end * 64 * self.unit).min(self.new.len()));
-        let (new, base, masks) = (&self.new[lo..hi], &self.base[lo..hi], &mut self.masks[..end - first]);
-        match self.unit {
-            1 => differing::<1>(new, base, masks),
-            2 => differing::<2>(new, base, masks),
-            4 => differing::<4>(new, base, masks),
-            _ => differing::<8>(new, base, masks),
-        }
-        (self.first, self.filled, self.g) = (first, end - first, 0);
-        true
+    /// The CRC-32C of `new`, once its last block was compared.
+    #[cfg(test)]
+    fn crc(&self) -> Option<u32> {
+        (self.first + self.filled >= self.groups).then_some(self.crc)
     }
 }
 
@@ -584,7 +618,12 @@ pub fn decode_kept(base: Option<KeptMessage>, encoded: &[u8], unit: usize, len: 
                     }
                 }
             } else if form == GAPS {
-                patch_gaps(&mut out, body, unit)?;
+                match unit {
+                    1 => patch_gaps::<1>(&mut out, body)?,
+                    2 => patch_gaps::<2>(&mut out, body)?,
+                    4 => patch_gaps::<4>(&mut out, body)?,
+                    _ => patch_gaps::<8>(&mut out, body)?,
+                }
             } else {
                 // Values follow the indices: indices * (4 + unit) == body.
                 if !body.len().is_multiple_of(4 + unit) {
@@ -617,29 +656,29 @@ pub fn decode_kept(base: Option<KeptMessage>, encoded: &[u8], unit: usize, len: 
 /// Patches `out` (the base, `unit`-byte units) with the gaps form's
 /// `body`: its claims (changed units, stream length) checked against the
 /// bytes received before any is used, every position inside the message.
-fn patch_gaps(out: &mut [u8], body: &[u8], unit: usize) -> Result<(), DeltaError> {
+fn patch_gaps<const U: usize>(out: &mut [u8], body: &[u8]) -> Result<(), DeltaError> {
     let bad = |why: &str| DeltaError::Malformed(format!("gaps: {why}"));
     let (head, rest) = body.split_at_checked(GAPS_HEADER).ok_or_else(|| bad("cut short"))?;
     let (k, changed, stream) = (u32::from(head[0]), u64_at(head, 1), u64_at(head, 9));
     if k >= 64 {
         return Err(bad("a starting Rice parameter of 64 or more"));
     }
-    let values = changed.checked_mul(unit as u64).ok_or_else(|| bad("more changed units than bytes"))?;
+    let values = changed.checked_mul(U as u64).ok_or_else(|| bad("more changed units than bytes"))?;
     if stream.checked_add(values) != Some(rest.len() as u64) {
         return Err(bad("the gap stream and the values do not add up to the bytes sent"));
     }
     let (stream, values) = rest.split_at(stream as usize);
-    let units = out.len() / unit;
+    let units = out.len() / U;
     let mut gaps = rice::GapReader::new(stream, k, units as u64);
     let mut next = 0usize;
-    for v in values.chunks_exact(unit) {
+    for v in values.as_chunks::<U>().0 {
         let gap = gaps.gap().ok_or_else(|| bad("the gap stream ends early or points past the message"))?;
         // `gap` <= units, and `next` <= units: no overflow.
         let i = next + gap as usize;
         if i >= units {
             return Err(bad("a position past the message's end"));
         }
-        copy_unit(out, i * unit, v, unit);
+        out[i * U..i * U + U].copy_from_slice(v);
         next = i + 1;
     }
     if !gaps.at_end() {
@@ -684,8 +723,10 @@ mod tests {
                     }
                 }
                 let want: Vec<usize> = (0..units).filter(|&i| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit]).collect();
-                let got: Vec<usize> = Changes { base: &base, new: &new, unit }.positions().collect();
+                let mut positions = Changes { base: &base, new: &new, unit }.positions();
+                let got: Vec<usize> = positions.by_ref().collect();
                 assert_eq!(got, want, "unit {unit}, {units} units");
+                assert_eq!(positions.crc(), Some(crc32c::crc32c(&new)), "unit {unit}, {units} units");
             }
         }
     }

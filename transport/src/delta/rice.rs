@@ -10,36 +10,46 @@
 /// The Rice parameter as it adapts to the gaps seen: the smallest `k`
 /// with `count · 2^k` at least `ln 2` times their `sum` (near the best
 /// parameter for geometric gaps of that mean), over a window that halves
-/// every 64 gaps so it follows the local density.
+/// every 64 gaps so it follows the local density. `k` is worked out again
+/// every [`EVERY`] gaps, not after each: each gap's coding then waits on
+/// no arithmetic of the one before it.
 #[derive(Clone, Copy, Debug)]
 struct Adapt {
     sum: u64,
     count: u64,
+    k: u32,
 }
+
+/// Gaps between two choices of the parameter.
+const EVERY: u64 = 8;
 
 impl Adapt {
     /// Starting as if one gap of `2^k0` had been seen.
     fn new(k0: u32) -> Adapt {
-        Adapt { sum: 1u64 << k0.min(MAX_K), count: 1 }
+        let k0 = k0.min(MAX_K);
+        Adapt { sum: 1u64 << k0, count: 1, k: k0 }
     }
 
     /// The parameter for the next gap.
-    #[inline]
+    #[inline(always)]
     fn k(&self) -> u32 {
-        // ln 2 ~ 11/16; k as the difference of bit lengths (within one of
-        // log2 of the ratio, with no division).
-        let target = self.sum - self.sum / 4 - self.sum / 16;
-        let bits = |x: u64| 64 - x.leading_zeros();
-        bits(target).saturating_sub(bits(self.count)).min(MAX_K)
+        self.k
     }
 
-    #[inline]
+    #[inline(always)]
     fn seen(&mut self, gap: u64) {
         self.sum = self.sum.saturating_add(gap);
         self.count += 1;
-        if self.count >= 64 {
-            self.sum /= 2;
-            self.count /= 2;
+        if self.count % EVERY == 0 {
+            if self.count >= 64 {
+                self.sum /= 2;
+                self.count /= 2;
+            }
+            // ln 2 ~ 11/16; k as the difference of bit lengths (within one
+            // of log2 of the ratio, with no division).
+            let target = self.sum - self.sum / 4 - self.sum / 16;
+            let bits = |x: u64| 64 - x.leading_zeros();
+            self.k = bits(target).saturating_sub(bits(self.count)).min(MAX_K);
         }
     }
 }
@@ -98,7 +108,7 @@ impl<'a> GapWriter<'a> {
     }
 
     /// Writes one gap.
-    #[inline]
+    #[inline(always)]
     pub(super) fn gap(&mut self, gap: u64) {
         let k = self.adapt.k();
         self.adapt.seen(gap);
@@ -184,9 +194,25 @@ impl<'a> GapReader<'a> {
 
     /// The next gap; `None` if the stream ends first or the gap is more
     /// than `most`.
-    #[inline]
+    #[inline(always)]
     pub(super) fn gap(&mut self) -> Option<u64> {
         let k = self.adapt.k();
+        self.refill();
+        // The usual case: the unary part and the low bits are all held.
+        let ones = self.acc.trailing_ones();
+        if ones < self.bits && ones + 1 + k <= self.bits {
+            let low = if k == 0 { 0 } else { (self.acc >> (ones + 1)) & (u64::MAX >> (64 - k)) };
+            self.consume(ones + 1 + k);
+            let gap = (u64::from(ones) << k) | low;
+            self.adapt.seen(gap);
+            return (gap <= self.most).then_some(gap);
+        }
+        self.gap_slowly(k)
+    }
+
+    /// [`GapReader::gap`] across refills: a unary part or low bits longer
+    /// than the bits held, or the stream's end.
+    fn gap_slowly(&mut self, k: u32) -> Option<u64> {
         let mut q = 0u64;
         loop {
             self.refill();
