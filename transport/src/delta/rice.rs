@@ -40,7 +40,7 @@ impl Adapt {
     fn seen(&mut self, gap: u64) {
         self.sum = self.sum.saturating_add(gap);
         self.count += 1;
-        if self.count % EVERY == 0 {
+        if self.count.is_multiple_of(EVERY) {
             if self.count >= 64 {
                 self.sum /= 2;
                 self.count /= 2;
