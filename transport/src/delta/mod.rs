@@ -165,18 +165,22 @@ fn valid_unit(unit: usize) -> bool {
 /// another form is shorter (or the changes overflow the gaps form's
 /// areas, counted then), that form is written into the same buffer.
 pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
-    let base = base.map(|b| KeptMessage::new(b.to_vec()));
-    encode_kept(base.as_ref(), new, unit).0
+    encode_on(base.map(|b| (b, crc32c::crc32c(b))), new, unit).0
 }
 
 /// [`encode`] on a base kept with its CRC-32C, as a delta run keeps it
 /// (what a run pays: the base is not read again to name it): the
 /// encoding and the CRC of `new`, to keep it with.
 pub fn encode_kept(base: Option<&KeptMessage>, new: &[u8], unit: usize) -> (Vec<u8>, u32) {
+    encode_on(base.map(|k| (&k.bytes[..], k.crc)), new, unit)
+}
+
+/// [`encode`] on `(base, its CRC-32C)`: the encoding and the CRC of `new`.
+fn encode_on(base: Option<(&[u8], u32)>, new: &[u8], unit: usize) -> (Vec<u8>, u32) {
     let unit = unit_for(new.len() as u64, unit);
     let units = (new.len() / unit) as u64;
     let mut out = vec![0u8; HEADER + new.len()];
-    let Some((base, base_crc)) = base.map(|k| (&k.bytes[..], k.crc)).filter(|(b, _)| b.len() == new.len()) else {
+    let Some((base, base_crc)) = base.filter(|(b, _)| b.len() == new.len()) else {
         let crc = crc32c::crc32c(new);
         let payload = write_dense(new, &mut out[HEADER..]);
         return (finish(out, (DENSE, unit, units), (0, crc), payload), crc);
@@ -246,8 +250,7 @@ fn write_gaps<const U: usize>(changes: &Changes<'_>, out: &mut [u8]) -> (Option<
     let (stream_area, values) = rest.split_at_mut(stream_most);
     let mut gaps = rice::GapWriter::new(stream_area, rice::START_K);
     let (mut next, mut at) = (0usize, 0usize);
-    // A block of masks at a time, walked here (the hot loop, kept in
-    // registers).
+    // A block of masks at a time, walked here (the hot loop, inline).
     let (mut masks, mut crc, mut first) = ([0u64; BLOCK], 0u32, 0usize);
     let groups = changes.groups();
     while first < groups {
