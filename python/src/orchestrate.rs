@@ -177,12 +177,12 @@ impl PySettings {
 impl PySettings {
     /// The orchestrator's configuration; `local`: every member is in
     /// this process.
-    fn config(&self, py: Python<'_>, local: bool) -> PyResult<OrchestratorConfig> {
+    fn config(&self, local: bool) -> PyResult<OrchestratorConfig> {
         Ok(OrchestratorConfig {
             fabric: fabric(&self.fabric, local)?,
             delta: self.delta,
             digest_check: self.digest_check,
-            replica: self.replica.as_ref().map(|l| l.borrow(py).inner.clone()),
+            replica: self.replica.as_ref().map(|l| l.get().inner.clone()),
             deadline: seconds("deadline", self.deadline)?,
             control_timeout: seconds("control_timeout", self.control_timeout)?,
             ..OrchestratorConfig::default()
@@ -196,7 +196,7 @@ impl PyOrchestrator {
     /// join with `secret` (16 bytes or more).
     #[new]
     fn new(py: Python<'_>, secret: String, bind: &str, settings: PyRef<'_, PySettings>) -> PyResult<Self> {
-        let config = settings.config(py, false)?;
+        let config = settings.config(false)?;
         let secret = actors::Secret::from_bytes(secret.into_bytes()).map_err(|e| JoinError::new_err(format!("secret: {e}")))?;
         let bind: std::net::SocketAddr = bind.parse().map_err(|_| JoinError::new_err(format!("bind address '{bind}': not ip:port")))?;
         let rendezvous = wait(py, async move { Rendezvous::bind(secret, bind, &ControlConfig::default()).await.map_err(join_err) })?;
@@ -421,7 +421,7 @@ pub(crate) fn spawn_local(
     dst: PyRef<'_, PyLayout>,
     settings: PyRef<'_, PySettings>,
 ) -> PyResult<LocalSystem> {
-    let config = settings.config(py, true)?;
+    let config = settings.config(true)?;
     let (s, d, c) = (src.inner.clone(), dst.inner.clone(), config.clone());
     let system = wait(py, async move { orchestrator::spawn_refit(&s, &d, c).await.map_err(refit_err) })?;
     let srcs = system
