@@ -32,6 +32,13 @@
 //! where a bitmap takes `n` bits and an index list 32 bits per change.
 //!
 //! All integers little-endian.
+//!
+//! A delta run keeps each message it moved with its CRC-32C
+//! ([`KeptMessage`]) and codes the next refit's on it ([`encode_kept`],
+//! [`decode_kept`]), so neither end reads a base again to name it. The
+//! encoder finds the changed units 64 at a time (vector compares into
+//! masks, a block of masks at a time, the message's CRC taken block by
+//! block as they are compared) and codes them in the same pass.
 
 mod rice;
 
