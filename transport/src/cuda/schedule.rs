@@ -13,8 +13,8 @@
 #![cfg_attr(not(feature = "cuda"), allow(dead_code))]
 
 use crate::copy::fits;
-use crate::cursor::{Round, RoundCursor, Unexpected};
 use crate::cuda::plane_error::{PeerMissing, UnknownPeer};
+use crate::cursor::{Round, RoundCursor, Unexpected};
 use crate::exec::PieceOutOfBounds;
 use reshard::{Block, DType, Endpoint, RankProgram, Span};
 use std::collections::HashMap;

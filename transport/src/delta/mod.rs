@@ -445,7 +445,9 @@ fn scalar_differing<const U: usize>(new: &[[[u8; U]; 64]], base: &[[[u8; U]; 64]
 
 #[cfg(target_arch = "x86_64")]
 mod sse2 {
-    use core::arch::x86_64::{__m128i, _mm_cmpeq_epi16, _mm_cmpeq_epi32, _mm_cmpeq_epi8, _mm_movemask_epi8, _mm_packs_epi16, _mm_packs_epi32, _mm_set_epi64x};
+    use core::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi16, _mm_cmpeq_epi32, _mm_cmpeq_epi8, _mm_movemask_epi8, _mm_packs_epi16, _mm_packs_epi32, _mm_set_epi64x,
+    };
 
     /// [`super::differing`] for units of `U` = 1, 2 or 4 bytes.
     #[target_feature(enable = "sse2")]
@@ -878,7 +880,6 @@ mod tests {
         e.extend_from_slice(&[0, 0, 0]);
         malformed(decode(Some(base.clone()), &e, 1, 64), "cut short");
     }
-
 
     proptest! {
         /// Whatever a peer sends as a gaps body: an error or a message,
