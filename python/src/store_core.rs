@@ -24,29 +24,24 @@ pub(crate) trait StoreView: Send + Sync + 'static {
     fn weights(&self) -> HeldVersion;
 }
 
-impl StoreView for SrcStore {
-    fn rank(&self) -> Rank {
-        SrcStore::rank(self)
-    }
-    fn version(&self) -> Option<u64> {
-        SrcStore::version(self)
-    }
-    fn weights(&self) -> HeldVersion {
-        SrcStore::weights(self)
-    }
+/// Each kind of rank store, read through its own methods.
+macro_rules! store_view {
+    ($($store:ty),*) => {$(
+        impl StoreView for $store {
+            fn rank(&self) -> Rank {
+                <$store>::rank(self)
+            }
+            fn version(&self) -> Option<u64> {
+                <$store>::version(self)
+            }
+            fn weights(&self) -> HeldVersion {
+                <$store>::weights(self)
+            }
+        }
+    )*};
 }
 
-impl StoreView for DstStore {
-    fn rank(&self) -> Rank {
-        DstStore::rank(self)
-    }
-    fn version(&self) -> Option<u64> {
-        DstStore::version(self)
-    }
-    fn weights(&self) -> HeldVersion {
-        DstStore::weights(self)
-    }
-}
+store_view!(SrcStore, DstStore);
 
 /// A rank's store as Python sees either kind (`SrcStore` and `DstStore`
 /// extend it).
