@@ -4,7 +4,8 @@ sends for it.
 
 A transformers Qwen2 built from a config (random weights, nothing
 downloaded) trains with AdamW on next-token loss over a fixed synthetic
-corpus, f32 masters; after every optimizer step the bf16 weights an
+corpus (or, `--objective reinforce`, on a REINFORCE loss over completions
+it samples itself), f32 masters; after every optimizer step the bf16 weights an
 inference engine would hold are compared with the step before:
 
 - the fraction of bf16 elements that changed, and their structure: the
@@ -23,7 +24,7 @@ inference engine would hold are compared with the step before:
   same bytes.
 
     python3 benchmarks/real_deltas.py [--sizes 150m,1b] [--lrs 1e-6,1e-5,1e-4]
-        [--steps 4] [--warmup 2] [--json OUT]
+        [--steps 4] [--warmup 2] [--objective next-token|reinforce] [--json OUT]
 
 Needs torch, transformers, numpy and the refit package; builds the codec
 example with cargo. The 1B model skips the refit (its stores would not fit
@@ -71,6 +72,28 @@ def corpus(seed, batch, seq, vocab=32000):
         picks = rng.integers(0, len(phrases), seq // 16 + 1)
         rows.append(np.concatenate([phrases[p] for p in picks])[:seq])
     return torch.tensor(np.stack(rows), dtype=torch.long)
+
+
+GOOD = 3200  # REINFORCE: completion tokens below this id earn reward (a tenth of the vocabulary)
+
+
+def objective_loss(model, data, args):
+    """The step's loss: next-token on the corpus, or REINFORCE with a mean
+    baseline on completions the model samples itself (`args.gen` tokens
+    after the first 16 of each corpus row; reward: the fraction of
+    completion tokens with ids below GOOD), as `examples/vllm_rl.py`
+    trains."""
+    if args.objective == "next-token":
+        return model(input_ids=data[:, :-1], labels=data[:, :-1]).loss
+    prompts = data[:, :16]
+    with torch.no_grad():
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.gen, min_new_tokens=args.gen, do_sample=True, top_k=0, pad_token_id=0)
+    completions = out[:, prompts.shape[1] :]
+    rewards = (completions < GOOD).float().mean(dim=1)
+    advantage = rewards - rewards.mean()
+    logits = model(input_ids=out).logits[:, prompts.shape[1] - 1 : -1]
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(2, completions[:, :, None]).squeeze(2).sum(dim=1)
+    return -(advantage * logp).mean()
 
 
 def bf16_bits(param):
@@ -188,7 +211,7 @@ def run(size, lr, args, example):
     before = {n: bf16_bits(p) for n, p in params.items()}
     for step in range(1, args.warmup + args.steps + 1):
         t = time.time()
-        loss = model(input_ids=data[:, :-1], labels=data[:, :-1]).loss
+        loss = objective_loss(model, data, args)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -201,6 +224,7 @@ def run(size, lr, args, example):
             dense = 2 * s["elements"]
             row = dict(
                 size=size,
+                objective=args.objective,
                 lr=lr,
                 step=step,
                 params=n_params,
@@ -241,11 +265,12 @@ def summary(rows):
     print()
     print("| model | lr | changed | mean run | rows touched | bound / dense | refit delta / dense | refit / bound | codec / bound | index+bitmap / dense | encode GB/s | decode GB/s | copy GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    keys = sorted({(r["size"], r["lr"]) for r in rows}, key=lambda k: (k[0], k[1]))
-    for size, lr in keys:
-        rs = [r for r in rows if r["size"] == size and r["lr"] == lr]
+    objective = lambda r: r.get("objective", "next-token")
+    keys = sorted({(r["size"], objective(r), r["lr"]) for r in rows})
+    for size, obj, lr in keys:
+        rs = [r for r in rows if r["size"] == size and objective(r) == obj and r["lr"] == lr]
         print(
-            f"| {size} ({rs[0]['params'] / 1e6:.0f}M) | {lr:g} | {rng(rs, 'changed', pct)} | {rng(rs, 'mean_run', ratio)} | {rng(rs, 'rows_touched', pct)} | "
+            f"| {size} ({rs[0]['params'] / 1e6:.0f}M){'' if obj == 'next-token' else ', ' + obj} | {lr:g} | {rng(rs, 'changed', pct)} | {rng(rs, 'mean_run', ratio)} | {rng(rs, 'rows_touched', pct)} | "
             f"{rng(rs, 'bound', pct)} | {rng(rs, 'refit', pct)} | {rng(rs, 'refit_over_bound', ratio)} | {rng(rs, 'codec_over_bound', ratio)} | "
             f"{rng(rs, 'listed', pct)} | {rng(rs, 'encode_gbps', rate)} | {rng(rs, 'decode_gbps', rate)} | {rng(rs, 'copy_gbps', rate)} |"
         )
@@ -262,6 +287,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk-bytes", type=int, default=512 << 20)
     ap.add_argument("--no-refit", action="store_true", help="measure the codec only")
+    ap.add_argument("--objective", choices=["next-token", "reinforce"], default="next-token")
+    ap.add_argument("--gen", type=int, default=16, help="REINFORCE: tokens sampled per completion")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--table", help="print the table of the rows in this JSON file (of --json) and stop")
     args = ap.parse_args()
