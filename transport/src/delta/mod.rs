@@ -261,7 +261,7 @@ fn write_gaps<const U: usize>(changes: &Changes<'_>, out: &mut [u8]) -> (Option<
     let (mut masks, mut crc, mut first) = ([0u64; BLOCK], 0u32, 0usize);
     let groups = changes.groups();
     while first < groups {
-        let filled = changes.compare_block(first, &mut masks, &mut crc);
+        let filled = changes.compare_block(first, &mut masks, Some(&mut crc));
         for (g, &mask) in masks[..filled].iter().enumerate() {
             let (mut differ, group) = (mask, (first + g) * 64);
             while differ != 0 {
@@ -312,6 +312,7 @@ fn write_listed(changes: &Changes<'_>, form: u8, changed: usize, out: &mut [u8])
 
 /// The `unit`-byte units where `new` differs from `base` (same lengths, a
 /// multiple of `unit`), walked without being listed.
+#[derive(Clone, Copy)]
 struct Changes<'a> {
     base: &'a [u8],
     new: &'a [u8],
@@ -321,7 +322,7 @@ struct Changes<'a> {
 impl<'a> Changes<'a> {
     /// The index of every changed unit, ascending.
     fn positions(&self) -> Positions<'a> {
-        Positions { changes: Changes { ..*self }, groups: self.groups(), first: 0, filled: 0, g: 0, current: 0, masks: [0; BLOCK], crc: 0 }
+        Positions { changes: *self, groups: self.groups(), first: 0, filled: 0, g: 0, current: 0, masks: [0; BLOCK], crc: None }
     }
 
     /// Groups of 64 units in the message (the last may be short).
@@ -331,12 +332,14 @@ impl<'a> Changes<'a> {
 
     /// Compares the block of (up to) [`BLOCK`] groups from group `first`
     /// into `masks` ([`differing`]) and appends its bytes of `new` to
-    /// `crc` (while they are in the cache): the groups compared.
-    fn compare_block(&self, first: usize, masks: &mut [u64; BLOCK], crc: &mut u32) -> usize {
+    /// `crc`, if asked (while they are in the cache): the groups compared.
+    fn compare_block(&self, first: usize, masks: &mut [u64; BLOCK], crc: Option<&mut u32>) -> usize {
         let end = (first + BLOCK).min(self.groups());
         let (lo, hi) = (first * 64 * self.unit, (end * 64 * self.unit).min(self.new.len()));
         let (new, base, masks) = (&self.new[lo..hi], &self.base[lo..hi], &mut masks[..end - first]);
-        *crc = crc32c::crc32c_append(*crc, new);
+        if let Some(crc) = crc {
+            *crc = crc32c::crc32c_append(*crc, new);
+        }
         match self.unit {
             1 => differing::<1>(new, base, masks),
             2 => differing::<2>(new, base, masks),
@@ -378,8 +381,9 @@ struct Positions<'a> {
     g: usize,
     current: u64,
     masks: [u64; BLOCK],
-    /// CRC-32C of the blocks of `new` compared so far.
-    crc: u32,
+    /// CRC-32C of the blocks of `new` compared so far, if asked for (the
+    /// walks that find the positions again after the gaps form do not).
+    crc: Option<u32>,
 }
 
 impl Iterator for Positions<'_> {
@@ -394,7 +398,7 @@ impl Iterator for Positions<'_> {
                 if first >= self.groups {
                     return None;
                 }
-                (self.first, self.filled, self.g) = (first, self.changes.compare_block(first, &mut self.masks, &mut self.crc), 0);
+                (self.first, self.filled, self.g) = (first, self.changes.compare_block(first, &mut self.masks, self.crc.as_mut()), 0);
             }
             self.current = self.masks[self.g];
         }
@@ -408,7 +412,7 @@ impl Positions<'_> {
     /// The CRC-32C of `new`, once its last block was compared.
     #[cfg(test)]
     fn crc(&self) -> Option<u32> {
-        (self.first + self.filled >= self.groups).then_some(self.crc)
+        self.crc.filter(|_| self.first + self.filled >= self.groups)
     }
 }
 
@@ -735,7 +739,7 @@ mod tests {
                     }
                 }
                 let want: Vec<usize> = (0..units).filter(|&i| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit]).collect();
-                let mut positions = Changes { base: &base, new: &new, unit }.positions();
+                let mut positions = Positions { crc: Some(0), ..Changes { base: &base, new: &new, unit }.positions() };
                 let got: Vec<usize> = positions.by_ref().collect();
                 assert_eq!(got, want, "unit {unit}, {units} units");
                 assert_eq!(positions.crc(), Some(crc32c::crc32c(&new)), "unit {unit}, {units} units");
