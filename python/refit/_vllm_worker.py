@@ -71,6 +71,11 @@ class RefitInitInfo(WeightTransferInitInfo):
     # worker refuses at connect one that cannot reach its refit buffers
     # (device memory for a model on CUDA). None: not checked.
     fabric: Optional[str] = None
+    # A LoRA adapter slot (refit.lora.Adapter.info()): the tensors are the
+    # adapter's, every worker takes them whole, and a load puts them in
+    # the engine's LoRA manager (refit._vllm_lora). None: the model's
+    # weights.
+    adapter: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -440,13 +445,18 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
         tensors = [(str(n), str(d), tuple(int(s) for s in shape)) for n, d, shape in init_info.tensors]
         failure = None
         held: Dict[str, List[Tuple[List[int], List[int]]]] = {}
+        self.adapter = None
         try:
-            with _quiet_float64():
-                held = dry_run(self.model, tensors)
+            if init_info.adapter:
+                held = self._adapter_slot(init_info.adapter, tensors)
+            else:
+                with _quiet_float64():
+                    held = dry_run(self.model, tensors)
         except Exception as e:  # noqa: BLE001 - every worker answers (see _Workers)
             failure = _failure(e, unchanged=True)
         answers = workers.gather((held, failure))
-        error = workers.error_of([f for _, f in answers], "connecting (the dry run of the model's loading)")
+        checked = "the check of the adapter" if init_info.adapter else "the dry run of the model's loading"
+        error = workers.error_of([f for _, f in answers], f"connecting ({checked})")
         if error is None:
             # Every worker computes the same from the same answers.
             every = [h for h, _ in answers]
@@ -465,11 +475,23 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
             self.shutdown()
         workers.report(error)
 
+    def _adapter_slot(self, adapter: Dict[str, Any], tensors: List[Tuple[str, str, Tuple[int, ...]]]) -> Dict[str, Any]:
+        """The LoRA adapter slot this worker's loads go to, checked against
+        the training layout's tensors (``refit._vllm_lora``): what this
+        worker holds of each, every one whole."""
+        from refit._vllm_lora import AdapterSlot
+
+        slot = AdapterSlot(self.model, adapter)
+        slot.check(tensors)
+        self.adapter = slot
+        return {name: [([0] * len(shape), list(shape))] for name, _, shape in tensors}
+
     def _open(self, init_info: RefitInitInfo, tensors: List[Tuple[str, str, Tuple[int, ...]]], every: List[Any], held: Dict[str, Any]) -> None:
         workers = self.workers
-        dtype = init_info.dtype or REFIT_DTYPES.get(self.model_config.dtype)
+        own = self.adapter.manager.lora_config.lora_dtype if self.adapter is not None else self.model_config.dtype
+        dtype = init_info.dtype or REFIT_DTYPES.get(own)
         if dtype is None:
-            raise refit.LayoutError(f"the model's dtype {self.model_config.dtype} has no refit dtype: give dtype= to refit.vllm.VLLMRollouts")
+            raise refit.LayoutError(f"the engine's dtype {own} has no refit dtype: give dtype= to refit.vllm.VLLMRollouts")
         layout, self.missing = _front.derived_layout(tensors, every, replicas=init_info.replicas, dtype=dtype)
         self.every = every
         self.bare_layers = _bare_layers(self.model)
@@ -513,8 +535,14 @@ class RefitWeightTransferEngine(WeightTransferEngine[RefitInitInfo, RefitUpdateI
 
     def _receive(self, version: int) -> None:
         def load(tensors: Iterator[Tuple[str, torch.Tensor]]) -> None:
+            if self.adapter is None:
+                self.touched = True
+                self._load_model(tensors)
+                return
+            # The adapter is built (and checked) before the previous one goes.
+            lora = self.adapter.build(tensors)
             self.touched = True
-            self._load_model(tensors)
+            self.adapter.put(lora)
 
         # Seconds of the last load, by part (benchmarks/vllm_update.py).
         self.last_load = self.buffers.receive(version, load)

@@ -61,6 +61,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ._refit import LayoutBuilder, LayoutError, RefitError, TensorBuilder
+from .lora import Adapter
 
 BACKEND = "refit"
 """The name ``weight_transfer_config={"backend": ...}`` selects refit by."""
@@ -556,7 +557,15 @@ class VLLMRollouts:
     in refit's own store first and copies it into the buffers at the
     commit: a second copy of each worker's share, for which the last
     committed version stays loadable after a failed refit
-    (docs/benchmarks.md, "vLLM: the pause")."""
+    (docs/benchmarks.md, "vLLM: the pause").
+
+    ``adapter``: a LoRA adapter slot (``refit.lora.Adapter``): ``source``
+    is then the layout of a PEFT adapter's tensors
+    (``refit.lora.adapter_parameters``), every worker takes them whole,
+    and each load puts the refitted version in place of the previous one
+    under the adapter's LoRA id; the model's weights are not touched
+    (engines started with ``enable_lora=True``; ``dtype`` defaults to their
+    LoRA dtype). Requests name it with ``adapter.request()``."""
 
     def __init__(
         self,
@@ -568,6 +577,7 @@ class VLLMRollouts:
         world_size: Optional[int] = None,
         staged: bool = False,
         loop: Optional[asyncio.AbstractEventLoop] = None,
+        adapter: Optional[Adapter] = None,
     ):
         if not engines:
             raise RefitError("VLLMRollouts: no engine given")
@@ -579,6 +589,9 @@ class VLLMRollouts:
         self.source = source
         self.dtype = dtype
         self.staged = bool(staged)
+        if adapter is not None and not isinstance(adapter, Adapter):
+            raise RefitError(f"VLLMRollouts: adapter is a {type(adapter).__name__}, expected a refit.lora.Adapter")
+        self.adapter = adapter
         self.version: Optional[int] = None
         if world_size is None:
             sizes = {int(size) for size in (getattr(c, "world_size", None) for c in self.clients) if size is not None}
@@ -636,6 +649,7 @@ class VLLMRollouts:
                 # Each worker refuses here a fabric that cannot reach its
                 # refit buffers (device memory for a model on CUDA).
                 "fabric": getattr(self.orchestrator, "fabric", None),
+                "adapter": None if self.adapter is None else self.adapter.info(),
             }
             client.init_weight_transfer_engine(info)
 

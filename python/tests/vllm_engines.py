@@ -89,11 +89,12 @@ def sampling(logprobs=3):
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False, logprobs=logprobs)
 
 
-def generate(llm, prompts=None, logprobs=3):
-    """Greedy generation of ``prompts`` (default PROMPTS): for each, the
-    tokens and the top-``logprobs`` (token, logprob) of every step."""
+def generate(llm, prompts=None, logprobs=3, lora=None):
+    """Greedy generation of ``prompts`` (default PROMPTS), with LoRA
+    adapter ``lora`` (a ``LoRARequest``) if given: for each, the tokens and
+    the top-``logprobs`` (token, logprob) of every step."""
     prompts = PROMPTS if prompts is None else prompts
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling(logprobs), use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling(logprobs), use_tqdm=False, lora_request=lora)
     return [tokens_and_top(o.outputs[0]) for o in outs]
 
 
