@@ -583,14 +583,14 @@ class VLLMRollouts:
             raise RefitError("VLLMRollouts: no engine given")
         if orchestrator.address is None:
             raise RefitError("VLLMRollouts: the orchestrator has no rendezvous (a local system); make one with refit.Orchestrator()")
+        if adapter is not None and not isinstance(adapter, Adapter):
+            raise RefitError(f"VLLMRollouts: adapter is a {type(adapter).__name__}, expected a refit.lora.Adapter")
         self.orchestrator = orchestrator
         self.engines = list(engines)
         self.clients = [client_of(e, loop) for e in self.engines]
         self.source = source
         self.dtype = dtype
         self.staged = bool(staged)
-        if adapter is not None and not isinstance(adapter, Adapter):
-            raise RefitError(f"VLLMRollouts: adapter is a {type(adapter).__name__}, expected a refit.lora.Adapter")
         self.adapter = adapter
         self.version: Optional[int] = None
         if world_size is None:
