@@ -5,7 +5,7 @@
 //! rates of encoding, decoding and a plain copy of the same bytes into a
 //! buffer already allocated (memcpy), in GB/s of message bytes, on one
 //! core; `exact` says the decoded message equals `new`. The codec runs as
-//! a delta refit runs it: on a base kept with its CRC-32C (`encode_kept`,
+//! a delta refit runs it: on a base kept with its name (`encode_kept`,
 //! `decode_kept`), which is not read again to name it.
 //!
 //! ```text
@@ -47,7 +47,8 @@ fn main() -> ExitCode {
         }
     };
     let best = |f: &mut dyn FnMut() -> Duration| (0..reps).map(|_| f()).min().unwrap_or_default();
-    // The base as a delta run keeps it: with its CRC.
+    // The base as a delta run keeps it: with its name (a dense message's:
+    // its CRC-32C).
     let base = KeptMessage::new(base);
     let mut encoded = Vec::new();
     let encode_time = best(&mut || {

@@ -4,42 +4,50 @@
 //! Sans-I/O: [`encode`] compares a message's packed bytes with the base
 //! (the bytes of the same message in the base refit) in units of `unit`
 //! bytes (the smallest element size among its pieces, so a unit never
-//! straddles two elements) and writes the shortest of three forms; [`decode`]
+//! straddles two elements) and writes the shorter of two forms; [`decode`]
 //! rebuilds the whole message from the base and the encoding, so the
 //! receiver unpacks a dense message as always and every destination element
-//! is written, changed or not. Both ends check what they hold: the encoding
-//! names the base by its CRC-32C and the result by its own, so a receiver
-//! holding another base, or a corrupted encoding, is an error, never wrong
-//! weights.
+//! is written, changed or not.
 //!
-//! Encoding: a 26-byte header — `form` (u8: 0 dense, 1 bitmap, 2 indices,
-//! 3 gaps), `unit` (u8), `units` (u64: message length / unit), base CRC
-//! (u32), result CRC (u32), payload length (u64) — then
+//! Encoding: a 26-byte header — `form` (u8: 0 dense, 4 blocks), `unit`
+//! (u8), `units` (u64: message length / unit), the base's name (u32), the
+//! result's name (u32), payload length (u64) — then
 //! - dense: the message's bytes;
-//! - bitmap: one bit per unit (LSB first), then the changed units' bytes in
-//!   order;
-//! - indices: the changed units' indices (u32 LE, ascending), then their
-//!   bytes in order;
-//! - gaps: the starting Rice parameter `k` (u8), the number of changed units (u64),
-//!   the length of the gap stream (u64), the gap stream (`rice.rs`: before
-//!   each changed unit, how many unchanged units precede it since the last
-//!   changed one), then the changed units' bytes in order.
+//! - blocks (`blocks.rs`): per block of 4096 units, the positions of its
+//!   changed units as a bitmap or as Rice-coded gaps, whichever suits its
+//!   density, then the changed units' bytes in order.
 //!
-//! The encoder writes whichever is shortest. For positions spread like
-//! independent draws, the gaps cost within a few percent of the entropy of
-//! the positions: a message in which a fraction `p` of its `n` units
-//! changed takes about `n·H(p)` bits of positions plus the changed values,
-//! where a bitmap takes `n` bits and an index list 32 bits per change.
+//! For positions spread like independent draws, a message in which a
+//! fraction `p` of its `n` units changed takes about `n·H(p)` bits of
+//! positions plus the changed values where changes are sparse (gaps), and
+//! `n` bits plus the values where they are dense (a bitmap, at most
+//! [`blocks::SLACK_PERCENT`] percent of the gaps: coded at memory speed).
+//! The encoder never writes more than the dense form.
+//!
+//! **Names.** A message's *name* identifies its bytes to both ends: a
+//! dense message's is its CRC-32C; a delta's is the CRC-32C of its
+//! payload appended to its base's name (a chain rooted in a dense
+//! message's CRC). The header carries the base's name and the result's:
+//! a receiver holding another base is refused (`OtherBase`), and an
+//! encoding damaged on the way is refused before it is applied (its
+//! payload does not give the result's name: `Corrupt`) — never wrong
+//! weights. Naming a delta by its payload, not by the whole message's
+//! CRC, spares both ends a pass over every byte: the encoder reads the
+//! message once (the compare), the decoder patches the changed units
+//! only.
 //!
 //! All integers little-endian.
 //!
-//! A delta run keeps each message it moved with its CRC-32C
+//! A delta run keeps each message it moved with its name
 //! ([`KeptMessage`]) and codes the next refit's on it ([`encode_kept`],
-//! [`decode_kept`]), so neither end reads a base again to name it. The
-//! encoder finds the changed units 64 at a time (vector compares into
-//! masks, a block of masks at a time, the message's CRC taken block by
-//! block as they are compared) and codes them in the same pass.
+//! [`decode_kept`]). The encoder finds the changed units 64 at a time
+//! (vector compares into masks, a block of masks at a time:
+//! `compare.rs`) and codes each block as it is compared; the values of
+//! 2-byte units move eight at a time through byte shuffles (`pack.rs`).
 
+mod blocks;
+mod compare;
+mod pack;
 mod rice;
 
 /// Bytes of the header.
@@ -62,19 +70,20 @@ impl DeltaMemo {
     }
 }
 
-/// A message's packed bytes as a refit moved them, with their CRC-32C
-/// (computed by the encoder or checked by the decoder as they were made,
-/// so the next delta refit does not read them again to name its base).
+/// A message's packed bytes as a refit moved them, with their name (see
+/// the module doc: their CRC-32C where they came dense, chained from
+/// their base's where they came as a delta), which the next delta refit
+/// names its base by.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KeptMessage {
     /// The bytes.
     pub(crate) bytes: Vec<u8>,
-    /// Their CRC-32C.
+    /// Their name.
     pub(crate) crc: u32,
 }
 
 impl KeptMessage {
-    /// `bytes` kept, their CRC-32C computed.
+    /// `bytes` kept as a dense message would be: named by their CRC-32C.
     pub fn new(bytes: Vec<u8>) -> KeptMessage {
         KeptMessage { crc: crc32c::crc32c(&bytes), bytes }
     }
@@ -114,12 +123,10 @@ pub(crate) fn unit_of(wires: impl Iterator<Item = reshard::DType>) -> usize {
 }
 
 const DENSE: u8 = 0;
-const BITMAP: u8 = 1;
-const INDICES: u8 = 2;
-const GAPS: u8 = 3;
-/// Bytes of the gaps form's own header: `k`, the changed units, the gap
-/// stream's length.
-const GAPS_HEADER: usize = 1 + 8 + 8;
+/// (Forms 1 to 3, a bitmap, an index list and gaps over the whole
+/// message, were this module's before the blocks form; no longer written
+/// or read.)
+const BLOCKS: u8 = 4;
 
 /// Why an encoding could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -128,19 +135,19 @@ pub enum DeltaError {
     #[error("malformed delta message: {0}")]
     Malformed(String),
     /// The receiver's base is not the one the sender encoded against.
-    #[error("delta message against another base (its CRC {want:08x}, this rank's {have:08x})")]
+    #[error("delta message against another base (its name {want:08x}, this rank's {have:08x})")]
     OtherBase {
         /// The sender's base CRC.
         want: u32,
         /// The receiver's.
         have: u32,
     },
-    /// The rebuilt message is not the one the sender had.
-    #[error("delta message rebuilt wrong (CRC {got:08x}, sender's {want:08x})")]
+    /// The encoding is not the one the sender wrote (damaged on the way).
+    #[error("delta message damaged (it names its result {want:08x}, its bytes give {got:08x})")]
     Corrupt {
-        /// Sender's CRC of the message.
+        /// The result's name in the header.
         want: u32,
-        /// CRC of what was rebuilt.
+        /// The name the bytes received give.
         got: u32,
     },
 }
@@ -162,372 +169,102 @@ fn valid_unit(unit: usize) -> bool {
 }
 
 /// The encoding of `new` against `base` (`None`: no base; the form is then
-/// dense). `unit` is 1, 2, 4 or 8 and divides `new.len()`; a base of
-/// another length than `new` is ignored (dense).
+/// dense), a base named by its CRC-32C (as a dense message is). `unit` is
+/// 1, 2, 4 or 8 and divides `new.len()`; a base of another length than
+/// `new` is ignored (dense).
 ///
 /// Memory: one output buffer of [`HEADER`] plus `new.len()` bytes (its
 /// pages zeroed by the system as first written: a short encoding touches
-/// few), nothing else. One pass writes the gaps form, its stream from the
-/// front and the values behind it, and counts the changed units; where
-/// another form is shorter (or the changes overflow the gaps form's
-/// areas, counted then), that form is written into the same buffer.
+/// few), nothing else. One pass compares and writes the blocks form, its
+/// stream from the front and the values behind it; where it does not come
+/// out shorter than the message, the dense form is written into the same
+/// buffer.
 pub fn encode(base: Option<&[u8]>, new: &[u8], unit: usize) -> Vec<u8> {
     encode_on(base.map(|b| (b, crc32c::crc32c(b))), new, unit).0
 }
 
-/// [`encode`] on a base kept with its CRC-32C, as a delta run keeps it
-/// (what a run pays: the base is not read again to name it): the
-/// encoding and the CRC of `new`, to keep it with.
+/// [`encode`] on a base kept with its name, as a delta run keeps it: the
+/// encoding and the name of `new`, to keep it with.
 pub fn encode_kept(base: Option<&KeptMessage>, new: &[u8], unit: usize) -> (Vec<u8>, u32) {
     encode_on(base.map(|k| (&k.bytes[..], k.crc)), new, unit)
 }
 
-/// [`encode`] on `(base, its CRC-32C)`: the encoding and the CRC of `new`.
+/// [`encode`] on `(base, its name)`: the encoding and the name of `new`.
 fn encode_on(base: Option<(&[u8], u32)>, new: &[u8], unit: usize) -> (Vec<u8>, u32) {
     let unit = unit_for(new.len() as u64, unit);
     let units = (new.len() / unit) as u64;
     let mut out = vec![0u8; HEADER + new.len()];
-    let Some((base, base_crc)) = base.filter(|(b, _)| b.len() == new.len()) else {
-        let crc = crc32c::crc32c(new);
-        let payload = write_dense(new, &mut out[HEADER..]);
-        return (finish(out, (DENSE, unit, units), (0, crc), payload), crc);
-    };
-    let changes = Changes { base, new, unit };
-    let (gaps, crc) = match unit {
-        1 => write_gaps::<1>(&changes, &mut out[HEADER..]),
-        2 => write_gaps::<2>(&changes, &mut out[HEADER..]),
-        4 => write_gaps::<4>(&changes, &mut out[HEADER..]),
-        _ => write_gaps::<8>(&changes, &mut out[HEADER..]),
-    };
-    // The gaps form read every byte of `new` unless it stopped early.
-    let crc = crc.unwrap_or_else(|| crc32c::crc32c(new));
-    let crcs = (base_crc, crc);
-    // More changed units than this and no form beats dense.
-    let most = (new.len() - (units as usize).div_ceil(8).min(new.len())) / unit;
-    let changed = match gaps {
-        Some((changed, _)) => Some(changed).filter(|&c| c <= most),
-        None => changes.count_up_to(most),
-    };
-    let Some(changed) = changed else {
-        let payload = write_dense(new, &mut out[HEADER..]);
-        return (finish(out, (DENSE, unit, units), crcs, payload), crc);
-    };
-    let values = changed * unit;
-    let bitmap_len = (units as usize).div_ceil(8) + values;
-    let indices_len = if units <= u32::MAX as u64 { changed * 4 + values } else { usize::MAX };
-    let listed = bitmap_len.min(indices_len);
-    let encoded = match gaps {
-        Some((_, payload)) if payload <= listed && payload < new.len() => finish(out, (GAPS, unit, units), crcs, payload),
-        _ if new.len() <= listed => {
-            let payload = write_dense(new, &mut out[HEADER..]);
-            finish(out, (DENSE, unit, units), crcs, payload)
+    huge_pages(&mut out);
+    let base = base.filter(|(b, _)| b.len() == new.len());
+    if let Some((base, base_name)) = base {
+        let changes = compare::Changes { base, new, unit };
+        let body = &mut out[HEADER..];
+        let payload = match unit {
+            1 => blocks::write::<1>(&changes, body),
+            2 => blocks::write::<2>(&changes, body),
+            4 => blocks::write::<4>(&changes, body),
+            _ => blocks::write::<8>(&changes, body),
+        };
+        if let Some(payload) = payload.filter(|&p| p < new.len()) {
+            let name = chain(base_name, &out[HEADER..HEADER + payload]);
+            return (finish(out, (BLOCKS, unit, units), (base_name, name), payload), name);
         }
-        _ => {
-            let form = if indices_len < bitmap_len { INDICES } else { BITMAP };
-            let payload = write_listed(&changes, form, changed, &mut out[HEADER..]);
-            finish(out, (form, unit, units), crcs, payload)
+    }
+    let name = crc32c::crc32c(new);
+    out[HEADER..].copy_from_slice(new);
+    let base_name = base.map_or(0, |(_, n)| n);
+    (finish(out, (DENSE, unit, units), (base_name, name), new.len()), name)
+}
+
+/// Asks the system to back `buf`'s whole pages with huge pages where it
+/// can (an output buffer the size of the message, of which an encoding
+/// touches a part: fewer, larger page faults).
+fn huge_pages(buf: &mut [u8]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        if buf.len() < 2 * HUGE {
+            return;
         }
-    };
-    (encoded, crc)
+        let start = buf.as_mut_ptr() as usize;
+        let first = start.next_multiple_of(4096);
+        let len = (start + buf.len() - first) / 4096 * 4096;
+        // SAFETY: advice over whole pages inside `buf`, which this
+        // function borrows mutably: it changes no byte and no mapping,
+        // only how the system backs the pages; its failure is ignored.
+        unsafe {
+            libc::madvise(first as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+        }
+    }
+}
+
+/// The name of a delta's result: its payload's CRC-32C appended to its
+/// base's name.
+fn chain(base_name: u32, payload: &[u8]) -> u32 {
+    crc32c::crc32c_append(base_name, payload)
 }
 
 /// `out` with its header written and cut to the header and `payload`.
-fn finish(mut out: Vec<u8>, (form, unit, units): (u8, usize, u64), (base_crc, crc): (u32, u32), payload: usize) -> Vec<u8> {
-    out[..HEADER].copy_from_slice(&header(form, unit, units, base_crc, crc, payload as u64));
+fn finish(mut out: Vec<u8>, (form, unit, units): (u8, usize, u64), (base_name, name): (u32, u32), payload: usize) -> Vec<u8> {
+    out[..HEADER].copy_from_slice(&header(form, unit, units, base_name, name, payload as u64));
     out.truncate(HEADER + payload);
     out
 }
 
-/// Writes the dense form's payload (the message) into `out`: its length.
-fn write_dense(new: &[u8], out: &mut [u8]) -> usize {
-    out[..new.len()].copy_from_slice(new);
-    new.len()
-}
-
-/// Writes the gaps form's payload into `out` (the dense form's size) in
-/// one pass: the gap stream from the front (at most a quarter of `out`)
-/// and the values behind it, moved down behind the stream at the end.
-/// The changed units and the payload's length (`None` if they overflowed
-/// either area: a denser message than the form suits), and the CRC-32C of
-/// the message if every byte was read (the comparison computes it as it
-/// goes).
-fn write_gaps<const U: usize>(changes: &Changes<'_>, out: &mut [u8]) -> (Option<(usize, usize)>, Option<u32>) {
-    let Some(stream_most) = out.len().checked_sub(GAPS_HEADER).map(|l| l / 4) else { return (None, None) };
-    let (head, rest) = out.split_at_mut(GAPS_HEADER);
-    let (stream_area, values) = rest.split_at_mut(stream_most);
-    let mut gaps = rice::GapWriter::new(stream_area, rice::START_K);
-    let (mut next, mut at) = (0usize, 0usize);
-    // A block of masks at a time, walked here (the hot loop, inline).
-    let (mut masks, mut crc, mut first) = ([0u64; BLOCK], 0u32, 0usize);
-    let groups = changes.groups();
-    while first < groups {
-        let filled = changes.compare_block(first, &mut masks, Some(&mut crc));
-        for (g, &mask) in masks[..filled].iter().enumerate() {
-            let (mut differ, group) = (mask, (first + g) * 64);
-            while differ != 0 {
-                let i = group + differ.trailing_zeros() as usize;
-                differ &= differ - 1;
-                if at + U > values.len() || gaps.overflowed() {
-                    return (None, None);
-                }
-                gaps.gap((i - next) as u64);
-                values[at..at + U].copy_from_slice(&changes.new[i * U..i * U + U]);
-                next = i + 1;
-                at += U;
-            }
-        }
-        first += filled;
-    }
-    let crc = Some(crc);
-    let Some(stream) = gaps.finish() else { return (None, crc) };
-    let changed = at / U;
-    head[0] = rice::START_K as u8;
-    head[1..9].copy_from_slice(&(changed as u64).to_le_bytes());
-    head[9..GAPS_HEADER].copy_from_slice(&(stream as u64).to_le_bytes());
-    rest.copy_within(stream_most..stream_most + at, stream);
-    (Some((changed, GAPS_HEADER + stream + at)), crc)
-}
-
-/// Writes the bitmap or indices form's payload for `changed` changed units
-/// into `out`: its length.
-fn write_listed(changes: &Changes<'_>, form: u8, changed: usize, out: &mut [u8]) -> usize {
-    let unit = changes.unit;
-    let lead = if form == INDICES { changed * 4 } else { (changes.new.len() / unit).div_ceil(8) };
-    let (lead_area, vals) = out.split_at_mut(lead);
-    // (A gaps form written before left its bytes here.)
-    lead_area.fill(0);
-    let mut k = 0usize;
-    for i in changes.positions() {
-        if form == INDICES {
-            lead_area[k * 4..k * 4 + 4].copy_from_slice(&(i as u32).to_le_bytes());
-        } else {
-            lead_area[i / 8] |= 1 << (i % 8);
-        }
-        copy_unit(vals, k * unit, &changes.new[i * unit..], unit);
-        k += 1;
-    }
-    debug_assert_eq!(k, changed);
-    lead + changed * unit
-}
-
-/// The `unit`-byte units where `new` differs from `base` (same lengths, a
-/// multiple of `unit`), walked without being listed.
-#[derive(Clone, Copy)]
-struct Changes<'a> {
-    base: &'a [u8],
-    new: &'a [u8],
-    unit: usize,
-}
-
-impl<'a> Changes<'a> {
-    /// The index of every changed unit, ascending.
-    fn positions(&self) -> Positions<'a> {
-        Positions { changes: *self, groups: self.groups(), first: 0, filled: 0, g: 0, current: 0, masks: [0; BLOCK], crc: None }
-    }
-
-    /// Groups of 64 units in the message (the last may be short).
-    fn groups(&self) -> usize {
-        (self.new.len() / self.unit).div_ceil(64)
-    }
-
-    /// Compares the block of (up to) [`BLOCK`] groups from group `first`
-    /// into `masks` ([`differing`]) and appends its bytes of `new` to
-    /// `crc`, if asked (while they are in the cache): the groups compared.
-    fn compare_block(&self, first: usize, masks: &mut [u64; BLOCK], crc: Option<&mut u32>) -> usize {
-        let end = (first + BLOCK).min(self.groups());
-        let (lo, hi) = (first * 64 * self.unit, (end * 64 * self.unit).min(self.new.len()));
-        let (new, base, masks) = (&self.new[lo..hi], &self.base[lo..hi], &mut masks[..end - first]);
-        if let Some(crc) = crc {
-            *crc = crc32c::crc32c_append(*crc, new);
-        }
-        match self.unit {
-            1 => differing::<1>(new, base, masks),
-            2 => differing::<2>(new, base, masks),
-            4 => differing::<4>(new, base, masks),
-            _ => differing::<8>(new, base, masks),
-        }
-        end - first
-    }
-
-    /// How many units changed; `None` as soon as more than `most` did (a
-    /// message that changed all over is not walked to its end).
-    fn count_up_to(&self, most: usize) -> Option<usize> {
-        let mut count = 0usize;
-        for _ in self.positions() {
-            count += 1;
-            if count > most {
-                return None;
-            }
-        }
-        Some(count)
-    }
-}
-
-/// Groups of 64 units compared at a time into a block of masks.
-const BLOCK: usize = 64;
-
-/// The iterator of [`Changes::positions`]: compares a block of
-/// [`BLOCK`] groups of 64 units at a time into masks of the units that
-/// differ ([`differing`]), then walks their set bits.
-struct Positions<'a> {
-    changes: Changes<'a>,
-    /// Groups of 64 units in the message (the last may be short).
-    groups: usize,
-    /// The group `masks[0]` is of.
-    first: usize,
-    /// Masks of the block (`masks[..filled]`).
-    filled: usize,
-    /// The mask being walked (`masks[g]`, its bits left in `current`).
-    g: usize,
-    current: u64,
-    masks: [u64; BLOCK],
-    /// CRC-32C of the blocks of `new` compared so far, if asked for (the
-    /// walks that find the positions again after the gaps form do not).
-    crc: Option<u32>,
-}
-
-impl Iterator for Positions<'_> {
-    type Item = usize;
-
-    #[inline]
-    fn next(&mut self) -> Option<usize> {
-        while self.current == 0 {
-            self.g += 1;
-            if self.g >= self.filled {
-                let first = self.first + self.filled;
-                if first >= self.groups {
-                    return None;
-                }
-                (self.first, self.filled, self.g) = (first, self.changes.compare_block(first, &mut self.masks, self.crc.as_mut()), 0);
-            }
-            self.current = self.masks[self.g];
-        }
-        let i = (self.first + self.g) * 64 + self.current.trailing_zeros() as usize;
-        self.current &= self.current - 1;
-        Some(i)
-    }
-}
-
-impl Positions<'_> {
-    /// The CRC-32C of `new`, once its last block was compared.
-    #[cfg(test)]
-    fn crc(&self) -> Option<u32> {
-        self.crc.filter(|_| self.first + self.filled >= self.groups)
-    }
-}
-
-/// Into `masks[g]`, bit `i` set where unit `i` of group `g` (64 units of
-/// `U` bytes; the last group may be short) of `new` and `base` differ: as
-/// vector compares on x86-64 (SSE2, [`sse2`]), one unit at a time
-/// elsewhere and for a short group.
-fn differing<const U: usize>(new: &[u8], base: &[u8], masks: &mut [u64]) {
-    let (new_groups, new_tail) = new.as_chunks::<U>().0.as_chunks::<64>();
-    let (base_groups, base_tail) = base.as_chunks::<U>().0.as_chunks::<64>();
-    let whole = new_groups.len();
-    #[cfg(target_arch = "x86_64")]
-    if U <= 4 {
-        // SAFETY: `sse2::differing` is compiled for SSE2, which every
-        // x86-64 processor has (the target's baseline); it assumes
-        // nothing else.
-        unsafe { sse2::differing(new_groups, base_groups, &mut masks[..whole]) };
-    } else {
-        scalar_differing(new_groups, base_groups, &mut masks[..whole]);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    scalar_differing(new_groups, base_groups, &mut masks[..whole]);
-    if let Some(last) = masks.get_mut(whole) {
-        *last = new_tail.iter().zip(base_tail).enumerate().fold(0, |m, (i, (n, b))| m | u64::from(n != b) << i);
-    }
-}
-
-/// [`differing`] one unit at a time.
-fn scalar_differing<const U: usize>(new: &[[[u8; U]; 64]], base: &[[[u8; U]; 64]], masks: &mut [u64]) {
-    for ((n, b), mask) in new.iter().zip(base).zip(masks.iter_mut()) {
-        *mask = (0..64).fold(0u64, |m, i| m | u64::from(n[i] != b[i]) << i);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod sse2 {
-    use core::arch::x86_64::{
-        __m128i, _mm_cmpeq_epi16, _mm_cmpeq_epi32, _mm_cmpeq_epi8, _mm_movemask_epi8, _mm_packs_epi16, _mm_packs_epi32, _mm_set_epi64x,
-    };
-
-    /// [`super::differing`] for units of `U` = 1, 2 or 4 bytes.
-    #[target_feature(enable = "sse2")]
-    pub(super) fn differing<const U: usize>(new: &[[[u8; U]; 64]], base: &[[[u8; U]; 64]], masks: &mut [u64]) {
-        for ((n, b), mask) in new.iter().zip(base).zip(masks.iter_mut()) {
-            let (n, b) = (n.as_flattened(), b.as_flattened());
-            let step = 16 * U;
-            *mask = (0..4).fold(0u64, |m, j| {
-                let at = j * step..(j + 1) * step;
-                m | u64::from(differing16::<U>(&n[at.clone()], &b[at])) << (16 * j)
-            });
-        }
-    }
-
-    /// Sixteen bytes as a vector (two word loads the compiler merges).
-    #[target_feature(enable = "sse2")]
-    #[inline]
-    fn load(b: &[u8]) -> __m128i {
-        let word = |at: usize| i64::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3], b[at + 4], b[at + 5], b[at + 6], b[at + 7]]);
-        _mm_set_epi64x(word(8), word(0))
-    }
-
-    /// Bit `i` set where unit `i` (of `U` = 1, 2 or 4 bytes) of the
-    /// sixteen units in `new` and `base` (`16 * U` bytes each) differs.
-    #[target_feature(enable = "sse2")]
-    #[inline]
-    fn differing16<const U: usize>(new: &[u8], base: &[u8]) -> u16 {
-        let eq = |v: usize| {
-            let (n, b) = (load(&new[16 * v..16 * v + 16]), load(&base[16 * v..16 * v + 16]));
-            match U {
-                1 => _mm_cmpeq_epi8(n, b),
-                2 => _mm_cmpeq_epi16(n, b),
-                _ => _mm_cmpeq_epi32(n, b),
-            }
-        };
-        // Each unit's lanes all ones where equal, packed (signed
-        // saturation keeps -1 and 0) down to one byte per unit.
-        let bytes = match U {
-            1 => eq(0),
-            2 => _mm_packs_epi16(eq(0), eq(1)),
-            _ => _mm_packs_epi16(_mm_packs_epi32(eq(0), eq(1)), _mm_packs_epi32(eq(2), eq(3))),
-        };
-        !(_mm_movemask_epi8(bytes) as u16)
-    }
-}
-
-/// Copies unit `i` of `from` (units of `unit` bytes) to `to[at..]`, its
-/// length a constant for each unit size (no call for a 2-byte copy).
-#[inline(always)]
-fn copy_unit(to: &mut [u8], at: usize, from: &[u8], unit: usize) {
-    match unit {
-        1 => to[at] = from[0],
-        2 => to[at..at + 2].copy_from_slice(&from[..2]),
-        4 => to[at..at + 4].copy_from_slice(&from[..4]),
-        8 => to[at..at + 8].copy_from_slice(&from[..8]),
-        _ => to[at..at + unit].copy_from_slice(&from[..unit]),
-    }
-}
-
-/// The form of an encoding, as a word (for reports): "dense", "bitmap",
-/// "indices", "gaps".
+/// The form of an encoding, as a word (for reports): "dense", "blocks".
 pub fn form(encoded: &[u8]) -> &'static str {
     match encoded.first() {
         Some(&DENSE) => "dense",
-        Some(&BITMAP) => "bitmap",
-        Some(&INDICES) => "indices",
-        Some(&GAPS) => "gaps",
+        Some(&BLOCKS) => "blocks",
         _ => "unknown",
     }
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
+pub(super) fn u32_at(b: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(b[at..at + 4].try_into().unwrap_or([0; 4]))
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
+pub(super) fn u64_at(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]))
 }
 
@@ -570,12 +307,12 @@ pub fn check_encoded_len(encoded: u64, len: u64) -> Result<(), DeltaError> {
 /// before any is used, so a peer claiming more changed units than it sent
 /// costs no memory.
 pub fn decode(base: Option<Vec<u8>>, encoded: &[u8], unit: usize, len: u64) -> Result<Vec<u8>, DeltaError> {
-    let base = base.map(|bytes| KeptMessage { crc: crc32c::crc32c(&bytes), bytes });
+    let base = base.map(KeptMessage::new);
     decode_kept(base, encoded, unit, len).map(|kept| kept.bytes)
 }
 
-/// [`decode`] on a base kept with its CRC-32C, as a delta run keeps it
-/// (what a run pays): the rebuilt message, kept with its CRC.
+/// [`decode`] on a base kept with its name, as a delta run keeps it: the
+/// rebuilt message, kept with its name.
 pub fn decode_kept(base: Option<KeptMessage>, encoded: &[u8], unit: usize, len: u64) -> Result<KeptMessage, DeltaError> {
     let bad = |why: String| DeltaError::Malformed(why);
     check_encoded_len(encoded.len() as u64, len)?;
@@ -583,7 +320,7 @@ pub fn decode_kept(base: Option<KeptMessage>, encoded: &[u8], unit: usize, len: 
         return Err(bad("shorter than its header".into()));
     }
     let (form, unit_got) = (encoded[0], encoded[1] as usize);
-    let (units, base_crc, crc, payload) = (u64_at(encoded, 2), u32_at(encoded, 10), u32_at(encoded, 14), u64_at(encoded, 18));
+    let (units, base_name, name, payload) = (u64_at(encoded, 2), u32_at(encoded, 10), u32_at(encoded, 14), u64_at(encoded, 18));
     let body = &encoded[HEADER..];
     let want_unit = unit_for(len, unit);
     if unit_got != want_unit {
@@ -597,110 +334,37 @@ pub fn decode_kept(base: Option<KeptMessage>, encoded: &[u8], unit: usize, len: 
         return Err(bad(format!("payload length {payload} in the header, {} bytes follow it", body.len())));
     }
     let len = usize::try_from(len).map_err(|_| bad(format!("{len} bytes do not fit this machine")))?;
-    let out = match form {
+    match form {
         DENSE => {
             if body.len() != len {
                 return Err(bad(format!("dense payload of {} bytes for a message of {len}", body.len())));
             }
-            body.to_vec()
-        }
-        BITMAP | INDICES | GAPS => {
-            let base = base.ok_or(DeltaError::OtherBase { want: base_crc, have: 0 })?;
-            if base.bytes.len() != len || base.crc != base_crc {
-                return Err(DeltaError::OtherBase { want: base_crc, have: base.crc });
+            let got = crc32c::crc32c(body);
+            if got != name {
+                return Err(DeltaError::Corrupt { want: name, got });
             }
-            // `units` = len / unit, at most the base's length.
-            let units = len / unit;
+            Ok(KeptMessage { bytes: body.to_vec(), crc: name })
+        }
+        BLOCKS => {
+            let base = base.ok_or(DeltaError::OtherBase { want: base_name, have: 0 })?;
+            if base.bytes.len() != len || base.crc != base_name {
+                return Err(DeltaError::OtherBase { want: base_name, have: base.crc });
+            }
+            let got = chain(base.crc, body);
+            if got != name {
+                return Err(DeltaError::Corrupt { want: name, got });
+            }
             let mut out = base.bytes;
-            if form == BITMAP {
-                let (bits, values) = body.split_at_checked(units.div_ceil(8)).ok_or_else(|| bad("bitmap cut short".into()))?;
-                // Bits past the last unit are never set.
-                if !units.is_multiple_of(8) && bits.last().is_some_and(|&b| b >> (units % 8) != 0) {
-                    return Err(bad("bitmap marks units past the message's end".into()));
-                }
-                let changed: usize = bits.iter().map(|b| b.count_ones() as usize).sum();
-                if changed.checked_mul(unit) != Some(values.len()) {
-                    return Err(bad(format!("{changed} changed units, {} bytes of values", values.len())));
-                }
-                let mut from = values.chunks_exact(unit);
-                for (byte, &b) in bits.iter().enumerate() {
-                    let mut b = b;
-                    while b != 0 {
-                        let i = byte * 8 + b.trailing_zeros() as usize;
-                        b &= b - 1;
-                        // As many values as set bits: checked above.
-                        let Some(v) = from.next() else { return Err(bad("values cut short".into())) };
-                        copy_unit(&mut out, i * unit, v, unit);
-                    }
-                }
-            } else if form == GAPS {
-                match unit {
-                    1 => patch_gaps::<1>(&mut out, body)?,
-                    2 => patch_gaps::<2>(&mut out, body)?,
-                    4 => patch_gaps::<4>(&mut out, body)?,
-                    _ => patch_gaps::<8>(&mut out, body)?,
-                }
-            } else {
-                // Values follow the indices: indices * (4 + unit) == body.
-                if !body.len().is_multiple_of(4 + unit) {
-                    return Err(bad("index list and values do not add up".into()));
-                }
-                let (idx, values) = body.split_at(body.len() / (4 + unit) * 4);
-                let mut prev: Option<u32> = None;
-                for i in idx.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])) {
-                    if prev.is_some_and(|p| p >= i) || i as usize >= units {
-                        return Err(bad("indices not ascending within the message".into()));
-                    }
-                    prev = Some(i);
-                }
-                for (c, v) in idx.chunks_exact(4).zip(values.chunks_exact(unit)) {
-                    let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize;
-                    copy_unit(&mut out, i * unit, v, unit);
-                }
+            match unit {
+                1 => blocks::patch::<1>(&mut out, body)?,
+                2 => blocks::patch::<2>(&mut out, body)?,
+                4 => blocks::patch::<4>(&mut out, body)?,
+                _ => blocks::patch::<8>(&mut out, body)?,
             }
-            out
+            Ok(KeptMessage { bytes: out, crc: name })
         }
-        _ => return Err(bad(format!("unknown form {form}"))),
-    };
-    let got = crc32c::crc32c(&out);
-    if got != crc {
-        return Err(DeltaError::Corrupt { want: crc, got });
+        _ => Err(bad(format!("unknown form {form}"))),
     }
-    Ok(KeptMessage { bytes: out, crc })
-}
-
-/// Patches `out` (the base, `unit`-byte units) with the gaps form's
-/// `body`: its claims (changed units, stream length) checked against the
-/// bytes received before any is used, every position inside the message.
-fn patch_gaps<const U: usize>(out: &mut [u8], body: &[u8]) -> Result<(), DeltaError> {
-    let bad = |why: &str| DeltaError::Malformed(format!("gaps: {why}"));
-    let (head, rest) = body.split_at_checked(GAPS_HEADER).ok_or_else(|| bad("cut short"))?;
-    let (k, changed, stream) = (u32::from(head[0]), u64_at(head, 1), u64_at(head, 9));
-    if k >= 64 {
-        return Err(bad("a starting Rice parameter of 64 or more"));
-    }
-    let values = changed.checked_mul(U as u64).ok_or_else(|| bad("more changed units than bytes"))?;
-    if stream.checked_add(values) != Some(rest.len() as u64) {
-        return Err(bad("the gap stream and the values do not add up to the bytes sent"));
-    }
-    let (stream, values) = rest.split_at(stream as usize);
-    let units = out.len() / U;
-    let mut gaps = rice::GapReader::new(stream, k, units as u64);
-    let mut next = 0usize;
-    for v in values.as_chunks::<U>().0 {
-        let gap = gaps.gap().ok_or_else(|| bad("the gap stream ends early or points past the message"))?;
-        // `gap` <= units, and `next` <= units: no overflow.
-        let i = next + gap as usize;
-        if i >= units {
-            return Err(bad("a position past the message's end"));
-        }
-        out[i * U..i * U + U].copy_from_slice(v);
-        next = i + 1;
-    }
-    if !gaps.at_end() {
-        return Err(bad("bytes left in the gap stream"));
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -718,41 +382,13 @@ mod tests {
         (base, new)
     }
 
-    /// The positions the block-wise vector compares find are exactly the
-    /// units that differ, for every unit size, across short last groups
-    /// and block boundaries.
     #[test]
-    fn positions_are_every_unit_that_differs() {
-        let mut seed = 7u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            seed >> 33
-        };
-        for unit in [1usize, 2, 4, 8] {
-            for units in [0usize, 1, 63, 64, 65, 4095, 4096, 4097, 64 * BLOCK * 2 + 17] {
-                let base: Vec<u8> = (0..units * unit).map(|_| next() as u8).collect();
-                let mut new = base.clone();
-                for b in new.iter_mut() {
-                    // About one byte in twelve changes (each of a unit's bytes alone).
-                    if next() % 12 == 0 {
-                        *b ^= 1 << (next() % 8);
-                    }
-                }
-                let want: Vec<usize> = (0..units).filter(|&i| new[i * unit..(i + 1) * unit] != base[i * unit..(i + 1) * unit]).collect();
-                let mut positions = Positions { crc: Some(0), ..Changes { base: &base, new: &new, unit }.positions() };
-                let got: Vec<usize> = positions.by_ref().collect();
-                assert_eq!(got, want, "unit {unit}, {units} units");
-                assert_eq!(positions.crc(), Some(crc32c::crc32c(&new)), "unit {unit}, {units} units");
-            }
-        }
-    }
-
-    #[test]
-    fn the_shortest_form_is_chosen_and_round_trips() {
+    fn the_shorter_form_is_chosen_and_round_trips() {
         // (units, every k-th changed, form, most bytes as a share of dense)
         let cases = [
-            (10_000, 50, "gaps", 0.04), // 2%: ~7 bits of gap + a 2-byte value per change
-            (10_000, 8, "gaps", 0.17),  // 12.5%: ~4 bits of gap + the value
+            (10_000, 50, "blocks", 0.04), // 2%: ~7 bits of gap + a 2-byte value per change
+            (10_000, 8, "blocks", 0.20),  // 12.5%: a bit per unit (a bitmap) + the values
+            (10_000, 3, "blocks", 0.40),  // 33%: a bit per unit + the values
             (10_000, 1, "dense", 1.0 + 30.0 / 20_000.0),
         ];
         for (n, every, want, share) in cases {
@@ -762,15 +398,56 @@ mod tests {
             assert!((e.len() as f64) <= share * new.len() as f64, "every {every}: {} of {}", e.len(), new.len());
             assert_eq!(decode(Some(base.to_vec()), &e, 2, new.len() as u64).unwrap(), new);
         }
-        // Unchanged: nothing but the header and an empty list.
+        // Unchanged: the header, the payload's two counts, an empty stream.
         let (base, _) = pair(1000, 1);
         let e = encode(Some(&base), &base, 2);
-        assert_eq!((form(&e), e.len()), ("indices", HEADER));
+        assert_eq!((form(&e), e.len()), ("blocks", HEADER + 16));
         assert_eq!(decode(Some(base.to_vec()), &e, 2, base.len() as u64).unwrap(), base);
         // No base: dense, decodable without one.
         let e = encode(None, &base, 2);
         assert_eq!(form(&e), "dense");
         assert_eq!(decode(None, &e, 2, base.len() as u64).unwrap(), base);
+    }
+
+    /// Spread changes cost near their information (positions' entropy
+    /// plus values) where they are sparse, a bit per unit plus values where
+    /// they are dense; a message with both codes each part as it suits.
+    #[test]
+    fn bytes_follow_the_information_in_the_change() {
+        let n = 1 << 20;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut draw = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let base: Vec<u8> = (0..2 * n).map(|i| (i * 31 % 253) as u8).collect();
+        let h = |p: f64| -(p * p.log2() + (1.0 - p) * (1.0 - p).log2());
+        for (p, most) in [(0.001f64, 1.2), (0.01, 1.06), (0.034, 1.05), (0.1, 1.2), (0.16, 1.15), (0.5, 1.05)] {
+            let mut new = base.clone();
+            let mut changed = 0usize;
+            for u in 0..n {
+                if draw() < p {
+                    new[2 * u] ^= 0x81;
+                    changed += 1;
+                }
+            }
+            let e = encode(Some(&base), &new, 2);
+            let bound = n as f64 * h(changed as f64 / n as f64) / 8.0 + 2.0 * changed as f64;
+            let ratio = e.len() as f64 / bound;
+            assert!(ratio <= most, "p {p}: {} bytes, {ratio:.3} of the bound", e.len());
+            assert_eq!(decode(Some(base.clone()), &e, 2, 2 * n as u64).unwrap(), new, "p {p}");
+        }
+        // Half the message changed densely, half sparsely.
+        let mut new = base.clone();
+        for u in 0..n {
+            if draw() < if u < n / 2 { 0.4 } else { 0.002 } {
+                new[2 * u + 1] ^= 0x10;
+            }
+        }
+        let e = encode(Some(&base), &new, 2);
+        assert_eq!(decode(Some(base.clone()), &e, 2, 2 * n as u64).unwrap(), new);
     }
 
     #[test]
@@ -783,13 +460,36 @@ mod tests {
         assert!(matches!(decode(Some(other.to_vec()), &e, 2, n), Err(DeltaError::OtherBase { .. })));
         assert!(matches!(decode(None, &e, 2, n), Err(DeltaError::OtherBase { .. })));
         assert!(matches!(decode(Some(base[..10].to_vec()), &e, 2, n), Err(DeltaError::OtherBase { .. })));
-        for i in [0, 1, 5, 20, HEADER, HEADER + 3, e.len() - 1] {
+        for i in 0..e.len() {
             let mut bad = e.clone();
             bad[i] ^= 0x10;
             assert!(decode(Some(base.to_vec()), &bad, 2, n).is_err(), "byte {i} flipped");
         }
         assert!(decode(Some(base.to_vec()), &e[..e.len() - 1], 2, n).is_err());
         assert!(decode(Some(base.to_vec()), &e[..5], 2, n).is_err());
+        // A dense message damaged: its CRC says so.
+        let mut d = encode(None, &new, 2);
+        d[HEADER + 7] ^= 1;
+        assert!(matches!(decode(None, &d, 2, n), Err(DeltaError::Corrupt { .. })));
+    }
+
+    /// A delta's name chains from its base's: the next delta on the
+    /// result names it so, on both ends.
+    #[test]
+    fn kept_names_chain_from_refit_to_refit() {
+        let (b0, b1) = pair(5000, 40);
+        let mut b2 = b1.clone();
+        b2[77] ^= 3;
+        let kept0 = KeptMessage::new(b0.clone());
+        let (e1, name1) = encode_kept(Some(&kept0), &b1, 2);
+        let got1 = decode_kept(Some(kept0.clone()), &e1, 2, b1.len() as u64).unwrap();
+        assert_eq!((&got1.bytes, got1.crc), (&b1, name1));
+        let sent1 = KeptMessage { bytes: b1.clone(), crc: name1 };
+        let (e2, name2) = encode_kept(Some(&sent1), &b2, 2);
+        let got2 = decode_kept(Some(got1), &e2, 2, b2.len() as u64).unwrap();
+        assert_eq!((&got2.bytes, got2.crc), (&b2, name2));
+        // The same bytes under another name (kept from another chain): refused.
+        assert!(matches!(decode_kept(Some(KeptMessage::new(b1.clone())), &e2, 2, b2.len() as u64), Err(DeltaError::OtherBase { .. })));
     }
 
     #[test]
@@ -812,6 +512,46 @@ mod tests {
         let odd = &new[..1999];
         let e = encode(Some(&base[..1999]), odd, 2);
         assert_eq!(decode(Some(base[..1999].to_vec()), &e, 2, 1999).unwrap(), odd);
+        // A form this module no longer writes.
+        let mut old = e.clone();
+        old[0] = 3;
+        malformed(decode(Some(base[..1999].to_vec()), &old, 2, 1999), "unknown form 3");
+    }
+
+    /// A blocks encoding of `body` for a message of `units` bytes on
+    /// `base`, correctly named (so that its claims are what is checked).
+    fn blocks_of(base: &[u8], body: &[u8]) -> Vec<u8> {
+        let name = chain(crc32c::crc32c(base), body);
+        let mut e = header(BLOCKS, 1, base.len() as u64, crc32c::crc32c(base), name, body.len() as u64).to_vec();
+        e.extend_from_slice(body);
+        e
+    }
+
+    /// A payload: the stream's length, the changed units, the stream's
+    /// bytes and the values.
+    fn body(stream: u64, changed: u64, rest: &[u8]) -> Vec<u8> {
+        let mut b = stream.to_le_bytes().to_vec();
+        b.extend_from_slice(&changed.to_le_bytes());
+        b.extend_from_slice(rest);
+        b
+    }
+
+    /// A stream of `(value, bits)` fields, least significant bit first.
+    fn stream(fields: &[(u64, u32)]) -> Vec<u8> {
+        let (mut out, mut acc, mut bits) = (Vec::new(), 0u128, 0u32);
+        for &(v, n) in fields {
+            acc |= u128::from(v) << bits;
+            bits += n;
+            while bits >= 8 {
+                out.push(acc as u8);
+                acc >>= 8;
+                bits -= 8;
+            }
+        }
+        if bits > 0 {
+            out.push(acc as u8);
+        }
+        out
     }
 
     #[test]
@@ -820,84 +560,66 @@ mod tests {
             Err(DeltaError::Malformed(m)) => assert!(m.contains(what), "{m}"),
             other => panic!("{what}: {other:?}"),
         };
-        // A 64 KiB message in bytes: every unit marked changed, no value.
-        let base = vec![7u8; 1 << 16];
-        let crc = crc32c::crc32c(&base);
-        let bits = vec![0xffu8; (1 << 16) / 8];
-        let mut e = header(BITMAP, 1, 1 << 16, crc, crc, bits.len() as u64).to_vec();
-        e.extend_from_slice(&bits);
-        malformed(decode(Some(base.clone()), &e, 1, 1 << 16), "65536 changed units, 0 bytes of values");
-        // 12 units of a byte: one value short of the bits set.
-        let base = vec![0u8; 12];
-        let crc = crc32c::crc32c(&base);
-        let mut e = header(BITMAP, 1, 12, crc, crc, 2 + 2).to_vec();
-        e.extend_from_slice(&[0b101, 0b0000_1000, 1, 2]);
-        malformed(decode(Some(base.clone()), &e, 1, 12), "3 changed units, 2 bytes of values");
-        // A bit past the last unit.
-        let mut e = header(BITMAP, 1, 12, crc, crc, 2 + 1).to_vec();
-        e.extend_from_slice(&[0, 0b0001_0000, 9]);
-        malformed(decode(Some(base.clone()), &e, 1, 12), "past the message's end");
-        // A bitmap shorter than its units.
-        let mut e = header(BITMAP, 1, 12, crc, crc, 1).to_vec();
-        e.push(0);
-        malformed(decode(Some(base.clone()), &e, 1, 12), "bitmap cut short");
-        // Indices past the message, or not ascending.
-        for idx in [[3u32, 12], [5, 5], [6, 2]] {
-            let mut e = header(INDICES, 1, 12, crc, crc, 10).to_vec();
-            idx.iter().for_each(|i| e.extend_from_slice(&i.to_le_bytes()));
-            e.extend_from_slice(&[1, 2]);
-            malformed(decode(Some(base.clone()), &e, 1, 12), "indices not ascending");
-        }
-    }
-
-    #[test]
-    fn gap_claims_past_the_bytes_sent_are_refused() {
-        let malformed = |r: Result<Vec<u8>, DeltaError>, what: &str| match r {
-            Err(DeltaError::Malformed(m)) => assert!(m.contains(what), "{m}"),
-            other => panic!("{what}: {other:?}"),
-        };
         let base = vec![0u8; 64];
-        let crc = crc32c::crc32c(&base);
-        let gaps = |k: u8, changed: u64, stream: u64, rest: &[u8]| {
-            let mut body = vec![k];
-            body.extend_from_slice(&changed.to_le_bytes());
-            body.extend_from_slice(&stream.to_le_bytes());
-            body.extend_from_slice(rest);
-            let mut e = header(GAPS, 1, 64, crc, crc, body.len() as u64).to_vec();
-            e.extend_from_slice(&body);
-            e
+        let dec = |rest: &[u8], stream_len: u64, changed: u64| {
+            decode(Some(base.clone()), &blocks_of(&base, &body(stream_len, changed, rest)), 1, 64)
         };
         // A billion changed units, one byte of values.
-        malformed(decode(Some(base.clone()), &gaps(0, 1 << 30, 1, &[0, 7]), 1, 64), "do not add up");
+        malformed(dec(&[0, 7], 1, 1 << 30), "do not add up");
         // A stream longer than the bytes sent.
-        malformed(decode(Some(base.clone()), &gaps(0, 1, 1 << 40, &[0, 7]), 1, 64), "do not add up");
-        malformed(decode(Some(base.clone()), &gaps(64, 1, 1, &[0, 7]), 1, 64), "Rice parameter");
-        // One gap of 70 (from k0 = 6 the first k is 5: two ones, a zero,
-        // then the 5 low bits, 6) in a message of 64.
-        malformed(decode(Some(base.clone()), &gaps(6, 1, 1, &[0b0011_0011, 7]), 1, 64), "past the message");
-        // All ones: no end to the quotient within the stream.
-        malformed(decode(Some(base.clone()), &gaps(0, 1, 2, &[0xff, 0xff, 7]), 1, 64), "ends early");
-        // A byte of stream left over after the one gap.
-        malformed(decode(Some(base.clone()), &gaps(0, 1, 2, &[0, 0xff, 7]), 1, 64), "left in the gap stream");
-        // Cut short before its own header.
-        let mut e = header(GAPS, 1, 64, crc, crc, 3).to_vec();
-        e.extend_from_slice(&[0, 0, 0]);
+        malformed(dec(&[0, 7], 1 << 40, 1), "do not add up");
+        malformed(dec(&[], 0, u64::MAX), "do not add up");
+        // One changed unit: count 1, gaps with k 0, gap 3 (111 0).
+        let one = stream(&[(1, 13), (0, 1), (0, 4), (0b0111, 4)]);
+        let mut ok = one.clone();
+        ok.push(9);
+        let mut want = base.clone();
+        want[3] = 9;
+        assert_eq!(dec(&ok, one.len() as u64, 1).unwrap(), want);
+        // A count above the block's units.
+        let s = stream(&[(65, 13)]);
+        malformed(dec(&[s.as_slice(), &[9]].concat(), s.len() as u64, 1), "block 0: 65 changed units of 64");
+        // More changed units in a block than values sent.
+        let s = stream(&[(2, 13), (0, 1), (0, 4), (0, 1), (0, 1)]);
+        malformed(dec(&[s.as_slice(), &[9]].concat(), s.len() as u64, 1), "more changed units than values");
+        // A Rice parameter above 12.
+        let s = stream(&[(1, 13), (0, 1), (13, 4), (0, 1)]);
+        malformed(dec(&[s.as_slice(), &[9]].concat(), s.len() as u64, 1), "a Rice parameter above 12");
+        // A gap past the block (64 units: gap 64 with k 6 is 0 then 000000... = 1 0 + 64? use k 6: q 1).
+        let s = stream(&[(1, 13), (0, 1), (6, 4), (0b01, 2), (0, 6)]);
+        malformed(dec(&[s.as_slice(), &[9]].concat(), s.len() as u64, 1), "points past the block");
+        // A bitmap marking two units for a count of one; one past the end.
+        let s = stream(&[(1, 13), (1, 1), (0, 2), (0b11, 64)]);
+        malformed(dec(&[s.as_slice(), &[9]].concat(), s.len() as u64, 1), "another count of units");
+        // Bits left after the last block.
+        let s = [one.as_slice(), &[0xff]].concat();
+        malformed(dec(&[s.as_slice(), &[9]].concat(), s.len() as u64, 1), "bits left in the stream");
+        // Nothing changed, yet a stream.
+        malformed(dec(&[0], 1, 0), "a stream for no changed unit");
+        // Cut before its two counts.
+        let e = blocks_of(&base, &[0; 5]);
         malformed(decode(Some(base.clone()), &e, 1, 64), "cut short");
     }
 
+    #[test]
+    fn a_bitmap_past_a_short_block_is_refused() {
+        // 60 units: a bitmap of 8 bytes whose bit 62 is set.
+        let base = vec![0u8; 60];
+        let s = stream(&[(1, 13), (1, 1), (0, 2), (1 << 62, 64)]);
+        let e = blocks_of(&base, &body(s.len() as u64, 1, &[s.as_slice(), &[9]].concat()));
+        match decode(Some(base.clone()), &e, 1, 60) {
+            Err(DeltaError::Malformed(m)) => assert!(m.contains("past the block"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
     proptest! {
-        /// Whatever a peer sends as a gaps body: an error or a message,
-        /// never a panic or an allocation past the message.
+        /// Whatever a peer sends as a blocks body (named right): an error
+        /// or a message, never a panic or an allocation past the message.
         #[test]
-        fn any_gaps_body_is_decoded_or_refused(k in 0u8..70, changed in 0u64..80, stream in 0u64..80, rest in proptest::collection::vec(any::<u8>(), 0..96)) {
+        fn any_blocks_body_is_decoded_or_refused(stream_len in 0u64..40, changed in 0u64..80, rest in proptest::collection::vec(any::<u8>(), 0..96)) {
             let base = vec![3u8; 64];
-            let crc = crc32c::crc32c(&base);
-            let mut body = vec![k];
-            body.extend_from_slice(&changed.to_le_bytes());
-            body.extend_from_slice(&stream.to_le_bytes());
-            body.extend_from_slice(&rest);
-            let mut e = header(GAPS, 1, 64, crc, crc, body.len() as u64).to_vec();
-            e.extend_from_slice(&body);
+            let e = blocks_of(&base, &body(stream_len, changed, &rest));
             if let Ok(out) = decode(Some(base.clone()), &e, 1, 64) {
                 prop_assert_eq!(out.len(), 64);
             }
@@ -905,8 +627,8 @@ mod tests {
 
         #[test]
         fn any_change_round_trips(
-            base in proptest::collection::vec(any::<u8>(), 0..512),
-            flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..64),
+            base in proptest::collection::vec(any::<u8>(), 0..9000),
+            flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..300),
             unit in prop_oneof![Just(1usize), Just(2), Just(4), Just(8)],
         ) {
             let len = base.len() / unit * unit;
