@@ -68,7 +68,6 @@ pub(super) fn write<const U: usize>(changes: &Changes<'_>, out: &mut [u8]) -> Op
         changed += u64::from(count);
         let lo = b * BLOCK_UNITS * U;
         let block = &changes.new[lo..(lo + BLOCK_UNITS * U).min(changes.new.len())];
-        let k = rice::k_for(count, block_units as u32);
         let value_bits = u64::from(count) * 8 * U as u64;
         if (block_units as u64 + 8 + value_bits) * 100 <= (information(count, block_units) + value_bits) * SLACK_PERCENT {
             write_bitmap(&mut w, masks, block_units);
@@ -81,6 +80,7 @@ pub(super) fn write<const U: usize>(changes: &Changes<'_>, out: &mut [u8]) -> Op
         // varies), then coded and their values copied (loops of `count`).
         let listed = list_positions(masks, &mut positions);
         debug_assert_eq!(listed, count as usize);
+        let k = rice::k_for(count, block_units as u32);
         w.put(0, 1);
         w.put(u64::from(k), K_BITS);
         let mut next = 0usize;
