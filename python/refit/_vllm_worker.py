@@ -25,6 +25,13 @@ of the model is touched before every byte of the version is here (a
 refit commits into this worker's refit buffers only once every rank of
 every engine staged it).
 
+With a LoRA adapter slot (``RefitInitInfo.adapter``, from
+``refit.vllm.VLLMRollouts(..., adapter=...)``) there is no dry run: every
+worker takes the adapter's tensors whole, checks at connect that the
+engine can apply them (``refit._vllm_lora.AdapterSlot.check``), and a load
+builds the version from copies and puts it in the engine's LoRA manager
+in place of the previous one; the model's weights are not touched.
+
 Imports vLLM: only vLLM's worker processes import this module.
 """
 
