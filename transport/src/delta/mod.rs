@@ -21,7 +21,7 @@
 //! fraction `p` of its `n` units changed takes about `n·H(p)` bits of
 //! positions plus the changed values where changes are sparse (gaps), and
 //! `n` bits plus the values where they are dense (a bitmap, at most
-//! [`blocks::SLACK_PERCENT`] percent of the gaps: coded at memory speed).
+//! 125% of the block's information: coded at memory speed).
 //! The encoder never writes more than the dense form.
 //!
 //! **Names.** A message's *name* identifies its bytes to both ends: a
