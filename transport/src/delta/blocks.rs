@@ -182,12 +182,10 @@ pub(super) fn patch<const U: usize>(out: &mut [u8], body: &[u8]) -> Result<(), D
         if at + count * U > values.len() {
             return Err(bad("more changed units than values sent"));
         }
-        let block = &mut out[b * BLOCK_UNITS * U..(b * BLOCK_UNITS + block_units) * U];
-        at = if r.get(1).ok_or_else(cut)? == 1 {
-            scatter_bitmap::<U>(&mut r, block, block_units, count, values, at).map_err(|why| bad(&format!("block {b}: {why}")))?
-        } else {
-            patch_gaps::<U>(&mut r, block, block_units, count, values, at).map_err(|why| bad(&format!("block {b}: {why}")))?
-        };
+        let block =
+            Landing { block: &mut out[b * BLOCK_UNITS * U..(b * BLOCK_UNITS + block_units) * U], units: block_units, count, values, at };
+        let landed = if r.get(1).ok_or_else(cut)? == 1 { block.bitmap::<U>(&mut r) } else { block.gaps::<U>(&mut r) };
+        at = landed.map_err(|why| bad(&format!("block {b}: {why}")))?;
     }
     if r.align().is_none() || !r.at_end() {
         return Err(bad("bits left in the stream"));
@@ -198,55 +196,55 @@ pub(super) fn patch<const U: usize>(out: &mut [u8], body: &[u8]) -> Result<(), D
     Ok(())
 }
 
-/// A bitmap block's values into `block`: the new `at`.
-fn scatter_bitmap<const U: usize>(
-    r: &mut BitReader<'_>,
-    block: &mut [u8],
-    block_units: usize,
+/// Where one block's changed units land: the block of the base, its
+/// units, its count of changed units, and the values from `at` (at least
+/// `count` of them: checked by the caller).
+struct Landing<'a> {
+    block: &'a mut [u8],
+    units: usize,
     count: usize,
-    values: &[u8],
-    mut at: usize,
-) -> Result<usize, &'static str> {
-    r.align().ok_or("a bitmap's padding is not zeros")?;
-    let bits = r.bytes(block_units.div_ceil(8)).ok_or("the stream ends early")?;
-    if bits.iter().map(|b| b.count_ones() as usize).sum::<usize>() != count {
-        return Err("a bitmap marks another count of units");
-    }
-    if !block_units.is_multiple_of(8) && bits.last().is_some_and(|&b| b >> (block_units % 8) != 0) {
-        return Err("a bitmap marks units past the block");
-    }
-    // `count` values from `at` are there (checked by the caller).
-    for (g, chunk) in bits.chunks(8).enumerate() {
-        let mut word = [0u8; 8];
-        word[..chunk.len()].copy_from_slice(chunk);
-        let group = &mut block[g * 64 * U..((g + 1) * 64 * U).min(block_units * U)];
-        at = pack::scatter::<U>(u64::from_le_bytes(word), values, at, group);
-    }
-    Ok(at)
+    values: &'a [u8],
+    at: usize,
 }
 
-/// A gaps block's values into `block`: the new `at`.
-fn patch_gaps<const U: usize>(
-    r: &mut BitReader<'_>,
-    block: &mut [u8],
-    block_units: usize,
-    count: usize,
-    values: &[u8],
-    mut at: usize,
-) -> Result<usize, &'static str> {
-    let k = r.get(K_BITS).ok_or("the stream ends early")? as u32;
-    if k > rice::MAX_K {
-        return Err("a Rice parameter above 12");
+impl Landing<'_> {
+    /// A bitmap block's values into the block: the new `at`.
+    fn bitmap<const U: usize>(self, r: &mut BitReader<'_>) -> Result<usize, &'static str> {
+        let Landing { block, units, count, values, mut at } = self;
+        r.align().ok_or("a bitmap's padding is not zeros")?;
+        let bits = r.bytes(units.div_ceil(8)).ok_or("the stream ends early")?;
+        if bits.iter().map(|b| b.count_ones() as usize).sum::<usize>() != count {
+            return Err("a bitmap marks another count of units");
+        }
+        if !units.is_multiple_of(8) && bits.last().is_some_and(|&b| b >> (units % 8) != 0) {
+            return Err("a bitmap marks units past the block");
+        }
+        for (g, chunk) in bits.chunks(8).enumerate() {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            let group = &mut block[g * 64 * U..((g + 1) * 64 * U).min(units * U)];
+            at = pack::scatter::<U>(u64::from_le_bytes(word), values, at, group);
+        }
+        Ok(at)
     }
-    let mut next = 0usize;
-    for _ in 0..count {
-        let most = block_units.checked_sub(next + 1).ok_or("a position past the block")?;
-        let gap = r.gap(k, most as u64).ok_or("the stream ends early or points past the block")?;
-        // `next + gap` < block_units.
-        let i = next + gap as usize;
-        block[i * U..i * U + U].copy_from_slice(&values[at..at + U]);
-        at += U;
-        next = i + 1;
+
+    /// A gaps block's values into the block: the new `at`.
+    fn gaps<const U: usize>(self, r: &mut BitReader<'_>) -> Result<usize, &'static str> {
+        let Landing { block, units, count, values, mut at } = self;
+        let k = r.get(K_BITS).ok_or("the stream ends early")? as u32;
+        if k > rice::MAX_K {
+            return Err("a Rice parameter above 12");
+        }
+        let mut next = 0usize;
+        for _ in 0..count {
+            let most = units.checked_sub(next + 1).ok_or("a position past the block")?;
+            let gap = r.gap(k, most as u64).ok_or("the stream ends early or points past the block")?;
+            // `next + gap` < units.
+            let i = next + gap as usize;
+            block[i * U..i * U + U].copy_from_slice(&values[at..at + U]);
+            at += U;
+            next = i + 1;
+        }
+        Ok(at)
     }
-    Ok(at)
 }
