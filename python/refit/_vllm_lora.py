@@ -66,6 +66,8 @@ class AdapterSlot:
         out = set()
         for module in manager.supported_lora_modules:
             out.update(manager.packed_modules_mapping.get(module, [module]))
+            if module == "experts":
+                out.add(module)
         return out
 
     def _build(self, lora_id: int, tensors: Dict[str, torch.Tensor]) -> Any:
@@ -76,10 +78,13 @@ class AdapterSlot:
 
         expected = self._expected()
         for name in tensors:
-            if is_base_embedding_weights(name):
+            # As vLLM's check of an adapter on disk skips them: base
+            # embeddings, PEFT's experts' base layers, skipped prefixes.
+            if is_base_embedding_weights(name) or "base_layer" in name or LoRAModel._should_skip_module(name, self.skip or []):
                 continue
             module, _ = parse_fine_tuned_lora_name(name, self.mapper)
-            base = module.rsplit(".", 1)[-1]
+            # An expert's matrices are named by what follows ".experts".
+            base = module[module.find(".experts") + 1 :] if ".experts" in module else module.rsplit(".", 1)[-1]
             if base not in expected and base not in (self.peft.modules_to_save or ()):
                 raise refit.LayoutError(f"adapter '{self.name}': tensor '{name}' is of module '{module}', which this engine applies no LoRA to (it does to {sorted(expected)})")
         manager = self.manager
