@@ -69,7 +69,7 @@ fn scalar_differing<const U: usize>(new: &[[[u8; U]; 64]], base: &[[[u8; U]; 64]
 }
 
 #[cfg(target_arch = "x86_64")]
-mod sse2 {
+pub(super) mod sse2 {
     use core::arch::x86_64::{
         __m128i, _mm_cmpeq_epi16, _mm_cmpeq_epi32, _mm_cmpeq_epi8, _mm_movemask_epi8, _mm_packs_epi16, _mm_packs_epi32, _mm_set_epi64x,
     };
@@ -87,10 +87,11 @@ mod sse2 {
         }
     }
 
-    /// Sixteen bytes as a vector (two word loads the compiler merges).
+    /// Sixteen bytes as a vector (two word loads the compiler merges);
+    /// the delta module's vector code loads through it.
     #[target_feature(enable = "sse2")]
     #[inline]
-    fn load(b: &[u8]) -> __m128i {
+    pub(in crate::delta) fn load(b: &[u8]) -> __m128i {
         let word = |at: usize| i64::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3], b[at + 4], b[at + 5], b[at + 6], b[at + 7]]);
         _mm_set_epi64x(word(8), word(0))
     }

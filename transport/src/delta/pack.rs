@@ -66,9 +66,10 @@ fn shuffles() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 mod ssse3 {
+    use crate::delta::compare::sse2::load;
     use core::arch::x86_64::{
         __m128i, _mm_and_si128, _mm_andnot_si128, _mm_cmpeq_epi16, _mm_cvtsi128_si64, _mm_or_si128, _mm_set1_epi16, _mm_set_epi16,
-        _mm_set_epi64x, _mm_shuffle_epi8, _mm_srli_si128,
+        _mm_shuffle_epi8, _mm_srli_si128,
     };
 
     /// For each byte of a mask (eight 2-byte units): the shuffle that
@@ -98,14 +99,6 @@ mod ssse3 {
 
     static GATHER: [[u8; 16]; 256] = tables().0;
     static SCATTER: [[u8; 16]; 256] = tables().1;
-
-    /// Sixteen bytes as a vector (two word loads the compiler merges).
-    #[target_feature(enable = "ssse3")]
-    #[inline]
-    fn load(b: &[u8]) -> __m128i {
-        let word = |at: usize| i64::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3], b[at + 4], b[at + 5], b[at + 6], b[at + 7]]);
-        _mm_set_epi64x(word(8), word(0))
-    }
 
     /// A vector into sixteen bytes (two word stores the compiler merges).
     #[target_feature(enable = "ssse3")]
