@@ -229,9 +229,12 @@ fn huge_pages(buf: &mut [u8]) {
         let start = buf.as_mut_ptr() as usize;
         let first = start.next_multiple_of(4096);
         let len = (start + buf.len() - first) / 4096 * 4096;
-        // SAFETY: advice over whole pages inside `buf`, which this
-        // function borrows mutably: it changes no byte and no mapping,
-        // only how the system backs the pages; its failure is ignored.
+        // SAFETY: advice over whole pages inside `buf` (its start rounded
+        // up to a page, its end down; `buf` is at least 4 MiB, so the
+        // range is inside it and not empty), which this function borrows
+        // mutably: it changes no byte and no mapping, only how the system
+        // backs the pages. On failure (an old kernel, no huge pages) it
+        // changes nothing and the result is ignored.
         unsafe {
             libc::madvise(first as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
         }
@@ -611,6 +614,47 @@ mod tests {
             Err(DeltaError::Malformed(m)) => assert!(m.contains("past the block"), "{m}"),
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A peer's blocks body on bf16 units, where the decoder spreads
+    /// values eight at a time (byte shuffles): a bitmap block whose
+    /// values are one short, whose bitmap marks more than its count, or
+    /// that claims more values than were sent, is refused before a value
+    /// is spread; an honest one is applied exactly.
+    #[test]
+    fn lying_bitmap_blocks_on_the_vector_path_are_refused() {
+        let units = 4096usize;
+        let base: Vec<u8> = (0..2 * units).map(|i| (i * 13 % 251) as u8).collect();
+        let dec = |count: u64, bits: &[u8], values: &[u8], changed: u64| {
+            let mut fields = vec![(count, 13u32), (1, 1), (0, 2)];
+            fields.extend(bits.iter().map(|&b| (u64::from(b), 8)));
+            let s = stream(&fields);
+            let body = body(s.len() as u64, changed, &[s.as_slice(), values].concat());
+            let name = chain(crc32c::crc32c(&base), &body);
+            let mut e = header(BLOCKS, 2, units as u64, crc32c::crc32c(&base), name, body.len() as u64).to_vec();
+            e.extend_from_slice(&body);
+            decode(Some(base.clone()), &e, 2, 2 * units as u64)
+        };
+        let malformed = |r: Result<Vec<u8>, DeltaError>, what: &str| match r {
+            Err(DeltaError::Malformed(m)) => assert!(m.contains(what), "{m}"),
+            other => panic!("{what}: {:?}", other.map(|v| v.len())),
+        };
+        // Every other unit marked (the shuffles' mixed case).
+        let half = vec![0x55u8; units / 8];
+        let n = units / 2;
+        let values: Vec<u8> = (0..2 * n).map(|i| (i * 7 % 253) as u8).collect();
+        // One value short (the header says so too): the sums disagree.
+        malformed(dec(n as u64, &half, &values[..2 * n - 2], n as u64 - 1), "more changed units than values");
+        // The bitmap marks 2048 units, its count says 2047.
+        malformed(dec(n as u64 - 1, &half, &values[..2 * n - 2], n as u64 - 1), "another count of units");
+        // The header claims more values than follow.
+        malformed(dec(n as u64, &half, &values[..2 * n - 2], n as u64), "do not add up");
+        // Honest: every marked unit takes its value, the others keep the base's.
+        let mut want = base.clone();
+        for (k, v) in values.chunks(2).enumerate() {
+            want[4 * k..4 * k + 2].copy_from_slice(v);
+        }
+        assert_eq!(dec(n as u64, &half, &values, n as u64).unwrap(), want);
     }
 
     proptest! {

@@ -13,8 +13,11 @@
 pub(super) fn gather<const U: usize>(mask: u64, group: &[u8], out: &mut [u8], at: usize) -> usize {
     #[cfg(target_arch = "x86_64")]
     if U == 2 && group.len() == 128 && out.len() >= at + 128 + 16 && shuffles() {
-        // SAFETY: SSSE3 is present (`shuffles`); the function indexes
-        // its slices, checked, and assumes nothing else.
+        // SAFETY: the only requirement of calling an `ssse3` function is
+        // that the processor has SSSE3, found at run time (`shuffles`).
+        // Inside, every read and write goes through checked slice
+        // indexing: a mask that marks more units than `out` has room for
+        // panics in safe code, never touches memory outside the slices.
         return unsafe { ssse3::gather2(mask, group, out, at) };
     }
     gather_one_by_one::<U>(mask, group, out, at)
@@ -39,7 +42,11 @@ fn gather_one_by_one<const U: usize>(mut mask: u64, group: &[u8], out: &mut [u8]
 pub(super) fn scatter<const U: usize>(mask: u64, values: &[u8], at: usize, group: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
     if U == 2 && group.len() == 128 && values.len() >= at + 128 + 16 && shuffles() {
-        // SAFETY: as in `gather`.
+        // SAFETY: as in `gather`: SSSE3 found at run time, every access
+        // checked. `values` comes from a peer: a mask marking more units
+        // than it sent panics in safe code (the decoder refuses such a
+        // block first, checking its count against the values sent and
+        // the bitmap against its count).
         return unsafe { ssse3::scatter2(mask, values, at, group) };
     }
     scatter_one_by_one::<U>(mask, values, at, group)
