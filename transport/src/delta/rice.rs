@@ -66,7 +66,7 @@ impl<'a> BitWriter<'a> {
                 None => self.overflow = true,
             },
         }
-        self.at = (self.at + bytes).min(self.out.len());
+        self.at += bytes;
         // (`bytes` is at most 4: the shift stays under 64.)
         self.acc >>= 8 * bytes as u32;
         self.bits %= 8;
