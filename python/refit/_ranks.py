@@ -214,7 +214,17 @@ class Source(_Rank):
 
     def restore(self, version: int, values: Optional[Mapping[str, Any]] = None) -> None:
         """Loads the registered arrays (and ``values``) as ``version``
-        (initial weights, a checkpoint)."""
+        (initial weights, a checkpoint). An in-place source reads its
+        arrays where they are: load the checkpoint into them, then
+        ``restore(version)`` says they hold ``version`` (no ``values``;
+        waits while a refit reads, as a step does)."""
+        if self._in_place is not None:
+            if values is not None:
+                raise TensorError(f"src rank {self.rank}: an in-place source restores the arrays it holds (load them, then restore(version))")
+            self._store.check()
+            _wait_for_producers(self._in_place.values())
+            self._store.restore(version, [])
+            return
         self._store.restore(version, self._writes(values))
 
     def read(self, name: str) -> bytes:

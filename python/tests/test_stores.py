@@ -425,7 +425,8 @@ def test_dlpack_tensors_and_capsules_are_found_in_place():
 def test_in_place_sources_are_read_where_they_are(fabric):
     """Sources over the trainer's own arrays (no copy into the store), on
     the GPU fabrics' simulated planes and the node fabric: what a step
-    writes in place inside ``stepping()`` is what every destination loads."""
+    writes in place inside ``stepping()`` is what every destination loads,
+    and so is a checkpoint loaded into them and ``restore``d as a version."""
     train, infer = layouts()
     with refit.Orchestrator(fabric=fabric) as orch:
         params = [np.zeros(24, np.float32) for _ in range(2)]  # rank r's fused "params": w rows, then b
@@ -456,6 +457,21 @@ def test_in_place_sources_are_read_where_they_are(fabric):
                     np.testing.assert_array_equal(a, block(full(step)[n], *d.block(n)))
         with pytest.raises(refit.TensorError, match="stepping"):
             sources[0].step()
+        with pytest.raises(refit.TensorError, match="restores the arrays it holds"):
+            sources[0].restore(2, {"params": params[0]})
+        # A checkpoint loaded into the arrays in place, then restored as
+        # version 3: a refit of 3 moves exactly them.
+        for s, p in zip(sources, params):
+            w_off, w_ext = s.block("w")
+            p[:16] = block(full(3)["w"], w_off, w_ext).reshape(-1)
+            p[16:] = full(3)["b"]
+            s.restore(3)
+        assert [s.version for s in sources] == [3, 3]
+        orch.refit(3)
+        for d, arrays in zip(dests, dst_arrays):
+            d.load(3)
+            for n, a in arrays.items():
+                np.testing.assert_array_equal(a, block(full(3)[n], *d.block(n)))
         with pytest.raises(RuntimeError):
             with sources[0].stepping():
                 raise RuntimeError("the optimizer diverged")
