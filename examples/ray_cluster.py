@@ -328,7 +328,7 @@ class Job:
         env = {"env_vars": {"GLOO_SOCKET_IFNAME": args.gloo_ifname}} if args.gloo_ifname else None
         self.trainer_options = dict(runtime_env=env)
         self.trainers = []
-        layout, self.shapes, self.trainer_blocks = self.start_trainers(restore=None)
+        self.training_layout, self.shapes, self.trainer_blocks = self.start_trainers(restore=None)
         heads = self.size["hidden"] // 32
         self.rollout_layout = refit.tp_inference_layout(
             self.shapes, tp=ROLLOUTS, ranks_per_node=ROLLOUTS, fuse=False, num_kv_heads=heads // 2
@@ -389,11 +389,14 @@ class Job:
         """Whether every rollout rank serves ``version`` and holds exactly
         the trainers' weights ``expected`` (each checked part): the wrong
         parts, as words."""
-        wrong = []
         serving = ray.get([r.serving.remote() for r in self.rollouts])
-        for d, v in enumerate(serving):
-            if v != version:
-                wrong.append(f"rollout rank {d} serves version {v}, not {version}")
+        wrong = [f"rollout rank {d} serves version {v}, not {version}" for d, v in enumerate(serving) if v != version]
+        return wrong + self.differing(expected)
+
+    def differing(self, expected):
+        """The parts where a rollout rank's weights differ from the
+        trainers' ``expected``, as words."""
+        wrong = []
         keys = sorted(self.boxes)
         got = ray.get([self.rollouts[d].digests.remote(self.boxes[(t, d)]) for t, d in keys])
         for (t, d), have in zip(keys, got):

