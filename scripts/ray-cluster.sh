@@ -23,7 +23,7 @@
 #   RATES="10 10 20" ROLES="train train rollout" scripts/ray-cluster.sh up 3
 #   RATE=10 ROLE=train scripts/ray-cluster.sh add 4
 #
-# (rates in MB/s, 10^6 bytes; "-" or nothing: unshaped.) The head's link
+# (rates in whole MB/s, 10^6 bytes; "-" or nothing: unshaped.) The head's link
 # is not shaped (it carries the control plane).
 #
 # The head listens on 10.78.0.1:6379. Token authentication is off
@@ -115,15 +115,21 @@ up() {
 }
 
 # One more worker node, host K (the cluster up): its namespace and link
-# removed again if it cannot join.
+# removed again if it cannot join. Joined once the head counts its
+# resource hostK among the alive nodes' (not a count of nodes: a node
+# just lost may be found dead meanwhile).
 add() {
-  local k=$1 ray=${2:-ray} before
+  local k=$1 ray=${2:-ray}
   [ -n "$k" ] && ip link show "$BRIDGE" >/dev/null 2>&1 || { echo "add K: no cluster is up" >&2; return 1; }
-  before=$(RAY_AUTH_MODE=disabled ip netns exec "$PREFIX-0" "$ray" status --address="$NET.1:6379" 2>/dev/null | grep -c "^ 1 node_" || true)
   trap 'remove "$k"; exit 1' ERR
   host "$k" "${RATE:--}"
   node "$k" "$ray" "${ROLE:--}"
-  alive_nodes $((before + 1)) "$ray"
+  for _ in $(seq 120); do
+    RAY_AUTH_MODE=disabled ip netns exec "$PREFIX-0" "$ray" status --address="$NET.1:6379" 2>/dev/null | grep "/1.0 host$k\$" >/dev/null && break
+    sleep 0.5
+  done
+  RAY_AUTH_MODE=disabled ip netns exec "$PREFIX-0" "$ray" status --address="$NET.1:6379" 2>/dev/null | grep "/1.0 host$k\$" >/dev/null ||
+    { echo "node $k did not join" >&2; false; }
   trap - ERR
 }
 
