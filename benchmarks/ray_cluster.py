@@ -123,9 +123,7 @@ def main(argv=None):
         results = os.path.join(tmp, "ray.json")
         try:
             subprocess.run([SCRIPT, "up", "3", ray], env=env, check=True, capture_output=True, timeout=300)
-            forward = [
-                "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab), "--reps", str(args.reps)
-            ]  # fmt: skip
+            forward = [f"--{k}={getattr(args, k)}" for k in ("hidden", "layers", "vocab", "reps")]
             subprocess.run([SCRIPT, "exec", "0", sys.executable, os.path.abspath(__file__), *forward, "--driver", results], check=True, timeout=1800)
         finally:
             subprocess.run([SCRIPT, "down"], capture_output=True, timeout=120)

@@ -48,6 +48,7 @@ fails for another reason than a lost trainer.
 
 import argparse
 import hashlib
+import math
 import shutil
 import socket
 import sys
@@ -343,7 +344,7 @@ class Job:
         self.plan = ray.get(self.refitter.connect.remote(TRAINERS, ROLLOUTS, args.timeout))
         rollout_blocks = ray.get([r.blocks.remote() for r in self.rollouts])
         self.boxes = check_boxes(self.trainer_blocks, rollout_blocks)
-        self.model_bytes = sum(2 * _numel(s) for s in self.shapes.values())
+        self.model_bytes = sum(2 * math.prod(s) for s in self.shapes.values())
         print(
             f"driver: {TRAINERS} FSDP2 trainers (f32) on two nodes, {ROLLOUTS} rollout ranks (TP2, bf16) on a third; "
             f"plan {self.plan['fingerprint']} moves {self.plan['bytes']} bytes ({self.model_bytes} bytes of bf16 weights)",
@@ -421,13 +422,6 @@ class Job:
             ray.kill(a, no_restart=True)
         remove_placement_group(self.train_pg)
         remove_placement_group(self.rollout_pg)
-
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def refit_and_check(job, version, step, on_refit):
